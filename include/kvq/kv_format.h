@@ -1,0 +1,126 @@
+// kvq KV format API: codecs that store one KV head's keys or values in packed form, the kernels
+// that read them packed, and the registry of named formats (a format = a K codec + a V codec).
+//
+// Storage unit: a *head block* holds `block_tokens` consecutive tokens of one KV head of one
+// layer, for K or for V (block_tokens = the engine's page size, a power of two 16..256). A page
+// of the cache is, for every layer, n_kv_heads K head blocks followed by n_kv_heads V head blocks.
+// Each codec defines the layout inside its head block (codes, scales, zeros, norms) and reports
+// its exact size, so bytes allocated == bytes claimed.
+//
+// Two kinds of codec:
+//  - per-token (group_tokens == 1): each token is encoded as it is appended (fp8, int8, int4,
+//    q8_0, q4_0, TurboQuant, ...);
+//  - grouped (group_tokens == G > 1): scales span G tokens (KIVI keys, KVQuant keys). The cache
+//    keeps the newest tokens in a full-precision tail and encodes G tokens at once. With a
+//    residual window R, after n tokens have been appended exactly
+//        kv_quantized_tokens(n) = G * floor(max(0, n - R) / G)
+//    tokens live in head blocks and the rest in the tail; the rule depends on n only, so results
+//    do not depend on how a prompt is chunked.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace kvq {
+
+enum class KvRole { key, value };
+
+// RoPE of the layer, for codecs that store keys before RoPE and rotate after dequantization.
+struct KvRope {
+  int n_rot = 0;             // rotated dims (<= head_dim); 0: no RoPE
+  float freq_base = 10000.f;
+  float freq_scale = 1.f;    // linear position scaling (positions multiplied by this)
+  bool neox = false;         // false: adjacent pairs (2i, 2i+1); true: halves (i, i + n_rot/2)
+};
+
+// Everything a codec is built from. One codec instance serves all KV heads of one layer's K or V.
+struct KvCodecParams {
+  KvRole role = KvRole::key;
+  int head_dim = 128;
+  int n_kv_heads = 1;
+  int layer = 0;
+  KvRope rope;                       // the layer's RoPE (pre-RoPE key codecs use it)
+  uint64_t seed = 0x6b7671;          // rotations / QJL projections are seeded per layer from this
+  const nlohmann::json* calib = nullptr;  // calibration artifacts (kvq calibrate), or null
+  int group_tokens = 0;              // grouped codecs: G (0 = codec default)
+  int residual_tokens = -1;          // grouped codecs: R (-1 = codec default)
+};
+
+struct KvCodecInfo {
+  std::string name;          // registry name of the codec, e.g. "int4_g32", "kivi2_k"
+  double code_bits = 16;     // bits of the codes alone per element
+  int group_tokens = 1;      // 1: per-token codec
+  int residual_tokens = 0;   // full-precision window R (grouped codecs)
+  bool pre_rope = false;     // keys stored before RoPE; scores() applies RoPE using positions
+  bool transforms_query = false;   // prepare_query() is not a copy (rotations)
+  bool transforms_output = false;  // finish_output() is not a no-op (rotations)
+};
+
+inline int kv_quantized_tokens(int n, int group_tokens, int residual_tokens) {
+  if (group_tokens <= 1) return n;
+  int over = n - residual_tokens;
+  return over <= 0 ? 0 : (over / group_tokens) * group_tokens;
+}
+
+// All pointers are to one head's data unless stated. `block` is a head block of `block_tokens`
+// tokens; token slots are addressed by index t within the block; `pos0` is the absolute position
+// of slot 0 (pre-RoPE codecs need it). Kernels never allocate.
+class KvCodec {
+ public:
+  virtual ~KvCodec() = default;
+  virtual const KvCodecInfo& info() const = 0;
+  virtual int head_dim() const = 0;
+
+  // Exact bytes of one head block of block_tokens tokens (block_tokens % group_tokens == 0).
+  virtual size_t block_bytes(int block_tokens) const = 0;
+
+  // Encodes tokens [t0, t0 + n) of head `head`. src: (n, head_dim) f32, rows src_stride floats
+  // apart. For grouped codecs t0 and n are multiples of group_tokens.
+  virtual void encode(int head, const float* src, size_t src_stride, int n, uint8_t* block,
+                      int block_tokens, int t0, int pos0) const = 0;
+  // Reference decode of tokens [t0, t0 + n) -> dst (n, head_dim). For pre-RoPE keys the output
+  // is the key *after* RoPE, i.e. what attention sees.
+  virtual void decode(int head, const uint8_t* block, int block_tokens, int t0, int n, int pos0,
+                      float* dst) const = 0;
+
+  // Length of a prepared query row (head_dim unless the codec needs more).
+  virtual int prepared_query_dim() const { return head_dim(); }
+  // q (n_q, head_dim) -> qp (n_q, prepared_query_dim()). Once per decode step per GQA group.
+  virtual void prepare_query(int head, const float* q, int n_q, float* qp) const;
+  // Fused scores: out[i * out_stride + t] = <q_i, k_{t0+t}> for i < n_q, t < n (no scaling).
+  virtual void scores(int head, const float* qp, int n_q, const uint8_t* block, int block_tokens,
+                      int t0, int n, int pos0, float* out, int out_stride) const = 0;
+  // Fused weighted sum: acc[i * head_dim + d] += sum_t p[i * p_stride + t] * v_{t0+t}[d].
+  virtual void accumulate(int head, const float* p, int p_stride, int n_q, const uint8_t* block,
+                          int block_tokens, int t0, int n, float* acc) const = 0;
+  // Maps the accumulated output (n_q, head_dim) back to the model's basis (in place).
+  virtual void finish_output(int head, float* acc, int n_q) const;
+};
+
+// A named KV format: which codec K uses and which V uses.
+struct KvFormatDesc {
+  std::string name;
+  std::vector<std::string> aliases;
+  std::string k_codec;   // codec names (see kv_codec_names())
+  std::string v_codec;
+  std::string description;
+};
+
+// Registry. Names are case-insensitive; aliases include vLLM and llama.cpp spellings.
+const std::vector<KvFormatDesc>& kv_formats();
+// Resolves a format name or alias; throws kvq::Error listing valid names when unknown.
+const KvFormatDesc& kv_format_find(const std::string& name);
+std::vector<std::string> kv_codec_names();
+// Builds a codec by codec name; throws kvq::Error on unknown names or invalid parameters
+// (e.g. a group size that does not divide head_dim).
+std::unique_ptr<KvCodec> kv_codec_create(const std::string& codec_name, const KvCodecParams& p);
+
+// Effective bits per element of a codec at context `ctx` tokens (blocks of block_tokens tokens;
+// the full-precision tail of grouped codecs counted at 32 bits per element).
+double kv_codec_effective_bits(const KvCodec& c, int block_tokens, int ctx);
+
+}  // namespace kvq

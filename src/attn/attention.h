@@ -1,0 +1,41 @@
+// Decode attention over packed KV head blocks plus a full-precision tail, for one KV head and the
+// GQA group of query heads that share it. Online softmax: one pass over the blocks, scores of one
+// block at a time, no buffer proportional to the context.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "kvq/kv_format.h"
+
+namespace kvq {
+
+// Tokens [t0, t0 + n) of one head block, whose slot 0 sits at absolute position pos0.
+struct KvBlockSpan {
+  const uint8_t* k = nullptr;  // K head block
+  const uint8_t* v = nullptr;  // V head block
+  int block_tokens = 0;
+  int t0 = 0;
+  int n = 0;
+  int pos0 = 0;
+};
+
+struct AttnParams {
+  float scale = 1.f;     // applied to q.k before softmax (1/sqrt(head_dim) or the model's)
+  float softcap = 0.f;   // > 0: scores = softcap * tanh(scores / softcap)
+};
+
+// q: (n_q, head_dim) raw query rows (after RoPE) of the query heads sharing KV head `head`.
+// spans: the quantized part of the sequence, in position order. tail_k / tail_v: (n_tail,
+// head_dim) f32 rows, tail_stride floats apart (the newest tokens, after all spans).
+// out: (n_q, head_dim). scratch: at least attn_scratch_floats(...) floats.
+void attn_decode(const KvCodec& kc, const KvCodec& vc, int head, const float* q, int n_q,
+                 const KvBlockSpan* spans, int n_spans, const float* tail_k, const float* tail_v,
+                 size_t tail_stride, int n_tail, const AttnParams& ap, float* out, float* scratch);
+size_t attn_scratch_floats(const KvCodec& kc, const KvCodec& vc, int n_q, int max_block_tokens);
+
+// Reference: decodes every token to f32 (codec.decode) and computes softmax(q.K^T) V in double.
+void attn_decode_ref(const KvCodec& kc, const KvCodec& vc, int head, const float* q, int n_q,
+                     const KvBlockSpan* spans, int n_spans, const float* tail_k, const float* tail_v,
+                     size_t tail_stride, int n_tail, const AttnParams& ap, float* out);
+
+}  // namespace kvq

@@ -1,0 +1,41 @@
+// Aligned heap buffers for kernel inputs/outputs (64-byte: one cache line, one AVX-512 vector).
+#pragma once
+#include <cstddef>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+
+namespace kvq {
+
+struct AlignedFree {
+  void operator()(void* p) const { std::free(p); }
+};
+
+template <typename T>
+class AlignedBuf {
+ public:
+  AlignedBuf() = default;
+  explicit AlignedBuf(size_t n) { resize(n); }
+  void resize(size_t n) {
+    if (n == n_) return;
+    size_t bytes = (n * sizeof(T) + 63) & ~size_t(63);
+    void* p = bytes ? std::aligned_alloc(64, bytes) : nullptr;
+    if (bytes && !p) throw std::bad_alloc();
+    if (bytes) std::memset(p, 0, bytes);
+    ptr_.reset(static_cast<T*>(p));
+    n_ = n;
+  }
+  T* data() { return ptr_.get(); }
+  const T* data() const { return ptr_.get(); }
+  size_t size() const { return n_; }
+  size_t bytes() const { return n_ * sizeof(T); }
+  T& operator[](size_t i) { return ptr_.get()[i]; }
+  const T& operator[](size_t i) const { return ptr_.get()[i]; }
+
+ private:
+  std::unique_ptr<T, AlignedFree> ptr_;
+  size_t n_ = 0;
+};
+
+}  // namespace kvq
