@@ -1,0 +1,41 @@
+#include "core/membw.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "core/aligned.h"
+#include "core/thread_pool.h"
+#include "core/timer.h"
+
+namespace kvq {
+
+double measure_read_bandwidth_gbs(ThreadPool& pool, size_t bytes, int reps) {
+  size_t n = bytes / sizeof(uint64_t);
+  AlignedBuf<uint64_t> buf(n);  // zero-filled on allocation: pages are touched before timing
+  for (size_t i = 0; i < n; i += 512) buf[i] = i;
+  std::vector<double> gbs;
+  std::vector<uint64_t> sinks(size_t(pool.size()) * 8, 0);
+  for (int r = 0; r < reps + 1; ++r) {
+    double t0 = now_seconds();
+    pool.parallel_for(n, 4096, [&](size_t b, size_t e) {
+      // 8 independent accumulators so the loop is bound by loads, not by the add chain
+      uint64_t a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      const uint64_t* p = buf.data();
+      for (size_t i = b; i + 8 <= e; i += 8)
+        for (int j = 0; j < 8; ++j) a[j] += p[i + j];
+      uint64_t s = 0;
+      for (int j = 0; j < 8; ++j) s += a[j];
+      sinks[(b / 4096) % sinks.size()] += s;
+    });
+    double dt = now_seconds() - t0;
+    if (r > 0) gbs.push_back(double(n * sizeof(uint64_t)) / dt / 1e9);  // first pass warms up
+  }
+  volatile uint64_t keep = 0;
+  for (auto s : sinks) keep = keep + s;
+  (void)keep;
+  std::sort(gbs.begin(), gbs.end());
+  return gbs[gbs.size() / 2];
+}
+
+}  // namespace kvq
