@@ -1,0 +1,120 @@
+// One struct per ggml block type, laid out byte for byte as in GGUF files (the format is fixed by
+// the files kvq reads, so every size is asserted). Weight blocks are read in place from the mmap.
+// Also the 8-bit activation blocks kvq quantizes x into before integer dot products.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "core/dtypes.h"
+
+namespace kvq {
+
+constexpr int kQK = 32;    // elements per block of the 32-element types
+constexpr int kQKK = 256;  // elements per K-quant super-block
+
+// w = d * (q - 8), q a nibble; element i in the low nibble of qs[i], element i+16 in the high.
+struct BlockQ4_0 {
+  f16_t d;
+  uint8_t qs[kQK / 2];
+};
+static_assert(sizeof(BlockQ4_0) == 18);
+
+// w = d * q + m: an offset per block instead of a symmetric code, same nibble order as Q4_0.
+struct BlockQ4_1 {
+  f16_t d;
+  f16_t m;
+  uint8_t qs[kQK / 2];
+};
+static_assert(sizeof(BlockQ4_1) == 20);
+
+// w = d * (q - 16), q 5 bits: low 4 bits as in Q4_0, bit 4 of element i is bit i of qh.
+struct BlockQ5_0 {
+  f16_t d;
+  uint8_t qh[4];  // a little-endian uint32; bytes, because the block is only 2-byte aligned
+  uint8_t qs[kQK / 2];
+};
+static_assert(sizeof(BlockQ5_0) == 22);
+
+// w = d * q + m, q 5 bits as in Q5_0.
+struct BlockQ5_1 {
+  f16_t d;
+  f16_t m;
+  uint8_t qh[4];
+  uint8_t qs[kQK / 2];
+};
+static_assert(sizeof(BlockQ5_1) == 24);
+
+// w = d * q, q signed 8 bits.
+struct BlockQ8_0 {
+  f16_t d;
+  int8_t qs[kQK];
+};
+static_assert(sizeof(BlockQ8_0) == 34);
+
+// 8 sub-blocks of 32: w = d * sc[j] * q - dmin * m[j], with 6-bit sc/m packed in 12 bytes
+// (bytes 0-3: sc[0..3] low 6 bits, top 2 bits = sc[4..7] bits 4-5; bytes 4-7: m[0..3] likewise
+// for m[4..7]; bytes 8-11: low nibble sc[4+i] bits 0-3, high nibble m[4+i] bits 0-3).
+// qs: 4 chunks of 32 bytes, chunk c holds sub-block 2c in low nibbles and 2c+1 in high nibbles.
+struct BlockQ4_K {
+  f16_t d;
+  f16_t dmin;
+  uint8_t scales[12];
+  uint8_t qs[kQKK / 2];
+};
+static_assert(sizeof(BlockQ4_K) == 144);
+
+// Q4_K plus a fifth bit: bit 4 of element i of sub-block j is bit j of qh[i].
+struct BlockQ5_K {
+  f16_t d;
+  f16_t dmin;
+  uint8_t scales[12];
+  uint8_t qh[kQKK / 8];
+  uint8_t qs[kQKK / 2];
+};
+static_assert(sizeof(BlockQ5_K) == 176);
+
+// 16 sub-blocks of 16: w = d * sc[j] * (q - 32), q 6 bits. Per half h (128 elements):
+// element e < 64 low nibble of ql[64h + e], e >= 64 high nibble of ql[64h + e - 64];
+// bits 4-5 of element 32k + l are bits 2k, 2k+1 of qh[32h + l].
+struct BlockQ6_K {
+  uint8_t ql[kQKK / 2];
+  uint8_t qh[kQKK / 4];
+  int8_t scales[kQKK / 16];
+  f16_t d;
+};
+static_assert(sizeof(BlockQ6_K) == 210);
+
+// ---- activation blocks (kvq-internal, built per matmul call) ----
+
+// x ~= d * qs for 32 elements; s = d * sum(qs) lets offset-coded weights (Q4_1, Q5_1: + m) and
+// unsigned codes (Q4_0: q - 8) be corrected once per block instead of per element.
+struct BlockQ8A {
+  int8_t qs[kQK];
+  float d;
+  float s;
+};
+static_assert(sizeof(BlockQ8A) == 40);
+
+// x ~= d * qs for 256 elements, with the sums of qs per 16 (Q6_K's -32 offset per 16-sub-block)
+// and per 32 (Q4_K/Q5_K mins per 32-sub-block). 320 bytes so qs stays 64-byte aligned.
+struct BlockQ8K {
+  int8_t qs[kQKK];
+  int16_t bsum16[16];
+  int16_t bsum32[8];
+  float d;
+  float pad[3];
+};
+static_assert(sizeof(BlockQ8K) == 320);
+
+// Unpacks the 6-bit scale j and min j of a Q4_K/Q5_K block.
+inline void k_scale_min(const uint8_t* s, int j, uint8_t* sc, uint8_t* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = uint8_t((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
+    *m = uint8_t((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+  }
+}
+
+}  // namespace kvq

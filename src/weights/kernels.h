@@ -1,0 +1,42 @@
+// Internal to src/weights: the per-ISA matmul tile kernels behind matmul(), and the activation
+// formats they read. One signature for every type and level, so parity tests are one call.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "gguf/ggml_types.h"
+#include "weights/blocks.h"
+
+namespace kvq {
+
+// What x is converted to before the dot products with a weight type.
+enum class ActFormat { f32, q8a, q8k };
+ActFormat act_format(GgmlType t);
+// Bytes of one converted activation row of n_in elements.
+size_t act_row_bytes(ActFormat f, int64_t n_in);
+
+// Activation quantizers (scalar; exact same output at every CPU level).
+// x: (n) -> y: (n / 32) blocks, d = amax / 127, qs = round(x / d).
+void quantize_act_q8a(const float* x, BlockQ8A* y, int64_t n);
+// x: (n) -> y: (n / 256) blocks.
+void quantize_act_q8k(const float* x, BlockQ8K* y, int64_t n);
+
+// y[t * ldy + r] = dot(row r of w, activation row t), r < nr, t < nt.
+// w: (nr, w_stride bytes) weight rows in their GGUF type; x: (nt, x_stride bytes) activation
+// rows in act_format(type) (float for F32/F16/BF16); y: (nt, ldy) floats.
+using MatmulTileFn = void (*)(const uint8_t* w, size_t w_stride, int64_t nr, const uint8_t* x,
+                              size_t x_stride, int64_t nt, int64_t n_in, float* y, int64_t ldy);
+
+// nullptr where a level has no kernel for a type.
+MatmulTileFn matmul_kernel_scalar(GgmlType t);
+MatmulTileFn matmul_kernel_avx2(GgmlType t);
+MatmulTileFn matmul_kernel_avx512(GgmlType t);
+// The kernel for cpu_level() (falls back level by level).
+MatmulTileFn matmul_kernel(GgmlType t);
+
+// Rows per tile of the SIMD kernels: chunks of rows handed to threads are multiples of this.
+constexpr int kTileRows = 4;
+
+void dequantize_row_f16_avx2(GgmlType t, const void* src, float* dst, int64_t n);
+
+}  // namespace kvq

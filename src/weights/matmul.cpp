@@ -1,0 +1,329 @@
+// matmul driver (activation conversion, threading, dispatch), its scalar reference, and the
+// scalar level of the quantized-activation kernels.
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "core/aligned.h"
+#include "core/cpu.h"
+#include "core/error.h"
+#include "weights/blocks.h"
+#include "weights/kernels.h"
+#include "weights/weights.h"
+
+namespace kvq {
+
+ActFormat act_format(GgmlType t) {
+  switch (t) {
+    case GgmlType::Q4_0: case GgmlType::Q4_1: case GgmlType::Q5_0: case GgmlType::Q5_1:
+    case GgmlType::Q8_0:
+      return ActFormat::q8a;
+    case GgmlType::Q4_K: case GgmlType::Q5_K: case GgmlType::Q6_K:
+      return ActFormat::q8k;
+    default:
+      return ActFormat::f32;
+  }
+}
+
+size_t act_row_bytes(ActFormat f, int64_t n_in) {
+  switch (f) {
+    case ActFormat::q8a: return size_t(n_in / kQK) * sizeof(BlockQ8A);
+    case ActFormat::q8k: return size_t(n_in / kQKK) * sizeof(BlockQ8K);
+    case ActFormat::f32: break;
+  }
+  return size_t(n_in) * sizeof(float);
+}
+
+// Symmetric round-to-nearest with d = amax / 127: |x - d q| <= d / 2, the bound the parity tests use.
+static inline int8_t quant_one(float x, float id) {
+  return int8_t(std::nearbyint(x * id));
+}
+
+void quantize_act_q8a(const float* x, BlockQ8A* y, int64_t n) {
+  for (int64_t b = 0; b < n / kQK; ++b, x += kQK) {
+    float amax = 0;
+    for (int j = 0; j < kQK; ++j) amax = std::fmax(amax, std::fabs(x[j]));
+    const float d = amax / 127.0f;
+    const float id = d != 0 ? 1.0f / d : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < kQK; ++j) {
+      y[b].qs[j] = quant_one(x[j], id);
+      sum += y[b].qs[j];
+    }
+    y[b].d = d;
+    y[b].s = d * float(sum);
+  }
+}
+
+void quantize_act_q8k(const float* x, BlockQ8K* y, int64_t n) {
+  for (int64_t b = 0; b < n / kQKK; ++b, x += kQKK) {
+    float amax = 0;
+    for (int j = 0; j < kQKK; ++j) amax = std::fmax(amax, std::fabs(x[j]));
+    const float d = amax / 127.0f;
+    const float id = d != 0 ? 1.0f / d : 0.0f;
+    for (int j = 0; j < kQKK; ++j) y[b].qs[j] = quant_one(x[j], id);
+    for (int g = 0; g < 16; ++g) {
+      int s = 0;
+      for (int j = 0; j < 16; ++j) s += y[b].qs[16 * g + j];
+      y[b].bsum16[g] = int16_t(s);
+    }
+    for (int g = 0; g < 8; ++g) y[b].bsum32[g] = int16_t(y[b].bsum16[2 * g] + y[b].bsum16[2 * g + 1]);
+    y[b].d = d;
+    y[b].pad[0] = y[b].pad[1] = y[b].pad[2] = 0;
+  }
+}
+
+namespace {
+
+// ---- scalar level: the same integer arithmetic as the SIMD kernels, one (row, token) at a time.
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline int dot32(const int8_t* a, const int8_t* b) {
+  int s = 0;
+  for (int j = 0; j < kQK; ++j) s += int(a[j]) * int(b[j]);
+  return s;
+}
+
+// Weight block -> signed codes q (w = d * q + m).
+template <GgmlType T>
+float row_dot_q8a(const uint8_t* w, const BlockQ8A* x, int64_t nb) {
+  float acc = 0;
+  int8_t q[kQK];
+  for (int64_t b = 0; b < nb; ++b) {
+    float d, m = 0;
+    if constexpr (T == GgmlType::Q4_0) {
+      const auto& blk = reinterpret_cast<const BlockQ4_0*>(w)[b];
+      d = f16_to_f32(blk.d);
+      for (int j = 0; j < 16; ++j) {
+        q[j] = int8_t((blk.qs[j] & 0xF) - 8);
+        q[j + 16] = int8_t((blk.qs[j] >> 4) - 8);
+      }
+    } else if constexpr (T == GgmlType::Q4_1) {
+      const auto& blk = reinterpret_cast<const BlockQ4_1*>(w)[b];
+      d = f16_to_f32(blk.d);
+      m = f16_to_f32(blk.m);
+      for (int j = 0; j < 16; ++j) {
+        q[j] = int8_t(blk.qs[j] & 0xF);
+        q[j + 16] = int8_t(blk.qs[j] >> 4);
+      }
+    } else if constexpr (T == GgmlType::Q5_0 || T == GgmlType::Q5_1) {
+      using B = std::conditional_t<T == GgmlType::Q5_0, BlockQ5_0, BlockQ5_1>;
+      const auto& blk = reinterpret_cast<const B*>(w)[b];
+      d = f16_to_f32(blk.d);
+      const int off = T == GgmlType::Q5_0 ? 16 : 0;
+      if constexpr (T == GgmlType::Q5_1) m = f16_to_f32(blk.m);
+      const uint32_t qh = load_u32(blk.qh);
+      for (int j = 0; j < 16; ++j) {
+        q[j] = int8_t(((blk.qs[j] & 0xF) | ((qh >> j) & 1) << 4) - off);
+        q[j + 16] = int8_t(((blk.qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - off);
+      }
+    } else {
+      static_assert(T == GgmlType::Q8_0);
+      const auto& blk = reinterpret_cast<const BlockQ8_0*>(w)[b];
+      d = f16_to_f32(blk.d);
+      std::memcpy(q, blk.qs, kQK);
+    }
+    acc += d * x[b].d * float(dot32(q, x[b].qs)) + m * x[b].s;
+  }
+  return acc;
+}
+
+template <GgmlType T>
+float row_dot_q8k(const uint8_t* w, const BlockQ8K* x, int64_t nb) {
+  float acc = 0;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* xq = x[b].qs;
+    if constexpr (T == GgmlType::Q4_K || T == GgmlType::Q5_K) {
+      using B = std::conditional_t<T == GgmlType::Q4_K, BlockQ4_K, BlockQ5_K>;
+      const auto& blk = reinterpret_cast<const B*>(w)[b];
+      int isum = 0, msum = 0;
+      for (int j = 0; j < 8; ++j) {
+        uint8_t sc, m;
+        k_scale_min(blk.scales, j, &sc, &m);
+        const uint8_t* q = blk.qs + 32 * (j / 2);
+        const int shift = 4 * (j & 1);
+        int s = 0;
+        for (int l = 0; l < 32; ++l) {
+          int v = (q[l] >> shift) & 0xF;
+          if constexpr (T == GgmlType::Q5_K) v |= ((blk.qh[l] >> j) & 1) << 4;
+          s += v * xq[32 * j + l];
+        }
+        isum += int(sc) * s;
+        msum += int(m) * x[b].bsum32[j];
+      }
+      acc += f16_to_f32(blk.d) * x[b].d * float(isum) - f16_to_f32(blk.dmin) * x[b].d * float(msum);
+    } else {
+      static_assert(T == GgmlType::Q6_K);
+      const auto& blk = reinterpret_cast<const BlockQ6_K*>(w)[b];
+      int isum = 0;
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* ql = blk.ql + 64 * h;
+        const uint8_t* qh = blk.qh + 32 * h;
+        for (int g = 0; g < 8; ++g) {  // sub-blocks of 16 in this half
+          int s = 0;
+          for (int l = 0; l < 16; ++l) {
+            const int e = 16 * g + l;
+            const int lo = e < 64 ? (ql[e] & 0xF) : (ql[e - 64] >> 4);
+            const int hi = (qh[e % 32] >> (2 * (e / 32))) & 3;
+            s += ((lo | (hi << 4)) - 32) * xq[128 * h + e];
+          }
+          isum += int(blk.scales[8 * h + g]) * s;
+        }
+      }
+      acc += f16_to_f32(blk.d) * x[b].d * float(isum);
+    }
+  }
+  return acc;
+}
+
+template <GgmlType T>
+float row_dot_float(const uint8_t* w, const float* x, int64_t n) {
+  // 8 partial sums: the scalar level should not be bound by one add chain
+  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  auto wv = [&](int64_t i) -> float {
+    if constexpr (T == GgmlType::F32) {
+      float f;
+      std::memcpy(&f, w + 4 * i, 4);
+      return f;
+    } else {
+      uint16_t h;
+      std::memcpy(&h, w + 2 * i, 2);
+      return T == GgmlType::F16 ? f16_to_f32(h) : bf16_to_f32(h);
+    }
+  };
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) s[j] += wv(i + j) * x[i + j];
+  for (; i < n; ++i) s[0] += wv(i) * x[i];
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+template <GgmlType T>
+void tile_scalar(const uint8_t* w, size_t ws, int64_t nr, const uint8_t* x, size_t xs, int64_t nt,
+                 int64_t n_in, float* y, int64_t ldy) {
+  for (int64_t r = 0; r < nr; ++r)
+    for (int64_t t = 0; t < nt; ++t) {
+      const uint8_t* wr = w + r * ws;
+      const uint8_t* xt = x + t * xs;
+      float v;
+      if constexpr (T == GgmlType::F32 || T == GgmlType::F16 || T == GgmlType::BF16)
+        v = row_dot_float<T>(wr, reinterpret_cast<const float*>(xt), n_in);
+      else if constexpr (T == GgmlType::Q4_K || T == GgmlType::Q5_K || T == GgmlType::Q6_K)
+        v = row_dot_q8k<T>(wr, reinterpret_cast<const BlockQ8K*>(xt), n_in / kQKK);
+      else
+        v = row_dot_q8a<T>(wr, reinterpret_cast<const BlockQ8A*>(xt), n_in / kQK);
+      y[t * ldy + r] = v;
+    }
+}
+
+}  // namespace
+
+MatmulTileFn matmul_kernel_scalar(GgmlType t) {
+  switch (t) {
+    case GgmlType::F32: return tile_scalar<GgmlType::F32>;
+    case GgmlType::F16: return tile_scalar<GgmlType::F16>;
+    case GgmlType::BF16: return tile_scalar<GgmlType::BF16>;
+    case GgmlType::Q4_0: return tile_scalar<GgmlType::Q4_0>;
+    case GgmlType::Q4_1: return tile_scalar<GgmlType::Q4_1>;
+    case GgmlType::Q5_0: return tile_scalar<GgmlType::Q5_0>;
+    case GgmlType::Q5_1: return tile_scalar<GgmlType::Q5_1>;
+    case GgmlType::Q8_0: return tile_scalar<GgmlType::Q8_0>;
+    case GgmlType::Q4_K: return tile_scalar<GgmlType::Q4_K>;
+    case GgmlType::Q5_K: return tile_scalar<GgmlType::Q5_K>;
+    case GgmlType::Q6_K: return tile_scalar<GgmlType::Q6_K>;
+    default: return nullptr;
+  }
+}
+
+#if !defined(KVQ_HAVE_SIMD)
+MatmulTileFn matmul_kernel_avx2(GgmlType) { return nullptr; }
+MatmulTileFn matmul_kernel_avx512(GgmlType) { return nullptr; }
+void dequantize_row_f16_avx2(GgmlType t, const void* src, float* dst, int64_t n) {
+  dequantize_row_ref(t, src, dst, n);
+}
+#endif
+
+MatmulTileFn matmul_kernel(GgmlType t) {
+  MatmulTileFn fn = nullptr;
+  const CpuLevel l = cpu_level();
+  if (l >= CpuLevel::avx512) fn = matmul_kernel_avx512(t);
+  if (!fn && l >= CpuLevel::avx2) fn = matmul_kernel_avx2(t);
+  if (!fn) fn = matmul_kernel_scalar(t);
+  return fn;
+}
+
+static void check_view(const WeightView& w) {
+  const auto* tr = ggml_type_traits(uint32_t(w.type));
+  if (!tr || !weight_type_supported(w.type))
+    fail("weight type {} is not supported by kvq's kernels", tr ? tr->name : "unknown");
+  if (w.n_in <= 0 || w.n_out <= 0 || w.n_in % tr->block_size != 0)
+    fail("weight tensor of type {}: row length {} is not a positive multiple of its block size {}",
+         tr->name, w.n_in, tr->block_size);
+  if (w.row_bytes < ggml_row_bytes(w.type, w.n_in))
+    fail("weight tensor of type {}: row stride {} bytes is shorter than a row ({} bytes)", tr->name,
+         w.row_bytes, ggml_row_bytes(w.type, w.n_in));
+  KVQ_CHECK(w.data != nullptr);
+}
+
+void matmul(const WeightView& w, const float* x, int64_t n_tok, float* y, ThreadPool& pool) {
+  check_view(w);
+  if (n_tok <= 0) return;
+  const ActFormat af = act_format(w.type);
+  const MatmulTileFn fn = matmul_kernel(w.type);
+  const size_t xs = act_row_bytes(af, w.n_in);
+  const uint8_t* xa = reinterpret_cast<const uint8_t*>(x);
+  // Per calling thread: matmul is re-entrant across threads that each own their pool.
+  thread_local AlignedBuf<uint8_t> xq;
+  if (af != ActFormat::f32) {
+    if (xq.size() < xs * size_t(n_tok)) xq.resize(xs * size_t(n_tok));
+    uint8_t* dst = xq.data();
+    const int64_t n_in = w.n_in;
+    auto quant = [&](size_t b, size_t e) {
+      for (size_t t = b; t < e; ++t) {
+        if (af == ActFormat::q8a)
+          quantize_act_q8a(x + t * n_in, reinterpret_cast<BlockQ8A*>(dst + t * xs), n_in);
+        else
+          quantize_act_q8k(x + t * n_in, reinterpret_cast<BlockQ8K*>(dst + t * xs), n_in);
+      }
+    };
+    if (n_tok >= 4 * pool.size()) pool.parallel_for(size_t(n_tok), 1, quant);
+    else quant(0, size_t(n_tok));
+    xa = dst;
+  }
+  const auto* wd = static_cast<const uint8_t*>(w.data);
+  const size_t rb = w.row_bytes;
+  const int64_t n_in = w.n_in, n_out = w.n_out;
+  // Chunks of rows, a multiple of the kernels' row tile; threads take contiguous chunk ranges so
+  // each streams its own part of W once.
+  pool.parallel_for(size_t(n_out), kTileRows, [&](size_t b, size_t e) {
+    fn(wd + b * rb, rb, int64_t(e - b), xa, xs, n_tok, n_in, y + b, n_out);
+  });
+}
+
+void matmul_ref(const WeightView& w, const float* x, int64_t n_tok, float* y) {
+  check_view(w);
+  std::vector<float> row(size_t(w.n_in));
+  const auto* wd = static_cast<const uint8_t*>(w.data);
+  for (int64_t r = 0; r < w.n_out; ++r) {
+    dequantize_row_ref(w.type, wd + size_t(r) * w.row_bytes, row.data(), w.n_in);
+    for (int64_t t = 0; t < n_tok; ++t) {
+      const float* xt = x + t * w.n_in;
+      double s = 0;
+      for (int64_t i = 0; i < w.n_in; ++i) s += double(row[size_t(i)]) * double(xt[i]);
+      y[t * w.n_out + r] = float(s);
+    }
+  }
+}
+
+void weight_row(const WeightView& w, int64_t r, float* dst) {
+  check_view(w);
+  if (r < 0 || r >= w.n_out) fail("row {} out of range: the tensor has {} rows", r, w.n_out);
+  dequantize_row(w.type, static_cast<const uint8_t*>(w.data) + size_t(r) * w.row_bytes, dst, w.n_in);
+}
+
+}  // namespace kvq

@@ -1,0 +1,4 @@
+#include "weights/kernels.h"
+namespace kvq {
+MatmulTileFn matmul_kernel_avx512(GgmlType) { return nullptr; }
+}

@@ -1,0 +1,346 @@
+// Weight types: dequantization against an independent reference (tests/golden, written by
+// scripts/ref_dequant.py from the gguf package's numpy code), and every matmul kernel level
+// against matmul_ref on random and adversarial inputs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/cpu.h"
+#include "core/dtypes.h"
+#include "core/error.h"
+#include "core/thread_pool.h"
+#include "weights/blocks.h"
+#include "weights/kernels.h"
+#include "weights/weights.h"
+
+using namespace kvq;
+
+namespace {
+
+const GgmlType kTypes[] = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16, GgmlType::Q8_0,
+                           GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1,
+                           GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K};
+
+int block_size(GgmlType t) { return ggml_type_traits(uint32_t(t))->block_size; }
+size_t type_size(GgmlType t) { return ggml_type_traits(uint32_t(t))->type_size; }
+
+// ---------------------------------------------------------------- golden dequantization
+
+struct GoldenRecord {
+  uint32_t type;
+  std::vector<uint8_t> raw;
+  std::vector<float> vals;
+};
+
+std::vector<GoldenRecord> read_golden(const std::string& path) {
+  std::vector<GoldenRecord> out;
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return out;
+  for (;;) {
+    char magic[4];
+    uint32_t hdr[3];
+    if (std::fread(magic, 1, 4, f) != 4) break;
+    if (std::memcmp(magic, "KVQD", 4) != 0 || std::fread(hdr, 4, 3, f) != 3) {
+      ADD_FAILURE() << "corrupt golden file " << path;
+      break;
+    }
+    GoldenRecord r{hdr[0], std::vector<uint8_t>(hdr[2]), std::vector<float>(hdr[1])};
+    if (std::fread(r.raw.data(), 1, r.raw.size(), f) != r.raw.size() ||
+        std::fread(r.vals.data(), 4, r.vals.size(), f) != r.vals.size()) {
+      ADD_FAILURE() << "truncated golden file " << path;
+      break;
+    }
+    out.push_back(std::move(r));
+  }
+  std::fclose(f);
+  return out;
+}
+
+// Distance in units in the last place (0 for bit-identical values, including +-0 vs -+0).
+int64_t ulp_distance(float a, float b) {
+  if (a == b) return 0;
+  auto key = [](float f) {
+    int32_t i;
+    std::memcpy(&i, &f, 4);
+    return i < 0 ? int64_t(INT32_MIN) - i : int64_t(i);
+  };
+  return std::llabs(key(a) - key(b));
+}
+
+TEST(WeightsGolden, DequantizeMatchesIndependentReference) {
+  for (GgmlType t : kTypes) {
+    const std::string path =
+        std::string(KVQ_SOURCE_DIR) + "/tests/golden/dequant_" + ggml_type_name(t) + ".bin";
+    auto recs = read_golden(path);
+    ASSERT_FALSE(recs.empty()) << "missing " << path << " (run scripts/ref_dequant.py)";
+    for (size_t k = 0; k < recs.size(); ++k) {
+      const auto& r = recs[k];
+      ASSERT_EQ(r.type, uint32_t(t));
+      const int64_t n = int64_t(r.vals.size());
+      ASSERT_EQ(ggml_row_bytes(t, n), r.raw.size());
+      std::vector<float> ref(static_cast<size_t>(n)), fast(static_cast<size_t>(n));
+      dequantize_row_ref(t, r.raw.data(), ref.data(), n);
+      dequantize_row(t, r.raw.data(), fast.data(), n);
+      int64_t worst = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        worst = std::max(worst, ulp_distance(ref[size_t(i)], r.vals[size_t(i)]));
+        ASSERT_EQ(f32_bits(fast[size_t(i)]), f32_bits(ref[size_t(i)])) << ggml_type_name(t) << " i=" << i;
+      }
+      EXPECT_LE(worst, 1) << ggml_type_name(t) << " record " << k;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- random weights
+
+enum class ScaleMode { normal, tiny, huge, zero, mixed };
+
+f16_t pick_scale(ScaleMode m, std::mt19937& rng) {
+  std::uniform_real_distribution<float> u(0.2f, 1.0f);
+  std::bernoulli_distribution neg(0.3);
+  float v = 0;
+  switch (m) {
+    case ScaleMode::normal: v = 0.01f * u(rng); break;
+    case ScaleMode::tiny: v = 3e-7f * u(rng); break;  // fp16 subnormal
+    case ScaleMode::huge: v = 3000.0f * u(rng); break;
+    case ScaleMode::zero: v = 0; break;
+    case ScaleMode::mixed: {
+      const float choices[] = {0.0f, 3e-7f, 0.01f, 0.5f, 3000.0f};
+      v = choices[rng() % 5] * u(rng);
+      break;
+    }
+  }
+  return f32_to_f16(neg(rng) ? -v : v);
+}
+
+// n_out rows of n_in elements with row stride `row_bytes` (>= packed row).
+std::vector<uint8_t> random_weights(GgmlType t, int64_t n_in, int64_t n_out, size_t row_bytes,
+                                    ScaleMode m, std::mt19937& rng) {
+  std::vector<uint8_t> w(row_bytes * size_t(n_out));
+  for (auto& b : w) b = uint8_t(rng());
+  const int64_t nb = n_in / block_size(t);
+  const size_t ts = type_size(t);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const float mag = m == ScaleMode::huge ? 1e4f : m == ScaleMode::tiny ? 1e-6f : m == ScaleMode::zero ? 0.0f : 0.05f;
+  for (int64_t r = 0; r < n_out; ++r) {
+    uint8_t* row = w.data() + size_t(r) * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* blk = row + size_t(b) * ts;
+      auto put16 = [&](size_t off, uint16_t v) { std::memcpy(blk + off, &v, 2); };
+      switch (t) {
+        case GgmlType::F32: {
+          float v = nd(rng) * mag;
+          std::memcpy(blk, &v, 4);
+          break;
+        }
+        case GgmlType::F16: put16(0, f32_to_f16(nd(rng) * std::min(mag, 100.0f))); break;
+        case GgmlType::BF16: put16(0, f32_to_bf16(nd(rng) * mag)); break;
+        case GgmlType::Q4_0: case GgmlType::Q5_0: case GgmlType::Q8_0: put16(0, pick_scale(m, rng)); break;
+        case GgmlType::Q4_1: case GgmlType::Q5_1: case GgmlType::Q4_K: case GgmlType::Q5_K:
+          put16(0, pick_scale(m, rng));
+          put16(2, pick_scale(m, rng));
+          break;
+        case GgmlType::Q6_K: put16(208, pick_scale(m, rng)); break;
+        default: break;
+      }
+    }
+  }
+  return w;
+}
+
+enum class ActMode { normal, zeros, constant, outlier, tiny, huge, sparse };
+
+std::vector<float> random_acts(int64_t n_tok, int64_t n_in, ActMode m, std::mt19937& rng) {
+  std::vector<float> x(size_t(n_tok * n_in));
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (auto& v : x) v = nd(rng);
+  for (int64_t t = 0; t < n_tok; ++t) {
+    float* xt = x.data() + t * n_in;
+    switch (m) {
+      case ActMode::normal: break;
+      case ActMode::zeros: std::fill(xt, xt + n_in, 0.0f); break;
+      case ActMode::constant: std::fill(xt, xt + n_in, -0.75f); break;
+      case ActMode::outlier:  // a few channels 1000x the rest, as in real residual streams
+        for (int k = 0; k < 3; ++k) xt[rng() % n_in] = (k ? 1 : -1) * 2000.0f;
+        break;
+      case ActMode::tiny: for (int64_t i = 0; i < n_in; ++i) xt[i] *= 1e-36f; break;
+      case ActMode::huge: for (int64_t i = 0; i < n_in; ++i) xt[i] *= 1e25f; break;
+      case ActMode::sparse: for (int64_t i = 0; i < n_in; ++i) if (rng() % 7) xt[i] = 0; break;
+    }
+  }
+  return x;
+}
+
+// Bound on |matmul - matmul_ref| for one output. Quantized path: x is replaced blockwise by
+// d*q with d = amax/127 and q = round(x/d), so |x_i - d q_i| <= d/2 (+ |amax - 127 d| when d
+// itself is rounded, e.g. subnormal); the integer dot products are exact, and what remains is
+// float rounding of per-block products and of the sum over blocks (n_blocks * 2^-23 relative
+// to sum |w x|, kept generous). Float path: only the float rounding term.
+double error_bound(GgmlType t, const float* w_row, const float* x, int64_t n_in) {
+  const ActFormat af = act_format(t);
+  const int64_t bs = af == ActFormat::q8a ? kQK : af == ActFormat::q8k ? kQKK : n_in;
+  double quant = 0, mag = 0;
+  for (int64_t b = 0; b < n_in; b += bs) {
+    double amax = 0, wabs = 0;
+    for (int64_t i = b; i < b + bs; ++i) {
+      amax = std::max(amax, std::fabs(double(x[i])));
+      wabs += std::fabs(double(w_row[i]));
+      mag += std::fabs(double(w_row[i]) * double(x[i]));
+    }
+    if (af != ActFormat::f32) {
+      const double d = double(float(amax) / 127.0f);
+      quant += (0.5 * d + std::fabs(amax - 127.0 * d)) * wabs;
+    }
+  }
+  const double n_terms = af == ActFormat::f32 ? double(n_in) : double(n_in / bs) + 8;
+  return 1.0001 * quant + (n_terms * 1.2e-7 + 1e-6) * (mag + quant) + 1e-37;
+}
+
+struct Case {
+  int64_t n_in, n_out, n_tok;
+};
+
+void check_parity(GgmlType t, const Case& c, ScaleMode sm, ActMode am, int threads, size_t pad,
+                  std::mt19937& rng, const char* level) {
+  const size_t rb = ggml_row_bytes(t, c.n_in) + pad;
+  auto wbytes = random_weights(t, c.n_in, c.n_out, rb, sm, rng);
+  auto x = random_acts(c.n_tok, c.n_in, am, rng);
+  WeightView w{t, wbytes.data(), c.n_in, c.n_out, rb};
+  std::vector<float> y(size_t(c.n_tok * c.n_out), NAN), yr(y.size());
+  ThreadPool pool(threads);
+  matmul(w, x.data(), c.n_tok, y.data(), pool);
+  matmul_ref(w, x.data(), c.n_tok, yr.data());
+  std::vector<float> row(size_t(c.n_in));
+  int bad = 0;
+  for (int64_t r = 0; r < c.n_out && bad < 5; ++r) {
+    dequantize_row_ref(t, wbytes.data() + size_t(r) * rb, row.data(), c.n_in);
+    for (int64_t k = 0; k < c.n_tok; ++k) {
+      const double bound = error_bound(t, row.data(), x.data() + k * c.n_in, c.n_in);
+      const float got = y[size_t(k * c.n_out + r)], want = yr[size_t(k * c.n_out + r)];
+      if (!(std::fabs(double(got) - double(want)) <= bound)) {
+        ADD_FAILURE() << level << " " << ggml_type_name(t) << " n_in=" << c.n_in << " n_out=" << c.n_out
+                      << " n_tok=" << c.n_tok << " scale=" << int(sm) << " act=" << int(am)
+                      << " threads=" << threads << " r=" << r << " t=" << k << ": got " << got
+                      << " want " << want << " bound " << bound;
+        ++bad;
+      }
+    }
+  }
+}
+
+struct LevelCap {
+  CpuLevel prev;
+  explicit LevelCap(CpuLevel l) : prev(cpu_set_level(l)) {}
+  ~LevelCap() { cpu_set_level(prev); }
+};
+
+const CpuLevel kLevels[] = {CpuLevel::scalar, CpuLevel::avx2, CpuLevel::avx512};
+
+class MatmulParity : public ::testing::TestWithParam<GgmlType> {};
+
+TEST_P(MatmulParity, AllLevelsMatchReference) {
+  const GgmlType t = GetParam();
+  const int64_t bs = block_size(t) == 1 ? 32 : block_size(t);
+  // odd row counts and token counts exercise every tile remainder; n_in covers 1..several blocks
+  const Case cases[] = {{bs, 1, 1}, {2 * bs, 7, 1}, {4 * bs, 37, 1}, {3 * bs, 13, 5},
+                        {2 * bs, 9, 9}, {8 * bs, 21, 3}};
+  for (CpuLevel l : kLevels) {
+    LevelCap cap(l);
+    if (cpu_level() != l) continue;  // CPU lacks it: nothing more to test at this level
+    std::mt19937 rng(1234 + int(t));
+    for (const auto& c : cases)
+      for (int threads : {1, 2}) check_parity(t, c, ScaleMode::normal, ActMode::normal, threads, 0, rng, cpu_level_name(l));
+    const Case adv{4 * bs, 11, 6};
+    for (ScaleMode sm : {ScaleMode::normal, ScaleMode::tiny, ScaleMode::huge, ScaleMode::zero, ScaleMode::mixed})
+      for (ActMode am : {ActMode::normal, ActMode::zeros, ActMode::constant, ActMode::outlier,
+                         ActMode::tiny, ActMode::huge, ActMode::sparse}) {
+        if (sm == ScaleMode::huge && am == ActMode::huge) continue;  // overflows float by design
+        check_parity(t, adv, sm, am, 2, 0, rng, cpu_level_name(l));
+      }
+    // rows padded beyond their packed size (row_bytes is a stride, not a size)
+    check_parity(t, {2 * bs, 6, 2}, ScaleMode::mixed, ActMode::normal, 1, 64, rng, cpu_level_name(l));
+    if (HasFailure()) return;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, MatmulParity, ::testing::ValuesIn(kTypes),
+                         [](const auto& info) { return std::string(ggml_type_name(info.param)); });
+
+// ---------------------------------------------------------------- activation quantizers
+
+TEST(ActQuant, RoundTripWithinHalfStep) {
+  std::mt19937 rng(7);
+  auto x = random_acts(1, 1024, ActMode::outlier, rng);
+  std::vector<BlockQ8A> qa(1024 / kQK);
+  std::vector<BlockQ8K> qk(1024 / kQKK);
+  quantize_act_q8a(x.data(), qa.data(), 1024);
+  quantize_act_q8k(x.data(), qk.data(), 1024);
+  for (int i = 0; i < 1024; ++i) {
+    const auto& a = qa[size_t(i / kQK)];
+    EXPECT_LE(std::fabs(x[size_t(i)] - a.d * a.qs[i % kQK]), 0.5f * a.d * 1.0001f);
+    const auto& k = qk[size_t(i / kQKK)];
+    EXPECT_LE(std::fabs(x[size_t(i)] - k.d * k.qs[i % kQKK]), 0.5f * k.d * 1.0001f);
+  }
+  for (const auto& k : qk)
+    for (int g = 0; g < 16; ++g) {
+      int s = 0;
+      for (int j = 0; j < 16; ++j) s += k.qs[16 * g + j];
+      EXPECT_EQ(k.bsum16[g], s);
+      if (g % 2) {
+        EXPECT_EQ(k.bsum32[g / 2], k.bsum16[g - 1] + k.bsum16[g]);
+      }
+    }
+  for (const auto& a : qa) {
+    int s = 0;
+    for (int j = 0; j < kQK; ++j) s += a.qs[j];
+    EXPECT_EQ(a.s, a.d * float(s));
+  }
+}
+
+// ---------------------------------------------------------------- API edges
+
+TEST(WeightsApi, SupportedTypes) {
+  for (GgmlType t : kTypes) EXPECT_TRUE(weight_type_supported(t));
+  EXPECT_FALSE(weight_type_supported(GgmlType::Q2_K));
+  EXPECT_FALSE(weight_type_supported(GgmlType::IQ4_NL));
+}
+
+TEST(WeightsApi, BadViewsAreUserErrors) {
+  std::vector<uint8_t> buf(4096);
+  std::vector<float> x(256), y(16);
+  ThreadPool pool(1);
+  WeightView unsupported{GgmlType::Q2_K, buf.data(), 256, 2, 84};
+  EXPECT_THROW(matmul(unsupported, x.data(), 1, y.data(), pool), Error);
+  WeightView ragged{GgmlType::Q4_0, buf.data(), 40, 2, 40};
+  EXPECT_THROW(matmul(ragged, x.data(), 1, y.data(), pool), Error);
+  WeightView short_stride{GgmlType::Q8_0, buf.data(), 64, 2, 34};
+  EXPECT_THROW(matmul_ref(short_stride, x.data(), 1, y.data()), Error);
+  WeightView ok{GgmlType::Q8_0, buf.data(), 64, 2, 68};
+  EXPECT_THROW(weight_row(ok, 2, x.data()), Error);
+  EXPECT_THROW(weight_row(ok, -1, x.data()), Error);
+}
+
+TEST(WeightsApi, WeightRowIsDequantizedRow) {
+  std::mt19937 rng(99);
+  for (GgmlType t : kTypes) {
+    const int64_t n_in = 512;
+    const size_t rb = ggml_row_bytes(t, n_in) + 16;
+    auto wb = random_weights(t, n_in, 3, rb, ScaleMode::mixed, rng);
+    WeightView w{t, wb.data(), n_in, 3, rb};
+    std::vector<float> a(static_cast<size_t>(n_in)), b(static_cast<size_t>(n_in));
+    for (CpuLevel l : kLevels) {
+      LevelCap cap(l);
+      weight_row(w, 2, a.data());
+      dequantize_row_ref(t, wb.data() + 2 * rb, b.data(), n_in);
+      for (int64_t i = 0; i < n_in; ++i)
+        ASSERT_EQ(f32_bits(a[size_t(i)]), f32_bits(b[size_t(i)])) << ggml_type_name(t) << " " << i;
+    }
+  }
+}
+
+}  // namespace
