@@ -86,12 +86,12 @@ static_assert(sizeof(BlockQ6_K) == 210);
 
 // ---- activation blocks (kvq-internal, built per matmul call) ----
 
-// x ~= d * qs for 32 elements; s = d * sum(qs) lets offset-coded weights (Q4_1, Q5_1: + m) and
+// x ~= d * qs for 32 elements; sum = sum(qs) lets offset-coded weights (Q4_1, Q5_1: + m) and
 // unsigned codes (Q4_0: q - 8) be corrected once per block instead of per element.
 struct BlockQ8A {
   int8_t qs[kQK];
   float d;
-  float s;
+  int32_t sum;
 };
 static_assert(sizeof(BlockQ8A) == 40);
 

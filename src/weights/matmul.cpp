@@ -51,7 +51,7 @@ void quantize_act_q8a(const float* x, BlockQ8A* y, int64_t n) {
       sum += y[b].qs[j];
     }
     y[b].d = d;
-    y[b].s = d * float(sum);
+    y[b].sum = sum;
   }
 }
 
@@ -128,7 +128,7 @@ float row_dot_q8a(const uint8_t* w, const BlockQ8A* x, int64_t nb) {
       d = f16_to_f32(blk.d);
       std::memcpy(q, blk.qs, kQK);
     }
-    acc += d * x[b].d * float(dot32(q, x[b].qs)) + m * x[b].s;
+    acc += d * x[b].d * float(dot32(q, x[b].qs)) + m * (x[b].d * float(x[b].sum));
   }
   return acc;
 }

@@ -1,0 +1,390 @@
+// x86 tile kernels shared by matmul_avx2.cpp and matmul_avx512.cpp (included by both, compiled
+// with each file's ISA flags). 256-bit vectors throughout: the target cores execute 512-bit
+// integer ops as two 256-bit halves, so wider vectors would buy fewer instructions but not more
+// throughput, while the AVX-512 build still gets 32 registers (bigger tiles) and VNNI.
+// KVQ_X86_VNNI selects vpdpbusd (exact int32 accumulation) over maddubs+madd (int16 pairs, which
+// saturate above 32767: every use below keeps |u*s + u*s| < 2^15).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+
+#include "weights/blocks.h"
+#include "weights/kernels.h"
+
+namespace kvq {
+namespace KVQ_X86_NS {
+namespace {
+
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if KVQ_X86_VNNI
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float f16(f16_t h) { return _cvtsh_ss(h); }
+
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+// 16 bytes of nibbles -> 32 codes: low nibbles are elements 0..15, high nibbles 16..31.
+inline __m256i unpack_nibbles16(const uint8_t* qs) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i v = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);
+  return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+}
+
+// 32 bits -> 32 bytes holding 0x10 where the bit is set (bit 4 of the 5-bit codes).
+inline __m256i bits_to_0x10(uint32_t bits) {
+#if KVQ_X86_VNNI
+  return _mm256_maskz_mov_epi8(_cvtu32_mask32(bits), _mm256_set1_epi8(0x10));
+#else
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(int(bits)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i sel = _mm256_set1_epi64x(int64_t(0x8040201008040201ULL));
+  const __m256i hit = _mm256_cmpeq_epi8(_mm256_and_si256(spread, sel), sel);
+  return _mm256_and_si256(hit, _mm256_set1_epi8(0x10));
+#endif
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// ---------------------------------------------------------------- 32-element types
+
+// One weight block as unsigned codes u (0..31, or |w| for Q8_0) with w = d * (u - off) + m.
+// Q8_0 keeps its sign in `sgn` (sign trick: |w| * (x * sign w), since u may reach 128).
+template <GgmlType T>
+struct W32 {
+  __m256i u;
+  __m256i sgn;
+  float d, m;
+};
+
+template <GgmlType T>
+inline void load_w32(const uint8_t* p, W32<T>& w) {
+  if constexpr (T == GgmlType::Q4_0) {
+    const auto* b = reinterpret_cast<const BlockQ4_0*>(p);
+    w.d = f16(b->d);
+    w.u = unpack_nibbles16(b->qs);
+  } else if constexpr (T == GgmlType::Q4_1) {
+    const auto* b = reinterpret_cast<const BlockQ4_1*>(p);
+    w.d = f16(b->d);
+    w.m = f16(b->m);
+    w.u = unpack_nibbles16(b->qs);
+  } else if constexpr (T == GgmlType::Q5_0) {
+    const auto* b = reinterpret_cast<const BlockQ5_0*>(p);
+    w.d = f16(b->d);
+    w.u = _mm256_or_si256(unpack_nibbles16(b->qs), bits_to_0x10(load_u32(b->qh)));
+  } else if constexpr (T == GgmlType::Q5_1) {
+    const auto* b = reinterpret_cast<const BlockQ5_1*>(p);
+    w.d = f16(b->d);
+    w.m = f16(b->m);
+    w.u = _mm256_or_si256(unpack_nibbles16(b->qs), bits_to_0x10(load_u32(b->qh)));
+  } else {
+    const auto* b = reinterpret_cast<const BlockQ8_0*>(p);
+    w.d = f16(b->d);
+    w.sgn = load32(b->qs);
+    w.u = _mm256_abs_epi8(w.sgn);
+  }
+}
+
+// Integer offset subtracted from u: folded into the dot product through sum(qx) = s / d.
+template <GgmlType T>
+constexpr int w32_offset() {
+  return T == GgmlType::Q4_0 ? 8 : T == GgmlType::Q5_0 ? 16 : 0;
+}
+template <GgmlType T>
+constexpr bool w32_has_min() {
+  return T == GgmlType::Q4_1 || T == GgmlType::Q5_1;
+}
+
+// NR rows x NT tokens; one block of 32 at a time, each weight block unpacked once and used NT times.
+template <GgmlType T, int NR, int NT>
+void tile32(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t nb, float* y, int64_t ldy) {
+  constexpr size_t bsz = T == GgmlType::Q4_0 ? sizeof(BlockQ4_0) : T == GgmlType::Q4_1 ? sizeof(BlockQ4_1)
+                       : T == GgmlType::Q5_0 ? sizeof(BlockQ5_0) : T == GgmlType::Q5_1 ? sizeof(BlockQ5_1)
+                       : sizeof(BlockQ8_0);
+  __m256 acc[NR][NT];
+  // min terms m * s, vectorised over the NT tokens (one register per row instead of NR*NT scalars)
+  __m128 macc[NR];
+  for (int r = 0; r < NR; ++r) {
+    macc[r] = _mm_setzero_ps();
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    W32<T> wb[NR];
+    for (int r = 0; r < NR; ++r) load_w32<T>(w + size_t(r) * ws + size_t(b) * bsz, wb[r]);
+    alignas(16) float svals[4] = {0, 0, 0, 0};
+    for (int t = 0; t < NT; ++t) {
+      const BlockQ8A* xb = reinterpret_cast<const BlockQ8A*>(x + size_t(t) * xs) + b;
+      const __m256i xv = load32(xb->qs);
+      // -off * sum(q) placed in lane 0 of the accumulator: exact, and free per row
+      __m256i init = _mm256_setzero_si256();
+      if constexpr (w32_offset<T>() != 0) {
+        init = _mm256_zextsi128_si256(_mm_cvtsi32_si128(-w32_offset<T>() * xb->sum));
+      }
+      if constexpr (w32_has_min<T>()) svals[t] = xb->d * float(xb->sum);
+      for (int r = 0; r < NR; ++r) {
+        __m256i p;
+        if constexpr (T == GgmlType::Q8_0)
+          p = dot_u8s8(init, wb[r].u, _mm256_sign_epi8(xv, wb[r].sgn));
+        else
+          p = dot_u8s8(init, wb[r].u, xv);
+        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(wb[r].d * xb->d), acc[r][t]);
+      }
+    }
+    if constexpr (w32_has_min<T>()) {
+      const __m128 sv = _mm_load_ps(svals);
+      for (int r = 0; r < NR; ++r) macc[r] = _mm_fmadd_ps(_mm_set1_ps(wb[r].m), sv, macc[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    alignas(16) float mv[4];
+    _mm_store_ps(mv, macc[r]);
+    for (int t = 0; t < NT; ++t) y[t * ldy + r] = hsum(acc[r][t]) + mv[t];
+  }
+}
+
+// ---------------------------------------------------------------- K-quants
+
+// Broadcast of scales a (lanes 0-7) and b (lanes 8-15) as int16, for madd after maddubs.
+inline __m256i scale_pair(int a, int b) {
+  return _mm256_set_m128i(_mm_set1_epi16(int16_t(b)), _mm_set1_epi16(int16_t(a)));
+}
+
+template <GgmlType T, int NR, int NT>
+void tile_q45k(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t nb, float* y, int64_t ldy) {
+  using B = std::conditional_t<T == GgmlType::Q4_K, BlockQ4_K, BlockQ5_K>;
+  __m256 acc[NR][NT];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const B* wb[NR];
+    uint8_t sc[NR][8];
+    __m128i mins[NR];  // 8 x int16
+    for (int r = 0; r < NR; ++r) {
+      wb[r] = reinterpret_cast<const B*>(w + size_t(r) * ws) + b;
+      uint8_t m[8];
+      for (int j = 0; j < 8; ++j) k_scale_min(wb[r]->scales, j, &sc[r][j], &m[j]);
+      mins[r] = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)));
+    }
+    __m256i iacc[NR][NT];
+    for (int r = 0; r < NR; ++r)
+      for (int t = 0; t < NT; ++t) iacc[r][t] = _mm256_setzero_si256();
+    __m256i qh[NR];
+    if constexpr (T == GgmlType::Q5_K)
+      for (int r = 0; r < NR; ++r) qh[r] = load32(wb[r]->qh);
+    for (int c = 0; c < 4; ++c) {  // chunk c: sub-blocks 2c (low nibbles), 2c+1 (high)
+      __m256i lo[NR], hi[NR];
+      for (int r = 0; r < NR; ++r) {
+        const __m256i q = load32(wb[r]->qs + 32 * c);
+        lo[r] = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
+        hi[r] = _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0F));
+        if constexpr (T == GgmlType::Q5_K) {
+          const __m256i b0 = _mm256_set1_epi8(char(1 << (2 * c))), b1 = _mm256_set1_epi8(char(2 << (2 * c)));
+          lo[r] = _mm256_or_si256(lo[r], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh[r], b0), b0), _mm256_set1_epi8(0x10)));
+          hi[r] = _mm256_or_si256(hi[r], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh[r], b1), b1), _mm256_set1_epi8(0x10)));
+        }
+      }
+      for (int t = 0; t < NT; ++t) {
+        const BlockQ8K* xb = reinterpret_cast<const BlockQ8K*>(x + size_t(t) * xs) + b;
+        const __m256i x0 = load32(xb->qs + 64 * c), x1 = load32(xb->qs + 64 * c + 32);
+        for (int r = 0; r < NR; ++r) {
+          // u <= 31, |x| <= 127: pair sums <= 7874, no int16 saturation
+          const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo[r], x0), _mm256_set1_epi16(sc[r][2 * c]));
+          const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi[r], x1), _mm256_set1_epi16(sc[r][2 * c + 1]));
+          iacc[r][t] = _mm256_add_epi32(iacc[r][t], _mm256_add_epi32(p0, p1));
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const BlockQ8K* xb = reinterpret_cast<const BlockQ8K*>(x + size_t(t) * xs) + b;
+      const __m128i bs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xb->bsum32));
+      for (int r = 0; r < NR; ++r) {
+        const float dd = f16(wb[r]->d) * xb->d, dm = f16(wb[r]->dmin) * xb->d;
+        const __m256i msum = _mm256_zextsi128_si256(_mm_madd_epi16(mins[r], bs));
+        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][t]), _mm256_set1_ps(dd), acc[r][t]);
+        acc[r][t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(dm), acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) y[t * ldy + r] = hsum(acc[r][t]);
+}
+
+template <int NR, int NT>
+void tile_q6k(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t nb, float* y, int64_t ldy) {
+  __m256 acc[NR][NT];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  for (int64_t b = 0; b < nb; ++b) {
+    const BlockQ6_K* wb[NR];
+    __m128i sc8[NR];
+    for (int r = 0; r < NR; ++r) {
+      wb[r] = reinterpret_cast<const BlockQ6_K*>(w + size_t(r) * ws) + b;
+      sc8[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb[r]->scales));
+    }
+    __m256i iacc[NR][NT];
+    for (int r = 0; r < NR; ++r)
+      for (int t = 0; t < NT; ++t) iacc[r][t] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {
+      for (int k = 0; k < 4; ++k) {  // elements 128h + 32k .. +32: sub-blocks 8h+2k, 8h+2k+1
+        __m256i u[NR], sv[NR];
+        for (int r = 0; r < NR; ++r) {
+          const __m256i ql = load32(wb[r]->ql + 64 * h + 32 * (k & 1));
+          const __m256i qh = load32(wb[r]->qh + 32 * h);
+          const __m256i lo = k < 2 ? _mm256_and_si256(ql, m4) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
+          // bits 2k, 2k+1 of qh moved to bits 4-5 (16-bit shifts; the mask drops cross-byte bits)
+          __m256i hb;
+          switch (k) {
+            case 0: hb = _mm256_slli_epi16(qh, 4); break;
+            case 1: hb = _mm256_slli_epi16(qh, 2); break;
+            case 2: hb = qh; break;
+            default: hb = _mm256_srli_epi16(qh, 2); break;
+          }
+          u[r] = _mm256_or_si256(lo, _mm256_and_si256(hb, m30));
+          const int j = 8 * h + 2 * k;
+          sv[r] = scale_pair(wb[r]->scales[j], wb[r]->scales[j + 1]);
+        }
+        for (int t = 0; t < NT; ++t) {
+          const BlockQ8K* xb = reinterpret_cast<const BlockQ8K*>(x + size_t(t) * xs) + b;
+          const __m256i xv = load32(xb->qs + 128 * h + 32 * k);
+          for (int r = 0; r < NR; ++r)  // u <= 63: pair sums <= 16002
+            iacc[r][t] = _mm256_add_epi32(iacc[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(u[r], xv), sv[r]));
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const BlockQ8K* xb = reinterpret_cast<const BlockQ8K*>(x + size_t(t) * xs) + b;
+      const __m256i bs = load32(xb->bsum16);
+      for (int r = 0; r < NR; ++r) {
+        // codes are q + 32: subtract 32 * sum_j sc_j * sum(x in sub-block j)
+        const __m256i corr = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc8[r]), bs);
+        const __m256i tot = _mm256_sub_epi32(iacc[r][t], _mm256_slli_epi32(corr, 5));
+        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_set1_ps(f16(wb[r]->d) * xb->d), acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) y[t * ldy + r] = hsum(acc[r][t]);
+}
+
+// ---------------------------------------------------------------- float types
+
+template <GgmlType T>
+inline __m256 load_w8(const uint8_t* p) {
+  if constexpr (T == GgmlType::F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  else if constexpr (T == GgmlType::F16) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+template <GgmlType T>
+inline float load_w1(const uint8_t* p) {
+  if constexpr (T == GgmlType::F32) {
+    float f;
+    std::memcpy(&f, p, 4);
+    return f;
+  } else {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return T == GgmlType::F16 ? f16(h) : bf16_to_f32(h);
+  }
+}
+
+template <GgmlType T, int NR, int NT>
+void tile_float(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t n, float* y, int64_t ldy) {
+  constexpr size_t es = T == GgmlType::F32 ? 4 : 2;
+  __m256 acc[NR][NT];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = load_w8<T>(w + size_t(r) * ws + size_t(i) * es);
+    for (int t = 0; t < NT; ++t) {
+      const __m256 xv = _mm256_loadu_ps(reinterpret_cast<const float*>(x + size_t(t) * xs) + i);
+      for (int r = 0; r < NR; ++r) acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) {
+      float s = hsum(acc[r][t]);
+      const float* xt = reinterpret_cast<const float*>(x + size_t(t) * xs);
+      for (int64_t k = i; k < n; ++k) s += load_w1<T>(w + size_t(r) * ws + size_t(k) * es) * xt[k];
+      y[t * ldy + r] = s;
+    }
+}
+
+// ---------------------------------------------------------------- tiling driver
+
+template <GgmlType T, int NR, int NT>
+void tile(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t n_in, float* y, int64_t ldy) {
+  if constexpr (T == GgmlType::F32 || T == GgmlType::F16 || T == GgmlType::BF16)
+    tile_float<T, NR, NT>(w, ws, x, xs, n_in, y, ldy);
+  else if constexpr (T == GgmlType::Q4_K || T == GgmlType::Q5_K)
+    tile_q45k<T, NR, NT>(w, ws, x, xs, n_in / kQKK, y, ldy);
+  else if constexpr (T == GgmlType::Q6_K)
+    tile_q6k<NR, NT>(w, ws, x, xs, n_in / kQKK, y, ldy);
+  else
+    tile32<T, NR, NT>(w, ws, x, xs, n_in / kQK, y, ldy);
+}
+
+template <GgmlType T, int NR, int NT>
+void tile_rows(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int nt, int64_t n_in, float* y, int64_t ldy) {
+  if constexpr (NT > 1) {
+    if (nt < NT) return tile_rows<T, NR, NT - 1>(w, ws, x, xs, nt, n_in, y, ldy);
+  }
+  tile<T, NR, NT>(w, ws, x, xs, n_in, y, ldy);
+}
+
+// Rows outer, tokens inner: the NR weight rows stay in L1 while every token tile streams past.
+template <GgmlType T, int NR, int NT>
+void gemm(const uint8_t* w, size_t ws, int64_t nr, const uint8_t* x, size_t xs, int64_t nt, int64_t n_in,
+          float* y, int64_t ldy) {
+  int64_t r = 0;
+  for (; r + NR <= nr; r += NR)
+    for (int64_t t = 0; t < nt; t += NT)
+      tile_rows<T, NR, NT>(w + size_t(r) * ws, ws, x + size_t(t) * xs, xs, int(std::min<int64_t>(NT, nt - t)),
+                           n_in, y + t * ldy + r, ldy);
+  for (; r < nr; ++r)
+    for (int64_t t = 0; t < nt; t += NT)
+      tile_rows<T, 1, NT>(w + size_t(r) * ws, ws, x + size_t(t) * xs, xs, int(std::min<int64_t>(NT, nt - t)),
+                          n_in, y + t * ldy + r, ldy);
+}
+
+}  // namespace
+
+MatmulTileFn kernel_for(GgmlType t) {
+  switch (t) {
+    case GgmlType::F32: return gemm<GgmlType::F32, KVQ_NR_F, KVQ_NT_F>;
+    case GgmlType::F16: return gemm<GgmlType::F16, KVQ_NR_F, KVQ_NT_F>;
+    case GgmlType::BF16: return gemm<GgmlType::BF16, KVQ_NR_F, KVQ_NT_F>;
+    case GgmlType::Q4_0: return gemm<GgmlType::Q4_0, KVQ_NR_32, KVQ_NT_32>;
+    case GgmlType::Q4_1: return gemm<GgmlType::Q4_1, KVQ_NR_32, KVQ_NT_32>;
+    case GgmlType::Q5_0: return gemm<GgmlType::Q5_0, KVQ_NR_32, KVQ_NT_32>;
+    case GgmlType::Q5_1: return gemm<GgmlType::Q5_1, KVQ_NR_32, KVQ_NT_32>;
+    case GgmlType::Q8_0: return gemm<GgmlType::Q8_0, KVQ_NR_32, KVQ_NT_32>;
+    case GgmlType::Q4_K: return gemm<GgmlType::Q4_K, KVQ_NR_K, KVQ_NT_K>;
+    case GgmlType::Q5_K: return gemm<GgmlType::Q5_K, KVQ_NR_K, KVQ_NT_K>;
+    case GgmlType::Q6_K: return gemm<GgmlType::Q6_K, KVQ_NR_K, KVQ_NT_K>;
+    default: return nullptr;
+  }
+}
+
+}  // namespace KVQ_X86_NS
+}  // namespace kvq
