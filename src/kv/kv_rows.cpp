@@ -1,0 +1,344 @@
+#include "kv/kv_rows.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/cpu.h"
+#include "core/error.h"
+#include "kv/fp8.h"
+
+namespace kvq {
+
+size_t kv_row_bytes(KvElem e, int hd, int group) {
+  const size_t d = size_t(hd);
+  switch (e) {
+    case KvElem::f32: return 4 * d;
+    case KvElem::f16:
+    case KvElem::bf16: return 2 * d;
+    case KvElem::e4m3:
+    case KvElem::e5m2:
+    case KvElem::int8_static: return d;
+    case KvElem::e4m3_dyn:
+    case KvElem::e5m2_dyn:
+    case KvElem::int8: return sizeof(KvRowScaled) + d;
+    case KvElem::int4g: return sizeof(KvGroupParams) * (d / size_t(group)) + d / 2;
+    case KvElem::int2g: return sizeof(KvGroupParams) * (d / size_t(group)) + d / 4;
+    case KvElem::q8_0: return sizeof(kv_block_q8_0) * (d / 32);
+    case KvElem::q4_0: return sizeof(kv_block_q4_0) * (d / 32);
+  }
+  return 0;
+}
+
+double kv_elem_code_bits(KvElem e) {
+  switch (e) {
+    case KvElem::f32: return 32;
+    case KvElem::f16:
+    case KvElem::bf16: return 16;
+    case KvElem::int4g:
+    case KvElem::q4_0: return 4;
+    case KvElem::int2g: return 2;
+    default: return 8;
+  }
+}
+
+KvRowFmt kv_row_fmt(KvElem e, int hd, int group) {
+  KVQ_CHECK(hd > 0 && hd <= kv_max_head_dim, "head_dim {}", hd);
+  if (e == KvElem::int4g || e == KvElem::int2g)
+    KVQ_CHECK(group > 0 && group % kv_unit_elems == 0 && hd % group == 0, "group {} head_dim {}",
+              group, hd);
+  if (e == KvElem::q8_0 || e == KvElem::q4_0) KVQ_CHECK(hd % 32 == 0, "head_dim {}", hd);
+  KvRowFmt f;
+  f.elem = e;
+  f.head_dim = hd;
+  f.group = group;
+  f.row_bytes = kv_row_bytes(e, hd, group);
+  return f;
+}
+
+namespace {
+
+float absmax(const float* x, int n) {
+  float m = 0;
+  for (int i = 0; i < n; ++i) m = std::max(m, std::fabs(x[i]));
+  return m;
+}
+
+float load_f32(const uint8_t* p) { float v; std::memcpy(&v, p, 4); return v; }
+void store_f32(uint8_t* p, float v) { std::memcpy(p, &v, 4); }
+f16_t load_u16(const uint8_t* p) { f16_t v; std::memcpy(&v, p, 2); return v; }
+void store_u16(uint8_t* p, f16_t v) { std::memcpy(p, &v, 2); }
+
+// f16 of a finite value, saturating instead of overflowing to inf (a scale or minimum of inf
+// would turn a whole group into NaN).
+f16_t f16_sat(float v) {
+  v = std::min(65504.f, std::max(-65504.f, v));
+  return f32_to_f16(v);
+}
+
+// Asymmetric min/max quantization of one group to `levels` + 1 codes. Codes are computed against
+// the f16-rounded scale and minimum, i.e. against exactly what decode will use.
+void encode_group(const float* x, int g, int levels, KvGroupParams* gp, uint8_t* codes) {
+  float mn = x[0], mx = x[0];
+  for (int i = 1; i < g; ++i) {
+    mn = std::min(mn, x[i]);
+    mx = std::max(mx, x[i]);
+  }
+  gp->scale = f16_sat((mx - mn) / float(levels));
+  gp->min = f16_sat(mn);
+  const float s = f16_to_f32(gp->scale), m = f16_to_f32(gp->min);
+  const float inv = s > 0 ? 1.f / s : 0.f;
+  for (int i = 0; i < g; ++i) {
+    float c = std::nearbyint((x[i] - m) * inv);
+    c = std::min(float(levels), std::max(0.f, c));
+    codes[i] = uint8_t(c);
+  }
+}
+
+// Element index -> (byte, shift) of the unit packings described in kv_rows.h.
+inline int int4_byte(int e) { return (e / 32) * kv_unit_int4_bytes + (e % 16); }
+inline int int4_shift(int e) { return ((e % 32) / 16) * 4; }
+inline int int2_byte(int e) { return (e / 32) * kv_unit_int2_bytes + (e % 8); }
+inline int int2_shift(int e) { return ((e % 32) / 8) * 2; }
+
+}  // namespace
+
+void kv_row_encode(const KvRowFmt& f, float scale, const float* x, uint8_t* row) {
+  const int hd = f.head_dim;
+  switch (f.elem) {
+    case KvElem::f32: std::memcpy(row, x, 4 * size_t(hd)); return;
+    case KvElem::f16:
+      for (int i = 0; i < hd; ++i) store_u16(row + 2 * i, f32_to_f16(x[i]));
+      return;
+    case KvElem::bf16:
+      for (int i = 0; i < hd; ++i) store_u16(row + 2 * i, f32_to_bf16(x[i]));
+      return;
+    case KvElem::e4m3:
+    case KvElem::e5m2: {
+      const bool e4 = f.elem == KvElem::e4m3;
+      for (int i = 0; i < hd; ++i) {
+        const float v = x[i] / scale;
+        row[i] = e4 ? fp8_e4m3_from_f32(v) : fp8_e5m2_from_f32(v);
+      }
+      return;
+    }
+    case KvElem::e4m3_dyn:
+    case KvElem::e5m2_dyn: {
+      const bool e4 = f.elem == KvElem::e4m3_dyn;
+      float s = absmax(x, hd) / (e4 ? fp8_e4m3_max : fp8_e5m2_max);
+      if (!(s > 0)) s = 1.f;  // all zeros: any scale decodes them exactly
+      store_f32(row, s);
+      uint8_t* c = row + sizeof(KvRowScaled);
+      for (int i = 0; i < hd; ++i) c[i] = e4 ? fp8_e4m3_from_f32(x[i] / s) : fp8_e5m2_from_f32(x[i] / s);
+      return;
+    }
+    case KvElem::int8:
+    case KvElem::int8_static: {
+      float s = scale;
+      int8_t* c = reinterpret_cast<int8_t*>(row);
+      if (f.elem == KvElem::int8) {
+        s = absmax(x, hd) / 127.f;
+        store_f32(row, s);
+        c = reinterpret_cast<int8_t*>(row + sizeof(KvRowScaled));
+      }
+      const float inv = s > 0 ? 1.f / s : 0.f;
+      for (int i = 0; i < hd; ++i) {
+        float q = std::nearbyint(x[i] * inv);
+        c[i] = int8_t(std::min(127.f, std::max(-127.f, q)));
+      }
+      return;
+    }
+    case KvElem::int4g:
+    case KvElem::int2g: {
+      const bool i4 = f.elem == KvElem::int4g;
+      const int g = f.group, ng = hd / g;
+      auto* gp = reinterpret_cast<KvGroupParams*>(row);
+      uint8_t* codes = row + sizeof(KvGroupParams) * size_t(ng);
+      std::memset(codes, 0, size_t(hd) / (i4 ? 2 : 4));
+      uint8_t c[kv_max_head_dim];
+      for (int j = 0; j < ng; ++j) {
+        KvGroupParams p;
+        encode_group(x + j * g, g, i4 ? 15 : 3, &p, c + j * g);
+        std::memcpy(gp + j, &p, sizeof p);
+      }
+      for (int e = 0; e < hd; ++e) {
+        if (i4) codes[int4_byte(e)] |= uint8_t(c[e] << int4_shift(e));
+        else codes[int2_byte(e)] |= uint8_t(c[e] << int2_shift(e));
+      }
+      return;
+    }
+    case KvElem::q8_0: {
+      for (int b = 0; b < hd / 32; ++b) {
+        const float* xb = x + 32 * b;
+        kv_block_q8_0 blk;
+        const float d = absmax(xb, 32) / 127.f;
+        const float id = d != 0 ? 1.f / d : 0.f;
+        blk.d = f32_to_f16(d);
+        // roundf (half away from zero) on x * (1/d), as ggml: required for bit-identical codes.
+        for (int j = 0; j < 32; ++j) blk.qs[j] = int8_t(std::round(xb[j] * id));
+        std::memcpy(row + b * sizeof(blk), &blk, sizeof blk);
+      }
+      return;
+    }
+    case KvElem::q4_0: {
+      for (int b = 0; b < hd / 32; ++b) {
+        const float* xb = x + 32 * b;
+        float amax = 0, maxv = 0;  // maxv: the signed value of largest magnitude (first one wins)
+        for (int j = 0; j < 32; ++j) {
+          if (std::fabs(xb[j]) > amax) {
+            amax = std::fabs(xb[j]);
+            maxv = xb[j];
+          }
+        }
+        // d = max / -8 puts the largest-magnitude value exactly on code 0 (-8 * d), which uses the
+        // asymmetric code range -8..7 fully on the side that needs it.
+        const float d = maxv / -8.f;
+        const float id = d != 0 ? 1.f / d : 0.f;
+        kv_block_q4_0 blk;
+        blk.d = f32_to_f16(d);
+        for (int j = 0; j < 16; ++j) {
+          // truncation of x/d + 8.5 (>= 0.5 here) = round half up of x/d + 8, as ggml.
+          const int lo = std::min(15, int(int8_t(xb[j] * id + 8.5f)));
+          const int hi = std::min(15, int(int8_t(xb[j + 16] * id + 8.5f)));
+          blk.qs[j] = uint8_t(lo | (hi << 4));
+        }
+        std::memcpy(row + b * sizeof(blk), &blk, sizeof blk);
+      }
+      return;
+    }
+  }
+}
+
+void kv_row_decode(const KvRowFmt& f, float scale, const uint8_t* row, float* x) {
+  const int hd = f.head_dim;
+  switch (f.elem) {
+    case KvElem::f32: std::memcpy(x, row, 4 * size_t(hd)); return;
+    case KvElem::f16:
+      for (int i = 0; i < hd; ++i) x[i] = f16_to_f32(load_u16(row + 2 * i));
+      return;
+    case KvElem::bf16:
+      for (int i = 0; i < hd; ++i) x[i] = bf16_to_f32(load_u16(row + 2 * i));
+      return;
+    case KvElem::e4m3:
+    case KvElem::e5m2: {
+      const float* t = f.elem == KvElem::e4m3 ? fp8_e4m3_table() : fp8_e5m2_table();
+      for (int i = 0; i < hd; ++i) x[i] = t[row[i]] * scale;
+      return;
+    }
+    case KvElem::e4m3_dyn:
+    case KvElem::e5m2_dyn: {
+      const float* t = f.elem == KvElem::e4m3_dyn ? fp8_e4m3_table() : fp8_e5m2_table();
+      const float s = load_f32(row);
+      const uint8_t* c = row + sizeof(KvRowScaled);
+      for (int i = 0; i < hd; ++i) x[i] = t[c[i]] * s;
+      return;
+    }
+    case KvElem::int8:
+    case KvElem::int8_static: {
+      float s = scale;
+      const int8_t* c = reinterpret_cast<const int8_t*>(row);
+      if (f.elem == KvElem::int8) {
+        s = load_f32(row);
+        c = reinterpret_cast<const int8_t*>(row + sizeof(KvRowScaled));
+      }
+      for (int i = 0; i < hd; ++i) x[i] = float(c[i]) * s;
+      return;
+    }
+    case KvElem::int4g:
+    case KvElem::int2g: {
+      const bool i4 = f.elem == KvElem::int4g;
+      const int g = f.group, ng = hd / g;
+      const uint8_t* codes = row + sizeof(KvGroupParams) * size_t(ng);
+      for (int e = 0; e < hd; ++e) {
+        KvGroupParams p;
+        std::memcpy(&p, row + sizeof(KvGroupParams) * size_t(e / g), sizeof p);
+        const int c = i4 ? (codes[int4_byte(e)] >> int4_shift(e)) & 15
+                         : (codes[int2_byte(e)] >> int2_shift(e)) & 3;
+        x[e] = std::fma(float(c), f16_to_f32(p.scale), f16_to_f32(p.min));
+      }
+      return;
+    }
+    case KvElem::q8_0:
+      for (int b = 0; b < hd / 32; ++b) {
+        kv_block_q8_0 blk;
+        std::memcpy(&blk, row + b * sizeof(blk), sizeof blk);
+        const float d = f16_to_f32(blk.d);
+        for (int j = 0; j < 32; ++j) x[32 * b + j] = float(blk.qs[j]) * d;
+      }
+      return;
+    case KvElem::q4_0:
+      for (int b = 0; b < hd / 32; ++b) {
+        kv_block_q4_0 blk;
+        std::memcpy(&blk, row + b * sizeof(blk), sizeof blk);
+        const float d = f16_to_f32(blk.d);
+        for (int j = 0; j < 16; ++j) {
+          x[32 * b + j] = float((blk.qs[j] & 15) - 8) * d;
+          x[32 * b + j + 16] = float((blk.qs[j] >> 4) - 8) * d;
+        }
+      }
+      return;
+  }
+}
+
+void kv_rows_scores_ref(const KvRowFmt& f, float scale, const float* q, int n_q,
+                        const uint8_t* rows, size_t row_stride, int n, float* out, int out_stride) {
+  const int hd = f.head_dim;
+  float x[kv_max_head_dim];
+  for (int t = 0; t < n; ++t) {
+    kv_row_decode(f, scale, rows + size_t(t) * row_stride, x);
+    for (int i = 0; i < n_q; ++i) {
+      const float* qi = q + size_t(i) * size_t(hd);
+      float s = 0;
+      for (int d = 0; d < hd; ++d) s += qi[d] * x[d];
+      out[size_t(i) * size_t(out_stride) + size_t(t)] = s;
+    }
+  }
+}
+
+void kv_rows_accum_ref(const KvRowFmt& f, float scale, const float* p, int p_stride, int n_q,
+                       const uint8_t* rows, size_t row_stride, int n, float* acc) {
+  const int hd = f.head_dim;
+  float x[kv_max_head_dim];
+  for (int t = 0; t < n; ++t) {
+    kv_row_decode(f, scale, rows + size_t(t) * row_stride, x);
+    for (int i = 0; i < n_q; ++i) {
+      const float w = p[size_t(i) * size_t(p_stride) + size_t(t)];
+      float* a = acc + size_t(i) * size_t(hd);
+      for (int d = 0; d < hd; ++d) a[d] += w * x[d];
+    }
+  }
+}
+
+void kv_rows_scores(const KvRowFmt& f, float scale, const float* q, int n_q, const uint8_t* rows,
+                    size_t row_stride, int n, float* out, int out_stride) {
+#if defined(KVQ_HAVE_SIMD)
+  if (kv_rows_simd_ok(f)) {
+    switch (cpu_level()) {
+      case CpuLevel::avx512:
+        return kv_rows_scores_avx512(f, scale, q, n_q, rows, row_stride, n, out, out_stride);
+      case CpuLevel::avx2:
+        return kv_rows_scores_avx2(f, scale, q, n_q, rows, row_stride, n, out, out_stride);
+      case CpuLevel::scalar: break;
+    }
+  }
+#endif
+  kv_rows_scores_ref(f, scale, q, n_q, rows, row_stride, n, out, out_stride);
+}
+
+void kv_rows_accum(const KvRowFmt& f, float scale, const float* p, int p_stride, int n_q,
+                   const uint8_t* rows, size_t row_stride, int n, float* acc) {
+#if defined(KVQ_HAVE_SIMD)
+  if (kv_rows_simd_ok(f)) {
+    switch (cpu_level()) {
+      case CpuLevel::avx512:
+        return kv_rows_accum_avx512(f, scale, p, p_stride, n_q, rows, row_stride, n, acc);
+      case CpuLevel::avx2:
+        return kv_rows_accum_avx2(f, scale, p, p_stride, n_q, rows, row_stride, n, acc);
+      case CpuLevel::scalar: break;
+    }
+  }
+#endif
+  kv_rows_accum_ref(f, scale, p, p_stride, n_q, rows, row_stride, n, acc);
+}
+
+}  // namespace kvq

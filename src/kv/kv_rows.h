@@ -1,0 +1,131 @@
+// Per-token row formats: one token of one KV head stored as a fixed-size row, and the kernels that
+// read rows packed (fused scores against queries, fused probability-weighted accumulation).
+// Every per-token codec of the basic families (float, fp8, int8, grouped int4/int2, q8_0, q4_0)
+// is a KvRowCodec (row_codec.h) over one of these row formats; a head block is simply
+// block_tokens rows, row_bytes apart, so block_bytes = block_tokens * row_bytes exactly.
+//
+// Kernels come in three variants with one signature: *_ref (scalar: decode the row to f32, then
+// dot / axpy), *_avx2 and *_avx512 (decode 8 / 16 elements in registers, reuse them for all n_q
+// query rows of the GQA group). kv_rows_scores / kv_rows_accum are the one dispatch point
+// (by cpu_level()).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "core/dtypes.h"
+
+namespace kvq {
+
+// Largest head_dim the row kernels accept (the reference decodes one row into a stack buffer).
+inline constexpr int kv_max_head_dim = 1024;
+
+enum class KvElem : uint8_t {
+  f32,          // float[head_dim]
+  f16,          // f16[head_dim]
+  bf16,         // bf16[head_dim]
+  e4m3,         // u8[head_dim] fp8 E4M3 codes; value = fp8 * scale (scale per head: fixed / calibrated)
+  e5m2,         // u8[head_dim] fp8 E5M2 codes; value = fp8 * scale
+  e4m3_dyn,     // KvRowScaled: f32 scale (absmax / 448) then E4M3 codes
+  e5m2_dyn,     // KvRowScaled: f32 scale (absmax / 57344) then E5M2 codes
+  int8,         // KvRowScaled: f32 scale (absmax / 127) then int8 codes (symmetric, -127..127)
+  int8_static,  // i8[head_dim]; value = code * scale (scale per head, calibrated)
+  int4g,        // KvGroupParams[head_dim / group] then u8 codes[head_dim / 2] (see kv_unit_int4)
+  int2g,        // KvGroupParams[head_dim / group] then u8 codes[head_dim / 4] (see kv_unit_int2)
+  q8_0,         // kv_block_q8_0[head_dim / 32]
+  q4_0,         // kv_block_q4_0[head_dim / 32]
+};
+
+// Header of a row whose scale is computed per token at write time. f32 rather than f16: a per-token
+// scale must cover any magnitude the model produces (f16 would flush absmax < ~8e-3 / 127 to
+// subnormals and overflow above 65504 * 127); it costs 32 / head_dim bits per element.
+struct KvRowScaled {
+  float scale;
+  // followed by head_dim one-byte codes
+};
+static_assert(sizeof(KvRowScaled) == 4);
+
+// Scale and minimum of one group of the asymmetric grouped formats: x ~= min + code * scale.
+// f16 for both, as in the published grouped KV caches (b + 32/g bits per element).
+struct KvGroupParams {
+  f16_t scale;
+  f16_t min;
+};
+static_assert(sizeof(KvGroupParams) == 4);
+
+// Code packing of the grouped formats, in units of 32 elements so that one unit decodes with
+// one load whatever the vector width:
+//  int4: 16 bytes per unit; byte j holds element j in its low nibble and element j + 16 in its
+//        high nibble (the same order as q4_0, so one decoder serves both);
+//  int2: 8 bytes per unit; byte j holds element j + 8k in bits 2k..2k+1 (k = 0..3).
+inline constexpr int kv_unit_elems = 32;
+inline constexpr int kv_unit_int4_bytes = 16;
+inline constexpr int kv_unit_int2_bytes = 8;
+
+// llama.cpp's KV blocks: 32 elements along head_dim, f16 scale d. Same layout and rounding as
+// ggml's, so codes and decoded values are bit-comparable.
+struct kv_block_q8_0 {
+  f16_t d;        // absmax / 127
+  int8_t qs[32];  // x ~= d * qs
+};
+static_assert(sizeof(kv_block_q8_0) == 34);
+struct kv_block_q4_0 {
+  f16_t d;         // (signed value of largest magnitude) / -8
+  uint8_t qs[16];  // element j in the low nibble of qs[j], element j + 16 in the high; x ~= d * (q - 8)
+};
+static_assert(sizeof(kv_block_q4_0) == 18);
+
+struct KvRowFmt {
+  KvElem elem = KvElem::f32;
+  int head_dim = 0;
+  int group = 0;         // int4g / int2g: elements per (scale, min) group
+  size_t row_bytes = 0;  // bytes of one token row
+};
+
+// Exact size of one row; the formats' layouts above are the only thing it depends on.
+size_t kv_row_bytes(KvElem e, int head_dim, int group);
+// Builds a format; KVQ_CHECKs the shape (codec factories validate user input before this).
+KvRowFmt kv_row_fmt(KvElem e, int head_dim, int group = 0);
+// Bits per element of the codes alone (no scales).
+double kv_elem_code_bits(KvElem e);
+
+// `scale` is the per-head multiplier of the fixed/static formats (e4m3, e5m2, int8_static) and is
+// ignored by the others. x: (head_dim) f32; row: row_bytes.
+void kv_row_encode(const KvRowFmt& f, float scale, const float* x, uint8_t* row);
+void kv_row_decode(const KvRowFmt& f, float scale, const uint8_t* row, float* x);
+
+// out[i * out_stride + t] = <q_i, row_t> for i < n_q, t < n.
+// q: (n_q, head_dim) rows head_dim apart; rows: n rows, row_stride bytes apart.
+using KvScoresFn = void (*)(const KvRowFmt& f, float scale, const float* q, int n_q,
+                            const uint8_t* rows, size_t row_stride, int n, float* out,
+                            int out_stride);
+// acc[i * head_dim + d] += sum_t p[i * p_stride + t] * row_t[d].
+// p: (n_q, p_stride); acc: (n_q, head_dim); rows: n rows, row_stride bytes apart.
+using KvAccumFn = void (*)(const KvRowFmt& f, float scale, const float* p, int p_stride, int n_q,
+                           const uint8_t* rows, size_t row_stride, int n, float* acc);
+
+void kv_rows_scores_ref(const KvRowFmt& f, float scale, const float* q, int n_q,
+                        const uint8_t* rows, size_t row_stride, int n, float* out, int out_stride);
+void kv_rows_accum_ref(const KvRowFmt& f, float scale, const float* p, int p_stride, int n_q,
+                       const uint8_t* rows, size_t row_stride, int n, float* acc);
+#if defined(KVQ_HAVE_SIMD)
+void kv_rows_scores_avx2(const KvRowFmt& f, float scale, const float* q, int n_q,
+                         const uint8_t* rows, size_t row_stride, int n, float* out, int out_stride);
+void kv_rows_accum_avx2(const KvRowFmt& f, float scale, const float* p, int p_stride, int n_q,
+                        const uint8_t* rows, size_t row_stride, int n, float* acc);
+void kv_rows_scores_avx512(const KvRowFmt& f, float scale, const float* q, int n_q,
+                           const uint8_t* rows, size_t row_stride, int n, float* out,
+                           int out_stride);
+void kv_rows_accum_avx512(const KvRowFmt& f, float scale, const float* p, int p_stride, int n_q,
+                          const uint8_t* rows, size_t row_stride, int n, float* acc);
+#endif
+
+// SIMD variants decode 16 elements per step (AVX2 as two halves): other head_dims use the reference.
+inline bool kv_rows_simd_ok(const KvRowFmt& f) { return f.head_dim % 16 == 0; }
+
+// The dispatch point: picks the variant for cpu_level() and the format.
+void kv_rows_scores(const KvRowFmt& f, float scale, const float* q, int n_q, const uint8_t* rows,
+                    size_t row_stride, int n, float* out, int out_stride);
+void kv_rows_accum(const KvRowFmt& f, float scale, const float* p, int p_stride, int n_q,
+                   const uint8_t* rows, size_t row_stride, int n, float* acc);
+
+}  // namespace kvq

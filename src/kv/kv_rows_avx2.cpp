@@ -1,0 +1,110 @@
+// AVX2 row kernels: 8 elements per step, decoded in registers (same algorithms as AVX-512).
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "kv/kv_rows_simd.h"
+
+namespace kvq {
+namespace {
+
+inline float ld_f32(const uint8_t* p) { float v; std::memcpy(&v, p, 4); return v; }
+inline float ld_f16(const uint8_t* p) { f16_t v; std::memcpy(&v, p, 2); return f16_to_f32(v); }
+inline __m128i ld8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+
+struct Avx2 {
+  using V = __m256;
+  static constexpr int W = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static float hsum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+
+  // See kv_rows_avx512.cpp: E4M3 magnitude bits << 7 are an f16 of value E4M3 * 2^-8.
+  static V e4m3_8(const uint8_t* c, float mul) {
+    const __m128i b = _mm_cvtepu8_epi16(ld8(c));
+    const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7f));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7),
+                                   _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+    const V v = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f * mul));
+    const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f))));
+    return _mm256_blendv_ps(v, _mm256_set1_ps(__builtin_nanf("")), nan);
+  }
+  static V e5m2_8(const uint8_t* c, float mul) {
+    const __m128i b = _mm_cvtepu8_epi16(ld8(c));
+    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_slli_epi16(b, 8)), _mm256_set1_ps(mul));
+  }
+  static V i8_8(const uint8_t* c, float mul) {
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ld8(c))), _mm256_set1_ps(mul));
+  }
+  // Elements 8j..8j+7 of a 32-element int4 unit: bytes (j % 2) * 8.., nibble j / 2.
+  static __m256i nib_8(const uint8_t* unit, int j) {
+    const __m256i w = _mm256_cvtepu8_epi32(ld8(unit + (j % 2) * 8));
+    return _mm256_and_si256(_mm256_srl_epi32(w, _mm_cvtsi32_si128((j / 2) * 4)), _mm256_set1_epi32(15));
+  }
+  // Elements 8j..8j+7 of a 32-element int2 unit: bytes 0..7 at shift 2j.
+  static __m256i crumb_8(const uint8_t* unit, int j) {
+    const __m256i w = _mm256_cvtepu8_epi32(ld8(unit));
+    return _mm256_and_si256(_mm256_srl_epi32(w, _mm_cvtsi32_si128(2 * j)), _mm256_set1_epi32(3));
+  }
+
+  template <KvElem E>
+  static V dec(const KvRowFmt& f, float scale, const uint8_t* row, int e) {
+    if constexpr (E == KvElem::f32) {
+      return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + e);
+    } else if constexpr (E == KvElem::f16) {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * e)));
+    } else if constexpr (E == KvElem::bf16) {
+      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * e)));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    } else if constexpr (E == KvElem::e4m3) {
+      return e4m3_8(row + e, scale);
+    } else if constexpr (E == KvElem::e5m2) {
+      return e5m2_8(row + e, scale);
+    } else if constexpr (E == KvElem::e4m3_dyn) {
+      return e4m3_8(row + sizeof(KvRowScaled) + e, ld_f32(row));
+    } else if constexpr (E == KvElem::e5m2_dyn) {
+      return e5m2_8(row + sizeof(KvRowScaled) + e, ld_f32(row));
+    } else if constexpr (E == KvElem::int8) {
+      return i8_8(row + sizeof(KvRowScaled) + e, ld_f32(row));
+    } else if constexpr (E == KvElem::int8_static) {
+      return i8_8(row + e, scale);
+    } else if constexpr (E == KvElem::int4g || E == KvElem::int2g) {
+      const uint8_t* gp = row + sizeof(KvGroupParams) * size_t(e / f.group);
+      const uint8_t* codes = row + sizeof(KvGroupParams) * size_t(f.head_dim / f.group);
+      const __m256i c = E == KvElem::int4g ? nib_8(codes + (e / 32) * kv_unit_int4_bytes, (e % 32) / 8)
+                                           : crumb_8(codes + (e / 32) * kv_unit_int2_bytes, (e % 32) / 8);
+      return _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(ld_f16(gp)), _mm256_set1_ps(ld_f16(gp + 2)));
+    } else if constexpr (E == KvElem::q8_0) {
+      const uint8_t* b = row + sizeof(kv_block_q8_0) * size_t(e / 32);
+      return i8_8(b + 2 + (e % 32), ld_f16(b));
+    } else {
+      static_assert(E == KvElem::q4_0);
+      const uint8_t* b = row + sizeof(kv_block_q4_0) * size_t(e / 32);
+      const float d = ld_f16(b);
+      const __m256i c = nib_8(b + 2, (e % 32) / 8);
+      return _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(d), _mm256_set1_ps(-8.f * d));
+    }
+  }
+};
+
+}  // namespace
+
+void kv_rows_scores_avx2(const KvRowFmt& f, float scale, const float* q, int n_q,
+                         const uint8_t* rows, size_t row_stride, int n, float* out, int out_stride) {
+  kv_rows_simd::scores<Avx2>(f, scale, q, n_q, rows, row_stride, n, out, out_stride);
+}
+
+void kv_rows_accum_avx2(const KvRowFmt& f, float scale, const float* p, int p_stride, int n_q,
+                        const uint8_t* rows, size_t row_stride, int n, float* acc) {
+  kv_rows_simd::accum<Avx2>(f, scale, p, p_stride, n_q, rows, row_stride, n, acc);
+}
+
+}  // namespace kvq

@@ -1,0 +1,116 @@
+// AVX-512 row kernels: 16 elements per step, decoded in registers.
+// GCC 12's AVX-512 headers read _mm512_undefined_* values, which -Wuninitialized flags.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "kv/kv_rows_simd.h"
+
+namespace kvq {
+namespace {
+
+inline float ld_f32(const uint8_t* p) { float v; std::memcpy(&v, p, 4); return v; }
+inline float ld_f16(const uint8_t* p) { f16_t v; std::memcpy(&v, p, 2); return f16_to_f32(v); }
+
+struct Avx512 {
+  using V = __m512;
+  static constexpr int W = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static float hsum(V v) { return _mm512_reduce_add_ps(v); }
+
+  // 16 E4M3 codes -> f32. Shifting the 7 magnitude bits left by 7 yields the f16 with the same
+  // exponent and mantissa fields; its value is the E4M3 value times 2^-8 (biases 15 vs 7), which
+  // holds for subnormals too. The NaN codes (0x7f, 0xff) would decode to 480 and are patched.
+  static V e4m3_16(const uint8_t* c, float mul) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+    const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi16(0x7f));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7),
+                                      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+    const V v = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f * mul));
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
+    return _mm512_mask_blend_ps(nan, v, _mm512_set1_ps(__builtin_nanf("")));
+  }
+  // E5M2 is the high byte of an f16: exact, inf and NaN included.
+  static V e5m2_16(const uint8_t* c, float mul) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_slli_epi16(b, 8)), _mm512_set1_ps(mul));
+  }
+  static V i8_16(const uint8_t* c, float mul) {
+    const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(w), _mm512_set1_ps(mul));
+  }
+  // 16 nibbles of a 32-element unit: half 0 = low nibbles of bytes 0..15, half 1 = high nibbles.
+  static __m512i nib_16(const uint8_t* unit, int half) {
+    const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(unit)));
+    return _mm512_and_si512(_mm512_srli_epi32(w, unsigned(half * 4)), _mm512_set1_epi32(15));
+  }
+  // 16 2-bit codes of a 32-element unit (8 bytes): elements 16h..16h+15 are bytes 0..7 at
+  // shifts 4h and 4h + 2.
+  static __m512i crumb_16(const uint8_t* unit, int half) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(unit));
+    const __m512i w = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(b, b));
+    const __m512i sh = _mm512_add_epi32(
+        _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0), _mm512_set1_epi32(4 * half));
+    return _mm512_and_si512(_mm512_srlv_epi32(w, sh), _mm512_set1_epi32(3));
+  }
+
+  template <KvElem E>
+  static V dec(const KvRowFmt& f, float scale, const uint8_t* row, int e) {
+    if constexpr (E == KvElem::f32) {
+      return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + e);
+    } else if constexpr (E == KvElem::f16) {
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * e)));
+    } else if constexpr (E == KvElem::bf16) {
+      const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * e)));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    } else if constexpr (E == KvElem::e4m3) {
+      return e4m3_16(row + e, scale);
+    } else if constexpr (E == KvElem::e5m2) {
+      return e5m2_16(row + e, scale);
+    } else if constexpr (E == KvElem::e4m3_dyn) {
+      return e4m3_16(row + sizeof(KvRowScaled) + e, ld_f32(row));
+    } else if constexpr (E == KvElem::e5m2_dyn) {
+      return e5m2_16(row + sizeof(KvRowScaled) + e, ld_f32(row));
+    } else if constexpr (E == KvElem::int8) {
+      return i8_16(row + sizeof(KvRowScaled) + e, ld_f32(row));
+    } else if constexpr (E == KvElem::int8_static) {
+      return i8_16(row + e, scale);
+    } else if constexpr (E == KvElem::int4g || E == KvElem::int2g) {
+      const uint8_t* gp = row + sizeof(KvGroupParams) * size_t(e / f.group);
+      const uint8_t* codes = row + sizeof(KvGroupParams) * size_t(f.head_dim / f.group);
+      const __m512i c = E == KvElem::int4g ? nib_16(codes + (e / 32) * kv_unit_int4_bytes, (e % 32) / 16)
+                                           : crumb_16(codes + (e / 32) * kv_unit_int2_bytes, (e % 32) / 16);
+      return _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(ld_f16(gp)), _mm512_set1_ps(ld_f16(gp + 2)));
+    } else if constexpr (E == KvElem::q8_0) {
+      const uint8_t* b = row + sizeof(kv_block_q8_0) * size_t(e / 32);
+      return i8_16(b + 2 + (e % 32), ld_f16(b));
+    } else {
+      static_assert(E == KvElem::q4_0);
+      const uint8_t* b = row + sizeof(kv_block_q4_0) * size_t(e / 32);
+      const float d = ld_f16(b);
+      const __m512i c = nib_16(b + 2, (e % 32) / 16);
+      return _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(d), _mm512_set1_ps(-8.f * d));
+    }
+  }
+};
+
+}  // namespace
+
+void kv_rows_scores_avx512(const KvRowFmt& f, float scale, const float* q, int n_q,
+                           const uint8_t* rows, size_t row_stride, int n, float* out,
+                           int out_stride) {
+  kv_rows_simd::scores<Avx512>(f, scale, q, n_q, rows, row_stride, n, out, out_stride);
+}
+
+void kv_rows_accum_avx512(const KvRowFmt& f, float scale, const float* p, int p_stride, int n_q,
+                          const uint8_t* rows, size_t row_stride, int n, float* acc) {
+  kv_rows_simd::accum<Avx512>(f, scale, p, p_stride, n_q, rows, row_stride, n, acc);
+}
+
+}  // namespace kvq

@@ -1,0 +1,150 @@
+// The KV format registry: codec factories and named formats (K codec + V codec), filled once on
+// first use by each family's kv_register_<family>() hook.
+#include <algorithm>
+#include <cctype>
+#include <mutex>
+
+#include "core/error.h"
+#include "kv/registry_internal.h"
+
+namespace kvq {
+
+// Family hooks (one per src/kv/<family>*.cpp). Called explicitly because a static library drops
+// object files that nothing references.
+void kv_register_float_codecs();
+void kv_register_fp8_codecs();
+void kv_register_int_codecs();
+void kv_register_ggml_codecs();
+void kv_register_mixed_formats();
+void kv_register_kivi();
+void kv_register_kvquant();
+
+namespace {
+
+struct Registry {
+  std::vector<KvCodecEntry> codecs;
+  std::vector<KvFormatDesc> formats;
+};
+
+Registry& storage() {
+  static Registry r;
+  return r;
+}
+
+std::string lower(std::string s) {
+  for (char& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+// Every name and alias of every format, lower-cased, must resolve to exactly one format, and
+// every format must name registered codecs: checked once, after all families registered.
+void validate(const Registry& r) {
+  std::vector<std::string> seen;
+  for (const auto& c : r.codecs) {
+    KVQ_CHECK(std::find(seen.begin(), seen.end(), lower(c.name)) == seen.end(), "duplicate codec {}", c.name);
+    seen.push_back(lower(c.name));
+  }
+  auto has_codec = [&](const std::string& n) {
+    return std::any_of(r.codecs.begin(), r.codecs.end(), [&](const KvCodecEntry& c) { return c.name == n; });
+  };
+  seen.clear();
+  for (const auto& f : r.formats) {
+    KVQ_CHECK(has_codec(f.k_codec) && has_codec(f.v_codec), "format {}: unknown codec {} / {}", f.name,
+              f.k_codec, f.v_codec);
+    std::vector<std::string> names = f.aliases;
+    names.push_back(f.name);
+    for (const auto& n : names) {
+      KVQ_CHECK(std::find(seen.begin(), seen.end(), lower(n)) == seen.end(), "duplicate format name {}", n);
+      seen.push_back(lower(n));
+    }
+  }
+}
+
+const Registry& registry() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    kv_register_float_codecs();
+    // kv_register_fp8_codecs();
+    // kv_register_int_codecs();
+    // kv_register_ggml_codecs();
+    // kv_register_mixed_formats();
+    kv_register_kivi();
+    kv_register_kvquant();
+    validate(storage());
+  });
+  return storage();
+}
+
+std::string format_list(const Registry& r) {
+  std::string s;
+  for (const auto& f : r.formats) {
+    if (!s.empty()) s += ", ";
+    s += f.name;
+    if (!f.aliases.empty()) {
+      s += " (";
+      for (size_t i = 0; i < f.aliases.size(); ++i) s += (i ? ", " : "") + f.aliases[i];
+      s += ")";
+    }
+  }
+  return s;
+}
+
+}  // namespace
+
+void kv_register_codec(KvCodecEntry e) { storage().codecs.push_back(std::move(e)); }
+void kv_register_format(KvFormatDesc d) { storage().formats.push_back(std::move(d)); }
+
+const std::vector<KvFormatDesc>& kv_formats() { return registry().formats; }
+
+const KvFormatDesc& kv_format_find(const std::string& name) {
+  const Registry& r = registry();
+  const std::string key = lower(name);
+  for (const auto& f : r.formats) {
+    if (lower(f.name) == key) return f;
+    for (const auto& a : f.aliases)
+      if (lower(a) == key) return f;
+  }
+  fail("unknown KV format '{}'; valid formats (aliases in parentheses): {}", name, format_list(r));
+}
+
+std::vector<std::string> kv_codec_names() {
+  std::vector<std::string> v;
+  for (const auto& c : registry().codecs) v.push_back(c.name);
+  return v;
+}
+
+std::unique_ptr<KvCodec> kv_codec_create(const std::string& codec_name, const KvCodecParams& p) {
+  const Registry& r = registry();
+  const std::string key = lower(codec_name);
+  for (const auto& c : r.codecs) {
+    if (lower(c.name) != key) continue;
+    if (p.head_dim <= 0 || p.head_dim > 1024)
+      fail("KV codec '{}': head_dim {} out of range (1..1024)", c.name, p.head_dim);
+    if (p.n_kv_heads <= 0) fail("KV codec '{}': n_kv_heads {} must be positive", c.name, p.n_kv_heads);
+    return c.make(p);
+  }
+  std::string names;
+  for (const auto& c : r.codecs) names += (names.empty() ? "" : ", ") + c.name;
+  fail("unknown KV codec '{}'; valid codecs: {}", codec_name, names);
+}
+
+double kv_codec_effective_bits(const KvCodec& c, int block_tokens, int ctx) {
+  const KvCodecInfo& in = c.info();
+  const double hd = c.head_dim();
+  const double block_bits = 8.0 * double(c.block_bytes(block_tokens)) / (double(block_tokens) * hd);
+  if (ctx <= 0) return block_bits;
+  const int q = kv_quantized_tokens(ctx, in.group_tokens, in.residual_tokens);
+  // Head blocks amortized per token (a partly filled page's unused slots are not counted: this
+  // is the format's density, not the page allocator's rounding); the tail at f32.
+  return (block_bits * q + 32.0 * (ctx - q)) / double(ctx);
+}
+
+void KvCodec::prepare_query(int, const float* q, int n_q, float* qp) const {
+  const size_t hd = size_t(head_dim());
+  const size_t qd = size_t(prepared_query_dim());
+  for (int i = 0; i < n_q; ++i) std::copy(q + size_t(i) * hd, q + size_t(i) * hd + hd, qp + size_t(i) * qd);
+}
+
+void KvCodec::finish_output(int, float*, int) const {}
+
+}  // namespace kvq

@@ -1,0 +1,46 @@
+#include "kv/row_codec.h"
+
+#include "core/error.h"
+
+namespace kvq {
+
+KvRowCodec::KvRowCodec(std::string name, const KvRowFmt& fmt, int n_kv_heads,
+                       std::vector<float> head_scales)
+    : fmt_(fmt), scales_(std::move(head_scales)) {
+  info_.name = std::move(name);
+  info_.code_bits = kv_elem_code_bits(fmt.elem);
+  if (scales_.empty()) scales_.assign(size_t(n_kv_heads), 1.f);
+  KVQ_CHECK(int(scales_.size()) == n_kv_heads, "{} scales for {} heads", scales_.size(), n_kv_heads);
+}
+
+void KvRowCodec::encode(int head, const float* src, size_t src_stride, int n, uint8_t* block,
+                        int block_tokens, int t0, int) const {
+  KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
+  for (int t = 0; t < n; ++t)
+    kv_row_encode(fmt_, scales_[size_t(head)], src + size_t(t) * src_stride,
+                  block + size_t(t0 + t) * fmt_.row_bytes);
+}
+
+void KvRowCodec::decode(int head, const uint8_t* block, int block_tokens, int t0, int n, int,
+                        float* dst) const {
+  KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
+  for (int t = 0; t < n; ++t)
+    kv_row_decode(fmt_, scales_[size_t(head)], block + size_t(t0 + t) * fmt_.row_bytes,
+                  dst + size_t(t) * size_t(fmt_.head_dim));
+}
+
+void KvRowCodec::scores(int head, const float* qp, int n_q, const uint8_t* block, int block_tokens,
+                        int t0, int n, int, float* out, int out_stride) const {
+  KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
+  kv_rows_scores(fmt_, scales_[size_t(head)], qp, n_q, block + size_t(t0) * fmt_.row_bytes,
+                 fmt_.row_bytes, n, out, out_stride);
+}
+
+void KvRowCodec::accumulate(int head, const float* p, int p_stride, int n_q, const uint8_t* block,
+                            int block_tokens, int t0, int n, float* acc) const {
+  KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
+  kv_rows_accum(fmt_, scales_[size_t(head)], p, p_stride, n_q, block + size_t(t0) * fmt_.row_bytes,
+                fmt_.row_bytes, n, acc);
+}
+
+}  // namespace kvq
