@@ -1,0 +1,51 @@
+// Helpers shared by the grouped KV codecs (KIVI, KVQuant): parameter validation with clear
+// messages, f16 fields inside head blocks, and decode-based fallbacks for the role a codec is not
+// built for (a key codec used for values still works, just without a fused kernel).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "core/dtypes.h"
+#include "kvq/kv_format.h"
+
+namespace kvq {
+
+// Stack buffers in the kernels are sized by this; codecs reject larger heads.
+constexpr int kvg_max_head_dim = 512;
+
+// Head-block fields are not aligned for 16-bit access (groups follow odd-sized code areas).
+inline f16_t kvg_load_f16(const uint8_t* base, size_t i) {
+  f16_t h;
+  std::memcpy(&h, base + 2 * i, 2);
+  return h;
+}
+inline void kvg_store_f16(uint8_t* base, size_t i, f16_t h) { std::memcpy(base + 2 * i, &h, 2); }
+
+// The formats store scales in f16, so inputs are clamped to its finite range (what an fp16
+// model can produce); NaN is stored as 0 so that one bad element cannot poison a whole group's
+// scale.
+inline float kv_sanitize(float x) {
+  if (!(x == x)) return 0.f;
+  return x > 65504.f ? 65504.f : (x < -65504.f ? -65504.f : x);
+}
+
+// G >= 1, R >= 0, R % G == 0, head_dim % 16 == 0 and <= kvg_max_head_dim.
+void kv_check_grouped_params(const char* name, int head_dim, int group_tokens, int residual_tokens);
+// block_tokens > 0 and a multiple of G.
+void kv_check_block_tokens(const std::string& name, int block_tokens, int group_tokens);
+// t0 and n multiples of G, [t0, t0 + n) inside the block.
+void kv_check_encode_range(const std::string& name, int block_tokens, int group_tokens, int t0,
+                           int n);
+// KvCodecParams::group_tokens / residual_tokens with their "codec default" markers resolved.
+void kv_resolve_grouped(const char* name, const KvCodecParams& p, int default_g, int default_r,
+                        int* g, int* r);
+
+void kv_scores_via_decode(const KvCodec& c, int head, const float* qp, int n_q,
+                          const uint8_t* block, int block_tokens, int t0, int n, int pos0,
+                          float* out, int out_stride);
+void kv_accumulate_via_decode(const KvCodec& c, int head, const float* p, int p_stride, int n_q,
+                              const uint8_t* block, int block_tokens, int t0, int n, int pos0,
+                              float* acc);
+
+}  // namespace kvq
