@@ -1,0 +1,158 @@
+// TurboQuant KV codecs (Zandieh et al., "TurboQuant: online vector quantization with near-optimal
+// distortion rate", ICLR 2026), implemented from the paper.
+//
+// Per token and head: ||x|| as fp16; u = R x / ||x|| with R a seeded random orthogonal transform
+// (randomized Hadamard by default, dense Haar-random as an option). Every coordinate of u then
+// follows f(t) ~ (1 - t^2)^((d-3)/2) on [-1, 1], so each is quantized with a Lloyd-Max codebook
+// for that density (computed here, cached per (bits, dim)). The "prod" variant spends b-1 bits on
+// that quantizer and 1 bit on sign(S r), S a seeded d x d Gaussian and r the residual, plus
+// ||r|| as fp16: <q, x> is then estimated without bias.
+//
+// Attention never un-rotates keys: prepare_query() maps q to R q (and S R q for prod), scores()
+// reads the packed codes against a codebook held in registers; accumulate() sums values in the
+// rotated basis and finish_output() applies R^T once.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/cpu.h"
+#include "kvq/kv_format.h"
+
+namespace kvq {
+
+// ---------------------------------------------------------------------------------------------
+// Lloyd-Max codebooks for the density of one coordinate of a uniformly random unit vector in R^dim.
+
+struct TqCodebook {
+  int bits = 0;
+  int dim = 0;
+  std::vector<float> centroids;  // 2^bits, ascending, symmetric around 0
+  std::vector<float> bounds;     // 2^bits - 1 decision thresholds (midpoints of centroids)
+  double coord_mse = 0;          // E[(t - Q(t))^2] for one coordinate
+  int iterations = 0;            // Lloyd iterations until convergence
+};
+
+// bits in 1..4 (the codecs' range; up to 8 accepted), dim >= 8. Cached and thread-safe: the
+// reference stays valid for the life of the process.
+const TqCodebook& tq_lloyd_max(int bits, int dim);
+// dim * per-coordinate MSE: the expected ||u - Q(u)||^2 for a random unit vector u.
+double tq_lloyd_max_mse(int bits, int dim);
+std::vector<float> tq_codebook(int bits, int dim);
+
+// ---------------------------------------------------------------------------------------------
+// Seeded randomness. Deterministic on every platform (no std:: distributions).
+
+// Derives an independent stream seed for (seed, layer, role, purpose).
+uint64_t tq_derive_seed(uint64_t seed, int layer, KvRole role, uint64_t purpose);
+// Fills out (n) with i.i.d. N(0, 1) draws from the stream `seed`.
+void tq_gaussian(uint64_t seed, float* out, size_t n);
+
+enum class TqRotationKind { hadamard, dense };
+
+// A random orthogonal transform of R^dim.
+//  hadamard: R = H D / sqrt(dim), D a diagonal of random signs, H the Walsh-Hadamard matrix;
+//            O(d log d); dim must be a power of two.
+//  dense:    R = Q from the QR decomposition of a d x d Gaussian matrix (Haar distributed); O(d^2).
+class TqRotation {
+ public:
+  TqRotation(TqRotationKind kind, int dim, uint64_t seed);  // throws kvq::Error on bad dim
+  TqRotationKind kind() const { return kind_; }
+  int dim() const { return dim_; }
+  void forward(const float* x, float* y) const;  // y = R x; x, y: (dim), may alias
+  void inverse(const float* y, float* x) const;  // x = R^T y; may alias
+
+ private:
+  TqRotationKind kind_;
+  int dim_;
+  std::vector<float> signs_;   // (dim) hadamard: the diagonal of D
+  std::vector<float> matrix_;  // (dim, dim) dense: R row-major
+};
+
+// In-place unnormalized fast Walsh-Hadamard transform; n a power of two.
+void tq_fwht(float* x, int n);
+
+// ---------------------------------------------------------------------------------------------
+// Record layout of one token (all offsets in bytes from the token's record start):
+//   [fp16 ||x||] [codes of channels [0, n_hi) at bits_hi] [codes of [n_hi, dim) at bits_lo]
+//   (prod only:) [fp16 ||r||] [sign bits of S r, dim bits]
+// Codes of a segment are bit planes grouped by 16 channels: for each group of 16 channels,
+// `bits` little-endian u16 words, word j holding bit j of the 16 codes (bit c: channel 16g + c).
+// Why: an AVX-512 kernel turns each word into a lane mask directly (one kmov per plane), AVX2
+// expands a byte per 8 lanes, and any bit width (1, 2, 3, 4, mixed) packs densely the same way.
+// Fractional rates split channels: the first n_hi rotated coordinates get one bit more. After a
+// random rotation the coordinates are exchangeable, so which ones get the extra bit does not
+// matter statistically; a contiguous prefix keeps both segments 16-channel aligned.
+struct TqLayout {
+  int dim = 0;
+  int n_hi = 0;        // channels [0, n_hi) at bits_hi; multiple of 16
+  int bits_hi = 0;
+  int bits_lo = 0;     // channels [n_hi, dim) at bits_lo (unused when n_hi == dim)
+  bool qjl = false;
+  int off_hi = 2;      // codes of the high segment
+  int off_lo = 0;      // codes of the low segment
+  int off_qjl = 0;     // fp16 ||r||, then dim/8 bytes of signs
+  int record_bytes = 0;
+};
+
+// dim % 16 == 0; n_hi % 16 == 0. Throws kvq::Error otherwise.
+TqLayout tq_layout_make(int dim, int n_hi, int bits_hi, int bits_lo, bool qjl);
+
+// Packs / unpacks `n` codes (n % 16 == 0) of `bits` bits in the grouped bit-plane format.
+void tq_pack_codes(const uint8_t* codes, int n, int bits, uint8_t* out);
+void tq_unpack_codes(const uint8_t* in, int n, int bits, uint8_t* codes);
+
+// ---------------------------------------------------------------------------------------------
+// Kernels over token records. Scalar reference, AVX2 and AVX-512 variants share the signatures.
+
+struct TqKernelArgs {
+  const TqLayout* layout = nullptr;
+  const float* cb_hi = nullptr;  // (16) codebook of the high segment, padded with zeros
+  const float* cb_lo = nullptr;  // (16) codebook of the low segment
+  float qjl_scale = 0;           // sqrt(pi/2) / dim
+};
+
+// out[i * out_stride + t] = ||x_t|| * (<qp_i, c_t> + ||r_t|| * qjl_scale * <Sq_i, sign_t>)
+// qp: (n_q, qp_stride) rotated queries; for prod, S R q follows at qp + dim.
+// recs: (n, record_bytes) token records.
+using TqScoresFn = void (*)(const TqKernelArgs& a, const float* qp, int qp_stride, int n_q,
+                            const uint8_t* recs, int n, float* out, int out_stride);
+// acc[i * dim + c] += sum_t p[i * p_stride + t] * ||x_t|| * c_t[c]   (rotated basis, MSE part)
+// p: (n_q, p_stride); recs: (n, record_bytes); acc: (n_q, dim).
+using TqAccumulateFn = void (*)(const TqKernelArgs& a, const float* p, int p_stride, int n_q,
+                                const uint8_t* recs, int n, float* acc);
+
+struct TqKernels {
+  const char* name;
+  TqScoresFn scores;
+  TqAccumulateFn accumulate;
+};
+
+const TqKernels& tq_kernels_scalar();
+#if defined(KVQ_HAVE_SIMD)
+const TqKernels& tq_kernels_avx2();
+const TqKernels& tq_kernels_avx512();
+#endif
+// The one place that picks a variant: the best one not above `level`.
+const TqKernels& tq_kernels_for(CpuLevel level);
+
+// ---------------------------------------------------------------------------------------------
+// Codecs.
+
+struct TqConfig {
+  double bits = 4;     // total code bits per element: 1..4, or fractional (2.25, 2.5, 3.5, ...)
+  bool qjl = false;    // prod: bits-1 for the MSE quantizer + 1 for the QJL signs
+  TqRotationKind rotation = TqRotationKind::hadamard;
+};
+
+// Builds a TurboQuant codec; `name` is reported in info(). Throws kvq::Error on invalid
+// parameters (head_dim not a multiple of 16, Hadamard on a non-power-of-two head_dim, bits).
+std::unique_ptr<KvCodec> tq_codec_create(const std::string& name, const TqConfig& cfg,
+                                         const KvCodecParams& p);
+
+// Registers the tq* codecs and formats (called once by the registry).
+void kv_register_turboquant();
+
+}  // namespace kvq
