@@ -1,0 +1,589 @@
+#include "kv/kvquant.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <random>
+
+#include "core/cpu.h"
+#include "core/error.h"
+#include "kv/grouped_common.h"
+#include "kv/kivi.h"
+#include "kv/registry_internal.h"
+
+namespace kvq {
+
+// ---------------------------------------------------------------- scalar kernels
+
+void kvquant_dequant_scalar(const uint8_t* planes, int bits, int head_dim, const float* codebook,
+                            const float* scale, const float* mid, float* out) {
+  for (int c = 0; c < head_dim; ++c)
+    out[c] = scale[c] * codebook[bitplane_code(planes, bits, head_dim, c)] + mid[c];
+}
+
+void kvquant_dot_scalar(const float* q, int n_q, const float* k, int head_dim, float* out,
+                        int out_stride) {
+  for (int i = 0; i < n_q; ++i) {
+    float s = 0;
+    for (int c = 0; c < head_dim; ++c) s += q[size_t(i) * head_dim + c] * k[c];
+    out[size_t(i) * out_stride] = s;
+  }
+}
+
+const KvquantKernels& kvquant_kernels() {
+  static const KvquantKernels scalar{kvquant_dequant_scalar, kvquant_dot_scalar};
+#if defined(KVQ_HAVE_SIMD)
+  static const KvquantKernels avx2{kvquant_dequant_avx2, kvquant_dot_avx2};
+  static const KvquantKernels avx512{kvquant_dequant_avx512, kvquant_dot_avx512};
+  switch (cpu_level()) {
+    case CpuLevel::avx512: return avx512;
+    case CpuLevel::avx2: return avx2;
+    default: break;
+  }
+#endif
+  return scalar;
+}
+
+// ---------------------------------------------------------------- RoPE
+
+namespace {
+
+// Pair i of the rotated dims: (2i, 2i+1), or (i, i + n_rot/2) in NeoX order.
+inline void rope_rotate(float* x, const float* cs, const float* sn, int n_rot, bool neox) {
+  const int half = n_rot / 2;
+  for (int i = 0; i < half; ++i) {
+    const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+    const float x0 = x[a], x1 = x[b];
+    x[a] = x0 * cs[i] - x1 * sn[i];
+    x[b] = x0 * sn[i] + x1 * cs[i];
+  }
+}
+
+inline double rope_theta(const KvRope& r, int i) {
+  return double(r.freq_scale) * std::pow(double(r.freq_base), -2.0 * i / r.n_rot);
+}
+
+// cos/sin of pos * theta_i for consecutive positions: exact at the first position, then advanced
+// by the angle-addition recurrence in double (error ~1e-16 per step) instead of n_rot/2 sin/cos
+// calls per token.
+struct RopeWalker {
+  double c[kvg_max_head_dim / 2], s[kvg_max_head_dim / 2], dc[kvg_max_head_dim / 2],
+      ds[kvg_max_head_dim / 2];
+  float cf[kvg_max_head_dim / 2], sf[kvg_max_head_dim / 2];
+  int half = 0;
+  RopeWalker(const KvRope& r, int pos) : half(r.n_rot / 2) {
+    for (int i = 0; i < half; ++i) {
+      const double th = rope_theta(r, i);
+      c[i] = std::cos(double(pos) * th);
+      s[i] = std::sin(double(pos) * th);
+      dc[i] = std::cos(th);
+      ds[i] = std::sin(th);
+      cf[i] = float(c[i]);
+      sf[i] = float(s[i]);
+    }
+  }
+  void step() {
+    for (int i = 0; i < half; ++i) {
+      const double c1 = c[i] * dc[i] - s[i] * ds[i];
+      const double s1 = s[i] * dc[i] + c[i] * ds[i];
+      c[i] = c1;
+      s[i] = s1;
+      cf[i] = float(c1);
+      sf[i] = float(s1);
+    }
+  }
+};
+
+}  // namespace
+
+void kv_rope_apply(const KvRope& r, int pos, float* x, int) {
+  if (r.n_rot <= 0) return;
+  float cs[kvg_max_head_dim / 2], sn[kvg_max_head_dim / 2];
+  for (int i = 0; i < r.n_rot / 2; ++i) {
+    const double a = double(pos) * rope_theta(r, i);
+    cs[i] = float(std::cos(a));
+    sn[i] = float(std::sin(a));
+  }
+  rope_rotate(x, cs, sn, r.n_rot, r.neox);
+}
+
+// ---------------------------------------------------------------- group normalization
+
+namespace {
+
+inline bool is_outlier(const uint8_t* idx, int k, int c) {
+  for (int j = 0; j < k; ++j)
+    if (idx[j] == c) return true;
+  return false;
+}
+
+// Per-channel normalization of one group, shared by encode and kvquant_fit so that the codebook
+// is fitted on exactly the distribution the codec quantizes.
+//   x: (n, head_dim) rows `stride` floats apart (already sanitized by the caller or finite)
+//   sink: (n) 1 = attention-sink token (excluded), oidx: (n, k) outlier channels per token
+//   scale16 / mid16: (head_dim) f16
+void group_stats(const float* x, size_t stride, int n, int D, const uint8_t* sink, int k,
+                 uint8_t* oidx, f16_t* scale16, f16_t* mid16) {
+  double sum[kvg_max_head_dim] = {}, sq[kvg_max_head_dim] = {};
+  int cnt = 0;
+  for (int t = 0; t < n; ++t) {
+    if (sink[t]) continue;
+    ++cnt;
+    for (int c = 0; c < D; ++c) {
+      const double v = kv_sanitize(x[size_t(t) * stride + c]);
+      sum[c] += v;
+      sq[c] += v * v;
+    }
+  }
+  float mean[kvg_max_head_dim], inv_sd[kvg_max_head_dim];
+  for (int c = 0; c < D; ++c) {
+    const double m = cnt ? sum[c] / cnt : 0.0;
+    const double var = cnt ? std::max(0.0, sq[c] / cnt - m * m) : 0.0;
+    mean[c] = float(m);
+    // A constant channel has no outliers: its normalized distances are all 0.
+    inv_sd[c] = var > 0 ? float(1.0 / std::sqrt(var)) : 0.f;
+  }
+  for (int t = 0; t < n; ++t) {
+    uint8_t* idx = oidx + size_t(t) * k;
+    if (sink[t]) {
+      std::memset(idx, 0, size_t(k));
+      continue;
+    }
+    for (int j = 0; j < k; ++j) {
+      float best = -1.f;
+      int bc = 0;
+      for (int c = 0; c < D; ++c) {
+        const float z = std::fabs(kv_sanitize(x[size_t(t) * stride + c]) - mean[c]) * inv_sd[c];
+        if (z > best && !is_outlier(idx, j, c)) {
+          best = z;
+          bc = c;
+        }
+      }
+      idx[j] = uint8_t(bc);
+    }
+  }
+  for (int c = 0; c < D; ++c) {
+    float mn = INFINITY, mx = -INFINITY;
+    for (int t = 0; t < n; ++t) {
+      if (sink[t] || is_outlier(oidx + size_t(t) * k, k, c)) continue;
+      const float v = kv_sanitize(x[size_t(t) * stride + c]);
+      mn = std::min(mn, v);
+      mx = std::max(mx, v);
+    }
+    if (mn > mx) mn = mx = mean[c];  // every entry was a sink or an outlier
+    scale16[c] = f32_to_f16(0.5f * (mx - mn));
+    mid16[c] = f32_to_f16(0.5f * mx + 0.5f * mn);
+  }
+}
+
+inline int nearest_code(const float* thr, int n_thr, float u) {
+  int code = 0;
+  while (code < n_thr && u > thr[code]) ++code;
+  return code;
+}
+
+void check_codebook(const char* name, const std::vector<float>& cb, int bits) {
+  if (cb.size() != size_t(1) << bits)
+    fail("{}: codebook has {} entries, {} bits need {}", name, cb.size(), bits, 1 << bits);
+  for (size_t i = 0; i < cb.size(); ++i) {
+    if (!std::isfinite(cb[i]) || cb[i] < -1.f || cb[i] > 1.f)
+      fail("{}: codebook entry {} = {} is outside [-1, 1]", name, i, cb[i]);
+    if (i > 0 && !(cb[i] > cb[i - 1]))
+      fail("{}: codebook entries must be strictly ascending (entry {} = {} after {})", name, i,
+           cb[i], cb[i - 1]);
+  }
+}
+
+int default_outliers(int head_dim) {
+  return int(std::ceil(kvquant_default_outlier_fraction * head_dim - 1e-9));
+}
+
+// ---------------------------------------------------------------- codec
+
+class KvquantKeyCodec final : public KvCodec {
+ public:
+  explicit KvquantKeyCodec(const KvquantKeyConfig& c) : cfg_(c) {
+    info_.name = c.name;
+    info_.code_bits = c.bits;
+    info_.group_tokens = c.group_tokens;
+    info_.residual_tokens = c.residual_tokens;
+    info_.pre_rope = true;
+    k_ = c.outliers_per_token;
+    std::fill(std::begin(cb_), std::end(cb_), 0.f);
+    for (size_t i = 0; i < c.codebook.size(); ++i) cb_[i] = c.codebook[i];
+    n_thr_ = int(c.codebook.size()) - 1;
+    for (int i = 0; i < n_thr_; ++i) thr_[i] = 0.5f * (cb_[i] + cb_[i + 1]);
+  }
+  const KvCodecInfo& info() const override { return info_; }
+  int head_dim() const override { return cfg_.head_dim; }
+
+  size_t row_bytes() const { return bitplane_row_bytes(cfg_.bits, cfg_.head_dim); }
+  size_t sink_bytes() const { return size_t(cfg_.sink_tokens) * cfg_.head_dim * 2; }
+  size_t group_bytes() const {
+    return size_t(cfg_.head_dim) * 4 + size_t(cfg_.group_tokens) * (row_bytes() + size_t(k_) * 3);
+  }
+  size_t block_bytes(int block_tokens) const override {
+    kv_check_block_tokens(info_.name, block_tokens, cfg_.group_tokens);
+    return sink_bytes() + size_t(block_tokens / cfg_.group_tokens) * group_bytes();
+  }
+
+  void encode(int, const float* src, size_t src_stride, int n, uint8_t* block, int block_tokens,
+              int t0, int pos0) const override {
+    kv_check_block_tokens(info_.name, block_tokens, cfg_.group_tokens);
+    kv_check_encode_range(info_.name, block_tokens, cfg_.group_tokens, t0, n);
+    const int D = cfg_.head_dim, G = cfg_.group_tokens, k = k_;
+    uint8_t sink[kvg_max_head_dim];  // G <= block_tokens <= 256 in practice; checked below
+    uint8_t codes[kvg_max_head_dim];
+    if (G > kvg_max_head_dim) fail("{}: group_tokens {} is too large", info_.name, G);
+    for (int g0 = 0; g0 < n; g0 += G) {
+      const int tb = t0 + g0;  // first slot of the group
+      uint8_t* grp = block + sink_bytes() + size_t(tb / G) * group_bytes();
+      uint8_t* rows = grp + size_t(D) * 4;
+      uint8_t* ovals = rows + size_t(G) * row_bytes();
+      uint8_t* oidx = ovals + size_t(G) * k * 2;
+      const float* x = src + size_t(g0) * src_stride;
+      for (int t = 0; t < G; ++t) {
+        const long pos = long(pos0) + tb + t;
+        sink[t] = pos >= 0 && pos < cfg_.sink_tokens;
+        if (sink[t]) {
+          uint8_t* srow = block + size_t(pos) * D * 2;
+          for (int c = 0; c < D; ++c)
+            kvg_store_f16(srow, c, f32_to_f16(kv_sanitize(x[size_t(t) * src_stride + c])));
+        }
+      }
+      f16_t sc16[kvg_max_head_dim], mid16[kvg_max_head_dim];
+      group_stats(x, src_stride, G, D, sink, k, oidx, sc16, mid16);
+      float inv[kvg_max_head_dim], mid[kvg_max_head_dim];
+      for (int c = 0; c < D; ++c) {
+        kvg_store_f16(grp, c, sc16[c]);
+        kvg_store_f16(grp, D + c, mid16[c]);
+        const float s = f16_to_f32(sc16[c]);
+        inv[c] = s > 0 ? 1.f / s : 0.f;
+        mid[c] = f16_to_f32(mid16[c]);
+      }
+      for (int t = 0; t < G; ++t) {
+        const float* xr = x + size_t(t) * src_stride;
+        if (sink[t]) {
+          std::memset(codes, 0, size_t(D));
+        } else {
+          for (int c = 0; c < D; ++c)
+            codes[c] = uint8_t(nearest_code(thr_, n_thr_, (kv_sanitize(xr[c]) - mid[c]) * inv[c]));
+        }
+        bitplane_pack(codes, cfg_.bits, D, rows + size_t(t) * row_bytes());
+        for (int j = 0; j < k; ++j) {
+          const int c = oidx[size_t(t) * k + j];
+          kvg_store_f16(ovals, size_t(t) * k + j, sink[t] ? f16_t(0) : f32_to_f16(kv_sanitize(xr[c])));
+        }
+      }
+    }
+  }
+
+  // Pre-RoPE key of slot t into out (head_dim); sc/mid hold the f32 scales of t's group.
+  void dequant_pre_rope(const KvquantKernels& kk, const uint8_t* block, int t, int pos,
+                        const float* sc, const float* mid, float* out) const {
+    const int D = cfg_.head_dim, G = cfg_.group_tokens, k = k_;
+    if (pos >= 0 && pos < cfg_.sink_tokens) {
+      const uint8_t* srow = block + size_t(pos) * D * 2;
+      for (int c = 0; c < D; ++c) out[c] = f16_to_f32(kvg_load_f16(srow, c));
+      return;
+    }
+    const uint8_t* grp = block + sink_bytes() + size_t(t / G) * group_bytes();
+    const uint8_t* rows = grp + size_t(D) * 4;
+    const uint8_t* ovals = rows + size_t(G) * row_bytes();
+    const uint8_t* oidx = ovals + size_t(G) * k * 2;
+    const int r = t % G;
+    kk.dequant(rows + size_t(r) * row_bytes(), cfg_.bits, D, cb_, sc, mid, out);
+    for (int j = 0; j < k; ++j)
+      out[oidx[size_t(r) * k + j]] = f16_to_f32(kvg_load_f16(ovals, size_t(r) * k + j));
+  }
+
+  void load_group(const uint8_t* block, int g, float* sc, float* mid) const {
+    const int D = cfg_.head_dim;
+    const uint8_t* grp = block + sink_bytes() + size_t(g) * group_bytes();
+    for (int c = 0; c < D; ++c) {
+      sc[c] = f16_to_f32(kvg_load_f16(grp, c));
+      mid[c] = f16_to_f32(kvg_load_f16(grp, D + c));
+    }
+  }
+
+  void decode(int, const uint8_t* block, int block_tokens, int t0, int n, int pos0,
+              float* dst) const override {
+    kv_check_block_tokens(info_.name, block_tokens, cfg_.group_tokens);
+    const int D = cfg_.head_dim, G = cfg_.group_tokens;
+    float sc[kvg_max_head_dim], mid[kvg_max_head_dim];
+    for (int i = 0; i < n; ++i) {
+      const int t = t0 + i;
+      load_group(block, t / G, sc, mid);
+      float* out = dst + size_t(i) * D;
+      dequant_pre_rope(kvquant_kernels_scalar(), block, t, pos0 + t, sc, mid, out);
+      kv_rope_apply(cfg_.rope, pos0 + t, out, D);
+    }
+  }
+
+  void scores(int, const float* qp, int n_q, const uint8_t* block, int block_tokens, int t0, int n,
+              int pos0, float* out, int out_stride) const override {
+    kv_check_block_tokens(info_.name, block_tokens, cfg_.group_tokens);
+    const KvquantKernels& kk = kvquant_kernels();
+    const int D = cfg_.head_dim, G = cfg_.group_tokens;
+    alignas(64) float key[kvg_max_head_dim];
+    float sc[kvg_max_head_dim], mid[kvg_max_head_dim];
+    RopeWalker rw(cfg_.rope, pos0 + t0);
+    int loaded = -1;
+    for (int i = 0; i < n; ++i) {
+      const int t = t0 + i;
+      if (t / G != loaded) {
+        loaded = t / G;
+        load_group(block, loaded, sc, mid);
+      }
+      if (i > 0 && rw.half > 0) rw.step();
+      dequant_pre_rope(kk, block, t, pos0 + t, sc, mid, key);
+      if (rw.half > 0) rope_rotate(key, rw.cf, rw.sf, cfg_.rope.n_rot, cfg_.rope.neox);
+      kk.dot(qp, n_q, key, D, out + i, out_stride);
+    }
+  }
+
+  void accumulate(int head, const float* p, int p_stride, int n_q, const uint8_t* block,
+                  int block_tokens, int t0, int n, float* acc) const override {
+    // A key codec used for values: no positions reach accumulate(), so slot positions are taken
+    // from 0 (only meaningful without RoPE).
+    kv_accumulate_via_decode(*this, head, p, p_stride, n_q, block, block_tokens, t0, n, 0, acc);
+  }
+
+ private:
+  static const KvquantKernels& kvquant_kernels_scalar() {
+    static const KvquantKernels s{kvquant_dequant_scalar, kvquant_dot_scalar};
+    return s;
+  }
+  KvquantKeyConfig cfg_;
+  KvCodecInfo info_;
+  int k_ = 0;
+  float cb_[16];
+  float thr_[15];
+  int n_thr_ = 0;
+};
+
+// 1-D Lloyd-Max on sorted samples: prefix sums make each iteration O(levels * log n).
+std::vector<float> lloyd_1d(const std::vector<float>& sorted, int levels, double* mse_out) {
+  const size_t n = sorted.size();
+  std::vector<double> pre(n + 1, 0.0), pre2(n + 1, 0.0);
+  for (size_t i = 0; i < n; ++i) {
+    pre[i + 1] = pre[i] + sorted[i];
+    pre2[i + 1] = pre2[i] + double(sorted[i]) * sorted[i];
+  }
+  std::vector<double> cb(levels);
+  for (int j = 0; j < levels; ++j) cb[j] = sorted[std::min(n - 1, size_t((j + 0.5) / levels * n))];
+  std::vector<size_t> lo(levels + 1);
+  for (int it = 0; it < 200; ++it) {
+    lo[0] = 0;
+    lo[levels] = n;
+    for (int j = 1; j < levels; ++j) {
+      const float thr = float(0.5 * (cb[j - 1] + cb[j]));
+      lo[j] = size_t(std::upper_bound(sorted.begin(), sorted.end(), thr) - sorted.begin());
+    }
+    double moved = 0;
+    for (int j = 0; j < levels; ++j) {
+      const size_t a = lo[j], b = lo[j + 1];
+      if (b > a) {
+        const double c = (pre[b] - pre[a]) / double(b - a);
+        moved = std::max(moved, std::fabs(c - cb[j]));
+        cb[j] = c;
+      }
+    }
+    // Keep levels distinct when a cell emptied (tiny or degenerate calibration sets).
+    for (int j = 1; j < levels; ++j) cb[j] = std::max(cb[j], cb[j - 1] + 1e-6);
+    if (moved < 1e-7) break;
+  }
+  double err = 0;
+  for (int j = 0; j < levels; ++j) {
+    const size_t a = lo[j], b = lo[j + 1];
+    const double m = double(b - a);
+    err += (pre2[b] - pre2[a]) - 2 * cb[j] * (pre[b] - pre[a]) + m * cb[j] * cb[j];
+  }
+  *mse_out = n ? err / double(n) : 0.0;
+  std::vector<float> out(levels);
+  for (int j = 0; j < levels; ++j) out[j] = float(std::clamp(cb[j], -1.0, 1.0));
+  return out;
+}
+
+std::vector<float> codebook_from_calib(const char* name, const nlohmann::json* calib, int layer,
+                                       int bits) {
+  if (!calib || !calib->is_object() || !calib->contains("layers")) return {};
+  const auto& layers = (*calib)["layers"];
+  if (!layers.is_array()) fail("{}: calibration \"layers\" must be an array", name);
+  const nlohmann::json* entry = nullptr;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto& e = layers[i];
+    if (!e.is_object()) fail("{}: calibration layers[{}] must be an object", name, i);
+    if (e.contains("layer") ? (e["layer"].is_number_integer() && e["layer"].get<long>() == layer)
+                            : long(i) == layer) {
+      entry = &e;
+      break;
+    }
+  }
+  const std::string key = "kvquant_k" + std::to_string(bits);
+  if (!entry || !entry->contains(key)) return {};
+  const auto& a = (*entry)[key];
+  if (!a.is_object() || !a.contains("codebook") || !a["codebook"].is_array())
+    fail("{}: calibration layer {} \"{}\" needs a \"codebook\" array", name, layer, key);
+  std::vector<float> cb;
+  for (const auto& v : a["codebook"]) {
+    if (!v.is_number()) fail("{}: calibration layer {} \"{}\".codebook holds a non-number", name, layer, key);
+    cb.push_back(v.get<float>());
+  }
+  check_codebook(name, cb, bits);
+  return cb;
+}
+
+void check_rope(const char* name, const KvRope& r, int head_dim) {
+  if (r.n_rot < 0 || r.n_rot % 2 != 0 || r.n_rot > head_dim)
+    fail("{}: rope n_rot {} must be even and in [0, head_dim {}]", name, r.n_rot, head_dim);
+  if (r.n_rot > 0 && (!(r.freq_base > 1.f) || !std::isfinite(r.freq_base) ||
+                      !(r.freq_scale > 0.f) || !std::isfinite(r.freq_scale)))
+    fail("{}: rope freq_base {} must be > 1 and freq_scale {} > 0", name, r.freq_base,
+         r.freq_scale);
+}
+
+}  // namespace
+
+std::unique_ptr<KvCodec> kvquant_key_codec_create(const KvquantKeyConfig& c0) {
+  KvquantKeyConfig c = c0;
+  const char* name = c.name.c_str();
+  if (c.bits < 2 || c.bits > 4) fail("{}: bits must be 2, 3 or 4 (got {})", name, c.bits);
+  kv_check_grouped_params(name, c.head_dim, c.group_tokens, c.residual_tokens);
+  if (c.head_dim > 256)
+    fail("{}: head_dim {} > 256 (outlier channels are stored as one byte)", name, c.head_dim);
+  if (c.group_tokens > 256) fail("{}: group_tokens {} > 256", name, c.group_tokens);
+  if (c.sink_tokens < 0 || c.sink_tokens > 1024)
+    fail("{}: sink_tokens must be in [0, 1024] (got {})", name, c.sink_tokens);
+  if (c.outliers_per_token < 0) c.outliers_per_token = default_outliers(c.head_dim);
+  if (c.outliers_per_token > c.head_dim / 8)
+    fail("{}: outliers_per_token {} exceeds head_dim / 8 = {}", name, c.outliers_per_token,
+         c.head_dim / 8);
+  check_rope(name, c.rope, c.head_dim);
+  if (c.codebook.empty()) c.codebook = kvquant_default_codebook(c.bits);
+  check_codebook(name, c.codebook, c.bits);
+  return std::make_unique<KvquantKeyCodec>(c);
+}
+
+nlohmann::json kvquant_fit(const float* keys, int n_tokens, int n_kv_heads, int head_dim, int bits,
+                           int group_tokens, int sink_tokens, int outliers_per_token) {
+  if (bits < 2 || bits > 4) fail("kvquant_fit: bits must be 2, 3 or 4 (got {})", bits);
+  if (head_dim <= 0 || head_dim % 16 != 0 || head_dim > 256)
+    fail("kvquant_fit: head_dim {} must be a multiple of 16 in [16, 256]", head_dim);
+  if (n_kv_heads < 1) fail("kvquant_fit: n_kv_heads must be >= 1 (got {})", n_kv_heads);
+  if (group_tokens < 2 || group_tokens > 256)
+    fail("kvquant_fit: group_tokens must be in [2, 256] (got {})", group_tokens);
+  if (sink_tokens < 0) fail("kvquant_fit: sink_tokens must be >= 0 (got {})", sink_tokens);
+  if (n_tokens < sink_tokens + group_tokens)
+    fail("kvquant_fit: {} tokens are fewer than one group of {} after {} sink tokens", n_tokens,
+         group_tokens, sink_tokens);
+  const int k = outliers_per_token < 0 ? default_outliers(head_dim) : outliers_per_token;
+  if (k > head_dim / 8) fail("kvquant_fit: outliers_per_token {} exceeds head_dim / 8", k);
+  const size_t total = size_t(n_tokens) * n_kv_heads * head_dim;
+  for (size_t i = 0; i < total; ++i)
+    if (!std::isfinite(keys[i])) fail("kvquant_fit: calibration key {} is not finite", i);
+
+  const size_t stride = size_t(n_kv_heads) * head_dim;
+  std::vector<float> samples;
+  samples.reserve(total);
+  std::vector<uint8_t> oidx(size_t(group_tokens) * std::max(k, 1));
+  uint8_t sink[256];
+  f16_t sc16[kvg_max_head_dim], mid16[kvg_max_head_dim];
+  for (int h = 0; h < n_kv_heads; ++h) {
+    for (int g0 = 0; g0 + group_tokens <= n_tokens; g0 += group_tokens) {
+      const float* x = keys + size_t(g0) * stride + size_t(h) * head_dim;
+      for (int t = 0; t < group_tokens; ++t) sink[t] = g0 + t < sink_tokens;
+      group_stats(x, stride, group_tokens, head_dim, sink, k, oidx.data(), sc16, mid16);
+      for (int t = 0; t < group_tokens; ++t) {
+        if (sink[t]) continue;
+        for (int c = 0; c < head_dim; ++c) {
+          const float s = f16_to_f32(sc16[c]);
+          if (!(s > 0) || is_outlier(oidx.data() + size_t(t) * k, k, c)) continue;
+          const float u = (kv_sanitize(x[size_t(t) * stride + c]) - f16_to_f32(mid16[c])) / s;
+          samples.push_back(std::clamp(u, -1.f, 1.f));
+        }
+      }
+    }
+  }
+  if (samples.size() < size_t(1) << bits)
+    fail("kvquant_fit: only {} usable samples (constant keys?), need at least {}", samples.size(),
+         1 << bits);
+  std::sort(samples.begin(), samples.end());
+  double mse = 0;
+  std::vector<float> cb = lloyd_1d(samples, 1 << bits, &mse);
+  nlohmann::json art;
+  art["codebook"] = cb;
+  art["group_tokens"] = group_tokens;
+  art["outliers_per_token"] = k;
+  art["sink_tokens"] = sink_tokens;
+  art["n_samples"] = samples.size();
+  art["mse"] = mse;
+  nlohmann::json out;
+  out["kvquant_k" + std::to_string(bits)] = art;
+  return out;
+}
+
+const std::vector<float>& kvquant_default_codebook(int bits) {
+  static std::vector<float> cbs[5];
+  static std::once_flag once[5];
+  KVQ_CHECK(bits >= 2 && bits <= 4, "bits {}", bits);
+  std::call_once(once[bits], [bits] {
+    // Standard-normal keys, fitted through the same normalization as real calibration data.
+    constexpr int n_tok = 1024, D = 128;
+    std::vector<float> keys(size_t(n_tok) * D);
+    std::mt19937_64 rng(0x6b7671 + bits);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (float& v : keys) v = nd(rng);
+    const auto art = kvquant_fit(keys.data(), n_tok, 1, D, bits, kvquant_default_group_tokens, 0);
+    cbs[bits] = art.begin().value()["codebook"].get<std::vector<float>>();
+  });
+  return cbs[bits];
+}
+
+void kv_register_kvquant() {
+  for (int bits : {2, 3, 4}) {
+    const std::string kname = "kvquant" + std::to_string(bits) + "_k";
+    const std::string vname = "kvquant" + std::to_string(bits) + "_v";
+    kv_register_codec(
+        {kname,
+         fmt::format("KVQuant-style keys: {}-bit nuq per channel before RoPE, 1% dense-and-sparse "
+                     "outliers, exact sink token (G=32, R=0)",
+                     bits),
+         [bits, kname](const KvCodecParams& p) {
+           KvquantKeyConfig c;
+           c.bits = bits;
+           c.head_dim = p.head_dim;
+           c.name = kname;
+           c.rope = p.rope;
+           kv_resolve_grouped(kname.c_str(), p, kvquant_default_group_tokens,
+                              kvquant_default_residual_tokens, &c.group_tokens, &c.residual_tokens);
+           c.codebook = codebook_from_calib(kname.c_str(), p.calib, p.layer, bits);
+           return kvquant_key_codec_create(c);
+         }});
+    kv_register_codec(
+        {vname,
+         fmt::format("values for the KVQuant formats: {}-bit per token, groups of 32 channels "
+                     "(KIVI value layout; G=32, R=0)",
+                     bits),
+         [bits, vname](const KvCodecParams& p) {
+           KiviConfig c;
+           c.role = KvRole::value;
+           c.bits = bits;
+           c.head_dim = p.head_dim;
+           c.name = vname;
+           kv_resolve_grouped(vname.c_str(), p, kvquant_default_group_tokens,
+                              kvquant_default_residual_tokens, &c.group_tokens, &c.residual_tokens);
+           return kivi_codec_create(c);
+         }});
+    kv_register_format({"kvquant" + std::to_string(bits),
+                        {"kvquant-" + std::to_string(bits)},
+                        kname,
+                        vname,
+                        fmt::format("KVQuant-style {}-bit: pre-RoPE per-channel nuq keys with "
+                                    "outliers and sink, per-token values (Hooper et al. 2024)",
+                                    bits)});
+  }
+}
+
+}  // namespace kvq

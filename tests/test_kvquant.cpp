@@ -1,0 +1,425 @@
+// KVQuant-style keys: pre-RoPE per-channel nuq with dense-and-sparse outliers and an exact sink.
+// Checks the properties the method rests on (pre-RoPE beats post-RoPE on outlier channels,
+// outliers kept exact reduce error, fitted codebooks beat uniform levels, the sink is exact),
+// RoPE-after-dequantization, kernel parity on every CPU level, sizes and validation.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/cpu.h"
+#include "core/error.h"
+#include "kv/kivi.h"
+#include "kv/kvquant.h"
+#include "kvq/kv_format.h"
+
+using namespace kvq;
+
+namespace {
+
+std::vector<float> gaussian(int n, int d, uint64_t seed, float sd = 1.f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.f, sd);
+  std::vector<float> x(size_t(n) * d);
+  for (float& v : x) v = nd(rng);
+  return x;
+}
+
+// Independent RoPE reference: angle computed directly in double per (position, pair).
+void rope_ref(const KvRope& r, int pos, float* x) {
+  const int half = r.n_rot / 2;
+  for (int i = 0; i < half; ++i) {
+    const double a = double(pos) * r.freq_scale * std::pow(double(r.freq_base), -2.0 * i / r.n_rot);
+    const int ia = r.neox ? i : 2 * i, ib = r.neox ? i + half : 2 * i + 1;
+    const double x0 = x[ia], x1 = x[ib];
+    x[ia] = float(x0 * std::cos(a) - x1 * std::sin(a));
+    x[ib] = float(x0 * std::sin(a) + x1 * std::cos(a));
+  }
+}
+
+std::vector<float> encode_decode(const KvCodec& c, const std::vector<float>& x, int bt, int pos0) {
+  const int d = c.head_dim();
+  std::vector<uint8_t> block(c.block_bytes(bt));
+  c.encode(0, x.data(), d, bt, block.data(), bt, 0, pos0);
+  std::vector<float> y(x.size());
+  c.decode(0, block.data(), bt, 0, bt, pos0, y.data());
+  return y;
+}
+
+double mse(const std::vector<float>& a, const std::vector<float>& b, int skip_rows = 0, int d = 1) {
+  double e = 0;
+  for (size_t i = size_t(skip_rows) * d; i < a.size(); ++i) e += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+  return e / double(a.size() - size_t(skip_rows) * d);
+}
+
+std::vector<CpuLevel> levels() {
+  std::vector<CpuLevel> v{CpuLevel::scalar};
+  const CpuLevel prev = cpu_set_level(CpuLevel::avx512);
+  const CpuLevel top = cpu_level();
+  cpu_set_level(prev);
+  if (top >= CpuLevel::avx2) v.push_back(CpuLevel::avx2);
+  if (top >= CpuLevel::avx512) v.push_back(CpuLevel::avx512);
+  return v;
+}
+
+KvRope llama_rope(int n_rot, bool neox = false) {
+  KvRope r;
+  r.n_rot = n_rot;
+  r.freq_base = 10000.f;
+  r.neox = neox;
+  return r;
+}
+
+}  // namespace
+
+TEST(Kvquant, RegisteredCodecsAndFormats) {
+  for (int b : {2, 3, 4}) {
+    const auto& f = kv_format_find("kvquant" + std::to_string(b));
+    EXPECT_EQ(f.k_codec, "kvquant" + std::to_string(b) + "_k");
+    KvCodecParams p;
+    p.head_dim = 128;
+    p.rope = llama_rope(128);
+    auto k = kv_codec_create(f.k_codec, p);
+    auto v = kv_codec_create(f.v_codec, p);
+    EXPECT_TRUE(k->info().pre_rope);
+    EXPECT_FALSE(v->info().pre_rope);
+    // K and V of a token leave the full-precision tail together.
+    EXPECT_EQ(k->info().group_tokens, v->info().group_tokens);
+    EXPECT_EQ(k->info().residual_tokens, v->info().residual_tokens);
+    EXPECT_EQ(k->info().code_bits, b);
+  }
+}
+
+// Bytes: sink rows + per group (2 f16 per channel + codes + k outliers x (f16 + u8)).
+TEST(Kvquant, BlockBytesCountEverything) {
+  for (int b : {2, 3, 4})
+    for (int d : {64, 128, 256})
+      for (int s : {0, 1, 4}) {
+        KvquantKeyConfig c;
+        c.bits = b;
+        c.head_dim = d;
+        c.sink_tokens = s;
+        auto k = kvquant_key_codec_create(c);
+        const int kk = int(std::ceil(0.01 * d));
+        for (int bt : {32, 128, 256}) {
+          const size_t expect = size_t(s) * d * 2 + size_t(bt / 32) * (size_t(d) * 4 + 32 * (size_t(b) * d / 8 + 3 * kk));
+          ASSERT_EQ(k->block_bytes(bt), expect);
+          std::vector<uint8_t> buf(expect + 32, 0x5a);
+          auto x = gaussian(bt, d, 1);
+          k->encode(0, x.data(), d, bt, buf.data(), bt, 0, 0);
+          for (size_t i = expect; i < buf.size(); ++i) ASSERT_EQ(buf[i], 0x5a);
+          EXPECT_DOUBLE_EQ(kv_codec_effective_bits(*k, bt, 0), 8.0 * double(expect) / (double(bt) * d));
+        }
+      }
+  // The defaults at head_dim 128, 128-token pages: 3 + 1 (scales) + 0.375 (2 outliers) + 0.125 (sink).
+  KvCodecParams p;
+  p.head_dim = 128;
+  auto k3 = kv_codec_create("kvquant3_k", p);
+  EXPECT_DOUBLE_EQ(kv_codec_effective_bits(*k3, 128, 0), 4.5);
+}
+
+TEST(Kvquant, SinkTokenIsExact) {
+  const int d = 64, bt = 32;
+  auto x = gaussian(bt, d, 2);
+  for (int c = 0; c < d; ++c) x[c] = 300.f + float(c);  // a huge first token, f16-exact
+  for (int n_rot : {0, 64}) {
+    KvquantKeyConfig cfg;
+    cfg.head_dim = d;
+    cfg.rope = llama_rope(n_rot);
+    auto k = kvquant_key_codec_create(cfg);
+    auto y = encode_decode(*k, x, bt, 0);
+    std::vector<float> want(x.begin(), x.begin() + d);
+    rope_ref(cfg.rope, 0, want.data());
+    for (int c = 0; c < d; ++c) ASSERT_EQ(y[c], want[c]);
+    // The sink does not widen the other tokens' channel ranges.
+    cfg.sink_tokens = 0;
+    auto k0 = kvquant_key_codec_create(cfg);
+    auto y0 = encode_decode(*k0, x, bt, 0);
+    std::vector<float> xr = x;
+    for (int t = 0; t < bt; ++t) rope_ref(cfg.rope, t, xr.data() + size_t(t) * d);
+    EXPECT_LT(mse(xr, y, 1, d), 0.2 * mse(xr, y0, 1, d));
+    // The same block further into the sequence has no sink: position, not slot, decides.
+    auto y_far = encode_decode(*k, x, bt, 64);
+    EXPECT_NE(y_far[0], x[0]);
+  }
+}
+
+TEST(Kvquant, RopeAfterDequantEqualsRopeOfDequantized) {
+  const int d = 128, bt = 64;
+  auto x = gaussian(bt, d, 3);
+  for (bool neox : {false, true})
+    for (int n_rot : {128, 64}) {
+      for (int pos0 : {0, 4096, 1000000}) {
+        KvquantKeyConfig plain;
+        plain.head_dim = d;
+        plain.rope.n_rot = 0;
+        KvquantKeyConfig roped = plain;
+        roped.rope = llama_rope(n_rot, neox);
+        roped.rope.freq_scale = 0.5f;
+        auto a = encode_decode(*kvquant_key_codec_create(plain), x, bt, pos0);
+        auto b = encode_decode(*kvquant_key_codec_create(roped), x, bt, pos0);
+        for (int t = 0; t < bt; ++t) {
+          float* row = a.data() + size_t(t) * d;
+          rope_ref(roped.rope, pos0 + t, row);
+          for (int c = 0; c < d; ++c) ASSERT_NEAR(b[size_t(t) * d + c], row[c], 2e-5f * (1 + std::fabs(row[c])));
+          for (int c = n_rot; c < d; ++c) ASSERT_EQ(b[size_t(t) * d + c], row[c]);  // unrotated dims
+        }
+        // kv_rope_apply (what the engine uses for q and the tail) agrees with the reference.
+        std::vector<float> r1(x.begin(), x.begin() + d), r2 = r1;
+        kv_rope_apply(roped.rope, pos0 + 7, r1.data(), d);
+        rope_ref(roped.rope, pos0 + 7, r2.data());
+        for (int c = 0; c < d; ++c) ASSERT_NEAR(r1[c], r2[c], 1e-5f);
+      }
+    }
+}
+
+// Keys whose outlier channels carry a large, slowly varying magnitude: before RoPE a channel's
+// range over a group is narrow; RoPE rotates the outlier into its pair partner with a
+// position-dependent angle, so after RoPE both channels of the pair swing over the full range.
+TEST(Kvquant, PreRopeBeatsPostRopeOnOutlierChannels) {
+  const int d = 128, bt = 128;
+  auto x = gaussian(bt, d, 4);
+  for (int t = 0; t < bt; ++t)
+    for (int c : {2, 10, 30, 31, 50})  // pairs (2,3), (10,11), (30,31), (50,51): fast-turning
+      x[size_t(t) * d + c] = 25.f + 2.f * x[size_t(t) * d + c];
+  const KvRope rope = llama_rope(d);
+  std::vector<float> post = x;
+  for (int t = 0; t < bt; ++t) rope_ref(rope, 100 + t, post.data() + size_t(t) * d);
+  for (int bits : {2, 3, 4}) {
+    KvquantKeyConfig pre_cfg;
+    pre_cfg.bits = bits;
+    pre_cfg.head_dim = d;
+    pre_cfg.rope = rope;
+    pre_cfg.sink_tokens = 0;
+    KvquantKeyConfig post_cfg = pre_cfg;
+    post_cfg.rope.n_rot = 0;  // plain per-channel quantization of the rotated keys
+    const double e_pre = mse(post, encode_decode(*kvquant_key_codec_create(pre_cfg), x, bt, 100));
+    const double e_post = mse(post, encode_decode(*kvquant_key_codec_create(post_cfg), post, bt, 100));
+    std::printf("bits %d: key mse pre-RoPE %.4g, post-RoPE %.4g\n", bits, e_pre, e_post);
+    EXPECT_LT(e_pre, 0.6 * e_post) << bits;
+  }
+}
+
+TEST(Kvquant, DenseAndSparseReducesErrorOnOutliers) {
+  const int d = 128, bt = 128;
+  auto x = gaussian(bt, d, 5);
+  std::mt19937_64 rng(6);
+  std::uniform_int_distribution<int> ch(0, d - 1);
+  for (int t = 0; t < bt; ++t) x[size_t(t) * d + ch(rng)] *= 40.f;  // one spike per token
+  for (int bits : {2, 3, 4}) {
+    KvquantKeyConfig dense;
+    dense.bits = bits;
+    dense.head_dim = d;
+    dense.sink_tokens = 0;
+    dense.outliers_per_token = 0;
+    KvquantKeyConfig sparse = dense;
+    sparse.outliers_per_token = -1;  // default: ceil(1% of 128) = 2
+    const double e_dense = mse(x, encode_decode(*kvquant_key_codec_create(dense), x, bt, 0));
+    const double e_sparse = mse(x, encode_decode(*kvquant_key_codec_create(sparse), x, bt, 0));
+    std::printf("bits %d: mse dense-only %.4g, dense-and-sparse %.4g\n", bits, e_dense, e_sparse);
+    EXPECT_LT(e_sparse, 0.5 * e_dense) << bits;
+  }
+}
+
+TEST(Kvquant, FittedCodebookBeatsUniformLevels) {
+  const int d = 128, n = 512;
+  auto x = gaussian(n, d, 8);
+  for (int bits : {2, 3, 4}) {
+    const auto art = kvquant_fit(x.data(), n / 2, 2, d, bits);  // the same data as (256, 2 heads)
+    const auto& a = art.at("kvquant_k" + std::to_string(bits));
+    auto cb = a.at("codebook").get<std::vector<float>>();
+    ASSERT_EQ(cb.size(), size_t(1) << bits);
+    for (size_t i = 1; i < cb.size(); ++i) ASSERT_GT(cb[i], cb[i - 1]);
+    EXPECT_GT(a.at("n_samples").get<size_t>(), size_t(n) * d * 9 / 10);
+    KvquantKeyConfig fitted;
+    fitted.bits = bits;
+    fitted.head_dim = d;
+    fitted.codebook = cb;
+    fitted.sink_tokens = 0;
+    KvquantKeyConfig uniform = fitted;
+    uniform.codebook.clear();
+    for (int j = 0; j < (1 << bits); ++j) uniform.codebook.push_back(-1.f + 2.f * j / float((1 << bits) - 1));
+    auto test = gaussian(256, d, 9);
+    const double e_fit = mse(test, encode_decode(*kvquant_key_codec_create(fitted), test, 256, 0));
+    const double e_uni = mse(test, encode_decode(*kvquant_key_codec_create(uniform), test, 256, 0));
+    std::printf("bits %d: codebook mse %.4g (normalized %.4g), uniform levels %.4g\n", bits, e_fit,
+                a.at("mse").get<double>(), e_uni);
+    EXPECT_LT(e_fit, e_uni) << bits;
+  }
+}
+
+TEST(Kvquant, CalibrationCodebookReachesTheCodec) {
+  const int d = 64, bt = 64;
+  std::vector<float> cb{-0.9f, -0.5f, -0.2f, -0.05f, 0.05f, 0.2f, 0.5f, 0.9f};
+  nlohmann::json calib;
+  calib["layers"] = nlohmann::json::array();
+  calib["layers"].push_back({{"layer", 0}, {"kvquant_k3", {{"codebook", std::vector<float>(8, 0.f)}}}});
+  calib["layers"].push_back({{"layer", 5}, {"kvquant_k3", {{"codebook", cb}}}});
+  KvCodecParams p;
+  p.head_dim = d;
+  p.layer = 5;
+  p.calib = &calib;
+  auto via_registry = kv_codec_create("kvquant3_k", p);
+  KvquantKeyConfig c;
+  c.head_dim = d;
+  c.codebook = cb;
+  auto direct = kvquant_key_codec_create(c);
+  auto x = gaussian(bt, d, 10);
+  EXPECT_EQ(encode_decode(*via_registry, x, bt, 0), encode_decode(*direct, x, bt, 0));
+  // Layer 0's codebook is malformed (not ascending): a clear error, not a crash.
+  p.layer = 0;
+  EXPECT_THROW(kv_codec_create("kvquant3_k", p), Error);
+  // A layer without an entry uses the default codebook.
+  p.layer = 3;
+  c.codebook.clear();
+  EXPECT_EQ(encode_decode(*kv_codec_create("kvquant3_k", p), x, bt, 0),
+            encode_decode(*kvquant_key_codec_create(c), x, bt, 0));
+  nlohmann::json bad = {{"layers", {{{"layer", 5}, {"kvquant_k3", {{"codebook", {0.1, 0.2}}}}}}}};
+  p.calib = &bad;
+  p.layer = 5;
+  EXPECT_THROW(kv_codec_create("kvquant3_k", p), Error);
+}
+
+TEST(Kvquant, KernelParityRandomAndAdversarial) {
+  std::mt19937_64 rng(12);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::normal_distribution<float> nd;
+  for (int d : {16, 128, 256}) {
+    for (int bits : {2, 3, 4}) {
+      std::vector<uint8_t> planes(bitplane_row_bytes(bits, d));
+      for (auto& b : planes) b = uint8_t(byte(rng));
+      float cb[16] = {};
+      for (int j = 0; j < (1 << bits); ++j) cb[j] = -1.f + 2.f * j / float((1 << bits) - 1);
+      std::vector<float> sc(d), mid(d);
+      for (int c = 0; c < d; ++c) {
+        sc[c] = c % 9 == 0 ? 1e4f : (c % 5 == 0 ? 0.f : std::fabs(nd(rng)) * (c % 7 == 0 ? 1e-7f : 1.f));
+        mid[c] = nd(rng) * (c % 11 == 0 ? 3e4f : 1.f);
+      }
+      std::vector<float> ref(d);
+      kvquant_dequant_scalar(planes.data(), bits, d, cb, sc.data(), mid.data(), ref.data());
+      const int n_q = 4;
+      auto q = gaussian(n_q, d, 13);
+      std::vector<float> dot_ref(n_q * 3), dot_abs(n_q * 3);
+      kvquant_dot_scalar(q.data(), n_q, ref.data(), d, dot_ref.data(), 3);
+      std::vector<float> qa(q.size()), ra(d);
+      for (size_t i = 0; i < q.size(); ++i) qa[i] = std::fabs(q[i]);
+      for (int c = 0; c < d; ++c) ra[c] = std::fabs(ref[c]);
+      kvquant_dot_scalar(qa.data(), n_q, ra.data(), d, dot_abs.data(), 3);
+#if defined(KVQ_HAVE_SIMD)
+      for (CpuLevel l : levels()) {
+        if (l == CpuLevel::scalar) continue;
+        const KvquantKernels kk = l == CpuLevel::avx2 ? KvquantKernels{kvquant_dequant_avx2, kvquant_dot_avx2}
+                                                      : KvquantKernels{kvquant_dequant_avx512, kvquant_dot_avx512};
+        std::vector<float> out(d), dots(n_q * 3);
+        kk.dequant(planes.data(), bits, d, cb, sc.data(), mid.data(), out.data());
+        for (int c = 0; c < d; ++c)
+          ASSERT_NEAR(out[c], ref[c], 1e-6f * (std::fabs(sc[c]) + std::fabs(mid[c])) + 1e-30f)
+              << cpu_level_name(l) << " d " << d << " bits " << bits << " c " << c;
+        kk.dot(q.data(), n_q, ref.data(), d, dots.data(), 3);
+        for (int i = 0; i < n_q; ++i) ASSERT_NEAR(dots[i * 3], dot_ref[i * 3], 1e-5f * dot_abs[i * 3]);
+      }
+#endif
+    }
+  }
+}
+
+// Fused scores on every CPU level equal <q, decode(k)> (RoPE walked by recurrence vs computed
+// directly), on random and adversarial keys, for spans that straddle groups and the sink.
+TEST(Kvquant, ScoresMatchDecodeAllLevels) {
+  const int d = 128, bt = 128, n_q = 4;
+  std::vector<std::vector<float>> cases;
+  cases.push_back(gaussian(bt, d, 14));
+  auto outl = gaussian(bt, d, 15);
+  for (int t = 0; t < bt; ++t) {
+    outl[size_t(t) * d + 6] = 60.f;     // constant outlier channel
+    outl[size_t(t) * d + 77] *= 500.f;  // huge channel
+  }
+  cases.push_back(outl);
+  cases.push_back(std::vector<float>(size_t(bt) * d, 0.f));
+  auto tiny = gaussian(bt, d, 16, 1e-5f);
+  cases.push_back(tiny);
+  auto huge = gaussian(bt, d, 17, 2e4f);
+  for (float& v : huge) v = std::clamp(v, -65504.f, 65504.f);
+  cases.push_back(huge);
+  for (int bits : {2, 3, 4})
+    for (bool neox : {false, true}) {
+      KvquantKeyConfig cfg;
+      cfg.bits = bits;
+      cfg.head_dim = d;
+      cfg.rope = llama_rope(96, neox);
+      cfg.sink_tokens = 2;
+      auto k = kvquant_key_codec_create(cfg);
+      for (const auto& x : cases) {
+        for (int pos0 : {0, 123456}) {
+          std::vector<uint8_t> block(k->block_bytes(bt));
+          k->encode(0, x.data(), d, bt, block.data(), bt, 0, pos0);
+          std::vector<float> dec(size_t(bt) * d);
+          k->decode(0, block.data(), bt, 0, bt, pos0, dec.data());
+          auto q = gaussian(n_q, d, 18);
+          const int t0 = 1, n = 100;
+          for (CpuLevel l : levels()) {
+            const CpuLevel prev = cpu_set_level(l);
+            std::vector<float> s(size_t(n_q) * n);
+            k->scores(0, q.data(), n_q, block.data(), bt, t0, n, pos0, s.data(), n);
+            cpu_set_level(prev);
+            for (int i = 0; i < n_q; ++i)
+              for (int t = 0; t < n; ++t) {
+                double r = 0, ra = 0;
+                for (int c = 0; c < d; ++c) {
+                  r += double(q[i * d + c]) * dec[size_t(t0 + t) * d + c];
+                  ra += std::fabs(double(q[i * d + c]) * dec[size_t(t0 + t) * d + c]);
+                }
+                ASSERT_NEAR(s[i * n + t], r, 2e-5 * ra + 1e-30) << cpu_level_name(l) << " bits " << bits;
+              }
+          }
+        }
+      }
+    }
+}
+
+TEST(Kvquant, BadParametersRejected) {
+  KvquantKeyConfig c;
+  c.bits = 1;
+  EXPECT_THROW(kvquant_key_codec_create(c), Error);
+  c.bits = 3;
+  c.head_dim = 512;  // outlier channels are one byte
+  EXPECT_THROW(kvquant_key_codec_create(c), Error);
+  c.head_dim = 120;
+  EXPECT_THROW(kvquant_key_codec_create(c), Error);
+  c.head_dim = 128;
+  c.rope.n_rot = 63;
+  EXPECT_THROW(kvquant_key_codec_create(c), Error);
+  c.rope.n_rot = 256;
+  EXPECT_THROW(kvquant_key_codec_create(c), Error);
+  c.rope.n_rot = 128;
+  c.rope.freq_base = 0.f;
+  EXPECT_THROW(kvquant_key_codec_create(c), Error);
+  c.rope.freq_base = 10000.f;
+  c.outliers_per_token = 17;
+  EXPECT_THROW(kvquant_key_codec_create(c), Error);
+  c.outliers_per_token = -1;
+  c.sink_tokens = -1;
+  EXPECT_THROW(kvquant_key_codec_create(c), Error);
+  c.sink_tokens = 1;
+  c.codebook = {0.5f, -0.5f, 0.f, 1.f, 0.1f, 0.2f, 0.3f, 0.4f};
+  EXPECT_THROW(kvquant_key_codec_create(c), Error);
+  c.codebook = {-2.f, -0.5f, 0.f, 0.1f, 0.2f, 0.3f, 0.4f, 1.f};
+  EXPECT_THROW(kvquant_key_codec_create(c), Error);
+  c.codebook.clear();
+  c.residual_tokens = 7;
+  EXPECT_THROW(kvquant_key_codec_create(c), Error);
+  c.residual_tokens = 0;
+  auto k = kvquant_key_codec_create(c);
+  EXPECT_THROW(k->block_bytes(48), Error);
+  std::vector<float> x(64 * 128, 0.f);
+  x[5] = NAN;
+  EXPECT_THROW(kvquant_fit(x.data(), 64, 1, 128, 3), Error);
+  EXPECT_THROW(kvquant_fit(x.data(), 16, 1, 128, 3), Error);  // fewer tokens than a group
+  EXPECT_THROW(kvquant_fit(x.data(), 64, 1, 100, 3), Error);
+  x[5] = 0.f;
+  EXPECT_THROW(kvquant_fit(x.data(), 64, 1, 128, 3), Error);  // all-constant: nothing to fit
+}
