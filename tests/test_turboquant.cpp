@@ -9,10 +9,13 @@
 #include <random>
 #include <vector>
 
+#include "attn/attention.h"
+#include "core/aligned.h"
 #include "core/cpu.h"
 #include "core/dtypes.h"
 #include "core/error.h"
 #include "kv/turboquant.h"
+#include "kvq/kv_format.h"
 
 using namespace kvq;
 
@@ -558,4 +561,78 @@ TEST(TqKernels, DispatchFollowsCpuLevel) {
     EXPECT_STREQ(tq_kernels_for(cpu_level()).name, "avx2");
   }
 #endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Registry
+
+TEST(TqRegistry, CodecsAndFormatsByName) {
+  for (const char* name : {"tq1", "tq2", "tq3", "tq4", "tq2.25", "tq2.5", "tq3.5", "tq2_qjl", "tq3_qjl",
+                           "tq4_qjl", "tq4_dense"}) {
+    auto c = kv_codec_create(name, params(128));
+    EXPECT_EQ(c->info().name, name);
+    EXPECT_TRUE(c->info().transforms_query && c->info().transforms_output);
+    EXPECT_DOUBLE_EQ(kv_codec_effective_bits(*c, 64, 1000), 8.0 * double(c->block_bytes(64)) / (64.0 * 128)) << name;
+  }
+  EXPECT_EQ(kv_format_find("tq3_qjl").k_codec, "tq3_qjl");
+  EXPECT_EQ(kv_format_find("tq3_qjl").v_codec, "tq3");  // values use the MSE variant
+  EXPECT_EQ(kv_format_find("k3v4").name, "tq_k3v4");
+  EXPECT_EQ(kv_format_find("tq_k8v4").k_codec, "int8");
+  EXPECT_EQ(kv_format_find("tq_k8v4").v_codec, "tq4");
+  EXPECT_EQ(kv_format_find("TQ3.5").k_codec, "tq3.5");
+  EXPECT_THROW(kv_codec_create("tq4", params(96)), Error);  // Hadamard needs a power of two
+  EXPECT_NO_THROW(kv_codec_create("tq4_dense", params(96)));
+}
+
+// The attention path uses prepare_query / scores / accumulate / finish_output; the reference
+// decodes every token. Same decoded K/V on both sides: only summation order differs.
+TEST(TqRegistry, FusedAttentionMatchesDecodeReference) {
+  const CpuLevel saved = cpu_set_level(CpuLevel::avx512);
+  for (CpuLevel lvl : {CpuLevel::scalar, CpuLevel::avx2, CpuLevel::avx512}) {
+    cpu_set_level(lvl);
+    for (const char* fmt : {"tq1", "tq2.5", "tq3.5", "tq4", "tq3_qjl", "tq4_dense", "tq_k8v4", "tq_k3v4"}) {
+      const KvFormatDesc& f = kv_format_find(fmt);
+      const int d = 128, bt = 32, n_blocks = 3, n_q = 5, n_tail = 4, head = 1;
+      auto kc = kv_codec_create(f.k_codec, params(d, 1, 2, KvRole::key));
+      auto vc = kv_codec_create(f.v_codec, params(d, 1, 2, KvRole::value));
+      std::mt19937_64 rng(17);
+      std::vector<std::vector<uint8_t>> kb(n_blocks), vb(n_blocks);
+      std::vector<KvBlockSpan> spans;
+      for (int b = 0; b < n_blocks; ++b) {
+        auto k = adversarial_rows(bt, d, rng), v = adversarial_rows(bt, d, rng);
+        for (auto& x : k) x *= 0.2f;  // keep softmax from collapsing onto one token
+        kb[size_t(b)].resize(kc->block_bytes(bt));
+        vb[size_t(b)].resize(vc->block_bytes(bt));
+        kc->encode(head, k.data(), size_t(d), bt, kb[size_t(b)].data(), bt, 0, b * bt);
+        vc->encode(head, v.data(), size_t(d), bt, vb[size_t(b)].data(), bt, 0, b * bt);
+        KvBlockSpan s;
+        s.k = kb[size_t(b)].data();
+        s.v = vb[size_t(b)].data();
+        s.block_tokens = bt;
+        s.pos0 = b * bt;
+        s.t0 = b == 0 ? 5 : 0;
+        s.n = b == n_blocks - 1 ? 11 : bt - s.t0;
+        spans.push_back(s);
+      }
+      auto tk = adversarial_rows(n_tail, d, rng), tv = adversarial_rows(n_tail, d, rng);
+      for (auto& x : tk) x *= 0.01f;
+      for (auto& x : tv) x *= 0.01f;
+      std::normal_distribution<float> nd;
+      std::vector<float> q(size_t(n_q) * size_t(d));
+      for (auto& x : q) x = nd(rng);
+      AttnParams ap;
+      ap.scale = 1.f / std::sqrt(float(d));
+      std::vector<float> out(q.size()), ref(q.size());
+      AlignedBuf<float> scratch(attn_scratch_floats(*kc, *vc, n_q, bt));
+      attn_decode(*kc, *vc, head, q.data(), n_q, spans.data(), int(spans.size()), tk.data(), tv.data(),
+                  size_t(d), n_tail, ap, out.data(), scratch.data());
+      attn_decode_ref(*kc, *vc, head, q.data(), n_q, spans.data(), int(spans.size()), tk.data(), tv.data(),
+                      size_t(d), n_tail, ap, ref.data());
+      double scale = 0;
+      for (float x : ref) scale = std::max(scale, double(std::fabs(x)));
+      for (size_t i = 0; i < out.size(); ++i)
+        ASSERT_NEAR(out[i], ref[i], 2e-5 * (1 + scale)) << fmt << " cpu " << cpu_level_name(lvl) << " i " << i;
+    }
+  }
+  cpu_set_level(saved);
 }

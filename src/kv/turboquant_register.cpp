@@ -1,0 +1,60 @@
+// Registry entries of the TurboQuant family: codecs tq1..tq4, fractional, prod (QJL), dense
+// rotation, and the formats built from them (including K/V-split presets).
+#include "kv/registry_internal.h"
+#include "kv/turboquant.h"
+
+namespace kvq {
+
+namespace {
+
+// Codec name of the basic library's per-token int8 (symmetric absmax per token and head), used as
+// the K half of k8v4.
+constexpr const char* kInt8Codec = "int8";
+
+void add_codec(const std::string& name, TqConfig cfg, const std::string& what) {
+  kv_register_codec({name, what, [name, cfg](const KvCodecParams& p) { return tq_codec_create(name, cfg, p); }});
+}
+
+}  // namespace
+
+void kv_register_turboquant() {
+  using R = TqRotationKind;
+  add_codec("tq1", {1, false, R::hadamard}, "TurboQuant MSE, 1 bit/elem: Hadamard rotation + Lloyd-Max codes, fp16 norm");
+  add_codec("tq2", {2, false, R::hadamard}, "TurboQuant MSE, 2 bits/elem: Hadamard rotation + Lloyd-Max codes, fp16 norm");
+  add_codec("tq3", {3, false, R::hadamard}, "TurboQuant MSE, 3 bits/elem: Hadamard rotation + Lloyd-Max codes, fp16 norm");
+  add_codec("tq4", {4, false, R::hadamard}, "TurboQuant MSE, 4 bits/elem: Hadamard rotation + Lloyd-Max codes, fp16 norm");
+  add_codec("tq2.25", {2.25, false, R::hadamard},
+            "TurboQuant MSE, the paper's '2.5-bit' split (1/4 of rotated channels at 3 bits, 3/4 at 2): 2.25 bits/elem");
+  add_codec("tq2.5", {2.5, false, R::hadamard},
+            "TurboQuant MSE, 2.5 bits/elem: first half of the rotated channels at 3 bits, second half at 2");
+  add_codec("tq3.5", {3.5, false, R::hadamard},
+            "TurboQuant MSE, 3.5 bits/elem: first half of the rotated channels at 4 bits, second half at 3");
+  add_codec("tq2_qjl", {2, true, R::hadamard},
+            "TurboQuant prod, 2 bits/elem: 1-bit MSE codes + 1-bit QJL signs of the residual (unbiased q.k)");
+  add_codec("tq3_qjl", {3, true, R::hadamard},
+            "TurboQuant prod, 3 bits/elem: 2-bit MSE codes + 1-bit QJL signs of the residual (unbiased q.k)");
+  add_codec("tq4_qjl", {4, true, R::hadamard},
+            "TurboQuant prod, 4 bits/elem: 3-bit MSE codes + 1-bit QJL signs of the residual (unbiased q.k)");
+  add_codec("tq4_dense", {4, false, R::dense},
+            "TurboQuant MSE, 4 bits/elem with a dense Haar-random rotation (any head_dim multiple of 16)");
+
+  auto fmt = [](std::string name, std::vector<std::string> aliases, std::string k, std::string v, std::string what) {
+    kv_register_format({std::move(name), std::move(aliases), std::move(k), std::move(v), std::move(what)});
+  };
+  fmt("tq1", {"turboquant1"}, "tq1", "tq1", "TurboQuant 1 bit K and V (+16/head_dim for the norm)");
+  fmt("tq2", {"turboquant2"}, "tq2", "tq2", "TurboQuant 2 bits K and V (+16/head_dim for the norm)");
+  fmt("tq3", {"turboquant3"}, "tq3", "tq3", "TurboQuant 3 bits K and V (+16/head_dim for the norm)");
+  fmt("tq4", {"turboquant4"}, "tq4", "tq4", "TurboQuant 4 bits K and V (+16/head_dim for the norm)");
+  fmt("tq2.25", {}, "tq2.25", "tq2.25", "TurboQuant 2.25 bits K and V: the paper's 32-of-128 channels at 3 bits split");
+  fmt("tq2.5", {"turboquant2.5"}, "tq2.5", "tq2.5", "TurboQuant 2.5 bits K and V (half the rotated channels at 3 bits)");
+  fmt("tq3.5", {"turboquant3.5"}, "tq3.5", "tq3.5", "TurboQuant 3.5 bits K and V (half the rotated channels at 4 bits)");
+  fmt("tq2_qjl", {}, "tq2_qjl", "tq2", "TurboQuant prod keys (1-bit MSE + QJL), 2-bit MSE values");
+  fmt("tq3_qjl", {}, "tq3_qjl", "tq3", "TurboQuant prod keys (2-bit MSE + QJL), 3-bit MSE values");
+  fmt("tq4_qjl", {}, "tq4_qjl", "tq4", "TurboQuant prod keys (3-bit MSE + QJL), 4-bit MSE values");
+  // K/V-split presets ("k8v4" alone is the basic library's int8/int4 format).
+  fmt("tq_k8v4", {"turboquant_k8v4"}, kInt8Codec, "tq4", "keys int8 per token, values TurboQuant 4 bits");
+  fmt("tq_k3v4", {"k3v4", "turboquant_k3v4"}, "tq3", "tq4", "keys TurboQuant 3 bits, values TurboQuant 4 bits");
+  fmt("tq4_dense", {}, "tq4_dense", "tq4_dense", "TurboQuant 4 bits K and V with dense random rotations");
+}
+
+}  // namespace kvq
