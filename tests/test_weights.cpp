@@ -316,6 +316,27 @@ TEST(ActQuant, RoundTripWithinHalfStep) {
   }
 }
 
+TEST(ActQuant, SimdQuantizersAreBitIdentical) {
+  if (!cpu_features().avx2) GTEST_SKIP() << "no AVX2";
+  std::mt19937 rng(11);
+  for (ActMode m : {ActMode::normal, ActMode::zeros, ActMode::constant, ActMode::outlier, ActMode::tiny,
+                    ActMode::huge, ActMode::sparse}) {
+    auto x = random_acts(1, 1024, m, rng);
+    // a block with d = 1 exactly, so x = 2.5 and -3.5 are rounding ties (to even: 2, -4)
+    x[0] = 127.0f;
+    x[1] = 2.5f;
+    x[2] = -3.5f;
+    std::vector<BlockQ8A> a0(32), a1(32);
+    std::vector<BlockQ8K> k0(4), k1(4);
+    quantize_act_q8a(x.data(), a0.data(), 1024);
+    quantize_act_q8a_avx2(x.data(), a1.data(), 1024);
+    quantize_act_q8k(x.data(), k0.data(), 1024);
+    quantize_act_q8k_avx2(x.data(), k1.data(), 1024);
+    EXPECT_EQ(std::memcmp(a0.data(), a1.data(), a0.size() * sizeof(BlockQ8A)), 0) << int(m);
+    EXPECT_EQ(std::memcmp(k0.data(), k1.data(), k0.size() * sizeof(BlockQ8K)), 0) << int(m);
+  }
+}
+
 // ---------------------------------------------------------------- API edges
 
 TEST(WeightsApi, SupportedTypes) {

@@ -37,6 +37,11 @@ MatmulTileFn matmul_kernel(GgmlType t);
 // Rows per tile of the SIMD kernels: chunks of rows handed to threads are multiples of this.
 constexpr int kTileRows = 4;
 
+// AVX2 versions of the activation quantizers: the same operations in the same order (max of |x|,
+// one division, multiply, round to nearest even), so their output is bit-identical.
+void quantize_act_q8a_avx2(const float* x, BlockQ8A* y, int64_t n);
+void quantize_act_q8k_avx2(const float* x, BlockQ8K* y, int64_t n);
+
 void dequantize_row_f16_avx2(GgmlType t, const void* src, float* dst, int64_t n);
 
 }  // namespace kvq

@@ -241,6 +241,8 @@ MatmulTileFn matmul_kernel_scalar(GgmlType t) {
 }
 
 #if !defined(KVQ_HAVE_SIMD)
+void quantize_act_q8a_avx2(const float* x, BlockQ8A* y, int64_t n) { quantize_act_q8a(x, y, n); }
+void quantize_act_q8k_avx2(const float* x, BlockQ8K* y, int64_t n) { quantize_act_q8k(x, y, n); }
 MatmulTileFn matmul_kernel_avx2(GgmlType) { return nullptr; }
 MatmulTileFn matmul_kernel_avx512(GgmlType) { return nullptr; }
 void dequantize_row_f16_avx2(GgmlType t, const void* src, float* dst, int64_t n) {
@@ -283,12 +285,13 @@ void matmul(const WeightView& w, const float* x, int64_t n_tok, float* y, Thread
     if (xq.size() < xs * size_t(n_tok)) xq.resize(xs * size_t(n_tok));
     uint8_t* dst = xq.data();
     const int64_t n_in = w.n_in;
+    const bool simd = cpu_level() >= CpuLevel::avx2;
     auto quant = [&](size_t b, size_t e) {
       for (size_t t = b; t < e; ++t) {
-        if (af == ActFormat::q8a)
-          quantize_act_q8a(x + t * n_in, reinterpret_cast<BlockQ8A*>(dst + t * xs), n_in);
-        else
-          quantize_act_q8k(x + t * n_in, reinterpret_cast<BlockQ8K*>(dst + t * xs), n_in);
+        auto* qa = reinterpret_cast<BlockQ8A*>(dst + t * xs);
+        auto* qk = reinterpret_cast<BlockQ8K*>(dst + t * xs);
+        if (af == ActFormat::q8a) simd ? quantize_act_q8a_avx2(x + t * n_in, qa, n_in) : quantize_act_q8a(x + t * n_in, qa, n_in);
+        else simd ? quantize_act_q8k_avx2(x + t * n_in, qk, n_in) : quantize_act_q8k(x + t * n_in, qk, n_in);
       }
     };
     if (n_tok >= 4 * pool.size()) pool.parallel_for(size_t(n_tok), 1, quant);
