@@ -11,6 +11,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "attn/attention.h"
+#include "core/aligned.h"
 #include "core/cpu.h"
 #include "core/error.h"
 #include "kv/kivi.h"
@@ -422,4 +424,57 @@ TEST(Kvquant, BadParametersRejected) {
   EXPECT_THROW(kvquant_fit(x.data(), 64, 1, 100, 3), Error);
   x[5] = 0.f;
   EXPECT_THROW(kvquant_fit(x.data(), 64, 1, 128, 3), Error);  // all-constant: nothing to fit
+}
+
+// The grouped formats inside decode attention: fused attn_decode over several blocks (RoPE applied
+// by the KVQuant keys at each block's positions) equals attn_decode_ref on every CPU level, with
+// GQA groups larger than the KIVI score kernel's query chunk.
+TEST(GroupedFormats, AttentionFusedMatchesReference) {
+  const int d = 128, bt = 64, n_blocks = 3, n_tail = 9;
+  for (const char* fmt_name : {"kivi2", "kivi4", "kvquant2", "kvquant3", "kvquant4"}) {
+    const KvFormatDesc& f = kv_format_find(fmt_name);
+    KvCodecParams pk, pv;
+    pk.head_dim = pv.head_dim = d;
+    pk.rope = llama_rope(d, true);
+    pv.role = KvRole::value;
+    auto kc = kv_codec_create(f.k_codec, pk);
+    auto vc = kv_codec_create(f.v_codec, pv);
+    std::vector<std::vector<uint8_t>> kb(n_blocks), vb(n_blocks);
+    std::vector<KvBlockSpan> spans;
+    for (int b = 0; b < n_blocks; ++b) {
+      auto k = gaussian(bt, d, 30 + b);
+      for (int t = 0; t < bt; ++t) k[size_t(t) * d + 5] += 15.f;
+      auto v = gaussian(bt, d, 40 + b);
+      kb[b].resize(kc->block_bytes(bt));
+      vb[b].resize(vc->block_bytes(bt));
+      kc->encode(0, k.data(), d, bt, kb[b].data(), bt, 0, b * bt);
+      vc->encode(0, v.data(), d, bt, vb[b].data(), bt, 0, b * bt);
+      KvBlockSpan s;
+      s.k = kb[b].data();
+      s.v = vb[b].data();
+      s.block_tokens = bt;
+      s.pos0 = b * bt;
+      s.n = bt;
+      spans.push_back(s);
+    }
+    auto tk = gaussian(n_tail, d, 50), tv = gaussian(n_tail, d, 51);
+    for (int n_q : {1, 12}) {
+      auto q = gaussian(n_q, d, 52);
+      AttnParams ap;
+      ap.scale = 1.f / std::sqrt(float(d));
+      std::vector<float> ref(size_t(n_q) * d);
+      attn_decode_ref(*kc, *vc, 0, q.data(), n_q, spans.data(), n_blocks, tk.data(), tv.data(), d, n_tail, ap,
+                      ref.data());
+      for (CpuLevel l : levels()) {
+        const CpuLevel prev = cpu_set_level(l);
+        std::vector<float> out(ref.size());
+        AlignedBuf<float> scratch(attn_scratch_floats(*kc, *vc, n_q, bt));
+        attn_decode(*kc, *vc, 0, q.data(), n_q, spans.data(), n_blocks, tk.data(), tv.data(), d, n_tail, ap,
+                    out.data(), scratch.data());
+        cpu_set_level(prev);
+        for (size_t i = 0; i < out.size(); ++i)
+          ASSERT_NEAR(out[i], ref[i], 2e-5) << fmt_name << " n_q " << n_q << " " << cpu_level_name(l);
+      }
+    }
+  }
 }
