@@ -1,0 +1,1279 @@
+#include "tools/plan.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <tuple>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "gguf/gguf.h"
+#include "kvq/kv_format.h"
+
+namespace kvq {
+
+namespace {
+
+// The full-precision tail of grouped codecs is f32 rows (the encoders read f32; kv_format.h
+// counts the tail at 32 bits per element too).
+constexpr int64_t kTailBytesPerElement = 4;
+// Activations and logits are f32 in the engine.
+constexpr int64_t kActBytes = 4;
+// Upper end of the max-context search: a model whose every layer is sliding-window never runs out.
+constexpr int64_t kMaxContextSearch = int64_t(1) << 40;
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+std::string lower(std::string_view s) {
+  std::string r(s);
+  for (char& c : r) c = char(std::tolower(static_cast<unsigned char>(c)));
+  return r;
+}
+
+std::string trim(std::string_view s) {
+  size_t a = 0, b = s.size();
+  while (a < b && std::isspace(static_cast<unsigned char>(s[a]))) ++a;
+  while (b > a && std::isspace(static_cast<unsigned char>(s[b - 1]))) --b;
+  return std::string(s.substr(a, b - a));
+}
+
+std::vector<std::string> split_list(std::string_view s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (true) {
+    size_t comma = s.find(',', start);
+    std::string item = trim(s.substr(start, comma == std::string_view::npos ? s.npos : comma - start));
+    out.push_back(item);
+    if (comma == std::string_view::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+// "1234567" -> "1,234,567"
+std::string group_digits(int64_t v) {
+  std::string s = std::to_string(v < 0 ? -v : v);
+  std::string r;
+  int n = 0;
+  for (auto it = s.rbegin(); it != s.rend(); ++it) {
+    if (n && n % 3 == 0) r.push_back(',');
+    r.push_back(*it);
+    ++n;
+  }
+  if (v < 0) r.push_back('-');
+  return std::string(r.rbegin(), r.rend());
+}
+
+std::string format_per_token(double v) {
+  double r = std::round(v);
+  if (std::fabs(v - r) < 1e-9) return group_digits(int64_t(r));
+  return fmt::format("{}.{:02d}", group_digits(int64_t(std::floor(v))),
+                     int(std::lround((v - std::floor(v)) * 100)) % 100);
+}
+
+std::string format_count(int64_t n) {
+  // Token counts as users type them: 4K, 32K, 1M when exact.
+  const int64_t m = int64_t(1) << 20, k = 1024;
+  if (n >= m && n % m == 0) return fmt::format("{}M", n / m);
+  if (n >= k && n % k == 0) return fmt::format("{}K", n / k);
+  return std::to_string(n);
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Same rule as kv_quantized_tokens(), in 64 bits (contexts past 2^31 tokens are planned too).
+int64_t quantized_tokens64(int64_t n, int group_tokens, int residual_tokens) {
+  if (group_tokens <= 1) return n;
+  int64_t over = n - residual_tokens;
+  return over <= 0 ? 0 : (over / group_tokens) * group_tokens;
+}
+
+// Per-device share of a layer's KV heads under tensor parallelism: heads are split across
+// devices; with more devices than heads each device keeps a replica of one head.
+int kv_heads_per_device(int n_kv_heads, int tp) {
+  if (tp <= 1) return n_kv_heads;
+  if (n_kv_heads % tp == 0) return n_kv_heads / tp;
+  if (tp % n_kv_heads == 0) return 1;
+  fail("--tp {}: a layer has {} KV heads; tensor parallelism needs the head count to divide by "
+       "the device count or the device count to divide by the head count",
+       tp, n_kv_heads);
+}
+
+void validate_model(const PlanModel& m) {
+  if (m.n_layers <= 0) fail("{}: layer count must be positive (got {})", m.name, m.n_layers);
+  if (int(m.layers.size()) != m.n_layers) fail("{}: {} layer entries for {} layers", m.name, m.layers.size(), m.n_layers);
+  for (size_t il = 0; il < m.layers.size(); ++il) {
+    const PlanLayer& l = m.layers[il];
+    if (l.n_kv_heads <= 0 || l.head_dim_k <= 0 || l.head_dim_v <= 0 || l.window < 0)
+      fail("{}: layer {} has an invalid shape ({} KV heads, key dim {}, value dim {}, window {})",
+           m.name, il, l.n_kv_heads, l.head_dim_k, l.head_dim_v, l.window);
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Presets
+
+const std::vector<PlanPreset>& plan_presets() {
+  // Shapes from the public config.json of each checkpoint (hf_name).
+  static const std::vector<PlanPreset> presets = [] {
+    std::vector<PlanPreset> v;
+    auto add = [&](PlanPreset p) { v.push_back(std::move(p)); };
+    PlanPreset p;
+    p = {};
+    p.name = "llama-3-70b"; p.hf_name = "meta-llama/Meta-Llama-3-70B";
+    p.n_layers = 80; p.n_heads = 64; p.n_kv_heads = 8; p.head_dim = 128; p.n_embd = 8192;
+    p.n_ff = 28672; p.n_vocab = 128256; p.ctx_train = 8192;
+    add(p);
+    p = {};
+    p.name = "llama-3.1-8b"; p.hf_name = "meta-llama/Llama-3.1-8B";
+    p.n_layers = 32; p.n_heads = 32; p.n_kv_heads = 8; p.head_dim = 128; p.n_embd = 4096;
+    p.n_ff = 14336; p.n_vocab = 128256; p.ctx_train = 131072;
+    add(p);
+    p = {};
+    p.name = "llama-3.2-1b"; p.hf_name = "meta-llama/Llama-3.2-1B";
+    p.n_layers = 16; p.n_heads = 32; p.n_kv_heads = 8; p.head_dim = 64; p.n_embd = 2048;
+    p.n_ff = 8192; p.n_vocab = 128256; p.ctx_train = 131072; p.tied_embeddings = true;
+    add(p);
+    p = {};
+    p.name = "qwen2.5-7b"; p.hf_name = "Qwen/Qwen2.5-7B-Instruct";
+    p.n_layers = 28; p.n_heads = 28; p.n_kv_heads = 4; p.head_dim = 128; p.n_embd = 3584;
+    p.n_ff = 18944; p.n_vocab = 152064; p.ctx_train = 32768; p.qkv_bias = true;
+    add(p);
+    p = {};
+    p.name = "mistral-7b"; p.hf_name = "mistralai/Mistral-7B-v0.3";
+    p.n_layers = 32; p.n_heads = 32; p.n_kv_heads = 8; p.head_dim = 128; p.n_embd = 4096;
+    p.n_ff = 14336; p.n_vocab = 32768; p.ctx_train = 32768;
+    add(p);
+    p = {};
+    p.name = "gemma-3-27b"; p.hf_name = "google/gemma-3-27b-it (text model)";
+    p.n_layers = 62; p.n_heads = 32; p.n_kv_heads = 16; p.head_dim = 128; p.n_embd = 5376;
+    p.n_ff = 21504; p.n_vocab = 262208; p.ctx_train = 131072; p.window = 1024; p.swa_pattern = 6;
+    p.tied_embeddings = true; p.norms_per_layer = 4; p.qk_norm = true;
+    add(p);
+    p = {};
+    p.name = "gemma-3-270m"; p.hf_name = "google/gemma-3-270m";
+    p.n_layers = 18; p.n_heads = 4; p.n_kv_heads = 1; p.head_dim = 256; p.n_embd = 640;
+    p.n_ff = 2048; p.n_vocab = 262144; p.ctx_train = 32768; p.window = 512; p.swa_pattern = 6;
+    p.tied_embeddings = true; p.norms_per_layer = 4; p.qk_norm = true;
+    add(p);
+    p = {};
+    p.name = "smollm2-135m"; p.hf_name = "HuggingFaceTB/SmolLM2-135M";
+    p.n_layers = 30; p.n_heads = 9; p.n_kv_heads = 3; p.head_dim = 64; p.n_embd = 576;
+    p.n_ff = 1536; p.n_vocab = 49152; p.ctx_train = 8192; p.tied_embeddings = true;
+    add(p);
+    return v;
+  }();
+  return presets;
+}
+
+const PlanPreset& plan_preset_find(const std::string& name) {
+  const std::string n = lower(trim(name));
+  std::string names;
+  for (const PlanPreset& p : plan_presets()) {
+    if (p.name == n) return p;
+    names += (names.empty() ? "" : ", ") + p.name;
+  }
+  fail("unknown preset '{}' (presets: {}; `kvq plan --presets` shows their shapes)", name, names);
+}
+
+int64_t plan_dense_params(const PlanPreset& p) {
+  const int64_t e = p.n_embd, q = int64_t(p.n_heads) * p.head_dim, kv = int64_t(p.n_kv_heads) * p.head_dim;
+  int64_t layer = e * q + 2 * e * kv + q * e;   // Wq, Wk, Wv, Wo
+  if (p.qkv_bias) layer += q + 2 * kv;
+  layer += 3 * e * p.n_ff;                       // gated FFN: gate, up, down
+  layer += int64_t(p.norms_per_layer) * e;
+  if (p.qk_norm) layer += 2 * int64_t(p.head_dim);
+  int64_t total = int64_t(p.n_layers) * layer;
+  total += p.n_vocab * e * (p.tied_embeddings ? 1 : 2);
+  total += e;                                    // final norm
+  return total;
+}
+
+bool plan_layer_is_local(int il, int swa_pattern) {
+  if (swa_pattern <= 0) return false;
+  if (swa_pattern == 1) return true;
+  return (il + 1) % swa_pattern != 0;
+}
+
+PlanModel plan_model_from_preset(const std::string& name, double weights_bits) {
+  const PlanPreset& p = plan_preset_find(name);
+  if (!(weights_bits > 0) || weights_bits > 64) fail("--weights-bits must be in (0, 64] (got {})", weights_bits);
+  PlanModel m;
+  m.name = p.name;
+  m.source = "preset";
+  m.arch = p.hf_name;
+  m.n_layers = p.n_layers;
+  m.n_heads = p.n_heads;
+  m.head_dim = p.head_dim;
+  m.n_embd = p.n_embd;
+  m.n_ff = p.n_ff;
+  m.n_vocab = p.n_vocab;
+  m.ctx_train = p.ctx_train;
+  for (int il = 0; il < p.n_layers; ++il) {
+    PlanLayer l;
+    l.n_kv_heads = p.n_kv_heads;
+    l.head_dim_k = l.head_dim_v = p.head_dim;
+    l.window = plan_layer_is_local(il, p.swa_pattern) ? p.window : 0;
+    m.layers.push_back(l);
+  }
+  m.n_params = plan_dense_params(p);
+  m.weights_bytes = int64_t(std::ceil(double(m.n_params) * weights_bits / 8.0));
+  m.weights_note = fmt::format("{} params x {} bits", group_digits(m.n_params), weights_bits);
+  return m;
+}
+
+// ---------------------------------------------------------------------------------------------
+// GGUF
+
+namespace {
+
+std::optional<int64_t> gguf_int_or_max(const gguf::File& f, const std::string& key, std::vector<int64_t>* per_layer) {
+  const gguf::Value* v = f.find(key);
+  if (!v) return std::nullopt;
+  if (v->type == gguf::ValueType::array) {
+    if (v->arr.empty()) fail("{}: '{}' is an empty array", f.path(), key);
+    int64_t mx = 0;
+    for (const gguf::Value& e : v->arr) {
+      std::optional<int64_t> x = e.as_int();
+      if (!x) fail("{}: '{}' must hold integers", f.path(), key);
+      if (per_layer) per_layer->push_back(*x);
+      mx = std::max(mx, *x);
+    }
+    return mx;
+  }
+  std::optional<int64_t> x = v->as_int();
+  if (!x) fail("{}: '{}' must be an integer (it is {})", f.path(), key, gguf::value_type_name(v->type));
+  return x;
+}
+
+int64_t positive_int(std::optional<int64_t> v, const std::string& what, const std::string& where) {
+  if (!v) fail("{}: missing '{}'", where, what);
+  if (*v <= 0 || *v > std::numeric_limits<int32_t>::max()) fail("{}: '{}' = {} is out of range", where, what, *v);
+  return *v;
+}
+
+}  // namespace
+
+PlanModel plan_model_from_gguf(const gguf::File& f) {
+  PlanModel m;
+  m.source = "gguf";
+  const std::string where = f.path();
+  std::optional<std::string> arch = f.get_string("general.architecture");
+  if (!arch) fail("{}: missing 'general.architecture'", where);
+  m.arch = *arch;
+  m.name = f.get_string("general.name").value_or(*arch);
+  const std::string a = *arch + ".";
+
+  m.n_layers = int(positive_int(gguf_int_or_max(f, a + "block_count", nullptr), a + "block_count", where));
+  m.n_heads = int(positive_int(gguf_int_or_max(f, a + "attention.head_count", nullptr), a + "attention.head_count", where));
+  std::vector<int64_t> kv_per_layer;
+  std::optional<int64_t> n_kv = gguf_int_or_max(f, a + "attention.head_count_kv", &kv_per_layer);
+  if (!n_kv) {
+    n_kv = m.n_heads;
+    m.notes.push_back(fmt::format("'{}attention.head_count_kv' absent: assuming {} KV heads (= query heads)", a, m.n_heads));
+  }
+  if (!kv_per_layer.empty() && int64_t(kv_per_layer.size()) != m.n_layers)
+    fail("{}: '{}attention.head_count_kv' has {} entries for {} layers", where, a, kv_per_layer.size(), m.n_layers);
+  std::optional<int64_t> n_embd = gguf_int_or_max(f, a + "embedding_length", nullptr);
+  m.n_embd = n_embd.value_or(0);
+  std::optional<int64_t> kl = gguf_int_or_max(f, a + "attention.key_length", nullptr);
+  std::optional<int64_t> vl = gguf_int_or_max(f, a + "attention.value_length", nullptr);
+  if (!kl || !vl) {
+    if (!n_embd) fail("{}: missing '{}attention.key_length' and '{}embedding_length' (one is needed for the head size)", where, a, a);
+    if (*n_embd % m.n_heads) fail("{}: embedding_length {} is not a multiple of head_count {}", where, *n_embd, m.n_heads);
+    if (!kl) kl = *n_embd / m.n_heads;
+    if (!vl) vl = *n_embd / m.n_heads;
+  }
+  int64_t hk = positive_int(kl, a + "attention.key_length", where);
+  int64_t hv = positive_int(vl, a + "attention.value_length", where);
+  m.head_dim = int(hk);
+  m.ctx_train = gguf_int_or_max(f, a + "context_length", nullptr).value_or(0);
+  m.n_ff = gguf_int_or_max(f, a + "feed_forward_length", nullptr).value_or(0);
+  if (m.n_ff == 0) m.notes.push_back("feed_forward_length absent: FFN buffers left out of the activation estimate");
+
+  // Vocabulary: explicit key, else the embedding matrix, else the tokenizer.
+  if (auto nv = gguf_int_or_max(f, a + "vocab_size", nullptr)) {
+    m.n_vocab = *nv;
+  } else if (const gguf::TensorInfo* t = f.find_tensor("token_embd.weight"); t && t->ne.size() >= 2) {
+    m.n_vocab = t->ne[1];
+  } else if (const gguf::Value* tok = f.find("tokenizer.ggml.tokens"); tok && tok->type == gguf::ValueType::array) {
+    m.n_vocab = int64_t(tok->arr.size());
+  }
+
+  // Sliding window: which layers use it. An explicit per-layer pattern wins; otherwise the
+  // architecture's known layout; otherwise every layer is counted as full attention (the
+  // conservative answer) and the output says so.
+  std::optional<int64_t> window = gguf_int_or_max(f, a + "attention.sliding_window", nullptr);
+  std::vector<bool> local(size_t(m.n_layers), false);
+  if (window && *window > 0) {
+    const gguf::Value* pat = f.find(a + "attention.sliding_window_pattern");
+    if (pat && pat->type == gguf::ValueType::array) {
+      if (int64_t(pat->arr.size()) != m.n_layers)
+        fail("{}: '{}attention.sliding_window_pattern' has {} entries for {} layers", where, a, pat->arr.size(), m.n_layers);
+      for (int il = 0; il < m.n_layers; ++il) {
+        const gguf::Value& e = pat->arr[size_t(il)];
+        std::optional<int64_t> x = e.type == gguf::ValueType::boolean ? std::optional<int64_t>(int64_t(e.u)) : e.as_int();
+        if (!x) fail("{}: '{}attention.sliding_window_pattern' must hold booleans", where, a);
+        local[size_t(il)] = *x != 0;
+      }
+    } else {
+      int pattern = 0;
+      if (pat) {
+        std::optional<int64_t> x = pat->as_int();
+        if (!x || *x < 0) fail("{}: '{}attention.sliding_window_pattern' must be a non-negative integer", where, a);
+        pattern = int(*x);
+      } else if (*arch == "gemma3") {
+        pattern = 6;  // Gemma 3: five local layers, then one global
+      } else if (*arch == "gemma2") {
+        pattern = 2;  // Gemma 2: local and global layers alternate, local first
+      } else {
+        m.notes.push_back(fmt::format("'{}attention.sliding_window' = {} but the layer pattern of '{}' is unknown: "
+                                      "every layer counted as full attention", a, *window, *arch));
+      }
+      for (int il = 0; il < m.n_layers; ++il) local[size_t(il)] = plan_layer_is_local(il, pattern);
+    }
+  }
+  for (int il = 0; il < m.n_layers; ++il) {
+    PlanLayer l;
+    l.n_kv_heads = int(kv_per_layer.empty() ? *n_kv : kv_per_layer[size_t(il)]);
+    l.head_dim_k = int(hk);
+    l.head_dim_v = int(hv);
+    l.window = local[size_t(il)] ? *window : 0;
+    m.layers.push_back(l);
+  }
+  for (size_t il = 0; il < m.layers.size(); ++il)
+    if (m.layers[il].n_kv_heads <= 0)
+      fail("{}: layer {} has {} KV heads (layers without attention are not supported by the planner)",
+           where, il, m.layers[il].n_kv_heads);
+
+  int64_t params = 0;
+  for (const gguf::TensorInfo& t : f.tensors()) params += t.n_elements();
+  m.n_params = params;
+  m.weights_bytes = int64_t(f.tensor_bytes());
+  m.weights_note = fmt::format("tensor data in the GGUF ({} tensors)", f.tensors().size());
+  return m;
+}
+
+PlanModel plan_model_from_gguf_path(const std::string& path) {
+  std::unique_ptr<gguf::File> f = gguf::File::open(path);
+  return plan_model_from_gguf(*f);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hugging Face config.json
+
+namespace {
+
+struct HfFields {
+  const nlohmann::json& top;
+  const nlohmann::json* text;  // text_config of multimodal configs, or null
+  std::string where;
+
+  const nlohmann::json* get(const char* key) const {
+    if (text && text->contains(key) && !(*text)[key].is_null()) return &(*text)[key];
+    if (top.contains(key) && !top[key].is_null()) return &top[key];
+    return nullptr;
+  }
+  std::optional<int64_t> opt_int(const char* key) const {
+    const nlohmann::json* v = get(key);
+    if (!v) return std::nullopt;
+    if (!v->is_number_integer() || v->get<int64_t>() <= 0 || v->get<int64_t>() > std::numeric_limits<int32_t>::max())
+      fail("{}: field '{}' must be a positive integer (got {})", where, key, v->dump());
+    return v->get<int64_t>();
+  }
+  int64_t req_int(const char* key) const {
+    std::optional<int64_t> v = opt_int(key);
+    if (!v) fail("{}: missing field '{}'", where, key);
+    return *v;
+  }
+  std::optional<std::string> opt_string(const char* key) const {
+    const nlohmann::json* v = get(key);
+    if (!v) return std::nullopt;
+    if (!v->is_string()) fail("{}: field '{}' must be a string (got {})", where, key, v->dump());
+    return v->get<std::string>();
+  }
+  std::optional<bool> opt_bool(const char* key) const {
+    const nlohmann::json* v = get(key);
+    if (!v) return std::nullopt;
+    if (!v->is_boolean()) fail("{}: field '{}' must be true or false (got {})", where, key, v->dump());
+    return v->get<bool>();
+  }
+};
+
+double torch_dtype_bits(const std::string& dtype, const std::string& where) {
+  const std::string d = lower(dtype);
+  if (d == "bfloat16" || d == "float16" || d == "half" || d == "torch.bfloat16" || d == "torch.float16") return 16;
+  if (d == "float32" || d == "float" || d == "torch.float32") return 32;
+  if (d == "float8_e4m3fn" || d == "float8_e5m2") return 8;
+  fail("{}: unknown torch_dtype '{}' (pass --weights-bits)", where, dtype);
+}
+
+}  // namespace
+
+PlanModel plan_model_from_hf_config(const nlohmann::json& cfg, std::optional<double> weights_bits, const std::string& name) {
+  if (!cfg.is_object()) fail("{}: expected a JSON object", name);
+  const nlohmann::json* text = nullptr;
+  if (cfg.contains("text_config") && cfg["text_config"].is_object()) text = &cfg["text_config"];
+  HfFields f{cfg, text, name};
+
+  PlanModel m;
+  m.source = "config.json";
+  m.name = name;
+  m.arch = f.opt_string("model_type").value_or("");
+  m.n_layers = int(f.req_int("num_hidden_layers"));
+  m.n_heads = int(f.req_int("num_attention_heads"));
+  m.n_embd = f.req_int("hidden_size");
+  m.n_ff = f.req_int("intermediate_size");
+  m.n_vocab = f.req_int("vocab_size");
+  std::optional<int64_t> n_kv = f.opt_int("num_key_value_heads");
+  if (!n_kv) {
+    n_kv = m.n_heads;
+    m.notes.push_back(fmt::format("'num_key_value_heads' absent: {} KV heads (= attention heads, the transformers default)", m.n_heads));
+  }
+  if (std::optional<int64_t> hd = f.opt_int("head_dim")) {
+    m.head_dim = int(*hd);
+  } else {
+    if (m.n_embd % m.n_heads) fail("{}: no 'head_dim' and hidden_size {} is not a multiple of num_attention_heads {}", name, m.n_embd, m.n_heads);
+    m.head_dim = int(m.n_embd / m.n_heads);
+  }
+  m.ctx_train = f.opt_int("max_position_embeddings").value_or(0);
+  if (m.ctx_train == 0) m.notes.push_back("'max_position_embeddings' absent: trained context unknown");
+
+  // Sliding window layers: layer_types names each layer; else sliding_window_pattern; else the
+  // model type's known layout; else (sliding_window set) every layer, as in Mistral v0.1.
+  const std::string mt = lower(m.arch);
+  std::vector<bool> local(size_t(m.n_layers), false);
+  std::optional<int64_t> window;
+  bool use_sw = f.opt_bool("use_sliding_window").value_or(true);
+  if (const nlohmann::json* w = f.get("sliding_window"); w && use_sw) {
+    if (!w->is_number_integer() || w->get<int64_t>() <= 0) fail("{}: field 'sliding_window' must be a positive integer or null (got {})", name, w->dump());
+    window = w->get<int64_t>();
+  }
+  if (window) {
+    if (const nlohmann::json* lt = f.get("layer_types")) {
+      if (!lt->is_array() || int64_t(lt->size()) != m.n_layers)
+        fail("{}: field 'layer_types' must be an array of {} strings (one per layer)", name, m.n_layers);
+      for (int il = 0; il < m.n_layers; ++il) {
+        const nlohmann::json& t = (*lt)[size_t(il)];
+        if (!t.is_string()) fail("{}: field 'layer_types' must hold strings", name);
+        const std::string s = t.get<std::string>();
+        if (s == "sliding_attention") local[size_t(il)] = true;
+        else if (s == "full_attention") local[size_t(il)] = false;
+        else fail("{}: layer_types[{}] = '{}' (expected 'sliding_attention' or 'full_attention')", name, il, s);
+      }
+    } else {
+      int pattern = 1;
+      if (std::optional<int64_t> p = f.opt_int("sliding_window_pattern")) pattern = int(*p);
+      else if (mt.rfind("gemma3", 0) == 0) pattern = 6;
+      else if (mt == "gemma2") pattern = 2;
+      for (int il = 0; il < m.n_layers; ++il) local[size_t(il)] = plan_layer_is_local(il, pattern);
+    }
+  }
+  for (int il = 0; il < m.n_layers; ++il) {
+    PlanLayer l;
+    l.n_kv_heads = int(*n_kv);
+    l.head_dim_k = l.head_dim_v = m.head_dim;
+    l.window = local[size_t(il)] ? *window : 0;
+    m.layers.push_back(l);
+  }
+
+  // Weights: parameters from the shapes (dense decoder). Mixture-of-experts configs are not
+  // dense; their weights need --weights-bytes.
+  const bool moe = f.get("num_local_experts") || f.get("num_experts") || f.get("n_routed_experts");
+  if (moe) {
+    m.notes.push_back("mixture-of-experts config: weights not estimated (pass --weights-bytes)");
+    m.weights_note = "unknown (mixture of experts)";
+    return m;
+  }
+  PlanPreset shape;
+  shape.n_layers = m.n_layers;
+  shape.n_heads = m.n_heads;
+  shape.n_kv_heads = int(*n_kv);
+  shape.head_dim = m.head_dim;
+  shape.n_embd = m.n_embd;
+  shape.n_ff = m.n_ff;
+  shape.n_vocab = m.n_vocab;
+  const bool gemma = mt.rfind("gemma", 0) == 0;
+  shape.tied_embeddings = f.opt_bool("tie_word_embeddings").value_or(gemma);
+  shape.qkv_bias = f.opt_bool("attention_bias").value_or(mt == "qwen2");
+  shape.norms_per_layer = gemma && mt != "gemma" ? 4 : 2;
+  shape.qk_norm = mt.rfind("gemma3", 0) == 0 || mt == "qwen3" || mt == "olmo2";
+  m.n_params = plan_dense_params(shape);
+  double bits = 0;
+  if (weights_bits) {
+    bits = *weights_bits;
+  } else {
+    std::optional<std::string> dt = f.opt_string("torch_dtype");
+    if (!dt) dt = f.opt_string("dtype");
+    if (!dt) {
+      bits = 16;
+      m.notes.push_back("'torch_dtype' absent: weights counted at 16 bits");
+    } else {
+      bits = torch_dtype_bits(*dt, name);
+    }
+  }
+  if (!(bits > 0) || bits > 64) fail("--weights-bits must be in (0, 64] (got {})", bits);
+  m.weights_bytes = int64_t(std::ceil(double(m.n_params) * bits / 8.0));
+  m.weights_note = fmt::format("~{} params (from the shapes) x {} bits", group_digits(m.n_params), bits);
+  return m;
+}
+
+PlanModel plan_model_from_hf_config_path(const std::string& path, std::optional<double> weights_bits) {
+  std::ifstream in(path);
+  if (!in) fail("{}: cannot open", path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) fail("{}: read error", path);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(ss.str());
+  } catch (const nlohmann::json::exception& e) {
+    fail("{}: not valid JSON ({})", path, e.what());
+  }
+  return plan_model_from_hf_config(j, weights_bits, path);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parsing
+
+int64_t plan_parse_count(std::string_view s0, const char* what) {
+  const std::string s = trim(s0);
+  if (s.empty()) fail("{}: empty value", what);
+  size_t i = 0;
+  if (s[0] == '-' || s[0] == '+') fail("{}: '{}' must be a positive count", what, s);
+  while (i < s.size() && std::isdigit(static_cast<unsigned char>(s[i]))) ++i;
+  if (i == 0) fail("{}: '{}' is not a count (examples: 4096, 4K, 32k, 1M)", what, s);
+  const std::string digits = s.substr(0, i);
+  const std::string suffix = lower(s.substr(i));
+  int64_t mult = 1;
+  if (suffix.empty()) mult = 1;
+  else if (suffix == "k") mult = int64_t(1) << 10;
+  else if (suffix == "m") mult = int64_t(1) << 20;
+  else if (suffix == "g") mult = int64_t(1) << 30;
+  else fail("{}: '{}' has an unknown suffix '{}' (use K = 1024, M = 1024^2 or G = 1024^3)", what, s, s.substr(i));
+  if (digits.size() > 15) fail("{}: '{}' is too large", what, s);
+  const int64_t v = std::stoll(digits);
+  if (v <= 0) fail("{}: '{}' must be positive", what, s);
+  if (v > (int64_t(1) << 50) / mult) fail("{}: '{}' is too large", what, s);
+  return v * mult;
+}
+
+std::vector<int64_t> plan_parse_count_list(std::string_view s, const char* what) {
+  std::vector<int64_t> out;
+  for (const std::string& item : split_list(s)) out.push_back(plan_parse_count(item, what));
+  return out;
+}
+
+int64_t plan_parse_bytes(std::string_view s0, const char* what) {
+  const std::string s = trim(s0);
+  size_t i = 0;
+  while (i < s.size() && (std::isdigit(static_cast<unsigned char>(s[i])) || s[i] == '.')) ++i;
+  if (i == 0 || s.empty()) fail("{}: '{}' is not a size in bytes (examples: 141107412992, 64G, 1.5TiB)", what, s);
+  std::string suffix = lower(s.substr(i));
+  if (suffix.size() >= 2 && suffix.substr(suffix.size() - 2) == "ib") suffix.resize(suffix.size() - 2);
+  else if (!suffix.empty() && suffix.back() == 'b') suffix.pop_back();
+  double mult = 1;
+  if (suffix.empty()) mult = 1;
+  else if (suffix == "k") mult = 1024.0;
+  else if (suffix == "m") mult = 1024.0 * 1024;
+  else if (suffix == "g") mult = kGiB;
+  else if (suffix == "t") mult = kGiB * 1024;
+  else fail("{}: '{}' has an unknown unit (use K, M, G, T: binary multiples)", what, s);
+  double v = 0;
+  try {
+    size_t used = 0;
+    v = std::stod(s.substr(0, i), &used);
+    if (used != i) throw std::invalid_argument("number");
+  } catch (const std::exception&) {
+    fail("{}: '{}' is not a number", what, s);
+  }
+  const double bytes = std::round(v * mult);
+  if (!(bytes >= 1)) fail("{}: '{}' must be positive", what, s);
+  if (bytes > 1e18) fail("{}: '{}' is too large", what, s);
+  return int64_t(bytes);
+}
+
+std::vector<int> plan_parse_skip_layers(std::string_view spec, const PlanModel& m) {
+  std::set<int> layers;
+  if (trim(spec).empty()) return {};
+  const char* what = "--kv-cache-dtype-skip-layers";
+  for (const std::string& item : split_list(spec)) {
+    const std::string t = lower(item);
+    auto count_after_colon = [&](size_t prefix) {
+      const std::string n = t.substr(prefix);
+      if (n.empty() || !std::all_of(n.begin(), n.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); }) || n.size() > 9)
+        fail("{}: '{}' needs a non-negative layer count after ':'", what, item);
+      const int k = std::stoi(n);
+      if (k > m.n_layers) fail("{}: '{}' asks for {} layers but the model has {}", what, item, k, m.n_layers);
+      return k;
+    };
+    if (t.rfind("first:", 0) == 0) {
+      int k = count_after_colon(6);
+      for (int il = 0; il < k; ++il) layers.insert(il);
+    } else if (t.rfind("last:", 0) == 0) {
+      int k = count_after_colon(5);
+      for (int il = m.n_layers - k; il < m.n_layers; ++il) layers.insert(il);
+    } else if (t == "sliding_window") {
+      for (int il = 0; il < m.n_layers; ++il)
+        if (m.layers[size_t(il)].window > 0) layers.insert(il);
+    } else if (!t.empty() && t.size() <= 9 && std::all_of(t.begin(), t.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); })) {
+      const int il = std::stoi(t);
+      if (il >= m.n_layers) fail("{}: layer {} does not exist (the model has layers 0..{})", what, il, m.n_layers - 1);
+      layers.insert(il);
+    } else {
+      fail("{}: '{}' is not understood (use first:N, last:N, sliding_window or a layer index)", what, item);
+    }
+  }
+  return std::vector<int>(layers.begin(), layers.end());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Computation
+
+int64_t plan_layer_tokens(const PlanLayer& l, int64_t n) { return l.window > 0 ? std::min(n, l.window) : n; }
+
+int64_t plan_sequence_kv_bytes(const PlanModel& m, const PlanFormatCost& c, int page_tokens, int64_t n, bool device) {
+  int64_t total = 0;
+  const auto& page = device ? c.layer_page_bytes_device : c.layer_page_bytes;
+  const auto& tail_k = device ? c.layer_tail_row_bytes_k_device : c.layer_tail_row_bytes_k;
+  const auto& tail_v = device ? c.layer_tail_row_bytes_v_device : c.layer_tail_row_bytes_v;
+  for (int il = 0; il < m.n_layers; ++il) {
+    const int64_t t = plan_layer_tokens(m.layers[size_t(il)], n);
+    total += ceil_div(t, page_tokens) * page[size_t(il)];
+    if (tail_k[size_t(il)]) total += (t - quantized_tokens64(t, c.k_group, c.k_residual)) * tail_k[size_t(il)];
+    if (tail_v[size_t(il)]) total += (t - quantized_tokens64(t, c.v_group, c.v_residual)) * tail_v[size_t(il)];
+  }
+  return total;
+}
+
+namespace {
+
+struct ActTerms {
+  int64_t fixed = 0;    // bytes independent of the batch (one prefill chunk)
+  int64_t per_seq = 0;  // bytes per decoding sequence
+};
+
+ActTerms activation_terms(const PlanModel& m, const PlanConfig& c) {
+  const int64_t tp = c.tp;
+  int64_t kv_dim = 0;
+  for (const PlanLayer& l : m.layers)
+    kv_dim = std::max<int64_t>(kv_dim, int64_t(kv_heads_per_device(l.n_kv_heads, c.tp)) * std::max(l.head_dim_k, l.head_dim_v));
+  const int64_t heads = ceil_div(m.n_heads, tp);
+  const int64_t q_dim = heads * m.head_dim;
+  const int64_t ff = ceil_div(m.n_ff, tp);
+  // One token's working set: residual stream + two normed/projected copies, q, k, v, FFN gate+up.
+  const int64_t per_token = 3 * m.n_embd + q_dim + 2 * kv_dim + 2 * ff;
+  // Attention works page by page (online softmax): one page of scores per head in flight.
+  const int64_t scores = heads * c.page_tokens;
+  ActTerms t;
+  t.per_seq = kActBytes * (per_token + scores + m.n_vocab);
+  t.fixed = kActBytes * c.prefill_chunk * (per_token + scores);
+  return t;
+}
+
+int64_t format_param_bytes(const KvCodec& codec, int page_tokens, const std::string& format) {
+  const KvCodecInfo& info = codec.info();
+  if (info.group_tokens > 1 && page_tokens % info.group_tokens != 0)
+    fail("format '{}': codec '{}' encodes groups of {} tokens; --page-tokens {} must be a multiple of it",
+         format, info.name, info.group_tokens, page_tokens);
+  return int64_t(codec.block_bytes(page_tokens));
+}
+
+}  // namespace
+
+int64_t plan_activation_bytes(const PlanModel& m, const PlanConfig& c, int64_t batch) {
+  ActTerms t = activation_terms(m, c);
+  return t.fixed + batch * t.per_seq;
+}
+
+PlanFormatCost plan_format_cost(const PlanModel& m, const PlanConfig& c, const std::string& format) {
+  validate_model(m);
+  // Per-layer codecs: the format everywhere, f16 on the skipped layers.
+  const KvFormatDesc& desc = kv_format_find(format);
+  struct LayerCodecs {
+    std::string k, v;
+  };
+  std::vector<LayerCodecs> policy(size_t(m.n_layers), LayerCodecs{desc.k_codec, desc.v_codec});
+  if (!c.skip_layers.empty()) {
+    const KvFormatDesc& f16 = kv_format_find("f16");
+    for (int il : c.skip_layers) {
+      if (il < 0 || il >= m.n_layers) fail("skip layer {} out of range (0..{})", il, m.n_layers - 1);
+      policy[size_t(il)] = LayerCodecs{f16.k_codec, f16.v_codec};
+    }
+  }
+  PlanFormatCost r;
+  r.name = desc.name;
+  r.k_codec = desc.k_codec;
+  r.v_codec = desc.v_codec;
+
+  // Codec sizes do not depend on the layer index, so one instance per (codec, role, shape).
+  std::map<std::tuple<std::string, int, int, int>, std::unique_ptr<KvCodec>> codecs;
+  auto codec_for = [&](const std::string& name, KvRole role, int head_dim, int heads, int layer) -> const KvCodec& {
+    auto key = std::make_tuple(name, int(role), head_dim, heads);
+    auto it = codecs.find(key);
+    if (it == codecs.end()) {
+      KvCodecParams p;
+      p.role = role;
+      p.head_dim = head_dim;
+      p.n_kv_heads = heads;
+      p.layer = layer;
+      std::unique_ptr<KvCodec> cd;
+      try {
+        cd = kv_codec_create(name, p);
+      } catch (const Error& e) {
+        fail("format '{}' at head_dim {}: {}", r.name, head_dim, e.what());
+      }
+      it = codecs.emplace(key, std::move(cd)).first;
+    }
+    return *it->second;
+  };
+
+  const size_t nl = size_t(m.n_layers);
+  r.layer_page_bytes.assign(nl, 0);
+  r.layer_page_bytes_device.assign(nl, 0);
+  r.layer_tail_row_bytes_k.assign(nl, 0);
+  r.layer_tail_row_bytes_v.assign(nl, 0);
+  r.layer_tail_row_bytes_k_device.assign(nl, 0);
+  r.layer_tail_row_bytes_v_device.assign(nl, 0);
+  double code_bits_total = 0;  // bits of codes per token, whole model
+  int64_t tail_max = 0;
+  bool first_grouped_k = true, first_grouped_v = true;
+  for (int il = 0; il < m.n_layers; ++il) {
+    const PlanLayer& l = m.layers[size_t(il)];
+    const LayerCodecs& lf = policy[size_t(il)];
+    const KvCodec& kc = codec_for(lf.k, KvRole::key, l.head_dim_k, l.n_kv_heads, il);
+    const KvCodec& vc = codec_for(lf.v, KvRole::value, l.head_dim_v, l.n_kv_heads, il);
+    const int64_t kb = format_param_bytes(kc, c.page_tokens, r.name);
+    const int64_t vb = format_param_bytes(vc, c.page_tokens, r.name);
+    const int dev_heads = kv_heads_per_device(l.n_kv_heads, c.tp);
+    r.layer_page_bytes[size_t(il)] = int64_t(l.n_kv_heads) * (kb + vb);
+    r.layer_page_bytes_device[size_t(il)] = int64_t(dev_heads) * (kb + vb);
+    code_bits_total += double(l.n_kv_heads) * (kc.info().code_bits * l.head_dim_k + vc.info().code_bits * l.head_dim_v);
+    auto grouped = [&](const KvCodec& cd, int head_dim, int heads, int64_t& row, int64_t& row_dev,
+                       int& g, int& rr, bool& first) {
+      const KvCodecInfo& info = cd.info();
+      if (info.group_tokens <= 1) return;
+      if (first) {
+        g = info.group_tokens;
+        rr = info.residual_tokens;
+        first = false;
+      } else if (g != info.group_tokens || rr != info.residual_tokens) {
+        fail("format '{}': layers use different token groups ({}/{} vs {}/{}); the planner assumes one", r.name,
+             g, rr, info.group_tokens, info.residual_tokens);
+      }
+      row = int64_t(heads) * head_dim * kTailBytesPerElement;
+      row_dev = int64_t(kv_heads_per_device(heads, c.tp)) * head_dim * kTailBytesPerElement;
+      tail_max += int64_t(std::min<int64_t>(info.residual_tokens + info.group_tokens - 1,
+                                            l.window > 0 ? l.window : std::numeric_limits<int64_t>::max())) * row;
+    };
+    grouped(kc, l.head_dim_k, l.n_kv_heads, r.layer_tail_row_bytes_k[size_t(il)], r.layer_tail_row_bytes_k_device[size_t(il)],
+            r.k_group, r.k_residual, first_grouped_k);
+    grouped(vc, l.head_dim_v, l.n_kv_heads, r.layer_tail_row_bytes_v[size_t(il)], r.layer_tail_row_bytes_v_device[size_t(il)],
+            r.v_group, r.v_residual, first_grouped_v);
+    r.page_bytes += r.layer_page_bytes[size_t(il)];
+    r.page_bytes_device += r.layer_page_bytes_device[size_t(il)];
+  }
+  r.per_token_bytes = double(r.page_bytes) / c.page_tokens;
+  r.code_bytes_per_token = code_bits_total / 8.0;
+  r.overhead_bytes_per_token = r.per_token_bytes - r.code_bytes_per_token;
+  r.residual_bytes_max = tail_max;
+  return r;
+}
+
+namespace {
+
+void validate_config(const PlanConfig& c) {
+  if (c.ctx.empty()) fail("--ctx: no context lengths given");
+  if (c.batch.empty()) fail("--batch: no batch sizes given");
+  for (int64_t v : c.ctx) if (v <= 0) fail("--ctx: {} must be positive", v);
+  for (int64_t v : c.batch) if (v <= 0) fail("--batch: {} must be positive", v);
+  if (c.page_tokens < 16 || c.page_tokens > 256 || (c.page_tokens & (c.page_tokens - 1)))
+    fail("--page-tokens {}: must be a power of two from 16 to 256", c.page_tokens);
+  if (c.tp <= 0) fail("--tp {}: must be a positive device count", c.tp);
+  if (c.gpu_mem_bytes < 0) fail("--gpu-mem must be positive");
+  if (!(c.util > 0) || c.util > 1) fail("--util {}: must be a fraction in (0, 1]", c.util);
+  if (c.prefill_chunk <= 0) fail("--prefill-chunk {}: must be positive", c.prefill_chunk);
+}
+
+}  // namespace
+
+PlanResult plan_compute(const PlanModel& m, const PlanConfig& c0) {
+  validate_model(m);
+  validate_config(c0);
+  PlanResult res;
+  res.model = m;
+  res.config = c0;
+  PlanConfig& c = res.config;
+  std::set<std::string> seen;
+  if (c.formats.empty()) {
+    // Every registered format that can be sized without more input (formats whose codecs need
+    // calibration artifacts are listed as skipped, with the codec's reason).
+    for (const KvFormatDesc& d : kv_formats()) {
+      try {
+        res.formats.push_back(plan_format_cost(m, c, d.name));
+        c.formats.push_back(d.name);
+      } catch (const Error& e) {
+        res.skipped_formats.push_back(e.what());
+      }
+    }
+  } else {
+    for (const std::string& f : c.formats) {
+      PlanFormatCost cost = plan_format_cost(m, c, f);
+      if (!seen.insert(cost.name).second) continue;  // an alias of a format already listed
+      res.formats.push_back(std::move(cost));
+    }
+  }
+  if (m.weights_bytes >= 0) res.weights_bytes_device = ceil_div(m.weights_bytes, c.tp);
+  const ActTerms act = activation_terms(m, c);
+  for (int64_t b : c.batch) res.activation_bytes_device.push_back(act.fixed + b * act.per_seq);
+
+  const bool cap = c.gpu_mem_bytes > 0;
+  if (cap) {
+    if (m.weights_bytes < 0) fail("capacity needs the weights' size: {} (pass --weights-bytes)", m.weights_note);
+    res.budget_bytes_device = int64_t(std::floor(double(c.gpu_mem_bytes) * c.util));
+  }
+  for (int64_t ctx : c.ctx)
+    for (size_t bi = 0; bi < c.batch.size(); ++bi)
+      for (const PlanFormatCost& f : res.formats) {
+        PlanRow row;
+        row.ctx = ctx;
+        row.batch = c.batch[bi];
+        row.format = f.name;
+        row.kv_bytes = row.batch * plan_sequence_kv_bytes(m, f, c.page_tokens, ctx, false);
+        row.kv_bytes_device = row.batch * plan_sequence_kv_bytes(m, f, c.page_tokens, ctx, true);
+        row.activation_bytes_device = res.activation_bytes_device[bi];
+        row.total_bytes_device = std::max<int64_t>(res.weights_bytes_device, 0) + row.activation_bytes_device + row.kv_bytes_device;
+        row.fits = !cap || row.total_bytes_device <= res.budget_bytes_device;
+        res.rows.push_back(row);
+      }
+
+  if (cap) {
+    // What is left for KV after weights; activations are subtracted per case below.
+    const int64_t free0 = res.budget_bytes_device - res.weights_bytes_device;
+    for (const PlanFormatCost& f : res.formats) {
+      PlanCapacity pc;
+      pc.format = f.name;
+      const int64_t pool = free0 - (act.fixed + act.per_seq);
+      pc.max_kv_tokens = pool > 0 ? (pool / f.page_bytes_device) * c.page_tokens : 0;
+      for (int64_t ctx : c.ctx) {
+        const int64_t per_seq = plan_sequence_kv_bytes(m, f, c.page_tokens, ctx, true) + act.per_seq;
+        const int64_t avail = free0 - act.fixed;
+        pc.max_sequences.push_back(avail > 0 ? avail / per_seq : 0);
+      }
+      for (int64_t b : c.batch) {
+        const int64_t avail = free0 - act.fixed - b * act.per_seq;
+        auto fits = [&](int64_t n) { return b * plan_sequence_kv_bytes(m, f, c.page_tokens, n, true) <= avail; };
+        if (avail < 0 || !fits(1)) {
+          pc.max_context.push_back(int64_t(0));
+        } else if (fits(kMaxContextSearch)) {
+          pc.max_context.push_back(std::nullopt);
+        } else {
+          int64_t lo = 1, hi = kMaxContextSearch;  // fits(lo), !fits(hi)
+          while (hi - lo > 1) {
+            const int64_t mid = lo + (hi - lo) / 2;
+            (fits(mid) ? lo : hi) = mid;
+          }
+          pc.max_context.push_back(lo);
+        }
+      }
+      res.capacity.push_back(std::move(pc));
+    }
+  }
+  return res;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Output
+
+std::string plan_format_bytes(double bytes) {
+  static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  int u = 0;
+  double v = bytes;
+  while (std::fabs(v) >= 1024 && u < 6) {
+    v /= 1024;
+    ++u;
+  }
+  if (u == 0) return fmt::format("{} B", int64_t(std::llround(v)));
+  // 3 significant digits; rounding up to 1000+ keeps 4 digits rather than switching units mid-table.
+  if (std::fabs(v) >= 99.95) return fmt::format("{:.0f} {}", v, units[u]);
+  if (std::fabs(v) >= 9.995) return fmt::format("{:.1f} {}", v, units[u]);
+  return fmt::format("{:.2f} {}", v, units[u]);
+}
+
+namespace {
+
+const char* kExplain =
+    "Formulas (P = --page-tokens, tp = --tp, all sizes in bytes):\n"
+    "  per-token bytes(format) = sum over layers l of n_kv_heads(l) x (K.block_bytes(P) + V.block_bytes(P)) / P\n"
+    "      block_bytes: exact size of a codec's head block of P tokens, from the format registry;\n"
+    "      it includes the codec's scales, zero points and norms (shown as overhead next to the codes);\n"
+    "      layers named by --kv-cache-dtype-skip-layers use f16 codecs.\n"
+    "  tokens(l, n) = n for full-attention layers, min(n, window) for sliding-window layers\n"
+    "  KV(sequence of n tokens) = sum over l of ceil(tokens(l, n) / P) x page_bytes(l) + tail(l, n)\n"
+    "      tail(l, n) (grouped codecs, e.g. KIVI: G tokens per group, R-token full-precision window)\n"
+    "      = (t - G x floor(max(0, t - R) / G)) x n_kv_heads(l) x head_dim x 4 (f32), t = tokens(l, n)\n"
+    "  KV(ctx, batch) = batch x KV(sequence of ctx tokens); per device: KV heads / tp\n"
+    "      (with more devices than KV heads, each device holds one head)\n"
+    "  weights per device = ceil(weights / tp); presets: params x --weights-bits / 8\n"
+    "  activations per device (f32 estimate) = 4 x [batch x (w + h x P + n_vocab) + chunk x (w + h x P)]\n"
+    "      w = 3 x n_embd + h x head_dim + 2 x kv_dim + 2 x n_ff (residual, normed copies, q, k, v, FFN gate+up)\n"
+    "      h = query heads / tp, kv_dim = KV heads per device x head_dim, n_ff / tp; h x P = one page of scores\n"
+    "      per head (online softmax); n_vocab = logits per sequence; chunk = --prefill-chunk tokens\n"
+    "  budget per device = floor(gpu_mem x util)\n"
+    "  max KV tokens = floor((budget - weights/tp - activations(batch 1)) / page_bytes per device) x P\n"
+    "      (counts every layer at the full-attention rate; sliding-window models fit more, see max context)\n"
+    "  max sequences at ctx = floor((budget - weights/tp - activations(batch 0)) /\n"
+    "                               (KV per device of one ctx-token sequence + activations per sequence))\n"
+    "  max context at batch b = largest n with b x KV per device(n) + activations(b) <= budget - weights/tp\n";
+
+std::string pad_right(const std::string& s, size_t w) { return s.size() >= w ? s : s + std::string(w - s.size(), ' '); }
+std::string pad_left(const std::string& s, size_t w) { return s.size() >= w ? s : std::string(w - s.size(), ' ') + s; }
+
+// Aligned table: first column left-aligned, the rest right-aligned.
+void print_table(std::FILE* out, const std::vector<std::vector<std::string>>& rows) {
+  std::vector<size_t> w;
+  for (const auto& r : rows)
+    for (size_t i = 0; i < r.size(); ++i) {
+      if (w.size() <= i) w.push_back(0);
+      w[i] = std::max(w[i], r[i].size());
+    }
+  for (const auto& r : rows) {
+    std::string line;
+    for (size_t i = 0; i < r.size(); ++i) {
+      if (i) line += "  ";
+      line += i == 0 ? pad_right(r[i], w[i]) : pad_left(r[i], w[i]);
+    }
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    std::fprintf(out, "%s\n", line.c_str());
+  }
+}
+
+nlohmann::json number_json(double v) {
+  double r = std::round(v);
+  if (std::fabs(v - r) < 1e-9 && std::fabs(r) < 9e15) return nlohmann::json(int64_t(r));
+  return nlohmann::json(v);
+}
+
+std::string model_shape_line(const PlanModel& m) {
+  int n_local = 0;
+  int64_t window = 0;
+  std::set<int> kvh;
+  for (const PlanLayer& l : m.layers) {
+    kvh.insert(l.n_kv_heads);
+    if (l.window > 0) {
+      ++n_local;
+      window = std::max(window, l.window);
+    }
+  }
+  std::string kv;
+  if (kvh.size() == 1) kv = std::to_string(*kvh.begin());
+  else kv = fmt::format("{}..{} (per layer)", *kvh.begin(), *kvh.rbegin());
+  std::string s = fmt::format("{} layers, {} heads, {} KV heads, head_dim {}", m.n_layers, m.n_heads, kv,
+                              m.layers.empty() ? m.head_dim : m.layers[0].head_dim_k);
+  if (!m.layers.empty() && m.layers[0].head_dim_v != m.layers[0].head_dim_k) s += fmt::format("/{}", m.layers[0].head_dim_v);
+  if (n_local) s += fmt::format(", {} sliding-window layers (window {}) + {} global", n_local, window, m.n_layers - n_local);
+  if (m.ctx_train) s += fmt::format(", trained context {}", m.ctx_train);
+  return s;
+}
+
+nlohmann::json result_json(const PlanResult& r) {
+  using nlohmann::json;
+  const PlanModel& m = r.model;
+  const PlanConfig& c = r.config;
+  json j;
+  json model = {{"name", m.name}, {"source", m.source}, {"arch", m.arch}, {"n_layers", m.n_layers},
+                {"n_heads", m.n_heads}, {"head_dim", m.head_dim}, {"n_embd", m.n_embd}, {"n_ff", m.n_ff},
+                {"n_vocab", m.n_vocab}, {"ctx_train", m.ctx_train}, {"n_params", m.n_params}};
+  json layers = json::array();
+  for (const PlanLayer& l : m.layers)
+    layers.push_back({{"n_kv_heads", l.n_kv_heads}, {"head_dim_k", l.head_dim_k}, {"head_dim_v", l.head_dim_v}, {"window", l.window}});
+  model["layers"] = layers;
+  model["notes"] = m.notes;
+  j["model"] = model;
+  j["page_tokens"] = c.page_tokens;
+  j["tp"] = c.tp;
+  j["skip_layers"] = c.skip_layers;
+  j["weights_bytes"] = m.weights_bytes >= 0 ? json(m.weights_bytes) : json(nullptr);
+  j["weights_bytes_per_device"] = r.weights_bytes_device >= 0 ? json(r.weights_bytes_device) : json(nullptr);
+  j["weights_note"] = m.weights_note;
+  json act = json::object();
+  for (size_t i = 0; i < c.batch.size(); ++i) act[std::to_string(c.batch[i])] = r.activation_bytes_device[i];
+  j["activation_bytes_per_device"] = act;
+  j["prefill_chunk"] = c.prefill_chunk;
+  json ptb = json::object(), fmts = json::array();
+  for (const PlanFormatCost& f : r.formats) {
+    ptb[f.name] = number_json(f.per_token_bytes);
+    fmts.push_back({{"name", f.name}, {"k_codec", f.k_codec}, {"v_codec", f.v_codec},
+                    {"per_token_bytes", number_json(f.per_token_bytes)},
+                    {"code_bytes_per_token", number_json(f.code_bytes_per_token)},
+                    {"overhead_bytes_per_token", number_json(f.overhead_bytes_per_token)},
+                    {"page_bytes", f.page_bytes}, {"page_bytes_per_device", f.page_bytes_device},
+                    {"residual_bytes_per_sequence_max", f.residual_bytes_max},
+                    {"k_group_tokens", f.k_group}, {"k_residual_tokens", f.k_residual},
+                    {"v_group_tokens", f.v_group}, {"v_residual_tokens", f.v_residual}});
+  }
+  j["per_token_bytes"] = ptb;
+  j["skipped_formats"] = r.skipped_formats;
+  j["formats"] = fmts;
+  const bool cap = c.gpu_mem_bytes > 0;
+  json rows = json::array();
+  for (const PlanRow& row : r.rows) {
+    json x = {{"ctx", row.ctx}, {"batch", row.batch}, {"format", row.format}, {"kv_bytes", row.kv_bytes},
+              {"kv_bytes_per_device", row.kv_bytes_device},
+              {"activation_bytes_per_device", row.activation_bytes_device},
+              {"total_bytes_per_device", row.total_bytes_device}};
+    if (cap) x["fits"] = row.fits;
+    rows.push_back(x);
+  }
+  j["rows"] = rows;
+  if (cap) {
+    json capj = {{"gpu_mem_bytes", c.gpu_mem_bytes}, {"util", c.util}, {"budget_bytes_per_device", r.budget_bytes_device}};
+    json per = json::object();
+    for (const PlanCapacity& pc : r.capacity) {
+      json seqs = json::object(), ctxs = json::object();
+      for (size_t i = 0; i < c.ctx.size(); ++i) seqs[std::to_string(c.ctx[i])] = pc.max_sequences[i];
+      for (size_t i = 0; i < c.batch.size(); ++i)
+        ctxs[std::to_string(c.batch[i])] = pc.max_context[i] ? json(*pc.max_context[i]) : json(nullptr);
+      per[pc.format] = {{"max_kv_tokens", pc.max_kv_tokens}, {"max_sequences", seqs}, {"max_context", ctxs}};
+    }
+    capj["formats"] = per;
+    j["capacity"] = capj;
+  }
+  return j;
+}
+
+void print_csv(std::FILE* out, const PlanResult& r) {
+  const bool cap = r.config.gpu_mem_bytes > 0;
+  std::fprintf(out, "format,ctx,batch,per_token_bytes,kv_bytes,kv_bytes_per_device,activation_bytes_per_device,total_bytes_per_device%s\n",
+               cap ? ",fits" : "");
+  for (const PlanRow& row : r.rows) {
+    double ptb = 0;
+    for (const PlanFormatCost& f : r.formats)
+      if (f.name == row.format) ptb = f.per_token_bytes;
+    std::string p = number_json(ptb).dump();
+    std::fprintf(out, "%s,%lld,%lld,%s,%lld,%lld,%lld,%lld%s\n", row.format.c_str(), (long long)row.ctx,
+                 (long long)row.batch, p.c_str(), (long long)row.kv_bytes, (long long)row.kv_bytes_device,
+                 (long long)row.activation_bytes_device, (long long)row.total_bytes_device,
+                 cap ? (row.fits ? ",1" : ",0") : "");
+  }
+}
+
+void print_text(std::FILE* out, const PlanResult& r, bool explain) {
+  const PlanModel& m = r.model;
+  const PlanConfig& c = r.config;
+  std::fprintf(out, "model: %s (%s)\n  %s\n", m.name.c_str(), m.source.c_str(), model_shape_line(m).c_str());
+  for (const std::string& n : m.notes) std::fprintf(out, "  note: %s\n", n.c_str());
+  if (m.weights_bytes >= 0)
+    std::fprintf(out, "weights: %s B (%s): %s\n", group_digits(m.weights_bytes).c_str(),
+                 plan_format_bytes(double(m.weights_bytes)).c_str(), m.weights_note.c_str());
+  else
+    std::fprintf(out, "weights: %s\n", m.weights_note.c_str());
+  std::string skip;
+  for (int il : c.skip_layers) skip += (skip.empty() ? "" : ",") + std::to_string(il);
+  std::fprintf(out, "page: %d tokens; tensor parallel: %d%s%s\n", c.page_tokens, c.tp,
+               skip.empty() ? "" : "; layers kept in f16: ", skip.c_str());
+  for (const std::string& sk : r.skipped_formats) std::fprintf(out, "  skipped: %s\n", sk.c_str());
+  if (explain) std::fprintf(out, "\n%s", kExplain);
+
+  // Per-token cost.
+  std::fprintf(out, "\nKV bytes per token (all layers, K+V, every layer at full attention):\n");
+  double f16_rate = 0;
+  for (const PlanFormatCost& f : r.formats)
+    if (f.name == "f16") f16_rate = f.per_token_bytes;
+  std::vector<std::vector<std::string>> t;
+  t.push_back({"format", "K codec", "V codec", "codes", "scale/zero/norm", "total", f16_rate > 0 ? "vs f16" : "", "fp tail/seq (max)"});
+  for (const PlanFormatCost& f : r.formats) {
+    std::string tail = "-";
+    if (f.residual_bytes_max)
+      tail = fmt::format("{} (G={}, R={})", plan_format_bytes(double(f.residual_bytes_max)),
+                         std::max(f.k_group, f.v_group), std::max(f.k_residual, f.v_residual));
+    t.push_back({f.name, f.k_codec, f.v_codec, format_per_token(f.code_bytes_per_token),
+                 format_per_token(f.overhead_bytes_per_token), format_per_token(f.per_token_bytes),
+                 f16_rate > 0 ? fmt::format("{:.3f}x", f.per_token_bytes / f16_rate) : "", tail});
+  }
+  print_table(out, t);
+
+  // KV size table.
+  // Formats down, ctx x batch across: many formats stay readable, the columns stay few.
+  std::fprintf(out, "\nKV cache size, whole model (columns: ctx x batch):\n");
+  const size_t nf = r.formats.size();
+  const size_t ncol = r.rows.size() / std::max<size_t>(nf, 1);  // rows are ctx-major, then batch, then format
+  auto grid = [&](auto cell) {
+    std::vector<std::vector<std::string>> g;
+    std::vector<std::string> head{"format"};
+    for (size_t j = 0; j < ncol; ++j)
+      head.push_back(format_count(r.rows[j * nf].ctx) + " x " + std::to_string(r.rows[j * nf].batch));
+    g.push_back(head);
+    for (size_t k = 0; k < nf; ++k) {
+      std::vector<std::string> line{r.formats[k].name};
+      for (size_t j = 0; j < ncol; ++j) line.push_back(cell(r.rows[j * nf + k]));
+      g.push_back(line);
+    }
+    print_table(out, g);
+  };
+  grid([](const PlanRow& row) { return plan_format_bytes(double(row.kv_bytes)); });
+
+  // The split on one device.
+  const bool cap = c.gpu_mem_bytes > 0;
+  std::fprintf(out, "\nMemory per device: weights %s, activations (estimate) ",
+               r.weights_bytes_device >= 0 ? plan_format_bytes(double(r.weights_bytes_device)).c_str() : "unknown");
+  for (size_t i = 0; i < c.batch.size(); ++i)
+    std::fprintf(out, "%s%s at batch %lld", i ? ", " : "", plan_format_bytes(double(r.activation_bytes_device[i])).c_str(),
+                 (long long)c.batch[i]);
+  std::fprintf(out, "\n");
+  if (cap)
+    std::fprintf(out, "budget per device: %s x %.2f = %s\n", plan_format_bytes(double(c.gpu_mem_bytes)).c_str(), c.util,
+                 plan_format_bytes(double(r.budget_bytes_device)).c_str());
+  if (c.tp > 1) {
+    std::fprintf(out, "KV per device (KV heads / %d):\n", c.tp);
+    grid([](const PlanRow& row) { return plan_format_bytes(double(row.kv_bytes_device)); });
+  }
+  if (r.weights_bytes_device >= 0) {
+    std::fprintf(out, "total per device = weights + activations + KV%s:\n", cap ? " ('!' = over budget)" : "");
+    grid([cap](const PlanRow& row) {
+      return plan_format_bytes(double(row.total_bytes_device)) + (cap ? (row.fits ? "  " : " !") : "");
+    });
+  }
+
+  if (cap) {
+    std::fprintf(out, "\nCapacity per device:\n");
+    t.clear();
+    std::vector<std::string> h{"format", "max KV tokens"};
+    for (int64_t ctx : c.ctx) h.push_back("seqs@" + format_count(ctx));
+    for (int64_t b : c.batch) h.push_back("ctx@b=" + std::to_string(b));
+    t.push_back(h);
+    for (const PlanCapacity& pc : r.capacity) {
+      std::vector<std::string> line{pc.format, group_digits(pc.max_kv_tokens)};
+      for (int64_t s : pc.max_sequences) line.push_back(group_digits(s));
+      for (const auto& mc : pc.max_context) line.push_back(mc ? group_digits(*mc) : "unbounded");
+      t.push_back(line);
+    }
+    print_table(out, t);
+    if (m.ctx_train) std::fprintf(out, "(max context is the memory limit; the model was trained to %lld tokens)\n", (long long)m.ctx_train);
+  }
+}
+
+void print_presets(std::FILE* out, bool json) {
+  if (json) {
+    nlohmann::json a = nlohmann::json::array();
+    for (const PlanPreset& p : plan_presets())
+      a.push_back({{"name", p.name}, {"hf_name", p.hf_name}, {"n_layers", p.n_layers}, {"n_heads", p.n_heads},
+                   {"n_kv_heads", p.n_kv_heads}, {"head_dim", p.head_dim}, {"n_embd", p.n_embd}, {"n_ff", p.n_ff},
+                   {"n_vocab", p.n_vocab}, {"ctx_train", p.ctx_train}, {"sliding_window", p.window},
+                   {"sliding_window_pattern", p.swa_pattern}, {"n_params", plan_dense_params(p)}});
+    std::fprintf(out, "%s\n", a.dump(2).c_str());
+    return;
+  }
+  std::vector<std::vector<std::string>> t;
+  t.push_back({"preset", "layers", "heads", "KV heads", "head_dim", "n_embd", "n_ff", "vocab", "context", "sliding window", "params", "shapes from"});
+  for (const PlanPreset& p : plan_presets()) {
+    std::string sw = "-";
+    if (p.swa_pattern == 1) sw = fmt::format("{} (all layers)", p.window);
+    else if (p.swa_pattern > 1) sw = fmt::format("{} ({}:1 local:global)", p.window, p.swa_pattern - 1);
+    t.push_back({p.name, std::to_string(p.n_layers), std::to_string(p.n_heads), std::to_string(p.n_kv_heads),
+                 std::to_string(p.head_dim), std::to_string(p.n_embd), std::to_string(p.n_ff), std::to_string(p.n_vocab),
+                 std::to_string(p.ctx_train), sw, group_digits(plan_dense_params(p)), p.hf_name});
+  }
+  print_table(out, t);
+}
+
+}  // namespace
+
+void plan_add_cli(CLI::App& app, PlanOptions& o) {
+  app.description("Memory planning: weights vs KV cache vs activations, capacity per KV format");
+  app.add_option("-m,--model", o.model_path, "GGUF model (hyperparameters and tensor sizes; no tensor data is read)");
+  app.add_option("--config", o.config_path, "Hugging Face config.json");
+  app.add_option("--preset", o.preset, "built-in model (see --presets)");
+  app.add_flag("--presets", o.list_presets, "list the built-in models with their shapes");
+  app.add_option("--ctx", o.ctx, "context lengths, comma-separated (4096, 4K, 32k, 1M)")->capture_default_str();
+  app.add_option("--batch", o.batch, "batch sizes (concurrent sequences), comma-separated")->capture_default_str();
+  app.add_option("--kv", o.kv, "KV formats, comma-separated (default: every registered format)");
+  app.add_option("--kv-cache-dtype-skip-layers", o.skip_layers,
+                 "layers kept in f16: first:N, last:N, sliding_window, layer indices (comma-separated)");
+  app.add_option_function<double>("--gpu-mem", [&o](const double& v) { o.gpu_mem_gib = v; },
+                                  "memory per device in GiB (enables capacity figures)");
+  app.add_option("--tp", o.tp, "tensor-parallel devices (KV heads and weights split across them)")->capture_default_str();
+  app.add_option("--util", o.util, "fraction of device memory the engine may use")->capture_default_str();
+  app.add_option("--weights-bytes", o.weights_bytes, "weights size override (bytes; K/M/G/T suffixes = binary multiples)");
+  app.add_option_function<double>("--weights-bits", [&o](const double& v) { o.weights_bits = v; },
+                                  "bits per parameter for presets and config.json (default: 16 / torch_dtype)");
+  app.add_option("--page-tokens", o.page_tokens, "tokens per KV page")->capture_default_str();
+  app.add_option("--prefill-chunk", o.prefill_chunk, "tokens per prefill chunk (activation estimate)")->capture_default_str();
+  app.add_flag("--json", o.json, "JSON output");
+  app.add_flag("--csv", o.csv, "CSV output (one line per ctx, batch, format)");
+  app.add_flag("--explain", o.explain, "print the formulas behind every figure");
+}
+
+int plan_command(const PlanOptions& o, std::FILE* out, std::FILE* err) {
+  try {
+    if (o.json && o.csv) fail("--json and --csv are exclusive");
+    if (o.list_presets) {
+      print_presets(out, o.json);
+      return 0;
+    }
+    const int n_sources = int(!o.model_path.empty()) + int(!o.config_path.empty()) + int(!o.preset.empty());
+    if (n_sources != 1)
+      fail("give exactly one model: -m MODEL.gguf, --config config.json or --preset NAME (`--presets` lists them)");
+    if (o.weights_bits && (!(*o.weights_bits > 0) || *o.weights_bits > 64))
+      fail("--weights-bits {}: must be in (0, 64]", *o.weights_bits);
+    PlanModel m;
+    if (!o.preset.empty()) {
+      m = plan_model_from_preset(o.preset, o.weights_bits.value_or(16.0));
+    } else if (!o.config_path.empty()) {
+      m = plan_model_from_hf_config_path(o.config_path, o.weights_bits);
+    } else {
+      if (o.weights_bits)
+        fail("--weights-bits applies to presets and config.json; a GGUF's weights are its tensor sizes (override with --weights-bytes)");
+      m = plan_model_from_gguf_path(o.model_path);
+    }
+    if (!o.weights_bytes.empty()) {
+      m.weights_bytes = plan_parse_bytes(o.weights_bytes, "--weights-bytes");
+      m.weights_note = "--weights-bytes";
+    }
+    PlanConfig c;
+    c.ctx = plan_parse_count_list(o.ctx, "--ctx");
+    c.batch = plan_parse_count_list(o.batch, "--batch");
+    if (!trim(o.kv).empty())
+      for (const std::string& f : split_list(o.kv)) {
+        if (f.empty()) fail("--kv: empty format name in '{}'", o.kv);
+        c.formats.push_back(f);
+      }
+    c.skip_layers = plan_parse_skip_layers(o.skip_layers, m);
+    c.page_tokens = o.page_tokens;
+    c.tp = o.tp;
+    c.util = o.util;
+    c.prefill_chunk = o.prefill_chunk;
+    if (o.gpu_mem_gib) {
+      if (!(*o.gpu_mem_gib > 0) || *o.gpu_mem_gib > 1e9) fail("--gpu-mem {}: must be a positive number of GiB", *o.gpu_mem_gib);
+      c.gpu_mem_bytes = int64_t(std::llround(*o.gpu_mem_gib * kGiB));
+      if (c.gpu_mem_bytes <= 0) fail("--gpu-mem {}: too small", *o.gpu_mem_gib);
+    }
+    PlanResult r = plan_compute(m, c);
+    if (o.json) {
+      nlohmann::json j = result_json(r);
+      if (o.explain) j["explain"] = kExplain;
+      std::fprintf(out, "%s\n", j.dump(2).c_str());
+    } else if (o.csv) {
+      if (o.explain) std::fprintf(err, "%s", kExplain);
+      print_csv(out, r);
+    } else {
+      print_text(out, r, o.explain);
+    }
+    return 0;
+  } catch (const Error& e) {
+    std::fprintf(err, "kvq plan: %s\n", e.what());
+    return 1;
+  }
+}
+
+}  // namespace kvq

