@@ -30,11 +30,20 @@ inline uint8_t quantize(float y, const std::vector<float>& bounds) {
   return uint8_t(std::lower_bound(bounds.begin(), bounds.end(), y) - bounds.begin());
 }
 
+// The Hadamard transform exists for powers of two only; other head sizes (80, 96, 112) get the
+// dense Haar rotation, which has the same distribution of rotated coordinates (hence the same
+// codebooks and distortion) at O(d^2) instead of O(d log d) per token and query.
+TqRotationKind rotation_for(TqRotationKind asked, int dim) {
+  if (asked == TqRotationKind::hadamard && (dim <= 0 || (dim & (dim - 1)) != 0)) return TqRotationKind::dense;
+  return asked;
+}
+
 class TqCodec final : public KvCodec {
  public:
   TqCodec(const std::string& name, const TqConfig& cfg, const KvCodecParams& p)
       : dim_(p.head_dim),
-        rot_(cfg.rotation, p.head_dim, tq_derive_seed(p.seed, p.layer, p.role, kSeedRotation)) {
+        rot_(rotation_for(cfg.rotation, p.head_dim), p.head_dim,
+             tq_derive_seed(p.seed, p.layer, p.role, kSeedRotation)) {
     const int d = p.head_dim;
     if (d % 16 != 0 || d > kMaxDim)
       fail("TurboQuant codec {}: head_dim must be a multiple of 16 up to {}, got {}", name, kMaxDim, d);

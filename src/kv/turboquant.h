@@ -147,8 +147,9 @@ struct TqConfig {
   TqRotationKind rotation = TqRotationKind::hadamard;
 };
 
-// Builds a TurboQuant codec; `name` is reported in info(). Throws kvq::Error on invalid
-// parameters (head_dim not a multiple of 16, Hadamard on a non-power-of-two head_dim, bits).
+// Builds a TurboQuant codec; `name` is reported in info(). A Hadamard codec on a head_dim that is
+// not a power of two uses the dense rotation instead. All KV heads of the layer share R (and S).
+// Throws kvq::Error on invalid parameters (head_dim not a multiple of 16 or above 1024, bits).
 std::unique_ptr<KvCodec> tq_codec_create(const std::string& name, const TqConfig& cfg,
                                          const KvCodecParams& p);
 

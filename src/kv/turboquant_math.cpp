@@ -227,8 +227,8 @@ TqRotation::TqRotation(TqRotationKind kind, int dim, uint64_t seed) : kind_(kind
   if (dim < 8 || dim > 1024) fail("TurboQuant: head_dim must be in 8..1024, got {}", dim);
   if (kind == TqRotationKind::hadamard) {
     if (dim & (dim - 1))
-      fail("TurboQuant: the Hadamard rotation needs a power-of-two head_dim (64, 128, 256), got {}; "
-           "use a dense-rotation codec (e.g. tq4_dense) for this model",
+      fail("TurboQuant: the Hadamard rotation needs a power-of-two dimension (64, 128, 256), got {}; "
+           "use the dense rotation",
            dim);
     Xoshiro256 rng(seed);
     signs_.resize(size_t(dim));
