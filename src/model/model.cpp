@@ -1,0 +1,257 @@
+#include "model/model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/error.h"
+
+namespace kvq {
+
+namespace {
+
+WeightView view_of(const gguf::File& f, const std::string& name, int64_t n_in, int64_t n_out, bool required = true) {
+  const gguf::TensorInfo* t = f.find_tensor(name);
+  if (!t) {
+    if (required) fail("{}: missing tensor '{}'", f.path(), name);
+    return {};
+  }
+  int64_t ne0 = t->ne.empty() ? 0 : t->ne[0];
+  int64_t ne1 = 1;
+  for (size_t i = 1; i < t->ne.size(); ++i) ne1 *= t->ne[i];
+  if (ne0 != n_in || ne1 != n_out)
+    fail("{}: tensor '{}' has shape [{}, {}], expected [{}, {}]", f.path(), name, ne0, ne1, n_in, n_out);
+  if (!weight_type_supported(t->type))
+    fail("{}: tensor '{}' has type {}, which kvq does not support", f.path(), name, ggml_type_name(t->type));
+  if (n_out > 1 && ne1 > 1 && t->ne.size() > 2) fail("{}: tensor '{}' must be 2-D", f.path(), name);
+  WeightView w;
+  w.type = t->type;
+  w.data = t->data;
+  w.n_in = n_in;
+  w.n_out = n_out;
+  w.row_bytes = ggml_row_bytes(t->type, n_in);
+  return w;
+}
+
+WeightView norm_of(const gguf::File& f, const std::string& name, int64_t n, bool required = true) {
+  WeightView w = view_of(f, name, n, 1, required);
+  if (w.data && w.type != GgmlType::F32) fail("{}: norm tensor '{}' must be F32, is {}", f.path(), name, ggml_type_name(w.type));
+  return w;
+}
+
+// y = x / rms(x) * w, row by row. x, y: (n_rows, n); w: (n)
+void rms_norm(const float* x, float* y, const float* w, int n_rows, int n, float eps) {
+  for (int r = 0; r < n_rows; ++r) {
+    const float* xr = x + size_t(r) * size_t(n);
+    float* yr = y + size_t(r) * size_t(n);
+    double ss = 0;
+    for (int i = 0; i < n; ++i) ss += double(xr[i]) * double(xr[i]);
+    const float s = float(1.0 / std::sqrt(ss / n + double(eps)));
+    for (int i = 0; i < n; ++i) yr[i] = xr[i] * s * w[i];
+  }
+}
+
+// RoPE in place on `n_heads` heads of one token. x: (n_heads, head_dim)
+void rope(float* x, int n_heads, int head_dim, int n_rot, bool neox, const float* cs /* (n_rot/2, 2) */) {
+  const int half = n_rot / 2;
+  for (int h = 0; h < n_heads; ++h) {
+    float* xh = x + size_t(h) * size_t(head_dim);
+    for (int i = 0; i < half; ++i) {
+      const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+      const float c = cs[2 * i], s = cs[2 * i + 1];
+      const float x0 = xh[a], x1 = xh[b];
+      xh[a] = x0 * c - x1 * s;
+      xh[b] = x0 * s + x1 * c;
+    }
+  }
+}
+
+void rope_table(float* cs, int pos, int n_rot, float base, float scale) {
+  const float p = float(pos) / scale;
+  for (int i = 0; i < n_rot / 2; ++i) {
+    const float theta = p * std::pow(base, -2.0f * float(i) / float(n_rot));
+    cs[2 * i] = std::cos(theta);
+    cs[2 * i + 1] = std::sin(theta);
+  }
+}
+
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+inline float gelu_tanh(float x) {
+  return 0.5f * x * (1.0f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+}  // namespace
+
+std::unique_ptr<Model> Model::load(const std::string& path) {
+  auto m = std::unique_ptr<Model>(new Model());
+  m->file_ = gguf::File::open(path);
+  const gguf::File& f = *m->file_;
+  m->cfg_ = model_config_from_gguf(f);
+  const ModelConfig& c = m->cfg_;
+  const int64_t qd = int64_t(c.n_head) * c.head_dim, kvd = int64_t(c.n_head_kv) * c.head_dim;
+  m->tok_embd_ = view_of(f, "token_embd.weight", c.n_embd, c.n_vocab);
+  m->output_norm_ = norm_of(f, "output_norm.weight", c.n_embd);
+  m->output_ = c.tied_output ? m->tok_embd_ : view_of(f, "output.weight", c.n_embd, c.n_vocab);
+  m->layers_.resize(size_t(c.n_layer));
+  for (int il = 0; il < c.n_layer; ++il) {
+    auto& L = m->layers_[size_t(il)];
+    const std::string p = "blk." + std::to_string(il) + ".";
+    L.attn_norm = norm_of(f, p + "attn_norm.weight", c.n_embd);
+    L.wq = view_of(f, p + "attn_q.weight", c.n_embd, qd);
+    L.wk = view_of(f, p + "attn_k.weight", c.n_embd, kvd);
+    L.wv = view_of(f, p + "attn_v.weight", c.n_embd, kvd);
+    L.wo = view_of(f, p + "attn_output.weight", qd, c.n_embd);
+    L.ffn_norm = norm_of(f, p + "ffn_norm.weight", c.n_embd);
+    L.ffn_gate = view_of(f, p + "ffn_gate.weight", c.n_embd, c.n_ff);
+    L.ffn_up = view_of(f, p + "ffn_up.weight", c.n_embd, c.n_ff);
+    L.ffn_down = view_of(f, p + "ffn_down.weight", c.n_ff, c.n_embd);
+    if (c.qk_norm) {
+      L.attn_q_norm = norm_of(f, p + "attn_q_norm.weight", c.head_dim);
+      L.attn_k_norm = norm_of(f, p + "attn_k_norm.weight", c.head_dim);
+    }
+    if (c.post_norms) {
+      L.attn_post_norm = norm_of(f, p + "post_attention_norm.weight", c.n_embd);
+      L.ffn_post_norm = norm_of(f, p + "post_ffw_norm.weight", c.n_embd);
+    }
+  }
+  return m;
+}
+
+KvCacheConfig Model::kv_cache_config(const KvPolicy& policy, int max_tokens, int page_tokens) const {
+  KvCacheConfig kc;
+  kc.n_layer = cfg_.n_layer;
+  kc.n_kv_heads = cfg_.n_head_kv;
+  kc.head_dim = cfg_.head_dim;
+  kc.page_tokens = page_tokens;
+  kc.max_tokens = max_tokens;
+  kc.policy = policy;
+  for (int il = 0; il < cfg_.n_layer; ++il) {
+    KvRope r;
+    r.n_rot = cfg_.n_rot;
+    r.freq_base = cfg_.layer_rope_base(il);
+    r.freq_scale = 1.0f / cfg_.layer_rope_scale(il);
+    r.neox = cfg_.rope_neox;
+    kc.rope.push_back(r);
+  }
+  return kc;
+}
+
+Forward::Forward(const Model& m, ThreadPool& pool, int max_batch) : m_(m), pool_(pool), max_batch_(max_batch) {
+  const ModelConfig& c = m.cfg_;
+  const size_t B = size_t(max_batch);
+  x_.resize(B * size_t(c.n_embd));
+  xn_.resize(B * size_t(c.n_embd));
+  tmp_.resize(B * size_t(c.n_embd));
+  q_.resize(B * size_t(c.n_head) * size_t(c.head_dim));
+  attn_out_.resize(B * size_t(c.n_head) * size_t(c.head_dim));
+  k_pre_.resize(B * size_t(c.n_head_kv) * size_t(c.head_dim));
+  k_.resize(B * size_t(c.n_head_kv) * size_t(c.head_dim));
+  v_.resize(B * size_t(c.n_head_kv) * size_t(c.head_dim));
+  gate_.resize(B * size_t(c.n_ff));
+  up_.resize(B * size_t(c.n_ff));
+  attn_scratch_.resize(size_t(pool.size()));
+  spans_.resize(size_t(pool.size()));
+}
+
+size_t Forward::scratch_bytes() const {
+  size_t b = 0;
+  for (const auto* a : {&x_, &xn_, &tmp_, &q_, &attn_out_, &k_pre_, &k_, &v_, &gate_, &up_, &logits_}) b += a->bytes();
+  for (const auto& s : attn_scratch_) b += s.bytes();
+  return b;
+}
+
+const float* Forward::eval(const int32_t* tokens, int n, KvCache& cache, bool all_logits) {
+  const int nv = m_.cfg_.n_vocab;
+  logits_.resize(size_t(all_logits ? n : 1) * size_t(nv));
+  for (int i = 0; i < n; i += max_batch_) {
+    const int nc = std::min(max_batch_, n - i);
+    float* out = all_logits ? logits_.data() + size_t(i) * size_t(nv) : (i + nc == n ? logits_.data() : nullptr);
+    eval_chunk(tokens + i, nc, cache, all_logits, out);
+  }
+  return logits_.data();
+}
+
+void Forward::eval_chunk(const int32_t* tokens, int n, KvCache& cache, bool all_logits, float* logits_out) {
+  const ModelConfig& c = m_.cfg_;
+  const int E = c.n_embd, hd = c.head_dim, nh = c.n_head, nkv = c.n_head_kv, F = c.n_ff;
+  const int qd = nh * hd, kvd = nkv * hd, group = nh / nkv;
+  const int pos0 = cache.n_tokens();
+  if (pos0 + n > cache.capacity())
+    fail("context full: {} tokens in the cache + {} new exceed the context of {}", pos0, n, cache.capacity());
+  for (int t = 0; t < n; ++t) {
+    if (tokens[t] < 0 || tokens[t] >= c.n_vocab) fail("token id {} out of range [0, {})", tokens[t], c.n_vocab);
+    float* xr = x_.data() + size_t(t) * size_t(E);
+    weight_row(m_.tok_embd_, tokens[t], xr);
+    if (c.embd_scale) {
+      const float s = std::sqrt(float(E));
+      for (int i = 0; i < E; ++i) xr[i] *= s;
+    }
+  }
+  const size_t scratch_need = cache.attend_scratch_floats(group);
+  for (auto& s : attn_scratch_)
+    if (s.size() < scratch_need) s.resize(scratch_need);
+  std::vector<float> cs(size_t(c.n_rot));
+  AttnParams ap;
+  ap.scale = c.attn_scale > 0 ? c.attn_scale : 1.0f / std::sqrt(float(hd));
+  ap.softcap = c.attn_softcap;
+
+  for (int il = 0; il < c.n_layer; ++il) {
+    const LayerWeights& L = m_.layers_[size_t(il)];
+    rms_norm(x_.data(), xn_.data(), static_cast<const float*>(L.attn_norm.data), n, E, c.rms_eps);
+    matmul(L.wq, xn_.data(), n, q_.data(), pool_);
+    matmul(L.wk, xn_.data(), n, k_.data(), pool_);
+    matmul(L.wv, xn_.data(), n, v_.data(), pool_);
+    if (c.qk_norm) {
+      rms_norm(q_.data(), q_.data(), static_cast<const float*>(L.attn_q_norm.data), n * nh, hd, c.rms_eps);
+      rms_norm(k_.data(), k_.data(), static_cast<const float*>(L.attn_k_norm.data), n * nkv, hd, c.rms_eps);
+    }
+    std::memcpy(k_pre_.data(), k_.data(), size_t(n) * size_t(kvd) * sizeof(float));
+    for (int t = 0; t < n; ++t) {
+      rope_table(cs.data(), pos0 + t, c.n_rot, c.layer_rope_base(il), c.layer_rope_scale(il));
+      rope(q_.data() + size_t(t) * size_t(qd), nh, hd, c.n_rot, c.rope_neox, cs.data());
+      rope(k_.data() + size_t(t) * size_t(kvd), nkv, hd, c.n_rot, c.rope_neox, cs.data());
+    }
+    cache.append(il, n, k_pre_.data(), k_.data(), v_.data());
+    const int window = c.layer_window(il);
+    const int items = n * nkv;
+    pool_.run([&](int ti, int nt) {
+      for (int w = ti; w < items; w += nt) {
+        const int t = w / nkv, h = w % nkv;
+        const size_t qo = size_t(t) * size_t(qd) + size_t(h) * size_t(group) * size_t(hd);
+        cache.attend_head(il, h, pos0 + t, q_.data() + qo, group, ap, window, attn_out_.data() + qo,
+                          attn_scratch_[size_t(ti)].data(), spans_[size_t(ti)]);
+      }
+    });
+    matmul(L.wo, attn_out_.data(), n, tmp_.data(), pool_);
+    if (c.post_norms)
+      rms_norm(tmp_.data(), tmp_.data(), static_cast<const float*>(L.attn_post_norm.data), n, E, c.rms_eps);
+    for (size_t i = 0; i < size_t(n) * size_t(E); ++i) x_[i] += tmp_[i];
+
+    rms_norm(x_.data(), xn_.data(), static_cast<const float*>(L.ffn_norm.data), n, E, c.rms_eps);
+    matmul(L.ffn_gate, xn_.data(), n, gate_.data(), pool_);
+    matmul(L.ffn_up, xn_.data(), n, up_.data(), pool_);
+    const size_t nf = size_t(n) * size_t(F);
+    if (c.geglu) {
+      for (size_t i = 0; i < nf; ++i) gate_[i] = gelu_tanh(gate_[i]) * up_[i];
+    } else {
+      for (size_t i = 0; i < nf; ++i) gate_[i] = silu(gate_[i]) * up_[i];
+    }
+    matmul(L.ffn_down, gate_.data(), n, tmp_.data(), pool_);
+    if (c.post_norms)
+      rms_norm(tmp_.data(), tmp_.data(), static_cast<const float*>(L.ffn_post_norm.data), n, E, c.rms_eps);
+    for (size_t i = 0; i < size_t(n) * size_t(E); ++i) x_[i] += tmp_[i];
+  }
+  cache.commit(n);
+
+  if (!logits_out) return;
+  const int rows = all_logits ? n : 1;
+  const float* xr = x_.data() + size_t(n - rows) * size_t(E);
+  rms_norm(xr, xn_.data(), static_cast<const float*>(m_.output_norm_.data), rows, E, c.rms_eps);
+  matmul(m_.output_, xn_.data(), rows, logits_out, pool_);
+  if (c.final_softcap > 0) {
+    const float cap = c.final_softcap;
+    for (size_t i = 0; i < size_t(rows) * size_t(c.n_vocab); ++i) logits_out[i] = cap * std::tanh(logits_out[i] / cap);
+  }
+}
+
+}  // namespace kvq

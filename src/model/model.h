@@ -1,0 +1,72 @@
+// A GGUF model ready to run: config, weights viewed in place in the mapping, and the forward
+// pass (prefill a batch of tokens with matrix-matrix products, or decode one token).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cache/kv_cache.h"
+#include "core/aligned.h"
+#include "core/thread_pool.h"
+#include "gguf/gguf.h"
+#include "model/config.h"
+#include "weights/weights.h"
+
+namespace kvq {
+
+struct LayerWeights {
+  WeightView attn_norm, wq, wk, wv, wo, attn_q_norm, attn_k_norm, attn_post_norm;
+  WeightView ffn_norm, ffn_gate, ffn_up, ffn_down, ffn_post_norm;
+};
+
+class Model {
+ public:
+  // Opens and validates the file (architecture, tensor shapes and types); throws kvq::Error.
+  static std::unique_ptr<Model> load(const std::string& path);
+
+  const ModelConfig& config() const { return cfg_; }
+  const gguf::File& file() const { return *file_; }
+  size_t weights_bytes() const { return file_->tensor_bytes(); }
+
+  // Cache configuration for this model (shapes and per-layer RoPE filled in).
+  KvCacheConfig kv_cache_config(const KvPolicy& policy, int max_tokens, int page_tokens = 64) const;
+
+ private:
+  friend class Forward;
+  std::unique_ptr<gguf::File> file_;
+  ModelConfig cfg_;
+  WeightView tok_embd_, output_norm_, output_;
+  std::vector<LayerWeights> layers_;
+};
+
+// Per-sequence activations and the forward pass. Scratch is sized for up to max_batch tokens
+// per call; longer prompts are processed in chunks of max_batch.
+class Forward {
+ public:
+  Forward(const Model& m, ThreadPool& pool, int max_batch = 256);
+
+  // Runs tokens at positions cache.n_tokens() .. +n-1, appending them to the cache. Logits
+  // (n_vocab floats per row) are written for the last token, or for every token when
+  // all_logits (rows in order). Returns a pointer to the first logits row (valid until the next call).
+  const float* eval(const int32_t* tokens, int n, KvCache& cache, bool all_logits = false);
+  size_t scratch_bytes() const;
+
+ private:
+  void eval_chunk(const int32_t* tokens, int n, KvCache& cache, bool all_logits, float* logits_out);
+  const Model& m_;
+  ThreadPool& pool_;
+  int max_batch_;
+  // (max_batch, n_embd) residual stream and normalized copy
+  AlignedBuf<float> x_, xn_;
+  // (max_batch, n_head * head_dim) queries; (max_batch, n_kv * head_dim) keys (pre/post RoPE), values
+  AlignedBuf<float> q_, k_pre_, k_, v_, attn_out_;
+  // (max_batch, n_ff) FFN gate and up
+  AlignedBuf<float> gate_, up_;
+  AlignedBuf<float> tmp_;          // (max_batch, n_embd)
+  AlignedBuf<float> logits_;       // (rows, n_vocab)
+  std::vector<AlignedBuf<float>> attn_scratch_;  // one per thread
+  std::vector<std::vector<KvBlockSpan>> spans_;  // one per thread
+};
+
+}  // namespace kvq

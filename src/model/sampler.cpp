@@ -1,0 +1,89 @@
+#include "model/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <unordered_set>
+
+#include "core/error.h"
+
+namespace kvq {
+
+int32_t argmax(const float* logits, int n) {
+  int32_t best = 0;
+  for (int i = 1; i < n; ++i)
+    if (logits[i] > logits[best]) best = i;
+  return best;
+}
+
+Sampler::Sampler(const SamplerParams& p) : p_(p), rng_(p.seed) {
+  if (!(p_.temperature >= 0) || std::isinf(p_.temperature)) fail("temperature must be >= 0 (got {})", p_.temperature);
+  if (!(p_.top_p > 0)) fail("top_p must be in (0, 1] (got {})", p_.top_p);
+  if (!(p_.min_p >= 0 && p_.min_p <= 1)) fail("min_p must be in [0, 1] (got {})", p_.min_p);
+  if (!(p_.repeat_penalty > 0)) fail("repeat penalty must be > 0 (got {})", p_.repeat_penalty);
+}
+
+int32_t Sampler::sample(const float* logits, int n_vocab, const std::vector<int32_t>& history) {
+  cand_.resize(size_t(n_vocab));
+  for (int i = 0; i < n_vocab; ++i) cand_[size_t(i)] = {logits[i], i};
+  if (p_.repeat_penalty != 1.0f && p_.repeat_last_n != 0) {
+    size_t n = history.size();
+    size_t from = p_.repeat_last_n < 0 || size_t(p_.repeat_last_n) >= n ? 0 : n - size_t(p_.repeat_last_n);
+    std::unordered_set<int32_t> seen(history.begin() + std::ptrdiff_t(from), history.end());
+    for (int32_t t : seen) {
+      if (t < 0 || t >= n_vocab) continue;
+      float& l = cand_[size_t(t)].first;
+      l = l > 0 ? l / p_.repeat_penalty : l * p_.repeat_penalty;
+    }
+  }
+  if (p_.temperature <= 0) {
+    size_t best = 0;
+    for (size_t i = 1; i < cand_.size(); ++i)
+      if (cand_[i].first > cand_[best].first) best = i;
+    return cand_[best].second;
+  }
+  auto by_logit = [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
+  size_t k = cand_.size();
+  if (p_.top_k > 0 && size_t(p_.top_k) < k) {
+    k = size_t(p_.top_k);
+    std::partial_sort(cand_.begin(), cand_.begin() + std::ptrdiff_t(k), cand_.end(), by_logit);
+  } else {
+    std::sort(cand_.begin(), cand_.end(), by_logit);
+  }
+  cand_.resize(k);
+  // softmax over the survivors (before temperature, as the top-p/min-p filters see it)
+  const float mx = cand_[0].first;
+  std::vector<double> prob(k);
+  double sum = 0;
+  for (size_t i = 0; i < k; ++i) sum += prob[i] = std::exp(double(cand_[i].first - mx));
+  for (auto& pr : prob) pr /= sum;
+  if (p_.top_p < 1.0f) {
+    double cum = 0;
+    size_t keep = k;
+    for (size_t i = 0; i < k; ++i) {
+      cum += prob[i];
+      if (cum >= p_.top_p) {
+        keep = i + 1;
+        break;
+      }
+    }
+    k = keep;
+  }
+  if (p_.min_p > 0) {
+    size_t keep = 1;
+    while (keep < k && prob[keep] >= p_.min_p * prob[0]) ++keep;
+    k = keep;
+  }
+  // temperature, then draw
+  std::vector<double> w(k);
+  double ws = 0;
+  for (size_t i = 0; i < k; ++i) ws += w[i] = std::exp(double(cand_[i].first - mx) / p_.temperature);
+  std::uniform_real_distribution<double> U(0.0, ws);
+  double r = U(rng_), acc = 0;
+  for (size_t i = 0; i < k; ++i) {
+    acc += w[i];
+    if (r < acc) return cand_[i].second;
+  }
+  return cand_[k - 1].second;
+}
+
+}  // namespace kvq

@@ -1,0 +1,134 @@
+#include "tools/run.h"
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "core/error.h"
+#include "core/timer.h"
+#include "model/chat.h"
+#include "model/model.h"
+#include "model/tokenizer.h"
+
+namespace kvq {
+
+void run_add_cli(CLI::App& app, RunOptions& o) {
+  app.add_option("-m,--model", o.model, "GGUF model file")->required();
+  app.add_option("-p,--prompt", o.prompt, "prompt text (empty: start from BOS)")->each([&](const std::string&) { o.prompt_set = true; });
+  app.add_option("-f,--file", o.prompt_file, "read the prompt from a file");
+  app.add_option("-n,--n-predict", o.n_predict, "tokens to generate")->capture_default_str();
+  app.add_option("-t,--threads", o.threads, "threads (default: all hardware threads)")->check(CLI::Range(1, 1024));
+  app.add_option("-c,--ctx-size", o.ctx, "context length (default: the model's)");
+  app.add_flag("--chat", o.chat, "wrap the prompt in the model's chat template");
+  app.add_option("--system", o.system, "system message (with --chat)");
+  app.add_flag("--echo", o.echo, "print the prompt before the generated text");
+  app.add_option("--temp", o.sampling.temperature, "temperature (0: greedy)")->capture_default_str();
+  app.add_option("--top-k", o.sampling.top_k, "top-k (0: off)")->capture_default_str();
+  app.add_option("--top-p", o.sampling.top_p, "top-p (1: off)")->capture_default_str();
+  app.add_option("--min-p", o.sampling.min_p, "min-p (0: off)")->capture_default_str();
+  app.add_option("--repeat-penalty", o.sampling.repeat_penalty, "repetition penalty (1: off)")->capture_default_str();
+  app.add_option("--repeat-last-n", o.sampling.repeat_last_n, "tokens the penalty looks back")->capture_default_str();
+  app.add_option("-s,--seed", o.sampling.seed, "random seed")->capture_default_str();
+  kv_flags_add(app, o.kv);
+}
+
+static std::string mib(size_t b) { return fmt::format("{:.1f} MiB", double(b) / (1024.0 * 1024.0)); }
+
+int run_command(const RunOptions& o) {
+  if (o.threads < 0) fail("--threads must be >= 1 (got {})", o.threads);
+  if (o.n_predict < 0) fail("--n-predict must be >= 0 (got {})", o.n_predict);
+  if (o.prompt_set && !o.prompt_file.empty()) fail("give either --prompt or --file, not both");
+  std::string prompt = o.prompt;
+  if (!o.prompt_file.empty()) {
+    std::ifstream in(o.prompt_file, std::ios::binary);
+    if (!in) fail("cannot read prompt file '{}'", o.prompt_file);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    prompt = ss.str();
+  }
+  const int threads = o.threads > 0 ? o.threads : int(std::max(1u, std::thread::hardware_concurrency()));
+
+  auto model = Model::load(o.model);
+  const ModelConfig& c = model->config();
+  Tokenizer tok = Tokenizer::from_gguf(model->file());
+  const int ctx = o.ctx > 0 ? o.ctx : c.n_ctx_train;
+  if (o.ctx < 0) fail("--ctx-size must be > 0 (got {})", o.ctx);
+
+  std::string text = prompt;
+  if (o.chat) {
+    ChatTemplate tpl = chat_template_detect(model->file());
+    if (tpl == ChatTemplate::none) fail("{}: the model has no chat template kvq supports (ChatML, Gemma)", o.model);
+    std::vector<ChatMessage> msgs;
+    if (!o.system.empty()) msgs.push_back({"system", o.system});
+    msgs.push_back({"user", prompt});
+    text = chat_render(tpl, msgs);
+  }
+  std::vector<int32_t> ids = tok.encode(text, /*add_bos=*/true, /*parse_special=*/o.chat);
+  const bool from_start = text.empty();  // generated text starts the document (no prompt)
+  if (ids.empty()) {
+    if (tok.bos() < 0) fail("empty prompt and the model has no BOS token to start from");
+    ids.push_back(tok.bos());
+  }
+  if (int(ids.size()) >= ctx)
+    fail("prompt is {} tokens, the context is {} (use a shorter prompt or a larger --ctx-size)", ids.size(), ctx);
+
+  ThreadPool pool(threads);
+  KvPolicy policy = kv_flags_policy(o.kv, c.n_layer);
+  KvCache cache(model->kv_cache_config(policy, ctx, o.kv.page_tokens));
+  Forward fwd(*model, pool);
+  Sampler sampler(o.sampling);
+
+  if (o.echo) {
+    std::fputs(prompt.c_str(), stdout);
+    std::fflush(stdout);
+  }
+  const double t0 = now_seconds();
+  const float* logits = fwd.eval(ids.data(), int(ids.size()), cache);
+  const double t_prompt = now_seconds() - t0;
+
+  std::vector<int32_t> history = ids;
+  TokenStreamDecoder stream(tok, from_start);
+  int n_gen = 0;
+  const double t1 = now_seconds();
+  const char* stop_reason = "length";
+  for (; n_gen < o.n_predict; ++n_gen) {
+    int32_t next = sampler.sample(logits, c.n_vocab, history);
+    if (tok.is_eog(next)) {
+      stop_reason = "end of generation token";
+      break;
+    }
+    history.push_back(next);
+    std::string piece = stream.push(next);
+    if (!piece.empty()) {
+      std::fwrite(piece.data(), 1, piece.size(), stdout);
+      std::fflush(stdout);
+    }
+    if (cache.n_tokens() >= ctx) {
+      stop_reason = "context full";
+      ++n_gen;
+      break;
+    }
+    logits = fwd.eval(&next, 1, cache);
+  }
+  std::string rest = stream.flush();
+  std::fwrite(rest.data(), 1, rest.size(), stdout);
+  std::fputc('\n', stdout);
+  std::fflush(stdout);
+  const double t_gen = now_seconds() - t1;
+  // The last sampled token is not evaluated, so decode speed counts evaluated tokens.
+  const int n_eval = n_gen > 0 ? n_gen - 1 : 0;
+  std::fprintf(stderr, "\n[kvq] %s | %s | %d threads | KV %s (%.1f bytes/token)\n", c.name.c_str(), c.arch.c_str(),
+               threads, policy.name.c_str(), cache.bytes_per_token());
+  std::fprintf(stderr, "[kvq] stop: %s\n", stop_reason);
+  std::fprintf(stderr, "[kvq] prompt: %zu tokens in %.3f s (%.1f tokens/s)\n", ids.size(), t_prompt,
+               double(ids.size()) / std::max(t_prompt, 1e-9));
+  std::fprintf(stderr, "[kvq] decode: %d tokens in %.3f s (%.1f tokens/s)\n", n_eval, t_gen,
+               n_eval > 0 ? double(n_eval) / std::max(t_gen, 1e-9) : 0.0);
+  std::fprintf(stderr, "[kvq] memory: weights %s, KV %s (%d tokens), scratch %s\n", mib(model->weights_bytes()).c_str(),
+               mib(cache.bytes_pages() + cache.bytes_tail()).c_str(), cache.n_tokens(), mib(fwd.scratch_bytes()).c_str());
+  return 0;
+}
+
+}  // namespace kvq

@@ -1,0 +1,31 @@
+// kvq run: generate text from a GGUF model. stdout carries the generated text only (the prompt
+// too with --echo), streamed as produced; stderr ends with speed and memory.
+#pragma once
+#include <string>
+
+#include "model/sampler.h"
+#include "tools/kv_flags.h"
+
+namespace CLI { class App; }
+
+namespace kvq {
+
+struct RunOptions {
+  std::string model;
+  std::string prompt;
+  bool prompt_set = false;
+  std::string prompt_file;
+  int n_predict = 256;
+  int threads = 0;       // 0: all hardware threads
+  int ctx = 0;           // 0: the model's training context
+  bool chat = false;
+  bool echo = false;
+  std::string system;    // --system, with --chat
+  SamplerParams sampling;
+  KvFlags kv;
+};
+
+void run_add_cli(CLI::App& app, RunOptions& o);
+int run_command(const RunOptions& o);
+
+}  // namespace kvq

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# kvq run as a user runs it: output on stdout only, speed/memory on stderr, and bad input
+# rejected with a one-line error and a non-zero exit (never a crash).
+set -u
+kvq=$1
+src=$2
+model=$src/../shared/models/stories260K.gguf
+[[ -f $model ]] || { echo "skip: $model not found"; exit 77; }
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fails=0
+check() { if ! eval "$2"; then echo "FAIL: $1"; fails=$((fails + 1)); else echo "ok: $1"; fi; }
+
+# greedy from BOS: stdout is exactly the generated text (known output is a prefix)
+"$kvq" run -m "$model" -n 120 --temp 0 -t 1 >"$tmp/out" 2>"$tmp/err"
+rc=$?
+check "greedy run exits 0" "[[ $rc -eq 0 ]]"
+expected=$(head -c 100 "$src/../shared/models/stories260K.greedy.txt")
+check "stdout starts with the known greedy text" "[[ \"\$(head -c 100 $tmp/out)\" == \"\$expected\" ]]"
+check "stderr reports decode tokens/s" "grep -q 'decode: .* tokens/s' $tmp/err"
+check "stderr reports memory" "grep -q 'memory: weights' $tmp/err"
+check "stdout has no log lines" "! grep -q '\[kvq\]' $tmp/out"
+
+# --echo prints the prompt first
+"$kvq" run -m "$model" -p "Once upon a time" -n 5 --temp 0 --echo >"$tmp/echo" 2>/dev/null
+check "--echo prints the prompt" "grep -q '^Once upon a time' $tmp/echo"
+
+# seeded sampling is reproducible
+"$kvq" run -m "$model" -p "Lily" -n 30 --temp 0.9 --seed 7 >"$tmp/s1" 2>/dev/null
+"$kvq" run -m "$model" -p "Lily" -n 30 --temp 0.9 --seed 7 >"$tmp/s2" 2>/dev/null
+check "same seed, same text" "cmp -s $tmp/s1 $tmp/s2"
+
+# bad input: clear error, non-zero exit, no crash (exit code 1 or CLI11's usage code, not a signal)
+bad() {
+  local name=$1; shift
+  "$kvq" "$@" >"$tmp/bo" 2>"$tmp/be"
+  local rc=$?
+  check "$name: non-zero exit" "[[ $rc -ne 0 && $rc -lt 128 ]]"
+  check "$name: message on stderr" "[[ -s $tmp/be ]]"
+}
+bad "missing model file" run -m "$tmp/nope.gguf" -p hi
+printf 'GGUF\x03\x00\x00\x00garbage' >"$tmp/bad.gguf"
+bad "malformed model file" run -m "$tmp/bad.gguf" -p hi
+bad "threads < 1" run -m "$model" -p hi -t -1
+bad "unknown flag" run -m "$model" --no-such-flag
+bad "unknown KV format" run -m "$model" -p hi --kv-cache-dtype int7
+head -c 20000 /dev/urandom | base64 >"$tmp/long.txt"
+bad "prompt longer than the context" run -m "$model" -f "$tmp/long.txt" -c 256
+bad "--chat without a template" run -m "$model" -p hi --chat
+
+[[ $fails -eq 0 ]] || { echo "$fails check(s) failed"; exit 1; }
