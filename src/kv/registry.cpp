@@ -18,6 +18,7 @@ void kv_register_ggml_codecs();
 void kv_register_mixed_formats();
 void kv_register_kivi();
 void kv_register_kvquant();
+void kv_register_turboquant();
 
 namespace {
 
@@ -64,12 +65,13 @@ const Registry& registry() {
   static std::once_flag once;
   std::call_once(once, [] {
     kv_register_float_codecs();
-    // kv_register_fp8_codecs();
-    // kv_register_int_codecs();
-    // kv_register_ggml_codecs();
-    // kv_register_mixed_formats();
+    kv_register_fp8_codecs();
+    kv_register_int_codecs();
+    kv_register_ggml_codecs();
+    kv_register_mixed_formats();
     kv_register_kivi();
     kv_register_kvquant();
+    kv_register_turboquant();
     validate(storage());
   });
   return storage();

@@ -1,0 +1,45 @@
+#include "kv/calib.h"
+
+#include <cmath>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+
+namespace kvq {
+
+std::vector<float> kv_calib_head_scales(const KvCodecParams& p, const std::string& codec) {
+  const char* key = p.role == KvRole::key ? "k_scale" : "v_scale";
+  if (!p.calib)
+    fail("KV codec '{}' needs calibration scales: pass a calibration JSON of the form "
+         "{{\"layers\": [{{\"k_scale\": s, \"v_scale\": s}}, ...]}} (s a number or one per KV head)",
+         codec);
+  const nlohmann::json& j = *p.calib;
+  if (!j.is_object() || !j.contains("layers") || !j["layers"].is_array())
+    fail("KV codec '{}': calibration JSON has no \"layers\" array", codec);
+  const auto& layers = j["layers"];
+  if (p.layer < 0 || size_t(p.layer) >= layers.size())
+    fail("KV codec '{}': calibration JSON has {} layers, layer {} requested", codec, layers.size(), p.layer);
+  const auto& L = layers[size_t(p.layer)];
+  if (!L.is_object() || !L.contains(key))
+    fail("KV codec '{}': calibration layer {} has no \"{}\"", codec, p.layer, key);
+  const auto& s = L[key];
+  auto value = [&](const nlohmann::json& v) -> float {
+    if (!v.is_number()) fail("KV codec '{}': layer {} \"{}\": expected a number, got {}", codec, p.layer, key, v.dump());
+    const double d = v.get<double>();
+    if (!std::isfinite(d) || d <= 0 || d > 3.0e38)
+      fail("KV codec '{}': layer {} \"{}\": scale {} must be positive and finite", codec, p.layer, key, d);
+    return float(d);
+  };
+  if (s.is_array()) {
+    if (int(s.size()) != p.n_kv_heads)
+      fail("KV codec '{}': layer {} \"{}\" has {} entries, expected one per KV head ({})", codec, p.layer, key,
+           s.size(), p.n_kv_heads);
+    std::vector<float> out;
+    for (const auto& v : s) out.push_back(value(v));
+    return out;
+  }
+  return std::vector<float>(size_t(p.n_kv_heads), value(s));
+}
+
+}  // namespace kvq

@@ -1,0 +1,46 @@
+// FP8 codecs (E4M3, E5M2) in three scale modes:
+//  fixed   (fp8_e4m3, fp8_e5m2): x ~= fp8 * 1.0, as vLLM's default; E4M3's exponent absorbs the
+//          range of typical K/V (|x| <= 448), E5M2 trades mantissa for range (57344).
+//  static  (fp8_*_static): per-tensor or per-head scales from calibration JSON (kv/calib.h).
+//  dynamic (fp8_*_dyn): an f32 scale absmax / fp8_max stored with each token (KvRowScaled):
+//          8 + 32/head_dim bits.
+#include "kv/calib.h"
+#include "kv/registry_internal.h"
+#include "kv/row_codec.h"
+
+namespace kvq {
+
+namespace {
+enum class Mode { fixed, calibrated, dynamic };
+
+void add(const std::string& name, KvElem e, Mode mode, const std::string& what) {
+  kv_register_codec({name, what, [name, e, mode](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
+                       std::vector<float> scales;
+                       if (mode == Mode::calibrated) scales = kv_calib_head_scales(p, name);
+                       return std::make_unique<KvRowCodec>(name, kv_row_fmt(e, p.head_dim), p.n_kv_heads,
+                                                           std::move(scales));
+                     }});
+}
+}  // namespace
+
+void kv_register_fp8_codecs() {
+  add("fp8_e4m3", KvElem::e4m3, Mode::fixed, "FP8 E4M3, scale 1.0, saturating at +-448");
+  add("fp8_e5m2", KvElem::e5m2, Mode::fixed, "FP8 E5M2, scale 1.0, saturating at +-57344");
+  add("fp8_e4m3_static", KvElem::e4m3, Mode::calibrated, "FP8 E4M3, calibrated per-tensor/per-head scale");
+  add("fp8_e5m2_static", KvElem::e5m2, Mode::calibrated, "FP8 E5M2, calibrated per-tensor/per-head scale");
+  add("fp8_e4m3_dyn", KvElem::e4m3_dyn, Mode::dynamic, "FP8 E4M3, f32 scale absmax/448 per (token, head)");
+  add("fp8_e5m2_dyn", KvElem::e5m2_dyn, Mode::dynamic, "FP8 E5M2, f32 scale absmax/57344 per (token, head)");
+  kv_register_format({"fp8_e4m3", {"fp8", "fp8_e4m3fn", "e4m3"}, "fp8_e4m3", "fp8_e4m3",
+                      "FP8 E4M3 with scale 1.0 (vLLM default): 8 bits"});
+  kv_register_format({"fp8_e5m2", {"e5m2"}, "fp8_e5m2", "fp8_e5m2", "FP8 E5M2 with scale 1.0: 8 bits"});
+  kv_register_format({"fp8_e4m3_static", {"fp8_static"}, "fp8_e4m3_static", "fp8_e4m3_static",
+                      "FP8 E4M3 with calibrated K/V scales (needs calibration JSON): 8 bits"});
+  kv_register_format({"fp8_e5m2_static", {}, "fp8_e5m2_static", "fp8_e5m2_static",
+                      "FP8 E5M2 with calibrated K/V scales (needs calibration JSON): 8 bits"});
+  kv_register_format({"fp8_e4m3_dyn", {"fp8_dyn", "fp8_dynamic"}, "fp8_e4m3_dyn", "fp8_e4m3_dyn",
+                      "FP8 E4M3 with a per-token f32 scale: 8 + 32/head_dim bits"});
+  kv_register_format({"fp8_e5m2_dyn", {}, "fp8_e5m2_dyn", "fp8_e5m2_dyn",
+                      "FP8 E5M2 with a per-token f32 scale: 8 + 32/head_dim bits"});
+}
+
+}  // namespace kvq

@@ -1,0 +1,40 @@
+// llama.cpp's KV cache types q8_0 and q4_0 (blocks of 32 along head_dim, f16 scale; layouts
+// kv_block_q8_0 / kv_block_q4_0 in kv_rows.h), rounding as ggml so codes are bit-comparable.
+#include "core/error.h"
+#include "kv/registry_internal.h"
+#include "kv/row_codec.h"
+
+namespace kvq {
+
+namespace {
+void add(const char* name, KvElem e, const char* what) {
+  kv_register_codec({name, what, [name, e](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
+                       if (p.head_dim % 32 != 0)
+                         fail("KV codec '{}' stores blocks of 32 along head_dim; head_dim {} is not a multiple of 32",
+                              name, p.head_dim);
+                       return std::make_unique<KvRowCodec>(name, kv_row_fmt(e, p.head_dim), p.n_kv_heads);
+                     }});
+}
+}  // namespace
+
+void kv_register_ggml_codecs() {
+  add("q8_0", KvElem::q8_0, "llama.cpp q8_0: 32 int8 + f16 absmax/127 scale per block");
+  add("q4_0", KvElem::q4_0, "llama.cpp q4_0: 32 4-bit codes + f16 scale per block");
+  kv_register_format({"q8_0", {"ggml_q8_0", "llama_q8_0"}, "q8_0", "q8_0",
+                      "llama.cpp q8_0 (-ctk/-ctv q8_0): 8.5 bits"});
+  kv_register_format({"q4_0", {"ggml_q4_0", "llama_q4_0"}, "q4_0", "q4_0",
+                      "llama.cpp q4_0 (-ctk/-ctv q4_0): 4.5 bits"});
+}
+
+// Formats whose K and V use different codecs (keys are the more sensitive half: outlier channels
+// and softmax amplification, so K gets the bits).
+void kv_register_mixed_formats() {
+  kv_register_format({"k8v4", {"int8_int4"}, "int8", "int4_g64", "K int8 per token, V int4 g64: ~6.4 bits"});
+  kv_register_format({"k8v2", {"int8_int2"}, "int8", "int2_g32", "K int8 per token, V int2 g32: ~5.6 bits"});
+  kv_register_format({"k4v2", {"int4_int2"}, "int4_g64", "int2_g32", "K int4 g64, V int2 g32: 3.75 bits"});
+  kv_register_format({"kfp8v4", {"fp8_int4"}, "fp8_e4m3", "int4_g64", "K FP8 E4M3, V int4 g64: 6.25 bits"});
+  kv_register_format({"q8_0_q4_0", {"kq8_0_vq4_0"}, "q8_0", "q4_0",
+                      "llama.cpp -ctk q8_0 -ctv q4_0: 6.5 bits"});
+}
+
+}  // namespace kvq

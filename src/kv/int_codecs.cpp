@@ -1,0 +1,69 @@
+// Integer codecs quantized per token at write time:
+//  int8:        symmetric, scale absmax/127 per (token, head) as f32 (KvRowScaled):
+//               8 + 32/head_dim bits.
+//  int8_static: symmetric with calibrated per-tensor/per-head scales (kv/calib.h), no per-token
+//               scale: 8 bits; it shows the scale reuse trap when the range grows past calibration.
+//  int4_g{32,64,128}, int2_g{32,64,128}: asymmetric min/max per group of g elements along
+//               head_dim, f16 scale and minimum per group: b + 32/g bits. Formats "int4" and "int2"
+//               default to g = 64 (4.5 bits, the HF QuantizedCache default) and g = 32 (3 bits:
+//               at 2 bits only small groups keep the error tolerable).
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "kv/calib.h"
+#include "kv/registry_internal.h"
+#include "kv/row_codec.h"
+
+namespace kvq {
+
+namespace {
+
+void add_grouped(int bits, int g) {
+  const std::string name = fmt::format("int{}_g{}", bits, g);
+  const KvElem e = bits == 4 ? KvElem::int4g : KvElem::int2g;
+  kv_register_codec(
+      {name, fmt::format("int{} asymmetric, f16 scale + min per group of {} along head_dim", bits, g),
+       [name, e, g](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
+         if (p.head_dim % g != 0) {
+           std::string valid;
+           for (int v : {32, 64, 128})
+             if (p.head_dim % v == 0) valid += fmt::format("{}{}", valid.empty() ? "" : ", ", v);
+           fail("KV codec '{}': group size {} does not divide head_dim {}; valid group sizes for this head_dim: {}",
+                name, g, p.head_dim, valid.empty() ? std::string("none (head_dim must be a multiple of 32)") : valid);
+         }
+         return std::make_unique<KvRowCodec>(name, kv_row_fmt(e, p.head_dim, g), p.n_kv_heads);
+       }});
+}
+
+}  // namespace
+
+void kv_register_int_codecs() {
+  kv_register_codec({"int8", "int8 symmetric, f32 absmax scale per (token, head)",
+                     [](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
+                       return std::make_unique<KvRowCodec>("int8", kv_row_fmt(KvElem::int8, p.head_dim), p.n_kv_heads);
+                     }});
+  kv_register_codec({"int8_static", "int8 symmetric, calibrated per-tensor/per-head scale",
+                     [](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
+                       return std::make_unique<KvRowCodec>("int8_static", kv_row_fmt(KvElem::int8_static, p.head_dim),
+                                                           p.n_kv_heads, kv_calib_head_scales(p, "int8_static"));
+                     }});
+  for (int bits : {4, 2})
+    for (int g : {32, 64, 128}) add_grouped(bits, g);
+
+  kv_register_format({"int8", {"int8_per_token"}, "int8", "int8",
+                      "int8 symmetric per (token, head), f32 scale: 8 + 32/head_dim bits"});
+  kv_register_format({"int8_static", {}, "int8_static", "int8_static",
+                      "int8 with calibrated K/V scales (needs calibration JSON): 8 bits"});
+  for (int bits : {4, 2}) {
+    for (int g : {32, 64, 128}) {
+      const std::string name = fmt::format("int{}_g{}", bits, g);
+      std::vector<std::string> aliases;
+      if ((bits == 4 && g == 64) || (bits == 2 && g == 32)) aliases.push_back(fmt::format("int{}", bits));
+      kv_register_format({name, aliases, name, name,
+                          fmt::format("int{} asymmetric per group of {} channels, f16 scale + min: {} bits", bits,
+                                      g, bits + 32.0 / g)});
+    }
+  }
+}
+
+}  // namespace kvq
