@@ -308,6 +308,13 @@ TEST(Plan, TensorParallelSplitsHeads) {
   EXPECT_EQ(r.formats[0].page_bytes_device, 80 * 2 * 64 * 128 * 2);  // one head per device
   c.tp = 3;
   EXPECT_THROW(plan_compute(m, c), Error);
+  // 2^40 tokens x 2^40 sequences overflows 64 bits: an error, not a wrapped number.
+  c.tp = 1;
+  c.ctx = {int64_t(1) << 40};
+  c.batch = {int64_t(1) << 40};
+  EXPECT_THROW(plan_compute(m, c), Error);
+  c.batch = {1};
+  EXPECT_EQ(plan_compute(m, c).rows[0].kv_bytes, (int64_t(1) << 40) * 327680);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -490,7 +497,8 @@ TEST(Plan, ParseCounts) {
   EXPECT_EQ(plan_parse_count("32k", "--ctx"), 32768);
   EXPECT_EQ(plan_parse_count("1M", "--ctx"), 1048576);
   EXPECT_EQ(plan_parse_count_list("4K, 16K,32k", "--ctx"), (std::vector<int64_t>{4096, 16384, 32768}));
-  for (const char* bad : {"4Q", "0", "-4K", "", "K", "4.5K", "1e3", "99999999999999999999", "4K,", "4 K"})
+  EXPECT_EQ(plan_parse_count("1024G", "--ctx"), int64_t(1) << 40);
+  for (const char* bad : {"4Q", "0", "-4K", "", "K", "4.5K", "1e3", "99999999999999999999", "4K,", "4 K", "2048G"})
     EXPECT_THROW(plan_parse_count_list(bad, "--ctx"), Error) << bad;
   EXPECT_EQ(plan_parse_bytes("141107412992", "--weights-bytes"), 141107412992);
   EXPECT_EQ(plan_parse_bytes("64G", "--weights-bytes"), 64 * GiB);

@@ -89,6 +89,17 @@ std::string format_count(int64_t n) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Saturating arithmetic: sizes past 2^63 bytes become INT64_MAX (never fit, never wrap).
+constexpr int64_t kSat = std::numeric_limits<int64_t>::max();
+int64_t sat_mul(int64_t a, int64_t b) {
+  int64_t r;
+  return __builtin_mul_overflow(a, b, &r) ? kSat : r;
+}
+int64_t sat_add(int64_t a, int64_t b) {
+  int64_t r;
+  return __builtin_add_overflow(a, b, &r) ? kSat : r;
+}
+
 // Same rule as kv_quantized_tokens(), in 64 bits (contexts past 2^31 tokens are planned too).
 int64_t quantized_tokens64(int64_t n, int group_tokens, int residual_tokens) {
   if (group_tokens <= 1) return n;
@@ -109,6 +120,8 @@ int kv_heads_per_device(int n_kv_heads, int tp) {
 
 void validate_model(const PlanModel& m) {
   if (m.n_layers <= 0) fail("{}: layer count must be positive (got {})", m.name, m.n_layers);
+  if (m.n_heads <= 0 || m.head_dim <= 0) fail("{}: {} heads of {} dims is not a valid attention shape", m.name, m.n_heads, m.head_dim);
+  if (m.n_embd < 0 || m.n_ff < 0 || m.n_vocab < 0) fail("{}: negative model dimensions", m.name);
   if (int(m.layers.size()) != m.n_layers) fail("{}: {} layer entries for {} layers", m.name, m.layers.size(), m.n_layers);
   for (size_t il = 0; il < m.layers.size(); ++il) {
     const PlanLayer& l = m.layers[il];
@@ -564,7 +577,7 @@ int64_t plan_parse_count(std::string_view s0, const char* what) {
   if (digits.size() > 15) fail("{}: '{}' is too large", what, s);
   const int64_t v = std::stoll(digits);
   if (v <= 0) fail("{}: '{}' must be positive", what, s);
-  if (v > (int64_t(1) << 50) / mult) fail("{}: '{}' is too large", what, s);
+  if (v > (int64_t(1) << 40) / mult) fail("{}: '{}' is too large (at most 1024G)", what, s);
   return v * mult;
 }
 
@@ -649,9 +662,9 @@ int64_t plan_sequence_kv_bytes(const PlanModel& m, const PlanFormatCost& c, int 
   const auto& tail_v = device ? c.layer_tail_row_bytes_v_device : c.layer_tail_row_bytes_v;
   for (int il = 0; il < m.n_layers; ++il) {
     const int64_t t = plan_layer_tokens(m.layers[size_t(il)], n);
-    total += ceil_div(t, page_tokens) * page[size_t(il)];
-    if (tail_k[size_t(il)]) total += (t - quantized_tokens64(t, c.k_group, c.k_residual)) * tail_k[size_t(il)];
-    if (tail_v[size_t(il)]) total += (t - quantized_tokens64(t, c.v_group, c.v_residual)) * tail_v[size_t(il)];
+    total = sat_add(total, sat_mul(ceil_div(t, page_tokens), page[size_t(il)]));
+    if (tail_k[size_t(il)]) total = sat_add(total, (t - quantized_tokens64(t, c.k_group, c.k_residual)) * tail_k[size_t(il)]);
+    if (tail_v[size_t(il)]) total = sat_add(total, (t - quantized_tokens64(t, c.v_group, c.v_residual)) * tail_v[size_t(il)]);
   }
   return total;
 }
@@ -693,7 +706,7 @@ int64_t format_param_bytes(const KvCodec& codec, int page_tokens, const std::str
 
 int64_t plan_activation_bytes(const PlanModel& m, const PlanConfig& c, int64_t batch) {
   ActTerms t = activation_terms(m, c);
-  return t.fixed + batch * t.per_seq;
+  return sat_add(t.fixed, sat_mul(batch, t.per_seq));
 }
 
 PlanFormatCost plan_format_cost(const PlanModel& m, const PlanConfig& c, const std::string& format) {
@@ -795,14 +808,15 @@ namespace {
 void validate_config(const PlanConfig& c) {
   if (c.ctx.empty()) fail("--ctx: no context lengths given");
   if (c.batch.empty()) fail("--batch: no batch sizes given");
-  for (int64_t v : c.ctx) if (v <= 0) fail("--ctx: {} must be positive", v);
-  for (int64_t v : c.batch) if (v <= 0) fail("--batch: {} must be positive", v);
+  constexpr int64_t kMaxCount = int64_t(1) << 40;
+  for (int64_t v : c.ctx) if (v <= 0 || v > kMaxCount) fail("--ctx: {} must be in 1..2^40", v);
+  for (int64_t v : c.batch) if (v <= 0 || v > kMaxCount) fail("--batch: {} must be in 1..2^40", v);
   if (c.page_tokens < 16 || c.page_tokens > 256 || (c.page_tokens & (c.page_tokens - 1)))
     fail("--page-tokens {}: must be a power of two from 16 to 256", c.page_tokens);
   if (c.tp <= 0) fail("--tp {}: must be a positive device count", c.tp);
   if (c.gpu_mem_bytes < 0) fail("--gpu-mem must be positive");
   if (!(c.util > 0) || c.util > 1) fail("--util {}: must be a fraction in (0, 1]", c.util);
-  if (c.prefill_chunk <= 0) fail("--prefill-chunk {}: must be positive", c.prefill_chunk);
+  if (c.prefill_chunk <= 0 || c.prefill_chunk > kMaxCount) fail("--prefill-chunk {}: must be positive", c.prefill_chunk);
 }
 
 }  // namespace
@@ -835,7 +849,7 @@ PlanResult plan_compute(const PlanModel& m, const PlanConfig& c0) {
   }
   if (m.weights_bytes >= 0) res.weights_bytes_device = ceil_div(m.weights_bytes, c.tp);
   const ActTerms act = activation_terms(m, c);
-  for (int64_t b : c.batch) res.activation_bytes_device.push_back(act.fixed + b * act.per_seq);
+  for (int64_t b : c.batch) res.activation_bytes_device.push_back(sat_add(act.fixed, sat_mul(b, act.per_seq)));
 
   const bool cap = c.gpu_mem_bytes > 0;
   if (cap) {
@@ -849,10 +863,12 @@ PlanResult plan_compute(const PlanModel& m, const PlanConfig& c0) {
         row.ctx = ctx;
         row.batch = c.batch[bi];
         row.format = f.name;
-        row.kv_bytes = row.batch * plan_sequence_kv_bytes(m, f, c.page_tokens, ctx, false);
-        row.kv_bytes_device = row.batch * plan_sequence_kv_bytes(m, f, c.page_tokens, ctx, true);
+        row.kv_bytes = sat_mul(row.batch, plan_sequence_kv_bytes(m, f, c.page_tokens, ctx, false));
+        row.kv_bytes_device = sat_mul(row.batch, plan_sequence_kv_bytes(m, f, c.page_tokens, ctx, true));
+        if (row.kv_bytes == kSat) fail("{} tokens x batch {}: more than 2^63 bytes of KV", ctx, row.batch);
         row.activation_bytes_device = res.activation_bytes_device[bi];
-        row.total_bytes_device = std::max<int64_t>(res.weights_bytes_device, 0) + row.activation_bytes_device + row.kv_bytes_device;
+        row.total_bytes_device = sat_add(sat_add(std::max<int64_t>(res.weights_bytes_device, 0), row.activation_bytes_device),
+                                         row.kv_bytes_device);
         row.fits = !cap || row.total_bytes_device <= res.budget_bytes_device;
         res.rows.push_back(row);
       }
@@ -871,8 +887,8 @@ PlanResult plan_compute(const PlanModel& m, const PlanConfig& c0) {
         pc.max_sequences.push_back(avail > 0 ? avail / per_seq : 0);
       }
       for (int64_t b : c.batch) {
-        const int64_t avail = free0 - act.fixed - b * act.per_seq;
-        auto fits = [&](int64_t n) { return b * plan_sequence_kv_bytes(m, f, c.page_tokens, n, true) <= avail; };
+        const int64_t avail = free0 - act.fixed - sat_mul(b, act.per_seq);
+        auto fits = [&](int64_t n) { return sat_mul(b, plan_sequence_kv_bytes(m, f, c.page_tokens, n, true)) <= avail; };
         if (avail < 0 || !fits(1)) {
           pc.max_context.push_back(int64_t(0));
         } else if (fits(kMaxContextSearch)) {
@@ -1037,7 +1053,9 @@ nlohmann::json result_json(const PlanResult& r) {
   }
   j["rows"] = rows;
   if (cap) {
-    json capj = {{"gpu_mem_bytes", c.gpu_mem_bytes}, {"util", c.util}, {"budget_bytes_per_device", r.budget_bytes_device}};
+    json capj = {{"gpu_mem_bytes", c.gpu_mem_bytes}, {"util", c.util}, {"budget_bytes_per_device", r.budget_bytes_device},
+                 {"kv_pool_bytes_per_device",
+                  std::max<int64_t>(0, r.budget_bytes_device - r.weights_bytes_device - plan_activation_bytes(m, c, 1))}};
     json per = json::object();
     for (const PlanCapacity& pc : r.capacity) {
       json seqs = json::object(), ctxs = json::object();
@@ -1147,6 +1165,11 @@ void print_text(std::FILE* out, const PlanResult& r, bool explain) {
 
   if (cap) {
     std::fprintf(out, "\nCapacity per device:\n");
+    const int64_t act1 = plan_activation_bytes(m, c, 1);
+    if (r.budget_bytes_device - r.weights_bytes_device - act1 <= 0)
+      std::fprintf(out, "  weights (%s) + activations (%s) exceed the budget (%s): no KV fits; try a larger --tp or fewer --weights-bits\n",
+                   plan_format_bytes(double(r.weights_bytes_device)).c_str(), plan_format_bytes(double(act1)).c_str(),
+                   plan_format_bytes(double(r.budget_bytes_device)).c_str());
     t.clear();
     std::vector<std::string> h{"format", "max KV tokens"};
     for (int64_t ctx : c.ctx) h.push_back("seqs@" + format_count(ctx));
