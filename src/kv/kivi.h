@@ -9,7 +9,9 @@
 // they are encoded. Validation: bits in {2, 3, 4} (3 only through the KVQuant value codecs),
 // head_dim % 16 == 0, G >= 1, R >= 0 and R % G == 0 (the tail then cycles through R..R+G-1
 // tokens, the paper's streaming scheme), value group g % 16 == 0 dividing head_dim, and
-// block_tokens % G == 0 (checked by block_bytes / encode).
+// block_tokens % G == 0 (checked by block_bytes / encode). Other G / R are chosen through
+// KvCodecParams, not through extra codec names ("kivi2_k" with group_tokens = 64 is KIVI-2 at
+// G = 64), so that every K/V pair in a format shares one G and R.
 //
 // Code layout: bit planes. A row of head_dim b-bit codes is b planes of head_dim/8 bytes; bit
 // (c % 8) of byte c / 8 of plane j is bit j of code c. Planes let the same unpacking serve 2, 3
