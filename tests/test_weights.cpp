@@ -264,6 +264,9 @@ TEST_P(MatmulParity, AllLevelsMatchReference) {
       }
     // rows padded beyond their packed size (row_bytes is a stride, not a size)
     check_parity(t, {2 * bs, 6, 2}, ScaleMode::mixed, ActMode::normal, 1, 64, rng, cpu_level_name(l));
+    if (block_size(t) == 1)  // float rows of any length (stories260K has n_in = 172): vector tails
+      for (int64_t n_in : {1, 7, 172})
+        check_parity(t, {n_in, 9, 5}, ScaleMode::normal, ActMode::normal, 1, 2, rng, cpu_level_name(l));
     if (HasFailure()) return;
   }
 }

@@ -128,7 +128,7 @@ void tile32(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t nb
   for (int64_t b = 0; b < nb; ++b) {
     W32<T> wb[NR];
     for (int r = 0; r < NR; ++r) load_w32<T>(w + size_t(r) * ws + size_t(b) * bsz, wb[r]);
-    alignas(16) float svals[4] = {0, 0, 0, 0};
+    float svals[4] = {0, 0, 0, 0};
     for (int t = 0; t < NT; ++t) {
       const BlockQ8A* xb = reinterpret_cast<const BlockQ8A*>(x + size_t(t) * xs) + b;
       const __m256i xv = load32(xb->qs);
@@ -148,7 +148,8 @@ void tile32(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t nb
       }
     }
     if constexpr (w32_has_min<T>()) {
-      const __m128 sv = _mm_load_ps(svals);
+      // built from registers: a store + vector reload here stalls on store forwarding
+      const __m128 sv = _mm_setr_ps(svals[0], svals[1], svals[2], svals[3]);
       for (int r = 0; r < NR; ++r) macc[r] = _mm_fmadd_ps(_mm_set1_ps(wb[r].m), sv, macc[r]);
     }
   }
@@ -161,11 +162,6 @@ void tile32(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t nb
 
 // ---------------------------------------------------------------- K-quants
 
-// Broadcast of scales a (lanes 0-7) and b (lanes 8-15) as int16, for madd after maddubs.
-inline __m256i scale_pair(int a, int b) {
-  return _mm256_set_m128i(_mm_set1_epi16(int16_t(b)), _mm_set1_epi16(int16_t(a)));
-}
-
 template <GgmlType T, int NR, int NT>
 void tile_q45k(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t nb, float* y, int64_t ldy) {
   using B = std::conditional_t<T == GgmlType::Q4_K, BlockQ4_K, BlockQ5_K>;
@@ -174,13 +170,21 @@ void tile_q45k(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const B* wb[NR];
-    uint8_t sc[NR][8];
-    __m128i mins[NR];  // 8 x int16
+    __m256i scv[NR];   // the 8 scales as int16, in both 128-bit halves (for in-lane shuffles)
+    __m128i mins[NR];  // the 8 mins as int16
     for (int r = 0; r < NR; ++r) {
       wb[r] = reinterpret_cast<const B*>(w + size_t(r) * ws) + b;
-      uint8_t m[8];
-      for (int j = 0; j < 8; ++j) k_scale_min(wb[r]->scales, j, &sc[r][j], &m[j]);
-      mins[r] = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)));
+      // all 8 scales and mins at once: word-wide masks and shifts over the 12 packed bytes
+      uint32_t a, bb, c;
+      std::memcpy(&a, wb[r]->scales, 4);
+      std::memcpy(&bb, wb[r]->scales + 4, 4);
+      std::memcpy(&c, wb[r]->scales + 8, 4);
+      const uint32_t sc_lo = a & 0x3f3f3f3f, m_lo = bb & 0x3f3f3f3f;
+      const uint32_t sc_hi = (c & 0x0f0f0f0f) | ((a >> 2) & 0x30303030);
+      const uint32_t m_hi = ((c >> 4) & 0x0f0f0f0f) | ((bb >> 2) & 0x30303030);
+      const __m128i sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(uint64_t(sc_lo) | (uint64_t(sc_hi) << 32))));
+      mins[r] = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(uint64_t(m_lo) | (uint64_t(m_hi) << 32))));
+      scv[r] = _mm256_broadcastsi128_si256(sc16);
     }
     __m256i iacc[NR][NT];
     for (int r = 0; r < NR; ++r)
@@ -189,15 +193,27 @@ void tile_q45k(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t
     if constexpr (T == GgmlType::Q5_K)
       for (int r = 0; r < NR; ++r) qh[r] = load32(wb[r]->qh);
     for (int c = 0; c < 4; ++c) {  // chunk c: sub-blocks 2c (low nibbles), 2c+1 (high)
-      __m256i lo[NR], hi[NR];
+      __m256i lo[NR], hi[NR], s0[NR], s1[NR];
+      // int16 scale 2c (and 2c+1) broadcast to every lane: bytes 4c, 4c+1 (4c+2, 4c+3) repeated
+      const __m256i bc0 = _mm256_set1_epi16(int16_t((4 * c) | ((4 * c + 1) << 8)));
+      const __m256i bc1 = _mm256_set1_epi16(int16_t((4 * c + 2) | ((4 * c + 3) << 8)));
       for (int r = 0; r < NR; ++r) {
+        s0[r] = _mm256_shuffle_epi8(scv[r], bc0);
+        s1[r] = _mm256_shuffle_epi8(scv[r], bc1);
         const __m256i q = load32(wb[r]->qs + 32 * c);
         lo[r] = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
         hi[r] = _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0F));
         if constexpr (T == GgmlType::Q5_K) {
+          // bit 4 of sub-block j's codes is bit j of qh
           const __m256i b0 = _mm256_set1_epi8(char(1 << (2 * c))), b1 = _mm256_set1_epi8(char(2 << (2 * c)));
-          lo[r] = _mm256_or_si256(lo[r], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh[r], b0), b0), _mm256_set1_epi8(0x10)));
-          hi[r] = _mm256_or_si256(hi[r], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh[r], b1), b1), _mm256_set1_epi8(0x10)));
+          const __m256i x10 = _mm256_set1_epi8(0x10);
+#if KVQ_X86_VNNI
+          lo[r] = _mm256_mask_add_epi8(lo[r], _mm256_test_epi8_mask(qh[r], b0), lo[r], x10);
+          hi[r] = _mm256_mask_add_epi8(hi[r], _mm256_test_epi8_mask(qh[r], b1), hi[r], x10);
+#else
+          lo[r] = _mm256_or_si256(lo[r], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh[r], b0), b0), x10));
+          hi[r] = _mm256_or_si256(hi[r], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh[r], b1), b1), x10));
+#endif
         }
       }
       for (int t = 0; t < NT; ++t) {
@@ -205,8 +221,8 @@ void tile_q45k(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t
         const __m256i x0 = load32(xb->qs + 64 * c), x1 = load32(xb->qs + 64 * c + 32);
         for (int r = 0; r < NR; ++r) {
           // u <= 31, |x| <= 127: pair sums <= 7874, no int16 saturation
-          const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo[r], x0), _mm256_set1_epi16(sc[r][2 * c]));
-          const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi[r], x1), _mm256_set1_epi16(sc[r][2 * c + 1]));
+          const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo[r], x0), s0[r]);
+          const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi[r], x1), s1[r]);
           iacc[r][t] = _mm256_add_epi32(iacc[r][t], _mm256_add_epi32(p0, p1));
         }
       }
@@ -258,8 +274,9 @@ void tile_q6k(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t 
             default: hb = _mm256_srli_epi16(qh, 2); break;
           }
           u[r] = _mm256_or_si256(lo, _mm256_and_si256(hb, m30));
+          // lanes 0-7: scale j, lanes 8-15: scale j+1 (two broadcast loads)
           const int j = 8 * h + 2 * k;
-          sv[r] = scale_pair(wb[r]->scales[j], wb[r]->scales[j + 1]);
+          sv[r] = _mm256_set_m128i(_mm_set1_epi16(wb[r]->scales[j + 1]), _mm_set1_epi16(wb[r]->scales[j]));
         }
         for (int t = 0; t < NT; ++t) {
           const BlockQ8K* xb = reinterpret_cast<const BlockQ8K*>(x + size_t(t) * xs) + b;
