@@ -6,6 +6,9 @@
 #include <vector>
 
 #include "core/error.h"
+#include "tools/eval.h"
+#include "tools/formats.h"
+#include "tools/plan.h"
 #include "tools/run.h"
 
 int main(int argc, char** argv) {
@@ -27,6 +30,24 @@ int main(int argc, char** argv) {
   auto* run = app.add_subcommand("run", "generate text from a GGUF model");
   kvq::run_add_cli(*run, run_opts);
 
+  kvq::EvalOptions eval_opts;
+  auto* eval = app.add_subcommand("eval", "quality of KV formats vs context length: perplexity/KLD, needle, your eval set");
+  kvq::eval_add_cli(*eval, eval_opts);
+
+  kvq::FormatsOptions fmt_opts;
+  auto* formats = app.add_subcommand("formats", "list the KV formats (bits per element, description); --distortion measures them");
+  formats->add_flag("--distortion", fmt_opts.distortion, "measure MSE and inner-product error on random unit vectors");
+  formats->add_option("--dim", fmt_opts.dim, "head dimension")->capture_default_str();
+  formats->add_option("--trials", fmt_opts.trials, "random vectors per codec")->capture_default_str();
+  formats->add_option("--ctx", fmt_opts.ctx, "context at which residual windows are amortized")->capture_default_str();
+  formats->add_option("--page-tokens", fmt_opts.block_tokens, "tokens per KV page")->capture_default_str();
+  formats->add_option("--seed", fmt_opts.seed, "seed of the random vectors")->capture_default_str();
+  formats->add_flag("--json", fmt_opts.json, "JSON output");
+
+  kvq::PlanOptions plan_opts;
+  auto* plan = app.add_subcommand("plan", "memory plan: weights vs KV vs activations, capacity per KV format");
+  kvq::plan_add_cli(*plan, plan_opts);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -34,6 +55,9 @@ int main(int argc, char** argv) {
   }
   try {
     if (*run) return kvq::run_command(run_opts);
+    if (*eval) return kvq::eval_command(eval_opts);
+    if (*formats) return kvq::formats_command(fmt_opts, stdout);
+    if (*plan) return kvq::plan_command(plan_opts, stdout, stderr);
   } catch (const kvq::Error& e) {
     std::fprintf(stderr, "kvq: error: %s\n", e.what());
     return 1;

@@ -1,5 +1,9 @@
 #include "kv/policy.h"
 
+#include <algorithm>
+#include <charconv>
+
+#include "core/error.h"
 #include "kvq/kv_format.h"
 
 namespace kvq {
@@ -10,6 +14,82 @@ KvPolicy kv_policy_uniform(const std::string& format, int n_layer) {
   p.name = d.name;
   p.layers.assign(size_t(n_layer), KvLayerFormat{d.k_codec, d.v_codec});
   return p;
+}
+
+static int parse_int(std::string_view s, const char* what, std::string_view item) {
+  int v = 0;
+  auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc() || ptr != s.data() + s.size() || s.empty())
+    fail("{}: '{}' is not a number (in '{}')", what, s, item);
+  return v;
+}
+
+std::vector<int> kv_parse_skip_layers(std::string_view spec, int n_layer, const std::vector<bool>& sliding) {
+  std::vector<int> out;
+  const char* what = "--kv-cache-dtype-skip-layers";
+  size_t p = 0;
+  while (p <= spec.size()) {
+    size_t q = spec.find(',', p);
+    if (q == std::string_view::npos) q = spec.size();
+    std::string_view item = spec.substr(p, q - p);
+    p = q + 1;
+    if (item.empty()) {
+      if (q == spec.size()) break;
+      fail("{}: empty item in '{}' (valid: first:N, last:N, sliding_window, layer indices)", what, spec);
+    }
+    if (item == "sliding_window") {
+      for (int il = 0; il < n_layer && size_t(il) < sliding.size(); ++il)
+        if (sliding[size_t(il)]) out.push_back(il);
+    } else if (item.rfind("first:", 0) == 0 || item.rfind("last:", 0) == 0) {
+      const bool first = item[0] == 'f';
+      const int n = parse_int(item.substr(first ? 6 : 5), what, item);
+      if (n < 0 || n > n_layer) fail("{}: '{}' asks for {} layers, the model has {}", what, item, n, n_layer);
+      for (int i = 0; i < n; ++i) out.push_back(first ? i : n_layer - 1 - i);
+    } else {
+      const int il = parse_int(item, what, item);
+      if (il < 0 || il >= n_layer) fail("{}: layer {} out of range [0, {})", what, il, n_layer);
+      out.push_back(il);
+    }
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+void kv_policy_skip_layers(KvPolicy& p, const std::vector<int>& layers) {
+  const KvFormatDesc& f16 = kv_format_find("f16");
+  for (int il : layers) {
+    KVQ_CHECK(il >= 0 && size_t(il) < p.layers.size(), "layer {}", il);
+    p.layers[size_t(il)] = KvLayerFormat{f16.k_codec, f16.v_codec};
+  }
+}
+
+void kv_policy_override_layer(KvPolicy& p, std::string_view spec) {
+  const size_t eq = spec.find('=');
+  if (eq == std::string_view::npos) fail("--kv-layer '{}': expected L=KFMT/VFMT or L=FMT", spec);
+  const int il = parse_int(spec.substr(0, eq), "--kv-layer", spec);
+  if (il < 0 || size_t(il) >= p.layers.size()) fail("--kv-layer '{}': layer {} out of range [0, {})", spec, il, p.layers.size());
+  std::string_view rhs = spec.substr(eq + 1);
+  const size_t slash = rhs.find('/');
+  const std::string kf(rhs.substr(0, slash));
+  const std::string vf(slash == std::string_view::npos ? rhs : rhs.substr(slash + 1));
+  if (kf.empty() || vf.empty()) fail("--kv-layer '{}': expected L=KFMT/VFMT or L=FMT", spec);
+  p.layers[size_t(il)] = KvLayerFormat{kv_format_find(kf).k_codec, kv_format_find(vf).v_codec};
+}
+
+std::string kv_policy_describe(const KvPolicy& p) {
+  std::string s = p.name;
+  if (p.layers.empty()) return s;
+  // the most common (K, V) pair is the base; list the layers that differ
+  const KvLayerFormat& base = p.layers[p.layers.size() / 2];
+  std::string diff;
+  for (size_t il = 0; il < p.layers.size(); ++il) {
+    const auto& l = p.layers[il];
+    if (l.k_codec == base.k_codec && l.v_codec == base.v_codec) continue;
+    if (!diff.empty()) diff += ", ";
+    diff += fmt::format("{}={}/{}", il, l.k_codec, l.v_codec);
+  }
+  return diff.empty() ? s : s + " [" + diff + "]";
 }
 
 }  // namespace kvq

@@ -66,12 +66,14 @@ void rope(float* x, int n_heads, int head_dim, int n_rot, bool neox, const float
   }
 }
 
+// Angles in double: at positions in the tens of thousands float angles drift by ~1e-3 rad, and
+// the pre-RoPE key codecs rotate with the same double-precision angles (kv_rope_apply).
 void rope_table(float* cs, int pos, int n_rot, float base, float scale) {
-  const float p = float(pos) / scale;
+  const double p = double(pos) / double(scale);
   for (int i = 0; i < n_rot / 2; ++i) {
-    const float theta = p * std::pow(base, -2.0f * float(i) / float(n_rot));
-    cs[2 * i] = std::cos(theta);
-    cs[2 * i + 1] = std::sin(theta);
+    const double theta = p * std::pow(double(base), -2.0 * double(i) / double(n_rot));
+    cs[2 * i] = float(std::cos(theta));
+    cs[2 * i + 1] = float(std::sin(theta));
   }
 }
 
@@ -115,6 +117,12 @@ std::unique_ptr<Model> Model::load(const std::string& path) {
     }
   }
   return m;
+}
+
+size_t Model::decode_weight_bytes() const {
+  size_t b = file_->tensor_bytes();
+  if (!cfg_.tied_output) b -= size_t(tok_embd_.n_out) * tok_embd_.row_bytes;
+  return b;
 }
 
 KvCacheConfig Model::kv_cache_config(const KvPolicy& policy, int max_tokens, int page_tokens) const {

@@ -28,6 +28,9 @@ class Model {
   const ModelConfig& config() const { return cfg_; }
   const gguf::File& file() const { return *file_; }
   size_t weights_bytes() const { return file_->tensor_bytes(); }
+  // Weight bytes one decode step reads: everything but the embedding table, which is only
+  // gathered one row at a time (unless it doubles as the output projection).
+  size_t decode_weight_bytes() const;
 
   // Cache configuration for this model (shapes and per-layer RoPE filled in).
   KvCacheConfig kv_cache_config(const KvPolicy& policy, int max_tokens, int page_tokens = 64) const;

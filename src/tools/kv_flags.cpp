@@ -1,8 +1,11 @@
 #include "tools/kv_flags.h"
 
 #include <CLI/CLI.hpp>
+#include <fstream>
 
+#include "core/error.h"
 #include "kvq/kv_format.h"
+#include "model/config.h"
 
 namespace kvq {
 
@@ -12,11 +15,17 @@ void kv_flags_add(CLI::App& app, KvFlags& f) {
       ->capture_default_str();
   app.add_option("--cache-type-k", f.cache_type_k, "format of the K cache (also -ctk; llama.cpp spellings f16, q8_0, q4_0 work)");
   app.add_option("--cache-type-v", f.cache_type_v, "format of the V cache (also -ctv)");
+  app.add_option("--kv-cache-dtype-skip-layers", f.skip_layers,
+                 "layers kept in f16: first:N, last:N, sliding_window, layer indices (comma-separated)");
+  app.add_option("--kv-layer", f.layer_overrides, "per-layer override L=KFMT/VFMT (repeatable)");
+  app.add_option("--kv-scales", f.scales_file, "calibration JSON (kvq calibrate) with K/V scales and codebooks");
   app.add_option("--kv-page-tokens", f.page_tokens, "tokens per KV page (power of two, 16..256)")->capture_default_str();
 }
 
-KvPolicy kv_flags_policy(const KvFlags& f, int n_layer) {
-  KvPolicy p = kv_policy_uniform(f.kv_cache_dtype, n_layer);
+KvSetup kv_flags_resolve(const KvFlags& f, const ModelConfig& cfg, const std::string& format) {
+  KvSetup s;
+  KvPolicy& p = s.policy;
+  p = kv_policy_uniform(format.empty() ? f.kv_cache_dtype : format, cfg.n_layer);
   if (!f.cache_type_k.empty() || !f.cache_type_v.empty()) {
     const std::string kname = f.cache_type_k.empty() ? p.name : kv_format_find(f.cache_type_k).name;
     const std::string vname = f.cache_type_v.empty() ? p.name : kv_format_find(f.cache_type_v).name;
@@ -25,7 +34,21 @@ KvPolicy kv_flags_policy(const KvFlags& f, int n_layer) {
     for (auto& l : p.layers) l = KvLayerFormat{kd.k_codec, vd.v_codec};
     p.name = kname == vname ? kname : "K:" + kname + "/V:" + vname;
   }
-  return p;
+  if (!f.skip_layers.empty()) {
+    kv_policy_skip_layers(p, kv_parse_skip_layers(f.skip_layers, cfg.n_layer, cfg.layer_sliding));
+    p.name += " skip(" + f.skip_layers + ")";
+  }
+  for (const auto& o : f.layer_overrides) kv_policy_override_layer(p, o);
+  if (!f.scales_file.empty()) {
+    std::ifstream in(f.scales_file);
+    if (!in) fail("--kv-scales: cannot read '{}'", f.scales_file);
+    try {
+      s.calib = std::make_shared<const nlohmann::json>(nlohmann::json::parse(in));
+    } catch (const nlohmann::json::exception& e) {
+      fail("--kv-scales '{}': malformed JSON: {}", f.scales_file, e.what());
+    }
+  }
+  return s;
 }
 
 }  // namespace kvq

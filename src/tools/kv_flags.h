@@ -1,7 +1,12 @@
 // The KV-cache flags shared by every subcommand that runs a model (run, eval, bench, serve):
-// vLLM spellings (--kv-cache-dtype), llama.cpp spellings (-ctk/-ctv), kvq names.
+// vLLM spellings (--kv-cache-dtype, --kv-cache-dtype-skip-layers), llama.cpp spellings
+// (-ctk/-ctv), kvq names, per-layer overrides and calibration scales.
 #pragma once
+#include <memory>
 #include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "kv/policy.h"
 
@@ -9,15 +14,27 @@ namespace CLI { class App; }
 
 namespace kvq {
 
+struct ModelConfig;
+
 struct KvFlags {
   std::string kv_cache_dtype = "f16";  // --kv-cache-dtype: format for K and V
   std::string cache_type_k;            // -ctk: K side (a format name; its K codec is used)
   std::string cache_type_v;            // -ctv: V side (a format name; its V codec is used)
+  std::string skip_layers;             // --kv-cache-dtype-skip-layers
+  std::vector<std::string> layer_overrides;  // --kv-layer L=KFMT/VFMT (repeatable)
+  std::string scales_file;             // --kv-scales FILE.json (kvq calibrate output)
   int page_tokens = 64;                // --kv-page-tokens
 };
 
+// What the flags resolve to for one model.
+struct KvSetup {
+  KvPolicy policy;
+  std::shared_ptr<const nlohmann::json> calib;  // null when no --kv-scales
+};
+
 void kv_flags_add(CLI::App& app, KvFlags& f);
-// Builds the per-layer policy; throws kvq::Error naming the bad flag and listing valid formats.
-KvPolicy kv_flags_policy(const KvFlags& f, int n_layer);
+// Resolves the flags for a model; throws kvq::Error naming the bad flag (and listing valid
+// formats for unknown names). `format` overrides --kv-cache-dtype when not empty (eval's --kv list).
+KvSetup kv_flags_resolve(const KvFlags& f, const ModelConfig& cfg, const std::string& format = "");
 
 }  // namespace kvq

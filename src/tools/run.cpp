@@ -75,8 +75,11 @@ int run_command(const RunOptions& o) {
     fail("prompt is {} tokens, the context is {} (use a shorter prompt or a larger --ctx-size)", ids.size(), ctx);
 
   ThreadPool pool(threads);
-  KvPolicy policy = kv_flags_policy(o.kv, c.n_layer);
-  KvCache cache(model->kv_cache_config(policy, ctx, o.kv.page_tokens));
+  const KvSetup kv = kv_flags_resolve(o.kv, c);
+  const KvPolicy& policy = kv.policy;
+  KvCacheConfig kcfg = model->kv_cache_config(policy, ctx, o.kv.page_tokens);
+  kcfg.calib = kv.calib.get();
+  KvCache cache(kcfg);
   Forward fwd(*model, pool);
   Sampler sampler(o.sampling);
 
@@ -120,7 +123,7 @@ int run_command(const RunOptions& o) {
   // The last sampled token is not evaluated, so decode speed counts evaluated tokens.
   const int n_eval = n_gen > 0 ? n_gen - 1 : 0;
   std::fprintf(stderr, "\n[kvq] %s | %s | %d threads | KV %s (%.1f bytes/token)\n", c.name.c_str(), c.arch.c_str(),
-               threads, policy.name.c_str(), cache.bytes_per_token());
+               threads, kv_policy_describe(policy).c_str(), cache.bytes_per_token());
   std::fprintf(stderr, "[kvq] stop: %s\n", stop_reason);
   std::fprintf(stderr, "[kvq] prompt: %zu tokens in %.3f s (%.1f tokens/s)\n", ids.size(), t_prompt,
                double(ids.size()) / std::max(t_prompt, 1e-9));

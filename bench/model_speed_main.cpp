@@ -1,0 +1,108 @@
+// Model speed: prompt processing (pp) and decode (tg) tokens/s of kvq on a GGUF model, like
+// llama-bench's pp512 / tg128, plus the memory bandwidth decode reaches as a share of this
+// machine's read bandwidth measured in the same run.
+//
+//   model_speed MODEL.gguf [--pp 512] [--tg 128] [--threads 1,2] [--reps 3] [--kv f16] [--json]
+//
+// Decode bandwidth = (weight bytes + KV bytes read per token) / time per token.
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cache/kv_cache.h"
+#include "core/error.h"
+#include "core/membw.h"
+#include "core/timer.h"
+#include "model/model.h"
+
+using namespace kvq;
+
+static double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: model_speed MODEL.gguf [--pp N] [--tg N] [--threads 1,2] [--reps N] [--kv FMT] [--json]\n");
+    return 2;
+  }
+  std::string path = argv[1], kv = "f16";
+  int pp = 512, tg = 128, reps = 3;
+  bool json = false;
+  std::vector<int> threads = {1, 2};
+  for (int i = 2; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) { std::fprintf(stderr, "%s needs a value\n", a.c_str()); std::exit(2); }
+      return argv[++i];
+    };
+    if (a == "--pp") pp = std::stoi(next());
+    else if (a == "--tg") tg = std::stoi(next());
+    else if (a == "--reps") reps = std::stoi(next());
+    else if (a == "--kv") kv = next();
+    else if (a == "--json") json = true;
+    else if (a == "--threads") {
+      threads.clear();
+      std::string s = next();
+      for (size_t p = 0; p <= s.size();) {
+        size_t q = s.find(',', p);
+        if (q == std::string::npos) q = s.size();
+        threads.push_back(std::stoi(s.substr(p, q - p)));
+        p = q + 1;
+      }
+    } else { std::fprintf(stderr, "unknown option %s\n", a.c_str()); return 2; }
+  }
+  try {
+    auto m = Model::load(path);
+    const ModelConfig& c = m->config();
+    std::mt19937 rng(1234);
+    std::vector<int32_t> prompt(static_cast<size_t>(pp), 0);
+    for (auto& t : prompt) t = int32_t(rng() % uint32_t(c.n_vocab));
+    const KvPolicy policy = kv_policy_uniform(kv, c.n_layer);
+    if (!json) std::printf("model %s (%s), weights %.1f MiB, KV %s\n", c.name.c_str(), c.arch.c_str(), m->weights_bytes() / 1048576.0, policy.name.c_str());
+    for (int nt : threads) {
+      ThreadPool pool(nt);
+      const double bw = measure_read_bandwidth_gbs(pool, size_t(512) << 20, 3);
+      std::vector<double> pp_tps, tg_tps, tg_gbs;
+      for (int r = 0; r < reps; ++r) {
+        KvCache cache(m->kv_cache_config(policy, pp + tg + 8));
+        Forward fwd(*m, pool, 512);
+        double t0 = now_seconds();
+        const float* lg = fwd.eval(prompt.data(), pp, cache);
+        double t_pp = now_seconds() - t0;
+        pp_tps.push_back(pp / t_pp);
+        // decode from a fresh short context, as llama-bench's tg does
+        KvCache cache2(m->kv_cache_config(policy, tg + 8));
+        int32_t tok = prompt[0];
+        lg = fwd.eval(&tok, 1, cache2);
+        (void)lg;
+        double kv_read = 0;
+        t0 = now_seconds();
+        for (int i = 0; i < tg; ++i) {
+          tok = prompt[size_t(i + 1) % prompt.size()];
+          kv_read += cache2.bytes_per_token() * cache2.n_tokens();
+          fwd.eval(&tok, 1, cache2);
+        }
+        double t_tg = now_seconds() - t0;
+        tg_tps.push_back(tg / t_tg);
+        tg_gbs.push_back((double(m->decode_weight_bytes()) * tg + kv_read) / t_tg / 1e9);
+      }
+      const double mpp = median(pp_tps), mtg = median(tg_tps), mgbs = median(tg_gbs);
+      if (json)
+        std::printf("{\"threads\": %d, \"pp\": %d, \"pp_tps\": %.2f, \"tg\": %d, \"tg_tps\": %.2f, \"tg_gbs\": %.2f, \"read_bw_gbs\": %.2f}\n",
+                    nt, pp, mpp, tg, mtg, mgbs, bw);
+      else
+        std::printf("threads %d: pp%d %.1f tokens/s | tg%d %.1f tokens/s | decode reads %.2f GB/s = %.0f%% of measured read bandwidth %.2f GB/s\n",
+                    nt, pp, mpp, tg, mtg, mgbs, 100.0 * mgbs / bw, bw);
+      std::fflush(stdout);
+    }
+  } catch (const Error& e) {
+    std::fprintf(stderr, "model_speed: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,366 @@
+#include "tools/eval.h"
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "core/error.h"
+#include "core/timer.h"
+#include "model/chat.h"
+#include "model/model.h"
+#include "model/sampler.h"
+#include "model/tokenizer.h"
+#include "tools/eval_metrics.h"
+#include "tools/plan.h"
+
+namespace kvq {
+
+void eval_add_cli(CLI::App& app, EvalOptions& o) {
+  app.add_option("-m,--model", o.model, "GGUF model file")->required();
+  app.add_option("--kv", o.formats, "KV formats to evaluate (comma-separated); f16 is the reference")
+      ->delimiter(',')->required();
+  app.add_option("--ctx", o.ctx, "context lengths (comma-separated; 4K, 32k accepted)")->delimiter(',');
+  app.add_option("--task", o.tasks, "tasks: ppl, needle, own (comma-separated)")->delimiter(',')->capture_default_str();
+  app.add_option("--data", o.data, "text file for ppl (e.g. WikiText-2 test) and the default haystack");
+  app.add_option("--haystack", o.haystack, "haystack text for needle (default: --data)");
+  app.add_option("--own", o.own, "JSONL eval set for task own: {\"prompt\", \"expected\", \"match\": substring|exact}");
+  app.add_option("--depths", o.depths, "needle depths in percent")->delimiter(',')->capture_default_str();
+  app.add_option("--chunks", o.chunks, "ppl: windows per context length")->check(CLI::Range(1, 1000))->capture_default_str();
+  app.add_option("-t,--threads", o.threads, "threads (default: all hardware threads)")->check(CLI::Range(1, 1024));
+  app.add_option("--max-tokens", o.max_tokens, "own: tokens generated per prompt")->check(CLI::Range(1, 4096))->capture_default_str();
+  app.add_flag("--chat", o.chat, "own: wrap prompts in the model's chat template");
+  app.add_flag("--json", o.json, "print JSON instead of tables");
+  app.add_option("--json-out", o.json_out, "also write the JSON report to this file");
+  app.add_flag("!--no-progress", o.progress, "no progress bar on stderr");
+  // the same per-layer flags as kvq run, applied to every format under test (not --kv-cache-dtype)
+  app.add_option("--kv-cache-dtype-skip-layers", o.kv.skip_layers, "layers kept in f16 for every format");
+  app.add_option("--kv-layer", o.kv.layer_overrides, "per-layer override L=KFMT/VFMT (repeatable)");
+  app.add_option("--kv-scales", o.kv.scales_file, "calibration JSON (kvq calibrate)");
+  app.add_option("--kv-page-tokens", o.kv.page_tokens, "tokens per KV page")->capture_default_str();
+}
+
+namespace {
+
+std::string read_text(const std::string& path, const char* what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("{}: cannot read '{}'", what, path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+class Progress {
+ public:
+  Progress(bool on, size_t total) : on_(on), total_(std::max<size_t>(total, 1)), t0_(now_seconds()) {}
+  void step(const std::string& what, size_t n = 1) {
+    done_ += n;
+    if (!on_) return;
+    const double f = double(done_) / double(total_);
+    const int w = 30, fill = int(f * w);
+    const double el = now_seconds() - t0_;
+    std::fprintf(stderr, "\r[eval] [%.*s%*s] %3.0f%% %-40.40s eta %4.0fs", fill, "##############################",
+                 w - fill, "", 100 * f, what.c_str(), f > 0 ? el / f - el : 0.0);
+    std::fflush(stderr);
+  }
+  ~Progress() {
+    if (on_) std::fputc('\n', stderr);
+  }
+
+ private:
+  bool on_;
+  size_t total_, done_ = 0;
+  double t0_;
+};
+
+struct FormatRun {
+  std::string name;
+  KvSetup kv;
+  double bits_per_element = 0;
+  nlohmann::json report = nlohmann::json::object();
+};
+
+double bits_per_element(const KvCache& c, const ModelConfig& cfg) {
+  return c.bytes_per_token() * 8.0 / (2.0 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim);
+}
+
+struct Ctx {
+  const EvalOptions& o;
+  Model& m;
+  const Tokenizer& tok;
+  ThreadPool& pool;
+  std::vector<FormatRun>& runs;
+  std::vector<int> ctxs;
+};
+
+std::unique_ptr<KvCache> make_cache(const Ctx& c, const FormatRun& r, int max_tokens) {
+  KvCacheConfig kc = c.m.kv_cache_config(r.kv.policy, max_tokens, c.o.kv.page_tokens);
+  kc.calib = r.kv.calib.get();
+  return std::make_unique<KvCache>(kc);
+}
+
+// ---- ppl: windows of ctx tokens; the second half of each window is scored (the first half is
+// context), against the f16 run on the same tokens.
+void task_ppl(Ctx& c, const std::vector<int32_t>& text_ids) {
+  const ModelConfig& cfg = c.m.config();
+  const int nv = cfg.n_vocab;
+  const FormatRun base{"f16", kv_flags_resolve(c.o.kv, cfg, "f16"), 0, {}};
+  size_t total = 0;
+  for (int ctx : c.ctxs) total += size_t(ctx) * size_t(c.o.chunks) * (c.runs.size() + 1);
+  Progress prog(c.o.progress, total);
+  const int B = 256;
+  Forward fwd(c.m, c.pool, B);
+  std::vector<float> base_logits;
+  for (int ctx : c.ctxs) {
+    if (size_t(ctx) * size_t(c.o.chunks) > text_ids.size())
+      fail("--data has {} tokens, fewer than {} window(s) of {} tokens", text_ids.size(), c.o.chunks, ctx);
+    std::vector<std::vector<TokenScore>> scores(c.runs.size());
+    for (int ch = 0; ch < c.o.chunks; ++ch) {
+      std::vector<int32_t> win(text_ids.begin() + std::ptrdiff_t(size_t(ch) * size_t(ctx)),
+                               text_ids.begin() + std::ptrdiff_t(size_t(ch + 1) * size_t(ctx)));
+      if (c.tok.add_bos()) win[0] = c.tok.bos();
+      auto base_cache = make_cache(c, base, ctx);
+      std::vector<std::unique_ptr<KvCache>> caches;
+      for (const auto& r : c.runs) caches.push_back(make_cache(c, r, ctx));
+      for (int b0 = 0; b0 < ctx; b0 += B) {
+        const int n = std::min(B, ctx - b0);
+        const float* lg = fwd.eval(win.data() + b0, n, *base_cache, true);
+        base_logits.assign(lg, lg + size_t(n) * size_t(nv));
+        prog.step(fmt::format("ppl ctx {} f16", ctx), size_t(n));
+        for (size_t f = 0; f < c.runs.size(); ++f) {
+          const float* tl = fwd.eval(win.data() + b0, n, *caches[f], true);
+          for (int i = 0; i < n; ++i) {
+            const int pos = b0 + i;
+            if (pos < ctx / 2 || pos + 1 >= ctx) continue;
+            scores[f].push_back(eval_score_token(base_logits.data() + size_t(i) * size_t(nv), tl + size_t(i) * size_t(nv), nv,
+                                                 win[size_t(pos + 1)]));
+          }
+          prog.step(fmt::format("ppl ctx {} {}", ctx, c.runs[f].name), size_t(n));
+        }
+      }
+      for (size_t f = 0; f < c.runs.size(); ++f) c.runs[f].bits_per_element = bits_per_element(*caches[f], cfg);
+    }
+    for (size_t f = 0; f < c.runs.size(); ++f) {
+      BucketSummary s = eval_summarize(ctx, scores[f]);
+      c.runs[f].report["buckets"].push_back({{"ctx", s.ctx}, {"n_scored", s.n_scored}, {"ppl", s.ppl}, {"base_ppl", s.base_ppl},
+                                             {"delta_ppl_pct", s.delta_ppl_pct}, {"kld_mean", s.kld_mean}, {"kld_p99", s.kld_p99},
+                                             {"top1_agree", s.top1_agree}});
+    }
+  }
+}
+
+std::string greedy_generate(Ctx& c, Forward& fwd, KvCache& cache, const std::vector<int32_t>& prompt, int max_tokens) {
+  const float* lg = fwd.eval(prompt.data(), int(prompt.size()), cache);
+  std::vector<int32_t> out;
+  for (int i = 0; i < max_tokens; ++i) {
+    int32_t t = argmax(lg, c.m.config().n_vocab);
+    if (c.tok.is_eog(t)) break;
+    out.push_back(t);
+    if (cache.n_tokens() >= cache.capacity()) break;
+    lg = fwd.eval(&t, 1, cache);
+  }
+  return c.tok.decode(out);
+}
+
+// ---- needle: a passcode sentence inserted at depth d of a haystack of ctx tokens, then the
+// question; retrieval counts when the generated answer contains the passcode.
+void task_needle(Ctx& c, const std::vector<int32_t>& hay_ids) {
+  std::mt19937 rng(4242);
+  const std::string question = "\nWhat is the secret passcode mentioned in the text above? The secret passcode is";
+  const std::vector<int32_t> q_ids = c.tok.encode(question, false);
+  size_t total = c.ctxs.size() * c.o.depths.size() * (c.runs.size() + 1);
+  Progress prog(c.o.progress, total);
+  Forward fwd(c.m, c.pool, 256);
+  std::vector<FormatRun> all;
+  all.push_back(FormatRun{"f16", kv_flags_resolve(c.o.kv, c.m.config(), "f16"), 0, {}});
+  for (const auto& r : c.runs) all.push_back(FormatRun{r.name, r.kv, 0, {}});
+  std::vector<nlohmann::json> grids(all.size(), nlohmann::json::array());
+  for (int ctx : c.ctxs) {
+    for (int depth : c.o.depths) {
+      const std::string code = std::to_string(100000 + rng() % 900000);
+      const std::vector<int32_t> needle = c.tok.encode(" The secret passcode is " + code + ". Remember it. ", false);
+      const int hay_len = ctx - int(needle.size() + q_ids.size()) - 1 - 12;
+      if (hay_len < 16) fail("needle: context {} is too short for the needle and question", ctx);
+      if (size_t(hay_len) > hay_ids.size())
+        fail("needle: the haystack has {} tokens, fewer than the {} needed for context {}", hay_ids.size(), hay_len, ctx);
+      std::vector<int32_t> prompt;
+      if (c.tok.add_bos()) prompt.push_back(c.tok.bos());
+      const size_t at = size_t(double(hay_len) * depth / 100.0);
+      prompt.insert(prompt.end(), hay_ids.begin(), hay_ids.begin() + std::ptrdiff_t(at));
+      prompt.insert(prompt.end(), needle.begin(), needle.end());
+      prompt.insert(prompt.end(), hay_ids.begin() + std::ptrdiff_t(at), hay_ids.begin() + hay_len);
+      prompt.insert(prompt.end(), q_ids.begin(), q_ids.end());
+      for (size_t f = 0; f < all.size(); ++f) {
+        auto cache = make_cache(c, all[f], int(prompt.size()) + 12);
+        const std::string ans = greedy_generate(c, fwd, *cache, prompt, 10);
+        const bool ok = ans.find(code) != std::string::npos;
+        grids[f].push_back({{"ctx", ctx}, {"depth", depth}, {"ok", ok}, {"answer", ans}});
+        prog.step(fmt::format("needle ctx {} depth {} {}", ctx, depth, all[f].name));
+      }
+    }
+  }
+  for (size_t f = 0; f < all.size(); ++f) {
+    int ok = 0;
+    for (const auto& g : grids[f]) ok += g["ok"].get<bool>() ? 1 : 0;
+    nlohmann::json r = {{"grid", grids[f]}, {"accuracy", grids[f].empty() ? 0.0 : double(ok) / double(grids[f].size())}};
+    if (f == 0) {
+      for (auto& run : c.runs) run.report["needle_f16"] = r["accuracy"];
+    } else {
+      c.runs[f - 1].report["needle"] = r;
+    }
+  }
+}
+
+// ---- own: the user's JSONL eval set.
+struct OwnCase {
+  std::string prompt, expected, match;
+};
+
+std::vector<OwnCase> load_own(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) fail("--own: cannot read '{}'", path);
+  std::vector<OwnCase> cases;
+  std::string line;
+  int ln = 0;
+  while (std::getline(in, line)) {
+    ++ln;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      fail("--own {}:{}: malformed JSON: {}", path, ln, e.what());
+    }
+    if (!j.is_object() || !j.contains("prompt") || !j["prompt"].is_string() || !j.contains("expected") || !j["expected"].is_string())
+      fail("--own {}:{}: each line needs string fields \"prompt\" and \"expected\"", path, ln);
+    OwnCase c{j["prompt"], j["expected"], j.value("match", std::string("substring"))};
+    if (c.match != "substring" && c.match != "exact")
+      fail("--own {}:{}: \"match\" must be \"substring\" or \"exact\", not \"{}\"", path, ln, c.match);
+    cases.push_back(std::move(c));
+  }
+  if (cases.empty()) fail("--own {}: no eval cases (empty file)", path);
+  return cases;
+}
+
+std::string trim(const std::string& s) {
+  const size_t a = s.find_first_not_of(" \t\r\n"), b = s.find_last_not_of(" \t\r\n");
+  return a == std::string::npos ? "" : s.substr(a, b - a + 1);
+}
+
+void task_own(Ctx& c, const std::vector<OwnCase>& cases) {
+  Progress prog(c.o.progress, cases.size() * (c.runs.size()));
+  Forward fwd(c.m, c.pool, 256);
+  const ChatTemplate tpl = c.o.chat ? chat_template_detect(c.m.file()) : ChatTemplate::none;
+  if (c.o.chat && tpl == ChatTemplate::none) fail("--chat: the model has no chat template kvq supports");
+  for (auto& r : c.runs) {
+    int ok = 0;
+    nlohmann::json items = nlohmann::json::array();
+    for (const auto& oc : cases) {
+      const std::string text = c.o.chat ? chat_render(tpl, {{"user", oc.prompt}}) : oc.prompt;
+      std::vector<int32_t> ids = c.tok.encode(text, true, c.o.chat);
+      if (int(ids.size()) + c.o.max_tokens > c.m.config().n_ctx_train)
+        fail("--own: a prompt of {} tokens does not fit the model's context of {}", ids.size(), c.m.config().n_ctx_train);
+      auto cache = make_cache(c, r, int(ids.size()) + c.o.max_tokens + 1);
+      const std::string out = greedy_generate(c, fwd, *cache, ids, c.o.max_tokens);
+      const bool hit = oc.match == "exact" ? trim(out) == trim(oc.expected) : out.find(oc.expected) != std::string::npos;
+      ok += hit ? 1 : 0;
+      items.push_back({{"prompt", oc.prompt}, {"expected", oc.expected}, {"output", out}, {"ok", hit}});
+      prog.step("own " + r.name);
+    }
+    r.report["own"] = {{"accuracy", double(ok) / double(cases.size())}, {"n", cases.size()}, {"items", items}};
+  }
+}
+
+}  // namespace
+
+int eval_command(const EvalOptions& o) {
+  for (const auto& t : o.tasks)
+    if (t != "ppl" && t != "needle" && t != "own") fail("--task: unknown task '{}' (valid: ppl, needle, own)", t);
+  auto has = [&](const char* t) { return std::find(o.tasks.begin(), o.tasks.end(), t) != o.tasks.end(); };
+  if ((has("ppl") || has("needle")) && o.ctx.empty()) fail("--ctx is required for tasks ppl and needle");
+  if (has("ppl") && o.data.empty()) fail("--data is required for task ppl");
+  if (has("needle") && o.data.empty() && o.haystack.empty()) fail("--haystack (or --data) is required for task needle");
+  if (has("own") && o.own.empty()) fail("--own FILE.jsonl is required for task own");
+  for (int d : o.depths)
+    if (d < 0 || d > 100) fail("--depths: {} is not a percentage in [0, 100]", d);
+
+  auto model = Model::load(o.model);
+  const ModelConfig& cfg = model->config();
+  Tokenizer tok = Tokenizer::from_gguf(model->file());
+  std::vector<int> ctxs;
+  for (const auto& s : o.ctx) {
+    const int64_t v = plan_parse_count(s, "--ctx");
+    if (v < 16) fail("--ctx: {} is too short (minimum 16)", v);
+    if (v > cfg.n_ctx_train) fail("--ctx: {} exceeds the model's context length {}", v, cfg.n_ctx_train);
+    ctxs.push_back(int(v));
+  }
+  std::vector<FormatRun> runs;
+  for (const auto& f : o.formats) {
+    FormatRun r;
+    r.kv = kv_flags_resolve(o.kv, cfg, f);
+    r.name = r.kv.policy.name;
+    KvCacheConfig kc = model->kv_cache_config(r.kv.policy, 64, o.kv.page_tokens);
+    kc.calib = r.kv.calib.get();
+    KvCache probe(kc);  // validates the codecs for this model now, not mid-run
+    r.bits_per_element = bits_per_element(probe, cfg);
+    runs.push_back(std::move(r));
+  }
+  // the own-set file is validated before any model time is spent
+  std::vector<OwnCase> own_cases;
+  if (has("own")) own_cases = load_own(o.own);
+
+  const int threads = o.threads > 0 ? o.threads : int(std::max(1u, std::thread::hardware_concurrency()));
+  ThreadPool pool(threads);
+  Ctx c{o, *model, tok, pool, runs, ctxs};
+  if (has("ppl")) task_ppl(c, tok.encode(read_text(o.data, "--data"), false));
+  if (has("needle")) task_needle(c, tok.encode(read_text(o.haystack.empty() ? o.data : o.haystack, "--haystack"), false));
+  if (has("own")) task_own(c, own_cases);
+
+  nlohmann::json j = {{"model", cfg.name}, {"model_file", o.model}, {"arch", cfg.arch}, {"tasks", o.tasks}};
+  j["formats"] = nlohmann::json::array();
+  for (auto& r : runs) {
+    nlohmann::json f = r.report;
+    f["format"] = r.name;
+    f["bits_per_element"] = r.bits_per_element;
+    if (!f.contains("buckets")) f["buckets"] = nlohmann::json::array();
+    j["formats"].push_back(f);
+  }
+  if (!o.json_out.empty()) {
+    std::ofstream out(o.json_out);
+    if (!out) fail("--json-out: cannot write '{}'", o.json_out);
+    out << j.dump(2) << "\n";
+  }
+  if (o.json) {
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  std::printf("model %s (%s)\n", cfg.name.c_str(), o.model.c_str());
+  if (has("ppl")) {
+    std::printf("\n%-28s %6s %7s %10s %10s %9s %11s %11s %8s\n", "format", "bits", "ctx", "ppl", "f16 ppl", "dPPL %", "KLD mean", "KLD p99", "top1");
+    for (const auto& r : runs)
+      for (const auto& b : r.report["buckets"])
+        std::printf("%-28s %6.2f %7d %10.4f %10.4f %+9.3f %11.6f %11.6f %7.2f%%\n", r.name.c_str(), r.bits_per_element,
+                    b["ctx"].get<int>(), b["ppl"].get<double>(), b["base_ppl"].get<double>(), b["delta_ppl_pct"].get<double>(),
+                    b["kld_mean"].get<double>(), b["kld_p99"].get<double>(), 100 * b["top1_agree"].get<double>());
+  }
+  if (has("needle")) {
+    std::printf("\nneedle retrieval (f16: %.0f%%)\n", 100 * runs.front().report.value("needle_f16", 0.0));
+    for (const auto& r : runs) {
+      std::printf("%-28s accuracy %.0f%%  [", r.name.c_str(), 100 * r.report["needle"]["accuracy"].get<double>());
+      for (const auto& g : r.report["needle"]["grid"]) std::printf("%s", g["ok"].get<bool>() ? "+" : ".");
+      std::printf("]\n");
+    }
+  }
+  if (has("own")) {
+    std::printf("\nown eval set (%zu cases)\n", own_cases.size());
+    for (const auto& r : runs) std::printf("%-28s accuracy %.1f%%\n", r.name.c_str(), 100 * r.report["own"]["accuracy"].get<double>());
+  }
+  return 0;
+}
+
+}  // namespace kvq

@@ -1,0 +1,36 @@
+// kvq eval: what each KV format costs in quality, as a function of context length, on the
+// user's model and text: perplexity / KL divergence against the f16-cache run (ppl), needle in a
+// haystack retrieval (needle), the user's own JSONL eval set (own).
+#pragma once
+#include <string>
+#include <vector>
+
+#include "tools/kv_flags.h"
+
+namespace CLI { class App; }
+
+namespace kvq {
+
+struct EvalOptions {
+  std::string model;
+  std::vector<std::string> formats;   // --kv LIST (comma-separated or repeated)
+  std::vector<std::string> ctx;       // --ctx LIST (4096, 4K, 32k)
+  std::vector<std::string> tasks{"ppl"};
+  std::string data;                   // text for ppl (and the default haystack)
+  std::string haystack;               // needle haystack (default: --data)
+  std::string own;                    // JSONL eval set for task own
+  std::vector<int> depths{0, 25, 50, 75, 100};  // needle depths in percent
+  int chunks = 1;                     // ppl: windows per context length
+  int threads = 0;
+  int max_tokens = 48;                // own: tokens generated per prompt
+  bool chat = false;                  // own: wrap prompts in the chat template
+  bool json = false;
+  std::string json_out;               // --json-out FILE (also writes JSON there)
+  bool progress = true;
+  KvFlags kv;                         // skip-layers, overrides, scales apply to every format
+};
+
+void eval_add_cli(CLI::App& app, EvalOptions& o);
+int eval_command(const EvalOptions& o);
+
+}  // namespace kvq

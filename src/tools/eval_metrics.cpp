@@ -1,0 +1,66 @@
+#include "tools/eval_metrics.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace kvq {
+
+namespace {
+// log-sum-exp in double, and the argmax
+double lse_argmax(const float* x, int n, int& arg) {
+  arg = 0;
+  for (int i = 1; i < n; ++i)
+    if (x[i] > x[arg]) arg = i;
+  const double mx = x[arg];
+  double s = 0;
+  for (int i = 0; i < n; ++i) s += std::exp(double(x[i]) - mx);
+  return mx + std::log(s);
+}
+}  // namespace
+
+TokenScore eval_score_token(const float* base, const float* test, int n_vocab, int32_t target) {
+  int ab = 0, at = 0;
+  const double lb = lse_argmax(base, n_vocab, ab);
+  const double lt = lse_argmax(test, n_vocab, at);
+  TokenScore s;
+  s.base_nll = lb - double(base[target]);
+  s.nll = lt - double(test[target]);
+  double kld = 0;
+  for (int i = 0; i < n_vocab; ++i) {
+    const double lp = double(base[i]) - lb, lq = double(test[i]) - lt;
+    kld += std::exp(lp) * (lp - lq);
+  }
+  s.kld = std::max(0.0, kld);  // exact value is >= 0; rounding can leave -1e-17
+  s.top1_agree = ab == at;
+  return s;
+}
+
+BucketSummary eval_summarize(int ctx, const std::vector<TokenScore>& scores) {
+  BucketSummary b;
+  b.ctx = ctx;
+  b.n_scored = int(scores.size());
+  if (scores.empty()) return b;
+  double nll = 0, bnll = 0, kld = 0, agree = 0;
+  std::vector<double> klds;
+  klds.reserve(scores.size());
+  for (const auto& s : scores) {
+    nll += s.nll;
+    bnll += s.base_nll;
+    kld += s.kld;
+    agree += s.top1_agree ? 1 : 0;
+    klds.push_back(s.kld);
+  }
+  const double n = double(scores.size());
+  b.ppl = std::exp(nll / n);
+  b.base_ppl = std::exp(bnll / n);
+  b.delta_ppl_pct = 100.0 * (b.ppl / b.base_ppl - 1.0);
+  b.kld_mean = kld / n;
+  std::sort(klds.begin(), klds.end());
+  // nearest-rank percentile
+  size_t idx = size_t(std::ceil(0.99 * n)) - 1;
+  b.kld_p99 = klds[std::min(idx, klds.size() - 1)];
+  b.top1_agree = agree / n;
+  return b;
+}
+
+}  // namespace kvq
