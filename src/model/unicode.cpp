@@ -1,0 +1,252 @@
+#include "model/unicode.h"
+
+#include <algorithm>
+#include <array>
+
+namespace kvq::unicode {
+namespace {
+
+struct CodepointRange {
+  uint32_t lo, hi;  // inclusive
+};
+
+#include "model/unicode_tables.inc"
+
+bool in_ranges(const CodepointRange* begin, const CodepointRange* end, uint32_t cp) {
+  const CodepointRange* it =
+      std::upper_bound(begin, end, cp, [](uint32_t v, const CodepointRange& r) { return v < r.lo; });
+  return it != begin && cp <= (it - 1)->hi;
+}
+
+bool is_white_space(uint32_t cp) {
+  // Unicode White_Space property: what \s matches in the Unicode-aware regex engines the
+  // reference tokenizers use (a short, stable list, so no table).
+  return (cp >= 0x09 && cp <= 0x0D) || cp == 0x20 || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
+         (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F ||
+         cp == 0x205F || cp == 0x3000;
+}
+
+CharClass classify_slow(uint32_t cp) {
+  if (cp == k_invalid_cp) return CharClass::other;
+  if (is_white_space(cp)) return CharClass::space;
+  if (in_ranges(std::begin(k_letter_ranges), std::end(k_letter_ranges), cp)) return CharClass::letter;
+  if (in_ranges(std::begin(k_number_ranges), std::end(k_number_ranges), cp)) return CharClass::number;
+  return CharClass::other;
+}
+
+// Most text is ASCII; a flat table keeps the hot path free of the binary search.
+const std::array<CharClass, 128> k_ascii_class = [] {
+  std::array<CharClass, 128> t{};
+  for (uint32_t c = 0; c < 128; ++c) t[c] = classify_slow(c);
+  return t;
+}();
+
+bool is_cont(uint8_t b) { return (b & 0xC0) == 0x80; }
+
+// Expected length of a sequence starting with lead byte b and the allowed range of its second
+// byte (excludes overlong forms, surrogates and code points above U+10FFFF); 0 if b is no lead.
+int lead_info(uint8_t b, uint8_t* lo, uint8_t* hi) {
+  *lo = 0x80;
+  *hi = 0xBF;
+  if (b >= 0xC2 && b <= 0xDF) return 2;
+  if (b >= 0xE0 && b <= 0xEF) {
+    if (b == 0xE0) *lo = 0xA0;
+    if (b == 0xED) *hi = 0x9F;
+    return 3;
+  }
+  if (b >= 0xF0 && b <= 0xF4) {
+    if (b == 0xF0) *lo = 0x90;
+    if (b == 0xF4) *hi = 0x8F;
+    return 4;
+  }
+  return 0;
+}
+
+}  // namespace
+
+CharClass char_class(uint32_t cp) { return cp < 128 ? k_ascii_class[cp] : classify_slow(cp); }
+
+int utf8_decode(std::string_view s, size_t i, uint32_t* cp) {
+  const auto b0 = static_cast<uint8_t>(s[i]);
+  if (b0 < 0x80) {
+    *cp = b0;
+    return 1;
+  }
+  uint8_t lo, hi;
+  const int len = lead_info(b0, &lo, &hi);
+  if (len == 0 || i + len > s.size()) {
+    *cp = k_invalid_cp;
+    return 1;
+  }
+  const auto b1 = static_cast<uint8_t>(s[i + 1]);
+  if (b1 < lo || b1 > hi) {
+    *cp = k_invalid_cp;
+    return 1;
+  }
+  uint32_t v = len == 2 ? (b0 & 0x1Fu) : len == 3 ? (b0 & 0x0Fu) : (b0 & 0x07u);
+  v = (v << 6) | (b1 & 0x3Fu);
+  for (int k = 2; k < len; ++k) {
+    const auto b = static_cast<uint8_t>(s[i + k]);
+    if (!is_cont(b)) {
+      *cp = k_invalid_cp;
+      return 1;
+    }
+    v = (v << 6) | (b & 0x3Fu);
+  }
+  *cp = v;
+  return len;
+}
+
+void utf8_append(std::string& out, uint32_t cp) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+}
+
+size_t utf8_complete_prefix(std::string_view s) {
+  const size_t n = s.size();
+  // An incomplete sequence is a lead byte in the last 3 bytes followed only by bytes that could
+  // still continue it.
+  for (size_t k = 1; k <= 3 && k <= n; ++k) {
+    const size_t p = n - k;
+    uint8_t lo, hi;
+    const int len = lead_info(static_cast<uint8_t>(s[p]), &lo, &hi);
+    if (len == 0) {
+      if (is_cont(static_cast<uint8_t>(s[p]))) continue;  // keep looking for its lead byte
+      return n;                                            // ASCII or invalid: nothing pending
+    }
+    if (static_cast<size_t>(len) <= k) return n;  // that sequence is complete (or invalid)
+    if (k >= 2) {
+      const auto b1 = static_cast<uint8_t>(s[p + 1]);
+      if (b1 < lo || b1 > hi) return n;
+    }
+    // bytes after the second were already checked to be continuation bytes by the loop
+    return p;
+  }
+  return n;
+}
+
+std::string utf8_sanitize(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size();) {
+    uint32_t cp;
+    const int len = utf8_decode(s, i, &cp);
+    if (cp == k_invalid_cp)
+      out += "\xEF\xBF\xBD";
+    else
+      out.append(s.substr(i, len));
+    i += len;
+  }
+  return out;
+}
+
+bool utf8_is_valid(std::string_view s) {
+  for (size_t i = 0; i < s.size();) {
+    uint32_t cp;
+    i += utf8_decode(s, i, &cp);
+    if (cp == k_invalid_cp) return false;
+  }
+  return true;
+}
+
+namespace {
+
+struct Cp {
+  uint32_t cp;
+  uint32_t off;  // byte offset in the text
+  CharClass cls;
+};
+
+// The GPT-2 regex over cps[b, e) (one stretch; e is "end of string" for the lookahead).
+void split_gpt2_stretch(const std::vector<Cp>& cps, size_t b, size_t e, uint32_t end_off,
+                        std::vector<Span>& out) {
+  auto off = [&](size_t k) { return k < e ? cps[k].off : end_off; };
+  auto emit = [&](size_t from, size_t to) { out.push_back({off(from), off(to) - off(from)}); };
+  auto run = [&](size_t k, CharClass c) {
+    while (k < e && cps[k].cls == c) ++k;
+    return k;
+  };
+  size_t i = b;
+  while (i < e) {
+    const uint32_t c = cps[i].cp;
+    // 's 't 're 've 'm 'll 'd (case-sensitive, as in the GPT-2 pattern)
+    if (c == '\'' && i + 1 < e) {
+      const uint32_t c1 = cps[i + 1].cp;
+      if (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd') {
+        emit(i, i + 2);
+        i += 2;
+        continue;
+      }
+      if (i + 2 < e) {
+        const uint32_t c2 = cps[i + 2].cp;
+        if ((c1 == 'r' && c2 == 'e') || (c1 == 'v' && c2 == 'e') || (c1 == 'l' && c2 == 'l')) {
+          emit(i, i + 3);
+          i += 3;
+          continue;
+        }
+      }
+    }
+    // ' ?\p{L}+', ' ?\p{N}+', ' ?[^\s\p{L}\p{N}]+': an ASCII space joins the piece after it
+    size_t j = i;
+    if (c == ' ' && i + 1 < e && cps[i + 1].cls != CharClass::space) j = i + 1;
+    const CharClass cj = cps[j].cls;
+    if (cj != CharClass::space) {
+      const size_t k = run(j, cj);
+      emit(i, k);
+      i = k;
+      continue;
+    }
+    // '\s+(?!\S)': whitespace up to (not including) the last one before a non-space; '\s+': a
+    // lone whitespace character before a non-space
+    const size_t k = run(i, CharClass::space);
+    if (k == e || k - i == 1) {
+      emit(i, k);
+      i = k;
+    } else {
+      emit(i, k - 1);
+      i = k - 1;
+    }
+  }
+}
+
+}  // namespace
+
+void pretokenize_gpt2(std::string_view text, bool split_digits, std::vector<Span>& out) {
+  thread_local std::vector<Cp> cps;
+  cps.clear();
+  for (size_t i = 0; i < text.size();) {
+    uint32_t cp;
+    const int len = utf8_decode(text, i, &cp);
+    cps.push_back({cp, static_cast<uint32_t>(i), char_class(cp)});
+    i += len;
+  }
+  const auto end_off = static_cast<uint32_t>(text.size());
+  if (!split_digits) {
+    split_gpt2_stretch(cps, 0, cps.size(), end_off, out);
+    return;
+  }
+  size_t b = 0;
+  for (size_t i = 0; i < cps.size(); ++i) {
+    if (cps[i].cls != CharClass::number) continue;
+    const uint32_t next_off = i + 1 < cps.size() ? cps[i + 1].off : end_off;
+    split_gpt2_stretch(cps, b, i, cps[i].off, out);
+    out.push_back({cps[i].off, next_off - cps[i].off});
+    b = i + 1;
+  }
+  split_gpt2_stretch(cps, b, cps.size(), end_off, out);
+}
+
+}  // namespace kvq::unicode

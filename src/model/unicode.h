@@ -1,0 +1,43 @@
+// Unicode helpers for the tokenizer: UTF-8 decoding that never fails (invalid bytes become single
+// "other" code points, so byte-level BPE still sees every byte), the \p{L} / \p{N} / \s classes the
+// pre-tokenizer regexes use, and the GPT-2 pre-tokenizer as a hand-written state machine.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace kvq::unicode {
+
+enum class CharClass : uint8_t { other, letter, number, space };
+
+// Category of a code point: letter = general category L*, number = N*, space = White_Space.
+CharClass char_class(uint32_t cp);
+
+// Decodes one code point at s[i]; returns its byte length (1..4). Invalid or truncated sequences,
+// overlong forms and surrogates decode as one byte with cp = 0xFFFFFFFF (class other).
+inline constexpr uint32_t k_invalid_cp = 0xFFFFFFFFu;
+int utf8_decode(std::string_view s, size_t i, uint32_t* cp);
+void utf8_append(std::string& out, uint32_t cp);
+
+// Length of the longest prefix of `s` that does not end inside an incomplete (but so far valid)
+// UTF-8 sequence: what a streaming decoder may emit now.
+size_t utf8_complete_prefix(std::string_view s);
+// `s` with every invalid byte replaced by U+FFFD (so the result is valid UTF-8).
+std::string utf8_sanitize(std::string_view s);
+bool utf8_is_valid(std::string_view s);
+
+// A piece of the input text: byte offset and length.
+struct Span {
+  uint32_t begin = 0;
+  uint32_t len = 0;
+};
+
+// GPT-2 pre-tokenizer, the split made by the regex
+//   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+// With split_digits, every \p{N} code point is first cut out as its own piece and the regex runs
+// on the stretches between them (the "smollm" / StarCoder pre-tokenizer). Appends to `out`.
+void pretokenize_gpt2(std::string_view text, bool split_digits, std::vector<Span>& out);
+
+}  // namespace kvq::unicode
