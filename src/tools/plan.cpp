@@ -75,8 +75,8 @@ std::string group_digits(int64_t v) {
 std::string format_per_token(double v) {
   double r = std::round(v);
   if (std::fabs(v - r) < 1e-9) return group_digits(int64_t(r));
-  return fmt::format("{}.{:02d}", group_digits(int64_t(std::floor(v))),
-                     int(std::lround((v - std::floor(v)) * 100)) % 100);
+  const double cents = std::round(v * 100);  // two decimals, carried into the integer part
+  return fmt::format("{}.{:02d}", group_digits(int64_t(cents) / 100), int(int64_t(cents) % 100));
 }
 
 std::string format_count(int64_t n) {
@@ -1108,6 +1108,11 @@ void print_text(std::FILE* out, const PlanResult& r, bool explain) {
   double f16_rate = 0;
   for (const PlanFormatCost& f : r.formats)
     if (f.name == "f16") f16_rate = f.per_token_bytes;
+  if (f16_rate == 0 && !r.formats.empty()) {
+    PlanConfig plain = c;
+    plain.skip_layers.clear();
+    f16_rate = plan_format_cost(m, plain, "f16").per_token_bytes;
+  }
   std::vector<std::vector<std::string>> t;
   t.push_back({"format", "K codec", "V codec", "codes", "scale/zero/norm", "total", f16_rate > 0 ? "vs f16" : "", "fp tail/seq (max)"});
   for (const PlanFormatCost& f : r.formats) {
