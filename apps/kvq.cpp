@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "tools/calibrate.h"
 #include "tools/eval.h"
 #include "tools/formats.h"
 #include "tools/plan.h"
@@ -34,6 +35,10 @@ int main(int argc, char** argv) {
   auto* eval = app.add_subcommand("eval", "quality of KV formats vs context length: perplexity/KLD, needle, your eval set");
   kvq::eval_add_cli(*eval, eval_opts);
 
+  kvq::CalibrateOptions cal_opts;
+  auto* calibrate = app.add_subcommand("calibrate", "fit K/V scales and codebooks from sample text (for --kv-scales)");
+  kvq::calibrate_add_cli(*calibrate, cal_opts);
+
   kvq::FormatsOptions fmt_opts;
   auto* formats = app.add_subcommand("formats", "list the KV formats (bits per element, description); --distortion measures them");
   formats->add_flag("--distortion", fmt_opts.distortion, "measure MSE and inner-product error on random unit vectors");
@@ -56,6 +61,7 @@ int main(int argc, char** argv) {
   try {
     if (*run) return kvq::run_command(run_opts);
     if (*eval) return kvq::eval_command(eval_opts);
+    if (*calibrate) return kvq::calibrate_command(cal_opts);
     if (*formats) return kvq::formats_command(fmt_opts, stdout);
     if (*plan) return kvq::plan_command(plan_opts, stdout, stderr);
   } catch (const kvq::Error& e) {

@@ -219,6 +219,7 @@ void Forward::eval_chunk(const int32_t* tokens, int n, KvCache& cache, bool all_
       rope(q_.data() + size_t(t) * size_t(qd), nh, hd, c.n_rot, c.rope_neox, cs.data());
       rope(k_.data() + size_t(t) * size_t(kvd), nkv, hd, c.n_rot, c.rope_neox, cs.data());
     }
+    if (on_kv) on_kv(il, n, k_pre_.data(), k_.data(), v_.data());
     cache.append(il, n, k_pre_.data(), k_.data(), v_.data());
     const int window = c.layer_window(il);
     const int items = n * nkv;
@@ -230,6 +231,7 @@ void Forward::eval_chunk(const int32_t* tokens, int n, KvCache& cache, bool all_
                           attn_scratch_[size_t(ti)].data(), spans_[size_t(ti)]);
       }
     });
+    if (on_attn) on_attn(il, n, attn_out_.data());
     matmul(L.wo, attn_out_.data(), n, tmp_.data(), pool_);
     if (c.post_norms)
       rms_norm(tmp_.data(), tmp_.data(), static_cast<const float*>(L.attn_post_norm.data), n, E, c.rms_eps);

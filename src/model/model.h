@@ -2,6 +2,7 @@
 // pass (prefill a batch of tokens with matrix-matrix products, or decode one token).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -54,6 +55,13 @@ class Forward {
   // all_logits (rows in order). Returns a pointer to the first logits row (valid until the next call).
   const float* eval(const int32_t* tokens, int n, KvCache& cache, bool all_logits = false);
   size_t scratch_bytes() const;
+
+  // Optional taps for calibration and analysis (kvq calibrate, eval's per-layer task); called
+  // from the evaluating thread, never on the hot path when unset.
+  // (n, n_kv * head_dim) keys before RoPE, keys after RoPE, values of layer `layer`.
+  std::function<void(int layer, int n, const float* k_pre, const float* k, const float* v)> on_kv;
+  // (n, n_head * head_dim) attention output of layer `layer` (before the output projection).
+  std::function<void(int layer, int n, const float* attn_out)> on_attn;
 
  private:
   void eval_chunk(const int32_t* tokens, int n, KvCache& cache, bool all_logits, float* logits_out);
