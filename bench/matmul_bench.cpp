@@ -115,7 +115,7 @@ int register_all() {
       std::string name = std::string(ggml_type_name(t)) + "/" + s.name + (n_tok == 1 ? "/decode" : "/prefill512");
       benchmark::RegisterBenchmark(name.c_str(), [t, s, n_tok](benchmark::State& st) { bm_matmul(st, t, s, n_tok); })
           ->Arg(1)->Arg(2)->ArgName("threads")->UseRealTime()->Unit(benchmark::kMicrosecond)
-          ->MinTime(n_tok == 1 ? 0.05 : 0.1)->Repetitions(3)->ReportAggregatesOnly(true);
+          ->MinTime(n_tok == 1 ? 0.02 : 0.05)->Repetitions(3)->ReportAggregatesOnly(true);
     }
   };
   for (GgmlType t : t32)
