@@ -370,6 +370,8 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_bos) cons
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_bos, bool parse_special) const {
+  // symbol and span offsets are 32-bit
+  if (text.size() >= std::numeric_limits<uint32_t>::max()) fail("text of {} bytes is too long to tokenize", text.size());
   std::vector<int32_t> out;
   out.reserve(text.size() / 3 + 2);
   if (add_bos && this->add_bos()) out.push_back(bos_);

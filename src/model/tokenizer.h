@@ -9,7 +9,9 @@
 // USER_DEFINED tokens written in the text are always matched as single tokens; CONTROL tokens
 // (e.g. "<|im_start|>") only when parse_special is set. Matching is leftmost-longest on the raw
 // text. For SPM with a dummy prefix, the prefix goes at the start of the text and after every
-// special token.
+// special token (as llama.cpp does), so there decode(encode(x, parse_special=true)) gains a space
+// after each special token that is followed by text; without parse_special, decode(encode(x)) == x
+// for any x that holds no literal U+2581 (SPM) or bytes the vocabulary cannot express.
 // A Tokenizer is immutable after from_gguf: encode/decode may be called from several threads.
 #pragma once
 #include <cstdint>
