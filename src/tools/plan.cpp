@@ -1240,6 +1240,7 @@ void plan_add_cli(CLI::App& app, PlanOptions& o) {
   app.add_flag("--json", o.json, "JSON output");
   app.add_flag("--csv", o.csv, "CSV output (one line per ctx, batch, format)");
   app.add_flag("--explain", o.explain, "print the formulas behind every figure");
+  app.add_flag("--measure", o.measure, "run the engine (-m) at the --ctx lengths and compare measured memory with the plan");
 }
 
 int plan_command(const PlanOptions& o, std::FILE* out, std::FILE* err) {
@@ -1286,6 +1287,7 @@ int plan_command(const PlanOptions& o, std::FILE* out, std::FILE* err) {
       c.gpu_mem_bytes = int64_t(std::llround(*o.gpu_mem_gib * kGiB));
       if (c.gpu_mem_bytes <= 0) fail("--gpu-mem {}: too small", *o.gpu_mem_gib);
     }
+    if (o.measure) return plan_measure(o, m, c, out);
     PlanResult r = plan_compute(m, c);
     if (o.json) {
       nlohmann::json j = result_json(r);

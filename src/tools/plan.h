@@ -203,12 +203,15 @@ struct PlanOptions {
   bool json = false;
   bool csv = false;
   bool explain = false;
+  bool measure = false;      // --measure: run the engine and compare measured memory with the plan
 };
 
 // Registers `plan`'s options on `app` (the subcommand's App), storing into `opts`.
 void plan_add_cli(CLI::App& app, PlanOptions& opts);
 // Runs the subcommand; returns the process exit code (0 ok, 1 bad input).
 int plan_command(const PlanOptions& opts, std::FILE* out, std::FILE* err);
+// --measure (src/tools/plan_measure.cpp): needs -m; prints measured vs predicted KV growth.
+int plan_measure(const PlanOptions& o, const PlanModel& m, const PlanConfig& c, std::FILE* out);
 
 // Formatting helpers (exposed for tests): 3 significant digits in the largest binary unit,
 // e.g. 1342177280 -> "1.25 GiB", 10737418240 -> "10.0 GiB".
