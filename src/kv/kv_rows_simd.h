@@ -19,7 +19,29 @@ void scores_nq(const KvRowFmt& f, float scale, const float* q, const uint8_t* ro
                size_t row_stride, int n, float* out, int out_stride) {
   using V = typename Isa::V;
   const int hd = f.head_dim;
-  for (int t = 0; t < n; ++t) {
+  int t = 0;
+  // Two tokens per step: each query chunk loaded once serves both, and the two independent
+  // accumulator sets hide the FMA latency when NQ is small.
+  for (; t + 2 <= n; t += 2) {
+    const uint8_t* r0 = rows + size_t(t) * row_stride;
+    const uint8_t* r1 = r0 + row_stride;
+    V a0[NQ], a1[NQ];
+    for (int i = 0; i < NQ; ++i) a0[i] = a1[i] = Isa::zero();
+    for (int e = 0; e < hd; e += Isa::W) {
+      const V x0 = Isa::template dec<E>(f, scale, r0, e);
+      const V x1 = Isa::template dec<E>(f, scale, r1, e);
+      for (int i = 0; i < NQ; ++i) {
+        const V qv = Isa::load(q + size_t(i) * hd + e);
+        a0[i] = Isa::fma(x0, qv, a0[i]);
+        a1[i] = Isa::fma(x1, qv, a1[i]);
+      }
+    }
+    for (int i = 0; i < NQ; ++i) {
+      out[size_t(i) * size_t(out_stride) + size_t(t)] = Isa::hsum(a0[i]);
+      out[size_t(i) * size_t(out_stride) + size_t(t) + 1] = Isa::hsum(a1[i]);
+    }
+  }
+  for (; t < n; ++t) {
     const uint8_t* row = rows + size_t(t) * row_stride;
     V acc[NQ];
     for (int i = 0; i < NQ; ++i) acc[i] = Isa::zero();

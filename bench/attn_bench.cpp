@@ -1,0 +1,193 @@
+// Decode attention for one KV head and its GQA group (attn_decode over packed head blocks of
+// 64 tokens, no tail), for every registered format: GB/s of KV bytes read, % of this machine's
+// measured single-thread read bandwidth (the kernel runs on one thread), and speed relative to
+// f16 at the same shape. KV buffers are replicated so one iteration's bytes come from DRAM, not
+// L3. Also: encode time of one token (one head, K and V) per format.
+//
+// Default run: head_dim 128, 4 query heads, 4K and 32K tokens. KVQ_ATTN_BENCH_FULL=1 adds
+// 128K tokens, head_dim 64/256 and 8 query heads. Filter with --benchmark_filter=<regex>.
+#include <benchmark/benchmark.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <ctime>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "attn/attention.h"
+#include "core/aligned.h"
+#include "core/membw.h"
+#include "core/thread_pool.h"
+#include "core/timer.h"
+#include "kvq/kv_format.h"
+
+using namespace kvq;
+
+namespace {
+
+constexpr int kBlock = 64;
+
+double machine_bw() {
+  static const double bw = [] {
+    ThreadPool pool(1);
+    return measure_read_bandwidth_gbs(pool, size_t(1) << 29, 3);
+  }();
+  return bw;
+}
+
+const nlohmann::json& bench_calib() {
+  static const nlohmann::json j = {{"layers", {{{"k_scale", 0.02}, {"v_scale", 0.02}}}}};
+  return j;
+}
+
+double cpu_seconds() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+
+std::map<std::string, double>& f16_time() {  // shape key -> seconds per call of f16
+  static std::map<std::string, double> m;
+  return m;
+}
+
+struct Shape {
+  int ctx, hd, n_q;
+  std::string key() const { return std::to_string(ctx) + "/" + std::to_string(hd) + "/" + std::to_string(n_q); }
+};
+
+void bm_decode(benchmark::State& st, std::string format, Shape sh) {
+  const KvFormatDesc& f = kv_format_find(format);
+  KvCodecParams pk, pv;
+  pk.head_dim = pv.head_dim = sh.hd;
+  pk.role = KvRole::key;
+  pv.role = KvRole::value;
+  pk.calib = pv.calib = &bench_calib();
+  pk.rope.n_rot = sh.hd;
+  std::unique_ptr<KvCodec> kc, vc;
+  try {
+    kc = kv_codec_create(f.k_codec, pk);
+    vc = kv_codec_create(f.v_codec, pv);
+  } catch (const std::exception& e) {
+    st.SkipWithError(e.what());
+    return;
+  }
+  const int n_blocks = sh.ctx / kBlock;
+  const size_t kb = kc->block_bytes(kBlock), vb = vc->block_bytes(kBlock);
+  const size_t copy_bytes = size_t(n_blocks) * (kb + vb);
+  // Enough copies that consecutive iterations do not find the data in the 32 MiB L3.
+  const int copies = int(std::min<size_t>(64, std::max<size_t>(1, (size_t(96) << 20) / copy_bytes + 1)));
+  AlignedBuf<uint8_t> kbuf(size_t(copies) * size_t(n_blocks) * kb), vbuf(size_t(copies) * size_t(n_blocks) * vb);
+  {
+    std::mt19937_64 rng(7);
+    std::normal_distribution<float> nd;
+    std::vector<float> x(size_t(kBlock) * size_t(sh.hd));
+    for (int b = 0; b < n_blocks; ++b) {
+      for (auto& v : x) v = nd(rng);
+      kc->encode(0, x.data(), size_t(sh.hd), kBlock, kbuf.data() + size_t(b) * kb, kBlock, 0, b * kBlock);
+      for (auto& v : x) v = nd(rng);
+      vc->encode(0, x.data(), size_t(sh.hd), kBlock, vbuf.data() + size_t(b) * vb, kBlock, 0, b * kBlock);
+    }
+    for (int c = 1; c < copies; ++c) {
+      std::copy(kbuf.data(), kbuf.data() + size_t(n_blocks) * kb, kbuf.data() + size_t(c) * size_t(n_blocks) * kb);
+      std::copy(vbuf.data(), vbuf.data() + size_t(n_blocks) * vb, vbuf.data() + size_t(c) * size_t(n_blocks) * vb);
+    }
+  }
+  std::vector<std::vector<KvBlockSpan>> spans(static_cast<size_t>(copies));
+  for (int c = 0; c < copies; ++c)
+    for (int b = 0; b < n_blocks; ++b)
+      spans[size_t(c)].push_back({kbuf.data() + (size_t(c) * size_t(n_blocks) + size_t(b)) * kb,
+                                  vbuf.data() + (size_t(c) * size_t(n_blocks) + size_t(b)) * vb, kBlock, 0, kBlock,
+                                  b * kBlock});
+  std::vector<float> q(size_t(sh.n_q) * size_t(sh.hd), 0.05f), out(q.size());
+  AlignedBuf<float> scratch(attn_scratch_floats(*kc, *vc, sh.n_q, kBlock));
+  AttnParams ap;
+  ap.scale = 1.f / std::sqrt(float(sh.hd));
+  int c = 0;
+  const double t0 = cpu_seconds();
+  for (auto _ : st) {
+    attn_decode(*kc, *vc, 0, q.data(), sh.n_q, spans[size_t(c)].data(), n_blocks, nullptr, nullptr, 0, 0, ap,
+                out.data(), scratch.data());
+    benchmark::DoNotOptimize(out.data());
+    c = (c + 1) % copies;
+  }
+  const double per_call = (cpu_seconds() - t0) / double(std::max<int64_t>(1, int64_t(st.iterations())));
+  // Rates from this thread's CPU time: the machine is shared, and wall time would charge this
+  // single-threaded kernel for other processes' time slices.
+  const double bytes = double(copy_bytes);
+  st.counters["GBps"] = bytes / per_call / 1e9;
+  st.counters["bw_pct"] = 100 * bytes / per_call / 1e9 / machine_bw();
+  st.counters["us"] = per_call * 1e6;
+  st.counters["bits"] = 8.0 * bytes / (2.0 * sh.ctx * sh.hd);
+  // Speed relative to f16 at the same shape (f16 is registered before the quantized formats):
+  // > 1 = faster than f16.
+  if (format == "f16") f16_time()[sh.key()] = per_call;
+  auto it = f16_time().find(sh.key());
+  if (it != f16_time().end()) st.counters["x_f16"] = it->second / per_call;
+}
+
+void bm_encode(benchmark::State& st, std::string format, int hd) {
+  const KvFormatDesc& f = kv_format_find(format);
+  KvCodecParams pk, pv;
+  pk.head_dim = pv.head_dim = hd;
+  pk.role = KvRole::key;
+  pv.role = KvRole::value;
+  pk.calib = pv.calib = &bench_calib();
+  pk.rope.n_rot = hd;
+  std::unique_ptr<KvCodec> kc, vc;
+  try {
+    kc = kv_codec_create(f.k_codec, pk);
+    vc = kv_codec_create(f.v_codec, pv);
+  } catch (const std::exception& e) {
+    st.SkipWithError(e.what());
+    return;
+  }
+  // Grouped codecs encode G tokens at once: report the per-token share of one group's encode.
+  const int gk = std::max(1, kc->info().group_tokens), gv = std::max(1, vc->info().group_tokens);
+  const int g = std::max(gk, gv);
+  const int bt = std::max(kBlock, g);
+  std::vector<uint8_t> kb(kc->block_bytes(bt)), vb(vc->block_bytes(bt));
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(size_t(g) * size_t(hd));
+  for (auto& v : x) v = nd(rng);
+  for (auto _ : st) {
+    kc->encode(0, x.data(), size_t(hd), gk, kb.data(), bt, 0, 0);
+    vc->encode(0, x.data(), size_t(hd), gv, vb.data(), bt, 0, 0);
+    benchmark::ClobberMemory();
+  }
+  st.counters["tokens_per_iter"] = g == 1 ? 1 : double(g);
+}
+
+struct Registrar {
+  Registrar() {
+    const bool full = std::getenv("KVQ_ATTN_BENCH_FULL") != nullptr;
+    std::vector<Shape> shapes;
+    for (int hd : full ? std::vector<int>{64, 128, 256} : std::vector<int>{128})
+      for (int n_q : full ? std::vector<int>{4, 8} : std::vector<int>{4})
+        for (int ctx : full ? std::vector<int>{4096, 32768, 131072} : std::vector<int>{4096, 32768})
+          shapes.push_back({ctx, hd, n_q});
+    std::vector<std::string> names;
+    for (const auto& f : kv_formats()) names.push_back(f.name);
+    for (const Shape& sh : shapes)
+      for (const auto& n : names)
+        benchmark::RegisterBenchmark(("decode/" + n + "/ctx" + std::to_string(sh.ctx) + "/hd" + std::to_string(sh.hd) +
+                                      "/nq" + std::to_string(sh.n_q)).c_str(),
+                                     bm_decode, n, sh)
+            ->Unit(benchmark::kMicrosecond)
+            ->MinTime(0.2);
+    for (const auto& n : names)
+      benchmark::RegisterBenchmark(("encode/" + n + "/hd128").c_str(), bm_encode, n, 128)
+          ->Unit(benchmark::kNanosecond)
+          ->MinTime(0.05);
+  }
+} registrar;
+
+}  // namespace
+
+BENCHMARK_MAIN();
