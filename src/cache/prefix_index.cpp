@@ -1,0 +1,192 @@
+#include "cache/prefix_index.h"
+
+#include <cstring>
+#include <random>
+
+#include "core/error.h"
+
+namespace kvq {
+
+namespace {
+
+inline uint64_t rotl(uint64_t x, int b) { return (x << b) | (x >> (64 - b)); }
+
+inline void sip_round(uint64_t& v0, uint64_t& v1, uint64_t& v2, uint64_t& v3) {
+  v0 += v1; v1 = rotl(v1, 13); v1 ^= v0; v0 = rotl(v0, 32);
+  v2 += v3; v3 = rotl(v3, 16); v3 ^= v2;
+  v0 += v3; v3 = rotl(v3, 21); v3 ^= v0;
+  v2 += v1; v1 = rotl(v1, 17); v1 ^= v2; v2 = rotl(v2, 32);
+}
+
+inline uint64_t load_le64(const uint8_t* p) {
+  uint64_t x = 0;
+  for (int i = 0; i < 8; ++i) x |= uint64_t(p[i]) << (8 * i);
+  return x;
+}
+
+inline void store_le64(uint8_t* p, uint64_t x) {
+  for (int i = 0; i < 8; ++i) p[i] = uint8_t(x >> (8 * i));
+}
+
+KvHashKey random_key() {
+  std::random_device rd;
+  auto r64 = [&] { return (uint64_t(rd()) << 32) ^ uint64_t(rd()); };
+  KvHashKey k;
+  k.k0 = r64();
+  k.k1 = r64();
+  k.k2 = r64();
+  k.k3 = r64();
+  return k;
+}
+
+}  // namespace
+
+uint64_t kv_siphash24(uint64_t k0, uint64_t k1, const void* data, size_t n) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  uint64_t v0 = k0 ^ 0x736f6d6570736575ull;
+  uint64_t v1 = k1 ^ 0x646f72616e646f6dull;
+  uint64_t v2 = k0 ^ 0x6c7967656e657261ull;
+  uint64_t v3 = k1 ^ 0x7465646279746573ull;
+  const size_t full = n & ~size_t(7);
+  for (size_t i = 0; i < full; i += 8) {
+    const uint64_t m = load_le64(p + i);
+    v3 ^= m;
+    sip_round(v0, v1, v2, v3);
+    sip_round(v0, v1, v2, v3);
+    v0 ^= m;
+  }
+  // Last word: the remaining bytes, and the message length mod 256 in the top byte.
+  uint64_t b = uint64_t(n & 0xff) << 56;
+  for (size_t i = 0; i < n - full; ++i) b |= uint64_t(p[full + i]) << (8 * i);
+  v3 ^= b;
+  sip_round(v0, v1, v2, v3);
+  sip_round(v0, v1, v2, v3);
+  v0 ^= b;
+  v2 ^= 0xff;
+  for (int i = 0; i < 4; ++i) sip_round(v0, v1, v2, v3);
+  return v0 ^ v1 ^ v2 ^ v3;
+}
+
+KvHash kv_hash128(const KvHashKey& key, const void* data, size_t n) {
+  return {kv_siphash24(key.k0, key.k1, data, n), kv_siphash24(key.k2, key.k3, data, n)};
+}
+
+PrefixIndex::PrefixIndex(std::string identity, int page_tokens) : PrefixIndex(std::move(identity), page_tokens, random_key()) {}
+
+PrefixIndex::PrefixIndex(std::string identity, int page_tokens, const KvHashKey& key)
+    : identity_(std::move(identity)), page_tokens_(page_tokens), key_(key) {
+  if (page_tokens < 16 || page_tokens > 256 || (page_tokens & (page_tokens - 1)))
+    fail("prefix index: page size {} tokens must be a power of two in 16..256", page_tokens);
+  root_ = kv_hash128(key_, identity_.data(), identity_.size());
+}
+
+KvHash PrefixIndex::page_hash(const KvHash& parent, const int32_t* tokens) const {
+  // parent (16 bytes) | root (16 bytes) | token ids as little-endian int32: a fixed byte
+  // serialization, so the hash does not depend on the host's struct layout.
+  uint8_t buf[32 + 4 * 256];
+  store_le64(buf, parent.lo);
+  store_le64(buf + 8, parent.hi);
+  store_le64(buf + 16, root_.lo);
+  store_le64(buf + 24, root_.hi);
+  for (int i = 0; i < page_tokens_; ++i) {
+    const uint32_t t = uint32_t(tokens[i]);
+    uint8_t* q = buf + 32 + 4 * i;
+    q[0] = uint8_t(t);
+    q[1] = uint8_t(t >> 8);
+    q[2] = uint8_t(t >> 16);
+    q[3] = uint8_t(t >> 24);
+  }
+  return kv_hash128(key_, buf, 32 + 4 * size_t(page_tokens_));
+}
+
+KvPrefixMatch PrefixIndex::lookup(const int32_t* tokens, int n) const {
+  KvPrefixMatch m;
+  m.page_tokens = page_tokens_;
+  const int P = page_tokens_;
+  KvHash parent = root_;
+  for (int i = 0; (i + 1) * P <= n; ++i) {
+    const int32_t* t = tokens + size_t(i) * size_t(P);
+    const KvHash h = page_hash(parent, t);
+    auto it = entries_.find(h);
+    if (it == entries_.end()) break;
+    const Entry& e = it->second;
+    if (!(e.parent == parent) || std::memcmp(e.tokens.data(), t, sizeof(int32_t) * size_t(P)) != 0) break;
+    m.pages.push_back(e.page);
+    m.hashes.push_back(h);
+    parent = h;
+  }
+  return m;
+}
+
+PrefixIndex::Insert PrefixIndex::insert(const KvHash& parent, const int32_t* tokens, KvPageId page, KvHash* hash) {
+  KVQ_CHECK(page != kv_page_none, "caching an invalid page");
+  KVQ_CHECK(!contains_page(page), "page {} is already cached", page);
+  const KvHash h = page_hash(parent, tokens);
+  if (hash) *hash = h;
+  auto it = entries_.find(h);
+  if (it != entries_.end()) {
+    const Entry& e = it->second;
+    const bool same = e.parent == parent && std::memcmp(e.tokens.data(), tokens, sizeof(int32_t) * size_t(page_tokens_)) == 0;
+    if (same) {
+      ++stats_.duplicate_pages;
+      return Insert::duplicate;
+    }
+    ++stats_.collisions;
+    return Insert::collision;
+  }
+  Entry e;
+  e.parent = parent;
+  e.tokens.assign(tokens, tokens + page_tokens_);
+  e.page = page;
+  entries_.emplace(h, std::move(e));
+  by_page_.emplace(page, h);
+  ++stats_.inserted_pages;
+  return Insert::inserted;
+}
+
+void PrefixIndex::count_query(int prompt_tokens, int hit_tokens) {
+  KVQ_CHECK(prompt_tokens >= 0 && hit_tokens >= 0 && hit_tokens <= prompt_tokens, "query of {} tokens with {} hits",
+            prompt_tokens, hit_tokens);
+  stats_.query_tokens += uint64_t(prompt_tokens);
+  stats_.hit_tokens += uint64_t(hit_tokens);
+}
+
+KvPrefixStats PrefixIndex::stats() const {
+  KvPrefixStats s = stats_;
+  s.entries = entries_.size();
+  s.idle = lru_.size();
+  return s;
+}
+
+bool PrefixIndex::kv_page_unused(KvPageId page) {
+  auto bp = by_page_.find(page);
+  if (bp == by_page_.end()) return false;
+  Entry& e = entries_.at(bp->second);
+  KVQ_CHECK(!e.idle, "cached page {} released twice", page);
+  e.idle = true;
+  e.lru = lru_.insert(lru_.end(), page);
+  return true;
+}
+
+void PrefixIndex::kv_page_reused(KvPageId page) {
+  auto bp = by_page_.find(page);
+  KVQ_CHECK(bp != by_page_.end(), "reuse of page {} that the prefix index does not hold", page);
+  Entry& e = entries_.at(bp->second);
+  KVQ_CHECK(e.idle, "reuse of cached page {} that is not idle", page);
+  lru_.erase(e.lru);
+  e.idle = false;
+}
+
+KvPageId PrefixIndex::kv_page_evict() {
+  if (lru_.empty()) return kv_page_none;
+  const KvPageId page = lru_.front();
+  lru_.pop_front();
+  auto bp = by_page_.find(page);
+  KVQ_CHECK(bp != by_page_.end(), "idle page {} without an entry", page);
+  entries_.erase(bp->second);
+  by_page_.erase(bp);
+  ++stats_.evicted_pages;
+  return page;
+}
+
+}  // namespace kvq
