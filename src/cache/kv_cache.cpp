@@ -1,12 +1,16 @@
 #include "cache/kv_cache.h"
 
 #include <algorithm>
+#include <cstring>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "core/error.h"
 
 namespace kvq {
 
-KvCache::KvCache(const KvCacheConfig& cfg) : cfg_(cfg) {
+KvCache::KvCache(const KvCacheConfig& cfg, PagePool* pool) : cfg_(cfg), pool_(pool) {
   if (cfg_.n_layer <= 0 || cfg_.n_kv_heads <= 0 || cfg_.head_dim <= 0)
     fail("KV cache: invalid shape (layers {}, kv heads {}, head dim {})", cfg_.n_layer, cfg_.n_kv_heads, cfg_.head_dim);
   if (cfg_.page_tokens < 16 || cfg_.page_tokens > 256 || (cfg_.page_tokens & (cfg_.page_tokens - 1)))
@@ -24,6 +28,8 @@ KvCache::KvCache(const KvCacheConfig& cfg) : cfg_(cfg) {
     if (size_t(il) < cfg_.rope.size()) p.rope = cfg_.rope[size_t(il)];
     p.seed = cfg_.seed;
     p.calib = cfg_.calib;
+    p.group_tokens = cfg_.group_tokens;
+    p.residual_tokens = cfg_.residual_tokens;
     p.role = KvRole::key;
     L.k = kv_codec_create(cfg_.policy.layers[size_t(il)].k_codec, p);
     p.role = KvRole::value;
@@ -59,11 +65,104 @@ KvCache::KvCache(const KvCacheConfig& cfg) : cfg_(cfg) {
   }
   page_bytes_ = off;
   max_block_tokens_ = cfg_.page_tokens;
+  // With R = 0 and G | P every page boundary leaves an empty tail (see the header comment).
+  shareable_ = std::all_of(layers_.begin(), layers_.end(), [](const Layer& L) { return L.residual == 0; });
+  identity_ = build_identity();
+  if (pool_ && (pool_->page_tokens() != cfg_.page_tokens || pool_->page_bytes() != page_bytes_))
+    fail("KV cache: the page pool holds pages of {} tokens / {} bytes, this cache needs {} tokens / {} bytes",
+         pool_->page_tokens(), pool_->page_bytes(), cfg_.page_tokens, page_bytes_);
 }
 
-void KvCache::ensure_pages(int n_tokens) {
-  size_t need = size_t((n_tokens + cfg_.page_tokens - 1) / cfg_.page_tokens);
-  while (pages_.size() < need) pages_.emplace_back(page_bytes_);
+KvCache::~KvCache() {
+  if (pool_) release();
+}
+
+size_t kv_cache_page_bytes(const KvCacheConfig& cfg) { return KvCache(cfg).page_bytes(); }
+
+size_t kv_admit_pages(const PagePool& pool, const KvPrefixMatch& m, int n_prompt) {
+  const size_t P = size_t(pool.page_tokens());
+  const size_t total = (size_t(std::max(0, n_prompt)) + P - 1) / P;
+  size_t need = total > m.pages.size() ? total - m.pages.size() : 0;
+  for (KvPageId p : m.pages)
+    if (pool.is_idle(p)) ++need;
+  return need;
+}
+
+std::string KvCache::build_identity() const {
+  // Everything a page's bytes depend on besides the token ids: the weights, the shapes, and for
+  // each layer the codecs with every parameter they are built from. Floats print exactly
+  // (shortest round-trip form).
+  std::string s = fmt::format("kvq-kv-pages/1;model={};layers={};kv_heads={};head_dim={};page_tokens={};seed={:#x};"
+                              "group={};residual={}",
+                              cfg_.model_id, cfg_.n_layer, cfg_.n_kv_heads, cfg_.head_dim, cfg_.page_tokens, cfg_.seed,
+                              cfg_.group_tokens, cfg_.residual_tokens);
+  if (cfg_.calib) {
+    const std::string dump = cfg_.calib->dump();
+    const KvHash h = kv_hash128(KvHashKey{1, 2, 3, 4}, dump.data(), dump.size());
+    s += fmt::format(";calib={:016x}{:016x}", h.hi, h.lo);
+  }
+  for (int il = 0; il < cfg_.n_layer; ++il) {
+    const Layer& L = layers_[size_t(il)];
+    s += fmt::format(";L{}={}/{}", il, L.k->info().name, L.v->info().name);
+    if (size_t(il) < cfg_.rope.size()) {
+      const KvRope& r = cfg_.rope[size_t(il)];
+      s += fmt::format(",rope={}:{}:{}:{}", r.n_rot, r.freq_base, r.freq_scale, r.neox ? 1 : 0);
+    }
+  }
+  return s;
+}
+
+std::string KvCache::prefix_identity() const { return identity_; }
+
+void KvCache::written_pages(int n, int* first, int* last) const {
+  int w0 = n_tokens_ + n, w1 = 0;
+  for (const auto& L : layers_) {
+    w0 = std::min(w0, quantized(L, n_tokens_));
+    w1 = std::max(w1, quantized(L, n_tokens_ + n));
+  }
+  const int P = cfg_.page_tokens;
+  *first = w0 / P;
+  *last = w1 > w0 ? (w1 + P - 1) / P : *first;
+}
+
+int KvCache::pages_needed(int n) const {
+  if (!pool_) return 0;
+  int first, last;
+  written_pages(n, &first, &last);
+  int need = std::max(0, pages_for(n_tokens_ + n) - int(table_.size()));
+  for (int i = first; i < std::min(last, int(table_.size())); ++i)
+    if (pool_->refcount(table_[size_t(i)]) > 1) ++need;
+  return need;
+}
+
+void KvCache::prepare_step(int n) {
+  const size_t want = size_t(pages_for(n_tokens_ + n));
+  if (!pool_) {
+    while (pages_.size() < want) pages_.emplace_back(page_bytes_);
+    return;
+  }
+  const int need = pages_needed(n);
+  if (size_t(need) > pool_->n_available()) throw KvPoolFull(size_t(need), pool_->n_available());
+  int first, last;
+  written_pages(n, &first, &last);
+  // Cached pages are full and final: a step never writes below the published prefix.
+  KVQ_CHECK(first >= int(hashes_.size()), "step writes page {} of a cached prefix of {} pages", first, hashes_.size());
+  for (int i = first; i < std::min(last, int(table_.size())); ++i) {
+    const KvPageId old = table_[size_t(i)];
+    if (pool_->refcount(old) <= 1) continue;
+    // Copy-on-write: another sequence (a fork) holds this partial page; its tokens stay as
+    // they are, ours continue in a private copy.
+    const KvPageId cp = pool_->alloc();
+    KVQ_CHECK(cp != kv_page_none, "pool ran out after reporting {} available pages", need);
+    std::memcpy(pool_->data(cp), pool_->data(old), page_bytes_);
+    pool_->unref(old);
+    table_[size_t(i)] = cp;
+  }
+  while (table_.size() < want) {
+    const KvPageId p = pool_->alloc();
+    KVQ_CHECK(p != kv_page_none, "pool ran out after reporting {} available pages", need);
+    table_.push_back(p);
+  }
 }
 
 void KvCache::append(int layer, int n, const float* k_pre, const float* k, const float* v) {
@@ -71,7 +170,14 @@ void KvCache::append(int layer, int n, const float* k_pre, const float* k, const
   KVQ_CHECK(L.pending == 0, "layer {} appended twice in one step", layer);
   const int n0 = n_tokens_;
   if (n0 + n > cfg_.max_tokens) fail("KV cache full: {} + {} tokens exceed the capacity of {}", n0, n, cfg_.max_tokens);
-  ensure_pages(n0 + n);
+  if (!step_open_) {
+    // The first layer of a step gets every page the whole step needs (all layers share the
+    // pages), so running out of pool pages happens here, before any layer changed.
+    prepare_step(n);
+    step_open_ = true;
+    step_n_ = n;
+  }
+  KVQ_CHECK(n == step_n_, "layer {} appends {} tokens in a step of {}", layer, n, step_n_);
   const int nkv = cfg_.n_kv_heads, hd = cfg_.head_dim, P = cfg_.page_tokens;
   const size_t row = size_t(nkv) * size_t(hd);
   const float* ksrc = L.pre_rope ? k_pre : k;
@@ -133,7 +239,7 @@ void KvCache::attend_head(int layer, int head, int pos, const float* q, int n_q,
   for (int t = start; t < packed_end;) {
     const int page = t / P, slot = t % P;
     const int run = std::min(packed_end - t, P - slot);
-    const uint8_t* pg = pages_[size_t(page)].data();
+    const uint8_t* pg = page_ptr(page);
     KvBlockSpan s;
     s.k = pg + L.k_off + size_t(head) * L.k_block;
     s.v = pg + L.v_off + size_t(head) * L.v_block;
@@ -171,17 +277,115 @@ void KvCache::commit(int n) {
     }
   }
   n_tokens_ = n1;
+  step_open_ = false;
+  step_n_ = 0;
 }
 
-void KvCache::clear() {
-  pages_.clear();
+void KvCache::clear() { release(); }
+
+void KvCache::release() {
+  if (pool_) {
+    for (size_t i = table_.size(); i-- > 0;) pool_->unref(table_[i]);
+    table_.clear();
+  } else {
+    pages_.clear();
+  }
+  reset_tokens();
+}
+
+void KvCache::reset_tokens() {
   n_tokens_ = 0;
+  step_open_ = false;
+  step_n_ = 0;
+  hashes_.clear();
+  hashed_by_ = nullptr;
   for (auto& L : layers_) {
     L.pending = 0;
     L.tail_start = 0;
     for (auto* tails : {&L.tail_k, &L.tail_v, &L.tail_k_pre})
       for (auto& tl : *tails) tl.clear();
   }
+}
+
+void KvCache::fork_from(const KvCache& src) {
+  KVQ_CHECK(&src != this, "fork of a cache into itself");
+  KVQ_CHECK(n_tokens_ == 0 && n_pages() == 0 && !step_open_, "fork into a cache that holds {} tokens", n_tokens_);
+  KVQ_CHECK(!src.step_open_, "fork of a cache in the middle of a step");
+  KVQ_CHECK(src.pool_ == pool_, "fork between caches of different page pools");
+  KVQ_CHECK(src.identity_ == identity_, "fork between caches of different configurations");
+  if (pool_) {
+    for (KvPageId p : src.table_) pool_->ref(p);
+    table_ = src.table_;
+  } else {
+    for (const auto& pg : src.pages_) {
+      pages_.emplace_back(page_bytes_);
+      std::memcpy(pages_.back().data(), pg.data(), page_bytes_);
+    }
+  }
+  for (size_t il = 0; il < layers_.size(); ++il) {
+    Layer& L = layers_[il];
+    const Layer& S = src.layers_[il];
+    L.tail_k = S.tail_k;
+    L.tail_v = S.tail_v;
+    L.tail_k_pre = S.tail_k_pre;
+    L.tail_start = S.tail_start;
+  }
+  n_tokens_ = src.n_tokens_;
+  hashes_ = src.hashes_;
+  hashed_by_ = src.hashed_by_;
+}
+
+int KvCache::adopt_prefix(PrefixIndex& index, const int32_t* tokens, int n_prompt, int max_tokens) {
+  KVQ_CHECK(pool_, "adopting a cached prefix needs a page pool");
+  KVQ_CHECK(n_tokens_ == 0 && table_.empty() && !step_open_, "adopting a prefix into a cache that holds {} tokens", n_tokens_);
+  KVQ_CHECK(index.identity() == identity_, "prefix index of another configuration");
+  KVQ_CHECK(index.page_tokens() == cfg_.page_tokens, "prefix index pages of {} tokens, cache pages of {}",
+            index.page_tokens(), cfg_.page_tokens);
+  const int cap = std::min({max_tokens, n_prompt, cfg_.max_tokens});
+  if (!shareable_ || cap < cfg_.page_tokens) {
+    index.count_query(n_prompt, 0);
+    return 0;
+  }
+  const KvPrefixMatch m = index.lookup(tokens, cap);
+  for (KvPageId p : m.pages) pool_->ref(p);
+  table_ = m.pages;
+  hashes_ = m.hashes;
+  hashed_by_ = &index;
+  n_tokens_ = m.n_tokens();
+  for (auto& L : layers_) {
+    KVQ_CHECK(quantized(L, n_tokens_) == n_tokens_, "adopted prefix of {} tokens leaves a tail", n_tokens_);
+    L.tail_start = n_tokens_;
+  }
+  index.count_query(n_prompt, n_tokens_);
+  return n_tokens_;
+}
+
+int KvCache::publish_pages(PrefixIndex& index, const int32_t* tokens, int n) {
+  KVQ_CHECK(pool_, "publishing pages needs a page pool");
+  KVQ_CHECK(n == n_tokens_ && !step_open_, "publish of {} tokens, the cache holds {}", n, n_tokens_);
+  KVQ_CHECK(index.identity() == identity_, "prefix index of another configuration");
+  if (!shareable_) return 0;
+  if (hashed_by_ != &index) {
+    hashes_.clear();
+    hashed_by_ = &index;
+  }
+  int packed = n_tokens_;
+  for (const auto& L : layers_) packed = std::min(packed, quantized(L, n_tokens_));
+  const int full = packed / cfg_.page_tokens;
+  int inserted = 0;
+  for (int i = int(hashes_.size()); i < full; ++i) {
+    const KvHash parent = i > 0 ? hashes_[size_t(i - 1)] : index.root();
+    const int32_t* t = tokens + size_t(i) * size_t(cfg_.page_tokens);
+    KvHash h;
+    if (index.contains_page(table_[size_t(i)])) {
+      // Shared with a fork that published it already.
+      h = index.page_hash(parent, t);
+    } else if (index.insert(parent, t, table_[size_t(i)], &h) == PrefixIndex::Insert::inserted) {
+      ++inserted;
+    }
+    hashes_.push_back(h);
+  }
+  return inserted;
 }
 
 size_t KvCache::bytes_tail() const {

@@ -6,12 +6,54 @@
 // positions (attend_head), then commit()s. Which tokens are read packed and which from the tail
 // depends only on the query position (kv_quantized_tokens), so a prompt gives the same result
 // whether it is processed in one chunk or many, or token by token.
+//
+// Pages come from one of two places:
+//  - private (no pool; `kvq run`, eval, tests): the cache allocates its own zeroed pages as it
+//    grows and frees them in clear()/the destructor;
+//  - a shared PagePool (serving): the cache keeps a block table (page ids, page i holds tokens
+//    [i*P, (i+1)*P)) and takes pages from the pool, so every sequence draws on one budget.
+//    Pages can be shared between sequences (prefix cache, fork) with reference counts; a shared
+//    page is never written: the first write into it copies it (copy-on-write).
+//
+// Serving API (pool mode), in the order a scheduler uses it; everything on the scheduler thread:
+//   PagePool pool(n, kv_cache_page_bytes(cfg), P) or PagePool::from_bytes/from_tokens;
+//   PrefixIndex index(cache.prefix_identity(), P); pool.set_evictor(&index);
+//   admit:    m = index.lookup(prompt, n_prompt - 1); admit when
+//             kv_admit_pages(pool, m, n_prompt) <= pool.n_available() (new pages for the rest
+//             of the prompt, plus matched pages that are idle now: adopting them makes them
+//             used, so they leave the available count);
+//   adopt:    cache.adopt_prefix(index, prompt, n_prompt, n_prompt - 1) -> tokens already
+//             computed (a multiple of P); count the query in the index's hit statistics;
+//   prefill:  Forward::eval(prompt + done, chunk, cache) in chunks; before each chunk
+//             pages_needed(chunk) <= pool.n_available() avoids the exception path;
+//   publish:  cache.publish_pages(index, tokens, n_tokens()) after each step caches the newly
+//             full pages so later prompts with the same prefix can adopt them;
+//   pool full: append (inside Forward::eval) throws KvPoolFull before changing anything: the
+//             cache is still at its last committed length; release() a sequence (preempt) and
+//             recompute it later;
+//   finish:   release() returns every page (unref): pages that are cached stay resident as idle
+//             pages (evicted LRU when the pool needs them), the others go back on the free list.
+//   metrics:  pool.usage(), pool.tokens_capacity(), index.stats() (query/hit tokens).
+//
+// Grouped codecs and the prefix cache. A grouped codec with a residual window R > 0 (KIVI
+// defaults: G=32, R=128) keeps the newest >= R tokens in full precision outside the pages, so the
+// state of a sequence at any length > 0 includes floats that no page holds; a prefix adopted from
+// pages alone would read those tokens packed where a sequence computed from scratch reads them
+// from its tail, i.e. give different results. kvq therefore shares prefixes only when every
+// layer's tail is empty at page boundaries: all codecs per-token, or grouped with R = 0 (G
+// divides P, so kv_quantized_tokens(k*P) == k*P). prefix_shareable() says which; for other
+// policies adopt_prefix() adopts nothing (the prompt is computed in full, the query counted as a
+// miss) and publish_pages() caches nothing. Sharing with R > 0 would need the tail floats of the
+// boundary stored next to the cached page: not implemented.
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "attn/attention.h"
+#include "cache/page_pool.h"
+#include "cache/prefix_index.h"
 #include "core/aligned.h"
 #include "kv/policy.h"
 #include "kvq/kv_format.h"
@@ -28,11 +70,20 @@ struct KvCacheConfig {
   std::vector<KvRope> rope;           // per layer (for pre-RoPE key codecs)
   uint64_t seed = 0x6b7671;
   const nlohmann::json* calib = nullptr;
+  int group_tokens = 0;               // grouped codecs: G (0 = codec default)
+  int residual_tokens = -1;           // grouped codecs: R (-1 = codec default)
+  std::string model_id;               // names the weights (file, hash): part of prefix_identity()
 };
 
 class KvCache {
  public:
-  explicit KvCache(const KvCacheConfig& cfg);  // throws kvq::Error on invalid codecs/params
+  // pool == null: private pages. Otherwise pages come from the pool, whose page_tokens and
+  // page_bytes must equal this cache's (kv_cache_page_bytes(cfg)); the pool must outlive the
+  // cache. Throws kvq::Error on invalid codecs/params or a mismatched pool.
+  explicit KvCache(const KvCacheConfig& cfg, PagePool* pool = nullptr);
+  ~KvCache();
+  KvCache(const KvCache&) = delete;
+  KvCache& operator=(const KvCache&) = delete;
 
   int n_tokens() const { return n_tokens_; }
   int capacity() const { return cfg_.max_tokens; }
@@ -52,12 +103,51 @@ class KvCache {
   size_t attend_scratch_floats(int n_q) const;
   // Ends the step: the n appended tokens become part of the sequence.
   void commit(int n);
-  // Drops everything (new sequence).
+  // Drops everything (new sequence). Pool mode: the same as release().
   void clear();
+
+  // ---- paging (see the header comment)
+  PagePool* pool() const { return pool_; }
+  // Block table: page ids, page i holding tokens [i*P, (i+1)*P) (pool mode; empty otherwise).
+  const std::vector<KvPageId>& block_table() const { return table_; }
+  int n_pages() const { return pool_ ? int(table_.size()) : int(pages_.size()); }
+  // Pages a sequence of n tokens occupies.
+  int pages_for(int n_tokens) const { return (n_tokens + cfg_.page_tokens - 1) / cfg_.page_tokens; }
+  // Pages the pool must supply to append n more tokens in one step: new pages plus copies of
+  // shared pages that the step writes into. 0 in private mode.
+  int pages_needed(int n) const;
+  // Returns every page to the pool (last page first, so that cached pages of a chain are evicted
+  // deepest first) and empties the sequence. Private mode: frees the pages.
+  void release();
+  // Makes this (empty) cache a copy of src at its committed length, sharing src's pages (ref
+  // counts; whichever sequence writes a shared partial page first copies it). Both caches must
+  // use the same pool (or both none: then pages are copied) and the same prefix_identity().
+  void fork_from(const KvCache& src);
+
+  // ---- prefix cache
+  // Everything that changes the bytes of a page, as one string (the PrefixIndex identity).
+  std::string prefix_identity() const;
+  // True when a page-aligned prefix leaves nothing outside the pages (no grouped codec with a
+  // residual window), i.e. when pages alone can be adopted.
+  bool prefix_shareable() const { return shareable_; }
+  // Adopts the longest cached prefix of tokens (n_prompt,), at most max_tokens tokens (pass
+  // n_prompt - 1 so the last prompt token is computed and yields logits): the cached pages are
+  // referenced, not copied, and n_tokens() becomes the adopted length (a multiple of P). Counts
+  // the query (n_prompt tokens, adopted tokens as hits) in the index. Requires an empty cache in
+  // pool mode and index.identity() == prefix_identity(). Returns the adopted token count (0 when
+  // nothing matched or !prefix_shareable()).
+  int adopt_prefix(PrefixIndex& index, const int32_t* tokens, int n_prompt, int max_tokens);
+  // Caches the sequence's full pages that are not cached yet. tokens: (n,) the sequence's token
+  // ids, n == n_tokens() (the cache does not see token ids: Forward passes it activations only).
+  // Returns the number of pages newly inserted. No-op when !prefix_shareable().
+  int publish_pages(PrefixIndex& index, const int32_t* tokens, int n);
+  // Chain hashes of the leading full pages this sequence has published or adopted.
+  const std::vector<KvHash>& page_hashes() const { return hashes_; }
 
   // Bytes held: pages (codes, scales, norms) and the full-precision tail.
   size_t page_bytes() const { return page_bytes_; }
-  size_t bytes_pages() const { return pages_.size() * page_bytes_; }
+  // Pages referenced by this sequence (shared pages counted in full).
+  size_t bytes_pages() const { return size_t(n_pages()) * page_bytes_; }
   size_t bytes_tail() const;
   // Bytes per token of the packed part, all layers, K and V (from the codecs' block sizes).
   double bytes_per_token() const { return double(page_bytes_) / cfg_.page_tokens; }
@@ -75,15 +165,41 @@ class KvCache {
     int pending = 0;                  // tokens appended in the current step
   };
   int quantized(const Layer& L, int n) const { return kv_quantized_tokens(n, L.group, L.residual); }
-  uint8_t* page_ptr(int page) { return pages_[size_t(page)].data(); }
-  void ensure_pages(int n_tokens);
+  uint8_t* page_ptr(int page) { return pool_ ? pool_->data(table_[size_t(page)]) : pages_[size_t(page)].data(); }
+  const uint8_t* page_ptr(int page) const {
+    return pool_ ? pool_->data(table_[size_t(page)]) : pages_[size_t(page)].data();
+  }
+  // Pages [first, last) that a step appending n tokens writes into.
+  void written_pages(int n, int* first, int* last) const;
+  // Makes sure a step of n tokens has every page it needs, private and writable; throws
+  // KvPoolFull without changing anything when the pool cannot supply them.
+  void prepare_step(int n);
+  void reset_tokens();
+  std::string build_identity() const;
 
   KvCacheConfig cfg_;
   std::vector<Layer> layers_;
   size_t page_bytes_ = 0;
-  std::vector<AlignedBuf<uint8_t>> pages_;
+  std::vector<AlignedBuf<uint8_t>> pages_;  // private mode: (n_pages, page_bytes)
+  PagePool* pool_ = nullptr;
+  std::vector<KvPageId> table_;             // pool mode: block table
+  std::vector<KvHash> hashes_;              // chain hashes of pages [0, hashes_.size())
   int n_tokens_ = 0;
   int max_block_tokens_ = 0;
+  bool step_open_ = false;                  // pages prepared for the current step
+  bool shareable_ = false;
+  int step_n_ = 0;                          // tokens of the current step
+  std::string identity_;                    // prefix_identity(), built once
+  const PrefixIndex* hashed_by_ = nullptr;  // the index whose keys made hashes_
 };
+
+// Bytes of one page for this configuration (all layers' K and V head blocks): what a PagePool
+// for caches of this configuration must be built with. Throws like KvCache's constructor.
+size_t kv_cache_page_bytes(const KvCacheConfig& cfg);
+
+// Pages that admitting a prompt of n_prompt tokens with the cached prefix m (from
+// PrefixIndex::lookup) takes out of pool.n_available(): the pages for tokens after the prefix,
+// plus the matched pages that are idle now. Compare with pool.n_available() before adopting.
+size_t kv_admit_pages(const PagePool& pool, const KvPrefixMatch& m, int n_prompt);
 
 }  // namespace kvq

@@ -1,0 +1,474 @@
+// KvCache over a shared PagePool: block tables, pool exhaustion, copy-on-write for forks,
+// adopting cached prefixes, exact page accounting. Synthetic K/V (a function of token id and
+// position, so any two sequences with the same tokens hold the same rows) drive the cache
+// directly; then the real stories260K model checks that a sequence adopting a prefix computed
+// by another sequence gives exactly the logits of the same sequence computed from scratch.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "cache/kv_cache.h"
+#include "cache/page_pool.h"
+#include "cache/prefix_index.h"
+#include "core/error.h"
+#include "kv/policy.h"
+#include "model/model.h"
+#include "model/tokenizer.h"
+
+using namespace kvq;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int P = 16;
+constexpr int n_q = 2;  // queries per KV head (GQA group)
+
+KvCacheConfig synth_cfg(const std::string& format, int residual = -1) {
+  KvCacheConfig c;
+  c.n_layer = 2;
+  c.n_kv_heads = 2;
+  c.head_dim = 64;
+  c.page_tokens = P;
+  c.max_tokens = 512;
+  c.policy = kv_policy_uniform(format, c.n_layer);
+  c.rope.assign(2, KvRope{64, 10000.f, 1.f, false});
+  c.group_tokens = P;  // grouped codecs: one group per page (KIVI default 32 does not divide P = 16)
+  c.residual_tokens = residual;
+  c.model_id = "synthetic";
+  return c;
+}
+
+// K/V rows of a token at a position, per layer: (n_kv_heads, head_dim), with an outlier channel.
+void kv_row(int32_t token, int pos, int layer, int width, float* k, float* v) {
+  std::mt19937 rng(uint32_t(token) * 2654435761u ^ uint32_t(pos) * 40503u ^ uint32_t(layer) * 97u);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (int i = 0; i < width; ++i) {
+    k[i] = nd(rng) * (i % 64 == 5 ? 20.f : 1.f);
+    v[i] = nd(rng);
+  }
+}
+
+// One step: appends tokens (n,) at the cache's current length to every layer, runs attention
+// for every new position and head with queries derived from the position, commits. Returns
+// the attention outputs (layer, token, head, n_q, head_dim) in order.
+std::vector<float> step(KvCache& c, const int32_t* tokens, int n) {
+  const KvCacheConfig& cfg = c.config();
+  const int w = cfg.n_kv_heads * cfg.head_dim, hd = cfg.head_dim;
+  const int pos0 = c.n_tokens();
+  std::vector<float> k(size_t(n) * size_t(w)), v(k.size()), q(size_t(n_q) * size_t(hd));
+  std::vector<float> out_all, out(q.size()), scratch(c.attend_scratch_floats(n_q));
+  std::vector<KvBlockSpan> spans;
+  AttnParams ap;
+  ap.scale = 1.0f / 8.0f;
+  for (int il = 0; il < cfg.n_layer; ++il) {
+    for (int t = 0; t < n; ++t)
+      kv_row(tokens[t], pos0 + t, il, w, k.data() + size_t(t) * size_t(w), v.data() + size_t(t) * size_t(w));
+    c.append(il, n, k.data(), k.data(), v.data());
+    for (int t = 0; t < n; ++t)
+      for (int h = 0; h < cfg.n_kv_heads; ++h) {
+        std::mt19937 rng(uint32_t(pos0 + t) * 31u + uint32_t(h) * 7u + uint32_t(il));
+        std::normal_distribution<float> nd(0.f, 1.f);
+        for (auto& x : q) x = nd(rng);
+        c.attend_head(il, h, pos0 + t, q.data(), n_q, ap, 0, out.data(), scratch.data(), spans);
+        out_all.insert(out_all.end(), out.begin(), out.end());
+      }
+  }
+  c.commit(n);
+  return out_all;
+}
+
+// Feeds tokens in the given chunk sizes; returns all attention outputs.
+std::vector<float> feed(KvCache& c, const std::vector<int32_t>& tokens, int from, const std::vector<int>& chunks) {
+  std::vector<float> all;
+  int at = from;
+  for (int n : chunks) {
+    auto o = step(c, tokens.data() + at, n);
+    all.insert(all.end(), o.begin(), o.end());
+    at += n;
+  }
+  return all;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+std::vector<int32_t> tokens(int n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (auto& x : t) x = int32_t(rng() % 1000);
+  return t;
+}
+
+void expect_pool_consistent(const PagePool& pool) {
+  EXPECT_EQ(pool.n_free() + pool.n_idle() + pool.n_used(), pool.n_pages());
+}
+
+const KvHashKey test_key{1, 2, 3, 4};
+
+}  // namespace
+
+// ------------------------------------------------------------------ synthetic
+
+class PagedFormat : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PagedFormat, PoolBackedCacheEqualsPrivateCache) {
+  const KvCacheConfig cfg = synth_cfg(GetParam());
+  PagePool pool(64, kv_cache_page_bytes(cfg), P);
+  const auto t = tokens(90, 1);
+  const std::vector<int> chunks = {20, 1, 30, 13, 1, 25};
+  KvCache priv(cfg), paged(cfg, &pool);
+  const auto a = feed(priv, t, 0, chunks);
+  const auto b = feed(paged, t, 0, chunks);
+  EXPECT_TRUE(same_bits(a, b));
+  EXPECT_EQ(paged.n_pages(), 6);  // 90 tokens in pages of 16
+  EXPECT_EQ(pool.n_used(), 6u);
+  EXPECT_EQ(paged.bytes_pages(), priv.bytes_pages());
+  // A page is handed out zeroed even when recycled: fill every free page with garbage, then
+  // run again; private pages start zeroed, pool pages must behave the same.
+  paged.release();
+  EXPECT_EQ(pool.n_free(), pool.n_pages());
+  for (int i = 0; i < int(pool.n_pages()); ++i) {
+    KvPageId p = pool.alloc();
+    std::memset(pool.data(p), 0xcd, pool.page_bytes());
+  }
+  for (int i = 0; i < int(pool.n_pages()); ++i) pool.unref(i);
+  EXPECT_TRUE(same_bits(feed(paged, t, 0, chunks), a));
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, PagedFormat, ::testing::Values("f16", "int8", "q4_0", "kivi2"));
+
+TEST(KvPaging, SameBudgetHoldsMoreTokensWithSmallerPages) {
+  const size_t budget = size_t(8) << 20;
+  const size_t b16 = kv_cache_page_bytes(synth_cfg("f16"));
+  const size_t b4 = kv_cache_page_bytes(synth_cfg("q4_0"));
+  auto p16 = PagePool::from_bytes(budget, b16, P);
+  auto p4 = PagePool::from_bytes(budget, b4, P);
+  EXPECT_EQ(p16->n_pages(), budget / ((b16 + 63) / 64 * 64));
+  EXPECT_EQ(p4->tokens_capacity(), p4->n_pages() * size_t(P));
+  // q4_0: 4.5 bits per element against 16.
+  const double ratio = double(p4->tokens_capacity()) / double(p16->tokens_capacity());
+  EXPECT_GT(ratio, 3.4);
+  EXPECT_LT(ratio, 3.7);
+}
+
+TEST(KvPaging, PoolMustMatchTheCachePages) {
+  const KvCacheConfig cfg = synth_cfg("f16");
+  PagePool wrong_bytes(4, kv_cache_page_bytes(cfg) / 2, P);
+  EXPECT_THROW(KvCache(cfg, &wrong_bytes), Error);
+  PagePool wrong_tokens(4, kv_cache_page_bytes(cfg), 32);
+  EXPECT_THROW(KvCache(cfg, &wrong_tokens), Error);
+}
+
+TEST(KvPaging, PoolFullLeavesTheSequenceUnchanged) {
+  const KvCacheConfig cfg = synth_cfg("int8");
+  PagePool pool(3, kv_cache_page_bytes(cfg), P);
+  const auto t = tokens(64, 2);
+  KvCache a(cfg, &pool), b(cfg, &pool), ref(cfg);
+  std::vector<float> out_a = feed(a, t, 0, {40});
+  EXPECT_EQ(pool.n_used(), 3u);
+  EXPECT_EQ(a.pages_needed(8), 0);
+  EXPECT_EQ(a.pages_needed(9), 1);
+  EXPECT_EQ(b.pages_needed(1), 1);
+
+  const auto table = a.block_table();
+  try {
+    step(a, t.data() + 40, 10);
+    FAIL() << "expected KvPoolFull";
+  } catch (const KvPoolFull& e) {
+    EXPECT_EQ(e.pages_needed, 1u);
+    EXPECT_EQ(e.pages_available, 0u);
+  }
+  EXPECT_EQ(a.n_tokens(), 40);
+  EXPECT_EQ(a.block_table(), table);
+  EXPECT_EQ(pool.n_used(), 3u);
+  EXPECT_THROW(step(b, t.data(), 1), KvPoolFull);
+  EXPECT_EQ(b.n_tokens(), 0);
+  EXPECT_EQ(b.n_pages(), 0);
+  expect_pool_consistent(pool);
+
+  // The failed step left a consistent sequence: it continues as if nothing happened.
+  auto more = feed(a, t, 40, {8});
+  out_a.insert(out_a.end(), more.begin(), more.end());
+  EXPECT_TRUE(same_bits(out_a, feed(ref, t, 0, {40, 8})));
+
+  // Preemption: release a, and b fits.
+  a.release();
+  EXPECT_EQ(pool.n_free(), 3u);
+  EXPECT_NO_THROW(feed(b, t, 0, {33}));
+  EXPECT_EQ(pool.n_used(), 3u);
+  b.release();
+  EXPECT_EQ(pool.n_free(), 3u);
+}
+
+TEST(KvPaging, ForkSharesPagesAndCopiesOnWrite) {
+  for (bool use_pool : {true, false}) {
+    SCOPED_TRACE(use_pool ? "pool" : "private");
+    const KvCacheConfig cfg = synth_cfg("int8");
+    PagePool pool(16, kv_cache_page_bytes(cfg), P);
+    PagePool* pp = use_pool ? &pool : nullptr;
+    const auto common = tokens(20, 3);  // page 0 full, page 1 holds 4 tokens
+    auto x = common, y = common;
+    const auto tx = tokens(12, 4), ty = tokens(12, 5);
+    x.insert(x.end(), tx.begin(), tx.end());
+    y.insert(y.end(), ty.begin(), ty.end());
+
+    KvCache a(cfg, pp), b(cfg, pp);
+    std::vector<float> oa = feed(a, x, 0, {20});
+    std::vector<float> ob;
+    b.fork_from(a);
+    EXPECT_EQ(b.n_tokens(), 20);
+    if (use_pool) {
+      EXPECT_EQ(b.block_table(), a.block_table());
+      EXPECT_EQ(pool.n_used(), 2u);
+      EXPECT_EQ(pool.refcount(a.block_table()[1]), 2);
+      EXPECT_EQ(a.pages_needed(1), 1);  // the shared partial page must be copied
+    }
+    // Interleaved steps: without copy-on-write, b's rows would land in a's page 1 (and the
+    // other way round) and the second steps would read the other sequence's tokens.
+    auto s = feed(a, x, 20, {5});
+    oa.insert(oa.end(), s.begin(), s.end());
+    s = feed(b, y, 20, {5});
+    ob.insert(ob.end(), s.begin(), s.end());
+    s = feed(a, x, 25, {7});
+    oa.insert(oa.end(), s.begin(), s.end());
+    s = feed(b, y, 25, {7});
+    ob.insert(ob.end(), s.begin(), s.end());
+    if (use_pool) {
+      EXPECT_EQ(a.block_table()[0], b.block_table()[0]);  // full page still shared
+      EXPECT_NE(a.block_table()[1], b.block_table()[1]);
+      EXPECT_EQ(pool.refcount(a.block_table()[0]), 2);
+      EXPECT_EQ(pool.refcount(a.block_table()[1]), 1);
+      EXPECT_EQ(pool.n_used(), 3u);
+    }
+    KvCache ra(cfg), rb(cfg);
+    // The fork's own steps produced only the tokens after the fork: compare those.
+    auto ref_a = feed(ra, x, 0, {20, 5, 7});
+    auto ref_b = feed(rb, y, 0, {20});
+    auto ref_b_tail = feed(rb, y, 20, {5, 7});
+    EXPECT_TRUE(same_bits(oa, ref_a));
+    EXPECT_TRUE(same_bits(ob, ref_b_tail));
+    a.release();
+    b.release();
+    EXPECT_EQ(pool.n_free(), pool.n_pages());
+  }
+}
+
+class AdoptFormat : public ::testing::TestWithParam<std::pair<std::string, int>> {};
+
+TEST_P(AdoptFormat, AdoptedPrefixEqualsComputingItAgain) {
+  const auto& [format, residual] = GetParam();
+  const KvCacheConfig cfg = synth_cfg(format, residual);
+  PagePool pool(12, kv_cache_page_bytes(cfg), P);
+  KvCache a(cfg, &pool), b(cfg, &pool), c(cfg, &pool), ref(cfg);
+  ASSERT_TRUE(a.prefix_shareable());
+  PrefixIndex index(a.prefix_identity(), P, test_key);
+  pool.set_evictor(&index);
+
+  const auto ta = tokens(45, 6);
+  auto tb = std::vector<int32_t>(ta.begin(), ta.begin() + 37);
+  const auto extra = tokens(13, 7);
+  tb.insert(tb.end(), extra.begin(), extra.end());  // 50 tokens, 37 shared with a
+
+  feed(a, ta, 0, {32, 13});
+  EXPECT_EQ(a.publish_pages(index, ta.data(), a.n_tokens()), 2);
+  EXPECT_EQ(a.publish_pages(index, ta.data(), a.n_tokens()), 0);  // nothing new
+  EXPECT_EQ(index.n_entries(), 2u);
+
+  // b adopts a's two full pages (the shared third page is partial in a: not cached). Admission
+  // arithmetic: b's prompt takes exactly kv_admit_pages out of the available pages.
+  const size_t avail0 = pool.n_available();
+  const size_t admit_b = kv_admit_pages(pool, index.lookup(tb.data(), int(tb.size()) - 1), int(tb.size()));
+  EXPECT_EQ(admit_b, 2u);  // pages 2 and 3 of 50 tokens; pages 0 and 1 are a's, in use
+  EXPECT_EQ(b.adopt_prefix(index, tb.data(), int(tb.size()), int(tb.size()) - 1), 32);
+  EXPECT_EQ(b.n_tokens(), 32);
+  EXPECT_EQ(b.block_table(), std::vector<KvPageId>(a.block_table().begin(), a.block_table().begin() + 2));
+  EXPECT_EQ(pool.refcount(a.block_table()[0]), 2);
+  EXPECT_EQ(pool.n_used(), 3u);  // a's 3 pages; b holds no page of its own yet
+  const auto ob = feed(b, tb, 32, {18});
+  EXPECT_EQ(pool.n_used(), 5u);  // + b's pages 2 and 3
+  EXPECT_EQ(avail0 - pool.n_available(), admit_b);
+  feed(ref, tb, 0, {32});
+  EXPECT_TRUE(same_bits(ob, feed(ref, tb, 32, {18})));
+  EXPECT_EQ(b.publish_pages(index, tb.data(), b.n_tokens()), 1);  // its page 2 (tokens 32..47)
+
+  KvPrefixStats st = index.stats();
+  EXPECT_EQ(st.query_tokens, 50u);
+  EXPECT_EQ(st.hit_tokens, 32u);
+
+  // Both end: cached pages stay resident (idle), the rest is free; nothing leaks.
+  a.release();
+  b.release();
+  EXPECT_EQ(pool.n_used(), 0u);
+  EXPECT_EQ(pool.n_idle(), 3u);
+  EXPECT_EQ(index.n_idle(), 3u);
+  EXPECT_EQ(pool.n_free(), pool.n_pages() - 3);
+  expect_pool_consistent(pool);
+
+  // The same prompt again: all three cached pages (48 of 50 tokens), idle now: admitting the
+  // prompt takes them and one new page out of the available set.
+  const size_t avail1 = pool.n_available();
+  const size_t admit_c = kv_admit_pages(pool, index.lookup(tb.data(), int(tb.size()) - 1), int(tb.size()));
+  EXPECT_EQ(admit_c, 4u);
+  EXPECT_EQ(c.adopt_prefix(index, tb.data(), int(tb.size()), int(tb.size()) - 1), 48);
+  EXPECT_EQ(pool.n_idle(), 0u);
+  EXPECT_EQ(pool.n_used(), 3u);
+  KvCache ref2(cfg);
+  feed(ref2, tb, 0, {32, 16});
+  EXPECT_TRUE(same_bits(feed(c, tb, 48, {2}), feed(ref2, tb, 48, {2})));
+  EXPECT_EQ(avail1 - pool.n_available(), admit_c);
+  EXPECT_EQ(index.stats().hit_tokens, 32u + 48u);
+
+  // Pool pressure evicts idle cached pages; a full pool of referenced pages throws.
+  c.release();
+  KvCache big(cfg, &pool);
+  const auto tbig = tokens(12 * P, 8);
+  feed(big, tbig, 0, {12 * P});
+  EXPECT_EQ(index.n_entries(), 0u);
+  EXPECT_EQ(index.stats().evicted_pages, 3u);
+  EXPECT_EQ(pool.n_used(), 12u);
+  KvCache d(cfg, &pool);
+  EXPECT_THROW(step(d, tb.data(), 1), KvPoolFull);
+  big.release();
+  d.release();
+  EXPECT_EQ(pool.n_free(), pool.n_pages());
+  pool.set_evictor(nullptr);
+}
+
+// kivi2 with R = 0: grouped keys, but page boundaries leave no full-precision tail.
+INSTANTIATE_TEST_SUITE_P(Formats, AdoptFormat,
+                         ::testing::Values(std::make_pair(std::string("f16"), -1), std::make_pair(std::string("int8"), -1),
+                                           std::make_pair(std::string("kivi2"), 0)));
+
+TEST(KvPaging, GroupedCodecWithResidualWindowIsNotShared) {
+  const KvCacheConfig cfg = synth_cfg("kivi2");  // R = 128 by default
+  PagePool pool(16, kv_cache_page_bytes(cfg), P);
+  KvCache a(cfg, &pool), b(cfg, &pool);
+  EXPECT_FALSE(a.prefix_shareable());
+  PrefixIndex index(a.prefix_identity(), P, test_key);
+  pool.set_evictor(&index);
+  const auto t = tokens(200, 9);
+  feed(a, t, 0, {200});
+  EXPECT_EQ(a.publish_pages(index, t.data(), 200), 0);
+  EXPECT_EQ(index.n_entries(), 0u);
+  EXPECT_EQ(b.adopt_prefix(index, t.data(), 200, 199), 0);
+  EXPECT_EQ(b.n_tokens(), 0);
+  EXPECT_EQ(index.stats().query_tokens, 200u);
+  EXPECT_EQ(index.stats().hit_tokens, 0u);
+  a.release();
+  EXPECT_EQ(pool.n_free(), pool.n_pages());
+  pool.set_evictor(nullptr);
+}
+
+TEST(KvPaging, PrefixIdentityNamesEverythingThatChangesPageBytes) {
+  const std::string base = KvCache(synth_cfg("f16")).prefix_identity();
+  EXPECT_EQ(KvCache(synth_cfg("f16")).prefix_identity(), base);
+  EXPECT_NE(KvCache(synth_cfg("int8")).prefix_identity(), base);
+  KvCacheConfig c = synth_cfg("f16");
+  c.model_id = "other";
+  EXPECT_NE(KvCache(c).prefix_identity(), base);
+  c = synth_cfg("f16");
+  c.page_tokens = 32;
+  EXPECT_NE(KvCache(c).prefix_identity(), base);
+  c = synth_cfg("f16");
+  c.seed += 1;
+  EXPECT_NE(KvCache(c).prefix_identity(), base);
+  c = synth_cfg("f16");
+  c.rope[1].freq_base = 500000.f;
+  EXPECT_NE(KvCache(c).prefix_identity(), base);
+  // One layer kept at another format.
+  c = synth_cfg("int8");
+  kv_policy_skip_layers(c.policy, {1});
+  EXPECT_NE(KvCache(c).prefix_identity(), KvCache(synth_cfg("int8")).prefix_identity());
+  // Calibration content, not its address.
+  const nlohmann::json j1 = {{"scales", {1, 2, 3}}}, j2 = {{"scales", {1, 2, 4}}}, j1b = j1;
+  KvCacheConfig c1 = synth_cfg("f16"), c2 = synth_cfg("f16"), c1b = synth_cfg("f16");
+  c1.calib = &j1;
+  c2.calib = &j2;
+  c1b.calib = &j1b;
+  EXPECT_NE(KvCache(c1).prefix_identity(), base);
+  EXPECT_NE(KvCache(c1).prefix_identity(), KvCache(c2).prefix_identity());
+  EXPECT_EQ(KvCache(c1).prefix_identity(), KvCache(c1b).prefix_identity());
+}
+
+// ------------------------------------------------------------------ stories260K
+
+namespace {
+
+std::string shared_path(const std::string& rel) { return std::string(KVQ_SOURCE_DIR) + "/../shared/" + rel; }
+
+}  // namespace
+
+class PagedModel : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PagedModel, AdoptedPrefixGivesTheLogitsOfAFullComputation) {
+  const std::string path = shared_path("models/stories260K.gguf");
+  if (!fs::exists(path)) GTEST_SKIP() << "stories260K.gguf not found at " << path;
+  auto m = Model::load(path);
+  Tokenizer tok = Tokenizer::from_gguf(m->file());
+  const int nv = m->config().n_vocab;
+  KvCacheConfig cfg = m->kv_cache_config(kv_policy_uniform(GetParam(), m->config().n_layer), 256, P);
+  cfg.model_id = path;
+
+  std::vector<int32_t> ta = tok.encode("Once upon a time, there was a little girl named Lily. She loved to play outside "
+                                       "in the park with her friends. One day, she saw a big red ball.", true);
+  std::vector<int32_t> tb = tok.encode("Once upon a time, there was a little girl named Lily. She loved to play outside "
+                                       "in the park with her friends. One day, her mom said they would bake a cake.", true);
+  size_t common = 0;
+  while (common < std::min(ta.size(), tb.size()) && ta[common] == tb[common]) ++common;
+  ASSERT_GE(common, size_t(2 * P)) << "prompts share too little for two pages";
+  ASSERT_GT(tb.size(), common + 4);
+  const int shared = int(common) / P * P;  // full pages b can adopt
+
+  auto pool = PagePool::from_tokens(512, kv_cache_page_bytes(cfg), P);
+  PrefixIndex index(KvCache(cfg).prefix_identity(), P);
+  pool->set_evictor(&index);
+  ThreadPool threads(2);
+  Forward fwd(*m, threads);
+
+  // Sequence a: prefill in two chunks, the first ending at the page boundary b will adopt.
+  KvCache a(cfg, pool.get());
+  fwd.eval(ta.data(), shared, a);
+  fwd.eval(ta.data() + shared, int(ta.size()) - shared, a);
+  a.publish_pages(index, ta.data(), a.n_tokens());
+  EXPECT_EQ(index.n_entries(), ta.size() / P);
+
+  // Sequence b adopts a's pages, computes only the rest.
+  KvCache b(cfg, pool.get());
+  ASSERT_EQ(b.adopt_prefix(index, tb.data(), int(tb.size()), int(tb.size()) - 1), shared);
+  const int rest = int(tb.size()) - shared;
+  const float* lb = fwd.eval(tb.data() + shared, rest, b, /*all_logits=*/true);
+  const std::vector<float> logits_b(lb, lb + size_t(rest) * size_t(nv));
+  const size_t pages_a = (ta.size() + P - 1) / P, pages_b = (tb.size() + P - 1) / P;
+  EXPECT_EQ(pool->n_used(), pages_a + pages_b - size_t(shared / P));  // shared pages counted once
+
+  // The same sequence from scratch, private pages, same chunks.
+  KvCache ref(cfg);
+  fwd.eval(tb.data(), shared, ref);
+  const float* lr = fwd.eval(tb.data() + shared, rest, ref, true);
+  ASSERT_EQ(std::memcmp(logits_b.data(), lr, logits_b.size() * sizeof(float)), 0)
+      << "adopted-prefix logits differ from a full computation";
+  // Decoding continues identically.
+  const int32_t next = tb.back();
+  const float* d = fwd.eval(&next, 1, b);
+  const std::vector<float> decode_b(d, d + nv);
+  d = fwd.eval(&next, 1, ref);
+  EXPECT_EQ(std::memcmp(decode_b.data(), d, size_t(nv) * sizeof(float)), 0);
+
+  // Both end: a's full pages stay cached (idle), everything else is back on the free list.
+  EXPECT_EQ(index.stats().hit_tokens, uint64_t(shared));
+  EXPECT_EQ(index.stats().query_tokens, uint64_t(tb.size()));
+  a.release();
+  b.release();
+  EXPECT_EQ(pool->n_used(), 0u);
+  EXPECT_EQ(pool->n_idle(), index.n_entries());
+  EXPECT_EQ(pool->n_free() + pool->n_idle(), pool->n_pages());
+  pool->evict_idle();
+  EXPECT_EQ(pool->n_free(), pool->n_pages());
+  pool->set_evictor(nullptr);
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, PagedModel, ::testing::Values("f16", "int8"));
