@@ -139,7 +139,7 @@ TEST_P(PagedFormat, PoolBackedCacheEqualsPrivateCache) {
   EXPECT_TRUE(same_bits(feed(paged, t, 0, chunks), a));
 }
 
-INSTANTIATE_TEST_SUITE_P(Formats, PagedFormat, ::testing::Values("f16", "int8", "q4_0", "kivi2"));
+INSTANTIATE_TEST_SUITE_P(Formats, PagedFormat, ::testing::Values("f16", "int8", "q4_0", "kivi2", "kvquant4", "tq3"));
 
 TEST(KvPaging, SameBudgetHoldsMoreTokensWithSmallerPages) {
   const size_t budget = size_t(8) << 20;
@@ -341,7 +341,8 @@ TEST_P(AdoptFormat, AdoptedPrefixEqualsComputingItAgain) {
 // kivi2 with R = 0: grouped keys, but page boundaries leave no full-precision tail.
 INSTANTIATE_TEST_SUITE_P(Formats, AdoptFormat,
                          ::testing::Values(std::make_pair(std::string("f16"), -1), std::make_pair(std::string("int8"), -1),
-                                           std::make_pair(std::string("kivi2"), 0)));
+                                           std::make_pair(std::string("kivi2"), 0),
+                                           std::make_pair(std::string("kvquant4"), -1)));
 
 TEST(KvPaging, GroupedCodecWithResidualWindowIsNotShared) {
   const KvCacheConfig cfg = synth_cfg("kivi2");  // R = 128 by default

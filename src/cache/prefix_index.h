@@ -34,6 +34,8 @@
 // tokens served from cache.
 //
 // Threading: not synchronized; one thread (the scheduler's) owns the index, like the pool.
+// Lifetime: the pool keeps a raw pointer to its evictor. Destroy the pool first, or empty the
+// cache (pool.evict_idle()) and detach (pool.set_evictor(nullptr)) before destroying the index.
 #pragma once
 #include <cstddef>
 #include <cstdint>
