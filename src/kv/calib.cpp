@@ -9,7 +9,7 @@
 namespace kvq {
 
 std::vector<float> kv_calib_head_scales(const KvCodecParams& p, const std::string& codec) {
-  const char* key = p.role == KvRole::key ? "k_scale" : "v_scale";
+  std::string key_s = p.role == KvRole::key ? "k_scale" : "v_scale";
   if (!p.calib)
     fail("KV codec '{}' needs calibration scales: pass a calibration JSON of the form "
          "{{\"layers\": [{{\"k_scale\": s, \"v_scale\": s}}, ...]}} (s a number or one per KV head)",
@@ -21,6 +21,11 @@ std::vector<float> kv_calib_head_scales(const KvCodecParams& p, const std::strin
   if (p.layer < 0 || size_t(p.layer) >= layers.size())
     fail("KV codec '{}': calibration JSON has {} layers, layer {} requested", codec, layers.size(), p.layer);
   const auto& L = layers[size_t(p.layer)];
+  // A codec family may carry its own scales ("int8_k_scale": int8 codes span +-127 while FP8's
+  // span +-448, so one multiplier cannot serve both); the plain key is the shared fallback.
+  const std::string family = codec.substr(0, codec.find('_'));
+  if (L.is_object() && L.contains(family + "_" + key_s)) key_s = family + "_" + key_s;
+  const char* key = key_s.c_str();
   if (!L.is_object() || !L.contains(key))
     fail("KV codec '{}': calibration layer {} has no \"{}\"", codec, p.layer, key);
   const auto& s = L[key];

@@ -3,7 +3,8 @@
 //   {"layers": [ {"k_scale": S, "v_scale": S}, ... ]}     one entry per layer, in layer order
 // where S is a positive finite number (per tensor) or an array of n_kv_heads of them (per head).
 // The scale is the dequantization multiplier: x ~= code * S (as vLLM's k_scale / v_scale).
-// Other top-level keys are ignored, so one calibration file can carry several families' artifacts.
+// A family-specific key wins over the shared one: int8_static reads "int8_k_scale" / "int8_v_scale"
+// when present (kvq calibrate writes both conventions). Other top-level keys are ignored, so one calibration file can carry several families' artifacts.
 #pragma once
 #include <string>
 #include <vector>

@@ -1,6 +1,7 @@
 #include "kv/policy.h"
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 
 #include "core/error.h"
@@ -31,10 +32,16 @@ std::vector<int> kv_parse_skip_layers(std::string_view spec, int n_layer, const 
   while (p <= spec.size()) {
     size_t q = spec.find(',', p);
     if (q == std::string_view::npos) q = spec.size();
-    std::string_view item = spec.substr(p, q - p);
+    std::string_view raw = spec.substr(p, q - p);
     p = q + 1;
+    while (!raw.empty() && (raw.front() == ' ' || raw.front() == '\t')) raw.remove_prefix(1);
+    while (!raw.empty() && (raw.back() == ' ' || raw.back() == '\t')) raw.remove_suffix(1);
+    std::string lowered(raw);
+    for (char& ch : lowered) ch = char(std::tolower(static_cast<unsigned char>(ch)));
+    std::string_view item = lowered;
     if (item.empty()) {
-      if (q == spec.size()) break;
+      if (q == spec.size() && !out.empty()) break;
+      if (spec.find_first_not_of(" \t") == std::string_view::npos) break;
       fail("{}: empty item in '{}' (valid: first:N, last:N, sliding_window, layer indices)", what, spec);
     }
     if (item == "sliding_window") {
@@ -46,8 +53,10 @@ std::vector<int> kv_parse_skip_layers(std::string_view spec, int n_layer, const 
       if (n < 0 || n > n_layer) fail("{}: '{}' asks for {} layers, the model has {}", what, item, n, n_layer);
       for (int i = 0; i < n; ++i) out.push_back(first ? i : n_layer - 1 - i);
     } else {
+      if (item.empty() || item.find_first_not_of("0123456789") != std::string_view::npos)
+        fail("{}: '{}' is not understood (use first:N, last:N, sliding_window or a layer index)", what, raw);
       const int il = parse_int(item, what, item);
-      if (il < 0 || il >= n_layer) fail("{}: layer {} out of range [0, {})", what, il, n_layer);
+      if (il < 0 || il >= n_layer) fail("{}: layer {} does not exist (the model has layers 0..{})", what, il, n_layer - 1);
       out.push_back(il);
     }
   }

@@ -18,6 +18,7 @@
 #include "model/tokenizer.h"
 #include "tools/eval_metrics.h"
 #include "tools/plan.h"
+#include "tools/report.h"
 
 namespace kvq {
 
@@ -37,6 +38,7 @@ void eval_add_cli(CLI::App& app, EvalOptions& o) {
   app.add_flag("--chat", o.chat, "own: wrap prompts in the model's chat template");
   app.add_flag("--json", o.json, "print JSON instead of tables");
   app.add_option("--json-out", o.json_out, "also write the JSON report to this file");
+  app.add_option("--html", o.html, "write a self-contained HTML report with plots");
   app.add_flag("!--no-progress", o.progress, "no progress bar on stderr");
   // the same per-layer flags as kvq run, applied to every format under test (not --kv-cache-dtype)
   app.add_option("--kv-cache-dtype-skip-layers", o.kv.skip_layers, "layers kept in f16 for every format");
@@ -334,6 +336,11 @@ int eval_command(const EvalOptions& o) {
     std::ofstream out(o.json_out);
     if (!out) fail("--json-out: cannot write '{}'", o.json_out);
     out << j.dump(2) << "\n";
+  }
+  if (!o.html.empty()) {
+    std::ofstream out(o.html);
+    if (!out) fail("--html: cannot write '{}'", o.html);
+    out << report_html(j);
   }
   if (o.json) {
     std::printf("%s\n", j.dump(2).c_str());

@@ -26,6 +26,7 @@ struct EvalOptions {
   bool chat = false;                  // own: wrap prompts in the chat template
   bool json = false;
   std::string json_out;               // --json-out FILE (also writes JSON there)
+  std::string html;                   // --html REPORT.html (self-contained, SVG plots)
   bool progress = true;
   KvFlags kv;                         // skip-layers, overrides, scales apply to every format
 };

@@ -1,5 +1,7 @@
 #include "tools/plan.h"
 
+#include "kv/policy.h"
+
 #include <algorithm>
 #include <cctype>
 #include <cmath>
@@ -617,37 +619,9 @@ int64_t plan_parse_bytes(std::string_view s0, const char* what) {
 }
 
 std::vector<int> plan_parse_skip_layers(std::string_view spec, const PlanModel& m) {
-  std::set<int> layers;
-  if (trim(spec).empty()) return {};
-  const char* what = "--kv-cache-dtype-skip-layers";
-  for (const std::string& item : split_list(spec)) {
-    const std::string t = lower(item);
-    auto count_after_colon = [&](size_t prefix) {
-      const std::string n = t.substr(prefix);
-      if (n.empty() || !std::all_of(n.begin(), n.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); }) || n.size() > 9)
-        fail("{}: '{}' needs a non-negative layer count after ':'", what, item);
-      const int k = std::stoi(n);
-      if (k > m.n_layers) fail("{}: '{}' asks for {} layers but the model has {}", what, item, k, m.n_layers);
-      return k;
-    };
-    if (t.rfind("first:", 0) == 0) {
-      int k = count_after_colon(6);
-      for (int il = 0; il < k; ++il) layers.insert(il);
-    } else if (t.rfind("last:", 0) == 0) {
-      int k = count_after_colon(5);
-      for (int il = m.n_layers - k; il < m.n_layers; ++il) layers.insert(il);
-    } else if (t == "sliding_window") {
-      for (int il = 0; il < m.n_layers; ++il)
-        if (m.layers[size_t(il)].window > 0) layers.insert(il);
-    } else if (!t.empty() && t.size() <= 9 && std::all_of(t.begin(), t.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); })) {
-      const int il = std::stoi(t);
-      if (il >= m.n_layers) fail("{}: layer {} does not exist (the model has layers 0..{})", what, il, m.n_layers - 1);
-      layers.insert(il);
-    } else {
-      fail("{}: '{}' is not understood (use first:N, last:N, sliding_window or a layer index)", what, item);
-    }
-  }
-  return std::vector<int>(layers.begin(), layers.end());
+  std::vector<bool> sliding;
+  for (const auto& l : m.layers) sliding.push_back(l.window > 0);
+  return kv_parse_skip_layers(spec, m.n_layers, sliding);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,0 +1,165 @@
+#include "tools/report.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fmt/format.h>
+
+namespace kvq {
+
+namespace {
+
+std::string esc(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    switch (c) {
+      case '<': o += "&lt;"; break;
+      case '>': o += "&gt;"; break;
+      case '&': o += "&amp;"; break;
+      case '"': o += "&quot;"; break;
+      default: o += c;
+    }
+  }
+  return o;
+}
+
+const char* kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b",
+                         "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"};
+
+}  // namespace
+
+std::string report_svg_lines(const std::string& title, const std::string& x_label, const std::string& y_label,
+                             const nlohmann::json& series, bool log_y) {
+  const double W = 640, H = 360, L = 70, R = 170, T = 30, B = 50;
+  double x0 = 1e300, x1 = -1e300, y0 = 1e300, y1 = -1e300;
+  auto ty = [&](double y) { return log_y ? std::log10(std::max(y, 1e-12)) : y; };
+  for (const auto& s : series)
+    for (const auto& p : s["points"]) {
+      const double x = std::log2(p[0].get<double>()), y = ty(p[1].get<double>());
+      x0 = std::min(x0, x), x1 = std::max(x1, x), y0 = std::min(y0, y), y1 = std::max(y1, y);
+    }
+  if (x0 > x1) return "<p>(no data)</p>";
+  if (x1 - x0 < 1e-9) x0 -= 0.5, x1 += 0.5;
+  if (y1 - y0 < 1e-12) y0 -= 0.5, y1 += 0.5;
+  const double pad = 0.05 * (y1 - y0);
+  y0 -= pad, y1 += pad;
+  auto px = [&](double x) { return L + (std::log2(x) - x0) / (x1 - x0) * (W - L - R); };
+  auto py = [&](double y) { return T + (1 - (ty(y) - y0) / (y1 - y0)) * (H - T - B); };
+  std::string s = fmt::format("<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}' font-family='sans-serif' font-size='11'>", W, H);
+  s += fmt::format("<text x='{}' y='18' font-size='14' font-weight='bold'>{}</text>", L, esc(title));
+  s += fmt::format("<rect x='{}' y='{}' width='{}' height='{}' fill='none' stroke='#999'/>", L, T, W - L - R, H - T - B);
+  for (int i = 0; i <= 4; ++i) {  // y grid
+    const double v = y0 + (y1 - y0) * i / 4.0;
+    const double yy = T + (1 - i / 4.0) * (H - T - B);
+    const double shown = log_y ? std::pow(10.0, v) : v;
+    s += fmt::format("<line x1='{}' x2='{}' y1='{:.1f}' y2='{:.1f}' stroke='#eee'/><text x='{}' y='{:.1f}' text-anchor='end'>{:.3g}</text>",
+                     L, W - R, yy, yy, L - 4, yy + 4, shown);
+  }
+  for (const auto& ser : series)  // x ticks at the data points
+    for (const auto& p : ser["points"]) {
+      const double x = p[0].get<double>();
+      s += fmt::format("<text x='{:.1f}' y='{}' text-anchor='middle'>{:g}</text>", px(x), H - B + 14, x);
+    }
+  s += fmt::format("<text x='{}' y='{}' text-anchor='middle'>{}</text>", L + (W - L - R) / 2, H - 12, esc(x_label));
+  s += fmt::format("<text x='14' y='{}' transform='rotate(-90 14 {})' text-anchor='middle'>{}</text>", T + (H - T - B) / 2,
+                   T + (H - T - B) / 2, esc(y_label));
+  int k = 0;
+  for (const auto& ser : series) {
+    const char* col = kColors[k % 10];
+    std::string pts;
+    for (const auto& p : ser["points"]) pts += fmt::format("{:.1f},{:.1f} ", px(p[0].get<double>()), py(p[1].get<double>()));
+    s += fmt::format("<polyline fill='none' stroke='{}' stroke-width='2' points='{}'/>", col, pts);
+    for (const auto& p : ser["points"])
+      s += fmt::format("<circle cx='{:.1f}' cy='{:.1f}' r='3' fill='{}'/>", px(p[0].get<double>()), py(p[1].get<double>()), col);
+    s += fmt::format("<rect x='{}' y='{}' width='10' height='10' fill='{}'/><text x='{}' y='{}'>{}</text>", W - R + 10, T + 14 * k, col,
+                     W - R + 24, T + 14 * k + 9, esc(ser["name"].get<std::string>()));
+    ++k;
+  }
+  return s + "</svg>";
+}
+
+std::string report_html(const nlohmann::json& ev) {
+  std::string h = "<!DOCTYPE html><html><head><meta charset='utf-8'><title>kvq eval</title><style>"
+                  "body{font-family:sans-serif;margin:24px;max-width:1100px}table{border-collapse:collapse;margin:8px 0}"
+                  "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#f4f4f4}"
+                  ".ok{background:#b7e1b0}.miss{background:#f3b0a8}</style></head><body>";
+  h += fmt::format("<h1>kvq eval: {}</h1><p>model file {}</p>", esc(ev.value("model", std::string("?"))),
+                   esc(ev.value("model_file", std::string("?"))));
+  const auto& fmts = ev["formats"];
+  bool any_ppl = false;
+  for (const auto& f : fmts) any_ppl |= !f["buckets"].empty();
+  if (any_ppl) {
+    nlohmann::json dppl = nlohmann::json::array(), kld = nlohmann::json::array(), agree = nlohmann::json::array();
+    for (const auto& f : fmts) {
+      nlohmann::json a = nlohmann::json::array(), b = a, c = a;
+      for (const auto& bk : f["buckets"]) {
+        a.push_back({bk["ctx"], bk["delta_ppl_pct"]});
+        b.push_back({bk["ctx"], bk["kld_mean"]});
+        c.push_back({bk["ctx"], 100.0 * bk["top1_agree"].get<double>()});
+      }
+      const std::string name = f["format"].get<std::string>();
+      dppl.push_back({{"name", name}, {"points", a}});
+      kld.push_back({{"name", name}, {"points", b}});
+      agree.push_back({{"name", name}, {"points", c}});
+    }
+    h += "<h2>Quality vs context length (against the f16 cache)</h2>";
+    h += report_svg_lines("Delta perplexity", "context (tokens)", "delta PPL %", dppl);
+    h += report_svg_lines("Mean KL divergence", "context (tokens)", "KLD (log scale)", kld, true);
+    h += report_svg_lines("Top-1 agreement with f16", "context (tokens)", "%", agree);
+    h += "<table><tr><th>format</th><th>bits/elem</th><th>ctx</th><th>PPL</th><th>f16 PPL</th><th>dPPL %</th><th>KLD mean</th>"
+         "<th>KLD p99</th><th>top-1</th></tr>";
+    for (const auto& f : fmts)
+      for (const auto& bk : f["buckets"])
+        h += fmt::format("<tr><td style='text-align:left'>{}</td><td>{:.2f}</td><td>{}</td><td>{:.4f}</td><td>{:.4f}</td><td>{:+.3f}</td>"
+                         "<td>{:.6f}</td><td>{:.6f}</td><td>{:.2f}%</td></tr>",
+                         esc(f["format"].get<std::string>()), f["bits_per_element"].get<double>(), bk["ctx"].get<int>(),
+                         bk["ppl"].get<double>(), bk["base_ppl"].get<double>(), bk["delta_ppl_pct"].get<double>(),
+                         bk["kld_mean"].get<double>(), bk["kld_p99"].get<double>(), 100 * bk["top1_agree"].get<double>());
+    h += "</table>";
+  }
+  bool any_needle = false;
+  for (const auto& f : fmts) any_needle |= f.contains("needle");
+  if (any_needle) {
+    h += "<h2>Needle in a haystack</h2><p>Rows: context length; columns: needle depth (% of the context). Green: retrieved.</p>";
+    for (const auto& f : fmts) {
+      if (!f.contains("needle")) continue;
+      h += fmt::format("<h3>{} ({:.0f}%)</h3><table>", esc(f["format"].get<std::string>()), 100 * f["needle"]["accuracy"].get<double>());
+      std::vector<int> ctxs, depths;
+      for (const auto& g : f["needle"]["grid"]) {
+        ctxs.push_back(g["ctx"].get<int>());
+        depths.push_back(g["depth"].get<int>());
+      }
+      std::sort(ctxs.begin(), ctxs.end());
+      ctxs.erase(std::unique(ctxs.begin(), ctxs.end()), ctxs.end());
+      std::sort(depths.begin(), depths.end());
+      depths.erase(std::unique(depths.begin(), depths.end()), depths.end());
+      h += "<tr><th>ctx \\ depth</th>";
+      for (int d : depths) h += fmt::format("<th>{}%</th>", d);
+      h += "</tr>";
+      for (int c : ctxs) {
+        h += fmt::format("<tr><th>{}</th>", c);
+        for (int d : depths) {
+          std::string cell = "<td></td>";
+          for (const auto& g : f["needle"]["grid"])
+            if (g["ctx"].get<int>() == c && g["depth"].get<int>() == d)
+              cell = g["ok"].get<bool>() ? "<td class='ok'>yes</td>" : "<td class='miss'>no</td>";
+          h += cell;
+        }
+        h += "</tr>";
+      }
+      h += "</table>";
+    }
+  }
+  bool any_own = false;
+  for (const auto& f : fmts) any_own |= f.contains("own");
+  if (any_own) {
+    h += "<h2>Your eval set</h2><table><tr><th>format</th><th>accuracy</th><th>cases</th></tr>";
+    for (const auto& f : fmts)
+      if (f.contains("own"))
+        h += fmt::format("<tr><td style='text-align:left'>{}</td><td>{:.1f}%</td><td>{}</td></tr>", esc(f["format"].get<std::string>()),
+                         100 * f["own"]["accuracy"].get<double>(), f["own"]["n"].get<int>());
+    h += "</table>";
+  }
+  return h + "</body></html>\n";
+}
+
+}  // namespace kvq

@@ -1,0 +1,17 @@
+// Self-contained HTML report of a kvq eval run: SVG plots drawn here (no scripts, no network),
+// so the file opens anywhere and can be attached to a ticket.
+#pragma once
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace kvq {
+
+// eval: the JSON kvq eval prints with --json. Returns the whole HTML document.
+std::string report_html(const nlohmann::json& eval);
+
+// One SVG line chart. series: [{"name": s, "points": [[x, y], ...]}]; log-scale x.
+std::string report_svg_lines(const std::string& title, const std::string& x_label, const std::string& y_label,
+                             const nlohmann::json& series, bool log_y = false);
+
+}  // namespace kvq
