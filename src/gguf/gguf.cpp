@@ -389,7 +389,7 @@ const TensorInfo* File::find_tensor(std::string_view name) const {
 
 size_t File::tensor_bytes() const {
   size_t n = 0;
-  for (const auto& t : tensors_) n += t.nbytes;  // each lies inside the file: no overflow
+  for (const auto& t : tensors_) n += t.nbytes;  // tensors that overlap (not rejected) count once each
   return n;
 }
 
