@@ -173,31 +173,61 @@ const float* Forward::eval(const int32_t* tokens, int n, KvCache& cache, bool al
   logits_.resize(size_t(all_logits ? n : 1) * size_t(nv));
   for (int i = 0; i < n; i += max_batch_) {
     const int nc = std::min(max_batch_, n - i);
-    float* out = all_logits ? logits_.data() + size_t(i) * size_t(nv) : (i + nc == n ? logits_.data() : nullptr);
-    eval_chunk(tokens + i, nc, cache, all_logits, out);
+    ForwardSeq s{tokens + i, nc, &cache, all_logits ? ForwardSeq::all : (i + nc == n ? ForwardSeq::last : ForwardSeq::none)};
+    float* out = all_logits ? logits_.data() + size_t(i) * size_t(nv) : logits_.data();
+    eval_rows(&s, 1, out);
   }
   return logits_.data();
 }
 
-void Forward::eval_chunk(const int32_t* tokens, int n, KvCache& cache, bool all_logits, float* logits_out) {
+const float* Forward::eval_batch(const ForwardSeq* seqs, int n_seqs) {
+  int rows = 0, out_rows = 0;
+  for (int i = 0; i < n_seqs; ++i) {
+    rows += seqs[i].n;
+    out_rows += seqs[i].logits == ForwardSeq::all ? seqs[i].n : seqs[i].logits == ForwardSeq::last ? 1 : 0;
+    for (int j = 0; j < i; ++j)
+      if (seqs[j].cache == seqs[i].cache) fail("eval_batch: a sequence appears twice in one batch");
+  }
+  if (rows > max_batch_) fail("eval_batch: {} tokens exceed the batch capacity {}", rows, max_batch_);
+  logits_.resize(size_t(std::max(out_rows, 1)) * size_t(m_.cfg_.n_vocab));
+  eval_rows(seqs, n_seqs, logits_.data());
+  return logits_.data();
+}
+
+// The tokens of every sequence go through the weight matmuls together (one matrix-matrix product
+// per weight); RoPE, the cache append and attention are per sequence.
+void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
   const ModelConfig& c = m_.cfg_;
   const int E = c.n_embd, hd = c.head_dim, nh = c.n_head, nkv = c.n_head_kv, F = c.n_ff;
   const int qd = nh * hd, kvd = nkv * hd, group = nh / nkv;
-  const int pos0 = cache.n_tokens();
-  if (pos0 + n > cache.capacity())
-    fail("context full: {} tokens in the cache + {} new exceed the context of {}", pos0, n, cache.capacity());
-  for (int t = 0; t < n; ++t) {
-    if (tokens[t] < 0 || tokens[t] >= c.n_vocab) fail("token id {} out of range [0, {})", tokens[t], c.n_vocab);
-    float* xr = x_.data() + size_t(t) * size_t(E);
-    weight_row(m_.tok_embd_, tokens[t], xr);
-    if (c.embd_scale) {
-      const float s = std::sqrt(float(E));
-      for (int i = 0; i < E; ++i) xr[i] *= s;
+  // row r belongs to sequence row_seq[r] at position row_pos[r]
+  row_seq_.clear();
+  row_pos_.clear();
+  for (int si = 0; si < n_seqs; ++si) {
+    const ForwardSeq& s = seqs[si];
+    const int pos0 = s.cache->n_tokens();
+    if (pos0 + s.n > s.cache->capacity())
+      fail("context full: {} tokens in the cache + {} new exceed the context of {}", pos0, s.n, s.cache->capacity());
+    for (int t = 0; t < s.n; ++t) {
+      if (s.tokens[t] < 0 || s.tokens[t] >= c.n_vocab) fail("token id {} out of range [0, {})", s.tokens[t], c.n_vocab);
+      row_seq_.push_back(si);
+      row_pos_.push_back(pos0 + t);
     }
   }
-  const size_t scratch_need = cache.attend_scratch_floats(group);
-  for (auto& s : attn_scratch_)
-    if (s.size() < scratch_need) s.resize(scratch_need);
+  const int n = int(row_seq_.size());
+  for (int r = 0; r < n; ++r) {
+    const ForwardSeq& s = seqs[row_seq_[size_t(r)]];
+    float* xr = x_.data() + size_t(r) * size_t(E);
+    weight_row(m_.tok_embd_, s.tokens[row_pos_[size_t(r)] - s.cache->n_tokens()], xr);
+    if (c.embd_scale) {
+      const float sc = std::sqrt(float(E));
+      for (int i = 0; i < E; ++i) xr[i] *= sc;
+    }
+  }
+  size_t scratch_need = 0;
+  for (int si = 0; si < n_seqs; ++si) scratch_need = std::max(scratch_need, seqs[si].cache->attend_scratch_floats(group));
+  for (auto& sb : attn_scratch_)
+    if (sb.size() < scratch_need) sb.resize(scratch_need);
   std::vector<float> cs(size_t(c.n_rot));
   AttnParams ap;
   ap.scale = c.attn_scale > 0 ? c.attn_scale : 1.0f / std::sqrt(float(hd));
@@ -214,21 +244,24 @@ void Forward::eval_chunk(const int32_t* tokens, int n, KvCache& cache, bool all_
       rms_norm(k_.data(), k_.data(), static_cast<const float*>(L.attn_k_norm.data), n * nkv, hd, c.rms_eps);
     }
     std::memcpy(k_pre_.data(), k_.data(), size_t(n) * size_t(kvd) * sizeof(float));
-    for (int t = 0; t < n; ++t) {
-      rope_table(cs.data(), pos0 + t, c.n_rot, c.layer_rope_base(il), c.layer_rope_scale(il));
-      rope(q_.data() + size_t(t) * size_t(qd), nh, hd, c.n_rot, c.rope_neox, cs.data());
-      rope(k_.data() + size_t(t) * size_t(kvd), nkv, hd, c.n_rot, c.rope_neox, cs.data());
+    for (int r = 0; r < n; ++r) {
+      rope_table(cs.data(), row_pos_[size_t(r)], c.n_rot, c.layer_rope_base(il), c.layer_rope_scale(il));
+      rope(q_.data() + size_t(r) * size_t(qd), nh, hd, c.n_rot, c.rope_neox, cs.data());
+      rope(k_.data() + size_t(r) * size_t(kvd), nkv, hd, c.n_rot, c.rope_neox, cs.data());
     }
     if (on_kv) on_kv(il, n, k_pre_.data(), k_.data(), v_.data());
-    cache.append(il, n, k_pre_.data(), k_.data(), v_.data());
+    for (int si = 0, r0 = 0; si < n_seqs; r0 += seqs[si].n, ++si) {
+      const size_t o = size_t(r0) * size_t(kvd);
+      seqs[si].cache->append(il, seqs[si].n, k_pre_.data() + o, k_.data() + o, v_.data() + o);
+    }
     const int window = c.layer_window(il);
     const int items = n * nkv;
     pool_.run([&](int ti, int nt) {
       for (int w = ti; w < items; w += nt) {
-        const int t = w / nkv, h = w % nkv;
-        const size_t qo = size_t(t) * size_t(qd) + size_t(h) * size_t(group) * size_t(hd);
-        cache.attend_head(il, h, pos0 + t, q_.data() + qo, group, ap, window, attn_out_.data() + qo,
-                          attn_scratch_[size_t(ti)].data(), spans_[size_t(ti)]);
+        const int r = w / nkv, h = w % nkv;
+        const size_t qo = size_t(r) * size_t(qd) + size_t(h) * size_t(group) * size_t(hd);
+        seqs[row_seq_[size_t(r)]].cache->attend_head(il, h, row_pos_[size_t(r)], q_.data() + qo, group, ap, window,
+                                                     attn_out_.data() + qo, attn_scratch_[size_t(ti)].data(), spans_[size_t(ti)]);
       }
     });
     if (on_attn) on_attn(il, n, attn_out_.data());
@@ -251,17 +284,23 @@ void Forward::eval_chunk(const int32_t* tokens, int n, KvCache& cache, bool all_
       rms_norm(tmp_.data(), tmp_.data(), static_cast<const float*>(L.ffn_post_norm.data), n, E, c.rms_eps);
     for (size_t i = 0; i < size_t(n) * size_t(E); ++i) x_[i] += tmp_[i];
   }
-  cache.commit(n);
+  for (int si = 0; si < n_seqs; ++si) seqs[si].cache->commit(seqs[si].n);
 
-  if (!logits_out) return;
-  const int rows = all_logits ? n : 1;
-  const float* xr = x_.data() + size_t(n - rows) * size_t(E);
-  rms_norm(xr, xn_.data(), static_cast<const float*>(m_.output_norm_.data), rows, E, c.rms_eps);
-  matmul(m_.output_, xn_.data(), rows, logits_out, pool_);
+  // gather the rows that need logits, in sequence order
+  int out_rows = 0;
+  for (int si = 0, r0 = 0; si < n_seqs; r0 += seqs[si].n, ++si) {
+    const ForwardSeq& s = seqs[si];
+    const int first = s.logits == ForwardSeq::all ? 0 : s.logits == ForwardSeq::last ? s.n - 1 : s.n;
+    for (int t = first; t < s.n; ++t, ++out_rows)
+      if (out_rows != r0 + t)
+        std::memcpy(x_.data() + size_t(out_rows) * size_t(E), x_.data() + size_t(r0 + t) * size_t(E), size_t(E) * sizeof(float));
+  }
+  if (out_rows == 0) return;
+  rms_norm(x_.data(), xn_.data(), static_cast<const float*>(m_.output_norm_.data), out_rows, E, c.rms_eps);
+  matmul(m_.output_, xn_.data(), out_rows, logits_out, pool_);
   if (c.final_softcap > 0) {
     const float cap = c.final_softcap;
-    for (size_t i = 0; i < size_t(rows) * size_t(c.n_vocab); ++i) logits_out[i] = cap * std::tanh(logits_out[i] / cap);
+    for (size_t i = 0; i < size_t(out_rows) * size_t(c.n_vocab); ++i) logits_out[i] = cap * std::tanh(logits_out[i] / cap);
   }
 }
-
 }  // namespace kvq

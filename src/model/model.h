@@ -44,6 +44,15 @@ class Model {
   std::vector<LayerWeights> layers_;
 };
 
+// One sequence's share of a batched forward step: n tokens appended to `cache`.
+struct ForwardSeq {
+  enum Logits { none, last, all };
+  const int32_t* tokens = nullptr;
+  int n = 0;
+  KvCache* cache = nullptr;
+  Logits logits = last;
+};
+
 // Per-sequence activations and the forward pass. Scratch is sized for up to max_batch tokens
 // per call; longer prompts are processed in chunks of max_batch.
 class Forward {
@@ -54,6 +63,11 @@ class Forward {
   // (n_vocab floats per row) are written for the last token, or for every token when
   // all_logits (rows in order). Returns a pointer to the first logits row (valid until the next call).
   const float* eval(const int32_t* tokens, int n, KvCache& cache, bool all_logits = false);
+  // Continuous batching: several sequences (distinct caches) in one step, their tokens sharing
+  // every weight matmul. Total tokens <= max_batch. Logits rows are returned in sequence order
+  // (n rows for `all`, one for `last`, none for `none`).
+  const float* eval_batch(const ForwardSeq* seqs, int n_seqs);
+  int max_batch() const { return max_batch_; }
   size_t scratch_bytes() const;
 
   // Optional taps for calibration and analysis (kvq calibrate, eval's per-layer task); called
@@ -64,7 +78,8 @@ class Forward {
   std::function<void(int layer, int n, const float* attn_out)> on_attn;
 
  private:
-  void eval_chunk(const int32_t* tokens, int n, KvCache& cache, bool all_logits, float* logits_out);
+  void eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out);
+  std::vector<int> row_seq_, row_pos_;  // (rows) sequence index and position of each row
   const Model& m_;
   ThreadPool& pool_;
   int max_batch_;
