@@ -112,64 +112,103 @@ TEST(Stories260K, ContextOverflowIsAnError) {
   EXPECT_THROW(fwd.eval(bad.data(), 2, cache), Error);
 }
 
-// Golden references: tests/golden/<name>.json from scripts/make_golden.py.
-class GoldenModel : public ::testing::TestWithParam<std::pair<std::string, std::string>> {};
-
-TEST_P(GoldenModel, LogitsAndGreedyMatchReference) {
-  const auto& [golden_name, model_file] = GetParam();
-  const std::string gpath = std::string(KVQ_SOURCE_DIR) + "/tests/golden/" + golden_name + ".json";
-  if (!fs::exists(gpath)) GTEST_SKIP() << "golden file " << gpath << " absent";
-  const std::string mpath = find_model(model_file);
-  if (mpath.empty()) GTEST_SKIP() << model_file << " not installed (run scripts/get-models.sh)";
-  nlohmann::json g = nlohmann::json::parse(read_file(gpath));
-  auto m = Model::load(mpath);
-  Tokenizer tok = Tokenizer::from_gguf(m->file());
-  const int nv = m->config().n_vocab;
-  for (const auto& c : g["cases"]) {
+// Golden references: tests/golden/forward_<model>.json, made by scripts/make_golden.py with Hugging
+// Face transformers loading the same GGUF (weights dequantized to f32, computed in f32).
+class GoldenModel : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    const std::string gpath = std::string(KVQ_SOURCE_DIR) + "/tests/golden/" + GetParam();
+    if (!fs::exists(gpath)) GTEST_SKIP() << "golden file " << gpath << " absent";
+    g_ = nlohmann::json::parse(read_file(gpath));
+    model_path_ = find_model(g_["gguf_file"].get<std::string>());
+    if (model_path_.empty()) GTEST_SKIP() << g_["gguf_file"].get<std::string>() << " not installed (run scripts/get-models.sh)";
+  }
+  // Max |log-prob error| over the reference's top tokens at each recorded position; argmax too.
+  struct PosResult {
+    double max_lp_err = 0;
+    bool argmax_equal = false;
+    double ref_margin = 0;
+  };
+  std::vector<PosResult> compare_positions(Model& m, const nlohmann::json& c) {
+    const int nv = m.config().n_vocab;
     std::vector<int32_t> ids = c["token_ids"].get<std::vector<int32_t>>();
-    SCOPED_TRACE(c.value("name", std::string("case")));
     ThreadPool pool(2);
-    KvCache cache(m->kv_cache_config(kv_policy_uniform("f32", m->config().n_layer), int(ids.size()) + 64));
-    Forward fwd(*m, pool);
+    KvCache cache(m.kv_cache_config(kv_policy_uniform("f32", m.config().n_layer), int(ids.size()) + 8));
+    Forward fwd(m, pool);
     const float* all = fwd.eval(ids.data(), int(ids.size()), cache, /*all_logits=*/true);
-    const double tol = g.value("tolerance", 0.05);
+    std::vector<PosResult> out;
     for (const auto& pos : c["positions"]) {
-      const int p = pos["pos"].get<int>();
-      const float* lg = all + size_t(p) * size_t(nv);
+      const float* lg = all + size_t(pos["pos"].get<int>()) * size_t(nv);
       double mx = -1e30;
       for (int i = 0; i < nv; ++i) mx = std::max(mx, double(lg[i]));
       double se = 0;
       for (int i = 0; i < nv; ++i) se += std::exp(double(lg[i]) - mx);
-      const double lse = mx + std::log(se);
-      const double ref_lse = pos["logsumexp"].get<double>();
-      int checked = 0;
-      double max_err = 0;
-      for (const auto& tl : pos["top"]) {
-        const int id = tl[0].get<int>();
-        const double ref_lp = tl[1].get<double>() - ref_lse;  // compare log-probabilities
-        const double lp = double(lg[id]) - lse;
-        max_err = std::max(max_err, std::fabs(lp - ref_lp));
-        ++checked;
-      }
-      EXPECT_GT(checked, 0);
-      EXPECT_LT(max_err, tol) << "position " << p << ": max |log-prob error| over the reference top tokens";
-      EXPECT_EQ(argmax(lg, nv), pos["top"][0][0].get<int>()) << "position " << p;
+      const double lse = mx + std::log(se), ref_lse = pos["logsumexp"].get<double>();
+      PosResult r;
+      for (const auto& tl : pos["top"])
+        r.max_lp_err = std::max(r.max_lp_err, std::fabs((double(lg[tl[0].get<int>()]) - lse) - (tl[1].get<double>() - ref_lse)));
+      r.argmax_equal = argmax(lg, nv) == pos["top"][0][0].get<int>();
+      r.ref_margin = pos["top"][0][1].get<double>() - pos["top"][1][1].get<double>();
+      out.push_back(r);
     }
-    std::vector<int32_t> gen;
-    greedy(*m, tok, ids, int(c["greedy_ids"].size()), "f32", &gen);
-    const auto ref = c["greedy_ids"].get<std::vector<int32_t>>();
+    return out;
+  }
+  nlohmann::json g_;
+  std::string model_path_;
+};
+
+// The graph against the f32 reference, at reference precision (weights dequantized once, f32
+// matmuls): only summation order differs, so log-probs agree to a few 1e-3 and the greedy
+// continuation follows the reference for at least 32 tokens.
+TEST_P(GoldenModel, ReferencePrecisionMatchesF32Reference) {
+  auto m = Model::load_f32(model_path_);
+  const int nv = m->config().n_vocab;
+  for (const auto& c : g_["prompts"]) {
+    SCOPED_TRACE(c["name"].get<std::string>());
+    for (const auto& r : compare_positions(*m, c)) {
+      EXPECT_LT(r.max_lp_err, 0.02);
+      EXPECT_TRUE(r.argmax_equal || r.ref_margin < 0.01);
+    }
+    // greedy, EOS ignored as in the reference
+    std::vector<int32_t> ids = c["token_ids"].get<std::vector<int32_t>>();
+    const auto ref = c["greedy"]["ids"].get<std::vector<int32_t>>();
+    ThreadPool pool(2);
+    KvCache cache(m->kv_cache_config(kv_policy_uniform("f32", m->config().n_layer), int(ids.size() + ref.size()) + 8));
+    Forward fwd(*m, pool);
+    const float* lg = fwd.eval(ids.data(), int(ids.size()), cache);
     int agree = 0;
-    while (agree < int(std::min(gen.size(), ref.size())) && gen[size_t(agree)] == ref[size_t(agree)]) ++agree;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      const int32_t t = argmax(lg, nv);
+      if (t != ref[i]) break;
+      ++agree;
+      lg = fwd.eval(&t, 1, cache);
+    }
     EXPECT_GE(agree, std::min<int>(32, int(ref.size()))) << "greedy continuation agrees for " << agree << " tokens";
   }
 }
 
+// As served (weights in their GGUF types, activations quantized to 8 bits inside the integer
+// dot products, like llama.cpp): the same token wins wherever the reference is not a near tie,
+// and log-probs stay within the activation-quantization error.
+TEST_P(GoldenModel, ServedPrecisionCloseToF32Reference) {
+  auto m = Model::load(model_path_);
+  for (const auto& c : g_["prompts"]) {
+    SCOPED_TRACE(c["name"].get<std::string>());
+    for (const auto& r : compare_positions(*m, c)) {
+      EXPECT_LT(r.max_lp_err, 1.0);
+      if (r.ref_margin > 0.5) {
+        EXPECT_TRUE(r.argmax_equal) << "reference margin " << r.ref_margin;
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, GoldenModel,
-                         ::testing::Values(std::make_pair(std::string("smollm2-135m-instruct"), std::string("SmolLM2-135M-Instruct.Q4_1.gguf")),
-                                           std::make_pair(std::string("gemma-3-270m"), std::string("gemma-3-270m-q4_k_m.gguf"))),
+                         ::testing::Values(std::string("forward_smollm2_135m.json"), std::string("forward_gemma3_270m.json")),
                          [](const auto& info) {
-                           std::string n = info.param.first;
-                           for (auto& ch : n) if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           std::string n = info.param;
+                           for (auto& ch : n)
+                             if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
                            return n;
                          });
 

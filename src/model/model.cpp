@@ -125,6 +125,31 @@ size_t Model::decode_weight_bytes() const {
   return b;
 }
 
+std::unique_ptr<Model> Model::load_f32(const std::string& path) {
+  auto m = load(path);
+  m->dequantize_all_f32();
+  return m;
+}
+
+void Model::dequantize_all_f32() {
+  auto convert = [&](WeightView& w) {
+    if (!w.data || w.type == GgmlType::F32 || w.n_out <= 1) return;
+    AlignedBuf<float> buf(size_t(w.n_in) * size_t(w.n_out));
+    for (int64_t r = 0; r < w.n_out; ++r)
+      dequantize_row_ref(w.type, static_cast<const uint8_t*>(w.data) + size_t(r) * w.row_bytes, buf.data() + size_t(r) * size_t(w.n_in), w.n_in);
+    w.type = GgmlType::F32;
+    w.data = buf.data();
+    w.row_bytes = size_t(w.n_in) * sizeof(float);
+    f32_weights_.push_back(std::move(buf));
+  };
+  const bool tied = cfg_.tied_output;
+  convert(tok_embd_);
+  if (tied) output_ = tok_embd_;
+  else convert(output_);
+  for (auto& L : layers_)
+    for (WeightView* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.ffn_gate, &L.ffn_up, &L.ffn_down}) convert(*w);
+}
+
 KvCacheConfig Model::kv_cache_config(const KvPolicy& policy, int max_tokens, int page_tokens) const {
   KvCacheConfig kc;
   kc.n_layer = cfg_.n_layer;

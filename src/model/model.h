@@ -25,6 +25,10 @@ class Model {
  public:
   // Opens and validates the file (architecture, tensor shapes and types); throws kvq::Error.
   static std::unique_ptr<Model> load(const std::string& path);
+  // Reference precision: every weight matrix dequantized to f32 once at load, so matmuls run in
+  // f32 without quantizing activations. For checking the graph against an f32 reference (and
+  // for measuring what activation quantization costs); ~4 bytes per parameter of memory.
+  static std::unique_ptr<Model> load_f32(const std::string& path);
 
   const ModelConfig& config() const { return cfg_; }
   const gguf::File& file() const { return *file_; }
@@ -42,6 +46,8 @@ class Model {
   ModelConfig cfg_;
   WeightView tok_embd_, output_norm_, output_;
   std::vector<LayerWeights> layers_;
+  std::vector<AlignedBuf<float>> f32_weights_;  // owned copies when loaded with load_f32
+  void dequantize_all_f32();
 };
 
 // One sequence's share of a batched forward step: n tokens appended to `cache`.
