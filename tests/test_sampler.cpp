@@ -1,0 +1,108 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+
+#include "core/error.h"
+#include "model/sampler.h"
+
+using namespace kvq;
+
+namespace {
+std::map<int32_t, int> histogram(SamplerParams p, const std::vector<float>& logits, int n, std::vector<int32_t> hist = {}) {
+  Sampler s(p);
+  std::map<int32_t, int> h;
+  for (int i = 0; i < n; ++i) h[s.sample(logits.data(), int(logits.size()), hist)]++;
+  return h;
+}
+}  // namespace
+
+TEST(Sampler, GreedyPicksArgmaxLowestIndexOnTies) {
+  SamplerParams p;
+  p.temperature = 0;
+  Sampler s(p);
+  std::vector<float> l = {0.1f, 3.f, 3.f, -1.f};
+  EXPECT_EQ(s.sample(l.data(), 4, {}), 1);
+  EXPECT_EQ(argmax(l.data(), 4), 1);
+}
+
+TEST(Sampler, TopKOneIsGreedy) {
+  SamplerParams p;
+  p.temperature = 1.5f;
+  p.top_k = 1;
+  auto h = histogram(p, {0.f, 2.f, 1.f}, 200);
+  ASSERT_EQ(h.size(), 1u);
+  EXPECT_EQ(h.begin()->first, 1);
+}
+
+TEST(Sampler, TopPKeepsSmallestSetReachingP) {
+  // probabilities ~ (0.665, 0.245, 0.090): top_p 0.7 keeps the first two only
+  SamplerParams p;
+  p.temperature = 1.f;
+  p.top_k = 0;
+  p.min_p = 0;
+  p.top_p = 0.7f;
+  auto h = histogram(p, {2.f, 1.f, 0.f}, 3000);
+  EXPECT_EQ(h.count(2), 0u);
+  EXPECT_GT(h[0], h[1]);
+  EXPECT_GT(h[1], 0);
+}
+
+TEST(Sampler, MinPDropsUnlikelyTokens) {
+  SamplerParams p;
+  p.temperature = 1.f;
+  p.top_k = 0;
+  p.top_p = 1.f;
+  p.min_p = 0.2f;  // token 2 has p/p_max = e^-3 ~ 0.05 < 0.2: dropped; token 1 e^-1 ~ 0.37: kept
+  auto h = histogram(p, {3.f, 2.f, 0.f}, 3000);
+  EXPECT_EQ(h.count(2), 0u);
+  EXPECT_GT(h[1], 0);
+}
+
+TEST(Sampler, TemperatureMatchesSoftmaxFrequencies) {
+  SamplerParams p;
+  p.temperature = 2.f;
+  p.top_k = 0;
+  p.top_p = 1.f;
+  p.min_p = 0;
+  const int n = 20000;
+  auto h = histogram(p, {std::log(4.f) * 2, 0.f}, n);  // at T=2 the odds are 4:1
+  const double f0 = double(h[0]) / n;
+  EXPECT_NEAR(f0, 0.8, 0.02);  // 4.5 sigma of a binomial(20000, 0.8) is ~0.013
+}
+
+TEST(Sampler, RepetitionPenaltyDividesPositiveAndMultipliesNegative) {
+  SamplerParams p;
+  p.temperature = 0;
+  p.repeat_penalty = 2.f;
+  Sampler s(p);
+  std::vector<float> l = {3.f, 2.f, -1.f};
+  EXPECT_EQ(s.sample(l.data(), 3, {0}), 1);  // 3/2 = 1.5 < 2
+  std::vector<float> neg = {-1.f, -1.5f};
+  EXPECT_EQ(s.sample(neg.data(), 2, {0}), 1);  // -1*2 = -2 < -1.5
+}
+
+TEST(Sampler, SameSeedSameDraws) {
+  SamplerParams p;
+  p.temperature = 1.f;
+  p.seed = 99;
+  std::vector<float> l(50);
+  for (size_t i = 0; i < l.size(); ++i) l[i] = float(std::sin(double(i)));
+  Sampler a(p), b(p);
+  for (int i = 0; i < 100; ++i) ASSERT_EQ(a.sample(l.data(), 50, {}), b.sample(l.data(), 50, {}));
+}
+
+TEST(Sampler, InvalidParametersRejected) {
+  SamplerParams p;
+  p.temperature = -1;
+  EXPECT_THROW(Sampler{p}, Error);
+  p = SamplerParams{};
+  p.top_p = 0;
+  EXPECT_THROW(Sampler{p}, Error);
+  p = SamplerParams{};
+  p.min_p = 2;
+  EXPECT_THROW(Sampler{p}, Error);
+  p = SamplerParams{};
+  p.repeat_penalty = 0;
+  EXPECT_THROW(Sampler{p}, Error);
+}
