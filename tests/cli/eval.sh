@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# kvq eval and kvq plan --measure end to end on stories260K, and eval's bad-input handling.
+set -u
+kvq=$1
+src=$2
+model=$src/../shared/models/stories260K.gguf
+text=$src/../shared/data/tinyshakespeare.txt
+[[ -f $model && -f $text ]] || { echo "skip: $model or $text not found"; exit 77; }
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fails=0
+check() { if ! eval "$2"; then echo "FAIL: $1"; fails=$((fails + 1)); else echo "ok: $1"; fi; }
+
+printf '{"prompt": "Once upon a time", "expected": "there", "match": "substring"}\n{"prompt": "Lily", "expected": "xyz"}\n' >"$tmp/own.jsonl"
+"$kvq" eval -m "$model" --kv int8,fp8 --ctx 64,128 --task ppl,own --data "$text" --own "$tmp/own.jsonl" \
+  --json --html "$tmp/r.html" --no-progress -t 1 >"$tmp/out.json" 2>"$tmp/err"
+check "eval exits 0" "[[ $? -eq 0 ]]"
+check "eval JSON has one bucket per context per format" \
+  "python3 -c \"import json,sys; d=json.load(open('$tmp/out.json')); assert [len(f['buckets']) for f in d['formats']]==[2,2]; assert all(b['ctx'] in (64,128) and b['kld_mean']>=0 and 0<=b['top1_agree']<=1 for f in d['formats'] for b in f['buckets']); assert d['formats'][0]['own']['n']==2\""
+check "HTML report is self-contained with SVG plots" "grep -q '<svg' $tmp/r.html && ! grep -q 'http://\|https://' <(sed 's|http://www.w3.org/2000/svg||g' $tmp/r.html)"
+
+bad() {
+  local name=$1 pattern=$2; shift 2
+  "$kvq" "$@" >"$tmp/bo" 2>"$tmp/be"
+  local rc=$?
+  check "$name: non-zero exit" "[[ $rc -ne 0 && $rc -lt 128 ]]"
+  check "$name: message says '$pattern'" "grep -qi -- '$pattern' $tmp/be"
+}
+bad "unknown format" "int7" eval -m "$model" --kv int7 --ctx 64 --data "$text"
+bad "context beyond the model's" "exceeds" eval -m "$model" --kv int8 --ctx 1M --data "$text"
+: >"$tmp/empty.jsonl"
+bad "empty JSONL" "empty" eval -m "$model" --kv int8 --task own --own "$tmp/empty.jsonl"
+printf '{"prompt": "a", "expected": \n' >"$tmp/bad.jsonl"
+bad "malformed JSONL" "malformed" eval -m "$model" --kv int8 --task own --own "$tmp/bad.jsonl"
+printf '{"prompt": "a"}\n' >"$tmp/missing.jsonl"
+bad "JSONL without expected" "expected" eval -m "$model" --kv int8 --task own --own "$tmp/missing.jsonl"
+head -c 300 "$text" >"$tmp/short.txt"
+bad "haystack shorter than the context" "haystack" eval -m "$model" --kv int8 --task needle --ctx 512 --haystack "$tmp/short.txt"
+bad "unknown task" "unknown task" eval -m "$model" --kv int8 --task nope --ctx 64 --data "$text"
+
+# plan --measure: measured growth per token next to the prediction
+"$kvq" plan --measure -m "$model" --ctx 256,512,1024 --kv f16 >"$tmp/m" 2>&1
+check "plan --measure exits 0" "[[ $? -eq 0 ]]"
+check "plan --measure reports growth per token vs prediction" "grep -q 'bytes/token measured vs 640 predicted' $tmp/m"
+bad "plan --measure without a GGUF" "measure" plan --measure --preset llama-3-70b --ctx 1K,2K
+
+[[ $fails -eq 0 ]] || { echo "$fails check(s) failed"; exit 1; }
