@@ -53,7 +53,12 @@ void ThreadPool::run(const std::function<void(int, int)>& fn) {
   }
   cv_.notify_all();
   fn(0, n_threads_);
-  while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
+  // Spin briefly (the common case: workers finish within microseconds), then yield so that a
+  // descheduled worker on an oversubscribed machine gets the core instead of us burning it.
+  for (int spins = 0; pending_.load(std::memory_order_acquire) != 0; ++spins) {
+    if (spins < 4000) _mm_pause();
+    else std::this_thread::yield();
+  }
 }
 
 void ThreadPool::parallel_for(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn) {
