@@ -27,7 +27,7 @@ void eval_add_cli(CLI::App& app, EvalOptions& o) {
   app.add_option("--kv", o.formats, "KV formats to evaluate (comma-separated); f16 is the reference")
       ->delimiter(',')->required();
   app.add_option("--ctx", o.ctx, "context lengths (comma-separated; 4K, 32k accepted)")->delimiter(',');
-  app.add_option("--task", o.tasks, "tasks: ppl, needle, own (comma-separated)")->delimiter(',')->capture_default_str();
+  app.add_option("--task", o.tasks, "tasks: ppl, needle, layers, own (comma-separated)")->delimiter(',')->capture_default_str();
   app.add_option("--data", o.data, "text file for ppl (e.g. WikiText-2 test) and the default haystack");
   app.add_option("--haystack", o.haystack, "haystack text for needle (default: --data)");
   app.add_option("--own", o.own, "JSONL eval set for task own: {\"prompt\", \"expected\", \"match\": substring|exact}");
@@ -254,6 +254,58 @@ std::string trim(const std::string& s) {
   return a == std::string::npos ? "" : s.substr(a, b - a + 1);
 }
 
+// ---- layers: for each layer L and side (K or V), only that layer's K (or V) uses the format and
+// everything else stays f16, so layer L sees exactly the f16 run's inputs; the relative error of
+// its attention output against the f16 run is the layer's sensitivity to quantizing that side.
+void task_layers(Ctx& c, const std::vector<int32_t>& text_ids) {
+  const ModelConfig& cfg = c.m.config();
+  const int ctx = c.ctxs.front();
+  if (size_t(ctx) > text_ids.size()) fail("--data has {} tokens, fewer than the {} of --ctx", text_ids.size(), ctx);
+  std::vector<int32_t> win(text_ids.begin(), text_ids.begin() + ctx);
+  if (c.tok.add_bos()) win[0] = c.tok.bos();
+  const size_t row = size_t(cfg.n_head) * size_t(cfg.head_dim);
+  Forward fwd(c.m, c.pool, 256);
+  // f16 reference: every layer's attention output
+  std::vector<std::vector<float>> ref(size_t(cfg.n_layer));
+  const FormatRun base{"f16", kv_flags_resolve(c.o.kv, cfg, "f16"), 0, {}};
+  fwd.on_attn = [&](int il, int n, const float* a) { ref[size_t(il)].insert(ref[size_t(il)].end(), a, a + size_t(n) * row); };
+  {
+    auto cache = make_cache(c, base, ctx);
+    fwd.eval(win.data(), ctx, *cache);
+  }
+  Progress prog(c.o.progress, c.runs.size() * size_t(cfg.n_layer) * 2);
+  for (auto& r : c.runs) {
+    nlohmann::json layers = nlohmann::json::array();
+    for (int il = 0; il < cfg.n_layer; ++il) {
+      nlohmann::json e = {{"layer", il}, {"sliding", bool(cfg.layer_sliding[size_t(il)])}};
+      for (int side = 0; side < 2; ++side) {
+        FormatRun one = base;
+        auto& lf = one.kv.policy.layers[size_t(il)];
+        (side == 0 ? lf.k_codec : lf.v_codec) = side == 0 ? r.kv.policy.layers[size_t(il)].k_codec : r.kv.policy.layers[size_t(il)].v_codec;
+        one.kv.calib = r.kv.calib;
+        double num = 0, den = 0;
+        size_t off = 0;
+        fwd.on_attn = [&](int l, int n, const float* a) {
+          if (l != il) return;
+          const float* b = ref[size_t(il)].data() + off;
+          for (size_t i = 0; i < size_t(n) * row; ++i) {
+            num += double(a[i] - b[i]) * double(a[i] - b[i]);
+            den += double(b[i]) * double(b[i]);
+          }
+          off += size_t(n) * row;
+        };
+        auto cache = make_cache(c, one, ctx);
+        fwd.eval(win.data(), ctx, *cache);
+        e[side == 0 ? "k_rel_err" : "v_rel_err"] = den > 0 ? std::sqrt(num / den) : 0.0;
+        prog.step(fmt::format("layers {} L{} {}", r.name, il, side == 0 ? "K" : "V"));
+      }
+      layers.push_back(e);
+    }
+    r.report["layers"] = {{"ctx", ctx}, {"per_layer", layers}};
+  }
+  fwd.on_attn = nullptr;
+}
+
 void task_own(Ctx& c, const std::vector<OwnCase>& cases) {
   Progress prog(c.o.progress, cases.size() * (c.runs.size()));
   Forward fwd(c.m, c.pool, 256);
@@ -282,10 +334,11 @@ void task_own(Ctx& c, const std::vector<OwnCase>& cases) {
 
 int eval_command(const EvalOptions& o) {
   for (const auto& t : o.tasks)
-    if (t != "ppl" && t != "needle" && t != "own") fail("--task: unknown task '{}' (valid: ppl, needle, own)", t);
+    if (t != "ppl" && t != "needle" && t != "own" && t != "layers")
+      fail("--task: unknown task '{}' (valid: ppl, needle, layers, own)", t);
   auto has = [&](const char* t) { return std::find(o.tasks.begin(), o.tasks.end(), t) != o.tasks.end(); };
-  if ((has("ppl") || has("needle")) && o.ctx.empty()) fail("--ctx is required for tasks ppl and needle");
-  if (has("ppl") && o.data.empty()) fail("--data is required for task ppl");
+  if ((has("ppl") || has("needle") || has("layers")) && o.ctx.empty()) fail("--ctx is required for tasks ppl, needle and layers");
+  if ((has("ppl") || has("layers")) && o.data.empty()) fail("--data is required for tasks ppl and layers");
   if (has("needle") && o.data.empty() && o.haystack.empty()) fail("--haystack (or --data) is required for task needle");
   if (has("own") && o.own.empty()) fail("--own FILE.jsonl is required for task own");
   for (int d : o.depths)
@@ -321,6 +374,7 @@ int eval_command(const EvalOptions& o) {
   Ctx c{o, *model, tok, pool, runs, ctxs};
   if (has("ppl")) task_ppl(c, tok.encode(read_text(o.data, "--data"), false));
   if (has("needle")) task_needle(c, tok.encode(read_text(o.haystack.empty() ? o.data : o.haystack, "--haystack"), false));
+  if (has("layers")) task_layers(c, tok.encode(read_text(o.data, "--data"), false));
   if (has("own")) task_own(c, own_cases);
 
   nlohmann::json j = {{"model", cfg.name}, {"model_file", o.model}, {"arch", cfg.arch}, {"tasks", o.tasks}};
@@ -361,6 +415,15 @@ int eval_command(const EvalOptions& o) {
       std::printf("%-28s accuracy %.0f%%  [", r.name.c_str(), 100 * r.report["needle"]["accuracy"].get<double>());
       for (const auto& g : r.report["needle"]["grid"]) std::printf("%s", g["ok"].get<bool>() ? "+" : ".");
       std::printf("]\n");
+    }
+  }
+  if (has("layers")) {
+    std::printf("\nper-layer relative error of the attention output (only that layer's K or V quantized, ctx %d)\n", ctxs.front());
+    for (const auto& r : runs) {
+      std::printf("%-28s", r.name.c_str());
+      for (const auto& e : r.report["layers"]["per_layer"])
+        std::printf(" L%d K%.3f/V%.3f", e["layer"].get<int>(), e["k_rel_err"].get<double>(), e["v_rel_err"].get<double>());
+      std::printf("\n");
     }
   }
   if (has("own")) {

@@ -28,13 +28,14 @@ const char* kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", 
 }  // namespace
 
 std::string report_svg_lines(const std::string& title, const std::string& x_label, const std::string& y_label,
-                             const nlohmann::json& series, bool log_y) {
+                             const nlohmann::json& series, bool log_y, bool log_x) {
   const double W = 640, H = 360, L = 70, R = 170, T = 30, B = 50;
   double x0 = 1e300, x1 = -1e300, y0 = 1e300, y1 = -1e300;
   auto ty = [&](double y) { return log_y ? std::log10(std::max(y, 1e-12)) : y; };
+  auto tx = [&](double x) { return log_x ? std::log2(x) : x; };
   for (const auto& s : series)
     for (const auto& p : s["points"]) {
-      const double x = std::log2(p[0].get<double>()), y = ty(p[1].get<double>());
+      const double x = tx(p[0].get<double>()), y = ty(p[1].get<double>());
       x0 = std::min(x0, x), x1 = std::max(x1, x), y0 = std::min(y0, y), y1 = std::max(y1, y);
     }
   if (x0 > x1) return "<p>(no data)</p>";
@@ -42,7 +43,7 @@ std::string report_svg_lines(const std::string& title, const std::string& x_labe
   if (y1 - y0 < 1e-12) y0 -= 0.5, y1 += 0.5;
   const double pad = 0.05 * (y1 - y0);
   y0 -= pad, y1 += pad;
-  auto px = [&](double x) { return L + (std::log2(x) - x0) / (x1 - x0) * (W - L - R); };
+  auto px = [&](double x) { return L + (tx(x) - x0) / (x1 - x0) * (W - L - R); };
   auto py = [&](double y) { return T + (1 - (ty(y) - y0) / (y1 - y0)) * (H - T - B); };
   std::string s = fmt::format("<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}' font-family='sans-serif' font-size='11'>", W, H);
   s += fmt::format("<text x='{}' y='18' font-size='14' font-weight='bold'>{}</text>", L, esc(title));
@@ -54,8 +55,9 @@ std::string report_svg_lines(const std::string& title, const std::string& x_labe
     s += fmt::format("<line x1='{}' x2='{}' y1='{:.1f}' y2='{:.1f}' stroke='#eee'/><text x='{}' y='{:.1f}' text-anchor='end'>{:.3g}</text>",
                      L, W - R, yy, yy, L - 4, yy + 4, shown);
   }
-  for (const auto& ser : series)  // x ticks at the data points
+  for (const auto& ser : series)  // x ticks at the data points (the first series's)
     for (const auto& p : ser["points"]) {
+      if (&ser != &series[0]) break;
       const double x = p[0].get<double>();
       s += fmt::format("<text x='{:.1f}' y='{}' text-anchor='middle'>{:g}</text>", px(x), H - B + 14, x);
     }
@@ -147,6 +149,23 @@ std::string report_html(const nlohmann::json& ev) {
         h += "</tr>";
       }
       h += "</table>";
+    }
+  }
+  bool any_layers = false;
+  for (const auto& f : fmts) any_layers |= f.contains("layers");
+  if (any_layers) {
+    h += "<h2>Per-layer sensitivity</h2><p>Relative error of each layer's attention output when only that layer's K "
+         "(or V) uses the format, all else f16. High layers are candidates for --kv-cache-dtype-skip-layers or --kv-layer.</p>";
+    for (const auto& f : fmts) {
+      if (!f.contains("layers")) continue;
+      nlohmann::json k = nlohmann::json::array(), v = nlohmann::json::array();
+      for (const auto& e : f["layers"]["per_layer"]) {
+        k.push_back({e["layer"], e["k_rel_err"]});
+        v.push_back({e["layer"], e["v_rel_err"]});
+      }
+      h += report_svg_lines(f["format"].get<std::string>() + ": per-layer relative error", "layer", "relative error",
+                            nlohmann::json::array({{{"name", "K quantized"}, {"points", k}}, {{"name", "V quantized"}, {"points", v}}}),
+                            false, false);
     }
   }
   bool any_own = false;

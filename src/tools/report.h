@@ -12,6 +12,6 @@ std::string report_html(const nlohmann::json& eval);
 
 // One SVG line chart. series: [{"name": s, "points": [[x, y], ...]}]; log-scale x.
 std::string report_svg_lines(const std::string& title, const std::string& x_label, const std::string& y_label,
-                             const nlohmann::json& series, bool log_y = false);
+                             const nlohmann::json& series, bool log_y = false, bool log_x = true);
 
 }  // namespace kvq
