@@ -38,6 +38,8 @@ void eval_add_cli(CLI::App& app, EvalOptions& o) {
   app.add_flag("--chat", o.chat, "own: wrap prompts in the model's chat template");
   app.add_flag("--json", o.json, "print JSON instead of tables");
   app.add_option("--json-out", o.json_out, "also write the JSON report to this file");
+  app.add_option("--scale-mode", o.scale_mode, "ppl: dynamic | static-prefill (scales fixed from each window's first half)")
+      ->check(CLI::IsMember({"dynamic", "static-prefill"}))->capture_default_str();
   app.add_option("--html", o.html, "write a self-contained HTML report with plots");
   app.add_flag("!--no-progress", o.progress, "no progress bar on stderr");
   // the same per-layer flags as kvq run, applied to every format under test (not --kv-cache-dtype)
@@ -106,6 +108,50 @@ std::unique_ptr<KvCache> make_cache(const Ctx& c, const FormatRun& r, int max_to
   return std::make_unique<KvCache>(kc);
 }
 
+// Scales fixed from the first n tokens of a window (per layer and KV head, absmax), in the
+// calibration schema the static codecs read (kv/calib.h).
+std::shared_ptr<const nlohmann::json> prefill_scales(const Ctx& c, const int32_t* tokens, int n) {
+  const ModelConfig& cfg = c.m.config();
+  const int nkv = cfg.n_head_kv, hd = cfg.head_dim;
+  std::vector<std::vector<float>> ka(size_t(cfg.n_layer), std::vector<float>(size_t(nkv), 1e-6f)), va = ka;
+  Forward fwd(c.m, c.pool, 256);
+  fwd.on_kv = [&](int il, int rows, const float*, const float* k, const float* v) {
+    for (int t = 0; t < rows; ++t)
+      for (int h = 0; h < nkv; ++h)
+        for (int d = 0; d < hd; ++d) {
+          const size_t i = (size_t(t) * size_t(nkv) + size_t(h)) * size_t(hd) + size_t(d);
+          ka[size_t(il)][size_t(h)] = std::max(ka[size_t(il)][size_t(h)], std::fabs(k[i]));
+          va[size_t(il)][size_t(h)] = std::max(va[size_t(il)][size_t(h)], std::fabs(v[i]));
+        }
+  };
+  KvCache cache(c.m.kv_cache_config(kv_policy_uniform("f16", cfg.n_layer), n));
+  fwd.eval(tokens, n, cache);
+  nlohmann::json j = {{"layers", nlohmann::json::array()}};
+  auto div = [](std::vector<float> a, float d) {
+    for (auto& x : a) x /= d;
+    return a;
+  };
+  for (int il = 0; il < cfg.n_layer; ++il)
+    j["layers"].push_back({{"k_scale", div(ka[size_t(il)], 448.f)}, {"v_scale", div(va[size_t(il)], 448.f)},
+                           {"int8_k_scale", div(ka[size_t(il)], 127.f)}, {"int8_v_scale", div(va[size_t(il)], 127.f)}});
+  return std::make_shared<const nlohmann::json>(std::move(j));
+}
+
+// The run with its int8 / fp8 codecs swapped for their fixed-scale variants.
+FormatRun with_static_scales(const FormatRun& r, std::shared_ptr<const nlohmann::json> calib) {
+  FormatRun s = r;
+  auto swap = [](std::string& codec) {
+    for (const char* base : {"int8", "fp8_e4m3", "fp8_e5m2"})
+      if (codec == base) codec += "_static";
+  };
+  for (auto& l : s.kv.policy.layers) {
+    swap(l.k_codec);
+    swap(l.v_codec);
+  }
+  s.kv.calib = std::move(calib);
+  return s;
+}
+
 // ---- ppl: windows of ctx tokens; the second half of each window is scored (the first half is
 // context), against the f16 run on the same tokens.
 void task_ppl(Ctx& c, const std::vector<int32_t>& text_ids) {
@@ -128,7 +174,12 @@ void task_ppl(Ctx& c, const std::vector<int32_t>& text_ids) {
       if (c.tok.add_bos()) win[0] = c.tok.bos();
       auto base_cache = make_cache(c, base, ctx);
       std::vector<std::unique_ptr<KvCache>> caches;
-      for (const auto& r : c.runs) caches.push_back(make_cache(c, r, ctx));
+      if (c.o.scale_mode == "static-prefill") {
+        auto calib = prefill_scales(c, win.data(), ctx / 2);
+        for (const auto& r : c.runs) caches.push_back(make_cache(c, with_static_scales(r, calib), ctx));
+      } else {
+        for (const auto& r : c.runs) caches.push_back(make_cache(c, r, ctx));
+      }
       for (int b0 = 0; b0 < ctx; b0 += B) {
         const int n = std::min(B, ctx - b0);
         const float* lg = fwd.eval(win.data() + b0, n, *base_cache, true);
@@ -377,7 +428,7 @@ int eval_command(const EvalOptions& o) {
   if (has("layers")) task_layers(c, tok.encode(read_text(o.data, "--data"), false));
   if (has("own")) task_own(c, own_cases);
 
-  nlohmann::json j = {{"model", cfg.name}, {"model_file", o.model}, {"arch", cfg.arch}, {"tasks", o.tasks}};
+  nlohmann::json j = {{"model", cfg.name}, {"model_file", o.model}, {"arch", cfg.arch}, {"tasks", o.tasks}, {"scale_mode", o.scale_mode}};
   j["formats"] = nlohmann::json::array();
   for (auto& r : runs) {
     nlohmann::json f = r.report;
@@ -402,6 +453,8 @@ int eval_command(const EvalOptions& o) {
   }
   std::printf("model %s (%s)\n", cfg.name.c_str(), o.model.c_str());
   if (has("ppl")) {
+    if (o.scale_mode == "static-prefill")
+      std::printf("scale mode static-prefill: int8/fp8 scales fixed from each window's first half, reused for the scored half\n");
     std::printf("\n%-28s %6s %7s %10s %10s %9s %11s %11s %8s\n", "format", "bits", "ctx", "ppl", "f16 ppl", "dPPL %", "KLD mean", "KLD p99", "top1");
     for (const auto& r : runs)
       for (const auto& b : r.report["buckets"])
