@@ -19,6 +19,11 @@ check "eval JSON has one bucket per context per format" \
   "python3 -c \"import json,sys; d=json.load(open('$tmp/out.json')); assert [len(f['buckets']) for f in d['formats']]==[2,2]; assert all(b['ctx'] in (64,128) and b['kld_mean']>=0 and 0<=b['top1_agree']<=1 for f in d['formats'] for b in f['buckets']); assert d['formats'][0]['own']['n']==2\""
 check "HTML report is self-contained with SVG plots" "grep -q '<svg' $tmp/r.html && ! grep -q 'http://\|https://' <(sed 's|http://www.w3.org/2000/svg||g' $tmp/r.html)"
 
+# per-layer sensitivity and the static-prefill scale mode
+"$kvq" eval -m "$model" --kv int8 --task layers,ppl --ctx 64 --data "$text" --scale-mode static-prefill --json --no-progress -t 1 >"$tmp/l.json" 2>/dev/null
+check "layers task: one entry per layer with K and V errors" \
+  "python3 -c \"import json; d=json.load(open('$tmp/l.json')); L=d['formats'][0]['layers']['per_layer']; assert len(L)==5 and all(e['k_rel_err']>0 and e['v_rel_err']>0 for e in L); assert d['scale_mode']=='static-prefill' and d['formats'][0]['buckets'][0]['kld_mean']>0\""
+
 bad() {
   local name=$1 pattern=$2; shift 2
   "$kvq" "$@" >"$tmp/bo" 2>"$tmp/be"
@@ -36,6 +41,7 @@ printf '{"prompt": "a"}\n' >"$tmp/missing.jsonl"
 bad "JSONL without expected" "expected" eval -m "$model" --kv int8 --task own --own "$tmp/missing.jsonl"
 head -c 300 "$text" >"$tmp/short.txt"
 bad "haystack shorter than the context" "haystack" eval -m "$model" --kv int8 --task needle --ctx 512 --haystack "$tmp/short.txt"
+bad "unknown scale mode" "scale-mode" eval -m "$model" --kv int8 --ctx 64 --data "$text" --scale-mode sometimes
 bad "unknown task" "unknown task" eval -m "$model" --kv int8 --task nope --ctx 64 --data "$text"
 
 # plan --measure: measured growth per token next to the prediction
