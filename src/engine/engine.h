@@ -1,0 +1,168 @@
+// Serving engine: one model, one shared KV page pool with a prefix cache, and a scheduler thread
+// that runs continuous batching over every admitted request.
+//
+// Scheduling (one loop iteration = one Forward::eval_batch):
+//   - admission, FIFO: the head of the queue is admitted when the pages for its whole prompt (after
+//     the longest cached prefix, which it adopts) are available; nobody overtakes it;
+//   - step: every running sequence asks for its pending tokens (1 when decoding; a chunk of the
+//     prompt when prefilling), oldest first, decodes before prefills, within max_batch tokens;
+//     the pages each step needs are checked before eval_batch (so KvPoolFull never fires inside a
+//     batch, where it would leave the earlier sequences of the batch half-appended);
+//   - preemption by recompute: when the pool cannot supply a sequence's pages, the most recently
+//     admitted running sequence releases its pages and goes back to the FRONT of the queue with
+//     its prompt + generated tokens; it is prefilled again later (its sampler state is kept);
+//   - after the step: newly full pages are published to the prefix index, one token is sampled
+//     for each sequence whose pending tokens are all in the cache, stop conditions are checked,
+//     finished sequences release their pages (cached pages stay resident, LRU-evicted).
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include "cache/page_pool.h"
+#include "cache/prefix_index.h"
+#include "model/model.h"
+#include "model/sampler.h"
+#include "model/tokenizer.h"
+#include "tools/kv_flags.h"
+
+namespace kvq {
+
+struct EngineOptions {
+  std::string model_path;
+  int threads = 0;            // 0: hardware threads
+  int max_batch = 256;        // tokens per step (decode + prefill chunks)
+  int max_running = 64;       // sequences running at once
+  size_t kv_mem = 0;          // KV pool budget in bytes (0: use kv_tokens)
+  size_t kv_tokens = 0;       // KV pool size in tokens (0 and kv_mem 0: 8 contexts' worth)
+  int ctx = 0;                // context per sequence (0: the model's)
+  KvFlags kv;
+  bool autostart = true;      // false: requests wait until start() (tests batch them on purpose)
+};
+
+struct GenParams {
+  SamplerParams sampling;
+  int max_tokens = 16;
+  std::vector<std::string> stop;  // generation ends before the first occurrence of any of these
+};
+
+struct GenResult {
+  std::vector<int32_t> tokens;  // generated token ids (EOG not included)
+  std::string text;             // generated text, cut before a stop string
+  std::string finish_reason;    // "stop", "length", "cancelled", "error"
+  std::string error;            // when finish_reason == "error"
+  int prompt_tokens = 0;
+  int completion_tokens = 0;
+  int cached_tokens = 0;        // prompt tokens adopted from the prefix cache (last admission)
+  int preemptions = 0;
+};
+
+struct GenRequest {
+  std::vector<int32_t> prompt;  // token ids, non-empty
+  GenParams params;
+  // Text deltas as they become final (valid UTF-8, stop strings held back). Scheduler thread.
+  std::function<void(const std::string& delta)> on_text;
+  // Called once at the end (scheduler thread, or the submitting thread for rejected requests).
+  std::function<void(const GenResult&)> on_done;
+};
+
+struct Histogram {
+  std::vector<double> bounds;      // upper bounds of the buckets (the +Inf bucket is implicit)
+  std::vector<uint64_t> counts;    // (bounds.size() + 1) per-bucket counts, not cumulative
+  double sum = 0;
+  uint64_t count = 0;
+  explicit Histogram(std::vector<double> b = {}) : bounds(std::move(b)), counts(bounds.size() + 1, 0) {}
+  void observe(double v);
+};
+
+struct EngineMetrics {
+  Histogram ttft{{0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0}};
+  Histogram tpot{{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0}};
+  int running = 0;
+  int waiting = 0;
+  double kv_usage = 0;
+  size_t kv_tokens_capacity = 0;
+  uint64_t prefix_query_tokens = 0;
+  uint64_t prefix_hit_tokens = 0;
+  uint64_t preemptions = 0;
+  uint64_t requests_finished = 0;
+  uint64_t prompt_tokens = 0;
+  uint64_t generation_tokens = 0;
+};
+
+class Engine {
+ public:
+  explicit Engine(const EngineOptions& o);  // loads the model; throws kvq::Error
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  void start();  // starts the scheduler thread (no-op when running)
+
+  // Queues a request; returns its id. Thread-safe. Requests that can never run (empty prompt,
+  // prompt + 1 beyond the context, prompt larger than the whole pool) finish at once with
+  // finish_reason "error".
+  uint64_t submit(GenRequest r);
+  // The request ends as soon as the scheduler sees it ("cancelled"), its pages are freed.
+  void cancel(uint64_t id);
+  // submit and wait.
+  GenResult generate(const std::vector<int32_t>& prompt, const GenParams& p);
+
+  EngineMetrics metrics() const;
+  const Model& model() const { return *model_; }
+  const Tokenizer& tokenizer() const { return tok_; }
+  int ctx() const { return ctx_; }
+  const PagePool& pool() const { return *pool_; }  // inspect only when the engine is idle
+  const PrefixIndex& prefix_index() const { return *index_; }
+  // True when no request is queued or running.
+  bool idle() const;
+  // Blocks until idle() (tests).
+  void wait_idle() const;
+
+ private:
+  struct Seq;
+  void loop();
+  bool step();  // one scheduling iteration; false when there was nothing to do
+  void finish(Seq& s, const char* reason, const std::string& error = "");
+  void preempt(size_t running_index);
+  void emit_text(Seq& s, bool final);
+  void update_gauges();
+
+  EngineOptions opt_;
+  std::unique_ptr<Model> model_;
+  Tokenizer tok_;
+  int ctx_ = 0;
+  KvSetup kv_;
+  KvCacheConfig kcfg_;
+  std::unique_ptr<ThreadPool> threads_;
+  std::unique_ptr<Forward> fwd_;
+  // The pool points at the index (its evictor): the index must outlive the pool, so it is
+  // declared first (destroyed last).
+  std::unique_ptr<PrefixIndex> index_;
+  std::unique_ptr<PagePool> pool_;
+
+  // Shared with submitters (mu_).
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_, idle_cv_;
+  std::deque<std::unique_ptr<Seq>> incoming_;
+  std::unordered_set<uint64_t> cancelled_;
+  uint64_t next_id_ = 1;
+  bool stop_ = false;
+  bool busy_ = false;  // the scheduler holds requests
+  EngineMetrics metrics_;
+
+  // Scheduler thread only.
+  std::deque<std::unique_ptr<Seq>> waiting_;
+  std::vector<std::unique_ptr<Seq>> running_;  // admission order
+  std::thread thread_;
+};
+
+}  // namespace kvq

@@ -1,0 +1,228 @@
+// Serving engine: continuous batching, prefix cache and preemption must not change what a request
+// generates. Greedy outputs of concurrent requests are compared with each request run alone
+// through Forward::eval on a private cache.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <future>
+#include <mutex>
+
+#include "engine/engine.h"
+
+namespace fs = std::filesystem;
+using namespace kvq;
+
+namespace {
+
+std::string model_path() { return std::string(KVQ_SOURCE_DIR) + "/../shared/models/stories260K.gguf"; }
+
+// Greedy continuation of prompt, alone, on a private cache: the reference.
+std::vector<int32_t> greedy_alone(const Engine& e, const std::vector<int32_t>& prompt, int max_tokens) {
+  const Model& m = e.model();
+  ThreadPool tp(1);
+  KvFlags f;
+  KvCacheConfig kc = m.kv_cache_config(kv_flags_resolve(f, m.config()).policy, e.ctx(), 16);
+  KvCache cache(kc);
+  Forward fwd(m, tp);
+  const float* lg = fwd.eval(prompt.data(), int(prompt.size()), cache);
+  std::vector<int32_t> out;
+  while (int(out.size()) < max_tokens) {
+    const int32_t t = argmax(lg, m.config().n_vocab);
+    if (e.tokenizer().is_eog(t)) break;
+    out.push_back(t);
+    if (int(prompt.size() + out.size()) >= e.ctx()) break;
+    lg = fwd.eval(&t, 1, cache);
+  }
+  return out;
+}
+
+EngineOptions base_options(size_t kv_tokens) {
+  EngineOptions o;
+  o.model_path = model_path();
+  o.threads = 2;
+  o.ctx = 512;
+  o.kv_tokens = kv_tokens;
+  o.kv.page_tokens = 16;
+  o.max_batch = 64;  // small budget: long prompts are prefilled in several chunks
+  return o;
+}
+
+GenParams greedy(int max_tokens) {
+  GenParams p;
+  p.sampling.temperature = 0;
+  p.max_tokens = max_tokens;
+  return p;
+}
+
+const char* kShared =
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her "
+    "friends. One day, she saw a big red ball under a tree and";
+
+void expect_pool_clean(const Engine& e) {
+  const PagePool& pool = e.pool();
+  EXPECT_EQ(pool.n_used(), 0u);
+  EXPECT_EQ(pool.n_free() + pool.n_idle(), pool.n_pages());
+  EXPECT_EQ(pool.n_idle(), e.prefix_index().n_idle());
+}
+
+struct Outcome {
+  GenResult res;
+  std::string streamed;
+};
+
+std::vector<Outcome> run_concurrently(Engine& e, const std::vector<std::vector<int32_t>>& prompts, const GenParams& p) {
+  std::vector<Outcome> out(prompts.size());
+  std::vector<std::promise<void>> done(prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    GenRequest r;
+    r.prompt = prompts[i];
+    r.params = p;
+    r.on_text = [&out, i](const std::string& d) { out[i].streamed += d; };
+    r.on_done = [&out, &done, i](const GenResult& g) {
+      out[i].res = g;
+      done[i].set_value();
+    };
+    e.submit(std::move(r));
+  }
+  e.start();
+  for (auto& d : done) d.get_future().wait();
+  e.wait_idle();
+  return out;
+}
+
+}  // namespace
+
+class EngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!fs::exists(model_path())) GTEST_SKIP() << "stories260K.gguf not found at " << model_path();
+  }
+};
+
+TEST_F(EngineTest, ConcurrentRequestsEqualAloneAndSharePrefixes) {
+  EngineOptions o = base_options(4096);
+  Engine e(o);
+  const Tokenizer& tok = e.tokenizer();
+  const std::string shared = kShared;
+  std::vector<std::vector<int32_t>> prompts = {
+      tok.encode(shared + " she ran", true),
+      tok.encode(shared + " it was", true),
+      tok.encode("The cat sat on the mat.", true),
+      tok.encode(shared + " she ran", true),  // identical prompt
+      tok.encode("Tom had a blue car. He", true),
+      tok.encode(shared, true),
+  };
+  ASSERT_GT(prompts[0].size(), 32u);  // at least two full shared pages
+  // Warm the prefix cache with the shared prefix, then run everything at once.
+  GenResult first = e.generate(prompts[5], greedy(8));
+  EXPECT_EQ(first.finish_reason, "length");
+  EXPECT_EQ(first.tokens, greedy_alone(e, prompts[5], 8));
+
+  std::vector<Outcome> got = run_concurrently(e, prompts, greedy(40));
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    SCOPED_TRACE(i);
+    const std::vector<int32_t> ref = greedy_alone(e, prompts[i], 40);
+    EXPECT_EQ(got[i].res.tokens, ref);
+    TokenStreamDecoder dec(tok);  // a continuation of the prompt: keeps a leading space
+    std::string ref_text;
+    for (int32_t t : ref) ref_text += dec.push(t);
+    ref_text += dec.flush();
+    EXPECT_EQ(got[i].res.text, ref_text);
+    EXPECT_EQ(got[i].streamed, got[i].res.text);
+    EXPECT_EQ(got[i].res.prompt_tokens, int(prompts[i].size()));
+    EXPECT_EQ(got[i].res.completion_tokens, int(ref.size()));
+  }
+  EXPECT_GT(got[0].res.cached_tokens, 0);
+  const EngineMetrics m = e.metrics();
+  EXPECT_GT(m.prefix_hit_tokens, 0u);
+  EXPECT_GT(m.prefix_query_tokens, m.prefix_hit_tokens);
+  EXPECT_EQ(m.running, 0);
+  EXPECT_EQ(m.waiting, 0);
+  EXPECT_EQ(m.ttft.count, prompts.size() + 1);
+  EXPECT_GT(m.tpot.count, 0u);
+  EXPECT_EQ(m.kv_usage, 0.0);
+  expect_pool_clean(e);
+}
+
+TEST_F(EngineTest, TinyPoolPreemptsAndOutputsStayEqual) {
+  // 8 pages of 16 tokens: four requests of ~70 tokens each cannot all hold their pages.
+  EngineOptions o = base_options(128);
+  Engine e(o);
+  const Tokenizer& tok = e.tokenizer();
+  std::vector<std::vector<int32_t>> prompts = {
+      tok.encode("Lily went to the park and", true),
+      tok.encode("Once upon a time there was a dog", true),
+      tok.encode("The sun was hot. Tim", true),
+      tok.encode("Sue liked to draw pictures of", true),
+  };
+  std::vector<Outcome> got = run_concurrently(e, prompts, greedy(60));
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(got[i].res.tokens, greedy_alone(e, prompts[i], 60));
+    EXPECT_EQ(got[i].streamed, got[i].res.text);
+  }
+  EXPECT_GT(e.metrics().preemptions, 0u);
+  expect_pool_clean(e);
+}
+
+TEST_F(EngineTest, StopStringsMaxTokensAndStreaming) {
+  Engine e(base_options(2048));
+  const Tokenizer& tok = e.tokenizer();
+  const std::vector<int32_t> prompt = tok.encode("Once upon a time", true);
+  GenResult full = e.generate(prompt, greedy(50));
+  ASSERT_EQ(full.tokens.size(), 50u);
+  EXPECT_EQ(full.finish_reason, "length");
+  // A stop string from the middle of the greedy text: output ends right before it.
+  const size_t cut = full.text.size() / 2;
+  const std::string stop = full.text.substr(cut, 5);
+  const size_t first = full.text.find(stop);
+  GenParams p = greedy(50);
+  p.stop = {"zzzz-never", stop};
+  std::string streamed;
+  std::promise<GenResult> pr;
+  GenRequest r;
+  r.prompt = prompt;
+  r.params = p;
+  r.on_text = [&](const std::string& d) { streamed += d; };
+  r.on_done = [&](const GenResult& g) { pr.set_value(g); };
+  e.submit(std::move(r));
+  GenResult stopped = pr.get_future().get();
+  EXPECT_EQ(stopped.finish_reason, "stop");
+  EXPECT_EQ(stopped.text, full.text.substr(0, first));
+  EXPECT_EQ(streamed, stopped.text);  // the held-back start of the stop string was never sent
+  e.wait_idle();
+  expect_pool_clean(e);
+}
+
+TEST_F(EngineTest, CancelFreesPagesAndBadRequestsFail) {
+  Engine e(base_options(2048));
+  const Tokenizer& tok = e.tokenizer();
+  std::promise<GenResult> pr;
+  std::atomic<uint64_t> id{0};
+  std::atomic<int> deltas{0};
+  GenRequest r;
+  r.prompt = tok.encode("Once upon a time", true);
+  r.params = greedy(400);
+  r.on_text = [&](const std::string&) {
+    // The id is stored after submit returns: keep asking until it is known.
+    if (++deltas >= 3 && id.load() != 0) e.cancel(id.load());
+  };
+  r.on_done = [&](const GenResult& g) { pr.set_value(g); };
+  id = e.submit(std::move(r));
+  GenResult g = pr.get_future().get();
+  EXPECT_EQ(g.finish_reason, "cancelled");
+  EXPECT_LT(g.tokens.size(), 400u);
+  e.wait_idle();
+  expect_pool_clean(e);
+
+  GenResult empty = e.generate({}, greedy(4));
+  EXPECT_EQ(empty.finish_reason, "error");
+  EXPECT_FALSE(empty.error.empty());
+  GenResult too_long = e.generate(std::vector<int32_t>(600, 5), greedy(4));
+  EXPECT_EQ(too_long.finish_reason, "error");
+  EXPECT_NE(too_long.error.find("context"), std::string::npos);
+  GenResult bad_id = e.generate({1, 100000}, greedy(4));
+  EXPECT_EQ(bad_id.finish_reason, "error");
+  // Still serving.
+  EXPECT_EQ(e.generate(tok.encode("Hi", true), greedy(3)).tokens.size(), 3u);
+}
