@@ -11,6 +11,7 @@
 #include "tools/formats.h"
 #include "tools/plan.h"
 #include "tools/run.h"
+#include "server/serve_cli.h"
 
 int main(int argc, char** argv) {
   // llama.cpp's multi-letter short flags, which CLI11 cannot declare, mapped to their long names.
@@ -53,6 +54,10 @@ int main(int argc, char** argv) {
   auto* plan = app.add_subcommand("plan", "memory plan: weights vs KV vs activations, capacity per KV format");
   kvq::plan_add_cli(*plan, plan_opts);
 
+  kvq::ServeOptions serve_opts;
+  auto* serve = app.add_subcommand("serve", "OpenAI-compatible HTTP server: continuous batching, paged prefix-cached KV, /metrics");
+  kvq::serve_add_cli(*serve, serve_opts);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -64,6 +69,7 @@ int main(int argc, char** argv) {
     if (*calibrate) return kvq::calibrate_command(cal_opts);
     if (*formats) return kvq::formats_command(fmt_opts, stdout);
     if (*plan) return kvq::plan_command(plan_opts, stdout, stderr);
+    if (*serve) return kvq::serve_command(serve_opts);
   } catch (const kvq::Error& e) {
     std::fprintf(stderr, "kvq: error: %s\n", e.what());
     return 1;

@@ -178,6 +178,9 @@ void Engine::loop() {
     }
     step();
     update_gauges();
+    std::vector<std::function<void()>> done;
+    done.swap(done_);
+    for (auto& f : done) f();
   }
 }
 
@@ -250,7 +253,14 @@ void Engine::finish(Seq& s, const char* reason, const std::string& error) {
     metrics_.generation_tokens += uint64_t(s.res.completion_tokens);
     if (reason != std::string("error")) metrics_.prompt_tokens += uint64_t(s.n_prompt);
   }
-  if (s.req.on_done) s.req.on_done(s.res);
+  if (!s.req.on_done) return;
+  if (std::this_thread::get_id() == thread_.get_id()) {
+    // Scheduler thread: called after the step's gauges are published, so a client that sees its
+    // request finished also sees it gone from the running count.
+    done_.push_back([cb = std::move(s.req.on_done), res = s.res] { cb(res); });
+  } else {
+    s.req.on_done(s.res);
+  }
 }
 
 void Engine::preempt(size_t i) {

@@ -162,6 +162,7 @@ class Engine {
   // Scheduler thread only.
   std::deque<std::unique_ptr<Seq>> waiting_;
   std::vector<std::unique_ptr<Seq>> running_;  // admission order
+  std::vector<std::function<void()>> done_;    // on_done calls of the current step
   std::thread thread_;
 };
 

@@ -1,0 +1,75 @@
+#include "server/serve_cli.h"
+
+#include <CLI/CLI.hpp>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+
+#include "core/error.h"
+#include "server/server.h"
+
+namespace kvq {
+
+void serve_add_cli(CLI::App& app, ServeOptions& o) {
+  app.add_option("-m,--model", o.engine.model_path, "GGUF model file")->required();
+  app.add_option("--host", o.host, "address to listen on")->capture_default_str();
+  app.add_option("--port", o.port, "port (0: any free port)")->capture_default_str();
+  app.add_option("--model-name", o.model_name, "model id reported by the API (default: the file's stem)");
+  app.add_option("--kv-mem", o.kv_mem, "KV page pool budget in bytes (e.g. 2GiB, 512MiB)");
+  app.add_option("--kv-tokens", o.engine.kv_tokens, "KV page pool size in tokens (instead of --kv-mem)");
+  app.add_option("-t,--threads", o.engine.threads, "threads (default: all hardware threads)")->check(CLI::Range(1, 1024));
+  app.add_option("--max-batch", o.engine.max_batch, "tokens per step (decode + prefill chunks)")->capture_default_str();
+  app.add_option("--max-running", o.engine.max_running, "sequences running at once")->capture_default_str();
+  app.add_option("-c,--ctx-size", o.engine.ctx, "context per request (default: the model's)");
+  kv_flags_add(app, o.engine.kv);
+}
+
+size_t parse_bytes(const std::string& s) {
+  size_t pos = 0;
+  double v = 0;
+  try {
+    v = std::stod(s, &pos);
+  } catch (const std::exception&) {
+    fail("'{}' is not a size (examples: 2GiB, 512MiB, 1000000)", s);
+  }
+  std::string unit = s.substr(pos);
+  while (!unit.empty() && unit.front() == ' ') unit.erase(unit.begin());
+  double mul = 1;
+  if (unit.empty() || unit == "B") mul = 1;
+  else if (unit == "K" || unit == "KiB") mul = 1024.0;
+  else if (unit == "M" || unit == "MiB") mul = 1024.0 * 1024.0;
+  else if (unit == "G" || unit == "GiB") mul = 1024.0 * 1024.0 * 1024.0;
+  else if (unit == "KB") mul = 1e3;
+  else if (unit == "MB") mul = 1e6;
+  else if (unit == "GB") mul = 1e9;
+  else fail("'{}': unknown size unit '{}' (use B, KiB, MiB, GiB, KB, MB, GB)", s, unit);
+  if (!(v > 0) || v * mul > 1e15) fail("'{}' is not a positive size", s);
+  return size_t(v * mul);
+}
+
+static Server* g_server = nullptr;
+static void on_signal(int) {
+  if (g_server) g_server->stop();
+}
+
+int serve_command(ServeOptions o) {
+  if (!o.kv_mem.empty() && o.engine.kv_tokens > 0) fail("give either --kv-mem or --kv-tokens, not both");
+  if (!o.kv_mem.empty()) o.engine.kv_mem = parse_bytes(o.kv_mem);
+  Engine engine(o.engine);
+  ServerOptions so;
+  so.host = o.host;
+  so.port = o.port;
+  so.model_name = o.model_name.empty() ? std::filesystem::path(o.engine.model_path).stem().string() : o.model_name;
+  Server server(engine, so);
+  const int port = server.bind();
+  std::fprintf(stderr, "[kvq] serving %s on http://%s:%d (context %d, KV pool %zu tokens)\n", so.model_name.c_str(),
+               o.host.c_str(), port, engine.ctx(), engine.pool().tokens_capacity());
+  g_server = &server;
+  std::signal(SIGINT, on_signal);
+  std::signal(SIGTERM, on_signal);
+  server.listen();
+  g_server = nullptr;
+  return 0;
+}
+
+}  // namespace kvq

@@ -1,0 +1,24 @@
+// `kvq serve`: command-line options and the command itself.
+#pragma once
+#include <string>
+
+#include "engine/engine.h"
+
+namespace CLI { class App; }
+
+namespace kvq {
+
+struct ServeOptions {
+  EngineOptions engine;
+  std::string host = "127.0.0.1";
+  int port = 8080;
+  std::string model_name;
+  std::string kv_mem;  // "2GiB", "512MiB", "1e9" ...
+};
+
+void serve_add_cli(CLI::App& app, ServeOptions& o);
+int serve_command(ServeOptions o);
+// "2GiB", "512M", "1000000" -> bytes; throws kvq::Error on anything else.
+size_t parse_bytes(const std::string& s);
+
+}  // namespace kvq

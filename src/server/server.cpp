@@ -1,0 +1,441 @@
+#include "server/server.h"
+
+#include <httplib.h>
+
+#include <atomic>
+#include <chrono>
+#include <ctime>
+#include <filesystem>
+#include <future>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "core/error.h"
+#include "model/chat.h"
+
+namespace kvq {
+
+using json = nlohmann::json;
+
+namespace {
+
+// A request the client got wrong: 400 with an OpenAI-style error body.
+struct ApiError {
+  ApiError(std::string m, std::string p, std::string c = "", int s = 400)
+      : message(std::move(m)), param(std::move(p)), code(std::move(c)), status(s) {}
+  std::string message;
+  std::string param;  // empty: null
+  std::string code;   // empty: null
+  int status = 400;
+};
+
+json error_body(const std::string& message, const std::string& type, const std::string& param, const std::string& code) {
+  json e = {{"message", message}, {"type", type}, {"param", nullptr}, {"code", nullptr}};
+  if (!param.empty()) e["param"] = param;
+  if (!code.empty()) e["code"] = code;
+  return json{{"error", e}};
+}
+
+void send_json(httplib::Response& res, int status, const json& j) {
+  res.status = status;
+  res.set_content(j.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
+}
+
+void send_error(httplib::Response& res, const ApiError& e) {
+  send_json(res, e.status, error_body(e.message, e.status >= 500 ? "server_error" : "invalid_request_error", e.param, e.code));
+}
+
+// Request fields shared by both endpoints.
+struct ApiRequest {
+  GenParams params;
+  bool stream = false;
+  bool include_usage = false;
+  bool max_tokens_set = false;
+};
+
+ApiRequest parse_common(const json& body) {
+  ApiRequest r;
+  SamplerParams& s = r.params.sampling;
+  // OpenAI semantics: plain temperature / top_p sampling, no top-k or min-p unless asked.
+  s.temperature = 1.0f;
+  s.top_p = 1.0f;
+  s.top_k = 0;
+  s.min_p = 0.0f;
+  s.repeat_penalty = 1.0f;
+  s.seed = std::random_device{}();
+  auto number = [&](const char* key, double lo, double hi) -> std::optional<double> {
+    if (!body.contains(key) || body[key].is_null()) return std::nullopt;
+    const json& v = body[key];
+    if (!v.is_number()) throw ApiError{fmt::format("'{}' must be a number", key), key};
+    const double x = v.get<double>();
+    if (!(x >= lo && x <= hi)) throw ApiError{fmt::format("'{}' must be in [{}, {}] (got {})", key, lo, hi, x), key};
+    return x;
+  };
+  if (auto t = number("temperature", 0.0, 2.0)) s.temperature = float(*t);
+  if (auto p = number("top_p", 0.0, 1.0)) {
+    if (*p <= 0) throw ApiError{"'top_p' must be > 0", "top_p"};
+    s.top_p = float(*p);
+  }
+  if (body.contains("top_k") && !body["top_k"].is_null()) {
+    if (!body["top_k"].is_number_integer()) throw ApiError{"'top_k' must be an integer", "top_k"};
+    s.top_k = body["top_k"].get<int>();
+  }
+  if (body.contains("seed") && !body["seed"].is_null()) {
+    if (!body["seed"].is_number_integer()) throw ApiError{"'seed' must be an integer", "seed"};
+    s.seed = body["seed"].is_number_unsigned() ? body["seed"].get<uint64_t>() : uint64_t(body["seed"].get<int64_t>());
+  }
+  for (const char* key : {"max_tokens", "max_completion_tokens"}) {
+    if (!body.contains(key) || body[key].is_null()) continue;
+    const json& v = body[key];
+    if (!v.is_number_integer()) throw ApiError{fmt::format("'{}' must be an integer", key), key};
+    const int64_t m = v.get<int64_t>();
+    if (m < 1 || m > (int64_t(1) << 30)) throw ApiError{fmt::format("'{}' must be >= 1 (got {})", key, m), key};
+    r.params.max_tokens = int(m);
+    r.max_tokens_set = true;
+  }
+  if (body.contains("n") && !body["n"].is_null()) {
+    if (!body["n"].is_number_integer() || body["n"].get<int64_t>() != 1) throw ApiError{"only n = 1 is supported", "n"};
+  }
+  if (body.contains("stream") && !body["stream"].is_null()) {
+    if (!body["stream"].is_boolean()) throw ApiError{"'stream' must be a boolean", "stream"};
+    r.stream = body["stream"].get<bool>();
+  }
+  if (body.contains("stream_options") && body["stream_options"].is_object()) {
+    const json& so = body["stream_options"];
+    if (so.contains("include_usage") && so["include_usage"].is_boolean()) r.include_usage = so["include_usage"].get<bool>();
+  }
+  if (body.contains("stop") && !body["stop"].is_null()) {
+    const json& st = body["stop"];
+    if (st.is_string()) {
+      r.params.stop.push_back(st.get<std::string>());
+    } else if (st.is_array()) {
+      if (st.size() > 16) throw ApiError{"'stop' holds at most 16 strings", "stop"};
+      for (const auto& x : st) {
+        if (!x.is_string()) throw ApiError{"'stop' must be a string or an array of strings", "stop"};
+        r.params.stop.push_back(x.get<std::string>());
+      }
+    } else {
+      throw ApiError{"'stop' must be a string or an array of strings", "stop"};
+    }
+    std::erase_if(r.params.stop, [](const std::string& x) { return x.empty(); });
+  }
+  if (body.contains("model") && !body["model"].is_null() && !body["model"].is_string())
+    throw ApiError{"'model' must be a string", "model"};
+  return r;
+}
+
+std::string message_content(const json& m, size_t i) {
+  const std::string param = fmt::format("messages[{}].content", i);
+  if (!m.contains("content") || m["content"].is_null()) return "";
+  const json& c = m["content"];
+  if (c.is_string()) return c.get<std::string>();
+  if (c.is_array()) {  // [{"type": "text", "text": "..."}]
+    std::string s;
+    for (const auto& part : c) {
+      if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
+        throw ApiError{"only text content parts are supported", param};
+      s += part["text"].get<std::string>();
+    }
+    return s;
+  }
+  throw ApiError{"message content must be a string or an array of text parts", param};
+}
+
+const char* finish_reason_api(const std::string& r) { return r == "length" ? "length" : "stop"; }
+
+// Streaming: the scheduler thread pushes SSE events, the connection's thread writes them.
+struct StreamState {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::string> events;
+  bool done = false;
+  std::atomic<uint64_t> id{0};
+  void push(std::string ev) {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      events.push_back(std::move(ev));
+    }
+    cv.notify_all();
+  }
+};
+
+std::string sse(const json& j) { return "data: " + j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n"; }
+
+}  // namespace
+
+struct Server::Impl {
+  Engine& engine;
+  ServerOptions opt;
+  httplib::Server http;
+  ChatTemplate tpl = ChatTemplate::none;
+  std::atomic<uint64_t> next_id{1};
+  Impl(Engine& e, const ServerOptions& o) : engine(e), opt(o) {}
+
+  void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat);
+  std::vector<int32_t> chat_prompt(const json& body);
+};
+
+std::vector<int32_t> Server::Impl::chat_prompt(const json& body) {
+  if (!body.contains("messages")) throw ApiError{"'messages' is required", "messages", "missing_required_parameter"};
+  const json& ms = body["messages"];
+  if (!ms.is_array() || ms.empty()) throw ApiError{"'messages' must be a non-empty array", "messages"};
+  std::vector<ChatMessage> msgs;
+  for (size_t i = 0; i < ms.size(); ++i) {
+    const json& m = ms[i];
+    if (!m.is_object()) throw ApiError{"each message must be an object", fmt::format("messages[{}]", i)};
+    if (!m.contains("role") || !m["role"].is_string())
+      throw ApiError{"each message needs a string 'role'", fmt::format("messages[{}].role", i)};
+    const std::string role = m["role"].get<std::string>();
+    if (role != "system" && role != "user" && role != "assistant" && role != "developer")
+      throw ApiError{fmt::format("unknown role '{}'", role), fmt::format("messages[{}].role", i)};
+    msgs.push_back({role == "developer" ? "system" : role, message_content(m, i)});
+  }
+  std::string text;
+  if (tpl != ChatTemplate::none) {
+    text = chat_render(tpl, msgs);
+  } else {
+    // A model without a chat template kvq knows (a base model): the contents, one per line.
+    for (const auto& m : msgs) text += m.content + "\n";
+  }
+  return engine.tokenizer().encode(text, true, /*parse_special=*/tpl != ChatTemplate::none);
+}
+
+void Server::Impl::handle_generate(const httplib::Request& req, httplib::Response& res, bool chat) {
+  json body = json::parse(req.body, nullptr, false);
+  if (body.is_discarded()) throw ApiError{"the request body is not valid JSON", ""};
+  if (!body.is_object()) throw ApiError{"the request body must be a JSON object", ""};
+  ApiRequest ar = parse_common(body);
+  std::vector<int32_t> prompt;
+  const char* prompt_param = chat ? "messages" : "prompt";
+  if (chat) {
+    prompt = chat_prompt(body);
+  } else {
+    if (!body.contains("prompt")) throw ApiError{"'prompt' is required", "prompt", "missing_required_parameter"};
+    const json& p = body["prompt"];
+    std::string text;
+    if (p.is_string()) text = p.get<std::string>();
+    else if (p.is_array() && p.size() == 1 && p[0].is_string()) text = p[0].get<std::string>();
+    else throw ApiError{"'prompt' must be a string (or an array of one string)", "prompt"};
+    prompt = engine.tokenizer().encode(text, true, true);
+    if (prompt.empty()) {
+      if (engine.tokenizer().bos() < 0) throw ApiError{"the prompt is empty", "prompt"};
+      prompt.push_back(engine.tokenizer().bos());
+    }
+  }
+  const int ctx = engine.ctx();
+  const int n_prompt = int(prompt.size());
+  if (n_prompt >= ctx)
+    throw ApiError{fmt::format("the prompt is {} tokens, the model's context is {} tokens", n_prompt, ctx), prompt_param,
+                   "context_length_exceeded"};
+  if (size_t(n_prompt) + 1 > engine.pool().tokens_capacity())
+    throw ApiError{fmt::format("the prompt is {} tokens, the KV cache holds {} tokens", n_prompt,
+                               engine.pool().tokens_capacity()),
+                   prompt_param, "context_length_exceeded"};
+  if (!ar.max_tokens_set) {
+    ar.params.max_tokens = chat ? ctx - n_prompt : std::min(16, ctx - n_prompt);
+  } else if (n_prompt + ar.params.max_tokens > ctx) {
+    throw ApiError{fmt::format("max_tokens {} + prompt {} tokens exceed the context of {} tokens", ar.params.max_tokens,
+                               n_prompt, ctx),
+                   "max_tokens", "context_length_exceeded"};
+  }
+
+  const std::string id = fmt::format("{}-{}", chat ? "chatcmpl" : "cmpl", next_id++);
+  const int64_t created = int64_t(std::time(nullptr));
+  const std::string model = opt.model_name;
+  auto usage = [n_prompt](const GenResult& g) {
+    return json{{"prompt_tokens", n_prompt},
+                {"completion_tokens", g.completion_tokens},
+                {"total_tokens", n_prompt + g.completion_tokens}};
+  };
+
+  if (!ar.stream) {
+    auto pr = std::make_shared<std::promise<GenResult>>();
+    auto fut = pr->get_future();
+    GenRequest gr;
+    gr.prompt = std::move(prompt);
+    gr.params = ar.params;
+    gr.on_done = [pr](const GenResult& g) { pr->set_value(g); };
+    engine.submit(std::move(gr));
+    const GenResult g = fut.get();
+    if (g.finish_reason == "error" || g.finish_reason == "cancelled")
+      throw ApiError{g.error.empty() ? "the request was cancelled" : g.error, "", "", 500};
+    json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish_reason_api(g.finish_reason)}};
+    if (chat) choice["message"] = {{"role", "assistant"}, {"content", g.text}};
+    else choice["text"] = g.text;
+    send_json(res, 200,
+              json{{"id", id},
+                   {"object", chat ? "chat.completion" : "text_completion"},
+                   {"created", created},
+                   {"model", model},
+                   {"choices", json::array({choice})},
+                   {"usage", usage(g)}});
+    return;
+  }
+
+  auto st = std::make_shared<StreamState>();
+  auto chunk = [=](const json& delta_or_text, const json& finish) {
+    json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish}};
+    if (chat) choice["delta"] = delta_or_text;
+    else choice["text"] = delta_or_text;
+    return json{{"id", id},
+                {"object", chat ? "chat.completion.chunk" : "text_completion"},
+                {"created", created},
+                {"model", model},
+                {"choices", json::array({choice})}};
+  };
+  if (chat) st->push(sse(chunk(json{{"role", "assistant"}, {"content", ""}}, nullptr)));
+  GenRequest gr;
+  gr.prompt = std::move(prompt);
+  gr.params = ar.params;
+  gr.on_text = [st, chunk, chat](const std::string& d) {
+    st->push(sse(chunk(chat ? json{{"content", d}} : json(d), nullptr)));
+  };
+  const bool include_usage = ar.include_usage;
+  gr.on_done = [st, chunk, chat, include_usage, usage, id, created, model](const GenResult& g) {
+    if (g.finish_reason == "error") {
+      st->push(sse(error_body(g.error, "server_error", "", "")));
+    } else if (g.finish_reason != "cancelled") {
+      st->push(sse(chunk(chat ? json::object() : json(""), finish_reason_api(g.finish_reason))));
+      if (include_usage)
+        st->push(sse(json{{"id", id},
+                          {"object", chat ? "chat.completion.chunk" : "text_completion"},
+                          {"created", created},
+                          {"model", model},
+                          {"choices", json::array()},
+                          {"usage", usage(g)}}));
+    }
+    st->push("data: [DONE]\n\n");
+    std::lock_guard<std::mutex> lk(st->mu);
+    st->done = true;
+  };
+  st->id = engine.submit(std::move(gr));
+  Engine* eng = &engine;
+  res.set_header("Cache-Control", "no-cache");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [st, eng](size_t, httplib::DataSink& sink) {
+        std::unique_lock<std::mutex> lk(st->mu);
+        st->cv.wait_for(lk, std::chrono::milliseconds(200), [&] { return !st->events.empty() || st->done; });
+        std::deque<std::string> evs;
+        evs.swap(st->events);
+        const bool done = st->done;
+        lk.unlock();
+        for (const auto& ev : evs) {
+          if (!sink.write(ev.data(), ev.size())) {
+            eng->cancel(st->id);  // the client went away
+            return false;
+          }
+        }
+        if (done) {
+          std::lock_guard<std::mutex> lk2(st->mu);
+          if (st->events.empty()) {
+            sink.done();
+            return true;
+          }
+        }
+        if (!sink.is_writable()) {
+          eng->cancel(st->id);
+          return false;
+        }
+        return true;
+      },
+      [st, eng](bool success) {
+        if (!success) eng->cancel(st->id);
+      });
+}
+
+Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<Impl>(engine, o)) {
+  Impl& I = *impl_;
+  if (I.opt.model_name.empty()) I.opt.model_name = "kvq";
+  I.tpl = chat_template_detect(engine.model().file());
+  const int n_threads = std::max(2, o.http_threads);
+  I.http.new_task_queue = [n_threads] { return new httplib::ThreadPool(size_t(n_threads)); };
+  I.http.set_payload_max_length(size_t(64) << 20);
+
+  auto wrap = [this](bool chat) {
+    return [this, chat](const httplib::Request& req, httplib::Response& res) {
+      try {
+        impl_->handle_generate(req, res, chat);
+      } catch (const ApiError& e) {
+        send_error(res, e);
+      } catch (const json::exception& e) {
+        send_error(res, ApiError{fmt::format("invalid request: {}", e.what()), ""});
+      } catch (const std::exception& e) {
+        send_error(res, ApiError{e.what(), "", "", 500});
+      }
+    };
+  };
+  I.http.Post("/v1/completions", wrap(false));
+  I.http.Post("/v1/chat/completions", wrap(true));
+  I.http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+    send_json(res, 200,
+              json{{"object", "list"},
+                   {"data", json::array({json{{"id", impl_->opt.model_name},
+                                              {"object", "model"},
+                                              {"created", int64_t(std::time(nullptr))},
+                                              {"owned_by", "kvq"},
+                                              {"max_model_len", impl_->engine.ctx()}}})}});
+  });
+  I.http.Get("/health", [](const httplib::Request&, httplib::Response& res) { send_json(res, 200, json{{"status", "ok"}}); });
+  I.http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(metrics_prometheus(impl_->engine.metrics()), "text/plain; version=0.0.4");
+  });
+  I.http.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+    if (!res.body.empty()) return;
+    if (res.status == 404)
+      send_json(res, 404, error_body(fmt::format("no route {} {}", req.method, req.path), "invalid_request_error", "", "not_found"));
+    else
+      send_json(res, res.status, error_body(fmt::format("HTTP {}", res.status), "invalid_request_error", "", ""));
+  });
+}
+
+Server::~Server() { stop(); }
+
+int Server::bind() {
+  Impl& I = *impl_;
+  if (I.opt.port < 0 || I.opt.port > 65535) fail("--port must be in [0, 65535] (got {})", I.opt.port);
+  if (I.opt.port == 0) {
+    const int p = I.http.bind_to_any_port(I.opt.host);
+    if (p <= 0) fail("cannot listen on {} (any port)", I.opt.host);
+    return p;
+  }
+  if (!I.http.bind_to_port(I.opt.host, I.opt.port)) fail("cannot listen on {}:{}", I.opt.host, I.opt.port);
+  return I.opt.port;
+}
+
+void Server::listen() { impl_->http.listen_after_bind(); }
+
+void Server::stop() {
+  if (impl_->http.is_running()) impl_->http.stop();
+}
+
+std::string metrics_prometheus(const EngineMetrics& m) {
+  std::string s;
+  auto hist = [&](const char* name, const char* help, const Histogram& h) {
+    s += fmt::format("# HELP {} {}\n# TYPE {} histogram\n", name, help, name);
+    uint64_t cum = 0;
+    for (size_t i = 0; i < h.bounds.size(); ++i) {
+      cum += h.counts[i];
+      s += fmt::format("{}_bucket{{le=\"{}\"}} {}\n", name, h.bounds[i], cum);
+    }
+    s += fmt::format("{}_bucket{{le=\"+Inf\"}} {}\n{}_sum {}\n{}_count {}\n", name, h.count, name, h.sum, name, h.count);
+  };
+  auto one = [&](const char* name, const char* type, const char* help, auto v) {
+    s += fmt::format("# HELP {} {}\n# TYPE {} {}\n{} {}\n", name, help, name, type, name, v);
+  };
+  hist("kvq_time_to_first_token_seconds", "Time from request arrival to its first generated token.", m.ttft);
+  hist("kvq_time_per_output_token_seconds", "Time between consecutive generated tokens of a request.", m.tpot);
+  one("kvq_requests_running", "gauge", "Requests in the running batch.", m.running);
+  one("kvq_requests_waiting", "gauge", "Requests queued for admission.", m.waiting);
+  one("kvq_kv_cache_usage_ratio", "gauge", "Referenced KV pages / all KV pages.", m.kv_usage);
+  one("kvq_kv_cache_tokens_capacity", "gauge", "Tokens the KV page pool holds.", m.kv_tokens_capacity);
+  one("kvq_prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", m.prefix_query_tokens);
+  one("kvq_prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache.", m.prefix_hit_tokens);
+  one("kvq_preemptions_total", "counter", "Sequences preempted (recomputed later) for lack of KV pages.", m.preemptions);
+  one("kvq_requests_finished_total", "counter", "Requests finished.", m.requests_finished);
+  one("kvq_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", m.prompt_tokens);
+  one("kvq_generation_tokens_total", "counter", "Tokens generated.", m.generation_tokens);
+  return s;
+}
+
+}  // namespace kvq

@@ -1,0 +1,42 @@
+// OpenAI-compatible HTTP front end of an Engine (cpp-httplib, one thread per connection):
+//   POST /v1/completions, POST /v1/chat/completions (stream via SSE "data: {...}\n\n", ending with
+//   "data: [DONE]\n\n"), GET /v1/models, GET /health, GET /metrics (Prometheus text format).
+// Every request body is validated here, at the edge: bad input gets a 400 with an OpenAI-style
+// error object {"error": {"message", "type", "param", "code"}}; unknown routes a 404.
+#pragma once
+#include <memory>
+#include <string>
+
+#include "engine/engine.h"
+
+namespace kvq {
+
+struct ServerOptions {
+  std::string host = "127.0.0.1";
+  int port = 8080;          // 0: any free port (bind() returns it)
+  std::string model_name;   // the id /v1/models reports (default: the model file's stem)
+  int http_threads = 64;    // connections served at once (a streaming request holds one)
+};
+
+class Server {
+ public:
+  Server(Engine& engine, const ServerOptions& o);
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // Binds the listening socket; returns the port. Throws kvq::Error when it cannot.
+  int bind();
+  // Serves until stop() (call bind() first).
+  void listen();
+  void stop();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Prometheus text exposition of the engine's metrics.
+std::string metrics_prometheus(const EngineMetrics& m);
+
+}  // namespace kvq

@@ -1,0 +1,281 @@
+// HTTP server end to end on loopback: completions and chat (plain and streamed), usage, stop,
+// every bad-input case, /v1/models, /health and /metrics.
+#include <gtest/gtest.h>
+#include <httplib.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "server/serve_cli.h"
+#include "server/server.h"
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using namespace kvq;
+
+namespace {
+std::string model_path() { return std::string(KVQ_SOURCE_DIR) + "/../shared/models/stories260K.gguf"; }
+}  // namespace
+
+class ServerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!fs::exists(model_path())) return;
+    EngineOptions o;
+    o.model_path = model_path();
+    o.threads = 2;
+    o.ctx = 256;
+    o.kv_tokens = 4096;
+    o.kv.page_tokens = 16;
+    engine_ = new Engine(o);
+    ServerOptions so;
+    so.port = 0;
+    so.model_name = "stories260K";
+    so.http_threads = 8;
+    server_ = new Server(*engine_, so);
+    port_ = server_->bind();
+    thread_ = new std::thread([] { server_->listen(); });
+  }
+  static void TearDownTestSuite() {
+    if (!server_) return;
+    server_->stop();
+    thread_->join();
+    delete thread_;
+    delete server_;
+    delete engine_;
+    server_ = nullptr;
+  }
+  void SetUp() override {
+    if (!server_) GTEST_SKIP() << "stories260K.gguf not found at " << model_path();
+  }
+  httplib::Client client() const {
+    httplib::Client c("127.0.0.1", port_);
+    c.set_read_timeout(60, 0);
+    return c;
+  }
+  json post_ok(const std::string& path, const json& body) {
+    auto c = client();
+    auto r = c.Post(path.c_str(), body.dump(), "application/json");
+    EXPECT_TRUE(r);
+    if (!r) return {};
+    EXPECT_EQ(r->status, 200) << r->body;
+    return json::parse(r->body);
+  }
+  // Expects a 400 whose error object names `param` (empty: any).
+  void expect_bad(const std::string& path, const std::string& body, const std::string& param = "") {
+    SCOPED_TRACE(body);
+    auto c = client();
+    auto r = c.Post(path.c_str(), body, "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 400);
+    json j = json::parse(r->body, nullptr, false);
+    ASSERT_FALSE(j.is_discarded()) << r->body;
+    ASSERT_TRUE(j.contains("error"));
+    EXPECT_EQ(j["error"]["type"], "invalid_request_error");
+    EXPECT_TRUE(j["error"]["message"].is_string());
+    EXPECT_TRUE(j["error"].contains("param"));
+    EXPECT_TRUE(j["error"].contains("code"));
+    if (!param.empty()) {
+      EXPECT_EQ(j["error"]["param"], param);
+    }
+  }
+  // The SSE events of a streamed response, "[DONE]" excluded; *done set when it was seen last.
+  std::vector<json> stream(const std::string& path, json body, bool* done) {
+    body["stream"] = true;
+    auto c = client();
+    std::string raw;
+    auto r = c.Post(path.c_str(), httplib::Headers{}, body.dump(), "application/json");
+    EXPECT_TRUE(r);
+    if (!r) return {};
+    EXPECT_EQ(r->status, 200);
+    EXPECT_NE(r->get_header_value("Content-Type").find("text/event-stream"), std::string::npos);
+    raw = r->body;
+    std::vector<json> evs;
+    *done = false;
+    size_t pos = 0;
+    while (pos < raw.size()) {
+      const size_t end = raw.find("\n\n", pos);
+      EXPECT_NE(end, std::string::npos) << "unterminated event";
+      if (end == std::string::npos) break;
+      const std::string ev = raw.substr(pos, end - pos);
+      pos = end + 2;
+      EXPECT_EQ(ev.rfind("data: ", 0), 0u) << ev;
+      EXPECT_FALSE(*done) << "event after [DONE]";
+      const std::string data = ev.substr(6);
+      if (data == "[DONE]") {
+        *done = true;
+        continue;
+      }
+      evs.push_back(json::parse(data));
+    }
+    return evs;
+  }
+
+  static inline Engine* engine_ = nullptr;
+  static inline Server* server_ = nullptr;
+  static inline std::thread* thread_ = nullptr;
+  static inline int port_ = 0;
+};
+
+TEST_F(ServerTest, CompletionGreedyStreamedEqualsPlain) {
+  json body = {{"model", "stories260K"}, {"prompt", "Once upon a time"}, {"max_tokens", 24}, {"temperature", 0}};
+  json j = post_ok("/v1/completions", body);
+  EXPECT_EQ(j["object"], "text_completion");
+  const std::string text = j["choices"][0]["text"];
+  EXPECT_FALSE(text.empty());
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(j["usage"]["completion_tokens"], 24);
+  const int n_prompt = j["usage"]["prompt_tokens"];
+  EXPECT_EQ(n_prompt, int(engine_->tokenizer().encode("Once upon a time", true).size()));
+  EXPECT_EQ(j["usage"]["total_tokens"], n_prompt + 24);
+  // The same through the engine directly.
+  GenParams p;
+  p.sampling.temperature = 0;
+  p.max_tokens = 24;
+  EXPECT_EQ(engine_->generate(engine_->tokenizer().encode("Once upon a time", true), p).text, text);
+
+  bool done = false;
+  body["stream_options"] = {{"include_usage", true}};
+  std::vector<json> evs = stream("/v1/completions", body, &done);
+  EXPECT_TRUE(done);
+  ASSERT_GE(evs.size(), 2u);
+  std::string joined;
+  std::string finish;
+  for (const auto& e : evs) {
+    if (e["choices"].empty()) continue;  // the usage chunk
+    joined += e["choices"][0]["text"].get<std::string>();
+    if (!e["choices"][0]["finish_reason"].is_null()) finish = e["choices"][0]["finish_reason"];
+  }
+  EXPECT_EQ(joined, text);
+  EXPECT_EQ(finish, "length");
+  EXPECT_EQ(evs.back()["usage"]["completion_tokens"], 24);
+}
+
+TEST_F(ServerTest, ChatPlainAndStreamedAndStop) {
+  json body = {{"messages", json::array({{{"role", "user"}, {"content", "Once upon a time"}}})},
+               {"max_tokens", 20},
+               {"temperature", 0},
+               {"seed", 7}};
+  json j = post_ok("/v1/chat/completions", body);
+  EXPECT_EQ(j["object"], "chat.completion");
+  EXPECT_EQ(j["choices"][0]["message"]["role"], "assistant");
+  const std::string content = j["choices"][0]["message"]["content"];
+  EXPECT_FALSE(content.empty());
+  bool done = false;
+  std::vector<json> evs = stream("/v1/chat/completions", body, &done);
+  EXPECT_TRUE(done);
+  ASSERT_GE(evs.size(), 2u);
+  EXPECT_EQ(evs.front()["choices"][0]["delta"]["role"], "assistant");
+  std::string joined;
+  for (const auto& e : evs)
+    if (e["choices"][0]["delta"].contains("content")) joined += e["choices"][0]["delta"]["content"].get<std::string>();
+  EXPECT_EQ(joined, content);
+  EXPECT_EQ(evs.back()["object"], "chat.completion.chunk");
+
+  // A stop string taken from the greedy output cuts it there.
+  const std::string stop = content.substr(content.size() / 2, 3);
+  body["stop"] = json::array({stop});
+  json s = post_ok("/v1/chat/completions", body);
+  EXPECT_EQ(s["choices"][0]["message"]["content"], content.substr(0, content.find(stop)));
+  EXPECT_EQ(s["choices"][0]["finish_reason"], "stop");
+  body["stop"] = stop;  // a plain string too
+  EXPECT_EQ(post_ok("/v1/chat/completions", body)["choices"][0]["message"]["content"], content.substr(0, content.find(stop)));
+}
+
+TEST_F(ServerTest, ConcurrentRequests) {
+  std::vector<std::thread> ts;
+  std::vector<std::string> got(6);
+  for (int i = 0; i < 6; ++i)
+    ts.emplace_back([&, i] {
+      auto c = client();
+      json b = {{"prompt", "Lily and Tom went to the park. They saw a " + std::string(i % 2 ? "dog" : "cat")},
+                {"max_tokens", 16},
+                {"temperature", 0}};
+      auto r = c.Post("/v1/completions", b.dump(), "application/json");
+      if (r && r->status == 200) got[size_t(i)] = json::parse(r->body)["choices"][0]["text"];
+    });
+  for (auto& t : ts) t.join();
+  for (int i = 2; i < 6; ++i) EXPECT_EQ(got[size_t(i)], got[size_t(i % 2)]);
+  EXPECT_FALSE(got[0].empty());
+}
+
+TEST_F(ServerTest, BadInputIs400AndServerKeepsServing) {
+  const std::string c = "/v1/completions", ch = "/v1/chat/completions";
+  expect_bad(c, "{not json");
+  expect_bad(c, "[1, 2]");
+  expect_bad(c, R"({"max_tokens": 4})", "prompt");
+  expect_bad(c, R"({"prompt": 5})", "prompt");
+  expect_bad(c, R"({"prompt": "a", "max_tokens": "4"})", "max_tokens");
+  expect_bad(c, R"({"prompt": "a", "max_tokens": 0})", "max_tokens");
+  expect_bad(c, R"({"prompt": "a", "max_tokens": 100000})", "max_tokens");
+  expect_bad(c, R"({"prompt": "a", "temperature": "hot"})", "temperature");
+  expect_bad(c, R"({"prompt": "a", "temperature": 5})", "temperature");
+  expect_bad(c, R"({"prompt": "a", "top_p": 0})", "top_p");
+  expect_bad(c, R"({"prompt": "a", "stop": 3})", "stop");
+  expect_bad(c, R"({"prompt": "a", "stop": ["x", 3]})", "stop");
+  expect_bad(c, R"({"prompt": "a", "seed": 1.5})", "seed");
+  expect_bad(c, R"({"prompt": "a", "stream": "yes"})", "stream");
+  expect_bad(c, R"({"prompt": "a", "n": 2})", "n");
+  std::string long_prompt;
+  for (int i = 0; i < 300; ++i) long_prompt += "the cat sat. ";
+  expect_bad(c, json{{"prompt", long_prompt}}.dump(), "prompt");
+  expect_bad(ch, R"({"max_tokens": 4})", "messages");
+  expect_bad(ch, R"({"messages": []})", "messages");
+  expect_bad(ch, R"({"messages": "hi"})", "messages");
+  expect_bad(ch, R"({"messages": [{"content": "hi"}]})", "messages[0].role");
+  expect_bad(ch, R"({"messages": [{"role": "wizard", "content": "hi"}]})", "messages[0].role");
+  expect_bad(ch, R"({"messages": [{"role": "user", "content": 3}]})", "messages[0].content");
+
+  auto cl = client();
+  auto r = cl.Get("/v1/nothing");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 404);
+  EXPECT_TRUE(json::parse(r->body).contains("error"));
+  r = cl.Post("/v1/unknown", "{}", "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 404);
+  // Still serving.
+  json j = post_ok(c, {{"prompt", "Hi"}, {"max_tokens", 2}});
+  EXPECT_EQ(j["usage"]["completion_tokens"].get<int>() <= 2, true);
+}
+
+TEST_F(ServerTest, ModelsHealthMetrics) {
+  auto c = client();
+  auto r = c.Get("/health");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  r = c.Get("/v1/models");
+  ASSERT_TRUE(r);
+  json m = json::parse(r->body);
+  EXPECT_EQ(m["object"], "list");
+  EXPECT_EQ(m["data"][0]["id"], "stories260K");
+  // Two requests with a shared prefix of several pages, so the prefix cache is hit.
+  std::string prefix;
+  for (int i = 0; i < 6; ++i) prefix += "Lily had a red ball and a blue hat. ";
+  post_ok("/v1/completions", {{"prompt", prefix + "She"}, {"max_tokens", 4}, {"temperature", 0}});
+  post_ok("/v1/completions", {{"prompt", prefix + "He"}, {"max_tokens", 4}, {"temperature", 0}});
+  r = c.Get("/metrics");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  const std::string t = r->body;
+  for (const char* name :
+       {"kvq_time_to_first_token_seconds_bucket{le=\"+Inf\"}", "kvq_time_to_first_token_seconds_count",
+        "kvq_time_per_output_token_seconds_sum", "kvq_requests_running 0", "kvq_requests_waiting 0",
+        "kvq_kv_cache_usage_ratio 0", "kvq_kv_cache_tokens_capacity 4096", "kvq_prefix_cache_queries_total",
+        "kvq_prefix_cache_hits_total", "kvq_preemptions_total", "# TYPE kvq_time_to_first_token_seconds histogram"})
+    EXPECT_NE(t.find(name), std::string::npos) << name << "\n" << t;
+  const EngineMetrics em = engine_->metrics();
+  EXPECT_GT(em.prefix_hit_tokens, 0u);
+  EXPECT_NE(t.find(fmt::format("kvq_prefix_cache_hits_total {}", em.prefix_hit_tokens)), std::string::npos);
+}
+
+TEST(ServeCli, ParseBytes) {
+  EXPECT_EQ(parse_bytes("2GiB"), size_t(2) << 30);
+  EXPECT_EQ(parse_bytes("512MiB"), size_t(512) << 20);
+  EXPECT_EQ(parse_bytes("1000"), 1000u);
+  EXPECT_EQ(parse_bytes("1.5KiB"), 1536u);
+  EXPECT_THROW(parse_bytes("lots"), Error);
+  EXPECT_THROW(parse_bytes("2XB"), Error);
+  EXPECT_THROW(parse_bytes("-5"), Error);
+}
