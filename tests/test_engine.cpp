@@ -17,10 +17,12 @@ namespace {
 std::string model_path() { return std::string(KVQ_SOURCE_DIR) + "/../shared/models/stories260K.gguf"; }
 
 // Greedy continuation of prompt, alone, on a private cache: the reference.
-std::vector<int32_t> greedy_alone(const Engine& e, const std::vector<int32_t>& prompt, int max_tokens) {
+std::vector<int32_t> greedy_alone(const Engine& e, const std::vector<int32_t>& prompt, int max_tokens,
+                                  const std::string& kv = "f16") {
   const Model& m = e.model();
   ThreadPool tp(1);
   KvFlags f;
+  f.kv_cache_dtype = kv;
   KvCacheConfig kc = m.kv_cache_config(kv_flags_resolve(f, m.config()).policy, e.ctx(), 16);
   KvCache cache(kc);
   Forward fwd(m, tp);
@@ -225,4 +227,24 @@ TEST_F(EngineTest, CancelFreesPagesAndBadRequestsFail) {
   EXPECT_EQ(bad_id.finish_reason, "error");
   // Still serving.
   EXPECT_EQ(e.generate(tok.encode("Hi", true), greedy(3)).tokens.size(), 3u);
+}
+
+// Quantized caches (per-token codecs: the ones stories260K's head_dim 8 allows) share prefixes and
+// serve the same tokens as a private cache of the same format.
+TEST_F(EngineTest, QuantizedFormatsConcurrentEqualAlone) {
+  for (const std::string kv : {"int8", "fp8_e4m3"}) {
+    SCOPED_TRACE(kv);
+    EngineOptions o = base_options(2048);
+    o.kv.kv_cache_dtype = kv;
+    Engine e(o);
+    const Tokenizer& tok = e.tokenizer();
+    const std::string shared = kShared;
+    std::vector<std::vector<int32_t>> prompts = {tok.encode(shared + " she", true), tok.encode(shared + " he", true),
+                                                 tok.encode("Tom had a blue car. He", true)};
+    e.generate(tok.encode(shared, true), greedy(4));  // publishes the shared pages
+    std::vector<Outcome> got = run_concurrently(e, prompts, greedy(30));
+    for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(got[i].res.tokens, greedy_alone(e, prompts[i], 30, kv)) << i;
+    EXPECT_GT(e.metrics().prefix_hit_tokens, 0u);
+    expect_pool_clean(e);
+  }
 }

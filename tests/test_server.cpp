@@ -279,3 +279,31 @@ TEST(ServeCli, ParseBytes) {
   EXPECT_THROW(parse_bytes("2XB"), Error);
   EXPECT_THROW(parse_bytes("-5"), Error);
 }
+
+TEST_F(ServerTest, ClientGoneMidStreamCancelsAndFreesPages) {
+  const uint64_t gen_before = engine_->metrics().generation_tokens;
+  {
+    auto c = client();
+    json b = {{"prompt", "Once upon a time"}, {"max_tokens", 200}, {"temperature", 0}, {"stream", true}};
+    int chunks = 0;
+    httplib::Request req;
+    req.method = "POST";
+    req.path = "/v1/completions";
+    req.body = b.dump();
+    req.set_header("Content-Type", "application/json");
+    // Stop reading after the first chunk: the client closes the connection.
+    req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) { return ++chunks < 2; };
+    auto r = c.send(req);
+    EXPECT_FALSE(r);  // the client aborted
+    EXPECT_GE(chunks, 1);
+  }
+  // The server notices at its next write and cancels: the request ends well before 200 tokens.
+  for (int i = 0; i < 200 && !(engine_->idle() && engine_->metrics().running == 0); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  engine_->wait_idle();
+  EXPECT_LT(engine_->metrics().generation_tokens - gen_before, 200u);
+  EXPECT_EQ(engine_->pool().n_used(), 0u);
+  // And keeps serving.
+  json j = post_ok("/v1/completions", {{"prompt", "Hi"}, {"max_tokens", 2}});
+  EXPECT_TRUE(j.contains("choices"));
+}
