@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# kvq serve as a user runs it: start on a free port, talk to it with curl (and, when the `openai`
+# Python package can be installed into a venv, with the official OpenAI client), stop it with
+# SIGTERM; bad flags are rejected with a one-line error and a non-zero exit.
+# The venv lives in $KVQ_OPENAI_VENV (default: $TMPDIR/kvq-openai-venv) and is reused.
+set -u
+kvq=$1
+src=$2
+model=$src/../shared/models/stories260K.gguf
+[[ -f $model ]] || { echo "skip: $model not found"; exit 77; }
+tmp=$(mktemp -d)
+pid=
+trap '[[ -n $pid ]] && kill $pid 2>/dev/null; rm -rf "$tmp"' EXIT
+fails=0
+check() { if ! eval "$2"; then echo "FAIL: $1"; fails=$((fails + 1)); else echo "ok: $1"; fi; }
+
+# bad flags
+"$kvq" serve -m "$model" --kv-mem lots >"$tmp/o" 2>"$tmp/e"; rc=$?
+check "--kv-mem lots exits 1" "[[ $rc -eq 1 ]] && grep -q 'not a size' $tmp/e"
+"$kvq" serve -m "$model" --kv-mem 1GiB --kv-tokens 100 >"$tmp/o" 2>"$tmp/e"; rc=$?
+check "--kv-mem with --kv-tokens exits 1" "[[ $rc -eq 1 ]] && grep -q 'not both' $tmp/e"
+"$kvq" serve -m "$model" --kv nope >"$tmp/o" 2>"$tmp/e"; rc=$?
+check "unknown KV format exits 1" "[[ $rc -eq 1 ]] && grep -q 'error' $tmp/e"
+"$kvq" serve -m "$tmp/missing.gguf" >"$tmp/o" 2>"$tmp/e"; rc=$?
+check "missing model exits 1" "[[ $rc -eq 1 ]]"
+
+# start on a free port (it prints the port it got)
+"$kvq" serve -m "$model" --port 0 -t 1 -c 256 --kv-tokens 2048 --kv int8 --kv-page-tokens 16 2>"$tmp/log" &
+pid=$!
+port=
+for _ in $(seq 100); do
+  port=$(sed -n 's|.*serving .* on http://127.0.0.1:\([0-9]*\).*|\1|p' "$tmp/log")
+  [[ -n $port ]] && break
+  sleep 0.1
+done
+check "server reports its port" "[[ -n '$port' ]]"
+url=http://127.0.0.1:$port
+
+check "/health is 200" "[[ \$(curl -s -o /dev/null -w '%{http_code}' $url/health) == 200 ]]"
+check "/v1/models names the model" "curl -s $url/v1/models | grep -q '\"id\":\"stories260K\"'"
+curl -s $url/v1/completions -H 'Content-Type: application/json' \
+  -d '{"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}' >"$tmp/c.json"
+check "completion has usage" "grep -q '\"completion_tokens\":8' $tmp/c.json"
+curl -sN $url/v1/chat/completions -H 'Content-Type: application/json' \
+  -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "stream": true}' >"$tmp/s.txt"
+check "stream ends with [DONE]" "[[ \$(tail -c 14 $tmp/s.txt) == 'data: [DONE]' ]] || tail -n 2 $tmp/s.txt | grep -q '^data: \[DONE\]'"
+code=$(curl -s -o "$tmp/bad.json" -w '%{http_code}' $url/v1/completions -d '{"prompt": 1}')
+check "bad prompt is 400 with an error object" "[[ $code == 400 ]] && grep -q invalid_request_error $tmp/bad.json"
+check "/metrics has the TTFT histogram" "curl -s $url/metrics | grep -q '^kvq_time_to_first_token_seconds_count 2'"
+
+# the official OpenAI client
+venv=${KVQ_OPENAI_VENV:-${TMPDIR:-/tmp}/kvq-openai-venv}
+if [[ ! -x $venv/bin/python ]] || ! "$venv/bin/python" -c 'import openai' 2>/dev/null; then
+  python3 -m venv "$venv" >/dev/null 2>&1 && "$venv/bin/pip" install -q openai >/dev/null 2>&1
+fi
+if "$venv/bin/python" -c 'import openai' 2>/dev/null; then
+  "$venv/bin/python" - "$url" >"$tmp/py.out" 2>&1 <<'PY'
+import sys
+import openai
+c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="none")
+r = c.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=12, temperature=0)
+assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length", r
+text = r.choices[0].text
+parts = [ch.choices[0].text for ch in c.completions.create(model="stories260K", prompt="Once upon a time",
+                                                             max_tokens=12, temperature=0, stream=True)]
+assert "".join(parts) == text, (parts, text)
+r = c.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Lily"}], max_tokens=10,
+                              temperature=0, seed=3)
+assert r.choices[0].message.role == "assistant" and r.usage.total_tokens == r.usage.prompt_tokens + 10, r
+deltas = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+    model="stories260K", messages=[{"role": "user", "content": "Lily"}], max_tokens=10, temperature=0, stream=True)]
+assert "".join(deltas) == r.choices[0].message.content, (deltas, r)
+try:
+    c.completions.create(model="stories260K", prompt="x", max_tokens=100000)
+    raise SystemExit("expected a 400")
+except openai.BadRequestError as e:
+    assert e.status_code == 400 and "max_tokens" in str(e), e
+print("openai client ok")
+PY
+  check "official openai client: completions, chat, streaming, 400" "grep -q 'openai client ok' $tmp/py.out || { cat $tmp/py.out; false; }"
+else
+  echo "note: the openai package could not be installed; its client check is skipped"
+fi
+
+kill -TERM $pid
+wait $pid; rc=$?
+pid=
+check "SIGTERM stops the server with exit 0" "[[ $rc -eq 0 ]]"
+
+[[ $fails -eq 0 ]] || { echo "$fails check(s) failed"; exit 1; }
+echo "all serve checks passed"
