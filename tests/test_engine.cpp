@@ -248,3 +248,21 @@ TEST_F(EngineTest, QuantizedFormatsConcurrentEqualAlone) {
     expect_pool_clean(e);
   }
 }
+
+// A pool smaller than one context: a prompt that cannot fit is refused, and a lone sequence that
+// outgrows the pool ends with "length" (the tokens it produced are still the right ones).
+TEST_F(EngineTest, PoolSmallerThanContext) {
+  Engine e(base_options(64));  // 4 pages of 16 tokens
+  const Tokenizer& tok = e.tokenizer();
+  const std::vector<int32_t> prompt = tok.encode("Lily went to the park and", true);
+  GenResult g = e.generate(prompt, greedy(100));
+  EXPECT_EQ(g.finish_reason, "length");
+  EXPECT_EQ(int(prompt.size() + g.tokens.size()), 64 + 1);  // the last sampled token needs no page
+  const std::vector<int32_t> ref = greedy_alone(e, prompt, int(g.tokens.size()));
+  EXPECT_EQ(g.tokens, ref);
+  GenResult big = e.generate(std::vector<int32_t>(100, 5), greedy(4));
+  EXPECT_EQ(big.finish_reason, "error");
+  EXPECT_NE(big.error.find("KV pool"), std::string::npos);
+  e.wait_idle();
+  expect_pool_clean(e);
+}
