@@ -205,6 +205,7 @@ void Engine::emit_text(Seq& s, bool final) {
     // Hold back a tail that may be the start of a stop string.
     size_t hold = 0;
     for (const auto& st : s.req.params.stop) {
+      if (st.empty()) continue;
       for (size_t k = std::min(st.size() - 1, end - s.sent); k > hold; --k)
         if (s.text.compare(end - k, k, st, 0, k) == 0) {
           hold = k;
