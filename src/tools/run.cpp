@@ -93,7 +93,7 @@ int run_command(const RunOptions& o) {
 
   std::vector<int32_t> history = ids;
   TokenStreamDecoder stream(tok, from_start);
-  int n_gen = 0;
+  int n_gen = 0, n_eval = 0;  // tokens sampled; tokens run through the model
   const double t1 = now_seconds();
   const char* stop_reason = "length";
   for (; n_gen < o.n_predict; ++n_gen) {
@@ -113,15 +113,15 @@ int run_command(const RunOptions& o) {
       ++n_gen;
       break;
     }
+    if (n_gen + 1 == o.n_predict) continue;  // the last token needs no logits
     logits = fwd.eval(&next, 1, cache);
+    ++n_eval;
   }
   std::string rest = stream.flush();
   std::fwrite(rest.data(), 1, rest.size(), stdout);
   std::fputc('\n', stdout);
   std::fflush(stdout);
   const double t_gen = now_seconds() - t1;
-  // The last sampled token is not evaluated, so decode speed counts evaluated tokens.
-  const int n_eval = n_gen > 0 ? n_gen - 1 : 0;
   std::fprintf(stderr, "\n[kvq] %s | %s | %d threads | KV %s (%.1f bytes/token)\n", c.name.c_str(), c.arch.c_str(),
                threads, kv_policy_describe(policy).c_str(), cache.bytes_per_token());
   std::fprintf(stderr, "[kvq] stop: %s\n", stop_reason);
