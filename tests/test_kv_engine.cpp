@@ -79,7 +79,7 @@ TEST(KvEngine, SmolLM2FormatsStayWithinKldBounds) {
   const Case cases[] = {{"bf16", 0.005}, {"fp8_e4m3", 0.05}, {"fp8_e5m2", 0.1}, {"int8", 0.02}, {"q8_0", 0.02},
                         {"fp8_e4m3_dyn", 0.05}, {"q4_0", 0.3}, {"int4_g32", 0.3}, {"k8v4", 0.3}, {"kivi4", 0.3},
                         {"tq4", 0.3}, {"tq3.5", 0.5}, {"tq3", 0.6}, {"kvquant4", 0.3}, {"kvquant3", 0.6},
-                        {"kivi2", 1.0}, {"tq2.5", 1.0}};
+                        {"kivi2", 1.0}, {"tq2.5", 1.0}, {"q8_0h", 0.02}, {"q4_0h", 0.15}};
   for (const auto& c : cases) {
     const auto got = run(c.fmt);
     std::vector<TokenScore> sc;

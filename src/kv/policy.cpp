@@ -10,8 +10,21 @@
 namespace kvq {
 
 KvPolicy kv_policy_uniform(const std::string& format, int n_layer) {
-  const KvFormatDesc& d = kv_format_find(format);
   KvPolicy p;
+  // "KFMT/VFMT" takes K from one format and V from another (e.g. "tq4/f16": only keys quantized),
+  // so that eval can measure K and V error separately without a registered mix for each pair.
+  const size_t slash = format.find('/');
+  if (slash != std::string::npos) {
+    const std::string kf = format.substr(0, slash), vf = format.substr(slash + 1);
+    if (kf.empty() || vf.empty() || vf.find('/') != std::string::npos)
+      fail("KV format '{}': expected FMT or KFMT/VFMT", format);
+    const KvFormatDesc& kd = kv_format_find(kf);
+    const KvFormatDesc& vd = kv_format_find(vf);
+    p.name = kd.name + "/" + vd.name;
+    p.layers.assign(size_t(n_layer), KvLayerFormat{kd.k_codec, vd.v_codec});
+    return p;
+  }
+  const KvFormatDesc& d = kv_format_find(format);
   p.name = d.name;
   p.layers.assign(size_t(n_layer), KvLayerFormat{d.k_codec, d.v_codec});
   return p;

@@ -19,6 +19,7 @@ void kv_register_mixed_formats();
 void kv_register_kivi();
 void kv_register_kvquant();
 void kv_register_turboquant();
+void kv_register_rotated_codecs();
 
 namespace {
 
@@ -72,6 +73,7 @@ const Registry& registry() {
     kv_register_kivi();
     kv_register_kvquant();
     kv_register_turboquant();
+    kv_register_rotated_codecs();
     validate(storage());
   });
   return storage();

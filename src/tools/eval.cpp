@@ -42,11 +42,16 @@ void eval_add_cli(CLI::App& app, EvalOptions& o) {
       ->check(CLI::IsMember({"dynamic", "static-prefill"}))->capture_default_str();
   app.add_option("--html", o.html, "write a self-contained HTML report with plots");
   app.add_flag("!--no-progress", o.progress, "no progress bar on stderr");
+  app.add_flag("--f32-weights", o.f32_weights,
+               "dequantize weights to f32 and run at reference precision (no 8-bit activation quantization): "
+               "separates the KV format's error from the engine's own rounding; slower");
   // the same per-layer flags as kvq run, applied to every format under test (not --kv-cache-dtype)
   app.add_option("--kv-cache-dtype-skip-layers", o.kv.skip_layers, "layers kept in f16 for every format");
   app.add_option("--kv-layer", o.kv.layer_overrides, "per-layer override L=KFMT/VFMT (repeatable)");
   app.add_option("--kv-scales", o.kv.scales_file, "calibration JSON (kvq calibrate)");
   app.add_option("--kv-page-tokens", o.kv.page_tokens, "tokens per KV page")->capture_default_str();
+  app.add_option("--kv-group-tokens", o.kv.group_tokens, "grouped formats (kivi*, kvquant*): tokens per group G");
+  app.add_option("--kv-residual-tokens", o.kv.residual_tokens, "grouped formats: newest tokens kept in full precision R");
 }
 
 namespace {
@@ -104,7 +109,7 @@ struct Ctx {
 
 std::unique_ptr<KvCache> make_cache(const Ctx& c, const FormatRun& r, int max_tokens) {
   KvCacheConfig kc = c.m.kv_cache_config(r.kv.policy, max_tokens, c.o.kv.page_tokens);
-  kc.calib = r.kv.calib.get();
+  r.kv.apply(kc);
   return std::make_unique<KvCache>(kc);
 }
 
@@ -395,7 +400,7 @@ int eval_command(const EvalOptions& o) {
   for (int d : o.depths)
     if (d < 0 || d > 100) fail("--depths: {} is not a percentage in [0, 100]", d);
 
-  auto model = Model::load(o.model);
+  auto model = o.f32_weights ? Model::load_f32(o.model) : Model::load(o.model);
   const ModelConfig& cfg = model->config();
   Tokenizer tok = Tokenizer::from_gguf(model->file());
   std::vector<int> ctxs;
@@ -411,7 +416,7 @@ int eval_command(const EvalOptions& o) {
     r.kv = kv_flags_resolve(o.kv, cfg, f);
     r.name = r.kv.policy.name;
     KvCacheConfig kc = model->kv_cache_config(r.kv.policy, 64, o.kv.page_tokens);
-    kc.calib = r.kv.calib.get();
+    r.kv.apply(kc);
     KvCache probe(kc);  // validates the codecs for this model now, not mid-run
     r.bits_per_element = bits_per_element(probe, cfg);
     runs.push_back(std::move(r));

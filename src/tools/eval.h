@@ -28,6 +28,7 @@ struct EvalOptions {
   std::string json_out;               // --json-out FILE (also writes JSON there)
   std::string html;                   // --html REPORT.html (self-contained, SVG plots)
   bool progress = true;
+  bool f32_weights = false;  // dequantize the weights to f32 (reference precision, no 8-bit activations)
   // ppl: "dynamic" (each format as registered) or "static-prefill": the int8/fp8 formats use
   // fixed per-layer/head scales measured on the first half of each window (the context part)
   // and reused for the scored second half, as an engine that calibrates at prefill would.

@@ -20,6 +20,10 @@ void kv_flags_add(CLI::App& app, KvFlags& f) {
   app.add_option("--kv-layer", f.layer_overrides, "per-layer override L=KFMT/VFMT (repeatable)");
   app.add_option("--kv-scales", f.scales_file, "calibration JSON (kvq calibrate) with K/V scales and codebooks");
   app.add_option("--kv-page-tokens", f.page_tokens, "tokens per KV page (power of two, 16..256)")->capture_default_str();
+  app.add_option("--kv-group-tokens", f.group_tokens,
+                 "grouped formats (kivi*, kvquant*): tokens per quantization group G (default: the format's)");
+  app.add_option("--kv-residual-tokens", f.residual_tokens,
+                 "grouped formats: newest tokens kept in full precision R (default: the format's)");
 }
 
 KvSetup kv_flags_resolve(const KvFlags& f, const ModelConfig& cfg, const std::string& format) {
@@ -48,6 +52,12 @@ KvSetup kv_flags_resolve(const KvFlags& f, const ModelConfig& cfg, const std::st
       fail("--kv-scales '{}': malformed JSON: {}", f.scales_file, e.what());
     }
   }
+  if (f.group_tokens < 0 || f.group_tokens > 4096)
+    fail("--kv-group-tokens: {} is out of range (1..4096, or 0 for the format's default)", f.group_tokens);
+  if (f.residual_tokens < -1 || f.residual_tokens > (1 << 20))
+    fail("--kv-residual-tokens: {} is out of range (0..1048576, or -1 for the format's default)", f.residual_tokens);
+  s.group_tokens = f.group_tokens;
+  s.residual_tokens = f.residual_tokens;
   return s;
 }
 

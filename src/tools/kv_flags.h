@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cache/kv_cache.h"
 #include "kv/policy.h"
 
 namespace CLI { class App; }
@@ -24,12 +25,22 @@ struct KvFlags {
   std::vector<std::string> layer_overrides;  // --kv-layer L=KFMT/VFMT (repeatable)
   std::string scales_file;             // --kv-scales FILE.json (kvq calibrate output)
   int page_tokens = 64;                // --kv-page-tokens
+  int group_tokens = 0;                // --kv-group-tokens: G of grouped codecs (0 = codec default)
+  int residual_tokens = -1;            // --kv-residual-tokens: R of grouped codecs (-1 = codec default)
 };
 
 // What the flags resolve to for one model.
 struct KvSetup {
   KvPolicy policy;
   std::shared_ptr<const nlohmann::json> calib;  // null when no --kv-scales
+  int group_tokens = 0;
+  int residual_tokens = -1;
+  // Copies what the flags set beyond the policy (calibration, G, R) into a cache config.
+  void apply(KvCacheConfig& kc) const {
+    kc.calib = calib.get();
+    kc.group_tokens = group_tokens;
+    kc.residual_tokens = residual_tokens;
+  }
 };
 
 void kv_flags_add(CLI::App& app, KvFlags& f);

@@ -78,7 +78,7 @@ int run_command(const RunOptions& o) {
   const KvSetup kv = kv_flags_resolve(o.kv, c);
   const KvPolicy& policy = kv.policy;
   KvCacheConfig kcfg = model->kv_cache_config(policy, ctx, o.kv.page_tokens);
-  kcfg.calib = kv.calib.get();
+  kv.apply(kcfg);
   KvCache cache(kcfg);
   Forward fwd(*model, pool);
   Sampler sampler(o.sampling);

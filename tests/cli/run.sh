@@ -47,5 +47,14 @@ bad "unknown KV format" run -m "$model" -p hi --kv-cache-dtype int7
 head -c 20000 /dev/urandom | base64 >"$tmp/long.txt"
 bad "prompt longer than the context" run -m "$model" -f "$tmp/long.txt" -c 256
 bad "--chat without a template" run -m "$model" -p hi --chat
+bad "K/V split with an unknown half" run -m "$model" -p hi --kv-cache-dtype q4_0/int7
+bad "K/V split with an empty half" run -m "$model" -p hi --kv-cache-dtype q4_0/
+bad "negative --kv-group-tokens" run -m "$model" -p hi --kv-cache-dtype kivi4 --kv-group-tokens -4
+bad "group that does not divide the page" run -m "$model" -p hi --kv-cache-dtype kivi4 --kv-group-tokens 96
+
+# a K/V split name runs (stories260K's head_dim 8 is too small for the 32-wide formats)
+"$kvq" run -m "$model" -p "Lily" -n 8 --temp 0 --kv-cache-dtype int8/f16 >"$tmp/split" 2>"$tmp/split.err"
+rc=$?
+check "K/V split format runs" "[[ $rc -eq 0 && -s $tmp/split ]]"
 
 [[ $fails -eq 0 ]] || { echo "$fails check(s) failed"; exit 1; }
