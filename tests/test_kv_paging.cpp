@@ -338,6 +338,53 @@ TEST_P(AdoptFormat, AdoptedPrefixEqualsComputingItAgain) {
   pool.set_evictor(nullptr);
 }
 
+// A sequence admitted while another one is still prefilling the same prefix adopts that prefix's
+// pages as they are published (extend_prefix), and ends up with the bits of a full computation.
+TEST_P(AdoptFormat, PrefixExtendedAsItIsPublishedEqualsComputingItAgain) {
+  const auto& [format, residual] = GetParam();
+  const KvCacheConfig cfg = synth_cfg(format, residual);
+  PagePool pool(16, kv_cache_page_bytes(cfg), P);
+  KvCache a(cfg, &pool), b(cfg, &pool), ref(cfg);
+  PrefixIndex index(a.prefix_identity(), P, test_key);
+  pool.set_evictor(&index);
+  const auto ta = tokens(5 * P + 3, 11);
+  auto tb = std::vector<int32_t>(ta.begin(), ta.begin() + 4 * P + 5);  // 4 full shared pages
+  const auto extra = tokens(9, 12);
+  tb.insert(tb.end(), extra.begin(), extra.end());
+  const int nb = int(tb.size());
+
+  // b is admitted when nothing is cached: it holds nothing, and may extend.
+  EXPECT_EQ(b.adopt_prefix(index, tb.data(), nb, nb - 1), 0);
+  EXPECT_TRUE(b.prefix_extendable());
+  EXPECT_EQ(b.extend_prefix(index, tb.data(), nb, nb - 1), 0);
+  // a's first chunk fills one page and a half: page 0 is published.
+  feed(a, ta, 0, {P + P / 2});
+  EXPECT_EQ(a.publish_pages(index, ta.data(), a.n_tokens()), 1);
+  EXPECT_EQ(b.extend_prefix(index, tb.data(), nb, nb - 1), P);
+  // a's next chunk: pages 1..3 and part of 4 published; b adopts pages 1..3 (page 4 differs).
+  feed(a, ta, P + P / 2, {3 * P + P / 2 + 3});
+  EXPECT_EQ(a.publish_pages(index, ta.data(), a.n_tokens()), 4);
+  EXPECT_EQ(b.extend_prefix(index, tb.data(), nb, nb - 1), 3 * P);
+  EXPECT_EQ(b.n_tokens(), 4 * P);
+  EXPECT_EQ(b.block_table(), std::vector<KvPageId>(a.block_table().begin(), a.block_table().begin() + 4));
+  EXPECT_EQ(b.extend_prefix(index, tb.data(), nb, nb - 1), 0);  // page 4 of b is not a's page 4
+  const auto ob = feed(b, tb, 4 * P, {nb - 4 * P});
+  feed(ref, tb, 0, {4 * P});
+  EXPECT_TRUE(same_bits(ob, feed(ref, tb, 4 * P, {nb - 4 * P})));
+  // Once b holds private tokens it cannot extend any more.
+  EXPECT_FALSE(b.prefix_extendable());
+  EXPECT_EQ(b.extend_prefix(index, tb.data(), nb, nb - 1), 0);
+  // Hits: one query of nb tokens, 4 pages served from the cache.
+  EXPECT_EQ(index.stats().query_tokens, uint64_t(nb));
+  EXPECT_EQ(index.stats().hit_tokens, uint64_t(4 * P));
+  a.release();
+  b.release();
+  EXPECT_EQ(pool.n_used(), 0u);
+  expect_pool_consistent(pool);
+  pool.evict_idle();
+  pool.set_evictor(nullptr);
+}
+
 // kivi2 with R = 0: grouped keys, but page boundaries leave no full-precision tail.
 INSTANTIATE_TEST_SUITE_P(Formats, AdoptFormat,
                          ::testing::Values(std::make_pair(std::string("f16"), -1), std::make_pair(std::string("int8"), -1),

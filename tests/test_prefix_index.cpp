@@ -114,6 +114,15 @@ TEST(PrefixIndex, LongestCachedPrefixOfFullPages) {
   EXPECT_EQ(idx.lookup(c.data(), int(c.size())).n_tokens(), 0);
   // A sequence starting with page 1's tokens is not page 1.
   EXPECT_EQ(idx.lookup(a.data() + P, 2 * P).n_tokens(), 0);
+
+  // Continuing a match: the pages after page 0 are pages 1 and 2, with the same hashes.
+  m = idx.lookup_after(hs[0], a.data() + P, int(a.size()) - P);
+  EXPECT_EQ(m.pages, (std::vector<KvPageId>{11, 12}));
+  EXPECT_EQ(m.hashes, (std::vector<KvHash>{hs[1], hs[2]}));
+  EXPECT_EQ(idx.lookup_after(idx.root(), a.data(), int(a.size())).pages, idx.lookup(a.data(), int(a.size())).pages);
+  // The same tokens after another parent match nothing; limits apply as in lookup.
+  EXPECT_EQ(idx.lookup_after(hs[1], a.data() + P, 2 * P).n_tokens(), 0);
+  EXPECT_EQ(idx.lookup_after(hs[0], a.data() + P, P - 1).n_tokens(), 0);
 }
 
 TEST(PrefixIndex, DuplicatePrefixIsNotCachedTwice) {
@@ -188,6 +197,10 @@ TEST(PrefixIndex, HitRateCountsPromptTokens) {
   EXPECT_EQ(s.query_tokens, 256u);
   EXPECT_EQ(s.hit_tokens, 112u);
   EXPECT_DOUBLE_EQ(s.hit_rate(), 112.0 / 256.0);
+  // A prefix extended after admission adds hits to its query, never beyond the queried tokens.
+  idx.count_extra_hits(16);
+  EXPECT_EQ(idx.stats().hit_tokens, 128u);
+  EXPECT_EQ(idx.stats().query_tokens, 256u);
 }
 
 TEST(PrefixIndex, AttachedToAPoolIdlePagesStayResidentUntilNeeded) {

@@ -360,6 +360,34 @@ int KvCache::adopt_prefix(PrefixIndex& index, const int32_t* tokens, int n_promp
   return n_tokens_;
 }
 
+bool KvCache::prefix_extendable() const {
+  return pool_ && shareable_ && !step_open_ && n_tokens_ == int(hashes_.size()) * cfg_.page_tokens &&
+         table_.size() == hashes_.size();
+}
+
+int KvCache::extend_prefix(PrefixIndex& index, const int32_t* tokens, int n_prompt, int max_tokens) {
+  KVQ_CHECK(pool_, "extending a cached prefix needs a page pool");
+  KVQ_CHECK(index.identity() == identity_, "prefix index of another configuration");
+  if (!prefix_extendable() || (hashed_by_ != nullptr && hashed_by_ != &index)) return 0;
+  const int P = cfg_.page_tokens;
+  const int cap = std::min({max_tokens, n_prompt, cfg_.max_tokens});
+  if (cap - n_tokens_ < P) return 0;
+  const KvHash parent = hashes_.empty() ? index.root() : hashes_.back();
+  const KvPrefixMatch m = index.lookup_after(parent, tokens + n_tokens_, cap - n_tokens_);
+  if (m.pages.empty()) return 0;
+  for (KvPageId p : m.pages) pool_->ref(p);
+  table_.insert(table_.end(), m.pages.begin(), m.pages.end());
+  hashes_.insert(hashes_.end(), m.hashes.begin(), m.hashes.end());
+  hashed_by_ = &index;
+  n_tokens_ += m.n_tokens();
+  for (auto& L : layers_) {
+    KVQ_CHECK(quantized(L, n_tokens_) == n_tokens_, "adopted prefix of {} tokens leaves a tail", n_tokens_);
+    L.tail_start = n_tokens_;
+  }
+  index.count_extra_hits(m.n_tokens());
+  return m.n_tokens();
+}
+
 int KvCache::publish_pages(PrefixIndex& index, const int32_t* tokens, int n) {
   KVQ_CHECK(pool_, "publishing pages needs a page pool");
   KVQ_CHECK(n == n_tokens_ && !step_open_, "publish of {} tokens, the cache holds {}", n, n_tokens_);

@@ -35,6 +35,18 @@
 //             pages (evicted LRU when the pool needs them), the others go back on the free list.
 //   metrics:  pool.usage(), pool.tokens_capacity(), index.stats() (query/hit tokens).
 //
+// Sliding-window layers (Gemma 3: 5 of every 6 layers see the last 512 positions only). A page
+// holds every layer's blocks for its tokens, so a page older than the window of a sequence is
+// dead for that sequence's sliding layers but still read by its global layers: it can be freed
+// only when no layer of any sequence referencing it reads it, which with the model families kvq
+// runs (llama: no window; Gemma 3: a global layer every 6th) never happens. Reclaiming the dead
+// sliding-layer bytes would take a page layout per layer group (separate page tables for the
+// sliding layers, freed page by page behind the window, and prefix-cache entries that name both
+// kinds of pages): not implemented. The pool accounting stays exact in whole pages (a page is
+// used while any sequence references it, and holds page_tokens tokens of every layer); the
+// engine reports the share of referenced bytes that sliding layers can no longer read as its own
+// gauge (kvq_kv_cache_window_dead_ratio) instead of counting those bytes as free capacity.
+//
 // Grouped codecs and the prefix cache. A grouped codec with a residual window R > 0 (KIVI
 // defaults: G=32, R=128) keeps the newest >= R tokens in full precision outside the pages, so the
 // state of a sequence at any length > 0 includes floats that no page holds; a prefix adopted from
@@ -43,8 +55,20 @@
 // layer's tail is empty at page boundaries: all codecs per-token, or grouped with R = 0 (G
 // divides P, so kv_quantized_tokens(k*P) == k*P). prefix_shareable() says which; for other
 // policies adopt_prefix() adopts nothing (the prompt is computed in full, the query counted as a
-// miss) and publish_pages() caches nothing. Sharing with R > 0 would need the tail floats of the
-// boundary stored next to the cached page: not implemented.
+// miss) and publish_pages() caches nothing.
+// Why not share the packed pages and recompute only the tail: the packed pages of a prefix are
+// the same in every sequence (the K/V of a token depend only on the tokens before it), but the
+// state at a page boundary k*P also holds the floats of tokens [q(k*P), k*P) (q = quantized
+// count, R..R+G-1 tokens), and recomputing those floats exactly is not possible from the pages:
+// the K/V of token t are computed by attention whose query at t reads tokens [q(t+1), t] from the
+// tail in full precision, and q(t+1) < q(k*P) for the first tail tokens (e.g. G=32, R=128,
+// k*P=1024: q=896, and the query at 896 reads tokens 768..895 unquantized). Those floats were
+// in turn computed from earlier unquantized tails, back to token 0: an exact recompute of the
+// tail is a recompute of the whole prefix. Sharing the pages with a tail recomputed from packed
+// keys would give results that differ from serving the request alone, which kvq does not allow.
+// Storing the boundary's tail floats with each cached page (R+G rows per layer, K and V, f32:
+// for SmolLM2-135M ~5.9 MB per boundary against ~0.2 MB for a 64-token kivi2 page) would keep it
+// exact but costs ~30x the page it accompanies; not implemented.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -137,6 +161,16 @@ class KvCache {
   // pool mode and index.identity() == prefix_identity(). Returns the adopted token count (0 when
   // nothing matched or !prefix_shareable()).
   int adopt_prefix(PrefixIndex& index, const int32_t* tokens, int n_prompt, int max_tokens);
+  // Extends the adopted prefix with cached pages published since (by a sequence that was
+  // prefilling the same prefix). Only when everything the cache holds is whole cached pages
+  // (n_tokens() == page_hashes().size() * P, no partial page, no open step): then the state at
+  // n_tokens() is exactly pages, and more matching pages can be referenced as adopt_prefix would
+  // have done had they been cached at admission. At most max_tokens tokens in all (n_prompt - 1).
+  // Counts the adopted tokens as extra hits of the query adopt_prefix counted. Returns the
+  // tokens added (0 when nothing matched, !prefix_shareable(), or the cache holds private tokens).
+  int extend_prefix(PrefixIndex& index, const int32_t* tokens, int n_prompt, int max_tokens);
+  // True when extend_prefix may add pages: every token held is in whole, cached pages.
+  bool prefix_extendable() const;
   // Caches the sequence's full pages that are not cached yet. tokens: (n,) the sequence's token
   // ids, n == n_tokens() (the cache does not see token ids: Forward passes it activations only).
   // Returns the number of pages newly inserted. No-op when !prefix_shareable().
@@ -144,6 +178,11 @@ class KvCache {
   // Chain hashes of the leading full pages this sequence has published or adopted.
   const std::vector<KvHash>& page_hashes() const { return hashes_; }
 
+  // Bytes of one page that belong to layer `layer` (its K and V head blocks, all KV heads).
+  size_t layer_page_bytes(int layer) const {
+    const Layer& L = layers_[size_t(layer)];
+    return (L.k_block + L.v_block) * size_t(cfg_.n_kv_heads);
+  }
   // Bytes held: pages (codes, scales, norms) and the full-precision tail.
   size_t page_bytes() const { return page_bytes_; }
   // Pages referenced by this sequence (shared pages counted in full).

@@ -99,11 +99,13 @@ KvHash PrefixIndex::page_hash(const KvHash& parent, const int32_t* tokens) const
   return kv_hash128(key_, buf, 32 + 4 * size_t(page_tokens_));
 }
 
-KvPrefixMatch PrefixIndex::lookup(const int32_t* tokens, int n) const {
+KvPrefixMatch PrefixIndex::lookup(const int32_t* tokens, int n) const { return lookup_after(root_, tokens, n); }
+
+KvPrefixMatch PrefixIndex::lookup_after(const KvHash& parent_of_first, const int32_t* tokens, int n) const {
   KvPrefixMatch m;
   m.page_tokens = page_tokens_;
   const int P = page_tokens_;
-  KvHash parent = root_;
+  KvHash parent = parent_of_first;
   for (int i = 0; (i + 1) * P <= n; ++i) {
     const int32_t* t = tokens + size_t(i) * size_t(P);
     const KvHash h = page_hash(parent, t);
@@ -149,6 +151,12 @@ void PrefixIndex::count_query(int prompt_tokens, int hit_tokens) {
             prompt_tokens, hit_tokens);
   stats_.query_tokens += uint64_t(prompt_tokens);
   stats_.hit_tokens += uint64_t(hit_tokens);
+}
+
+void PrefixIndex::count_extra_hits(int hit_tokens) {
+  KVQ_CHECK(hit_tokens >= 0, "{} extra hit tokens", hit_tokens);
+  stats_.hit_tokens += uint64_t(hit_tokens);
+  KVQ_CHECK(stats_.hit_tokens <= stats_.query_tokens, "{} hit tokens of {} queried", stats_.hit_tokens, stats_.query_tokens);
 }
 
 KvPrefixStats PrefixIndex::stats() const {

@@ -101,6 +101,10 @@ class PrefixIndex : public KvPageEvictor {
   // Longest run of cached full pages that starts at token 0 of tokens (n,), at most
   // floor(n / page_tokens) pages. Does not change LRU order or statistics.
   KvPrefixMatch lookup(const int32_t* tokens, int n) const;
+  // The same, continuing a prefix already matched: cached pages that follow the prefix named by
+  // `parent` (root() for none), tokens (n,) being the tokens after that prefix. A scheduler uses it
+  // to extend a sequence's adopted prefix with pages published since it was admitted.
+  KvPrefixMatch lookup_after(const KvHash& parent, const int32_t* tokens, int n) const;
 
   enum class Insert { inserted, duplicate, collision };
   // Caches page `page` as the page after the prefix `parent` holding tokens (page_tokens,).
@@ -112,6 +116,9 @@ class PrefixIndex : public KvPageEvictor {
 
   // Hit accounting: prompt_tokens looked up, hit_tokens of them served from the cache.
   void count_query(int prompt_tokens, int hit_tokens);
+  // More hit tokens for a query already counted (a prefix extended after admission): the caller
+  // guarantees the total hits of that query stay <= its prompt tokens.
+  void count_extra_hits(int hit_tokens);
   KvPrefixStats stats() const;
   size_t n_entries() const { return entries_.size(); }
   size_t n_idle() const { return lru_.size(); }
