@@ -167,6 +167,70 @@ TEST_F(EngineTest, TinyPoolPreemptsAndOutputsStayEqual) {
   expect_pool_clean(e);
 }
 
+static size_t common_prefix(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+  size_t i = 0;
+  while (i < a.size() && i < b.size() && a[i] == b[i]) ++i;
+  return i;
+}
+
+// Requests that arrive together with a long shared prefix and nothing cached: one of them
+// computes the prefix, the others wait for its pages and adopt them as its chunked prefill
+// publishes them, so no page of the prefix is computed twice, and outputs stay exact.
+TEST_F(EngineTest, ColdSharedPrefixIsComputedOnce) {
+  EngineOptions o = base_options(4096);
+  o.autostart = false;
+  Engine e(o);
+  const Tokenizer& tok = e.tokenizer();
+  const std::string shared = std::string(kShared) + " it rolled away. Lily ran after the ball and her friend Tom ran too.";
+  std::vector<std::vector<int32_t>> prompts = {
+      tok.encode(shared + " Then", true), tok.encode(shared + " They", true), tok.encode(shared + " The ball", true),
+      tok.encode("Tom had a blue car. He", true), tok.encode(shared + " Lily", true)};
+  const size_t lcp = common_prefix(prompts[0], prompts[1]);
+  const int P = 16;
+  ASSERT_GE(lcp / P, 4u);  // several pages, so the first request needs several 64-token chunks
+  std::vector<Outcome> got = run_concurrently(e, prompts, greedy(12));
+  int shared_hits = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(got[i].res.tokens, greedy_alone(e, prompts[i], 12));
+    EXPECT_EQ(got[i].res.preemptions, 0);
+    if (i != 0 && i != 3) {
+      // Everything of the shared prefix in whole pages (below the last prompt token) was adopted.
+      const size_t pages = std::min(common_prefix(prompts[0], prompts[i]), prompts[i].size() - 1) / P;
+      EXPECT_EQ(got[i].res.cached_tokens, int(pages * P));
+      shared_hits += got[i].res.cached_tokens;
+    }
+  }
+  EXPECT_EQ(got[0].res.cached_tokens, 0);
+  const KvPrefixStats st = e.prefix_index().stats();
+  EXPECT_EQ(st.duplicate_pages, 0u);  // no page of the prefix was computed twice
+  EXPECT_EQ(e.metrics().prefix_hit_tokens, uint64_t(shared_hits));
+  expect_pool_clean(e);
+}
+
+// The same under a pool too small for everyone: the sequence computing the prefix can be
+// preempted; its waiters then go on (one of them computes what is missing). Never a deadlock,
+// outputs exact, every page returned.
+TEST_F(EngineTest, ColdSharedPrefixUnderPreemption) {
+  EngineOptions o = base_options(160);  // 10 pages of 16 tokens
+  o.autostart = false;
+  Engine e(o);
+  const Tokenizer& tok = e.tokenizer();
+  const std::string shared = std::string(kShared) + " it rolled away.";
+  std::vector<std::vector<int32_t>> prompts = {tok.encode(shared + " Then", true), tok.encode(shared + " They", true),
+                                               tok.encode(shared + " Lily", true), tok.encode(shared + " The", true)};
+  ASSERT_LT(prompts[0].size() + 40, 160u);
+  std::vector<Outcome> got = run_concurrently(e, prompts, greedy(40));
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(got[i].res.tokens, greedy_alone(e, prompts[i], 40));
+    EXPECT_EQ(got[i].streamed, got[i].res.text);
+  }
+  EXPECT_GT(e.metrics().preemptions, 0u);
+  EXPECT_GT(e.metrics().prefix_hit_tokens, 0u);
+  expect_pool_clean(e);
+}
+
 TEST_F(EngineTest, StopStringsMaxTokensAndStreaming) {
   Engine e(base_options(2048));
   const Tokenizer& tok = e.tokenizer();

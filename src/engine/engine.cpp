@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <future>
 #include <random>
+#include <unordered_map>
 
 #include "core/error.h"
 #include "core/timer.h"
@@ -30,7 +31,87 @@ struct Engine::Seq {
   GenResult res;
   double t_submit = 0, t_last = 0;
   bool preempted = false, done = false;
+  // Chain hashes of the full pages of `tokens` (the prefix index's page_hash): two sequences
+  // share their first k pages exactly when their first k keys are equal. Compared to find a
+  // running sequence that is already computing the pages this one would compute (in-flight
+  // prefix); the index still compares token ids before anything is adopted.
+  std::vector<KvHash> keys;
 };
+
+namespace {
+
+// Full pages two sequences have in common (equal leading chain hashes).
+size_t common_pages(const std::vector<KvHash>& a, const std::vector<KvHash>& b) {
+  const size_t n = std::min(a.size(), b.size());
+  size_t i = 0;
+  while (i < n && a[i] == b[i]) ++i;
+  return i;
+}
+
+}  // namespace
+
+void Engine::update_keys(Seq& s) const {
+  const size_t P = size_t(kcfg_.page_tokens);
+  const size_t full = s.tokens.size() / P;
+  while (s.keys.size() < full) {
+    const KvHash parent = s.keys.empty() ? index_->root() : s.keys.back();
+    s.keys.push_back(index_->page_hash(parent, s.tokens.data() + s.keys.size() * P));
+  }
+}
+
+size_t Engine::inflight_pages(const Seq& s, size_t limit, size_t before) const {
+  // Pages of s's prompt that a running sequence admitted before position `before` holds or is
+  // computing (they will be published page by page as its prefill fills them).
+  size_t best = 0;
+  for (size_t k = 0; k < std::min(before, running_.size()); ++k) {
+    const Seq& r = *running_[k];
+    if (&r == &s || r.preempted || r.done) continue;
+    best = std::max(best, std::min(limit, common_pages(s.keys, r.keys)));
+  }
+  return best;
+}
+
+size_t Engine::outstanding_pages() const {
+  // Pages the running sequences will still allocate for the tokens they hold: pages are taken
+  // lazily, chunk by chunk, so admission must subtract what is already promised or it admits
+  // every queued request at once. Pages an earlier-admitted sequence holds or is computing for
+  // the same prefix are not counted again: they will be adopted, not allocated.
+  size_t total = 0;
+  for (size_t i = 0; i < running_.size(); ++i) {
+    const Seq& r = *running_[i];
+    if (r.preempted || r.done) continue;
+    const size_t own = size_t(r.cache->pages_for(int(r.tokens.size())));
+    const size_t covered = std::max(size_t(r.cache->n_pages()), inflight_pages(r, SIZE_MAX, i));
+    if (own > covered) total += own - covered;
+  }
+  return total;
+}
+
+bool Engine::defer_prefill(Seq& s, size_t i) const {
+  // s holds only whole cached pages and its next prompt page is one that another running
+  // sequence r is computing right now: computing it here too would be redundant, so s skips this
+  // step and adopts r's pages as they are published (extend_prefix at the start of each step).
+  // s waits only for an r strictly ahead of it in (tokens computed desc, admission asc): a
+  // strict order, so waits never form a cycle, and the first sequence of every chain is never
+  // deferred and makes progress. Waits are recomputed every step from the running set, so a
+  // preempted or finished r releases its waiters at once; and once r has computed the shared
+  // pages (r_tok >= shared) s stops waiting even if they could not be adopted.
+  if (!s.cache->prefix_extendable()) return false;
+  const int P = kcfg_.page_tokens;
+  const size_t limit = size_t(int(s.tokens.size()) - 1) / size_t(P);
+  const int s_tok = s.cache->n_tokens();
+  const size_t have = size_t(s_tok / P);
+  for (size_t k = 0; k < running_.size(); ++k) {
+    const Seq& r = *running_[k];
+    if (k == i || r.preempted || r.done) continue;
+    const size_t shared = std::min(limit, common_pages(s.keys, r.keys));
+    if (shared <= have) continue;
+    const int r_tok = r.cache->n_tokens();
+    if (r_tok >= int(shared) * P) continue;
+    if (r_tok > s_tok || (r_tok == s_tok && k < i)) return true;
+  }
+  return false;
+}
 
 Engine::Engine(const EngineOptions& o) : opt_(o) {
   if (o.max_batch < 1) fail("--max-batch must be >= 1 (got {})", o.max_batch);
@@ -60,6 +141,11 @@ Engine::Engine(const EngineOptions& o) : opt_(o) {
     pool_ = PagePool::from_bytes(std::min(pages * page_bytes, size_t(2) << 30), page_bytes, P);
   }
   KvCache probe(kcfg_, pool_.get());
+  for (int il = 0; il < c.n_layer; ++il)
+    if (c.layer_window(il) > 0) {
+      window_ = c.layer_window(il);
+      window_page_bytes_ += probe.layer_page_bytes(il);
+    }
   index_ = std::make_unique<PrefixIndex>(probe.prefix_identity(), P);
   pool_->set_evictor(index_.get());
   metrics_.kv_tokens_capacity = pool_->tokens_capacity();
@@ -184,13 +270,37 @@ void Engine::loop() {
   }
 }
 
+double Engine::window_dead_ratio() const {
+  if (window_ <= 0 || window_page_bytes_ == 0) return 0.0;
+  // A page is dead for the sliding layers once, for every running sequence that references it,
+  // all its tokens lie below the window of that sequence's next query (positions only grow).
+  // Cached pages no running sequence references are idle (available), not counted here.
+  const int P = kcfg_.page_tokens;
+  std::unordered_map<KvPageId, bool> dead;  // page -> dead for every referencing sequence so far
+  for (const auto& s : running_) {
+    if (s->preempted || s->done || !s->cache) continue;
+    const int first_seen = s->cache->n_tokens() + 1 - window_;  // the next query sees [first_seen, ...]
+    const auto& table = s->cache->block_table();
+    for (size_t i = 0; i < table.size(); ++i) {
+      const bool d = int(i + 1) * P <= first_seen;
+      auto [it, fresh] = dead.emplace(table[i], d);
+      if (!fresh) it->second = it->second && d;
+    }
+  }
+  size_t n_dead = 0;
+  for (const auto& [page, d] : dead) n_dead += d ? 1 : 0;
+  return double(n_dead) * double(window_page_bytes_) / (double(pool_->n_pages()) * double(pool_->page_bytes()));
+}
+
 void Engine::update_gauges() {
   const KvPrefixStats ps = index_->stats();
+  const double window_dead = window_dead_ratio();
   {
     std::lock_guard<std::mutex> lk(mu_);
     metrics_.running = int(running_.size());
     metrics_.waiting = int(waiting_.size() + incoming_.size());
     metrics_.kv_usage = pool_->usage();
+    metrics_.kv_window_dead = window_dead;
     metrics_.kv_tokens_capacity = pool_->tokens_capacity();
     metrics_.prefix_query_tokens = ps.query_tokens;
     metrics_.prefix_hit_tokens = ps.hit_tokens;
@@ -251,6 +361,7 @@ void Engine::finish(Seq& s, const char* reason, const std::string& error) {
     std::lock_guard<std::mutex> lk(mu_);
     cancelled_.erase(s.id);
     ++metrics_.requests_finished;
+    if (reason == std::string("cancelled")) ++metrics_.requests_cancelled;
     metrics_.generation_tokens += uint64_t(s.res.completion_tokens);
     if (reason != std::string("error")) metrics_.prompt_tokens += uint64_t(s.n_prompt);
   }
@@ -289,14 +400,25 @@ bool Engine::step() {
     std::erase_if(waiting_, [](const auto& s) { return s->done; });
   }
 
-  // FIFO admission: the head waits until the pages of its whole prompt are available.
+  for (auto& s : running_) update_keys(*s);
+
+  // FIFO admission: the head waits until the pages of its whole prompt are available, beyond the
+  // pages already promised to running sequences and those it will adopt (cached now, or being
+  // computed by a running sequence with the same prefix).
+  const size_t P = size_t(kcfg_.page_tokens);
+  size_t outstanding = outstanding_pages();
   while (!waiting_.empty() && running_.size() < size_t(opt_.max_running)) {
     Seq& s = *waiting_.front();
     const int n = int(s.tokens.size());
     if (!s.cache) s.cache = std::make_unique<KvCache>(kcfg_, pool_.get());
+    update_keys(s);
     const KvPrefixMatch m = index_->lookup(s.tokens.data(), n - 1);
-    const size_t need = kv_admit_pages(*pool_, m, n);
-    if (need > pool_->n_available()) {
+    size_t need = kv_admit_pages(*pool_, m, n);
+    const size_t inflight = s.cache->prefix_shareable() ? inflight_pages(s, size_t(n - 1) / P, running_.size()) : 0;
+    const size_t covered = std::max(m.pages.size(), inflight);
+    if (inflight > m.pages.size()) need -= std::min(need, inflight - m.pages.size());
+    const size_t own = size_t(s.cache->pages_for(n));
+    if (need + outstanding > pool_->n_available()) {
       if (running_.empty()) {
         // Nothing else holds pages: this sequence cannot fit in the pool at all.
         finish(s, s.res.tokens.empty() ? "error" : "length",
@@ -308,10 +430,20 @@ bool Engine::step() {
     }
     s.preempted = false;
     s.res.cached_tokens = s.cache->adopt_prefix(*index_, s.tokens.data(), n, n - 1);
+    outstanding += own > covered ? own - covered : 0;
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
   }
   if (running_.empty()) return false;
+
+  // Prefilling sequences that hold only cached pages adopt what was published since (pages other
+  // sequences' prefill chunks filled in earlier steps).
+  for (auto& sp : running_) {
+    Seq& s = *sp;
+    const int n = int(s.tokens.size());
+    if (s.preempted || s.done || n - s.cache->n_tokens() <= 1) continue;
+    s.res.cached_tokens += s.cache->extend_prefix(*index_, s.tokens.data(), n, n - 1);
+  }
 
   // Build the step: decodes first, then prefill chunks, oldest first, within the token budget and
   // the pages the pool can supply (checked here so eval_batch never runs out midway).
@@ -330,6 +462,7 @@ bool Engine::step() {
       if (s.preempted || s.done || scheduled[i]) continue;
       const int pending = int(s.tokens.size()) - s.cache->n_tokens();
       if ((pass == 0) != (pending == 1)) continue;
+      if (pass == 1 && defer_prefill(s, i)) continue;
       const int n = std::min(pending, budget);
       const size_t need = size_t(s.cache->pages_needed(n));
       bool self_preempted = false;

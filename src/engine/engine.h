@@ -2,8 +2,16 @@
 // that runs continuous batching over every admitted request.
 //
 // Scheduling (one loop iteration = one Forward::eval_batch):
-//   - admission, FIFO: the head of the queue is admitted when the pages for its whole prompt (after
-//     the longest cached prefix, which it adopts) are available; nobody overtakes it;
+//   - admission, FIFO: the head of the queue is admitted when the pages for its whole prompt are
+//     available, minus the longest cached prefix (which it adopts) or the prefix a running
+//     sequence is computing (which it will adopt), and minus the pages running sequences will
+//     still take for their own prompts (pages are allocated lazily, chunk by chunk); nobody
+//     overtakes it;
+//   - in-flight prefixes: a prefilling sequence that holds only cached pages first adopts the
+//     pages published since the last step (every step publishes the pages its chunks filled);
+//     if its next prompt page is one that another running sequence is computing now, it skips the
+//     step instead of computing that page a second time (defer_prefill: a strict order, so no
+//     cycle of waits; recomputed every step, so a preempted or finished holder frees its waiters);
 //   - step: every running sequence asks for its pending tokens (1 when decoding; a chunk of the
 //     prompt when prefilling), oldest first, decodes before prefills, within max_batch tokens;
 //     the pages each step needs are checked before eval_batch (so KvPoolFull never fires inside a
@@ -89,11 +97,16 @@ struct EngineMetrics {
   int running = 0;
   int waiting = 0;
   double kv_usage = 0;
+  // Share of the pool's bytes, in referenced pages, held by sliding-window layers' blocks that no
+  // running sequence referencing the page can attend to any more (positions below every such
+  // sequence's window). Dead but not reclaimable: a page holds every layer (see kv_cache.h).
+  double kv_window_dead = 0;
   size_t kv_tokens_capacity = 0;
   uint64_t prefix_query_tokens = 0;
   uint64_t prefix_hit_tokens = 0;
   uint64_t preemptions = 0;
   uint64_t requests_finished = 0;
+  uint64_t requests_cancelled = 0;  // of those, ended by cancel()
   uint64_t prompt_tokens = 0;
   uint64_t generation_tokens = 0;
 };
@@ -135,6 +148,11 @@ class Engine {
   void preempt(size_t running_index);
   void emit_text(Seq& s, bool final);
   void update_gauges();
+  void update_keys(Seq& s) const;
+  size_t inflight_pages(const Seq& s, size_t limit, size_t before) const;
+  bool defer_prefill(Seq& s, size_t index) const;
+  size_t outstanding_pages() const;
+  double window_dead_ratio() const;
 
   EngineOptions opt_;
   std::unique_ptr<Model> model_;
@@ -142,6 +160,8 @@ class Engine {
   int ctx_ = 0;
   KvSetup kv_;
   KvCacheConfig kcfg_;
+  int window_ = 0;                // the sliding window (0: no sliding-window layer)
+  size_t window_page_bytes_ = 0;  // bytes of a page held by sliding-window layers
   std::unique_ptr<ThreadPool> threads_;
   std::unique_ptr<Forward> fwd_;
   // The pool points at the index (its evictor): the index must outlive the pool, so it is
