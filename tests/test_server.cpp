@@ -1,7 +1,11 @@
 // HTTP server end to end on loopback: completions and chat (plain and streamed), usage, stop,
 // every bad-input case, /v1/models, /health and /metrics.
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
 #include <httplib.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -306,4 +310,37 @@ TEST_F(ServerTest, ClientGoneMidStreamCancelsAndFreesPages) {
   // And keeps serving.
   json j = post_ok("/v1/completions", {{"prompt", "Hi"}, {"max_tokens", 2}});
   EXPECT_TRUE(j.contains("choices"));
+}
+
+// A client that sends a non-streaming request and disconnects before the answer: the server
+// watches the connection while the request runs, cancels it and frees its pages.
+TEST_F(ServerTest, ClientGoneBeforePlainResponseCancelsAndFreesPages) {
+  engine_->wait_idle();
+  const EngineMetrics m0 = engine_->metrics();
+  const std::string body = json{{"prompt", "Once upon a time"}, {"max_tokens", 200}, {"temperature", 0}}.dump();
+  const std::string http = fmt::format(
+      "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+      "Content-Length: {}\r\n\r\n{}",
+      body.size(), body);
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(uint16_t(port_));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(::send(fd, http.data(), http.size(), MSG_NOSIGNAL), ssize_t(http.size()));
+  ::close(fd);  // gone before any byte of the answer
+  for (int i = 0; i < 500 && engine_->metrics().requests_finished == m0.requests_finished; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  engine_->wait_idle();
+  const EngineMetrics m1 = engine_->metrics();
+  EXPECT_EQ(m1.requests_finished, m0.requests_finished + 1);
+  EXPECT_EQ(m1.requests_cancelled, m0.requests_cancelled + 1);
+  EXPECT_LT(m1.generation_tokens - m0.generation_tokens, 200u);
+  EXPECT_EQ(engine_->pool().n_used(), 0u);
+  // A client that stays gets its answer on the same server.
+  json j = post_ok("/v1/completions", {{"prompt", "Hi"}, {"max_tokens", 2}});
+  EXPECT_TRUE(j.contains("choices"));
+  EXPECT_EQ(engine_->metrics().requests_cancelled, m0.requests_cancelled + 1);
 }

@@ -1,9 +1,17 @@
 #include "server/server.h"
 
+#include <dirent.h>
 #include <httplib.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <future>
@@ -159,6 +167,60 @@ struct StreamState {
   }
 };
 
+// The socket of the connection `req` arrived on, or -1. Debian's cpp-httplib (0.11) gives a
+// handler no handle on its connection (Request::is_connection_closed came in later versions), and
+// a non-streaming handler writes nothing until the end, so it cannot notice a client that went
+// away. The socket is found by its addresses: the one fd whose local and peer host:port are the
+// request's (a TCP connection is unique by them). The connection's socket stays open while its
+// handler runs, so the fd found cannot be closed and reused for another connection meanwhile.
+// Linux: the process's fds are listed in /proc/self/fd.
+int connection_fd(const httplib::Request& req) {
+  DIR* d = opendir("/proc/self/fd");
+  if (!d) return -1;
+  auto host_port = [](const sockaddr_storage& a, socklen_t n, std::string* host, int* port) {
+    char h[NI_MAXHOST], sv[NI_MAXSERV];
+    if (getnameinfo(reinterpret_cast<const sockaddr*>(&a), n, h, sizeof h, sv, sizeof sv, NI_NUMERICHOST | NI_NUMERICSERV))
+      return false;
+    *host = h;
+    *port = std::atoi(sv);
+    return true;
+  };
+  int found = -1;
+  while (dirent* e = readdir(d)) {
+    char* end = nullptr;
+    const long fd = std::strtol(e->d_name, &end, 10);
+    if (end == e->d_name || *end != '\0' || fd == dirfd(d)) continue;
+    struct stat st;
+    if (fstat(int(fd), &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
+    sockaddr_storage la{}, pa{};
+    socklen_t ln = sizeof la, pn = sizeof pa;
+    if (getsockname(int(fd), reinterpret_cast<sockaddr*>(&la), &ln) != 0) continue;
+    if (getpeername(int(fd), reinterpret_cast<sockaddr*>(&pa), &pn) != 0) continue;  // a listener
+    std::string lh, ph;
+    int lp = -1, pp = -1;
+    if (!host_port(la, ln, &lh, &lp) || !host_port(pa, pn, &ph, &pp)) continue;
+    if (lp == req.local_port && pp == req.remote_port && lh == req.local_addr && ph == req.remote_addr) {
+      found = int(fd);
+      break;
+    }
+  }
+  closedir(d);
+  return found;
+}
+
+// True when the client closed its side of the connection (or it failed): end of stream is
+// readable (recv peeks 0 bytes) or poll reports a hang-up/error. Bytes of a next request on a
+// keep-alive connection stay in the socket (MSG_PEEK) and mean "still there".
+bool peer_closed(int fd) {
+  pollfd p{fd, POLLIN, 0};
+  if (poll(&p, 1, 0) <= 0) return false;
+  if (p.revents & (POLLHUP | POLLERR | POLLNVAL)) return true;
+  if (!(p.revents & POLLIN)) return false;
+  char c;
+  const ssize_t r = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+  return r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
 std::string sse(const json& j) { return "data: " + j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n"; }
 
 }  // namespace
@@ -255,7 +317,17 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
     gr.prompt = std::move(prompt);
     gr.params = ar.params;
     gr.on_done = [pr](const GenResult& g) { pr->set_value(g); };
-    engine.submit(std::move(gr));
+    const uint64_t rid = engine.submit(std::move(gr));
+    // Nothing is written before the result, so a client that disconnects is only seen by
+    // watching its socket: cancel its request then, which frees its pages at the next step.
+    const int fd = connection_fd(req);
+    for (;;) {
+      if (fd >= 0 && peer_closed(fd)) {
+        engine.cancel(rid);
+        break;
+      }
+      if (fut.wait_for(std::chrono::milliseconds(fd >= 0 ? 10 : 1000)) == std::future_status::ready) break;
+    }
     const GenResult g = fut.get();
     if (g.finish_reason == "error" || g.finish_reason == "cancelled")
       throw ApiError{g.error.empty() ? "the request was cancelled" : g.error, "", "", 500};
@@ -428,11 +500,18 @@ std::string metrics_prometheus(const EngineMetrics& m) {
   one("kvq_requests_running", "gauge", "Requests in the running batch.", m.running);
   one("kvq_requests_waiting", "gauge", "Requests queued for admission.", m.waiting);
   one("kvq_kv_cache_usage_ratio", "gauge", "Referenced KV pages / all KV pages.", m.kv_usage);
-  one("kvq_kv_cache_tokens_capacity", "gauge", "Tokens the KV page pool holds.", m.kv_tokens_capacity);
+  one("kvq_kv_cache_tokens_capacity", "gauge", "Tokens the KV page pool holds (a page holds every layer's K and V).",
+      m.kv_tokens_capacity);
+  one("kvq_kv_cache_window_dead_ratio", "gauge",
+      "Share of the KV pool's bytes held in referenced pages by sliding-window layers for positions no running "
+      "sequence can attend to any more (not reclaimable: a page holds every layer).",
+      m.kv_window_dead);
   one("kvq_prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", m.prefix_query_tokens);
   one("kvq_prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache.", m.prefix_hit_tokens);
   one("kvq_preemptions_total", "counter", "Sequences preempted (recomputed later) for lack of KV pages.", m.preemptions);
   one("kvq_requests_finished_total", "counter", "Requests finished.", m.requests_finished);
+  one("kvq_requests_cancelled_total", "counter", "Requests cancelled (client gone) before they finished.",
+      m.requests_cancelled);
   one("kvq_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", m.prompt_tokens);
   one("kvq_generation_tokens_total", "counter", "Tokens generated.", m.generation_tokens);
   return s;
