@@ -17,6 +17,7 @@
 #include "kv/kv_rows.h"
 #include "kv/row_codec.h"
 #include "kvq/kv_format.h"
+#include "kv_int_dot_bound.h"
 
 using namespace kvq;
 
@@ -515,6 +516,86 @@ TEST(KernelParity, SimdMatchesReferenceOnAllRowFormats) {
 #endif
 }
 
+// Integer-dot scores (query quantized to int8 per 32-block, kv_rows.h) against the float-query
+// reference: within the bound derived from the query rounding (kv_int_dot_bound.h), on the same
+// adversarial rows, and on adversarial queries (an outlier channel that coarsens its block's
+// step, an all-zero block, tiny and huge magnitudes). At the scalar level the prepared path is the
+// reference itself.
+TEST(KernelParity, IntDotScoresWithinQueryQuantizationBound) {
+#if !defined(KVQ_HAVE_SIMD)
+  GTEST_SKIP() << "built without SIMD kernels";
+#else
+  const CpuFeatures& cf = cpu_features();
+  std::mt19937 rng(17);
+  std::normal_distribution<float> nd;
+  const ElemCase cases[] = {{KvElem::q4_0, 0, "q4_0"}, {KvElem::int4g, 32, "int4g32"},
+                            {KvElem::int4g, 64, "int4g64"}, {KvElem::int4g, 128, "int4g128"}};
+  double worst_ratio = 0;
+  for (const ElemCase& ec : cases) {
+    for (int hd : {64, 128, 192, 256}) {
+      if (ec.group > hd || (ec.group && hd % ec.group)) continue;
+      const KvRowFmt f = kv_row_fmt(ec.e, hd, ec.group);
+      ASSERT_TRUE(kv_rows_int_dot_ok(f));
+      const int extra = kv_rows_query_extra_floats(f);
+      ASSERT_EQ(extra, hd / 2);
+      for (Pattern pat : {Pattern::random, Pattern::outlier_channel, Pattern::constant_rows, Pattern::zeros,
+                          Pattern::huge, Pattern::tiny, Pattern::mixed_scale}) {
+        const int n = 37;
+        auto x = make_rows(pat, n, hd, rng);
+        std::vector<uint8_t> rows(size_t(n) * f.row_bytes);
+        for (int t = 0; t < n; ++t) kv_row_encode(f, 1.f, x.data() + size_t(t) * hd, rows.data() + size_t(t) * f.row_bytes);
+        for (int nq = 1; nq <= 9; ++nq) {
+          std::vector<float> q(size_t(nq) * hd);
+          for (int i = 0; i < nq; ++i)
+            for (int d = 0; d < hd; ++d) {
+              float v = nd(rng);
+              switch (i % 4) {
+                case 1: v *= (d == 7 ? 500.f : 1.f); break;          // outlier channel
+                case 2: v = d < 32 ? 0.f : v * 1e-5f; break;         // a zero block, tiny rest
+                case 3: v *= 3e3f; break;                            // large
+                default: break;
+              }
+              q[size_t(i) * hd + size_t(d)] = v;
+            }
+          std::vector<float> qp(size_t(nq) * size_t(hd + extra));
+          kv_rows_prepare_query(f, q.data(), nq, qp.data());
+          std::vector<float> s_ref(size_t(nq) * n);
+          kv_rows_scores_ref(f, 1.f, q.data(), nq, rows.data(), f.row_bytes, n, s_ref.data(), n);
+          for (int variant = 0; variant < 3; ++variant) {
+            if (variant == 0 && !(cf.avx2 && cf.fma && cf.f16c)) continue;
+            if (variant == 1 && cpu_level() != CpuLevel::avx512) continue;
+            std::vector<float> s(size_t(nq) * n, -1.f);
+            if (variant == 0) kv_rows_scores_i8_avx2(f, qp.data(), nq, rows.data(), f.row_bytes, n, s.data(), n);
+            if (variant == 1) kv_rows_scores_i8_avx512(f, qp.data(), nq, rows.data(), f.row_bytes, n, s.data(), n);
+            if (variant == 2) {
+              const CpuLevel saved = cpu_set_level(CpuLevel::scalar);
+              kv_rows_scores_prepared(f, 1.f, qp.data(), nq, rows.data(), f.row_bytes, n, s.data(), n);
+              cpu_set_level(saved);
+            }
+            for (int i = 0; i < nq; ++i)
+              for (int t = 0; t < n; ++t) {
+                const size_t k = size_t(i) * n + size_t(t);
+                if (variant == 2) {
+                  ASSERT_EQ(s[k], s_ref[k]) << ec.name << " scalar level must be the reference";
+                  continue;
+                }
+                const double b = test::int_dot_bound(f, q.data() + size_t(i) * hd, rows.data() + size_t(t) * f.row_bytes);
+                ASSERT_LE(std::fabs(double(s[k]) - double(s_ref[k])), b)
+                    << ec.name << " hd " << hd << " pattern " << int(pat) << " nq " << nq << " i " << i << " t " << t
+                    << " variant " << variant;
+                worst_ratio = std::max(worst_ratio, std::fabs(double(s[k]) - double(s_ref[k])) / b);
+              }
+          }
+        }
+      }
+    }
+  }
+  // The bound is a worst case; typical errors sit well inside it (a sign the bound is not vacuous
+  // is that the quantization error is visible at all).
+  EXPECT_GT(worst_ratio, 1e-4);
+#endif
+}
+
 // Special codes the encoder never produces from finite input: E4M3 NaN and E5M2 inf/NaN must
 // decode the same way in every variant.
 TEST(KernelParity, Fp8SpecialCodes) {
@@ -584,7 +665,13 @@ TEST(KernelParity, EveryCodecFusedMatchesDecode) {
               ref += double(q[size_t(i) * 128 + size_t(d)]) * dec[size_t(t) * 128 + size_t(d)];
               mag += std::fabs(double(q[size_t(i) * 128 + size_t(d)]) * dec[size_t(t) * 128 + size_t(d)]);
             }
-            ASSERT_NEAR(s[size_t(i) * size_t(n) + size_t(t)], ref, 1e-4 * mag + 1e-6) << name << " " << cpu_level_name(lvl);
+            // The 4-bit formats score with an int8 image of the query above the scalar level.
+            const auto* rc = dynamic_cast<const KvRowCodec*>(c.get());
+            const double qbound = lvl != CpuLevel::scalar && kv_rows_int_dot_ok(rc->fmt())
+                                      ? test::int_dot_bound(rc->fmt(), q.data() + size_t(i) * 128,
+                                                            blk.data() + size_t(t0 + t) * rc->fmt().row_bytes)
+                                      : 0.0;
+            ASSERT_NEAR(s[size_t(i) * size_t(n) + size_t(t)], ref, qbound + 1e-4 * mag + 1e-6) << name << " " << cpu_level_name(lvl);
           }
           for (int d = 0; d < 128; ++d) {
             double ref = 0, mag = 0;

@@ -309,6 +309,61 @@ void kv_rows_accum_ref(const KvRowFmt& f, float scale, const float* p, int p_str
   }
 }
 
+int kv_rows_query_extra_floats(const KvRowFmt& f) {
+  // qlo + qhi (head_dim bytes) + dq + qs (2 * head_dim / 8 floats) = 2 * head_dim bytes.
+  return kv_rows_int_dot_ok(f) ? f.head_dim / 2 : 0;
+}
+
+void kv_rows_prepare_query(const KvRowFmt& f, const float* q, int n_q, float* qp) {
+  const int hd = f.head_dim, extra = kv_rows_query_extra_floats(f);
+  const size_t qs_stride = size_t(hd + extra);
+  for (int i = 0; i < n_q; ++i) {
+    const float* qi = q + size_t(i) * size_t(hd);
+    float* row = qp + size_t(i) * qs_stride;
+    std::memcpy(row, qi, sizeof(float) * size_t(hd));
+    if (extra == 0) continue;
+    auto* qlo = reinterpret_cast<int8_t*>(row + hd);
+    int8_t* qhi = qlo + hd / 2;
+    float* dq = row + hd + hd / 4;  // after hd bytes of codes
+    float* qs = dq + hd / 8;
+    for (int b = 0; b < hd / 32; ++b) {
+      const float* x = qi + 32 * b;
+      const float d = absmax(x, 32) / 127.f;
+      // A non-finite query has no int8 image; d = 0 keeps the codes 0 and the float part (qs)
+      // carries the NaN/inf into the score, as the float kernels would.
+      const float id = d > 0 && std::isfinite(d) ? 1.f / d : 0.f;
+      for (int j = 0; j < 32; ++j) {
+        const float c = std::min(127.f, std::max(-127.f, std::nearbyint(x[j] * id)));
+        (j < 16 ? qlo : qhi)[16 * b + (j % 16)] = int8_t(c);
+      }
+      for (int k = 0; k < 4; ++k) {
+        dq[4 * b + k] = id > 0 ? d : 0.f;
+        float s = 0;
+        for (int u = 0; u < 4; ++u) s += x[4 * k + u] + x[16 + 4 * k + u];
+        qs[4 * b + k] = s;
+      }
+    }
+  }
+}
+
+void kv_rows_scores_prepared(const KvRowFmt& f, float scale, const float* qp, int n_q, const uint8_t* rows,
+                             size_t row_stride, int n, float* out, int out_stride) {
+  const int extra = kv_rows_query_extra_floats(f);
+  if (extra == 0) return kv_rows_scores(f, scale, qp, n_q, rows, row_stride, n, out, out_stride);
+#if defined(KVQ_HAVE_SIMD)
+  switch (cpu_level()) {
+    case CpuLevel::avx512: return kv_rows_scores_i8_avx512(f, qp, n_q, rows, row_stride, n, out, out_stride);
+    case CpuLevel::avx2: return kv_rows_scores_i8_avx2(f, qp, n_q, rows, row_stride, n, out, out_stride);
+    case CpuLevel::scalar: break;
+  }
+#endif
+  // Scalar level: the float reference, one query row at a time (rows are head_dim + extra apart).
+  const size_t qs_stride = size_t(f.head_dim + extra);
+  for (int i = 0; i < n_q; ++i)
+    kv_rows_scores_ref(f, scale, qp + size_t(i) * qs_stride, 1, rows, row_stride, n,
+                       out + size_t(i) * size_t(out_stride), out_stride);
+}
+
 void kv_rows_scores(const KvRowFmt& f, float scale, const float* q, int n_q, const uint8_t* rows,
                     size_t row_stride, int n, float* out, int out_stride) {
 #if defined(KVQ_HAVE_SIMD)

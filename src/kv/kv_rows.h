@@ -119,6 +119,39 @@ void kv_rows_accum_avx512(const KvRowFmt& f, float scale, const float* p, int p_
                           const uint8_t* rows, size_t row_stride, int n, float* acc);
 #endif
 
+// Integer-dot scores for the 4-bit formats (q4_0, int4g; head_dim % 64 == 0). A 4-bit code times
+// a float query costs a nibble decode, an int->float conversion and an FMA per element and query;
+// with the query quantized once per decode step to int8 per 32-element block (dq_b = absmax_b /
+// 127, q ~= dq_b * round(q / dq_b)), 4 code bytes x 4 query bytes are one VNNI dot (u8 x s8:
+// codes are unsigned 0..15, so no sign fix-up), and both nibble halves decode with one AND/shift.
+// Every 4-bit row is x = s * c + m per block (q4_0: s = d, m = -8 d), so
+//   <q, x> = sum_b s_b dq_b <c_b, q8_b> + sum_b m_b sum_{j in b} q_j,
+// where the second sum uses the exact float query: the only approximation is q8 in the first,
+// |error| <= sum_j (dq_b(j) / 2) |s c_j|.
+// Prepared query row: head_dim floats of the plain query, then kv_rows_query_extra_floats(f)
+// floats holding (bytes): qlo int8[hd/2] (qlo[16b + j] = q8[32b + j]), qhi int8[hd/2]
+// (qhi[16b + j] = q8[32b + 16 + j]), dq float[hd/8] and qs float[hd/8]. Lane l = 4b + k of the
+// last two (one int32 lane of the VNNI dot, covering elements 32b + 4k..+3 and 32b + 16 + 4k..+3):
+// dq[l] = dq_b, qs[l] = the float sum of q over those 8 elements.
+inline bool kv_rows_int_dot_ok(const KvRowFmt& f) {
+  return (f.elem == KvElem::q4_0 || f.elem == KvElem::int4g) && f.head_dim % 64 == 0;
+}
+// 0 when the format has no integer-dot path.
+int kv_rows_query_extra_floats(const KvRowFmt& f);
+// q: (n_q, head_dim) -> qp: (n_q, head_dim + extra) (see above). Once per decode step.
+void kv_rows_prepare_query(const KvRowFmt& f, const float* q, int n_q, float* qp);
+// kv_rows_scores over prepared query rows (q_stride = head_dim + extra floats apart): the integer
+// kernels at AVX2 / AVX-512, the float reference on the plain part at the scalar level.
+void kv_rows_scores_prepared(const KvRowFmt& f, float scale, const float* qp, int n_q, const uint8_t* rows,
+                             size_t row_stride, int n, float* out, int out_stride);
+#if defined(KVQ_HAVE_SIMD)
+// qp: prepared rows as above. Parity with kv_rows_scores_ref is within the bound stated above.
+void kv_rows_scores_i8_avx2(const KvRowFmt& f, const float* qp, int n_q, const uint8_t* rows,
+                            size_t row_stride, int n, float* out, int out_stride);
+void kv_rows_scores_i8_avx512(const KvRowFmt& f, const float* qp, int n_q, const uint8_t* rows,
+                              size_t row_stride, int n, float* out, int out_stride);
+#endif
+
 // SIMD variants decode 16 elements per step (AVX2 as two halves): other head_dims use the reference.
 inline bool kv_rows_simd_ok(const KvRowFmt& f) { return f.head_dim % 16 == 0; }
 

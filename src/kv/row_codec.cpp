@@ -29,11 +29,15 @@ void KvRowCodec::decode(int head, const uint8_t* block, int block_tokens, int t0
                   dst + size_t(t) * size_t(fmt_.head_dim));
 }
 
+void KvRowCodec::prepare_query(int, const float* q, int n_q, float* qp) const {
+  kv_rows_prepare_query(fmt_, q, n_q, qp);
+}
+
 void KvRowCodec::scores(int head, const float* qp, int n_q, const uint8_t* block, int block_tokens,
                         int t0, int n, int, float* out, int out_stride) const {
   KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
-  kv_rows_scores(fmt_, scales_[size_t(head)], qp, n_q, block + size_t(t0) * fmt_.row_bytes,
-                 fmt_.row_bytes, n, out, out_stride);
+  kv_rows_scores_prepared(fmt_, scales_[size_t(head)], qp, n_q, block + size_t(t0) * fmt_.row_bytes,
+                          fmt_.row_bytes, n, out, out_stride);
 }
 
 void KvRowCodec::accumulate(int head, const float* p, int p_stride, int n_q, const uint8_t* block,

@@ -21,6 +21,10 @@ class KvRowCodec : public KvCodec {
               int t0, int pos0) const override;
   void decode(int head, const uint8_t* block, int block_tokens, int t0, int n, int pos0,
               float* dst) const override;
+  // The 4-bit formats append an int8 image of the query (kv_rows_prepare_query) for the
+  // integer-dot kernels; the others use the plain query.
+  int prepared_query_dim() const override { return fmt_.head_dim + kv_rows_query_extra_floats(fmt_); }
+  void prepare_query(int head, const float* q, int n_q, float* qp) const override;
   void scores(int head, const float* qp, int n_q, const uint8_t* block, int block_tokens, int t0,
               int n, int pos0, float* out, int out_stride) const override;
   void accumulate(int head, const float* p, int p_stride, int n_q, const uint8_t* block,

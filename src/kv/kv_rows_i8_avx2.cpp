@@ -1,0 +1,176 @@
+// AVX2 integer-dot scores for the 4-bit row formats (q4_0, int4g), same algorithm as
+// kv_rows_i8_avx512.cpp on 64-element chunks. AVX2 has no VNNI: u8 x s8 pairs go through
+// VPMADDUBSW (int16; at most 2 x 15 x 127 per pair, and the low- and high-nibble halves summed
+// stay below 2^15, so nothing saturates) and VPMADDWD with ones to int32.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "kv/kv_rows.h"
+
+namespace kvq {
+namespace {
+
+struct Ctx {
+  int hd = 0;
+  int n_chunks = 0;     // 64-element chunks (2 blocks of 32)
+  size_t code_off = 0;  // int4g: bytes of the (scale, min) table before the codes
+  int group = 0;
+  __m256i idx_s, idx_m;  // int4g: lane -> f32 slot of the chunk's (s_a, m_a, s_b, m_b)
+};
+
+Ctx make_ctx(const KvRowFmt& f) {
+  Ctx x;
+  x.hd = f.head_dim;
+  x.n_chunks = f.head_dim / 64;
+  if (f.elem == KvElem::int4g) {
+    x.group = f.group;
+    x.code_off = sizeof(KvGroupParams) * size_t(f.head_dim / f.group);
+    // g = 32: the chunk's two blocks are groups 2h and 2h + 1; larger groups: one group.
+    x.idx_s = f.group == 32 ? _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2) : _mm256_setzero_si256();
+    x.idx_m = _mm256_add_epi32(x.idx_s, _mm256_set1_epi32(1));
+  } else {
+    x.idx_s = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    x.idx_m = x.idx_s;
+  }
+  return x;
+}
+
+inline uint16_t ld_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+
+struct Chunk {
+  __m256i codes;  // byte 16b + j: elements j (low nibble) and j + 16 (high) of block b
+  __m256 s, m;    // per int32 lane l = 4b + k
+};
+
+template <KvElem E>
+inline Chunk load_chunk(const Ctx& x, const uint8_t* row, int h) {
+  Chunk k;
+  if constexpr (E == KvElem::q4_0) {
+    const uint8_t* base = row + size_t(h) * 2 * sizeof(kv_block_q4_0);
+    k.codes = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(base + sizeof(kv_block_q4_0) + 2),
+                                  reinterpret_cast<const __m128i*>(base + 2));
+    const __m128i d = _mm_insert_epi16(_mm_cvtsi32_si128(ld_u16(base)), ld_u16(base + sizeof(kv_block_q4_0)), 1);
+    k.s = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(d)), x.idx_s);
+    k.m = _mm256_mul_ps(k.s, _mm256_set1_ps(-8.f));
+  } else {
+    k.codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + x.code_off + size_t(h) * 32));
+    // 8 bytes from the chunk's first group: (s, m) of it and of the next (g = 32), which for
+    // larger groups reads a neighbour that the index vectors ignore; the codes follow the
+    // table, so the read stays inside the row.
+    const int g0 = (64 * h) / x.group;
+    const __m128 p = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + sizeof(KvGroupParams) * size_t(g0))));
+    const __m256 p8 = _mm256_castps128_ps256(p);
+    k.s = _mm256_permutevar8x32_ps(p8, x.idx_s);
+    k.m = _mm256_permutevar8x32_ps(p8, x.idx_m);
+  }
+  return k;
+}
+
+struct QRow {
+  const uint8_t* lo;
+  const uint8_t* hi;
+  const float* dq;
+  const float* qs;
+};
+
+inline QRow qrow(const Ctx& x, const float* qp, size_t q_stride, int i) {
+  const float* r = qp + size_t(i) * q_stride;
+  QRow q;
+  q.lo = reinterpret_cast<const uint8_t*>(r + x.hd);
+  q.hi = q.lo + x.hd / 2;
+  q.dq = r + x.hd + x.hd / 4;
+  q.qs = q.dq + x.hd / 8;
+  return q;
+}
+
+inline __m256i ld256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+template <KvElem E, int NQ>
+inline void token_dot(const Ctx& x, const QRow* q, const uint8_t* row, __m256* F) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < x.n_chunks; ++h) {
+    const Chunk k = load_chunk<E>(x, row, h);
+    const __m256i lo = _mm256_and_si256(k.codes, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(k.codes, 4), low4);
+    for (int i = 0; i < NQ; ++i) {
+      const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, ld256(q[i].lo + 32 * h)),
+                                           _mm256_maddubs_epi16(hi, ld256(q[i].hi + 32 * h)));
+      const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones)), _mm256_loadu_ps(q[i].dq + 8 * h));
+      F[i] = _mm256_fmadd_ps(t, k.s, F[i]);
+      F[i] = _mm256_fmadd_ps(k.m, _mm256_loadu_ps(q[i].qs + 8 * h), F[i]);
+    }
+  }
+}
+
+// Lane k of the result = sum of v[k].
+inline __m256 hsum8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 e = _mm256_hadd_ps(a, b), f = _mm256_hadd_ps(c, d);
+  return _mm256_add_ps(_mm256_permute2f128_ps(e, f, 0x20), _mm256_permute2f128_ps(e, f, 0x31));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <KvElem E, int NQ>
+void scores_nq(const Ctx& x, const float* qp, size_t q_stride, const uint8_t* rows, size_t row_stride, int n,
+               float* out, int out_stride) {
+  constexpr int NQP = NQ == 3 ? 4 : NQ;
+  constexpr int TU = 8 / NQP;
+  QRow q[NQ];
+  for (int i = 0; i < NQ; ++i) q[i] = qrow(x, qp, q_stride, i);
+  int t = 0;
+  for (; t + TU <= n; t += TU) {
+    __m256 v[8];
+    for (int j = 0; j < 8; ++j) v[j] = _mm256_setzero_ps();
+    for (int u = 0; u < TU; ++u) {
+      __m256 F[NQ];
+      for (int i = 0; i < NQ; ++i) F[i] = _mm256_setzero_ps();
+      token_dot<E, NQ>(x, q, rows + size_t(t + u) * row_stride, F);
+      for (int i = 0; i < NQ; ++i) v[i * TU + u] = F[i];
+    }
+    alignas(32) float z[8];
+    _mm256_store_ps(z, hsum8(v));
+    for (int i = 0; i < NQ; ++i) std::memcpy(out + size_t(i) * size_t(out_stride) + size_t(t), z + i * TU, sizeof(float) * TU);
+  }
+  for (; t < n; ++t) {
+    __m256 F[NQ];
+    for (int i = 0; i < NQ; ++i) F[i] = _mm256_setzero_ps();
+    token_dot<E, NQ>(x, q, rows + size_t(t) * row_stride, F);
+    for (int i = 0; i < NQ; ++i) out[size_t(i) * size_t(out_stride) + size_t(t)] = hsum(F[i]);
+  }
+}
+
+template <KvElem E>
+void scores_elem(const Ctx& x, const float* qp, size_t q_stride, int n_q, const uint8_t* rows, size_t row_stride,
+                 int n, float* out, int out_stride) {
+  for (int i0 = 0; i0 < n_q; i0 += 4) {
+    const float* qi = qp + size_t(i0) * q_stride;
+    float* o = out + size_t(i0) * size_t(out_stride);
+    switch (std::min(4, n_q - i0)) {
+      case 1: scores_nq<E, 1>(x, qi, q_stride, rows, row_stride, n, o, out_stride); break;
+      case 2: scores_nq<E, 2>(x, qi, q_stride, rows, row_stride, n, o, out_stride); break;
+      case 3: scores_nq<E, 3>(x, qi, q_stride, rows, row_stride, n, o, out_stride); break;
+      default: scores_nq<E, 4>(x, qi, q_stride, rows, row_stride, n, o, out_stride); break;
+    }
+  }
+}
+
+}  // namespace
+
+void kv_rows_scores_i8_avx2(const KvRowFmt& f, const float* qp, int n_q, const uint8_t* rows,
+                            size_t row_stride, int n, float* out, int out_stride) {
+  const Ctx x = make_ctx(f);
+  const size_t q_stride = size_t(f.head_dim + kv_rows_query_extra_floats(f));
+  if (f.elem == KvElem::q4_0) scores_elem<KvElem::q4_0>(x, qp, q_stride, n_q, rows, row_stride, n, out, out_stride);
+  else scores_elem<KvElem::int4g>(x, qp, q_stride, n_q, rows, row_stride, n, out, out_stride);
+}
+
+}  // namespace kvq

@@ -1,0 +1,308 @@
+// AVX-512 VNNI integer-dot scores for the 4-bit row formats (q4_0, int4g): the query is prepared
+// once per step as int8 blocks (kv_rows_prepare_query; layout and error bound in kv_rows.h), so
+// the inner loop is one AND, one shift and two VPDPBUSD per 128 elements and query row.
+// GCC 12's AVX-512 headers read _mm512_undefined_* values, which -Wuninitialized flags.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#if !defined(__clang__)  // clang has no such warning (and -Werror rejects unknown names)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "kv/kv_rows.h"
+
+namespace kvq {
+namespace {
+
+// Work unit: a chunk of 128 elements (4 blocks of 32): 64 code bytes, byte 16b + j holding
+// elements j (low nibble) and j + 16 (high nibble) of block b, which is both formats' packing; a
+// head_dim that is 64 mod 128 ends with a half chunk (upper 32 bytes zero, scales zero).
+// Lane l = 4b + k of the int32 dot covers elements 4k..4k+3 and 16+4k..16+4k+3 of block b.
+struct Ctx {
+  int hd = 0;
+  int n_chunks = 0;   // including the half chunk
+  bool half = false;  // last chunk holds 64 elements
+  size_t code_off = 0;  // int4g: bytes of the (scale, min) table before the codes
+  int ng = 0;         // int4g: groups per row
+  int group = 0;
+  __m512i idx_a, idx_b;  // q4_0: code words, scale words; int4g: scale words, min words
+};
+
+Ctx make_ctx(const KvRowFmt& f) {
+  Ctx x;
+  x.hd = f.head_dim;
+  x.half = f.head_dim % 128 != 0;
+  x.n_chunks = (f.head_dim + 127) / 128;
+  alignas(64) int16_t a[32] = {}, b[32] = {};
+  if (f.elem == KvElem::q4_0) {
+    // A 128-element chunk is 4 blocks of 18 bytes = 36 words (18 is even, so every block starts
+    // on a word); two loads 8 bytes apart (words 0..31 and 4..35) cover them, one two-source word
+    // permute packs the 4 x 8 code words, another gathers the 4 scales.
+    for (int w = 0; w < 32; ++w) {
+      const int r = 9 * (w / 8) + 1 + (w % 8);
+      a[w] = int16_t(r < 32 ? r : 32 + r - 4);
+    }
+    for (int k = 0; k < 16; ++k) b[k] = int16_t(9 * (k / 4));
+  } else {
+    x.group = f.group;
+    x.ng = f.head_dim / f.group;
+    x.code_off = sizeof(KvGroupParams) * size_t(x.ng);
+    // Word offsets of lane l's (scale, min) relative to the chunk's first group.
+    for (int k = 0; k < 16; ++k) {
+      a[k] = int16_t(2 * ((k / 4) * 32 / f.group));
+      b[k] = int16_t(a[k] + 1);
+    }
+  }
+  x.idx_a = _mm512_load_si512(a);
+  x.idx_b = _mm512_load_si512(b);
+  return x;
+}
+
+struct Chunk {
+  __m512i codes;
+  __m512 s, m;  // per lane: x = s * c + m
+};
+
+template <KvElem E>
+inline Chunk load_chunk(const Ctx& x, const uint8_t* row, int c) {
+  Chunk k;
+  const bool half = x.half && c == x.n_chunks - 1;
+  if constexpr (E == KvElem::q4_0) {
+    const uint8_t* base = row + size_t(c) * 4 * sizeof(kv_block_q4_0);
+    if (!half) {
+      const __m512i a = _mm512_loadu_si512(base), b = _mm512_loadu_si512(base + 8);
+      k.codes = _mm512_permutex2var_epi16(a, x.idx_a, b);
+      k.s = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(x.idx_b, a)));
+    } else {
+      // 2 blocks (36 bytes): masked load, so nothing past the row is read; the zeroed bytes
+      // give scale 0 to lanes 8..15.
+      const __m512i a = _mm512_maskz_loadu_epi8((__mmask64(1) << 36) - 1, base);
+      k.codes = _mm512_maskz_permutexvar_epi16(0xffff, x.idx_a, a);
+      k.s = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(x.idx_b, a)));
+    }
+    k.m = _mm512_mul_ps(k.s, _mm512_set1_ps(-8.f));
+  } else {
+    const uint8_t* codes = row + x.code_off + size_t(c) * 64;
+    k.codes = half ? _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)))
+                   : _mm512_loadu_si512(codes);
+    // The chunk's groups start at g0; a masked load of the rest of the table (at most 16 groups)
+    // reads nothing past it and zeroes the lanes of a half chunk's missing blocks.
+    const int g0 = (128 * c) / x.group;
+    const int nb = std::min(64, 4 * (x.ng - g0));
+    const __m512i p = _mm512_maskz_loadu_epi8(nb >= 64 ? ~__mmask64(0) : (__mmask64(1) << nb) - 1,
+                                              row + sizeof(KvGroupParams) * size_t(g0));
+    k.s = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(x.idx_a, p)));
+    k.m = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(x.idx_b, p)));
+  }
+  return k;
+}
+
+// Prepared query row i: pointers into its int8 halves and lane vectors (kv_rows.h).
+struct QRow {
+  const uint8_t* lo;
+  const uint8_t* hi;
+  const float* dq;
+  const float* qs;
+};
+
+inline QRow qrow(const Ctx& x, const float* qp, size_t q_stride, int i) {
+  const float* r = qp + size_t(i) * q_stride;
+  QRow q;
+  q.lo = reinterpret_cast<const uint8_t*>(r + x.hd);
+  q.hi = q.lo + x.hd / 2;
+  q.dq = r + x.hd + x.hd / 4;
+  q.qs = q.dq + x.hd / 8;
+  return q;
+}
+
+// F[i] += per-lane partial scores of one token for query rows 0..NQ-1.
+template <KvElem E, int NQ>
+inline void token_dot(const Ctx& x, const QRow* q, const uint8_t* row, __m512* F) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  for (int c = 0; c < x.n_chunks; ++c) {
+    const Chunk k = load_chunk<E>(x, row, c);
+    const __m512i lo = _mm512_and_si512(k.codes, low4);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(k.codes, 4), low4);
+    // A half chunk's lanes 8..15 must not see the next row's data in dq / qs (0 * inf).
+    const __mmask16 lanes = x.half && c == x.n_chunks - 1 ? 0x00ff : 0xffff;
+    for (int i = 0; i < NQ; ++i) {
+      // Upper bytes of a half chunk's query loads belong to the next array of the same row:
+      // they meet zero codes.
+      __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q[i].lo + 64 * c));
+      acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(q[i].hi + 64 * c));
+      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_maskz_loadu_ps(lanes, q[i].dq + 16 * c));
+      F[i] = _mm512_fmadd_ps(t, k.s, F[i]);
+      F[i] = _mm512_fmadd_ps(k.m, _mm512_maskz_loadu_ps(lanes, q[i].qs + 16 * c), F[i]);
+    }
+  }
+}
+
+// Horizontal sums of 16 vectors at once: result lane 4L + e = sum of v[4e + L]. 15 adds and 30
+// shuffles for 16 sums, against 16 x (4 shuffles + 4 adds) one at a time.
+inline __m512 hsum16(const __m512* v) {
+  __m512 u[8], w[4];
+  for (int j = 0; j < 8; ++j)
+    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int j = 0; j < 4; ++j)
+    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_ps(w[2], w[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_ps(w[2], w[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_ps(y0, y1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// NQ query rows (1..4) against n tokens; 16 / NQ tokens per step (3 rows use the slots of 4) so
+// that one hsum16 finishes 16 scores.
+template <KvElem E, int NQ>
+void scores_nq(const Ctx& x, const float* qp, size_t q_stride, const uint8_t* rows, size_t row_stride, int n,
+               float* out, int out_stride) {
+  constexpr int NQP = NQ == 3 ? 4 : NQ;
+  constexpr int TU = 16 / NQP;
+  QRow q[NQ];
+  for (int i = 0; i < NQ; ++i) q[i] = qrow(x, qp, q_stride, i);
+  int t = 0;
+  for (; t + TU <= n; t += TU) {
+    __m512 v[16];
+    for (int j = 0; j < 16; ++j) v[j] = _mm512_setzero_ps();
+    for (int u = 0; u < TU; ++u) {
+      __m512 F[NQ];
+      for (int i = 0; i < NQ; ++i) F[i] = _mm512_setzero_ps();
+      token_dot<E, NQ>(x, q, rows + size_t(t + u) * row_stride, F);
+      for (int i = 0; i < NQ; ++i) {
+        const int o = i * TU + u;  // output lane: query i's TU scores are contiguous
+        v[4 * (o % 4) + o / 4] = F[i];
+      }
+    }
+    alignas(64) float z[16];
+    _mm512_store_ps(z, hsum16(v));
+    for (int i = 0; i < NQ; ++i) std::memcpy(out + size_t(i) * size_t(out_stride) + size_t(t), z + i * TU, sizeof(float) * TU);
+  }
+  for (; t < n; ++t) {
+    __m512 F[NQ];
+    for (int i = 0; i < NQ; ++i) F[i] = _mm512_setzero_ps();
+    token_dot<E, NQ>(x, q, rows + size_t(t) * row_stride, F);
+    for (int i = 0; i < NQ; ++i) out[size_t(i) * size_t(out_stride) + size_t(t)] = _mm512_reduce_add_ps(F[i]);
+  }
+}
+
+template <KvElem E>
+void scores_elem(const Ctx& x, const float* qp, size_t q_stride, int n_q, const uint8_t* rows, size_t row_stride,
+                 int n, float* out, int out_stride) {
+  for (int i0 = 0; i0 < n_q; i0 += 4) {
+    const float* qi = qp + size_t(i0) * q_stride;
+    float* o = out + size_t(i0) * size_t(out_stride);
+    switch (std::min(4, n_q - i0)) {
+      case 1: scores_nq<E, 1>(x, qi, q_stride, rows, row_stride, n, o, out_stride); break;
+      case 2: scores_nq<E, 2>(x, qi, q_stride, rows, row_stride, n, o, out_stride); break;
+      case 3: scores_nq<E, 3>(x, qi, q_stride, rows, row_stride, n, o, out_stride); break;
+      default: scores_nq<E, 4>(x, qi, q_stride, rows, row_stride, n, o, out_stride); break;
+    }
+  }
+}
+
+}  // namespace
+
+void kv_rows_scores_i8_avx512(const KvRowFmt& f, const float* qp, int n_q, const uint8_t* rows,
+                              size_t row_stride, int n, float* out, int out_stride) {
+  const Ctx x = make_ctx(f);
+  const size_t q_stride = size_t(f.head_dim + kv_rows_query_extra_floats(f));
+  if (f.elem == KvElem::q4_0) scores_elem<KvElem::q4_0>(x, qp, q_stride, n_q, rows, row_stride, n, out, out_stride);
+  else scores_elem<KvElem::int4g>(x, qp, q_stride, n_q, rows, row_stride, n, out, out_stride);
+}
+
+}  // namespace kvq
+
+// ---------------------------------------------------------------------------------------------
+// Weighted sum of 4-bit rows (values). The probabilities stay f32 (an int8 image of them would
+// cost accuracy on exactly the tokens that matter), but the decode is cut to a table lookup:
+// one VPERMPS with a per-token 16-entry table s * c + m (q4_0: d * (c - 8)) turns 16 nibbles into
+// their decoded values, bit-identical to the reference's fma(c, s, m) / (c - 8) * d.
+namespace kvq {
+namespace {
+
+template <KvElem E, int NQ, int U>
+void accum_nq(const KvRowFmt& f, const float* p, int p_stride, const uint8_t* rows, size_t row_stride, int n,
+              float* acc) {
+  const int hd = f.head_dim;
+  const int G = f.group;
+  const size_t code_off = E == KvElem::int4g ? sizeof(KvGroupParams) * size_t(hd / G) : 0;
+  const __m512 t0 = E == KvElem::q4_0
+                        ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                        : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int e0 = 0; e0 < hd; e0 += 32 * U) {  // strip of U units of 32 dims; accumulators in registers
+    __m512 a[NQ][2 * U];
+    for (int i = 0; i < NQ; ++i)
+      for (int v = 0; v < 2 * U; ++v) a[i][v] = _mm512_loadu_ps(acc + size_t(i) * size_t(hd) + size_t(e0 + 16 * v));
+    for (int t = 0; t < n; ++t) {
+      const uint8_t* row = rows + size_t(t) * row_stride;
+      __m512 tbl = t0;
+      for (int u = 0; u < U; ++u) {
+        const int unit = e0 / 32 + u;
+        __m512i c;
+        if constexpr (E == KvElem::q4_0) {
+          const uint8_t* b = row + size_t(unit) * sizeof(kv_block_q4_0);
+          uint16_t d;
+          std::memcpy(&d, b, 2);
+          tbl = _mm512_mul_ps(t0, _mm512_cvtph_ps(_mm256_set1_epi16(short(d))));
+          c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)));
+        } else {
+          if (u == 0 || G == 32) {  // larger groups: the strip's units share one (s, m)
+            uint32_t sm;
+            std::memcpy(&sm, row + sizeof(KvGroupParams) * size_t(unit * 32 / G), 4);
+            const __m512 v = _mm512_cvtph_ps(_mm256_set1_epi32(int(sm)));  // s, m, s, m, ...
+            tbl = _mm512_fmadd_ps(t0, _mm512_moveldup_ps(v), _mm512_movehdup_ps(v));
+          }
+          c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + code_off + size_t(unit) * 16)));
+        }
+        // VPERMPS reads the low 4 bits of each index: the low nibble as is, the high after a shift.
+        const __m512 xlo = _mm512_permutexvar_ps(c, tbl);
+        const __m512 xhi = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), tbl);
+        for (int i = 0; i < NQ; ++i) {
+          const __m512 w = _mm512_set1_ps(p[size_t(i) * size_t(p_stride) + size_t(t)]);
+          a[i][2 * u] = _mm512_fmadd_ps(w, xlo, a[i][2 * u]);
+          a[i][2 * u + 1] = _mm512_fmadd_ps(w, xhi, a[i][2 * u + 1]);
+        }
+      }
+    }
+    for (int i = 0; i < NQ; ++i)
+      for (int v = 0; v < 2 * U; ++v) _mm512_storeu_ps(acc + size_t(i) * size_t(hd) + size_t(e0 + 16 * v), a[i][v]);
+  }
+}
+
+template <KvElem E>
+void accum_elem(const KvRowFmt& f, const float* p, int p_stride, int n_q, const uint8_t* rows, size_t row_stride,
+                int n, float* acc) {
+  const size_t hd = size_t(f.head_dim);
+  const bool u2 = f.head_dim % 64 == 0;
+  for (int i0 = 0; i0 < n_q; i0 += 8) {
+    const float* pi = p + size_t(i0) * size_t(p_stride);
+    float* a = acc + size_t(i0) * hd;
+    // Up to 4 query rows: 2 units (64 dims) per strip, 16 accumulators; more rows: 1 unit.
+    switch (std::min(8, n_q - i0)) {
+      case 1: u2 ? accum_nq<E, 1, 2>(f, pi, p_stride, rows, row_stride, n, a) : accum_nq<E, 1, 1>(f, pi, p_stride, rows, row_stride, n, a); break;
+      case 2: u2 ? accum_nq<E, 2, 2>(f, pi, p_stride, rows, row_stride, n, a) : accum_nq<E, 2, 1>(f, pi, p_stride, rows, row_stride, n, a); break;
+      case 3: u2 ? accum_nq<E, 3, 2>(f, pi, p_stride, rows, row_stride, n, a) : accum_nq<E, 3, 1>(f, pi, p_stride, rows, row_stride, n, a); break;
+      case 4: u2 ? accum_nq<E, 4, 2>(f, pi, p_stride, rows, row_stride, n, a) : accum_nq<E, 4, 1>(f, pi, p_stride, rows, row_stride, n, a); break;
+      case 5: accum_nq<E, 5, 1>(f, pi, p_stride, rows, row_stride, n, a); break;
+      case 6: accum_nq<E, 6, 1>(f, pi, p_stride, rows, row_stride, n, a); break;
+      case 7: accum_nq<E, 7, 1>(f, pi, p_stride, rows, row_stride, n, a); break;
+      default: accum_nq<E, 8, 1>(f, pi, p_stride, rows, row_stride, n, a); break;
+    }
+  }
+}
+
+}  // namespace
+
+void kv_rows_accum_4bit_avx512(const KvRowFmt& f, const float* p, int p_stride, int n_q, const uint8_t* rows,
+                               size_t row_stride, int n, float* acc) {
+  if (f.elem == KvElem::q4_0) accum_elem<KvElem::q4_0>(f, p, p_stride, n_q, rows, row_stride, n, acc);
+  else accum_elem<KvElem::int4g>(f, p, p_stride, n_q, rows, row_stride, n, acc);
+}
+
+}  // namespace kvq
