@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "weights/blocks.h"
+#include "weights/glu.h"
 #include "weights/kernels.h"
 #include "weights/weights.h"
 
@@ -247,23 +248,27 @@ TEST_P(MatmulParity, AllLevelsMatchReference) {
   const GgmlType t = GetParam();
   const int64_t bs = block_size(t) == 1 ? 32 : block_size(t);
   // odd row counts and token counts exercise every tile remainder; n_in covers 1..several blocks
+  // >= 8 tokens take the AVX-512 row-panel path: 16-row panels with a partial last one, token
+  // tiles of 8 with a remainder, and more than one 64-token block
   const Case cases[] = {{bs, 1, 1}, {2 * bs, 7, 1}, {4 * bs, 37, 1}, {3 * bs, 13, 5},
-                        {2 * bs, 9, 9}, {8 * bs, 21, 3}};
+                        {2 * bs, 9, 9}, {8 * bs, 21, 3}, {bs, 16, 8}, {3 * bs, 37, 70}, {2 * bs, 50, 13}};
   for (CpuLevel l : kLevels) {
     LevelCap cap(l);
     if (cpu_level() != l) continue;  // CPU lacks it: nothing more to test at this level
     std::mt19937 rng(1234 + int(t));
     for (const auto& c : cases)
       for (int threads : {1, 2}) check_parity(t, c, ScaleMode::normal, ActMode::normal, threads, 0, rng, cpu_level_name(l));
-    const Case adv{4 * bs, 11, 6};
-    for (ScaleMode sm : {ScaleMode::normal, ScaleMode::tiny, ScaleMode::huge, ScaleMode::zero, ScaleMode::mixed})
-      for (ActMode am : {ActMode::normal, ActMode::zeros, ActMode::constant, ActMode::outlier,
-                         ActMode::tiny, ActMode::huge, ActMode::sparse}) {
-        if (sm == ScaleMode::huge && am == ActMode::huge) continue;  // overflows float by design
-        check_parity(t, adv, sm, am, 2, 0, rng, cpu_level_name(l));
-      }
+    // adversarial inputs on the streaming tiles (6 tokens) and on the row panels (11 tokens)
+    for (const Case adv : {Case{4 * bs, 11, 6}, Case{4 * bs, 19, 11}})
+      for (ScaleMode sm : {ScaleMode::normal, ScaleMode::tiny, ScaleMode::huge, ScaleMode::zero, ScaleMode::mixed})
+        for (ActMode am : {ActMode::normal, ActMode::zeros, ActMode::constant, ActMode::outlier,
+                           ActMode::tiny, ActMode::huge, ActMode::sparse}) {
+          if (sm == ScaleMode::huge && am == ActMode::huge) continue;  // overflows float by design
+          check_parity(t, adv, sm, am, 2, 0, rng, cpu_level_name(l));
+        }
     // rows padded beyond their packed size (row_bytes is a stride, not a size)
     check_parity(t, {2 * bs, 6, 2}, ScaleMode::mixed, ActMode::normal, 1, 64, rng, cpu_level_name(l));
+    check_parity(t, {2 * bs, 21, 9}, ScaleMode::mixed, ActMode::outlier, 2, 64, rng, cpu_level_name(l));
     if (block_size(t) == 1)  // float rows of any length (stories260K has n_in = 172): vector tails
       for (int64_t n_in : {1, 7, 172})
         check_parity(t, {n_in, 9, 5}, ScaleMode::normal, ActMode::normal, 1, 2, rng, cpu_level_name(l));
@@ -337,6 +342,73 @@ TEST(ActQuant, SimdQuantizersAreBitIdentical) {
     quantize_act_q8k_avx2(x.data(), k1.data(), 1024);
     EXPECT_EQ(std::memcmp(a0.data(), a1.data(), a0.size() * sizeof(BlockQ8A)), 0) << int(m);
     EXPECT_EQ(std::memcmp(k0.data(), k1.data(), k0.size() * sizeof(BlockQ8K)), 0) << int(m);
+  }
+}
+
+// ---------------------------------------------------------------- gated FFN activation
+
+// The SIMD GLU evaluates act(x) = x / (1 + e^z) with a polynomial exp; against the std::tanh /
+// std::exp reference it must stay within a few float ulps of |gate * up| (the reference's own
+// 1 + tanh cancels for negative x, so relative error of act(x) itself is not the measure).
+TEST(Glu, SimdMatchesReference) {
+  if (!cpu_features().avx512f) GTEST_SKIP() << "no AVX-512";
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (GluAct act : {GluAct::silu, GluAct::gelu_tanh})
+    for (float mag : {1.0f, 4.0f, 30.0f, 1e-30f, 1e20f}) {
+      const size_t n = 1000 + rng() % 37;  // a masked tail
+      std::vector<float> g(n), u(n), want(n), got(n);
+      for (size_t i = 0; i < n; ++i) {
+        g[i] = nd(rng) * mag;
+        u[i] = nd(rng);
+      }
+      // edges: zeros, the exp clamp region, infinities
+      g[0] = 0.0f;
+      g[1] = -0.0f;
+      g[2] = 100.0f;
+      g[3] = -100.0f;
+      g[4] = INFINITY;
+      g[5] = -INFINITY;
+      g[6] = 1e38f;
+      g[7] = -1e38f;
+      u[8] = 0.0f;
+      glu_ref(act, g.data(), u.data(), want.data(), n);
+      glu_avx512(act, g.data(), u.data(), got.data(), n);
+      for (size_t i = 0; i < n; ++i) {
+        // x = -inf: the reference gives inf * 0 = NaN, the SIMD form -inf / (1 + e^88) = -inf; both
+        // flag the broken input, which is all a non-finite activation can ask for
+        if (!std::isfinite(want[i])) {
+          EXPECT_FALSE(std::isfinite(got[i])) << i << " " << g[i];
+          continue;
+        }
+        const double bound = 6e-7 * std::fabs(double(g[i]) * double(u[i])) + 1e-37;
+        ASSERT_LE(std::fabs(double(got[i]) - double(want[i])), bound)
+            << (act == GluAct::silu ? "silu" : "gelu") << " x=" << g[i] << " up=" << u[i] << " got " << got[i] << " want " << want[i];
+      }
+    }
+}
+
+// The pooled entry point splits the work; every split gives the single-threaded result exactly
+// (tails go through the same vector math), so chunked prefill equals one-shot prefill.
+TEST(Glu, PooledEqualsSingleCall) {
+  std::mt19937 rng(6);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  const size_t n = 3 * 8192 + 123;
+  std::vector<float> g(n), u(n), one(n), pooled(n);
+  for (size_t i = 0; i < n; ++i) {
+    g[i] = nd(rng);
+    u[i] = nd(rng);
+  }
+  ThreadPool p1(1), p2(2);
+  for (CpuLevel l : kLevels) {
+    LevelCap cap(l);
+    glu(GluAct::gelu_tanh, g.data(), u.data(), one.data(), n, p1);
+    glu(GluAct::gelu_tanh, g.data(), u.data(), pooled.data(), n, p2);
+    EXPECT_EQ(std::memcmp(one.data(), pooled.data(), n * sizeof(float)), 0);
+    // in place, as the forward pass calls it
+    std::vector<float> inplace = g;
+    glu(GluAct::gelu_tanh, inplace.data(), u.data(), inplace.data(), n, p2);
+    EXPECT_EQ(std::memcmp(one.data(), inplace.data(), n * sizeof(float)), 0);
   }
 }
 

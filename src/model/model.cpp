@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "weights/glu.h"
 
 namespace kvq {
 
@@ -75,11 +76,6 @@ void rope_table(float* cs, int pos, int n_rot, float base, float scale) {
     cs[2 * i] = float(std::cos(theta));
     cs[2 * i + 1] = float(std::sin(theta));
   }
-}
-
-inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
-inline float gelu_tanh(float x) {
-  return 0.5f * x * (1.0f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
 
 }  // namespace
@@ -298,12 +294,7 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
     rms_norm(x_.data(), xn_.data(), static_cast<const float*>(L.ffn_norm.data), n, E, c.rms_eps);
     matmul(L.ffn_gate, xn_.data(), n, gate_.data(), pool_);
     matmul(L.ffn_up, xn_.data(), n, up_.data(), pool_);
-    const size_t nf = size_t(n) * size_t(F);
-    if (c.geglu) {
-      for (size_t i = 0; i < nf; ++i) gate_[i] = gelu_tanh(gate_[i]) * up_[i];
-    } else {
-      for (size_t i = 0; i < nf; ++i) gate_[i] = silu(gate_[i]) * up_[i];
-    }
+    glu(c.geglu ? GluAct::gelu_tanh : GluAct::silu, gate_.data(), up_.data(), gate_.data(), size_t(n) * size_t(F), pool_);
     matmul(L.ffn_down, gate_.data(), n, tmp_.data(), pool_);
     if (c.post_norms)
       rms_norm(tmp_.data(), tmp_.data(), static_cast<const float*>(L.ffn_post_norm.data), n, E, c.rms_eps);

@@ -8,10 +8,398 @@
 #define KVQ_NT_K 2
 #define KVQ_NR_F 4
 #define KVQ_NT_F 4
+#include "core/aligned.h"
 #include "weights/matmul_x86.inl"
 
-namespace kvq {
+// ---------------------------------------------------------------- row panels (prefill)
+//
+// For many tokens the quantized types switch to a layout where one 512-bit register holds 16
+// weight rows: a panel of 16 rows is unpacked once per call into unsigned byte codes,
+// interleaved as [group of 4 elements][row][4 codes], so one vpdpbusd with the token's 4
+// activation bytes broadcast ({1to16}) advances 16 row dot products at once. The per-block
+// scales are then applied to 16 rows with one vector op per token, outputs leave as 16
+// consecutive floats of y (no horizontal sums), and the unpacking is paid once per row for all
+// tokens instead of once per row per 2-4 tokens.
 
-MatmulTileFn matmul_kernel_avx512(GgmlType t) { return x86_avx512::kernel_for(t); }
+namespace kvq {
+namespace x86_avx512 {
+namespace {
+
+constexpr int kPR = 16;             // rows per panel: the 16 int32 lanes of a zmm
+constexpr int kPanelMinTokens = 8;  // below this the streaming kernels win (no unpack pass)
+constexpr int kPT = 8;              // tokens per register tile
+constexpr int kTokBlock = 64;       // tokens whose activations stay in L2 while the panels pass
+
+inline __m512i bcast32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// 16 rows x `n` bytes (row r at tmp + r * n) -> groups of 4: out[(g * 16 + r) * 4 + i] = row r byte 4g + i.
+inline void interleave16(const uint8_t* tmp, int n, uint8_t* out) {
+  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(n / 4));
+  for (int g = 0; g < n / 4; ++g)
+    _mm512_storeu_si512(out + size_t(g) * 64,
+                        _mm512_i32gather_epi32(_mm512_add_epi32(idx, _mm512_set1_epi32(g)), tmp, 4));
+}
+
+// ---- 32-element types: unsigned codes u with w = d * (u - off) + m
+
+template <GgmlType T>
+constexpr size_t block_bytes32() {
+  return T == GgmlType::Q4_0 ? sizeof(BlockQ4_0) : T == GgmlType::Q4_1 ? sizeof(BlockQ4_1)
+       : T == GgmlType::Q5_0 ? sizeof(BlockQ5_0) : T == GgmlType::Q5_1 ? sizeof(BlockQ5_1)
+       : sizeof(BlockQ8_0);
+}
+template <GgmlType T>
+constexpr int panel_off32() {
+  return T == GgmlType::Q4_0 ? 8 : T == GgmlType::Q5_0 ? 16 : T == GgmlType::Q8_0 ? 128 : 0;
+}
+
+// Codes of one block in element order (32 bytes), its scale and min.
+template <GgmlType T>
+inline __m256i unpack32(const uint8_t* p, float* d, float* m) {
+  W32<T> w;
+  load_w32<T>(p, w);
+  *d = w.d;
+  if constexpr (w32_has_min<T>()) *m = w.m;
+  else *m = 0;
+  if constexpr (T == GgmlType::Q8_0) return _mm256_xor_si256(w.sgn, _mm256_set1_epi8(char(0x80)));  // q + 128
+  else return w.u;
+}
+
+// Panel of nb blocks: codes (nb, 8 groups, 16 rows, 4), d (nb, 16), m (nb, 16). Rows past nr are zero.
+template <GgmlType T>
+void pack32(const uint8_t* w, size_t ws, int nr, int64_t nb, uint8_t* codes, float* d, float* m) {
+  alignas(64) uint8_t tmp[kPR * kQK];
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int r = 0; r < kPR; ++r) {
+      __m256i u = _mm256_setzero_si256();
+      float dr = 0, mr = 0;
+      if (r < nr) u = unpack32<T>(w + size_t(r) * ws + size_t(b) * block_bytes32<T>(), &dr, &mr);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(tmp + r * kQK), u);
+      d[b * kPR + r] = dr;
+      m[b * kPR + r] = mr;
+    }
+    interleave16(tmp, kQK, codes + size_t(b) * kPR * kQK);
+  }
+}
+
+template <GgmlType T, int NT>
+void panel_tile32(const uint8_t* codes, const float* d, const float* m, const uint8_t* x, size_t xs, int64_t nb,
+                  float* y, int64_t ldy, __mmask16 rmask) {
+  __m512 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const BlockQ8A* xb[NT];
+    __m512i ia[NT];
+    for (int t = 0; t < NT; ++t) {
+      xb[t] = reinterpret_cast<const BlockQ8A*>(x + size_t(t) * xs) + b;
+      // w = d (u - off): the -off * sum(q) term is exact in the integer accumulator's start
+      ia[t] = panel_off32<T>() ? _mm512_set1_epi32(-panel_off32<T>() * xb[t]->sum) : _mm512_setzero_si512();
+    }
+    const uint8_t* cb = codes + size_t(b) * kPR * kQK;
+    for (int g = 0; g < 8; ++g) {
+      const __m512i wv = _mm512_load_si512(cb + 64 * g);
+      for (int t = 0; t < NT; ++t) ia[t] = _mm512_dpbusd_epi32(ia[t], wv, bcast32(xb[t]->qs + 4 * g));
+    }
+    const __m512 dv = _mm512_load_ps(d + b * kPR);
+    for (int t = 0; t < NT; ++t)
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[t]), _mm512_mul_ps(dv, _mm512_set1_ps(xb[t]->d)), acc[t]);
+    if constexpr (w32_has_min<T>()) {
+      const __m512 mv = _mm512_load_ps(m + b * kPR);
+      for (int t = 0; t < NT; ++t) acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xb[t]->d * float(xb[t]->sum)), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm512_mask_storeu_ps(y + t * ldy, rmask, acc[t]);
+}
+
+// ---- K-quants: 256-element super-blocks, integer sub-block scales
+
+// Q4_K / Q5_K panel of nb super-blocks: codes (nb, 8 sub-blocks, 8 groups, 16 rows, 4), sc (nb, 8, 16)
+// int32 scales, mp (nb, 4, 16) int32 holding the int16 mins of sub-blocks 2p and 2p+1, d and dmin (nb, 16).
+template <GgmlType T>
+void pack_q45k(const uint8_t* w, size_t ws, int nr, int64_t nb, uint8_t* codes, int32_t* sc, int32_t* mp, float* d,
+               float* dmin) {
+  using B = std::conditional_t<T == GgmlType::Q4_K, BlockQ4_K, BlockQ5_K>;
+  alignas(64) uint8_t tmp[kPR * kQKK];
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int r = 0; r < kPR; ++r) {
+      uint8_t* tr = tmp + r * kQKK;
+      if (r >= nr) {
+        std::memset(tr, 0, kQKK);
+        for (int j = 0; j < 8; ++j) sc[(b * 8 + j) * kPR + r] = 0;
+        for (int p = 0; p < 4; ++p) mp[(b * 4 + p) * kPR + r] = 0;
+        d[b * kPR + r] = dmin[b * kPR + r] = 0;
+        continue;
+      }
+      const B* blk = reinterpret_cast<const B*>(w + size_t(r) * ws) + b;
+      uint8_t s[8], mn[8];
+      for (int j = 0; j < 8; ++j) k_scale_min(blk->scales, j, &s[j], &mn[j]);
+      for (int j = 0; j < 8; ++j) sc[(b * 8 + j) * kPR + r] = s[j];
+      for (int p = 0; p < 4; ++p) mp[(b * 4 + p) * kPR + r] = int32_t(uint32_t(mn[2 * p]) | (uint32_t(mn[2 * p + 1]) << 16));
+      d[b * kPR + r] = f16(blk->d);
+      dmin[b * kPR + r] = f16(blk->dmin);
+      __m256i qh = _mm256_setzero_si256();
+      if constexpr (T == GgmlType::Q5_K) qh = load32(blk->qh);
+      for (int c = 0; c < 4; ++c) {
+        const __m256i q = load32(blk->qs + 32 * c);
+        __m256i lo = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0F));
+        if constexpr (T == GgmlType::Q5_K) {
+          const __m256i x10 = _mm256_set1_epi8(0x10);
+          lo = _mm256_mask_add_epi8(lo, _mm256_test_epi8_mask(qh, _mm256_set1_epi8(char(1 << (2 * c)))), lo, x10);
+          hi = _mm256_mask_add_epi8(hi, _mm256_test_epi8_mask(qh, _mm256_set1_epi8(char(2 << (2 * c)))), hi, x10);
+        }
+        _mm256_store_si256(reinterpret_cast<__m256i*>(tr + 64 * c), lo);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(tr + 64 * c + 32), hi);
+      }
+    }
+    interleave16(tmp, kQKK, codes + size_t(b) * kPR * kQKK);
+  }
+}
+
+// The 16-row interleave of a 256-byte row is [64 groups][16 rows][4]; sub-block j of 32 is groups
+// 8j..8j+7, so the per-sub-block loops below walk the codes contiguously.
+template <int NT>
+inline void dots_subblock(const uint8_t* cb, const BlockQ8K* const* xb, int first_byte, int groups, __m512i* ia) {
+  for (int t = 0; t < NT; ++t) ia[t] = _mm512_setzero_si512();
+  for (int g = 0; g < groups; ++g) {
+    const __m512i wv = _mm512_load_si512(cb + 64 * g);
+    for (int t = 0; t < NT; ++t) ia[t] = _mm512_dpbusd_epi32(ia[t], wv, bcast32(xb[t]->qs + first_byte + 4 * g));
+  }
+}
+
+template <int NT>
+void panel_tile_q45k(const uint8_t* codes, const int32_t* sc, const int32_t* mp, const float* d, const float* dmin,
+                     const uint8_t* x, size_t xs, int64_t nb, float* y, int64_t ldy, __mmask16 rmask) {
+  __m512 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const BlockQ8K* xb[NT];
+    for (int t = 0; t < NT; ++t) xb[t] = reinterpret_cast<const BlockQ8K*>(x + size_t(t) * xs) + b;
+    __m512i isum[NT], ia[NT];
+    for (int t = 0; t < NT; ++t) isum[t] = _mm512_setzero_si512();
+    const uint8_t* cb = codes + size_t(b) * kPR * kQKK;
+    for (int j = 0; j < 8; ++j) {
+      dots_subblock<NT>(cb + size_t(j) * 8 * 64, xb, 32 * j, 8, ia);
+      // exact: sc <= 63, |dot| <= 31 * 127 * 32, eight of them stay far below 2^31
+      const __m512i sv = _mm512_load_si512(sc + (b * 8 + j) * kPR);
+      for (int t = 0; t < NT; ++t) isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(ia[t], sv));
+    }
+    // mins: sum_j m_j * bsum32_j, two sub-blocks per vpdpwssd
+    for (int t = 0; t < NT; ++t) ia[t] = _mm512_setzero_si512();
+    for (int p = 0; p < 4; ++p) {
+      const __m512i mv = _mm512_load_si512(mp + (b * 4 + p) * kPR);
+      for (int t = 0; t < NT; ++t) ia[t] = _mm512_dpwssd_epi32(ia[t], mv, bcast32(xb[t]->bsum32 + 2 * p));
+    }
+    const __m512 dv = _mm512_load_ps(d + b * kPR), mdv = _mm512_load_ps(dmin + b * kPR);
+    for (int t = 0; t < NT; ++t) {
+      const __m512 xd = _mm512_set1_ps(xb[t]->d);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_mul_ps(dv, xd), acc[t]);
+      acc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ia[t]), _mm512_mul_ps(mdv, xd), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm512_mask_storeu_ps(y + t * ldy, rmask, acc[t]);
+}
+
+// Q6_K panel: codes (nb, 16 sub-blocks, 4 groups, 16 rows, 4) as q + 32 (0..63), sc (nb, 16, 16)
+// int32 scales, sp (nb, 8, 16) int32 holding the int16 scales of sub-blocks 2p, 2p+1, d (nb, 16).
+void pack_q6k(const uint8_t* w, size_t ws, int nr, int64_t nb, uint8_t* codes, int32_t* sc, int32_t* sp, float* d) {
+  alignas(64) uint8_t tmp[kPR * kQKK];
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int r = 0; r < kPR; ++r) {
+      uint8_t* tr = tmp + r * kQKK;
+      if (r >= nr) {
+        std::memset(tr, 0, kQKK);
+        for (int j = 0; j < 16; ++j) sc[(b * 16 + j) * kPR + r] = 0;
+        for (int p = 0; p < 8; ++p) sp[(b * 8 + p) * kPR + r] = 0;
+        d[b * kPR + r] = 0;
+        continue;
+      }
+      const BlockQ6_K* blk = reinterpret_cast<const BlockQ6_K*>(w + size_t(r) * ws) + b;
+      for (int j = 0; j < 16; ++j) sc[(b * 16 + j) * kPR + r] = blk->scales[j];
+      for (int p = 0; p < 8; ++p)
+        sp[(b * 8 + p) * kPR + r] =
+            int32_t(uint32_t(uint16_t(int16_t(blk->scales[2 * p]))) | (uint32_t(uint16_t(int16_t(blk->scales[2 * p + 1]))) << 16));
+      d[b * kPR + r] = f16(blk->d);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i qh = load32(blk->qh + 32 * h);
+        for (int k = 0; k < 4; ++k) {  // elements 128h + 32k .. +32
+          const __m256i ql = load32(blk->ql + 64 * h + 32 * (k & 1));
+          const __m256i lo = k < 2 ? _mm256_and_si256(ql, m4) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
+          __m256i hb;
+          switch (k) {
+            case 0: hb = _mm256_slli_epi16(qh, 4); break;
+            case 1: hb = _mm256_slli_epi16(qh, 2); break;
+            case 2: hb = qh; break;
+            default: hb = _mm256_srli_epi16(qh, 2); break;
+          }
+          _mm256_store_si256(reinterpret_cast<__m256i*>(tr + 128 * h + 32 * k), _mm256_or_si256(lo, _mm256_and_si256(hb, m30)));
+        }
+      }
+    }
+    interleave16(tmp, kQKK, codes + size_t(b) * kPR * kQKK);
+  }
+}
+
+template <int NT>
+void panel_tile_q6k(const uint8_t* codes, const int32_t* sc, const int32_t* sp, const float* d, const uint8_t* x,
+                    size_t xs, int64_t nb, float* y, int64_t ldy, __mmask16 rmask) {
+  __m512 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const BlockQ8K* xb[NT];
+    for (int t = 0; t < NT; ++t) xb[t] = reinterpret_cast<const BlockQ8K*>(x + size_t(t) * xs) + b;
+    __m512i isum[NT], ia[NT];
+    for (int t = 0; t < NT; ++t) isum[t] = _mm512_setzero_si512();
+    const uint8_t* cb = codes + size_t(b) * kPR * kQKK;
+    for (int j = 0; j < 16; ++j) {
+      dots_subblock<NT>(cb + size_t(j) * 4 * 64, xb, 16 * j, 4, ia);
+      // exact: |sc| <= 128, dot <= 63 * 127 * 16; sixteen of them < 2^28
+      const __m512i sv = _mm512_load_si512(sc + (b * 16 + j) * kPR);
+      for (int t = 0; t < NT; ++t) isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(ia[t], sv));
+    }
+    // codes are q + 32: subtract 32 * sum_j sc_j * bsum16_j, two sub-blocks per vpdpwssd
+    for (int t = 0; t < NT; ++t) ia[t] = _mm512_setzero_si512();
+    for (int p = 0; p < 8; ++p) {
+      const __m512i sv = _mm512_load_si512(sp + (b * 8 + p) * kPR);
+      for (int t = 0; t < NT; ++t) ia[t] = _mm512_dpwssd_epi32(ia[t], sv, bcast32(xb[t]->bsum16 + 2 * p));
+    }
+    const __m512 dv = _mm512_load_ps(d + b * kPR);
+    for (int t = 0; t < NT; ++t) {
+      const __m512i tot = _mm512_sub_epi32(isum[t], _mm512_slli_epi32(ia[t], 5));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(dv, _mm512_set1_ps(xb[t]->d)), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm512_mask_storeu_ps(y + t * ldy, rmask, acc[t]);
+}
+
+// ---- driver: pack the call's rows once, then token blocks x panels x token tiles
+
+// Bytes of packed data per panel and per block (codes + per-row metadata).
+template <GgmlType T>
+constexpr size_t panel_block_bytes() {
+  if constexpr (T == GgmlType::Q4_K || T == GgmlType::Q5_K) return kPR * (kQKK + 4 * (8 + 4 + 2));
+  else if constexpr (T == GgmlType::Q6_K) return kPR * (kQKK + 4 * (16 + 8 + 1));
+  else return kPR * (kQK + 4 * 2);
+}
+
+template <GgmlType T>
+struct Panel {
+  const uint8_t* codes;
+  const int32_t* i0;  // K-quants: sub-block scales
+  const int32_t* i1;  // K-quants: scale / min pairs
+  const float* f0;    // d
+  const float* f1;    // m (32-element types) or dmin (Q4_K/Q5_K)
+};
+
+template <GgmlType T>
+Panel<T> panel_at(uint8_t* base, int64_t nb) {
+  // layout per panel: codes, then the int32 fields, then the float fields (all 64-byte multiples)
+  constexpr bool k45 = T == GgmlType::Q4_K || T == GgmlType::Q5_K, k6 = T == GgmlType::Q6_K;
+  const size_t bs = k45 || k6 ? kQKK : kQK;
+  Panel<T> p{};
+  uint8_t* c = base;
+  p.codes = c;
+  c += size_t(nb) * kPR * bs;
+  if constexpr (k45 || k6) {
+    const int nsub = k45 ? 8 : 16, npair = k45 ? 4 : 8;
+    p.i0 = reinterpret_cast<const int32_t*>(c);
+    c += size_t(nb) * nsub * kPR * 4;
+    p.i1 = reinterpret_cast<const int32_t*>(c);
+    c += size_t(nb) * npair * kPR * 4;
+  }
+  p.f0 = reinterpret_cast<const float*>(c);
+  c += size_t(nb) * kPR * 4;
+  p.f1 = reinterpret_cast<const float*>(c);
+  return p;
+}
+
+template <GgmlType T, int NT>
+inline void panel_tile(const Panel<T>& p, const uint8_t* x, size_t xs, int64_t nb, float* y, int64_t ldy, __mmask16 rm) {
+  if constexpr (T == GgmlType::Q4_K || T == GgmlType::Q5_K)
+    panel_tile_q45k<NT>(p.codes, p.i0, p.i1, p.f0, p.f1, x, xs, nb, y, ldy, rm);
+  else if constexpr (T == GgmlType::Q6_K)
+    panel_tile_q6k<NT>(p.codes, p.i0, p.i1, p.f0, x, xs, nb, y, ldy, rm);
+  else
+    panel_tile32<T, NT>(p.codes, p.f0, p.f1, x, xs, nb, y, ldy, rm);
+}
+
+template <GgmlType T, int NT>
+void panel_tile_tail(int nt, const Panel<T>& p, const uint8_t* x, size_t xs, int64_t nb, float* y, int64_t ldy, __mmask16 rm) {
+  if constexpr (NT > 1) {
+    if (nt < NT) return panel_tile_tail<T, NT - 1>(nt, p, x, xs, nb, y, ldy, rm);
+  }
+  panel_tile<T, NT>(p, x, xs, nb, y, ldy, rm);
+}
+
+template <GgmlType T>
+void gemm_panels(const uint8_t* w, size_t ws, int64_t nr, const uint8_t* x, size_t xs, int64_t nt, int64_t n_in,
+                 float* y, int64_t ldy) {
+  constexpr bool kq = T == GgmlType::Q4_K || T == GgmlType::Q5_K || T == GgmlType::Q6_K;
+  const int64_t nb = n_in / (kq ? kQKK : kQK);
+  const int64_t n_panels = (nr + kPR - 1) / kPR;
+  const size_t pbytes = size_t(nb) * panel_block_bytes<T>();
+  thread_local AlignedBuf<uint8_t> buf;
+  if (buf.size() < pbytes * size_t(n_panels)) buf.resize(pbytes * size_t(n_panels));
+  for (int64_t pi = 0; pi < n_panels; ++pi) {
+    uint8_t* base = buf.data() + size_t(pi) * pbytes;
+    const Panel<T> p = panel_at<T>(base, nb);
+    const uint8_t* wr = w + size_t(pi) * kPR * ws;
+    const int rows = int(std::min<int64_t>(kPR, nr - pi * kPR));
+    if constexpr (T == GgmlType::Q4_K || T == GgmlType::Q5_K)
+      pack_q45k<T>(wr, ws, rows, nb, const_cast<uint8_t*>(p.codes), const_cast<int32_t*>(p.i0),
+                   const_cast<int32_t*>(p.i1), const_cast<float*>(p.f0), const_cast<float*>(p.f1));
+    else if constexpr (T == GgmlType::Q6_K)
+      pack_q6k(wr, ws, rows, nb, const_cast<uint8_t*>(p.codes), const_cast<int32_t*>(p.i0), const_cast<int32_t*>(p.i1),
+               const_cast<float*>(p.f0));
+    else
+      pack32<T>(wr, ws, rows, nb, const_cast<uint8_t*>(p.codes), const_cast<float*>(p.f0), const_cast<float*>(p.f1));
+  }
+  for (int64_t t0 = 0; t0 < nt; t0 += kTokBlock) {
+    const int64_t t1 = std::min<int64_t>(nt, t0 + kTokBlock);
+    for (int64_t pi = 0; pi < n_panels; ++pi) {
+      const Panel<T> p = panel_at<T>(buf.data() + size_t(pi) * pbytes, nb);
+      const int rows = int(std::min<int64_t>(kPR, nr - pi * kPR));
+      const __mmask16 rm = __mmask16((1u << rows) - 1);
+      float* yp = y + pi * kPR;
+      for (int64_t t = t0; t < t1; t += kPT) {
+        const int n = int(std::min<int64_t>(kPT, t1 - t));
+        panel_tile_tail<T, kPT>(n, p, x + size_t(t) * xs, xs, nb, yp + t * ldy, ldy, rm);
+      }
+    }
+  }
+}
+
+template <GgmlType T, int NR, int NT>
+void gemm_any(const uint8_t* w, size_t ws, int64_t nr, const uint8_t* x, size_t xs, int64_t nt, int64_t n_in,
+              float* y, int64_t ldy) {
+  if (nt >= kPanelMinTokens) gemm_panels<T>(w, ws, nr, x, xs, nt, n_in, y, ldy);
+  else gemm<T, NR, NT>(w, ws, nr, x, xs, nt, n_in, y, ldy);
+}
+
+}  // namespace
+
+MatmulTileFn panel_kernel_for(GgmlType t) {
+  switch (t) {
+    case GgmlType::Q4_0: return gemm_any<GgmlType::Q4_0, KVQ_NR_32, KVQ_NT_32>;
+    case GgmlType::Q4_1: return gemm_any<GgmlType::Q4_1, KVQ_NR_32, KVQ_NT_32>;
+    case GgmlType::Q5_0: return gemm_any<GgmlType::Q5_0, KVQ_NR_32, KVQ_NT_32>;
+    case GgmlType::Q5_1: return gemm_any<GgmlType::Q5_1, KVQ_NR_32, KVQ_NT_32>;
+    case GgmlType::Q8_0: return gemm_any<GgmlType::Q8_0, KVQ_NR_32, KVQ_NT_32>;
+    case GgmlType::Q4_K: return gemm_any<GgmlType::Q4_K, KVQ_NR_K, KVQ_NT_K>;
+    case GgmlType::Q5_K: return gemm_any<GgmlType::Q5_K, KVQ_NR_K, KVQ_NT_K>;
+    case GgmlType::Q6_K: return gemm_any<GgmlType::Q6_K, KVQ_NR_K, KVQ_NT_K>;
+    default: return kernel_for(t);
+  }
+}
+
+}  // namespace x86_avx512
+
+MatmulTileFn matmul_kernel_avx512(GgmlType t) { return x86_avx512::panel_kernel_for(t); }
 
 }  // namespace kvq
