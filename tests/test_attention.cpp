@@ -213,3 +213,31 @@ TEST(Attention, ExpKernelsMatchReference) {
     EXPECT_NEAR(sb, sa, 1e-5f * sa);
   }
 }
+
+// The scaling + max pass: the same products (exactly) and the same max in every variant, with
+// lengths around the vector widths, NaN entries skipped, -inf entries, and the empty case.
+TEST(Attention, ScaleMaxKernelsMatchReference) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  for (int n : {0, 1, 7, 8, 9, 15, 16, 17, 31, 64, 65}) {
+    for (int variant = 0; variant < 3; ++variant) {
+      std::vector<float> x(static_cast<size_t>(n));
+      for (auto& v : x) v = nd(rng) * 10.f;
+      if (n > 3 && variant == 1) x[2] = std::nanf("");
+      if (n > 5 && variant == 2) x[size_t(n) - 1] = -INFINITY;
+      std::vector<float> a = x;
+      const float ma = attn_scale_max_ref(a.data(), n, 0.125f);
+      for (CpuLevel lvl : {CpuLevel::avx2, CpuLevel::avx512}) {
+        const CpuLevel saved = cpu_set_level(lvl);
+        std::vector<float> b = x;
+        const float mb = attn_scale_max(b.data(), n, 0.125f);
+        cpu_set_level(saved);
+        EXPECT_EQ(mb, ma) << n << " " << cpu_level_name(lvl);
+        for (int i = 0; i < n; ++i) {
+          if (std::isnan(a[size_t(i)])) EXPECT_TRUE(std::isnan(b[size_t(i)]));
+          else EXPECT_EQ(b[size_t(i)], a[size_t(i)]) << n << " " << i;
+        }
+      }
+    }
+  }
+}

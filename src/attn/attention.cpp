@@ -45,11 +45,14 @@ void softmax_update(Scratch& sc, int n_q, int n, int v_dim, const AttnParams& ap
   for (int i = 0; i < n_q; ++i) {
     float* s = sc.s + size_t(i) * size_t(sc.s_stride);
     float mx = -std::numeric_limits<float>::infinity();
-    for (int t = 0; t < n; ++t) {
-      float v = s[t] * ap.scale;
-      if (ap.softcap > 0) v = ap.softcap * std::tanh(v / ap.softcap);
-      s[t] = v;
-      mx = std::max(mx, v);
+    if (ap.softcap > 0) {
+      for (int t = 0; t < n; ++t) {
+        const float v = ap.softcap * std::tanh(s[t] * ap.scale / ap.softcap);
+        s[t] = v;
+        mx = std::max(mx, v);
+      }
+    } else {
+      mx = attn_scale_max(s, n, ap.scale);
     }
     const float m_new = std::max(sc.m[i], mx);
     if (m_new == -std::numeric_limits<float>::infinity()) {  // nothing attendable yet

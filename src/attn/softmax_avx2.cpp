@@ -51,4 +51,25 @@ float attn_exp_sub_avx2(float* x, int n, float m) {
   return sum;
 }
 
+// max_ps(v, acc) returns acc when v is NaN: NaN scores are skipped, as in the reference.
+float attn_scale_max_avx2(float* x, int n, float scale) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  __m256 acc = _mm256_set1_ps(-INFINITY);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(x + i), vs);
+    _mm256_storeu_ps(x + i, y);
+    acc = _mm256_max_ps(y, acc);
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  float mx = _mm_cvtss_f32(m);
+  for (; i < n; ++i) {
+    x[i] *= scale;
+    if (x[i] > mx) mx = x[i];
+  }
+  return mx;
+}
+
 }  // namespace kvq

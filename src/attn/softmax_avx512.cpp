@@ -52,4 +52,23 @@ float attn_exp_sub_avx512(float* x, int n, float m) {
   return _mm512_reduce_add_ps(acc);
 }
 
+// max_ps(v, acc) returns acc when v is NaN: NaN scores are skipped, as in the reference.
+float attn_scale_max_avx512(float* x, int n, float scale) {
+  const __m512 vs = _mm512_set1_ps(scale);
+  __m512 acc = _mm512_set1_ps(-INFINITY);
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(x + i), vs);
+    _mm512_storeu_ps(x + i, y);
+    acc = _mm512_max_ps(y, acc);
+  }
+  if (i < n) {
+    const __mmask16 k = __mmask16((1u << (n - i)) - 1);
+    const __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), vs);
+    _mm512_mask_storeu_ps(x + i, k, y);
+    acc = _mm512_mask_max_ps(acc, k, y, acc);
+  }
+  return _mm512_reduce_max_ps(acc);
+}
+
 }  // namespace kvq

@@ -66,9 +66,8 @@ struct Chunk {
 };
 
 template <KvElem E>
-inline Chunk load_chunk(const Ctx& x, const uint8_t* row, int c) {
+inline Chunk load_chunk(const Ctx& x, const uint8_t* row, int c, bool half) {
   Chunk k;
-  const bool half = x.half && c == x.n_chunks - 1;
   if constexpr (E == KvElem::q4_0) {
     const uint8_t* base = row + size_t(c) * 4 * sizeof(kv_block_q4_0);
     if (!half) {
@@ -117,16 +116,20 @@ inline QRow qrow(const Ctx& x, const float* qp, size_t q_stride, int i) {
   return q;
 }
 
-// F[i] += per-lane partial scores of one token for query rows 0..NQ-1.
-template <KvElem E, int NQ>
+// F[i] += per-lane partial scores of one token for query rows 0..NQ-1. HD: head_dim when known at
+// compile time (the chunk loop then unrolls and the half-chunk masks are constants), else 0.
+template <KvElem E, int NQ, int HD>
 inline void token_dot(const Ctx& x, const QRow* q, const uint8_t* row, __m512* F) {
   const __m512i low4 = _mm512_set1_epi8(0x0f);
-  for (int c = 0; c < x.n_chunks; ++c) {
-    const Chunk k = load_chunk<E>(x, row, c);
+  const int n_chunks = HD ? (HD + 127) / 128 : x.n_chunks;
+  const bool has_half = HD ? HD % 128 != 0 : x.half;
+  for (int c = 0; c < n_chunks; ++c) {
+    const bool half = has_half && c == n_chunks - 1;
+    const Chunk k = load_chunk<E>(x, row, c, half);
     const __m512i lo = _mm512_and_si512(k.codes, low4);
     const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(k.codes, 4), low4);
     // A half chunk's lanes 8..15 must not see the next row's data in dq / qs (0 * inf).
-    const __mmask16 lanes = x.half && c == x.n_chunks - 1 ? 0x00ff : 0xffff;
+    const __mmask16 lanes = half ? 0x00ff : 0xffff;
     for (int i = 0; i < NQ; ++i) {
       // Upper bytes of a half chunk's query loads belong to the next array of the same row:
       // they meet zero codes.
@@ -159,7 +162,7 @@ inline __m512 hsum16(const __m512* v) {
 
 // NQ query rows (1..4) against n tokens; 16 / NQ tokens per step (3 rows use the slots of 4) so
 // that one hsum16 finishes 16 scores.
-template <KvElem E, int NQ>
+template <KvElem E, int NQ, int HD>
 void scores_nq(const Ctx& x, const float* qp, size_t q_stride, const uint8_t* rows, size_t row_stride, int n,
                float* out, int out_stride) {
   constexpr int NQP = NQ == 3 ? 4 : NQ;
@@ -173,7 +176,7 @@ void scores_nq(const Ctx& x, const float* qp, size_t q_stride, const uint8_t* ro
     for (int u = 0; u < TU; ++u) {
       __m512 F[NQ];
       for (int i = 0; i < NQ; ++i) F[i] = _mm512_setzero_ps();
-      token_dot<E, NQ>(x, q, rows + size_t(t + u) * row_stride, F);
+      token_dot<E, NQ, HD>(x, q, rows + size_t(t + u) * row_stride, F);
       for (int i = 0; i < NQ; ++i) {
         const int o = i * TU + u;  // output lane: query i's TU scores are contiguous
         v[4 * (o % 4) + o / 4] = F[i];
@@ -186,22 +189,22 @@ void scores_nq(const Ctx& x, const float* qp, size_t q_stride, const uint8_t* ro
   for (; t < n; ++t) {
     __m512 F[NQ];
     for (int i = 0; i < NQ; ++i) F[i] = _mm512_setzero_ps();
-    token_dot<E, NQ>(x, q, rows + size_t(t) * row_stride, F);
+    token_dot<E, NQ, HD>(x, q, rows + size_t(t) * row_stride, F);
     for (int i = 0; i < NQ; ++i) out[size_t(i) * size_t(out_stride) + size_t(t)] = _mm512_reduce_add_ps(F[i]);
   }
 }
 
-template <KvElem E>
+template <KvElem E, int HD>
 void scores_elem(const Ctx& x, const float* qp, size_t q_stride, int n_q, const uint8_t* rows, size_t row_stride,
                  int n, float* out, int out_stride) {
   for (int i0 = 0; i0 < n_q; i0 += 4) {
     const float* qi = qp + size_t(i0) * q_stride;
     float* o = out + size_t(i0) * size_t(out_stride);
     switch (std::min(4, n_q - i0)) {
-      case 1: scores_nq<E, 1>(x, qi, q_stride, rows, row_stride, n, o, out_stride); break;
-      case 2: scores_nq<E, 2>(x, qi, q_stride, rows, row_stride, n, o, out_stride); break;
-      case 3: scores_nq<E, 3>(x, qi, q_stride, rows, row_stride, n, o, out_stride); break;
-      default: scores_nq<E, 4>(x, qi, q_stride, rows, row_stride, n, o, out_stride); break;
+      case 1: scores_nq<E, 1, HD>(x, qi, q_stride, rows, row_stride, n, o, out_stride); break;
+      case 2: scores_nq<E, 2, HD>(x, qi, q_stride, rows, row_stride, n, o, out_stride); break;
+      case 3: scores_nq<E, 3, HD>(x, qi, q_stride, rows, row_stride, n, o, out_stride); break;
+      default: scores_nq<E, 4, HD>(x, qi, q_stride, rows, row_stride, n, o, out_stride); break;
     }
   }
 }
@@ -212,8 +215,17 @@ void kv_rows_scores_i8_avx512(const KvRowFmt& f, const float* qp, int n_q, const
                               size_t row_stride, int n, float* out, int out_stride) {
   const Ctx x = make_ctx(f);
   const size_t q_stride = size_t(f.head_dim + kv_rows_query_extra_floats(f));
-  if (f.elem == KvElem::q4_0) scores_elem<KvElem::q4_0>(x, qp, q_stride, n_q, rows, row_stride, n, out, out_stride);
-  else scores_elem<KvElem::int4g>(x, qp, q_stride, n_q, rows, row_stride, n, out, out_stride);
+  const bool q40 = f.elem == KvElem::q4_0;
+#define KVQ_I8_CALL(HD)                                                                          \
+  return q40 ? scores_elem<KvElem::q4_0, HD>(x, qp, q_stride, n_q, rows, row_stride, n, out, out_stride) \
+             : scores_elem<KvElem::int4g, HD>(x, qp, q_stride, n_q, rows, row_stride, n, out, out_stride)
+  switch (f.head_dim) {
+    case 64: KVQ_I8_CALL(64);
+    case 128: KVQ_I8_CALL(128);
+    case 256: KVQ_I8_CALL(256);
+    default: KVQ_I8_CALL(0);
+  }
+#undef KVQ_I8_CALL
 }
 
 }  // namespace kvq
