@@ -27,7 +27,13 @@ namespace {
 
 constexpr int kPR = 16;             // rows per panel: the 16 int32 lanes of a zmm
 constexpr int kPanelMinTokens = 8;  // below this the streaming kernels win (no unpack pass)
-constexpr int kPT = 8;              // tokens per register tile
+constexpr int kPP = 2;              // panels per register tile: 32 rows share each activation broadcast
+// tokens per register tile: kPP x kPT float accumulators + as many int32 dot sums (+ as many
+// super-block sums for the K-quants) within the 32 zmm registers
+template <GgmlType T>
+constexpr int panel_tokens() {
+  return T == GgmlType::Q4_K || T == GgmlType::Q5_K || T == GgmlType::Q6_K ? 4 : 6;
+}
 constexpr int kTokBlock = 64;       // tokens whose activations stay in L2 while the panels pass
 
 inline __m512i bcast32(const void* p) {
@@ -87,33 +93,43 @@ void pack32(const uint8_t* w, size_t ws, int nr, int64_t nb, uint8_t* codes, flo
   }
 }
 
-template <GgmlType T, int NT>
-void panel_tile32(const uint8_t* codes, const float* d, const float* m, const uint8_t* x, size_t xs, int64_t nb,
-                  float* y, int64_t ldy, __mmask16 rmask) {
-  __m512 acc[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+// P panels (16 P rows) x NT tokens: each broadcast activation word feeds P vpdpbusd.
+template <GgmlType T, int P, int NT>
+void panel_tile32(const uint8_t* const* codes, const float* const* d, const float* const* m, const uint8_t* x,
+                  size_t xs, int64_t nb, float* y, int64_t ldy, const __mmask16* rmask) {
+  __m512 acc[P][NT];
+  for (int p = 0; p < P; ++p)
+    for (int t = 0; t < NT; ++t) acc[p][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const BlockQ8A* xb[NT];
-    __m512i ia[NT];
+    __m512i ia[P][NT];
     for (int t = 0; t < NT; ++t) {
       xb[t] = reinterpret_cast<const BlockQ8A*>(x + size_t(t) * xs) + b;
       // w = d (u - off): the -off * sum(q) term is exact in the integer accumulator's start
-      ia[t] = panel_off32<T>() ? _mm512_set1_epi32(-panel_off32<T>() * xb[t]->sum) : _mm512_setzero_si512();
+      const __m512i init = panel_off32<T>() ? _mm512_set1_epi32(-panel_off32<T>() * xb[t]->sum) : _mm512_setzero_si512();
+      for (int p = 0; p < P; ++p) ia[p][t] = init;
     }
-    const uint8_t* cb = codes + size_t(b) * kPR * kQK;
     for (int g = 0; g < 8; ++g) {
-      const __m512i wv = _mm512_load_si512(cb + 64 * g);
-      for (int t = 0; t < NT; ++t) ia[t] = _mm512_dpbusd_epi32(ia[t], wv, bcast32(xb[t]->qs + 4 * g));
+      __m512i wv[P];
+      for (int p = 0; p < P; ++p) wv[p] = _mm512_load_si512(codes[p] + size_t(b) * kPR * kQK + 64 * g);
+      for (int t = 0; t < NT; ++t) {
+        const __m512i xv = bcast32(xb[t]->qs + 4 * g);
+        for (int p = 0; p < P; ++p) ia[p][t] = _mm512_dpbusd_epi32(ia[p][t], wv[p], xv);
+      }
     }
-    const __m512 dv = _mm512_load_ps(d + b * kPR);
-    for (int t = 0; t < NT; ++t)
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[t]), _mm512_mul_ps(dv, _mm512_set1_ps(xb[t]->d)), acc[t]);
-    if constexpr (w32_has_min<T>()) {
-      const __m512 mv = _mm512_load_ps(m + b * kPR);
-      for (int t = 0; t < NT; ++t) acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xb[t]->d * float(xb[t]->sum)), acc[t]);
+    for (int p = 0; p < P; ++p) {
+      const __m512 dv = _mm512_load_ps(d[p] + b * kPR);
+      for (int t = 0; t < NT; ++t)
+        acc[p][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[p][t]), _mm512_mul_ps(dv, _mm512_set1_ps(xb[t]->d)), acc[p][t]);
+      if constexpr (w32_has_min<T>()) {
+        const __m512 mv = _mm512_load_ps(m[p] + b * kPR);
+        for (int t = 0; t < NT; ++t)
+          acc[p][t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xb[t]->d * float(xb[t]->sum)), acc[p][t]);
+      }
     }
   }
-  for (int t = 0; t < NT; ++t) _mm512_mask_storeu_ps(y + t * ldy, rmask, acc[t]);
+  for (int p = 0; p < P; ++p)
+    for (int t = 0; t < NT; ++t) _mm512_mask_storeu_ps(y + t * ldy + p * kPR, rmask[p], acc[p][t]);
 }
 
 // ---- K-quants: 256-element super-blocks, integer sub-block scales
@@ -161,48 +177,63 @@ void pack_q45k(const uint8_t* w, size_t ws, int nr, int64_t nb, uint8_t* codes, 
   }
 }
 
-// The 16-row interleave of a 256-byte row is [64 groups][16 rows][4]; sub-block j of 32 is groups
-// 8j..8j+7, so the per-sub-block loops below walk the codes contiguously.
-template <int NT>
-inline void dots_subblock(const uint8_t* cb, const BlockQ8K* const* xb, int first_byte, int groups, __m512i* ia) {
-  for (int t = 0; t < NT; ++t) ia[t] = _mm512_setzero_si512();
+// The 16-row interleave of a 256-byte row is [64 groups][16 rows][4]; a sub-block of 32 (16)
+// elements is 8 (4) consecutive groups, so the per-sub-block loops walk the codes contiguously.
+template <int P, int NT>
+inline void dots_subblock(const uint8_t* const* cb, size_t off, const BlockQ8K* const* xb, int first_byte, int groups,
+                          __m512i (*ia)[NT]) {
+  for (int p = 0; p < P; ++p)
+    for (int t = 0; t < NT; ++t) ia[p][t] = _mm512_setzero_si512();
   for (int g = 0; g < groups; ++g) {
-    const __m512i wv = _mm512_load_si512(cb + 64 * g);
-    for (int t = 0; t < NT; ++t) ia[t] = _mm512_dpbusd_epi32(ia[t], wv, bcast32(xb[t]->qs + first_byte + 4 * g));
+    __m512i wv[P];
+    for (int p = 0; p < P; ++p) wv[p] = _mm512_load_si512(cb[p] + off + 64 * g);
+    for (int t = 0; t < NT; ++t) {
+      const __m512i xv = bcast32(xb[t]->qs + first_byte + 4 * g);
+      for (int p = 0; p < P; ++p) ia[p][t] = _mm512_dpbusd_epi32(ia[p][t], wv[p], xv);
+    }
   }
 }
 
-template <int NT>
-void panel_tile_q45k(const uint8_t* codes, const int32_t* sc, const int32_t* mp, const float* d, const float* dmin,
-                     const uint8_t* x, size_t xs, int64_t nb, float* y, int64_t ldy, __mmask16 rmask) {
-  __m512 acc[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+template <int P, int NT>
+void panel_tile_q45k(const uint8_t* const* codes, const int32_t* const* sc, const int32_t* const* mp,
+                     const float* const* d, const float* const* dmin, const uint8_t* x, size_t xs, int64_t nb,
+                     float* y, int64_t ldy, const __mmask16* rmask) {
+  __m512 acc[P][NT];
+  for (int p = 0; p < P; ++p)
+    for (int t = 0; t < NT; ++t) acc[p][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const BlockQ8K* xb[NT];
     for (int t = 0; t < NT; ++t) xb[t] = reinterpret_cast<const BlockQ8K*>(x + size_t(t) * xs) + b;
-    __m512i isum[NT], ia[NT];
-    for (int t = 0; t < NT; ++t) isum[t] = _mm512_setzero_si512();
-    const uint8_t* cb = codes + size_t(b) * kPR * kQKK;
+    __m512i isum[P][NT], ia[P][NT];
+    for (int p = 0; p < P; ++p)
+      for (int t = 0; t < NT; ++t) isum[p][t] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
-      dots_subblock<NT>(cb + size_t(j) * 8 * 64, xb, 32 * j, 8, ia);
+      dots_subblock<P, NT>(codes, size_t(b) * kPR * kQKK + size_t(j) * 8 * 64, xb, 32 * j, 8, ia);
       // exact: sc <= 63, |dot| <= 31 * 127 * 32, eight of them stay far below 2^31
-      const __m512i sv = _mm512_load_si512(sc + (b * 8 + j) * kPR);
-      for (int t = 0; t < NT; ++t) isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(ia[t], sv));
+      for (int p = 0; p < P; ++p) {
+        const __m512i sv = _mm512_load_si512(sc[p] + (b * 8 + j) * kPR);
+        for (int t = 0; t < NT; ++t) isum[p][t] = _mm512_add_epi32(isum[p][t], _mm512_mullo_epi32(ia[p][t], sv));
+      }
     }
     // mins: sum_j m_j * bsum32_j, two sub-blocks per vpdpwssd
-    for (int t = 0; t < NT; ++t) ia[t] = _mm512_setzero_si512();
-    for (int p = 0; p < 4; ++p) {
-      const __m512i mv = _mm512_load_si512(mp + (b * 4 + p) * kPR);
-      for (int t = 0; t < NT; ++t) ia[t] = _mm512_dpwssd_epi32(ia[t], mv, bcast32(xb[t]->bsum32 + 2 * p));
-    }
-    const __m512 dv = _mm512_load_ps(d + b * kPR), mdv = _mm512_load_ps(dmin + b * kPR);
-    for (int t = 0; t < NT; ++t) {
-      const __m512 xd = _mm512_set1_ps(xb[t]->d);
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_mul_ps(dv, xd), acc[t]);
-      acc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ia[t]), _mm512_mul_ps(mdv, xd), acc[t]);
+    for (int p = 0; p < P; ++p)
+      for (int t = 0; t < NT; ++t) ia[p][t] = _mm512_setzero_si512();
+    for (int q = 0; q < 4; ++q)
+      for (int t = 0; t < NT; ++t) {
+        const __m512i xv = bcast32(xb[t]->bsum32 + 2 * q);
+        for (int p = 0; p < P; ++p) ia[p][t] = _mm512_dpwssd_epi32(ia[p][t], _mm512_load_si512(mp[p] + (b * 4 + q) * kPR), xv);
+      }
+    for (int p = 0; p < P; ++p) {
+      const __m512 dv = _mm512_load_ps(d[p] + b * kPR), mdv = _mm512_load_ps(dmin[p] + b * kPR);
+      for (int t = 0; t < NT; ++t) {
+        const __m512 xd = _mm512_set1_ps(xb[t]->d);
+        acc[p][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[p][t]), _mm512_mul_ps(dv, xd), acc[p][t]);
+        acc[p][t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ia[p][t]), _mm512_mul_ps(mdv, xd), acc[p][t]);
+      }
     }
   }
-  for (int t = 0; t < NT; ++t) _mm512_mask_storeu_ps(y + t * ldy, rmask, acc[t]);
+  for (int p = 0; p < P; ++p)
+    for (int t = 0; t < NT; ++t) _mm512_mask_storeu_ps(y + t * ldy + p * kPR, rmask[p], acc[p][t]);
 }
 
 // Q6_K panel: codes (nb, 16 sub-blocks, 4 groups, 16 rows, 4) as q + 32 (0..63), sc (nb, 16, 16)
@@ -246,36 +277,45 @@ void pack_q6k(const uint8_t* w, size_t ws, int nr, int64_t nb, uint8_t* codes, i
   }
 }
 
-template <int NT>
-void panel_tile_q6k(const uint8_t* codes, const int32_t* sc, const int32_t* sp, const float* d, const uint8_t* x,
-                    size_t xs, int64_t nb, float* y, int64_t ldy, __mmask16 rmask) {
-  __m512 acc[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+template <int P, int NT>
+void panel_tile_q6k(const uint8_t* const* codes, const int32_t* const* sc, const int32_t* const* sp,
+                    const float* const* d, const uint8_t* x, size_t xs, int64_t nb, float* y, int64_t ldy,
+                    const __mmask16* rmask) {
+  __m512 acc[P][NT];
+  for (int p = 0; p < P; ++p)
+    for (int t = 0; t < NT; ++t) acc[p][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const BlockQ8K* xb[NT];
     for (int t = 0; t < NT; ++t) xb[t] = reinterpret_cast<const BlockQ8K*>(x + size_t(t) * xs) + b;
-    __m512i isum[NT], ia[NT];
-    for (int t = 0; t < NT; ++t) isum[t] = _mm512_setzero_si512();
-    const uint8_t* cb = codes + size_t(b) * kPR * kQKK;
+    __m512i isum[P][NT], ia[P][NT];
+    for (int p = 0; p < P; ++p)
+      for (int t = 0; t < NT; ++t) isum[p][t] = _mm512_setzero_si512();
     for (int j = 0; j < 16; ++j) {
-      dots_subblock<NT>(cb + size_t(j) * 4 * 64, xb, 16 * j, 4, ia);
+      dots_subblock<P, NT>(codes, size_t(b) * kPR * kQKK + size_t(j) * 4 * 64, xb, 16 * j, 4, ia);
       // exact: |sc| <= 128, dot <= 63 * 127 * 16; sixteen of them < 2^28
-      const __m512i sv = _mm512_load_si512(sc + (b * 16 + j) * kPR);
-      for (int t = 0; t < NT; ++t) isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(ia[t], sv));
+      for (int p = 0; p < P; ++p) {
+        const __m512i sv = _mm512_load_si512(sc[p] + (b * 16 + j) * kPR);
+        for (int t = 0; t < NT; ++t) isum[p][t] = _mm512_add_epi32(isum[p][t], _mm512_mullo_epi32(ia[p][t], sv));
+      }
     }
     // codes are q + 32: subtract 32 * sum_j sc_j * bsum16_j, two sub-blocks per vpdpwssd
-    for (int t = 0; t < NT; ++t) ia[t] = _mm512_setzero_si512();
-    for (int p = 0; p < 8; ++p) {
-      const __m512i sv = _mm512_load_si512(sp + (b * 8 + p) * kPR);
-      for (int t = 0; t < NT; ++t) ia[t] = _mm512_dpwssd_epi32(ia[t], sv, bcast32(xb[t]->bsum16 + 2 * p));
-    }
-    const __m512 dv = _mm512_load_ps(d + b * kPR);
-    for (int t = 0; t < NT; ++t) {
-      const __m512i tot = _mm512_sub_epi32(isum[t], _mm512_slli_epi32(ia[t], 5));
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(dv, _mm512_set1_ps(xb[t]->d)), acc[t]);
+    for (int p = 0; p < P; ++p)
+      for (int t = 0; t < NT; ++t) ia[p][t] = _mm512_setzero_si512();
+    for (int q = 0; q < 8; ++q)
+      for (int t = 0; t < NT; ++t) {
+        const __m512i xv = bcast32(xb[t]->bsum16 + 2 * q);
+        for (int p = 0; p < P; ++p) ia[p][t] = _mm512_dpwssd_epi32(ia[p][t], _mm512_load_si512(sp[p] + (b * 8 + q) * kPR), xv);
+      }
+    for (int p = 0; p < P; ++p) {
+      const __m512 dv = _mm512_load_ps(d[p] + b * kPR);
+      for (int t = 0; t < NT; ++t) {
+        const __m512i tot = _mm512_sub_epi32(isum[p][t], _mm512_slli_epi32(ia[p][t], 5));
+        acc[p][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(dv, _mm512_set1_ps(xb[t]->d)), acc[p][t]);
+      }
     }
   }
-  for (int t = 0; t < NT; ++t) _mm512_mask_storeu_ps(y + t * ldy, rmask, acc[t]);
+  for (int p = 0; p < P; ++p)
+    for (int t = 0; t < NT; ++t) _mm512_mask_storeu_ps(y + t * ldy + p * kPR, rmask[p], acc[p][t]);
 }
 
 // ---- driver: pack the call's rows once, then token blocks x panels x token tiles
@@ -319,22 +359,34 @@ Panel<T> panel_at(uint8_t* base, int64_t nb) {
   return p;
 }
 
-template <GgmlType T, int NT>
-inline void panel_tile(const Panel<T>& p, const uint8_t* x, size_t xs, int64_t nb, float* y, int64_t ldy, __mmask16 rm) {
+template <GgmlType T, int P, int NT>
+inline void panel_tile(const Panel<T>* pn, const uint8_t* x, size_t xs, int64_t nb, float* y, int64_t ldy,
+                       const __mmask16* rm) {
+  const uint8_t* codes[P];
+  const int32_t *i0[P], *i1[P];
+  const float *f0[P], *f1[P];
+  for (int p = 0; p < P; ++p) {
+    codes[p] = pn[p].codes;
+    i0[p] = pn[p].i0;
+    i1[p] = pn[p].i1;
+    f0[p] = pn[p].f0;
+    f1[p] = pn[p].f1;
+  }
   if constexpr (T == GgmlType::Q4_K || T == GgmlType::Q5_K)
-    panel_tile_q45k<NT>(p.codes, p.i0, p.i1, p.f0, p.f1, x, xs, nb, y, ldy, rm);
+    panel_tile_q45k<P, NT>(codes, i0, i1, f0, f1, x, xs, nb, y, ldy, rm);
   else if constexpr (T == GgmlType::Q6_K)
-    panel_tile_q6k<NT>(p.codes, p.i0, p.i1, p.f0, x, xs, nb, y, ldy, rm);
+    panel_tile_q6k<P, NT>(codes, i0, i1, f0, x, xs, nb, y, ldy, rm);
   else
-    panel_tile32<T, NT>(p.codes, p.f0, p.f1, x, xs, nb, y, ldy, rm);
+    panel_tile32<T, P, NT>(codes, f0, f1, x, xs, nb, y, ldy, rm);
 }
 
-template <GgmlType T, int NT>
-void panel_tile_tail(int nt, const Panel<T>& p, const uint8_t* x, size_t xs, int64_t nb, float* y, int64_t ldy, __mmask16 rm) {
+template <GgmlType T, int P, int NT>
+void panel_tile_tail(int nt, const Panel<T>* pn, const uint8_t* x, size_t xs, int64_t nb, float* y, int64_t ldy,
+                     const __mmask16* rm) {
   if constexpr (NT > 1) {
-    if (nt < NT) return panel_tile_tail<T, NT - 1>(nt, p, x, xs, nb, y, ldy, rm);
+    if (nt < NT) return panel_tile_tail<T, P, NT - 1>(nt, pn, x, xs, nb, y, ldy, rm);
   }
-  panel_tile<T, NT>(p, x, xs, nb, y, ldy, rm);
+  panel_tile<T, P, NT>(pn, x, xs, nb, y, ldy, rm);
 }
 
 template <GgmlType T>
@@ -362,14 +414,21 @@ void gemm_panels(const uint8_t* w, size_t ws, int64_t nr, const uint8_t* x, size
   }
   for (int64_t t0 = 0; t0 < nt; t0 += kTokBlock) {
     const int64_t t1 = std::min<int64_t>(nt, t0 + kTokBlock);
-    for (int64_t pi = 0; pi < n_panels; ++pi) {
-      const Panel<T> p = panel_at<T>(buf.data() + size_t(pi) * pbytes, nb);
-      const int rows = int(std::min<int64_t>(kPR, nr - pi * kPR));
-      const __mmask16 rm = __mmask16((1u << rows) - 1);
+    for (int64_t pi = 0; pi < n_panels; pi += kPP) {
+      const int np = int(std::min<int64_t>(kPP, n_panels - pi));
+      Panel<T> pn[kPP];
+      __mmask16 rm[kPP];
+      for (int q = 0; q < np; ++q) {
+        pn[q] = panel_at<T>(buf.data() + size_t(pi + q) * pbytes, nb);
+        const int rows = int(std::min<int64_t>(kPR, nr - (pi + q) * kPR));
+        rm[q] = __mmask16((1u << rows) - 1);
+      }
       float* yp = y + pi * kPR;
+      constexpr int kPT = panel_tokens<T>();
       for (int64_t t = t0; t < t1; t += kPT) {
         const int n = int(std::min<int64_t>(kPT, t1 - t));
-        panel_tile_tail<T, kPT>(n, p, x + size_t(t) * xs, xs, nb, yp + t * ldy, ldy, rm);
+        if (np == kPP) panel_tile_tail<T, kPP, kPT>(n, pn, x + size_t(t) * xs, xs, nb, yp + t * ldy, ldy, rm);
+        else panel_tile_tail<T, 1, kPT>(n, pn, x + size_t(t) * xs, xs, nb, yp + t * ldy, ldy, rm);
       }
     }
   }
