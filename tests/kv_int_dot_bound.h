@@ -1,8 +1,8 @@
 // Error bound of the integer-dot score kernels (kv_rows.h) against the float-query reference,
 // derived from their arithmetic, for tests.
 //
-// A 4-bit row decodes as x_j = s * c_j + m (q4_0: s = d, m = -8 d; int4g: the group's scale and
-// minimum). The kernels compute <q, x> as sum_j qhat_j * s * c_j + sum_j q_j * m, where qhat_j =
+// A 4-bit (or int2g) row decodes as x_j = s * c_j + m (q4_0: s = d, m = -8 d; int4g / int2g: the
+// group's scale and minimum). The kernels compute <q, x> as sum_j qhat_j * s * c_j + sum_j q_j * m, where qhat_j =
 // dq_b * round(q_j / dq_b) with dq_b = absmax(q over block b) / 127, so the only approximation is
 // |qhat_j - q_j| <= dq_b / 2 (plus a relative 2^-22 of dq_b for the f32 product q_j * (1 / dq_b)
 // before rounding), multiplying |s * c_j|. On top come f32 rounding differences between the two
@@ -41,7 +41,8 @@ inline double int_dot_bound(const KvRowFmt& f, const float* q, const uint8_t* ro
         s = f16_to_f32(p.scale);
         m = f16_to_f32(p.min);
         const uint8_t* codes = row + sizeof(KvGroupParams) * size_t(hd / f.group);
-        c = (codes[(j / 32) * kv_unit_int4_bytes + j % 16] >> ((j % 32) / 16 * 4)) & 15;
+        if (f.elem == KvElem::int2g) c = (codes[(j / 32) * kv_unit_int2_bytes + j % 8] >> ((j % 32) / 8 * 2)) & 3;
+        else c = (codes[(j / 32) * kv_unit_int4_bytes + j % 16] >> ((j % 32) / 16 * 4)) & 15;
       }
       const double sc = std::fabs(s * c), aq = std::fabs(double(q[j]));
       quant += half_step * sc;

@@ -33,13 +33,14 @@ struct Case {
 // spans that include a partial first block (t0 > 0) and a partial last block (n < block).
 // Row format of a key codec whose scores use the integer-dot kernels (an int8 image of the query
 // follows the plain one in the prepared row), recognised by its inner row format's name
-// (q4_0, q4_0h, int4_g64, ...); false when the codec scores with the float query.
+// (q4_0, q4_0h, int4_g64, int2_g32, ...); false when the codec scores with the float query.
 bool int_dot_format(const KvCodec& kc, KvRowFmt* f) {
   const int hd = kc.head_dim();
   if (kc.prepared_query_dim() == hd) return false;
   const std::string& name = kc.info().name;
   if (name.rfind("q4_0", 0) == 0) *f = kv_row_fmt(KvElem::q4_0, hd);
   else if (name.rfind("int4_g", 0) == 0) *f = kv_row_fmt(KvElem::int4g, hd, std::stoi(name.substr(6)));
+  else if (name.rfind("int2_g", 0) == 0) *f = kv_row_fmt(KvElem::int2g, hd, std::stoi(name.substr(6)));
   else return false;
   return kv_rows_int_dot_ok(*f) && kc.prepared_query_dim() == hd + kv_rows_query_extra_floats(*f);
 }

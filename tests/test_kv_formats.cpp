@@ -529,13 +529,16 @@ TEST(KernelParity, IntDotScoresWithinQueryQuantizationBound) {
   std::mt19937 rng(17);
   std::normal_distribution<float> nd;
   const ElemCase cases[] = {{KvElem::q4_0, 0, "q4_0"}, {KvElem::int4g, 32, "int4g32"},
-                            {KvElem::int4g, 64, "int4g64"}, {KvElem::int4g, 128, "int4g128"}};
+                            {KvElem::int4g, 64, "int4g64"}, {KvElem::int4g, 128, "int4g128"},
+                            {KvElem::int2g, 32, "int2g32"}, {KvElem::int2g, 64, "int2g64"},
+                            {KvElem::int2g, 128, "int2g128"}};
   double worst_ratio = 0;
   for (const ElemCase& ec : cases) {
     for (int hd : {64, 128, 192, 256}) {
       if (ec.group > hd || (ec.group && hd % ec.group)) continue;
       const KvRowFmt f = kv_row_fmt(ec.e, hd, ec.group);
-      ASSERT_TRUE(kv_rows_int_dot_ok(f));
+      ASSERT_EQ(kv_rows_int_dot_ok(f), ec.e != KvElem::int2g || hd % 128 == 0) << ec.name << " " << hd;
+      if (!kv_rows_int_dot_ok(f)) continue;
       const int extra = kv_rows_query_extra_floats(f);
       ASSERT_EQ(extra, hd / 2);
       for (Pattern pat : {Pattern::random, Pattern::outlier_channel, Pattern::constant_rows, Pattern::zeros,

@@ -332,15 +332,33 @@ void kv_rows_prepare_query(const KvRowFmt& f, const float* q, int n_q, float* qp
       // A non-finite query has no int8 image; d = 0 keeps the codes 0 and the float part (qs)
       // carries the NaN/inf into the score, as the float kernels would.
       const float id = d > 0 && std::isfinite(d) ? 1.f / d : 0.f;
-      for (int j = 0; j < 32; ++j) {
-        const float c = std::min(127.f, std::max(-127.f, std::nearbyint(x[j] * id)));
-        (j < 16 ? qlo : qhi)[16 * b + (j % 16)] = int8_t(c);
-      }
-      for (int k = 0; k < 4; ++k) {
-        dq[4 * b + k] = id > 0 ? d : 0.f;
-        float s = 0;
-        for (int u = 0; u < 4; ++u) s += x[4 * k + u] + x[16 + 4 * k + u];
-        qs[4 * b + k] = s;
+      if (f.elem != KvElem::int2g) {
+        for (int j = 0; j < 32; ++j) {
+          const float c = std::min(127.f, std::max(-127.f, std::nearbyint(x[j] * id)));
+          (j < 16 ? qlo : qhi)[16 * b + (j % 16)] = int8_t(c);
+        }
+        for (int k = 0; k < 4; ++k) {
+          dq[4 * b + k] = id > 0 ? d : 0.f;
+          float s = 0;
+          for (int u = 0; u < 4; ++u) s += x[4 * k + u] + x[16 + 4 * k + u];
+          qs[4 * b + k] = s;
+        }
+      } else {
+        // Chunk c = b / 4 of 128 elements, unit u = b % 4; plane k, byte j of the unit.
+        const int c = b / 4, u = b % 4;
+        for (int j = 0; j < 32; ++j) {
+          const int k = j / 8;
+          const float v = std::min(127.f, std::max(-127.f, std::nearbyint(x[j] * id)));
+          (k < 2 ? qlo : qhi)[64 * c + 32 * (k % 2) + 8 * u + j % 8] = int8_t(v);
+        }
+        for (int h = 0; h < 2; ++h)
+          for (int r = 0; r < 2; ++r) {
+            const int l = 16 * c + 8 * h + 2 * u + r;
+            dq[l] = id > 0 ? d : 0.f;
+            float s = 0;
+            for (int e = 0; e < 4; ++e) s += x[8 * h + 4 * r + e] + x[8 * (h + 2) + 4 * r + e];
+            qs[l] = s;
+          }
       }
     }
   }

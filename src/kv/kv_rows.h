@@ -119,7 +119,7 @@ void kv_rows_accum_avx512(const KvRowFmt& f, float scale, const float* p, int p_
                           const uint8_t* rows, size_t row_stride, int n, float* acc);
 #endif
 
-// Integer-dot scores for the 4-bit formats (q4_0, int4g; head_dim % 64 == 0). A 4-bit code times
+// Integer-dot scores for the 4-bit formats (q4_0, int4g; head_dim % 64 == 0) and int2g. A 4-bit code times
 // a float query costs a nibble decode, an int->float conversion and an FMA per element and query;
 // with the query quantized once per decode step to int8 per 32-element block (dq_b = absmax_b /
 // 127, q ~= dq_b * round(q / dq_b)), 4 code bytes x 4 query bytes are one VNNI dot (u8 x s8:
@@ -133,7 +133,13 @@ void kv_rows_accum_avx512(const KvRowFmt& f, float scale, const float* p, int p_
 // (qhi[16b + j] = q8[32b + 16 + j]), dq float[hd/8] and qs float[hd/8]. Lane l = 4b + k of the
 // last two (one int32 lane of the VNNI dot, covering elements 32b + 4k..+3 and 32b + 16 + 4k..+3):
 // dq[l] = dq_b, qs[l] = the float sum of q over those 8 elements.
+// int2g (head_dim % 128 == 0) uses the same scheme with 2-bit planes: per 128 elements the code
+// bytes (32) give planes P_k = (codes >> 2k) & 3, P_k byte 8u + j = element 32u + 8k + j; the
+// query image holds "qlo" = [q8 of plane 0 | plane 1] and "qhi" = [plane 2 | plane 3] per 64
+// bytes, and lane l = 8h + 2u + r (h = 0, 1) covers elements 32u + 8h + 4r..+3 and
+// 32u + 8(h + 2) + 4r..+3: the same sizes, dq per block, qs per lane.
 inline bool kv_rows_int_dot_ok(const KvRowFmt& f) {
+  if (f.elem == KvElem::int2g) return f.head_dim % 128 == 0;
   return (f.elem == KvElem::q4_0 || f.elem == KvElem::int4g) && f.head_dim % 64 == 0;
 }
 // 0 when the format has no integer-dot path.

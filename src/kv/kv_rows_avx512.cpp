@@ -113,7 +113,7 @@ void kv_rows_scores_avx512(const KvRowFmt& f, float scale, const float* q, int n
 
 void kv_rows_accum_avx512(const KvRowFmt& f, float scale, const float* p, int p_stride, int n_q,
                           const uint8_t* rows, size_t row_stride, int n, float* acc) {
-  if (f.elem == KvElem::q4_0 || f.elem == KvElem::int4g)
+  if (f.elem == KvElem::q4_0 || f.elem == KvElem::int4g || f.elem == KvElem::int2g)
     return kv_rows_accum_4bit_avx512(f, p, p_stride, n_q, rows, row_stride, n, acc);
   kv_rows_simd::accum<Avx512>(f, scale, p, p_stride, n_q, rows, row_stride, n, acc);
 }

@@ -30,6 +30,16 @@ Ctx make_ctx(const KvRowFmt& f) {
     // g = 32: the chunk's two blocks are groups 2h and 2h + 1; larger groups: one group.
     x.idx_s = f.group == 32 ? _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2) : _mm256_setzero_si256();
     x.idx_m = _mm256_add_epi32(x.idx_s, _mm256_set1_epi32(1));
+  } else if (f.elem == KvElem::int2g) {
+    // 128-element chunks; lane l = 2u + r belongs to unit (block) u: group u (g 32), u / 2 (g 64),
+    // 0 (g 128) of the chunk's first group.
+    x.n_chunks = f.head_dim / 128;
+    x.group = f.group;
+    x.code_off = sizeof(KvGroupParams) * size_t(f.head_dim / f.group);
+    x.idx_s = f.group == 32   ? _mm256_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6)
+              : f.group == 64 ? _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)
+                              : _mm256_setzero_si256();
+    x.idx_m = _mm256_add_epi32(x.idx_s, _mm256_set1_epi32(1));
   } else {
     x.idx_s = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     x.idx_m = x.idx_s;
@@ -87,8 +97,37 @@ inline QRow qrow(const Ctx& x, const float* qp, size_t q_stride, int i) {
 
 inline __m256i ld256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+// int2g: 2-bit planes of 128-element chunks (kv_rows.h); the image's lanes 8h + l (h = 0, 1) share
+// unit and scale with this kernel's lane l, so their qs add up and dq is read from the first 8.
+template <int NQ>
+inline void token_dot_int2(const Ctx& x, const QRow* q, const uint8_t* row, __m256* F) {
+  const __m256i three = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+  for (int c = 0; c < x.n_chunks; ++c) {
+    const __m256i codes = ld256(row + x.code_off + size_t(c) * 32);
+    const int g0 = (128 * c) / x.group;
+    // 16 bytes of (s, m) pairs from the chunk's first group; past the table they read codes of
+    // this row, which the index vectors never select.
+    const __m256 p8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + sizeof(KvGroupParams) * size_t(g0))));
+    const __m256 s = _mm256_permutevar8x32_ps(p8, x.idx_s), m = _mm256_permutevar8x32_ps(p8, x.idx_m);
+    __m256i pl[4];
+    for (int k = 0; k < 4; ++k) pl[k] = _mm256_and_si256(_mm256_srli_epi16(codes, 2 * k), three);
+    for (int i = 0; i < NQ; ++i) {
+      // Each u8 x s8 pair is at most 2 x 3 x 127: four planes summed stay far below 2^15.
+      __m256i p16 = _mm256_maddubs_epi16(pl[0], ld256(q[i].lo + 64 * c));
+      p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(pl[1], ld256(q[i].lo + 64 * c + 32)));
+      p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(pl[2], ld256(q[i].hi + 64 * c)));
+      p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(pl[3], ld256(q[i].hi + 64 * c + 32)));
+      const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones)), _mm256_loadu_ps(q[i].dq + 16 * c));
+      const __m256 qs = _mm256_add_ps(_mm256_loadu_ps(q[i].qs + 16 * c), _mm256_loadu_ps(q[i].qs + 16 * c + 8));
+      F[i] = _mm256_fmadd_ps(t, s, F[i]);
+      F[i] = _mm256_fmadd_ps(m, qs, F[i]);
+    }
+  }
+}
+
 template <KvElem E, int NQ>
 inline void token_dot(const Ctx& x, const QRow* q, const uint8_t* row, __m256* F) {
+  if constexpr (E == KvElem::int2g) return token_dot_int2<NQ>(x, q, row, F);
   const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   for (int h = 0; h < x.n_chunks; ++h) {
     const Chunk k = load_chunk<E>(x, row, h);
@@ -170,7 +209,8 @@ void kv_rows_scores_i8_avx2(const KvRowFmt& f, const float* qp, int n_q, const u
   const Ctx x = make_ctx(f);
   const size_t q_stride = size_t(f.head_dim + kv_rows_query_extra_floats(f));
   if (f.elem == KvElem::q4_0) scores_elem<KvElem::q4_0>(x, qp, q_stride, n_q, rows, row_stride, n, out, out_stride);
-  else scores_elem<KvElem::int4g>(x, qp, q_stride, n_q, rows, row_stride, n, out, out_stride);
+  else if (f.elem == KvElem::int4g) scores_elem<KvElem::int4g>(x, qp, q_stride, n_q, rows, row_stride, n, out, out_stride);
+  else scores_elem<KvElem::int2g>(x, qp, q_stride, n_q, rows, row_stride, n, out, out_stride);
 }
 
 }  // namespace kvq

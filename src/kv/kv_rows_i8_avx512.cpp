@@ -51,7 +51,9 @@ Ctx make_ctx(const KvRowFmt& f) {
     x.code_off = sizeof(KvGroupParams) * size_t(x.ng);
     // Word offsets of lane l's (scale, min) relative to the chunk's first group.
     for (int k = 0; k < 16; ++k) {
-      a[k] = int16_t(2 * ((k / 4) * 32 / f.group));
+      // Block of lane k: int4g k / 4; int2g (2-bit planes, kv_rows.h) (k % 8) / 2.
+      const int blk = f.elem == KvElem::int2g ? (k % 8) / 2 : k / 4;
+      a[k] = int16_t(2 * (blk * 32 / f.group));
       b[k] = int16_t(a[k] + 1);
     }
   }
@@ -61,9 +63,15 @@ Ctx make_ctx(const KvRowFmt& f) {
 }
 
 struct Chunk {
-  __m512i codes;
-  __m512 s, m;  // per lane: x = s * c + m
+  __m512i lo, hi;  // codes, one per byte, matching the query image's qlo / qhi bytes
+  __m512 s, m;     // per lane: x = s * c + m
 };
+
+inline void split_nibbles(__m512i codes, Chunk& k) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  k.lo = _mm512_and_si512(codes, low4);
+  k.hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low4);
+}
 
 template <KvElem E>
 inline Chunk load_chunk(const Ctx& x, const uint8_t* row, int c, bool half) {
@@ -72,20 +80,33 @@ inline Chunk load_chunk(const Ctx& x, const uint8_t* row, int c, bool half) {
     const uint8_t* base = row + size_t(c) * 4 * sizeof(kv_block_q4_0);
     if (!half) {
       const __m512i a = _mm512_loadu_si512(base), b = _mm512_loadu_si512(base + 8);
-      k.codes = _mm512_permutex2var_epi16(a, x.idx_a, b);
+      split_nibbles(_mm512_permutex2var_epi16(a, x.idx_a, b), k);
       k.s = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(x.idx_b, a)));
     } else {
       // 2 blocks (36 bytes): masked load, so nothing past the row is read; the zeroed bytes
       // give scale 0 to lanes 8..15.
       const __m512i a = _mm512_maskz_loadu_epi8((__mmask64(1) << 36) - 1, base);
-      k.codes = _mm512_maskz_permutexvar_epi16(0xffff, x.idx_a, a);
+      split_nibbles(_mm512_maskz_permutexvar_epi16(0xffff, x.idx_a, a), k);
       k.s = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(x.idx_b, a)));
     }
     k.m = _mm512_mul_ps(k.s, _mm512_set1_ps(-8.f));
   } else {
-    const uint8_t* codes = row + x.code_off + size_t(c) * 64;
-    k.codes = half ? _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)))
-                   : _mm512_loadu_si512(codes);
+    if constexpr (E == KvElem::int2g) {
+      // 32 code bytes per 128 elements, in both halves; word shifts 0 | 2 give planes 0 | 1,
+      // 4 | 6 planes 2 | 3 (a byte's crumbs never cross into its neighbour for shifts <= 6).
+      const __m512i cc = _mm512_broadcast_i64x4(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + x.code_off + size_t(c) * 32)));
+      const __m512i three = _mm512_set1_epi8(3);
+      const __m512i sh01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+      const __m512i sh23 = _mm512_add_epi16(sh01, _mm512_set1_epi16(4));
+      k.lo = _mm512_and_si512(_mm512_srlv_epi16(cc, sh01), three);
+      k.hi = _mm512_and_si512(_mm512_srlv_epi16(cc, sh23), three);
+    } else {
+      const uint8_t* codes = row + x.code_off + size_t(c) * 64;
+      split_nibbles(half ? _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)))
+                         : _mm512_loadu_si512(codes),
+                    k);
+    }
     // The chunk's groups start at g0; a masked load of the rest of the table (at most 16 groups)
     // reads nothing past it and zeroes the lanes of a half chunk's missing blocks.
     const int g0 = (128 * c) / x.group;
@@ -120,14 +141,12 @@ inline QRow qrow(const Ctx& x, const float* qp, size_t q_stride, int i) {
 // compile time (the chunk loop then unrolls and the half-chunk masks are constants), else 0.
 template <KvElem E, int NQ, int HD>
 inline void token_dot(const Ctx& x, const QRow* q, const uint8_t* row, __m512* F) {
-  const __m512i low4 = _mm512_set1_epi8(0x0f);
   const int n_chunks = HD ? (HD + 127) / 128 : x.n_chunks;
   const bool has_half = HD ? HD % 128 != 0 : x.half;
   for (int c = 0; c < n_chunks; ++c) {
     const bool half = has_half && c == n_chunks - 1;
     const Chunk k = load_chunk<E>(x, row, c, half);
-    const __m512i lo = _mm512_and_si512(k.codes, low4);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(k.codes, 4), low4);
+    const __m512i lo = k.lo, hi = k.hi;
     // A half chunk's lanes 8..15 must not see the next row's data in dq / qs (0 * inf).
     const __mmask16 lanes = half ? 0x00ff : 0xffff;
     for (int i = 0; i < NQ; ++i) {
@@ -215,6 +234,11 @@ void kv_rows_scores_i8_avx512(const KvRowFmt& f, const float* qp, int n_q, const
                               size_t row_stride, int n, float* out, int out_stride) {
   const Ctx x = make_ctx(f);
   const size_t q_stride = size_t(f.head_dim + kv_rows_query_extra_floats(f));
+  if (f.elem == KvElem::int2g) {
+    if (f.head_dim == 128) return scores_elem<KvElem::int2g, 128>(x, qp, q_stride, n_q, rows, row_stride, n, out, out_stride);
+    if (f.head_dim == 256) return scores_elem<KvElem::int2g, 256>(x, qp, q_stride, n_q, rows, row_stride, n, out, out_stride);
+    return scores_elem<KvElem::int2g, 0>(x, qp, q_stride, n_q, rows, row_stride, n, out, out_stride);
+  }
   const bool q40 = f.elem == KvElem::q4_0;
 #define KVQ_I8_CALL(HD)                                                                          \
   return q40 ? scores_elem<KvElem::q4_0, HD>(x, qp, q_stride, n_q, rows, row_stride, n, out, out_stride) \
@@ -243,10 +267,15 @@ void accum_nq(const KvRowFmt& f, const float* p, int p_stride, const uint8_t* ro
               float* acc) {
   const int hd = f.head_dim;
   const int G = f.group;
-  const size_t code_off = E == KvElem::int4g ? sizeof(KvGroupParams) * size_t(hd / G) : 0;
-  const __m512 t0 = E == KvElem::q4_0
-                        ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
-                        : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const size_t code_off = E != KvElem::q4_0 ? sizeof(KvGroupParams) * size_t(hd / G) : 0;
+  // int2g: VPERMPS sees the crumb plus the next one above it, so the 4 values repeat.
+  const __m512 t0 = E == KvElem::q4_0    ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                    : E == KvElem::int4g ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+                                         : _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+  // int2g unit (8 bytes, byte j = elements j + 8k at bits 2k) loaded into both halves: shifts
+  // 0 | 2 give elements 0..15 in order, 4 | 6 elements 16..31.
+  const __m512i sh_lo = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+  const __m512i sh_hi = _mm512_add_epi32(sh_lo, _mm512_set1_epi32(4));
   for (int e0 = 0; e0 < hd; e0 += 32 * U) {  // strip of U units of 32 dims; accumulators in registers
     __m512 a[NQ][2 * U];
     for (int i = 0; i < NQ; ++i)
@@ -270,11 +299,18 @@ void accum_nq(const KvRowFmt& f, const float* p, int p_stride, const uint8_t* ro
             const __m512 v = _mm512_cvtph_ps(_mm256_set1_epi32(int(sm)));  // s, m, s, m, ...
             tbl = _mm512_fmadd_ps(t0, _mm512_moveldup_ps(v), _mm512_movehdup_ps(v));
           }
-          c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + code_off + size_t(unit) * 16)));
+          if constexpr (E == KvElem::int4g)
+            c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + code_off + size_t(unit) * 16)));
+          else {
+            const __m128i b8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + code_off + size_t(unit) * 8));
+            c = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(b8, b8));
+          }
         }
         // VPERMPS reads the low 4 bits of each index: the low nibble as is, the high after a shift.
-        const __m512 xlo = _mm512_permutexvar_ps(c, tbl);
-        const __m512 xhi = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), tbl);
+        const __m512 xlo = E == KvElem::int2g ? _mm512_permutexvar_ps(_mm512_srlv_epi32(c, sh_lo), tbl)
+                                              : _mm512_permutexvar_ps(c, tbl);
+        const __m512 xhi = E == KvElem::int2g ? _mm512_permutexvar_ps(_mm512_srlv_epi32(c, sh_hi), tbl)
+                                              : _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), tbl);
         for (int i = 0; i < NQ; ++i) {
           const __m512 w = _mm512_set1_ps(p[size_t(i) * size_t(p_stride) + size_t(t)]);
           a[i][2 * u] = _mm512_fmadd_ps(w, xlo, a[i][2 * u]);
@@ -314,7 +350,8 @@ void accum_elem(const KvRowFmt& f, const float* p, int p_stride, int n_q, const 
 void kv_rows_accum_4bit_avx512(const KvRowFmt& f, const float* p, int p_stride, int n_q, const uint8_t* rows,
                                size_t row_stride, int n, float* acc) {
   if (f.elem == KvElem::q4_0) accum_elem<KvElem::q4_0>(f, p, p_stride, n_q, rows, row_stride, n, acc);
-  else accum_elem<KvElem::int4g>(f, p, p_stride, n_q, rows, row_stride, n, acc);
+  else if (f.elem == KvElem::int4g) accum_elem<KvElem::int4g>(f, p, p_stride, n_q, rows, row_stride, n, acc);
+  else accum_elem<KvElem::int2g>(f, p, p_stride, n_q, rows, row_stride, n, acc);
 }
 
 }  // namespace kvq
