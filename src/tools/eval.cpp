@@ -187,11 +187,18 @@ void task_ppl(Ctx& c, const std::vector<int32_t>& text_ids) {
       }
       for (int b0 = 0; b0 < ctx; b0 += B) {
         const int n = std::min(B, ctx - b0);
-        const float* lg = fwd.eval(win.data() + b0, n, *base_cache, true);
-        base_logits.assign(lg, lg + size_t(n) * size_t(nv));
+        // batches wholly inside the unscored first half only fill the caches: no vocabulary
+        // projection for their tokens (most of the cost for large-vocabulary models)
+        const bool scored = b0 + n > ctx / 2;
+        const float* lg = fwd.eval(win.data() + b0, n, *base_cache, scored);
+        if (scored) base_logits.assign(lg, lg + size_t(n) * size_t(nv));
         prog.step(fmt::format("ppl ctx {} f16", ctx), size_t(n));
         for (size_t f = 0; f < c.runs.size(); ++f) {
-          const float* tl = fwd.eval(win.data() + b0, n, *caches[f], true);
+          const float* tl = fwd.eval(win.data() + b0, n, *caches[f], scored);
+          if (!scored) {
+            prog.step(fmt::format("ppl ctx {} {}", ctx, c.runs[f].name), size_t(n));
+            continue;
+          }
           for (int i = 0; i < n; ++i) {
             const int pos = b0 + i;
             if (pos < ctx / 2 || pos + 1 >= ctx) continue;
