@@ -2,6 +2,9 @@
 // code is one masked add per bit.
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cstring>
+
 #include "kv/grouped_common.h"
 #include "kv/kivi.h"
 
@@ -38,35 +41,56 @@ void k_scores_impl(const uint8_t* codes, size_t row_bytes, int n, int head_dim, 
   }
 }
 
+// Column strips of S chunks of 16 channels, the NQ x S accumulators in registers across all n
+// tokens (instead of a load/add/store of acc per token and query). A chunk decodes to its values
+// in registers: masked adds of scale * 2^j per bit plane give scale * code exactly (f16 scale,
+// code < 16), then one add of the zero: the reference's rounding, bit for bit.
+template <int B, int NQ, int S>
+void v_accum_nq(const uint8_t* rows, size_t row_bytes, int n, int head_dim, int group, const float* p,
+                int p_stride, float* acc) {
+  const int ng = head_dim / group, nk = head_dim / 16, pb = head_dim / 8;
+  for (int k0 = 0; k0 < nk; k0 += S) {
+    const int sn = std::min(S, nk - k0);
+    __m512 a[NQ][S];
+    for (int i = 0; i < NQ; ++i)
+      for (int s = 0; s < S; ++s)
+        a[i][s] = s < sn ? _mm512_loadu_ps(acc + size_t(i) * head_dim + 16 * (k0 + s)) : _mm512_setzero_ps();
+    for (int t = 0; t < n; ++t) {
+      const uint8_t* row = rows + size_t(t) * row_bytes;
+      const uint8_t* planes = row + size_t(ng) * 4;
+      int g_prev = -1;
+      __m512 sj[B], ze = _mm512_setzero_ps();
+      for (int s = 0; s < sn; ++s) {
+        const int k = k0 + s, g = 16 * k / group;
+        if (g != g_prev) {
+          const float sc = _cvtsh_ss(kvg_load_f16(row, size_t(g)));
+          for (int j = 0; j < B; ++j) sj[j] = _mm512_set1_ps(sc * float(1 << j));
+          ze = _mm512_set1_ps(_cvtsh_ss(kvg_load_f16(row, size_t(ng + g))));
+          g_prev = g;
+        }
+        __m512 v = _mm512_setzero_ps();
+        for (int j = 0; j < B; ++j) v = _mm512_mask_add_ps(v, plane_mask(planes + j * pb, k), v, sj[j]);
+        v = _mm512_add_ps(v, ze);
+        for (int i = 0; i < NQ; ++i)
+          a[i][s] = _mm512_fmadd_ps(_mm512_set1_ps(p[size_t(i) * p_stride + t]), v, a[i][s]);
+      }
+    }
+    for (int i = 0; i < NQ; ++i)
+      for (int s = 0; s < sn; ++s) _mm512_storeu_ps(acc + size_t(i) * head_dim + 16 * (k0 + s), a[i][s]);
+  }
+}
+
 template <int B>
 void v_accum_impl(const uint8_t* rows, size_t row_bytes, int n, int head_dim, int group,
                   const float* p, int p_stride, int n_q, float* acc) {
-  const int ng = head_dim / group, nk = head_dim / 16, pb = head_dim / 8;
-  alignas(64) float codef[kvg_max_head_dim];
-  float sc[kvg_max_head_dim / 16], ze[kvg_max_head_dim / 16];
-  for (int t = 0; t < n; ++t) {
-    const uint8_t* row = rows + size_t(t) * row_bytes;
-    const uint8_t* planes = row + size_t(ng) * 4;
-    for (int g = 0; g < ng; ++g) {
-      sc[g] = f16_to_f32(kvg_load_f16(row, g));
-      ze[g] = f16_to_f32(kvg_load_f16(row, ng + g));
-    }
-    // Codes unpacked once per token, reused by every query head of the GQA group.
-    for (int k = 0; k < nk; ++k) {
-      __m512i v = _mm512_setzero_si512();
-      for (int j = 0; j < B; ++j)
-        v = _mm512_mask_add_epi32(v, plane_mask(planes + j * pb, k), v, _mm512_set1_epi32(1 << j));
-      _mm512_store_ps(codef + 16 * k, _mm512_cvtepi32_ps(v));
-    }
-    for (int i = 0; i < n_q; ++i) {
-      const float w = p[size_t(i) * p_stride + t];
-      float* a = acc + size_t(i) * head_dim;
-      for (int k = 0; k < nk; ++k) {
-        const int g = 16 * k / group;
-        const __m512 av = _mm512_add_ps(_mm512_loadu_ps(a + 16 * k), _mm512_set1_ps(w * ze[g]));
-        _mm512_storeu_ps(a + 16 * k,
-                         _mm512_fmadd_ps(_mm512_set1_ps(w * sc[g]), _mm512_load_ps(codef + 16 * k), av));
-      }
+  for (int i0 = 0; i0 < n_q; i0 += 4) {
+    const float* pi = p + size_t(i0) * p_stride;
+    float* a = acc + size_t(i0) * head_dim;
+    switch (std::min(4, n_q - i0)) {
+      case 1: v_accum_nq<B, 1, 8>(rows, row_bytes, n, head_dim, group, pi, p_stride, a); break;
+      case 2: v_accum_nq<B, 2, 6>(rows, row_bytes, n, head_dim, group, pi, p_stride, a); break;
+      case 3: v_accum_nq<B, 3, 4>(rows, row_bytes, n, head_dim, group, pi, p_stride, a); break;
+      default: v_accum_nq<B, 4, 4>(rows, row_bytes, n, head_dim, group, pi, p_stride, a); break;
     }
   }
 }
