@@ -391,6 +391,29 @@ INSTANTIATE_TEST_SUITE_P(Formats, AdoptFormat,
                                            std::make_pair(std::string("kivi2"), 0),
                                            std::make_pair(std::string("kvquant4"), -1)));
 
+// Sliding-window accounting: a page is dead only when every sequence referencing it has moved
+// its window past all of the page's tokens.
+TEST(KvPaging, WindowDeadPagesNeedEveryReferencingSequencePastThem) {
+  const KvCacheConfig cfg = synth_cfg("int8");
+  PagePool pool(16, kv_cache_page_bytes(cfg), P);
+  KvCache a(cfg, &pool), b(cfg, &pool);
+  const auto t = tokens(8 * P, 13);
+  feed(a, t, 0, {5 * P + 3});
+  // a's next query is at 5P+3 and sees [3P+4, 5P+3]: pages 0..2 are behind it.
+  EXPECT_EQ(kv_window_dead_pages({&a}, 2 * P), 3u);
+  EXPECT_EQ(kv_window_dead_pages({&a}, 0), 0u);       // no window: everything is read
+  EXPECT_EQ(kv_window_dead_pages({&a}, 8 * P), 0u);   // a window wider than the sequence
+  // b shares a's pages and goes 2 pages further: pages 3 and 4 are behind b's window but not a's.
+  b.fork_from(a);
+  feed(b, t, 5 * P + 3, {2 * P});
+  EXPECT_EQ(kv_window_dead_pages({&b}, 2 * P), 5u);
+  EXPECT_EQ(kv_window_dead_pages({&a, &b}, 2 * P), 3u);
+  EXPECT_EQ(kv_window_dead_pages({&b, &a}, 2 * P), 3u);
+  a.release();
+  b.release();
+  EXPECT_EQ(pool.n_free(), pool.n_pages());
+}
+
 TEST(KvPaging, GroupedCodecWithResidualWindowIsNotShared) {
   const KvCacheConfig cfg = synth_cfg("kivi2");  // R = 128 by default
   PagePool pool(16, kv_cache_page_bytes(cfg), P);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <unordered_map>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -86,6 +87,24 @@ size_t kv_admit_pages(const PagePool& pool, const KvPrefixMatch& m, int n_prompt
   for (KvPageId p : m.pages)
     if (pool.is_idle(p)) ++need;
   return need;
+}
+
+size_t kv_window_dead_pages(const std::vector<const KvCache*>& seqs, int window) {
+  if (window <= 0) return 0;
+  std::unordered_map<KvPageId, bool> dead;  // page -> dead for every referencing sequence so far
+  for (const KvCache* c : seqs) {
+    const int P = c->config().page_tokens;
+    const int first_seen = c->n_tokens() + 1 - window;
+    const auto& table = c->block_table();
+    for (size_t i = 0; i < table.size(); ++i) {
+      const bool d = int(i + 1) * P <= first_seen;
+      auto [it, fresh] = dead.emplace(table[i], d);
+      if (!fresh) it->second = it->second && d;
+    }
+  }
+  size_t n = 0;
+  for (const auto& [page, d] : dead) n += d ? 1 : 0;
+  return n;
 }
 
 std::string KvCache::build_identity() const {

@@ -236,6 +236,12 @@ class KvCache {
 // for caches of this configuration must be built with. Throws like KvCache's constructor.
 size_t kv_cache_page_bytes(const KvCacheConfig& cfg);
 
+// Pages (pool mode) that every one of `seqs` referencing them can no longer read through a
+// sliding window of `window` positions: all their tokens lie below the window of that sequence's
+// next query (n_tokens() + 1 - window; positions only grow). A page any sequence still reads, or
+// that a sequence not listed references, is not the caller's to judge: list every sequence.
+size_t kv_window_dead_pages(const std::vector<const KvCache*>& seqs, int window);
+
 // Pages that admitting a prompt of n_prompt tokens with the cached prefix m (from
 // PrefixIndex::lookup) takes out of pool.n_available(): the pages for tokens after the prefix,
 // plus the matched pages that are idle now. Compare with pool.n_available() before adopting.

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <future>
 #include <random>
-#include <unordered_map>
 
 #include "core/error.h"
 #include "core/timer.h"
@@ -272,23 +271,11 @@ void Engine::loop() {
 
 double Engine::window_dead_ratio() const {
   if (window_ <= 0 || window_page_bytes_ == 0) return 0.0;
-  // A page is dead for the sliding layers once, for every running sequence that references it,
-  // all its tokens lie below the window of that sequence's next query (positions only grow).
   // Cached pages no running sequence references are idle (available), not counted here.
-  const int P = kcfg_.page_tokens;
-  std::unordered_map<KvPageId, bool> dead;  // page -> dead for every referencing sequence so far
-  for (const auto& s : running_) {
-    if (s->preempted || s->done || !s->cache) continue;
-    const int first_seen = s->cache->n_tokens() + 1 - window_;  // the next query sees [first_seen, ...]
-    const auto& table = s->cache->block_table();
-    for (size_t i = 0; i < table.size(); ++i) {
-      const bool d = int(i + 1) * P <= first_seen;
-      auto [it, fresh] = dead.emplace(table[i], d);
-      if (!fresh) it->second = it->second && d;
-    }
-  }
-  size_t n_dead = 0;
-  for (const auto& [page, d] : dead) n_dead += d ? 1 : 0;
+  std::vector<const KvCache*> seqs;
+  for (const auto& s : running_)
+    if (!s->preempted && !s->done && s->cache) seqs.push_back(s->cache.get());
+  const size_t n_dead = kv_window_dead_pages(seqs, window_);
   return double(n_dead) * double(window_page_bytes_) / (double(pool_->n_pages()) * double(pool_->page_bytes()));
 }
 
