@@ -35,8 +35,8 @@ MatmulTileFn matmul_kernel_avx512(GgmlType t);
 MatmulTileFn matmul_kernel(GgmlType t);
 
 // Rows per tile of the SIMD kernels: chunks of rows handed to threads are multiples of this
-// (the AVX-512 prefill panels hold 16 rows; the smaller streaming tiles divide it).
-constexpr int kTileRows = 16;
+// (the AVX-512 prefill tiles hold two 16-row panels; the smaller streaming tiles divide it).
+constexpr int kTileRows = 32;
 
 // AVX2 versions of the activation quantizers: the same operations in the same order (max of |x|,
 // one division, multiply, round to nearest even), so their output is bit-identical.
