@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "kv/grouped_common.h"
+#include "kv/hsum_avx512.h"
 #include "kv/kivi.h"
 
 namespace kvq {
@@ -18,25 +19,61 @@ inline __mmask16 plane_mask(const uint8_t* plane, int k) {
   return __mmask16(m);
 }
 
+// Codes of a 16-channel chunk decoded once per token (masked adds of 2^j: exact small floats),
+// then one FMA per query row; 16 / NQ tokens per step so that one hsum16 finishes 16 scores.
+template <int B, int NQ>
+inline void k_token(const uint8_t* row, int pb, int nk, const float* qs, int head_dim, __m512* F) {
+  for (int k = 0; k < nk; ++k) {
+    __m512 v = _mm512_setzero_ps();
+    for (int j = 0; j < B; ++j)
+      v = _mm512_mask_add_ps(v, plane_mask(row + j * pb, k), v, _mm512_set1_ps(float(1 << j)));
+    for (int i = 0; i < NQ; ++i) F[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qs + size_t(i) * head_dim + 16 * k), v, F[i]);
+  }
+}
+
+template <int B, int NQ>
+void k_scores_nq(const uint8_t* codes, size_t row_bytes, int n, int head_dim, const float* qs, const float* qz,
+                 float* out, int out_stride) {
+  constexpr int NQP = NQ == 3 ? 4 : NQ;
+  constexpr int TU = 16 / NQP;
+  const int pb = head_dim / 8, nk = head_dim / 16;
+  int t = 0;
+  for (; t + TU <= n; t += TU) {
+    __m512 v[16];
+    for (int j = 0; j < 16; ++j) v[j] = _mm512_setzero_ps();
+    for (int u = 0; u < TU; ++u) {
+      __m512 F[NQ];
+      for (int i = 0; i < NQ; ++i) F[i] = _mm512_setzero_ps();
+      k_token<B, NQ>(codes + size_t(t + u) * row_bytes, pb, nk, qs, head_dim, F);
+      for (int i = 0; i < NQ; ++i) {
+        const int o = i * TU + u;  // output lane: query i's TU scores are contiguous
+        v[4 * (o % 4) + o / 4] = F[i];
+      }
+    }
+    alignas(64) float z[16];
+    _mm512_store_ps(z, hsum16_avx512(v));
+    for (int i = 0; i < NQ; ++i)
+      for (int u = 0; u < TU; ++u) out[size_t(i) * out_stride + size_t(t + u)] = z[i * TU + u] + qz[i];
+  }
+  for (; t < n; ++t) {
+    __m512 F[NQ];
+    for (int i = 0; i < NQ; ++i) F[i] = _mm512_setzero_ps();
+    k_token<B, NQ>(codes + size_t(t) * row_bytes, pb, nk, qs, head_dim, F);
+    for (int i = 0; i < NQ; ++i) out[size_t(i) * out_stride + size_t(t)] = _mm512_reduce_add_ps(F[i]) + qz[i];
+  }
+}
+
 template <int B>
 void k_scores_impl(const uint8_t* codes, size_t row_bytes, int n, int head_dim, const float* qs,
                    const float* qz, int n_q, float* out, int out_stride) {
-  const int pb = head_dim / 8, nk = head_dim / 16;
-  for (int t = 0; t < n; ++t) {
-    const uint8_t* row = codes + size_t(t) * row_bytes;
-    for (int i = 0; i < n_q; ++i) {
-      const float* w = qs + size_t(i) * head_dim;
-      // Sum of q*s over the channels whose bit j is set, per bit; weighted by 2^j at the end.
-      __m512 acc[B];
-      for (int j = 0; j < B; ++j) acc[j] = _mm512_setzero_ps();
-      for (int k = 0; k < nk; ++k) {
-        const __m512 wv = _mm512_loadu_ps(w + 16 * k);
-        for (int j = 0; j < B; ++j)
-          acc[j] = _mm512_mask_add_ps(acc[j], plane_mask(row + j * pb, k), acc[j], wv);
-      }
-      __m512 tot = acc[B - 1];
-      for (int j = B - 2; j >= 0; --j) tot = _mm512_fmadd_ps(tot, _mm512_set1_ps(2.f), acc[j]);
-      out[size_t(i) * out_stride + t] = _mm512_reduce_add_ps(tot) + qz[i];
+  for (int i0 = 0; i0 < n_q; i0 += 4) {
+    const float* qi = qs + size_t(i0) * head_dim;
+    float* o = out + size_t(i0) * out_stride;
+    switch (std::min(4, n_q - i0)) {
+      case 1: k_scores_nq<B, 1>(codes, row_bytes, n, head_dim, qi, qz + i0, o, out_stride); break;
+      case 2: k_scores_nq<B, 2>(codes, row_bytes, n, head_dim, qi, qz + i0, o, out_stride); break;
+      case 3: k_scores_nq<B, 3>(codes, row_bytes, n, head_dim, qi, qz + i0, o, out_stride); break;
+      default: k_scores_nq<B, 4>(codes, row_bytes, n, head_dim, qi, qz + i0, o, out_stride); break;
     }
   }
 }

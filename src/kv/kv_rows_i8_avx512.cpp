@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "kv/hsum_avx512.h"
 #include "kv/kv_rows.h"
 
 namespace kvq {
@@ -161,24 +162,6 @@ inline void token_dot(const Ctx& x, const QRow* q, const uint8_t* row, __m512* F
   }
 }
 
-// Horizontal sums of 16 vectors at once: result lane 4L + e = sum of v[4e + L]. 15 adds and 30
-// shuffles for 16 sums, against 16 x (4 shuffles + 4 adds) one at a time.
-inline __m512 hsum16(const __m512* v) {
-  __m512 u[8], w[4];
-  for (int j = 0; j < 8; ++j)
-    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int j = 0; j < 4; ++j)
-    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_ps(w[2], w[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_ps(w[2], w[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_ps(y0, y1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_ps(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 // NQ query rows (1..4) against n tokens; 16 / NQ tokens per step (3 rows use the slots of 4) so
 // that one hsum16 finishes 16 scores.
 template <KvElem E, int NQ, int HD>
@@ -202,7 +185,7 @@ void scores_nq(const Ctx& x, const float* qp, size_t q_stride, const uint8_t* ro
       }
     }
     alignas(64) float z[16];
-    _mm512_store_ps(z, hsum16(v));
+    _mm512_store_ps(z, hsum16_avx512(v));
     for (int i = 0; i < NQ; ++i) std::memcpy(out + size_t(i) * size_t(out_stride) + size_t(t), z + i * TU, sizeof(float) * TU);
   }
   for (; t < n; ++t) {
