@@ -123,7 +123,7 @@ Engine::Engine(const EngineOptions& o) : opt_(o) {
   ctx_ = o.ctx > 0 ? std::min(o.ctx, c.n_ctx_train) : c.n_ctx_train;
   kv_ = kv_flags_resolve(o.kv, c);
   kcfg_ = model_->kv_cache_config(kv_.policy, ctx_, o.kv.page_tokens);
-  kcfg_.calib = kv_.calib.get();
+  kv_.apply(kcfg_);
   kcfg_.model_id = o.model_path;
   const int threads = o.threads > 0 ? o.threads : int(std::max(1u, std::thread::hardware_concurrency()));
   threads_ = std::make_unique<ThreadPool>(threads);
