@@ -6,13 +6,15 @@
 #   bench/compare_llamacpp.sh BUILD_DIR LLAMA_BENCH MODEL.gguf [MODEL.gguf ...]
 #
 # LLAMA_BENCH is a llama-bench binary built separately (llama.cpp is not part of kvq). The
-# machine should be otherwise idle: both engines are memory- and compute-bound.
+# machine should be otherwise idle: both engines are memory- and compute-bound. The load average
+# is printed before and after each model: on a shared machine only the ratio of the same run
+# means anything, and only when the load stayed put.
 set -euo pipefail
 build=$1; llama_bench=$2; shift 2
 reps=${REPS:-3}
 threads=${THREADS:-1,2}
 for model in "$@"; do
-  echo "== $(basename "$model")"
+  echo "== $(basename "$model")  (load average before: $(cut -d' ' -f1-3 /proc/loadavg))"
   kvq_json=$("$build/bench/model_speed" "$model" --pp 512 --tg 128 --threads "$threads" --reps "$reps" --json)
   ll_json=$("$llama_bench" -m "$model" -p 512 -n 128 -t "$threads" -r "$reps" -o json 2>/dev/null)
   python3 - "$kvq_json" "$ll_json" <<'PY'
@@ -32,4 +34,5 @@ for k in kvq:
         extra = f"  {k['tg_gbs']:.2f} ({100*k['tg_gbs']/k['read_bw_gbs']:.0f}% of {k['read_bw_gbs']:.1f})" if kind == "tg128" else ""
         print(f"{nt:>7} {kind:>6} {k[key]:>10.1f} {l:>14.1f} {k[key]/l:>6.2f}x{extra}")
 PY
+  echo "   (load average after: $(cut -d' ' -f1-3 /proc/loadavg))"
 done
