@@ -342,3 +342,43 @@ TEST(Kivi, BadParametersRejected) {
   EXPECT_THROW(k->encode(0, x.data(), 128, 32, block.data(), 64, 48, 0), Error);  // misaligned
   EXPECT_THROW(k->encode(0, x.data(), 128, 64, block.data(), 64, 32, 0), Error);  // past the end
 }
+
+// The per-group query fold (q * scale, q . zero): the AVX-512 variant against the scalar one on
+// random and adversarial parameters (large, tiny/subnormal f16, zero scales).
+TEST(Kivi, FoldQueryParity) {
+#if !defined(KVQ_HAVE_SIMD)
+  GTEST_SKIP() << "built without SIMD kernels";
+#else
+  if (cpu_level() != CpuLevel::avx512) GTEST_SKIP() << "no AVX-512 on this machine";
+  std::mt19937_64 rng(4);
+  std::normal_distribution<float> nd;
+  for (int d : {16, 64, 128, 256}) {
+    for (int pattern = 0; pattern < 3; ++pattern) {
+      const int n_q = 5;
+      std::vector<uint8_t> params(size_t(4) * size_t(d));
+      for (int c = 0; c < 2 * d; ++c) {
+        float v = nd(rng);
+        if (pattern == 1) v *= (c % 17 == 0 ? 3e4f : 1e-6f);  // outliers and f16 subnormals
+        if (pattern == 2 && c < d && c % 3 == 0) v = 0;       // zero scales
+        const f16_t h = f32_to_f16(v);
+        std::memcpy(&params[size_t(2 * c)], &h, 2);
+      }
+      std::vector<float> q(size_t(n_q) * size_t(d));
+      for (auto& v : q) v = nd(rng);
+      std::vector<float> qs_ref(q.size()), qs(q.size()), qz_ref(n_q), qz(n_q);
+      kivi_fold_query_scalar(params.data(), q.data(), n_q, d, qs_ref.data(), qz_ref.data());
+      kivi_fold_query_avx512(params.data(), q.data(), n_q, d, qs.data(), qz.data());
+      for (size_t i = 0; i < qs.size(); ++i) ASSERT_EQ(qs[i], qs_ref[i]) << d << " " << i;
+      for (int i = 0; i < n_q; ++i) {
+        double mag = 0;
+        for (int c = 0; c < d; ++c) {
+          f16_t h;
+          std::memcpy(&h, &params[size_t(2 * (d + c))], 2);
+          mag += std::fabs(double(q[size_t(i) * d + size_t(c)]) * f16_to_f32(h));
+        }
+        ASSERT_NEAR(qz[size_t(i)], qz_ref[size_t(i)], 1e-5 * mag + 1e-30) << d << " pattern " << pattern;
+      }
+    }
+  }
+#endif
+}

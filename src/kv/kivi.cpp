@@ -58,6 +58,30 @@ void kivi_v_accum_scalar(const uint8_t* rows, size_t row_bytes, int n, int bits,
   }
 }
 
+void kivi_fold_query_scalar(const uint8_t* params, const float* q, int n_q, int head_dim, float* qs, float* qz) {
+  float sc[kvg_max_head_dim], ze[kvg_max_head_dim];
+  for (int c = 0; c < head_dim; ++c) {
+    sc[c] = f16_to_f32(kvg_load_f16(params, size_t(c)));
+    ze[c] = f16_to_f32(kvg_load_f16(params, size_t(head_dim + c)));
+  }
+  for (int i = 0; i < n_q; ++i) {
+    const float* qi = q + size_t(i) * head_dim;
+    float z = 0;
+    for (int c = 0; c < head_dim; ++c) {
+      qs[size_t(i) * head_dim + c] = qi[c] * sc[c];
+      z += qi[c] * ze[c];
+    }
+    qz[i] = z;
+  }
+}
+
+void kivi_fold_query(const uint8_t* params, const float* q, int n_q, int head_dim, float* qs, float* qz) {
+#if defined(KVQ_HAVE_SIMD)
+  if (cpu_level() == CpuLevel::avx512) return kivi_fold_query_avx512(params, q, n_q, head_dim, qs, qz);
+#endif
+  kivi_fold_query_scalar(params, q, n_q, head_dim, qs, qz);
+}
+
 const KiviKernels& kivi_kernels() {
   static const KiviKernels scalar{kivi_k_scores_scalar, kivi_v_accum_scalar};
 #if defined(KVQ_HAVE_SIMD)
@@ -186,26 +210,13 @@ class KiviKeyCodec final : public KiviCodecBase {
     const int D = cfg_.head_dim, G = cfg_.group_tokens;
     const KiviKernels& kk = kivi_kernels();
     constexpr int qchunk = 8;  // bounds the stack copy of q * scale
-    float sc[kvg_max_head_dim], ze[kvg_max_head_dim];
     float qs[qchunk * kvg_max_head_dim], qz[qchunk];
     for (int t = t0; t < t0 + n;) {
       const int g = t / G, te = std::min(t0 + n, (g + 1) * G);
       const uint8_t* grp = block + size_t(g) * group_bytes();
-      for (int c = 0; c < D; ++c) {
-        sc[c] = f16_to_f32(kvg_load_f16(grp, c));
-        ze[c] = f16_to_f32(kvg_load_f16(grp, D + c));
-      }
       for (int i0 = 0; i0 < n_q; i0 += qchunk) {
         const int m = std::min(qchunk, n_q - i0);
-        for (int i = 0; i < m; ++i) {
-          const float* q = qp + size_t(i0 + i) * D;
-          float z = 0;
-          for (int c = 0; c < D; ++c) {
-            qs[i * D + c] = q[c] * sc[c];
-            z += q[c] * ze[c];
-          }
-          qz[i] = z;
-        }
+        kivi_fold_query(grp, qp + size_t(i0) * D, m, D, qs, qz);
         kk.k_scores(grp + size_t(D) * 4 + size_t(t - g * G) * row_bytes(), row_bytes(), te - t,
                     cfg_.bits, D, qs, qz, m, out + size_t(i0) * out_stride + (t - t0), out_stride);
       }

@@ -94,6 +94,16 @@ void kivi_v_accum_avx512(const uint8_t*, size_t, int, int, int, int, const float
                          float*);
 #endif
 
+// Folds a key group's per-channel scales and zeros into the query rows, once per group:
+// qs[i, c] = q[i, c] * scale_c, qz[i] = sum_c q[i, c] * zero_c.
+//   params: [f16 scale (head_dim)][f16 zero (head_dim)]; q, qs: (n_q, head_dim); qz: (n_q)
+void kivi_fold_query_scalar(const uint8_t* params, const float* q, int n_q, int head_dim, float* qs, float* qz);
+#if defined(KVQ_HAVE_SIMD)
+void kivi_fold_query_avx512(const uint8_t* params, const float* q, int n_q, int head_dim, float* qs, float* qz);
+#endif
+// Dispatches on cpu_level() (AVX2 uses the scalar fold).
+void kivi_fold_query(const uint8_t* params, const float* q, int n_q, int head_dim, float* qs, float* qz);
+
 // The variant for cpu_level() (the one dispatch point of this family).
 const KiviKernels& kivi_kernels();
 

@@ -152,4 +152,21 @@ void kivi_v_accum_avx512(const uint8_t* rows, size_t row_bytes, int n, int bits,
   }
 }
 
+void kivi_fold_query_avx512(const uint8_t* params, const float* q, int n_q, int head_dim, float* qs, float* qz) {
+  const int nk = head_dim / 16;
+  for (int i = 0; i < n_q; ++i) {
+    const float* qi = q + size_t(i) * head_dim;
+    __m512 z = _mm512_setzero_ps();
+    for (int k = 0; k < nk; ++k) {
+      const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 32 * k)));
+      const __m512 ze = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 2 * size_t(head_dim) + 32 * k)));
+      const __m512 qv = _mm512_loadu_ps(qi + 16 * k);
+      _mm512_storeu_ps(qs + size_t(i) * head_dim + 16 * k, _mm512_mul_ps(qv, sc));
+      z = _mm512_fmadd_ps(qv, ze, z);
+    }
+    qz[i] = _mm512_reduce_add_ps(z);
+  }
+}
+
 }  // namespace kvq
