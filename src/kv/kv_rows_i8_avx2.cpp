@@ -55,7 +55,7 @@ struct Chunk {
 };
 
 template <KvElem E>
-inline Chunk load_chunk(const Ctx& x, const uint8_t* row, int h) {
+[[gnu::always_inline]] inline Chunk load_chunk(const Ctx& x, const uint8_t* row, int h) {
   Chunk k;
   if constexpr (E == KvElem::q4_0) {
     const uint8_t* base = row + size_t(h) * 2 * sizeof(kv_block_q4_0);
@@ -100,7 +100,7 @@ inline __m256i ld256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_c
 // int2g: 2-bit planes of 128-element chunks (kv_rows.h); the image's lanes 8h + l (h = 0, 1) share
 // unit and scale with this kernel's lane l, so their qs add up and dq is read from the first 8.
 template <int NQ>
-inline void token_dot_int2(const Ctx& x, const QRow* q, const uint8_t* row, __m256* F) {
+[[gnu::always_inline]] inline void token_dot_int2(const Ctx& x, const QRow* q, const uint8_t* row, __m256* F) {
   const __m256i three = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
   for (int c = 0; c < x.n_chunks; ++c) {
     const __m256i codes = ld256(row + x.code_off + size_t(c) * 32);
@@ -126,7 +126,7 @@ inline void token_dot_int2(const Ctx& x, const QRow* q, const uint8_t* row, __m2
 }
 
 template <KvElem E, int NQ>
-inline void token_dot(const Ctx& x, const QRow* q, const uint8_t* row, __m256* F) {
+[[gnu::always_inline]] inline void token_dot(const Ctx& x, const QRow* q, const uint8_t* row, __m256* F) {
   if constexpr (E == KvElem::int2g) return token_dot_int2<NQ>(x, q, row, F);
   const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   for (int h = 0; h < x.n_chunks; ++h) {

@@ -68,14 +68,14 @@ struct Chunk {
   __m512 s, m;     // per lane: x = s * c + m
 };
 
-inline void split_nibbles(__m512i codes, Chunk& k) {
+[[gnu::always_inline]] inline void split_nibbles(__m512i codes, Chunk& k) {
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   k.lo = _mm512_and_si512(codes, low4);
   k.hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low4);
 }
 
 template <KvElem E>
-inline Chunk load_chunk(const Ctx& x, const uint8_t* row, int c, bool half) {
+[[gnu::always_inline]] inline Chunk load_chunk(const Ctx& x, const uint8_t* row, int c, bool half) {
   Chunk k;
   if constexpr (E == KvElem::q4_0) {
     const uint8_t* base = row + size_t(c) * 4 * sizeof(kv_block_q4_0);
@@ -141,7 +141,7 @@ inline QRow qrow(const Ctx& x, const float* qp, size_t q_stride, int i) {
 // F[i] += per-lane partial scores of one token for query rows 0..NQ-1. HD: head_dim when known at
 // compile time (the chunk loop then unrolls and the half-chunk masks are constants), else 0.
 template <KvElem E, int NQ, int HD>
-inline void token_dot(const Ctx& x, const QRow* q, const uint8_t* row, __m512* F) {
+[[gnu::always_inline]] inline void token_dot(const Ctx& x, const QRow* q, const uint8_t* row, __m512* F) {
   const int n_chunks = HD ? (HD + 127) / 128 : x.n_chunks;
   const bool has_half = HD ? HD % 128 != 0 : x.half;
   for (int c = 0; c < n_chunks; ++c) {
