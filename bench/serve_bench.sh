@@ -5,6 +5,11 @@
 # usage: bench/serve_bench.sh BUILD MODEL.gguf PREFIX.txt
 # env: FORMATS ("f16 int8 q4_0"), CONCURRENCY ("1 8 32"), KV_MEM (48MiB), MAX_TOKENS (16),
 #      REQ_FACTOR (2: requests = REQ_FACTOR x concurrency), THREADS (2), TIMEOUT (120 s per run)
+#      multi-prefix workload: PREFIXES (1: the whole PREFIX.txt is the one shared prefix; N > 1: N
+#      distinct chunks of PREFIX_BYTES bytes from evenly spaced offsets of PREFIX.txt), ORDER (rr:
+#      request i uses prefix i mod N; random: seeded), ROUNDS (0: requests = max(REQ_FACTOR x
+#      concurrency, ROUNDS x PREFIXES), so every prefix recurs ROUNDS times)
+# Per-run wall time and the load average go to stderr.
 set -u
 [[ $# -eq 3 ]] || { echo "usage: $0 BUILD MODEL.gguf PREFIX.txt" >&2; exit 2; }
 build=$1 model=$2 prefix=$3
@@ -20,6 +25,10 @@ max_tokens=${MAX_TOKENS:-16}
 req_factor=${REQ_FACTOR:-2}
 threads=${THREADS:-2}
 timeout=${TIMEOUT:-120}
+prefixes=${PREFIXES:-1}
+prefix_bytes=${PREFIX_BYTES:-0}
+order=${ORDER:-rr}
+rounds=${ROUNDS:-0}
 tmp=$(mktemp -d)
 pid=
 trap '[[ -n $pid ]] && kill $pid 2>/dev/null; rm -rf "$tmp"' EXIT
@@ -31,6 +40,7 @@ printf '|---|---|---|---|---|---|---|---|---|---|---|---|---|\n'
 for fmt in $formats; do
   for c in $concs; do
     n=$((req_factor * c))
+    (( rounds * prefixes > n )) && n=$((rounds * prefixes))
     "$kvq" serve -m "$model" --port 0 -t "$threads" --kv "$fmt" --kv-mem "$kv_mem" 2>"$tmp/log" &
     pid=$!
     port=
@@ -45,10 +55,19 @@ for fmt in $formats; do
       wait $pid 2>/dev/null; pid=
       continue
     fi
+    t_run=$SECONDS
     "$load" --port "$port" --concurrency "$c" --requests "$n" --max-tokens "$max_tokens" \
-      --prefix-file "$prefix" --seed 1 --timeout "$timeout" >"$tmp/load" 2>&1
+      --prefix-file "$prefix" --prefixes "$prefixes" --prefix-bytes "$prefix_bytes" --order "$order" \
+      --seed 1 --timeout "$timeout" >"$tmp/load" 2>&1
+    echo "# $fmt conc $c: $((SECONDS - t_run)) s, load average $(cut -d' ' -f1-3 /proc/loadavg)" >&2
     curl -s "http://127.0.0.1:$port/metrics" >"$tmp/metrics"
+    if ! kill -0 $pid 2>/dev/null; then
+      wait $pid; rc=$?; pid=
+      echo "| $fmt | $c | server exited (status $rc) during the run: $(grep -v '^\[kvq\] serving' "$tmp/log" | tail -n 2 | tr '\n' ' ') |"
+      continue
+    fi
     kill -TERM $pid; wait $pid 2>/dev/null; pid=
+    if [[ ! -s $tmp/metrics ]]; then echo "| $fmt | $c | no /metrics from the server |"; continue; fi
     j=$(sed -n 's/^--json //p' "$tmp/load")
     if [[ -z $j ]]; then echo "| $fmt | $c | load generator failed: $(tail -n 1 "$tmp/load") |"; continue; fi
     grep -q '^first error' "$tmp/load" && sed -n 's/^first error: \(.*\)/  (first error: \1)/p' "$tmp/load" >&2

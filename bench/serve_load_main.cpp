@@ -1,7 +1,11 @@
-// Load generator for `kvq serve`: N concurrent clients stream /v1/completions requests that share one
-// long prefix (so the server's prefix cache has something to hit) and measure TTFT, TPOT and
+// Load generator for `kvq serve`: N concurrent clients stream /v1/completions requests that share
+// long prefixes (so the server's prefix cache has something to hit) and measure TTFT, TPOT and
 // throughput as a user of the OpenAI API sees them (wall clock on the client side, SSE parsing
 // included).
+// One prefix (default): the whole --prefix-file. Several (--prefixes N --prefix-bytes B): N distinct
+// chunks of the file, one per "conversation", requests cycling over them, so a prefix recurs only
+// after the others were used: the workload where a small pool must evict and recompute prefixes
+// that a larger (quantized) pool keeps resident.
 #include <httplib.h>
 
 #include <algorithm>
@@ -31,6 +35,9 @@ struct Args {
   int requests = 1;
   int max_tokens = 16;
   std::string prefix_file;
+  int prefixes = 1;
+  long prefix_bytes = 0;  // 0: the whole file (one prefix only)
+  std::string order = "rr";  // rr: request i uses prefix i % N; random: seeded uniform choice
   unsigned seed = 1;
   double timeout_s = 600;
 };
@@ -47,7 +54,8 @@ struct Sample {
 [[noreturn]] void usage_exit(const std::string& msg) {
   std::fprintf(stderr,
                "error: %s\nusage: serve_load --port P [--host H] [--concurrency N] [--requests M] [--max-tokens T]\n"
-               "                  --prefix-file FILE [--seed S] [--timeout SECONDS]\n",
+               "                  --prefix-file FILE [--prefixes N --prefix-bytes B [--order rr|random]]\n"
+               "                  [--seed S] [--timeout SECONDS]\n",
                msg.c_str());
   std::exit(2);
 }
@@ -76,6 +84,9 @@ Args parse_args(int argc, char** argv) {
     else if (f == "--requests") a.requests = int(to_int(f, need(i)));
     else if (f == "--max-tokens") a.max_tokens = int(to_int(f, need(i)));
     else if (f == "--prefix-file") a.prefix_file = need(i);
+    else if (f == "--prefixes") a.prefixes = int(to_int(f, need(i)));
+    else if (f == "--prefix-bytes") a.prefix_bytes = to_int(f, need(i));
+    else if (f == "--order") a.order = need(i);
     else if (f == "--seed") a.seed = unsigned(to_int(f, need(i)));
     else if (f == "--timeout") a.timeout_s = double(to_int(f, need(i)));
     else usage_exit("unknown flag " + f);
@@ -86,6 +97,10 @@ Args parse_args(int argc, char** argv) {
   if (a.max_tokens < 1) usage_exit("--max-tokens must be >= 1");
   if (a.timeout_s < 1) usage_exit("--timeout must be >= 1");
   if (a.prefix_file.empty()) usage_exit("--prefix-file is required");
+  if (a.prefixes < 1 || a.prefixes > 4096) usage_exit("--prefixes must be in [1, 4096]");
+  if (a.prefix_bytes < 0) usage_exit("--prefix-bytes must be >= 0");
+  if (a.prefixes > 1 && a.prefix_bytes == 0) usage_exit("--prefixes > 1 needs --prefix-bytes");
+  if (a.order != "rr" && a.order != "random") usage_exit("--order must be rr or random");
   return a;
 }
 
@@ -97,6 +112,32 @@ std::string question(int i, std::mt19937& rng) {
                                "Why does the text mention", "Explain briefly the point about"};
   std::uniform_int_distribution<int> t(0, 11), q(0, 4);
   return "\n\nQuestion " + std::to_string(i) + ": " + asks[q(rng)] + " " + topics[t(rng)] + "?\nAnswer: The author";
+}
+
+bool is_space(char c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; }
+
+// n chunks of about `bytes` bytes from evenly spaced offsets of the text, so every chunk is a distinct
+// prefix from its first token on. Chunks start after and end before ASCII whitespace: never in the
+// middle of a UTF-8 sequence (the JSON body must be valid UTF-8) nor of a word.
+std::vector<std::string> split_prefixes(const std::string& text, int n, long bytes) {
+  if (n == 1 && bytes == 0) return {text};
+  const size_t b = size_t(bytes), stride = text.size() / size_t(n);
+  if (b + 64 > stride)
+    usage_exit("--prefix-file has " + std::to_string(text.size()) + " bytes: too few for " + std::to_string(n) +
+               " disjoint prefixes of " + std::to_string(bytes) + " bytes");
+  std::vector<std::string> out;
+  for (int k = 0; k < n; ++k) {
+    size_t lo = size_t(k) * stride;
+    if (k > 0) {
+      const size_t lim = lo + 64;
+      while (lo < lim && !is_space(text[lo])) ++lo;
+      while (lo < lim && is_space(text[lo])) ++lo;
+    }
+    size_t hi = lo + b;
+    while (hi > lo + b / 2 && !is_space(text[hi])) --hi;
+    out.push_back(text.substr(lo, hi - lo));
+  }
+  return out;
 }
 
 Sample run_one(const Args& a, const std::string& prompt) {
@@ -192,12 +233,17 @@ int main(int argc, char** argv) {
   if (!in) usage_exit("cannot read --prefix-file " + a.prefix_file);
   std::stringstream ss;
   ss << in.rdbuf();
-  const std::string prefix = ss.str();
-  if (prefix.empty()) usage_exit("--prefix-file " + a.prefix_file + " is empty");
+  const std::string text = ss.str();
+  if (text.empty()) usage_exit("--prefix-file " + a.prefix_file + " is empty");
+  const std::vector<std::string> prefixes = split_prefixes(text, a.prefixes, a.prefix_bytes);
 
   std::mt19937 rng(a.seed);
+  std::uniform_int_distribution<int> pick(0, a.prefixes - 1);
   std::vector<std::string> prompts;
-  for (int i = 0; i < a.requests; ++i) prompts.push_back(prefix + question(i, rng));
+  for (int i = 0; i < a.requests; ++i) {
+    const int k = a.order == "rr" ? i % a.prefixes : pick(rng);
+    prompts.push_back(prefixes[size_t(k)] + question(i, rng));
+  }
 
   std::vector<Sample> samples(size_t(a.requests));
   std::atomic<int> next{0};
@@ -238,8 +284,11 @@ int main(int argc, char** argv) {
   const double ttft50 = percentile(ttft, 50) * 1e3, ttft95 = percentile(ttft, 95) * 1e3;
   const double tpot50 = percentile(tpot, 50) * 1e3, tpot95 = percentile(tpot, 95) * 1e3;
   const int failed = a.requests - ok - empty;
-  std::printf("requests %d ok %d empty %d failed %d (concurrency %d, max_tokens %d)\n", a.requests, ok, empty, failed,
-              a.concurrency, a.max_tokens);
+  size_t prefix_chars = 0;
+  for (const auto& p : prefixes) prefix_chars += p.size();
+  std::printf("requests %d ok %d empty %d failed %d (concurrency %d, max_tokens %d, %d prefixes of %zu bytes on average, order %s)\n",
+              a.requests, ok, empty, failed, a.concurrency, a.max_tokens, a.prefixes, prefix_chars / prefixes.size(),
+              a.order.c_str());
   if (!first_error.empty()) std::printf("first error: %s\n", first_error.c_str());
   std::printf("wall %.2f s, completion tokens %ld, throughput %.2f tok/s\n", wall, tokens, thr);
   std::printf("TTFT ms p50 %.1f p95 %.1f | TPOT ms p50 %.1f p95 %.1f\n", ttft50, ttft95, tpot50, tpot95);
@@ -250,6 +299,8 @@ int main(int argc, char** argv) {
             {"failed", failed},
             {"concurrency", a.concurrency},
             {"max_tokens", a.max_tokens},
+            {"prefixes", a.prefixes},
+            {"order", a.order},
             {"wall_s", num(wall)},
             {"completion_tokens", tokens},
             {"throughput_tok_s", num(thr)},
