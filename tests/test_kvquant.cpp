@@ -314,8 +314,8 @@ TEST(Kvquant, KernelParityRandomAndAdversarial) {
 #if defined(KVQ_HAVE_SIMD)
       for (CpuLevel l : levels()) {
         if (l == CpuLevel::scalar) continue;
-        const KvquantKernels kk = l == CpuLevel::avx2 ? KvquantKernels{kvquant_dequant_avx2, kvquant_dot_avx2}
-                                                      : KvquantKernels{kvquant_dequant_avx512, kvquant_dot_avx512};
+        const KvquantKernels kk = l == CpuLevel::avx2 ? KvquantKernels{kvquant_dequant_avx2, kvquant_dot_avx2, kvquant_rope_scalar}
+                                                      : KvquantKernels{kvquant_dequant_avx512, kvquant_dot_avx512, kvquant_rope_avx512};
         std::vector<float> out(d), dots(n_q * 3);
         kk.dequant(planes.data(), bits, d, cb, sc.data(), mid.data(), out.data());
         for (int c = 0; c < d; ++c)
@@ -477,4 +477,50 @@ TEST(GroupedFormats, AttentionFusedMatchesReference) {
       }
     }
   }
+}
+
+// RoPE of the score path: the AVX-512 variant is bit-identical to the scalar one (same roundings),
+// both pair orders, with and without the position step, rotated widths that are not multiples of
+// the vector width.
+TEST(Kvquant, RopeKernelBitIdentical) {
+#if !defined(KVQ_HAVE_SIMD)
+  GTEST_SKIP() << "built without SIMD kernels";
+#else
+  if (cpu_level() != CpuLevel::avx512) GTEST_SKIP() << "no AVX-512 on this machine";
+  std::mt19937_64 rng(8);
+  std::normal_distribution<double> nd;
+  for (int half : {1, 7, 8, 9, 16, 24, 32, 64, 128}) {
+    for (bool neox : {false, true}) {
+      for (bool step : {false, true}) {
+        std::vector<double> c(static_cast<size_t>(half)), s(c), dc(c), ds(c);
+        std::vector<float> cf(static_cast<size_t>(half)), sf(cf), x(static_cast<size_t>(2 * half + 3));
+        for (int i = 0; i < half; ++i) {
+          const double a = nd(rng) * 10, th = std::fabs(nd(rng));
+          c[size_t(i)] = std::cos(a);
+          s[size_t(i)] = std::sin(a);
+          dc[size_t(i)] = std::cos(th);
+          ds[size_t(i)] = std::sin(th);
+          cf[size_t(i)] = float(c[size_t(i)]);
+          sf[size_t(i)] = float(s[size_t(i)]);
+        }
+        for (auto& v : x) v = float(nd(rng) * 100);
+        auto c2 = c, s2 = s;
+        auto cf2 = cf, sf2 = sf;
+        auto x2 = x;
+        for (int rep = 0; rep < 3; ++rep) {  // several steps: the walker state must stay identical
+          kvquant_rope_scalar(c.data(), s.data(), dc.data(), ds.data(), cf.data(), sf.data(), half, step, x.data(), neox);
+          kvquant_rope_avx512(c2.data(), s2.data(), dc.data(), ds.data(), cf2.data(), sf2.data(), half, step, x2.data(), neox);
+        }
+        for (int i = 0; i < half; ++i) {
+          ASSERT_EQ(c2[size_t(i)], c[size_t(i)]);
+          ASSERT_EQ(s2[size_t(i)], s[size_t(i)]);
+          ASSERT_EQ(cf2[size_t(i)], cf[size_t(i)]);
+          ASSERT_EQ(sf2[size_t(i)], sf[size_t(i)]);
+        }
+        // Elements past 2 * half are untouched by both.
+        for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(x2[i], x[i]) << half << " neox " << neox << " " << i;
+      }
+    }
+  }
+#endif
 }

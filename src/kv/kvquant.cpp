@@ -32,10 +32,10 @@ void kvquant_dot_scalar(const float* q, int n_q, const float* k, int head_dim, f
 }
 
 const KvquantKernels& kvquant_kernels() {
-  static const KvquantKernels scalar{kvquant_dequant_scalar, kvquant_dot_scalar};
+  static const KvquantKernels scalar{kvquant_dequant_scalar, kvquant_dot_scalar, kvquant_rope_scalar};
 #if defined(KVQ_HAVE_SIMD)
-  static const KvquantKernels avx2{kvquant_dequant_avx2, kvquant_dot_avx2};
-  static const KvquantKernels avx512{kvquant_dequant_avx512, kvquant_dot_avx512};
+  static const KvquantKernels avx2{kvquant_dequant_avx2, kvquant_dot_avx2, kvquant_rope_scalar};
+  static const KvquantKernels avx512{kvquant_dequant_avx512, kvquant_dot_avx512, kvquant_rope_avx512};
   switch (cpu_level()) {
     case CpuLevel::avx512: return avx512;
     case CpuLevel::avx2: return avx2;
@@ -65,8 +65,8 @@ inline double rope_theta(const KvRope& r, int i) {
 }
 
 // cos/sin of pos * theta_i for consecutive positions: exact at the first position, then advanced
-// by the angle-addition recurrence in double (error ~1e-16 per step) instead of n_rot/2 sin/cos
-// calls per token.
+// by the angle-addition recurrence in double (error ~1e-16 per step; KvquantKernels::rope) instead
+// of n_rot/2 sin/cos calls per token.
 struct RopeWalker {
   double c[kvg_max_head_dim / 2], s[kvg_max_head_dim / 2], dc[kvg_max_head_dim / 2],
       ds[kvg_max_head_dim / 2];
@@ -83,7 +83,13 @@ struct RopeWalker {
       sf[i] = float(s[i]);
     }
   }
-  void step() {
+};
+
+}  // namespace
+
+void kvquant_rope_scalar(double* c, double* s, const double* dc, const double* ds, float* cf, float* sf,
+                         int half, bool step, float* x, bool neox) {
+  if (step) {
     for (int i = 0; i < half; ++i) {
       const double c1 = c[i] * dc[i] - s[i] * ds[i];
       const double s1 = s[i] * dc[i] + c[i] * ds[i];
@@ -93,9 +99,8 @@ struct RopeWalker {
       sf[i] = float(s1);
     }
   }
-};
-
-}  // namespace
+  rope_rotate(x, cf, sf, 2 * half, neox);
+}
 
 void kv_rope_apply(const KvRope& r, int pos, float* x, int) {
   if (r.n_rot <= 0) return;
@@ -336,9 +341,8 @@ class KvquantKeyCodec final : public KvCodec {
         loaded = t / G;
         load_group(block, loaded, sc, mid);
       }
-      if (i > 0 && rw.half > 0) rw.step();
       dequant_pre_rope(kk, block, t, pos0 + t, sc, mid, key);
-      if (rw.half > 0) rope_rotate(key, rw.cf, rw.sf, cfg_.rope.n_rot, cfg_.rope.neox);
+      if (rw.half > 0) kk.rope(rw.c, rw.s, rw.dc, rw.ds, rw.cf, rw.sf, rw.half, i > 0, key, cfg_.rope.neox);
       kk.dot(qp, n_q, key, D, out + i, out_stride);
     }
   }
@@ -352,7 +356,7 @@ class KvquantKeyCodec final : public KvCodec {
 
  private:
   static const KvquantKernels& kvquant_kernels_scalar() {
-    static const KvquantKernels s{kvquant_dequant_scalar, kvquant_dot_scalar};
+    static const KvquantKernels s{kvquant_dequant_scalar, kvquant_dot_scalar, kvquant_rope_scalar};
     return s;
   }
   KvquantKeyConfig cfg_;

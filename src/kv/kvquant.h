@@ -95,10 +95,28 @@ using kvquant_dequant_fn = void (*)(const uint8_t* planes, int bits, int head_di
 using kvquant_dot_fn = void (*)(const float* q, int n_q, const float* k, int head_dim, float* out,
                                 int out_stride);
 
+// RoPE of one dequantized key in the score path, positions walked token by token: when `step`,
+// advances (c, s) = (cos, sin)(pos * theta_i) to pos + 1 by angle addition in double
+// (c' = c dc - s ds, s' = s dc + c ds, dc/ds = cos/sin theta_i) and rounds them to f32 in (cf, sf);
+// then rotates pair i of x: (2i, 2i+1), or (i, i + half) when neox, by (cf[i], sf[i]).
+// c, s, dc, ds: (half) double; cf, sf: (half) f32; x: (>= 2 half) f32.
+using kvquant_rope_fn = void (*)(double* c, double* s, const double* dc, const double* ds, float* cf,
+                                 float* sf, int half, bool step, float* x, bool neox);
+
 struct KvquantKernels {
   kvquant_dequant_fn dequant;
   kvquant_dot_fn dot;
+  kvquant_rope_fn rope;
 };
+
+// Bit-identical variants (separate multiplies and adds, no contraction): rope results do not
+// depend on the CPU level.
+void kvquant_rope_scalar(double* c, double* s, const double* dc, const double* ds, float* cf, float* sf,
+                         int half, bool step, float* x, bool neox);
+#if defined(KVQ_HAVE_SIMD)
+void kvquant_rope_avx512(double* c, double* s, const double* dc, const double* ds, float* cf, float* sf,
+                         int half, bool step, float* x, bool neox);
+#endif
 
 void kvquant_dequant_scalar(const uint8_t*, int, int, const float*, const float*, const float*,
                             float*);
