@@ -70,7 +70,7 @@ for fmt in $formats; do
     if [[ ! -s $tmp/metrics ]]; then echo "| $fmt | $c | no /metrics from the server |"; continue; fi
     j=$(sed -n 's/^--json //p' "$tmp/load")
     if [[ -z $j ]]; then echo "| $fmt | $c | load generator failed: $(tail -n 1 "$tmp/load") |"; continue; fi
-    grep -q '^first error' "$tmp/load" && sed -n 's/^first error: \(.*\)/  (first error: \1)/p' "$tmp/load" >&2
+    grep '^error x' "$tmp/load" | sed "s/^/  $fmt conc $c: /" >&2
     q=$(metric kvq_prefix_cache_queries_total) h=$(metric kvq_prefix_cache_hits_total)
     cap=$(metric kvq_kv_cache_tokens_capacity) pre=$(metric kvq_preemptions_total)
     rate=$(awk -v h="${h:-0}" -v q="${q:-0}" 'BEGIN { if (q > 0) printf "%.2f", h / q; else print "n/a" }')

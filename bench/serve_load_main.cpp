@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -47,6 +48,7 @@ struct Sample {
   bool empty = false;  // the model ended at once (end-of-sequence as first token): no TTFT to measure
   double ttft_s = 0;
   double tpot_s = -1;  // < 0: fewer than 2 tokens, no inter-token time
+  double end_s = 0;    // when the request ended, seconds since the run started (to place failures in time)
   int tokens = 0;
   std::string error;
 };
@@ -260,6 +262,7 @@ int main(int argc, char** argv) {
           continue;
         }
         samples[size_t(i)] = run_one(a, prompts[size_t(i)]);
+        samples[size_t(i)].end_s = std::chrono::duration<double>(clk::now() - t0).count();
       }
     });
   for (auto& t : workers) t.join();
@@ -269,10 +272,21 @@ int main(int argc, char** argv) {
   long tokens = 0;
   int ok = 0, empty = 0;
   std::string first_error;
+  struct ErrorCount {
+    int n = 0;
+    double first_s = 0, last_s = 0;
+  };
+  std::map<std::string, ErrorCount> errors;  // failures grouped by message, with when they happened
   for (const auto& s : samples) {
     if (s.empty) ++empty;
     if (!s.ok) {
-      if (!s.empty && first_error.empty()) first_error = s.error;
+      if (!s.empty) {
+        if (first_error.empty()) first_error = s.error;
+        ErrorCount& e = errors[s.error];
+        e.first_s = e.n == 0 ? s.end_s : std::min(e.first_s, s.end_s);
+        e.last_s = std::max(e.last_s, s.end_s);
+        ++e.n;
+      }
       continue;
     }
     ++ok;
@@ -290,6 +304,8 @@ int main(int argc, char** argv) {
               a.requests, ok, empty, failed, a.concurrency, a.max_tokens, a.prefixes, prefix_chars / prefixes.size(),
               a.order.c_str());
   if (!first_error.empty()) std::printf("first error: %s\n", first_error.c_str());
+  for (const auto& [msg, e] : errors)
+    std::printf("error x%d (ended at %.1f-%.1f s): %s\n", e.n, e.first_s, e.last_s, msg.c_str());
   std::printf("wall %.2f s, completion tokens %ld, throughput %.2f tok/s\n", wall, tokens, thr);
   std::printf("TTFT ms p50 %.1f p95 %.1f | TPOT ms p50 %.1f p95 %.1f\n", ttft50, ttft95, tpot50, tpot95);
   auto num = [](double x) { return std::isnan(x) ? json(nullptr) : json(std::round(x * 100) / 100); };
