@@ -144,6 +144,62 @@ TEST(Fp8, CodecScaleModes) {
   EXPECT_EQ(out[0], 224.f);
 }
 
+// The AVX-512 encoder gives the scalar conversion's code for every input: each code's value,
+// the midpoints between neighbours (ties) and the floats just beside them, the saturation
+// boundaries, subnormals of both formats and of f32, signed zeros, inf, NaN, and random bit
+// patterns; with a scale that divides first (as the codecs do).
+TEST(Fp8, VectorEncodeMatchesScalarExactly) {
+#if !defined(KVQ_HAVE_SIMD)
+  GTEST_SKIP() << "built without SIMD kernels";
+#else
+  if (cpu_level() != CpuLevel::avx512) GTEST_SKIP() << "no AVX-512 on this machine";
+  std::vector<float> xs = {0.f, -0.f, INFINITY, -INFINITY, std::nanf(""), -std::nanf(""), 1e-45f, -1e-45f,
+                           1e-40f, 3.4e38f, -3.4e38f, 448.f, 449.f, 463.99f, 464.f, 464.01f, 480.f, 57344.f,
+                           61439.f, 61440.f, 61441.f, 65504.f, 1e6f};
+  for (const float* tbl : {fp8_e4m3_table(), fp8_e5m2_table()}) {
+    std::vector<float> pos;
+    for (int c = 0; c < 128; ++c)
+      if (std::isfinite(tbl[c])) pos.push_back(tbl[c]);
+    std::sort(pos.begin(), pos.end());
+    for (size_t i = 0; i < pos.size(); ++i) {
+      std::vector<float> pts = {pos[i]};
+      if (i + 1 < pos.size()) pts.push_back(0.5f * (pos[i] + pos[i + 1]));
+      for (float p : pts)
+        for (float v : {p, std::nextafter(p, 0.f), std::nextafter(p, INFINITY)}) {
+          xs.push_back(v);
+          xs.push_back(-v);
+        }
+    }
+  }
+  std::mt19937 rng(99);
+  for (int i = 0; i < 200000; ++i) {
+    uint32_t u = rng();
+    float v;
+    std::memcpy(&v, &u, 4);
+    xs.push_back(v);
+  }
+  for (float scale : {1.f, 0.37f, 3e-3f}) {
+    std::vector<float> in(xs.size());
+    for (size_t i = 0; i < xs.size(); ++i) in[i] = xs[i] * scale;  // x / scale then lands near xs[i]
+    std::vector<uint8_t> e4(xs.size()), e5(xs.size());
+    fp8_e4m3_encode_avx512(in.data(), int(in.size()), scale, e4.data());
+    fp8_e5m2_encode_avx512(in.data(), int(in.size()), scale, e5.data());
+    for (size_t i = 0; i < xs.size(); ++i) {
+      ASSERT_EQ(int(e4[i]), int(fp8_e4m3_from_f32(in[i] / scale))) << "e4m3 x " << in[i] << " scale " << scale;
+      ASSERT_EQ(int(e5[i]), int(fp8_e5m2_from_f32(in[i] / scale))) << "e5m2 x " << in[i] << " scale " << scale;
+    }
+  }
+  // Scale 1 exactly at the listed points (no multiply in between).
+  std::vector<uint8_t> e4(xs.size()), e5(xs.size());
+  fp8_e4m3_encode_avx512(xs.data(), int(xs.size()), 1.f, e4.data());
+  fp8_e5m2_encode_avx512(xs.data(), int(xs.size()), 1.f, e5.data());
+  for (size_t i = 0; i < xs.size(); ++i) {
+    ASSERT_EQ(int(e4[i]), int(fp8_e4m3_from_f32(xs[i]))) << "e4m3 " << xs[i];
+    ASSERT_EQ(int(e5[i]), int(fp8_e5m2_from_f32(xs[i]))) << "e5m2 " << xs[i];
+  }
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // Round-trip error bounds
 

@@ -18,6 +18,13 @@ float fp8_e5m2_to_f32(uint8_t c);
 const float* fp8_e4m3_table();  // [256]
 const float* fp8_e5m2_table();  // [256]
 
+// out[i] = fp8_*_from_f32(x[i] / scale) for i < n, 16 at a time (fp8_avx512.cpp); the same codes
+// as the scalar conversion for every input. Callers dispatch on cpu_level().
+#if defined(KVQ_HAVE_SIMD)
+void fp8_e4m3_encode_avx512(const float* x, int n, float scale, uint8_t* out);
+void fp8_e5m2_encode_avx512(const float* x, int n, float scale, uint8_t* out);
+#endif
+
 inline constexpr float fp8_e4m3_max = 448.f;
 inline constexpr float fp8_e5m2_max = 57344.f;
 

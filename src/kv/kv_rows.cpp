@@ -116,6 +116,10 @@ void kv_row_encode(const KvRowFmt& f, float scale, const float* x, uint8_t* row)
     case KvElem::e4m3:
     case KvElem::e5m2: {
       const bool e4 = f.elem == KvElem::e4m3;
+#if defined(KVQ_HAVE_SIMD)
+      if (cpu_level() == CpuLevel::avx512)
+        return e4 ? fp8_e4m3_encode_avx512(x, hd, scale, row) : fp8_e5m2_encode_avx512(x, hd, scale, row);
+#endif
       for (int i = 0; i < hd; ++i) {
         const float v = x[i] / scale;
         row[i] = e4 ? fp8_e4m3_from_f32(v) : fp8_e5m2_from_f32(v);
@@ -129,6 +133,10 @@ void kv_row_encode(const KvRowFmt& f, float scale, const float* x, uint8_t* row)
       if (!(s > 0)) s = 1.f;  // all zeros: any scale decodes them exactly
       store_f32(row, s);
       uint8_t* c = row + sizeof(KvRowScaled);
+#if defined(KVQ_HAVE_SIMD)
+      if (cpu_level() == CpuLevel::avx512)
+        return e4 ? fp8_e4m3_encode_avx512(x, hd, s, c) : fp8_e5m2_encode_avx512(x, hd, s, c);
+#endif
       for (int i = 0; i < hd; ++i) c[i] = e4 ? fp8_e4m3_from_f32(x[i] / s) : fp8_e5m2_from_f32(x[i] / s);
       return;
     }
