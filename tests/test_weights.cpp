@@ -266,6 +266,9 @@ TEST_P(MatmulParity, AllLevelsMatchReference) {
           if (sm == ScaleMode::huge && am == ActMode::huge) continue;  // overflows float by design
           check_parity(t, adv, sm, am, 2, 0, rng, cpu_level_name(l));
         }
+    // more rows than the panel path packs at once (~384 KiB: 128 rows at these row lengths)
+    check_parity(t, {bs == kQKK ? 8 * bs : 64 * bs, 300, 9}, ScaleMode::normal, ActMode::outlier, 1, 0, rng,
+                 cpu_level_name(l));
     // rows padded beyond their packed size (row_bytes is a stride, not a size)
     check_parity(t, {2 * bs, 6, 2}, ScaleMode::mixed, ActMode::normal, 1, 64, rng, cpu_level_name(l));
     check_parity(t, {2 * bs, 21, 9}, ScaleMode::mixed, ActMode::outlier, 2, 64, rng, cpu_level_name(l));

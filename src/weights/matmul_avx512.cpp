@@ -409,46 +409,57 @@ void panel_tile_tail(int nt, const Panel<T>* pn, const uint8_t* x, size_t xs, in
   panel_tile<T, P, NT>(pn, x, xs, nb, y, ldy, rm);
 }
 
+// Rows packed at a time: the packed rows (~1.1-1.4 bytes per weight) and a 64-token block of
+// activations stay in the 1 MiB L2 together, and the buffer stays bounded when one call gets a
+// huge row range (a single thread over a 262144-row output matrix).
+constexpr size_t kPackBytes = size_t(384) << 10;
+
 template <GgmlType T>
 void gemm_panels(const uint8_t* w, size_t ws, int64_t nr, const uint8_t* x, size_t xs, int64_t nt, int64_t n_in,
                  float* y, int64_t ldy) {
   constexpr bool kq = T == GgmlType::Q4_K || T == GgmlType::Q5_K || T == GgmlType::Q6_K;
   const int64_t nb = n_in / (kq ? kQKK : kQK);
-  const int64_t n_panels = (nr + kPR - 1) / kPR;
   const size_t pbytes = size_t(nb) * panel_block_bytes<T>();
+  // whole 2-panel tiles per group, at least one
+  const int64_t group_panels = std::max<int64_t>(kPP, int64_t(kPackBytes / pbytes) / kPP * kPP);
+  const int64_t n_panels_all = (nr + kPR - 1) / kPR;
   thread_local AlignedBuf<uint8_t> buf;
-  if (buf.size() < pbytes * size_t(n_panels)) buf.resize(pbytes * size_t(n_panels));
-  for (int64_t pi = 0; pi < n_panels; ++pi) {
-    uint8_t* base = buf.data() + size_t(pi) * pbytes;
-    const Panel<T> p = panel_at<T>(base, nb);
-    const uint8_t* wr = w + size_t(pi) * kPR * ws;
-    const int rows = int(std::min<int64_t>(kPR, nr - pi * kPR));
-    if constexpr (T == GgmlType::Q4_K || T == GgmlType::Q5_K)
-      pack_q45k<T>(wr, ws, rows, nb, const_cast<uint8_t*>(p.codes), const_cast<int32_t*>(p.i0),
-                   const_cast<int32_t*>(p.i1), const_cast<float*>(p.f0), const_cast<float*>(p.f1));
-    else if constexpr (T == GgmlType::Q6_K)
-      pack_q6k(wr, ws, rows, nb, const_cast<uint8_t*>(p.codes), const_cast<int32_t*>(p.i0), const_cast<int32_t*>(p.i1),
-               const_cast<float*>(p.f0));
-    else
-      pack32<T>(wr, ws, rows, nb, const_cast<uint8_t*>(p.codes), const_cast<float*>(p.f0), const_cast<float*>(p.f1));
-  }
-  for (int64_t t0 = 0; t0 < nt; t0 += kTokBlock) {
-    const int64_t t1 = std::min<int64_t>(nt, t0 + kTokBlock);
-    for (int64_t pi = 0; pi < n_panels; pi += kPP) {
-      const int np = int(std::min<int64_t>(kPP, n_panels - pi));
-      Panel<T> pn[kPP];
-      __mmask16 rm[kPP];
-      for (int q = 0; q < np; ++q) {
-        pn[q] = panel_at<T>(buf.data() + size_t(pi + q) * pbytes, nb);
-        const int rows = int(std::min<int64_t>(kPR, nr - (pi + q) * kPR));
-        rm[q] = __mmask16((1u << rows) - 1);
-      }
-      float* yp = y + pi * kPR;
-      constexpr int kPT = panel_tokens<T>();
-      for (int64_t t = t0; t < t1; t += kPT) {
-        const int n = int(std::min<int64_t>(kPT, t1 - t));
-        if (np == kPP) panel_tile_tail<T, kPP, kPT>(n, pn, x + size_t(t) * xs, xs, nb, yp + t * ldy, ldy, rm);
-        else panel_tile_tail<T, 1, kPT>(n, pn, x + size_t(t) * xs, xs, nb, yp + t * ldy, ldy, rm);
+  const size_t need = pbytes * size_t(std::min(group_panels, n_panels_all));
+  if (buf.size() < need) buf.resize(need);
+  for (int64_t g0 = 0; g0 < n_panels_all; g0 += group_panels) {
+    const int64_t n_panels = std::min(group_panels, n_panels_all - g0);
+    const int64_t r0 = g0 * kPR;  // first row of the group
+    for (int64_t pi = 0; pi < n_panels; ++pi) {
+      const Panel<T> p = panel_at<T>(buf.data() + size_t(pi) * pbytes, nb);
+      const uint8_t* wr = w + size_t(r0 + pi * kPR) * ws;
+      const int rows = int(std::min<int64_t>(kPR, nr - r0 - pi * kPR));
+      if constexpr (T == GgmlType::Q4_K || T == GgmlType::Q5_K)
+        pack_q45k<T>(wr, ws, rows, nb, const_cast<uint8_t*>(p.codes), const_cast<int32_t*>(p.i0),
+                     const_cast<int32_t*>(p.i1), const_cast<float*>(p.f0), const_cast<float*>(p.f1));
+      else if constexpr (T == GgmlType::Q6_K)
+        pack_q6k(wr, ws, rows, nb, const_cast<uint8_t*>(p.codes), const_cast<int32_t*>(p.i0),
+                 const_cast<int32_t*>(p.i1), const_cast<float*>(p.f0));
+      else
+        pack32<T>(wr, ws, rows, nb, const_cast<uint8_t*>(p.codes), const_cast<float*>(p.f0), const_cast<float*>(p.f1));
+    }
+    for (int64_t t0 = 0; t0 < nt; t0 += kTokBlock) {
+      const int64_t t1 = std::min<int64_t>(nt, t0 + kTokBlock);
+      for (int64_t pi = 0; pi < n_panels; pi += kPP) {
+        const int np = int(std::min<int64_t>(kPP, n_panels - pi));
+        Panel<T> pn[kPP];
+        __mmask16 rm[kPP];
+        for (int q = 0; q < np; ++q) {
+          pn[q] = panel_at<T>(buf.data() + size_t(pi + q) * pbytes, nb);
+          const int rows = int(std::min<int64_t>(kPR, nr - r0 - (pi + q) * kPR));
+          rm[q] = __mmask16((1u << rows) - 1);
+        }
+        float* yp = y + r0 + pi * kPR;
+        constexpr int kPT = panel_tokens<T>();
+        for (int64_t t = t0; t < t1; t += kPT) {
+          const int n = int(std::min<int64_t>(kPT, t1 - t));
+          if (np == kPP) panel_tile_tail<T, kPP, kPT>(n, pn, x + size_t(t) * xs, xs, nb, yp + t * ldy, ldy, rm);
+          else panel_tile_tail<T, 1, kPT>(n, pn, x + size_t(t) * xs, xs, nb, yp + t * ldy, ldy, rm);
+        }
       }
     }
   }
