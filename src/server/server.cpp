@@ -231,6 +231,7 @@ struct Server::Impl {
   httplib::Server http;
   ChatTemplate tpl = ChatTemplate::none;
   std::atomic<uint64_t> next_id{1};
+  std::atomic<int> listen_fd{-1};  // the listening socket, seen through the socket-options hook
   Impl(Engine& e, const ServerOptions& o) : engine(e), opt(o) {}
 
   void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat);
@@ -420,6 +421,14 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
   Impl& I = *impl_;
   if (I.opt.model_name.empty()) I.opt.model_name = "kvq";
   I.tpl = chat_template_detect(engine.model().file());
+  // Debian's cpp-httplib listens with a backlog of 5 (compiled into the library): 32 clients
+  // connecting at once overflow it and the kernel drops handshakes, which clients see as resets
+  // under load. The hook keeps httplib's own options and remembers the socket, so bind() can
+  // listen again with the system's maximum backlog (listen() on a listening socket resizes it).
+  I.http.set_socket_options([this](socket_t sock) {
+    httplib::default_socket_options(sock);
+    impl_->listen_fd = int(sock);
+  });
   const int n_threads = std::max(2, o.http_threads);
   I.http.new_task_queue = [n_threads] { return new httplib::ThreadPool(size_t(n_threads)); };
   I.http.set_payload_max_length(size_t(64) << 20);
@@ -469,10 +478,17 @@ int Server::bind() {
   if (I.opt.port == 0) {
     const int p = I.http.bind_to_any_port(I.opt.host);
     if (p <= 0) fail("cannot listen on {} (any port)", I.opt.host);
+    widen_backlog();
     return p;
   }
   if (!I.http.bind_to_port(I.opt.host, I.opt.port)) fail("cannot listen on {}:{}", I.opt.host, I.opt.port);
+  widen_backlog();
   return I.opt.port;
+}
+
+void Server::widen_backlog() {
+  const int fd = impl_->listen_fd.load();
+  if (fd >= 0) ::listen(fd, SOMAXCONN);  // best effort: on failure httplib's backlog stays
 }
 
 void Server::listen() { impl_->http.listen_after_bind(); }

@@ -32,6 +32,7 @@ class Server {
   void stop();
 
  private:
+  void widen_backlog();
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
