@@ -186,6 +186,17 @@ TEST(Rotated, KvSplitFormatNames) {
   EXPECT_THROW(kv_policy_uniform("/f16", 2), Error);
   EXPECT_THROW(kv_policy_uniform("tq4/f16/f16", 2), Error);
   EXPECT_THROW(kv_policy_uniform("tq4/nope", 2), Error);
+  // --kv-layer uses the same FMT / KFMT/VFMT syntax for one layer
+  KvPolicy o = kv_policy_uniform("q4_0", 3);
+  kv_policy_override_layer(o, "1=int8/f16");
+  EXPECT_EQ(o.layers[1].k_codec, kv_format_find("int8").k_codec);
+  EXPECT_EQ(o.layers[1].v_codec, kv_format_find("f16").v_codec);
+  EXPECT_EQ(o.layers[0].k_codec, "q4_0");
+  kv_policy_override_layer(o, "2=kivi4");
+  EXPECT_EQ(o.layers[2].k_codec, kv_format_find("kivi4").k_codec);
+  EXPECT_EQ(o.layers[2].v_codec, kv_format_find("kivi4").v_codec);
+  for (const char* bad : {"1=int8/", "1=", "1=/f16", "1=a/b/c", "5=int8", "x=int8", "1int8"})
+    EXPECT_THROW(kv_policy_override_layer(o, bad), Error) << bad;
 }
 
 // Rotation blocks must be a power of two >= 32: head_dim 80 (16 x 5) is refused clearly.

@@ -9,24 +9,37 @@
 
 namespace kvq {
 
-KvPolicy kv_policy_uniform(const std::string& format, int n_layer) {
-  KvPolicy p;
-  // "KFMT/VFMT" takes K from one format and V from another (e.g. "tq4/f16": only keys quantized),
-  // so that eval can measure K and V error separately without a registered mix for each pair.
-  const size_t slash = format.find('/');
-  if (slash != std::string::npos) {
-    const std::string kf = format.substr(0, slash), vf = format.substr(slash + 1);
-    if (kf.empty() || vf.empty() || vf.find('/') != std::string::npos)
-      fail("KV format '{}': expected FMT or KFMT/VFMT", format);
-    const KvFormatDesc& kd = kv_format_find(kf);
-    const KvFormatDesc& vd = kv_format_find(vf);
-    p.name = kd.name + "/" + vd.name;
-    p.layers.assign(size_t(n_layer), KvLayerFormat{kd.k_codec, vd.v_codec});
-    return p;
+namespace {
+
+// "FMT" (K and V of one format) or "KFMT/VFMT" (K codec of one format, V codec of another);
+// shared by whole-model formats and --kv-layer overrides. `what` names the flag in errors.
+struct KvPair {
+  KvLayerFormat codecs;
+  std::string name;
+};
+KvPair parse_kv_pair(std::string_view spec, std::string_view what) {
+  const size_t slash = spec.find('/');
+  if (slash == std::string_view::npos) {
+    const KvFormatDesc& d = kv_format_find(std::string(spec));
+    return {KvLayerFormat{d.k_codec, d.v_codec}, d.name};
   }
-  const KvFormatDesc& d = kv_format_find(format);
-  p.name = d.name;
-  p.layers.assign(size_t(n_layer), KvLayerFormat{d.k_codec, d.v_codec});
+  const std::string kf(spec.substr(0, slash)), vf(spec.substr(slash + 1));
+  if (kf.empty() || vf.empty() || vf.find('/') != std::string::npos)
+    fail("{} '{}': expected FMT or KFMT/VFMT", what, spec);
+  const KvFormatDesc& kd = kv_format_find(kf);
+  const KvFormatDesc& vd = kv_format_find(vf);
+  return {KvLayerFormat{kd.k_codec, vd.v_codec}, kd.name + "/" + vd.name};
+}
+
+}  // namespace
+
+KvPolicy kv_policy_uniform(const std::string& format, int n_layer) {
+  // "tq4/f16" quantizes only the keys: eval measures K and V error separately this way, without a
+  // registered mix for every pair.
+  KvPair kv = parse_kv_pair(format, "KV format");
+  KvPolicy p;
+  p.name = std::move(kv.name);
+  p.layers.assign(size_t(n_layer), kv.codecs);
   return p;
 }
 
@@ -91,12 +104,9 @@ void kv_policy_override_layer(KvPolicy& p, std::string_view spec) {
   if (eq == std::string_view::npos) fail("--kv-layer '{}': expected L=KFMT/VFMT or L=FMT", spec);
   const int il = parse_int(spec.substr(0, eq), "--kv-layer", spec);
   if (il < 0 || size_t(il) >= p.layers.size()) fail("--kv-layer '{}': layer {} out of range [0, {})", spec, il, p.layers.size());
-  std::string_view rhs = spec.substr(eq + 1);
-  const size_t slash = rhs.find('/');
-  const std::string kf(rhs.substr(0, slash));
-  const std::string vf(slash == std::string_view::npos ? rhs : rhs.substr(slash + 1));
-  if (kf.empty() || vf.empty()) fail("--kv-layer '{}': expected L=KFMT/VFMT or L=FMT", spec);
-  p.layers[size_t(il)] = KvLayerFormat{kv_format_find(kf).k_codec, kv_format_find(vf).v_codec};
+  const std::string_view rhs = spec.substr(eq + 1);
+  if (rhs.empty()) fail("--kv-layer '{}': expected L=KFMT/VFMT or L=FMT", spec);
+  p.layers[size_t(il)] = parse_kv_pair(rhs, "--kv-layer").codecs;
 }
 
 std::string kv_policy_describe(const KvPolicy& p) {
