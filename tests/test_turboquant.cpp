@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <numbers>
 #include <random>
 #include <vector>
@@ -316,6 +317,21 @@ TEST(TqCodec, PackUnpackRoundTrip) {
   }
 }
 
+// The bit stream is the documented layout: code of channel c at bits [b c, b c + b), LSB first.
+TEST(TqCodec, PackedLayoutIsLsbFirstBitStream) {
+  std::vector<uint8_t> codes(32), packed(16);
+  for (int c = 0; c < 32; ++c) codes[size_t(c)] = uint8_t(c & 15);
+  tq_pack_codes(codes.data(), 32, 4, packed.data());
+  EXPECT_EQ(packed[0], 0x10);  // channel 0 low nibble, channel 1 high nibble
+  EXPECT_EQ(packed[7], 0xfe);
+  std::fill(codes.begin(), codes.end(), 0);
+  codes[2] = 7;  // 3-bit code at bits 6..8: straddles bytes 0 and 1
+  tq_pack_codes(codes.data(), 16, 3, packed.data());
+  EXPECT_EQ(packed[0], 0xc0);
+  EXPECT_EQ(packed[1], 0x01);
+  for (int b = 2; b < 6; ++b) EXPECT_EQ(packed[size_t(b)], 0) << b;
+}
+
 TEST(TqCodec, EffectiveBitsEqualBlockBytes) {
   for (int dim : {64, 128, 256}) {
     for (const auto& nc : all_configs()) {
@@ -516,7 +532,7 @@ TEST(TqKernels, SimdMatchesScalar) {
         c->prepare_query(0, q.data(), n_q, qp.data());
         std::vector<float> p(size_t(n_q) * size_t(n));
         for (size_t i = 0; i < p.size(); ++i) p[i] = (i % 11 == 0) ? 0.f : float(rng() % 997) / 997.f;
-        for (int t0 : {0, 13}) {
+        for (int t0 : {0, 13, 44}) {  // 45, 32 and 1 tokens
           const int nn = n - t0;
           const uint8_t* rp = recs.data() + size_t(t0) * size_t(l.record_bytes);
           std::vector<float> s_ref(size_t(n_q) * size_t(n), -1.f), acc_ref(size_t(n_q) * size_t(dim), 0.5f);
@@ -553,6 +569,59 @@ TEST(TqKernels, SimdMatchesScalar) {
       }
     }
   }
+}
+
+// Encode: every variant writes the same bytes as the scalar reference (same float operations,
+// double sums in tq_dot_ref's fixed order), for every format, adversarial rows included.
+TEST(TqKernels, SimdEncodeMatchesScalarBytes) {
+  std::vector<const TqKernels*> variants;
+#if defined(KVQ_HAVE_SIMD)
+  if (cpu_level() >= CpuLevel::avx2) variants.push_back(&tq_kernels_avx2());
+  if (cpu_level() >= CpuLevel::avx512) variants.push_back(&tq_kernels_avx512());
+#endif
+  if (variants.empty()) GTEST_SKIP() << "no SIMD kernels on this CPU/build";
+  for (int dim : {16, 64, 96, 128, 256}) {
+    for (const auto& nc : all_configs()) {
+      if (dim == 16 && nc.cfg.bits != std::floor(nc.cfg.bits)) continue;  // no 16-channel split
+      const CpuLevel prev = cpu_set_level(CpuLevel::scalar);
+      auto c = tq_codec_create(nc.name, nc.cfg, params(dim, 11));
+      const int n = 50;
+      std::mt19937_64 rng(uint64_t(dim) + 3);
+      auto x = adversarial_rows(n, dim, rng);
+      // Beyond the shared adversarial rows: inf, nan, float-max and denormal inputs.
+      x[size_t(7 * dim + 1)] = std::numeric_limits<float>::infinity();
+      x[size_t(8 * dim + 2)] = std::nanf("");
+      for (int i = 0; i < dim; ++i) x[size_t(9 * dim + i)] = (i % 2 ? 1 : -1) * 3e38f;
+      for (int i = 0; i < dim; ++i) x[size_t(10 * dim + i)] = float(i + 1) * 1e-42f;
+      std::vector<uint8_t> ref(c->block_bytes(n));
+      c->encode(0, x.data(), size_t(dim), n, ref.data(), n, 0, 0);
+      for (const TqKernels* v : variants) {
+        cpu_set_level(std::string(v->name) == "avx2" ? CpuLevel::avx2 : CpuLevel::avx512);
+        std::vector<uint8_t> got(ref.size(), 0xab);
+        c->encode(0, x.data(), size_t(dim), n, got.data(), n, 0, 0);
+        const size_t rb = c->block_bytes(1);
+        for (size_t i = 0; i < ref.size(); ++i)
+          ASSERT_EQ(int(got[i]), int(ref[i])) << v->name << " " << nc.name << " dim " << dim << " token " << i / rb
+                                              << " byte " << i % rb;
+      }
+      cpu_set_level(prev);
+    }
+  }
+}
+
+TEST(TqKernels, DotRefOrder) {
+  // Lanes first, then the fixed tree: 1e16 + 1 - 1e16 cancels only when grouped this way.
+  std::vector<float> a(16, 0.f), b(16, 1.f);
+  a[0] = 1e16f;
+  a[4] = -1e16f;
+  a[1] = 1.f;
+  EXPECT_EQ(tq_dot_ref(a.data(), b.data(), 16), 1.0);
+  std::mt19937_64 rng(4);
+  std::normal_distribution<float> nd;
+  for (auto& v : a) v = nd(rng);
+  double plain = 0;
+  for (int i = 0; i < 16; ++i) plain += double(a[size_t(i)]) * b[size_t(i)];
+  EXPECT_NEAR(tq_dot_ref(a.data(), b.data(), 16), plain, 1e-12);
 }
 
 TEST(TqKernels, DispatchFollowsCpuLevel) {

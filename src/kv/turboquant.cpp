@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numbers>
 
 #include "core/dtypes.h"
@@ -24,11 +25,6 @@ inline void store_u16(uint8_t* p, uint16_t v) {
   p[1] = uint8_t(v >> 8);
 }
 inline uint16_t load_u16(const uint8_t* p) { return uint16_t(p[0] | (p[1] << 8)); }
-
-inline uint8_t quantize(float y, const std::vector<float>& bounds) {
-  // index = number of thresholds below y (bounds ascending)
-  return uint8_t(std::lower_bound(bounds.begin(), bounds.end(), y) - bounds.begin());
-}
 
 // The Hadamard transform exists for powers of two only; other head sizes (80, 96, 112) get the
 // dense Haar rotation, which has the same distribution of rotated coordinates (hence the same
@@ -82,6 +78,19 @@ class TqCodec final : public KvCodec {
       tq_gaussian(tq_derive_seed(p.seed, p.layer, p.role, kSeedQjl), qjl_.data(), qjl_.size());
       args_.qjl_scale = float(std::sqrt(std::numbers::pi / 2) / d);
     }
+    std::fill(std::begin(bounds_hi16_), std::end(bounds_hi16_), std::numeric_limits<float>::infinity());
+    std::fill(std::begin(bounds_lo16_), std::end(bounds_lo16_), std::numeric_limits<float>::infinity());
+    std::copy(cb_hi_->bounds.begin(), cb_hi_->bounds.end(), bounds_hi16_);
+    std::copy(cb_lo_->bounds.begin(), cb_lo_->bounds.end(), bounds_lo16_);
+    enc_.layout = &layout_;
+    enc_.rotation = rot_.kind();
+    enc_.signs = rot_.signs();
+    enc_.matrix = rot_.matrix();
+    enc_.bounds_hi = bounds_hi16_;
+    enc_.bounds_lo = bounds_lo16_;
+    enc_.cb_hi = cb_hi16_;
+    enc_.cb_lo = cb_lo16_;
+    enc_.qjl = cfg.qjl ? qjl_.data() : nullptr;
     info_.name = name;
     info_.code_bits = double(layout_.n_hi * bits_hi + (d - layout_.n_hi) * layout_.bits_lo + (cfg.qjl ? d : 0)) / d;
     info_.group_tokens = 1;
@@ -103,8 +112,9 @@ class TqCodec final : public KvCodec {
     (void)head;
     (void)pos0;
     KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block_tokens {}", t0, n, block_tokens);
+    const TqEncodeFn enc = tq_kernels_for(cpu_level()).encode;
     for (int t = 0; t < n; ++t)
-      encode_one(src + size_t(t) * src_stride, block + size_t(t0 + t) * size_t(layout_.record_bytes));
+      enc(enc_, src + size_t(t) * src_stride, block + size_t(t0 + t) * size_t(layout_.record_bytes));
   }
 
   void decode(int head, const uint8_t* block, int block_tokens, int t0, int n, int pos0,
@@ -172,46 +182,6 @@ class TqCodec final : public KvCodec {
   }
 
  private:
-  void encode_one(const float* x, uint8_t* rec) const {
-    const int d = dim_;
-    std::memset(rec, 0, size_t(layout_.record_bytes));
-    double ss = 0;
-    for (int c = 0; c < d; ++c) ss += double(x[c]) * double(x[c]);
-    const double nrm = std::sqrt(ss);
-    if (!std::isfinite(nrm)) {  // inf / nan input: keep it visible in the norm, codes zero
-      store_u16(rec, f32_to_f16(float(nrm)));
-      return;
-    }
-    if (nrm == 0) return;
-    // Norms past the fp16 range saturate at 65504 (no finite K/V of an fp16/bf16 model gets
-    // there in practice); norms below 2^-14 lose relative precision as fp16 subnormals.
-    store_u16(rec, f32_to_f16(float(std::min(nrm, 65504.0))));
-    float u[kMaxDim];
-    for (int c = 0; c < d; ++c) u[c] = float(double(x[c]) / nrm);
-    rot_.forward(u, u);
-    uint8_t codes[kMaxDim];
-    for (int c = 0; c < layout_.n_hi; ++c) codes[c] = quantize(u[c], cb_hi_->bounds);
-    for (int c = layout_.n_hi; c < d; ++c) codes[c] = quantize(u[c], cb_lo_->bounds);
-    tq_pack_codes(codes, layout_.n_hi, layout_.bits_hi, rec + layout_.off_hi);
-    if (layout_.n_hi < d)
-      tq_pack_codes(codes + layout_.n_hi, d - layout_.n_hi, layout_.bits_lo, rec + layout_.off_lo);
-    if (!layout_.qjl) return;
-    float r[kMaxDim];
-    double rr = 0;
-    for (int c = 0; c < d; ++c) {
-      r[c] = u[c] - (c < layout_.n_hi ? cb_hi16_[codes[c]] : cb_lo16_[codes[c]]);
-      rr += double(r[c]) * double(r[c]);
-    }
-    store_u16(rec + layout_.off_qjl, f32_to_f16(float(std::sqrt(rr))));
-    uint8_t* sg = rec + layout_.off_qjl + 2;
-    for (int j = 0; j < d; ++j) {
-      const float* row = &qjl_[size_t(j) * size_t(d)];
-      double s = 0;
-      for (int c = 0; c < d; ++c) s += double(row[c]) * r[c];
-      if (s >= 0) sg[j / 8] = uint8_t(sg[j / 8] | (1u << (j % 8)));  // bit set: sign +1
-    }
-  }
-
   // ||r|| * sqrt(pi/2)/d * S^T sign: the QJL estimate of the residual, rotated basis.
   void qjl_residual(const uint8_t* rec, float* r) const {
     const int d = dim_;
@@ -249,8 +219,11 @@ class TqCodec final : public KvCodec {
   const TqCodebook* cb_lo_ = nullptr;
   float cb_hi16_[16];
   float cb_lo16_[16];
+  float bounds_hi16_[16];  // thresholds padded with +inf: the code is the count below y
+  float bounds_lo16_[16];
   std::vector<float> qjl_;  // (dim, dim) S, row-major
   TqKernelArgs args_;
+  TqEncodeArgs enc_;
   KvCodecInfo info_;
 };
 

@@ -63,6 +63,8 @@ class TqRotation {
   int dim() const { return dim_; }
   void forward(const float* x, float* y) const;  // y = R x; x, y: (dim), may alias
   void inverse(const float* y, float* x) const;  // x = R^T y; may alias
+  const float* signs() const { return signs_.data(); }    // (dim) hadamard, else empty
+  const float* matrix() const { return matrix_.data(); }  // (dim, dim) dense, else empty
 
  private:
   TqRotationKind kind_;
@@ -78,13 +80,16 @@ void tq_fwht(float* x, int n);
 // Record layout of one token (all offsets in bytes from the token's record start):
 //   [fp16 ||x||] [codes of channels [0, n_hi) at bits_hi] [codes of [n_hi, dim) at bits_lo]
 //   (prod only:) [fp16 ||r||] [sign bits of S r, dim bits]
-// Codes of a segment are bit planes grouped by 16 channels: for each group of 16 channels,
-// `bits` little-endian u16 words, word j holding bit j of the 16 codes (bit c: channel 16g + c).
-// Why: an AVX-512 kernel turns each word into a lane mask directly (one kmov per plane), AVX2
-// expands a byte per 8 lanes, and any bit width (1, 2, 3, 4, mixed) packs densely the same way.
+// Codes of a segment are one little-endian bit stream: the code of channel c (within the segment)
+// occupies bits [bits * c, bits * c + bits), bit 0 of byte 0 first (4-bit codes: channel 2j in the
+// low nibble of byte j). The sign bits follow the same rule with bits = 1.
+// Why: a group of 16 channels is 2 * bits contiguous bytes, so an AVX-512 kernel turns it into 16
+// code lanes with one byte permute (vpermb) and one variable shift, and AVX2 does 8 with a
+// broadcast and a variable shift; a codebook of 2^bits entries repeated to 16 then maps a lane to
+// its centroid with one vpermps, whatever junk the next channel's bits leave above the code.
 // Fractional rates split channels: the first n_hi rotated coordinates get one bit more. After a
 // random rotation the coordinates are exchangeable, so which ones get the extra bit does not
-// matter statistically; a contiguous prefix keeps both segments 16-channel aligned.
+// matter statistically; a contiguous prefix keeps both segments 16-channel (2 * bits byte) aligned.
 struct TqLayout {
   int dim = 0;
   int n_hi = 0;        // channels [0, n_hi) at bits_hi; multiple of 16
@@ -97,10 +102,19 @@ struct TqLayout {
   int record_bytes = 0;
 };
 
+// Bytes of one record; tq_layout_make lays records out with exactly this size, so effective bits
+// are the code bits plus 16 (norm) or 32 (norm and ||r||) per dim channels and nothing else.
+constexpr int tq_record_bytes(int dim, int n_hi, int bits_hi, int bits_lo, bool qjl) {
+  return 2 + (n_hi * bits_hi + (dim - n_hi) * bits_lo) / 8 + (qjl ? 2 + dim / 8 : 0);
+}
+static_assert(tq_record_bytes(128, 128, 4, 0, false) == 66, "tq4, head_dim 128: norm + 64 code bytes");
+static_assert(tq_record_bytes(128, 64, 4, 3, false) == 2 + 32 + 24, "tq3.5: 64 channels at 4 bits, 64 at 3");
+static_assert(tq_record_bytes(128, 128, 2, 0, true) == 2 + 32 + 2 + 16, "tq3_qjl: 2-bit codes, norm of r, signs");
+
 // dim % 16 == 0; n_hi % 16 == 0. Throws kvq::Error otherwise.
 TqLayout tq_layout_make(int dim, int n_hi, int bits_hi, int bits_lo, bool qjl);
 
-// Packs / unpacks `n` codes (n % 16 == 0) of `bits` bits in the grouped bit-plane format.
+// Packs / unpacks `n` codes (n % 16 == 0) of `bits` bits as the segment bit stream above.
 void tq_pack_codes(const uint8_t* codes, int n, int bits, uint8_t* out);
 void tq_unpack_codes(const uint8_t* in, int n, int bits, uint8_t* codes);
 
@@ -124,10 +138,35 @@ using TqScoresFn = void (*)(const TqKernelArgs& a, const float* qp, int qp_strid
 using TqAccumulateFn = void (*)(const TqKernelArgs& a, const float* p, int p_stride, int n_q,
                                 const uint8_t* recs, int n, float* acc);
 
+// Everything encode needs: the rotation (signs for Hadamard, the matrix for dense), decision
+// thresholds and codebooks of both segments, and S for prod.
+struct TqEncodeArgs {
+  const TqLayout* layout = nullptr;
+  TqRotationKind rotation = TqRotationKind::hadamard;
+  const float* signs = nullptr;     // (dim) hadamard: the diagonal of D
+  const float* matrix = nullptr;    // (dim, dim) dense: R row-major
+  const float* bounds_hi = nullptr; // (16) ascending thresholds, padded with +inf
+  const float* bounds_lo = nullptr; // (16)
+  const float* cb_hi = nullptr;     // (16) as in TqKernelArgs
+  const float* cb_lo = nullptr;
+  const float* qjl = nullptr;       // (dim, dim) S row-major; prod only
+};
+
+// Encodes one token: x (dim) -> rec (record_bytes), every byte written. All variants produce
+// identical bytes: double sums run in the fixed order of tq_dot_ref (8 interleaved lanes, then a
+// fixed tree), the rotation and thresholds are the same float operations in the same order.
+using TqEncodeFn = void (*)(const TqEncodeArgs& a, const float* x, uint8_t* rec);
+
+// sum_c a[c] * b[c] in double, n % 8 == 0: lane l (0..7) sums the products with c % 8 == l in
+// increasing c; the lanes are combined as ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)). Float products
+// are exact in double, so an FMA in a SIMD lane gives the same bits.
+double tq_dot_ref(const float* a, const float* b, int n);
+
 struct TqKernels {
   const char* name;
   TqScoresFn scores;
   TqAccumulateFn accumulate;
+  TqEncodeFn encode;
 };
 
 const TqKernels& tq_kernels_scalar();

@@ -1,7 +1,10 @@
-// TurboQuant kernels, AVX2. Eight channels per step: each bit-plane byte is broadcast and tested
-// against (1, 2, ..., 128) to build the code index; vpermps looks up an 8-entry codebook half
-// in registers (two halves and a blend on index bit 3 for 4-bit codes).
+// TurboQuant kernels, AVX2. Eight channels of b-bit codes are b contiguous bytes of the segment's
+// bit stream: broadcast them, shift lane i right by b i, and vpermps looks the low 3 bits up in an
+// 8-entry codebook half (the codebook repeated, so bits of the next channels do not matter; two
+// halves and a blend on index bit 3 for 4-bit codes).
 #include <immintrin.h>
+
+#include <cstring>
 
 #include "core/dtypes.h"
 #include "kv/turboquant.h"
@@ -18,17 +21,32 @@ inline __m256i byte_mask(uint8_t byte, __m256i bits) {
 }
 
 struct Codebook8 {
-  __m256 lo, hi;  // entries 0..7 and 8..15
+  __m256 lo, hi;  // entries 0..7 and 8..15 of the codebook repeated to 16 (entry k: code k & mask)
+  __m256i shift;  // lane i: b * i
+  int bits;
 };
 
-// Centroids of channels [8h, 8h + 8) of 16-channel group g of a `bits`-bit segment.
-inline __m256 decode_half(const uint8_t* seg, int bits, int g, int h, const Codebook8& cb, __m256i lb) {
-  const uint8_t* w = seg + size_t(g) * size_t(bits) * 2 + h;
-  __m256i idx = _mm256_and_si256(byte_mask(w[0], lb), _mm256_set1_epi32(1));
-  for (int j = 1; j < bits; ++j)
-    idx = _mm256_or_si256(idx, _mm256_and_si256(byte_mask(w[2 * j], lb), _mm256_set1_epi32(1 << j)));
+Codebook8 make_cb(const float* cb16, int bits) {
+  alignas(32) float tb[16];
+  alignas(32) int32_t sh[8];
+  for (int k = 0; k < 16; ++k) tb[k] = cb16[k & ((1 << bits) - 1)];
+  for (int i = 0; i < 8; ++i) sh[i] = bits * i;
+  return {_mm256_load_ps(tb), _mm256_load_ps(tb + 8), _mm256_load_si256(reinterpret_cast<const __m256i*>(sh)), bits};
+}
+
+// Centroids of channels [8h, 8h + 8) of a segment with the codebook's bit width.
+inline __m256 decode_half(const uint8_t* seg, int h, const Codebook8& cb) {
+  uint32_t w = 0;
+  const uint8_t* p = seg + size_t(h) * size_t(cb.bits);
+  switch (cb.bits) {  // exactly the b bytes of the 8 codes: the last record may end there
+    case 1: w = p[0]; break;
+    case 2: std::memcpy(&w, p, 2); break;
+    case 3: std::memcpy(&w, p, 3); break;
+    default: std::memcpy(&w, p, 4); break;
+  }
+  const __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi32(int(w)), cb.shift);
   const __m256 lo = _mm256_permutevar8x32_ps(cb.lo, idx);
-  if (bits < 4) return lo;
+  if (cb.bits < 4) return lo;
   const __m256 hi = _mm256_permutevar8x32_ps(cb.hi, idx);
   return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
 }
@@ -45,8 +63,8 @@ void scores_chunk(const TqKernelArgs& a, const float* qp, int qp_stride, const u
                   float* out, int out_stride) {
   const TqLayout& l = *a.layout;
   const int d = l.dim;
-  const Codebook8 cb_hi{_mm256_loadu_ps(a.cb_hi), _mm256_loadu_ps(a.cb_hi + 8)};
-  const Codebook8 cb_lo{_mm256_loadu_ps(a.cb_lo), _mm256_loadu_ps(a.cb_lo + 8)};
+  const Codebook8 cb_hi = make_cb(a.cb_hi, l.bits_hi);
+  const Codebook8 cb_lo = make_cb(a.cb_lo, l.n_hi < d ? l.bits_lo : l.bits_hi);
   const __m256i lb = lane_bits();
   const int g_hi = l.n_hi / 16, g_all = d / 16;
   float sq_sum[NQ];
@@ -63,8 +81,8 @@ void scores_chunk(const TqKernelArgs& a, const float* qp, int qp_stride, const u
     for (int i = 0; i < NQ; ++i) acc[i] = _mm256_setzero_ps();
     for (int g = 0; g < g_all; ++g) {
       for (int h = 0; h < 2; ++h) {
-        const __m256 v = g < g_hi ? decode_half(rec + l.off_hi, l.bits_hi, g, h, cb_hi, lb)
-                                  : decode_half(rec + l.off_lo, l.bits_lo, g - g_hi, h, cb_lo, lb);
+        const __m256 v = g < g_hi ? decode_half(rec + l.off_hi, 2 * g + h, cb_hi)
+                                  : decode_half(rec + l.off_lo, 2 * (g - g_hi) + h, cb_lo);
         for (int i = 0; i < NQ; ++i)
           acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qp + size_t(i) * size_t(qp_stride) + 16 * g + 8 * h), v, acc[i]);
       }
@@ -108,17 +126,16 @@ void accumulate_avx2(const TqKernelArgs& a, const float* p, int p_stride, int n_
                      int n, float* acc) {
   const TqLayout& l = *a.layout;
   const int d = l.dim;
-  const Codebook8 cb_hi{_mm256_loadu_ps(a.cb_hi), _mm256_loadu_ps(a.cb_hi + 8)};
-  const Codebook8 cb_lo{_mm256_loadu_ps(a.cb_lo), _mm256_loadu_ps(a.cb_lo + 8)};
-  const __m256i lb = lane_bits();
+  const Codebook8 cb_hi = make_cb(a.cb_hi, l.bits_hi);
+  const Codebook8 cb_lo = make_cb(a.cb_lo, l.n_hi < d ? l.bits_lo : l.bits_hi);
   const int g_hi = l.n_hi / 16, g_all = d / 16;
   for (int t = 0; t < n; ++t) {
     const uint8_t* rec = recs + size_t(t) * size_t(l.record_bytes);
     const float norm = f16_to_f32(uint16_t(rec[0] | (rec[1] << 8)));
     for (int g = 0; g < g_all; ++g)
       for (int h = 0; h < 2; ++h) {
-        const __m256 v = g < g_hi ? decode_half(rec + l.off_hi, l.bits_hi, g, h, cb_hi, lb)
-                                  : decode_half(rec + l.off_lo, l.bits_lo, g - g_hi, h, cb_lo, lb);
+        const __m256 v = g < g_hi ? decode_half(rec + l.off_hi, 2 * g + h, cb_hi)
+                                  : decode_half(rec + l.off_lo, 2 * (g - g_hi) + h, cb_lo);
         for (int i = 0; i < n_q; ++i) {
           const __m256 w = _mm256_set1_ps(p[size_t(i) * size_t(p_stride) + size_t(t)] * norm);
           float* o = acc + size_t(i) * size_t(d) + 16 * g + 8 * h;
@@ -131,7 +148,8 @@ void accumulate_avx2(const TqKernelArgs& a, const float* p, int p_stride, int n_
 }  // namespace
 
 const TqKernels& tq_kernels_avx2() {
-  static const TqKernels k{"avx2", scores_avx2, accumulate_avx2};
+  // Encode: the scalar reference (the AVX-512 variant is the vectorized one).
+  static const TqKernels k{"avx2", scores_avx2, accumulate_avx2, tq_kernels_scalar().encode};
   return k;
 }
 

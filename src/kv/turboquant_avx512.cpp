@@ -1,16 +1,64 @@
-// TurboQuant kernels, AVX-512. Each u16 bit-plane word of a 16-channel group is a lane mask:
-// the code index is built with one masked add per plane, and the whole codebook (<= 16 floats)
-// sits in one register, so vpermps turns codes into centroids without touching memory.
+// TurboQuant kernels, AVX-512. A 16-channel group of b-bit codes is 2b contiguous bytes of the
+// segment's bit stream: one masked load, one vpermb that gives lane i the two bytes holding bits
+// [b i, b i + b), one variable shift, and one vpermps into the codebook repeated to 16 entries
+// (the repetition makes the next channel's bits above the code irrelevant) decode it.
+// Scores finish 16 (token, query) dot products with one horizontal-sum tree; accumulate walks one
+// pair of channel groups over all tokens of a tile with the accumulators in registers.
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "core/dtypes.h"
+#include "kv/hsum_avx512.h"
 #include "kv/turboquant.h"
 
 namespace kvq {
 
 namespace {
+
+constexpr int kMaxDim = 1024;
+
+inline float load_f16(const uint8_t* p) { return f16_to_f32(uint16_t(p[0] | (p[1] << 8))); }
+
+// Decoder of one segment: constants for its bit width and codebook.
+struct Seg {
+  int off = 0;      // byte offset of the segment in a record
+  int bytes16 = 0;  // 2 * bits: bytes of one 16-channel group
+  __mmask16 ld;     // the group's bytes
+  __m512i ctrl;     // vpermb: dword lane i <- bytes (b i) / 8 and (b i) / 8 + 1
+  __m512i shift;    // lane i: (b i) % 8
+  __m512 cb;        // centroid of code k & (2^b - 1) at entry k
+};
+
+Seg make_seg(int off, int bits, const float* cb16) {
+  Seg s;
+  s.off = off;
+  s.bytes16 = 2 * bits;
+  s.ld = __mmask16((1u << (2 * bits)) - 1);
+  alignas(64) uint8_t ctrl[64] = {};
+  alignas(64) int32_t sh[16];
+  alignas(64) float tb[16];
+  for (int i = 0; i < 16; ++i) {
+    const int bit = bits * i;
+    ctrl[4 * i] = uint8_t(bit / 8);
+    ctrl[4 * i + 1] = uint8_t(bit / 8 + 1);  // at most byte 2b: zero from the masked load
+    sh[i] = bit % 8;
+    tb[i] = cb16[i & ((1 << bits) - 1)];
+  }
+  s.ctrl = _mm512_load_si512(ctrl);
+  s.shift = _mm512_load_si512(sh);
+  s.cb = _mm512_load_ps(tb);
+  return s;
+}
+
+// Centroids of group g (16 channels) of the segment in record `rec`.
+inline __m512 decode16(const uint8_t* rec, int g, const Seg& s) {
+  const __m128i raw = _mm_maskz_loadu_epi8(s.ld, rec + s.off + s.bytes16 * g);
+  const __m512i bytes = _mm512_permutexvar_epi8(s.ctrl, _mm512_zextsi128_si512(raw));
+  return _mm512_permutexvar_ps(_mm512_srlv_epi32(bytes, s.shift), s.cb);
+}
 
 inline __mmask16 load_mask(const uint8_t* p) {
   uint16_t w;
@@ -18,24 +66,17 @@ inline __mmask16 load_mask(const uint8_t* p) {
   return __mmask16(w);
 }
 
-// Centroids of the 16 channels of group g of a segment with `bits`-bit codes.
-inline __m512 decode_group(const uint8_t* seg, int bits, int g, __m512 cb) {
-  const uint8_t* w = seg + size_t(g) * size_t(bits) * 2;
-  __m512i idx = _mm512_maskz_mov_epi32(load_mask(w), _mm512_set1_epi32(1));
-  for (int j = 1; j < bits; ++j)
-    idx = _mm512_mask_add_epi32(idx, load_mask(w + 2 * j), idx, _mm512_set1_epi32(1 << j));
-  return _mm512_permutexvar_ps(idx, cb);
-}
-
 template <int NQ>
 void scores_chunk(const TqKernelArgs& a, const float* qp, int qp_stride, const uint8_t* recs, int n,
                   float* out, int out_stride) {
+  constexpr int TT = 16 / NQ;  // tokens per horizontal-sum step: TT * NQ <= 16 accumulators
   const TqLayout& l = *a.layout;
   const int d = l.dim;
-  const __m512 cb_hi = _mm512_loadu_ps(a.cb_hi);
-  const __m512 cb_lo = _mm512_loadu_ps(a.cb_lo);
+  const size_t rb = size_t(l.record_bytes);
   const int g_hi = l.n_hi / 16, g_all = d / 16;
-  float sq_sum[NQ];
+  const Seg hi = make_seg(l.off_hi, l.bits_hi, a.cb_hi);
+  const Seg lo = make_seg(l.off_lo, l.n_hi < d ? l.bits_lo : l.bits_hi, a.cb_lo);
+  float sq_sum[NQ] = {};
   if (l.qjl)
     for (int i = 0; i < NQ; ++i) {
       __m512 s = _mm512_setzero_ps();
@@ -43,37 +84,54 @@ void scores_chunk(const TqKernelArgs& a, const float* qp, int qp_stride, const u
       for (int g = 0; g < g_all; ++g) s = _mm512_add_ps(s, _mm512_loadu_ps(sq + 16 * g));
       sq_sum[i] = _mm512_reduce_add_ps(s);
     }
-  for (int t = 0; t < n; ++t) {
-    const uint8_t* rec = recs + size_t(t) * size_t(l.record_bytes);
-    __m512 acc[NQ];
-    for (int i = 0; i < NQ; ++i) acc[i] = _mm512_setzero_ps();
-    for (int g = 0; g < g_hi; ++g) {
-      const __m512 v = decode_group(rec + l.off_hi, l.bits_hi, g, cb_hi);
-      for (int i = 0; i < NQ; ++i)
-        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qp + size_t(i) * size_t(qp_stride) + 16 * g), v, acc[i]);
-    }
-    for (int g = g_hi; g < g_all; ++g) {
-      const __m512 v = decode_group(rec + l.off_lo, l.bits_lo, g - g_hi, cb_lo);
-      for (int i = 0; i < NQ; ++i)
-        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qp + size_t(i) * size_t(qp_stride) + 16 * g), v, acc[i]);
-    }
-    const float norm = f16_to_f32(uint16_t(rec[0] | (rec[1] << 8)));
-    float s[NQ];
-    for (int i = 0; i < NQ; ++i) s[i] = _mm512_reduce_add_ps(acc[i]);
-    if (l.qjl) {
-      const uint8_t* q = rec + l.off_qjl;
-      const float rs = f16_to_f32(uint16_t(q[0] | (q[1] << 8))) * a.qjl_scale;
-      __m512 z[NQ];
-      for (int i = 0; i < NQ; ++i) z[i] = _mm512_setzero_ps();
-      // <Sq, sign> = 2 * (sum of Sq where the sign bit is set) - sum of Sq
-      for (int g = 0; g < g_all; ++g) {
-        const __mmask16 m = load_mask(q + 2 + 2 * g);
+  for (int t0 = 0; t0 < n; t0 += TT) {
+    const int cnt = std::min(TT, n - t0);
+    __m512 acc[16];
+    for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
+    float rs[TT] = {};
+#pragma GCC unroll 16
+    for (int tt = 0; tt < TT; ++tt) {
+      if (tt >= cnt) break;
+      const uint8_t* rec = recs + size_t(t0 + tt) * rb;
+      for (int g = 0; g < g_hi; ++g) {
+        const __m512 v = decode16(rec, g, hi);
         for (int i = 0; i < NQ; ++i)
-          z[i] = _mm512_mask_add_ps(z[i], m, z[i], _mm512_loadu_ps(qp + size_t(i) * size_t(qp_stride) + d + 16 * g));
+          acc[tt * NQ + i] =
+              _mm512_fmadd_ps(_mm512_loadu_ps(qp + size_t(i) * size_t(qp_stride) + 16 * g), v, acc[tt * NQ + i]);
       }
-      for (int i = 0; i < NQ; ++i) s[i] += rs * (2.f * _mm512_reduce_add_ps(z[i]) - sq_sum[i]);
+      for (int g = g_hi; g < g_all; ++g) {
+        const __m512 v = decode16(rec, g - g_hi, lo);
+        for (int i = 0; i < NQ; ++i)
+          acc[tt * NQ + i] =
+              _mm512_fmadd_ps(_mm512_loadu_ps(qp + size_t(i) * size_t(qp_stride) + 16 * g), v, acc[tt * NQ + i]);
+      }
+      if (l.qjl) {
+        // <Sq, sign> = 2 * (sum of Sq where the sign bit is set) - sum of Sq: the masked sum
+        // joins the dot product scaled by 2 rs, the constant part is subtracted after the tree.
+        const uint8_t* qj = rec + l.off_qjl;
+        rs[tt] = load_f16(qj) * a.qjl_scale;
+        __m512 z[NQ];
+        for (int i = 0; i < NQ; ++i) z[i] = _mm512_setzero_ps();
+        for (int g = 0; g < g_all; ++g) {
+          const __mmask16 m = load_mask(qj + 2 + 2 * g);
+          for (int i = 0; i < NQ; ++i)
+            z[i] = _mm512_mask_add_ps(z[i], m, z[i], _mm512_loadu_ps(qp + size_t(i) * size_t(qp_stride) + d + 16 * g));
+        }
+        const __m512 two_rs = _mm512_set1_ps(2.f * rs[tt]);
+        for (int i = 0; i < NQ; ++i) acc[tt * NQ + i] = _mm512_fmadd_ps(two_rs, z[i], acc[tt * NQ + i]);
+      }
     }
-    for (int i = 0; i < NQ; ++i) out[size_t(i) * size_t(out_stride) + size_t(t)] = norm * s[i];
+    alignas(64) float hs[16];
+    _mm512_store_ps(hs, hsum16_avx512(acc));  // lane 4 (k % 4) + k / 4: the sum of acc[k]
+    for (int tt = 0; tt < cnt; ++tt) {
+      const float norm = load_f16(recs + size_t(t0 + tt) * rb);
+      for (int i = 0; i < NQ; ++i) {
+        const int k = tt * NQ + i;
+        float s = hs[4 * (k % 4) + k / 4];
+        if (l.qjl) s -= rs[tt] * sq_sum[i];
+        out[size_t(i) * size_t(out_stride) + size_t(t0 + tt)] = norm * s;
+      }
+    }
   }
 }
 
@@ -92,32 +150,192 @@ void scores_avx512(const TqKernelArgs& a, const float* qp, int qp_stride, int n_
   }
 }
 
+constexpr int kTile = 64;  // tokens whose weights are staged at once
+
+// acc[i * d + c] += sum_t w[i][t] * centroid_t[c] for NQ queries: one or two channel groups at a
+// time over all tokens, so the accumulators stay in registers for the whole tile.
+template <int NQ>
+void accumulate_tile(const Seg& hi, const Seg& lo, int g_hi, int g_all, size_t rb, const float (*w)[kTile],
+                     const uint8_t* recs, int cnt, float* acc, int d) {
+  int g = 0;
+  for (; g + 2 <= g_all; g += 2) {
+    const Seg& s0 = g < g_hi ? hi : lo;
+    const Seg& s1 = g + 1 < g_hi ? hi : lo;
+    const int gg0 = g < g_hi ? g : g - g_hi, gg1 = g + 1 < g_hi ? g + 1 : g + 1 - g_hi;
+    __m512 a0[NQ], a1[NQ];
+    for (int i = 0; i < NQ; ++i) {
+      a0[i] = _mm512_loadu_ps(acc + size_t(i) * size_t(d) + 16 * g);
+      a1[i] = _mm512_loadu_ps(acc + size_t(i) * size_t(d) + 16 * g + 16);
+    }
+    for (int t = 0; t < cnt; ++t) {
+      const uint8_t* rec = recs + size_t(t) * rb;
+      const __m512 v0 = decode16(rec, gg0, s0), v1 = decode16(rec, gg1, s1);
+      for (int i = 0; i < NQ; ++i) {
+        const __m512 wi = _mm512_set1_ps(w[i][t]);
+        a0[i] = _mm512_fmadd_ps(wi, v0, a0[i]);
+        a1[i] = _mm512_fmadd_ps(wi, v1, a1[i]);
+      }
+    }
+    for (int i = 0; i < NQ; ++i) {
+      _mm512_storeu_ps(acc + size_t(i) * size_t(d) + 16 * g, a0[i]);
+      _mm512_storeu_ps(acc + size_t(i) * size_t(d) + 16 * g + 16, a1[i]);
+    }
+  }
+  if (g < g_all) {
+    const Seg& s0 = g < g_hi ? hi : lo;
+    const int gg0 = g < g_hi ? g : g - g_hi;
+    __m512 a0[NQ];
+    for (int i = 0; i < NQ; ++i) a0[i] = _mm512_loadu_ps(acc + size_t(i) * size_t(d) + 16 * g);
+    for (int t = 0; t < cnt; ++t) {
+      const __m512 v0 = decode16(recs + size_t(t) * rb, gg0, s0);
+      for (int i = 0; i < NQ; ++i) a0[i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i][t]), v0, a0[i]);
+    }
+    for (int i = 0; i < NQ; ++i) _mm512_storeu_ps(acc + size_t(i) * size_t(d) + 16 * g, a0[i]);
+  }
+}
+
 void accumulate_avx512(const TqKernelArgs& a, const float* p, int p_stride, int n_q,
                        const uint8_t* recs, int n, float* acc) {
   const TqLayout& l = *a.layout;
   const int d = l.dim;
-  const __m512 cb_hi = _mm512_loadu_ps(a.cb_hi);
-  const __m512 cb_lo = _mm512_loadu_ps(a.cb_lo);
+  const size_t rb = size_t(l.record_bytes);
   const int g_hi = l.n_hi / 16, g_all = d / 16;
-  for (int t = 0; t < n; ++t) {
-    const uint8_t* rec = recs + size_t(t) * size_t(l.record_bytes);
-    const float norm = f16_to_f32(uint16_t(rec[0] | (rec[1] << 8)));
-    for (int g = 0; g < g_all; ++g) {
-      const __m512 v = g < g_hi ? decode_group(rec + l.off_hi, l.bits_hi, g, cb_hi)
-                                : decode_group(rec + l.off_lo, l.bits_lo, g - g_hi, cb_lo);
-      for (int i = 0; i < n_q; ++i) {
-        const __m512 w = _mm512_set1_ps(p[size_t(i) * size_t(p_stride) + size_t(t)] * norm);
-        float* o = acc + size_t(i) * size_t(d) + 16 * g;
-        _mm512_storeu_ps(o, _mm512_fmadd_ps(w, v, _mm512_loadu_ps(o)));
+  const Seg hi = make_seg(l.off_hi, l.bits_hi, a.cb_hi);
+  const Seg lo = make_seg(l.off_lo, l.n_hi < d ? l.bits_lo : l.bits_hi, a.cb_lo);
+  alignas(64) float w[4][kTile];
+  float norms[kTile];
+  for (int t0 = 0; t0 < n; t0 += kTile) {
+    const int cnt = std::min(kTile, n - t0);
+    const uint8_t* r0 = recs + size_t(t0) * rb;
+    for (int t = 0; t < cnt; ++t) norms[t] = load_f16(r0 + size_t(t) * rb);
+    for (int i0 = 0; i0 < n_q; i0 += 4) {
+      const int nq = std::min(4, n_q - i0);
+      for (int i = 0; i < nq; ++i) {
+        const float* pi = p + size_t(i0 + i) * size_t(p_stride) + size_t(t0);
+        for (int t = 0; t < cnt; ++t) w[i][t] = pi[t] * norms[t];
+      }
+      float* o = acc + size_t(i0) * size_t(d);
+      switch (nq) {
+        case 4: accumulate_tile<4>(hi, lo, g_hi, g_all, rb, w, r0, cnt, o, d); break;
+        case 3: accumulate_tile<3>(hi, lo, g_hi, g_all, rb, w, r0, cnt, o, d); break;
+        case 2: accumulate_tile<2>(hi, lo, g_hi, g_all, rb, w, r0, cnt, o, d); break;
+        default: accumulate_tile<1>(hi, lo, g_hi, g_all, rb, w, r0, cnt, o, d); break;
       }
     }
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Encode: bit-identical to the scalar reference (see TqEncodeFn).
+
+// tq_dot_ref's order: lane l of the 8 doubles sums c % 8 == l; then the fixed tree.
+inline double dot_pd(const float* a, const float* b, int n) {
+  __m512d s = _mm512_setzero_pd();
+  for (int c = 0; c < n; c += 8)
+    s = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_loadu_ps(a + c)), _mm512_cvtps_pd(_mm256_loadu_ps(b + c)), s);
+  alignas(64) double l[8];
+  _mm512_store_pd(l, s);
+  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+// In-place unnormalized FWHT, the butterflies of tq_fwht in the same stages (each output is the
+// same a + b or a - b of the same inputs, so the result is identical).
+void fwht16(float* x, int n) {
+  for (int len = 1; len < 16; len <<= 1) {
+    alignas(64) int32_t perm[16];
+    for (int i = 0; i < 16; ++i) perm[i] = i ^ len;
+    const __m512i pi = _mm512_load_si512(perm);
+    __mmask16 upper = 0;
+    for (int i = 0; i < 16; ++i)
+      if (i & len) upper = __mmask16(upper | (1u << i));
+    for (int c = 0; c < n; c += 16) {
+      const __m512 v = _mm512_loadu_ps(x + c);
+      const __m512 p = _mm512_permutexvar_ps(pi, v);
+      // lower lane j: x[j] + x[j + len]; upper lane j: x[j - len] - x[j]
+      _mm512_storeu_ps(x + c, _mm512_mask_sub_ps(_mm512_add_ps(v, p), upper, p, v));
+    }
+  }
+  for (int len = 16; len < n; len <<= 1)
+    for (int i = 0; i < n; i += 2 * len)
+      for (int j = i; j < i + len; j += 16) {
+        const __m512 va = _mm512_loadu_ps(x + j), vb = _mm512_loadu_ps(x + j + len);
+        _mm512_storeu_ps(x + j, _mm512_add_ps(va, vb));
+        _mm512_storeu_ps(x + j + len, _mm512_sub_ps(va, vb));
+      }
+}
+
+// Cell index of 16 values: the number of thresholds below each (branchless binary search over
+// the 16 ascending, +inf-padded thresholds; equal to counting them).
+inline __m512i quantize16(__m512 y, __m512 bounds) {
+  __m512i idx = _mm512_setzero_si512();
+  for (int step = 8; step >= 1; step >>= 1) {
+    const __m512 th = _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(step - 1)), bounds);
+    idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(th, y, _CMP_LT_OQ), idx, _mm512_set1_epi32(step));
+  }
+  return idx;
+}
+
+// Codes (n, one per byte) -> the segment bit stream; 16 codes are 2 * bits bytes.
+inline void pack16(const uint8_t* c, int bits, uint8_t* out) {
+  uint64_t w = 0;
+  for (int i = 0; i < 16; ++i) w |= uint64_t(c[i]) << (bits * i);
+  std::memcpy(out, &w, size_t(2 * bits));
+}
+
+void encode_avx512(const TqEncodeArgs& a, const float* x, uint8_t* rec) {
+  const TqLayout& l = *a.layout;
+  const int d = l.dim;
+  std::memset(rec, 0, size_t(l.record_bytes));
+  const double nrm = std::sqrt(dot_pd(x, x, d));
+  if (!std::isfinite(nrm)) {
+    const uint16_t h = f32_to_f16(float(nrm));
+    std::memcpy(rec, &h, 2);
+    return;
+  }
+  if (nrm == 0) return;
+  const uint16_t h = f32_to_f16(float(std::min(nrm, 65504.0)));
+  std::memcpy(rec, &h, 2);
+  alignas(64) float u[kMaxDim];
+  const __m512d vn = _mm512_set1_pd(nrm);
+  for (int c = 0; c < d; c += 8)
+    _mm256_store_ps(u + c, _mm512_cvtpd_ps(_mm512_div_pd(_mm512_cvtps_pd(_mm256_loadu_ps(x + c)), vn)));
+  if (a.rotation == TqRotationKind::hadamard) {
+    for (int c = 0; c < d; c += 16)
+      _mm512_store_ps(u + c, _mm512_mul_ps(_mm512_load_ps(u + c), _mm512_loadu_ps(a.signs + c)));
+    fwht16(u, d);
+    const __m512 s = _mm512_set1_ps(1.f / std::sqrt(float(d)));
+    for (int c = 0; c < d; c += 16) _mm512_store_ps(u + c, _mm512_mul_ps(_mm512_load_ps(u + c), s));
+  } else {
+    alignas(64) float y[kMaxDim];
+    for (int r = 0; r < d; ++r) y[r] = float(dot_pd(a.matrix + size_t(r) * size_t(d), u, d));
+    std::memcpy(u, y, sizeof(float) * size_t(d));
+  }
+  const __m512 b_hi = _mm512_loadu_ps(a.bounds_hi), b_lo = _mm512_loadu_ps(a.bounds_lo);
+  const __m512 c_hi = _mm512_loadu_ps(a.cb_hi), c_lo = _mm512_loadu_ps(a.cb_lo);
+  alignas(64) uint8_t codes[kMaxDim];
+  alignas(64) float r[kMaxDim];
+  for (int c = 0; c < d; c += 16) {
+    const bool is_hi = c < l.n_hi;
+    const __m512 y = _mm512_load_ps(u + c);
+    const __m512i k = quantize16(y, is_hi ? b_hi : b_lo);
+    _mm_store_si128(reinterpret_cast<__m128i*>(codes + c), _mm512_cvtepi32_epi8(k));
+    if (l.qjl) _mm512_store_ps(r + c, _mm512_sub_ps(y, _mm512_permutexvar_ps(k, is_hi ? c_hi : c_lo)));
+  }
+  for (int c = 0; c < l.n_hi; c += 16) pack16(codes + c, l.bits_hi, rec + l.off_hi + (c / 16) * 2 * l.bits_hi);
+  for (int c = l.n_hi; c < d; c += 16)
+    pack16(codes + c, l.bits_lo, rec + l.off_lo + ((c - l.n_hi) / 16) * 2 * l.bits_lo);
+  if (!l.qjl) return;
+  const uint16_t hr = f32_to_f16(float(std::sqrt(dot_pd(r, r, d))));
+  std::memcpy(rec + l.off_qjl, &hr, 2);
+  uint8_t* sg = rec + l.off_qjl + 2;
+  for (int j = 0; j < d; ++j)
+    if (dot_pd(a.qjl + size_t(j) * size_t(d), r, d) >= 0) sg[j / 8] = uint8_t(sg[j / 8] | (1u << (j % 8)));
+}
+
 }  // namespace
 
 const TqKernels& tq_kernels_avx512() {
-  static const TqKernels k{"avx512", scores_avx512, accumulate_avx512};
+  static const TqKernels k{"avx512", scores_avx512, accumulate_avx512, encode_avx512};
   return k;
 }
 

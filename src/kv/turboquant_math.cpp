@@ -321,28 +321,28 @@ TqLayout tq_layout_make(int dim, int n_hi, int bits_hi, int bits_lo, bool qjl) {
   l.off_lo = l.off_hi + n_hi * bits_hi / 8;
   l.off_qjl = l.off_lo + (dim - n_hi) * l.bits_lo / 8;
   l.record_bytes = l.off_qjl + (qjl ? 2 + dim / 8 : 0);
+  KVQ_CHECK(l.record_bytes == tq_record_bytes(dim, n_hi, bits_hi, l.bits_lo, qjl), "layout {} bytes", l.record_bytes);
   return l;
 }
 
 void tq_pack_codes(const uint8_t* codes, int n, int bits, uint8_t* out) {
-  for (int g = 0; g < n / 16; ++g)
-    for (int j = 0; j < bits; ++j) {
-      uint16_t w = 0;
-      for (int c = 0; c < 16; ++c) w = uint16_t(w | (((codes[g * 16 + c] >> j) & 1u) << c));
-      uint8_t* o = out + (size_t(g) * size_t(bits) + size_t(j)) * 2;
-      o[0] = uint8_t(w);
-      o[1] = uint8_t(w >> 8);
-    }
+  std::memset(out, 0, size_t(n) * size_t(bits) / 8);
+  const unsigned mask = (1u << bits) - 1;
+  for (int c = 0; c < n; ++c) {
+    const int bit = bits * c;
+    const unsigned v = (codes[c] & mask) << (bit % 8);  // at most 11 bits: spans two bytes
+    out[bit / 8] = uint8_t(out[bit / 8] | v);
+    if (v >> 8) out[bit / 8 + 1] = uint8_t(out[bit / 8 + 1] | (v >> 8));
+  }
 }
 
 void tq_unpack_codes(const uint8_t* in, int n, int bits, uint8_t* codes) {
-  for (int g = 0; g < n / 16; ++g) {
-    for (int c = 0; c < 16; ++c) codes[g * 16 + c] = 0;
-    for (int j = 0; j < bits; ++j) {
-      const uint8_t* p = in + (size_t(g) * size_t(bits) + size_t(j)) * 2;
-      uint16_t w = uint16_t(p[0] | (p[1] << 8));
-      for (int c = 0; c < 16; ++c) codes[g * 16 + c] = uint8_t(codes[g * 16 + c] | (((w >> c) & 1u) << j));
-    }
+  const unsigned mask = (1u << bits) - 1;
+  for (int c = 0; c < n; ++c) {
+    const int bit = bits * c;
+    unsigned v = in[bit / 8];
+    if (bit % 8 + bits > 8) v |= unsigned(in[bit / 8 + 1]) << 8;
+    codes[c] = uint8_t((v >> (bit % 8)) & mask);
   }
 }
 
