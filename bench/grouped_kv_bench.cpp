@@ -14,8 +14,8 @@ using namespace kvq;
 
 namespace {
 
-const char* const k_codecs[] = {"kivi2_k", "kivi4_k", "kvquant3_k", "kvquant4_k"};
-const char* const v_codecs[] = {"kivi2_v", "kivi4_v"};
+const char* const k_codecs[] = {"kivi2_k", "kivi4_k", "kvquant2_k", "kvquant3_k", "kvquant4_k"};
+const char* const v_codecs[] = {"kivi2_v", "kivi4_v", "kvquant3_v"};
 
 struct Setup {
   std::unique_ptr<KvCodec> c;
@@ -54,6 +54,8 @@ void BM_grouped_scores(benchmark::State& st) {
     benchmark::DoNotOptimize(s.out.data());
   }
   st.SetBytesProcessed(int64_t(st.iterations()) * int64_t(s.block.size()));
+  st.counters["ns_per_token"] = benchmark::Counter(double(n), benchmark::Counter::kIsIterationInvariantRate |
+                                                                  benchmark::Counter::kInvert);
   st.SetLabel(std::string(k_codecs[st.range(0)]) + " " + cpu_level_name(cpu_level()));
   cpu_set_level(prev);
 }
@@ -67,12 +69,14 @@ void BM_grouped_accumulate(benchmark::State& st) {
     benchmark::DoNotOptimize(s.acc.data());
   }
   st.SetBytesProcessed(int64_t(st.iterations()) * int64_t(s.block.size()));
+  st.counters["ns_per_token"] = benchmark::Counter(double(n), benchmark::Counter::kIsIterationInvariantRate |
+                                                                  benchmark::Counter::kInvert);
   st.SetLabel(std::string(v_codecs[st.range(0)]) + " " + cpu_level_name(cpu_level()));
   cpu_set_level(prev);
 }
 
 }  // namespace
 
-BENCHMARK(BM_grouped_scores)->ArgsProduct({{0, 1, 2, 3}, {0, 1, 2}, {1, 4}});
-BENCHMARK(BM_grouped_accumulate)->ArgsProduct({{0, 1}, {0, 1, 2}, {1, 4}});
+BENCHMARK(BM_grouped_scores)->ArgsProduct({{0, 1, 2, 3, 4}, {0, 1, 2}, {1, 4}});
+BENCHMARK(BM_grouped_accumulate)->ArgsProduct({{0, 1, 2}, {0, 1, 2}, {1, 4}});
 BENCHMARK_MAIN();

@@ -4,6 +4,7 @@
 // RoPE-after-dequantization, kernel parity on every CPU level, sizes and validation.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -286,47 +287,170 @@ TEST(Kvquant, CalibrationCodebookReachesTheCodec) {
   EXPECT_THROW(kv_codec_create("kvquant3_k", p), Error);
 }
 
-TEST(Kvquant, KernelParityRandomAndAdversarial) {
+// The score kernel against an independent evaluation (decode the key, RoPE it by the table's
+// angle in double, dot in double) and the SIMD variants against the scalar one, on random and
+// adversarial codes / scales / outliers / queries: every bit pattern, outlier channels in both
+// pair elements and past n_rot, zero and huge scales, odd n, n = 1, n_q 1..9, partial rotation.
+TEST(Kvquant, ScoreKernelParityRandomAndAdversarial) {
   std::mt19937_64 rng(12);
   std::uniform_int_distribution<int> byte(0, 255);
   std::normal_distribution<float> nd;
-  for (int d : {16, 128, 256}) {
-    for (int bits : {2, 3, 4}) {
-      std::vector<uint8_t> planes(bitplane_row_bytes(bits, d));
-      for (auto& b : planes) b = uint8_t(byte(rng));
-      float cb[16] = {};
-      for (int j = 0; j < (1 << bits); ++j) cb[j] = -1.f + 2.f * j / float((1 << bits) - 1);
-      std::vector<float> sc(d), mid(d);
-      for (int c = 0; c < d; ++c) {
-        sc[c] = c % 9 == 0 ? 1e4f : (c % 5 == 0 ? 0.f : std::fabs(nd(rng)) * (c % 7 == 0 ? 1e-7f : 1.f));
-        mid[c] = nd(rng) * (c % 11 == 0 ? 3e4f : 1.f);
-      }
-      std::vector<float> ref(d);
-      kvquant_dequant_scalar(planes.data(), bits, d, cb, sc.data(), mid.data(), ref.data());
-      const int n_q = 4;
-      auto q = gaussian(n_q, d, 13);
-      std::vector<float> dot_ref(n_q * 3), dot_abs(n_q * 3);
-      kvquant_dot_scalar(q.data(), n_q, ref.data(), d, dot_ref.data(), 3);
-      std::vector<float> qa(q.size()), ra(d);
-      for (size_t i = 0; i < q.size(); ++i) qa[i] = std::fabs(q[i]);
-      for (int c = 0; c < d; ++c) ra[c] = std::fabs(ref[c]);
-      kvquant_dot_scalar(qa.data(), n_q, ra.data(), d, dot_abs.data(), 3);
+  struct Shape {
+    int d, n_rot;
+    bool neox;
+  };
+  const Shape shapes[] = {{128, 128, false}, {128, 128, true}, {128, 96, false}, {128, 64, true}, {64, 64, false},
+                          {256, 256, false}, {256, 128, true}, {128, 0, false},  {16, 16, false}, {48, 16, true},
+                          {80, 32, false}};
+  int case_no = 0;
+  for (const Shape& sh : shapes)
+    for (int bits : {2, 3, 4})
+      for (int n : {1, 7, 16, 33})
+        for (int n_q : {1, 3, 4, 9}) {
+          ++case_no;
+          const int d = sh.d, half = sh.n_rot / 2, k = 2 + case_no % 3;
+          const size_t rb = bitplane_row_bytes(bits, d) + (case_no % 2) * 3;  // rows need not be packed
+          std::vector<uint8_t> rows(rb * size_t(n));
+          for (auto& b : rows) b = uint8_t(case_no % 5 == 0 ? 0xff : byte(rng));  // all-ones codes too
+          float cb[16] = {};
+          for (int j = 0; j < (1 << bits); ++j) cb[j] = -1.f + 2.f * j / float((1 << bits) - 1);
+          std::vector<uint8_t> params(size_t(d) * 4);
+          for (int c = 0; c < d; ++c) {
+            const float sc = c % 9 == 0 ? 1e4f : (c % 5 == 0 ? 0.f : std::fabs(nd(rng)) * (c % 7 == 0 ? 1e-4f : 1.f));
+            const float md = std::clamp(nd(rng) * (c % 11 == 0 ? 3e4f : 1.f), -6e4f, 6e4f);
+            const f16_t h0 = f32_to_f16(sc), h1 = f32_to_f16(md);
+            std::memcpy(params.data() + 2 * c, &h0, 2);
+            std::memcpy(params.data() + 2 * (d + c), &h1, 2);
+          }
+          std::vector<uint8_t> ovals(size_t(n) * k * 2), oidx(size_t(n) * k);
+          for (int t = 0; t < n; ++t)
+            for (int j = 0; j < k; ++j) {
+              // distinct channels per token: even, odd, beyond n_rot, the last one
+              const int c = j == 0 ? (2 * t) % d : (j == 1 ? (2 * t + 3) % d : (j == 2 ? d - 1 : (5 * t + 7) % d));
+              bool dup = false;
+              for (int i = 0; i < j; ++i) dup |= oidx[size_t(t) * k + i] == c;
+              oidx[size_t(t) * k + j] = uint8_t(dup ? (c + 1) % d : c);
+              const f16_t h = f32_to_f16(j == 1 ? 6e4f : nd(rng) * 50);
+              std::memcpy(ovals.data() + 2 * (size_t(t) * k + j), &h, 2);
+            }
+          std::vector<double> theta(static_cast<size_t>(half));
+          for (int j = 0; j < half; ++j) theta[size_t(j)] = std::pow(10000.0, -2.0 * j / sh.n_rot);
+          const KvquantScoreLayout lay = kvquant_layout(d, sh.n_rot, sh.neox);
+          ASSERT_EQ(lay.pair_j.size(), size_t(half));
+          std::vector<float> rc(size_t(n) * std::max(half, 1)), rs(rc.size());
+          for (int t = 0; t < n; ++t)
+            for (int p = 0; p < half; ++p) {
+              rc[size_t(t) * half + p] = float(std::cos(double(t) * theta[lay.pair_j[size_t(p)]]));
+              rs[size_t(t) * half + p] = float(std::sin(double(t) * theta[lay.pair_j[size_t(p)]]));
+            }
+          auto q = gaussian(n_q, d, 13 + case_no);
+          if (case_no % 4 == 0)
+            for (auto& v : q) v *= 1e-6f;
+          KvquantScoreArgs a{};
+          a.rows = rows.data();
+          a.row_bytes = rb;
+          a.n = n;
+          a.bits = bits;
+          a.head_dim = d;
+          a.codebook = cb;
+          a.params = params.data();
+          a.ovals = ovals.data();
+          a.oidx = oidx.data();
+          a.k = k;
+          a.rot_c = rc.data();
+          a.rot_s = rs.data();
+          a.rot_stride = half;
+          a.n_rot = sh.n_rot;
+          a.layout = &lay;
+          a.q = q.data();
+          a.n_q = n_q;
+          const int os = n + 3;
+          std::vector<float> ref(size_t(n_q) * os, -7.f);
+          kvquant_scores_scalar(a, ref.data(), os);
+          // Independent evaluation in double from the format definition.
+          std::vector<double> bound(size_t(n_q) * n);
+          for (int t = 0; t < n; ++t) {
+            std::vector<float> sc(d), md(d), key(d);
+            for (int c = 0; c < d; ++c) {
+              f16_t h0, h1;
+              std::memcpy(&h0, params.data() + 2 * c, 2);
+              std::memcpy(&h1, params.data() + 2 * (d + c), 2);
+              sc[c] = f16_to_f32(h0);
+              md[c] = f16_to_f32(h1);
+            }
+            for (int c = 0; c < d; ++c) key[c] = sc[c] * cb[bitplane_code(rows.data() + size_t(t) * rb, bits, d, c)] + md[c];
+            for (int j = 0; j < k; ++j) {
+              f16_t h;
+              std::memcpy(&h, ovals.data() + 2 * (size_t(t) * k + j), 2);
+              key[oidx[size_t(t) * k + j]] = f16_to_f32(h);
+            }
+            // RoPE in channel order, angles t * theta_j in double; the query read through slot.
+            std::vector<double> kr(key.begin(), key.end());
+            for (int j = 0; j < half; ++j) {
+              const int ia = sh.neox ? j : 2 * j, ib = sh.neox ? j + half : 2 * j + 1;
+              const double x0 = key[size_t(ia)], x1 = key[size_t(ib)];
+              const double ang = double(t) * theta[size_t(j)];
+              kr[size_t(ia)] = x0 * std::cos(ang) - x1 * std::sin(ang);
+              kr[size_t(ib)] = x0 * std::sin(ang) + x1 * std::cos(ang);
+            }
+            for (int i = 0; i < n_q; ++i) {
+              double r = 0, ra = 0;
+              for (int c = 0; c < d; ++c) {
+                const double qc = q[size_t(i) * d + lay.slot[size_t(c)]];
+                r += qc * kr[size_t(c)];
+                const int partner = c >= 2 * half ? -1 : (sh.neox ? (c < half ? c + half : c - half) : (c ^ 1));
+                ra += std::fabs(qc) * (std::fabs(key[size_t(c)]) + (partner >= 0 ? std::fabs(key[size_t(partner)]) : 0));
+              }
+              bound[size_t(i) * n + t] = 8e-6 * ra + 1e-30;
+              ASSERT_NEAR(ref[size_t(i) * os + t], r, bound[size_t(i) * n + t])
+                  << "scalar d " << d << " n_rot " << sh.n_rot << " bits " << bits << " t " << t << " i " << i;
+            }
+          }
 #if defined(KVQ_HAVE_SIMD)
-      for (CpuLevel l : levels()) {
-        if (l == CpuLevel::scalar) continue;
-        const KvquantKernels kk = l == CpuLevel::avx2 ? KvquantKernels{kvquant_dequant_avx2, kvquant_dot_avx2, kvquant_rope_scalar}
-                                                      : KvquantKernels{kvquant_dequant_avx512, kvquant_dot_avx512, kvquant_rope_avx512};
-        std::vector<float> out(d), dots(n_q * 3);
-        kk.dequant(planes.data(), bits, d, cb, sc.data(), mid.data(), out.data());
-        for (int c = 0; c < d; ++c)
-          ASSERT_NEAR(out[c], ref[c], 1e-6f * (std::fabs(sc[c]) + std::fabs(mid[c])) + 1e-30f)
-              << cpu_level_name(l) << " d " << d << " bits " << bits << " c " << c;
-        kk.dot(q.data(), n_q, ref.data(), d, dots.data(), 3);
-        for (int i = 0; i < n_q; ++i) ASSERT_NEAR(dots[i * 3], dot_ref[i * 3], 1e-5f * dot_abs[i * 3]);
-      }
+          for (CpuLevel l : levels()) {
+            if (l == CpuLevel::scalar) continue;
+            std::vector<float> got(ref.size(), -7.f);
+            (l == CpuLevel::avx2 ? kvquant_scores_avx2 : kvquant_scores_avx512)(a, got.data(), os);
+            for (int i = 0; i < n_q; ++i)
+              for (int t = 0; t < os; ++t) {
+                if (t >= n) {  // past n: untouched
+                  ASSERT_EQ(got[size_t(i) * os + t], -7.f);
+                  continue;
+                }
+                ASSERT_NEAR(got[size_t(i) * os + t], ref[size_t(i) * os + t], 2 * bound[size_t(i) * n + t])
+                    << cpu_level_name(l) << " d " << d << " n_rot " << sh.n_rot << " neox " << sh.neox << " bits "
+                    << bits << " n " << n << " n_q " << n_q << " t " << t << " i " << i;
+              }
+          }
 #endif
+        }
+}
+
+// cos/sin of the query's turn: the AVX-512 evaluation equals libm's rounded to f32 (at most one
+// f32 ulp apart where libm's double lands next to a rounding boundary) at positions up to 2^27,
+// for every frequency of a 128-dim head and odd pair counts.
+TEST(Kvquant, SincosMatchesLibm) {
+#if !defined(KVQ_HAVE_SIMD)
+  GTEST_SKIP() << "built without SIMD kernels";
+#else
+  const CpuLevel prev = cpu_set_level(CpuLevel::avx512);
+  const bool have = cpu_level() == CpuLevel::avx512;
+  cpu_set_level(prev);
+  if (!have) GTEST_SKIP() << "no AVX-512 on this machine";
+  for (int half : {1, 7, 8, 64, 128}) {
+    std::vector<double> theta(static_cast<size_t>(half));
+    for (int j = 0; j < half; ++j) theta[size_t(j)] = 0.5 * std::pow(500000.0, -2.0 * j / (2 * half)) * (j == 0 ? 2 : 1);
+    for (long pos : {0L, 1L, 2L, 3L, 63L, 64L, 1000L, 100000L, 123456L, 1048575L, 33554432L, 134217727L}) {
+      std::vector<float> c(static_cast<size_t>(half)), s(c), c2(c), s2(c);
+      kvquant_sincos_scalar(pos, theta.data(), half, c.data(), s.data());
+      kvquant_sincos_avx512(pos, theta.data(), half, c2.data(), s2.data());
+      for (int j = 0; j < half; ++j) {
+        ASSERT_NEAR(c2[size_t(j)], c[size_t(j)], 6e-8f) << "pos " << pos << " j " << j;
+        ASSERT_NEAR(s2[size_t(j)], s[size_t(j)], 6e-8f) << "pos " << pos << " j " << j;
+      }
     }
   }
+#endif
 }
 
 // Fused scores on every CPU level equal <q, decode(k)> (RoPE walked by recurrence vs computed
@@ -477,50 +601,4 @@ TEST(GroupedFormats, AttentionFusedMatchesReference) {
       }
     }
   }
-}
-
-// RoPE of the score path: the AVX-512 variant is bit-identical to the scalar one (same roundings),
-// both pair orders, with and without the position step, rotated widths that are not multiples of
-// the vector width.
-TEST(Kvquant, RopeKernelBitIdentical) {
-#if !defined(KVQ_HAVE_SIMD)
-  GTEST_SKIP() << "built without SIMD kernels";
-#else
-  if (cpu_level() != CpuLevel::avx512) GTEST_SKIP() << "no AVX-512 on this machine";
-  std::mt19937_64 rng(8);
-  std::normal_distribution<double> nd;
-  for (int half : {1, 7, 8, 9, 16, 24, 32, 64, 128}) {
-    for (bool neox : {false, true}) {
-      for (bool step : {false, true}) {
-        std::vector<double> c(static_cast<size_t>(half)), s(c), dc(c), ds(c);
-        std::vector<float> cf(static_cast<size_t>(half)), sf(cf), x(static_cast<size_t>(2 * half + 3));
-        for (int i = 0; i < half; ++i) {
-          const double a = nd(rng) * 10, th = std::fabs(nd(rng));
-          c[size_t(i)] = std::cos(a);
-          s[size_t(i)] = std::sin(a);
-          dc[size_t(i)] = std::cos(th);
-          ds[size_t(i)] = std::sin(th);
-          cf[size_t(i)] = float(c[size_t(i)]);
-          sf[size_t(i)] = float(s[size_t(i)]);
-        }
-        for (auto& v : x) v = float(nd(rng) * 100);
-        auto c2 = c, s2 = s;
-        auto cf2 = cf, sf2 = sf;
-        auto x2 = x;
-        for (int rep = 0; rep < 3; ++rep) {  // several steps: the walker state must stay identical
-          kvquant_rope_scalar(c.data(), s.data(), dc.data(), ds.data(), cf.data(), sf.data(), half, step, x.data(), neox);
-          kvquant_rope_avx512(c2.data(), s2.data(), dc.data(), ds.data(), cf2.data(), sf2.data(), half, step, x2.data(), neox);
-        }
-        for (int i = 0; i < half; ++i) {
-          ASSERT_EQ(c2[size_t(i)], c[size_t(i)]);
-          ASSERT_EQ(s2[size_t(i)], s[size_t(i)]);
-          ASSERT_EQ(cf2[size_t(i)], cf[size_t(i)]);
-          ASSERT_EQ(sf2[size_t(i)], sf[size_t(i)]);
-        }
-        // Elements past 2 * half are untouched by both.
-        for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(x2[i], x[i]) << half << " neox " << neox << " " << i;
-      }
-    }
-  }
-#endif
 }

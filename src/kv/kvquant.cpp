@@ -22,20 +22,74 @@ void kvquant_dequant_scalar(const uint8_t* planes, int bits, int head_dim, const
     out[c] = scale[c] * codebook[bitplane_code(planes, bits, head_dim, c)] + mid[c];
 }
 
-void kvquant_dot_scalar(const float* q, int n_q, const float* k, int head_dim, float* out,
-                        int out_stride) {
-  for (int i = 0; i < n_q; ++i) {
-    float s = 0;
-    for (int c = 0; c < head_dim; ++c) s += q[size_t(i) * head_dim + c] * k[c];
-    out[size_t(i) * out_stride] = s;
+KvquantScoreLayout kvquant_layout(int head_dim, int n_rot, bool neox) {
+  const int D = head_dim, half = n_rot / 2;
+  KvquantScoreLayout l;
+  const bool lanes = D % 64 == 0 && (n_rot == 0 || (neox ? half % 64 == 0 : n_rot % 64 == 0));
+  l.layout = lanes ? kvquant_layout_lanes : kvquant_layout_halves;
+  l.neox = neox;
+  l.slot.resize(size_t(D));
+  for (int c = 0; c < D; ++c) {
+    if (lanes) l.slot[size_t(c)] = uint16_t(64 * (c / 64) + 16 * (c % 4) + (c % 64) / 4);
+    else l.slot[size_t(c)] = uint16_t(neox || c >= n_rot ? c : (c & 1) * half + c / 2);
+  }
+  std::vector<int> chan(static_cast<size_t>(D));  // inverse of slot
+  for (int c = 0; c < D; ++c) chan[l.slot[size_t(c)]] = c;
+  for (int s = 0; s < D; ++s) {
+    const int c = chan[size_t(s)];
+    const bool is_a = c < n_rot && (neox ? c < half : c % 2 == 0);
+    if (!is_a) continue;
+    const int partner = neox ? c + half : c + 1;
+    l.pair_a.push_back(uint16_t(s));
+    l.pair_b.push_back(l.slot[size_t(partner)]);
+    l.pair_j.push_back(uint16_t(neox ? c : c / 2));
+  }
+  return l;
+}
+
+void kvquant_scores_scalar(const KvquantScoreArgs& a, float* out, int out_stride) {
+  const int D = a.head_dim, half = a.n_rot / 2;
+  const KvquantScoreLayout& l = *a.layout;
+  float sc[kvg_max_head_dim], mid[kvg_max_head_dim], k[kvg_max_head_dim], kp[kvg_max_head_dim];
+  for (int c = 0; c < D; ++c) {
+    sc[c] = f16_to_f32(kvg_load_f16(a.params, size_t(c)));
+    mid[c] = f16_to_f32(kvg_load_f16(a.params, size_t(D + c)));
+  }
+  for (int t = 0; t < a.n; ++t) {
+    kvquant_dequant_scalar(a.rows + size_t(t) * a.row_bytes, a.bits, D, a.codebook, sc, mid, k);
+    for (int j = 0; j < a.k; ++j)
+      k[a.oidx[size_t(t) * a.k + j]] = f16_to_f32(kvg_load_f16(a.ovals, size_t(t) * a.k + j));
+    for (int c = 0; c < D; ++c) kp[l.slot[size_t(c)]] = k[c];
+    const float* cs = a.rot_c + size_t(t) * a.rot_stride;
+    const float* sn = a.rot_s + size_t(t) * a.rot_stride;
+    for (int p = 0; p < half; ++p) {
+      const int ia = l.pair_a[size_t(p)], ib = l.pair_b[size_t(p)];
+      const float ka = kp[ia], kb = kp[ib];
+      kp[ia] = ka * cs[p] - kb * sn[p];
+      kp[ib] = ka * sn[p] + kb * cs[p];
+    }
+    for (int i = 0; i < a.n_q; ++i) {
+      const float* q = a.q + size_t(i) * D;
+      float s = 0;
+      for (int c = 0; c < D; ++c) s += q[c] * kp[c];
+      out[size_t(i) * out_stride + t] = s;
+    }
+  }
+}
+
+void kvquant_sincos_scalar(long pos, const double* theta, int half, float* c, float* s) {
+  for (int j = 0; j < half; ++j) {
+    const double x = double(pos) * theta[j];
+    c[j] = float(std::cos(x));
+    s[j] = float(std::sin(x));
   }
 }
 
 const KvquantKernels& kvquant_kernels() {
-  static const KvquantKernels scalar{kvquant_dequant_scalar, kvquant_dot_scalar, kvquant_rope_scalar};
+  static const KvquantKernels scalar{kvquant_scores_scalar, kvquant_sincos_scalar};
 #if defined(KVQ_HAVE_SIMD)
-  static const KvquantKernels avx2{kvquant_dequant_avx2, kvquant_dot_avx2, kvquant_rope_scalar};
-  static const KvquantKernels avx512{kvquant_dequant_avx512, kvquant_dot_avx512, kvquant_rope_avx512};
+  static const KvquantKernels avx2{kvquant_scores_avx2, kvquant_sincos_scalar};
+  static const KvquantKernels avx512{kvquant_scores_avx512, kvquant_sincos_avx512};
   switch (cpu_level()) {
     case CpuLevel::avx512: return avx512;
     case CpuLevel::avx2: return avx2;
@@ -64,43 +118,7 @@ inline double rope_theta(const KvRope& r, int i) {
   return double(r.freq_scale) * std::pow(double(r.freq_base), -2.0 * i / r.n_rot);
 }
 
-// cos/sin of pos * theta_i for consecutive positions: exact at the first position, then advanced
-// by the angle-addition recurrence in double (error ~1e-16 per step; KvquantKernels::rope) instead
-// of n_rot/2 sin/cos calls per token.
-struct RopeWalker {
-  double c[kvg_max_head_dim / 2], s[kvg_max_head_dim / 2], dc[kvg_max_head_dim / 2],
-      ds[kvg_max_head_dim / 2];
-  float cf[kvg_max_head_dim / 2], sf[kvg_max_head_dim / 2];
-  int half = 0;
-  RopeWalker(const KvRope& r, int pos) : half(r.n_rot / 2) {
-    for (int i = 0; i < half; ++i) {
-      const double th = rope_theta(r, i);
-      c[i] = std::cos(double(pos) * th);
-      s[i] = std::sin(double(pos) * th);
-      dc[i] = std::cos(th);
-      ds[i] = std::sin(th);
-      cf[i] = float(c[i]);
-      sf[i] = float(s[i]);
-    }
-  }
-};
-
 }  // namespace
-
-void kvquant_rope_scalar(double* c, double* s, const double* dc, const double* ds, float* cf, float* sf,
-                         int half, bool step, float* x, bool neox) {
-  if (step) {
-    for (int i = 0; i < half; ++i) {
-      const double c1 = c[i] * dc[i] - s[i] * ds[i];
-      const double s1 = s[i] * dc[i] + c[i] * ds[i];
-      c[i] = c1;
-      s[i] = s1;
-      cf[i] = float(c1);
-      sf[i] = float(s1);
-    }
-  }
-  rope_rotate(x, cf, sf, 2 * half, neox);
-}
 
 void kv_rope_apply(const KvRope& r, int pos, float* x, int) {
   if (r.n_rot <= 0) return;
@@ -219,6 +237,17 @@ class KvquantKeyCodec final : public KvCodec {
     for (size_t i = 0; i < c.codebook.size(); ++i) cb_[i] = c.codebook[i];
     n_thr_ = int(c.codebook.size()) - 1;
     for (int i = 0; i < n_thr_; ++i) thr_[i] = 0.5f * (cb_[i] + cb_[i + 1]);
+    const int half = c.rope.n_rot / 2;
+    theta_.resize(size_t(half));
+    rot_c_.resize(size_t(kRun) * half);
+    rot_s_.resize(size_t(kRun) * half);
+    for (int j = 0; j < half; ++j) theta_[size_t(j)] = rope_theta(c.rope, j);
+    layout_ = kvquant_layout(c.head_dim, c.rope.n_rot, c.rope.neox);
+    std::vector<double> th(static_cast<size_t>(half));  // in table order
+    for (int p = 0; p < half; ++p) th[size_t(p)] = theta_[layout_.pair_j[size_t(p)]];
+    for (int t = 0; t < kRun; ++t)
+      kvquant_sincos_scalar(t, th.data(), half, rot_c_.data() + size_t(t) * half,
+                            rot_s_.data() + size_t(t) * half);
   }
   const KvCodecInfo& info() const override { return info_; }
   int head_dim() const override { return cfg_.head_dim; }
@@ -285,7 +314,7 @@ class KvquantKeyCodec final : public KvCodec {
   }
 
   // Pre-RoPE key of slot t into out (head_dim); sc/mid hold the f32 scales of t's group.
-  void dequant_pre_rope(const KvquantKernels& kk, const uint8_t* block, int t, int pos,
+  void dequant_pre_rope(const uint8_t* block, int t, int pos,
                         const float* sc, const float* mid, float* out) const {
     const int D = cfg_.head_dim, G = cfg_.group_tokens, k = k_;
     if (pos >= 0 && pos < cfg_.sink_tokens) {
@@ -298,7 +327,7 @@ class KvquantKeyCodec final : public KvCodec {
     const uint8_t* ovals = rows + size_t(G) * row_bytes();
     const uint8_t* oidx = ovals + size_t(G) * k * 2;
     const int r = t % G;
-    kk.dequant(rows + size_t(r) * row_bytes(), cfg_.bits, D, cb_, sc, mid, out);
+    kvquant_dequant_scalar(rows + size_t(r) * row_bytes(), cfg_.bits, D, cb_, sc, mid, out);
     for (int j = 0; j < k; ++j)
       out[oidx[size_t(r) * k + j]] = f16_to_f32(kvg_load_f16(ovals, size_t(r) * k + j));
   }
@@ -321,29 +350,85 @@ class KvquantKeyCodec final : public KvCodec {
       const int t = t0 + i;
       load_group(block, t / G, sc, mid);
       float* out = dst + size_t(i) * D;
-      dequant_pre_rope(kvquant_kernels_scalar(), block, t, pos0 + t, sc, mid, out);
+      dequant_pre_rope(block, t, pos0 + t, sc, mid, out);
       kv_rope_apply(cfg_.rope, pos0 + t, out, D);
     }
   }
 
+  // Runs of up to kRun tokens share one query rotation R(P)^T (P = the run's first position);
+  // inside a run each key turns by R(t) from the codec's table (kvquant.h, KvquantScoreArgs).
+  // Sink rows (f16, outside the groups' codes) are scored afterwards from their exact values.
   void scores(int, const float* qp, int n_q, const uint8_t* block, int block_tokens, int t0, int n,
               int pos0, float* out, int out_stride) const override {
     kv_check_block_tokens(info_.name, block_tokens, cfg_.group_tokens);
     const KvquantKernels& kk = kvquant_kernels();
-    const int D = cfg_.head_dim, G = cfg_.group_tokens;
-    alignas(64) float key[kvg_max_head_dim];
-    float sc[kvg_max_head_dim], mid[kvg_max_head_dim];
-    RopeWalker rw(cfg_.rope, pos0 + t0);
-    int loaded = -1;
-    for (int i = 0; i < n; ++i) {
-      const int t = t0 + i;
-      if (t / G != loaded) {
-        loaded = t / G;
-        load_group(block, loaded, sc, mid);
+    const int D = cfg_.head_dim, G = cfg_.group_tokens, half = cfg_.rope.n_rot / 2;
+    const bool neox = cfg_.rope.neox;
+    constexpr int qchunk = 8;  // bounds the stack copy of the rotated queries
+    alignas(64) float qr[qchunk * kvg_max_head_dim];
+    float pc[kvg_max_head_dim / 2], ps[kvg_max_head_dim / 2];
+    KvquantScoreArgs a{};
+    a.bits = cfg_.bits;
+    a.head_dim = D;
+    a.row_bytes = row_bytes();
+    a.codebook = cb_;
+    a.k = k_;
+    a.rot_stride = half;
+    a.n_rot = cfg_.rope.n_rot;
+    a.layout = &layout_;
+    a.q = qr;
+    for (int r0 = t0; r0 < t0 + n; r0 += kRun) {
+      const int re = std::min(t0 + n, r0 + kRun);
+      if (half > 0) kk.sincos(long(pos0) + r0, theta_.data(), half, pc, ps);
+      for (int i0 = 0; i0 < n_q; i0 += qchunk) {
+        const int m = std::min(qchunk, n_q - i0);
+        for (int i = 0; i < m; ++i) {
+          const float* q = qp + size_t(i0 + i) * D;
+          float* o = qr + size_t(i) * D;
+          for (int j = 0; j < half; ++j) {  // R(P)^T on pair j, written in score order
+            const int ca = neox ? j : 2 * j, cb = neox ? j + half : 2 * j + 1;
+            const float x0 = q[ca], x1 = q[cb];
+            o[layout_.slot[size_t(ca)]] = x0 * pc[j] + x1 * ps[j];
+            o[layout_.slot[size_t(cb)]] = x1 * pc[j] - x0 * ps[j];
+          }
+          for (int c = 2 * half; c < D; ++c) o[layout_.slot[size_t(c)]] = q[c];
+        }
+        a.n_q = m;
+        for (int t = r0; t < re;) {
+          const int g = t / G, te = std::min(re, (g + 1) * G);
+          const uint8_t* grp = block + sink_bytes() + size_t(g) * group_bytes();
+          const uint8_t* rows = grp + size_t(D) * 4;
+          const uint8_t* ovals = rows + size_t(G) * row_bytes();
+          const int r = t - g * G;
+          a.rows = rows + size_t(r) * row_bytes();
+          a.n = te - t;
+          a.params = grp;
+          a.ovals = ovals + size_t(r) * k_ * 2;
+          a.oidx = ovals + size_t(G) * k_ * 2 + size_t(r) * k_;
+          a.rot_c = rot_c_.data() + size_t(t - r0) * half;
+          a.rot_s = rot_s_.data() + size_t(t - r0) * half;
+          kk.scores(a, out + size_t(i0) * out_stride + (t - t0), out_stride);
+          t = te;
+        }
       }
-      dequant_pre_rope(kk, block, t, pos0 + t, sc, mid, key);
-      if (rw.half > 0) kk.rope(rw.c, rw.s, rw.dc, rw.ds, rw.cf, rw.sf, rw.half, i > 0, key, cfg_.rope.neox);
-      kk.dot(qp, n_q, key, D, out + i, out_stride);
+    }
+    // Sink positions inside [t0, t0 + n): exact rows, direct RoPE.
+    const long s_lo = std::max<long>(long(pos0) + t0, 0);
+    const long s_hi = std::min<long>(long(pos0) + t0 + n, cfg_.sink_tokens);
+    if (s_lo < s_hi) {
+      alignas(64) float key[kvg_max_head_dim];
+      float sc[kvg_max_head_dim], mid[kvg_max_head_dim];
+      for (long pos = s_lo; pos < s_hi; ++pos) {
+        const int t = int(pos - pos0);
+        load_group(block, t / G, sc, mid);
+        dequant_pre_rope(block, t, int(pos), sc, mid, key);
+        kv_rope_apply(cfg_.rope, int(pos), key, D);
+        for (int i = 0; i < n_q; ++i) {
+          float s = 0;
+          for (int c = 0; c < D; ++c) s += qp[size_t(i) * D + c] * key[c];
+          out[size_t(i) * out_stride + (t - t0)] = s;
+        }
+      }
     }
   }
 
@@ -355,16 +440,16 @@ class KvquantKeyCodec final : public KvCodec {
   }
 
  private:
-  static const KvquantKernels& kvquant_kernels_scalar() {
-    static const KvquantKernels s{kvquant_dequant_scalar, kvquant_dot_scalar, kvquant_rope_scalar};
-    return s;
-  }
   KvquantKeyConfig cfg_;
   KvCodecInfo info_;
   int k_ = 0;
   float cb_[16];
   float thr_[15];
   int n_thr_ = 0;
+  static constexpr int kRun = 64;
+  std::vector<double> theta_;        // (n_rot / 2)
+  KvquantScoreLayout layout_;
+  std::vector<float> rot_c_, rot_s_;  // (kRun, n_rot / 2): cos / sin of t * theta of table entry p
 };
 
 // 1-D Lloyd-Max on sorted samples: prefix sums make each iteration O(levels * log n).

@@ -88,46 +88,72 @@ void kv_rope_apply(const KvRope& r, int pos, float* x, int head_dim);
 // ---- kernels: scalar reference and SIMD variants share these signatures ----
 // out[c] = scale[c] * codebook[code_c] + mid[c]; planes: bits planes of head_dim/8 bytes;
 // codebook: 16 floats (entries past 2^bits unused); scale, mid, out: (head_dim)
-using kvquant_dequant_fn = void (*)(const uint8_t* planes, int bits, int head_dim,
-                                    const float* codebook, const float* scale, const float* mid,
-                                    float* out);
-// out[i * out_stride] = <q_i, k>; q: (n_q, head_dim), k: (head_dim)
-using kvquant_dot_fn = void (*)(const float* q, int n_q, const float* k, int head_dim, float* out,
-                                int out_stride);
+void kvquant_dequant_scalar(const uint8_t* planes, int bits, int head_dim, const float* codebook,
+                            const float* scale, const float* mid, float* out);
 
-// RoPE of one dequantized key in the score path, positions walked token by token: when `step`,
-// advances (c, s) = (cos, sin)(pos * theta_i) to pos + 1 by angle addition in double
-// (c' = c dc - s ds, s' = s dc + c ds, dc/ds = cos/sin theta_i) and rounds them to f32 in (cf, sf);
-// then rotates pair i of x: (2i, 2i+1), or (i, i + half) when neox, by (cf[i], sf[i]).
-// c, s, dc, ds: (half) double; cf, sf: (half) f32; x: (>= 2 half) f32.
-using kvquant_rope_fn = void (*)(double* c, double* s, const double* dc, const double* ds, float* cf,
-                                 float* sf, int half, bool step, float* x, bool neox);
+// The score path works in a "score order" of the channels, chosen per codec (kvquant_layout):
+//   halves: the n_rot rotated dims as [a-elements of the n_rot/2 pairs][b-elements], then the
+//           unrotated dims n_rot..head_dim-1 in channel order;
+//   lanes:  inside each block of 64 channels, channel 64m + 4L + r at 64m + 16r + L (what 16
+//           dword lanes of a byte-code vector shifted by 8r hold), for head_dim % 64 == 0 and
+//           n_rot % 64 == 0 (adjacent pairs: pair (4L + r, 4L + r + 1) sits at (16r + L,
+//           16(r + 1) + L)) or n_rot / 2 % 64 == 0 (neox: b = a + n_rot / 2).
+// Pair j is (2j, 2j+1), or (j, j + n_rot/2) when neox. Table entry p (0 <= p < n_rot/2) is the
+// pair whose a-element is the p-th a-element in score order.
+// RoPE of position P + t factors as R(P + t) = R(P) R(t), so <q, R(P + t) k> =
+// <R(P)^T q, R(t) k>: the caller rotates the query once per run of tokens starting at P (and
+// permutes it into score order); the kernel turns each key by R(t) from a table of the first
+// tokens' cos/sin (the same for every run) instead of evaluating sin/cos per token.
+enum KvquantLayout : int { kvquant_layout_halves = 0, kvquant_layout_lanes = 1 };
+struct KvquantScoreLayout {
+  int layout = kvquant_layout_halves;
+  bool neox = false;
+  std::vector<uint16_t> slot;            // (head_dim): score-order position of channel c
+  std::vector<uint16_t> pair_a, pair_b;  // (n_rot/2): score-order positions of entry p's elements
+  std::vector<uint16_t> pair_j;          // (n_rot/2): the RoPE pair index of entry p
+};
+KvquantScoreLayout kvquant_layout(int head_dim, int n_rot, bool neox);
+
+struct KvquantScoreArgs {
+  const uint8_t* rows;      // n code rows (bits planes of head_dim/8 bytes), row_bytes apart
+  size_t row_bytes;
+  int n, bits, head_dim;
+  const float* codebook;    // (16)
+  const uint8_t* params;    // the group's [f16 scale (head_dim)][f16 mid (head_dim)]
+  const uint8_t* ovals;     // (n, k) f16 outlier values (unaligned)
+  const uint8_t* oidx;      // (n, k) outlier channels
+  int k;
+  const float* rot_c;       // (n, rot_stride): cos of token t's turn, entry p at [t * rot_stride + p]
+  const float* rot_s;       // (n, rot_stride): sin of the same
+  int rot_stride;
+  int n_rot;
+  const KvquantScoreLayout* layout;
+  const float* q;           // (n_q, head_dim) already rotated by R(P)^T, in score order
+  int n_q;
+};
+// out[i * out_stride + t] = sum_p qa_ip (ka c_tp - kb s_tp) + qb_ip (ka s_tp + kb c_tp)
+//                           + sum_{c >= n_rot} q_i,slot(c) k_c
+// with k the dequantized key of row t (outlier channels replaced by their f16 values), (ka, kb)
+// the elements of table entry p (at pair_a[p], pair_b[p] in score order) and (qa_ip, qb_ip) the
+// query's elements there.
+using kvquant_scores_fn = void (*)(const KvquantScoreArgs& a, float* out, int out_stride);
+// c[j] = float(cos(pos * theta[j])), s[j] = float(sin(pos * theta[j])) for j < half, the angle
+// taken in double as double(pos) * theta[j] (what kv_rope_apply evaluates).
+using kvquant_sincos_fn = void (*)(long pos, const double* theta, int half, float* c, float* s);
 
 struct KvquantKernels {
-  kvquant_dequant_fn dequant;
-  kvquant_dot_fn dot;
-  kvquant_rope_fn rope;
+  kvquant_scores_fn scores;
+  kvquant_sincos_fn sincos;
 };
 
-// Bit-identical variants (separate multiplies and adds, no contraction): rope results do not
-// depend on the CPU level.
-void kvquant_rope_scalar(double* c, double* s, const double* dc, const double* ds, float* cf, float* sf,
-                         int half, bool step, float* x, bool neox);
+void kvquant_scores_scalar(const KvquantScoreArgs& a, float* out, int out_stride);
+void kvquant_sincos_scalar(long pos, const double* theta, int half, float* c, float* s);
 #if defined(KVQ_HAVE_SIMD)
-void kvquant_rope_avx512(double* c, double* s, const double* dc, const double* ds, float* cf, float* sf,
-                         int half, bool step, float* x, bool neox);
-#endif
-
-void kvquant_dequant_scalar(const uint8_t*, int, int, const float*, const float*, const float*,
-                            float*);
-void kvquant_dot_scalar(const float*, int, const float*, int, float*, int);
-#if defined(KVQ_HAVE_SIMD)
-void kvquant_dequant_avx2(const uint8_t*, int, int, const float*, const float*, const float*,
-                          float*);
-void kvquant_dot_avx2(const float*, int, const float*, int, float*, int);
-void kvquant_dequant_avx512(const uint8_t*, int, int, const float*, const float*, const float*,
-                            float*);
-void kvquant_dot_avx512(const float*, int, const float*, int, float*, int);
+void kvquant_scores_avx2(const KvquantScoreArgs& a, float* out, int out_stride);
+void kvquant_scores_avx512(const KvquantScoreArgs& a, float* out, int out_stride);
+// Range reduction by pi/2 in three parts with FMAs and Taylor polynomials on [-pi/4, pi/4]:
+// ~1e-16 absolute error for |angle| < 2^30, below the f32 rounding of the result.
+void kvquant_sincos_avx512(long pos, const double* theta, int half, float* c, float* s);
 #endif
 
 // The variant for cpu_level() (the one dispatch point of this family).

@@ -1,5 +1,9 @@
-// AVX-512 KVQuant kernels: 16 codes are built from the bit planes with masked adds and looked up
-// in the (at most 16-entry) codebook with one vpermps.
+// AVX-512 KVQuant score kernel: a sub-block of tokens is dequantized into pair order (16 codes from
+// the bit planes with masked adds, one vpermps into the <= 16-entry codebook, adjacent pairs split
+// into a- and b-elements with vpermt2ps), outlier channels are patched with scalar stores, then the
+// keys are turned by R(t) from the table and dotted with up to 4 query rows, 16 (token, query)
+// sums finished by one hsum16.
+// GCC 12's _mm512_reduce_add_ps reads an uninitialized temporary inside its own header.
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -8,91 +12,261 @@
 
 #include <cstring>
 
+#include "core/dtypes.h"
+#include "kv/grouped_common.h"
+#include "kv/hsum_avx512.h"
 #include "kv/kvquant.h"
 
 namespace kvq {
 
-void kvquant_dequant_avx512(const uint8_t* planes, int bits, int head_dim, const float* codebook,
-                            const float* scale, const float* mid, float* out) {
-  const int pb = head_dim / 8;
-  const __m512 cb = _mm512_loadu_ps(codebook);
-  for (int k = 0; k < head_dim / 16; ++k) {
-    __m512i v = _mm512_setzero_si512();
-    for (int j = 0; j < bits; ++j) {
-      uint16_t m;
-      std::memcpy(&m, planes + j * pb + 2 * k, 2);
-      v = _mm512_mask_add_epi32(v, __mmask16(m), v, _mm512_set1_epi32(1 << j));
-    }
-    const __m512 val = _mm512_permutexvar_ps(v, cb);
-    _mm512_storeu_ps(out + 16 * k, _mm512_fmadd_ps(val, _mm512_loadu_ps(scale + 16 * k),
-                                                  _mm512_loadu_ps(mid + 16 * k)));
-  }
-}
-
-void kvquant_dot_avx512(const float* q, int n_q, const float* k, int head_dim, float* out,
-                        int out_stride) {
-  for (int i = 0; i < n_q; ++i) {
-    const float* qi = q + size_t(i) * head_dim;
-    __m512 acc = _mm512_setzero_ps();
-    for (int c = 0; c < head_dim; c += 16)
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + c), _mm512_loadu_ps(k + c), acc);
-    out[size_t(i) * out_stride] = _mm512_reduce_add_ps(acc);
-  }
-}
-
-// Separate multiplies and adds: the same roundings as the scalar variant, so the rotated keys are
-// bit-identical. The explicit-rounding forms, because GCC implements _mm512_mul_ps / _add_ps as
-// vector arithmetic that -ffp-contract=fast fuses into FMAs.
-#define RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 namespace {
-inline __m512 rmul_ps(__m512 a, __m512 b) { return _mm512_mul_round_ps(a, b, RN); }
-inline __m512 radd_ps(__m512 a, __m512 b) { return _mm512_add_round_ps(a, b, RN); }
-inline __m512 rsub_ps(__m512 a, __m512 b) { return _mm512_sub_round_ps(a, b, RN); }
-inline __m512d rmul_pd(__m512d a, __m512d b) { return _mm512_mul_round_pd(a, b, RN); }
-inline __m512d radd_pd(__m512d a, __m512d b) { return _mm512_add_round_pd(a, b, RN); }
-inline __m512d rsub_pd(__m512d a, __m512d b) { return _mm512_sub_round_pd(a, b, RN); }
-}  // namespace
-void kvquant_rope_avx512(double* c, double* s, const double* dc, const double* ds, float* cf, float* sf,
-                         int half, bool step, float* x, bool neox) {
-  if (step) {
-    for (int i = 0; i < half; i += 8) {
-      const __mmask8 m = half - i >= 8 ? __mmask8(0xff) : __mmask8((1u << (half - i)) - 1);
-      const __m512d cv = _mm512_maskz_loadu_pd(m, c + i), sv = _mm512_maskz_loadu_pd(m, s + i);
-      const __m512d dcv = _mm512_maskz_loadu_pd(m, dc + i), dsv = _mm512_maskz_loadu_pd(m, ds + i);
-      const __m512d c1 = rsub_pd(rmul_pd(cv, dcv), rmul_pd(sv, dsv));
-      const __m512d s1 = radd_pd(rmul_pd(sv, dcv), rmul_pd(cv, dsv));
-      _mm512_mask_storeu_pd(c + i, m, c1);
-      _mm512_mask_storeu_pd(s + i, m, s1);
-      _mm256_mask_storeu_ps(cf + i, m, _mm512_cvtpd_ps(c1));
-      _mm256_mask_storeu_ps(sf + i, m, _mm512_cvtpd_ps(s1));
+
+constexpr int kSub = 16;  // tokens dequantized per sub-block: (kSub, head_dim) floats stay in L1
+
+inline __mmask16 plane_mask(const uint8_t* plane, int k) {
+  uint16_t m;
+  std::memcpy(&m, plane + 2 * k, 2);
+  return __mmask16(m);
+}
+
+template <int B>
+inline __m512 dequant16(const uint8_t* row, int pb, int k, __m512 cb, const float* sc, const float* md) {
+  __m512i v = _mm512_setzero_si512();
+  for (int j = 0; j < B; ++j) v = _mm512_mask_add_epi32(v, plane_mask(row + j * pb, k), v, _mm512_set1_epi32(1 << j));
+  return _mm512_fmadd_ps(_mm512_permutexvar_ps(v, cb), _mm512_load_ps(sc + 16 * k), _mm512_load_ps(md + 16 * k));
+}
+
+// Keys of tokens [0, n) of a into kbuf (n, D) in score order, outliers applied. sc, md: the
+// group's scales and mids in channel order (halves) or score order (lanes).
+template <int B>
+void dequant_block(const KvquantScoreArgs& a, int t0, int n, const float* sc, const float* md, float* kbuf) {
+  const KvquantScoreLayout& l = *a.layout;
+  const int D = a.head_dim, pb = D / 8, nk = D / 16, half = a.n_rot / 2;
+  const __m512 cb = _mm512_loadu_ps(a.codebook);
+  if (l.layout == kvquant_layout_lanes) {
+    // 64 codes as bytes from the 64-bit plane words; the dword lanes of the byte vector shifted by
+    // 8r hold channels 4L + r in their low 4 bits, all vpermps reads.
+    for (int u = 0; u < n; ++u) {
+      const uint8_t* row = a.rows + size_t(t0 + u) * a.row_bytes;
+      float* kp = kbuf + size_t(u) * D;
+      for (int m = 0; m < D / 64; ++m) {
+        __m512i v = _mm512_setzero_si512();
+        for (int j = 0; j < B; ++j) {
+          uint64_t w;
+          std::memcpy(&w, row + j * pb + 8 * m, 8);
+          v = _mm512_mask_add_epi8(v, __mmask64(w), v, _mm512_set1_epi8(char(1 << j)));
+        }
+        for (int r = 0; r < 4; ++r) {
+          const __m512i idx = r == 0 ? v : _mm512_srli_epi32(v, 8 * r);
+          const int o = 64 * m + 16 * r;
+          _mm512_store_ps(kp + o, _mm512_fmadd_ps(_mm512_permutexvar_ps(idx, cb), _mm512_load_ps(sc + o),
+                                                  _mm512_load_ps(md + o)));
+        }
+      }
+    }
+  } else {
+    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (int u = 0; u < n; ++u) {
+      const uint8_t* row = a.rows + size_t(t0 + u) * a.row_bytes;
+      float* kp = kbuf + size_t(u) * D;
+      int k = 0;
+      if (!l.neox) {
+        for (; 16 * k < a.n_rot; k += 2) {
+          const __m512 x0 = dequant16<B>(row, pb, k, cb, sc, md), x1 = dequant16<B>(row, pb, k + 1, cb, sc, md);
+          _mm512_store_ps(kp + 8 * k, _mm512_permutex2var_ps(x0, ev, x1));
+          _mm512_store_ps(kp + half + 8 * k, _mm512_permutex2var_ps(x0, od, x1));
+        }
+      }
+      for (; k < nk; ++k) _mm512_store_ps(kp + 16 * k, dequant16<B>(row, pb, k, cb, sc, md));
     }
   }
-  if (neox) {
-    for (int i = 0; i < half; i += 16) {
-      const __mmask16 m = half - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (half - i)) - 1);
-      const __m512 a = _mm512_maskz_loadu_ps(m, x + i), b = _mm512_maskz_loadu_ps(m, x + half + i);
-      const __m512 cs = _mm512_maskz_loadu_ps(m, cf + i), sn = _mm512_maskz_loadu_ps(m, sf + i);
-      _mm512_mask_storeu_ps(x + i, m, rsub_ps(rmul_ps(a, cs), rmul_ps(b, sn)));
-      _mm512_mask_storeu_ps(x + half + i, m, radd_ps(rmul_ps(a, sn), rmul_ps(b, cs)));
+  // Patched after all rows were written, so the vector loads below seldom wait on these stores.
+  for (int u = 0; u < n; ++u) {
+    float* kp = kbuf + size_t(u) * D;
+    for (int j = 0; j < a.k; ++j) {
+      const size_t e = size_t(t0 + u) * a.k + j;
+      kp[l.slot[a.oidx[e]]] = _cvtsh_ss(kvg_load_f16(a.ovals, e));
     }
-    return;
-  }
-  // Adjacent pairs: 8 pairs per vector; cos/sin duplicated onto both lanes of a pair, the partner
-  // value by swapping within pairs, the sign of sin per lane (even: x0 cs - x1 sn, odd: x1 cs + x0 sn).
-  const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const __m512 sign = _mm512_setr_ps(-1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1);
-  for (int i = 0; i < half; i += 8) {
-    const int np = half - i >= 8 ? 8 : half - i;
-    const __mmask8 m8 = __mmask8((1u << np) - 1);
-    const __mmask16 m16 = __mmask16((1u << (2 * np)) - 1);
-    const __m512 v = _mm512_maskz_loadu_ps(m16, x + 2 * i);
-    const __m512 cs = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_maskz_loadu_ps(m8, cf + i)));
-    const __m512 sn = rmul_ps(_mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_maskz_loadu_ps(m8, sf + i))), sign);
-    const __m512 sw = _mm512_permute_ps(v, 0xb1);
-    _mm512_mask_storeu_ps(x + 2 * i, m16, radd_ps(rmul_ps(v, cs), rmul_ps(sw, sn)));
   }
 }
 
-#undef RN
+// Where the pairs sit in score order: a-vector v (table entries 16v..16v+15) at astride * v, its
+// b-elements boff further.
+struct PairGeom {
+  int astride, boff;
+};
+inline PairGeom pair_geom(const KvquantScoreArgs& a) {
+  if (a.layout->layout == kvquant_layout_lanes && !a.layout->neox) return {32, 16};
+  return {16, a.n_rot / 2};
+}
+
+// Accumulators of one (query, token): its R(t)-turned key against the query's score-order rows.
+template <int NQ, int TU>
+inline void dot_block(const float* kbuf, const float* rc, const float* rs, int rstride, const float* q, int D,
+                      int half, int n_rot, PairGeom g, __m512* acc) {
+  for (int m = 0; m < half; m += 16) {
+    const int ia = g.astride * (m / 16), ib = ia + g.boff;
+    __m512 qa[NQ], qb[NQ];
+    for (int i = 0; i < NQ; ++i) {
+      qa[i] = _mm512_loadu_ps(q + size_t(i) * D + ia);
+      qb[i] = _mm512_loadu_ps(q + size_t(i) * D + ib);
+    }
+    for (int u = 0; u < TU; ++u) {
+      const float* kp = kbuf + size_t(u) * D;
+      const __m512 ka = _mm512_load_ps(kp + ia), kb = _mm512_load_ps(kp + ib);
+      const __m512 c = _mm512_loadu_ps(rc + size_t(u) * rstride + m), s = _mm512_loadu_ps(rs + size_t(u) * rstride + m);
+      const __m512 ra = _mm512_fmsub_ps(ka, c, _mm512_mul_ps(kb, s));
+      const __m512 rb = _mm512_fmadd_ps(ka, s, _mm512_mul_ps(kb, c));
+      for (int i = 0; i < NQ; ++i) {
+        acc[i * TU + u] = _mm512_fmadd_ps(qa[i], ra, acc[i * TU + u]);
+        acc[i * TU + u] = _mm512_fmadd_ps(qb[i], rb, acc[i * TU + u]);
+      }
+    }
+  }
+  for (int c = n_rot; c < D; c += 16) {
+    __m512 qv[NQ];
+    for (int i = 0; i < NQ; ++i) qv[i] = _mm512_loadu_ps(q + size_t(i) * D + c);
+    for (int u = 0; u < TU; ++u) {
+      const __m512 kv = _mm512_load_ps(kbuf + size_t(u) * D + c);
+      for (int i = 0; i < NQ; ++i) acc[i * TU + u] = _mm512_fmadd_ps(qv[i], kv, acc[i * TU + u]);
+    }
+  }
+}
+
+template <int NQ>
+void scores_nq(const KvquantScoreArgs& a, const float* kbuf, int t0, int n, const float* q, float* out,
+               int out_stride) {
+  constexpr int NQP = NQ == 3 ? 4 : NQ;
+  constexpr int TU = 16 / NQP;
+  const int D = a.head_dim, half = a.n_rot / 2;
+  const PairGeom g = pair_geom(a);
+  int u = 0;
+  for (; u + TU <= n; u += TU) {
+    __m512 acc[NQ * TU];
+    for (auto& v : acc) v = _mm512_setzero_ps();
+    dot_block<NQ, TU>(kbuf + size_t(u) * D, a.rot_c + size_t(t0 + u) * a.rot_stride,
+                      a.rot_s + size_t(t0 + u) * a.rot_stride, a.rot_stride, q, D, half, a.n_rot, g, acc);
+    __m512 v[16];
+    for (int j = 0; j < 16; ++j) v[j] = _mm512_setzero_ps();
+    for (int o = 0; o < NQ * TU; ++o) v[4 * (o % 4) + o / 4] = acc[o];  // lane o: query o / TU, token o % TU
+    alignas(64) float z[16];
+    _mm512_store_ps(z, hsum16_avx512(v));
+    for (int i = 0; i < NQ; ++i)
+      for (int w = 0; w < TU; ++w) out[size_t(i) * out_stride + size_t(t0 + u + w)] = z[i * TU + w];
+  }
+  for (; u < n; ++u) {
+    __m512 acc[NQ];
+    for (auto& v : acc) v = _mm512_setzero_ps();
+    dot_block<NQ, 1>(kbuf + size_t(u) * D, a.rot_c + size_t(t0 + u) * a.rot_stride,
+                     a.rot_s + size_t(t0 + u) * a.rot_stride, a.rot_stride, q, D, half, a.n_rot, g, acc);
+    for (int i = 0; i < NQ; ++i) out[size_t(i) * out_stride + size_t(t0 + u)] = _mm512_reduce_add_ps(acc[i]);
+  }
+}
+
+template <int B>
+void scores_impl(const KvquantScoreArgs& a, float* out, int out_stride) {
+  const int D = a.head_dim;
+  alignas(64) float sc[kvg_max_head_dim], md[kvg_max_head_dim];
+  if (a.layout->layout == kvquant_layout_lanes) {
+    // Straight into score order: lanes r of block m are channels 64m + 4L + r, picked from the
+    // block's 64 f16 values with one two-source word permute.
+    for (int m = 0; m < D / 64; ++m)
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* src = a.params + 2 * size_t(h) * D + 128 * size_t(m);
+        const __m512i lo = _mm512_loadu_si512(src), hi = _mm512_loadu_si512(src + 64);
+        float* dst = (h ? md : sc) + 64 * m;
+        for (int r = 0; r < 4; ++r) {
+          const __m512i idx = _mm512_add_epi16(
+              _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 60, 56, 52, 48, 44, 40, 36, 32, 28, 24,
+                               20, 16, 12, 8, 4, 0),
+              _mm512_set1_epi16(short(r)));
+          _mm512_store_ps(dst + 16 * r,
+                          _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutex2var_epi16(lo, idx, hi))));
+        }
+      }
+  } else {
+    for (int k = 0; k < D / 16; ++k) {
+      _mm512_store_ps(sc + 16 * k, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.params + 32 * k))));
+      _mm512_store_ps(md + 16 * k, _mm512_cvtph_ps(_mm256_loadu_si256(
+                                       reinterpret_cast<const __m256i*>(a.params + 2 * size_t(D) + 32 * k))));
+    }
+  }
+  alignas(64) float kbuf[kSub * kvg_max_head_dim];
+  for (int t0 = 0; t0 < a.n; t0 += kSub) {
+    const int n = a.n - t0 < kSub ? a.n - t0 : kSub;
+    dequant_block<B>(a, t0, n, sc, md, kbuf);
+    for (int i0 = 0; i0 < a.n_q; i0 += 4) {
+      const float* q = a.q + size_t(i0) * D;
+      float* o = out + size_t(i0) * out_stride;
+      switch (a.n_q - i0 < 4 ? a.n_q - i0 : 4) {
+        case 1: scores_nq<1>(a, kbuf, t0, n, q, o, out_stride); break;
+        case 2: scores_nq<2>(a, kbuf, t0, n, q, o, out_stride); break;
+        case 3: scores_nq<3>(a, kbuf, t0, n, q, o, out_stride); break;
+        default: scores_nq<4>(a, kbuf, t0, n, q, o, out_stride); break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void kvquant_scores_avx512(const KvquantScoreArgs& a, float* out, int out_stride) {
+  // Pair chunks must be whole vectors (n_rot / 2 % 16 == 0); other partial rotations are rare
+  // enough for the reference.
+  if ((a.n_rot / 2) % 16 != 0 || a.head_dim > kvg_max_head_dim) return kvquant_scores_scalar(a, out, out_stride);
+  switch (a.bits) {
+    case 2: return scores_impl<2>(a, out, out_stride);
+    case 3: return scores_impl<3>(a, out, out_stride);
+    default: return scores_impl<4>(a, out, out_stride);
+  }
+}
+
+void kvquant_sincos_avx512(long pos, const double* theta, int half, float* c, float* s) {
+  const __m512d p = _mm512_set1_pd(double(pos));
+  const __m512d two_over_pi = _mm512_set1_pd(0.6366197723675814);
+  // pi/2 = p1 + p2 + p3 to ~160 bits; n * p_i is exact inside each FMA.
+  const __m512d p1 = _mm512_set1_pd(1.5707963267948966), p2 = _mm512_set1_pd(6.123233995736766e-17),
+                p3 = _mm512_set1_pd(-1.4973849048591698e-33);
+  for (int j = 0; j < half; j += 8) {
+    const __mmask8 m = half - j >= 8 ? __mmask8(0xff) : __mmask8((1u << (half - j)) - 1);
+    const __m512d x = _mm512_mul_pd(p, _mm512_maskz_loadu_pd(m, theta + j));
+    const __m512d n = _mm512_roundscale_pd(_mm512_mul_pd(x, two_over_pi), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512d r = _mm512_fnmadd_pd(n, p1, x);
+    r = _mm512_fnmadd_pd(n, p2, r);
+    r = _mm512_fnmadd_pd(n, p3, r);
+    const __m512d z = _mm512_mul_pd(r, r);
+    // Taylor series on |r| <= pi/4: the first omitted terms are < 1e-17.
+    __m512d ps = _mm512_set1_pd(1.0 / 355687428096000.0);  // 1/17!
+    ps = _mm512_fmadd_pd(ps, z, _mm512_set1_pd(-1.0 / 1307674368000.0));
+    ps = _mm512_fmadd_pd(ps, z, _mm512_set1_pd(1.0 / 6227020800.0));
+    ps = _mm512_fmadd_pd(ps, z, _mm512_set1_pd(-1.0 / 39916800.0));
+    ps = _mm512_fmadd_pd(ps, z, _mm512_set1_pd(1.0 / 362880.0));
+    ps = _mm512_fmadd_pd(ps, z, _mm512_set1_pd(-1.0 / 5040.0));
+    ps = _mm512_fmadd_pd(ps, z, _mm512_set1_pd(1.0 / 120.0));
+    ps = _mm512_fmadd_pd(ps, z, _mm512_set1_pd(-1.0 / 6.0));
+    const __m512d sr = _mm512_fmadd_pd(_mm512_mul_pd(ps, z), r, r);
+    __m512d pc = _mm512_set1_pd(1.0 / 20922789888000.0);  // 1/16!
+    pc = _mm512_fmadd_pd(pc, z, _mm512_set1_pd(-1.0 / 87178291200.0));
+    pc = _mm512_fmadd_pd(pc, z, _mm512_set1_pd(1.0 / 479001600.0));
+    pc = _mm512_fmadd_pd(pc, z, _mm512_set1_pd(-1.0 / 3628800.0));
+    pc = _mm512_fmadd_pd(pc, z, _mm512_set1_pd(1.0 / 40320.0));
+    pc = _mm512_fmadd_pd(pc, z, _mm512_set1_pd(-1.0 / 720.0));
+    pc = _mm512_fmadd_pd(pc, z, _mm512_set1_pd(1.0 / 24.0));
+    pc = _mm512_fmadd_pd(pc, z, _mm512_set1_pd(-0.5));
+    const __m512d cr = _mm512_fmadd_pd(pc, z, _mm512_set1_pd(1.0));
+    // Quadrant n mod 4: sin = (q odd ? cos r : sin r), negated for q in {2, 3}; cos = (q odd ?
+    // sin r : cos r), negated for q in {1, 2}.
+    const __m512i q = _mm512_and_si512(_mm512_cvtpd_epi64(n), _mm512_set1_epi64(3));
+    const __mmask8 odd = _mm512_test_epi64_mask(q, _mm512_set1_epi64(1));
+    const __mmask8 neg_s = _mm512_test_epi64_mask(q, _mm512_set1_epi64(2));
+    const __mmask8 neg_c = _mm512_test_epi64_mask(_mm512_add_epi64(q, _mm512_set1_epi64(1)), _mm512_set1_epi64(2));
+    __m512d so = _mm512_mask_blend_pd(odd, sr, cr), co = _mm512_mask_blend_pd(odd, cr, sr);
+    so = _mm512_mask_sub_pd(so, neg_s, _mm512_setzero_pd(), so);
+    co = _mm512_mask_sub_pd(co, neg_c, _mm512_setzero_pd(), co);
+    _mm256_mask_storeu_ps(s + j, m, _mm512_cvtpd_ps(so));
+    _mm256_mask_storeu_ps(c + j, m, _mm512_cvtpd_ps(co));
+  }
+}
 
 }  // namespace kvq
