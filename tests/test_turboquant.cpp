@@ -499,7 +499,7 @@ TEST(TqKernels, SimdMatchesScalar) {
 #endif
   if (variants.empty()) GTEST_SKIP() << "no SIMD kernels on this CPU/build";
   const TqKernels& ref = tq_kernels_scalar();
-  for (int dim : {64, 128, 256}) {
+  for (int dim : {64, 80, 96, 128, 256}) {  // 80, 96: odd group counts per segment
     for (const auto& nc : all_configs()) {
       auto c = tq_codec_create(nc.name, nc.cfg, params(dim, 5));
       // Kernel arguments as the codec builds them: layout and padded codebooks.

@@ -66,6 +66,27 @@ inline __mmask16 load_mask(const uint8_t* p) {
   return __mmask16(w);
 }
 
+// 4-bit codes, 32 channels (16 bytes) at once: vpmovzxbd puts byte j = (channel 2j | channel
+// 2j+1 << 4) in lane j, so the even channels come out of one vpermps and the odd ones out of a
+// shift and another, without the byte permute. The even/odd split is undone on the other side:
+// queries are reordered once per call, accumulators around a tile.
+inline bool nibble_pair(const TqLayout& l, int g) {  // groups g, g+1 form one such step
+  const int g_hi = l.n_hi / 16;
+  if (g < g_hi) return l.bits_hi == 4 && g % 2 == 0 && g + 1 < g_hi;
+  return l.bits_lo == 4 && (g - g_hi) % 2 == 0 && g + 1 < l.dim / 16;
+}
+
+inline void decode_nibble_pair(const uint8_t* p, __m512 cb, __m512& even, __m512& odd) {
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  even = _mm512_permutexvar_ps(x, cb);
+  odd = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), cb);
+}
+
+inline __m512i idx_even() { return _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30); }
+inline __m512i idx_odd() { return _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31); }
+inline __m512i idx_inter_lo() { return _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23); }
+inline __m512i idx_inter_hi() { return _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31); }
+
 template <int NQ>
 void scores_chunk(const TqKernelArgs& a, const float* qp, int qp_stride, const uint8_t* recs, int n,
                   float* out, int out_stride) {
@@ -84,31 +105,75 @@ void scores_chunk(const TqKernelArgs& a, const float* qp, int qp_stride, const u
       for (int g = 0; g < g_all; ++g) s = _mm512_add_ps(s, _mm512_loadu_ps(sq + 16 * g));
       sq_sum[i] = _mm512_reduce_add_ps(s);
     }
+  // Rotated queries with every 4-bit channel pair step in (even, odd) order.
+  alignas(64) float qr[NQ][kMaxDim];
+  for (int i = 0; i < NQ; ++i) {
+    const float* q = qp + size_t(i) * size_t(qp_stride);
+    for (int g = 0; g < g_all; ++g) {
+      if (nibble_pair(l, g)) {
+        const __m512 a0 = _mm512_loadu_ps(q + 16 * g), a1 = _mm512_loadu_ps(q + 16 * g + 16);
+        _mm512_store_ps(&qr[i][16 * g], _mm512_permutex2var_ps(a0, idx_even(), a1));
+        _mm512_store_ps(&qr[i][16 * g + 16], _mm512_permutex2var_ps(a0, idx_odd(), a1));
+        ++g;
+      } else {
+        _mm512_store_ps(&qr[i][16 * g], _mm512_loadu_ps(q + 16 * g));
+      }
+    }
+  }
+  __m512i sel[NQ];  // lane tt <- the hsum16 lane of accumulator tt * NQ + i
+  for (int i = 0; i < NQ; ++i) {
+    alignas(64) int32_t idx[16] = {};
+    for (int tt = 0; tt < TT; ++tt) {
+      const int k = tt * NQ + i;
+      idx[tt] = 4 * (k % 4) + k / 4;
+    }
+    sel[i] = _mm512_load_si512(idx);
+  }
   for (int t0 = 0; t0 < n; t0 += TT) {
     const int cnt = std::min(TT, n - t0);
     __m512 acc[16];
     for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
     float rs[TT] = {};
+    // Channel groups outer, tokens inner: each query vector is loaded once per group and tile.
+    const uint8_t* rec0 = recs + size_t(t0) * rb;
+    for (int g = 0; g < g_all; ++g) {
+      const bool in_hi = g < g_hi;
+      const Seg& sg = in_hi ? hi : lo;
+      const int gg = in_hi ? g : g - g_hi;
+      if (nibble_pair(l, g)) {
+        __m512 qe[NQ], qo[NQ];
+        for (int i = 0; i < NQ; ++i) {
+          qe[i] = _mm512_load_ps(&qr[i][16 * g]);
+          qo[i] = _mm512_load_ps(&qr[i][16 * g + 16]);
+        }
+        const uint8_t* p0 = rec0 + sg.off + 8 * gg;
 #pragma GCC unroll 16
-    for (int tt = 0; tt < TT; ++tt) {
-      if (tt >= cnt) break;
-      const uint8_t* rec = recs + size_t(t0 + tt) * rb;
-      for (int g = 0; g < g_hi; ++g) {
-        const __m512 v = decode16(rec, g, hi);
-        for (int i = 0; i < NQ; ++i)
-          acc[tt * NQ + i] =
-              _mm512_fmadd_ps(_mm512_loadu_ps(qp + size_t(i) * size_t(qp_stride) + 16 * g), v, acc[tt * NQ + i]);
+        for (int tt = 0; tt < TT; ++tt) {
+          if (tt >= cnt) break;
+          __m512 ve, vo;
+          decode_nibble_pair(p0 + size_t(tt) * rb, sg.cb, ve, vo);
+          for (int i = 0; i < NQ; ++i)
+            acc[tt * NQ + i] = _mm512_fmadd_ps(qo[i], vo, _mm512_fmadd_ps(qe[i], ve, acc[tt * NQ + i]));
+        }
+        ++g;
+        continue;
       }
-      for (int g = g_hi; g < g_all; ++g) {
-        const __m512 v = decode16(rec, g - g_hi, lo);
-        for (int i = 0; i < NQ; ++i)
-          acc[tt * NQ + i] =
-              _mm512_fmadd_ps(_mm512_loadu_ps(qp + size_t(i) * size_t(qp_stride) + 16 * g), v, acc[tt * NQ + i]);
+      __m512 q[NQ];
+      for (int i = 0; i < NQ; ++i) q[i] = _mm512_load_ps(&qr[i][16 * g]);
+#pragma GCC unroll 16
+      for (int tt = 0; tt < TT; ++tt) {
+        if (tt >= cnt) break;
+        const __m512 v = decode16(rec0 + size_t(tt) * rb, gg, sg);
+        for (int i = 0; i < NQ; ++i) acc[tt * NQ + i] = _mm512_fmadd_ps(q[i], v, acc[tt * NQ + i]);
       }
-      if (l.qjl) {
+    }
+    if (l.qjl) {
+#pragma GCC unroll 16
+      for (int tt = 0; tt < TT; ++tt) {
+        if (tt >= cnt) break;
         // <Sq, sign> = 2 * (sum of Sq where the sign bit is set) - sum of Sq: the masked sum
         // joins the dot product scaled by 2 rs, the constant part is subtracted after the tree.
-        const uint8_t* qj = rec + l.off_qjl;
+        const uint8_t* qj = rec0 + size_t(tt) * rb + l.off_qjl;
         rs[tt] = load_f16(qj) * a.qjl_scale;
         __m512 z[NQ];
         for (int i = 0; i < NQ; ++i) z[i] = _mm512_setzero_ps();
@@ -121,16 +186,18 @@ void scores_chunk(const TqKernelArgs& a, const float* qp, int qp_stride, const u
         for (int i = 0; i < NQ; ++i) acc[tt * NQ + i] = _mm512_fmadd_ps(two_rs, z[i], acc[tt * NQ + i]);
       }
     }
-    alignas(64) float hs[16];
-    _mm512_store_ps(hs, hsum16_avx512(acc));  // lane 4 (k % 4) + k / 4: the sum of acc[k]
-    for (int tt = 0; tt < cnt; ++tt) {
-      const float norm = load_f16(recs + size_t(t0 + tt) * rb);
-      for (int i = 0; i < NQ; ++i) {
-        const int k = tt * NQ + i;
-        float s = hs[4 * (k % 4) + k / 4];
-        if (l.qjl) s -= rs[tt] * sq_sum[i];
-        out[size_t(i) * size_t(out_stride) + size_t(t0 + tt)] = norm * s;
-      }
+    const __m512 h = hsum16_avx512(acc);
+    // Per query: its TT sums to lanes 0..TT-1, minus the QJL constant, times the token norms.
+    alignas(32) uint16_t nh[16] = {};
+    for (int tt = 0; tt < cnt; ++tt) std::memcpy(&nh[tt], rec0 + size_t(tt) * rb, 2);
+    const __m512 nv = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(nh)));
+    const __mmask16 st = __mmask16((1u << cnt) - 1);
+    __m512 rsv = _mm512_setzero_ps();
+    if (l.qjl) rsv = _mm512_maskz_loadu_ps(__mmask16((1u << TT) - 1), rs);
+    for (int i = 0; i < NQ; ++i) {
+      __m512 v = _mm512_permutexvar_ps(sel[i], h);
+      if (l.qjl) v = _mm512_fnmadd_ps(rsv, _mm512_set1_ps(sq_sum[i]), v);
+      _mm512_mask_storeu_ps(out + size_t(i) * size_t(out_stride) + size_t(t0), st, _mm512_mul_ps(v, nv));
     }
   }
 }
@@ -155,18 +222,42 @@ constexpr int kTile = 64;  // tokens whose weights are staged at once
 // acc[i * d + c] += sum_t w[i][t] * centroid_t[c] for NQ queries: one or two channel groups at a
 // time over all tokens, so the accumulators stay in registers for the whole tile.
 template <int NQ>
-void accumulate_tile(const Seg& hi, const Seg& lo, int g_hi, int g_all, size_t rb, const float (*w)[kTile],
-                     const uint8_t* recs, int cnt, float* acc, int d) {
+void accumulate_tile(const TqLayout& l, const Seg& hi, const Seg& lo, size_t rb, const float (*w)[kTile],
+                     const uint8_t* recs, int cnt, float* acc) {
+  const int d = l.dim, g_hi = l.n_hi / 16, g_all = d / 16;
   int g = 0;
   for (; g + 2 <= g_all; g += 2) {
     const Seg& s0 = g < g_hi ? hi : lo;
     const Seg& s1 = g + 1 < g_hi ? hi : lo;
     const int gg0 = g < g_hi ? g : g - g_hi, gg1 = g + 1 < g_hi ? g + 1 : g + 1 - g_hi;
+    const bool pair4 = nibble_pair(l, g);
     __m512 a0[NQ], a1[NQ];
     for (int i = 0; i < NQ; ++i) {
       a0[i] = _mm512_loadu_ps(acc + size_t(i) * size_t(d) + 16 * g);
       a1[i] = _mm512_loadu_ps(acc + size_t(i) * size_t(d) + 16 * g + 16);
     }
+    if (pair4) {  // (even, odd) channels in a0 / a1 during the tile
+      for (int i = 0; i < NQ; ++i) {
+        const __m512 e = _mm512_permutex2var_ps(a0[i], idx_even(), a1[i]);
+        a1[i] = _mm512_permutex2var_ps(a0[i], idx_odd(), a1[i]);
+        a0[i] = e;
+      }
+      const uint8_t* p0 = recs + s0.off + 8 * gg0;
+      for (int t = 0; t < cnt; ++t) {
+        __m512 v0, v1;
+        decode_nibble_pair(p0 + size_t(t) * rb, s0.cb, v0, v1);
+        for (int i = 0; i < NQ; ++i) {
+          const __m512 wi = _mm512_set1_ps(w[i][t]);
+          a0[i] = _mm512_fmadd_ps(wi, v0, a0[i]);
+          a1[i] = _mm512_fmadd_ps(wi, v1, a1[i]);
+        }
+      }
+      for (int i = 0; i < NQ; ++i) {
+        const __m512 lo16 = _mm512_permutex2var_ps(a0[i], idx_inter_lo(), a1[i]);
+        a1[i] = _mm512_permutex2var_ps(a0[i], idx_inter_hi(), a1[i]);
+        a0[i] = lo16;
+      }
+    } else {
     for (int t = 0; t < cnt; ++t) {
       const uint8_t* rec = recs + size_t(t) * rb;
       const __m512 v0 = decode16(rec, gg0, s0), v1 = decode16(rec, gg1, s1);
@@ -175,6 +266,7 @@ void accumulate_tile(const Seg& hi, const Seg& lo, int g_hi, int g_all, size_t r
         a0[i] = _mm512_fmadd_ps(wi, v0, a0[i]);
         a1[i] = _mm512_fmadd_ps(wi, v1, a1[i]);
       }
+    }
     }
     for (int i = 0; i < NQ; ++i) {
       _mm512_storeu_ps(acc + size_t(i) * size_t(d) + 16 * g, a0[i]);
@@ -199,7 +291,6 @@ void accumulate_avx512(const TqKernelArgs& a, const float* p, int p_stride, int 
   const TqLayout& l = *a.layout;
   const int d = l.dim;
   const size_t rb = size_t(l.record_bytes);
-  const int g_hi = l.n_hi / 16, g_all = d / 16;
   const Seg hi = make_seg(l.off_hi, l.bits_hi, a.cb_hi);
   const Seg lo = make_seg(l.off_lo, l.n_hi < d ? l.bits_lo : l.bits_hi, a.cb_lo);
   alignas(64) float w[4][kTile];
@@ -216,10 +307,10 @@ void accumulate_avx512(const TqKernelArgs& a, const float* p, int p_stride, int 
       }
       float* o = acc + size_t(i0) * size_t(d);
       switch (nq) {
-        case 4: accumulate_tile<4>(hi, lo, g_hi, g_all, rb, w, r0, cnt, o, d); break;
-        case 3: accumulate_tile<3>(hi, lo, g_hi, g_all, rb, w, r0, cnt, o, d); break;
-        case 2: accumulate_tile<2>(hi, lo, g_hi, g_all, rb, w, r0, cnt, o, d); break;
-        default: accumulate_tile<1>(hi, lo, g_hi, g_all, rb, w, r0, cnt, o, d); break;
+        case 4: accumulate_tile<4>(l, hi, lo, rb, w, r0, cnt, o); break;
+        case 3: accumulate_tile<3>(l, hi, lo, rb, w, r0, cnt, o); break;
+        case 2: accumulate_tile<2>(l, hi, lo, rb, w, r0, cnt, o); break;
+        default: accumulate_tile<1>(l, hi, lo, rb, w, r0, cnt, o); break;
       }
     }
   }
