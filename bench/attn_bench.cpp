@@ -72,7 +72,7 @@ struct DecodeData {
   size_t kb = 0, vb = 0;
 };
 
-void bm_decode(benchmark::State& st, std::string format, Shape sh) {
+void bm_decode(benchmark::State& st, std::string format, Shape sh, bool hot) {
   static std::unique_ptr<DecodeData> cache;
   const std::string key = format + "/" + sh.key();
   if (!cache || cache->key != key) {
@@ -128,11 +128,13 @@ void bm_decode(benchmark::State& st, std::string format, Shape sh) {
   const uint8_t* kbase = d.kbuf.data();
   const uint8_t* vbase = d.vbuf.data();
   std::vector<std::vector<KvBlockSpan>> spans(static_cast<size_t>(copies));
+  // hot: every span reads one of the first 8 blocks (L2-resident), so the time is the kernels'
+  // compute cost alone; the cold/hot ratio shows how far a format is from compute-bound.
   for (int c = 0; c < copies; ++c)
-    for (int b = 0; b < n_blocks; ++b)
-      spans[size_t(c)].push_back({kbase + (size_t(c) * size_t(n_blocks) + size_t(b)) * kb,
-                                  vbase + (size_t(c) * size_t(n_blocks) + size_t(b)) * vb, kBlock, 0, kBlock,
-                                  b * kBlock});
+    for (int b = 0; b < n_blocks; ++b) {
+      const size_t blk = hot ? size_t(b % 8) : size_t(c) * size_t(n_blocks) + size_t(b);
+      spans[size_t(c)].push_back({kbase + blk * kb, vbase + blk * vb, kBlock, 0, kBlock, b * kBlock});
+    }
   std::vector<float> q(size_t(sh.n_q) * size_t(sh.hd), 0.05f), out(q.size());
   AlignedBuf<float> scratch(attn_scratch_floats(*kc, *vc, sh.n_q, kBlock));
   AttnParams ap;
@@ -155,8 +157,9 @@ void bm_decode(benchmark::State& st, std::string format, Shape sh) {
   st.counters["bits"] = 8.0 * bytes / (2.0 * sh.ctx * sh.hd);
   // Speed relative to f16 at the same shape (f16 is registered before the quantized formats):
   // > 1 = faster than f16.
-  if (format == "f16") f16_time()[sh.key()] = per_call;
-  auto it = f16_time().find(sh.key());
+  const std::string fkey = sh.key() + (hot ? "/hot" : "");
+  if (format == "f16") f16_time()[fkey] = per_call;
+  auto it = f16_time().find(fkey);
   if (it != f16_time().end()) st.counters["x_f16"] = it->second / per_call;
 }
 
@@ -207,7 +210,14 @@ struct Registrar {
       for (const auto& n : names)
         benchmark::RegisterBenchmark(("decode/" + n + "/ctx" + std::to_string(sh.ctx) + "/hd" + std::to_string(sh.hd) +
                                       "/nq" + std::to_string(sh.n_q)).c_str(),
-                                     bm_decode, n, sh)
+                                     bm_decode, n, sh, false)
+            ->Unit(benchmark::kMicrosecond)
+            ->MinTime(0.2);
+    for (const Shape& sh : shapes)
+      for (const auto& n : names)
+        benchmark::RegisterBenchmark(("hot/" + n + "/ctx" + std::to_string(sh.ctx) + "/hd" + std::to_string(sh.hd) +
+                                      "/nq" + std::to_string(sh.n_q)).c_str(),
+                                     bm_decode, n, sh, true)
             ->Unit(benchmark::kMicrosecond)
             ->MinTime(0.2);
     for (const auto& n : names)

@@ -522,7 +522,9 @@ TEST(KernelParity, SimdMatchesReferenceOnAllRowFormats) {
         if (pat == Pattern::beyond_f16 && !(ec.e == KvElem::f32 || ec.e == KvElem::bf16 || ec.e == KvElem::int8 ||
                                             ec.e == KvElem::e4m3_dyn || ec.e == KvElem::e5m2_dyn))
           continue;
-        const int n = 37;
+        // n: one token, a count that leaves a remainder after every token-group width (1..16)
+        // of the score kernels, and a full 64-token block.
+        for (int n : {1, 37, 64}) {
         const float scale = (ec.e == KvElem::e4m3 || ec.e == KvElem::e5m2 || ec.e == KvElem::int8_static) ? 0.37f : 1.f;
         auto x = make_rows(pat, n, hd, rng);
         std::vector<uint8_t> rows(size_t(n) * f.row_bytes);
@@ -560,11 +562,12 @@ TEST(KernelParity, SimdMatchesReferenceOnAllRowFormats) {
             }
             for (size_t i = 0; i < s.size(); ++i)
               ASSERT_NEAR(s[i], s_ref[i], 1e-5f * mag[i] + 1e-37f)
-                  << ec.name << " hd " << hd << " pattern " << int(pat) << " nq " << nq << " variant " << variant;
+                  << ec.name << " n " << n << " hd " << hd << " pattern " << int(pat) << " nq " << nq << " variant " << variant;
             for (size_t i = 0; i < a.size(); ++i)
               ASSERT_NEAR(a[i], a_ref[i], 1e-5f * amag[i])
-                  << ec.name << " hd " << hd << " pattern " << int(pat) << " nq " << nq << " variant " << variant;
+                  << ec.name << " n " << n << " hd " << hd << " pattern " << int(pat) << " nq " << nq << " variant " << variant;
           }
+        }
         }
       }
     }

@@ -8,6 +8,7 @@
 
 #include <cstring>
 
+#include "kv/hsum_avx512.h"
 #include "kv/kv_rows_simd.h"
 
 namespace kvq {
@@ -26,6 +27,14 @@ struct Avx512 {
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float hsum(V v) { return _mm512_reduce_add_ps(v); }
+  static constexpr int acc_regs = 16;
+  // Lane j = sum of v[j]: hsum16_avx512 returns lane 4L + e = sum of its input 4e + L, so the
+  // input is handed over transposed.
+  static V hsum_w(const V* v) {
+    V t[16];
+    for (int k = 0; k < 16; ++k) t[k] = v[4 * (k % 4) + k / 4];
+    return hsum16_avx512(t);
+  }
 
   // 16 E4M3 codes -> f32. Shifting the 7 magnitude bits left by 7 yields the f16 with the same
   // exponent and mantissa fields; its value is the E4M3 value times 2^-8 (biases 15 vs 7), which

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "kv/kv_rows.h"
+#include "kv/kv_rows_simd.h"
 
 namespace kvq {
 namespace {
@@ -167,6 +168,7 @@ void scores_nq(const Ctx& x, const float* qp, size_t q_stride, const uint8_t* ro
   for (int i = 0; i < NQ; ++i) q[i] = qrow(x, qp, q_stride, i);
   int t = 0;
   for (; t + TU <= n; t += TU) {
+    kv_rows_simd::kv_prefetch_ahead(rows, row_stride, t, TU, n);
     __m256 v[8];
     for (int j = 0; j < 8; ++j) v[j] = _mm256_setzero_ps();
     for (int u = 0; u < TU; ++u) {

@@ -13,6 +13,7 @@
 
 #include "kv/hsum_avx512.h"
 #include "kv/kv_rows.h"
+#include "kv/kv_rows_simd.h"
 
 namespace kvq {
 namespace {
@@ -173,6 +174,7 @@ void scores_nq(const Ctx& x, const float* qp, size_t q_stride, const uint8_t* ro
   for (int i = 0; i < NQ; ++i) q[i] = qrow(x, qp, q_stride, i);
   int t = 0;
   for (; t + TU <= n; t += TU) {
+    kv_rows_simd::kv_prefetch_ahead(rows, row_stride, t, TU, n);
     __m512 v[16];
     for (int j = 0; j < 16; ++j) v[j] = _mm512_setzero_ps();
     for (int u = 0; u < TU; ++u) {
@@ -264,6 +266,7 @@ void accum_nq(const KvRowFmt& f, const float* p, int p_stride, const uint8_t* ro
     for (int i = 0; i < NQ; ++i)
       for (int v = 0; v < 2 * U; ++v) a[i][v] = _mm512_loadu_ps(acc + size_t(i) * size_t(hd) + size_t(e0 + 16 * v));
     for (int t = 0; t < n; ++t) {
+      if (e0 == 0) kv_rows_simd::kv_prefetch_ahead(rows, row_stride, t, 1, n);
       const uint8_t* row = rows + size_t(t) * row_stride;
       __m512 tbl = t0;
       for (int u = 0; u < U; ++u) {

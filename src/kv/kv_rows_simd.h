@@ -2,12 +2,15 @@
 // kv_rows_avx512.cpp after each defines its ISA traits `Isa`:
 //   using V;  static constexpr int W (floats per vector);  V zero(), load(const float*),
 //   set1(float), fma(V a, V b, V c) (a*b + c);  void store(float*, V);  float hsum(V);
+//   V hsum_w(const V* v) (lane j = sum of the lanes of v[j], j < W);  int acc_regs (vector
+//   accumulators a kernel may keep live);
 //   template <KvElem E> V dec(const KvRowFmt&, float scale, const uint8_t* row, int e)
 //     -> elements [e, e + W) of the row, decoded to f32 (scales applied).
 // One decoded vector is reused for all NQ query rows, so the codes are read (and decoded) once
 // per GQA group.
 #pragma once
 #include <cstddef>
+#include <algorithm>
 #include <cstdint>
 
 #include "kv/kv_rows.h"
@@ -20,38 +23,56 @@ void kv_rows_accum_4bit_avx512(const KvRowFmt& f, const float* p, int p_stride, 
 
 namespace kvq::kv_rows_simd {
 
+// Software prefetch of the row stream: a head block spans several 4 KiB pages and the hardware
+// prefetchers stop at each page boundary, so a kernel reading rows at the bus rate would stall on
+// every page start. Rows kv_prefetch_bytes ahead of the current ones are requested into L1 as the
+// kernel walks the block (never past its last row); attn_decode requests the first bytes of the
+// next span.
+inline constexpr size_t kv_prefetch_bytes = 4096;
+[[gnu::always_inline]] inline void kv_prefetch_ahead(const uint8_t* rows, size_t row_stride, int t, int cnt, int n) {
+  const size_t end = size_t(n) * row_stride;
+  const size_t e = std::min(end, size_t(t + cnt) * row_stride + kv_prefetch_bytes);
+  // Locality 2 (prefetcht1): a block of f16 rows is 16 KiB, so 4 KiB ahead into L1 would evict
+  // rows still in use by the weighted sum's later strips.
+  for (size_t b = size_t(t) * row_stride + kv_prefetch_bytes; b < e; b += 64) __builtin_prefetch(rows + b, 0, 2);
+}
+
+// NQ query rows in NQP slots (NQ rounded up to a power of two), TU = W / NQP tokens per step: the
+// W (token, query) dot products of a step finish with one Isa::hsum_w tree instead of W full
+// horizontal reductions, and each decoded chunk of a token is reused by all NQ query rows.
 template <class Isa, KvElem E, int NQ>
 void scores_nq(const KvRowFmt& f, float scale, const float* q, const uint8_t* rows,
                size_t row_stride, int n, float* out, int out_stride) {
   using V = typename Isa::V;
+  constexpr int W = Isa::W;
+  constexpr int NQP = NQ <= 1 ? 1 : NQ <= 2 ? 2 : NQ <= 4 ? 4 : 8;
+  static_assert(NQP <= W);
+  constexpr int TU = W / NQP;
   const int hd = f.head_dim;
   int t = 0;
-  // Two tokens per step: each query chunk loaded once serves both, and the two independent
-  // accumulator sets hide the FMA latency when NQ is small.
-  for (; t + 2 <= n; t += 2) {
+  for (; t + TU <= n; t += TU) {
+    kv_prefetch_ahead(rows, row_stride, t, TU, n);
     const uint8_t* r0 = rows + size_t(t) * row_stride;
-    const uint8_t* r1 = r0 + row_stride;
-    V a0[NQ], a1[NQ];
-    for (int i = 0; i < NQ; ++i) a0[i] = a1[i] = Isa::zero();
-    for (int e = 0; e < hd; e += Isa::W) {
-      const V x0 = Isa::template dec<E>(f, scale, r0, e);
-      const V x1 = Isa::template dec<E>(f, scale, r1, e);
+    V a[W];  // slot o = i * TU + u: query i, token t + u
+    for (int j = 0; j < W; ++j) a[j] = Isa::zero();
+    for (int e = 0; e < hd; e += W) {
+      V x[TU];
+      for (int u = 0; u < TU; ++u) x[u] = Isa::template dec<E>(f, scale, r0 + size_t(u) * row_stride, e);
       for (int i = 0; i < NQ; ++i) {
         const V qv = Isa::load(q + size_t(i) * hd + e);
-        a0[i] = Isa::fma(x0, qv, a0[i]);
-        a1[i] = Isa::fma(x1, qv, a1[i]);
+        for (int u = 0; u < TU; ++u) a[i * TU + u] = Isa::fma(x[u], qv, a[i * TU + u]);
       }
     }
-    for (int i = 0; i < NQ; ++i) {
-      out[size_t(i) * size_t(out_stride) + size_t(t)] = Isa::hsum(a0[i]);
-      out[size_t(i) * size_t(out_stride) + size_t(t) + 1] = Isa::hsum(a1[i]);
-    }
+    alignas(64) float z[W];
+    Isa::store(z, Isa::hsum_w(a));
+    for (int i = 0; i < NQ; ++i)
+      for (int u = 0; u < TU; ++u) out[size_t(i) * size_t(out_stride) + size_t(t + u)] = z[i * TU + u];
   }
   for (; t < n; ++t) {
     const uint8_t* row = rows + size_t(t) * row_stride;
     V acc[NQ];
     for (int i = 0; i < NQ; ++i) acc[i] = Isa::zero();
-    for (int e = 0; e < hd; e += Isa::W) {
+    for (int e = 0; e < hd; e += W) {
       const V x = Isa::template dec<E>(f, scale, row, e);
       for (int i = 0; i < NQ; ++i) acc[i] = Isa::fma(x, Isa::load(q + size_t(i) * hd + e), acc[i]);
     }
@@ -59,22 +80,31 @@ void scores_nq(const KvRowFmt& f, float scale, const float* q, const uint8_t* ro
   }
 }
 
-// Column-strip order: for each strip of W dims, the NQ accumulators stay in registers across
-// all n tokens (the block's rows are in L1 after the first strip).
-template <class Isa, KvElem E, int NQ>
+// Column strips of SV vectors: the NQ * SV accumulators stay in registers across all n tokens
+// (the block's rows are in L1 after the first strip, which is the one that prefetches). Wider
+// strips cut the per-token broadcasts of p (NQ per strip) and loop overhead.
+template <class Isa, KvElem E, int NQ, int SV>
 void accum_nq(const KvRowFmt& f, float scale, const float* p, int p_stride, const uint8_t* rows,
               size_t row_stride, int n, float* acc) {
   using V = typename Isa::V;
+  constexpr int W = Isa::W;
   const int hd = f.head_dim;
-  for (int e = 0; e < hd; e += Isa::W) {
-    V a[NQ];
-    for (int i = 0; i < NQ; ++i) a[i] = Isa::load(acc + size_t(i) * hd + e);
+  for (int e = 0; e < hd; e += W * SV) {
+    V a[NQ][SV];
+    for (int i = 0; i < NQ; ++i)
+      for (int v = 0; v < SV; ++v) a[i][v] = Isa::load(acc + size_t(i) * hd + e + W * v);
     for (int t = 0; t < n; ++t) {
-      const V x = Isa::template dec<E>(f, scale, rows + size_t(t) * row_stride, e);
-      for (int i = 0; i < NQ; ++i)
-        a[i] = Isa::fma(Isa::set1(p[size_t(i) * size_t(p_stride) + size_t(t)]), x, a[i]);
+      if (e == 0) kv_prefetch_ahead(rows, row_stride, t, 1, n);
+      const uint8_t* row = rows + size_t(t) * row_stride;
+      V x[SV];
+      for (int v = 0; v < SV; ++v) x[v] = Isa::template dec<E>(f, scale, row, e + W * v);
+      for (int i = 0; i < NQ; ++i) {
+        const V w = Isa::set1(p[size_t(i) * size_t(p_stride) + size_t(t)]);
+        for (int v = 0; v < SV; ++v) a[i][v] = Isa::fma(w, x[v], a[i][v]);
+      }
     }
-    for (int i = 0; i < NQ; ++i) Isa::store(acc + size_t(i) * hd + e, a[i]);
+    for (int i = 0; i < NQ; ++i)
+      for (int v = 0; v < SV; ++v) Isa::store(acc + size_t(i) * hd + e + W * v, a[i][v]);
   }
 }
 
@@ -100,6 +130,19 @@ void scores_elem(const KvRowFmt& f, float scale, const float* q, int n_q, const 
   }
 }
 
+// Strip width: the widest of 4 / 2 / 1 vectors that divides head_dim and keeps NQ * SV
+// accumulators within Isa::acc_regs.
+template <class Isa, KvElem E, int NQ>
+void accum_sv(const KvRowFmt& f, float scale, const float* p, int p_stride, const uint8_t* rows,
+              size_t row_stride, int n, float* acc) {
+  const int nv = f.head_dim / Isa::W;
+  if constexpr (NQ * 4 <= Isa::acc_regs)
+    if (nv % 4 == 0) return accum_nq<Isa, E, NQ, 4>(f, scale, p, p_stride, rows, row_stride, n, acc);
+  if constexpr (NQ * 2 <= Isa::acc_regs)
+    if (nv % 2 == 0) return accum_nq<Isa, E, NQ, 2>(f, scale, p, p_stride, rows, row_stride, n, acc);
+  accum_nq<Isa, E, NQ, 1>(f, scale, p, p_stride, rows, row_stride, n, acc);
+}
+
 template <class Isa, KvElem E>
 void accum_elem(const KvRowFmt& f, float scale, const float* p, int p_stride, int n_q,
                 const uint8_t* rows, size_t row_stride, int n, float* acc) {
@@ -108,14 +151,14 @@ void accum_elem(const KvRowFmt& f, float scale, const float* p, int p_stride, in
     const float* pi = p + size_t(i0) * size_t(p_stride);
     float* a = acc + size_t(i0) * hd;
     switch (n_q - i0 < 8 ? n_q - i0 : 8) {
-      case 1: accum_nq<Isa, E, 1>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
-      case 2: accum_nq<Isa, E, 2>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
-      case 3: accum_nq<Isa, E, 3>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
-      case 4: accum_nq<Isa, E, 4>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
-      case 5: accum_nq<Isa, E, 5>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
-      case 6: accum_nq<Isa, E, 6>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
-      case 7: accum_nq<Isa, E, 7>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
-      default: accum_nq<Isa, E, 8>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
+      case 1: accum_sv<Isa, E, 1>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
+      case 2: accum_sv<Isa, E, 2>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
+      case 3: accum_sv<Isa, E, 3>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
+      case 4: accum_sv<Isa, E, 4>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
+      case 5: accum_sv<Isa, E, 5>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
+      case 6: accum_sv<Isa, E, 6>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
+      case 7: accum_sv<Isa, E, 7>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
+      default: accum_sv<Isa, E, 8>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
     }
   }
 }
