@@ -227,6 +227,62 @@ void accumulate_tile(const TqLayout& l, const Seg& hi, const Seg& lo, size_t rb,
   const int d = l.dim, g_hi = l.n_hi / 16, g_all = d / 16;
   int g = 0;
   for (; g + 2 <= g_all; g += 2) {
+    if (g + 4 <= g_all && nibble_pair(l, g) && nibble_pair(l, g + 2)) {
+      // 64 channels of 4-bit codes per pass: each broadcast weight feeds four FMAs.
+      const Seg& s0 = g < g_hi ? hi : lo;
+      const int gg0 = g < g_hi ? g : g - g_hi;
+      __m512 a[4][NQ];
+      for (int i = 0; i < NQ; ++i)
+        for (int j = 0; j < 2; ++j) {
+          const __m512 x0 = _mm512_loadu_ps(acc + size_t(i) * size_t(d) + 16 * g + 32 * j);
+          const __m512 x1 = _mm512_loadu_ps(acc + size_t(i) * size_t(d) + 16 * g + 32 * j + 16);
+          a[2 * j][i] = _mm512_permutex2var_ps(x0, idx_even(), x1);
+          a[2 * j + 1][i] = _mm512_permutex2var_ps(x0, idx_odd(), x1);
+        }
+      const uint8_t* p0 = recs + s0.off + 8 * gg0;
+      for (int t = 0; t < cnt; ++t) {
+        __m512 v[4];
+        decode_nibble_pair(p0 + size_t(t) * rb, s0.cb, v[0], v[1]);
+        decode_nibble_pair(p0 + size_t(t) * rb + 16, s0.cb, v[2], v[3]);
+        for (int i = 0; i < NQ; ++i) {
+          const __m512 wi = _mm512_set1_ps(w[i][t]);
+          for (int j = 0; j < 4; ++j) a[j][i] = _mm512_fmadd_ps(wi, v[j], a[j][i]);
+        }
+      }
+      for (int i = 0; i < NQ; ++i)
+        for (int j = 0; j < 2; ++j) {
+          float* o = acc + size_t(i) * size_t(d) + 16 * g + 32 * j;
+          _mm512_storeu_ps(o, _mm512_permutex2var_ps(a[2 * j][i], idx_inter_lo(), a[2 * j + 1][i]));
+          _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(a[2 * j][i], idx_inter_hi(), a[2 * j + 1][i]));
+        }
+      g += 2;  // and 2 more by the loop
+      continue;
+    }
+    if (g + 4 <= g_all && !nibble_pair(l, g) && !nibble_pair(l, g + 2)) {
+      // 64 channels of other widths per pass, one vpermb decode per 16 channels.
+      const Seg* sj[4];
+      int gj[4];
+      for (int j = 0; j < 4; ++j) {
+        sj[j] = g + j < g_hi ? &hi : &lo;
+        gj[j] = g + j < g_hi ? g + j : g + j - g_hi;
+      }
+      __m512 a[4][NQ];
+      for (int i = 0; i < NQ; ++i)
+        for (int j = 0; j < 4; ++j) a[j][i] = _mm512_loadu_ps(acc + size_t(i) * size_t(d) + 16 * (g + j));
+      for (int t = 0; t < cnt; ++t) {
+        const uint8_t* rec = recs + size_t(t) * rb;
+        __m512 v[4];
+        for (int j = 0; j < 4; ++j) v[j] = decode16(rec, gj[j], *sj[j]);
+        for (int i = 0; i < NQ; ++i) {
+          const __m512 wi = _mm512_set1_ps(w[i][t]);
+          for (int j = 0; j < 4; ++j) a[j][i] = _mm512_fmadd_ps(wi, v[j], a[j][i]);
+        }
+      }
+      for (int i = 0; i < NQ; ++i)
+        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + size_t(i) * size_t(d) + 16 * (g + j), a[j][i]);
+      g += 2;
+      continue;
+    }
     const Seg& s0 = g < g_hi ? hi : lo;
     const Seg& s1 = g + 1 < g_hi ? hi : lo;
     const int gg0 = g < g_hi ? g : g - g_hi, gg1 = g + 1 < g_hi ? g + 1 : g + 1 - g_hi;
@@ -294,11 +350,14 @@ void accumulate_avx512(const TqKernelArgs& a, const float* p, int p_stride, int 
   const Seg hi = make_seg(l.off_hi, l.bits_hi, a.cb_hi);
   const Seg lo = make_seg(l.off_lo, l.n_hi < d ? l.bits_lo : l.bits_hi, a.cb_lo);
   alignas(64) float w[4][kTile];
-  float norms[kTile];
+  alignas(64) float norms[kTile];
   for (int t0 = 0; t0 < n; t0 += kTile) {
     const int cnt = std::min(kTile, n - t0);
     const uint8_t* r0 = recs + size_t(t0) * rb;
-    for (int t = 0; t < cnt; ++t) norms[t] = load_f16(r0 + size_t(t) * rb);
+    alignas(64) uint16_t nh[kTile] = {};
+    for (int t = 0; t < cnt; ++t) std::memcpy(&nh[t], r0 + size_t(t) * rb, 2);
+    for (int t = 0; t < cnt; t += 16)
+      _mm512_storeu_ps(norms + t, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(nh + t))));
     for (int i0 = 0; i0 < n_q; i0 += 4) {
       const int nq = std::min(4, n_q - i0);
       for (int i = 0; i < nq; ++i) {
