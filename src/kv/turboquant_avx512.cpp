@@ -129,11 +129,29 @@ void scores_chunk(const TqKernelArgs& a, const float* qp, int qp_stride, const u
     }
     sel[i] = _mm512_load_si512(idx);
   }
+  // Norms and QJL scales of a chunk of tokens, converted before its tiles: assembling them per
+  // tile from 2-byte stores would stall every tile on store-to-load forwarding.
+  constexpr int CH = TT * (64 / TT);
+  alignas(64) float nrm[CH + 16], rsa[CH + 16];
   for (int t0 = 0; t0 < n; t0 += TT) {
     const int cnt = std::min(TT, n - t0);
+    if (t0 % CH == 0) {
+      const int m = std::min(CH, n - t0);
+      alignas(64) uint16_t nh[CH + 16] = {}, rh[CH + 16] = {};
+      for (int t = 0; t < m; ++t) {
+        std::memcpy(&nh[t], recs + size_t(t0 + t) * rb, 2);
+        if (l.qjl) std::memcpy(&rh[t], recs + size_t(t0 + t) * rb + l.off_qjl, 2);
+      }
+      const __m512 qs = _mm512_set1_ps(a.qjl_scale);
+      for (int t = 0; t < m; t += 16) {
+        _mm512_store_ps(nrm + t, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(nh + t))));
+        if (l.qjl)
+          _mm512_store_ps(rsa + t, _mm512_mul_ps(qs, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(rh + t)))));
+      }
+    }
+    const float* rs = rsa + t0 % CH;
     __m512 acc[16];
     for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
-    float rs[TT] = {};
     // Channel groups outer, tokens inner: each query vector is loaded once per group and tile.
     const uint8_t* rec0 = recs + size_t(t0) * rb;
     for (int g = 0; g < g_all; ++g) {
@@ -174,7 +192,6 @@ void scores_chunk(const TqKernelArgs& a, const float* qp, int qp_stride, const u
         // <Sq, sign> = 2 * (sum of Sq where the sign bit is set) - sum of Sq: the masked sum
         // joins the dot product scaled by 2 rs, the constant part is subtracted after the tree.
         const uint8_t* qj = rec0 + size_t(tt) * rb + l.off_qjl;
-        rs[tt] = load_f16(qj) * a.qjl_scale;
         __m512 z[NQ];
         for (int i = 0; i < NQ; ++i) z[i] = _mm512_setzero_ps();
         for (int g = 0; g < g_all; ++g) {
@@ -188,12 +205,10 @@ void scores_chunk(const TqKernelArgs& a, const float* qp, int qp_stride, const u
     }
     const __m512 h = hsum16_avx512(acc);
     // Per query: its TT sums to lanes 0..TT-1, minus the QJL constant, times the token norms.
-    alignas(32) uint16_t nh[16] = {};
-    for (int tt = 0; tt < cnt; ++tt) std::memcpy(&nh[tt], rec0 + size_t(tt) * rb, 2);
-    const __m512 nv = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(nh)));
     const __mmask16 st = __mmask16((1u << cnt) - 1);
+    const __m512 nv = _mm512_maskz_loadu_ps(st, nrm + t0 % CH);
     __m512 rsv = _mm512_setzero_ps();
-    if (l.qjl) rsv = _mm512_maskz_loadu_ps(__mmask16((1u << TT) - 1), rs);
+    if (l.qjl) rsv = _mm512_maskz_loadu_ps(st, rs);
     for (int i = 0; i < NQ; ++i) {
       __m512 v = _mm512_permutexvar_ps(sel[i], h);
       if (l.qjl) v = _mm512_fnmadd_ps(rsv, _mm512_set1_ps(sq_sum[i]), v);
