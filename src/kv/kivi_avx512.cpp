@@ -1,5 +1,10 @@
 // AVX-512 KIVI kernels: a bit plane of 16 channels is one 16-bit mask register, so unpacking a
 // code is one masked add per bit.
+// GCC 12's _mm512_reduce_* read an uninitialized temporary inside its own header.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#if !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 
 #include <algorithm>
@@ -63,17 +68,140 @@ void k_scores_nq(const uint8_t* codes, size_t row_bytes, int n, int head_dim, co
   }
 }
 
+// hsum16_avx512 on int32 lanes: result lane 4L + e = sum of the 16 lanes of v[4e + L].
+inline __m512i hsum16_epi32(const __m512i* v) {
+  __m512i u[8], w[4];
+  for (int j = 0; j < 8; ++j)
+    u[j] = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_i32x4(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int j = 0; j < 4; ++j)
+    w[j] = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  auto shuf = [](__m512i a, __m512i b, int sel) {
+    return sel ? _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), _MM_SHUFFLE(3, 1, 3, 1)))
+               : _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), _MM_SHUFFLE(2, 0, 2, 0)));
+  };
+  const __m512i y0 = _mm512_add_epi32(shuf(w[0], w[1], 0), shuf(w[0], w[1], 1));
+  const __m512i y1 = _mm512_add_epi32(shuf(w[2], w[3], 0), shuf(w[2], w[3], 1));
+  return _mm512_add_epi32(shuf(y0, y1, 0), shuf(y0, y1, 1));
+}
+
+// 64 codes of block m of a row as bytes in channel order: plane j's 64-bit word is the mask of
+// the byte adds of 2^j.
+template <int B>
+inline __m512i codes64(const uint8_t* row, int pb, int m) {
+  __m512i v = _mm512_setzero_si512();
+  for (int j = 0; j < B; ++j) {
+    uint64_t w;
+    std::memcpy(&w, row + j * pb + 8 * m, 8);
+    v = _mm512_mask_add_epi8(v, __mmask64(w), v, _mm512_set1_epi8(char(1 << j)));
+  }
+  return v;
+}
+
+// Integer dot: the folded query rows are rounded to int16 (qi = round(qs / dq), dq = max|qs| /
+// 32767 per row), codes widened to int16, vpdpwssd sums channel pairs into int32 (|sum| <=
+// 32767 * 15 * 512 < 2^31). The only approximation is |qs - dq qi| <= dq / 2 per channel, ~1.5e-5
+// of the row's largest |qs| (kivi.h, kivi_k_scores_fn).
+template <int B, int NQ>
+void k_scores_i16_nq(const uint8_t* codes, size_t row_bytes, int n, int head_dim, const int16_t* q16,
+                     const float* dq, const float* qz, float* out, int out_stride) {
+  constexpr int NQP = NQ == 3 ? 4 : NQ;
+  constexpr int TU = 16 / NQP;
+  const int pb = head_dim / 8, nm = head_dim / 64;
+  alignas(64) float dl[16], zl[16];  // per output lane o = i * TU + u: query i's step and zero term
+  for (int o = 0; o < 16; ++o) {
+    dl[o] = o / TU < NQ ? dq[o / TU] : 0.f;
+    zl[o] = o / TU < NQ ? qz[o / TU] : 0.f;
+  }
+  const __m512 dlv = _mm512_load_ps(dl), zlv = _mm512_load_ps(zl);
+  int t = 0;
+  for (; t + TU <= n; t += TU) {
+    __m512i acc[NQ * TU];  // o = i * TU + u; constant indices once the loops unroll: registers
+    for (auto& v : acc) v = _mm512_setzero_si512();
+    for (int m = 0; m < nm; ++m) {
+      __m512i qlo[NQ], qhi[NQ];
+#pragma GCC unroll 4
+      for (int i = 0; i < NQ; ++i) {
+        qlo[i] = _mm512_load_si512(q16 + size_t(i) * head_dim + 64 * m);
+        qhi[i] = _mm512_load_si512(q16 + size_t(i) * head_dim + 64 * m + 32);
+      }
+#pragma GCC unroll 16
+      for (int u = 0; u < TU; ++u) {
+        const __m512i v = codes64<B>(codes + size_t(t + u) * row_bytes, pb, m);
+        const __m512i w0 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(v));
+        const __m512i w1 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(v, 1));
+#pragma GCC unroll 4
+        for (int i = 0; i < NQ; ++i) {
+          acc[i * TU + u] = _mm512_dpwssd_epi32(acc[i * TU + u], w0, qlo[i]);
+          acc[i * TU + u] = _mm512_dpwssd_epi32(acc[i * TU + u], w1, qhi[i]);
+        }
+      }
+    }
+    __m512i hv[16];
+    for (int j = 0; j < 16; ++j) hv[j] = _mm512_setzero_si512();
+    for (int o = 0; o < NQ * TU; ++o) hv[4 * (o % 4) + o / 4] = acc[o];  // hsum16 lane order
+    alignas(64) float z[16];
+    _mm512_store_ps(z, _mm512_fmadd_ps(_mm512_cvtepi32_ps(hsum16_epi32(hv)), dlv, zlv));
+    for (int i = 0; i < NQ; ++i)
+      for (int u = 0; u < TU; ++u) out[size_t(i) * out_stride + size_t(t + u)] = z[i * TU + u];
+  }
+  for (; t < n; ++t) {
+    const uint8_t* row = codes + size_t(t) * row_bytes;
+    __m512i acc[NQ];
+    for (int i = 0; i < NQ; ++i) acc[i] = _mm512_setzero_si512();
+    for (int m = 0; m < nm; ++m) {
+      const __m512i v = codes64<B>(row, pb, m);
+      const __m512i w0 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(v));
+      const __m512i w1 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(v, 1));
+      for (int i = 0; i < NQ; ++i) {
+        const int16_t* qi = q16 + size_t(i) * head_dim + 64 * m;
+        acc[i] = _mm512_dpwssd_epi32(acc[i], w0, _mm512_load_si512(qi));
+        acc[i] = _mm512_dpwssd_epi32(acc[i], w1, _mm512_load_si512(qi + 32));
+      }
+    }
+    for (int i = 0; i < NQ; ++i)
+      out[size_t(i) * out_stride + size_t(t)] = float(_mm512_reduce_add_epi32(acc[i])) * dq[i] + qz[i];
+  }
+}
+
 template <int B>
 void k_scores_impl(const uint8_t* codes, size_t row_bytes, int n, int head_dim, const float* qs,
                    const float* qz, int n_q, float* out, int out_stride) {
+  if (head_dim % 64 != 0) {  // the integer path takes whole 64-channel blocks
+    for (int i0 = 0; i0 < n_q; i0 += 4) {
+      const float* qi = qs + size_t(i0) * head_dim;
+      float* o = out + size_t(i0) * out_stride;
+      switch (std::min(4, n_q - i0)) {
+        case 1: k_scores_nq<B, 1>(codes, row_bytes, n, head_dim, qi, qz + i0, o, out_stride); break;
+        case 2: k_scores_nq<B, 2>(codes, row_bytes, n, head_dim, qi, qz + i0, o, out_stride); break;
+        case 3: k_scores_nq<B, 3>(codes, row_bytes, n, head_dim, qi, qz + i0, o, out_stride); break;
+        default: k_scores_nq<B, 4>(codes, row_bytes, n, head_dim, qi, qz + i0, o, out_stride); break;
+      }
+    }
+    return;
+  }
+  alignas(64) int16_t q16[4 * kvg_max_head_dim];
+  float dq[4];
   for (int i0 = 0; i0 < n_q; i0 += 4) {
-    const float* qi = qs + size_t(i0) * head_dim;
+    const int m = std::min(4, n_q - i0);
+    for (int i = 0; i < m; ++i) {
+      const float* qi = qs + size_t(i0 + i) * head_dim;
+      __m512 mx = _mm512_setzero_ps();
+      for (int c = 0; c < head_dim; c += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(qi + c)));
+      const float amax = _mm512_reduce_max_ps(mx);
+      dq[i] = amax / 32767.f;
+      const __m512 inv = _mm512_set1_ps(amax > 0 ? 32767.f / amax : 0.f);
+      for (int c = 0; c < head_dim; c += 16)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(q16 + size_t(i) * head_dim + c),
+                           _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qi + c), inv))));
+    }
     float* o = out + size_t(i0) * out_stride;
-    switch (std::min(4, n_q - i0)) {
-      case 1: k_scores_nq<B, 1>(codes, row_bytes, n, head_dim, qi, qz + i0, o, out_stride); break;
-      case 2: k_scores_nq<B, 2>(codes, row_bytes, n, head_dim, qi, qz + i0, o, out_stride); break;
-      case 3: k_scores_nq<B, 3>(codes, row_bytes, n, head_dim, qi, qz + i0, o, out_stride); break;
-      default: k_scores_nq<B, 4>(codes, row_bytes, n, head_dim, qi, qz + i0, o, out_stride); break;
+    switch (m) {
+      case 1: k_scores_i16_nq<B, 1>(codes, row_bytes, n, head_dim, q16, dq, qz + i0, o, out_stride); break;
+      case 2: k_scores_i16_nq<B, 2>(codes, row_bytes, n, head_dim, q16, dq, qz + i0, o, out_stride); break;
+      case 3: k_scores_i16_nq<B, 3>(codes, row_bytes, n, head_dim, q16, dq, qz + i0, o, out_stride); break;
+      default: k_scores_i16_nq<B, 4>(codes, row_bytes, n, head_dim, q16, dq, qz + i0, o, out_stride); break;
     }
   }
 }
