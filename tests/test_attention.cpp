@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -13,6 +14,7 @@
 #include "core/aligned.h"
 #include "core/cpu.h"
 #include "core/error.h"
+#include "core/thread_pool.h"
 #include "kv/kv_rows.h"
 #include "kvq/kv_format.h"
 #include "kv_int_dot_bound.h"
@@ -237,6 +239,90 @@ TEST(Attention, ScaleMaxKernelsMatchReference) {
         for (int i = 0; i < n; ++i) {
           if (std::isnan(a[size_t(i)])) EXPECT_TRUE(std::isnan(b[size_t(i)]));
           else EXPECT_EQ(b[size_t(i)], a[size_t(i)]) << n << " " << i;
+        }
+      }
+    }
+  }
+}
+
+// Split-K: parts of the span list on pool threads, merged exactly. Against the double reference
+// (float formats) and against the single-pass attn_decode (every listed format, same kernels, so
+// only the merge's rounding differs), for several pool sizes and part counts, with and without a
+// tail, on random keys and on adversarial ones: a single dominant token in the last part (the
+// other parts' weights underflow to 0 after the merge), all-zero keys (uniform weights),
+// constant value rows, huge and tiny magnitudes.
+TEST(Attention, SplitKMatchesReferenceAndSinglePass) {
+  enum class Pat { random, spike, zero_keys, const_values, huge, tiny };
+  const int hd = 128, bt = 64, n_blocks = 70, n_q = 4;  // 4480 tokens: up to 4 parts of >= 1024
+  for (const char* fmt : {"f32", "f16", "int8", "q8_0", "q4_0", "int2_g32"}) {
+    const KvFormatDesc& f = kv_format_find(fmt);
+    KvCodecParams pk, pv;
+    pk.head_dim = pv.head_dim = hd;
+    pk.role = KvRole::key;
+    pv.role = KvRole::value;
+    auto kc = kv_codec_create(f.k_codec, pk);
+    auto vc = kv_codec_create(f.v_codec, pv);
+    for (Pat pat : {Pat::random, Pat::spike, Pat::zero_keys, Pat::const_values, Pat::huge, Pat::tiny}) {
+      std::mt19937_64 rng(99 + uint64_t(pat));
+      std::normal_distribution<float> nd;
+      const float mag = pat == Pat::huge ? 3e3f : pat == Pat::tiny ? 1e-4f : 1.f;
+      std::vector<float> q(size_t(n_q) * hd);
+      for (auto& x : q) x = nd(rng) * (pat == Pat::huge ? 1.f : 0.5f);
+      std::vector<std::vector<uint8_t>> kb(n_blocks), vb(n_blocks);
+      std::vector<float> kr(size_t(bt) * hd), vr(size_t(bt) * hd);
+      for (int b = 0; b < n_blocks; ++b) {
+        for (int t = 0; t < bt; ++t)
+          for (int d = 0; d < hd; ++d) {
+            float k = pat == Pat::zero_keys ? 0.f : nd(rng) * mag;
+            // One token late in the sequence aligned with query 0: it dominates every other score.
+            if (pat == Pat::spike && b == n_blocks - 3 && t == 11) k = 40.f * q[size_t(d)];
+            kr[size_t(t) * hd + size_t(d)] = k;
+            vr[size_t(t) * hd + size_t(d)] = pat == Pat::const_values ? 0.25f : nd(rng) * mag;
+          }
+        kb[size_t(b)].resize(kc->block_bytes(bt));
+        vb[size_t(b)].resize(vc->block_bytes(bt));
+        kc->encode(0, kr.data(), hd, bt, kb[size_t(b)].data(), bt, 0, b * bt);
+        vc->encode(0, vr.data(), hd, bt, vb[size_t(b)].data(), bt, 0, b * bt);
+      }
+      std::vector<KvBlockSpan> spans;
+      for (int b = 0; b < n_blocks; ++b) {
+        KvBlockSpan s{kb[size_t(b)].data(), vb[size_t(b)].data(), bt, b == 0 ? 5 : 0, 0, b * bt};
+        s.n = b == n_blocks - 1 ? 17 : bt - s.t0;  // partial first and last spans
+        spans.push_back(s);
+      }
+      std::vector<float> tk(3 * hd), tv(3 * hd);
+      for (auto& x : tk) x = nd(rng) * mag;
+      for (auto& x : tv) x = nd(rng) * mag;
+      AttnParams ap;
+      ap.scale = 1.f / std::sqrt(float(hd));
+      for (int n_tail : {0, 3}) {
+        std::vector<float> ref(size_t(n_q) * hd), one(ref.size()), out(ref.size());
+        attn_decode_ref(*kc, *vc, 0, q.data(), n_q, spans.data(), n_blocks, tk.data(), tv.data(), hd, n_tail, ap,
+                        ref.data());
+        AlignedBuf<float> s1(attn_scratch_floats(*kc, *vc, n_q, bt));
+        attn_decode(*kc, *vc, 0, q.data(), n_q, spans.data(), n_blocks, tk.data(), tv.data(), hd, n_tail, ap,
+                    one.data(), s1.data());
+        double vmax = 0;
+        for (float v : ref) vmax = std::max(vmax, double(std::fabs(v)));
+        const bool float_fmt = std::string(fmt) == "f32" || std::string(fmt) == "f16";
+        for (int threads : {1, 2, 3}) {
+          ThreadPool pool(threads);
+          for (int parts : {1, 2, 3, 4, 7}) {
+            AlignedBuf<float> sc(attn_split_scratch_floats(*kc, *vc, n_q, bt, parts));
+            std::fill(out.begin(), out.end(), NAN);
+            attn_decode_split(*kc, *vc, 0, q.data(), n_q, spans.data(), n_blocks, tk.data(), tv.data(), hd, n_tail,
+                              ap, out.data(), sc.data(), pool, parts);
+            for (size_t i = 0; i < out.size(); ++i) {
+              ASSERT_TRUE(std::isfinite(out[i])) << fmt;
+              // Single pass vs split: same kernels, merge rounding only.
+              ASSERT_NEAR(out[i], one[i], 2e-5 * (1 + vmax))
+                  << fmt << " pattern " << int(pat) << " tail " << n_tail << " threads " << threads << " parts " << parts;
+              if (float_fmt) {
+                ASSERT_NEAR(out[i], ref[i], 2e-5 * (1 + vmax))
+                    << fmt << " pattern " << int(pat) << " tail " << n_tail << " threads " << threads << " parts " << parts;
+              }
+            }
+          }
         }
       }
     }

@@ -7,6 +7,7 @@
 
 #include "attn/softmax.h"
 #include "core/error.h"
+#include "core/thread_pool.h"
 #include "kv/kv_rows.h"
 
 namespace kvq {
@@ -14,11 +15,14 @@ namespace kvq {
 namespace {
 // The f32 tail is scored in chunks of this many tokens (the scores buffer holds at least this).
 constexpr int kTailChunk = 64;
+// attn_decode_split: the fewest tokens per part.
+constexpr int kSplitMinPartTokens = 1024;
 
 size_t round16(size_t n) { return (n + 15) & ~size_t(15); }
 
 struct Scratch {
-  float* qp;   // (n_q, prepared_query_dim)
+  const float* qp;     // (n_q, prepared_query_dim)
+  const float* q_raw;  // (n_q, head_dim): the tail is scored against the raw query
   float* s;    // (n_q, s_stride): scores, then probabilities, of one block
   float* acc;  // (n_q, v head_dim)
   float* m;    // (n_q) running max
@@ -26,11 +30,18 @@ struct Scratch {
   int s_stride;
 };
 
-Scratch carve(const KvCodec& kc, const KvCodec& vc, int n_q, int max_block_tokens, float* base) {
+// One part's scores, probabilities and running state; qp (the prepared query) may be shared.
+size_t part_floats(const KvCodec& vc, int n_q, int max_block_tokens) {
+  const size_t s_stride = round16(size_t(std::max(max_block_tokens, kTailChunk)));
+  return size_t(n_q) * s_stride + round16(size_t(n_q) * size_t(vc.head_dim())) + 2 * round16(size_t(n_q));
+}
+size_t query_floats(const KvCodec& kc, int n_q) { return round16(size_t(n_q) * size_t(kc.prepared_query_dim())); }
+
+Scratch carve_part(const KvCodec& vc, int n_q, int max_block_tokens, float* base, float* qp) {
   Scratch sc;
   sc.s_stride = int(round16(size_t(std::max(max_block_tokens, kTailChunk))));
   float* p = base;
-  sc.qp = p; p += round16(size_t(n_q) * size_t(kc.prepared_query_dim()));
+  sc.qp = qp;
   sc.s = p; p += size_t(n_q) * size_t(sc.s_stride);
   sc.acc = p; p += round16(size_t(n_q) * size_t(vc.head_dim()));
   sc.m = p; p += round16(size_t(n_q));
@@ -79,27 +90,17 @@ inline void prefetch_span_start(const uint8_t* p) {
   for (size_t o = 0; o < kNextSpanBytes; o += 64) __builtin_prefetch(p + o, 0, 2);
 }
 
-}  // namespace
-
-size_t attn_scratch_floats(const KvCodec& kc, const KvCodec& vc, int n_q, int max_block_tokens) {
-  const size_t s_stride = round16(size_t(std::max(max_block_tokens, kTailChunk)));
-  return round16(size_t(n_q) * size_t(kc.prepared_query_dim())) + size_t(n_q) * s_stride +
-         round16(size_t(n_q) * size_t(vc.head_dim())) + 2 * round16(size_t(n_q));
-}
-
-void attn_decode(const KvCodec& kc, const KvCodec& vc, int head, const float* q, int n_q,
-                 const KvBlockSpan* spans, int n_spans, const float* tail_k, const float* tail_v,
-                 size_t tail_stride, int n_tail, const AttnParams& ap, float* out, float* scratch) {
+// The online softmax over spans and then the tail, into sc.m / sc.l / sc.acc (unnormalized, in
+// the model's basis). sc.qp holds the prepared query when n_spans > 0.
+void run_part(const KvCodec& kc, const KvCodec& vc, int head, int n_q, const KvBlockSpan* spans, int n_spans,
+              const float* tail_k, const float* tail_v, size_t tail_stride, int n_tail, const AttnParams& ap,
+              Scratch& sc) {
   const int hd = kc.head_dim(), vd = vc.head_dim();
-  int max_bt = 0;
-  for (int b = 0; b < n_spans; ++b) max_bt = std::max(max_bt, spans[b].n);
-  Scratch sc = carve(kc, vc, n_q, max_bt, scratch);
   std::fill(sc.acc, sc.acc + size_t(n_q) * size_t(vd), 0.f);
   std::fill(sc.m, sc.m + n_q, -std::numeric_limits<float>::infinity());
   std::fill(sc.l, sc.l + n_q, 0.f);
 
   if (n_spans > 0) {
-    kc.prepare_query(head, q, n_q, sc.qp);
     // One pass over the blocks; each codec call serves all n_q query heads of the group, so the
     // packed K and V bytes of a block are read once per group.
     for (int b = 0; b < n_spans; ++b) {
@@ -121,17 +122,100 @@ void attn_decode(const KvCodec& kc, const KvCodec& vc, int head, const float* q,
     const auto* tk = reinterpret_cast<const uint8_t*>(tail_k);
     const auto* tv = reinterpret_cast<const uint8_t*>(tail_v);
     const size_t stride_bytes = tail_stride * sizeof(float);
+    // The tail reads the raw query: the first hd floats of each row of q (see attn_decode).
     for (int t0 = 0; t0 < n_tail; t0 += kTailChunk) {
       const int n = std::min(kTailChunk, n_tail - t0);
-      kv_rows_scores(kf, 1.f, q, n_q, tk + size_t(t0) * stride_bytes, stride_bytes, n, sc.s, sc.s_stride);
+      kv_rows_scores(kf, 1.f, sc.q_raw, n_q, tk + size_t(t0) * stride_bytes, stride_bytes, n, sc.s, sc.s_stride);
       softmax_update(sc, n_q, n, vd, ap);
       kv_rows_accum(vf, 1.f, sc.s, sc.s_stride, n_q, tv + size_t(t0) * stride_bytes, stride_bytes, n, sc.acc);
     }
   }
+}
 
+int max_span_tokens(const KvBlockSpan* spans, int n_spans) {
+  int max_bt = 0;
+  for (int b = 0; b < n_spans; ++b) max_bt = std::max(max_bt, spans[b].n);
+  return max_bt;
+}
+
+}  // namespace
+
+size_t attn_scratch_floats(const KvCodec& kc, const KvCodec& vc, int n_q, int max_block_tokens) {
+  return query_floats(kc, n_q) + part_floats(vc, n_q, max_block_tokens);
+}
+
+void attn_decode(const KvCodec& kc, const KvCodec& vc, int head, const float* q, int n_q,
+                 const KvBlockSpan* spans, int n_spans, const float* tail_k, const float* tail_v,
+                 size_t tail_stride, int n_tail, const AttnParams& ap, float* out, float* scratch) {
+  const int vd = vc.head_dim();
+  float* qp = scratch;
+  Scratch sc = carve_part(vc, n_q, max_span_tokens(spans, n_spans), scratch + query_floats(kc, n_q), qp);
+  sc.q_raw = q;
+  if (n_spans > 0) kc.prepare_query(head, q, n_q, qp);
+  run_part(kc, vc, head, n_q, spans, n_spans, tail_k, tail_v, tail_stride, n_tail, ap, sc);
   for (int i = 0; i < n_q; ++i) {
     const float inv = sc.l[i] > 0 ? 1.f / sc.l[i] : 0.f;
     for (int d = 0; d < vd; ++d) out[size_t(i) * size_t(vd) + size_t(d)] = sc.acc[size_t(i) * size_t(vd) + size_t(d)] * inv;
+  }
+}
+
+size_t attn_split_scratch_floats(const KvCodec& kc, const KvCodec& vc, int n_q, int max_block_tokens, int n_parts) {
+  return query_floats(kc, n_q) + size_t(std::max(1, n_parts)) * round16(part_floats(vc, n_q, max_block_tokens));
+}
+
+void attn_decode_split(const KvCodec& kc, const KvCodec& vc, int head, const float* q, int n_q,
+                       const KvBlockSpan* spans, int n_spans, const float* tail_k, const float* tail_v,
+                       size_t tail_stride, int n_tail, const AttnParams& ap, float* out, float* scratch,
+                       ThreadPool& pool, int n_parts) {
+  const int vd = vc.head_dim();
+  int total = 0;
+  for (int b = 0; b < n_spans; ++b) total += std::max(0, spans[b].n);
+  // Parts of fewer tokens than this cost more in wake-ups and merging than they save.
+  n_parts = std::max(1, std::min(n_parts, total / kSplitMinPartTokens));
+  if (n_parts <= 1)
+    return attn_decode(kc, vc, head, q, n_q, spans, n_spans, tail_k, tail_v, tail_stride, n_tail, ap, out, scratch);
+
+  // Contiguous span ranges of about total / n_parts tokens; the tail goes with the last part.
+  std::vector<int> first(size_t(n_parts) + 1, n_spans);
+  first[0] = 0;
+  for (int b = 0, p = 1, cum = 0; b < n_spans && p < n_parts; ++b) {
+    cum += std::max(0, spans[b].n);
+    while (p < n_parts && int64_t(cum) * n_parts >= int64_t(p) * total) first[size_t(p++)] = b + 1;
+  }
+  const int max_bt = max_span_tokens(spans, n_spans);
+  float* qp = scratch;
+  kc.prepare_query(head, q, n_q, qp);
+  const size_t part_stride = round16(part_floats(vc, n_q, max_bt));
+  float* parts = scratch + query_floats(kc, n_q);
+  pool.parallel_for(size_t(n_parts), 1, [&](size_t pb, size_t pe) {
+    for (size_t p = pb; p < pe; ++p) {
+      Scratch sc = carve_part(vc, n_q, max_bt, parts + p * part_stride, qp);
+      sc.q_raw = q;
+      const bool last = p + 1 == size_t(n_parts);
+      run_part(kc, vc, head, n_q, spans + first[p], first[p + 1] - first[p], last ? tail_k : nullptr,
+               last ? tail_v : nullptr, tail_stride, last ? n_tail : 0, ap, sc);
+    }
+  });
+  // Exact merge: part p holds m_p, l_p = sum exp(s - m_p), acc_p = sum exp(s - m_p) v, so with
+  // M = max m_p the whole is l = sum exp(m_p - M) l_p and acc = sum exp(m_p - M) acc_p.
+  for (int i = 0; i < n_q; ++i) {
+    float M = -std::numeric_limits<float>::infinity();
+    for (int p = 0; p < n_parts; ++p) M = std::max(M, carve_part(vc, n_q, max_bt, parts + size_t(p) * part_stride, qp).m[i]);
+    float* o = out + size_t(i) * size_t(vd);
+    std::fill(o, o + vd, 0.f);
+    float l = 0;
+    if (M != -std::numeric_limits<float>::infinity()) {
+      for (int p = 0; p < n_parts; ++p) {
+        const Scratch sc = carve_part(vc, n_q, max_bt, parts + size_t(p) * part_stride, qp);
+        if (sc.m[i] == -std::numeric_limits<float>::infinity()) continue;  // nothing attendable in it
+        const float w = std::exp(sc.m[i] - M);
+        l += w * sc.l[i];
+        const float* a = sc.acc + size_t(i) * size_t(vd);
+        for (int d = 0; d < vd; ++d) o[d] += w * a[d];
+      }
+    }
+    const float inv = l > 0 ? 1.f / l : 0.f;
+    for (int d = 0; d < vd; ++d) o[d] *= inv;
   }
 }
 

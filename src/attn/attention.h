@@ -9,6 +9,8 @@
 
 namespace kvq {
 
+class ThreadPool;
+
 // Tokens [t0, t0 + n) of one head block, whose slot 0 sits at absolute position pos0.
 struct KvBlockSpan {
   const uint8_t* k = nullptr;  // K head block
@@ -32,6 +34,18 @@ void attn_decode(const KvCodec& kc, const KvCodec& vc, int head, const float* q,
                  const KvBlockSpan* spans, int n_spans, const float* tail_k, const float* tail_v,
                  size_t tail_stride, int n_tail, const AttnParams& ap, float* out, float* scratch);
 size_t attn_scratch_floats(const KvCodec& kc, const KvCodec& vc, int n_q, int max_block_tokens);
+
+// Split-K (flash-decoding) for a long context when there are fewer (sequence, KV head) items than
+// threads: the spans are cut into up to n_parts contiguous ranges of about equal token counts
+// (at least 1024 tokens each, else fewer parts), each runs the online softmax on a pool thread and
+// keeps its (max, sum, accumulator), and the parts are merged exactly on the calling thread. The
+// tail goes with the last part. Same arguments and result as attn_decode; scratch: at least
+// attn_split_scratch_floats(...) floats. Must not be called from inside a job of `pool`.
+void attn_decode_split(const KvCodec& kc, const KvCodec& vc, int head, const float* q, int n_q,
+                       const KvBlockSpan* spans, int n_spans, const float* tail_k, const float* tail_v,
+                       size_t tail_stride, int n_tail, const AttnParams& ap, float* out, float* scratch,
+                       ThreadPool& pool, int n_parts);
+size_t attn_split_scratch_floats(const KvCodec& kc, const KvCodec& vc, int n_q, int max_block_tokens, int n_parts);
 
 // Reference: decodes every token to f32 (codec.decode) and computes softmax(q.K^T) V in double.
 void attn_decode_ref(const KvCodec& kc, const KvCodec& vc, int head, const float* q, int n_q,
