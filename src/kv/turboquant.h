@@ -138,6 +138,23 @@ using TqScoresFn = void (*)(const TqKernelArgs& a, const float* qp, int qp_strid
 using TqAccumulateFn = void (*)(const TqKernelArgs& a, const float* p, int p_stride, int n_q,
                                 const uint8_t* recs, int n, float* acc);
 
+// The AVX-512 scores run on int8 dot products (vpdpbusd, 64 multiply-adds per instruction, as the
+// int8 row kernels after quantizing the query once per step): codebook entries become
+// C = round(c / cs) with cs = max|c| / kTqScoreCbMax, each rotated query Q = round(q / qs) with
+// qs = max|q| / kTqScoreQMax. With q = qs Q + eq, c = cs C + ec, |eq| <= qs / 2, |ec| <= cs / 2,
+// expanding q c - qs cs Q C bounds the difference per score from the float reference by
+//   ||x|| * (||q||_1 * cs / 2 + dim * max|c| * qs / 2 + dim * qs * cs / 4)
+// (tq_score_error_bound). The stored codes and centroids, and with them the values, the
+// accumulate path and every other variant, are untouched. QJL (prod) keys and queries with a
+// non-finite entry take the float path: a rounded codebook is a fixed, query-correlated
+// perturbation, which would bias the otherwise unbiased prod estimator.
+constexpr int kTqScoreCbMax = 127;
+constexpr int kTqScoreQMax = 127;
+inline double tq_score_error_bound(double x_norm, double q_l1, double q_max, double cb_max, int dim) {
+  const double qs = q_max / kTqScoreQMax, cs = cb_max / kTqScoreCbMax;
+  return x_norm * (q_l1 * cs / 2 + dim * cb_max * qs / 2 + dim * qs * cs / 4);
+}
+
 // Everything encode needs: the rotation (signs for Hadamard, the matrix for dense), decision
 // thresholds and codebooks of both segments, and S for prod.
 struct TqEncodeArgs {

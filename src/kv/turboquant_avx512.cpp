@@ -217,17 +217,177 @@ void scores_chunk(const TqKernelArgs& a, const float* qp, int qp_stride, const u
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Scores on int8 (scales and error bound: kTqScoreCbMax in turboquant.h). vpdpbusd does 64
+// multiply-adds per instruction against 16 for an FMA. Codebook entries are biased by 128 to
+// be unsigned; 128 * sum(Q) per query removes the bias again. The tile, tree and output steps
+// are those of the float path above, which remains for queries with a non-finite entry.
+
+// 64 channels of a segment (or its last 16, 32, 48) decoded to biased int8 centroids: vpermb
+// gives qword L the b bytes of channels 8L..8L+7, vpmultishiftqb moves each channel's bits to its
+// byte, vpshufb looks the low 4 bits up in the codebook (repeated so junk above b bits is inert).
+struct BUnit {
+  int off;         // byte offset in the record
+  int c;           // first channel
+  __mmask32 ld;    // bytes to load
+  __mmask64 keep;  // channels of this unit (others zero: the query there belongs to another unit)
+  int seg;         // 0 high, 1 low
+};
+
+struct BSeg {
+  __m512i tbl, ctrl, msh;
+};
+
+BSeg make_bseg(int bits, const uint8_t* cu) {
+  alignas(64) uint8_t tb[64], ctrl[64], msh[64];
+  for (int j = 0; j < 64; ++j) {
+    const int lane = j / 8, m = j % 8;
+    tb[j] = cu[(j % 16) & ((1 << bits) - 1)];
+    ctrl[j] = uint8_t(lane * bits + m);
+    msh[j] = uint8_t(bits * m);
+  }
+  return {_mm512_load_si512(tb), _mm512_load_si512(ctrl), _mm512_load_si512(msh)};
+}
+
+int add_bunits(int c0, int n, int bits, int off, int seg, BUnit* u) {
+  int k = 0;
+  for (int c = 0; c < n; c += 64) {
+    const int m = std::min(64, n - c);
+    const int bytes = m * bits / 8;
+    u[k++] = {off + c * bits / 8, c0 + c, __mmask32(bytes >= 32 ? ~0u : (1u << bytes) - 1),
+              m == 64 ? ~__mmask64(0) : (__mmask64(1) << m) - 1, seg};
+  }
+  return k;
+}
+
+inline __m512i decode_bunit(const uint8_t* p, const BUnit& u, const BSeg& s) {
+  const __m512i raw = _mm512_zextsi256_si512(_mm256_maskz_loadu_epi8(u.ld, p));
+  const __m512i codes = _mm512_multishift_epi64_epi8(s.msh, _mm512_permutexvar_epi8(s.ctrl, raw));
+  return _mm512_maskz_shuffle_epi8(u.keep, s.tbl, _mm512_and_si512(codes, _mm512_set1_epi8(0x0f)));
+}
+
+template <int NQ>
+void scores_chunk_i8(const TqKernelArgs& a, const float* qp, int qp_stride, const uint8_t* recs, int n,
+                     float* out, int out_stride, const BSeg* segs, float cs) {
+  constexpr int TT = 16 / NQ;
+  const TqLayout& l = *a.layout;
+  const int d = l.dim;
+  const size_t rb = size_t(l.record_bytes);
+  BUnit units[kMaxDim / 16];
+  int n_units = add_bunits(0, l.n_hi, l.bits_hi, l.off_hi, 0, units);
+  if (l.n_hi < d) n_units += add_bunits(l.n_hi, d - l.n_hi, l.bits_lo, l.off_lo, 1, units + n_units);
+  // Rotated queries as int8, zero-padded by one unit.
+  alignas(64) int8_t q8[NQ][kMaxDim + 64];
+  float scale[NQ], bias[NQ];
+  for (int i = 0; i < NQ; ++i) {
+    const float* q = qp + size_t(i) * size_t(qp_stride);
+    __m512 m = _mm512_setzero_ps();
+    for (int c = 0; c < d; c += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(q + c)));
+    alignas(64) float mv[16];
+    _mm512_store_ps(mv, m);
+    const float qmax = *std::max_element(mv, mv + 16);
+    const __m512 vi = _mm512_set1_ps(qmax > 0 ? float(kTqScoreQMax) / qmax : 0.f);
+    __m512i qsum = _mm512_setzero_si512();
+    for (int c = 0; c < d; c += 16) {
+      const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + c), vi));
+      qsum = _mm512_add_epi32(qsum, qi);
+      _mm_store_si128(reinterpret_cast<__m128i*>(&q8[i][c]), _mm512_cvtsepi32_epi8(qi));
+    }
+    std::memset(&q8[i][d], 0, 64);
+    scale[i] = qmax > 0 ? qmax / float(kTqScoreQMax) * cs : 0.f;
+    alignas(64) int32_t qv[16];
+    _mm512_store_si512(qv, qsum);
+    int qtot = 0;
+    for (int k = 0; k < 16; ++k) qtot += qv[k];
+    bias[i] = 128.f * float(qtot) * scale[i];  // the codebook's +128, times sum(Q), scaled
+  }
+  __m512i sel[NQ];
+  for (int i = 0; i < NQ; ++i) {
+    alignas(64) int32_t idx[16] = {};
+    for (int tt = 0; tt < TT; ++tt) {
+      const int k = tt * NQ + i;
+      idx[tt] = 4 * (k % 4) + k / 4;
+    }
+    sel[i] = _mm512_load_si512(idx);
+  }
+  constexpr int CH = TT * (64 / TT);
+  alignas(64) float nrm[CH + 16];
+  for (int t0 = 0; t0 < n; t0 += TT) {
+    const int cnt = std::min(TT, n - t0);
+    if (t0 % CH == 0) {  // norms of a chunk, converted before its tiles (see the float path)
+      const int m = std::min(CH, n - t0);
+      alignas(64) uint16_t nh[CH + 16] = {};
+      for (int t = 0; t < m; ++t) std::memcpy(&nh[t], recs + size_t(t0 + t) * rb, 2);
+      for (int t = 0; t < m; t += 16)
+        _mm512_store_ps(nrm + t, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(nh + t))));
+    }
+    const uint8_t* rec0 = recs + size_t(t0) * rb;
+    __m512i acc[16];
+    for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_si512();
+    for (int j = 0; j < n_units; ++j) {
+      const BUnit& u = units[j];
+      const BSeg& sg = segs[u.seg];
+      __m512i q[NQ];
+      for (int i = 0; i < NQ; ++i) q[i] = _mm512_loadu_si512(&q8[i][u.c]);  // u.c: any multiple of 16
+      const uint8_t* p0 = rec0 + u.off;
+#pragma GCC unroll 16
+      for (int tt = 0; tt < TT; ++tt) {
+        if (tt >= cnt) break;
+        const __m512i v = decode_bunit(p0 + size_t(tt) * rb, u, sg);
+        for (int i = 0; i < NQ; ++i) acc[tt * NQ + i] = _mm512_dpbusd_epi32(acc[tt * NQ + i], v, q[i]);
+      }
+    }
+    __m512 accf[16];
+    for (int k = 0; k < 16; ++k) accf[k] = _mm512_cvtepi32_ps(acc[k]);
+    const __m512 h = hsum16_avx512(accf);
+    const __mmask16 st = __mmask16((1u << cnt) - 1);
+    const __m512 nv = _mm512_maskz_loadu_ps(st, nrm + t0 % CH);
+    for (int i = 0; i < NQ; ++i) {
+      const __m512 v = _mm512_fmsub_ps(_mm512_permutexvar_ps(sel[i], h), _mm512_set1_ps(scale[i]), _mm512_set1_ps(bias[i]));
+      _mm512_mask_storeu_ps(out + size_t(i) * size_t(out_stride) + size_t(t0), st, _mm512_mul_ps(v, nv));
+    }
+  }
+}
+
+template <int NQ>
+void scores_dispatch(const TqKernelArgs& a, const float* qp, int qp_stride, const uint8_t* recs, int n, float* out,
+                     int out_stride, const BSeg* segs, float cs) {
+  const int d = a.layout->dim;
+  __m512 bad = _mm512_setzero_ps();  // q * 0 is 0 for finite q, NaN for inf / NaN
+  for (int i = 0; i < NQ; ++i) {
+    const float* q = qp + size_t(i) * size_t(qp_stride);
+    for (int c = 0; c < d; c += 16) bad = _mm512_add_ps(bad, _mm512_mul_ps(_mm512_loadu_ps(q + c), _mm512_setzero_ps()));
+  }
+  // QJL keys stay on floats: their estimator is unbiased, and the rounded codebook would add a
+  // fixed (query-correlated) bias that shows up in the unbiasedness test.
+  if (a.layout->qjl || _mm512_cmp_ps_mask(bad, bad, _CMP_UNORD_Q) != 0)
+    return scores_chunk<NQ>(a, qp, qp_stride, recs, n, out, out_stride);
+  scores_chunk_i8<NQ>(a, qp, qp_stride, recs, n, out, out_stride, segs, cs);
+}
+
 void scores_avx512(const TqKernelArgs& a, const float* qp, int qp_stride, int n_q,
                    const uint8_t* recs, int n, float* out, int out_stride) {
+  const TqLayout& l = *a.layout;
+  const bool split = l.n_hi < l.dim;
+  float cmax = 0;
+  for (int k = 0; k < 16; ++k) cmax = std::max(cmax, std::max(std::fabs(a.cb_hi[k]), split ? std::fabs(a.cb_lo[k]) : 0.f));
+  const float cs = cmax > 0 ? cmax / float(kTqScoreCbMax) : 1.f;
+  uint8_t c_hi[16], c_lo[16];
+  for (int k = 0; k < 16; ++k) {
+    c_hi[k] = uint8_t(128 + std::lrint(a.cb_hi[k] / cs));
+    c_lo[k] = uint8_t(128 + std::lrint((split ? a.cb_lo[k] : 0.f) / cs));
+  }
+  const BSeg segs[2] = {make_bseg(l.bits_hi, c_hi), make_bseg(split ? l.bits_lo : l.bits_hi, c_lo)};
   int i = 0;
   for (; i + 4 <= n_q; i += 4)
-    scores_chunk<4>(a, qp + size_t(i) * size_t(qp_stride), qp_stride, recs, n, out + size_t(i) * size_t(out_stride), out_stride);
+    scores_dispatch<4>(a, qp + size_t(i) * size_t(qp_stride), qp_stride, recs, n, out + size_t(i) * size_t(out_stride),
+                       out_stride, segs, cs);
   const float* q = qp + size_t(i) * size_t(qp_stride);
   float* o = out + size_t(i) * size_t(out_stride);
   switch (n_q - i) {
-    case 3: scores_chunk<3>(a, q, qp_stride, recs, n, o, out_stride); break;
-    case 2: scores_chunk<2>(a, q, qp_stride, recs, n, o, out_stride); break;
-    case 1: scores_chunk<1>(a, q, qp_stride, recs, n, o, out_stride); break;
+    case 3: scores_dispatch<3>(a, q, qp_stride, recs, n, o, out_stride, segs, cs); break;
+    case 2: scores_dispatch<2>(a, q, qp_stride, recs, n, o, out_stride, segs, cs); break;
+    case 1: scores_dispatch<1>(a, q, qp_stride, recs, n, o, out_stride, segs, cs); break;
     default: break;
   }
 }
