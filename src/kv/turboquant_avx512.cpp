@@ -365,19 +365,43 @@ void scores_dispatch(const TqKernelArgs& a, const float* qp, int qp_stride, cons
   scores_chunk_i8<NQ>(a, qp, qp_stride, recs, n, out, out_stride, segs, cs);
 }
 
-void scores_avx512(const TqKernelArgs& a, const float* qp, int qp_stride, int n_q,
-                   const uint8_t* recs, int n, float* out, int out_stride) {
+// The int8 codebook tables of the last codebooks seen by this thread: building them takes longer
+// than scoring a few tokens, and consecutive calls (blocks of one head) share the codebooks. The
+// key is the codebook values themselves, so a codec at a reused address cannot hit a stale entry.
+struct I8Tables {
+  float cb[2][16] = {};
+  int bits[2] = {0, 0};
+  BSeg segs[2];
+  float cs = 1;
+};
+
+const I8Tables& i8_tables(const TqKernelArgs& a) {
+  thread_local I8Tables t;
   const TqLayout& l = *a.layout;
   const bool split = l.n_hi < l.dim;
+  float cb[2][16];
+  std::memcpy(cb[0], a.cb_hi, sizeof cb[0]);
+  for (int k = 0; k < 16; ++k) cb[1][k] = split ? a.cb_lo[k] : 0.f;
+  const int bits[2] = {l.bits_hi, split ? l.bits_lo : l.bits_hi};
+  if (bits[0] == t.bits[0] && bits[1] == t.bits[1] && std::memcmp(cb, t.cb, sizeof cb) == 0) return t;
   float cmax = 0;
-  for (int k = 0; k < 16; ++k) cmax = std::max(cmax, std::max(std::fabs(a.cb_hi[k]), split ? std::fabs(a.cb_lo[k]) : 0.f));
-  const float cs = cmax > 0 ? cmax / float(kTqScoreCbMax) : 1.f;
-  uint8_t c_hi[16], c_lo[16];
-  for (int k = 0; k < 16; ++k) {
-    c_hi[k] = uint8_t(128 + std::lrint(a.cb_hi[k] / cs));
-    c_lo[k] = uint8_t(128 + std::lrint((split ? a.cb_lo[k] : 0.f) / cs));
+  for (int k = 0; k < 16; ++k) cmax = std::max({cmax, std::fabs(cb[0][k]), std::fabs(cb[1][k])});
+  t.cs = cmax > 0 ? cmax / float(kTqScoreCbMax) : 1.f;
+  for (int s = 0; s < 2; ++s) {
+    uint8_t cu[16];
+    for (int k = 0; k < 16; ++k) cu[k] = uint8_t(128 + std::lrint(cb[s][k] / t.cs));
+    t.segs[s] = make_bseg(bits[s], cu);
+    t.bits[s] = bits[s];
   }
-  const BSeg segs[2] = {make_bseg(l.bits_hi, c_hi), make_bseg(split ? l.bits_lo : l.bits_hi, c_lo)};
+  std::memcpy(t.cb, cb, sizeof cb);
+  return t;
+}
+
+void scores_avx512(const TqKernelArgs& a, const float* qp, int qp_stride, int n_q,
+                   const uint8_t* recs, int n, float* out, int out_stride) {
+  const I8Tables& tb = i8_tables(a);
+  const BSeg* segs = tb.segs;
+  const float cs = tb.cs;
   int i = 0;
   for (; i + 4 <= n_q; i += 4)
     scores_dispatch<4>(a, qp + size_t(i) * size_t(qp_stride), qp_stride, recs, n, out + size_t(i) * size_t(out_stride),
