@@ -208,12 +208,16 @@ void k_scores_impl(const uint8_t* codes, size_t row_bytes, int n, int head_dim, 
 
 // Column strips of S chunks of 16 channels, the NQ x S accumulators in registers across all n
 // tokens (instead of a load/add/store of acc per token and query). A chunk decodes to its values
-// in registers: masked adds of scale * 2^j per bit plane give scale * code exactly (f16 scale,
-// code < 16), then one add of the zero: the reference's rounding, bit for bit.
+// with one vpermps of the codes (integer masked adds of 2^j per bit plane) into the group's
+// 16-entry table scale * j + zero, one FMA per group and token: scale * code is exact (f16 scale,
+// code < 16), so the table entry is the reference's sc * code + ze, bit for bit, and the FMA
+// pipes see only the table and the NQ accumulating FMAs.
 template <int B, int NQ, int S>
 void v_accum_nq(const uint8_t* rows, size_t row_bytes, int n, int head_dim, int group, const float* p,
                 int p_stride, float* acc) {
   const int ng = head_dim / group, nk = head_dim / 16, pb = head_dim / 8;
+  const bool blocks = head_dim % 64 == 0;  // strips (S % 4 == 0) then cover whole 64-channel blocks
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int k0 = 0; k0 < nk; k0 += S) {
     const int sn = std::min(S, nk - k0);
     __m512 a[NQ][S];
@@ -223,21 +227,31 @@ void v_accum_nq(const uint8_t* rows, size_t row_bytes, int n, int head_dim, int 
     for (int t = 0; t < n; ++t) {
       const uint8_t* row = rows + size_t(t) * row_bytes;
       const uint8_t* planes = row + size_t(ng) * 4;
+      __m512 pw[NQ];
+      for (int i = 0; i < NQ; ++i) pw[i] = _mm512_set1_ps(p[size_t(i) * p_stride + t]);
       int g_prev = -1;
-      __m512 sj[B], ze = _mm512_setzero_ps();
+      __m512 tbl = _mm512_setzero_ps();
+      __m512i c64 = _mm512_setzero_si512();
       for (int s = 0; s < sn; ++s) {
         const int k = k0 + s, g = 16 * k / group;
         if (g != g_prev) {
-          const float sc = _cvtsh_ss(kvg_load_f16(row, size_t(g)));
-          for (int j = 0; j < B; ++j) sj[j] = _mm512_set1_ps(sc * float(1 << j));
-          ze = _mm512_set1_ps(_cvtsh_ss(kvg_load_f16(row, size_t(ng + g))));
+          tbl = _mm512_fmadd_ps(iota, _mm512_set1_ps(_cvtsh_ss(kvg_load_f16(row, size_t(g)))),
+                                _mm512_set1_ps(_cvtsh_ss(kvg_load_f16(row, size_t(ng + g)))));
           g_prev = g;
         }
-        __m512 v = _mm512_setzero_ps();
-        for (int j = 0; j < B; ++j) v = _mm512_mask_add_ps(v, plane_mask(planes + j * pb, k), v, sj[j]);
-        v = _mm512_add_ps(v, ze);
-        for (int i = 0; i < NQ; ++i)
-          a[i][s] = _mm512_fmadd_ps(_mm512_set1_ps(p[size_t(i) * p_stride + t]), v, a[i][s]);
+        __m512i c;
+        if (blocks) {  // 64 codes as bytes once per block, widened per chunk
+          if (k % 4 == 0) c64 = codes64<B>(planes, pb, k / 4);
+          c = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c64, 0));
+          if (k % 4 == 1) c = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c64, 1));
+          if (k % 4 == 2) c = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c64, 2));
+          if (k % 4 == 3) c = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c64, 3));
+        } else {
+          c = _mm512_setzero_si512();
+          for (int j = 0; j < B; ++j) c = _mm512_mask_add_epi32(c, plane_mask(planes + j * pb, k), c, _mm512_set1_epi32(1 << j));
+        }
+        const __m512 v = _mm512_permutexvar_ps(c, tbl);
+        for (int i = 0; i < NQ; ++i) a[i][s] = _mm512_fmadd_ps(pw[i], v, a[i][s]);
       }
     }
     for (int i = 0; i < NQ; ++i)
@@ -245,15 +259,87 @@ void v_accum_nq(const uint8_t* rows, size_t row_bytes, int n, int head_dim, int 
   }
 }
 
+// The common shape (head_dim % 64 == 0, value groups of 16 / 32 / >= 64 channels): strips of
+// one 64-channel block, the block's 64 codes built once as bytes and widened per chunk, the
+// scales / zeros of the block's groups loaded as one vector, chunk loops fully unrolled so the
+// NQ x 4 accumulators and the group tables stay in registers. CPG: chunks per group (1, 2, 4).
+template <int B, int NQ, int CPG>
+void v_accum_blocks(const uint8_t* rows, size_t row_bytes, int n, int head_dim, int group, const float* p,
+                    int p_stride, float* acc) {
+  const int ng = head_dim / group, pb = head_dim / 8;
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int m = 0; m < head_dim / 64; ++m) {
+    const int g0 = 64 * m / group;  // first group of the block
+    __m512 a[NQ][4];
+    for (int i = 0; i < NQ; ++i)
+      for (int s = 0; s < 4; ++s) a[i][s] = _mm512_loadu_ps(acc + size_t(i) * head_dim + 64 * m + 16 * s);
+    for (int t = 0; t < n; ++t) {
+      const uint8_t* row = rows + size_t(t) * row_bytes;
+      const uint8_t* planes = row + size_t(ng) * 4;
+      // [scale g0..g0+3][zero g0..g0+3] (entries past the block's groups unused; the reads stay
+      // inside the row: zeros and planes follow the scales)
+      uint64_t sraw, zraw;
+      std::memcpy(&sraw, row + 2 * size_t(g0), 8);
+      std::memcpy(&zraw, row + 2 * size_t(ng + g0), 8);
+      const __m512 par = _mm512_castps256_ps512(
+          _mm256_cvtph_ps(_mm_set_epi64x(static_cast<long long>(zraw), static_cast<long long>(sraw))));
+      const __m512i c64 = codes64<B>(planes, pb, m);
+      __m512 pw[NQ];
+      for (int i = 0; i < NQ; ++i) pw[i] = _mm512_set1_ps(p[size_t(i) * p_stride + t]);
+      __m512 tbl = _mm512_setzero_ps();
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) {
+        if (s % CPG == 0) {
+          const int gi = s / CPG;
+          tbl = _mm512_fmadd_ps(iota, _mm512_permutexvar_ps(_mm512_set1_epi32(gi), par),
+                                _mm512_permutexvar_ps(_mm512_set1_epi32(4 + gi), par));
+        }
+        __m512i c;
+        switch (s) {
+          case 0: c = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(c64)); break;
+          case 1: c = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c64, 1)); break;
+          case 2: c = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c64, 2)); break;
+          default: c = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c64, 3)); break;
+        }
+        const __m512 v = _mm512_permutexvar_ps(c, tbl);
+#pragma GCC unroll 4
+        for (int i = 0; i < NQ; ++i) a[i][s] = _mm512_fmadd_ps(pw[i], v, a[i][s]);
+      }
+    }
+    for (int i = 0; i < NQ; ++i)
+      for (int s = 0; s < 4; ++s) _mm512_storeu_ps(acc + size_t(i) * head_dim + 64 * m + 16 * s, a[i][s]);
+  }
+}
+
+template <int B, int CPG>
+void v_accum_blocks_nq(const uint8_t* rows, size_t row_bytes, int n, int head_dim, int group, const float* p,
+                       int p_stride, int n_q, float* acc) {
+  for (int i0 = 0; i0 < n_q; i0 += 4) {
+    const float* pi = p + size_t(i0) * p_stride;
+    float* a = acc + size_t(i0) * head_dim;
+    switch (std::min(4, n_q - i0)) {
+      case 1: v_accum_blocks<B, 1, CPG>(rows, row_bytes, n, head_dim, group, pi, p_stride, a); break;
+      case 2: v_accum_blocks<B, 2, CPG>(rows, row_bytes, n, head_dim, group, pi, p_stride, a); break;
+      case 3: v_accum_blocks<B, 3, CPG>(rows, row_bytes, n, head_dim, group, pi, p_stride, a); break;
+      default: v_accum_blocks<B, 4, CPG>(rows, row_bytes, n, head_dim, group, pi, p_stride, a); break;
+    }
+  }
+}
+
 template <int B>
 void v_accum_impl(const uint8_t* rows, size_t row_bytes, int n, int head_dim, int group,
                   const float* p, int p_stride, int n_q, float* acc) {
+  if (head_dim % 64 == 0) {
+    if (group == 16) return v_accum_blocks_nq<B, 1>(rows, row_bytes, n, head_dim, group, p, p_stride, n_q, acc);
+    if (group == 32) return v_accum_blocks_nq<B, 2>(rows, row_bytes, n, head_dim, group, p, p_stride, n_q, acc);
+    if (group % 64 == 0) return v_accum_blocks_nq<B, 4>(rows, row_bytes, n, head_dim, group, p, p_stride, n_q, acc);
+  }
   for (int i0 = 0; i0 < n_q; i0 += 4) {
     const float* pi = p + size_t(i0) * p_stride;
     float* a = acc + size_t(i0) * head_dim;
     switch (std::min(4, n_q - i0)) {
       case 1: v_accum_nq<B, 1, 8>(rows, row_bytes, n, head_dim, group, pi, p_stride, a); break;
-      case 2: v_accum_nq<B, 2, 6>(rows, row_bytes, n, head_dim, group, pi, p_stride, a); break;
+      case 2: v_accum_nq<B, 2, 8>(rows, row_bytes, n, head_dim, group, pi, p_stride, a); break;
       case 3: v_accum_nq<B, 3, 4>(rows, row_bytes, n, head_dim, group, pi, p_stride, a); break;
       default: v_accum_nq<B, 4, 4>(rows, row_bytes, n, head_dim, group, pi, p_stride, a); break;
     }
