@@ -427,6 +427,42 @@ TEST(Kvquant, ScoreKernelParityRandomAndAdversarial) {
         }
 }
 
+// The query side of a run (turn by R(P)^T, permute into score order): AVX-512 equals the scalar
+// reference for every layout (the halves layout takes the reference), with adversarial rows.
+TEST(Kvquant, PrepQueryParity) {
+#if !defined(KVQ_HAVE_SIMD)
+  GTEST_SKIP() << "built without SIMD kernels";
+#else
+  const CpuLevel prev = cpu_set_level(CpuLevel::avx512);
+  const bool have = cpu_level() == CpuLevel::avx512;
+  cpu_set_level(prev);
+  if (!have) GTEST_SKIP() << "no AVX-512 on this machine";
+  struct Shape {
+    int d, n_rot;
+    bool neox;
+  };
+  for (const Shape sh : {Shape{128, 128, false}, Shape{128, 128, true}, Shape{64, 64, false}, Shape{256, 128, true},
+                         Shape{256, 192, false}, Shape{128, 0, false}, Shape{128, 96, false}, Shape{80, 32, true}}) {
+    const KvquantScoreLayout l = kvquant_layout(sh.d, sh.n_rot, sh.neox);
+    const int half = sh.n_rot / 2, n_q = 5;
+    auto q = gaussian(n_q, sh.d, 60 + sh.d + sh.n_rot);
+    q[3] = 6e4f;
+    for (int c = 0; c < sh.d; ++c) q[size_t(2 * sh.d + c)] *= 1e-30f;
+    std::vector<float> c(static_cast<size_t>(std::max(half, 1))), s(c.size());
+    for (int p = 0; p < half; ++p) {
+      c[size_t(p)] = float(std::cos(0.37 * p + 1));
+      s[size_t(p)] = float(std::sin(0.37 * p + 1));
+    }
+    std::vector<float> ref(q.size(), -1.f), got(q.size(), -2.f);
+    kvquant_prep_scalar(q.data(), n_q, sh.d, sh.n_rot, l, c.data(), s.data(), ref.data());
+    kvquant_prep_avx512(q.data(), n_q, sh.d, sh.n_rot, l, c.data(), s.data(), got.data());
+    for (size_t i = 0; i < q.size(); ++i)
+      ASSERT_NEAR(got[i], ref[i], 1e-6f * (std::fabs(ref[i]) + std::fabs(q[i])) + 1e-38f)
+          << "d " << sh.d << " n_rot " << sh.n_rot << " neox " << sh.neox << " i " << i;
+  }
+#endif
+}
+
 // cos/sin of the query's turn: the AVX-512 evaluation equals libm's rounded to f32 (at most one
 // f32 ulp apart where libm's double lands next to a rounding boundary) at positions up to 2^27,
 // for every frequency of a 128-dim head and odd pair counts.

@@ -77,6 +77,23 @@ void kvquant_scores_scalar(const KvquantScoreArgs& a, float* out, int out_stride
   }
 }
 
+void kvquant_prep_scalar(const float* q, int n_q, int head_dim, int n_rot, const KvquantScoreLayout& l,
+                         const float* c, const float* s, float* out) {
+  const int D = head_dim, half = n_rot / 2;
+  for (int i = 0; i < n_q; ++i) {
+    const float* qi = q + size_t(i) * D;
+    float* o = out + size_t(i) * D;
+    for (int p = 0; p < half; ++p) {
+      const int j = l.pair_j[size_t(p)];
+      const int ca = l.neox ? j : 2 * j, cb = l.neox ? j + half : 2 * j + 1;
+      const float x0 = qi[ca], x1 = qi[cb];
+      o[l.pair_a[size_t(p)]] = x0 * c[p] + x1 * s[p];
+      o[l.pair_b[size_t(p)]] = x1 * c[p] - x0 * s[p];
+    }
+    for (int ch = n_rot; ch < D; ++ch) o[l.slot[size_t(ch)]] = qi[ch];
+  }
+}
+
 void kvquant_sincos_scalar(long pos, const double* theta, int half, float* c, float* s) {
   for (int j = 0; j < half; ++j) {
     const double x = double(pos) * theta[j];
@@ -86,10 +103,10 @@ void kvquant_sincos_scalar(long pos, const double* theta, int half, float* c, fl
 }
 
 const KvquantKernels& kvquant_kernels() {
-  static const KvquantKernels scalar{kvquant_scores_scalar, kvquant_sincos_scalar};
+  static const KvquantKernels scalar{kvquant_scores_scalar, kvquant_sincos_scalar, kvquant_prep_scalar};
 #if defined(KVQ_HAVE_SIMD)
-  static const KvquantKernels avx2{kvquant_scores_avx2, kvquant_sincos_scalar};
-  static const KvquantKernels avx512{kvquant_scores_avx512, kvquant_sincos_avx512};
+  static const KvquantKernels avx2{kvquant_scores_avx2, kvquant_sincos_scalar, kvquant_prep_scalar};
+  static const KvquantKernels avx512{kvquant_scores_avx512, kvquant_sincos_avx512, kvquant_prep_avx512};
   switch (cpu_level()) {
     case CpuLevel::avx512: return avx512;
     case CpuLevel::avx2: return avx2;
@@ -243,10 +260,10 @@ class KvquantKeyCodec final : public KvCodec {
     rot_s_.resize(size_t(kRun) * half);
     for (int j = 0; j < half; ++j) theta_[size_t(j)] = rope_theta(c.rope, j);
     layout_ = kvquant_layout(c.head_dim, c.rope.n_rot, c.rope.neox);
-    std::vector<double> th(static_cast<size_t>(half));  // in table order
-    for (int p = 0; p < half; ++p) th[size_t(p)] = theta_[layout_.pair_j[size_t(p)]];
+    theta_tab_.resize(size_t(half));
+    for (int p = 0; p < half; ++p) theta_tab_[size_t(p)] = theta_[layout_.pair_j[size_t(p)]];
     for (int t = 0; t < kRun; ++t)
-      kvquant_sincos_scalar(t, th.data(), half, rot_c_.data() + size_t(t) * half,
+      kvquant_sincos_scalar(t, theta_tab_.data(), half, rot_c_.data() + size_t(t) * half,
                             rot_s_.data() + size_t(t) * half);
   }
   const KvCodecInfo& info() const override { return info_; }
@@ -363,7 +380,6 @@ class KvquantKeyCodec final : public KvCodec {
     kv_check_block_tokens(info_.name, block_tokens, cfg_.group_tokens);
     const KvquantKernels& kk = kvquant_kernels();
     const int D = cfg_.head_dim, G = cfg_.group_tokens, half = cfg_.rope.n_rot / 2;
-    const bool neox = cfg_.rope.neox;
     constexpr int qchunk = 8;  // bounds the stack copy of the rotated queries
     alignas(64) float qr[qchunk * kvg_max_head_dim];
     float pc[kvg_max_head_dim / 2], ps[kvg_max_head_dim / 2];
@@ -379,20 +395,10 @@ class KvquantKeyCodec final : public KvCodec {
     a.q = qr;
     for (int r0 = t0; r0 < t0 + n; r0 += kRun) {
       const int re = std::min(t0 + n, r0 + kRun);
-      if (half > 0) kk.sincos(long(pos0) + r0, theta_.data(), half, pc, ps);
+      if (half > 0) kk.sincos(long(pos0) + r0, theta_tab_.data(), half, pc, ps);
       for (int i0 = 0; i0 < n_q; i0 += qchunk) {
         const int m = std::min(qchunk, n_q - i0);
-        for (int i = 0; i < m; ++i) {
-          const float* q = qp + size_t(i0 + i) * D;
-          float* o = qr + size_t(i) * D;
-          for (int j = 0; j < half; ++j) {  // R(P)^T on pair j, written in score order
-            const int ca = neox ? j : 2 * j, cb = neox ? j + half : 2 * j + 1;
-            const float x0 = q[ca], x1 = q[cb];
-            o[layout_.slot[size_t(ca)]] = x0 * pc[j] + x1 * ps[j];
-            o[layout_.slot[size_t(cb)]] = x1 * pc[j] - x0 * ps[j];
-          }
-          for (int c = 2 * half; c < D; ++c) o[layout_.slot[size_t(c)]] = q[c];
-        }
+        kk.prep(qp + size_t(i0) * D, m, D, cfg_.rope.n_rot, layout_, pc, ps, qr);
         a.n_q = m;
         for (int t = r0; t < re;) {
           const int g = t / G, te = std::min(re, (g + 1) * G);
@@ -448,6 +454,7 @@ class KvquantKeyCodec final : public KvCodec {
   int n_thr_ = 0;
   static constexpr int kRun = 64;
   std::vector<double> theta_;        // (n_rot / 2)
+  std::vector<double> theta_tab_;    // (n_rot / 2): theta of table entry p
   KvquantScoreLayout layout_;
   std::vector<float> rot_c_, rot_s_;  // (kRun, n_rot / 2): cos / sin of t * theta of table entry p
 };

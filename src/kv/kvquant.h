@@ -141,10 +141,23 @@ using kvquant_scores_fn = void (*)(const KvquantScoreArgs& a, float* out, int ou
 // taken in double as double(pos) * theta[j] (what kv_rope_apply evaluates).
 using kvquant_sincos_fn = void (*)(long pos, const double* theta, int half, float* c, float* s);
 
+// The query side of a run: out[i, pair_a[p]] = qa c[p] + qb s[p], out[i, pair_b[p]] = qb c[p] -
+// qa s[p] with (qa, qb) = q[i]'s elements of entry p's RoPE pair (R(P)^T), and out[i, slot[c]] =
+// q[i, c] for c >= n_rot. q, out: (n_q, head_dim); c, s: (n_rot / 2) in table order.
+using kvquant_prep_fn = void (*)(const float* q, int n_q, int head_dim, int n_rot,
+                                 const KvquantScoreLayout& l, const float* c, const float* s, float* out);
+
 struct KvquantKernels {
   kvquant_scores_fn scores;
   kvquant_sincos_fn sincos;
+  kvquant_prep_fn prep;
 };
+void kvquant_prep_scalar(const float* q, int n_q, int head_dim, int n_rot, const KvquantScoreLayout& l,
+                         const float* c, const float* s, float* out);
+#if defined(KVQ_HAVE_SIMD)
+void kvquant_prep_avx512(const float* q, int n_q, int head_dim, int n_rot, const KvquantScoreLayout& l,
+                         const float* c, const float* s, float* out);
+#endif
 
 void kvquant_scores_scalar(const KvquantScoreArgs& a, float* out, int out_stride);
 void kvquant_sincos_scalar(long pos, const double* theta, int half, float* c, float* s);

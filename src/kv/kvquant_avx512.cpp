@@ -222,6 +222,36 @@ void kvquant_scores_avx512(const KvquantScoreArgs& a, float* out, int out_stride
   }
 }
 
+void kvquant_prep_avx512(const float* q, int n_q, int head_dim, int n_rot, const KvquantScoreLayout& l,
+                         const float* c, const float* s, float* out) {
+  if (l.layout != kvquant_layout_lanes) return kvquant_prep_scalar(q, n_q, head_dim, n_rot, l, c, s, out);
+  const int D = head_dim, half = n_rot / 2;
+  // Lanes r of block m = channels 64m + 4L + r: two two-source permutes pick lanes 0-7 from the
+  // block's first 32 floats and 8-15 from the last 32.
+  const __m512i pick = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+  const PairGeom g = l.neox ? PairGeom{16, half} : PairGeom{32, 16};
+  for (int i = 0; i < n_q; ++i) {
+    const float* qi = q + size_t(i) * D;
+    float* o = out + size_t(i) * D;
+    for (int m = 0; m < D / 64; ++m) {
+      const __m512 x0 = _mm512_loadu_ps(qi + 64 * m), x1 = _mm512_loadu_ps(qi + 64 * m + 16);
+      const __m512 x2 = _mm512_loadu_ps(qi + 64 * m + 32), x3 = _mm512_loadu_ps(qi + 64 * m + 48);
+      for (int r = 0; r < 4; ++r) {
+        const __m512i idx = _mm512_add_epi32(pick, _mm512_set1_epi32(r));
+        const __m512 lo = _mm512_permutex2var_ps(x0, idx, x1), hi = _mm512_permutex2var_ps(x2, idx, x3);
+        _mm512_storeu_ps(o + 64 * m + 16 * r, _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(1, 0, 1, 0)));
+      }
+    }
+    for (int p = 0; p < half; p += 16) {  // R(P)^T on the pairs, now in score order
+      const int ia = g.astride * (p / 16), ib = ia + g.boff;
+      const __m512 qa = _mm512_loadu_ps(o + ia), qb = _mm512_loadu_ps(o + ib);
+      const __m512 cv = _mm512_loadu_ps(c + p), sv = _mm512_loadu_ps(s + p);
+      _mm512_storeu_ps(o + ia, _mm512_fmadd_ps(qa, cv, _mm512_mul_ps(qb, sv)));
+      _mm512_storeu_ps(o + ib, _mm512_fmsub_ps(qb, cv, _mm512_mul_ps(qa, sv)));
+    }
+  }
+}
+
 void kvquant_sincos_avx512(long pos, const double* theta, int half, float* c, float* s) {
   const __m512d p = _mm512_set1_pd(double(pos));
   const __m512d two_over_pi = _mm512_set1_pd(0.6366197723675814);
