@@ -1,14 +1,20 @@
 // Decode attention for one KV head and its GQA group (attn_decode over packed head blocks of
 // 64 tokens, no tail), for every registered format: GB/s of KV bytes read, % of this machine's
-// measured single-thread read bandwidth (the kernel runs on one thread), and speed relative to
-// f16 at the same shape. KV buffers are replicated so one iteration's bytes come from DRAM, not
+// read bandwidth measured with the same number of threads (bw_pct of bw_ref_GBps), and speed
+// relative to f16 at the same shape and thread count. decode/: one thread (attn_decode);
+// decode_t2/: split-K over 2 threads (attn_decode_split); hot/: one thread over 8 L2-resident
+// blocks reused for the whole context, i.e. the kernels' compute cost without DRAM. KV buffers are replicated so one iteration's bytes come from DRAM, not
 // L3. Also: encode time of one token (one head, K and V) per format.
 //
 // Default run: head_dim 128, 4 query heads, 4K and 32K tokens. KVQ_ATTN_BENCH_FULL=1 adds
 // 128K tokens, head_dim 64/256 and 8 query heads. Filter with --benchmark_filter=<regex>.
 #include <benchmark/benchmark.h>
 
+#include <sys/mman.h>
+
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdlib>
 #include <ctime>
 #include <map>
@@ -32,12 +38,22 @@ namespace {
 
 constexpr int kBlock = 64;
 
-double machine_bw() {
-  static const double bw = [] {
-    ThreadPool pool(1);
-    return measure_read_bandwidth_gbs(pool, size_t(1) << 29, 3);
-  }();
-  return bw;
+// Read bandwidth measured with the same number of threads as the kernel under test.
+double machine_bw(int threads) {
+  static std::map<int, double> bw;
+  auto it = bw.find(threads);
+  if (it == bw.end()) {
+    ThreadPool pool(threads);
+    it = bw.emplace(threads, measure_read_bandwidth_gbs(pool, size_t(1) << 29, 3)).first;
+  }
+  return it->second;
+}
+
+ThreadPool& bench_pool(int threads) {
+  static std::map<int, std::unique_ptr<ThreadPool>> pools;
+  auto& p = pools[threads];
+  if (!p) p = std::make_unique<ThreadPool>(threads);
+  return *p;
 }
 
 const nlohmann::json& bench_calib() {
@@ -61,18 +77,44 @@ struct Shape {
   std::string key() const { return std::to_string(ctx) + "/" + std::to_string(hd) + "/" + std::to_string(n_q); }
 };
 
+// KV buffers straight from mmap; KVQ_ATTN_BENCH_HUGEPAGES=1 asks for 2 MiB pages (madvise before
+// the first touch), to separate TLB cost from DRAM cost: the 4 KiB-page default is what a page
+// pool without huge pages gives.
+class PageBuf {
+ public:
+  PageBuf() = default;
+  PageBuf(const PageBuf&) = delete;
+  PageBuf& operator=(const PageBuf&) = delete;
+  ~PageBuf() { if (p_) munmap(p_, n_); }
+  void resize(size_t n) {
+    if (p_) munmap(p_, n_);
+    n_ = std::max<size_t>(n, 1);
+    void* p = mmap(nullptr, n_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    if (std::getenv("KVQ_ATTN_BENCH_HUGEPAGES")) madvise(p, n_, MADV_HUGEPAGE);
+    p_ = static_cast<uint8_t*>(p);
+    std::memset(p_, 0, n_);
+  }
+  uint8_t* data() { return p_; }
+  const uint8_t* data() const { return p_; }
+
+ private:
+  uint8_t* p_ = nullptr;
+  size_t n_ = 0;
+};
+
 // The encoded KV of the last (format, shape): Google Benchmark calls a benchmark function several
 // times (iteration-count probing, repetitions); encoding 2 x 128K tokens each time would dominate
 // the run. One entry only, so memory stays at one format's buffers.
 struct DecodeData {
   std::string key;
   std::unique_ptr<KvCodec> kc, vc;
-  AlignedBuf<uint8_t> kbuf, vbuf;
+  PageBuf kbuf, vbuf;
   int copies = 0;
   size_t kb = 0, vb = 0;
 };
 
-void bm_decode(benchmark::State& st, std::string format, Shape sh, bool hot) {
+void bm_decode(benchmark::State& st, std::string format, Shape sh, bool hot, int threads) {
   static std::unique_ptr<DecodeData> cache;
   const std::string key = format + "/" + sh.key();
   if (!cache || cache->key != key) {
@@ -136,28 +178,39 @@ void bm_decode(benchmark::State& st, std::string format, Shape sh, bool hot) {
       spans[size_t(c)].push_back({kbase + blk * kb, vbase + blk * vb, kBlock, 0, kBlock, b * kBlock});
     }
   std::vector<float> q(size_t(sh.n_q) * size_t(sh.hd), 0.05f), out(q.size());
-  AlignedBuf<float> scratch(attn_scratch_floats(*kc, *vc, sh.n_q, kBlock));
+  AlignedBuf<float> scratch(threads > 1 ? attn_split_scratch_floats(*kc, *vc, sh.n_q, kBlock, threads)
+                                        : attn_scratch_floats(*kc, *vc, sh.n_q, kBlock));
   AttnParams ap;
   ap.scale = 1.f / std::sqrt(float(sh.hd));
+  ThreadPool* pool = threads > 1 ? &bench_pool(threads) : nullptr;
   int c = 0;
-  const double t0 = cpu_seconds();
+  const double t0 = threads > 1 ? now_seconds() : cpu_seconds();
   for (auto _ : st) {
-    attn_decode(*kc, *vc, 0, q.data(), sh.n_q, spans[size_t(c)].data(), n_blocks, nullptr, nullptr, 0, 0, ap,
-                out.data(), scratch.data());
+    if (pool)
+      attn_decode_split(*kc, *vc, 0, q.data(), sh.n_q, spans[size_t(c)].data(), n_blocks, nullptr, nullptr, 0, 0, ap,
+                        out.data(), scratch.data(), *pool, threads);
+    else
+      attn_decode(*kc, *vc, 0, q.data(), sh.n_q, spans[size_t(c)].data(), n_blocks, nullptr, nullptr, 0, 0, ap,
+                  out.data(), scratch.data());
     benchmark::DoNotOptimize(out.data());
     c = (c + 1) % copies;
   }
-  const double per_call = (cpu_seconds() - t0) / double(std::max<int64_t>(1, int64_t(st.iterations())));
-  // Rates from this thread's CPU time: the machine is shared, and wall time would charge this
-  // single-threaded kernel for other processes' time slices.
+  const double t1 = threads > 1 ? now_seconds() : cpu_seconds();
+  const double per_call = (t1 - t0) / double(std::max<int64_t>(1, int64_t(st.iterations())));
+  // Single thread: rates from this thread's CPU time (the machine is shared, and wall time would
+  // charge the kernel for other processes' time slices). Split-K over several threads: wall time,
+  // which a busy machine inflates.
   const double bytes = double(copy_bytes);
   st.counters["GBps"] = bytes / per_call / 1e9;
-  st.counters["bw_pct"] = 100 * bytes / per_call / 1e9 / machine_bw();
+  // bw_pct: % of the read bandwidth measured with `threads` threads (bw_ref_GBps).
+  st.counters["bw_pct"] = 100 * bytes / per_call / 1e9 / machine_bw(threads);
+  st.counters["bw_ref_GBps"] = machine_bw(threads);
+  st.counters["threads"] = threads;
   st.counters["us"] = per_call * 1e6;
   st.counters["bits"] = 8.0 * bytes / (2.0 * sh.ctx * sh.hd);
   // Speed relative to f16 at the same shape (f16 is registered before the quantized formats):
   // > 1 = faster than f16.
-  const std::string fkey = sh.key() + (hot ? "/hot" : "");
+  const std::string fkey = sh.key() + (hot ? "/hot" : "") + "/t" + std::to_string(threads);
   if (format == "f16") f16_time()[fkey] = per_call;
   auto it = f16_time().find(fkey);
   if (it != f16_time().end()) st.counters["x_f16"] = it->second / per_call;
@@ -210,14 +263,23 @@ struct Registrar {
       for (const auto& n : names)
         benchmark::RegisterBenchmark(("decode/" + n + "/ctx" + std::to_string(sh.ctx) + "/hd" + std::to_string(sh.hd) +
                                       "/nq" + std::to_string(sh.n_q)).c_str(),
-                                     bm_decode, n, sh, false)
+                                     bm_decode, n, sh, false, 1)
             ->Unit(benchmark::kMicrosecond)
+            ->MinTime(0.2);
+    // Split-K over 2 threads (attn_decode_split), against the 2-thread read bandwidth.
+    for (const Shape& sh : shapes)
+      for (const auto& n : names)
+        benchmark::RegisterBenchmark(("decode_t2/" + n + "/ctx" + std::to_string(sh.ctx) + "/hd" + std::to_string(sh.hd) +
+                                      "/nq" + std::to_string(sh.n_q)).c_str(),
+                                     bm_decode, n, sh, false, 2)
+            ->Unit(benchmark::kMicrosecond)
+            ->UseRealTime()
             ->MinTime(0.2);
     for (const Shape& sh : shapes)
       for (const auto& n : names)
         benchmark::RegisterBenchmark(("hot/" + n + "/ctx" + std::to_string(sh.ctx) + "/hd" + std::to_string(sh.hd) +
                                       "/nq" + std::to_string(sh.n_q)).c_str(),
-                                     bm_decode, n, sh, true)
+                                     bm_decode, n, sh, true, 1)
             ->Unit(benchmark::kMicrosecond)
             ->MinTime(0.2);
     for (const auto& n : names)

@@ -11,9 +11,11 @@
 
 #include "attn/attention.h"
 #include "attn/softmax.h"
+#include "cache/kv_cache.h"
 #include "core/aligned.h"
 #include "core/cpu.h"
 #include "core/error.h"
+#include "kv/policy.h"
 #include "core/thread_pool.h"
 #include "kv/kv_rows.h"
 #include "kvq/kv_format.h"
@@ -324,6 +326,47 @@ TEST(Attention, SplitKMatchesReferenceAndSinglePass) {
             }
           }
         }
+      }
+    }
+  }
+}
+
+// The engine's split path: KvCache::attend_head with a pool gives the single-pass result, over
+// pages, with a sliding window and with a grouped format's f32 tail (kivi4: the newest tokens are
+// not yet quantized).
+TEST(Attention, KvCacheAttendHeadSplitMatchesSinglePass) {
+  const int hd = 64, n_q = 2, n_tok = 3000;
+  for (const char* fmt : {"f16", "q4_0", "kivi4"}) {
+    KvCacheConfig c;
+    c.n_layer = 1;
+    c.n_kv_heads = 2;
+    c.head_dim = hd;
+    c.page_tokens = 64;
+    c.max_tokens = 4096;
+    c.policy = kv_policy_uniform(fmt, c.n_layer);
+    c.rope.assign(1, KvRope{hd, 10000.f, 1.f, false});
+    c.model_id = "synthetic";
+    KvCache cache(c);
+    std::mt19937 rng(5);
+    std::normal_distribution<float> nd;
+    std::vector<float> k(size_t(n_tok) * 2 * hd), v(k.size()), q(size_t(n_q) * hd);
+    for (auto& x : k) x = nd(rng);
+    for (auto& x : v) x = nd(rng);
+    for (auto& x : q) x = nd(rng);
+    cache.append(0, n_tok, k.data(), k.data(), v.data());
+    cache.commit(n_tok);
+    ThreadPool pool(2);
+    std::vector<float> one(size_t(n_q) * hd), split(one.size());
+    std::vector<float> s1(cache.attend_scratch_floats(n_q)), s2(cache.attend_scratch_floats(n_q, pool.size()));
+    std::vector<KvBlockSpan> spans;
+    AttnParams ap;
+    ap.scale = 0.125f;
+    for (int window : {0, 2500}) {
+      for (int h = 0; h < 2; ++h) {
+        cache.attend_head(0, h, n_tok - 1, q.data(), n_q, ap, window, one.data(), s1.data(), spans);
+        cache.attend_head(0, h, n_tok - 1, q.data(), n_q, ap, window, split.data(), s2.data(), spans, &pool);
+        for (size_t i = 0; i < one.size(); ++i)
+          ASSERT_NEAR(split[i], one[i], 2e-5) << fmt << " window " << window << " head " << h;
       }
     }
   }

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/thread_pool.h"
 
 namespace kvq {
 
@@ -240,14 +241,17 @@ void KvCache::append(int layer, int n, const float* k_pre, const float* k, const
   L.pending = n;
 }
 
-size_t KvCache::attend_scratch_floats(int n_q) const {
+size_t KvCache::attend_scratch_floats(int n_q, int n_parts) const {
   size_t m = 0;
-  for (const auto& L : layers_) m = std::max(m, attn_scratch_floats(*L.k, *L.v, n_q, max_block_tokens_));
+  for (const auto& L : layers_)
+    m = std::max(m, n_parts > 1 ? attn_split_scratch_floats(*L.k, *L.v, n_q, max_block_tokens_, n_parts)
+                                : attn_scratch_floats(*L.k, *L.v, n_q, max_block_tokens_));
   return m;
 }
 
 void KvCache::attend_head(int layer, int head, int pos, const float* q, int n_q, const AttnParams& ap,
-                          int window, float* out, float* scratch, std::vector<KvBlockSpan>& spans) const {
+                          int window, float* out, float* scratch, std::vector<KvBlockSpan>& spans,
+                          ThreadPool* split) const {
   const Layer& L = layers_[size_t(layer)];
   KVQ_CHECK(pos < n_tokens_ + L.pending, "query position {} beyond the appended tokens", pos);
   const int P = cfg_.page_tokens;
@@ -278,8 +282,12 @@ void KvCache::attend_head(int layer, int head, int pos, const float* q, int n_q,
     tk = L.tail_k[size_t(head)].data() + size_t(tail_from - L.tail_start) * size_t(cfg_.head_dim);
     tv = L.tail_v[size_t(head)].data() + size_t(tail_from - L.tail_start) * size_t(cfg_.head_dim);
   }
-  attn_decode(*L.k, *L.v, head, q, n_q, spans.data(), int(spans.size()), tk, tv, size_t(cfg_.head_dim), n_tail,
-              ap, out, scratch);
+  if (split && split->size() > 1)
+    attn_decode_split(*L.k, *L.v, head, q, n_q, spans.data(), int(spans.size()), tk, tv, size_t(cfg_.head_dim),
+                      n_tail, ap, out, scratch, *split, split->size());
+  else
+    attn_decode(*L.k, *L.v, head, q, n_q, spans.data(), int(spans.size()), tk, tv, size_t(cfg_.head_dim), n_tail,
+                ap, out, scratch);
 }
 
 void KvCache::commit(int n) {

@@ -121,10 +121,13 @@ class KvCache {
   void append(int layer, int n, const float* k_pre, const float* k, const float* v);
   // Attention for one query position `pos` (n_tokens() <= pos < n_tokens() + n appended) and KV
   // head `head`: q (n_q, head_dim) -> out (n_q, head_dim). window > 0: sees the last `window`
-  // positions only. scratch: attend_scratch_floats() floats, private to the calling thread.
+  // positions only. scratch: attend_scratch_floats(n_q) floats, private to the calling thread.
+  // split: split-K over that pool's threads (attn_decode_split; the caller must not be inside a
+  // job of it), scratch then attend_scratch_floats(n_q, split->size()) floats.
   void attend_head(int layer, int head, int pos, const float* q, int n_q, const AttnParams& ap,
-                   int window, float* out, float* scratch, std::vector<KvBlockSpan>& spans) const;
-  size_t attend_scratch_floats(int n_q) const;
+                   int window, float* out, float* scratch, std::vector<KvBlockSpan>& spans,
+                   ThreadPool* split = nullptr) const;
+  size_t attend_scratch_floats(int n_q, int n_parts = 1) const;
   // Ends the step: the n appended tokens become part of the sequence.
   void commit(int n);
   // Drops everything (new sequence). Pool mode: the same as release().

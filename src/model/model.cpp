@@ -11,6 +11,10 @@ namespace kvq {
 
 namespace {
 
+// Decode attention switches to split-K (see the attention step) from this context length on:
+// two parts of attn_decode_split's minimum size.
+constexpr int kSplitMinContext = 2048;
+
 WeightView view_of(const gguf::File& f, const std::string& name, int64_t n_in, int64_t n_out, bool required = true) {
   const gguf::TensorInfo* t = f.find_tensor(name);
   if (!t) {
@@ -246,7 +250,9 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
     }
   }
   size_t scratch_need = 0;
-  for (int si = 0; si < n_seqs; ++si) scratch_need = std::max(scratch_need, seqs[si].cache->attend_scratch_floats(group));
+  // Every thread's buffer can serve a split-K call (thread 0 makes them; see the attention below).
+  for (int si = 0; si < n_seqs; ++si)
+    scratch_need = std::max(scratch_need, seqs[si].cache->attend_scratch_floats(group, pool_.size()));
   for (auto& sb : attn_scratch_)
     if (sb.size() < scratch_need) sb.resize(scratch_need);
   std::vector<float> cs(size_t(c.n_rot));
@@ -277,7 +283,22 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
     }
     const int window = c.layer_window(il);
     const int items = n * nkv;
-    pool_.run([&](int ti, int nt) {
+    // Fewer (row, KV head) items than threads and long contexts (decode of one sequence; Gemma 3
+    // has a single KV head): split each item's context over the threads instead of leaving
+    // threads idle. attn_decode_split itself falls back to one pass below 2 x 1024 tokens.
+    bool split = pool_.size() > 1 && items < pool_.size();
+    for (int r = 0; r < n && split; ++r) {
+      const int ctx = row_pos_[size_t(r)] + 1;
+      split = (window > 0 ? std::min(window, ctx) : ctx) >= kSplitMinContext;
+    }
+    if (split) {
+      for (int w = 0; w < items; ++w) {
+        const int r = w / nkv, h = w % nkv;
+        const size_t qo = size_t(r) * size_t(qd) + size_t(h) * size_t(group) * size_t(hd);
+        seqs[row_seq_[size_t(r)]].cache->attend_head(il, h, row_pos_[size_t(r)], q_.data() + qo, group, ap, window,
+                                                     attn_out_.data() + qo, attn_scratch_[0].data(), spans_[0], &pool_);
+      }
+    } else pool_.run([&](int ti, int nt) {
       for (int w = ti; w < items; w += nt) {
         const int r = w / nkv, h = w % nkv;
         const size_t qo = size_t(r) * size_t(qd) + size_t(h) * size_t(group) * size_t(hd);
