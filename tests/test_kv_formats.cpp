@@ -602,7 +602,9 @@ TEST(KernelParity, IntDotScoresWithinQueryQuantizationBound) {
       ASSERT_EQ(extra, hd / 2);
       for (Pattern pat : {Pattern::random, Pattern::outlier_channel, Pattern::constant_rows, Pattern::zeros,
                           Pattern::huge, Pattern::tiny, Pattern::mixed_scale}) {
-        const int n = 37;
+        // n = 1: remainder paths only; 37: every token-group width leaves a remainder (head_dim
+        // 64 pairs tokens); 64: a full block.
+        for (int n : {1, 37, 64}) {
         auto x = make_rows(pat, n, hd, rng);
         std::vector<uint8_t> rows(size_t(n) * f.row_bytes);
         for (int t = 0; t < n; ++t) kv_row_encode(f, 1.f, x.data() + size_t(t) * hd, rows.data() + size_t(t) * f.row_bytes);
@@ -643,11 +645,12 @@ TEST(KernelParity, IntDotScoresWithinQueryQuantizationBound) {
                 }
                 const double b = test::int_dot_bound(f, q.data() + size_t(i) * hd, rows.data() + size_t(t) * f.row_bytes);
                 ASSERT_LE(std::fabs(double(s[k]) - double(s_ref[k])), b)
-                    << ec.name << " hd " << hd << " pattern " << int(pat) << " nq " << nq << " i " << i << " t " << t
+                    << ec.name << " n " << n << " hd " << hd << " pattern " << int(pat) << " nq " << nq << " i " << i << " t " << t
                     << " variant " << variant;
                 worst_ratio = std::max(worst_ratio, std::fabs(double(s[k]) - double(s_ref[k])) / b);
               }
           }
+        }
         }
       }
     }

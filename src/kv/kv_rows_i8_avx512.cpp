@@ -30,6 +30,9 @@ struct Ctx {
   int ng = 0;         // int4g: groups per row
   int group = 0;
   __m512i idx_a, idx_b;  // q4_0: code words, scale words; int4g: scale words, min words
+  // head_dim 64, two tokens per vector (see scores_pairs): the same selections with the second
+  // row's words taken from the second source of a two-source word permute.
+  __m512i pair_a, pair_b, pair_c;  // q4_0: code words, scale words; int4g: scale words, min words
 };
 
 Ctx make_ctx(const KvRowFmt& f) {
@@ -61,6 +64,27 @@ Ctx make_ctx(const KvRowFmt& f) {
   }
   x.idx_a = _mm512_load_si512(a);
   x.idx_b = _mm512_load_si512(b);
+  alignas(64) int16_t pa[32] = {}, pb[32] = {}, pc[32] = {};
+  if (f.elem == KvElem::q4_0) {
+    for (int w = 0; w < 16; ++w) {
+      pa[w] = a[w];            // row 0's code words of blocks 0, 1 (all below word 18)
+      pa[16 + w] = int16_t(32 + a[w]);  // row 1's
+    }
+    for (int k = 0; k < 8; ++k) {
+      pb[k] = b[k];
+      pb[8 + k] = int16_t(32 + b[k]);
+    }
+  } else {
+    for (int k = 0; k < 8; ++k) {
+      pb[k] = a[k];
+      pb[8 + k] = int16_t(32 + a[k]);
+      pc[k] = b[k];
+      pc[8 + k] = int16_t(32 + b[k]);
+    }
+  }
+  x.pair_a = _mm512_load_si512(pa);
+  x.pair_b = _mm512_load_si512(pb);
+  x.pair_c = _mm512_load_si512(pc);
   return x;
 }
 
@@ -198,12 +222,97 @@ void scores_nq(const Ctx& x, const float* qp, size_t q_stride, const uint8_t* ro
   }
 }
 
+// head_dim 64: one row fills only half a chunk, so two tokens share each vector: row t's 64 codes
+// in bytes 0..31 (lanes 0..7), row t + 1's in bytes 32..63 (lanes 8..15), against the query image
+// broadcast to both halves. Per vector the two tokens' 8-lane partial sums are already what
+// hsum16_from_pairs_avx512 takes as one first-level input.
+template <KvElem E>
+[[gnu::always_inline]] inline Chunk load_pair(const Ctx& x, const uint8_t* r0, const uint8_t* r1) {
+  Chunk k;
+  if constexpr (E == KvElem::q4_0) {
+    const __mmask64 m36 = (__mmask64(1) << 36) - 1;  // 2 blocks of 18 bytes: nothing past the row
+    const __m512i a = _mm512_maskz_loadu_epi8(m36, r0), b = _mm512_maskz_loadu_epi8(m36, r1);
+    split_nibbles(_mm512_permutex2var_epi16(a, x.pair_a, b), k);
+    k.s = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutex2var_epi16(a, x.pair_b, b)));
+    k.m = _mm512_mul_ps(k.s, _mm512_set1_ps(-8.f));
+  } else {
+    static_assert(E == KvElem::int4g);
+    const __m256i c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + x.code_off));
+    const __m256i c1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + x.code_off));
+    split_nibbles(_mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1), k);
+    const __mmask64 mp = (__mmask64(1) << x.code_off) - 1;  // the (scale, min) table: <= 8 bytes
+    const __m512i a = _mm512_maskz_loadu_epi8(mp, r0), b = _mm512_maskz_loadu_epi8(mp, r1);
+    k.s = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutex2var_epi16(a, x.pair_b, b)));
+    k.m = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutex2var_epi16(a, x.pair_c, b)));
+  }
+  return k;
+}
+
+template <KvElem E, int NQ>
+void scores_pairs(const Ctx& x, const float* qp, size_t q_stride, const uint8_t* rows, size_t row_stride, int n,
+                  float* out, int out_stride) {
+  constexpr int NQP = NQ == 3 ? 4 : NQ;
+  constexpr int TU = 16 / NQP;  // tokens per step, TU / 2 pairs
+  constexpr int PP = TU / 2;
+  QRow q[NQ];
+  __m512i qlo[NQ], qhi[NQ];
+  __m512 dq[NQ], qs[NQ];
+  for (int i = 0; i < NQ; ++i) {
+    q[i] = qrow(x, qp, q_stride, i);
+    qlo[i] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[i].lo)));
+    qhi[i] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[i].hi)));
+    dq[i] = _mm512_broadcast_f32x8(_mm256_loadu_ps(q[i].dq));
+    qs[i] = _mm512_broadcast_f32x8(_mm256_loadu_ps(q[i].qs));
+  }
+  // Slot of (query i, token u) in the result: pair vector j = i * PP + u / 2 is first-level input
+  // j of the tree, its token u % 2 the tree's input k = 2j + u % 2, which lands in lane
+  // 4 (k % 4) + k / 4.
+  int t = 0;
+  for (; t + TU <= n; t += TU) {
+    kv_rows_simd::kv_prefetch_ahead(rows, row_stride, t, TU, n);
+    __m512 u[8];
+    for (int j = NQ * PP; j < 8; ++j) u[j] = _mm512_setzero_ps();
+    for (int p = 0; p < PP; ++p) {
+      const uint8_t* r0 = rows + size_t(t + 2 * p) * row_stride;
+      const Chunk k = load_pair<E>(x, r0, r0 + row_stride);
+      for (int i = 0; i < NQ; ++i) {
+        __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k.lo, qlo[i]);
+        acc = _mm512_dpbusd_epi32(acc, k.hi, qhi[i]);
+        const __m512 tq = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), dq[i]);
+        u[i * PP + p] = _mm512_fmadd_ps(k.m, qs[i], _mm512_mul_ps(tq, k.s));
+      }
+    }
+    alignas(64) float z[16];
+    _mm512_store_ps(z, hsum16_from_pairs_avx512(u));
+    for (int i = 0; i < NQ; ++i)
+      for (int v = 0; v < TU; ++v) {
+        const int kk = 2 * (i * PP + v / 2) + v % 2;
+        out[size_t(i) * size_t(out_stride) + size_t(t + v)] = z[4 * (kk % 4) + kk / 4];
+      }
+  }
+  for (; t < n; ++t) {  // remainder: one token at a time (the half-chunk path)
+    __m512 F[NQ];
+    for (int i = 0; i < NQ; ++i) F[i] = _mm512_setzero_ps();
+    token_dot<E, NQ, 64>(x, q, rows + size_t(t) * row_stride, F);
+    for (int i = 0; i < NQ; ++i) out[size_t(i) * size_t(out_stride) + size_t(t)] = _mm512_reduce_add_ps(F[i]);
+  }
+}
+
 template <KvElem E, int HD>
 void scores_elem(const Ctx& x, const float* qp, size_t q_stride, int n_q, const uint8_t* rows, size_t row_stride,
                  int n, float* out, int out_stride) {
   for (int i0 = 0; i0 < n_q; i0 += 4) {
     const float* qi = qp + size_t(i0) * q_stride;
     float* o = out + size_t(i0) * size_t(out_stride);
+    if constexpr (HD == 64 && E != KvElem::int2g) {
+      switch (std::min(4, n_q - i0)) {
+        case 1: scores_pairs<E, 1>(x, qi, q_stride, rows, row_stride, n, o, out_stride); break;
+        case 2: scores_pairs<E, 2>(x, qi, q_stride, rows, row_stride, n, o, out_stride); break;
+        case 3: scores_pairs<E, 3>(x, qi, q_stride, rows, row_stride, n, o, out_stride); break;
+        default: scores_pairs<E, 4>(x, qi, q_stride, rows, row_stride, n, o, out_stride); break;
+      }
+      continue;
+    }
     switch (std::min(4, n_q - i0)) {
       case 1: scores_nq<E, 1, HD>(x, qi, q_stride, rows, row_stride, n, o, out_stride); break;
       case 2: scores_nq<E, 2, HD>(x, qi, q_stride, rows, row_stride, n, o, out_stride); break;
