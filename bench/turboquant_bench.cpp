@@ -1,5 +1,5 @@
 // TurboQuant fused kernels: scores (q.k over packed keys) and accumulate (p.V) per CPU level,
-// reported as bytes of packed records read per second.
+// reported as bytes of packed records read per second; encode of one token per CPU level.
 #include <benchmark/benchmark.h>
 
 #include <random>
@@ -66,8 +66,34 @@ void BM_tq_accumulate(benchmark::State& st) {
   cpu_set_level(prev);
 }
 
+// One token through encode (norm, rotation, codebook search, packing; QJL signs for prod).
+// args: bits*10, qjl, cpu level, rotation (0 hadamard, 1 dense)
+void BM_tq_encode(benchmark::State& st) {
+  const CpuLevel prev = cpu_set_level(CpuLevel(st.range(2)));
+  KvCodecParams prm;
+  prm.head_dim = 128;
+  auto c = tq_codec_create("bench", {double(st.range(0)) / 10, st.range(1) != 0,
+                                     st.range(3) ? TqRotationKind::dense : TqRotationKind::hadamard},
+                           prm);
+  std::mt19937_64 rng(2);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(128);
+  for (auto& v : x) v = nd(rng);
+  std::vector<uint8_t> rec(c->block_bytes(1));
+  for (auto _ : st) {
+    c->encode(0, x.data(), 128, 1, rec.data(), 1, 0, 0);
+    benchmark::ClobberMemory();
+  }
+  st.SetLabel(cpu_level_name(cpu_level()));
+  cpu_set_level(prev);
+}
+
 }  // namespace
 
+BENCHMARK(BM_tq_encode)
+    ->ArgsProduct({{40, 30, 35}, {0}, {0, 2}, {0}})
+    ->ArgsProduct({{30}, {1}, {0, 2}, {0}})
+    ->ArgsProduct({{40}, {0}, {0, 2}, {1}});
 BENCHMARK(BM_tq_scores)
     ->ArgsProduct({{40, 30, 35}, {0}, {0, 1, 2}, {1, 4}})
     ->ArgsProduct({{30}, {1}, {0, 1, 2}, {1, 4}});
