@@ -19,6 +19,7 @@
 #include "core/thread_pool.h"
 #include "kv/kv_rows.h"
 #include "kvq/kv_format.h"
+#include "kivi_int_dot_bound.h"
 #include "kv_int_dot_bound.h"
 
 using namespace kvq;
@@ -113,7 +114,8 @@ double max_err_vs_ref(const std::string& format, const Case& c, uint64_t seed, d
                   c.n_tail, ap, ref.data());
   *tol = 2e-5;
   KvRowFmt rf;
-  if (cpu_level() != CpuLevel::scalar && int_dot_format(*kc, &rf)) {
+  const bool kivi_int = test::kivi_int_keys(*kc);  // KIVI keys: int16 query image (kivi_int_dot_bound.h)
+  if ((cpu_level() != CpuLevel::scalar && int_dot_format(*kc, &rf)) || kivi_int) {
     const int pqd = kc->prepared_query_dim();
     std::vector<float> qp(size_t(c.n_q) * size_t(pqd));
     kc->prepare_query(head, q.data(), c.n_q, qp.data());
@@ -121,8 +123,12 @@ double max_err_vs_ref(const std::string& format, const Case& c, uint64_t seed, d
     for (int b = 0; b < n_blocks; ++b)
       for (int t = 0; t < bt; ++t)
         for (int i = 0; i < c.n_q; ++i)
-          delta = std::max(delta, test::int_dot_bound(rf, qp.data() + size_t(i) * size_t(pqd),
-                                                      kb[size_t(b)].data() + size_t(t) * rf.row_bytes));
+          if (kivi_int) {
+            if (t == 0 && i == 0) delta = std::max(delta, test::kivi_int_dot_bound(*kc, qp.data(), c.n_q, kb[size_t(b)].data(), bt));
+          } else {
+            delta = std::max(delta, test::int_dot_bound(rf, qp.data() + size_t(i) * size_t(pqd),
+                                                        kb[size_t(b)].data() + size_t(t) * rf.row_bytes));
+          }
     std::vector<float> vd(size_t(bt) * size_t(c.head_dim));
     for (int b = 0; b < n_blocks; ++b) {
       vc->decode(head, vb[size_t(b)].data(), bt, 0, bt, b * bt, vd.data());

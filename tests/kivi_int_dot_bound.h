@@ -1,0 +1,53 @@
+// Error bound of the KIVI key scores on AVX-512 (kivi_avx512.cpp) against the float reference,
+// derived from their arithmetic, for tests.
+//
+// Per key group the kernel folds qs_c = q_c * scale_c (f32, as kivi_fold_query) and rounds each
+// query row to int16 steps dq = max_c |qs_c| / 32767; the integer dot of the codes is exact, so
+// the only approximation is |qs_c - dq * round(qs_c / dq)| <= dq / 2 (plus a relative 2^-20 of dq
+// for the f32 product qs_c * (1 / dq) before rounding) times code_c. Head dims that are not a
+// multiple of 64 keep the float kernel (bound 0).
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "core/cpu.h"
+#include "core/dtypes.h"
+#include "kv/kivi.h"
+#include "kvq/kv_format.h"
+
+namespace kvq::test {
+
+inline bool kivi_int_keys(const KvCodec& kc) {
+  const std::string& n = kc.info().name;
+  return cpu_level() == CpuLevel::avx512 && n.rfind("kivi", 0) == 0 && n.size() > 2 &&
+         n.compare(n.size() - 2, 2, "_k") == 0 && kc.head_dim() % 64 == 0;
+}
+
+// Largest |score error| over tokens [0, bt) of one head block and query rows q (n_q, head_dim).
+inline double kivi_int_dot_bound(const KvCodec& kc, const float* q, int n_q, const uint8_t* block, int bt) {
+  const int d = kc.head_dim(), g = kc.info().group_tokens, bits = kc.info().code_bits;
+  const size_t rb = bitplane_row_bytes(bits, d), gb = size_t(d) * 4 + size_t(g) * rb;
+  double worst = 0;
+  for (int g0 = 0; g0 < bt; g0 += g) {
+    const uint8_t* grp = block + size_t(g0 / g) * gb;
+    for (int i = 0; i < n_q; ++i) {
+      double amax = 0;
+      for (int c = 0; c < d; ++c) {
+        f16_t h;
+        std::memcpy(&h, grp + 2 * c, 2);
+        amax = std::max(amax, double(std::fabs(q[size_t(i) * d + c] * f16_to_f32(h))));
+      }
+      const double half_step = amax / 32767 * (0.5 + std::ldexp(1.0, -20));
+      for (int t = 0; t < g; ++t) {
+        double csum = 0;
+        for (int c = 0; c < d; ++c) csum += bitplane_code(grp + size_t(d) * 4 + size_t(t) * rb, bits, d, c);
+        worst = std::max(worst, half_step * csum);
+      }
+    }
+  }
+  return worst;
+}
+
+}  // namespace kvq::test
