@@ -80,16 +80,6 @@ void softmax_update(Scratch& sc, int n_q, int n, int v_dim, const AttnParams& ap
   }
 }
 
-// Spans are pages scattered in memory, and the hardware prefetchers stop at 4 KiB boundaries. The
-// row kernels prefetch kv_prefetch_bytes ahead within a span (kv_rows_simd.h); the start of the
-// next span is requested here, K before the current scores and V before the current weighted sum,
-// so its first rows are on their way while the current span is computed. (Requesting the whole
-// next block at once measured no better for f16 and worse for the small 4-bit blocks.)
-constexpr size_t kNextSpanBytes = 4096;
-inline void prefetch_span_start(const uint8_t* p) {
-  for (size_t o = 0; o < kNextSpanBytes; o += 64) __builtin_prefetch(p + o, 0, 2);
-}
-
 // The online softmax over spans and then the tail, into sc.m / sc.l / sc.acc (unnormalized, in
 // the model's basis). sc.qp holds the prepared query when n_spans > 0.
 void run_part(const KvCodec& kc, const KvCodec& vc, int head, int n_q, const KvBlockSpan* spans, int n_spans,
@@ -106,10 +96,8 @@ void run_part(const KvCodec& kc, const KvCodec& vc, int head, int n_q, const KvB
     for (int b = 0; b < n_spans; ++b) {
       const KvBlockSpan& sp = spans[b];
       if (sp.n <= 0) continue;
-      if (b + 1 < n_spans) prefetch_span_start(spans[b + 1].k);
       kc.scores(head, sc.qp, n_q, sp.k, sp.block_tokens, sp.t0, sp.n, sp.pos0, sc.s, sc.s_stride);
       softmax_update(sc, n_q, sp.n, vd, ap);
-      if (b + 1 < n_spans) prefetch_span_start(spans[b + 1].v);
       vc.accumulate(head, sc.s, sc.s_stride, n_q, sp.v, sp.block_tokens, sp.t0, sp.n, sc.acc);
     }
     // The accumulator is in V's storage basis; the tail is in the model's. finish_output is linear
