@@ -515,7 +515,9 @@ TEST(TqKernels, ScoresAndAccumulateMatchDecode) {
               mag += std::fabs(p[size_t(i) * 32 + size_t(t)]) *
                      std::sqrt(dot(&dec[size_t(t) * size_t(dim)], &dec[size_t(t) * size_t(dim)], dim));
             }
-            EXPECT_NEAR(acc[size_t(i) * size_t(dim) + size_t(j)], ref, 1e-5 * mag) << nc.name << " ch " << j;
+            const bool bf16 = std::string(tq_kernels_for(cpu_level()).name) == "avx512";
+            EXPECT_NEAR(acc[size_t(i) * size_t(dim) + size_t(j)], ref, (1e-5 + (bf16 ? kTqAccumBf16Rel : 0)) * mag)
+                << nc.name << " ch " << j;
           }
         }
       }
@@ -602,9 +604,15 @@ TEST(TqKernels, SimdMatchesScalar) {
                 const uint8_t* r = rp + size_t(t) * size_t(l.record_bytes);
                 amag += std::fabs(p[size_t(i) * size_t(n) + size_t(t)]) * f16_to_f32(uint16_t(r[0] | (r[1] << 8)));
               }
+              double acc_tol = 1e-6 * amag + 1e-6;
+              if (std::string(v->name) == "avx512") {  // bf16 accumulate of 4-bit segments: its bound
+                double cmx = 0;
+                for (int k = 0; k < 16; ++k) cmx = std::max({cmx, double(std::fabs(cbh[k])), double(std::fabs(cbl[k]))});
+                acc_tol += kTqAccumBf16Rel * amag * cmx;
+              }
               for (int j = 0; j < dim; ++j)
                 EXPECT_NEAR(acc[size_t(i) * size_t(dim) + size_t(j)], acc_ref[size_t(i) * size_t(dim) + size_t(j)],
-                            1e-6 * amag + 1e-6)
+                            acc_tol)
                     << v->name << " " << nc.name << " dim " << dim;
             }
           }
@@ -770,6 +778,17 @@ TEST(TqRegistry, FusedAttentionMatchesDecodeReference) {
         }
         for (float x : tv) vmax = std::max(vmax, double(std::fabs(x)));
         extra = std::expm1(2 * dl) * vmax;
+      }
+      // Bf16 accumulate (tq values, AVX-512): each output moves by at most kTqAccumBf16Rel * max|v|.
+      for (const auto& nc : all_configs()) {
+        if (f.v_codec != nc.name || std::string(tq_kernels_for(cpu_level()).name) != "avx512") continue;
+        double vmax = 0;
+        std::vector<float> vd(size_t(bt) * size_t(d));
+        for (const auto& sp : spans) {
+          vc->decode(head, sp.v, bt, sp.t0, sp.n, sp.pos0, vd.data());
+          for (int j = 0; j < sp.n * d; ++j) vmax = std::max(vmax, double(std::fabs(vd[size_t(j)])));
+        }
+        extra += kTqAccumBf16Rel * vmax;
       }
       for (size_t i = 0; i < out.size(); ++i)
         ASSERT_NEAR(out[i], ref[i], 2e-5 * (1 + scale) + extra) << fmt << " cpu " << cpu_level_name(lvl) << " i " << i;

@@ -30,7 +30,14 @@ struct Seg {
   __m512i ctrl;     // vpermb: dword lane i <- bytes (b i) / 8 and (b i) / 8 + 1
   __m512i shift;    // lane i: (b i) % 8
   __m512 cb;        // centroid of code k & (2^b - 1) at entry k
+  __m512i cb_bf16;  // the same as bf16 words (RNE), 32 entries: 4-bit accumulate
 };
+
+inline uint16_t bf16_rne(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // centroids: finite
+}
 
 Seg make_seg(int off, int bits, const float* cb16) {
   Seg s;
@@ -50,6 +57,9 @@ Seg make_seg(int off, int bits, const float* cb16) {
   s.ctrl = _mm512_load_si512(ctrl);
   s.shift = _mm512_load_si512(sh);
   s.cb = _mm512_load_ps(tb);
+  alignas(64) uint16_t tw[32];
+  for (int k = 0; k < 32; ++k) tw[k] = bf16_rne(cb16[k & ((1 << bits) - 1)]);
+  s.cb_bf16 = _mm512_load_si512(tw);
   return s;
 }
 
@@ -422,12 +432,15 @@ constexpr int kTile = 64;  // tokens whose weights are staged at once
 // time over all tokens, so the accumulators stay in registers for the whole tile.
 template <int NQ>
 void accumulate_tile(const TqLayout& l, const Seg& hi, const Seg& lo, size_t rb, const float (*w)[kTile],
-                     const uint8_t* recs, int cnt, float* acc) {
+                     const uint32_t (*wb)[kTile / 2], const uint8_t* recs, int cnt, float* acc) {
   const int d = l.dim, g_hi = l.n_hi / 16, g_all = d / 16;
   int g = 0;
   for (; g + 2 <= g_all; g += 2) {
     if (g + 4 <= g_all && nibble_pair(l, g) && nibble_pair(l, g + 2)) {
-      // 64 channels of 4-bit codes per pass: each broadcast weight feeds four FMAs.
+      // 64 channels of 4-bit codes per pass, two tokens per step in bf16 (vdpbf16ps: 32
+      // multiply-adds per instruction, fp32 sums; bound in turboquant.h): each token's 32 code
+      // bytes widen to words, vpermw looks up even / odd channels, vpermt2w pairs the two
+      // tokens' words per channel; the even / odd accumulator order is that of the float path.
       const Seg& s0 = g < g_hi ? hi : lo;
       const int gg0 = g < g_hi ? g : g - g_hi;
       __m512 a[4][NQ];
@@ -439,13 +452,27 @@ void accumulate_tile(const TqLayout& l, const Seg& hi, const Seg& lo, size_t rb,
           a[2 * j + 1][i] = _mm512_permutex2var_ps(x0, idx_odd(), x1);
         }
       const uint8_t* p0 = recs + s0.off + 8 * gg0;
-      for (int t = 0; t < cnt; ++t) {
-        __m512 v[4];
-        decode_nibble_pair(p0 + size_t(t) * rb, s0.cb, v[0], v[1]);
-        decode_nibble_pair(p0 + size_t(t) * rb + 16, s0.cb, v[2], v[3]);
+      const __m512i tbl = s0.cb_bf16;
+      alignas(64) int16_t pl[32];
+      for (int k = 0; k < 32; ++k) pl[k] = int16_t(k % 2 ? 32 + k / 2 : k / 2);  // (tok t, tok t+1) of word k/2
+      const __m512i pair_lo = _mm512_load_si512(pl);
+      const __m512i pair_hi = _mm512_add_epi16(pair_lo, _mm512_set1_epi16(16));
+      for (int t = 0; t < cnt; t += 2) {
+        const __m512i x0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + size_t(t) * rb)));
+        const __m512i x1 = t + 1 < cnt ? _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+                                             reinterpret_cast<const __m256i*>(p0 + size_t(t + 1) * rb)))
+                                       : _mm512_setzero_si512();  // weight 0 there
+        const __m512i e0 = _mm512_permutexvar_epi16(x0, tbl), e1 = _mm512_permutexvar_epi16(x1, tbl);
+        const __m512i o0 = _mm512_permutexvar_epi16(_mm512_srli_epi16(x0, 4), tbl);
+        const __m512i o1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(x1, 4), tbl);
+        __m512bh v[4];
+        v[0] = __m512bh(_mm512_permutex2var_epi16(e0, pair_lo, e1));
+        v[1] = __m512bh(_mm512_permutex2var_epi16(o0, pair_lo, o1));
+        v[2] = __m512bh(_mm512_permutex2var_epi16(e0, pair_hi, e1));
+        v[3] = __m512bh(_mm512_permutex2var_epi16(o0, pair_hi, o1));
         for (int i = 0; i < NQ; ++i) {
-          const __m512 wi = _mm512_set1_ps(w[i][t]);
-          for (int j = 0; j < 4; ++j) a[j][i] = _mm512_fmadd_ps(wi, v[j], a[j][i]);
+          const __m512bh wi = __m512bh(_mm512_set1_epi32(int(wb[i][t / 2])));
+          for (int j = 0; j < 4; ++j) a[j][i] = _mm512_dpbf16_ps(a[j][i], v[j], wi);
         }
       }
       for (int i = 0; i < NQ; ++i)
@@ -549,6 +576,7 @@ void accumulate_avx512(const TqKernelArgs& a, const float* p, int p_stride, int 
   const Seg hi = make_seg(l.off_hi, l.bits_hi, a.cb_hi);
   const Seg lo = make_seg(l.off_lo, l.n_hi < d ? l.bits_lo : l.bits_hi, a.cb_lo);
   alignas(64) float w[4][kTile];
+  alignas(64) uint32_t wb[4][kTile / 2];  // bf16 pairs (token 2p low, 2p + 1 high) of w
   alignas(64) float norms[kTile];
   for (int t0 = 0; t0 < n; t0 += kTile) {
     const int cnt = std::min(kTile, n - t0);
@@ -562,13 +590,17 @@ void accumulate_avx512(const TqKernelArgs& a, const float* p, int p_stride, int 
       for (int i = 0; i < nq; ++i) {
         const float* pi = p + size_t(i0 + i) * size_t(p_stride) + size_t(t0);
         for (int t = 0; t < cnt; ++t) w[i][t] = pi[t] * norms[t];
+        for (int t = cnt; t < kTile; ++t) w[i][t] = 0;
+        for (int t = 0; t < kTile; t += 16)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(&wb[i][t / 2]),
+                             __m256i(_mm512_cvtneps_pbh(_mm512_load_ps(&w[i][t]))));
       }
       float* o = acc + size_t(i0) * size_t(d);
       switch (nq) {
-        case 4: accumulate_tile<4>(l, hi, lo, rb, w, r0, cnt, o); break;
-        case 3: accumulate_tile<3>(l, hi, lo, rb, w, r0, cnt, o); break;
-        case 2: accumulate_tile<2>(l, hi, lo, rb, w, r0, cnt, o); break;
-        default: accumulate_tile<1>(l, hi, lo, rb, w, r0, cnt, o); break;
+        case 4: accumulate_tile<4>(l, hi, lo, rb, w, wb, r0, cnt, o); break;
+        case 3: accumulate_tile<3>(l, hi, lo, rb, w, wb, r0, cnt, o); break;
+        case 2: accumulate_tile<2>(l, hi, lo, rb, w, wb, r0, cnt, o); break;
+        default: accumulate_tile<1>(l, hi, lo, rb, w, wb, r0, cnt, o); break;
       }
     }
   }
