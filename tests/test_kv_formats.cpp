@@ -357,9 +357,11 @@ TEST(ScaleReuseTrap, FixedScaleBlowsUpDynamicDoesNot) {
 // (block_bytes), and encode writes inside block_bytes only.
 
 TEST(Bytes, ClaimedEqualsAllocatedForEveryCodec) {
-  nlohmann::json calib = {{"layers", {{{"k_scale", 1.0}, {"v_scale", 1.0}}}}};
   for (const std::string& name : kv_codec_names()) {
     for (int hd : {128, 256}) {
+      // scales for the static codecs, channel means (one head) for the centered ones
+      const std::vector<std::vector<float>> mean(1, std::vector<float>(size_t(hd), 0.5f));
+      nlohmann::json calib = {{"layers", {{{"k_scale", 1.0}, {"v_scale", 1.0}, {"k_mean", mean}, {"v_mean", mean}}}}};
       std::unique_ptr<KvCodec> c;
       for (KvRole role : {KvRole::key, KvRole::value}) {
         try {
@@ -694,7 +696,10 @@ TEST(KernelParity, Fp8SpecialCodes) {
 // scores/accumulate agree with decode-then-dot at every CPU level. (The TurboQuant / KIVI /
 // KVQuant families test their own kernels: some of their scores are estimators, not decode-dot.)
 TEST(KernelParity, EveryCodecFusedMatchesDecode) {
-  nlohmann::json calib = {{"layers", {{{"k_scale", 0.05}, {"v_scale", 0.05}}}}};
+  // static scales, and channel means (2 heads, head_dim 128) for the centered codecs
+  std::vector<std::vector<float>> mean(2, std::vector<float>(128));
+  for (int c = 0; c < 128; ++c) mean[0][size_t(c)] = mean[1][size_t(127 - c)] = (c % 9 == 4) ? 3.f : 0.1f * float(c % 5);
+  nlohmann::json calib = {{"layers", {{{"k_scale", 0.05}, {"v_scale", 0.05}, {"k_mean", mean}, {"v_mean", mean}}}}};
   std::mt19937 rng(21);
   std::normal_distribution<float> nd;
   const CpuLevel saved = cpu_set_level(CpuLevel::avx512);

@@ -20,6 +20,7 @@ void kv_register_kivi();
 void kv_register_kvquant();
 void kv_register_turboquant();
 void kv_register_rotated_codecs();
+void kv_register_centered_codecs();
 
 namespace {
 
@@ -74,6 +75,7 @@ const Registry& registry() {
     kv_register_kvquant();
     kv_register_turboquant();
     kv_register_rotated_codecs();
+    kv_register_centered_codecs();
     validate(storage());
   });
   return storage();

@@ -44,6 +44,14 @@ int calibrate_command(const CalibrateOptions& o) {
   std::vector<std::vector<float>> kabs(size_t(c.n_layer), std::vector<float>(size_t(nkv), 0.f));
   std::vector<std::vector<float>> vabs = kabs;
   std::vector<std::vector<float>> kpre(size_t(c.n_layer));  // (tokens, nkv, hd) per layer
+  // Per-channel sums of the post-RoPE keys and of the values (nkv, hd) per layer, and of their
+  // squares' total per head, for the channel means that the centered formats (*_c) subtract.
+  // Position 0 of each window (BOS, the attention sink) is left out: its K/V are atypical.
+  std::vector<std::vector<double>> ksum(size_t(c.n_layer), std::vector<double>(size_t(kvd), 0.0));
+  std::vector<std::vector<double>> vsum = ksum;
+  std::vector<std::vector<double>> ksq(size_t(c.n_layer), std::vector<double>(size_t(nkv), 0.0));
+  std::vector<std::vector<double>> vsq = ksq;
+  int pos_in_window = 0;  // on_kv is called per layer with consecutive chunks of one window
 
   const int threads = o.threads > 0 ? o.threads : int(std::max(1u, std::thread::hardware_concurrency()));
   ThreadPool pool(threads);
@@ -55,7 +63,14 @@ int calibrate_command(const CalibrateOptions& o) {
           const size_t i = size_t(t) * size_t(kvd) + size_t(h) * size_t(hd) + size_t(d);
           kabs[size_t(il)][size_t(h)] = std::max(kabs[size_t(il)][size_t(h)], std::fabs(k[i]));
           vabs[size_t(il)][size_t(h)] = std::max(vabs[size_t(il)][size_t(h)], std::fabs(v[i]));
+          if (pos_in_window + t == 0) continue;
+          const size_t hc = size_t(h) * size_t(hd) + size_t(d);
+          ksum[size_t(il)][hc] += k[i];
+          vsum[size_t(il)][hc] += v[i];
+          ksq[size_t(il)][size_t(h)] += double(k[i]) * k[i];
+          vsq[size_t(il)][size_t(h)] += double(v[i]) * v[i];
         }
+    if (il == c.n_layer - 1) pos_in_window += n;
     kpre[size_t(il)].insert(kpre[size_t(il)].end(), k_pre, k_pre + size_t(n) * size_t(kvd));
   };
   for (int ch = 0; ch < chunks; ++ch) {
@@ -63,6 +78,7 @@ int calibrate_command(const CalibrateOptions& o) {
                              ids.begin() + std::ptrdiff_t(size_t(ch + 1) * size_t(o.ctx)));
     if (tok.add_bos()) win[0] = tok.bos();
     KvCache cache(model->kv_cache_config(kv_policy_uniform("f16", c.n_layer), o.ctx));
+    pos_in_window = 0;
     fwd.eval(win.data(), int(win.size()), cache);
     std::fprintf(stderr, "\r[calibrate] window %d/%d", ch + 1, chunks);
   }
@@ -77,10 +93,40 @@ int calibrate_command(const CalibrateOptions& o) {
   nlohmann::json j = {{"model", c.name}, {"model_file", o.model}, {"data", o.data}, {"tokens", chunks * o.ctx}};
   j["layers"] = nlohmann::json::array();
   const int n_tok = chunks * o.ctx;
+  const double n_mean = double(n_tok - chunks);  // tokens in the means (position 0 left out)
+  // The channel means, and the share of the mean energy E|x|^2 that centering removes
+  // (|mean|^2 / E|x|^2 per head): what the *_c formats gain depends on it.
+  auto means = [&](const std::vector<double>& sum, const std::vector<double>& sq, double& removed) {
+    nlohmann::json heads = nlohmann::json::array();
+    double rem = 0, tot = 0;
+    for (int h = 0; h < nkv; ++h) {
+      std::vector<float> m(static_cast<size_t>(hd));
+      double m2 = 0;
+      for (int d = 0; d < hd; ++d) {
+        m[size_t(d)] = float(sum[size_t(h) * size_t(hd) + size_t(d)] / n_mean);
+        m2 += double(m[size_t(d)]) * m[size_t(d)];
+      }
+      rem += m2;
+      tot += sq[size_t(h)] / n_mean;
+      heads.push_back(m);
+    }
+    removed = tot > 0 ? rem / tot : 0;
+    return heads;
+  };
+  double k_removed_all = 0, v_removed_all = 0;
   for (int il = 0; il < c.n_layer; ++il) {
+    double k_removed = 0, v_removed = 0;
     nlohmann::json L = {{"layer", il}, {"k_absmax", kabs[size_t(il)]}, {"v_absmax", vabs[size_t(il)]},
                         {"k_scale", scaled(kabs[size_t(il)], 448.f)}, {"v_scale", scaled(vabs[size_t(il)], 448.f)},
                         {"int8_k_scale", scaled(kabs[size_t(il)], 127.f)}, {"int8_v_scale", scaled(vabs[size_t(il)], 127.f)}};
+    if (n_mean > 0) {
+      L["k_mean"] = means(ksum[size_t(il)], ksq[size_t(il)], k_removed);
+      L["v_mean"] = means(vsum[size_t(il)], vsq[size_t(il)], v_removed);
+      L["k_mean_energy"] = k_removed;
+      L["v_mean_energy"] = v_removed;
+      k_removed_all += k_removed / c.n_layer;
+      v_removed_all += v_removed / c.n_layer;
+    }
     if (hd % 16 == 0)
       for (int b : o.kvquant_bits) {
         nlohmann::json art = kvquant_fit(kpre[size_t(il)].data(), n_tok, nkv, hd, b);
@@ -92,6 +138,8 @@ int calibrate_command(const CalibrateOptions& o) {
   if (!out) fail("-o: cannot write '{}'", o.out);
   out << j.dump(1) << "\n";
   std::fprintf(stderr, "[calibrate] %d layers, %d tokens -> %s\n", c.n_layer, n_tok, o.out.c_str());
+  std::fprintf(stderr, "[calibrate] channel means hold %.1f%% of the key energy and %.1f%% of the value energy (layer average)\n",
+               100 * k_removed_all, 100 * v_removed_all);
   return 0;
 }
 

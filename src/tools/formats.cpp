@@ -36,10 +36,15 @@ struct CodecStats {
 };
 
 // Calibration values used only to build calibrated codecs for listing their size (the bits do not
-// depend on the scale).
-const nlohmann::json& listing_calib() {
-  static const nlohmann::json j = {{"layers", {{{"k_scale", 1.0}, {"v_scale", 1.0}}}}};
-  return j;
+// depend on the scales or the channel means). One head of `dim` channels.
+const nlohmann::json& listing_calib(int dim) {
+  static std::map<int, nlohmann::json> by_dim;
+  auto it = by_dim.find(dim);
+  if (it == by_dim.end()) {
+    const std::vector<std::vector<float>> zero(1, std::vector<float>(size_t(dim), 0.f));
+    it = by_dim.emplace(dim, nlohmann::json{{"layers", {{{"k_scale", 1.0}, {"v_scale", 1.0}, {"k_mean", zero}, {"v_mean", zero}}}}}).first;
+  }
+  return it->second;
 }
 
 double theory_mse(const std::string& codec, int dim) {
@@ -65,7 +70,7 @@ CodecStats measure(const std::string& name, KvRole role, const FormatsOptions& o
   try {
     c = kv_codec_create(name, p);
   } catch (const Error& e) {
-    p.calib = &listing_calib();
+    p.calib = &listing_calib(opt.dim);
     try {
       c = kv_codec_create(name, p);
       st.needs_calib = true;
