@@ -305,6 +305,7 @@ TEST(Kvquant, ScoreKernelParityRandomAndAdversarial) {
                           {80, 32, false}};
   int case_no = 0;
   for (const Shape& sh : shapes)
+    for (bool allow_lanes : {true, false})
     for (int bits : {2, 3, 4})
       for (int n : {1, 7, 16, 33})
         for (int n_q : {1, 3, 4, 9}) {
@@ -336,7 +337,7 @@ TEST(Kvquant, ScoreKernelParityRandomAndAdversarial) {
             }
           std::vector<double> theta(static_cast<size_t>(half));
           for (int j = 0; j < half; ++j) theta[size_t(j)] = std::pow(10000.0, -2.0 * j / sh.n_rot);
-          const KvquantScoreLayout lay = kvquant_layout(d, sh.n_rot, sh.neox);
+          const KvquantScoreLayout lay = kvquant_layout(d, sh.n_rot, sh.neox, allow_lanes);
           ASSERT_EQ(lay.pair_j.size(), size_t(half));
           std::vector<float> rc(size_t(n) * std::max(half, 1)), rs(rc.size());
           for (int t = 0; t < n; ++t)

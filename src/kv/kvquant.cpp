@@ -22,10 +22,10 @@ void kvquant_dequant_scalar(const uint8_t* planes, int bits, int head_dim, const
     out[c] = scale[c] * codebook[bitplane_code(planes, bits, head_dim, c)] + mid[c];
 }
 
-KvquantScoreLayout kvquant_layout(int head_dim, int n_rot, bool neox) {
+KvquantScoreLayout kvquant_layout(int head_dim, int n_rot, bool neox, bool allow_lanes) {
   const int D = head_dim, half = n_rot / 2;
   KvquantScoreLayout l;
-  const bool lanes = D % 64 == 0 && (n_rot == 0 || (neox ? half % 64 == 0 : n_rot % 64 == 0));
+  const bool lanes = allow_lanes && D % 64 == 0 && (n_rot == 0 || (neox ? half % 64 == 0 : n_rot % 64 == 0));
   l.layout = lanes ? kvquant_layout_lanes : kvquant_layout_halves;
   l.neox = neox;
   l.slot.resize(size_t(D));
@@ -259,7 +259,8 @@ class KvquantKeyCodec final : public KvCodec {
     rot_c_.resize(size_t(kRun) * half);
     rot_s_.resize(size_t(kRun) * half);
     for (int j = 0; j < half; ++j) theta_[size_t(j)] = rope_theta(c.rope, j);
-    layout_ = kvquant_layout(c.head_dim, c.rope.n_rot, c.rope.neox);
+    // Every kernel takes either layout; the one the CPU's kernel reads fastest is picked here.
+    layout_ = kvquant_layout(c.head_dim, c.rope.n_rot, c.rope.neox, cpu_level() == CpuLevel::avx512);
     theta_tab_.resize(size_t(half));
     for (int p = 0; p < half; ++p) theta_tab_[size_t(p)] = theta_[layout_.pair_j[size_t(p)]];
     for (int t = 0; t < kRun; ++t)

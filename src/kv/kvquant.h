@@ -112,7 +112,9 @@ struct KvquantScoreLayout {
   std::vector<uint16_t> pair_a, pair_b;  // (n_rot/2): score-order positions of entry p's elements
   std::vector<uint16_t> pair_j;          // (n_rot/2): the RoPE pair index of entry p
 };
-KvquantScoreLayout kvquant_layout(int head_dim, int n_rot, bool neox);
+// lanes when the shape allows it and allow_lanes (the AVX-512 kernels' order; the AVX2 kernel
+// reads halves without a scatter), else halves.
+KvquantScoreLayout kvquant_layout(int head_dim, int n_rot, bool neox, bool allow_lanes = true);
 
 struct KvquantScoreArgs {
   const uint8_t* rows;      // n code rows (bits planes of head_dim/8 bytes), row_bytes apart
