@@ -155,12 +155,13 @@ inline double tq_score_error_bound(double x_norm, double q_l1, double q_max, dou
   return x_norm * (q_l1 * cs / 2 + dim * cb_max * qs / 2 + dim * qs * cs / 4);
 }
 
-// The AVX-512 accumulate of 4-bit segments (64-channel steps) runs in bf16 (vdpbf16ps, 32
+// The AVX-512 accumulate (64-channel steps within a segment) runs in bf16 (vdpbf16ps, 32
 // multiply-adds per instruction, two tokens per channel pair): weights w = p * ||x|| and
 // centroids are rounded to bf16 (RNE, relative error <= 2^-9 each; weights below 2^-126 flush to
 // zero), products are exact and sums fp32, so per output channel
 //   |d acc[c]| <= (2^-8 + 2^-18) * sum_t |w_t * c_t[c]|   (+ the fp32 summation error)
-// kTqAccumBf16Rel rounds that up for tests. Other widths, AVX2 and scalar accumulate in fp32.
+// kTqAccumBf16Rel rounds that up for tests. Steps across a segment boundary, 16/32-channel
+// remainders, AVX2 and scalar accumulate in fp32.
 constexpr double kTqAccumBf16Rel = 1.0 / 128;
 
 // Everything encode needs: the rotation (signs for Hadamard, the matrix for dense), decision

@@ -30,7 +30,10 @@ struct Seg {
   __m512i ctrl;     // vpermb: dword lane i <- bytes (b i) / 8 and (b i) / 8 + 1
   __m512i shift;    // lane i: (b i) % 8
   __m512 cb;        // centroid of code k & (2^b - 1) at entry k
-  __m512i cb_bf16;  // the same as bf16 words (RNE), 32 entries: 4-bit accumulate
+  __m512i cb_bf16;  // the same as bf16 words (RNE), 32 entries: bf16 accumulate
+  __m512i wctrl;    // vpermb for 32 channels as words: word lane j <- bytes (b j) / 8, + 1
+  __m512i wshift;   // word lane j: (b j) % 8
+  __mmask16 ld32;   // the 4b bytes of 32 channels
 };
 
 inline uint16_t bf16_rne(float f) {
@@ -60,6 +63,17 @@ Seg make_seg(int off, int bits, const float* cb16) {
   alignas(64) uint16_t tw[32];
   for (int k = 0; k < 32; ++k) tw[k] = bf16_rne(cb16[k & ((1 << bits) - 1)]);
   s.cb_bf16 = _mm512_load_si512(tw);
+  alignas(64) uint8_t wc[64];
+  alignas(64) int16_t ws[32];
+  for (int j = 0; j < 32; ++j) {
+    const int bit = bits * j;
+    wc[2 * j] = uint8_t(bit / 8);
+    wc[2 * j + 1] = uint8_t(bit / 8 + 1);  // at most byte 4b: zero from the masked load
+    ws[j] = int16_t(bit % 8);
+  }
+  s.wctrl = _mm512_load_si512(wc);
+  s.wshift = _mm512_load_si512(ws);
+  s.ld32 = __mmask16(bits == 4 ? 0xffffu : (1u << (4 * bits)) - 1);
   return s;
 }
 
@@ -68,6 +82,13 @@ inline __m512 decode16(const uint8_t* rec, int g, const Seg& s) {
   const __m128i raw = _mm_maskz_loadu_epi8(s.ld, rec + s.off + s.bytes16 * g);
   const __m512i bytes = _mm512_permutexvar_epi8(s.ctrl, _mm512_zextsi128_si512(raw));
   return _mm512_permutexvar_ps(_mm512_srlv_epi32(bytes, s.shift), s.cb);
+}
+
+// bf16 centroids of channels [16 gg, 16 gg + 32) of the segment in record `rec` (words).
+inline __m512i decode32_bf16(const uint8_t* rec, int gg, const Seg& s) {
+  const __m128i raw = _mm_maskz_loadu_epi8(s.ld32, rec + s.off + s.bytes16 * gg);
+  const __m512i idx = _mm512_srlv_epi16(_mm512_permutexvar_epi8(s.wctrl, _mm512_zextsi128_si512(raw)), s.wshift);
+  return _mm512_permutexvar_epi16(idx, s.cb_bf16);
 }
 
 inline __mmask16 load_mask(const uint8_t* p) {
@@ -484,8 +505,44 @@ void accumulate_tile(const TqLayout& l, const Seg& hi, const Seg& lo, size_t rb,
       g += 2;  // and 2 more by the loop
       continue;
     }
+    if (g + 4 <= g_all && !nibble_pair(l, g) && !nibble_pair(l, g + 2) && (g < g_hi) == (g + 1 < g_hi) &&
+        (g + 2 < g_hi) == (g + 3 < g_hi)) {
+      // 64 channels of other widths in bf16 as the 4-bit path: 32 channels per word decode,
+      // vpermt2w pairs two tokens per channel, natural channel order throughout.
+      const Seg* su[2];
+      int gu[2];
+      for (int u = 0; u < 2; ++u) {
+        su[u] = g + 2 * u < g_hi ? &hi : &lo;
+        gu[u] = g + 2 * u < g_hi ? g + 2 * u : g + 2 * u - g_hi;
+      }
+      __m512 a[4][NQ];
+      for (int i = 0; i < NQ; ++i)
+        for (int j = 0; j < 4; ++j) a[j][i] = _mm512_loadu_ps(acc + size_t(i) * size_t(d) + 16 * (g + j));
+      alignas(64) int16_t pl[32];
+      for (int k = 0; k < 32; ++k) pl[k] = int16_t(k % 2 ? 32 + k / 2 : k / 2);
+      const __m512i pair_lo = _mm512_load_si512(pl);
+      const __m512i pair_hi = _mm512_add_epi16(pair_lo, _mm512_set1_epi16(16));
+      for (int t = 0; t < cnt; t += 2) {
+        const uint8_t* r0t = recs + size_t(t) * rb;
+        __m512bh v[4];
+        for (int u = 0; u < 2; ++u) {
+          const __m512i c0 = decode32_bf16(r0t, gu[u], *su[u]);
+          const __m512i c1 = t + 1 < cnt ? decode32_bf16(r0t + rb, gu[u], *su[u]) : _mm512_setzero_si512();
+          v[2 * u] = __m512bh(_mm512_permutex2var_epi16(c0, pair_lo, c1));
+          v[2 * u + 1] = __m512bh(_mm512_permutex2var_epi16(c0, pair_hi, c1));
+        }
+        for (int i = 0; i < NQ; ++i) {
+          const __m512bh wi = __m512bh(_mm512_set1_epi32(int(wb[i][t / 2])));
+          for (int j = 0; j < 4; ++j) a[j][i] = _mm512_dpbf16_ps(a[j][i], v[j], wi);
+        }
+      }
+      for (int i = 0; i < NQ; ++i)
+        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + size_t(i) * size_t(d) + 16 * (g + j), a[j][i]);
+      g += 2;
+      continue;
+    }
     if (g + 4 <= g_all && !nibble_pair(l, g) && !nibble_pair(l, g + 2)) {
-      // 64 channels of other widths per pass, one vpermb decode per 16 channels.
+      // 64 channels spanning the segment boundary, fp32: one vpermb decode per 16 channels.
       const Seg* sj[4];
       int gj[4];
       for (int j = 0; j < 4; ++j) {
