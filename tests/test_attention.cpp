@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
@@ -16,6 +17,7 @@
 #include "core/cpu.h"
 #include "core/error.h"
 #include "kv/policy.h"
+#include "model/model.h"
 #include "core/thread_pool.h"
 #include "kv/kv_rows.h"
 #include "kvq/kv_format.h"
@@ -374,6 +376,35 @@ TEST(Attention, KvCacheAttendHeadSplitMatchesSinglePass) {
         for (size_t i = 0; i < one.size(); ++i)
           ASSERT_NEAR(split[i], one[i], 2e-5) << fmt << " window " << window << " head " << h;
       }
+    }
+  }
+}
+
+// End to end: decode steps past 2048 tokens with more threads than (row, KV head) items take the
+// split-K path in the engine (stories260K: 4 KV heads, 8 threads); their logits match a
+// one-thread run (single pass) to float rounding.
+TEST(Attention, EngineSplitKDecodeMatchesOneThread) {
+  const std::string path = std::string(KVQ_SOURCE_DIR) + "/../shared/models/stories260K.gguf";
+  if (!std::ifstream(path).good()) GTEST_SKIP() << "stories260K.gguf not found at " << path;
+  auto m = Model::load(path);
+  const int nv = m->config().n_vocab;
+  for (const char* fmt : {"f16"}) {
+    KvCacheConfig cfg = m->kv_cache_config(kv_policy_uniform(fmt, m->config().n_layer), 2048, 64);
+    std::vector<int32_t> toks(2048);
+    std::mt19937 rng(3);
+    for (auto& t : toks) t = int32_t(3 + rng() % uint32_t(nv - 3));
+    ThreadPool one(1), many(8);
+    Forward f1(*m, one), f8(*m, many);
+    KvCache c1(cfg), c8(cfg);
+    f1.eval(toks.data(), 2046, c1);
+    f8.eval(toks.data(), 2046, c8);
+    for (int s = 2046; s < 2048; ++s) {  // contexts 2047 (one pass everywhere) and 2048 (split)
+      const float* l1 = f1.eval(&toks[size_t(s)], 1, c1);
+      const std::vector<float> a(l1, l1 + nv);
+      const float* l8 = f8.eval(&toks[size_t(s)], 1, c8);
+      float amax = 0;
+      for (float v : a) amax = std::max(amax, std::fabs(v));
+      for (int i = 0; i < nv; ++i) ASSERT_NEAR(l8[i], a[size_t(i)], 1e-4f * (1 + amax)) << fmt << " step " << s;
     }
   }
 }
