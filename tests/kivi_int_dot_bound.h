@@ -1,5 +1,5 @@
-// Error bound of the KIVI key scores on AVX-512 (kivi_avx512.cpp) against the float reference,
-// derived from their arithmetic, for tests.
+// Error bounds of the KIVI key scores and value sums on AVX-512 (kivi_avx512.cpp) against the
+// float reference, derived from their arithmetic, for tests.
 //
 // Per key group the kernel folds qs_c = q_c * scale_c (f32, as kivi_fold_query) and rounds each
 // query row to int16 steps dq = max_c |qs_c| / 32767; the integer dot of the codes is exact, so
@@ -48,6 +48,21 @@ inline double kivi_int_dot_bound(const KvCodec& kc, const float* q, int n_q, con
     }
   }
   return worst;
+}
+
+// Values (KIVI / KVQuant value codecs): per run of up to 64 tokens the kernel rounds
+// w_t = p_t * scale_t (per query and group) to int16 steps dw = max_t |w_t| / 32767, so each
+// accumulated element moves by at most sum_t dw (0.5 + 2^-20) code_t. Inside decode attention
+// p <= 1 (scores minus the running max) and scale * (2^b - 1) <= the token's group range <=
+// 2 max|v|, so an output (acc / l, l >= 1) moves by at most n_tokens * 2 max|v| / 65534 (* 1.001
+// for the f16 rounding of the scale).
+inline bool kivi_int_values(const KvCodec& vc) {
+  const std::string& n = vc.info().name;
+  return cpu_level() == CpuLevel::avx512 && (n.rfind("kivi", 0) == 0 || n.rfind("kvquant", 0) == 0) &&
+         n.size() > 2 && n.compare(n.size() - 2, 2, "_v") == 0 && vc.head_dim() % 64 == 0;
+}
+inline double kivi_int_values_attn_bound(int n_tokens, double v_max) {
+  return double(n_tokens) * 2 * v_max / 65534 * 1.001;
 }
 
 }  // namespace kvq::test

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 #include <fstream>
 #include <random>
 #include <string>
@@ -65,9 +66,21 @@ double max_err_vs_ref(const std::string& format, const Case& c, uint64_t seed, d
   pk.n_kv_heads = pv.n_kv_heads = 2;
   pk.role = KvRole::key;
   pv.role = KvRole::value;
-  // Static-scale formats need calibration: per-head scales, different per head.
-  static const nlohmann::json calib = {{"layers", {{{"k_scale", {0.05, 0.07}}, {"v_scale", {0.03, 0.02}}}}}};
-  pk.calib = pv.calib = &calib;
+  // Static-scale formats need calibration: per-head scales, different per head; centered
+  // formats per-head channel means (a few large channels, as keys have).
+  static std::map<int, nlohmann::json> calibs;
+  auto it = calibs.find(c.head_dim);
+  if (it == calibs.end()) {
+    std::vector<std::vector<float>> km(2, std::vector<float>(size_t(c.head_dim))), vm = km;
+    for (int h = 0; h < 2; ++h)
+      for (int d = 0; d < c.head_dim; ++d) {
+        km[size_t(h)][size_t(d)] = (d % 11 == 3) ? 4.f * float(h + 1) : 0.05f * float(d % 7);
+        vm[size_t(h)][size_t(d)] = 0.1f * float((d + h) % 5) - 0.2f;
+      }
+    it = calibs.emplace(c.head_dim, nlohmann::json{{"layers", {{{"k_scale", {0.05, 0.07}}, {"v_scale", {0.03, 0.02}},
+                                                                 {"k_mean", km}, {"v_mean", vm}}}}}).first;
+  }
+  pk.calib = pv.calib = &it->second;
   std::unique_ptr<KvCodec> kc, vc;
   try {
     kc = kv_codec_create(f.k_codec, pk);
@@ -138,6 +151,17 @@ double max_err_vs_ref(const std::string& format, const Case& c, uint64_t seed, d
     }
     for (float v : tv) vmax = std::max(vmax, double(std::fabs(v)));
     *tol += std::expm1(2 * double(ap.scale) * delta) * vmax;
+  }
+  if (test::kivi_int_values(*vc)) {  // int16 weights of the KIVI value sums (kivi_int_dot_bound.h)
+    int n_tok = 0;
+    for (const auto& sp : spans) n_tok += sp.n;
+    double vmax = 0;
+    std::vector<float> vd(size_t(bt) * size_t(c.head_dim));
+    for (int b = 0; b < n_blocks; ++b) {
+      vc->decode(head, vb[size_t(b)].data(), bt, 0, bt, b * bt, vd.data());
+      for (float v : vd) vmax = std::max(vmax, double(std::fabs(v)));
+    }
+    *tol += test::kivi_int_values_attn_bound(n_tok, vmax);
   }
   double err = 0;
   for (size_t i = 0; i < out.size(); ++i) {

@@ -326,9 +326,125 @@ void v_accum_blocks_nq(const uint8_t* rows, size_t row_bytes, int n, int head_di
   }
 }
 
+// Integer weighted sum (head_dim % 64 == 0, group % 32 == 0), per run of up to 64 tokens:
+// acc_i += sum_t p_it (s_tg code_t + z_tg) = sum_t w_itg code_t + Z_ig with w = p s rounded to
+// int16 steps dw_ig = max_t |w_itg| / 32767 per (query, group, run) and Z = sum_t p z in f32.
+// Two tokens' codes interleaved as int16 pairs (unpack of their byte codes, widened) meet the
+// pair (w_t, w_t+1) in one vpdpwssd, 32 multiply-adds per instruction; |sum| <= 64 * 32767 * 15.
+// The only approximation is |w - dw round(w / dw)| <= dw / 2 per token times its code
+// (kivi.h, kivi_v_accum_fn). Accumulator lanes follow the unpack order; one permute per chunk
+// restores channel order when a run is folded into acc.
+constexpr int kVRun = 64;
+template <int B, int NQ>
+void v_accum_i16(const uint8_t* rows, size_t row_bytes, int n, int head_dim, int group, const float* p,
+                 int p_stride, float* acc) {
+  const int ng = head_dim / group, pb = head_dim / 8, nm = head_dim / 64;
+  alignas(64) int16_t w16[NQ * (kvg_max_head_dim / 32) * kVRun];  // (NQ, ng, kVRun)
+  float dw[NQ * (kvg_max_head_dim / 32)], zs[NQ * (kvg_max_head_dim / 32)];
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i rb = _mm512_mullo_epi32(lane, _mm512_set1_epi32(int(row_bytes)));
+  for (int t0 = 0; t0 < n; t0 += kVRun) {
+    const int cn = std::min(kVRun, n - t0);
+    const uint8_t* base = rows + size_t(t0) * row_bytes;
+    // Weights of the run: scales / zeros of 16 rows at a time by gather (low f16 of each dword).
+    alignas(64) float wf[NQ * (kvg_max_head_dim / 32) * kVRun];  // (NQ, ng, kVRun)
+    for (int g = 0; g < ng; ++g) {
+      __m512 wmax[NQ], zacc[NQ];
+      for (int i = 0; i < NQ; ++i) wmax[i] = zacc[i] = _mm512_setzero_ps();
+      for (int u = 0; u < kVRun; u += 16) {
+        const __mmask16 m = u >= cn ? __mmask16(0) : (cn - u >= 16 ? __mmask16(0xffff) : __mmask16((1u << (cn - u)) - 1));
+        const __m512i off = _mm512_add_epi32(rb, _mm512_set1_epi32(int(size_t(u) * row_bytes)));
+        const __m512i sw = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, off, base + 2 * g, 1);
+        const __m512i zw = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, off, base + 2 * (ng + g), 1);
+        const __m512 sv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sw)), zv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(zw));
+        for (int i = 0; i < NQ; ++i) {
+          const __m512 pv = _mm512_maskz_loadu_ps(m, p + size_t(i) * p_stride + t0 + u);
+          const __m512 w = _mm512_mul_ps(pv, sv);
+          _mm512_store_ps(wf + (size_t(i) * ng + g) * kVRun + u, w);
+          wmax[i] = _mm512_max_ps(wmax[i], _mm512_abs_ps(w));
+          zacc[i] = _mm512_fmadd_ps(pv, zv, zacc[i]);
+        }
+      }
+      for (int i = 0; i < NQ; ++i) {
+        const float mx = _mm512_reduce_max_ps(wmax[i]);
+        dw[i * ng + g] = mx / 32767.f;
+        zs[i * ng + g] = _mm512_reduce_add_ps(zacc[i]);
+        const __m512 inv = _mm512_set1_ps(mx > 0 ? 32767.f / mx : 0.f);
+        for (int u = 0; u < kVRun; u += 16)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(w16 + (size_t(i) * ng + g) * kVRun + u),
+                             _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(
+                                 _mm512_mul_ps(_mm512_load_ps(wf + (size_t(i) * ng + g) * kVRun + u), inv))));
+      }
+    }
+    const int cn2 = (cn + 1) & ~1;  // an odd last token pairs with a zero weight
+    for (int mb = 0; mb < nm; ++mb) {
+      // Vector j of the block: j = 0: channels {0-7, 16-23}, 1: {32-39, 48-55}, 2: {8-15, 24-31},
+      // 3: {40-47, 56-63} (unpack lanes), so j = 0, 2 lie in the block's first 32 channels.
+      const int ga = 64 * mb / group, gb = (64 * mb + 32) / group;
+      __m512i ai[NQ][4];
+      for (int i = 0; i < NQ; ++i)
+        for (int j = 0; j < 4; ++j) ai[i][j] = _mm512_setzero_si512();
+      for (int u = 0; u < cn2; u += 2) {
+        const __m512i c0 = codes64<B>(base + size_t(u) * row_bytes + size_t(ng) * 4, pb, mb);
+        const __m512i c1 = u + 1 < cn ? codes64<B>(base + size_t(u + 1) * row_bytes + size_t(ng) * 4, pb, mb)
+                                      : _mm512_setzero_si512();
+        const __m512i lo = _mm512_unpacklo_epi8(c0, c1), hi = _mm512_unpackhi_epi8(c0, c1);
+        const __m512i v0 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo));
+        const __m512i v1 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1));
+        const __m512i v2 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi));
+        const __m512i v3 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1));
+#pragma GCC unroll 4
+        for (int i = 0; i < NQ; ++i) {
+          int32_t pa, pbw;
+          std::memcpy(&pa, w16 + (size_t(i) * ng + ga) * kVRun + u, 4);
+          std::memcpy(&pbw, w16 + (size_t(i) * ng + gb) * kVRun + u, 4);
+          const __m512i wa = _mm512_set1_epi32(pa), wb = _mm512_set1_epi32(pbw);
+          ai[i][0] = _mm512_dpwssd_epi32(ai[i][0], v0, wa);
+          ai[i][1] = _mm512_dpwssd_epi32(ai[i][1], v1, wb);
+          ai[i][2] = _mm512_dpwssd_epi32(ai[i][2], v2, wa);
+          ai[i][3] = _mm512_dpwssd_epi32(ai[i][3], v3, wb);
+        }
+      }
+      const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+      const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+      for (int i = 0; i < NQ; ++i) {
+        const __m512 da = _mm512_set1_ps(dw[i * ng + ga]), db = _mm512_set1_ps(dw[i * ng + gb]);
+        const __m512 za = _mm512_set1_ps(zs[i * ng + ga]), zb = _mm512_set1_ps(zs[i * ng + gb]);
+        const __m512 f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[i][0]), da, za);
+        const __m512 f2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[i][2]), da, za);
+        const __m512 f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[i][1]), db, zb);
+        const __m512 f3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[i][3]), db, zb);
+        float* o = acc + size_t(i) * head_dim + 64 * mb;
+        // f0 = {0-7, 16-23}, f2 = {8-15, 24-31}; f1 = {32-39, 48-55}, f3 = {40-47, 56-63}
+        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_permutex2var_ps(f0, first, f2)));
+        _mm512_storeu_ps(o + 16, _mm512_add_ps(_mm512_loadu_ps(o + 16), _mm512_permutex2var_ps(f0, second, f2)));
+        _mm512_storeu_ps(o + 32, _mm512_add_ps(_mm512_loadu_ps(o + 32), _mm512_permutex2var_ps(f1, first, f3)));
+        _mm512_storeu_ps(o + 48, _mm512_add_ps(_mm512_loadu_ps(o + 48), _mm512_permutex2var_ps(f1, second, f3)));
+      }
+    }
+  }
+}
+
+template <int B>
+void v_accum_i16_nq(const uint8_t* rows, size_t row_bytes, int n, int head_dim, int group, const float* p,
+                    int p_stride, int n_q, float* acc) {
+  for (int i0 = 0; i0 < n_q; i0 += 4) {
+    const float* pi = p + size_t(i0) * p_stride;
+    float* a = acc + size_t(i0) * head_dim;
+    switch (std::min(4, n_q - i0)) {
+      case 1: v_accum_i16<B, 1>(rows, row_bytes, n, head_dim, group, pi, p_stride, a); break;
+      case 2: v_accum_i16<B, 2>(rows, row_bytes, n, head_dim, group, pi, p_stride, a); break;
+      case 3: v_accum_i16<B, 3>(rows, row_bytes, n, head_dim, group, pi, p_stride, a); break;
+      default: v_accum_i16<B, 4>(rows, row_bytes, n, head_dim, group, pi, p_stride, a); break;
+    }
+  }
+}
+
 template <int B>
 void v_accum_impl(const uint8_t* rows, size_t row_bytes, int n, int head_dim, int group,
                   const float* p, int p_stride, int n_q, float* acc) {
+  if (head_dim % 64 == 0 && group % 32 == 0)
+    return v_accum_i16_nq<B>(rows, row_bytes, n, head_dim, group, p, p_stride, n_q, acc);
   if (head_dim % 64 == 0) {
     if (group == 16) return v_accum_blocks_nq<B, 1>(rows, row_bytes, n, head_dim, group, p, p_stride, n_q, acc);
     if (group == 32) return v_accum_blocks_nq<B, 2>(rows, row_bytes, n, head_dim, group, p, p_stride, n_q, acc);
