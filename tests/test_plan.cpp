@@ -133,6 +133,10 @@ TEST(Plan, EveryFormatMatchesItsCodecBlocks) {
   c.batch = {1};
   PlanResult r = plan_compute(m, c);
   ASSERT_FALSE(r.formats.empty());
+  // Formats that read calibration (static scales, channel means) are sized too: with any values.
+  const std::vector<std::vector<float>> mean(8, std::vector<float>(128, 0.25f));
+  const nlohmann::json calib = {{"layers", {{{"k_scale", 0.5}, {"v_scale", 0.5}, {"k_mean", mean}, {"v_mean", mean}}}}};
+  EXPECT_EQ(r.formats.size(), kv_formats().size());
   for (const PlanFormatCost& f : r.formats) {
     SCOPED_TRACE(f.name);
     KvCodecParams pk, pv;
@@ -140,6 +144,7 @@ TEST(Plan, EveryFormatMatchesItsCodecBlocks) {
     pv.role = KvRole::value;
     pk.head_dim = pv.head_dim = 128;
     pk.n_kv_heads = pv.n_kv_heads = 8;
+    pk.calib = pv.calib = &calib;
     auto kc = kv_codec_create(f.k_codec, pk);
     auto vc = kv_codec_create(f.v_codec, pv);
     const double kb = double(kc->block_bytes(64)), vb = double(vc->block_bytes(64));

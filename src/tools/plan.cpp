@@ -718,7 +718,20 @@ PlanFormatCost plan_format_cost(const PlanModel& m, const PlanConfig& c, const s
       try {
         cd = kv_codec_create(name, p);
       } catch (const Error& e) {
-        fail("format '{}' at head_dim {}: {}", r.name, head_dim, e.what());
+        // Codecs that read calibration artifacts (static scales, channel means) have the same
+        // size whatever their values: size them with placeholder ones. Other errors (a group
+        // that does not divide head_dim, ...) stand.
+        const std::vector<std::vector<float>> zero(size_t(heads), std::vector<float>(size_t(head_dim), 0.f));
+        const nlohmann::json entry = {{"k_scale", 1.0}, {"v_scale", 1.0}, {"k_mean", zero}, {"v_mean", zero}};
+        const nlohmann::json sizing = {{"layers", nlohmann::json::array()}};
+        nlohmann::json cal = sizing;
+        for (int i = 0; i <= layer; ++i) cal["layers"].push_back(entry);
+        p.calib = &cal;
+        try {
+          cd = kv_codec_create(name, p);
+        } catch (const Error&) {
+          fail("format '{}' at head_dim {}: {}", r.name, head_dim, e.what());
+        }
       }
       it = codecs.emplace(key, std::move(cd)).first;
     }

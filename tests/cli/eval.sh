@@ -24,6 +24,15 @@ check "HTML report is self-contained with SVG plots" "grep -q '<svg' $tmp/r.html
 check "layers task: one entry per layer with K and V errors" \
   "python3 -c \"import json; d=json.load(open('$tmp/l.json')); L=d['formats'][0]['layers']['per_layer']; assert len(L)==5 and all(e['k_rel_err']>0 and e['v_rel_err']>0 for e in L); assert d['scale_mode']=='static-prefill' and d['formats'][0]['buckets'][0]['kld_mean']>0\""
 
+# calibrate records channel means; the centered formats read them, and refuse to run without them
+"$kvq" calibrate -m "$model" --data "$text" -o "$tmp/calib.json" --ctx 64 --chunks 2 -t 1 2>"$tmp/ce"
+check "calibrate exits 0 and reports the mean energy" "[[ $? -eq 0 ]] && grep -q 'channel means hold' $tmp/ce"
+check "calibration has per-head channel means of K and V" \
+  "python3 -c \"import json; d=json.load(open('$tmp/calib.json')); L=d['layers']; assert len(L)==5 and all(len(l['k_mean'])==4 and all(len(h)==8 for h in l['k_mean']) and len(l['v_mean'])==4 for l in L); assert any(abs(x)>0 for l in L for h in l['k_mean'] for x in h)\""
+"$kvq" eval -m "$model" --kv int8_c,int8 --kv-scales "$tmp/calib.json" --ctx 64 --data "$text" --json --no-progress -t 1 >"$tmp/c.json" 2>/dev/null
+check "eval runs a centered format from the calibration" \
+  "python3 -c \"import json; d=json.load(open('$tmp/c.json')); f=d['formats']; assert f[0]['format']=='int8_c' and 0<=f[0]['buckets'][0]['kld_mean']<0.05\""
+
 bad() {
   local name=$1 pattern=$2; shift 2
   "$kvq" "$@" >"$tmp/bo" 2>"$tmp/be"
@@ -42,6 +51,7 @@ bad "JSONL without expected" "expected" eval -m "$model" --kv int8 --task own --
 head -c 300 "$text" >"$tmp/short.txt"
 bad "haystack shorter than the context" "haystack" eval -m "$model" --kv int8 --task needle --ctx 512 --haystack "$tmp/short.txt"
 bad "unknown scale mode" "scale-mode" eval -m "$model" --kv int8 --ctx 64 --data "$text" --scale-mode sometimes
+bad "centered format without calibration" "kvq calibrate" eval -m "$model" --kv int8_c --ctx 64 --data "$text"
 bad "unknown task" "unknown task" eval -m "$model" --kv int8 --task nope --ctx 64 --data "$text"
 
 # plan --measure: measured growth per token next to the prediction
