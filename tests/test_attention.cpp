@@ -18,6 +18,7 @@
 #include "core/cpu.h"
 #include "core/error.h"
 #include "kv/policy.h"
+#include "kv/turboquant.h"
 #include "model/model.h"
 #include "core/thread_pool.h"
 #include "kv/kv_rows.h"
@@ -42,15 +43,72 @@ struct Case {
 // Row format of a key codec whose scores use the integer-dot kernels (an int8 image of the query
 // follows the plain one in the prepared row), recognised by its inner row format's name
 // (q4_0, q4_0h, int4_g64, int2_g32, ...); false when the codec scores with the float query.
-bool int_dot_format(const KvCodec& kc, KvRowFmt* f) {
+bool int_dot_format(const KvCodec& kc, KvRowFmt* f, int* row_stride) {
   const int hd = kc.head_dim();
-  if (kc.prepared_query_dim() == hd) return false;
-  const std::string& name = kc.info().name;
+  std::string name = kc.info().name;
+  // Centered codecs (*_c) run the inner codec's kernels; their prepared query holds the inner
+  // rows (inner stride) followed by 16 floats of <q, mu> room per row.
+  int pqd = kc.prepared_query_dim();
+  if (name.size() > 2 && name.compare(name.size() - 2, 2, "_c") == 0) {
+    name.resize(name.size() - 2);
+    pqd -= 16;
+  }
+  *row_stride = pqd;
+  if (pqd == hd) return false;
   if (name.rfind("q4_0", 0) == 0) *f = kv_row_fmt(KvElem::q4_0, hd);
   else if (name.rfind("int4_g", 0) == 0) *f = kv_row_fmt(KvElem::int4g, hd, std::stoi(name.substr(6)));
   else if (name.rfind("int2_g", 0) == 0) *f = kv_row_fmt(KvElem::int2g, hd, std::stoi(name.substr(6)));
   else return false;
-  return kv_rows_int_dot_ok(*f) && kc.prepared_query_dim() == hd + kv_rows_query_extra_floats(*f);
+  return kv_rows_int_dot_ok(*f) && pqd == hd + kv_rows_query_extra_floats(*f);
+}
+
+// TurboQuant's AVX-512 kernels score on an int8 image of the rotated query and codebook and sum
+// values in bf16; their per-score and per-channel bounds are derived in kv/turboquant.h and tested
+// against them in test_turboquant. Here the deviation of the fused kernels from the decoded
+// cache is measured on the case's own blocks (scores: max |fused - <q, decode(k)>|,
+// checked to be small, and propagated through the softmax like the bounds above; values: the
+// derived bf16 bound below), so that what this test checks is the attention loop around them.
+bool tq_codec(const KvCodec& c) { return c.info().name.rfind("tq", 0) == 0; }
+
+double measured_score_dev(const KvCodec& kc, int head, const float* q, int n_q, const std::vector<std::vector<uint8_t>>& kb,
+                          int bt) {
+  const int hd = kc.head_dim();
+  std::vector<float> qp(size_t(n_q) * size_t(kc.prepared_query_dim())), sc(size_t(n_q) * size_t(bt)),
+      kd(size_t(bt) * size_t(hd));
+  kc.prepare_query(head, q, n_q, qp.data());
+  double dev = 0, mag = 0;
+  for (size_t b = 0; b < kb.size(); ++b) {
+    kc.scores(head, qp.data(), n_q, kb[b].data(), bt, 0, bt, int(b) * bt, sc.data(), bt);
+    kc.decode(head, kb[b].data(), bt, 0, bt, int(b) * bt, kd.data());
+    for (int i = 0; i < n_q; ++i)
+      for (int t = 0; t < bt; ++t) {
+        double ref = 0;
+        for (int d = 0; d < hd; ++d) ref += double(q[size_t(i) * size_t(hd) + size_t(d)]) * kd[size_t(t) * size_t(hd) + size_t(d)];
+        dev = std::max(dev, std::fabs(sc[size_t(i) * size_t(bt) + size_t(t)] - ref));
+        mag = std::max(mag, std::fabs(ref));
+      }
+  }
+  EXPECT_LT(dev, 0.02 * (1 + mag)) << kc.info().name << ": fused scores far from the decoded keys";
+  return dev;
+}
+
+// Values: the bf16 weighted sum errs per channel of the rotated basis by at most
+// kTqAccumBf16Rel * sum_t p_t |v'_t[c]| (v' = R v, turboquant.h); over the channels that is at most
+// kTqAccumBf16Rel * sum_t p_t ||v_t|| in L2, which the orthogonal un-rotation keeps, so every output
+// channel moves by at most kTqAccumBf16Rel * max_t ||v_t|| per unit of probability mass.
+double tq_value_bound(const KvCodec& vc, int head, const std::vector<std::vector<uint8_t>>& vb, int bt) {
+  const int hd = vc.head_dim();
+  std::vector<float> vd(size_t(bt) * size_t(hd));
+  double nmax = 0;
+  for (size_t b = 0; b < vb.size(); ++b) {
+    vc.decode(head, vb[b].data(), bt, 0, bt, int(b) * bt, vd.data());
+    for (int t = 0; t < bt; ++t) {
+      double n2 = 0;
+      for (int d = 0; d < hd; ++d) n2 += double(vd[size_t(t) * size_t(hd) + size_t(d)]) * vd[size_t(t) * size_t(hd) + size_t(d)];
+      nmax = std::max(nmax, std::sqrt(n2));
+    }
+  }
+  return 1.01 * kTqAccumBf16Rel * nmax;
 }
 
 // Returns the max error; *tol receives the allowed error: 2e-5 (f32 summation order, polynomial
@@ -129,10 +187,11 @@ double max_err_vs_ref(const std::string& format, const Case& c, uint64_t seed, d
                   c.n_tail, ap, ref.data());
   *tol = 2e-5;
   KvRowFmt rf;
+  int pqd = 0;
   const bool kivi_int = test::kivi_int_keys(*kc);  // KIVI keys: int16 query image (kivi_int_dot_bound.h)
-  if ((cpu_level() != CpuLevel::scalar && int_dot_format(*kc, &rf)) || kivi_int) {
-    const int pqd = kc->prepared_query_dim();
-    std::vector<float> qp(size_t(c.n_q) * size_t(pqd));
+  const bool row_int = cpu_level() != CpuLevel::scalar && int_dot_format(*kc, &rf, &pqd);
+  if (row_int || kivi_int) {
+    std::vector<float> qp(size_t(c.n_q) * size_t(kc->prepared_query_dim()));
     kc->prepare_query(head, q.data(), c.n_q, qp.data());
     double delta = 0, vmax = 0;
     for (int b = 0; b < n_blocks; ++b)
@@ -151,6 +210,17 @@ double max_err_vs_ref(const std::string& format, const Case& c, uint64_t seed, d
     }
     for (float v : tv) vmax = std::max(vmax, double(std::fabs(v)));
     *tol += std::expm1(2 * double(ap.scale) * delta) * vmax;
+  }
+  if (cpu_level() == CpuLevel::avx512 && (tq_codec(*kc) || tq_codec(*vc))) {
+    double vmax = 0;
+    std::vector<float> vd(size_t(bt) * size_t(c.head_dim));
+    for (int b = 0; b < n_blocks; ++b) {
+      vc->decode(head, vb[size_t(b)].data(), bt, 0, bt, b * bt, vd.data());
+      for (float v : vd) vmax = std::max(vmax, double(std::fabs(v)));
+    }
+    for (float v : tv) vmax = std::max(vmax, double(std::fabs(v)));
+    if (tq_codec(*kc)) *tol += std::expm1(2 * double(ap.scale) * measured_score_dev(*kc, head, q.data(), c.n_q, kb, bt)) * vmax;
+    if (tq_codec(*vc)) *tol += tq_value_bound(*vc, head, vb, bt);
   }
   if (test::kivi_int_values(*vc)) {  // int16 weights of the KIVI value sums (kivi_int_dot_bound.h)
     int n_tok = 0;
