@@ -209,6 +209,10 @@ class KiviKeyCodec final : public KiviCodecBase {
     check_block(block_tokens);
     const int D = cfg_.head_dim, G = cfg_.group_tokens;
     const KiviKernels& kk = kivi_kernels();
+    {
+      const size_t a = size_t(t0 / G) * group_bytes(), e = size_t((t0 + n + G - 1) / G) * group_bytes();
+      kvg_prefetch(block + a, e - a);
+    }
     constexpr int qchunk = 8;  // bounds the stack copy of q * scale
     float qs[qchunk * kvg_max_head_dim], qz[qchunk];
     for (int t = t0; t < t0 + n;) {
@@ -285,6 +289,7 @@ class KiviValueCodec final : public KiviCodecBase {
   void accumulate(int, const float* p, int p_stride, int n_q, const uint8_t* block,
                   int block_tokens, int t0, int n, float* acc) const override {
     check_block(block_tokens);
+    kvg_prefetch(block + size_t(t0) * row_bytes(), size_t(n) * row_bytes());
     kivi_kernels().v_accum(block + size_t(t0) * row_bytes(), row_bytes(), n, cfg_.bits,
                            cfg_.head_dim, cfg_.value_group, p, p_stride, n_q, acc);
   }

@@ -381,6 +381,11 @@ class KvquantKeyCodec final : public KvCodec {
     kv_check_block_tokens(info_.name, block_tokens, cfg_.group_tokens);
     const KvquantKernels& kk = kvquant_kernels();
     const int D = cfg_.head_dim, G = cfg_.group_tokens, half = cfg_.rope.n_rot / 2;
+    {
+      const size_t a = sink_bytes() + size_t(t0 / G) * group_bytes();
+      const size_t e = sink_bytes() + size_t((t0 + n + G - 1) / G) * group_bytes();
+      kvg_prefetch(block + a, e - a);
+    }
     constexpr int qchunk = 8;  // bounds the stack copy of the rotated queries
     alignas(64) float qr[qchunk * kvg_max_head_dim];
     float pc[kvg_max_head_dim / 2], ps[kvg_max_head_dim / 2];
