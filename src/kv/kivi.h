@@ -63,6 +63,8 @@ inline int bitplane_code(const uint8_t* row, int bits, int head_dim, int c) {
 // group by the caller, so the inner loop is codes times one precomputed vector.
 //   codes: n rows of bitplane_row_bytes(bits, head_dim) bytes, row_bytes apart
 //   qs: (n_q, head_dim), qz: (n_q), out: (n_q, out_stride)
+// AVX-512 (head_dim % 64 == 0) rounds each qs row to int16 steps dq = max|qs| / 32767 and sums
+// codes exactly with vpdpwssd: |error| <= dq / 2 * sum_c code_c (tests/kivi_int_dot_bound.h).
 using kivi_k_scores_fn = void (*)(const uint8_t* codes, size_t row_bytes, int n, int bits,
                                   int head_dim, const float* qs, const float* qz, int n_q,
                                   float* out, int out_stride);
@@ -70,6 +72,8 @@ using kivi_k_scores_fn = void (*)(const uint8_t* codes, size_t row_bytes, int n,
 //   rows: n value rows (kivi_v_row_bytes), row_bytes apart, each [f16 scale (head_dim/g)]
 //         [f16 zero (head_dim/g)][bit planes]
 //   p: (n_q, p_stride), acc: (n_q, head_dim)
+// AVX-512 (head_dim % 64 == 0, g % 32 == 0) rounds w = p * scale per query, group and run of 64
+// tokens to int16 steps dw = max|w| / 32767 (zero terms in f32): |error| <= sum_t dw / 2 * code.
 using kivi_v_accum_fn = void (*)(const uint8_t* rows, size_t row_bytes, int n, int bits,
                                  int head_dim, int group, const float* p, int p_stride, int n_q,
                                  float* acc);
