@@ -21,24 +21,28 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Codes of a row decoded once to floats (exact small integers), then one FMA chain per query row.
 template <int B>
 void k_scores_impl(const uint8_t* codes, size_t row_bytes, int n, int head_dim, const float* qs,
                    const float* qz, int n_q, float* out, int out_stride) {
   const int pb = head_dim / 8;
+  alignas(32) float codef[kvg_max_head_dim];
   for (int t = 0; t < n; ++t) {
     const uint8_t* row = codes + size_t(t) * row_bytes;
+    for (int k = 0; k < pb; ++k) {
+      __m256i v = _mm256_setzero_si256();
+      for (int j = 0; j < B; ++j)
+        v = _mm256_add_epi32(v, _mm256_and_si256(byte_mask(row[j * pb + k]), _mm256_set1_epi32(1 << j)));
+      _mm256_store_ps(codef + 8 * k, _mm256_cvtepi32_ps(v));
+    }
     for (int i = 0; i < n_q; ++i) {
       const float* w = qs + size_t(i) * head_dim;
-      __m256 acc[B];
-      for (int j = 0; j < B; ++j) acc[j] = _mm256_setzero_ps();
-      for (int k = 0; k < pb; ++k) {
-        const __m256 wv = _mm256_loadu_ps(w + 8 * k);
-        for (int j = 0; j < B; ++j)
-          acc[j] = _mm256_add_ps(acc[j], _mm256_and_ps(_mm256_castsi256_ps(byte_mask(row[j * pb + k])), wv));
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      for (int k = 0; k < pb; k += 2) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 8 * k), _mm256_load_ps(codef + 8 * k), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 8 * k + 8), _mm256_load_ps(codef + 8 * k + 8), a1);
       }
-      __m256 tot = acc[B - 1];
-      for (int j = B - 2; j >= 0; --j) tot = _mm256_fmadd_ps(tot, _mm256_set1_ps(2.f), acc[j]);
-      out[size_t(i) * out_stride + t] = hsum(tot) + qz[i];
+      out[size_t(i) * out_stride + t] = hsum(_mm256_add_ps(a0, a1)) + qz[i];
     }
   }
 }
