@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "core/dtypes.h"
 #include "kv/kv_rows.h"
@@ -50,6 +51,71 @@ inline double int_dot_bound(const KvRowFmt& f, const float* q, const uint8_t* ro
     }
   }
   return quant + 1e-5 * mag + 1e-30;
+}
+
+// Integer weighted sum of the 4-bit / 2-bit rows on AVX-512 (kv_rows_i8_avx512.cpp, accum_i16;
+// head_dim % 64 == 0, groups of 32 / 64 / 128): per query row, group and run of 64 tokens the
+// kernel rounds w_t = p_t * s_t to int16 steps dw = max_t |w_t| / 32767; the integer dot of the
+// codes is exact, so channel c of query row i moves by at most sum_runs dw * 0.51 * sum_t c_t
+// (half a step, plus 4 * 2^-24 * 32767 < 0.008 steps for the f32 products p s, w / dw and dw),
+// plus f32 rounding differences: relative 1e-5 of sum_t |p_t| (|s c_t| + |m| + |x_t|).
+// p: (n_q, p_stride); rows: n rows row_stride apart; returns (n_q, head_dim) per-element bounds.
+inline bool kv_int_accum_active(const KvRowFmt& f) {
+  if (f.head_dim % 64 != 0) return false;
+  if (f.elem == KvElem::q4_0) return true;
+  return (f.elem == KvElem::int4g || f.elem == KvElem::int2g) && (f.group == 32 || f.group == 64 || f.group == 128);
+}
+inline constexpr int kv_int_accum_run = 64;
+// Scale s, minimum m and code of channel j of a row.
+inline void kv_row_scm(const KvRowFmt& f, const uint8_t* row, int j, double* s, double* m, int* c) {
+  if (f.elem == KvElem::q4_0) {
+    kv_block_q4_0 blk;
+    std::memcpy(&blk, row + size_t(j / 32) * sizeof blk, sizeof blk);
+    *s = f16_to_f32(blk.d);
+    *m = -8 * *s;
+    *c = (blk.qs[j % 16] >> ((j % 32) / 16 * 4)) & 15;
+    return;
+  }
+  KvGroupParams p;
+  std::memcpy(&p, row + sizeof(KvGroupParams) * size_t(j / f.group), sizeof p);
+  *s = f16_to_f32(p.scale);
+  *m = f16_to_f32(p.min);
+  const uint8_t* codes = row + sizeof(KvGroupParams) * size_t(f.head_dim / f.group);
+  if (f.elem == KvElem::int2g) *c = (codes[(j / 32) * kv_unit_int2_bytes + j % 8] >> ((j % 32) / 8 * 2)) & 3;
+  else *c = (codes[(j / 32) * kv_unit_int4_bytes + j % 16] >> ((j % 32) / 16 * 4)) & 15;
+}
+inline std::vector<double> kv_int_accum_bound(const KvRowFmt& f, const float* p, int p_stride, int n_q,
+                                              const uint8_t* rows, size_t row_stride, int n) {
+  const int hd = f.head_dim;
+  std::vector<double> b(size_t(n_q) * size_t(hd), 1e-30);
+  for (int i = 0; i < n_q; ++i)
+    for (int j = 0; j < hd; ++j) {
+      double quant = 0, mag = 0;
+      for (int r0 = 0; r0 < n; r0 += kv_int_accum_run) {
+        const int r1 = std::min(n, r0 + kv_int_accum_run);
+        double wmax = 0, csum = 0;
+        for (int t = r0; t < r1; ++t) {
+          double s, m;
+          int c;
+          const double pt = p[size_t(i) * size_t(p_stride) + size_t(t)];
+          // wmax over the group of channel j: every channel of the group shares s
+          kv_row_scm(f, rows + size_t(t) * row_stride, j, &s, &m, &c);
+          wmax = std::max(wmax, std::fabs(pt * s));
+          csum += c;
+          mag += std::fabs(pt) * (std::fabs(s * c) + std::fabs(m) + std::fabs(s * c + m));
+        }
+        quant += wmax / 32767 * 0.51 * csum;
+      }
+      b[size_t(i) * size_t(hd) + size_t(j)] += quant + 1e-5 * mag;
+    }
+  return b;
+}
+// Inside decode attention p <= 1 and s * c_max <= the token's group range <= 2 max|v| (q4_0:
+// 15 |d| <= 15/8 max|v|), so an output (acc / l, l >= 1) moves by at most
+// n_tokens * 2 max|v| * 0.51 / 32767 (* 1.001 for the f16 rounding of the scale); v_max: the
+// largest |decoded value| of the rows the kernel reads.
+inline double kv_int_accum_attn_bound(int n_tokens, double v_max) {
+  return double(n_tokens) * 2 * v_max * 0.51 / 32767 * 1.001;
 }
 
 }  // namespace kvq::test

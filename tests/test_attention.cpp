@@ -62,6 +62,27 @@ bool int_dot_format(const KvCodec& kc, KvRowFmt* f, int* row_stride) {
   return kv_rows_int_dot_ok(*f) && pqd == hd + kv_rows_query_extra_floats(*f);
 }
 
+// Value codecs whose weighted sum runs the integer kernel at AVX-512 (int16 weights,
+// kv_int_dot_bound.h): the storage row format (the blocks hold its rows unchanged: centered
+// codecs store v - mu, q4_0h the rotated vector) and the factor by which the output rotation can
+// amplify a per-channel error (q4_0h: orthonormal Hadamard blocks of 64, entries 1/8, so
+// |H e|_inf <= 64 / 8 max|e|).
+bool int_accum_format(const KvCodec& vc, KvRowFmt* f, double* rot) {
+  if (cpu_level() != CpuLevel::avx512) return false;
+  const int hd = vc.head_dim();
+  std::string name = vc.info().name;
+  if (name.size() > 2 && name.compare(name.size() - 2, 2, "_c") == 0) name.resize(name.size() - 2);
+  *rot = 1;
+  if (name == "q4_0h") {
+    *f = kv_row_fmt(KvElem::q4_0, hd);
+    *rot = 8;
+  } else if (name == "q4_0") *f = kv_row_fmt(KvElem::q4_0, hd);
+  else if (name.rfind("int4_g", 0) == 0) *f = kv_row_fmt(KvElem::int4g, hd, std::stoi(name.substr(6)));
+  else if (name.rfind("int2_g", 0) == 0) *f = kv_row_fmt(KvElem::int2g, hd, std::stoi(name.substr(6)));
+  else return false;
+  return test::kv_int_accum_active(*f);
+}
+
 // TurboQuant's AVX-512 kernels score on an int8 image of the rotated query and codebook and sum
 // values in bf16; their per-score and per-channel bounds are derived in kv/turboquant.h and tested
 // against them in test_turboquant. Here the deviation of the fused kernels from the decoded
@@ -232,6 +253,20 @@ double max_err_vs_ref(const std::string& format, const Case& c, uint64_t seed, d
       for (float v : vd) vmax = std::max(vmax, double(std::fabs(v)));
     }
     *tol += test::kivi_int_values_attn_bound(n_tok, vmax);
+  }
+  KvRowFmt vf;
+  double vrot = 1;
+  if (int_accum_format(*vc, &vf, &vrot)) {  // int16 weights of the row formats' value sums
+    int n_tok = 0;
+    for (const auto& sp : spans) n_tok += sp.n;
+    double vmax = 0;  // in the storage basis, as the kernel sees the rows
+    std::vector<float> x(size_t(c.head_dim));
+    for (int b = 0; b < n_blocks; ++b)
+      for (int t = 0; t < bt; ++t) {
+        kv_row_decode(vf, 1.f, vb[size_t(b)].data() + size_t(t) * vf.row_bytes, x.data());
+        for (float v : x) vmax = std::max(vmax, double(std::fabs(v)));
+      }
+    *tol += vrot * test::kv_int_accum_attn_bound(n_tok, vmax);
   }
   double err = 0;
   for (size_t i = 0; i < out.size(); ++i) {

@@ -418,6 +418,186 @@ void accum_nq(const KvRowFmt& f, const float* p, int p_stride, const uint8_t* ro
   }
 }
 
+// Integer weighted sum (head_dim % 64 == 0, groups of 32, 64 or 128 channels; q4_0's blocks are
+// groups of 32 with m = -8 d). Every row is x = s_tg c + m_tg per group g, so per query row i and
+// run of up to kRun tokens
+//   acc_i += sum_t p_it x_t = sum_t w_itg c_t + Z_ig,  w = p s,  Z_ig = sum_t p_it m_tg (f32, exact
+// as far as f32 goes). w is rounded to int16 steps dw_ig = max_t |w_itg| / 32767 per (query,
+// group, run); two tokens' code bytes are interleaved into int16 pairs (one VPERMT2B per 32
+// channels) and meet the pair (w_t, w_t+1) in one VPDPWSSD: 16 channels x 2 tokens per
+// instruction instead of 2 x 16 FMAs. The codes are not shifted down: the high nibble (int2g: the
+// upper crumbs) is accumulated as 16 c (4^k c) by masking alone and the exact power of two is
+// divided out when a run is folded into acc. |int32 sum| <= kRun * 32767 * 240 < 2^31.
+//
+// Error bound (tests/kv_int_dot_bound.h, kv_int_accum_bound): the integer dot is exact, so per
+// output channel the only approximation is the weight rounding, |w - dw round(w / dw)| <= dw / 2
+// per token (+ dw * 4 * 2^-24 * 32767 < 0.008 dw for the f32 products p s, w / dw and dw),
+// times that token's code c_t:  |acc - ref| <= sum_runs dw * 0.51 * sum_t c_t  plus f32 rounding
+// of the sums (int32 -> f32 conversion, Z, the fold: relative 2^-24 each of sum_t |p_t| (|s c| + |m|)).
+// In decode attention p <= 1 and s_t * c_max <= the token's group range <= 2 max|v| (q4_0:
+// 15 |d| <= 15/8 max|v|), so an output (acc / l, l >= 1) moves by at most n_tokens * 2 max|v| *
+// 0.51 / 32767 (* 1.001 for the f16 rounding of the scale).
+constexpr int kRun = 64;
+
+template <KvElem E, int NQ, int G>
+void accum_i16(const KvRowFmt& f, const float* p, int p_stride, const uint8_t* rows, size_t row_stride, int n,
+               float* acc) {
+  static_assert(G % 32 == 0);
+  const int hd = f.head_dim, ng = hd / G, nm = hd / 64;
+  const size_t code_off = E == KvElem::q4_0 ? 2 : sizeof(KvGroupParams) * size_t(ng);
+  const size_t unit_stride = E == KvElem::q4_0 ? sizeof(kv_block_q4_0) : E == KvElem::int4g ? 16 : 8;
+  const size_t param_stride = E == KvElem::q4_0 ? sizeof(kv_block_q4_0) : sizeof(KvGroupParams);
+  alignas(64) int16_t w16[NQ * (kv_max_head_dim / 32) * kRun];  // (NQ, ng, kRun)
+  float dw[NQ * (kv_max_head_dim / 32)], zs[NQ * (kv_max_head_dim / 32)];
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i rb = _mm512_mullo_epi32(lane, _mm512_set1_epi32(int(row_stride)));
+  // Dword lane l of a unit's vector: [token A byte b(l), token B byte b(l)] as two int16 words
+  // (the odd bytes are cleared by the masks below); b(l) = l, int2g: l % 8 (both halves see the
+  // unit's 8 bytes, the masks pick crumbs 0 | 1 in lo and 2 | 3 in hi).
+  alignas(64) uint8_t ib[64];
+  for (int l = 0; l < 16; ++l) {
+    const int b = E == KvElem::int2g ? l % 8 : l;
+    ib[4 * l] = uint8_t(b);
+    ib[4 * l + 1] = 0;
+    ib[4 * l + 2] = uint8_t(64 + b);
+    ib[4 * l + 3] = 0;
+  }
+  const __m512i idx = _mm512_load_si512(ib);
+  const __m512i mlo = E == KvElem::int2g ? _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(0x00030003), _mm512_set1_epi32(0x000c000c))
+                                         : _mm512_set1_epi32(0x000f000f);
+  const __m512i mhi = E == KvElem::int2g ? _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(0x00300030), _mm512_set1_epi32(0x00c000c0))
+                                         : _mm512_set1_epi32(0x00f000f0);
+  const __m512 flo = E == KvElem::int2g ? _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(1.f), _mm512_set1_ps(0.25f))
+                                        : _mm512_set1_ps(1.f);
+  const __m512 fhi = E == KvElem::int2g ? _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(1.f / 16), _mm512_set1_ps(1.f / 64))
+                                        : _mm512_set1_ps(1.f / 16);
+  for (int t0 = 0; t0 < n; t0 += kRun) {
+    const int cn = std::min(kRun, n - t0);
+    const uint8_t* base = rows + size_t(t0) * row_stride;
+    kv_rows_simd::kv_prefetch_ahead(rows, row_stride, t0, cn, n);
+    // Weights of the run: (scale, min) dword of 16 rows at a time by gather (q4_0: d and two code
+    // bytes; m = -8 d). Tokens past cn get p = 0, so w = 0 (an odd last token pairs with zero).
+    for (int g = 0; g < ng; ++g) {
+      __m512 w[NQ][kRun / 16], wmax[NQ], zacc[NQ];
+      for (int i = 0; i < NQ; ++i) wmax[i] = zacc[i] = _mm512_setzero_ps();
+      for (int u = 0; u < kRun / 16; ++u) {
+        const int left = cn - 16 * u;
+        const __mmask16 m = left <= 0 ? __mmask16(0) : left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+        const __m512i off = _mm512_add_epi32(rb, _mm512_set1_epi32(int(size_t(16 * u) * row_stride)));
+        const __m512i sm = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, off, base + param_stride * size_t(g), 1);
+        const __m512 sv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sm));
+        const __m512 mv = E == KvElem::q4_0 ? _mm512_mul_ps(sv, _mm512_set1_ps(-8.f))
+                                            : _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(sm, 16)));
+        for (int i = 0; i < NQ; ++i) {
+          const __m512 pv = _mm512_maskz_loadu_ps(m, p + size_t(i) * size_t(p_stride) + size_t(t0 + 16 * u));
+          w[i][u] = _mm512_mul_ps(pv, sv);
+          wmax[i] = _mm512_max_ps(wmax[i], _mm512_abs_ps(w[i][u]));
+          zacc[i] = _mm512_fmadd_ps(pv, mv, zacc[i]);
+        }
+      }
+      for (int i = 0; i < NQ; ++i) {
+        const float mx = _mm512_reduce_max_ps(wmax[i]);
+        // Tiny weights (probabilities far below the run's max elsewhere, tiny scales): lift by an
+        // exact power of two so that 32767 / mx cannot overflow; dw itself stays mx / 32767.
+        const float pre = mx < 0x1p-100f ? 0x1p100f : 1.f;
+        dw[i * ng + g] = mx / 32767.f;
+        zs[i * ng + g] = _mm512_reduce_add_ps(zacc[i]);
+        const __m512 inv = _mm512_set1_ps(mx > 0 ? 32767.f / (mx * pre) : 0.f);
+        for (int u = 0; u < kRun / 16; ++u)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(w16 + (size_t(i) * size_t(ng) + size_t(g)) * kRun + 16 * u),
+                             _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(
+                                 _mm512_mul_ps(_mm512_mul_ps(w[i][u], _mm512_set1_ps(pre)), inv))));
+      }
+    }
+    const int cn2 = (cn + 1) & ~1;
+    for (int mb = 0; mb < nm; ++mb) {
+      const int u0 = 2 * mb;  // units u0, u0 + 1: channels 64 mb .. 64 mb + 63
+      const int ga = 32 * u0 / G, gb = 32 * (u0 + 1) / G;
+      __m512i ai[NQ][4];  // unit u0 lo, hi; unit u0 + 1 lo, hi
+      for (int i = 0; i < NQ; ++i)
+        for (int j = 0; j < 4; ++j) ai[i][j] = _mm512_setzero_si512();
+      const uint8_t* c0 = base + code_off + unit_stride * size_t(u0);
+      for (int u = 0; u < cn2; u += 2) {
+        const uint8_t* ra = c0 + size_t(u) * row_stride;
+        const uint8_t* rbp = u + 1 < cn ? ra + row_stride : ra;  // weight 0 for a missing partner
+        __m512i x0, x1;
+        if constexpr (E == KvElem::int2g) {
+          x0 = _mm512_permutex2var_epi8(_mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ra))), idx,
+                                        _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rbp))));
+          x1 = _mm512_permutex2var_epi8(
+              _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ra + unit_stride))), idx,
+              _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rbp + unit_stride))));
+        } else {
+          x0 = _mm512_permutex2var_epi8(_mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ra))), idx,
+                                        _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rbp))));
+          x1 = _mm512_permutex2var_epi8(
+              _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ra + unit_stride))), idx,
+              _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rbp + unit_stride))));
+        }
+        const __m512i v0 = _mm512_and_si512(x0, mlo), v1 = _mm512_and_si512(x0, mhi);
+        const __m512i v2 = _mm512_and_si512(x1, mlo), v3 = _mm512_and_si512(x1, mhi);
+#pragma GCC unroll 4
+        for (int i = 0; i < NQ; ++i) {
+          int32_t pa, pbw;
+          std::memcpy(&pa, w16 + (size_t(i) * size_t(ng) + size_t(ga)) * kRun + size_t(u), 4);
+          std::memcpy(&pbw, w16 + (size_t(i) * size_t(ng) + size_t(gb)) * kRun + size_t(u), 4);
+          const __m512i wa = _mm512_set1_epi32(pa), wb = _mm512_set1_epi32(pbw);
+          ai[i][0] = _mm512_dpwssd_epi32(ai[i][0], v0, wa);
+          ai[i][1] = _mm512_dpwssd_epi32(ai[i][1], v1, wa);
+          ai[i][2] = _mm512_dpwssd_epi32(ai[i][2], v2, wb);
+          ai[i][3] = _mm512_dpwssd_epi32(ai[i][3], v3, wb);
+        }
+      }
+      for (int i = 0; i < NQ; ++i) {
+        const __m512 da = _mm512_set1_ps(dw[i * ng + ga]), db = _mm512_set1_ps(dw[i * ng + gb]);
+        const __m512 za = _mm512_set1_ps(zs[i * ng + ga]), zb = _mm512_set1_ps(zs[i * ng + gb]);
+        float* o = acc + size_t(i) * size_t(hd) + 64 * size_t(mb);
+        const __m512 f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[i][0]), _mm512_mul_ps(da, flo), za);
+        const __m512 f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[i][1]), _mm512_mul_ps(da, fhi), za);
+        const __m512 f2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[i][2]), _mm512_mul_ps(db, flo), zb);
+        const __m512 f3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[i][3]), _mm512_mul_ps(db, fhi), zb);
+        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), f0));
+        _mm512_storeu_ps(o + 16, _mm512_add_ps(_mm512_loadu_ps(o + 16), f1));
+        _mm512_storeu_ps(o + 32, _mm512_add_ps(_mm512_loadu_ps(o + 32), f2));
+        _mm512_storeu_ps(o + 48, _mm512_add_ps(_mm512_loadu_ps(o + 48), f3));
+      }
+    }
+  }
+}
+
+template <KvElem E, int G>
+void accum_i16_nq(const KvRowFmt& f, const float* p, int p_stride, int n_q, const uint8_t* rows, size_t row_stride,
+                  int n, float* acc) {
+  for (int i0 = 0; i0 < n_q; i0 += 4) {
+    const float* pi = p + size_t(i0) * size_t(p_stride);
+    float* a = acc + size_t(i0) * size_t(f.head_dim);
+    switch (std::min(4, n_q - i0)) {
+      case 1: accum_i16<E, 1, G>(f, pi, p_stride, rows, row_stride, n, a); break;
+      case 2: accum_i16<E, 2, G>(f, pi, p_stride, rows, row_stride, n, a); break;
+      case 3: accum_i16<E, 3, G>(f, pi, p_stride, rows, row_stride, n, a); break;
+      default: accum_i16<E, 4, G>(f, pi, p_stride, rows, row_stride, n, a); break;
+    }
+  }
+}
+
+// true when the integer kernel handled the call.
+template <KvElem E>
+bool accum_i16_try(const KvRowFmt& f, const float* p, int p_stride, int n_q, const uint8_t* rows, size_t row_stride,
+                   int n, float* acc) {
+  if (f.head_dim % 64 != 0) return false;
+  if constexpr (E == KvElem::q4_0) {
+    accum_i16_nq<E, 32>(f, p, p_stride, n_q, rows, row_stride, n, acc);
+  } else {
+    switch (f.group) {
+      case 32: accum_i16_nq<E, 32>(f, p, p_stride, n_q, rows, row_stride, n, acc); break;
+      case 64: accum_i16_nq<E, 64>(f, p, p_stride, n_q, rows, row_stride, n, acc); break;
+      case 128: accum_i16_nq<E, 128>(f, p, p_stride, n_q, rows, row_stride, n, acc); break;
+      default: return false;
+    }
+  }
+  return true;
+}
+
 template <KvElem E>
 void accum_elem(const KvRowFmt& f, const float* p, int p_stride, int n_q, const uint8_t* rows, size_t row_stride,
                 int n, float* acc) {
@@ -444,9 +624,15 @@ void accum_elem(const KvRowFmt& f, const float* p, int p_stride, int n_q, const 
 
 void kv_rows_accum_4bit_avx512(const KvRowFmt& f, const float* p, int p_stride, int n_q, const uint8_t* rows,
                                size_t row_stride, int n, float* acc) {
-  if (f.elem == KvElem::q4_0) accum_elem<KvElem::q4_0>(f, p, p_stride, n_q, rows, row_stride, n, acc);
-  else if (f.elem == KvElem::int4g) accum_elem<KvElem::int4g>(f, p, p_stride, n_q, rows, row_stride, n, acc);
-  else accum_elem<KvElem::int2g>(f, p, p_stride, n_q, rows, row_stride, n, acc);
+  if (f.elem == KvElem::q4_0) {
+    if (!accum_i16_try<KvElem::q4_0>(f, p, p_stride, n_q, rows, row_stride, n, acc))
+      accum_elem<KvElem::q4_0>(f, p, p_stride, n_q, rows, row_stride, n, acc);
+  } else if (f.elem == KvElem::int4g) {
+    if (!accum_i16_try<KvElem::int4g>(f, p, p_stride, n_q, rows, row_stride, n, acc))
+      accum_elem<KvElem::int4g>(f, p, p_stride, n_q, rows, row_stride, n, acc);
+  } else if (!accum_i16_try<KvElem::int2g>(f, p, p_stride, n_q, rows, row_stride, n, acc)) {
+    accum_elem<KvElem::int2g>(f, p, p_stride, n_q, rows, row_stride, n, acc);
+  }
 }
 
 }  // namespace kvq
