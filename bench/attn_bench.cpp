@@ -77,9 +77,9 @@ struct Shape {
   std::string key() const { return std::to_string(ctx) + "/" + std::to_string(hd) + "/" + std::to_string(n_q); }
 };
 
-// KV buffers straight from mmap; KVQ_ATTN_BENCH_HUGEPAGES=1 asks for 2 MiB pages (madvise before
-// the first touch), to separate TLB cost from DRAM cost: the 4 KiB-page default is what a page
-// pool without huge pages gives.
+// KV buffers straight from mmap, advised to 2 MiB pages before the first touch as the engine's
+// page pool is (src/cache/page_pool.cpp); KVQ_ATTN_BENCH_HUGEPAGES=0 keeps 4 KiB pages, to see
+// the TLB cost a pool without huge pages pays.
 class PageBuf {
  public:
   PageBuf() = default;
@@ -91,7 +91,8 @@ class PageBuf {
     n_ = std::max<size_t>(n, 1);
     void* p = mmap(nullptr, n_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
-    if (std::getenv("KVQ_ATTN_BENCH_HUGEPAGES")) madvise(p, n_, MADV_HUGEPAGE);
+    const char* hp = std::getenv("KVQ_ATTN_BENCH_HUGEPAGES");
+    if (!hp || std::string(hp) != "0") madvise(p, n_, MADV_HUGEPAGE);
     p_ = static_cast<uint8_t*>(p);
     std::memset(p_, 0, n_);
   }
