@@ -11,6 +11,7 @@
 #include "attn/attention.h"
 #include "core/error.h"
 #include "kvq/kv_format.h"
+#include "kv_score_error.h"
 
 using namespace kvq;
 
@@ -165,20 +166,7 @@ TEST(Centered, CenteringShrinksScoreErrorOnOffsetKeys) {
   std::normal_distribution<float> g(0.f, 1.f);
   std::vector<float> q(d);
   for (auto& v : q) v = g(rng);
-  auto err = [&](const std::string& name) {
-    auto c = make(name, KvRole::key, d, &calib);
-    std::vector<uint8_t> blk(c->block_bytes(n));
-    c->encode(0, k.data(), d, n, blk.data(), n, 0, 0);
-    std::vector<float> kd(k.size());
-    c->decode(0, blk.data(), n, 0, n, 0, kd.data());
-    double se = 0;
-    for (int t = 0; t < n; ++t) {
-      double e = 0;
-      for (int c2 = 0; c2 < d; ++c2) e += double(q[size_t(c2)]) * (kd[size_t(t * d + c2)] - k[size_t(t * d + c2)]);
-      se += e * e;
-    }
-    return std::sqrt(se / n);
-  };
+  auto err = [&](const std::string& name) { return test::score_rms_error(*make(name, KvRole::key, d, &calib), k, q, n); };
   for (const char* inner : {"tq3", "q4_0h"}) {
     const double plain = err(inner), centered = err(std::string(inner) + "_c");
     std::printf("[centered] %s score rms error %.4f, centered %.4f\n", inner, plain, centered);

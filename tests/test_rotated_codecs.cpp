@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "kv/policy.h"
 #include "kvq/kv_format.h"
+#include "kv_score_error.h"
 
 using namespace kvq;
 
@@ -155,20 +156,7 @@ TEST(Rotated, RotationShrinksScoreErrorOnOutlierKeys) {
   std::normal_distribution<float> g(0.f, 1.f);
   std::vector<float> q(d);
   for (auto& v : q) v = g(rng);
-  auto err = [&](const char* name) {
-    auto c = make(name, KvRole::key, d);
-    std::vector<uint8_t> blk(c->block_bytes(n));
-    c->encode(0, k.data(), d, n, blk.data(), n, 0, 0);
-    std::vector<float> kd(k.size());
-    c->decode(0, blk.data(), n, 0, n, 0, kd.data());
-    double se = 0;
-    for (int t = 0; t < n; ++t) {
-      double e = 0;
-      for (int c2 = 0; c2 < d; ++c2) e += double(q[size_t(c2)]) * (kd[size_t(t * d + c2)] - k[size_t(t * d + c2)]);
-      se += e * e;
-    }
-    return std::sqrt(se / n);
-  };
+  auto err = [&](const char* name) { return test::score_rms_error(*make(name, KvRole::key, d), k, q, n); };
   const double plain = err("q4_0"), rotated = err("q4_0h");
   std::printf("[rot] score rms error q4_0 %.4f q4_0h %.4f\n", plain, rotated);
   EXPECT_LT(rotated * 1.6, plain);
