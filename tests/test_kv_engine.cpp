@@ -2,6 +2,8 @@
 // same for every format), checked on real models.
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -65,8 +67,34 @@ TEST(KvEngine, SmolLM2FormatsStayWithinKldBounds) {
   ids.resize(256);
   const int nv = m->config().n_vocab, n = int(ids.size());
   ThreadPool pool(2);
+  // Channel means of K and V per layer and head for the centered formats (*_c), from this window's
+  // f16 run (what `kvq calibrate` records from sample text).
+  const int nl = m->config().n_layer, nkv = m->config().n_head_kv, hd = m->config().head_dim;
+  nlohmann::json calib = {{"layers", nlohmann::json::array()}};
+  {
+    std::vector<std::vector<double>> ks(size_t(nl), std::vector<double>(size_t(nkv * hd))), vs = ks;
+    KvCache cache(m->kv_cache_config(kv_policy_uniform("f16", nl), n));
+    Forward fwd(*m, pool);
+    fwd.on_kv = [&](int il, int cnt, const float*, const float* k, const float* v) {
+      for (size_t i = 0; i < size_t(cnt) * size_t(nkv * hd); ++i) {
+        ks[size_t(il)][i % size_t(nkv * hd)] += k[i] / n;
+        vs[size_t(il)][i % size_t(nkv * hd)] += v[i] / n;
+      }
+    };
+    fwd.eval(ids.data(), n, cache, false);
+    for (int il = 0; il < nl; ++il) {
+      nlohmann::json km = nlohmann::json::array(), vm = nlohmann::json::array();
+      for (int h = 0; h < nkv; ++h) {
+        km.push_back(std::vector<double>(ks[size_t(il)].begin() + h * hd, ks[size_t(il)].begin() + (h + 1) * hd));
+        vm.push_back(std::vector<double>(vs[size_t(il)].begin() + h * hd, vs[size_t(il)].begin() + (h + 1) * hd));
+      }
+      calib["layers"].push_back({{"k_mean", km}, {"v_mean", vm}});
+    }
+  }
   auto run = [&](const std::string& kv) {
-    KvCache cache(m->kv_cache_config(kv_policy_uniform(kv, m->config().n_layer), n));
+    KvCacheConfig cfg = m->kv_cache_config(kv_policy_uniform(kv, m->config().n_layer), n);
+    cfg.calib = &calib;
+    KvCache cache(cfg);
     Forward fwd(*m, pool);
     const float* l = fwd.eval(ids.data(), n, cache, true);
     return std::vector<float>(l, l + size_t(n) * size_t(nv));
@@ -79,7 +107,8 @@ TEST(KvEngine, SmolLM2FormatsStayWithinKldBounds) {
   const Case cases[] = {{"bf16", 0.005}, {"fp8_e4m3", 0.05}, {"fp8_e5m2", 0.1}, {"int8", 0.02}, {"q8_0", 0.02},
                         {"fp8_e4m3_dyn", 0.05}, {"q4_0", 0.3}, {"int4_g32", 0.3}, {"k8v4", 0.3}, {"kivi4", 0.3},
                         {"tq4", 0.3}, {"tq3.5", 0.5}, {"tq3", 0.6}, {"kvquant4", 0.3}, {"kvquant3", 0.6},
-                        {"kivi2", 1.0}, {"tq2.5", 1.0}, {"q8_0h", 0.02}, {"q4_0h", 0.15}};
+                        {"kivi2", 1.0}, {"tq2.5", 1.0}, {"q8_0h", 0.02}, {"q4_0h", 0.15}, {"q4_0h_c", 0.15},
+                        {"tq4_c", 0.3}, {"int8_c", 0.02}};
   for (const auto& c : cases) {
     const auto got = run(c.fmt);
     std::vector<TokenScore> sc;
