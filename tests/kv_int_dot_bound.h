@@ -54,7 +54,7 @@ inline double int_dot_bound(const KvRowFmt& f, const float* q, const uint8_t* ro
 }
 
 // Integer weighted sum of the 4-bit / 2-bit rows on AVX-512 (kv_rows_i8_avx512.cpp, accum_i16;
-// head_dim % 64 == 0, groups of 32 / 64 / 128): per query row, group and run of 64 tokens the
+// head_dim % 64 == 0, groups of 32 / 64 / 128): per query row, group and run of 32 tokens the
 // kernel rounds w_t = p_t * s_t to int16 steps dw = max_t |w_t| / 32767; the integer dot of the
 // codes is exact, so channel c of query row i moves by at most sum_runs dw * 0.51 * sum_t c_t
 // (half a step, plus 4 * 2^-24 * 32767 < 0.008 steps for the f32 products p s, w / dw and dw),
@@ -65,7 +65,7 @@ inline bool kv_int_accum_active(const KvRowFmt& f) {
   if (f.elem == KvElem::q4_0) return true;
   return (f.elem == KvElem::int4g || f.elem == KvElem::int2g) && (f.group == 32 || f.group == 64 || f.group == 128);
 }
-inline constexpr int kv_int_accum_run = 64;
+inline constexpr int kv_int_accum_run = 32;  // kRun of the kernel
 // Scale s, minimum m and code of channel j of a row.
 inline void kv_row_scm(const KvRowFmt& f, const uint8_t* row, int j, double* s, double* m, int* c) {
   if (f.elem == KvElem::q4_0) {

@@ -1,5 +1,5 @@
 // Weighted sum of the 4-bit / 2-bit row formats (q4_0, int4g, int2g): the AVX-512 integer kernel
-// (int16 weights p * scale per query, group and run of 64 tokens, kv_rows_i8_avx512.cpp) against
+// (int16 weights p * scale per query, group and run of 32 tokens, kv_rows_i8_avx512.cpp) against
 // the scalar reference, within the bound derived in kv_int_dot_bound.h (kv_int_accum_bound), on
 // random and adversarial rows and probabilities. The float table-lookup kernel (head_dim not a
 // multiple of 64) and the AVX2 kernel are checked against the reference at f32 rounding.
