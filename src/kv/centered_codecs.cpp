@@ -154,8 +154,16 @@ class CenteredCodec final : public KvCodec {
     const int d = head_dim();
     const float* mu = mu_store_[size_t(head)].data();
     for (int i = 0; i < n_q; ++i) {
+      // Eight partial sums: a form the compiler vectorizes (one running sum would be a serial
+      // chain of float adds, which it may not reorder).
+      const float* pi = p + size_t(i) * size_t(p_stride);
+      float part[8] = {};
+      int t = 0;
+      for (; t + 8 <= n; t += 8)
+        for (int j = 0; j < 8; ++j) part[j] += pi[t + j];
       float s = 0;
-      for (int t = 0; t < n; ++t) s += p[size_t(i) * size_t(p_stride) + size_t(t)];
+      for (; t < n; ++t) s += pi[t];
+      for (int j = 0; j < 8; ++j) s += part[j];
       float* a = acc + size_t(i) * size_t(d);
       for (int c = 0; c < d; ++c) a[c] += s * mu[c];
     }
