@@ -53,7 +53,7 @@ inline double int_dot_bound(const KvRowFmt& f, const float* q, const uint8_t* ro
   return quant + 1e-5 * mag + 1e-30;
 }
 
-// Integer weighted sum of the 4-bit / 2-bit rows on AVX-512 (kv_rows_i8_avx512.cpp, accum_i16;
+// Integer weighted sum of the int4g / int2g rows on AVX-512 (kv_rows_i8_avx512.cpp, accum_i16;
 // head_dim % 64 == 0, groups of 32 / 64 / 128): per query row, group and run of 32 tokens the
 // kernel rounds w_t = p_t * s_t to int16 steps dw = max_t |w_t| / 32767; the integer dot of the
 // codes is exact, so channel c of query row i moves by at most sum_runs dw * 0.51 * sum_t c_t
@@ -61,8 +61,7 @@ inline double int_dot_bound(const KvRowFmt& f, const float* q, const uint8_t* ro
 // plus f32 rounding differences: relative 1e-5 of sum_t |p_t| (|s c_t| + |m| + |x_t|).
 // p: (n_q, p_stride); rows: n rows row_stride apart; returns (n_q, head_dim) per-element bounds.
 inline bool kv_int_accum_active(const KvRowFmt& f) {
-  if (f.head_dim % 64 != 0) return false;
-  if (f.elem == KvElem::q4_0) return true;
+  if (f.head_dim % 64 != 0) return false;  // q4_0 keeps the float kernel
   return (f.elem == KvElem::int4g || f.elem == KvElem::int2g) && (f.group == 32 || f.group == 64 || f.group == 128);
 }
 inline constexpr int kv_int_accum_run = 32;  // kRun of the kernel
@@ -110,8 +109,8 @@ inline std::vector<double> kv_int_accum_bound(const KvRowFmt& f, const float* p,
     }
   return b;
 }
-// Inside decode attention p <= 1 and s * c_max <= the token's group range <= 2 max|v| (q4_0:
-// 15 |d| <= 15/8 max|v|), so an output (acc / l, l >= 1) moves by at most
+// Inside decode attention p <= 1 and s * c_max <= the token's group range <= 2 max|v|, so an
+// output (acc / l, l >= 1) moves by at most
 // n_tokens * 2 max|v| * 0.51 / 32767 (* 1.001 for the f16 rounding of the scale); v_max: the
 // largest |decoded value| of the rows the kernel reads.
 inline double kv_int_accum_attn_bound(int n_tokens, double v_max) {

@@ -63,21 +63,14 @@ bool int_dot_format(const KvCodec& kc, KvRowFmt* f, int* row_stride) {
 }
 
 // Value codecs whose weighted sum runs the integer kernel at AVX-512 (int16 weights,
-// kv_int_dot_bound.h): the storage row format (the blocks hold its rows unchanged: centered
-// codecs store v - mu, q4_0h the rotated vector) and the factor by which the output rotation can
-// amplify a per-channel error (q4_0h: orthonormal Hadamard blocks of 64, entries 1/8, so
-// |H e|_inf <= 64 / 8 max|e|).
-bool int_accum_format(const KvCodec& vc, KvRowFmt* f, double* rot) {
+// kv_int_dot_bound.h; int4_g* / int2_g*, plain or centered): the storage row format (the blocks
+// hold its rows unchanged; centered codecs store v - mu).
+bool int_accum_format(const KvCodec& vc, KvRowFmt* f) {
   if (cpu_level() != CpuLevel::avx512) return false;
   const int hd = vc.head_dim();
   std::string name = vc.info().name;
   if (name.size() > 2 && name.compare(name.size() - 2, 2, "_c") == 0) name.resize(name.size() - 2);
-  *rot = 1;
-  if (name == "q4_0h") {
-    *f = kv_row_fmt(KvElem::q4_0, hd);
-    *rot = 8;
-  } else if (name == "q4_0") *f = kv_row_fmt(KvElem::q4_0, hd);
-  else if (name.rfind("int4_g", 0) == 0) *f = kv_row_fmt(KvElem::int4g, hd, std::stoi(name.substr(6)));
+  if (name.rfind("int4_g", 0) == 0) *f = kv_row_fmt(KvElem::int4g, hd, std::stoi(name.substr(6)));
   else if (name.rfind("int2_g", 0) == 0) *f = kv_row_fmt(KvElem::int2g, hd, std::stoi(name.substr(6)));
   else return false;
   return test::kv_int_accum_active(*f);
@@ -255,8 +248,7 @@ double max_err_vs_ref(const std::string& format, const Case& c, uint64_t seed, d
     *tol += test::kivi_int_values_attn_bound(n_tok, vmax);
   }
   KvRowFmt vf;
-  double vrot = 1;
-  if (int_accum_format(*vc, &vf, &vrot)) {  // int16 weights of the row formats' value sums
+  if (int_accum_format(*vc, &vf)) {  // int16 weights of the row formats' value sums
     int n_tok = 0;
     for (const auto& sp : spans) n_tok += sp.n;
     double vmax = 0;  // in the storage basis, as the kernel sees the rows
@@ -266,7 +258,7 @@ double max_err_vs_ref(const std::string& format, const Case& c, uint64_t seed, d
         kv_row_decode(vf, 1.f, vb[size_t(b)].data() + size_t(t) * vf.row_bytes, x.data());
         for (float v : x) vmax = std::max(vmax, double(std::fabs(v)));
       }
-    *tol += vrot * test::kv_int_accum_attn_bound(n_tok, vmax);
+    *tol += test::kv_int_accum_attn_bound(n_tok, vmax);
   }
   double err = 0;
   for (size_t i = 0; i < out.size(); ++i) {

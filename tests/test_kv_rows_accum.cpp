@@ -1,8 +1,8 @@
-// Weighted sum of the 4-bit / 2-bit row formats (q4_0, int4g, int2g): the AVX-512 integer kernel
+// Weighted sum of the 4-bit / 2-bit row formats (int4g, int2g): the AVX-512 integer kernel
 // (int16 weights p * scale per query, group and run of 32 tokens, kv_rows_i8_avx512.cpp) against
 // the scalar reference, within the bound derived in kv_int_dot_bound.h (kv_int_accum_bound), on
-// random and adversarial rows and probabilities. The float table-lookup kernel (head_dim not a
-// multiple of 64) and the AVX2 kernel are checked against the reference at f32 rounding.
+// random and adversarial rows and probabilities. The float table-lookup kernel (q4_0, head_dim not
+// a multiple of 64) and the AVX2 kernel are checked against the reference at f32 rounding.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -23,9 +23,12 @@ struct Fmt {
   int group;
   const char* name;
 };
-const Fmt kFmts[] = {{KvElem::q4_0, 0, "q4_0"},      {KvElem::int4g, 32, "int4g32"}, {KvElem::int4g, 64, "int4g64"},
+const Fmt kIntFmts[] = {{KvElem::int4g, 32, "int4g32"}, {KvElem::int4g, 64, "int4g64"},
                      {KvElem::int4g, 128, "int4g128"}, {KvElem::int2g, 32, "int2g32"}, {KvElem::int2g, 64, "int2g64"},
                      {KvElem::int2g, 128, "int2g128"}};
+const Fmt kAllFmts[] = {{KvElem::q4_0, 0, "q4_0"},       {KvElem::int4g, 32, "int4g32"}, {KvElem::int4g, 64, "int4g64"},
+                        {KvElem::int4g, 128, "int4g128"}, {KvElem::int2g, 32, "int2g32"}, {KvElem::int2g, 64, "int2g64"},
+                        {KvElem::int2g, 128, "int2g128"}};
 
 enum class Rows { random, outlier_channel, constant, zeros, huge, tiny, mixed_scale };
 enum class Probs { random, one_dominant, tiny, zeros, uniform, sparse, subnormal };
@@ -69,7 +72,7 @@ TEST(KvRowsAccum, IntegerWeightsWithinDerivedBound) {
     GTEST_SKIP() << "no AVX-512 VNNI / VBMI on this machine";
   std::mt19937 rng(5);
   int checked = 0;
-  for (const Fmt& fm : kFmts) {
+  for (const Fmt& fm : kIntFmts) {
     for (int hd : {64, 128, 256}) {
       if (fm.group > hd) continue;
       const KvRowFmt f = kv_row_fmt(fm.e, hd, fm.group);
@@ -149,7 +152,7 @@ TEST(KvRowsAccum, DominantTokenKeepsItsValue) {
     GTEST_SKIP() << "no AVX-512 VNNI / VBMI on this machine";
   std::mt19937 rng(9);
   std::normal_distribution<float> nd;
-  for (const Fmt& fm : kFmts) {
+  for (const Fmt& fm : kIntFmts) {
     const int hd = 128, n = 64;
     const KvRowFmt f = kv_row_fmt(fm.e, hd, fm.group);
     std::vector<uint8_t> rows(size_t(n) * f.row_bytes);
@@ -171,7 +174,8 @@ TEST(KvRowsAccum, DominantTokenKeepsItsValue) {
 #endif
 }
 
-// head_dim not a multiple of 64 (the float table-lookup kernel) and the AVX2 kernel: f32 rounding only.
+// q4_0 and head_dim not a multiple of 64 (the float table-lookup kernel) and the AVX2 kernel: f32
+// rounding only.
 TEST(KvRowsAccum, FloatKernelsMatchReference) {
 #if !defined(KVQ_HAVE_SIMD)
   GTEST_SKIP() << "built without SIMD kernels";
@@ -179,11 +183,11 @@ TEST(KvRowsAccum, FloatKernelsMatchReference) {
   const CpuFeatures& cf = cpu_features();
   std::mt19937 rng(13);
   std::normal_distribution<float> nd;
-  for (const Fmt& fm : kFmts) {
-    for (int hd : {32, 96, 160}) {
+  for (const Fmt& fm : kAllFmts) {
+    for (int hd : {32, 64, 96, 128, 160, 256}) {
       if (fm.group > hd || hd % std::max(32, fm.group) != 0) continue;
       const KvRowFmt f = kv_row_fmt(fm.e, hd, fm.group);
-      ASSERT_FALSE(test::kv_int_accum_active(f));
+      if (test::kv_int_accum_active(f)) continue;  // the tests above
       for (int n : {1, 37, 64}) {
         const int nq = 4;
         std::vector<uint8_t> rows(size_t(n) * f.row_bytes);

@@ -418,8 +418,8 @@ void accum_nq(const KvRowFmt& f, const float* p, int p_stride, const uint8_t* ro
   }
 }
 
-// Integer weighted sum (head_dim % 64 == 0, groups of 32, 64 or 128 channels; q4_0's blocks are
-// groups of 32 with m = -8 d). Every row is x = s_tg c + m_tg per group g, so per query row i and
+// Integer weighted sum of int4g / int2g rows (head_dim % 64 == 0, groups of 32, 64 or 128
+// channels). Every row is x = s_tg c + m_tg per group g, so per query row i and
 // run of up to kRun tokens
 //   acc_i += sum_t p_it x_t = sum_t w_itg c_t + Z_ig,  w = p s,  Z_ig = sum_t p_it m_tg (f32, exact
 // as far as f32 goes). w is rounded to int16 steps dw_ig = max_t |w_itg| / 32767 per (query,
@@ -434,12 +434,11 @@ void accum_nq(const KvRowFmt& f, const float* p, int p_stride, const uint8_t* ro
 // per token (+ dw * 4 * 2^-24 * 32767 < 0.008 dw for the f32 products p s, w / dw and dw),
 // times that token's code c_t:  |acc - ref| <= sum_runs dw * 0.51 * sum_t c_t  plus f32 rounding
 // of the sums (int32 -> f32 conversion, Z, the fold: relative 2^-24 each of sum_t |p_t| (|s c| + |m|)).
-// In decode attention p <= 1 and s_t * c_max <= the token's group range <= 2 max|v| (q4_0:
-// 15 |d| <= 15/8 max|v|), so an output (acc / l, l >= 1) moves by at most n_tokens * 2 max|v| *
+// In decode attention p <= 1 and s_t * c_max <= the token's group range <= 2 max|v|, so an output (acc / l, l >= 1) moves by at most n_tokens * 2 max|v| *
 // 0.51 / 32767 (* 1.001 for the f16 rounding of the scale).
 // 32 tokens: a block's first run waits for its rows (the scale walk needs them all before any
 // code is summed), so a shorter first run exposes less memory latency per cold block: cold
-// decode q4_0 32K ~920 -> ~850 us, int4_g64 ~775 -> ~730 us; compute-only ~7% slower (twice the
+// decode int4_g64 32K ~775 -> ~730 us (q4_0 layout: ~920 -> ~850); compute-only ~7% slower (twice the
 // per-run reductions and folds).
 constexpr int kRun = 32;
 
@@ -456,9 +455,9 @@ void accum_i16(const KvRowFmt& f, const float* p, int p_stride, const uint8_t* r
                float* acc) {
   static_assert(G % 32 == 0);
   const int hd = f.head_dim, ng = hd / G, nu = hd / 32;
-  const size_t code_off = E == KvElem::q4_0 ? 2 : sizeof(KvGroupParams) * size_t(ng);
-  const size_t unit_stride = E == KvElem::q4_0 ? sizeof(kv_block_q4_0) : E == KvElem::int4g ? 16 : 8;
-  const size_t param_stride = E == KvElem::q4_0 ? sizeof(kv_block_q4_0) : sizeof(KvGroupParams);
+  static_assert(E == KvElem::int4g || E == KvElem::int2g);
+  const size_t code_off = sizeof(KvGroupParams) * size_t(ng);
+  const size_t unit_stride = E == KvElem::int4g ? kv_unit_int4_bytes : kv_unit_int2_bytes;
   alignas(64) int16_t w16[NQ * (kv_max_head_dim / 32) * kRun];  // (NQ, ng, kRun)
   float dw[NQ * (kv_max_head_dim / 32)], zs[NQ * (kv_max_head_dim / 32)];
   // Dword lane l of a unit's vector: [token A byte b(l), token B byte b(l)] as two int16 words
@@ -499,10 +498,10 @@ void accum_i16(const KvRowFmt& f, const float* p, int p_stride, const uint8_t* r
           continue;
         }
         uint32_t sm = 0;
-        std::memcpy(&sm, r + param_stride * size_t(g), E == KvElem::q4_0 ? 2 : 4);
+        std::memcpy(&sm, r + sizeof(KvGroupParams) * size_t(g), 4);
         const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128(int(sm)));
         sva[g * kRun + t] = _mm_cvtss_f32(v);
-        mva[g * kRun + t] = E == KvElem::q4_0 ? -8.f * _mm_cvtss_f32(v) : _mm_cvtss_f32(_mm_movehdup_ps(v));
+        mva[g * kRun + t] = _mm_cvtss_f32(_mm_movehdup_ps(v));
       }
     }
     for (int g = 0; g < ng; ++g) {
@@ -605,15 +604,11 @@ template <KvElem E>
 bool accum_i16_try(const KvRowFmt& f, const float* p, int p_stride, int n_q, const uint8_t* rows, size_t row_stride,
                    int n, float* acc) {
   if (f.head_dim % 64 != 0) return false;
-  if constexpr (E == KvElem::q4_0) {
-    accum_i16_nq<E, 32>(f, p, p_stride, n_q, rows, row_stride, n, acc);
-  } else {
-    switch (f.group) {
-      case 32: accum_i16_nq<E, 32>(f, p, p_stride, n_q, rows, row_stride, n, acc); break;
-      case 64: accum_i16_nq<E, 64>(f, p, p_stride, n_q, rows, row_stride, n, acc); break;
-      case 128: accum_i16_nq<E, 128>(f, p, p_stride, n_q, rows, row_stride, n, acc); break;
-      default: return false;
-    }
+  switch (f.group) {
+    case 32: accum_i16_nq<E, 32>(f, p, p_stride, n_q, rows, row_stride, n, acc); break;
+    case 64: accum_i16_nq<E, 64>(f, p, p_stride, n_q, rows, row_stride, n, acc); break;
+    case 128: accum_i16_nq<E, 128>(f, p, p_stride, n_q, rows, row_stride, n, acc); break;
+    default: return false;
   }
   return true;
 }
@@ -644,9 +639,11 @@ void accum_elem(const KvRowFmt& f, const float* p, int p_stride, int n_q, const 
 
 void kv_rows_accum_4bit_avx512(const KvRowFmt& f, const float* p, int p_stride, int n_q, const uint8_t* rows,
                                size_t row_stride, int n, float* acc) {
+  // q4_0 stays on the table lookup: the integer kernel (one (d, -8 d) group per 32 channels) was
+  // ~4% faster compute-only but ~8% slower on cold blocks (decode 32K ~800 -> ~860 us), where the
+  // float kernel's sequential walk hides the memory latency better.
   if (f.elem == KvElem::q4_0) {
-    if (!accum_i16_try<KvElem::q4_0>(f, p, p_stride, n_q, rows, row_stride, n, acc))
-      accum_elem<KvElem::q4_0>(f, p, p_stride, n_q, rows, row_stride, n, acc);
+    accum_elem<KvElem::q4_0>(f, p, p_stride, n_q, rows, row_stride, n, acc);
   } else if (f.elem == KvElem::int4g) {
     if (!accum_i16_try<KvElem::int4g>(f, p, p_stride, n_q, rows, row_stride, n, acc))
       accum_elem<KvElem::int4g>(f, p, p_stride, n_q, rows, row_stride, n, acc);

@@ -16,8 +16,9 @@
 #include "kv/kv_rows.h"
 
 namespace kvq {
-// q4_0 / int4g / int2g weighted sum (kv_rows_i8_avx512.cpp): int16 weights and VPDPWSSD for
-// head_dim % 64 == 0 and groups of 32 / 64 / 128, else a float table lookup; head_dim % 32 == 0.
+// q4_0 / int4g / int2g weighted sum (kv_rows_i8_avx512.cpp): int4g / int2g with int16 weights and
+// VPDPWSSD for head_dim % 64 == 0 and groups of 32 / 64 / 128, else (and q4_0) a float table
+// lookup; head_dim % 32 == 0.
 void kv_rows_accum_4bit_avx512(const KvRowFmt& f, const float* p, int p_stride, int n_q, const uint8_t* rows,
                                size_t row_stride, int n, float* acc);
 }  // namespace kvq
