@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "kv/kv_rows.h"
 
@@ -113,6 +114,22 @@ void accum_nq(const KvRowFmt& f, float scale, const float* p, int p_stride, cons
 
 // Query rows in batches of at most 8: enough to amortize the decode, few enough to keep the
 // accumulators in registers.
+// Calls fn(std::integral_constant<int, NQ>{}) with NQ = min(n, 8): the per-group-size kernels
+// are instantiated for 1..8 query rows.
+template <class Fn>
+void with_nq(int n, Fn&& fn) {
+  switch (n < 8 ? n : 8) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    case 4: return fn(std::integral_constant<int, 4>{});
+    case 5: return fn(std::integral_constant<int, 5>{});
+    case 6: return fn(std::integral_constant<int, 6>{});
+    case 7: return fn(std::integral_constant<int, 7>{});
+    default: return fn(std::integral_constant<int, 8>{});
+  }
+}
+
 template <class Isa, KvElem E>
 void scores_elem(const KvRowFmt& f, float scale, const float* q, int n_q, const uint8_t* rows,
                  size_t row_stride, int n, float* out, int out_stride) {
@@ -120,16 +137,7 @@ void scores_elem(const KvRowFmt& f, float scale, const float* q, int n_q, const 
   for (int i0 = 0; i0 < n_q; i0 += 8) {
     const float* qi = q + size_t(i0) * hd;
     float* o = out + size_t(i0) * size_t(out_stride);
-    switch (n_q - i0 < 8 ? n_q - i0 : 8) {
-      case 1: scores_nq<Isa, E, 1>(f, scale, qi, rows, row_stride, n, o, out_stride); break;
-      case 2: scores_nq<Isa, E, 2>(f, scale, qi, rows, row_stride, n, o, out_stride); break;
-      case 3: scores_nq<Isa, E, 3>(f, scale, qi, rows, row_stride, n, o, out_stride); break;
-      case 4: scores_nq<Isa, E, 4>(f, scale, qi, rows, row_stride, n, o, out_stride); break;
-      case 5: scores_nq<Isa, E, 5>(f, scale, qi, rows, row_stride, n, o, out_stride); break;
-      case 6: scores_nq<Isa, E, 6>(f, scale, qi, rows, row_stride, n, o, out_stride); break;
-      case 7: scores_nq<Isa, E, 7>(f, scale, qi, rows, row_stride, n, o, out_stride); break;
-      default: scores_nq<Isa, E, 8>(f, scale, qi, rows, row_stride, n, o, out_stride); break;
-    }
+    with_nq(n_q - i0, [&](auto nq) { scores_nq<Isa, E, decltype(nq)::value>(f, scale, qi, rows, row_stride, n, o, out_stride); });
   }
 }
 
@@ -153,16 +161,7 @@ void accum_elem(const KvRowFmt& f, float scale, const float* p, int p_stride, in
   for (int i0 = 0; i0 < n_q; i0 += 8) {
     const float* pi = p + size_t(i0) * size_t(p_stride);
     float* a = acc + size_t(i0) * hd;
-    switch (n_q - i0 < 8 ? n_q - i0 : 8) {
-      case 1: accum_sv<Isa, E, 1>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
-      case 2: accum_sv<Isa, E, 2>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
-      case 3: accum_sv<Isa, E, 3>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
-      case 4: accum_sv<Isa, E, 4>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
-      case 5: accum_sv<Isa, E, 5>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
-      case 6: accum_sv<Isa, E, 6>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
-      case 7: accum_sv<Isa, E, 7>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
-      default: accum_sv<Isa, E, 8>(f, scale, pi, p_stride, rows, row_stride, n, a); break;
-    }
+    with_nq(n_q - i0, [&](auto nq) { accum_sv<Isa, E, decltype(nq)::value>(f, scale, pi, p_stride, rows, row_stride, n, a); });
   }
 }
 

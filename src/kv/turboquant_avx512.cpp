@@ -118,6 +118,21 @@ inline __m512i idx_odd() { return _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 1
 inline __m512i idx_inter_lo() { return _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23); }
 inline __m512i idx_inter_hi() { return _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31); }
 
+// Tiles of TT tokens x NQ query rows finish 16 sums with one hsum16 tree, accumulator k = tt * NQ
+// + i landing in lane 4 * (k % 4) + k / 4; sel[i] gathers query row i's TT scores into lanes
+// 0..TT-1.
+template <int NQ, int TT>
+inline void hsum_lane_selectors(__m512i* sel) {
+  for (int i = 0; i < NQ; ++i) {
+    alignas(64) int32_t idx[16] = {};
+    for (int tt = 0; tt < TT; ++tt) {
+      const int k = tt * NQ + i;
+      idx[tt] = 4 * (k % 4) + k / 4;
+    }
+    sel[i] = _mm512_load_si512(idx);
+  }
+}
+
 template <int NQ>
 void scores_chunk(const TqKernelArgs& a, const float* qp, int qp_stride, const uint8_t* recs, int n,
                   float* out, int out_stride) {
@@ -152,14 +167,7 @@ void scores_chunk(const TqKernelArgs& a, const float* qp, int qp_stride, const u
     }
   }
   __m512i sel[NQ];  // lane tt <- the hsum16 lane of accumulator tt * NQ + i
-  for (int i = 0; i < NQ; ++i) {
-    alignas(64) int32_t idx[16] = {};
-    for (int tt = 0; tt < TT; ++tt) {
-      const int k = tt * NQ + i;
-      idx[tt] = 4 * (k % 4) + k / 4;
-    }
-    sel[i] = _mm512_load_si512(idx);
-  }
+  hsum_lane_selectors<NQ, TT>(sel);
   // Norms and QJL scales of a chunk of tokens, converted before its tiles: assembling them per
   // tile from 2-byte stores would stall every tile on store-to-load forwarding.
   constexpr int CH = TT * (64 / TT);
@@ -333,14 +341,7 @@ void scores_chunk_i8(const TqKernelArgs& a, const float* qp, int qp_stride, cons
     bias[i] = 128.f * float(qtot) * scale[i];  // the codebook's +128, times sum(Q), scaled
   }
   __m512i sel[NQ];
-  for (int i = 0; i < NQ; ++i) {
-    alignas(64) int32_t idx[16] = {};
-    for (int tt = 0; tt < TT; ++tt) {
-      const int k = tt * NQ + i;
-      idx[tt] = 4 * (k % 4) + k / 4;
-    }
-    sel[i] = _mm512_load_si512(idx);
-  }
+  hsum_lane_selectors<NQ, TT>(sel);
   constexpr int CH = TT * (64 / TT);
   alignas(64) float nrm[CH + 16];
   for (int t0 = 0; t0 < n; t0 += TT) {
