@@ -11,11 +11,7 @@
 //    2^(emin - M), the subnormal quantum, so bits(y) - bits(2^(emin - M + 23)) is the code
 //    (2^M, the smallest normal, when it rounds up: codes are continuous there);
 //  - codes past the largest finite one saturate to it; E5M2 keeps +-inf, both keep NaN (0x7f).
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#if !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
+#include "core/avx512.h"
 
 #include "kv/fp8.h"
 

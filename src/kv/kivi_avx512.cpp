@@ -1,11 +1,6 @@
 // AVX-512 KIVI kernels: a bit plane of 16 channels is one 16-bit mask register, so unpacking a
 // code is one masked add per bit.
-// GCC 12's _mm512_reduce_* read an uninitialized temporary inside its own header.
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#if !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
+#include "core/avx512.h"
 
 #include <algorithm>
 #include <cstring>

@@ -1,10 +1,5 @@
 // AVX-512 row kernels: 16 elements per step, decoded in registers.
-// GCC 12's AVX-512 headers read _mm512_undefined_* values, which -Wuninitialized flags.
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#if !defined(__clang__)  // clang has no such warning (and -Werror rejects unknown names)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
+#include "core/avx512.h"
 
 #include <cstring>
 

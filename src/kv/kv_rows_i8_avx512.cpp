@@ -1,12 +1,7 @@
 // AVX-512 VNNI integer-dot scores for the 4-bit row formats (q4_0, int4g): the query is prepared
 // once per step as int8 blocks (kv_rows_prepare_query; layout and error bound in kv_rows.h), so
 // the inner loop is one AND, one shift and two VPDPBUSD per 128 elements and query row.
-// GCC 12's AVX-512 headers read _mm512_undefined_* values, which -Wuninitialized flags.
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#if !defined(__clang__)  // clang has no such warning (and -Werror rejects unknown names)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
+#include "core/avx512.h"
 
 #include <algorithm>
 #include <cstring>

@@ -3,12 +3,7 @@
 // into a- and b-elements with vpermt2ps), outlier channels are patched with scalar stores, then the
 // keys are turned by R(t) from the table and dotted with up to 4 query rows, 16 (token, query)
 // sums finished by one hsum16.
-// GCC 12's _mm512_reduce_add_ps reads an uninitialized temporary inside its own header.
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#if !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
+#include "core/avx512.h"
 
 #include <cstring>
 
