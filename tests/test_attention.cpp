@@ -25,6 +25,7 @@
 #include "kvq/kv_format.h"
 #include "kivi_int_dot_bound.h"
 #include "kv_int_dot_bound.h"
+#include "int4_tiled_bound.h"
 
 using namespace kvq;
 
@@ -123,6 +124,68 @@ double tq_value_bound(const KvCodec& vc, int head, const std::vector<std::vector
     }
   }
   return 1.01 * kTqAccumBf16Rel * nmax;
+}
+
+// int4t_g* (kv/int4_tiled.h) score with an int8 query image and sum values with int8 weights per
+// (query row, group, tile) at every CPU level (the scalar reference runs the same arithmetic).
+// Scores: within Delta = scale * (largest int4t_score_bound), propagated through the softmax as
+// for the row formats. Values: per call, half a weight step per tile relative to the normalized
+// probabilities (int4t_value_bound), those taken exactly from the decoded keys and allowed to be
+// e^(2 Delta) larger in the kernel.
+double int4t_tol(const KvCodec& kc, const KvCodec& vc, int head, const std::vector<float>& q, int n_q,
+                 const std::vector<KvBlockSpan>& spans, const float* tk, const float* tv, size_t ts, int n_tail,
+                 const AttnParams& ap) {
+  const int hd = kc.head_dim(), vd = vc.head_dim();
+  double delta = 0, vmax = 0;
+  if (test::int4t_codec(kc)) {
+    const Int4TiledLayout L = test::int4t_layout_of(kc);
+    for (const auto& sp : spans)
+      for (int t = sp.t0; t < sp.t0 + sp.n; ++t)
+        for (int i = 0; i < n_q; ++i)
+          delta = std::max(delta, test::int4t_score_bound(L, q.data() + size_t(i) * size_t(hd), sp.k, t));
+    delta *= double(ap.scale);
+  }
+  std::vector<float> buf(size_t(256) * size_t(std::max(hd, vd)));
+  for (const auto& sp : spans) {
+    vc.decode(head, sp.v, sp.block_tokens, sp.t0, sp.n, sp.pos0, buf.data());
+    for (size_t k = 0; k < size_t(sp.n) * size_t(vd); ++k) vmax = std::max(vmax, double(std::fabs(buf[k])));
+  }
+  for (int t = 0; t < n_tail; ++t)
+    for (int d = 0; d < vd; ++d) vmax = std::max(vmax, double(std::fabs(tv[size_t(t) * ts + size_t(d)])));
+  double tol = std::expm1(2 * delta) * vmax;
+  if (test::int4t_codec(vc)) {
+    const Int4TiledLayout L = test::int4t_layout_of(vc);
+    double worst = 0;
+    for (int i = 0; i < n_q; ++i) {
+      const float* qi = q.data() + size_t(i) * size_t(hd);
+      std::vector<double> logit;
+      auto add = [&](const float* k) {
+        double s = 0;
+        for (int d = 0; d < hd; ++d) s += double(qi[d]) * k[d];
+        s *= double(ap.scale);
+        if (ap.softcap > 0) s = double(ap.softcap) * std::tanh(s / double(ap.softcap));
+        logit.push_back(s);
+      };
+      for (const auto& sp : spans) {
+        kc.decode(head, sp.k, sp.block_tokens, sp.t0, sp.n, sp.pos0, buf.data());
+        for (int t = 0; t < sp.n; ++t) add(buf.data() + size_t(t) * size_t(hd));
+      }
+      for (int t = 0; t < n_tail; ++t) add(tk + size_t(t) * ts);
+      const double mx = *std::max_element(logit.begin(), logit.end());
+      double l = 0;
+      for (double& v : logit) l += (v = std::exp(v - mx));
+      for (double& v : logit) v /= l;
+      double e = 0;
+      size_t off = 0;
+      for (const auto& sp : spans) {
+        e += test::int4t_value_bound(L, sp.v, sp.t0, sp.n, logit.data() + off, std::exp(2 * delta));
+        off += size_t(sp.n);
+      }
+      worst = std::max(worst, e);
+    }
+    tol += worst;
+  }
+  return tol;
 }
 
 // Returns the max error; *tol receives the allowed error: 2e-5 (f32 summation order, polynomial
@@ -247,6 +310,8 @@ double max_err_vs_ref(const std::string& format, const Case& c, uint64_t seed, d
     }
     *tol += test::kivi_int_values_attn_bound(n_tok, vmax);
   }
+  if (test::int4t_codec(*kc) || test::int4t_codec(*vc))
+    *tol += int4t_tol(*kc, *vc, head, q, c.n_q, spans, tk.data(), tv.data(), ts, c.n_tail, ap);
   KvRowFmt vf;
   if (int_accum_format(*vc, &vf)) {  // int16 weights of the row formats' value sums
     int n_tok = 0;

@@ -21,6 +21,7 @@ void kv_register_kvquant();
 void kv_register_turboquant();
 void kv_register_rotated_codecs();
 void kv_register_centered_codecs();
+void kv_register_int4_tiled();
 
 namespace {
 
@@ -76,6 +77,7 @@ const Registry& registry() {
     kv_register_turboquant();
     kv_register_rotated_codecs();
     kv_register_centered_codecs();
+    kv_register_int4_tiled();
     validate(storage());
   });
   return storage();

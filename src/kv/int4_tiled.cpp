@@ -1,0 +1,309 @@
+// int4t_g{32,64,128}: the tiled int4 codec (layout, kernels' arithmetic and error bounds in
+// kv/int4_tiled.h), its scalar reference kernels, the dispatch point and the registration.
+#include "kv/int4_tiled.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "core/cpu.h"
+#include "core/error.h"
+#include "kv/grouped_common.h"
+#include "kv/kv_rows.h"
+#include "kv/registry_internal.h"
+
+namespace kvq {
+
+Int4TiledLayout int4t_layout(int hd, int group) {
+  KVQ_CHECK(group >= 32 && group % 32 == 0 && hd % group == 0 && hd <= kv_max_head_dim, "group {} head_dim {}",
+            group, hd);
+  Int4TiledLayout L;
+  L.hd = hd;
+  L.group = group;
+  L.ng = hd / group;
+  L.min_off = size_t(L.ng) * 32;
+  L.code_off = size_t(L.ng) * 64;
+  L.tile_bytes = L.code_off + size_t(8 * hd);
+  L.q8_off = hd;
+  L.dq_off = hd + hd / 4;
+  L.qsum_off = L.dq_off + hd / 32;
+  L.qdim = L.qsum_off + L.ng;
+  return L;
+}
+
+void int4t_prepare_query(const Int4TiledLayout& L, const float* q, int n_q, float* qp) {
+  const int hd = L.hd;
+  for (int i = 0; i < n_q; ++i) {
+    const float* x = q + size_t(i) * size_t(hd);
+    float* row = qp + size_t(i) * size_t(L.qdim);
+    std::memcpy(row, x, sizeof(float) * size_t(hd));
+    auto* q8 = reinterpret_cast<int8_t*>(row + L.q8_off);
+    float* dq = row + L.dq_off;
+    float* qs = row + L.qsum_off;
+    for (int b = 0; b < hd / 32; ++b) {
+      float amax = 0;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[32 * b + j]));
+      const float d = amax / 127.f;
+      // A non-finite query has no int8 image: codes 0, and qsum carries the NaN/inf into the
+      // score as the float kernels would.
+      const float id = d > 0 && std::isfinite(d) ? 1.f / d : 0.f;
+      for (int j = 0; j < 32; ++j)
+        q8[32 * b + j] = int8_t(std::min(127.f, std::max(-127.f, std::nearbyint(x[32 * b + j] * id))));
+      dq[b] = id > 0 ? d : 0.f;
+    }
+    for (int g = 0; g < L.ng; ++g) {
+      float s = 0;
+      for (int j = 0; j < L.group; ++j) s += x[g * L.group + j];
+      qs[g] = s;
+    }
+  }
+}
+
+namespace {
+
+inline float tile_f16(const uint8_t* p, size_t i) { return f16_to_f32(kvg_load_f16(p, i)); }
+
+}  // namespace
+
+void int4t_scores_ref(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
+                      float* out, int out_stride) {
+  const int bpg = L.group / 32;  // 32-dim query blocks per group
+  for (int i = 0; i < n_q; ++i) {
+    const float* row = qp + size_t(i) * size_t(L.qdim);
+    const auto* q8 = reinterpret_cast<const int8_t*>(row + L.q8_off);
+    const float* dq = row + L.dq_off;
+    const float* qs = row + L.qsum_off;
+    for (int t = 0; t < n; ++t) {
+      const int tt = t0 + t, j = tt % kv_tile_tokens;
+      const uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L.tile_bytes;
+      const uint8_t* codes = tp + L.code_off;
+      float score = 0;
+      for (int g = 0; g < L.ng; ++g) {
+        float facc = 0;
+        for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
+          int32_t dot = 0;
+          for (int o = 4 * b; o < 4 * b + 4; ++o)
+            for (int k = 0; k < 4; ++k) {
+              const uint8_t byte = codes[64 * o + 4 * j + k];
+              dot += int32_t(byte & 15) * q8[8 * o + k] + int32_t(byte >> 4) * q8[8 * o + 4 + k];
+            }
+          facc = std::fma(float(dot), dq[b], facc);
+        }
+        score = std::fma(facc, tile_f16(tp, size_t(g * 16 + j)), score);
+        score = std::fma(tile_f16(tp + L.min_off, size_t(g * 16 + j)), qs[g], score);
+      }
+      out[size_t(i) * size_t(out_stride) + size_t(t)] = score;
+    }
+  }
+}
+
+void int4t_accum_ref(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
+                     int n, float* acc) {
+  if (n <= 0) return;
+  const int hd = L.hd;
+  const int tile0 = t0 / kv_tile_tokens, tile1 = (t0 + n + kv_tile_tokens - 1) / kv_tile_tokens;
+  float facc[kv_max_head_dim];
+  float msum[kv_max_head_dim / 32];
+  for (int i = 0; i < n_q; ++i) {
+    const float* pi = p + size_t(i) * size_t(p_stride);
+    std::fill(facc, facc + hd, 0.f);
+    std::fill(msum, msum + L.ng, 0.f);
+    for (int tile = tile0; tile < tile1; ++tile) {
+      const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
+      const uint8_t* codes = tp + L.code_off;
+      for (int g = 0; g < L.ng; ++g) {
+        float w[kv_tile_tokens];
+        float wmax = 0;
+        for (int j = 0; j < kv_tile_tokens; ++j) {
+          const int t = tile * kv_tile_tokens + j - t0;
+          const bool valid = t >= 0 && t < n;
+          w[j] = valid ? pi[t] * tile_f16(tp, size_t(g * 16 + j)) : 0.f;
+          wmax = std::max(wmax, std::fabs(w[j]));
+          if (valid) msum[g] += pi[t] * tile_f16(tp + L.min_off, size_t(g * 16 + j));
+        }
+        float dw, inv;
+        int4t_weight_step(wmax, &dw, &inv);
+        int32_t wq[kv_tile_tokens];
+        for (int j = 0; j < kv_tile_tokens; ++j)
+          wq[j] = int32_t(std::min(127.f, std::max(-127.f, std::nearbyint(w[j] * inv))));
+        for (int c = g * L.group / 32; c < (g + 1) * L.group / 32; ++c)
+          for (int lane = 0; lane < 32; ++lane) {
+            const int i_lane = lane % 16, shift = (lane / 16) * 4;
+            int32_t dot = 0;
+            for (int j = 0; j < kv_tile_tokens; ++j) {
+              const int k = j / 4, m = j % 4;
+              dot += wq[j] * int32_t((codes[64 * (4 * c + k) + 4 * i_lane + m] >> shift) & 15);
+            }
+            facc[32 * c + lane] = std::fma(float(dot), dw, facc[32 * c + lane]);
+          }
+      }
+    }
+    float* a = acc + size_t(i) * size_t(hd);
+    for (int d = 0; d < hd; ++d) a[d] += facc[d] + msum[d / L.group];
+  }
+}
+
+void int4t_scores(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
+                  float* out, int out_stride) {
+#if defined(KVQ_HAVE_SIMD)
+  switch (cpu_level()) {
+    case CpuLevel::avx512: return int4t_scores_avx512(L, qp, n_q, block, t0, n, out, out_stride);
+    case CpuLevel::avx2: return int4t_scores_avx2(L, qp, n_q, block, t0, n, out, out_stride);
+    case CpuLevel::scalar: break;
+  }
+#endif
+  int4t_scores_ref(L, qp, n_q, block, t0, n, out, out_stride);
+}
+
+void int4t_accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
+                 int n, float* acc) {
+#if defined(KVQ_HAVE_SIMD)
+  switch (cpu_level()) {
+    case CpuLevel::avx512: return int4t_accum_avx512(L, p, p_stride, n_q, block, t0, n, acc);
+    case CpuLevel::avx2: return int4t_accum_avx2(L, p, p_stride, n_q, block, t0, n, acc);
+    case CpuLevel::scalar: break;
+  }
+#endif
+  int4t_accum_ref(L, p, p_stride, n_q, block, t0, n, acc);
+}
+
+namespace {
+
+class Int4TiledCodec : public KvCodec {
+ public:
+  Int4TiledCodec(std::string name, KvRole role, int hd, int group)
+      : role_(role), L_(int4t_layout(hd, group)), row_(kv_row_fmt(KvElem::int4g, hd, group)) {
+    info_.name = std::move(name);
+    info_.code_bits = 4;
+  }
+  const KvCodecInfo& info() const override { return info_; }
+  int head_dim() const override { return L_.hd; }
+  size_t block_bytes(int block_tokens) const override {
+    check_block(block_tokens);
+    return size_t(block_tokens / kv_tile_tokens) * L_.tile_bytes;
+  }
+
+  // Each token is quantized by int4_gN's row encoder (so the codes, scales and minimums are
+  // int4_gN's exactly), then scattered into the tile; every byte a token writes is its own.
+  void encode(int, const float* src, size_t src_stride, int n, uint8_t* block, int block_tokens, int t0,
+              int) const override {
+    check_block(block_tokens);
+    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
+    const int hd = L_.hd;
+    uint8_t row[sizeof(KvGroupParams) * (kv_max_head_dim / 32) + kv_max_head_dim / 2];
+    uint8_t c[kv_max_head_dim];
+    for (int t = 0; t < n; ++t) {
+      kv_row_encode(row_, 1.f, src + size_t(t) * src_stride, row);
+      const uint8_t* rc = row + sizeof(KvGroupParams) * size_t(L_.ng);
+      for (int e = 0; e < hd; ++e) c[e] = uint8_t((rc[(e / 32) * kv_unit_int4_bytes + e % 16] >> ((e % 32) / 16 * 4)) & 15);
+      const int tt = t0 + t, j = tt % kv_tile_tokens;
+      uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L_.tile_bytes;
+      for (int g = 0; g < L_.ng; ++g) {
+        KvGroupParams gp;
+        std::memcpy(&gp, row + sizeof(KvGroupParams) * size_t(g), sizeof gp);
+        kvg_store_f16(tp, size_t(g * 16 + j), gp.scale);
+        kvg_store_f16(tp + L_.min_off, size_t(g * 16 + j), gp.min);
+      }
+      uint8_t* codes = tp + L_.code_off;
+      if (role_ == KvRole::key) {
+        for (int o = 0; o < hd / 8; ++o)
+          for (int k = 0; k < 4; ++k) codes[64 * o + 4 * j + k] = uint8_t(c[8 * o + k] | c[8 * o + 4 + k] << 4);
+      } else {
+        const int k = j / 4, m = j % 4;
+        for (int ch = 0; ch < hd / 32; ++ch)
+          for (int i = 0; i < 16; ++i)
+            codes[64 * (4 * ch + k) + 4 * i + m] = uint8_t(c[32 * ch + i] | c[32 * ch + 16 + i] << 4);
+      }
+    }
+  }
+
+  void decode(int, const uint8_t* block, int block_tokens, int t0, int n, int, float* dst) const override {
+    check_block(block_tokens);
+    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
+    const int hd = L_.hd;
+    for (int t = 0; t < n; ++t) {
+      const int tt = t0 + t, j = tt % kv_tile_tokens;
+      const uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L_.tile_bytes;
+      const uint8_t* codes = tp + L_.code_off;
+      float* x = dst + size_t(t) * size_t(hd);
+      for (int e = 0; e < hd; ++e) {
+        int c;
+        if (role_ == KvRole::key) {
+          const int o = e / 8, r = e % 8;
+          c = (codes[64 * o + 4 * j + r % 4] >> (r / 4 * 4)) & 15;
+        } else {
+          const int ch = e / 32, r = e % 32;
+          c = (codes[64 * (4 * ch + j / 4) + 4 * (r % 16) + j % 4] >> (r / 16 * 4)) & 15;
+        }
+        const int g = e / L_.group;
+        // The same expression as int4_gN's decode: bit-identical values.
+        x[e] = std::fma(float(c), tile_f16(tp, size_t(g * 16 + j)), tile_f16(tp + L_.min_off, size_t(g * 16 + j)));
+      }
+    }
+  }
+
+  int prepared_query_dim() const override { return role_ == KvRole::key ? L_.qdim : L_.hd; }
+  void prepare_query(int head, const float* q, int n_q, float* qp) const override {
+    if (role_ != KvRole::key) return KvCodec::prepare_query(head, q, n_q, qp);
+    int4t_prepare_query(L_, q, n_q, qp);
+  }
+  void scores(int head, const float* qp, int n_q, const uint8_t* block, int block_tokens, int t0, int n, int pos0,
+              float* out, int out_stride) const override {
+    check_block(block_tokens);
+    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
+    // A value-layout block has no fused score kernel (a V codec is not asked to score).
+    if (role_ != KvRole::key)
+      return kv_scores_via_decode(*this, head, qp, n_q, block, block_tokens, t0, n, pos0, out, out_stride);
+    int4t_scores(L_, qp, n_q, block, t0, n, out, out_stride);
+  }
+  void accumulate(int head, const float* p, int p_stride, int n_q, const uint8_t* block, int block_tokens, int t0,
+                  int n, float* acc) const override {
+    check_block(block_tokens);
+    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
+    if (role_ != KvRole::value)
+      return kv_accumulate_via_decode(*this, head, p, p_stride, n_q, block, block_tokens, t0, n, 0, acc);
+    int4t_accum(L_, p, p_stride, n_q, block, t0, n, acc);
+  }
+
+ private:
+  void check_block(int block_tokens) const {
+    if (block_tokens <= 0 || block_tokens % kv_tile_tokens != 0)
+      fail("KV codec '{}': block of {} tokens; this codec stores 16-token tiles, so the block (page) size must be a "
+           "positive multiple of 16",
+           info_.name, block_tokens);
+  }
+
+  KvCodecInfo info_;
+  KvRole role_;
+  Int4TiledLayout L_;
+  KvRowFmt row_;  // int4_gN's row format: the quantizer
+};
+
+}  // namespace
+
+void kv_register_int4_tiled() {
+  for (int g : {32, 64, 128}) {
+    const std::string name = fmt::format("int4t_g{}", g);
+    kv_register_codec(
+        {name, fmt::format("int4_g{}'s quantization in a 16-token tiled layout for integer-dot kernels", g),
+         [name, g](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
+           if (p.head_dim % g != 0 || p.head_dim > kv_max_head_dim) {
+             std::string valid;
+             for (int v : {32, 64, 128})
+               if (p.head_dim % v == 0) valid += fmt::format("{}{}", valid.empty() ? "" : ", ", v);
+             fail("KV codec '{}': group size {} does not divide head_dim {}; valid group sizes for this head_dim: {}",
+                  name, g, p.head_dim,
+                  valid.empty() ? std::string("none (head_dim must be a multiple of 32)") : valid);
+           }
+           return std::make_unique<Int4TiledCodec>(name, p.role, p.head_dim, g);
+         }});
+    kv_register_format({name, {}, name, name,
+                        fmt::format("int4_g{}'s quantization in a 16-token tiled layout for integer-dot kernels: "
+                                    "{} bits",
+                                    g, 4 + 32.0 / g)});
+  }
+}
+
+}  // namespace kvq

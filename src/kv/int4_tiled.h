@@ -1,0 +1,106 @@
+// int4t_g{32,64,128}: int4_gN's quantization (asymmetric min/max per group of G channels, f16
+// scale + min, codes 0..15, the same rounding: decode is bit-identical) stored in 16-token tiles
+// so that the fused kernels are integer dots with one token per SIMD lane: no horizontal
+// reduction per token, no float FMA per element.
+//
+// Head block = block_tokens / 16 tiles (block_tokens a multiple of 16), tile_bytes apart:
+//   scale f16 [ng][16]   group g's scale of token j at [g][j] (one 32-byte load = 16 tokens)
+//   min   f16 [ng][16]
+//   codes u8  [8 * head_dim]   (16 tokens x head_dim / 2 bytes, layout by role:)
+//  K: per dim-octet o (dims 8o..8o+7) 64 bytes; byte 4j + i = code[j][8o + i] | code[j][8o + 4 + i] << 4:
+//     one 64-byte load, low nibbles = lane j holds dims 8o..8o+3 of token j, high nibbles dims
+//     8o+4..8o+7. A VPDPBUSD against the query's 4 int8 values (one broadcast dword) gives 16
+//     tokens' partial dots at once.
+//  V: per dim chunk c (32 dims) and token quad k (tokens 4k..4k+3), 64 bytes at (4c + k) * 64;
+//     lane i byte m = code[4k + m][32c + i] | code[4k + m][32c + 16 + i] << 4: a VPDPBUSD against
+//     the 4 tokens' int8 weights (one broadcast dword) adds 4 tokens into 16 channels.
+// Bytes per tile = 16 * (head_dim / 2 + 4 * ng) = 16 * int4_gN's row bytes (same bits per element).
+//
+// Scores (error bound). The prepared query (prepared_query_dim floats per query row):
+//   [0, hd)                plain f32 query
+//   hd floats onward       int8 q8[hd] (natural order; q8 = round(q / dq_b), dq_b = absmax_b / 127
+//                          per 32-dim block b), then dq[hd / 32] f32, then qsum[ng] f32 (exact
+//                          float sum of q over group g).
+// score_t = sum_g ( s_tg * sum_{b in g} dq_b * <c_tb, q8_b> + m_tg * qsum_g ): the integer dots are
+// exact, so the only approximation is the query rounding |dq_b q8_j - q_j| <= dq_b / 2 (+ a relative
+// 2^-22 of dq_b for the f32 product before rounding), i.e.
+//   |score - <q, decode(k_t)>| <= sum_j (dq_b(j) / 2)(1 + 2^-21) * |s_t c_tj| + f32 rounding,
+// the same bound as int4_gN's integer-dot kernels (kv_rows.h).
+//
+// Weighted sum (error bound). Per (query row, group g, tile) the weights w_t = p_t * s_tg of the
+// tile's tokens are rounded to int8 steps dw = max_t |w_t| / 127 (7 bits + sign: the u8 x s8 dot
+// takes the codes unsigned, so the broadcast operand is the signed weight); the min term
+// sum_t p_t m_tg is summed in f32. The integer dot of codes and weights is exact (|sum| <= 16 *
+// 15 * 127), so channel d of query row i moves by at most
+//   sum_tiles (dw / 2)(1 + 2^-20) * sum_{t in tile} c_t[d]  + f32 rounding
+// (int4t_accum_bound computes it). Relative to the output of attention (acc / l) the step of a tile
+// is max_t (pi_t s_t) / 127 with pi the softmax probabilities, so the error is a fraction
+// ~1/254 of the tile's largest probability times its code range, per tile.
+//
+// Kernels: *_ref (scalar, same arithmetic: scores are bit-identical to the SIMD ones, weighted
+// sums equal up to f32 summation order), *_avx2, *_avx512; int4t_scores / int4t_accum are the one
+// dispatch point (cpu_level()). Ranges [t0, t0 + n) need not be tile-aligned: lanes outside are
+// computed on whatever the block holds but never stored (scores) or weighted 0 (sums).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace kvq {
+
+inline constexpr int kv_tile_tokens = 16;
+
+struct Int4TiledLayout {
+  int hd = 0;
+  int group = 0;
+  int ng = 0;             // hd / group
+  size_t tile_bytes = 0;  // 16 * (hd / 2 + 4 * ng)
+  size_t min_off = 0;     // bytes of the scale table (= ng * 32)
+  size_t code_off = 0;    // bytes of scale + min tables (= ng * 64)
+  int qdim = 0;           // prepared query floats per row
+  int q8_off = 0;         // float offsets inside a prepared row
+  int dq_off = 0;
+  int qsum_off = 0;
+};
+
+Int4TiledLayout int4t_layout(int head_dim, int group);
+
+// q: (n_q, hd) -> qp: (n_q, L.qdim).
+void int4t_prepare_query(const Int4TiledLayout& L, const float* q, int n_q, float* qp);
+
+// out[i * out_stride + t] = score of query row i against token t0 + t of the block, t < n.
+// qp: (n_q, L.qdim); block: a head block.
+using Int4tScoresFn = void (*)(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0,
+                               int n, float* out, int out_stride);
+// acc[i * hd + d] += sum_t p[i * p_stride + t] * v_{t0 + t}[d]. p: (n_q, p_stride); acc: (n_q, hd).
+using Int4tAccumFn = void (*)(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
+                              int t0, int n, float* acc);
+
+void int4t_scores_ref(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
+                      float* out, int out_stride);
+void int4t_accum_ref(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
+                     int n, float* acc);
+#if defined(KVQ_HAVE_SIMD)
+void int4t_scores_avx2(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
+                       float* out, int out_stride);
+void int4t_accum_avx2(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
+                      int n, float* acc);
+void int4t_scores_avx512(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
+                         float* out, int out_stride);
+void int4t_accum_avx512(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
+                        int t0, int n, float* acc);
+#endif
+
+// The dispatch point.
+void int4t_scores(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
+                  float* out, int out_stride);
+void int4t_accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
+                 int n, float* acc);
+
+// Weight quantization of one (query row, group, tile), shared by every variant so that all of
+// them round identically: dw = wmax / 127, inv = 127 / wmax (0 when wmax is 0).
+inline void int4t_weight_step(float wmax, float* dw, float* inv) {
+  *dw = wmax / 127.f;
+  *inv = wmax > 0 ? 127.f / wmax : 0.f;
+}
+
+}  // namespace kvq

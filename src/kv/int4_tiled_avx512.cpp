@@ -1,0 +1,223 @@
+// AVX-512 VNNI kernels of the tiled int4 codec (layout and error bounds in kv/int4_tiled.h): one
+// token per int32 lane, so a tile's 16 scores or a tile's contribution to 32 channels are plain
+// VPDPBUSD chains with the other operand an embedded dword broadcast.
+#include "core/avx512.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "kv/grouped_common.h"
+#include "kv/int4_tiled.h"
+
+namespace kvq {
+namespace {
+
+constexpr int kMaxNq = 4;         // query rows per pass (accumulator registers)
+constexpr int kSegTiles = 4;      // tiles whose weights are quantized ahead of the channel loop
+constexpr int kMaxGroups = 1024 / 32;
+
+inline __m512i bcast32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+inline __m512 load_f16x16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Valid lanes of a tile whose first token is `base`, for the range [t0, t0 + n).
+inline __mmask16 tile_mask(int base, int t0, int n) {
+  const int lo = std::max(0, t0 - base), hi = std::min(16, t0 + n - base);
+  if (hi <= lo) return 0;
+  return __mmask16(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
+template <int NQ>
+void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
+                 int out_stride) {
+  const __m512i m4 = _mm512_set1_epi8(0x0f);
+  const int bpg = L.group / 32;
+  const int8_t* q8[NQ];
+  const float* dq[NQ];
+  const float* qs[NQ];
+  for (int h = 0; h < NQ; ++h) {
+    const float* row = qp + size_t(h) * size_t(L.qdim);
+    q8[h] = reinterpret_cast<const int8_t*>(row + L.q8_off);
+    dq[h] = row + L.dq_off;
+    qs[h] = row + L.qsum_off;
+  }
+  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
+  for (int tile = tile0; tile < tile1; ++tile) {
+    const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
+    const uint8_t* codes = tp + L.code_off;
+    __m512 score[NQ];
+    for (int h = 0; h < NQ; ++h) score[h] = _mm512_setzero_ps();
+    for (int g = 0; g < L.ng; ++g) {
+      __m512 facc[NQ];
+      for (int h = 0; h < NQ; ++h) facc[h] = _mm512_setzero_ps();
+      for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
+        // Low- and high-nibble dots in separate chains: 2 * NQ independent VPDPBUSD chains.
+        __m512i ilo[NQ], ihi[NQ];
+        for (int h = 0; h < NQ; ++h) ilo[h] = ihi[h] = _mm512_setzero_si512();
+        for (int o = 4 * b; o < 4 * b + 4; ++o) {
+          const __m512i x = _mm512_loadu_si512(codes + 64 * o);
+          const __m512i lo = _mm512_and_si512(x, m4);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
+          for (int h = 0; h < NQ; ++h) {
+            ilo[h] = _mm512_dpbusd_epi32(ilo[h], lo, bcast32(q8[h] + 8 * o));
+            ihi[h] = _mm512_dpbusd_epi32(ihi[h], hi, bcast32(q8[h] + 8 * o + 4));
+          }
+        }
+        for (int h = 0; h < NQ; ++h)
+          facc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ilo[h], ihi[h])), _mm512_set1_ps(dq[h][b]),
+                                    facc[h]);
+      }
+      const __m512 sv = load_f16x16(tp + 32 * size_t(g));
+      const __m512 mv = load_f16x16(tp + L.min_off + 32 * size_t(g));
+      for (int h = 0; h < NQ; ++h) {
+        score[h] = _mm512_fmadd_ps(facc[h], sv, score[h]);
+        score[h] = _mm512_fmadd_ps(mv, _mm512_set1_ps(qs[h][g]), score[h]);
+      }
+    }
+    const int base = tile * 16;
+    if (base >= t0 && base + 16 <= t0 + n) {
+      for (int h = 0; h < NQ; ++h) _mm512_storeu_ps(out + size_t(h) * size_t(out_stride) + size_t(base - t0), score[h]);
+    } else {
+      // Partial tile: only the lanes inside [t0, t0 + n) are written.
+      const int lo = std::max(0, t0 - base), hi = std::min(16, t0 + n - base);
+      alignas(64) float tmp[16];
+      for (int h = 0; h < NQ; ++h) {
+        _mm512_store_ps(tmp, score[h]);
+        std::memcpy(out + size_t(h) * size_t(out_stride) + size_t(base + lo - t0), tmp + lo,
+                    sizeof(float) * size_t(hi - lo));
+      }
+    }
+  }
+}
+
+template <int NQ>
+void accum_pass(const Int4TiledLayout& L, const float* p, int p_stride, const uint8_t* block, int t0, int n,
+                float* acc) {
+  const int hd = L.hd, ng = L.ng;
+  const __m512i m4 = _mm512_set1_epi8(0x0f);
+  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
+  // Per (query row, group): the min term sum_t p_t m_tg, 16 lanes, reduced once per call.
+  alignas(64) float msv[NQ][kMaxGroups][16];
+  for (int h = 0; h < NQ; ++h)
+    for (int g = 0; g < ng; ++g) _mm512_store_ps(msv[h][g], _mm512_setzero_ps());
+  alignas(64) int8_t w8[kSegTiles][NQ][kMaxGroups][16];
+  float dw[kSegTiles][NQ][kMaxGroups];
+  for (int seg = tile0; seg < tile1; seg += kSegTiles) {
+    const int nt = std::min(kSegTiles, tile1 - seg);
+    // 1. Quantized weights of the segment's tiles.
+    for (int tt = 0; tt < nt; ++tt) {
+      const int base = (seg + tt) * 16;
+      const uint8_t* tp = block + size_t(seg + tt) * L.tile_bytes;
+      const __mmask16 mask = tile_mask(base, t0, n);
+      const bool full = mask == 0xffff;
+      __m512 pv[NQ];
+      for (int h = 0; h < NQ; ++h) {
+        const float* ph = p + size_t(h) * size_t(p_stride);
+        pv[h] = full ? _mm512_loadu_ps(ph + (base - t0))
+                     : _mm512_maskz_expandloadu_ps(mask, ph + std::max(0, base - t0));
+      }
+      for (int g = 0; g < ng; ++g) {
+        // Masked: slots outside the range may hold anything (NaN scales of unwritten tokens).
+        const __m512 sv = _mm512_maskz_mov_ps(mask, load_f16x16(tp + 32 * size_t(g)));
+        const __m512 mv = _mm512_maskz_mov_ps(mask, load_f16x16(tp + L.min_off + 32 * size_t(g)));
+        for (int h = 0; h < NQ; ++h) {
+          const __m512 w = _mm512_mul_ps(pv[h], sv);
+          const float wmax = _mm512_reduce_max_ps(_mm512_abs_ps(w));
+          float step, inv;
+          int4t_weight_step(wmax, &step, &inv);
+          dw[tt][h][g] = step;
+          const __m512i wi = _mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(inv)));
+          _mm_store_si128(reinterpret_cast<__m128i*>(w8[tt][h][g]), _mm512_cvtsepi32_epi8(wi));
+          _mm512_store_ps(msv[h][g], _mm512_fmadd_ps(pv[h], mv, _mm512_load_ps(msv[h][g])));
+        }
+      }
+    }
+    // 2. Channel chunks of 32: per tile 4 loads (token quads) and 2 * NQ dot chains, flushed to
+    // f32 with the tile's step; the f32 sums go to acc once per segment.
+    for (int c = 0; c < hd / 32; ++c) {
+      const int g = c * 32 / L.group;
+      __m512 flo[NQ], fhi[NQ];
+      for (int h = 0; h < NQ; ++h) flo[h] = fhi[h] = _mm512_setzero_ps();
+      for (int tt = 0; tt < nt; ++tt) {
+        const uint8_t* cp = block + size_t(seg + tt) * L.tile_bytes + L.code_off + size_t(c) * 256;
+        __m512i ilo[NQ], ihi[NQ];
+        for (int h = 0; h < NQ; ++h) ilo[h] = ihi[h] = _mm512_setzero_si512();
+        for (int k = 0; k < 4; ++k) {
+          const __m512i x = _mm512_loadu_si512(cp + 64 * k);
+          const __m512i lo = _mm512_and_si512(x, m4);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
+          for (int h = 0; h < NQ; ++h) {
+            const __m512i wb = bcast32(w8[tt][h][g] + 4 * k);
+            ilo[h] = _mm512_dpbusd_epi32(ilo[h], lo, wb);
+            ihi[h] = _mm512_dpbusd_epi32(ihi[h], hi, wb);
+          }
+        }
+        for (int h = 0; h < NQ; ++h) {
+          const __m512 s = _mm512_set1_ps(dw[tt][h][g]);
+          flo[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ilo[h]), s, flo[h]);
+          fhi[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ihi[h]), s, fhi[h]);
+        }
+      }
+      for (int h = 0; h < NQ; ++h) {
+        float* a = acc + size_t(h) * size_t(hd) + size_t(32 * c);
+        _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), flo[h]));
+        _mm512_storeu_ps(a + 16, _mm512_add_ps(_mm512_loadu_ps(a + 16), fhi[h]));
+      }
+    }
+  }
+  for (int h = 0; h < NQ; ++h)
+    for (int g = 0; g < ng; ++g) {
+      const __m512 m = _mm512_set1_ps(_mm512_reduce_add_ps(_mm512_load_ps(msv[h][g])));
+      float* a = acc + size_t(h) * size_t(hd) + size_t(g * L.group);
+      for (int d = 0; d < L.group; d += 16) _mm512_storeu_ps(a + d, _mm512_add_ps(_mm512_loadu_ps(a + d), m));
+    }
+}
+
+template <typename F>
+void by_passes(int n_q, F&& f) {
+  for (int i = 0; i < n_q; i += kMaxNq) f(i, std::min(kMaxNq, n_q - i));
+}
+
+}  // namespace
+
+void int4t_scores_avx512(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
+                         float* out, int out_stride) {
+  if (n <= 0) return;
+  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
+  kvg_prefetch(block + size_t(tile0) * L.tile_bytes, size_t(tile1 - tile0) * L.tile_bytes);
+  by_passes(n_q, [&](int i, int m) {
+    const float* q = qp + size_t(i) * size_t(L.qdim);
+    float* o = out + size_t(i) * size_t(out_stride);
+    switch (m) {
+      case 1: return scores_pass<1>(L, q, block, t0, n, o, out_stride);
+      case 2: return scores_pass<2>(L, q, block, t0, n, o, out_stride);
+      case 3: return scores_pass<3>(L, q, block, t0, n, o, out_stride);
+      default: return scores_pass<4>(L, q, block, t0, n, o, out_stride);
+    }
+  });
+}
+
+void int4t_accum_avx512(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
+                        int t0, int n, float* acc) {
+  if (n <= 0) return;
+  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
+  kvg_prefetch(block + size_t(tile0) * L.tile_bytes, size_t(tile1 - tile0) * L.tile_bytes);
+  by_passes(n_q, [&](int i, int m) {
+    const float* pi = p + size_t(i) * size_t(p_stride);
+    float* a = acc + size_t(i) * size_t(L.hd);
+    switch (m) {
+      case 1: return accum_pass<1>(L, pi, p_stride, block, t0, n, a);
+      case 2: return accum_pass<2>(L, pi, p_stride, block, t0, n, a);
+      case 3: return accum_pass<3>(L, pi, p_stride, block, t0, n, a);
+      default: return accum_pass<4>(L, pi, p_stride, block, t0, n, a);
+    }
+  });
+}
+
+}  // namespace kvq
