@@ -127,6 +127,40 @@ TEST(Kvquant, BlockBytesCountEverything) {
   EXPECT_DOUBLE_EQ(kv_codec_effective_bits(*k3, 128, 0), 4.5);
 }
 
+// --kv-outliers / --kv-sink-tokens reach the registered codec through KvCodecParams: its size
+// follows k = ceil(fraction * head_dim) and S, and out-of-range values are refused.
+TEST(Kvquant, OutlierFractionAndSinkFromParams) {
+  KvCodecParams p;
+  p.head_dim = 64;
+  auto bytes = [&](double frac, int sink) {
+    p.outlier_fraction = frac;
+    p.sink_tokens = sink;
+    return kv_codec_create("kvquant4_k", p)->block_bytes(64);
+  };
+  const size_t groups = 64 / 32;
+  // default: k = ceil(0.64) = 1, S = 1
+  EXPECT_EQ(bytes(-1, -1), size_t(1) * 64 * 2 + groups * (64 * 4 + 32 * (4 * 64 / 8 + 3 * 1)));
+  EXPECT_EQ(bytes(0.05, -1), size_t(1) * 64 * 2 + groups * (64 * 4 + 32 * (4 * 64 / 8 + 3 * 4)));  // k = 4
+  EXPECT_EQ(bytes(0, 4), size_t(4) * 64 * 2 + groups * (64 * 4 + 32 * (4 * 64 / 8)));  // k = 0, S = 4
+  p.outlier_fraction = 0.2;
+  p.sink_tokens = -1;
+  EXPECT_THROW(kv_codec_create("kvquant4_k", p), Error);
+  p.outlier_fraction = -1;
+  p.sink_tokens = 2000;
+  EXPECT_THROW(kv_codec_create("kvquant4_k", p), Error);
+  // More outliers kept exact: smaller error on keys with many spiky channels.
+  p.sink_tokens = -1;
+  std::mt19937_64 rng(9);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> x(size_t(64) * 64);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = nd(rng) * ((i * 7 + i / 64) % 23 == 0 ? 40.f : 1.f);
+  p.outlier_fraction = -1;
+  auto y1 = encode_decode(*kv_codec_create("kvquant4_k", p), x, 64, 64);
+  p.outlier_fraction = 0.0625;
+  auto y4 = encode_decode(*kv_codec_create("kvquant4_k", p), x, 64, 64);
+  EXPECT_LT(mse(x, y4), 0.7 * mse(x, y1));
+}
+
 TEST(Kvquant, SinkTokenIsExact) {
   const int d = 64, bt = 32;
   auto x = gaussian(bt, d, 2);

@@ -48,6 +48,8 @@ struct KvCodecParams {
   const nlohmann::json* calib = nullptr;  // calibration artifacts (kvq calibrate), or null
   int group_tokens = 0;              // grouped codecs: G (0 = codec default)
   int residual_tokens = -1;          // grouped codecs: R (-1 = codec default)
+  double outlier_fraction = -1;      // dense-and-sparse codecs: share of each vector kept exact (-1 = default)
+  int sink_tokens = -1;              // codecs with an exact attention sink: first positions kept exact (-1 = default)
 };
 
 struct KvCodecInfo {

@@ -32,6 +32,8 @@ KvCache::KvCache(const KvCacheConfig& cfg, PagePool* pool) : cfg_(cfg), pool_(po
     p.calib = cfg_.calib;
     p.group_tokens = cfg_.group_tokens;
     p.residual_tokens = cfg_.residual_tokens;
+    p.outlier_fraction = cfg_.outlier_fraction;
+    p.sink_tokens = cfg_.sink_tokens;
     p.role = KvRole::key;
     L.k = kv_codec_create(cfg_.policy.layers[size_t(il)].k_codec, p);
     p.role = KvRole::value;

@@ -96,6 +96,8 @@ struct KvCacheConfig {
   const nlohmann::json* calib = nullptr;
   int group_tokens = 0;               // grouped codecs: G (0 = codec default)
   int residual_tokens = -1;           // grouped codecs: R (-1 = codec default)
+  double outlier_fraction = -1;       // dense-and-sparse key codecs (-1 = codec default)
+  int sink_tokens = -1;               // codecs with an exact sink (-1 = codec default)
   std::string model_id;               // names the weights (file, hash): part of prefix_identity()
 };
 

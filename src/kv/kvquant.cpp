@@ -661,6 +661,12 @@ void kv_register_kvquant() {
            kv_resolve_grouped(kname.c_str(), p, kvquant_default_group_tokens,
                               kvquant_default_residual_tokens, &c.group_tokens, &c.residual_tokens);
            c.codebook = codebook_from_calib(kname.c_str(), p.calib, p.layer, bits);
+           if (p.outlier_fraction != -1) {
+             if (!(p.outlier_fraction >= 0 && p.outlier_fraction <= 0.125))
+               fail("{}: outlier fraction {} is outside [0, 0.125]", kname, p.outlier_fraction);
+             c.outliers_per_token = int(std::ceil(p.outlier_fraction * p.head_dim - 1e-9));
+           }
+           if (p.sink_tokens >= 0) c.sink_tokens = p.sink_tokens;
            return kvquant_key_codec_create(c);
          }});
     kv_register_codec(

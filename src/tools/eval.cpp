@@ -52,6 +52,7 @@ void eval_add_cli(CLI::App& app, EvalOptions& o) {
   app.add_option("--kv-page-tokens", o.kv.page_tokens, "tokens per KV page")->capture_default_str();
   app.add_option("--kv-group-tokens", o.kv.group_tokens, "grouped formats (kivi*, kvquant*): tokens per group G");
   app.add_option("--kv-residual-tokens", o.kv.residual_tokens, "grouped formats: newest tokens kept in full precision R");
+  kv_flags_add_kvquant(app, o.kv);
 }
 
 namespace {

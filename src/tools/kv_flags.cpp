@@ -24,6 +24,15 @@ void kv_flags_add(CLI::App& app, KvFlags& f) {
                  "grouped formats (kivi*, kvquant*): tokens per quantization group G (default: the format's)");
   app.add_option("--kv-residual-tokens", f.residual_tokens,
                  "grouped formats: newest tokens kept in full precision R (default: the format's)");
+  kv_flags_add_kvquant(app, f);
+}
+
+void kv_flags_add_kvquant(CLI::App& app, KvFlags& f) {
+  app.add_option("--kv-outliers", f.outlier_fraction,
+                 "kvquant* keys: share of each key vector kept exact as dense-and-sparse outliers, 0..0.125 "
+                 "(default 0.01)");
+  app.add_option("--kv-sink-tokens", f.sink_tokens,
+                 "kvquant* keys: first positions of the sequence kept exact (attention sink; default 1)");
 }
 
 KvSetup kv_flags_resolve(const KvFlags& f, const ModelConfig& cfg, const std::string& format) {
@@ -56,8 +65,14 @@ KvSetup kv_flags_resolve(const KvFlags& f, const ModelConfig& cfg, const std::st
     fail("--kv-group-tokens: {} is out of range (1..4096, or 0 for the format's default)", f.group_tokens);
   if (f.residual_tokens < -1 || f.residual_tokens > (1 << 20))
     fail("--kv-residual-tokens: {} is out of range (0..1048576, or -1 for the format's default)", f.residual_tokens);
+  if (f.outlier_fraction != -1 && !(f.outlier_fraction >= 0 && f.outlier_fraction <= 0.125))
+    fail("--kv-outliers: {} is out of range (0..0.125, a share of head_dim)", f.outlier_fraction);
+  if (f.sink_tokens < -1 || f.sink_tokens > 1024)
+    fail("--kv-sink-tokens: {} is out of range (0..1024)", f.sink_tokens);
   s.group_tokens = f.group_tokens;
   s.residual_tokens = f.residual_tokens;
+  s.outlier_fraction = f.outlier_fraction;
+  s.sink_tokens = f.sink_tokens;
   return s;
 }
 

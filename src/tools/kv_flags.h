@@ -27,6 +27,8 @@ struct KvFlags {
   int page_tokens = 64;                // --kv-page-tokens
   int group_tokens = 0;                // --kv-group-tokens: G of grouped codecs (0 = codec default)
   int residual_tokens = -1;            // --kv-residual-tokens: R of grouped codecs (-1 = codec default)
+  double outlier_fraction = -1;        // --kv-outliers: dense-and-sparse share (kvquant*; -1 = default)
+  int sink_tokens = -1;                // --kv-sink-tokens: exact first positions (kvquant*; -1 = default)
 };
 
 // What the flags resolve to for one model.
@@ -35,15 +37,21 @@ struct KvSetup {
   std::shared_ptr<const nlohmann::json> calib;  // null when no --kv-scales
   int group_tokens = 0;
   int residual_tokens = -1;
+  double outlier_fraction = -1;
+  int sink_tokens = -1;
   // Copies what the flags set beyond the policy (calibration, G, R) into a cache config.
   void apply(KvCacheConfig& kc) const {
     kc.calib = calib.get();
     kc.group_tokens = group_tokens;
     kc.residual_tokens = residual_tokens;
+    kc.outlier_fraction = outlier_fraction;
+    kc.sink_tokens = sink_tokens;
   }
 };
 
 void kv_flags_add(CLI::App& app, KvFlags& f);
+// --kv-outliers and --kv-sink-tokens alone (for subcommands that take a subset of the flags).
+void kv_flags_add_kvquant(CLI::App& app, KvFlags& f);
 // Resolves the flags for a model; throws kvq::Error naming the bad flag (and listing valid
 // formats for unknown names). `format` overrides --kv-cache-dtype when not empty (eval's --kv list).
 KvSetup kv_flags_resolve(const KvFlags& f, const ModelConfig& cfg, const std::string& format = "");

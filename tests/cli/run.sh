@@ -51,6 +51,8 @@ bad "K/V split with an unknown half" run -m "$model" -p hi --kv-cache-dtype q4_0
 bad "K/V split with an empty half" run -m "$model" -p hi --kv-cache-dtype q4_0/
 bad "negative --kv-group-tokens" run -m "$model" -p hi --kv-cache-dtype kivi4 --kv-group-tokens -4
 bad "group that does not divide the page" run -m "$model" -p hi --kv-cache-dtype kivi4 --kv-group-tokens 96
+bad "--kv-outliers above 1/8" run -m "$model" -p hi --kv-cache-dtype kvquant4 --kv-outliers 0.5
+bad "negative --kv-sink-tokens" run -m "$model" -p hi --kv-cache-dtype kvquant4 --kv-sink-tokens -3
 
 # a K/V split name runs (stories260K's head_dim 8 is too small for the 32-wide formats)
 "$kvq" run -m "$model" -p "Lily" -n 8 --temp 0 --kv-cache-dtype int8/f16 >"$tmp/split" 2>"$tmp/split.err"
