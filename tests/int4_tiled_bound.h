@@ -56,7 +56,7 @@ inline double int4t_score_bound(const Int4TiledLayout& L, const float* q, const 
 
 // Inside decode attention: the weighted sum of the tokens [t0, t0 + n) of a value block, one
 // call, moves output channel d (acc / l) by at most sum over its tiles of half a weight step,
-// dw / l = max_t (pi_t s_t) / 127, times sum_t c_t[d]; pi: the probabilities of those tokens
+// dw / l = max_t (pi_t s_t) / 255 (probabilities are >= 0: u8 weights), times sum_t c_t[d]; pi: the probabilities of those tokens
 // (normalized over the whole attention), pi_scale: how far the kernel's probabilities may exceed
 // them (e^(2 Delta) for a score error Delta). Returns the largest channel bound.
 inline double int4t_value_bound(const Int4TiledLayout& L, const uint8_t* block, int t0, int n, const double* pi,
@@ -73,7 +73,7 @@ inline double int4t_value_bound(const Int4TiledLayout& L, const uint8_t* block, 
         wmax = std::max(wmax, pi[t - t0] * s);
         csum += c;
       }
-      e += wmax / 127 * 0.5 * csum;
+      e += wmax / kv_int4t_u8_levels * 0.5 * csum;
     }
     worst = std::max(worst, e);
   }

@@ -226,7 +226,7 @@ namespace {
 // Bound of the weighted sum of query row i (p: n weights) over tokens [t0, t0 + n) against the
 // exact sum of the decoded values (kv/int4_tiled.h): per tile and group, half a weight step times
 // the codes, plus f32 rounding (relative 1e-5 of the magnitudes).
-std::vector<double> accum_bound(const Rows& r, int group, const float* p, int t0, int n, double acc0) {
+std::vector<double> accum_bound(const Rows& r, int group, const float* p, int t0, int n, double acc0, float levels) {
   const int hd = r.f.head_dim;
   std::vector<double> b(size_t(hd), 1e-5 * acc0 + 1e-30);  // acc0: the accumulator's start value
   for (int tile = t0 / 16; tile < (t0 + n + 15) / 16; ++tile)
@@ -241,7 +241,7 @@ std::vector<double> accum_bound(const Rows& r, int group, const float* p, int t0
         wmax = std::max(wmax, std::fabs(p[t - t0] * float(s)));
       }
       float dw, inv;
-      int4t_weight_step(wmax, &dw, &inv);
+      int4t_weight_step(wmax, levels, &dw, &inv);
       for (int d = g * group; d < (g + 1) * group; ++d)
         for (int j = 0; j < 16; ++j) {
           const int t = tile * 16 + j;
@@ -284,15 +284,17 @@ TEST(Int4Tiled, AccumulateParityAndBound) {
             for (int t = 0; t < n; ++t) {
               float v = std::exp(-std::fabs(nd(rng)) * 3.f);
               if (t == (i * 7) % n) v = 1.f;
-              if (i == 1) v = nd(rng);
+              if (i == 1 && nq % 2 == 0) v = t == 0 ? -0.5f : nd(rng);  // signed weights: the s8 path
               p[size_t(i) * size_t(ps) + size_t(t)] = v;
             }
+          const float levels = nq >= 2 && nq % 2 == 0 ? kv_int4t_s8_levels : kv_int4t_u8_levels;
+          ASSERT_EQ(int4t_weights_nonneg(p.data(), ps, nq, n), levels == kv_int4t_u8_levels);
           std::vector<float> ref(size_t(nq) * size_t(hd), 0.25f);
           int4t_accum_ref(L, p.data(), ps, nq, blk.data(), t0, n, ref.data());
           std::vector<std::vector<double>> bounds;
           for (int i = 0; i < nq; ++i) {
             const float* pi = p.data() + size_t(i) * size_t(ps);
-            bounds.push_back(accum_bound(r, s.group, pi, t0, n, 0.25));
+            bounds.push_back(accum_bound(r, s.group, pi, t0, n, 0.25, levels));
             for (int d = 0; d < hd; ++d) {
               double exact = 0.25;
               for (int t = 0; t < n; ++t) exact += double(pi[t]) * dec[size_t(t0 + t) * size_t(hd) + size_t(d)];

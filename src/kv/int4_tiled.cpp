@@ -106,6 +106,8 @@ void int4t_accum_ref(const Int4TiledLayout& L, const float* p, int p_stride, int
   const int tile0 = t0 / kv_tile_tokens, tile1 = (t0 + n + kv_tile_tokens - 1) / kv_tile_tokens;
   float facc[kv_max_head_dim];
   float msum[kv_max_head_dim / 32];
+  const bool u8 = int4t_weights_nonneg(p, p_stride, n_q, n);
+  const float levels = u8 ? kv_int4t_u8_levels : kv_int4t_s8_levels;
   for (int i = 0; i < n_q; ++i) {
     const float* pi = p + size_t(i) * size_t(p_stride);
     std::fill(facc, facc + hd, 0.f);
@@ -124,10 +126,10 @@ void int4t_accum_ref(const Int4TiledLayout& L, const float* p, int p_stride, int
           if (valid) msum[g] += pi[t] * tile_f16(tp + L.min_off, size_t(g * 16 + j));
         }
         float dw, inv;
-        int4t_weight_step(wmax, &dw, &inv);
+        int4t_weight_step(wmax, levels, &dw, &inv);
         int32_t wq[kv_tile_tokens];
         for (int j = 0; j < kv_tile_tokens; ++j)
-          wq[j] = int32_t(std::min(127.f, std::max(-127.f, std::nearbyint(w[j] * inv))));
+          wq[j] = int32_t(std::min(levels, std::max(u8 ? 0.f : -levels, std::nearbyint(w[j] * inv))));
         for (int c = g * L.group / 32; c < (g + 1) * L.group / 32; ++c)
           for (int lane = 0; lane < 32; ++lane) {
             const int i_lane = lane % 16, shift = (lane / 16) * 4;

@@ -28,14 +28,15 @@
 // the same bound as int4_gN's integer-dot kernels (kv_rows.h).
 //
 // Weighted sum (error bound). Per (query row, group g, tile) the weights w_t = p_t * s_tg of the
-// tile's tokens are rounded to int8 steps dw = max_t |w_t| / 127 (7 bits + sign: the u8 x s8 dot
-// takes the codes unsigned, so the broadcast operand is the signed weight); the min term
-// sum_t p_t m_tg is summed in f32. The integer dot of codes and weights is exact (|sum| <= 16 *
-// 15 * 127), so channel d of query row i moves by at most
-//   sum_tiles (dw / 2)(1 + 2^-20) * sum_{t in tile} c_t[d]  + f32 rounding
-// (int4t_accum_bound computes it). Relative to the output of attention (acc / l) the step of a tile
-// is max_t (pi_t s_t) / 127 with pi the softmax probabilities, so the error is a fraction
-// ~1/254 of the tile's largest probability times its code range, per tile.
+// tile's tokens are rounded to integer steps dw = max_t |w_t| / W; the min term sum_t p_t m_tg is
+// summed in f32. When every weight of the call is >= 0 (attention's probabilities always are) the
+// weights are u8 (W = 255) and the codes, 0..15, are the s8 operand of the u8 x s8 dot; otherwise
+// the weights are s8 (W = 127) against u8 codes. The integer dot of codes and weights is exact
+// (|sum| <= 16 * 15 * 255), so channel d of query row i moves by at most
+//   sum_tiles (dw / 2)(1 + 2^-20) * sum_{t in tile} c_t[d]  + f32 rounding.
+// Relative to the output of attention (acc / l) the step of a tile is max_t (pi_t s_t) / 255 with
+// pi the softmax probabilities: the error is at most ~1/510 of the tile's largest probability
+// times its code range, per tile.
 //
 // Kernels: *_ref (scalar, same arithmetic: scores are bit-identical to the SIMD ones, weighted
 // sums equal up to f32 summation order), *_avx2, *_avx512; int4t_scores / int4t_accum are the one
@@ -97,10 +98,19 @@ void int4t_accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q
                  int n, float* acc);
 
 // Weight quantization of one (query row, group, tile), shared by every variant so that all of
-// them round identically: dw = wmax / 127, inv = 127 / wmax (0 when wmax is 0).
-inline void int4t_weight_step(float wmax, float* dw, float* inv) {
-  *dw = wmax / 127.f;
-  *inv = wmax > 0 ? 127.f / wmax : 0.f;
+// them round identically: dw = wmax / levels, inv = levels / wmax (0 when wmax is 0); levels =
+// 255 (u8 weights, all weights of the call >= 0) or 127 (s8 weights).
+inline constexpr float kv_int4t_u8_levels = 255.f, kv_int4t_s8_levels = 127.f;
+inline void int4t_weight_step(float wmax, float levels, float* dw, float* inv) {
+  *dw = wmax / levels;
+  *inv = wmax > 0 ? levels / wmax : 0.f;
+}
+// True when every weight p[i * p_stride + t] (i < n_q, t < n) is >= 0: the u8-weight path.
+inline bool int4t_weights_nonneg(const float* p, int p_stride, int n_q, int n) {
+  for (int i = 0; i < n_q; ++i)
+    for (int t = 0; t < n; ++t)
+      if (p[size_t(i) * size_t(p_stride) + size_t(t)] < 0) return false;
+  return true;
 }
 
 }  // namespace kvq

@@ -94,7 +94,9 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
 
 // One query row at a time: 4 int32 accumulators per chunk of 32 channels (lanes 0-7 / 8-15 of
 // the low nibbles, the same of the high ones).
-void accum_row(const Int4TiledLayout& L, const float* p, const uint8_t* block, int t0, int n, float* acc) {
+// u8: all weights >= 0, u8 weights (255 levels) x s8 codes; else s8 weights x u8 codes (the
+// int16 pair sums stay below 2 * 255 * 15).
+void accum_row(const Int4TiledLayout& L, const float* p, const uint8_t* block, int t0, int n, float* acc, bool u8) {
   const int hd = L.hd, ng = L.ng;
   const __m256i m4 = _mm256_set1_epi8(0x0f);
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
@@ -114,9 +116,13 @@ void accum_row(const Int4TiledLayout& L, const float* p, const uint8_t* block, i
         if (valid) msum[g] += p[t] * _cvtsh_ss(hm);
       }
       float dw, inv;
-      int4t_weight_step(wmax, &dw, &inv);
-      alignas(16) int8_t wq[16];
-      for (int j = 0; j < 16; ++j) wq[j] = int8_t(std::min(127.f, std::max(-127.f, std::nearbyint(w[j] * inv))));
+      const float levels = u8 ? kv_int4t_u8_levels : kv_int4t_s8_levels;
+      int4t_weight_step(wmax, levels, &dw, &inv);
+      alignas(16) uint8_t wq[16];
+      for (int j = 0; j < 16; ++j) {
+        const int v = int(std::min(levels, std::max(u8 ? 0.f : -levels, std::nearbyint(w[j] * inv))));
+        wq[j] = uint8_t(v & 255);  // s8 weights: two's complement bytes
+      }
       const __m256 s = _mm256_set1_ps(dw);
       for (int c = g * L.group / 32; c < (g + 1) * L.group / 32; ++c) {
         const uint8_t* cp = tp + L.code_off + size_t(c) * 256;
@@ -125,10 +131,13 @@ void accum_row(const Int4TiledLayout& L, const float* p, const uint8_t* block, i
           const __m256i wb = bcast32(wq + 4 * k);
           const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * k));
           const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * k + 32));
-          i0 = _mm256_add_epi32(i0, dot4(_mm256_and_si256(xa, m4), wb));
-          i1 = _mm256_add_epi32(i1, dot4(_mm256_and_si256(xb, m4), wb));
-          i2 = _mm256_add_epi32(i2, dot4(_mm256_and_si256(_mm256_srli_epi16(xa, 4), m4), wb));
-          i3 = _mm256_add_epi32(i3, dot4(_mm256_and_si256(_mm256_srli_epi16(xb, 4), m4), wb));
+          const __m256i c0 = _mm256_and_si256(xa, m4), c1 = _mm256_and_si256(xb, m4);
+          const __m256i c2 = _mm256_and_si256(_mm256_srli_epi16(xa, 4), m4);
+          const __m256i c3 = _mm256_and_si256(_mm256_srli_epi16(xb, 4), m4);
+          i0 = _mm256_add_epi32(i0, u8 ? dot4(wb, c0) : dot4(c0, wb));
+          i1 = _mm256_add_epi32(i1, u8 ? dot4(wb, c1) : dot4(c1, wb));
+          i2 = _mm256_add_epi32(i2, u8 ? dot4(wb, c2) : dot4(c2, wb));
+          i3 = _mm256_add_epi32(i3, u8 ? dot4(wb, c3) : dot4(c3, wb));
         }
         float* a = acc + 32 * c;
         _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), s, _mm256_loadu_ps(a)));
@@ -162,8 +171,9 @@ void int4t_scores_avx2(const Int4TiledLayout& L, const float* qp, int n_q, const
 void int4t_accum_avx2(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                       int n, float* acc) {
   if (n <= 0) return;
+  const bool u8 = int4t_weights_nonneg(p, p_stride, n_q, n);
   for (int i = 0; i < n_q; ++i)
-    accum_row(L, p + size_t(i) * size_t(p_stride), block, t0, n, acc + size_t(i) * size_t(L.hd));
+    accum_row(L, p + size_t(i) * size_t(p_stride), block, t0, n, acc + size_t(i) * size_t(L.hd), u8);
 }
 
 }  // namespace kvq

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "kv/grouped_common.h"
 #include "kv/int4_tiled.h"
@@ -96,7 +97,8 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
   }
 }
 
-template <int NQ>
+// U8: all weights >= 0, u8 weights (255 levels) x s8 codes (0..15); else s8 weights x u8 codes.
+template <int NQ, bool U8>
 void accum_pass(const Int4TiledLayout& L, const float* p, int p_stride, const uint8_t* block, int t0, int n,
                 float* acc) {
   const int hd = L.hd, ng = L.ng;
@@ -106,7 +108,7 @@ void accum_pass(const Int4TiledLayout& L, const float* p, int p_stride, const ui
   alignas(64) float msv[NQ][kMaxGroups][16];
   for (int h = 0; h < NQ; ++h)
     for (int g = 0; g < ng; ++g) _mm512_store_ps(msv[h][g], _mm512_setzero_ps());
-  alignas(64) int8_t w8[kSegTiles][NQ][kMaxGroups][16];
+  alignas(64) uint8_t w8[kSegTiles][NQ][kMaxGroups][16];
   float dw[kSegTiles][NQ][kMaxGroups];
   for (int seg = tile0; seg < tile1; seg += kSegTiles) {
     const int nt = std::min(kSegTiles, tile1 - seg);
@@ -130,10 +132,11 @@ void accum_pass(const Int4TiledLayout& L, const float* p, int p_stride, const ui
           const __m512 w = _mm512_mul_ps(pv[h], sv);
           const float wmax = _mm512_reduce_max_ps(_mm512_abs_ps(w));
           float step, inv;
-          int4t_weight_step(wmax, &step, &inv);
+          int4t_weight_step(wmax, U8 ? kv_int4t_u8_levels : kv_int4t_s8_levels, &step, &inv);
           dw[tt][h][g] = step;
           const __m512i wi = _mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(inv)));
-          _mm_store_si128(reinterpret_cast<__m128i*>(w8[tt][h][g]), _mm512_cvtsepi32_epi8(wi));
+          _mm_store_si128(reinterpret_cast<__m128i*>(w8[tt][h][g]),
+                          U8 ? _mm512_cvtusepi32_epi8(wi) : _mm512_cvtsepi32_epi8(wi));
           _mm512_store_ps(msv[h][g], _mm512_fmadd_ps(pv[h], mv, _mm512_load_ps(msv[h][g])));
         }
       }
@@ -154,8 +157,13 @@ void accum_pass(const Int4TiledLayout& L, const float* p, int p_stride, const ui
           const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
           for (int h = 0; h < NQ; ++h) {
             const __m512i wb = bcast32(w8[tt][h][g] + 4 * k);
-            ilo[h] = _mm512_dpbusd_epi32(ilo[h], lo, wb);
-            ihi[h] = _mm512_dpbusd_epi32(ihi[h], hi, wb);
+            if (U8) {
+              ilo[h] = _mm512_dpbusd_epi32(ilo[h], wb, lo);
+              ihi[h] = _mm512_dpbusd_epi32(ihi[h], wb, hi);
+            } else {
+              ilo[h] = _mm512_dpbusd_epi32(ilo[h], lo, wb);
+              ihi[h] = _mm512_dpbusd_epi32(ihi[h], hi, wb);
+            }
           }
         }
         for (int h = 0; h < NQ; ++h) {
@@ -208,14 +216,18 @@ void int4t_accum_avx512(const Int4TiledLayout& L, const float* p, int p_stride, 
   if (n <= 0) return;
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
   kvg_prefetch(block + size_t(tile0) * L.tile_bytes, size_t(tile1 - tile0) * L.tile_bytes);
+  const bool u8 = int4t_weights_nonneg(p, p_stride, n_q, n);
   by_passes(n_q, [&](int i, int m) {
     const float* pi = p + size_t(i) * size_t(p_stride);
     float* a = acc + size_t(i) * size_t(L.hd);
+    auto run = [&](auto nq, auto is_u8) { accum_pass<decltype(nq)::value, decltype(is_u8)::value>(L, pi, p_stride, block, t0, n, a); };
+    using T = std::true_type;
+    using F = std::false_type;
     switch (m) {
-      case 1: return accum_pass<1>(L, pi, p_stride, block, t0, n, a);
-      case 2: return accum_pass<2>(L, pi, p_stride, block, t0, n, a);
-      case 3: return accum_pass<3>(L, pi, p_stride, block, t0, n, a);
-      default: return accum_pass<4>(L, pi, p_stride, block, t0, n, a);
+      case 1: return u8 ? run(std::integral_constant<int, 1>{}, T{}) : run(std::integral_constant<int, 1>{}, F{});
+      case 2: return u8 ? run(std::integral_constant<int, 2>{}, T{}) : run(std::integral_constant<int, 2>{}, F{});
+      case 3: return u8 ? run(std::integral_constant<int, 3>{}, T{}) : run(std::integral_constant<int, 3>{}, F{});
+      default: return u8 ? run(std::integral_constant<int, 4>{}, T{}) : run(std::integral_constant<int, 4>{}, F{});
     }
   });
 }
