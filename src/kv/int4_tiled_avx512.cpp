@@ -34,6 +34,19 @@ inline __mmask16 tile_mask(int base, int t0, int n) {
   return __mmask16(((1u << hi) - 1u) & ~((1u << lo) - 1u));
 }
 
+// Lanes 4h..4h+3 of the result = the largest of the 16 lanes of v[h], h < 4: 6 shuffles and 5
+// maxima for four rows instead of a reduction per row.
+inline __m512 max4x16(const __m512* v) {
+  const __m512 a = _mm512_max_ps(_mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 b = _mm512_max_ps(_mm512_shuffle_f32x4(v[2], v[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_f32x4(v[2], v[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 c = _mm512_max_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 d = _mm512_max_ps(c, _mm512_permute_ps(c, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm512_max_ps(d, _mm512_permute_ps(d, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
 template <int NQ>
 void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
                  int out_stride) {
@@ -128,13 +141,22 @@ void accum_pass(const Int4TiledLayout& L, const float* p, int p_stride, const ui
         // Masked: slots outside the range may hold anything (NaN scales of unwritten tokens).
         const __m512 sv = _mm512_maskz_mov_ps(mask, load_f16x16(tp + 32 * size_t(g)));
         const __m512 mv = _mm512_maskz_mov_ps(mask, load_f16x16(tp + L.min_off + 32 * size_t(g)));
+        __m512 w[4], wa[4];
+        for (int h = 0; h < 4; ++h) {
+          w[h] = h < NQ ? _mm512_mul_ps(pv[h], sv) : _mm512_setzero_ps();
+          wa[h] = _mm512_abs_ps(w[h]);
+        }
+        // All rows' steps at once (lanes 4h..4h+3 = row h), with the scalar arithmetic of
+        // int4t_weight_step: dw = wmax / levels, inv = levels / wmax or 0.
+        const __m512 wmax = max4x16(wa);
+        const __m512 lv = _mm512_set1_ps(U8 ? kv_int4t_u8_levels : kv_int4t_s8_levels);
+        alignas(64) float steps[16];
+        _mm512_store_ps(steps, _mm512_div_ps(wmax, lv));
+        const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(wmax, _mm512_setzero_ps(), _CMP_GT_OQ), lv, wmax);
         for (int h = 0; h < NQ; ++h) {
-          const __m512 w = _mm512_mul_ps(pv[h], sv);
-          const float wmax = _mm512_reduce_max_ps(_mm512_abs_ps(w));
-          float step, inv;
-          int4t_weight_step(wmax, U8 ? kv_int4t_u8_levels : kv_int4t_s8_levels, &step, &inv);
-          dw[tt][h][g] = step;
-          const __m512i wi = _mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(inv)));
+          dw[tt][h][g] = steps[4 * h];
+          const __m512 inv_h = _mm512_permutexvar_ps(_mm512_set1_epi32(4 * h), inv);
+          const __m512i wi = _mm512_cvtps_epi32(_mm512_mul_ps(w[h], inv_h));
           _mm_store_si128(reinterpret_cast<__m128i*>(w8[tt][h][g]),
                           U8 ? _mm512_cvtusepi32_epi8(wi) : _mm512_cvtsepi32_epi8(wi));
           _mm512_store_ps(msv[h][g], _mm512_fmadd_ps(pv[h], mv, _mm512_load_ps(msv[h][g])));
@@ -187,6 +209,21 @@ void accum_pass(const Int4TiledLayout& L, const float* p, int p_stride, const ui
     }
 }
 
+// int4t_weights_nonneg, 16 weights per compare (the scalar scan with its early exit cost a third
+// of the weighted sum's time).
+bool weights_nonneg(const float* p, int p_stride, int n_q, int n) {
+  __mmask16 neg = 0;
+  const __m512 zero = _mm512_setzero_ps();
+  const __mmask16 tail = __mmask16((1u << (n % 16)) - 1u);
+  for (int i = 0; i < n_q; ++i) {
+    const float* r = p + size_t(i) * size_t(p_stride);
+    int t = 0;
+    for (; t + 16 <= n; t += 16) neg |= _mm512_cmp_ps_mask(_mm512_loadu_ps(r + t), zero, _CMP_LT_OQ);
+    if (t < n) neg |= _mm512_mask_cmp_ps_mask(tail, _mm512_maskz_loadu_ps(tail, r + t), zero, _CMP_LT_OQ);
+  }
+  return neg == 0;
+}
+
 template <typename F>
 void by_passes(int n_q, F&& f) {
   for (int i = 0; i < n_q; i += kMaxNq) f(i, std::min(kMaxNq, n_q - i));
@@ -216,7 +253,7 @@ void int4t_accum_avx512(const Int4TiledLayout& L, const float* p, int p_stride, 
   if (n <= 0) return;
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
   kvg_prefetch(block + size_t(tile0) * L.tile_bytes, size_t(tile1 - tile0) * L.tile_bytes);
-  const bool u8 = int4t_weights_nonneg(p, p_stride, n_q, n);
+  const bool u8 = weights_nonneg(p, p_stride, n_q, n);
   by_passes(n_q, [&](int i, int m) {
     const float* pi = p + size_t(i) * size_t(p_stride);
     float* a = acc + size_t(i) * size_t(L.hd);
