@@ -80,6 +80,24 @@ class KvCodec {
   // Exact bytes of one head block of block_tokens tokens (block_tokens % group_tokens == 0).
   virtual size_t block_bytes(int block_tokens) const = 0;
 
+  // The bytes of a head block that the fused kernels read first for tokens [t0, t0 + n), which
+  // attention requests one kernel call early (the V block before the K scores, the next K block
+  // before the weighted sum): head blocks are scattered in the page pool and the hardware
+  // prefetchers restart at each one, so without this every block starts with demand misses and
+  // memory waits alternate with compute instead of overlapping it. Within [0, block_bytes).
+  // bytes = 0: nothing (a codec whose kernels are compute-bound and measured slower with it).
+  struct PrefetchRange {
+    size_t offset = 0;
+    size_t bytes = 0;
+  };
+  static constexpr size_t prefetch_lead_bytes = 8192;
+  virtual PrefetchRange prefetch_range(int block_tokens, int t0, int n) const {
+    (void)t0;
+    (void)n;
+    const size_t b = block_bytes(block_tokens);
+    return {0, b < prefetch_lead_bytes ? b : prefetch_lead_bytes};
+  }
+
   // Encodes tokens [t0, t0 + n) of head `head`. src: (n, head_dim) f32, rows src_stride floats
   // apart. For grouped codecs t0 and n are multiples of group_tokens.
   virtual void encode(int head, const float* src, size_t src_stride, int n, uint8_t* block,

@@ -29,9 +29,9 @@ namespace kvq::kv_rows_simd {
 // Software prefetch of the row stream: a head block spans several 4 KiB pages and the hardware
 // prefetchers stop at each page boundary, so a kernel reading rows at the bus rate would stall on
 // every page start. Rows kv_prefetch_bytes ahead of the current ones are requested (into L2) as the
-// kernel walks the block (never past its last row). Requesting the start of the next span from
-// attn_decode as well measured slower for every format (f16 +5-10%, q4_0 +8%), so a span's first
-// 4 KiB are left to demand misses and the hardware prefetcher.
+// kernel walks the block (never past its last row). A block's first rows are requested one kernel
+// call early by attn_decode (KvCodec::prefetch_range: the float and int4g / int2g rows). A longer
+// distance here (8 / 16 KiB) or a stream that runs on into the next block measured slower.
 inline constexpr size_t kv_prefetch_bytes = 4096;
 [[gnu::always_inline]] inline void kv_prefetch_ahead(const uint8_t* rows, size_t row_stride, int t, int cnt, int n) {
   const size_t end = size_t(n) * row_stride;

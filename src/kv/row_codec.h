@@ -29,6 +29,8 @@ class KvRowCodec : public KvCodec {
               int n, int pos0, float* out, int out_stride) const override;
   void accumulate(int head, const float* p, int p_stride, int n_q, const uint8_t* block,
                   int block_tokens, int t0, int n, float* acc) const override;
+  // The float and grouped int4 / int2 rows only (see row_codec.cpp).
+  PrefetchRange prefetch_range(int block_tokens, int t0, int n) const override;
 
   const KvRowFmt& fmt() const { return fmt_; }
   float head_scale(int head) const { return scales_[size_t(head)]; }
