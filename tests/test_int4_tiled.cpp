@@ -377,3 +377,21 @@ TEST(Int4Tiled, CodecApiEveryLevel) {
   }
   cpu_set_level(saved);
 }
+
+// The prefetch hint covers the first tile of the range, stays inside the block and within the
+// lead attention requests.
+TEST(Int4Tiled, PrefetchRangeInsideBlock) {
+  for (KvRole role : {KvRole::key, KvRole::value}) {
+    auto c = make("int4t_g64", 128, role);
+    const size_t tile = c->block_bytes(16);
+    for (int bt : {16, 64, 256})
+      for (int t0 = 0; t0 < bt; t0 += 7) {
+        const auto r = c->prefetch_range(bt, t0, bt - t0);
+        EXPECT_EQ(r.offset, size_t(t0 / 16) * tile);
+        EXPECT_GT(r.bytes, 0u);
+        EXPECT_LE(r.bytes, KvCodec::prefetch_lead_bytes);
+        EXPECT_LE(r.offset + r.bytes, c->block_bytes(bt));
+      }
+    EXPECT_EQ(c->prefetch_range(64, 5, 0).bytes, 0u);
+  }
+}

@@ -187,6 +187,16 @@ class Int4TiledCodec : public KvCodec {
     return size_t(block_tokens / kv_tile_tokens) * L_.tile_bytes;
   }
 
+  // The tiles holding [t0, t0 + n), which attention requests one kernel call early (measured
+  // equal to the kernels requesting the range themselves when they start; one mechanism only).
+  PrefetchRange prefetch_range(int block_tokens, int t0, int n) const override {
+    check_block(block_tokens);
+    if (n <= 0) return {0, 0};
+    const size_t first = size_t(t0 / kv_tile_tokens) * L_.tile_bytes;
+    const size_t last = size_t((t0 + n + kv_tile_tokens - 1) / kv_tile_tokens) * L_.tile_bytes;
+    return {first, std::min(last - first, prefetch_lead_bytes)};
+  }
+
   // Each token is quantized by int4_gN's row encoder (so the codes, scales and minimums are
   // int4_gN's exactly), then scattered into the tile; every byte a token writes is its own.
   void encode(int, const float* src, size_t src_stride, int n, uint8_t* block, int block_tokens, int t0,

@@ -7,7 +7,6 @@
 #include <cstring>
 #include <type_traits>
 
-#include "kv/grouped_common.h"
 #include "kv/int4_tiled.h"
 
 namespace kvq {
@@ -234,8 +233,6 @@ void by_passes(int n_q, F&& f) {
 void int4t_scores_avx512(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
                          float* out, int out_stride) {
   if (n <= 0) return;
-  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  kvg_prefetch(block + size_t(tile0) * L.tile_bytes, size_t(tile1 - tile0) * L.tile_bytes);
   by_passes(n_q, [&](int i, int m) {
     const float* q = qp + size_t(i) * size_t(L.qdim);
     float* o = out + size_t(i) * size_t(out_stride);
@@ -251,8 +248,6 @@ void int4t_scores_avx512(const Int4TiledLayout& L, const float* qp, int n_q, con
 void int4t_accum_avx512(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
                         int t0, int n, float* acc) {
   if (n <= 0) return;
-  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  kvg_prefetch(block + size_t(tile0) * L.tile_bytes, size_t(tile1 - tile0) * L.tile_bytes);
   const bool u8 = weights_nonneg(p, p_stride, n_q, n);
   by_passes(n_q, [&](int i, int m) {
     const float* pi = p + size_t(i) * size_t(p_stride);
