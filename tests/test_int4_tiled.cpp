@@ -162,7 +162,7 @@ const int kRanges[][2] = {{0, 64}, {7, 50}, {16, 16}, {3, 9}, {0, 1}, {63, 1}, {
 // sequence per lane); the reference within the query-rounding bound of exact <q, decode(k)>.
 TEST(Int4Tiled, ScoresParityAndBound) {
   std::mt19937 rng(5);
-  const CpuFeatures& cf = cpu_features();
+  [[maybe_unused]] const CpuFeatures& cf = cpu_features();  // SIMD builds only
   for (const Shape& s : kShapes)
     for (Pat pat : kPats) {
       const int bt = 64, hd = s.hd;
@@ -262,7 +262,7 @@ std::vector<double> accum_bound(const Rows& r, int group, const float* p, int t0
 TEST(Int4Tiled, AccumulateParityAndBound) {
   std::mt19937 rng(9);
   std::normal_distribution<float> nd;
-  const CpuFeatures& cf = cpu_features();
+  [[maybe_unused]] const CpuFeatures& cf = cpu_features();  // SIMD builds only
   for (const Shape& s : kShapes)
     for (Pat pat : kPats) {
       const int bt = 64, hd = s.hd;
