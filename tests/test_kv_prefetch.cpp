@@ -145,4 +145,15 @@ TEST(PrefetchRange, AttnDecodeRequestsEverySpanAndKeepsResults) {
   EXPECT_EQ(Calls(vc.calls.begin(), vc.calls.end()), want);
   attn_decode_ref(kc, vc, 0, q.data(), n_q, spans.data(), int(spans.size()), nullptr, nullptr, 0, 0, ap, ref.data());
   for (size_t i = 0; i < out.size(); ++i) EXPECT_NEAR(out[i], ref[i], 2e-3f) << i;
+
+  // Off (prefill rows): no requests, the same result bit for bit.
+  kc.calls.clear();
+  vc.calls.clear();
+  ap.prefetch_blocks = false;
+  std::vector<float> out_off(q.size());
+  attn_decode(kc, vc, 0, q.data(), n_q, spans.data(), int(spans.size()), nullptr, nullptr, 0, 0, ap, out_off.data(),
+              scratch.data());
+  EXPECT_TRUE(kc.calls.empty());
+  EXPECT_TRUE(vc.calls.empty());
+  EXPECT_EQ(out_off, out);
 }

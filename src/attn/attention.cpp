@@ -104,16 +104,19 @@ void run_part(const KvCodec& kc, const KvCodec& vc, int head, int n_q, const KvB
     // the V block's while the K scores run, the next K block's while the weighted sum runs.
     // Measured at 32K tokens: f16 ~19%, f32 ~13%, tq4 ~20%, kivi / kvquant 5-10% faster than
     // leaving each block's start to demand misses (memory then overlaps the compute).
-    bool k_ahead = false;  // the current span's K lead was requested in the previous iteration
+    const bool pf = ap.prefetch_blocks;
+    bool k_ahead = !pf;  // the current span's K lead was requested in the previous iteration
     for (int b = 0; b < n_spans; ++b) {
       const KvBlockSpan& sp = spans[b];
       if (sp.n <= 0) continue;
       if (!k_ahead) prefetch_lead(kc, sp.k, sp);
-      prefetch_lead(vc, sp.v, sp);
+      if (pf) prefetch_lead(vc, sp.v, sp);
       kc.scores(head, sc.qp, n_q, sp.k, sp.block_tokens, sp.t0, sp.n, sp.pos0, sc.s, sc.s_stride);
       softmax_update(sc, n_q, sp.n, vd, ap);
-      k_ahead = b + 1 < n_spans && spans[b + 1].n > 0;
-      if (k_ahead) prefetch_lead(kc, spans[b + 1].k, spans[b + 1]);
+      if (pf) {
+        k_ahead = b + 1 < n_spans && spans[b + 1].n > 0;
+        if (k_ahead) prefetch_lead(kc, spans[b + 1].k, spans[b + 1]);
+      }
       vc.accumulate(head, sc.s, sc.s_stride, n_q, sp.v, sp.block_tokens, sp.t0, sp.n, sc.acc);
     }
     // The accumulator is in V's storage basis; the tail is in the model's. finish_output is linear

@@ -259,6 +259,8 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
   AttnParams ap;
   ap.scale = c.attn_scale > 0 ? c.attn_scale : 1.0f / std::sqrt(float(hd));
   ap.softcap = c.attn_softcap;
+  // One row per sequence (a decode step): each block is read once, from memory.
+  ap.prefetch_blocks = n == n_seqs;
 
   for (int il = 0; il < c.n_layer; ++il) {
     const LayerWeights& L = m_.layers_[size_t(il)];
