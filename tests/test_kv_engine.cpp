@@ -108,7 +108,7 @@ TEST(KvEngine, SmolLM2FormatsStayWithinKldBounds) {
                         {"fp8_e4m3_dyn", 0.05}, {"q4_0", 0.3}, {"int4_g32", 0.3}, {"k8v4", 0.3}, {"kivi4", 0.3},
                         {"tq4", 0.3}, {"tq3.5", 0.5}, {"tq3", 0.6}, {"kvquant4", 0.3}, {"kvquant3", 0.6},
                         {"kivi2", 1.0}, {"tq2.5", 1.0}, {"q8_0h", 0.02}, {"q4_0h", 0.15}, {"q4_0h_c", 0.15},
-                        {"tq4_c", 0.3}, {"int8_c", 0.02}};
+                        {"tq4_c", 0.3}, {"int8_c", 0.02}, {"int4t_g32", 0.3}};
   for (const auto& c : cases) {
     const auto got = run(c.fmt);
     std::vector<TokenScore> sc;
