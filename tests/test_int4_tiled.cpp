@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
@@ -276,18 +277,22 @@ TEST(Int4Tiled, AccumulateParityAndBound) {
       c->decode(0, blk.data(), bt, 0, bt, 0, dec.data());
       const Int4TiledLayout L = int4t_layout(hd, s.group);
       for (int nq = 1; nq <= 9; ++nq) {
-        for (const auto& rg : kRanges) {
-          const int t0 = rg[0], n = rg[1], ps = n + 5;
-          // probabilities-like weights (one dominant token per row), and signed weights for row 1
+        for (int ri = 0; ri < int(std::size(kRanges)); ++ri) {
+          const int t0 = kRanges[ri][0], n = kRanges[ri][1], ps = n + 5;
+          // probabilities-like weights (one dominant token per row), and for every other (nq,
+          // range) signed weights in row 1 (row 0 when nq is 1): the s8 path. Both paths then
+          // see every pass width (1..4 rows) of the SIMD kernels.
+          const bool sgn = (nq + ri) % 2 == 0;
+          const int srow = nq >= 2 ? 1 : 0;
           std::vector<float> p(size_t(nq) * size_t(ps), std::nanf(""));
           for (int i = 0; i < nq; ++i)
             for (int t = 0; t < n; ++t) {
               float v = std::exp(-std::fabs(nd(rng)) * 3.f);
               if (t == (i * 7) % n) v = 1.f;
-              if (i == 1 && nq % 2 == 0) v = t == 0 ? -0.5f : nd(rng);  // signed weights: the s8 path
+              if (sgn && i == srow) v = t == 0 ? -0.5f : nd(rng);
               p[size_t(i) * size_t(ps) + size_t(t)] = v;
             }
-          const float levels = nq >= 2 && nq % 2 == 0 ? kv_int4t_s8_levels : kv_int4t_u8_levels;
+          const float levels = sgn ? kv_int4t_s8_levels : kv_int4t_u8_levels;
           ASSERT_EQ(int4t_weights_nonneg(p.data(), ps, nq, n), levels == kv_int4t_u8_levels);
           std::vector<float> ref(size_t(nq) * size_t(hd), 0.25f);
           int4t_accum_ref(L, p.data(), ps, nq, blk.data(), t0, n, ref.data());

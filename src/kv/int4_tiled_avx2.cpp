@@ -1,20 +1,21 @@
-// AVX2 kernels of the tiled int4 codec (layout and error bounds in kv/int4_tiled.h): the same
-// arithmetic as the AVX-512 ones on 8-token half tiles, with VPMADDUBSW (u8 codes x s8 query or
-// weights, two products per int16: at most 2 * 15 * 127, no saturation) + VPMADDWD in place of
-// VPDPBUSD.
+// AVX2 kernels of the tiled int4 codec (layout and error bounds in kv/int4_tiled.h): the
+// arithmetic of the AVX-512 ones with VPMADDUBSW (u8 x s8, two products per int16) in place of
+// VPDPBUSD. The int16 pair sums are added in int16 as long as the bound allows and widened once
+// (VPMADDWD by ones), so the multiply ports do about one widening per 8 (scores) or 4 (weighted
+// sum) VPMADDUBSW instead of one each.
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 
-#include "core/dtypes.h"
 #include "kv/int4_tiled.h"
 
 namespace kvq {
 namespace {
 
-constexpr int kMaxNq = 4;
+constexpr int kMaxNq = 4;  // query rows per pass (accumulator registers)
+constexpr int kSegTiles = 4;  // tiles whose weights are quantized ahead of the channel loop
+constexpr int kMaxGroups = 1024 / 32;
 
 inline __m256i bcast32(const void* p) {
   int32_t v;
@@ -24,11 +25,12 @@ inline __m256i bcast32(const void* p) {
 inline __m256 load_f16x8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-// u8 x s8 products of 4 consecutive bytes summed into int32 lanes.
-inline __m256i dot4(__m256i u8, __m256i s8) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1));
-}
+// int16 pairs -> int32 lanes.
+inline __m256i widen(__m256i s16) { return _mm256_madd_epi16(s16, _mm256_set1_epi16(1)); }
 
+// Scores on 8-token half tiles (bytes 32 * half .. + 31 of every 64-byte octet record). Per query
+// block b (4 octets, low and high nibbles: 8 VPMADDUBSW) the int16 sums stay within
+// 8 * 2 * 15 * 127 = 30480, so a block's dot is one int16 chain and one widening per row.
 template <int NQ>
 void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
                  int out_stride) {
@@ -43,7 +45,6 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
     dq[h] = row + L.dq_off;
     qs[h] = row + L.qsum_off;
   }
-  // Half tiles of 8 tokens: bytes 32 * half .. + 31 of every 64-byte octet record.
   const int h0 = t0 / 8, h1 = (t0 + n + 7) / 8;
   for (int ht = h0; ht < h1; ++ht) {
     const int tile = ht / 2, half = ht % 2;
@@ -55,20 +56,18 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
       __m256 facc[NQ];
       for (int h = 0; h < NQ; ++h) facc[h] = _mm256_setzero_ps();
       for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
-        __m256i idot[NQ];
-        for (int h = 0; h < NQ; ++h) idot[h] = _mm256_setzero_si256();
+        __m256i s16[NQ];
+        for (int h = 0; h < NQ; ++h) s16[h] = _mm256_setzero_si256();
         for (int o = 4 * b; o < 4 * b + 4; ++o) {
           const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * o));
           const __m256i lo = _mm256_and_si256(x, m4);
           const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
-          for (int h = 0; h < NQ; ++h) {
-            const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast32(q8[h] + 8 * o)),
-                                               _mm256_maddubs_epi16(hi, bcast32(q8[h] + 8 * o + 4)));
-            idot[h] = _mm256_add_epi32(idot[h], _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
-          }
+          for (int h = 0; h < NQ; ++h)
+            s16[h] = _mm256_add_epi16(s16[h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast32(q8[h] + 8 * o)),
+                                                               _mm256_maddubs_epi16(hi, bcast32(q8[h] + 8 * o + 4))));
         }
         for (int h = 0; h < NQ; ++h)
-          facc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot[h]), _mm256_set1_ps(dq[h][b]), facc[h]);
+          facc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(s16[h])), _mm256_set1_ps(dq[h][b]), facc[h]);
       }
       const __m256 sv = load_f16x8(tp + 32 * size_t(g) + 16 * size_t(half));
       const __m256 mv = load_f16x8(tp + L.min_off + 32 * size_t(g) + 16 * size_t(half));
@@ -92,62 +91,190 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
   }
 }
 
-// One query row at a time: 4 int32 accumulators per chunk of 32 channels (lanes 0-7 / 8-15 of
-// the low nibbles, the same of the high ones).
-// u8: all weights >= 0, u8 weights (255 levels) x s8 codes; else s8 weights x u8 codes (the
-// int16 pair sums stay below 2 * 255 * 15).
-void accum_row(const Int4TiledLayout& L, const float* p, const uint8_t* block, int t0, int n, float* acc, bool u8) {
-  const int hd = L.hd, ng = L.ng;
+// Lanes h and 4 + h of the result = the largest of the 8 lanes of v[h], h < 4.
+inline __m256 max4x8(const __m256* v) {
+  const __m256 a = _mm256_max_ps(_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1]));
+  const __m256 b = _mm256_max_ps(_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3]));
+  const __m256 c = _mm256_max_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm256_max_ps(c, _mm256_permute2f128_ps(c, c, 1));
+}
+
+// Quantized weights of one (group, row pair) of a tile: VPACKSSDW / VPACKUSWB (VPACKSSWB) of rows
+// A and B leave the token quads in the dwords A: 0 4 1 5, B: 2 6 3 7, read through this index
+// instead of a permute.
+inline int w8_dword(int h, int k) { return (h & 1) * 2 + (k >> 1) + (k & 1) * 4; }
+
+// The weighted sum in segments of kSegTiles tiles: their weights quantized with vector
+// arithmetic (the scalar steps of int4t_weight_step, bit for bit), then per tile, chunk of 32
+// channels and 8-lane half, NQ * 2 int16 chains over the tile's 4 token quads, widened and scaled
+// into acc once per tile (the f32 sums live in acc: registers hold the int16 chains).
+// U8: all weights >= 0, u8 weights (255 levels) x s8 codes: 4 quads * 2 * 255 * 15 = 30600;
+// else s8 weights x u8 codes: 4 * 2 * 15 * 127. Both fit int16.
+template <int NQ, bool U8>
+void accum_pass(const Int4TiledLayout& L, const float* p, int p_stride, const uint8_t* block, int t0, int n,
+                float* acc) {
+  constexpr int NP = (NQ + 1) / 2;  // row pairs
+  const int hd = L.hd, ng = L.ng, cpg = L.group / 32;
   const __m256i m4 = _mm256_set1_epi8(0x0f);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 lv = _mm256_set1_ps(U8 ? kv_int4t_u8_levels : kv_int4t_s8_levels);
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  float msum[1024 / 32] = {};
-  for (int tile = tile0; tile < tile1; ++tile) {
-    const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
-    for (int g = 0; g < ng; ++g) {
-      float w[16], wmax = 0;
-      for (int j = 0; j < 16; ++j) {
-        const int t = tile * 16 + j - t0;
-        const bool valid = t >= 0 && t < n;
-        uint16_t hs, hm;
-        std::memcpy(&hs, tp + 32 * size_t(g) + 2 * size_t(j), 2);
-        std::memcpy(&hm, tp + L.min_off + 32 * size_t(g) + 2 * size_t(j), 2);
-        w[j] = valid ? p[t] * _cvtsh_ss(hs) : 0.f;
-        wmax = std::max(wmax, std::fabs(w[j]));
-        if (valid) msum[g] += p[t] * _cvtsh_ss(hm);
-      }
-      float dw, inv;
-      const float levels = u8 ? kv_int4t_u8_levels : kv_int4t_s8_levels;
-      int4t_weight_step(wmax, levels, &dw, &inv);
-      alignas(16) uint8_t wq[16];
-      for (int j = 0; j < 16; ++j) {
-        const int v = int(std::min(levels, std::max(u8 ? 0.f : -levels, std::nearbyint(w[j] * inv))));
-        wq[j] = uint8_t(v & 255);  // s8 weights: two's complement bytes
-      }
-      const __m256 s = _mm256_set1_ps(dw);
-      for (int c = g * L.group / 32; c < (g + 1) * L.group / 32; ++c) {
-        const uint8_t* cp = tp + L.code_off + size_t(c) * 256;
-        __m256i i0 = _mm256_setzero_si256(), i1 = i0, i2 = i0, i3 = i0;
-        for (int k = 0; k < 4; ++k) {
-          const __m256i wb = bcast32(wq + 4 * k);
-          const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * k));
-          const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * k + 32));
-          const __m256i c0 = _mm256_and_si256(xa, m4), c1 = _mm256_and_si256(xb, m4);
-          const __m256i c2 = _mm256_and_si256(_mm256_srli_epi16(xa, 4), m4);
-          const __m256i c3 = _mm256_and_si256(_mm256_srli_epi16(xb, 4), m4);
-          i0 = _mm256_add_epi32(i0, u8 ? dot4(wb, c0) : dot4(c0, wb));
-          i1 = _mm256_add_epi32(i1, u8 ? dot4(wb, c1) : dot4(c1, wb));
-          i2 = _mm256_add_epi32(i2, u8 ? dot4(wb, c2) : dot4(c2, wb));
-          i3 = _mm256_add_epi32(i3, u8 ? dot4(wb, c3) : dot4(c3, wb));
+  // Per (row, group): the min term sum_t p_t m_tg in 8 lanes, reduced once per call.
+  alignas(32) float msv[NQ][kMaxGroups][8];
+  for (int h = 0; h < NQ; ++h)
+    for (int g = 0; g < ng; ++g) _mm256_store_ps(msv[h][g], _mm256_setzero_ps());
+  // (tile of the segment, group, row pair): quantized weights; (.., group, row h in lane h):
+  // their steps. A segment's tiles are quantized before its channel loop reads them, so the
+  // dword loads find the stores long retired.
+  alignas(32) uint8_t w8[kSegTiles][kMaxGroups][NP][32];
+  alignas(32) float dw[kSegTiles][kMaxGroups][8];
+  for (int seg = tile0; seg < tile1; seg += kSegTiles) {
+    const int nt = std::min(kSegTiles, tile1 - seg);
+    for (int tt = 0; tt < nt; ++tt) {
+      const int base = (seg + tt) * 16;
+      const uint8_t* tp = block + size_t(seg + tt) * L.tile_bytes;
+      const bool full = base >= t0 && base + 16 <= t0 + n;
+      __m256 pv[NQ][2];
+      __m256 mk[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+      if (full) {
+        for (int h = 0; h < NQ; ++h) {
+          const float* ph = p + size_t(h) * size_t(p_stride) + size_t(base - t0);
+          pv[h][0] = _mm256_loadu_ps(ph);
+          pv[h][1] = _mm256_loadu_ps(ph + 8);
         }
-        float* a = acc + 32 * c;
-        _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), s, _mm256_loadu_ps(a)));
-        _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), s, _mm256_loadu_ps(a + 8)));
-        _mm256_storeu_ps(a + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i2), s, _mm256_loadu_ps(a + 16)));
-        _mm256_storeu_ps(a + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i3), s, _mm256_loadu_ps(a + 24)));
+      } else {
+        // Edge tile: weights outside the range are 0 and the scales / minimums of their slots
+        // (which may hold anything, NaN included) are masked off.
+        const int lo = std::max(0, t0 - base), hi = std::min(16, t0 + n - base);
+        alignas(32) float pt[NQ][16] = {};
+        alignas(32) int32_t mi[16];
+        for (int j = 0; j < 16; ++j) mi[j] = j >= lo && j < hi ? -1 : 0;
+        for (int h = 0; h < NQ; ++h)
+          for (int j = lo; j < hi; ++j) pt[h][j] = p[size_t(h) * size_t(p_stride) + size_t(base + j - t0)];
+        for (int h = 0; h < NQ; ++h) {
+          pv[h][0] = _mm256_load_ps(pt[h]);
+          pv[h][1] = _mm256_load_ps(pt[h] + 8);
+        }
+        mk[0] = _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mi)));
+        mk[1] = _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mi + 8)));
+      }
+      for (int g = 0; g < ng; ++g) {
+        __m256 sv0 = load_f16x8(tp + 32 * size_t(g)), sv1 = load_f16x8(tp + 32 * size_t(g) + 16);
+        __m256 mv0 = load_f16x8(tp + L.min_off + 32 * size_t(g));
+        __m256 mv1 = load_f16x8(tp + L.min_off + 32 * size_t(g) + 16);
+        if (!full) {
+          sv0 = _mm256_and_ps(sv0, mk[0]);
+          sv1 = _mm256_and_ps(sv1, mk[1]);
+          mv0 = _mm256_and_ps(mv0, mk[0]);
+          mv1 = _mm256_and_ps(mv1, mk[1]);
+        }
+        __m256 w[NQ][2], wa[4];
+        for (int h = 0; h < 4; ++h) {
+          if (h < NQ) {
+            w[h][0] = _mm256_mul_ps(pv[h][0], sv0);
+            w[h][1] = _mm256_mul_ps(pv[h][1], sv1);
+            wa[h] = _mm256_max_ps(_mm256_andnot_ps(sign, w[h][0]), _mm256_andnot_ps(sign, w[h][1]));
+          } else {
+            wa[h] = _mm256_setzero_ps();
+          }
+        }
+        // int4t_weight_step for all rows at once: dw = wmax / levels, inv = levels / wmax or 0.
+        const __m256 wmax = max4x8(wa);
+        _mm256_store_ps(dw[tt][g], _mm256_div_ps(wmax, lv));
+        const __m256 inv =
+            _mm256_and_ps(_mm256_div_ps(lv, wmax), _mm256_cmp_ps(wmax, _mm256_setzero_ps(), _CMP_GT_OQ));
+        for (int r = 0; r < NP; ++r) {
+          __m256i pk[2];
+          for (int e = 0; e < 2; ++e) {
+            const int h = 2 * r + e;
+            if (h < NQ) {
+              const __m256 ih = _mm256_permutevar_ps(inv, _mm256_set1_epi32(h));
+              pk[e] = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(w[h][0], ih)),
+                                         _mm256_cvtps_epi32(_mm256_mul_ps(w[h][1], ih)));
+            } else {
+              pk[e] = _mm256_setzero_si256();
+            }
+          }
+          // Saturation is the reference's clamp: [0, 255], or [-127, 127] (a NaN product
+          // converts to INT_MIN, which the reference's clamp makes -127).
+          const __m256i q = U8 ? _mm256_packus_epi16(pk[0], pk[1])
+                               : _mm256_max_epi8(_mm256_packs_epi16(pk[0], pk[1]), _mm256_set1_epi8(-127));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(w8[tt][g][r]), q);
+        }
+        for (int h = 0; h < NQ; ++h)
+          _mm256_store_ps(msv[h][g],
+                          _mm256_fmadd_ps(pv[h][1], mv1, _mm256_fmadd_ps(pv[h][0], mv0, _mm256_load_ps(msv[h][g]))));
+      }
+    }
+    for (int tt = 0; tt < nt; ++tt) {
+      const uint8_t* codes = block + size_t(seg + tt) * L.tile_bytes + L.code_off;
+      for (int c = 0; c < hd / 32; ++c) {
+        const int g = c / cpg;
+        for (int half = 0; half < 2; ++half) {
+          const uint8_t* cp = codes + size_t(c) * 256 + 32 * size_t(half);
+          __m256i slo[NQ], shi[NQ];
+          for (int h = 0; h < NQ; ++h) slo[h] = shi[h] = _mm256_setzero_si256();
+          for (int k = 0; k < 4; ++k) {
+            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * k));
+            const __m256i lo = _mm256_and_si256(x, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
+            for (int h = 0; h < NQ; ++h) {
+              const __m256i wb = bcast32(w8[tt][g][h / 2] + 4 * w8_dword(h, k));
+              slo[h] = _mm256_add_epi16(slo[h], U8 ? _mm256_maddubs_epi16(wb, lo) : _mm256_maddubs_epi16(lo, wb));
+              shi[h] = _mm256_add_epi16(shi[h], U8 ? _mm256_maddubs_epi16(wb, hi) : _mm256_maddubs_epi16(hi, wb));
+            }
+          }
+          // Lanes: channel 32c + 8 half + i (low nibbles), 32c + 16 + 8 half + i (high).
+          for (int h = 0; h < NQ; ++h) {
+            const __m256 s = _mm256_broadcast_ss(&dw[tt][g][h]);
+            float* a = acc + size_t(h) * size_t(hd) + size_t(32 * c + 8 * half);
+            _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(slo[h])), s, _mm256_loadu_ps(a)));
+            _mm256_storeu_ps(a + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(shi[h])), s, _mm256_loadu_ps(a + 16)));
+          }
+        }
       }
     }
   }
-  for (int d = 0; d < hd; ++d) acc[d] += msum[d / L.group];
+  for (int h = 0; h < NQ; ++h)
+    for (int g = 0; g < ng; ++g) {
+      const __m256 v = _mm256_load_ps(msv[h][g]);
+      __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+      x = _mm_add_ss(x, _mm_movehdup_ps(x));
+      const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(x));
+      float* a = acc + size_t(h) * size_t(hd) + size_t(g * L.group);
+      for (int d = 0; d < L.group; d += 8) _mm256_storeu_ps(a + d, _mm256_add_ps(_mm256_loadu_ps(a + d), m));
+    }
+}
+
+// int4t_weights_nonneg, 8 weights per compare.
+bool weights_nonneg(const float* p, int p_stride, int n_q, int n) {
+  __m256 neg = _mm256_setzero_ps();
+  const __m256 zero = _mm256_setzero_ps();
+  for (int i = 0; i < n_q; ++i) {
+    const float* r = p + size_t(i) * size_t(p_stride);
+    int t = 0;
+    for (; t + 8 <= n; t += 8) neg = _mm256_or_ps(neg, _mm256_cmp_ps(_mm256_loadu_ps(r + t), zero, _CMP_LT_OQ));
+    for (; t < n; ++t)
+      if (r[t] < 0) return false;
+  }
+  return _mm256_movemask_ps(neg) == 0;
+}
+
+template <bool U8>
+void accum_rows(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0, int n,
+                float* acc) {
+  for (int i = 0; i < n_q; i += kMaxNq) {
+    const float* pi = p + size_t(i) * size_t(p_stride);
+    float* a = acc + size_t(i) * size_t(L.hd);
+    switch (std::min(kMaxNq, n_q - i)) {
+      case 1: accum_pass<1, U8>(L, pi, p_stride, block, t0, n, a); break;
+      case 2: accum_pass<2, U8>(L, pi, p_stride, block, t0, n, a); break;
+      case 3: accum_pass<3, U8>(L, pi, p_stride, block, t0, n, a); break;
+      default: accum_pass<4, U8>(L, pi, p_stride, block, t0, n, a); break;
+    }
+  }
 }
 
 }  // namespace
@@ -171,9 +298,10 @@ void int4t_scores_avx2(const Int4TiledLayout& L, const float* qp, int n_q, const
 void int4t_accum_avx2(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                       int n, float* acc) {
   if (n <= 0) return;
-  const bool u8 = int4t_weights_nonneg(p, p_stride, n_q, n);
-  for (int i = 0; i < n_q; ++i)
-    accum_row(L, p + size_t(i) * size_t(p_stride), block, t0, n, acc + size_t(i) * size_t(L.hd), u8);
+  if (weights_nonneg(p, p_stride, n_q, n))
+    accum_rows<true>(L, p, p_stride, n_q, block, t0, n, acc);
+  else
+    accum_rows<false>(L, p, p_stride, n_q, block, t0, n, acc);
 }
 
 }  // namespace kvq
