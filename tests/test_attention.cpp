@@ -139,10 +139,14 @@ double int4t_tol(const KvCodec& kc, const KvCodec& vc, int head, const std::vect
   double delta = 0, vmax = 0;
   if (test::int4t_codec(kc)) {
     const Int4TiledLayout L = test::int4t_layout_of(kc);
+    // The kernel quantizes the plain part of the prepared row: the query itself, or H q for the
+    // rotated int4t_g*h codecs, whose codes are those of H k.
+    std::vector<float> qp(size_t(n_q) * size_t(kc.prepared_query_dim()));
+    kc.prepare_query(head, q.data(), n_q, qp.data());
     for (const auto& sp : spans)
       for (int t = sp.t0; t < sp.t0 + sp.n; ++t)
         for (int i = 0; i < n_q; ++i)
-          delta = std::max(delta, test::int4t_score_bound(L, q.data() + size_t(i) * size_t(hd), sp.k, t));
+          delta = std::max(delta, test::int4t_score_bound(L, qp.data() + size_t(i) * size_t(kc.prepared_query_dim()), sp.k, t));
     delta *= double(ap.scale);
   }
   std::vector<float> buf(size_t(256) * size_t(std::max(hd, vd)));
@@ -182,6 +186,13 @@ double int4t_tol(const KvCodec& kc, const KvCodec& vc, int head, const std::vect
         off += size_t(sp.n);
       }
       worst = std::max(worst, e);
+    }
+    // A rotated codec's per-channel bound holds in the rotated basis; H^T (orthonormal blocks of
+    // B channels, entries +-1/sqrt(B)) maps a per-channel bound e to at most sqrt(B) * e.
+    if (vc.info().transforms_output) {
+      int b = 1;
+      while (vd % (b * 2) == 0 && b * 2 <= 64) b *= 2;
+      worst *= std::sqrt(double(b));
     }
     tol += worst;
   }

@@ -400,3 +400,41 @@ TEST(Int4Tiled, PrefetchRangeInsideBlock) {
     EXPECT_EQ(c->prefetch_range(64, 5, 0).bytes, 0u);
   }
 }
+
+// int4t_g*h: the same tiles after a Hadamard rotation. Same bytes; on keys with an outlier channel
+// the rotation spreads its energy, so the other channels keep their resolution (what q4_0h does
+// for q4_0). Fused attention against the reference: test_attention (every registered format).
+TEST(Int4Tiled, RotatedVariants) {
+  const int hd = 128, bt = 64;
+  std::mt19937_64 rng(77);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> x(size_t(bt) * hd);
+  for (int t = 0; t < bt; ++t)
+    for (int d = 0; d < hd; ++d) x[size_t(t) * hd + d] = nd(rng) * (d == 5 ? 30.f : 1.f);
+  for (const char* g : {"32", "64", "128"}) {
+    KvCodecParams p;
+    p.head_dim = hd;
+    const std::string plain = std::string("int4t_g") + g;
+    auto c0 = kv_codec_create(plain, p);
+    auto c1 = kv_codec_create(plain + "h", p);
+    EXPECT_EQ(c1->block_bytes(bt), c0->block_bytes(bt));
+    EXPECT_TRUE(c1->info().transforms_query);
+    auto err = [&](const KvCodec& c) {
+      std::vector<uint8_t> blk(c.block_bytes(bt));
+      std::vector<float> y(x.size());
+      c.encode(0, x.data(), hd, bt, blk.data(), bt, 0, 0);
+      c.decode(0, blk.data(), bt, 0, bt, 0, y.data());
+      double e = 0;  // error on the ordinary channels
+      for (int t = 0; t < bt; ++t)
+        for (int d = 0; d < hd; ++d)
+          if (d != 5) e += std::pow(double(y[size_t(t) * hd + d]) - x[size_t(t) * hd + d], 2);
+      return e;
+    };
+    EXPECT_LT(err(*c1), 0.5 * err(*c0)) << plain;
+  }
+  KvCodecParams p;
+  p.head_dim = 64;
+  EXPECT_NO_THROW(kv_codec_create("int4t_g64h", p));
+  p.head_dim = 48;  // no power-of-two block >= 32
+  EXPECT_THROW(kv_codec_create("int4t_g32h", p), Error);
+}

@@ -1,4 +1,4 @@
-// Hadamard-rotated row codecs: q8_0h, q4_0h. Each vector is multiplied by an orthonormal
+// Hadamard-rotated per-token codecs: q8_0h, q4_0h, int4t_g32h / g64h / g128h. Each vector is multiplied by an orthonormal
 // Walsh-Hadamard matrix (block-diagonal, blocks of `rot` channels) before it is quantized, so
 // that the energy of an outlier channel is spread over the whole block and the per-block scale
 // no longer has to cover it. Attention needs no inverse rotation of the cache:
@@ -108,7 +108,7 @@ int rotation_block(KvRole role, int head_dim) {
   return b;
 }
 
-void add(const char* name, const char* inner, const char* what) {
+void add(const std::string& name, const std::string& inner, const std::string& what) {
   kv_register_codec({name, what, [name, inner](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
                        const int block = rotation_block(p.role, p.head_dim);
                        if (block < 32)
@@ -129,6 +129,17 @@ void kv_register_rotated_codecs() {
                       "q4_0 after a Hadamard rotation (llama.cpp's rotated q4_0 KV): 4.5 bits"});
   kv_register_format({"q8_0_q4_0h", {"k8v4h"}, "q8_0h", "q4_0h",
                       "keys q8_0, values q4_0, both Hadamard-rotated: 6.5 bits"});
+  // The tiled int4 codecs rotated the same way: the outlier-channel fix of q4_0h with int4t's
+  // integer-dot kernels (the rotation costs one transform of the query and of the output per step).
+  struct Tiled {
+    const char* inner;
+    const char* bits;
+  };
+  for (const Tiled t : {Tiled{"int4t_g32", "5"}, Tiled{"int4t_g64", "4.5"}, Tiled{"int4t_g128", "4.25"}}) {
+    const std::string name = std::string(t.inner) + "h";
+    add(name, t.inner, std::string(t.inner) + " of the Hadamard-rotated vector (K: largest power-of-two block, V: blocks of 64)");
+    kv_register_format({name, {}, name, name, std::string(t.inner) + " after a Hadamard rotation of K and V: " + t.bits + " bits"});
+  }
 }
 
 }  // namespace kvq
