@@ -209,31 +209,39 @@ void accum_pass(const Int4TiledLayout& L, const float* p, int p_stride, const ui
     }
     for (int tt = 0; tt < nt; ++tt) {
       const uint8_t* codes = block + size_t(seg + tt) * L.tile_bytes + L.code_off;
-      for (int c = 0; c < hd / 32; ++c) {
-        const int g = c / cpg;
-        for (int half = 0; half < 2; ++half) {
-          const uint8_t* cp = codes + size_t(c) * 256 + 32 * size_t(half);
-          __m256i slo[NQ], shi[NQ];
-          for (int h = 0; h < NQ; ++h) slo[h] = shi[h] = _mm256_setzero_si256();
-          for (int k = 0; k < 4; ++k) {
-            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * k));
-            const __m256i lo = _mm256_and_si256(x, m4);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
+      // Per (half, chunk) the tile's 4 token-quad loads are split into 8 code vectors once;
+      // then each row's two int16 chains run and are flushed before the next row's: about 12
+      // live registers (all rows' chains at once need 8 more and spilled). The group is
+      // stepped along the one chunk loop (no c / cpg division; and in a loop per group the
+      // compiler hoists the 16 weight broadcasts it shares, spilling most of them).
+      for (int half = 0; half < 2; ++half)
+        for (int c = 0, g = 0, cg = 0; c < hd / 32; ++c) {
+            const uint8_t* cp = codes + size_t(c) * 256 + 32 * size_t(half);
+            __m256i lo[4], hi[4];
+            for (int k = 0; k < 4; ++k) {
+              const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * k));
+              lo[k] = _mm256_and_si256(x, m4);
+              hi[k] = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
+            }
             for (int h = 0; h < NQ; ++h) {
-              const __m256i wb = bcast32(w8[tt][g][h / 2] + 4 * w8_dword(h, k));
-              slo[h] = _mm256_add_epi16(slo[h], U8 ? _mm256_maddubs_epi16(wb, lo) : _mm256_maddubs_epi16(lo, wb));
-              shi[h] = _mm256_add_epi16(shi[h], U8 ? _mm256_maddubs_epi16(wb, hi) : _mm256_maddubs_epi16(hi, wb));
+              const uint8_t* wp = w8[tt][g][h / 2];
+              __m256i slo = _mm256_setzero_si256(), shi = _mm256_setzero_si256();
+              for (int k = 0; k < 4; ++k) {
+                const __m256i wb = bcast32(wp + 4 * w8_dword(h, k));
+                slo = _mm256_add_epi16(slo, U8 ? _mm256_maddubs_epi16(wb, lo[k]) : _mm256_maddubs_epi16(lo[k], wb));
+                shi = _mm256_add_epi16(shi, U8 ? _mm256_maddubs_epi16(wb, hi[k]) : _mm256_maddubs_epi16(hi[k], wb));
+              }
+              // Lanes: channel 32c + 8 half + i (low nibbles), 32c + 16 + 8 half + i (high).
+              const __m256 s = _mm256_broadcast_ss(&dw[tt][g][h]);
+              float* a = acc + size_t(h) * size_t(hd) + size_t(32 * c + 8 * half);
+              _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(slo)), s, _mm256_loadu_ps(a)));
+              _mm256_storeu_ps(a + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(shi)), s, _mm256_loadu_ps(a + 16)));
+            }
+            if (++cg == cpg) {  // chunk c + 1 starts the next group
+              cg = 0;
+              ++g;
             }
           }
-          // Lanes: channel 32c + 8 half + i (low nibbles), 32c + 16 + 8 half + i (high).
-          for (int h = 0; h < NQ; ++h) {
-            const __m256 s = _mm256_broadcast_ss(&dw[tt][g][h]);
-            float* a = acc + size_t(h) * size_t(hd) + size_t(32 * c + 8 * half);
-            _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(slo[h])), s, _mm256_loadu_ps(a)));
-            _mm256_storeu_ps(a + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(shi[h])), s, _mm256_loadu_ps(a + 16)));
-          }
-        }
-      }
     }
   }
   for (int h = 0; h < NQ; ++h)
