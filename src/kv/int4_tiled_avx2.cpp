@@ -28,9 +28,10 @@ inline __m256 load_f16x8(const uint8_t* p) {
 // int16 pairs -> int32 lanes.
 inline __m256i widen(__m256i s16) { return _mm256_madd_epi16(s16, _mm256_set1_epi16(1)); }
 
-// Scores on 8-token half tiles (bytes 32 * half .. + 31 of every 64-byte octet record). Per query
-// block b (4 octets, low and high nibbles: 8 VPMADDUBSW) the int16 sums stay within
-// 8 * 2 * 15 * 127 = 30480, so a block's dot is one int16 chain and one widening per row.
+// Scores on whole tiles: both 8-token halves (bytes 0..31 and 32..63 of every 64-byte octet
+// record) against the same query broadcasts. Per query block b (4 octets, low and high nibbles:
+// 8 VPMADDUBSW per half) the int16 sums stay within 8 * 2 * 15 * 127 = 30480, so a block's dot
+// is one int16 chain and one widening per (row, half).
 template <int NQ>
 void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
                  int out_stride) {
@@ -45,47 +46,59 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
     dq[h] = row + L.dq_off;
     qs[h] = row + L.qsum_off;
   }
-  const int h0 = t0 / 8, h1 = (t0 + n + 7) / 8;
-  for (int ht = h0; ht < h1; ++ht) {
-    const int tile = ht / 2, half = ht % 2;
+  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
+  for (int tile = tile0; tile < tile1; ++tile) {
     const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
-    const uint8_t* codes = tp + L.code_off + 32 * half;
-    __m256 score[NQ];
-    for (int h = 0; h < NQ; ++h) score[h] = _mm256_setzero_ps();
+    const uint8_t* codes = tp + L.code_off;
+    __m256 score[NQ][2];
+    for (int h = 0; h < NQ; ++h) score[h][0] = score[h][1] = _mm256_setzero_ps();
     for (int g = 0; g < L.ng; ++g) {
-      __m256 facc[NQ];
-      for (int h = 0; h < NQ; ++h) facc[h] = _mm256_setzero_ps();
+      __m256 facc[NQ][2];
+      for (int h = 0; h < NQ; ++h) facc[h][0] = facc[h][1] = _mm256_setzero_ps();
       for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
-        __m256i s16[NQ];
-        for (int h = 0; h < NQ; ++h) s16[h] = _mm256_setzero_si256();
+        __m256i s16[NQ][2];
+        for (int h = 0; h < NQ; ++h) s16[h][0] = s16[h][1] = _mm256_setzero_si256();
         for (int o = 4 * b; o < 4 * b + 4; ++o) {
-          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * o));
-          const __m256i lo = _mm256_and_si256(x, m4);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
-          for (int h = 0; h < NQ; ++h)
-            s16[h] = _mm256_add_epi16(s16[h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast32(q8[h] + 8 * o)),
-                                                               _mm256_maddubs_epi16(hi, bcast32(q8[h] + 8 * o + 4))));
+          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * o));
+          const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * o + 32));
+          const __m256i lo0 = _mm256_and_si256(x0, m4), hi0 = _mm256_and_si256(_mm256_srli_epi16(x0, 4), m4);
+          const __m256i lo1 = _mm256_and_si256(x1, m4), hi1 = _mm256_and_si256(_mm256_srli_epi16(x1, 4), m4);
+          for (int h = 0; h < NQ; ++h) {
+            const __m256i ql = bcast32(q8[h] + 8 * o), qh = bcast32(q8[h] + 8 * o + 4);
+            s16[h][0] = _mm256_add_epi16(
+                s16[h][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, ql), _mm256_maddubs_epi16(hi0, qh)));
+            s16[h][1] = _mm256_add_epi16(
+                s16[h][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, ql), _mm256_maddubs_epi16(hi1, qh)));
+          }
         }
-        for (int h = 0; h < NQ; ++h)
-          facc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(s16[h])), _mm256_set1_ps(dq[h][b]), facc[h]);
+        for (int h = 0; h < NQ; ++h) {
+          const __m256 d = _mm256_set1_ps(dq[h][b]);
+          facc[h][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(s16[h][0])), d, facc[h][0]);
+          facc[h][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(s16[h][1])), d, facc[h][1]);
+        }
       }
-      const __m256 sv = load_f16x8(tp + 32 * size_t(g) + 16 * size_t(half));
-      const __m256 mv = load_f16x8(tp + L.min_off + 32 * size_t(g) + 16 * size_t(half));
-      for (int h = 0; h < NQ; ++h) {
-        score[h] = _mm256_fmadd_ps(facc[h], sv, score[h]);
-        score[h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(qs[h][g]), score[h]);
+      for (int e = 0; e < 2; ++e) {
+        const __m256 sv = load_f16x8(tp + 32 * size_t(g) + 16 * size_t(e));
+        const __m256 mv = load_f16x8(tp + L.min_off + 32 * size_t(g) + 16 * size_t(e));
+        for (int h = 0; h < NQ; ++h) {
+          score[h][e] = _mm256_fmadd_ps(facc[h][e], sv, score[h][e]);
+          score[h][e] = _mm256_fmadd_ps(mv, _mm256_set1_ps(qs[h][g]), score[h][e]);
+        }
       }
     }
-    const int base = ht * 8;
-    const int lo = std::max(0, t0 - base), hi = std::min(8, t0 + n - base);
-    for (int h = 0; h < NQ; ++h) {
-      float* o = out + size_t(h) * size_t(out_stride);
-      if (lo == 0 && hi == 8) {
-        _mm256_storeu_ps(o + (base - t0), score[h]);
-      } else {  // partial: only lanes inside [t0, t0 + n)
-        alignas(32) float tmp[8];
-        _mm256_store_ps(tmp, score[h]);
-        std::memcpy(o + (base + lo - t0), tmp + lo, sizeof(float) * size_t(hi - lo));
+    for (int e = 0; e < 2; ++e) {
+      const int base = tile * 16 + 8 * e;
+      const int lo = std::max(0, t0 - base), hi = std::min(8, t0 + n - base);
+      if (hi <= lo) continue;
+      for (int h = 0; h < NQ; ++h) {
+        float* o = out + size_t(h) * size_t(out_stride);
+        if (lo == 0 && hi == 8) {
+          _mm256_storeu_ps(o + (base - t0), score[h][e]);
+        } else {  // partial: only lanes inside [t0, t0 + n)
+          alignas(32) float tmp[8];
+          _mm256_store_ps(tmp, score[h][e]);
+          std::memcpy(o + (base + lo - t0), tmp + lo, sizeof(float) * size_t(hi - lo));
+        }
       }
     }
   }
