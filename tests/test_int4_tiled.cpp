@@ -4,6 +4,7 @@
 // adversarial inputs, partial tiles, several n_q / head_dim / group sizes, every CPU level.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <iterator>
@@ -335,6 +336,65 @@ TEST(Int4Tiled, AccumulateParityAndBound) {
         }
       }
     }
+}
+
+// The widest head the layout allows (kv_max_head_dim, 32 groups of 32: the SIMD kernels' per-group
+// tables at their bound) and a wide group: SIMD against the reference, both weight paths, a pass
+// of 4 rows and one of 1.
+TEST(Int4Tiled, WideHeadParity) {
+#if defined(KVQ_HAVE_SIMD)
+  std::mt19937 rng(17);
+  std::normal_distribution<float> nd;
+  const CpuFeatures& cf = cpu_features();
+  const int hd = kv_max_head_dim, bt = 64, nq = 5;
+  for (int group : {32, 128}) {
+    const Int4TiledLayout L = int4t_layout(hd, group);
+    auto kc = make("int4t_g" + std::to_string(group), hd, KvRole::key);
+    auto vc = make("int4t_g" + std::to_string(group), hd, KvRole::value);
+    auto x = make_rows(Pat::outlier_channel, bt, hd, rng);
+    std::vector<uint8_t> kb(kc->block_bytes(bt), 0xFF), vb(vc->block_bytes(bt), 0xFF);
+    kc->encode(0, x.data(), size_t(hd), bt, kb.data(), bt, 0, 0);
+    vc->encode(0, x.data(), size_t(hd), bt, vb.data(), bt, 0, 0);
+    auto q = make_queries(1, nq, hd, rng);
+    std::vector<float> qp(size_t(nq) * size_t(L.qdim));
+    int4t_prepare_query(L, q.data(), nq, qp.data());
+    for (const auto& rg : {std::array<int, 2>{0, 64}, std::array<int, 2>{7, 50}})
+      for (bool sgn : {false, true}) {
+        const int t0 = rg[0], n = rg[1];
+        std::vector<float> p(size_t(nq) * size_t(n));
+        for (size_t e = 0; e < p.size(); ++e) p[e] = std::exp(-std::fabs(nd(rng)) * 3.f);
+        if (sgn) p[size_t(n) + 3] = -0.75f;  // row 1: the s8 path
+        std::vector<float> sref(size_t(nq) * size_t(n)), aref(size_t(nq) * size_t(hd), 0.5f);
+        int4t_scores_ref(L, qp.data(), nq, kb.data(), t0, n, sref.data(), n);
+        int4t_accum_ref(L, p.data(), n, nq, vb.data(), t0, n, aref.data());
+        for (int v = 0; v < 2; ++v) {
+          if (v == 0 && !(cf.avx2 && cf.fma && cf.f16c)) continue;
+          if (v == 1 && !(cf.avx512f && cf.avx512bw && cf.avx512vnni)) continue;
+          std::vector<float> s(sref.size()), a(aref.size(), 0.5f);
+          (v == 0 ? int4t_scores_avx2 : int4t_scores_avx512)(L, qp.data(), nq, kb.data(), t0, n, s.data(), n);
+          (v == 0 ? int4t_accum_avx2 : int4t_accum_avx512)(L, p.data(), n, nq, vb.data(), t0, n, a.data());
+          ASSERT_EQ(std::memcmp(s.data(), sref.data(), sizeof(float) * s.size()), 0)
+              << (v ? "avx512" : "avx2") << " g" << group << " t0 " << t0;
+          for (int i = 0; i < nq; ++i)
+            for (int d = 0; d < hd; ++d) {
+              // f32 order only: relative to sum_t |p_t| * (the token's largest |value| in d's group) * 5
+              double mag = 0.5;
+              for (int t = 0; t < n; ++t) {
+                double vmax = 0;
+                for (int e = d / group * group; e < (d / group + 1) * group; ++e)
+                  vmax = std::max(vmax, double(std::fabs(x[size_t(t0 + t) * size_t(hd) + size_t(e)])));
+                mag += std::fabs(p[size_t(i) * size_t(n) + size_t(t)]) * 5 * vmax;
+              }
+              ASSERT_NEAR(a[size_t(i) * size_t(hd) + size_t(d)], aref[size_t(i) * size_t(hd) + size_t(d)], 1e-5 * mag)
+                  << (v ? "avx512" : "avx2") << " g" << group << " t0 " << t0 << " sgn " << sgn << " row " << i
+                  << " d " << d;
+            }
+        }
+      }
+  }
+#else
+  GTEST_SKIP() << "built without SIMD kernels";
+#endif
 }
 
 // Through the codec API at every CPU level, as attention calls it.
