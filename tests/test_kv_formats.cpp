@@ -422,7 +422,7 @@ TEST(Registry, NamesAliasesCaseInsensitive) {
   EXPECT_EQ(kv_format_find("fp8").name, "fp8_e4m3");
   EXPECT_EQ(kv_format_find("FP8_E4M3FN").name, "fp8_e4m3");
   EXPECT_EQ(kv_format_find("Q8_0").name, "q8_0");
-  EXPECT_EQ(kv_format_find("int4").name, "int4_g64");
+  EXPECT_EQ(kv_format_find("int4").name, "int4t_g64");  // int4_g64 quantization, tiled kernels
   EXPECT_EQ(kv_format_find("k8v4").k_codec, "int8");
   EXPECT_EQ(kv_format_find("k8v4").v_codec, "int4_g64");
   for (const auto& f : kv_formats()) EXPECT_EQ(&kv_format_find(f.name), &f);

@@ -192,7 +192,8 @@ void add(const std::string& inner) {
 
 void kv_register_centered_codecs() {
   for (const char* c : {"int8", "q8_0", "q4_0", "q8_0h", "q4_0h", "int4_g32", "int4_g64", "int4_g128", "int2_g32", "int2_g64",
-                        "int2_g128", "tq2", "tq2.5", "tq3", "tq3.5", "tq4"})
+                        "int2_g128", "tq2", "tq2.5", "tq3", "tq3.5", "tq4", "int4t_g32", "int4t_g64", "int4t_g128",
+                        "int4t_g32h", "int4t_g64h", "int4t_g128h"})
     add(c);
   const char* what = " of keys and values minus their calibrated channel means (needs kvq calibrate)";
   auto fmt = [&](const char* name, const char* k, const char* v, const std::string& desc) {
@@ -200,7 +201,8 @@ void kv_register_centered_codecs() {
   };
   fmt("int8_c", "int8_c", "int8_c", std::string("int8 per token") + what + ": 8 + 32/head_dim bits");
   fmt("q4_0h_c", "q4_0h_c", "q4_0h_c", std::string("q4_0h") + what + ": 4.5 bits");
-  fmt("int4_c", "int4_g64_c", "int4_g64_c", std::string("int4_g64") + what + ": 4.5 bits");
+  fmt("int4_c", "int4t_g64_c", "int4t_g64_c", std::string("int4t_g64") + what + ": 4.5 bits");
+  fmt("int4t_g64h_c", "int4t_g64h_c", "int4t_g64h_c", std::string("int4t_g64h (rotated)") + what + ": 4.5 bits");
   fmt("int2_c", "int2_g32_c", "int2_g32_c", std::string("int2_g32") + what + ": 3 bits");
   fmt("tq2_c", "tq2_c", "tq2_c", std::string("TurboQuant 2 bits") + what);
   fmt("tq2.5_c", "tq2.5_c", "tq2.5_c", std::string("TurboQuant 2.5 bits") + what);

@@ -311,7 +311,7 @@ void kv_register_int4_tiled() {
            }
            return std::make_unique<Int4TiledCodec>(name, p.role, p.head_dim, g);
          }});
-    kv_register_format({name, {}, name, name,
+    kv_register_format({name, g == 64 ? std::vector<std::string>{"int4"} : std::vector<std::string>{}, name, name,
                         fmt::format("int4_g{}'s quantization in a 16-token tiled layout for integer-dot kernels: "
                                     "{} bits",
                                     g, 4 + 32.0 / g)});
