@@ -71,10 +71,10 @@ void int4t_scores_ref(const Int4TiledLayout& L, const float* qp, int n_q, const 
                       float* out, int out_stride) {
   const int bpg = L.group / 32;  // 32-dim query blocks per group
   for (int i = 0; i < n_q; ++i) {
-    const float* row = qp + size_t(i) * size_t(L.qdim);
-    const auto* q8 = reinterpret_cast<const int8_t*>(row + L.q8_off);
-    const float* dq = row + L.dq_off;
-    const float* qs = row + L.qsum_off;
+    const Int4tQueryRow qr = int4t_query_row(L, qp, i);
+    const int8_t* q8 = qr.q8;
+    const float* dq = qr.dq;
+    const float* qs = qr.qsum;
     for (int t = 0; t < n; ++t) {
       const int tt = t0 + t, j = tt % kv_tile_tokens;
       const uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L.tile_bytes;

@@ -65,6 +65,17 @@ struct Int4TiledLayout {
 
 Int4TiledLayout int4t_layout(int head_dim, int group);
 
+// The parts of prepared query row `row` of qp (n_q, L.qdim) that the score kernels read.
+struct Int4tQueryRow {
+  const int8_t* q8;   // (hd) int8 image
+  const float* dq;    // (hd / 32) its step per 32-dim block
+  const float* qsum;  // (ng) exact float sum of the query over each group
+};
+inline Int4tQueryRow int4t_query_row(const Int4TiledLayout& L, const float* qp, int row) {
+  const float* r = qp + size_t(row) * size_t(L.qdim);
+  return {reinterpret_cast<const int8_t*>(r + L.q8_off), r + L.dq_off, r + L.qsum_off};
+}
+
 // q: (n_q, hd) -> qp: (n_q, L.qdim).
 void int4t_prepare_query(const Int4TiledLayout& L, const float* q, int n_q, float* qp);
 

@@ -37,15 +37,8 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
                  int out_stride) {
   const __m256i m4 = _mm256_set1_epi8(0x0f);
   const int bpg = L.group / 32;
-  const int8_t* q8[NQ];
-  const float* dq[NQ];
-  const float* qs[NQ];
-  for (int h = 0; h < NQ; ++h) {
-    const float* row = qp + size_t(h) * size_t(L.qdim);
-    q8[h] = reinterpret_cast<const int8_t*>(row + L.q8_off);
-    dq[h] = row + L.dq_off;
-    qs[h] = row + L.qsum_off;
-  }
+  Int4tQueryRow qr[NQ];
+  for (int h = 0; h < NQ; ++h) qr[h] = int4t_query_row(L, qp, h);
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
   for (int tile = tile0; tile < tile1; ++tile) {
     const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
@@ -64,7 +57,7 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
           const __m256i lo0 = _mm256_and_si256(x0, m4), hi0 = _mm256_and_si256(_mm256_srli_epi16(x0, 4), m4);
           const __m256i lo1 = _mm256_and_si256(x1, m4), hi1 = _mm256_and_si256(_mm256_srli_epi16(x1, 4), m4);
           for (int h = 0; h < NQ; ++h) {
-            const __m256i ql = bcast32(q8[h] + 8 * o), qh = bcast32(q8[h] + 8 * o + 4);
+            const __m256i ql = bcast32(qr[h].q8 + 8 * o), qh = bcast32(qr[h].q8 + 8 * o + 4);
             s16[h][0] = _mm256_add_epi16(
                 s16[h][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, ql), _mm256_maddubs_epi16(hi0, qh)));
             s16[h][1] = _mm256_add_epi16(
@@ -72,7 +65,7 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
           }
         }
         for (int h = 0; h < NQ; ++h) {
-          const __m256 d = _mm256_set1_ps(dq[h][b]);
+          const __m256 d = _mm256_set1_ps(qr[h].dq[b]);
           facc[h][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(s16[h][0])), d, facc[h][0]);
           facc[h][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(s16[h][1])), d, facc[h][1]);
         }
@@ -82,7 +75,7 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
         const __m256 mv = load_f16x8(tp + L.min_off + 32 * size_t(g) + 16 * size_t(e));
         for (int h = 0; h < NQ; ++h) {
           score[h][e] = _mm256_fmadd_ps(facc[h][e], sv, score[h][e]);
-          score[h][e] = _mm256_fmadd_ps(mv, _mm256_set1_ps(qs[h][g]), score[h][e]);
+          score[h][e] = _mm256_fmadd_ps(mv, _mm256_set1_ps(qr[h].qsum[g]), score[h][e]);
         }
       }
     }

@@ -51,15 +51,8 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
                  int out_stride) {
   const __m512i m4 = _mm512_set1_epi8(0x0f);
   const int bpg = L.group / 32;
-  const int8_t* q8[NQ];
-  const float* dq[NQ];
-  const float* qs[NQ];
-  for (int h = 0; h < NQ; ++h) {
-    const float* row = qp + size_t(h) * size_t(L.qdim);
-    q8[h] = reinterpret_cast<const int8_t*>(row + L.q8_off);
-    dq[h] = row + L.dq_off;
-    qs[h] = row + L.qsum_off;
-  }
+  Int4tQueryRow qr[NQ];
+  for (int h = 0; h < NQ; ++h) qr[h] = int4t_query_row(L, qp, h);
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
   for (int tile = tile0; tile < tile1; ++tile) {
     const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
@@ -78,19 +71,19 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
           const __m512i lo = _mm512_and_si512(x, m4);
           const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
           for (int h = 0; h < NQ; ++h) {
-            ilo[h] = _mm512_dpbusd_epi32(ilo[h], lo, bcast32(q8[h] + 8 * o));
-            ihi[h] = _mm512_dpbusd_epi32(ihi[h], hi, bcast32(q8[h] + 8 * o + 4));
+            ilo[h] = _mm512_dpbusd_epi32(ilo[h], lo, bcast32(qr[h].q8 + 8 * o));
+            ihi[h] = _mm512_dpbusd_epi32(ihi[h], hi, bcast32(qr[h].q8 + 8 * o + 4));
           }
         }
         for (int h = 0; h < NQ; ++h)
-          facc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ilo[h], ihi[h])), _mm512_set1_ps(dq[h][b]),
+          facc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ilo[h], ihi[h])), _mm512_set1_ps(qr[h].dq[b]),
                                     facc[h]);
       }
       const __m512 sv = load_f16x16(tp + 32 * size_t(g));
       const __m512 mv = load_f16x16(tp + L.min_off + 32 * size_t(g));
       for (int h = 0; h < NQ; ++h) {
         score[h] = _mm512_fmadd_ps(facc[h], sv, score[h]);
-        score[h] = _mm512_fmadd_ps(mv, _mm512_set1_ps(qs[h][g]), score[h]);
+        score[h] = _mm512_fmadd_ps(mv, _mm512_set1_ps(qr[h].qsum[g]), score[h]);
       }
     }
     const int base = tile * 16;
