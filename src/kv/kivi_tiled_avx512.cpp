@@ -1,0 +1,132 @@
+// AVX-512 VNNI score kernel of kivi4t's keys (kv/kivi_tiled.h): int4t's VPDPBUSD chain over a
+// 16-token tile with unit token scale (the channel scales are folded into the int8 query), so
+// per tile and query row only one FMA per 32-dim block and one add of the group constant remain.
+#include "core/avx512.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "kv/kivi_tiled.h"
+
+namespace kvq {
+namespace {
+
+constexpr int kMaxNq = 4;  // query rows per pass (accumulator registers)
+
+inline __m512i bcast32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+template <int NQ>
+void scores_pass(const int8_t* q8, const float* dq, const float* cz, int hd, const uint8_t* tiles, int t0, int n,
+                 float* out, int out_stride) {
+  const __m512i m4 = _mm512_set1_epi8(0x0f);
+  const size_t tile_bytes = size_t(8 * hd);
+  const int nb = hd / 32;
+  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
+  for (int tile = tile0; tile < tile1; ++tile) {
+    const uint8_t* codes = tiles + size_t(tile) * tile_bytes;
+    __m512 facc[NQ];
+    for (int h = 0; h < NQ; ++h) facc[h] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+      // Low- and high-nibble dots in separate chains: 2 * NQ independent VPDPBUSD chains.
+      __m512i ilo[NQ], ihi[NQ];
+      for (int h = 0; h < NQ; ++h) ilo[h] = ihi[h] = _mm512_setzero_si512();
+      for (int o = 4 * b; o < 4 * b + 4; ++o) {
+        const __m512i x = _mm512_loadu_si512(codes + 64 * o);
+        const __m512i lo = _mm512_and_si512(x, m4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
+        for (int h = 0; h < NQ; ++h) {
+          const int8_t* qh = q8 + size_t(h) * size_t(hd);
+          ilo[h] = _mm512_dpbusd_epi32(ilo[h], lo, bcast32(qh + 8 * o));
+          ihi[h] = _mm512_dpbusd_epi32(ihi[h], hi, bcast32(qh + 8 * o + 4));
+        }
+      }
+      for (int h = 0; h < NQ; ++h)
+        facc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ilo[h], ihi[h])),
+                                  _mm512_set1_ps(dq[size_t(h) * size_t(nb) + size_t(b)]), facc[h]);
+    }
+    const int base = tile * 16;
+    const int lo = std::max(0, t0 - base), hi = std::min(16, t0 + n - base);
+    for (int h = 0; h < NQ; ++h) {
+      const __m512 score = _mm512_add_ps(facc[h], _mm512_set1_ps(cz[h]));
+      float* o = out + size_t(h) * size_t(out_stride);
+      if (lo == 0 && hi == 16) {
+        _mm512_storeu_ps(o + (base - t0), score);
+      } else {  // partial tile: only the lanes inside [t0, t0 + n)
+        alignas(64) float tmp[16];
+        _mm512_store_ps(tmp, score);
+        std::memcpy(o + (base + lo - t0), tmp + lo, sizeof(float) * size_t(hi - lo));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// kivit_fold_query_ref's arithmetic bit for bit: the same products, the same C lanes (lane l of
+// the accumulator is the reference's lane l), an exact maximum (NaN lanes ignored as std::max
+// does), VRNDSCALE to nearest even as nearbyint, and the clamp ordered so that NaN becomes -127
+// as in the reference.
+void kivit_fold_query_avx512(const uint8_t* params, const float* q, int n_q, int hd, int8_t* q8, float* dq,
+                             float* cz) {
+  const int nb = hd / 32;
+  const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (int i = 0; i < n_q; ++i) {
+    const float* x = q + size_t(i) * size_t(hd);
+    int8_t* r8 = q8 + size_t(i) * size_t(hd);
+    __m512 c = _mm512_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+      __m512 qs[2];
+      __m512 amax = _mm512_setzero_ps();
+      for (int e = 0; e < 2; ++e) {
+        const int d = 32 * b + 16 * e;
+        const __m512 xv = _mm512_loadu_ps(x + d);
+        const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 2 * size_t(d))));
+        const __m512 zv =
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 2 * size_t(hd + d))));
+        qs[e] = _mm512_mul_ps(xv, sv);
+        c = _mm512_fmadd_ps(xv, zv, c);
+        const __mmask16 ord = _mm512_cmp_ps_mask(qs[e], qs[e], _CMP_ORD_Q);
+        amax = _mm512_max_ps(amax, _mm512_maskz_mov_ps(ord, _mm512_abs_ps(qs[e])));
+      }
+      const float m = _mm512_reduce_max_ps(amax);
+      const float step = m / 127.f;
+      const float inv = step > 0 && std::isfinite(step) ? 1.f / step : 0.f;
+      const __m512 iv = _mm512_set1_ps(inv);
+      for (int e = 0; e < 2; ++e) {
+        const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(qs[e], iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 cl = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(r8 + 32 * b + 16 * e), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(cl)));
+      }
+      dq[size_t(i) * size_t(nb) + size_t(b)] = inv > 0 ? step : 0.f;
+    }
+    alignas(64) float lane[kivit_c_lanes];
+    _mm512_store_ps(lane, c);
+    cz[i] = kivit_reduce_lanes(lane);
+  }
+}
+
+void kivit_scores_avx512(const int8_t* q8, const float* dq, const float* cz, int n_q, int hd, const uint8_t* tiles,
+                         int t0, int n, float* out, int out_stride) {
+  if (n <= 0) return;
+  const int nb = hd / 32;
+  for (int i = 0; i < n_q;) {
+    const int m = std::min(kMaxNq, n_q - i);
+    const int8_t* q = q8 + size_t(i) * size_t(hd);
+    const float* d = dq + size_t(i) * size_t(nb);
+    float* o = out + size_t(i) * size_t(out_stride);
+    switch (m) {
+      case 4: scores_pass<4>(q, d, cz + i, hd, tiles, t0, n, o, out_stride); break;
+      case 3: scores_pass<3>(q, d, cz + i, hd, tiles, t0, n, o, out_stride); break;
+      case 2: scores_pass<2>(q, d, cz + i, hd, tiles, t0, n, o, out_stride); break;
+      default: scores_pass<1>(q, d, cz + i, hd, tiles, t0, n, o, out_stride); break;
+    }
+    i += m;
+  }
+}
+
+}  // namespace kvq
