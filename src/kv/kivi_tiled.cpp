@@ -52,7 +52,11 @@ void kivit_fold_query_ref(const uint8_t* params, const float* q, int n_q, int hd
 
 void kivit_fold_query(const uint8_t* params, const float* q, int n_q, int hd, int8_t* q8, float* dq, float* cz) {
 #if defined(KVQ_HAVE_SIMD)
-  if (cpu_level() == CpuLevel::avx512) return kivit_fold_query_avx512(params, q, n_q, hd, q8, dq, cz);
+  switch (cpu_level()) {
+    case CpuLevel::avx512: return kivit_fold_query_avx512(params, q, n_q, hd, q8, dq, cz);
+    case CpuLevel::avx2: return kivit_fold_query_avx2(params, q, n_q, hd, q8, dq, cz);
+    case CpuLevel::scalar: break;
+  }
 #endif
   kivit_fold_query_ref(params, q, n_q, hd, q8, dq, cz);
 }
@@ -207,6 +211,10 @@ class KivitKeyCodec final : public KivitCodecBase {
               int out_stride) const override {
     check_range(block_tokens, t0, n);
     const int D = hd_;
+    if (n > 0) {
+      const size_t a = size_t(t0 / g_) * group_bytes(), e = size_t((t0 + n + g_ - 1) / g_) * group_bytes();
+      kvg_prefetch(block + a, e - a);
+    }
     constexpr int qchunk = 8;  // bounds the stack copy of the folded query
     int8_t q8[qchunk * kvg_max_head_dim];
     float dq[qchunk * (kvg_max_head_dim / 32)], cz[qchunk];

@@ -45,7 +45,7 @@ void kv_register_kivi_tiled();
 // params: the group's [f16 scale (hd)][f16 zero (hd)]; q: (n_q, hd).
 // C is summed in a fixed order shared by every variant: lane l = fma chain over d = l (mod 16)
 // in increasing d, then kivit_reduce_lanes; so the fold, and the scores, are bit-identical at
-// every level. kivit_fold_query is the dispatch point (AVX2 uses the scalar fold).
+// every level. kivit_fold_query is the dispatch point.
 inline constexpr int kivit_c_lanes = 16;
 inline float kivit_reduce_lanes(const float* lane) {
   float r[8];
@@ -56,6 +56,8 @@ inline float kivit_reduce_lanes(const float* lane) {
 }
 void kivit_fold_query_ref(const uint8_t* params, const float* q, int n_q, int hd, int8_t* q8, float* dq, float* cz);
 #if defined(KVQ_HAVE_SIMD)
+void kivit_fold_query_avx2(const uint8_t* params, const float* q, int n_q, int hd, int8_t* q8, float* dq,
+                           float* cz);
 void kivit_fold_query_avx512(const uint8_t* params, const float* q, int n_q, int hd, int8_t* q8, float* dq,
                              float* cz);
 #endif

@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "kv/kivi_tiled.h"
@@ -75,6 +76,57 @@ void scores_pass(const int8_t* q8, const float* dq, const float* cz, int hd, con
 }
 
 }  // namespace
+
+// kivit_fold_query_ref's arithmetic bit for bit (see the AVX-512 fold): the C lanes 0..7 and
+// 8..15 in two accumulators, the block maximum exact (NaN lanes ignored), the step and its
+// inverse in scalar as in the reference, VROUNDPS to nearest even, NaN clamped to -127.
+void kivit_fold_query_avx2(const uint8_t* params, const float* q, int n_q, int hd, int8_t* q8, float* dq,
+                           float* cz) {
+  const int nb = hd / 32;
+  const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  alignas(32) float sc[1024], ze[1024];
+  for (int d = 0; d < hd; d += 8) {
+    _mm256_store_ps(sc + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 2 * size_t(d)))));
+    _mm256_store_ps(ze + d,
+                    _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 2 * size_t(hd + d)))));
+  }
+  for (int i = 0; i < n_q; ++i) {
+    const float* x = q + size_t(i) * size_t(hd);
+    int8_t* r8 = q8 + size_t(i) * size_t(hd);
+    __m256 c[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int b = 0; b < nb; ++b) {
+      __m256 qs[4];
+      __m256 am = _mm256_setzero_ps();
+      for (int e = 0; e < 4; ++e) {
+        const int d = 32 * b + 8 * e;
+        const __m256 xv = _mm256_loadu_ps(x + d);
+        qs[e] = _mm256_mul_ps(xv, _mm256_load_ps(sc + d));
+        c[e & 1] = _mm256_fmadd_ps(xv, _mm256_load_ps(ze + d), c[e & 1]);
+        const __m256 ord = _mm256_cmp_ps(qs[e], qs[e], _CMP_ORD_Q);
+        am = _mm256_max_ps(am, _mm256_and_ps(ord, _mm256_and_ps(qs[e], absmask)));
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(am), _mm256_extractf128_ps(am, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+      const float amax = _mm_cvtss_f32(m4);
+      const float step = amax / 127.f;
+      const float inv = step > 0 && std::isfinite(step) ? 1.f / step : 0.f;
+      const __m256 iv = _mm256_set1_ps(inv);
+      for (int e = 0; e < 4; ++e) {
+        const __m256 r = _mm256_round_ps(_mm256_mul_ps(qs[e], iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i v = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+        const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(r8 + 32 * b + 8 * e), _mm_packs_epi16(p16, p16));
+      }
+      dq[size_t(i) * size_t(nb) + size_t(b)] = inv > 0 ? step : 0.f;
+    }
+    alignas(32) float lane[kivit_c_lanes];
+    _mm256_store_ps(lane, c[0]);
+    _mm256_store_ps(lane + 8, c[1]);
+    cz[i] = kivit_reduce_lanes(lane);
+  }
+}
 
 void kivit_scores_avx2(const int8_t* q8, const float* dq, const float* cz, int n_q, int hd, const uint8_t* tiles,
                        int t0, int n, float* out, int out_stride) {

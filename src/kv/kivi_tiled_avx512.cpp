@@ -65,48 +65,97 @@ void scores_pass(const int8_t* q8, const float* dq, const float* cz, int hd, con
   }
 }
 
+// Lanes 4h..4h+3 of the result = the largest of the 16 lanes of v[h], h < 4 (int4t's reduction
+// of four rows at once, here four 32-dim blocks).
+inline __m512 max4x16(const __m512* v) {
+  const __m512 a = _mm512_max_ps(_mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 b = _mm512_max_ps(_mm512_shuffle_f32x4(v[2], v[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_f32x4(v[2], v[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 c = _mm512_max_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 d = _mm512_max_ps(c, _mm512_permute_ps(c, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm512_max_ps(d, _mm512_permute_ps(d, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
 }  // namespace
 
 // kivit_fold_query_ref's arithmetic bit for bit: the same products, the same C lanes (lane l of
 // the accumulator is the reference's lane l), an exact maximum (NaN lanes ignored as std::max
-// does), VRNDSCALE to nearest even as nearbyint, and the clamp ordered so that NaN becomes -127
-// as in the reference.
+// does), IEEE division for the step and its inverse (four blocks per vector), VRNDSCALE to
+// nearest even as nearbyint, and the clamp ordered so that NaN becomes -127 as in the reference.
 void kivit_fold_query_avx512(const uint8_t* params, const float* q, int n_q, int hd, int8_t* q8, float* dq,
                              float* cz) {
   const int nb = hd / 32;
   const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
-  for (int i = 0; i < n_q; ++i) {
-    const float* x = q + size_t(i) * size_t(hd);
-    int8_t* r8 = q8 + size_t(i) * size_t(hd);
-    __m512 c = _mm512_setzero_ps();
-    for (int b = 0; b < nb; ++b) {
-      __m512 qs[2];
-      __m512 amax = _mm512_setzero_ps();
-      for (int e = 0; e < 2; ++e) {
-        const int d = 32 * b + 16 * e;
-        const __m512 xv = _mm512_loadu_ps(x + d);
-        const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 2 * size_t(d))));
-        const __m512 zv =
-            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 2 * size_t(hd + d))));
-        qs[e] = _mm512_mul_ps(xv, sv);
-        c = _mm512_fmadd_ps(xv, zv, c);
-        const __mmask16 ord = _mm512_cmp_ps_mask(qs[e], qs[e], _CMP_ORD_Q);
-        amax = _mm512_max_ps(amax, _mm512_maskz_mov_ps(ord, _mm512_abs_ps(qs[e])));
+  // The group's scales and zeros as f32, once for all rows.
+  alignas(64) float sc[1024], ze[1024];
+  for (int d = 0; d < hd; d += 16) {
+    _mm512_store_ps(sc + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 2 * size_t(d)))));
+    _mm512_store_ps(ze + d, _mm512_cvtph_ps(
+                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 2 * size_t(hd + d)))));
+  }
+  // Four rows at a time: the maxima of 4 rows x 4 blocks share one vector, so the two divisions
+  // (step and its inverse, a long latency chain) run once per 16 (row, block) pairs. The products
+  // q * scale are recomputed for the rounding pass (the same bits) instead of held in registers.
+  for (int i0 = 0; i0 < n_q; i0 += 4) {
+    const int nr = std::min(4, n_q - i0);
+    __m512 c[4];
+    for (int r = 0; r < 4; ++r) c[r] = _mm512_setzero_ps();
+    for (int b0 = 0; b0 < nb; b0 += 4) {
+      __m512 mr[4];
+      for (int r = 0; r < 4; ++r) {
+        mr[r] = _mm512_setzero_ps();
+        if (r >= nr) continue;
+        const float* x = q + size_t(i0 + r) * size_t(hd);
+        __m512 am[4];
+        for (int h = 0; h < 4; ++h) {
+          am[h] = _mm512_setzero_ps();
+          if (b0 + h >= nb) continue;
+          for (int e = 0; e < 2; ++e) {
+            const int d = 32 * (b0 + h) + 16 * e;
+            const __m512 xv = _mm512_loadu_ps(x + d);
+            const __m512 qs = _mm512_mul_ps(xv, _mm512_load_ps(sc + d));
+            c[r] = _mm512_fmadd_ps(xv, _mm512_load_ps(ze + d), c[r]);
+            const __mmask16 ord = _mm512_cmp_ps_mask(qs, qs, _CMP_ORD_Q);
+            am[h] = _mm512_max_ps(am[h], _mm512_maskz_mov_ps(ord, _mm512_abs_ps(qs)));
+          }
+        }
+        mr[r] = max4x16(am);
       }
-      const float m = _mm512_reduce_max_ps(amax);
-      const float step = m / 127.f;
-      const float inv = step > 0 && std::isfinite(step) ? 1.f / step : 0.f;
-      const __m512 iv = _mm512_set1_ps(inv);
-      for (int e = 0; e < 2; ++e) {
-        const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(qs[e], iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512 cl = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(r8 + 32 * b + 16 * e), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(cl)));
+      // Lane 4h + r: block b0 + h of row i0 + r.
+      __m512 m = mr[0];
+      m = _mm512_mask_mov_ps(m, 0x2222, mr[1]);
+      m = _mm512_mask_mov_ps(m, 0x4444, mr[2]);
+      m = _mm512_mask_mov_ps(m, 0x8888, mr[3]);
+      const __m512 step = _mm512_div_ps(m, _mm512_set1_ps(127.f));
+      const __mmask16 ok = _mm512_cmp_ps_mask(step, _mm512_setzero_ps(), _CMP_GT_OQ) &
+                           _mm512_cmp_ps_mask(step, _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+      const __m512 inv = _mm512_maskz_div_ps(ok, _mm512_set1_ps(1.f), step);
+      alignas(64) float st[16];
+      _mm512_store_ps(st, _mm512_maskz_mov_ps(ok, step));
+      for (int r = 0; r < nr; ++r) {
+        const float* x = q + size_t(i0 + r) * size_t(hd);
+        int8_t* r8 = q8 + size_t(i0 + r) * size_t(hd);
+        for (int h = 0; h < 4 && b0 + h < nb; ++h) {
+          dq[size_t(i0 + r) * size_t(nb) + size_t(b0 + h)] = st[4 * h + r];
+          const __m512 iv = _mm512_permutexvar_ps(_mm512_set1_epi32(4 * h + r), inv);
+          for (int e = 0; e < 2; ++e) {
+            const int d = 32 * (b0 + h) + 16 * e;
+            const __m512 qs = _mm512_mul_ps(_mm512_loadu_ps(x + d), _mm512_load_ps(sc + d));
+            const __m512 rr =
+                _mm512_roundscale_ps(_mm512_mul_ps(qs, iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m512 cl = _mm512_min_ps(_mm512_max_ps(rr, lo), hi);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(r8 + d), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(cl)));
+          }
+        }
       }
-      dq[size_t(i) * size_t(nb) + size_t(b)] = inv > 0 ? step : 0.f;
     }
-    alignas(64) float lane[kivit_c_lanes];
-    _mm512_store_ps(lane, c);
-    cz[i] = kivit_reduce_lanes(lane);
+    for (int r = 0; r < nr; ++r) {
+      alignas(64) float lane[kivit_c_lanes];
+      _mm512_store_ps(lane, c[r]);
+      cz[i0 + r] = kivit_reduce_lanes(lane);
+    }
   }
 }
 
