@@ -191,10 +191,9 @@ class Int4TiledCodec : public KvCodec {
   // equal to the kernels requesting the range themselves when they start; one mechanism only).
   PrefetchRange prefetch_range(int block_tokens, int t0, int n) const override {
     check_block(block_tokens);
-    if (n <= 0) return {0, 0};
-    const size_t first = size_t(t0 / kv_tile_tokens) * L_.tile_bytes;
-    const size_t last = size_t((t0 + n + kv_tile_tokens - 1) / kv_tile_tokens) * L_.tile_bytes;
-    return {first, std::min(last - first, prefetch_lead_bytes)};
+    PrefetchRange r;
+    kv_unit_range(L_.tile_bytes, kv_tile_tokens, t0, n, prefetch_lead_bytes, &r.offset, &r.bytes);
+    return r;
   }
 
   // Each token is quantized by int4_gN's row encoder (so the codes, scales and minimums are

@@ -65,6 +65,21 @@ struct Int4TiledLayout {
 
 Int4TiledLayout int4t_layout(int head_dim, int group);
 
+// Byte range of the units (tiles, or groups of tiles) of `unit_tokens` tokens, `unit_bytes` apart,
+// that hold tokens [t0, t0 + n) of a head block, capped at `cap` bytes: what the tiled codecs ask
+// attention to request one kernel call early. {0, 0} when n <= 0.
+inline void kv_unit_range(size_t unit_bytes, int unit_tokens, int t0, int n, size_t cap, size_t* offset,
+                          size_t* bytes) {
+  if (n <= 0) {
+    *offset = *bytes = 0;
+    return;
+  }
+  const size_t first = size_t(t0 / unit_tokens) * unit_bytes;
+  const size_t last = size_t((t0 + n + unit_tokens - 1) / unit_tokens) * unit_bytes;
+  *offset = first;
+  *bytes = last - first < cap ? last - first : cap;
+}
+
 // The parts of prepared query row `row` of qp (n_q, L.qdim) that the score kernels read.
 struct Int4tQueryRow {
   const int8_t* q8;   // (hd) int8 image

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "kv/tiles_avx512.h"
 #include "kv/int4_tiled.h"
 
 namespace kvq {
@@ -15,12 +16,6 @@ namespace {
 constexpr int kMaxNq = 4;         // query rows per pass (accumulator registers)
 constexpr int kSegTiles = 4;      // tiles whose weights are quantized ahead of the channel loop
 constexpr int kMaxGroups = 1024 / 32;
-
-inline __m512i bcast32(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
 
 inline __m512 load_f16x16(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -31,19 +26,6 @@ inline __mmask16 tile_mask(int base, int t0, int n) {
   const int lo = std::max(0, t0 - base), hi = std::min(16, t0 + n - base);
   if (hi <= lo) return 0;
   return __mmask16(((1u << hi) - 1u) & ~((1u << lo) - 1u));
-}
-
-// Lanes 4h..4h+3 of the result = the largest of the 16 lanes of v[h], h < 4: 6 shuffles and 5
-// maxima for four rows instead of a reduction per row.
-inline __m512 max4x16(const __m512* v) {
-  const __m512 a = _mm512_max_ps(_mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                 _mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 b = _mm512_max_ps(_mm512_shuffle_f32x4(v[2], v[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                 _mm512_shuffle_f32x4(v[2], v[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 c = _mm512_max_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 d = _mm512_max_ps(c, _mm512_permute_ps(c, _MM_SHUFFLE(1, 0, 3, 2)));
-  return _mm512_max_ps(d, _mm512_permute_ps(d, _MM_SHUFFLE(2, 3, 0, 1)));
 }
 
 template <int NQ>
@@ -71,8 +53,8 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
           const __m512i lo = _mm512_and_si512(x, m4);
           const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
           for (int h = 0; h < NQ; ++h) {
-            ilo[h] = _mm512_dpbusd_epi32(ilo[h], lo, bcast32(qr[h].q8 + 8 * o));
-            ihi[h] = _mm512_dpbusd_epi32(ihi[h], hi, bcast32(qr[h].q8 + 8 * o + 4));
+            ilo[h] = _mm512_dpbusd_epi32(ilo[h], lo, tile_bcast32_avx512(qr[h].q8 + 8 * o));
+            ihi[h] = _mm512_dpbusd_epi32(ihi[h], hi, tile_bcast32_avx512(qr[h].q8 + 8 * o + 4));
           }
         }
         for (int h = 0; h < NQ; ++h)
@@ -140,7 +122,7 @@ void accum_pass(const Int4TiledLayout& L, const float* p, int p_stride, const ui
         }
         // All rows' steps at once (lanes 4h..4h+3 = row h), with the scalar arithmetic of
         // int4t_weight_step: dw = wmax / levels, inv = levels / wmax or 0.
-        const __m512 wmax = max4x16(wa);
+        const __m512 wmax = tile_max4x16_avx512(wa);
         const __m512 lv = _mm512_set1_ps(U8 ? kv_int4t_u8_levels : kv_int4t_s8_levels);
         alignas(64) float steps[16];
         _mm512_store_ps(steps, _mm512_div_ps(wmax, lv));
@@ -170,7 +152,7 @@ void accum_pass(const Int4TiledLayout& L, const float* p, int p_stride, const ui
           const __m512i lo = _mm512_and_si512(x, m4);
           const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
           for (int h = 0; h < NQ; ++h) {
-            const __m512i wb = bcast32(w8[tt][h][g] + 4 * k);
+            const __m512i wb = tile_bcast32_avx512(w8[tt][h][g] + 4 * k);
             if (U8) {
               ilo[h] = _mm512_dpbusd_epi32(ilo[h], wb, lo);
               ihi[h] = _mm512_dpbusd_epi32(ihi[h], wb, hi);

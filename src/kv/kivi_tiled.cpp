@@ -147,9 +147,9 @@ class KivitKeyCodec final : public KivitCodecBase {
   }
   PrefetchRange prefetch_range(int block_tokens, int t0, int n) const override {
     check_block(block_tokens);
-    if (n <= 0) return {0, 0};
-    const size_t first = size_t(t0 / g_) * group_bytes(), last = size_t((t0 + n + g_ - 1) / g_) * group_bytes();
-    return {first, std::min(last - first, prefetch_lead_bytes)};
+    PrefetchRange r;
+    kv_unit_range(group_bytes(), g_, t0, n, prefetch_lead_bytes, &r.offset, &r.bytes);
+    return r;
   }
 
   void encode(int, const float* src, size_t src_stride, int n, uint8_t* block, int block_tokens, int t0,
@@ -247,10 +247,9 @@ class KivitValueCodec final : public KivitCodecBase {
   }
   PrefetchRange prefetch_range(int block_tokens, int t0, int n) const override {
     check_block(block_tokens);
-    if (n <= 0) return {0, 0};
-    const size_t first = size_t(t0 / kv_tile_tokens) * L_.tile_bytes;
-    const size_t last = size_t((t0 + n + kv_tile_tokens - 1) / kv_tile_tokens) * L_.tile_bytes;
-    return {first, std::min(last - first, prefetch_lead_bytes)};
+    PrefetchRange r;
+    kv_unit_range(L_.tile_bytes, kv_tile_tokens, t0, n, prefetch_lead_bytes, &r.offset, &r.bytes);
+    return r;
   }
 
   // kivi4_v's per-token quantization (groups of 32 channels), written into int4t_g32's tiles.

@@ -7,18 +7,13 @@
 #include <cmath>
 #include <cstring>
 
+#include "kv/tiles_avx512.h"
 #include "kv/kivi_tiled.h"
 
 namespace kvq {
 namespace {
 
 constexpr int kMaxNq = 4;  // query rows per pass (accumulator registers)
-
-inline __m512i bcast32(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
 
 template <int NQ>
 void scores_pass(const int8_t* q8, const float* dq, const float* cz, int hd, const uint8_t* tiles, int t0, int n,
@@ -41,8 +36,8 @@ void scores_pass(const int8_t* q8, const float* dq, const float* cz, int hd, con
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
         for (int h = 0; h < NQ; ++h) {
           const int8_t* qh = q8 + size_t(h) * size_t(hd);
-          ilo[h] = _mm512_dpbusd_epi32(ilo[h], lo, bcast32(qh + 8 * o));
-          ihi[h] = _mm512_dpbusd_epi32(ihi[h], hi, bcast32(qh + 8 * o + 4));
+          ilo[h] = _mm512_dpbusd_epi32(ilo[h], lo, tile_bcast32_avx512(qh + 8 * o));
+          ihi[h] = _mm512_dpbusd_epi32(ihi[h], hi, tile_bcast32_avx512(qh + 8 * o + 4));
         }
       }
       for (int h = 0; h < NQ; ++h)
@@ -63,19 +58,6 @@ void scores_pass(const int8_t* q8, const float* dq, const float* cz, int hd, con
       }
     }
   }
-}
-
-// Lanes 4h..4h+3 of the result = the largest of the 16 lanes of v[h], h < 4 (int4t's reduction
-// of four rows at once, here four 32-dim blocks).
-inline __m512 max4x16(const __m512* v) {
-  const __m512 a = _mm512_max_ps(_mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                 _mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 b = _mm512_max_ps(_mm512_shuffle_f32x4(v[2], v[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                 _mm512_shuffle_f32x4(v[2], v[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 c = _mm512_max_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 d = _mm512_max_ps(c, _mm512_permute_ps(c, _MM_SHUFFLE(1, 0, 3, 2)));
-  return _mm512_max_ps(d, _mm512_permute_ps(d, _MM_SHUFFLE(2, 3, 0, 1)));
 }
 
 }  // namespace
@@ -121,7 +103,7 @@ void kivit_fold_query_avx512(const uint8_t* params, const float* q, int n_q, int
             am[h] = _mm512_max_ps(am[h], _mm512_maskz_mov_ps(ord, _mm512_abs_ps(qs)));
           }
         }
-        mr[r] = max4x16(am);
+        mr[r] = tile_max4x16_avx512(am);
       }
       // Lane 4h + r: block b0 + h of row i0 + r.
       __m512 m = mr[0];
