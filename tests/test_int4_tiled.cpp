@@ -17,6 +17,7 @@
 #include "kv/int4_tiled.h"
 #include "kv/kv_rows.h"
 #include "kvq/kv_format.h"
+#include "tiled_test_queries.h"
 #include "kv_int_dot_bound.h"
 
 using namespace kvq;
@@ -54,23 +55,7 @@ std::vector<float> make_rows(Pat p, int n, int hd, std::mt19937& rng) {
   return x;
 }
 
-// Queries: random, an outlier channel, an all-zero 32-block, tiny and huge magnitudes.
-std::vector<float> make_queries(int variant, int nq, int hd, std::mt19937& rng) {
-  std::normal_distribution<float> nd;
-  std::vector<float> q(size_t(nq) * size_t(hd));
-  for (int i = 0; i < nq; ++i)
-    for (int d = 0; d < hd; ++d) {
-      float v = nd(rng);
-      switch (variant % 4) {
-        case 1: v *= (d == 7 ? 100.f : 1.f); break;
-        case 2: v = d < 32 ? 0.f : v; break;
-        case 3: v *= (i % 2 ? 1e-5f : 1e3f); break;
-        default: break;
-      }
-      q[size_t(i) * size_t(hd) + size_t(d)] = v;
-    }
-  return q;
-}
+using test::make_queries;
 
 struct Shape {
   int hd, group;
