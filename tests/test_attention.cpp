@@ -26,6 +26,7 @@
 #include "kivi_int_dot_bound.h"
 #include "kv_int_dot_bound.h"
 #include "int4_tiled_bound.h"
+#include "int8_tiled_bound.h"
 #include "kivi_tiled_bound.h"
 
 using namespace kvq;
@@ -150,6 +151,14 @@ double int4t_tol(const KvCodec& kc, const KvCodec& vc, int head, const std::vect
           delta = std::max(delta, test::int4t_score_bound(L, qp.data() + size_t(i) * size_t(kc.prepared_query_dim()), sp.k, t));
     delta *= double(ap.scale);
   }
+  if (test::int8t_codec(kc)) {  // int8 image of the query per 32-dim block (kv/int8_tiled.h)
+    const Int8TiledLayout L = int8t_layout(hd);
+    for (const auto& sp : spans)
+      for (int t = sp.t0; t < sp.t0 + sp.n; ++t)
+        for (int i = 0; i < n_q; ++i)
+          delta = std::max(delta, test::int8t_score_bound(L, q.data() + size_t(i) * size_t(hd), sp.k, t));
+    delta *= double(ap.scale);
+  }
   if (test::kivi4t_key_codec(kc)) {  // kivi4t_k: int8 image of q * scale per key group (kv/kivi_tiled.h)
     for (const auto& sp : spans)
       for (int t = sp.t0; t < sp.t0 + sp.n; ++t)
@@ -166,8 +175,11 @@ double int4t_tol(const KvCodec& kc, const KvCodec& vc, int head, const std::vect
   for (int t = 0; t < n_tail; ++t)
     for (int d = 0; d < vd; ++d) vmax = std::max(vmax, double(std::fabs(tv[size_t(t) * ts + size_t(d)])));
   double tol = std::expm1(2 * delta) * vmax;
-  if (test::int4t_codec(vc) || test::kivi4t_value_codec(vc)) {  // kivi4t_v: int4t_g32's value tiles
-    const Int4TiledLayout L = test::kivi4t_value_codec(vc) ? int4t_layout(vd, 32) : test::int4t_layout_of(vc);
+  if (test::int4t_codec(vc) || test::kivi4t_value_codec(vc) || test::int8t_codec(vc)) {
+    // kivi4t_v: int4t_g32's value tiles
+    const bool i8 = test::int8t_codec(vc);
+    const Int4TiledLayout L =
+        i8 ? Int4TiledLayout{} : test::kivi4t_value_codec(vc) ? int4t_layout(vd, 32) : test::int4t_layout_of(vc);
     double worst = 0;
     for (int i = 0; i < n_q; ++i) {
       const float* qi = q.data() + size_t(i) * size_t(hd);
@@ -191,7 +203,8 @@ double int4t_tol(const KvCodec& kc, const KvCodec& vc, int head, const std::vect
       double e = 0;
       size_t off = 0;
       for (const auto& sp : spans) {
-        e += test::int4t_value_bound(L, sp.v, sp.t0, sp.n, logit.data() + off, std::exp(2 * delta));
+        e += i8 ? test::int8t_value_bound(int8t_layout(vd), sp.v, sp.t0, sp.n, logit.data() + off, std::exp(2 * delta))
+                : test::int4t_value_bound(L, sp.v, sp.t0, sp.n, logit.data() + off, std::exp(2 * delta));
         off += size_t(sp.n);
       }
       worst = std::max(worst, e);
@@ -330,7 +343,8 @@ double max_err_vs_ref(const std::string& format, const Case& c, uint64_t seed, d
     }
     *tol += test::kivi_int_values_attn_bound(n_tok, vmax);
   }
-  if (test::int4t_codec(*kc) || test::int4t_codec(*vc) || test::kivi4t_key_codec(*kc) ||
+  if (test::int4t_codec(*kc) || test::int4t_codec(*vc) || test::int8t_codec(*kc) || test::int8t_codec(*vc) ||
+      test::kivi4t_key_codec(*kc) ||
       test::kivi4t_value_codec(*vc))
     *tol += int4t_tol(*kc, *vc, head, q, c.n_q, spans, tk.data(), tv.data(), ts, c.n_tail, ap);
   KvRowFmt vf;

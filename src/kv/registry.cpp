@@ -23,6 +23,7 @@ void kv_register_rotated_codecs();
 void kv_register_centered_codecs();
 void kv_register_int4_tiled();
 void kv_register_kivi_tiled();
+void kv_register_int8_tiled();
 
 namespace {
 
@@ -80,6 +81,7 @@ const Registry& registry() {
     kv_register_centered_codecs();
     kv_register_int4_tiled();
     kv_register_kivi_tiled();
+    kv_register_int8_tiled();
     validate(storage());
   });
   return storage();

@@ -1,0 +1,279 @@
+// int8t: the tiled int8 codec (layout, kernels' arithmetic and error bounds in kv/int8_tiled.h),
+// its scalar reference kernels, the dispatch point and the registration.
+#include "kv/int8_tiled.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include <fmt/format.h>
+
+#include "core/cpu.h"
+#include "core/error.h"
+#include "kv/grouped_common.h"
+#include "kv/int4_tiled.h"
+#include "kv/kv_rows.h"
+#include "kv/registry_internal.h"
+
+namespace kvq {
+
+Int8TiledLayout int8t_layout(int hd) {
+  KVQ_CHECK(hd >= 32 && hd % 32 == 0 && hd <= kv_max_head_dim, "head_dim {}", hd);
+  Int8TiledLayout L;
+  L.hd = hd;
+  L.code_off = 64;
+  L.tile_bytes = L.code_off + size_t(16 * hd);
+  L.q8_off = hd;
+  L.q8lo_off = hd + hd / 4;
+  L.dq_off = hd + hd / 2;
+  L.qs8_off = L.dq_off + hd / 32;
+  L.qdim = L.qs8_off + hd / 32;
+  return L;
+}
+
+Int8tQueryRow int8t_query_row(const Int8TiledLayout& L, const float* qp, int row) {
+  const float* r = qp + size_t(row) * size_t(L.qdim);
+  return {reinterpret_cast<const int8_t*>(r + L.q8_off), reinterpret_cast<const int8_t*>(r + L.q8lo_off), r + L.dq_off,
+          reinterpret_cast<const int32_t*>(r + L.qs8_off)};
+}
+
+void int8t_prepare_query(const Int8TiledLayout& L, const float* q, int n_q, float* qp) {
+  const int hd = L.hd;
+  for (int i = 0; i < n_q; ++i) {
+    const float* x = q + size_t(i) * size_t(hd);
+    float* row = qp + size_t(i) * size_t(L.qdim);
+    std::memcpy(row, x, sizeof(float) * size_t(hd));
+    auto* q8 = reinterpret_cast<int8_t*>(row + L.q8_off);
+    auto* ql = reinterpret_cast<int8_t*>(row + L.q8lo_off);
+    float* dq = row + L.dq_off;
+    for (int b = 0; b < hd / 32; ++b) {
+      float amax = 0;
+      bool finite = true;
+      for (int j = 0; j < 32; ++j) {
+        amax = std::max(amax, std::fabs(x[32 * b + j]));
+        finite = finite && std::isfinite(x[32 * b + j]);
+      }
+      // A non-finite query block has no int8 image: codes 0 and step NaN, so the score is NaN as
+      // the float kernels' would be (never silently finite).
+      const float d = amax / 127.f;
+      const float id = finite && d > 0 ? 1.f / d : 0.f;
+      int32_t s = 0;
+      for (int j = 0; j < 32; ++j) {
+        const float y = x[32 * b + j] * id;
+        const float hi = std::min(127.f, std::max(-127.f, std::nearbyint(y)));
+        // y - hi is exact (hi is the integer nearest y, |y| <= 127 (1 + 2^-23)), |.| <= 1/2.
+        const float lo = std::min(127.f, std::max(-127.f, std::nearbyint((y - hi) * kv_int8t_lo_levels)));
+        q8[32 * b + j] = int8_t(hi);
+        ql[32 * b + j] = int8_t(lo);
+        s += int32_t(kv_int8t_lo_levels) * int32_t(hi) + int32_t(lo);
+      }
+      s *= 128;
+      dq[b] = !finite ? std::numeric_limits<float>::quiet_NaN() : id > 0 ? d / kv_int8t_lo_levels : 0.f;
+      std::memcpy(row + L.qs8_off + b, &s, 4);
+    }
+  }
+}
+
+namespace {
+
+inline float tile_scale(const uint8_t* tp, int j) {
+  float s;
+  std::memcpy(&s, tp + 4 * size_t(j), 4);
+  return s;
+}
+
+}  // namespace
+
+void int8t_scores_ref(const Int8TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
+                      float* out, int out_stride) {
+  for (int i = 0; i < n_q; ++i) {
+    const Int8tQueryRow qr = int8t_query_row(L, qp, i);
+    for (int t = 0; t < n; ++t) {
+      const int tt = t0 + t, j = tt % kv_tile_tokens;
+      const uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L.tile_bytes;
+      const uint8_t* codes = tp + L.code_off;
+      float facc = 0;
+      for (int b = 0; b < L.hd / 32; ++b) {
+        int32_t hi = 0, lo = 0;
+        for (int o = 8 * b; o < 8 * b + 8; ++o)
+          for (int k = 0; k < 4; ++k) {
+            hi += int32_t(codes[64 * o + 4 * j + k]) * qr.q8[4 * o + k];
+            lo += int32_t(codes[64 * o + 4 * j + k]) * qr.q8lo[4 * o + k];
+          }
+        const int32_t dot = int32_t(kv_int8t_lo_levels) * hi + lo - qr.qs8[b];
+        facc = std::fma(float(dot), qr.dq[b], facc);
+      }
+      out[size_t(i) * size_t(out_stride) + size_t(t)] = facc * tile_scale(tp, j);
+    }
+  }
+}
+
+void int8t_accum_ref(const Int8TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
+                     int n, float* acc) {
+  if (n <= 0) return;
+  const int hd = L.hd;
+  const int tile0 = t0 / kv_tile_tokens, tile1 = (t0 + n + kv_tile_tokens - 1) / kv_tile_tokens;
+  float facc[kv_max_head_dim];
+  const bool u8 = int4t_weights_nonneg(p, p_stride, n_q, n);
+  const float levels = u8 ? kv_int4t_u8_levels : kv_int4t_s8_levels;
+  for (int i = 0; i < n_q; ++i) {
+    const float* pi = p + size_t(i) * size_t(p_stride);
+    std::fill(facc, facc + hd, 0.f);
+    for (int tile = tile0; tile < tile1; ++tile) {
+      const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
+      const auto* codes = reinterpret_cast<const int8_t*>(tp + L.code_off);
+      float w[kv_tile_tokens];
+      float wmax = 0;
+      for (int j = 0; j < kv_tile_tokens; ++j) {
+        const int t = tile * kv_tile_tokens + j - t0;
+        w[j] = t >= 0 && t < n ? pi[t] * tile_scale(tp, j) : 0.f;
+        wmax = std::max(wmax, std::fabs(w[j]));
+      }
+      float dw, inv;
+      int4t_weight_step(wmax, levels, &dw, &inv);
+      int32_t wq[kv_tile_tokens];
+      for (int j = 0; j < kv_tile_tokens; ++j)
+        wq[j] = int32_t(std::min(levels, std::max(u8 ? 0.f : -levels, std::nearbyint(w[j] * inv))));
+      for (int d = 0; d < hd; ++d) {
+        const int c = d / 16, lane = d % 16;
+        int32_t dot = 0;
+        for (int j = 0; j < kv_tile_tokens; ++j) dot += wq[j] * int32_t(codes[64 * (4 * c + j / 4) + 4 * lane + j % 4]);
+        facc[d] = std::fma(float(dot), dw, facc[d]);
+      }
+    }
+    float* a = acc + size_t(i) * size_t(hd);
+    for (int d = 0; d < hd; ++d) a[d] += facc[d];
+  }
+}
+
+void int8t_scores(const Int8TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
+                  float* out, int out_stride) {
+#if defined(KVQ_HAVE_SIMD)
+  if (cpu_level() == CpuLevel::avx512) return int8t_scores_avx512(L, qp, n_q, block, t0, n, out, out_stride);
+#endif
+  int8t_scores_ref(L, qp, n_q, block, t0, n, out, out_stride);
+}
+
+void int8t_accum(const Int8TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
+                 int n, float* acc) {
+#if defined(KVQ_HAVE_SIMD)
+  if (cpu_level() == CpuLevel::avx512) return int8t_accum_avx512(L, p, p_stride, n_q, block, t0, n, acc);
+#endif
+  int8t_accum_ref(L, p, p_stride, n_q, block, t0, n, acc);
+}
+
+namespace {
+
+class Int8TiledCodec : public KvCodec {
+ public:
+  Int8TiledCodec(KvRole role, int hd) : role_(role), L_(int8t_layout(hd)), row_(kv_row_fmt(KvElem::int8, hd)) {
+    info_.name = "int8t";
+    info_.code_bits = 8;
+  }
+  const KvCodecInfo& info() const override { return info_; }
+  int head_dim() const override { return L_.hd; }
+  size_t block_bytes(int block_tokens) const override {
+    check_block(block_tokens);
+    return size_t(block_tokens / kv_tile_tokens) * L_.tile_bytes;
+  }
+
+  PrefetchRange prefetch_range(int block_tokens, int t0, int n) const override {
+    check_block(block_tokens);
+    PrefetchRange r;
+    kv_unit_range(L_.tile_bytes, kv_tile_tokens, t0, n, prefetch_lead_bytes, &r.offset, &r.bytes);
+    return r;
+  }
+
+  // Each token is quantized by int8's row encoder (codes and scale are int8's exactly), then
+  // scattered into its tile; every byte a token writes is its own.
+  void encode(int, const float* src, size_t src_stride, int n, uint8_t* block, int block_tokens, int t0,
+              int) const override {
+    check_block(block_tokens);
+    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
+    const int hd = L_.hd;
+    uint8_t row[sizeof(KvRowScaled) + kv_max_head_dim];
+    for (int t = 0; t < n; ++t) {
+      kv_row_encode(row_, 1.f, src + size_t(t) * src_stride, row);
+      const uint8_t* c = row + sizeof(KvRowScaled);
+      const int tt = t0 + t, j = tt % kv_tile_tokens;
+      uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L_.tile_bytes;
+      std::memcpy(tp + 4 * size_t(j), row, 4);
+      uint8_t* codes = tp + L_.code_off;
+      if (role_ == KvRole::key) {
+        for (int e = 0; e < hd; ++e) codes[64 * (e / 4) + 4 * j + e % 4] = uint8_t(c[e] ^ 0x80);
+      } else {
+        for (int e = 0; e < hd; ++e) codes[64 * (4 * (e / 16) + j / 4) + 4 * (e % 16) + j % 4] = c[e];
+      }
+    }
+  }
+
+  void decode(int, const uint8_t* block, int block_tokens, int t0, int n, int, float* dst) const override {
+    check_block(block_tokens);
+    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
+    const int hd = L_.hd;
+    for (int t = 0; t < n; ++t) {
+      const int tt = t0 + t, j = tt % kv_tile_tokens;
+      const uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L_.tile_bytes;
+      const uint8_t* codes = tp + L_.code_off;
+      const float s = tile_scale(tp, j);
+      float* x = dst + size_t(t) * size_t(hd);
+      for (int e = 0; e < hd; ++e) {
+        const int c = role_ == KvRole::key ? int(codes[64 * (e / 4) + 4 * j + e % 4]) - 128
+                                           : int(int8_t(codes[64 * (4 * (e / 16) + j / 4) + 4 * (e % 16) + j % 4]));
+        x[e] = float(c) * s;  // int8's decode expression: bit-identical values
+      }
+    }
+  }
+
+  int prepared_query_dim() const override { return role_ == KvRole::key ? L_.qdim : L_.hd; }
+  void prepare_query(int head, const float* q, int n_q, float* qp) const override {
+    if (role_ != KvRole::key) return KvCodec::prepare_query(head, q, n_q, qp);
+    int8t_prepare_query(L_, q, n_q, qp);
+  }
+  void scores(int head, const float* qp, int n_q, const uint8_t* block, int block_tokens, int t0, int n, int pos0,
+              float* out, int out_stride) const override {
+    check_block(block_tokens);
+    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
+    if (role_ != KvRole::key)
+      return kv_scores_via_decode(*this, head, qp, n_q, block, block_tokens, t0, n, pos0, out, out_stride);
+    int8t_scores(L_, qp, n_q, block, t0, n, out, out_stride);
+  }
+  void accumulate(int head, const float* p, int p_stride, int n_q, const uint8_t* block, int block_tokens, int t0,
+                  int n, float* acc) const override {
+    check_block(block_tokens);
+    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
+    if (role_ != KvRole::value)
+      return kv_accumulate_via_decode(*this, head, p, p_stride, n_q, block, block_tokens, t0, n, 0, acc);
+    int8t_accum(L_, p, p_stride, n_q, block, t0, n, acc);
+  }
+
+ private:
+  void check_block(int block_tokens) const {
+    if (block_tokens <= 0 || block_tokens % kv_tile_tokens != 0)
+      fail("KV codec 'int8t': block of {} tokens; this codec stores 16-token tiles, so the block (page) size must be "
+           "a positive multiple of 16",
+           block_tokens);
+  }
+
+  KvCodecInfo info_;
+  KvRole role_;
+  Int8TiledLayout L_;
+  KvRowFmt row_;  // int8's row format: the quantizer
+};
+
+}  // namespace
+
+void kv_register_int8_tiled() {
+  kv_register_codec({"int8t", "int8's quantization in a 16-token tiled layout for integer-dot kernels",
+                     [](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
+                       if (p.head_dim % 32 != 0 || p.head_dim > kv_max_head_dim)
+                         fail("KV codec 'int8t': head_dim {} must be a multiple of 32 (at most {}); use 'int8'",
+                              p.head_dim, kv_max_head_dim);
+                       return std::make_unique<Int8TiledCodec>(p.role, p.head_dim);
+                     }});
+  kv_register_format({"int8t", {}, "int8t", "int8t",
+                      "int8's quantization in a 16-token tiled layout for integer-dot kernels: 8 + 32/head_dim bits"});
+}
+
+}  // namespace kvq

@@ -1,0 +1,218 @@
+// AVX-512 VNNI kernels of the tiled int8 codec (layout and error bounds in kv/int8_tiled.h): one
+// token per int32 lane (scores) or 4 tokens per lane into 16 channels (weighted sums), so both are
+// plain VPDPBUSD chains against an embedded dword broadcast.
+#include "core/avx512.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "kv/int4_tiled.h"
+#include "kv/int8_tiled.h"
+#include "kv/tiles_avx512.h"
+
+namespace kvq {
+namespace {
+
+constexpr int kMaxNq = 4;     // query rows per pass (accumulator registers)
+constexpr int kSegTiles = 4;  // tiles whose weights are quantized ahead of the channel loop
+
+inline __mmask16 tile_mask(int base, int t0, int n) {
+  const int lo = std::max(0, t0 - base), hi = std::min(16, t0 + n - base);
+  if (hi <= lo) return 0;
+  return __mmask16(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
+template <int NQ>
+void scores_pass(const Int8TiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
+                 int out_stride) {
+  Int8tQueryRow qr[NQ];
+  for (int h = 0; h < NQ; ++h) qr[h] = int8t_query_row(L, qp, h);
+  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
+  for (int tile = tile0; tile < tile1; ++tile) {
+    const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
+    const uint8_t* codes = tp + L.code_off;
+    __m512 facc[NQ];
+    for (int h = 0; h < NQ; ++h) facc[h] = _mm512_setzero_ps();
+    for (int b = 0; b < L.hd / 32; ++b) {
+      // The query's two digits in separate chains: 2 * NQ independent VPDPBUSD chains.
+      __m512i ih[NQ], il[NQ];
+      for (int h = 0; h < NQ; ++h) ih[h] = il[h] = _mm512_setzero_si512();
+      for (int o = 8 * b; o < 8 * b + 8; ++o) {
+        const __m512i x = _mm512_loadu_si512(codes + 64 * o);
+        for (int h = 0; h < NQ; ++h) {
+          ih[h] = _mm512_dpbusd_epi32(ih[h], x, tile_bcast32_avx512(qr[h].q8 + 4 * o));
+          il[h] = _mm512_dpbusd_epi32(il[h], x, tile_bcast32_avx512(qr[h].q8lo + 4 * o));
+        }
+      }
+      for (int h = 0; h < NQ; ++h) {
+        // 254 * hi + lo - qs8, in the reference's integer order (exact in int32 either way).
+        const __m512i dot = _mm512_sub_epi32(
+            _mm512_add_epi32(_mm512_mullo_epi32(ih[h], _mm512_set1_epi32(int32_t(kv_int8t_lo_levels))), il[h]),
+            _mm512_set1_epi32(qr[h].qs8[b]));
+        facc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(qr[h].dq[b]), facc[h]);
+      }
+    }
+    const __m512 sv = _mm512_loadu_ps(reinterpret_cast<const float*>(tp));
+    const int base = tile * 16;
+    if (base >= t0 && base + 16 <= t0 + n) {
+      for (int h = 0; h < NQ; ++h)
+        _mm512_storeu_ps(out + size_t(h) * size_t(out_stride) + size_t(base - t0), _mm512_mul_ps(facc[h], sv));
+    } else {
+      // Partial tile: only the lanes inside [t0, t0 + n) are written.
+      const int lo = std::max(0, t0 - base), hi = std::min(16, t0 + n - base);
+      alignas(64) float tmp[16];
+      for (int h = 0; h < NQ; ++h) {
+        _mm512_store_ps(tmp, _mm512_mul_ps(facc[h], sv));
+        std::memcpy(out + size_t(h) * size_t(out_stride) + size_t(base + lo - t0), tmp + lo,
+                    sizeof(float) * size_t(hi - lo));
+      }
+    }
+  }
+}
+
+// U8: all weights >= 0: u8 weights (255 levels) x s8 codes. Else s8 weights (127 levels) x the u8
+// image codes ^ 0x80 = c + 128, minus 128 * (sum of the tile's weights) per lane.
+template <int NQ, bool U8>
+void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const uint8_t* block, int t0, int n,
+                float* acc) {
+  const int hd = L.hd;
+  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
+  const __m512i flip = _mm512_set1_epi8(int8_t(0x80));
+  alignas(64) uint8_t w8[kSegTiles][NQ][16];
+  float dw[kSegTiles][NQ];
+  int32_t wsum[kSegTiles][NQ];
+  for (int seg = tile0; seg < tile1; seg += kSegTiles) {
+    const int nt = std::min(kSegTiles, tile1 - seg);
+    // 1. Quantized weights of the segment's tiles.
+    for (int tt = 0; tt < nt; ++tt) {
+      const int base = (seg + tt) * 16;
+      const uint8_t* tp = block + size_t(seg + tt) * L.tile_bytes;
+      const __mmask16 mask = tile_mask(base, t0, n);
+      const bool full = mask == 0xffff;
+      // Masked: slots outside the range may hold anything (NaN scales of unwritten tokens).
+      const __m512 sv = _mm512_maskz_loadu_ps(mask, reinterpret_cast<const float*>(tp));
+      __m512 w[4], wa[4];
+      for (int h = 0; h < 4; ++h) {
+        if (h < NQ) {
+          const float* ph = p + size_t(h) * size_t(p_stride);
+          const __m512 pv = full ? _mm512_loadu_ps(ph + (base - t0))
+                                 : _mm512_maskz_expandloadu_ps(mask, ph + std::max(0, base - t0));
+          w[h] = _mm512_mul_ps(pv, sv);
+        } else {
+          w[h] = _mm512_setzero_ps();
+        }
+        wa[h] = _mm512_abs_ps(w[h]);
+      }
+      // All rows' steps at once (lanes 4h..4h+3 = row h), with the scalar arithmetic of
+      // int4t_weight_step: dw = wmax / levels, inv = levels / wmax or 0.
+      const __m512 wmax = tile_max4x16_avx512(wa);
+      const __m512 lv = _mm512_set1_ps(U8 ? kv_int4t_u8_levels : kv_int4t_s8_levels);
+      alignas(64) float steps[16];
+      _mm512_store_ps(steps, _mm512_div_ps(wmax, lv));
+      const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(wmax, _mm512_setzero_ps(), _CMP_GT_OQ), lv, wmax);
+      for (int h = 0; h < NQ; ++h) {
+        dw[tt][h] = steps[4 * h];
+        const __m512 inv_h = _mm512_permutexvar_ps(_mm512_set1_epi32(4 * h), inv);
+        const __m512i wi = _mm512_cvtps_epi32(_mm512_mul_ps(w[h], inv_h));
+        _mm_store_si128(reinterpret_cast<__m128i*>(w8[tt][h]), U8 ? _mm512_cvtusepi32_epi8(wi) : _mm512_cvtsepi32_epi8(wi));
+        if (!U8) wsum[tt][h] = 128 * _mm512_reduce_add_epi32(_mm512_max_epi32(_mm512_min_epi32(wi, _mm512_set1_epi32(127)), _mm512_set1_epi32(-128)));
+      }
+    }
+    // 2. Channel chunks of 16: per tile 4 loads (token quads) and NQ dot chains, flushed to f32
+    // with the tile's step; the f32 sums go to acc once per segment.
+    for (int c = 0; c < hd / 16; ++c) {
+      __m512 f[NQ];
+      for (int h = 0; h < NQ; ++h) f[h] = _mm512_setzero_ps();
+      for (int tt = 0; tt < nt; ++tt) {
+        const uint8_t* cp = block + size_t(seg + tt) * L.tile_bytes + L.code_off + size_t(c) * 256;
+        __m512i ia[NQ], ib[NQ];
+        for (int h = 0; h < NQ; ++h) ia[h] = ib[h] = _mm512_setzero_si512();
+        for (int k = 0; k < 4; k += 2) {
+          __m512i x0 = _mm512_loadu_si512(cp + 64 * k);
+          __m512i x1 = _mm512_loadu_si512(cp + 64 * (k + 1));
+          if (!U8) {
+            x0 = _mm512_xor_si512(x0, flip);
+            x1 = _mm512_xor_si512(x1, flip);
+          }
+          for (int h = 0; h < NQ; ++h) {
+            const __m512i w0 = tile_bcast32_avx512(w8[tt][h] + 4 * k);
+            const __m512i w1 = tile_bcast32_avx512(w8[tt][h] + 4 * k + 4);
+            if (U8) {
+              ia[h] = _mm512_dpbusd_epi32(ia[h], w0, x0);
+              ib[h] = _mm512_dpbusd_epi32(ib[h], w1, x1);
+            } else {
+              ia[h] = _mm512_dpbusd_epi32(ia[h], x0, w0);
+              ib[h] = _mm512_dpbusd_epi32(ib[h], x1, w1);
+            }
+          }
+        }
+        for (int h = 0; h < NQ; ++h) {
+          __m512i dot = _mm512_add_epi32(ia[h], ib[h]);
+          if (!U8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(wsum[tt][h]));
+          f[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(dw[tt][h]), f[h]);
+        }
+      }
+      for (int h = 0; h < NQ; ++h) {
+        float* a = acc + size_t(h) * size_t(hd) + size_t(16 * c);
+        _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), f[h]));
+      }
+    }
+  }
+}
+
+bool weights_nonneg(const float* p, int p_stride, int n_q, int n) {
+  __mmask16 neg = 0;
+  const __m512 zero = _mm512_setzero_ps();
+  const __mmask16 tail = __mmask16((1u << (n % 16)) - 1u);
+  for (int i = 0; i < n_q; ++i) {
+    const float* r = p + size_t(i) * size_t(p_stride);
+    int t = 0;
+    for (; t + 16 <= n; t += 16) neg |= _mm512_cmp_ps_mask(_mm512_loadu_ps(r + t), zero, _CMP_LT_OQ);
+    if (t < n) neg |= _mm512_mask_cmp_ps_mask(tail, _mm512_maskz_loadu_ps(tail, r + t), zero, _CMP_LT_OQ);
+  }
+  return neg == 0;
+}
+
+template <bool U8>
+void accum_rows(const Int8TiledLayout& L, const float* p, int p_stride, int m, const uint8_t* block, int t0, int n,
+                float* a) {
+  switch (m) {
+    case 1: return accum_pass<1, U8>(L, p, p_stride, block, t0, n, a);
+    case 2: return accum_pass<2, U8>(L, p, p_stride, block, t0, n, a);
+    case 3: return accum_pass<3, U8>(L, p, p_stride, block, t0, n, a);
+    default: return accum_pass<4, U8>(L, p, p_stride, block, t0, n, a);
+  }
+}
+
+}  // namespace
+
+void int8t_scores_avx512(const Int8TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
+                         float* out, int out_stride) {
+  if (n <= 0) return;
+  for (int i = 0; i < n_q; i += kMaxNq) {
+    const int m = std::min(kMaxNq, n_q - i);
+    const float* q = qp + size_t(i) * size_t(L.qdim);
+    float* o = out + size_t(i) * size_t(out_stride);
+    switch (m) {
+      case 1: scores_pass<1>(L, q, block, t0, n, o, out_stride); break;
+      case 2: scores_pass<2>(L, q, block, t0, n, o, out_stride); break;
+      case 3: scores_pass<3>(L, q, block, t0, n, o, out_stride); break;
+      default: scores_pass<4>(L, q, block, t0, n, o, out_stride); break;
+    }
+  }
+}
+
+void int8t_accum_avx512(const Int8TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
+                        int t0, int n, float* acc) {
+  if (n <= 0) return;
+  const bool u8 = weights_nonneg(p, p_stride, n_q, n);
+  for (int i = 0; i < n_q; i += kMaxNq) {
+    const int m = std::min(kMaxNq, n_q - i);
+    const float* pi = p + size_t(i) * size_t(p_stride);
+    float* a = acc + size_t(i) * size_t(L.hd);
+    if (u8) accum_rows<true>(L, pi, p_stride, m, block, t0, n, a);
+    else accum_rows<false>(L, pi, p_stride, m, block, t0, n, a);
+  }
+}
+
+}  // namespace kvq

@@ -1,0 +1,362 @@
+// int8t (kv/int8_tiled.h): decode bit-identical to int8, bytes equal to int8's, the AVX-512
+// kernels against the scalar reference (scores bit-identical, weighted sums up to f32 order), and
+// the reference against exact dots of the decoded values within the derived bounds; random and
+// adversarial inputs, partial tiles, n_q 1..9, head_dim 64/128/256, every CPU level.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <iterator>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/cpu.h"
+#include "core/error.h"
+#include "kv/int4_tiled.h"
+#include "kv/int8_tiled.h"
+#include "kv/kv_rows.h"
+#include "kvq/kv_format.h"
+#include "tiled_test_queries.h"
+
+using namespace kvq;
+
+namespace {
+
+std::unique_ptr<KvCodec> make(const std::string& name, int hd, KvRole role) {
+  KvCodecParams p;
+  p.head_dim = hd;
+  p.n_kv_heads = 2;
+  p.role = role;
+  return kv_codec_create(name, p);
+}
+
+enum class Pat { random, outlier_channel, constant_rows, zeros, huge, tiny, mixed_scale };
+const Pat kPats[] = {Pat::random, Pat::outlier_channel, Pat::constant_rows, Pat::zeros,
+                     Pat::huge,   Pat::tiny,            Pat::mixed_scale};
+
+std::vector<float> make_rows(Pat p, int n, int hd, std::mt19937& rng) {
+  std::normal_distribution<float> nd;
+  std::vector<float> x(size_t(n) * size_t(hd));
+  for (int t = 0; t < n; ++t)
+    for (int d = 0; d < hd; ++d) {
+      float& v = x[size_t(t) * size_t(hd) + size_t(d)];
+      switch (p) {
+        case Pat::random: v = nd(rng); break;
+        case Pat::outlier_channel: v = nd(rng) * (d == 5 || d == hd - 3 ? 300.f : 1.f); break;
+        case Pat::constant_rows: v = 0.75f * float(t % 3 - 1); break;
+        case Pat::zeros: v = 0; break;
+        case Pat::huge: v = nd(rng) * 1e4f; break;
+        case Pat::tiny: v = nd(rng) * 1e-6f; break;
+        case Pat::mixed_scale: v = nd(rng) * std::ldexp(1.f, (t % 20) - 10); break;
+      }
+    }
+  return x;
+}
+
+using test::make_queries;
+
+const int kHds[] = {64, 128, 256};
+
+// int8 rows of the same tokens: scale and code of every element.
+struct Rows {
+  KvRowFmt f;
+  std::vector<uint8_t> rows;
+  void sc(int t, int d, double* s, int* c) const {
+    const uint8_t* r = rows.data() + size_t(t) * f.row_bytes;
+    float sf;
+    std::memcpy(&sf, r, 4);
+    *s = sf;
+    *c = int8_t(r[4 + d]);
+  }
+};
+Rows int8_rows(const std::vector<float>& x, int n, int hd) {
+  Rows r;
+  r.f = kv_row_fmt(KvElem::int8, hd);
+  r.rows.resize(size_t(n) * r.f.row_bytes);
+  for (int t = 0; t < n; ++t) kv_row_encode(r.f, 1.f, x.data() + size_t(t) * hd, r.rows.data() + size_t(t) * r.f.row_bytes);
+  return r;
+}
+
+bool have_avx512() {
+#if defined(KVQ_HAVE_SIMD)
+  const CpuFeatures& cf = cpu_features();
+  return cf.avx512f && cf.avx512bw && cf.avx512vnni;
+#else
+  return false;
+#endif
+}
+
+const int kRanges[][2] = {{0, 64}, {7, 50}, {16, 16}, {3, 9}, {0, 1}, {63, 1}, {17, 30}};
+
+}  // namespace
+
+TEST(Int8Tiled, BytesAndBitsEqualInt8) {
+  for (int hd : kHds)
+    for (KvRole role : {KvRole::key, KvRole::value}) {
+      auto t = make("int8t", hd, role);
+      auto g = make("int8", hd, role);
+      for (int bt : {16, 32, 64, 128, 256}) {
+        EXPECT_EQ(t->block_bytes(bt), g->block_bytes(bt)) << hd << " " << bt;
+        EXPECT_DOUBLE_EQ(kv_codec_effective_bits(*t, bt, 4096), kv_codec_effective_bits(*g, bt, 4096));
+      }
+      EXPECT_DOUBLE_EQ(kv_codec_effective_bits(*t, 64, 4096), 8 + 32.0 / hd);
+    }
+  EXPECT_EQ(kv_format_find("INT8T").k_codec, "int8t");
+  EXPECT_EQ(kv_format_find("int8t").v_codec, "int8t");
+}
+
+TEST(Int8Tiled, RejectsBadShapes) {
+  EXPECT_THROW(make("int8t", 80, KvRole::key), Error);
+  auto c = make("int8t", 128, KvRole::key);
+  try {
+    c->block_bytes(8);
+    FAIL() << "block of 8 tokens accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("multiple of 16"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Int8Tiled, DecodeMatchesInt8BitForBit) {
+  std::mt19937 rng(3);
+  for (int hd : kHds)
+    for (KvRole role : {KvRole::key, KvRole::value})
+      for (Pat pat : kPats) {
+        const int bt = 64;
+        auto t = make("int8t", hd, role);
+        auto g = make("int8", hd, role);
+        auto x = make_rows(pat, bt, hd, rng);
+        std::vector<uint8_t> bt_blk(t->block_bytes(bt), 0xFF), bg_blk(g->block_bytes(bt));
+        t->encode(1, x.data(), size_t(hd), 5, bt_blk.data(), bt, 0, 0);
+        t->encode(1, x.data() + 5 * size_t(hd), size_t(hd), 36, bt_blk.data(), bt, 5, 0);
+        t->encode(1, x.data() + 41 * size_t(hd), size_t(hd), 23, bt_blk.data(), bt, 41, 0);
+        g->encode(1, x.data(), size_t(hd), bt, bg_blk.data(), bt, 0, 0);
+        std::vector<float> dt(size_t(bt) * size_t(hd)), dg(dt.size());
+        t->decode(1, bt_blk.data(), bt, 0, bt, 0, dt.data());
+        g->decode(1, bg_blk.data(), bt, 0, bt, 0, dg.data());
+        ASSERT_EQ(std::memcmp(dt.data(), dg.data(), sizeof(float) * dt.size()), 0)
+            << hd << " role " << int(role) << " pattern " << int(pat);
+        std::vector<float> part(size_t(13) * size_t(hd));
+        t->decode(1, bt_blk.data(), bt, 19, 13, 0, part.data());
+        ASSERT_EQ(std::memcmp(part.data(), dg.data() + 19 * size_t(hd), sizeof(float) * part.size()), 0);
+      }
+}
+
+// Scores: AVX-512 bit-identical to the reference; the reference within the query-rounding bound
+// of exact <q, decode(k)>.
+TEST(Int8Tiled, ScoresParityAndBound) {
+  std::mt19937 rng(5);
+  for (int hd : kHds)
+    for (Pat pat : kPats) {
+      const int bt = 64;
+      auto c = make("int8t", hd, KvRole::key);
+      auto x = make_rows(pat, bt, hd, rng);
+      std::vector<uint8_t> blk(c->block_bytes(bt));
+      c->encode(0, x.data(), size_t(hd), bt, blk.data(), bt, 0, 0);
+      const Rows r = int8_rows(x, bt, hd);
+      std::vector<float> dec(size_t(bt) * size_t(hd));
+      c->decode(0, blk.data(), bt, 0, bt, 0, dec.data());
+      const Int8TiledLayout L = int8t_layout(hd);
+      for (int nq = 1; nq <= 9; ++nq) {
+        auto q = make_queries(nq + int(pat), nq, hd, rng);
+        ASSERT_EQ(c->prepared_query_dim(), L.qdim);
+        std::vector<float> qp(size_t(nq) * size_t(L.qdim));
+        c->prepare_query(0, q.data(), nq, qp.data());
+        for (const auto& rg : kRanges) {
+          const int t0 = rg[0], n = rg[1], os = n + 3;
+          std::vector<float> ref(size_t(nq) * size_t(os), -7.f);
+          int8t_scores_ref(L, qp.data(), nq, blk.data(), t0, n, ref.data(), os);
+          for (int i = 0; i < nq; ++i) {
+            for (int t = n; t < os; ++t) ASSERT_EQ(ref[size_t(i) * size_t(os) + size_t(t)], -7.f) << "wrote past n";
+            const float* qi = q.data() + size_t(i) * size_t(hd);
+            for (int t = 0; t < n; ++t) {
+              double exact = 0, quant = 0, mag = 0;
+              for (int b = 0; b < hd / 32; ++b) {
+                double amax = 0;
+                for (int j = 32 * b; j < 32 * b + 32; ++j) amax = std::max(amax, double(std::fabs(qi[j])));
+                for (int j = 32 * b; j < 32 * b + 32; ++j) {
+                  double s;
+                  int code;
+                  r.sc(t0 + t, j, &s, &code);
+                  const double xv = dec[size_t(t0 + t) * size_t(hd) + size_t(j)];
+                  ASSERT_EQ(xv, double(float(code) * float(s)));  // int8 decode, f32 product
+                  exact += double(qi[j]) * xv;
+                  quant += (amax / 127 / 508 * (1 + std::ldexp(1.0, -20)) + std::ldexp(std::fabs(qi[j]), -22)) * std::fabs(xv);
+                  mag += std::fabs(qi[j]) * std::fabs(xv);
+                }
+              }
+              ASSERT_NEAR(ref[size_t(i) * size_t(os) + size_t(t)], exact, quant + 1e-5 * mag + 1e-30)
+                  << hd << " pattern " << int(pat) << " nq " << nq << " t0 " << t0 << " n " << n;
+            }
+          }
+#if defined(KVQ_HAVE_SIMD)
+          if (have_avx512()) {
+            std::vector<float> out(size_t(nq) * size_t(os), -7.f);
+            int8t_scores_avx512(L, qp.data(), nq, blk.data(), t0, n, out.data(), os);
+            ASSERT_EQ(std::memcmp(out.data(), ref.data(), sizeof(float) * out.size()), 0)
+                << "avx512 hd " << hd << " pattern " << int(pat) << " nq " << nq << " t0 " << t0 << " n " << n;
+          }
+#endif
+        }
+      }
+    }
+}
+
+// A non-finite query block gives a NaN score, never a silently finite one.
+TEST(Int8Tiled, NonFiniteQueryIsNaN) {
+  const int hd = 64, bt = 16;
+  auto c = make("int8t", hd, KvRole::key);
+  std::vector<float> x(size_t(bt) * hd, 0.5f), q(hd, 1.f);
+  q[40] = std::numeric_limits<float>::infinity();
+  std::vector<uint8_t> blk(c->block_bytes(bt));
+  c->encode(0, x.data(), size_t(hd), bt, blk.data(), bt, 0, 0);
+  std::vector<float> qp(size_t(c->prepared_query_dim())), s(bt);
+  c->prepare_query(0, q.data(), 1, qp.data());
+  c->scores(0, qp.data(), 1, blk.data(), bt, 0, bt, 0, s.data(), bt);
+  for (float v : s) EXPECT_TRUE(std::isnan(v)) << v;
+}
+
+namespace {
+
+// Bound of one query row's weighted sum over [t0, t0 + n) against the exact sum of the decoded
+// values (kv/int8_tiled.h): per tile half a weight step times sum |c|, plus f32 rounding.
+std::vector<double> accum_bound(const Rows& r, const float* p, int t0, int n, double acc0, float levels) {
+  const int hd = r.f.head_dim;
+  std::vector<double> b(size_t(hd), 1e-5 * acc0 + 1e-30);
+  for (int tile = t0 / 16; tile < (t0 + n + 15) / 16; ++tile) {
+    float wmax = 0;
+    for (int t = std::max(t0, tile * 16); t < std::min(t0 + n, tile * 16 + 16); ++t) {
+      double s;
+      int c;
+      r.sc(t, 0, &s, &c);
+      wmax = std::max(wmax, std::fabs(p[t - t0] * float(s)));
+    }
+    float dw, inv;
+    int4t_weight_step(wmax, levels, &dw, &inv);
+    for (int d = 0; d < hd; ++d)
+      for (int t = std::max(t0, tile * 16); t < std::min(t0 + n, tile * 16 + 16); ++t) {
+        double s;
+        int c;
+        r.sc(t, d, &s, &c);
+        b[size_t(d)] += double(dw) * 0.5 * (1 + std::ldexp(1.0, -20)) * std::abs(c) +
+                        1e-5 * std::fabs(p[t - t0]) * std::fabs(s * c);
+      }
+  }
+  return b;
+}
+
+}  // namespace
+
+TEST(Int8Tiled, AccumulateParityAndBound) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd;
+  for (int hd : kHds)
+    for (Pat pat : kPats) {
+      const int bt = 64;
+      auto c = make("int8t", hd, KvRole::value);
+      auto x = make_rows(pat, bt, hd, rng);
+      // Slots never written hold NaN bytes (0xFF): the kernels must not read them into results.
+      std::vector<uint8_t> blk(c->block_bytes(bt), 0xFF);
+      c->encode(0, x.data(), size_t(hd), bt, blk.data(), bt, 0, 0);
+      const Rows r = int8_rows(x, bt, hd);
+      std::vector<float> dec(size_t(bt) * size_t(hd));
+      c->decode(0, blk.data(), bt, 0, bt, 0, dec.data());
+      const Int8TiledLayout L = int8t_layout(hd);
+      for (int nq = 1; nq <= 9; ++nq)
+        for (int ri = 0; ri < int(std::size(kRanges)); ++ri) {
+          const int t0 = kRanges[ri][0], n = kRanges[ri][1], ps = n + 5;
+          // probabilities-like weights, and for every other (nq, range) signed weights in one row:
+          // the s8 path.
+          const bool sgn = (nq + ri) % 2 == 0;
+          const int srow = nq >= 2 ? 1 : 0;
+          std::vector<float> p(size_t(nq) * size_t(ps), std::nanf(""));
+          for (int i = 0; i < nq; ++i)
+            for (int t = 0; t < n; ++t) {
+              float v = std::exp(-std::fabs(nd(rng)) * 3.f);
+              if (t == (i * 7) % n) v = 1.f;
+              if (sgn && i == srow) v = t == 0 ? -0.5f : nd(rng);
+              p[size_t(i) * size_t(ps) + size_t(t)] = v;
+            }
+          const float levels = sgn ? kv_int4t_s8_levels : kv_int4t_u8_levels;
+          std::vector<float> ref(size_t(nq) * size_t(hd), 0.25f);
+          int8t_accum_ref(L, p.data(), ps, nq, blk.data(), t0, n, ref.data());
+          for (int i = 0; i < nq; ++i) {
+            const float* pi = p.data() + size_t(i) * size_t(ps);
+            const auto bound = accum_bound(r, pi, t0, n, 0.25, levels);
+            for (int d = 0; d < hd; ++d) {
+              double exact = 0.25;
+              for (int t = 0; t < n; ++t) exact += double(pi[t]) * dec[size_t(t0 + t) * size_t(hd) + size_t(d)];
+              ASSERT_NEAR(ref[size_t(i) * size_t(hd) + size_t(d)], exact, bound[size_t(d)])
+                  << hd << " pattern " << int(pat) << " nq " << nq << " t0 " << t0 << " n " << n;
+            }
+          }
+#if defined(KVQ_HAVE_SIMD)
+          if (have_avx512()) {
+            std::vector<float> out(size_t(nq) * size_t(hd), 0.25f);
+            int8t_accum_avx512(L, p.data(), ps, nq, blk.data(), t0, n, out.data());
+            for (int i = 0; i < nq; ++i)
+              for (int d = 0; d < hd; ++d) {
+                double mag = 0.25;  // same quantized weights and integer dots: f32 order only
+                for (int t = 0; t < n; ++t)
+                  mag += std::fabs(double(p[size_t(i) * size_t(ps) + size_t(t)])) *
+                         std::fabs(dec[size_t(t0 + t) * size_t(hd) + size_t(d)]) * 2;
+                ASSERT_NEAR(out[size_t(i) * size_t(hd) + size_t(d)], ref[size_t(i) * size_t(hd) + size_t(d)],
+                            1e-5 * mag + 1e-30)
+                    << "avx512 hd " << hd << " pattern " << int(pat) << " nq " << nq << " t0 " << t0 << " n " << n;
+              }
+          }
+#endif
+        }
+    }
+}
+
+// Through the codec API at every CPU level, as attention calls it.
+TEST(Int8Tiled, CodecApiEveryLevel) {
+  std::mt19937 rng(13);
+  std::normal_distribution<float> nd;
+  const CpuLevel saved = cpu_set_level(CpuLevel::avx512);
+  const int hd = 128, bt = 64, nq = 4;
+  auto kc = make("int8t", hd, KvRole::key);
+  auto vc = make("int8t", hd, KvRole::value);
+  auto x = make_rows(Pat::outlier_channel, bt, hd, rng);
+  std::vector<uint8_t> kb(kc->block_bytes(bt)), vb(vc->block_bytes(bt));
+  kc->encode(1, x.data(), size_t(hd), bt, kb.data(), bt, 0, 0);
+  vc->encode(1, x.data(), size_t(hd), bt, vb.data(), bt, 0, 0);
+  auto q = make_queries(1, nq, hd, rng);
+  std::vector<float> p(size_t(nq) * 40);
+  for (auto& v : p) v = std::fabs(nd(rng));
+  std::vector<float> dec(size_t(bt) * size_t(hd));
+  vc->decode(1, vb.data(), bt, 0, bt, 0, dec.data());
+  std::vector<float> s_ref, a_ref;
+  for (CpuLevel lvl : {CpuLevel::scalar, CpuLevel::avx2, CpuLevel::avx512}) {
+    cpu_set_level(lvl);
+    std::vector<float> qp(size_t(nq) * size_t(kc->prepared_query_dim())), s(size_t(nq) * 40), a(size_t(nq) * hd, 0.f);
+    kc->prepare_query(1, q.data(), nq, qp.data());
+    kc->scores(1, qp.data(), nq, kb.data(), bt, 9, 40, 0, s.data(), 40);
+    vc->accumulate(1, p.data(), 40, nq, vb.data(), bt, 9, 40, a.data());
+    if (lvl == CpuLevel::scalar) {
+      s_ref = s;
+      a_ref = a;
+      continue;
+    }
+    EXPECT_EQ(std::memcmp(s.data(), s_ref.data(), sizeof(float) * s.size()), 0) << cpu_level_name(lvl);
+    for (int i = 0; i < nq; ++i)
+      for (int d = 0; d < hd; ++d) {
+        double mag = 0;
+        for (int t = 0; t < 40; ++t)
+          mag += std::fabs(p[size_t(i) * 40 + size_t(t)]) * 2 * std::fabs(dec[size_t(9 + t) * size_t(hd) + size_t(d)]);
+        EXPECT_NEAR(a[size_t(i) * size_t(hd) + size_t(d)], a_ref[size_t(i) * size_t(hd) + size_t(d)], 1e-5 * mag + 1e-30)
+            << cpu_level_name(lvl) << " " << d;
+      }
+  }
+  cpu_set_level(saved);
+}
+
+TEST(Int8Tiled, PrefetchRangeInsideBlock) {
+  auto c = make("int8t", 128, KvRole::key);
+  const Int8TiledLayout L = int8t_layout(128);
+  const KvCodec::PrefetchRange r = c->prefetch_range(64, 17, 30);
+  EXPECT_EQ(r.offset, L.tile_bytes);
+  EXPECT_GT(r.bytes, 0u);
+  EXPECT_LE(r.offset + r.bytes, c->block_bytes(64));
+}
