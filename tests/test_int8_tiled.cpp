@@ -1,5 +1,5 @@
-// int8t (kv/int8_tiled.h): decode bit-identical to int8, bytes equal to int8's, the AVX-512
-// kernels against the scalar reference (scores bit-identical, weighted sums up to f32 order), and
+// int8t (kv/int8_tiled.h): decode bit-identical to int8, bytes equal to int8's, the AVX2 and
+// AVX-512 kernels against the scalar reference (scores bit-identical, weighted sums up to f32 order), and
 // the reference against exact dots of the decoded values within the derived bounds; random and
 // adversarial inputs, partial tiles, n_q 1..9, head_dim 64/128/256, every CPU level.
 #include <gtest/gtest.h>
@@ -78,6 +78,14 @@ Rows int8_rows(const std::vector<float>& x, int n, int hd) {
   return r;
 }
 
+bool have_avx2() {
+#if defined(KVQ_HAVE_SIMD)
+  const CpuFeatures& cf = cpu_features();
+  return cf.avx2 && cf.fma;
+#else
+  return false;
+#endif
+}
 bool have_avx512() {
 #if defined(KVQ_HAVE_SIMD)
   const CpuFeatures& cf = cpu_features();
@@ -190,11 +198,12 @@ TEST(Int8Tiled, ScoresParityAndBound) {
             }
           }
 #if defined(KVQ_HAVE_SIMD)
-          if (have_avx512()) {
+          for (int v = 0; v < 2; ++v) {
+            if (!(v ? have_avx512() : have_avx2())) continue;
             std::vector<float> out(size_t(nq) * size_t(os), -7.f);
-            int8t_scores_avx512(L, qp.data(), nq, blk.data(), t0, n, out.data(), os);
+            (v ? int8t_scores_avx512 : int8t_scores_avx2)(L, qp.data(), nq, blk.data(), t0, n, out.data(), os);
             ASSERT_EQ(std::memcmp(out.data(), ref.data(), sizeof(float) * out.size()), 0)
-                << "avx512 hd " << hd << " pattern " << int(pat) << " nq " << nq << " t0 " << t0 << " n " << n;
+                << (v ? "avx512" : "avx2") << " hd " << hd << " pattern " << int(pat) << " nq " << nq << " t0 " << t0 << " n " << n;
           }
 #endif
         }
@@ -291,9 +300,10 @@ TEST(Int8Tiled, AccumulateParityAndBound) {
             }
           }
 #if defined(KVQ_HAVE_SIMD)
-          if (have_avx512()) {
+          for (int v = 0; v < 2; ++v) {
+            if (!(v ? have_avx512() : have_avx2())) continue;
             std::vector<float> out(size_t(nq) * size_t(hd), 0.25f);
-            int8t_accum_avx512(L, p.data(), ps, nq, blk.data(), t0, n, out.data());
+            (v ? int8t_accum_avx512 : int8t_accum_avx2)(L, p.data(), ps, nq, blk.data(), t0, n, out.data());
             for (int i = 0; i < nq; ++i)
               for (int d = 0; d < hd; ++d) {
                 double mag = 0.25;  // same quantized weights and integer dots: f32 order only
@@ -302,7 +312,8 @@ TEST(Int8Tiled, AccumulateParityAndBound) {
                          std::fabs(dec[size_t(t0 + t) * size_t(hd) + size_t(d)]) * 2;
                 ASSERT_NEAR(out[size_t(i) * size_t(hd) + size_t(d)], ref[size_t(i) * size_t(hd) + size_t(d)],
                             1e-5 * mag + 1e-30)
-                    << "avx512 hd " << hd << " pattern " << int(pat) << " nq " << nq << " t0 " << t0 << " n " << n;
+                    << (v ? "avx512" : "avx2") << " hd " << hd << " pattern " << int(pat) << " nq " << nq << " t0 " << t0
+                    << " n " << n;
               }
           }
 #endif

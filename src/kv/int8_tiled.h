@@ -35,8 +35,9 @@
 // softmax probabilities.
 //
 // Kernels: *_ref (scalar, same arithmetic: scores bit-identical to the SIMD ones, weighted sums
-// equal up to f32 summation order), *_avx512 (VNNI). The AVX2 level runs the scalar reference
-// (no AVX2 kernels yet). int8t_scores / int8t_accum are the one dispatch point (cpu_level()).
+// equal up to f32 summation order), *_avx2 (VPMADDUBSW without saturation, see
+// int8_tiled_avx2.cpp), *_avx512 (VNNI). int8t_scores / int8t_accum are the one dispatch point
+// (cpu_level()).
 // Ranges [t0, t0 + n) need not be tile-aligned: lanes outside are computed on whatever the block
 // holds but never stored (scores) or weighted 0 (sums).
 #pragma once
@@ -78,6 +79,10 @@ void int8t_scores_ref(const Int8TiledLayout& L, const float* qp, int n_q, const 
 void int8t_accum_ref(const Int8TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                      int n, float* acc);
 #if defined(KVQ_HAVE_SIMD)
+void int8t_scores_avx2(const Int8TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
+                       float* out, int out_stride);
+void int8t_accum_avx2(const Int8TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
+                      int n, float* acc);
 void int8t_scores_avx512(const Int8TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
                          float* out, int out_stride);
 void int8t_accum_avx512(const Int8TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
