@@ -14,7 +14,7 @@ namespace kvq {
 namespace {
 
 constexpr int kMaxNq = 4;     // query rows per pass (accumulator registers)
-constexpr int kSegTiles = 4;  // tiles whose weights are quantized ahead of the channel loop
+constexpr int kSegTiles = 8;  // tiles whose weights are quantized ahead of the channel loop (4: ~40 us slower)
 
 inline __mmask16 tile_mask(int base, int t0, int n) {
   const int lo = std::max(0, t0 - base), hi = std::min(16, t0 + n - base);
