@@ -123,8 +123,12 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
         dw[tt][h] = steps[4 * h];
         const __m512 inv_h = _mm512_permutexvar_ps(_mm512_set1_epi32(4 * h), inv);
         const __m512i wi = _mm512_cvtps_epi32(_mm512_mul_ps(w[h], inv_h));
-        _mm_store_si128(reinterpret_cast<__m128i*>(w8[tt][h]), U8 ? _mm512_cvtusepi32_epi8(wi) : _mm512_cvtsepi32_epi8(wi));
-        if (!U8) wsum[tt][h] = 128 * _mm512_reduce_add_epi32(_mm512_max_epi32(_mm512_min_epi32(wi, _mm512_set1_epi32(127)), _mm512_set1_epi32(-128)));
+        _mm_store_si128(reinterpret_cast<__m128i*>(w8[tt][h]),
+                        U8 ? _mm512_cvtusepi32_epi8(wi) : _mm512_cvtsepi32_epi8(wi));
+        if (!U8) {  // 128 * the sum of the stored (saturated) s8 weights: the c + 128 correction
+          const __m512i ws = _mm512_max_epi32(_mm512_min_epi32(wi, _mm512_set1_epi32(127)), _mm512_set1_epi32(-128));
+          wsum[tt][h] = 128 * _mm512_reduce_add_epi32(ws);
+        }
       }
     }
     // 2. Channel chunks of 16: per tile 4 loads (token quads) and NQ dot chains, flushed to f32
