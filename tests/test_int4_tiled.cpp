@@ -24,37 +24,10 @@ using namespace kvq;
 
 namespace {
 
-std::unique_ptr<KvCodec> make(const std::string& name, int hd, KvRole role) {
-  KvCodecParams p;
-  p.head_dim = hd;
-  p.n_kv_heads = 2;
-  p.role = role;
-  return kv_codec_create(name, p);
-}
-
-enum class Pat { random, outlier_channel, constant_rows, zeros, huge, tiny, mixed_scale };
-const Pat kPats[] = {Pat::random, Pat::outlier_channel, Pat::constant_rows, Pat::zeros,
-                     Pat::huge,   Pat::tiny,            Pat::mixed_scale};
-
-std::vector<float> make_rows(Pat p, int n, int hd, std::mt19937& rng) {
-  std::normal_distribution<float> nd;
-  std::vector<float> x(size_t(n) * size_t(hd));
-  for (int t = 0; t < n; ++t)
-    for (int d = 0; d < hd; ++d) {
-      float& v = x[size_t(t) * size_t(hd) + size_t(d)];
-      switch (p) {
-        case Pat::random: v = nd(rng); break;
-        case Pat::outlier_channel: v = nd(rng) * (d == 5 || d == hd - 3 ? 300.f : 1.f); break;
-        case Pat::constant_rows: v = 0.75f * float(t % 3 - 1); break;
-        case Pat::zeros: v = 0; break;
-        case Pat::huge: v = nd(rng) * 1e4f; break;
-        case Pat::tiny: v = nd(rng) * 1e-6f; break;
-        case Pat::mixed_scale: v = nd(rng) * std::ldexp(1.f, (t % 20) - 10); break;
-      }
-    }
-  return x;
-}
-
+using test::make;
+using test::make_rows;
+using test::Pat;
+using test::kPats;
 using test::make_queries;
 
 struct Shape {

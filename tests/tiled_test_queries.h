@@ -1,9 +1,46 @@
-// Adversarial queries shared by the tiled-codec tests (test_int4_tiled, test_kivi_tiled).
+// Adversarial inputs shared by the tiled-codec tests (test_int4_tiled, test_int8_tiled,
+// test_kivi_tiled): codecs by name, key/value rows by pattern, queries.
 #pragma once
+#include <cmath>
+#include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "kvq/kv_format.h"
+
 namespace kvq::test {
+
+inline std::unique_ptr<KvCodec> make(const std::string& name, int hd, KvRole role) {
+  KvCodecParams p;
+  p.head_dim = hd;
+  p.n_kv_heads = 2;
+  p.role = role;
+  return kv_codec_create(name, p);
+}
+
+enum class Pat { random, outlier_channel, constant_rows, zeros, huge, tiny, mixed_scale };
+inline const Pat kPats[] = {Pat::random, Pat::outlier_channel, Pat::constant_rows, Pat::zeros,
+                     Pat::huge,   Pat::tiny,            Pat::mixed_scale};
+
+inline std::vector<float> make_rows(Pat p, int n, int hd, std::mt19937& rng) {
+  std::normal_distribution<float> nd;
+  std::vector<float> x(size_t(n) * size_t(hd));
+  for (int t = 0; t < n; ++t)
+    for (int d = 0; d < hd; ++d) {
+      float& v = x[size_t(t) * size_t(hd) + size_t(d)];
+      switch (p) {
+        case Pat::random: v = nd(rng); break;
+        case Pat::outlier_channel: v = nd(rng) * (d == 5 || d == hd - 3 ? 300.f : 1.f); break;
+        case Pat::constant_rows: v = 0.75f * float(t % 3 - 1); break;
+        case Pat::zeros: v = 0; break;
+        case Pat::huge: v = nd(rng) * 1e4f; break;
+        case Pat::tiny: v = nd(rng) * 1e-6f; break;
+        case Pat::mixed_scale: v = nd(rng) * std::ldexp(1.f, (t % 20) - 10); break;
+      }
+    }
+  return x;
+}
 
 // Queries: random, an outlier channel, an all-zero 32-block, tiny and huge magnitudes.
 inline std::vector<float> make_queries(int variant, int nq, int hd, std::mt19937& rng) {
