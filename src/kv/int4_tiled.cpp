@@ -13,6 +13,7 @@
 #include "kv/grouped_common.h"
 #include "kv/kv_rows.h"
 #include "kv/registry_internal.h"
+#include "kv/tiled_codec.h"
 
 namespace kvq {
 
@@ -173,28 +174,24 @@ void int4t_accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q
 
 namespace {
 
-class Int4TiledCodec : public KvCodec {
+struct Int4tOps {
+  static void prepare_query(const Int4TiledLayout& L, const float* q, int n_q, float* qp) {
+    int4t_prepare_query(L, q, n_q, qp);
+  }
+  static void scores(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
+                     float* out, int out_stride) {
+    int4t_scores(L, qp, n_q, block, t0, n, out, out_stride);
+  }
+  static void accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
+                    int n, float* acc) {
+    int4t_accum(L, p, p_stride, n_q, block, t0, n, acc);
+  }
+};
+
+class Int4TiledCodec final : public TiledCodecBase<Int4TiledLayout, Int4tOps> {
  public:
   Int4TiledCodec(std::string name, KvRole role, int hd, int group)
-      : role_(role), L_(int4t_layout(hd, group)), row_(kv_row_fmt(KvElem::int4g, hd, group)) {
-    info_.name = std::move(name);
-    info_.code_bits = 4;
-  }
-  const KvCodecInfo& info() const override { return info_; }
-  int head_dim() const override { return L_.hd; }
-  size_t block_bytes(int block_tokens) const override {
-    check_block(block_tokens);
-    return size_t(block_tokens / kv_tile_tokens) * L_.tile_bytes;
-  }
-
-  // The tiles holding [t0, t0 + n), which attention requests one kernel call early (measured
-  // equal to the kernels requesting the range themselves when they start; one mechanism only).
-  PrefetchRange prefetch_range(int block_tokens, int t0, int n) const override {
-    check_block(block_tokens);
-    PrefetchRange r;
-    kv_unit_range(L_.tile_bytes, kv_tile_tokens, t0, n, prefetch_lead_bytes, &r.offset, &r.bytes);
-    return r;
-  }
+      : TiledCodecBase(std::move(name), 4, role, int4t_layout(hd, group)), row_(kv_row_fmt(KvElem::int4g, hd, group)) {}
 
   // Each token is quantized by int4_gN's row encoder (so the codes, scales and minimums are
   // int4_gN's exactly), then scattered into the tile; every byte a token writes is its own.
@@ -255,40 +252,7 @@ class Int4TiledCodec : public KvCodec {
     }
   }
 
-  int prepared_query_dim() const override { return role_ == KvRole::key ? L_.qdim : L_.hd; }
-  void prepare_query(int head, const float* q, int n_q, float* qp) const override {
-    if (role_ != KvRole::key) return KvCodec::prepare_query(head, q, n_q, qp);
-    int4t_prepare_query(L_, q, n_q, qp);
-  }
-  void scores(int head, const float* qp, int n_q, const uint8_t* block, int block_tokens, int t0, int n, int pos0,
-              float* out, int out_stride) const override {
-    check_block(block_tokens);
-    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
-    // A value-layout block has no fused score kernel (a V codec is not asked to score).
-    if (role_ != KvRole::key)
-      return kv_scores_via_decode(*this, head, qp, n_q, block, block_tokens, t0, n, pos0, out, out_stride);
-    int4t_scores(L_, qp, n_q, block, t0, n, out, out_stride);
-  }
-  void accumulate(int head, const float* p, int p_stride, int n_q, const uint8_t* block, int block_tokens, int t0,
-                  int n, float* acc) const override {
-    check_block(block_tokens);
-    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
-    if (role_ != KvRole::value)
-      return kv_accumulate_via_decode(*this, head, p, p_stride, n_q, block, block_tokens, t0, n, 0, acc);
-    int4t_accum(L_, p, p_stride, n_q, block, t0, n, acc);
-  }
-
  private:
-  void check_block(int block_tokens) const {
-    if (block_tokens <= 0 || block_tokens % kv_tile_tokens != 0)
-      fail("KV codec '{}': block of {} tokens; this codec stores 16-token tiles, so the block (page) size must be a "
-           "positive multiple of 16",
-           info_.name, block_tokens);
-  }
-
-  KvCodecInfo info_;
-  KvRole role_;
-  Int4TiledLayout L_;
   KvRowFmt row_;  // int4_gN's row format: the quantizer
 };
 

@@ -15,6 +15,7 @@
 #include "kv/int4_tiled.h"
 #include "kv/kv_rows.h"
 #include "kv/registry_internal.h"
+#include "kv/tiled_codec.h"
 
 namespace kvq {
 
@@ -173,25 +174,24 @@ void int8t_accum(const Int8TiledLayout& L, const float* p, int p_stride, int n_q
 
 namespace {
 
-class Int8TiledCodec : public KvCodec {
- public:
-  Int8TiledCodec(KvRole role, int hd) : role_(role), L_(int8t_layout(hd)), row_(kv_row_fmt(KvElem::int8, hd)) {
-    info_.name = "int8t";
-    info_.code_bits = 8;
+struct Int8tOps {
+  static void prepare_query(const Int8TiledLayout& L, const float* q, int n_q, float* qp) {
+    int8t_prepare_query(L, q, n_q, qp);
   }
-  const KvCodecInfo& info() const override { return info_; }
-  int head_dim() const override { return L_.hd; }
-  size_t block_bytes(int block_tokens) const override {
-    check_block(block_tokens);
-    return size_t(block_tokens / kv_tile_tokens) * L_.tile_bytes;
+  static void scores(const Int8TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
+                     float* out, int out_stride) {
+    int8t_scores(L, qp, n_q, block, t0, n, out, out_stride);
   }
+  static void accum(const Int8TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
+                    int n, float* acc) {
+    int8t_accum(L, p, p_stride, n_q, block, t0, n, acc);
+  }
+};
 
-  PrefetchRange prefetch_range(int block_tokens, int t0, int n) const override {
-    check_block(block_tokens);
-    PrefetchRange r;
-    kv_unit_range(L_.tile_bytes, kv_tile_tokens, t0, n, prefetch_lead_bytes, &r.offset, &r.bytes);
-    return r;
-  }
+class Int8TiledCodec final : public TiledCodecBase<Int8TiledLayout, Int8tOps> {
+ public:
+  Int8TiledCodec(KvRole role, int hd)
+      : TiledCodecBase("int8t", 8, role, int8t_layout(hd)), row_(kv_row_fmt(KvElem::int8, hd)) {}
 
   // Each token is quantized by int8's row encoder (codes and scale are int8's exactly), then
   // scattered into its tile; every byte a token writes is its own.
@@ -234,39 +234,7 @@ class Int8TiledCodec : public KvCodec {
     }
   }
 
-  int prepared_query_dim() const override { return role_ == KvRole::key ? L_.qdim : L_.hd; }
-  void prepare_query(int head, const float* q, int n_q, float* qp) const override {
-    if (role_ != KvRole::key) return KvCodec::prepare_query(head, q, n_q, qp);
-    int8t_prepare_query(L_, q, n_q, qp);
-  }
-  void scores(int head, const float* qp, int n_q, const uint8_t* block, int block_tokens, int t0, int n, int pos0,
-              float* out, int out_stride) const override {
-    check_block(block_tokens);
-    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
-    if (role_ != KvRole::key)
-      return kv_scores_via_decode(*this, head, qp, n_q, block, block_tokens, t0, n, pos0, out, out_stride);
-    int8t_scores(L_, qp, n_q, block, t0, n, out, out_stride);
-  }
-  void accumulate(int head, const float* p, int p_stride, int n_q, const uint8_t* block, int block_tokens, int t0,
-                  int n, float* acc) const override {
-    check_block(block_tokens);
-    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
-    if (role_ != KvRole::value)
-      return kv_accumulate_via_decode(*this, head, p, p_stride, n_q, block, block_tokens, t0, n, 0, acc);
-    int8t_accum(L_, p, p_stride, n_q, block, t0, n, acc);
-  }
-
  private:
-  void check_block(int block_tokens) const {
-    if (block_tokens <= 0 || block_tokens % kv_tile_tokens != 0)
-      fail("KV codec 'int8t': block of {} tokens; this codec stores 16-token tiles, so the block (page) size must be "
-           "a positive multiple of 16",
-           block_tokens);
-  }
-
-  KvCodecInfo info_;
-  KvRole role_;
-  Int8TiledLayout L_;
   KvRowFmt row_;  // int8's row format: the quantizer
 };
 

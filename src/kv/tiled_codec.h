@@ -1,0 +1,75 @@
+// What the tiled per-token codecs (int4t, int8t) share around their own encode/decode: a head
+// block of 16-token tiles tile_bytes apart, the fused kernels of the role the layout was built
+// for (keys: prepare_query + scores; values: accumulate), the other role served through decode,
+// and the prefetch range of the tiles a call reads.
+#pragma once
+#include <string>
+
+#include "core/error.h"
+#include "kv/grouped_common.h"
+#include "kv/int4_tiled.h"
+#include "kvq/kv_format.h"
+
+namespace kvq {
+
+// Layout: hd, tile_bytes, qdim. Ops: static prepare_query(L, q, n_q, qp), scores(L, qp, n_q,
+// block, t0, n, out, out_stride), accum(L, p, p_stride, n_q, block, t0, n, acc).
+template <class Layout, class Ops>
+class TiledCodecBase : public KvCodec {
+ public:
+  TiledCodecBase(std::string name, double code_bits, KvRole role, const Layout& L) : role_(role), L_(L) {
+    info_.name = std::move(name);
+    info_.code_bits = code_bits;
+  }
+  const KvCodecInfo& info() const override { return info_; }
+  int head_dim() const override { return L_.hd; }
+  size_t block_bytes(int block_tokens) const override {
+    check_block(block_tokens);
+    return size_t(block_tokens / kv_tile_tokens) * L_.tile_bytes;
+  }
+  // The tiles holding [t0, t0 + n), which attention requests one kernel call early.
+  PrefetchRange prefetch_range(int block_tokens, int t0, int n) const override {
+    check_block(block_tokens);
+    PrefetchRange r;
+    kv_unit_range(L_.tile_bytes, kv_tile_tokens, t0, n, prefetch_lead_bytes, &r.offset, &r.bytes);
+    return r;
+  }
+  int prepared_query_dim() const override { return role_ == KvRole::key ? L_.qdim : L_.hd; }
+  void prepare_query(int head, const float* q, int n_q, float* qp) const override {
+    if (role_ != KvRole::key) return KvCodec::prepare_query(head, q, n_q, qp);
+    Ops::prepare_query(L_, q, n_q, qp);
+  }
+  void scores(int head, const float* qp, int n_q, const uint8_t* block, int block_tokens, int t0, int n, int pos0,
+              float* out, int out_stride) const override {
+    check_range(block_tokens, t0, n);
+    // A value-layout block has no fused score kernel (a V codec is not asked to score).
+    if (role_ != KvRole::key)
+      return kv_scores_via_decode(*this, head, qp, n_q, block, block_tokens, t0, n, pos0, out, out_stride);
+    Ops::scores(L_, qp, n_q, block, t0, n, out, out_stride);
+  }
+  void accumulate(int head, const float* p, int p_stride, int n_q, const uint8_t* block, int block_tokens, int t0,
+                  int n, float* acc) const override {
+    check_range(block_tokens, t0, n);
+    if (role_ != KvRole::value)
+      return kv_accumulate_via_decode(*this, head, p, p_stride, n_q, block, block_tokens, t0, n, 0, acc);
+    Ops::accum(L_, p, p_stride, n_q, block, t0, n, acc);
+  }
+
+ protected:
+  void check_block(int block_tokens) const {
+    if (block_tokens <= 0 || block_tokens % kv_tile_tokens != 0)
+      fail("KV codec '{}': block of {} tokens; this codec stores 16-token tiles, so the block (page) size must be a "
+           "positive multiple of 16",
+           info_.name, block_tokens);
+  }
+  void check_range(int block_tokens, int t0, int n) const {
+    check_block(block_tokens);
+    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
+  }
+
+  KvCodecInfo info_;
+  KvRole role_;
+  Layout L_;
+};
+
+}  // namespace kvq
