@@ -23,45 +23,12 @@ using namespace kvq;
 
 namespace {
 
-std::unique_ptr<KvCodec> make(const std::string& name, int hd, KvRole role, int G = 0, int R = -1) {
-  KvCodecParams p;
-  p.head_dim = hd;
-  p.n_kv_heads = 2;
-  p.role = role;
-  p.group_tokens = G;
-  p.residual_tokens = R;
-  return kv_codec_create(name, p);
-}
-
-enum class Pat { random, outlier_channel, constant_rows, zeros, huge, tiny, mixed_scale, nonfinite };
+using test::make;
+using test::make_rows;
+using test::Pat;
+// every pattern of the shared list, plus non-finite input (kivi's encoder sanitizes it)
 const Pat kPats[] = {Pat::random, Pat::outlier_channel, Pat::constant_rows, Pat::zeros,
                      Pat::huge,   Pat::tiny,            Pat::mixed_scale,   Pat::nonfinite};
-
-std::vector<float> make_rows(Pat p, int n, int hd, std::mt19937& rng) {
-  std::normal_distribution<float> nd;
-  std::vector<float> x(size_t(n) * size_t(hd));
-  for (int t = 0; t < n; ++t)
-    for (int d = 0; d < hd; ++d) {
-      float& v = x[size_t(t) * size_t(hd) + size_t(d)];
-      switch (p) {
-        case Pat::random: v = nd(rng); break;
-        case Pat::outlier_channel: v = nd(rng) * (d == 5 || d == hd - 3 ? 300.f : 1.f); break;
-        case Pat::constant_rows: v = 0.75f * float(t % 3 - 1); break;
-        case Pat::zeros: v = 0; break;
-        case Pat::huge: v = nd(rng) * 1e4f; break;
-        case Pat::tiny: v = nd(rng) * 1e-6f; break;
-        case Pat::mixed_scale: v = nd(rng) * std::ldexp(1.f, (t % 20) - 10); break;
-        case Pat::nonfinite: {  // sanitized by the encoder: NaN -> 0, +-inf / 1e6 -> +-65504
-          const int k = (t * 7 + d) % 13;
-          v = k == 0 ? std::numeric_limits<float>::quiet_NaN()
-                     : k == 1 ? std::numeric_limits<float>::infinity() : k == 2 ? -1e6f : nd(rng);
-          break;
-        }
-      }
-    }
-  return x;
-}
-
 using test::make_queries;
 
 struct Shape {

@@ -2,6 +2,7 @@
 // test_kivi_tiled): codecs by name, key/value rows by pattern, queries.
 #pragma once
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -11,17 +12,21 @@
 
 namespace kvq::test {
 
-inline std::unique_ptr<KvCodec> make(const std::string& name, int hd, KvRole role) {
+// G, R: grouped codecs' token group and full-precision window (0 / -1: the codec's default).
+inline std::unique_ptr<KvCodec> make(const std::string& name, int hd, KvRole role, int G = 0, int R = -1) {
   KvCodecParams p;
   p.head_dim = hd;
   p.n_kv_heads = 2;
   p.role = role;
+  p.group_tokens = G;
+  p.residual_tokens = R;
   return kv_codec_create(name, p);
 }
 
-enum class Pat { random, outlier_channel, constant_rows, zeros, huge, tiny, mixed_scale };
+// nonfinite (NaN, inf, beyond f16) only for codecs whose encoder sanitizes its input (kivi).
+enum class Pat { random, outlier_channel, constant_rows, zeros, huge, tiny, mixed_scale, nonfinite };
 inline const Pat kPats[] = {Pat::random, Pat::outlier_channel, Pat::constant_rows, Pat::zeros,
-                     Pat::huge,   Pat::tiny,            Pat::mixed_scale};
+                            Pat::huge,   Pat::tiny,            Pat::mixed_scale};
 
 inline std::vector<float> make_rows(Pat p, int n, int hd, std::mt19937& rng) {
   std::normal_distribution<float> nd;
@@ -37,6 +42,12 @@ inline std::vector<float> make_rows(Pat p, int n, int hd, std::mt19937& rng) {
         case Pat::huge: v = nd(rng) * 1e4f; break;
         case Pat::tiny: v = nd(rng) * 1e-6f; break;
         case Pat::mixed_scale: v = nd(rng) * std::ldexp(1.f, (t % 20) - 10); break;
+        case Pat::nonfinite: {  // kivi's encoder: NaN -> 0, +-inf / 1e6 -> +-65504
+          const int k = (t * 7 + d) % 13;
+          v = k == 0 ? std::numeric_limits<float>::quiet_NaN()
+                     : k == 1 ? std::numeric_limits<float>::infinity() : k == 2 ? -1e6f : nd(rng);
+          break;
+        }
       }
     }
   return x;
