@@ -25,6 +25,7 @@
 #include "kvq/kv_format.h"
 #include "kivi_int_dot_bound.h"
 #include "kv_int_dot_bound.h"
+#include "int2_tiled_bound.h"
 #include "int4_tiled_bound.h"
 #include "int8_tiled_bound.h"
 #include "kivi_tiled_bound.h"
@@ -151,6 +152,14 @@ double int4t_tol(const KvCodec& kc, const KvCodec& vc, int head, const std::vect
           delta = std::max(delta, test::int4t_score_bound(L, qp.data() + size_t(i) * size_t(kc.prepared_query_dim()), sp.k, t));
     delta *= double(ap.scale);
   }
+  if (test::int2t_codec(kc)) {  // int4t's int8 query image against 2-bit tiles (kv/int2_tiled.h)
+    const Int4TiledLayout L = test::int2t_layout_of(kc);
+    for (const auto& sp : spans)
+      for (int t = sp.t0; t < sp.t0 + sp.n; ++t)
+        for (int i = 0; i < n_q; ++i)
+          delta = std::max(delta, test::int2t_score_bound(L, q.data() + size_t(i) * size_t(hd), sp.k, t));
+    delta *= double(ap.scale);
+  }
   if (test::int8t_codec(kc)) {  // int8 image of the query per 32-dim block (kv/int8_tiled.h)
     const Int8TiledLayout L = int8t_layout(hd);
     for (const auto& sp : spans)
@@ -175,11 +184,13 @@ double int4t_tol(const KvCodec& kc, const KvCodec& vc, int head, const std::vect
   for (int t = 0; t < n_tail; ++t)
     for (int d = 0; d < vd; ++d) vmax = std::max(vmax, double(std::fabs(tv[size_t(t) * ts + size_t(d)])));
   double tol = std::expm1(2 * delta) * vmax;
-  if (test::int4t_codec(vc) || test::kivi4t_value_codec(vc) || test::int8t_codec(vc)) {
-    // kivi4t_v: int4t_g32's value tiles
-    const bool i8 = test::int8t_codec(vc);
-    const Int4TiledLayout L =
-        i8 ? Int4TiledLayout{} : test::kivi4t_value_codec(vc) ? int4t_layout(vd, 32) : test::int4t_layout_of(vc);
+  if (test::int4t_codec(vc) || test::kivi4t_value_codec(vc) || test::int8t_codec(vc) || test::int2t_codec(vc)) {
+    // kivi4t_v: int4t_g32's value tiles; int2t_g*: int4t's weight steps against 2-bit tiles
+    const bool i8 = test::int8t_codec(vc), i2 = test::int2t_codec(vc);
+    const Int4TiledLayout L = i8   ? Int4TiledLayout{}
+                              : i2 ? test::int2t_layout_of(vc)
+                              : test::kivi4t_value_codec(vc) ? int4t_layout(vd, 32)
+                                                              : test::int4t_layout_of(vc);
     double worst = 0;
     for (int i = 0; i < n_q; ++i) {
       const float* qi = q.data() + size_t(i) * size_t(hd);
@@ -203,8 +214,9 @@ double int4t_tol(const KvCodec& kc, const KvCodec& vc, int head, const std::vect
       double e = 0;
       size_t off = 0;
       for (const auto& sp : spans) {
-        e += i8 ? test::int8t_value_bound(int8t_layout(vd), sp.v, sp.t0, sp.n, logit.data() + off, std::exp(2 * delta))
-                : test::int4t_value_bound(L, sp.v, sp.t0, sp.n, logit.data() + off, std::exp(2 * delta));
+        e += i8   ? test::int8t_value_bound(int8t_layout(vd), sp.v, sp.t0, sp.n, logit.data() + off, std::exp(2 * delta))
+             : i2 ? test::int2t_value_bound(L, sp.v, sp.t0, sp.n, logit.data() + off, std::exp(2 * delta))
+                  : test::int4t_value_bound(L, sp.v, sp.t0, sp.n, logit.data() + off, std::exp(2 * delta));
         off += size_t(sp.n);
       }
       worst = std::max(worst, e);
@@ -344,6 +356,7 @@ double max_err_vs_ref(const std::string& format, const Case& c, uint64_t seed, d
     *tol += test::kivi_int_values_attn_bound(n_tok, vmax);
   }
   if (test::int4t_codec(*kc) || test::int4t_codec(*vc) || test::int8t_codec(*kc) || test::int8t_codec(*vc) ||
+      test::int2t_codec(*kc) || test::int2t_codec(*vc) ||
       test::kivi4t_key_codec(*kc) ||
       test::kivi4t_value_codec(*vc))
     *tol += int4t_tol(*kc, *vc, head, q, c.n_q, spans, tk.data(), tv.data(), ts, c.n_tail, ap);
