@@ -160,6 +160,14 @@ double int4t_tol(const KvCodec& kc, const KvCodec& vc, int head, const std::vect
           delta = std::max(delta, test::int2t_score_bound(L, q.data() + size_t(i) * size_t(hd), sp.k, t));
     delta *= double(ap.scale);
   }
+  if (test::kivi2t_key_codec(kc)) {  // kivi2t_k: kivi4t's fold against 2-bit tiles (kv/kivi2_tiled.h)
+    for (const auto& sp : spans)
+      for (int t = sp.t0; t < sp.t0 + sp.n; ++t)
+        for (int i = 0; i < n_q; ++i)
+          delta = std::max(delta, test::kivi2t_score_bound(q.data() + size_t(i) * size_t(hd), sp.k, hd,
+                                                           kc.info().group_tokens, t));
+    delta *= double(ap.scale);
+  }
   if (test::int8t_codec(kc)) {  // int8 image of the query per 32-dim block (kv/int8_tiled.h)
     const Int8TiledLayout L = int8t_layout(hd);
     for (const auto& sp : spans)
@@ -184,11 +192,13 @@ double int4t_tol(const KvCodec& kc, const KvCodec& vc, int head, const std::vect
   for (int t = 0; t < n_tail; ++t)
     for (int d = 0; d < vd; ++d) vmax = std::max(vmax, double(std::fabs(tv[size_t(t) * ts + size_t(d)])));
   double tol = std::expm1(2 * delta) * vmax;
-  if (test::int4t_codec(vc) || test::kivi4t_value_codec(vc) || test::int8t_codec(vc) || test::int2t_codec(vc)) {
-    // kivi4t_v: int4t_g32's value tiles; int2t_g*: int4t's weight steps against 2-bit tiles
-    const bool i8 = test::int8t_codec(vc), i2 = test::int2t_codec(vc);
+  if (test::int4t_codec(vc) || test::kivi4t_value_codec(vc) || test::int8t_codec(vc) || test::int2t_codec(vc) ||
+      test::kivi2t_value_codec(vc)) {
+    // kivi4t_v: int4t_g32's value tiles; int2t_g*: int4t's weight steps against 2-bit tiles;
+    // kivi2t_v: int2t_g32's value tiles
+    const bool i8 = test::int8t_codec(vc), i2 = test::int2t_codec(vc) || test::kivi2t_value_codec(vc);
     const Int4TiledLayout L = i8   ? Int4TiledLayout{}
-                              : i2 ? test::int2t_layout_of(vc)
+                              : i2 ? (test::kivi2t_value_codec(vc) ? int2t_layout(vd, 32) : test::int2t_layout_of(vc))
                               : test::kivi4t_value_codec(vc) ? int4t_layout(vd, 32)
                                                               : test::int4t_layout_of(vc);
     double worst = 0;
@@ -356,7 +366,8 @@ double max_err_vs_ref(const std::string& format, const Case& c, uint64_t seed, d
     *tol += test::kivi_int_values_attn_bound(n_tok, vmax);
   }
   if (test::int4t_codec(*kc) || test::int4t_codec(*vc) || test::int8t_codec(*kc) || test::int8t_codec(*vc) ||
-      test::int2t_codec(*kc) || test::int2t_codec(*vc) ||
+      test::int2t_codec(*kc) || test::int2t_codec(*vc) || test::kivi2t_key_codec(*kc) ||
+      test::kivi2t_value_codec(*vc) ||
       test::kivi4t_key_codec(*kc) ||
       test::kivi4t_value_codec(*vc))
     *tol += int4t_tol(*kc, *vc, head, q, c.n_q, spans, tk.data(), tv.data(), ts, c.n_tail, ap);
