@@ -381,6 +381,60 @@ TEST(Int2Tiled, WideHeadParity) {
 #endif
 }
 
+// A 256-token block: ranges over several of the SIMD weighted sums' segments of tiles (and a
+// partial tile at both ends), SIMD against the reference, both weight paths.
+TEST(Int2Tiled, LongRangeParity) {
+#if defined(KVQ_HAVE_SIMD)
+  std::mt19937 rng(19);
+  std::normal_distribution<float> nd;
+  const CpuFeatures& cf = cpu_features();
+  const int hd = 128, bt = 256, nq = 5, group = 32;
+  const Int4TiledLayout L = int2t_layout(hd, group);
+  auto kc = make("int2t_g32", hd, KvRole::key);
+  auto vc = make("int2t_g32", hd, KvRole::value);
+  auto x = make_rows(Pat::mixed_scale, bt, hd, rng);
+  std::vector<uint8_t> kb(kc->block_bytes(bt), 0xFF), vb(vc->block_bytes(bt), 0xFF);
+  kc->encode(0, x.data(), size_t(hd), bt, kb.data(), bt, 0, 0);
+  vc->encode(0, x.data(), size_t(hd), bt, vb.data(), bt, 0, 0);
+  const Rows r = int2g_rows(x, bt, hd, group);
+  auto q = make_queries(0, nq, hd, rng);
+  std::vector<float> qp(size_t(nq) * size_t(L.qdim));
+  int4t_prepare_query(L, q.data(), nq, qp.data());
+  for (const auto& rg : {std::array<int, 2>{0, 256}, std::array<int, 2>{9, 230}, std::array<int, 2>{70, 100}})
+    for (bool sgn : {false, true}) {
+      const int t0 = rg[0], n = rg[1];
+      std::vector<float> p(size_t(nq) * size_t(n));
+      for (size_t e = 0; e < p.size(); ++e) p[e] = std::exp(-std::fabs(nd(rng)) * 3.f);
+      if (sgn) p[size_t(2 * n) + 5] = -0.5f;  // row 2: the s8 path
+      std::vector<float> sref(size_t(nq) * size_t(n)), aref(size_t(nq) * size_t(hd), 0.f);
+      int2t_scores_ref(L, qp.data(), nq, kb.data(), t0, n, sref.data(), n);
+      int2t_accum_ref(L, p.data(), n, nq, vb.data(), t0, n, aref.data());
+      for (int v = 0; v < 2; ++v) {
+        if (v == 0 && !(cf.avx2 && cf.fma && cf.f16c)) continue;
+        if (v == 1 && !(cf.avx512f && cf.avx512bw && cf.avx512vnni)) continue;
+        std::vector<float> s(sref.size()), a(aref.size(), 0.f);
+        (v == 0 ? int2t_scores_avx2 : int2t_scores_avx512)(L, qp.data(), nq, kb.data(), t0, n, s.data(), n);
+        (v == 0 ? int2t_accum_avx2 : int2t_accum_avx512)(L, p.data(), n, nq, vb.data(), t0, n, a.data());
+        ASSERT_EQ(std::memcmp(s.data(), sref.data(), sizeof(float) * s.size()), 0) << (v ? "avx512" : "avx2") << " t0 " << t0;
+        for (int i = 0; i < nq; ++i)
+          for (int d = 0; d < hd; ++d) {
+            double mag = 0;  // f32 order only: relative to the magnitudes summed
+            for (int t = 0; t < n; ++t) {
+              double sc, m;
+              int c;
+              r.scm(t0 + t, d, &sc, &m, &c);
+              mag += std::fabs(double(p[size_t(i) * size_t(n) + size_t(t)])) * (std::fabs(sc * c) + 2 * std::fabs(m));
+            }
+            ASSERT_NEAR(a[size_t(i) * size_t(hd) + size_t(d)], aref[size_t(i) * size_t(hd) + size_t(d)], 1e-5 * mag + 1e-30)
+                << (v ? "avx512" : "avx2") << " t0 " << t0 << " sgn " << sgn << " row " << i << " d " << d;
+          }
+      }
+    }
+#else
+  GTEST_SKIP() << "built without SIMD kernels";
+#endif
+}
+
 // Through the codec API at every CPU level, as attention calls it.
 TEST(Int2Tiled, CodecApiEveryLevel) {
   std::mt19937 rng(13);

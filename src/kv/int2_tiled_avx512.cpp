@@ -14,7 +14,7 @@ namespace kvq {
 namespace {
 
 constexpr int kMaxNq = 4;     // query rows per pass (accumulator registers)
-constexpr int kSegTiles = 8;  // tiles whose weights are quantized ahead of the channel loop
+constexpr int kSegTiles = 4;  // tiles whose weights are quantized ahead of the channel loop
 constexpr int kMaxGroups = 1024 / 32;
 
 inline __m512 load_f16x16(const uint8_t* p) {
