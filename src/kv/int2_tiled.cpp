@@ -24,8 +24,10 @@ Int4TiledLayout int2t_layout(int hd, int group) {
   return L;
 }
 
-// The tile is 16 int2_gN rows: tables of 4 bytes per (token, group), a quarter byte per code.
-static_assert(kv_tile_tokens == 16);
+// A tile is 16 int2_gN rows: per (token, group) the scale and min tables hold one f16 each, the
+// KvGroupParams of the row; per element a crumb (the codecs also check tile_bytes == 16 * row_bytes).
+static_assert(kv_tile_tokens == 16 && sizeof(KvGroupParams) == 2 * sizeof(f16_t));
+static_assert(kv_unit_elems == 32 && kv_unit_int2_bytes * 4 == kv_unit_elems, "int2g's unit packing, read by encode");
 
 namespace {
 

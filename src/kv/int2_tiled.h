@@ -36,9 +36,10 @@
 // the call is >= 0, else s8, W = 127), the min term sum_t p_t m_tg is summed in f32, the integer
 // dot is exact (|sum| <= 16 * 3 * 255), so channel d of query row i moves by at most
 //   sum_tiles (dw / 2)(1 + 2^-20) * sum_{t in tile} c_t[d]  + f32 rounding,
-// with c_t[d] <= 3: relative to attention's output, at most 3 * 16 / 510 of the tile's largest
-// p_t s_t per tile (a quarter of int4t's 15 * 16 / 510 in units of the step, which is itself ~5x
-// larger since int2's scale spans the group range in 3 steps instead of 15).
+// with c_t[d] <= 3 and s_t = range_t / 3: relative to attention's output (acc / l), at most
+// 16 * max_t (pi_t range_t) / 510 per tile (pi: the softmax probabilities), the same as int4t's
+// (15 codes of range / 15): the weight rounding costs the same share of the group range, int2's
+// own quantization error (range / 6 per element) is what differs.
 //
 // Kernels: *_ref (scalar, same arithmetic: scores bit-identical to the SIMD ones, weighted sums
 // equal up to f32 summation order), *_avx2, *_avx512 with one signature (Int4tScoresFn /
