@@ -1,4 +1,5 @@
 #include "kv/kivi.h"
+#include "kv/kivi_tiled.h"
 
 #include <algorithm>
 #include <cmath>
@@ -314,13 +315,20 @@ void kv_register_kivi() {
     const char* name;
     KvRole role;
     int bits;
+    bool tiles_when_fit;  // kivi4t's tiles (kv/kivi_tiled.h) when head_dim and G allow them
     const char* desc;
   };
   static const Def defs[] = {
-      {"kivi2_k", KvRole::key, 2, "KIVI keys: 2-bit per channel over groups of G tokens (G=32, R=128)"},
-      {"kivi4_k", KvRole::key, 4, "KIVI keys: 4-bit per channel over groups of G tokens (G=32, R=128)"},
-      {"kivi2_v", KvRole::value, 2, "KIVI values: 2-bit per token, groups of 32 channels (G=32, R=128)"},
-      {"kivi4_v", KvRole::value, 4, "KIVI values: 4-bit per token, groups of 32 channels (G=32, R=128)"},
+      {"kivi2_k", KvRole::key, 2, false, "KIVI keys: 2-bit per channel over groups of G tokens (G=32, R=128)"},
+      {"kivi4_k", KvRole::key, 4, true,
+       "KIVI keys: 4-bit per channel over groups of G tokens (G=32, R=128); kivi4t_k's tiles when head_dim % 32 == 0 "
+       "and G % 16 == 0, else kivi4p_k's bit planes"},
+      {"kivi4p_k", KvRole::key, 4, false, "KIVI keys: 4-bit per channel over groups of G tokens in bit planes"},
+      {"kivi2_v", KvRole::value, 2, false, "KIVI values: 2-bit per token, groups of 32 channels (G=32, R=128)"},
+      {"kivi4_v", KvRole::value, 4, true,
+       "KIVI values: 4-bit per token, groups of 32 channels (G=32, R=128); kivi4t_v's tiles when head_dim % 32 == 0 "
+       "and G % 16 == 0, else kivi4p_v's bit planes"},
+      {"kivi4p_v", KvRole::value, 4, false, "KIVI values: 4-bit per token, groups of 32 channels, in bit planes"},
   };
   for (const Def& d : defs) {
     kv_register_codec({d.name, d.desc, [d](const KvCodecParams& p) {
@@ -332,6 +340,10 @@ void kv_register_kivi() {
                          kv_resolve_grouped(d.name, p, kivi_default_group_tokens,
                                             kivi_default_residual_tokens, &c.group_tokens,
                                             &c.residual_tokens);
+                         // Same quantization, bytes and decode either way; the tiles' kernels are integer
+                         // dots (bench/BENCHMARKS.md: ~1.8x the planes' speed on AVX-512, ~8x on AVX2).
+                         if (d.tiles_when_fit && kivi_tiled_fits(c.head_dim, c.group_tokens))
+                           return kivi_tiled_codec_create(c.role, c.head_dim, c.group_tokens, c.residual_tokens);
                          return kivi_codec_create(c);
                        }});
   }
@@ -340,7 +352,9 @@ void kv_register_kivi() {
                       "precision (Liu et al. 2024)"});
   kv_register_format({"kivi4", {"kivi-4", "kivi_4bit"}, "kivi4_k", "kivi4_v",
                       "KIVI 4-bit: keys per channel, values per token, newest 128 tokens full "
-                      "precision (Liu et al. 2024)"});
+                      "precision (Liu et al. 2024); stored as kivi4t's tiles when head_dim % 32 == 0 and G % 16 == 0"});
+  kv_register_format({"kivi4p", {}, "kivi4p_k", "kivi4p_v",
+                      "KIVI 4-bit in bit planes (kivi4's layout when the tiles do not fit the shape)"});
 }
 
 }  // namespace kvq

@@ -316,6 +316,19 @@ class KivitValueCodec final : public KivitCodecBase {
 
 }  // namespace
 
+std::unique_ptr<KvCodec> kivi_tiled_codec_create(KvRole role, int head_dim, int g, int r) {
+  const char* name = role == KvRole::key ? "kivi4t_k" : "kivi4t_v";
+  kv_check_grouped_params(name, head_dim, g, r);
+  if (head_dim % 32 != 0)
+    fail("KV codec '{}': head_dim {} must be a multiple of 32 (int8 query blocks and value groups of 32 channels)",
+         name, head_dim);
+  if (g % kv_tile_tokens != 0)
+    fail("KV codec '{}': group of {} tokens; this codec stores 16-token tiles, so G must be a multiple of 16", name,
+         g);
+  if (role == KvRole::key) return std::make_unique<KivitKeyCodec>(name, head_dim, g, r);
+  return std::make_unique<KivitValueCodec>(name, head_dim, g, r);
+}
+
 void kv_register_kivi_tiled() {
   struct Def {
     const char* name;
@@ -333,17 +346,7 @@ void kv_register_kivi_tiled() {
                          int g = 0, r = 0;
                          kv_resolve_grouped(d.name, p, kivi_default_group_tokens, kivi_default_residual_tokens, &g,
                                             &r);
-                         kv_check_grouped_params(d.name, p.head_dim, g, r);
-                         if (p.head_dim % 32 != 0)
-                           fail("KV codec '{}': head_dim {} must be a multiple of 32 (int8 query blocks and value "
-                                "groups of 32 channels)",
-                                d.name, p.head_dim);
-                         if (g % kv_tile_tokens != 0)
-                           fail("KV codec '{}': group of {} tokens; this codec stores 16-token tiles, so G must be a "
-                                "multiple of 16",
-                                d.name, g);
-                         if (d.role == KvRole::key) return std::make_unique<KivitKeyCodec>(d.name, p.head_dim, g, r);
-                         return std::make_unique<KivitValueCodec>(d.name, p.head_dim, g, r);
+                         return kivi_tiled_codec_create(d.role, p.head_dim, g, r);
                        }});
   }
   kv_register_format({"kivi4t", {}, "kivi4t_k", "kivi4t_v",

@@ -41,10 +41,19 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+
+#include "kvq/kv_format.h"
 
 namespace kvq {
 
 void kv_register_kivi_tiled();
+
+// Whether kivi4t's tiles fit a head_dim and group size (head_dim % 32 == 0, G % 16 == 0).
+inline bool kivi_tiled_fits(int head_dim, int group_tokens) { return head_dim % 32 == 0 && group_tokens % 16 == 0; }
+// kivi4t_k (role key) or kivi4t_v (role value) for already-resolved G and R. Throws kvq::Error when the
+// tiles do not fit or G / R are invalid. `kivi4` uses these when the shape allows (kv/kivi.h).
+std::unique_ptr<KvCodec> kivi_tiled_codec_create(KvRole role, int head_dim, int group_tokens, int residual_tokens);
 
 // One group's folded query for n_q rows: q8 (n_q, hd) int8, dq (n_q, hd / 32), cz (n_q).
 // params: the group's [f16 scale (hd)][f16 zero (hd)]; q: (n_q, hd).
