@@ -36,19 +36,23 @@ struct Avx2 {
     return _mm_cvtss_f32(s);
   }
 
-  // See kv_rows_avx512.cpp: E4M3 magnitude bits << 7 are an f16 of value E4M3 * 2^-8.
-  static V e4m3_8(const uint8_t* c, float mul) {
-    const __m128i b = _mm_cvtepu8_epi16(ld8(c));
-    const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7f));
-    const __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7),
-                                   _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
-    const V v = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f * mul));
-    const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f))));
-    return _mm256_blendv_ps(v, _mm256_set1_ps(__builtin_nanf("")), nan);
+  // See kv_rows_avx512.cpp: the sign-extended E4M3 byte << 7 with bit 14 cleared is an f16 of value
+  // E4M3 * 2^-8; NaN codes patched.
+  static V e4m3_8_raw(const uint8_t* c) {
+    const __m128i b = _mm_cvtepi8_epi16(ld8(c));
+    const __m128i h = _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(int16_t(0xbfff)));
+    const __m128i m = _mm_set1_epi16(0x3f80);
+    const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(_mm_and_si128(h, m), m)));
+    return _mm256_blendv_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(__builtin_nanf("")), nan);
   }
-  static V e5m2_8(const uint8_t* c, float mul) {
-    const __m128i b = _mm_cvtepu8_epi16(ld8(c));
-    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_slli_epi16(b, 8)), _mm256_set1_ps(mul));
+  static V e5m2_8_raw(const uint8_t* c) { return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(ld8(c)), 8)); }
+  static V e4m3_8(const uint8_t* c, float mul) { return _mm256_mul_ps(e4m3_8_raw(c), _mm256_set1_ps(256.f * mul)); }
+  static V e5m2_8(const uint8_t* c, float mul) { return _mm256_mul_ps(e5m2_8_raw(c), _mm256_set1_ps(mul)); }
+  // The fp8 rows' codes unscaled (kv_rows_simd.h: kv_token_scaled).
+  template <KvElem E>
+  static V dec_raw(const uint8_t* c) {
+    if constexpr (E == KvElem::e4m3 || E == KvElem::e4m3_dyn) return e4m3_8_raw(c);
+    else return e5m2_8_raw(c);
   }
   static V i8_8(const uint8_t* c, float mul) {
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ld8(c))), _mm256_set1_ps(mul));

@@ -31,22 +31,29 @@ struct Avx512 {
     return hsum16_avx512(t);
   }
 
-  // 16 E4M3 codes -> f32. Shifting the 7 magnitude bits left by 7 yields the f16 with the same
-  // exponent and mantissa fields; its value is the E4M3 value times 2^-8 (biases 15 vs 7), which
-  // holds for subnormals too. The NaN codes (0x7f, 0xff) would decode to 480 and are patched.
-  static V e4m3_16(const uint8_t* c, float mul) {
-    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
-    const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi16(0x7f));
-    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7),
-                                      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
-    const V v = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f * mul));
-    const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
-    return _mm512_mask_blend_ps(nan, v, _mm512_set1_ps(__builtin_nanf("")));
+  // 16 E4M3 codes -> f32 times 2^-8 (kv_rows_simd.h applies the 256 * scale per token). The
+  // sign-extended byte shifted left by 7 holds the 7 magnitude bits at 7..13 and the sign at 14
+  // and 15: with bit 14 cleared it is the f16 with the same exponent and mantissa fields, whose
+  // value is the E4M3 value times 2^-8 (biases 15 vs 7), subnormals included. The NaN codes
+  // (0x7f, 0xff) would decode to 480 and are patched.
+  static V e4m3_16_raw(const uint8_t* c) {
+    const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(int16_t(0xbfff)));
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, _mm256_set1_epi16(0x3f80)), _mm256_set1_epi16(0x3f80));
+    return _mm512_mask_blend_ps(nan, _mm512_cvtph_ps(h), _mm512_set1_ps(__builtin_nanf("")));
   }
   // E5M2 is the high byte of an f16: exact, inf and NaN included.
-  static V e5m2_16(const uint8_t* c, float mul) {
+  static V e5m2_16_raw(const uint8_t* c) {
     const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
-    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_slli_epi16(b, 8)), _mm512_set1_ps(mul));
+    return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+  }
+  static V e4m3_16(const uint8_t* c, float mul) { return _mm512_mul_ps(e4m3_16_raw(c), _mm512_set1_ps(256.f * mul)); }
+  static V e5m2_16(const uint8_t* c, float mul) { return _mm512_mul_ps(e5m2_16_raw(c), _mm512_set1_ps(mul)); }
+  // The fp8 rows' codes unscaled (kv_rows_simd.h: kv_token_scaled).
+  template <KvElem E>
+  static V dec_raw(const uint8_t* c) {
+    if constexpr (E == KvElem::e4m3 || E == KvElem::e4m3_dyn) return e4m3_16_raw(c);
+    else return e5m2_16_raw(c);
   }
   static V i8_16(const uint8_t* c, float mul) {
     const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));

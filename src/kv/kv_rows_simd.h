@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "kv/kv_rows.h"
@@ -41,6 +42,37 @@ inline constexpr size_t kv_prefetch_bytes = 4096;
   for (size_t b = size_t(t) * row_stride + kv_prefetch_bytes; b < e; b += 64) __builtin_prefetch(rows + b, 0, 2);
 }
 
+// fp8 rows: the kernels decode the codes unscaled (Isa::dec_raw: E5M2 as the f16 it is the high
+// byte of, E4M3 as its f16 image, 2^-8 times its value; NaN codes stay NaN) and apply the token's
+// multiplier once per score or weight instead of once per element: the per-element multiply was
+// a fifth of the fp8 decode's instructions. The products and sums are of exactly representable
+// values either way; only where the rounding of the scale happens moves (one more f32 rounding).
+template <KvElem E>
+inline constexpr bool kv_token_scaled =
+    E == KvElem::e4m3 || E == KvElem::e5m2 || E == KvElem::e4m3_dyn || E == KvElem::e5m2_dyn;
+template <KvElem E>
+inline float kv_token_mul(float scale, const uint8_t* row) {
+  float s = scale;
+  if constexpr (E == KvElem::e4m3_dyn || E == KvElem::e5m2_dyn) std::memcpy(&s, row, sizeof(float));
+  if constexpr (E == KvElem::e4m3 || E == KvElem::e4m3_dyn) s *= 256.f;
+  return s;
+}
+// Elements [e, e + W) of a row: unscaled for the fp8 rows, else Isa::dec.
+template <class Isa, KvElem E>
+[[gnu::always_inline]] inline typename Isa::V dec_row(const KvRowFmt& f, float scale, const uint8_t* row, int e) {
+  if constexpr (kv_token_scaled<E>) {
+    constexpr size_t off = E == KvElem::e4m3_dyn || E == KvElem::e5m2_dyn ? sizeof(KvRowScaled) : 0;
+    return Isa::template dec_raw<E>(row + off + e);
+  } else {
+    return Isa::template dec<E>(f, scale, row, e);
+  }
+}
+template <KvElem E>
+[[gnu::always_inline]] inline float row_mul(float scale, const uint8_t* row) {
+  if constexpr (kv_token_scaled<E>) return kv_token_mul<E>(scale, row);
+  return 1.f;
+}
+
 // NQ query rows in NQP slots (NQ rounded up to a power of two), TU = W / NQP tokens per step: the
 // W (token, query) dot products of a step finish with one Isa::hsum_w tree instead of W full
 // horizontal reductions, and each decoded chunk of a token is reused by all NQ query rows.
@@ -61,7 +93,7 @@ void scores_nq(const KvRowFmt& f, float scale, const float* q, const uint8_t* ro
     for (int j = 0; j < W; ++j) a[j] = Isa::zero();
     for (int e = 0; e < hd; e += W) {
       V x[TU];
-      for (int u = 0; u < TU; ++u) x[u] = Isa::template dec<E>(f, scale, r0 + size_t(u) * row_stride, e);
+      for (int u = 0; u < TU; ++u) x[u] = dec_row<Isa, E>(f, scale, r0 + size_t(u) * row_stride, e);
       for (int i = 0; i < NQ; ++i) {
         const V qv = Isa::load(q + size_t(i) * hd + e);
         for (int u = 0; u < TU; ++u) a[i * TU + u] = Isa::fma(x[u], qv, a[i * TU + u]);
@@ -69,6 +101,12 @@ void scores_nq(const KvRowFmt& f, float scale, const float* q, const uint8_t* ro
     }
     alignas(64) float z[W];
     Isa::store(z, Isa::hsum_w(a));
+    if constexpr (kv_token_scaled<E>) {
+      float mu[TU];
+      for (int u = 0; u < TU; ++u) mu[u] = row_mul<E>(scale, r0 + size_t(u) * row_stride);
+      for (int i = 0; i < NQ; ++i)
+        for (int u = 0; u < TU; ++u) z[i * TU + u] *= mu[u];
+    }
     for (int i = 0; i < NQ; ++i)
       for (int u = 0; u < TU; ++u) out[size_t(i) * size_t(out_stride) + size_t(t + u)] = z[i * TU + u];
   }
@@ -77,10 +115,12 @@ void scores_nq(const KvRowFmt& f, float scale, const float* q, const uint8_t* ro
     V acc[NQ];
     for (int i = 0; i < NQ; ++i) acc[i] = Isa::zero();
     for (int e = 0; e < hd; e += W) {
-      const V x = Isa::template dec<E>(f, scale, row, e);
+      const V x = dec_row<Isa, E>(f, scale, row, e);
       for (int i = 0; i < NQ; ++i) acc[i] = Isa::fma(x, Isa::load(q + size_t(i) * hd + e), acc[i]);
     }
-    for (int i = 0; i < NQ; ++i) out[size_t(i) * size_t(out_stride) + size_t(t)] = Isa::hsum(acc[i]);
+    const float mu = row_mul<E>(scale, row);
+    for (int i = 0; i < NQ; ++i)
+      out[size_t(i) * size_t(out_stride) + size_t(t)] = kv_token_scaled<E> ? Isa::hsum(acc[i]) * mu : Isa::hsum(acc[i]);
   }
 }
 
@@ -101,9 +141,11 @@ void accum_nq(const KvRowFmt& f, float scale, const float* p, int p_stride, cons
       if (e == 0) kv_prefetch_ahead(rows, row_stride, t, 1, n);
       const uint8_t* row = rows + size_t(t) * row_stride;
       V x[SV];
-      for (int v = 0; v < SV; ++v) x[v] = Isa::template dec<E>(f, scale, row, e + W * v);
+      for (int v = 0; v < SV; ++v) x[v] = dec_row<Isa, E>(f, scale, row, e + W * v);
+      const float mu = row_mul<E>(scale, row);
       for (int i = 0; i < NQ; ++i) {
-        const V w = Isa::set1(p[size_t(i) * size_t(p_stride) + size_t(t)]);
+        const float pt = p[size_t(i) * size_t(p_stride) + size_t(t)];
+        const V w = Isa::set1(kv_token_scaled<E> ? pt * mu : pt);
         for (int v = 0; v < SV; ++v) a[i][v] = Isa::fma(w, x[v], a[i][v]);
       }
     }
