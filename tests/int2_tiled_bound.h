@@ -1,5 +1,5 @@
 // Error bounds of the tiled int2 kernels (kv/int2_tiled.h) and of kivi2t's key scores
-// (kv/kivi2_tiled.h) read off a head block, for tests: int4t's and kivi4t's bounds
+// (kv/kivi_tiled.h) read off a head block, for tests: int4t's and kivi4t's bounds
 // (tests/int4_tiled_bound.h, tests/kivi_tiled_bound.h) with int2t's code layout and codes 0..3.
 #pragma once
 #include <algorithm>

@@ -19,10 +19,13 @@
 
 namespace kvq::test {
 
+inline bool kivi_tiled_name(const std::string& n) { return n.rfind("kivi4t", 0) == 0 || n.rfind("kivi2t", 0) == 0; }
+
 inline bool kivi_int_keys(const KvCodec& kc) {
   const std::string& n = kc.info().name;
-  // kivi4t_* (kv/kivi_tiled.h) have their own kernels and bounds (kivi_tiled_bound.h).
-  return cpu_level() == CpuLevel::avx512 && n.rfind("kivi", 0) == 0 && n.rfind("kivi4t", 0) != 0 && n.size() > 2 &&
+  // kivi4t_* / kivi2t_* (kv/kivi_tiled.h) have their own kernels and bounds (kivi_tiled_bound.h,
+  // int2_tiled_bound.h).
+  return cpu_level() == CpuLevel::avx512 && n.rfind("kivi", 0) == 0 && !kivi_tiled_name(n) && n.size() > 2 &&
          n.compare(n.size() - 2, 2, "_k") == 0 && kc.head_dim() % 64 == 0;
 }
 
@@ -59,7 +62,7 @@ inline double kivi_int_dot_bound(const KvCodec& kc, const float* q, int n_q, con
 // for the f16 rounding of the scale).
 inline bool kivi_int_values(const KvCodec& vc) {
   const std::string& n = vc.info().name;
-  return cpu_level() == CpuLevel::avx512 && ((n.rfind("kivi", 0) == 0 && n.rfind("kivi4t", 0) != 0) || n.rfind("kvquant", 0) == 0) &&
+  return cpu_level() == CpuLevel::avx512 && ((n.rfind("kivi", 0) == 0 && !kivi_tiled_name(n)) || n.rfind("kvquant", 0) == 0) &&
          n.size() > 2 && n.compare(n.size() - 2, 2, "_v") == 0 && vc.head_dim() % 64 == 0;
 }
 inline double kivi_int_values_attn_bound(int n_tokens, double v_max) {

@@ -160,7 +160,7 @@ double int4t_tol(const KvCodec& kc, const KvCodec& vc, int head, const std::vect
           delta = std::max(delta, test::int2t_score_bound(L, q.data() + size_t(i) * size_t(hd), sp.k, t));
     delta *= double(ap.scale);
   }
-  if (test::kivi2t_key_codec(kc)) {  // kivi2t_k: kivi4t's fold against 2-bit tiles (kv/kivi2_tiled.h)
+  if (test::kivi2t_key_codec(kc)) {  // kivi2t_k: kivi4t's fold against 2-bit tiles (kv/kivi_tiled.h)
     for (const auto& sp : spans)
       for (int t = sp.t0; t < sp.t0 + sp.n; ++t)
         for (int i = 0; i < n_q; ++i)

@@ -94,7 +94,7 @@ std::vector<CpuLevel> levels() {
 TEST(Kivi, RegisteredFormatsAndDefaults) {
   EXPECT_EQ(kv_format_find("kivi2").k_codec, "kivi2_k");
   EXPECT_EQ(kv_format_find("KIVI-4").v_codec, "kivi4_v");
-  for (const char* n : {"kivi2_k", "kivi4p_k", "kivi2_v", "kivi4p_v"}) {
+  for (const char* n : {"kivi2p_k", "kivi4p_k", "kivi2p_v", "kivi4p_v"}) {
     auto c = make(n);
     EXPECT_EQ(c->info().name, n);
     EXPECT_EQ(c->info().group_tokens, 32);
@@ -109,33 +109,37 @@ TEST(Kivi, RegisteredFormatsAndDefaults) {
   EXPECT_EQ(kv_quantized_tokens(160, 32, 128), 32);
 }
 
-// kivi4 stores kivi4t's tiles when head_dim % 32 == 0 and G % 16 == 0 (same bytes and decode), the bit
-// planes otherwise; kivi4p always the planes.
-TEST(Kivi, Kivi4UsesTilesWhenTheShapeAllows) {
+// kivi4 / kivi2 store kivi4t's / kivi2t's tiles when head_dim % 32 == 0 and G % 16 == 0 (same bytes
+// and decode), the bit planes otherwise; kivi4p / kivi2p always the planes.
+TEST(Kivi, KiviUsesTilesWhenTheShapeAllows) {
   struct Case {
     int hd, g, r;
     bool tiles;
   } cases[] = {{128, 32, 128, true}, {64, 16, 0, true}, {256, 64, 128, true},
                {48, 32, 128, false}, {64, 24, 48, false}, {16, 32, 0, false}};  // hd 48, 16: keys only
-  for (const Case& c : cases) {
-    for (const char* role : {"_k", "_v"}) {
-      if (role[1] == 'v' && c.hd % 32 != 0) continue;  // kivi's value groups are 32 channels
-      auto a = make((std::string("kivi4") + role).c_str(), c.hd, c.g, c.r);
-      auto p = make((std::string("kivi4p") + role).c_str(), c.hd, c.g, c.r);
-      const std::string want = std::string(c.tiles ? "kivi4t" : "kivi4") + role;
-      EXPECT_EQ(a->info().name, want) << c.hd << " " << c.g;
-      EXPECT_EQ(a->info().group_tokens, c.g);
-      EXPECT_EQ(a->info().residual_tokens, c.r);
-      const int bt = 2 * c.g * (c.g % 16 == 0 ? 1 : 2);
-      ASSERT_EQ(a->block_bytes(bt), p->block_bytes(bt)) << want;
-      auto x = gaussian(bt, c.hd, 5);
-      std::vector<uint8_t> ba(a->block_bytes(bt)), bp(p->block_bytes(bt));
-      a->encode(0, x.data(), size_t(c.hd), bt, ba.data(), bt, 0, 0);
-      p->encode(0, x.data(), size_t(c.hd), bt, bp.data(), bt, 0, 0);
-      std::vector<float> ya(x.size()), yp(x.size());
-      a->decode(0, ba.data(), bt, 0, bt, 0, ya.data());
-      p->decode(0, bp.data(), bt, 0, bt, 0, yp.data());
-      for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(ya[i], yp[i]) << want << " element " << i;
+  for (const char* bits : {"2", "4"}) {
+    const std::string base = std::string("kivi") + bits;
+    for (const Case& c : cases) {
+      for (const char* role : {"_k", "_v"}) {
+        if (role[1] == 'v' && c.hd % 32 != 0) continue;  // kivi's value groups are 32 channels
+        auto a = make((base + role).c_str(), c.hd, c.g, c.r);
+        auto p = make((base + "p" + role).c_str(), c.hd, c.g, c.r);
+        const std::string want = base + (c.tiles ? "t" : "") + role;
+        EXPECT_EQ(a->info().name, want) << c.hd << " " << c.g;
+        EXPECT_EQ(a->info().group_tokens, c.g);
+        EXPECT_EQ(a->info().residual_tokens, c.r);
+        EXPECT_EQ(a->info().code_bits, p->info().code_bits) << want;
+        const int bt = 2 * c.g * (c.g % 16 == 0 ? 1 : 2);
+        ASSERT_EQ(a->block_bytes(bt), p->block_bytes(bt)) << want;
+        auto x = gaussian(bt, c.hd, 5);
+        std::vector<uint8_t> ba(a->block_bytes(bt)), bp(p->block_bytes(bt));
+        a->encode(0, x.data(), size_t(c.hd), bt, ba.data(), bt, 0, 0);
+        p->encode(0, x.data(), size_t(c.hd), bt, bp.data(), bt, 0, 0);
+        std::vector<float> ya(x.size()), yp(x.size());
+        a->decode(0, ba.data(), bt, 0, bt, 0, ya.data());
+        p->decode(0, bp.data(), bt, 0, bt, 0, yp.data());
+        for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(ya[i], yp[i]) << want << " element " << i;
+      }
     }
   }
 }
@@ -145,7 +149,7 @@ TEST(Kivi, BlockBytesAndEffectiveBits) {
   // channels: b + 32/32 bits.
   for (int bits : {2, 4}) {
     for (const char* role : {"_k", "_v"}) {
-      const std::string name = "kivi" + std::to_string(bits) + (bits == 4 ? "p" : "") + role;
+      const std::string name = "kivi" + std::to_string(bits) + "p" + role;
       auto c = make(name.c_str());
       for (int bt : {32, 64, 128, 256}) {
         EXPECT_EQ(c->block_bytes(bt), size_t(bt) * 128 * (bits + 1) / 8) << name << " " << bt;
@@ -158,7 +162,7 @@ TEST(Kivi, BlockBytesAndEffectiveBits) {
 }
 
 TEST(Kivi, EncodeStaysInsideItsBlockAndGroups) {
-  for (const char* name : {"kivi2_k", "kivi4p_v"}) {
+  for (const char* name : {"kivi2p_k", "kivi4p_v"}) {
     auto c = make(name, 64);
     const int bt = 64;
     const size_t bytes = c->block_bytes(bt);
@@ -177,7 +181,7 @@ TEST(Kivi, EncodeStaysInsideItsBlockAndGroups) {
 TEST(Kivi, KeyErrorWithinHalfAStepPerChannel) {
   const int d = 128, bt = 64;
   for (int bits : {2, 4}) {
-    auto c = make(bits == 2 ? "kivi2_k" : "kivi4p_k", d);
+    auto c = make(bits == 2 ? "kivi2p_k" : "kivi4p_k", d);
     auto x = gaussian(bt, d, 11);
     std::vector<uint8_t> block(c->block_bytes(bt));
     c->encode(0, x.data(), d, bt, block.data(), bt, 0, 0);
@@ -216,8 +220,8 @@ TEST(Kivi, KeysPerChannelValuesPerToken) {
     }
   }
   for (int bits : {2, 4}) {
-    auto kc = make(bits == 2 ? "kivi2_k" : "kivi4p_k", d);  // per channel
-    auto vc = make(bits == 2 ? "kivi2_v" : "kivi4p_v", d);  // per token
+    auto kc = make(bits == 2 ? "kivi2p_k" : "kivi4p_k", d);  // per channel
+    auto vc = make(bits == 2 ? "kivi2p_v" : "kivi4p_v", d);  // per token
     const double k_pc = mse_of(*kc, keys, bt), k_pt = mse_of(*vc, keys, bt);
     const double v_pc = mse_of(*kc, values, bt), v_pt = mse_of(*vc, values, bt);
     const double vr_pc = mse_of(*kc, values, bt, true), vr_pt = mse_of(*vc, values, bt, true);
@@ -333,7 +337,7 @@ TEST(Kivi, FusedMatchesDecodeAllLevels) {
   const int d = 64, bt = 128, n_q = 3;
   auto cases = adversarial(bt, d);
   cases.push_back(gaussian(bt, d, 21));
-  for (const char* name : {"kivi2_k", "kivi4p_k", "kivi2_v", "kivi4p_v"}) {
+  for (const char* name : {"kivi2p_k", "kivi4p_k", "kivi2p_v", "kivi4p_v"}) {
     auto c = make(name, d, 32, 0);
     for (const auto& x : cases) {
       std::vector<uint8_t> block(c->block_bytes(bt));
@@ -371,7 +375,7 @@ TEST(Kivi, FusedMatchesDecodeAllLevels) {
 
 TEST(Kivi, ConstantAndZeroRowsDecodeExactly) {
   const int d = 32, bt = 32;
-  for (const char* name : {"kivi2_k", "kivi2_v"}) {
+  for (const char* name : {"kivi2p_k", "kivi2p_v"}) {
     auto c = make(name, d, 32, 0);
     std::vector<float> x(size_t(bt) * d, 0.f), y(x.size());
     std::vector<uint8_t> block(c->block_bytes(bt));

@@ -1,4 +1,4 @@
-// kivi2t (kv/kivi2_tiled.h): bytes equal to kivi2's, decode bit-identical to kivi2_k / kivi2_v,
+// kivi2t (kv/kivi_tiled.h): bytes equal to kivi2p's (kivi2's planes), decode bit-identical to kivi2p_k / kivi2p_v,
 // key scores identical at every CPU level (scalar, AVX2, AVX-512 kernels) and within the derived
 // bound of the exact dots with the decoded keys, value sums within int2t's bound at every level;
 // random and adversarial inputs (non-finite included), partial ranges, several n_q / head_dim / G.
@@ -61,7 +61,7 @@ TEST(Kivi2Tiled, BytesAndBitsEqualKivi2) {
     for (KvRole role : {KvRole::key, KvRole::value}) {
       const char* r = role == KvRole::key ? "_k" : "_v";
       auto t = make(std::string("kivi2t") + r, s.hd, role, s.G);
-      auto k = make(std::string("kivi2") + r, s.hd, role, s.G);
+      auto k = make(std::string("kivi2p") + r, s.hd, role, s.G);
       EXPECT_EQ(t->info().group_tokens, s.G);
       EXPECT_EQ(t->info().residual_tokens, k->info().residual_tokens);
       for (int bt : {64, 128, 256}) {
@@ -85,7 +85,7 @@ TEST(Kivi2Tiled, RejectsBadShapes) {
   EXPECT_THROW(c->block_bytes(48), Error);  // not a multiple of G = 32
 }
 
-// Decode equals kivi2_k / kivi2_v's bit for bit, over the whole block and partial ranges.
+// Decode equals kivi2p_k / kivi2p_v's (the bit planes) bit for bit, over the whole block and partial ranges.
 TEST(Kivi2Tiled, DecodeMatchesKivi2BitForBit) {
   std::mt19937 rng(3);
   for (const Shape& s : kShapes)
@@ -93,7 +93,7 @@ TEST(Kivi2Tiled, DecodeMatchesKivi2BitForBit) {
       for (Pat pat : kPats) {
         const char* r = role == KvRole::key ? "_k" : "_v";
         auto t = make(std::string("kivi2t") + r, s.hd, role, s.G);
-        auto k = make(std::string("kivi2") + r, s.hd, role, s.G);
+        auto k = make(std::string("kivi2p") + r, s.hd, role, s.G);
         const int bt = 128, hd = s.hd;
         auto x = make_rows(pat, bt, hd, rng);
         std::vector<uint8_t> bt_blk(t->block_bytes(bt), 0xFF), bk_blk(k->block_bytes(bt), 0xFF);

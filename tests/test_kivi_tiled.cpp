@@ -1,4 +1,4 @@
-// kivi4t (kv/kivi_tiled.h): bytes equal to kivi4's, decode bit-identical to kivi4_k / kivi4_v,
+// kivi4t (kv/kivi_tiled.h): bytes equal to kivi4p's (kivi4's planes), decode bit-identical to kivi4p_k / kivi4p_v,
 // key scores identical at every CPU level (scalar, AVX2, AVX-512 kernels) and within the derived
 // bound of the exact dots with the decoded keys, value sums within int4t's bound at every level;
 // random and adversarial inputs, partial ranges, several n_q / head_dim / G.
@@ -60,7 +60,7 @@ TEST(KiviTiled, BytesAndBitsEqualKivi4) {
     for (KvRole role : {KvRole::key, KvRole::value}) {
       const char* r = role == KvRole::key ? "_k" : "_v";
       auto t = make(std::string("kivi4t") + r, s.hd, role, s.G);
-      auto k = make(std::string("kivi4") + r, s.hd, role, s.G);
+      auto k = make(std::string("kivi4p") + r, s.hd, role, s.G);
       EXPECT_EQ(t->info().group_tokens, s.G);
       EXPECT_EQ(t->info().residual_tokens, k->info().residual_tokens);
       for (int bt : {64, 128, 256}) {
@@ -84,7 +84,7 @@ TEST(KiviTiled, RejectsBadShapes) {
   EXPECT_THROW(c->block_bytes(48), Error);  // not a multiple of G = 32
 }
 
-// Decode equals kivi4_k / kivi4_v's bit for bit, over the whole block and partial ranges.
+// Decode equals kivi4p_k / kivi4p_v's (the bit planes) bit for bit, over the whole block and partial ranges.
 TEST(KiviTiled, DecodeMatchesKivi4BitForBit) {
   std::mt19937 rng(3);
   for (const Shape& s : kShapes)
@@ -92,7 +92,7 @@ TEST(KiviTiled, DecodeMatchesKivi4BitForBit) {
       for (Pat pat : kPats) {
         const char* r = role == KvRole::key ? "_k" : "_v";
         auto t = make(std::string("kivi4t") + r, s.hd, role, s.G);
-        auto k = make(std::string("kivi4") + r, s.hd, role, s.G);
+        auto k = make(std::string("kivi4p") + r, s.hd, role, s.G);
         const int bt = 128, hd = s.hd;
         auto x = make_rows(pat, bt, hd, rng);
         std::vector<uint8_t> bt_blk(t->block_bytes(bt), 0xFF), bk_blk(k->block_bytes(bt), 0xFF);

@@ -628,9 +628,9 @@ TEST(Kvquant, BadParametersRejected) {
 // GQA groups larger than the KIVI score kernel's query chunk.
 TEST(GroupedFormats, AttentionFusedMatchesReference) {
   const int d = 128, bt = 64, n_blocks = 3, n_tail = 9;
-  // kivi4p: the planes kernels this bound is about (kivi4 stores kivi4t's tiles at this shape, whose
-  // bound test_attention checks).
-  for (const char* fmt_name : {"kivi2", "kivi4p", "kvquant2", "kvquant3", "kvquant4"}) {
+  // kivi2p / kivi4p: the planes kernels this bound is about (kivi2 / kivi4 store kivi2t's / kivi4t's
+  // tiles at this shape, whose bounds test_attention checks).
+  for (const char* fmt_name : {"kivi2p", "kivi4p", "kvquant2", "kvquant3", "kvquant4"}) {
     const KvFormatDesc& f = kv_format_find(fmt_name);
     KvCodecParams pk, pv;
     pk.head_dim = pv.head_dim = d;

@@ -47,7 +47,7 @@
 // [t0, t0 + n) need not be tile-aligned: lanes outside are computed on whatever the block holds but
 // never stored (scores) or weighted 0 (sums).
 //
-// kivi2t's keys (kv/kivi2_tiled.cpp) are int2t's K tiles without the per-token tables (KIVI scales
+// kivi2t's keys (kv/kivi_tiled.cpp) are int2t's K tiles without the per-token tables (KIVI scales
 // keys per channel over a group of G tokens; the scales are folded into the query by
 // kivit_fold_query, kv/kivi_tiled.h): kivi2t_scores* below are int2t's score chain with unit
 // token scale and zero minimum, score_t = fl(sum_b dq_b <c_tb, q8_b>) + C.

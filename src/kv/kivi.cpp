@@ -315,16 +315,22 @@ void kv_register_kivi() {
     const char* name;
     KvRole role;
     int bits;
-    bool tiles_when_fit;  // kivi4t's tiles (kv/kivi_tiled.h) when head_dim and G allow them
+    bool tiles_when_fit;  // kivi4t's / kivi2t's tiles (kv/kivi_tiled.h) when head_dim and G allow them
     const char* desc;
   };
   static const Def defs[] = {
-      {"kivi2_k", KvRole::key, 2, false, "KIVI keys: 2-bit per channel over groups of G tokens (G=32, R=128)"},
+      {"kivi2_k", KvRole::key, 2, true,
+       "KIVI keys: 2-bit per channel over groups of G tokens (G=32, R=128); kivi2t_k's tiles when head_dim % 32 == 0 "
+       "and G % 16 == 0, else kivi2p_k's bit planes"},
+      {"kivi2p_k", KvRole::key, 2, false, "KIVI keys: 2-bit per channel over groups of G tokens in bit planes"},
       {"kivi4_k", KvRole::key, 4, true,
        "KIVI keys: 4-bit per channel over groups of G tokens (G=32, R=128); kivi4t_k's tiles when head_dim % 32 == 0 "
        "and G % 16 == 0, else kivi4p_k's bit planes"},
       {"kivi4p_k", KvRole::key, 4, false, "KIVI keys: 4-bit per channel over groups of G tokens in bit planes"},
-      {"kivi2_v", KvRole::value, 2, false, "KIVI values: 2-bit per token, groups of 32 channels (G=32, R=128)"},
+      {"kivi2_v", KvRole::value, 2, true,
+       "KIVI values: 2-bit per token, groups of 32 channels (G=32, R=128); kivi2t_v's tiles when head_dim % 32 == 0 "
+       "and G % 16 == 0, else kivi2p_v's bit planes"},
+      {"kivi2p_v", KvRole::value, 2, false, "KIVI values: 2-bit per token, groups of 32 channels, in bit planes"},
       {"kivi4_v", KvRole::value, 4, true,
        "KIVI values: 4-bit per token, groups of 32 channels (G=32, R=128); kivi4t_v's tiles when head_dim % 32 == 0 "
        "and G % 16 == 0, else kivi4p_v's bit planes"},
@@ -341,15 +347,18 @@ void kv_register_kivi() {
                                             kivi_default_residual_tokens, &c.group_tokens,
                                             &c.residual_tokens);
                          // Same quantization, bytes and decode either way; the tiles' kernels are integer
-                         // dots (bench/BENCHMARKS.md: ~1.8x the planes' speed on AVX-512, ~8x on AVX2).
+                         // dots (bench/BENCHMARKS.md, kivi4: ~1.8x the planes' speed on AVX-512, ~8x on AVX2).
                          if (d.tiles_when_fit && kivi_tiled_fits(c.head_dim, c.group_tokens))
-                           return kivi_tiled_codec_create(c.role, c.head_dim, c.group_tokens, c.residual_tokens);
+                           return kivi_tiled_codec_create(c.role, c.bits, c.head_dim, c.group_tokens,
+                                                          c.residual_tokens);
                          return kivi_codec_create(c);
                        }});
   }
   kv_register_format({"kivi2", {"kivi-2", "kivi_2bit"}, "kivi2_k", "kivi2_v",
                       "KIVI 2-bit: keys per channel, values per token, newest 128 tokens full "
-                      "precision (Liu et al. 2024)"});
+                      "precision (Liu et al. 2024); stored as kivi2t's tiles when head_dim % 32 == 0 and G % 16 == 0"});
+  kv_register_format({"kivi2p", {}, "kivi2p_k", "kivi2p_v",
+                      "KIVI 2-bit in bit planes (kivi2's layout when the tiles do not fit the shape)"});
   kv_register_format({"kivi4", {"kivi-4", "kivi_4bit"}, "kivi4_k", "kivi4_v",
                       "KIVI 4-bit: keys per channel, values per token, newest 128 tokens full "
                       "precision (Liu et al. 2024); stored as kivi4t's tiles when head_dim % 32 == 0 and G % 16 == 0"});

@@ -2,9 +2,10 @@
 // channel's scale and zero span a group of G tokens) and of values per token (groups of g
 // channels), at 2 or 4 bits, with the newest R tokens kept full precision by the cache.
 //
-// Codecs: kivi2_k, kivi4_k (keys), kivi2_v, kivi4_v (values); formats kivi2, kivi4. kivi4_k / kivi4_v
-// store kivi4t's 16-token tiles (kv/kivi_tiled.h: same quantization, bytes and decode) when head_dim %
-// 32 == 0 and G % 16 == 0, else these bit planes; kivi4p_k / kivi4p_v (format kivi4p) always the planes.
+// Codecs: kivi2_k, kivi4_k (keys), kivi2_v, kivi4_v (values); formats kivi2, kivi4. These store
+// kivi2t's / kivi4t's 16-token tiles (kv/kivi_tiled.h: same quantization, bytes and decode) when
+// head_dim % 32 == 0 and G % 16 == 0, else these bit planes; kivi2p_k / kivi2p_v / kivi4p_k / kivi4p_v
+// (formats kivi2p, kivi4p) always the planes.
 // Both roles are grouped codecs with the same G and R (KvCodecParams::group_tokens /
 // residual_tokens; defaults G = 32, R = 128 as in the paper), because K and V of a token must
 // leave the full-precision tail together. Values are still scaled per token: G only sets when

@@ -1,5 +1,6 @@
-// kivi4t (layout, arithmetic and error bound in kv/kivi_tiled.h): the per-group query fold, the
-// scalar score kernel, the dispatch point, the codecs and their registration.
+// kivi4t and kivi2t (layout, arithmetic and error bound in kv/kivi_tiled.h): the per-group query
+// fold, kivi4t's scalar score kernel and dispatch point (kivi2t's are int2t's, kv/int2_tiled.h), the
+// codecs of both, one template on the code width, and their registration.
 #include "kv/kivi_tiled.h"
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include "core/dtypes.h"
 #include "core/error.h"
 #include "kv/grouped_common.h"
+#include "kv/int2_tiled.h"
 #include "kv/int4_tiled.h"
 #include "kv/kivi.h"
 #include "kv/registry_internal.h"
@@ -99,28 +101,107 @@ void kivit_scores(const int8_t* q8, const float* dq, const float* cz, int n_q, i
 
 namespace {
 
-// kivi's 4-bit min/max quantizer (kv/kivi.cpp, MinMaxQ): scale and zero rounded to f16 first, codes
+// kivi's b-bit min/max quantizer (kv/kivi.cpp, MinMaxQ): scale and zero rounded to f16 first, codes
 // chosen against exactly those numbers, inputs sanitized (NaN -> 0, clamped to the f16 range).
-// Repeated here with the same expressions so that codes and parameters are kivi4's bit for bit
-// (tests/test_kivi_tiled.cpp compares the decodes).
-struct MinMax4 {
+// Repeated here with the same expressions so that codes and parameters are kivi's bit for bit
+// (tests/test_kivi_tiled.cpp and tests/test_kivi2_tiled.cpp compare the decodes).
+template <int Bits>
+struct KiviMinMax {
+  static constexpr float top = float((1 << Bits) - 1);
   f16_t scale16, zero16;
   float zero, inv;
-  MinMax4(float mn, float mx) {
-    scale16 = f32_to_f16((mx - mn) / 15.f);
+  KiviMinMax(float mn, float mx) {
+    scale16 = f32_to_f16((mx - mn) / top);
     zero16 = f32_to_f16(mn);
     const float scale = f16_to_f32(scale16);
     zero = f16_to_f32(zero16);
     inv = scale > 0 ? 1.f / scale : 0.f;
   }
-  uint8_t code(float x) const { return uint8_t(std::clamp(std::nearbyint((x - zero) * inv), 0.f, 15.f)); }
+  uint8_t code(float x) const { return uint8_t(std::clamp(std::nearbyint((x - zero) * inv), 0.f, top)); }
+};
+
+// What kivi4t and kivi2t do not share: the code bytes of a 16-token tile (int4t's or int2t's K and
+// V layouts) and the kernels that read them. Everything else (quantization, tables, fold, codec
+// plumbing) is one code path.
+template <int Bits>
+struct KiviTiles;
+
+template <>
+struct KiviTiles<4> {
+  static constexpr const char* key_name = "kivi4t_k";
+  static constexpr const char* value_name = "kivi4t_v";
+  static size_t key_tile_bytes(int hd) { return size_t(8 * hd); }
+  // int4t's K layout: per dim-octet o 64 bytes, byte 4j + i = code[8o + i] | code[8o + 4 + i] << 4.
+  static void put_key(uint8_t* codes, int j, const uint8_t* code, int hd) {
+    for (int o = 0; o < hd / 8; ++o)
+      for (int k = 0; k < 4; ++k) codes[64 * o + 4 * j + k] = uint8_t(code[8 * o + k] | code[8 * o + 4 + k] << 4);
+  }
+  static int key_code(const uint8_t* codes, int j, int c) {
+    const int o = c / 8, r = c % 8;
+    return (codes[64 * o + 4 * j + r % 4] >> (r / 4 * 4)) & 15;
+  }
+  static Int4TiledLayout value_layout(int hd) { return int4t_layout(hd, 32); }
+  // int4t's V layout: a byte holds two codes of one token, written whole.
+  static void put_value(uint8_t* codes, int j, const uint8_t* c, int hd) {
+    const int kq = j / 4, m = j % 4;
+    for (int ch = 0; ch < hd / 32; ++ch)
+      for (int i = 0; i < 16; ++i)
+        codes[64 * (4 * ch + kq) + 4 * i + m] = uint8_t(c[32 * ch + i] | c[32 * ch + 16 + i] << 4);
+  }
+  static int value_code(const uint8_t* codes, int j, int e) {
+    const int ch = e / 32, r = e % 32;
+    return (codes[64 * (4 * ch + j / 4) + 4 * (r % 16) + j % 4] >> (r / 16 * 4)) & 15;
+  }
+  static void scores(const int8_t* q8, const float* dq, const float* cz, int n_q, int hd, const uint8_t* tiles,
+                     int t0, int n, float* out, int out_stride) {
+    kivit_scores(q8, dq, cz, n_q, hd, tiles, t0, n, out, out_stride);
+  }
+  static void accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
+                    int n, float* acc) {
+    int4t_accum(L, p, p_stride, n_q, block, t0, n, acc);
+  }
+};
+
+template <>
+struct KiviTiles<2> {
+  static constexpr const char* key_name = "kivi2t_k";
+  static constexpr const char* value_name = "kivi2t_v";
+  static size_t key_tile_bytes(int hd) { return int2t_code_bytes(hd); }
+  // int2t's K layout: a code byte belongs to one token, written whole.
+  static void put_key(uint8_t* codes, int j, const uint8_t* code, int hd) {
+    for (int o = 0; o < hd / 16; ++o)
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t* c = code + 16 * o + i;
+        codes[64 * o + 4 * j + i] = uint8_t(c[0] | c[4] << 2 | c[8] << 4 | c[12] << 6);
+      }
+  }
+  static int key_code(const uint8_t* codes, int j, int c) { return int2t_key_code(codes, j, c); }
+  static Int4TiledLayout value_layout(int hd) { return int2t_layout(hd, 32); }
+  // int2t's V layout: a code byte holds crumbs of 8 tokens, so each token clears and sets its own.
+  static void put_value(uint8_t* codes, int j, const uint8_t* c, int hd) {
+    for (int e = 0; e < hd; ++e) {
+      const int gi = e / 32, r = e % 32;
+      const size_t byte = size_t(64 * (2 * gi + j / 8) + 4 * (r % 16) + j % 4);
+      const int shift = 2 * (r / 16 + 2 * ((j % 8) / 4));
+      codes[byte] = uint8_t((codes[byte] & ~(3u << shift)) | unsigned(c[e]) << shift);
+    }
+  }
+  static int value_code(const uint8_t* codes, int j, int e) { return int2t_value_code(codes, j, e); }
+  static void scores(const int8_t* q8, const float* dq, const float* cz, int n_q, int hd, const uint8_t* tiles,
+                     int t0, int n, float* out, int out_stride) {
+    kivi2t_scores(q8, dq, cz, n_q, hd, tiles, t0, n, out, out_stride);
+  }
+  static void accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
+                    int n, float* acc) {
+    int2t_accum(L, p, p_stride, n_q, block, t0, n, acc);
+  }
 };
 
 class KivitCodecBase : public KvCodec {
  public:
-  KivitCodecBase(std::string name, int hd, int g, int r) : hd_(hd), g_(g) {
+  KivitCodecBase(std::string name, int bits, int hd, int g, int r) : hd_(hd), g_(g) {
     info_.name = std::move(name);
-    info_.code_bits = 4;
+    info_.code_bits = bits;
     info_.group_tokens = g;
     info_.residual_tokens = r;
   }
@@ -137,10 +218,13 @@ class KivitCodecBase : public KvCodec {
   int hd_, g_;
 };
 
+template <int Bits>
 class KivitKeyCodec final : public KivitCodecBase {
+  using T = KiviTiles<Bits>;
+
  public:
-  using KivitCodecBase::KivitCodecBase;
-  size_t group_bytes() const { return size_t(hd_) * 4 + size_t(g_) * size_t(hd_ / 2); }
+  KivitKeyCodec(int hd, int g, int r) : KivitCodecBase(T::key_name, Bits, hd, g, r) {}
+  size_t group_bytes() const { return size_t(hd_) * 4 + size_t(g_ / kv_tile_tokens) * T::key_tile_bytes(hd_); }
   size_t block_bytes(int block_tokens) const override {
     check_block(block_tokens);
     return size_t(block_tokens / g_) * group_bytes();
@@ -168,7 +252,7 @@ class KivitKeyCodec final : public KivitCodecBase {
           mn = std::min(mn, v);
           mx = std::max(mx, v);
         }
-        const MinMax4 q(mn, mx);
+        const KiviMinMax<Bits> q(mn, mx);
         kvg_store_f16(grp, size_t(c), q.scale16);
         kvg_store_f16(grp, size_t(D + c), q.zero16);
         zero[c] = q.zero;
@@ -178,14 +262,11 @@ class KivitKeyCodec final : public KivitCodecBase {
       uint8_t code[kvg_max_head_dim];
       for (int t = 0; t < g_; ++t) {
         for (int c = 0; c < D; ++c) {
-          // kivi4_k's expression (not MinMax4::code, which kivi's key path does not use either).
+          // kivi's key expression (not KiviMinMax::code, which kivi's key path does not use either).
           const float qv = std::nearbyint((kv_sanitize(x[size_t(t) * src_stride + c]) - zero[c]) * inv[c]);
-          code[c] = uint8_t(std::clamp(qv, 0.f, 15.f));
+          code[c] = uint8_t(std::clamp(qv, 0.f, KiviMinMax<Bits>::top));
         }
-        const int j = t % kv_tile_tokens;
-        uint8_t* codes = tiles + size_t(t / kv_tile_tokens) * size_t(8 * D);
-        for (int o = 0; o < D / 8; ++o)
-          for (int k = 0; k < 4; ++k) codes[64 * o + 4 * j + k] = uint8_t(code[8 * o + k] | code[8 * o + 4 + k] << 4);
+        T::put_key(tiles + size_t(t / kv_tile_tokens) * T::key_tile_bytes(D), t % kv_tile_tokens, code, D);
       }
     }
   }
@@ -196,14 +277,12 @@ class KivitKeyCodec final : public KivitCodecBase {
     for (int k = 0; k < n; ++k) {
       const int t = t0 + k, tg = t % g_, j = tg % kv_tile_tokens;
       const uint8_t* grp = block + size_t(t / g_) * group_bytes();
-      const uint8_t* codes = grp + size_t(D) * 4 + size_t(tg / kv_tile_tokens) * size_t(8 * D);
-      for (int c = 0; c < D; ++c) {
-        const int o = c / 8, r = c % 8;
-        const int code = (codes[64 * o + 4 * j + r % 4] >> (r / 4 * 4)) & 15;
-        // kivi4_k's decode expression: bit-identical values.
-        dst[size_t(k) * size_t(D) + size_t(c)] =
-            f16_to_f32(kvg_load_f16(grp, size_t(c))) * float(code) + f16_to_f32(kvg_load_f16(grp, size_t(D + c)));
-      }
+      const uint8_t* codes = grp + size_t(D) * 4 + size_t(tg / kv_tile_tokens) * T::key_tile_bytes(D);
+      for (int c = 0; c < D; ++c)
+        // kivi's key decode expression: bit-identical values.
+        dst[size_t(k) * size_t(D) + size_t(c)] = f16_to_f32(kvg_load_f16(grp, size_t(c))) *
+                                                     float(T::key_code(codes, j, c)) +
+                                                 f16_to_f32(kvg_load_f16(grp, size_t(D + c)));
     }
   }
 
@@ -224,8 +303,8 @@ class KivitKeyCodec final : public KivitCodecBase {
       for (int i0 = 0; i0 < n_q; i0 += qchunk) {
         const int m = std::min(qchunk, n_q - i0);
         kivit_fold_query(grp, qp + size_t(i0) * size_t(D), m, D, q8, dq, cz);
-        kivit_scores(q8, dq, cz, m, D, grp + size_t(D) * 4, t - g * g_, te - t,
-                     out + size_t(i0) * size_t(out_stride) + size_t(t - t0), out_stride);
+        T::scores(q8, dq, cz, m, D, grp + size_t(D) * 4, t - g * g_, te - t,
+                  out + size_t(i0) * size_t(out_stride) + size_t(t - t0), out_stride);
       }
       t = te;
     }
@@ -237,10 +316,12 @@ class KivitKeyCodec final : public KivitCodecBase {
   }
 };
 
+template <int Bits>
 class KivitValueCodec final : public KivitCodecBase {
+  using T = KiviTiles<Bits>;
+
  public:
-  KivitValueCodec(std::string name, int hd, int g, int r)
-      : KivitCodecBase(std::move(name), hd, g, r), L_(int4t_layout(hd, 32)) {}
+  KivitValueCodec(int hd, int g, int r) : KivitCodecBase(T::value_name, Bits, hd, g, r), L_(T::value_layout(hd)) {}
   size_t block_bytes(int block_tokens) const override {
     check_block(block_tokens);
     return size_t(block_tokens / kv_tile_tokens) * L_.tile_bytes;
@@ -252,12 +333,11 @@ class KivitValueCodec final : public KivitCodecBase {
     return r;
   }
 
-  // kivi4_v's per-token quantization (groups of 32 channels), written into int4t_g32's tiles.
+  // kivi's per-token quantization (groups of 32 channels), written into int4t_g32's / int2t_g32's tiles.
   void encode(int, const float* src, size_t src_stride, int n, uint8_t* block, int block_tokens, int t0,
               int) const override {
     check_block(block_tokens);
     kv_check_encode_range(info_.name, block_tokens, g_, t0, n);
-    const int D = hd_;
     uint8_t c[kvg_max_head_dim];
     for (int k = 0; k < n; ++k) {
       const float* x = src + size_t(k) * src_stride;
@@ -269,16 +349,12 @@ class KivitValueCodec final : public KivitCodecBase {
           mn = std::min(mn, kv_sanitize(x[e]));
           mx = std::max(mx, kv_sanitize(x[e]));
         }
-        const MinMax4 q(mn, mx);
+        const KiviMinMax<Bits> q(mn, mx);
         kvg_store_f16(tp, size_t(gi * 16 + j), q.scale16);
         kvg_store_f16(tp + L_.min_off, size_t(gi * 16 + j), q.zero16);
         for (int e = gi * 32; e < (gi + 1) * 32; ++e) c[e] = q.code(kv_sanitize(x[e]));
       }
-      uint8_t* codes = tp + L_.code_off;
-      const int kq = j / 4, m = j % 4;
-      for (int ch = 0; ch < D / 32; ++ch)
-        for (int i = 0; i < 16; ++i)
-          codes[64 * (4 * ch + kq) + 4 * i + m] = uint8_t(c[32 * ch + i] | c[32 * ch + 16 + i] << 4);
+      T::put_value(tp + L_.code_off, j, c, hd_);
     }
   }
 
@@ -290,11 +366,11 @@ class KivitValueCodec final : public KivitCodecBase {
       const uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L_.tile_bytes;
       const uint8_t* codes = tp + L_.code_off;
       for (int e = 0; e < D; ++e) {
-        const int ch = e / 32, r = e % 32, g = e / 32;
-        const int code = (codes[64 * (4 * ch + j / 4) + 4 * (r % 16) + j % 4] >> (r / 16 * 4)) & 15;
-        // kivi4_v's decode expression (a product then a sum, not int4t's fma): bit-identical.
-        dst[size_t(k) * size_t(D) + size_t(e)] = f16_to_f32(kvg_load_f16(tp, size_t(g * 16 + j))) * float(code) +
-                                                 f16_to_f32(kvg_load_f16(tp + L_.min_off, size_t(g * 16 + j)));
+        const int g = e / 32;
+        // kivi's value decode expression (a product then a sum, not int4t's / int2t's fma): bit-identical.
+        dst[size_t(k) * size_t(D) + size_t(e)] =
+            f16_to_f32(kvg_load_f16(tp, size_t(g * 16 + j))) * float(T::value_code(codes, j, e)) +
+            f16_to_f32(kvg_load_f16(tp + L_.min_off, size_t(g * 16 + j)));
       }
     }
   }
@@ -303,11 +379,11 @@ class KivitValueCodec final : public KivitCodecBase {
               float* out, int out_stride) const override {
     kv_scores_via_decode(*this, head, qp, n_q, block, block_tokens, t0, n, pos0, out, out_stride);
   }
-  // The block is an int4t_g32 value block: int4t's weighted sum (and its bound) applies as is.
+  // The block is an int4t_g32 / int2t_g32 value block: that codec's weighted sum (and its bound) applies as is.
   void accumulate(int, const float* p, int p_stride, int n_q, const uint8_t* block, int block_tokens, int t0, int n,
                   float* acc) const override {
     check_range(block_tokens, t0, n);
-    int4t_accum(L_, p, p_stride, n_q, block, t0, n, acc);
+    T::accum(L_, p, p_stride, n_q, block, t0, n, acc);
   }
 
  private:
@@ -316,8 +392,10 @@ class KivitValueCodec final : public KivitCodecBase {
 
 }  // namespace
 
-std::unique_ptr<KvCodec> kivi_tiled_codec_create(KvRole role, int head_dim, int g, int r) {
-  const char* name = role == KvRole::key ? "kivi4t_k" : "kivi4t_v";
+std::unique_ptr<KvCodec> kivi_tiled_codec_create(KvRole role, int bits, int head_dim, int g, int r) {
+  KVQ_CHECK(bits == 2 || bits == 4, "kivi tiles: bits {}", bits);
+  const char* name = role == KvRole::key ? (bits == 4 ? KiviTiles<4>::key_name : KiviTiles<2>::key_name)
+                                         : (bits == 4 ? KiviTiles<4>::value_name : KiviTiles<2>::value_name);
   kv_check_grouped_params(name, head_dim, g, r);
   if (head_dim % 32 != 0)
     fail("KV codec '{}': head_dim {} must be a multiple of 32 (int8 query blocks and value groups of 32 channels)",
@@ -325,32 +403,44 @@ std::unique_ptr<KvCodec> kivi_tiled_codec_create(KvRole role, int head_dim, int 
   if (g % kv_tile_tokens != 0)
     fail("KV codec '{}': group of {} tokens; this codec stores 16-token tiles, so G must be a multiple of 16", name,
          g);
-  if (role == KvRole::key) return std::make_unique<KivitKeyCodec>(name, head_dim, g, r);
-  return std::make_unique<KivitValueCodec>(name, head_dim, g, r);
+  if (bits == 4) {
+    if (role == KvRole::key) return std::make_unique<KivitKeyCodec<4>>(head_dim, g, r);
+    return std::make_unique<KivitValueCodec<4>>(head_dim, g, r);
+  }
+  if (role == KvRole::key) return std::make_unique<KivitKeyCodec<2>>(head_dim, g, r);
+  return std::make_unique<KivitValueCodec<2>>(head_dim, g, r);
 }
 
 void kv_register_kivi_tiled() {
   struct Def {
     const char* name;
     KvRole role;
+    int bits;
     const char* desc;
   };
   static const Def defs[] = {
-      {"kivi4t_k", KvRole::key,
+      {"kivi4t_k", KvRole::key, 4,
        "kivi4_k's per-channel 4-bit keys (G=32, R=128) in 16-token tiles for integer-dot scores"},
-      {"kivi4t_v", KvRole::value,
+      {"kivi4t_v", KvRole::value, 4,
        "kivi4_v's per-token 4-bit values (groups of 32 channels; G=32, R=128) in int4t_g32's tiles"},
+      {"kivi2t_k", KvRole::key, 2,
+       "kivi2_k's per-channel 2-bit keys (G=32, R=128) in 16-token tiles for integer-dot scores"},
+      {"kivi2t_v", KvRole::value, 2,
+       "kivi2_v's per-token 2-bit values (groups of 32 channels; G=32, R=128) in int2t_g32's tiles"},
   };
   for (const Def& d : defs) {
     kv_register_codec({d.name, d.desc, [d](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
                          int g = 0, r = 0;
                          kv_resolve_grouped(d.name, p, kivi_default_group_tokens, kivi_default_residual_tokens, &g,
                                             &r);
-                         return kivi_tiled_codec_create(d.role, p.head_dim, g, r);
+                         return kivi_tiled_codec_create(d.role, d.bits, p.head_dim, g, r);
                        }});
   }
   kv_register_format({"kivi4t", {}, "kivi4t_k", "kivi4t_v",
                       "KIVI 4-bit (kivi4's quantization and bytes) in 16-token tiles for integer-dot kernels: keys "
+                      "per channel, values per token, newest 128 tokens full precision"});
+  kv_register_format({"kivi2t", {}, "kivi2t_k", "kivi2t_v",
+                      "KIVI 2-bit (kivi2's quantization and bytes) in 16-token tiles for integer-dot kernels: keys "
                       "per channel, values per token, newest 128 tokens full precision"});
 }
 

@@ -25,7 +25,6 @@ void kv_register_int4_tiled();
 void kv_register_kivi_tiled();
 void kv_register_int8_tiled();
 void kv_register_int2_tiled();
-void kv_register_kivi2_tiled();
 
 namespace {
 
@@ -85,7 +84,6 @@ const Registry& registry() {
     kv_register_kivi_tiled();
     kv_register_int8_tiled();
     kv_register_int2_tiled();
-    kv_register_kivi2_tiled();
     validate(storage());
   });
   return storage();
