@@ -265,7 +265,9 @@ void kv_register_int2_tiled() {
            }
            return std::make_unique<Int2TiledCodec>(name, p.role, p.head_dim, g);
          }});
-    kv_register_format({name, {}, name, name,
+    // "int2" is int2t_g32 (int2_g32's quantization and bytes; 3 bits: at 2 bits only small groups keep
+    // the error tolerable).
+    kv_register_format({name, g == 32 ? std::vector<std::string>{"int2"} : std::vector<std::string>{}, name, name,
                         fmt::format("int2_g{}'s quantization in a 16-token tiled layout for integer-dot kernels: "
                                     "{} bits",
                                     g, 2 + 32.0 / g)});

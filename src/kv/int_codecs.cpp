@@ -5,9 +5,10 @@
 //               scale: 8 bits; it shows the scale reuse trap when the range grows past calibration.
 //  int4_g{32,64,128}, int2_g{32,64,128}: asymmetric min/max per group of g elements along
 //               head_dim, f16 scale and minimum per group: b + 32/g bits. Format "int2" is
-//               g = 32 (3 bits: at 2 bits only small groups keep the error tolerable); "int4" is
-//               int4t_g64 (kv/int4_tiled.h): int4_g64's quantization (4.5 bits, the HF
-//               QuantizedCache default) in the tiled layout whose kernels are 1.8-3x faster.
+//               int2t_g32 (kv/int2_tiled.h): int2_g32's quantization (3 bits: at 2 bits only small
+//               groups keep the error tolerable) in the tiled layout; "int4" is int4t_g64
+//               (kv/int4_tiled.h): int4_g64's quantization (4.5 bits, the HF QuantizedCache default)
+//               in the tiled layout whose kernels are 1.8-3x faster.
 #include <fmt/format.h>
 
 #include "core/error.h"
@@ -58,10 +59,9 @@ void kv_register_int_codecs() {
   for (int bits : {4, 2}) {
     for (int g : {32, 64, 128}) {
       const std::string name = fmt::format("int{}_g{}", bits, g);
-      std::vector<std::string> aliases;
-      // "int4" names int4t_g64 (the same quantization and bytes, tiled for the integer-dot kernels).
-      if (bits == 2 && g == 32) aliases.push_back("int2");
-      kv_register_format({name, aliases, name, name,
+      // "int4" / "int2" name int4t_g64 / int2t_g32 (the same quantization and bytes, tiled for the
+      // integer-dot kernels).
+      kv_register_format({name, {}, name, name,
                           fmt::format("int{} asymmetric per group of {} channels, f16 scale + min: {} bits", bits,
                                       g, bits + 32.0 / g)});
     }
