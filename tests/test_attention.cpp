@@ -22,6 +22,7 @@
 #include "model/model.h"
 #include "core/thread_pool.h"
 #include "kv/kv_rows.h"
+#include "kv/row_codec.h"
 #include "kvq/kv_format.h"
 #include "kivi_int_dot_bound.h"
 #include "kv_int_dot_bound.h"
@@ -371,6 +372,37 @@ double max_err_vs_ref(const std::string& format, const Case& c, uint64_t seed, d
       test::kivi4t_key_codec(*kc) ||
       test::kivi4t_value_codec(*vc))
     *tol += int4t_tol(*kc, *vc, head, q, c.n_q, spans, tk.data(), tv.data(), ts, c.n_tail, ap);
+  // bf16 rows on AVX-512 score against the query rounded to bf16 and sum with the probabilities
+  // rounded to bf16 (kv_rows.h, kv_rows_bf16_rel): each score within
+  // Delta = scale * (2^-8 sum_i |q_i k_i| + 2^-126 sum_i (|q_i| + |k_i|)), propagated as above, and
+  // each output channel within 2^-8 max |v| (+ the flush term) for the weights.
+  const auto bf16_rows = [](const KvCodec& cd) {
+    const auto* rc = dynamic_cast<const KvRowCodec*>(&cd);
+    return cpu_level() == CpuLevel::avx512 && rc != nullptr && kv_rows_bf16_dot_active(rc->fmt());
+  };
+  if (bf16_rows(*kc) || bf16_rows(*vc)) {
+    const int hd = c.head_dim;
+    std::vector<float> kd(size_t(bt) * size_t(hd)), vd(kd.size());
+    double delta = 0, vmax = 0;
+    for (int b = 0; b < n_blocks; ++b) {
+      kc->decode(head, kb[size_t(b)].data(), bt, 0, bt, b * bt, kd.data());
+      vc->decode(head, vb[size_t(b)].data(), bt, 0, bt, b * bt, vd.data());
+      for (float v : vd) vmax = std::max(vmax, double(std::fabs(v)));
+      for (int t = 0; t < bt; ++t)
+        for (int i = 0; i < c.n_q; ++i) {
+          double m = 0, fl = 0;
+          for (int d = 0; d < hd; ++d) {
+            const double qv = q[size_t(i) * size_t(hd) + size_t(d)], kv = kd[size_t(t) * size_t(hd) + size_t(d)];
+            m += std::fabs(qv * kv);
+            fl += std::fabs(qv) + std::fabs(kv);
+          }
+          delta = std::max(delta, kv_rows_bf16_rel * m + kv_rows_bf16_flush * fl);
+        }
+    }
+    for (float v : tv) vmax = std::max(vmax, double(std::fabs(v)));
+    if (bf16_rows(*kc)) *tol += std::expm1(2 * double(ap.scale) * delta) * vmax;
+    if (bf16_rows(*vc)) *tol += (kv_rows_bf16_rel + kv_rows_bf16_flush) * vmax;
+  }
   KvRowFmt vf;
   if (int_accum_format(*vc, &vf)) {  // int16 weights of the row formats' value sums
     int n_tok = 0;

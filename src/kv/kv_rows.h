@@ -161,6 +161,21 @@ void kv_rows_scores_i8_avx512(const KvRowFmt& f, const float* qp, int n_q, const
 // SIMD variants decode 16 elements per step (AVX2 as two halves): other head_dims use the reference.
 inline bool kv_rows_simd_ok(const KvRowFmt& f) { return f.head_dim % 16 == 0; }
 
+// bf16 rows at the AVX-512 level, head_dim % 32 == 0 (kv_rows_bf16_avx512.cpp): scores and
+// weighted sums are VDPBF16PS dot products against the query (scores) or the weights (sums)
+// rounded to bf16, as GPU attention kernels round the query and the probabilities of a bf16
+// cache; the f32-FMA kernels spent two thirds of the time converting and multiplying, the
+// VDPBF16PS ones do two bf16 products per lane and instruction with nothing to convert.
+// Rounding to nearest even moves a value by at most 2^-8 of itself (8-bit significand); the
+// instructions treat inputs below 2^-126 as 0 (the rows' too). Products of two bf16 are exact in
+// f32, so with f32 sums:
+//   |score - <q, k>|                <= 2^-8 sum_i |q_i k_i| + 2^-126 sum_i (|q_i| + |k_i|) + f32 summation
+//   |acc[d] - sum_t p_t v_t[d]|     <= 2^-8 sum_t |p_t v_t[d]| + 2^-126 sum_t (|p_t| + |v_t[d]|) + f32 summation
+// (tests: test_kv_formats, test_attention).
+inline constexpr double kv_rows_bf16_rel = 1.0 / 256;
+inline constexpr double kv_rows_bf16_flush = 1.1754943508222875e-38;  // 2^-126
+inline bool kv_rows_bf16_dot_active(const KvRowFmt& f) { return f.elem == KvElem::bf16 && f.head_dim % 32 == 0; }
+
 // The dispatch point: picks the variant for cpu_level() and the format.
 void kv_rows_scores(const KvRowFmt& f, float scale, const float* q, int n_q, const uint8_t* rows,
                     size_t row_stride, int n, float* out, int out_stride);

@@ -1,0 +1,167 @@
+// bf16 rows on AVX-512 BF16: scores and weighted sums as VDPBF16PS dot products (two bf16
+// products per f32 lane and instruction), the other operand rounded to bf16 as GPU attention
+// kernels round the query and the probabilities. Bounds in kv/kv_rows.h (kv_rows_bf16_rel).
+#include "core/avx512.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "kv/hsum_avx512.h"
+#include "kv/kv_rows_simd.h"
+
+namespace kvq {
+namespace {
+
+inline __m512bh ld_bh(const void* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
+
+// 32 floats -> 32 bf16 (RNE), in order.
+inline __m512i to_bf16_32(const float* x) {
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x)));
+}
+
+// Lane 4L + e of hsum16_avx512's result is the sum of its input 4e + L: hand the inputs over
+// transposed so that lane j is the sum of v[j].
+[[gnu::always_inline]] inline __m512 hsum_lanes(const __m512* v) {
+  __m512 t[16];
+  for (int k = 0; k < 16; ++k) t[k] = v[4 * (k % 4) + k / 4];
+  return hsum16_avx512(t);
+}
+
+// Lanes i * TU .. i * TU + TU - 1 of z (query row i's scores of TU consecutive tokens) to
+// out[i * out_stride ..]: one lane permute and one masked store per row instead of TU scalar stores.
+template <int NQ, int TU>
+[[gnu::always_inline]] inline void store_rows(__m512 z, float* out, int out_stride) {
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int i = 0; i < NQ; ++i) {
+    const __m512 v = i == 0 ? z : _mm512_permutexvar_ps(_mm512_add_epi32(lane, _mm512_set1_epi32(i * TU)), z);
+    _mm512_mask_storeu_ps(out + size_t(i) * size_t(out_stride), __mmask16((1u << TU) - 1u), v);
+  }
+}
+
+// NQ query rows in NQP slots, TU = 16 / NQP tokens per step (as kv_rows_simd::scores_nq).
+template <int NQ>
+void scores_nq(const uint16_t* qb, int hd, const uint8_t* rows, size_t row_stride, int n, float* out,
+               int out_stride) {
+  constexpr int NQP = NQ <= 1 ? 1 : NQ <= 2 ? 2 : NQ <= 4 ? 4 : 8;
+  constexpr int TU = 16 / NQP;
+  int t = 0;
+  for (; t + TU <= n; t += TU) {
+    kv_rows_simd::kv_prefetch_ahead(rows, row_stride, t, TU, n);
+    const uint8_t* r0 = rows + size_t(t) * row_stride;
+    __m512 a[16];
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+    for (int e = 0; e < hd; e += 32) {
+      __m512bh x[TU];
+      for (int u = 0; u < TU; ++u) x[u] = ld_bh(r0 + size_t(u) * row_stride + 2 * size_t(e));
+      for (int i = 0; i < NQ; ++i) {
+        const __m512bh qv = ld_bh(qb + size_t(i) * size_t(hd) + size_t(e));
+        for (int u = 0; u < TU; ++u) a[i * TU + u] = _mm512_dpbf16_ps(a[i * TU + u], x[u], qv);
+      }
+    }
+    store_rows<NQ, TU>(hsum_lanes(a), out + t, out_stride);
+  }
+  for (; t < n; ++t) {
+    const uint8_t* row = rows + size_t(t) * row_stride;
+    __m512 acc[NQ];
+    for (int i = 0; i < NQ; ++i) acc[i] = _mm512_setzero_ps();
+    for (int e = 0; e < hd; e += 32) {
+      const __m512bh x = ld_bh(row + 2 * size_t(e));
+      for (int i = 0; i < NQ; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], x, ld_bh(qb + size_t(i) * size_t(hd) + size_t(e)));
+    }
+    for (int i = 0; i < NQ; ++i) out[size_t(i) * size_t(out_stride) + size_t(t)] = _mm512_reduce_add_ps(acc[i]);
+  }
+}
+
+// Weighted sum over token pairs: for rows t, t + 1, unpacklo / unpackhi of their 16-bit words give
+// dwords (v_t[c], v_{t+1}[c]) for channels c = 8L + k (lo) and 8L + 4 + k (hi) at dword 4L + k of a
+// 32-channel chunk; a dword broadcast of the pair's bf16 weights (p_t, p_{t+1}) then adds both
+// tokens with one VDPBF16PS. The accumulators stay in that order and are put back in channel order
+// once per call. SV chunks of 32 channels per pass.
+constexpr int kPairChunk = 64;  // weights converted per chunk of tokens (a stack buffer)
+
+template <int NQ, int SV>
+void accum_nq(const float* p, int p_stride, int hd, const uint8_t* rows, size_t row_stride, int n, float* acc) {
+  // lo lanes 4L..4L+3 -> channels 8L..8L+3, hi lanes 4L..4L+3 -> channels 8L+4..8L+7:
+  // channels 0-15 = [lo L0, hi L0, lo L1, hi L1], 16-31 = [lo L2, hi L2, lo L3, hi L3].
+  const __m512i i0 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i i1 = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  for (int e = 0; e < hd; e += 32 * SV) {
+    __m512 lo[NQ][SV], hi[NQ][SV];
+    for (int i = 0; i < NQ; ++i)
+      for (int v = 0; v < SV; ++v) lo[i][v] = hi[i][v] = _mm512_setzero_ps();
+    for (int c0 = 0; c0 < n; c0 += kPairChunk) {
+      const int m = std::min(kPairChunk, n - c0);
+      alignas(64) uint32_t w[NQ][kPairChunk / 2];  // (p_t, p_{t+1}) as bf16, t even
+      for (int i = 0; i < NQ; ++i) {
+        alignas(64) float pf[kPairChunk];
+        std::memcpy(pf, p + size_t(i) * size_t(p_stride) + size_t(c0), sizeof(float) * size_t(m));
+        std::fill(pf + m, pf + kPairChunk, 0.f);  // an odd last token pairs with a zero weight
+        for (int k = 0; k < kPairChunk; k += 32) _mm512_store_si512(w[i] + k / 2, to_bf16_32(pf + k));
+      }
+      for (int t = 0; t < m; t += 2) {
+        const uint8_t* r0 = rows + size_t(c0 + t) * row_stride + 2 * size_t(e);
+        const bool pair = t + 1 < m;
+        if (e == 0) kv_rows_simd::kv_prefetch_ahead(rows, row_stride, c0 + t, 2, n);
+        for (int v = 0; v < SV; ++v) {
+          const __m512i x0 = _mm512_loadu_si512(r0 + 64 * size_t(v));
+          // An unpaired last token: the partner is zero (its weight is zero too, but the slot may
+          // hold anything, NaN included).
+          const __m512i x1 = pair ? _mm512_loadu_si512(r0 + row_stride + 64 * size_t(v)) : _mm512_setzero_si512();
+          const __m512bh l = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(x0, x1));
+          const __m512bh h = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(x0, x1));
+          for (int i = 0; i < NQ; ++i) {
+            const __m512bh wb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(w[i][t / 2])));
+            lo[i][v] = _mm512_dpbf16_ps(lo[i][v], l, wb);
+            hi[i][v] = _mm512_dpbf16_ps(hi[i][v], h, wb);
+          }
+        }
+      }
+    }
+    for (int i = 0; i < NQ; ++i)
+      for (int v = 0; v < SV; ++v) {
+        float* a = acc + size_t(i) * size_t(hd) + size_t(e + 32 * v);
+        _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_permutex2var_ps(lo[i][v], i0, hi[i][v])));
+        _mm512_storeu_ps(a + 16, _mm512_add_ps(_mm512_loadu_ps(a + 16), _mm512_permutex2var_ps(lo[i][v], i1, hi[i][v])));
+      }
+  }
+}
+
+template <int NQ>
+void accum_sv(const float* p, int p_stride, int hd, const uint8_t* rows, size_t row_stride, int n, float* acc) {
+  if constexpr (NQ <= 4)
+    if (hd % 64 == 0) return accum_nq<NQ, 2>(p, p_stride, hd, rows, row_stride, n, acc);
+  accum_nq<NQ, 1>(p, p_stride, hd, rows, row_stride, n, acc);
+}
+
+}  // namespace
+
+void kv_rows_scores_bf16_avx512(const KvRowFmt& f, const float* q, int n_q, const uint8_t* rows, size_t row_stride,
+                                int n, float* out, int out_stride) {
+  const int hd = f.head_dim;
+  for (int i0 = 0; i0 < n_q; i0 += 8) {
+    const int m = std::min(8, n_q - i0);
+    alignas(64) uint16_t qb[8 * kv_max_head_dim];
+    for (int i = 0; i < m; ++i)
+      for (int e = 0; e < hd; e += 32)
+        _mm512_store_si512(qb + size_t(i) * size_t(hd) + size_t(e), to_bf16_32(q + size_t(i0 + i) * size_t(hd) + size_t(e)));
+    float* o = out + size_t(i0) * size_t(out_stride);
+    kv_rows_simd::with_nq(m, [&](auto nq) { scores_nq<decltype(nq)::value>(qb, hd, rows, row_stride, n, o, out_stride); });
+  }
+}
+
+void kv_rows_accum_bf16_avx512(const KvRowFmt& f, const float* p, int p_stride, int n_q, const uint8_t* rows,
+                               size_t row_stride, int n, float* acc) {
+  const int hd = f.head_dim;
+  for (int i0 = 0; i0 < n_q; i0 += 4) {
+    const float* pi = p + size_t(i0) * size_t(p_stride);
+    float* a = acc + size_t(i0) * size_t(hd);
+    switch (std::min(4, n_q - i0)) {
+      case 1: accum_sv<1>(pi, p_stride, hd, rows, row_stride, n, a); break;
+      case 2: accum_sv<2>(pi, p_stride, hd, rows, row_stride, n, a); break;
+      case 3: accum_sv<3>(pi, p_stride, hd, rows, row_stride, n, a); break;
+      default: accum_sv<4>(pi, p_stride, hd, rows, row_stride, n, a); break;
+    }
+  }
+}
+
+}  // namespace kvq
