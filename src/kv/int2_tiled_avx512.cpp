@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <type_traits>
 
 #include "kv/int2_tiled.h"
 #include "kv/tiles_avx512.h"
@@ -13,23 +12,12 @@
 namespace kvq {
 namespace {
 
-constexpr int kMaxNq = 4;     // query rows per pass (accumulator registers)
 constexpr int kSegTiles = 4;  // tiles whose weights are quantized ahead of the channel loop
 constexpr int kMaxGroups = 1024 / 32;
 
-inline __m512 load_f16x16(const uint8_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 inline __m512i plane(__m512i x, int r) {
   const __m512i m2 = _mm512_set1_epi8(0x03);
   return r == 0 ? _mm512_and_si512(x, m2) : _mm512_and_si512(_mm512_srli_epi16(x, 2 * r), m2);
-}
-
-// Valid lanes of a tile whose first token is `base`, for the range [t0, t0 + n).
-inline __mmask16 tile_mask(int base, int t0, int n) {
-  const int lo = std::max(0, t0 - base), hi = std::min(16, t0 + n - base);
-  if (hi <= lo) return 0;
-  return __mmask16(((1u << hi) - 1u) & ~((1u << lo) - 1u));
 }
 
 // 16 tokens' exact dots of a K tile's 32-dim block b with each row's int8 query (q8[h]: the row's
@@ -50,18 +38,6 @@ inline void key_block_dots(const uint8_t* codes, int b, const int8_t* const* q8,
     }
   }
   for (int h = 0; h < NQ; ++h) dot[h] = _mm512_add_epi32(a[h], c[h]);
-}
-
-// Stores the lanes of a tile's 16 scores that lie in [t0, t0 + n).
-inline void store_tile(float* o, int base, int t0, int n, __m512 v) {
-  const int lo = std::max(0, t0 - base), hi = std::min(16, t0 + n - base);
-  if (lo == 0 && hi == 16) {
-    _mm512_storeu_ps(o + (base - t0), v);
-  } else {
-    alignas(64) float tmp[16];
-    _mm512_store_ps(tmp, v);
-    std::memcpy(o + (base + lo - t0), tmp + lo, sizeof(float) * size_t(hi - lo));
-  }
 }
 
 template <int NQ>
@@ -89,14 +65,14 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
         for (int h = 0; h < NQ; ++h)
           facc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[h]), _mm512_set1_ps(qr[h].dq[b]), facc[h]);
       }
-      const __m512 sv = load_f16x16(tp + 32 * size_t(g));
-      const __m512 mv = load_f16x16(tp + L.min_off + 32 * size_t(g));
+      const __m512 sv = tile_load_f16x16_avx512(tp + 32 * size_t(g));
+      const __m512 mv = tile_load_f16x16_avx512(tp + L.min_off + 32 * size_t(g));
       for (int h = 0; h < NQ; ++h) {
         score[h] = _mm512_fmadd_ps(facc[h], sv, score[h]);
         score[h] = _mm512_fmadd_ps(mv, _mm512_set1_ps(qr[h].qsum[g]), score[h]);
       }
     }
-    for (int h = 0; h < NQ; ++h) store_tile(out + size_t(h) * size_t(out_stride), tile * 16, t0, n, score[h]);
+    for (int h = 0; h < NQ; ++h) tile_store_avx512(out + size_t(h) * size_t(out_stride), tile * 16, t0, n, score[h]);
   }
 }
 
@@ -120,7 +96,8 @@ void kivi_scores_pass(const int8_t* q8, const float* dq, const float* cz, int hd
                                   facc[h]);
     }
     for (int h = 0; h < NQ; ++h)
-      store_tile(out + size_t(h) * size_t(out_stride), tile * 16, t0, n, _mm512_add_ps(facc[h], _mm512_set1_ps(cz[h])));
+      tile_store_avx512(out + size_t(h) * size_t(out_stride), tile * 16, t0, n,
+                        _mm512_add_ps(facc[h], _mm512_set1_ps(cz[h])));
   }
 }
 
@@ -139,43 +116,10 @@ void accum_pass(const Int4TiledLayout& L, const float* p, int p_stride, const ui
   for (int seg = tile0; seg < tile1; seg += kSegTiles) {
     const int nt = std::min(kSegTiles, tile1 - seg);
     // 1. Quantized weights of the segment's tiles (int4t's step, kv/int4_tiled.h).
-    for (int tt = 0; tt < nt; ++tt) {
-      const int base = (seg + tt) * 16;
-      const uint8_t* tp = block + size_t(seg + tt) * L.tile_bytes;
-      const __mmask16 mask = tile_mask(base, t0, n);
-      const bool full = mask == 0xffff;
-      __m512 pv[NQ];
-      for (int h = 0; h < NQ; ++h) {
-        const float* ph = p + size_t(h) * size_t(p_stride);
-        pv[h] = full ? _mm512_loadu_ps(ph + (base - t0))
-                     : _mm512_maskz_expandloadu_ps(mask, ph + std::max(0, base - t0));
-      }
-      for (int g = 0; g < ng; ++g) {
-        // Masked: slots outside the range may hold anything (NaN scales of unwritten tokens).
-        const __m512 sv = _mm512_maskz_mov_ps(mask, load_f16x16(tp + 32 * size_t(g)));
-        const __m512 mv = _mm512_maskz_mov_ps(mask, load_f16x16(tp + L.min_off + 32 * size_t(g)));
-        __m512 w[4], wa[4];
-        for (int h = 0; h < 4; ++h) {
-          w[h] = h < NQ ? _mm512_mul_ps(pv[h], sv) : _mm512_setzero_ps();
-          wa[h] = _mm512_abs_ps(w[h]);
-        }
-        // All rows' steps at once (lanes 4h..4h+3 = row h), with the scalar arithmetic of
-        // int4t_weight_step: dw = wmax / levels, inv = levels / wmax or 0.
-        const __m512 wmax = tile_max4x16_avx512(wa);
-        const __m512 lv = _mm512_set1_ps(U8 ? kv_int4t_u8_levels : kv_int4t_s8_levels);
-        alignas(64) float steps[16];
-        _mm512_store_ps(steps, _mm512_div_ps(wmax, lv));
-        const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(wmax, _mm512_setzero_ps(), _CMP_GT_OQ), lv, wmax);
-        for (int h = 0; h < NQ; ++h) {
-          dw[tt][h][g] = steps[4 * h];
-          const __m512 inv_h = _mm512_permutexvar_ps(_mm512_set1_epi32(4 * h), inv);
-          const __m512i wi = _mm512_cvtps_epi32(_mm512_mul_ps(w[h], inv_h));
-          _mm_store_si128(reinterpret_cast<__m128i*>(w8[tt][h][g]),
-                          U8 ? _mm512_cvtusepi32_epi8(wi) : _mm512_cvtsepi32_epi8(wi));
-          _mm512_store_ps(msv[h][g], _mm512_fmadd_ps(pv[h], mv, _mm512_load_ps(msv[h][g])));
-        }
-      }
-    }
+    for (int tt = 0; tt < nt; ++tt)
+      tile_quantize_group_weights_avx512<NQ, U8>(p, p_stride, t0, n, (seg + tt) * 16,
+                                                 block + size_t(seg + tt) * L.tile_bytes, L.min_off, ng, w8[tt],
+                                                 dw[tt], msv);
     // 2. Channel chunks of 32: per tile 2 loads (token octets), 4 planes (token quad x channel
     // half) and 4 VPDPBUSD per row into 2 chains, flushed to f32 with the tile's step; the f32
     // sums go to acc once per segment.
@@ -219,39 +163,7 @@ void accum_pass(const Int4TiledLayout& L, const float* p, int p_stride, const ui
       }
     }
   }
-  for (int h = 0; h < NQ; ++h)
-    for (int g = 0; g < ng; ++g) {
-      const __m512 m = _mm512_set1_ps(_mm512_reduce_add_ps(_mm512_load_ps(msv[h][g])));
-      float* a = acc + size_t(h) * size_t(hd) + size_t(g * L.group);
-      for (int d = 0; d < L.group; d += 16) _mm512_storeu_ps(a + d, _mm512_add_ps(_mm512_loadu_ps(a + d), m));
-    }
-}
-
-// int4t_weights_nonneg, 16 weights per compare.
-bool weights_nonneg(const float* p, int p_stride, int n_q, int n) {
-  __mmask16 neg = 0;
-  const __m512 zero = _mm512_setzero_ps();
-  const __mmask16 tail = __mmask16((1u << (n % 16)) - 1u);
-  for (int i = 0; i < n_q; ++i) {
-    const float* r = p + size_t(i) * size_t(p_stride);
-    int t = 0;
-    for (; t + 16 <= n; t += 16) neg |= _mm512_cmp_ps_mask(_mm512_loadu_ps(r + t), zero, _CMP_LT_OQ);
-    if (t < n) neg |= _mm512_mask_cmp_ps_mask(tail, _mm512_maskz_loadu_ps(tail, r + t), zero, _CMP_LT_OQ);
-  }
-  return neg == 0;
-}
-
-// f(i, m) for the passes of at most kMaxNq rows, m as a compile-time constant.
-template <typename F>
-void by_passes(int n_q, F&& f) {
-  for (int i = 0; i < n_q; i += kMaxNq) {
-    switch (std::min(kMaxNq, n_q - i)) {
-      case 1: f(i, std::integral_constant<int, 1>{}); break;
-      case 2: f(i, std::integral_constant<int, 2>{}); break;
-      case 3: f(i, std::integral_constant<int, 3>{}); break;
-      default: f(i, std::integral_constant<int, 4>{}); break;
-    }
-  }
+  tiles_add_min_terms_avx512<NQ>(msv, ng, L.group, hd, acc);
 }
 
 }  // namespace
@@ -259,7 +171,7 @@ void by_passes(int n_q, F&& f) {
 void int2t_scores_avx512(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
                          float* out, int out_stride) {
   if (n <= 0) return;
-  by_passes(n_q, [&](int i, auto m) {
+  tile_row_passes(n_q, [&](int i, auto m) {
     scores_pass<decltype(m)::value>(L, qp + size_t(i) * size_t(L.qdim), block, t0, n,
                                     out + size_t(i) * size_t(out_stride), out_stride);
   });
@@ -268,8 +180,8 @@ void int2t_scores_avx512(const Int4TiledLayout& L, const float* qp, int n_q, con
 void int2t_accum_avx512(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
                         int t0, int n, float* acc) {
   if (n <= 0) return;
-  const bool u8 = weights_nonneg(p, p_stride, n_q, n);
-  by_passes(n_q, [&](int i, auto m) {
+  const bool u8 = tiles_weights_nonneg_avx512(p, p_stride, n_q, n);
+  tile_row_passes(n_q, [&](int i, auto m) {
     const float* pi = p + size_t(i) * size_t(p_stride);
     float* a = acc + size_t(i) * size_t(L.hd);
     if (u8) accum_pass<decltype(m)::value, true>(L, pi, p_stride, block, t0, n, a);
@@ -281,7 +193,7 @@ void kivi2t_scores_avx512(const int8_t* q8, const float* dq, const float* cz, in
                           const uint8_t* tiles, int t0, int n, float* out, int out_stride) {
   if (n <= 0) return;
   const int nb = hd / 32;
-  by_passes(n_q, [&](int i, auto m) {
+  tile_row_passes(n_q, [&](int i, auto m) {
     kivi_scores_pass<decltype(m)::value>(q8 + size_t(i) * size_t(hd), dq + size_t(i) * size_t(nb), cz + i, hd, tiles,
                                          t0, n, out + size_t(i) * size_t(out_stride), out_stride);
   });

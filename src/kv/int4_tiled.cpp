@@ -14,6 +14,7 @@
 #include "kv/kv_rows.h"
 #include "kv/registry_internal.h"
 #include "kv/tiled_codec.h"
+#include "kv/tiles_ref.h"
 
 namespace kvq {
 
@@ -62,12 +63,6 @@ void int4t_prepare_query(const Int4TiledLayout& L, const float* q, int n_q, floa
   }
 }
 
-namespace {
-
-inline float tile_f16(const uint8_t* p, size_t i) { return f16_to_f32(kvg_load_f16(p, i)); }
-
-}  // namespace
-
 void int4t_scores_ref(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
                       float* out, int out_stride) {
   const int bpg = L.group / 32;  // 32-dim query blocks per group
@@ -102,50 +97,7 @@ void int4t_scores_ref(const Int4TiledLayout& L, const float* qp, int n_q, const 
 
 void int4t_accum_ref(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                      int n, float* acc) {
-  if (n <= 0) return;
-  const int hd = L.hd;
-  const int tile0 = t0 / kv_tile_tokens, tile1 = (t0 + n + kv_tile_tokens - 1) / kv_tile_tokens;
-  float facc[kv_max_head_dim];
-  float msum[kv_max_head_dim / 32];
-  const bool u8 = int4t_weights_nonneg(p, p_stride, n_q, n);
-  const float levels = u8 ? kv_int4t_u8_levels : kv_int4t_s8_levels;
-  for (int i = 0; i < n_q; ++i) {
-    const float* pi = p + size_t(i) * size_t(p_stride);
-    std::fill(facc, facc + hd, 0.f);
-    std::fill(msum, msum + L.ng, 0.f);
-    for (int tile = tile0; tile < tile1; ++tile) {
-      const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
-      const uint8_t* codes = tp + L.code_off;
-      for (int g = 0; g < L.ng; ++g) {
-        float w[kv_tile_tokens];
-        float wmax = 0;
-        for (int j = 0; j < kv_tile_tokens; ++j) {
-          const int t = tile * kv_tile_tokens + j - t0;
-          const bool valid = t >= 0 && t < n;
-          w[j] = valid ? pi[t] * tile_f16(tp, size_t(g * 16 + j)) : 0.f;
-          wmax = std::max(wmax, std::fabs(w[j]));
-          if (valid) msum[g] += pi[t] * tile_f16(tp + L.min_off, size_t(g * 16 + j));
-        }
-        float dw, inv;
-        int4t_weight_step(wmax, levels, &dw, &inv);
-        int32_t wq[kv_tile_tokens];
-        for (int j = 0; j < kv_tile_tokens; ++j)
-          wq[j] = int32_t(std::min(levels, std::max(u8 ? 0.f : -levels, std::nearbyint(w[j] * inv))));
-        for (int c = g * L.group / 32; c < (g + 1) * L.group / 32; ++c)
-          for (int lane = 0; lane < 32; ++lane) {
-            const int i_lane = lane % 16, shift = (lane / 16) * 4;
-            int32_t dot = 0;
-            for (int j = 0; j < kv_tile_tokens; ++j) {
-              const int k = j / 4, m = j % 4;
-              dot += wq[j] * int32_t((codes[64 * (4 * c + k) + 4 * i_lane + m] >> shift) & 15);
-            }
-            facc[32 * c + lane] = std::fma(float(dot), dw, facc[32 * c + lane]);
-          }
-      }
-    }
-    float* a = acc + size_t(i) * size_t(hd);
-    for (int d = 0; d < hd; ++d) a[d] += facc[d] + msum[d / L.group];
-  }
+  tiles_accum_ref(L, p, p_stride, n_q, block, t0, n, acc, int4t_value_code);
 }
 
 void int4t_scores(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,

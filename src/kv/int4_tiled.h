@@ -43,8 +43,10 @@
 // dispatch point (cpu_level()). Ranges [t0, t0 + n) need not be tile-aligned: lanes outside are
 // computed on whatever the block holds but never stored (scores) or weighted 0 (sums).
 #pragma once
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 namespace kvq {
 
@@ -78,6 +80,31 @@ inline void kv_unit_range(size_t unit_bytes, int unit_tokens, int t0, int n, siz
   const size_t last = size_t((t0 + n + unit_tokens - 1) / unit_tokens) * unit_bytes;
   *offset = first;
   *bytes = last - first < cap ? last - first : cap;
+}
+
+// f(i, m) for the passes of the SIMD kernels over n_q query rows: at most 4 rows a pass (the
+// accumulator registers), i the pass's first row, m its row count as std::integral_constant<int, 1..4>
+// so that each count has its own kernel instance.
+template <typename F>
+inline void tile_row_passes(int n_q, F&& f) {
+  constexpr int max_rows = 4;
+  for (int i = 0; i < n_q; i += max_rows) {
+    switch (std::min(max_rows, n_q - i)) {
+      case 1: f(i, std::integral_constant<int, 1>{}); break;
+      case 2: f(i, std::integral_constant<int, 2>{}); break;
+      case 3: f(i, std::integral_constant<int, 3>{}); break;
+      default: f(i, std::integral_constant<int, 4>{}); break;
+    }
+  }
+}
+
+// Code (0..15) of element d of tile slot j in a K / V tile's code bytes: the layout above.
+inline int int4t_key_code(const uint8_t* codes, int j, int d) {
+  return (codes[64 * (d / 8) + 4 * j + d % 4] >> ((d % 8) / 4 * 4)) & 15;
+}
+inline int int4t_value_code(const uint8_t* codes, int j, int d) {
+  const int c = d / 32, r = d % 32;
+  return (codes[64 * (4 * c + j / 4) + 4 * (r % 16) + j % 4] >> (r / 16 * 4)) & 15;
 }
 
 // The parts of prepared query row `row` of qp (n_q, L.qdim) that the score kernels read.

@@ -16,6 +16,7 @@
 #include "kv/kv_rows.h"
 #include "kv/registry_internal.h"
 #include "kv/tiled_codec.h"
+#include "kv/tiles_ref.h"
 
 namespace kvq {
 
@@ -117,7 +118,6 @@ void int8t_accum_ref(const Int8TiledLayout& L, const float* p, int p_stride, int
   const int tile0 = t0 / kv_tile_tokens, tile1 = (t0 + n + kv_tile_tokens - 1) / kv_tile_tokens;
   float facc[kv_max_head_dim];
   const bool u8 = int4t_weights_nonneg(p, p_stride, n_q, n);
-  const float levels = u8 ? kv_int4t_u8_levels : kv_int4t_s8_levels;
   for (int i = 0; i < n_q; ++i) {
     const float* pi = p + size_t(i) * size_t(p_stride);
     std::fill(facc, facc + hd, 0.f);
@@ -125,17 +125,12 @@ void int8t_accum_ref(const Int8TiledLayout& L, const float* p, int p_stride, int
       const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
       const auto* codes = reinterpret_cast<const int8_t*>(tp + L.code_off);
       float w[kv_tile_tokens];
-      float wmax = 0;
       for (int j = 0; j < kv_tile_tokens; ++j) {
         const int t = tile * kv_tile_tokens + j - t0;
         w[j] = t >= 0 && t < n ? pi[t] * tile_scale(tp, j) : 0.f;
-        wmax = std::max(wmax, std::fabs(w[j]));
       }
-      float dw, inv;
-      int4t_weight_step(wmax, levels, &dw, &inv);
       int32_t wq[kv_tile_tokens];
-      for (int j = 0; j < kv_tile_tokens; ++j)
-        wq[j] = int32_t(std::min(levels, std::max(u8 ? 0.f : -levels, std::nearbyint(w[j] * inv))));
+      const float dw = tile_quantize_weights_ref(w, u8, wq);
       for (int d = 0; d < hd; ++d) {
         const int c = d / 16, lane = d % 16;
         int32_t dot = 0;

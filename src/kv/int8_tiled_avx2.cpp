@@ -14,18 +14,11 @@
 
 #include "kv/int4_tiled.h"
 #include "kv/int8_tiled.h"
+#include "kv/tiles_avx2.h"
+#include "kv/tiles_ref.h"
 
 namespace kvq {
 namespace {
-
-constexpr int kMaxNq = 4;
-
-inline __m256i bcast32(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-inline __m256i widen(__m256i s16) { return _mm256_madd_epi16(s16, _mm256_set1_epi16(1)); }
 
 // 8 tokens (half of a tile: `half` 0 or 1) for NQ query rows.
 template <int NQ>
@@ -41,10 +34,10 @@ void scores_half(const Int8TiledLayout& L, const Int8tQueryRow* qr, const uint8_
       const __m256i c = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * o)), flip);
       const __m256i ac = _mm256_abs_epi8(c);
       for (int h = 0; h < NQ; ++h) {
-        const __m256i qh = _mm256_sign_epi8(bcast32(qr[h].q8 + 4 * o), c);
-        const __m256i ql = _mm256_sign_epi8(bcast32(qr[h].q8lo + 4 * o), c);
-        ih[h] = _mm256_add_epi32(ih[h], widen(_mm256_maddubs_epi16(ac, qh)));
-        il[h] = _mm256_add_epi32(il[h], widen(_mm256_maddubs_epi16(ac, ql)));
+        const __m256i qh = _mm256_sign_epi8(tile_bcast32_avx2(qr[h].q8 + 4 * o), c);
+        const __m256i ql = _mm256_sign_epi8(tile_bcast32_avx2(qr[h].q8lo + 4 * o), c);
+        ih[h] = _mm256_add_epi32(ih[h], tile_widen_avx2(_mm256_maddubs_epi16(ac, qh)));
+        il[h] = _mm256_add_epi32(il[h], tile_widen_avx2(_mm256_maddubs_epi16(ac, ql)));
       }
     }
     for (int h = 0; h < NQ; ++h) {
@@ -68,20 +61,10 @@ void scores_pass(const Int8TiledLayout& L, const float* qp, const uint8_t* block
     const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
     for (int half = 0; half < 2; ++half) {
       const int base = tile * 16 + 8 * half;
-      const int lo = std::max(0, t0 - base), hi = std::min(8, t0 + n - base);
-      if (hi <= lo) continue;
+      if (std::min(8, t0 + n - base) <= std::max(0, t0 - base)) continue;  // no token of the range
       __m256 res[NQ];
       scores_half<NQ>(L, qr, tp, half, res);
-      alignas(32) float tmp[8];
-      for (int h = 0; h < NQ; ++h) {
-        float* o = out + size_t(h) * size_t(out_stride);
-        if (lo == 0 && hi == 8) {
-          _mm256_storeu_ps(o + (base - t0), res[h]);
-        } else {
-          _mm256_store_ps(tmp, res[h]);
-          std::memcpy(o + (base + lo - t0), tmp + lo, sizeof(float) * size_t(hi - lo));
-        }
-      }
+      for (int h = 0; h < NQ; ++h) tile_store_half_avx2(out + size_t(h) * size_t(out_stride), base, t0, n, res[h]);
     }
   }
 }
@@ -91,7 +74,6 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
                 float* acc) {
   const int hd = L.hd;
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  const float levels = u8 ? kv_int4t_u8_levels : kv_int4t_s8_levels;
   const __m256i even = _mm256_set1_epi32(0x00ff00ff), odd = _mm256_set1_epi32(int32_t(0xff00ff00u));
   for (int tile = tile0; tile < tile1; ++tile) {
     const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
@@ -100,20 +82,16 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
     float dw[NQ];
     for (int h = 0; h < NQ; ++h) {
       const float* ph = p + size_t(h) * size_t(p_stride);
-      float w[16], wmax = 0;
+      float w[16];
       for (int j = 0; j < 16; ++j) {
         const int t = tile * 16 + j - t0;
         float s;
         std::memcpy(&s, tp + 4 * size_t(j), 4);
         w[j] = t >= 0 && t < n ? ph[t] * s : 0.f;
-        wmax = std::max(wmax, std::fabs(w[j]));
       }
-      float inv;
-      int4t_weight_step(wmax, levels, &dw[h], &inv);
-      for (int j = 0; j < 16; ++j) {
-        const int v = int(std::min(levels, std::max(u8 ? 0.f : -levels, std::nearbyint(w[j] * inv))));
-        w8[h][j] = int8_t(uint8_t(v));  // u8 path: the byte 0..255; s8 path: -127..127
-      }
+      int32_t wq[16];
+      dw[h] = tile_quantize_weights_ref(w, u8, wq);
+      for (int j = 0; j < 16; ++j) w8[h][j] = int8_t(uint8_t(wq[j]));  // u8 path: the byte 0..255; s8: -127..127
     }
     const uint8_t* codes = tp + L.code_off;
     for (int c = 0; c < hd / 16; ++c) {
@@ -125,17 +103,17 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * (4 * c + k) + 32 * half));
           if (u8) {
             for (int h = 0; h < NQ; ++h) {
-              const __m256i wb = bcast32(&w8[h][4 * k]);
-              const __m256i a = widen(_mm256_maddubs_epi16(_mm256_and_si256(wb, even), x));
-              const __m256i b = widen(_mm256_maddubs_epi16(_mm256_and_si256(wb, odd), x));
+              const __m256i wb = tile_bcast32_avx2(&w8[h][4 * k]);
+              const __m256i a = tile_widen_avx2(_mm256_maddubs_epi16(_mm256_and_si256(wb, even), x));
+              const __m256i b = tile_widen_avx2(_mm256_maddubs_epi16(_mm256_and_si256(wb, odd), x));
               isum[h] = _mm256_add_epi32(isum[h], _mm256_add_epi32(a, b));
             }
           } else {
             // s8 weights and s8 codes: |c| x sign(w, c), 2 * 127 * 127 fits int16.
             const __m256i ax = _mm256_abs_epi8(x);
             for (int h = 0; h < NQ; ++h) {
-              const __m256i ws = _mm256_sign_epi8(bcast32(&w8[h][4 * k]), x);
-              isum[h] = _mm256_add_epi32(isum[h], widen(_mm256_maddubs_epi16(ax, ws)));
+              const __m256i ws = _mm256_sign_epi8(tile_bcast32_avx2(&w8[h][4 * k]), x);
+              isum[h] = _mm256_add_epi32(isum[h], tile_widen_avx2(_mm256_maddubs_epi16(ax, ws)));
             }
           }
         }
@@ -153,34 +131,20 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
 void int8t_scores_avx2(const Int8TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
                        float* out, int out_stride) {
   if (n <= 0) return;
-  for (int i = 0; i < n_q; i += kMaxNq) {
-    const int m = std::min(kMaxNq, n_q - i);
-    const float* q = qp + size_t(i) * size_t(L.qdim);
-    float* o = out + size_t(i) * size_t(out_stride);
-    switch (m) {
-      case 1: scores_pass<1>(L, q, block, t0, n, o, out_stride); break;
-      case 2: scores_pass<2>(L, q, block, t0, n, o, out_stride); break;
-      case 3: scores_pass<3>(L, q, block, t0, n, o, out_stride); break;
-      default: scores_pass<4>(L, q, block, t0, n, o, out_stride); break;
-    }
-  }
+  tile_row_passes(n_q, [&](int i, auto m) {
+    scores_pass<decltype(m)::value>(L, qp + size_t(i) * size_t(L.qdim), block, t0, n,
+                                    out + size_t(i) * size_t(out_stride), out_stride);
+  });
 }
 
 void int8t_accum_avx2(const Int8TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                       int n, float* acc) {
   if (n <= 0) return;
   const bool u8 = int4t_weights_nonneg(p, p_stride, n_q, n);
-  for (int i = 0; i < n_q; i += kMaxNq) {
-    const int m = std::min(kMaxNq, n_q - i);
-    const float* pi = p + size_t(i) * size_t(p_stride);
-    float* a = acc + size_t(i) * size_t(L.hd);
-    switch (m) {
-      case 1: accum_pass<1>(L, pi, p_stride, block, t0, n, u8, a); break;
-      case 2: accum_pass<2>(L, pi, p_stride, block, t0, n, u8, a); break;
-      case 3: accum_pass<3>(L, pi, p_stride, block, t0, n, u8, a); break;
-      default: accum_pass<4>(L, pi, p_stride, block, t0, n, u8, a); break;
-    }
-  }
+  tile_row_passes(n_q, [&](int i, auto m) {
+    accum_pass<decltype(m)::value>(L, p + size_t(i) * size_t(p_stride), p_stride, block, t0, n, u8,
+                                   acc + size_t(i) * size_t(L.hd));
+  });
 }
 
 }  // namespace kvq

@@ -13,14 +13,7 @@
 namespace kvq {
 namespace {
 
-constexpr int kMaxNq = 4;     // query rows per pass (accumulator registers)
 constexpr int kSegTiles = 8;  // tiles whose weights are quantized ahead of the channel loop (4: ~40 us slower)
-
-inline __mmask16 tile_mask(int base, int t0, int n) {
-  const int lo = std::max(0, t0 - base), hi = std::min(16, t0 + n - base);
-  if (hi <= lo) return 0;
-  return __mmask16(((1u << hi) - 1u) & ~((1u << lo) - 1u));
-}
 
 // The tile kAhead tiles on, requested while this one is computed: at 2 KB a tile (hd 128) the
 // hardware prefetchers and attention's one-call-early request left the dots waiting on memory.
@@ -61,20 +54,8 @@ void scores_pass(const Int8TiledLayout& L, const float* qp, const uint8_t* block
       }
     }
     const __m512 sv = _mm512_loadu_ps(reinterpret_cast<const float*>(tp));
-    const int base = tile * 16;
-    if (base >= t0 && base + 16 <= t0 + n) {
-      for (int h = 0; h < NQ; ++h)
-        _mm512_storeu_ps(out + size_t(h) * size_t(out_stride) + size_t(base - t0), _mm512_mul_ps(facc[h], sv));
-    } else {
-      // Partial tile: only the lanes inside [t0, t0 + n) are written.
-      const int lo = std::max(0, t0 - base), hi = std::min(16, t0 + n - base);
-      alignas(64) float tmp[16];
-      for (int h = 0; h < NQ; ++h) {
-        _mm512_store_ps(tmp, _mm512_mul_ps(facc[h], sv));
-        std::memcpy(out + size_t(h) * size_t(out_stride) + size_t(base + lo - t0), tmp + lo,
-                    sizeof(float) * size_t(hi - lo));
-      }
-    }
+    for (int h = 0; h < NQ; ++h)
+      tile_store_avx512(out + size_t(h) * size_t(out_stride), tile * 16, t0, n, _mm512_mul_ps(facc[h], sv));
   }
 }
 
@@ -96,11 +77,11 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
       const int base = (seg + tt) * 16;
       const uint8_t* tp = block + size_t(seg + tt) * L.tile_bytes;
       if (seg + tt + kAhead < tile1) prefetch_tile(tp + kAhead * L.tile_bytes, L.tile_bytes);
-      const __mmask16 mask = tile_mask(base, t0, n);
+      const __mmask16 mask = tile_mask_avx512(base, t0, n);
       const bool full = mask == 0xffff;
       // Masked: slots outside the range may hold anything (NaN scales of unwritten tokens).
       const __m512 sv = _mm512_maskz_loadu_ps(mask, reinterpret_cast<const float*>(tp));
-      __m512 w[4], wa[4];
+      __m512 w[4];
       for (int h = 0; h < 4; ++h) {
         if (h < NQ) {
           const float* ph = p + size_t(h) * size_t(p_stride);
@@ -110,19 +91,13 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
         } else {
           w[h] = _mm512_setzero_ps();
         }
-        wa[h] = _mm512_abs_ps(w[h]);
       }
-      // All rows' steps at once (lanes 4h..4h+3 = row h), with the scalar arithmetic of
-      // int4t_weight_step: dw = wmax / levels, inv = levels / wmax or 0.
-      const __m512 wmax = tile_max4x16_avx512(wa);
-      const __m512 lv = _mm512_set1_ps(U8 ? kv_int4t_u8_levels : kv_int4t_s8_levels);
+      // All rows' steps at once (int4t_weight_step's arithmetic, kv/tiles_avx512.h).
       alignas(64) float steps[16];
-      _mm512_store_ps(steps, _mm512_div_ps(wmax, lv));
-      const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(wmax, _mm512_setzero_ps(), _CMP_GT_OQ), lv, wmax);
+      const __m512 inv = tile_weight_steps_avx512<U8>(w, steps);
       for (int h = 0; h < NQ; ++h) {
         dw[tt][h] = steps[4 * h];
-        const __m512 inv_h = _mm512_permutexvar_ps(_mm512_set1_epi32(4 * h), inv);
-        const __m512i wi = _mm512_cvtps_epi32(_mm512_mul_ps(w[h], inv_h));
+        const __m512i wi = tile_weights_int_avx512(w[h], inv, h);
         _mm_store_si128(reinterpret_cast<__m128i*>(w8[tt][h]),
                         U8 ? _mm512_cvtusepi32_epi8(wi) : _mm512_cvtsepi32_epi8(wi));
         if (!U8) {  // 128 * the sum of the stored (saturated) s8 weights: the c + 128 correction
@@ -173,59 +148,27 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
   }
 }
 
-bool weights_nonneg(const float* p, int p_stride, int n_q, int n) {
-  __mmask16 neg = 0;
-  const __m512 zero = _mm512_setzero_ps();
-  const __mmask16 tail = __mmask16((1u << (n % 16)) - 1u);
-  for (int i = 0; i < n_q; ++i) {
-    const float* r = p + size_t(i) * size_t(p_stride);
-    int t = 0;
-    for (; t + 16 <= n; t += 16) neg |= _mm512_cmp_ps_mask(_mm512_loadu_ps(r + t), zero, _CMP_LT_OQ);
-    if (t < n) neg |= _mm512_mask_cmp_ps_mask(tail, _mm512_maskz_loadu_ps(tail, r + t), zero, _CMP_LT_OQ);
-  }
-  return neg == 0;
-}
-
-template <bool U8>
-void accum_rows(const Int8TiledLayout& L, const float* p, int p_stride, int m, const uint8_t* block, int t0, int n,
-                float* a) {
-  switch (m) {
-    case 1: return accum_pass<1, U8>(L, p, p_stride, block, t0, n, a);
-    case 2: return accum_pass<2, U8>(L, p, p_stride, block, t0, n, a);
-    case 3: return accum_pass<3, U8>(L, p, p_stride, block, t0, n, a);
-    default: return accum_pass<4, U8>(L, p, p_stride, block, t0, n, a);
-  }
-}
-
 }  // namespace
 
 void int8t_scores_avx512(const Int8TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
                          float* out, int out_stride) {
   if (n <= 0) return;
-  for (int i = 0; i < n_q; i += kMaxNq) {
-    const int m = std::min(kMaxNq, n_q - i);
-    const float* q = qp + size_t(i) * size_t(L.qdim);
-    float* o = out + size_t(i) * size_t(out_stride);
-    switch (m) {
-      case 1: scores_pass<1>(L, q, block, t0, n, o, out_stride); break;
-      case 2: scores_pass<2>(L, q, block, t0, n, o, out_stride); break;
-      case 3: scores_pass<3>(L, q, block, t0, n, o, out_stride); break;
-      default: scores_pass<4>(L, q, block, t0, n, o, out_stride); break;
-    }
-  }
+  tile_row_passes(n_q, [&](int i, auto m) {
+    scores_pass<decltype(m)::value>(L, qp + size_t(i) * size_t(L.qdim), block, t0, n,
+                                    out + size_t(i) * size_t(out_stride), out_stride);
+  });
 }
 
 void int8t_accum_avx512(const Int8TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
                         int t0, int n, float* acc) {
   if (n <= 0) return;
-  const bool u8 = weights_nonneg(p, p_stride, n_q, n);
-  for (int i = 0; i < n_q; i += kMaxNq) {
-    const int m = std::min(kMaxNq, n_q - i);
+  const bool u8 = tiles_weights_nonneg_avx512(p, p_stride, n_q, n);
+  tile_row_passes(n_q, [&](int i, auto m) {
     const float* pi = p + size_t(i) * size_t(p_stride);
     float* a = acc + size_t(i) * size_t(L.hd);
-    if (u8) accum_rows<true>(L, pi, p_stride, m, block, t0, n, a);
-    else accum_rows<false>(L, pi, p_stride, m, block, t0, n, a);
-  }
+    if (u8) accum_pass<decltype(m)::value, true>(L, pi, p_stride, block, t0, n, a);
+    else accum_pass<decltype(m)::value, false>(L, pi, p_stride, block, t0, n, a);
+  });
 }
 
 }  // namespace kvq

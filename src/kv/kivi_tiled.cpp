@@ -136,10 +136,7 @@ struct KiviTiles<4> {
     for (int o = 0; o < hd / 8; ++o)
       for (int k = 0; k < 4; ++k) codes[64 * o + 4 * j + k] = uint8_t(code[8 * o + k] | code[8 * o + 4 + k] << 4);
   }
-  static int key_code(const uint8_t* codes, int j, int c) {
-    const int o = c / 8, r = c % 8;
-    return (codes[64 * o + 4 * j + r % 4] >> (r / 4 * 4)) & 15;
-  }
+  static int key_code(const uint8_t* codes, int j, int c) { return int4t_key_code(codes, j, c); }
   static Int4TiledLayout value_layout(int hd) { return int4t_layout(hd, 32); }
   // int4t's V layout: a byte holds two codes of one token, written whole.
   static void put_value(uint8_t* codes, int j, const uint8_t* c, int hd) {
@@ -148,10 +145,7 @@ struct KiviTiles<4> {
       for (int i = 0; i < 16; ++i)
         codes[64 * (4 * ch + kq) + 4 * i + m] = uint8_t(c[32 * ch + i] | c[32 * ch + 16 + i] << 4);
   }
-  static int value_code(const uint8_t* codes, int j, int e) {
-    const int ch = e / 32, r = e % 32;
-    return (codes[64 * (4 * ch + j / 4) + 4 * (r % 16) + j % 4] >> (r / 16 * 4)) & 15;
-  }
+  static int value_code(const uint8_t* codes, int j, int e) { return int4t_value_code(codes, j, e); }
   static void scores(const int8_t* q8, const float* dq, const float* cz, int n_q, int hd, const uint8_t* tiles,
                      int t0, int n, float* out, int out_stride) {
     kivit_scores(q8, dq, cz, n_q, hd, tiles, t0, n, out, out_stride);

@@ -9,18 +9,10 @@
 #include <cstring>
 
 #include "kv/kivi_tiled.h"
+#include "kv/tiles_avx2.h"
 
 namespace kvq {
 namespace {
-
-constexpr int kMaxNq = 4;
-
-inline __m256i bcast32(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-inline __m256i widen(__m256i s16) { return _mm256_madd_epi16(s16, _mm256_set1_epi16(1)); }
 
 template <int NQ>
 void scores_pass(const int8_t* q8, const float* dq, const float* cz, int hd, const uint8_t* tiles, int t0, int n,
@@ -43,7 +35,7 @@ void scores_pass(const int8_t* q8, const float* dq, const float* cz, int hd, con
         const __m256i lo1 = _mm256_and_si256(x1, m4), hi1 = _mm256_and_si256(_mm256_srli_epi16(x1, 4), m4);
         for (int h = 0; h < NQ; ++h) {
           const int8_t* qh = q8 + size_t(h) * size_t(hd);
-          const __m256i ql = bcast32(qh + 8 * o), qhi = bcast32(qh + 8 * o + 4);
+          const __m256i ql = tile_bcast32_avx2(qh + 8 * o), qhi = tile_bcast32_avx2(qh + 8 * o + 4);
           s16[h][0] = _mm256_add_epi16(
               s16[h][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, ql), _mm256_maddubs_epi16(hi0, qhi)));
           s16[h][1] = _mm256_add_epi16(
@@ -52,26 +44,14 @@ void scores_pass(const int8_t* q8, const float* dq, const float* cz, int hd, con
       }
       for (int h = 0; h < NQ; ++h) {
         const __m256 d = _mm256_set1_ps(dq[size_t(h) * size_t(nb) + size_t(b)]);
-        facc[h][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(s16[h][0])), d, facc[h][0]);
-        facc[h][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(s16[h][1])), d, facc[h][1]);
+        facc[h][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tile_widen_avx2(s16[h][0])), d, facc[h][0]);
+        facc[h][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tile_widen_avx2(s16[h][1])), d, facc[h][1]);
       }
     }
-    for (int e = 0; e < 2; ++e) {
-      const int base = tile * 16 + 8 * e;
-      const int lo = std::max(0, t0 - base), hi = std::min(8, t0 + n - base);
-      if (hi <= lo) continue;
-      for (int h = 0; h < NQ; ++h) {
-        const __m256 score = _mm256_add_ps(facc[h][e], _mm256_set1_ps(cz[h]));
-        float* o = out + size_t(h) * size_t(out_stride);
-        if (lo == 0 && hi == 8) {
-          _mm256_storeu_ps(o + (base - t0), score);
-        } else {  // partial: only lanes inside [t0, t0 + n)
-          alignas(32) float tmp[8];
-          _mm256_store_ps(tmp, score);
-          std::memcpy(o + (base + lo - t0), tmp + lo, sizeof(float) * size_t(hi - lo));
-        }
-      }
-    }
+    for (int h = 0; h < NQ; ++h)
+      for (int e = 0; e < 2; ++e)
+        tile_store_half_avx2(out + size_t(h) * size_t(out_stride), tile * 16 + 8 * e, t0, n,
+                             _mm256_add_ps(facc[h][e], _mm256_set1_ps(cz[h])));
   }
 }
 
@@ -132,19 +112,10 @@ void kivit_scores_avx2(const int8_t* q8, const float* dq, const float* cz, int n
                        int t0, int n, float* out, int out_stride) {
   if (n <= 0) return;
   const int nb = hd / 32;
-  for (int i = 0; i < n_q;) {
-    const int m = std::min(kMaxNq, n_q - i);
-    const int8_t* q = q8 + size_t(i) * size_t(hd);
-    const float* d = dq + size_t(i) * size_t(nb);
-    float* o = out + size_t(i) * size_t(out_stride);
-    switch (m) {
-      case 4: scores_pass<4>(q, d, cz + i, hd, tiles, t0, n, o, out_stride); break;
-      case 3: scores_pass<3>(q, d, cz + i, hd, tiles, t0, n, o, out_stride); break;
-      case 2: scores_pass<2>(q, d, cz + i, hd, tiles, t0, n, o, out_stride); break;
-      default: scores_pass<1>(q, d, cz + i, hd, tiles, t0, n, o, out_stride); break;
-    }
-    i += m;
-  }
+  tile_row_passes(n_q, [&](int i, auto m) {
+    scores_pass<decltype(m)::value>(q8 + size_t(i) * size_t(hd), dq + size_t(i) * size_t(nb), cz + i, hd, tiles, t0, n,
+                                    out + size_t(i) * size_t(out_stride), out_stride);
+  });
 }
 
 }  // namespace kvq

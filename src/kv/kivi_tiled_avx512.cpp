@@ -13,8 +13,6 @@
 namespace kvq {
 namespace {
 
-constexpr int kMaxNq = 4;  // query rows per pass (accumulator registers)
-
 template <int NQ>
 void scores_pass(const int8_t* q8, const float* dq, const float* cz, int hd, const uint8_t* tiles, int t0, int n,
                  float* out, int out_stride) {
@@ -44,19 +42,9 @@ void scores_pass(const int8_t* q8, const float* dq, const float* cz, int hd, con
         facc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ilo[h], ihi[h])),
                                   _mm512_set1_ps(dq[size_t(h) * size_t(nb) + size_t(b)]), facc[h]);
     }
-    const int base = tile * 16;
-    const int lo = std::max(0, t0 - base), hi = std::min(16, t0 + n - base);
-    for (int h = 0; h < NQ; ++h) {
-      const __m512 score = _mm512_add_ps(facc[h], _mm512_set1_ps(cz[h]));
-      float* o = out + size_t(h) * size_t(out_stride);
-      if (lo == 0 && hi == 16) {
-        _mm512_storeu_ps(o + (base - t0), score);
-      } else {  // partial tile: only the lanes inside [t0, t0 + n)
-        alignas(64) float tmp[16];
-        _mm512_store_ps(tmp, score);
-        std::memcpy(o + (base + lo - t0), tmp + lo, sizeof(float) * size_t(hi - lo));
-      }
-    }
+    for (int h = 0; h < NQ; ++h)
+      tile_store_avx512(out + size_t(h) * size_t(out_stride), tile * 16, t0, n,
+                        _mm512_add_ps(facc[h], _mm512_set1_ps(cz[h])));
   }
 }
 
@@ -145,19 +133,10 @@ void kivit_scores_avx512(const int8_t* q8, const float* dq, const float* cz, int
                          int t0, int n, float* out, int out_stride) {
   if (n <= 0) return;
   const int nb = hd / 32;
-  for (int i = 0; i < n_q;) {
-    const int m = std::min(kMaxNq, n_q - i);
-    const int8_t* q = q8 + size_t(i) * size_t(hd);
-    const float* d = dq + size_t(i) * size_t(nb);
-    float* o = out + size_t(i) * size_t(out_stride);
-    switch (m) {
-      case 4: scores_pass<4>(q, d, cz + i, hd, tiles, t0, n, o, out_stride); break;
-      case 3: scores_pass<3>(q, d, cz + i, hd, tiles, t0, n, o, out_stride); break;
-      case 2: scores_pass<2>(q, d, cz + i, hd, tiles, t0, n, o, out_stride); break;
-      default: scores_pass<1>(q, d, cz + i, hd, tiles, t0, n, o, out_stride); break;
-    }
-    i += m;
-  }
+  tile_row_passes(n_q, [&](int i, auto m) {
+    scores_pass<decltype(m)::value>(q8 + size_t(i) * size_t(hd), dq + size_t(i) * size_t(nb), cz + i, hd, tiles, t0, n,
+                                    out + size_t(i) * size_t(out_stride), out_stride);
+  });
 }
 
 }  // namespace kvq

@@ -1,0 +1,175 @@
+// Small AVX2 helpers of the tiled integer-dot kernels (int4t, int2t, int8t, kivi4t / kivi2t) and
+// the weight quantization of int4t's / int2t's weighted sums, written once so that every kernel
+// rounds the same way. Include only from *_avx2.cpp files.
+#pragma once
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "kv/int4_tiled.h"
+
+namespace kvq {
+
+// Four int8 values as one dword, broadcast to every lane (the VPMADDUBSW operand).
+inline __m256i tile_bcast32_avx2(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Eight f16 values of a tile's table row (8 tokens' scales or minimums) as f32.
+inline __m256 tile_load_f16x8_avx2(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// int16 pairs -> int32 lanes.
+inline __m256i tile_widen_avx2(__m256i s16) { return _mm256_madd_epi16(s16, _mm256_set1_epi16(1)); }
+
+// Stores the lanes of a half tile's 8 scores (tokens base..base+7) that lie in [t0, t0 + n) at
+// o[token - t0].
+inline void tile_store_half_avx2(float* o, int base, int t0, int n, __m256 v) {
+  const int lo = std::max(0, t0 - base), hi = std::min(8, t0 + n - base);
+  if (hi <= lo) return;
+  if (lo == 0 && hi == 8) {
+    _mm256_storeu_ps(o + (base - t0), v);
+  } else {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, v);
+    std::memcpy(o + (base + lo - t0), tmp + lo, sizeof(float) * size_t(hi - lo));
+  }
+}
+
+// int4t_weights_nonneg, 8 weights per compare.
+inline bool tiles_weights_nonneg_avx2(const float* p, int p_stride, int n_q, int n) {
+  __m256 neg = _mm256_setzero_ps();
+  const __m256 zero = _mm256_setzero_ps();
+  for (int i = 0; i < n_q; ++i) {
+    const float* r = p + size_t(i) * size_t(p_stride);
+    int t = 0;
+    for (; t + 8 <= n; t += 8) neg = _mm256_or_ps(neg, _mm256_cmp_ps(_mm256_loadu_ps(r + t), zero, _CMP_LT_OQ));
+    for (; t < n; ++t)
+      if (r[t] < 0) return false;
+  }
+  return _mm256_movemask_ps(neg) == 0;
+}
+
+// Lanes h and 4 + h of the result = the largest of the 8 lanes of v[h], h < 4.
+inline __m256 tile_max4x8_avx2(const __m256* v) {
+  const __m256 a = _mm256_max_ps(_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1]));
+  const __m256 b = _mm256_max_ps(_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3]));
+  const __m256 c = _mm256_max_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm256_max_ps(c, _mm256_permute2f128_ps(c, c, 1));
+}
+
+// Quantized weights of one (group, row pair) of a tile (tile_quantize_group_weights_avx2):
+// VPACKSSDW / VPACKUSWB (VPACKSSWB) of rows A and B leave the token quads in the dwords A: 0 4 1 5,
+// B: 2 6 3 7, read through this index instead of a permute. Dword of row h's token quad k.
+inline int tile_w8_dword(int h, int k) { return (h & 1) * 2 + (k >> 1) + (k & 1) * 4; }
+
+// Step 1 of int4t's / int2t's AVX2 weighted sum for the tile at tp whose first token is `base`:
+// per group g < ng the weights w_t = p_t s_tg of query rows h < NQ (rows p_stride apart, weight of
+// token t at p[t - t0]) rounded with vector arithmetic (the scalar steps of int4t_weight_step, bit
+// for bit) to u8 (U8) or s8, row pair r's in w8[g][r] (dwords by tile_w8_dword), row h's step in
+// dw[g][h], and the min term p_t m_tg added into the 8 lanes of msv[h][g]. Lanes outside
+// [t0, t0 + n) weigh 0 and their scales / minimums (which may hold anything, NaN included) are
+// masked off.
+template <int NQ, bool U8, int MaxGroups>
+[[gnu::always_inline]] inline void tile_quantize_group_weights_avx2(const float* p, int p_stride, int t0, int n,
+                                                                    int base, const uint8_t* tp, size_t min_off,
+                                                                    int ng, uint8_t (*w8)[(NQ + 1) / 2][32],
+                                                                    float (*dw)[8], float (*msv)[MaxGroups][8]) {
+  constexpr int NP = (NQ + 1) / 2;  // row pairs
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 lv = _mm256_set1_ps(U8 ? kv_int4t_u8_levels : kv_int4t_s8_levels);
+  const bool full = base >= t0 && base + 16 <= t0 + n;
+  __m256 pv[NQ][2];
+  __m256 mk[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  if (full) {
+    for (int h = 0; h < NQ; ++h) {
+      const float* ph = p + size_t(h) * size_t(p_stride) + size_t(base - t0);
+      pv[h][0] = _mm256_loadu_ps(ph);
+      pv[h][1] = _mm256_loadu_ps(ph + 8);
+    }
+  } else {
+    const int lo = std::max(0, t0 - base), hi = std::min(16, t0 + n - base);
+    alignas(32) float pt[NQ][16] = {};
+    alignas(32) int32_t mi[16];
+    for (int j = 0; j < 16; ++j) mi[j] = j >= lo && j < hi ? -1 : 0;
+    for (int h = 0; h < NQ; ++h)
+      for (int j = lo; j < hi; ++j) pt[h][j] = p[size_t(h) * size_t(p_stride) + size_t(base + j - t0)];
+    for (int h = 0; h < NQ; ++h) {
+      pv[h][0] = _mm256_load_ps(pt[h]);
+      pv[h][1] = _mm256_load_ps(pt[h] + 8);
+    }
+    mk[0] = _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mi)));
+    mk[1] = _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mi + 8)));
+  }
+  for (int g = 0; g < ng; ++g) {
+    __m256 sv0 = tile_load_f16x8_avx2(tp + 32 * size_t(g)), sv1 = tile_load_f16x8_avx2(tp + 32 * size_t(g) + 16);
+    __m256 mv0 = tile_load_f16x8_avx2(tp + min_off + 32 * size_t(g));
+    __m256 mv1 = tile_load_f16x8_avx2(tp + min_off + 32 * size_t(g) + 16);
+    if (!full) {
+      sv0 = _mm256_and_ps(sv0, mk[0]);
+      sv1 = _mm256_and_ps(sv1, mk[1]);
+      mv0 = _mm256_and_ps(mv0, mk[0]);
+      mv1 = _mm256_and_ps(mv1, mk[1]);
+    }
+    __m256 w[NQ][2], wa[4];
+    for (int h = 0; h < 4; ++h) {
+      if (h < NQ) {
+        w[h][0] = _mm256_mul_ps(pv[h][0], sv0);
+        w[h][1] = _mm256_mul_ps(pv[h][1], sv1);
+        wa[h] = _mm256_max_ps(_mm256_andnot_ps(sign, w[h][0]), _mm256_andnot_ps(sign, w[h][1]));
+      } else {
+        wa[h] = _mm256_setzero_ps();
+      }
+    }
+    // int4t_weight_step for all rows at once: dw = wmax / levels, inv = levels / wmax or 0.
+    const __m256 wmax = tile_max4x8_avx2(wa);
+    _mm256_store_ps(dw[g], _mm256_div_ps(wmax, lv));
+    const __m256 inv = _mm256_and_ps(_mm256_div_ps(lv, wmax), _mm256_cmp_ps(wmax, _mm256_setzero_ps(), _CMP_GT_OQ));
+    for (int r = 0; r < NP; ++r) {
+      __m256i pk[2];
+      for (int e = 0; e < 2; ++e) {
+        const int h = 2 * r + e;
+        if (h < NQ) {
+          const __m256 ih = _mm256_permutevar_ps(inv, _mm256_set1_epi32(h));
+          pk[e] = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(w[h][0], ih)),
+                                     _mm256_cvtps_epi32(_mm256_mul_ps(w[h][1], ih)));
+        } else {
+          pk[e] = _mm256_setzero_si256();
+        }
+      }
+      // Saturation is the reference's clamp: [0, 255], or [-127, 127] (a NaN product converts to
+      // INT_MIN, which the reference's clamp makes -127).
+      const __m256i q = U8 ? _mm256_packus_epi16(pk[0], pk[1])
+                           : _mm256_max_epi8(_mm256_packs_epi16(pk[0], pk[1]), _mm256_set1_epi8(-127));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(w8[g][r]), q);
+    }
+    for (int h = 0; h < NQ; ++h)
+      _mm256_store_ps(msv[h][g],
+                      _mm256_fmadd_ps(pv[h][1], mv1, _mm256_fmadd_ps(pv[h][0], mv0, _mm256_load_ps(msv[h][g]))));
+  }
+}
+
+// The min terms of int4t's / int2t's weighted sums, after the tiles: per query row h < NQ and group
+// g < ng the 8 lanes of msv[h][g] (sum_t p_t m_tg) reduced once and added to the group's channels of
+// acc row h (rows hd apart).
+template <int NQ, int MaxGroups>
+inline void tiles_add_min_terms_avx2(float (*msv)[MaxGroups][8], int ng, int group, int hd, float* acc) {
+  for (int h = 0; h < NQ; ++h)
+    for (int g = 0; g < ng; ++g) {
+      const __m256 v = _mm256_load_ps(msv[h][g]);
+      __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+      x = _mm_add_ss(x, _mm_movehdup_ps(x));
+      const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(x));
+      float* a = acc + size_t(h) * size_t(hd) + size_t(g * group);
+      for (int d = 0; d < group; d += 8) _mm256_storeu_ps(a + d, _mm256_add_ps(_mm256_loadu_ps(a + d), m));
+    }
+}
+
+}  // namespace kvq
