@@ -104,7 +104,7 @@ namespace {
 // kivi's b-bit min/max quantizer (kv/kivi.cpp, MinMaxQ): scale and zero rounded to f16 first, codes
 // chosen against exactly those numbers, inputs sanitized (NaN -> 0, clamped to the f16 range).
 // Repeated here with the same expressions so that codes and parameters are kivi's bit for bit
-// (tests/test_kivi_tiled.cpp and tests/test_kivi2_tiled.cpp compare the decodes).
+// (tests/test_kivi_tiled.cpp compares the decodes).
 template <int Bits>
 struct KiviMinMax {
   static constexpr float top = float((1 << Bits) - 1);
