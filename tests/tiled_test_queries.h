@@ -1,4 +1,4 @@
-// Adversarial inputs shared by the tiled-codec tests (test_int4_tiled, test_int8_tiled,
+// Adversarial inputs shared by the tiled-codec tests (test_int_tiled, test_int8_tiled,
 // test_kivi_tiled): codecs by name, key/value rows by pattern, queries.
 #pragma once
 #include <cmath>
