@@ -153,20 +153,7 @@ void accum_pass(const Int4TiledLayout& L, const float* p, int p_stride, const ui
             lo[2 * o + 1] = plane(x, 2);
             hi[2 * o + 1] = plane(x, 3);
           }
-          for (int h = 0; h < NQ; ++h) {
-            const uint8_t* wp = w8[tt][g][h / 2];
-            __m256i slo = _mm256_setzero_si256(), shi = _mm256_setzero_si256();
-            for (int k = 0; k < 4; ++k) {
-              const __m256i wb = tile_bcast32_avx2(wp + 4 * tile_w8_dword(h, k));
-              slo = _mm256_add_epi16(slo, U8 ? _mm256_maddubs_epi16(wb, lo[k]) : _mm256_maddubs_epi16(lo[k], wb));
-              shi = _mm256_add_epi16(shi, U8 ? _mm256_maddubs_epi16(wb, hi[k]) : _mm256_maddubs_epi16(hi[k], wb));
-            }
-            const __m256 s = _mm256_broadcast_ss(&dw[tt][g][h]);
-            float* a = acc + size_t(h) * size_t(hd) + size_t(32 * c + 8 * half);
-            _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(tile_widen_avx2(slo)), s, _mm256_loadu_ps(a)));
-            _mm256_storeu_ps(a + 16,
-                             _mm256_fmadd_ps(_mm256_cvtepi32_ps(tile_widen_avx2(shi)), s, _mm256_loadu_ps(a + 16)));
-          }
+          tile_accum_chunk_avx2<NQ, U8>(lo, hi, w8[tt][g], dw[tt][g], acc, hd, 32 * c + 8 * half);
           if (++cg == cpg) {  // chunk c + 1 starts the next group
             cg = 0;
             ++g;

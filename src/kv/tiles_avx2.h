@@ -155,6 +155,32 @@ template <int NQ, bool U8, int MaxGroups>
   }
 }
 
+// Step 2 of int4t's / int2t's AVX2 weighted sum for one (tile, 8-lane half, chunk of 32 channels):
+// lo[k] / hi[k] hold the chunk's codes of token quad k (lanes: channels 32c + 8 half + i and 32c + 16
+// + 8 half + i, as u8 0..15 or 0..3), w8 / dw the group's quantized weights and steps
+// (tile_quantize_group_weights_avx2). Per query row two int16 chains over the 4 quads (at most
+// 4 * 2 * 255 * 15 or 4 * 2 * 15 * 127: no overflow), widened once and added with the step into
+// acc row h at channel `at` (low) and at + 16 (high). Each row's chains run and are flushed before
+// the next row's: about 12 live registers (all rows' chains at once spilled).
+template <int NQ, bool U8>
+[[gnu::always_inline]] inline void tile_accum_chunk_avx2(const __m256i* lo, const __m256i* hi,
+                                                         const uint8_t (*w8)[32], const float* dw, float* acc, int hd,
+                                                         int at) {
+  for (int h = 0; h < NQ; ++h) {
+    const uint8_t* wp = w8[h / 2];
+    __m256i slo = _mm256_setzero_si256(), shi = _mm256_setzero_si256();
+    for (int k = 0; k < 4; ++k) {
+      const __m256i wb = tile_bcast32_avx2(wp + 4 * tile_w8_dword(h, k));
+      slo = _mm256_add_epi16(slo, U8 ? _mm256_maddubs_epi16(wb, lo[k]) : _mm256_maddubs_epi16(lo[k], wb));
+      shi = _mm256_add_epi16(shi, U8 ? _mm256_maddubs_epi16(wb, hi[k]) : _mm256_maddubs_epi16(hi[k], wb));
+    }
+    const __m256 s = _mm256_broadcast_ss(&dw[h]);
+    float* a = acc + size_t(h) * size_t(hd) + size_t(at);
+    _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(tile_widen_avx2(slo)), s, _mm256_loadu_ps(a)));
+    _mm256_storeu_ps(a + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(tile_widen_avx2(shi)), s, _mm256_loadu_ps(a + 16)));
+  }
+}
+
 // The min terms of int4t's / int2t's weighted sums, after the tiles: per query row h < NQ and group
 // g < ng the 8 lanes of msv[h][g] (sum_t p_t m_tg) reduced once and added to the group's channels of
 // acc row h (rows hd apart).
