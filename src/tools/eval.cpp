@@ -32,6 +32,11 @@ void eval_add_cli(CLI::App& app, EvalOptions& o) {
   app.add_option("--haystack", o.haystack, "haystack text for needle (default: --data)");
   app.add_option("--own", o.own, "JSONL eval set for task own: {\"prompt\", \"expected\", \"match\": substring|exact}");
   app.add_option("--depths", o.depths, "needle depths in percent")->delimiter(',')->capture_default_str();
+  app.add_option("--needles", o.needles,
+                 "needle: trials per (context, depth) cell, each with its own passcode and stretch of the haystack "
+                 "(one trial per cell is a coin flip on a small model; accuracy is over all trials)")
+      ->check(CLI::Range(1, 100))
+      ->capture_default_str();
   app.add_option("--chunks", o.chunks, "ppl: windows per context length")->check(CLI::Range(1, 1000))->capture_default_str();
   app.add_option("-t,--threads", o.threads, "threads (default: all hardware threads)")->check(CLI::Range(1, 1024));
   app.add_option("--max-tokens", o.max_tokens, "own: tokens generated per prompt")->check(CLI::Range(1, 4096))->capture_default_str();
@@ -234,12 +239,16 @@ std::string greedy_generate(Ctx& c, Forward& fwd, KvCache& cache, const std::vec
 }
 
 // ---- needle: a passcode sentence inserted at depth d of a haystack of ctx tokens, then the
-// question; retrieval counts when the generated answer contains the passcode.
+// question; retrieval counts when the generated answer contains the passcode. With --needles N
+// each (ctx, depth) cell holds N trials: trial k has its own passcode and starts its haystack at
+// the k-th of N evenly spaced offsets into the text (all at offset 0 when the text is no longer
+// than the context needs).
 void task_needle(Ctx& c, const std::vector<int32_t>& hay_ids) {
   std::mt19937 rng(4242);
   const std::string question = "\nWhat is the secret passcode mentioned in the text above? The secret passcode is";
   const std::vector<int32_t> q_ids = c.tok.encode(question, false);
-  size_t total = c.ctxs.size() * c.o.depths.size() * (c.runs.size() + 1);
+  const int trials = c.o.needles;
+  size_t total = c.ctxs.size() * c.o.depths.size() * size_t(trials) * (c.runs.size() + 1);
   Progress prog(c.o.progress, total);
   Forward fwd(c.m, c.pool, 256);
   std::vector<FormatRun> all;
@@ -248,25 +257,32 @@ void task_needle(Ctx& c, const std::vector<int32_t>& hay_ids) {
   std::vector<nlohmann::json> grids(all.size(), nlohmann::json::array());
   for (int ctx : c.ctxs) {
     for (int depth : c.o.depths) {
-      const std::string code = std::to_string(100000 + rng() % 900000);
-      const std::vector<int32_t> needle = c.tok.encode(" The secret passcode is " + code + ". Remember it. ", false);
-      const int hay_len = ctx - int(needle.size() + q_ids.size()) - 1 - 12;
-      if (hay_len < 16) fail("needle: context {} is too short for the needle and question", ctx);
-      if (size_t(hay_len) > hay_ids.size())
-        fail("needle: the haystack has {} tokens, fewer than the {} needed for context {}", hay_ids.size(), hay_len, ctx);
-      std::vector<int32_t> prompt;
-      if (c.tok.add_bos()) prompt.push_back(c.tok.bos());
-      const size_t at = size_t(double(hay_len) * depth / 100.0);
-      prompt.insert(prompt.end(), hay_ids.begin(), hay_ids.begin() + std::ptrdiff_t(at));
-      prompt.insert(prompt.end(), needle.begin(), needle.end());
-      prompt.insert(prompt.end(), hay_ids.begin() + std::ptrdiff_t(at), hay_ids.begin() + hay_len);
-      prompt.insert(prompt.end(), q_ids.begin(), q_ids.end());
-      for (size_t f = 0; f < all.size(); ++f) {
-        auto cache = make_cache(c, all[f], int(prompt.size()) + 12);
-        const std::string ans = greedy_generate(c, fwd, *cache, prompt, 10);
-        const bool ok = ans.find(code) != std::string::npos;
-        grids[f].push_back({{"ctx", ctx}, {"depth", depth}, {"ok", ok}, {"answer", ans}});
-        prog.step(fmt::format("needle ctx {} depth {} {}", ctx, depth, all[f].name));
+      for (int k = 0; k < trials; ++k) {
+        const std::string code = std::to_string(100000 + rng() % 900000);
+        const std::vector<int32_t> needle = c.tok.encode(" The secret passcode is " + code + ". Remember it. ", false);
+        const int hay_len = ctx - int(needle.size() + q_ids.size()) - 1 - 12;
+        if (hay_len < 16) fail("needle: context {} is too short for the needle and question", ctx);
+        if (size_t(hay_len) > hay_ids.size())
+          fail("needle: the haystack has {} tokens, fewer than the {} needed for context {}", hay_ids.size(), hay_len,
+               ctx);
+        const size_t spare = hay_ids.size() - size_t(hay_len);
+        const size_t off = trials > 1 ? spare * size_t(k) / size_t(trials - 1) : 0;
+        const auto hay = hay_ids.begin() + std::ptrdiff_t(off);
+        std::vector<int32_t> prompt;
+        if (c.tok.add_bos()) prompt.push_back(c.tok.bos());
+        const size_t at = size_t(double(hay_len) * depth / 100.0);
+        prompt.insert(prompt.end(), hay, hay + std::ptrdiff_t(at));
+        prompt.insert(prompt.end(), needle.begin(), needle.end());
+        prompt.insert(prompt.end(), hay + std::ptrdiff_t(at), hay + hay_len);
+        prompt.insert(prompt.end(), q_ids.begin(), q_ids.end());
+        for (size_t f = 0; f < all.size(); ++f) {
+          auto cache = make_cache(c, all[f], int(prompt.size()) + 12);
+          const std::string ans = greedy_generate(c, fwd, *cache, prompt, 10);
+          const bool ok = ans.find(code) != std::string::npos;
+          grids[f].push_back({{"ctx", ctx}, {"depth", depth}, {"trial", k}, {"haystack_offset", off}, {"ok", ok},
+                              {"answer", ans}});
+          prog.step(fmt::format("needle ctx {} depth {} trial {} {}", ctx, depth, k, all[f].name));
+        }
       }
     }
   }

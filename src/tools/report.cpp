@@ -83,7 +83,7 @@ std::string report_html(const nlohmann::json& ev) {
   std::string h = "<!DOCTYPE html><html><head><meta charset='utf-8'><title>kvq eval</title><style>"
                   "body{font-family:sans-serif;margin:24px;max-width:1100px}table{border-collapse:collapse;margin:8px 0}"
                   "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#f4f4f4}"
-                  ".ok{background:#b7e1b0}.miss{background:#f3b0a8}</style></head><body>";
+                  ".ok{background:#b7e1b0}.miss{background:#f3b0a8}.part{background:#f6e3a1}</style></head><body>";
   h += fmt::format("<h1>kvq eval: {}</h1><p>model file {}</p>", esc(ev.value("model", std::string("?"))),
                    esc(ev.value("model_file", std::string("?"))));
   const auto& fmts = ev["formats"];
@@ -121,7 +121,7 @@ std::string report_html(const nlohmann::json& ev) {
   bool any_needle = false;
   for (const auto& f : fmts) any_needle |= f.contains("needle");
   if (any_needle) {
-    h += "<h2>Needle in a haystack</h2><p>Rows: context length; columns: needle depth (% of the context). Green: retrieved.</p>";
+    h += "<h2>Needle in a haystack</h2><p>Rows: context length; columns: needle depth (% of the context). Green: retrieved (k/n: k of n trials, yellow when some).</p>";
     for (const auto& f : fmts) {
       if (!f.contains("needle")) continue;
       h += fmt::format("<h3>{} ({:.0f}%)</h3><table>", esc(f["format"].get<std::string>()), 100 * f["needle"]["accuracy"].get<double>());
@@ -140,11 +140,16 @@ std::string report_html(const nlohmann::json& ev) {
       for (int c : ctxs) {
         h += fmt::format("<tr><th>{}</th>", c);
         for (int d : depths) {
-          std::string cell = "<td></td>";
+          // A cell holds one trial per --needles: "yes" / "no" for one, "k/n" for several.
+          int n = 0, ok = 0;
           for (const auto& g : f["needle"]["grid"])
-            if (g["ctx"].get<int>() == c && g["depth"].get<int>() == d)
-              cell = g["ok"].get<bool>() ? "<td class='ok'>yes</td>" : "<td class='miss'>no</td>";
-          h += cell;
+            if (g["ctx"].get<int>() == c && g["depth"].get<int>() == d) {
+              ++n;
+              ok += g["ok"].get<bool>() ? 1 : 0;
+            }
+          if (n == 0) h += "<td></td>";
+          else if (n == 1) h += ok ? "<td class='ok'>yes</td>" : "<td class='miss'>no</td>";
+          else h += fmt::format("<td class='{}'>{}/{}</td>", ok == n ? "ok" : ok == 0 ? "miss" : "part", ok, n);
         }
         h += "</tr>";
       }

@@ -33,6 +33,14 @@ check "calibration has per-head channel means of K and V" \
 check "eval runs a centered format from the calibration" \
   "python3 -c \"import json; d=json.load(open('$tmp/c.json')); f=d['formats']; assert f[0]['format']=='int8_c' and 0<=f[0]['buckets'][0]['kld_mean']<0.05\""
 
+# needle with several trials per cell: one grid entry per (ctx, depth, trial), each trial its own
+# stretch of the haystack, accuracy over all of them; the HTML cells count trials
+"$kvq" eval -m "$model" --kv int8 --task needle --ctx 128 --depths 20,80 --needles 3 --data "$text" \
+  --json --html "$tmp/n.html" --no-progress -t 1 >"$tmp/n.json" 2>/dev/null
+check "needle: 2 depths x 3 trials per format, distinct haystack offsets, accuracy = hits / trials" \
+  "python3 -c \"import json; d=json.load(open('$tmp/n.json')); n=d['formats'][0]['needle']; g=n['grid']; assert len(g)==6 and sorted(set(e['trial'] for e in g))==[0,1,2]; assert len(set(e['haystack_offset'] for e in g))==3; assert abs(n['accuracy']-sum(e['ok'] for e in g)/6)<1e-12\""
+check "needle HTML counts trials per cell" "grep -Eq '>[0-3]/3<' $tmp/n.html"
+
 bad() {
   local name=$1 pattern=$2; shift 2
   "$kvq" "$@" >"$tmp/bo" 2>"$tmp/be"
@@ -50,6 +58,7 @@ printf '{"prompt": "a"}\n' >"$tmp/missing.jsonl"
 bad "JSONL without expected" "expected" eval -m "$model" --kv int8 --task own --own "$tmp/missing.jsonl"
 head -c 300 "$text" >"$tmp/short.txt"
 bad "haystack shorter than the context" "haystack" eval -m "$model" --kv int8 --task needle --ctx 512 --haystack "$tmp/short.txt"
+bad "zero needles per cell" "needles" eval -m "$model" --kv int8 --task needle --ctx 128 --needles 0 --data "$text"
 bad "unknown scale mode" "scale-mode" eval -m "$model" --kv int8 --ctx 64 --data "$text" --scale-mode sometimes
 bad "centered format without calibration" "kvq calibrate" eval -m "$model" --kv int8_c --ctx 64 --data "$text"
 bad "unknown task" "unknown task" eval -m "$model" --kv int8 --task nope --ctx 64 --data "$text"
