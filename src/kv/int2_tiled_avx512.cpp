@@ -120,48 +120,14 @@ void accum_pass(const Int4TiledLayout& L, const float* p, int p_stride, const ui
       tile_quantize_group_weights_avx512<NQ, U8>(p, p_stride, t0, n, (seg + tt) * 16,
                                                  block + size_t(seg + tt) * L.tile_bytes, L.min_off, ng, w8[tt],
                                                  dw[tt], msv);
-    // 2. Channel chunks of 32: per tile 2 loads (token octets), 4 planes (token quad x channel
-    // half) and 4 VPDPBUSD per row into 2 chains, flushed to f32 with the tile's step; the f32
-    // sums go to acc once per segment.
-    for (int c = 0; c < hd / 32; ++c) {
-      const int g = c * 32 / L.group;
-      __m512 flo[NQ], fhi[NQ];
-      for (int h = 0; h < NQ; ++h) flo[h] = fhi[h] = _mm512_setzero_ps();
-      for (int tt = 0; tt < nt; ++tt) {
-        const uint8_t* cp = block + size_t(seg + tt) * L.tile_bytes + L.code_off + size_t(c) * 128;
-        __m512i ilo[NQ], ihi[NQ];
-        for (int h = 0; h < NQ; ++h) ilo[h] = ihi[h] = _mm512_setzero_si512();
-        for (int k = 0; k < 2; ++k) {
-          const __m512i x = _mm512_loadu_si512(cp + 64 * k);
-          const __m512i p0 = plane(x, 0), p1 = plane(x, 1), p2 = plane(x, 2), p3 = plane(x, 3);
-          for (int h = 0; h < NQ; ++h) {
-            const __m512i wa = tile_bcast32_avx512(w8[tt][h][g] + 8 * k);      // quad 2k
-            const __m512i wb = tile_bcast32_avx512(w8[tt][h][g] + 8 * k + 4);  // quad 2k + 1
-            if (U8) {
-              ilo[h] = _mm512_dpbusd_epi32(ilo[h], wa, p0);
-              ihi[h] = _mm512_dpbusd_epi32(ihi[h], wa, p1);
-              ilo[h] = _mm512_dpbusd_epi32(ilo[h], wb, p2);
-              ihi[h] = _mm512_dpbusd_epi32(ihi[h], wb, p3);
-            } else {
-              ilo[h] = _mm512_dpbusd_epi32(ilo[h], p0, wa);
-              ihi[h] = _mm512_dpbusd_epi32(ihi[h], p1, wa);
-              ilo[h] = _mm512_dpbusd_epi32(ilo[h], p2, wb);
-              ihi[h] = _mm512_dpbusd_epi32(ihi[h], p3, wb);
-            }
-          }
-        }
-        for (int h = 0; h < NQ; ++h) {
-          const __m512 s = _mm512_set1_ps(dw[tt][h][g]);
-          flo[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ilo[h]), s, flo[h]);
-          fhi[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ihi[h]), s, fhi[h]);
-        }
-      }
-      for (int h = 0; h < NQ; ++h) {
-        float* a = acc + size_t(h) * size_t(hd) + size_t(32 * c);
-        _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), flo[h]));
-        _mm512_storeu_ps(a + 16, _mm512_add_ps(_mm512_loadu_ps(a + 16), fhi[h]));
-      }
-    }
+    // 2. Channel chunks of 32: per tile 2 loads (token octets), each 4 crumb planes (token quad x
+    // channel half): quads 2o and 2o + 1 read the same 64 bytes.
+    tiles_accum_segment_avx512<NQ, U8>(L, block + size_t(seg) * L.tile_bytes, nt, w8, dw, acc,
+                                       [](const uint8_t* codes, int c, int k, __m512i* lo, __m512i* hi) {
+                                         const __m512i x = _mm512_loadu_si512(codes + size_t(c) * 128 + 64 * (k / 2));
+                                         *lo = plane(x, 2 * (k % 2));
+                                         *hi = plane(x, 2 * (k % 2) + 1);
+                                       });
   }
   tiles_add_min_terms_avx512<NQ>(msv, ng, L.group, hd, acc);
 }

@@ -79,43 +79,13 @@ void accum_pass(const Int4TiledLayout& L, const float* p, int p_stride, const ui
       tile_quantize_group_weights_avx512<NQ, U8>(p, p_stride, t0, n, (seg + tt) * 16,
                                                  block + size_t(seg + tt) * L.tile_bytes, L.min_off, ng, w8[tt],
                                                  dw[tt], msv);
-    // 2. Channel chunks of 32: per tile 4 loads (token quads) and 2 * NQ dot chains, flushed to
-    // f32 with the tile's step; the f32 sums go to acc once per segment.
-    for (int c = 0; c < hd / 32; ++c) {
-      const int g = c * 32 / L.group;
-      __m512 flo[NQ], fhi[NQ];
-      for (int h = 0; h < NQ; ++h) flo[h] = fhi[h] = _mm512_setzero_ps();
-      for (int tt = 0; tt < nt; ++tt) {
-        const uint8_t* cp = block + size_t(seg + tt) * L.tile_bytes + L.code_off + size_t(c) * 256;
-        __m512i ilo[NQ], ihi[NQ];
-        for (int h = 0; h < NQ; ++h) ilo[h] = ihi[h] = _mm512_setzero_si512();
-        for (int k = 0; k < 4; ++k) {
-          const __m512i x = _mm512_loadu_si512(cp + 64 * k);
-          const __m512i lo = _mm512_and_si512(x, m4);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
-          for (int h = 0; h < NQ; ++h) {
-            const __m512i wb = tile_bcast32_avx512(w8[tt][h][g] + 4 * k);
-            if (U8) {
-              ilo[h] = _mm512_dpbusd_epi32(ilo[h], wb, lo);
-              ihi[h] = _mm512_dpbusd_epi32(ihi[h], wb, hi);
-            } else {
-              ilo[h] = _mm512_dpbusd_epi32(ilo[h], lo, wb);
-              ihi[h] = _mm512_dpbusd_epi32(ihi[h], hi, wb);
-            }
-          }
-        }
-        for (int h = 0; h < NQ; ++h) {
-          const __m512 s = _mm512_set1_ps(dw[tt][h][g]);
-          flo[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ilo[h]), s, flo[h]);
-          fhi[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ihi[h]), s, fhi[h]);
-        }
-      }
-      for (int h = 0; h < NQ; ++h) {
-        float* a = acc + size_t(h) * size_t(hd) + size_t(32 * c);
-        _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), flo[h]));
-        _mm512_storeu_ps(a + 16, _mm512_add_ps(_mm512_loadu_ps(a + 16), fhi[h]));
-      }
-    }
+    // 2. Channel chunks of 32: per tile 4 loads (token quads), split into low and high nibbles.
+    tiles_accum_segment_avx512<NQ, U8>(L, block + size_t(seg) * L.tile_bytes, nt, w8, dw, acc,
+                                       [m4](const uint8_t* codes, int c, int k, __m512i* lo, __m512i* hi) {
+                                         const __m512i x = _mm512_loadu_si512(codes + size_t(c) * 256 + 64 * k);
+                                         *lo = _mm512_and_si512(x, m4);
+                                         *hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
+                                       });
   }
   tiles_add_min_terms_avx512<NQ>(msv, ng, L.group, hd, acc);
 }

@@ -125,6 +125,53 @@ template <int NQ, bool U8, int MaxGroups>
   }
 }
 
+// Step 2 of int4t's / int2t's weighted sum over a segment of nt tiles (seg: the segment's first tile)
+// whose weights tile_quantize_group_weights_avx512 stored in w8[tt] / dw[tt]: per chunk c of 32
+// channels and tile, per token quad k the chunk's codes as u8 lanes (lo: channels 32c + i, hi:
+// 32c + 16 + i) from quad_codes(tile_codes, c, k, &lo, &hi), 2 * NQ VPDPBUSD chains (u8 weights x
+// codes when U8, else codes x s8 weights), flushed to f32 with the tile's step; the f32 sums go to
+// acc once per segment.
+template <int NQ, bool U8, int MaxGroups, class QuadCodes>
+[[gnu::always_inline]] inline void tiles_accum_segment_avx512(const Int4TiledLayout& L, const uint8_t* seg, int nt,
+                                                              const uint8_t (*w8)[NQ][MaxGroups][16],
+                                                              const float (*dw)[NQ][MaxGroups], float* acc,
+                                                              QuadCodes quad_codes) {
+  for (int c = 0; c < L.hd / 32; ++c) {
+    const int g = c * 32 / L.group;
+    __m512 flo[NQ], fhi[NQ];
+    for (int h = 0; h < NQ; ++h) flo[h] = fhi[h] = _mm512_setzero_ps();
+    for (int tt = 0; tt < nt; ++tt) {
+      const uint8_t* codes = seg + size_t(tt) * L.tile_bytes + L.code_off;
+      __m512i ilo[NQ], ihi[NQ];
+      for (int h = 0; h < NQ; ++h) ilo[h] = ihi[h] = _mm512_setzero_si512();
+      for (int k = 0; k < 4; ++k) {
+        __m512i lo, hi;
+        quad_codes(codes, c, k, &lo, &hi);
+        for (int h = 0; h < NQ; ++h) {
+          const __m512i wb = tile_bcast32_avx512(w8[tt][h][g] + 4 * k);
+          if (U8) {
+            ilo[h] = _mm512_dpbusd_epi32(ilo[h], wb, lo);
+            ihi[h] = _mm512_dpbusd_epi32(ihi[h], wb, hi);
+          } else {
+            ilo[h] = _mm512_dpbusd_epi32(ilo[h], lo, wb);
+            ihi[h] = _mm512_dpbusd_epi32(ihi[h], hi, wb);
+          }
+        }
+      }
+      for (int h = 0; h < NQ; ++h) {
+        const __m512 s = _mm512_set1_ps(dw[tt][h][g]);
+        flo[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ilo[h]), s, flo[h]);
+        fhi[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ihi[h]), s, fhi[h]);
+      }
+    }
+    for (int h = 0; h < NQ; ++h) {
+      float* a = acc + size_t(h) * size_t(L.hd) + size_t(32 * c);
+      _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), flo[h]));
+      _mm512_storeu_ps(a + 16, _mm512_add_ps(_mm512_loadu_ps(a + 16), fhi[h]));
+    }
+  }
+}
+
 // The min terms of int4t's / int2t's weighted sums, after the tiles: per query row h < NQ and group
 // g < ng the 16 lanes of msv[h][g] (sum_t p_t m_tg) reduced once and added to the group's channels
 // of acc row h (rows hd apart).
