@@ -14,8 +14,12 @@
 
 namespace kvq::test {
 
-inline bool int4t_codec(const KvCodec& c) { return c.info().name.rfind("int4t_g", 0) == 0; }
+// int4t_gN, and q4_0t (q4_0 in the same tiles: kv/int4_tiled.h, q4_0t_layout).
+inline bool int4t_codec(const KvCodec& c) {
+  return c.info().name.rfind("int4t_g", 0) == 0 || c.info().name == "q4_0t";
+}
 inline Int4TiledLayout int4t_layout_of(const KvCodec& c) {
+  if (c.info().name == "q4_0t") return q4_0t_layout(c.head_dim());
   return int4t_layout(c.head_dim(), std::stoi(c.info().name.substr(7)));
 }
 
@@ -28,7 +32,7 @@ inline void int4t_scm(const Int4TiledLayout& L, KvRole role, const uint8_t* bloc
   std::memcpy(&hs, tp + 2 * size_t(g * 16 + j), 2);
   std::memcpy(&hm, tp + L.min_off + 2 * size_t(g * 16 + j), 2);
   *s = f16_to_f32(hs);
-  *m = f16_to_f32(hm);
+  *m = double(L.min_mul) * f16_to_f32(hm);  // q4_0t: its scale table read as the min table, times -8
   const uint8_t* codes = tp + L.code_off;
   if (role == KvRole::key) *c = (codes[64 * (d / 8) + 4 * j + d % 4] >> ((d % 8) / 4 * 4)) & 15;
   else *c = (codes[64 * (4 * (d / 32) + j / 4) + 4 * (d % 16) + j % 4] >> ((d % 32) / 16 * 4)) & 15;
@@ -70,10 +74,11 @@ inline double int4t_value_bound(const Int4TiledLayout& L, const uint8_t* block, 
         double s, m;
         int c;
         int4t_scm(L, KvRole::value, block, t, d, &s, &m, &c);
-        wmax = std::max(wmax, pi[t - t0] * s);
+        wmax = std::max(wmax, std::fabs(pi[t - t0] * s));
         csum += c;
       }
-      e += wmax / kv_int4t_u8_levels * 0.5 * csum;
+      // q4_0t's scales may be negative: its weights always take the s8 path.
+      e += wmax / (L.signed_scales ? kv_int4t_s8_levels : kv_int4t_u8_levels) * 0.5 * csum;
     }
     worst = std::max(worst, e);
   }

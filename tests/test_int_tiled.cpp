@@ -52,20 +52,30 @@ struct Width {
   Int4tScoresFn scores_avx2, scores_avx512;
   Int4tAccumFn accum_avx2, accum_avx512;
 #endif
-  std::string codec(int group) const { return tiled + std::to_string(group); }
-  std::string row_codec(int group) const { return rows + std::to_string(group); }
+  bool fixed32 = false;  // q4_0t: one layout (q4_0's blocks of 32), names without a group
+  std::string codec(int group) const { return fixed32 ? tiled : tiled + std::to_string(group); }
+  std::string row_codec(int group) const { return fixed32 ? rows : rows + std::to_string(group); }
+  bool has(int group) const { return !fixed32 || group == 32; }
+  double eff_bits(int group) const { return fixed32 ? 4.5 : bits + 32.0 / group; }
 };
 const Width kWidths[] = {
     {4, "int4t_g", "int4_g", KvElem::int4g, int4t_layout, int4t_scores_ref, int4t_accum_ref,
 #if defined(KVQ_HAVE_SIMD)
-     int4t_scores_avx2, int4t_scores_avx512, int4t_accum_avx2, int4t_accum_avx512
+     int4t_scores_avx2, int4t_scores_avx512, int4t_accum_avx2, int4t_accum_avx512,
 #endif
     },
     {2, "int2t_g", "int2_g", KvElem::int2g, int2t_layout, int2t_scores_ref, int2t_accum_ref,
 #if defined(KVQ_HAVE_SIMD)
-     int2t_scores_avx2, int2t_scores_avx512, int2t_accum_avx2, int2t_accum_avx512
+     int2t_scores_avx2, int2t_scores_avx512, int2t_accum_avx2, int2t_accum_avx512,
 #endif
     },
+    // q4_0 in int4t's tiles: no min table (m = -8 d), signed scales (the s8 weight path).
+    {4, "q4_0t", "q4_0", KvElem::q4_0, [](int hd, int) { return q4_0t_layout(hd); }, int4t_scores_ref,
+     int4t_accum_ref,
+#if defined(KVQ_HAVE_SIMD)
+     int4t_scores_avx2, int4t_scores_avx512, int4t_accum_avx2, int4t_accum_avx512,
+#endif
+     true},
 };
 
 // The int4_gN / int2_gN rows of the same tokens: scale, minimum and code of every element (the
@@ -92,6 +102,7 @@ TEST(IntTiled, BytesAndBitsEqualTheRows) {
   for (const Width& w : kWidths) {
     SCOPED_TRACE(w.tiled);
     for (const Shape& s : kShapes) {
+      if (!w.has(s.group)) continue;
       for (KvRole role : {KvRole::key, KvRole::value}) {
         auto t = make(w.codec(s.group), s.hd, role);
         auto g = make(w.row_codec(s.group), s.hd, role);
@@ -99,7 +110,7 @@ TEST(IntTiled, BytesAndBitsEqualTheRows) {
           EXPECT_EQ(t->block_bytes(bt), g->block_bytes(bt)) << s.hd << " " << s.group << " " << bt;
           EXPECT_DOUBLE_EQ(kv_codec_effective_bits(*t, bt, 4096), kv_codec_effective_bits(*g, bt, 4096));
         }
-        EXPECT_DOUBLE_EQ(kv_codec_effective_bits(*t, 64, 4096), w.bits + 32.0 / s.group);
+        EXPECT_DOUBLE_EQ(kv_codec_effective_bits(*t, 64, 4096), w.eff_bits(s.group));
       }
     }
     EXPECT_EQ(kv_format_find(w.codec(64)).k_codec, w.codec(64));
@@ -111,7 +122,9 @@ TEST(IntTiled, BytesAndBitsEqualTheRows) {
 TEST(IntTiled, RejectsBadShapes) {
   for (const Width& w : kWidths) {
     SCOPED_TRACE(w.tiled);
-    EXPECT_THROW(make(w.codec(128), 96, KvRole::key), Error);
+    if (!w.fixed32) {
+      EXPECT_THROW(make(w.codec(128), 96, KvRole::key), Error);
+    }
     EXPECT_THROW(make(w.codec(32), 80, KvRole::value), Error);
     EXPECT_THROW(make(w.codec(32), 2 * kv_max_head_dim, KvRole::key), Error);
     auto c = make(w.codec(64), 128, KvRole::key);
@@ -133,6 +146,7 @@ TEST(IntTiled, DecodeMatchesTheRowsBitForBit) {
     for (const Shape& s : kShapes)
       for (KvRole role : {KvRole::key, KvRole::value})
         for (Pat pat : kPats) {
+          if (!w.has(s.group)) continue;
           const int bt = 64;
           auto t = make(w.codec(s.group), s.hd, role);
           auto g = make(w.row_codec(s.group), s.hd, role);
@@ -200,6 +214,7 @@ TEST(IntTiled, ScoresParityAndBound) {
     [[maybe_unused]] const CpuFeatures& cf = cpu_features();  // SIMD builds only
     for (const Shape& s : kShapes)
       for (Pat pat : kPats) {
+        if (!w.has(s.group)) continue;
         const int bt = 64, hd = s.hd;
         auto c = make(w.codec(s.group), hd, KvRole::key);
         auto x = make_rows(pat, bt, hd, rng);
@@ -303,6 +318,7 @@ TEST(IntTiled, AccumulateParityAndBound) {
     [[maybe_unused]] const CpuFeatures& cf = cpu_features();  // SIMD builds only
     for (const Shape& s : kShapes)
       for (Pat pat : kPats) {
+        if (!w.has(s.group)) continue;
         const int bt = 64, hd = s.hd;
         auto c = make(w.codec(s.group), hd, KvRole::value);
         auto x = make_rows(pat, bt, hd, rng);
@@ -329,8 +345,9 @@ TEST(IntTiled, AccumulateParityAndBound) {
                 if (sgn && i == srow) v = t == 0 ? -0.5f : nd(rng);
                 p[size_t(i) * size_t(ps) + size_t(t)] = v;
               }
-            const float levels = sgn ? kv_int4t_s8_levels : kv_int4t_u8_levels;
-            ASSERT_EQ(int4t_weights_nonneg(p.data(), ps, nq, n), levels == kv_int4t_u8_levels);
+            // q4_0t's scales may be negative: always the s8 path.
+            const float levels = sgn || L.signed_scales ? kv_int4t_s8_levels : kv_int4t_u8_levels;
+            ASSERT_EQ(int4t_weights_nonneg(p.data(), ps, nq, n), !sgn);
             std::vector<float> ref(size_t(nq) * size_t(hd), 0.25f);
             w.accum_ref(L, p.data(), ps, nq, blk.data(), t0, n, ref.data());
             std::vector<std::vector<double>> bounds;
@@ -388,6 +405,7 @@ TEST(IntTiled, WideHeadParity) {
     const CpuFeatures& cf = cpu_features();
     const int hd = kv_max_head_dim, bt = 64, nq = 5;
     for (int group : {32, 128}) {
+      if (!w.has(group)) continue;
       const Int4TiledLayout L = w.layout(hd, group);
       auto kc = make(w.codec(group), hd, KvRole::key);
       auto vc = make(w.codec(group), hd, KvRole::value);

@@ -425,7 +425,9 @@ TEST(Registry, NamesAliasesCaseInsensitive) {
   EXPECT_EQ(kv_format_find("int4").name, "int4t_g64");  // int4_g64 quantization, tiled kernels
   EXPECT_EQ(kv_format_find("int2").name, "int2t_g32");  // int2_g32 quantization, tiled kernels
   EXPECT_EQ(kv_format_find("k8v4").k_codec, "int8");
-  EXPECT_EQ(kv_format_find("k8v4").v_codec, "int4_g64");
+  EXPECT_EQ(kv_format_find("k8v4").v_codec, "int4t_g64");  // int4_g64 quantization, tiled kernels
+  EXPECT_EQ(kv_format_find("q4_0").k_codec, "q4_0t");       // q4_0 quantization, tiled kernels
+  EXPECT_EQ(kv_format_find("q4_0_rows").v_codec, "q4_0");
   for (const auto& f : kv_formats()) EXPECT_EQ(&kv_format_find(f.name), &f);
 }
 

@@ -179,7 +179,7 @@ TEST(Rotated, KvSplitFormatNames) {
   kv_policy_override_layer(o, "1=int8/f16");
   EXPECT_EQ(o.layers[1].k_codec, kv_format_find("int8").k_codec);
   EXPECT_EQ(o.layers[1].v_codec, kv_format_find("f16").v_codec);
-  EXPECT_EQ(o.layers[0].k_codec, "q4_0");
+  EXPECT_EQ(o.layers[0].k_codec, "q4_0t");  // format q4_0: q4_0 in tiles
   kv_policy_override_layer(o, "2=kivi4");
   EXPECT_EQ(o.layers[2].k_codec, kv_format_find("kivi4").k_codec);
   EXPECT_EQ(o.layers[2].v_codec, kv_format_find("kivi4").v_codec);

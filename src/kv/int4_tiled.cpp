@@ -35,6 +35,16 @@ Int4TiledLayout int4t_layout(int hd, int group) {
   return L;
 }
 
+Int4TiledLayout q4_0t_layout(int hd) {
+  Int4TiledLayout L = int4t_layout(hd, 32);
+  L.min_off = 0;
+  L.code_off = size_t(L.ng) * 32;
+  L.tile_bytes = L.code_off + size_t(8 * hd);
+  L.min_mul = -8.f;
+  L.signed_scales = true;
+  return L;
+}
+
 void int4t_prepare_query(const Int4TiledLayout& L, const float* q, int n_q, float* qp) {
   const int hd = L.hd;
   for (int i = 0; i < n_q; ++i) {
@@ -58,7 +68,7 @@ void int4t_prepare_query(const Int4TiledLayout& L, const float* q, int n_q, floa
     for (int g = 0; g < L.ng; ++g) {
       float s = 0;
       for (int j = 0; j < L.group; ++j) s += x[g * L.group + j];
-      qs[g] = s;
+      qs[g] = s * L.min_mul;  // the score kernels multiply it by the min table's entry
     }
   }
 }
@@ -140,31 +150,51 @@ struct Int4tOps {
   }
 };
 
+// int4t_gN (rows: int4_gN) or q4_0t (rows: q4_0; layout q4_0t_layout).
 class Int4TiledCodec final : public TiledCodecBase<Int4TiledLayout, Int4tOps> {
  public:
   Int4TiledCodec(std::string name, KvRole role, int hd, int group)
       : TiledCodecBase(std::move(name), 4, role, int4t_layout(hd, group)), row_(kv_row_fmt(KvElem::int4g, hd, group)) {}
+  Int4TiledCodec(std::string name, KvRole role, int hd)
+      : TiledCodecBase(std::move(name), 4, role, q4_0t_layout(hd)), row_(kv_row_fmt(KvElem::q4_0, hd)) {}
 
-  // Each token is quantized by int4_gN's row encoder (so the codes, scales and minimums are
-  // int4_gN's exactly), then scattered into the tile; every byte a token writes is its own.
+  // Each token is quantized by the row encoder (int4_gN's or q4_0's, so the codes, scales and
+  // minimums are theirs exactly), then scattered into the tile; every byte a token writes is its own.
   void encode(int, const float* src, size_t src_stride, int n, uint8_t* block, int block_tokens, int t0,
               int) const override {
     check_block(block_tokens);
     KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
     const int hd = L_.hd;
+    // One buffer serves both row formats: a q4_0 block (18 bytes per 32 elements) is no larger than
+    // int4_g32's (4 + 16).
+    static_assert(sizeof(kv_block_q4_0) <= sizeof(KvGroupParams) + 16, "row buffer too small for q4_0 rows");
     uint8_t row[sizeof(KvGroupParams) * (kv_max_head_dim / 32) + kv_max_head_dim / 2];
     uint8_t c[kv_max_head_dim];
     for (int t = 0; t < n; ++t) {
       kv_row_encode(row_, 1.f, src + size_t(t) * src_stride, row);
-      const uint8_t* rc = row + sizeof(KvGroupParams) * size_t(L_.ng);
-      for (int e = 0; e < hd; ++e) c[e] = uint8_t((rc[(e / 32) * kv_unit_int4_bytes + e % 16] >> ((e % 32) / 16 * 4)) & 15);
       const int tt = t0 + t, j = tt % kv_tile_tokens;
       uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L_.tile_bytes;
-      for (int g = 0; g < L_.ng; ++g) {
-        KvGroupParams gp;
-        std::memcpy(&gp, row + sizeof(KvGroupParams) * size_t(g), sizeof gp);
-        kvg_store_f16(tp, size_t(g * 16 + j), gp.scale);
-        kvg_store_f16(tp + L_.min_off, size_t(g * 16 + j), gp.min);
+      if (row_.elem == KvElem::q4_0) {
+        // q4_0 blocks: f16 d, then byte i = code of element i (low nibble) and 16 + i (high).
+        for (int b = 0; b < L_.ng; ++b) {
+          kv_block_q4_0 blk;
+          std::memcpy(&blk, row + sizeof(blk) * size_t(b), sizeof blk);
+          kvg_store_f16(tp, size_t(b * 16 + j), blk.d);
+          for (int i = 0; i < 16; ++i) {
+            c[32 * b + i] = uint8_t(blk.qs[i] & 15);
+            c[32 * b + 16 + i] = uint8_t(blk.qs[i] >> 4);
+          }
+        }
+      } else {
+        const uint8_t* rc = row + sizeof(KvGroupParams) * size_t(L_.ng);
+        for (int e = 0; e < hd; ++e)
+          c[e] = uint8_t((rc[(e / 32) * kv_unit_int4_bytes + e % 16] >> ((e % 32) / 16 * 4)) & 15);
+        for (int g = 0; g < L_.ng; ++g) {
+          KvGroupParams gp;
+          std::memcpy(&gp, row + sizeof(KvGroupParams) * size_t(g), sizeof gp);
+          kvg_store_f16(tp, size_t(g * 16 + j), gp.scale);
+          kvg_store_f16(tp + L_.min_off, size_t(g * 16 + j), gp.min);
+        }
       }
       uint8_t* codes = tp + L_.code_off;
       if (role_ == KvRole::key) {
@@ -198,14 +228,16 @@ class Int4TiledCodec final : public TiledCodecBase<Int4TiledLayout, Int4tOps> {
           c = (codes[64 * (4 * ch + j / 4) + 4 * (r % 16) + j % 4] >> (r / 16 * 4)) & 15;
         }
         const int g = e / L_.group;
-        // The same expression as int4_gN's decode: bit-identical values.
-        x[e] = std::fma(float(c), tile_f16(tp, size_t(g * 16 + j)), tile_f16(tp + L_.min_off, size_t(g * 16 + j)));
+        // The same expressions as int4_gN's / q4_0's decode: bit-identical values.
+        x[e] = row_.elem == KvElem::q4_0
+                   ? float(c - 8) * tile_f16(tp, size_t(g * 16 + j))
+                   : std::fma(float(c), tile_f16(tp, size_t(g * 16 + j)), tile_f16(tp + L_.min_off, size_t(g * 16 + j)));
       }
     }
   }
 
  private:
-  KvRowFmt row_;  // int4_gN's row format: the quantizer
+  KvRowFmt row_;  // int4_gN's or q4_0's row format: the quantizer
 };
 
 }  // namespace
@@ -231,6 +263,16 @@ void kv_register_int4_tiled() {
                                     "{} bits",
                                     g, 4 + 32.0 / g)});
   }
+  kv_register_codec({"q4_0t", "llama.cpp q4_0's quantization in int4t's 16-token tiles for integer-dot kernels",
+                     [](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
+                       if (p.head_dim % 32 != 0 || p.head_dim > kv_max_head_dim)
+                         fail("KV codec 'q4_0t': head_dim {} must be a multiple of 32 (q4_0's blocks), at most {}",
+                              p.head_dim, kv_max_head_dim);
+                       return std::make_unique<Int4TiledCodec>("q4_0t", p.role, p.head_dim);
+                     }});
+  kv_register_format({"q4_0t", {}, "q4_0t", "q4_0t",
+                      "llama.cpp q4_0's quantization, bytes and decode in 16-token tiles for integer-dot kernels: "
+                      "4.5 bits"});
 }
 
 }  // namespace kvq

@@ -38,6 +38,12 @@
 // pi the softmax probabilities: the error is at most ~1/510 of the tile's largest probability
 // times its code range, per tile.
 //
+// q4_0t: llama.cpp q4_0's quantization (x = (c - 8) d per 32 channels, d = f16, possibly
+// negative; decode bit-identical to q4_0's, same bytes) in these tiles without a min table: the
+// scale table doubles as the min table and the min terms are scaled by -8 (q4_0t_layout). Its
+// weights always take the s8 path (a negative d makes p * d negative), so the weighted sum's
+// step is max_t |p_t d_t| / 127 per (row, tile). Format "q4_0" stores it; "q4_0_rows" keeps the rows.
+//
 // Kernels: *_ref (scalar, same arithmetic: scores are bit-identical to the SIMD ones, weighted
 // sums equal up to f32 summation order), *_avx2, *_avx512; int4t_scores / int4t_accum are the one
 // dispatch point (cpu_level()). Ranges [t0, t0 + n) need not be tile-aligned: lanes outside are
@@ -63,9 +69,18 @@ struct Int4TiledLayout {
   int q8_off = 0;         // float offsets inside a prepared row
   int dq_off = 0;
   int qsum_off = 0;
+  // q4_0t (llama.cpp's q4_0 in these tiles: x = (c - 8) d per 32 channels) has no min table: it
+  // reads its scale table as the min table (min_off = 0) and scales the min term by min_mul = -8
+  // (m = -8 d exactly: a power-of-two factor commutes with every rounding). Its d may be negative
+  // (q4_0 puts the largest magnitude on code 0 whatever its sign), so its weights p * d take the
+  // s8 path (signed_scales).
+  float min_mul = 1.f;
+  bool signed_scales = false;
 };
 
 Int4TiledLayout int4t_layout(int head_dim, int group);
+// q4_0t: group 32, min_off 0, min_mul -8, signed scales; tile_bytes = 16 * q4_0's row bytes.
+Int4TiledLayout q4_0t_layout(int head_dim);
 
 // Byte range of the units (tiles, or groups of tiles) of `unit_tokens` tokens, `unit_bytes` apart,
 // that hold tokens [t0, t0 + n) of a head block, capped at `cap` bytes: what the tiled codecs ask

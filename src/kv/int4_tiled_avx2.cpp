@@ -139,7 +139,7 @@ void accum_pass(const Int4TiledLayout& L, const float* p, int p_stride, const ui
           }
     }
   }
-  tiles_add_min_terms_avx2<NQ>(msv, ng, L.group, hd, acc);
+  tiles_add_min_terms_avx2<NQ>(msv, ng, L.group, hd, acc, L.min_mul);
 }
 
 }  // namespace
@@ -156,7 +156,7 @@ void int4t_scores_avx2(const Int4TiledLayout& L, const float* qp, int n_q, const
 void int4t_accum_avx2(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                       int n, float* acc) {
   if (n <= 0) return;
-  const bool u8 = tiles_weights_nonneg_avx2(p, p_stride, n_q, n);
+  const bool u8 = !L.signed_scales && tiles_weights_nonneg_avx2(p, p_stride, n_q, n);
   tile_row_passes(n_q, [&](int i, auto m) {
     const float* pi = p + size_t(i) * size_t(p_stride);
     float* a = acc + size_t(i) * size_t(L.hd);

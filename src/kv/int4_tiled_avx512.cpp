@@ -87,7 +87,7 @@ void accum_pass(const Int4TiledLayout& L, const float* p, int p_stride, const ui
                                          *hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
                                        });
   }
-  tiles_add_min_terms_avx512<NQ>(msv, ng, L.group, hd, acc);
+  tiles_add_min_terms_avx512<NQ>(msv, ng, L.group, hd, acc, L.min_mul);
 }
 
 }  // namespace
@@ -104,7 +104,7 @@ void int4t_scores_avx512(const Int4TiledLayout& L, const float* qp, int n_q, con
 void int4t_accum_avx512(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
                         int t0, int n, float* acc) {
   if (n <= 0) return;
-  const bool u8 = tiles_weights_nonneg_avx512(p, p_stride, n_q, n);
+  const bool u8 = !L.signed_scales && tiles_weights_nonneg_avx512(p, p_stride, n_q, n);
   tile_row_passes(n_q, [&](int i, auto m) {
     const float* pi = p + size_t(i) * size_t(p_stride);
     float* a = acc + size_t(i) * size_t(L.hd);

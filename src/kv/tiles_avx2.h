@@ -183,16 +183,17 @@ template <int NQ, bool U8>
 
 // The min terms of int4t's / int2t's weighted sums, after the tiles: per query row h < NQ and group
 // g < ng the 8 lanes of msv[h][g] (sum_t p_t m_tg) reduced once and added to the group's channels of
-// acc row h (rows hd apart).
+// acc row h (rows hd apart), times min_mul.
 template <int NQ, int MaxGroups>
-inline void tiles_add_min_terms_avx2(float (*msv)[MaxGroups][8], int ng, int group, int hd, float* acc) {
+inline void tiles_add_min_terms_avx2(float (*msv)[MaxGroups][8], int ng, int group, int hd, float* acc,
+                                     float min_mul = 1.f) {
   for (int h = 0; h < NQ; ++h)
     for (int g = 0; g < ng; ++g) {
       const __m256 v = _mm256_load_ps(msv[h][g]);
       __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
       x = _mm_add_ps(x, _mm_movehl_ps(x, x));
       x = _mm_add_ss(x, _mm_movehdup_ps(x));
-      const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(x));
+      const __m256 m = _mm256_set1_ps(min_mul * _mm_cvtss_f32(x));  // min_mul: q4_0t's -8 (kv/int4_tiled.h)
       float* a = acc + size_t(h) * size_t(hd) + size_t(g * group);
       for (int d = 0; d < group; d += 8) _mm256_storeu_ps(a + d, _mm256_add_ps(_mm256_loadu_ps(a + d), m));
     }

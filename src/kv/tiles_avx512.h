@@ -174,12 +174,14 @@ template <int NQ, bool U8, int MaxGroups, class QuadCodes>
 
 // The min terms of int4t's / int2t's weighted sums, after the tiles: per query row h < NQ and group
 // g < ng the 16 lanes of msv[h][g] (sum_t p_t m_tg) reduced once and added to the group's channels
-// of acc row h (rows hd apart).
+// of acc row h (rows hd apart), times min_mul.
 template <int NQ, int MaxGroups>
-inline void tiles_add_min_terms_avx512(float (*msv)[MaxGroups][16], int ng, int group, int hd, float* acc) {
+inline void tiles_add_min_terms_avx512(float (*msv)[MaxGroups][16], int ng, int group, int hd, float* acc,
+                                       float min_mul = 1.f) {
   for (int h = 0; h < NQ; ++h)
     for (int g = 0; g < ng; ++g) {
-      const __m512 m = _mm512_set1_ps(_mm512_reduce_add_ps(_mm512_load_ps(msv[h][g])));
+      // min_mul: q4_0t's -8 (kv/int4_tiled.h)
+      const __m512 m = _mm512_set1_ps(min_mul * _mm512_reduce_add_ps(_mm512_load_ps(msv[h][g])));
       float* a = acc + size_t(h) * size_t(hd) + size_t(g * group);
       for (int d = 0; d < group; d += 16) _mm512_storeu_ps(a + d, _mm512_add_ps(_mm512_loadu_ps(a + d), m));
     }

@@ -44,7 +44,7 @@ void tiles_accum_ref(const Int4TiledLayout& L, const float* p, int p_stride, int
   const int tile0 = t0 / kv_tile_tokens, tile1 = (t0 + n + kv_tile_tokens - 1) / kv_tile_tokens;
   float facc[kv_max_head_dim];
   float msum[kv_max_head_dim / 32];
-  const bool u8 = int4t_weights_nonneg(p, p_stride, n_q, n);
+  const bool u8 = !L.signed_scales && int4t_weights_nonneg(p, p_stride, n_q, n);
   for (int i = 0; i < n_q; ++i) {
     const float* pi = p + size_t(i) * size_t(p_stride);
     std::fill(facc, facc + hd, 0.f);
@@ -70,7 +70,7 @@ void tiles_accum_ref(const Int4TiledLayout& L, const float* p, int p_stride, int
       }
     }
     float* a = acc + size_t(i) * size_t(hd);
-    for (int d = 0; d < hd; ++d) a[d] += facc[d] + msum[d / L.group];
+    for (int d = 0; d < hd; ++d) a[d] += facc[d] + L.min_mul * msum[d / L.group];
   }
 }
 
