@@ -25,9 +25,17 @@ inline Int4TiledLayout int4t_layout_of(const KvCodec& c) {
   return int4t_layout(c.head_dim(), std::stoi(c.info().name.substr(7)));
 }
 
+// The code readers of a tiled layout (int4t's nibbles, int2t's crumbs): code of dim d of token
+// slot j within a tile's code bytes.
+using TileCodeFn = int (*)(const uint8_t* codes, int j, int d);
+struct TileCodes {
+  TileCodeFn key, value;
+};
+inline constexpr TileCodes kInt4tCodes{int4t_key_code, int4t_value_code};
+
 // Scale, minimum and code of element d of token t (block slot) in a key or value tile block.
-inline void int4t_scm(const Int4TiledLayout& L, KvRole role, const uint8_t* block, int t, int d, double* s, double* m,
-                      int* c) {
+inline void tile_scm(const Int4TiledLayout& L, const TileCodes& tc, KvRole role, const uint8_t* block, int t, int d,
+                     double* s, double* m, int* c) {
   const int j = t % 16, g = d / L.group;
   const uint8_t* tp = block + size_t(t / 16) * L.tile_bytes;
   f16_t hs, hm;
@@ -36,14 +44,18 @@ inline void int4t_scm(const Int4TiledLayout& L, KvRole role, const uint8_t* bloc
   *s = f16_to_f32(hs);
   *m = double(L.min_mul) * f16_to_f32(hm);  // q4_0t: its scale table read as the min table, times -8
   const uint8_t* codes = tp + L.code_off;
-  if (role == KvRole::key) *c = (codes[64 * (d / 8) + 4 * j + d % 4] >> ((d % 8) / 4 * 4)) & 15;
-  else *c = (codes[64 * (4 * (d / 32) + j / 4) + 4 * (d % 16) + j % 4] >> ((d % 32) / 16 * 4)) & 15;
+  *c = role == KvRole::key ? tc.key(codes, j, d) : tc.value(codes, j, d);
+}
+inline void int4t_scm(const Int4TiledLayout& L, KvRole role, const uint8_t* block, int t, int d, double* s, double* m,
+                      int* c) {
+  tile_scm(L, kInt4tCodes, role, block, t, d, s, m, c);
 }
 
 // |score - <q, decode(k_t)>| bound of the integer-dot scores: half a query step (per 32-dim block,
 // + 2^-22 relative for the f32 product before rounding) times |s c|, plus f32 rounding (relative
 // 1e-5 of the magnitudes summed). q: (head_dim) the plain query.
-inline double int4t_score_bound(const Int4TiledLayout& L, const float* q, const uint8_t* block, int t) {
+inline double tile_score_bound(const Int4TiledLayout& L, const TileCodes& tc, const float* q, const uint8_t* block,
+                               int t) {
   double quant = 0, mag = 0;
   for (int b = 0; b < L.hd / 32; ++b) {
     double amax = 0;
@@ -51,7 +63,7 @@ inline double int4t_score_bound(const Int4TiledLayout& L, const float* q, const 
     for (int j = 32 * b; j < 32 * b + 32; ++j) {
       double s, m;
       int c;
-      int4t_scm(L, KvRole::key, block, t, j, &s, &m, &c);
+      tile_scm(L, tc, KvRole::key, block, t, j, &s, &m, &c);
       const double sc = std::fabs(s * c), aq = std::fabs(double(q[j]));
       quant += amax / 127 * 0.5 * (1 + std::ldexp(1.0, -21)) * sc;
       mag += aq * (sc + std::fabs(m) + std::fabs(s * c + m));
@@ -59,14 +71,18 @@ inline double int4t_score_bound(const Int4TiledLayout& L, const float* q, const 
   }
   return quant + 1e-5 * mag + 1e-30;
 }
+inline double int4t_score_bound(const Int4TiledLayout& L, const float* q, const uint8_t* block, int t) {
+  return tile_score_bound(L, kInt4tCodes, q, block, t);
+}
 
 // Inside decode attention: the weighted sum of the tokens [t0, t0 + n) of a value block, one
 // call, moves output channel d (acc / l) by at most sum over its tiles of half a weight step,
-// dw / l = max_t (pi_t s_t) / 255 (probabilities are >= 0: u8 weights), times sum_t c_t[d]; pi: the probabilities of those tokens
-// (normalized over the whole attention), pi_scale: how far the kernel's probabilities may exceed
-// them (e^(2 Delta) for a score error Delta). Returns the largest channel bound.
-inline double int4t_value_bound(const Int4TiledLayout& L, const uint8_t* block, int t0, int n, const double* pi,
-                                double pi_scale) {
+// dw / l = max_t |pi_t s_t| / levels (255: u8 weights for probabilities >= 0; 127, s8, for
+// q4_0t's signed scales), times sum_t c_t[d]; pi: the probabilities of those tokens (normalized
+// over the whole attention), pi_scale: how far the kernel's probabilities may exceed them
+// (e^(2 Delta) for a score error Delta). Returns the largest channel bound.
+inline double tile_value_bound(const Int4TiledLayout& L, const TileCodes& tc, const uint8_t* block, int t0, int n,
+                               const double* pi, double pi_scale) {
   double worst = 0;
   for (int d = 0; d < L.hd; ++d) {
     double e = 0;
@@ -75,16 +91,19 @@ inline double int4t_value_bound(const Int4TiledLayout& L, const uint8_t* block, 
       for (int t = std::max(t0, tile * 16); t < std::min(t0 + n, tile * 16 + 16); ++t) {
         double s, m;
         int c;
-        int4t_scm(L, KvRole::value, block, t, d, &s, &m, &c);
+        tile_scm(L, tc, KvRole::value, block, t, d, &s, &m, &c);
         wmax = std::max(wmax, std::fabs(pi[t - t0] * s));
         csum += c;
       }
-      // q4_0t's scales may be negative: its weights always take the s8 path.
       e += wmax / (L.signed_scales ? kv_int4t_s8_levels : kv_int4t_u8_levels) * 0.5 * csum;
     }
     worst = std::max(worst, e);
   }
   return worst * pi_scale * 1.001;
+}
+inline double int4t_value_bound(const Int4TiledLayout& L, const uint8_t* block, int t0, int n, const double* pi,
+                                double pi_scale) {
+  return tile_value_bound(L, kInt4tCodes, block, t0, n, pi, pi_scale);
 }
 
 }  // namespace kvq::test
