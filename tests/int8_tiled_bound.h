@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 
 #include "kv/int4_tiled.h"
 #include "kv/int8_tiled.h"
@@ -12,16 +13,22 @@
 
 namespace kvq::test {
 
-// Exactly "int8t": the name is a prefix of none of the other codecs' tests (int8, int8_c, ...).
-inline bool int8t_codec(const KvCodec& c) { return c.info().name == "int8t"; }
+// Exactly "int8t" or "q8_0t" (q8_0 in int8t's tiles): the names are prefixes of none of the other
+// codecs' tests (int8, int8_c, q8_0, q8_0h, ...).
+// q8_0h and q8_0h_c rotate (and center) q8_0t.
+inline bool int8t_codec(const KvCodec& c) {
+  const std::string& n = c.info().name;
+  return n == "int8t" || n == "q8_0t" || n == "q8_0h" || n == "q8_0h_c";
+}
+inline Int8TiledLayout int8t_layout_of(const KvCodec& c) {
+  return c.info().name.rfind("q8_0", 0) == 0 ? q8_0t_layout(c.head_dim()) : int8t_layout(c.head_dim());
+}
 
 // Scale and signed code of element d of token t (block slot) in a key or value tile block.
 inline void int8t_sc(const Int8TiledLayout& L, KvRole role, const uint8_t* block, int t, int d, double* s, int* c) {
   const int j = t % 16;
   const uint8_t* tp = block + size_t(t / 16) * L.tile_bytes;
-  float sf;
-  std::memcpy(&sf, tp + 4 * size_t(j), 4);
-  *s = sf;
+  *s = int8t_tile_scale(L, tp, j, d / 32);  // int8t: the token's; q8_0t: its block's
   const uint8_t* codes = tp + L.code_off;
   if (role == KvRole::key) *c = int(codes[64 * (d / 4) + 4 * j + d % 4]) - 128;
   else *c = int(int8_t(codes[64 * (4 * (d / 16) + j / 4) + 4 * (d % 16) + j % 4]));
@@ -49,7 +56,7 @@ inline double int8t_score_bound(const Int8TiledLayout& L, const float* q, const 
 
 // Inside decode attention: the weighted sum of the tokens [t0, t0 + n) of a value block moves
 // output channel d (acc / l) by at most sum over its tiles of half a step max_t (pi_t s_t) / 255
-// times sum_t |c_t[d]|; pi: those tokens' normalized probabilities, pi_scale: how far the kernel's
+// (s_t: the token's scale, or for q8_0t its scale for d's block) times sum_t |c_t[d]|; pi: those tokens' normalized probabilities, pi_scale: how far the kernel's
 // may exceed them. Returns the largest channel bound.
 inline double int8t_value_bound(const Int8TiledLayout& L, const uint8_t* block, int t0, int n, const double* pi,
                                 double pi_scale) {

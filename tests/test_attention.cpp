@@ -170,11 +170,15 @@ double int4t_tol(const KvCodec& kc, const KvCodec& vc, int head, const std::vect
     delta *= double(ap.scale);
   }
   if (test::int8t_codec(kc)) {  // int8 image of the query per 32-dim block (kv/int8_tiled.h)
-    const Int8TiledLayout L = int8t_layout(hd);
+    const Int8TiledLayout L = test::int8t_layout_of(kc);
+    // The kernel quantizes the plain part of the prepared row: the query, or H q for q8_0h.
+    std::vector<float> qp(size_t(n_q) * size_t(kc.prepared_query_dim()));
+    kc.prepare_query(head, q.data(), n_q, qp.data());
     for (const auto& sp : spans)
       for (int t = sp.t0; t < sp.t0 + sp.n; ++t)
         for (int i = 0; i < n_q; ++i)
-          delta = std::max(delta, test::int8t_score_bound(L, q.data() + size_t(i) * size_t(hd), sp.k, t));
+          delta = std::max(delta, test::int8t_score_bound(L, qp.data() + size_t(i) * size_t(kc.prepared_query_dim()),
+                                                          sp.k, t));
     delta *= double(ap.scale);
   }
   if (test::kivi4t_key_codec(kc)) {  // kivi4t_k: int8 image of q * scale per key group (kv/kivi_tiled.h)
@@ -225,7 +229,7 @@ double int4t_tol(const KvCodec& kc, const KvCodec& vc, int head, const std::vect
       double e = 0;
       size_t off = 0;
       for (const auto& sp : spans) {
-        e += i8   ? test::int8t_value_bound(int8t_layout(vd), sp.v, sp.t0, sp.n, logit.data() + off, std::exp(2 * delta))
+        e += i8   ? test::int8t_value_bound(test::int8t_layout_of(vc), sp.v, sp.t0, sp.n, logit.data() + off, std::exp(2 * delta))
              : i2 ? test::int2t_value_bound(L, sp.v, sp.t0, sp.n, logit.data() + off, std::exp(2 * delta))
                   : test::int4t_value_bound(L, sp.v, sp.t0, sp.n, logit.data() + off, std::exp(2 * delta));
         off += size_t(sp.n);

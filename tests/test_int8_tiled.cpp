@@ -1,4 +1,5 @@
-// int8t (kv/int8_tiled.h): decode bit-identical to int8, bytes equal to int8's, the AVX2 and
+// int8t and q8_0t (kv/int8_tiled.h), each test over both: decode bit-identical to int8 / q8_0,
+// bytes equal to theirs, the AVX2 and
 // AVX-512 kernels against the scalar reference (scores bit-identical, weighted sums up to f32 order), and
 // the reference against exact dots of the decoded values within the derived bounds; random and
 // adversarial inputs, partial tiles, n_q 1..9, head_dim 64/128/256, every CPU level.
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "core/cpu.h"
+#include "core/dtypes.h"
 #include "core/error.h"
 #include "kv/int4_tiled.h"
 #include "kv/int8_tiled.h"
@@ -31,21 +33,39 @@ using test::make_queries;
 
 const int kHds[] = {64, 128, 256};
 
-// int8 rows of the same tokens: scale and code of every element.
+// What differs between int8t and q8_0t: names, the row format whose quantization the tiles hold,
+// the layout and the bits per element.
+struct Kind {
+  const char* tiled;
+  const char* rows;
+  KvElem elem;
+  Int8TiledLayout (*layout)(int hd);
+  double bits(int hd) const { return elem == KvElem::q8_0 ? 8.5 : 8 + 32.0 / hd; }
+};
+const Kind kKinds[] = {{"int8t", "int8", KvElem::int8, int8t_layout}, {"q8_0t", "q8_0", KvElem::q8_0, q8_0t_layout}};
+
+// int8 / q8_0 rows of the same tokens: scale and code of every element.
 struct Rows {
   KvRowFmt f;
   std::vector<uint8_t> rows;
   void sc(int t, int d, double* s, int* c) const {
     const uint8_t* r = rows.data() + size_t(t) * f.row_bytes;
+    if (f.elem == KvElem::q8_0) {
+      kv_block_q8_0 blk;
+      std::memcpy(&blk, r + sizeof(blk) * size_t(d / 32), sizeof blk);
+      *s = f16_to_f32(blk.d);
+      *c = blk.qs[d % 32];
+      return;
+    }
     float sf;
     std::memcpy(&sf, r, 4);
     *s = sf;
     *c = int8_t(r[4 + d]);
   }
 };
-Rows int8_rows(const std::vector<float>& x, int n, int hd) {
+Rows int8_rows(const Kind& k, const std::vector<float>& x, int n, int hd) {
   Rows r;
-  r.f = kv_row_fmt(KvElem::int8, hd);
+  r.f = kv_row_fmt(k.elem, hd);
   r.rows.resize(size_t(n) * r.f.row_bytes);
   for (int t = 0; t < n; ++t) kv_row_encode(r.f, 1.f, x.data() + size_t(t) * hd, r.rows.data() + size_t(t) * r.f.row_bytes);
   return r;
@@ -73,39 +93,46 @@ const int kRanges[][2] = {{0, 64}, {7, 50}, {16, 16}, {3, 9}, {0, 1}, {63, 1}, {
 }  // namespace
 
 TEST(Int8Tiled, BytesAndBitsEqualInt8) {
+  for (const Kind& k : kKinds) {
+  SCOPED_TRACE(k.tiled);
   for (int hd : kHds)
     for (KvRole role : {KvRole::key, KvRole::value}) {
-      auto t = make("int8t", hd, role);
-      auto g = make("int8", hd, role);
+      auto t = make(k.tiled, hd, role);
+      auto g = make(k.rows, hd, role);
       for (int bt : {16, 32, 64, 128, 256}) {
         EXPECT_EQ(t->block_bytes(bt), g->block_bytes(bt)) << hd << " " << bt;
         EXPECT_DOUBLE_EQ(kv_codec_effective_bits(*t, bt, 4096), kv_codec_effective_bits(*g, bt, 4096));
       }
-      EXPECT_DOUBLE_EQ(kv_codec_effective_bits(*t, 64, 4096), 8 + 32.0 / hd);
+      EXPECT_DOUBLE_EQ(kv_codec_effective_bits(*t, 64, 4096), k.bits(hd));
     }
-  EXPECT_EQ(kv_format_find("INT8T").k_codec, "int8t");
-  EXPECT_EQ(kv_format_find("int8t").v_codec, "int8t");
+  EXPECT_EQ(kv_format_find(k.tiled).v_codec, k.tiled);
+  }
 }
 
 TEST(Int8Tiled, RejectsBadShapes) {
-  EXPECT_THROW(make("int8t", 80, KvRole::key), Error);
-  auto c = make("int8t", 128, KvRole::key);
+  for (const Kind& k : kKinds) {
+  SCOPED_TRACE(k.tiled);
+  EXPECT_THROW(make(k.tiled, 80, KvRole::key), Error);
+  auto c = make(k.tiled, 128, KvRole::key);
   try {
     c->block_bytes(8);
     FAIL() << "block of 8 tokens accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("multiple of 16"), std::string::npos) << e.what();
   }
+  }
 }
 
 TEST(Int8Tiled, DecodeMatchesInt8BitForBit) {
+  for (const Kind& k : kKinds) {
+  SCOPED_TRACE(k.tiled);
   std::mt19937 rng(3);
   for (int hd : kHds)
     for (KvRole role : {KvRole::key, KvRole::value})
       for (Pat pat : kPats) {
         const int bt = 64;
-        auto t = make("int8t", hd, role);
-        auto g = make("int8", hd, role);
+        auto t = make(k.tiled, hd, role);
+        auto g = make(k.rows, hd, role);
         auto x = make_rows(pat, bt, hd, rng);
         std::vector<uint8_t> bt_blk(t->block_bytes(bt), 0xFF), bg_blk(g->block_bytes(bt));
         t->encode(1, x.data(), size_t(hd), 5, bt_blk.data(), bt, 0, 0);
@@ -121,23 +148,26 @@ TEST(Int8Tiled, DecodeMatchesInt8BitForBit) {
         t->decode(1, bt_blk.data(), bt, 19, 13, 0, part.data());
         ASSERT_EQ(std::memcmp(part.data(), dg.data() + 19 * size_t(hd), sizeof(float) * part.size()), 0);
       }
+  }
 }
 
 // Scores: AVX-512 bit-identical to the reference; the reference within the query-rounding bound
 // of exact <q, decode(k)>.
 TEST(Int8Tiled, ScoresParityAndBound) {
+  for (const Kind& k : kKinds) {
+  SCOPED_TRACE(k.tiled);
   std::mt19937 rng(5);
   for (int hd : kHds)
     for (Pat pat : kPats) {
       const int bt = 64;
-      auto c = make("int8t", hd, KvRole::key);
+      auto c = make(k.tiled, hd, KvRole::key);
       auto x = make_rows(pat, bt, hd, rng);
       std::vector<uint8_t> blk(c->block_bytes(bt));
       c->encode(0, x.data(), size_t(hd), bt, blk.data(), bt, 0, 0);
-      const Rows r = int8_rows(x, bt, hd);
+      const Rows r = int8_rows(k, x, bt, hd);
       std::vector<float> dec(size_t(bt) * size_t(hd));
       c->decode(0, blk.data(), bt, 0, bt, 0, dec.data());
-      const Int8TiledLayout L = int8t_layout(hd);
+      const Int8TiledLayout L = k.layout(hd);
       for (int nq = 1; nq <= 9; ++nq) {
         auto q = make_queries(nq + int(pat), nq, hd, rng);
         ASSERT_EQ(c->prepared_query_dim(), L.qdim);
@@ -182,12 +212,15 @@ TEST(Int8Tiled, ScoresParityAndBound) {
         }
       }
     }
+  }
 }
 
 // A non-finite query block gives a NaN score, never a silently finite one.
 TEST(Int8Tiled, NonFiniteQueryIsNaN) {
+  for (const Kind& k : kKinds) {
+  SCOPED_TRACE(k.tiled);
   const int hd = 64, bt = 16;
-  auto c = make("int8t", hd, KvRole::key);
+  auto c = make(k.tiled, hd, KvRole::key);
   std::vector<float> x(size_t(bt) * hd, 0.5f), q(hd, 1.f);
   q[40] = std::numeric_limits<float>::infinity();
   std::vector<uint8_t> blk(c->block_bytes(bt));
@@ -196,6 +229,7 @@ TEST(Int8Tiled, NonFiniteQueryIsNaN) {
   c->prepare_query(0, q.data(), 1, qp.data());
   c->scores(0, qp.data(), 1, blk.data(), bt, 0, bt, 0, s.data(), bt);
   for (float v : s) EXPECT_TRUE(std::isnan(v)) << v;
+  }
 }
 
 namespace {
@@ -205,17 +239,19 @@ namespace {
 std::vector<double> accum_bound(const Rows& r, const float* p, int t0, int n, double acc0, float levels) {
   const int hd = r.f.head_dim;
   std::vector<double> b(size_t(hd), 1e-5 * acc0 + 1e-30);
-  for (int tile = t0 / 16; tile < (t0 + n + 15) / 16; ++tile) {
-    float wmax = 0;
-    for (int t = std::max(t0, tile * 16); t < std::min(t0 + n, tile * 16 + 16); ++t) {
-      double s;
-      int c;
-      r.sc(t, 0, &s, &c);
-      wmax = std::max(wmax, std::fabs(p[t - t0] * float(s)));
-    }
-    float dw, inv;
-    int4t_weight_step(wmax, levels, &dw, &inv);
-    for (int d = 0; d < hd; ++d)
+  for (int tile = t0 / 16; tile < (t0 + n + 15) / 16; ++tile)
+    for (int d = 0; d < hd; ++d) {
+      // The weights' step: over the tile's tokens with the scale of d (int8t: the token's;
+      // q8_0t: the token's for d's 32-channel block).
+      float wmax = 0;
+      for (int t = std::max(t0, tile * 16); t < std::min(t0 + n, tile * 16 + 16); ++t) {
+        double s;
+        int c;
+        r.sc(t, d, &s, &c);
+        wmax = std::max(wmax, std::fabs(p[t - t0] * float(s)));
+      }
+      float dw, inv;
+      int4t_weight_step(wmax, levels, &dw, &inv);
       for (int t = std::max(t0, tile * 16); t < std::min(t0 + n, tile * 16 + 16); ++t) {
         double s;
         int c;
@@ -223,27 +259,29 @@ std::vector<double> accum_bound(const Rows& r, const float* p, int t0, int n, do
         b[size_t(d)] += double(dw) * 0.5 * (1 + std::ldexp(1.0, -20)) * std::abs(c) +
                         1e-5 * std::fabs(p[t - t0]) * std::fabs(s * c);
       }
-  }
+    }
   return b;
 }
 
 }  // namespace
 
 TEST(Int8Tiled, AccumulateParityAndBound) {
+  for (const Kind& k : kKinds) {
+  SCOPED_TRACE(k.tiled);
   std::mt19937 rng(9);
   std::normal_distribution<float> nd;
   for (int hd : kHds)
     for (Pat pat : kPats) {
       const int bt = 64;
-      auto c = make("int8t", hd, KvRole::value);
+      auto c = make(k.tiled, hd, KvRole::value);
       auto x = make_rows(pat, bt, hd, rng);
       // Slots never written hold NaN bytes (0xFF): the kernels must not read them into results.
       std::vector<uint8_t> blk(c->block_bytes(bt), 0xFF);
       c->encode(0, x.data(), size_t(hd), bt, blk.data(), bt, 0, 0);
-      const Rows r = int8_rows(x, bt, hd);
+      const Rows r = int8_rows(k, x, bt, hd);
       std::vector<float> dec(size_t(bt) * size_t(hd));
       c->decode(0, blk.data(), bt, 0, bt, 0, dec.data());
-      const Int8TiledLayout L = int8t_layout(hd);
+      const Int8TiledLayout L = k.layout(hd);
       for (int nq = 1; nq <= 9; ++nq)
         for (int ri = 0; ri < int(std::size(kRanges)); ++ri) {
           const int t0 = kRanges[ri][0], n = kRanges[ri][1], ps = n + 5;
@@ -292,16 +330,19 @@ TEST(Int8Tiled, AccumulateParityAndBound) {
 #endif
         }
     }
+  }
 }
 
 // Through the codec API at every CPU level, as attention calls it.
 TEST(Int8Tiled, CodecApiEveryLevel) {
+  for (const Kind& k : kKinds) {
+  SCOPED_TRACE(k.tiled);
   std::mt19937 rng(13);
   std::normal_distribution<float> nd;
   const CpuLevel saved = cpu_set_level(CpuLevel::avx512);
   const int hd = 128, bt = 64, nq = 4;
-  auto kc = make("int8t", hd, KvRole::key);
-  auto vc = make("int8t", hd, KvRole::value);
+  auto kc = make(k.tiled, hd, KvRole::key);
+  auto vc = make(k.tiled, hd, KvRole::value);
   auto x = make_rows(Pat::outlier_channel, bt, hd, rng);
   std::vector<uint8_t> kb(kc->block_bytes(bt)), vb(vc->block_bytes(bt));
   kc->encode(1, x.data(), size_t(hd), bt, kb.data(), bt, 0, 0);
@@ -334,13 +375,17 @@ TEST(Int8Tiled, CodecApiEveryLevel) {
       }
   }
   cpu_set_level(saved);
+  }
 }
 
 TEST(Int8Tiled, PrefetchRangeInsideBlock) {
-  auto c = make("int8t", 128, KvRole::key);
-  const Int8TiledLayout L = int8t_layout(128);
+  for (const Kind& k : kKinds) {
+  SCOPED_TRACE(k.tiled);
+  auto c = make(k.tiled, 128, KvRole::key);
+  const Int8TiledLayout L = k.layout(128);
   const KvCodec::PrefetchRange r = c->prefetch_range(64, 17, 30);
   EXPECT_EQ(r.offset, L.tile_bytes);
   EXPECT_GT(r.bytes, 0u);
   EXPECT_LE(r.offset + r.bytes, c->block_bytes(64));
+  }
 }

@@ -10,6 +10,7 @@
 #include "kv/policy.h"
 #include "kvq/kv_format.h"
 #include "int4_tiled_bound.h"
+#include "int8_tiled_bound.h"
 #include "kv/int4_tiled.h"
 #include "kv_score_error.h"
 
@@ -139,14 +140,13 @@ TEST(Rotated, FusedScoresAndOutputInModelBasis) {
     vc->accumulate(0, p.data(), n, n_q, vb.data(), n, 0, n, acc.data());
     vc->finish_output(0, acc.data(), n_q);
     for (int i = 0; i < n_q; ++i) {
-      // q4_0h sums q4_0t's tiles with s8 weights per (row, tile): the derived bound of
-      // tests/int4_tiled_bound.h in the rotated basis, where each output channel is a combination
+      // q4_0h / q8_0h sum q4_0t / q8_0t's tiles with quantized weights per (row, block, tile): the
+      // derived bounds of tests/int4_tiled_bound.h / int8_tiled_bound.h in the rotated basis, where each output channel is a combination
       // of 64 rotated ones with weights +-1/8 (at most 8x a rotated channel's bound).
       double wsum = 0;
-      if (std::string(name) == "q4_0h") {
-        std::vector<double> pi(p.begin() + i * n, p.begin() + (i + 1) * n);
-        wsum = 8 * test::int4t_value_bound(q4_0t_layout(d), vb.data(), 0, n, pi.data(), 1.0);
-      }
+      std::vector<double> pi(p.begin() + i * n, p.begin() + (i + 1) * n);
+      if (std::string(name) == "q4_0h") wsum = 8 * test::int4t_value_bound(q4_0t_layout(d), vb.data(), 0, n, pi.data(), 1.0);
+      else wsum = 8 * test::int8t_value_bound(q8_0t_layout(d), vb.data(), 0, n, pi.data(), 1.0);  // q8_0h: q8_0t
       for (int c = 0; c < d; ++c) {
         double ref = 0;
         for (int t = 0; t < n; ++t) ref += double(p[size_t(i * n + t)]) * vd[size_t(t * d + c)];

@@ -20,10 +20,12 @@ void add(const char* name, KvElem e, const char* what) {
 void kv_register_ggml_codecs() {
   add("q8_0", KvElem::q8_0, "llama.cpp q8_0: 32 int8 + f16 absmax/127 scale per block");
   add("q4_0", KvElem::q4_0, "llama.cpp q4_0: 32 4-bit codes + f16 scale per block");
-  kv_register_format({"q8_0", {"ggml_q8_0", "llama_q8_0"}, "q8_0", "q8_0",
-                      "llama.cpp q8_0 (-ctk/-ctv q8_0): 8.5 bits"});
-  // "q4_0" stores q4_0t's tiles (kv/int4_tiled.h): q4_0's quantization, bytes and decode, with
-  // integer-dot attention kernels; "q4_0_rows" keeps llama.cpp's row layout itself.
+  // "q8_0" / "q4_0" store q8_0t / q4_0t's tiles (kv/int8_tiled.h, kv/int4_tiled.h): their
+  // quantization, bytes and decode with integer-dot attention kernels; "q8_0_rows" / "q4_0_rows"
+  // keep llama.cpp's row layout itself.
+  kv_register_format({"q8_0", {"ggml_q8_0", "llama_q8_0"}, "q8_0t", "q8_0t",
+                      "llama.cpp q8_0 (-ctk/-ctv q8_0) in 16-token tiles: 8.5 bits"});
+  kv_register_format({"q8_0_rows", {}, "q8_0", "q8_0", "llama.cpp q8_0 in its own row layout: 8.5 bits"});
   kv_register_format({"q4_0", {"ggml_q4_0", "llama_q4_0"}, "q4_0t", "q4_0t",
                       "llama.cpp q4_0 (-ctk/-ctv q4_0) in 16-token tiles: 4.5 bits"});
   kv_register_format({"q4_0_rows", {}, "q4_0", "q4_0", "llama.cpp q4_0 in its own row layout: 4.5 bits"});
@@ -38,7 +40,7 @@ void kv_register_mixed_formats() {
   kv_register_format({"k8v2", {"int8_int2"}, "int8", "int2t_g32", "K int8 per token, V int2 g32: ~5.6 bits"});
   kv_register_format({"k4v2", {"int4_int2"}, "int4t_g64", "int2t_g32", "K int4 g64, V int2 g32: 3.75 bits"});
   kv_register_format({"kfp8v4", {"fp8_int4"}, "fp8_e4m3", "int4t_g64", "K FP8 E4M3, V int4 g64: 6.25 bits"});
-  kv_register_format({"q8_0_q4_0", {"kq8_0_vq4_0"}, "q8_0", "q4_0t",
+  kv_register_format({"q8_0_q4_0", {"kq8_0_vq4_0"}, "q8_0t", "q4_0t",
                       "llama.cpp -ctk q8_0 -ctv q4_0: 6.5 bits"});
 }
 

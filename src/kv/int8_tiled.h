@@ -34,6 +34,13 @@
 // Relative to attention's output (acc / l) a tile's step is max_t (pi_t s_t) / 255 with pi the
 // softmax probabilities.
 //
+// q8_0t: llama.cpp q8_0's quantization (int8 codes, d = absmax / 127 in f16 per 32 channels;
+// decode bit-identical to q8_0's, same bytes) in these tiles with a per-(token, block) scale table
+// (Int8TiledLayout::block_scales). Scores: score_t = sum_b fl(fl(dq_b / 254 * D_b) * d_tb), so the
+// bound above holds with s_t replaced by each block's d_tb (one more f32 rounding per block).
+// Weighted sums: weights p_t d_tb quantized per (query row, block, tile), the bound above per
+// block (d >= 0: the u8 path for probabilities). Format "q8_0" stores it; "q8_0_rows" keeps the rows.
+//
 // Kernels: *_ref (scalar, same arithmetic: scores bit-identical to the SIMD ones, weighted sums
 // equal up to f32 summation order), *_avx2 (VPMADDUBSW without saturation, see
 // int8_tiled_avx2.cpp), *_avx512 (VNNI). int8t_scores / int8t_accum are the one dispatch point
@@ -50,6 +57,11 @@ struct Int8TiledLayout {
   int hd = 0;
   size_t tile_bytes = 0;  // 16 * (4 + hd)
   size_t code_off = 64;   // bytes of the scale table
+  // q8_0t (llama.cpp q8_0's quantization: int8 codes with one f16 scale d >= 0 per 32 channels)
+  // has a scale per (token, 32-channel block): f16 [hd / 32][16] (token j of block b at [b][j],
+  // code_off = hd bytes) instead of int8t's f32 [16]. Scores multiply each block's dot by its
+  // d_tb; weighted sums quantize p_t d_tb per (row, block, tile).
+  bool block_scales = false;
   int qdim = 0;           // prepared query floats per row
   int q8_off = 0;         // float offsets inside a prepared row
   int q8lo_off = 0;
@@ -58,6 +70,11 @@ struct Int8TiledLayout {
 };
 
 Int8TiledLayout int8t_layout(int head_dim);
+Int8TiledLayout q8_0t_layout(int head_dim);
+
+// Scale of token slot j (of the tile at tp) for the 32-channel block b: int8t's per-token f32,
+// q8_0t's per-(token, block) f16.
+float int8t_tile_scale(const Int8TiledLayout& L, const uint8_t* tp, int j, int b);
 
 // Levels of the query's second int8 digit (its residual below half a step of the first).
 inline constexpr float kv_int8t_lo_levels = 254.f;

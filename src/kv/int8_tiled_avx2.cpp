@@ -44,8 +44,17 @@ void scores_half(const Int8TiledLayout& L, const Int8tQueryRow* qr, const uint8_
       // = the reference's 254 <c + 128, q8> + <c + 128, q8lo> - qs8 (the 128 terms cancel).
       const __m256i dot =
           _mm256_add_epi32(_mm256_mullo_epi32(ih[h], _mm256_set1_epi32(int32_t(kv_int8t_lo_levels))), il[h]);
-      facc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(qr[h].dq[b]), facc[h]);
+      if (L.block_scales) {  // q8_0t: the reference's fma(float(dot) * dq_b, d_tb, facc)
+        facc[h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(qr[h].dq[b])),
+                                  tile_load_f16x8_avx2(tp + 32 * size_t(b) + 16 * size_t(half)), facc[h]);
+      } else {
+        facc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(qr[h].dq[b]), facc[h]);
+      }
     }
+  }
+  if (L.block_scales) {
+    for (int h = 0; h < NQ; ++h) res[h] = facc[h];
+    return;
   }
   const __m256 sv = _mm256_loadu_ps(reinterpret_cast<const float*>(tp) + 8 * half);
   for (int h = 0; h < NQ; ++h) res[h] = _mm256_mul_ps(facc[h], sv);
@@ -77,49 +86,51 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
   const __m256i even = _mm256_set1_epi32(0x00ff00ff), odd = _mm256_set1_epi32(int32_t(0xff00ff00u));
   for (int tile = tile0; tile < tile1; ++tile) {
     const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
-    // The reference's weight quantization, per row (the same expressions: identical weights).
-    alignas(16) int8_t w8[NQ][16];
-    float dw[NQ];
-    for (int h = 0; h < NQ; ++h) {
-      const float* ph = p + size_t(h) * size_t(p_stride);
-      float w[16];
-      for (int j = 0; j < 16; ++j) {
-        const int t = tile * 16 + j - t0;
-        float s;
-        std::memcpy(&s, tp + 4 * size_t(j), 4);
-        w[j] = t >= 0 && t < n ? ph[t] * s : 0.f;
-      }
-      int32_t wq[16];
-      dw[h] = tile_quantize_weights_ref(w, u8, wq);
-      for (int j = 0; j < 16; ++j) w8[h][j] = int8_t(uint8_t(wq[j]));  // u8 path: the byte 0..255; s8: -127..127
-    }
     const uint8_t* codes = tp + L.code_off;
-    for (int c = 0; c < hd / 16; ++c) {
-      for (int half = 0; half < 2; ++half) {  // channels 16c + 8 * half .. + 7
-        __m256i isum[NQ];
-        for (int h = 0; h < NQ; ++h) isum[h] = _mm256_setzero_si256();
-        for (int k = 0; k < 4; ++k) {
-          const __m256i x =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * (4 * c + k) + 32 * half));
-          if (u8) {
-            for (int h = 0; h < NQ; ++h) {
-              const __m256i wb = tile_bcast32_avx2(&w8[h][4 * k]);
-              const __m256i a = tile_widen_avx2(_mm256_maddubs_epi16(_mm256_and_si256(wb, even), x));
-              const __m256i b = tile_widen_avx2(_mm256_maddubs_epi16(_mm256_and_si256(wb, odd), x));
-              isum[h] = _mm256_add_epi32(isum[h], _mm256_add_epi32(a, b));
-            }
-          } else {
-            // s8 weights and s8 codes: |c| x sign(w, c), 2 * 127 * 127 fits int16.
-            const __m256i ax = _mm256_abs_epi8(x);
-            for (int h = 0; h < NQ; ++h) {
-              const __m256i ws = _mm256_sign_epi8(tile_bcast32_avx2(&w8[h][4 * k]), x);
-              isum[h] = _mm256_add_epi32(isum[h], tile_widen_avx2(_mm256_maddubs_epi16(ax, ws)));
+    // Weights per scale block (the whole head for int8t, 32 channels for q8_0t), with the
+    // reference's quantization (the same expressions: identical weights).
+    const int nsb = L.block_scales ? hd / 32 : 1, chunks = hd / 16 / nsb;
+    for (int sb = 0; sb < nsb; ++sb) {
+      alignas(16) int8_t w8[NQ][16];
+      float dw[NQ];
+      for (int h = 0; h < NQ; ++h) {
+        const float* ph = p + size_t(h) * size_t(p_stride);
+        float w[16];
+        for (int j = 0; j < 16; ++j) {
+          const int t = tile * 16 + j - t0;
+          w[j] = t >= 0 && t < n ? ph[t] * int8t_tile_scale(L, tp, j, sb) : 0.f;
+        }
+        int32_t wq[16];
+        dw[h] = tile_quantize_weights_ref(w, u8, wq);
+        for (int j = 0; j < 16; ++j) w8[h][j] = int8_t(uint8_t(wq[j]));  // u8 path: the byte 0..255; s8: -127..127
+      }
+      for (int c = sb * chunks; c < (sb + 1) * chunks; ++c) {
+        for (int half = 0; half < 2; ++half) {  // channels 16c + 8 * half .. + 7
+          __m256i isum[NQ];
+          for (int h = 0; h < NQ; ++h) isum[h] = _mm256_setzero_si256();
+          for (int k = 0; k < 4; ++k) {
+            const __m256i x =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * (4 * c + k) + 32 * half));
+            if (u8) {
+              for (int h = 0; h < NQ; ++h) {
+                const __m256i wb = tile_bcast32_avx2(&w8[h][4 * k]);
+                const __m256i a = tile_widen_avx2(_mm256_maddubs_epi16(_mm256_and_si256(wb, even), x));
+                const __m256i b = tile_widen_avx2(_mm256_maddubs_epi16(_mm256_and_si256(wb, odd), x));
+                isum[h] = _mm256_add_epi32(isum[h], _mm256_add_epi32(a, b));
+              }
+            } else {
+              // s8 weights and s8 codes: |c| x sign(w, c), 2 * 127 * 127 fits int16.
+              const __m256i ax = _mm256_abs_epi8(x);
+              for (int h = 0; h < NQ; ++h) {
+                const __m256i ws = _mm256_sign_epi8(tile_bcast32_avx2(&w8[h][4 * k]), x);
+                isum[h] = _mm256_add_epi32(isum[h], tile_widen_avx2(_mm256_maddubs_epi16(ax, ws)));
+              }
             }
           }
-        }
-        for (int h = 0; h < NQ; ++h) {
-          float* a = acc + size_t(h) * size_t(hd) + size_t(16 * c + 8 * half);
-          _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h]), _mm256_set1_ps(dw[h]), _mm256_loadu_ps(a)));
+          for (int h = 0; h < NQ; ++h) {
+            float* a = acc + size_t(h) * size_t(hd) + size_t(16 * c + 8 * half);
+            _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h]), _mm256_set1_ps(dw[h]), _mm256_loadu_ps(a)));
+          }
         }
       }
     }

@@ -22,7 +22,8 @@ inline void prefetch_tile(const uint8_t* p, size_t bytes) {
   for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
 }
 
-template <int NQ>
+// BS: q8_0t's per-(token, block) scales (kv/int8_tiled.h); else int8t's per-token scale.
+template <int NQ, bool BS>
 void scores_pass(const Int8TiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
                  int out_stride) {
   Int8tQueryRow qr[NQ];
@@ -50,26 +51,34 @@ void scores_pass(const Int8TiledLayout& L, const float* qp, const uint8_t* block
         const __m512i dot = _mm512_sub_epi32(
             _mm512_add_epi32(_mm512_mullo_epi32(ih[h], _mm512_set1_epi32(int32_t(kv_int8t_lo_levels))), il[h]),
             _mm512_set1_epi32(qr[h].qs8[b]));
-        facc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(qr[h].dq[b]), facc[h]);
+        if (BS) {  // the reference's fma(float(dot) * dq_b, d_tb, facc)
+          facc[h] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(qr[h].dq[b])),
+                                    tile_load_f16x16_avx512(tp + 32 * size_t(b)), facc[h]);
+        } else {
+          facc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(qr[h].dq[b]), facc[h]);
+        }
       }
     }
-    const __m512 sv = _mm512_loadu_ps(reinterpret_cast<const float*>(tp));
+    const __m512 sv = BS ? _mm512_set1_ps(1.f) : _mm512_loadu_ps(reinterpret_cast<const float*>(tp));
     for (int h = 0; h < NQ; ++h)
-      tile_store_avx512(out + size_t(h) * size_t(out_stride), tile * 16, t0, n, _mm512_mul_ps(facc[h], sv));
+      tile_store_avx512(out + size_t(h) * size_t(out_stride), tile * 16, t0, n, BS ? facc[h] : _mm512_mul_ps(facc[h], sv));
   }
 }
 
 // U8: all weights >= 0: u8 weights (255 levels) x s8 codes. Else s8 weights (127 levels) x the u8
 // image codes ^ 0x80 = c + 128, minus 128 * (sum of the tile's weights) per lane.
-template <int NQ, bool U8>
+// BS: weights per (row, 32-channel block) with q8_0t's block scales; else per row.
+constexpr int kMaxSB = 1024 / 32;
+template <int NQ, bool U8, bool BS>
 void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const uint8_t* block, int t0, int n,
                 float* acc) {
   const int hd = L.hd;
+  const int nsb = BS ? hd / 32 : 1;
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
   const __m512i flip = _mm512_set1_epi8(int8_t(0x80));
-  alignas(64) uint8_t w8[kSegTiles][NQ][16];
-  float dw[kSegTiles][NQ];
-  int32_t wsum[kSegTiles][NQ];
+  alignas(64) uint8_t w8[kSegTiles][NQ][BS ? kMaxSB : 1][16];
+  float dw[kSegTiles][NQ][BS ? kMaxSB : 1];
+  int32_t wsum[kSegTiles][NQ][BS ? kMaxSB : 1];
   for (int seg = tile0; seg < tile1; seg += kSegTiles) {
     const int nt = std::min(kSegTiles, tile1 - seg);
     // 1. Quantized weights of the segment's tiles.
@@ -79,36 +88,36 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
       if (seg + tt + kAhead < tile1) prefetch_tile(tp + kAhead * L.tile_bytes, L.tile_bytes);
       const __mmask16 mask = tile_mask_avx512(base, t0, n);
       const bool full = mask == 0xffff;
-      // Masked: slots outside the range may hold anything (NaN scales of unwritten tokens).
-      const __m512 sv = _mm512_maskz_loadu_ps(mask, reinterpret_cast<const float*>(tp));
-      __m512 w[4];
-      for (int h = 0; h < 4; ++h) {
-        if (h < NQ) {
-          const float* ph = p + size_t(h) * size_t(p_stride);
-          const __m512 pv = full ? _mm512_loadu_ps(ph + (base - t0))
-                                 : _mm512_maskz_expandloadu_ps(mask, ph + std::max(0, base - t0));
-          w[h] = _mm512_mul_ps(pv, sv);
-        } else {
-          w[h] = _mm512_setzero_ps();
-        }
-      }
-      // All rows' steps at once (int4t_weight_step's arithmetic, kv/tiles_avx512.h).
-      alignas(64) float steps[16];
-      const __m512 inv = tile_weight_steps_avx512<U8>(w, steps);
+      __m512 pv[NQ];
       for (int h = 0; h < NQ; ++h) {
-        dw[tt][h] = steps[4 * h];
-        const __m512i wi = tile_weights_int_avx512(w[h], inv, h);
-        _mm_store_si128(reinterpret_cast<__m128i*>(w8[tt][h]),
-                        U8 ? _mm512_cvtusepi32_epi8(wi) : _mm512_cvtsepi32_epi8(wi));
-        if (!U8) {  // 128 * the sum of the stored (saturated) s8 weights: the c + 128 correction
-          const __m512i ws = _mm512_max_epi32(_mm512_min_epi32(wi, _mm512_set1_epi32(127)), _mm512_set1_epi32(-128));
-          wsum[tt][h] = 128 * _mm512_reduce_add_epi32(ws);
+        const float* ph = p + size_t(h) * size_t(p_stride);
+        pv[h] = full ? _mm512_loadu_ps(ph + (base - t0)) : _mm512_maskz_expandloadu_ps(mask, ph + std::max(0, base - t0));
+      }
+      for (int sb = 0; sb < nsb; ++sb) {
+        // Masked: slots outside the range may hold anything (NaN scales of unwritten tokens).
+        const __m512 sv = BS ? _mm512_maskz_mov_ps(mask, tile_load_f16x16_avx512(tp + 32 * size_t(sb)))
+                             : _mm512_maskz_loadu_ps(mask, reinterpret_cast<const float*>(tp));
+        __m512 w[4];
+        for (int h = 0; h < 4; ++h) w[h] = h < NQ ? _mm512_mul_ps(pv[h], sv) : _mm512_setzero_ps();
+        // All rows' steps at once (int4t_weight_step's arithmetic, kv/tiles_avx512.h).
+        alignas(64) float steps[16];
+        const __m512 inv = tile_weight_steps_avx512<U8>(w, steps);
+        for (int h = 0; h < NQ; ++h) {
+          dw[tt][h][sb] = steps[4 * h];
+          const __m512i wi = tile_weights_int_avx512(w[h], inv, h);
+          _mm_store_si128(reinterpret_cast<__m128i*>(w8[tt][h][sb]),
+                          U8 ? _mm512_cvtusepi32_epi8(wi) : _mm512_cvtsepi32_epi8(wi));
+          if (!U8) {  // 128 * the sum of the stored (saturated) s8 weights: the c + 128 correction
+            const __m512i ws = _mm512_max_epi32(_mm512_min_epi32(wi, _mm512_set1_epi32(127)), _mm512_set1_epi32(-128));
+            wsum[tt][h][sb] = 128 * _mm512_reduce_add_epi32(ws);
+          }
         }
       }
     }
     // 2. Channel chunks of 16: per tile 4 loads (token quads) and NQ dot chains, flushed to f32
     // with the tile's step; the f32 sums go to acc once per segment.
     for (int c = 0; c < hd / 16; ++c) {
+      const int sb = BS ? c / 2 : 0;
       __m512 f[NQ];
       for (int h = 0; h < NQ; ++h) f[h] = _mm512_setzero_ps();
       for (int tt = 0; tt < nt; ++tt) {
@@ -123,8 +132,8 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
             x1 = _mm512_xor_si512(x1, flip);
           }
           for (int h = 0; h < NQ; ++h) {
-            const __m512i w0 = tile_bcast32_avx512(w8[tt][h] + 4 * k);
-            const __m512i w1 = tile_bcast32_avx512(w8[tt][h] + 4 * k + 4);
+            const __m512i w0 = tile_bcast32_avx512(w8[tt][h][sb] + 4 * k);
+            const __m512i w1 = tile_bcast32_avx512(w8[tt][h][sb] + 4 * k + 4);
             if (U8) {
               ia[h] = _mm512_dpbusd_epi32(ia[h], w0, x0);
               ib[h] = _mm512_dpbusd_epi32(ib[h], w1, x1);
@@ -136,8 +145,8 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
         }
         for (int h = 0; h < NQ; ++h) {
           __m512i dot = _mm512_add_epi32(ia[h], ib[h]);
-          if (!U8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(wsum[tt][h]));
-          f[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(dw[tt][h]), f[h]);
+          if (!U8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(wsum[tt][h][sb]));
+          f[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(dw[tt][h][sb]), f[h]);
         }
       }
       for (int h = 0; h < NQ; ++h) {
@@ -154,8 +163,10 @@ void int8t_scores_avx512(const Int8TiledLayout& L, const float* qp, int n_q, con
                          float* out, int out_stride) {
   if (n <= 0) return;
   tile_row_passes(n_q, [&](int i, auto m) {
-    scores_pass<decltype(m)::value>(L, qp + size_t(i) * size_t(L.qdim), block, t0, n,
-                                    out + size_t(i) * size_t(out_stride), out_stride);
+    const float* q = qp + size_t(i) * size_t(L.qdim);
+    float* o = out + size_t(i) * size_t(out_stride);
+    if (L.block_scales) scores_pass<decltype(m)::value, true>(L, q, block, t0, n, o, out_stride);
+    else scores_pass<decltype(m)::value, false>(L, q, block, t0, n, o, out_stride);
   });
 }
 
@@ -166,8 +177,14 @@ void int8t_accum_avx512(const Int8TiledLayout& L, const float* p, int p_stride, 
   tile_row_passes(n_q, [&](int i, auto m) {
     const float* pi = p + size_t(i) * size_t(p_stride);
     float* a = acc + size_t(i) * size_t(L.hd);
-    if (u8) accum_pass<decltype(m)::value, true>(L, pi, p_stride, block, t0, n, a);
-    else accum_pass<decltype(m)::value, false>(L, pi, p_stride, block, t0, n, a);
+    constexpr int M = decltype(m)::value;
+    if (L.block_scales) {
+      if (u8) accum_pass<M, true, true>(L, pi, p_stride, block, t0, n, a);
+      else accum_pass<M, false, true>(L, pi, p_stride, block, t0, n, a);
+    } else {
+      if (u8) accum_pass<M, true, false>(L, pi, p_stride, block, t0, n, a);
+      else accum_pass<M, false, false>(L, pi, p_stride, block, t0, n, a);
+    }
   });
 }
 

@@ -121,8 +121,9 @@ void add(const std::string& name, const std::string& inner, const std::string& w
 }  // namespace
 
 void kv_register_rotated_codecs() {
-  add("q8_0h", "q8_0", "q8_0 of the Hadamard-rotated vector (K: largest power-of-two block, V: blocks of 64)");
-  // q4_0h stores q4_0t (q4_0 in int4t's tiles: the same bytes and decode as the rows, integer-dot kernels).
+  // q8_0h / q4_0h store q8_0t / q4_0t (q8_0 / q4_0 in the tiles: the same bytes and decode as the
+  // rows, integer-dot kernels).
+  add("q8_0h", "q8_0t", "q8_0 of the Hadamard-rotated vector (K: largest power-of-two block, V: blocks of 64)");
   add("q4_0h", "q4_0t", "q4_0 of the Hadamard-rotated vector (K: largest power-of-two block, V: blocks of 64)");
   kv_register_format({"q8_0h", {"q8_0_hadamard", "q8_0_rot"}, "q8_0h", "q8_0h",
                       "q8_0 after a Hadamard rotation (llama.cpp's rotated q8_0 KV): 8.5 bits"});
