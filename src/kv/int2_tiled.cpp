@@ -47,24 +47,7 @@ inline int32_t key_block_dot(const uint8_t* codes, int j, int b, const int8_t* q
 
 void int2t_scores_ref(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
                       float* out, int out_stride) {
-  const int bpg = L.group / 32;  // 32-dim query blocks per group
-  for (int i = 0; i < n_q; ++i) {
-    const Int4tQueryRow qr = int4t_query_row(L, qp, i);
-    for (int t = 0; t < n; ++t) {
-      const int tt = t0 + t, j = tt % kv_tile_tokens;
-      const uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L.tile_bytes;
-      const uint8_t* codes = tp + L.code_off;
-      float score = 0;
-      for (int g = 0; g < L.ng; ++g) {
-        float facc = 0;
-        for (int b = g * bpg; b < (g + 1) * bpg; ++b)
-          facc = std::fma(float(key_block_dot(codes, j, b, qr.q8)), qr.dq[b], facc);
-        score = std::fma(facc, tile_f16(tp, size_t(g * 16 + j)), score);
-        score = std::fma(tile_f16(tp + L.min_off, size_t(g * 16 + j)), qr.qsum[g], score);
-      }
-      out[size_t(i) * size_t(out_stride) + size_t(t)] = score;
-    }
-  }
+  tiles_scores_ref(L, qp, n_q, block, t0, n, out, out_stride, key_block_dot);
 }
 
 void int2t_accum_ref(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
@@ -126,19 +109,7 @@ void kivi2t_scores(const int8_t* q8, const float* dq, const float* cz, int n_q, 
 
 namespace {
 
-struct Int2tOps {
-  static void prepare_query(const Int4TiledLayout& L, const float* q, int n_q, float* qp) {
-    int4t_prepare_query(L, q, n_q, qp);
-  }
-  static void scores(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
-                     float* out, int out_stride) {
-    int2t_scores(L, qp, n_q, block, t0, n, out, out_stride);
-  }
-  static void accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
-                    int n, float* acc) {
-    int2t_accum(L, p, p_stride, n_q, block, t0, n, acc);
-  }
-};
+using Int2tOps = TiledOps<Int4TiledLayout, int4t_prepare_query, int2t_scores, int2t_accum>;
 
 class Int2TiledCodec final : public TiledCodecBase<Int4TiledLayout, Int2tOps> {
  public:

@@ -75,34 +75,17 @@ void int4t_prepare_query(const Int4TiledLayout& L, const float* q, int n_q, floa
 
 void int4t_scores_ref(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
                       float* out, int out_stride) {
-  const int bpg = L.group / 32;  // 32-dim query blocks per group
-  for (int i = 0; i < n_q; ++i) {
-    const Int4tQueryRow qr = int4t_query_row(L, qp, i);
-    const int8_t* q8 = qr.q8;
-    const float* dq = qr.dq;
-    const float* qs = qr.qsum;
-    for (int t = 0; t < n; ++t) {
-      const int tt = t0 + t, j = tt % kv_tile_tokens;
-      const uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L.tile_bytes;
-      const uint8_t* codes = tp + L.code_off;
-      float score = 0;
-      for (int g = 0; g < L.ng; ++g) {
-        float facc = 0;
-        for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
-          int32_t dot = 0;
-          for (int o = 4 * b; o < 4 * b + 4; ++o)
-            for (int k = 0; k < 4; ++k) {
-              const uint8_t byte = codes[64 * o + 4 * j + k];
-              dot += int32_t(byte & 15) * q8[8 * o + k] + int32_t(byte >> 4) * q8[8 * o + 4 + k];
-            }
-          facc = std::fma(float(dot), dq[b], facc);
-        }
-        score = std::fma(facc, tile_f16(tp, size_t(g * 16 + j)), score);
-        score = std::fma(tile_f16(tp + L.min_off, size_t(g * 16 + j)), qs[g], score);
-      }
-      out[size_t(i) * size_t(out_stride) + size_t(t)] = score;
-    }
-  }
+  // Per dim-octet o: byte 4j + k holds dims 8o + k (low nibble) and 8o + 4 + k (high).
+  tiles_scores_ref(L, qp, n_q, block, t0, n, out, out_stride,
+                   [](const uint8_t* codes, int j, int b, const int8_t* q8) {
+                     int32_t dot = 0;
+                     for (int o = 4 * b; o < 4 * b + 4; ++o)
+                       for (int k = 0; k < 4; ++k) {
+                         const uint8_t byte = codes[64 * o + 4 * j + k];
+                         dot += int32_t(byte & 15) * q8[8 * o + k] + int32_t(byte >> 4) * q8[8 * o + 4 + k];
+                       }
+                     return dot;
+                   });
 }
 
 void int4t_accum_ref(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
@@ -136,19 +119,7 @@ void int4t_accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q
 
 namespace {
 
-struct Int4tOps {
-  static void prepare_query(const Int4TiledLayout& L, const float* q, int n_q, float* qp) {
-    int4t_prepare_query(L, q, n_q, qp);
-  }
-  static void scores(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
-                     float* out, int out_stride) {
-    int4t_scores(L, qp, n_q, block, t0, n, out, out_stride);
-  }
-  static void accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
-                    int n, float* acc) {
-    int4t_accum(L, p, p_stride, n_q, block, t0, n, acc);
-  }
-};
+using Int4tOps = TiledOps<Int4TiledLayout, int4t_prepare_query, int4t_scores, int4t_accum>;
 
 // int4t_gN (rows: int4_gN) or q4_0t (rows: q4_0; layout q4_0t_layout).
 class Int4TiledCodec final : public TiledCodecBase<Int4TiledLayout, Int4tOps> {

@@ -180,19 +180,7 @@ void int8t_accum(const Int8TiledLayout& L, const float* p, int p_stride, int n_q
 
 namespace {
 
-struct Int8tOps {
-  static void prepare_query(const Int8TiledLayout& L, const float* q, int n_q, float* qp) {
-    int8t_prepare_query(L, q, n_q, qp);
-  }
-  static void scores(const Int8TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
-                     float* out, int out_stride) {
-    int8t_scores(L, qp, n_q, block, t0, n, out, out_stride);
-  }
-  static void accum(const Int8TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
-                    int n, float* acc) {
-    int8t_accum(L, p, p_stride, n_q, block, t0, n, acc);
-  }
-};
+using Int8tOps = TiledOps<Int8TiledLayout, int8t_prepare_query, int8t_scores, int8t_accum>;
 
 // int8t (rows: int8) or q8_0t (rows: q8_0; layout q8_0t_layout).
 class Int8TiledCodec final : public TiledCodecBase<Int8TiledLayout, Int8tOps> {

@@ -12,6 +12,22 @@
 
 namespace kvq {
 
+// A family's three dispatch points as the Ops of TiledCodecBase.
+template <class Layout, void (*Prep)(const Layout&, const float*, int, float*),
+          void (*Scores)(const Layout&, const float*, int, const uint8_t*, int, int, float*, int),
+          void (*Accum)(const Layout&, const float*, int, int, const uint8_t*, int, int, float*)>
+struct TiledOps {
+  static void prepare_query(const Layout& L, const float* q, int n_q, float* qp) { Prep(L, q, n_q, qp); }
+  static void scores(const Layout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n, float* out,
+                     int out_stride) {
+    Scores(L, qp, n_q, block, t0, n, out, out_stride);
+  }
+  static void accum(const Layout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0, int n,
+                    float* acc) {
+    Accum(L, p, p_stride, n_q, block, t0, n, acc);
+  }
+};
+
 // Layout: hd, tile_bytes, qdim. Ops: static prepare_query(L, q, n_q, qp), scores(L, qp, n_q,
 // block, t0, n, out, out_stride), accum(L, p, p_stride, n_q, block, t0, n, acc).
 template <class Layout, class Ops>

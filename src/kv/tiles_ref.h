@@ -32,6 +32,33 @@ inline float tile_quantize_weights_ref(const float* w, bool u8, int32_t* wq) {
   return dw;
 }
 
+// The scalar scores of int4t's / int2t's key tiles (layout L, prepared query rows qp):
+// score_t = sum_g fma chain of ( s_tg * sum_{b in g} fl(dot_b) dq_b ) + m_tg * qsum_g, in the order
+// the SIMD kernels reproduce. block_dot(codes, j, b, q8): the exact integer dot of tile slot j's
+// codes over the 32-dim block b with the query's int8 image.
+template <class BlockDot>
+void tiles_scores_ref(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
+                      float* out, int out_stride, BlockDot block_dot) {
+  const int bpg = L.group / 32;  // 32-dim query blocks per group
+  for (int i = 0; i < n_q; ++i) {
+    const Int4tQueryRow qr = int4t_query_row(L, qp, i);
+    for (int t = 0; t < n; ++t) {
+      const int tt = t0 + t, j = tt % kv_tile_tokens;
+      const uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L.tile_bytes;
+      const uint8_t* codes = tp + L.code_off;
+      float score = 0;
+      for (int g = 0; g < L.ng; ++g) {
+        float facc = 0;
+        for (int b = g * bpg; b < (g + 1) * bpg; ++b)
+          facc = std::fma(float(block_dot(codes, j, b, qr.q8)), qr.dq[b], facc);
+        score = std::fma(facc, tile_f16(tp, size_t(g * 16 + j)), score);
+        score = std::fma(tile_f16(tp + L.min_off, size_t(g * 16 + j)), qr.qsum[g], score);
+      }
+      out[size_t(i) * size_t(out_stride) + size_t(t)] = score;
+    }
+  }
+}
+
 // The scalar weighted sum of int4t's / int2t's value tiles (layout L): acc[i * hd + d] += sum_t
 // p[i * p_stride + t] * v_{t0 + t}[d], per (query row, group, tile) the weights p_t s_tg quantized by
 // tile_quantize_weights_ref and dotted exactly with the codes, the min term sum_t p_t m_tg in f32.
