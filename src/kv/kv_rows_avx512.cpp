@@ -120,7 +120,7 @@ void kv_rows_scores_avx512(const KvRowFmt& f, float scale, const float* q, int n
                            const uint8_t* rows, size_t row_stride, int n, float* out,
                            int out_stride) {
   if (kv_rows_bf16_dot_active(f))
-    return kv_rows_scores_bf16_avx512(f, q, n_q, rows, row_stride, n, out, out_stride);
+    return kv_rows_scores_bf16_avx512(f, scale, q, n_q, rows, row_stride, n, out, out_stride);
   kv_rows_simd::scores<Avx512>(f, scale, q, n_q, rows, row_stride, n, out, out_stride);
 }
 
@@ -129,7 +129,7 @@ void kv_rows_accum_avx512(const KvRowFmt& f, float scale, const float* p, int p_
   if (f.elem == KvElem::q4_0 || f.elem == KvElem::int4g || f.elem == KvElem::int2g)
     return kv_rows_accum_4bit_avx512(f, p, p_stride, n_q, rows, row_stride, n, acc);
   if (kv_rows_bf16_dot_active(f))
-    return kv_rows_accum_bf16_avx512(f, p, p_stride, n_q, rows, row_stride, n, acc);
+    return kv_rows_accum_bf16_avx512(f, scale, p, p_stride, n_q, rows, row_stride, n, acc);
   kv_rows_simd::accum<Avx512>(f, scale, p, p_stride, n_q, rows, row_stride, n, acc);
 }
 

@@ -1,11 +1,17 @@
-// bf16 rows on AVX-512 BF16: scores and weighted sums as VDPBF16PS dot products (two bf16
+// bf16 and fp8 rows on AVX-512 BF16: scores and weighted sums as VDPBF16PS dot products (two bf16
 // products per f32 lane and instruction), the other operand rounded to bf16 as GPU attention
-// kernels round the query and the probabilities. Bounds in kv/kv_rows.h (kv_rows_bf16_rel).
+// kernels round the query and the probabilities. FP8 codes become bf16 exactly (every E4M3 / E5M2
+// value, subnormals, inf and NaN included, is a bf16) through a 128-entry table of the magnitudes
+// (two VPERMT2W and a blend) plus the sign; their scale (fixed, calibrated or per token) is applied
+// once per score and folded into the weights. Bounds in kv/kv_rows.h (kv_rows_bf16_rel).
 #include "core/avx512.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
+#include "core/dtypes.h"
+#include "kv/fp8.h"
 #include "kv/hsum_avx512.h"
 #include "kv/kv_rows_simd.h"
 
@@ -13,6 +19,62 @@ namespace kvq {
 namespace {
 
 inline __m512bh ld_bh(const void* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
+
+constexpr bool is_e4m3(KvElem E) { return E == KvElem::e4m3 || E == KvElem::e4m3_dyn; }
+constexpr bool is_dyn(KvElem E) { return E == KvElem::e4m3_dyn || E == KvElem::e5m2_dyn; }
+
+// bf16 bits of the 128 FP8 magnitudes (E4M3 or E5M2), 4 vectors of 32 words.
+struct Fp8Lut {
+  __m512i t[4];
+};
+Fp8Lut make_fp8_lut(bool e4m3) {
+  alignas(64) uint16_t w[128];
+  for (int m = 0; m < 128; ++m) {
+    const float v = e4m3 ? fp8_e4m3_to_f32(uint8_t(m)) : fp8_e5m2_to_f32(uint8_t(m));
+    w[m] = f32_to_bf16(v);  // exact: every FP8 value (and inf / NaN) is a bf16
+  }
+  Fp8Lut l;
+  for (int j = 0; j < 4; ++j) l.t[j] = _mm512_load_si512(w + 32 * j);
+  return l;
+}
+const Fp8Lut& fp8_lut(bool e4m3) {
+  static const Fp8Lut e4 = make_fp8_lut(true), e5 = make_fp8_lut(false);
+  return e4m3 ? e4 : e5;
+}
+
+// 32 FP8 codes -> their 32 values in bf16.
+inline __m512bh fp8_to_bf16_32(const uint8_t* c, const Fp8Lut& L) {
+  const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
+  const __m512i lo = _mm512_permutex2var_epi16(L.t[0], x, L.t[1]);  // magnitudes 0..63 (index bits 0-5)
+  const __m512i hi = _mm512_permutex2var_epi16(L.t[2], x, L.t[3]);  // 64..127
+  const __m512i mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(x, _mm512_set1_epi16(0x40)), lo, hi);
+  // | the code's sign bit (bit 7, shifted to 15): A | (B & C)
+  return reinterpret_cast<__m512bh>(
+      _mm512_ternarylogic_epi32(mag, _mm512_slli_epi16(x, 8), _mm512_set1_epi16(int16_t(0x8000)), 0xF8));
+}
+
+// Row access by element type: elements [e, e + 32) as bf16, and the row's multiplier (the fp8
+// scale; 1 for bf16).
+template <KvElem E>
+struct RowRead {
+  const Fp8Lut* lut = nullptr;
+  float scale = 1.f;
+  explicit RowRead(float s) : scale(s) {
+    if constexpr (E != KvElem::bf16) lut = &fp8_lut(is_e4m3(E));
+  }
+  [[gnu::always_inline]] __m512bh dec(const uint8_t* row, int e) const {
+    if constexpr (E == KvElem::bf16) return ld_bh(row + 2 * size_t(e));
+    else return fp8_to_bf16_32(row + (is_dyn(E) ? sizeof(KvRowScaled) : 0) + size_t(e), *lut);
+  }
+  [[gnu::always_inline]] float mul(const uint8_t* row) const {
+    if constexpr (is_dyn(E)) {
+      float s;
+      std::memcpy(&s, row, sizeof s);
+      return s;
+    }
+    return scale;
+  }
+};
 
 // 32 floats -> 32 bf16 (RNE), in order.
 inline __m512i to_bf16_32(const float* x) {
@@ -39,9 +101,9 @@ template <int NQ, int TU>
 }
 
 // NQ query rows in NQP slots, TU = 16 / NQP tokens per step (as kv_rows_simd::scores_nq).
-template <int NQ>
-void scores_nq(const uint16_t* qb, int hd, const uint8_t* rows, size_t row_stride, int n, float* out,
-               int out_stride) {
+template <KvElem E, int NQ>
+void scores_nq(const RowRead<E>& rd, const uint16_t* qb, int hd, const uint8_t* rows, size_t row_stride, int n,
+               float* out, int out_stride) {
   constexpr int NQP = NQ <= 1 ? 1 : NQ <= 2 ? 2 : NQ <= 4 ? 4 : 8;
   constexpr int TU = 16 / NQP;
   int t = 0;
@@ -52,35 +114,48 @@ void scores_nq(const uint16_t* qb, int hd, const uint8_t* rows, size_t row_strid
     for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
     for (int e = 0; e < hd; e += 32) {
       __m512bh x[TU];
-      for (int u = 0; u < TU; ++u) x[u] = ld_bh(r0 + size_t(u) * row_stride + 2 * size_t(e));
+      for (int u = 0; u < TU; ++u) x[u] = rd.dec(r0 + size_t(u) * row_stride, e);
       for (int i = 0; i < NQ; ++i) {
         const __m512bh qv = ld_bh(qb + size_t(i) * size_t(hd) + size_t(e));
         for (int u = 0; u < TU; ++u) a[i * TU + u] = _mm512_dpbf16_ps(a[i * TU + u], x[u], qv);
       }
     }
-    store_rows<NQ, TU>(hsum_lanes(a), out + t, out_stride);
+    __m512 z = hsum_lanes(a);
+    if constexpr (E != KvElem::bf16) {  // the fp8 scale, once per score
+      alignas(64) float mv[16];
+      for (int u = 0; u < TU; ++u) {
+        const float m = rd.mul(r0 + size_t(u) * row_stride);
+        for (int i = 0; i < NQP; ++i) mv[i * TU + u] = m;
+      }
+      z = _mm512_mul_ps(z, _mm512_load_ps(mv));
+    }
+    store_rows<NQ, TU>(z, out + t, out_stride);
   }
   for (; t < n; ++t) {
     const uint8_t* row = rows + size_t(t) * row_stride;
     __m512 acc[NQ];
     for (int i = 0; i < NQ; ++i) acc[i] = _mm512_setzero_ps();
     for (int e = 0; e < hd; e += 32) {
-      const __m512bh x = ld_bh(row + 2 * size_t(e));
+      const __m512bh x = rd.dec(row, e);
       for (int i = 0; i < NQ; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], x, ld_bh(qb + size_t(i) * size_t(hd) + size_t(e)));
     }
-    for (int i = 0; i < NQ; ++i) out[size_t(i) * size_t(out_stride) + size_t(t)] = _mm512_reduce_add_ps(acc[i]);
+    const float m = rd.mul(row);
+    for (int i = 0; i < NQ; ++i)
+      out[size_t(i) * size_t(out_stride) + size_t(t)] =
+          E == KvElem::bf16 ? _mm512_reduce_add_ps(acc[i]) : _mm512_reduce_add_ps(acc[i]) * m;
   }
 }
 
 // Weighted sum over token pairs: for rows t, t + 1, unpacklo / unpackhi of their 16-bit words give
 // dwords (v_t[c], v_{t+1}[c]) for channels c = 8L + k (lo) and 8L + 4 + k (hi) at dword 4L + k of a
-// 32-channel chunk; a dword broadcast of the pair's bf16 weights (p_t, p_{t+1}) then adds both
-// tokens with one VDPBF16PS. The accumulators stay in that order and are put back in channel order
-// once per call. SV chunks of 32 channels per pass.
+// 32-channel chunk; a dword broadcast of the pair's bf16 weights (p_t, p_{t+1}) (times the rows'
+// fp8 scales) then adds both tokens with one VDPBF16PS. The accumulators stay in that order and
+// are put back in channel order once per call. SV chunks of 32 channels per pass.
 constexpr int kPairChunk = 64;  // weights converted per chunk of tokens (a stack buffer)
 
-template <int NQ, int SV>
-void accum_nq(const float* p, int p_stride, int hd, const uint8_t* rows, size_t row_stride, int n, float* acc) {
+template <KvElem E, int NQ, int SV>
+void accum_nq(const RowRead<E>& rd, const float* p, int p_stride, int hd, const uint8_t* rows, size_t row_stride,
+              int n, float* acc) {
   // lo lanes 4L..4L+3 -> channels 8L..8L+3, hi lanes 4L..4L+3 -> channels 8L+4..8L+7:
   // channels 0-15 = [lo L0, hi L0, lo L1, hi L1], 16-31 = [lo L2, hi L2, lo L3, hi L3].
   const __m512i i0 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
@@ -91,22 +166,25 @@ void accum_nq(const float* p, int p_stride, int hd, const uint8_t* rows, size_t 
       for (int v = 0; v < SV; ++v) lo[i][v] = hi[i][v] = _mm512_setzero_ps();
     for (int c0 = 0; c0 < n; c0 += kPairChunk) {
       const int m = std::min(kPairChunk, n - c0);
+      alignas(64) float mu[kPairChunk];  // the rows' fp8 scales (1 for bf16)
+      for (int t = 0; t < m; ++t) mu[t] = rd.mul(rows + size_t(c0 + t) * row_stride);
       alignas(64) uint32_t w[NQ][kPairChunk / 2];  // (p_t, p_{t+1}) as bf16, t even
       for (int i = 0; i < NQ; ++i) {
         alignas(64) float pf[kPairChunk];
-        std::memcpy(pf, p + size_t(i) * size_t(p_stride) + size_t(c0), sizeof(float) * size_t(m));
+        const float* pi = p + size_t(i) * size_t(p_stride) + size_t(c0);
+        for (int t = 0; t < m; ++t) pf[t] = E == KvElem::bf16 ? pi[t] : pi[t] * mu[t];
         std::fill(pf + m, pf + kPairChunk, 0.f);  // an odd last token pairs with a zero weight
         for (int k = 0; k < kPairChunk; k += 32) _mm512_store_si512(w[i] + k / 2, to_bf16_32(pf + k));
       }
       for (int t = 0; t < m; t += 2) {
-        const uint8_t* r0 = rows + size_t(c0 + t) * row_stride + 2 * size_t(e);
+        const uint8_t* r0 = rows + size_t(c0 + t) * row_stride;
         const bool pair = t + 1 < m;
         if (e == 0) kv_rows_simd::kv_prefetch_ahead(rows, row_stride, c0 + t, 2, n);
         for (int v = 0; v < SV; ++v) {
-          const __m512i x0 = _mm512_loadu_si512(r0 + 64 * size_t(v));
+          const __m512i x0 = reinterpret_cast<__m512i>(rd.dec(r0, e + 32 * v));
           // An unpaired last token: the partner is zero (its weight is zero too, but the slot may
           // hold anything, NaN included).
-          const __m512i x1 = pair ? _mm512_loadu_si512(r0 + row_stride + 64 * size_t(v)) : _mm512_setzero_si512();
+          const __m512i x1 = pair ? reinterpret_cast<__m512i>(rd.dec(r0 + row_stride, e + 32 * v)) : _mm512_setzero_si512();
           const __m512bh l = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(x0, x1));
           const __m512bh h = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(x0, x1));
           for (int i = 0; i < NQ; ++i) {
@@ -126,18 +204,19 @@ void accum_nq(const float* p, int p_stride, int hd, const uint8_t* rows, size_t 
   }
 }
 
-template <int NQ>
-void accum_sv(const float* p, int p_stride, int hd, const uint8_t* rows, size_t row_stride, int n, float* acc) {
+template <KvElem E, int NQ>
+void accum_sv(const RowRead<E>& rd, const float* p, int p_stride, int hd, const uint8_t* rows, size_t row_stride,
+              int n, float* acc) {
   if constexpr (NQ <= 4)
-    if (hd % 64 == 0) return accum_nq<NQ, 2>(p, p_stride, hd, rows, row_stride, n, acc);
-  accum_nq<NQ, 1>(p, p_stride, hd, rows, row_stride, n, acc);
+    if (hd % 64 == 0) return accum_nq<E, NQ, 2>(rd, p, p_stride, hd, rows, row_stride, n, acc);
+  accum_nq<E, NQ, 1>(rd, p, p_stride, hd, rows, row_stride, n, acc);
 }
 
-}  // namespace
-
-void kv_rows_scores_bf16_avx512(const KvRowFmt& f, const float* q, int n_q, const uint8_t* rows, size_t row_stride,
-                                int n, float* out, int out_stride) {
+template <KvElem E>
+void scores_elem(const KvRowFmt& f, float scale, const float* q, int n_q, const uint8_t* rows, size_t row_stride,
+                 int n, float* out, int out_stride) {
   const int hd = f.head_dim;
+  const RowRead<E> rd(scale);
   for (int i0 = 0; i0 < n_q; i0 += 8) {
     const int m = std::min(8, n_q - i0);
     alignas(64) uint16_t qb[8 * kv_max_head_dim];
@@ -145,22 +224,48 @@ void kv_rows_scores_bf16_avx512(const KvRowFmt& f, const float* q, int n_q, cons
       for (int e = 0; e < hd; e += 32)
         _mm512_store_si512(qb + size_t(i) * size_t(hd) + size_t(e), to_bf16_32(q + size_t(i0 + i) * size_t(hd) + size_t(e)));
     float* o = out + size_t(i0) * size_t(out_stride);
-    kv_rows_simd::with_nq(m, [&](auto nq) { scores_nq<decltype(nq)::value>(qb, hd, rows, row_stride, n, o, out_stride); });
+    kv_rows_simd::with_nq(m, [&](auto nq) { scores_nq<E, decltype(nq)::value>(rd, qb, hd, rows, row_stride, n, o, out_stride); });
   }
 }
 
-void kv_rows_accum_bf16_avx512(const KvRowFmt& f, const float* p, int p_stride, int n_q, const uint8_t* rows,
-                               size_t row_stride, int n, float* acc) {
+template <KvElem E>
+void accum_elem(const KvRowFmt& f, float scale, const float* p, int p_stride, int n_q, const uint8_t* rows,
+                size_t row_stride, int n, float* acc) {
   const int hd = f.head_dim;
+  const RowRead<E> rd(scale);
   for (int i0 = 0; i0 < n_q; i0 += 4) {
     const float* pi = p + size_t(i0) * size_t(p_stride);
     float* a = acc + size_t(i0) * size_t(hd);
     switch (std::min(4, n_q - i0)) {
-      case 1: accum_sv<1>(pi, p_stride, hd, rows, row_stride, n, a); break;
-      case 2: accum_sv<2>(pi, p_stride, hd, rows, row_stride, n, a); break;
-      case 3: accum_sv<3>(pi, p_stride, hd, rows, row_stride, n, a); break;
-      default: accum_sv<4>(pi, p_stride, hd, rows, row_stride, n, a); break;
+      case 1: accum_sv<E, 1>(rd, pi, p_stride, hd, rows, row_stride, n, a); break;
+      case 2: accum_sv<E, 2>(rd, pi, p_stride, hd, rows, row_stride, n, a); break;
+      case 3: accum_sv<E, 3>(rd, pi, p_stride, hd, rows, row_stride, n, a); break;
+      default: accum_sv<E, 4>(rd, pi, p_stride, hd, rows, row_stride, n, a); break;
     }
+  }
+}
+
+}  // namespace
+
+void kv_rows_scores_bf16_avx512(const KvRowFmt& f, float scale, const float* q, int n_q, const uint8_t* rows,
+                                size_t row_stride, int n, float* out, int out_stride) {
+  switch (f.elem) {
+    case KvElem::e4m3: return scores_elem<KvElem::e4m3>(f, scale, q, n_q, rows, row_stride, n, out, out_stride);
+    case KvElem::e5m2: return scores_elem<KvElem::e5m2>(f, scale, q, n_q, rows, row_stride, n, out, out_stride);
+    case KvElem::e4m3_dyn: return scores_elem<KvElem::e4m3_dyn>(f, scale, q, n_q, rows, row_stride, n, out, out_stride);
+    case KvElem::e5m2_dyn: return scores_elem<KvElem::e5m2_dyn>(f, scale, q, n_q, rows, row_stride, n, out, out_stride);
+    default: return scores_elem<KvElem::bf16>(f, scale, q, n_q, rows, row_stride, n, out, out_stride);
+  }
+}
+
+void kv_rows_accum_bf16_avx512(const KvRowFmt& f, float scale, const float* p, int p_stride, int n_q,
+                               const uint8_t* rows, size_t row_stride, int n, float* acc) {
+  switch (f.elem) {
+    case KvElem::e4m3: return accum_elem<KvElem::e4m3>(f, scale, p, p_stride, n_q, rows, row_stride, n, acc);
+    case KvElem::e5m2: return accum_elem<KvElem::e5m2>(f, scale, p, p_stride, n_q, rows, row_stride, n, acc);
+    case KvElem::e4m3_dyn: return accum_elem<KvElem::e4m3_dyn>(f, scale, p, p_stride, n_q, rows, row_stride, n, acc);
+    case KvElem::e5m2_dyn: return accum_elem<KvElem::e5m2_dyn>(f, scale, p, p_stride, n_q, rows, row_stride, n, acc);
+    default: return accum_elem<KvElem::bf16>(f, scale, p, p_stride, n_q, rows, row_stride, n, acc);
   }
 }
 

@@ -23,12 +23,12 @@ namespace kvq {
 // lookup; head_dim % 32 == 0.
 void kv_rows_accum_4bit_avx512(const KvRowFmt& f, const float* p, int p_stride, int n_q, const uint8_t* rows,
                                size_t row_stride, int n, float* acc);
-// bf16 rows with head_dim % 32 == 0 (kv_rows_bf16_avx512.cpp): VDPBF16PS against the query /
-// weights rounded to bf16 (kv_rows.h: kv_rows_bf16_dot_active, the bound at kv_rows_bf16_rel).
-void kv_rows_scores_bf16_avx512(const KvRowFmt& f, const float* q, int n_q, const uint8_t* rows, size_t row_stride,
-                                int n, float* out, int out_stride);
-void kv_rows_accum_bf16_avx512(const KvRowFmt& f, const float* p, int p_stride, int n_q, const uint8_t* rows,
-                               size_t row_stride, int n, float* acc);
+// bf16 and fp8 rows with head_dim % 32 == 0 (kv_rows_bf16_avx512.cpp): VDPBF16PS against the
+// query / weights rounded to bf16 (kv_rows.h: kv_rows_bf16_dot_active, the bound at kv_rows_bf16_rel).
+void kv_rows_scores_bf16_avx512(const KvRowFmt& f, float scale, const float* q, int n_q, const uint8_t* rows,
+                                size_t row_stride, int n, float* out, int out_stride);
+void kv_rows_accum_bf16_avx512(const KvRowFmt& f, float scale, const float* p, int p_stride, int n_q,
+                               const uint8_t* rows, size_t row_stride, int n, float* acc);
 }  // namespace kvq
 
 namespace kvq::kv_rows_simd {
