@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "core/dtypes.h"
 #include "kv/fp8.h"
@@ -245,28 +246,28 @@ void accum_elem(const KvRowFmt& f, float scale, const float* p, int p_stride, in
   }
 }
 
+// Calls f(std::integral_constant<KvElem, E>{}) for the row element type of this file's kernels.
+template <class F>
+void by_elem(KvElem e, F&& f) {
+  switch (e) {
+    case KvElem::e4m3: return f(std::integral_constant<KvElem, KvElem::e4m3>{});
+    case KvElem::e5m2: return f(std::integral_constant<KvElem, KvElem::e5m2>{});
+    case KvElem::e4m3_dyn: return f(std::integral_constant<KvElem, KvElem::e4m3_dyn>{});
+    case KvElem::e5m2_dyn: return f(std::integral_constant<KvElem, KvElem::e5m2_dyn>{});
+    default: return f(std::integral_constant<KvElem, KvElem::bf16>{});
+  }
+}
+
 }  // namespace
 
 void kv_rows_scores_bf16_avx512(const KvRowFmt& f, float scale, const float* q, int n_q, const uint8_t* rows,
                                 size_t row_stride, int n, float* out, int out_stride) {
-  switch (f.elem) {
-    case KvElem::e4m3: return scores_elem<KvElem::e4m3>(f, scale, q, n_q, rows, row_stride, n, out, out_stride);
-    case KvElem::e5m2: return scores_elem<KvElem::e5m2>(f, scale, q, n_q, rows, row_stride, n, out, out_stride);
-    case KvElem::e4m3_dyn: return scores_elem<KvElem::e4m3_dyn>(f, scale, q, n_q, rows, row_stride, n, out, out_stride);
-    case KvElem::e5m2_dyn: return scores_elem<KvElem::e5m2_dyn>(f, scale, q, n_q, rows, row_stride, n, out, out_stride);
-    default: return scores_elem<KvElem::bf16>(f, scale, q, n_q, rows, row_stride, n, out, out_stride);
-  }
+  by_elem(f.elem, [&](auto e) { scores_elem<decltype(e)::value>(f, scale, q, n_q, rows, row_stride, n, out, out_stride); });
 }
 
 void kv_rows_accum_bf16_avx512(const KvRowFmt& f, float scale, const float* p, int p_stride, int n_q,
                                const uint8_t* rows, size_t row_stride, int n, float* acc) {
-  switch (f.elem) {
-    case KvElem::e4m3: return accum_elem<KvElem::e4m3>(f, scale, p, p_stride, n_q, rows, row_stride, n, acc);
-    case KvElem::e5m2: return accum_elem<KvElem::e5m2>(f, scale, p, p_stride, n_q, rows, row_stride, n, acc);
-    case KvElem::e4m3_dyn: return accum_elem<KvElem::e4m3_dyn>(f, scale, p, p_stride, n_q, rows, row_stride, n, acc);
-    case KvElem::e5m2_dyn: return accum_elem<KvElem::e5m2_dyn>(f, scale, p, p_stride, n_q, rows, row_stride, n, acc);
-    default: return accum_elem<KvElem::bf16>(f, scale, p, p_stride, n_q, rows, row_stride, n, acc);
-  }
+  by_elem(f.elem, [&](auto e) { accum_elem<decltype(e)::value>(f, scale, p, p_stride, n_q, rows, row_stride, n, acc); });
 }
 
 }  // namespace kvq
