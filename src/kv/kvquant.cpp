@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "kv/grouped_common.h"
 #include "kv/kivi.h"
+#include "kv/kivi_tiled.h"
 #include "kv/registry_internal.h"
 
 namespace kvq {
@@ -682,6 +683,10 @@ void kv_register_kvquant() {
            c.name = vname;
            kv_resolve_grouped(vname.c_str(), p, kvquant_default_group_tokens,
                               kvquant_default_residual_tokens, &c.group_tokens, &c.residual_tokens);
+           // KIVI's 2- and 4-bit values in their tiles when the shape allows (same bytes and
+           // decode; integer-dot weighted sums), as kivi2 / kivi4 store them; 3-bit in bit planes.
+           if ((bits == 2 || bits == 4) && kivi_tiled_fits(c.head_dim, c.group_tokens))
+             return kivi_tiled_codec_create(KvRole::value, bits, c.head_dim, c.group_tokens, c.residual_tokens);
            return kivi_codec_create(c);
          }});
     kv_register_format({"kvquant" + std::to_string(bits),
