@@ -19,4 +19,23 @@ CpuLevel cpu_level();
 CpuLevel cpu_set_level(CpuLevel cap);
 const char* cpu_level_name(CpuLevel l);
 
+// The variant of a kernel for cpu_level(), for a family whose variants are name_ref, name_avx2 and
+// name_avx512 with one signature: a family's dispatch point is `KVQ_CPU_PICK(name)(args...)`.
+template <class Fn>
+Fn cpu_pick(Fn ref, [[maybe_unused]] Fn avx2, [[maybe_unused]] Fn avx512) {
+  switch (cpu_level()) {
+    case CpuLevel::avx512: return avx512;
+    case CpuLevel::avx2: return avx2;
+    case CpuLevel::scalar: break;
+  }
+  return ref;
+}
+
 }  // namespace kvq
+
+// The SIMD variants exist only in SIMD builds (cpu_level() is then always scalar anyway).
+#if defined(KVQ_HAVE_SIMD)
+#define KVQ_CPU_PICK(name) ::kvq::cpu_pick(name##_ref, name##_avx2, name##_avx512)
+#else
+#define KVQ_CPU_PICK(name) (name##_ref)
+#endif

@@ -57,26 +57,12 @@ void int2t_accum_ref(const Int4TiledLayout& L, const float* p, int p_stride, int
 
 void int2t_scores(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
                   float* out, int out_stride) {
-#if defined(KVQ_HAVE_SIMD)
-  switch (cpu_level()) {
-    case CpuLevel::avx512: return int2t_scores_avx512(L, qp, n_q, block, t0, n, out, out_stride);
-    case CpuLevel::avx2: return int2t_scores_avx2(L, qp, n_q, block, t0, n, out, out_stride);
-    case CpuLevel::scalar: break;
-  }
-#endif
-  int2t_scores_ref(L, qp, n_q, block, t0, n, out, out_stride);
+  KVQ_CPU_PICK(int2t_scores)(L, qp, n_q, block, t0, n, out, out_stride);
 }
 
 void int2t_accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                  int n, float* acc) {
-#if defined(KVQ_HAVE_SIMD)
-  switch (cpu_level()) {
-    case CpuLevel::avx512: return int2t_accum_avx512(L, p, p_stride, n_q, block, t0, n, acc);
-    case CpuLevel::avx2: return int2t_accum_avx2(L, p, p_stride, n_q, block, t0, n, acc);
-    case CpuLevel::scalar: break;
-  }
-#endif
-  int2t_accum_ref(L, p, p_stride, n_q, block, t0, n, acc);
+  KVQ_CPU_PICK(int2t_accum)(L, p, p_stride, n_q, block, t0, n, acc);
 }
 
 void kivi2t_scores_ref(const int8_t* q8, const float* dq, const float* cz, int n_q, int hd, const uint8_t* tiles,
@@ -97,14 +83,7 @@ void kivi2t_scores_ref(const int8_t* q8, const float* dq, const float* cz, int n
 
 void kivi2t_scores(const int8_t* q8, const float* dq, const float* cz, int n_q, int hd, const uint8_t* tiles,
                    int t0, int n, float* out, int out_stride) {
-#if defined(KVQ_HAVE_SIMD)
-  switch (cpu_level()) {
-    case CpuLevel::avx512: return kivi2t_scores_avx512(q8, dq, cz, n_q, hd, tiles, t0, n, out, out_stride);
-    case CpuLevel::avx2: return kivi2t_scores_avx2(q8, dq, cz, n_q, hd, tiles, t0, n, out, out_stride);
-    case CpuLevel::scalar: break;
-  }
-#endif
-  kivi2t_scores_ref(q8, dq, cz, n_q, hd, tiles, t0, n, out, out_stride);
+  KVQ_CPU_PICK(kivi2t_scores)(q8, dq, cz, n_q, hd, tiles, t0, n, out, out_stride);
 }
 
 namespace {

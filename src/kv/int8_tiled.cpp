@@ -156,26 +156,12 @@ void int8t_accum_ref(const Int8TiledLayout& L, const float* p, int p_stride, int
 
 void int8t_scores(const Int8TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
                   float* out, int out_stride) {
-#if defined(KVQ_HAVE_SIMD)
-  switch (cpu_level()) {
-    case CpuLevel::avx512: return int8t_scores_avx512(L, qp, n_q, block, t0, n, out, out_stride);
-    case CpuLevel::avx2: return int8t_scores_avx2(L, qp, n_q, block, t0, n, out, out_stride);
-    case CpuLevel::scalar: break;
-  }
-#endif
-  int8t_scores_ref(L, qp, n_q, block, t0, n, out, out_stride);
+  KVQ_CPU_PICK(int8t_scores)(L, qp, n_q, block, t0, n, out, out_stride);
 }
 
 void int8t_accum(const Int8TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                  int n, float* acc) {
-#if defined(KVQ_HAVE_SIMD)
-  switch (cpu_level()) {
-    case CpuLevel::avx512: return int8t_accum_avx512(L, p, p_stride, n_q, block, t0, n, acc);
-    case CpuLevel::avx2: return int8t_accum_avx2(L, p, p_stride, n_q, block, t0, n, acc);
-    case CpuLevel::scalar: break;
-  }
-#endif
-  int8t_accum_ref(L, p, p_stride, n_q, block, t0, n, acc);
+  KVQ_CPU_PICK(int8t_accum)(L, p, p_stride, n_q, block, t0, n, acc);
 }
 
 namespace {

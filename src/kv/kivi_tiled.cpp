@@ -53,14 +53,7 @@ void kivit_fold_query_ref(const uint8_t* params, const float* q, int n_q, int hd
 }
 
 void kivit_fold_query(const uint8_t* params, const float* q, int n_q, int hd, int8_t* q8, float* dq, float* cz) {
-#if defined(KVQ_HAVE_SIMD)
-  switch (cpu_level()) {
-    case CpuLevel::avx512: return kivit_fold_query_avx512(params, q, n_q, hd, q8, dq, cz);
-    case CpuLevel::avx2: return kivit_fold_query_avx2(params, q, n_q, hd, q8, dq, cz);
-    case CpuLevel::scalar: break;
-  }
-#endif
-  kivit_fold_query_ref(params, q, n_q, hd, q8, dq, cz);
+  KVQ_CPU_PICK(kivit_fold_query)(params, q, n_q, hd, q8, dq, cz);
 }
 
 void kivit_scores_ref(const int8_t* q8, const float* dq, const float* cz, int n_q, int hd, const uint8_t* tiles,
@@ -89,14 +82,7 @@ void kivit_scores_ref(const int8_t* q8, const float* dq, const float* cz, int n_
 
 void kivit_scores(const int8_t* q8, const float* dq, const float* cz, int n_q, int hd, const uint8_t* tiles, int t0,
                   int n, float* out, int out_stride) {
-#if defined(KVQ_HAVE_SIMD)
-  switch (cpu_level()) {
-    case CpuLevel::avx512: return kivit_scores_avx512(q8, dq, cz, n_q, hd, tiles, t0, n, out, out_stride);
-    case CpuLevel::avx2: return kivit_scores_avx2(q8, dq, cz, n_q, hd, tiles, t0, n, out, out_stride);
-    case CpuLevel::scalar: break;
-  }
-#endif
-  kivit_scores_ref(q8, dq, cz, n_q, hd, tiles, t0, n, out, out_stride);
+  KVQ_CPU_PICK(kivit_scores)(q8, dq, cz, n_q, hd, tiles, t0, n, out, out_stride);
 }
 
 namespace {
