@@ -13,8 +13,6 @@
 namespace kvq {
 namespace {
 
-constexpr int kSegTiles = 4;  // tiles whose weights are quantized ahead of the channel loop
-constexpr int kMaxGroups = 1024 / 32;
 
 inline __m256i plane(__m256i x, int r) {
   const __m256i m2 = _mm256_set1_epi8(0x03);
@@ -118,52 +116,6 @@ void kivi_scores_pass(const int8_t* q8, const float* dq, const float* cz, int hd
   }
 }
 
-// The weighted sum in segments of kSegTiles tiles: weights quantized with the scalar steps of
-// int4t_weight_step (bit for bit), then per tile, 8-lane half and chunk of 32 channels, the tile's
-// 2 octet loads split into 8 planes (4 token quads x 2 channel halves) and 2 int16 chains per row:
-// u8 weights x s8 codes 4 quads * 2 * 255 * 3 = 6120, or s8 x u8 4 * 2 * 3 * 127.
-template <int NQ, bool U8>
-void accum_pass(const Int4TiledLayout& L, const float* p, int p_stride, const uint8_t* block, int t0, int n,
-                float* acc) {
-  constexpr int NP = (NQ + 1) / 2;  // row pairs
-  const int hd = L.hd, ng = L.ng, cpg = L.group / 32;
-  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  alignas(32) float msv[NQ][kMaxGroups][8];
-  for (int h = 0; h < NQ; ++h)
-    for (int g = 0; g < ng; ++g) _mm256_store_ps(msv[h][g], _mm256_setzero_ps());
-  alignas(32) uint8_t w8[kSegTiles][kMaxGroups][NP][32];
-  alignas(32) float dw[kSegTiles][kMaxGroups][8];
-  for (int seg = tile0; seg < tile1; seg += kSegTiles) {
-    const int nt = std::min(kSegTiles, tile1 - seg);
-    for (int tt = 0; tt < nt; ++tt)
-      tile_quantize_group_weights_avx2<NQ, U8>(p, p_stride, t0, n, (seg + tt) * 16,
-                                               block + size_t(seg + tt) * L.tile_bytes, L.min_off, ng, w8[tt], dw[tt],
-                                               msv);
-    for (int tt = 0; tt < nt; ++tt) {
-      const uint8_t* codes = block + size_t(seg + tt) * L.tile_bytes + L.code_off;
-      for (int half = 0; half < 2; ++half)
-        for (int c = 0, g = 0, cg = 0; c < hd / 32; ++c) {
-          const uint8_t* cp = codes + size_t(c) * 128 + 32 * size_t(half);
-          // Token quad k: lo = channels 32c + 8 half + i, hi = 32c + 16 + 8 half + i.
-          __m256i lo[4], hi[4];
-          for (int o = 0; o < 2; ++o) {
-            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * o));
-            lo[2 * o] = plane(x, 0);
-            hi[2 * o] = plane(x, 1);
-            lo[2 * o + 1] = plane(x, 2);
-            hi[2 * o + 1] = plane(x, 3);
-          }
-          tile_accum_chunk_avx2<NQ, U8>(lo, hi, w8[tt][g], dw[tt][g], acc, hd, 32 * c + 8 * half);
-          if (++cg == cpg) {  // chunk c + 1 starts the next group
-            cg = 0;
-            ++g;
-          }
-        }
-    }
-  }
-  tiles_add_min_terms_avx2<NQ>(msv, ng, L.group, hd, acc);
-}
-
 }  // namespace
 
 void int2t_scores_avx2(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
@@ -175,16 +127,22 @@ void int2t_scores_avx2(const Int4TiledLayout& L, const float* qp, int n_q, const
   });
 }
 
+// The weighted sum: tiles_accum_avx2 with int2t's crumbs, a chunk's 2 octet loads split into 8
+// planes (4 token quads x 2 channel halves); u8 weights x s8 codes 4 quads * 2 * 255 * 3 = 6120, or
+// s8 x u8 4 * 2 * 3 * 127 per int16.
 void int2t_accum_avx2(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                       int n, float* acc) {
-  if (n <= 0) return;
-  const bool u8 = tiles_weights_nonneg_avx2(p, p_stride, n_q, n);
-  tile_row_passes(n_q, [&](int i, auto m) {
-    const float* pi = p + size_t(i) * size_t(p_stride);
-    float* a = acc + size_t(i) * size_t(L.hd);
-    if (u8) accum_pass<decltype(m)::value, true>(L, pi, p_stride, block, t0, n, a);
-    else accum_pass<decltype(m)::value, false>(L, pi, p_stride, block, t0, n, a);
-  });
+  tiles_accum_avx2(L, p, p_stride, n_q, block, t0, n, acc,
+                   [](const uint8_t* codes, int c, int half, __m256i* lo, __m256i* hi) {
+                     const uint8_t* cp = codes + size_t(c) * 128 + 32 * size_t(half);
+                     for (int o = 0; o < 2; ++o) {
+                       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * o));
+                       lo[2 * o] = plane(x, 0);
+                       hi[2 * o] = plane(x, 1);
+                       lo[2 * o + 1] = plane(x, 2);
+                       hi[2 * o + 1] = plane(x, 3);
+                     }
+                   });
 }
 
 void kivi2t_scores_avx2(const int8_t* q8, const float* dq, const float* cz, int n_q, int hd, const uint8_t* tiles,

@@ -12,8 +12,6 @@
 namespace kvq {
 namespace {
 
-constexpr int kSegTiles = 4;  // tiles whose weights are quantized ahead of the channel loop
-constexpr int kMaxGroups = 1024 / 32;
 
 inline __m512i plane(__m512i x, int r) {
   const __m512i m2 = _mm512_set1_epi8(0x03);
@@ -101,37 +99,6 @@ void kivi_scores_pass(const int8_t* q8, const float* dq, const float* cz, int hd
   }
 }
 
-// U8: all weights >= 0, u8 weights (255 levels) x s8 codes (0..3); else s8 weights x u8 codes.
-template <int NQ, bool U8>
-void accum_pass(const Int4TiledLayout& L, const float* p, int p_stride, const uint8_t* block, int t0, int n,
-                float* acc) {
-  const int hd = L.hd, ng = L.ng;
-  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  // Per (query row, group): the min term sum_t p_t m_tg, 16 lanes, reduced once per call.
-  alignas(64) float msv[NQ][kMaxGroups][16];
-  for (int h = 0; h < NQ; ++h)
-    for (int g = 0; g < ng; ++g) _mm512_store_ps(msv[h][g], _mm512_setzero_ps());
-  alignas(64) uint8_t w8[kSegTiles][NQ][kMaxGroups][16];
-  float dw[kSegTiles][NQ][kMaxGroups];
-  for (int seg = tile0; seg < tile1; seg += kSegTiles) {
-    const int nt = std::min(kSegTiles, tile1 - seg);
-    // 1. Quantized weights of the segment's tiles (int4t's step, kv/int4_tiled.h).
-    for (int tt = 0; tt < nt; ++tt)
-      tile_quantize_group_weights_avx512<NQ, U8>(p, p_stride, t0, n, (seg + tt) * 16,
-                                                 block + size_t(seg + tt) * L.tile_bytes, L.min_off, ng, w8[tt],
-                                                 dw[tt], msv);
-    // 2. Channel chunks of 32: per tile 2 loads (token octets), each 4 crumb planes (token quad x
-    // channel half): quads 2o and 2o + 1 read the same 64 bytes.
-    tiles_accum_segment_avx512<NQ, U8>(L, block + size_t(seg) * L.tile_bytes, nt, w8, dw, acc,
-                                       [](const uint8_t* codes, int c, int k, __m512i* lo, __m512i* hi) {
-                                         const __m512i x = _mm512_loadu_si512(codes + size_t(c) * 128 + 64 * (k / 2));
-                                         *lo = plane(x, 2 * (k % 2));
-                                         *hi = plane(x, 2 * (k % 2) + 1);
-                                       });
-  }
-  tiles_add_min_terms_avx512<NQ>(msv, ng, L.group, hd, acc);
-}
-
 }  // namespace
 
 void int2t_scores_avx512(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
@@ -145,14 +112,14 @@ void int2t_scores_avx512(const Int4TiledLayout& L, const float* qp, int n_q, con
 
 void int2t_accum_avx512(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
                         int t0, int n, float* acc) {
-  if (n <= 0) return;
-  const bool u8 = tiles_weights_nonneg_avx512(p, p_stride, n_q, n);
-  tile_row_passes(n_q, [&](int i, auto m) {
-    const float* pi = p + size_t(i) * size_t(p_stride);
-    float* a = acc + size_t(i) * size_t(L.hd);
-    if (u8) accum_pass<decltype(m)::value, true>(L, pi, p_stride, block, t0, n, a);
-    else accum_pass<decltype(m)::value, false>(L, pi, p_stride, block, t0, n, a);
-  });
+  // Channel chunks of 32: per tile 2 loads (token octets), each 4 crumb planes (token quad x
+  // channel half): quads 2o and 2o + 1 read the same 64 bytes.
+  tiles_accum_avx512(L, p, p_stride, n_q, block, t0, n, acc,
+                     [](const uint8_t* codes, int c, int k, __m512i* lo, __m512i* hi) {
+                       const __m512i x = _mm512_loadu_si512(codes + size_t(c) * 128 + 64 * (k / 2));
+                       *lo = plane(x, 2 * (k % 2));
+                       *hi = plane(x, 2 * (k % 2) + 1);
+                     });
 }
 
 void kivi2t_scores_avx512(const int8_t* q8, const float* dq, const float* cz, int n_q, int hd,

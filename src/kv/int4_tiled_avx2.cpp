@@ -14,8 +14,6 @@
 namespace kvq {
 namespace {
 
-constexpr int kSegTiles = 4;  // tiles whose weights are quantized ahead of the channel loop
-constexpr int kMaxGroups = 1024 / 32;
 
 // Scores on whole tiles: both 8-token halves (bytes 0..31 and 32..63 of every 64-byte octet
 // record) against the same query broadcasts. Per query block b (4 octets, low and high nibbles:
@@ -86,62 +84,6 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
   }
 }
 
-// The weighted sum in segments of kSegTiles tiles: their weights quantized with vector
-// arithmetic (the scalar steps of int4t_weight_step, bit for bit), then per tile, chunk of 32
-// channels and 8-lane half, NQ * 2 int16 chains over the tile's 4 token quads, widened and scaled
-// into acc once per tile (the f32 sums live in acc: registers hold the int16 chains).
-// U8: all weights >= 0, u8 weights (255 levels) x s8 codes: 4 quads * 2 * 255 * 15 = 30600;
-// else s8 weights x u8 codes: 4 * 2 * 15 * 127. Both fit int16.
-template <int NQ, bool U8>
-void accum_pass(const Int4TiledLayout& L, const float* p, int p_stride, const uint8_t* block, int t0, int n,
-                float* acc) {
-  constexpr int NP = (NQ + 1) / 2;  // row pairs
-  const int hd = L.hd, ng = L.ng, cpg = L.group / 32;
-  const __m256i m4 = _mm256_set1_epi8(0x0f);
-  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  // Per (row, group): the min term sum_t p_t m_tg in 8 lanes, reduced once per call.
-  alignas(32) float msv[NQ][kMaxGroups][8];
-  for (int h = 0; h < NQ; ++h)
-    for (int g = 0; g < ng; ++g) _mm256_store_ps(msv[h][g], _mm256_setzero_ps());
-  // (tile of the segment, group, row pair): quantized weights; (.., group, row h in lane h):
-  // their steps. A segment's tiles are quantized before its channel loop reads them, so the
-  // dword loads find the stores long retired.
-  alignas(32) uint8_t w8[kSegTiles][kMaxGroups][NP][32];
-  alignas(32) float dw[kSegTiles][kMaxGroups][8];
-  for (int seg = tile0; seg < tile1; seg += kSegTiles) {
-    const int nt = std::min(kSegTiles, tile1 - seg);
-    for (int tt = 0; tt < nt; ++tt)
-      tile_quantize_group_weights_avx2<NQ, U8>(p, p_stride, t0, n, (seg + tt) * 16,
-                                               block + size_t(seg + tt) * L.tile_bytes, L.min_off, ng, w8[tt], dw[tt],
-                                               msv);
-    for (int tt = 0; tt < nt; ++tt) {
-      const uint8_t* codes = block + size_t(seg + tt) * L.tile_bytes + L.code_off;
-      // Per (half, chunk) the tile's 4 token-quad loads are split into 8 code vectors once;
-      // then each row's two int16 chains run and are flushed before the next row's: about 12
-      // live registers (all rows' chains at once need 8 more and spilled). The group is
-      // stepped along the one chunk loop (no c / cpg division; and in a loop per group the
-      // compiler hoists the 16 weight broadcasts it shares, spilling most of them).
-      for (int half = 0; half < 2; ++half)
-        for (int c = 0, g = 0, cg = 0; c < hd / 32; ++c) {
-            const uint8_t* cp = codes + size_t(c) * 256 + 32 * size_t(half);
-            __m256i lo[4], hi[4];
-            for (int k = 0; k < 4; ++k) {
-              const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * k));
-              lo[k] = _mm256_and_si256(x, m4);
-              hi[k] = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
-            }
-            // Lanes: channel 32c + 8 half + i (low nibbles), 32c + 16 + 8 half + i (high).
-            tile_accum_chunk_avx2<NQ, U8>(lo, hi, w8[tt][g], dw[tt][g], acc, hd, 32 * c + 8 * half);
-            if (++cg == cpg) {  // chunk c + 1 starts the next group
-              cg = 0;
-              ++g;
-            }
-          }
-    }
-  }
-  tiles_add_min_terms_avx2<NQ>(msv, ng, L.group, hd, acc, L.min_mul);
-}
-
 }  // namespace
 
 void int4t_scores_avx2(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
@@ -153,16 +95,20 @@ void int4t_scores_avx2(const Int4TiledLayout& L, const float* qp, int n_q, const
   });
 }
 
+// The weighted sum: tiles_accum_avx2 with int4t's nibbles. Int16 chains over a tile's 4 token quads:
+// u8 weights x s8 codes 4 quads * 2 * 255 * 15 = 30600, s8 weights x u8 codes 4 * 2 * 15 * 127: both fit.
 void int4t_accum_avx2(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                       int n, float* acc) {
-  if (n <= 0) return;
-  const bool u8 = !L.signed_scales && tiles_weights_nonneg_avx2(p, p_stride, n_q, n);
-  tile_row_passes(n_q, [&](int i, auto m) {
-    const float* pi = p + size_t(i) * size_t(p_stride);
-    float* a = acc + size_t(i) * size_t(L.hd);
-    if (u8) accum_pass<decltype(m)::value, true>(L, pi, p_stride, block, t0, n, a);
-    else accum_pass<decltype(m)::value, false>(L, pi, p_stride, block, t0, n, a);
-  });
+  const __m256i m4 = _mm256_set1_epi8(0x0f);
+  tiles_accum_avx2(L, p, p_stride, n_q, block, t0, n, acc,
+                   [m4](const uint8_t* codes, int c, int half, __m256i* lo, __m256i* hi) {
+                     const uint8_t* cp = codes + size_t(c) * 256 + 32 * size_t(half);
+                     for (int k = 0; k < 4; ++k) {
+                       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * k));
+                       lo[k] = _mm256_and_si256(x, m4);
+                       hi[k] = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
+                     }
+                   });
 }
 
 }  // namespace kvq

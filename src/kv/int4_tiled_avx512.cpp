@@ -12,8 +12,6 @@
 namespace kvq {
 namespace {
 
-constexpr int kSegTiles = 4;      // tiles whose weights are quantized ahead of the channel loop
-constexpr int kMaxGroups = 1024 / 32;
 
 template <int NQ>
 void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
@@ -59,37 +57,6 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
   }
 }
 
-// U8: all weights >= 0, u8 weights (255 levels) x s8 codes (0..15); else s8 weights x u8 codes.
-template <int NQ, bool U8>
-void accum_pass(const Int4TiledLayout& L, const float* p, int p_stride, const uint8_t* block, int t0, int n,
-                float* acc) {
-  const int hd = L.hd, ng = L.ng;
-  const __m512i m4 = _mm512_set1_epi8(0x0f);
-  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  // Per (query row, group): the min term sum_t p_t m_tg, 16 lanes, reduced once per call.
-  alignas(64) float msv[NQ][kMaxGroups][16];
-  for (int h = 0; h < NQ; ++h)
-    for (int g = 0; g < ng; ++g) _mm512_store_ps(msv[h][g], _mm512_setzero_ps());
-  alignas(64) uint8_t w8[kSegTiles][NQ][kMaxGroups][16];
-  float dw[kSegTiles][NQ][kMaxGroups];
-  for (int seg = tile0; seg < tile1; seg += kSegTiles) {
-    const int nt = std::min(kSegTiles, tile1 - seg);
-    // 1. Quantized weights of the segment's tiles.
-    for (int tt = 0; tt < nt; ++tt)
-      tile_quantize_group_weights_avx512<NQ, U8>(p, p_stride, t0, n, (seg + tt) * 16,
-                                                 block + size_t(seg + tt) * L.tile_bytes, L.min_off, ng, w8[tt],
-                                                 dw[tt], msv);
-    // 2. Channel chunks of 32: per tile 4 loads (token quads), split into low and high nibbles.
-    tiles_accum_segment_avx512<NQ, U8>(L, block + size_t(seg) * L.tile_bytes, nt, w8, dw, acc,
-                                       [m4](const uint8_t* codes, int c, int k, __m512i* lo, __m512i* hi) {
-                                         const __m512i x = _mm512_loadu_si512(codes + size_t(c) * 256 + 64 * k);
-                                         *lo = _mm512_and_si512(x, m4);
-                                         *hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
-                                       });
-  }
-  tiles_add_min_terms_avx512<NQ>(msv, ng, L.group, hd, acc, L.min_mul);
-}
-
 }  // namespace
 
 void int4t_scores_avx512(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
@@ -103,14 +70,14 @@ void int4t_scores_avx512(const Int4TiledLayout& L, const float* qp, int n_q, con
 
 void int4t_accum_avx512(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
                         int t0, int n, float* acc) {
-  if (n <= 0) return;
-  const bool u8 = !L.signed_scales && tiles_weights_nonneg_avx512(p, p_stride, n_q, n);
-  tile_row_passes(n_q, [&](int i, auto m) {
-    const float* pi = p + size_t(i) * size_t(p_stride);
-    float* a = acc + size_t(i) * size_t(L.hd);
-    if (u8) accum_pass<decltype(m)::value, true>(L, pi, p_stride, block, t0, n, a);
-    else accum_pass<decltype(m)::value, false>(L, pi, p_stride, block, t0, n, a);
-  });
+  // Channel chunks of 32: per tile 4 loads (token quads), split into low and high nibbles.
+  const __m512i m4 = _mm512_set1_epi8(0x0f);
+  tiles_accum_avx512(L, p, p_stride, n_q, block, t0, n, acc,
+                     [m4](const uint8_t* codes, int c, int k, __m512i* lo, __m512i* hi) {
+                       const __m512i x = _mm512_loadu_si512(codes + size_t(c) * 256 + 64 * k);
+                       *lo = _mm512_and_si512(x, m4);
+                       *hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
+                     });
 }
 
 }  // namespace kvq

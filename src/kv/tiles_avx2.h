@@ -199,4 +199,63 @@ inline void tiles_add_min_terms_avx2(float (*msv)[MaxGroups][8], int ng, int gro
     }
 }
 
+// int4t's / int2t's whole weighted sum on AVX2 (kv/int4_tiled.h) over tokens [t0, t0 + n) of a
+// value block: row passes of up to 4 rows; per segment of 4 tiles the weights quantized ahead
+// (tile_quantize_group_weights_avx2: a segment's tiles are quantized before its channel loop
+// reads them, so the dword loads find the stores long retired), then per tile, 8-lane half and
+// chunk of 32 channels the layout's chunk_codes(codes, c, half, lo, hi) gives the 4 token quads'
+// code vectors (lo: channels 32c + 8 half + i, hi: 32c + 16 + 8 half + i) for
+// tile_accum_chunk_avx2, then the min terms (times L.min_mul). The group is stepped along the one
+// chunk loop (no c / cpg division; a loop per group had the compiler hoist and spill the weight
+// broadcasts). U8 weights when every weight is >= 0 and the scales are, else s8.
+template <int NQ, bool U8, class ChunkCodes>
+void tiles_accum_pass_avx2(const Int4TiledLayout& L, const float* p, int p_stride, const uint8_t* block, int t0,
+                           int n, float* acc, ChunkCodes chunk_codes) {
+  constexpr int kSegTiles = 4;
+  constexpr int kMaxGroups = 1024 / 32;
+  constexpr int NP = (NQ + 1) / 2;  // row pairs
+  const int hd = L.hd, ng = L.ng, cpg = L.group / 32;
+  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
+  // Per (row, group): the min term sum_t p_t m_tg in 8 lanes, reduced once per call.
+  alignas(32) float msv[NQ][kMaxGroups][8];
+  for (int h = 0; h < NQ; ++h)
+    for (int g = 0; g < ng; ++g) _mm256_store_ps(msv[h][g], _mm256_setzero_ps());
+  // (tile of the segment, group, row pair): quantized weights; (.., group, row h in lane h): steps.
+  alignas(32) uint8_t w8[kSegTiles][kMaxGroups][NP][32];
+  alignas(32) float dw[kSegTiles][kMaxGroups][8];
+  for (int seg = tile0; seg < tile1; seg += kSegTiles) {
+    const int nt = std::min(kSegTiles, tile1 - seg);
+    for (int tt = 0; tt < nt; ++tt)
+      tile_quantize_group_weights_avx2<NQ, U8>(p, p_stride, t0, n, (seg + tt) * 16,
+                                               block + size_t(seg + tt) * L.tile_bytes, L.min_off, ng, w8[tt], dw[tt],
+                                               msv);
+    for (int tt = 0; tt < nt; ++tt) {
+      const uint8_t* codes = block + size_t(seg + tt) * L.tile_bytes + L.code_off;
+      for (int half = 0; half < 2; ++half)
+        for (int c = 0, g = 0, cg = 0; c < hd / 32; ++c) {
+          __m256i lo[4], hi[4];
+          chunk_codes(codes, c, half, lo, hi);
+          tile_accum_chunk_avx2<NQ, U8>(lo, hi, w8[tt][g], dw[tt][g], acc, hd, 32 * c + 8 * half);
+          if (++cg == cpg) {  // chunk c + 1 starts the next group
+            cg = 0;
+            ++g;
+          }
+        }
+    }
+  }
+  tiles_add_min_terms_avx2<NQ>(msv, ng, L.group, hd, acc, L.min_mul);
+}
+template <class ChunkCodes>
+void tiles_accum_avx2(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
+                      int n, float* acc, ChunkCodes chunk_codes) {
+  if (n <= 0) return;
+  const bool u8 = !L.signed_scales && tiles_weights_nonneg_avx2(p, p_stride, n_q, n);
+  tile_row_passes(n_q, [&](int i, auto m) {
+    const float* pi = p + size_t(i) * size_t(p_stride);
+    float* a = acc + size_t(i) * size_t(L.hd);
+    if (u8) tiles_accum_pass_avx2<decltype(m)::value, true>(L, pi, p_stride, block, t0, n, a, chunk_codes);
+    else tiles_accum_pass_avx2<decltype(m)::value, false>(L, pi, p_stride, block, t0, n, a, chunk_codes);
+  });
+}
+
 }  // namespace kvq

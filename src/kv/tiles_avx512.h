@@ -187,4 +187,44 @@ inline void tiles_add_min_terms_avx512(float (*msv)[MaxGroups][16], int ng, int 
     }
 }
 
+// int4t's / int2t's whole weighted sum (kv/int4_tiled.h) over tokens [t0, t0 + n) of a value block:
+// row passes of up to 4 rows; per segment of 4 tiles the weights quantized ahead
+// (tile_quantize_group_weights_avx512), then the channel loop (tiles_accum_segment_avx512 with the
+// layout's quad_codes reader), then the min terms (times L.min_mul). U8 weights when every weight
+// is >= 0 and the scales are (not q4_0t's signed ones), else s8.
+template <int NQ, bool U8, class QuadCodes>
+void tiles_accum_pass_avx512(const Int4TiledLayout& L, const float* p, int p_stride, const uint8_t* block, int t0,
+                             int n, float* acc, QuadCodes quad_codes) {
+  constexpr int kSegTiles = 4;  // tiles whose weights are quantized ahead of the channel loop
+  constexpr int kMaxGroups = 1024 / 32;
+  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
+  // Per (query row, group): the min term sum_t p_t m_tg, 16 lanes, reduced once per call.
+  alignas(64) float msv[NQ][kMaxGroups][16];
+  for (int h = 0; h < NQ; ++h)
+    for (int g = 0; g < L.ng; ++g) _mm512_store_ps(msv[h][g], _mm512_setzero_ps());
+  alignas(64) uint8_t w8[kSegTiles][NQ][kMaxGroups][16];
+  float dw[kSegTiles][NQ][kMaxGroups];
+  for (int seg = tile0; seg < tile1; seg += kSegTiles) {
+    const int nt = std::min(kSegTiles, tile1 - seg);
+    for (int tt = 0; tt < nt; ++tt)
+      tile_quantize_group_weights_avx512<NQ, U8>(p, p_stride, t0, n, (seg + tt) * 16,
+                                                 block + size_t(seg + tt) * L.tile_bytes, L.min_off, L.ng, w8[tt],
+                                                 dw[tt], msv);
+    tiles_accum_segment_avx512<NQ, U8>(L, block + size_t(seg) * L.tile_bytes, nt, w8, dw, acc, quad_codes);
+  }
+  tiles_add_min_terms_avx512<NQ>(msv, L.ng, L.group, L.hd, acc, L.min_mul);
+}
+template <class QuadCodes>
+void tiles_accum_avx512(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
+                        int n, float* acc, QuadCodes quad_codes) {
+  if (n <= 0) return;
+  const bool u8 = !L.signed_scales && tiles_weights_nonneg_avx512(p, p_stride, n_q, n);
+  tile_row_passes(n_q, [&](int i, auto m) {
+    const float* pi = p + size_t(i) * size_t(p_stride);
+    float* a = acc + size_t(i) * size_t(L.hd);
+    if (u8) tiles_accum_pass_avx512<decltype(m)::value, true>(L, pi, p_stride, block, t0, n, a, quad_codes);
+    else tiles_accum_pass_avx512<decltype(m)::value, false>(L, pi, p_stride, block, t0, n, a, quad_codes);
+  });
+}
+
 }  // namespace kvq
