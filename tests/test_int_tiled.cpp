@@ -282,17 +282,19 @@ std::vector<double> accum_bound(const Rows& r, int group, const float* p, int t0
   std::vector<double> b(size_t(hd), 1e-5 * acc0 + 1e-30);  // acc0: the accumulator's start value
   for (int tile = t0 / 16; tile < (t0 + n + 15) / 16; ++tile)
     for (int g = 0; g < hd / group; ++g) {
-      float wmax = 0;
+      // The kernels' step (int4t_tile_steps): the tile's largest |p| times its largest |s|.
+      float pmax = 0, smax = 0;
       for (int j = 0; j < 16; ++j) {
         const int t = tile * 16 + j;
         if (t < t0 || t >= t0 + n) continue;
         double s, m;
         int c;
         r.scm(t, g * group, &s, &m, &c);
-        wmax = std::max(wmax, std::fabs(p[t - t0] * float(s)));
+        pmax = std::max(pmax, std::fabs(p[t - t0]));
+        smax = std::max(smax, std::fabs(float(s)));
       }
-      float dw, inv;
-      int4t_weight_step(wmax, levels, &dw, &inv);
+      float dw, ip, is;
+      int4t_tile_steps(pmax, smax, levels, &dw, &ip, &is);
       for (int d = g * group; d < (g + 1) * group; ++d)
         for (int j = 0; j < 16; ++j) {
           const int t = tile * 16 + j;
@@ -301,7 +303,7 @@ std::vector<double> accum_bound(const Rows& r, int group, const float* p, int t0
           int c;
           r.scm(t, d, &s, &m, &c);
           const double ap = std::fabs(p[t - t0]);
-          b[size_t(d)] += double(dw) * 0.5 * (1 + std::ldexp(1.0, -20)) * c +
+          b[size_t(d)] += double(dw) * 0.5 * int4t_tile_step_slack(levels) * c +
                           1e-5 * ap * (std::fabs(s * c) + std::fabs(m) + std::fabs(s * c + m));
         }
     }

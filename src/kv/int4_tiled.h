@@ -28,15 +28,16 @@
 // the same bound as int4_gN's integer-dot kernels (kv_rows.h).
 //
 // Weighted sum (error bound). Per (query row, group g, tile) the weights w_t = p_t * s_tg of the
-// tile's tokens are rounded to integer steps dw = max_t |w_t| / W; the min term sum_t p_t m_tg is
+// tile's tokens are rounded to integer steps dw = max_t |p_t| * max_t |s_tg| / W (int4t_tile_steps:
+// the row's and the group's maxima are each found once per tile); the min term sum_t p_t m_tg is
 // summed in f32. When every weight of the call is >= 0 (attention's probabilities always are) the
 // weights are u8 (W = 255) and the codes, 0..15, are the s8 operand of the u8 x s8 dot; otherwise
 // the weights are s8 (W = 127) against u8 codes. The integer dot of codes and weights is exact
 // (|sum| <= 16 * 15 * 255), so channel d of query row i moves by at most
-//   sum_tiles (dw / 2)(1 + 2^-20) * sum_{t in tile} c_t[d]  + f32 rounding.
-// Relative to the output of attention (acc / l) the step of a tile is max_t (pi_t s_t) / 255 with
-// pi the softmax probabilities: the error is at most ~1/510 of the tile's largest probability
-// times its code range, per tile.
+//   sum_tiles (dw / 2)(1 + W 2^-20) * sum_{t in tile} c_t[d]  + f32 rounding.
+// Relative to the output of attention (acc / l) the step of a tile is max_t pi_t * max_t s_t / 255
+// with pi the softmax probabilities: the error is at most ~1/510 of the tile's largest probability
+// times its largest scale times its codes, per tile.
 //
 // q4_0t: llama.cpp q4_0's quantization (x = (c - 8) d per 32 channels, d = f16, possibly
 // negative; decode bit-identical to q4_0's, same bytes) in these tiles without a min table: the
@@ -165,14 +166,33 @@ void int4t_scores(const Int4TiledLayout& L, const float* qp, int n_q, const uint
 void int4t_accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                  int n, float* acc);
 
-// Weight quantization of one (query row, group, tile), shared by every variant so that all of
-// them round identically: dw = wmax / levels, inv = levels / wmax (0 when wmax is 0); levels =
-// 255 (u8 weights, all weights of the call >= 0) or 127 (s8 weights).
+// Weight quantization of one (query row, group, tile) for int8t's weighted sums (kv/int8_tiled.h),
+// shared by every variant so that all of them round identically: dw = wmax / levels, inv = levels /
+// wmax (0 when wmax is 0); levels = 255 (u8 weights, all weights of the call >= 0) or 127 (s8 weights).
 inline constexpr float kv_int4t_u8_levels = 255.f, kv_int4t_s8_levels = 127.f;
 inline void int4t_weight_step(float wmax, float levels, float* dw, float* inv) {
   *dw = wmax / levels;
   *inv = wmax > 0 ? levels / wmax : 0.f;
 }
+
+// Weight quantization of int4t's / int2t's / q4_0t's weighted sums (the factored step). In a tile,
+// row i's weights p_t and group g's scales s_tg are each normalized by their own largest magnitude,
+// pmax (per row and tile) and smax (per group and tile):
+//   ip = 1 / pmax, is = levels / smax (0 when the maximum is 0), dw = pmax * smax / levels,
+//   weight wq_t = clamp(rint((p_t * ip) * (s_tg * is))), in f32 and in that order,
+// so that wq_t * dw = p_t s_tg up to half a step. The step is at least max_t |p_t s_tg| / levels
+// (the tightest one) and larger when the token of largest weight is not the one of largest scale;
+// what it buys is that the maxima are shared: one per row and one per group per tile, instead of
+// one per (row, group). Error of one weight, from the f32 roundings of ip, is, the three products
+// and dw (7 roundings of 2^-24 each, relative):
+//   |wq_t dw - p_t s_tg| <= (dw / 2)(1 + levels * 2^-20).
+inline void int4t_tile_steps(float pmax, float smax, float levels, float* dw, float* ip, float* is) {
+  *ip = pmax > 0 ? 1.f / pmax : 0.f;
+  *is = smax > 0 ? levels / smax : 0.f;
+  *dw = pmax * smax / levels;
+}
+// The relative slack of that bound: 1 + levels * 2^-20.
+inline double int4t_tile_step_slack(float levels) { return 1.0 + double(levels) * 0x1p-20; }
 // True when every weight p[i * p_stride + t] (i < n_q, t < n) is >= 0: the u8-weight path.
 inline bool int4t_weights_nonneg(const float* p, int p_stride, int n_q, int n) {
   for (int i = 0; i < n_q; ++i)

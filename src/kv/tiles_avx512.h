@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kv/hsum_avx512.h"
 #include "kv/int4_tiled.h"
 
 namespace kvq {
@@ -90,52 +91,85 @@ inline __m512i tile_weights_int_avx512(__m512 w, __m512 inv, int h) {
   return _mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_permutexvar_ps(_mm512_set1_epi32(4 * h), inv)));
 }
 
-// Step 1 of int4t's / int2t's weighted sum for the tile at tp whose first token is `base`: per
-// query row h < NQ of p (rows p_stride apart, weight of token t at p[t - t0]) and group g < ng,
-// the weights w_t = p_t s_tg rounded to u8 (U8) or s8 steps in w8[h][g] with step dw[h][g], and
-// the min term p_t m_tg added into the 16 lanes of msv[h][g]. Lanes outside [t0, t0 + n) weigh 0.
-template <int NQ, bool U8, int MaxGroups>
+// Step 1 of int4t's / int2t's weighted sum for the tile at tp whose first token is `base`, with
+// int4t_tile_steps' arithmetic bit for bit: per query row h < NQ of p (rows p_stride apart, weight
+// of token t at p[t - t0]) the largest |p_t| (one 4-row tree), per group g < ng the largest |s_tg|
+// (one tree per 4 groups), then the weights rint((p_t ip_h)(s_tg is_g)) as u8 (U8) or s8 in
+// w8[g] (64 bytes; byte 16k + 4h + m: row h, token 4k + m, what VPACK*DW / VPACK*WB of rows 0..3
+// leave in place, so one store per group serves all rows), the steps in dws[g / 4] (lane
+// 4h + g % 4: row h's dw for group g), and the min term p_t m_tg added into the 16 lanes of
+// msv[h * ng + g]. Lanes outside [t0, t0 + n) weigh 0 and their (possibly NaN) table entries are
+// masked off. The arrays are packed (no fixed-size strides): rows 2 KiB apart had the min-term
+// loads wait on stores to other rows 4 KiB away (4K aliasing), 30% of the weighted sum's time.
+template <int NQ, bool U8>
 [[gnu::always_inline]] inline void tile_quantize_group_weights_avx512(const float* p, int p_stride, int t0, int n,
                                                                       int base, const uint8_t* tp, size_t min_off,
-                                                                      int ng, uint8_t (*w8)[MaxGroups][16],
-                                                                      float (*dw)[MaxGroups],
-                                                                      float (*msv)[MaxGroups][16]) {
+                                                                      int ng, uint8_t (*w8)[64], float (*dws)[16],
+                                                                      float (*msv)[16]) {
   const __mmask16 mask = tile_mask_avx512(base, t0, n);
   const bool full = mask == 0xffff;
-  __m512 pv[NQ];
-  for (int h = 0; h < NQ; ++h) {
-    const float* ph = p + size_t(h) * size_t(p_stride);
-    pv[h] = full ? _mm512_loadu_ps(ph + (base - t0)) : _mm512_maskz_expandloadu_ps(mask, ph + std::max(0, base - t0));
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512 lv = _mm512_set1_ps(U8 ? kv_int4t_u8_levels : kv_int4t_s8_levels);
+  __m512 pv[4], pa[4];
+  for (int h = 0; h < 4; ++h) {
+    if (h < NQ) {
+      const float* ph = p + size_t(h) * size_t(p_stride);
+      pv[h] = full ? _mm512_loadu_ps(ph + (base - t0)) : _mm512_maskz_expandloadu_ps(mask, ph + std::max(0, base - t0));
+    } else {
+      pv[h] = zero;
+    }
+    pa[h] = U8 ? pv[h] : _mm512_abs_ps(pv[h]);
   }
-  for (int g = 0; g < ng; ++g) {
-    // Masked: slots outside the range may hold anything (NaN scales of unwritten tokens).
-    const __m512 sv = _mm512_maskz_mov_ps(mask, tile_load_f16x16_avx512(tp + 32 * size_t(g)));
-    const __m512 mv = _mm512_maskz_mov_ps(mask, tile_load_f16x16_avx512(tp + min_off + 32 * size_t(g)));
-    __m512 w[4];
-    for (int h = 0; h < 4; ++h) w[h] = h < NQ ? _mm512_mul_ps(pv[h], sv) : _mm512_setzero_ps();
-    alignas(64) float steps[16];
-    const __m512 inv = tile_weight_steps_avx512<U8>(w, steps);
-    for (int h = 0; h < NQ; ++h) {
-      dw[h][g] = steps[4 * h];
-      const __m512i wi = tile_weights_int_avx512(w[h], inv, h);
-      _mm_store_si128(reinterpret_cast<__m128i*>(w8[h][g]),
-                      U8 ? _mm512_cvtusepi32_epi8(wi) : _mm512_cvtsepi32_epi8(wi));
-      _mm512_store_ps(msv[h][g], _mm512_fmadd_ps(pv[h], mv, _mm512_load_ps(msv[h][g])));
+  const __m512 pmax = tile_max4x16_avx512(pa);  // lanes 4h..4h+3: row h's largest |p_t|
+  const __m512 ip = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(pmax, zero, _CMP_GT_OQ), _mm512_set1_ps(1.f), pmax);
+  __m512 pn[NQ];  // p_t * ip_h
+  for (int h = 0; h < NQ; ++h) pn[h] = _mm512_mul_ps(pv[h], _mm512_permutexvar_ps(_mm512_set1_epi32(4 * h), ip));
+  for (int g0 = 0; g0 < ng; g0 += 4) {
+    const int gc = std::min(4, ng - g0);
+    __m512 sv[4], sa[4];
+    for (int j = 0; j < 4; ++j) {
+      sv[j] = j < gc ? _mm512_maskz_mov_ps(mask, tile_load_f16x16_avx512(tp + 32 * size_t(g0 + j))) : zero;
+      sa[j] = U8 ? sv[j] : _mm512_abs_ps(sv[j]);
+    }
+    const __m512 smax = tile_max4x16_avx512(sa);  // lanes 4j..4j+3: group g0 + j's largest |s|
+    const __m512 is = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(smax, zero, _CMP_GT_OQ), lv, smax);
+    // dw lane 4h + j = pmax_h * smax_j / levels
+    const __m512i tr = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12);
+    _mm512_store_ps(dws[g0 / 4], _mm512_div_ps(_mm512_mul_ps(pmax, _mm512_permutexvar_ps(tr, smax)), lv));
+    for (int j = 0; j < gc; ++j) {
+      const int g = g0 + j;
+      const __m512 sn = _mm512_mul_ps(sv[j], _mm512_permutexvar_ps(_mm512_set1_epi32(4 * j), is));
+      __m512i wi[4];
+      for (int h = 0; h < 4; ++h) wi[h] = h < NQ ? _mm512_cvtps_epi32(_mm512_mul_ps(pn[h], sn)) : _mm512_setzero_si512();
+      // Saturation is the reference's clamp: [0, 255], or [-127, 127] (a NaN product converts to
+      // INT_MIN, which the reference's clamp makes -127, or 0 for u8).
+      __m512i q;
+      if (U8) {
+        q = _mm512_packus_epi16(_mm512_packus_epi32(wi[0], wi[1]), _mm512_packus_epi32(wi[2], wi[3]));
+      } else {
+        q = _mm512_max_epi8(_mm512_packs_epi16(_mm512_packs_epi32(wi[0], wi[1]), _mm512_packs_epi32(wi[2], wi[3])),
+                            _mm512_set1_epi8(-127));
+      }
+      _mm512_store_si512(w8[g], q);
+      const __m512 mv = _mm512_maskz_mov_ps(mask, tile_load_f16x16_avx512(tp + min_off + 32 * size_t(g)));
+      for (int h = 0; h < NQ; ++h)
+        _mm512_store_ps(msv[h * ng + g], _mm512_fmadd_ps(pv[h], mv, _mm512_load_ps(msv[h * ng + g])));
     }
   }
 }
 
 // Step 2 of int4t's / int2t's weighted sum over a segment of nt tiles (seg: the segment's first tile)
-// whose weights tile_quantize_group_weights_avx512 stored in w8[tt] / dw[tt]: per chunk c of 32
+// whose weights tile_quantize_group_weights_avx512 stored in w8 + tt * ng / dws + tt * ngc (ngc =
+// ceil(ng / 4)): per chunk c of 32
 // channels and tile, per token quad k the chunk's codes as u8 lanes (lo: channels 32c + i, hi:
 // 32c + 16 + i) from quad_codes(tile_codes, c, k, &lo, &hi), 2 * NQ VPDPBUSD chains (u8 weights x
 // codes when U8, else codes x s8 weights), flushed to f32 with the tile's step; the f32 sums go to
 // acc once per segment.
-template <int NQ, bool U8, int MaxGroups, class QuadCodes>
+template <int NQ, bool U8, class QuadCodes>
 [[gnu::always_inline]] inline void tiles_accum_segment_avx512(const Int4TiledLayout& L, const uint8_t* seg, int nt,
-                                                              const uint8_t (*w8)[NQ][MaxGroups][16],
-                                                              const float (*dw)[NQ][MaxGroups], float* acc,
-                                                              QuadCodes quad_codes) {
+                                                              const uint8_t (*w8)[64], const float (*dws)[16],
+                                                              const float* mins, float* acc, QuadCodes quad_codes) {
+  const int ng = L.ng, ngc = (L.ng + 3) / 4;
   for (int c = 0; c < L.hd / 32; ++c) {
     const int g = c * 32 / L.group;
     __m512 flo[NQ], fhi[NQ];
@@ -148,7 +182,7 @@ template <int NQ, bool U8, int MaxGroups, class QuadCodes>
         __m512i lo, hi;
         quad_codes(codes, c, k, &lo, &hi);
         for (int h = 0; h < NQ; ++h) {
-          const __m512i wb = tile_bcast32_avx512(w8[tt][h][g] + 4 * k);
+          const __m512i wb = tile_bcast32_avx512(w8[tt * ng + g] + 16 * k + 4 * h);
           if (U8) {
             ilo[h] = _mm512_dpbusd_epi32(ilo[h], wb, lo);
             ihi[h] = _mm512_dpbusd_epi32(ihi[h], wb, hi);
@@ -159,12 +193,17 @@ template <int NQ, bool U8, int MaxGroups, class QuadCodes>
         }
       }
       for (int h = 0; h < NQ; ++h) {
-        const __m512 s = _mm512_set1_ps(dw[tt][h][g]);
+        const __m512 s = _mm512_set1_ps(dws[tt * ngc + g / 4][4 * h + g % 4]);
         flo[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ilo[h]), s, flo[h]);
         fhi[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ihi[h]), s, fhi[h]);
       }
     }
     for (int h = 0; h < NQ; ++h) {
+      if (mins) {  // the call's last segment adds the min terms (group g's 32-channel chunk c)
+        const __m512 m = _mm512_set1_ps(mins[h * ng + g]);
+        flo[h] = _mm512_add_ps(flo[h], m);
+        fhi[h] = _mm512_add_ps(fhi[h], m);
+      }
       float* a = acc + size_t(h) * size_t(L.hd) + size_t(32 * c);
       _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), flo[h]));
       _mm512_storeu_ps(a + 16, _mm512_add_ps(_mm512_loadu_ps(a + 16), fhi[h]));
@@ -172,19 +211,17 @@ template <int NQ, bool U8, int MaxGroups, class QuadCodes>
   }
 }
 
-// The min terms of int4t's / int2t's weighted sums, after the tiles: per query row h < NQ and group
-// g < ng the 16 lanes of msv[h][g] (sum_t p_t m_tg) reduced once and added to the group's channels
-// of acc row h (rows hd apart), times min_mul.
-template <int NQ, int MaxGroups>
-inline void tiles_add_min_terms_avx512(float (*msv)[MaxGroups][16], int ng, int group, int hd, float* acc,
-                                       float min_mul = 1.f) {
-  for (int h = 0; h < NQ; ++h)
-    for (int g = 0; g < ng; ++g) {
-      // min_mul: q4_0t's -8 (kv/int4_tiled.h)
-      const __m512 m = _mm512_set1_ps(min_mul * _mm512_reduce_add_ps(_mm512_load_ps(msv[h][g])));
-      float* a = acc + size_t(h) * size_t(hd) + size_t(g * group);
-      for (int d = 0; d < group; d += 16) _mm512_storeu_ps(a + d, _mm512_add_ps(_mm512_loadu_ps(a + d), m));
-    }
+// The min terms of int4t's / int2t's weighted sums: the 16 lanes of each of the n vectors msv[i]
+// (sum_t p_t m_tg for i = h * ng + g) reduced, times min_mul, into mins[i]; 16 vectors per
+// hsum16_avx512 (lane 4(i % 4) + i / 4 of a batch's result holds its vector i's sum).
+inline void tiles_reduce_min_terms_avx512(const float (*msv)[16], int n, float min_mul, float* mins) {
+  for (int i0 = 0; i0 < n; i0 += 16) {
+    __m512 v[16];
+    for (int i = 0; i < 16; ++i) v[i] = i0 + i < n ? _mm512_load_ps(msv[i0 + i]) : _mm512_setzero_ps();
+    alignas(64) float r[16];
+    _mm512_store_ps(r, _mm512_mul_ps(hsum16_avx512(v), _mm512_set1_ps(min_mul)));  // min_mul: q4_0t's -8
+    for (int i = 0; i < 16 && i0 + i < n; ++i) mins[i0 + i] = r[4 * (i % 4) + i / 4];
+  }
 }
 
 // int4t's / int2t's whole weighted sum (kv/int4_tiled.h) over tokens [t0, t0 + n) of a value block:
@@ -198,21 +235,25 @@ void tiles_accum_pass_avx512(const Int4TiledLayout& L, const float* p, int p_str
   constexpr int kSegTiles = 4;  // tiles whose weights are quantized ahead of the channel loop
   constexpr int kMaxGroups = 1024 / 32;
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  // Per (query row, group): the min term sum_t p_t m_tg, 16 lanes, reduced once per call.
-  alignas(64) float msv[NQ][kMaxGroups][16];
-  for (int h = 0; h < NQ; ++h)
-    for (int g = 0; g < L.ng; ++g) _mm512_store_ps(msv[h][g], _mm512_setzero_ps());
-  alignas(64) uint8_t w8[kSegTiles][NQ][kMaxGroups][16];
-  float dw[kSegTiles][NQ][kMaxGroups];
+  // Per (query row, group): the min term sum_t p_t m_tg, 16 lanes, reduced once per call (mins).
+  const int ng = L.ng, ngc = (L.ng + 3) / 4;
+  alignas(64) float msv[NQ * kMaxGroups][16];
+  for (int i = 0; i < NQ * ng; ++i) _mm512_store_ps(msv[i], _mm512_setzero_ps());
+  alignas(64) uint8_t w8[kSegTiles * kMaxGroups][64];
+  alignas(64) float dws[kSegTiles * kMaxGroups / 4][16];
+  float mins[NQ * kMaxGroups];
   for (int seg = tile0; seg < tile1; seg += kSegTiles) {
     const int nt = std::min(kSegTiles, tile1 - seg);
     for (int tt = 0; tt < nt; ++tt)
       tile_quantize_group_weights_avx512<NQ, U8>(p, p_stride, t0, n, (seg + tt) * 16,
-                                                 block + size_t(seg + tt) * L.tile_bytes, L.min_off, L.ng, w8[tt],
-                                                 dw[tt], msv);
-    tiles_accum_segment_avx512<NQ, U8>(L, block + size_t(seg) * L.tile_bytes, nt, w8, dw, acc, quad_codes);
+                                                 block + size_t(seg + tt) * L.tile_bytes, L.min_off, ng,
+                                                 w8 + tt * ng, dws + tt * ngc, msv);
+    // The min terms are complete once the last segment's weights are: that segment's flush adds them.
+    const bool last = seg + kSegTiles >= tile1;
+    if (last) tiles_reduce_min_terms_avx512(msv, NQ * ng, L.min_mul, mins);
+    tiles_accum_segment_avx512<NQ, U8>(L, block + size_t(seg) * L.tile_bytes, nt, w8, dws, last ? mins : nullptr,
+                                       acc, quad_codes);
   }
-  tiles_add_min_terms_avx512<NQ>(msv, L.ng, L.group, L.hd, acc, L.min_mul);
 }
 template <class QuadCodes>
 void tiles_accum_avx512(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,

@@ -1,6 +1,6 @@
-// Scalar pieces shared by the tiled codecs' reference kernels (int4t, int2t, int8t): the weight
-// quantization of one (query row, group, tile) and the weighted sum over value tiles with per-token
-// f16 scale / min tables, one template over the layout's code reader. The SIMD kernels reproduce
+// Scalar pieces shared by the tiled codecs' reference kernels (int4t, int2t, int8t): int8t's weight
+// quantization of one (query row, group, tile), and int4t's / int2t's weighted sum over value tiles
+// with per-token f16 scale / min tables (int4t_tile_steps), one template over the layout's code reader. The SIMD kernels reproduce
 // this rounding bit for bit (kv/tiles_avx512.h, kv/tiles_avx2.h).
 #pragma once
 #include <algorithm>
@@ -60,9 +60,10 @@ void tiles_scores_ref(const Int4TiledLayout& L, const float* qp, int n_q, const 
 }
 
 // The scalar weighted sum of int4t's / int2t's value tiles (layout L): acc[i * hd + d] += sum_t
-// p[i * p_stride + t] * v_{t0 + t}[d], per (query row, group, tile) the weights p_t s_tg quantized by
-// tile_quantize_weights_ref and dotted exactly with the codes, the min term sum_t p_t m_tg in f32.
-// code_of(codes, j, d): the code of element d of tile slot j.
+// p[i * p_stride + t] * v_{t0 + t}[d], per (query row, group, tile) the weights p_t s_tg quantized
+// with int4t_tile_steps (the row's and the group's largest magnitudes in the tile) and dotted
+// exactly with the codes, the min term sum_t p_t m_tg in f32. code_of(codes, j, d): the code of
+// element d of tile slot j.
 template <class CodeOf>
 void tiles_accum_ref(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                      int n, float* acc, CodeOf code_of) {
@@ -72,6 +73,7 @@ void tiles_accum_ref(const Int4TiledLayout& L, const float* p, int p_stride, int
   float facc[kv_max_head_dim];
   float msum[kv_max_head_dim / 32];
   const bool u8 = !L.signed_scales && int4t_weights_nonneg(p, p_stride, n_q, n);
+  const float levels = u8 ? kv_int4t_u8_levels : kv_int4t_s8_levels;
   for (int i = 0; i < n_q; ++i) {
     const float* pi = p + size_t(i) * size_t(p_stride);
     std::fill(facc, facc + hd, 0.f);
@@ -79,16 +81,29 @@ void tiles_accum_ref(const Int4TiledLayout& L, const float* p, int p_stride, int
     for (int tile = tile0; tile < tile1; ++tile) {
       const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
       const uint8_t* codes = tp + L.code_off;
+      // Tokens outside [t0, t0 + n) weigh 0 and their table entries (possibly NaN) are not read.
+      float pt[kv_tile_tokens], pmax = 0;
+      bool valid[kv_tile_tokens];
+      for (int j = 0; j < kv_tile_tokens; ++j) {
+        const int t = tile * kv_tile_tokens + j - t0;
+        valid[j] = t >= 0 && t < n;
+        pt[j] = valid[j] ? pi[t] : 0.f;
+        pmax = std::max(pmax, std::fabs(pt[j]));
+      }
       for (int g = 0; g < L.ng; ++g) {
-        float w[kv_tile_tokens];
+        float st[kv_tile_tokens], smax = 0;
         for (int j = 0; j < kv_tile_tokens; ++j) {
-          const int t = tile * kv_tile_tokens + j - t0;
-          const bool valid = t >= 0 && t < n;
-          w[j] = valid ? pi[t] * tile_f16(tp, size_t(g * 16 + j)) : 0.f;
-          if (valid) msum[g] += pi[t] * tile_f16(tp + L.min_off, size_t(g * 16 + j));
+          st[j] = valid[j] ? tile_f16(tp, size_t(g * 16 + j)) : 0.f;
+          smax = std::max(smax, std::fabs(st[j]));
+          if (valid[j]) msum[g] += pt[j] * tile_f16(tp + L.min_off, size_t(g * 16 + j));
         }
+        float dw, ip, is;
+        int4t_tile_steps(pmax, smax, levels, &dw, &ip, &is);
         int32_t wq[kv_tile_tokens];
-        const float dw = tile_quantize_weights_ref(w, u8, wq);
+        for (int j = 0; j < kv_tile_tokens; ++j) {
+          const float x = (pt[j] * ip) * (st[j] * is);
+          wq[j] = int32_t(std::min(levels, std::max(u8 ? 0.f : -levels, std::nearbyint(x))));
+        }
         for (int d = g * L.group; d < (g + 1) * L.group; ++d) {
           int32_t dot = 0;
           for (int j = 0; j < kv_tile_tokens; ++j) dot += wq[j] * int32_t(code_of(codes, j, d));
