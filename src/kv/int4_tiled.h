@@ -166,16 +166,12 @@ void int4t_scores(const Int4TiledLayout& L, const float* qp, int n_q, const uint
 void int4t_accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                  int n, float* acc);
 
-// Weight quantization of one (query row, group, tile) for int8t's weighted sums (kv/int8_tiled.h),
-// shared by every variant so that all of them round identically: dw = wmax / levels, inv = levels /
-// wmax (0 when wmax is 0); levels = 255 (u8 weights, all weights of the call >= 0) or 127 (s8 weights).
+// Weight levels of the tiled weighted sums: 255 (u8 weights, all weights of the call >= 0) or 127
+// (s8 weights).
 inline constexpr float kv_int4t_u8_levels = 255.f, kv_int4t_s8_levels = 127.f;
-inline void int4t_weight_step(float wmax, float levels, float* dw, float* inv) {
-  *dw = wmax / levels;
-  *inv = wmax > 0 ? levels / wmax : 0.f;
-}
 
-// Weight quantization of int4t's / int2t's / q4_0t's weighted sums (the factored step). In a tile,
+// Weight quantization of the tiled weighted sums (int4t, int2t, q4_0t, int8t, q8_0t; shared by every
+// variant so that all of them round identically: the factored step). In a tile,
 // row i's weights p_t and group g's scales s_tg are each normalized by their own largest magnitude,
 // pmax (per row and tile) and smax (per group and tile):
 //   ip = 1 / pmax, is = levels / smax (0 when the maximum is 0), dw = pmax * smax / levels,

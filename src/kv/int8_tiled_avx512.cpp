@@ -76,43 +76,30 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
   const int nsb = BS ? hd / 32 : 1;
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
   const __m512i flip = _mm512_set1_epi8(int8_t(0x80));
-  alignas(64) uint8_t w8[kSegTiles][NQ][BS ? kMaxSB : 1][16];
-  float dw[kSegTiles][NQ][BS ? kMaxSB : 1];
-  int32_t wsum[kSegTiles][NQ][BS ? kMaxSB : 1];
+  const int nsbc = (nsb + 3) / 4;
+  // Per segment tile tt and scale block sb: the packed weights (w8[tt * nsb + sb], byte 16k + 4h + m:
+  // row h, token 4k + m), the steps (dws[tt * nsbc + sb / 4], lane 4h + sb % 4) and, for s8
+  // weights, 128 * each row's weight sum (wsum[tt][h * nsb + sb]).
+  alignas(64) uint8_t w8[kSegTiles * (BS ? kMaxSB : 1)][64];
+  alignas(64) float dws[kSegTiles * (BS ? kMaxSB / 4 : 1)][16];
+  int32_t wsum[kSegTiles][U8 ? 1 : NQ * (BS ? kMaxSB : 1)];
   for (int seg = tile0; seg < tile1; seg += kSegTiles) {
     const int nt = std::min(kSegTiles, tile1 - seg);
-    // 1. Quantized weights of the segment's tiles.
+    // 1. Quantized weights of the segment's tiles (tile_quantize_factored_avx512: int4t_tile_steps).
     for (int tt = 0; tt < nt; ++tt) {
       const int base = (seg + tt) * 16;
       const uint8_t* tp = block + size_t(seg + tt) * L.tile_bytes;
       if (seg + tt + kAhead < tile1) prefetch_tile(tp + kAhead * L.tile_bytes, L.tile_bytes);
-      const __mmask16 mask = tile_mask_avx512(base, t0, n);
-      const bool full = mask == 0xffff;
-      __m512 pv[NQ];
-      for (int h = 0; h < NQ; ++h) {
-        const float* ph = p + size_t(h) * size_t(p_stride);
-        pv[h] = full ? _mm512_loadu_ps(ph + (base - t0)) : _mm512_maskz_expandloadu_ps(mask, ph + std::max(0, base - t0));
-      }
-      for (int sb = 0; sb < nsb; ++sb) {
-        // Masked: slots outside the range may hold anything (NaN scales of unwritten tokens).
-        const __m512 sv = BS ? _mm512_maskz_mov_ps(mask, tile_load_f16x16_avx512(tp + 32 * size_t(sb)))
-                             : _mm512_maskz_loadu_ps(mask, reinterpret_cast<const float*>(tp));
-        __m512 w[4];
-        for (int h = 0; h < 4; ++h) w[h] = h < NQ ? _mm512_mul_ps(pv[h], sv) : _mm512_setzero_ps();
-        // All rows' steps at once (int4t_weight_step's arithmetic, kv/tiles_avx512.h).
-        alignas(64) float steps[16];
-        const __m512 inv = tile_weight_steps_avx512<U8>(w, steps);
-        for (int h = 0; h < NQ; ++h) {
-          dw[tt][h][sb] = steps[4 * h];
-          const __m512i wi = tile_weights_int_avx512(w[h], inv, h);
-          _mm_store_si128(reinterpret_cast<__m128i*>(w8[tt][h][sb]),
-                          U8 ? _mm512_cvtusepi32_epi8(wi) : _mm512_cvtsepi32_epi8(wi));
-          if (!U8) {  // 128 * the sum of the stored (saturated) s8 weights: the c + 128 correction
-            const __m512i ws = _mm512_max_epi32(_mm512_min_epi32(wi, _mm512_set1_epi32(127)), _mm512_set1_epi32(-128));
-            wsum[tt][h][sb] = 128 * _mm512_reduce_add_epi32(ws);
-          }
-        }
-      }
+      __m512 pv[4];
+      const __mmask16 mask = tile_load_weights_avx512<NQ>(p, p_stride, t0, n, base, pv);
+      // Masked: slots outside the range may hold anything (NaN scales of unwritten tokens).
+      tile_quantize_factored_avx512<NQ, U8>(
+          pv, nsb,
+          [&](int sb) {
+            return BS ? _mm512_maskz_mov_ps(mask, tile_load_f16x16_avx512(tp + 32 * size_t(sb)))
+                      : _mm512_maskz_loadu_ps(mask, reinterpret_cast<const float*>(tp));
+          },
+          w8 + tt * nsb, dws + tt * nsbc, U8 ? nullptr : wsum[tt]);
     }
     // 2. Channel chunks of 16: per tile 4 loads (token quads) and NQ dot chains, flushed to f32
     // with the tile's step; the f32 sums go to acc once per segment.
@@ -132,8 +119,8 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
             x1 = _mm512_xor_si512(x1, flip);
           }
           for (int h = 0; h < NQ; ++h) {
-            const __m512i w0 = tile_bcast32_avx512(w8[tt][h][sb] + 4 * k);
-            const __m512i w1 = tile_bcast32_avx512(w8[tt][h][sb] + 4 * k + 4);
+            const __m512i w0 = tile_bcast32_avx512(w8[tt * nsb + sb] + 16 * k + 4 * h);
+            const __m512i w1 = tile_bcast32_avx512(w8[tt * nsb + sb] + 16 * (k + 1) + 4 * h);
             if (U8) {
               ia[h] = _mm512_dpbusd_epi32(ia[h], w0, x0);
               ib[h] = _mm512_dpbusd_epi32(ib[h], w1, x1);
@@ -145,8 +132,8 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
         }
         for (int h = 0; h < NQ; ++h) {
           __m512i dot = _mm512_add_epi32(ia[h], ib[h]);
-          if (!U8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(wsum[tt][h][sb]));
-          f[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(dw[tt][h][sb]), f[h]);
+          if (!U8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(wsum[tt][h * nsb + sb]));
+          f[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(dws[tt * nsbc + sb / 4][4 * h + sb % 4]), f[h]);
         }
       }
       for (int h = 0; h < NQ; ++h) {

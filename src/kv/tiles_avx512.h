@@ -71,55 +71,38 @@ inline __m512 tile_max4x16_avx512(const __m512* v) {
   return _mm512_max_ps(d, _mm512_permute_ps(d, _MM_SHUFFLE(2, 3, 0, 1)));
 }
 
-// The weight steps of one tile for up to 4 query rows at once, with the scalar arithmetic of
-// int4t_weight_step: w[h] holds row h's 16 weights (zero for rows that do not exist); steps[4h]
-// receives row h's dw = wmax / levels, and lanes 4h..4h+3 of the result its inv = levels / wmax
-// (0 when wmax is 0). U8: 255 levels (every weight >= 0), else 127.
-template <bool U8>
-inline __m512 tile_weight_steps_avx512(const __m512* w, float* steps) {
-  __m512 wa[4];
-  for (int h = 0; h < 4; ++h) wa[h] = _mm512_abs_ps(w[h]);
-  const __m512 wmax = tile_max4x16_avx512(wa);
-  const __m512 lv = _mm512_set1_ps(U8 ? kv_int4t_u8_levels : kv_int4t_s8_levels);
-  _mm512_store_ps(steps, _mm512_div_ps(wmax, lv));
-  return _mm512_maskz_div_ps(_mm512_cmp_ps_mask(wmax, _mm512_setzero_ps(), _CMP_GT_OQ), lv, wmax);
-}
-
-// Row h's weights w rounded to int32 steps of tile_weight_steps_avx512's inv (the reference's
-// nearbyint; the u8 / s8 saturation is the caller's conversion).
-inline __m512i tile_weights_int_avx512(__m512 w, __m512 inv, int h) {
-  return _mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_permutexvar_ps(_mm512_set1_epi32(4 * h), inv)));
-}
-
-// Step 1 of int4t's / int2t's weighted sum for the tile at tp whose first token is `base`, with
-// int4t_tile_steps' arithmetic bit for bit: per query row h < NQ of p (rows p_stride apart, weight
-// of token t at p[t - t0]) the largest |p_t| (one 4-row tree), per group g < ng the largest |s_tg|
-// (one tree per 4 groups), then the weights rint((p_t ip_h)(s_tg is_g)) as u8 (U8) or s8 in
-// w8[g] (64 bytes; byte 16k + 4h + m: row h, token 4k + m, what VPACK*DW / VPACK*WB of rows 0..3
-// leave in place, so one store per group serves all rows), the steps in dws[g / 4] (lane
-// 4h + g % 4: row h's dw for group g), and the min term p_t m_tg added into the 16 lanes of
-// msv[h * ng + g]. Lanes outside [t0, t0 + n) weigh 0 and their (possibly NaN) table entries are
-// masked off. The arrays are packed (no fixed-size strides): rows 2 KiB apart had the min-term
-// loads wait on stores to other rows 4 KiB away (4K aliasing), 30% of the weighted sum's time.
-template <int NQ, bool U8>
-[[gnu::always_inline]] inline void tile_quantize_group_weights_avx512(const float* p, int p_stride, int t0, int n,
-                                                                      int base, const uint8_t* tp, size_t min_off,
-                                                                      int ng, uint8_t (*w8)[64], float (*dws)[16],
-                                                                      float (*msv)[16]) {
+// Row h's 16 weights of the tile whose first token is `base` (rows p_stride apart, weight of token t
+// at p[t - t0]) in pv[h]; 0 outside [t0, t0 + n) and for rows h >= NQ. Returns the valid lanes.
+template <int NQ>
+[[gnu::always_inline]] inline __mmask16 tile_load_weights_avx512(const float* p, int p_stride, int t0, int n, int base,
+                                                                 __m512* pv) {
   const __mmask16 mask = tile_mask_avx512(base, t0, n);
   const bool full = mask == 0xffff;
+  for (int h = 0; h < 4; ++h) {
+    const float* ph = p + size_t(h) * size_t(p_stride);
+    pv[h] = h >= NQ ? _mm512_setzero_ps()
+            : full  ? _mm512_loadu_ps(ph + (base - t0))
+                    : _mm512_maskz_expandloadu_ps(mask, ph + std::max(0, base - t0));
+  }
+  return mask;
+}
+
+// The weight quantization of one tile's weighted sum with int4t_tile_steps' arithmetic, bit for bit
+// with the references (tile_quantize_factored_ref): pv[4] the rows' weights (tile_load_weights_avx512),
+// scale_row(g) group g's 16 token scales (0 outside the range: their slots may hold NaN). The
+// largest |p| of each row (one 4-row tree) and |s| of each group (one tree per 4 groups), then the
+// weights rint((p_t ip_h)(s_tg is_g)) as u8 (U8) or s8 in w8[g] (64 bytes; byte 16k + 4h + m: row
+// h, token 4k + m, what VPACK*DW / VPACK*WB of rows 0..3 leave in place: one store per group for all
+// rows), the steps in dws[g / 4] (lane 4h + g % 4: row h's dw for group g), and for s8 weights, when
+// wsum is given, wsum[h * ng + g] = 128 * the sum of row h's stored weights (int8t's correction).
+template <int NQ, bool U8, class ScaleRow>
+[[gnu::always_inline]] inline void tile_quantize_factored_avx512(const __m512* pv, int ng, ScaleRow scale_row,
+                                                                 uint8_t (*w8)[64], float (*dws)[16],
+                                                                 int32_t* wsum = nullptr) {
   const __m512 zero = _mm512_setzero_ps();
   const __m512 lv = _mm512_set1_ps(U8 ? kv_int4t_u8_levels : kv_int4t_s8_levels);
-  __m512 pv[4], pa[4];
-  for (int h = 0; h < 4; ++h) {
-    if (h < NQ) {
-      const float* ph = p + size_t(h) * size_t(p_stride);
-      pv[h] = full ? _mm512_loadu_ps(ph + (base - t0)) : _mm512_maskz_expandloadu_ps(mask, ph + std::max(0, base - t0));
-    } else {
-      pv[h] = zero;
-    }
-    pa[h] = U8 ? pv[h] : _mm512_abs_ps(pv[h]);
-  }
+  __m512 pa[4];
+  for (int h = 0; h < 4; ++h) pa[h] = U8 ? pv[h] : _mm512_abs_ps(pv[h]);
   const __m512 pmax = tile_max4x16_avx512(pa);  // lanes 4h..4h+3: row h's largest |p_t|
   const __m512 ip = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(pmax, zero, _CMP_GT_OQ), _mm512_set1_ps(1.f), pmax);
   __m512 pn[NQ];  // p_t * ip_h
@@ -128,7 +111,7 @@ template <int NQ, bool U8>
     const int gc = std::min(4, ng - g0);
     __m512 sv[4], sa[4];
     for (int j = 0; j < 4; ++j) {
-      sv[j] = j < gc ? _mm512_maskz_mov_ps(mask, tile_load_f16x16_avx512(tp + 32 * size_t(g0 + j))) : zero;
+      sv[j] = j < gc ? scale_row(g0 + j) : zero;
       sa[j] = U8 ? sv[j] : _mm512_abs_ps(sv[j]);
     }
     const __m512 smax = tile_max4x16_avx512(sa);  // lanes 4j..4j+3: group g0 + j's largest |s|
@@ -149,12 +132,36 @@ template <int NQ, bool U8>
       } else {
         q = _mm512_max_epi8(_mm512_packs_epi16(_mm512_packs_epi32(wi[0], wi[1]), _mm512_packs_epi32(wi[2], wi[3])),
                             _mm512_set1_epi8(-127));
+        if (wsum)
+          for (int h = 0; h < NQ; ++h)
+            wsum[h * ng + g] = 128 * _mm512_reduce_add_epi32(
+                                         _mm512_max_epi32(_mm512_min_epi32(wi[h], _mm512_set1_epi32(127)),
+                                                          _mm512_set1_epi32(-127)));
       }
       _mm512_store_si512(w8[g], q);
-      const __m512 mv = _mm512_maskz_mov_ps(mask, tile_load_f16x16_avx512(tp + min_off + 32 * size_t(g)));
-      for (int h = 0; h < NQ; ++h)
-        _mm512_store_ps(msv[h * ng + g], _mm512_fmadd_ps(pv[h], mv, _mm512_load_ps(msv[h * ng + g])));
     }
+  }
+}
+
+// Step 1 of int4t's / int2t's weighted sum for the tile at tp whose first token is `base`: the
+// weights of query rows h < NQ quantized by tile_quantize_factored_avx512 against the scale table
+// (w8[g], dws[g / 4]), and the min term p_t m_tg added into the 16 lanes of msv[h * ng + g]. The
+// arrays are packed (no fixed-size strides): rows 2 KiB apart had the min-term loads wait on stores
+// to other rows 4 KiB away (4K aliasing).
+template <int NQ, bool U8>
+[[gnu::always_inline]] inline void tile_quantize_group_weights_avx512(const float* p, int p_stride, int t0, int n,
+                                                                      int base, const uint8_t* tp, size_t min_off,
+                                                                      int ng, uint8_t (*w8)[64], float (*dws)[16],
+                                                                      float (*msv)[16]) {
+  __m512 pv[4];
+  const __mmask16 mask = tile_load_weights_avx512<NQ>(p, p_stride, t0, n, base, pv);
+  tile_quantize_factored_avx512<NQ, U8>(
+      pv, ng, [&](int g) { return _mm512_maskz_mov_ps(mask, tile_load_f16x16_avx512(tp + 32 * size_t(g))); }, w8,
+      dws);
+  for (int g = 0; g < ng; ++g) {
+    const __m512 mv = _mm512_maskz_mov_ps(mask, tile_load_f16x16_avx512(tp + min_off + 32 * size_t(g)));
+    for (int h = 0; h < NQ; ++h)
+      _mm512_store_ps(msv[h * ng + g], _mm512_fmadd_ps(pv[h], mv, _mm512_load_ps(msv[h * ng + g])));
   }
 }
 

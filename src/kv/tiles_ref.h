@@ -1,6 +1,6 @@
-// Scalar pieces shared by the tiled codecs' reference kernels (int4t, int2t, int8t): int8t's weight
-// quantization of one (query row, group, tile), and int4t's / int2t's weighted sum over value tiles
-// with per-token f16 scale / min tables (int4t_tile_steps), one template over the layout's code reader. The SIMD kernels reproduce
+// Scalar pieces shared by the tiled codecs' reference kernels (int4t, int2t, int8t): the weight
+// quantization of one (query row, group, tile) (int4t_tile_steps) and the weighted sum over value
+// tiles with per-token f16 scale / min tables, one template over the layout's code reader. The SIMD kernels reproduce
 // this rounding bit for bit (kv/tiles_avx512.h, kv/tiles_avx2.h).
 #pragma once
 #include <algorithm>
@@ -18,17 +18,22 @@ namespace kvq {
 // Entry i of a tile's f16 table (scale or min row) as f32.
 inline float tile_f16(const uint8_t* p, size_t i) { return f16_to_f32(kvg_load_f16(p, i)); }
 
-// A tile's 16 weights w (0 outside the call's range) rounded to integer steps wq with
-// int4t_weight_step's arithmetic: u8 (all weights of the call >= 0; wq in [0, 255]) or s8 (wq in
-// [-127, 127]). Returns the step dw.
-inline float tile_quantize_weights_ref(const float* w, bool u8, int32_t* wq) {
+// Largest magnitude of a tile's 16 values (0 outside the call's range).
+inline float tile_abs_max(const float* x) {
+  float m = 0;
+  for (int j = 0; j < kv_tile_tokens; ++j) m = std::max(m, std::fabs(x[j]));
+  return m;
+}
+
+// The weights p_t s_t of one (query row, group, tile) rounded with int4t_tile_steps: pt, st the
+// tile's 16 weights and scales (0 outside the call's range), pmax = tile_abs_max(pt); u8 (all
+// weights of the call >= 0; wq in [0, 255]) or s8 (wq in [-127, 127]). Returns the step dw.
+inline float tile_quantize_factored_ref(const float* pt, float pmax, const float* st, bool u8, int32_t* wq) {
   const float levels = u8 ? kv_int4t_u8_levels : kv_int4t_s8_levels;
-  float wmax = 0;
-  for (int j = 0; j < kv_tile_tokens; ++j) wmax = std::max(wmax, std::fabs(w[j]));
-  float dw, inv;
-  int4t_weight_step(wmax, levels, &dw, &inv);
+  float dw, ip, is;
+  int4t_tile_steps(pmax, tile_abs_max(st), levels, &dw, &ip, &is);
   for (int j = 0; j < kv_tile_tokens; ++j)
-    wq[j] = int32_t(std::min(levels, std::max(u8 ? 0.f : -levels, std::nearbyint(w[j] * inv))));
+    wq[j] = int32_t(std::min(levels, std::max(u8 ? 0.f : -levels, std::nearbyint((pt[j] * ip) * (st[j] * is)))));
   return dw;
 }
 
@@ -73,7 +78,6 @@ void tiles_accum_ref(const Int4TiledLayout& L, const float* p, int p_stride, int
   float facc[kv_max_head_dim];
   float msum[kv_max_head_dim / 32];
   const bool u8 = !L.signed_scales && int4t_weights_nonneg(p, p_stride, n_q, n);
-  const float levels = u8 ? kv_int4t_u8_levels : kv_int4t_s8_levels;
   for (int i = 0; i < n_q; ++i) {
     const float* pi = p + size_t(i) * size_t(p_stride);
     std::fill(facc, facc + hd, 0.f);
@@ -82,28 +86,22 @@ void tiles_accum_ref(const Int4TiledLayout& L, const float* p, int p_stride, int
       const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
       const uint8_t* codes = tp + L.code_off;
       // Tokens outside [t0, t0 + n) weigh 0 and their table entries (possibly NaN) are not read.
-      float pt[kv_tile_tokens], pmax = 0;
+      float pt[kv_tile_tokens];
       bool valid[kv_tile_tokens];
       for (int j = 0; j < kv_tile_tokens; ++j) {
         const int t = tile * kv_tile_tokens + j - t0;
         valid[j] = t >= 0 && t < n;
         pt[j] = valid[j] ? pi[t] : 0.f;
-        pmax = std::max(pmax, std::fabs(pt[j]));
       }
+      const float pmax = tile_abs_max(pt);
       for (int g = 0; g < L.ng; ++g) {
-        float st[kv_tile_tokens], smax = 0;
+        float st[kv_tile_tokens];
         for (int j = 0; j < kv_tile_tokens; ++j) {
           st[j] = valid[j] ? tile_f16(tp, size_t(g * 16 + j)) : 0.f;
-          smax = std::max(smax, std::fabs(st[j]));
           if (valid[j]) msum[g] += pt[j] * tile_f16(tp + L.min_off, size_t(g * 16 + j));
         }
-        float dw, ip, is;
-        int4t_tile_steps(pmax, smax, levels, &dw, &ip, &is);
         int32_t wq[kv_tile_tokens];
-        for (int j = 0; j < kv_tile_tokens; ++j) {
-          const float x = (pt[j] * ip) * (st[j] * is);
-          wq[j] = int32_t(std::min(levels, std::max(u8 ? 0.f : -levels, std::nearbyint(x))));
-        }
+        const float dw = tile_quantize_factored_ref(pt, pmax, st, u8, wq);
         for (int d = g * L.group; d < (g + 1) * L.group; ++d) {
           int32_t dot = 0;
           for (int j = 0; j < kv_tile_tokens; ++j) dot += wq[j] * int32_t(code_of(codes, j, d));
