@@ -45,3 +45,21 @@ TEST(EvalMetrics, SummaryPerplexityPercentileAgreement) {
   for (int i = 0; i < 100; ++i) w[size_t(i)].kld = i;
   EXPECT_NEAR(eval_summarize(1, w).kld_p99, 98.0, 1e-12);
 }
+
+TEST(EvalMetrics, PairedSignTestHandComputed) {
+  // 0 vs 5 discordant trials: 2 * (1/2)^5 = 1/16.
+  EXPECT_NEAR(eval_sign_test_p(0, 5), 0.0625, 1e-12);
+  // 1 vs 4: 2 * (1 + 5) / 32 = 12/32.
+  EXPECT_NEAR(eval_sign_test_p(4, 1), 0.375, 1e-12);
+  // an even split, and no discordant trial at all, are no evidence of a difference
+  EXPECT_DOUBLE_EQ(eval_sign_test_p(3, 3), 1.0);
+  EXPECT_DOUBLE_EQ(eval_sign_test_p(0, 0), 1.0);
+  // 0 vs 20: 2 / 2^20
+  EXPECT_NEAR(eval_sign_test_p(20, 0), 2.0 / 1048576.0, 1e-15);
+  const std::vector<bool> ref = {true, true, false, true, false, true};
+  const std::vector<bool> tst = {true, false, true, false, false, true};
+  const PairedOutcome o = eval_paired(ref, tst);
+  EXPECT_EQ(o.lost, 2);    // trials 1 and 3
+  EXPECT_EQ(o.gained, 1);  // trial 2
+  EXPECT_NEAR(o.p_value, 1.0, 1e-12);  // 2 * (1 + 3) / 8 = 1
+}

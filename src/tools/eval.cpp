@@ -286,13 +286,26 @@ void task_needle(Ctx& c, const std::vector<int32_t>& hay_ids) {
       }
     }
   }
+  auto oks = [&](size_t f) {
+    std::vector<bool> v;
+    for (const auto& g : grids[f]) v.push_back(g["ok"].get<bool>());
+    return v;
+  };
+  const std::vector<bool> ref_ok = oks(0);
   for (size_t f = 0; f < all.size(); ++f) {
     int ok = 0;
     for (const auto& g : grids[f]) ok += g["ok"].get<bool>() ? 1 : 0;
     nlohmann::json r = {{"grid", grids[f]}, {"accuracy", grids[f].empty() ? 0.0 : double(ok) / double(grids[f].size())}};
     if (f == 0) {
-      for (auto& run : c.runs) run.report["needle_f16"] = r["accuracy"];
+      for (auto& run : c.runs) {
+        run.report["needle_f16"] = r["accuracy"];
+        run.report["needle_f16_ok"] = ref_ok;
+      }
     } else {
+      // The same trials with the f16 cache: which ones this format lost or gained, and whether
+      // the difference is more than chance (exact sign test over the discordant trials).
+      const PairedOutcome po = eval_paired(ref_ok, oks(f));
+      r["vs_f16"] = {{"lost", po.lost}, {"gained", po.gained}, {"p_value", po.p_value}};
       c.runs[f - 1].report["needle"] = r;
     }
   }
@@ -492,11 +505,17 @@ int eval_command(const EvalOptions& o) {
                     b["kld_mean"].get<double>(), b["kld_p99"].get<double>(), 100 * b["top1_agree"].get<double>());
   }
   if (has("needle")) {
-    std::printf("\nneedle retrieval (f16: %.0f%%)\n", 100 * runs.front().report.value("needle_f16", 0.0));
+    std::printf("\nneedle retrieval (lost / gained: trials f16 found and the format missed / the reverse; p: exact\n"
+                "sign test of that split, small = a real difference)\n");
+    std::printf("%-28s accuracy %3.0f%%  [", "f16", 100 * runs.front().report.value("needle_f16", 0.0));
+    for (bool ok : runs.front().report["needle_f16_ok"]) std::printf("%s", ok ? "+" : ".");
+    std::printf("]\n");
     for (const auto& r : runs) {
-      std::printf("%-28s accuracy %.0f%%  [", r.name.c_str(), 100 * r.report["needle"]["accuracy"].get<double>());
-      for (const auto& g : r.report["needle"]["grid"]) std::printf("%s", g["ok"].get<bool>() ? "+" : ".");
-      std::printf("]\n");
+      const auto& nd = r.report["needle"];
+      std::printf("%-28s accuracy %3.0f%%  [", r.name.c_str(), 100 * nd["accuracy"].get<double>());
+      for (const auto& g : nd["grid"]) std::printf("%s", g["ok"].get<bool>() ? "+" : ".");
+      std::printf("]  lost %d gained %d p %.3g\n", nd["vs_f16"]["lost"].get<int>(), nd["vs_f16"]["gained"].get<int>(),
+                  nd["vs_f16"]["p_value"].get<double>());
     }
   }
   if (has("layers")) {

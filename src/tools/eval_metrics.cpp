@@ -63,4 +63,24 @@ BucketSummary eval_summarize(int ctx, const std::vector<TokenScore>& scores) {
   return b;
 }
 
+double eval_sign_test_p(int a, int b) {
+  const int n = a + b, k = std::min(a, b);
+  if (n == 0) return 1.0;
+  // 2 * P(X <= k), X ~ Binomial(n, 1/2), in logs (n can be large).
+  double tail = 0;
+  for (int i = 0; i <= k; ++i)
+    tail += std::exp(std::lgamma(n + 1.0) - std::lgamma(i + 1.0) - std::lgamma(n - i + 1.0) - n * std::log(2.0));
+  return std::min(1.0, 2 * tail);
+}
+
+PairedOutcome eval_paired(const std::vector<bool>& ref_ok, const std::vector<bool>& test_ok) {
+  PairedOutcome r;
+  for (size_t i = 0; i < std::min(ref_ok.size(), test_ok.size()); ++i) {
+    r.lost += ref_ok[i] && !test_ok[i];
+    r.gained += !ref_ok[i] && test_ok[i];
+  }
+  r.p_value = eval_sign_test_p(r.lost, r.gained);
+  return r;
+}
+
 }  // namespace kvq

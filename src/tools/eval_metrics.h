@@ -30,4 +30,15 @@ struct BucketSummary {
 
 BucketSummary eval_summarize(int ctx, const std::vector<TokenScore>& scores);
 
+// Paired comparison of two runs over the same trials (needle: a format against the f16 cache):
+// lost = trials the reference passed and the format failed, gained = the reverse. p_value: the
+// exact two-sided sign test (McNemar's exact test) of lost vs gained, i.e. the probability of a
+// split at least this uneven if each discordant trial were a fair coin; 1 when there are none.
+struct PairedOutcome {
+  int lost = 0, gained = 0;
+  double p_value = 1;
+};
+PairedOutcome eval_paired(const std::vector<bool>& ref_ok, const std::vector<bool>& test_ok);
+double eval_sign_test_p(int a, int b);
+
 }  // namespace kvq

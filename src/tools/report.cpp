@@ -124,7 +124,15 @@ std::string report_html(const nlohmann::json& ev) {
     h += "<h2>Needle in a haystack</h2><p>Rows: context length; columns: needle depth (% of the context). Green: retrieved (k/n: k of n trials, yellow when some).</p>";
     for (const auto& f : fmts) {
       if (!f.contains("needle")) continue;
-      h += fmt::format("<h3>{} ({:.0f}%)</h3><table>", esc(f["format"].get<std::string>()), 100 * f["needle"]["accuracy"].get<double>());
+      std::string paired;
+      if (f["needle"].contains("vs_f16")) {
+        const auto& v = f["needle"]["vs_f16"];
+        paired = fmt::format("; f16 {:.0f}%: {} trials lost, {} gained, sign test p = {:.3g}",
+                             100 * f.value("needle_f16", 0.0), v["lost"].get<int>(), v["gained"].get<int>(),
+                             v["p_value"].get<double>());
+      }
+      h += fmt::format("<h3>{} ({:.0f}%{})</h3><table>", esc(f["format"].get<std::string>()),
+                       100 * f["needle"]["accuracy"].get<double>(), paired);
       std::vector<int> ctxs, depths;
       for (const auto& g : f["needle"]["grid"]) {
         ctxs.push_back(g["ctx"].get<int>());

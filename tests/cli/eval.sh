@@ -40,6 +40,8 @@ check "eval runs a centered format from the calibration" \
 check "needle: 2 depths x 3 trials per format, distinct haystack offsets, accuracy = hits / trials" \
   "python3 -c \"import json; d=json.load(open('$tmp/n.json')); n=d['formats'][0]['needle']; g=n['grid']; assert len(g)==6 and sorted(set(e['trial'] for e in g))==[0,1,2]; assert len(set(e['haystack_offset'] for e in g))==3; assert abs(n['accuracy']-sum(e['ok'] for e in g)/6)<1e-12\""
 check "needle HTML counts trials per cell" "grep -Eq '>[0-3]/3<' $tmp/n.html"
+check "needle: lost / gained against the f16 cache's own trials, and a sign-test p in (0, 1]" \
+  "python3 -c \"import json; d=json.load(open('$tmp/n.json')); f=d['formats'][0]; ref=f['needle_f16_ok']; ok=[e['ok'] for e in f['needle']['grid']]; v=f['needle']['vs_f16']; assert len(ref)==len(ok)==6; assert v['lost']==sum(r and not o for r,o in zip(ref,ok)); assert v['gained']==sum(o and not r for r,o in zip(ref,ok)); assert 0<v['p_value']<=1; assert abs(sum(ref)/6-f['needle_f16'])<1e-12\""
 
 bad() {
   local name=$1 pattern=$2; shift 2
