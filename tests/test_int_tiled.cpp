@@ -19,6 +19,7 @@
 #include "kv/int2_tiled.h"
 #include "kv/int4_tiled.h"
 #include "kv/kv_rows.h"
+#include "kv/tiles_ref.h"
 #include "kvq/kv_format.h"
 #include "tiled_test_queries.h"
 #include "kv_int_dot_bound.h"
@@ -626,4 +627,53 @@ TEST(IntTiled, Int4RotatedVariants) {
   EXPECT_NO_THROW(kv_codec_create("int4t_g64h", p));
   p.head_dim = 48;  // no power-of-two block >= 32
   EXPECT_THROW(kv_codec_create("int4t_g32h", p), Error);
+}
+
+// The factored weight step on its own (int4t_tile_steps, kv/int4_tiled.h): every weight within half
+// a step (times the stated rounding slack) of p_t s_t, inside [0, 255] / [-127, 127], on typical,
+// peaked, tiny (underflowed probabilities, near-zero scales) and signed tiles; rows or groups below
+// the flush thresholds lose at most |p_t s_t|.
+TEST(IntTiled, FactoredWeightStepBound) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd;
+  std::uniform_real_distribution<float> ud(0.f, 1.f);
+  for (int trial = 0; trial < 4000; ++trial) {
+    const int kind = trial % 8;
+    const bool u8 = trial % 2 == 0;
+    float pt[16], st[16];
+    for (int j = 0; j < 16; ++j) {
+      float p = std::exp(-std::fabs(nd(rng)) * 4.f);                // softmax-like
+      if (kind == 1) p = j == 5 ? 1.f : std::exp(-20.f - 10 * ud(rng));  // one token dominates
+      if (kind == 2) p = std::ldexp(ud(rng), -135);                  // underflowed (subnormal) probabilities
+      if (kind == 3 && j % 3 == 0) p = 0.f;                          // tokens outside the range
+      float sc = 0.01f + ud(rng);
+      if (kind == 4) sc = j == 0 ? 40.f : 0.01f * ud(rng);           // one outlier scale
+      if (kind == 5) sc = std::ldexp(ud(rng), -110);                 // near-zero scales
+      if (kind == 6) sc = std::ldexp(0.5f + ud(rng), 60);            // huge scales
+      if (kind == 7 && j % 4 == 0) sc = 0.f;
+      if (!u8) {
+        if (rng() % 2) p = -p;
+        if (rng() % 2) sc = -sc;
+      }
+      pt[j] = p;
+      st[j] = sc;
+    }
+    const float pmax = tile_abs_max(pt), smax = tile_abs_max(st);
+    int32_t wq[16];
+    const float dw = tile_quantize_factored_ref(pt, pmax, st, u8, wq);
+    const float levels = u8 ? kv_int4t_u8_levels : kv_int4t_s8_levels;
+    const bool flushed = pmax < kv_tile_pmin || smax < kv_tile_smin;
+    for (int j = 0; j < 16; ++j) {
+      SCOPED_TRACE(::testing::Message() << "trial " << trial << " kind " << kind << " u8 " << u8 << " token " << j);
+      ASSERT_LE(wq[j], int(levels));
+      ASSERT_GE(wq[j], u8 ? 0 : -int(levels));
+      const double exact = double(pt[j]) * double(st[j]);
+      const double err = std::fabs(double(wq[j]) * double(dw) - exact);
+      if (flushed) {
+        ASSERT_EQ(wq[j], 0);
+      } else {
+        ASSERT_LE(err, double(dw) / 2 * int4t_tile_step_slack(levels) + 1e-300);
+      }
+    }
+  }
 }

@@ -174,7 +174,7 @@ inline constexpr float kv_int4t_u8_levels = 255.f, kv_int4t_s8_levels = 127.f;
 // variant so that all of them round identically: the factored step). In a tile,
 // row i's weights p_t and group g's scales s_tg are each normalized by their own largest magnitude,
 // pmax (per row and tile) and smax (per group and tile):
-//   ip = 1 / pmax, is = levels / smax (0 when the maximum is 0), dw = pmax * smax / levels,
+//   ip = 1 / pmax, is = levels / smax, dw = pmax * smax / levels,
 //   weight wq_t = clamp(rint((p_t * ip) * (s_tg * is))), in f32 and in that order,
 // so that wq_t * dw = p_t s_tg up to half a step. The step is at least max_t |p_t s_tg| / levels
 // (the tightest one) and larger when the token of largest weight is not the one of largest scale;
@@ -182,9 +182,13 @@ inline constexpr float kv_int4t_u8_levels = 255.f, kv_int4t_s8_levels = 127.f;
 // one per (row, group). Error of one weight, from the f32 roundings of ip, is, the three products
 // and dw (7 roundings of 2^-24 each, relative):
 //   |wq_t dw - p_t s_tg| <= (dw / 2)(1 + levels * 2^-20).
+// A row whose largest |p| is below 2^-126 (probabilities that underflowed) or a group whose largest
+// |s| is below 2^-100 has ip or is = 0, so its weights are 0 (1 / pmax or levels / smax would
+// overflow to inf, and 0 * inf is NaN): those tokens lose |p_t s_tg| <= 2^-126 smax or 2^-100 pmax.
+inline constexpr float kv_tile_pmin = 0x1p-126f, kv_tile_smin = 0x1p-100f;
 inline void int4t_tile_steps(float pmax, float smax, float levels, float* dw, float* ip, float* is) {
-  *ip = pmax > 0 ? 1.f / pmax : 0.f;
-  *is = smax > 0 ? levels / smax : 0.f;
+  *ip = pmax >= kv_tile_pmin ? 1.f / pmax : 0.f;
+  *is = smax >= kv_tile_smin ? levels / smax : 0.f;
   *dw = pmax * smax / levels;
 }
 // The relative slack of that bound: 1 + levels * 2^-20.

@@ -113,7 +113,8 @@ template <int NQ, bool U8, int MaxGroups>
   for (int h = 0; h < 4; ++h)
     pa[h] = h < NQ ? _mm256_max_ps(_mm256_andnot_ps(sign, pv[h][0]), _mm256_andnot_ps(sign, pv[h][1])) : zero;
   const __m256 pmax = tile_max4x8_avx2(pa);
-  const __m256 ip = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.f), pmax), _mm256_cmp_ps(pmax, zero, _CMP_GT_OQ));
+  const __m256 ip = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.f), pmax),
+                                  _mm256_cmp_ps(pmax, _mm256_set1_ps(kv_tile_pmin), _CMP_GE_OQ));
   __m256 pn[NQ][2];  // p_t * ip_h
   for (int h = 0; h < NQ; ++h) {
     const __m256 ih = _mm256_permutevar_ps(ip, _mm256_set1_epi32(h));
@@ -137,7 +138,7 @@ template <int NQ, bool U8, int MaxGroups>
       }
     }
     const __m256 smax = tile_max4x8_avx2(sa);  // lanes j and 4 + j: group g0 + j's largest |s|
-    const __m256 is = _mm256_and_ps(_mm256_div_ps(lv, smax), _mm256_cmp_ps(smax, zero, _CMP_GT_OQ));
+    const __m256 is = _mm256_and_ps(_mm256_div_ps(lv, smax), _mm256_cmp_ps(smax, _mm256_set1_ps(kv_tile_smin), _CMP_GE_OQ));
     for (int j = 0; j < gc; ++j) {
       const int g = g0 + j;
       // lane h: pmax_h * smax_j / levels

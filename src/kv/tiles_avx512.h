@@ -104,7 +104,8 @@ template <int NQ, bool U8, class ScaleRow>
   __m512 pa[4];
   for (int h = 0; h < 4; ++h) pa[h] = U8 ? pv[h] : _mm512_abs_ps(pv[h]);
   const __m512 pmax = tile_max4x16_avx512(pa);  // lanes 4h..4h+3: row h's largest |p_t|
-  const __m512 ip = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(pmax, zero, _CMP_GT_OQ), _mm512_set1_ps(1.f), pmax);
+  const __m512 ip = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(pmax, _mm512_set1_ps(kv_tile_pmin), _CMP_GE_OQ),
+                                        _mm512_set1_ps(1.f), pmax);
   __m512 pn[NQ];  // p_t * ip_h
   for (int h = 0; h < NQ; ++h) pn[h] = _mm512_mul_ps(pv[h], _mm512_permutexvar_ps(_mm512_set1_epi32(4 * h), ip));
   for (int g0 = 0; g0 < ng; g0 += 4) {
@@ -115,7 +116,7 @@ template <int NQ, bool U8, class ScaleRow>
       sa[j] = U8 ? sv[j] : _mm512_abs_ps(sv[j]);
     }
     const __m512 smax = tile_max4x16_avx512(sa);  // lanes 4j..4j+3: group g0 + j's largest |s|
-    const __m512 is = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(smax, zero, _CMP_GT_OQ), lv, smax);
+    const __m512 is = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(smax, _mm512_set1_ps(kv_tile_smin), _CMP_GE_OQ), lv, smax);
     // dw lane 4h + j = pmax_h * smax_j / levels
     const __m512i tr = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12);
     _mm512_store_ps(dws[g0 / 4], _mm512_div_ps(_mm512_mul_ps(pmax, _mm512_permutexvar_ps(tr, smax)), lv));
