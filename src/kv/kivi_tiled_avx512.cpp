@@ -52,12 +52,11 @@ void scores_pass(const int8_t* q8, const float* dq, const float* cz, int hd, con
 
 // kivit_fold_query_ref's arithmetic bit for bit: the same products, the same C lanes (lane l of
 // the accumulator is the reference's lane l), an exact maximum (NaN lanes ignored as std::max
-// does), IEEE division for the step and its inverse (four blocks per vector), VRNDSCALE to
-// nearest even as nearbyint, and the clamp ordered so that NaN becomes -127 as in the reference.
+// does), IEEE division for the step and its inverse (four blocks per vector), conversion to
+// nearest even as nearbyint, and saturation and clamp such that NaN becomes -127 as in the reference.
 void kivit_fold_query_avx512(const uint8_t* params, const float* q, int n_q, int hd, int8_t* q8, float* dq,
                              float* cz) {
   const int nb = hd / 32;
-  const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
   // The group's scales and zeros as f32, once for all rows.
   alignas(64) float sc[1024], ze[1024];
   for (int d = 0; d < hd; d += 16) {
@@ -87,8 +86,8 @@ void kivit_fold_query_avx512(const uint8_t* params, const float* q, int n_q, int
             const __m512 xv = _mm512_loadu_ps(x + d);
             const __m512 qs = _mm512_mul_ps(xv, _mm512_load_ps(sc + d));
             c[r] = _mm512_fmadd_ps(xv, _mm512_load_ps(ze + d), c[r]);
-            const __mmask16 ord = _mm512_cmp_ps_mask(qs, qs, _CMP_ORD_Q);
-            am[h] = _mm512_max_ps(am[h], _mm512_maskz_mov_ps(ord, _mm512_abs_ps(qs)));
+            // MAXPS returns its second operand when the first is NaN: NaN products are skipped.
+            am[h] = _mm512_max_ps(_mm512_abs_ps(qs), am[h]);
           }
         }
         mr[r] = tile_max4x16_avx512(am);
@@ -104,20 +103,34 @@ void kivit_fold_query_avx512(const uint8_t* params, const float* q, int n_q, int
       const __m512 inv = _mm512_maskz_div_ps(ok, _mm512_set1_ps(1.f), step);
       alignas(64) float st[16];
       _mm512_store_ps(st, _mm512_maskz_mov_ps(ok, step));
+      // Rounding: 4 vectors (two 32-dim blocks) at a time, converted to int32 (to nearest even, as
+      // nearbyint), packed with signed saturation and clamped to -127 (NaN converts to INT_MIN,
+      // which becomes -127 as the reference's clamp makes it), then put back in channel order.
+      const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
       for (int r = 0; r < nr; ++r) {
         const float* x = q + size_t(i0 + r) * size_t(hd);
         int8_t* r8 = q8 + size_t(i0 + r) * size_t(hd);
-        for (int h = 0; h < 4 && b0 + h < nb; ++h) {
-          dq[size_t(i0 + r) * size_t(nb) + size_t(b0 + h)] = st[4 * h + r];
-          const __m512 iv = _mm512_permutexvar_ps(_mm512_set1_epi32(4 * h + r), inv);
-          for (int e = 0; e < 2; ++e) {
-            const int d = 32 * (b0 + h) + 16 * e;
+        for (int h = 0; h < 4 && b0 + h < nb; ++h) dq[size_t(i0 + r) * size_t(nb) + size_t(b0 + h)] = st[4 * h + r];
+        for (int h = 0; h < 4 && b0 + h < nb; h += 2) {
+          const bool two = b0 + h + 1 < nb;
+          __m512i wi[4];
+          for (int u = 0; u < 4; ++u) {
+            const int hb = h + u / 2;
+            if (u >= 2 && !two) {
+              wi[u] = _mm512_setzero_si512();
+              continue;
+            }
+            const int d = 32 * (b0 + hb) + 16 * (u % 2);
+            const __m512 iv = _mm512_permutexvar_ps(_mm512_set1_epi32(4 * hb + r), inv);
             const __m512 qs = _mm512_mul_ps(_mm512_loadu_ps(x + d), _mm512_load_ps(sc + d));
-            const __m512 rr =
-                _mm512_roundscale_ps(_mm512_mul_ps(qs, iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            const __m512 cl = _mm512_min_ps(_mm512_max_ps(rr, lo), hi);
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(r8 + d), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(cl)));
+            wi[u] = _mm512_cvtps_epi32(_mm512_mul_ps(qs, iv));
           }
+          const __m512i pk = _mm512_permutexvar_epi32(
+              order, _mm512_max_epi8(_mm512_packs_epi16(_mm512_packs_epi32(wi[0], wi[1]), _mm512_packs_epi32(wi[2], wi[3])),
+                                     _mm512_set1_epi8(-127)));
+          int8_t* dst = r8 + 32 * (b0 + h);
+          if (two) _mm512_storeu_si512(dst, pk);
+          else _mm512_mask_storeu_epi8(dst, __mmask64(0xffffffffull), pk);
         }
       }
     }
