@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
+#include <limits>
 #include <thread>
 
 #include "core/error.h"
@@ -45,6 +46,11 @@ void eval_add_cli(CLI::App& app, EvalOptions& o) {
   app.add_option("--json-out", o.json_out, "also write the JSON report to this file");
   app.add_option("--scale-mode", o.scale_mode, "ppl: dynamic | static-prefill (scales fixed from each window's first half)")
       ->check(CLI::IsMember({"dynamic", "static-prefill"}))->capture_default_str();
+  app.add_option("--budget-bits", o.budget_bits,
+                 "layers: choose each layer's K and V format among --kv to minimize the summed squared attention-output "
+                 "error at this average bits per element; printed as --kv-layer flags and evaluated as one more format by "
+                 "the other tasks of the run")
+      ->check(CLI::Range(1.0, 32.0));
   app.add_option("--html", o.html, "write a self-contained HTML report with plots");
   app.add_flag("!--no-progress", o.progress, "no progress bar on stderr");
   app.add_flag("--f32-weights", o.f32_weights,
@@ -399,6 +405,81 @@ void task_layers(Ctx& c, const std::vector<int32_t>& text_ids) {
   fwd.on_attn = nullptr;
 }
 
+// ---- the per-layer policy under a bit budget (--budget-bits), from task_layers' errors: each
+// (layer, side) is an item whose options are the formats under test, each with its bits per element
+// on that side and the squared relative error it gave there. A greedy multiple-choice knapsack:
+// every item starts at its cheapest option and the upgrade with the largest error reduction per bit
+// is taken while the average stays within the budget. Errors of different layers add as
+// independent noise would (squared), which is what the layers task measures one at a time.
+struct LayerPolicy {
+  std::vector<int> k_choice, v_choice;  // per layer: index into the runs
+  double bits = 0;                      // average bits per element over both sides
+  double err2 = 0;                      // summed squared relative errors
+};
+
+LayerPolicy choose_layer_policy(const std::vector<FormatRun>& runs, const std::vector<double>& k_bits,
+                                const std::vector<double>& v_bits, int n_layer, double budget) {
+  struct Item {
+    int layer, side;
+    std::vector<int> opts;  // run indices by increasing bits (ties: lower error first)
+    int at = 0;
+  };
+  auto err2 = [&](int f, int l, int side) {
+    const double e = runs[size_t(f)].report["layers"]["per_layer"][size_t(l)][side == 0 ? "k_rel_err" : "v_rel_err"];
+    return e * e;
+  };
+  auto bits = [&](int f, int side) { return side == 0 ? k_bits[size_t(f)] : v_bits[size_t(f)]; };
+  std::vector<Item> items;
+  for (int l = 0; l < n_layer; ++l)
+    for (int side = 0; side < 2; ++side) {
+      Item it{l, side, {}, 0};
+      for (int f = 0; f < int(runs.size()); ++f) it.opts.push_back(f);
+      std::sort(it.opts.begin(), it.opts.end(), [&](int a, int b) {
+        return bits(a, side) != bits(b, side) ? bits(a, side) < bits(b, side) : err2(a, l, side) < err2(b, l, side);
+      });
+      items.push_back(it);
+    }
+  const double n_items = double(items.size());
+  double total = 0;
+  for (const auto& it : items) total += bits(it.opts[0], it.side);
+  if (total / n_items > budget + 1e-9)
+    fail("--budget-bits {}: below the cheapest choice, {:.2f} bits per element", budget, total / n_items);
+  for (;;) {
+    int best = -1, best_to = -1;
+    double best_ratio = 0;
+    for (int i = 0; i < int(items.size()); ++i) {
+      const Item& it = items[size_t(i)];
+      const int cur = it.opts[size_t(it.at)];
+      for (int j = it.at + 1; j < int(it.opts.size()); ++j) {
+        const int f = it.opts[size_t(j)];
+        const double db = bits(f, it.side) - bits(cur, it.side);
+        const double de = err2(cur, it.layer, it.side) - err2(f, it.layer, it.side);
+        if (de <= 0 || (total + db) / n_items > budget + 1e-9) continue;
+        const double ratio = db > 0 ? de / db : std::numeric_limits<double>::infinity();
+        if (ratio > best_ratio) {
+          best_ratio = ratio;
+          best = i;
+          best_to = j;
+        }
+      }
+    }
+    if (best < 0) break;
+    Item& it = items[size_t(best)];
+    total += bits(it.opts[size_t(best_to)], it.side) - bits(it.opts[size_t(it.at)], it.side);
+    it.at = best_to;
+  }
+  LayerPolicy p;
+  p.k_choice.assign(size_t(n_layer), 0);
+  p.v_choice.assign(size_t(n_layer), 0);
+  for (const auto& it : items) {
+    const int f = it.opts[size_t(it.at)];
+    (it.side == 0 ? p.k_choice : p.v_choice)[size_t(it.layer)] = f;
+    p.err2 += err2(f, it.layer, it.side);
+  }
+  p.bits = total / n_items;
+  return p;
+}
+
 void task_own(Ctx& c, const std::vector<OwnCase>& cases) {
   Progress prog(c.o.progress, cases.size() * (c.runs.size()));
   Forward fwd(c.m, c.pool, 256);
@@ -462,15 +543,62 @@ int eval_command(const EvalOptions& o) {
   std::vector<OwnCase> own_cases;
   if (has("own")) own_cases = load_own(o.own);
 
+  if (o.budget_bits > 0 && !has("layers")) fail("--budget-bits needs --task layers (its per-layer errors)");
+  // Bits per element of each format's K side and V side alone (the other side f16: 16 bits).
+  std::vector<double> k_bits, v_bits;
+  if (o.budget_bits > 0) {
+    const KvSetup f16 = kv_flags_resolve(o.kv, cfg, "f16");
+    for (const auto& r : runs)
+      for (int side = 0; side < 2; ++side) {
+        KvSetup one = f16;
+        for (int l = 0; l < cfg.n_layer; ++l)
+          (side == 0 ? one.policy.layers[size_t(l)].k_codec : one.policy.layers[size_t(l)].v_codec) =
+              side == 0 ? r.kv.policy.layers[size_t(l)].k_codec : r.kv.policy.layers[size_t(l)].v_codec;
+        one.calib = r.kv.calib;
+        KvCacheConfig kc = model->kv_cache_config(one.policy, 64, o.kv.page_tokens);
+        one.apply(kc);
+        KvCache probe(kc);
+        (side == 0 ? k_bits : v_bits).push_back(2 * bits_per_element(probe, cfg) - 16);
+      }
+  }
+
   const int threads = o.threads > 0 ? o.threads : int(std::max(1u, std::thread::hardware_concurrency()));
   ThreadPool pool(threads);
   Ctx c{o, *model, tok, pool, runs, ctxs};
+  // layers first: with --budget-bits its policy joins the formats the other tasks evaluate.
+  nlohmann::json policy_json;
+  if (has("layers")) {
+    task_layers(c, tok.encode(read_text(o.data, "--data"), false));
+    if (o.budget_bits > 0) {
+      const LayerPolicy lp = choose_layer_policy(runs, k_bits, v_bits, cfg.n_layer, o.budget_bits);
+      FormatRun pr;
+      pr.kv = runs.front().kv;
+      std::string flags;
+      nlohmann::json layers = nlohmann::json::array();
+      for (int l = 0; l < cfg.n_layer; ++l) {
+        const FormatRun& kr = runs[size_t(lp.k_choice[size_t(l)])];
+        const FormatRun& vr = runs[size_t(lp.v_choice[size_t(l)])];
+        pr.kv.policy.layers[size_t(l)].k_codec = kr.kv.policy.layers[size_t(l)].k_codec;
+        pr.kv.policy.layers[size_t(l)].v_codec = vr.kv.policy.layers[size_t(l)].v_codec;
+        flags += fmt::format("{}--kv-layer {}={}/{}", flags.empty() ? "" : " ", l, kr.name, vr.name);
+        layers.push_back({{"layer", l}, {"k", kr.name}, {"v", vr.name}});
+      }
+      pr.name = pr.kv.policy.name = fmt::format("policy@{:g}", o.budget_bits);
+      KvCacheConfig kc = model->kv_cache_config(pr.kv.policy, 64, o.kv.page_tokens);
+      pr.kv.apply(kc);
+      KvCache probe(kc);
+      pr.bits_per_element = bits_per_element(probe, cfg);
+      policy_json = {{"budget_bits", o.budget_bits}, {"bits_per_element", lp.bits}, {"sum_sq_rel_err", lp.err2},
+                     {"layers", layers}, {"flags", flags}, {"format", pr.name}};
+      runs.push_back(std::move(pr));
+    }
+  }
   if (has("ppl")) task_ppl(c, tok.encode(read_text(o.data, "--data"), false));
   if (has("needle")) task_needle(c, tok.encode(read_text(o.haystack.empty() ? o.data : o.haystack, "--haystack"), false));
-  if (has("layers")) task_layers(c, tok.encode(read_text(o.data, "--data"), false));
   if (has("own")) task_own(c, own_cases);
 
   nlohmann::json j = {{"model", cfg.name}, {"model_file", o.model}, {"arch", cfg.arch}, {"tasks", o.tasks}, {"scale_mode", o.scale_mode}};
+  if (!policy_json.is_null()) j["policy"] = policy_json;
   j["formats"] = nlohmann::json::array();
   for (auto& r : runs) {
     nlohmann::json f = r.report;
@@ -521,12 +649,18 @@ int eval_command(const EvalOptions& o) {
   if (has("layers")) {
     std::printf("\nper-layer relative error of the attention output (only that layer's K or V quantized, ctx %d)\n", ctxs.front());
     for (const auto& r : runs) {
+      if (!r.report.contains("layers")) continue;  // the --budget-bits policy
       std::printf("%-28s", r.name.c_str());
       for (const auto& e : r.report["layers"]["per_layer"])
         std::printf(" L%d K%.3f/V%.3f", e["layer"].get<int>(), e["k_rel_err"].get<double>(), e["v_rel_err"].get<double>());
       std::printf("\n");
     }
   }
+  if (!policy_json.is_null())
+    std::printf("\nper-layer policy within %g bits per element (%.2f bits, summed squared relative error %.4g; "
+                "evaluated above as %s):\n  %s\n",
+                o.budget_bits, policy_json["bits_per_element"].get<double>(), policy_json["sum_sq_rel_err"].get<double>(),
+                policy_json["format"].get<std::string>().c_str(), policy_json["flags"].get<std::string>().c_str());
   if (has("own")) {
     std::printf("\nown eval set (%zu cases)\n", own_cases.size());
     for (const auto& r : runs) std::printf("%-28s accuracy %.1f%%\n", r.name.c_str(), 100 * r.report["own"]["accuracy"].get<double>());

@@ -24,6 +24,15 @@ check "HTML report is self-contained with SVG plots" "grep -q '<svg' $tmp/r.html
 check "layers task: one entry per layer with K and V errors" \
   "python3 -c \"import json; d=json.load(open('$tmp/l.json')); L=d['formats'][0]['layers']['per_layer']; assert len(L)==5 and all(e['k_rel_err']>0 and e['v_rel_err']>0 for e in L); assert d['scale_mode']=='static-prefill' and d['formats'][0]['buckets'][0]['kld_mean']>0\""
 
+# a per-layer policy within a bit budget from the layers task, evaluated by ppl in the same run
+"$kvq" eval -m "$model" --kv fp8,int8,bf16 --task layers,ppl --budget-bits 11 --ctx 64 --data "$text" --json --no-progress -t 1 >"$tmp/p.json" 2>/dev/null
+check "budget policy: within the budget, one --kv-layer per layer from the formats under test, evaluated by ppl" \
+  "python3 -c \"import json; d=json.load(open('$tmp/p.json')); p=d['policy']; f={x['format']: x for x in d['formats']}; assert p['format']=='policy@11' and p['format'] in f; assert 8<=p['bits_per_element']<=11+1e-9; assert len(p['layers'])==5 and p['flags'].count('--kv-layer')==5; assert all(l['k'] in ('fp8_e4m3','int8','bf16') and l['v'] in ('fp8_e4m3','int8','bf16') for l in p['layers']); assert len(set(l['k'] for l in p['layers'])|set(l['v'] for l in p['layers']))>1; assert abs(f[p['format']]['bits_per_element']-p['bits_per_element'])<1e-6 and f[p['format']]['buckets'][0]['kld_mean']>=0\""
+"$kvq" eval -m "$model" --kv fp8,int8 --task ppl --budget-bits 9 --ctx 64 --data "$text" --no-progress -t 1 >/dev/null 2>"$tmp/pe1"
+check "budget without the layers task: rejected" "[[ $? -ne 0 ]] && grep -q 'needs --task layers' $tmp/pe1"
+"$kvq" eval -m "$model" --kv fp8,int8 --task layers --budget-bits 4 --ctx 64 --data "$text" --no-progress -t 1 >/dev/null 2>"$tmp/pe2"
+check "budget below the cheapest choice: rejected with the least achievable" "[[ $? -ne 0 ]] && grep -q 'below the cheapest choice, 8.00 bits' $tmp/pe2"
+
 # calibrate records channel means; the centered formats read them, and refuse to run without them
 "$kvq" calibrate -m "$model" --data "$text" -o "$tmp/calib.json" --ctx 64 --chunks 2 -t 1 2>"$tmp/ce"
 check "calibrate exits 0 and reports the mean energy" "[[ $? -eq 0 ]] && grep -q 'channel means hold' $tmp/ce"
