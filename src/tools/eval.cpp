@@ -48,8 +48,9 @@ void eval_add_cli(CLI::App& app, EvalOptions& o) {
       ->check(CLI::IsMember({"dynamic", "static-prefill"}))->capture_default_str();
   app.add_option("--budget-bits", o.budget_bits,
                  "layers: choose each layer's K and V format among --kv to minimize the summed squared attention-output "
-                 "error at this average bits per element; printed as --kv-layer flags and evaluated as one more format by "
-                 "the other tasks of the run")
+                 "error at this average bits per element (comma-separated: one policy each); printed as --kv-layer "
+                 "flags and evaluated as one more format by the other tasks of the run")
+      ->delimiter(',')
       ->check(CLI::Range(1.0, 32.0));
   app.add_option("--html", o.html, "write a self-contained HTML report with plots");
   app.add_flag("!--no-progress", o.progress, "no progress bar on stderr");
@@ -543,10 +544,10 @@ int eval_command(const EvalOptions& o) {
   std::vector<OwnCase> own_cases;
   if (has("own")) own_cases = load_own(o.own);
 
-  if (o.budget_bits > 0 && !has("layers")) fail("--budget-bits needs --task layers (its per-layer errors)");
+  if (!o.budget_bits.empty() && !has("layers")) fail("--budget-bits needs --task layers (its per-layer errors)");
   // Bits per element of each format's K side and V side alone (the other side f16: 16 bits).
   std::vector<double> k_bits, v_bits;
-  if (o.budget_bits > 0) {
+  if (!o.budget_bits.empty()) {
     const KvSetup f16 = kv_flags_resolve(o.kv, cfg, "f16");
     for (const auto& r : runs)
       for (int side = 0; side < 2; ++side) {
@@ -565,12 +566,14 @@ int eval_command(const EvalOptions& o) {
   const int threads = o.threads > 0 ? o.threads : int(std::max(1u, std::thread::hardware_concurrency()));
   ThreadPool pool(threads);
   Ctx c{o, *model, tok, pool, runs, ctxs};
-  // layers first: with --budget-bits its policy joins the formats the other tasks evaluate.
-  nlohmann::json policy_json;
+  // layers first: with --budget-bits its policies join the formats the other tasks evaluate.
+  nlohmann::json policies = nlohmann::json::array();
   if (has("layers")) {
     task_layers(c, tok.encode(read_text(o.data, "--data"), false));
-    if (o.budget_bits > 0) {
-      const LayerPolicy lp = choose_layer_policy(runs, k_bits, v_bits, cfg.n_layer, o.budget_bits);
+    const size_t n_measured = runs.size();
+    for (double budget : o.budget_bits) {
+      const std::vector<FormatRun> measured(runs.begin(), runs.begin() + std::ptrdiff_t(n_measured));
+      const LayerPolicy lp = choose_layer_policy(measured, k_bits, v_bits, cfg.n_layer, budget);
       FormatRun pr;
       pr.kv = runs.front().kv;
       std::string flags;
@@ -583,13 +586,13 @@ int eval_command(const EvalOptions& o) {
         flags += fmt::format("{}--kv-layer {}={}/{}", flags.empty() ? "" : " ", l, kr.name, vr.name);
         layers.push_back({{"layer", l}, {"k", kr.name}, {"v", vr.name}});
       }
-      pr.name = pr.kv.policy.name = fmt::format("policy@{:g}", o.budget_bits);
+      pr.name = pr.kv.policy.name = fmt::format("policy@{:g}", budget);
       KvCacheConfig kc = model->kv_cache_config(pr.kv.policy, 64, o.kv.page_tokens);
       pr.kv.apply(kc);
       KvCache probe(kc);
       pr.bits_per_element = bits_per_element(probe, cfg);
-      policy_json = {{"budget_bits", o.budget_bits}, {"bits_per_element", lp.bits}, {"sum_sq_rel_err", lp.err2},
-                     {"layers", layers}, {"flags", flags}, {"format", pr.name}};
+      policies.push_back({{"budget_bits", budget}, {"bits_per_element", lp.bits}, {"sum_sq_rel_err", lp.err2},
+                          {"layers", layers}, {"flags", flags}, {"format", pr.name}});
       runs.push_back(std::move(pr));
     }
   }
@@ -598,7 +601,7 @@ int eval_command(const EvalOptions& o) {
   if (has("own")) task_own(c, own_cases);
 
   nlohmann::json j = {{"model", cfg.name}, {"model_file", o.model}, {"arch", cfg.arch}, {"tasks", o.tasks}, {"scale_mode", o.scale_mode}};
-  if (!policy_json.is_null()) j["policy"] = policy_json;
+  if (!policies.empty()) j["policies"] = policies;
   j["formats"] = nlohmann::json::array();
   for (auto& r : runs) {
     nlohmann::json f = r.report;
@@ -656,11 +659,11 @@ int eval_command(const EvalOptions& o) {
       std::printf("\n");
     }
   }
-  if (!policy_json.is_null())
+  for (const auto& pj : policies)
     std::printf("\nper-layer policy within %g bits per element (%.2f bits, summed squared relative error %.4g; "
                 "evaluated above as %s):\n  %s\n",
-                o.budget_bits, policy_json["bits_per_element"].get<double>(), policy_json["sum_sq_rel_err"].get<double>(),
-                policy_json["format"].get<std::string>().c_str(), policy_json["flags"].get<std::string>().c_str());
+                pj["budget_bits"].get<double>(), pj["bits_per_element"].get<double>(), pj["sum_sq_rel_err"].get<double>(),
+                pj["format"].get<std::string>().c_str(), pj["flags"].get<std::string>().c_str());
   if (has("own")) {
     std::printf("\nown eval set (%zu cases)\n", own_cases.size());
     for (const auto& r : runs) std::printf("%-28s accuracy %.1f%%\n", r.name.c_str(), 100 * r.report["own"]["accuracy"].get<double>());

@@ -34,10 +34,10 @@ struct EvalOptions {
   // fixed per-layer/head scales measured on the first half of each window (the context part)
   // and reused for the scored second half, as an engine that calibrates at prefill would.
   std::string scale_mode = "dynamic";
-  // layers: > 0 picks each layer's K and V format among --kv to minimize the summed squared
-  // attention-output error at this average bits per element (kvq eval prints it as --kv-layer
-  // flags and runs it as one more format through ppl / needle / own).
-  double budget_bits = 0;
+  // layers: for each budget, each layer's K and V format among --kv chosen to minimize the summed
+  // squared attention-output error at that average bits per element (kvq eval prints it as
+  // --kv-layer flags and runs it as one more format through ppl / needle / own).
+  std::vector<double> budget_bits;
   KvFlags kv;                         // skip-layers, overrides, scales apply to every format
 };
 
