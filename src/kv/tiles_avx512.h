@@ -146,9 +146,8 @@ template <int NQ, bool U8, class ScaleRow>
 
 // Step 1 of int4t's / int2t's weighted sum for the tile at tp whose first token is `base`: the
 // weights of query rows h < NQ quantized by tile_quantize_factored_avx512 against the scale table
-// (w8[g], dws[g / 4]), and the min term p_t m_tg added into the 16 lanes of msv[h * ng + g]. The
-// arrays are packed (no fixed-size strides): rows 2 KiB apart had the min-term loads wait on stores
-// to other rows 4 KiB away (4K aliasing).
+// (w8[g], dws[g / 4]), and the min term p_t m_tg added into the 16 lanes of msv[h * ng + g] (the
+// arrays are packed by the actual group count, not strided by the largest one).
 template <int NQ, bool U8>
 [[gnu::always_inline]] inline void tile_quantize_group_weights_avx512(const float* p, int p_stride, int t0, int n,
                                                                       int base, const uint8_t* tp, size_t min_off,
