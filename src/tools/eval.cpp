@@ -563,6 +563,13 @@ int eval_command(const EvalOptions& o) {
       }
   }
 
+  // A budget below every layer's cheapest K and V is rejected before any model time is spent.
+  if (!o.budget_bits.empty()) {
+    const double least = (*std::min_element(k_bits.begin(), k_bits.end()) + *std::min_element(v_bits.begin(), v_bits.end())) / 2;
+    for (double b : o.budget_bits)
+      if (b < least - 1e-9) fail("--budget-bits {}: below the cheapest choice, {:.2f} bits per element", b, least);
+  }
+
   const int threads = o.threads > 0 ? o.threads : int(std::max(1u, std::thread::hardware_concurrency()));
   ThreadPool pool(threads);
   Ctx c{o, *model, tok, pool, runs, ctxs};
