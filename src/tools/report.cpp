@@ -181,6 +181,17 @@ std::string report_html(const nlohmann::json& ev) {
                             false, false);
     }
   }
+  if (ev.contains("policies")) {
+    h += "<h2>Per-layer policies within a bit budget</h2><p>Each layer's K and V format chosen among the formats "
+         "above to minimize the summed squared per-layer error at the budget (kvq eval --budget-bits); the other "
+         "sections evaluate them as policy@B.</p><table><tr><th>policy</th><th>bits / element</th><th>summed squared "
+         "relative error</th><th>flags</th></tr>";
+    for (const auto& p : ev["policies"])
+      h += fmt::format("<tr><td style='text-align:left'>{}</td><td>{:.2f}</td><td>{:.4g}</td><td style='text-align:left'><code>{}</code></td></tr>",
+                       esc(p["format"].get<std::string>()), p["bits_per_element"].get<double>(),
+                       p["sum_sq_rel_err"].get<double>(), esc(p["flags"].get<std::string>()));
+    h += "</table>";
+  }
   bool any_own = false;
   for (const auto& f : fmts) any_own |= f.contains("own");
   if (any_own) {

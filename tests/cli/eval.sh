@@ -25,9 +25,10 @@ check "layers task: one entry per layer with K and V errors" \
   "python3 -c \"import json; d=json.load(open('$tmp/l.json')); L=d['formats'][0]['layers']['per_layer']; assert len(L)==5 and all(e['k_rel_err']>0 and e['v_rel_err']>0 for e in L); assert d['scale_mode']=='static-prefill' and d['formats'][0]['buckets'][0]['kld_mean']>0\""
 
 # a per-layer policy within a bit budget from the layers task, evaluated by ppl in the same run
-"$kvq" eval -m "$model" --kv fp8,int8,bf16 --task layers,ppl --budget-bits 11,14 --ctx 64 --data "$text" --json --no-progress -t 1 >"$tmp/p.json" 2>/dev/null
+"$kvq" eval -m "$model" --kv fp8,int8,bf16 --task layers,ppl --budget-bits 11,14 --ctx 64 --data "$text" --json --html "$tmp/p.html" --no-progress -t 1 >"$tmp/p.json" 2>/dev/null
 check "budget policy: within the budget, one --kv-layer per layer from the formats under test, evaluated by ppl" \
   "python3 -c \"import json; d=json.load(open('$tmp/p.json')); assert [q['format'] for q in d['policies']]==['policy@11','policy@14']; assert d['policies'][1]['sum_sq_rel_err']<=d['policies'][0]['sum_sq_rel_err']; p=d['policies'][0]; f={x['format']: x for x in d['formats']}; assert p['format']=='policy@11' and p['format'] in f; assert 8<=p['bits_per_element']<=11+1e-9; assert len(p['layers'])==5 and p['flags'].count('--kv-layer')==5; assert all(l['k'] in ('fp8_e4m3','int8','bf16') and l['v'] in ('fp8_e4m3','int8','bf16') for l in p['layers']); assert len(set(l['k'] for l in p['layers'])|set(l['v'] for l in p['layers']))>1; assert abs(f[p['format']]['bits_per_element']-p['bits_per_element'])<1e-6 and f[p['format']]['buckets'][0]['kld_mean']>=0\""
+check "budget policy HTML lists both policies with their flags" "grep -q 'policy@11' $tmp/p.html && grep -q 'policy@14' $tmp/p.html && grep -q -- '--kv-layer 4=' $tmp/p.html"
 "$kvq" eval -m "$model" --kv fp8,int8 --task ppl --budget-bits 9 --ctx 64 --data "$text" --no-progress -t 1 >/dev/null 2>"$tmp/pe1"
 check "budget without the layers task: rejected" "[[ $? -ne 0 ]] && grep -q 'needs --task layers' $tmp/pe1"
 "$kvq" eval -m "$model" --kv fp8,int8 --task layers --budget-bits 4 --ctx 64 --data "$text" --no-progress -t 1 >/dev/null 2>"$tmp/pe2"
