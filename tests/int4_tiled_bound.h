@@ -77,9 +77,9 @@ inline double int4t_score_bound(const Int4TiledLayout& L, const float* q, const 
 
 // Inside decode attention: the weighted sum of the tokens [t0, t0 + n) of a value block, one
 // call, moves output channel d (acc / l) by at most sum over its tiles of half a weight step,
-// dw / l = max_t |pi_t| * max_t |s_t| / levels (int4t_tile_steps; 255: u8 weights for
-// probabilities >= 0; 127, s8, for q4_0t's signed scales), times sum_t c_t[d] (and the steps'
-// rounding slack, within the final 1.001); pi: the probabilities of those tokens (normalized
+// dw / l = max_t |pi_t s_t| / levels (255: u8 weights for probabilities >= 0; 127, s8, for
+// q4_0t's signed scales), times sum_t c_t[d] (and the step's rounding slack, within the final
+// 1.001); pi: the probabilities of those tokens (normalized
 // over the whole attention), pi_scale: how far the kernel's probabilities may exceed them
 // (e^(2 Delta) for a score error Delta). Returns the largest channel bound.
 inline double tile_value_bound(const Int4TiledLayout& L, const TileCodes& tc, const uint8_t* block, int t0, int n,
@@ -88,16 +88,15 @@ inline double tile_value_bound(const Int4TiledLayout& L, const TileCodes& tc, co
   for (int d = 0; d < L.hd; ++d) {
     double e = 0;
     for (int tile = t0 / 16; tile < (t0 + n + 15) / 16; ++tile) {
-      double pmax = 0, smax = 0, csum = 0;
+      double wmax = 0, csum = 0;
       for (int t = std::max(t0, tile * 16); t < std::min(t0 + n, tile * 16 + 16); ++t) {
         double s, m;
         int c;
         tile_scm(L, tc, KvRole::value, block, t, d, &s, &m, &c);
-        pmax = std::max(pmax, std::fabs(pi[t - t0]));
-        smax = std::max(smax, std::fabs(s));
+        wmax = std::max(wmax, std::fabs(pi[t - t0] * s));
         csum += c;
       }
-      e += pmax * smax / (L.signed_scales ? kv_int4t_s8_levels : kv_int4t_u8_levels) * 0.5 * csum;
+      e += wmax / (L.signed_scales ? kv_int4t_s8_levels : kv_int4t_u8_levels) * 0.5 * csum;
     }
     worst = std::max(worst, e);
   }

@@ -55,26 +55,25 @@ inline double int8t_score_bound(const Int8TiledLayout& L, const float* q, const 
 }
 
 // Inside decode attention: the weighted sum of the tokens [t0, t0 + n) of a value block moves
-// output channel d (acc / l) by at most sum over its tiles of half a step max_t pi_t * max_t s_t / 255
-// (int4t_tile_steps; s_t: the token's scale, or for q8_0t its scale for d's block) times
-// sum_t |c_t[d]| (the steps' rounding slack is within the final 1.001); pi: those tokens' normalized
-// probabilities, pi_scale: how far the kernel's may exceed them. Returns the largest channel bound.
+// output channel d (acc / l) by at most sum over its tiles of half a step max_t (pi_t s_t) / 255
+// (s_t: the token's scale, or for q8_0t its scale for d's block) times sum_t |c_t[d]| (the step's
+// rounding slack is within the final 1.001); pi: those tokens' normalized probabilities, pi_scale:
+// how far the kernel's may exceed them. Returns the largest channel bound.
 inline double int8t_value_bound(const Int8TiledLayout& L, const uint8_t* block, int t0, int n, const double* pi,
                                 double pi_scale) {
   double worst = 0;
   for (int d = 0; d < L.hd; ++d) {
     double e = 0;
     for (int tile = t0 / 16; tile < (t0 + n + 15) / 16; ++tile) {
-      double pmax = 0, smax = 0, csum = 0;
+      double wmax = 0, csum = 0;
       for (int t = std::max(t0, tile * 16); t < std::min(t0 + n, tile * 16 + 16); ++t) {
         double s;
         int c;
         int8t_sc(L, KvRole::value, block, t, d, &s, &c);
-        pmax = std::max(pmax, pi[t - t0]);
-        smax = std::max(smax, std::fabs(s));
+        wmax = std::max(wmax, pi[t - t0] * s);
         csum += std::abs(c);
       }
-      e += pmax * smax / kv_int4t_u8_levels * 0.5 * csum;
+      e += wmax / kv_int4t_u8_levels * 0.5 * csum;
     }
     worst = std::max(worst, e);
   }

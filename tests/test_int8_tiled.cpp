@@ -241,23 +241,22 @@ std::vector<double> accum_bound(const Rows& r, const float* p, int t0, int n, do
   std::vector<double> b(size_t(hd), 1e-5 * acc0 + 1e-30);
   for (int tile = t0 / 16; tile < (t0 + n + 15) / 16; ++tile)
     for (int d = 0; d < hd; ++d) {
-      // The weights' step (int4t_tile_steps): the tile's largest |p| times its largest scale of d
-      // (int8t: the token's; q8_0t: the token's for d's 32-channel block).
-      float pmax = 0, smax = 0;
+      // The weights' step: over the tile's tokens with the scale of d (int8t: the token's;
+      // q8_0t: the token's for d's 32-channel block).
+      float wmax = 0;
       for (int t = std::max(t0, tile * 16); t < std::min(t0 + n, tile * 16 + 16); ++t) {
         double s;
         int c;
         r.sc(t, d, &s, &c);
-        pmax = std::max(pmax, std::fabs(p[t - t0]));
-        smax = std::max(smax, std::fabs(float(s)));
+        wmax = std::max(wmax, std::fabs(p[t - t0] * float(s)));
       }
-      float dw, ip, is;
-      int4t_tile_steps(pmax, smax, levels, &dw, &ip, &is);
+      float dw, inv;
+      int4t_weight_step(wmax, levels, &dw, &inv);
       for (int t = std::max(t0, tile * 16); t < std::min(t0 + n, tile * 16 + 16); ++t) {
         double s;
         int c;
         r.sc(t, d, &s, &c);
-        b[size_t(d)] += double(dw) * 0.5 * int4t_tile_step_slack(levels) * std::abs(c) +
+        b[size_t(d)] += double(dw) * 0.5 * int4t_weight_step_slack(levels) * std::abs(c) +
                         1e-5 * std::fabs(p[t - t0]) * std::fabs(s * c);
       }
     }

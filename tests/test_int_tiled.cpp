@@ -283,19 +283,17 @@ std::vector<double> accum_bound(const Rows& r, int group, const float* p, int t0
   std::vector<double> b(size_t(hd), 1e-5 * acc0 + 1e-30);  // acc0: the accumulator's start value
   for (int tile = t0 / 16; tile < (t0 + n + 15) / 16; ++tile)
     for (int g = 0; g < hd / group; ++g) {
-      // The kernels' step (int4t_tile_steps): the tile's largest |p| times its largest |s|.
-      float pmax = 0, smax = 0;
+      float wmax = 0;
       for (int j = 0; j < 16; ++j) {
         const int t = tile * 16 + j;
         if (t < t0 || t >= t0 + n) continue;
         double s, m;
         int c;
         r.scm(t, g * group, &s, &m, &c);
-        pmax = std::max(pmax, std::fabs(p[t - t0]));
-        smax = std::max(smax, std::fabs(float(s)));
+        wmax = std::max(wmax, std::fabs(p[t - t0] * float(s)));
       }
-      float dw, ip, is;
-      int4t_tile_steps(pmax, smax, levels, &dw, &ip, &is);
+      float dw, inv;
+      int4t_weight_step(wmax, levels, &dw, &inv);
       for (int d = g * group; d < (g + 1) * group; ++d)
         for (int j = 0; j < 16; ++j) {
           const int t = tile * 16 + j;
@@ -304,7 +302,7 @@ std::vector<double> accum_bound(const Rows& r, int group, const float* p, int t0
           int c;
           r.scm(t, d, &s, &m, &c);
           const double ap = std::fabs(p[t - t0]);
-          b[size_t(d)] += double(dw) * 0.5 * int4t_tile_step_slack(levels) * c +
+          b[size_t(d)] += double(dw) * 0.5 * int4t_weight_step_slack(levels) * c +
                           1e-5 * ap * (std::fabs(s * c) + std::fabs(m) + std::fabs(s * c + m));
         }
     }
@@ -629,18 +627,18 @@ TEST(IntTiled, Int4RotatedVariants) {
   EXPECT_THROW(kv_codec_create("int4t_g32h", p), Error);
 }
 
-// The factored weight step on its own (int4t_tile_steps, kv/int4_tiled.h): every weight within half
-// a step (times the stated rounding slack) of p_t s_t, inside [0, 255] / [-127, 127], on typical,
-// peaked, tiny (underflowed probabilities, near-zero scales) and signed tiles; rows or groups below
-// the flush thresholds lose at most |p_t s_t|.
-TEST(IntTiled, FactoredWeightStepBound) {
+// The weight step on its own (int4t_weight_step, kv/int4_tiled.h): every weight within half a step
+// (times the derived rounding slack) of w_t, inside [0, 255] / [-127, 127], on typical, peaked, tiny
+// (underflowed probabilities, near-zero scales), huge and signed tiles; a tile whose largest weight
+// is below the flush threshold gets zero weights (and so loses at most |w_t| < 2^-100).
+TEST(IntTiled, WeightStepBound) {
   std::mt19937 rng(11);
   std::normal_distribution<float> nd;
   std::uniform_real_distribution<float> ud(0.f, 1.f);
   for (int trial = 0; trial < 4000; ++trial) {
     const int kind = trial % 8;
     const bool u8 = trial % 2 == 0;
-    float pt[16], st[16];
+    float w[16];
     for (int j = 0; j < 16; ++j) {
       float p = std::exp(-std::fabs(nd(rng)) * 4.f);                // softmax-like
       if (kind == 1) p = j == 5 ? 1.f : std::exp(-20.f - 10 * ud(rng));  // one token dominates
@@ -655,24 +653,21 @@ TEST(IntTiled, FactoredWeightStepBound) {
         if (rng() % 2) p = -p;
         if (rng() % 2) sc = -sc;
       }
-      pt[j] = p;
-      st[j] = sc;
+      w[j] = p * sc;
     }
-    const float pmax = tile_abs_max(pt), smax = tile_abs_max(st);
     int32_t wq[16];
-    const float dw = tile_quantize_factored_ref(pt, pmax, st, u8, wq);
+    const float dw = tile_quantize_weights_ref(w, u8, wq);
     const float levels = u8 ? kv_int4t_u8_levels : kv_int4t_s8_levels;
-    const bool flushed = pmax < kv_tile_pmin || smax < kv_tile_smin;
+    const bool flushed = tile_abs_max(w) < kv_tile_wmin;
     for (int j = 0; j < 16; ++j) {
       SCOPED_TRACE(::testing::Message() << "trial " << trial << " kind " << kind << " u8 " << u8 << " token " << j);
       ASSERT_LE(wq[j], int(levels));
       ASSERT_GE(wq[j], u8 ? 0 : -int(levels));
-      const double exact = double(pt[j]) * double(st[j]);
-      const double err = std::fabs(double(wq[j]) * double(dw) - exact);
+      const double err = std::fabs(double(wq[j]) * double(dw) - double(w[j]));
       if (flushed) {
         ASSERT_EQ(wq[j], 0);
       } else {
-        ASSERT_LE(err, double(dw) / 2 * int4t_tile_step_slack(levels) + 1e-300);
+        ASSERT_LE(err, double(dw) / 2 * int4t_weight_step_slack(levels) + 1e-300);
       }
     }
   }

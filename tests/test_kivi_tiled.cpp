@@ -320,11 +320,11 @@ TEST(KiviTiled, AccumulateBoundEveryLevel) {
               for (int i = 0; i < nq; ++i) {
                 const float* pi = p.data() + size_t(i) * size_t(ps);
                 for (int d = 0; d < hd; ++d) {
-                  // Per tile: half a weight step, max_t |p_t| max_t |s_t| / levels (int4t_tile_steps),
-                  // times the codes summed; plus f32 rounding relative to the magnitudes summed.
+                  // Per tile: half a weight step, max_t |p_t s_t| / levels, times the codes summed;
+                  // plus f32 rounding relative to the magnitudes summed.
                   double exact = 0.5, bound = 0, mag = 0.5;
                   for (int tile = t0 / 16; tile < (t0 + n + 15) / 16; ++tile) {
-                    double pmax = 0, smax = 0, csum = 0;
+                    double wmax = 0, csum = 0;
                     for (int t = std::max(t0, tile * 16); t < std::min(t0 + n, tile * 16 + 16); ++t) {
                       const uint8_t* tp = blk.data() + size_t(t / 16) * L.tile_bytes;
                       f16_t hs, hm;
@@ -336,13 +336,12 @@ TEST(KiviTiled, AccumulateBoundEveryLevel) {
                       const int j = t % 16;
                       const double code = w.value_code(codes, j, d);
                       const double pt = pi[t - t0];
-                      pmax = std::max(pmax, std::fabs(pt));
-                      smax = std::max(smax, std::fabs(sc));
+                      wmax = std::max(wmax, std::fabs(pt * sc));
                       csum += code;
                       exact += pt * v;
                       mag += std::fabs(pt) * (sc * code + std::fabs(mn) + std::fabs(v));
                     }
-                    bound += pmax * smax / levels_w * 0.5 * int4t_tile_step_slack(float(levels_w)) * csum;
+                    bound += wmax / levels_w * 0.5 * int4t_weight_step_slack(float(levels_w)) * csum;
                   }
                   mags[size_t(i) * size_t(hd) + size_t(d)] = mag;
                   const float got = acc[size_t(i) * size_t(hd) + size_t(d)];

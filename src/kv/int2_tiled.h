@@ -3,7 +3,7 @@
 // that the fused kernels are integer dots with one token per SIMD lane, as int4t's
 // (kv/int4_tiled.h). Everything but the code bytes is int4t's: the layout struct
 // (Int4TiledLayout, built by int2t_layout: same scale / min tables, same prepared query), the
-// query preparation (int4t_prepare_query), the weight steps (int4t_tile_steps) and the codec
+// query preparation (int4t_prepare_query), the weight steps (int4t_weight_step) and the codec
 // boilerplate (TiledCodecBase).
 //
 // Head block = block_tokens / 16 tiles (block_tokens a multiple of 16), tile_bytes apart:
@@ -32,12 +32,12 @@
 //   |score - <q, decode(k_t)>| <= sum_j (dq_b(j) / 2)(1 + 2^-21) * |s_t c_tj| + f32 rounding.
 //
 // Weighted sum (error bound): int4t's. Per (query row, group g, tile) the weights w_t = p_t * s_tg
-// are rounded to steps dw = max_t |p_t| * max_t |s_tg| / W (int4t_tile_steps; u8, W = 255, when
-// every weight of the call is >= 0, else s8, W = 127), the min term sum_t p_t m_tg is summed in
-// f32, the integer dot is exact (|sum| <= 16 * 3 * 255), so channel d of query row i moves by at most
-//   sum_tiles (dw / 2)(1 + W 2^-20) * sum_{t in tile} c_t[d]  + f32 rounding,
+// are rounded to steps dw = max_t |w_t| / W (int4t_weight_step; u8, W = 255, when every weight of
+// the call is >= 0, else s8, W = 127), the min term sum_t p_t m_tg is summed in f32, the integer
+// dot is exact (|sum| <= 16 * 3 * 255), so channel d of query row i moves by at most
+//   sum_tiles (dw / 2)(1 + W 2^-21) * sum_{t in tile} c_t[d]  + f32 rounding,
 // with c_t[d] <= 3 and s_t = range_t / 3: relative to attention's output (acc / l), at most
-// 16 * max_t pi_t * max_t range_t / 510 per tile (pi: the softmax probabilities), the same as int4t's
+// 16 * max_t (pi_t range_t) / 510 per tile (pi: the softmax probabilities), the same as int4t's
 // (15 codes of range / 15): the weight rounding costs the same share of the group range, int2's
 // own quantization error (range / 6 per element) is what differs.
 //

@@ -28,16 +28,15 @@
 // the same bound as int4_gN's integer-dot kernels (kv_rows.h).
 //
 // Weighted sum (error bound). Per (query row, group g, tile) the weights w_t = p_t * s_tg of the
-// tile's tokens are rounded to integer steps dw = max_t |p_t| * max_t |s_tg| / W (int4t_tile_steps:
-// the row's and the group's maxima are each found once per tile); the min term sum_t p_t m_tg is
-// summed in f32. When every weight of the call is >= 0 (attention's probabilities always are) the
-// weights are u8 (W = 255) and the codes, 0..15, are the s8 operand of the u8 x s8 dot; otherwise
-// the weights are s8 (W = 127) against u8 codes. The integer dot of codes and weights is exact
-// (|sum| <= 16 * 15 * 255), so channel d of query row i moves by at most
-//   sum_tiles (dw / 2)(1 + W 2^-20) * sum_{t in tile} c_t[d]  + f32 rounding.
-// Relative to the output of attention (acc / l) the step of a tile is max_t pi_t * max_t s_t / 255
-// with pi the softmax probabilities: the error is at most ~1/510 of the tile's largest probability
-// times its largest scale times its codes, per tile.
+// tile's tokens are rounded to integer steps dw = max_t |w_t| / W (int4t_weight_step); the min
+// term sum_t p_t m_tg is summed in f32. When every weight of the call is >= 0 (attention's
+// probabilities always are) the weights are u8 (W = 255) and the codes, 0..15, are the s8 operand
+// of the u8 x s8 dot; otherwise the weights are s8 (W = 127) against u8 codes. The integer dot of
+// codes and weights is exact (|sum| <= 16 * 15 * 255), so channel d of query row i moves by at most
+//   sum_tiles (dw / 2)(1 + W 2^-21) * sum_{t in tile} c_t[d]  + f32 rounding.
+// Relative to the output of attention (acc / l) the step of a tile is max_t (pi_t s_t) / 255 with
+// pi the softmax probabilities: the error is at most ~1/510 of the tile's largest probability
+// times its code range, per tile.
 //
 // q4_0t: llama.cpp q4_0's quantization (x = (c - 8) d per 32 channels, d = f16, possibly
 // negative; decode bit-identical to q4_0's, same bytes) in these tiles without a min table: the
@@ -166,33 +165,25 @@ void int4t_scores(const Int4TiledLayout& L, const float* qp, int n_q, const uint
 void int4t_accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                  int n, float* acc);
 
-// Weight levels of the tiled weighted sums: 255 (u8 weights, all weights of the call >= 0) or 127
-// (s8 weights).
+// Weight quantization of the tiled weighted sums (int4t, int2t, q4_0t, kivi values, int8t, q8_0t),
+// shared by every variant so that all of them round identically. Per (query row, group, tile) the
+// weights w_t = p_t s_tg (f32 products) and wmax = max_t |w_t|:
+//   dw = wmax / levels, inv = levels / wmax, weight wq_t = clamp(rint(w_t * inv)),
+// levels = 255 (u8 weights, all weights of the call >= 0) or 127 (s8 weights). From the roundings
+// of inv, of w_t * inv and of dw (2^-24 relative each) and |w_t| <= levels * dw (1 + 2^-24):
+//   |wq_t dw - w_t| <= (dw / 2)(1 + levels 2^-21).
+// A tile whose largest weight is below 2^-100 (probabilities that underflowed, near-zero scales)
+// gets inv = 0 and zero weights (levels / wmax would overflow to inf, and 0 * inf is NaN): those
+// tokens lose |w_t| < 2^-100.
 inline constexpr float kv_int4t_u8_levels = 255.f, kv_int4t_s8_levels = 127.f;
-
-// Weight quantization of the tiled weighted sums (int4t, int2t, q4_0t, int8t, q8_0t; shared by every
-// variant so that all of them round identically: the factored step). In a tile,
-// row i's weights p_t and group g's scales s_tg are each normalized by their own largest magnitude,
-// pmax (per row and tile) and smax (per group and tile):
-//   ip = 1 / pmax, is = levels / smax, dw = pmax * smax / levels,
-//   weight wq_t = clamp(rint((p_t * ip) * (s_tg * is))), in f32 and in that order,
-// so that wq_t * dw = p_t s_tg up to half a step. The step is at least max_t |p_t s_tg| / levels
-// (the tightest one) and larger when the token of largest weight is not the one of largest scale;
-// what it buys is that the maxima are shared: one per row and one per group per tile, instead of
-// one per (row, group). Error of one weight, from the f32 roundings of ip, is, the three products
-// and dw (7 roundings of 2^-24 each, relative):
-//   |wq_t dw - p_t s_tg| <= (dw / 2)(1 + levels * 2^-20).
-// A row whose largest |p| is below 2^-126 (probabilities that underflowed) or a group whose largest
-// |s| is below 2^-100 has ip or is = 0, so its weights are 0 (1 / pmax or levels / smax would
-// overflow to inf, and 0 * inf is NaN): those tokens lose |p_t s_tg| <= 2^-126 smax or 2^-100 pmax.
-inline constexpr float kv_tile_pmin = 0x1p-126f, kv_tile_smin = 0x1p-100f;
-inline void int4t_tile_steps(float pmax, float smax, float levels, float* dw, float* ip, float* is) {
-  *ip = pmax >= kv_tile_pmin ? 1.f / pmax : 0.f;
-  *is = smax >= kv_tile_smin ? levels / smax : 0.f;
-  *dw = pmax * smax / levels;
+inline constexpr float kv_tile_wmin = 0x1p-100f;
+inline void int4t_weight_step(float wmax, float levels, float* dw, float* inv) {
+  *dw = wmax / levels;
+  *inv = wmax >= kv_tile_wmin ? levels / wmax : 0.f;
 }
-// The relative slack of that bound: 1 + levels * 2^-20.
-inline double int4t_tile_step_slack(float levels) { return 1.0 + double(levels) * 0x1p-20; }
+// The relative slack of that bound: 1 + levels * 2^-21.
+inline double int4t_weight_step_slack(float levels) { return 1.0 + double(levels) * 0x1p-21; }
+
 // True when every weight p[i * p_stride + t] (i < n_q, t < n) is >= 0: the u8-weight path.
 inline bool int4t_weights_nonneg(const float* p, int p_stride, int n_q, int n) {
   for (int i = 0; i < n_q; ++i)

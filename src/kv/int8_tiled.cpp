@@ -138,15 +138,14 @@ void int8t_accum_ref(const Int8TiledLayout& L, const float* p, int p_stride, int
         const int t = tile * kv_tile_tokens + j - t0;
         pt[j] = t >= 0 && t < n ? pi[t] : 0.f;
       }
-      const float pmax = tile_abs_max(pt);
       for (int sb = 0; sb < nsb; ++sb) {
-        float st[kv_tile_tokens];
+        float w[kv_tile_tokens];
         for (int j = 0; j < kv_tile_tokens; ++j) {
           const int t = tile * kv_tile_tokens + j - t0;
-          st[j] = t >= 0 && t < n ? int8t_tile_scale(L, tp, j, sb) : 0.f;
+          w[j] = t >= 0 && t < n ? pt[j] * int8t_tile_scale(L, tp, j, sb) : 0.f;
         }
         int32_t wq[kv_tile_tokens];
-        const float dw = tile_quantize_factored_ref(pt, pmax, st, u8, wq);
+        const float dw = tile_quantize_weights_ref(w, u8, wq);
         for (int d = sb * span; d < (sb + 1) * span; ++d) {
           const int c = d / 16, lane = d % 16;
           int32_t dot = 0;

@@ -90,14 +90,13 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
     // Weights per scale block (the whole head for int8t, 32 channels for q8_0t), with the
     // reference's quantization (the same expressions: identical weights).
     const int nsb = L.block_scales ? hd / 32 : 1, chunks = hd / 16 / nsb;
-    float pt[NQ][16], pmax[NQ];
+    float pt[NQ][16];
     for (int h = 0; h < NQ; ++h) {
       const float* ph = p + size_t(h) * size_t(p_stride);
       for (int j = 0; j < 16; ++j) {
         const int t = tile * 16 + j - t0;
         pt[h][j] = t >= 0 && t < n ? ph[t] : 0.f;
       }
-      pmax[h] = tile_abs_max(pt[h]);
     }
     for (int sb = 0; sb < nsb; ++sb) {
       alignas(16) int8_t w8[NQ][16];
@@ -108,8 +107,10 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
         st[j] = t >= 0 && t < n ? int8t_tile_scale(L, tp, j, sb) : 0.f;
       }
       for (int h = 0; h < NQ; ++h) {
+        float w[16];
+        for (int j = 0; j < 16; ++j) w[j] = pt[h][j] * st[j];
         int32_t wq[16];
-        dw[h] = tile_quantize_factored_ref(pt[h], pmax[h], st, u8, wq);
+        dw[h] = tile_quantize_weights_ref(w, u8, wq);
         for (int j = 0; j < 16; ++j) w8[h][j] = int8_t(uint8_t(wq[j]));  // u8 path: the byte 0..255; s8: -127..127
       }
       for (int c = sb * chunks; c < (sb + 1) * chunks; ++c) {

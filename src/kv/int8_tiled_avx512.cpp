@@ -85,7 +85,7 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
   int32_t wsum[kSegTiles][U8 ? 1 : NQ * (BS ? kMaxSB : 1)];
   for (int seg = tile0; seg < tile1; seg += kSegTiles) {
     const int nt = std::min(kSegTiles, tile1 - seg);
-    // 1. Quantized weights of the segment's tiles (tile_quantize_factored_avx512: int4t_tile_steps).
+    // 1. Quantized weights of the segment's tiles (tile_quantize_weights_avx512: int4t_weight_step).
     for (int tt = 0; tt < nt; ++tt) {
       const int base = (seg + tt) * 16;
       const uint8_t* tp = block + size_t(seg + tt) * L.tile_bytes;
@@ -93,7 +93,7 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
       __m512 pv[4];
       const __mmask16 mask = tile_load_weights_avx512<NQ>(p, p_stride, t0, n, base, pv);
       // Masked: slots outside the range may hold anything (NaN scales of unwritten tokens).
-      tile_quantize_factored_avx512<NQ, U8>(
+      tile_quantize_weights_avx512<NQ, U8>(
           pv, nsb,
           [&](int sb) {
             return BS ? _mm512_maskz_mov_ps(mask, tile_load_f16x16_avx512(tp + 32 * size_t(sb)))

@@ -69,13 +69,13 @@ inline __m256 tile_max4x8_avx2(const __m256* v) {
 // B: 2 6 3 7, read through this index instead of a permute. Dword of row h's token quad k.
 inline int tile_w8_dword(int h, int k) { return (h & 1) * 2 + (k >> 1) + (k & 1) * 4; }
 
-// Step 1 of int4t's / int2t's AVX2 weighted sum for the tile at tp whose first token is `base`,
-// with int4t_tile_steps' arithmetic bit for bit: per query row h < NQ (rows p_stride apart, weight
-// of token t at p[t - t0]) the largest |p_t| (one 4-row tree), per group g < ng the largest
-// |s_tg| (one tree per 4 groups), the weights rint((p_t ip_h)(s_tg is_g)) as u8 (U8) or s8, row pair
-// r's in w8[g][r] (dwords by tile_w8_dword), row h's step in dw[g][h], and the min term p_t m_tg
-// added into the 8 lanes of msv[h][g]. Lanes outside [t0, t0 + n) weigh 0 and their scales /
-// minimums (which may hold anything, NaN included) are masked off.
+// Step 1 of int4t's / int2t's AVX2 weighted sum for the tile at tp whose first token is `base`:
+// per group g < ng the weights w_t = p_t s_tg of query rows h < NQ (rows p_stride apart, weight of
+// token t at p[t - t0]) rounded with vector arithmetic (the scalar steps of int4t_weight_step, bit
+// for bit) to u8 (U8) or s8, row pair r's in w8[g][r] (dwords by tile_w8_dword), row h's step in
+// dw[g][h], and the min term p_t m_tg added into the 8 lanes of msv[h][g]. Lanes outside
+// [t0, t0 + n) weigh 0 and their scales / minimums (which may hold anything, NaN included) are
+// masked off.
 template <int NQ, bool U8, int MaxGroups>
 [[gnu::always_inline]] inline void tile_quantize_group_weights_avx2(const float* p, int p_stride, int t0, int n,
                                                                     int base, const uint8_t* tp, size_t min_off,
@@ -83,11 +83,10 @@ template <int NQ, bool U8, int MaxGroups>
                                                                     float (*dw)[8], float (*msv)[MaxGroups][8]) {
   constexpr int NP = (NQ + 1) / 2;  // row pairs
   const __m256 sign = _mm256_set1_ps(-0.f);
-  const __m256 zero = _mm256_setzero_ps();
   const __m256 lv = _mm256_set1_ps(U8 ? kv_int4t_u8_levels : kv_int4t_s8_levels);
   const bool full = base >= t0 && base + 16 <= t0 + n;
   __m256 pv[NQ][2];
-  __m256 mk[2] = {zero, zero};
+  __m256 mk[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   if (full) {
     for (int h = 0; h < NQ; ++h) {
       const float* ph = p + size_t(h) * size_t(p_stride) + size_t(base - t0);
@@ -108,67 +107,52 @@ template <int NQ, bool U8, int MaxGroups>
     mk[0] = _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mi)));
     mk[1] = _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mi + 8)));
   }
-  // Row maxima: lanes h and 4 + h of pmax.
-  __m256 pa[4];
-  for (int h = 0; h < 4; ++h)
-    pa[h] = h < NQ ? _mm256_max_ps(_mm256_andnot_ps(sign, pv[h][0]), _mm256_andnot_ps(sign, pv[h][1])) : zero;
-  const __m256 pmax = tile_max4x8_avx2(pa);
-  const __m256 ip = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.f), pmax),
-                                  _mm256_cmp_ps(pmax, _mm256_set1_ps(kv_tile_pmin), _CMP_GE_OQ));
-  __m256 pn[NQ][2];  // p_t * ip_h
-  for (int h = 0; h < NQ; ++h) {
-    const __m256 ih = _mm256_permutevar_ps(ip, _mm256_set1_epi32(h));
-    pn[h][0] = _mm256_mul_ps(pv[h][0], ih);
-    pn[h][1] = _mm256_mul_ps(pv[h][1], ih);
-  }
-  for (int g0 = 0; g0 < ng; g0 += 4) {
-    const int gc = std::min(4, ng - g0);
-    __m256 sv[4][2], sa[4];
-    for (int j = 0; j < 4; ++j) {
-      if (j < gc) {
-        sv[j][0] = tile_load_f16x8_avx2(tp + 32 * size_t(g0 + j));
-        sv[j][1] = tile_load_f16x8_avx2(tp + 32 * size_t(g0 + j) + 16);
-        if (!full) {
-          sv[j][0] = _mm256_and_ps(sv[j][0], mk[0]);
-          sv[j][1] = _mm256_and_ps(sv[j][1], mk[1]);
-        }
-        sa[j] = _mm256_max_ps(_mm256_andnot_ps(sign, sv[j][0]), _mm256_andnot_ps(sign, sv[j][1]));
+  for (int g = 0; g < ng; ++g) {
+    __m256 sv0 = tile_load_f16x8_avx2(tp + 32 * size_t(g)), sv1 = tile_load_f16x8_avx2(tp + 32 * size_t(g) + 16);
+    __m256 mv0 = tile_load_f16x8_avx2(tp + min_off + 32 * size_t(g));
+    __m256 mv1 = tile_load_f16x8_avx2(tp + min_off + 32 * size_t(g) + 16);
+    if (!full) {
+      sv0 = _mm256_and_ps(sv0, mk[0]);
+      sv1 = _mm256_and_ps(sv1, mk[1]);
+      mv0 = _mm256_and_ps(mv0, mk[0]);
+      mv1 = _mm256_and_ps(mv1, mk[1]);
+    }
+    __m256 w[NQ][2], wa[4];
+    for (int h = 0; h < 4; ++h) {
+      if (h < NQ) {
+        w[h][0] = _mm256_mul_ps(pv[h][0], sv0);
+        w[h][1] = _mm256_mul_ps(pv[h][1], sv1);
+        wa[h] = _mm256_max_ps(_mm256_andnot_ps(sign, w[h][0]), _mm256_andnot_ps(sign, w[h][1]));
       } else {
-        sv[j][0] = sv[j][1] = sa[j] = zero;
+        wa[h] = _mm256_setzero_ps();
       }
     }
-    const __m256 smax = tile_max4x8_avx2(sa);  // lanes j and 4 + j: group g0 + j's largest |s|
-    const __m256 is = _mm256_and_ps(_mm256_div_ps(lv, smax), _mm256_cmp_ps(smax, _mm256_set1_ps(kv_tile_smin), _CMP_GE_OQ));
-    for (int j = 0; j < gc; ++j) {
-      const int g = g0 + j;
-      // lane h: pmax_h * smax_j / levels
-      _mm256_store_ps(dw[g], _mm256_div_ps(_mm256_mul_ps(pmax, _mm256_permutevar_ps(smax, _mm256_set1_epi32(j))), lv));
-      const __m256 isj = _mm256_permutevar_ps(is, _mm256_set1_epi32(j));
-      const __m256 sn0 = _mm256_mul_ps(sv[j][0], isj), sn1 = _mm256_mul_ps(sv[j][1], isj);
-      for (int r = 0; r < NP; ++r) {
-        __m256i pk[2];
-        for (int e = 0; e < 2; ++e) {
-          const int h = 2 * r + e;
-          pk[e] = h < NQ ? _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(pn[h][0], sn0)),
-                                              _mm256_cvtps_epi32(_mm256_mul_ps(pn[h][1], sn1)))
-                         : _mm256_setzero_si256();
+    // int4t_weight_step for all rows at once: dw = wmax / levels, inv = levels / wmax or 0 (below 2^-100).
+    const __m256 wmax = tile_max4x8_avx2(wa);
+    _mm256_store_ps(dw[g], _mm256_div_ps(wmax, lv));
+    const __m256 inv =
+        _mm256_and_ps(_mm256_div_ps(lv, wmax), _mm256_cmp_ps(wmax, _mm256_set1_ps(kv_tile_wmin), _CMP_GE_OQ));
+    for (int r = 0; r < NP; ++r) {
+      __m256i pk[2];
+      for (int e = 0; e < 2; ++e) {
+        const int h = 2 * r + e;
+        if (h < NQ) {
+          const __m256 ih = _mm256_permutevar_ps(inv, _mm256_set1_epi32(h));
+          pk[e] = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(w[h][0], ih)),
+                                     _mm256_cvtps_epi32(_mm256_mul_ps(w[h][1], ih)));
+        } else {
+          pk[e] = _mm256_setzero_si256();
         }
-        // Saturation is the reference's clamp: [0, 255], or [-127, 127] (a NaN product converts to
-        // INT_MIN, which the reference's clamp makes -127).
-        const __m256i q = U8 ? _mm256_packus_epi16(pk[0], pk[1])
-                             : _mm256_max_epi8(_mm256_packs_epi16(pk[0], pk[1]), _mm256_set1_epi8(-127));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(w8[g][r]), q);
       }
-      __m256 mv0 = tile_load_f16x8_avx2(tp + min_off + 32 * size_t(g));
-      __m256 mv1 = tile_load_f16x8_avx2(tp + min_off + 32 * size_t(g) + 16);
-      if (!full) {
-        mv0 = _mm256_and_ps(mv0, mk[0]);
-        mv1 = _mm256_and_ps(mv1, mk[1]);
-      }
-      for (int h = 0; h < NQ; ++h)
-        _mm256_store_ps(msv[h][g],
-                        _mm256_fmadd_ps(pv[h][1], mv1, _mm256_fmadd_ps(pv[h][0], mv0, _mm256_load_ps(msv[h][g]))));
+      // Saturation is the reference's clamp: [0, 255], or [-127, 127] (a NaN product converts to
+      // INT_MIN, which the reference's clamp makes -127).
+      const __m256i q = U8 ? _mm256_packus_epi16(pk[0], pk[1])
+                           : _mm256_max_epi8(_mm256_packs_epi16(pk[0], pk[1]), _mm256_set1_epi8(-127));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(w8[g][r]), q);
     }
+    for (int h = 0; h < NQ; ++h)
+      _mm256_store_ps(msv[h][g],
+                      _mm256_fmadd_ps(pv[h][1], mv1, _mm256_fmadd_ps(pv[h][0], mv0, _mm256_load_ps(msv[h][g]))));
   }
 }
 

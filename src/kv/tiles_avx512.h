@@ -87,44 +87,68 @@ template <int NQ>
   return mask;
 }
 
-// The weight quantization of one tile's weighted sum with int4t_tile_steps' arithmetic, bit for bit
-// with the references (tile_quantize_factored_ref): pv[4] the rows' weights (tile_load_weights_avx512),
-// scale_row(g) group g's 16 token scales (0 outside the range: their slots may hold NaN). The
-// largest |p| of each row (one 4-row tree) and |s| of each group (one tree per 4 groups), then the
-// weights rint((p_t ip_h)(s_tg is_g)) as u8 (U8) or s8 in w8[g] (64 bytes; byte 16k + 4h + m: row
-// h, token 4k + m, what VPACK*DW / VPACK*WB of rows 0..3 leave in place: one store per group for all
-// rows), the steps in dws[g / 4] (lane 4h + g % 4: row h's dw for group g), and for s8 weights, when
-// wsum is given, wsum[h * ng + g] = 128 * the sum of row h's stored weights (int8t's correction).
+// Lane 4L + e of the result = the largest of the 16 lanes of v[4e + L] (hsum16_avx512's tree with
+// max): 16 maxima in 15 maxima and 30 shuffles.
+[[gnu::always_inline]] inline __m512 tile_max16x16_avx512(const __m512* v) {
+  __m512 u[8];
+  for (int j = 0; j < 8; ++j)
+    u[j] = _mm512_max_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 w[4];
+  for (int j = 0; j < 4; ++j)
+    w[j] = _mm512_max_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 y0 = _mm512_max_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 y1 = _mm512_max_ps(_mm512_shuffle_ps(w[2], w[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_ps(w[2], w[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_max_ps(_mm512_shuffle_ps(y0, y1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// The weight quantization of one tile's weighted sum with int4t_weight_step's arithmetic, bit for
+// bit with the references (tile_quantize_weights_ref): pv[4] the rows' weights
+// (tile_load_weights_avx512), scale_row(g) group g's 16 token scales (0 outside the range: their
+// slots may hold NaN). Per 4 groups: the 16 (row, group) weight vectors w = p * s, their maxima in
+// one tree (tile_max16x16_avx512) and the steps and inverses of all 16 in two divisions; the weights
+// rint(w * inv) as u8 (U8) or s8 in w8[g] (64 bytes; byte 16k + 4h + m: row h, token 4k + m, what
+// VPACK*DW / VPACK*WB of rows 0..3 leave in place: one store per group for all rows), the steps in
+// dws[g / 4] (lane 4h + g % 4: row h's dw for group g), and for s8 weights, when wsum is given,
+// wsum[h * ng + g] = 128 * the sum of row h's stored weights (int8t's correction).
 template <int NQ, bool U8, class ScaleRow>
-[[gnu::always_inline]] inline void tile_quantize_factored_avx512(const __m512* pv, int ng, ScaleRow scale_row,
-                                                                 uint8_t (*w8)[64], float (*dws)[16],
-                                                                 int32_t* wsum = nullptr) {
+[[gnu::always_inline]] inline void tile_quantize_weights_avx512(const __m512* pv, int ng, ScaleRow scale_row,
+                                                                uint8_t (*w8)[64], float (*dws)[16],
+                                                                int32_t* wsum = nullptr) {
   const __m512 zero = _mm512_setzero_ps();
   const __m512 lv = _mm512_set1_ps(U8 ? kv_int4t_u8_levels : kv_int4t_s8_levels);
-  __m512 pa[4];
-  for (int h = 0; h < 4; ++h) pa[h] = U8 ? pv[h] : _mm512_abs_ps(pv[h]);
-  const __m512 pmax = tile_max4x16_avx512(pa);  // lanes 4h..4h+3: row h's largest |p_t|
-  const __m512 ip = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(pmax, _mm512_set1_ps(kv_tile_pmin), _CMP_GE_OQ),
-                                        _mm512_set1_ps(1.f), pmax);
-  __m512 pn[NQ];  // p_t * ip_h
-  for (int h = 0; h < NQ; ++h) pn[h] = _mm512_mul_ps(pv[h], _mm512_permutexvar_ps(_mm512_set1_epi32(4 * h), ip));
   for (int g0 = 0; g0 < ng; g0 += 4) {
     const int gc = std::min(4, ng - g0);
-    __m512 sv[4], sa[4];
+    __m512 w[4][4], wa[16];  // w[j][h]: group g0 + j, row h; wa[4j + h] = |w[j][h]|
     for (int j = 0; j < 4; ++j) {
-      sv[j] = j < gc ? scale_row(g0 + j) : zero;
-      sa[j] = U8 ? sv[j] : _mm512_abs_ps(sv[j]);
+      const __m512 sv = j < gc ? scale_row(g0 + j) : zero;
+      for (int h = 0; h < 4; ++h) {
+        w[j][h] = h < NQ && j < gc ? _mm512_mul_ps(pv[h], sv) : zero;
+        wa[4 * j + h] = U8 ? w[j][h] : _mm512_abs_ps(w[j][h]);
+      }
     }
-    const __m512 smax = tile_max4x16_avx512(sa);  // lanes 4j..4j+3: group g0 + j's largest |s|
-    const __m512 is = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(smax, _mm512_set1_ps(kv_tile_smin), _CMP_GE_OQ), lv, smax);
-    // dw lane 4h + j = pmax_h * smax_j / levels
-    const __m512i tr = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12);
-    _mm512_store_ps(dws[g0 / 4], _mm512_div_ps(_mm512_mul_ps(pmax, _mm512_permutexvar_ps(tr, smax)), lv));
+    // lane 4h + j: max_t |w[j][h]|. One or two groups: a 4-row tree each (its lanes 4h..4h+3 all hold
+    // row h's maximum) and a blend; three or four: one 16-vector tree.
+    __m512 wmax;
+    if (gc <= 2) {
+      wmax = tile_max4x16_avx512(wa);
+      if (gc == 2) wmax = _mm512_mask_mov_ps(wmax, 0x2222, tile_max4x16_avx512(wa + 4));
+    } else {
+      wmax = tile_max16x16_avx512(wa);
+    }
+    _mm512_store_ps(dws[g0 / 4], _mm512_div_ps(wmax, lv));
+    const __m512 inv =
+        _mm512_maskz_div_ps(_mm512_cmp_ps_mask(wmax, _mm512_set1_ps(kv_tile_wmin), _CMP_GE_OQ), lv, wmax);
     for (int j = 0; j < gc; ++j) {
       const int g = g0 + j;
-      const __m512 sn = _mm512_mul_ps(sv[j], _mm512_permutexvar_ps(_mm512_set1_epi32(4 * j), is));
       __m512i wi[4];
-      for (int h = 0; h < 4; ++h) wi[h] = h < NQ ? _mm512_cvtps_epi32(_mm512_mul_ps(pn[h], sn)) : _mm512_setzero_si512();
+      for (int h = 0; h < 4; ++h)
+        wi[h] = h < NQ ? _mm512_cvtps_epi32(_mm512_mul_ps(w[j][h], _mm512_permutexvar_ps(_mm512_set1_epi32(4 * h + j), inv)))
+                       : _mm512_setzero_si512();
       // Saturation is the reference's clamp: [0, 255], or [-127, 127] (a NaN product converts to
       // INT_MIN, which the reference's clamp makes -127, or 0 for u8).
       __m512i q;
@@ -145,7 +169,7 @@ template <int NQ, bool U8, class ScaleRow>
 }
 
 // Step 1 of int4t's / int2t's weighted sum for the tile at tp whose first token is `base`: the
-// weights of query rows h < NQ quantized by tile_quantize_factored_avx512 against the scale table
+// weights of query rows h < NQ quantized by tile_quantize_weights_avx512 against the scale table
 // (w8[g], dws[g / 4]), and the min term p_t m_tg added into the 16 lanes of msv[h * ng + g] (the
 // arrays are packed by the actual group count, not strided by the largest one).
 template <int NQ, bool U8>
@@ -155,7 +179,7 @@ template <int NQ, bool U8>
                                                                       float (*msv)[16]) {
   __m512 pv[4];
   const __mmask16 mask = tile_load_weights_avx512<NQ>(p, p_stride, t0, n, base, pv);
-  tile_quantize_factored_avx512<NQ, U8>(
+  tile_quantize_weights_avx512<NQ, U8>(
       pv, ng, [&](int g) { return _mm512_maskz_mov_ps(mask, tile_load_f16x16_avx512(tp + 32 * size_t(g))); }, w8,
       dws);
   for (int g = 0; g < ng; ++g) {

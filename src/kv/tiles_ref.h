@@ -1,5 +1,5 @@
 // Scalar pieces shared by the tiled codecs' reference kernels (int4t, int2t, int8t): the weight
-// quantization of one (query row, group, tile) (int4t_tile_steps) and the weighted sum over value
+// quantization of one (query row, group, tile) (int4t_weight_step) and the weighted sum over value
 // tiles with per-token f16 scale / min tables, one template over the layout's code reader. The SIMD kernels reproduce
 // this rounding bit for bit (kv/tiles_avx512.h, kv/tiles_avx2.h).
 #pragma once
@@ -25,15 +25,15 @@ inline float tile_abs_max(const float* x) {
   return m;
 }
 
-// The weights p_t s_t of one (query row, group, tile) rounded with int4t_tile_steps: pt, st the
-// tile's 16 weights and scales (0 outside the call's range), pmax = tile_abs_max(pt); u8 (all
-// weights of the call >= 0; wq in [0, 255]) or s8 (wq in [-127, 127]). Returns the step dw.
-inline float tile_quantize_factored_ref(const float* pt, float pmax, const float* st, bool u8, int32_t* wq) {
+// A tile's 16 weights w (0 outside the call's range) rounded to integer steps wq with
+// int4t_weight_step's arithmetic: u8 (all weights of the call >= 0; wq in [0, 255]) or s8 (wq in
+// [-127, 127]). Returns the step dw.
+inline float tile_quantize_weights_ref(const float* w, bool u8, int32_t* wq) {
   const float levels = u8 ? kv_int4t_u8_levels : kv_int4t_s8_levels;
-  float dw, ip, is;
-  int4t_tile_steps(pmax, tile_abs_max(st), levels, &dw, &ip, &is);
+  float dw, inv;
+  int4t_weight_step(tile_abs_max(w), levels, &dw, &inv);
   for (int j = 0; j < kv_tile_tokens; ++j)
-    wq[j] = int32_t(std::min(levels, std::max(u8 ? 0.f : -levels, std::nearbyint((pt[j] * ip) * (st[j] * is)))));
+    wq[j] = int32_t(std::min(levels, std::max(u8 ? 0.f : -levels, std::nearbyint(w[j] * inv))));
   return dw;
 }
 
@@ -66,8 +66,7 @@ void tiles_scores_ref(const Int4TiledLayout& L, const float* qp, int n_q, const 
 
 // The scalar weighted sum of int4t's / int2t's value tiles (layout L): acc[i * hd + d] += sum_t
 // p[i * p_stride + t] * v_{t0 + t}[d], per (query row, group, tile) the weights p_t s_tg quantized
-// with int4t_tile_steps (the row's and the group's largest magnitudes in the tile) and dotted
-// exactly with the codes, the min term sum_t p_t m_tg in f32. code_of(codes, j, d): the code of
+// by tile_quantize_weights_ref and dotted exactly with the codes, the min term sum_t p_t m_tg in f32. code_of(codes, j, d): the code of
 // element d of tile slot j.
 template <class CodeOf>
 void tiles_accum_ref(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
@@ -93,15 +92,14 @@ void tiles_accum_ref(const Int4TiledLayout& L, const float* p, int p_stride, int
         valid[j] = t >= 0 && t < n;
         pt[j] = valid[j] ? pi[t] : 0.f;
       }
-      const float pmax = tile_abs_max(pt);
       for (int g = 0; g < L.ng; ++g) {
-        float st[kv_tile_tokens];
+        float w[kv_tile_tokens];
         for (int j = 0; j < kv_tile_tokens; ++j) {
-          st[j] = valid[j] ? tile_f16(tp, size_t(g * 16 + j)) : 0.f;
+          w[j] = valid[j] ? pt[j] * tile_f16(tp, size_t(g * 16 + j)) : 0.f;
           if (valid[j]) msum[g] += pt[j] * tile_f16(tp + L.min_off, size_t(g * 16 + j));
         }
         int32_t wq[kv_tile_tokens];
-        const float dw = tile_quantize_factored_ref(pt, pmax, st, u8, wq);
+        const float dw = tile_quantize_weights_ref(w, u8, wq);
         for (int d = g * L.group; d < (g + 1) * L.group; ++d) {
           int32_t dot = 0;
           for (int j = 0; j < kv_tile_tokens; ++j) dot += wq[j] * int32_t(code_of(codes, j, d));
