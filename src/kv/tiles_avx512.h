@@ -89,22 +89,7 @@ template <int NQ>
 
 // Lane 4L + e of the result = the largest of the 16 lanes of v[4e + L] (hsum16_avx512's tree with
 // max): 16 maxima in 15 maxima and 30 shuffles.
-[[gnu::always_inline]] inline __m512 tile_max16x16_avx512(const __m512* v) {
-  __m512 u[8];
-  for (int j = 0; j < 8; ++j)
-    u[j] = _mm512_max_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  __m512 w[4];
-  for (int j = 0; j < 4; ++j)
-    w[j] = _mm512_max_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 y0 = _mm512_max_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 y1 = _mm512_max_ps(_mm512_shuffle_ps(w[2], w[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_ps(w[2], w[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_max_ps(_mm512_shuffle_ps(y0, y1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_ps(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
+[[gnu::always_inline]] inline __m512 tile_max16x16_avx512(const __m512* v) { return tree16_avx512(v, kv_max16); }
 
 // The weight quantization of one tile's weighted sum with int4t_weight_step's arithmetic, bit for
 // bit with the references (tile_quantize_weights_ref): pv[4] the rows' weights
