@@ -1,7 +1,7 @@
 // Scalar pieces shared by the tiled codecs' reference kernels (int4t, int2t, int8t): the weight
 // quantization of one (query row, group, tile) (int4t_weight_step) and the weighted sum over value
-// tiles with per-token f16 scale / min tables, one template over the layout's code reader. The SIMD kernels reproduce
-// this rounding bit for bit (kv/tiles_avx512.h, kv/tiles_avx2.h).
+// tiles with per-token f16 scale / min tables, one template over the layout's code reader. The SIMD
+// kernels reproduce this rounding bit for bit (kv/tiles_avx512.h, kv/tiles_avx2.h).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -66,8 +66,8 @@ void tiles_scores_ref(const Int4TiledLayout& L, const float* qp, int n_q, const 
 
 // The scalar weighted sum of int4t's / int2t's value tiles (layout L): acc[i * hd + d] += sum_t
 // p[i * p_stride + t] * v_{t0 + t}[d], per (query row, group, tile) the weights p_t s_tg quantized
-// by tile_quantize_weights_ref and dotted exactly with the codes, the min term sum_t p_t m_tg in f32. code_of(codes, j, d): the code of
-// element d of tile slot j.
+// by tile_quantize_weights_ref and dotted exactly with the codes, the min term sum_t p_t m_tg in
+// f32. code_of(codes, j, d): the code of element d of tile slot j.
 template <class CodeOf>
 void tiles_accum_ref(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                      int n, float* acc, CodeOf code_of) {
