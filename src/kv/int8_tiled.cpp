@@ -133,16 +133,11 @@ void int8t_accum_ref(const Int8TiledLayout& L, const float* p, int p_stride, int
       const auto* codes = reinterpret_cast<const int8_t*>(tp + L.code_off);
       // Weights per scale block: the whole head for int8t, 32 channels for q8_0t.
       const int nsb = L.block_scales ? hd / 32 : 1, span = hd / nsb;
-      float pt[kv_tile_tokens];
-      for (int j = 0; j < kv_tile_tokens; ++j) {
-        const int t = tile * kv_tile_tokens + j - t0;
-        pt[j] = t >= 0 && t < n ? pi[t] : 0.f;
-      }
       for (int sb = 0; sb < nsb; ++sb) {
         float w[kv_tile_tokens];
         for (int j = 0; j < kv_tile_tokens; ++j) {
           const int t = tile * kv_tile_tokens + j - t0;
-          w[j] = t >= 0 && t < n ? pt[j] * int8t_tile_scale(L, tp, j, sb) : 0.f;
+          w[j] = t >= 0 && t < n ? pi[t] * int8t_tile_scale(L, tp, j, sb) : 0.f;
         }
         int32_t wq[kv_tile_tokens];
         const float dw = tile_quantize_weights_ref(w, u8, wq);

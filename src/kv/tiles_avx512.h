@@ -176,11 +176,10 @@ template <int NQ, bool U8>
 
 // Step 2 of int4t's / int2t's weighted sum over a segment of nt tiles (seg: the segment's first tile)
 // whose weights tile_quantize_group_weights_avx512 stored in w8 + tt * ng / dws + tt * ngc (ngc =
-// ceil(ng / 4)): per chunk c of 32
-// channels and tile, per token quad k the chunk's codes as u8 lanes (lo: channels 32c + i, hi:
-// 32c + 16 + i) from quad_codes(tile_codes, c, k, &lo, &hi), 2 * NQ VPDPBUSD chains (u8 weights x
-// codes when U8, else codes x s8 weights), flushed to f32 with the tile's step; the f32 sums go to
-// acc once per segment.
+// ceil(ng / 4)): per chunk c of 32 channels and tile, per token quad k the chunk's codes as u8 lanes
+// (lo: channels 32c + i, hi: 32c + 16 + i) from quad_codes(tile_codes, c, k, &lo, &hi), 2 * NQ
+// VPDPBUSD chains (u8 weights x codes when U8, else codes x s8 weights), flushed to f32 with the
+// tile's step; the f32 sums go to acc once per segment, with the min terms (mins) in the last one.
 template <int NQ, bool U8, class QuadCodes>
 [[gnu::always_inline]] inline void tiles_accum_segment_avx512(const Int4TiledLayout& L, const uint8_t* seg, int nt,
                                                               const uint8_t (*w8)[64], const float (*dws)[16],
