@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "tools/bench.h"
 #include "tools/calibrate.h"
 #include "tools/eval.h"
 #include "tools/formats.h"
@@ -54,6 +55,10 @@ int main(int argc, char** argv) {
   auto* plan = app.add_subcommand("plan", "memory plan: weights vs KV vs activations, capacity per KV format");
   kvq::plan_add_cli(*plan, plan_opts);
 
+  kvq::BenchOptions bench_opts;
+  auto* bench = app.add_subcommand("bench", "serving speed per KV format under one KV memory budget: TTFT, TPOT, throughput, prefix hit rate");
+  kvq::bench_add_cli(*bench, bench_opts);
+
   kvq::ServeOptions serve_opts;
   auto* serve = app.add_subcommand("serve", "OpenAI-compatible HTTP server: continuous batching, paged prefix-cached KV, /metrics");
   kvq::serve_add_cli(*serve, serve_opts);
@@ -69,6 +74,7 @@ int main(int argc, char** argv) {
     if (*calibrate) return kvq::calibrate_command(cal_opts);
     if (*formats) return kvq::formats_command(fmt_opts, stdout);
     if (*plan) return kvq::plan_command(plan_opts, stdout, stderr);
+    if (*bench) return kvq::bench_command(bench_opts);
     if (*serve) return kvq::serve_command(serve_opts);
   } catch (const kvq::Error& e) {
     std::fprintf(stderr, "kvq: error: %s\n", e.what());

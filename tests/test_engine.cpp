@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "engine/engine.h"
+#include "model/chat.h"
 
 namespace fs = std::filesystem;
 using namespace kvq;
@@ -256,6 +257,40 @@ TEST_F(EngineTest, StopStringsMaxTokensAndStreaming) {
   EXPECT_EQ(stopped.finish_reason, "stop");
   EXPECT_EQ(stopped.text, full.text.substr(0, first));
   EXPECT_EQ(streamed, stopped.text);  // the held-back start of the stop string was never sent
+  e.wait_idle();
+  expect_pool_clean(e);
+}
+
+// ignore_eos (what kvq bench uses): the end-of-generation token is kept and generation goes on to
+// max_tokens; the tokens before it are the ones a normal request gets. Timings are filled in.
+// SmolLM2-Instruct ends a chat turn with <|im_end|> (stories260K's stories never end).
+TEST(EngineEos, IgnoreEosRunsToMaxTokens) {
+  std::string model;
+  for (const std::string& d : {std::string(std::getenv("KVQ_MODELS_DIR") ? std::getenv("KVQ_MODELS_DIR") : ""),
+                              std::string(KVQ_SOURCE_DIR) + "/models"})
+    if (!d.empty() && fs::exists(d + "/SmolLM2-135M-Instruct.Q4_1.gguf")) model = d + "/SmolLM2-135M-Instruct.Q4_1.gguf";
+  if (model.empty()) GTEST_SKIP() << "SmolLM2-135M-Instruct.Q4_1.gguf not installed (run scripts/get-models.sh)";
+  EngineOptions o;
+  o.model_path = model;
+  o.threads = 2;
+  o.ctx = 512;
+  o.kv_tokens = 1024;
+  Engine e(o);
+  const std::string text = chat_render(chat_template_detect(e.model().file()), {{"user", "Say hello."}});
+  const std::vector<int32_t> prompt = e.tokenizer().encode(text, true, true);
+  const GenResult stopped = e.generate(prompt, greedy(100));
+  ASSERT_EQ(stopped.finish_reason, "stop") << "the model no longer ends this turn within 100 tokens";
+  ASSERT_LT(stopped.tokens.size(), 99u);
+  GenParams p = greedy(100);
+  p.ignore_eos = true;
+  const GenResult full = e.generate(prompt, p);
+  EXPECT_EQ(full.finish_reason, "length");
+  ASSERT_EQ(full.tokens.size(), 100u);
+  EXPECT_TRUE(std::equal(stopped.tokens.begin(), stopped.tokens.end(), full.tokens.begin()));
+  EXPECT_TRUE(e.tokenizer().is_eog(full.tokens[stopped.tokens.size()]));
+  EXPECT_GT(full.ttft_s, 0);
+  EXPECT_GT(full.decode_s, 0);
+  EXPECT_GT(stopped.ttft_s, 0);
   e.wait_idle();
   expect_pool_clean(e);
 }

@@ -523,8 +523,10 @@ bool Engine::step() {
           if (s.res.tokens.empty() && s.t_last == 0) metrics_.ttft.observe(now - s.t_submit);
           else metrics_.tpot.observe(now - s.t_last);
         }
+        if (s.res.ttft_s < 0) s.res.ttft_s = now - s.t_submit;
+        else s.res.decode_s = now - s.t_submit - s.res.ttft_s;
         s.t_last = now;
-        if (tok_.is_eog(next)) {
+        if (tok_.is_eog(next) && !s.req.params.ignore_eos) {
           finish(s, "stop");
           continue;
         }

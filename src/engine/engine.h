@@ -60,6 +60,8 @@ struct GenParams {
   SamplerParams sampling;
   int max_tokens = 16;
   std::vector<std::string> stop;  // generation ends before the first occurrence of any of these
+  bool ignore_eos = false;        // an end-of-generation token is kept and generation goes on
+                                  // (benchmarks: every request generates max_tokens)
 };
 
 struct GenResult {
@@ -71,6 +73,11 @@ struct GenResult {
   int completion_tokens = 0;
   int cached_tokens = 0;        // prompt tokens adopted from the prefix cache (last admission)
   int preemptions = 0;
+  // Timing as a client of the engine sees it (seconds): submit -> first sampled token (an
+  // end-of-generation token counts: it ends the wait), and first -> last sampled token. -1 / 0
+  // when no token was sampled.
+  double ttft_s = -1;
+  double decode_s = 0;
 };
 
 struct GenRequest {

@@ -58,13 +58,7 @@ void eval_add_cli(CLI::App& app, EvalOptions& o) {
                "dequantize weights to f32 and run at reference precision (no 8-bit activation quantization): "
                "separates the KV format's error from the engine's own rounding; slower");
   // the same per-layer flags as kvq run, applied to every format under test (not --kv-cache-dtype)
-  app.add_option("--kv-cache-dtype-skip-layers", o.kv.skip_layers, "layers kept in f16 for every format");
-  app.add_option("--kv-layer", o.kv.layer_overrides, "per-layer override L=KFMT/VFMT (repeatable)");
-  app.add_option("--kv-scales", o.kv.scales_file, "calibration JSON (kvq calibrate)");
-  app.add_option("--kv-page-tokens", o.kv.page_tokens, "tokens per KV page")->capture_default_str();
-  app.add_option("--kv-group-tokens", o.kv.group_tokens, "grouped formats (kivi*, kvquant*): tokens per group G");
-  app.add_option("--kv-residual-tokens", o.kv.residual_tokens, "grouped formats: newest tokens kept in full precision R");
-  kv_flags_add_kvquant(app, o.kv);
+  kv_flags_add_shared(app, o.kv);
 }
 
 namespace {

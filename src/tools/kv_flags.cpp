@@ -27,6 +27,16 @@ void kv_flags_add(CLI::App& app, KvFlags& f) {
   kv_flags_add_kvquant(app, f);
 }
 
+void kv_flags_add_shared(CLI::App& app, KvFlags& f) {
+  app.add_option("--kv-cache-dtype-skip-layers", f.skip_layers, "layers kept in f16 for every format");
+  app.add_option("--kv-layer", f.layer_overrides, "per-layer override L=KFMT/VFMT (repeatable)");
+  app.add_option("--kv-scales", f.scales_file, "calibration JSON (kvq calibrate)");
+  app.add_option("--kv-page-tokens", f.page_tokens, "tokens per KV page")->capture_default_str();
+  app.add_option("--kv-group-tokens", f.group_tokens, "grouped formats (kivi*, kvquant*): tokens per group G");
+  app.add_option("--kv-residual-tokens", f.residual_tokens, "grouped formats: newest tokens kept in full precision R");
+  kv_flags_add_kvquant(app, f);
+}
+
 void kv_flags_add_kvquant(CLI::App& app, KvFlags& f) {
   app.add_option("--kv-outliers", f.outlier_fraction,
                  "kvquant* keys: share of each key vector kept exact as dense-and-sparse outliers, 0..0.125 "

@@ -50,6 +50,9 @@ struct KvSetup {
 };
 
 void kv_flags_add(CLI::App& app, KvFlags& f);
+// The flags that apply to every format of a --kv list (eval, bench): all of kv_flags_add but the
+// format choice itself (--kv-cache-dtype, -ctk, -ctv).
+void kv_flags_add_shared(CLI::App& app, KvFlags& f);
 // --kv-outliers and --kv-sink-tokens alone (for subcommands that take a subset of the flags).
 void kv_flags_add_kvquant(CLI::App& app, KvFlags& f);
 // Resolves the flags for a model; throws kvq::Error naming the bad flag (and listing valid

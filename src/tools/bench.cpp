@@ -1,0 +1,421 @@
+#include "tools/bench.h"
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cmath>
+#include <condition_variable>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "core/timer.h"
+#include "engine/engine.h"
+#include "server/serve_cli.h"
+
+namespace kvq {
+
+void bench_add_cli(CLI::App& app, BenchOptions& o) {
+  app.add_option("-m,--model", o.model, "GGUF model file")->required();
+  app.add_option("--kv", o.kv_list, "KV formats to compare (comma-separated; KFMT/VFMT for different K and V)")
+      ->capture_default_str();
+  app.add_option("--kv-mem", o.kv_mem, "KV page pool budget, the same for every format (e.g. 256MiB, 2GiB)")
+      ->capture_default_str();
+  app.add_option("--concurrency", o.concurrency, "closed-loop clients (comma-separated: one run each)")->capture_default_str();
+  app.add_option("--workload", o.workload, "JSONL workload, one request per line: {\"prompt\": \"...\", \"max_tokens\": n}");
+  app.add_option("--data", o.data, "text to cut a shared-prefix workload from (instead of --workload)");
+  app.add_option("--prefixes", o.prefixes, "shared-prefix workload: distinct prefixes (documents, conversations)")
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  app.add_option("--prefix-tokens", o.prefix_tokens, "shared-prefix workload: tokens per prefix")
+      ->check(CLI::Range(1, 1 << 24))
+      ->capture_default_str();
+  app.add_option("--question-tokens", o.question_tokens, "shared-prefix workload: tokens of each request's own suffix")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--requests", o.requests, "requests per run (default: each JSONL line once; 4 per prefix)")
+      ->check(CLI::Range(1, 1000000));
+  app.add_option("--max-tokens", o.max_tokens, "tokens generated per request (a JSONL line's max_tokens wins)")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  app.add_option("-t,--threads", o.threads, "threads (default: all hardware threads)")->check(CLI::Range(1, 1024));
+  app.add_option("-c,--ctx-size", o.ctx, "context per request (default: the model's)");
+  app.add_option("--max-batch", o.max_batch, "tokens per engine step (decode + prefill chunks)")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--max-running", o.max_running, "sequences running at once")->check(CLI::Range(1, 1 << 16))->capture_default_str();
+  app.add_flag("--json", o.json, "print JSON instead of a table");
+  app.add_option("--json-out", o.json_out, "also write the JSON report to this file");
+  kv_flags_add_shared(app, o.kv);
+}
+
+double bench_percentile(std::vector<double>& v, double p) {
+  if (v.empty()) return std::numeric_limits<double>::quiet_NaN();
+  std::sort(v.begin(), v.end());
+  const double x = std::clamp(p, 0.0, 1.0) * double(v.size() - 1);
+  const size_t i = size_t(x);
+  if (i + 1 >= v.size()) return v.back();
+  return v[i] + (x - double(i)) * (v[i + 1] - v[i]);
+}
+
+namespace {
+
+std::vector<std::string> split_csv(const std::string& s, const char* flag) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    const size_t a = item.find_first_not_of(" \t"), b = item.find_last_not_of(" \t");
+    if (a == std::string::npos) fail("{}: empty entry in '{}'", flag, s);
+    out.push_back(item.substr(a, b - a + 1));
+  }
+  if (out.empty()) fail("{}: nothing given", flag);
+  return out;
+}
+
+struct BenchRequest {
+  std::vector<int32_t> prompt;
+  int max_tokens = 0;
+};
+
+std::vector<BenchRequest> load_workload(const BenchOptions& o, const Tokenizer& tok) {
+  std::ifstream in(o.workload);
+  if (!in) fail("--workload: cannot read '{}'", o.workload);
+  std::vector<BenchRequest> reqs;
+  std::string line;
+  int ln = 0;
+  while (std::getline(in, line)) {
+    ++ln;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      fail("--workload {}:{}: malformed JSON: {}", o.workload, ln, e.what());
+    }
+    if (!j.is_object() || !j.contains("prompt") || !j["prompt"].is_string())
+      fail("--workload {}:{}: each line needs a string field \"prompt\"", o.workload, ln);
+    BenchRequest r;
+    r.max_tokens = o.max_tokens;
+    if (j.contains("max_tokens")) {
+      if (!j["max_tokens"].is_number_integer() || j["max_tokens"].get<long long>() < 1 ||
+          j["max_tokens"].get<long long>() > (1 << 20))
+        fail("--workload {}:{}: \"max_tokens\" must be an integer in 1..{}", o.workload, ln, 1 << 20);
+      r.max_tokens = j["max_tokens"].get<int>();
+    }
+    r.prompt = tok.encode(j["prompt"].get<std::string>(), true);
+    if (r.prompt.empty()) fail("--workload {}:{}: the prompt is empty", o.workload, ln);
+    reqs.push_back(std::move(r));
+  }
+  if (reqs.empty()) fail("--workload {}: no requests (empty file)", o.workload);
+  return reqs;
+}
+
+// --prefixes documents of --prefix-tokens consecutive tokens of --data, then each request's own
+// --question-tokens from the text after them (wrapping around that remainder when it runs out).
+std::vector<BenchRequest> shared_prefix_workload(const BenchOptions& o, const Tokenizer& tok, int n_requests) {
+  std::ifstream in(o.data, std::ios::binary);
+  if (!in) fail("--data: cannot read '{}'", o.data);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::vector<int32_t> ids = tok.encode(ss.str(), false);
+  const size_t P = size_t(o.prefix_tokens), Q = size_t(o.question_tokens), N = size_t(o.prefixes);
+  if (ids.size() < N * P + Q)
+    fail("--data has {} tokens, fewer than --prefixes {} x --prefix-tokens {} + --question-tokens {}", ids.size(), N, P,
+         Q);
+  const size_t rest = ids.size() - N * P;
+  std::vector<BenchRequest> reqs(static_cast<size_t>(n_requests));
+  for (size_t r = 0; r < reqs.size(); ++r) {
+    BenchRequest& b = reqs[r];
+    if (tok.add_bos() && tok.bos() >= 0) b.prompt.push_back(tok.bos());
+    const size_t p = r % N;
+    b.prompt.insert(b.prompt.end(), ids.begin() + long(p * P), ids.begin() + long((p + 1) * P));
+    const size_t q0 = (r * Q) % (rest - Q + 1);
+    b.prompt.insert(b.prompt.end(), ids.begin() + long(N * P + q0), ids.begin() + long(N * P + q0 + Q));
+    b.max_tokens = o.max_tokens;
+  }
+  return reqs;
+}
+
+struct RunResult {
+  std::string format;
+  int concurrency = 0;
+  size_t kv_tokens = 0;
+  double kv_bytes_per_token = 0;
+  bool fits = true;
+  int requests = 0, ok = 0, errors = 0;
+  std::string first_error;
+  double wall_s = 0;
+  long prompt_tokens = 0, completion_tokens = 0;
+  double throughput = 0;  // generated tokens per second
+  double ttft_p50 = 0, ttft_p95 = 0, tpot_p50 = 0, tpot_p95 = 0;
+  double hit_rate = 0;
+  uint64_t preemptions = 0;
+};
+
+EngineOptions engine_options(const BenchOptions& o, const std::string& format, size_t kv_mem) {
+  EngineOptions eo;
+  eo.model_path = o.model;
+  eo.threads = o.threads;
+  eo.max_batch = o.max_batch;
+  eo.max_running = o.max_running;
+  eo.kv_mem = kv_mem;
+  eo.ctx = o.ctx;
+  eo.kv = o.kv;
+  eo.kv.kv_cache_dtype = format;
+  return eo;
+}
+
+RunResult run_one(Engine& eng, const std::string& format, int conc, const std::vector<BenchRequest>& reqs) {
+  RunResult rr;
+  rr.format = format;
+  rr.concurrency = conc;
+  rr.requests = int(reqs.size());
+  rr.kv_tokens = eng.pool().tokens_capacity();
+  rr.kv_bytes_per_token = double(eng.pool().page_bytes()) / double(eng.pool().page_tokens());
+
+  // Warm-up (not measured): the first forward pass faults in the weights and scratch. A prompt
+  // shorter than a page publishes nothing to the prefix cache.
+  {
+    std::vector<int32_t> w(reqs.front().prompt.begin(),
+                           reqs.front().prompt.begin() + long(std::min<size_t>(reqs.front().prompt.size(), 8)));
+    GenParams gp;
+    gp.sampling.temperature = 0;
+    gp.max_tokens = 2;
+    gp.ignore_eos = true;
+    eng.generate(w, gp);
+  }
+  const EngineMetrics m0 = eng.metrics();
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<GenResult> res(reqs.size());
+  int in_flight = 0;
+  size_t next = 0;
+  const double t0 = now_seconds();
+  std::unique_lock<std::mutex> lk(mu);
+  while (next < reqs.size() || in_flight > 0) {
+    while (in_flight < conc && next < reqs.size()) {
+      const size_t i = next++;
+      ++in_flight;
+      GenRequest r;
+      r.prompt = reqs[i].prompt;
+      r.params.max_tokens = reqs[i].max_tokens;
+      r.params.sampling.temperature = 0;
+      r.params.ignore_eos = true;
+      r.on_done = [&, i](const GenResult& g) {
+        std::lock_guard<std::mutex> g_lk(mu);
+        res[i] = g;
+        --in_flight;
+        cv.notify_one();
+      };
+      lk.unlock();  // a rejected request finishes inside submit, on this thread
+      eng.submit(std::move(r));
+      lk.lock();
+    }
+    cv.wait(lk, [&] { return (in_flight < conc && next < reqs.size()) || in_flight == 0; });
+  }
+  lk.unlock();
+  rr.wall_s = now_seconds() - t0;
+  const EngineMetrics m1 = eng.metrics();
+
+  std::vector<double> ttft, tpot;
+  for (const GenResult& g : res) {
+    if (g.finish_reason == "error" || g.finish_reason == "cancelled") {
+      ++rr.errors;
+      if (rr.first_error.empty()) rr.first_error = g.error.empty() ? g.finish_reason : g.error;
+      continue;
+    }
+    ++rr.ok;
+    rr.prompt_tokens += g.prompt_tokens;
+    rr.completion_tokens += g.completion_tokens;
+    if (g.ttft_s >= 0) ttft.push_back(g.ttft_s);
+    if (g.completion_tokens >= 2) tpot.push_back(g.decode_s / double(g.completion_tokens - 1));
+  }
+  rr.throughput = rr.wall_s > 0 ? double(rr.completion_tokens) / rr.wall_s : 0;
+  rr.ttft_p50 = bench_percentile(ttft, 0.5);
+  rr.ttft_p95 = bench_percentile(ttft, 0.95);
+  rr.tpot_p50 = bench_percentile(tpot, 0.5);
+  rr.tpot_p95 = bench_percentile(tpot, 0.95);
+  const uint64_t q = m1.prefix_query_tokens - m0.prefix_query_tokens;
+  rr.hit_rate = q ? double(m1.prefix_hit_tokens - m0.prefix_hit_tokens) / double(q) : 0;
+  rr.preemptions = m1.preemptions - m0.preemptions;
+  return rr;
+}
+
+nlohmann::json num_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr); }
+
+}  // namespace
+
+int bench_command(const BenchOptions& o) {
+  const std::vector<std::string> formats = split_csv(o.kv_list, "--kv");
+  std::vector<int> concs;
+  for (const std::string& c : split_csv(o.concurrency, "--concurrency")) {
+    size_t pos = 0;
+    int v = 0;
+    try {
+      v = std::stoi(c, &pos);
+    } catch (const std::exception&) {
+      pos = 0;
+    }
+    if (pos != c.size() || v < 1 || v > 4096) fail("--concurrency: '{}' is not a number of clients in 1..4096", c);
+    concs.push_back(v);
+  }
+  if (o.workload.empty() == o.data.empty())
+    fail("give a workload: --workload FILE.jsonl (your requests) or --data FILE (a shared-prefix workload cut from text)");
+  const size_t kv_mem = parse_bytes(o.kv_mem);
+  // Every format name is checked (and the model loaded once) before any run.
+  std::vector<BenchRequest> reqs;
+  std::vector<size_t> page_bytes;  // per format
+  std::string model_name;
+  int ctx = 0;
+  {
+    EngineOptions po = engine_options(o, formats.front(), 0);
+    po.kv_tokens = size_t(std::max(o.kv.page_tokens, 1));  // one page: the budget is checked per format below
+    Engine probe(po);
+    for (const std::string& f : formats) {  // names and codec shapes checked now, not mid-run
+      const KvSetup kv = kv_flags_resolve(o.kv, probe.model().config(), f);
+      KvCacheConfig kc = probe.model().kv_cache_config(kv.policy, 64, o.kv.page_tokens);
+      kv.apply(kc);
+      KvCache check(kc);
+      page_bytes.push_back(kv_cache_page_bytes(kc));
+    }
+    ctx = probe.ctx();
+    model_name = probe.model().config().name;
+    if (!o.workload.empty()) {
+      reqs = load_workload(o, probe.tokenizer());
+      if (o.requests > 0) {
+        std::vector<BenchRequest> all;
+        for (int i = 0; i < o.requests; ++i) all.push_back(reqs[size_t(i) % reqs.size()]);
+        reqs = std::move(all);
+      }
+    } else {
+      reqs = shared_prefix_workload(o, probe.tokenizer(), o.requests > 0 ? o.requests : 4 * o.prefixes);
+    }
+  }
+  size_t longest = 0;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    if (reqs[i].prompt.size() + 1 > size_t(ctx))
+      fail("request {} has a {}-token prompt: no room to generate in the context of {} tokens (-c/--ctx-size)", i + 1,
+           reqs[i].prompt.size(), ctx);
+    longest = std::max(longest, std::min(reqs[i].prompt.size() + size_t(reqs[i].max_tokens), size_t(ctx)));
+  }
+  long prompt_total = 0;
+  for (const auto& r : reqs) prompt_total += long(r.prompt.size());
+
+  std::vector<RunResult> runs;
+  for (size_t f = 0; f < formats.size(); ++f) {
+    const std::string& fmt = formats[f];
+    for (int conc : concs) {
+      // The pool's page size as PagePool rounds it: a budget below one page holds no token.
+      const size_t pb = (page_bytes[f] + 63) / 64 * 64;
+      std::unique_ptr<Engine> eng;
+      if (kv_mem >= pb) eng = std::make_unique<Engine>(engine_options(o, fmt, kv_mem));  // fresh: cold prefix cache
+      const size_t cap = eng ? eng->pool().tokens_capacity() : 0;
+      if (cap < longest) {
+        RunResult rr;
+        rr.format = fmt;
+        rr.concurrency = conc;
+        rr.requests = int(reqs.size());
+        rr.kv_tokens = cap;
+        rr.kv_bytes_per_token = double(pb) / double(o.kv.page_tokens);
+        rr.fits = false;
+        std::fprintf(stderr, "[bench] %s: --kv-mem %s holds %zu tokens, the longest request needs %zu: not run\n",
+                     fmt.c_str(), o.kv_mem.c_str(), rr.kv_tokens, longest);
+        runs.push_back(rr);
+        break;  // the same at every concurrency
+      }
+      std::fprintf(stderr, "[bench] %s, %d client%s, %zu requests ...\n", fmt.c_str(), conc, conc == 1 ? "" : "s",
+                   reqs.size());
+      runs.push_back(run_one(*eng, fmt, conc, reqs));
+    }
+  }
+  bool any = false;
+  for (const auto& r : runs) any = any || (r.fits && r.ok > 0);
+
+  nlohmann::json j;
+  j["model"] = model_name;
+  j["model_file"] = o.model;
+  j["kv_mem_bytes"] = kv_mem;
+  j["ctx"] = ctx;
+  nlohmann::json w;
+  if (!o.workload.empty()) {
+    w["kind"] = "jsonl";
+    w["file"] = o.workload;
+  } else {
+    w["kind"] = "shared_prefix";
+    w["data"] = o.data;
+    w["prefixes"] = o.prefixes;
+    w["prefix_tokens"] = o.prefix_tokens;
+    w["question_tokens"] = o.question_tokens;
+  }
+  w["requests"] = reqs.size();
+  w["prompt_tokens_mean"] = double(prompt_total) / double(reqs.size());
+  w["sampling"] = "greedy, end-of-generation ignored";
+  j["workload"] = w;
+  j["runs"] = nlohmann::json::array();
+  for (const auto& r : runs) {
+    nlohmann::json e{{"format", r.format},
+                     {"concurrency", r.concurrency},
+                     {"fits", r.fits},
+                     {"kv_tokens", r.kv_tokens},
+                     {"kv_bytes_per_token", r.kv_bytes_per_token},
+                     {"requests", r.requests}};
+    if (r.fits) {
+      e["ok"] = r.ok;
+      e["errors"] = r.errors;
+      if (!r.first_error.empty()) e["first_error"] = r.first_error;
+      e["wall_s"] = r.wall_s;
+      e["prompt_tokens"] = r.prompt_tokens;
+      e["completion_tokens"] = r.completion_tokens;
+      e["throughput_tok_s"] = r.throughput;
+      e["ttft_p50_s"] = num_or_null(r.ttft_p50);
+      e["ttft_p95_s"] = num_or_null(r.ttft_p95);
+      e["tpot_p50_s"] = num_or_null(r.tpot_p50);
+      e["tpot_p95_s"] = num_or_null(r.tpot_p95);
+      e["prefix_hit_rate"] = r.hit_rate;
+      e["preemptions"] = r.preemptions;
+    }
+    j["runs"].push_back(e);
+  }
+  if (!o.json_out.empty()) {
+    std::ofstream out(o.json_out);
+    if (!out) fail("--json-out: cannot write '{}'", o.json_out);
+    out << j.dump(2) << "\n";
+  }
+  if (o.json) {
+    std::printf("%s\n", j.dump(2).c_str());
+  } else {
+    std::printf("model %s, KV budget %s (%zu bytes), context %d\n", model_name.c_str(), o.kv_mem.c_str(), kv_mem, ctx);
+    if (o.workload.empty())
+      std::printf("workload: %d prefixes x %d tokens, %d-token questions, %zu requests (mean prompt %.0f tokens)",
+                  o.prefixes, o.prefix_tokens, o.question_tokens, reqs.size(), double(prompt_total) / double(reqs.size()));
+    else
+      std::printf("workload: %s, %zu requests (mean prompt %.0f tokens)", o.workload.c_str(), reqs.size(),
+                  double(prompt_total) / double(reqs.size()));
+    std::printf(", greedy, end-of-generation ignored\n\n");
+    std::printf("%-14s %9s %8s %5s %7s %9s %9s %9s %9s %9s %6s %7s %7s\n", "format", "KV tokens", "B/token", "conc",
+                "ok/req", "tok/s", "TTFT p50", "TTFT p95", "TPOT p50", "TPOT p95", "hit", "preempt", "wall s");
+    for (const auto& r : runs) {
+      if (!r.fits) {
+        std::printf("%-14s %9zu %8.0f  (the longest request does not fit in the budget)\n", r.format.c_str(),
+                    r.kv_tokens, r.kv_bytes_per_token);
+        continue;
+      }
+      std::printf("%-14s %9zu %8.0f %5d %3d/%-3d %9.1f %8.3fs %8.3fs %7.1fms %7.1fms %6.2f %7llu %7.1f\n",
+                  r.format.c_str(), r.kv_tokens, r.kv_bytes_per_token, r.concurrency, r.ok, r.requests, r.throughput,
+                  r.ttft_p50, r.ttft_p95, 1e3 * r.tpot_p50, 1e3 * r.tpot_p95, r.hit_rate,
+                  static_cast<unsigned long long>(r.preemptions), r.wall_s);
+      if (r.errors) std::printf("  %d request(s) failed: %s\n", r.errors, r.first_error.c_str());
+    }
+  }
+  if (!any) fail("no format ran a request within --kv-mem {}: raise the budget or shorten the workload", o.kv_mem);
+  return 0;
+}
+
+}  // namespace kvq

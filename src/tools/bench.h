@@ -1,0 +1,50 @@
+// kvq bench: serving speed per KV format under one fixed KV memory budget, on a workload: TTFT,
+// TPOT, throughput, prefix-cache hit rate and preemptions at each concurrency, measured on the
+// serving engine itself (continuous batching, paged prefix-cached KV; no HTTP in the loop).
+//
+// Workload: the user's JSONL file (--workload: one request per line, {"prompt": "...",
+// "max_tokens": n} with max_tokens optional), or a shared-prefix workload cut from a text file
+// (--data): --prefixes distinct documents of --prefix-tokens tokens, each request one of them
+// (in turn) followed by --question-tokens tokens of its own, the shape of document QA and
+// multi-turn chat, where a cache that holds more prefixes recomputes fewer.
+// Each (format, concurrency) runs on a fresh engine (cold prefix cache) with --concurrency
+// closed-loop clients: each sends its next request when its previous one ends.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "tools/kv_flags.h"
+
+namespace CLI { class App; }
+
+namespace kvq {
+
+struct BenchOptions {
+  std::string model;
+  std::string kv_list = "f16,int8,q4_0";  // --kv: formats to compare
+  std::string kv_mem = "256MiB";          // --kv-mem: the one budget every format gets
+  std::string concurrency = "1,8";        // --concurrency: comma-separated
+  std::string workload;                   // --workload FILE.jsonl
+  std::string data;                       // --data FILE: text for the shared-prefix workload
+  int prefixes = 4;
+  int prefix_tokens = 1024;
+  int question_tokens = 32;
+  int requests = 0;                       // 0: JSONL lines / 4 per prefix
+  int max_tokens = 32;                    // per request unless the JSONL line sets it
+  int threads = 0;
+  int ctx = 0;
+  int max_batch = 256;
+  int max_running = 64;
+  bool json = false;
+  std::string json_out;
+  KvFlags kv;
+};
+
+void bench_add_cli(CLI::App& app, BenchOptions& o);
+int bench_command(const BenchOptions& o);
+
+// Percentile p in [0, 1] of v by linear interpolation between order statistics (v is sorted in
+// place); NaN for an empty v.
+double bench_percentile(std::vector<double>& v, double p);
+
+}  // namespace kvq

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# kvq bench end to end on stories260K: the shared-prefix workload under one KV budget (a format
+# with smaller tokens keeps every prefix resident where f16 cannot), a JSONL workload, and bad input.
+set -u
+kvq=$1
+src=$2
+model=$src/../shared/models/stories260K.gguf
+text=$src/../shared/data/tinyshakespeare.txt
+[[ -f $model && -f $text ]] || { echo "skip: $model or $text not found"; exit 77; }
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fails=0
+check() { if ! eval "$2"; then echo "FAIL: $1"; fails=$((fails + 1)); else echo "ok: $1"; fi; }
+
+# 4 prefixes of 64 tokens (one page each) in turn, 16 requests. 160 KiB holds 4 f16 pages (640
+# bytes a token) and 5 int8 pages (480): f16 keeps 3 prefixes besides the running request's new
+# page and, cycling, never hits; int8 keeps all 4 and hits on every repeat (12 of 16 requests).
+"$kvq" bench -m "$model" --kv f16,int8 --kv-mem 163840 --data "$text" --prefixes 4 --prefix-tokens 64 \
+  --question-tokens 8 --concurrency 1,2 --max-tokens 8 -t 1 --json --json-out "$tmp/copy.json" >"$tmp/b.json" 2>"$tmp/e"
+check "bench exits 0" "[[ $? -eq 0 ]]"
+check "one run per format and concurrency, every request served with exactly max_tokens tokens" \
+  "python3 -c \"import json; d=json.load(open('$tmp/b.json')); R=d['runs']; assert [(r['format'],r['concurrency']) for r in R]==[('f16',1),('f16',2),('int8',1),('int8',2)]; assert all(r['fits'] and r['ok']==16 and r['errors']==0 and r['completion_tokens']==16*8 for r in R); assert d['workload']['requests']==16 and d['kv_mem_bytes']==163840\""
+check "timings are consistent (p50 <= p95, TTFT > 0, throughput = tokens / wall)" \
+  "python3 -c \"import json; d=json.load(open('$tmp/b.json')); assert all(0<r['ttft_p50_s']<=r['ttft_p95_s'] and 0<r['tpot_p50_s']<=r['tpot_p95_s'] and abs(r['throughput_tok_s']*r['wall_s']-r['completion_tokens'])<1e-6*r['completion_tokens'] for r in d['runs'])\""
+check "under the same budget int8 holds more tokens and every prefix: hit rate 12 x 64 / (16 x 73), f16 none" \
+  "python3 -c \"import json; d=json.load(open('$tmp/b.json')); R={(r['format'],r['concurrency']): r for r in d['runs']}; f,i=R[('f16',1)],R[('int8',1)]; assert f['kv_tokens']==256 and i['kv_tokens']==320, (f['kv_tokens'], i['kv_tokens']); assert f['prefix_hit_rate']==0; assert abs(i['prefix_hit_rate']-12*64/(16*73))<1e-9, i['prefix_hit_rate']\""
+check "--json-out writes the same report" "cmp -s $tmp/b.json <(python3 -c \"import json; print(json.dumps(json.load(open('$tmp/copy.json')), indent=2))\") || python3 -c \"import json; assert json.load(open('$tmp/b.json'))==json.load(open('$tmp/copy.json'))\""
+
+# the table, and a JSONL workload (max_tokens per line, --requests cycling over the lines)
+printf '{"prompt": "Once upon a time", "max_tokens": 5}\n\n{"prompt": "Lily and Ben went to the park"}\n' >"$tmp/w.jsonl"
+"$kvq" bench -m "$model" --kv fp8 --workload "$tmp/w.jsonl" --requests 3 --max-tokens 4 --concurrency 2 -t 1 >"$tmp/t" 2>"$tmp/e"
+check "JSONL workload: table with one row" "[[ $? -eq 0 ]] && grep -q 'fp8 .* 2 *3/3' $tmp/t && grep -q 'greedy, end-of-generation ignored' $tmp/t"
+"$kvq" bench -m "$model" --kv fp8 --workload "$tmp/w.jsonl" --requests 3 --max-tokens 4 -t 1 --json >"$tmp/w.json" 2>/dev/null
+check "JSONL workload: lines' max_tokens honored (5 + 4 + 5 tokens)" \
+  "python3 -c \"import json; d=json.load(open('$tmp/w.json')); assert d['workload']['kind']=='jsonl' and d['runs'][0]['completion_tokens']==14\""
+
+# a budget no format fits in (2 f16 / 2 int8 pages; a request takes 64 + 32 + 32 tokens: 3 pages)
+"$kvq" bench -m "$model" --kv f16,int8 --kv-mem 81920 --data "$text" --prefixes 2 --prefix-tokens 64 -t 1 >"$tmp/o" 2>"$tmp/e"
+check "budget below one request: not run, exit 1, says why" "[[ $? -eq 1 ]] && grep -q 'longest request needs' $tmp/e && grep -q 'no format ran a request' $tmp/e"
+
+# bad input: rejected before any run, with the reason
+bad() {  # name, expected message, args...
+  local name=$1 msg=$2
+  shift 2
+  "$kvq" bench -m "$model" -t 1 "$@" >"$tmp/o" 2>"$tmp/e"
+  local rc=$?
+  check "$name" "[[ $rc -ne 0 ]] && grep -q -- \"$msg\" $tmp/e && ! grep -q '\[bench\] .* requests' $tmp/e"
+}
+bad "unknown format" "unknown KV format 'nope'" --kv f16,nope --data "$text"
+bad "format that does not fit the model's head_dim" "head_dim 8 must be a multiple of 32" --kv f16,q4_0 --data "$text"
+bad "no workload" "give a workload" --kv f16
+bad "two workloads" "give a workload" --kv f16 --data "$text" --workload "$tmp/w.jsonl"
+bad "bad concurrency" "is not a number of clients" --kv f16 --data "$text" --concurrency 2,x
+bad "bad budget" "not a size" --kv f16 --data "$text" --kv-mem lots
+printf '{"prompt": "ok"}\n{"prompt": 3}\n' >"$tmp/bad1.jsonl"
+bad "JSONL line without a string prompt" "bad1.jsonl:2: each line needs a string field" --kv f16 --workload "$tmp/bad1.jsonl"
+printf '{"prompt": "ok"\n' >"$tmp/bad2.jsonl"
+bad "malformed JSONL" "bad2.jsonl:1: malformed JSON" --kv f16 --workload "$tmp/bad2.jsonl"
+printf '{"prompt": "ok", "max_tokens": 0}\n' >"$tmp/bad3.jsonl"
+bad "max_tokens out of range" "must be an integer in 1.." --kv f16 --workload "$tmp/bad3.jsonl"
+: >"$tmp/empty.jsonl"
+bad "empty workload" "no requests (empty file)" --kv f16 --workload "$tmp/empty.jsonl"
+python3 -c "print('{\"prompt\": \"' + 'a b c ' * 400 + '\"}')" >"$tmp/long.jsonl"
+bad "prompt beyond the context" "no room to generate in the context of 64" --kv f16 -c 64 --workload "$tmp/long.jsonl"
+bad "text too short for the prefixes" "fewer than --prefixes" --kv f16 --data "$tmp/w.jsonl" --prefix-tokens 64
+
+[[ $fails -eq 0 ]] || { echo "$fails check(s) failed"; exit 1; }
+echo "all bench checks passed"
