@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "core/timer.h"
 #include "engine/engine.h"
+#include "model/chat.h"
 #include "server/serve_cli.h"
 
 namespace kvq {
@@ -49,6 +50,7 @@ void bench_add_cli(CLI::App& app, BenchOptions& o) {
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
   app.add_option("--max-running", o.max_running, "sequences running at once")->check(CLI::Range(1, 1 << 16))->capture_default_str();
+  app.add_flag("--chat", o.chat, "--workload: each prompt is a user turn in the model's chat template");
   app.add_flag("--json", o.json, "print JSON instead of a table");
   app.add_option("--json-out", o.json_out, "also write the JSON report to this file");
   kv_flags_add_shared(app, o.kv);
@@ -83,7 +85,7 @@ struct BenchRequest {
   int max_tokens = 0;
 };
 
-std::vector<BenchRequest> load_workload(const BenchOptions& o, const Tokenizer& tok) {
+std::vector<BenchRequest> load_workload(const BenchOptions& o, const Tokenizer& tok, ChatTemplate tpl) {
   std::ifstream in(o.workload);
   if (!in) fail("--workload: cannot read '{}'", o.workload);
   std::vector<BenchRequest> reqs;
@@ -108,7 +110,10 @@ std::vector<BenchRequest> load_workload(const BenchOptions& o, const Tokenizer& 
         fail("--workload {}:{}: \"max_tokens\" must be an integer in 1..{}", o.workload, ln, 1 << 20);
       r.max_tokens = j["max_tokens"].get<int>();
     }
-    r.prompt = tok.encode(j["prompt"].get<std::string>(), true);
+    if (o.chat)
+      r.prompt = tok.encode(chat_render(tpl, {{"user", j["prompt"].get<std::string>()}}), true, true);
+    else
+      r.prompt = tok.encode(j["prompt"].get<std::string>(), true);
     if (r.prompt.empty()) fail("--workload {}:{}: the prompt is empty", o.workload, ln);
     reqs.push_back(std::move(r));
   }
@@ -148,6 +153,7 @@ struct RunResult {
   size_t kv_tokens = 0;
   double kv_bytes_per_token = 0;
   bool fits = true;
+  bool prefix_cache = true;  // false: the format's residual window keeps prefixes private
   int requests = 0, ok = 0, errors = 0;
   std::string first_error;
   double wall_s = 0;
@@ -266,12 +272,14 @@ int bench_command(const BenchOptions& o) {
     if (pos != c.size() || v < 1 || v > 4096) fail("--concurrency: '{}' is not a number of clients in 1..4096", c);
     concs.push_back(v);
   }
+  if (o.chat && o.workload.empty()) fail("--chat applies to --workload prompts");
   if (o.workload.empty() == o.data.empty())
     fail("give a workload: --workload FILE.jsonl (your requests) or --data FILE (a shared-prefix workload cut from text)");
   const size_t kv_mem = parse_bytes(o.kv_mem);
   // Every format name is checked (and the model loaded once) before any run.
   std::vector<BenchRequest> reqs;
   std::vector<size_t> page_bytes;  // per format
+  std::vector<bool> shareable;     // per format: KvCache::prefix_shareable()
   std::string model_name;
   int ctx = 0;
   {
@@ -284,11 +292,14 @@ int bench_command(const BenchOptions& o) {
       kv.apply(kc);
       KvCache check(kc);
       page_bytes.push_back(kv_cache_page_bytes(kc));
+      shareable.push_back(check.prefix_shareable());
     }
     ctx = probe.ctx();
     model_name = probe.model().config().name;
     if (!o.workload.empty()) {
-      reqs = load_workload(o, probe.tokenizer());
+      const ChatTemplate tpl = o.chat ? chat_template_detect(probe.model().file()) : ChatTemplate::none;
+      if (o.chat && tpl == ChatTemplate::none) fail("--chat: the model has no chat template kvq knows (ChatML, Gemma)");
+      reqs = load_workload(o, probe.tokenizer(), tpl);
       if (o.requests > 0) {
         std::vector<BenchRequest> all;
         for (int i = 0; i < o.requests; ++i) all.push_back(reqs[size_t(i) % reqs.size()]);
@@ -325,6 +336,7 @@ int bench_command(const BenchOptions& o) {
         rr.kv_tokens = cap;
         rr.kv_bytes_per_token = double(pb) / double(o.kv.page_tokens);
         rr.fits = false;
+        rr.prefix_cache = shareable[f];
         std::fprintf(stderr, "[bench] %s: --kv-mem %s holds %zu tokens, the longest request needs %zu: not run\n",
                      fmt.c_str(), o.kv_mem.c_str(), rr.kv_tokens, longest);
         runs.push_back(rr);
@@ -333,6 +345,7 @@ int bench_command(const BenchOptions& o) {
       std::fprintf(stderr, "[bench] %s, %d client%s, %zu requests ...\n", fmt.c_str(), conc, conc == 1 ? "" : "s",
                    reqs.size());
       runs.push_back(run_one(*eng, fmt, conc, reqs));
+      runs.back().prefix_cache = shareable[f];
     }
   }
   bool any = false;
@@ -363,6 +376,7 @@ int bench_command(const BenchOptions& o) {
     nlohmann::json e{{"format", r.format},
                      {"concurrency", r.concurrency},
                      {"fits", r.fits},
+                     {"prefix_cache", r.prefix_cache},
                      {"kv_tokens", r.kv_tokens},
                      {"kv_bytes_per_token", r.kv_bytes_per_token},
                      {"requests", r.requests}};
@@ -412,6 +426,16 @@ int bench_command(const BenchOptions& o) {
                   r.ttft_p50, r.ttft_p95, 1e3 * r.tpot_p50, 1e3 * r.tpot_p95, r.hit_rate,
                   static_cast<unsigned long long>(r.preemptions), r.wall_s);
       if (r.errors) std::printf("  %d request(s) failed: %s\n", r.errors, r.first_error.c_str());
+    }
+    bool noted = false;
+    for (size_t f = 0; f < formats.size(); ++f) {
+      if (shareable[f]) continue;
+      if (!noted) std::printf("\n");
+      noted = true;
+      std::printf("%s: no prefix sharing: its newest tokens stay in full precision outside the pages (residual window), "
+                  "so a cached prefix would not reproduce the request served alone; --kv-residual-tokens 0 shares "
+                  "prefixes\n",
+                  formats[f].c_str());
     }
   }
   if (!any) fail("no format ran a request within --kv-mem {}: raise the budget or shorten the workload", o.kv_mem);

@@ -35,6 +35,7 @@ struct BenchOptions {
   int ctx = 0;
   int max_batch = 256;
   int max_running = 64;
+  bool chat = false;                      // --chat: JSONL prompts as a user turn of the model's chat template
   bool json = false;
   std::string json_out;
   KvFlags kv;

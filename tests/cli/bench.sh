@@ -24,7 +24,23 @@ check "timings are consistent (p50 <= p95, TTFT > 0, throughput = tokens / wall)
   "python3 -c \"import json; d=json.load(open('$tmp/b.json')); assert all(0<r['ttft_p50_s']<=r['ttft_p95_s'] and 0<r['tpot_p50_s']<=r['tpot_p95_s'] and abs(r['throughput_tok_s']*r['wall_s']-r['completion_tokens'])<1e-6*r['completion_tokens'] for r in d['runs'])\""
 check "under the same budget int8 holds more tokens and every prefix: hit rate 12 x 64 / (16 x 73), f16 none" \
   "python3 -c \"import json; d=json.load(open('$tmp/b.json')); R={(r['format'],r['concurrency']): r for r in d['runs']}; f,i=R[('f16',1)],R[('int8',1)]; assert f['kv_tokens']==256 and i['kv_tokens']==320, (f['kv_tokens'], i['kv_tokens']); assert f['prefix_hit_rate']==0; assert abs(i['prefix_hit_rate']-12*64/(16*73))<1e-9, i['prefix_hit_rate']\""
+check "formats with per-token codecs share prefixes" "python3 -c \"import json; assert all(r['prefix_cache'] for r in json.load(open('$tmp/b.json'))['runs'])\""
 check "--json-out writes the same report" "cmp -s $tmp/b.json <(python3 -c \"import json; print(json.dumps(json.load(open('$tmp/copy.json')), indent=2))\") || python3 -c \"import json; assert json.load(open('$tmp/b.json'))==json.load(open('$tmp/copy.json'))\""
+
+# KIVI's residual window keeps prefixes private (exactness); with R = 0 its pages are shared
+smol=$src/models/SmolLM2-135M-Instruct.Q4_1.gguf
+if [[ -f $smol ]]; then
+  "$kvq" bench -m "$smol" --kv kivi4 --kv-mem 64MiB --data "$text" --prefixes 2 --prefix-tokens 64 --question-tokens 8 \
+    --requests 4 --max-tokens 2 --concurrency 1 -t 2 >"$tmp/k.txt" 2>/dev/null
+  check "kivi4 (R = 128): prefix cache off, said so under the table" \
+    "[[ $? -eq 0 ]] && grep -q 'kivi4: no prefix sharing' $tmp/k.txt && grep -q 'kivi4 .* 0.00 ' $tmp/k.txt"
+  "$kvq" bench -m "$smol" --kv kivi4 --kv-residual-tokens 0 --kv-mem 64MiB --data "$text" --prefixes 2 --prefix-tokens 64 \
+    --question-tokens 8 --requests 4 --max-tokens 2 --concurrency 1 -t 2 --json >"$tmp/k0.json" 2>/dev/null
+  check "kivi4 with --kv-residual-tokens 0: prefixes shared (2 of 4 requests hit one page each)" \
+    "python3 -c \"import json; r=json.load(open('$tmp/k0.json'))['runs'][0]; assert r['prefix_cache'] and r['prefix_hit_rate']>0.4, r\""
+else
+  echo "skip: $smol not installed (scripts/get-models.sh): residual-window checks"
+fi
 
 # the table, and a JSONL workload (max_tokens per line, --requests cycling over the lines)
 printf '{"prompt": "Once upon a time", "max_tokens": 5}\n\n{"prompt": "Lily and Ben went to the park"}\n' >"$tmp/w.jsonl"
@@ -62,6 +78,8 @@ bad "max_tokens out of range" "must be an integer in 1.." --kv f16 --workload "$
 bad "empty workload" "no requests (empty file)" --kv f16 --workload "$tmp/empty.jsonl"
 python3 -c "print('{\"prompt\": \"' + 'a b c ' * 400 + '\"}')" >"$tmp/long.jsonl"
 bad "prompt beyond the context" "no room to generate in the context of 64" --kv f16 -c 64 --workload "$tmp/long.jsonl"
+bad "--chat on a model without a chat template" "no chat template kvq knows" --kv f16 --chat --workload "$tmp/w.jsonl"
+bad "--chat without a JSONL workload" "applies to --workload" --kv f16 --chat --data "$text"
 bad "text too short for the prefixes" "fewer than --prefixes" --kv f16 --data "$tmp/w.jsonl" --prefix-tokens 64
 
 [[ $fails -eq 0 ]] || { echo "$fails check(s) failed"; exit 1; }
