@@ -2,6 +2,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdio>
@@ -9,6 +10,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -27,7 +29,11 @@ void bench_add_cli(CLI::App& app, BenchOptions& o) {
       ->capture_default_str();
   app.add_option("--kv-mem", o.kv_mem, "KV page pool budget, the same for every format (e.g. 256MiB, 2GiB)")
       ->capture_default_str();
-  app.add_option("--concurrency", o.concurrency, "closed-loop clients (comma-separated: one run each)")->capture_default_str();
+  app.add_option("--concurrency", o.concurrency,
+                 "closed loop: clients, each sending its next request when its previous one ends (comma-separated: "
+                 "one run each; default 1,8 unless --rate is given)");
+  app.add_option("--rate", o.rate, "open loop: requests per second, Poisson arrivals (comma-separated: one run each)");
+  app.add_option("--seed", o.seed, "seed of the --rate arrivals")->capture_default_str();
   app.add_option("--workload", o.workload, "JSONL workload, one request per line: {\"prompt\": \"...\", \"max_tokens\": n}");
   app.add_option("--data", o.data, "text to cut a shared-prefix workload from (instead of --workload)");
   app.add_option("--prefixes", o.prefixes, "shared-prefix workload: distinct prefixes (documents, conversations)")
@@ -147,9 +153,22 @@ std::vector<BenchRequest> shared_prefix_workload(const BenchOptions& o, const To
   return reqs;
 }
 
+// One run's load: closed loop (clients > 0: each sends its next request when its previous one
+// ends) or open loop (rate > 0 requests per second, Poisson arrivals).
+struct BenchLoad {
+  int clients = 0;
+  double rate = 0;
+  std::string str() const {
+    char b[64];
+    if (rate > 0) std::snprintf(b, sizeof b, "%g req/s", rate);
+    else std::snprintf(b, sizeof b, "%d client%s", clients, clients == 1 ? "" : "s");
+    return b;
+  }
+};
+
 struct RunResult {
   std::string format;
-  int concurrency = 0;
+  BenchLoad load;
   size_t kv_tokens = 0;
   double kv_bytes_per_token = 0;
   bool fits = true;
@@ -177,10 +196,11 @@ EngineOptions engine_options(const BenchOptions& o, const std::string& format, s
   return eo;
 }
 
-RunResult run_one(Engine& eng, const std::string& format, int conc, const std::vector<BenchRequest>& reqs) {
+RunResult run_one(Engine& eng, const std::string& format, const BenchLoad& load, const std::vector<BenchRequest>& reqs,
+                  unsigned seed) {
   RunResult rr;
   rr.format = format;
-  rr.concurrency = conc;
+  rr.load = load;
   rr.requests = int(reqs.size());
   rr.kv_tokens = eng.pool().tokens_capacity();
   rr.kv_bytes_per_token = double(eng.pool().page_bytes()) / double(eng.pool().page_tokens());
@@ -203,10 +223,18 @@ RunResult run_one(Engine& eng, const std::string& format, int conc, const std::v
   std::vector<GenResult> res(reqs.size());
   int in_flight = 0;
   size_t next = 0;
+  // Open loop: request i arrives at arrival[i] (Poisson process, seeded), whatever is in flight.
+  std::vector<double> arrival(reqs.size(), 0.0);
+  if (load.rate > 0) {
+    std::mt19937_64 rng(seed);
+    std::exponential_distribution<double> gap(load.rate);
+    for (size_t i = 1; i < reqs.size(); ++i) arrival[i] = arrival[i - 1] + gap(rng);
+  }
+  const int conc = load.rate > 0 ? std::numeric_limits<int>::max() : load.clients;
   const double t0 = now_seconds();
   std::unique_lock<std::mutex> lk(mu);
   while (next < reqs.size() || in_flight > 0) {
-    while (in_flight < conc && next < reqs.size()) {
+    while (in_flight < conc && next < reqs.size() && now_seconds() - t0 >= arrival[next]) {
       const size_t i = next++;
       ++in_flight;
       GenRequest r;
@@ -223,6 +251,10 @@ RunResult run_one(Engine& eng, const std::string& format, int conc, const std::v
       lk.unlock();  // a rejected request finishes inside submit, on this thread
       eng.submit(std::move(r));
       lk.lock();
+    }
+    if (load.rate > 0 && next < reqs.size()) {
+      cv.wait_for(lk, std::chrono::duration<double>(std::max(0.0, t0 + arrival[next] - now_seconds())));
+      continue;
     }
     cv.wait(lk, [&] { return (in_flight < conc && next < reqs.size()) || in_flight == 0; });
   }
@@ -254,23 +286,49 @@ RunResult run_one(Engine& eng, const std::string& format, int conc, const std::v
   return rr;
 }
 
+// "412.0ms" below a second, "1.234s" from there; "-" when nothing was measured.
+std::string fmt_time(double s) {
+  char b[32];
+  if (!std::isfinite(s)) return "-";
+  if (s < 1) std::snprintf(b, sizeof b, "%.1fms", 1e3 * s);
+  else std::snprintf(b, sizeof b, "%.3fs", s);
+  return b;
+}
+
 nlohmann::json num_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr); }
 
 }  // namespace
 
 int bench_command(const BenchOptions& o) {
   const std::vector<std::string> formats = split_csv(o.kv_list, "--kv");
-  std::vector<int> concs;
-  for (const std::string& c : split_csv(o.concurrency, "--concurrency")) {
-    size_t pos = 0;
-    int v = 0;
-    try {
-      v = std::stoi(c, &pos);
-    } catch (const std::exception&) {
-      pos = 0;
+  // Closed-loop runs (--concurrency, default 1,8 when --rate is not given), then open-loop ones.
+  std::vector<BenchLoad> loads;
+  const std::string clients = o.concurrency.empty() && o.rate.empty() ? "1,8" : o.concurrency;
+  if (!clients.empty()) {
+    for (const std::string& c : split_csv(clients, "--concurrency")) {
+      size_t pos = 0;
+      int v = 0;
+      try {
+        v = std::stoi(c, &pos);
+      } catch (const std::exception&) {
+        pos = 0;
+      }
+      if (pos != c.size() || v < 1 || v > 4096) fail("--concurrency: '{}' is not a number of clients in 1..4096", c);
+      loads.push_back({v, 0});
     }
-    if (pos != c.size() || v < 1 || v > 4096) fail("--concurrency: '{}' is not a number of clients in 1..4096", c);
-    concs.push_back(v);
+  }
+  if (!o.rate.empty()) {
+    for (const std::string& c : split_csv(o.rate, "--rate")) {
+      size_t pos = 0;
+      double v = 0;
+      try {
+        v = std::stod(c, &pos);
+      } catch (const std::exception&) {
+        pos = 0;
+      }
+      if (pos != c.size() || !(v > 0) || v > 1e6) fail("--rate: '{}' is not a request rate (requests per second, > 0)", c);
+      loads.push_back({0, v});
+    }
   }
   if (o.chat && o.workload.empty()) fail("--chat applies to --workload prompts");
   if (o.workload.empty() == o.data.empty())
@@ -322,7 +380,7 @@ int bench_command(const BenchOptions& o) {
   std::vector<RunResult> runs;
   for (size_t f = 0; f < formats.size(); ++f) {
     const std::string& fmt = formats[f];
-    for (int conc : concs) {
+    for (const BenchLoad& load : loads) {
       // The pool's page size as PagePool rounds it: a budget below one page holds no token.
       const size_t pb = (page_bytes[f] + 63) / 64 * 64;
       std::unique_ptr<Engine> eng;
@@ -331,7 +389,7 @@ int bench_command(const BenchOptions& o) {
       if (cap < longest) {
         RunResult rr;
         rr.format = fmt;
-        rr.concurrency = conc;
+        rr.load = load;
         rr.requests = int(reqs.size());
         rr.kv_tokens = cap;
         rr.kv_bytes_per_token = double(pb) / double(o.kv.page_tokens);
@@ -340,11 +398,10 @@ int bench_command(const BenchOptions& o) {
         std::fprintf(stderr, "[bench] %s: --kv-mem %s holds %zu tokens, the longest request needs %zu: not run\n",
                      fmt.c_str(), o.kv_mem.c_str(), rr.kv_tokens, longest);
         runs.push_back(rr);
-        break;  // the same at every concurrency
+        break;  // the same at every load
       }
-      std::fprintf(stderr, "[bench] %s, %d client%s, %zu requests ...\n", fmt.c_str(), conc, conc == 1 ? "" : "s",
-                   reqs.size());
-      runs.push_back(run_one(*eng, fmt, conc, reqs));
+      std::fprintf(stderr, "[bench] %s, %s, %zu requests ...\n", fmt.c_str(), load.str().c_str(), reqs.size());
+      runs.push_back(run_one(*eng, fmt, load, reqs, o.seed));
       runs.back().prefix_cache = shareable[f];
     }
   }
@@ -374,7 +431,8 @@ int bench_command(const BenchOptions& o) {
   j["runs"] = nlohmann::json::array();
   for (const auto& r : runs) {
     nlohmann::json e{{"format", r.format},
-                     {"concurrency", r.concurrency},
+                     {"concurrency", r.load.clients > 0 ? nlohmann::json(r.load.clients) : nlohmann::json(nullptr)},
+                     {"rate", r.load.rate > 0 ? nlohmann::json(r.load.rate) : nlohmann::json(nullptr)},
                      {"fits", r.fits},
                      {"prefix_cache", r.prefix_cache},
                      {"kv_tokens", r.kv_tokens},
@@ -413,7 +471,7 @@ int bench_command(const BenchOptions& o) {
       std::printf("workload: %s, %zu requests (mean prompt %.0f tokens)", o.workload.c_str(), reqs.size(),
                   double(prompt_total) / double(reqs.size()));
     std::printf(", greedy, end-of-generation ignored\n\n");
-    std::printf("%-14s %9s %8s %5s %7s %9s %9s %9s %9s %9s %6s %7s %7s\n", "format", "KV tokens", "B/token", "conc",
+    std::printf("%-14s %9s %8s %12s %7s %9s %9s %9s %9s %9s %6s %7s %7s\n", "format", "KV tokens", "B/token", "load",
                 "ok/req", "tok/s", "TTFT p50", "TTFT p95", "TPOT p50", "TPOT p95", "hit", "preempt", "wall s");
     for (const auto& r : runs) {
       if (!r.fits) {
@@ -421,9 +479,10 @@ int bench_command(const BenchOptions& o) {
                     r.kv_tokens, r.kv_bytes_per_token);
         continue;
       }
-      std::printf("%-14s %9zu %8.0f %5d %3d/%-3d %9.1f %8.3fs %8.3fs %7.1fms %7.1fms %6.2f %7llu %7.1f\n",
-                  r.format.c_str(), r.kv_tokens, r.kv_bytes_per_token, r.concurrency, r.ok, r.requests, r.throughput,
-                  r.ttft_p50, r.ttft_p95, 1e3 * r.tpot_p50, 1e3 * r.tpot_p95, r.hit_rate,
+      std::printf("%-14s %9zu %8.0f %12s %3d/%-3d %9.1f %9s %9s %9s %9s %6.2f %7llu %7.1f\n", r.format.c_str(),
+                  r.kv_tokens, r.kv_bytes_per_token, r.load.str().c_str(), r.ok, r.requests, r.throughput,
+                  fmt_time(r.ttft_p50).c_str(), fmt_time(r.ttft_p95).c_str(), fmt_time(r.tpot_p50).c_str(),
+                  fmt_time(r.tpot_p95).c_str(), r.hit_rate,
                   static_cast<unsigned long long>(r.preemptions), r.wall_s);
       if (r.errors) std::printf("  %d request(s) failed: %s\n", r.errors, r.first_error.c_str());
     }

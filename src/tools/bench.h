@@ -7,8 +7,10 @@
 // (--data): --prefixes distinct documents of --prefix-tokens tokens, each request one of them
 // (in turn) followed by --question-tokens tokens of its own, the shape of document QA and
 // multi-turn chat, where a cache that holds more prefixes recomputes fewer.
-// Each (format, concurrency) runs on a fresh engine (cold prefix cache) with --concurrency
-// closed-loop clients: each sends its next request when its previous one ends.
+// Each (format, load) runs on a fresh engine (cold prefix cache). A load is --concurrency N
+// closed-loop clients (each sends its next request when its previous one ends) or --rate R
+// requests per second arriving as a seeded Poisson process (open loop, as vLLM's serving
+// benchmark sends them).
 #pragma once
 #include <string>
 #include <vector>
@@ -23,7 +25,9 @@ struct BenchOptions {
   std::string model;
   std::string kv_list = "f16,int8,q4_0";  // --kv: formats to compare
   std::string kv_mem = "256MiB";          // --kv-mem: the one budget every format gets
-  std::string concurrency = "1,8";        // --concurrency: comma-separated
+  std::string concurrency;                // --concurrency: comma-separated clients (closed loop)
+  std::string rate;                       // --rate: comma-separated requests/s (open loop, Poisson)
+  unsigned seed = 1;                      // --seed: of the arrivals
   std::string workload;                   // --workload FILE.jsonl
   std::string data;                       // --data FILE: text for the shared-prefix workload
   int prefixes = 4;

@@ -45,10 +45,16 @@ fi
 # the table, and a JSONL workload (max_tokens per line, --requests cycling over the lines)
 printf '{"prompt": "Once upon a time", "max_tokens": 5}\n\n{"prompt": "Lily and Ben went to the park"}\n' >"$tmp/w.jsonl"
 "$kvq" bench -m "$model" --kv fp8 --workload "$tmp/w.jsonl" --requests 3 --max-tokens 4 --concurrency 2 -t 1 >"$tmp/t" 2>"$tmp/e"
-check "JSONL workload: table with one row" "[[ $? -eq 0 ]] && grep -q 'fp8 .* 2 *3/3' $tmp/t && grep -q 'greedy, end-of-generation ignored' $tmp/t"
+check "JSONL workload: table with one row" "[[ $? -eq 0 ]] && grep -q 'fp8 .* 2 clients *3/3' $tmp/t && grep -q 'greedy, end-of-generation ignored' $tmp/t"
 "$kvq" bench -m "$model" --kv fp8 --workload "$tmp/w.jsonl" --requests 3 --max-tokens 4 -t 1 --json >"$tmp/w.json" 2>/dev/null
 check "JSONL workload: lines' max_tokens honored (5 + 4 + 5 tokens)" \
   "python3 -c \"import json; d=json.load(open('$tmp/w.json')); assert d['workload']['kind']=='jsonl' and d['runs'][0]['completion_tokens']==14\""
+
+# open loop: Poisson arrivals at --rate requests per second (seeded), next to a closed-loop run
+"$kvq" bench -m "$model" --kv f16 --kv-mem 1MiB --data "$text" --prefixes 2 --prefix-tokens 64 --question-tokens 8 \
+  --requests 6 --max-tokens 4 --concurrency 2 --rate 4,1000 -t 1 --json >"$tmp/r.json" 2>/dev/null
+check "--rate: open-loop runs after the closed-loop one, all served; at 4 req/s the 6 arrivals span a while" \
+  "python3 -c \"import json; R=json.load(open('$tmp/r.json'))['runs']; assert [(r['concurrency'],r['rate']) for r in R]==[(2,None),(None,4),(None,1000)], R; assert all(r['ok']==6 for r in R); assert R[1]['wall_s']>0.05 and R[1]['wall_s']>R[2]['wall_s'], (R[1]['wall_s'],R[2]['wall_s'])\""
 
 # a budget no format fits in (2 f16 / 2 int8 pages; a request takes 64 + 32 + 32 tokens: 3 pages)
 "$kvq" bench -m "$model" --kv f16,int8 --kv-mem 81920 --data "$text" --prefixes 2 --prefix-tokens 64 -t 1 >"$tmp/o" 2>"$tmp/e"
@@ -67,6 +73,7 @@ bad "format that does not fit the model's head_dim" "head_dim 8 must be a multip
 bad "no workload" "give a workload" --kv f16
 bad "two workloads" "give a workload" --kv f16 --data "$text" --workload "$tmp/w.jsonl"
 bad "bad concurrency" "is not a number of clients" --kv f16 --data "$text" --concurrency 2,x
+bad "bad rate" "is not a request rate" --kv f16 --data "$text" --rate 0
 bad "bad budget" "not a size" --kv f16 --data "$text" --kv-mem lots
 printf '{"prompt": "ok"}\n{"prompt": 3}\n' >"$tmp/bad1.jsonl"
 bad "JSONL line without a string prompt" "bad1.jsonl:2: each line needs a string field" --kv f16 --workload "$tmp/bad1.jsonl"
