@@ -9,6 +9,7 @@
 
 #include "engine/engine.h"
 #include "model/chat.h"
+#include "test_models.h"
 
 namespace fs = std::filesystem;
 using namespace kvq;
@@ -265,10 +266,7 @@ TEST_F(EngineTest, StopStringsMaxTokensAndStreaming) {
 // max_tokens; the tokens before it are the ones a normal request gets. Timings are filled in.
 // SmolLM2-Instruct ends a chat turn with <|im_end|> (stories260K's stories never end).
 TEST(EngineEos, IgnoreEosRunsToMaxTokens) {
-  std::string model;
-  for (const std::string& d : {std::string(std::getenv("KVQ_MODELS_DIR") ? std::getenv("KVQ_MODELS_DIR") : ""),
-                              std::string(KVQ_SOURCE_DIR) + "/models"})
-    if (!d.empty() && fs::exists(d + "/SmolLM2-135M-Instruct.Q4_1.gguf")) model = d + "/SmolLM2-135M-Instruct.Q4_1.gguf";
+  const std::string model = kvq_test_model("SmolLM2-135M-Instruct.Q4_1.gguf");
   if (model.empty()) GTEST_SKIP() << "SmolLM2-135M-Instruct.Q4_1.gguf not installed (run scripts/get-models.sh)";
   EngineOptions o;
   o.model_path = model;

@@ -13,6 +13,7 @@
 #include "model/sampler.h"
 #include "model/tokenizer.h"
 #include "tools/eval_metrics.h"
+#include "test_models.h"
 
 using namespace kvq;
 namespace fs = std::filesystem;
@@ -51,10 +52,7 @@ TEST(KvEngine, Stories260KGreedyEqualsF16ForExactAndEightBitCaches) {
 // the second half of a 256-token WikiText-2 window stays within a bound set by its bits. A format
 // whose kernels or layout were wrong lands at KLD of order 1 (a random distribution).
 TEST(KvEngine, SmolLM2FormatsStayWithinKldBounds) {
-  std::string model;
-  for (const std::string& d : {std::string(std::getenv("KVQ_MODELS_DIR") ? std::getenv("KVQ_MODELS_DIR") : ""),
-                              std::string(KVQ_SOURCE_DIR) + "/models"})
-    if (!d.empty() && fs::exists(d + "/SmolLM2-135M-Instruct.Q4_1.gguf")) model = d + "/SmolLM2-135M-Instruct.Q4_1.gguf";
+  const std::string model = kvq_test_model("SmolLM2-135M-Instruct.Q4_1.gguf");
   if (model.empty()) GTEST_SKIP() << "SmolLM2-135M-Instruct.Q4_1.gguf not installed (run scripts/get-models.sh)";
   const std::string text_path = shared_path("data/wikitext-2-test.txt");
   if (!fs::exists(text_path)) GTEST_SKIP() << "WikiText-2 not found at " << text_path;

@@ -14,6 +14,7 @@
 #include "model/model.h"
 #include "model/sampler.h"
 #include "model/tokenizer.h"
+#include "test_models.h"
 
 using namespace kvq;
 namespace fs = std::filesystem;
@@ -29,15 +30,7 @@ std::string read_file(const std::string& p) {
   return ss.str();
 }
 
-// Looks for a model in models/ (installed by scripts/get-models.sh) or $KVQ_MODELS_DIR.
-std::string find_model(const std::string& file) {
-  std::vector<std::string> dirs;
-  if (const char* d = std::getenv("KVQ_MODELS_DIR")) dirs.push_back(d);
-  dirs.push_back(std::string(KVQ_SOURCE_DIR) + "/models");
-  for (const auto& d : dirs)
-    if (fs::exists(d + "/" + file)) return d + "/" + file;
-  return "";
-}
+std::string find_model(const std::string& file) { return kvq_test_model(file); }
 
 std::string greedy(const Model& m, const Tokenizer& tok, std::vector<int32_t> ids, int n, const std::string& kv = "f16",
                    std::vector<int32_t>* out_ids = nullptr) {

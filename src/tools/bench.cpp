@@ -19,6 +19,7 @@
 #include "core/timer.h"
 #include "engine/engine.h"
 #include "model/chat.h"
+#include "tools/jsonl.h"
 #include "server/serve_cli.h"
 
 namespace kvq {
@@ -92,20 +93,8 @@ struct BenchRequest {
 };
 
 std::vector<BenchRequest> load_workload(const BenchOptions& o, const Tokenizer& tok, ChatTemplate tpl) {
-  std::ifstream in(o.workload);
-  if (!in) fail("--workload: cannot read '{}'", o.workload);
   std::vector<BenchRequest> reqs;
-  std::string line;
-  int ln = 0;
-  while (std::getline(in, line)) {
-    ++ln;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::exception& e) {
-      fail("--workload {}:{}: malformed JSON: {}", o.workload, ln, e.what());
-    }
+  jsonl_for_each(o.workload, "--workload", [&](const nlohmann::json& j, int ln) {
     if (!j.is_object() || !j.contains("prompt") || !j["prompt"].is_string())
       fail("--workload {}:{}: each line needs a string field \"prompt\"", o.workload, ln);
     BenchRequest r;
@@ -122,7 +111,7 @@ std::vector<BenchRequest> load_workload(const BenchOptions& o, const Tokenizer& 
       r.prompt = tok.encode(j["prompt"].get<std::string>(), true);
     if (r.prompt.empty()) fail("--workload {}:{}: the prompt is empty", o.workload, ln);
     reqs.push_back(std::move(r));
-  }
+  });
   if (reqs.empty()) fail("--workload {}: no requests (empty file)", o.workload);
   return reqs;
 }

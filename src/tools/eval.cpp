@@ -18,6 +18,7 @@
 #include "model/sampler.h"
 #include "model/tokenizer.h"
 #include "tools/eval_metrics.h"
+#include "tools/jsonl.h"
 #include "tools/plan.h"
 #include "tools/report.h"
 
@@ -318,27 +319,15 @@ struct OwnCase {
 };
 
 std::vector<OwnCase> load_own(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) fail("--own: cannot read '{}'", path);
   std::vector<OwnCase> cases;
-  std::string line;
-  int ln = 0;
-  while (std::getline(in, line)) {
-    ++ln;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::exception& e) {
-      fail("--own {}:{}: malformed JSON: {}", path, ln, e.what());
-    }
+  jsonl_for_each(path, "--own", [&](const nlohmann::json& j, int ln) {
     if (!j.is_object() || !j.contains("prompt") || !j["prompt"].is_string() || !j.contains("expected") || !j["expected"].is_string())
       fail("--own {}:{}: each line needs string fields \"prompt\" and \"expected\"", path, ln);
     OwnCase c{j["prompt"], j["expected"], j.value("match", std::string("substring"))};
     if (c.match != "substring" && c.match != "exact")
       fail("--own {}:{}: \"match\" must be \"substring\" or \"exact\", not \"{}\"", path, ln, c.match);
     cases.push_back(std::move(c));
-  }
+  });
   if (cases.empty()) fail("--own {}: no eval cases (empty file)", path);
   return cases;
 }
