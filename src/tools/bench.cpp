@@ -46,7 +46,13 @@ void bench_add_cli(CLI::App& app, BenchOptions& o) {
   app.add_option("--question-tokens", o.question_tokens, "shared-prefix workload: tokens of each request's own suffix")
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
-  app.add_option("--requests", o.requests, "requests per run (default: each JSONL line once; 4 per prefix)")
+  app.add_option("--turns", o.turns,
+                 "shared-prefix workload: turns per conversation; each turn sends the conversation so far (its "
+                 "prefix, earlier questions and answers) plus a new question")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
+  app.add_option("--requests", o.requests,
+                 "requests per run (default: each JSONL line once; 4 per prefix); with --turns, conversations")
       ->check(CLI::Range(1, 1000000));
   app.add_option("--max-tokens", o.max_tokens, "tokens generated per request (a JSONL line's max_tokens wins)")
       ->check(CLI::Range(1, 1 << 20))
@@ -87,9 +93,21 @@ std::vector<std::string> split_csv(const std::string& s, const char* flag) {
   return out;
 }
 
+// A session: its first prompt, then follow-up turns (multi-turn chat): turn k + 1's prompt is
+// turn k's prompt, the tokens turn k generated (end-of-generation tokens left out) and
+// followups[k]. A single request is a session of one turn.
 struct BenchRequest {
   std::vector<int32_t> prompt;
   int max_tokens = 0;
+  std::vector<std::vector<int32_t>> followups;
+  int turns() const { return 1 + int(followups.size()); }
+  // Longest prompt + generation of its last turn.
+  size_t longest() const {
+    size_t n = prompt.size();
+    for (const auto& f : followups) n += size_t(max_tokens) + f.size();
+    return n + size_t(max_tokens);
+  }
+  size_t last_prompt() const { return longest() - size_t(max_tokens); }
 };
 
 std::vector<BenchRequest> load_workload(const BenchOptions& o, const Tokenizer& tok, ChatTemplate tpl) {
@@ -130,14 +148,20 @@ std::vector<BenchRequest> shared_prefix_workload(const BenchOptions& o, const To
          Q);
   const size_t rest = ids.size() - N * P;
   std::vector<BenchRequest> reqs(static_cast<size_t>(n_requests));
+  size_t qi = 0;  // questions drawn so far
+  auto question = [&] {
+    const size_t q0 = (qi++ * Q) % (rest - Q + 1);
+    return std::vector<int32_t>(ids.begin() + long(N * P + q0), ids.begin() + long(N * P + q0 + Q));
+  };
   for (size_t r = 0; r < reqs.size(); ++r) {
     BenchRequest& b = reqs[r];
     if (tok.add_bos() && tok.bos() >= 0) b.prompt.push_back(tok.bos());
     const size_t p = r % N;
     b.prompt.insert(b.prompt.end(), ids.begin() + long(p * P), ids.begin() + long((p + 1) * P));
-    const size_t q0 = (r * Q) % (rest - Q + 1);
-    b.prompt.insert(b.prompt.end(), ids.begin() + long(N * P + q0), ids.begin() + long(N * P + q0 + Q));
+    const std::vector<int32_t> q = question();
+    b.prompt.insert(b.prompt.end(), q.begin(), q.end());
     b.max_tokens = o.max_tokens;
+    for (int t = 1; t < o.turns; ++t) b.followups.push_back(question());
   }
   return reqs;
 }
@@ -190,7 +214,8 @@ RunResult run_one(Engine& eng, const std::string& format, const BenchLoad& load,
   RunResult rr;
   rr.format = format;
   rr.load = load;
-  rr.requests = int(reqs.size());
+  rr.requests = 0;
+  for (const auto& r : reqs) rr.requests += r.turns();
   rr.kv_tokens = eng.pool().tokens_capacity();
   rr.kv_bytes_per_token = double(eng.pool().page_bytes()) / double(eng.pool().page_tokens());
 
@@ -207,12 +232,19 @@ RunResult run_one(Engine& eng, const std::string& format, const BenchLoad& load,
   }
   const EngineMetrics m0 = eng.metrics();
 
+  // Results of every turn: session i's turn k at first[i] + k.
+  std::vector<size_t> first(reqs.size() + 1, 0);
+  for (size_t i = 0; i < reqs.size(); ++i) first[i + 1] = first[i] + size_t(reqs[i].turns());
   std::mutex mu;
   std::condition_variable cv;
-  std::vector<GenResult> res(reqs.size());
-  int in_flight = 0;
-  size_t next = 0;
-  // Open loop: request i arrives at arrival[i] (Poisson process, seeded), whatever is in flight.
+  std::vector<GenResult> res(first.back());
+  std::vector<size_t> ended;  // sessions whose current turn ended (driver's queue)
+  std::vector<std::vector<int32_t>> prompt(reqs.size());
+  std::vector<int> turn(reqs.size(), 0);
+  int in_flight = 0;  // sessions started and not finished
+  size_t next = 0;    // next session to start
+  // Open loop: session i starts at arrival[i] (Poisson process, seeded), whatever is in flight;
+  // its follow-up turns are sent as soon as the previous one ends.
   std::vector<double> arrival(reqs.size(), 0.0);
   if (load.rate > 0) {
     std::mt19937_64 rng(seed);
@@ -220,32 +252,59 @@ RunResult run_one(Engine& eng, const std::string& format, const BenchLoad& load,
     for (size_t i = 1; i < reqs.size(); ++i) arrival[i] = arrival[i - 1] + gap(rng);
   }
   const int conc = load.rate > 0 ? std::numeric_limits<int>::max() : load.clients;
+  auto submit_turn = [&](size_t i) {  // called without mu held
+    GenRequest r;
+    r.prompt = prompt[i];
+    r.params.max_tokens = reqs[i].max_tokens;
+    r.params.sampling.temperature = 0;
+    r.params.ignore_eos = true;
+    const size_t slot = first[i] + size_t(turn[i]);
+    r.on_done = [&, i, slot](const GenResult& g) {
+      std::lock_guard<std::mutex> g_lk(mu);
+      res[slot] = g;
+      ended.push_back(i);
+      cv.notify_one();
+    };
+    eng.submit(std::move(r));  // a rejected request finishes inside submit, on this thread
+  };
+  const Tokenizer& tok = eng.tokenizer();
   const double t0 = now_seconds();
   std::unique_lock<std::mutex> lk(mu);
   while (next < reqs.size() || in_flight > 0) {
+    // Turns that ended: the session's next turn, or the session is done.
+    while (!ended.empty()) {
+      const size_t i = ended.back();
+      ended.pop_back();
+      const GenResult& g = res[first[i] + size_t(turn[i])];
+      const bool failed = g.finish_reason == "error" || g.finish_reason == "cancelled";
+      if (failed || turn[i] + 1 >= reqs[i].turns()) {
+        --in_flight;
+        continue;
+      }
+      for (int32_t t : g.tokens)
+        if (!tok.is_eog(t)) prompt[i].push_back(t);
+      const auto& f = reqs[i].followups[size_t(turn[i])];
+      prompt[i].insert(prompt[i].end(), f.begin(), f.end());
+      ++turn[i];
+      lk.unlock();
+      submit_turn(i);
+      lk.lock();
+    }
     while (in_flight < conc && next < reqs.size() && now_seconds() - t0 >= arrival[next]) {
       const size_t i = next++;
       ++in_flight;
-      GenRequest r;
-      r.prompt = reqs[i].prompt;
-      r.params.max_tokens = reqs[i].max_tokens;
-      r.params.sampling.temperature = 0;
-      r.params.ignore_eos = true;
-      r.on_done = [&, i](const GenResult& g) {
-        std::lock_guard<std::mutex> g_lk(mu);
-        res[i] = g;
-        --in_flight;
-        cv.notify_one();
-      };
-      lk.unlock();  // a rejected request finishes inside submit, on this thread
-      eng.submit(std::move(r));
+      prompt[i] = reqs[i].prompt;
+      lk.unlock();
+      submit_turn(i);
       lk.lock();
     }
+    if (!ended.empty()) continue;
     if (load.rate > 0 && next < reqs.size()) {
       cv.wait_for(lk, std::chrono::duration<double>(std::max(0.0, t0 + arrival[next] - now_seconds())));
       continue;
     }
-    cv.wait(lk, [&] { return (in_flight < conc && next < reqs.size()) || in_flight == 0; });
+    if (next >= reqs.size() && in_flight == 0) break;
+    cv.wait(lk, [&] { return !ended.empty() || (in_flight < conc && next < reqs.size()); });
   }
   lk.unlock();
   rr.wall_s = now_seconds() - t0;
@@ -356,14 +415,20 @@ int bench_command(const BenchOptions& o) {
       reqs = shared_prefix_workload(o, probe.tokenizer(), o.requests > 0 ? o.requests : 4 * o.prefixes);
     }
   }
-  size_t longest = 0;
+  size_t longest = 0, n_requests = 0;
   for (size_t i = 0; i < reqs.size(); ++i) {
-    if (reqs[i].prompt.size() + 1 > size_t(ctx))
+    if (reqs[i].last_prompt() + 1 > size_t(ctx)) {
+      if (reqs[i].turns() > 1)
+        fail("session {}: its last turn's prompt reaches {} tokens: no room to generate in the context of {} tokens "
+             "(fewer --turns, shorter --prefix-tokens / --max-tokens, or -c/--ctx-size)",
+             i + 1, reqs[i].last_prompt(), ctx);
       fail("request {} has a {}-token prompt: no room to generate in the context of {} tokens (-c/--ctx-size)", i + 1,
            reqs[i].prompt.size(), ctx);
-    longest = std::max(longest, std::min(reqs[i].prompt.size() + size_t(reqs[i].max_tokens), size_t(ctx)));
+    }
+    longest = std::max(longest, std::min(reqs[i].longest(), size_t(ctx)));
+    n_requests += size_t(reqs[i].turns());
   }
-  long prompt_total = 0;
+  long prompt_total = 0;  // first turns
   for (const auto& r : reqs) prompt_total += long(r.prompt.size());
 
   std::vector<RunResult> runs;
@@ -379,7 +444,7 @@ int bench_command(const BenchOptions& o) {
         RunResult rr;
         rr.format = fmt;
         rr.load = load;
-        rr.requests = int(reqs.size());
+        rr.requests = int(n_requests);
         rr.kv_tokens = cap;
         rr.kv_bytes_per_token = double(pb) / double(o.kv.page_tokens);
         rr.fits = false;
@@ -389,7 +454,7 @@ int bench_command(const BenchOptions& o) {
         runs.push_back(rr);
         break;  // the same at every load
       }
-      std::fprintf(stderr, "[bench] %s, %s, %zu requests ...\n", fmt.c_str(), load.str().c_str(), reqs.size());
+      std::fprintf(stderr, "[bench] %s, %s, %zu requests ...\n", fmt.c_str(), load.str().c_str(), n_requests);
       runs.push_back(run_one(*eng, fmt, load, reqs, o.seed));
       runs.back().prefix_cache = shareable[f];
     }
@@ -412,9 +477,11 @@ int bench_command(const BenchOptions& o) {
     w["prefixes"] = o.prefixes;
     w["prefix_tokens"] = o.prefix_tokens;
     w["question_tokens"] = o.question_tokens;
+    w["turns"] = o.turns;
   }
-  w["requests"] = reqs.size();
-  w["prompt_tokens_mean"] = double(prompt_total) / double(reqs.size());
+  w["sessions"] = reqs.size();
+  w["requests"] = n_requests;
+  w["first_prompt_tokens_mean"] = double(prompt_total) / double(reqs.size());
   w["sampling"] = "greedy, end-of-generation ignored";
   j["workload"] = w;
   j["runs"] = nlohmann::json::array();
@@ -453,7 +520,11 @@ int bench_command(const BenchOptions& o) {
     std::printf("%s\n", j.dump(2).c_str());
   } else {
     std::printf("model %s, KV budget %s (%zu bytes), context %d\n", model_name.c_str(), o.kv_mem.c_str(), kv_mem, ctx);
-    if (o.workload.empty())
+    if (o.workload.empty() && o.turns > 1)
+      std::printf("workload: %d prefixes x %d tokens, %zu conversations of %d turns (%d-token questions; each turn "
+                  "resends the conversation so far), %zu requests",
+                  o.prefixes, o.prefix_tokens, reqs.size(), o.turns, o.question_tokens, n_requests);
+    else if (o.workload.empty())
       std::printf("workload: %d prefixes x %d tokens, %d-token questions, %zu requests (mean prompt %.0f tokens)",
                   o.prefixes, o.prefix_tokens, o.question_tokens, reqs.size(), double(prompt_total) / double(reqs.size()));
     else

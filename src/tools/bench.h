@@ -6,7 +6,9 @@
 // "max_tokens": n} with max_tokens optional), or a shared-prefix workload cut from a text file
 // (--data): --prefixes distinct documents of --prefix-tokens tokens, each request one of them
 // (in turn) followed by --question-tokens tokens of its own, the shape of document QA and
-// multi-turn chat, where a cache that holds more prefixes recomputes fewer.
+// multi-turn chat, where a cache that holds more prefixes recomputes fewer. With --turns T each
+// request is a conversation of T turns: turn k + 1 resends turn k's prompt and answer plus a new
+// question, as a chat client does.
 // Each (format, load) runs on a fresh engine (cold prefix cache). A load is --concurrency N
 // closed-loop clients (each sends its next request when its previous one ends) or --rate R
 // requests per second arriving as a seeded Poisson process (open loop, as vLLM's serving
@@ -33,6 +35,7 @@ struct BenchOptions {
   int prefixes = 4;
   int prefix_tokens = 1024;
   int question_tokens = 32;
+  int turns = 1;                          // --turns: turns per conversation (shared-prefix workload)
   int requests = 0;                       // 0: JSONL lines / 4 per prefix
   int max_tokens = 32;                    // per request unless the JSONL line sets it
   int threads = 0;

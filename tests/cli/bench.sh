@@ -50,6 +50,16 @@ check "JSONL workload: table with one row" "[[ $? -eq 0 ]] && grep -q 'fp8 .* 2 
 check "JSONL workload: lines' max_tokens honored (5 + 4 + 5 tokens)" \
   "python3 -c \"import json; d=json.load(open('$tmp/w.json')); assert d['workload']['kind']=='jsonl' and d['runs'][0]['completion_tokens']==14\""
 
+# multi-turn: 4 conversations of 3 turns over 2 prefixes; turn k + 1 resends turn k (73, 89, 105
+# tokens) and finds its first page cached: hits 2 x 64 (second use of each prefix) + 8 x 64 of
+# 4 x (73 + 89 + 105) prompt tokens
+"$kvq" bench -m "$model" --kv f16 --kv-mem 1MiB --data "$text" --prefixes 2 --prefix-tokens 64 --question-tokens 8 \
+  --turns 3 --requests 4 --max-tokens 8 --concurrency 2 -t 1 --json >"$tmp/mt.json" 2>/dev/null
+check "--turns: every turn served, each resending the conversation so far" \
+  "python3 -c \"import json; d=json.load(open('$tmp/mt.json')); w=d['workload']; r=d['runs'][0]; assert w['sessions']==4 and w['requests']==12 and w['turns']==3; assert r['ok']==12 and r['completion_tokens']==96 and r['prompt_tokens']==4*(73+89+105), r; assert abs(r['prefix_hit_rate']-640/1068)<1e-9, r['prefix_hit_rate']\""
+"$kvq" bench -m "$model" --kv f16 --data "$text" --prefixes 2 --prefix-tokens 64 --turns 40 -c 512 -t 1 >"$tmp/o" 2>"$tmp/e"
+check "--turns beyond the context: rejected before any run" "[[ $? -ne 0 ]] && grep -q \"last turn's prompt reaches\" $tmp/e"
+
 # open loop: Poisson arrivals at --rate requests per second (seeded), next to a closed-loop run
 "$kvq" bench -m "$model" --kv f16 --kv-mem 1MiB --data "$text" --prefixes 2 --prefix-tokens 64 --question-tokens 8 \
   --requests 6 --max-tokens 4 --concurrency 2 --rate 4,1000 -t 1 --json >"$tmp/r.json" 2>/dev/null
