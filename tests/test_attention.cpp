@@ -689,3 +689,64 @@ TEST(Attention, EngineSplitKDecodeMatchesOneThread) {
     }
   }
 }
+
+// Prefill: KvCache::attend_rows (rows of one step batched per block, causal limits per row) gives
+// each row what attend_head gives it, for every format, with and without a window, with rows
+// before and inside the step, grouped codecs' tails included.
+TEST(Attention, KvCacheAttendRowsMatchesAttendHead) {
+  const CpuLevel saved = cpu_set_level(CpuLevel::avx512);
+  for (CpuLevel lvl : {CpuLevel::scalar, CpuLevel::avx2, CpuLevel::avx512}) {
+  cpu_set_level(lvl);
+  for (const auto& f : kv_formats()) {
+    for (int hd : {64, 256}) {
+      if (lvl != CpuLevel::avx512 && hd != 64) continue;  // the other levels: one shape
+      const int n_q = hd == 64 ? 3 : 4, n_kv = 2, n0 = 203, n1 = 37;
+      KvCacheConfig c;
+      c.n_layer = 1;
+      c.n_kv_heads = n_kv;
+      c.head_dim = hd;
+      c.page_tokens = 64;
+      c.max_tokens = 512;
+      c.policy = kv_policy_uniform(f.name, c.n_layer);
+      c.rope.assign(1, KvRope{hd, 10000.f, 1.f, false});
+      c.model_id = "synthetic";
+      std::unique_ptr<KvCache> cache;
+      try {
+        cache = std::make_unique<KvCache>(c);
+      } catch (const Error&) {
+        continue;  // a codec that does not take this head_dim
+      }
+      std::mt19937 rng(11);
+      std::normal_distribution<float> nd;
+      std::vector<float> k(size_t(n0 + n1) * n_kv * hd), v(k.size()), q(size_t(n1) * n_q * hd);
+      for (auto& x : k) x = nd(rng);
+      for (auto& x : v) x = nd(rng);
+      for (auto& x : q) x = nd(rng);
+      const size_t row = size_t(n_kv) * hd;
+      cache->append(0, n0, k.data(), k.data(), v.data());
+      cache->commit(n0);
+      cache->append(0, n1, k.data() + n0 * row, k.data() + n0 * row, v.data() + n0 * row);
+      std::vector<float> batched(q.size()), one(size_t(n_q) * hd);
+      std::vector<float> sb(cache->attend_scratch_floats(n_q * n1)), s1(cache->attend_scratch_floats(n_q));
+      std::vector<KvBlockSpan> spans;
+      AttnParams ap;
+      ap.scale = 1.f / std::sqrt(float(hd));
+      ap.prefetch_blocks = false;
+      for (int window : {0, 100}) {
+        for (int h = 0; h < n_kv; ++h) {
+          cache->attend_rows(0, h, n0, n1, q.data(), n_q, ap, window, batched.data(), sb.data(), spans);
+          double worst = 0;
+          for (int r = 0; r < n1; ++r) {
+            cache->attend_head(0, h, n0 + r, q.data() + size_t(r) * n_q * hd, n_q, ap, window, one.data(), s1.data(), spans);
+            for (size_t i = 0; i < one.size(); ++i)
+              worst = std::max(worst, double(std::fabs(batched[size_t(r) * n_q * hd + i] - one[i])));
+          }
+          EXPECT_LE(worst, 0.0) << f.name << " hd " << hd << " window " << window << " head " << h << " cpu "
+                                << cpu_level_name(lvl);
+        }
+      }
+    }
+  }
+  }
+  cpu_set_level(saved);
+}

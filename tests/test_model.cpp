@@ -182,13 +182,16 @@ TEST_P(GoldenModel, ReferencePrecisionMatchesF32Reference) {
 
 // As served (weights in their GGUF types, activations quantized to 8 bits inside the integer
 // dot products, like llama.cpp): the same token wins wherever the reference is not a near tie,
-// and log-probs stay within the activation-quantization error.
+// and log-probs stay within the activation-quantization error. That error is chaotic: moving one
+// attention output in 16 by one ulp (six seeds) gave a largest log-prob error of 0.72-1.29 on
+// Gemma 3's prompts and 0.57-0.81 on SmolLM2's, so the bound is 1.5, not the 1.0 that a
+// last-bit change in a kernel's summation order crossed (0.78 -> 1.17).
 TEST_P(GoldenModel, ServedPrecisionCloseToF32Reference) {
   auto m = Model::load(model_path_);
   for (const auto& c : g_["prompts"]) {
     SCOPED_TRACE(c["name"].get<std::string>());
     for (const auto& r : compare_positions(*m, c)) {
-      EXPECT_LT(r.max_lp_err, 1.0);
+      EXPECT_LT(r.max_lp_err, 1.5);
       if (r.ref_margin > 0.5) {
         EXPECT_TRUE(r.argmax_equal) << "reference margin " << r.ref_margin;
       }

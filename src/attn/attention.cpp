@@ -51,9 +51,14 @@ Scratch carve_part(const KvCodec& vc, int n_q, int max_block_tokens, float* base
 
 // Scores of n tokens (already in sc.s) -> probabilities relative to the updated running max;
 // rescales acc and l to that max. After this sc.s holds exp(score - m_new).
-void softmax_update(Scratch& sc, int n_q, int n, int v_dim, const AttnParams& ap) {
+// limit (attn_prefill's causal mask): query i sees only the first limit[i] - done of these n
+// tokens (done: tokens of the call before them); the rest get probability 0.
+void softmax_update(Scratch& sc, int n_q, int n_all, int v_dim, const AttnParams& ap, const int* limit = nullptr,
+                    int done = 0) {
   for (int i = 0; i < n_q; ++i) {
     float* s = sc.s + size_t(i) * size_t(sc.s_stride);
+    const int n = limit ? std::clamp(limit[i] - done, 0, n_all) : n_all;
+    std::fill(s + n, s + n_all, 0.f);
     float mx = -std::numeric_limits<float>::infinity();
     if (ap.softcap > 0) {
       for (int t = 0; t < n; ++t) {
@@ -88,10 +93,11 @@ inline void prefetch_lead(const KvCodec& c, const uint8_t* block, const KvBlockS
 }
 
 // The online softmax over spans and then the tail, into sc.m / sc.l / sc.acc (unnormalized, in
-// the model's basis). sc.qp holds the prepared query when n_spans > 0.
+// the model's basis). sc.qp holds the prepared query when n_spans > 0. limit (or null): query i
+// sees the first limit[i] tokens of the spans-then-tail sequence only (attn_prefill).
 void run_part(const KvCodec& kc, const KvCodec& vc, int head, int n_q, const KvBlockSpan* spans, int n_spans,
               const float* tail_k, const float* tail_v, size_t tail_stride, int n_tail, const AttnParams& ap,
-              Scratch& sc) {
+              Scratch& sc, const int* limit = nullptr) {
   const int hd = kc.head_dim(), vd = vc.head_dim();
   std::fill(sc.acc, sc.acc + size_t(n_q) * size_t(vd), 0.f);
   std::fill(sc.m, sc.m + n_q, -std::numeric_limits<float>::infinity());
@@ -106,13 +112,13 @@ void run_part(const KvCodec& kc, const KvCodec& vc, int head, int n_q, const KvB
     // leaving each block's start to demand misses (memory then overlaps the compute).
     const bool pf = ap.prefetch_blocks;
     bool k_ahead = !pf;  // the current span's K lead was requested in the previous iteration
-    for (int b = 0; b < n_spans; ++b) {
+    for (int b = 0, done = 0; b < n_spans; done += std::max(0, spans[b].n), ++b) {
       const KvBlockSpan& sp = spans[b];
       if (sp.n <= 0) continue;
       if (!k_ahead) prefetch_lead(kc, sp.k, sp);
       if (pf) prefetch_lead(vc, sp.v, sp);
       kc.scores(head, sc.qp, n_q, sp.k, sp.block_tokens, sp.t0, sp.n, sp.pos0, sc.s, sc.s_stride);
-      softmax_update(sc, n_q, sp.n, vd, ap);
+      softmax_update(sc, n_q, sp.n, vd, ap, limit, done);
       if (pf) {
         k_ahead = b + 1 < n_spans && spans[b + 1].n > 0;
         if (k_ahead) prefetch_lead(kc, spans[b + 1].k, spans[b + 1]);
@@ -130,10 +136,12 @@ void run_part(const KvCodec& kc, const KvCodec& vc, int head, int n_q, const KvB
     const auto* tv = reinterpret_cast<const uint8_t*>(tail_v);
     const size_t stride_bytes = tail_stride * sizeof(float);
     // The tail reads the raw query: the first hd floats of each row of q (see attn_decode).
+    int packed = 0;
+    for (int b = 0; b < n_spans; ++b) packed += std::max(0, spans[b].n);
     for (int t0 = 0; t0 < n_tail; t0 += kTailChunk) {
       const int n = std::min(kTailChunk, n_tail - t0);
       kv_rows_scores(kf, 1.f, sc.q_raw, n_q, tk + size_t(t0) * stride_bytes, stride_bytes, n, sc.s, sc.s_stride);
-      softmax_update(sc, n_q, n, vd, ap);
+      softmax_update(sc, n_q, n, vd, ap, limit, packed + t0);
       kv_rows_accum(vf, 1.f, sc.s, sc.s_stride, n_q, tv + size_t(t0) * stride_bytes, stride_bytes, n, sc.acc);
     }
   }
@@ -161,6 +169,24 @@ void attn_decode(const KvCodec& kc, const KvCodec& vc, int head, const float* q,
   if (n_spans > 0) kc.prepare_query(head, q, n_q, qp);
   run_part(kc, vc, head, n_q, spans, n_spans, tail_k, tail_v, tail_stride, n_tail, ap, sc);
   for (int i = 0; i < n_q; ++i) {
+    const float inv = sc.l[i] > 0 ? 1.f / sc.l[i] : 0.f;
+    for (int d = 0; d < vd; ++d) out[size_t(i) * size_t(vd) + size_t(d)] = sc.acc[size_t(i) * size_t(vd) + size_t(d)] * inv;
+  }
+}
+
+void attn_prefill(const KvCodec& kc, const KvCodec& vc, int head, const float* q, int n_q, int n_rows,
+                  const int* row_limit, const KvBlockSpan* spans, int n_spans, const float* tail_k,
+                  const float* tail_v, size_t tail_stride, int n_tail, const AttnParams& ap, float* out,
+                  float* scratch) {
+  const int vd = vc.head_dim(), nq = n_q * n_rows;
+  std::vector<int> limit(static_cast<size_t>(nq));
+  for (int i = 0; i < nq; ++i) limit[size_t(i)] = row_limit[i / n_q];
+  float* qp = scratch;
+  Scratch sc = carve_part(vc, nq, max_span_tokens(spans, n_spans), scratch + query_floats(kc, nq), qp);
+  sc.q_raw = q;
+  if (n_spans > 0) kc.prepare_query(head, q, nq, qp);
+  run_part(kc, vc, head, nq, spans, n_spans, tail_k, tail_v, tail_stride, n_tail, ap, sc, limit.data());
+  for (int i = 0; i < nq; ++i) {
     const float inv = sc.l[i] > 0 ? 1.f / sc.l[i] : 0.f;
     for (int d = 0; d < vd; ++d) out[size_t(i) * size_t(vd) + size_t(d)] = sc.acc[size_t(i) * size_t(vd) + size_t(d)] * inv;
   }

@@ -39,6 +39,18 @@ void attn_decode(const KvCodec& kc, const KvCodec& vc, int head, const float* q,
                  size_t tail_stride, int n_tail, const AttnParams& ap, float* out, float* scratch);
 size_t attn_scratch_floats(const KvCodec& kc, const KvCodec& vc, int n_q, int max_block_tokens);
 
+// Prefill: n_rows query rows of one sequence (each with its n_q query heads) against the same
+// spans + tail, row r seeing only the first row_limit[r] tokens of the spans-then-tail sequence
+// (the causal mask of rows appended in one step). q: (n_rows * n_q, head_dim), row by row; out
+// likewise. Each block is read and decoded once for all rows instead of once per row. Row r's
+// result is attn_decode's over its own first row_limit[r] tokens (the same kernels and summation
+// order: equal to it but for what a kernel's query grouping may change in the last bits).
+// scratch: attn_scratch_floats(kc, vc, n_rows * n_q, ...) floats.
+void attn_prefill(const KvCodec& kc, const KvCodec& vc, int head, const float* q, int n_q, int n_rows,
+                  const int* row_limit, const KvBlockSpan* spans, int n_spans, const float* tail_k,
+                  const float* tail_v, size_t tail_stride, int n_tail, const AttnParams& ap, float* out,
+                  float* scratch);
+
 // Split-K (flash-decoding) for a long context when there are fewer (sequence, KV head) items than
 // threads: the spans are cut into up to n_parts contiguous ranges of about equal token counts
 // (at least 1024 tokens each, else fewer parts), each runs the online softmax on a pool thread and

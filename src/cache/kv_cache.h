@@ -129,6 +129,14 @@ class KvCache {
   void attend_head(int layer, int head, int pos, const float* q, int n_q, const AttnParams& ap,
                    int window, float* out, float* scratch, std::vector<KvBlockSpan>& spans,
                    ThreadPool* split = nullptr) const;
+  // Attention for n_rows consecutive query positions pos, pos+1, ... of the current step (a
+  // prefill chunk) and KV head `head`, rows that see the same packed blocks batched into one
+  // attn_prefill call (each block decoded once for all of them): per-token codecs and grouped
+  // ones within a group; rows whose window start differs go one by one. q: (n_rows, n_q,
+  // head_dim) -> out, same shape. Row r's result is attend_head's for position pos + r.
+  // scratch: attend_scratch_floats(n_q * n_rows) floats.
+  void attend_rows(int layer, int head, int pos, int n_rows, const float* q, int n_q, const AttnParams& ap,
+                   int window, float* out, float* scratch, std::vector<KvBlockSpan>& spans) const;
   size_t attend_scratch_floats(int n_q, int n_parts = 1) const;
   // Ends the step: the n appended tokens become part of the sequence.
   void commit(int n);

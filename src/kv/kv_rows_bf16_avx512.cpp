@@ -93,11 +93,11 @@ inline __m512i to_bf16_32(const float* x) {
 // Lanes i * TU .. i * TU + TU - 1 of z (query row i's scores of TU consecutive tokens) to
 // out[i * out_stride ..]: one lane permute and one masked store per row instead of TU scalar stores.
 template <int NQ, int TU>
-[[gnu::always_inline]] inline void store_rows(__m512 z, float* out, int out_stride) {
+[[gnu::always_inline]] inline void store_rows(__m512 z, float* out, int out_stride, int cnt) {
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int i = 0; i < NQ; ++i) {
     const __m512 v = i == 0 ? z : _mm512_permutexvar_ps(_mm512_add_epi32(lane, _mm512_set1_epi32(i * TU)), z);
-    _mm512_mask_storeu_ps(out + size_t(i) * size_t(out_stride), __mmask16((1u << TU) - 1u), v);
+    _mm512_mask_storeu_ps(out + size_t(i) * size_t(out_stride), __mmask16((1u << cnt) - 1u), v);
   }
 }
 
@@ -107,15 +107,19 @@ void scores_nq(const RowRead<E>& rd, const uint16_t* qb, int hd, const uint8_t* 
                float* out, int out_stride) {
   constexpr int NQP = NQ <= 1 ? 1 : NQ <= 2 ? 2 : NQ <= 4 ? 4 : 8;
   constexpr int TU = 16 / NQP;
-  int t = 0;
-  for (; t + TU <= n; t += TU) {
-    kv_rows_simd::kv_prefetch_ahead(rows, row_stride, t, TU, n);
+  // A last step of fewer than TU tokens repeats its last row in the missing slots (dropped): every
+  // score comes out of the same tree whatever NQ is (kv_rows_simd::scores_nq).
+  for (int t = 0; t < n; t += TU) {
+    const int cnt = n - t < TU ? n - t : TU;
+    kv_rows_simd::kv_prefetch_ahead(rows, row_stride, t, cnt, n);
     const uint8_t* r0 = rows + size_t(t) * row_stride;
+    const uint8_t* ru[TU];
+    for (int u = 0; u < TU; ++u) ru[u] = r0 + size_t(u < cnt ? u : cnt - 1) * row_stride;
     __m512 a[16];
     for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
     for (int e = 0; e < hd; e += 32) {
       __m512bh x[TU];
-      for (int u = 0; u < TU; ++u) x[u] = rd.dec(r0 + size_t(u) * row_stride, e);
+      for (int u = 0; u < TU; ++u) x[u] = rd.dec(ru[u], e);
       for (int i = 0; i < NQ; ++i) {
         const __m512bh qv = ld_bh(qb + size_t(i) * size_t(hd) + size_t(e));
         for (int u = 0; u < TU; ++u) a[i * TU + u] = _mm512_dpbf16_ps(a[i * TU + u], x[u], qv);
@@ -125,25 +129,12 @@ void scores_nq(const RowRead<E>& rd, const uint16_t* qb, int hd, const uint8_t* 
     if constexpr (E != KvElem::bf16) {  // the fp8 scale, once per score
       alignas(64) float mv[16];
       for (int u = 0; u < TU; ++u) {
-        const float m = rd.mul(r0 + size_t(u) * row_stride);
+        const float m = rd.mul(ru[u]);
         for (int i = 0; i < NQP; ++i) mv[i * TU + u] = m;
       }
       z = _mm512_mul_ps(z, _mm512_load_ps(mv));
     }
-    store_rows<NQ, TU>(z, out + t, out_stride);
-  }
-  for (; t < n; ++t) {
-    const uint8_t* row = rows + size_t(t) * row_stride;
-    __m512 acc[NQ];
-    for (int i = 0; i < NQ; ++i) acc[i] = _mm512_setzero_ps();
-    for (int e = 0; e < hd; e += 32) {
-      const __m512bh x = rd.dec(row, e);
-      for (int i = 0; i < NQ; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], x, ld_bh(qb + size_t(i) * size_t(hd) + size_t(e)));
-    }
-    const float m = rd.mul(row);
-    for (int i = 0; i < NQ; ++i)
-      out[size_t(i) * size_t(out_stride) + size_t(t)] =
-          E == KvElem::bf16 ? _mm512_reduce_add_ps(acc[i]) : _mm512_reduce_add_ps(acc[i]) * m;
+    store_rows<NQ, TU>(z, out + t, out_stride, cnt);
   }
 }
 

@@ -191,15 +191,17 @@ void scores_nq(const Ctx& x, const float* qp, size_t q_stride, const uint8_t* ro
   constexpr int TU = 16 / NQP;
   QRow q[NQ];
   for (int i = 0; i < NQ; ++i) q[i] = qrow(x, qp, q_stride, i);
-  int t = 0;
-  for (; t + TU <= n; t += TU) {
-    kv_rows_simd::kv_prefetch_ahead(rows, row_stride, t, TU, n);
+  // A last step of fewer than TU tokens repeats its last row in the missing slots (dropped): every
+  // score comes out of the same tree whatever NQ is (kv_rows_simd::scores_nq).
+  for (int t = 0; t < n; t += TU) {
+    const int cnt = n - t < TU ? n - t : TU;
+    kv_rows_simd::kv_prefetch_ahead(rows, row_stride, t, cnt, n);
     __m512 v[16];
     for (int j = 0; j < 16; ++j) v[j] = _mm512_setzero_ps();
     for (int u = 0; u < TU; ++u) {
       __m512 F[NQ];
       for (int i = 0; i < NQ; ++i) F[i] = _mm512_setzero_ps();
-      token_dot<E, NQ, HD>(x, q, rows + size_t(t + u) * row_stride, F);
+      token_dot<E, NQ, HD>(x, q, rows + size_t(t + (u < cnt ? u : cnt - 1)) * row_stride, F);
       for (int i = 0; i < NQ; ++i) {
         const int o = i * TU + u;  // output lane: query i's TU scores are contiguous
         v[4 * (o % 4) + o / 4] = F[i];
@@ -207,13 +209,7 @@ void scores_nq(const Ctx& x, const float* qp, size_t q_stride, const uint8_t* ro
     }
     alignas(64) float z[16];
     _mm512_store_ps(z, hsum16_avx512(v));
-    for (int i = 0; i < NQ; ++i) std::memcpy(out + size_t(i) * size_t(out_stride) + size_t(t), z + i * TU, sizeof(float) * TU);
-  }
-  for (; t < n; ++t) {
-    __m512 F[NQ];
-    for (int i = 0; i < NQ; ++i) F[i] = _mm512_setzero_ps();
-    token_dot<E, NQ, HD>(x, q, rows + size_t(t) * row_stride, F);
-    for (int i = 0; i < NQ; ++i) out[size_t(i) * size_t(out_stride) + size_t(t)] = _mm512_reduce_add_ps(F[i]);
+    for (int i = 0; i < NQ; ++i) std::memcpy(out + size_t(i) * size_t(out_stride) + size_t(t), z + i * TU, sizeof(float) * size_t(cnt));
   }
 }
 
@@ -262,14 +258,17 @@ void scores_pairs(const Ctx& x, const float* qp, size_t q_stride, const uint8_t*
   // Slot of (query i, token u) in the result: pair vector j = i * PP + u / 2 is first-level input
   // j of the tree, its token u % 2 the tree's input k = 2j + u % 2, which lands in lane
   // 4 (k % 4) + k / 4.
-  int t = 0;
-  for (; t + TU <= n; t += TU) {
-    kv_rows_simd::kv_prefetch_ahead(rows, row_stride, t, TU, n);
+  // A last step of fewer than TU tokens repeats its last row in the missing slots (dropped), so
+  // that every score comes out of the pair path and the same tree whatever NQ is.
+  for (int t = 0; t < n; t += TU) {
+    const int cnt = n - t < TU ? n - t : TU;
+    kv_rows_simd::kv_prefetch_ahead(rows, row_stride, t, cnt, n);
     __m512 u[8];
     for (int j = NQ * PP; j < 8; ++j) u[j] = _mm512_setzero_ps();
     for (int p = 0; p < PP; ++p) {
-      const uint8_t* r0 = rows + size_t(t + 2 * p) * row_stride;
-      const Chunk k = load_pair<E>(x, r0, r0 + row_stride);
+      const uint8_t* r0 = rows + size_t(t + (2 * p < cnt ? 2 * p : cnt - 1)) * row_stride;
+      const uint8_t* r1 = rows + size_t(t + (2 * p + 1 < cnt ? 2 * p + 1 : cnt - 1)) * row_stride;
+      const Chunk k = load_pair<E>(x, r0, r1);
       for (int i = 0; i < NQ; ++i) {
         __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k.lo, qlo[i]);
         acc = _mm512_dpbusd_epi32(acc, k.hi, qhi[i]);
@@ -280,16 +279,10 @@ void scores_pairs(const Ctx& x, const float* qp, size_t q_stride, const uint8_t*
     alignas(64) float z[16];
     _mm512_store_ps(z, hsum16_from_pairs_avx512(u));
     for (int i = 0; i < NQ; ++i)
-      for (int v = 0; v < TU; ++v) {
+      for (int v = 0; v < cnt; ++v) {
         const int kk = 2 * (i * PP + v / 2) + v % 2;
         out[size_t(i) * size_t(out_stride) + size_t(t + v)] = z[4 * (kk % 4) + kk / 4];
       }
-  }
-  for (; t < n; ++t) {  // remainder: one token at a time (the half-chunk path)
-    __m512 F[NQ];
-    for (int i = 0; i < NQ; ++i) F[i] = _mm512_setzero_ps();
-    token_dot<E, NQ, 64>(x, q, rows + size_t(t) * row_stride, F);
-    for (int i = 0; i < NQ; ++i) out[size_t(i) * size_t(out_stride) + size_t(t)] = _mm512_reduce_add_ps(F[i]);
   }
 }
 

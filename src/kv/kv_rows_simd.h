@@ -91,15 +91,20 @@ void scores_nq(const KvRowFmt& f, float scale, const float* q, const uint8_t* ro
   static_assert(NQP <= W);
   constexpr int TU = W / NQP;
   const int hd = f.head_dim;
-  int t = 0;
-  for (; t + TU <= n; t += TU) {
-    kv_prefetch_ahead(rows, row_stride, t, TU, n);
+  // A last step of fewer than TU tokens repeats its last row in the missing slots (their sums are
+  // dropped), so that every score comes out of the same hsum_w tree whatever NQ is: a query's
+  // scores do not depend on how many rows share the call (prefill batches rows; decode does not).
+  for (int t = 0; t < n; t += TU) {
+    const int cnt = n - t < TU ? n - t : TU;
+    kv_prefetch_ahead(rows, row_stride, t, cnt, n);
     const uint8_t* r0 = rows + size_t(t) * row_stride;
+    const uint8_t* ru[TU];
+    for (int u = 0; u < TU; ++u) ru[u] = r0 + size_t(u < cnt ? u : cnt - 1) * row_stride;
     V a[W];  // slot o = i * TU + u: query i, token t + u
     for (int j = 0; j < W; ++j) a[j] = Isa::zero();
     for (int e = 0; e < hd; e += W) {
       V x[TU];
-      for (int u = 0; u < TU; ++u) x[u] = dec_row<Isa, E>(f, scale, r0 + size_t(u) * row_stride, e);
+      for (int u = 0; u < TU; ++u) x[u] = dec_row<Isa, E>(f, scale, ru[u], e);
       for (int i = 0; i < NQ; ++i) {
         const V qv = Isa::load(q + size_t(i) * hd + e);
         for (int u = 0; u < TU; ++u) a[i * TU + u] = Isa::fma(x[u], qv, a[i * TU + u]);
@@ -109,24 +114,12 @@ void scores_nq(const KvRowFmt& f, float scale, const float* q, const uint8_t* ro
     Isa::store(z, Isa::hsum_w(a));
     if constexpr (kv_token_scaled<E>) {
       float mu[TU];
-      for (int u = 0; u < TU; ++u) mu[u] = row_mul<E>(scale, r0 + size_t(u) * row_stride);
+      for (int u = 0; u < TU; ++u) mu[u] = row_mul<E>(scale, ru[u]);
       for (int i = 0; i < NQ; ++i)
         for (int u = 0; u < TU; ++u) z[i * TU + u] *= mu[u];
     }
     for (int i = 0; i < NQ; ++i)
-      for (int u = 0; u < TU; ++u) out[size_t(i) * size_t(out_stride) + size_t(t + u)] = z[i * TU + u];
-  }
-  for (; t < n; ++t) {
-    const uint8_t* row = rows + size_t(t) * row_stride;
-    V acc[NQ];
-    for (int i = 0; i < NQ; ++i) acc[i] = Isa::zero();
-    for (int e = 0; e < hd; e += W) {
-      const V x = dec_row<Isa, E>(f, scale, row, e);
-      for (int i = 0; i < NQ; ++i) acc[i] = Isa::fma(x, Isa::load(q + size_t(i) * hd + e), acc[i]);
-    }
-    const float mu = row_mul<E>(scale, row);
-    for (int i = 0; i < NQ; ++i)
-      out[size_t(i) * size_t(out_stride) + size_t(t)] = kv_token_scaled<E> ? Isa::hsum(acc[i]) * mu : Isa::hsum(acc[i]);
+      for (int u = 0; u < cnt; ++u) out[size_t(i) * size_t(out_stride) + size_t(t + u)] = z[i * TU + u];
   }
 }
 

@@ -14,6 +14,8 @@ namespace {
 // Decode attention switches to split-K (see the attention step) from this context length on:
 // two parts of attn_decode_split's minimum size.
 constexpr int kSplitMinContext = 2048;
+// Prefill rows of one sequence per attention call (KvCache::attend_rows).
+constexpr int kPrefillRows = 16;
 
 WeightView view_of(const gguf::File& f, const std::string& name, int64_t n_in, int64_t n_out, bool required = true) {
   const gguf::TensorInfo* t = f.find_tensor(name);
@@ -253,6 +255,17 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
   // Every thread's buffer can serve a split-K call (thread 0 makes them; see the attention below).
   for (int si = 0; si < n_seqs; ++si)
     scratch_need = std::max(scratch_need, seqs[si].cache->attend_scratch_floats(group, pool_.size()));
+  // Prefill: up to kPrefillRows rows of a sequence per attention call, their queries gathered
+  // (and outputs scattered) through two more regions of the thread's buffer.
+  const bool prefill = n > n_seqs;
+  const size_t rows_floats = size_t(kPrefillRows) * size_t(group) * size_t(hd);
+  size_t prefill_attn = 0;
+  if (prefill) {
+    for (int si = 0; si < n_seqs; ++si)
+      prefill_attn = std::max(prefill_attn, seqs[si].cache->attend_scratch_floats(group * kPrefillRows));
+    prefill_attn = (prefill_attn + 15) / 16 * 16;
+    scratch_need = std::max(scratch_need, prefill_attn + 2 * rows_floats);
+  }
   for (auto& sb : attn_scratch_)
     if (sb.size() < scratch_need) sb.resize(scratch_need);
   std::vector<float> cs(size_t(c.n_rot));
@@ -300,6 +313,30 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
         seqs[row_seq_[size_t(r)]].cache->attend_head(il, h, row_pos_[size_t(r)], q_.data() + qo, group, ap, window,
                                                      attn_out_.data() + qo, attn_scratch_[0].data(), spans_[0], &pool_);
       }
+    } else if (prefill) {
+      // (sequence, block of up to kPrefillRows of its rows, KV head) items: each packed block is
+      // decoded once per item instead of once per row.
+      blocks_.clear();
+      for (int si = 0, r0 = 0; si < n_seqs; r0 += seqs[si].n, ++si)
+        for (int b = 0; b < seqs[si].n; b += kPrefillRows) blocks_.push_back({si, r0 + b, std::min(kPrefillRows, seqs[si].n - b)});
+      const int n_items = int(blocks_.size()) * nkv;
+      const size_t grp = size_t(group) * size_t(hd);
+      pool_.run([&](int ti, int nt) {
+        float* sc = attn_scratch_[size_t(ti)].data();
+        float* qb = sc + prefill_attn;
+        float* ob = qb + rows_floats;
+        for (int w = ti; w < n_items; w += nt) {
+          const RowBlock& bk = blocks_[size_t(w / nkv)];
+          const int h = w % nkv;
+          for (int x = 0; x < bk.n; ++x)
+            std::memcpy(qb + size_t(x) * grp, q_.data() + size_t(bk.r0 + x) * size_t(qd) + size_t(h) * grp, grp * sizeof(float));
+          seqs[bk.seq].cache->attend_rows(il, h, row_pos_[size_t(bk.r0)], bk.n, qb, group, ap, window, ob, sc,
+                                          spans_[size_t(ti)]);
+          for (int x = 0; x < bk.n; ++x)
+            std::memcpy(attn_out_.data() + size_t(bk.r0 + x) * size_t(qd) + size_t(h) * grp, ob + size_t(x) * grp,
+                        grp * sizeof(float));
+        }
+      });
     } else pool_.run([&](int ti, int nt) {
       for (int w = ti; w < items; w += nt) {
         const int r = w / nkv, h = w % nkv;

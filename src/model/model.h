@@ -99,6 +99,10 @@ class Forward {
   AlignedBuf<float> logits_;       // (rows, n_vocab)
   std::vector<AlignedBuf<float>> attn_scratch_;  // one per thread
   std::vector<std::vector<KvBlockSpan>> spans_;  // one per thread
+  struct RowBlock {
+    int seq, r0, n;  // rows r0 .. r0 + n - 1, all of sequence seq
+  };
+  std::vector<RowBlock> blocks_;  // prefill attention items
 };
 
 }  // namespace kvq
