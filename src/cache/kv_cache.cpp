@@ -251,14 +251,10 @@ size_t KvCache::attend_scratch_floats(int n_q, int n_parts) const {
   return m;
 }
 
-void KvCache::attend_head(int layer, int head, int pos, const float* q, int n_q, const AttnParams& ap,
-                          int window, float* out, float* scratch, std::vector<KvBlockSpan>& spans,
-                          ThreadPool* split) const {
-  const Layer& L = layers_[size_t(layer)];
-  KVQ_CHECK(pos < n_tokens_ + L.pending, "query position {} beyond the appended tokens", pos);
+// What attention reads for positions [start, end): the packed part [start, packed_end) as spans
+// of head `head`'s blocks, and (grouped codecs) the tail from max(start, packed_end) on.
+KvCache::Reads KvCache::reads(const Layer& L, int head, int start, int end, std::vector<KvBlockSpan>& spans) const {
   const int P = cfg_.page_tokens;
-  const int end = pos + 1;
-  const int start = window > 0 ? std::max(0, end - window) : 0;
   const int packed_end = quantized(L, end);
   spans.clear();
   for (int t = start; t < packed_end;) {
@@ -275,15 +271,26 @@ void KvCache::attend_head(int layer, int head, int pos, const float* q, int n_q,
     spans.push_back(s);
     t += run;
   }
-  const float *tk = nullptr, *tv = nullptr;
-  int n_tail = 0;
+  Reads r;
   if (L.group > 1) {
     const int tail_from = std::max(start, packed_end);
-    n_tail = end - tail_from;
+    r.n_tail = end - tail_from;
     KVQ_CHECK(tail_from >= L.tail_start, "tail row {} already dropped (tail starts at {})", tail_from, L.tail_start);
-    tk = L.tail_k[size_t(head)].data() + size_t(tail_from - L.tail_start) * size_t(cfg_.head_dim);
-    tv = L.tail_v[size_t(head)].data() + size_t(tail_from - L.tail_start) * size_t(cfg_.head_dim);
+    r.tk = L.tail_k[size_t(head)].data() + size_t(tail_from - L.tail_start) * size_t(cfg_.head_dim);
+    r.tv = L.tail_v[size_t(head)].data() + size_t(tail_from - L.tail_start) * size_t(cfg_.head_dim);
   }
+  return r;
+}
+
+void KvCache::attend_head(int layer, int head, int pos, const float* q, int n_q, const AttnParams& ap,
+                          int window, float* out, float* scratch, std::vector<KvBlockSpan>& spans,
+                          ThreadPool* split) const {
+  const Layer& L = layers_[size_t(layer)];
+  KVQ_CHECK(pos < n_tokens_ + L.pending, "query position {} beyond the appended tokens", pos);
+  const int end = pos + 1;
+  const Reads rd = reads(L, head, window > 0 ? std::max(0, end - window) : 0, end, spans);
+  const float *tk = rd.tk, *tv = rd.tv;
+  const int n_tail = rd.n_tail;
   if (split && split->size() > 1)
     attn_decode_split(*L.k, *L.v, head, q, n_q, spans.data(), int(spans.size()), tk, tv, size_t(cfg_.head_dim),
                       n_tail, ap, out, scratch, *split, split->size());
@@ -296,7 +303,7 @@ void KvCache::attend_rows(int layer, int head, int pos, int n_rows, const float*
                           int window, float* out, float* scratch, std::vector<KvBlockSpan>& spans) const {
   const Layer& L = layers_[size_t(layer)];
   KVQ_CHECK(pos + n_rows <= n_tokens_ + L.pending, "query rows {}..{} beyond the appended tokens", pos, pos + n_rows - 1);
-  const int P = cfg_.page_tokens, hd = cfg_.head_dim;
+  const int hd = cfg_.head_dim;
   const size_t row_floats = size_t(n_q) * size_t(hd);
   auto first_visible = [&](int end) { return window > 0 ? std::max(0, end - window) : 0; };
   std::vector<int> limit;
@@ -306,38 +313,15 @@ void KvCache::attend_rows(int layer, int head, int pos, int n_rows, const float*
     const int start = first_visible(pos + r + 1), pe0 = quantized(L, pos + r + 1);
     int r1 = r + 1;
     while (r1 < n_rows && first_visible(pos + r1 + 1) == start && (L.group == 1 || quantized(L, pos + r1 + 1) == pe0)) ++r1;
-    const int end = pos + r1, packed_end = quantized(L, end);
-    spans.clear();
-    for (int t = start; t < packed_end;) {
-      const int page = t / P, slot = t % P;
-      const int run = std::min(packed_end - t, P - slot);
-      const uint8_t* pg = page_ptr(page);
-      KvBlockSpan sp;
-      sp.k = pg + L.k_off + size_t(head) * L.k_block;
-      sp.v = pg + L.v_off + size_t(head) * L.v_block;
-      sp.block_tokens = P;
-      sp.t0 = slot;
-      sp.n = run;
-      sp.pos0 = page * P;
-      spans.push_back(sp);
-      t += run;
-    }
-    const float *tk = nullptr, *tv = nullptr;
-    int n_tail = 0, tail_from = packed_end;
-    if (L.group > 1) {
-      tail_from = std::max(start, packed_end);
-      n_tail = end - tail_from;
-      KVQ_CHECK(tail_from >= L.tail_start, "tail row {} already dropped (tail starts at {})", tail_from, L.tail_start);
-      tk = L.tail_k[size_t(head)].data() + size_t(tail_from - L.tail_start) * size_t(hd);
-      tv = L.tail_v[size_t(head)].data() + size_t(tail_from - L.tail_start) * size_t(hd);
-    }
+    const int end = pos + r1;
+    const Reads rd = reads(L, head, start, end, spans);
     limit.clear();
     for (int x = r; x < r1; ++x) {
       const int e = pos + x + 1, pe = quantized(L, e);  // row x: packed [start, pe), tail [max(start, pe), e)
       limit.push_back(std::max(0, pe - start) + (e - std::max(start, pe)));
     }
     attn_prefill(*L.k, *L.v, head, q + size_t(r) * row_floats, n_q, r1 - r, limit.data(), spans.data(),
-                 int(spans.size()), tk, tv, size_t(hd), n_tail, ap, out + size_t(r) * row_floats, scratch);
+                 int(spans.size()), rd.tk, rd.tv, size_t(hd), rd.n_tail, ap, out + size_t(r) * row_floats, scratch);
     r = r1;
   }
 }

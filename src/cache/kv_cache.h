@@ -217,6 +217,12 @@ class KvCache {
     int pending = 0;                  // tokens appended in the current step
   };
   int quantized(const Layer& L, int n) const { return kv_quantized_tokens(n, L.group, L.residual); }
+  struct Reads {
+    const float* tk = nullptr;  // tail rows (grouped codecs), head_dim floats apart
+    const float* tv = nullptr;
+    int n_tail = 0;
+  };
+  Reads reads(const Layer& L, int head, int start, int end, std::vector<KvBlockSpan>& spans) const;
   uint8_t* page_ptr(int page) { return pool_ ? pool_->data(table_[size_t(page)]) : pages_[size_t(page)].data(); }
   const uint8_t* page_ptr(int page) const {
     return pool_ ? pool_->data(table_[size_t(page)]) : pages_[size_t(page)].data();
