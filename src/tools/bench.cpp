@@ -312,9 +312,9 @@ RunResult run_one(Engine& eng, const std::string& format, const BenchLoad& load,
 
   std::vector<double> ttft, tpot;
   for (const GenResult& g : res) {
-    if (g.finish_reason == "error" || g.finish_reason == "cancelled") {
-      ++rr.errors;
-      if (rr.first_error.empty()) rr.first_error = g.error.empty() ? g.finish_reason : g.error;
+    if (g.finish_reason.empty() || g.finish_reason == "error" || g.finish_reason == "cancelled") {
+      ++rr.errors;  // empty: never sent, an earlier turn of its conversation failed
+      if (rr.first_error.empty() && !g.finish_reason.empty()) rr.first_error = g.error.empty() ? g.finish_reason : g.error;
       continue;
     }
     ++rr.ok;
