@@ -546,6 +546,25 @@ int bench_command(const BenchOptions& o) {
                   static_cast<unsigned long long>(r.preemptions), r.wall_s);
       if (r.errors) std::printf("  %d request(s) failed: %s\n", r.errors, r.first_error.c_str());
     }
+    // Each format against the first one at the same load: what the budget buys.
+    bool header = false;
+    for (const auto& base : runs) {
+      if (base.format != formats.front() || !base.fits || base.ok == 0) continue;
+      for (const auto& r : runs) {
+        if (r.format == base.format || !r.fits || r.ok == 0 || r.load.clients != base.load.clients ||
+            r.load.rate != base.load.rate)
+          continue;
+        if (!header) std::printf("\nagainst %s at the same load:\n", base.format.c_str());
+        header = true;
+        std::string ttft = "-";
+        if (r.ttft_p50 > 0 && base.ttft_p50 > 0)
+          ttft = r.ttft_p50 <= base.ttft_p50 ? fmt::format("{:.2f}x lower", base.ttft_p50 / r.ttft_p50)
+                                             : fmt::format("{:.2f}x higher", r.ttft_p50 / base.ttft_p50);
+        std::printf("  %-14s %12s  TTFT p50 %s, throughput %.2fx, prefix hit rate %.2f (%.2f)\n", r.format.c_str(),
+                    r.load.str().c_str(), ttft.c_str(), base.throughput > 0 ? r.throughput / base.throughput : 0.0,
+                    r.hit_rate, base.hit_rate);
+      }
+    }
     bool noted = false;
     for (size_t f = 0; f < formats.size(); ++f) {
       if (shareable[f]) continue;

@@ -25,6 +25,10 @@ check "timings are consistent (p50 <= p95, TTFT > 0, throughput = tokens / wall)
 check "under the same budget int8 holds more tokens and every prefix: hit rate 12 x 64 / (16 x 73), f16 none" \
   "python3 -c \"import json; d=json.load(open('$tmp/b.json')); R={(r['format'],r['concurrency']): r for r in d['runs']}; f,i=R[('f16',1)],R[('int8',1)]; assert f['kv_tokens']==256 and i['kv_tokens']==320, (f['kv_tokens'], i['kv_tokens']); assert f['prefix_hit_rate']==0; assert abs(i['prefix_hit_rate']-12*64/(16*73))<1e-9, i['prefix_hit_rate']\""
 check "formats with per-token codecs share prefixes" "python3 -c \"import json; assert all(r['prefix_cache'] for r in json.load(open('$tmp/b.json'))['runs'])\""
+"$kvq" bench -m "$model" --kv f16,int8 --kv-mem 163840 --data "$text" --prefixes 4 --prefix-tokens 64 \
+  --question-tokens 8 --concurrency 1 --max-tokens 8 -t 1 >"$tmp/b.txt" 2>/dev/null
+check "table: each format against the first at the same load" \
+  "grep -q 'against f16 at the same load' $tmp/b.txt && grep -q 'int8 .*1 client  TTFT p50 .*x lower, throughput .*x, prefix hit rate 0.66 (0.00)' $tmp/b.txt"
 check "--json-out writes the same report" "cmp -s $tmp/b.json <(python3 -c \"import json; print(json.dumps(json.load(open('$tmp/copy.json')), indent=2))\") || python3 -c \"import json; assert json.load(open('$tmp/b.json'))==json.load(open('$tmp/copy.json'))\""
 
 # KIVI's residual window keeps prefixes private (exactness); with R = 0 its pages are shared
