@@ -20,6 +20,7 @@
 #include "engine/engine.h"
 #include "model/chat.h"
 #include "tools/jsonl.h"
+#include "tools/report.h"
 #include "server/serve_cli.h"
 
 namespace kvq {
@@ -66,6 +67,7 @@ void bench_add_cli(CLI::App& app, BenchOptions& o) {
   app.add_flag("--chat", o.chat, "--workload: each prompt is a user turn in the model's chat template");
   app.add_flag("--json", o.json, "print JSON instead of a table");
   app.add_option("--json-out", o.json_out, "also write the JSON report to this file");
+  app.add_option("--html", o.html, "write a self-contained HTML report with plots");
   kv_flags_add_shared(app, o.kv);
 }
 
@@ -378,6 +380,9 @@ int bench_command(const BenchOptions& o) {
       loads.push_back({0, v});
     }
   }
+  for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--json-out", o.json_out}, {"--html", o.html}})
+    if (!path.empty() && !std::ofstream(path, std::ios::app))  // before the runs, not after them
+      fail("{}: cannot write '{}'", flag, path);
   if (o.chat && o.workload.empty()) fail("--chat applies to --workload prompts");
   if (o.workload.empty() == o.data.empty())
     fail("give a workload: --workload FILE.jsonl (your requests) or --data FILE (a shared-prefix workload cut from text)");
@@ -515,6 +520,11 @@ int bench_command(const BenchOptions& o) {
     std::ofstream out(o.json_out);
     if (!out) fail("--json-out: cannot write '{}'", o.json_out);
     out << j.dump(2) << "\n";
+  }
+  if (!o.html.empty()) {
+    std::ofstream out(o.html);
+    if (!out) fail("--html: cannot write '{}'", o.html);
+    out << report_bench_html(j);
   }
   if (o.json) {
     std::printf("%s\n", j.dump(2).c_str());

@@ -45,6 +45,7 @@ struct BenchOptions {
   bool chat = false;                      // --chat: JSONL prompts as a user turn of the model's chat template
   bool json = false;
   std::string json_out;
+  std::string html;                       // --html: self-contained report with plots
   KvFlags kv;
 };
 

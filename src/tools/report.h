@@ -10,6 +10,10 @@ namespace kvq {
 // eval: the JSON kvq eval prints with --json. Returns the whole HTML document.
 std::string report_html(const nlohmann::json& eval);
 
+// bench: the JSON kvq bench prints with --json. Returns the whole HTML document: per load kind
+// (clients, request rate), TTFT p50 / p95, throughput and prefix hit rate per format, and the table.
+std::string report_bench_html(const nlohmann::json& bench);
+
 // One SVG line chart. series: [{"name": s, "points": [[x, y], ...]}]; log-scale x.
 std::string report_svg_lines(const std::string& title, const std::string& x_label, const std::string& y_label,
                              const nlohmann::json& series, bool log_y = false, bool log_x = true);

@@ -29,6 +29,10 @@ check "formats with per-token codecs share prefixes" "python3 -c \"import json; 
   --question-tokens 8 --concurrency 1 --max-tokens 8 -t 1 >"$tmp/b.txt" 2>/dev/null
 check "table: each format against the first at the same load" \
   "grep -q 'against f16 at the same load' $tmp/b.txt && grep -E -q 'int8 .*1 client  TTFT p50 [0-9.]+x (lower|higher), throughput [0-9.]+x, prefix hit rate 0.66 \(0.00\)' $tmp/b.txt"
+"$kvq" bench -m "$model" --kv f16,int8 --kv-mem 163840 --data "$text" --prefixes 4 --prefix-tokens 64 \
+  --question-tokens 8 --concurrency 1,2 --rate 50 --max-tokens 8 -t 1 --html "$tmp/b.html" >/dev/null 2>&1
+check "--html: self-contained report, charts per load kind, every run in the table" \
+  "[[ \$(grep -o '<svg' $tmp/b.html | wc -l) -eq 8 ]] && [[ \$(grep -o '<tr><td>' $tmp/b.html | wc -l) -eq 6 ]] && ! grep -q 'http://\|https://' <(sed 's|http://www.w3.org/2000/svg||g' $tmp/b.html)"
 check "--json-out writes the same report" "cmp -s $tmp/b.json <(python3 -c \"import json; print(json.dumps(json.load(open('$tmp/copy.json')), indent=2))\") || python3 -c \"import json; assert json.load(open('$tmp/b.json'))==json.load(open('$tmp/copy.json'))\""
 
 # KIVI's residual window keeps prefixes private (exactness); with R = 0 its pages are shared
@@ -82,6 +86,7 @@ bad() {  # name, expected message, args...
   local rc=$?
   check "$name" "[[ $rc -ne 0 ]] && grep -q -- \"$msg\" $tmp/e && ! grep -q '\[bench\] .* requests' $tmp/e"
 }
+bad "unwritable --html: rejected before any run" "cannot write" --kv f16 --data "$text" --html /nonexistent/dir/r.html
 bad "unknown format" "unknown KV format 'nope'" --kv f16,nope --data "$text"
 bad "format that does not fit the model's head_dim" "head_dim 8 must be a multiple of 32" --kv f16,q4_0 --data "$text"
 bad "no workload" "give a workload" --kv f16
