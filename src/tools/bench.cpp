@@ -36,7 +36,9 @@ void bench_add_cli(CLI::App& app, BenchOptions& o) {
                  "one run each; default 1,8 unless --rate is given)");
   app.add_option("--rate", o.rate, "open loop: requests per second, Poisson arrivals (comma-separated: one run each)");
   app.add_option("--seed", o.seed, "seed of the --rate arrivals")->capture_default_str();
-  app.add_option("--workload", o.workload, "JSONL workload, one request per line: {\"prompt\": \"...\", \"max_tokens\": n}");
+  app.add_option("--workload", o.workload,
+                 "JSONL workload, one request per line: {\"prompt\": \"...\", \"max_tokens\": n, \"turns\": [\"follow-up\", ...]} "
+                 "(turns: a conversation; each follow-up is sent with the answers so far)");
   app.add_option("--data", o.data, "text to cut a shared-prefix workload from (instead of --workload)");
   app.add_option("--prefixes", o.prefixes, "shared-prefix workload: distinct prefixes (documents, conversations)")
       ->check(CLI::Range(1, 100000))
@@ -130,6 +132,21 @@ std::vector<BenchRequest> load_workload(const BenchOptions& o, const Tokenizer& 
     else
       r.prompt = tok.encode(j["prompt"].get<std::string>(), true);
     if (r.prompt.empty()) fail("--workload {}:{}: the prompt is empty", o.workload, ln);
+    // A conversation: the follow-up user turns, each sent after the previous answer, with it.
+    if (j.contains("turns")) {
+      if (!j["turns"].is_array()) fail("--workload {}:{}: \"turns\" must be an array of strings", o.workload, ln);
+      for (const auto& t : j["turns"]) {
+        if (!t.is_string()) fail("--workload {}:{}: \"turns\" must be an array of strings", o.workload, ln);
+        std::string text = t.get<std::string>();
+        if (o.chat) {  // what the template puts after an answer: its end, the user turn, the next answer's start
+          const std::string full = chat_render(tpl, {{"user", "\x01"}, {"assistant", "\x02"}, {"user", text}});
+          text = full.substr(full.find('\x02') + 1);
+        }
+        std::vector<int32_t> ids = tok.encode(text, false, o.chat);
+        if (ids.empty()) fail("--workload {}:{}: an empty follow-up turn", o.workload, ln);
+        r.followups.push_back(std::move(ids));
+      }
+    }
     reqs.push_back(std::move(r));
   });
   if (reqs.empty()) fail("--workload {}: no requests (empty file)", o.workload);

@@ -46,8 +46,12 @@ if [[ -f $smol ]]; then
     --question-tokens 8 --requests 4 --max-tokens 2 --concurrency 1 -t 2 --json >"$tmp/k0.json" 2>/dev/null
   check "kivi4 with --kv-residual-tokens 0: prefixes shared (2 of 4 requests hit one page each)" \
     "python3 -c \"import json; r=json.load(open('$tmp/k0.json'))['runs'][0]; assert r['prefix_cache'] and r['prefix_hit_rate']>0.4, r\""
+  printf '{"prompt": "Name a fruit.", "max_tokens": 8, "turns": ["And a vegetable?"]}\n' >"$tmp/chat.jsonl"
+  "$kvq" bench -m "$smol" --kv f16 --workload "$tmp/chat.jsonl" --chat -t 2 --json >"$tmp/chat.json" 2>/dev/null
+  check "--chat conversation: the follow-up turn goes through the chat template" \
+    "python3 -c \"import json; r=json.load(open('$tmp/chat.json'))['runs'][0]; assert r['ok']==2 and r['completion_tokens']==16, r\""
 else
-  echo "skip: $smol not installed (scripts/get-models.sh): residual-window checks"
+  echo "skip: $smol not installed (scripts/get-models.sh): residual-window and chat checks"
 fi
 
 # the table, and a JSONL workload (max_tokens per line, --requests cycling over the lines)
@@ -73,6 +77,12 @@ check "--turns beyond the context: rejected before any run" "[[ $? -ne 0 ]] && g
   --requests 6 --max-tokens 4 --concurrency 2 --rate 4,1000 -t 1 --json >"$tmp/r.json" 2>/dev/null
 check "--rate: open-loop runs after the closed-loop one, all served; at 4 req/s the 6 arrivals span a while" \
   "python3 -c \"import json; R=json.load(open('$tmp/r.json'))['runs']; assert [(r['concurrency'],r['rate']) for r in R]==[(2,None),(None,4),(None,1000)], R; assert all(r['ok']==6 for r in R); assert R[1]['wall_s']>0.05 and R[1]['wall_s']>R[2]['wall_s'], (R[1]['wall_s'],R[2]['wall_s'])\""
+
+# JSONL conversations: "turns" are follow-ups sent with the answers so far
+printf '{"prompt": "Once upon a time", "max_tokens": 5, "turns": ["Then Lily said", "The end"]}\n{"prompt": "Ben ran"}\n' >"$tmp/conv.jsonl"
+"$kvq" bench -m "$model" --kv f16 --workload "$tmp/conv.jsonl" --max-tokens 4 --concurrency 2 -t 1 --json >"$tmp/c.json" 2>/dev/null
+check "JSONL turns: 3 + 1 requests, 3 x 5 + 4 tokens, later turns carry the earlier ones" \
+  "python3 -c \"import json; d=json.load(open('$tmp/c.json')); r=d['runs'][0]; assert d['workload']['sessions']==2 and d['workload']['requests']==4; assert r['ok']==4 and r['completion_tokens']==19, r; assert r['prompt_tokens']>3*6, r\""
 
 # a budget no format fits in (2 f16 / 2 int8 pages; a request takes 64 + 32 + 32 tokens: 3 pages)
 "$kvq" bench -m "$model" --kv f16,int8 --kv-mem 81920 --data "$text" --prefixes 2 --prefix-tokens 64 -t 1 >"$tmp/o" 2>"$tmp/e"
@@ -101,6 +111,8 @@ bad "malformed JSONL" "bad2.jsonl:1: malformed JSON" --kv f16 --workload "$tmp/b
 printf '{"prompt": "ok", "max_tokens": 0}\n' >"$tmp/bad3.jsonl"
 bad "max_tokens out of range" "must be an integer in 1.." --kv f16 --workload "$tmp/bad3.jsonl"
 : >"$tmp/empty.jsonl"
+printf '{"prompt": "ok", "turns": "more"}\n' >"$tmp/bad4.jsonl"
+bad "turns not an array" "bad4.jsonl:1: \\\"turns\\\" must be an array of strings" --kv f16 --workload "$tmp/bad4.jsonl"
 bad "empty workload" "no requests (empty file)" --kv f16 --workload "$tmp/empty.jsonl"
 python3 -c "print('{\"prompt\": \"' + 'a b c ' * 400 + '\"}')" >"$tmp/long.jsonl"
 bad "prompt beyond the context" "no room to generate in the context of 64" --kv f16 -c 64 --workload "$tmp/long.jsonl"
