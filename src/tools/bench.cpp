@@ -29,7 +29,8 @@ void bench_add_cli(CLI::App& app, BenchOptions& o) {
   app.add_option("-m,--model", o.model, "GGUF model file")->required();
   app.add_option("--kv", o.kv_list, "KV formats to compare (comma-separated; KFMT/VFMT for different K and V)")
       ->capture_default_str();
-  app.add_option("--kv-mem", o.kv_mem, "KV page pool budget, the same for every format (e.g. 256MiB, 2GiB)")
+  app.add_option("--kv-mem", o.kv_mem,
+                 "KV page pool budget, the same for every format (e.g. 256MiB, 2GiB; comma-separated: one sweep each)")
       ->capture_default_str();
   app.add_option("--concurrency", o.concurrency,
                  "closed loop: clients, each sending its next request when its previous one ends (comma-separated: "
@@ -200,6 +201,8 @@ struct BenchLoad {
 
 struct RunResult {
   std::string format;
+  std::string budget;  // --kv-mem as given
+  size_t kv_mem = 0;
   BenchLoad load;
   size_t kv_tokens = 0;
   double kv_bytes_per_token = 0;
@@ -403,7 +406,9 @@ int bench_command(const BenchOptions& o) {
   if (o.chat && o.workload.empty()) fail("--chat applies to --workload prompts");
   if (o.workload.empty() == o.data.empty())
     fail("give a workload: --workload FILE.jsonl (your requests) or --data FILE (a shared-prefix workload cut from text)");
-  const size_t kv_mem = parse_bytes(o.kv_mem);
+  const std::vector<std::string> budgets = split_csv(o.kv_mem, "--kv-mem");
+  std::vector<size_t> kv_mems;
+  for (const auto& b : budgets) kv_mems.push_back(parse_bytes(b));
   // Every format name is checked (and the model loaded once) before any run.
   std::vector<BenchRequest> reqs;
   std::vector<size_t> page_bytes;  // per format
@@ -454,8 +459,10 @@ int bench_command(const BenchOptions& o) {
   for (const auto& r : reqs) prompt_total += long(r.prompt.size());
 
   std::vector<RunResult> runs;
+  for (size_t bi = 0; bi < kv_mems.size(); ++bi)
   for (size_t f = 0; f < formats.size(); ++f) {
     const std::string& fmt = formats[f];
+    const size_t kv_mem = kv_mems[bi];
     for (const BenchLoad& load : loads) {
       // The pool's page size as PagePool rounds it: a budget below one page holds no token.
       const size_t pb = (page_bytes[f] + 63) / 64 * 64;
@@ -465,6 +472,8 @@ int bench_command(const BenchOptions& o) {
       if (cap < longest) {
         RunResult rr;
         rr.format = fmt;
+        rr.budget = budgets[bi];
+        rr.kv_mem = kv_mem;
         rr.load = load;
         rr.requests = int(n_requests);
         rr.kv_tokens = cap;
@@ -472,13 +481,16 @@ int bench_command(const BenchOptions& o) {
         rr.fits = false;
         rr.prefix_cache = shareable[f];
         std::fprintf(stderr, "[bench] %s: --kv-mem %s holds %zu tokens, the longest request needs %zu: not run\n",
-                     fmt.c_str(), o.kv_mem.c_str(), rr.kv_tokens, longest);
+                     fmt.c_str(), budgets[bi].c_str(), rr.kv_tokens, longest);
         runs.push_back(rr);
         break;  // the same at every load
       }
-      std::fprintf(stderr, "[bench] %s, %s, %zu requests ...\n", fmt.c_str(), load.str().c_str(), n_requests);
+      std::fprintf(stderr, "[bench] %s, %s, %s, %zu requests ...\n", fmt.c_str(), budgets[bi].c_str(),
+                   load.str().c_str(), n_requests);
       runs.push_back(run_one(*eng, fmt, load, reqs, o.seed));
       runs.back().prefix_cache = shareable[f];
+      runs.back().budget = budgets[bi];
+      runs.back().kv_mem = kv_mem;
     }
   }
   bool any = false;
@@ -487,7 +499,7 @@ int bench_command(const BenchOptions& o) {
   nlohmann::json j;
   j["model"] = model_name;
   j["model_file"] = o.model;
-  j["kv_mem_bytes"] = kv_mem;
+  j["kv_mem_bytes"] = kv_mems;
   j["ctx"] = ctx;
   nlohmann::json w;
   if (!o.workload.empty()) {
@@ -509,6 +521,7 @@ int bench_command(const BenchOptions& o) {
   j["runs"] = nlohmann::json::array();
   for (const auto& r : runs) {
     nlohmann::json e{{"format", r.format},
+                     {"kv_mem_bytes", r.kv_mem},
                      {"concurrency", r.load.clients > 0 ? nlohmann::json(r.load.clients) : nlohmann::json(nullptr)},
                      {"rate", r.load.rate > 0 ? nlohmann::json(r.load.rate) : nlohmann::json(nullptr)},
                      {"fits", r.fits},
@@ -546,7 +559,7 @@ int bench_command(const BenchOptions& o) {
   if (o.json) {
     std::printf("%s\n", j.dump(2).c_str());
   } else {
-    std::printf("model %s, KV budget %s (%zu bytes), context %d\n", model_name.c_str(), o.kv_mem.c_str(), kv_mem, ctx);
+    std::printf("model %s, KV budget %s, context %d\n", model_name.c_str(), o.kv_mem.c_str(), ctx);
     if (o.workload.empty() && o.turns > 1)
       std::printf("workload: %d prefixes x %d tokens, %zu conversations of %d turns (%d-token questions; each turn "
                   "resends the conversation so far), %zu requests",
@@ -558,16 +571,17 @@ int bench_command(const BenchOptions& o) {
       std::printf("workload: %s, %zu requests (mean prompt %.0f tokens)", o.workload.c_str(), reqs.size(),
                   double(prompt_total) / double(reqs.size()));
     std::printf(", greedy, end-of-generation ignored\n\n");
-    std::printf("%-14s %9s %8s %12s %7s %9s %9s %9s %9s %9s %6s %7s %7s\n", "format", "KV tokens", "B/token", "load",
-                "ok/req", "tok/s", "TTFT p50", "TTFT p95", "TPOT p50", "TPOT p95", "hit", "preempt", "wall s");
+    std::printf("%-14s %8s %9s %8s %12s %7s %9s %9s %9s %9s %9s %6s %7s %7s\n", "format", "KV mem", "KV tokens",
+                "B/token", "load", "ok/req", "tok/s", "TTFT p50", "TTFT p95", "TPOT p50", "TPOT p95", "hit", "preempt",
+                "wall s");
     for (const auto& r : runs) {
       if (!r.fits) {
-        std::printf("%-14s %9zu %8.0f  (the longest request does not fit in the budget)\n", r.format.c_str(),
-                    r.kv_tokens, r.kv_bytes_per_token);
+        std::printf("%-14s %8s %9zu %8.0f  (the longest request does not fit in the budget)\n", r.format.c_str(),
+                    r.budget.c_str(), r.kv_tokens, r.kv_bytes_per_token);
         continue;
       }
-      std::printf("%-14s %9zu %8.0f %12s %3d/%-3d %9.1f %9s %9s %9s %9s %6.2f %7llu %7.1f\n", r.format.c_str(),
-                  r.kv_tokens, r.kv_bytes_per_token, r.load.str().c_str(), r.ok, r.requests, r.throughput,
+      std::printf("%-14s %8s %9zu %8.0f %12s %3d/%-3d %9.1f %9s %9s %9s %9s %6.2f %7llu %7.1f\n", r.format.c_str(),
+                  r.budget.c_str(), r.kv_tokens, r.kv_bytes_per_token, r.load.str().c_str(), r.ok, r.requests, r.throughput,
                   fmt_time(r.ttft_p50).c_str(), fmt_time(r.ttft_p95).c_str(), fmt_time(r.tpot_p50).c_str(),
                   fmt_time(r.tpot_p95).c_str(), r.hit_rate,
                   static_cast<unsigned long long>(r.preemptions), r.wall_s);
@@ -579,16 +593,16 @@ int bench_command(const BenchOptions& o) {
       if (base.format != formats.front() || !base.fits || base.ok == 0) continue;
       for (const auto& r : runs) {
         if (r.format == base.format || !r.fits || r.ok == 0 || r.load.clients != base.load.clients ||
-            r.load.rate != base.load.rate)
+            r.load.rate != base.load.rate || r.kv_mem != base.kv_mem)
           continue;
-        if (!header) std::printf("\nagainst %s at the same load:\n", base.format.c_str());
+        if (!header) std::printf("\nagainst %s at the same budget and load:\n", base.format.c_str());
         header = true;
         std::string ttft = "-";
         if (r.ttft_p50 > 0 && base.ttft_p50 > 0)
           ttft = r.ttft_p50 <= base.ttft_p50 ? fmt::format("{:.2f}x lower", base.ttft_p50 / r.ttft_p50)
                                              : fmt::format("{:.2f}x higher", r.ttft_p50 / base.ttft_p50);
-        std::printf("  %-14s %12s  TTFT p50 %s, throughput %.2fx, prefix hit rate %.2f (%.2f)\n", r.format.c_str(),
-                    r.load.str().c_str(), ttft.c_str(), base.throughput > 0 ? r.throughput / base.throughput : 0.0,
+        std::printf("  %-14s %8s %12s  TTFT p50 %s, throughput %.2fx, prefix hit rate %.2f (%.2f)\n",
+                    r.format.c_str(), r.budget.c_str(), r.load.str().c_str(), ttft.c_str(), base.throughput > 0 ? r.throughput / base.throughput : 0.0,
                     r.hit_rate, base.hit_rate);
       }
     }

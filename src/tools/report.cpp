@@ -210,9 +210,21 @@ std::string report_bench_html(const nlohmann::json& b) {
                   "body{font-family:sans-serif;margin:24px;max-width:1100px}table{border-collapse:collapse;margin:8px 0}"
                   "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#f4f4f4}</style></head><body>";
   const nlohmann::json& w = b["workload"];
-  h += fmt::format("<h1>kvq bench: {}</h1><p>model file {}, KV budget {} bytes, context {}</p>",
+  const nlohmann::json budgets = b.value("kv_mem_bytes", nlohmann::json::array());
+  h += fmt::format("<h1>kvq bench: {}</h1><p>model file {}, KV budget(s) {} bytes, context {}</p>",
                    esc(b.value("model", std::string("?"))), esc(b.value("model_file", std::string("?"))),
-                   b.value("kv_mem_bytes", 0ull), b.value("ctx", 0));
+                   esc(budgets.dump()), b.value("ctx", 0));
+  // A series per format, or per (format, budget) when several budgets were swept.
+  auto series_name = [&](const nlohmann::json& r) {
+    std::string n = r["format"].get<std::string>();
+    if (budgets.size() > 1) {
+      const double v = r["kv_mem_bytes"].get<double>();
+      n += v >= 1073741824.0 ? fmt::format(" @ {:g} GiB", v / 1073741824.0)
+           : v >= 1048576.0  ? fmt::format(" @ {:g} MiB", v / 1048576.0)
+                             : fmt::format(" @ {:g} KiB", v / 1024.0);
+    }
+    return n;
+  };
   h += "<p>workload: " + esc(w.dump()) + "</p>";
   // One chart per metric and load kind, x = clients or requests per second, one series per format.
   for (const char* kind : {"concurrency", "rate"}) {
@@ -220,8 +232,8 @@ std::string report_bench_html(const nlohmann::json& b) {
     std::vector<std::string> names;
     for (const auto& r : b["runs"])
       if (r["fits"].get<bool>() && !r[kind].is_null() &&
-          std::find(names.begin(), names.end(), r["format"].get<std::string>()) == names.end())
-        names.push_back(r["format"]);
+          std::find(names.begin(), names.end(), series_name(r)) == names.end())
+        names.push_back(series_name(r));
     if (names.empty()) continue;
     struct Metric {
       const char* key;
@@ -236,7 +248,7 @@ std::string report_bench_html(const nlohmann::json& b) {
       for (const auto& n : names) {
         nlohmann::json pts = nlohmann::json::array();
         for (const auto& r : b["runs"])
-          if (r["format"] == n && r["fits"].get<bool>() && !r[kind].is_null() && !r[m.key].is_null())
+          if (series_name(r) == n && r["fits"].get<bool>() && !r[kind].is_null() && !r[m.key].is_null())
             pts.push_back({r[kind].get<double>(), m.mul * r[m.key].get<double>()});
         series.push_back({{"name", n}, {"points", pts}});
       }
@@ -244,7 +256,7 @@ std::string report_bench_html(const nlohmann::json& b) {
                             m.label, series, m.log_y);
     }
   }
-  h += "<h2>Runs</h2><table><tr><th>format</th><th>KV tokens</th><th>bytes/token</th><th>load</th><th>ok / requests</th>"
+  h += "<h2>Runs</h2><table><tr><th>format</th><th>KV bytes</th><th>KV tokens</th><th>bytes/token</th><th>load</th><th>ok / requests</th>"
        "<th>tok/s</th><th>TTFT p50 (ms)</th><th>TTFT p95 (ms)</th><th>TPOT p50 (ms)</th><th>TPOT p95 (ms)</th>"
        "<th>prefix hit rate</th><th>preemptions</th></tr>";
   auto ms = [](const nlohmann::json& v) { return v.is_null() ? std::string("-") : fmt::format("{:.1f}", 1e3 * v.get<double>()); };
@@ -252,16 +264,16 @@ std::string report_bench_html(const nlohmann::json& b) {
     const std::string load = r["concurrency"].is_null() ? fmt::format("{} req/s", r["rate"].get<double>())
                                                         : fmt::format("{} clients", r["concurrency"].get<int>());
     if (!r["fits"].get<bool>()) {
-      h += fmt::format("<tr><td>{}</td><td>{}</td><td>{:.0f}</td><td>{}</td><td colspan='8' style='text-align:left'>the "
-                       "longest request does not fit in the budget</td></tr>",
-                       esc(r["format"].get<std::string>()), r["kv_tokens"].get<size_t>(),
+      h += fmt::format("<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.0f}</td><td>{}</td><td colspan='8' "
+                       "style='text-align:left'>the longest request does not fit in the budget</td></tr>",
+                       esc(r["format"].get<std::string>()), r["kv_mem_bytes"].get<size_t>(), r["kv_tokens"].get<size_t>(),
                        r["kv_bytes_per_token"].get<double>(), load);
       continue;
     }
     h += fmt::format(
-        "<tr><td>{}</td><td>{}</td><td>{:.0f}</td><td>{}</td><td>{} / {}</td><td>{:.1f}</td><td>{}</td><td>{}</td>"
-        "<td>{}</td><td>{}</td><td>{:.2f}{}</td><td>{}</td></tr>",
-        esc(r["format"].get<std::string>()), r["kv_tokens"].get<size_t>(), r["kv_bytes_per_token"].get<double>(), load,
+        "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.0f}</td><td>{}</td><td>{} / {}</td><td>{:.1f}</td><td>{}</td>"
+        "<td>{}</td><td>{}</td><td>{}</td><td>{:.2f}{}</td><td>{}</td></tr>",
+        esc(r["format"].get<std::string>()), r["kv_mem_bytes"].get<size_t>(), r["kv_tokens"].get<size_t>(), r["kv_bytes_per_token"].get<double>(), load,
         r["ok"].get<int>(), r["requests"].get<int>(), r["throughput_tok_s"].get<double>(), ms(r["ttft_p50_s"]),
         ms(r["ttft_p95_s"]), ms(r["tpot_p50_s"]), ms(r["tpot_p95_s"]), r["prefix_hit_rate"].get<double>(),
         r["prefix_cache"].get<bool>() ? "" : " (no sharing: residual window)", r["preemptions"].get<uint64_t>());

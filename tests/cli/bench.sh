@@ -19,7 +19,7 @@ check() { if ! eval "$2"; then echo "FAIL: $1"; fails=$((fails + 1)); else echo 
   --question-tokens 8 --concurrency 1,2 --max-tokens 8 -t 1 --json --json-out "$tmp/copy.json" >"$tmp/b.json" 2>"$tmp/e"
 check "bench exits 0" "[[ $? -eq 0 ]]"
 check "one run per format and concurrency, every request served with exactly max_tokens tokens" \
-  "python3 -c \"import json; d=json.load(open('$tmp/b.json')); R=d['runs']; assert [(r['format'],r['concurrency']) for r in R]==[('f16',1),('f16',2),('int8',1),('int8',2)]; assert all(r['fits'] and r['ok']==16 and r['errors']==0 and r['completion_tokens']==16*8 for r in R); assert d['workload']['requests']==16 and d['kv_mem_bytes']==163840\""
+  "python3 -c \"import json; d=json.load(open('$tmp/b.json')); R=d['runs']; assert [(r['format'],r['concurrency']) for r in R]==[('f16',1),('f16',2),('int8',1),('int8',2)]; assert all(r['fits'] and r['ok']==16 and r['errors']==0 and r['completion_tokens']==16*8 for r in R); assert d['workload']['requests']==16 and d['kv_mem_bytes']==[163840] and all(r['kv_mem_bytes']==163840 for r in R)\""
 check "timings are consistent (p50 <= p95, TTFT > 0, throughput = tokens / wall)" \
   "python3 -c \"import json; d=json.load(open('$tmp/b.json')); assert all(0<r['ttft_p50_s']<=r['ttft_p95_s'] and 0<r['tpot_p50_s']<=r['tpot_p95_s'] and abs(r['throughput_tok_s']*r['wall_s']-r['completion_tokens'])<1e-6*r['completion_tokens'] for r in d['runs'])\""
 check "under the same budget int8 holds more tokens and every prefix: hit rate 12 x 64 / (16 x 73), f16 none" \
@@ -28,7 +28,7 @@ check "formats with per-token codecs share prefixes" "python3 -c \"import json; 
 "$kvq" bench -m "$model" --kv f16,int8 --kv-mem 163840 --data "$text" --prefixes 4 --prefix-tokens 64 \
   --question-tokens 8 --concurrency 1 --max-tokens 8 -t 1 >"$tmp/b.txt" 2>/dev/null
 check "table: each format against the first at the same load" \
-  "grep -q 'against f16 at the same load' $tmp/b.txt && grep -E -q 'int8 .*1 client  TTFT p50 [0-9.]+x (lower|higher), throughput [0-9.]+x, prefix hit rate 0.66 \(0.00\)' $tmp/b.txt"
+  "grep -q 'against f16 at the same budget and load' $tmp/b.txt && grep -E -q 'int8 .*1 client  TTFT p50 [0-9.]+x (lower|higher), throughput [0-9.]+x, prefix hit rate 0.66 \(0.00\)' $tmp/b.txt"
 "$kvq" bench -m "$model" --kv f16,int8 --kv-mem 163840 --data "$text" --prefixes 4 --prefix-tokens 64 \
   --question-tokens 8 --concurrency 1,2 --rate 50 --max-tokens 8 -t 1 --html "$tmp/b.html" >/dev/null 2>&1
 check "--html: self-contained report, charts per load kind, every run in the table" \
@@ -61,6 +61,12 @@ check "JSONL workload: table with one row" "[[ $? -eq 0 ]] && grep -q 'fp8 .* 2 
 "$kvq" bench -m "$model" --kv fp8 --workload "$tmp/w.jsonl" --requests 3 --max-tokens 4 -t 1 --json >"$tmp/w.json" 2>/dev/null
 check "JSONL workload: lines' max_tokens honored (5 + 4 + 5 tokens)" \
   "python3 -c \"import json; d=json.load(open('$tmp/w.json')); assert d['workload']['kind']=='jsonl' and d['runs'][0]['completion_tokens']==14\""
+
+# a budget sweep: f16 at 160 KiB (4 pages, no prefix kept) and 320 KiB (8 pages, all kept)
+"$kvq" bench -m "$model" --kv f16 --kv-mem 163840,327680 --data "$text" --prefixes 4 --prefix-tokens 64 \
+  --question-tokens 8 --concurrency 1 --max-tokens 8 -t 1 --json --html "$tmp/sw.html" >"$tmp/sw.json" 2>/dev/null
+check "--kv-mem sweep: one run per budget, the larger one keeps every prefix" \
+  "python3 -c \"import json; d=json.load(open('$tmp/sw.json')); R=d['runs']; assert d['kv_mem_bytes']==[163840,327680]; assert [r['kv_mem_bytes'] for r in R]==[163840,327680]; assert R[0]['prefix_hit_rate']==0 and abs(R[1]['prefix_hit_rate']-12*64/(16*73))<1e-9, R\" && grep -q 'f16 @ 160 KiB' $tmp/sw.html && grep -q 'f16 @ 320 KiB' $tmp/sw.html"
 
 # multi-turn: 4 conversations of 3 turns over 2 prefixes; turn k + 1 resends turn k (73, 89, 105
 # tokens) and finds its first page cached: hits 2 x 64 (second use of each prefix) + 8 x 64 of
