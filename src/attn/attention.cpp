@@ -51,13 +51,19 @@ Scratch carve_part(const KvCodec& vc, int n_q, int max_block_tokens, float* base
 
 // Scores of n tokens (already in sc.s) -> probabilities relative to the updated running max;
 // rescales acc and l to that max. After this sc.s holds exp(score - m_new).
-// limit (attn_prefill's causal mask): query i sees only the first limit[i] - done of these n
-// tokens (done: tokens of the call before them); the rest get probability 0.
-void softmax_update(Scratch& sc, int n_q, int n_all, int v_dim, const AttnParams& ap, const int* limit = nullptr,
-                    int done = 0) {
+// The causal mask of attn_prefill: query i belongs to row i / per_row, which sees only the first
+// row_limit[i / per_row] tokens of the call. Null row_limit: no mask.
+struct RowMask {
+  const int* row_limit = nullptr;
+  int per_row = 1;
+};
+
+// mask: query i sees only the first limit - done of these n_all tokens (done: tokens of the call
+// before them); the rest get probability 0.
+void softmax_update(Scratch& sc, int n_q, int n_all, int v_dim, const AttnParams& ap, RowMask mask = {}, int done = 0) {
   for (int i = 0; i < n_q; ++i) {
     float* s = sc.s + size_t(i) * size_t(sc.s_stride);
-    const int n = limit ? std::clamp(limit[i] - done, 0, n_all) : n_all;
+    const int n = mask.row_limit ? std::clamp(mask.row_limit[i / mask.per_row] - done, 0, n_all) : n_all;
     std::fill(s + n, s + n_all, 0.f);
     float mx = -std::numeric_limits<float>::infinity();
     if (ap.softcap > 0) {
@@ -93,11 +99,11 @@ inline void prefetch_lead(const KvCodec& c, const uint8_t* block, const KvBlockS
 }
 
 // The online softmax over spans and then the tail, into sc.m / sc.l / sc.acc (unnormalized, in
-// the model's basis). sc.qp holds the prepared query when n_spans > 0. limit (or null): query i
-// sees the first limit[i] tokens of the spans-then-tail sequence only (attn_prefill).
+// the model's basis). sc.qp holds the prepared query when n_spans > 0. mask: each query sees its
+// row's first tokens of the spans-then-tail sequence only (attn_prefill).
 void run_part(const KvCodec& kc, const KvCodec& vc, int head, int n_q, const KvBlockSpan* spans, int n_spans,
               const float* tail_k, const float* tail_v, size_t tail_stride, int n_tail, const AttnParams& ap,
-              Scratch& sc, const int* limit = nullptr) {
+              Scratch& sc, RowMask mask = {}) {
   const int hd = kc.head_dim(), vd = vc.head_dim();
   std::fill(sc.acc, sc.acc + size_t(n_q) * size_t(vd), 0.f);
   std::fill(sc.m, sc.m + n_q, -std::numeric_limits<float>::infinity());
@@ -118,7 +124,7 @@ void run_part(const KvCodec& kc, const KvCodec& vc, int head, int n_q, const KvB
       if (!k_ahead) prefetch_lead(kc, sp.k, sp);
       if (pf) prefetch_lead(vc, sp.v, sp);
       kc.scores(head, sc.qp, n_q, sp.k, sp.block_tokens, sp.t0, sp.n, sp.pos0, sc.s, sc.s_stride);
-      softmax_update(sc, n_q, sp.n, vd, ap, limit, done);
+      softmax_update(sc, n_q, sp.n, vd, ap, mask, done);
       if (pf) {
         k_ahead = b + 1 < n_spans && spans[b + 1].n > 0;
         if (k_ahead) prefetch_lead(kc, spans[b + 1].k, spans[b + 1]);
@@ -141,7 +147,7 @@ void run_part(const KvCodec& kc, const KvCodec& vc, int head, int n_q, const KvB
     for (int t0 = 0; t0 < n_tail; t0 += kTailChunk) {
       const int n = std::min(kTailChunk, n_tail - t0);
       kv_rows_scores(kf, 1.f, sc.q_raw, n_q, tk + size_t(t0) * stride_bytes, stride_bytes, n, sc.s, sc.s_stride);
-      softmax_update(sc, n_q, n, vd, ap, limit, packed + t0);
+      softmax_update(sc, n_q, n, vd, ap, mask, packed + t0);
       kv_rows_accum(vf, 1.f, sc.s, sc.s_stride, n_q, tv + size_t(t0) * stride_bytes, stride_bytes, n, sc.acc);
     }
   }
@@ -179,13 +185,11 @@ void attn_prefill(const KvCodec& kc, const KvCodec& vc, int head, const float* q
                   const float* tail_v, size_t tail_stride, int n_tail, const AttnParams& ap, float* out,
                   float* scratch) {
   const int vd = vc.head_dim(), nq = n_q * n_rows;
-  std::vector<int> limit(static_cast<size_t>(nq));
-  for (int i = 0; i < nq; ++i) limit[size_t(i)] = row_limit[i / n_q];
   float* qp = scratch;
   Scratch sc = carve_part(vc, nq, max_span_tokens(spans, n_spans), scratch + query_floats(kc, nq), qp);
   sc.q_raw = q;
   if (n_spans > 0) kc.prepare_query(head, q, nq, qp);
-  run_part(kc, vc, head, nq, spans, n_spans, tail_k, tail_v, tail_stride, n_tail, ap, sc, limit.data());
+  run_part(kc, vc, head, nq, spans, n_spans, tail_k, tail_v, tail_stride, n_tail, ap, sc, RowMask{row_limit, n_q});
   for (int i = 0; i < nq; ++i) {
     const float inv = sc.l[i] > 0 ? 1.f / sc.l[i] : 0.f;
     for (int d = 0; d < vd; ++d) out[size_t(i) * size_t(vd) + size_t(d)] = sc.acc[size_t(i) * size_t(vd) + size_t(d)] * inv;

@@ -43,8 +43,9 @@ size_t attn_scratch_floats(const KvCodec& kc, const KvCodec& vc, int n_q, int ma
 // spans + tail, row r seeing only the first row_limit[r] tokens of the spans-then-tail sequence
 // (the causal mask of rows appended in one step). q: (n_rows * n_q, head_dim), row by row; out
 // likewise. Each block is read and decoded once for all rows instead of once per row. Row r's
-// result is attn_decode's over its own first row_limit[r] tokens (the same kernels and summation
-// order: equal to it but for what a kernel's query grouping may change in the last bits).
+// result is attn_decode's over its own first row_limit[r] tokens, bit for bit: the kernels' scores
+// do not depend on how many queries share a call, and masked tokens add exact zeros (tested for
+// every format and CPU level).
 // scratch: attn_scratch_floats(kc, vc, n_rows * n_q, ...) floats.
 void attn_prefill(const KvCodec& kc, const KvCodec& vc, int head, const float* q, int n_q, int n_rows,
                   const int* row_limit, const KvBlockSpan* spans, int n_spans, const float* tail_k,
