@@ -400,9 +400,8 @@ int bench_command(const BenchOptions& o) {
       loads.push_back({0, v});
     }
   }
-  for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--json-out", o.json_out}, {"--html", o.html}})
-    if (!path.empty() && !std::ofstream(path, std::ios::app))  // before the runs, not after them
-      fail("{}: cannot write '{}'", flag, path);
+  report_check_writable("--json-out", o.json_out);
+  report_check_writable("--html", o.html);
   if (o.chat && o.workload.empty()) fail("--chat applies to --workload prompts");
   if (o.workload.empty() == o.data.empty())
     fail("give a workload: --workload FILE.jsonl (your requests) or --data FILE (a shared-prefix workload cut from text)");
@@ -546,16 +545,8 @@ int bench_command(const BenchOptions& o) {
     }
     j["runs"].push_back(e);
   }
-  if (!o.json_out.empty()) {
-    std::ofstream out(o.json_out);
-    if (!out) fail("--json-out: cannot write '{}'", o.json_out);
-    out << j.dump(2) << "\n";
-  }
-  if (!o.html.empty()) {
-    std::ofstream out(o.html);
-    if (!out) fail("--html: cannot write '{}'", o.html);
-    out << report_bench_html(j);
-  }
+  if (!o.json_out.empty()) report_write("--json-out", o.json_out, j.dump(2) + "\n");
+  if (!o.html.empty()) report_write("--html", o.html, report_bench_html(j));
   if (o.json) {
     std::printf("%s\n", j.dump(2).c_str());
   } else {

@@ -523,6 +523,8 @@ int eval_command(const EvalOptions& o) {
     r.bits_per_element = bits_per_element(probe, cfg);
     runs.push_back(std::move(r));
   }
+  report_check_writable("--json-out", o.json_out);  // output paths too: before the runs, not after them
+  report_check_writable("--html", o.html);
   // the own-set file is validated before any model time is spent
   std::vector<OwnCase> own_cases;
   if (has("own")) own_cases = load_own(o.own);
@@ -600,16 +602,8 @@ int eval_command(const EvalOptions& o) {
     if (!f.contains("buckets")) f["buckets"] = nlohmann::json::array();
     j["formats"].push_back(f);
   }
-  if (!o.json_out.empty()) {
-    std::ofstream out(o.json_out);
-    if (!out) fail("--json-out: cannot write '{}'", o.json_out);
-    out << j.dump(2) << "\n";
-  }
-  if (!o.html.empty()) {
-    std::ofstream out(o.html);
-    if (!out) fail("--html: cannot write '{}'", o.html);
-    out << report_html(j);
-  }
+  if (!o.json_out.empty()) report_write("--json-out", o.json_out, j.dump(2) + "\n");
+  if (!o.html.empty()) report_write("--html", o.html, report_html(j));
   if (o.json) {
     std::printf("%s\n", j.dump(2).c_str());
     return 0;

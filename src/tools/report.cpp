@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <fmt/format.h>
+#include <fstream>
+
+#include "core/error.h"
 
 namespace kvq {
 
@@ -26,6 +29,16 @@ const char* kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", 
                          "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"};
 
 }  // namespace
+
+void report_check_writable(const char* flag, const std::string& path) {
+  if (!path.empty() && !std::ofstream(path, std::ios::app)) fail("{}: cannot write '{}'", flag, path);
+}
+
+void report_write(const char* flag, const std::string& path, const std::string& text) {
+  std::ofstream out(path);
+  if (!out) fail("{}: cannot write '{}'", flag, path);
+  out << text;
+}
 
 std::string report_svg_lines(const std::string& title, const std::string& x_label, const std::string& y_label,
                              const nlohmann::json& series, bool log_y, bool log_x) {

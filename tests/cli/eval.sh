@@ -73,6 +73,7 @@ bad "haystack shorter than the context" "haystack" eval -m "$model" --kv int8 --
 bad "zero needles per cell" "needles" eval -m "$model" --kv int8 --task needle --ctx 128 --needles 0 --data "$text"
 bad "unknown scale mode" "scale-mode" eval -m "$model" --kv int8 --ctx 64 --data "$text" --scale-mode sometimes
 bad "centered format without calibration" "kvq calibrate" eval -m "$model" --kv int8_c --ctx 64 --data "$text"
+bad "unwritable --html, before any model time" "cannot write" eval -m "$model" --kv int8 --ctx 64 --data "$text" --html /nonexistent/dir/r.html
 bad "unknown task" "unknown task" eval -m "$model" --kv int8 --task nope --ctx 64 --data "$text"
 
 # plan --measure: measured growth per token next to the prediction
