@@ -152,6 +152,27 @@ inline __m256 hsum8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(e, f, 0x20), _mm256_permute2f128_ps(e, f, 0x31));
 }
 
+// One step of scores_nq: TU tokens from row t (Full) or the last cnt < TU of them, the missing
+// slots repeating the last row (their sums are dropped), so that every score comes out of the same
+// tree whatever NQ is (kv_rows_simd::scores_nq). Full steps keep compile-time counts.
+template <KvElem E, int NQ, int TU, bool Full>
+[[gnu::always_inline]] inline void scores_step(const Ctx& x, const QRow* q, const uint8_t* rows, size_t row_stride,
+                                               int t, int cnt, int n, float* out, int out_stride) {
+  kv_rows_simd::kv_prefetch_ahead(rows, row_stride, t, Full ? TU : cnt, n);
+  __m256 v[8];
+  for (int j = 0; j < 8; ++j) v[j] = _mm256_setzero_ps();
+  for (int u = 0; u < TU; ++u) {
+    __m256 F[NQ];
+    for (int i = 0; i < NQ; ++i) F[i] = _mm256_setzero_ps();
+    token_dot<E, NQ>(x, q, rows + size_t(t + (Full || u < cnt ? u : cnt - 1)) * row_stride, F);
+    for (int i = 0; i < NQ; ++i) v[i * TU + u] = F[i];
+  }
+  alignas(32) float z[8];
+  _mm256_store_ps(z, hsum8(v));
+  for (int i = 0; i < NQ; ++i)
+    std::memcpy(out + size_t(i) * size_t(out_stride) + size_t(t), z + i * TU, sizeof(float) * size_t(Full ? TU : cnt));
+}
+
 template <KvElem E, int NQ>
 void scores_nq(const Ctx& x, const float* qp, size_t q_stride, const uint8_t* rows, size_t row_stride, int n,
                float* out, int out_stride) {
@@ -159,23 +180,9 @@ void scores_nq(const Ctx& x, const float* qp, size_t q_stride, const uint8_t* ro
   constexpr int TU = 8 / NQP;
   QRow q[NQ];
   for (int i = 0; i < NQ; ++i) q[i] = qrow(x, qp, q_stride, i);
-  // A last step of fewer than TU tokens repeats its last row in the missing slots (dropped): every
-  // score comes out of the same tree whatever NQ is (kv_rows_simd::scores_nq).
-  for (int t = 0; t < n; t += TU) {
-    const int cnt = n - t < TU ? n - t : TU;
-    kv_rows_simd::kv_prefetch_ahead(rows, row_stride, t, cnt, n);
-    __m256 v[8];
-    for (int j = 0; j < 8; ++j) v[j] = _mm256_setzero_ps();
-    for (int u = 0; u < TU; ++u) {
-      __m256 F[NQ];
-      for (int i = 0; i < NQ; ++i) F[i] = _mm256_setzero_ps();
-      token_dot<E, NQ>(x, q, rows + size_t(t + (u < cnt ? u : cnt - 1)) * row_stride, F);
-      for (int i = 0; i < NQ; ++i) v[i * TU + u] = F[i];
-    }
-    alignas(32) float z[8];
-    _mm256_store_ps(z, hsum8(v));
-    for (int i = 0; i < NQ; ++i) std::memcpy(out + size_t(i) * size_t(out_stride) + size_t(t), z + i * TU, sizeof(float) * size_t(cnt));
-  }
+  int t = 0;
+  for (; t + TU <= n; t += TU) scores_step<E, NQ, TU, true>(x, q, rows, row_stride, t, TU, n, out, out_stride);
+  if (t < n) scores_step<E, NQ, TU, false>(x, q, rows, row_stride, t, n - t, n, out, out_stride);
 }
 
 template <KvElem E>

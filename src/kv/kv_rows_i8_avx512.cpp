@@ -182,6 +182,30 @@ template <KvElem E, int NQ, int HD>
   }
 }
 
+// One step of scores_nq: TU tokens from row t (Full) or the last cnt < TU of them, the missing
+// slots repeating the last row (their sums are dropped), so that every score comes out of the same
+// hsum16 tree whatever NQ is (kv_rows_simd::scores_nq). Full steps keep compile-time counts.
+template <KvElem E, int NQ, int HD, int TU, bool Full>
+[[gnu::always_inline]] inline void scores_step(const Ctx& x, const QRow* q, const uint8_t* rows, size_t row_stride,
+                                               int t, int cnt, int n, float* out, int out_stride) {
+  kv_rows_simd::kv_prefetch_ahead(rows, row_stride, t, Full ? TU : cnt, n);
+  __m512 v[16];
+  for (int j = 0; j < 16; ++j) v[j] = _mm512_setzero_ps();
+  for (int u = 0; u < TU; ++u) {
+    __m512 F[NQ];
+    for (int i = 0; i < NQ; ++i) F[i] = _mm512_setzero_ps();
+    token_dot<E, NQ, HD>(x, q, rows + size_t(t + (Full || u < cnt ? u : cnt - 1)) * row_stride, F);
+    for (int i = 0; i < NQ; ++i) {
+      const int o = i * TU + u;  // output lane: query i's TU scores are contiguous
+      v[4 * (o % 4) + o / 4] = F[i];
+    }
+  }
+  alignas(64) float z[16];
+  _mm512_store_ps(z, hsum16_avx512(v));
+  for (int i = 0; i < NQ; ++i)
+    std::memcpy(out + size_t(i) * size_t(out_stride) + size_t(t), z + i * TU, sizeof(float) * size_t(Full ? TU : cnt));
+}
+
 // NQ query rows (1..4) against n tokens; 16 / NQ tokens per step (3 rows use the slots of 4) so
 // that one hsum16 finishes 16 scores.
 template <KvElem E, int NQ, int HD>
@@ -191,26 +215,9 @@ void scores_nq(const Ctx& x, const float* qp, size_t q_stride, const uint8_t* ro
   constexpr int TU = 16 / NQP;
   QRow q[NQ];
   for (int i = 0; i < NQ; ++i) q[i] = qrow(x, qp, q_stride, i);
-  // A last step of fewer than TU tokens repeats its last row in the missing slots (dropped): every
-  // score comes out of the same tree whatever NQ is (kv_rows_simd::scores_nq).
-  for (int t = 0; t < n; t += TU) {
-    const int cnt = n - t < TU ? n - t : TU;
-    kv_rows_simd::kv_prefetch_ahead(rows, row_stride, t, cnt, n);
-    __m512 v[16];
-    for (int j = 0; j < 16; ++j) v[j] = _mm512_setzero_ps();
-    for (int u = 0; u < TU; ++u) {
-      __m512 F[NQ];
-      for (int i = 0; i < NQ; ++i) F[i] = _mm512_setzero_ps();
-      token_dot<E, NQ, HD>(x, q, rows + size_t(t + (u < cnt ? u : cnt - 1)) * row_stride, F);
-      for (int i = 0; i < NQ; ++i) {
-        const int o = i * TU + u;  // output lane: query i's TU scores are contiguous
-        v[4 * (o % 4) + o / 4] = F[i];
-      }
-    }
-    alignas(64) float z[16];
-    _mm512_store_ps(z, hsum16_avx512(v));
-    for (int i = 0; i < NQ; ++i) std::memcpy(out + size_t(i) * size_t(out_stride) + size_t(t), z + i * TU, sizeof(float) * size_t(cnt));
-  }
+  int t = 0;
+  for (; t + TU <= n; t += TU) scores_step<E, NQ, HD, TU, true>(x, q, rows, row_stride, t, TU, n, out, out_stride);
+  if (t < n) scores_step<E, NQ, HD, TU, false>(x, q, rows, row_stride, t, n - t, n, out, out_stride);
 }
 
 // head_dim 64: one row fills only half a chunk, so two tokens share each vector: row t's 64 codes
@@ -239,12 +246,44 @@ template <KvElem E>
   return k;
 }
 
+// One step of scores_pairs: TU tokens (TU / 2 pairs) from row t (Full) or the last cnt < TU of
+// them, the missing slots repeating the last row (dropped), so that every score comes out of the
+// pair path and the same tree whatever NQ is. Slot of (query i, token u): pair vector
+// j = i * PP + u / 2 is first-level input j of the tree, its token u % 2 the tree's input
+// k = 2j + u % 2, which lands in lane 4 (k % 4) + k / 4.
+template <KvElem E, int NQ, int TU, bool Full>
+[[gnu::always_inline]] inline void pairs_step(const Ctx& x, const __m512i* qlo, const __m512i* qhi, const __m512* dq,
+                                              const __m512* qs, const uint8_t* rows, size_t row_stride, int t, int cnt,
+                                              int n, float* out, int out_stride) {
+  constexpr int PP = TU / 2;
+  kv_rows_simd::kv_prefetch_ahead(rows, row_stride, t, Full ? TU : cnt, n);
+  __m512 u[8];
+  for (int j = NQ * PP; j < 8; ++j) u[j] = _mm512_setzero_ps();
+  for (int p = 0; p < PP; ++p) {
+    const uint8_t* r0 = rows + size_t(t + (Full || 2 * p < cnt ? 2 * p : cnt - 1)) * row_stride;
+    const uint8_t* r1 = rows + size_t(t + (Full || 2 * p + 1 < cnt ? 2 * p + 1 : cnt - 1)) * row_stride;
+    const Chunk k = load_pair<E>(x, r0, r1);
+    for (int i = 0; i < NQ; ++i) {
+      __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k.lo, qlo[i]);
+      acc = _mm512_dpbusd_epi32(acc, k.hi, qhi[i]);
+      const __m512 tq = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), dq[i]);
+      u[i * PP + p] = _mm512_fmadd_ps(k.m, qs[i], _mm512_mul_ps(tq, k.s));
+    }
+  }
+  alignas(64) float z[16];
+  _mm512_store_ps(z, hsum16_from_pairs_avx512(u));
+  for (int i = 0; i < NQ; ++i)
+    for (int v = 0; v < (Full ? TU : cnt); ++v) {
+      const int kk = 2 * (i * PP + v / 2) + v % 2;
+      out[size_t(i) * size_t(out_stride) + size_t(t + v)] = z[4 * (kk % 4) + kk / 4];
+    }
+}
+
 template <KvElem E, int NQ>
 void scores_pairs(const Ctx& x, const float* qp, size_t q_stride, const uint8_t* rows, size_t row_stride, int n,
                   float* out, int out_stride) {
   constexpr int NQP = NQ == 3 ? 4 : NQ;
   constexpr int TU = 16 / NQP;  // tokens per step, TU / 2 pairs
-  constexpr int PP = TU / 2;
   QRow q[NQ];
   __m512i qlo[NQ], qhi[NQ];
   __m512 dq[NQ], qs[NQ];
@@ -255,35 +294,9 @@ void scores_pairs(const Ctx& x, const float* qp, size_t q_stride, const uint8_t*
     dq[i] = _mm512_broadcast_f32x8(_mm256_loadu_ps(q[i].dq));
     qs[i] = _mm512_broadcast_f32x8(_mm256_loadu_ps(q[i].qs));
   }
-  // Slot of (query i, token u) in the result: pair vector j = i * PP + u / 2 is first-level input
-  // j of the tree, its token u % 2 the tree's input k = 2j + u % 2, which lands in lane
-  // 4 (k % 4) + k / 4.
-  // A last step of fewer than TU tokens repeats its last row in the missing slots (dropped), so
-  // that every score comes out of the pair path and the same tree whatever NQ is.
-  for (int t = 0; t < n; t += TU) {
-    const int cnt = n - t < TU ? n - t : TU;
-    kv_rows_simd::kv_prefetch_ahead(rows, row_stride, t, cnt, n);
-    __m512 u[8];
-    for (int j = NQ * PP; j < 8; ++j) u[j] = _mm512_setzero_ps();
-    for (int p = 0; p < PP; ++p) {
-      const uint8_t* r0 = rows + size_t(t + (2 * p < cnt ? 2 * p : cnt - 1)) * row_stride;
-      const uint8_t* r1 = rows + size_t(t + (2 * p + 1 < cnt ? 2 * p + 1 : cnt - 1)) * row_stride;
-      const Chunk k = load_pair<E>(x, r0, r1);
-      for (int i = 0; i < NQ; ++i) {
-        __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k.lo, qlo[i]);
-        acc = _mm512_dpbusd_epi32(acc, k.hi, qhi[i]);
-        const __m512 tq = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), dq[i]);
-        u[i * PP + p] = _mm512_fmadd_ps(k.m, qs[i], _mm512_mul_ps(tq, k.s));
-      }
-    }
-    alignas(64) float z[16];
-    _mm512_store_ps(z, hsum16_from_pairs_avx512(u));
-    for (int i = 0; i < NQ; ++i)
-      for (int v = 0; v < cnt; ++v) {
-        const int kk = 2 * (i * PP + v / 2) + v % 2;
-        out[size_t(i) * size_t(out_stride) + size_t(t + v)] = z[4 * (kk % 4) + kk / 4];
-      }
-  }
+  int t = 0;
+  for (; t + TU <= n; t += TU) pairs_step<E, NQ, TU, true>(x, qlo, qhi, dq, qs, rows, row_stride, t, TU, n, out, out_stride);
+  if (t < n) pairs_step<E, NQ, TU, false>(x, qlo, qhi, dq, qs, rows, row_stride, t, n - t, n, out, out_stride);
 }
 
 template <KvElem E, int HD>

@@ -79,48 +79,54 @@ template <KvElem E>
   return 1.f;
 }
 
+// One step of scores_nq: TU tokens from row t (Full) or the last cnt < TU of them, the missing
+// slots repeating the last row (their sums are dropped), so that every score comes out of the same
+// hsum_w tree whatever NQ is: a query's scores do not depend on how many rows share the call
+// (prefill batches rows; decode does not). Full steps keep compile-time counts.
+template <class Isa, KvElem E, int NQ, int TU, bool Full>
+[[gnu::always_inline]] inline void scores_step(const KvRowFmt& f, float scale, const float* q, const uint8_t* rows,
+                                               size_t row_stride, int t, int cnt, int n, float* out, int out_stride) {
+  using V = typename Isa::V;
+  constexpr int W = Isa::W;
+  const int hd = f.head_dim;
+  kv_prefetch_ahead(rows, row_stride, t, Full ? TU : cnt, n);
+  const uint8_t* r0 = rows + size_t(t) * row_stride;
+  auto row = [&](int u) { return r0 + size_t(Full || u < cnt ? u : cnt - 1) * row_stride; };
+  V a[W];  // slot o = i * TU + u: query i, token t + u
+  for (int j = 0; j < W; ++j) a[j] = Isa::zero();
+  for (int e = 0; e < hd; e += W) {
+    V x[TU];
+    for (int u = 0; u < TU; ++u) x[u] = dec_row<Isa, E>(f, scale, row(u), e);
+    for (int i = 0; i < NQ; ++i) {
+      const V qv = Isa::load(q + size_t(i) * hd + e);
+      for (int u = 0; u < TU; ++u) a[i * TU + u] = Isa::fma(x[u], qv, a[i * TU + u]);
+    }
+  }
+  alignas(64) float z[W];
+  Isa::store(z, Isa::hsum_w(a));
+  if constexpr (kv_token_scaled<E>) {
+    float mu[TU];
+    for (int u = 0; u < TU; ++u) mu[u] = row_mul<E>(scale, row(u));
+    for (int i = 0; i < NQ; ++i)
+      for (int u = 0; u < TU; ++u) z[i * TU + u] *= mu[u];
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int u = 0; u < (Full ? TU : cnt); ++u) out[size_t(i) * size_t(out_stride) + size_t(t + u)] = z[i * TU + u];
+}
+
 // NQ query rows in NQP slots (NQ rounded up to a power of two), TU = W / NQP tokens per step: the
 // W (token, query) dot products of a step finish with one Isa::hsum_w tree instead of W full
 // horizontal reductions, and each decoded chunk of a token is reused by all NQ query rows.
 template <class Isa, KvElem E, int NQ>
 void scores_nq(const KvRowFmt& f, float scale, const float* q, const uint8_t* rows,
                size_t row_stride, int n, float* out, int out_stride) {
-  using V = typename Isa::V;
   constexpr int W = Isa::W;
   constexpr int NQP = NQ <= 1 ? 1 : NQ <= 2 ? 2 : NQ <= 4 ? 4 : 8;
   static_assert(NQP <= W);
   constexpr int TU = W / NQP;
-  const int hd = f.head_dim;
-  // A last step of fewer than TU tokens repeats its last row in the missing slots (their sums are
-  // dropped), so that every score comes out of the same hsum_w tree whatever NQ is: a query's
-  // scores do not depend on how many rows share the call (prefill batches rows; decode does not).
-  for (int t = 0; t < n; t += TU) {
-    const int cnt = n - t < TU ? n - t : TU;
-    kv_prefetch_ahead(rows, row_stride, t, cnt, n);
-    const uint8_t* r0 = rows + size_t(t) * row_stride;
-    const uint8_t* ru[TU];
-    for (int u = 0; u < TU; ++u) ru[u] = r0 + size_t(u < cnt ? u : cnt - 1) * row_stride;
-    V a[W];  // slot o = i * TU + u: query i, token t + u
-    for (int j = 0; j < W; ++j) a[j] = Isa::zero();
-    for (int e = 0; e < hd; e += W) {
-      V x[TU];
-      for (int u = 0; u < TU; ++u) x[u] = dec_row<Isa, E>(f, scale, ru[u], e);
-      for (int i = 0; i < NQ; ++i) {
-        const V qv = Isa::load(q + size_t(i) * hd + e);
-        for (int u = 0; u < TU; ++u) a[i * TU + u] = Isa::fma(x[u], qv, a[i * TU + u]);
-      }
-    }
-    alignas(64) float z[W];
-    Isa::store(z, Isa::hsum_w(a));
-    if constexpr (kv_token_scaled<E>) {
-      float mu[TU];
-      for (int u = 0; u < TU; ++u) mu[u] = row_mul<E>(scale, ru[u]);
-      for (int i = 0; i < NQ; ++i)
-        for (int u = 0; u < TU; ++u) z[i * TU + u] *= mu[u];
-    }
-    for (int i = 0; i < NQ; ++i)
-      for (int u = 0; u < cnt; ++u) out[size_t(i) * size_t(out_stride) + size_t(t + u)] = z[i * TU + u];
-  }
+  int t = 0;
+  for (; t + TU <= n; t += TU) scores_step<Isa, E, NQ, TU, true>(f, scale, q, rows, row_stride, t, TU, n, out, out_stride);
+  if (t < n) scores_step<Isa, E, NQ, TU, false>(f, scale, q, rows, row_stride, t, n - t, n, out, out_stride);
 }
 
 // Column strips of SV vectors: the NQ * SV accumulators stay in registers across all n tokens
