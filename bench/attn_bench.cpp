@@ -62,9 +62,13 @@ const nlohmann::json& bench_calib(int hd) {
   static std::map<int, nlohmann::json> by_hd;
   auto it = by_hd.find(hd);
   if (it == by_hd.end()) {
-    std::vector<std::vector<float>> mean(1, std::vector<float>(size_t(hd)));
-    for (int c = 0; c < hd; ++c) mean[0][size_t(c)] = 0.1f * std::sin(float(c));
-    it = by_hd.emplace(hd, nlohmann::json{{"layers", {{{"k_scale", 0.02}, {"v_scale", 0.02}, {"k_mean", mean}, {"v_mean", mean}}}}}).first;
+    std::vector<std::vector<float>> mean(1, std::vector<float>(size_t(hd))), rms = mean;
+    for (int c = 0; c < hd; ++c) {
+      mean[0][size_t(c)] = 0.1f * std::sin(float(c));
+      rms[0][size_t(c)] = 1.f + 0.5f * std::cos(float(c));
+    }
+    it = by_hd.emplace(hd, nlohmann::json{{"layers", {{{"k_scale", 0.02}, {"v_scale", 0.02}, {"k_mean", mean}, {"v_mean", mean},
+                                                       {"k_rms", rms}, {"q_rms", rms}, {"v_rms", rms}}}}}).first;
   }
   return it->second;
 }

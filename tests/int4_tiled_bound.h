@@ -15,10 +15,10 @@
 namespace kvq::test {
 
 // int4t_gN, and q4_0t (q4_0 in the same tiles: kv/int4_tiled.h, q4_0t_layout).
-// q4_0h and q4_0h_c rotate (and center) q4_0t.
+// q4_0h rotates q4_0t; q4_0h_c / _s / _cs center and / or scale that.
 inline bool int4t_codec(const KvCodec& c) {
   const std::string& n = c.info().name;
-  return n.rfind("int4t_g", 0) == 0 || n == "q4_0t" || n == "q4_0h" || n == "q4_0h_c";
+  return n.rfind("int4t_g", 0) == 0 || n == "q4_0t" || n.rfind("q4_0h", 0) == 0;
 }
 inline Int4TiledLayout int4t_layout_of(const KvCodec& c) {
   if (c.info().name.rfind("q4_0", 0) == 0) return q4_0t_layout(c.head_dim());

@@ -15,10 +15,10 @@ namespace kvq::test {
 
 // Exactly "int8t" or "q8_0t" (q8_0 in int8t's tiles): the names are prefixes of none of the other
 // codecs' tests (int8, int8_c, q8_0, q8_0h, ...).
-// q8_0h and q8_0h_c rotate (and center) q8_0t.
+// q8_0h rotates q8_0t; q8_0h_c / _s / _cs center and / or scale that.
 inline bool int8t_codec(const KvCodec& c) {
   const std::string& n = c.info().name;
-  return n == "int8t" || n == "q8_0t" || n == "q8_0h" || n == "q8_0h_c";
+  return n == "int8t" || n == "q8_0t" || n == "q8_0h" || n == "q8_0h_c" || n == "q8_0h_s" || n == "q8_0h_cs";
 }
 inline Int8TiledLayout int8t_layout_of(const KvCodec& c) {
   return c.info().name.rfind("q8_0", 0) == 0 ? q8_0t_layout(c.head_dim()) : int8t_layout(c.head_dim());

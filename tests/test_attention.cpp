@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <fstream>
 #include <random>
@@ -51,12 +52,19 @@ struct Case {
 bool int_dot_format(const KvCodec& kc, KvRowFmt* f, int* row_stride) {
   const int hd = kc.head_dim();
   std::string name = kc.info().name;
-  // Centered codecs (*_c) run the inner codec's kernels; their prepared query holds the inner
-  // rows (inner stride) followed by 16 floats of <q, mu> room per row.
+  // Centered and scaled codecs (*_c, *_cs, *_s) run the inner codec's kernels; their prepared
+  // query holds the inner rows (inner stride), followed when centered by 16 floats of <q, mu>
+  // room per row.
   int pqd = kc.prepared_query_dim();
-  if (name.size() > 2 && name.compare(name.size() - 2, 2, "_c") == 0) {
-    name.resize(name.size() - 2);
+  auto ends = [&](const char* suf) {
+    const size_t n = std::strlen(suf);
+    return name.size() > n && name.compare(name.size() - n, n, suf) == 0;
+  };
+  if (ends("_c") || ends("_cs")) {
+    name.resize(name.size() - (ends("_c") ? 2 : 3));
     pqd -= 16;
+  } else if (ends("_s")) {
+    name.resize(name.size() - 2);
   }
   *row_stride = pqd;
   if (pqd == hd) return false;
@@ -111,23 +119,55 @@ double measured_score_dev(const KvCodec& kc, int head, const float* q, int n_q, 
   return dev;
 }
 
+// The linear map F that finish_output applies to an accumulator row (the storage basis to the
+// model's: a rotation's inverse, then the channel scales of the *_s codecs), read off its images
+// of the unit vectors: inf_norm = max_c sum_j |F_cj| bounds |F e|_c by max_j |e_j|; F = S M with
+// M orthogonal, so row c's L2 norm is the channel scale s_c (1 for unscaled codecs).
+struct OutputMap {
+  double inf_norm = 1;
+  std::vector<double> s;
+};
+OutputMap output_map(const KvCodec& vc, int head) {
+  const int d = vc.head_dim();
+  std::vector<float> eye(size_t(d) * size_t(d), 0.f);
+  for (int j = 0; j < d; ++j) eye[size_t(j) * size_t(d) + size_t(j)] = 1.f;
+  vc.finish_output(head, eye.data(), d);  // row j: F e_j, column j of F
+  OutputMap m;
+  m.inf_norm = 0;
+  m.s.assign(size_t(d), 0.0);
+  for (int c = 0; c < d; ++c) {
+    double l1 = 0, l2 = 0;
+    for (int j = 0; j < d; ++j) {
+      const double f = eye[size_t(j) * size_t(d) + size_t(c)];
+      l1 += std::fabs(f);
+      l2 += f * f;
+    }
+    m.inf_norm = std::max(m.inf_norm, l1);
+    m.s[size_t(c)] = std::sqrt(l2);
+  }
+  return m;
+}
+
 // Values: the bf16 weighted sum errs per channel of the rotated basis by at most
 // kTqAccumBf16Rel * sum_t p_t |v'_t[c]| (v' = R v, turboquant.h); over the channels that is at most
 // kTqAccumBf16Rel * sum_t p_t ||v_t|| in L2, which the orthogonal un-rotation keeps, so every output
-// channel moves by at most kTqAccumBf16Rel * max_t ||v_t|| per unit of probability mass.
+// channel moves by at most kTqAccumBf16Rel * max_t ||v_t|| per unit of probability mass. With
+// channel scales (*_s) the stored vectors are v / s and the output is s times the un-rotated sum:
+// max_c s_c * kTqAccumBf16Rel * max_t ||v_t / s||.
 double tq_value_bound(const KvCodec& vc, int head, const std::vector<std::vector<uint8_t>>& vb, int bt) {
   const int hd = vc.head_dim();
+  const OutputMap om = output_map(vc, head);
   std::vector<float> vd(size_t(bt) * size_t(hd));
   double nmax = 0;
   for (size_t b = 0; b < vb.size(); ++b) {
     vc.decode(head, vb[b].data(), bt, 0, bt, int(b) * bt, vd.data());
     for (int t = 0; t < bt; ++t) {
       double n2 = 0;
-      for (int d = 0; d < hd; ++d) n2 += double(vd[size_t(t) * size_t(hd) + size_t(d)]) * vd[size_t(t) * size_t(hd) + size_t(d)];
+      for (int d = 0; d < hd; ++d) n2 += std::pow(vd[size_t(t) * size_t(hd) + size_t(d)] / om.s[size_t(d)], 2);
       nmax = std::max(nmax, std::sqrt(n2));
     }
   }
-  return 1.01 * kTqAccumBf16Rel * nmax;
+  return 1.01 * kTqAccumBf16Rel * nmax * *std::max_element(om.s.begin(), om.s.end());
 }
 
 // int4t_g* (kv/int4_tiled.h) score with an int8 query image and sum values with int8 weights per
@@ -236,13 +276,10 @@ double int4t_tol(const KvCodec& kc, const KvCodec& vc, int head, const std::vect
       }
       worst = std::max(worst, e);
     }
-    // A rotated codec's per-channel bound holds in the rotated basis; H^T (orthonormal blocks of
-    // B channels, entries +-1/sqrt(B)) maps a per-channel bound e to at most sqrt(B) * e.
-    if (vc.info().transforms_output) {
-      int b = 1;
-      while (vd % (b * 2) == 0 && b * 2 <= 64) b *= 2;
-      worst *= std::sqrt(double(b));
-    }
+    // A rotated (or scaled) codec's per-channel bound holds in its storage basis; finish_output's
+    // map F takes a per-channel bound e to at most (max_c sum_j |F_cj|) * e (for H^T, orthonormal
+    // blocks of B channels with entries +-1/sqrt(B): sqrt(B)).
+    if (vc.info().transforms_output) worst *= output_map(vc, head).inf_norm;
     tol += worst;
   }
   return tol;
@@ -266,14 +303,19 @@ double max_err_vs_ref(const std::string& format, const Case& c, uint64_t seed, d
   static std::map<int, nlohmann::json> calibs;
   auto it = calibs.find(c.head_dim);
   if (it == calibs.end()) {
-    std::vector<std::vector<float>> km(2, std::vector<float>(size_t(c.head_dim))), vm = km;
+    std::vector<std::vector<float>> km(2, std::vector<float>(size_t(c.head_dim))), vm = km, kr = km, qr = km, vr = km;
     for (int h = 0; h < 2; ++h)
       for (int d = 0; d < c.head_dim; ++d) {
         km[size_t(h)][size_t(d)] = (d % 11 == 3) ? 4.f * float(h + 1) : 0.05f * float(d % 7);
         vm[size_t(h)][size_t(d)] = 0.1f * float((d + h) % 5) - 0.2f;
+        // channel RMS (scaled formats): above the means, uneven across channels and heads
+        kr[size_t(h)][size_t(d)] = std::fabs(km[size_t(h)][size_t(d)]) + 0.5f + 0.3f * float((d + h) % 4);
+        qr[size_t(h)][size_t(d)] = 0.4f + 0.2f * float((3 * d + h) % 5);
+        vr[size_t(h)][size_t(d)] = std::fabs(vm[size_t(h)][size_t(d)]) + 0.3f + 0.1f * float(d % 3);
       }
     it = calibs.emplace(c.head_dim, nlohmann::json{{"layers", {{{"k_scale", {0.05, 0.07}}, {"v_scale", {0.03, 0.02}},
-                                                                 {"k_mean", km}, {"v_mean", vm}}}}}).first;
+                                                                 {"k_mean", km}, {"v_mean", vm}, {"k_rms", kr},
+                                                                 {"q_rms", qr}, {"v_rms", vr}}}}}).first;
   }
   pk.calib = pv.calib = &it->second;
   std::unique_ptr<KvCodec> kc, vc;

@@ -200,3 +200,296 @@ TEST(Centered, BadCalibrationIsRejectedClearly) {
   const nlohmann::json no_layers = {{"k_mean", 1}};
   expect_error(&no_layers, KvRole::key, "\"layers\"");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Scaled formats (*_s, *_cs): the inner codec applied to (x - mu) / s, with s from the
+// calibration's channel RMS: keys s^2 = sd(k) / rms(q), values s^2 = sd(v) (sd = the RMS, or the
+// standard deviation when centered), normalized to a geometric mean of 1.
+
+namespace {
+
+struct ScaledCalib {
+  std::vector<std::vector<float>> km, vm, kr, qr, vr;
+  nlohmann::json json() const {
+    return {{"layers", {{{"k_mean", km}, {"v_mean", vm}, {"k_rms", kr}, {"q_rms", qr}, {"v_rms", vr}}}}};
+  }
+};
+
+// Keys with a few outlier channels (large in k, small in q), values mildly uneven.
+ScaledCalib make_scaled_calib(int d, uint32_t seed) {
+  ScaledCalib c;
+  c.km = make_means(d, seed, 3.f);
+  c.vm = make_means(d, seed + 1, 0.5f);
+  std::mt19937 rng(seed + 2);
+  std::uniform_real_distribution<float> u(0.5f, 2.f);
+  c.kr = c.qr = c.vr = std::vector<std::vector<float>>(kHeads, std::vector<float>(size_t(d)));
+  for (int h = 0; h < kHeads; ++h)
+    for (int k = 0; k < d; ++k) {
+      const bool outlier = k % 16 == 3 + h;
+      c.kr[size_t(h)][size_t(k)] = std::fabs(c.km[size_t(h)][size_t(k)]) + (outlier ? 12.f : u(rng));
+      c.qr[size_t(h)][size_t(k)] = outlier ? 0.1f : u(rng);
+      c.vr[size_t(h)][size_t(k)] = std::fabs(c.vm[size_t(h)][size_t(k)]) + u(rng);
+    }
+  return c;
+}
+
+// The scales as the header comment of kv/centered_codecs.cpp defines them, computed here apart.
+std::vector<double> expected_scales(const ScaledCalib& c, KvRole role, int head, bool centered) {
+  const auto& x = (role == KvRole::key ? c.kr : c.vr)[size_t(head)];
+  const auto& mu = (role == KvRole::key ? c.km : c.vm)[size_t(head)];
+  std::vector<double> s(x.size());
+  double lg = 0;
+  for (size_t k = 0; k < x.size(); ++k) {
+    double sd = centered ? std::sqrt(double(x[k]) * x[k] - double(mu[k]) * mu[k]) : double(x[k]);
+    if (role == KvRole::key) sd /= c.qr[size_t(head)][k];
+    s[k] = std::sqrt(sd);
+    lg += std::log(s[k]);
+  }
+  for (auto& v : s) v /= std::exp(lg / double(s.size()));
+  return s;
+}
+
+}  // namespace
+
+// The payload is the inner codec's bytes of (x - mu) / s, and decode maps back, per head.
+TEST(Scaled, PayloadIsInnerCodecOfScaledVector) {
+  const int d = 128, n = 16;
+  const ScaledCalib sc = make_scaled_calib(d, 31);
+  const nlohmann::json calib = sc.json();
+  for (const char* inner : {"q4_0h", "tq3", "int4t_g64h", "tq2.5"})
+    for (const char* suffix : {"_s", "_cs"})
+      for (KvRole role : {KvRole::key, KvRole::value})
+        for (int head = 0; head < kHeads; ++head) {
+          SCOPED_TRACE(testing::Message() << inner << suffix << " role " << int(role) << " head " << head);
+          const bool centered = std::string(suffix) == "_cs";
+          const auto& mu = (role == KvRole::key ? sc.km : sc.vm)[size_t(head)];
+          const std::vector<double> s = expected_scales(sc, role, head, centered);
+          std::mt19937 rng(uint32_t(17 + head));
+          const auto x = rows_around(mu, n, rng);
+          auto c = make(std::string(inner) + suffix, role, d, &calib);
+          auto p = make(inner, role, d, nullptr);
+          ASSERT_EQ(c->block_bytes(n), p->block_bytes(n));
+          std::vector<uint8_t> a(c->block_bytes(n)), b(p->block_bytes(n));
+          c->encode(head, x.data(), size_t(d), n, a.data(), n, 0, 0);
+          std::vector<float> xs(x);
+          for (int t = 0; t < n; ++t)
+            for (int k = 0; k < d; ++k)
+              xs[size_t(t * d + k)] = float((x[size_t(t * d + k)] - (centered ? mu[size_t(k)] : 0.f)) / s[size_t(k)]);
+          p->encode(head, xs.data(), size_t(d), n, b.data(), n, 0, 0);
+          // The codec computes (x - mu) / s in float from float scales; a code can flip where a
+          // value sits on a decision boundary, so compare decoded values with a rounding margin.
+          std::vector<float> dc(x.size()), dp(x.size());
+          c->decode(head, a.data(), n, 0, n, 0, dc.data());
+          p->decode(head, b.data(), n, 0, n, 0, dp.data());
+          size_t same = 0;
+          for (size_t i = 0; i < a.size(); ++i) same += a[i] == b[i];
+          EXPECT_GE(double(same), 0.99 * double(a.size()));
+          double err = 0, ref = 0;
+          for (int t = 0; t < n; ++t)
+            for (int k = 0; k < d; ++k) {
+              const double want = dp[size_t(t * d + k)] * s[size_t(k)] + (centered ? mu[size_t(k)] : 0.f);
+              err += std::pow(dc[size_t(t * d + k)] - want, 2);
+              ref += std::pow(want, 2);
+            }
+          EXPECT_LT(std::sqrt(err / ref), 0.02);
+        }
+}
+
+// Fused attention over scaled K and V is attention over the inner codec's cache of the
+// transformed rows, with the query multiplied by the key scales and the output by the value
+// scales (the full-precision tail stays raw). Checked tightly against the inner codec on
+// transformed inputs and loosely against the double-precision reference on the decoded cache.
+TEST(Scaled, FusedAttentionIsExactTransformOfInnerCodec) {
+  const int d = 128, bt = 64, n_q = 4, n_tail = 5, n_blocks = 3;
+  const ScaledCalib scal = make_scaled_calib(d, 41);
+  const nlohmann::json calib = scal.json();
+  for (const char* inner : {"q4_0h", "tq3", "int4t_g64h", "q8_0h"})
+    for (const char* suffix : {"_s", "_cs"})
+      for (int head = 0; head < kHeads; ++head) {
+        SCOPED_TRACE(testing::Message() << inner << suffix << " head " << head);
+        const bool centered = std::string(suffix) == "_cs";
+        const auto& mk = scal.km[size_t(head)];
+        const auto& mv = scal.vm[size_t(head)];
+        const auto sk = expected_scales(scal, KvRole::key, head, centered);
+        const auto sv = expected_scales(scal, KvRole::value, head, centered);
+        auto kc = make(std::string(inner) + suffix, KvRole::key, d, &calib);
+        auto vc = make(std::string(inner) + suffix, KvRole::value, d, &calib);
+        auto ki = make(inner, KvRole::key, d, nullptr);
+        auto vi = make(inner, KvRole::value, d, nullptr);
+        std::mt19937 rng(uint32_t(19 + head));
+        auto transform = [&](std::vector<float> x, const std::vector<float>& mu, const std::vector<double>& s) {
+          for (size_t i = 0; i < x.size(); ++i) {
+            const size_t k = i % size_t(d);
+            x[i] = float((x[i] - (centered ? mu[k] : 0.f)) / s[k]);
+          }
+          return x;
+        };
+        std::vector<std::vector<uint8_t>> bufs;
+        std::vector<KvBlockSpan> spans_c, spans_i;
+        for (int b = 0; b < n_blocks; ++b) {
+          const int n = b == n_blocks - 1 ? 37 : bt;
+          const auto k = rows_around(mk, n, rng), v = rows_around(mv, n, rng);
+          KvBlockSpan s;
+          s.block_tokens = bt;
+          s.n = n;
+          s.pos0 = b * bt;
+          KvBlockSpan si = s;
+          for (int which = 0; which < 4; ++which) {
+            const KvCodec& c = which == 0 ? *kc : which == 1 ? *vc : which == 2 ? *ki : *vi;
+            bufs.emplace_back(c.block_bytes(bt));
+            // the inner codec gets the wrapper's own bytes' input: encode the transformed rows
+            const auto src = which == 0 ? k : which == 1 ? v : which == 2 ? transform(k, mk, sk) : transform(v, mv, sv);
+            c.encode(head, src.data(), size_t(d), n, bufs.back().data(), bt, 0, b * bt);
+            (which == 0 ? s.k : which == 1 ? s.v : which == 2 ? si.k : si.v) = bufs.back().data();
+          }
+          spans_c.push_back(s);
+          spans_i.push_back(si);
+        }
+        const auto tk = rows_around(mk, n_tail, rng), tv = rows_around(mv, n_tail, rng);
+        std::normal_distribution<float> g(0.f, 0.05f);
+        std::vector<float> q(size_t(n_q) * d), qs(q.size());
+        for (auto& x : q) x = g(rng);
+        for (size_t i = 0; i < q.size(); ++i) qs[i] = float(q[i] * sk[i % size_t(d)]);
+        // The inner run's tail: keys as the wrapper scores them against the raw query, values
+        // so that s_v * (inner output) + mu_v is the wrapper's output.
+        auto tail_k = tk;
+        for (size_t i = 0; i < tail_k.size(); ++i) tail_k[i] = float((tk[i] - (centered ? mk[i % size_t(d)] : 0.f)) / sk[i % size_t(d)]);
+        const auto tail_v = transform(tv, mv, sv);
+        AttnParams ap;
+        std::vector<float> out(size_t(n_q) * d), out_i(size_t(n_q) * d), ref(size_t(n_q) * d);
+        std::vector<float> scratch(std::max(attn_scratch_floats(*kc, *vc, n_q, bt), attn_scratch_floats(*ki, *vi, n_q, bt)));
+        attn_decode(*kc, *vc, head, q.data(), n_q, spans_c.data(), n_blocks, tk.data(), tv.data(), size_t(d), n_tail,
+                    ap, out.data(), scratch.data());
+        attn_decode(*ki, *vi, head, qs.data(), n_q, spans_i.data(), n_blocks, tail_k.data(), tail_v.data(), size_t(d),
+                    n_tail, ap, out_i.data(), scratch.data());
+        attn_decode_ref(*kc, *vc, head, q.data(), n_q, spans_c.data(), n_blocks, tk.data(), tv.data(), size_t(d),
+                        n_tail, ap, ref.data());
+        size_t agree = 0;
+        for (size_t i = 0; i < out.size(); ++i) {
+          const size_t k = i % size_t(d);
+          const double want = double(out_i[i]) * sv[k] + (centered ? mv[k] : 0.f);
+          agree += std::fabs(out[i] - want) <= 1e-3 * (1.0 + std::fabs(want));
+          EXPECT_NEAR(out[i], ref[i], 2e-2 * (1.0 + std::fabs(ref[i]))) << "at " << i;
+        }
+        // Per-element agreement with the transformed inner run, up to codes that flip on float
+        // rounding of (x - mu) / s (see the payload test).
+        EXPECT_GE(double(agree), 0.98 * double(out.size()));
+      }
+}
+
+// What scaling is for: keys with outlier channels that the queries hardly read. A rotated
+// quantizer spreads their energy over every coordinate, so its error on the channels the query
+// does read scales with the outliers; scaled by sqrt(rms(k) / rms(q)) it does not.
+TEST(Scaled, ScalingShrinksScoreErrorOnOutlierChannels) {
+  const int d = 128, n = 256;
+  const ScaledCalib sc = make_scaled_calib(d, 51);
+  const nlohmann::json calib = sc.json();
+  std::mt19937 rng(53);
+  std::normal_distribution<float> g(0.f, 1.f);
+  std::vector<float> k(size_t(n) * d), q(d);
+  for (int t = 0; t < n; ++t)
+    for (int c = 0; c < d; ++c) k[size_t(t * d + c)] = sc.km[0][size_t(c)] + g(rng) * std::sqrt(std::max(0.f,
+        sc.kr[0][size_t(c)] * sc.kr[0][size_t(c)] - sc.km[0][size_t(c)] * sc.km[0][size_t(c)]));
+  for (int c = 0; c < d; ++c) q[size_t(c)] = g(rng) * sc.qr[0][size_t(c)];
+  auto err = [&](const std::string& name) { return test::score_rms_error(*make(name, KvRole::key, d, &calib), k, q, n); };
+  for (const char* inner : {"tq3", "q4_0h", "int4t_g64h"}) {
+    const double plain = err(inner), scaled = err(std::string(inner) + "_s"), both = err(std::string(inner) + "_cs");
+    std::printf("[scaled] %s score rms error %.4f, scaled %.4f, centered and scaled %.4f\n", inner, plain, scaled, both);
+    EXPECT_LT(scaled * 1.5, plain) << inner;
+    EXPECT_LT(both * 1.5, plain) << inner;
+  }
+}
+
+TEST(Scaled, BadCalibrationIsRejectedClearly) {
+  const int d = 64;
+  const ScaledCalib sc = make_scaled_calib(d, 61);
+  auto expect_error = [&](const nlohmann::json& calib, const char* name, KvRole role, const char* needle) {
+    try {
+      make(name, role, d, &calib);
+      ADD_FAILURE() << name << " accepted: " << calib.dump().substr(0, 80);
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  for (const char* key : {"k_rms", "q_rms"}) {
+    nlohmann::json c = sc.json();
+    c["layers"][0].erase(key);
+    expect_error(c, "tq3_s", KvRole::key, key);
+  }
+  nlohmann::json no_v = sc.json();
+  no_v["layers"][0].erase("v_rms");
+  expect_error(no_v, "q4_0h_cs", KvRole::value, "v_rms");
+  nlohmann::json no_mean = sc.json();
+  no_mean["layers"][0].erase("k_mean");
+  expect_error(no_mean, "tq3_cs", KvRole::key, "k_mean");
+  make("tq3_s", KvRole::key, d, &no_mean);  // scaling alone does not read the means
+  nlohmann::json bad = sc.json();
+  bad["layers"][0]["q_rms"][1][5] = "x";
+  expect_error(bad, "tq3_s", KvRole::key, "non-numeric");
+}
+
+// RoPE moves energy between the two channels of a rotated pair with position, so key scales
+// measured per channel at one range of positions would be wrong at another. With the layer's
+// RoPE known, one scale per pair makes the score error the same at every rotation angle; the
+// per-channel scales (a codec told of no RoPE) are shown to need it.
+TEST(Scaled, KeyScalesHoldAtEveryRopePosition) {
+  const int d = 128, n = 256;
+  for (bool neox : {false, true}) {
+    // Calibration measured where low-frequency pairs have not turned: the first channel of
+    // every fourth pair carries a large key, its partner little; the query is flat.
+    auto pair_of = [&](int i) {
+      return neox ? std::pair<int, int>{i, i + d / 2} : std::pair<int, int>{2 * i, 2 * i + 1};
+    };
+    ScaledCalib sc;
+    sc.km = sc.vm = std::vector<std::vector<float>>(kHeads, std::vector<float>(size_t(d), 0.f));
+    sc.kr = sc.qr = sc.vr = std::vector<std::vector<float>>(kHeads, std::vector<float>(size_t(d), 1.f));
+    for (int h = 0; h < kHeads; ++h)
+      for (int i = 0; i < d / 2; i += 4) {
+        sc.kr[size_t(h)][size_t(pair_of(i).first)] = 20.f;
+        sc.kr[size_t(h)][size_t(pair_of(i).second)] = 0.2f;
+      }
+    const nlohmann::json calib = sc.json();
+    std::mt19937 rng(71);
+    std::normal_distribution<float> g(0.f, 1.f);
+    std::vector<float> k(size_t(n) * d), q(d);
+    for (int t = 0; t < n; ++t)
+      for (int c = 0; c < d; ++c) k[size_t(t * d + c)] = g(rng) * sc.kr[0][size_t(c)];
+    for (auto& x : q) x = g(rng);
+    // The same keys and query a quarter turn later: every pair rotated by 90 degrees.
+    auto turn = [&](std::vector<float> x) {
+      for (size_t r = 0; r < x.size() / size_t(d); ++r)
+        for (int i = 0; i < d / 2; ++i) {
+          const auto [a, b] = pair_of(i);
+          float& xa = x[r * size_t(d) + size_t(a)];
+          float& xb = x[r * size_t(d) + size_t(b)];
+          const float t = xa;
+          xa = -xb;
+          xb = t;
+        }
+      return x;
+    };
+    const auto k90 = turn(k), q90 = turn(q);
+    auto codec = [&](int n_rot) {
+      KvCodecParams p;
+      p.role = KvRole::key;
+      p.head_dim = d;
+      p.n_kv_heads = kHeads;
+      p.calib = &calib;
+      p.rope.n_rot = n_rot;
+      p.rope.neox = neox;
+      return kv_codec_create("tq3_s", p);
+    };
+    for (int n_rot : {d, 0}) {
+      auto c = codec(n_rot);
+      const double e0 = test::score_rms_error(*c, k, q, n), e90 = test::score_rms_error(*c, k90, q90, n);
+      std::printf("[scaled] %s RoPE, n_rot %d: score rms error %.3f at 0 degrees, %.3f at 90\n", neox ? "neox" : "norm",
+                  n_rot, e0, e90);
+      if (n_rot > 0) {
+        EXPECT_LT(e90, 1.25 * e0) << "neox " << neox;
+        EXPECT_LT(e0, 1.25 * e90) << "neox " << neox;
+      } else {
+        EXPECT_GT(e90, 2 * e0) << "neox " << neox;  // per-channel scales: right at 0 degrees only
+      }
+    }
+  }
+}

@@ -4,7 +4,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <cstdlib>
+#include <unistd.h>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -12,6 +14,7 @@
 #include "model/model.h"
 #include "model/sampler.h"
 #include "model/tokenizer.h"
+#include "tools/calibrate.h"
 #include "tools/eval_metrics.h"
 #include "test_models.h"
 
@@ -70,23 +73,41 @@ TEST(KvEngine, SmolLM2FormatsStayWithinKldBounds) {
   const int nl = m->config().n_layer, nkv = m->config().n_head_kv, hd = m->config().head_dim;
   nlohmann::json calib = {{"layers", nlohmann::json::array()}};
   {
-    std::vector<std::vector<double>> ks(size_t(nl), std::vector<double>(size_t(nkv * hd))), vs = ks;
+    // and mean squares of K, V and Q (the group's heads pooled) for the scaled ones (*_s, *_cs)
+    std::vector<std::vector<double>> ks(size_t(nl), std::vector<double>(size_t(nkv * hd))), vs = ks, k2 = ks, v2 = ks, q2 = ks;
+    const int group = m->config().n_head / nkv;
     KvCache cache(m->kv_cache_config(kv_policy_uniform("f16", nl), n));
     Forward fwd(*m, pool);
     fwd.on_kv = [&](int il, int cnt, const float*, const float* k, const float* v) {
       for (size_t i = 0; i < size_t(cnt) * size_t(nkv * hd); ++i) {
         ks[size_t(il)][i % size_t(nkv * hd)] += k[i] / n;
         vs[size_t(il)][i % size_t(nkv * hd)] += v[i] / n;
+        k2[size_t(il)][i % size_t(nkv * hd)] += double(k[i]) * k[i] / n;
+        v2[size_t(il)][i % size_t(nkv * hd)] += double(v[i]) * v[i] / n;
+      }
+    };
+    fwd.on_q = [&](int il, int cnt, const float* q) {
+      const size_t qd = size_t(m->config().n_head) * size_t(hd);
+      for (size_t i = 0; i < size_t(cnt) * qd; ++i) {
+        const size_t hq = (i % qd) / size_t(hd), c = i % size_t(hd);
+        q2[size_t(il)][hq / size_t(group) * size_t(hd) + c] += double(q[i]) * q[i] / (n * group);
       }
     };
     fwd.eval(ids.data(), n, cache, false);
     for (int il = 0; il < nl; ++il) {
-      nlohmann::json km = nlohmann::json::array(), vm = nlohmann::json::array();
-      for (int h = 0; h < nkv; ++h) {
-        km.push_back(std::vector<double>(ks[size_t(il)].begin() + h * hd, ks[size_t(il)].begin() + (h + 1) * hd));
-        vm.push_back(std::vector<double>(vs[size_t(il)].begin() + h * hd, vs[size_t(il)].begin() + (h + 1) * hd));
-      }
-      calib["layers"].push_back({{"k_mean", km}, {"v_mean", vm}});
+      auto heads = [&](const std::vector<double>& x, bool root) {
+        nlohmann::json out = nlohmann::json::array();
+        for (int h = 0; h < nkv; ++h) {
+          std::vector<double> r(x.begin() + h * hd, x.begin() + (h + 1) * hd);
+          if (root)
+            for (double& v : r) v = std::sqrt(v);
+          out.push_back(r);
+        }
+        return out;
+      };
+      calib["layers"].push_back({{"k_mean", heads(ks[size_t(il)], false)}, {"v_mean", heads(vs[size_t(il)], false)},
+                                 {"k_rms", heads(k2[size_t(il)], true)}, {"v_rms", heads(v2[size_t(il)], true)},
+                                 {"q_rms", heads(q2[size_t(il)], true)}});
     }
   }
   auto run = [&](const std::string& kv) {
@@ -106,7 +127,8 @@ TEST(KvEngine, SmolLM2FormatsStayWithinKldBounds) {
                         {"fp8_e4m3_dyn", 0.05}, {"q4_0", 0.3}, {"int4_g32", 0.3}, {"k8v4", 0.3}, {"kivi4", 0.3},
                         {"tq4", 0.3}, {"tq3.5", 0.5}, {"tq3", 0.6}, {"kvquant4", 0.3}, {"kvquant3", 0.6},
                         {"kivi2", 1.0}, {"tq2.5", 1.0}, {"q8_0h", 0.02}, {"q4_0h", 0.15}, {"q4_0h_c", 0.15},
-                        {"tq4_c", 0.3}, {"int8_c", 0.02}, {"int4t_g32", 0.3}};
+                        {"tq4_c", 0.3}, {"int8_c", 0.02}, {"int4t_g32", 0.3}, {"q4_0h_s", 0.15},
+                        {"tq4_s", 0.3}, {"q8_0h_cs", 0.02}};
   for (const auto& c : cases) {
     const auto got = run(c.fmt);
     std::vector<TokenScore> sc;
@@ -115,5 +137,66 @@ TEST(KvEngine, SmolLM2FormatsStayWithinKldBounds) {
     const BucketSummary b = eval_summarize(n, sc);
     std::printf("[kld] %-14s mean %.5f p99 %.5f top1 %.3f dppl %+.3f%%\n", c.fmt, b.kld_mean, b.kld_p99, b.top1_agree, b.delta_ppl_pct);
     EXPECT_LT(b.kld_mean, c.max_kld) << c.fmt;
+  }
+}
+
+// Channel-scaled formats (*_s) on Gemma 3 270M, whose keys are far from balanced across RoPE
+// pairs (kvq calibrate predicts a ~3x smaller score error): calibrated by `kvq calibrate` on one
+// text, measured on another, the scaled formats' KLD against the f16 cache is less than half the
+// unscaled ones' (measured at 512 and 2048 tokens: 4-7x; bench/QUALITY.md).
+TEST(KvEngine, GemmaChannelScalesCutKld) {
+  const std::string model = kvq_test_model("gemma-3-270m-q4_k_m.gguf");
+  if (model.empty()) GTEST_SKIP() << "gemma-3-270m-q4_k_m.gguf not installed (run scripts/get-models.sh)";
+  const std::string text_path = shared_path("data/wikitext-2-test.txt");
+  const std::string calib_text = shared_path("data/paulgraham-essays.txt");
+  if (!fs::exists(text_path) || !fs::exists(calib_text)) GTEST_SKIP() << "../shared/data texts not found";
+  const std::string calib_path = (fs::temp_directory_path() / ("kvq_gemma_calib_" + std::to_string(::getpid()) + ".json")).string();
+  CalibrateOptions co;
+  co.model = model;
+  co.data = calib_text;
+  co.out = calib_path;
+  co.ctx = 256;
+  co.chunks = 2;
+  co.threads = 2;
+  co.kvquant_bits = {};
+  ASSERT_EQ(calibrate_command(co), 0);
+  nlohmann::json calib;
+  {
+    std::ifstream cf(calib_path);
+    cf >> calib;
+  }
+  fs::remove(calib_path);
+  ASSERT_TRUE(calib["layers"][0].contains("q_rms"));
+  std::ifstream in(text_path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto m = Model::load(model);
+  Tokenizer tok = Tokenizer::from_gguf(m->file());
+  std::vector<int32_t> ids = tok.encode(ss.str().substr(0, 20000), false);
+  ids.resize(256);
+  if (tok.add_bos()) ids[0] = tok.bos();
+  const int nv = m->config().n_vocab, n = int(ids.size());
+  ThreadPool pool(2);
+  auto run = [&](const std::string& kv) {
+    KvCacheConfig cfg = m->kv_cache_config(kv_policy_uniform(kv, m->config().n_layer), n);
+    cfg.calib = &calib;
+    KvCache cache(cfg);
+    Forward fwd(*m, pool);
+    const float* l = fwd.eval(ids.data(), n, cache, true);
+    return std::vector<float>(l, l + size_t(n) * size_t(nv));
+  };
+  const auto base = run("f16");
+  auto kld = [&](const std::string& kv) {
+    const auto got = run(kv);
+    std::vector<TokenScore> sc;
+    for (int p = n / 2; p + 1 < n; ++p)
+      sc.push_back(eval_score_token(base.data() + size_t(p) * size_t(nv), got.data() + size_t(p) * size_t(nv), nv, ids[size_t(p + 1)]));
+    const double k = eval_summarize(n, sc).kld_mean;
+    std::printf("[kld] gemma %-10s %.5f\n", kv.c_str(), k);
+    return k;
+  };
+  for (const char* inner : {"q4_0h", "tq4"}) {
+    const double plain = kld(inner), scaled = kld(std::string(inner) + "_s");
+    EXPECT_LT(scaled, 0.5 * plain) << inner;
   }
 }

@@ -360,8 +360,11 @@ TEST(Bytes, ClaimedEqualsAllocatedForEveryCodec) {
   for (const std::string& name : kv_codec_names()) {
     for (int hd : {128, 256}) {
       // scales for the static codecs, channel means (one head) for the centered ones
+      // and channel RMS for the scaled ones
       const std::vector<std::vector<float>> mean(1, std::vector<float>(size_t(hd), 0.5f));
-      nlohmann::json calib = {{"layers", {{{"k_scale", 1.0}, {"v_scale", 1.0}, {"k_mean", mean}, {"v_mean", mean}}}}};
+      const std::vector<std::vector<float>> rms(1, std::vector<float>(size_t(hd), 1.f));
+      nlohmann::json calib = {{"layers", {{{"k_scale", 1.0}, {"v_scale", 1.0}, {"k_mean", mean}, {"v_mean", mean},
+                                           {"k_rms", rms}, {"q_rms", rms}, {"v_rms", rms}}}}};
       std::unique_ptr<KvCodec> c;
       for (KvRole role : {KvRole::key, KvRole::value}) {
         try {
@@ -727,7 +730,14 @@ TEST(KernelParity, EveryCodecFusedMatchesDecode) {
   // static scales, and channel means (2 heads, head_dim 128) for the centered codecs
   std::vector<std::vector<float>> mean(2, std::vector<float>(128));
   for (int c = 0; c < 128; ++c) mean[0][size_t(c)] = mean[1][size_t(127 - c)] = (c % 9 == 4) ? 3.f : 0.1f * float(c % 5);
-  nlohmann::json calib = {{"layers", {{{"k_scale", 0.05}, {"v_scale", 0.05}, {"k_mean", mean}, {"v_mean", mean}}}}};
+  // channel RMS for the scaled codecs: uneven, so their scales differ per channel and head
+  std::vector<std::vector<float>> rms(2, std::vector<float>(128)), qrms = rms;
+  for (int c = 0; c < 128; ++c) {
+    rms[0][size_t(c)] = rms[1][size_t(127 - c)] = 4.f + float(c % 7);
+    qrms[0][size_t(c)] = qrms[1][size_t(c)] = 0.5f + 0.25f * float(c % 3);
+  }
+  nlohmann::json calib = {{"layers", {{{"k_scale", 0.05}, {"v_scale", 0.05}, {"k_mean", mean}, {"v_mean", mean},
+                                       {"k_rms", rms}, {"q_rms", qrms}, {"v_rms", rms}}}}};
   std::mt19937 rng(21);
   std::normal_distribution<float> nd;
   const CpuLevel saved = cpu_set_level(CpuLevel::avx512);

@@ -31,8 +31,9 @@ std::unique_ptr<KvCodec> make(const std::string& name, KvRole role, const nlohma
 }
 
 nlohmann::json test_calib() {
-  const std::vector<std::vector<float>> mean(2, std::vector<float>(128, 0.25f));
-  return {{"layers", {{{"k_scale", 0.05}, {"v_scale", 0.05}, {"k_mean", mean}, {"v_mean", mean}}}}};
+  const std::vector<std::vector<float>> mean(2, std::vector<float>(128, 0.25f)), rms(2, std::vector<float>(128, 1.f));
+  return {{"layers", {{{"k_scale", 0.05}, {"v_scale", 0.05}, {"k_mean", mean}, {"v_mean", mean}, {"k_rms", rms},
+                       {"q_rms", rms}, {"v_rms", rms}}}}};
 }
 
 }  // namespace

@@ -134,8 +134,9 @@ TEST(Plan, EveryFormatMatchesItsCodecBlocks) {
   PlanResult r = plan_compute(m, c);
   ASSERT_FALSE(r.formats.empty());
   // Formats that read calibration (static scales, channel means) are sized too: with any values.
-  const std::vector<std::vector<float>> mean(8, std::vector<float>(128, 0.25f));
-  const nlohmann::json calib = {{"layers", {{{"k_scale", 0.5}, {"v_scale", 0.5}, {"k_mean", mean}, {"v_mean", mean}}}}};
+  const std::vector<std::vector<float>> mean(8, std::vector<float>(128, 0.25f)), rms(8, std::vector<float>(128, 1.f));
+  const nlohmann::json calib = {{"layers", {{{"k_scale", 0.5}, {"v_scale", 0.5}, {"k_mean", mean}, {"v_mean", mean},
+                                             {"k_rms", rms}, {"q_rms", rms}, {"v_rms", rms}}}}};
   EXPECT_EQ(r.formats.size(), kv_formats().size());
   for (const PlanFormatCost& f : r.formats) {
     SCOPED_TRACE(f.name);

@@ -1,16 +1,26 @@
-// Centered codecs (*_c): a per-token codec applied to x - mu, where mu is the channel mean of the
-// layer's post-RoPE keys (or values) per KV head, measured by `kvq calibrate` ("k_mean" /
-// "v_mean"). Keys carry a large common component: on SmolLM2-135M the channel means hold ~60% of
-// the key energy (kvq calibrate prints the share), and a per-token quantizer spends its range on
-// it. Centering is exact in attention, so the cache stores only the part that varies by token:
-//  - keys:   <q, k> = <q, k - mu> + <q, mu>; <q, mu> is computed once per step (prepare_query)
-//            and added to every score, so scores equal those of the decoded keys. (It is also a
-//            constant shift per query, to which softmax is invariant.)
-//  - values: sum_t p_t v_t = sum_t p_t (v_t - mu) + mu sum_t p_t; accumulate() adds the second
-//            term for the tokens it sums, in the inner codec's storage basis (mu mapped through
-//            the inverse of the inner codec's output rotation, computed once at construction).
+// Centered and scaled codecs (*_c, *_s, *_cs): a per-token codec applied to (x - mu) / s, with
+// mu the channel mean and s a channel scale of the layer's post-RoPE keys (or values) per KV
+// head, both from `kvq calibrate`. Both are exact in attention, so the cache stores only what a
+// per-token quantizer handles well:
+//  - Centering: keys carry a large common component (on SmolLM2-135M the channel means hold ~60%
+//    of the key energy; kvq calibrate prints the share), on which a per-token quantizer spends its
+//    range. <q, k> = <q, k - mu> + <q, mu>; <q, mu> is computed once per step (prepare_query) and
+//    added to every score. For values, sum_t p_t v_t = sum_t p_t (v_t - mu) + mu sum_t p_t;
+//    accumulate() adds the second term, in the inner codec's storage basis.
+//  - Scaling: <q, k> = <q * s, k / s>, so the inner codec sees keys k / s and queries q * s. A
+//    rotated quantizer (TurboQuant, the Hadamard formats) makes an error that is isotropic in the
+//    basis it quantizes, so the expected squared score error is proportional to
+//    E|k / s|^2 E|q * s|^2: by Cauchy-Schwarz smallest, (sum_c rms(k_c) rms(q_c))^2, at
+//    s_c^2 = rms(k_c) / rms(q_c). Channels where keys are large but queries small (outlier
+//    channels) are shrunk before they can dominate the per-token norm or scale. For values the
+//    output error E|s * e|^2 is smallest at s_c^2 = rms(v_c); finish_output multiplies by s.
+//    kvq calibrate stores rms(k_c), rms(q_c) (the group's query heads pooled) and rms(v_c) and
+//    prints the predicted score-error factor; with centering, the channels' standard deviations
+//    replace the key and value RMS.
 // The packed bytes are the inner codec's, so bits per element are unchanged.
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -34,12 +44,12 @@ float* scratch(size_t n) {
 // floats after n_q inner rows) at any n_q, keeping rows 64-byte multiples.
 constexpr int kDotRoom = 16;
 
-// mu (n_kv_heads, head_dim) of p.role at p.layer from the calibration JSON.
-std::vector<std::vector<float>> calib_means(const KvCodecParams& p, const std::string& codec) {
-  const char* key = p.role == KvRole::key ? "k_mean" : "v_mean";
+// The per-head channel vector `key` (n_kv_heads, head_dim) at p.layer from the calibration JSON.
+std::vector<std::vector<float>> calib_vectors(const KvCodecParams& p, const std::string& codec, const char* key,
+                                              const char* what) {
   if (!p.calib)
-    fail("KV codec '{}' subtracts the channel means of the layer's {}: pass a calibration JSON made by "
-         "`kvq calibrate` (--kv-scales FILE)", codec, p.role == KvRole::key ? "keys" : "values");
+    fail("KV codec '{}' uses the {} of the layer's {}: pass a calibration JSON made by "
+         "`kvq calibrate` (--kv-scales FILE)", codec, what, p.role == KvRole::key ? "keys" : "values");
   const nlohmann::json& j = *p.calib;
   if (!j.is_object() || !j.contains("layers") || !j["layers"].is_array())
     fail("KV codec '{}': calibration JSON has no \"layers\" array", codec);
@@ -48,8 +58,8 @@ std::vector<std::vector<float>> calib_means(const KvCodecParams& p, const std::s
     fail("KV codec '{}': calibration JSON has {} layers, layer {} requested", codec, layers.size(), p.layer);
   const auto& L = layers[size_t(p.layer)];
   if (!L.is_object() || !L.contains(key))
-    fail("KV codec '{}': calibration layer {} has no \"{}\" (rerun `kvq calibrate` to add the channel means)",
-         codec, p.layer, key);
+    fail("KV codec '{}': calibration layer {} has no \"{}\" (rerun `kvq calibrate` to add the {})", codec, p.layer,
+         key, what);
   const auto& m = L[key];
   if (!m.is_array() || m.size() != size_t(p.n_kv_heads))
     fail("KV codec '{}': calibration layer {} \"{}\" must hold {} heads of {} numbers", codec, p.layer, key,
@@ -71,28 +81,93 @@ std::vector<std::vector<float>> calib_means(const KvCodecParams& p, const std::s
   return out;
 }
 
-class CenteredCodec final : public KvCodec {
+// Channel scales from the calibration's RMS vectors (see the header comment): keys
+// s_c = sqrt(sd(k_c) / rms(q_c)), values s_c = sqrt(sd(v_c)), where sd is the RMS, or with
+// centering the standard deviation sqrt(rms^2 - mu^2). Normalized to a geometric mean of 1, and
+// floored at 1e-3 of the largest so that a channel that never moved keeps a finite 1 / s.
+std::vector<std::vector<float>> calib_scales(const KvCodecParams& p, const std::string& codec, bool centered) {
+  const bool key = p.role == KvRole::key;
+  const auto x = calib_vectors(p, codec, key ? "k_rms" : "v_rms", "channel RMS");
+  const auto mu = centered ? calib_vectors(p, codec, key ? "k_mean" : "v_mean", "channel means")
+                           : std::vector<std::vector<float>>{};
+  const auto q = key ? calib_vectors(p, codec, "q_rms", "query channel RMS") : std::vector<std::vector<float>>{};
+  std::vector<std::vector<float>> out;
+  for (size_t h = 0; h < x.size(); ++h) {
+    const size_t d = x[h].size();
+    std::vector<double> s(d);
+    double smax = 0;
+    for (size_t c = 0; c < d; ++c) {
+      double v = double(x[h][c]) * x[h][c];
+      if (centered) v -= double(mu[h][c]) * mu[h][c];
+      double sd = std::sqrt(std::max(v, 0.0));
+      if (key) sd = q[h][c] > 0 ? sd / q[h][c] : 0.0;
+      s[c] = std::sqrt(sd);
+      smax = std::max(smax, s[c]);
+    }
+    // RoPE turns each rotated channel pair by a position-dependent angle, so per-channel
+    // statistics of post-RoPE keys and queries hold only for the positions they were measured
+    // at: a low-frequency pair keeps its measured split between its two channels over a
+    // 512-token window and swaps it thousands of tokens later. One scale per pair (from the
+    // pair's pooled mean square) commutes with the rotation and holds at every position.
+    if (key && p.rope.n_rot > 0) {
+      const int nr = std::min(p.rope.n_rot, int(d)), half = nr / 2;
+      for (int i = 0; i < half; ++i) {
+        const size_t a = p.rope.neox ? size_t(i) : size_t(2 * i), b = p.rope.neox ? size_t(i + half) : size_t(2 * i + 1);
+        double kk = 0, qq = 0;
+        for (size_t c : {a, b}) {
+          double v = double(x[h][c]) * x[h][c];
+          if (centered) v -= double(mu[h][c]) * mu[h][c];
+          kk += std::max(v, 0.0) / 2;
+          qq += double(q[h][c]) * q[h][c] / 2;
+        }
+        s[a] = s[b] = qq > 0 ? std::sqrt(std::sqrt(kk / qq)) : 0.0;
+      }
+      smax = *std::max_element(s.begin(), s.end());
+    }
+    if (!(smax > 0)) smax = 1;
+    double lg = 0;
+    for (auto& v : s) {
+      v = std::max(v, 1e-3 * smax);
+      lg += std::log(v);
+    }
+    const double g = std::exp(lg / double(d));
+    std::vector<float> r(d);
+    for (size_t c = 0; c < d; ++c) r[c] = float(s[c] / g);
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+class AffineCodec final : public KvCodec {
  public:
-  CenteredCodec(std::string name, std::unique_ptr<KvCodec> inner, KvRole role, std::vector<std::vector<float>> mu)
-      : inner_(std::move(inner)), role_(role), mu_(std::move(mu)) {
+  // mu: channel means (empty: not centered); s: channel scales (empty: not scaled).
+  AffineCodec(std::string name, std::unique_ptr<KvCodec> inner, KvRole role, std::vector<std::vector<float>> mu,
+              std::vector<std::vector<float>> s)
+      : inner_(std::move(inner)), role_(role), mu_(std::move(mu)), s_(std::move(s)) {
     info_ = inner_->info();
-    KVQ_CHECK(!info_.pre_rope && info_.group_tokens == 1, "centered codec {}: the inner codec must be per-token",
+    KVQ_CHECK(!info_.pre_rope && info_.group_tokens == 1, "centered / scaled codec {}: the inner codec must be per-token",
               name);
     info_.name = std::move(name);
+    if (!s_.empty()) info_.transforms_output = info_.transforms_output || role_ == KvRole::value;
     const int d = head_dim();
+    // The value mean enters the accumulator as mu / s, in the inner codec's storage basis.
     mu_store_ = mu_;
-    if (role_ == KvRole::value && info_.transforms_output) {
+    for (size_t h = 0; h < mu_store_.size(); ++h)
+      if (!s_.empty())
+        for (int c = 0; c < d; ++c) mu_store_[h][size_t(c)] /= s_[h][size_t(c)];
+    if (!mu_.empty() && role_ == KvRole::value && inner_->info().transforms_output) {
       // finish_output maps a row r of the accumulator to M r (M orthogonal). Its image of the
-      // identity gives M's columns, and the storage-basis mean is M^T mu.
+      // identity gives M's columns, and the storage-basis vector is M^T (mu / s).
       std::vector<float> eye(size_t(d) * size_t(d), 0.f);
       for (size_t h = 0; h < mu_.size(); ++h) {
         std::fill(eye.begin(), eye.end(), 0.f);
         for (int j = 0; j < d; ++j) eye[size_t(j) * size_t(d) + size_t(j)] = 1.f;
         inner_->finish_output(int(h), eye.data(), d);
+        const std::vector<float> m = mu_store_[h];
         for (int j = 0; j < d; ++j) {
-          double s = 0;
-          for (int i = 0; i < d; ++i) s += double(eye[size_t(j) * size_t(d) + size_t(i)]) * mu_[h][size_t(i)];
-          mu_store_[h][size_t(j)] = float(s);
+          double acc = 0;
+          for (int i = 0; i < d; ++i) acc += double(eye[size_t(j) * size_t(d) + size_t(i)]) * m[size_t(i)];
+          mu_store_[h][size_t(j)] = float(acc);
         }
       }
     }
@@ -101,17 +176,23 @@ class CenteredCodec final : public KvCodec {
   const KvCodecInfo& info() const override { return info_; }
   int head_dim() const override { return inner_->head_dim(); }
   int prepared_query_dim() const override {
-    return inner_->prepared_query_dim() + (role_ == KvRole::key ? kDotRoom : 0);
+    return inner_->prepared_query_dim() + (role_ == KvRole::key && !mu_.empty() ? kDotRoom : 0);
   }
   size_t block_bytes(int block_tokens) const override { return inner_->block_bytes(block_tokens); }
 
   void encode(int head, const float* src, size_t src_stride, int n, uint8_t* block, int block_tokens, int t0,
               int pos0) const override {
     const int d = head_dim();
-    const float* mu = mu_[size_t(head)].data();
     float* x = scratch(size_t(n) * size_t(d));  // (n, head_dim)
-    for (int t = 0; t < n; ++t)
-      for (int c = 0; c < d; ++c) x[size_t(t) * size_t(d) + size_t(c)] = src[size_t(t) * src_stride + size_t(c)] - mu[c];
+    for (int t = 0; t < n; ++t) {
+      const float* r = src + size_t(t) * src_stride;
+      float* o = x + size_t(t) * size_t(d);
+      for (int c = 0; c < d; ++c) o[c] = r[c];
+      if (!mu_.empty())
+        for (int c = 0; c < d; ++c) o[c] -= mu_[size_t(head)][size_t(c)];
+      if (!s_.empty())
+        for (int c = 0; c < d; ++c) o[c] /= s_[size_t(head)][size_t(c)];
+    }
     inner_->encode(head, x, size_t(d), n, block, block_tokens, t0, pos0);
   }
 
@@ -119,16 +200,29 @@ class CenteredCodec final : public KvCodec {
               float* dst) const override {
     inner_->decode(head, block, block_tokens, t0, n, pos0, dst);
     const int d = head_dim();
-    const float* mu = mu_[size_t(head)].data();
-    for (int t = 0; t < n; ++t)
-      for (int c = 0; c < d; ++c) dst[size_t(t) * size_t(d) + size_t(c)] += mu[c];
+    for (int t = 0; t < n; ++t) {
+      float* o = dst + size_t(t) * size_t(d);
+      if (!s_.empty())
+        for (int c = 0; c < d; ++c) o[c] *= s_[size_t(head)][size_t(c)];
+      if (!mu_.empty())
+        for (int c = 0; c < d; ++c) o[c] += mu_[size_t(head)][size_t(c)];
+    }
   }
 
-  // qp: n_q inner prepared rows (inner stride), then <q_i, mu> for i < n_q.
+  // qp: n_q inner prepared rows (of q * s when scaled; inner stride), then <q_i, mu> for i < n_q
+  // when centered.
   void prepare_query(int head, const float* q, int n_q, float* qp) const override {
-    inner_->prepare_query(head, q, n_q, qp);
-    if (role_ != KvRole::key) return;
     const int d = head_dim();
+    if (role_ == KvRole::key && !s_.empty()) {
+      float* qs = scratch(size_t(n_q) * size_t(d));
+      const float* s = s_[size_t(head)].data();
+      for (int i = 0; i < n_q; ++i)
+        for (int c = 0; c < d; ++c) qs[size_t(i) * size_t(d) + size_t(c)] = q[size_t(i) * size_t(d) + size_t(c)] * s[c];
+      inner_->prepare_query(head, qs, n_q, qp);
+    } else {
+      inner_->prepare_query(head, q, n_q, qp);
+    }
+    if (role_ != KvRole::key || mu_.empty()) return;
     const float* mu = mu_[size_t(head)].data();
     float* dots = qp + size_t(n_q) * size_t(inner_->prepared_query_dim());
     for (int i = 0; i < n_q; ++i) {
@@ -141,6 +235,7 @@ class CenteredCodec final : public KvCodec {
   void scores(int head, const float* qp, int n_q, const uint8_t* block, int block_tokens, int t0, int n, int pos0,
               float* out, int out_stride) const override {
     inner_->scores(head, qp, n_q, block, block_tokens, t0, n, pos0, out, out_stride);
+    if (mu_.empty()) return;
     const float* dots = qp + size_t(n_q) * size_t(inner_->prepared_query_dim());
     for (int i = 0; i < n_q; ++i) {
       float* o = out + size_t(i) * size_t(out_stride);
@@ -151,6 +246,7 @@ class CenteredCodec final : public KvCodec {
   void accumulate(int head, const float* p, int p_stride, int n_q, const uint8_t* block, int block_tokens, int t0,
                   int n, float* acc) const override {
     inner_->accumulate(head, p, p_stride, n_q, block, block_tokens, t0, n, acc);
+    if (mu_.empty()) return;
     const int d = head_dim();
     const float* mu = mu_store_[size_t(head)].data();
     for (int i = 0; i < n_q; ++i) {
@@ -169,22 +265,39 @@ class CenteredCodec final : public KvCodec {
     }
   }
 
-  void finish_output(int head, float* acc, int n_q) const override { inner_->finish_output(head, acc, n_q); }
+  void finish_output(int head, float* acc, int n_q) const override {
+    inner_->finish_output(head, acc, n_q);
+    if (role_ != KvRole::value || s_.empty()) return;
+    const int d = head_dim();
+    const float* s = s_[size_t(head)].data();
+    for (int i = 0; i < n_q; ++i)
+      for (int c = 0; c < d; ++c) acc[size_t(i) * size_t(d) + size_t(c)] *= s[c];
+  }
 
  private:
   std::unique_ptr<KvCodec> inner_;
   KvRole role_;
-  std::vector<std::vector<float>> mu_;        // (n_kv_heads, head_dim), model basis
-  std::vector<std::vector<float>> mu_store_;  // the same in the inner codec's accumulator basis
+  std::vector<std::vector<float>> mu_;        // (n_kv_heads, head_dim), model basis; empty: not centered
+  std::vector<std::vector<float>> s_;         // (n_kv_heads, head_dim) channel scales; empty: not scaled
+  std::vector<std::vector<float>> mu_store_;  // mu / s in the inner codec's accumulator basis
   KvCodecInfo info_;
 };
 
-void add(const std::string& inner) {
-  const std::string name = inner + "_c";
-  kv_register_codec({name, inner + " of x minus the layer's calibrated channel mean (needs kvq calibrate)",
-                     [name, inner](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
-                       auto mu = calib_means(p, name);
-                       return std::make_unique<CenteredCodec>(name, kv_codec_create(inner, p), p.role, std::move(mu));
+// Registers inner + suffix: "_c" centered, "_s" scaled, "_cs" both.
+void add(const std::string& inner, const char* suffix) {
+  const std::string name = inner + suffix;
+  const bool center = suffix[1] == 'c', scale = suffix[std::strlen(suffix) - 1] == 's';
+  const char* what = center && scale ? " of (x - mean) / scale, per channel"
+                     : center        ? " of x minus the layer's calibrated channel mean"
+                                     : " of x / scale, per channel";
+  kv_register_codec({name, inner + what + " (needs kvq calibrate)",
+                     [name, inner, center, scale](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
+                       auto mu = center ? calib_vectors(p, name, p.role == KvRole::key ? "k_mean" : "v_mean",
+                                                        "channel means")
+                                        : std::vector<std::vector<float>>{};
+                       auto s = scale ? calib_scales(p, name, center) : std::vector<std::vector<float>>{};
+                       return std::make_unique<AffineCodec>(name, kv_codec_create(inner, p), p.role, std::move(mu),
+                                                            std::move(s));
                      }});
 }
 
@@ -194,7 +307,17 @@ void kv_register_centered_codecs() {
   for (const char* c : {"int8", "q8_0", "q4_0", "q8_0h", "q4_0h", "int4_g32", "int4_g64", "int4_g128", "int2_g32", "int2_g64",
                         "int2_g128", "tq2", "tq2.5", "tq3", "tq3.5", "tq4", "int4t_g32", "int4t_g64", "int4t_g128",
                         "int4t_g32h", "int4t_g64h", "int4t_g128h"})
-    add(c);
+    add(c, "_c");
+  for (const char* c : {"q8_0h", "q4_0h", "int4t_g64h", "int4t_g128h", "tq2", "tq2.5", "tq3", "tq3.5", "tq4"}) {
+    for (const char* suf : {"_s", "_cs"}) {
+      add(c, suf);
+      const std::string n = std::string(c) + suf;
+      kv_register_format({n, {}, n, n,
+                          std::string(c) + (suf[1] == 'c' ? " of keys and values centered and scaled per channel"
+                                                          : " of keys and values scaled per channel") +
+                              " (keys s^2 = rms(k) / rms(q), values s^2 = rms(v); needs kvq calibrate)"});
+    }
+  }
   const char* what = " of keys and values minus their calibrated channel means (needs kvq calibrate)";
   auto fmt = [&](const char* name, const char* k, const char* v, const std::string& desc) {
     kv_register_format({name, {}, k, v, desc});

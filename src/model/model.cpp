@@ -292,6 +292,7 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
       rope(k_.data() + size_t(r) * size_t(kvd), nkv, hd, c.n_rot, c.rope_neox, cs.data());
     }
     if (on_kv) on_kv(il, n, k_pre_.data(), k_.data(), v_.data());
+    if (on_q) on_q(il, n, q_.data());
     for (int si = 0, r0 = 0; si < n_seqs; r0 += seqs[si].n, ++si) {
       const size_t o = size_t(r0) * size_t(kvd);
       seqs[si].cache->append(il, seqs[si].n, k_pre_.data() + o, k_.data() + o, v_.data() + o);

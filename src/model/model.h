@@ -80,6 +80,8 @@ class Forward {
   // from the evaluating thread, never on the hot path when unset.
   // (n, n_kv * head_dim) keys before RoPE, keys after RoPE, values of layer `layer`.
   std::function<void(int layer, int n, const float* k_pre, const float* k, const float* v)> on_kv;
+  // (n, n_head * head_dim) queries after RoPE (and after the q norm where the model has one).
+  std::function<void(int layer, int n, const float* q)> on_q;
   // (n, n_head * head_dim) attention output of layer `layer` (before the output projection).
   std::function<void(int layer, int n, const float* attn_out)> on_attn;
 

@@ -51,6 +51,11 @@ int calibrate_command(const CalibrateOptions& o) {
   std::vector<std::vector<double>> vsum = ksum;
   std::vector<std::vector<double>> ksq(size_t(c.n_layer), std::vector<double>(size_t(nkv), 0.0));
   std::vector<std::vector<double>> vsq = ksq;
+  // Per-channel second moments of the post-RoPE keys, the values and the queries (the group's
+  // query heads summed onto their KV head), for the channel scales of the scaled formats (*_s).
+  std::vector<std::vector<double>> kch2(size_t(c.n_layer), std::vector<double>(size_t(kvd), 0.0));
+  std::vector<std::vector<double>> vch2 = kch2, qch2 = kch2;
+  const int group = c.n_head / nkv;
   int pos_in_window = 0;  // on_kv is called per layer with consecutive chunks of one window
 
   const int threads = o.threads > 0 ? o.threads : int(std::max(1u, std::thread::hardware_concurrency()));
@@ -69,9 +74,22 @@ int calibrate_command(const CalibrateOptions& o) {
           vsum[size_t(il)][hc] += v[i];
           ksq[size_t(il)][size_t(h)] += double(k[i]) * k[i];
           vsq[size_t(il)][size_t(h)] += double(v[i]) * v[i];
+          kch2[size_t(il)][hc] += double(k[i]) * k[i];
+          vch2[size_t(il)][hc] += double(v[i]) * v[i];
         }
-    if (il == c.n_layer - 1) pos_in_window += n;
     kpre[size_t(il)].insert(kpre[size_t(il)].end(), k_pre, k_pre + size_t(n) * size_t(kvd));
+  };
+  // Called after on_kv of the same layer, so pos_in_window still points at this chunk's start.
+  fwd.on_q = [&](int il, int n, const float* q) {
+    for (int t = 0; t < n; ++t) {
+      if (pos_in_window + t == 0) continue;
+      for (int hq = 0; hq < c.n_head; ++hq)
+        for (int d = 0; d < hd; ++d) {
+          const float x = q[(size_t(t) * size_t(c.n_head) + size_t(hq)) * size_t(hd) + size_t(d)];
+          qch2[size_t(il)][size_t(hq / group) * size_t(hd) + size_t(d)] += double(x) * x / group;
+        }
+    }
+    if (il == c.n_layer - 1) pos_in_window += n;
   };
   for (int ch = 0; ch < chunks; ++ch) {
     std::vector<int32_t> win(ids.begin() + std::ptrdiff_t(size_t(ch) * size_t(o.ctx)),
@@ -113,6 +131,23 @@ int calibrate_command(const CalibrateOptions& o) {
     removed = tot > 0 ? rem / tot : 0;
     return heads;
   };
+  // Root mean squares per (head, channel) over the tokens of the means.
+  auto rms = [&](const std::vector<double>& sq) {
+    nlohmann::json heads = nlohmann::json::array();
+    for (int h = 0; h < nkv; ++h) {
+      std::vector<float> r(static_cast<size_t>(hd));
+      for (int d = 0; d < hd; ++d) r[size_t(d)] = float(std::sqrt(sq[size_t(h) * size_t(hd) + size_t(d)] / n_mean));
+      heads.push_back(r);
+    }
+    return heads;
+  };
+  // What the key channel scales of the scaled formats (*_s) buy a rotated per-token quantizer,
+  // whose error is isotropic in the basis it quantizes: with keys divided by s and queries
+  // multiplied by it, the expected squared score error is proportional to E|k / s|^2 E|q s|^2,
+  // which the codecs minimize with one scale per RoPE pair (kv/centered_codecs.cpp). The ratio
+  // of the unscaled value E|k|^2 E|q|^2 to that minimum is printed: near 1, the model's key
+  // imbalance lies within RoPE pairs (it moves with position) and scaling has nothing to take.
+  double k_scale_gain_log = 0;
   double k_removed_all = 0, v_removed_all = 0;
   for (int il = 0; il < c.n_layer; ++il) {
     double k_removed = 0, v_removed = 0;
@@ -126,6 +161,25 @@ int calibrate_command(const CalibrateOptions& o) {
       L["v_mean_energy"] = v_removed;
       k_removed_all += k_removed / c.n_layer;
       v_removed_all += v_removed / c.n_layer;
+      L["k_rms"] = rms(kch2[size_t(il)]);
+      L["v_rms"] = rms(vch2[size_t(il)]);
+      L["q_rms"] = rms(qch2[size_t(il)]);
+      const int nr = std::min(c.n_rot, hd), half = nr / 2;
+      for (int h = 0; h < nkv; ++h) {
+        const double* k2 = kch2[size_t(il)].data() + size_t(h) * size_t(hd);
+        const double* q2 = qch2[size_t(il)].data() + size_t(h) * size_t(hd);
+        double kk = 0, qq = 0, kq = 0;
+        for (int d = 0; d < hd; ++d) {
+          kk += k2[d];
+          qq += q2[d];
+        }
+        for (int i = 0; i < half; ++i) {  // pairs: one scale each
+          const int a = c.rope_neox ? i : 2 * i, b = c.rope_neox ? i + half : 2 * i + 1;
+          kq += 2 * std::sqrt((k2[a] + k2[b]) / 2 * (q2[a] + q2[b]) / 2);
+        }
+        for (int d = 2 * half; d < hd; ++d) kq += std::sqrt(k2[d] * q2[d]);  // channels RoPE leaves alone
+        if (kq > 0) k_scale_gain_log += std::log(kk * qq / (kq * kq)) / (c.n_layer * nkv);
+      }
     }
     if (hd % 16 == 0)
       for (int b : o.kvquant_bits) {
@@ -140,6 +194,9 @@ int calibrate_command(const CalibrateOptions& o) {
   std::fprintf(stderr, "[calibrate] %d layers, %d tokens -> %s\n", c.n_layer, n_tok, o.out.c_str());
   std::fprintf(stderr, "[calibrate] channel means hold %.1f%% of the key energy and %.1f%% of the value energy (layer average)\n",
                100 * k_removed_all, 100 * v_removed_all);
+  if (n_mean > 0)
+    std::fprintf(stderr, "[calibrate] key channel scales (*_s formats) cut a rotated quantizer's expected squared score error %.2fx (geometric mean over layers and heads)\n",
+                 std::exp(k_scale_gain_log));
   return 0;
 }
 

@@ -7,6 +7,10 @@
 //                "k_absmax": [per head], "v_absmax": [per head],
 //                "k_scale": [absmax / 448], "v_scale": [...],          FP8 E4M3 (vLLM convention)
 //                "int8_k_scale": [absmax / 127], "int8_v_scale": [...],
+//                "k_mean" / "v_mean": [per head [per channel]],   post-RoPE keys, values (*_c formats)
+//                "k_rms" / "v_rms" / "q_rms": [per head [per channel]]   root mean squares of the
+//                    post-RoPE keys, the values and the queries (the KV head's query heads
+//                    pooled), position 0 of each window left out (*_s formats)
 //                "kvquant_k2" / "kvquant_k3" / "kvquant_k4": {codebook, ...}}]}   (kvquant_fit)
 #pragma once
 #include <string>

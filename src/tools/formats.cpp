@@ -42,7 +42,9 @@ const nlohmann::json& listing_calib(int dim) {
   auto it = by_dim.find(dim);
   if (it == by_dim.end()) {
     const std::vector<std::vector<float>> zero(1, std::vector<float>(size_t(dim), 0.f));
-    it = by_dim.emplace(dim, nlohmann::json{{"layers", {{{"k_scale", 1.0}, {"v_scale", 1.0}, {"k_mean", zero}, {"v_mean", zero}}}}}).first;
+    const std::vector<std::vector<float>> one(1, std::vector<float>(size_t(dim), 1.f));
+    it = by_dim.emplace(dim, nlohmann::json{{"layers", {{{"k_scale", 1.0}, {"v_scale", 1.0}, {"k_mean", zero}, {"v_mean", zero},
+                                                        {"k_rms", one}, {"q_rms", one}, {"v_rms", one}}}}}).first;
   }
   return it->second;
 }

@@ -722,7 +722,9 @@ PlanFormatCost plan_format_cost(const PlanModel& m, const PlanConfig& c, const s
         // size whatever their values: size them with placeholder ones. Other errors (a group
         // that does not divide head_dim, ...) stand.
         const std::vector<std::vector<float>> zero(size_t(heads), std::vector<float>(size_t(head_dim), 0.f));
-        const nlohmann::json entry = {{"k_scale", 1.0}, {"v_scale", 1.0}, {"k_mean", zero}, {"v_mean", zero}};
+        const std::vector<std::vector<float>> one(size_t(heads), std::vector<float>(size_t(head_dim), 1.f));
+        const nlohmann::json entry = {{"k_scale", 1.0}, {"v_scale", 1.0}, {"k_mean", zero}, {"v_mean", zero},
+                                      {"k_rms", one}, {"q_rms", one}, {"v_rms", one}};
         const nlohmann::json sizing = {{"layers", nlohmann::json::array()}};
         nlohmann::json cal = sizing;
         for (int i = 0; i <= layer; ++i) cal["layers"].push_back(entry);
