@@ -38,7 +38,7 @@ int main(int argc, char** argv) {
   kvq::eval_add_cli(*eval, eval_opts);
 
   kvq::CalibrateOptions cal_opts;
-  auto* calibrate = app.add_subcommand("calibrate", "fit K/V scales and codebooks from sample text (for --kv-scales)");
+  auto* calibrate = app.add_subcommand("calibrate", "fit K/V scales, codebooks, channel means and channel RMS from sample text (for --kv-scales)");
   kvq::calibrate_add_cli(*calibrate, cal_opts);
 
   kvq::FormatsOptions fmt_opts;

@@ -194,9 +194,11 @@ int calibrate_command(const CalibrateOptions& o) {
   std::fprintf(stderr, "[calibrate] %d layers, %d tokens -> %s\n", c.n_layer, n_tok, o.out.c_str());
   std::fprintf(stderr, "[calibrate] channel means hold %.1f%% of the key energy and %.1f%% of the value energy (layer average)\n",
                100 * k_removed_all, 100 * v_removed_all);
-  if (n_mean > 0)
-    std::fprintf(stderr, "[calibrate] key channel scales (*_s formats) cut a rotated quantizer's expected squared score error %.2fx (geometric mean over layers and heads)\n",
-                 std::exp(k_scale_gain_log));
+  if (n_mean > 0) {
+    const double gain = std::exp(k_scale_gain_log);
+    std::fprintf(stderr, "[calibrate] key channel scales (*_s formats) cut a rotated quantizer's expected squared score error %.2fx (geometric mean over layers and heads)%s\n",
+                 gain, gain < 1.3 ? ": little to gain on this model, the unscaled formats will do as well" : "");
+  }
   return 0;
 }
 

@@ -37,6 +37,9 @@ check "budget below the cheapest choice: rejected with the least achievable" "[[
 # calibrate records channel means; the centered formats read them, and refuse to run without them
 "$kvq" calibrate -m "$model" --data "$text" -o "$tmp/calib.json" --ctx 64 --chunks 2 -t 1 2>"$tmp/ce"
 check "calibrate exits 0 and reports the mean energy" "[[ $? -eq 0 ]] && grep -q 'channel means hold' $tmp/ce"
+check "calibrate reports what channel scales would gain" "grep -Eq 'key channel scales .* [0-9]+\\.[0-9]+x' $tmp/ce"
+check "calibration has per-head channel RMS of K, V and Q (stories260K: 4 KV heads of 8), positive, at least |mean|" \
+  "python3 -c \"import json; d=json.load(open('$tmp/calib.json')); L=d['layers']; assert all(len(l[k])==4 and all(len(h)==8 and all(x>0 for x in h) for h in l[k]) for l in L for k in ('k_rms','v_rms','q_rms')); assert all(r>=abs(m)*(1-1e-5) for l in L for hr,hm in zip(l['k_rms'],l['k_mean']) for r,m in zip(hr,hm))\""
 check "calibration has per-head channel means of K and V" \
   "python3 -c \"import json; d=json.load(open('$tmp/calib.json')); L=d['layers']; assert len(L)==5 and all(len(l['k_mean'])==4 and all(len(h)==8 for h in l['k_mean']) and len(l['v_mean'])==4 for l in L); assert any(abs(x)>0 for l in L for h in l['k_mean'] for x in h)\""
 "$kvq" eval -m "$model" --kv int8_c,int8 --kv-scales "$tmp/calib.json" --ctx 64 --data "$text" --json --no-progress -t 1 >"$tmp/c.json" 2>/dev/null
