@@ -119,6 +119,11 @@ class KvCodec {
                           int block_tokens, int t0, int n, float* acc) const = 0;
   // Maps the accumulated output (n_q, head_dim) back to the model's basis (in place).
   virtual void finish_output(int head, float* acc, int n_q) const;
+  // What attention calls once per pass over the blocks instead: the same, given mass[i], the sum
+  // of the weights accumulated into row i (in acc's scale). Codecs that store an affine image of
+  // the values (centered: v - mu) add their constant part, mu * mass, here once instead of per
+  // block. Default: finish_output.
+  virtual void finish_output_mass(int head, float* acc, int n_q, const float* mass) const;
 };
 
 // A named KV format: which codec K uses and which V uses.

@@ -132,8 +132,9 @@ void run_part(const KvCodec& kc, const KvCodec& vc, int head, int n_q, const KvB
       vc.accumulate(head, sc.s, sc.s_stride, n_q, sp.v, sp.block_tokens, sp.t0, sp.n, sc.acc);
     }
     // The accumulator is in V's storage basis; the tail is in the model's. finish_output is linear
-    // (a rotation), so applying it before the remaining rescales is exact.
-    vc.finish_output(head, sc.acc, n_q);
+    // (a rotation), so applying it before the remaining rescales is exact; sc.l is the mass of
+    // the spans' weights in acc's scale (a centered codec's mean term).
+    vc.finish_output_mass(head, sc.acc, n_q, sc.l);
   }
 
   if (n_tail > 0) {

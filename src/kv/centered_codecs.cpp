@@ -5,8 +5,9 @@
 //  - Centering: keys carry a large common component (on SmolLM2-135M the channel means hold ~60%
 //    of the key energy; kvq calibrate prints the share), on which a per-token quantizer spends its
 //    range. <q, k> = <q, k - mu> + <q, mu>; <q, mu> is computed once per step (prepare_query) and
-//    added to every score. For values, sum_t p_t v_t = sum_t p_t (v_t - mu) + mu sum_t p_t;
-//    accumulate() adds the second term, in the inner codec's storage basis.
+//    added to every score. For values, sum_t p_t v_t = sum_t p_t (v_t - mu) + mu sum_t p_t; the
+//    second term is added once per pass over the blocks (finish_output_mass), from the weights'
+//    sum that attention keeps anyway.
 //  - Scaling: <q, k> = <q * s, k / s>, so the inner codec sees keys k / s and queries q * s. A
 //    rotated quantizer (TurboQuant, the Hadamard formats) makes an error that is isotropic in the
 //    basis it quantizes, so the expected squared score error is proportional to
@@ -149,28 +150,6 @@ class AffineCodec final : public KvCodec {
               name);
     info_.name = std::move(name);
     if (!s_.empty()) info_.transforms_output = info_.transforms_output || role_ == KvRole::value;
-    const int d = head_dim();
-    // The value mean enters the accumulator as mu / s, in the inner codec's storage basis.
-    mu_store_ = mu_;
-    for (size_t h = 0; h < mu_store_.size(); ++h)
-      if (!s_.empty())
-        for (int c = 0; c < d; ++c) mu_store_[h][size_t(c)] /= s_[h][size_t(c)];
-    if (!mu_.empty() && role_ == KvRole::value && inner_->info().transforms_output) {
-      // finish_output maps a row r of the accumulator to M r (M orthogonal). Its image of the
-      // identity gives M's columns, and the storage-basis vector is M^T (mu / s).
-      std::vector<float> eye(size_t(d) * size_t(d), 0.f);
-      for (size_t h = 0; h < mu_.size(); ++h) {
-        std::fill(eye.begin(), eye.end(), 0.f);
-        for (int j = 0; j < d; ++j) eye[size_t(j) * size_t(d) + size_t(j)] = 1.f;
-        inner_->finish_output(int(h), eye.data(), d);
-        const std::vector<float> m = mu_store_[h];
-        for (int j = 0; j < d; ++j) {
-          double acc = 0;
-          for (int i = 0; i < d; ++i) acc += double(eye[size_t(j) * size_t(d) + size_t(i)]) * m[size_t(i)];
-          mu_store_[h][size_t(j)] = float(acc);
-        }
-      }
-    }
   }
 
   const KvCodecInfo& info() const override { return info_; }
@@ -243,28 +222,17 @@ class AffineCodec final : public KvCodec {
     }
   }
 
+  // The value mean's share, mu * sum_t p_t, is added once per pass in finish_output_mass.
   void accumulate(int head, const float* p, int p_stride, int n_q, const uint8_t* block, int block_tokens, int t0,
                   int n, float* acc) const override {
     inner_->accumulate(head, p, p_stride, n_q, block, block_tokens, t0, n, acc);
-    if (mu_.empty()) return;
-    const int d = head_dim();
-    const float* mu = mu_store_[size_t(head)].data();
-    for (int i = 0; i < n_q; ++i) {
-      // Eight partial sums: a form the compiler vectorizes (one running sum would be a serial
-      // chain of float adds, which it may not reorder).
-      const float* pi = p + size_t(i) * size_t(p_stride);
-      float part[8] = {};
-      int t = 0;
-      for (; t + 8 <= n; t += 8)
-        for (int j = 0; j < 8; ++j) part[j] += pi[t + j];
-      float s = 0;
-      for (; t < n; ++t) s += pi[t];
-      for (int j = 0; j < 8; ++j) s += part[j];
-      float* a = acc + size_t(i) * size_t(d);
-      for (int c = 0; c < d; ++c) a[c] += s * mu[c];
-    }
   }
 
+  PrefetchRange prefetch_range(int block_tokens, int t0, int n) const override {
+    return inner_->prefetch_range(block_tokens, t0, n);
+  }
+
+  // The linear part: the inner codec's map to the model's basis, then the value scales.
   void finish_output(int head, float* acc, int n_q) const override {
     inner_->finish_output(head, acc, n_q);
     if (role_ != KvRole::value || s_.empty()) return;
@@ -274,12 +242,21 @@ class AffineCodec final : public KvCodec {
       for (int c = 0; c < d; ++c) acc[size_t(i) * size_t(d) + size_t(c)] *= s[c];
   }
 
+  // sum_t p_t v_t = s * (linear part) + mu * sum_t p_t.
+  void finish_output_mass(int head, float* acc, int n_q, const float* mass) const override {
+    finish_output(head, acc, n_q);
+    if (role_ != KvRole::value || mu_.empty()) return;
+    const int d = head_dim();
+    const float* mu = mu_[size_t(head)].data();
+    for (int i = 0; i < n_q; ++i)
+      for (int c = 0; c < d; ++c) acc[size_t(i) * size_t(d) + size_t(c)] += mass[i] * mu[c];
+  }
+
  private:
   std::unique_ptr<KvCodec> inner_;
   KvRole role_;
   std::vector<std::vector<float>> mu_;        // (n_kv_heads, head_dim), model basis; empty: not centered
   std::vector<std::vector<float>> s_;         // (n_kv_heads, head_dim) channel scales; empty: not scaled
-  std::vector<std::vector<float>> mu_store_;  // mu / s in the inner codec's accumulator basis
   KvCodecInfo info_;
 };
 

@@ -161,4 +161,6 @@ void KvCodec::prepare_query(int, const float* q, int n_q, float* qp) const {
 
 void KvCodec::finish_output(int, float*, int) const {}
 
+void KvCodec::finish_output_mass(int head, float* acc, int n_q, const float*) const { finish_output(head, acc, n_q); }
+
 }  // namespace kvq

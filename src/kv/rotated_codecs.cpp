@@ -88,6 +88,10 @@ class RotatedCodec final : public KvCodec {
     inner_->accumulate(head, p, p_stride, n_q, block, block_tokens, t0, n, acc);
   }
 
+  PrefetchRange prefetch_range(int block_tokens, int t0, int n) const override {
+    return inner_->prefetch_range(block_tokens, t0, n);
+  }
+
   void finish_output(int head, float* acc, int n_q) const override {
     inner_->finish_output(head, acc, n_q);
     if (info_.transforms_output) hadamard_rows(acc, n_q, head_dim(), block_);
