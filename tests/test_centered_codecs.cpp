@@ -52,6 +52,135 @@ std::vector<float> rows_around(const std::vector<float>& mu, int n, std::mt19937
   return x;
 }
 
+
+struct ScaledCalib {
+  std::vector<std::vector<float>> km, vm, kr, qr, vr;
+  nlohmann::json json() const {
+    return {{"layers", {{{"k_mean", km}, {"v_mean", vm}, {"k_rms", kr}, {"q_rms", qr}, {"v_rms", vr}}}}};
+  }
+};
+
+// Keys with a few outlier channels (large in k, small in q), values mildly uneven.
+ScaledCalib make_scaled_calib(int d, uint32_t seed) {
+  ScaledCalib c;
+  c.km = make_means(d, seed, 3.f);
+  c.vm = make_means(d, seed + 1, 0.5f);
+  std::mt19937 rng(seed + 2);
+  std::uniform_real_distribution<float> u(0.5f, 2.f);
+  c.kr = c.qr = c.vr = std::vector<std::vector<float>>(kHeads, std::vector<float>(size_t(d)));
+  for (int h = 0; h < kHeads; ++h)
+    for (int k = 0; k < d; ++k) {
+      const bool outlier = k % 16 == 3 + h;
+      c.kr[size_t(h)][size_t(k)] = std::fabs(c.km[size_t(h)][size_t(k)]) + (outlier ? 12.f : u(rng));
+      c.qr[size_t(h)][size_t(k)] = outlier ? 0.1f : u(rng);
+      c.vr[size_t(h)][size_t(k)] = std::fabs(c.vm[size_t(h)][size_t(k)]) + u(rng);
+    }
+  return c;
+}
+
+// The scales as the header comment of kv/centered_codecs.cpp defines them, computed here apart.
+std::vector<double> expected_scales(const ScaledCalib& c, KvRole role, int head, bool centered) {
+  const auto& x = (role == KvRole::key ? c.kr : c.vr)[size_t(head)];
+  const auto& mu = (role == KvRole::key ? c.km : c.vm)[size_t(head)];
+  std::vector<double> s(x.size());
+  double lg = 0;
+  for (size_t k = 0; k < x.size(); ++k) {
+    double sd = centered ? std::sqrt(double(x[k]) * x[k] - double(mu[k]) * mu[k]) : double(x[k]);
+    if (role == KvRole::key) sd /= c.qr[size_t(head)][k];
+    s[k] = std::sqrt(sd);
+    lg += std::log(s[k]);
+  }
+  for (auto& v : s) v /= std::exp(lg / double(s.size()));
+  return s;
+}
+
+
+// Fused attention over centered / scaled K and V (suffix _c, _s or _cs) is attention over the
+// inner codec's cache of the transformed rows (x - mu) / s, with the query multiplied by the key
+// scales, every score shifted by the same <q, mu_k> (softmax-invariant), and the output mapped
+// back (s_v * out + mu_v); the full-precision tail stays raw. Checked against the inner codec run
+// on transformed inputs (tight: the same kernels, so float rounding only; scaled rows may flip a
+// code where (x - mu) / s lands on a decision boundary, so those compare per element with a
+// 2% allowance) and loosely against the double-precision reference on the decoded cache.
+void check_fused_attention(const char* inner, const char* suffix, const ScaledCalib& scal, uint32_t seed) {
+  const int d = 128, bt = 64, n_q = 4, n_tail = 5, n_blocks = 3;
+  const std::string sfx = suffix;
+  const bool centered = sfx == "_c" || sfx == "_cs", scaled = sfx != "_c";
+  const nlohmann::json calib = scal.json();
+  for (int head = 0; head < kHeads; ++head) {
+    SCOPED_TRACE(testing::Message() << inner << suffix << " head " << head);
+    const auto& mk = scal.km[size_t(head)];
+    const auto& mv = scal.vm[size_t(head)];
+    const std::vector<double> ones(size_t(d), 1.0);
+    const auto sk = scaled ? expected_scales(scal, KvRole::key, head, centered) : ones;
+    const auto sv = scaled ? expected_scales(scal, KvRole::value, head, centered) : ones;
+    auto kc = make(inner + sfx, KvRole::key, d, &calib);
+    auto vc = make(inner + sfx, KvRole::value, d, &calib);
+    auto ki = make(inner, KvRole::key, d, nullptr);
+    auto vi = make(inner, KvRole::value, d, nullptr);
+    std::mt19937 rng(seed + uint32_t(head));
+    auto transform = [&](std::vector<float> x, const std::vector<float>& mu, const std::vector<double>& s) {
+      for (size_t i = 0; i < x.size(); ++i) {
+        const size_t k = i % size_t(d);
+        x[i] = centered ? x[i] - mu[k] : x[i];
+        if (scaled) x[i] = float(x[i] / s[k]);
+      }
+      return x;
+    };
+    std::vector<std::vector<uint8_t>> bufs;
+    std::vector<KvBlockSpan> spans_c, spans_i;
+    for (int b = 0; b < n_blocks; ++b) {
+      const int n = b == n_blocks - 1 ? 37 : bt;  // a partial last block
+      const auto k = rows_around(mk, n, rng), v = rows_around(mv, n, rng);
+      KvBlockSpan s;
+      s.block_tokens = bt;
+      s.n = n;
+      s.pos0 = b * bt;
+      KvBlockSpan si = s;
+      for (int which = 0; which < 4; ++which) {
+        const KvCodec& c = which == 0 ? *kc : which == 1 ? *vc : which == 2 ? *ki : *vi;
+        bufs.emplace_back(c.block_bytes(bt));
+        const auto src = which == 0 ? k : which == 1 ? v : which == 2 ? transform(k, mk, sk) : transform(v, mv, sv);
+        c.encode(head, src.data(), size_t(d), n, bufs.back().data(), bt, 0, b * bt);
+        (which == 0 ? s.k : which == 1 ? s.v : which == 2 ? si.k : si.v) = bufs.back().data();
+      }
+      spans_c.push_back(s);
+      spans_i.push_back(si);
+    }
+    const auto tk = rows_around(mk, n_tail, rng), tv = rows_around(mv, n_tail, rng);
+    std::normal_distribution<float> g(0.f, 0.05f);
+    std::vector<float> q(size_t(n_q) * d), qs(q.size());
+    for (auto& x : q) x = g(rng);
+    for (size_t i = 0; i < q.size(); ++i) qs[i] = float(q[i] * sk[i % size_t(d)]);
+    // The inner run's tail: keys as the wrapper scores them against the raw query (up to the
+    // common shift), values so that s_v * (inner output) + mu_v is the wrapper's output.
+    const auto tail_k = transform(tk, mk, sk), tail_v = transform(tv, mv, sv);
+    AttnParams ap;
+    std::vector<float> out(size_t(n_q) * d), out_i(size_t(n_q) * d), ref(size_t(n_q) * d);
+    std::vector<float> scratch(std::max(attn_scratch_floats(*kc, *vc, n_q, bt), attn_scratch_floats(*ki, *vi, n_q, bt)));
+    attn_decode(*kc, *vc, head, q.data(), n_q, spans_c.data(), n_blocks, tk.data(), tv.data(), size_t(d), n_tail, ap,
+                out.data(), scratch.data());
+    attn_decode(*ki, *vi, head, qs.data(), n_q, spans_i.data(), n_blocks, tail_k.data(), tail_v.data(), size_t(d),
+                n_tail, ap, out_i.data(), scratch.data());
+    attn_decode_ref(*kc, *vc, head, q.data(), n_q, spans_c.data(), n_blocks, tk.data(), tv.data(), size_t(d), n_tail,
+                    ap, ref.data());
+    size_t agree = 0;
+    for (size_t i = 0; i < out.size(); ++i) {
+      const size_t k = i % size_t(d);
+      const double want = double(out_i[i]) * sv[k] + (centered ? mv[k] : 0.f);
+      if (scaled) {
+        agree += std::fabs(out[i] - want) <= 1e-3 * (1.0 + std::fabs(want));
+      } else {
+        EXPECT_NEAR(out[i], want, 1e-4 * (1.0 + std::fabs(want))) << "at " << i;
+      }
+      EXPECT_NEAR(out[i], ref[i], 2e-2 * (1.0 + std::fabs(ref[i]))) << "at " << i;
+    }
+    if (scaled) {
+      EXPECT_GE(double(agree), 0.98 * double(out.size()));
+    }
+  }
+}
+
 }  // namespace
 
 // The payload is the inner codec's bytes of x - mu, and decode adds mu back, per head.
@@ -87,71 +216,13 @@ TEST(Centered, PayloadIsInnerCodecOfCenteredVector) {
   }
 }
 
-// Fused attention over centered K and V is attention over the inner codec's cache of x - mu,
-// shifted back: every score moves by the same <q, mu> (the full-precision tail, stored raw,
-// included), so the softmax is unchanged, and the output gains mu_v. Checked tightly against the
-// inner codec run on centered rows and tail (same kernels, so the only differences are float
-// rounding), and loosely against the double-precision reference on the decoded cache. Rotated
-// inner codecs accumulate in another basis, which the mu_v term must be mapped into.
+// Centered: the tight check of check_fused_attention, with the inner codecs of several families
+// (rotated ones accumulate in another basis, which the output's mu_v term must not enter).
 TEST(Centered, FusedAttentionIsExactShiftOfInnerCodec) {
-  const int d = 128, bt = 64, n_q = 4, n_tail = 5, n_blocks = 3;
-  const auto km = make_means(d, 3, 40.f), vm = make_means(d, 4, 8.f);
-  const auto calib = make_calib(km, vm);
-  for (const char* inner : {"q4_0h", "tq3", "int2_g32", "tq2.5", "q8_0"}) {
-    for (int head = 0; head < kHeads; ++head) {
-      SCOPED_TRACE(testing::Message() << inner << " head " << head);
-      const auto& mk = km[size_t(head)];
-      const auto& mv = vm[size_t(head)];
-      auto kc = make(std::string(inner) + "_c", KvRole::key, d, &calib);
-      auto vc = make(std::string(inner) + "_c", KvRole::value, d, &calib);
-      auto ki = make(inner, KvRole::key, d, nullptr);
-      auto vi = make(inner, KvRole::value, d, nullptr);
-      std::mt19937 rng(uint32_t(11 + head));
-      auto minus = [&](std::vector<float> x, const std::vector<float>& mu) {
-        for (size_t i = 0; i < x.size(); ++i) x[i] -= mu[i % size_t(d)];
-        return x;
-      };
-      std::vector<std::vector<uint8_t>> bufs;
-      std::vector<KvBlockSpan> spans_c, spans_i;
-      for (int b = 0; b < n_blocks; ++b) {
-        const int n = b == n_blocks - 1 ? 37 : bt;  // a partial last block
-        const auto k = rows_around(mk, n, rng), v = rows_around(mv, n, rng);
-        KvBlockSpan s;
-        s.block_tokens = bt;
-        s.n = n;
-        s.pos0 = b * bt;
-        KvBlockSpan si = s;
-        for (int which = 0; which < 4; ++which) {
-          const KvCodec& c = which == 0 ? *kc : which == 1 ? *vc : which == 2 ? *ki : *vi;
-          bufs.emplace_back(c.block_bytes(bt));
-          const auto src = which == 0 ? k : which == 1 ? v : which == 2 ? minus(k, mk) : minus(v, mv);
-          c.encode(head, src.data(), size_t(d), n, bufs.back().data(), bt, 0, b * bt);
-          (which == 0 ? s.k : which == 1 ? s.v : which == 2 ? si.k : si.v) = bufs.back().data();
-        }
-        spans_c.push_back(s);
-        spans_i.push_back(si);
-      }
-      const auto tk = rows_around(mk, n_tail, rng), tv = rows_around(mv, n_tail, rng);
-      const auto tkc = minus(tk, mk), tvc = minus(tv, mv);
-      std::normal_distribution<float> g(0.f, 0.05f);
-      std::vector<float> q(size_t(n_q) * d);
-      for (auto& x : q) x = g(rng);
-      AttnParams ap;
-      std::vector<float> out(size_t(n_q) * d), out_i(size_t(n_q) * d), ref(size_t(n_q) * d);
-      std::vector<float> scratch(std::max(attn_scratch_floats(*kc, *vc, n_q, bt), attn_scratch_floats(*ki, *vi, n_q, bt)));
-      attn_decode(*kc, *vc, head, q.data(), n_q, spans_c.data(), n_blocks, tk.data(), tv.data(), size_t(d), n_tail,
-                  ap, out.data(), scratch.data());
-      attn_decode(*ki, *vi, head, q.data(), n_q, spans_i.data(), n_blocks, tkc.data(), tvc.data(), size_t(d), n_tail,
-                  ap, out_i.data(), scratch.data());
-      attn_decode_ref(*kc, *vc, head, q.data(), n_q, spans_c.data(), n_blocks, tk.data(), tv.data(), size_t(d),
-                      n_tail, ap, ref.data());
-      for (size_t i = 0; i < out.size(); ++i) {
-        const double shifted = double(out_i[i]) + mv[i % size_t(d)];
-        EXPECT_NEAR(out[i], shifted, 1e-4 * (1.0 + std::fabs(shifted))) << "at " << i;
-        EXPECT_NEAR(out[i], ref[i], 2e-2 * (1.0 + std::fabs(ref[i]))) << "at " << i;
-      }
-    }
-  }
+  ScaledCalib sc = make_scaled_calib(128, 3);
+  sc.km = make_means(128, 3, 40.f);
+  sc.vm = make_means(128, 4, 8.f);
+  for (const char* inner : {"q4_0h", "tq3", "int2_g32", "tq2.5", "q8_0"}) check_fused_attention(inner, "_c", sc, 11);
 }
 
 // What centering is for: keys = a large common mean + a small per-token part. A per-token
@@ -206,50 +277,6 @@ TEST(Centered, BadCalibrationIsRejectedClearly) {
 // calibration's channel RMS: keys s^2 = sd(k) / rms(q), values s^2 = sd(v) (sd = the RMS, or the
 // standard deviation when centered), normalized to a geometric mean of 1.
 
-namespace {
-
-struct ScaledCalib {
-  std::vector<std::vector<float>> km, vm, kr, qr, vr;
-  nlohmann::json json() const {
-    return {{"layers", {{{"k_mean", km}, {"v_mean", vm}, {"k_rms", kr}, {"q_rms", qr}, {"v_rms", vr}}}}};
-  }
-};
-
-// Keys with a few outlier channels (large in k, small in q), values mildly uneven.
-ScaledCalib make_scaled_calib(int d, uint32_t seed) {
-  ScaledCalib c;
-  c.km = make_means(d, seed, 3.f);
-  c.vm = make_means(d, seed + 1, 0.5f);
-  std::mt19937 rng(seed + 2);
-  std::uniform_real_distribution<float> u(0.5f, 2.f);
-  c.kr = c.qr = c.vr = std::vector<std::vector<float>>(kHeads, std::vector<float>(size_t(d)));
-  for (int h = 0; h < kHeads; ++h)
-    for (int k = 0; k < d; ++k) {
-      const bool outlier = k % 16 == 3 + h;
-      c.kr[size_t(h)][size_t(k)] = std::fabs(c.km[size_t(h)][size_t(k)]) + (outlier ? 12.f : u(rng));
-      c.qr[size_t(h)][size_t(k)] = outlier ? 0.1f : u(rng);
-      c.vr[size_t(h)][size_t(k)] = std::fabs(c.vm[size_t(h)][size_t(k)]) + u(rng);
-    }
-  return c;
-}
-
-// The scales as the header comment of kv/centered_codecs.cpp defines them, computed here apart.
-std::vector<double> expected_scales(const ScaledCalib& c, KvRole role, int head, bool centered) {
-  const auto& x = (role == KvRole::key ? c.kr : c.vr)[size_t(head)];
-  const auto& mu = (role == KvRole::key ? c.km : c.vm)[size_t(head)];
-  std::vector<double> s(x.size());
-  double lg = 0;
-  for (size_t k = 0; k < x.size(); ++k) {
-    double sd = centered ? std::sqrt(double(x[k]) * x[k] - double(mu[k]) * mu[k]) : double(x[k]);
-    if (role == KvRole::key) sd /= c.qr[size_t(head)][k];
-    s[k] = std::sqrt(sd);
-    lg += std::log(s[k]);
-  }
-  for (auto& v : s) v /= std::exp(lg / double(s.size()));
-  return s;
-}
-
-}  // namespace
 
 // The payload is the inner codec's bytes of (x - mu) / s, and decode maps back, per head.
 TEST(Scaled, PayloadIsInnerCodecOfScaledVector) {
@@ -295,86 +322,11 @@ TEST(Scaled, PayloadIsInnerCodecOfScaledVector) {
         }
 }
 
-// Fused attention over scaled K and V is attention over the inner codec's cache of the
-// transformed rows, with the query multiplied by the key scales and the output by the value
-// scales (the full-precision tail stays raw). Checked tightly against the inner codec on
-// transformed inputs and loosely against the double-precision reference on the decoded cache.
+// Scaled: check_fused_attention with channel scales (and means for _cs).
 TEST(Scaled, FusedAttentionIsExactTransformOfInnerCodec) {
-  const int d = 128, bt = 64, n_q = 4, n_tail = 5, n_blocks = 3;
-  const ScaledCalib scal = make_scaled_calib(d, 41);
-  const nlohmann::json calib = scal.json();
+  const ScaledCalib sc = make_scaled_calib(128, 41);
   for (const char* inner : {"q4_0h", "tq3", "int4t_g64h", "q8_0h"})
-    for (const char* suffix : {"_s", "_cs"})
-      for (int head = 0; head < kHeads; ++head) {
-        SCOPED_TRACE(testing::Message() << inner << suffix << " head " << head);
-        const bool centered = std::string(suffix) == "_cs";
-        const auto& mk = scal.km[size_t(head)];
-        const auto& mv = scal.vm[size_t(head)];
-        const auto sk = expected_scales(scal, KvRole::key, head, centered);
-        const auto sv = expected_scales(scal, KvRole::value, head, centered);
-        auto kc = make(std::string(inner) + suffix, KvRole::key, d, &calib);
-        auto vc = make(std::string(inner) + suffix, KvRole::value, d, &calib);
-        auto ki = make(inner, KvRole::key, d, nullptr);
-        auto vi = make(inner, KvRole::value, d, nullptr);
-        std::mt19937 rng(uint32_t(19 + head));
-        auto transform = [&](std::vector<float> x, const std::vector<float>& mu, const std::vector<double>& s) {
-          for (size_t i = 0; i < x.size(); ++i) {
-            const size_t k = i % size_t(d);
-            x[i] = float((x[i] - (centered ? mu[k] : 0.f)) / s[k]);
-          }
-          return x;
-        };
-        std::vector<std::vector<uint8_t>> bufs;
-        std::vector<KvBlockSpan> spans_c, spans_i;
-        for (int b = 0; b < n_blocks; ++b) {
-          const int n = b == n_blocks - 1 ? 37 : bt;
-          const auto k = rows_around(mk, n, rng), v = rows_around(mv, n, rng);
-          KvBlockSpan s;
-          s.block_tokens = bt;
-          s.n = n;
-          s.pos0 = b * bt;
-          KvBlockSpan si = s;
-          for (int which = 0; which < 4; ++which) {
-            const KvCodec& c = which == 0 ? *kc : which == 1 ? *vc : which == 2 ? *ki : *vi;
-            bufs.emplace_back(c.block_bytes(bt));
-            // the inner codec gets the wrapper's own bytes' input: encode the transformed rows
-            const auto src = which == 0 ? k : which == 1 ? v : which == 2 ? transform(k, mk, sk) : transform(v, mv, sv);
-            c.encode(head, src.data(), size_t(d), n, bufs.back().data(), bt, 0, b * bt);
-            (which == 0 ? s.k : which == 1 ? s.v : which == 2 ? si.k : si.v) = bufs.back().data();
-          }
-          spans_c.push_back(s);
-          spans_i.push_back(si);
-        }
-        const auto tk = rows_around(mk, n_tail, rng), tv = rows_around(mv, n_tail, rng);
-        std::normal_distribution<float> g(0.f, 0.05f);
-        std::vector<float> q(size_t(n_q) * d), qs(q.size());
-        for (auto& x : q) x = g(rng);
-        for (size_t i = 0; i < q.size(); ++i) qs[i] = float(q[i] * sk[i % size_t(d)]);
-        // The inner run's tail: keys as the wrapper scores them against the raw query, values
-        // so that s_v * (inner output) + mu_v is the wrapper's output.
-        auto tail_k = tk;
-        for (size_t i = 0; i < tail_k.size(); ++i) tail_k[i] = float((tk[i] - (centered ? mk[i % size_t(d)] : 0.f)) / sk[i % size_t(d)]);
-        const auto tail_v = transform(tv, mv, sv);
-        AttnParams ap;
-        std::vector<float> out(size_t(n_q) * d), out_i(size_t(n_q) * d), ref(size_t(n_q) * d);
-        std::vector<float> scratch(std::max(attn_scratch_floats(*kc, *vc, n_q, bt), attn_scratch_floats(*ki, *vi, n_q, bt)));
-        attn_decode(*kc, *vc, head, q.data(), n_q, spans_c.data(), n_blocks, tk.data(), tv.data(), size_t(d), n_tail,
-                    ap, out.data(), scratch.data());
-        attn_decode(*ki, *vi, head, qs.data(), n_q, spans_i.data(), n_blocks, tail_k.data(), tail_v.data(), size_t(d),
-                    n_tail, ap, out_i.data(), scratch.data());
-        attn_decode_ref(*kc, *vc, head, q.data(), n_q, spans_c.data(), n_blocks, tk.data(), tv.data(), size_t(d),
-                        n_tail, ap, ref.data());
-        size_t agree = 0;
-        for (size_t i = 0; i < out.size(); ++i) {
-          const size_t k = i % size_t(d);
-          const double want = double(out_i[i]) * sv[k] + (centered ? mv[k] : 0.f);
-          agree += std::fabs(out[i] - want) <= 1e-3 * (1.0 + std::fabs(want));
-          EXPECT_NEAR(out[i], ref[i], 2e-2 * (1.0 + std::fabs(ref[i]))) << "at " << i;
-        }
-        // Per-element agreement with the transformed inner run, up to codes that flip on float
-        // rounding of (x - mu) / s (see the payload test).
-        EXPECT_GE(double(agree), 0.98 * double(out.size()));
-      }
+    for (const char* suffix : {"_s", "_cs"}) check_fused_attention(inner, suffix, sc, 19);
 }
 
 // What scaling is for: keys with outlier channels that the queries hardly read. A rotated

@@ -38,6 +38,29 @@ std::vector<int32_t> greedy_ids(const Model& m, const std::string& kv, int n) {
   }
   return out;
 }
+
+// Logits at every position of one window, evaluated with `kv` as the cache format.
+std::vector<float> window_logits(const Model& m, const std::vector<int32_t>& ids, const std::string& kv,
+                                 const nlohmann::json* calib, ThreadPool& pool) {
+  const int n = int(ids.size());
+  KvCacheConfig cfg = m.kv_cache_config(kv_policy_uniform(kv, m.config().n_layer), n);
+  cfg.calib = calib;
+  KvCache cache(cfg);
+  Forward fwd(m, pool);
+  const float* l = fwd.eval(ids.data(), n, cache, true);
+  return std::vector<float>(l, l + size_t(n) * size_t(m.config().n_vocab));
+}
+
+// KLD, top-1 and dPPL of `got` against `base` over the second half of the window.
+BucketSummary second_half_vs(const std::vector<float>& base, const std::vector<float>& got,
+                             const std::vector<int32_t>& ids, int nv) {
+  const int n = int(ids.size());
+  std::vector<TokenScore> sc;
+  for (int p = n / 2; p + 1 < n; ++p)
+    sc.push_back(eval_score_token(base.data() + size_t(p) * size_t(nv), got.data() + size_t(p) * size_t(nv), nv,
+                                  ids[size_t(p + 1)]));
+  return eval_summarize(n, sc);
+}
 }  // namespace
 
 TEST(KvEngine, Stories260KGreedyEqualsF16ForExactAndEightBitCaches) {
@@ -110,15 +133,7 @@ TEST(KvEngine, SmolLM2FormatsStayWithinKldBounds) {
                                  {"q_rms", heads(q2[size_t(il)], true)}});
     }
   }
-  auto run = [&](const std::string& kv) {
-    KvCacheConfig cfg = m->kv_cache_config(kv_policy_uniform(kv, m->config().n_layer), n);
-    cfg.calib = &calib;
-    KvCache cache(cfg);
-    Forward fwd(*m, pool);
-    const float* l = fwd.eval(ids.data(), n, cache, true);
-    return std::vector<float>(l, l + size_t(n) * size_t(nv));
-  };
-  const auto base = run("f16");
+  const auto base = window_logits(*m, ids, "f16", &calib, pool);
   struct Case {
     const char* fmt;
     double max_kld;
@@ -130,11 +145,7 @@ TEST(KvEngine, SmolLM2FormatsStayWithinKldBounds) {
                         {"tq4_c", 0.3}, {"int8_c", 0.02}, {"int4t_g32", 0.3}, {"q4_0h_s", 0.15},
                         {"tq4_s", 0.3}, {"q8_0h_cs", 0.02}};
   for (const auto& c : cases) {
-    const auto got = run(c.fmt);
-    std::vector<TokenScore> sc;
-    for (int p = n / 2; p + 1 < n; ++p)
-      sc.push_back(eval_score_token(base.data() + size_t(p) * size_t(nv), got.data() + size_t(p) * size_t(nv), nv, ids[size_t(p + 1)]));
-    const BucketSummary b = eval_summarize(n, sc);
+    const BucketSummary b = second_half_vs(base, window_logits(*m, ids, c.fmt, &calib, pool), ids, nv);
     std::printf("[kld] %-14s mean %.5f p99 %.5f top1 %.3f dppl %+.3f%%\n", c.fmt, b.kld_mean, b.kld_p99, b.top1_agree, b.delta_ppl_pct);
     EXPECT_LT(b.kld_mean, c.max_kld) << c.fmt;
   }
@@ -175,23 +186,11 @@ TEST(KvEngine, GemmaChannelScalesCutKld) {
   std::vector<int32_t> ids = tok.encode(ss.str().substr(0, 20000), false);
   ids.resize(256);
   if (tok.add_bos()) ids[0] = tok.bos();
-  const int nv = m->config().n_vocab, n = int(ids.size());
+  const int nv = m->config().n_vocab;
   ThreadPool pool(2);
-  auto run = [&](const std::string& kv) {
-    KvCacheConfig cfg = m->kv_cache_config(kv_policy_uniform(kv, m->config().n_layer), n);
-    cfg.calib = &calib;
-    KvCache cache(cfg);
-    Forward fwd(*m, pool);
-    const float* l = fwd.eval(ids.data(), n, cache, true);
-    return std::vector<float>(l, l + size_t(n) * size_t(nv));
-  };
-  const auto base = run("f16");
+  const auto base = window_logits(*m, ids, "f16", &calib, pool);
   auto kld = [&](const std::string& kv) {
-    const auto got = run(kv);
-    std::vector<TokenScore> sc;
-    for (int p = n / 2; p + 1 < n; ++p)
-      sc.push_back(eval_score_token(base.data() + size_t(p) * size_t(nv), got.data() + size_t(p) * size_t(nv), nv, ids[size_t(p + 1)]));
-    const double k = eval_summarize(n, sc).kld_mean;
+    const double k = second_half_vs(base, window_logits(*m, ids, kv, &calib, pool), ids, nv).kld_mean;
     std::printf("[kld] gemma %-10s %.5f\n", kv.c_str(), k);
     return k;
   };
