@@ -12,9 +12,11 @@
 //    rotated quantizer (TurboQuant, the Hadamard formats) makes an error that is isotropic in the
 //    basis it quantizes, so the expected squared score error is proportional to
 //    E|k / s|^2 E|q * s|^2: by Cauchy-Schwarz smallest, (sum_c rms(k_c) rms(q_c))^2, at
-//    s_c^2 = rms(k_c) / rms(q_c). Channels where keys are large but queries small (outlier
-//    channels) are shrunk before they can dominate the per-token norm or scale. For values the
-//    output error E|s * e|^2 is smallest at s_c^2 = rms(v_c); finish_output multiplies by s.
+//    s_c^2 = rms(k_c) / rms(q_c), for keys one scale per RoPE pair (from the pair's pooled
+//    statistics, which RoPE does not move; calib_scales). Channels where keys are large but
+//    queries small (outlier channels) are shrunk before they can dominate the per-token norm or
+//    scale. For values the output error E|s * e|^2 is smallest at s_c^2 = rms(v_c);
+//    finish_output multiplies by s.
 //    kvq calibrate stores rms(k_c), rms(q_c) (the group's query heads pooled) and rms(v_c) and
 //    prints the predicted score-error factor; with centering, the channels' standard deviations
 //    replace the key and value RMS.
@@ -149,7 +151,10 @@ class AffineCodec final : public KvCodec {
     KVQ_CHECK(!info_.pre_rope && info_.group_tokens == 1, "centered / scaled codec {}: the inner codec must be per-token",
               name);
     info_.name = std::move(name);
-    if (!s_.empty()) info_.transforms_output = info_.transforms_output || role_ == KvRole::value;
+    if (!s_.empty()) {
+      info_.transforms_output = info_.transforms_output || role_ == KvRole::value;
+      info_.transforms_query = info_.transforms_query || role_ == KvRole::key;
+    }
   }
 
   const KvCodecInfo& info() const override { return info_; }
