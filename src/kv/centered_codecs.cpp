@@ -297,7 +297,7 @@ void kv_register_centered_codecs() {
       kv_register_format({n, {}, n, n,
                           std::string(c) + (suf[1] == 'c' ? " of keys and values centered and scaled per channel"
                                                           : " of keys and values scaled per channel") +
-                              " (keys s^2 = rms(k) / rms(q), values s^2 = rms(v); needs kvq calibrate)"});
+                              " (keys s^2 = rms(k) / rms(q) per RoPE pair, values s^2 = rms(v); needs kvq calibrate)"});
     }
   }
   const char* what = " of keys and values minus their calibrated channel means (needs kvq calibrate)";
