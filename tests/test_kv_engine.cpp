@@ -39,6 +39,16 @@ std::vector<int32_t> greedy_ids(const Model& m, const std::string& kv, int n) {
   return out;
 }
 
+// The first n tokens of a text file's first 20000 characters.
+std::vector<int32_t> text_window(const Tokenizer& tok, const std::string& path, int n) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::vector<int32_t> ids = tok.encode(ss.str().substr(0, 20000), false);
+  ids.resize(size_t(n));
+  return ids;
+}
+
 // Logits at every position of one window, evaluated with `kv` as the cache format.
 std::vector<float> window_logits(const Model& m, const std::vector<int32_t>& ids, const std::string& kv,
                                  const nlohmann::json* calib, ThreadPool& pool) {
@@ -82,13 +92,9 @@ TEST(KvEngine, SmolLM2FormatsStayWithinKldBounds) {
   if (model.empty()) GTEST_SKIP() << "SmolLM2-135M-Instruct.Q4_1.gguf not installed (run scripts/get-models.sh)";
   const std::string text_path = shared_path("data/wikitext-2-test.txt");
   if (!fs::exists(text_path)) GTEST_SKIP() << "WikiText-2 not found at " << text_path;
-  std::ifstream in(text_path);
-  std::stringstream ss;
-  ss << in.rdbuf();
   auto m = Model::load(model);
   Tokenizer tok = Tokenizer::from_gguf(m->file());
-  std::vector<int32_t> ids = tok.encode(ss.str().substr(0, 20000), false);
-  ids.resize(256);
+  const std::vector<int32_t> ids = text_window(tok, text_path, 256);
   const int nv = m->config().n_vocab, n = int(ids.size());
   ThreadPool pool(2);
   // Channel means of K and V per layer and head for the centered formats (*_c), from this window's
@@ -178,13 +184,9 @@ TEST(KvEngine, GemmaChannelScalesCutKld) {
   }
   fs::remove(calib_path);
   ASSERT_TRUE(calib["layers"][0].contains("q_rms"));
-  std::ifstream in(text_path);
-  std::stringstream ss;
-  ss << in.rdbuf();
   auto m = Model::load(model);
   Tokenizer tok = Tokenizer::from_gguf(m->file());
-  std::vector<int32_t> ids = tok.encode(ss.str().substr(0, 20000), false);
-  ids.resize(256);
+  std::vector<int32_t> ids = text_window(tok, text_path, 256);
   if (tok.add_bos()) ids[0] = tok.bos();
   const int nv = m->config().n_vocab;
   ThreadPool pool(2);
