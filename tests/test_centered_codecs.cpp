@@ -445,3 +445,34 @@ TEST(Scaled, KeyScalesHoldAtEveryRopePosition) {
     }
   }
 }
+
+// A key channel that queries never read (rms(q) = 0: a dead channel) gets the largest scale, so
+// its keys shrink: dividing by a tiny scale instead would blow it up and swamp the others.
+TEST(Scaled, KeyChannelsQueriesNeverReadShrink) {
+  const int d = 128, n = 256;
+  ScaledCalib sc = make_scaled_calib(d, 81);
+  for (int h = 0; h < kHeads; ++h)
+    for (int c : {7, 8, 40, 41}) {  // two whole RoPE pairs of adjacent-pair RoPE, and per-channel alike
+      sc.qr[size_t(h)][size_t(c)] = 0.f;
+      sc.kr[size_t(h)][size_t(c)] = std::fabs(sc.km[size_t(h)][size_t(c)]) + 8.f;
+    }
+  const nlohmann::json calib = sc.json();
+  std::mt19937 rng(83);
+  std::normal_distribution<float> g(0.f, 1.f);
+  std::vector<float> k(size_t(n) * d), q(d);
+  for (int t = 0; t < n; ++t)
+    for (int c = 0; c < d; ++c) k[size_t(t * d + c)] = g(rng) * sc.kr[0][size_t(c)];
+  for (int c = 0; c < d; ++c) q[size_t(c)] = g(rng) * sc.qr[0][size_t(c)];
+  for (int n_rot : {0, d}) {
+    KvCodecParams p;
+    p.role = KvRole::key;
+    p.head_dim = d;
+    p.n_kv_heads = kHeads;
+    p.calib = &calib;
+    p.rope.n_rot = n_rot;
+    const double plain = test::score_rms_error(*make("q4_0h", KvRole::key, d, nullptr), k, q, n);
+    const double scaled = test::score_rms_error(*kv_codec_create("q4_0h_s", p), k, q, n);
+    std::printf("[scaled] unread channels, n_rot %d: score rms error %.4f, scaled %.4f\n", n_rot, plain, scaled);
+    EXPECT_LT(scaled, plain) << "n_rot " << n_rot;
+  }
+}

@@ -86,8 +86,10 @@ std::vector<std::vector<float>> calib_vectors(const KvCodecParams& p, const std:
 
 // Channel scales from the calibration's RMS vectors (see the header comment): keys
 // s_c = sqrt(sd(k_c) / rms(q_c)), values s_c = sqrt(sd(v_c)), where sd is the RMS, or with
-// centering the standard deviation sqrt(rms^2 - mu^2). Normalized to a geometric mean of 1, and
-// floored at 1e-3 of the largest so that a channel that never moved keeps a finite 1 / s.
+// centering the standard deviation sqrt(rms^2 - mu^2). A key channel (pair) that queries never
+// read (rms(q) = 0) does not matter to scores: it gets the largest scale of the others, so that its
+// keys shrink rather than swell. Normalized to a geometric mean of 1, and floored at 1e-3 of the
+// largest so that a channel that never moved keeps a finite 1 / s.
 std::vector<std::vector<float>> calib_scales(const KvCodecParams& p, const std::string& codec, bool centered) {
   const bool key = p.role == KvRole::key;
   const auto x = calib_vectors(p, codec, key ? "k_rms" : "v_rms", "channel RMS");
@@ -103,9 +105,8 @@ std::vector<std::vector<float>> calib_scales(const KvCodecParams& p, const std::
       double v = double(x[h][c]) * x[h][c];
       if (centered) v -= double(mu[h][c]) * mu[h][c];
       double sd = std::sqrt(std::max(v, 0.0));
-      if (key) sd = q[h][c] > 0 ? sd / q[h][c] : 0.0;
-      s[c] = std::sqrt(sd);
-      smax = std::max(smax, s[c]);
+      if (key) sd = q[h][c] > 0 ? sd / q[h][c] : -1.0;  // -1: unread, set below
+      s[c] = sd < 0 ? -1.0 : std::sqrt(sd);
     }
     // RoPE turns each rotated channel pair by a position-dependent angle, so per-channel
     // statistics of post-RoPE keys and queries hold only for the positions they were measured
@@ -123,11 +124,13 @@ std::vector<std::vector<float>> calib_scales(const KvCodecParams& p, const std::
           kk += std::max(v, 0.0) / 2;
           qq += double(q[h][c]) * q[h][c] / 2;
         }
-        s[a] = s[b] = qq > 0 ? std::sqrt(std::sqrt(kk / qq)) : 0.0;
+        s[a] = s[b] = qq > 0 ? std::sqrt(std::sqrt(kk / qq)) : -1.0;
       }
-      smax = *std::max_element(s.begin(), s.end());
     }
+    smax = *std::max_element(s.begin(), s.end());
     if (!(smax > 0)) smax = 1;
+    for (auto& v : s)
+      if (v < 0) v = smax;
     double lg = 0;
     for (auto& v : s) {
       v = std::max(v, 1e-3 * smax);
