@@ -1,5 +1,6 @@
-// Centered formats (*_c): the inner codec applied to x - mu (mu from calibration), exact in
-// attention (scores and outputs equal those of the decoded cache), and what they are for.
+// Centered and scaled formats (*_c, *_s, *_cs): the inner codec applied to (x - mu) / s (mu and
+// the channel scales s from calibration), exact in attention (scores and outputs equal those of
+// the decoded cache), and what they are for.
 #include <gtest/gtest.h>
 
 #include <cmath>
