@@ -44,15 +44,13 @@ int calibrate_command(const CalibrateOptions& o) {
   std::vector<std::vector<float>> kabs(size_t(c.n_layer), std::vector<float>(size_t(nkv), 0.f));
   std::vector<std::vector<float>> vabs = kabs;
   std::vector<std::vector<float>> kpre(size_t(c.n_layer));  // (tokens, nkv, hd) per layer
-  // Per-channel sums of the post-RoPE keys and of the values (nkv, hd) per layer, and of their
-  // squares' total per head, for the channel means that the centered formats (*_c) subtract.
+  // Per-channel sums of the post-RoPE keys and of the values (nkv, hd) per layer, for the channel
+  // means that the centered formats (*_c) subtract, and per-channel sums of squares of the keys,
+  // the values and the queries (the group's query heads averaged onto their KV head), for the
+  // channel scales of the scaled formats (*_s) and the share of energy the means hold.
   // Position 0 of each window (BOS, the attention sink) is left out: its K/V are atypical.
   std::vector<std::vector<double>> ksum(size_t(c.n_layer), std::vector<double>(size_t(kvd), 0.0));
   std::vector<std::vector<double>> vsum = ksum;
-  std::vector<std::vector<double>> ksq(size_t(c.n_layer), std::vector<double>(size_t(nkv), 0.0));
-  std::vector<std::vector<double>> vsq = ksq;
-  // Per-channel second moments of the post-RoPE keys, the values and the queries (the group's
-  // query heads summed onto their KV head), for the channel scales of the scaled formats (*_s).
   std::vector<std::vector<double>> kch2(size_t(c.n_layer), std::vector<double>(size_t(kvd), 0.0));
   std::vector<std::vector<double>> vch2 = kch2, qch2 = kch2;
   const int group = c.n_head / nkv;
@@ -72,8 +70,6 @@ int calibrate_command(const CalibrateOptions& o) {
           const size_t hc = size_t(h) * size_t(hd) + size_t(d);
           ksum[size_t(il)][hc] += k[i];
           vsum[size_t(il)][hc] += v[i];
-          ksq[size_t(il)][size_t(h)] += double(k[i]) * k[i];
-          vsq[size_t(il)][size_t(h)] += double(v[i]) * v[i];
           kch2[size_t(il)][hc] += double(k[i]) * k[i];
           vch2[size_t(il)][hc] += double(v[i]) * v[i];
         }
@@ -123,9 +119,9 @@ int calibrate_command(const CalibrateOptions& o) {
       for (int d = 0; d < hd; ++d) {
         m[size_t(d)] = float(sum[size_t(h) * size_t(hd) + size_t(d)] / n_mean);
         m2 += double(m[size_t(d)]) * m[size_t(d)];
+        tot += sq[size_t(h) * size_t(hd) + size_t(d)] / n_mean;
       }
       rem += m2;
-      tot += sq[size_t(h)] / n_mean;
       heads.push_back(m);
     }
     removed = tot > 0 ? rem / tot : 0;
@@ -155,8 +151,8 @@ int calibrate_command(const CalibrateOptions& o) {
                         {"k_scale", scaled(kabs[size_t(il)], 448.f)}, {"v_scale", scaled(vabs[size_t(il)], 448.f)},
                         {"int8_k_scale", scaled(kabs[size_t(il)], 127.f)}, {"int8_v_scale", scaled(vabs[size_t(il)], 127.f)}};
     if (n_mean > 0) {
-      L["k_mean"] = means(ksum[size_t(il)], ksq[size_t(il)], k_removed);
-      L["v_mean"] = means(vsum[size_t(il)], vsq[size_t(il)], v_removed);
+      L["k_mean"] = means(ksum[size_t(il)], kch2[size_t(il)], k_removed);
+      L["v_mean"] = means(vsum[size_t(il)], vch2[size_t(il)], v_removed);
       L["k_mean_energy"] = k_removed;
       L["v_mean_energy"] = v_removed;
       k_removed_all += k_removed / c.n_layer;
