@@ -34,12 +34,14 @@ nlohmann::json make_calib(const std::vector<std::vector<float>>& km, const std::
   return {{"layers", {{{"k_mean", km}, {"v_mean", vm}}}}};
 }
 
-std::unique_ptr<KvCodec> make(const std::string& name, KvRole role, int d, const nlohmann::json* calib) {
+std::unique_ptr<KvCodec> make(const std::string& name, KvRole role, int d, const nlohmann::json* calib,
+                              KvRope rope = {}) {
   KvCodecParams p;
   p.role = role;
   p.head_dim = d;
   p.n_kv_heads = kHeads;
   p.calib = calib;
+  p.rope = rope;
   return kv_codec_create(name, p);
 }
 
@@ -424,14 +426,10 @@ TEST(Scaled, KeyScalesHoldAtEveryRopePosition) {
     };
     const auto k90 = turn(k), q90 = turn(q);
     auto codec = [&](int n_rot) {
-      KvCodecParams p;
-      p.role = KvRole::key;
-      p.head_dim = d;
-      p.n_kv_heads = kHeads;
-      p.calib = &calib;
-      p.rope.n_rot = n_rot;
-      p.rope.neox = neox;
-      return kv_codec_create("tq3_s", p);
+      KvRope rope;
+      rope.n_rot = n_rot;
+      rope.neox = neox;
+      return make("tq3_s", KvRole::key, d, &calib, rope);
     };
     for (int n_rot : {d, 0}) {
       auto c = codec(n_rot);
@@ -465,14 +463,10 @@ TEST(Scaled, KeyChannelsQueriesNeverReadShrink) {
   std::vector<float> q(d);
   for (int c = 0; c < d; ++c) q[size_t(c)] = g(rng) * sc.qr[0][size_t(c)];
   for (int n_rot : {0, d}) {
-    KvCodecParams p;
-    p.role = KvRole::key;
-    p.head_dim = d;
-    p.n_kv_heads = kHeads;
-    p.calib = &calib;
-    p.rope.n_rot = n_rot;
+    KvRope rope;
+    rope.n_rot = n_rot;
     const double plain = test::score_rms_error(*make("q4_0h", KvRole::key, d, nullptr), k, q, n);
-    const double scaled = test::score_rms_error(*kv_codec_create("q4_0h_s", p), k, q, n);
+    const double scaled = test::score_rms_error(*make("q4_0h_s", KvRole::key, d, &calib, rope), k, q, n);
     std::printf("[scaled] unread channels, n_rot %d: score rms error %.4f, scaled %.4f\n", n_rot, plain, scaled);
     EXPECT_LT(scaled, plain) << "n_rot " << n_rot;
   }
