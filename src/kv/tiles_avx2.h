@@ -182,6 +182,41 @@ template <int NQ, bool U8>
   }
 }
 
+// tq4t's chunks (kv/tq_tiled.h): codes looked up in the int8 codebook image C, which against u8
+// weights would overflow VPMADDUBSW's int16 pair sums; C = 16 Ch + Cl (Ch = C >> 4 in -8..7,
+// Cl = C & 15) splits each product into two chains within int4t's bounds (4 * 2 * 255 * 8 and
+// 4 * 2 * 255 * 15), joined exactly in int32 as 16 Ch-sum + Cl-sum. lo / hi: raw nibbles.
+template <int NQ>
+[[gnu::always_inline]] inline void tile_accum_chunk_lut_avx2(const __m256i* lo, const __m256i* hi, __m256i lut_h,
+                                                             __m256i lut_l, const uint8_t (*w8)[32], const float* dw,
+                                                             float* acc, int hd, int at) {
+  __m256i loh[4], lol[4], hih[4], hil[4];
+  for (int k = 0; k < 4; ++k) {
+    loh[k] = _mm256_shuffle_epi8(lut_h, lo[k]);
+    lol[k] = _mm256_shuffle_epi8(lut_l, lo[k]);
+    hih[k] = _mm256_shuffle_epi8(lut_h, hi[k]);
+    hil[k] = _mm256_shuffle_epi8(lut_l, hi[k]);
+  }
+  for (int h = 0; h < NQ; ++h) {
+    const uint8_t* wp = w8[h / 2];
+    __m256i sloh = _mm256_setzero_si256(), slol = _mm256_setzero_si256();
+    __m256i shih = _mm256_setzero_si256(), shil = _mm256_setzero_si256();
+    for (int k = 0; k < 4; ++k) {
+      const __m256i wb = tile_bcast32_avx2(wp + 4 * tile_w8_dword(h, k));
+      sloh = _mm256_add_epi16(sloh, _mm256_maddubs_epi16(wb, loh[k]));
+      slol = _mm256_add_epi16(slol, _mm256_maddubs_epi16(wb, lol[k]));
+      shih = _mm256_add_epi16(shih, _mm256_maddubs_epi16(wb, hih[k]));
+      shil = _mm256_add_epi16(shil, _mm256_maddubs_epi16(wb, hil[k]));
+    }
+    const __m256i dlo = _mm256_add_epi32(_mm256_slli_epi32(tile_widen_avx2(sloh), 4), tile_widen_avx2(slol));
+    const __m256i dhi = _mm256_add_epi32(_mm256_slli_epi32(tile_widen_avx2(shih), 4), tile_widen_avx2(shil));
+    const __m256 s = _mm256_broadcast_ss(&dw[h]);
+    float* a = acc + size_t(h) * size_t(hd) + size_t(at);
+    _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo), s, _mm256_loadu_ps(a)));
+    _mm256_storeu_ps(a + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi), s, _mm256_loadu_ps(a + 16)));
+  }
+}
+
 // The min terms of int4t's / int2t's weighted sums, after the tiles: per query row h < NQ and group
 // g < ng the 8 lanes of msv[h][g] (sum_t p_t m_tg) reduced once and added to the group's channels of
 // acc row h (rows hd apart), times min_mul.
@@ -209,7 +244,7 @@ inline void tiles_add_min_terms_avx2(float (*msv)[MaxGroups][8], int ng, int gro
 // tile_accum_chunk_avx2, then the min terms (times L.min_mul). The group is stepped along the one
 // chunk loop (no c / cpg division; a loop per group had the compiler hoist and spill the weight
 // broadcasts). U8 weights when every weight is >= 0 and the scales are, else s8.
-template <int NQ, bool U8, class ChunkCodes>
+template <int NQ, bool U8, class ChunkCodes, bool Lut = false>
 void tiles_accum_pass_avx2(const Int4TiledLayout& L, const float* p, int p_stride, const uint8_t* block, int t0,
                            int n, float* acc, ChunkCodes chunk_codes) {
   constexpr int kSegTiles = 4;
@@ -224,6 +259,16 @@ void tiles_accum_pass_avx2(const Int4TiledLayout& L, const float* p, int p_strid
   // (tile of the segment, group, row pair): quantized weights; (.., group, row h in lane h): steps.
   alignas(32) uint8_t w8[kSegTiles][kMaxGroups][NP][32];
   alignas(32) float dw[kSegTiles][kMaxGroups][8];
+  __m256i lut_h = _mm256_setzero_si256(), lut_l = _mm256_setzero_si256();
+  if constexpr (Lut) {  // tq4t: the codebook image's high and low nibble tables
+    alignas(16) int8_t th[16], tl[16];
+    for (int i = 0; i < 16; ++i) {
+      th[i] = int8_t(L.lut8[i] >> 4);
+      tl[i] = int8_t(L.lut8[i] & 15);
+    }
+    lut_h = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(th)));
+    lut_l = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(tl)));
+  }
   for (int seg = tile0; seg < tile1; seg += kSegTiles) {
     const int nt = std::min(kSegTiles, tile1 - seg);
     for (int tt = 0; tt < nt; ++tt)
@@ -236,7 +281,10 @@ void tiles_accum_pass_avx2(const Int4TiledLayout& L, const float* p, int p_strid
         for (int c = 0, g = 0, cg = 0; c < hd / 32; ++c) {
           __m256i lo[4], hi[4];
           chunk_codes(codes, c, half, lo, hi);
-          tile_accum_chunk_avx2<NQ, U8>(lo, hi, w8[tt][g], dw[tt][g], acc, hd, 32 * c + 8 * half);
+          if constexpr (Lut)
+            tile_accum_chunk_lut_avx2<NQ>(lo, hi, lut_h, lut_l, w8[tt][g], dw[tt][g], acc, hd, 32 * c + 8 * half);
+          else
+            tile_accum_chunk_avx2<NQ, U8>(lo, hi, w8[tt][g], dw[tt][g], acc, hd, 32 * c + 8 * half);
           if (++cg == cpg) {  // chunk c + 1 starts the next group
             cg = 0;
             ++g;
@@ -254,7 +302,9 @@ void tiles_accum_avx2(const Int4TiledLayout& L, const float* p, int p_stride, in
   tile_row_passes(n_q, [&](int i, auto m) {
     const float* pi = p + size_t(i) * size_t(p_stride);
     float* a = acc + size_t(i) * size_t(L.hd);
-    if (u8) tiles_accum_pass_avx2<decltype(m)::value, true>(L, pi, p_stride, block, t0, n, a, chunk_codes);
+    // tq4t's lookups: u8 weights only (its callers route weights with a negative entry elsewhere).
+    if (L.lut) tiles_accum_pass_avx2<decltype(m)::value, true, ChunkCodes, true>(L, pi, p_stride, block, t0, n, a, chunk_codes);
+    else if (u8) tiles_accum_pass_avx2<decltype(m)::value, true>(L, pi, p_stride, block, t0, n, a, chunk_codes);
     else tiles_accum_pass_avx2<decltype(m)::value, false>(L, pi, p_stride, block, t0, n, a, chunk_codes);
   });
 }

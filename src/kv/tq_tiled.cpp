@@ -86,19 +86,6 @@ void tq4t_accum_ref(const Int4TiledLayout& L, const float* p, int p_stride, int 
                   [&L](const uint8_t* codes, int j, int d) { return int(L.lut8[int4t_value_code(codes, j, d)]); });
 }
 
-#if defined(KVQ_HAVE_SIMD)
-// No AVX2 variant yet: the AVX2 level runs the reference (its VPMADDUBSW pair sums would overflow
-// int16 on 8-bit codebook entries against u8 weights, so int4t's AVX2 chains do not carry over).
-void tq4t_scores_avx2(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
-                      float* out, int out_stride) {
-  tq4t_scores_ref(L, qp, n_q, block, t0, n, out, out_stride);
-}
-void tq4t_accum_avx2(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
-                     int n, float* acc) {
-  tq4t_accum_ref(L, p, p_stride, n_q, block, t0, n, acc);
-}
-#endif
-
 void tq4t_scores(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n, float* out,
                  int out_stride) {
   KVQ_CPU_PICK(tq4t_scores)(L, qp, n_q, block, t0, n, out, out_stride);

@@ -20,9 +20,10 @@
 //   plus f32 rounding. The accumulator holds the sums in codebook-image units (storage basis
 //   R v / cs, as a rotation's is R v): finish_output multiplies by cs, then applies R^T. Weights with a negative entry (never the case in
 //   attention) are summed in f32 against C instead (tq4t_accum_signed_ref).
-// Scalar reference (same arithmetic: scores bit-identical to the SIMD ones, weighted sums equal
-// up to f32 summation order) and AVX-512 kernels; at the AVX2 level the dispatch runs the scalar
-// reference kernels (no AVX2 variant yet: tq4 keeps its AVX2 row kernels).
+// Scalar reference, AVX2 and AVX-512 kernels (same arithmetic: scores bit-identical, weighted
+// sums equal up to f32 summation order). AVX-512 looks codes up with VPSHUFB into VPDPBUSD (u8
+// operand C + 128, the block's 128 * sum(q8) subtracted); AVX2 signs the query bytes by C
+// (VPSIGNB) against |C| in VPMADDUBSW, and splits C = 16 Ch + Cl in the weighted sum.
 #pragma once
 #include <cstddef>
 #include <cstdint>
