@@ -692,10 +692,11 @@ TEST(TqKernels, DispatchFollowsCpuLevel) {
 // Registry
 
 TEST(TqRegistry, CodecsAndFormatsByName) {
-  for (const char* name : {"tq1", "tq2", "tq3", "tq4", "tq2.25", "tq2.5", "tq3.5", "tq2_qjl", "tq3_qjl",
+  for (const char* name : {"tq1", "tq2", "tq3", "tq4", "tq4_rows", "tq2.25", "tq2.5", "tq3.5", "tq2_qjl", "tq3_qjl",
                            "tq4_qjl", "tq4_dense"}) {
     auto c = kv_codec_create(name, params(128));
-    EXPECT_EQ(c->info().name, name);
+    // "tq4" stores tq4t's tiles where head_dim % 32 == 0 (kv/tq_tiled.h; tested in test_tq_tiled).
+    EXPECT_EQ(c->info().name, std::string(name) == "tq4" ? "tq4t" : name);
     EXPECT_TRUE(c->info().transforms_query && c->info().transforms_output);
     EXPECT_DOUBLE_EQ(kv_codec_effective_bits(*c, 64, 1000), 8.0 * double(c->block_bytes(64)) / (64.0 * 128)) << name;
   }
@@ -706,6 +707,8 @@ TEST(TqRegistry, CodecsAndFormatsByName) {
   EXPECT_EQ(kv_format_find("tq_k8v4").v_codec, "tq4");
   EXPECT_EQ(kv_format_find("TQ3.5").k_codec, "tq3.5");
   EXPECT_NO_THROW(kv_codec_create("tq4", params(96)));  // dense rotation on non-powers of two
+  EXPECT_EQ(kv_codec_create("tq4", params(80))->info().name, "tq4");  // not a multiple of 32: the rows
+  EXPECT_EQ(kv_codec_create("tq4", params(80))->block_bytes(1), 2u + 40u);
   EXPECT_NO_THROW(kv_codec_create("tq4_dense", params(96)));
   EXPECT_THROW(kv_codec_create("tq4", params(72)), Error);  // not a multiple of 16
 }
@@ -719,8 +722,11 @@ TEST(TqRegistry, FusedAttentionMatchesDecodeReference) {
     for (const char* fmt : {"tq1", "tq2.5", "tq3.5", "tq4", "tq3_qjl", "tq4_dense", "tq_k8v4", "tq_k3v4"}) {
       const KvFormatDesc& f = kv_format_find(fmt);
       const int d = 128, bt = 32, n_blocks = 3, n_q = 5, n_tail = 4, head = 1;
-      auto kc = kv_codec_create(f.k_codec, params(d, 1, 2, KvRole::key));
-      auto vc = kv_codec_create(f.v_codec, params(d, 1, 2, KvRole::value));
+      // The row kernels: "tq4" at this head_dim is tq4t's tiles, whose kernels test_tq_tiled and
+      // test_attention check; here its rows stand in.
+      const auto rows = [](const std::string& c) { return c == "tq4" ? std::string("tq4_rows") : c; };
+      auto kc = kv_codec_create(rows(f.k_codec), params(d, 1, 2, KvRole::key));
+      auto vc = kv_codec_create(rows(f.v_codec), params(d, 1, 2, KvRole::value));
       std::mt19937_64 rng(17);
       std::vector<std::vector<uint8_t>> kb(n_blocks), vb(n_blocks);
       std::vector<KvBlockSpan> spans;

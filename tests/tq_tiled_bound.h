@@ -16,7 +16,15 @@
 
 namespace kvq::test {
 
-inline bool tq4t_codec(const KvCodec& c) { return c.info().name.rfind("tq4t", 0) == 0; }
+// tq4t, codec "tq4" where it stores tq4t's tiles, and their centered / scaled wrappers (which keep
+// the inner codec's prepared query): told apart from tq4's rows by the prepared row's length.
+inline bool tq4t_codec(const KvCodec& c) {
+  const int hd = c.head_dim();
+  if (c.info().name.rfind("tq", 0) != 0 || !tq4t_fits(hd)) return false;
+  float cs;
+  const float* cb = tq_lloyd_max(4, hd).centroids.data();
+  return c.prepared_query_dim() == tq4t_layout(hd, cb, &cs).qdim;
+}
 
 struct Tq4tShape {
   Int4TiledLayout L;

@@ -251,15 +251,19 @@ class Tq4TiledCodec final : public KvCodec {
 
 }  // namespace
 
+bool tq4t_fits(int head_dim) { return head_dim > 0 && head_dim % 32 == 0 && head_dim <= kv_max_head_dim; }
+
+std::unique_ptr<KvCodec> tq4t_codec_create(const KvCodecParams& p) {
+  if (!tq4t_fits(p.head_dim))
+    fail("KV codec 'tq4t': head_dim {} must be a multiple of 32 (the tiles' query blocks), at most {}; tq4_rows "
+         "stores any multiple of 16",
+         p.head_dim, kv_max_head_dim);
+  return std::make_unique<Tq4TiledCodec>(p);
+}
+
 void kv_register_tq_tiled() {
   kv_register_codec({"tq4t", "TurboQuant 4 bits (tq4's codes, norm and decode) in 16-token tiles for integer-dot kernels",
-                     [](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
-                       if (p.head_dim % 32 != 0 || p.head_dim > kv_max_head_dim)
-                         fail("KV codec 'tq4t': head_dim {} must be a multiple of 32 (the tiles' query blocks), at "
-                              "most {}; tq4 stores any multiple of 16",
-                              p.head_dim, kv_max_head_dim);
-                       return std::make_unique<Tq4TiledCodec>(p);
-                     }});
+                     tq4t_codec_create});
   kv_register_format({"tq4t", {}, "tq4t", "tq4t",
                       "TurboQuant 4 bits K and V (tq4's codes, norm and decode) in 16-token tiles for integer-dot "
                       "kernels (+16/head_dim for the norm)"});

@@ -27,6 +27,9 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+
+#include "kvq/kv_format.h"
 
 #include "kv/int4_tiled.h"
 
@@ -62,6 +65,11 @@ void tq4t_scores(const Int4TiledLayout& L, const float* qp, int n_q, const uint8
                  int out_stride);
 void tq4t_accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0, int n,
                 float* acc);
+
+// The tq4t codec for p (throws kvq::Error unless p.head_dim % 32 == 0, at most kv_max_head_dim).
+// Codec "tq4" is this codec wherever its head_dim allows, else tq4's rows ("tq4_rows").
+std::unique_ptr<KvCodec> tq4t_codec_create(const KvCodecParams& p);
+bool tq4t_fits(int head_dim);
 
 // Registers codec and format "tq4t" (called once by the registry).
 void kv_register_tq_tiled();

@@ -1,6 +1,7 @@
 // Registry entries of the TurboQuant family: codecs tq1..tq4, fractional, prod (QJL), dense
 // rotation, and the formats built from them (including K/V-split presets).
 #include "kv/registry_internal.h"
+#include "kv/tq_tiled.h"
 #include "kv/turboquant.h"
 
 namespace kvq {
@@ -22,7 +23,17 @@ void kv_register_turboquant() {
   add_codec("tq1", {1, false, R::hadamard}, "TurboQuant MSE, 1 bit/elem: Hadamard rotation + Lloyd-Max codes, fp16 norm");
   add_codec("tq2", {2, false, R::hadamard}, "TurboQuant MSE, 2 bits/elem: Hadamard rotation + Lloyd-Max codes, fp16 norm");
   add_codec("tq3", {3, false, R::hadamard}, "TurboQuant MSE, 3 bits/elem: Hadamard rotation + Lloyd-Max codes, fp16 norm");
-  add_codec("tq4", {4, false, R::hadamard}, "TurboQuant MSE, 4 bits/elem: Hadamard rotation + Lloyd-Max codes, fp16 norm");
+  // Same quantization, bytes and decode either way; the tiles' kernels are integer dots
+  // (bench/BENCHMARKS.md: 1.7x the rows' speed on AVX-512, 3x on AVX2 at 32K tokens).
+  kv_register_codec({"tq4",
+                     "TurboQuant MSE, 4 bits/elem: Hadamard rotation + Lloyd-Max codes, fp16 norm; tq4t's 16-token tiles "
+                     "when head_dim % 32 == 0, else tq4_rows' token records",
+                     [](const KvCodecParams& p) {
+                       return tq4t_fits(p.head_dim) ? tq4t_codec_create(p)
+                                                    : tq_codec_create("tq4", {4, false, R::hadamard}, p);
+                     }});
+  add_codec("tq4_rows", {4, false, R::hadamard},
+            "TurboQuant MSE, 4 bits/elem: Hadamard rotation + Lloyd-Max codes, fp16 norm, in token records");
   add_codec("tq2.25", {2.25, false, R::hadamard},
             "TurboQuant MSE, the paper's '2.5-bit' split (1/4 of rotated channels at 3 bits, 3/4 at 2): 2.25 bits/elem");
   add_codec("tq2.5", {2.5, false, R::hadamard},
@@ -44,7 +55,9 @@ void kv_register_turboquant() {
   fmt("tq1", {"turboquant1"}, "tq1", "tq1", "TurboQuant 1 bit K and V (+16/head_dim for the norm)");
   fmt("tq2", {"turboquant2"}, "tq2", "tq2", "TurboQuant 2 bits K and V (+16/head_dim for the norm)");
   fmt("tq3", {"turboquant3"}, "tq3", "tq3", "TurboQuant 3 bits K and V (+16/head_dim for the norm)");
-  fmt("tq4", {"turboquant4"}, "tq4", "tq4", "TurboQuant 4 bits K and V (+16/head_dim for the norm)");
+  fmt("tq4", {"turboquant4"}, "tq4", "tq4",
+      "TurboQuant 4 bits K and V (+16/head_dim for the norm); stored as tq4t's tiles when head_dim % 32 == 0");
+  fmt("tq4_rows", {}, "tq4_rows", "tq4_rows", "TurboQuant 4 bits K and V in token records (tq4's row kernels)");
   fmt("tq2.25", {}, "tq2.25", "tq2.25", "TurboQuant 2.25 bits K and V: the paper's 32-of-128 channels at 3 bits split");
   fmt("tq2.5", {"turboquant2.5"}, "tq2.5", "tq2.5", "TurboQuant 2.5 bits K and V (half the rotated channels at 3 bits)");
   fmt("tq3.5", {"turboquant3.5"}, "tq3.5", "tq3.5", "TurboQuant 3.5 bits K and V (half the rotated channels at 4 bits)");
