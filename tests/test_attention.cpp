@@ -96,8 +96,8 @@ bool int_accum_format(const KvCodec& vc, KvRowFmt* f) {
 // cache is measured on the case's own blocks (scores: max |fused - <q, decode(k)>|,
 // checked to be small, and propagated through the softmax like the bounds above; values: the
 // derived bf16 bound below), so that what this test checks is the attention loop around them.
-// (tq4t and its wrappers score and sum on tiles at every level: int4t_tol.)
-bool tq_codec(const KvCodec& c) { return c.info().name.rfind("tq", 0) == 0 && !test::tq4t_codec(c); }
+// (TurboQuant's tiles and their wrappers score and sum with integer dots at every level: int4t_tol.)
+bool tq_codec(const KvCodec& c) { return c.info().name.rfind("tq", 0) == 0 && !test::tqt_codec(c); }
 
 double measured_score_dev(const KvCodec& kc, int head, const float* q, int n_q, const std::vector<std::vector<uint8_t>>& kb,
                           int bt) {
@@ -223,15 +223,16 @@ double int4t_tol(const KvCodec& kc, const KvCodec& vc, int head, const std::vect
                                                           sp.k, t));
     delta *= double(ap.scale);
   }
-  if (test::tq4t_codec(kc)) {  // tq4t: the rotated query's int8 image against the codebook's (kv/tq_tiled.h)
-    const test::Tq4tShape shp = test::tq4t_shape(hd);
+  test::TqtShape kshp;
+  if (test::tqt_codec(kc, &kshp)) {  // TurboQuant tiles: the rotated query's int8 image against the codebook's (kv/tq_tiled.h)
+    const test::TqtShape& shp = kshp;
     std::vector<float> qp(size_t(n_q) * size_t(kc.prepared_query_dim()));
     kc.prepare_query(head, q.data(), n_q, qp.data());  // rows begin with the rotated (scaled) query
     for (const auto& sp : spans)
       for (int t = sp.t0; t < sp.t0 + sp.n; ++t)
         for (int i = 0; i < n_q; ++i)
-          delta = std::max(delta, test::tq4t_score_bound(shp, qp.data() + size_t(i) * size_t(kc.prepared_query_dim()),
-                                                         sp.k, t));
+          delta = std::max(delta, test::tqt_score_bound(shp, qp.data() + size_t(i) * size_t(kc.prepared_query_dim()),
+                                                        sp.k, t));
     delta *= double(ap.scale);
   }
   if (test::kivi4t_key_codec(kc)) {  // kivi4t_k: int8 image of q * scale per key group (kv/kivi_tiled.h)
@@ -250,13 +251,14 @@ double int4t_tol(const KvCodec& kc, const KvCodec& vc, int head, const std::vect
   for (int t = 0; t < n_tail; ++t)
     for (int d = 0; d < vd; ++d) vmax = std::max(vmax, double(std::fabs(tv[size_t(t) * ts + size_t(d)])));
   double tol = std::expm1(2 * delta) * vmax;
-  const bool tq4t_v = test::tq4t_codec(vc);
+  test::TqtShape vshp;
+  const bool tqt_v = test::tqt_codec(vc, &vshp);
   if (test::int4t_codec(vc) || test::kivi4t_value_codec(vc) || test::int8t_codec(vc) || test::int2t_codec(vc) ||
-      test::kivi2t_value_codec(vc) || tq4t_v) {
+      test::kivi2t_value_codec(vc) || tqt_v) {
     // kivi4t_v: int4t_g32's value tiles; int2t_g*: int4t's weight steps against 2-bit tiles;
     // kivi2t_v: int2t_g32's value tiles
     const bool i8 = test::int8t_codec(vc), i2 = test::int2t_codec(vc) || test::kivi2t_value_codec(vc);
-    const Int4TiledLayout L = i8 || tq4t_v ? Int4TiledLayout{}
+    const Int4TiledLayout L = i8 || tqt_v ? Int4TiledLayout{}
                               : i2 ? (test::kivi2t_value_codec(vc) ? int2t_layout(vd, 32) : test::int2t_layout_of(vc))
                               : test::kivi4t_value_codec(vc) ? int4t_layout(vd, 32)
                                                               : test::int4t_layout_of(vc);
@@ -282,22 +284,27 @@ double int4t_tol(const KvCodec& kc, const KvCodec& vc, int head, const std::vect
       for (double& v : logit) v /= l;
       double e = 0;
       size_t off = 0;
-      if (tq4t_v) {
-        // Per rotated channel, summed over the spans; R^T is orthogonal, so the L2 norm bounds every
-        // channel after it, and a scaled codec's channel scales (finish_output's row norms / cs) after that.
-        const test::Tq4tShape shp = test::tq4t_shape(vd);
+      if (tqt_v) {
+        // Per rotated channel (model units), summed over the spans; R^T is orthogonal, so the L2 norm
+        // bounds every channel after it, and a scaled codec's channel scales after that: finish_output's
+        // row norms over the image step (cs of the channel's segment: the same ratio for every row).
+        const test::TqtShape& shp = vshp;
         std::vector<double> ch(size_t(vd), 0.0);
         for (const auto& sp : spans) {
           std::vector<double> pw(logit.begin() + std::ptrdiff_t(off), logit.begin() + std::ptrdiff_t(off) + sp.n);
           for (double& w : pw) w *= std::exp(2 * delta);
-          const auto b = test::tq4t_value_bound(shp, sp.v, sp.t0, sp.n, pw.data());
+          const auto b = test::tqt_value_bound(shp, sp.v, sp.t0, sp.n, pw.data());
           for (int d = 0; d < vd; ++d) ch[size_t(d)] += b[size_t(d)];
           off += size_t(sp.n);
         }
         double l2 = 0;
         for (double x : ch) l2 += x * x;
         const OutputMap om = output_map(vc, head);
-        worst = std::max(worst, std::sqrt(l2) * *std::max_element(om.s.begin(), om.s.end()) / double(shp.cs));
+        double smax = 0;
+        for (int d = 0; d < vd; ++d) smax = std::max(smax, om.s[size_t(d)]);
+        double csmin = shp.L.seg[0].cs;
+        for (int g = 1; g < shp.L.nseg; ++g) csmin = std::min(csmin, double(shp.L.seg[g].cs));
+        worst = std::max(worst, std::sqrt(l2) * smax / csmin);
         continue;
       }
       for (const auto& sp : spans) {
@@ -311,7 +318,7 @@ double int4t_tol(const KvCodec& kc, const KvCodec& vc, int head, const std::vect
     // A rotated (or scaled) codec's per-channel bound holds in its storage basis; finish_output's
     // map F takes a per-channel bound e to at most (max_c sum_j |F_cj|) * e (for H^T, orthonormal
     // blocks of B channels with entries +-1/sqrt(B): sqrt(B)).
-    if (vc.info().transforms_output && !tq4t_v) worst *= output_map(vc, head).inf_norm;
+    if (vc.info().transforms_output && !tqt_v) worst *= output_map(vc, head).inf_norm;
     tol += worst;
   }
   return tol;
@@ -448,7 +455,7 @@ double max_err_vs_ref(const std::string& format, const Case& c, uint64_t seed, d
       test::int2t_codec(*kc) || test::int2t_codec(*vc) || test::kivi2t_key_codec(*kc) ||
       test::kivi2t_value_codec(*vc) ||
       test::kivi4t_key_codec(*kc) ||
-      test::kivi4t_value_codec(*vc) || test::tq4t_codec(*kc) || test::tq4t_codec(*vc))
+      test::kivi4t_value_codec(*vc) || test::tqt_codec(*kc) || test::tqt_codec(*vc))
     *tol += int4t_tol(*kc, *vc, head, q, c.n_q, spans, tk.data(), tv.data(), ts, c.n_tail, ap);
   // bf16 rows on AVX-512 score against the query rounded to bf16 and sum with the probabilities
   // rounded to bf16 (kv_rows.h, kv_rows_bf16_rel): each score within

@@ -692,11 +692,14 @@ TEST(TqKernels, DispatchFollowsCpuLevel) {
 // Registry
 
 TEST(TqRegistry, CodecsAndFormatsByName) {
-  for (const char* name : {"tq1", "tq2", "tq3", "tq4", "tq4_rows", "tq2.25", "tq2.5", "tq3.5", "tq2_qjl", "tq3_qjl",
-                           "tq4_qjl", "tq4_dense"}) {
+  const auto tiled = [](const std::string& n) {  // the codecs that store kv/tq_tiled.h's tiles at 128
+    return n == "tq2" || n == "tq3" || n == "tq4" || n == "tq2.25" || n == "tq2.5" || n == "tq3.5";
+  };
+  for (const char* name : {"tq1", "tq2", "tq3", "tq4", "tq2_rows", "tq4_rows", "tq3.5_rows", "tq2.25", "tq2.5",
+                           "tq3.5", "tq2_qjl", "tq3_qjl", "tq4_qjl", "tq4_dense"}) {
     auto c = kv_codec_create(name, params(128));
-    // "tq4" stores tq4t's tiles where head_dim % 32 == 0 (kv/tq_tiled.h; tested in test_tq_tiled).
-    EXPECT_EQ(c->info().name, std::string(name) == "tq4" ? "tq4t" : name);
+    // tq2 .. tq4 store their tiles where the head allows (kv/tq_tiled.h; tested in test_tq_tiled).
+    EXPECT_EQ(c->info().name, tiled(name) ? std::string(name) + "t" : std::string(name));
     EXPECT_TRUE(c->info().transforms_query && c->info().transforms_output);
     EXPECT_DOUBLE_EQ(kv_codec_effective_bits(*c, 64, 1000), 8.0 * double(c->block_bytes(64)) / (64.0 * 128)) << name;
   }
@@ -722,9 +725,13 @@ TEST(TqRegistry, FusedAttentionMatchesDecodeReference) {
     for (const char* fmt : {"tq1", "tq2.5", "tq3.5", "tq4", "tq3_qjl", "tq4_dense", "tq_k8v4", "tq_k3v4"}) {
       const KvFormatDesc& f = kv_format_find(fmt);
       const int d = 128, bt = 32, n_blocks = 3, n_q = 5, n_tail = 4, head = 1;
-      // The row kernels: "tq4" at this head_dim is tq4t's tiles, whose kernels test_tq_tiled and
-      // test_attention check; here its rows stand in.
-      const auto rows = [](const std::string& c) { return c == "tq4" ? std::string("tq4_rows") : c; };
+      // The record kernels: the formats' codecs store tiles at this head_dim (kernels checked by
+      // test_tq_tiled and test_attention); here their records stand in.
+      const auto rows = [](const std::string& c) {
+        for (const char* n : {"tq2", "tq3", "tq4", "tq2.25", "tq2.5", "tq3.5"})
+          if (c == n) return c + "_rows";
+        return c;
+      };
       auto kc = kv_codec_create(rows(f.k_codec), params(d, 1, 2, KvRole::key));
       auto vc = kv_codec_create(rows(f.v_codec), params(d, 1, 2, KvRole::value));
       std::mt19937_64 rng(17);

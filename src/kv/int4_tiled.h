@@ -76,14 +76,6 @@ struct Int4TiledLayout {
   // s8 path (signed_scales).
   float min_mul = 1.f;
   bool signed_scales = false;
-  // tq4t (kv/tq_tiled.h: TurboQuant's 4-bit codes in these tiles): a code is an index into lut8,
-  // the int8 image of the codebook, and the key kernels dot lut8[code] with the query's int8 image
-  // exactly (VPDPBUSD reads lut8[code] + 128 as its unsigned operand and subtracts 128 * the
-  // block's query sum, an int32 per 32-dim block of the prepared row at corr_off). false: the codes
-  // are the values (int4t, q4_0t).
-  bool lut = false;
-  int8_t lut8[16] = {};
-  int corr_off = 0;
 };
 
 Int4TiledLayout int4t_layout(int head_dim, int group);
@@ -135,12 +127,10 @@ struct Int4tQueryRow {
   const int8_t* q8;   // (hd) int8 image
   const float* dq;    // (hd / 32) its step per 32-dim block
   const float* qsum;  // (ng) exact float sum of the query over each group
-  const int32_t* corr;  // lut layouts: (hd / 32) 128 * sum of q8 over each block
 };
 inline Int4tQueryRow int4t_query_row(const Int4TiledLayout& L, const float* qp, int row) {
   const float* r = qp + size_t(row) * size_t(L.qdim);
-  return {reinterpret_cast<const int8_t*>(r + L.q8_off), r + L.dq_off, r + L.qsum_off,
-          L.lut ? reinterpret_cast<const int32_t*>(r + L.corr_off) : nullptr};
+  return {reinterpret_cast<const int8_t*>(r + L.q8_off), r + L.dq_off, r + L.qsum_off};
 }
 
 // q: (n_q, hd) -> qp: (n_q, L.qdim).

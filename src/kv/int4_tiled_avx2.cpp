@@ -10,7 +10,6 @@
 
 #include "kv/int4_tiled.h"
 #include "kv/tiles_avx2.h"
-#include "kv/tq_tiled.h"
 
 namespace kvq {
 namespace {
@@ -85,94 +84,7 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
   }
 }
 
-// tq4t's scores (kv/tq_tiled.h): each nibble looked up twice, as |C| (the unsigned operand) and as
-// C, whose sign goes onto the query bytes (VPSIGNB): VPMADDUBSW then adds two products C q8 with
-// |sum| <= 2 * 127 * 127, and each is widened at once (two would overflow int16). The int32 block
-// dots are exactly the reference's <C, q8>; the f32 sequence per lane is the same.
-template <int NQ>
-void scores_pass_lut(const Int4TiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
-                     int out_stride) {
-  const __m256i m4 = _mm256_set1_epi8(0x0f);
-  alignas(16) int8_t absl[16];
-  for (int i = 0; i < 16; ++i) absl[i] = int8_t(L.lut8[i] < 0 ? -L.lut8[i] : L.lut8[i]);
-  const __m256i lut_abs = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(absl)));
-  const __m256i lut_sgn = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(L.lut8)));
-  const int bpg = L.group / 32;
-  Int4tQueryRow qr[NQ];
-  for (int h = 0; h < NQ; ++h) qr[h] = int4t_query_row(L, qp, h);
-  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  const auto dot2 = [&](__m256i nib, __m256i qb) {  // sum over each lane's 4 bytes of C[nib] q
-    return tile_widen_avx2(_mm256_maddubs_epi16(_mm256_shuffle_epi8(lut_abs, nib),
-                                                _mm256_sign_epi8(qb, _mm256_shuffle_epi8(lut_sgn, nib))));
-  };
-  for (int tile = tile0; tile < tile1; ++tile) {
-    const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
-    const uint8_t* codes = tp + L.code_off;
-    __m256 score[NQ][2];
-    for (int h = 0; h < NQ; ++h) score[h][0] = score[h][1] = _mm256_setzero_ps();
-    for (int g = 0; g < L.ng; ++g) {
-      __m256 facc[NQ][2];
-      for (int h = 0; h < NQ; ++h) facc[h][0] = facc[h][1] = _mm256_setzero_ps();
-      for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
-        __m256i s32[NQ][2];
-        for (int h = 0; h < NQ; ++h) s32[h][0] = s32[h][1] = _mm256_setzero_si256();
-        for (int o = 4 * b; o < 4 * b + 4; ++o) {
-          for (int e = 0; e < 2; ++e) {
-            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * o + 32 * e));
-            const __m256i lo = _mm256_and_si256(x, m4), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
-            for (int h = 0; h < NQ; ++h) {
-              const __m256i ql = tile_bcast32_avx2(qr[h].q8 + 8 * o), qh = tile_bcast32_avx2(qr[h].q8 + 8 * o + 4);
-              s32[h][e] = _mm256_add_epi32(s32[h][e], _mm256_add_epi32(dot2(lo, ql), dot2(hi, qh)));
-            }
-          }
-        }
-        for (int h = 0; h < NQ; ++h) {
-          const __m256 d = _mm256_set1_ps(qr[h].dq[b]);
-          for (int e = 0; e < 2; ++e) facc[h][e] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[h][e]), d, facc[h][e]);
-        }
-      }
-      for (int e = 0; e < 2; ++e) {
-        const __m256 sv = tile_load_f16x8_avx2(tp + 32 * size_t(g) + 16 * size_t(e));
-        const __m256 mv = tile_load_f16x8_avx2(tp + L.min_off + 32 * size_t(g) + 16 * size_t(e));
-        for (int h = 0; h < NQ; ++h) {
-          score[h][e] = _mm256_fmadd_ps(facc[h][e], sv, score[h][e]);
-          score[h][e] = _mm256_fmadd_ps(mv, _mm256_set1_ps(qr[h].qsum[g]), score[h][e]);
-        }
-      }
-    }
-    for (int e = 0; e < 2; ++e)
-      for (int h = 0; h < NQ; ++h) tile_store_half_avx2(out + size_t(h) * size_t(out_stride), tile * 16 + 8 * e, t0, n, score[h][e]);
-  }
-}
-
 }  // namespace
-
-void tq4t_scores_avx2(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
-                      float* out, int out_stride) {
-  if (n <= 0) return;
-  tile_row_passes(n_q, [&](int i, auto m) {
-    scores_pass_lut<decltype(m)::value>(L, qp + size_t(i) * size_t(L.qdim), block, t0, n,
-                                        out + size_t(i) * size_t(out_stride), out_stride);
-  });
-}
-
-// tq4t's weighted sum: tiles_accum_avx2's lookup path (L.lut) on int4t's value nibbles; weights with
-// a negative entry take the reference's f32 path.
-void tq4t_accum_avx2(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
-                     int n, float* acc) {
-  if (n <= 0) return;
-  if (!tiles_weights_nonneg_avx2(p, p_stride, n_q, n)) return tq4t_accum_signed_ref(L, p, p_stride, n_q, block, t0, n, acc);
-  const __m256i m4 = _mm256_set1_epi8(0x0f);
-  tiles_accum_avx2(L, p, p_stride, n_q, block, t0, n, acc,
-                   [m4](const uint8_t* codes, int c, int half, __m256i* lo, __m256i* hi) {
-                     const uint8_t* cp = codes + size_t(c) * 256 + 32 * size_t(half);
-                     for (int k = 0; k < 4; ++k) {
-                       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * k));
-                       lo[k] = _mm256_and_si256(x, m4);
-                       hi[k] = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
-                     }
-                   });
-}
 
 void int4t_scores_avx2(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
                        float* out, int out_stride) {

@@ -8,25 +8,15 @@
 
 #include "kv/tiles_avx512.h"
 #include "kv/int4_tiled.h"
-#include "kv/tq_tiled.h"
 
 namespace kvq {
 namespace {
 
 
-// Lut (tq4t): each nibble becomes lut8[code] + 128 (one VPSHUFB against the codebook image, its
-// 16 bytes in every 128-bit lane) and the block's dot loses 128 * sum(q8) (L.corr): exactly
-// <lut8[c], q8>, the reference's dot.
-template <int NQ, bool Lut = false>
+template <int NQ>
 void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
                  int out_stride) {
   const __m512i m4 = _mm512_set1_epi8(0x0f);
-  __m512i lutu = _mm512_setzero_si512();
-  if constexpr (Lut) {
-    __m128i l;
-    std::memcpy(&l, L.lut8, 16);
-    lutu = _mm512_broadcast_i32x4(_mm_xor_si128(l, _mm_set1_epi8(char(0x80))));
-  }
   const int bpg = L.group / 32;
   Int4tQueryRow qr[NQ];
   for (int h = 0; h < NQ; ++h) qr[h] = int4t_query_row(L, qp, h);
@@ -45,22 +35,16 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
         for (int h = 0; h < NQ; ++h) ilo[h] = ihi[h] = _mm512_setzero_si512();
         for (int o = 4 * b; o < 4 * b + 4; ++o) {
           const __m512i x = _mm512_loadu_si512(codes + 64 * o);
-          __m512i lo = _mm512_and_si512(x, m4);
-          __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
-          if constexpr (Lut) {
-            lo = _mm512_shuffle_epi8(lutu, lo);
-            hi = _mm512_shuffle_epi8(lutu, hi);
-          }
+          const __m512i lo = _mm512_and_si512(x, m4);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
           for (int h = 0; h < NQ; ++h) {
             ilo[h] = _mm512_dpbusd_epi32(ilo[h], lo, tile_bcast32_avx512(qr[h].q8 + 8 * o));
             ihi[h] = _mm512_dpbusd_epi32(ihi[h], hi, tile_bcast32_avx512(qr[h].q8 + 8 * o + 4));
           }
         }
-        for (int h = 0; h < NQ; ++h) {
-          __m512i dot = _mm512_add_epi32(ilo[h], ihi[h]);
-          if constexpr (Lut) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(qr[h].corr[b]));
-          facc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(qr[h].dq[b]), facc[h]);
-        }
+        for (int h = 0; h < NQ; ++h)
+          facc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ilo[h], ihi[h])), _mm512_set1_ps(qr[h].dq[b]),
+                                    facc[h]);
       }
       const __m512 sv = tile_load_f16x16_avx512(tp + 32 * size_t(g));
       const __m512 mv = tile_load_f16x16_avx512(tp + L.min_off + 32 * size_t(g));
@@ -74,34 +58,6 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
 }
 
 }  // namespace
-
-void tq4t_scores_avx512(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
-                        float* out, int out_stride) {
-  if (n <= 0) return;
-  tile_row_passes(n_q, [&](int i, auto m) {
-    scores_pass<decltype(m)::value, true>(L, qp + size_t(i) * size_t(L.qdim), block, t0, n,
-                                          out + size_t(i) * size_t(out_stride), out_stride);
-  });
-}
-
-// The weighted sum with the codes looked up in lut8 (s8, the operand against u8 weights). Weights
-// with a negative entry take the reference's float path (tq4t_accum_signed_ref): the s8-weight
-// path would need the codes unsigned.
-void tq4t_accum_avx512(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
-                       int n, float* acc) {
-  if (n <= 0) return;
-  if (!tiles_weights_nonneg_avx512(p, p_stride, n_q, n)) return tq4t_accum_signed_ref(L, p, p_stride, n_q, block, t0, n, acc);
-  const __m512i m4 = _mm512_set1_epi8(0x0f);
-  __m128i l;
-  std::memcpy(&l, L.lut8, 16);
-  const __m512i lut = _mm512_broadcast_i32x4(l);
-  tiles_accum_avx512(L, p, p_stride, n_q, block, t0, n, acc,
-                     [m4, lut](const uint8_t* codes, int c, int k, __m512i* lo, __m512i* hi) {
-                       const __m512i x = _mm512_loadu_si512(codes + size_t(c) * 256 + 64 * k);
-                       *lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(x, m4));
-                       *hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(x, 4), m4));
-                     });
-}
 
 void int4t_scores_avx512(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
                          float* out, int out_stride) {

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kv/int4_tiled.h"
 
@@ -182,7 +183,7 @@ template <int NQ, bool U8>
   }
 }
 
-// tq4t's chunks (kv/tq_tiled.h): codes looked up in the int8 codebook image C, which against u8
+// tq's chunks (kv/tq_tiled.h): codes looked up in the int8 codebook image C, which against u8
 // weights would overflow VPMADDUBSW's int16 pair sums; C = 16 Ch + Cl (Ch = C >> 4 in -8..7,
 // Cl = C & 15) splits each product into two chains within int4t's bounds (4 * 2 * 255 * 8 and
 // 4 * 2 * 255 * 15), joined exactly in int32 as 16 Ch-sum + Cl-sum. lo / hi: raw nibbles.
@@ -244,9 +245,13 @@ inline void tiles_add_min_terms_avx2(float (*msv)[MaxGroups][8], int ng, int gro
 // tile_accum_chunk_avx2, then the min terms (times L.min_mul). The group is stepped along the one
 // chunk loop (no c / cpg division; a loop per group had the compiler hoist and spill the weight
 // broadcasts). U8 weights when every weight is >= 0 and the scales are, else s8.
-template <int NQ, bool U8, class ChunkCodes, bool Lut = false>
+// ChunkLut (tq's tiles): chunk_lut(c, &lut_h, &lut_l) gives chunk c's split codebook tables, and
+// the chunks go through tile_accum_chunk_lut_avx2 (u8 weights only); std::nullptr_t: the codes are
+// the values.
+template <int NQ, bool U8, class ChunkCodes, class ChunkLut = std::nullptr_t>
 void tiles_accum_pass_avx2(const Int4TiledLayout& L, const float* p, int p_stride, const uint8_t* block, int t0,
-                           int n, float* acc, ChunkCodes chunk_codes) {
+                           int n, float* acc, ChunkCodes chunk_codes, ChunkLut chunk_lut = nullptr) {
+  constexpr bool Lut = !std::is_same_v<ChunkLut, std::nullptr_t>;
   constexpr int kSegTiles = 4;
   constexpr int kMaxGroups = 1024 / 32;
   constexpr int NP = (NQ + 1) / 2;  // row pairs
@@ -259,16 +264,6 @@ void tiles_accum_pass_avx2(const Int4TiledLayout& L, const float* p, int p_strid
   // (tile of the segment, group, row pair): quantized weights; (.., group, row h in lane h): steps.
   alignas(32) uint8_t w8[kSegTiles][kMaxGroups][NP][32];
   alignas(32) float dw[kSegTiles][kMaxGroups][8];
-  __m256i lut_h = _mm256_setzero_si256(), lut_l = _mm256_setzero_si256();
-  if constexpr (Lut) {  // tq4t: the codebook image's high and low nibble tables
-    alignas(16) int8_t th[16], tl[16];
-    for (int i = 0; i < 16; ++i) {
-      th[i] = int8_t(L.lut8[i] >> 4);
-      tl[i] = int8_t(L.lut8[i] & 15);
-    }
-    lut_h = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(th)));
-    lut_l = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(tl)));
-  }
   for (int seg = tile0; seg < tile1; seg += kSegTiles) {
     const int nt = std::min(kSegTiles, tile1 - seg);
     for (int tt = 0; tt < nt; ++tt)
@@ -281,10 +276,13 @@ void tiles_accum_pass_avx2(const Int4TiledLayout& L, const float* p, int p_strid
         for (int c = 0, g = 0, cg = 0; c < hd / 32; ++c) {
           __m256i lo[4], hi[4];
           chunk_codes(codes, c, half, lo, hi);
-          if constexpr (Lut)
+          if constexpr (Lut) {
+            __m256i lut_h, lut_l;
+            chunk_lut(c, &lut_h, &lut_l);
             tile_accum_chunk_lut_avx2<NQ>(lo, hi, lut_h, lut_l, w8[tt][g], dw[tt][g], acc, hd, 32 * c + 8 * half);
-          else
+          } else {
             tile_accum_chunk_avx2<NQ, U8>(lo, hi, w8[tt][g], dw[tt][g], acc, hd, 32 * c + 8 * half);
+          }
           if (++cg == cpg) {  // chunk c + 1 starts the next group
             cg = 0;
             ++g;
@@ -302,10 +300,19 @@ void tiles_accum_avx2(const Int4TiledLayout& L, const float* p, int p_stride, in
   tile_row_passes(n_q, [&](int i, auto m) {
     const float* pi = p + size_t(i) * size_t(p_stride);
     float* a = acc + size_t(i) * size_t(L.hd);
-    // tq4t's lookups: u8 weights only (its callers route weights with a negative entry elsewhere).
-    if (L.lut) tiles_accum_pass_avx2<decltype(m)::value, true, ChunkCodes, true>(L, pi, p_stride, block, t0, n, a, chunk_codes);
-    else if (u8) tiles_accum_pass_avx2<decltype(m)::value, true>(L, pi, p_stride, block, t0, n, a, chunk_codes);
+    if (u8) tiles_accum_pass_avx2<decltype(m)::value, true>(L, pi, p_stride, block, t0, n, a, chunk_codes);
     else tiles_accum_pass_avx2<decltype(m)::value, false>(L, pi, p_stride, block, t0, n, a, chunk_codes);
+  });
+}
+// tq's tiles: u8 weights only (the caller routes weights with a negative entry elsewhere), codes
+// looked up per chunk (ChunkLut above).
+template <class ChunkCodes, class ChunkLut>
+void tiles_accum_lut_avx2(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
+                          int t0, int n, float* acc, ChunkCodes chunk_codes, ChunkLut chunk_lut) {
+  if (n <= 0) return;
+  tile_row_passes(n_q, [&](int i, auto m) {
+    tiles_accum_pass_avx2<decltype(m)::value, true>(L, p + size_t(i) * size_t(p_stride), p_stride, block, t0, n,
+                                                    acc + size_t(i) * size_t(L.hd), chunk_codes, chunk_lut);
   });
 }
 

@@ -1,12 +1,15 @@
-// tq4t: TurboQuant 4-bit in int4t's tiles (layout, arithmetic and error bounds in kv/tq_tiled.h):
-// the layout, query preparation, scalar reference kernels, dispatch, codec and registration.
+// TurboQuant codes in 16-token tiles (layout, arithmetic and error bounds in kv/tq_tiled.h): the
+// layout, code access, query preparation, scalar reference kernels, dispatch, codecs and registration.
 #include "kv/tq_tiled.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
+
+#include <fmt/format.h>
 
 #include "core/cpu.h"
 #include "core/dtypes.h"
@@ -18,97 +21,205 @@
 
 namespace kvq {
 
-Int4TiledLayout tq4t_layout(int hd, const float* cb, float* cs) {
-  Int4TiledLayout L = int4t_layout(hd, hd);  // one group: the norm is the token's only scale
-  L.min_off = 0;                              // no min table: the min terms are scaled by 0
-  L.code_off = 32;
-  L.tile_bytes = L.code_off + size_t(8 * hd);
-  L.min_mul = 0.f;
-  L.lut = true;
-  float m = 0;
-  for (int i = 0; i < 16; ++i) m = std::max(m, std::fabs(cb[i]));
-  KVQ_CHECK(m > 0 && std::isfinite(m), "tq4t codebook max {}", m);
-  *cs = m / 127.f;
-  for (int i = 0; i < 16; ++i) L.lut8[i] = int8_t(std::clamp(std::nearbyint(cb[i] / *cs), -127.f, 127.f));
-  L.corr_off = L.qsum_off + L.ng;
+bool tq_tiled_fits(int hd, int n_hi, int bits_hi, int bits_lo) {
+  const auto ok = [](int b) { return b >= 2 && b <= 4; };
+  if (hd <= 0 || hd % 32 != 0 || hd > kv_max_head_dim || n_hi <= 0 || n_hi > hd || n_hi % 32 != 0) return false;
+  return ok(bits_hi) && (n_hi == hd || ok(bits_lo));
+}
+
+TqTiledLayout tq_tiled_layout(int hd, int n_hi, int bits_hi, int bits_lo, const float* cb_hi, const float* cb_lo) {
+  if (!tq_tiled_fits(hd, n_hi, bits_hi, bits_lo))
+    fail("TurboQuant tiles: head_dim {} with channels [0, {}) at {} bits and the rest at {} do not fit (head_dim a "
+         "multiple of 32 up to {}, segments of whole 32-channel blocks, 2 to 4 bits)",
+         hd, n_hi, bits_hi, bits_lo, kv_max_head_dim);
+  TqTiledLayout L;
+  L.hd = hd;
+  L.nseg = n_hi < hd ? 2 : 1;
+  size_t off = 32;  // the norms
+  for (int s = 0; s < L.nseg; ++s) {
+    TqTileSeg& g = L.seg[s];
+    g.ch0 = s == 0 ? 0 : n_hi;
+    g.nch = s == 0 ? n_hi : hd - n_hi;
+    g.bits = s == 0 ? bits_hi : bits_lo;
+    g.off = off;
+    off += size_t(2 * g.nch * g.bits);
+    const float* cb = s == 0 ? cb_hi : cb_lo;
+    const int nc = 1 << g.bits;
+    float m = 0;
+    for (int i = 0; i < nc; ++i) m = std::max(m, std::fabs(cb[i]));
+    KVQ_CHECK(m > 0 && std::isfinite(m), "TurboQuant tiles: codebook max {}", m);
+    g.cs = m / 127.f;
+    for (int i = 0; i < nc; ++i) g.lut8[i] = int8_t(std::clamp(std::nearbyint(cb[i] / g.cs), -127.f, 127.f));
+    for (int b = g.ch0 / 32; b < (g.ch0 + g.nch) / 32; ++b) L.block_seg[b] = uint8_t(s);
+  }
+  L.tile_bytes = off;
+  L.q8_off = hd;
+  L.dq_off = hd + hd / 4;
+  L.corr_off = L.dq_off + hd / 32;
   L.qdim = L.corr_off + hd / 32;
+  Int4TiledLayout& V = L.values;
+  V.hd = hd;
+  V.group = hd;
+  V.ng = 1;
+  V.min_off = 0;
+  V.code_off = 0;
+  V.tile_bytes = L.tile_bytes;
+  V.min_mul = 0.f;
   return L;
-}
-
-void tq4t_prepare_query(const Int4TiledLayout& L, float cs, const float* rq, int n_q, float* qp) {
-  for (int i = 0; i < n_q; ++i) {
-    float* row = qp + size_t(i) * size_t(L.qdim);
-    int4t_prepare_query(L, rq + size_t(i) * size_t(L.hd), 1, row);  // the rotated query, q8, dq, qsum (x 0)
-    float* dq = row + L.dq_off;
-    const auto* q8 = reinterpret_cast<const int8_t*>(row + L.q8_off);
-    auto* corr = reinterpret_cast<int32_t*>(row + L.corr_off);
-    for (int b = 0; b < L.hd / 32; ++b) {
-      int32_t s = 0;
-      for (int j = 0; j < 32; ++j) s += q8[32 * b + j];
-      corr[b] = 128 * s;
-      dq[b] *= cs;
-    }
-  }
-}
-
-void tq4t_scores_ref(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
-                     float* out, int out_stride) {
-  tiles_scores_ref(L, qp, n_q, block, t0, n, out, out_stride,
-                   [&L](const uint8_t* codes, int j, int b, const int8_t* q8) {
-                     int32_t dot = 0;
-                     for (int o = 4 * b; o < 4 * b + 4; ++o)
-                       for (int k = 0; k < 4; ++k) {
-                         const uint8_t byte = codes[64 * o + 4 * j + k];
-                         dot += int32_t(L.lut8[byte & 15]) * q8[8 * o + k] + int32_t(L.lut8[byte >> 4]) * q8[8 * o + 4 + k];
-                       }
-                     return dot;
-                   });
-}
-
-void tq4t_accum_signed_ref(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
-                           int t0, int n, float* acc) {
-  for (int t = 0; t < n; ++t) {
-    const int tt = t0 + t, j = tt % kv_tile_tokens;
-    const uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L.tile_bytes;
-    const float norm = tile_f16(tp, size_t(j));
-    for (int i = 0; i < n_q; ++i) {
-      const float w = p[size_t(i) * size_t(p_stride) + size_t(t)] * norm;
-      float* a = acc + size_t(i) * size_t(L.hd);
-      for (int d = 0; d < L.hd; ++d) a[d] = std::fma(w, float(L.lut8[int4t_value_code(tp + L.code_off, j, d)]), a[d]);
-    }
-  }
-}
-
-void tq4t_accum_ref(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
-                    int n, float* acc) {
-  if (!int4t_weights_nonneg(p, p_stride, n_q, n)) return tq4t_accum_signed_ref(L, p, p_stride, n_q, block, t0, n, acc);
-  tiles_accum_ref(L, p, p_stride, n_q, block, t0, n, acc,
-                  [&L](const uint8_t* codes, int j, int d) { return int(L.lut8[int4t_value_code(codes, j, d)]); });
-}
-
-void tq4t_scores(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n, float* out,
-                 int out_stride) {
-  KVQ_CPU_PICK(tq4t_scores)(L, qp, n_q, block, t0, n, out, out_stride);
-}
-void tq4t_accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0, int n,
-                float* acc) {
-  KVQ_CPU_PICK(tq4t_accum)(L, p, p_stride, n_q, block, t0, n, acc);
 }
 
 namespace {
 
-// The tq4 codec of the same parameters (same rotation seed) does the quantization, the rotation
-// of queries and outputs and the reference decode; this codec moves its records into tiles.
-class Tq4TiledCodec final : public KvCodec {
+// Where code (role, slot j, channel d) lives: the byte and shift of its low bits (all of them for
+// 2 and 4 bits) and, for 3 bits, the byte and bit of its high bit.
+struct CodeAt {
+  size_t byte;
+  int shift, mask;
+  size_t hbyte = 0;
+  int hbit = -1;
+};
+CodeAt code_at(const TqTiledLayout& L, KvRole role, int j, int d) {
+  const TqTileSeg& g = L.seg[L.block_seg[d / 32]];
+  const int dl = d - g.ch0, w = dl % 32;
+  const size_t base = g.off + size_t(dl / 32) * size_t(64 * g.bits);
+  CodeAt a{};
+  if (role == KvRole::key) {
+    if (g.bits == 4) return {base + size_t(64 * (w / 8) + 4 * j + w % 4), (w % 8) / 4 * 4, 15};
+    a = {base + size_t(64 * (w / 16) + 4 * j + w % 4), 2 * ((w % 16) / 4), 3};
+    if (g.bits == 3) {
+      a.hbyte = base + 128 + size_t(4 * j + w % 4);
+      a.hbit = (w % 16) / 4 + 4 * (w / 16);
+    }
+    return a;
+  }
+  if (g.bits == 4) return {base + size_t(64 * (j / 4) + 4 * (w % 16) + j % 4), (w / 16) * 4, 15};
+  const int ko = j / 8, jj = j % 8, p = 2 * (jj / 4) + w / 16;
+  a = {base + size_t(64 * ko + 4 * (w % 16) + jj % 4), 2 * p, 3};
+  if (g.bits == 3) {
+    a.hbyte = base + 128 + size_t(4 * (w % 16) + jj % 4);
+    a.hbit = p + 4 * ko;
+  }
+  return a;
+}
+
+float tile_norm(const uint8_t* tp, int j) { return tile_f16(tp, size_t(j)); }
+
+}  // namespace
+
+int tq_tiled_code(const TqTiledLayout& L, KvRole role, const uint8_t* tp, int j, int d) {
+  const CodeAt a = code_at(L, role, j, d);
+  int c = (tp[a.byte] >> a.shift) & a.mask;
+  if (a.hbit >= 0) c |= ((tp[a.hbyte] >> a.hbit) & 1) << 2;
+  return c;
+}
+
+void tq_tiled_set_code(const TqTiledLayout& L, KvRole role, uint8_t* tp, int j, int d, int code) {
+  const CodeAt a = code_at(L, role, j, d);
+  tp[a.byte] = uint8_t((tp[a.byte] & ~(a.mask << a.shift)) | ((code & a.mask) << a.shift));
+  if (a.hbit >= 0) tp[a.hbyte] = uint8_t((tp[a.hbyte] & ~(1 << a.hbit)) | (((code >> 2) & 1) << a.hbit));
+}
+
+void tq_tiled_prepare_query(const TqTiledLayout& L, const float* rq, int n_q, float* qp) {
+  const int hd = L.hd;
+  for (int i = 0; i < n_q; ++i) {
+    const float* x = rq + size_t(i) * size_t(hd);
+    float* row = qp + size_t(i) * size_t(L.qdim);
+    if (row != x) std::memmove(row, x, sizeof(float) * size_t(hd));
+    auto* q8 = reinterpret_cast<int8_t*>(row + L.q8_off);
+    float* dq = row + L.dq_off;
+    auto* corr = reinterpret_cast<int32_t*>(row + L.corr_off);
+    for (int b = 0; b < hd / 32; ++b) {
+      float amax = 0;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(row[32 * b + j]));
+      const float d = amax / 127.f;
+      const float id = d > 0 && std::isfinite(d) ? 1.f / d : 0.f;
+      int32_t s = 0;
+      for (int j = 0; j < 32; ++j) {
+        q8[32 * b + j] = int8_t(std::min(127.f, std::max(-127.f, std::nearbyint(row[32 * b + j] * id))));
+        s += q8[32 * b + j];
+      }
+      corr[b] = 128 * s;
+      // A non-finite block has no int8 image: its codes are 0 and its step NaN, so the score is NaN
+      // as the f32 dot would be (a zero block: step 0).
+      const float cs = L.seg[L.block_seg[b]].cs;
+      dq[b] = id > 0 ? d * cs : amax == 0 ? 0.f : std::numeric_limits<float>::quiet_NaN();
+    }
+  }
+}
+
+void tq_tiled_scores_ref(const TqTiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
+                         float* out, int out_stride) {
+  for (int i = 0; i < n_q; ++i) {
+    const float* row = qp + size_t(i) * size_t(L.qdim);
+    const auto* q8 = reinterpret_cast<const int8_t*>(row + L.q8_off);
+    const float* dq = row + L.dq_off;
+    for (int t = 0; t < n; ++t) {
+      const int tt = t0 + t, j = tt % kv_tile_tokens;
+      const uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L.tile_bytes;
+      float facc = 0;
+      for (int b = 0; b < L.hd / 32; ++b) {
+        const int8_t* lut = L.seg[L.block_seg[b]].lut8;
+        int32_t dot = 0;
+        for (int d = 32 * b; d < 32 * b + 32; ++d) dot += int32_t(lut[tq_tiled_code(L, KvRole::key, tp, j, d)]) * q8[d];
+        facc = std::fma(float(dot), dq[b], facc);
+      }
+      out[size_t(i) * size_t(out_stride) + size_t(t)] = facc * tile_norm(tp, j);
+    }
+  }
+}
+
+void tq_tiled_accum_signed_ref(const TqTiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
+                               int t0, int n, float* acc) {
+  for (int t = 0; t < n; ++t) {
+    const int tt = t0 + t, j = tt % kv_tile_tokens;
+    const uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L.tile_bytes;
+    const float norm = tile_norm(tp, j);
+    for (int i = 0; i < n_q; ++i) {
+      const float w = p[size_t(i) * size_t(p_stride) + size_t(t)] * norm;
+      float* a = acc + size_t(i) * size_t(L.hd);
+      for (int d = 0; d < L.hd; ++d)
+        a[d] = std::fma(w, float(L.seg[L.block_seg[d / 32]].lut8[tq_tiled_code(L, KvRole::value, tp, j, d)]), a[d]);
+    }
+  }
+}
+
+void tq_tiled_accum_ref(const TqTiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
+                        int n, float* acc) {
+  if (!int4t_weights_nonneg(p, p_stride, n_q, n)) return tq_tiled_accum_signed_ref(L, p, p_stride, n_q, block, t0, n, acc);
+  tiles_accum_ref(L.values, p, p_stride, n_q, block, t0, n, acc, [&L](const uint8_t* tp, int j, int d) {
+    return int(L.seg[L.block_seg[d / 32]].lut8[tq_tiled_code(L, KvRole::value, tp, j, d)]);
+  });
+}
+
+void tq_tiled_scores(const TqTiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
+                     float* out, int out_stride) {
+  KVQ_CPU_PICK(tq_tiled_scores)(L, qp, n_q, block, t0, n, out, out_stride);
+}
+void tq_tiled_accum(const TqTiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0, int n,
+                    float* acc) {
+  KVQ_CPU_PICK(tq_tiled_accum)(L, p, p_stride, n_q, block, t0, n, acc);
+}
+
+namespace {
+
+// The record codec of the same parameters (same rotation seed) quantizes, rotates queries and
+// outputs and decodes; this codec moves its records' norms and codes into tiles.
+class TqTiledCodec final : public KvCodec {
  public:
-  Tq4TiledCodec(const KvCodecParams& p)
-      : inner_(tq_codec_create("tq4", TqConfig{4, false, TqRotationKind::hadamard}, p)), role_(p.role) {
+  TqTiledCodec(const std::string& name, double bits, const KvCodecParams& p)
+      : inner_(tq_codec_create(name, TqConfig{bits, false, TqRotationKind::hadamard}, p)), role_(p.role) {
     const int hd = p.head_dim;
-    const TqCodebook& cb = tq_lloyd_max(4, hd);
-    std::copy(cb.centroids.begin(), cb.centroids.end(), cb_);
-    L_ = tq4t_layout(hd, cb_, &cs_);
+    int n_hi = 0, bh = 0, bl = 0;
+    tq_split_bits(name, TqConfig{bits, false, TqRotationKind::hadamard}, hd, &n_hi, &bh, &bl);
+    const auto& ch = tq_lloyd_max(bh, hd).centroids;
+    const auto& cl = n_hi < hd ? tq_lloyd_max(bl, hd).centroids : ch;
+    L_ = tq_tiled_layout(hd, n_hi, bh, bl, ch.data(), cl.data());
+    for (int d = 0; d < hd; ++d) cs_[d] = L_.seg[L_.block_seg[d / 32]].cs;
+    std::copy(ch.begin(), ch.end(), cb_[0]);
+    std::copy(cl.begin(), cl.end(), cb_[1]);
+    off_lo_ = 2 + n_hi * bh / 8;
     info_ = inner_->info();
-    info_.name = "tq4t";
+    info_.name = name;
   }
   const KvCodecInfo& info() const override { return info_; }
   int head_dim() const override { return L_.hd; }
@@ -123,50 +234,43 @@ class Tq4TiledCodec final : public KvCodec {
     return r;
   }
 
-  // tq4's record of each token (norm, then 4-bit codes of channel pairs), scattered into the tile.
+  // The record of each token (norm, then the segments' codes), scattered into the tile.
   void encode(int head, const float* src, size_t src_stride, int n, uint8_t* block, int block_tokens, int t0,
               int pos0) const override {
     check_range(block_tokens, t0, n);
-    const int hd = L_.hd;
     uint8_t rec[2 + kv_max_head_dim / 2], c[kv_max_head_dim];
     for (int t = 0; t < n; ++t) {
       inner_->encode(head, src + size_t(t) * src_stride, src_stride, 1, rec, 1, 0, pos0 + t0 + t);
       const int tt = t0 + t, j = tt % kv_tile_tokens;
       uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L_.tile_bytes;
       std::memcpy(tp + 2 * size_t(j), rec, 2);
-      tq_unpack_codes(rec + 2, hd, 4, c);
-      uint8_t* codes = tp + L_.code_off;
-      if (role_ == KvRole::key) {
-        for (int o = 0; o < hd / 8; ++o)
-          for (int k = 0; k < 4; ++k) codes[64 * o + 4 * j + k] = uint8_t(c[8 * o + k] | c[8 * o + 4 + k] << 4);
-      } else {
-        for (int ch = 0; ch < hd / 32; ++ch)
-          for (int i = 0; i < 16; ++i)
-            codes[64 * (4 * ch + j / 4) + 4 * i + j % 4] = uint8_t(c[32 * ch + i] | c[32 * ch + 16 + i] << 4);
-      }
+      unpack(rec, c);
+      for (int d = 0; d < L_.hd; ++d) tq_tiled_set_code(L_, role_, tp, j, d, c[d]);
     }
   }
 
-  // The record rebuilt from the tile and decoded by tq4: bit-identical to tq4's decode.
+  // The record rebuilt from the tile and decoded by the record codec: bit-identical to its decode.
   void decode(int head, const uint8_t* block, int block_tokens, int t0, int n, int pos0, float* dst) const override {
     check_range(block_tokens, t0, n);
-    const int hd = L_.hd;
     uint8_t rec[2 + kv_max_head_dim / 2], c[kv_max_head_dim];
     for (int t = 0; t < n; ++t) {
-      const int tt = t0 + t;
-      const uint8_t* tp = tile_codes(block, tt, c);
-      std::memcpy(rec, tp + 2 * size_t(tt % kv_tile_tokens), 2);
-      tq_pack_codes(c, hd, 4, rec + 2);
-      inner_->decode(head, rec, 1, 0, 1, pos0 + tt, dst + size_t(t) * size_t(hd));
+      const int tt = t0 + t, j = tt % kv_tile_tokens;
+      const uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L_.tile_bytes;
+      for (int d = 0; d < L_.hd; ++d) c[d] = uint8_t(tq_tiled_code(L_, role_, tp, j, d));
+      std::memcpy(rec, tp + 2 * size_t(j), 2);
+      const TqTileSeg& g0 = L_.seg[0];
+      tq_pack_codes(c, g0.nch, g0.bits, rec + 2);
+      if (L_.nseg > 1) tq_pack_codes(c + g0.nch, L_.seg[1].nch, L_.seg[1].bits, rec + off_lo_);
+      inner_->decode(head, rec, 1, 0, 1, pos0 + tt, dst + size_t(t) * size_t(L_.hd));
     }
   }
 
   int prepared_query_dim() const override { return L_.qdim; }
   void prepare_query(int head, const float* q, int n_q, float* qp) const override {
-    for (int i = 0; i < n_q; ++i) inner_->prepare_query(head, q + size_t(i) * size_t(L_.hd), 1, qp + size_t(i) * size_t(L_.qdim));
     for (int i = 0; i < n_q; ++i) {
       float* row = qp + size_t(i) * size_t(L_.qdim);
-      tq4t_prepare_query(L_, cs_, row, 1, row);
+      inner_->prepare_query(head, q + size_t(i) * size_t(L_.hd), 1, row);  // R q into the row's start
+      tq_tiled_prepare_query(L_, row, 1, row);
     }
   }
 
@@ -175,9 +279,8 @@ class Tq4TiledCodec final : public KvCodec {
     (void)head;
     (void)pos0;
     check_range(block_tokens, t0, n);
-    if (role_ == KvRole::key) return tq4t_scores(L_, qp, n_q, block, t0, n, out, out_stride);
-    // A value-layout block (not asked to score in attention): f32 dots in the rotated basis.
-    float y[kv_max_head_dim];
+    if (role_ == KvRole::key) return tq_tiled_scores(L_, qp, n_q, block, t0, n, out, out_stride);
+    float y[kv_max_head_dim];  // a value-layout block (not asked to score in attention): f32 dots
     for (int t = 0; t < n; ++t) {
       rotated(block, t0 + t, y);
       for (int i = 0; i < n_q; ++i) {
@@ -189,84 +292,101 @@ class Tq4TiledCodec final : public KvCodec {
     }
   }
 
+  // The accumulator holds the sums in codebook-image units; finish_output multiplies by cs.
   void accumulate(int head, const float* p, int p_stride, int n_q, const uint8_t* block, int block_tokens, int t0,
                   int n, float* acc) const override {
     (void)head;
     check_range(block_tokens, t0, n);
-    const int hd = L_.hd;
-    // The accumulator is kept in codebook-image units (the storage basis is R v / cs); finish_output
-    // multiplies by cs before rotating back.
-    if (role_ == KvRole::value) return tq4t_accum(L_, p, p_stride, n_q, block, t0, n, acc);
-    float y[kv_max_head_dim];  // a key-layout block: f32 sums in the same basis
+    if (role_ == KvRole::value) return tq_tiled_accum(L_, p, p_stride, n_q, block, t0, n, acc);
+    float y[kv_max_head_dim];  // a key-layout block: f32 sums in the same units
     for (int t = 0; t < n; ++t) {
       rotated(block, t0 + t, y);
       for (int i = 0; i < n_q; ++i) {
-        const float w = p[size_t(i) * size_t(p_stride) + size_t(t)] / cs_;
-        float* a = acc + size_t(i) * size_t(hd);
-        for (int d = 0; d < hd; ++d) a[d] += w * y[d];
+        const float w = p[size_t(i) * size_t(p_stride) + size_t(t)];
+        float* a = acc + size_t(i) * size_t(L_.hd);
+        for (int d = 0; d < L_.hd; ++d) a[d] += w * y[d] / cs_[d];
       }
     }
   }
 
   void finish_output(int head, float* acc, int n_q) const override {
-    for (size_t i = 0; i < size_t(n_q) * size_t(L_.hd); ++i) acc[i] *= cs_;
+    for (int i = 0; i < n_q; ++i)
+      for (int d = 0; d < L_.hd; ++d) acc[size_t(i) * size_t(L_.hd) + size_t(d)] *= cs_[d];
     inner_->finish_output(head, acc, n_q);
   }
 
  private:
   void check_block(int block_tokens) const {
     if (block_tokens <= 0 || block_tokens % kv_tile_tokens != 0)
-      fail("KV codec 'tq4t': block of {} tokens; this codec stores 16-token tiles, so the block (page) size must be a "
+      fail("KV codec '{}': block of {} tokens; this codec stores 16-token tiles, so the block (page) size must be a "
            "positive multiple of 16",
-           block_tokens);
+           info_.name, block_tokens);
   }
   void check_range(int block_tokens, int t0, int n) const {
     check_block(block_tokens);
     KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
   }
-  // Codes of block slot tt -> c (hd); returns its tile.
-  const uint8_t* tile_codes(const uint8_t* block, int tt, uint8_t* c) const {
-    const int j = tt % kv_tile_tokens;
-    const uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L_.tile_bytes;
-    const uint8_t* codes = tp + L_.code_off;
-    for (int d = 0; d < L_.hd; ++d)
-      c[d] = uint8_t(role_ == KvRole::key ? int4t_key_code(codes, j, d) : int4t_value_code(codes, j, d));
-    return tp;
+  // A record's codes -> c (hd).
+  void unpack(const uint8_t* rec, uint8_t* c) const {
+    const TqTileSeg& g0 = L_.seg[0];
+    tq_unpack_codes(rec + 2, g0.nch, g0.bits, c);
+    if (L_.nseg > 1) tq_unpack_codes(rec + off_lo_, L_.seg[1].nch, L_.seg[1].bits, c + g0.nch);
   }
   // Slot tt in the rotated basis: norm * centroid.
   void rotated(const uint8_t* block, int tt, float* y) const {
-    uint8_t c[kv_max_head_dim];
-    const uint8_t* tp = tile_codes(block, tt, c);
-    const float norm = tile_f16(tp, size_t(tt % kv_tile_tokens));
-    for (int d = 0; d < L_.hd; ++d) y[d] = norm * cb_[c[d]];
+    const int j = tt % kv_tile_tokens;
+    const uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L_.tile_bytes;
+    const float norm = tile_norm(tp, j);
+    for (int d = 0; d < L_.hd; ++d) y[d] = norm * cb_[L_.block_seg[d / 32]][tq_tiled_code(L_, role_, tp, j, d)];
   }
 
   std::unique_ptr<KvCodec> inner_;
   KvRole role_;
-  float cb_[16] = {};
-  float cs_ = 1;
-  Int4TiledLayout L_;
+  TqTiledLayout L_;
+  float cb_[2][16] = {};
+  float cs_[kv_max_head_dim] = {};
+  int off_lo_ = 0;
   KvCodecInfo info_;
 };
 
+bool fits(const std::string& name, double bits, int hd) {
+  if (hd % 16 != 0 || hd <= 0) return false;
+  int n_hi = 0, bh = 0, bl = 0;
+  tq_split_bits(name, TqConfig{bits, false, TqRotationKind::hadamard}, hd, &n_hi, &bh, &bl);
+  return tq_tiled_fits(hd, n_hi, bh, bl);
+}
+
 }  // namespace
 
-bool tq4t_fits(int head_dim) { return head_dim > 0 && head_dim % 32 == 0 && head_dim <= kv_max_head_dim; }
+std::unique_ptr<KvCodec> tq_tiled_codec_create(const std::string& name, double bits, const KvCodecParams& p) {
+  if (!fits(name, bits, p.head_dim))
+    fail("KV codec '{}': head_dim {} does not fit TurboQuant's tiles (a multiple of 32 up to {}, each bit-width "
+         "segment whole 32-channel blocks); the record codec stores any multiple of 16",
+         name, p.head_dim, kv_max_head_dim);
+  return std::make_unique<TqTiledCodec>(name, bits, p);
+}
 
-std::unique_ptr<KvCodec> tq4t_codec_create(const KvCodecParams& p) {
-  if (!tq4t_fits(p.head_dim))
-    fail("KV codec 'tq4t': head_dim {} must be a multiple of 32 (the tiles' query blocks), at most {}; tq4_rows "
-         "stores any multiple of 16",
-         p.head_dim, kv_max_head_dim);
-  return std::make_unique<Tq4TiledCodec>(p);
+std::unique_ptr<KvCodec> tq_codec_tiles_or_rows(const std::string& tiled_name, const std::string& rows_name,
+                                                double bits, const KvCodecParams& p) {
+  if (fits(rows_name, bits, p.head_dim)) return tq_tiled_codec_create(tiled_name, bits, p);
+  return tq_codec_create(rows_name, TqConfig{bits, false, TqRotationKind::hadamard}, p);
 }
 
 void kv_register_tq_tiled() {
-  kv_register_codec({"tq4t", "TurboQuant 4 bits (tq4's codes, norm and decode) in 16-token tiles for integer-dot kernels",
-                     tq4t_codec_create});
-  kv_register_format({"tq4t", {}, "tq4t", "tq4t",
-                      "TurboQuant 4 bits K and V (tq4's codes, norm and decode) in 16-token tiles for integer-dot "
-                      "kernels (+16/head_dim for the norm)"});
+  for (const auto& [name, bits] : {std::pair<const char*, double>{"tq4t", 4}, {"tq3.5t", 3.5}, {"tq3t", 3},
+                                   {"tq2.5t", 2.5}, {"tq2.25t", 2.25}, {"tq2t", 2}}) {
+    const std::string n = name;
+    const double b = bits;
+    kv_register_codec({n,
+                       fmt::format("TurboQuant {} bits (the record codec's codes, norm and decode) in 16-token tiles "
+                                   "for integer-dot kernels",
+                                   b),
+                       [n, b](const KvCodecParams& p) { return tq_tiled_codec_create(n, b, p); }});
+    kv_register_format({n, {}, n, n,
+                        fmt::format("TurboQuant {} bits K and V in 16-token tiles for integer-dot kernels "
+                                    "(+16/head_dim for the norm)",
+                                    b)});
+  }
 }
 
 }  // namespace kvq

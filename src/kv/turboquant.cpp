@@ -44,25 +44,7 @@ class TqCodec final : public KvCodec {
     if (d % 16 != 0 || d > kMaxDim)
       fail("TurboQuant codec {}: head_dim must be a multiple of 16 up to {}, got {}", name, kMaxDim, d);
     int bits_hi = 0, bits_lo = 0, n_hi = d;
-    if (cfg.qjl) {
-      if (cfg.bits != std::floor(cfg.bits) || cfg.bits < 2 || cfg.bits > 5)
-        fail("TurboQuant codec {}: the QJL (prod) variant needs integer bits 2..5, got {}", name, cfg.bits);
-      bits_hi = int(cfg.bits) - 1;  // one bit of the budget goes to the QJL signs
-    } else {
-      if (!(cfg.bits >= 1 && cfg.bits <= 4))
-        fail("TurboQuant codec {}: bits must be in [1, 4], got {}", name, cfg.bits);
-      bits_lo = int(std::floor(cfg.bits));
-      const double frac = cfg.bits - bits_lo;
-      if (frac == 0) {
-        bits_hi = bits_lo;
-      } else {
-        bits_hi = bits_lo + 1;
-        n_hi = int(std::lround(frac * d / 16.0)) * 16;
-        if (n_hi <= 0 || n_hi >= d)
-          fail("TurboQuant codec {}: {} bits cannot be split over head_dim {} in 16-channel steps",
-               name, cfg.bits, d);
-      }
-    }
+    tq_split_bits(name, cfg, d, &n_hi, &bits_hi, &bits_lo);
     layout_ = tq_layout_make(d, n_hi, bits_hi, bits_lo, cfg.qjl);
     cb_hi_ = &tq_lloyd_max(bits_hi, d);
     cb_lo_ = layout_.n_hi < d ? &tq_lloyd_max(bits_lo, d) : cb_hi_;
@@ -228,6 +210,28 @@ class TqCodec final : public KvCodec {
 };
 
 }  // namespace
+
+void tq_split_bits(const std::string& name, const TqConfig& cfg, int d, int* n_hi, int* bits_hi, int* bits_lo) {
+  *n_hi = d;
+  *bits_lo = 0;
+  if (cfg.qjl) {
+    if (cfg.bits != std::floor(cfg.bits) || cfg.bits < 2 || cfg.bits > 5)
+      fail("TurboQuant codec {}: the QJL (prod) variant needs integer bits 2..5, got {}", name, cfg.bits);
+    *bits_hi = int(cfg.bits) - 1;  // one bit of the budget goes to the QJL signs
+    return;
+  }
+  if (!(cfg.bits >= 1 && cfg.bits <= 4)) fail("TurboQuant codec {}: bits must be in [1, 4], got {}", name, cfg.bits);
+  *bits_lo = int(std::floor(cfg.bits));
+  const double frac = cfg.bits - *bits_lo;
+  if (frac == 0) {
+    *bits_hi = *bits_lo;
+    return;
+  }
+  *bits_hi = *bits_lo + 1;
+  *n_hi = int(std::lround(frac * d / 16.0)) * 16;
+  if (*n_hi <= 0 || *n_hi >= d)
+    fail("TurboQuant codec {}: {} bits cannot be split over head_dim {} in 16-channel steps", name, cfg.bits, d);
+}
 
 std::unique_ptr<KvCodec> tq_codec_create(const std::string& name, const TqConfig& cfg, const KvCodecParams& p) {
   return std::make_unique<TqCodec>(name, cfg, p);

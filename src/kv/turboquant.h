@@ -212,6 +212,11 @@ struct TqConfig {
   TqRotationKind rotation = TqRotationKind::hadamard;
 };
 
+// How a codec of cfg splits head_dim d: channels [0, n_hi) at bits_hi, the rest at bits_lo
+// (n_hi = d for whole bits; the prod variant: bits - 1 for the MSE codes). Throws kvq::Error on
+// invalid bits.
+void tq_split_bits(const std::string& name, const TqConfig& cfg, int d, int* n_hi, int* bits_hi, int* bits_lo);
+
 // Builds a TurboQuant codec; `name` is reported in info(). A Hadamard codec on a head_dim that is
 // not a power of two uses the dense rotation instead. All KV heads of the layer share R (and S).
 // Throws kvq::Error on invalid parameters (head_dim not a multiple of 16 or above 1024, bits).

@@ -1,5 +1,8 @@
 // Registry entries of the TurboQuant family: codecs tq1..tq4, fractional, prod (QJL), dense
 // rotation, and the formats built from them (including K/V-split presets).
+#include <string>
+#include <tuple>
+
 #include "kv/registry_internal.h"
 #include "kv/tq_tiled.h"
 #include "kv/turboquant.h"
@@ -21,25 +24,23 @@ void add_codec(const std::string& name, TqConfig cfg, const std::string& what) {
 void kv_register_turboquant() {
   using R = TqRotationKind;
   add_codec("tq1", {1, false, R::hadamard}, "TurboQuant MSE, 1 bit/elem: Hadamard rotation + Lloyd-Max codes, fp16 norm");
-  add_codec("tq2", {2, false, R::hadamard}, "TurboQuant MSE, 2 bits/elem: Hadamard rotation + Lloyd-Max codes, fp16 norm");
-  add_codec("tq3", {3, false, R::hadamard}, "TurboQuant MSE, 3 bits/elem: Hadamard rotation + Lloyd-Max codes, fp16 norm");
-  // Same quantization, bytes and decode either way; the tiles' kernels are integer dots
-  // (bench/BENCHMARKS.md: 1.7x the rows' speed on AVX-512, 3x on AVX2 at 32K tokens).
-  kv_register_codec({"tq4",
-                     "TurboQuant MSE, 4 bits/elem: Hadamard rotation + Lloyd-Max codes, fp16 norm; tq4t's 16-token tiles "
-                     "when head_dim % 32 == 0, else tq4_rows' token records",
-                     [](const KvCodecParams& p) {
-                       return tq4t_fits(p.head_dim) ? tq4t_codec_create(p)
-                                                    : tq_codec_create("tq4", {4, false, R::hadamard}, p);
-                     }});
-  add_codec("tq4_rows", {4, false, R::hadamard},
-            "TurboQuant MSE, 4 bits/elem: Hadamard rotation + Lloyd-Max codes, fp16 norm, in token records");
-  add_codec("tq2.25", {2.25, false, R::hadamard},
-            "TurboQuant MSE, the paper's '2.5-bit' split (1/4 of rotated channels at 3 bits, 3/4 at 2): 2.25 bits/elem");
-  add_codec("tq2.5", {2.5, false, R::hadamard},
-            "TurboQuant MSE, 2.5 bits/elem: first half of the rotated channels at 3 bits, second half at 2");
-  add_codec("tq3.5", {3.5, false, R::hadamard},
-            "TurboQuant MSE, 3.5 bits/elem: first half of the rotated channels at 4 bits, second half at 3");
+  // tq2 .. tq4 and the fractional rates store the tiles of kv/tq_tiled.h where the head allows
+  // (same quantization, bytes and decode; integer-dot kernels: bench/BENCHMARKS.md), else the
+  // records; "<name>_rows" always the records.
+  for (const auto& [name, bits, what] :
+       {std::tuple<const char*, double, const char*>{"tq2", 2, "2 bits/elem"},
+        {"tq3", 3, "3 bits/elem"},
+        {"tq4", 4, "4 bits/elem"},
+        {"tq2.25", 2.25, "the paper's '2.5-bit' split (1/4 of rotated channels at 3 bits, 3/4 at 2): 2.25 bits/elem"},
+        {"tq2.5", 2.5, "2.5 bits/elem: first half of the rotated channels at 3 bits, second half at 2"},
+        {"tq3.5", 3.5, "3.5 bits/elem: first half of the rotated channels at 4 bits, second half at 3"}}) {
+    const std::string n = name, rows = n + "_rows";
+    const double b = bits;
+    const std::string desc = std::string("TurboQuant MSE, ") + what + ": Hadamard rotation + Lloyd-Max codes, fp16 norm";
+    kv_register_codec({n, desc + "; " + n + "t's 16-token tiles where head_dim allows (a multiple of 32), else token records",
+                       [n, b](const KvCodecParams& p) { return tq_codec_tiles_or_rows(n + "t", n, b, p); }});
+    add_codec(rows, {b, false, R::hadamard}, desc + ", in token records");
+  }
   add_codec("tq2_qjl", {2, true, R::hadamard},
             "TurboQuant prod, 2 bits/elem: 1-bit MSE codes + 1-bit QJL signs of the residual (unbiased q.k)");
   add_codec("tq3_qjl", {3, true, R::hadamard},
@@ -55,15 +56,17 @@ void kv_register_turboquant() {
   fmt("tq1", {"turboquant1"}, "tq1", "tq1", "TurboQuant 1 bit K and V (+16/head_dim for the norm)");
   fmt("tq2", {"turboquant2"}, "tq2", "tq2", "TurboQuant 2 bits K and V (+16/head_dim for the norm)");
   fmt("tq3", {"turboquant3"}, "tq3", "tq3", "TurboQuant 3 bits K and V (+16/head_dim for the norm)");
-  fmt("tq4", {"turboquant4"}, "tq4", "tq4",
-      "TurboQuant 4 bits K and V (+16/head_dim for the norm); stored as tq4t's tiles when head_dim % 32 == 0");
-  fmt("tq4_rows", {}, "tq4_rows", "tq4_rows", "TurboQuant 4 bits K and V in token records (tq4's row kernels)");
+  fmt("tq4", {"turboquant4"}, "tq4", "tq4", "TurboQuant 4 bits K and V (+16/head_dim for the norm)");
   fmt("tq2.25", {}, "tq2.25", "tq2.25", "TurboQuant 2.25 bits K and V: the paper's 32-of-128 channels at 3 bits split");
   fmt("tq2.5", {"turboquant2.5"}, "tq2.5", "tq2.5", "TurboQuant 2.5 bits K and V (half the rotated channels at 3 bits)");
   fmt("tq3.5", {"turboquant3.5"}, "tq3.5", "tq3.5", "TurboQuant 3.5 bits K and V (half the rotated channels at 4 bits)");
   fmt("tq2_qjl", {}, "tq2_qjl", "tq2", "TurboQuant prod keys (1-bit MSE + QJL), 2-bit MSE values");
   fmt("tq3_qjl", {}, "tq3_qjl", "tq3", "TurboQuant prod keys (2-bit MSE + QJL), 3-bit MSE values");
   fmt("tq4_qjl", {}, "tq4_qjl", "tq4", "TurboQuant prod keys (3-bit MSE + QJL), 4-bit MSE values");
+  for (const char* n : {"tq2", "tq3", "tq4", "tq2.25", "tq2.5", "tq3.5"}) {
+    const std::string r = std::string(n) + "_rows";
+    fmt(r, {}, r, r, std::string("TurboQuant ") + (n + 2) + " bits K and V in token records (the record kernels)");
+  }
   // K/V-split presets ("k8v4" alone is the basic library's int8/int4 format).
   fmt("tq_k8v4", {"turboquant_k8v4"}, kInt8Codec, "tq4", "keys int8 per token, values TurboQuant 4 bits");
   fmt("tq_k3v4", {"k3v4", "turboquant_k3v4"}, "tq3", "tq4", "keys TurboQuant 3 bits, values TurboQuant 4 bits");

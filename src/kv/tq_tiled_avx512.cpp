@@ -1,0 +1,140 @@
+// AVX-512 VNNI kernels of TurboQuant's tiles (layout, arithmetic and error bounds in kv/tq_tiled.h):
+// per 32-channel block the codes become 8 vectors of 16 token lanes x 4 codes, looked up in the
+// segment's codebook image with VPSHUFB and dotted with VPDPBUSD.
+#include "core/avx512.h"
+
+#include <cstring>
+
+#include "kv/tiles_avx512.h"
+#include "kv/tq_tiled.h"
+
+namespace kvq {
+namespace {
+
+// The segment's codebook image in every 128-bit lane, xor `flip` (0x80: C + 128, the unsigned operand).
+inline __m512i seg_lut(const TqTileSeg& g, int flip) {
+  __m128i l;
+  std::memcpy(&l, g.lut8, 16);
+  return _mm512_broadcast_i32x4(_mm_xor_si128(l, _mm_set1_epi8(char(flip))));
+}
+
+// Bit k of every byte of y moved to bit 2 (the high bit of a 3-bit code).
+inline __m512i high_bit(__m512i y, int k) {
+  const __m512i b = k >= 2 ? _mm512_srli_epi16(y, unsigned(k - 2)) : _mm512_slli_epi16(y, unsigned(2 - k));
+  return _mm512_and_si512(b, _mm512_set1_epi8(4));
+}
+
+// Key block at `base` (64 * bits bytes), `bits` wide: vec[v] = codes of channels 4v..4v+3 of the
+// block, one token per 32-bit lane.
+inline void key_block_codes(const uint8_t* base, int bits, __m512i* vec) {
+  const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(0x03);
+  if (bits == 4) {
+    for (int o = 0; o < 4; ++o) {
+      const __m512i x = _mm512_loadu_si512(base + 64 * o);
+      vec[2 * o] = _mm512_and_si512(x, m4);
+      vec[2 * o + 1] = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
+    }
+    return;
+  }
+  const __m512i y = bits == 3 ? _mm512_loadu_si512(base + 128) : _mm512_setzero_si512();
+  for (int o = 0; o < 2; ++o) {
+    const __m512i x = _mm512_loadu_si512(base + 64 * o);
+    for (int r = 0; r < 4; ++r) {
+      __m512i c = _mm512_and_si512(r ? _mm512_srli_epi16(x, unsigned(2 * r)) : x, m2);
+      if (bits == 3) c = _mm512_or_si512(c, high_bit(y, r + 4 * o));
+      vec[4 * o + r] = c;
+    }
+  }
+}
+
+template <int NQ>
+void scores_pass(const TqTiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
+                 int out_stride) {
+  const int8_t* q8[NQ];
+  const float* dq[NQ];
+  const int32_t* corr[NQ];
+  for (int h = 0; h < NQ; ++h) {
+    const float* r = qp + size_t(h) * size_t(L.qdim);
+    q8[h] = reinterpret_cast<const int8_t*>(r + L.q8_off);
+    dq[h] = r + L.dq_off;
+    corr[h] = reinterpret_cast<const int32_t*>(r + L.corr_off);
+  }
+  __m512i lutu[2];
+  for (int s = 0; s < L.nseg; ++s) lutu[s] = seg_lut(L.seg[s], 0x80);
+  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
+  for (int tile = tile0; tile < tile1; ++tile) {
+    const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
+    __m512 facc[NQ];
+    for (int h = 0; h < NQ; ++h) facc[h] = _mm512_setzero_ps();
+    for (int b = 0; b < L.hd / 32; ++b) {
+      const int s = L.block_seg[b];
+      const TqTileSeg& g = L.seg[s];
+      __m512i vec[8];
+      key_block_codes(tp + g.off + size_t(b - g.ch0 / 32) * size_t(64 * g.bits), g.bits, vec);
+      for (int v = 0; v < 8; ++v) vec[v] = _mm512_shuffle_epi8(lutu[s], vec[v]);
+      for (int h = 0; h < NQ; ++h) {
+        __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+        for (int v = 0; v < 8; v += 2) {
+          a0 = _mm512_dpbusd_epi32(a0, vec[v], tile_bcast32_avx512(q8[h] + 32 * b + 4 * v));
+          a1 = _mm512_dpbusd_epi32(a1, vec[v + 1], tile_bcast32_avx512(q8[h] + 32 * b + 4 * v + 4));
+        }
+        const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(a0, a1), _mm512_set1_epi32(corr[h][b]));
+        facc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(dq[h][b]), facc[h]);
+      }
+    }
+    const __m512 norms = tile_load_f16x16_avx512(tp);
+    for (int h = 0; h < NQ; ++h)
+      tile_store_avx512(out + size_t(h) * size_t(out_stride), tile * 16, t0, n, _mm512_mul_ps(facc[h], norms));
+  }
+}
+
+}  // namespace
+
+void tq_tiled_scores_avx512(const TqTiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
+                            float* out, int out_stride) {
+  if (n <= 0) return;
+  tile_row_passes(n_q, [&](int i, auto m) {
+    scores_pass<decltype(m)::value>(L, qp + size_t(i) * size_t(L.qdim), block, t0, n,
+                                    out + size_t(i) * size_t(out_stride), out_stride);
+  });
+}
+
+// int4t's weighted sum (tiles_accum_avx512) with the value codes of chunk c, token quad k looked
+// up in the chunk's segment image (s8, the operand against u8 weights). Weights with a negative
+// entry take the reference's f32 path: the s8-weight path would need the codes unsigned.
+void tq_tiled_accum_avx512(const TqTiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
+                           int t0, int n, float* acc) {
+  if (n <= 0) return;
+  if (!tiles_weights_nonneg_avx512(p, p_stride, n_q, n))
+    return tq_tiled_accum_signed_ref(L, p, p_stride, n_q, block, t0, n, acc);
+  __m512i lut[2];
+  for (int s = 0; s < L.nseg; ++s) lut[s] = seg_lut(L.seg[s], 0);
+  const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(0x03);
+  tiles_accum_avx512(L.values, p, p_stride, n_q, block, t0, n, acc,
+                     [&](const uint8_t* tp, int c, int k, __m512i* lo, __m512i* hi) {
+                       const int s = L.block_seg[c];
+                       const TqTileSeg& g = L.seg[s];
+                       const uint8_t* base = tp + g.off + size_t(c - g.ch0 / 32) * size_t(64 * g.bits);
+                       __m512i l, h;
+                       if (g.bits == 4) {
+                         const __m512i x = _mm512_loadu_si512(base + 64 * k);
+                         l = _mm512_and_si512(x, m4);
+                         h = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
+                       } else {
+                         // Octet k / 2; crumbs 2 (k % 2) (channels i) and 2 (k % 2) + 1 (16 + i).
+                         const int p0 = 2 * (k % 2);
+                         const __m512i x = _mm512_loadu_si512(base + 64 * (k / 2));
+                         l = _mm512_and_si512(p0 ? _mm512_srli_epi16(x, unsigned(2 * p0)) : x, m2);
+                         h = _mm512_and_si512(_mm512_srli_epi16(x, unsigned(2 * p0 + 2)), m2);
+                         if (g.bits == 3) {
+                           const __m512i y = _mm512_loadu_si512(base + 128);
+                           l = _mm512_or_si512(l, high_bit(y, p0 + 4 * (k / 2)));
+                           h = _mm512_or_si512(h, high_bit(y, p0 + 1 + 4 * (k / 2)));
+                         }
+                       }
+                       *lo = _mm512_shuffle_epi8(lut[s], l);
+                       *hi = _mm512_shuffle_epi8(lut[s], h);
+                     });
+}
+
+}  // namespace kvq
