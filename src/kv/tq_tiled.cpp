@@ -8,6 +8,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -215,6 +216,14 @@ class TqTiledCodec final : public KvCodec {
     const auto& cl = n_hi < hd ? tq_lloyd_max(bl, hd).centroids : ch;
     L_ = tq_tiled_layout(hd, n_hi, bh, bl, ch.data(), cl.data());
     for (int d = 0; d < hd; ++d) cs_[d] = L_.seg[L_.block_seg[d / 32]].cs;
+    // Where each (slot, channel) code lives, once: encode writes hd codes per token.
+    pos_.resize(size_t(kv_tile_tokens) * size_t(hd));
+    for (int j = 0; j < kv_tile_tokens; ++j)
+      for (int d = 0; d < hd; ++d) {
+        const CodeAt a = code_at(L_, role_, j, d);
+        pos_[size_t(j) * size_t(hd) + size_t(d)] = {uint16_t(a.byte), uint16_t(a.hbyte), uint8_t(a.shift),
+                                                     uint8_t(a.mask), int8_t(a.hbit)};
+      }
     std::copy(ch.begin(), ch.end(), cb_[0]);
     std::copy(cl.begin(), cl.end(), cb_[1]);
     off_lo_ = 2 + n_hi * bh / 8;
@@ -245,7 +254,12 @@ class TqTiledCodec final : public KvCodec {
       uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L_.tile_bytes;
       std::memcpy(tp + 2 * size_t(j), rec, 2);
       unpack(rec, c);
-      for (int d = 0; d < L_.hd; ++d) tq_tiled_set_code(L_, role_, tp, j, d, c[d]);
+      const Pos* pj = pos_.data() + size_t(j) * size_t(L_.hd);
+      for (int d = 0; d < L_.hd; ++d) {  // tq_tiled_set_code from the table
+        const Pos& a = pj[d];
+        tp[a.byte] = uint8_t((tp[a.byte] & ~(a.mask << a.shift)) | ((c[d] & a.mask) << a.shift));
+        if (a.hbit >= 0) tp[a.hbyte] = uint8_t((tp[a.hbyte] & ~(1 << a.hbit)) | (((c[d] >> 2) & 1) << a.hbit));
+      }
     }
   }
 
@@ -340,9 +354,17 @@ class TqTiledCodec final : public KvCodec {
     for (int d = 0; d < L_.hd; ++d) y[d] = norm * cb_[L_.block_seg[d / 32]][tq_tiled_code(L_, role_, tp, j, d)];
   }
 
+  struct Pos {  // CodeAt in bytes (tiles are at most 32 + 8 * kv_max_head_dim bytes)
+    uint16_t byte, hbyte;
+    uint8_t shift, mask;
+    int8_t hbit;
+  };
+  static_assert(32 + 8 * kv_max_head_dim <= 65535, "tile offsets fit 16 bits");
+
   std::unique_ptr<KvCodec> inner_;
   KvRole role_;
   TqTiledLayout L_;
+  std::vector<Pos> pos_;  // (slot, channel)
   float cb_[2][16] = {};
   float cs_[kv_max_head_dim] = {};
   int off_lo_ = 0;
