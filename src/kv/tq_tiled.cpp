@@ -17,6 +17,7 @@
 #include "core/error.h"
 #include "kv/grouped_common.h"
 #include "kv/registry_internal.h"
+#include "kv/tiled_codec.h"
 #include "kv/tiles_ref.h"
 #include "kv/turboquant.h"
 
@@ -203,18 +204,38 @@ void tq_tiled_accum(const TqTiledLayout& L, const float* p, int p_stride, int n_
 
 namespace {
 
+// TiledCodecBase's fused entry points; TqTiledCodec overrides them (the query is rotated first,
+// and a block of the other role is served in f32).
+struct TqTiledOps {
+  static void prepare_query(const TqTiledLayout& L, const float* q, int n_q, float* qp) {
+    tq_tiled_prepare_query(L, q, n_q, qp);
+  }
+  static void scores(const TqTiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n, float* out,
+                     int out_stride) {
+    tq_tiled_scores(L, qp, n_q, block, t0, n, out, out_stride);
+  }
+  static void accum(const TqTiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0, int n,
+                    float* acc) {
+    tq_tiled_accum(L, p, p_stride, n_q, block, t0, n, acc);
+  }
+};
+
+TqTiledLayout layout_for(const std::string& name, double bits, int hd) {
+  int n_hi = 0, bh = 0, bl = 0;
+  tq_split_bits(name, TqConfig{bits, false, TqRotationKind::hadamard}, hd, &n_hi, &bh, &bl);
+  const auto& ch = tq_lloyd_max(bh, hd).centroids;
+  const auto& cl = n_hi < hd ? tq_lloyd_max(bl, hd).centroids : ch;
+  return tq_tiled_layout(hd, n_hi, bh, bl, ch.data(), cl.data());
+}
+
 // The record codec of the same parameters (same rotation seed) quantizes, rotates queries and
 // outputs and decodes; this codec moves its records' norms and codes into tiles.
-class TqTiledCodec final : public KvCodec {
+class TqTiledCodec final : public TiledCodecBase<TqTiledLayout, TqTiledOps> {
  public:
   TqTiledCodec(const std::string& name, double bits, const KvCodecParams& p)
-      : inner_(tq_codec_create(name, TqConfig{bits, false, TqRotationKind::hadamard}, p)), role_(p.role) {
+      : TiledCodecBase(name, bits, p.role, layout_for(name, bits, p.head_dim)),
+        inner_(tq_codec_create(name, TqConfig{bits, false, TqRotationKind::hadamard}, p)) {
     const int hd = p.head_dim;
-    int n_hi = 0, bh = 0, bl = 0;
-    tq_split_bits(name, TqConfig{bits, false, TqRotationKind::hadamard}, hd, &n_hi, &bh, &bl);
-    const auto& ch = tq_lloyd_max(bh, hd).centroids;
-    const auto& cl = n_hi < hd ? tq_lloyd_max(bl, hd).centroids : ch;
-    L_ = tq_tiled_layout(hd, n_hi, bh, bl, ch.data(), cl.data());
     for (int d = 0; d < hd; ++d) cs_[d] = L_.seg[L_.block_seg[d / 32]].cs;
     // Where each (slot, channel) code lives, once: encode writes hd codes per token.
     pos_.resize(size_t(kv_tile_tokens) * size_t(hd));
@@ -224,23 +245,13 @@ class TqTiledCodec final : public KvCodec {
         pos_[size_t(j) * size_t(hd) + size_t(d)] = {uint16_t(a.byte), uint16_t(a.hbyte), uint8_t(a.shift),
                                                      uint8_t(a.mask), int8_t(a.hbit)};
       }
-    std::copy(ch.begin(), ch.end(), cb_[0]);
-    std::copy(cl.begin(), cl.end(), cb_[1]);
-    off_lo_ = 2 + n_hi * bh / 8;
+    for (int g = 0; g < L_.nseg; ++g) {
+      const auto& cb = tq_lloyd_max(L_.seg[g].bits, hd).centroids;
+      std::copy(cb.begin(), cb.end(), cb_[g]);
+    }
+    off_lo_ = 2 + L_.seg[0].nch * L_.seg[0].bits / 8;
     info_ = inner_->info();
     info_.name = name;
-  }
-  const KvCodecInfo& info() const override { return info_; }
-  int head_dim() const override { return L_.hd; }
-  size_t block_bytes(int block_tokens) const override {
-    check_block(block_tokens);
-    return size_t(block_tokens / kv_tile_tokens) * L_.tile_bytes;
-  }
-  PrefetchRange prefetch_range(int block_tokens, int t0, int n) const override {
-    check_block(block_tokens);
-    PrefetchRange r;
-    kv_unit_range(L_.tile_bytes, kv_tile_tokens, t0, n, prefetch_lead_bytes, &r.offset, &r.bytes);
-    return r;
   }
 
   // The record of each token (norm, then the segments' codes), scattered into the tile.
@@ -330,16 +341,6 @@ class TqTiledCodec final : public KvCodec {
   }
 
  private:
-  void check_block(int block_tokens) const {
-    if (block_tokens <= 0 || block_tokens % kv_tile_tokens != 0)
-      fail("KV codec '{}': block of {} tokens; this codec stores 16-token tiles, so the block (page) size must be a "
-           "positive multiple of 16",
-           info_.name, block_tokens);
-  }
-  void check_range(int block_tokens, int t0, int n) const {
-    check_block(block_tokens);
-    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
-  }
   // A record's codes -> c (hd).
   void unpack(const uint8_t* rec, uint8_t* c) const {
     const TqTileSeg& g0 = L_.seg[0];
@@ -362,13 +363,10 @@ class TqTiledCodec final : public KvCodec {
   static_assert(32 + 8 * kv_max_head_dim <= 65535, "tile offsets fit 16 bits");
 
   std::unique_ptr<KvCodec> inner_;
-  KvRole role_;
-  TqTiledLayout L_;
   std::vector<Pos> pos_;  // (slot, channel)
   float cb_[2][16] = {};
   float cs_[kv_max_head_dim] = {};
   int off_lo_ = 0;
-  KvCodecInfo info_;
 };
 
 bool fits(const std::string& name, double bits, int hd) {
