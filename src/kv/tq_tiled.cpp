@@ -206,19 +206,7 @@ namespace {
 
 // TiledCodecBase's fused entry points; TqTiledCodec overrides them (the query is rotated first,
 // and a block of the other role is served in f32).
-struct TqTiledOps {
-  static void prepare_query(const TqTiledLayout& L, const float* q, int n_q, float* qp) {
-    tq_tiled_prepare_query(L, q, n_q, qp);
-  }
-  static void scores(const TqTiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n, float* out,
-                     int out_stride) {
-    tq_tiled_scores(L, qp, n_q, block, t0, n, out, out_stride);
-  }
-  static void accum(const TqTiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0, int n,
-                    float* acc) {
-    tq_tiled_accum(L, p, p_stride, n_q, block, t0, n, acc);
-  }
-};
+using TqTiledOps = TiledOps<TqTiledLayout, tq_tiled_prepare_query, tq_tiled_scores, tq_tiled_accum>;
 
 TqTiledLayout layout_for(const std::string& name, double bits, int hd) {
   int n_hi = 0, bh = 0, bl = 0;
