@@ -53,13 +53,14 @@ void kv_register_turboquant() {
   auto fmt = [](std::string name, std::vector<std::string> aliases, std::string k, std::string v, std::string what) {
     kv_register_format({std::move(name), std::move(aliases), std::move(k), std::move(v), std::move(what)});
   };
+  const std::string tiles = "; 16-token tiles where the head allows (*_rows: the records)";
   fmt("tq1", {"turboquant1"}, "tq1", "tq1", "TurboQuant 1 bit K and V (+16/head_dim for the norm)");
-  fmt("tq2", {"turboquant2"}, "tq2", "tq2", "TurboQuant 2 bits K and V (+16/head_dim for the norm)");
-  fmt("tq3", {"turboquant3"}, "tq3", "tq3", "TurboQuant 3 bits K and V (+16/head_dim for the norm)");
-  fmt("tq4", {"turboquant4"}, "tq4", "tq4", "TurboQuant 4 bits K and V (+16/head_dim for the norm)");
-  fmt("tq2.25", {}, "tq2.25", "tq2.25", "TurboQuant 2.25 bits K and V: the paper's 32-of-128 channels at 3 bits split");
-  fmt("tq2.5", {"turboquant2.5"}, "tq2.5", "tq2.5", "TurboQuant 2.5 bits K and V (half the rotated channels at 3 bits)");
-  fmt("tq3.5", {"turboquant3.5"}, "tq3.5", "tq3.5", "TurboQuant 3.5 bits K and V (half the rotated channels at 4 bits)");
+  fmt("tq2", {"turboquant2"}, "tq2", "tq2", "TurboQuant 2 bits K and V (+16/head_dim for the norm)" + tiles);
+  fmt("tq3", {"turboquant3"}, "tq3", "tq3", "TurboQuant 3 bits K and V (+16/head_dim for the norm)" + tiles);
+  fmt("tq4", {"turboquant4"}, "tq4", "tq4", "TurboQuant 4 bits K and V (+16/head_dim for the norm)" + tiles);
+  fmt("tq2.25", {}, "tq2.25", "tq2.25", "TurboQuant 2.25 bits K and V: the paper's 32-of-128 channels at 3 bits split" + tiles);
+  fmt("tq2.5", {"turboquant2.5"}, "tq2.5", "tq2.5", "TurboQuant 2.5 bits K and V (half the rotated channels at 3 bits)" + tiles);
+  fmt("tq3.5", {"turboquant3.5"}, "tq3.5", "tq3.5", "TurboQuant 3.5 bits K and V (half the rotated channels at 4 bits)" + tiles);
   fmt("tq2_qjl", {}, "tq2_qjl", "tq2", "TurboQuant prod keys (1-bit MSE + QJL), 2-bit MSE values");
   fmt("tq3_qjl", {}, "tq3_qjl", "tq3", "TurboQuant prod keys (2-bit MSE + QJL), 3-bit MSE values");
   fmt("tq4_qjl", {}, "tq4_qjl", "tq4", "TurboQuant prod keys (3-bit MSE + QJL), 4-bit MSE values");
