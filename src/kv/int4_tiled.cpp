@@ -50,7 +50,7 @@ void int4t_prepare_query(const Int4TiledLayout& L, const float* q, int n_q, floa
   for (int i = 0; i < n_q; ++i) {
     const float* x = q + size_t(i) * size_t(hd);
     float* row = qp + size_t(i) * size_t(L.qdim);
-    std::memcpy(row, x, sizeof(float) * size_t(hd));
+    if (row != x) std::memcpy(row, x, sizeof(float) * size_t(hd));  // in place: tq's tiles (kv/tq_tiled.h)
     auto* q8 = reinterpret_cast<int8_t*>(row + L.q8_off);
     float* dq = row + L.dq_off;
     float* qs = row + L.qsum_off;

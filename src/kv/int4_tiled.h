@@ -133,7 +133,7 @@ inline Int4tQueryRow int4t_query_row(const Int4TiledLayout& L, const float* qp, 
   return {reinterpret_cast<const int8_t*>(r + L.q8_off), r + L.dq_off, r + L.qsum_off};
 }
 
-// q: (n_q, hd) -> qp: (n_q, L.qdim).
+// q: (n_q, hd) -> qp: (n_q, L.qdim); q may be the first hd floats of each row of qp.
 void int4t_prepare_query(const Int4TiledLayout& L, const float* q, int n_q, float* qp);
 
 // out[i * out_stride + t] = score of query row i against token t0 + t of the block, t < n.

@@ -59,14 +59,16 @@ TqTiledLayout tq_tiled_layout(int hd, int n_hi, int bits_hi, int bits_lo, const 
   L.dq_off = hd + hd / 4;
   L.corr_off = L.dq_off + hd / 32;
   L.qdim = L.corr_off + hd / 32;
+  // int4t's layout of one group of hd channels (its query offsets are the ones above), read as:
+  // the norm the token's scale, no min table (min_mul 0), code bytes from the tile start.
   Int4TiledLayout& V = L.values;
-  V.hd = hd;
-  V.group = hd;
-  V.ng = 1;
+  V = int4t_layout(hd, hd);
   V.min_off = 0;
   V.code_off = 0;
   V.tile_bytes = L.tile_bytes;
   V.min_mul = 0.f;
+  V.qdim = L.qdim;  // row stride of the prepared query
+  KVQ_CHECK(V.q8_off == L.q8_off && V.dq_off == L.dq_off && V.qsum_off == L.corr_off, "tq tiles: query offsets");
   return L;
 }
 
@@ -115,36 +117,26 @@ int tq_tiled_code(const TqTiledLayout& L, KvRole role, const uint8_t* tp, int j,
   return c;
 }
 
-void tq_tiled_set_code(const TqTiledLayout& L, KvRole role, uint8_t* tp, int j, int d, int code) {
-  const CodeAt a = code_at(L, role, j, d);
-  tp[a.byte] = uint8_t((tp[a.byte] & ~(a.mask << a.shift)) | ((code & a.mask) << a.shift));
-  if (a.hbit >= 0) tp[a.hbyte] = uint8_t((tp[a.hbyte] & ~(1 << a.hbit)) | (((code >> 2) & 1) << a.hbit));
-}
-
 void tq_tiled_prepare_query(const TqTiledLayout& L, const float* rq, int n_q, float* qp) {
-  const int hd = L.hd;
+  // int4t's int8 image of the query per 32-dim block (L.values has its offsets), then the steps
+  // times the block's image step and the per-block corrections.
+  int4t_prepare_query(L.values, rq, n_q, qp);
   for (int i = 0; i < n_q; ++i) {
-    const float* x = rq + size_t(i) * size_t(hd);
     float* row = qp + size_t(i) * size_t(L.qdim);
-    if (row != x) std::memmove(row, x, sizeof(float) * size_t(hd));
-    auto* q8 = reinterpret_cast<int8_t*>(row + L.q8_off);
+    const auto* q8 = reinterpret_cast<const int8_t*>(row + L.q8_off);
     float* dq = row + L.dq_off;
     auto* corr = reinterpret_cast<int32_t*>(row + L.corr_off);
-    for (int b = 0; b < hd / 32; ++b) {
-      float amax = 0;
-      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(row[32 * b + j]));
-      const float d = amax / 127.f;
-      const float id = d > 0 && std::isfinite(d) ? 1.f / d : 0.f;
+    for (int b = 0; b < L.hd / 32; ++b) {
       int32_t s = 0;
+      bool finite = true;
       for (int j = 0; j < 32; ++j) {
-        q8[32 * b + j] = int8_t(std::min(127.f, std::max(-127.f, std::nearbyint(row[32 * b + j] * id))));
         s += q8[32 * b + j];
+        finite = finite && std::isfinite(row[32 * b + j]);
       }
       corr[b] = 128 * s;
-      // A non-finite block has no int8 image: its codes are 0 and its step NaN, so the score is NaN
-      // as the f32 dot would be (a zero block: step 0).
-      const float cs = L.seg[L.block_seg[b]].cs;
-      dq[b] = id > 0 ? d * cs : amax == 0 ? 0.f : std::numeric_limits<float>::quiet_NaN();
+      // A non-finite block has no int8 image (codes 0, step 0): its step becomes NaN, so the score
+      // is NaN as the f32 dot would be.
+      dq[b] = finite ? dq[b] * L.seg[L.block_seg[b]].cs : std::numeric_limits<float>::quiet_NaN();
     }
   }
 }
@@ -225,7 +217,7 @@ class TqTiledCodec final : public TiledCodecBase<TqTiledLayout, TqTiledOps> {
         inner_(tq_codec_create(name, TqConfig{bits, false, TqRotationKind::hadamard}, p)) {
     const int hd = p.head_dim;
     for (int d = 0; d < hd; ++d) cs_[d] = L_.seg[L_.block_seg[d / 32]].cs;
-    // Where each (slot, channel) code lives, once: encode writes hd codes per token.
+    // Where each (slot, channel) code lives, once: encode and decode touch hd codes per token.
     pos_.resize(size_t(kv_tile_tokens) * size_t(hd));
     for (int j = 0; j < kv_tile_tokens; ++j)
       for (int d = 0; d < hd; ++d) {
@@ -254,7 +246,7 @@ class TqTiledCodec final : public TiledCodecBase<TqTiledLayout, TqTiledOps> {
       std::memcpy(tp + 2 * size_t(j), rec, 2);
       unpack(rec, c);
       const Pos* pj = pos_.data() + size_t(j) * size_t(L_.hd);
-      for (int d = 0; d < L_.hd; ++d) {  // tq_tiled_set_code from the table
+      for (int d = 0; d < L_.hd; ++d) {  // the other codes of shared bytes kept
         const Pos& a = pj[d];
         tp[a.byte] = uint8_t((tp[a.byte] & ~(a.mask << a.shift)) | ((c[d] & a.mask) << a.shift));
         if (a.hbit >= 0) tp[a.hbyte] = uint8_t((tp[a.hbyte] & ~(1 << a.hbit)) | (((c[d] >> 2) & 1) << a.hbit));
@@ -269,7 +261,7 @@ class TqTiledCodec final : public TiledCodecBase<TqTiledLayout, TqTiledOps> {
     for (int t = 0; t < n; ++t) {
       const int tt = t0 + t, j = tt % kv_tile_tokens;
       const uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L_.tile_bytes;
-      for (int d = 0; d < L_.hd; ++d) c[d] = uint8_t(tq_tiled_code(L_, role_, tp, j, d));
+      codes(tp, j, c);
       std::memcpy(rec, tp + 2 * size_t(j), 2);
       const TqTileSeg& g0 = L_.seg[0];
       tq_pack_codes(c, g0.nch, g0.bits, rec + 2);
@@ -340,7 +332,19 @@ class TqTiledCodec final : public TiledCodecBase<TqTiledLayout, TqTiledOps> {
     const int j = tt % kv_tile_tokens;
     const uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L_.tile_bytes;
     const float norm = tile_norm(tp, j);
-    for (int d = 0; d < L_.hd; ++d) y[d] = norm * cb_[L_.block_seg[d / 32]][tq_tiled_code(L_, role_, tp, j, d)];
+    uint8_t c[kv_max_head_dim];
+    codes(tp, j, c);
+    for (int d = 0; d < L_.hd; ++d) y[d] = norm * cb_[L_.block_seg[d / 32]][c[d]];
+  }
+  // Slot j's codes of the tile at tp -> c (hd), through the position table.
+  void codes(const uint8_t* tp, int j, uint8_t* c) const {
+    const Pos* pj = pos_.data() + size_t(j) * size_t(L_.hd);
+    for (int d = 0; d < L_.hd; ++d) {
+      const Pos& a = pj[d];
+      int v = (tp[a.byte] >> a.shift) & a.mask;
+      if (a.hbit >= 0) v |= ((tp[a.hbyte] >> a.hbit) & 1) << 2;
+      c[d] = uint8_t(v);
+    }
   }
 
   struct Pos {  // CodeAt in bytes (tiles are at most 32 + 8 * kv_max_head_dim bytes)

@@ -84,10 +84,8 @@ bool tq_tiled_fits(int hd, int n_hi, int bits_hi, int bits_lo);
 // Throws kvq::Error when it does not fit. cb_hi / cb_lo: the segments' centroids (2^bits each).
 TqTiledLayout tq_tiled_layout(int hd, int n_hi, int bits_hi, int bits_lo, const float* cb_hi, const float* cb_lo);
 
-// Code of channel d of slot j of a tile (tp: the tile start), and its write (the other codes of
-// shared bytes kept).
+// Code of channel d of slot j of a tile (tp: the tile start).
 int tq_tiled_code(const TqTiledLayout& L, KvRole role, const uint8_t* tp, int j, int d);
-void tq_tiled_set_code(const TqTiledLayout& L, KvRole role, uint8_t* tp, int j, int d, int code);
 
 // Rotated queries (n_q, hd) -> prepared rows (n_q, L.qdim); rq may be the first hd floats of each row.
 void tq_tiled_prepare_query(const TqTiledLayout& L, const float* rq, int n_q, float* qp);
