@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "core/cpu.h"
 #include "core/error.h"
 #include "kv/tq_tiled.h"
@@ -118,7 +120,16 @@ TEST(TqTiled, BytesBitsAndDecodeEqualTheRecords) {
   EXPECT_EQ(kv_codec_create(kv_format_find("TQ2.5_ROWS").v_codec, p)->info().name, "tq2.5_rows");
   p.head_dim = 80;
   EXPECT_EQ(kv_codec_create("tq4", p)->info().name, "tq4");
-  EXPECT_EQ(kv_format_find("tq4t_s").v_codec, "tq4t_s");
+  // The channel-scaled wrapper of a tiled format keeps the tiles (the inner codec's prepared rows).
+  p.head_dim = 128;
+  p.n_kv_heads = 1;
+  const std::vector<std::vector<float>> ones(1, std::vector<float>(128, 1.f));
+  const nlohmann::json calib = {{"layers", {{{"k_rms", ones}, {"q_rms", ones}, {"v_rms", ones}}}}};
+  p.calib = &calib;
+  for (KvRole role : {KvRole::key, KvRole::value}) {
+    p.role = role;
+    EXPECT_TRUE(test::tqt_codec(*kv_codec_create(kv_format_find("tq4_s").v_codec, p))) << int(role);
+  }
 }
 
 // The int8 image of each segment's codebook: cs = max|c| / 127, every centroid within half a step

@@ -293,7 +293,7 @@ void kv_register_centered_codecs() {
                         "int2_g128", "tq2", "tq2.5", "tq3", "tq3.5", "tq4", "int4t_g32", "int4t_g64", "int4t_g128",
                         "int4t_g32h", "int4t_g64h", "int4t_g128h"})
     add(c, "_c");
-  for (const char* c : {"q8_0h", "q4_0h", "int4t_g64h", "int4t_g128h", "tq2", "tq2.5", "tq3", "tq3.5", "tq4", "tq4t"}) {
+  for (const char* c : {"q8_0h", "q4_0h", "int4t_g64h", "int4t_g128h", "tq2", "tq2.5", "tq3", "tq3.5", "tq4"}) {
     for (const char* suf : {"_s", "_cs"}) {
       add(c, suf);
       const std::string n = std::string(c) + suf;

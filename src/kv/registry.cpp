@@ -22,7 +22,6 @@ void kv_register_turboquant();
 void kv_register_rotated_codecs();
 void kv_register_centered_codecs();
 void kv_register_int4_tiled();
-void kv_register_tq_tiled();
 void kv_register_kivi_tiled();
 void kv_register_int8_tiled();
 void kv_register_int2_tiled();
@@ -82,7 +81,6 @@ const Registry& registry() {
     kv_register_rotated_codecs();
     kv_register_centered_codecs();
     kv_register_int4_tiled();
-    kv_register_tq_tiled();
     kv_register_kivi_tiled();
     kv_register_int8_tiled();
     kv_register_int2_tiled();

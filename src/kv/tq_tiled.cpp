@@ -10,13 +10,10 @@
 #include <string>
 #include <vector>
 
-#include <fmt/format.h>
-
 #include "core/cpu.h"
 #include "core/dtypes.h"
 #include "core/error.h"
 #include "kv/grouped_common.h"
-#include "kv/registry_internal.h"
 #include "kv/tiled_codec.h"
 #include "kv/tiles_ref.h"
 #include "kv/turboquant.h"
@@ -382,23 +379,6 @@ std::unique_ptr<KvCodec> tq_codec_tiles_or_rows(const std::string& tiled_name, c
                                                 double bits, const KvCodecParams& p) {
   if (fits(rows_name, bits, p.head_dim)) return tq_tiled_codec_create(tiled_name, bits, p);
   return tq_codec_create(rows_name, TqConfig{bits, false, TqRotationKind::hadamard}, p);
-}
-
-void kv_register_tq_tiled() {
-  for (const auto& [name, bits] : {std::pair<const char*, double>{"tq4t", 4}, {"tq3.5t", 3.5}, {"tq3t", 3},
-                                   {"tq2.5t", 2.5}, {"tq2.25t", 2.25}, {"tq2t", 2}}) {
-    const std::string n = name;
-    const double b = bits;
-    kv_register_codec({n,
-                       fmt::format("TurboQuant {} bits (the record codec's codes, norm and decode) in 16-token tiles "
-                                   "for integer-dot kernels",
-                                   b),
-                       [n, b](const KvCodecParams& p) { return tq_tiled_codec_create(n, b, p); }});
-    kv_register_format({n, {}, n, n,
-                        fmt::format("TurboQuant {} bits K and V in 16-token tiles for integer-dot kernels "
-                                    "(+16/head_dim for the norm)",
-                                    b)});
-  }
 }
 
 }  // namespace kvq

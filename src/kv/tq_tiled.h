@@ -125,7 +125,4 @@ std::unique_ptr<KvCodec> tq_tiled_codec_create(const std::string& name, double b
 std::unique_ptr<KvCodec> tq_codec_tiles_or_rows(const std::string& tiled_name, const std::string& rows_name,
                                                 double bits, const KvCodecParams& p);
 
-// Registers codecs and formats tq4t, tq3.5t, tq3t, tq2.5t, tq2.25t, tq2t (called once by the registry).
-void kv_register_tq_tiled();
-
 }  // namespace kvq

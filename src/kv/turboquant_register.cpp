@@ -1,7 +1,6 @@
 // Registry entries of the TurboQuant family: codecs tq1..tq4, fractional, prod (QJL), dense
 // rotation, and the formats built from them (including K/V-split presets).
 #include <string>
-#include <tuple>
 
 #include "kv/registry_internal.h"
 #include "kv/tq_tiled.h"
@@ -15,6 +14,21 @@ namespace {
 // the K half of k8v4.
 constexpr const char* kInt8Codec = "int8";
 
+// The MSE rates that have tiles (kv/tq_tiled.h) besides their token records.
+struct Rate {
+  const char* name;
+  double bits;
+  const char* what;
+};
+constexpr Rate kRates[] = {
+    {"tq2", 2, "2 bits/elem"},
+    {"tq3", 3, "3 bits/elem"},
+    {"tq4", 4, "4 bits/elem"},
+    {"tq2.25", 2.25, "the paper's '2.5-bit' split (1/4 of rotated channels at 3 bits, 3/4 at 2): 2.25 bits/elem"},
+    {"tq2.5", 2.5, "2.5 bits/elem: first half of the rotated channels at 3 bits, second half at 2"},
+    {"tq3.5", 3.5, "3.5 bits/elem: first half of the rotated channels at 4 bits, second half at 3"},
+};
+
 void add_codec(const std::string& name, TqConfig cfg, const std::string& what) {
   kv_register_codec({name, what, [name, cfg](const KvCodecParams& p) { return tq_codec_create(name, cfg, p); }});
 }
@@ -24,22 +38,17 @@ void add_codec(const std::string& name, TqConfig cfg, const std::string& what) {
 void kv_register_turboquant() {
   using R = TqRotationKind;
   add_codec("tq1", {1, false, R::hadamard}, "TurboQuant MSE, 1 bit/elem: Hadamard rotation + Lloyd-Max codes, fp16 norm");
-  // tq2 .. tq4 and the fractional rates store the tiles of kv/tq_tiled.h where the head allows
-  // (same quantization, bytes and decode; integer-dot kernels: bench/BENCHMARKS.md), else the
-  // records; "<name>_rows" always the records.
-  for (const auto& [name, bits, what] :
-       {std::tuple<const char*, double, const char*>{"tq2", 2, "2 bits/elem"},
-        {"tq3", 3, "3 bits/elem"},
-        {"tq4", 4, "4 bits/elem"},
-        {"tq2.25", 2.25, "the paper's '2.5-bit' split (1/4 of rotated channels at 3 bits, 3/4 at 2): 2.25 bits/elem"},
-        {"tq2.5", 2.5, "2.5 bits/elem: first half of the rotated channels at 3 bits, second half at 2"},
-        {"tq3.5", 3.5, "3.5 bits/elem: first half of the rotated channels at 4 bits, second half at 3"}}) {
-    const std::string n = name, rows = n + "_rows";
-    const double b = bits;
-    const std::string desc = std::string("TurboQuant MSE, ") + what + ": Hadamard rotation + Lloyd-Max codes, fp16 norm";
+  // tq2 .. tq4 and the fractional rates: "<name>" stores the tiles of kv/tq_tiled.h where the head
+  // allows (same quantization, bytes and decode; integer-dot kernels: bench/BENCHMARKS.md), else
+  // the records; "<name>t" always the tiles; "<name>_rows" always the records.
+  for (const Rate& r : kRates) {
+    const std::string n = r.name, desc = std::string("TurboQuant MSE, ") + r.what + ": Hadamard rotation + Lloyd-Max codes, fp16 norm";
+    const double b = r.bits;
     kv_register_codec({n, desc + "; " + n + "t's 16-token tiles where head_dim allows (a multiple of 32), else token records",
                        [n, b](const KvCodecParams& p) { return tq_codec_tiles_or_rows(n + "t", n, b, p); }});
-    add_codec(rows, {b, false, R::hadamard}, desc + ", in token records");
+    kv_register_codec({n + "t", desc + ", in 16-token tiles for integer-dot kernels",
+                       [n, b](const KvCodecParams& p) { return tq_tiled_codec_create(n + "t", b, p); }});
+    add_codec(n + "_rows", {b, false, R::hadamard}, desc + ", in token records");
   }
   add_codec("tq2_qjl", {2, true, R::hadamard},
             "TurboQuant prod, 2 bits/elem: 1-bit MSE codes + 1-bit QJL signs of the residual (unbiased q.k)");
@@ -64,9 +73,11 @@ void kv_register_turboquant() {
   fmt("tq2_qjl", {}, "tq2_qjl", "tq2", "TurboQuant prod keys (1-bit MSE + QJL), 2-bit MSE values");
   fmt("tq3_qjl", {}, "tq3_qjl", "tq3", "TurboQuant prod keys (2-bit MSE + QJL), 3-bit MSE values");
   fmt("tq4_qjl", {}, "tq4_qjl", "tq4", "TurboQuant prod keys (3-bit MSE + QJL), 4-bit MSE values");
-  for (const char* n : {"tq2", "tq3", "tq4", "tq2.25", "tq2.5", "tq3.5"}) {
-    const std::string r = std::string(n) + "_rows";
-    fmt(r, {}, r, r, std::string("TurboQuant ") + (n + 2) + " bits K and V in token records (the record kernels)");
+  for (const Rate& r : kRates) {
+    const std::string n = r.name, bits = n.substr(2);
+    fmt(n + "t", {}, n + "t", n + "t",
+        "TurboQuant " + bits + " bits K and V in 16-token tiles for integer-dot kernels (+16/head_dim for the norm)");
+    fmt(n + "_rows", {}, n + "_rows", n + "_rows", "TurboQuant " + bits + " bits K and V in token records (the record kernels)");
   }
   // K/V-split presets ("k8v4" alone is the basic library's int8/int4 format).
   fmt("tq_k8v4", {"turboquant_k8v4"}, kInt8Codec, "tq4", "keys int8 per token, values TurboQuant 4 bits");
