@@ -253,6 +253,16 @@ double int4t_tol(const KvCodec& kc, const KvCodec& vc, int head, const std::vect
   double tol = std::expm1(2 * delta) * vmax;
   test::TqtShape vshp;
   const bool tqt_v = test::tqt_codec(vc, &vshp);
+  // TurboQuant tiles: what finish_output does to an L2 error bound of the rotated basis (model
+  // units): at most the largest channel scale, finish_output's row norms over the image step (cs
+  // of the channel's segment: the same ratio for every row).
+  double tqt_out_gain = 0;
+  if (tqt_v) {
+    const OutputMap om = output_map(vc, head);
+    double csmin = vshp.L.seg[0].cs;
+    for (int g = 1; g < vshp.L.nseg; ++g) csmin = std::min(csmin, double(vshp.L.seg[g].cs));
+    tqt_out_gain = *std::max_element(om.s.begin(), om.s.end()) / csmin;
+  }
   if (test::int4t_codec(vc) || test::kivi4t_value_codec(vc) || test::int8t_codec(vc) || test::int2t_codec(vc) ||
       test::kivi2t_value_codec(vc) || tqt_v) {
     // kivi4t_v: int4t_g32's value tiles; int2t_g*: int4t's weight steps against 2-bit tiles;
@@ -286,8 +296,7 @@ double int4t_tol(const KvCodec& kc, const KvCodec& vc, int head, const std::vect
       size_t off = 0;
       if (tqt_v) {
         // Per rotated channel (model units), summed over the spans; R^T is orthogonal, so the L2 norm
-        // bounds every channel after it, and a scaled codec's channel scales after that: finish_output's
-        // row norms over the image step (cs of the channel's segment: the same ratio for every row).
+        // bounds every channel after it (times tqt_out_gain for a scaled codec's channel scales).
         const test::TqtShape& shp = vshp;
         std::vector<double> ch(size_t(vd), 0.0);
         for (const auto& sp : spans) {
@@ -299,12 +308,7 @@ double int4t_tol(const KvCodec& kc, const KvCodec& vc, int head, const std::vect
         }
         double l2 = 0;
         for (double x : ch) l2 += x * x;
-        const OutputMap om = output_map(vc, head);
-        double smax = 0;
-        for (int d = 0; d < vd; ++d) smax = std::max(smax, om.s[size_t(d)]);
-        double csmin = shp.L.seg[0].cs;
-        for (int g = 1; g < shp.L.nseg; ++g) csmin = std::min(csmin, double(shp.L.seg[g].cs));
-        worst = std::max(worst, std::sqrt(l2) * smax / csmin);
+        worst = std::max(worst, std::sqrt(l2) * tqt_out_gain);
         continue;
       }
       for (const auto& sp : spans) {

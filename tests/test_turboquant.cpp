@@ -691,15 +691,21 @@ TEST(TqKernels, DispatchFollowsCpuLevel) {
 // ---------------------------------------------------------------------------------------------
 // Registry
 
+namespace {
+// The rates whose codecs store kv/tq_tiled.h's tiles where the head allows (at 128: all of them).
+bool tiled_rate(const std::string& n) {
+  for (const char* r : {"tq2", "tq3", "tq4", "tq2.25", "tq2.5", "tq3.5"})
+    if (n == r) return true;
+  return false;
+}
+}  // namespace
+
 TEST(TqRegistry, CodecsAndFormatsByName) {
-  const auto tiled = [](const std::string& n) {  // the codecs that store kv/tq_tiled.h's tiles at 128
-    return n == "tq2" || n == "tq3" || n == "tq4" || n == "tq2.25" || n == "tq2.5" || n == "tq3.5";
-  };
   for (const char* name : {"tq1", "tq2", "tq3", "tq4", "tq2_rows", "tq4_rows", "tq3.5_rows", "tq2.25", "tq2.5",
                            "tq3.5", "tq2_qjl", "tq3_qjl", "tq4_qjl", "tq4_dense"}) {
     auto c = kv_codec_create(name, params(128));
     // tq2 .. tq4 store their tiles where the head allows (kv/tq_tiled.h; tested in test_tq_tiled).
-    EXPECT_EQ(c->info().name, tiled(name) ? std::string(name) + "t" : std::string(name));
+    EXPECT_EQ(c->info().name, tiled_rate(name) ? std::string(name) + "t" : std::string(name));
     EXPECT_TRUE(c->info().transforms_query && c->info().transforms_output);
     EXPECT_DOUBLE_EQ(kv_codec_effective_bits(*c, 64, 1000), 8.0 * double(c->block_bytes(64)) / (64.0 * 128)) << name;
   }
@@ -727,11 +733,7 @@ TEST(TqRegistry, FusedAttentionMatchesDecodeReference) {
       const int d = 128, bt = 32, n_blocks = 3, n_q = 5, n_tail = 4, head = 1;
       // The record kernels: the formats' codecs store tiles at this head_dim (kernels checked by
       // test_tq_tiled and test_attention); here their records stand in.
-      const auto rows = [](const std::string& c) {
-        for (const char* n : {"tq2", "tq3", "tq4", "tq2.25", "tq2.5", "tq3.5"})
-          if (c == n) return c + "_rows";
-        return c;
-      };
+      const auto rows = [](const std::string& c) { return tiled_rate(c) ? c + "_rows" : c; };
       auto kc = kv_codec_create(rows(f.k_codec), params(d, 1, 2, KvRole::key));
       auto vc = kv_codec_create(rows(f.v_codec), params(d, 1, 2, KvRole::value));
       std::mt19937_64 rng(17);
