@@ -31,6 +31,7 @@
 #include "core/thread_pool.h"
 #include "core/timer.h"
 #include "kvq/kv_format.h"
+#include "kv/kvquant.h"
 
 using namespace kvq;
 
@@ -67,8 +68,12 @@ const nlohmann::json& bench_calib(int hd) {
       mean[0][size_t(c)] = 0.1f * std::sin(float(c));
       rms[0][size_t(c)] = 1.f + 0.5f * std::cos(float(c));
     }
-    it = by_hd.emplace(hd, nlohmann::json{{"layers", {{{"k_scale", 0.02}, {"v_scale", 0.02}, {"k_mean", mean}, {"v_mean", mean},
-                                                       {"k_rms", rms}, {"q_rms", rms}, {"v_rms", rms}}}}}).first;
+    nlohmann::json layer = {{"k_scale", 0.02}, {"v_scale", 0.02}, {"k_mean", mean}, {"v_mean", mean},
+                            {"k_rms", rms}, {"q_rms", rms}, {"v_rms", rms}};
+    auto width = rms;  // calibrated KVQuant key ranges: three RMS about the mean
+    for (float& w : width[0]) w *= 3.f;
+    for (int b : {2, 3, 4}) layer["kvquant_cal_k" + std::to_string(b)] = kvquant_cal_artifact(mean, width, b);
+    it = by_hd.emplace(hd, nlohmann::json{{"layers", {layer}}}).first;
   }
   return it->second;
 }

@@ -32,6 +32,7 @@
 #include "int4_tiled_bound.h"
 #include "int8_tiled_bound.h"
 #include "kivi_tiled_bound.h"
+#include "kv/kvquant.h"
 
 using namespace kvq;
 
@@ -356,9 +357,14 @@ double max_err_vs_ref(const std::string& format, const Case& c, uint64_t seed, d
         qr[size_t(h)][size_t(d)] = 0.4f + 0.2f * float((3 * d + h) % 5);
         vr[size_t(h)][size_t(d)] = std::fabs(vm[size_t(h)][size_t(d)]) + 0.3f + 0.1f * float(d % 3);
       }
-    it = calibs.emplace(c.head_dim, nlohmann::json{{"layers", {{{"k_scale", {0.05, 0.07}}, {"v_scale", {0.03, 0.02}},
-                                                                 {"k_mean", km}, {"v_mean", vm}, {"k_rms", kr},
-                                                                 {"q_rms", qr}, {"v_rms", vr}}}}}).first;
+    nlohmann::json layer = {{"k_scale", {0.05, 0.07}}, {"v_scale", {0.03, 0.02}}, {"k_mean", km}, {"v_mean", vm},
+                            {"k_rms", kr}, {"q_rms", qr}, {"v_rms", vr}};
+    // calibrated KVQuant key ranges: about the channel means, a few RMS wide
+    auto kw = kr;
+    for (auto& h : kw)
+      for (float& w : h) w *= 2.5f;
+    for (int b : {2, 3, 4}) layer["kvquant_cal_k" + std::to_string(b)] = kvquant_cal_artifact(km, kw, b);
+    it = calibs.emplace(c.head_dim, nlohmann::json{{"layers", {layer}}}).first;
   }
   pk.calib = pv.calib = &it->second;
   std::unique_ptr<KvCodec> kc, vc;

@@ -15,6 +15,7 @@
 #include "core/aligned.h"
 #include "kv/row_codec.h"
 #include "kvq/kv_format.h"
+#include "kv/kvquant.h"
 
 using namespace kvq;
 
@@ -32,8 +33,10 @@ std::unique_ptr<KvCodec> make(const std::string& name, KvRole role, const nlohma
 
 nlohmann::json test_calib() {
   const std::vector<std::vector<float>> mean(2, std::vector<float>(128, 0.25f)), rms(2, std::vector<float>(128, 1.f));
-  return {{"layers", {{{"k_scale", 0.05}, {"v_scale", 0.05}, {"k_mean", mean}, {"v_mean", mean}, {"k_rms", rms},
-                       {"q_rms", rms}, {"v_rms", rms}}}}};
+  nlohmann::json calib = {{"layers", {{{"k_scale", 0.05}, {"v_scale", 0.05}, {"k_mean", mean}, {"v_mean", mean},
+                                       {"k_rms", rms}, {"q_rms", rms}, {"v_rms", rms}}}}};
+  for (int b : {2, 3, 4}) calib["layers"][0]["kvquant_cal_k" + std::to_string(b)] = kvquant_cal_artifact(mean, rms, b);
+  return calib;
 }
 
 }  // namespace

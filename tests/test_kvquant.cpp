@@ -16,6 +16,7 @@
 #include "attn/attention.h"
 #include "core/aligned.h"
 #include "core/cpu.h"
+#include "core/dtypes.h"
 #include "core/error.h"
 #include "kv/kivi.h"
 #include "kv/kvquant.h"
@@ -621,6 +622,337 @@ TEST(Kvquant, BadParametersRejected) {
   EXPECT_THROW(kvquant_fit(x.data(), 64, 1, 100, 3), Error);
   x[5] = 0.f;
   EXPECT_THROW(kvquant_fit(x.data(), 64, 1, 128, 3), Error);  // all-constant: nothing to fit
+}
+
+// ---------------------------------------------------------------- calibrated ranges (kvquant*_cal)
+
+namespace {
+
+// Per-head ranges that differ between heads and channels (a few wide, offset outlier channels).
+void cal_ranges(int H, int d, std::vector<std::vector<float>>& mid, std::vector<std::vector<float>>& scale) {
+  mid.assign(size_t(H), std::vector<float>(size_t(d)));
+  scale = mid;
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < d; ++c) {
+      mid[size_t(h)][size_t(c)] = (c % 13 == 5) ? 12.f * float(h + 1) : 0.1f * float((c + h) % 7) - 0.3f;
+      scale[size_t(h)][size_t(c)] = (c % 13 == 5) ? 6.f : 1.f + 0.25f * float((3 * c + h) % 5);
+    }
+}
+
+nlohmann::json cal_calib(int bits, const std::vector<std::vector<float>>& mid,
+                         const std::vector<std::vector<float>>& scale) {
+  return {{"layers", {{{"layer", 0}, {"kvquant_cal_k" + std::to_string(bits), kvquant_cal_artifact(mid, scale, bits)}}}}};
+}
+
+// Keys drawn about the calibrated ranges: x = mid + 0.6 scale N(0, 1), with spikes.
+std::vector<float> cal_keys(int n, int d, const std::vector<float>& mid, const std::vector<float>& scale, uint64_t seed) {
+  auto x = gaussian(n, d, seed, 0.6f);
+  for (int t = 0; t < n; ++t)
+    for (int c = 0; c < d; ++c) {
+      float& v = x[size_t(t) * d + c];
+      v = mid[size_t(c)] + scale[size_t(c)] * v * ((t * 31 + c * 7) % 97 == 0 ? 20.f : 1.f);
+    }
+  return x;
+}
+
+}  // namespace
+
+// Per-token codec: sink rows + codes + k outliers x (f16 + u8) per token, no group parameters;
+// the bytes claimed are the bytes allocated and written.
+TEST(KvquantCal, PerTokenBlocksHoldNoGroupParameters) {
+  for (int b : {2, 3, 4})
+    for (int d : {64, 128, 256}) {
+      std::vector<std::vector<float>> mid, scale;
+      cal_ranges(2, d, mid, scale);
+      const nlohmann::json calib = cal_calib(b, mid, scale);
+      KvCodecParams p;
+      p.head_dim = d;
+      p.n_kv_heads = 2;
+      p.rope = llama_rope(d);
+      p.calib = &calib;
+      auto k = kv_codec_create("kvquant" + std::to_string(b) + "_cal_k", p);
+      EXPECT_EQ(k->info().group_tokens, 1);
+      EXPECT_EQ(k->info().residual_tokens, 0);
+      EXPECT_TRUE(k->info().pre_rope);
+      const int kk = int(std::ceil(0.01 * d - 1e-9));
+      for (int bt : {16, 64, 256}) {
+        const size_t expect = size_t(d) * 2 + size_t(bt) * (size_t(b) * d / 8 + 3 * kk);
+        ASSERT_EQ(k->block_bytes(bt), expect);
+        std::vector<uint8_t> buf(expect + 32, 0x5a);
+        auto x = cal_keys(bt, d, mid[1], scale[1], 3);
+        for (int t = 0; t < bt; ++t) k->encode(1, x.data() + size_t(t) * d, d, 1, buf.data(), bt, t, 0);
+        for (size_t i = expect; i < buf.size(); ++i) ASSERT_EQ(buf[i], 0x5a);
+        EXPECT_DOUBLE_EQ(kv_codec_effective_bits(*k, bt, 0), 8.0 * double(expect) / (double(bt) * d));
+      }
+    }
+  // head_dim 64: 3 bits + 0.375 (one outlier) + the sink row amortized over a 256-token page.
+  std::vector<std::vector<float>> mid, scale;
+  cal_ranges(1, 64, mid, scale);
+  const nlohmann::json calib = cal_calib(3, mid, scale);
+  KvCodecParams p;
+  p.head_dim = 64;
+  p.calib = &calib;
+  EXPECT_DOUBLE_EQ(kv_codec_effective_bits(*kv_codec_create("kvquant3_cal_k", p), 256, 0), 3.375 + 0.0625);
+  EXPECT_EQ(kv_format_find("kvquant3_cal").k_codec, "kvquant3_cal_k");
+  EXPECT_EQ(kv_format_find("kvquant3_cal").v_codec, "kvquant3_v");
+}
+
+// Decode is the calibrated range's level for every channel but the token's k farthest outside
+// the range (relative to its width), which are exact to f16; then RoPE at the token's position.
+// Tokens encoded one at a time, out of order, equal one call over the block.
+TEST(KvquantCal, DecodeIsTheCalibratedLevelOrTheExactOutlier) {
+  const int d = 128, H = 2, bt = 64;
+  std::vector<std::vector<float>> mid, scale;
+  cal_ranges(H, d, mid, scale);
+  for (int b : {2, 3, 4}) {
+    const nlohmann::json calib = cal_calib(b, mid, scale);
+    for (int n_rot : {0, 128}) {
+      KvCodecParams p;
+      p.head_dim = d;
+      p.n_kv_heads = H;
+      p.rope = llama_rope(n_rot, true);
+      p.calib = &calib;
+      auto k = kv_codec_create("kvquant" + std::to_string(b) + "_cal_k", p);
+      const std::vector<float>& cb = kvquant_default_codebook(b);
+      for (int h = 0; h < H; ++h) {
+        auto x = cal_keys(bt, d, mid[size_t(h)], scale[size_t(h)], 10 + h);
+        const int pos0 = 100;
+        std::vector<uint8_t> whole(k->block_bytes(bt)), single(k->block_bytes(bt));
+        k->encode(h, x.data(), d, bt, whole.data(), bt, 0, pos0);
+        for (int t = bt - 1; t >= 0; t -= 2) k->encode(h, x.data() + size_t(t) * d, d, 1, single.data(), bt, t, pos0);
+        for (int t = 0; t < bt; t += 2) k->encode(h, x.data() + size_t(t) * d, d, 1, single.data(), bt, t, pos0);
+        ASSERT_EQ(whole, single);
+        std::vector<float> y(size_t(bt) * d);
+        k->decode(h, whole.data(), bt, 0, bt, pos0, y.data());
+        for (int t = 0; t < bt; ++t) {
+          const float* xr = x.data() + size_t(t) * d;
+          std::vector<float> want(static_cast<size_t>(d));
+          std::vector<std::pair<float, int>> far;
+          for (int c = 0; c < d; ++c) {
+            const float s = f16_to_f32(f32_to_f16(scale[size_t(h)][size_t(c)]));
+            const float m = f16_to_f32(f32_to_f16(mid[size_t(h)][size_t(c)]));
+            const float u = (xr[c] - m) * (1.f / s);
+            int best = 0;
+            for (int j = 1; j < int(cb.size()); ++j)
+              if (std::fabs(u - cb[size_t(j)]) < std::fabs(u - cb[size_t(best)])) best = j;
+            want[size_t(c)] = s * cb[size_t(best)] + m;
+            far.push_back({std::fabs(u), c});
+          }
+          std::sort(far.begin(), far.end(), [](auto& a, auto& b2) { return a.first > b2.first; });
+          const int kk = int(std::ceil(0.01 * d - 1e-9));
+          for (int j = 0; j < kk; ++j) want[size_t(far[size_t(j)].second)] = f16_to_f32(f32_to_f16(xr[far[size_t(j)].second]));
+          rope_ref(p.rope, pos0 + t, want.data());
+          for (int c = 0; c < d; ++c)
+            ASSERT_NEAR(y[size_t(t) * d + c], want[size_t(c)], 2e-5f * (1 + std::fabs(want[size_t(c)])))
+                << "bits " << b << " head " << h << " t " << t << " c " << c;
+        }
+      }
+      // A head beyond the calibration is refused, not read out of bounds.
+      std::vector<uint8_t> blk(k->block_bytes(bt));
+      std::vector<float> x(size_t(d), 0.f);
+      EXPECT_THROW(k->encode(H, x.data(), d, 1, blk.data(), bt, 0, 0), Error);
+    }
+  }
+}
+
+// The fused score kernel on the calibrated ranges, every CPU level, against decode-then-dot:
+// sink inside the span, partial spans, GQA groups past the query chunk.
+TEST(KvquantCal, ScoresMatchDecodeAllLevels) {
+  const int d = 128, H = 2, bt = 128;
+  std::vector<std::vector<float>> mid, scale;
+  cal_ranges(H, d, mid, scale);
+  for (int b : {2, 3, 4}) {
+    const nlohmann::json calib = cal_calib(b, mid, scale);
+    for (bool neox : {false, true}) {
+      KvCodecParams p;
+      p.head_dim = d;
+      p.n_kv_heads = H;
+      p.rope = llama_rope(96, neox);
+      p.calib = &calib;
+      p.sink_tokens = 2;
+      auto k = kv_codec_create("kvquant" + std::to_string(b) + "_cal_k", p);
+      for (int pos0 : {0, 70000}) {
+        const int h = 1;
+        auto x = cal_keys(bt, d, mid[h], scale[h], 20 + b);
+        std::vector<uint8_t> block(k->block_bytes(bt));
+        k->encode(h, x.data(), d, bt, block.data(), bt, 0, pos0);
+        std::vector<float> dec(size_t(bt) * d);
+        k->decode(h, block.data(), bt, 0, bt, pos0, dec.data());
+        for (int n_q : {1, 9}) {
+          auto q = gaussian(n_q, d, 21);
+          const int t0 = 1, n = 120;
+          for (CpuLevel l : levels()) {
+            const CpuLevel prev = cpu_set_level(l);
+            auto kl = kv_codec_create("kvquant" + std::to_string(b) + "_cal_k", p);  // layout per level
+            std::vector<float> s(size_t(n_q) * n);
+            kl->scores(h, q.data(), n_q, block.data(), bt, t0, n, pos0, s.data(), n);
+            cpu_set_level(prev);
+            for (int i = 0; i < n_q; ++i)
+              for (int t = 0; t < n; ++t) {
+                double r = 0, ra = 0;
+                for (int c = 0; c < d; ++c) {
+                  r += double(q[size_t(i) * d + c]) * dec[size_t(t0 + t) * d + c];
+                  ra += std::fabs(double(q[size_t(i) * d + c]) * dec[size_t(t0 + t) * d + c]);
+                }
+                ASSERT_NEAR(s[size_t(i) * n + t], r, 2e-5 * ra + 1e-30) << cpu_level_name(l) << " bits " << b;
+              }
+          }
+        }
+      }
+    }
+  }
+}
+
+// kvquant_fit_static on keys whose channels have their own offsets and widths: the fitted mids
+// and half-widths follow each channel, the codebook is a proper one, and the codec built from the
+// artifact (through the registry, as the engine builds it) quantizes held-out keys from the same
+// distribution. Per-group ranges (kvquant<b>_k, G = 32) spend 1 bit per element at head_dim 64 on
+// f16 scales and mids: at the same bytes the calibrated ranges get one more code bit, and a
+// smaller error than the per-group ranges (what they are for on keys whose channel statistics
+// hold, as pre-RoPE keys' do).
+TEST(KvquantCal, FittedRangesFollowTheChannels) {
+  const int d = 64, H = 2, n = 2048;
+  std::vector<std::vector<float>> mid, scale;
+  cal_ranges(H, d, mid, scale);
+  auto draw = [&](uint64_t seed) {
+    std::vector<float> x(size_t(n) * H * d);
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (int t = 0; t < n; ++t)
+      for (int h = 0; h < H; ++h)
+        for (int c = 0; c < d; ++c)
+          x[(size_t(t) * H + h) * d + c] = mid[size_t(h)][size_t(c)] + 0.3f * scale[size_t(h)][size_t(c)] * nd(rng);
+    return x;
+  };
+  const auto train = draw(31), test = draw(32);
+  double err_cal[5] = {}, err_dyn[5] = {};
+  size_t bytes_cal[5] = {}, bytes_dyn[5] = {};
+  for (int b : {2, 3, 4}) {
+    const auto art = kvquant_fit_static(train.data(), n, H, d, b);
+    const std::string key = "kvquant_cal_k" + std::to_string(b);
+    ASSERT_TRUE(art.contains(key));
+    const auto& a = art[key];
+    const auto fm = a.at("mid").get<std::vector<std::vector<float>>>();
+    const auto fs = a.at("scale").get<std::vector<std::vector<float>>>();
+    ASSERT_EQ(fm.size(), size_t(H));
+    for (int h = 0; h < H; ++h)
+      for (int c = 0; c < d; ++c) {
+        const float sd = 0.3f * scale[size_t(h)][size_t(c)];
+        EXPECT_NEAR(fm[size_t(h)][size_t(c)], mid[size_t(h)][size_t(c)], sd) << h << " " << c;
+        EXPECT_GT(fs[size_t(h)][size_t(c)], 2.0f * sd);  // the inliers span the bulk
+        EXPECT_LT(fs[size_t(h)][size_t(c)], 4.5f * sd);  // 2048 Gaussian draws: about 3.5 sd
+      }
+    const auto cb = a.at("codebook").get<std::vector<float>>();
+    ASSERT_EQ(cb.size(), size_t(1) << b);
+    for (size_t i = 1; i < cb.size(); ++i) EXPECT_GT(cb[i], cb[i - 1]);
+    // Relative error near the Lloyd-Max distortion of a Gaussian (0.1175, 0.03454, 0.009497).
+    const double lm[] = {0, 0, 0.1175, 0.03454, 0.009497};
+    const double rel = a.at("rel_mse").get<double>();
+    EXPECT_GT(rel, 0.8 * lm[b]);
+    EXPECT_LT(rel, 1.5 * lm[b]);
+
+    nlohmann::json calib = {{"layers", {{{"layer", 0}, {key, a}}}}};
+    KvCodecParams p;
+    p.head_dim = d;
+    p.n_kv_heads = H;
+    p.calib = &calib;
+    auto cal = kv_codec_create("kvquant" + std::to_string(b) + "_cal_k", p);
+    auto dyn = kv_codec_create("kvquant" + std::to_string(b) + "_k", p);
+    const int bt = 256;
+    double e_cal = 0, e_dyn = 0, energy = 0;
+    for (int h = 0; h < H; ++h) {
+      std::vector<float> x(size_t(bt) * d);
+      for (int t = 0; t < bt; ++t)
+        std::memcpy(x.data() + size_t(t) * d, test.data() + (size_t(t) * H + h) * d, sizeof(float) * d);
+      std::vector<uint8_t> bc(cal->block_bytes(bt)), bd(dyn->block_bytes(bt));
+      cal->encode(h, x.data(), d, bt, bc.data(), bt, 0, 1);
+      dyn->encode(h, x.data(), d, bt, bd.data(), bt, 0, 1);
+      std::vector<float> yc(x.size()), yd(x.size());
+      cal->decode(h, bc.data(), bt, 0, bt, 1, yc.data());
+      dyn->decode(h, bd.data(), bt, 0, bt, 1, yd.data());
+      for (size_t i = 0; i < x.size(); ++i) {
+        const float m = mid[size_t(h)][i % d];
+        e_cal += (double(x[i]) - yc[i]) * (double(x[i]) - yc[i]);
+        e_dyn += (double(x[i]) - yd[i]) * (double(x[i]) - yd[i]);
+        energy += (double(x[i]) - m) * (double(x[i]) - m);
+      }
+    }
+    std::printf("bits %d: rel mse calibrated %.4g (fit %.4g), per-group %.4g; bytes %zu vs %zu\n", b,
+                e_cal / energy, rel, e_dyn / energy, cal->block_bytes(bt), dyn->block_bytes(bt));
+    err_cal[b] = e_cal / energy;
+    err_dyn[b] = e_dyn / energy;
+    bytes_cal[b] = cal->block_bytes(bt);
+    bytes_dyn[b] = dyn->block_bytes(bt);
+    EXPECT_LT(e_cal, 2.0 * e_dyn) << b;  // one code bit fewer than the group's side information
+    EXPECT_LT(bytes_cal[b], bytes_dyn[b]);
+  }
+  for (int b : {2, 3}) {
+    EXPECT_EQ(bytes_cal[b + 1], bytes_dyn[b]);
+    EXPECT_LT(err_cal[b + 1], 0.6 * err_dyn[b]) << b;
+  }
+}
+
+// Calibration text is cut into windows that each start at position 0, where the codec keeps the
+// sink exact: those keys (often the most extreme of a sequence) are left out of the ranges.
+TEST(KvquantCal, EachWindowsSinkIsLeftOutOfTheRanges) {
+  const int d = 64, n = 1024, win = 256;
+  auto x = gaussian(n, d, 41);
+  for (int t = 0; t < n; t += win)
+    for (int c = 0; c < d; ++c) x[size_t(t) * d + c] = 80.f;  // every window's first token
+  auto width = [&](int window) {
+    const auto a = kvquant_fit_static(x.data(), n, 1, d, 3, 1, -1, window).at("kvquant_cal_k3");
+    const auto s = a.at("scale").get<std::vector<std::vector<float>>>()[0];
+    return *std::max_element(s.begin(), s.end());
+  };
+  EXPECT_LT(width(win), 6.f);   // about 3.5 standard deviations
+  EXPECT_GT(width(0), 30.f);    // one sequence: positions 256, 512, 768 are ordinary tokens
+  EXPECT_THROW(kvquant_fit_static(x.data(), n, 1, d, 3, 1, -1, -5), Error);
+}
+
+// Missing or malformed calibration is a clear error naming what is wrong.
+TEST(KvquantCal, BadCalibrationRejected) {
+  const int d = 64;
+  std::vector<std::vector<float>> mid, scale;
+  cal_ranges(2, d, mid, scale);
+  KvCodecParams p;
+  p.head_dim = d;
+  p.n_kv_heads = 2;
+  auto err = [&](const nlohmann::json* calib) {
+    p.calib = calib;
+    try {
+      kv_codec_create("kvquant3_cal_k", p);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(err(nullptr).find("kvq calibrate"), std::string::npos);
+  nlohmann::json no_entry = {{"layers", {{{"layer", 0}, {"k_scale", 1.0}}}}};
+  EXPECT_NE(err(&no_entry).find("kvquant_cal_k3"), std::string::npos);
+  nlohmann::json good = cal_calib(3, mid, scale);
+  EXPECT_EQ(err(&good), "no error");
+  p.n_kv_heads = 3;  // the model has more KV heads than the calibration
+  EXPECT_NE(err(&good).find("3 heads"), std::string::npos);
+  p.n_kv_heads = 2;
+  p.head_dim = 128;
+  EXPECT_NE(err(&good).find("128 numbers"), std::string::npos);
+  p.head_dim = d;
+  nlohmann::json bad = good;
+  bad["layers"][0]["kvquant_cal_k3"]["scale"][1][4] = -1.0;
+  EXPECT_NE(err(&bad).find("negative"), std::string::npos);
+  bad = good;
+  bad["layers"][0]["kvquant_cal_k3"]["mid"][0][0] = "x";
+  EXPECT_NE(err(&bad).find("non-number"), std::string::npos);
+  bad = good;
+  bad["layers"][0]["kvquant_cal_k3"]["codebook"] = {0.5, 0.1};
+  EXPECT_NE(err(&bad).find("codebook"), std::string::npos);
+  std::vector<float> x(64 * 128, 0.f);
+  x[3] = NAN;
+  EXPECT_THROW(kvquant_fit_static(x.data(), 64, 1, 128, 3), Error);
+  x[3] = 0.f;
+  EXPECT_THROW(kvquant_fit_static(x.data(), 64, 1, 128, 3), Error);  // constant: nothing to fit
+  EXPECT_THROW(kvquant_fit_static(x.data(), 8, 1, 128, 3), Error);   // too few tokens
+  EXPECT_THROW(kvquant_fit_static(x.data(), 64, 1, 128, 5), Error);
 }
 
 // The grouped formats inside decode attention: fused attn_decode over several blocks (RoPE applied

@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "gguf/gguf.h"
 #include "gguf_writer.h"
+#include "kv/calib.h"
 #include "kvq/kv_format.h"
 #include "tools/plan.h"
 
@@ -134,9 +135,7 @@ TEST(Plan, EveryFormatMatchesItsCodecBlocks) {
   PlanResult r = plan_compute(m, c);
   ASSERT_FALSE(r.formats.empty());
   // Formats that read calibration (static scales, channel means) are sized too: with any values.
-  const std::vector<std::vector<float>> mean(8, std::vector<float>(128, 0.25f)), rms(8, std::vector<float>(128, 1.f));
-  const nlohmann::json calib = {{"layers", {{{"k_scale", 0.5}, {"v_scale", 0.5}, {"k_mean", mean}, {"v_mean", mean},
-                                             {"k_rms", rms}, {"q_rms", rms}, {"v_rms", rms}}}}};
+  const nlohmann::json calib = kv_placeholder_calib(1, 8, 128);
   EXPECT_EQ(r.formats.size(), kv_formats().size());
   for (const PlanFormatCost& f : r.formats) {
     SCOPED_TRACE(f.name);
@@ -634,4 +633,26 @@ TEST(Plan, CommandJsonAndCsv) {
   r = run_plan(p);
   ASSERT_EQ(r.rc, 0) << r.err;
   for (const PlanPreset& pr : plan_presets()) EXPECT_NE(r.out.find(pr.name), std::string::npos) << pr.name;
+}
+
+// A format skipped at a head_dim is skipped for the codec's real objection, not for the
+// calibration it would also need: int4t_g128h_s at head_dim 64 fails on its group size.
+TEST(Plan, SkippedFormatsGiveTheRealReason) {
+  PlanModel m = plan_model_from_preset("llama-3.2-1b", 16);
+  PlanConfig c;
+  c.ctx = {4096};
+  c.batch = {1};
+  PlanResult r = plan_compute(m, c);
+  bool seen = false;
+  for (const std::string& s : r.skipped_formats) {
+    if (s.find("'int4t_g128h_s'") == std::string::npos) continue;
+    seen = true;
+    EXPECT_NE(s.find("group size 128 does not divide head_dim 64"), std::string::npos) << s;
+    EXPECT_EQ(s.find("calibration"), std::string::npos) << s;
+  }
+  EXPECT_TRUE(seen);
+  // The calibrated formats that fit are sized, not skipped.
+  bool cal = false;
+  for (const PlanFormatCost& f : r.formats) cal |= f.name == "kvquant3_cal";
+  EXPECT_TRUE(cal);
 }

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "kv/kvquant.h"
 
 namespace kvq {
 
@@ -45,6 +46,20 @@ std::vector<float> kv_calib_head_scales(const KvCodecParams& p, const std::strin
     return out;
   }
   return std::vector<float>(size_t(p.n_kv_heads), value(s));
+}
+
+nlohmann::json kv_placeholder_calib(int n_layers, int n_kv_heads, int head_dim) {
+  const std::vector<std::vector<float>> zero(size_t(n_kv_heads), std::vector<float>(size_t(head_dim), 0.f));
+  const std::vector<std::vector<float>> one(size_t(n_kv_heads), std::vector<float>(size_t(head_dim), 1.f));
+  nlohmann::json entry = {{"k_scale", 1.0}, {"v_scale", 1.0}, {"k_mean", zero}, {"v_mean", zero},
+                          {"k_rms", one},   {"q_rms", one},   {"v_rms", one}};
+  for (int b : {2, 3, 4}) entry["kvquant_cal_k" + std::to_string(b)] = kvquant_cal_artifact(zero, one, b);
+  nlohmann::json cal = {{"layers", nlohmann::json::array()}};
+  for (int i = 0; i < n_layers; ++i) {
+    entry["layer"] = i;
+    cal["layers"].push_back(entry);
+  }
+  return cal;
 }
 
 }  // namespace kvq

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "kvq/kv_format.h"
 
 namespace kvq {
@@ -16,5 +18,11 @@ namespace kvq {
 // Per-head scales (n_kv_heads entries) of p.role at p.layer; throws kvq::Error (naming `codec`)
 // when p.calib is null or does not follow the schema.
 std::vector<float> kv_calib_head_scales(const KvCodecParams& p, const std::string& codec);
+
+// Placeholder artifacts for every family that reads calibration (static scales 1, channel means
+// 0, channel RMS 1, KVQuant key ranges [-1, 1]) in n_layers entries of n_kv_heads x head_dim:
+// enough to build any calibrated codec where only its size matters (kvq plan, kvq formats), since
+// no codec's bytes depend on the values.
+nlohmann::json kv_placeholder_calib(int n_layers, int n_kv_heads, int head_dim);
 
 }  // namespace kvq

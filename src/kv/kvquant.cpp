@@ -244,11 +244,11 @@ int default_outliers(int head_dim) {
 
 class KvquantKeyCodec final : public KvCodec {
  public:
-  explicit KvquantKeyCodec(const KvquantKeyConfig& c) : cfg_(c) {
+  explicit KvquantKeyCodec(const KvquantKeyConfig& c) : cfg_(c), static_(!c.static_mid.empty()) {
     info_.name = c.name;
     info_.code_bits = c.bits;
-    info_.group_tokens = c.group_tokens;
-    info_.residual_tokens = c.residual_tokens;
+    info_.group_tokens = static_ ? 1 : c.group_tokens;
+    info_.residual_tokens = static_ ? 0 : c.residual_tokens;
     info_.pre_rope = true;
     k_ = c.outliers_per_token;
     std::fill(std::begin(cb_), std::end(cb_), 0.f);
@@ -267,31 +267,60 @@ class KvquantKeyCodec final : public KvCodec {
     for (int t = 0; t < kRun; ++t)
       kvquant_sincos_scalar(t, theta_tab_.data(), half, rot_c_.data() + size_t(t) * half,
                             rot_s_.data() + size_t(t) * half);
+    if (static_) {
+      // The f16 image the kernels read (as a group's parameters), and its f32 values for encode.
+      const int D = c.head_dim, H = c.n_kv_heads;
+      sparams_.resize(size_t(H) * D * 4);
+      smid_.resize(size_t(H) * D);
+      sinv_.resize(size_t(H) * D);
+      for (int h = 0; h < H; ++h) {
+        uint8_t* ph = sparams_.data() + size_t(h) * D * 4;
+        for (int ch = 0; ch < D; ++ch) {
+          const size_t i = size_t(h) * D + ch;
+          const f16_t s16 = f32_to_f16(c.static_scale[i]), m16 = f32_to_f16(c.static_mid[i]);
+          kvg_store_f16(ph, size_t(ch), s16);
+          kvg_store_f16(ph, size_t(D + ch), m16);
+          const float s = f16_to_f32(s16);
+          sinv_[i] = s > 0 ? 1.f / s : 0.f;
+          smid_[i] = f16_to_f32(m16);
+        }
+      }
+    }
   }
   const KvCodecInfo& info() const override { return info_; }
   int head_dim() const override { return cfg_.head_dim; }
 
   size_t row_bytes() const { return bitplane_row_bytes(cfg_.bits, cfg_.head_dim); }
   size_t sink_bytes() const { return size_t(cfg_.sink_tokens) * cfg_.head_dim * 2; }
-  size_t group_bytes() const {
-    return size_t(cfg_.head_dim) * 4 + size_t(cfg_.group_tokens) * (row_bytes() + size_t(k_) * 3);
-  }
+  // Tokens per group: calibrated ranges make the whole block one group without parameters.
+  int grp_tokens(int block_tokens) const { return static_ ? block_tokens : cfg_.group_tokens; }
+  size_t param_bytes() const { return static_ ? 0 : size_t(cfg_.head_dim) * 4; }
+  size_t group_bytes(int G) const { return param_bytes() + size_t(G) * (row_bytes() + size_t(k_) * 3); }
   size_t block_bytes(int block_tokens) const override {
-    kv_check_block_tokens(info_.name, block_tokens, cfg_.group_tokens);
-    return sink_bytes() + size_t(block_tokens / cfg_.group_tokens) * group_bytes();
+    kv_check_block_tokens(info_.name, block_tokens, info_.group_tokens);
+    const int G = grp_tokens(block_tokens);
+    return sink_bytes() + size_t(block_tokens / G) * group_bytes(G);
+  }
+  // The f16 [scale (head_dim)][mid (head_dim)] that hold for group grp of head `head`.
+  const uint8_t* params(int head, const uint8_t* grp) const {
+    if (!static_) return grp;
+    if (head < 0 || head >= cfg_.n_kv_heads)
+      fail("{}: head {} is outside the {} calibrated heads", info_.name, head, cfg_.n_kv_heads);
+    return sparams_.data() + size_t(head) * cfg_.head_dim * 4;
   }
 
-  void encode(int, const float* src, size_t src_stride, int n, uint8_t* block, int block_tokens,
+  void encode(int head, const float* src, size_t src_stride, int n, uint8_t* block, int block_tokens,
               int t0, int pos0) const override {
-    kv_check_block_tokens(info_.name, block_tokens, cfg_.group_tokens);
-    kv_check_encode_range(info_.name, block_tokens, cfg_.group_tokens, t0, n);
+    kv_check_block_tokens(info_.name, block_tokens, info_.group_tokens);
+    kv_check_encode_range(info_.name, block_tokens, info_.group_tokens, t0, n);
+    if (static_) return encode_static(head, src, src_stride, n, block, block_tokens, t0, pos0);
     const int D = cfg_.head_dim, G = cfg_.group_tokens, k = k_;
     uint8_t sink[kvg_max_head_dim];  // G <= block_tokens <= 256 in practice; checked below
     uint8_t codes[kvg_max_head_dim];
     if (G > kvg_max_head_dim) fail("{}: group_tokens {} is too large", info_.name, G);
     for (int g0 = 0; g0 < n; g0 += G) {
       const int tb = t0 + g0;  // first slot of the group
-      uint8_t* grp = block + sink_bytes() + size_t(tb / G) * group_bytes();
+      uint8_t* grp = block + sink_bytes() + size_t(tb / G) * group_bytes(G);
       uint8_t* rows = grp + size_t(D) * 4;
       uint8_t* ovals = rows + size_t(G) * row_bytes();
       uint8_t* oidx = ovals + size_t(G) * k * 2;
@@ -299,11 +328,7 @@ class KvquantKeyCodec final : public KvCodec {
       for (int t = 0; t < G; ++t) {
         const long pos = long(pos0) + tb + t;
         sink[t] = pos >= 0 && pos < cfg_.sink_tokens;
-        if (sink[t]) {
-          uint8_t* srow = block + size_t(pos) * D * 2;
-          for (int c = 0; c < D; ++c)
-            kvg_store_f16(srow, c, f32_to_f16(kv_sanitize(x[size_t(t) * src_stride + c])));
-        }
+        if (sink[t]) store_sink(block, int(pos), x + size_t(t) * src_stride);
       }
       f16_t sc16[kvg_max_head_dim], mid16[kvg_max_head_dim];
       group_stats(x, src_stride, G, D, sink, k, oidx, sc16, mid16);
@@ -333,16 +358,16 @@ class KvquantKeyCodec final : public KvCodec {
   }
 
   // Pre-RoPE key of slot t into out (head_dim); sc/mid hold the f32 scales of t's group.
-  void dequant_pre_rope(const uint8_t* block, int t, int pos,
+  void dequant_pre_rope(const uint8_t* block, int block_tokens, int t, int pos,
                         const float* sc, const float* mid, float* out) const {
-    const int D = cfg_.head_dim, G = cfg_.group_tokens, k = k_;
+    const int D = cfg_.head_dim, G = grp_tokens(block_tokens), k = k_;
     if (pos >= 0 && pos < cfg_.sink_tokens) {
       const uint8_t* srow = block + size_t(pos) * D * 2;
       for (int c = 0; c < D; ++c) out[c] = f16_to_f32(kvg_load_f16(srow, c));
       return;
     }
-    const uint8_t* grp = block + sink_bytes() + size_t(t / G) * group_bytes();
-    const uint8_t* rows = grp + size_t(D) * 4;
+    const uint8_t* grp = block + sink_bytes() + size_t(t / G) * group_bytes(G);
+    const uint8_t* rows = grp + param_bytes();
     const uint8_t* ovals = rows + size_t(G) * row_bytes();
     const uint8_t* oidx = ovals + size_t(G) * k * 2;
     const int r = t % G;
@@ -351,25 +376,25 @@ class KvquantKeyCodec final : public KvCodec {
       out[oidx[size_t(r) * k + j]] = f16_to_f32(kvg_load_f16(ovals, size_t(r) * k + j));
   }
 
-  void load_group(const uint8_t* block, int g, float* sc, float* mid) const {
-    const int D = cfg_.head_dim;
-    const uint8_t* grp = block + sink_bytes() + size_t(g) * group_bytes();
+  void load_group(int head, const uint8_t* block, int block_tokens, int g, float* sc, float* mid) const {
+    const int D = cfg_.head_dim, G = grp_tokens(block_tokens);
+    const uint8_t* p = params(head, block + sink_bytes() + size_t(g) * group_bytes(G));
     for (int c = 0; c < D; ++c) {
-      sc[c] = f16_to_f32(kvg_load_f16(grp, c));
-      mid[c] = f16_to_f32(kvg_load_f16(grp, D + c));
+      sc[c] = f16_to_f32(kvg_load_f16(p, c));
+      mid[c] = f16_to_f32(kvg_load_f16(p, D + c));
     }
   }
 
-  void decode(int, const uint8_t* block, int block_tokens, int t0, int n, int pos0,
+  void decode(int head, const uint8_t* block, int block_tokens, int t0, int n, int pos0,
               float* dst) const override {
-    kv_check_block_tokens(info_.name, block_tokens, cfg_.group_tokens);
-    const int D = cfg_.head_dim, G = cfg_.group_tokens;
+    kv_check_block_tokens(info_.name, block_tokens, info_.group_tokens);
+    const int D = cfg_.head_dim, G = grp_tokens(block_tokens);
     float sc[kvg_max_head_dim], mid[kvg_max_head_dim];
     for (int i = 0; i < n; ++i) {
       const int t = t0 + i;
-      load_group(block, t / G, sc, mid);
+      load_group(head, block, block_tokens, t / G, sc, mid);
       float* out = dst + size_t(i) * D;
-      dequant_pre_rope(block, t, pos0 + t, sc, mid, out);
+      dequant_pre_rope(block, block_tokens, t, pos0 + t, sc, mid, out);
       kv_rope_apply(cfg_.rope, pos0 + t, out, D);
     }
   }
@@ -377,14 +402,19 @@ class KvquantKeyCodec final : public KvCodec {
   // Runs of up to kRun tokens share one query rotation R(P)^T (P = the run's first position);
   // inside a run each key turns by R(t) from the codec's table (kvquant.h, KvquantScoreArgs).
   // Sink rows (f16, outside the groups' codes) are scored afterwards from their exact values.
-  void scores(int, const float* qp, int n_q, const uint8_t* block, int block_tokens, int t0, int n,
+  void scores(int head, const float* qp, int n_q, const uint8_t* block, int block_tokens, int t0, int n,
               int pos0, float* out, int out_stride) const override {
-    kv_check_block_tokens(info_.name, block_tokens, cfg_.group_tokens);
+    kv_check_block_tokens(info_.name, block_tokens, info_.group_tokens);
     const KvquantKernels& kk = kvquant_kernels();
-    const int D = cfg_.head_dim, G = cfg_.group_tokens, half = cfg_.rope.n_rot / 2;
-    {
-      const size_t a = sink_bytes() + size_t(t0 / G) * group_bytes();
-      const size_t e = sink_bytes() + size_t((t0 + n + G - 1) / G) * group_bytes();
+    const int D = cfg_.head_dim, G = grp_tokens(block_tokens), half = cfg_.rope.n_rot / 2;
+    const size_t gb = group_bytes(G);
+    if (static_) {
+      const size_t rb = row_bytes(), ob = size_t(k_) * 3;
+      kvg_prefetch(block + sink_bytes() + size_t(t0) * rb, size_t(n) * rb);
+      if (ob) kvg_prefetch(block + sink_bytes() + size_t(block_tokens) * rb + size_t(t0) * k_ * 2, size_t(n) * ob);
+    } else {
+      const size_t a = sink_bytes() + size_t(t0 / G) * gb;
+      const size_t e = sink_bytes() + size_t((t0 + n + G - 1) / G) * gb;
       kvg_prefetch(block + a, e - a);
     }
     constexpr int qchunk = 8;  // bounds the stack copy of the rotated queries
@@ -409,13 +439,13 @@ class KvquantKeyCodec final : public KvCodec {
         a.n_q = m;
         for (int t = r0; t < re;) {
           const int g = t / G, te = std::min(re, (g + 1) * G);
-          const uint8_t* grp = block + sink_bytes() + size_t(g) * group_bytes();
-          const uint8_t* rows = grp + size_t(D) * 4;
+          const uint8_t* grp = block + sink_bytes() + size_t(g) * gb;
+          const uint8_t* rows = grp + param_bytes();
           const uint8_t* ovals = rows + size_t(G) * row_bytes();
           const int r = t - g * G;
           a.rows = rows + size_t(r) * row_bytes();
           a.n = te - t;
-          a.params = grp;
+          a.params = params(head, grp);
           a.ovals = ovals + size_t(r) * k_ * 2;
           a.oidx = ovals + size_t(G) * k_ * 2 + size_t(r) * k_;
           a.rot_c = rot_c_.data() + size_t(t - r0) * half;
@@ -433,8 +463,8 @@ class KvquantKeyCodec final : public KvCodec {
       float sc[kvg_max_head_dim], mid[kvg_max_head_dim];
       for (long pos = s_lo; pos < s_hi; ++pos) {
         const int t = int(pos - pos0);
-        load_group(block, t / G, sc, mid);
-        dequant_pre_rope(block, t, int(pos), sc, mid, key);
+        load_group(head, block, block_tokens, t / G, sc, mid);
+        dequant_pre_rope(block, block_tokens, t, int(pos), sc, mid, key);
         kv_rope_apply(cfg_.rope, int(pos), key, D);
         for (int i = 0; i < n_q; ++i) {
           float s = 0;
@@ -453,7 +483,61 @@ class KvquantKeyCodec final : public KvCodec {
   }
 
  private:
+  void store_sink(uint8_t* block, int pos, const float* x) const {
+    uint8_t* srow = block + size_t(pos) * cfg_.head_dim * 2;
+    for (int c = 0; c < cfg_.head_dim; ++c) kvg_store_f16(srow, c, f32_to_f16(kv_sanitize(x[c])));
+  }
+
+  // Per token against the calibrated ranges: the k channels farthest outside them stay exact.
+  void encode_static(int head, const float* src, size_t src_stride, int n, uint8_t* block,
+                     int block_tokens, int t0, int pos0) const {
+    (void)params(head, nullptr);  // checks the head
+    const int D = cfg_.head_dim, k = k_;
+    const float* inv = sinv_.data() + size_t(head) * D;
+    const float* mid = smid_.data() + size_t(head) * D;
+    uint8_t* rows = block + sink_bytes();
+    uint8_t* ovals = rows + size_t(block_tokens) * row_bytes();
+    uint8_t* oidx = ovals + size_t(block_tokens) * k * 2;
+    uint8_t codes[kvg_max_head_dim];
+    float u[kvg_max_head_dim];
+    for (int i = 0; i < n; ++i) {
+      const int t = t0 + i;
+      const long pos = long(pos0) + t;
+      const float* xr = src + size_t(i) * src_stride;
+      uint8_t* idx = oidx + size_t(t) * k;
+      if (pos >= 0 && pos < cfg_.sink_tokens) {
+        store_sink(block, int(pos), xr);
+        std::memset(codes, 0, size_t(D));
+        bitplane_pack(codes, cfg_.bits, D, rows + size_t(t) * row_bytes());
+        for (int j = 0; j < k; ++j) {
+          idx[j] = 0;
+          kvg_store_f16(ovals, size_t(t) * k + j, f16_t(0));
+        }
+        continue;
+      }
+      for (int c = 0; c < D; ++c) {
+        u[c] = (kv_sanitize(xr[c]) - mid[c]) * inv[c];
+        codes[c] = uint8_t(nearest_code(thr_, n_thr_, u[c]));
+      }
+      bitplane_pack(codes, cfg_.bits, D, rows + size_t(t) * row_bytes());
+      for (int j = 0; j < k; ++j) {
+        float best = -1.f;
+        int bc = 0;
+        for (int c = 0; c < D; ++c) {
+          const float z = std::fabs(u[c]);
+          if (z > best && !is_outlier(idx, j, c)) {
+            best = z;
+            bc = c;
+          }
+        }
+        idx[j] = uint8_t(bc);
+        kvg_store_f16(ovals, size_t(t) * k + j, f32_to_f16(kv_sanitize(xr[bc])));
+      }
+    }
+  }
+
   KvquantKeyConfig cfg_;
+  bool static_ = false;
   KvCodecInfo info_;
   int k_ = 0;
   float cb_[16];
@@ -464,6 +548,8 @@ class KvquantKeyCodec final : public KvCodec {
   std::vector<double> theta_tab_;    // (n_rot / 2): theta of table entry p
   KvquantScoreLayout layout_;
   std::vector<float> rot_c_, rot_s_;  // (kRun, n_rot / 2): cos / sin of t * theta of table entry p
+  std::vector<uint8_t> sparams_;      // calibrated ranges: (n_kv_heads) x f16 [scale (D)][mid (D)]
+  std::vector<float> smid_, sinv_;    // (n_kv_heads, D): their f32 mid and 1 / scale
 };
 
 // 1-D Lloyd-Max on sorted samples: prefix sums make each iteration O(levels * log n).
@@ -509,24 +595,24 @@ std::vector<float> lloyd_1d(const std::vector<float>& sorted, int levels, double
   return out;
 }
 
-std::vector<float> codebook_from_calib(const char* name, const nlohmann::json* calib, int layer,
-                                       int bits) {
-  if (!calib || !calib->is_object() || !calib->contains("layers")) return {};
+// Layer `layer`'s calibration entry: the one whose "layer" equals it, or the layer-th entry when
+// entries carry no "layer"; null when the calibration has none.
+const nlohmann::json* calib_layer_entry(const char* name, const nlohmann::json* calib, int layer) {
+  if (!calib || !calib->is_object() || !calib->contains("layers")) return nullptr;
   const auto& layers = (*calib)["layers"];
   if (!layers.is_array()) fail("{}: calibration \"layers\" must be an array", name);
-  const nlohmann::json* entry = nullptr;
   for (size_t i = 0; i < layers.size(); ++i) {
     const auto& e = layers[i];
     if (!e.is_object()) fail("{}: calibration layers[{}] must be an object", name, i);
     if (e.contains("layer") ? (e["layer"].is_number_integer() && e["layer"].get<long>() == layer)
-                            : long(i) == layer) {
-      entry = &e;
-      break;
-    }
+                            : long(i) == layer)
+      return &e;
   }
-  const std::string key = "kvquant_k" + std::to_string(bits);
-  if (!entry || !entry->contains(key)) return {};
-  const auto& a = (*entry)[key];
+  return nullptr;
+}
+
+std::vector<float> read_codebook(const char* name, const nlohmann::json& a, int layer, const std::string& key,
+                                 int bits) {
   if (!a.is_object() || !a.contains("codebook") || !a["codebook"].is_array())
     fail("{}: calibration layer {} \"{}\" needs a \"codebook\" array", name, layer, key);
   std::vector<float> cb;
@@ -536,6 +622,51 @@ std::vector<float> codebook_from_calib(const char* name, const nlohmann::json* c
   }
   check_codebook(name, cb, bits);
   return cb;
+}
+
+std::vector<float> codebook_from_calib(const char* name, const nlohmann::json* calib, int layer,
+                                       int bits) {
+  const nlohmann::json* entry = calib_layer_entry(name, calib, layer);
+  const std::string key = "kvquant_k" + std::to_string(bits);
+  if (!entry || !entry->contains(key)) return {};
+  return read_codebook(name, (*entry)[key], layer, key, bits);
+}
+
+// The calibrated ranges and codebook of kvquant<bits>_cal_k for one layer into c (which holds
+// head_dim and bits); the outliers per token and sink as calibrated unless the caller overrides.
+void static_from_calib(const char* name, const nlohmann::json* calib, int layer, int n_kv_heads,
+                       KvquantKeyConfig& c) {
+  const std::string key = "kvquant_cal_k" + std::to_string(c.bits);
+  if (!calib)
+    fail("{}: needs the calibrated key ranges of `kvq calibrate` (--kv-scales FILE)", name);
+  const nlohmann::json* entry = calib_layer_entry(name, calib, layer);
+  if (!entry) fail("{}: the calibration has no entry for layer {}", name, layer);
+  if (!entry->contains(key))
+    fail("{}: calibration layer {} has no \"{}\" (rerun `kvq calibrate` to add it)", name, layer, key);
+  const auto& a = (*entry)[key];
+  c.codebook = read_codebook(name, a, layer, key, c.bits);
+  const int D = c.head_dim;
+  auto vec = [&](const char* what, std::vector<float>& out) {
+    if (!a.contains(what) || !a[what].is_array() || a[what].size() != size_t(n_kv_heads))
+      fail("{}: calibration layer {} \"{}\".{} must hold {} heads of {} numbers", name, layer, key, what,
+           n_kv_heads, D);
+    out.clear();
+    for (const auto& h : a[what]) {
+      if (!h.is_array() || h.size() != size_t(D))
+        fail("{}: calibration layer {} \"{}\".{} must hold {} heads of {} numbers", name, layer, key, what,
+             n_kv_heads, D);
+      for (const auto& v : h) {
+        if (!v.is_number()) fail("{}: calibration layer {} \"{}\".{} holds a non-number", name, layer, key, what);
+        out.push_back(v.get<float>());
+      }
+    }
+  };
+  vec("mid", c.static_mid);
+  vec("scale", c.static_scale);
+  c.n_kv_heads = n_kv_heads;
+  if (a.contains("outliers_per_token") && a["outliers_per_token"].is_number_integer())
+    c.outliers_per_token = a["outliers_per_token"].get<int>();
+  if (a.contains("sink_tokens") && a["sink_tokens"].is_number_integer()) c.sink_tokens = a["sink_tokens"].get<int>();
 }
 
 void check_rope(const char* name, const KvRope& r, int head_dim) {
@@ -566,6 +697,17 @@ std::unique_ptr<KvCodec> kvquant_key_codec_create(const KvquantKeyConfig& c0) {
   check_rope(name, c.rope, c.head_dim);
   if (c.codebook.empty()) c.codebook = kvquant_default_codebook(c.bits);
   check_codebook(name, c.codebook, c.bits);
+  if (!c.static_mid.empty() || !c.static_scale.empty()) {
+    const size_t want = size_t(std::max(c.n_kv_heads, 0)) * size_t(c.head_dim);
+    if (c.n_kv_heads < 1 || c.static_mid.size() != want || c.static_scale.size() != want)
+      fail("{}: calibrated ranges need {} heads x {} channels of mid and scale (got {} and {})", name,
+           c.n_kv_heads, c.head_dim, c.static_mid.size(), c.static_scale.size());
+    for (size_t i = 0; i < want; ++i)
+      if (!std::isfinite(c.static_mid[i]) || !std::isfinite(c.static_scale[i]) || !(c.static_scale[i] >= 0) ||
+          std::fabs(c.static_mid[i]) > 65504.f || c.static_scale[i] > 65504.f)
+        fail("{}: calibrated range {} (mid {}, scale {}) is not finite, negative or beyond f16", name, i,
+             c.static_mid[i], c.static_scale[i]);
+  }
   return std::make_unique<KvquantKeyCodec>(c);
 }
 
@@ -627,6 +769,130 @@ nlohmann::json kvquant_fit(const float* keys, int n_tokens, int n_kv_heads, int 
   return out;
 }
 
+nlohmann::json kvquant_fit_static(const float* keys, int n_tokens, int n_kv_heads, int head_dim, int bits,
+                                  int sink_tokens, int outliers_per_token, int window_tokens) {
+  if (bits < 2 || bits > 4) fail("kvquant_fit_static: bits must be 2, 3 or 4 (got {})", bits);
+  if (head_dim <= 0 || head_dim % 16 != 0 || head_dim > 256)
+    fail("kvquant_fit_static: head_dim {} must be a multiple of 16 in [16, 256]", head_dim);
+  if (n_kv_heads < 1) fail("kvquant_fit_static: n_kv_heads must be >= 1 (got {})", n_kv_heads);
+  if (sink_tokens < 0) fail("kvquant_fit_static: sink_tokens must be >= 0 (got {})", sink_tokens);
+  const int k = outliers_per_token < 0 ? default_outliers(head_dim) : outliers_per_token;
+  if (k > head_dim / 8) fail("kvquant_fit_static: outliers_per_token {} exceeds head_dim / 8", k);
+  if (window_tokens < 0) fail("kvquant_fit_static: window_tokens must be >= 0 (got {})", window_tokens);
+  // The tokens the codec quantizes: all but each window's first sink_tokens positions.
+  std::vector<int> rows;
+  for (int t = 0; t < n_tokens; ++t)
+    if ((window_tokens > 0 ? t % window_tokens : t) >= sink_tokens) rows.push_back(t);
+  const int n = int(rows.size());
+  if (n < 16) fail("kvquant_fit_static: {} tokens besides the sink tokens, need at least 16", n);
+  const int D = head_dim, H = n_kv_heads;
+  const size_t stride = size_t(H) * D;
+  for (size_t i = 0; i < size_t(n_tokens) * stride; ++i)
+    if (!std::isfinite(keys[i])) fail("kvquant_fit_static: calibration key {} is not finite", i);
+  auto key = [&](int t, int h, int c) { return keys[size_t(rows[size_t(t)]) * stride + size_t(h) * D + c]; };
+
+  // Each token's k outliers by distance from the channel mean in standard deviations: what the
+  // ranges must not be stretched by (the codec then keeps exact whatever lies farthest outside).
+  std::vector<uint8_t> out_mask(size_t(n) * stride, 0);
+  for (int h = 0; h < H; ++h) {
+    std::vector<double> mean(size_t(D), 0.0), inv_sd(size_t(D), 0.0);
+    for (int c = 0; c < D; ++c) {
+      double s = 0, q = 0;
+      for (int t = 0; t < n; ++t) {
+        s += key(t, h, c);
+        q += double(key(t, h, c)) * key(t, h, c);
+      }
+      mean[size_t(c)] = s / n;
+      const double var = std::max(0.0, q / n - mean[size_t(c)] * mean[size_t(c)]);
+      inv_sd[size_t(c)] = var > 0 ? 1.0 / std::sqrt(var) : 0.0;
+    }
+    std::vector<std::pair<double, int>> z(static_cast<size_t>(D));
+    for (int t = 0; t < n; ++t) {
+      for (int c = 0; c < D; ++c) z[size_t(c)] = {std::fabs(key(t, h, c) - mean[size_t(c)]) * inv_sd[size_t(c)], c};
+      std::partial_sort(z.begin(), z.begin() + k, z.end(), [](auto& a, auto& b) { return a.first > b.first; });
+      for (int j = 0; j < k; ++j) out_mask[size_t(t) * stride + size_t(h) * D + z[size_t(j)].second] = 1;
+    }
+  }
+  // Each channel's sorted inliers.
+  std::vector<std::vector<float>> chan(stride);
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < D; ++c) {
+      auto& v = chan[size_t(h) * D + c];
+      for (int t = 0; t < n; ++t)
+        if (!out_mask[size_t(t) * stride + size_t(h) * D + c]) v.push_back(key(t, h, c));
+      std::sort(v.begin(), v.end());
+    }
+  double energy = 0;  // of the inliers about their channel means: the error's natural unit
+  for (const auto& v : chan) {
+    double s = 0, q = 0;
+    for (float x : v) {
+      s += x;
+      q += double(x) * x;
+    }
+    if (!v.empty()) energy += q - s * s / double(v.size());
+  }
+
+  // Each channel's range is its inliers' [min, max] (what the per-group codec takes over G tokens),
+  // stored in f16 as the codec stores it, so the codebook is fitted on the codec's own
+  // normalization. Clipping the ranges at a quantile (chosen by squared key error) was measured
+  // to give the same or larger KLD in the models (bench/QUALITY.md), so the ranges are not clipped.
+  struct Fit {
+    double err = 0, mse_norm = 0;
+    std::vector<float> mid, scale, cb;
+    size_t n_samples = 0;
+  } best;
+  best.mid.resize(stride);
+  best.scale.resize(stride);
+  for (size_t i = 0; i < stride; ++i) {
+    const float lo = chan[i].empty() ? 0.f : chan[i].front(), hi = chan[i].empty() ? 0.f : chan[i].back();
+    best.scale[i] = f16_to_f32(f32_to_f16(0.5f * (hi - lo)));
+    best.mid[i] = f16_to_f32(f32_to_f16(0.5f * hi + 0.5f * lo));
+  }
+  std::vector<float> u;
+  for (size_t i = 0; i < stride; ++i) {
+    if (!(best.scale[i] > 0)) continue;
+    for (float x : chan[i]) u.push_back(std::clamp((x - best.mid[i]) / best.scale[i], -1.f, 1.f));
+  }
+  if (u.size() < size_t(1) << bits)
+    fail("kvquant_fit_static: too few usable samples (constant keys?) for {} levels", 1 << bits);
+  std::sort(u.begin(), u.end());
+  best.cb = lloyd_1d(u, 1 << bits, &best.mse_norm);
+  best.n_samples = u.size();
+  {
+    // The quantizer's squared error in the keys' units.
+    float thr[15];
+    const int nt = (1 << bits) - 1;
+    for (int j = 0; j < nt; ++j) thr[j] = 0.5f * (best.cb[size_t(j)] + best.cb[size_t(j) + 1]);
+    for (size_t i = 0; i < stride; ++i) {
+      const float s = best.scale[i], m = best.mid[i], inv = s > 0 ? 1.f / s : 0.f;
+      for (float x : chan[i]) {
+        const float y = m + s * best.cb[size_t(nearest_code(thr, nt, (x - m) * inv))];
+        best.err += double(x - y) * (x - y);
+      }
+    }
+  }
+  nlohmann::json art, mid = nlohmann::json::array(), scale = nlohmann::json::array();
+  for (int h = 0; h < H; ++h) {
+    mid.push_back(std::vector<float>(best.mid.begin() + ptrdiff_t(h) * D, best.mid.begin() + ptrdiff_t(h + 1) * D));
+    scale.push_back(std::vector<float>(best.scale.begin() + ptrdiff_t(h) * D, best.scale.begin() + ptrdiff_t(h + 1) * D));
+  }
+  art["mid"] = mid;
+  art["scale"] = scale;
+  art["codebook"] = best.cb;
+  art["outliers_per_token"] = k;
+  art["sink_tokens"] = sink_tokens;
+  art["rel_mse"] = energy > 0 ? best.err / energy : 0.0;
+  art["n_samples"] = best.n_samples;
+  nlohmann::json out;
+  out["kvquant_cal_k" + std::to_string(bits)] = art;
+  return out;
+}
+
+nlohmann::json kvquant_cal_artifact(const std::vector<std::vector<float>>& mid,
+                                    const std::vector<std::vector<float>>& scale, int bits) {
+  return {{"mid", mid}, {"scale", scale}, {"codebook", kvquant_default_codebook(bits)}};
+}
+
 const std::vector<float>& kvquant_default_codebook(int bits) {
   static std::vector<float> cbs[5];
   static std::once_flag once[5];
@@ -645,15 +911,25 @@ const std::vector<float>& kvquant_default_codebook(int bits) {
 }
 
 void kv_register_kvquant() {
+  // --kv-outliers: the share of each key kept exact, as k per token.
+  auto outliers = [](const std::string& name, const KvCodecParams& p, KvquantKeyConfig& c) {
+    if (p.outlier_fraction != -1) {
+      if (!(p.outlier_fraction >= 0 && p.outlier_fraction <= 0.125))
+        fail("{}: outlier fraction {} is outside [0, 0.125]", name, p.outlier_fraction);
+      c.outliers_per_token = int(std::ceil(p.outlier_fraction * p.head_dim - 1e-9));
+    }
+    if (p.sink_tokens >= 0) c.sink_tokens = p.sink_tokens;
+  };
   for (int bits : {2, 3, 4}) {
     const std::string kname = "kvquant" + std::to_string(bits) + "_k";
     const std::string vname = "kvquant" + std::to_string(bits) + "_v";
+    const std::string cname = "kvquant" + std::to_string(bits) + "_cal_k";
     kv_register_codec(
         {kname,
          fmt::format("KVQuant-style keys: {}-bit nuq per channel before RoPE, 1% dense-and-sparse "
                      "outliers, exact sink token (G=32, R=0)",
                      bits),
-         [bits, kname](const KvCodecParams& p) {
+         [bits, kname, outliers](const KvCodecParams& p) {
            KvquantKeyConfig c;
            c.bits = bits;
            c.head_dim = p.head_dim;
@@ -662,12 +938,23 @@ void kv_register_kvquant() {
            kv_resolve_grouped(kname.c_str(), p, kvquant_default_group_tokens,
                               kvquant_default_residual_tokens, &c.group_tokens, &c.residual_tokens);
            c.codebook = codebook_from_calib(kname.c_str(), p.calib, p.layer, bits);
-           if (p.outlier_fraction != -1) {
-             if (!(p.outlier_fraction >= 0 && p.outlier_fraction <= 0.125))
-               fail("{}: outlier fraction {} is outside [0, 0.125]", kname, p.outlier_fraction);
-             c.outliers_per_token = int(std::ceil(p.outlier_fraction * p.head_dim - 1e-9));
-           }
-           if (p.sink_tokens >= 0) c.sink_tokens = p.sink_tokens;
+           outliers(kname, p, c);
+           return kvquant_key_codec_create(c);
+         }});
+    kv_register_codec(
+        {cname,
+         fmt::format("KVQuant-style keys with calibrated ranges: {}-bit nuq per channel before RoPE, "
+                     "per-channel mid and scale from kvq calibrate (none stored per group), 1% "
+                     "dense-and-sparse outliers, exact sink token; per token (needs kvq calibrate)",
+                     bits),
+         [bits, cname, outliers](const KvCodecParams& p) {
+           KvquantKeyConfig c;
+           c.bits = bits;
+           c.head_dim = p.head_dim;
+           c.name = cname;
+           c.rope = p.rope;
+           static_from_calib(cname.c_str(), p.calib, p.layer, p.n_kv_heads, c);
+           outliers(cname, p, c);
            return kvquant_key_codec_create(c);
          }});
     kv_register_codec(
@@ -695,6 +982,13 @@ void kv_register_kvquant() {
                         vname,
                         fmt::format("KVQuant-style {}-bit: pre-RoPE per-channel nuq keys with "
                                     "outliers and sink, per-token values (Hooper et al. 2024)",
+                                    bits)});
+    kv_register_format({"kvquant" + std::to_string(bits) + "_cal",
+                        {},
+                        cname,
+                        vname,
+                        fmt::format("KVQuant-style {}-bit with the key ranges calibrated offline (per "
+                                    "token, no group scales); per-token values (needs kvq calibrate)",
                                     bits)});
   }
 }

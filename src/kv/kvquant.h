@@ -29,6 +29,15 @@
 // the entry for layer L is the one whose "layer" equals L (or the L-th entry when entries have no
 // "layer"); "kvquant_k<bits>" is what kvquant_fit returns for that layer.
 //
+// Calibrated ranges (codecs kvquant2_cal_k .. kvquant4_cal_k, formats kvquant2_cal ..): the
+// per-channel mid and scale of each head come from `kvq calibrate` (kvquant_fit_static) instead
+// of each group of G tokens, as KVQuant computes its key scaling offline. The codec is then per
+// token (G = 1, no window: every token is packed as it arrives) and a head block is
+//   [f16 sink rows (S, head_dim)][code rows (block_tokens)][f16 outlier values (block_tokens, k)]
+//   [u8 outlier channels (block_tokens, k)]
+// so the codes cost bits + 24 k / head_dim bits per element and nothing else. A token's outliers
+// are the k channels farthest outside the calibrated range (largest |x - mid| / scale).
+//
 // Defaults: G = 32, R = 0 (KVQuant has no full-precision window; the cache's tail holds < G
 // tokens), S = 1, outlier_fraction = 0.01 (k = 2 at head_dim 128).
 #pragma once
@@ -60,6 +69,11 @@ struct KvquantKeyConfig {
   KvRope rope;                                      // n_rot = 0: no RoPE (plain per-channel nuq)
   std::vector<float> codebook;                      // empty: default for `bits`
   std::string name = "kvquant3_k";
+  // Calibrated ranges (KVQuant's offline per-channel scaling): (n_kv_heads * head_dim) each,
+  // x ~= mid + scale * codebook[code] with the same mid and scale for every token of head h.
+  // Non-empty: a per-token codec whose blocks hold no group parameters (see below).
+  int n_kv_heads = 1;
+  std::vector<float> static_mid, static_scale;
 };
 
 // Throws kvq::Error on invalid parameters.
@@ -79,6 +93,26 @@ nlohmann::json kvquant_fit(const float* keys_pre_rope, int n_tokens, int n_kv_he
                            int bits, int group_tokens = kvquant_default_group_tokens,
                            int sink_tokens = kvquant_default_sink_tokens,
                            int outliers_per_token = -1);
+
+// Fits the calibrated ranges and codebook of the kvquant<bits>_cal_k codecs from one layer's
+// pre-RoPE calibration keys (same shape as kvquant_fit), which are consecutive sequences of
+// window_tokens tokens each (0: one sequence); each sequence's first sink_tokens positions are
+// left out, as the codec keeps them exact. Per head and channel, the range is the
+// [min, max] of the channel's keys with sink tokens and each token's k outliers (by distance from
+// the channel mean in standard deviations) left out; the Lloyd-Max codebook is fitted to the keys
+// normalized by these ranges. Returns
+//   {"kvquant_cal_k<bits>": {"mid": [[head_dim] x n_kv_heads], "scale": [...], "codebook": [...],
+//                            "outliers_per_token": k, "sink_tokens": S,
+//                            "rel_mse": error / energy of the centered keys, "n_samples": N}}
+nlohmann::json kvquant_fit_static(const float* keys_pre_rope, int n_tokens, int n_kv_heads, int head_dim,
+                                  int bits, int sink_tokens = kvquant_default_sink_tokens,
+                                  int outliers_per_token = -1, int window_tokens = 0);
+
+// A kvquant<bits>_cal_k artifact from given per-head ranges (mid, scale: n_kv_heads x head_dim)
+// with the default codebook: what synthetic calibrations (tests, benchmarks, `kvq formats`)
+// hand the codec. Real ones come from kvquant_fit_static.
+nlohmann::json kvquant_cal_artifact(const std::vector<std::vector<float>>& mid,
+                                    const std::vector<std::vector<float>>& scale, int bits);
 
 // RoPE as the KVQuant keys apply it after dequantization: pair i of the n_rot rotated dims
 // turns by pos * freq_scale * freq_base^(-2i / n_rot) (angles in double). x: (head_dim), in place.

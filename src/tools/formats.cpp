@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "kv/calib.h"
 #include "kvq/kv_format.h"
 #if __has_include("kv/turboquant.h")
 #include "kv/turboquant.h"
@@ -40,12 +41,7 @@ struct CodecStats {
 const nlohmann::json& listing_calib(int dim) {
   static std::map<int, nlohmann::json> by_dim;
   auto it = by_dim.find(dim);
-  if (it == by_dim.end()) {
-    const std::vector<std::vector<float>> zero(1, std::vector<float>(size_t(dim), 0.f));
-    const std::vector<std::vector<float>> one(1, std::vector<float>(size_t(dim), 1.f));
-    it = by_dim.emplace(dim, nlohmann::json{{"layers", {{{"k_scale", 1.0}, {"v_scale", 1.0}, {"k_mean", zero}, {"v_mean", zero},
-                                                        {"k_rms", one}, {"q_rms", one}, {"v_rms", one}}}}}).first;
-  }
+  if (it == by_dim.end()) it = by_dim.emplace(dim, kv_placeholder_calib(1, 1, dim)).first;
   return it->second;
 }
 

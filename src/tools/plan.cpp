@@ -1,5 +1,6 @@
 #include "tools/plan.h"
 
+#include "kv/calib.h"
 #include "kv/policy.h"
 
 #include <algorithm>
@@ -717,22 +718,17 @@ PlanFormatCost plan_format_cost(const PlanModel& m, const PlanConfig& c, const s
       std::unique_ptr<KvCodec> cd;
       try {
         cd = kv_codec_create(name, p);
-      } catch (const Error& e) {
+      } catch (const Error&) {
         // Codecs that read calibration artifacts (static scales, channel means) have the same
         // size whatever their values: size them with placeholder ones. Other errors (a group
         // that does not divide head_dim, ...) stand.
-        const std::vector<std::vector<float>> zero(size_t(heads), std::vector<float>(size_t(head_dim), 0.f));
-        const std::vector<std::vector<float>> one(size_t(heads), std::vector<float>(size_t(head_dim), 1.f));
-        const nlohmann::json entry = {{"k_scale", 1.0}, {"v_scale", 1.0}, {"k_mean", zero}, {"v_mean", zero},
-                                      {"k_rms", one}, {"q_rms", one}, {"v_rms", one}};
-        const nlohmann::json sizing = {{"layers", nlohmann::json::array()}};
-        nlohmann::json cal = sizing;
-        for (int i = 0; i <= layer; ++i) cal["layers"].push_back(entry);
+        const nlohmann::json cal = kv_placeholder_calib(layer + 1, heads, head_dim);
         p.calib = &cal;
         try {
           cd = kv_codec_create(name, p);
-        } catch (const Error&) {
-          fail("format '{}' at head_dim {}: {}", r.name, head_dim, e.what());
+        } catch (const Error& e2) {
+          // With the placeholders in hand, what still fails is the codec's real objection.
+          fail("format '{}' at head_dim {}: {}", r.name, head_dim, e2.what());
         }
       }
       it = codecs.emplace(key, std::move(cd)).first;
