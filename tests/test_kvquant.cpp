@@ -909,6 +909,25 @@ TEST(KvquantCal, EachWindowsSinkIsLeftOutOfTheRanges) {
   EXPECT_THROW(kvquant_fit_static(x.data(), n, 1, d, 3, 1, -1, -5), Error);
 }
 
+// A channel that was constant in calibration (scale 0: e.g. dead channels whose keys are 0) is
+// the first outlier of any token where it is not: kept exact, not flattened to the mid.
+TEST(KvquantCal, ChannelConstantInCalibrationBecomesTheOutlier) {
+  const int d = 64;
+  std::vector<std::vector<float>> mid, scale;
+  cal_ranges(1, d, mid, scale);
+  scale[0][9] = 0.f;
+  mid[0][9] = 0.f;
+  const nlohmann::json calib = cal_calib(3, mid, scale);
+  KvCodecParams p;
+  p.head_dim = d;
+  p.calib = &calib;
+  auto k = kv_codec_create("kvquant3_cal_k", p);
+  auto x = cal_keys(4, d, mid[0], scale[0], 50);
+  for (int t = 0; t < 4; ++t) x[size_t(t) * d + 9] = 0.5f + float(t);
+  auto y = encode_decode(*k, x, 4, 8);
+  for (int t = 0; t < 4; ++t) EXPECT_EQ(y[size_t(t) * d + 9], x[size_t(t) * d + 9]) << t;
+}
+
 // Missing or malformed calibration is a clear error naming what is wrong.
 TEST(KvquantCal, BadCalibrationRejected) {
   const int d = 64;

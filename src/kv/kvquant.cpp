@@ -516,15 +516,18 @@ class KvquantKeyCodec final : public KvCodec {
         continue;
       }
       for (int c = 0; c < D; ++c) {
-        u[c] = (kv_sanitize(xr[c]) - mid[c]) * inv[c];
-        codes[c] = uint8_t(nearest_code(thr_, n_thr_, u[c]));
+        const float v = kv_sanitize(xr[c]);
+        const float uc = (v - mid[c]) * inv[c];
+        codes[c] = uint8_t(nearest_code(thr_, n_thr_, uc));
+        // A channel constant in calibration (scale 0) is out of range by any difference at all.
+        u[c] = inv[c] > 0 ? std::fabs(uc) : (v != mid[c] ? INFINITY : 0.f);
       }
       bitplane_pack(codes, cfg_.bits, D, rows + size_t(t) * row_bytes());
       for (int j = 0; j < k; ++j) {
         float best = -1.f;
         int bc = 0;
         for (int c = 0; c < D; ++c) {
-          const float z = std::fabs(u[c]);
+          const float z = u[c];
           if (z > best && !is_outlier(idx, j, c)) {
             best = z;
             bc = c;
