@@ -32,6 +32,7 @@
 #include "core/timer.h"
 #include "kvq/kv_format.h"
 #include "kv/kvquant.h"
+#include "kv/policy.h"
 
 using namespace kvq;
 
@@ -121,11 +122,34 @@ class PageBuf {
   size_t n_ = 0;
 };
 
+// A benchmarked format: a registry name, or KFMT/VFMT (K codec of one format, V codec of
+// another, as --kv-cache-dtype takes it), optionally @gN for N-token groups of the grouped codecs
+// (--kv-group-tokens; blocks then hold max(kBlock, N) tokens). Extra ones come from
+// KVQ_ATTN_BENCH_EXTRA (comma-separated), e.g. "kvquant3/tq2.5_s@g128".
+struct BenchFormat {
+  std::string k_codec, v_codec;
+  int group_tokens = 0;
+};
+BenchFormat bench_format(const std::string& spec) {
+  BenchFormat f;
+  std::string name = spec;
+  const size_t at = spec.find("@g");
+  if (at != std::string::npos) {
+    name = spec.substr(0, at);
+    f.group_tokens = std::stoi(spec.substr(at + 2));
+  }
+  const KvPolicy p = kv_policy_uniform(name, 1);
+  f.k_codec = p.layers[0].k_codec;
+  f.v_codec = p.layers[0].v_codec;
+  return f;
+}
+
 // The encoded KV of the last (format, shape): Google Benchmark calls a benchmark function several
 // times (iteration-count probing, repetitions); encoding 2 x 128K tokens each time would dominate
 // the run. One entry only, so memory stays at one format's buffers.
 struct DecodeData {
   std::string key;
+  int bt = kBlock;  // tokens per block: kBlock, or the token group when longer
   std::unique_ptr<KvCodec> kc, vc;
   PageBuf kbuf, vbuf;
   int copies = 0;
@@ -139,7 +163,6 @@ void bm_decode(benchmark::State& st, std::string format, Shape sh, bool hot, int
     cache.reset();
     auto d = std::make_unique<DecodeData>();
     d->key = key;
-    const KvFormatDesc& f = kv_format_find(format);
     KvCodecParams pk, pv;
     pk.head_dim = pv.head_dim = sh.hd;
     pk.role = KvRole::key;
@@ -147,15 +170,19 @@ void bm_decode(benchmark::State& st, std::string format, Shape sh, bool hot, int
     pk.calib = pv.calib = &bench_calib(sh.hd);
     pk.rope.n_rot = sh.hd;
     try {
+      const BenchFormat f = bench_format(format);
+      pk.group_tokens = pv.group_tokens = f.group_tokens;
+      d->bt = std::max(kBlock, f.group_tokens);
       d->kc = kv_codec_create(f.k_codec, pk);
       d->vc = kv_codec_create(f.v_codec, pv);
     } catch (const std::exception& e) {
       st.SkipWithError(e.what());
       return;
     }
-    const int n_blocks = sh.ctx / kBlock;
-    d->kb = d->kc->block_bytes(kBlock);
-    d->vb = d->vc->block_bytes(kBlock);
+    const int bt = d->bt;
+    const int n_blocks = sh.ctx / bt;
+    d->kb = d->kc->block_bytes(bt);
+    d->vb = d->vc->block_bytes(bt);
     const size_t copy_bytes = size_t(n_blocks) * (d->kb + d->vb);
     // Enough copies that consecutive iterations do not find the data in the 32 MiB L3.
     d->copies = int(std::min<size_t>(64, std::max<size_t>(1, (size_t(96) << 20) / copy_bytes + 1)));
@@ -165,12 +192,12 @@ void bm_decode(benchmark::State& st, std::string format, Shape sh, bool hot, int
     d->vbuf.resize(size_t(copies) * size_t(n_blocks) * vb);
     std::mt19937_64 rng(7);
     std::normal_distribution<float> nd;
-    std::vector<float> x(size_t(kBlock) * size_t(sh.hd));
+    std::vector<float> x(size_t(bt) * size_t(sh.hd));
     for (int b = 0; b < n_blocks; ++b) {
       for (auto& v : x) v = nd(rng);
-      d->kc->encode(0, x.data(), size_t(sh.hd), kBlock, d->kbuf.data() + size_t(b) * kb, kBlock, 0, b * kBlock);
+      d->kc->encode(0, x.data(), size_t(sh.hd), bt, d->kbuf.data() + size_t(b) * kb, bt, 0, b * bt);
       for (auto& v : x) v = nd(rng);
-      d->vc->encode(0, x.data(), size_t(sh.hd), kBlock, d->vbuf.data() + size_t(b) * vb, kBlock, 0, b * kBlock);
+      d->vc->encode(0, x.data(), size_t(sh.hd), bt, d->vbuf.data() + size_t(b) * vb, bt, 0, b * bt);
     }
     for (int c = 1; c < copies; ++c) {
       std::copy(d->kbuf.data(), d->kbuf.data() + size_t(n_blocks) * kb, d->kbuf.data() + size_t(c) * size_t(n_blocks) * kb);
@@ -181,7 +208,8 @@ void bm_decode(benchmark::State& st, std::string format, Shape sh, bool hot, int
   const DecodeData& d = *cache;
   const KvCodec* kc = d.kc.get();
   const KvCodec* vc = d.vc.get();
-  const int n_blocks = sh.ctx / kBlock;
+  const int bt = d.bt;
+  const int n_blocks = sh.ctx / bt;
   const size_t kb = d.kb, vb = d.vb;
   const int copies = d.copies;
   const size_t copy_bytes = size_t(n_blocks) * (kb + vb);
@@ -193,11 +221,11 @@ void bm_decode(benchmark::State& st, std::string format, Shape sh, bool hot, int
   for (int c = 0; c < copies; ++c)
     for (int b = 0; b < n_blocks; ++b) {
       const size_t blk = hot ? size_t(b % 8) : size_t(c) * size_t(n_blocks) + size_t(b);
-      spans[size_t(c)].push_back({kbase + blk * kb, vbase + blk * vb, kBlock, 0, kBlock, b * kBlock});
+      spans[size_t(c)].push_back({kbase + blk * kb, vbase + blk * vb, bt, 0, bt, b * bt});
     }
   std::vector<float> q(size_t(sh.n_q) * size_t(sh.hd), 0.05f), out(q.size());
-  AlignedBuf<float> scratch(threads > 1 ? attn_split_scratch_floats(*kc, *vc, sh.n_q, kBlock, threads)
-                                        : attn_scratch_floats(*kc, *vc, sh.n_q, kBlock));
+  AlignedBuf<float> scratch(threads > 1 ? attn_split_scratch_floats(*kc, *vc, sh.n_q, bt, threads)
+                                        : attn_scratch_floats(*kc, *vc, sh.n_q, bt));
   AttnParams ap;
   ap.scale = 1.f / std::sqrt(float(sh.hd));
   ThreadPool* pool = threads > 1 ? &bench_pool(threads) : nullptr;
@@ -235,7 +263,6 @@ void bm_decode(benchmark::State& st, std::string format, Shape sh, bool hot, int
 }
 
 void bm_encode(benchmark::State& st, std::string format, int hd) {
-  const KvFormatDesc& f = kv_format_find(format);
   KvCodecParams pk, pv;
   pk.head_dim = pv.head_dim = hd;
   pk.role = KvRole::key;
@@ -244,6 +271,8 @@ void bm_encode(benchmark::State& st, std::string format, int hd) {
   pk.rope.n_rot = hd;
   std::unique_ptr<KvCodec> kc, vc;
   try {
+    const BenchFormat f = bench_format(format);
+    pk.group_tokens = pv.group_tokens = f.group_tokens;
     kc = kv_codec_create(f.k_codec, pk);
     vc = kv_codec_create(f.v_codec, pv);
   } catch (const std::exception& e) {
@@ -277,6 +306,14 @@ struct Registrar {
           shapes.push_back({ctx, hd, n_q});
     std::vector<std::string> names;
     for (const auto& f : kv_formats()) names.push_back(f.name);
+    if (const char* extra = std::getenv("KVQ_ATTN_BENCH_EXTRA")) {
+      std::string e = extra;
+      for (size_t a = 0; a <= e.size();) {
+        const size_t b = std::min(e.find(',', a), e.size());
+        if (b > a) names.push_back(e.substr(a, b - a));
+        a = b + 1;
+      }
+    }
     for (const Shape& sh : shapes)
       for (const auto& n : names)
         benchmark::RegisterBenchmark(("decode/" + n + "/ctx" + std::to_string(sh.ctx) + "/hd" + std::to_string(sh.hd) +
