@@ -923,6 +923,14 @@ void kv_register_kvquant() {
     }
     if (p.sink_tokens >= 0) c.sink_tokens = p.sink_tokens;
   };
+  auto base = [](int bits, const std::string& name, const KvCodecParams& p) {
+    KvquantKeyConfig c;
+    c.bits = bits;
+    c.head_dim = p.head_dim;
+    c.name = name;
+    c.rope = p.rope;
+    return c;
+  };
   for (int bits : {2, 3, 4}) {
     const std::string kname = "kvquant" + std::to_string(bits) + "_k";
     const std::string vname = "kvquant" + std::to_string(bits) + "_v";
@@ -932,12 +940,8 @@ void kv_register_kvquant() {
          fmt::format("KVQuant-style keys: {}-bit nuq per channel before RoPE, 1% dense-and-sparse "
                      "outliers, exact sink token (G=32, R=0)",
                      bits),
-         [bits, kname, outliers](const KvCodecParams& p) {
-           KvquantKeyConfig c;
-           c.bits = bits;
-           c.head_dim = p.head_dim;
-           c.name = kname;
-           c.rope = p.rope;
+         [bits, kname, base, outliers](const KvCodecParams& p) {
+           KvquantKeyConfig c = base(bits, kname, p);
            kv_resolve_grouped(kname.c_str(), p, kvquant_default_group_tokens,
                               kvquant_default_residual_tokens, &c.group_tokens, &c.residual_tokens);
            c.codebook = codebook_from_calib(kname.c_str(), p.calib, p.layer, bits);
@@ -950,12 +954,8 @@ void kv_register_kvquant() {
                      "per-channel mid and scale from kvq calibrate (none stored per group), 1% "
                      "dense-and-sparse outliers, exact sink token; per token (needs kvq calibrate)",
                      bits),
-         [bits, cname, outliers](const KvCodecParams& p) {
-           KvquantKeyConfig c;
-           c.bits = bits;
-           c.head_dim = p.head_dim;
-           c.name = cname;
-           c.rope = p.rope;
+         [bits, cname, base, outliers](const KvCodecParams& p) {
+           KvquantKeyConfig c = base(bits, cname, p);
            static_from_calib(cname.c_str(), p.calib, p.layer, p.n_kv_heads, c);
            outliers(cname, p, c);
            return kvquant_key_codec_create(c);
