@@ -809,3 +809,49 @@ TEST(KernelParity, EveryCodecFusedMatchesDecode) {
   }
   cpu_set_level(saved);
 }
+
+// ---------------------------------------------------------------------------------------------
+// "@gN": a grouped codec's token group set by its name, so that one run (kvq eval --kv, a
+// per-layer policy) can hold several group lengths: the same codec as KvCodecParams::group_tokens
+// = N, bit for bit; per-token codecs and malformed suffixes are refused by name.
+
+TEST(GroupSuffix, SameCodecAsTheGroupParameter) {
+  for (const char* name : {"kivi4_k", "kivi2_v", "kvquant3_k", "kvquant4_v"}) {
+    for (int g : {16, 64, 128}) {
+      KvCodecParams p;
+      p.head_dim = 128;
+      p.role = std::string(name).find("_v") != std::string::npos ? KvRole::value : KvRole::key;
+      p.group_tokens = 32;  // the suffix wins over the parameter
+      auto by_name = kv_codec_create(std::string(name) + "@g" + std::to_string(g), p);
+      p.group_tokens = g;
+      auto by_param = kv_codec_create(name, p);
+      EXPECT_EQ(by_name->info().group_tokens, g) << name;
+      const int bt = 256;
+      ASSERT_EQ(by_name->block_bytes(bt), by_param->block_bytes(bt)) << name << " g " << g;
+      std::mt19937 rng{uint32_t(g)};
+      std::normal_distribution<float> nd;
+      std::vector<float> x(size_t(bt) * 128);
+      for (float& v : x) v = nd(rng) * 3.f;
+      std::vector<uint8_t> a(by_name->block_bytes(bt)), b(a.size());
+      by_name->encode(0, x.data(), 128, bt, a.data(), bt, 0, 0);
+      by_param->encode(0, x.data(), 128, bt, b.data(), bt, 0, 0);
+      EXPECT_EQ(a, b) << name << " g " << g;
+    }
+  }
+}
+
+TEST(GroupSuffix, PerTokenCodecsAndMalformedSuffixesRefused) {
+  auto error_of = [](const std::string& name) {
+    try {
+      make(name);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error_of("q4_0t@g64").find("stores each token on its own"), std::string::npos);
+  EXPECT_NE(error_of("f16@g32").find("stores each token on its own"), std::string::npos);
+  for (const char* bad : {"kivi4_k@g0", "kivi4_k@g", "kivi4_k@gx", "kivi4_k@g2000", "kivi4_k@32", "kivi4_k@g32x"})
+    EXPECT_NE(error_of(bad).find("token-group suffix"), std::string::npos) << bad;
+  EXPECT_NE(error_of("nope@g32").find("unknown KV codec"), std::string::npos);
+}

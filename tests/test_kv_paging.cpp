@@ -465,6 +465,38 @@ TEST(KvPaging, PrefixIdentityNamesEverythingThatChangesPageBytes) {
   EXPECT_EQ(KvCache(c1).prefix_identity(), KvCache(c1b).prefix_identity());
 }
 
+// Token groups by format name: "kvquant3@g128/tq2.5_s" puts the suffix on the K codec only,
+// "kivi4@g32" on both; the cache builds them (and keeps the groups in the prefix identity), and a
+// group that does not divide the page is refused as any other.
+TEST(KvPaging, GroupSuffixInTheFormatName) {
+  KvPolicy p = kv_policy_uniform("kvquant3@g128/tq2.5_s", 2);
+  EXPECT_EQ(p.name, "kvquant3@g128/tq2.5_s");
+  EXPECT_EQ(p.layers[0].k_codec, kv_format_find("kvquant3").k_codec + "@g128");
+  EXPECT_EQ(p.layers[1].v_codec, kv_format_find("tq2.5_s").v_codec);
+  p = kv_policy_uniform("KIVI4@g32", 2);  // names are case-insensitive, the suffix as given
+  EXPECT_EQ(p.name, "kivi4@g32");
+  EXPECT_EQ(p.layers[0].k_codec, kv_format_find("kivi4").k_codec + "@g32");
+  EXPECT_EQ(p.layers[0].v_codec, kv_format_find("kivi4").v_codec + "@g32");
+  EXPECT_THROW(kv_policy_uniform("kivi4@g", 2), Error);
+  EXPECT_THROW(kv_policy_uniform("kivi4@q32", 2), Error);
+  kv_policy_override_layer(p, "1=kivi2@g16");
+  EXPECT_EQ(p.layers[1].k_codec, kv_format_find("kivi2").k_codec + "@g16");
+
+  KvCacheConfig c = synth_cfg("kivi4@g32");
+  c.page_tokens = 32;
+  c.group_tokens = 16;  // the global flag; the name's group wins for this format
+  const std::string g32 = KvCache(c).prefix_identity();
+  c.policy = kv_policy_uniform("kivi4@g16", 2);
+  EXPECT_NE(KvCache(c).prefix_identity(), g32);
+  c.policy = kv_policy_uniform("kivi4@g64", 2);
+  try {
+    KvCache bad(c);
+    ADD_FAILURE() << "a 64-token group in 32-token pages was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("does not divide the page size"), std::string::npos) << e.what();
+  }
+}
+
 // ------------------------------------------------------------------ stories260K
 
 namespace {

@@ -656,3 +656,27 @@ TEST(Plan, SkippedFormatsGiveTheRealReason) {
   for (const PlanFormatCost& f : r.formats) cal |= f.name == "kvquant3_cal";
   EXPECT_TRUE(cal);
 }
+
+// kvq plan takes what --kv-cache-dtype takes: KFMT/VFMT and token groups by name.
+TEST(Plan, SplitFormatsAndGroupSuffixes) {
+  PlanModel m = plan_model_from_preset("llama-3.1-8b", 16);
+  PlanConfig c;
+  c.ctx = {4096};
+  c.batch = {1};
+  c.page_tokens = 128;
+  const PlanFormatCost split = plan_format_cost(m, c, "kvquant3@g128/tq2.5_s");
+  EXPECT_EQ(split.name, "kvquant3@g128/tq2.5_s");
+  KvCodecParams pk, pv;
+  pk.head_dim = pv.head_dim = 128;
+  pk.n_kv_heads = pv.n_kv_heads = 8;
+  pv.role = KvRole::value;
+  const nlohmann::json calib = kv_placeholder_calib(1, 8, 128);
+  pk.calib = pv.calib = &calib;
+  auto kc = kv_codec_create("kvquant3_k@g128", pk);
+  auto vc = kv_codec_create(kv_format_find("tq2.5_s").v_codec, pv);
+  EXPECT_DOUBLE_EQ(split.per_token_bytes, 32.0 * 8 * double(kc->block_bytes(128) + vc->block_bytes(128)) / 128);
+  EXPECT_EQ(split.k_group, 128);
+  // A shorter group costs more bytes per token.
+  EXPECT_GT(plan_format_cost(m, c, "kvquant3/tq2.5_s").per_token_bytes, split.per_token_bytes);
+  EXPECT_THROW(plan_format_cost(m, c, "kvquant3@gx"), Error);
+}

@@ -141,8 +141,13 @@ const std::vector<KvFormatDesc>& kv_formats();
 const KvFormatDesc& kv_format_find(const std::string& name);
 std::vector<std::string> kv_codec_names();
 // Builds a codec by codec name; throws kvq::Error on unknown names or invalid parameters
-// (e.g. a group size that does not divide head_dim).
+// (e.g. a group size that does not divide head_dim). A name may end in "@gN" (e.g.
+// "kvquant3_k@g128"): the codec's token group G = N, overriding KvCodecParams::group_tokens; only
+// grouped codecs take it (a per-token codec named so is an error).
 std::unique_ptr<KvCodec> kv_codec_create(const std::string& codec_name, const KvCodecParams& p);
+
+// The N of a "@gN" suffix (N in 1..1024); throws kvq::Error naming `where` otherwise.
+int kv_parse_group_suffix(const std::string& suffix, const std::string& where);
 
 // Effective bits per element of a codec at context `ctx` tokens (blocks of block_tokens tokens;
 // the full-precision tail of grouped codecs counted at 32 bits per element).

@@ -125,7 +125,10 @@ std::string KvCache::build_identity() const {
   }
   for (int il = 0; il < cfg_.n_layer; ++il) {
     const Layer& L = layers_[size_t(il)];
-    s += fmt::format(";L{}={}/{}", il, L.k->info().name, L.v->info().name);
+    const KvCodecInfo &ki = L.k->info(), &vi = L.v->info();
+    // The token grouping each codec was built with (a codec name may carry its own, "@gN").
+    s += fmt::format(";L{}={}/{},g={}:{}/{}:{}", il, ki.name, vi.name, ki.group_tokens, ki.residual_tokens,
+                     vi.group_tokens, vi.residual_tokens);
     if (size_t(il) < cfg_.rope.size()) {
       const KvRope& r = cfg_.rope[size_t(il)];
       s += fmt::format(",rope={}:{}:{}:{}", r.n_rot, r.freq_base, r.freq_scale, r.neox ? 1 : 0);

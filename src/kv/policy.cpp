@@ -13,22 +13,35 @@ namespace {
 
 // "FMT" (K and V of one format) or "KFMT/VFMT" (K codec of one format, V codec of another);
 // shared by whole-model formats and --kv-layer overrides. `what` names the flag in errors.
+// Either side may end in "@gN": the token group of its grouped codecs (kv_codec_create).
 struct KvPair {
   KvLayerFormat codecs;
   std::string name;
 };
+
+// "kvquant3@g128" -> the format and "@g128" (empty when there is no suffix).
+std::pair<const KvFormatDesc*, std::string> format_and_group(std::string_view side, std::string_view what,
+                                                             std::string_view spec) {
+  const size_t at = side.find('@');
+  const KvFormatDesc& d = kv_format_find(std::string(side.substr(0, at)));
+  if (at == std::string_view::npos) return {&d, ""};
+  const std::string suffix(side.substr(at));
+  kv_parse_group_suffix(suffix, std::string(what) + " '" + std::string(spec) + "'");
+  return {&d, suffix};
+}
+
 KvPair parse_kv_pair(std::string_view spec, std::string_view what) {
   const size_t slash = spec.find('/');
   if (slash == std::string_view::npos) {
-    const KvFormatDesc& d = kv_format_find(std::string(spec));
-    return {KvLayerFormat{d.k_codec, d.v_codec}, d.name};
+    const auto [d, g] = format_and_group(spec, what, spec);
+    return {KvLayerFormat{d->k_codec + g, d->v_codec + g}, d->name + g};
   }
-  const std::string kf(spec.substr(0, slash)), vf(spec.substr(slash + 1));
-  if (kf.empty() || vf.empty() || vf.find('/') != std::string::npos)
+  const std::string_view kf = spec.substr(0, slash), vf = spec.substr(slash + 1);
+  if (kf.empty() || vf.empty() || vf.find('/') != std::string_view::npos)
     fail("{} '{}': expected FMT or KFMT/VFMT", what, spec);
-  const KvFormatDesc& kd = kv_format_find(kf);
-  const KvFormatDesc& vd = kv_format_find(vf);
-  return {KvLayerFormat{kd.k_codec, vd.v_codec}, kd.name + "/" + vd.name};
+  const auto [kd, kg] = format_and_group(kf, what, spec);
+  const auto [vd, vg] = format_and_group(vf, what, spec);
+  return {KvLayerFormat{kd->k_codec + kg, vd->v_codec + vg}, kd->name + kg + "/" + vd->name + vg};
 }
 
 }  // namespace

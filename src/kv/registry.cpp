@@ -2,6 +2,7 @@
 // first use by each family's kv_register_<family>() hook.
 #include <algorithm>
 #include <cctype>
+#include <charconv>
 #include <mutex>
 
 #include "core/error.h"
@@ -127,7 +128,30 @@ std::vector<std::string> kv_codec_names() {
   return v;
 }
 
-std::unique_ptr<KvCodec> kv_codec_create(const std::string& codec_name, const KvCodecParams& p) {
+int kv_parse_group_suffix(const std::string& suffix, const std::string& where) {
+  int n = 0;
+  const char* b = suffix.data() + 2;
+  const char* e = suffix.data() + suffix.size();
+  const bool ok = suffix.size() > 2 && suffix.compare(0, 2, "@g") == 0 && std::from_chars(b, e, n).ptr == e &&
+                  n >= 1 && n <= 1024;
+  if (!ok)
+    fail("{}: '{}' is not a token-group suffix: expected @gN with N in 1..1024 (e.g. kvquant3@g128)", where,
+         suffix);
+  return n;
+}
+
+std::unique_ptr<KvCodec> kv_codec_create(const std::string& codec_name, const KvCodecParams& p0) {
+  const size_t at = codec_name.find('@');
+  if (at != std::string::npos) {
+    KvCodecParams p = p0;
+    p.group_tokens = kv_parse_group_suffix(codec_name.substr(at), "KV codec '" + codec_name + "'");
+    auto c = kv_codec_create(codec_name.substr(0, at), p);
+    if (c->info().group_tokens <= 1)
+      fail("KV codec '{}': {} stores each token on its own; @gN sets the token group of grouped codecs "
+           "(kivi*, kvquant*)", codec_name, c->info().name);
+    return c;
+  }
+  const KvCodecParams& p = p0;
   const Registry& r = registry();
   const std::string key = lower(codec_name);
   for (const auto& c : r.codecs) {

@@ -686,11 +686,13 @@ int64_t plan_activation_bytes(const PlanModel& m, const PlanConfig& c, int64_t b
 
 PlanFormatCost plan_format_cost(const PlanModel& m, const PlanConfig& c, const std::string& format) {
   validate_model(m);
-  // Per-layer codecs: the format everywhere, f16 on the skipped layers.
-  const KvFormatDesc& desc = kv_format_find(format);
+  // Per-layer codecs: the format everywhere (a registered name, KFMT/VFMT, either side with
+  // @gN, as --kv-cache-dtype takes it), f16 on the skipped layers.
+  const KvPolicy uniform = kv_policy_uniform(format, 1);
   struct LayerCodecs {
     std::string k, v;
   };
+  const KvLayerFormat& desc = uniform.layers[0];
   std::vector<LayerCodecs> policy(size_t(m.n_layers), LayerCodecs{desc.k_codec, desc.v_codec});
   if (!c.skip_layers.empty()) {
     const KvFormatDesc& f16 = kv_format_find("f16");
@@ -700,7 +702,7 @@ PlanFormatCost plan_format_cost(const PlanModel& m, const PlanConfig& c, const s
     }
   }
   PlanFormatCost r;
-  r.name = desc.name;
+  r.name = uniform.name;
   r.k_codec = desc.k_codec;
   r.v_codec = desc.v_codec;
 
