@@ -122,26 +122,19 @@ class PageBuf {
   size_t n_ = 0;
 };
 
-// A benchmarked format: a registry name, or KFMT/VFMT (K codec of one format, V codec of
-// another, as --kv-cache-dtype takes it), optionally @gN for N-token groups of the grouped codecs
-// (--kv-group-tokens; blocks then hold max(kBlock, N) tokens). Extra ones come from
-// KVQ_ATTN_BENCH_EXTRA (comma-separated), e.g. "kvquant3/tq2.5_s@g128".
+// A benchmarked format: a registry name, or what --kv-cache-dtype takes (KFMT/VFMT, FMT@gN for
+// N-token groups of a grouped codec; blocks then hold max(kBlock, N) tokens). Extra ones come from
+// KVQ_ATTN_BENCH_EXTRA (comma-separated), e.g. "kvquant3@g128/tq2.5_s".
 struct BenchFormat {
   std::string k_codec, v_codec;
-  int group_tokens = 0;
 };
 BenchFormat bench_format(const std::string& spec) {
-  BenchFormat f;
-  std::string name = spec;
-  const size_t at = spec.find("@g");
-  if (at != std::string::npos) {
-    name = spec.substr(0, at);
-    f.group_tokens = std::stoi(spec.substr(at + 2));
-  }
-  const KvPolicy p = kv_policy_uniform(name, 1);
-  f.k_codec = p.layers[0].k_codec;
-  f.v_codec = p.layers[0].v_codec;
-  return f;
+  const KvPolicy p = kv_policy_uniform(spec, 1);
+  return {p.layers[0].k_codec, p.layers[0].v_codec};
+}
+// Tokens per block for these codecs: kBlock, or their token group when longer.
+int bench_block_tokens(const KvCodec& kc, const KvCodec& vc) {
+  return std::max({kBlock, kc.info().group_tokens, vc.info().group_tokens});
 }
 
 // The encoded KV of the last (format, shape): Google Benchmark calls a benchmark function several
@@ -171,10 +164,9 @@ void bm_decode(benchmark::State& st, std::string format, Shape sh, bool hot, int
     pk.rope.n_rot = sh.hd;
     try {
       const BenchFormat f = bench_format(format);
-      pk.group_tokens = pv.group_tokens = f.group_tokens;
-      d->bt = std::max(kBlock, f.group_tokens);
       d->kc = kv_codec_create(f.k_codec, pk);
       d->vc = kv_codec_create(f.v_codec, pv);
+      d->bt = bench_block_tokens(*d->kc, *d->vc);
     } catch (const std::exception& e) {
       st.SkipWithError(e.what());
       return;
@@ -272,16 +264,16 @@ void bm_encode(benchmark::State& st, std::string format, int hd) {
   std::unique_ptr<KvCodec> kc, vc;
   try {
     const BenchFormat f = bench_format(format);
-    pk.group_tokens = pv.group_tokens = f.group_tokens;
     kc = kv_codec_create(f.k_codec, pk);
     vc = kv_codec_create(f.v_codec, pv);
   } catch (const std::exception& e) {
     st.SkipWithError(e.what());
     return;
   }
-  // Grouped codecs encode G tokens at once: report the per-token share of one group's encode.
+  // Grouped codecs encode G tokens at once: report the per-token share of one group's encode,
+  // with the other side encoding the same tokens (a per-token codec all g of them).
   const int gk = std::max(1, kc->info().group_tokens), gv = std::max(1, vc->info().group_tokens);
-  const int g = std::max(gk, gv);
+  const int g = std::max(gk, gv);  // both powers of two: a multiple of each
   const int bt = std::max(kBlock, g);
   std::vector<uint8_t> kb(kc->block_bytes(bt)), vb(vc->block_bytes(bt));
   std::mt19937_64 rng(3);
@@ -289,8 +281,8 @@ void bm_encode(benchmark::State& st, std::string format, int hd) {
   std::vector<float> x(size_t(g) * size_t(hd));
   for (auto& v : x) v = nd(rng);
   for (auto _ : st) {
-    kc->encode(0, x.data(), size_t(hd), gk, kb.data(), bt, 0, 0);
-    vc->encode(0, x.data(), size_t(hd), gv, vb.data(), bt, 0, 0);
+    kc->encode(0, x.data(), size_t(hd), g, kb.data(), bt, 0, 0);
+    vc->encode(0, x.data(), size_t(hd), g, vb.data(), bt, 0, 0);
     benchmark::ClobberMemory();
   }
   st.counters["tokens_per_iter"] = g == 1 ? 1 : double(g);
