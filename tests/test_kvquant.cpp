@@ -907,6 +907,13 @@ TEST(KvquantCal, EachWindowsSinkIsLeftOutOfTheRanges) {
   EXPECT_LT(width(win), 6.f);   // about 3.5 standard deviations
   EXPECT_GT(width(0), 30.f);    // one sequence: positions 256, 512, 768 are ordinary tokens
   EXPECT_THROW(kvquant_fit_static(x.data(), n, 1, d, 3, 1, -1, -5), Error);
+  // The per-group codebook fit leaves the same positions out of its groups' statistics.
+  auto samples = [&](int window) {
+    return kvquant_fit(x.data(), n, 1, d, 3, 32, 1, -1, window).at("kvquant_k3").at("n_samples").get<size_t>();
+  };
+  const size_t k = size_t(std::ceil(0.01 * d - 1e-9));
+  EXPECT_EQ(samples(0) - samples(win), size_t(n / win - 1) * (d - k));
+  EXPECT_THROW(kvquant_fit(x.data(), n, 1, d, 3, 32, 1, -1, -1), Error);
 }
 
 // A channel that was constant in calibration (scale 0: e.g. dead channels whose keys are 0) is

@@ -715,7 +715,7 @@ std::unique_ptr<KvCodec> kvquant_key_codec_create(const KvquantKeyConfig& c0) {
 }
 
 nlohmann::json kvquant_fit(const float* keys, int n_tokens, int n_kv_heads, int head_dim, int bits,
-                           int group_tokens, int sink_tokens, int outliers_per_token) {
+                           int group_tokens, int sink_tokens, int outliers_per_token, int window_tokens) {
   if (bits < 2 || bits > 4) fail("kvquant_fit: bits must be 2, 3 or 4 (got {})", bits);
   if (head_dim <= 0 || head_dim % 16 != 0 || head_dim > 256)
     fail("kvquant_fit: head_dim {} must be a multiple of 16 in [16, 256]", head_dim);
@@ -723,6 +723,7 @@ nlohmann::json kvquant_fit(const float* keys, int n_tokens, int n_kv_heads, int 
   if (group_tokens < 2 || group_tokens > 256)
     fail("kvquant_fit: group_tokens must be in [2, 256] (got {})", group_tokens);
   if (sink_tokens < 0) fail("kvquant_fit: sink_tokens must be >= 0 (got {})", sink_tokens);
+  if (window_tokens < 0) fail("kvquant_fit: window_tokens must be >= 0 (got {})", window_tokens);
   if (n_tokens < sink_tokens + group_tokens)
     fail("kvquant_fit: {} tokens are fewer than one group of {} after {} sink tokens", n_tokens,
          group_tokens, sink_tokens);
@@ -741,7 +742,8 @@ nlohmann::json kvquant_fit(const float* keys, int n_tokens, int n_kv_heads, int 
   for (int h = 0; h < n_kv_heads; ++h) {
     for (int g0 = 0; g0 + group_tokens <= n_tokens; g0 += group_tokens) {
       const float* x = keys + size_t(g0) * stride + size_t(h) * head_dim;
-      for (int t = 0; t < group_tokens; ++t) sink[t] = g0 + t < sink_tokens;
+      for (int t = 0; t < group_tokens; ++t)
+        sink[t] = (window_tokens > 0 ? (g0 + t) % window_tokens : g0 + t) < sink_tokens;
       group_stats(x, stride, group_tokens, head_dim, sink, k, oidx.data(), sc16, mid16);
       for (int t = 0; t < group_tokens; ++t) {
         if (sink[t]) continue;

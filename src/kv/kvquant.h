@@ -83,8 +83,9 @@ std::unique_ptr<KvCodec> kvquant_key_codec_create(const KvquantKeyConfig& cfg);
 const std::vector<float>& kvquant_default_codebook(int bits);
 
 // Fits one layer's artifacts from calibration keys. keys_pre_rope: (n_tokens, n_kv_heads,
-// head_dim), before RoPE. Groups of group_tokens consecutive tokens per head are normalized per
-// channel exactly as the codec does (outliers and token 0 .. sink_tokens-1 excluded) and a
+// head_dim), before RoPE: consecutive sequences of window_tokens tokens each (0: one sequence).
+// Groups of group_tokens consecutive tokens per head are normalized per channel exactly as the
+// codec does (outliers and each sequence's positions 0 .. sink_tokens-1 excluded) and a
 // 2^bits-level Lloyd-Max codebook is fitted to the normalized values. Returns
 //   {"kvquant_k<bits>": {"codebook": [...], "group_tokens": G, "outliers_per_token": k,
 //                        "n_samples": N, "mse": normalized-domain MSE}}
@@ -92,7 +93,7 @@ const std::vector<float>& kvquant_default_codebook(int bits);
 nlohmann::json kvquant_fit(const float* keys_pre_rope, int n_tokens, int n_kv_heads, int head_dim,
                            int bits, int group_tokens = kvquant_default_group_tokens,
                            int sink_tokens = kvquant_default_sink_tokens,
-                           int outliers_per_token = -1);
+                           int outliers_per_token = -1, int window_tokens = 0);
 
 // Fits the calibrated ranges and codebook of the kvquant<bits>_cal_k codecs from one layer's
 // pre-RoPE calibration keys (same shape as kvquant_fit), which are consecutive sequences of

@@ -179,7 +179,9 @@ int calibrate_command(const CalibrateOptions& o) {
     }
     if (hd % 16 == 0)
       for (int b : o.kvquant_bits) {
-        nlohmann::json art = kvquant_fit(kpre[size_t(il)].data(), n_tok, nkv, hd, b);
+        nlohmann::json art =
+            kvquant_fit(kpre[size_t(il)].data(), n_tok, nkv, hd, b, kvquant_default_group_tokens,
+                        kvquant_default_sink_tokens, -1, o.ctx);
         for (auto it = art.begin(); it != art.end(); ++it) L[it.key()] = it.value();
         art = kvquant_fit_static(kpre[size_t(il)].data(), n_tok, nkv, hd, b, kvquant_default_sink_tokens, -1, o.ctx);
         for (auto it = art.begin(); it != art.end(); ++it) L[it.key()] = it.value();
