@@ -27,7 +27,7 @@ namespace kvq {
 
 void bench_add_cli(CLI::App& app, BenchOptions& o) {
   app.add_option("-m,--model", o.model, "GGUF model file")->required();
-  app.add_option("--kv", o.kv_list, "KV formats to compare (comma-separated; KFMT/VFMT for different K and V)")
+  app.add_option("--kv", o.kv_list, "KV formats to compare (comma-separated; KFMT/VFMT for different K and V, FMT@gN for a token group)")
       ->capture_default_str();
   app.add_option("--kv-mem", o.kv_mem,
                  "KV page pool budget, the same for every format (e.g. 256MiB, 2GiB; comma-separated: one sweep each)")

@@ -26,7 +26,7 @@ namespace kvq {
 
 void eval_add_cli(CLI::App& app, EvalOptions& o) {
   app.add_option("-m,--model", o.model, "GGUF model file")->required();
-  app.add_option("--kv", o.formats, "KV formats to evaluate (comma-separated); f16 is the reference")
+  app.add_option("--kv", o.formats, "KV formats to evaluate (comma-separated; KFMT/VFMT, FMT@gN); f16 is the reference")
       ->delimiter(',')->required();
   app.add_option("--ctx", o.ctx, "context lengths (comma-separated; 4K, 32k accepted)")->delimiter(',');
   app.add_option("--task", o.tasks, "tasks: ppl, needle, layers, own (comma-separated)")->delimiter(',')->capture_default_str();

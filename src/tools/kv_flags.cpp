@@ -11,7 +11,8 @@ namespace kvq {
 
 void kv_flags_add(CLI::App& app, KvFlags& f) {
   app.add_option("--kv-cache-dtype,--kv", f.kv_cache_dtype,
-                 "KV cache format for K and V (kvq formats lists them; vLLM names auto/fp8/fp8_e4m3/fp8_e5m2 work)")
+                 "KV cache format for K and V (kvq formats lists them; vLLM names auto/fp8/fp8_e4m3/fp8_e5m2 work); "
+                 "KFMT/VFMT splits K and V, FMT@gN sets a grouped format's token group (e.g. kvquant3@g128/tq2.5_s)")
       ->capture_default_str();
   app.add_option("--cache-type-k", f.cache_type_k, "format of the K cache (also -ctk; llama.cpp spellings f16, q8_0, q4_0 work)");
   app.add_option("--cache-type-v", f.cache_type_v, "format of the V cache (also -ctv)");
@@ -21,7 +22,8 @@ void kv_flags_add(CLI::App& app, KvFlags& f) {
   app.add_option("--kv-scales", f.scales_file, "calibration JSON (kvq calibrate) with K/V scales and codebooks");
   app.add_option("--kv-page-tokens", f.page_tokens, "tokens per KV page (power of two, 16..256)")->capture_default_str();
   app.add_option("--kv-group-tokens", f.group_tokens,
-                 "grouped formats (kivi*, kvquant*): tokens per quantization group G (default: the format's)");
+                 "grouped formats (kivi*, kvquant*): tokens per quantization group G (default: the format's; "
+                 "a name's @gN wins)");
   app.add_option("--kv-residual-tokens", f.residual_tokens,
                  "grouped formats: newest tokens kept in full precision R (default: the format's)");
   kv_flags_add_kvquant(app, f);
@@ -32,7 +34,8 @@ void kv_flags_add_shared(CLI::App& app, KvFlags& f) {
   app.add_option("--kv-layer", f.layer_overrides, "per-layer override L=KFMT/VFMT (repeatable)");
   app.add_option("--kv-scales", f.scales_file, "calibration JSON (kvq calibrate)");
   app.add_option("--kv-page-tokens", f.page_tokens, "tokens per KV page")->capture_default_str();
-  app.add_option("--kv-group-tokens", f.group_tokens, "grouped formats (kivi*, kvquant*): tokens per group G");
+  app.add_option("--kv-group-tokens", f.group_tokens,
+                 "grouped formats (kivi*, kvquant*): tokens per group G (a format name's @gN wins)");
   app.add_option("--kv-residual-tokens", f.residual_tokens, "grouped formats: newest tokens kept in full precision R");
   kv_flags_add_kvquant(app, f);
 }

@@ -1212,7 +1212,7 @@ void plan_add_cli(CLI::App& app, PlanOptions& o) {
   app.add_flag("--presets", o.list_presets, "list the built-in models with their shapes");
   app.add_option("--ctx", o.ctx, "context lengths, comma-separated (4096, 4K, 32k, 1M)")->capture_default_str();
   app.add_option("--batch", o.batch, "batch sizes (concurrent sequences), comma-separated")->capture_default_str();
-  app.add_option("--kv", o.kv, "KV formats, comma-separated (default: every registered format)");
+  app.add_option("--kv", o.kv, "KV formats, comma-separated (KFMT/VFMT, FMT@gN; default: every registered format)");
   app.add_option("--kv-cache-dtype-skip-layers", o.skip_layers,
                  "layers kept in f16: first:N, last:N, sliding_window, layer indices (comma-separated)");
   app.add_option_function<double>("--gpu-mem", [&o](const double& v) { o.gpu_mem_gib = v; },
