@@ -159,6 +159,22 @@ inline bool is_outlier(const uint8_t* idx, int k, int c) {
   return false;
 }
 
+// The channels of the k largest z (D entries) into idx, largest first, ties to the lower channel:
+// a vector's dense-and-sparse outliers.
+inline void largest_k(const float* z, int D, int k, uint8_t* idx) {
+  for (int j = 0; j < k; ++j) {
+    float best = -1.f;
+    int bc = 0;
+    for (int c = 0; c < D; ++c) {
+      if (z[c] > best && !is_outlier(idx, j, c)) {
+        best = z[c];
+        bc = c;
+      }
+    }
+    idx[j] = uint8_t(bc);
+  }
+}
+
 // Per-channel normalization of one group, shared by encode and kvquant_fit so that the codebook
 // is fitted on exactly the distribution the codec quantizes.
 //   x: (n, head_dim) rows `stride` floats apart (already sanitized by the caller or finite)
@@ -191,18 +207,9 @@ void group_stats(const float* x, size_t stride, int n, int D, const uint8_t* sin
       std::memset(idx, 0, size_t(k));
       continue;
     }
-    for (int j = 0; j < k; ++j) {
-      float best = -1.f;
-      int bc = 0;
-      for (int c = 0; c < D; ++c) {
-        const float z = std::fabs(kv_sanitize(x[size_t(t) * stride + c]) - mean[c]) * inv_sd[c];
-        if (z > best && !is_outlier(idx, j, c)) {
-          best = z;
-          bc = c;
-        }
-      }
-      idx[j] = uint8_t(bc);
-    }
+    float z[kvg_max_head_dim];
+    for (int c = 0; c < D; ++c) z[c] = std::fabs(kv_sanitize(x[size_t(t) * stride + c]) - mean[c]) * inv_sd[c];
+    largest_k(z, D, k, idx);
   }
   for (int c = 0; c < D; ++c) {
     float mn = INFINITY, mx = -INFINITY;
@@ -304,9 +311,12 @@ class KvquantKeyCodec final : public KvCodec {
   // The f16 [scale (head_dim)][mid (head_dim)] that hold for group grp of head `head`.
   const uint8_t* params(int head, const uint8_t* grp) const {
     if (!static_) return grp;
+    check_head(head);
+    return sparams_.data() + size_t(head) * cfg_.head_dim * 4;
+  }
+  void check_head(int head) const {
     if (head < 0 || head >= cfg_.n_kv_heads)
       fail("{}: head {} is outside the {} calibrated heads", info_.name, head, cfg_.n_kv_heads);
-    return sparams_.data() + size_t(head) * cfg_.head_dim * 4;
   }
 
   void encode(int head, const float* src, size_t src_stride, int n, uint8_t* block, int block_tokens,
@@ -408,11 +418,8 @@ class KvquantKeyCodec final : public KvCodec {
     const KvquantKernels& kk = kvquant_kernels();
     const int D = cfg_.head_dim, G = grp_tokens(block_tokens), half = cfg_.rope.n_rot / 2;
     const size_t gb = group_bytes(G);
-    if (static_) {
-      const size_t rb = row_bytes(), ob = size_t(k_) * 3;
-      kvg_prefetch(block + sink_bytes() + size_t(t0) * rb, size_t(n) * rb);
-      if (ob) kvg_prefetch(block + sink_bytes() + size_t(block_tokens) * rb + size_t(t0) * k_ * 2, size_t(n) * ob);
-    } else {
+    {
+      // The groups the span touches (with calibrated ranges: the block, one group).
       const size_t a = sink_bytes() + size_t(t0 / G) * gb;
       const size_t e = sink_bytes() + size_t((t0 + n + G - 1) / G) * gb;
       kvg_prefetch(block + a, e - a);
@@ -491,7 +498,7 @@ class KvquantKeyCodec final : public KvCodec {
   // Per token against the calibrated ranges: the k channels farthest outside them stay exact.
   void encode_static(int head, const float* src, size_t src_stride, int n, uint8_t* block,
                      int block_tokens, int t0, int pos0) const {
-    (void)params(head, nullptr);  // checks the head
+    check_head(head);
     const int D = cfg_.head_dim, k = k_;
     const float* inv = sinv_.data() + size_t(head) * D;
     const float* mid = smid_.data() + size_t(head) * D;
@@ -523,19 +530,8 @@ class KvquantKeyCodec final : public KvCodec {
         u[c] = inv[c] > 0 ? std::fabs(uc) : (v != mid[c] ? INFINITY : 0.f);
       }
       bitplane_pack(codes, cfg_.bits, D, rows + size_t(t) * row_bytes());
-      for (int j = 0; j < k; ++j) {
-        float best = -1.f;
-        int bc = 0;
-        for (int c = 0; c < D; ++c) {
-          const float z = u[c];
-          if (z > best && !is_outlier(idx, j, c)) {
-            best = z;
-            bc = c;
-          }
-        }
-        idx[j] = uint8_t(bc);
-        kvg_store_f16(ovals, size_t(t) * k + j, f32_to_f16(kv_sanitize(xr[bc])));
-      }
+      largest_k(u, D, k, idx);
+      for (int j = 0; j < k; ++j) kvg_store_f16(ovals, size_t(t) * k + j, f32_to_f16(kv_sanitize(xr[idx[j]])));
     }
   }
 
@@ -811,11 +807,12 @@ nlohmann::json kvquant_fit_static(const float* keys, int n_tokens, int n_kv_head
       const double var = std::max(0.0, q / n - mean[size_t(c)] * mean[size_t(c)]);
       inv_sd[size_t(c)] = var > 0 ? 1.0 / std::sqrt(var) : 0.0;
     }
-    std::vector<std::pair<double, int>> z(static_cast<size_t>(D));
+    float z[kvg_max_head_dim];
+    uint8_t idx[kvg_max_head_dim];
     for (int t = 0; t < n; ++t) {
-      for (int c = 0; c < D; ++c) z[size_t(c)] = {std::fabs(key(t, h, c) - mean[size_t(c)]) * inv_sd[size_t(c)], c};
-      std::partial_sort(z.begin(), z.begin() + k, z.end(), [](auto& a, auto& b) { return a.first > b.first; });
-      for (int j = 0; j < k; ++j) out_mask[size_t(t) * stride + size_t(h) * D + z[size_t(j)].second] = 1;
+      for (int c = 0; c < D; ++c) z[c] = float(std::fabs(key(t, h, c) - mean[size_t(c)]) * inv_sd[size_t(c)]);
+      largest_k(z, D, k, idx);
+      for (int j = 0; j < k; ++j) out_mask[size_t(t) * stride + size_t(h) * D + idx[j]] = 1;
     }
   }
   // Each channel's sorted inliers.
@@ -841,53 +838,46 @@ nlohmann::json kvquant_fit_static(const float* keys, int n_tokens, int n_kv_head
   // stored in f16 as the codec stores it, so the codebook is fitted on the codec's own
   // normalization. Clipping the ranges at a quantile (chosen by squared key error) was measured
   // to give the same or larger KLD in the models (bench/QUALITY.md), so the ranges are not clipped.
-  struct Fit {
-    double err = 0, mse_norm = 0;
-    std::vector<float> mid, scale, cb;
-    size_t n_samples = 0;
-  } best;
-  best.mid.resize(stride);
-  best.scale.resize(stride);
+  std::vector<float> fmid(stride), fscale(stride);
   for (size_t i = 0; i < stride; ++i) {
     const float lo = chan[i].empty() ? 0.f : chan[i].front(), hi = chan[i].empty() ? 0.f : chan[i].back();
-    best.scale[i] = f16_to_f32(f32_to_f16(0.5f * (hi - lo)));
-    best.mid[i] = f16_to_f32(f32_to_f16(0.5f * hi + 0.5f * lo));
+    fscale[i] = f16_to_f32(f32_to_f16(0.5f * (hi - lo)));
+    fmid[i] = f16_to_f32(f32_to_f16(0.5f * hi + 0.5f * lo));
   }
   std::vector<float> u;
   for (size_t i = 0; i < stride; ++i) {
-    if (!(best.scale[i] > 0)) continue;
-    for (float x : chan[i]) u.push_back(std::clamp((x - best.mid[i]) / best.scale[i], -1.f, 1.f));
+    if (!(fscale[i] > 0)) continue;
+    for (float x : chan[i]) u.push_back(std::clamp((x - fmid[i]) / fscale[i], -1.f, 1.f));
   }
   if (u.size() < size_t(1) << bits)
     fail("kvquant_fit_static: too few usable samples (constant keys?) for {} levels", 1 << bits);
   std::sort(u.begin(), u.end());
-  best.cb = lloyd_1d(u, 1 << bits, &best.mse_norm);
-  best.n_samples = u.size();
-  {
-    // The quantizer's squared error in the keys' units.
-    float thr[15];
-    const int nt = (1 << bits) - 1;
-    for (int j = 0; j < nt; ++j) thr[j] = 0.5f * (best.cb[size_t(j)] + best.cb[size_t(j) + 1]);
-    for (size_t i = 0; i < stride; ++i) {
-      const float s = best.scale[i], m = best.mid[i], inv = s > 0 ? 1.f / s : 0.f;
-      for (float x : chan[i]) {
-        const float y = m + s * best.cb[size_t(nearest_code(thr, nt, (x - m) * inv))];
-        best.err += double(x - y) * (x - y);
-      }
+  double mse_norm = 0;
+  const std::vector<float> cb = lloyd_1d(u, 1 << bits, &mse_norm);
+  // The quantizer's squared error in the keys' units.
+  float thr[15];
+  const int nt = (1 << bits) - 1;
+  for (int j = 0; j < nt; ++j) thr[j] = 0.5f * (cb[size_t(j)] + cb[size_t(j) + 1]);
+  double err = 0;
+  for (size_t i = 0; i < stride; ++i) {
+    const float sc = fscale[i], m = fmid[i], inv = sc > 0 ? 1.f / sc : 0.f;
+    for (float x : chan[i]) {
+      const float y = m + sc * cb[size_t(nearest_code(thr, nt, (x - m) * inv))];
+      err += double(x - y) * (x - y);
     }
   }
   nlohmann::json art, mid = nlohmann::json::array(), scale = nlohmann::json::array();
   for (int h = 0; h < H; ++h) {
-    mid.push_back(std::vector<float>(best.mid.begin() + ptrdiff_t(h) * D, best.mid.begin() + ptrdiff_t(h + 1) * D));
-    scale.push_back(std::vector<float>(best.scale.begin() + ptrdiff_t(h) * D, best.scale.begin() + ptrdiff_t(h + 1) * D));
+    mid.push_back(std::vector<float>(fmid.begin() + ptrdiff_t(h) * D, fmid.begin() + ptrdiff_t(h + 1) * D));
+    scale.push_back(std::vector<float>(fscale.begin() + ptrdiff_t(h) * D, fscale.begin() + ptrdiff_t(h + 1) * D));
   }
   art["mid"] = mid;
   art["scale"] = scale;
-  art["codebook"] = best.cb;
+  art["codebook"] = cb;
   art["outliers_per_token"] = k;
   art["sink_tokens"] = sink_tokens;
-  art["rel_mse"] = energy > 0 ? best.err / energy : 0.0;
-  art["n_samples"] = best.n_samples;
+  art["rel_mse"] = energy > 0 ? err / energy : 0.0;
+  art["n_samples"] = u.size();
   nlohmann::json out;
   out["kvquant_cal_k" + std::to_string(bits)] = art;
   return out;
