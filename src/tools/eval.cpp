@@ -32,13 +32,19 @@ void eval_add_cli(CLI::App& app, EvalOptions& o) {
   app.add_option("--task", o.tasks, "tasks: ppl, needle, layers, own (comma-separated)")->delimiter(',')->capture_default_str();
   app.add_option("--data", o.data, "text file for ppl (e.g. WikiText-2 test) and the default haystack");
   app.add_option("--haystack", o.haystack, "haystack text for needle (default: --data)");
-  app.add_option("--own", o.own, "JSONL eval set for task own: {\"prompt\", \"expected\", \"match\": substring|exact}");
+  app.add_option("--own", o.own,
+                 "JSONL eval set for task own: {\"prompt\", \"expected\", \"match\": substring|exact}; an optional "
+                 "\"prompt_tokens\" array (token ids) is used as is instead of tokenizing the prompt");
   app.add_option("--depths", o.depths, "needle depths in percent")->delimiter(',')->capture_default_str();
   app.add_option("--needles", o.needles,
                  "needle: trials per (context, depth) cell, each with its own passcode and stretch of the haystack "
                  "(one trial per cell is a coin flip on a small model; accuracy is over all trials)")
       ->check(CLI::Range(1, 100))
       ->capture_default_str();
+  app.add_option("--needle-set-out", o.needle_set_out,
+                 "needle: also write every trial as one JSONL line of an own-task eval set (prompt text, its exact "
+                 "\"prompt_tokens\", the passcode as \"expected\", ctx, depth, trial): the same trials replayed by "
+                 "--task own or by another engine");
   app.add_option("--chunks", o.chunks, "ppl: windows per context length")->check(CLI::Range(1, 1000))->capture_default_str();
   app.add_option("-t,--threads", o.threads, "threads (default: all hardware threads)")->check(CLI::Range(1, 1024));
   app.add_option("--max-tokens", o.max_tokens, "own: tokens generated per prompt")->check(CLI::Range(1, 4096))->capture_default_str();
@@ -245,6 +251,8 @@ std::string greedy_generate(Ctx& c, Forward& fwd, KvCache& cache, const std::vec
 // each (ctx, depth) cell holds N trials: trial k has its own passcode and starts its haystack at
 // the k-th of N evenly spaced offsets into the text (all at offset 0 when the text is no longer
 // than the context needs).
+constexpr int kNeedleAnswerTokens = 10;  // greedy tokens after the question that must hold the passcode
+
 void task_needle(Ctx& c, const std::vector<int32_t>& hay_ids) {
   std::mt19937 rng(4242);
   const std::string question = "\nWhat is the secret passcode mentioned in the text above? The secret passcode is";
@@ -257,12 +265,18 @@ void task_needle(Ctx& c, const std::vector<int32_t>& hay_ids) {
   all.push_back(FormatRun{"f16", kv_flags_resolve(c.o.kv, c.m.config(), "f16"), 0, {}});
   for (const auto& r : c.runs) all.push_back(FormatRun{r.name, r.kv, 0, {}});
   std::vector<nlohmann::json> grids(all.size(), nlohmann::json::array());
+  // --needle-set-out: the trials as an own-task eval set, opened before any model time is spent.
+  std::ofstream set_out;
+  if (!c.o.needle_set_out.empty()) {
+    set_out.open(c.o.needle_set_out, std::ios::binary | std::ios::trunc);
+    if (!set_out) fail("--needle-set-out: cannot write '{}'", c.o.needle_set_out);
+  }
   for (int ctx : c.ctxs) {
     for (int depth : c.o.depths) {
       for (int k = 0; k < trials; ++k) {
         const std::string code = std::to_string(100000 + rng() % 900000);
         const std::vector<int32_t> needle = c.tok.encode(" The secret passcode is " + code + ". Remember it. ", false);
-        const int hay_len = ctx - int(needle.size() + q_ids.size()) - 1 - 12;
+        const int hay_len = ctx - int(needle.size() + q_ids.size()) - 1 - (kNeedleAnswerTokens + 2);
         if (hay_len < 16) fail("needle: context {} is too short for the needle and question", ctx);
         if (size_t(hay_len) > hay_ids.size())
           fail("needle: the haystack has {} tokens, fewer than the {} needed for context {}", hay_ids.size(), hay_len,
@@ -277,9 +291,22 @@ void task_needle(Ctx& c, const std::vector<int32_t>& hay_ids) {
         prompt.insert(prompt.end(), needle.begin(), needle.end());
         prompt.insert(prompt.end(), hay + std::ptrdiff_t(at), hay + hay_len);
         prompt.insert(prompt.end(), q_ids.begin(), q_ids.end());
+        if (set_out.is_open()) {
+          // The text (without BOS) for engines that tokenize it themselves; the exact tokens for
+          // --task own, which then reproduces this trial bit for bit.
+          const bool bos = c.tok.add_bos();
+          const std::vector<int32_t> body(prompt.begin() + (bos ? 1 : 0), prompt.end());
+          const nlohmann::json line = {{"prompt", c.tok.decode(body)}, {"prompt_tokens", prompt},
+                                       {"expected", code},           {"match", "substring"},
+                                       {"max_tokens", kNeedleAnswerTokens}, {"ctx", ctx},
+                                       {"depth", depth},             {"trial", k},
+                                       {"haystack_offset", off}};
+          set_out << line.dump() << '\n';
+          if (!set_out) fail("--needle-set-out: write to '{}' failed", c.o.needle_set_out);
+        }
         for (size_t f = 0; f < all.size(); ++f) {
-          auto cache = make_cache(c, all[f], int(prompt.size()) + 12);
-          const std::string ans = greedy_generate(c, fwd, *cache, prompt, 10);
+          auto cache = make_cache(c, all[f], int(prompt.size()) + kNeedleAnswerTokens + 2);
+          const std::string ans = greedy_generate(c, fwd, *cache, prompt, kNeedleAnswerTokens);
           const bool ok = ans.find(code) != std::string::npos;
           grids[f].push_back({{"ctx", ctx}, {"depth", depth}, {"trial", k}, {"haystack_offset", off}, {"ok", ok},
                               {"answer", ans}});
@@ -316,6 +343,9 @@ void task_needle(Ctx& c, const std::vector<int32_t>& hay_ids) {
 // ---- own: the user's JSONL eval set.
 struct OwnCase {
   std::string prompt, expected, match;
+  std::vector<int32_t> tokens;  // "prompt_tokens": used as is (no template, no tokenization) when given
+  int max_tokens = 0;           // "max_tokens": this case's answer length (0: --max-tokens)
+  int line = 0;
 };
 
 std::vector<OwnCase> load_own(const std::string& path) {
@@ -323,9 +353,25 @@ std::vector<OwnCase> load_own(const std::string& path) {
   jsonl_for_each(path, "--own", [&](const nlohmann::json& j, int ln) {
     if (!j.is_object() || !j.contains("prompt") || !j["prompt"].is_string() || !j.contains("expected") || !j["expected"].is_string())
       fail("--own {}:{}: each line needs string fields \"prompt\" and \"expected\"", path, ln);
-    OwnCase c{j["prompt"], j["expected"], j.value("match", std::string("substring"))};
+    OwnCase c{j["prompt"], j["expected"], j.value("match", std::string("substring")), {}, 0, ln};
     if (c.match != "substring" && c.match != "exact")
       fail("--own {}:{}: \"match\" must be \"substring\" or \"exact\", not \"{}\"", path, ln, c.match);
+    if (j.contains("prompt_tokens")) {
+      const auto& t = j["prompt_tokens"];
+      if (!t.is_array() || t.empty())
+        fail("--own {}:{}: \"prompt_tokens\" must be a non-empty array of token ids", path, ln);
+      for (const auto& id : t) {
+        if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > std::numeric_limits<int32_t>::max())
+          fail("--own {}:{}: \"prompt_tokens\" must hold non-negative integer token ids", path, ln);
+        c.tokens.push_back(id.get<int32_t>());
+      }
+    }
+    if (j.contains("max_tokens")) {
+      const auto& m = j["max_tokens"];
+      if (!m.is_number_integer() || m.get<int64_t>() < 1 || m.get<int64_t>() > 4096)
+        fail("--own {}:{}: \"max_tokens\" must be an integer in [1, 4096]", path, ln);
+      c.max_tokens = m.get<int>();
+    }
     cases.push_back(std::move(c));
   });
   if (cases.empty()) fail("--own {}: no eval cases (empty file)", path);
@@ -473,12 +519,20 @@ void task_own(Ctx& c, const std::vector<OwnCase>& cases) {
     int ok = 0;
     nlohmann::json items = nlohmann::json::array();
     for (const auto& oc : cases) {
-      const std::string text = c.o.chat ? chat_render(tpl, {{"user", oc.prompt}}) : oc.prompt;
-      std::vector<int32_t> ids = c.tok.encode(text, true, c.o.chat);
-      if (int(ids.size()) + c.o.max_tokens > c.m.config().n_ctx_train)
-        fail("--own: a prompt of {} tokens does not fit the model's context of {}", ids.size(), c.m.config().n_ctx_train);
-      auto cache = make_cache(c, r, int(ids.size()) + c.o.max_tokens + 1);
-      const std::string out = greedy_generate(c, fwd, *cache, ids, c.o.max_tokens);
+      std::vector<int32_t> ids = oc.tokens;
+      if (ids.empty()) {
+        const std::string text = c.o.chat ? chat_render(tpl, {{"user", oc.prompt}}) : oc.prompt;
+        ids = c.tok.encode(text, true, c.o.chat);
+      }
+      for (int32_t id : ids)
+        if (id >= c.tok.n_vocab())
+          fail("--own line {}: prompt token {} is outside the model's vocabulary of {}", oc.line, id, c.tok.n_vocab());
+      const int max_tokens = oc.max_tokens > 0 ? oc.max_tokens : c.o.max_tokens;
+      if (int(ids.size()) + max_tokens > c.m.config().n_ctx_train)
+        fail("--own line {}: a prompt of {} tokens and {} answer tokens do not fit the model's context of {}", oc.line,
+             ids.size(), max_tokens, c.m.config().n_ctx_train);
+      auto cache = make_cache(c, r, int(ids.size()) + max_tokens + 2);
+      const std::string out = greedy_generate(c, fwd, *cache, ids, max_tokens);
       const bool hit = oc.match == "exact" ? trim(out) == trim(oc.expected) : out.find(oc.expected) != std::string::npos;
       ok += hit ? 1 : 0;
       items.push_back({{"prompt", oc.prompt}, {"expected", oc.expected}, {"output", out}, {"ok", hit}});
@@ -499,6 +553,7 @@ int eval_command(const EvalOptions& o) {
   if ((has("ppl") || has("layers")) && o.data.empty()) fail("--data is required for tasks ppl and layers");
   if (has("needle") && o.data.empty() && o.haystack.empty()) fail("--haystack (or --data) is required for task needle");
   if (has("own") && o.own.empty()) fail("--own FILE.jsonl is required for task own");
+  if (!o.needle_set_out.empty() && !has("needle")) fail("--needle-set-out writes the trials of task needle: add --task needle");
   for (int d : o.depths)
     if (d < 0 || d > 100) fail("--depths: {} is not a percentage in [0, 100]", d);
 
@@ -524,6 +579,7 @@ int eval_command(const EvalOptions& o) {
     runs.push_back(std::move(r));
   }
   report_check_writable("--json-out", o.json_out);  // output paths too: before the runs, not after them
+  report_check_writable("--needle-set-out", o.needle_set_out);
   report_check_writable("--html", o.html);
   // the own-set file is validated before any model time is spent
   std::vector<OwnCase> own_cases;

@@ -21,6 +21,7 @@ struct EvalOptions {
   std::string own;                    // JSONL eval set for task own
   std::vector<int> depths{0, 25, 50, 75, 100};  // needle depths in percent
   int needles = 1;                    // needle: trials per (context, depth) cell
+  std::string needle_set_out;         // needle: write the trials as an own-task JSONL (exact tokens)
   int chunks = 1;                     // ppl: windows per context length
   int threads = 0;
   int max_tokens = 48;                // own: tokens generated per prompt

@@ -56,6 +56,16 @@ check "needle HTML counts trials per cell" "grep -Eq '>[0-3]/3<' $tmp/n.html"
 check "needle: lost / gained against the f16 cache's own trials, and a sign-test p in (0, 1]" \
   "python3 -c \"import json; d=json.load(open('$tmp/n.json')); f=d['formats'][0]; ref=f['needle_f16_ok']; ok=[e['ok'] for e in f['needle']['grid']]; v=f['needle']['vs_f16']; assert len(ref)==len(ok)==6; assert v['lost']==sum(r and not o for r,o in zip(ref,ok)); assert v['gained']==sum(o and not r for r,o in zip(ref,ok)); assert 0<v['p_value']<=1; assert abs(sum(ref)/6-f['needle_f16'])<1e-12\""
 
+# the needle trials written as an own-task eval set and replayed by --task own: the exact tokens,
+# so each format's answers are the needle run's, trial by trial
+"$kvq" eval -m "$model" --kv int8,fp8 --task needle --ctx 128,160 --depths 20,80 --needles 2 --data "$text" \
+  --needle-set-out "$tmp/set.jsonl" --json --no-progress -t 1 >"$tmp/ns.json" 2>/dev/null
+check "needle set: one line per (ctx, depth, trial) with the prompt, its BOS-led tokens and the passcode" \
+  "python3 -c \"import json; L=[json.loads(x) for x in open('$tmp/set.jsonl')]; assert len(L)==8; assert sorted({(e['ctx'],e['depth'],e['trial']) for e in L})==[(c,d,k) for c in (128,160) for d in (20,80) for k in (0,1)]; assert all(e['prompt_tokens'][0]==1 and len(e['prompt_tokens'])<=e['ctx'] and e['match']=='substring' and e['max_tokens']==10 and 'The secret passcode is '+e['expected'] in e['prompt'] for e in L)\""
+"$kvq" eval -m "$model" --kv int8,fp8 --task own --own "$tmp/set.jsonl" --json --no-progress -t 1 >"$tmp/nr.json" 2>/dev/null
+check "needle set replayed by --task own: the same answers per format and trial" \
+  "python3 -c \"import json; a=json.load(open('$tmp/ns.json')); b=json.load(open('$tmp/nr.json')); A={f['format']: [e['answer'] for e in f['needle']['grid']] for f in a['formats']}; B={f['format']: [e['output'] for e in f['own']['items']] for f in b['formats']}; assert A==B and len(A['int8'])==8 and all(len(x)>0 for x in A['int8'])\""
+
 bad() {
   local name=$1 pattern=$2; shift 2
   "$kvq" "$@" >"$tmp/bo" 2>"$tmp/be"
@@ -71,6 +81,14 @@ printf '{"prompt": "a", "expected": \n' >"$tmp/bad.jsonl"
 bad "malformed JSONL" "malformed" eval -m "$model" --kv int8 --task own --own "$tmp/bad.jsonl"
 printf '{"prompt": "a"}\n' >"$tmp/missing.jsonl"
 bad "JSONL without expected" "expected" eval -m "$model" --kv int8 --task own --own "$tmp/missing.jsonl"
+printf '{"prompt": "a", "expected": "b", "prompt_tokens": [1, -3]}\n' >"$tmp/negtok.jsonl"
+bad "JSONL with a negative token id" "prompt_tokens" eval -m "$model" --kv int8 --task own --own "$tmp/negtok.jsonl"
+printf '{"prompt": "a", "expected": "b", "prompt_tokens": [1, 99999]}\n' >"$tmp/vocab.jsonl"
+bad "JSONL with a token outside the vocabulary" "vocabulary" eval -m "$model" --kv int8 --task own --own "$tmp/vocab.jsonl"
+printf '{"prompt": "a", "expected": "b", "max_tokens": 0}\n' >"$tmp/maxtok.jsonl"
+bad "JSONL with max_tokens 0" "max_tokens" eval -m "$model" --kv int8 --task own --own "$tmp/maxtok.jsonl"
+bad "--needle-set-out without the needle task" "task needle" eval -m "$model" --kv int8 --ctx 64 --data "$text" --needle-set-out "$tmp/x.jsonl"
+bad "unwritable --needle-set-out" "cannot write" eval -m "$model" --kv int8 --task needle --ctx 128 --data "$text" --needle-set-out /nonexistent/dir/s.jsonl
 head -c 300 "$text" >"$tmp/short.txt"
 bad "haystack shorter than the context" "haystack" eval -m "$model" --kv int8 --task needle --ctx 512 --haystack "$tmp/short.txt"
 bad "zero needles per cell" "needles" eval -m "$model" --kv int8 --task needle --ctx 128 --needles 0 --data "$text"
