@@ -511,12 +511,18 @@ LayerPolicy choose_layer_policy(const std::vector<FormatRun>& runs, const std::v
 }
 
 void task_own(Ctx& c, const std::vector<OwnCase>& cases) {
-  Progress prog(c.o.progress, cases.size() * (c.runs.size()));
+  // Like needle: the f16 cache runs the same cases first, and each format reports the cases it
+  // lost and gained against it (a replayed needle set gives the needle task's table).
+  std::vector<FormatRun> all;
+  all.push_back(FormatRun{"f16", kv_flags_resolve(c.o.kv, c.m.config(), "f16"), 0, {}});
+  for (const auto& r : c.runs) all.push_back(FormatRun{r.name, r.kv, 0, {}});
+  Progress prog(c.o.progress, cases.size() * all.size());
   Forward fwd(c.m, c.pool, 256);
   const ChatTemplate tpl = c.o.chat ? chat_template_detect(c.m.file()) : ChatTemplate::none;
   if (c.o.chat && tpl == ChatTemplate::none) fail("--chat: the model has no chat template kvq supports");
-  for (auto& r : c.runs) {
-    int ok = 0;
+  std::vector<bool> ref_ok;
+  for (size_t f = 0; f < all.size(); ++f) {
+    std::vector<bool> oks;
     nlohmann::json items = nlohmann::json::array();
     for (const auto& oc : cases) {
       std::vector<int32_t> ids = oc.tokens;
@@ -531,14 +537,27 @@ void task_own(Ctx& c, const std::vector<OwnCase>& cases) {
       if (int(ids.size()) + max_tokens > c.m.config().n_ctx_train)
         fail("--own line {}: a prompt of {} tokens and {} answer tokens do not fit the model's context of {}", oc.line,
              ids.size(), max_tokens, c.m.config().n_ctx_train);
-      auto cache = make_cache(c, r, int(ids.size()) + max_tokens + 2);
+      auto cache = make_cache(c, all[f], int(ids.size()) + max_tokens + 2);
       const std::string out = greedy_generate(c, fwd, *cache, ids, max_tokens);
       const bool hit = oc.match == "exact" ? trim(out) == trim(oc.expected) : out.find(oc.expected) != std::string::npos;
-      ok += hit ? 1 : 0;
+      oks.push_back(hit);
       items.push_back({{"prompt", oc.prompt}, {"expected", oc.expected}, {"output", out}, {"ok", hit}});
-      prog.step("own " + r.name);
+      prog.step("own " + all[f].name);
     }
-    r.report["own"] = {{"accuracy", double(ok) / double(cases.size())}, {"n", cases.size()}, {"items", items}};
+    const double acc = double(std::count(oks.begin(), oks.end(), true)) / double(cases.size());
+    if (f == 0) {
+      ref_ok = oks;
+      for (auto& run : c.runs) {
+        run.report["own_f16"] = acc;
+        run.report["own_f16_ok"] = ref_ok;
+      }
+    } else {
+      const PairedOutcome po = eval_paired(ref_ok, oks);
+      c.runs[f - 1].report["own"] = {{"accuracy", acc},
+                                     {"n", cases.size()},
+                                     {"items", items},
+                                     {"vs_f16", {{"lost", po.lost}, {"gained", po.gained}, {"p_value", po.p_value}}}};
+    }
   }
 }
 
@@ -705,8 +724,14 @@ int eval_command(const EvalOptions& o) {
                 pj["budget_bits"].get<double>(), pj["bits_per_element"].get<double>(), pj["sum_sq_rel_err"].get<double>(),
                 pj["format"].get<std::string>().c_str(), pj["flags"].get<std::string>().c_str());
   if (has("own")) {
-    std::printf("\nown eval set (%zu cases)\n", own_cases.size());
-    for (const auto& r : runs) std::printf("%-28s accuracy %.1f%%\n", r.name.c_str(), 100 * r.report["own"]["accuracy"].get<double>());
+    std::printf("\nown eval set (%zu cases; lost / gained against the f16 cache, as for needle)\n", own_cases.size());
+    std::printf("%-28s accuracy %.1f%%\n", "f16", 100 * runs.front().report.value("own_f16", 0.0));
+    for (const auto& r : runs) {
+      const auto& v = r.report["own"]["vs_f16"];
+      std::printf("%-28s accuracy %.1f%%  lost %d gained %d p %.3g\n", r.name.c_str(),
+                  100 * r.report["own"]["accuracy"].get<double>(), v["lost"].get<int>(), v["gained"].get<int>(),
+                  v["p_value"].get<double>());
+    }
   }
   return 0;
 }

@@ -208,11 +208,22 @@ std::string report_html(const nlohmann::json& ev) {
   bool any_own = false;
   for (const auto& f : fmts) any_own |= f.contains("own");
   if (any_own) {
-    h += "<h2>Your eval set</h2><table><tr><th>format</th><th>accuracy</th><th>cases</th></tr>";
+    h += "<h2>Your eval set</h2><p>Lost / gained: cases the f16 cache got right and the format missed, and the "
+         "reverse; p: exact sign test of that split.</p><table><tr><th>format</th><th>accuracy</th><th>cases</th>"
+         "<th>lost</th><th>gained</th><th>p</th></tr>";
     for (const auto& f : fmts)
-      if (f.contains("own"))
-        h += fmt::format("<tr><td style='text-align:left'>{}</td><td>{:.1f}%</td><td>{}</td></tr>", esc(f["format"].get<std::string>()),
-                         100 * f["own"]["accuracy"].get<double>(), f["own"]["n"].get<int>());
+      if (f.contains("own_f16")) {
+        h += fmt::format("<tr><td style='text-align:left'>f16</td><td>{:.1f}%</td><td>{}</td><td>-</td><td>-</td><td>-</td></tr>",
+                         100 * f["own_f16"].get<double>(), f["own_f16_ok"].size());
+        break;
+      }
+    for (const auto& f : fmts)
+      if (f.contains("own")) {
+        const auto& v = f["own"]["vs_f16"];
+        h += fmt::format("<tr><td style='text-align:left'>{}</td><td>{:.1f}%</td><td>{}</td><td>{}</td><td>{}</td><td>{:.3g}</td></tr>",
+                         esc(f["format"].get<std::string>()), 100 * f["own"]["accuracy"].get<double>(),
+                         f["own"]["n"].get<int>(), v["lost"].get<int>(), v["gained"].get<int>(), v["p_value"].get<double>());
+      }
     h += "</table>";
   }
   return h + "</body></html>\n";

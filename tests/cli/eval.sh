@@ -62,9 +62,12 @@ check "needle: lost / gained against the f16 cache's own trials, and a sign-test
   --needle-set-out "$tmp/set.jsonl" --json --no-progress -t 1 >"$tmp/ns.json" 2>/dev/null
 check "needle set: one line per (ctx, depth, trial) with the prompt, its BOS-led tokens and the passcode" \
   "python3 -c \"import json; L=[json.loads(x) for x in open('$tmp/set.jsonl')]; assert len(L)==8; assert sorted({(e['ctx'],e['depth'],e['trial']) for e in L})==[(c,d,k) for c in (128,160) for d in (20,80) for k in (0,1)]; assert all(e['prompt_tokens'][0]==1 and len(e['prompt_tokens'])<=e['ctx'] and e['match']=='substring' and e['max_tokens']==10 and 'The secret passcode is '+e['expected'] in e['prompt'] for e in L)\""
-"$kvq" eval -m "$model" --kv int8,fp8 --task own --own "$tmp/set.jsonl" --json --no-progress -t 1 >"$tmp/nr.json" 2>/dev/null
+"$kvq" eval -m "$model" --kv int8,fp8 --task own --own "$tmp/set.jsonl" --json --html "$tmp/nr.html" --no-progress -t 1 >"$tmp/nr.json" 2>/dev/null
 check "needle set replayed by --task own: the same answers per format and trial" \
   "python3 -c \"import json; a=json.load(open('$tmp/ns.json')); b=json.load(open('$tmp/nr.json')); A={f['format']: [e['answer'] for e in f['needle']['grid']] for f in a['formats']}; B={f['format']: [e['output'] for e in f['own']['items']] for f in b['formats']}; assert A==B and len(A['int8'])==8 and all(len(x)>0 for x in A['int8'])\""
+check "needle set replayed: the same f16 outcomes and the same lost / gained per format" \
+  "python3 -c \"import json; a=json.load(open('$tmp/ns.json')); b=json.load(open('$tmp/nr.json')); assert all(x['needle_f16_ok']==y['own_f16_ok'] and x['needle']['vs_f16']==y['own']['vs_f16'] for x,y in zip(a['formats'],b['formats'])); assert len(b['formats'][0]['own_f16_ok'])==8\""
+check "own HTML: the f16 row and lost / gained per format" "grep -q '<th>lost</th>' $tmp/nr.html && grep -q \"<td style='text-align:left'>f16</td>\" $tmp/nr.html"
 
 bad() {
   local name=$1 pattern=$2; shift 2
