@@ -106,3 +106,33 @@ TEST(Sampler, InvalidParametersRejected) {
   p.repeat_penalty = 0;
   EXPECT_THROW(Sampler{p}, Error);
 }
+
+// log softmax by hand: logits {2, 0, ln 3 + 0, 2} -> exp {e^2, 1, 3, e^2}, sum 2e^2 + 4.
+TEST(TokenLogprob, HandComputedCase) {
+  const std::vector<float> l = {2.f, 0.f, float(std::log(3.0)), 2.f};
+  const double lse = std::log(2 * std::exp(2.0) + 4.0);
+  const TokenLogprob r = token_logprob(l.data(), 4, 2, 3);
+  EXPECT_EQ(r.token, 2);
+  EXPECT_NEAR(r.logprob, std::log(3.0) - lse, 1e-6);
+  ASSERT_EQ(r.top.size(), 3u);
+  // ties broken by the lower id: tokens 0 and 3 share the largest logit
+  EXPECT_EQ(r.top[0].first, 0);
+  EXPECT_EQ(r.top[1].first, 3);
+  EXPECT_EQ(r.top[2].first, 2);
+  EXPECT_NEAR(r.top[0].second, 2.0 - lse, 1e-6);
+  EXPECT_NEAR(r.top[2].second, r.logprob, 0);
+  double total = 0;
+  for (int t = 0; t < 4; ++t) total += std::exp(double(token_logprob(l.data(), 4, t, 0).logprob));
+  EXPECT_NEAR(total, 1.0, 1e-6);
+  EXPECT_TRUE(token_logprob(l.data(), 4, 1, 0).top.empty());
+}
+
+// Large logits do not overflow (log-sum-exp around the maximum); bad tokens are refused.
+TEST(TokenLogprob, LargeLogitsAndBadTokens) {
+  const std::vector<float> l = {1000.f, 999.f};
+  const TokenLogprob r = token_logprob(l.data(), 2, 1, 2);
+  EXPECT_NEAR(r.logprob, -1.0 - std::log1p(std::exp(-1.0)), 1e-5);
+  EXPECT_EQ(r.top[0].first, 0);
+  EXPECT_THROW(token_logprob(l.data(), 2, 2, 0), Error);
+  EXPECT_THROW(token_logprob(l.data(), 2, -1, 0), Error);
+}

@@ -244,6 +244,106 @@ TEST_F(ServerTest, BadInputIs400AndServerKeepsServing) {
   EXPECT_EQ(j["usage"]["completion_tokens"].get<int>() <= 2, true);
 }
 
+// logprobs: greedy tokens are their distribution's most likely; the log-probabilities the decode
+// steps report equal those the prompt-scoring path (echo, every row of a prefill) computes for the
+// same tokens; a second scoring request (whose prompt pages are cached) gives the same numbers.
+TEST_F(ServerTest, LogprobsDecodeAndEchoAgree) {
+  const std::string prompt = "Once upon a time, there was a little";
+  json j = post_ok("/v1/completions", {{"prompt", prompt}, {"max_tokens", 8}, {"temperature", 0}, {"logprobs", 3}});
+  const json& lp = j["choices"][0]["logprobs"];
+  ASSERT_TRUE(lp.is_object()) << j.dump();
+  const int n_gen = j["usage"]["completion_tokens"];
+  ASSERT_EQ(n_gen, 8);
+  ASSERT_EQ(lp["tokens"].size(), 8u);
+  ASSERT_EQ(lp["token_logprobs"].size(), 8u);
+  ASSERT_EQ(lp["top_logprobs"].size(), 8u);
+  std::string joined;
+  for (int i = 0; i < n_gen; ++i) {
+    const double l = lp["token_logprobs"][i];
+    EXPECT_LE(l, 0.0);
+    double best = -1e30;
+    for (const auto& [k, v] : lp["top_logprobs"][i].items()) best = std::max(best, v.get<double>());
+    EXPECT_GE(lp["top_logprobs"][i].size(), 1u);
+    EXPECT_LE(lp["top_logprobs"][i].size(), 3u);
+    EXPECT_NEAR(l, best, 1e-6) << "greedy token " << i << " is not its distribution's most likely";
+    EXPECT_EQ(lp["text_offset"][i].get<size_t>(), joined.size());
+    joined += lp["tokens"][i].get<std::string>();
+  }
+  const std::string text = j["choices"][0]["text"];
+  EXPECT_TRUE(joined == text || joined == " " + text) << joined << " | " << text;
+
+  // Score prompt + the generated tokens (as token ids): echo, logprobs, max_tokens 0.
+  std::vector<int32_t> ids = engine_->tokenizer().encode(prompt, true);
+  const size_t n_prompt = ids.size();
+  GenParams gp;
+  gp.sampling.temperature = 0;
+  gp.max_tokens = 8;
+  const GenResult direct = engine_->generate(ids, gp);
+  ASSERT_EQ(direct.tokens.size(), 8u);
+  ids.insert(ids.end(), direct.tokens.begin(), direct.tokens.end());
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(round);
+    json e = post_ok("/v1/completions",
+                     {{"prompt", ids}, {"max_tokens", 0}, {"echo", true}, {"logprobs", 1}, {"temperature", 0}});
+    const json& el = e["choices"][0]["logprobs"];
+    EXPECT_EQ(e["usage"]["completion_tokens"], 0);
+    EXPECT_EQ(e["choices"][0]["finish_reason"], "length");
+    ASSERT_EQ(el["token_logprobs"].size(), ids.size());
+    EXPECT_TRUE(el["token_logprobs"][0].is_null());
+    EXPECT_TRUE(el["top_logprobs"][0].is_null());
+    for (size_t i = 1; i < ids.size(); ++i) EXPECT_LE(el["token_logprobs"][i].get<double>(), 0.0);
+    for (int i = 0; i < n_gen; ++i)
+      EXPECT_NEAR(el["token_logprobs"][n_prompt + size_t(i)].get<double>(), lp["token_logprobs"][i].get<double>(), 2e-3)
+          << "token " << i;
+    EXPECT_EQ(e["choices"][0]["text"], engine_->tokenizer().decode(ids));
+  }
+}
+
+TEST_F(ServerTest, ChatLogprobsAndTokenPrompts) {
+  json j = post_ok("/v1/chat/completions", {{"messages", json::array({{{"role", "user"}, {"content", "Once upon"}}})},
+                                            {"max_tokens", 5}, {"temperature", 0}, {"logprobs", true},
+                                            {"top_logprobs", 2}});
+  const json& c = j["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(c.size(), size_t(j["usage"]["completion_tokens"].get<int>()));
+  for (const auto& e : c) {
+    std::string b;
+    for (const auto& x : e["bytes"]) b += char(x.get<int>());
+    EXPECT_EQ(b, e["token"].get<std::string>());
+    ASSERT_EQ(e["top_logprobs"].size(), 2u);
+    EXPECT_NEAR(e["logprob"].get<double>(), e["top_logprobs"][0]["logprob"].get<double>(), 1e-6);
+    EXPECT_GE(e["top_logprobs"][0]["logprob"].get<double>(), e["top_logprobs"][1]["logprob"].get<double>());
+  }
+  // Without logprobs the field stays null.
+  j = post_ok("/v1/chat/completions", {{"messages", json::array({{{"role", "user"}, {"content", "Hi"}}})}, {"max_tokens", 2}});
+  EXPECT_TRUE(j["choices"][0]["logprobs"].is_null());
+
+  // A prompt of token ids (and a batch of one) completes as its text does.
+  const std::vector<int32_t> ids = engine_->tokenizer().encode("Once upon a time", true);
+  const json a = post_ok("/v1/completions", {{"prompt", "Once upon a time"}, {"max_tokens", 6}, {"temperature", 0}});
+  const json b = post_ok("/v1/completions", {{"prompt", ids}, {"max_tokens", 6}, {"temperature", 0}});
+  const json d = post_ok("/v1/completions", {{"prompt", json::array({ids})}, {"max_tokens", 6}, {"temperature", 0}});
+  EXPECT_EQ(a["choices"][0]["text"], b["choices"][0]["text"]);
+  EXPECT_EQ(a["choices"][0]["text"], d["choices"][0]["text"]);
+  // echo without logprobs: the prompt's text, then the completion.
+  const json e = post_ok("/v1/completions", {{"prompt", "Once upon a time"}, {"max_tokens", 6}, {"temperature", 0}, {"echo", true}});
+  EXPECT_EQ(e["choices"][0]["text"], "Once upon a time" + a["choices"][0]["text"].get<std::string>());
+
+  const std::string cp = "/v1/completions", ch = "/v1/chat/completions";
+  expect_bad(cp, R"({"prompt": "a", "logprobs": 21})", "logprobs");
+  expect_bad(cp, R"({"prompt": "a", "logprobs": -1})", "logprobs");
+  expect_bad(cp, R"({"prompt": "a", "logprobs": 1, "stream": true})", "logprobs");
+  expect_bad(cp, R"({"prompt": "a", "echo": true, "stream": true})", "echo");
+  expect_bad(cp, R"({"prompt": "a", "echo": "yes"})", "echo");
+  expect_bad(cp, R"({"prompt": "a", "echo": true, "max_tokens": 0})", "max_tokens");
+  expect_bad(cp, R"({"prompt": [1, 99999]})", "prompt");
+  expect_bad(cp, R"({"prompt": [1, -2]})", "prompt");
+  expect_bad(cp, R"({"prompt": []})", "prompt");
+  expect_bad(cp, R"({"prompt": [1, 2.5]})", "prompt");
+  expect_bad(ch, R"({"messages": [{"role": "user", "content": "a"}], "logprobs": "yes"})", "logprobs");
+  expect_bad(ch, R"({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2})", "top_logprobs");
+  expect_bad(ch, R"({"messages": [{"role": "user", "content": "a"}], "logprobs": true, "top_logprobs": 30})", "top_logprobs");
+}
+
 TEST_F(ServerTest, ModelsHealthMetrics) {
   auto c = client();
   auto r = c.Get("/health");

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <future>
+#include <limits>
 #include <random>
 
 #include "core/error.h"
@@ -95,7 +96,7 @@ bool Engine::defer_prefill(Seq& s, size_t i) const {
   // deferred and makes progress. Waits are recomputed every step from the running set, so a
   // preempted or finished r releases its waiters at once; and once r has computed the shared
   // pages (r_tok >= shared) s stops waiting even if they could not be adopted.
-  if (!s.cache->prefix_extendable()) return false;
+  if (!s.cache->prefix_extendable() || s.req.params.prompt_logprobs) return false;
   const int P = kcfg_.page_tokens;
   const size_t limit = size_t(int(s.tokens.size()) - 1) / size_t(P);
   const int s_tok = s.cache->n_tokens();
@@ -176,6 +177,12 @@ void Engine::start() {
   thread_ = std::thread([this] { loop(); });
 }
 
+namespace {
+constexpr int kMaxLogprobs = 20;              // top alternatives per token (OpenAI's limit)
+constexpr int kPromptLogprobsChunk = 64;      // prompt tokens per step of a prompt_logprobs request
+                                              // (bounds its (tokens, n_vocab) logits rows)
+}  // namespace
+
 uint64_t Engine::submit(GenRequest r) {
   auto s = std::make_unique<Seq>();
   s->t_submit = now_seconds();
@@ -201,10 +208,18 @@ uint64_t Engine::submit(GenRequest r) {
   std::unique_lock<std::mutex> lk(mu_);
   const uint64_t id = next_id_++;
   s->id = id;
-  if (!err.empty() || s->req.params.max_tokens <= 0) {
+  if (err.empty() && s->req.params.logprobs > kMaxLogprobs)
+    err = fmt::format("logprobs {} is above the largest supported, {}", s->req.params.logprobs, kMaxLogprobs);
+  const bool nothing_to_do = s->req.params.max_tokens < 0 || (s->req.params.max_tokens == 0 && !s->req.params.prompt_logprobs);
+  if (!err.empty() || nothing_to_do) {
     lk.unlock();
     finish(*s, err.empty() ? "length" : "error", err);
     return id;
+  }
+  if (s->req.params.prompt_logprobs) {
+    s->res.prompt_logprobs.resize(size_t(s->n_prompt));
+    s->res.prompt_logprobs[0].token = s->tokens[0];
+    s->res.prompt_logprobs[0].logprob = std::numeric_limits<float>::quiet_NaN();
   }
   s->sampler = std::make_unique<Sampler>(s->req.params.sampling);
   s->dec = std::make_unique<TokenStreamDecoder>(tok_, false);
@@ -399,9 +414,12 @@ bool Engine::step() {
     const int n = int(s.tokens.size());
     if (!s.cache) s.cache = std::make_unique<KvCache>(kcfg_, pool_.get());
     update_keys(s);
-    const KvPrefixMatch m = index_->lookup(s.tokens.data(), n - 1);
+    // A prompt_logprobs request computes its whole prompt: nothing adopted, nothing awaited.
+    const bool adopts = !s.req.params.prompt_logprobs;
+    const KvPrefixMatch m = adopts ? index_->lookup(s.tokens.data(), n - 1) : KvPrefixMatch{};
     size_t need = kv_admit_pages(*pool_, m, n);
-    const size_t inflight = s.cache->prefix_shareable() ? inflight_pages(s, size_t(n - 1) / P, running_.size()) : 0;
+    const size_t inflight =
+        adopts && s.cache->prefix_shareable() ? inflight_pages(s, size_t(n - 1) / P, running_.size()) : 0;
     const size_t covered = std::max(m.pages.size(), inflight);
     if (inflight > m.pages.size()) need -= std::min(need, inflight - m.pages.size());
     const size_t own = size_t(s.cache->pages_for(n));
@@ -416,7 +434,7 @@ bool Engine::step() {
       break;
     }
     s.preempted = false;
-    s.res.cached_tokens = s.cache->adopt_prefix(*index_, s.tokens.data(), n, n - 1);
+    s.res.cached_tokens = adopts ? s.cache->adopt_prefix(*index_, s.tokens.data(), n, n - 1) : 0;
     outstanding += own > covered ? own - covered : 0;
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
@@ -428,7 +446,7 @@ bool Engine::step() {
   for (auto& sp : running_) {
     Seq& s = *sp;
     const int n = int(s.tokens.size());
-    if (s.preempted || s.done || n - s.cache->n_tokens() <= 1) continue;
+    if (s.preempted || s.done || n - s.cache->n_tokens() <= 1 || s.req.params.prompt_logprobs) continue;
     s.res.cached_tokens += s.cache->extend_prefix(*index_, s.tokens.data(), n, n - 1);
   }
 
@@ -437,7 +455,9 @@ bool Engine::step() {
   struct Item {
     Seq* s;
     int n;
-    bool logits;
+    bool logits;      // the last row samples the next token
+    bool all;         // every row's logits: prompt token log-probabilities
+    int start;        // cache position of the first token
   };
   std::vector<Item> items;
   std::vector<char> scheduled(running_.size(), 0);
@@ -450,7 +470,9 @@ bool Engine::step() {
       const int pending = int(s.tokens.size()) - s.cache->n_tokens();
       if ((pass == 0) != (pending == 1)) continue;
       if (pass == 1 && defer_prefill(s, i)) continue;
-      const int n = std::min(pending, budget);
+      // Prompt log-probabilities need every row of the prompt's logits: in chunks that bound them.
+      const bool all = s.req.params.prompt_logprobs && s.cache->n_tokens() + 1 < s.n_prompt;
+      const int n = std::min({pending, budget, all ? kPromptLogprobsChunk : pending});
       const size_t need = size_t(s.cache->pages_needed(n));
       bool self_preempted = false;
       while (need + reserved > pool_->n_available()) {
@@ -478,7 +500,7 @@ bool Engine::step() {
       reserved += need;
       scheduled[i] = 1;
       budget -= n;
-      items.push_back({&s, n, n == pending});
+      items.push_back({&s, n, n == pending, all, s.cache->n_tokens()});
     }
   }
 
@@ -490,7 +512,7 @@ bool Engine::step() {
       f.tokens = it.s->tokens.data() + it.s->cache->n_tokens();
       f.n = it.n;
       f.cache = it.s->cache.get();
-      f.logits = it.logits ? ForwardSeq::last : ForwardSeq::none;
+      f.logits = it.all ? ForwardSeq::all : it.logits ? ForwardSeq::last : ForwardSeq::none;
       fs.push_back(f);
     }
     const float* logits = nullptr;
@@ -514,8 +536,27 @@ bool Engine::step() {
       for (const Item& it : items) {
         Seq& s = *it.s;
         s.cache->publish_pages(*index_, s.tokens.data(), s.cache->n_tokens());
-        if (!it.logits) continue;
+        if (it.all) {
+          // Row j: the distribution of the token at position start + j + 1.
+          const int top = std::max(0, s.req.params.logprobs);
+          auto& pl = s.res.prompt_logprobs;
+          for (int j = 0; j < it.n; ++j) {
+            const int p = it.start + j + 1;
+            if (p < s.n_prompt) pl[size_t(p)] = token_logprob(logits + size_t(row + j) * size_t(n_vocab), n_vocab, s.tokens[size_t(p)], top);
+          }
+          row += it.n - 1;  // the last row is the sampling row when it.logits
+          if (!it.logits) {
+            ++row;
+            continue;
+          }
+        } else if (!it.logits) {
+          continue;
+        }
         const float* lg = logits + size_t(row++) * size_t(n_vocab);
+        if (s.req.params.max_tokens == 0) {  // prompt log-probabilities only
+          finish(s, "length");
+          continue;
+        }
         const int32_t next = s.sampler->sample(lg, n_vocab, s.tokens);
         const double now = now_seconds();
         {
@@ -532,6 +573,7 @@ bool Engine::step() {
         }
         s.tokens.push_back(next);
         s.res.tokens.push_back(next);
+        if (s.req.params.logprobs >= 0) s.res.logprobs.push_back(token_logprob(lg, n_vocab, next, s.req.params.logprobs));
         const size_t from = s.sent;
         s.text += s.dec->push(next);
         if (cut_at_stop(s.text, from, s.req.params.stop)) {

@@ -62,6 +62,14 @@ struct GenParams {
   std::vector<std::string> stop;  // generation ends before the first occurrence of any of these
   bool ignore_eos = false;        // an end-of-generation token is kept and generation goes on
                                   // (benchmarks: every request generates max_tokens)
+  // >= 0: each generated token's log-probability under the model (token_logprob: raw logits,
+  // before temperature, penalties and truncation) and that many top alternatives (at most 20).
+  int logprobs = -1;
+  // Each prompt token's log-probability given the tokens before it (the first has none), with
+  // max(logprobs, 0) alternatives: what a harness scores a continuation by. Such a request
+  // computes its whole prompt (it adopts no cached prefix pages; it still publishes its own), and
+  // may set max_tokens = 0 to generate nothing.
+  bool prompt_logprobs = false;
 };
 
 struct GenResult {
@@ -73,6 +81,8 @@ struct GenResult {
   int completion_tokens = 0;
   int cached_tokens = 0;        // prompt tokens adopted from the prefix cache (last admission)
   int preemptions = 0;
+  std::vector<TokenLogprob> logprobs;         // (tokens) with GenParams::logprobs >= 0
+  std::vector<TokenLogprob> prompt_logprobs;  // (prompt_tokens) with prompt_logprobs; [0]: token only, logprob NaN
   // Timing as a client of the engine sees it (seconds): submit -> first sampled token (an
   // end-of-generation token counts: it ends the wait), and first -> last sampled token. -1 / 0
   // when no token was sampled.

@@ -15,6 +15,27 @@ int32_t argmax(const float* logits, int n) {
   return best;
 }
 
+TokenLogprob token_logprob(const float* logits, int n_vocab, int32_t token, int top_n) {
+  if (n_vocab < 1 || token < 0 || token >= n_vocab) fail("token_logprob: token {} outside [0, {})", token, n_vocab);
+  top_n = std::clamp(top_n, 0, n_vocab);
+  float m = logits[0];
+  for (int i = 1; i < n_vocab; ++i) m = std::max(m, logits[i]);
+  double sum = 0;
+  for (int i = 0; i < n_vocab; ++i) sum += std::exp(double(logits[i]) - double(m));
+  const double lse = double(m) + std::log(sum);
+  TokenLogprob r;
+  r.token = token;
+  r.logprob = float(double(logits[token]) - lse);
+  if (top_n > 0) {
+    std::vector<int32_t> idx(static_cast<size_t>(n_vocab));
+    for (int i = 0; i < n_vocab; ++i) idx[size_t(i)] = i;
+    auto before = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+    std::partial_sort(idx.begin(), idx.begin() + top_n, idx.end(), before);
+    for (int i = 0; i < top_n; ++i) r.top.push_back({idx[size_t(i)], float(double(logits[idx[size_t(i)]]) - lse)});
+  }
+  return r;
+}
+
 Sampler::Sampler(const SamplerParams& p) : p_(p), rng_(p.seed) {
   if (!(p_.temperature >= 0) || std::isinf(p_.temperature)) fail("temperature must be >= 0 (got {})", p_.temperature);
   if (!(p_.top_p > 0)) fail("top_p must be in (0, 1] (got {})", p_.top_p);

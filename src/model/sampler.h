@@ -34,4 +34,16 @@ class Sampler {
 // Index of the largest logit (lowest index on ties).
 int32_t argmax(const float* logits, int n);
 
+// A token's log-probability under the model's distribution softmax(logits) (the raw model
+// output: no temperature, penalty or truncation, as OpenAI-compatible servers report it by
+// default), and the top_n most likely tokens with theirs, most likely first (lower id first on
+// ties).
+struct TokenLogprob {
+  int32_t token = -1;
+  float logprob = 0;
+  std::vector<std::pair<int32_t, float>> top;
+};
+// token in [0, n_vocab); top_n in [0, n_vocab]. log-sum-exp in double.
+TokenLogprob token_logprob(const float* logits, int n_vocab, int32_t token, int top_n);
+
 }  // namespace kvq

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
@@ -59,6 +60,7 @@ struct ApiRequest {
   bool stream = false;
   bool include_usage = false;
   bool max_tokens_set = false;
+  bool echo = false;  // completions: the prompt's text (and log-probabilities) before the completion
 };
 
 ApiRequest parse_common(const json& body) {
@@ -97,7 +99,8 @@ ApiRequest parse_common(const json& body) {
     const json& v = body[key];
     if (!v.is_number_integer()) throw ApiError{fmt::format("'{}' must be an integer", key), key};
     const int64_t m = v.get<int64_t>();
-    if (m < 1 || m > (int64_t(1) << 30)) throw ApiError{fmt::format("'{}' must be >= 1 (got {})", key, m), key};
+    // 0 only with echo and logprobs (scoring a prompt, as evaluation harnesses do): checked by the caller.
+    if (m < 0 || m > (int64_t(1) << 30)) throw ApiError{fmt::format("'{}' must be >= 1 (got {})", key, m), key};
     r.params.max_tokens = int(m);
     r.max_tokens_set = true;
   }
@@ -147,6 +150,39 @@ std::string message_content(const json& m, size_t i) {
     return s;
   }
   throw ApiError{"message content must be a string or an array of text parts", param};
+}
+
+// logprobs / top_logprobs / echo. Completions: "logprobs": N (0-20 alternatives per token) and
+// "echo": true, which with logprobs also scores the prompt (the first prompt token has none).
+// Chat: "logprobs": true with "top_logprobs": N. Not with stream: the text deltas of a stream are
+// cut at UTF-8 and stop-string boundaries, not at tokens.
+void parse_logprobs(const json& body, bool chat, ApiRequest& r) {
+  auto count = [&](const char* key) -> int {
+    const json& v = body[key];
+    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > 20)
+      throw ApiError{fmt::format("'{}' must be an integer in [0, 20]", key), key};
+    return v.get<int>();
+  };
+  auto has = [&](const char* key) { return body.contains(key) && !body[key].is_null(); };
+  if (chat) {
+    bool on = false;
+    if (has("logprobs")) {
+      if (!body["logprobs"].is_boolean()) throw ApiError{"'logprobs' must be a boolean", "logprobs"};
+      on = body["logprobs"].get<bool>();
+    }
+    if (has("top_logprobs") && !on) throw ApiError{"'top_logprobs' requires 'logprobs': true", "top_logprobs"};
+    if (on) r.params.logprobs = has("top_logprobs") ? count("top_logprobs") : 0;
+  } else {
+    if (has("logprobs")) r.params.logprobs = count("logprobs");
+    if (has("echo")) {
+      if (!body["echo"].is_boolean()) throw ApiError{"'echo' must be a boolean", "echo"};
+      r.echo = body["echo"].get<bool>();
+    }
+    r.params.prompt_logprobs = r.echo && r.params.logprobs >= 0;
+  }
+  if (r.stream && (r.params.logprobs >= 0 || r.echo))
+    throw ApiError{fmt::format("'{}' is not supported with 'stream': true", r.echo ? "echo" : "logprobs"),
+                   r.echo ? "echo" : "logprobs"};
 }
 
 const char* finish_reason_api(const std::string& r) { return r == "length" ? "length" : "stop"; }
@@ -235,6 +271,8 @@ struct Server::Impl {
   Impl(Engine& e, const ServerOptions& o) : engine(e), opt(o) {}
 
   void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat);
+  json completion_logprobs(const GenResult& g, const std::vector<int32_t>* echoed) const;
+  json chat_logprobs(const GenResult& g) const;
   std::vector<int32_t> chat_prompt(const json& body);
 };
 
@@ -263,26 +301,90 @@ std::vector<int32_t> Server::Impl::chat_prompt(const json& body) {
   return engine.tokenizer().encode(text, true, /*parse_special=*/tpl != ChatTemplate::none);
 }
 
+// Completions' logprobs object: the echoed prompt tokens first (when echoed), then the generated
+// ones; tokens as the bytes each renders as, text_offset their byte offsets in the returned text.
+json Server::Impl::completion_logprobs(const GenResult& g, const std::vector<int32_t>* echoed) const {
+  const Tokenizer& tk = engine.tokenizer();
+  json tokens = json::array(), lps = json::array(), tops = json::array(), offs = json::array();
+  size_t off = 0;
+  auto add = [&](int32_t id, const TokenLogprob* lp) {
+    const std::string piece = tk.token_piece(id);
+    tokens.push_back(piece);
+    offs.push_back(off);
+    off += piece.size();
+    if (!lp || std::isnan(lp->logprob)) {
+      lps.push_back(nullptr);
+      tops.push_back(nullptr);
+      return;
+    }
+    lps.push_back(lp->logprob);
+    json t = json::object();
+    for (const auto& [tid, l] : lp->top) {
+      const std::string k = tk.token_piece(tid);
+      if (!t.contains(k)) t[k] = l;  // pieces that render alike keep the likelier one
+    }
+    tops.push_back(t);
+  };
+  if (echoed)
+    for (size_t i = 0; i < echoed->size(); ++i)
+      add((*echoed)[i], i < g.prompt_logprobs.size() ? &g.prompt_logprobs[i] : nullptr);
+  for (size_t i = 0; i < g.tokens.size(); ++i) add(g.tokens[i], i < g.logprobs.size() ? &g.logprobs[i] : nullptr);
+  return json{{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offs}};
+}
+
+// Chat's logprobs object: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}.
+json Server::Impl::chat_logprobs(const GenResult& g) const {
+  const Tokenizer& tk = engine.tokenizer();
+  auto entry = [&](int32_t id, float lp) {
+    const std::string piece = tk.token_piece(id);
+    json bytes = json::array();
+    for (unsigned char c : piece) bytes.push_back(int(c));
+    return json{{"token", piece}, {"logprob", lp}, {"bytes", bytes}};
+  };
+  json content = json::array();
+  for (size_t i = 0; i < g.tokens.size() && i < g.logprobs.size(); ++i) {
+    json e = entry(g.tokens[i], g.logprobs[i].logprob);
+    json top = json::array();
+    for (const auto& [tid, l] : g.logprobs[i].top) top.push_back(entry(tid, l));
+    e["top_logprobs"] = top;
+    content.push_back(e);
+  }
+  return json{{"content", content}};
+}
+
 void Server::Impl::handle_generate(const httplib::Request& req, httplib::Response& res, bool chat) {
   json body = json::parse(req.body, nullptr, false);
   if (body.is_discarded()) throw ApiError{"the request body is not valid JSON", ""};
   if (!body.is_object()) throw ApiError{"the request body must be a JSON object", ""};
   ApiRequest ar = parse_common(body);
+  parse_logprobs(body, chat, ar);
   std::vector<int32_t> prompt;
+  std::string prompt_text;  // what echo returns
   const char* prompt_param = chat ? "messages" : "prompt";
   if (chat) {
     prompt = chat_prompt(body);
   } else {
     if (!body.contains("prompt")) throw ApiError{"'prompt' is required", "prompt", "missing_required_parameter"};
     const json& p = body["prompt"];
-    std::string text;
-    if (p.is_string()) text = p.get<std::string>();
-    else if (p.is_array() && p.size() == 1 && p[0].is_string()) text = p[0].get<std::string>();
-    else throw ApiError{"'prompt' must be a string (or an array of one string)", "prompt"};
-    prompt = engine.tokenizer().encode(text, true, true);
-    if (prompt.empty()) {
-      if (engine.tokenizer().bos() < 0) throw ApiError{"the prompt is empty", "prompt"};
-      prompt.push_back(engine.tokenizer().bos());
+    // A string, or token ids (OpenAI's array of integers; a batch of one of either is accepted).
+    const json& one = p.is_array() && p.size() == 1 && (p[0].is_string() || p[0].is_array()) ? p[0] : p;
+    if (one.is_string()) {
+      prompt_text = one.get<std::string>();
+      prompt = engine.tokenizer().encode(prompt_text, true, true);
+      if (prompt.empty()) {
+        if (engine.tokenizer().bos() < 0) throw ApiError{"the prompt is empty", "prompt"};
+        prompt.push_back(engine.tokenizer().bos());
+      }
+    } else if (one.is_array() && !one.empty()) {
+      for (const auto& t : one) {
+        if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= engine.tokenizer().n_vocab())
+          throw ApiError{fmt::format("token ids in 'prompt' must be integers in [0, {})", engine.tokenizer().n_vocab()),
+                         "prompt"};
+        prompt.push_back(t.get<int32_t>());
+      }
+      prompt_text = engine.tokenizer().decode(prompt);
+    } else {
+      throw ApiError{"'prompt' must be a string or a non-empty array of token ids (or a batch of one of either)", "prompt"};
     }
   }
   const int ctx = engine.ctx();
@@ -294,6 +396,8 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
     throw ApiError{fmt::format("the prompt is {} tokens, the KV cache holds {} tokens", n_prompt,
                                engine.pool().tokens_capacity()),
                    prompt_param, "context_length_exceeded"};
+  if (ar.max_tokens_set && ar.params.max_tokens == 0 && !ar.params.prompt_logprobs)
+    throw ApiError{"'max_tokens' must be >= 1 (0 only with echo and logprobs, to score the prompt)", "max_tokens"};
   if (!ar.max_tokens_set) {
     ar.params.max_tokens = chat ? ctx - n_prompt : std::min(16, ctx - n_prompt);
   } else if (n_prompt + ar.params.max_tokens > ctx) {
@@ -315,6 +419,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
     auto pr = std::make_shared<std::promise<GenResult>>();
     auto fut = pr->get_future();
     GenRequest gr;
+    const std::vector<int32_t> prompt_ids = prompt;
     gr.prompt = std::move(prompt);
     gr.params = ar.params;
     gr.on_done = [pr](const GenResult& g) { pr->set_value(g); };
@@ -334,7 +439,9 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
       throw ApiError{g.error.empty() ? "the request was cancelled" : g.error, "", "", 500};
     json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish_reason_api(g.finish_reason)}};
     if (chat) choice["message"] = {{"role", "assistant"}, {"content", g.text}};
-    else choice["text"] = g.text;
+    else choice["text"] = ar.echo ? prompt_text + g.text : g.text;
+    if (chat && ar.params.logprobs >= 0) choice["logprobs"] = chat_logprobs(g);
+    if (!chat && (ar.params.logprobs >= 0)) choice["logprobs"] = completion_logprobs(g, ar.echo ? &prompt_ids : nullptr);
     send_json(res, 200,
               json{{"id", id},
                    {"object", chat ? "chat.completion" : "text_completion"},
