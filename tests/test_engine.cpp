@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <cmath>
 #include <future>
 #include <mutex>
 
@@ -167,6 +168,94 @@ TEST_F(EngineTest, TinyPoolPreemptsAndOutputsStayEqual) {
   }
   EXPECT_GT(e.metrics().preemptions, 0u);
   expect_pool_clean(e);
+}
+
+// Prompt log-probabilities (what echo + logprobs serve): every prompt token's log-probability
+// given the tokens before it equals a private single-sequence run's, also when the prompt's pages
+// are cached by an earlier request (the scoring request computes them anyway), when it is
+// prefilled in several chunks, and when a tiny pool preempts it; max_tokens 0 scores without
+// generating; generated tokens' logprobs are their greedy distribution's largest.
+TEST_F(EngineTest, PromptLogprobsEqualAloneWithCachedPagesAndPreemption) {
+  EngineOptions o = base_options(128);  // 8 pages of 16 tokens: the scored prompt takes 6
+  Engine e(o);
+  const Tokenizer& tok = e.tokenizer();
+  const std::vector<int32_t> scored =
+      tok.encode(std::string(kShared) + " she ran to get it. The ball was soft and she threw it high", true);
+  ASSERT_GT(scored.size(), 64u);  // more than one scoring chunk
+  ASSERT_LT(scored.size(), 150u);
+  // Reference: all rows of one private forward pass.
+  const Model& m = e.model();
+  const int n_vocab = m.config().n_vocab;
+  std::vector<float> ref(scored.size(), 0.f);
+  {
+    ThreadPool tp(1);
+    KvFlags f;
+    KvCacheConfig kc = m.kv_cache_config(kv_flags_resolve(f, m.config()).policy, e.ctx(), 16);
+    KvCache cache(kc);
+    Forward fwd(m, tp);
+    const float* lg = fwd.eval(scored.data(), int(scored.size()), cache, /*all_logits=*/true);
+    for (size_t i = 1; i < scored.size(); ++i)
+      ref[i] = token_logprob(lg + (i - 1) * size_t(n_vocab), n_vocab, scored[i], 0).logprob;
+  }
+  // Cache the scored prompt's pages first.
+  e.generate(scored, greedy(4));
+  // Then score it twice (once generating nothing, once 6 tokens with logprobs) among requests that
+  // fill the tiny pool.
+  GenParams score = greedy(0);
+  score.prompt_logprobs = true;
+  score.logprobs = 2;
+  GenParams score_gen = greedy(6);
+  score_gen.prompt_logprobs = true;
+  score_gen.logprobs = 1;
+  std::vector<GenResult> res(4);
+  std::vector<std::promise<void>> done(4);
+  const std::vector<std::pair<std::vector<int32_t>, GenParams>> reqs = {
+      {tok.encode("Lily went to the park and", true), greedy(60)},
+      {scored, score},
+      {tok.encode("Once upon a time there was a dog", true), greedy(60)},
+      {scored, score_gen},
+  };
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    GenRequest r;
+    r.prompt = reqs[i].first;
+    r.params = reqs[i].second;
+    r.on_done = [&res, &done, i](const GenResult& g) {
+      res[i] = g;
+      done[i].set_value();
+    };
+    e.submit(std::move(r));
+  }
+  for (auto& d : done) d.get_future().wait();
+  e.wait_idle();
+  for (size_t k : {size_t(1), size_t(3)}) {
+    SCOPED_TRACE(k);
+    const GenResult& g = res[k];
+    ASSERT_EQ(g.prompt_logprobs.size(), scored.size());
+    EXPECT_EQ(g.cached_tokens, 0);
+    EXPECT_TRUE(std::isnan(g.prompt_logprobs[0].logprob));
+    for (size_t i = 1; i < scored.size(); ++i) {
+      EXPECT_EQ(g.prompt_logprobs[i].token, scored[i]);
+      EXPECT_NEAR(g.prompt_logprobs[i].logprob, ref[i], 1e-4) << "position " << i;
+      EXPECT_EQ(g.prompt_logprobs[i].top.size(), k == 1 ? 2u : 1u);
+    }
+  }
+  EXPECT_EQ(res[1].finish_reason, "length");
+  EXPECT_EQ(res[1].completion_tokens, 0);
+  EXPECT_TRUE(res[1].logprobs.empty());
+  EXPECT_EQ(res[3].tokens, greedy_alone(e, scored, 6));
+  ASSERT_EQ(res[3].logprobs.size(), res[3].tokens.size());
+  for (size_t i = 0; i < res[3].tokens.size(); ++i) {
+    EXPECT_EQ(res[3].logprobs[i].token, res[3].tokens[i]);
+    EXPECT_EQ(res[3].logprobs[i].top[0].first, res[3].tokens[i]);
+  }
+  EXPECT_EQ(res[0].tokens, greedy_alone(e, reqs[0].first, 60));
+  EXPECT_GT(res[1].preemptions + res[3].preemptions, 0);  // a scoring request was recomputed
+  EXPECT_GT(e.metrics().preemptions, 0u);
+  expect_pool_clean(e);
+  // Out of range: more than 20 alternatives is refused.
+  GenParams bad = greedy(2);
+  bad.logprobs = 21;
+  EXPECT_EQ(e.generate(scored, bad).finish_reason, "error");
 }
 
 static size_t common_prefix(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
