@@ -331,7 +331,6 @@ TEST_F(ServerTest, ChatLogprobsAndTokenPrompts) {
   const std::string cp = "/v1/completions", ch = "/v1/chat/completions";
   expect_bad(cp, R"({"prompt": "a", "logprobs": 21})", "logprobs");
   expect_bad(cp, R"({"prompt": "a", "logprobs": -1})", "logprobs");
-  expect_bad(cp, R"({"prompt": "a", "logprobs": 1, "stream": true})", "logprobs");
   expect_bad(cp, R"({"prompt": "a", "echo": true, "stream": true})", "echo");
   expect_bad(cp, R"({"prompt": "a", "echo": "yes"})", "echo");
   expect_bad(cp, R"({"prompt": "a", "echo": true, "max_tokens": 0})", "max_tokens");
@@ -342,6 +341,43 @@ TEST_F(ServerTest, ChatLogprobsAndTokenPrompts) {
   expect_bad(ch, R"({"messages": [{"role": "user", "content": "a"}], "logprobs": "yes"})", "logprobs");
   expect_bad(ch, R"({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2})", "top_logprobs");
   expect_bad(ch, R"({"messages": [{"role": "user", "content": "a"}], "logprobs": true, "top_logprobs": 30})", "top_logprobs");
+}
+
+// Streamed, the chunks' logprobs put together are the plain response's, token for token.
+TEST_F(ServerTest, StreamedLogprobsEqualPlain) {
+  json body = {{"prompt", "Once upon a time"}, {"max_tokens", 12}, {"temperature", 0}, {"logprobs", 2}};
+  const json plain = post_ok("/v1/completions", body)["choices"][0]["logprobs"];
+  bool done = false;
+  std::vector<json> evs = stream("/v1/completions", body, &done);
+  EXPECT_TRUE(done);
+  json tokens = json::array(), lps = json::array(), offs = json::array(), tops = json::array();
+  for (const auto& e : evs) {
+    if (e["choices"].empty() || e["choices"][0]["logprobs"].is_null()) continue;
+    const json& l = e["choices"][0]["logprobs"];
+    for (size_t i = 0; i < l["tokens"].size(); ++i) {
+      tokens.push_back(l["tokens"][i]);
+      lps.push_back(l["token_logprobs"][i]);
+      offs.push_back(l["text_offset"][i]);
+      tops.push_back(l["top_logprobs"][i]);
+    }
+  }
+  EXPECT_EQ(tokens, plain["tokens"]);
+  EXPECT_EQ(lps, plain["token_logprobs"]);
+  EXPECT_EQ(offs, plain["text_offset"]);
+  EXPECT_EQ(tops, plain["top_logprobs"]);
+  EXPECT_EQ(tokens.size(), 12u);
+
+  json cbody = {{"messages", json::array({{{"role", "user"}, {"content", "Once upon"}}})},
+                {"max_tokens", 8}, {"temperature", 0}, {"logprobs", true}, {"top_logprobs", 1}};
+  const json cplain = post_ok("/v1/chat/completions", cbody)["choices"][0]["logprobs"]["content"];
+  evs = stream("/v1/chat/completions", cbody, &done);
+  EXPECT_TRUE(done);
+  json content = json::array();
+  for (const auto& e : evs)
+    if (!e["choices"].empty() && !e["choices"][0]["logprobs"].is_null())
+      for (const auto& x : e["choices"][0]["logprobs"]["content"]) content.push_back(x);
+  EXPECT_EQ(content, cplain);
+  EXPECT_FALSE(content.empty());
 }
 
 TEST_F(ServerTest, ModelsHealthMetrics) {

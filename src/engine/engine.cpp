@@ -573,7 +573,10 @@ bool Engine::step() {
         }
         s.tokens.push_back(next);
         s.res.tokens.push_back(next);
-        if (s.req.params.logprobs >= 0) s.res.logprobs.push_back(token_logprob(lg, n_vocab, next, s.req.params.logprobs));
+        if (s.req.params.logprobs >= 0) {
+          s.res.logprobs.push_back(token_logprob(lg, n_vocab, next, s.req.params.logprobs));
+          if (s.req.on_logprob) s.req.on_logprob(s.res.logprobs.back());
+        }
         const size_t from = s.sent;
         s.text += s.dec->push(next);
         if (cut_at_stop(s.text, from, s.req.params.stop)) {

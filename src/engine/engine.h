@@ -95,6 +95,9 @@ struct GenRequest {
   GenParams params;
   // Text deltas as they become final (valid UTF-8, stop strings held back). Scheduler thread.
   std::function<void(const std::string& delta)> on_text;
+  // With params.logprobs >= 0: each generated token's log-probability as the token is sampled,
+  // before the text it adds reaches on_text (which may hold that text back). Scheduler thread.
+  std::function<void(const TokenLogprob& lp)> on_logprob;
   // Called once at the end (scheduler thread, or the submitting thread for rejected requests).
   std::function<void(const GenResult&)> on_done;
 };

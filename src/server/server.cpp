@@ -153,9 +153,10 @@ std::string message_content(const json& m, size_t i) {
 }
 
 // logprobs / top_logprobs / echo. Completions: "logprobs": N (0-20 alternatives per token) and
-// "echo": true, which with logprobs also scores the prompt (the first prompt token has none).
-// Chat: "logprobs": true with "top_logprobs": N. Not with stream: the text deltas of a stream are
-// cut at UTF-8 and stop-string boundaries, not at tokens.
+// "echo": true, which with logprobs also scores the prompt (the first prompt token has none; not
+// with stream). Chat: "logprobs": true with "top_logprobs": N. Streamed, each chunk carries the
+// tokens sampled since the previous chunk (a token whose text is held back, an incomplete UTF-8
+// character or a possible stop string, comes with a later chunk or the last one).
 void parse_logprobs(const json& body, bool chat, ApiRequest& r) {
   auto count = [&](const char* key) -> int {
     const json& v = body[key];
@@ -180,9 +181,7 @@ void parse_logprobs(const json& body, bool chat, ApiRequest& r) {
     }
     r.params.prompt_logprobs = r.echo && r.params.logprobs >= 0;
   }
-  if (r.stream && (r.params.logprobs >= 0 || r.echo))
-    throw ApiError{fmt::format("'{}' is not supported with 'stream': true", r.echo ? "echo" : "logprobs"),
-                   r.echo ? "echo" : "logprobs"};
+  if (r.stream && r.echo) throw ApiError{"'echo' is not supported with 'stream': true", "echo"};
 }
 
 const char* finish_reason_api(const std::string& r) { return r == "length" ? "length" : "stop"; }
@@ -272,7 +271,11 @@ struct Server::Impl {
 
   void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat);
   json completion_logprobs(const GenResult& g, const std::vector<int32_t>* echoed) const;
-  json chat_logprobs(const GenResult& g) const;
+  // Completions' object for tokens (id, log-probability or null) whose text starts at byte
+  // `offset` of the returned text; *end: the byte after their text.
+  json completion_logprobs_of(const std::vector<std::pair<int32_t, const TokenLogprob*>>& toks, size_t offset,
+                              size_t* end = nullptr) const;
+  json chat_logprobs(const std::vector<TokenLogprob>& lps) const;
   std::vector<int32_t> chat_prompt(const json& body);
 };
 
@@ -304,18 +307,27 @@ std::vector<int32_t> Server::Impl::chat_prompt(const json& body) {
 // Completions' logprobs object: the echoed prompt tokens first (when echoed), then the generated
 // ones; tokens as the bytes each renders as, text_offset their byte offsets in the returned text.
 json Server::Impl::completion_logprobs(const GenResult& g, const std::vector<int32_t>* echoed) const {
+  std::vector<std::pair<int32_t, const TokenLogprob*>> toks;
+  if (echoed)
+    for (size_t i = 0; i < echoed->size(); ++i)
+      toks.push_back({(*echoed)[i], i < g.prompt_logprobs.size() ? &g.prompt_logprobs[i] : nullptr});
+  for (size_t i = 0; i < g.tokens.size(); ++i) toks.push_back({g.tokens[i], i < g.logprobs.size() ? &g.logprobs[i] : nullptr});
+  return completion_logprobs_of(toks, 0);
+}
+
+json Server::Impl::completion_logprobs_of(const std::vector<std::pair<int32_t, const TokenLogprob*>>& toks,
+                                          size_t offset, size_t* end) const {
   const Tokenizer& tk = engine.tokenizer();
   json tokens = json::array(), lps = json::array(), tops = json::array(), offs = json::array();
-  size_t off = 0;
-  auto add = [&](int32_t id, const TokenLogprob* lp) {
+  for (const auto& [id, lp] : toks) {
     const std::string piece = tk.token_piece(id);
     tokens.push_back(piece);
-    offs.push_back(off);
-    off += piece.size();
+    offs.push_back(offset);
+    offset += piece.size();
     if (!lp || std::isnan(lp->logprob)) {
       lps.push_back(nullptr);
       tops.push_back(nullptr);
-      return;
+      continue;
     }
     lps.push_back(lp->logprob);
     json t = json::object();
@@ -324,16 +336,13 @@ json Server::Impl::completion_logprobs(const GenResult& g, const std::vector<int
       if (!t.contains(k)) t[k] = l;  // pieces that render alike keep the likelier one
     }
     tops.push_back(t);
-  };
-  if (echoed)
-    for (size_t i = 0; i < echoed->size(); ++i)
-      add((*echoed)[i], i < g.prompt_logprobs.size() ? &g.prompt_logprobs[i] : nullptr);
-  for (size_t i = 0; i < g.tokens.size(); ++i) add(g.tokens[i], i < g.logprobs.size() ? &g.logprobs[i] : nullptr);
+  }
+  if (end) *end = offset;
   return json{{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offs}};
 }
 
 // Chat's logprobs object: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}.
-json Server::Impl::chat_logprobs(const GenResult& g) const {
+json Server::Impl::chat_logprobs(const std::vector<TokenLogprob>& lps) const {
   const Tokenizer& tk = engine.tokenizer();
   auto entry = [&](int32_t id, float lp) {
     const std::string piece = tk.token_piece(id);
@@ -342,10 +351,10 @@ json Server::Impl::chat_logprobs(const GenResult& g) const {
     return json{{"token", piece}, {"logprob", lp}, {"bytes", bytes}};
   };
   json content = json::array();
-  for (size_t i = 0; i < g.tokens.size() && i < g.logprobs.size(); ++i) {
-    json e = entry(g.tokens[i], g.logprobs[i].logprob);
+  for (const TokenLogprob& lp : lps) {
+    json e = entry(lp.token, lp.logprob);
     json top = json::array();
-    for (const auto& [tid, l] : g.logprobs[i].top) top.push_back(entry(tid, l));
+    for (const auto& [tid, l] : lp.top) top.push_back(entry(tid, l));
     e["top_logprobs"] = top;
     content.push_back(e);
   }
@@ -440,7 +449,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
     json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish_reason_api(g.finish_reason)}};
     if (chat) choice["message"] = {{"role", "assistant"}, {"content", g.text}};
     else choice["text"] = ar.echo ? prompt_text + g.text : g.text;
-    if (chat && ar.params.logprobs >= 0) choice["logprobs"] = chat_logprobs(g);
+    if (chat && ar.params.logprobs >= 0) choice["logprobs"] = chat_logprobs(g.logprobs);
     if (!chat && (ar.params.logprobs >= 0)) choice["logprobs"] = completion_logprobs(g, ar.echo ? &prompt_ids : nullptr);
     send_json(res, 200,
               json{{"id", id},
@@ -453,8 +462,25 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
   }
 
   auto st = std::make_shared<StreamState>();
-  auto chunk = [=](const json& delta_or_text, const json& finish) {
+  // Log-probabilities of the tokens sampled since the last chunk (scheduler thread only).
+  struct PendingLogprobs {
+    std::vector<TokenLogprob> lps;
+    size_t offset = 0;  // completions: byte offset of the next token's text
+  };
+  auto pend = std::make_shared<PendingLogprobs>();
+  const bool want_lp = ar.params.logprobs >= 0;
+  auto chunk = [=, this](const json& delta_or_text, const json& finish) {
     json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish}};
+    if (want_lp && !pend->lps.empty()) {
+      if (chat) {
+        choice["logprobs"] = chat_logprobs(pend->lps);
+      } else {
+        std::vector<std::pair<int32_t, const TokenLogprob*>> toks;
+        for (const auto& lp : pend->lps) toks.push_back({lp.token, &lp});
+        choice["logprobs"] = completion_logprobs_of(toks, pend->offset, &pend->offset);
+      }
+      pend->lps.clear();
+    }
     if (chat) choice["delta"] = delta_or_text;
     else choice["text"] = delta_or_text;
     return json{{"id", id},
@@ -467,6 +493,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
   GenRequest gr;
   gr.prompt = std::move(prompt);
   gr.params = ar.params;
+  if (want_lp) gr.on_logprob = [pend](const TokenLogprob& lp) { pend->lps.push_back(lp); };
   gr.on_text = [st, chunk, chat](const std::string& d) {
     st->push(sse(chunk(chat ? json{{"content", d}} : json(d), nullptr)));
   };
