@@ -68,7 +68,11 @@ struct GenParams {
   // Each prompt token's log-probability given the tokens before it (the first has none), with
   // max(logprobs, 0) alternatives: what a harness scores a continuation by. Such a request
   // computes its whole prompt (it adopts no cached prefix pages; it still publishes its own), and
-  // may set max_tokens = 0 to generate nothing.
+  // may set max_tokens = 0 to generate nothing. Prompts are scored by the prefill path: with f32
+  // arithmetic (stories260K) its log-probabilities equal the decode path's to 1e-5; as served
+  // (8-bit activations) the two differ by the engine's rounding noise, which any small change
+  // amplifies (SmolLM2: up to ~0.1 on single tokens, the size of the f32-vs-f16-KV floor of
+  // bench/QUALITY.md), so compare scores from one path.
   bool prompt_logprobs = false;
 };
 
