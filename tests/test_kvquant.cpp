@@ -968,7 +968,7 @@ TEST(KvquantCal, BadCalibrationRejected) {
   EXPECT_NE(err(&bad).find("negative"), std::string::npos);
   bad = good;
   bad["layers"][0]["kvquant_cal_k3"]["mid"][0][0] = "x";
-  EXPECT_NE(err(&bad).find("non-number"), std::string::npos);
+  EXPECT_NE(err(&bad).find("non-numeric"), std::string::npos);
   bad = good;
   bad["layers"][0]["kvquant_cal_k3"]["codebook"] = {0.5, 0.1};
   EXPECT_NE(err(&bad).find("codebook"), std::string::npos);

@@ -48,6 +48,22 @@ std::vector<float> kv_calib_head_scales(const KvCodecParams& p, const std::strin
   return std::vector<float>(size_t(p.n_kv_heads), value(s));
 }
 
+std::vector<std::vector<float>> kv_calib_head_vectors(const nlohmann::json& v, const std::string& where, int n_heads,
+                                                      int dim) {
+  if (!v.is_array() || v.size() != size_t(n_heads)) fail("{} must hold {} heads of {} numbers", where, n_heads, dim);
+  std::vector<std::vector<float>> out;
+  for (const auto& h : v) {
+    if (!h.is_array() || h.size() != size_t(dim)) fail("{} must hold {} heads of {} numbers", where, n_heads, dim);
+    std::vector<float> row;
+    for (const auto& x : h) {
+      if (!x.is_number() || !std::isfinite(x.get<double>())) fail("{} holds a non-numeric or non-finite value", where);
+      row.push_back(x.get<float>());
+    }
+    out.push_back(std::move(row));
+  }
+  return out;
+}
+
 nlohmann::json kv_placeholder_calib(int n_layers, int n_kv_heads, int head_dim) {
   const std::vector<std::vector<float>> zero(size_t(n_kv_heads), std::vector<float>(size_t(head_dim), 0.f));
   const std::vector<std::vector<float>> one(size_t(n_kv_heads), std::vector<float>(size_t(head_dim), 1.f));

@@ -19,6 +19,11 @@ namespace kvq {
 // when p.calib is null or does not follow the schema.
 std::vector<float> kv_calib_head_scales(const KvCodecParams& p, const std::string& codec);
 
+// v as n_heads arrays of dim finite numbers (a per-head channel vector of a calibration entry);
+// throws kvq::Error "<where> must hold ..." otherwise.
+std::vector<std::vector<float>> kv_calib_head_vectors(const nlohmann::json& v, const std::string& where, int n_heads,
+                                                      int dim);
+
 // Placeholder artifacts for every family that reads calibration (static scales 1, channel means
 // 0, channel RMS 1, KVQuant key ranges [-1, 1]) in n_layers entries of n_kv_heads x head_dim:
 // enough to build any calibrated codec where only its size matters (kvq plan, kvq formats), since

@@ -30,6 +30,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "kv/calib.h"
 #include "kv/registry_internal.h"
 
 namespace kvq {
@@ -63,25 +64,8 @@ std::vector<std::vector<float>> calib_vectors(const KvCodecParams& p, const std:
   if (!L.is_object() || !L.contains(key))
     fail("KV codec '{}': calibration layer {} has no \"{}\" (rerun `kvq calibrate` to add the {})", codec, p.layer,
          key, what);
-  const auto& m = L[key];
-  if (!m.is_array() || m.size() != size_t(p.n_kv_heads))
-    fail("KV codec '{}': calibration layer {} \"{}\" must hold {} heads of {} numbers", codec, p.layer, key,
-         p.n_kv_heads, p.head_dim);
-  std::vector<std::vector<float>> out;
-  for (const auto& h : m) {
-    if (!h.is_array() || h.size() != size_t(p.head_dim))
-      fail("KV codec '{}': calibration layer {} \"{}\" must hold {} heads of {} numbers", codec, p.layer, key,
-           p.n_kv_heads, p.head_dim);
-    std::vector<float> v;
-    for (const auto& x : h) {
-      if (!x.is_number() || !std::isfinite(x.get<double>()))
-        fail("KV codec '{}': calibration layer {} \"{}\" holds a non-finite or non-numeric value", codec, p.layer,
-             key);
-      v.push_back(x.get<float>());
-    }
-    out.push_back(std::move(v));
-  }
-  return out;
+  return kv_calib_head_vectors(L[key], fmt::format("KV codec '{}': calibration layer {} \"{}\"", codec, p.layer, key),
+                               p.n_kv_heads, p.head_dim);
 }
 
 // Channel scales from the calibration's RMS vectors (see the header comment): keys

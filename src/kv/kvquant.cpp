@@ -8,6 +8,7 @@
 
 #include "core/cpu.h"
 #include "core/error.h"
+#include "kv/calib.h"
 #include "kv/grouped_common.h"
 #include "kv/kivi.h"
 #include "kv/kivi_tiled.h"
@@ -644,21 +645,12 @@ void static_from_calib(const char* name, const nlohmann::json* calib, int layer,
     fail("{}: calibration layer {} has no \"{}\" (rerun `kvq calibrate` to add it)", name, layer, key);
   const auto& a = (*entry)[key];
   c.codebook = read_codebook(name, a, layer, key, c.bits);
-  const int D = c.head_dim;
   auto vec = [&](const char* what, std::vector<float>& out) {
-    if (!a.contains(what) || !a[what].is_array() || a[what].size() != size_t(n_kv_heads))
-      fail("{}: calibration layer {} \"{}\".{} must hold {} heads of {} numbers", name, layer, key, what,
-           n_kv_heads, D);
+    const std::string where = fmt::format("{}: calibration layer {} \"{}\".{}", name, layer, key, what);
     out.clear();
-    for (const auto& h : a[what]) {
-      if (!h.is_array() || h.size() != size_t(D))
-        fail("{}: calibration layer {} \"{}\".{} must hold {} heads of {} numbers", name, layer, key, what,
-             n_kv_heads, D);
-      for (const auto& v : h) {
-        if (!v.is_number()) fail("{}: calibration layer {} \"{}\".{} holds a non-number", name, layer, key, what);
-        out.push_back(v.get<float>());
-      }
-    }
+    for (const auto& h : kv_calib_head_vectors(a.contains(what) ? a[what] : nlohmann::json(), where, n_kv_heads,
+                                               c.head_dim))
+      out.insert(out.end(), h.begin(), h.end());
   };
   vec("mid", c.static_mid);
   vec("scale", c.static_scale);
