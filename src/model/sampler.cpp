@@ -15,24 +15,32 @@ int32_t argmax(const float* logits, int n) {
   return best;
 }
 
+double log_sum_exp(const float* x, int n) {
+  const double m = x[argmax(x, n)];
+  double s = 0;
+  for (int i = 0; i < n; ++i) s += std::exp(double(x[i]) - m);
+  return m + std::log(s);
+}
+
 TokenLogprob token_logprob(const float* logits, int n_vocab, int32_t token, int top_n) {
   if (n_vocab < 1 || token < 0 || token >= n_vocab) fail("token_logprob: token {} outside [0, {})", token, n_vocab);
   top_n = std::clamp(top_n, 0, n_vocab);
-  float m = logits[0];
-  for (int i = 1; i < n_vocab; ++i) m = std::max(m, logits[i]);
-  double sum = 0;
-  for (int i = 0; i < n_vocab; ++i) sum += std::exp(double(logits[i]) - double(m));
-  const double lse = double(m) + std::log(sum);
+  const double lse = log_sum_exp(logits, n_vocab);
   TokenLogprob r;
   r.token = token;
   r.logprob = float(double(logits[token]) - lse);
-  if (top_n > 0) {
-    std::vector<int32_t> idx(static_cast<size_t>(n_vocab));
-    for (int i = 0; i < n_vocab; ++i) idx[size_t(i)] = i;
-    auto before = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
-    std::partial_sort(idx.begin(), idx.begin() + top_n, idx.end(), before);
-    for (int i = 0; i < top_n; ++i) r.top.push_back({idx[size_t(i)], float(double(logits[idx[size_t(i)]]) - lse)});
+  // The top_n largest in one pass (top_n <= 20 in practice): a short list kept sorted, larger
+  // logit first; ids arrive ascending, so an equal logit lands after the lower id.
+  std::vector<std::pair<float, int32_t>> best;
+  best.reserve(size_t(top_n) + 1);
+  for (int i = 0; i < n_vocab && top_n > 0; ++i) {
+    if (best.size() == size_t(top_n) && !(logits[i] > best.back().first)) continue;
+    const auto at = std::upper_bound(best.begin(), best.end(), logits[i],
+                                     [](float v, const std::pair<float, int32_t>& e) { return v > e.first; });
+    best.insert(at, {logits[i], i});
+    if (best.size() > size_t(top_n)) best.pop_back();
   }
+  for (const auto& [l, id] : best) r.top.push_back({id, float(double(l) - lse)});
   return r;
 }
 

@@ -34,6 +34,9 @@ class Sampler {
 // Index of the largest logit (lowest index on ties).
 int32_t argmax(const float* logits, int n);
 
+// log(sum_i exp(x[i])), in double around the largest x.
+double log_sum_exp(const float* x, int n);
+
 // A token's log-probability under the model's distribution softmax(logits) (the raw model
 // output: no temperature, penalty or truncation, as OpenAI-compatible servers report it by
 // default), and the top_n most likely tokens with theirs, most likely first (lower id first on

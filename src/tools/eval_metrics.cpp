@@ -3,25 +3,14 @@
 #include <algorithm>
 #include <cmath>
 
+#include "model/sampler.h"
+
 namespace kvq {
 
-namespace {
-// log-sum-exp in double, and the argmax
-double lse_argmax(const float* x, int n, int& arg) {
-  arg = 0;
-  for (int i = 1; i < n; ++i)
-    if (x[i] > x[arg]) arg = i;
-  const double mx = x[arg];
-  double s = 0;
-  for (int i = 0; i < n; ++i) s += std::exp(double(x[i]) - mx);
-  return mx + std::log(s);
-}
-}  // namespace
-
 TokenScore eval_score_token(const float* base, const float* test, int n_vocab, int32_t target) {
-  int ab = 0, at = 0;
-  const double lb = lse_argmax(base, n_vocab, ab);
-  const double lt = lse_argmax(test, n_vocab, at);
+  const int ab = argmax(base, n_vocab), at = argmax(test, n_vocab);
+  const double lb = log_sum_exp(base, n_vocab);
+  const double lt = log_sum_exp(test, n_vocab);
   TokenScore s;
   s.base_nll = lb - double(base[target]);
   s.nll = lt - double(test[target]);
