@@ -9,9 +9,9 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <cmath>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <ctime>
 #include <filesystem>
@@ -270,11 +270,9 @@ struct Server::Impl {
   Impl(Engine& e, const ServerOptions& o) : engine(e), opt(o) {}
 
   void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat);
-  json completion_logprobs(const GenResult& g, const std::vector<int32_t>* echoed) const;
-  // Completions' object for tokens (id, log-probability or null) whose text starts at byte
-  // `offset` of the returned text; *end: the byte after their text.
-  json completion_logprobs_of(const std::vector<std::pair<int32_t, const TokenLogprob*>>& toks, size_t offset,
-                              size_t* end = nullptr) const;
+  // Completions' object for tokens whose text starts at byte `offset` of the returned text;
+  // *end: the byte after their text.
+  json completion_logprobs(const std::vector<TokenLogprob>& lps, size_t offset = 0, size_t* end = nullptr) const;
   json chat_logprobs(const std::vector<TokenLogprob>& lps) const;
   std::vector<int32_t> chat_prompt(const json& body);
 };
@@ -304,41 +302,32 @@ std::vector<int32_t> Server::Impl::chat_prompt(const json& body) {
   return engine.tokenizer().encode(text, true, /*parse_special=*/tpl != ChatTemplate::none);
 }
 
-// Completions' logprobs object: the echoed prompt tokens first (when echoed), then the generated
-// ones; tokens as the bytes each renders as, text_offset their byte offsets in the returned text.
-json Server::Impl::completion_logprobs(const GenResult& g, const std::vector<int32_t>* echoed) const {
-  std::vector<std::pair<int32_t, const TokenLogprob*>> toks;
-  if (echoed)
-    for (size_t i = 0; i < echoed->size(); ++i)
-      toks.push_back({(*echoed)[i], i < g.prompt_logprobs.size() ? &g.prompt_logprobs[i] : nullptr});
-  for (size_t i = 0; i < g.tokens.size(); ++i) toks.push_back({g.tokens[i], i < g.logprobs.size() ? &g.logprobs[i] : nullptr});
-  return completion_logprobs_of(toks, 0);
-}
-
-json Server::Impl::completion_logprobs_of(const std::vector<std::pair<int32_t, const TokenLogprob*>>& toks,
-                                          size_t offset, size_t* end) const {
+// Completions' logprobs object (echo: the prompt's tokens first); tokens as the bytes each renders
+// as, text_offset their byte offsets in the returned text. A NaN log-probability (the first prompt
+// token's) is null.
+json Server::Impl::completion_logprobs(const std::vector<TokenLogprob>& lps, size_t offset, size_t* end) const {
   const Tokenizer& tk = engine.tokenizer();
-  json tokens = json::array(), lps = json::array(), tops = json::array(), offs = json::array();
-  for (const auto& [id, lp] : toks) {
-    const std::string piece = tk.token_piece(id);
+  json tokens = json::array(), vals = json::array(), tops = json::array(), offs = json::array();
+  for (const TokenLogprob& lp : lps) {
+    const std::string piece = tk.token_piece(lp.token);
     tokens.push_back(piece);
     offs.push_back(offset);
     offset += piece.size();
-    if (!lp || std::isnan(lp->logprob)) {
-      lps.push_back(nullptr);
+    if (std::isnan(lp.logprob)) {
+      vals.push_back(nullptr);
       tops.push_back(nullptr);
       continue;
     }
-    lps.push_back(lp->logprob);
+    vals.push_back(lp.logprob);
     json t = json::object();
-    for (const auto& [tid, l] : lp->top) {
+    for (const auto& [tid, l] : lp.top) {
       const std::string k = tk.token_piece(tid);
       if (!t.contains(k)) t[k] = l;  // pieces that render alike keep the likelier one
     }
     tops.push_back(t);
   }
   if (end) *end = offset;
-  return json{{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offs}};
+  return json{{"tokens", tokens}, {"token_logprobs", vals}, {"top_logprobs", tops}, {"text_offset", offs}};
 }
 
 // Chat's logprobs object: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}.
@@ -428,7 +417,6 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
     auto pr = std::make_shared<std::promise<GenResult>>();
     auto fut = pr->get_future();
     GenRequest gr;
-    const std::vector<int32_t> prompt_ids = prompt;
     gr.prompt = std::move(prompt);
     gr.params = ar.params;
     gr.on_done = [pr](const GenResult& g) { pr->set_value(g); };
@@ -450,7 +438,11 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
     if (chat) choice["message"] = {{"role", "assistant"}, {"content", g.text}};
     else choice["text"] = ar.echo ? prompt_text + g.text : g.text;
     if (chat && ar.params.logprobs >= 0) choice["logprobs"] = chat_logprobs(g.logprobs);
-    if (!chat && (ar.params.logprobs >= 0)) choice["logprobs"] = completion_logprobs(g, ar.echo ? &prompt_ids : nullptr);
+    if (!chat && ar.params.logprobs >= 0) {
+      std::vector<TokenLogprob> lps = ar.echo ? g.prompt_logprobs : std::vector<TokenLogprob>{};
+      lps.insert(lps.end(), g.logprobs.begin(), g.logprobs.end());
+      choice["logprobs"] = completion_logprobs(lps);
+    }
     send_json(res, 200,
               json{{"id", id},
                    {"object", chat ? "chat.completion" : "text_completion"},
@@ -472,13 +464,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
   auto chunk = [=, this](const json& delta_or_text, const json& finish) {
     json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish}};
     if (want_lp && !pend->lps.empty()) {
-      if (chat) {
-        choice["logprobs"] = chat_logprobs(pend->lps);
-      } else {
-        std::vector<std::pair<int32_t, const TokenLogprob*>> toks;
-        for (const auto& lp : pend->lps) toks.push_back({lp.token, &lp});
-        choice["logprobs"] = completion_logprobs_of(toks, pend->offset, &pend->offset);
-      }
+      choice["logprobs"] = chat ? chat_logprobs(pend->lps) : completion_logprobs(pend->lps, pend->offset, &pend->offset);
       pend->lps.clear();
     }
     if (chat) choice["delta"] = delta_or_text;
