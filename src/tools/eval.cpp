@@ -253,6 +253,22 @@ std::string greedy_generate(Ctx& c, Forward& fwd, KvCache& cache, const std::vec
 // than the context needs).
 constexpr int kNeedleAnswerTokens = 10;  // greedy tokens after the question that must hold the passcode
 
+// The f16 cache first, then the formats under test: the trial tasks (needle, own) run every case
+// on all of them and report each format against the f16 cache's own outcome.
+std::vector<FormatRun> with_f16_reference(const Ctx& c) {
+  std::vector<FormatRun> all;
+  all.push_back(FormatRun{"f16", kv_flags_resolve(c.o.kv, c.m.config(), "f16"), 0, {}});
+  for (const auto& r : c.runs) all.push_back(FormatRun{r.name, r.kv, 0, {}});
+  return all;
+}
+
+// Which trials a format lost or gained against the f16 cache on the same trials, and whether the
+// difference is more than chance (exact sign test over the discordant trials).
+nlohmann::json vs_f16(const std::vector<bool>& ref_ok, const std::vector<bool>& ok) {
+  const PairedOutcome po = eval_paired(ref_ok, ok);
+  return {{"lost", po.lost}, {"gained", po.gained}, {"p_value", po.p_value}};
+}
+
 void task_needle(Ctx& c, const std::vector<int32_t>& hay_ids) {
   std::mt19937 rng(4242);
   const std::string question = "\nWhat is the secret passcode mentioned in the text above? The secret passcode is";
@@ -261,11 +277,9 @@ void task_needle(Ctx& c, const std::vector<int32_t>& hay_ids) {
   size_t total = c.ctxs.size() * c.o.depths.size() * size_t(trials) * (c.runs.size() + 1);
   Progress prog(c.o.progress, total);
   Forward fwd(c.m, c.pool, 256);
-  std::vector<FormatRun> all;
-  all.push_back(FormatRun{"f16", kv_flags_resolve(c.o.kv, c.m.config(), "f16"), 0, {}});
-  for (const auto& r : c.runs) all.push_back(FormatRun{r.name, r.kv, 0, {}});
+  const std::vector<FormatRun> all = with_f16_reference(c);
   std::vector<nlohmann::json> grids(all.size(), nlohmann::json::array());
-  // --needle-set-out: the trials as an own-task eval set, opened before any model time is spent.
+  // --needle-set-out: the trials as an own-task eval set (the path was checked before the model loaded).
   std::ofstream set_out;
   if (!c.o.needle_set_out.empty()) {
     set_out.open(c.o.needle_set_out, std::ios::binary | std::ios::trunc);
@@ -331,10 +345,7 @@ void task_needle(Ctx& c, const std::vector<int32_t>& hay_ids) {
         run.report["needle_f16_ok"] = ref_ok;
       }
     } else {
-      // The same trials with the f16 cache: which ones this format lost or gained, and whether
-      // the difference is more than chance (exact sign test over the discordant trials).
-      const PairedOutcome po = eval_paired(ref_ok, oks(f));
-      r["vs_f16"] = {{"lost", po.lost}, {"gained", po.gained}, {"p_value", po.p_value}};
+      r["vs_f16"] = vs_f16(ref_ok, oks(f));
       c.runs[f - 1].report["needle"] = r;
     }
   }
@@ -513,9 +524,7 @@ LayerPolicy choose_layer_policy(const std::vector<FormatRun>& runs, const std::v
 void task_own(Ctx& c, const std::vector<OwnCase>& cases) {
   // Like needle: the f16 cache runs the same cases first, and each format reports the cases it
   // lost and gained against it (a replayed needle set gives the needle task's table).
-  std::vector<FormatRun> all;
-  all.push_back(FormatRun{"f16", kv_flags_resolve(c.o.kv, c.m.config(), "f16"), 0, {}});
-  for (const auto& r : c.runs) all.push_back(FormatRun{r.name, r.kv, 0, {}});
+  const std::vector<FormatRun> all = with_f16_reference(c);
   Progress prog(c.o.progress, cases.size() * all.size());
   Forward fwd(c.m, c.pool, 256);
   const ChatTemplate tpl = c.o.chat ? chat_template_detect(c.m.file()) : ChatTemplate::none;
@@ -552,11 +561,7 @@ void task_own(Ctx& c, const std::vector<OwnCase>& cases) {
         run.report["own_f16_ok"] = ref_ok;
       }
     } else {
-      const PairedOutcome po = eval_paired(ref_ok, oks);
-      c.runs[f - 1].report["own"] = {{"accuracy", acc},
-                                     {"n", cases.size()},
-                                     {"items", items},
-                                     {"vs_f16", {{"lost", po.lost}, {"gained", po.gained}, {"p_value", po.p_value}}}};
+      c.runs[f - 1].report["own"] = {{"accuracy", acc}, {"n", cases.size()}, {"items", items}, {"vs_f16", vs_f16(ref_ok, oks)}};
     }
   }
 }
