@@ -644,6 +644,16 @@ nlohmann::json cal_calib(int bits, const std::vector<std::vector<float>>& mid,
   return {{"layers", {{{"layer", 0}, {"kvquant_cal_k" + std::to_string(bits), kvquant_cal_artifact(mid, scale, bits)}}}}};
 }
 
+// Codec parameters of the calibrated codecs' tests: H heads of head_dim d, layer 0 of calib.
+KvCodecParams cal_params(int d, int H, const KvRope& rope, const nlohmann::json& calib) {
+  KvCodecParams p;
+  p.head_dim = d;
+  p.n_kv_heads = H;
+  p.rope = rope;
+  p.calib = &calib;
+  return p;
+}
+
 // Keys drawn about the calibrated ranges: x = mid + 0.6 scale N(0, 1), with spikes.
 std::vector<float> cal_keys(int n, int d, const std::vector<float>& mid, const std::vector<float>& scale, uint64_t seed) {
   auto x = gaussian(n, d, seed, 0.6f);
@@ -665,11 +675,7 @@ TEST(KvquantCal, PerTokenBlocksHoldNoGroupParameters) {
       std::vector<std::vector<float>> mid, scale;
       cal_ranges(2, d, mid, scale);
       const nlohmann::json calib = cal_calib(b, mid, scale);
-      KvCodecParams p;
-      p.head_dim = d;
-      p.n_kv_heads = 2;
-      p.rope = llama_rope(d);
-      p.calib = &calib;
+      const KvCodecParams p = cal_params(d, 2, llama_rope(d), calib);
       auto k = kv_codec_create("kvquant" + std::to_string(b) + "_cal_k", p);
       EXPECT_EQ(k->info().group_tokens, 1);
       EXPECT_EQ(k->info().residual_tokens, 0);
@@ -707,11 +713,7 @@ TEST(KvquantCal, DecodeIsTheCalibratedLevelOrTheExactOutlier) {
   for (int b : {2, 3, 4}) {
     const nlohmann::json calib = cal_calib(b, mid, scale);
     for (int n_rot : {0, 128}) {
-      KvCodecParams p;
-      p.head_dim = d;
-      p.n_kv_heads = H;
-      p.rope = llama_rope(n_rot, true);
-      p.calib = &calib;
+      const KvCodecParams p = cal_params(d, H, llama_rope(n_rot, true), calib);
       auto k = kv_codec_create("kvquant" + std::to_string(b) + "_cal_k", p);
       const std::vector<float>& cb = kvquant_default_codebook(b);
       for (int h = 0; h < H; ++h) {
@@ -764,11 +766,7 @@ TEST(KvquantCal, ScoresMatchDecodeAllLevels) {
   for (int b : {2, 3, 4}) {
     const nlohmann::json calib = cal_calib(b, mid, scale);
     for (bool neox : {false, true}) {
-      KvCodecParams p;
-      p.head_dim = d;
-      p.n_kv_heads = H;
-      p.rope = llama_rope(96, neox);
-      p.calib = &calib;
+      KvCodecParams p = cal_params(d, H, llama_rope(96, neox), calib);
       p.sink_tokens = 2;
       auto k = kv_codec_create("kvquant" + std::to_string(b) + "_cal_k", p);
       for (int pos0 : {0, 70000}) {

@@ -83,6 +83,15 @@ void write_file(const std::string& path, const std::string& text) {
   f << text;
 }
 
+// Every registered format on a preset at 4K tokens, one sequence.
+PlanResult every_format_at_4k(const char* preset) {
+  PlanModel m = plan_model_from_preset(preset, 16);
+  PlanConfig c;
+  c.ctx = {4096};
+  c.batch = {1};
+  return plan_compute(m, c);
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -128,11 +137,7 @@ TEST(Plan, Llama3_70bFp8DefaultScaleIsHalf) {
 // codec's own block size, so an 8-bit per-token format is exactly half of f16 plus its real scale
 // bytes, a 4-bit one a quarter plus its scales, and nothing comes from a table in the planner.
 TEST(Plan, EveryFormatMatchesItsCodecBlocks) {
-  PlanModel m = plan_model_from_preset("llama-3-70b", 16);
-  PlanConfig c;
-  c.ctx = {4096};
-  c.batch = {1};
-  PlanResult r = plan_compute(m, c);
+  PlanResult r = every_format_at_4k("llama-3-70b");
   ASSERT_FALSE(r.formats.empty());
   // Formats that read calibration (static scales, channel means) are sized too: with any values.
   const nlohmann::json calib = kv_placeholder_calib(1, 8, 128);
@@ -638,11 +643,7 @@ TEST(Plan, CommandJsonAndCsv) {
 // A format skipped at a head_dim is skipped for the codec's real objection, not for the
 // calibration it would also need: int4t_g128h_s at head_dim 64 fails on its group size.
 TEST(Plan, SkippedFormatsGiveTheRealReason) {
-  PlanModel m = plan_model_from_preset("llama-3.2-1b", 16);
-  PlanConfig c;
-  c.ctx = {4096};
-  c.batch = {1};
-  PlanResult r = plan_compute(m, c);
+  PlanResult r = every_format_at_4k("llama-3.2-1b");
   bool seen = false;
   for (const std::string& s : r.skipped_formats) {
     if (s.find("'int4t_g128h_s'") == std::string::npos) continue;
