@@ -30,7 +30,8 @@ Int8TiledLayout int8t_layout(int hd) {
   L.q8lo_off = hd + hd / 4;
   L.dq_off = hd + hd / 2;
   L.qs8_off = L.dq_off + hd / 32;
-  L.qdim = L.qs8_off + hd / 32;
+  L.q16_off = L.qs8_off + hd / 32;
+  L.qdim = L.q16_off + hd / 2;
   return L;
 }
 
@@ -52,7 +53,7 @@ float int8t_tile_scale(const Int8TiledLayout& L, const uint8_t* tp, int j, int b
 Int8tQueryRow int8t_query_row(const Int8TiledLayout& L, const float* qp, int row) {
   const float* r = qp + size_t(row) * size_t(L.qdim);
   return {reinterpret_cast<const int8_t*>(r + L.q8_off), reinterpret_cast<const int8_t*>(r + L.q8lo_off), r + L.dq_off,
-          reinterpret_cast<const int32_t*>(r + L.qs8_off)};
+          reinterpret_cast<const int32_t*>(r + L.qs8_off), reinterpret_cast<const int16_t*>(r + L.q16_off)};
 }
 
 void int8t_prepare_query(const Int8TiledLayout& L, const float* q, int n_q, float* qp) {
@@ -63,6 +64,7 @@ void int8t_prepare_query(const Int8TiledLayout& L, const float* q, int n_q, floa
     std::memcpy(row, x, sizeof(float) * size_t(hd));
     auto* q8 = reinterpret_cast<int8_t*>(row + L.q8_off);
     auto* ql = reinterpret_cast<int8_t*>(row + L.q8lo_off);
+    auto* q16 = reinterpret_cast<int16_t*>(row + L.q16_off);
     float* dq = row + L.dq_off;
     for (int b = 0; b < hd / 32; ++b) {
       float amax = 0;
@@ -83,6 +85,7 @@ void int8t_prepare_query(const Int8TiledLayout& L, const float* q, int n_q, floa
         const float lo = std::min(127.f, std::max(-127.f, std::nearbyint((y - hi) * kv_int8t_lo_levels)));
         q8[32 * b + j] = int8_t(hi);
         ql[32 * b + j] = int8_t(lo);
+        q16[32 * b + j] = int16_t(int32_t(kv_int8t_lo_levels) * int32_t(hi) + int32_t(lo));
         s += int32_t(kv_int8t_lo_levels) * int32_t(hi) + int32_t(lo);
       }
       s *= 128;

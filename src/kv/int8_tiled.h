@@ -15,7 +15,9 @@
 // Scores (error bound). The prepared query (qdim floats per row): [0, hd) the plain f32 query;
 // then two int8 digits per element: q8 = round(q / dq_b) (dq_b = absmax_b / 127 per 32-dim block
 // b) and q8lo = round((q / dq_b - q8) * 254), so q ~= (dq_b / 254)(254 q8 + q8lo); then
-// dq[hd / 32] = dq_b / 254 and qs8[hd / 32] int32 = 128 * sum_b (254 q8 + q8lo). One digit alone
+// dq[hd / 32] = dq_b / 254 and qs8[hd / 32] int32 = 128 * sum_b (254 q8 + q8lo); then the two
+// digits as one int16 per element, q16 = 254 q8 + q8lo (|q16| <= 32385: the AVX2 kernels' VPMADDWD
+// operand, hd / 2 floats). One digit alone
 // (step dq_b) measurably raised the KL divergence over int8's float-query kernels (SmolLM2 ctx
 // 512: 0.00077 vs 0.00053); two digits cost a second VPDPBUSD per code load.
 // Per block the integer dots of the stored u8 codes are <c + 128, q8_b>, so
@@ -42,7 +44,7 @@
 // block (d >= 0: the u8 path for probabilities). Format "q8_0" stores it; "q8_0_rows" keeps the rows.
 //
 // Kernels: *_ref (scalar, same arithmetic: scores bit-identical to the SIMD ones, weighted sums
-// equal up to f32 summation order), *_avx2 (VPMADDUBSW without saturation, see
+// equal up to f32 summation order), *_avx2 (VPMADDWD on codes widened to int16, see
 // int8_tiled_avx2.cpp), *_avx512 (VNNI). int8t_scores / int8t_accum are the one dispatch point
 // (cpu_level()).
 // Ranges [t0, t0 + n) need not be tile-aligned: lanes outside are computed on whatever the block
@@ -67,6 +69,7 @@ struct Int8TiledLayout {
   int q8lo_off = 0;
   int dq_off = 0;
   int qs8_off = 0;
+  int q16_off = 0;
 };
 
 Int8TiledLayout int8t_layout(int head_dim);
@@ -84,6 +87,7 @@ struct Int8tQueryRow {
   const int8_t* q8lo;  // (hd) second digit
   const float* dq;     // (hd / 32) step of the second digit per 32-dim block (dq_b / 254)
   const int32_t* qs8;  // (hd / 32) 128 * sum over the block of (254 q8 + q8lo)
+  const int16_t* q16;  // (hd) the two digits as one int16: 254 q8 + q8lo (|.| <= 32385)
 };
 Int8tQueryRow int8t_query_row(const Int8TiledLayout& L, const float* qp, int row);
 

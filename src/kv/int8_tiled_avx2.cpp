@@ -1,11 +1,15 @@
-// AVX2 kernels of the tiled int8 codec (layout and error bounds in kv/int8_tiled.h). VPMADDUBSW
-// sums two u8 x s8 products into int16, which saturates for these operands (2 * 255 * 127 >
-// 32767), so:
-//  scores: the key's u8 image is turned back into s8 codes c (|c| <= 127) and multiplied as
-//          |c| x sign(q, c) (2 * 127 * 127 fits), widened to int32 by VPMADDWD;
-//  sums:   the u8 weights go in two passes, even and odd token of each pair zeroed, so every
-//          int16 holds one product (255 * 127 fits), widened by VPMADDWD.
-// Both give the reference's integer dots exactly: scores bit-identical, sums up to f32 order.
+// AVX2 kernels of the tiled int8 codec (layout and error bounds in kv/int8_tiled.h). Without
+// VNNI the 8-bit dots go through VPMADDWD: the codes widened to int16 (VPMOVZXBW / VPMOVSXBW as
+// they are loaded) against int16 operands, two products per int32 lane, never saturating:
+//  scores: the key's u8 image c + 128 against the query's two digits as one int16,
+//          q16 = 254 q8 + q8lo (|(c + 128) q16| <= 255 * 32385), one VPMADDWD per 4 tokens x 4
+//          dims and query row; the 128 terms leave with qs8 as in the reference;
+//  sums:   the s8 codes against the quantized weights as int16 (u8 or s8), one VPMADDWD per 4
+//          channels x 4 tokens and query row.
+// Each int32 lane then holds a pair's partial dot; VPHADDD of the two halves' accumulators gives
+// the 8 tokens (channels) in the order 0 1 4 5 2 3 6 7, which one permutation (kPairOrder, its
+// own inverse) undoes. The integer dots are the reference's exactly: scores bit-identical, sums
+// up to f32 order.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -20,38 +24,49 @@
 namespace kvq {
 namespace {
 
+// Lane order of VPHADDD(a, b) over the pair sums of two 4-item halves, and back.
+inline __m256i pair_order() { return _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7); }
+
+// Four int16 values (8 bytes) broadcast to every 64-bit lane.
+inline __m256i bcast64_avx2(const void* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  return _mm256_set1_epi64x(v);
+}
+
 // 8 tokens (half of a tile: `half` 0 or 1) for NQ query rows.
 template <int NQ>
 void scores_half(const Int8TiledLayout& L, const Int8tQueryRow* qr, const uint8_t* tp, int half, __m256* res) {
-  const __m256i flip = _mm256_set1_epi8(int8_t(0x80));
+  const __m256i perm = pair_order();
   const uint8_t* codes = tp + L.code_off + 32 * half;
   __m256 facc[NQ];
   for (int h = 0; h < NQ; ++h) facc[h] = _mm256_setzero_ps();
   for (int b = 0; b < L.hd / 32; ++b) {
-    __m256i ih[NQ], il[NQ];
-    for (int h = 0; h < NQ; ++h) ih[h] = il[h] = _mm256_setzero_si256();
+    __m256i a0[NQ], a1[NQ];  // tokens 0..3 / 4..7 of the half, a pair of dims per int32 lane
+    for (int h = 0; h < NQ; ++h) a0[h] = a1[h] = _mm256_setzero_si256();
     for (int o = 8 * b; o < 8 * b + 8; ++o) {
-      const __m256i c = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * o)), flip);
-      const __m256i ac = _mm256_abs_epi8(c);
+      const __m256i x0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 64 * o)));
+      const __m256i x1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 64 * o + 16)));
       for (int h = 0; h < NQ; ++h) {
-        const __m256i qh = _mm256_sign_epi8(tile_bcast32_avx2(qr[h].q8 + 4 * o), c);
-        const __m256i ql = _mm256_sign_epi8(tile_bcast32_avx2(qr[h].q8lo + 4 * o), c);
-        ih[h] = _mm256_add_epi32(ih[h], tile_widen_avx2(_mm256_maddubs_epi16(ac, qh)));
-        il[h] = _mm256_add_epi32(il[h], tile_widen_avx2(_mm256_maddubs_epi16(ac, ql)));
+        const __m256i qv = bcast64_avx2(qr[h].q16 + 4 * o);
+        a0[h] = _mm256_add_epi32(a0[h], _mm256_madd_epi16(x0, qv));
+        a1[h] = _mm256_add_epi32(a1[h], _mm256_madd_epi16(x1, qv));
       }
     }
+    // q8_0t: the block's scales of the 8 tokens, in the lanes' order.
+    const __m256 sv = L.block_scales ? _mm256_permutevar8x32_ps(tile_load_f16x8_avx2(tp + 32 * size_t(b) + 16 * size_t(half)), perm)
+                                     : _mm256_setzero_ps();
     for (int h = 0; h < NQ; ++h) {
       // = the reference's 254 <c + 128, q8> + <c + 128, q8lo> - qs8 (the 128 terms cancel).
-      const __m256i dot =
-          _mm256_add_epi32(_mm256_mullo_epi32(ih[h], _mm256_set1_epi32(int32_t(kv_int8t_lo_levels))), il[h]);
+      const __m256i dot = _mm256_sub_epi32(_mm256_hadd_epi32(a0[h], a1[h]), _mm256_set1_epi32(qr[h].qs8[b]));
       if (L.block_scales) {  // q8_0t: the reference's fma(float(dot) * dq_b, d_tb, facc)
-        facc[h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(qr[h].dq[b])),
-                                  tile_load_f16x8_avx2(tp + 32 * size_t(b) + 16 * size_t(half)), facc[h]);
+        facc[h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(qr[h].dq[b])), sv, facc[h]);
       } else {
         facc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(qr[h].dq[b]), facc[h]);
       }
     }
   }
+  for (int h = 0; h < NQ; ++h) facc[h] = _mm256_permutevar8x32_ps(facc[h], perm);
   if (L.block_scales) {
     for (int h = 0; h < NQ; ++h) res[h] = facc[h];
     return;
@@ -78,68 +93,106 @@ void scores_pass(const Int8TiledLayout& L, const float* qp, const uint8_t* block
   }
 }
 
+// Largest of the 8 lanes, in every lane.
+inline __m256 hmax8_avx2(__m256 v) {
+  v = _mm256_max_ps(v, _mm256_permute2f128_ps(v, v, 1));
+  v = _mm256_max_ps(v, _mm256_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm256_max_ps(v, _mm256_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
+// Row h's weights of one tile and scale block, w_t = p_t s_t (two halves), rounded as
+// tile_quantize_weights_ref does (the same step, nearest-even rounding, clamp) into 16 int16 in
+// token order; returns the step.
+inline float quantize_weights(__m256 w0, __m256 w1, bool u8, int16_t* out) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const float levels = u8 ? kv_int4t_u8_levels : kv_int4t_s8_levels;
+  const __m256 amax = hmax8_avx2(_mm256_max_ps(_mm256_andnot_ps(sign, w0), _mm256_andnot_ps(sign, w1)));
+  float dw, inv;
+  int4t_weight_step(_mm256_cvtss_f32(amax), levels, &dw, &inv);
+  const __m256 iv = _mm256_set1_ps(inv);
+  const __m256i lo = _mm256_set1_epi32(u8 ? 0 : -int(kv_int4t_s8_levels)), hi = _mm256_set1_epi32(int(levels));
+  const __m256i q0 = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(w0, iv)), lo), hi);
+  const __m256i q1 = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(w1, iv)), lo), hi);
+  // VPACKSSDW interleaves the halves' 128-bit lanes: tokens 0-3 8-11 4-7 12-15; VPERMQ restores them.
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), _MM_SHUFFLE(3, 1, 2, 0)));
+  return dw;
+}
+
+// Segments of up to kSegTiles tiles: every tile's weights quantized first (per scale block, the
+// whole head for int8t, 32 channels for q8_0t, with the reference's quantization), then per 8
+// channels the tiles' integer dots flushed into one f32 accumulator per row (the step is a
+// broadcast, so the lanes may stay in VPHADDD's order until the segment's one store).
 template <int NQ>
 void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const uint8_t* block, int t0, int n, bool u8,
                 float* acc) {
+  constexpr int kSegTiles = 4;
+  constexpr int kMaxSb = kv_max_head_dim / 32;
   const int hd = L.hd;
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  const __m256i even = _mm256_set1_epi32(0x00ff00ff), odd = _mm256_set1_epi32(int32_t(0xff00ff00u));
-  for (int tile = tile0; tile < tile1; ++tile) {
-    const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
-    const uint8_t* codes = tp + L.code_off;
-    // Weights per scale block (the whole head for int8t, 32 channels for q8_0t), with the
-    // reference's quantization (the same expressions: identical weights).
-    const int nsb = L.block_scales ? hd / 32 : 1, chunks = hd / 16 / nsb;
-    float pt[NQ][16];
-    for (int h = 0; h < NQ; ++h) {
-      const float* ph = p + size_t(h) * size_t(p_stride);
-      for (int j = 0; j < 16; ++j) {
-        const int t = tile * 16 + j - t0;
-        pt[h][j] = t >= 0 && t < n ? ph[t] : 0.f;
+  const int nsb = L.block_scales ? hd / 32 : 1, chunks = hd / 16 / nsb;
+  const __m256i perm = pair_order();
+  alignas(32) int16_t w16[kSegTiles][kMaxSb][NQ][16];
+  float dw[kSegTiles][kMaxSb][NQ];
+  for (int seg = tile0; seg < tile1; seg += kSegTiles) {
+    const int nt = std::min(kSegTiles, tile1 - seg);
+    for (int tt = 0; tt < nt; ++tt) {
+      const int base = (seg + tt) * 16;
+      const uint8_t* tp = block + size_t(seg + tt) * L.tile_bytes;
+      // Lanes outside [t0, t0 + n) weigh 0 and their scales (anything, NaN included) are masked off.
+      alignas(32) int32_t mi[16];
+      for (int j = 0; j < 16; ++j) mi[j] = base + j >= t0 && base + j < t0 + n ? -1 : 0;
+      const __m256 mk0 = _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mi)));
+      const __m256 mk1 = _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mi + 8)));
+      __m256 pv[NQ][2];
+      for (int h = 0; h < NQ; ++h) {
+        alignas(32) float pt[16];
+        const float* ph = p + size_t(h) * size_t(p_stride);
+        for (int j = 0; j < 16; ++j) pt[j] = mi[j] ? ph[base + j - t0] : 0.f;
+        pv[h][0] = _mm256_load_ps(pt);
+        pv[h][1] = _mm256_load_ps(pt + 8);
+      }
+      for (int sb = 0; sb < nsb; ++sb) {
+        __m256 s0, s1;
+        if (L.block_scales) {
+          s0 = tile_load_f16x8_avx2(tp + 32 * size_t(sb));
+          s1 = tile_load_f16x8_avx2(tp + 32 * size_t(sb) + 16);
+        } else {
+          s0 = _mm256_loadu_ps(reinterpret_cast<const float*>(tp));
+          s1 = _mm256_loadu_ps(reinterpret_cast<const float*>(tp) + 8);
+        }
+        s0 = _mm256_and_ps(s0, mk0);
+        s1 = _mm256_and_ps(s1, mk1);
+        for (int h = 0; h < NQ; ++h)
+          dw[tt][sb][h] = quantize_weights(_mm256_mul_ps(pv[h][0], s0), _mm256_mul_ps(pv[h][1], s1), u8, w16[tt][sb][h]);
       }
     }
-    for (int sb = 0; sb < nsb; ++sb) {
-      alignas(16) int8_t w8[NQ][16];
-      float dw[NQ];
-      float st[16];
-      for (int j = 0; j < 16; ++j) {
-        const int t = tile * 16 + j - t0;
-        st[j] = t >= 0 && t < n ? int8t_tile_scale(L, tp, j, sb) : 0.f;
-      }
-      for (int h = 0; h < NQ; ++h) {
-        float w[16];
-        for (int j = 0; j < 16; ++j) w[j] = pt[h][j] * st[j];
-        int32_t wq[16];
-        dw[h] = tile_quantize_weights_ref(w, u8, wq);
-        for (int j = 0; j < 16; ++j) w8[h][j] = int8_t(uint8_t(wq[j]));  // u8 path: the byte 0..255; s8: -127..127
-      }
-      for (int c = sb * chunks; c < (sb + 1) * chunks; ++c) {
-        for (int half = 0; half < 2; ++half) {  // channels 16c + 8 * half .. + 7
-          __m256i isum[NQ];
-          for (int h = 0; h < NQ; ++h) isum[h] = _mm256_setzero_si256();
+    for (int c = 0; c < hd / 16; ++c) {
+      const int sb = c / chunks;
+      for (int half = 0; half < 2; ++half) {  // channels 16c + 8 * half .. + 7
+        __m256 facc[NQ];
+        for (int h = 0; h < NQ; ++h) facc[h] = _mm256_setzero_ps();
+        for (int tt = 0; tt < nt; ++tt) {
+          const uint8_t* codes = block + size_t(seg + tt) * L.tile_bytes + L.code_off;
+          __m256i a0[NQ], a1[NQ];  // channels 0..3 / 4..7 of the half, a pair of tokens per int32 lane
+          for (int h = 0; h < NQ; ++h) a0[h] = a1[h] = _mm256_setzero_si256();
           for (int k = 0; k < 4; ++k) {
-            const __m256i x =
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * (4 * c + k) + 32 * half));
-            if (u8) {
-              for (int h = 0; h < NQ; ++h) {
-                const __m256i wb = tile_bcast32_avx2(&w8[h][4 * k]);
-                const __m256i a = tile_widen_avx2(_mm256_maddubs_epi16(_mm256_and_si256(wb, even), x));
-                const __m256i b = tile_widen_avx2(_mm256_maddubs_epi16(_mm256_and_si256(wb, odd), x));
-                isum[h] = _mm256_add_epi32(isum[h], _mm256_add_epi32(a, b));
-              }
-            } else {
-              // s8 weights and s8 codes: |c| x sign(w, c), 2 * 127 * 127 fits int16.
-              const __m256i ax = _mm256_abs_epi8(x);
-              for (int h = 0; h < NQ; ++h) {
-                const __m256i ws = _mm256_sign_epi8(tile_bcast32_avx2(&w8[h][4 * k]), x);
-                isum[h] = _mm256_add_epi32(isum[h], tile_widen_avx2(_mm256_maddubs_epi16(ax, ws)));
-              }
+            const uint8_t* src = codes + 64 * (4 * c + k) + 32 * half;
+            const __m256i y0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+            const __m256i y1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)));
+            for (int h = 0; h < NQ; ++h) {
+              const __m256i wv = bcast64_avx2(&w16[tt][sb][h][4 * k]);
+              a0[h] = _mm256_add_epi32(a0[h], _mm256_madd_epi16(y0, wv));
+              a1[h] = _mm256_add_epi32(a1[h], _mm256_madd_epi16(y1, wv));
             }
           }
-          for (int h = 0; h < NQ; ++h) {
-            float* a = acc + size_t(h) * size_t(hd) + size_t(16 * c + 8 * half);
-            _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h]), _mm256_set1_ps(dw[h]), _mm256_loadu_ps(a)));
-          }
+          for (int h = 0; h < NQ; ++h)
+            facc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(a0[h], a1[h])), _mm256_set1_ps(dw[tt][sb][h]),
+                                      facc[h]);
+        }
+        for (int h = 0; h < NQ; ++h) {
+          float* a = acc + size_t(h) * size_t(hd) + size_t(16 * c + 8 * half);
+          _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), _mm256_permutevar8x32_ps(facc[h], perm)));
         }
       }
     }
@@ -160,7 +213,7 @@ void int8t_scores_avx2(const Int8TiledLayout& L, const float* qp, int n_q, const
 void int8t_accum_avx2(const Int8TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                       int n, float* acc) {
   if (n <= 0) return;
-  const bool u8 = int4t_weights_nonneg(p, p_stride, n_q, n);
+  const bool u8 = tiles_weights_nonneg_avx2(p, p_stride, n_q, n);
   tile_row_passes(n_q, [&](int i, auto m) {
     accum_pass<decltype(m)::value>(L, p + size_t(i) * size_t(p_stride), p_stride, block, t0, n, u8,
                                    acc + size_t(i) * size_t(L.hd));
