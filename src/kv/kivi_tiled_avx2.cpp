@@ -7,8 +7,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "kv/kivi_tiled.h"
+#include "kv/kv_rows.h"
 #include "kv/tiles_avx2.h"
 
 namespace kvq {
@@ -71,40 +73,64 @@ void kivit_fold_query_avx2(const uint8_t* params, const float* q, int n_q, int h
     _mm256_store_ps(ze + d,
                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 2 * size_t(hd + d)))));
   }
-  for (int i = 0; i < n_q; ++i) {
-    const float* x = q + size_t(i) * size_t(hd);
-    int8_t* r8 = q8 + size_t(i) * size_t(hd);
-    __m256 c[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int b = 0; b < nb; ++b) {
-      __m256 qs[4];
-      __m256 am = _mm256_setzero_ps();
-      for (int e = 0; e < 4; ++e) {
-        const int d = 32 * b + 8 * e;
-        const __m256 xv = _mm256_loadu_ps(x + d);
-        qs[e] = _mm256_mul_ps(xv, _mm256_load_ps(sc + d));
-        c[e & 1] = _mm256_fmadd_ps(xv, _mm256_load_ps(ze + d), c[e & 1]);
-        const __m256 ord = _mm256_cmp_ps(qs[e], qs[e], _CMP_ORD_Q);
-        am = _mm256_max_ps(am, _mm256_and_ps(ord, _mm256_and_ps(qs[e], absmask)));
+  // Three passes so that the blocks' divisions overlap instead of each waiting on the last: the
+  // products and block maxima of every row, then every block's step and inverse in vector
+  // divisions (IEEE, as the scalar ones), then the rounding.
+  constexpr int kMaxRows = 8;
+  for (int i0 = 0; i0 < n_q; i0 += kMaxRows) {
+    const int nr = std::min(kMaxRows, n_q - i0);
+    alignas(32) float qs[kMaxRows][kv_max_head_dim];
+    alignas(32) float amax[kMaxRows * kv_max_head_dim / 32 + 8] = {};
+    for (int r = 0; r < nr; ++r) {
+      const int i = i0 + r;
+      const float* x = q + size_t(i) * size_t(hd);
+      __m256 c[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int b = 0; b < nb; ++b) {
+        __m256 am = _mm256_setzero_ps();
+        for (int e = 0; e < 4; ++e) {
+          const int d = 32 * b + 8 * e;
+          const __m256 xv = _mm256_loadu_ps(x + d);
+          const __m256 v = _mm256_mul_ps(xv, _mm256_load_ps(sc + d));
+          _mm256_store_ps(qs[r] + d, v);
+          c[e & 1] = _mm256_fmadd_ps(xv, _mm256_load_ps(ze + d), c[e & 1]);
+          const __m256 ord = _mm256_cmp_ps(v, v, _CMP_ORD_Q);
+          am = _mm256_max_ps(am, _mm256_and_ps(ord, _mm256_and_ps(v, absmask)));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(am), _mm256_extractf128_ps(am, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+        amax[r * nb + b] = _mm_cvtss_f32(m4);
       }
-      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(am), _mm256_extractf128_ps(am, 1));
-      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-      m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-      const float amax = _mm_cvtss_f32(m4);
-      const float step = amax / 127.f;
-      const float inv = step > 0 && std::isfinite(step) ? 1.f / step : 0.f;
-      const __m256 iv = _mm256_set1_ps(inv);
-      for (int e = 0; e < 4; ++e) {
-        const __m256 r = _mm256_round_ps(_mm256_mul_ps(qs[e], iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256i v = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
-        const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(r8 + 32 * b + 8 * e), _mm_packs_epi16(p16, p16));
-      }
-      dq[size_t(i) * size_t(nb) + size_t(b)] = inv > 0 ? step : 0.f;
+      alignas(32) float lane[kivit_c_lanes];
+      _mm256_store_ps(lane, c[0]);
+      _mm256_store_ps(lane + 8, c[1]);
+      cz[i] = kivit_reduce_lanes(lane);
     }
-    alignas(32) float lane[kivit_c_lanes];
-    _mm256_store_ps(lane, c[0]);
-    _mm256_store_ps(lane + 8, c[1]);
-    cz[i] = kivit_reduce_lanes(lane);
+    // step = amax / 127, inv = 1 / step when step > 0 and finite, else 0 (both 0 then).
+    alignas(32) float inv[kMaxRows * kv_max_head_dim / 32 + 8];
+    const __m256 zero = _mm256_setzero_ps(), inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+    for (int k = 0; k < nr * nb; k += 8) {
+      const __m256 step = _mm256_div_ps(_mm256_load_ps(amax + k), _mm256_set1_ps(127.f));
+      const __m256 ok = _mm256_and_ps(_mm256_cmp_ps(step, zero, _CMP_GT_OQ), _mm256_cmp_ps(step, inf, _CMP_LT_OQ));
+      const __m256 iv = _mm256_and_ps(ok, _mm256_div_ps(_mm256_set1_ps(1.f), step));
+      _mm256_store_ps(inv + k, iv);
+      _mm256_store_ps(amax + k, _mm256_and_ps(_mm256_cmp_ps(iv, zero, _CMP_GT_OQ), step));  // dq
+    }
+    for (int r = 0; r < nr; ++r) {
+      const int i = i0 + r;
+      int8_t* r8 = q8 + size_t(i) * size_t(hd);
+      for (int b = 0; b < nb; ++b) {
+        const __m256 iv = _mm256_set1_ps(inv[r * nb + b]);
+        for (int e = 0; e < 4; ++e) {
+          const __m256 rr =
+              _mm256_round_ps(_mm256_mul_ps(_mm256_load_ps(qs[r] + 32 * b + 8 * e), iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          const __m256i v = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(rr, lo), hi));
+          const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(r8 + 32 * b + 8 * e), _mm_packs_epi16(p16, p16));
+        }
+        dq[size_t(i) * size_t(nb) + size_t(b)] = amax[r * nb + b];
+      }
+    }
   }
 }
 
