@@ -96,18 +96,20 @@ void scores_bits(const KvquantScoreArgs& a, float* out, int out_stride) {
     // so a query scores the same alone or batched with others.
     for (int i = 0; i < a.n_q; i += 4) {
       const int nr = std::min(4, a.n_q - i);
-      __m256 r[4];
-      for (int h = 0; h < 4; ++h) {
-        r[h] = _mm256_setzero_ps();
-        if (h >= nr) continue;
-        const float* q = a.q + size_t(i + h) * D;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        for (int c = 0; c < D; c += 16) {
-          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_load_ps(kp + c), a0);
-          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), _mm256_load_ps(kp + c + 8), a1);
+      // The rows side by side: each key vector loaded once, 8 independent FMA chains.
+      const float* qr[4];
+      for (int h = 0; h < 4; ++h) qr[h] = a.q + size_t(i + std::min(h, nr - 1)) * D;
+      __m256 a0[4], a1[4];
+      for (int h = 0; h < 4; ++h) a0[h] = a1[h] = _mm256_setzero_ps();
+      for (int c = 0; c < D; c += 16) {
+        const __m256 k0 = _mm256_load_ps(kp + c), k1 = _mm256_load_ps(kp + c + 8);
+        for (int h = 0; h < 4; ++h) {
+          a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qr[h] + c), k0, a0[h]);
+          a1[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qr[h] + c + 8), k1, a1[h]);
         }
-        r[h] = _mm256_add_ps(a0, a1);
       }
+      __m256 r[4];
+      for (int h = 0; h < 4; ++h) r[h] = h < nr ? _mm256_add_ps(a0[h], a1[h]) : _mm256_setzero_ps();
       const __m256 h4 = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
       alignas(16) float sum[4];
       _mm_store_ps(sum, _mm_add_ps(_mm256_castps256_ps128(h4), _mm256_extractf128_ps(h4, 1)));
