@@ -4,7 +4,10 @@
 // relative to f16 at the same shape and thread count. decode/: one thread (attn_decode);
 // decode_t2/: split-K over 2 threads (attn_decode_split); hot/: one thread over 8 L2-resident
 // blocks reused for the whole context, i.e. the kernels' compute cost without DRAM. KV buffers are replicated so one iteration's bytes come from DRAM, not
-// L3. Also: encode time of one token (one head, K and V) per format.
+// L3. Also: encode time of one token (one head, K and V) per format, and kernel/: the fused score
+// and weighted-sum kernels alone (no softmax, no attention loop) on 1024 L2-resident tokens, a
+// figure that stays put on a shared machine when taken as the minimum over repetitions
+// (--benchmark_repetitions=N reports a `min` aggregate).
 //
 // Default run: head_dim 128, 4 query heads, 4K and 32K tokens. KVQ_ATTN_BENCH_FULL=1 adds
 // 128K tokens, head_dim 64/256 and 8 query heads. Filter with --benchmark_filter=<regex>.
@@ -254,6 +257,57 @@ void bm_decode(benchmark::State& st, std::string format, Shape sh, bool hot, int
   if (it != f16_time().end()) st.counters["x_f16"] = it->second / per_call;
 }
 
+// The fused kernels alone: `scores` (every query row against 1024 packed keys) or `accum` (the
+// weighted sum of 1024 packed values), head_dim hd, n_q rows, blocks of the format's block size,
+// all L2-resident. us = one pass over the 1024 tokens (take ratios of the `min` aggregates).
+void bm_kernel(benchmark::State& st, std::string format, int hd, int n_q, bool scores) {
+  constexpr int kTokens = 1024;
+  KvCodecParams pk, pv;
+  pk.head_dim = pv.head_dim = hd;
+  pk.role = KvRole::key;
+  pv.role = KvRole::value;
+  pk.calib = pv.calib = &bench_calib(hd);
+  pk.rope.n_rot = hd;
+  std::unique_ptr<KvCodec> kc, vc;
+  try {
+    const BenchFormat f = bench_format(format);
+    kc = kv_codec_create(f.k_codec, pk);
+    vc = kv_codec_create(f.v_codec, pv);
+  } catch (const std::exception& e) {
+    st.SkipWithError(e.what());
+    return;
+  }
+  const KvCodec& c = scores ? *kc : *vc;
+  const int bt = bench_block_tokens(*kc, *vc), n_blocks = kTokens / bt;
+  const size_t bb = c.block_bytes(bt);
+  std::vector<uint8_t> buf(size_t(n_blocks) * bb);
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(size_t(bt) * size_t(hd));
+  for (int b = 0; b < n_blocks; ++b) {
+    for (auto& v : x) v = nd(rng);
+    c.encode(0, x.data(), size_t(hd), bt, buf.data() + size_t(b) * bb, bt, 0, b * bt);
+  }
+  std::vector<float> q(size_t(n_q) * size_t(hd)), qp(size_t(n_q) * size_t(std::max(1, c.prepared_query_dim())));
+  for (auto& v : q) v = nd(rng);
+  if (scores) c.prepare_query(0, q.data(), n_q, qp.data());
+  std::vector<float> p(size_t(n_q) * size_t(bt)), out(size_t(n_q) * size_t(bt)), acc(size_t(n_q) * size_t(hd));
+  for (auto& v : p) v = std::exp(-std::fabs(nd(rng)) * 3.f);
+  const double t0 = cpu_seconds();
+  for (auto _ : st) {
+    for (int b = 0; b < n_blocks; ++b) {
+      const uint8_t* blk = buf.data() + size_t(b) * bb;
+      if (scores) c.scores(0, qp.data(), n_q, blk, bt, 0, bt, b * bt, out.data(), bt);
+      else c.accumulate(0, p.data(), bt, n_q, blk, bt, 0, bt, acc.data());
+    }
+    benchmark::DoNotOptimize(out.data());
+    benchmark::DoNotOptimize(acc.data());
+  }
+  const double per_call = (cpu_seconds() - t0) / double(std::max<int64_t>(1, int64_t(st.iterations())));
+  st.counters["us"] = per_call * 1e6;
+  st.counters["bits"] = 8.0 * double(buf.size()) / (double(kTokens) * hd);
+}
+
 void bm_encode(benchmark::State& st, std::string format, int hd) {
   KvCodecParams pk, pv;
   pk.head_dim = pv.head_dim = hd;
@@ -329,6 +383,14 @@ struct Registrar {
                                      bm_decode, n, sh, true, 1)
             ->Unit(benchmark::kMicrosecond)
             ->MinTime(0.2);
+    const auto min_of = [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); };
+    for (const char* kind : {"scores", "accum"})
+      for (const auto& n : names)
+        benchmark::RegisterBenchmark((std::string("kernel/") + kind + "/" + n + "/hd128/nq4").c_str(), bm_kernel, n, 128, 4,
+                                     std::string(kind) == "scores")
+            ->Unit(benchmark::kMicrosecond)
+            ->MinTime(0.05)
+            ->ComputeStatistics("min", min_of);
     for (const auto& n : names)
       benchmark::RegisterBenchmark(("encode/" + n + "/hd128").c_str(), bm_encode, n, 128)
           ->Unit(benchmark::kNanosecond)
