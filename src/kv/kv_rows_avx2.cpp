@@ -37,15 +37,33 @@ struct Avx2 {
   }
 
   // See kv_rows_avx512.cpp: the sign-extended E4M3 byte << 7 with bit 14 cleared is an f16 of value
-  // E4M3 * 2^-8; NaN codes patched.
+  // E4M3 * 2^-8. The NaN codes (S.1111.111) are the only ones whose bits 7..13 are all set, so
+  // adding 1 << 7 carries into bit 14 for them alone: OR-ing that carry back sets the f16 exponent
+  // to all ones (a NaN, the mantissa being nonzero) in integer ops, no compare and blend.
   static V e4m3_8_raw(const uint8_t* c) {
     const __m128i b = _mm_cvtepi8_epi16(ld8(c));
     const __m128i h = _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(int16_t(0xbfff)));
-    const __m128i m = _mm_set1_epi16(0x3f80);
-    const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(_mm_and_si128(h, m), m)));
-    return _mm256_blendv_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(__builtin_nanf("")), nan);
+    const __m128i nan = _mm_and_si128(_mm_add_epi16(h, _mm_set1_epi16(0x0080)), _mm_set1_epi16(0x4000));
+    return _mm256_cvtph_ps(_mm_or_si128(h, nan));
   }
-  static V e5m2_8_raw(const uint8_t* c) { return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(ld8(c)), 8)); }
+  // E5M2 is the high byte of an f16: the byte interleaved above a zero byte.
+  static V e5m2_8_raw(const uint8_t* c) { return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), ld8(c))); }
+  // 16 codes at once: one widening (and for E4M3 one NaN fix) for both vectors.
+  static constexpr bool pair_decode = true;
+  template <KvElem E>
+  static void dec_raw2(const uint8_t* c, V* x) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+    if constexpr (E == KvElem::e4m3 || E == KvElem::e4m3_dyn) {
+      const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(int16_t(0xbfff)));
+      const __m256i nan = _mm256_and_si256(_mm256_add_epi16(h, _mm256_set1_epi16(0x0080)), _mm256_set1_epi16(0x4000));
+      const __m256i g = _mm256_or_si256(h, nan);
+      x[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(g));
+      x[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(g, 1));
+    } else {
+      x[0] = _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), b));
+      x[1] = _mm256_cvtph_ps(_mm_unpackhi_epi8(_mm_setzero_si128(), b));
+    }
+  }
   static V e4m3_8(const uint8_t* c, float mul) { return _mm256_mul_ps(e4m3_8_raw(c), _mm256_set1_ps(256.f * mul)); }
   static V e5m2_8(const uint8_t* c, float mul) { return _mm256_mul_ps(e5m2_8_raw(c), _mm256_set1_ps(mul)); }
   // The fp8 rows' codes unscaled (kv_rows_simd.h: kv_token_scaled).

@@ -55,6 +55,7 @@ struct Avx512 {
     if constexpr (E == KvElem::e4m3 || E == KvElem::e4m3_dyn) return e4m3_16_raw(c);
     else return e5m2_16_raw(c);
   }
+  static constexpr bool pair_decode = false;  // one vector's 16 codes are already one widening
   static V i8_16(const uint8_t* c, float mul) {
     const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(w), _mm512_set1_ps(mul));

@@ -5,7 +5,9 @@
 //   V hsum_w(const V* v) (lane j = sum of the lanes of v[j], j < W);  int acc_regs (vector
 //   accumulators a kernel may keep live);
 //   template <KvElem E> V dec(const KvRowFmt&, float scale, const uint8_t* row, int e)
-//     -> elements [e, e + W) of the row, decoded to f32 (scales applied).
+//     -> elements [e, e + W) of the row, decoded to f32 (scales applied);
+//   template <KvElem E> V dec_raw(const uint8_t* codes): W fp8 codes unscaled; pair_decode, and
+//   when true template <KvElem E> void dec_raw2(const uint8_t* codes, V* x): 2W of them.
 // One decoded vector is reused for all NQ query rows, so the codes are read (and decoded) once
 // per GQA group.
 #pragma once
@@ -73,6 +75,19 @@ template <class Isa, KvElem E>
     return Isa::template dec<E>(f, scale, row, e);
   }
 }
+// Elements [e, e + 2W) into x[0], x[1]: ISAs with pair_decode decode the fp8 rows' 2W codes in
+// one pass (AVX2: one widening and one NaN fix for 16 codes instead of two of each).
+template <class Isa, KvElem E>
+[[gnu::always_inline]] inline void dec_row2(const KvRowFmt& f, float scale, const uint8_t* row, int e,
+                                            typename Isa::V* x) {
+  if constexpr (kv_token_scaled<E> && Isa::pair_decode) {
+    constexpr size_t off = E == KvElem::e4m3_dyn || E == KvElem::e5m2_dyn ? sizeof(KvRowScaled) : 0;
+    Isa::template dec_raw2<E>(row + off + e, x);
+  } else {
+    x[0] = dec_row<Isa, E>(f, scale, row, e);
+    x[1] = dec_row<Isa, E>(f, scale, row, e + Isa::W);
+  }
+}
 template <KvElem E>
 [[gnu::always_inline]] inline float row_mul(float scale, const uint8_t* row) {
   if constexpr (kv_token_scaled<E>) return kv_token_mul<E>(scale, row);
@@ -94,7 +109,19 @@ template <class Isa, KvElem E, int NQ, int TU, bool Full>
   auto row = [&](int u) { return r0 + size_t(Full || u < cnt ? u : cnt - 1) * row_stride; };
   V a[W];  // slot o = i * TU + u: query i, token t + u
   for (int j = 0; j < W; ++j) a[j] = Isa::zero();
-  for (int e = 0; e < hd; e += W) {
+  int e0 = 0;
+  if constexpr (kv_token_scaled<E> && Isa::pair_decode) {
+    // Two vectors per token per step (the same FMA order per accumulator as one at a time).
+    for (; e0 + 2 * W <= hd; e0 += 2 * W) {
+      V x[TU][2];
+      for (int u = 0; u < TU; ++u) dec_row2<Isa, E>(f, scale, row(u), e0, x[u]);
+      for (int i = 0; i < NQ; ++i) {
+        const V q0 = Isa::load(q + size_t(i) * hd + e0), q1 = Isa::load(q + size_t(i) * hd + e0 + W);
+        for (int u = 0; u < TU; ++u) a[i * TU + u] = Isa::fma(x[u][1], q1, Isa::fma(x[u][0], q0, a[i * TU + u]));
+      }
+    }
+  }
+  for (int e = e0; e < hd; e += W) {
     V x[TU];
     for (int u = 0; u < TU; ++u) x[u] = dec_row<Isa, E>(f, scale, row(u), e);
     for (int i = 0; i < NQ; ++i) {
@@ -138,24 +165,45 @@ void accum_nq(const KvRowFmt& f, float scale, const float* p, int p_stride, cons
   using V = typename Isa::V;
   constexpr int W = Isa::W;
   const int hd = f.head_dim;
-  for (int e = 0; e < hd; e += W * SV) {
-    V a[NQ][SV];
-    for (int i = 0; i < NQ; ++i)
-      for (int v = 0; v < SV; ++v) a[i][v] = Isa::load(acc + size_t(i) * hd + e + W * v);
-    for (int t = 0; t < n; ++t) {
-      if (e == 0) kv_prefetch_ahead(rows, row_stride, t, 1, n);
-      const uint8_t* row = rows + size_t(t) * row_stride;
-      V x[SV];
-      for (int v = 0; v < SV; ++v) x[v] = dec_row<Isa, E>(f, scale, row, e + W * v);
-      const float mu = row_mul<E>(scale, row);
-      for (int i = 0; i < NQ; ++i) {
-        const float pt = p[size_t(i) * size_t(p_stride) + size_t(t)];
-        const V w = Isa::set1(kv_token_scaled<E> ? pt * mu : pt);
-        for (int v = 0; v < SV; ++v) a[i][v] = Isa::fma(w, x[v], a[i][v]);
+  // fp8 rows: the weights times the tokens' multipliers, formed once per chunk of tokens instead
+  // of once per strip (fl(p * mu) either way).
+  constexpr int kChunk = kv_token_scaled<E> ? 64 : 1 << 30;
+  alignas(64) float pw[kv_token_scaled<E> ? NQ : 1][kv_token_scaled<E> ? 64 : 1];
+  for (int t0 = 0; t0 < n; t0 += kChunk) {
+    const int t1 = std::min(n, t0 + kChunk);
+    const float* wp = p;  // weight of row i, token t at wp[i * ws + t - wt]
+    size_t ws = size_t(p_stride);
+    int wt = 0;
+    if constexpr (kv_token_scaled<E>) {
+      for (int t = t0; t < t1; ++t) {
+        const float mu = row_mul<E>(scale, rows + size_t(t) * row_stride);
+        for (int i = 0; i < NQ; ++i) pw[i][t - t0] = p[size_t(i) * size_t(p_stride) + size_t(t)] * mu;
       }
+      wp = &pw[0][0];
+      ws = 64;
+      wt = t0;
     }
-    for (int i = 0; i < NQ; ++i)
-      for (int v = 0; v < SV; ++v) Isa::store(acc + size_t(i) * hd + e + W * v, a[i][v]);
+    for (int e = 0; e < hd; e += W * SV) {
+      V a[NQ][SV];
+      for (int i = 0; i < NQ; ++i)
+        for (int v = 0; v < SV; ++v) a[i][v] = Isa::load(acc + size_t(i) * hd + e + W * v);
+      for (int t = t0; t < t1; ++t) {
+        if (e == 0) kv_prefetch_ahead(rows, row_stride, t, 1, n);
+        const uint8_t* row = rows + size_t(t) * row_stride;
+        V x[SV];
+        if constexpr (SV % 2 == 0) {
+          for (int v = 0; v < SV; v += 2) dec_row2<Isa, E>(f, scale, row, e + W * v, x + v);
+        } else {
+          for (int v = 0; v < SV; ++v) x[v] = dec_row<Isa, E>(f, scale, row, e + W * v);
+        }
+        for (int i = 0; i < NQ; ++i) {
+          const V w = Isa::set1(wp[size_t(i) * ws + size_t(t - wt)]);
+          for (int v = 0; v < SV; ++v) a[i][v] = Isa::fma(w, x[v], a[i][v]);
+        }
+      }
+      for (int i = 0; i < NQ; ++i)
+        for (int v = 0; v < SV; ++v) Isa::store(acc + size_t(i) * hd + e + W * v, a[i][v]);
+    }
   }
 }
 
