@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""Compare attn_bench binaries (e.g. two builds) on a shared, drifting machine.
+
+Runs each binary in turn, ROUNDS times, with the same --benchmark_filter, so that the machine's
+slow and fast stretches fall on all of them alike, and prints per benchmark and binary the minimum
+and the median of every repetition's time (us) and the ratio to f16's median of the same binary and
+kind (decode/ctx.., kernel/scores, ...).
+
+    bench/attn_ab.py --filter '^kernel/' --reps 5 --rounds 3 OLD/bench/attn_bench NEW/bench/attn_bench
+    bench/attn_ab.py --filter '^(decode|decode_t2)/(f16|q8_0)/ctx32768/hd128' OLD/... NEW/...
+
+--pin CPU runs the binaries under taskset (single-thread benchmarks only).
+"""
+import argparse
+import collections
+import json
+import statistics
+import subprocess
+import sys
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("binaries", nargs="+")
+    ap.add_argument("--filter", required=True)
+    ap.add_argument("--reps", type=int, default=3, help="repetitions per run")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each binary, in turn")
+    ap.add_argument("--pin", help="CPU list for taskset")
+    a = ap.parse_args()
+    times = collections.defaultdict(list)  # (name, binary) -> us of every repetition
+    for _ in range(a.rounds):
+        for b in a.binaries:
+            cmd = ([ "taskset", "-c", a.pin] if a.pin else []) + [
+                b, f"--benchmark_filter={a.filter}", "--benchmark_format=json",
+                f"--benchmark_repetitions={a.reps}"]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                sys.exit(f"{b} failed: {r.stderr.strip()[-500:]}")
+            for bm in json.loads(r.stdout)["benchmarks"]:
+                if bm.get("run_type") == "aggregate":
+                    continue
+                name = bm["run_name"].split("/min_time")[0]
+                scale = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}[bm["time_unit"]]
+                times[(name, b)].append(bm["real_time"] * scale)
+    names = sorted({n for n, _ in times})
+
+    def kind(n):  # the benchmark's name with the format taken out
+        parts = n.split("/")
+        fmt_at = 2 if parts[0] == "kernel" else 1
+        return "/".join(parts[:fmt_at] + parts[fmt_at + 1:])
+
+    f16 = {(kind(n), b): statistics.median(times[(n, b)]) for n in names for b in a.binaries
+           if n.split("/")[2 if n.startswith("kernel/") else 1] == "f16" and times[(n, b)]}
+    for i, b in enumerate(a.binaries):
+        print(f"[{i}] {b}")
+    for n in names:
+        cells = []
+        for i, b in enumerate(a.binaries):
+            v = times[(n, b)]
+            if not v:
+                cells.append(f"[{i}] -")
+                continue
+            med = statistics.median(v)
+            ref = f16.get((kind(n), b))
+            x = f" ({ref / med:4.2f}x f16)" if ref else ""
+            cells.append(f"[{i}] min {min(v):8.1f} med {med:8.1f}{x}")
+        print(f"{n:44s} " + "  ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
