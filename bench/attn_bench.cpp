@@ -140,6 +140,27 @@ int bench_block_tokens(const KvCodec& kc, const KvCodec& vc) {
   return std::max({kBlock, kc.info().group_tokens, vc.info().group_tokens});
 }
 
+// The K and V codecs of a benchmarked format at head_dim hd (keys rotated over all of hd, the
+// bench calibration); false, with the benchmark skipped, when the format does not take the shape.
+bool bench_codecs(benchmark::State& st, const std::string& format, int hd, std::unique_ptr<KvCodec>* kc,
+                  std::unique_ptr<KvCodec>* vc) {
+  KvCodecParams pk, pv;
+  pk.head_dim = pv.head_dim = hd;
+  pk.role = KvRole::key;
+  pv.role = KvRole::value;
+  pk.calib = pv.calib = &bench_calib(hd);
+  pk.rope.n_rot = hd;
+  try {
+    const BenchFormat f = bench_format(format);
+    *kc = kv_codec_create(f.k_codec, pk);
+    *vc = kv_codec_create(f.v_codec, pv);
+  } catch (const std::exception& e) {
+    st.SkipWithError(e.what());
+    return false;
+  }
+  return true;
+}
+
 // The encoded KV of the last (format, shape): Google Benchmark calls a benchmark function several
 // times (iteration-count probing, repetitions); encoding 2 x 128K tokens each time would dominate
 // the run. One entry only, so memory stays at one format's buffers.
@@ -159,21 +180,8 @@ void bm_decode(benchmark::State& st, std::string format, Shape sh, bool hot, int
     cache.reset();
     auto d = std::make_unique<DecodeData>();
     d->key = key;
-    KvCodecParams pk, pv;
-    pk.head_dim = pv.head_dim = sh.hd;
-    pk.role = KvRole::key;
-    pv.role = KvRole::value;
-    pk.calib = pv.calib = &bench_calib(sh.hd);
-    pk.rope.n_rot = sh.hd;
-    try {
-      const BenchFormat f = bench_format(format);
-      d->kc = kv_codec_create(f.k_codec, pk);
-      d->vc = kv_codec_create(f.v_codec, pv);
-      d->bt = bench_block_tokens(*d->kc, *d->vc);
-    } catch (const std::exception& e) {
-      st.SkipWithError(e.what());
-      return;
-    }
+    if (!bench_codecs(st, format, sh.hd, &d->kc, &d->vc)) return;
+    d->bt = bench_block_tokens(*d->kc, *d->vc);
     const int bt = d->bt;
     const int n_blocks = sh.ctx / bt;
     d->kb = d->kc->block_bytes(bt);
@@ -262,21 +270,8 @@ void bm_decode(benchmark::State& st, std::string format, Shape sh, bool hot, int
 // all L2-resident. us = one pass over the 1024 tokens (take ratios of the `min` aggregates).
 void bm_kernel(benchmark::State& st, std::string format, int hd, int n_q, bool scores) {
   constexpr int kTokens = 1024;
-  KvCodecParams pk, pv;
-  pk.head_dim = pv.head_dim = hd;
-  pk.role = KvRole::key;
-  pv.role = KvRole::value;
-  pk.calib = pv.calib = &bench_calib(hd);
-  pk.rope.n_rot = hd;
   std::unique_ptr<KvCodec> kc, vc;
-  try {
-    const BenchFormat f = bench_format(format);
-    kc = kv_codec_create(f.k_codec, pk);
-    vc = kv_codec_create(f.v_codec, pv);
-  } catch (const std::exception& e) {
-    st.SkipWithError(e.what());
-    return;
-  }
+  if (!bench_codecs(st, format, hd, &kc, &vc)) return;
   const KvCodec& c = scores ? *kc : *vc;
   const int bt = bench_block_tokens(*kc, *vc), n_blocks = kTokens / bt;
   const size_t bb = c.block_bytes(bt);
@@ -309,21 +304,8 @@ void bm_kernel(benchmark::State& st, std::string format, int hd, int n_q, bool s
 }
 
 void bm_encode(benchmark::State& st, std::string format, int hd) {
-  KvCodecParams pk, pv;
-  pk.head_dim = pv.head_dim = hd;
-  pk.role = KvRole::key;
-  pv.role = KvRole::value;
-  pk.calib = pv.calib = &bench_calib(hd);
-  pk.rope.n_rot = hd;
   std::unique_ptr<KvCodec> kc, vc;
-  try {
-    const BenchFormat f = bench_format(format);
-    kc = kv_codec_create(f.k_codec, pk);
-    vc = kv_codec_create(f.v_codec, pv);
-  } catch (const std::exception& e) {
-    st.SkipWithError(e.what());
-    return;
-  }
+  if (!bench_codecs(st, format, hd, &kc, &vc)) return;
   // Grouped codecs encode G tokens at once: report the per-token share of one group's encode,
   // with the other side encoding the same tokens (a per-token codec all g of them).
   const int gk = std::max(1, kc->info().group_tokens), gv = std::max(1, vc->info().group_tokens);
