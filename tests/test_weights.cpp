@@ -354,7 +354,11 @@ TEST(ActQuant, SimdQuantizersAreBitIdentical) {
 // std::exp reference it must stay within a few float ulps of |gate * up| (the reference's own
 // 1 + tanh cancels for negative x, so relative error of act(x) itself is not the measure).
 TEST(Glu, SimdMatchesReference) {
-  if (!cpu_features().avx512f) GTEST_SKIP() << "no AVX-512";
+  const CpuFeatures& cf = cpu_features();
+  if (!(cf.avx2 && cf.fma)) GTEST_SKIP() << "no AVX2";
+  for (int variant = 0; variant < 2; ++variant) {
+  if (variant == 1 && !cf.avx512f) continue;  // AVX-512: where the CPU has it
+  auto* simd = variant == 0 ? glu_avx2 : glu_avx512;
   std::mt19937 rng(5);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   for (GluAct act : {GluAct::silu, GluAct::gelu_tanh})
@@ -376,7 +380,7 @@ TEST(Glu, SimdMatchesReference) {
       g[7] = -1e38f;
       u[8] = 0.0f;
       glu_ref(act, g.data(), u.data(), want.data(), n);
-      glu_avx512(act, g.data(), u.data(), got.data(), n);
+      simd(act, g.data(), u.data(), got.data(), n);
       for (size_t i = 0; i < n; ++i) {
         // x = -inf: the reference gives inf * 0 = NaN, the SIMD form -inf / (1 + e^88) = -inf; both
         // flag the broken input, which is all a non-finite activation can ask for
@@ -386,9 +390,30 @@ TEST(Glu, SimdMatchesReference) {
         }
         const double bound = 6e-7 * std::fabs(double(g[i]) * double(u[i])) + 1e-37;
         ASSERT_LE(std::fabs(double(got[i]) - double(want[i])), bound)
-            << (act == GluAct::silu ? "silu" : "gelu") << " x=" << g[i] << " up=" << u[i] << " got " << got[i] << " want " << want[i];
+            << (act == GluAct::silu ? "silu" : "gelu") << " x=" << g[i] << " up=" << u[i] << " got " << got[i] << " want " << want[i]
+            << (variant ? " avx512" : " avx2");
       }
     }
+  }
+}
+
+// Both SIMD levels run the same arithmetic per element: the same values bit for bit.
+TEST(Glu, Avx2EqualsAvx512) {
+  const CpuFeatures& cf = cpu_features();
+  if (!(cf.avx2 && cf.fma && cf.avx512f)) GTEST_SKIP() << "needs AVX2 and AVX-512";
+  std::mt19937 rng(8);
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  for (GluAct act : {GluAct::silu, GluAct::gelu_tanh}) {
+    const size_t n = 517;
+    std::vector<float> g(n), u(n), a(n), b(n);
+    for (size_t i = 0; i < n; ++i) {
+      g[i] = nd(rng);
+      u[i] = nd(rng);
+    }
+    glu_avx2(act, g.data(), u.data(), a.data(), n);
+    glu_avx512(act, g.data(), u.data(), b.data(), n);
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), n * sizeof(float)), 0);
+  }
 }
 
 // The pooled entry point splits the work; every split gives the single-threaded result exactly

@@ -19,10 +19,12 @@ void glu_ref(GluAct act, const float* gate, const float* up, float* out, size_t 
 
 #if !defined(KVQ_HAVE_SIMD)
 void glu_avx512(GluAct act, const float* gate, const float* up, float* out, size_t n) { glu_ref(act, gate, up, out, n); }
+void glu_avx2(GluAct act, const float* gate, const float* up, float* out, size_t n) { glu_ref(act, gate, up, out, n); }
 #endif
 
 void glu(GluAct act, const float* gate, const float* up, float* out, size_t n, ThreadPool& pool) {
-  auto fn = cpu_level() >= CpuLevel::avx512 ? glu_avx512 : glu_ref;
+  const CpuLevel lvl = cpu_level();
+  auto fn = lvl >= CpuLevel::avx512 ? glu_avx512 : lvl >= CpuLevel::avx2 ? glu_avx2 : glu_ref;
   // below ~16K elements (decode) a parallel region costs more than it saves
   constexpr size_t kGrain = 8192;
   if (n < 2 * kGrain || pool.size() == 1) {
