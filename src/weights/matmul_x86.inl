@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "weights/blocks.h"
 #include "weights/kernels.h"
@@ -112,12 +113,40 @@ constexpr bool w32_has_min() {
   return T == GgmlType::Q4_1 || T == GgmlType::Q5_1;
 }
 
+template <GgmlType T>
+constexpr size_t w32_block_bytes() {
+  return T == GgmlType::Q4_0 ? sizeof(BlockQ4_0) : T == GgmlType::Q4_1 ? sizeof(BlockQ4_1)
+       : T == GgmlType::Q5_0 ? sizeof(BlockQ5_0) : T == GgmlType::Q5_1 ? sizeof(BlockQ5_1)
+       : sizeof(BlockQ8_0);
+}
+
+// Weight blocks as the tile reads them: straight from the GGUF rows (unpacked per use), or from
+// rows unpacked once per row tile (PackedW32, the AVX2 prefill path below).
+struct RawW32 {
+  const uint8_t* w;
+  size_t ws;
+  template <GgmlType T>
+  void get(int r, int64_t b, W32<T>& out) const {
+    load_w32<T>(w + size_t(r) * ws + size_t(b) * w32_block_bytes<T>(), out);
+  }
+};
+struct PackedW32 {
+  const uint8_t* u;  // (rows, nb, 32) codes
+  const float* d;    // (rows, nb)
+  const float* m;    // (rows, nb)
+  int64_t nb;
+  template <GgmlType T>
+  void get(int r, int64_t b, W32<T>& out) const {
+    const size_t i = size_t(r) * size_t(nb) + size_t(b);
+    out.u = load32(u + 32 * i);
+    out.d = d[i];
+    out.m = m[i];
+  }
+};
+
 // NR rows x NT tokens; one block of 32 at a time, each weight block unpacked once and used NT times.
-template <GgmlType T, int NR, int NT>
-void tile32(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t nb, float* y, int64_t ldy) {
-  constexpr size_t bsz = T == GgmlType::Q4_0 ? sizeof(BlockQ4_0) : T == GgmlType::Q4_1 ? sizeof(BlockQ4_1)
-                       : T == GgmlType::Q5_0 ? sizeof(BlockQ5_0) : T == GgmlType::Q5_1 ? sizeof(BlockQ5_1)
-                       : sizeof(BlockQ8_0);
+template <GgmlType T, int NR, int NT, class Src = RawW32>
+void tile32_from(const Src& src, const uint8_t* x, size_t xs, int64_t nb, float* y, int64_t ldy) {
   __m256 acc[NR][NT];
   // min terms m * s, vectorised over the NT tokens (one register per row instead of NR*NT scalars)
   __m128 macc[NR];
@@ -127,7 +156,7 @@ void tile32(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t nb
   }
   for (int64_t b = 0; b < nb; ++b) {
     W32<T> wb[NR];
-    for (int r = 0; r < NR; ++r) load_w32<T>(w + size_t(r) * ws + size_t(b) * bsz, wb[r]);
+    for (int r = 0; r < NR; ++r) src.template get<T>(r, b, wb[r]);
     float svals[4] = {0, 0, 0, 0};
     for (int t = 0; t < NT; ++t) {
       const BlockQ8A* xb = reinterpret_cast<const BlockQ8A*>(x + size_t(t) * xs) + b;
@@ -158,6 +187,10 @@ void tile32(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t nb
     _mm_store_ps(mv, macc[r]);
     for (int t = 0; t < NT; ++t) y[t * ldy + r] = hsum(acc[r][t]) + mv[t];
   }
+}
+template <GgmlType T, int NR, int NT>
+void tile32(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t nb, float* y, int64_t ldy) {
+  tile32_from<T, NR, NT>(RawW32{w, ws}, x, xs, nb, y, ldy);
 }
 
 // ---------------------------------------------------------------- K-quants
@@ -373,10 +406,58 @@ void tile_rows(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int nt,
 // Decode (one token) goes row by row instead: W then arrives as one sequential stream per thread,
 // which the hardware prefetchers follow at close to full bandwidth, whereas NR interleaved row
 // streams measured at half of it.
+#if !KVQ_X86_VNNI
+// AVX2 prefill over the 4- and 5-bit 32-element types: a row tile's blocks are unpacked once into
+// codes and scales (what load_w32 gives) and every token tile reads those, instead of unpacking
+// each block again per token tile (Q5_0 / Q5_1: ~10 ops per block and row, against 3 per dot).
+template <GgmlType T>
+constexpr bool w32_packs() {
+  return T == GgmlType::Q4_0 || T == GgmlType::Q4_1 || T == GgmlType::Q5_0 || T == GgmlType::Q5_1;
+}
+template <GgmlType T, int NR, int NT>
+void tile_rows_packed(const PackedW32& pw, const uint8_t* x, size_t xs, int nt, int64_t nb, float* y, int64_t ldy) {
+  if constexpr (NT > 1) {
+    if (nt < NT) return tile_rows_packed<T, NR, NT - 1>(pw, x, xs, nt, nb, y, ldy);
+  }
+  tile32_from<T, NR, NT>(pw, x, xs, nb, y, ldy);
+}
+template <GgmlType T, int NR, int NT>
+int64_t gemm_packed_rows(const uint8_t* w, size_t ws, int64_t nr, const uint8_t* x, size_t xs, int64_t nt,
+                         int64_t n_in, float* y, int64_t ldy) {
+  const int64_t nb = n_in / kQK;
+  thread_local std::vector<uint8_t> ubuf;
+  thread_local std::vector<float> dbuf, mbuf;
+  ubuf.resize(size_t(NR) * size_t(nb) * 32);
+  dbuf.resize(size_t(NR) * size_t(nb));
+  mbuf.resize(size_t(NR) * size_t(nb));
+  int64_t r = 0;
+  for (; r + NR <= nr; r += NR) {
+    for (int rr = 0; rr < NR; ++rr)
+      for (int64_t b = 0; b < nb; ++b) {
+        W32<T> wv{};
+        load_w32<T>(w + size_t(r + rr) * ws + size_t(b) * w32_block_bytes<T>(), wv);
+        const size_t i = size_t(rr) * size_t(nb) + size_t(b);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(ubuf.data() + 32 * i), wv.u);
+        dbuf[i] = wv.d;
+        mbuf[i] = w32_has_min<T>() ? wv.m : 0.f;
+      }
+    const PackedW32 pw{ubuf.data(), dbuf.data(), mbuf.data(), nb};
+    for (int64_t t = 0; t < nt; t += NT)
+      tile_rows_packed<T, NR, NT>(pw, x + size_t(t) * xs, xs, int(std::min<int64_t>(NT, nt - t)), nb, y + t * ldy + r, ldy);
+  }
+  return r;
+}
+#endif
+
 template <GgmlType T, int NR, int NT>
 void gemm(const uint8_t* w, size_t ws, int64_t nr, const uint8_t* x, size_t xs, int64_t nt, int64_t n_in,
           float* y, int64_t ldy) {
   int64_t r = 0;
+#if !KVQ_X86_VNNI
+  if constexpr (w32_packs<T>()) {
+    if (nt > NT) r = gemm_packed_rows<T, NR, NT>(w, ws, nr, x, xs, nt, n_in, y, ldy);
+  }
+#endif
   if (nt > 1)
     for (; r + NR <= nr; r += NR)
       for (int64_t t = 0; t < nt; t += NT)
