@@ -414,12 +414,51 @@ template <GgmlType T>
 constexpr bool w32_packs() {
   return T == GgmlType::Q4_0 || T == GgmlType::Q4_1 || T == GgmlType::Q5_0 || T == GgmlType::Q5_1;
 }
+// tile32's arithmetic on unpacked rows, row by row inside a block: one row's codes live at a time
+// (the activations come from memory), which leaves the registers to NR x NT accumulators with
+// NT = 3 where tile32 holds NR rows' codes and fits NT = 2. Same values as tile32.
+template <GgmlType T, int NR, int NT>
+void tile32_packed(const PackedW32& pw, const uint8_t* x, size_t xs, int64_t nb, float* y, int64_t ldy) {
+  __m256 acc[NR][NT];
+  __m128 macc[NR];
+  for (int r = 0; r < NR; ++r) {
+    macc[r] = _mm_setzero_ps();
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const BlockQ8A* xb[NT];
+    for (int t = 0; t < NT; ++t) xb[t] = reinterpret_cast<const BlockQ8A*>(x + size_t(t) * xs) + b;
+    for (int r = 0; r < NR; ++r) {
+      const size_t i = size_t(r) * size_t(pw.nb) + size_t(b);
+      const __m256i u = load32(pw.u + 32 * i);
+      const float dw = pw.d[i];
+      for (int t = 0; t < NT; ++t) {
+        __m256i init = _mm256_setzero_si256();
+        if constexpr (w32_offset<T>() != 0) init = _mm256_zextsi128_si256(_mm_cvtsi32_si128(-w32_offset<T>() * xb[t]->sum));
+        const __m256i p = dot_u8s8(init, u, load32(xb[t]->qs));
+        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xb[t]->d), acc[r][t]);
+      }
+    }
+    if constexpr (w32_has_min<T>()) {
+      float svals[4] = {0, 0, 0, 0};
+      for (int t = 0; t < NT; ++t) svals[t] = xb[t]->d * float(xb[t]->sum);
+      const __m128 sv = _mm_setr_ps(svals[0], svals[1], svals[2], svals[3]);
+      for (int r = 0; r < NR; ++r)
+        macc[r] = _mm_fmadd_ps(_mm_set1_ps(pw.m[size_t(r) * size_t(pw.nb) + size_t(b)]), sv, macc[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    alignas(16) float mv[4];
+    _mm_store_ps(mv, macc[r]);
+    for (int t = 0; t < NT; ++t) y[t * ldy + r] = hsum(acc[r][t]) + mv[t];
+  }
+}
 template <GgmlType T, int NR, int NT>
 void tile_rows_packed(const PackedW32& pw, const uint8_t* x, size_t xs, int nt, int64_t nb, float* y, int64_t ldy) {
   if constexpr (NT > 1) {
     if (nt < NT) return tile_rows_packed<T, NR, NT - 1>(pw, x, xs, nt, nb, y, ldy);
   }
-  tile32_from<T, NR, NT>(pw, x, xs, nb, y, ldy);
+  tile32_packed<T, NR, NT>(pw, x, xs, nb, y, ldy);
 }
 template <GgmlType T, int NR, int NT>
 int64_t gemm_packed_rows(const uint8_t* w, size_t ws, int64_t nr, const uint8_t* x, size_t xs, int64_t nt,
@@ -455,7 +494,7 @@ void gemm(const uint8_t* w, size_t ws, int64_t nr, const uint8_t* x, size_t xs, 
   int64_t r = 0;
 #if !KVQ_X86_VNNI
   if constexpr (w32_packs<T>()) {
-    if (nt > NT) r = gemm_packed_rows<T, NR, NT>(w, ws, nr, x, xs, nt, n_in, y, ldy);
+    if (nt > NT) r = gemm_packed_rows<T, NR, 3>(w, ws, nr, x, xs, nt, n_in, y, ldy);
   }
 #endif
   if (nt > 1)
