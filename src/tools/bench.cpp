@@ -15,6 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/cpu.h"
 #include "core/error.h"
 #include "core/timer.h"
 #include "engine/engine.h"
@@ -498,6 +499,7 @@ int bench_command(const BenchOptions& o) {
   nlohmann::json j;
   j["model"] = model_name;
   j["model_file"] = o.model;
+  j["cpu"] = cpu_level_name(cpu_level());  // the kernels' SIMD level: speed differs by level
   j["kv_mem_bytes"] = kv_mems;
   j["ctx"] = ctx;
   nlohmann::json w;

@@ -11,6 +11,7 @@
 #include <limits>
 #include <thread>
 
+#include "core/cpu.h"
 #include "core/error.h"
 #include "core/timer.h"
 #include "model/chat.h"
@@ -672,7 +673,9 @@ int eval_command(const EvalOptions& o) {
   if (has("needle")) task_needle(c, tok.encode(read_text(o.haystack.empty() ? o.data : o.haystack, "--haystack"), false));
   if (has("own")) task_own(c, own_cases);
 
-  nlohmann::json j = {{"model", cfg.name}, {"model_file", o.model}, {"arch", cfg.arch}, {"tasks", o.tasks}, {"scale_mode", o.scale_mode}};
+  // cpu: the kernels' SIMD level (rounding of the integer-dot kernels differs by level, within bounds)
+  nlohmann::json j = {{"model", cfg.name}, {"model_file", o.model}, {"arch", cfg.arch}, {"cpu", cpu_level_name(cpu_level())},
+                      {"tasks", o.tasks}, {"scale_mode", o.scale_mode}};
   if (!policies.empty()) j["policies"] = policies;
   j["formats"] = nlohmann::json::array();
   for (auto& r : runs) {

@@ -6,6 +6,7 @@
 #include <sstream>
 #include <thread>
 
+#include "core/cpu.h"
 #include "core/error.h"
 #include "core/timer.h"
 #include "model/chat.h"
@@ -122,8 +123,9 @@ int run_command(const RunOptions& o) {
   std::fputc('\n', stdout);
   std::fflush(stdout);
   const double t_gen = now_seconds() - t1;
-  std::fprintf(stderr, "\n[kvq] %s | %s | %d threads | KV %s (%.1f bytes/token)\n", c.name.c_str(), c.arch.c_str(),
-               threads, kv_policy_describe(policy).c_str(), cache.bytes_per_token());
+  std::fprintf(stderr, "\n[kvq] %s | %s | %d threads | cpu %s | KV %s (%.1f bytes/token)\n", c.name.c_str(),
+               c.arch.c_str(), threads, cpu_level_name(cpu_level()), kv_policy_describe(policy).c_str(),
+               cache.bytes_per_token());
   std::fprintf(stderr, "[kvq] stop: %s\n", stop_reason);
   std::fprintf(stderr, "[kvq] prompt: %zu tokens in %.3f s (%.1f tokens/s)\n", ids.size(), t_prompt,
                double(ids.size()) / std::max(t_prompt, 1e-9));

@@ -19,6 +19,7 @@ expected=$(head -c 100 "$src/../shared/models/stories260K.greedy.txt")
 check "stdout starts with the known greedy text" "[[ \"\$(head -c 100 $tmp/out)\" == \"\$expected\" ]]"
 check "stderr reports decode tokens/s" "grep -q 'decode: .* tokens/s' $tmp/err"
 check "stderr reports memory" "grep -q 'memory: weights' $tmp/err"
+check "stderr names the SIMD level the kernels run" "grep -Eq '\| cpu (scalar|avx2|avx512) \|' $tmp/err"
 check "stdout has no log lines" "! grep -q '\[kvq\]' $tmp/out"
 
 # --echo prints the prompt first
