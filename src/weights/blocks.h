@@ -87,13 +87,15 @@ static_assert(sizeof(BlockQ6_K) == 210);
 // ---- activation blocks (kvq-internal, built per matmul call) ----
 
 // x ~= d * qs for 32 elements; sum = sum(qs) lets offset-coded weights (Q4_1, Q5_1: + m) and
-// unsigned codes (Q4_0: q - 8) be corrected once per block instead of per element.
+// unsigned codes (Q4_0: q - 8) be corrected once per block instead of per element; ds = d * float(sum)
+// (the min term's factor, formed once per activation block instead of once per weight row).
 struct BlockQ8A {
   int8_t qs[kQK];
   float d;
   int32_t sum;
+  float ds;
 };
-static_assert(sizeof(BlockQ8A) == 40);
+static_assert(sizeof(BlockQ8A) == 44);
 
 // x ~= d * qs for 256 elements, with the sums of qs per 16 (Q6_K's -32 offset per 16-sub-block)
 // and per 32 (Q4_K/Q5_K mins per 32-sub-block). 320 bytes so qs stays 64-byte aligned.

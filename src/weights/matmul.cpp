@@ -52,6 +52,7 @@ void quantize_act_q8a(const float* x, BlockQ8A* y, int64_t n) {
     }
     y[b].d = d;
     y[b].sum = sum;
+    y[b].ds = d * float(sum);
   }
 }
 
@@ -128,7 +129,7 @@ float row_dot_q8a(const uint8_t* w, const BlockQ8A* x, int64_t nb) {
       d = f16_to_f32(blk.d);
       std::memcpy(q, blk.qs, kQK);
     }
-    acc += d * x[b].d * float(dot32(q, x[b].qs)) + m * (x[b].d * float(x[b].sum));
+    acc += d * x[b].d * float(dot32(q, x[b].qs)) + m * x[b].ds;
   }
   return acc;
 }

@@ -58,6 +58,7 @@ void quantize_act_q8a_avx2(const float* x, BlockQ8A* y, int64_t n) {
     const float d = amax / 127.0f;
     const float id = d != 0 ? 1.0f / d : 0.0f;
     y[b].sum = quant32(x, _mm256_set1_ps(id), y[b].qs);
+    y[b].ds = d * float(y[b].sum);
     y[b].d = d;
   }
 }

@@ -144,7 +144,7 @@ void panel_tile32(const uint8_t* const* codes, const float* const* d, const floa
       if constexpr (w32_has_min<T>()) {
         const __m512 mv = _mm512_load_ps(m[p] + b * kPR);
         for (int t = 0; t < NT; ++t)
-          acc[p][t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xb[t]->d * float(xb[t]->sum)), acc[p][t]);
+          acc[p][t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xb[t]->ds), acc[p][t]);
       }
     }
   }

@@ -166,7 +166,7 @@ void tile32_from(const Src& src, const uint8_t* x, size_t xs, int64_t nb, float*
       if constexpr (w32_offset<T>() != 0) {
         init = _mm256_zextsi128_si256(_mm_cvtsi32_si128(-w32_offset<T>() * xb->sum));
       }
-      if constexpr (w32_has_min<T>()) svals[t] = xb->d * float(xb->sum);
+      if constexpr (w32_has_min<T>()) svals[t] = xb->ds;
       for (int r = 0; r < NR; ++r) {
         __m256i p;
         if constexpr (T == GgmlType::Q8_0)
@@ -441,7 +441,7 @@ void tile32_packed(const PackedW32& pw, const uint8_t* x, size_t xs, int64_t nb,
     }
     if constexpr (w32_has_min<T>()) {
       float svals[4] = {0, 0, 0, 0};
-      for (int t = 0; t < NT; ++t) svals[t] = xb[t]->d * float(xb[t]->sum);
+      for (int t = 0; t < NT; ++t) svals[t] = xb[t]->ds;
       const __m128 sv = _mm_setr_ps(svals[0], svals[1], svals[2], svals[3]);
       for (int r = 0; r < NR; ++r)
         macc[r] = _mm_fmadd_ps(_mm_set1_ps(pw.m[size_t(r) * size_t(pw.nb) + size_t(b)]), sv, macc[r]);
