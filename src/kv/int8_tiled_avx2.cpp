@@ -7,7 +7,7 @@
 //  sums:   the s8 codes against the quantized weights as int16 (u8 or s8), one VPMADDWD per 4
 //          channels x 4 tokens and query row.
 // Each int32 lane then holds a pair's partial dot; VPHADDD of the two halves' accumulators gives
-// the 8 tokens (channels) in the order 0 1 4 5 2 3 6 7, which one permutation (kPairOrder, its
+// the 8 tokens (channels) in the order 0 1 4 5 2 3 6 7, which one permutation (pair_order(), its
 // own inverse) undoes. The integer dots are the reference's exactly: scores bit-identical, sums
 // up to f32 order.
 #include <immintrin.h>
@@ -93,30 +93,32 @@ void scores_pass(const Int8TiledLayout& L, const float* qp, const uint8_t* block
   }
 }
 
-// Largest of the 8 lanes, in every lane.
-inline __m256 hmax8_avx2(__m256 v) {
-  v = _mm256_max_ps(v, _mm256_permute2f128_ps(v, v, 1));
-  v = _mm256_max_ps(v, _mm256_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));
-  return _mm256_max_ps(v, _mm256_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
-}
-
-// Row h's weights of one tile and scale block, w_t = p_t s_t (two halves), rounded as
-// tile_quantize_weights_ref does (the same step, nearest-even rounding, clamp) into 16 int16 in
-// token order; returns the step.
-inline float quantize_weights(__m256 w0, __m256 w1, bool u8, int16_t* out) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
+// Rows h < NQ of one tile and scale block, w[h] = p_t s_t (two halves), rounded as
+// tile_quantize_weights_ref does (int4t_weight_step's step, nearest-even rounding, clamp) into
+// out[h] (16 int16 in token order), steps in dw[h]: the rows' maxima in one tree and their steps
+// in two vector divisions (as tile_quantize_group_weights_avx2), not two scalar ones per row.
+template <int NQ>
+inline void quantize_weights(const __m256 (*w)[2], bool u8, int16_t (*out)[16], float* dw) {
+  const __m256 sign = _mm256_set1_ps(-0.f), zero = _mm256_setzero_ps();
   const float levels = u8 ? kv_int4t_u8_levels : kv_int4t_s8_levels;
-  const __m256 amax = hmax8_avx2(_mm256_max_ps(_mm256_andnot_ps(sign, w0), _mm256_andnot_ps(sign, w1)));
-  float dw, inv;
-  int4t_weight_step(_mm256_cvtss_f32(amax), levels, &dw, &inv);
-  const __m256 iv = _mm256_set1_ps(inv);
+  const __m256 lv = _mm256_set1_ps(levels);
+  __m256 wa[4];
+  for (int h = 0; h < 4; ++h)
+    wa[h] = h < NQ ? _mm256_max_ps(_mm256_andnot_ps(sign, w[h][0]), _mm256_andnot_ps(sign, w[h][1])) : zero;
+  const __m256 wmax = tile_max4x8_avx2(wa);  // lanes h and 4 + h: row h's maximum
+  alignas(32) float steps[8];
+  _mm256_store_ps(steps, _mm256_div_ps(wmax, lv));
+  const __m256 inv = _mm256_and_ps(_mm256_div_ps(lv, wmax), _mm256_cmp_ps(wmax, _mm256_set1_ps(kv_tile_wmin), _CMP_GE_OQ));
   const __m256i lo = _mm256_set1_epi32(u8 ? 0 : -int(kv_int4t_s8_levels)), hi = _mm256_set1_epi32(int(levels));
-  const __m256i q0 = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(w0, iv)), lo), hi);
-  const __m256i q1 = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(w1, iv)), lo), hi);
-  // VPACKSSDW interleaves the halves' 128-bit lanes: tokens 0-3 8-11 4-7 12-15; VPERMQ restores them.
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
-                      _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), _MM_SHUFFLE(3, 1, 2, 0)));
-  return dw;
+  for (int h = 0; h < NQ; ++h) {
+    const __m256 iv = _mm256_permutevar_ps(inv, _mm256_set1_epi32(h));
+    const __m256i q0 = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(w[h][0], iv)), lo), hi);
+    const __m256i q1 = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(w[h][1], iv)), lo), hi);
+    // VPACKSSDW interleaves the halves' 128-bit lanes: tokens 0-3 8-11 4-7 12-15; VPERMQ restores them.
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[h]),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), _MM_SHUFFLE(3, 1, 2, 0)));
+    dw[h] = steps[h];
+  }
 }
 
 // Segments of up to kSegTiles tiles: every tile's weights quantized first (per scale block, the
@@ -163,8 +165,12 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
         }
         s0 = _mm256_and_ps(s0, mk0);
         s1 = _mm256_and_ps(s1, mk1);
-        for (int h = 0; h < NQ; ++h)
-          dw[tt][sb][h] = quantize_weights(_mm256_mul_ps(pv[h][0], s0), _mm256_mul_ps(pv[h][1], s1), u8, w16[tt][sb][h]);
+        __m256 w[NQ][2];
+        for (int h = 0; h < NQ; ++h) {
+          w[h][0] = _mm256_mul_ps(pv[h][0], s0);
+          w[h][1] = _mm256_mul_ps(pv[h][1], s1);
+        }
+        quantize_weights<NQ>(w, u8, w16[tt][sb], dw[tt][sb]);
       }
     }
     for (int c = 0; c < hd / 16; ++c) {

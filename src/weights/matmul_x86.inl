@@ -120,33 +120,9 @@ constexpr size_t w32_block_bytes() {
        : sizeof(BlockQ8_0);
 }
 
-// Weight blocks as the tile reads them: straight from the GGUF rows (unpacked per use), or from
-// rows unpacked once per row tile (PackedW32, the AVX2 prefill path below).
-struct RawW32 {
-  const uint8_t* w;
-  size_t ws;
-  template <GgmlType T>
-  void get(int r, int64_t b, W32<T>& out) const {
-    load_w32<T>(w + size_t(r) * ws + size_t(b) * w32_block_bytes<T>(), out);
-  }
-};
-struct PackedW32 {
-  const uint8_t* u;  // (rows, nb, 32) codes
-  const float* d;    // (rows, nb)
-  const float* m;    // (rows, nb)
-  int64_t nb;
-  template <GgmlType T>
-  void get(int r, int64_t b, W32<T>& out) const {
-    const size_t i = size_t(r) * size_t(nb) + size_t(b);
-    out.u = load32(u + 32 * i);
-    out.d = d[i];
-    out.m = m[i];
-  }
-};
-
 // NR rows x NT tokens; one block of 32 at a time, each weight block unpacked once and used NT times.
-template <GgmlType T, int NR, int NT, class Src = RawW32>
-void tile32_from(const Src& src, const uint8_t* x, size_t xs, int64_t nb, float* y, int64_t ldy) {
+template <GgmlType T, int NR, int NT>
+void tile32(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t nb, float* y, int64_t ldy) {
   __m256 acc[NR][NT];
   // min terms m * s, vectorised over the NT tokens (one register per row instead of NR*NT scalars)
   __m128 macc[NR];
@@ -156,7 +132,7 @@ void tile32_from(const Src& src, const uint8_t* x, size_t xs, int64_t nb, float*
   }
   for (int64_t b = 0; b < nb; ++b) {
     W32<T> wb[NR];
-    for (int r = 0; r < NR; ++r) src.template get<T>(r, b, wb[r]);
+    for (int r = 0; r < NR; ++r) load_w32<T>(w + size_t(r) * ws + size_t(b) * w32_block_bytes<T>(), wb[r]);
     float svals[4] = {0, 0, 0, 0};
     for (int t = 0; t < NT; ++t) {
       const BlockQ8A* xb = reinterpret_cast<const BlockQ8A*>(x + size_t(t) * xs) + b;
@@ -187,10 +163,6 @@ void tile32_from(const Src& src, const uint8_t* x, size_t xs, int64_t nb, float*
     _mm_store_ps(mv, macc[r]);
     for (int t = 0; t < NT; ++t) y[t * ldy + r] = hsum(acc[r][t]) + mv[t];
   }
-}
-template <GgmlType T, int NR, int NT>
-void tile32(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t nb, float* y, int64_t ldy) {
-  tile32_from<T, NR, NT>(RawW32{w, ws}, x, xs, nb, y, ldy);
 }
 
 // ---------------------------------------------------------------- K-quants
@@ -402,10 +374,6 @@ void tile_rows(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int nt,
   tile<T, NR, NT>(w, ws, x, xs, n_in, y, ldy);
 }
 
-// Rows outer, tokens inner: the NR weight rows stay in L1 while every token tile streams past.
-// Decode (one token) goes row by row instead: W then arrives as one sequential stream per thread,
-// which the hardware prefetchers follow at close to full bandwidth, whereas NR interleaved row
-// streams measured at half of it.
 #if !KVQ_X86_VNNI
 // AVX2 prefill over the 4- and 5-bit 32-element types: a row tile's blocks are unpacked once into
 // codes and scales (what load_w32 gives) and every token tile reads those, instead of unpacking
@@ -414,6 +382,15 @@ template <GgmlType T>
 constexpr bool w32_packs() {
   return T == GgmlType::Q4_0 || T == GgmlType::Q4_1 || T == GgmlType::Q5_0 || T == GgmlType::Q5_1;
 }
+// A row tile's blocks as load_w32 gives them: codes (rows, nb, 32), scales and mins (rows, nb).
+struct PackedW32 {
+  const uint8_t* u;
+  const float* d;
+  const float* m;
+  int64_t nb;
+};
+// Tokens per packed tile (4 x 3 accumulators fit the 16 ymm registers, see tile32_packed).
+constexpr int kPackedNT = 3;
 // tile32's arithmetic on unpacked rows, row by row inside a block: one row's codes live at a time
 // (the activations come from memory), which leaves the registers to NR x NT accumulators with
 // NT = 3 where tile32 holds NR rows' codes and fits NT = 2. Same values as tile32.
@@ -488,13 +465,17 @@ int64_t gemm_packed_rows(const uint8_t* w, size_t ws, int64_t nr, const uint8_t*
 }
 #endif
 
+// Rows outer, tokens inner: the NR weight rows stay in L1 while every token tile streams past.
+// Decode (one token) goes row by row instead: W then arrives as one sequential stream per thread,
+// which the hardware prefetchers follow at close to full bandwidth, whereas NR interleaved row
+// streams measured at half of it.
 template <GgmlType T, int NR, int NT>
 void gemm(const uint8_t* w, size_t ws, int64_t nr, const uint8_t* x, size_t xs, int64_t nt, int64_t n_in,
           float* y, int64_t ldy) {
   int64_t r = 0;
 #if !KVQ_X86_VNNI
   if constexpr (w32_packs<T>()) {
-    if (nt > NT) r = gemm_packed_rows<T, NR, 3>(w, ws, nr, x, xs, nt, n_in, y, ldy);
+    if (nt >= kPackedNT) r = gemm_packed_rows<T, NR, kPackedNT>(w, ws, nr, x, xs, nt, n_in, y, ldy);
   }
 #endif
   if (nt > 1)
