@@ -986,7 +986,7 @@ TEST(GroupedFormats, AttentionFusedMatchesReference) {
   const int d = 128, bt = 64, n_blocks = 3, n_tail = 9;
   // kivi2p / kivi4p: the planes kernels this bound is about (kivi2 / kivi4 store kivi2t's / kivi4t's
   // tiles at this shape, whose bounds test_attention checks).
-  for (const char* fmt_name : {"kivi2p", "kivi4p", "kvquant2", "kvquant3", "kvquant4"}) {
+  for (const char* fmt_name : {"kivi2p", "kivi4p", "kvquant2", "kvquant3", "kvquant4", "kvquant3.5", "kvquant2.25"}) {
     const KvFormatDesc& f = kv_format_find(fmt_name);
     KvCodecParams pk, pv;
     pk.head_dim = pv.head_dim = d;

@@ -133,17 +133,17 @@ inline void rope_rotate(float* x, const float* cs, const float* sn, int n_rot, b
   }
 }
 
-inline double rope_theta(const KvRope& r, int i) {
+}  // namespace
+
+double kv_rope_theta(const KvRope& r, int i) {
   return double(r.freq_scale) * std::pow(double(r.freq_base), -2.0 * i / r.n_rot);
 }
-
-}  // namespace
 
 void kv_rope_apply(const KvRope& r, int pos, float* x, int) {
   if (r.n_rot <= 0) return;
   float cs[kvg_max_head_dim / 2], sn[kvg_max_head_dim / 2];
   for (int i = 0; i < r.n_rot / 2; ++i) {
-    const double a = double(pos) * rope_theta(r, i);
+    const double a = double(pos) * kv_rope_theta(r, i);
     cs[i] = float(std::cos(a));
     sn[i] = float(std::sin(a));
   }
@@ -264,17 +264,23 @@ class KvquantKeyCodec final : public KvCodec {
     n_thr_ = int(c.codebook.size()) - 1;
     for (int i = 0; i < n_thr_; ++i) thr_[i] = 0.5f * (cb_[i] + cb_[i + 1]);
     const int half = c.rope.n_rot / 2;
-    theta_.resize(size_t(half));
-    rot_c_.resize(size_t(kRun) * half);
-    rot_s_.resize(size_t(kRun) * half);
-    for (int j = 0; j < half; ++j) theta_[size_t(j)] = rope_theta(c.rope, j);
+    // One table per head with explicit rates, else one for all heads.
+    n_tab_ = c.pair_theta.empty() ? 1 : c.n_kv_heads;
+    theta_.resize(size_t(n_tab_) * half);
+    rot_c_.resize(size_t(n_tab_) * kRun * half);
+    rot_s_.resize(size_t(n_tab_) * kRun * half);
+    for (size_t j = 0; j < theta_.size(); ++j)
+      theta_[j] = c.pair_theta.empty() ? kv_rope_theta(c.rope, int(j)) : c.pair_theta[j];
     // Every kernel takes either layout; the one the CPU's kernel reads fastest is picked here.
     layout_ = kvquant_layout(c.head_dim, c.rope.n_rot, c.rope.neox, cpu_level() == CpuLevel::avx512);
-    theta_tab_.resize(size_t(half));
-    for (int p = 0; p < half; ++p) theta_tab_[size_t(p)] = theta_[layout_.pair_j[size_t(p)]];
-    for (int t = 0; t < kRun; ++t)
-      kvquant_sincos_scalar(t, theta_tab_.data(), half, rot_c_.data() + size_t(t) * half,
-                            rot_s_.data() + size_t(t) * half);
+    theta_tab_.resize(size_t(n_tab_) * half);
+    for (int h = 0; h < n_tab_; ++h) {
+      const size_t o = size_t(h) * half;
+      for (int p = 0; p < half; ++p) theta_tab_[o + size_t(p)] = theta_[o + layout_.pair_j[size_t(p)]];
+      for (int t = 0; t < kRun; ++t)
+        kvquant_sincos_scalar(t, theta_tab_.data() + o, half, rot_c_.data() + (o * kRun + size_t(t) * half),
+                              rot_s_.data() + (o * kRun + size_t(t) * half));
+    }
     if (static_) {
       // The f16 image the kernels read (as a group's parameters), and its f32 values for encode.
       const int D = c.head_dim, H = c.n_kv_heads;
@@ -406,7 +412,7 @@ class KvquantKeyCodec final : public KvCodec {
       load_group(head, block, block_tokens, t / G, sc, mid);
       float* out = dst + size_t(i) * D;
       dequant_pre_rope(block, block_tokens, t, pos0 + t, sc, mid, out);
-      kv_rope_apply(cfg_.rope, pos0 + t, out, D);
+      rope_apply(head, pos0 + t, out);
     }
   }
 
@@ -440,7 +446,7 @@ class KvquantKeyCodec final : public KvCodec {
     a.q = qr;
     for (int r0 = t0; r0 < t0 + n; r0 += kRun) {
       const int re = std::min(t0 + n, r0 + kRun);
-      if (half > 0) kk.sincos(long(pos0) + r0, theta_tab_.data(), half, pc, ps);
+      if (half > 0) kk.sincos(long(pos0) + r0, theta_tab(head), half, pc, ps);
       for (int i0 = 0; i0 < n_q; i0 += qchunk) {
         const int m = std::min(qchunk, n_q - i0);
         kk.prep(qp + size_t(i0) * D, m, D, cfg_.rope.n_rot, layout_, pc, ps, qr);
@@ -456,8 +462,8 @@ class KvquantKeyCodec final : public KvCodec {
           a.params = params(head, grp);
           a.ovals = ovals + size_t(r) * k_ * 2;
           a.oidx = ovals + size_t(G) * k_ * 2 + size_t(r) * k_;
-          a.rot_c = rot_c_.data() + size_t(t - r0) * half;
-          a.rot_s = rot_s_.data() + size_t(t - r0) * half;
+          a.rot_c = rot_tab(rot_c_, head) + size_t(t - r0) * half;
+          a.rot_s = rot_tab(rot_s_, head) + size_t(t - r0) * half;
           kk.scores(a, out + size_t(i0) * out_stride + (t - t0), out_stride);
           t = te;
         }
@@ -473,7 +479,7 @@ class KvquantKeyCodec final : public KvCodec {
         const int t = int(pos - pos0);
         load_group(head, block, block_tokens, t / G, sc, mid);
         dequant_pre_rope(block, block_tokens, t, int(pos), sc, mid, key);
-        kv_rope_apply(cfg_.rope, int(pos), key, D);
+        rope_apply(head, int(pos), key);
         for (int i = 0; i < n_q; ++i) {
           float s = 0;
           for (int c = 0; c < D; ++c) s += qp[size_t(i) * D + c] * key[c];
@@ -491,6 +497,31 @@ class KvquantKeyCodec final : public KvCodec {
   }
 
  private:
+  int tab_index(int head) const {
+    if (n_tab_ == 1) return 0;
+    check_head(head);
+    return head;
+  }
+  const double* theta_tab(int head) const {
+    return theta_tab_.data() + size_t(tab_index(head)) * size_t(cfg_.rope.n_rot / 2);
+  }
+  const float* rot_tab(const std::vector<float>& v, int head) const {
+    return v.data() + size_t(tab_index(head)) * kRun * size_t(cfg_.rope.n_rot / 2);
+  }
+  // RoPE at position pos on x (head_dim), with head `head`'s rates.
+  void rope_apply(int head, int pos, float* x) const {
+    if (cfg_.pair_theta.empty()) return kv_rope_apply(cfg_.rope, pos, x, cfg_.head_dim);
+    const int half = cfg_.rope.n_rot / 2;
+    const double* th = theta_.data() + size_t(tab_index(head)) * half;
+    float cs[kvg_max_head_dim / 2], sn[kvg_max_head_dim / 2];
+    for (int j = 0; j < half; ++j) {
+      const double a = double(pos) * th[j];
+      cs[j] = float(std::cos(a));
+      sn[j] = float(std::sin(a));
+    }
+    rope_rotate(x, cs, sn, cfg_.rope.n_rot, true);
+  }
+
   void store_sink(uint8_t* block, int pos, const float* x) const {
     uint8_t* srow = block + size_t(pos) * cfg_.head_dim * 2;
     for (int c = 0; c < cfg_.head_dim; ++c) kvg_store_f16(srow, c, f32_to_f16(kv_sanitize(x[c])));
@@ -544,10 +575,11 @@ class KvquantKeyCodec final : public KvCodec {
   float thr_[15];
   int n_thr_ = 0;
   static constexpr int kRun = 64;
-  std::vector<double> theta_;        // (n_rot / 2)
-  std::vector<double> theta_tab_;    // (n_rot / 2): theta of table entry p
+  int n_tab_ = 1;                    // angle tables: 1, or one per head (explicit pair rates)
+  std::vector<double> theta_;        // (n_tab, n_rot / 2)
+  std::vector<double> theta_tab_;    // (n_tab, n_rot / 2): theta of table entry p
   KvquantScoreLayout layout_;
-  std::vector<float> rot_c_, rot_s_;  // (kRun, n_rot / 2): cos / sin of t * theta of table entry p
+  std::vector<float> rot_c_, rot_s_;  // (n_tab, kRun, n_rot / 2): cos / sin of t * theta of table entry p
   std::vector<uint8_t> sparams_;      // calibrated ranges: (n_kv_heads) x f16 [scale (D)][mid (D)]
   std::vector<float> smid_, sinv_;    // (n_kv_heads, D): their f32 mid and 1 / scale
 };
@@ -686,6 +718,14 @@ std::unique_ptr<KvCodec> kvquant_key_codec_create(const KvquantKeyConfig& c0) {
     fail("{}: outliers_per_token {} exceeds head_dim / 8 = {}", name, c.outliers_per_token,
          c.head_dim / 8);
   check_rope(name, c.rope, c.head_dim);
+  if (!c.pair_theta.empty()) {
+    if (!c.rope.neox || c.n_kv_heads < 1 ||
+        c.pair_theta.size() != size_t(c.n_kv_heads) * size_t(c.rope.n_rot / 2))
+      fail("{}: explicit pair rates need NeoX pairs and {} heads x {} pairs (got {} values)", name,
+           c.n_kv_heads, c.rope.n_rot / 2, c.pair_theta.size());
+    for (double th : c.pair_theta)
+      if (!std::isfinite(th) || th < 0) fail("{}: pair rate {} is not finite and >= 0", name, th);
+  }
   if (c.codebook.empty()) c.codebook = kvquant_default_codebook(c.bits);
   check_codebook(name, c.codebook, c.bits);
   if (!c.static_mid.empty() || !c.static_scale.empty()) {
@@ -878,6 +918,15 @@ nlohmann::json kvquant_fit_static(const float* keys, int n_tokens, int n_kv_head
 nlohmann::json kvquant_cal_artifact(const std::vector<std::vector<float>>& mid,
                                     const std::vector<std::vector<float>>& scale, int bits) {
   return {{"mid", mid}, {"scale", scale}, {"codebook", kvquant_default_codebook(bits)}};
+}
+
+std::vector<float> kvquant_codebook_from_calib(const std::string& name, const nlohmann::json* calib, int layer,
+                                               int bits) {
+  return codebook_from_calib(name.c_str(), calib, layer, bits);
+}
+
+const nlohmann::json* kvquant_calib_layer(const std::string& name, const nlohmann::json* calib, int layer) {
+  return calib_layer_entry(name.c_str(), calib, layer);
 }
 
 const std::vector<float>& kvquant_default_codebook(int bits) {

@@ -44,6 +44,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -74,6 +75,11 @@ struct KvquantKeyConfig {
   // Non-empty: a per-token codec whose blocks hold no group parameters (see below).
   int n_kv_heads = 1;
   std::vector<float> static_mid, static_scale;
+  // Explicit RoPE angle rates (the parts of the mixed-precision keys, kvquant_mixed.h):
+  // n_kv_heads x rope.n_rot / 2 values, head h's pair j turning by pos * pair_theta[h * n_rot/2 + j]
+  // (0: a pair RoPE leaves alone). Needs rope.neox (pair j = channels j and j + n_rot / 2).
+  // Empty: the rates of `rope`.
+  std::vector<double> pair_theta;
 };
 
 // Throws kvq::Error on invalid parameters.
@@ -81,6 +87,13 @@ std::unique_ptr<KvCodec> kvquant_key_codec_create(const KvquantKeyConfig& cfg);
 
 // The default codebook for `bits` (Lloyd fit on standard-normal keys), computed once.
 const std::vector<float>& kvquant_default_codebook(int bits);
+
+// The codebook of "kvquant_k<bits>" in calibration layer `layer` (empty when absent: the codec's
+// default), and the calibration entry of a layer (null when absent); throw kvq::Error, naming
+// `name`, on entries that break the schema.
+std::vector<float> kvquant_codebook_from_calib(const std::string& name, const nlohmann::json* calib, int layer,
+                                               int bits);
+const nlohmann::json* kvquant_calib_layer(const std::string& name, const nlohmann::json* calib, int layer);
 
 // Fits one layer's artifacts from calibration keys. keys_pre_rope: (n_tokens, n_kv_heads,
 // head_dim), before RoPE: consecutive sequences of window_tokens tokens each (0: one sequence).
@@ -119,6 +132,9 @@ nlohmann::json kvquant_cal_artifact(const std::vector<std::vector<float>>& mid,
 // turns by pos * freq_scale * freq_base^(-2i / n_rot) (angles in double). x: (head_dim), in place.
 // The engine should rotate q and the tail keys with the same function so both sides agree.
 void kv_rope_apply(const KvRope& r, int pos, float* x, int head_dim);
+
+// The angle rate of RoPE pair i (pos * rate radians): freq_scale * freq_base^(-2i / n_rot).
+double kv_rope_theta(const KvRope& r, int i);
 
 // ---- kernels: scalar reference and SIMD variants share these signatures ----
 // out[c] = scale[c] * codebook[code_c] + mid[c]; planes: bits planes of head_dim/8 bytes;

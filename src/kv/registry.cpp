@@ -19,6 +19,7 @@ void kv_register_ggml_codecs();
 void kv_register_mixed_formats();
 void kv_register_kivi();
 void kv_register_kvquant();
+void kv_register_kvquant_mixed();
 void kv_register_turboquant();
 void kv_register_rotated_codecs();
 void kv_register_centered_codecs();
@@ -78,6 +79,7 @@ const Registry& registry() {
     kv_register_mixed_formats();
     kv_register_kivi();
     kv_register_kvquant();
+    kv_register_kvquant_mixed();
     kv_register_turboquant();
     kv_register_rotated_codecs();
     kv_register_centered_codecs();

@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "kv/kvquant.h"
+#include "kv/kvquant_mixed.h"
 #include "model/model.h"
 #include "model/tokenizer.h"
 
@@ -186,6 +187,19 @@ int calibrate_command(const CalibrateOptions& o) {
         art = kvquant_fit_static(kpre[size_t(il)].data(), n_tok, nkv, hd, b, kvquant_default_sink_tokens, -1, o.ctx);
         for (auto it = art.begin(); it != art.end(); ++it) L[it.key()] = it.value();
       }
+    // Which RoPE pairs the mixed-precision KVQuant keys (kvquant2.25 .. kvquant3.75) widen.
+    if (hd % 16 == 0 && n_mean > 0) {
+      KvRope r;
+      r.n_rot = std::min(c.n_rot, hd);
+      r.freq_base = c.layer_rope_base(il);
+      r.freq_scale = 1.0f / c.layer_rope_scale(il);
+      r.neox = c.rope_neox;
+      std::vector<double> q_ms(qch2[size_t(il)].size());
+      for (size_t i = 0; i < q_ms.size(); ++i) q_ms[i] = qch2[size_t(il)][i] / n_mean;
+      const nlohmann::json art = kvquant_pair_weights(kpre[size_t(il)].data(), n_tok, nkv, hd, r, q_ms,
+                                                      kvquant_default_group_tokens, kvquant_default_sink_tokens, o.ctx);
+      for (auto it = art.begin(); it != art.end(); ++it) L[it.key()] = it.value();
+    }
     j["layers"].push_back(L);
   }
   std::ofstream out(o.out);

@@ -11,7 +11,9 @@
 //                "k_rms" / "v_rms" / "q_rms": [per head [per channel]]   root mean squares of the
 //                    post-RoPE keys, the values and the queries (the KV head's query heads
 //                    pooled), position 0 of each window left out (*_s formats)
-//                "kvquant_k2" / "kvquant_k3" / "kvquant_k4": {codebook, ...}}]}   (kvquant_fit)
+//                "kvquant_k2" / "kvquant_k3" / "kvquant_k4": {codebook, ...},   (kvquant_fit)
+//                "kvquant_pair_weight": [per head [per RoPE pair]]}]}   (kvquant_pair_weights:
+//                    which pairs the mixed-precision KVQuant keys widen)
 #pragma once
 #include <string>
 #include <vector>
