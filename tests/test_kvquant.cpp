@@ -471,36 +471,43 @@ TEST(Kvquant, PrepQueryParity) {
   GTEST_SKIP() << "built without SIMD kernels";
 #else
   const CpuLevel prev = cpu_set_level(CpuLevel::avx512);
-  const bool have = cpu_level() == CpuLevel::avx512;
+  const CpuLevel top = cpu_level();
   cpu_set_level(prev);
-  if (!have) GTEST_SKIP() << "no AVX-512 on this machine";
+  if (top < CpuLevel::avx2) GTEST_SKIP() << "no AVX2 on this machine";
   struct Shape {
     int d, n_rot;
     bool neox;
   };
   for (const Shape sh : {Shape{128, 128, false}, Shape{128, 128, true}, Shape{64, 64, false}, Shape{256, 128, true},
-                         Shape{256, 192, false}, Shape{128, 0, false}, Shape{128, 96, false}, Shape{80, 32, true}}) {
-    const KvquantScoreLayout l = kvquant_layout(sh.d, sh.n_rot, sh.neox);
-    const int half = sh.n_rot / 2, n_q = 5;
-    auto q = gaussian(n_q, sh.d, 60 + sh.d + sh.n_rot);
-    q[3] = 6e4f;
-    for (int c = 0; c < sh.d; ++c) q[size_t(2 * sh.d + c)] *= 1e-30f;
-    std::vector<float> c(static_cast<size_t>(std::max(half, 1))), s(c.size());
-    for (int p = 0; p < half; ++p) {
-      c[size_t(p)] = float(std::cos(0.37 * p + 1));
-      s[size_t(p)] = float(std::sin(0.37 * p + 1));
+                         Shape{256, 192, false}, Shape{128, 0, false}, Shape{128, 96, false}, Shape{80, 32, true},
+                         Shape{16, 16, true}, Shape{48, 32, false}})
+    for (CpuLevel lev : {CpuLevel::avx2, CpuLevel::avx512}) {
+      if (lev > top) continue;
+      // Each level's kernel with the layout the codec picks for it (lanes on AVX-512 where it fits).
+      const KvquantScoreLayout l = kvquant_layout(sh.d, sh.n_rot, sh.neox, lev == CpuLevel::avx512);
+      const int half = sh.n_rot / 2, n_q = 5;
+      auto q = gaussian(n_q, sh.d, 60 + sh.d + sh.n_rot);
+      q[3] = 6e4f;
+      for (int c = 0; c < sh.d; ++c) q[size_t(2 * sh.d + c)] *= 1e-30f;
+      std::vector<float> c(static_cast<size_t>(std::max(half, 1))), s(c.size());
+      for (int p = 0; p < half; ++p) {
+        c[size_t(p)] = float(std::cos(0.37 * p + 1));
+        s[size_t(p)] = float(std::sin(0.37 * p + 1));
+      }
+      std::vector<float> ref(q.size(), -1.f), got(q.size(), -2.f);
+      kvquant_prep_scalar(q.data(), n_q, sh.d, sh.n_rot, l, c.data(), s.data(), ref.data());
+      if (lev == CpuLevel::avx512)
+        kvquant_prep_avx512(q.data(), n_q, sh.d, sh.n_rot, l, c.data(), s.data(), got.data());
+      else
+        kvquant_prep_avx2(q.data(), n_q, sh.d, sh.n_rot, l, c.data(), s.data(), got.data());
+      for (size_t i = 0; i < q.size(); ++i)
+        ASSERT_NEAR(got[i], ref[i], 1e-6f * (std::fabs(ref[i]) + std::fabs(q[i])) + 1e-38f)
+            << cpu_level_name(lev) << " d " << sh.d << " n_rot " << sh.n_rot << " neox " << sh.neox << " i " << i;
     }
-    std::vector<float> ref(q.size(), -1.f), got(q.size(), -2.f);
-    kvquant_prep_scalar(q.data(), n_q, sh.d, sh.n_rot, l, c.data(), s.data(), ref.data());
-    kvquant_prep_avx512(q.data(), n_q, sh.d, sh.n_rot, l, c.data(), s.data(), got.data());
-    for (size_t i = 0; i < q.size(); ++i)
-      ASSERT_NEAR(got[i], ref[i], 1e-6f * (std::fabs(ref[i]) + std::fabs(q[i])) + 1e-38f)
-          << "d " << sh.d << " n_rot " << sh.n_rot << " neox " << sh.neox << " i " << i;
-  }
 #endif
 }
 
-// cos/sin of the query's turn: the AVX-512 evaluation equals libm's rounded to f32 (at most one
+// cos/sin of the query's turn: the AVX-512 and AVX2 evaluations equal libm's rounded to f32 (at most one
 // f32 ulp apart where libm's double lands next to a rounding boundary) at positions up to 2^27,
 // for every frequency of a 128-dim head and odd pair counts.
 TEST(Kvquant, SincosMatchesLibm) {
@@ -508,19 +515,23 @@ TEST(Kvquant, SincosMatchesLibm) {
   GTEST_SKIP() << "built without SIMD kernels";
 #else
   const CpuLevel prev = cpu_set_level(CpuLevel::avx512);
-  const bool have = cpu_level() == CpuLevel::avx512;
+  const CpuLevel top = cpu_level();
   cpu_set_level(prev);
-  if (!have) GTEST_SKIP() << "no AVX-512 on this machine";
+  if (top < CpuLevel::avx2) GTEST_SKIP() << "no AVX2 on this machine";
   for (int half : {1, 7, 8, 64, 128}) {
     std::vector<double> theta(static_cast<size_t>(half));
     for (int j = 0; j < half; ++j) theta[size_t(j)] = 0.5 * std::pow(500000.0, -2.0 * j / (2 * half)) * (j == 0 ? 2 : 1);
     for (long pos : {0L, 1L, 2L, 3L, 63L, 64L, 1000L, 100000L, 123456L, 1048575L, 33554432L, 134217727L}) {
       std::vector<float> c(static_cast<size_t>(half)), s(c), c2(c), s2(c);
       kvquant_sincos_scalar(pos, theta.data(), half, c.data(), s.data());
-      kvquant_sincos_avx512(pos, theta.data(), half, c2.data(), s2.data());
-      for (int j = 0; j < half; ++j) {
-        ASSERT_NEAR(c2[size_t(j)], c[size_t(j)], 6e-8f) << "pos " << pos << " j " << j;
-        ASSERT_NEAR(s2[size_t(j)], s[size_t(j)], 6e-8f) << "pos " << pos << " j " << j;
+      for (CpuLevel lev : {CpuLevel::avx2, CpuLevel::avx512}) {
+        if (lev > top) continue;
+        (lev == CpuLevel::avx512 ? kvquant_sincos_avx512 : kvquant_sincos_avx2)(pos, theta.data(), half, c2.data(),
+                                                                              s2.data());
+        for (int j = 0; j < half; ++j) {
+          ASSERT_NEAR(c2[size_t(j)], c[size_t(j)], 6e-8f) << cpu_level_name(lev) << " pos " << pos << " j " << j;
+          ASSERT_NEAR(s2[size_t(j)], s[size_t(j)], 6e-8f) << cpu_level_name(lev) << " pos " << pos << " j " << j;
+        }
       }
     }
   }

@@ -107,7 +107,7 @@ void kvquant_sincos_scalar(long pos, const double* theta, int half, float* c, fl
 const KvquantKernels& kvquant_kernels() {
   static const KvquantKernels scalar{kvquant_scores_scalar, kvquant_sincos_scalar, kvquant_prep_scalar};
 #if defined(KVQ_HAVE_SIMD)
-  static const KvquantKernels avx2{kvquant_scores_avx2, kvquant_sincos_scalar, kvquant_prep_scalar};
+  static const KvquantKernels avx2{kvquant_scores_avx2, kvquant_sincos_avx2, kvquant_prep_avx2};
   static const KvquantKernels avx512{kvquant_scores_avx512, kvquant_sincos_avx512, kvquant_prep_avx512};
   switch (cpu_level()) {
     case CpuLevel::avx512: return avx512;

@@ -216,6 +216,9 @@ void kvquant_scores_scalar(const KvquantScoreArgs& a, float* out, int out_stride
 void kvquant_sincos_scalar(long pos, const double* theta, int half, float* c, float* s);
 #if defined(KVQ_HAVE_SIMD)
 void kvquant_scores_avx2(const KvquantScoreArgs& a, float* out, int out_stride);
+void kvquant_sincos_avx2(long pos, const double* theta, int half, float* c, float* s);
+void kvquant_prep_avx2(const float* q, int n_q, int head_dim, int n_rot, const KvquantScoreLayout& l,
+                       const float* c, const float* s, float* out);
 void kvquant_scores_avx512(const KvquantScoreArgs& a, float* out, int out_stride);
 // Range reduction by pi/2 in three parts with FMAs and Taylor polynomials on [-pi/4, pi/4]:
 // ~1e-16 absolute error for |angle| < 2^30, below the f32 rounding of the result.
