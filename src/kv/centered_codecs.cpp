@@ -31,18 +31,15 @@
 
 #include "core/error.h"
 #include "kv/calib.h"
+#include "kv/grouped_common.h"
 #include "kv/registry_internal.h"
 
 namespace kvq {
 
 namespace {
 
-// Per-thread scratch, grown on first use: kernels do not allocate in steady state.
-float* scratch(size_t n) {
-  thread_local std::vector<float> buf;
-  if (buf.size() < n) buf.resize(n);
-  return buf.data();
-}
+struct CenteredScratch;
+float* scratch(size_t n) { return kv_thread_scratch<CenteredScratch>(n); }
 
 // Extra floats per query row after the inner codec's prepared rows: room for <q_i, mu> (n_q
 // floats after n_q inner rows) at any n_q, keeping rows 64-byte multiples.

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "core/dtypes.h"
 #include "kvq/kv_format.h"
@@ -40,6 +41,16 @@ void kv_check_encode_range(const std::string& name, int block_tokens, int group_
 // KvCodecParams::group_tokens / residual_tokens with their "codec default" markers resolved.
 void kv_resolve_grouped(const char* name, const KvCodecParams& p, int default_g, int default_r,
                         int* g, int* r);
+
+// Per-thread scratch of at least n floats, grown on first use, so that kernels do not allocate in
+// steady state. One buffer per Tag: a codec that wraps another (rotated, centered, mixed-precision
+// codecs) uses its own tag, so the inner codec's scratch never aliases the outer one's.
+template <class Tag>
+float* kv_thread_scratch(size_t n) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
 
 // Requests [p, p + bytes) ahead of a fused kernel's reads (into L2): a head block spans a few
 // 4 KiB pages, where the hardware prefetchers stop, so the kernel would otherwise wait on a

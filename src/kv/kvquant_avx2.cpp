@@ -10,6 +10,7 @@
 #include "core/dtypes.h"
 #include "kv/grouped_common.h"
 #include "kv/kvquant.h"
+#include "kv/sincos_poly.h"
 
 namespace kvq {
 
@@ -158,6 +159,48 @@ inline void dequant_row(const uint8_t* row, int D, int n_rot, int half, bool lan
   for (; k < D / 8; ++k) _mm256_store_ps(kp + 8 * k, dequant8<bits>(row, pb, k, cb_lo, cb_hi, sc, md));
 }
 
+// Up to four query rows (q: nr rows of D floats in score order) against one key kp: the pairs
+// (a-elements at ia, b-elements at ib), turned by (c, s) here when Turn, else already turned in kp
+// by the same arithmetic, then the unrotated channels. One summation order either way, and each
+// row's sum independent of its neighbours (a missing row is zeros): a query scores the same alone,
+// in a group of up to 4 rows or in a larger batch. Row h's score goes to out[h * out_stride + t].
+template <bool Turn>
+inline void dot4(const float* kp, const float* rc, const float* rs, const float* q, int nr, int D, int n_rot, int half,
+                 bool runs, float* out, int out_stride, int t) {
+  const float* qr[4];
+  for (int h = 0; h < 4; ++h) qr[h] = q + size_t(std::min(h, nr - 1)) * D;
+  __m256 a0[4], a1[4];
+  for (int h = 0; h < 4; ++h) a0[h] = a1[h] = _mm256_setzero_ps();
+  for (int m = 0; m < half; m += 8) {
+    const int ia = runs ? 32 * (m / 16) + m % 16 : m, ib = ia + (runs ? 16 : half);
+    __m256 ra = _mm256_load_ps(kp + ia), rb = _mm256_load_ps(kp + ib);
+    if constexpr (Turn) {
+      const __m256 c = _mm256_loadu_ps(rc + m), s = _mm256_loadu_ps(rs + m);
+      const __m256 ka = ra, kb = rb;
+      ra = _mm256_fmsub_ps(ka, c, _mm256_mul_ps(kb, s));
+      rb = _mm256_fmadd_ps(ka, s, _mm256_mul_ps(kb, c));
+    }
+    for (int h = 0; h < 4; ++h) {
+      a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qr[h] + ia), ra, a0[h]);
+      a1[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qr[h] + ib), rb, a1[h]);
+    }
+  }
+  for (int c = n_rot; c < D; c += 16) {
+    const __m256 k0 = _mm256_load_ps(kp + c), k1 = _mm256_load_ps(kp + c + 8);
+    for (int h = 0; h < 4; ++h) {
+      a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qr[h] + c), k0, a0[h]);
+      a1[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qr[h] + c + 8), k1, a1[h]);
+    }
+  }
+  // Two rounds of VHADDPS leave row h's sum in lanes h and 4 + h.
+  __m256 r[4];
+  for (int h = 0; h < 4; ++h) r[h] = h < nr ? _mm256_add_ps(a0[h], a1[h]) : _mm256_setzero_ps();
+  const __m256 h4 = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
+  alignas(16) float sum[4];
+  _mm_store_ps(sum, _mm_add_ps(_mm256_castps256_ps128(h4), _mm256_extractf128_ps(h4, 1)));
+  for (int h = 0; h < nr; ++h) out[size_t(h) * out_stride + t] = sum[h];
+}
+
 template <int bits>
 void scores_bits(const KvquantScoreArgs& a, float* out, int out_stride) {
   const int D = a.head_dim, half = a.n_rot / 2;
@@ -206,81 +249,25 @@ void scores_bits(const KvquantScoreArgs& a, float* out, int out_stride) {
         kbuf[size_t(u) * D + l.slot[a.oidx[e]]] = _cvtsh_ss(kvg_load_f16(a.ovals, e));
       }
     const bool runs = lanes && !l.neox;  // a-elements in runs of 16, b-elements 16 after
-    if (a.n_q <= 4) {
-      // One group of query rows: the key is turned by R(t) in registers, straight into the dots.
-      const int nr = a.n_q;
-      const float* qr[4];
-      for (int h = 0; h < 4; ++h) qr[h] = a.q + size_t(std::min(h, nr - 1)) * D;
-      for (int u = 0; u < nt; ++u) {
-        const int t = t0 + u;
-        const float* kp = kbuf + size_t(u) * D;
-        const float* rc = a.rot_c + size_t(t) * a.rot_stride;
-        const float* rs = a.rot_s + size_t(t) * a.rot_stride;
-        __m256 a0[4], a1[4];
-        for (int h = 0; h < 4; ++h) a0[h] = a1[h] = _mm256_setzero_ps();
-        for (int m = 0; m < half; m += 8) {
-          const int ia = runs ? 32 * (m / 16) + m % 16 : m, ib = ia + (runs ? 16 : half);
-          const __m256 ka = _mm256_load_ps(kp + ia), kb = _mm256_load_ps(kp + ib);
-          const __m256 c = _mm256_loadu_ps(rc + m), s = _mm256_loadu_ps(rs + m);
-          const __m256 ra = _mm256_fmsub_ps(ka, c, _mm256_mul_ps(kb, s));
-          const __m256 rb = _mm256_fmadd_ps(ka, s, _mm256_mul_ps(kb, c));
-          for (int h = 0; h < 4; ++h) {
-            a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qr[h] + ia), ra, a0[h]);
-            a1[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qr[h] + ib), rb, a1[h]);
-          }
-        }
-        for (int c = a.n_rot; c < D; c += 16) {
-          const __m256 k0 = _mm256_load_ps(kp + c), k1 = _mm256_load_ps(kp + c + 8);
-          for (int h = 0; h < 4; ++h) {
-            a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qr[h] + c), k0, a0[h]);
-            a1[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qr[h] + c + 8), k1, a1[h]);
-          }
-        }
-        __m256 r[4];
-        for (int h = 0; h < 4; ++h) r[h] = h < nr ? _mm256_add_ps(a0[h], a1[h]) : _mm256_setzero_ps();
-        const __m256 h4 = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
-        alignas(16) float sum[4];
-        _mm_store_ps(sum, _mm_add_ps(_mm256_castps256_ps128(h4), _mm256_extractf128_ps(h4, 1)));
-        for (int h = 0; h < nr; ++h) out[size_t(h) * out_stride + t] = sum[h];
-      }
-      continue;
-    }
     for (int u = 0; u < nt; ++u) {
       const int t = t0 + u;
       float* kp = kbuf + size_t(u) * D;
       const float* rc = a.rot_c + size_t(t) * a.rot_stride;
       const float* rs = a.rot_s + size_t(t) * a.rot_stride;
-      for (int m = 0; m < half; m += 8) {
+      if (a.n_q <= 4) {  // one group of rows: the key is turned in registers, straight into the dots
+        dot4<true>(kp, rc, rs, a.q, a.n_q, D, a.n_rot, half, runs, out, out_stride, t);
+        continue;
+      }
+      for (int m = 0; m < half; m += 8) {  // turned in place once for all the groups
         const int ia = runs ? 32 * (m / 16) + m % 16 : m, ib = ia + (runs ? 16 : half);
         const __m256 ka = _mm256_load_ps(kp + ia), kb = _mm256_load_ps(kp + ib);
         const __m256 c = _mm256_loadu_ps(rc + m), s = _mm256_loadu_ps(rs + m);
         _mm256_store_ps(kp + ia, _mm256_fmsub_ps(ka, c, _mm256_mul_ps(kb, s)));
         _mm256_store_ps(kp + ib, _mm256_fmadd_ps(ka, s, _mm256_mul_ps(kb, c)));
       }
-      // Four query rows at a time share one reduction: two rounds of VHADDPS leave row h's sum in
-      // lanes h and 4 + h. A row's sum does not depend on its neighbours (a missing row is zeros),
-      // so a query scores the same alone or batched with others.
-      for (int i = 0; i < a.n_q; i += 4) {
-        const int nr = std::min(4, a.n_q - i);
-        // The rows side by side: each key vector loaded once, 8 independent FMA chains.
-        const float* qr[4];
-        for (int h = 0; h < 4; ++h) qr[h] = a.q + size_t(i + std::min(h, nr - 1)) * D;
-        __m256 a0[4], a1[4];
-        for (int h = 0; h < 4; ++h) a0[h] = a1[h] = _mm256_setzero_ps();
-        for (int c = 0; c < D; c += 16) {
-          const __m256 k0 = _mm256_load_ps(kp + c), k1 = _mm256_load_ps(kp + c + 8);
-          for (int h = 0; h < 4; ++h) {
-            a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qr[h] + c), k0, a0[h]);
-            a1[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qr[h] + c + 8), k1, a1[h]);
-          }
-        }
-        __m256 r[4];
-        for (int h = 0; h < 4; ++h) r[h] = h < nr ? _mm256_add_ps(a0[h], a1[h]) : _mm256_setzero_ps();
-        const __m256 h4 = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
-        alignas(16) float sum[4];
-        _mm_store_ps(sum, _mm_add_ps(_mm256_castps256_ps128(h4), _mm256_extractf128_ps(h4, 1)));
-        for (int h = 0; h < nr; ++h) out[size_t(i + h) * out_stride + t] = sum[h];
-      }
+      for (int i = 0; i < a.n_q; i += 4)
+        dot4<false>(kp, rc, rs, a.q + size_t(i) * D, std::min(4, a.n_q - i), D, a.n_rot, half, runs,
+                    out + size_t(i) * out_stride, out_stride, t);
     }
   }
 }
@@ -316,13 +303,13 @@ void kvquant_prep_avx2(const float* q, int n_q, int head_dim, int n_rot, const K
   }
 }
 
-// kvquant_sincos_avx512's evaluation on 4 doubles: reduction by pi/2 in three parts, Taylor
-// series on |r| <= pi/4, quadrant from n mod 4 (n < 2^30 here; larger angles go to libm).
+// kvquant_sincos_avx512's evaluation (kv/sincos_poly.h) on 4 doubles, the quadrant from n mod 4
+// (n < 2^30 here; larger angles go to libm).
 void kvquant_sincos_avx2(long pos, const double* theta, int half, float* c, float* s) {
   const __m256d p = _mm256_set1_pd(double(pos));
-  const __m256d two_over_pi = _mm256_set1_pd(0.6366197723675814);
-  const __m256d p1 = _mm256_set1_pd(1.5707963267948966), p2 = _mm256_set1_pd(6.123233995736766e-17),
-                p3 = _mm256_set1_pd(-1.4973849048591698e-33);
+  const __m256d two_over_pi = _mm256_set1_pd(kSincosTwoOverPi);
+  const __m256d p1 = _mm256_set1_pd(kSincosHalfPi[0]), p2 = _mm256_set1_pd(kSincosHalfPi[1]),
+                p3 = _mm256_set1_pd(kSincosHalfPi[2]);
   const __m256d sign = _mm256_set1_pd(-0.0);
   int j = 0;
   for (; j + 4 <= half; j += 4) {
@@ -337,23 +324,12 @@ void kvquant_sincos_avx2(long pos, const double* theta, int half, float* c, floa
     r = _mm256_fnmadd_pd(n, p2, r);
     r = _mm256_fnmadd_pd(n, p3, r);
     const __m256d z = _mm256_mul_pd(r, r);
-    __m256d ps = _mm256_set1_pd(1.0 / 355687428096000.0);  // 1/17!
-    ps = _mm256_fmadd_pd(ps, z, _mm256_set1_pd(-1.0 / 1307674368000.0));
-    ps = _mm256_fmadd_pd(ps, z, _mm256_set1_pd(1.0 / 6227020800.0));
-    ps = _mm256_fmadd_pd(ps, z, _mm256_set1_pd(-1.0 / 39916800.0));
-    ps = _mm256_fmadd_pd(ps, z, _mm256_set1_pd(1.0 / 362880.0));
-    ps = _mm256_fmadd_pd(ps, z, _mm256_set1_pd(-1.0 / 5040.0));
-    ps = _mm256_fmadd_pd(ps, z, _mm256_set1_pd(1.0 / 120.0));
-    ps = _mm256_fmadd_pd(ps, z, _mm256_set1_pd(-1.0 / 6.0));
+    __m256d ps = _mm256_set1_pd(kSinTaylor[0]), pc = _mm256_set1_pd(kCosTaylor[0]);
+    for (int i = 1; i < 8; ++i) {
+      ps = _mm256_fmadd_pd(ps, z, _mm256_set1_pd(kSinTaylor[i]));
+      pc = _mm256_fmadd_pd(pc, z, _mm256_set1_pd(kCosTaylor[i]));
+    }
     const __m256d sr = _mm256_fmadd_pd(_mm256_mul_pd(ps, z), r, r);
-    __m256d pc = _mm256_set1_pd(1.0 / 20922789888000.0);  // 1/16!
-    pc = _mm256_fmadd_pd(pc, z, _mm256_set1_pd(-1.0 / 87178291200.0));
-    pc = _mm256_fmadd_pd(pc, z, _mm256_set1_pd(1.0 / 479001600.0));
-    pc = _mm256_fmadd_pd(pc, z, _mm256_set1_pd(-1.0 / 3628800.0));
-    pc = _mm256_fmadd_pd(pc, z, _mm256_set1_pd(1.0 / 40320.0));
-    pc = _mm256_fmadd_pd(pc, z, _mm256_set1_pd(-1.0 / 720.0));
-    pc = _mm256_fmadd_pd(pc, z, _mm256_set1_pd(1.0 / 24.0));
-    pc = _mm256_fmadd_pd(pc, z, _mm256_set1_pd(-0.5));
     const __m256d cr = _mm256_fmadd_pd(pc, z, _mm256_set1_pd(1.0));
     // Quadrant q = n mod 4: sin = (q odd ? cos r : sin r), negated for q in {2, 3}; cos = (q odd ?
     // sin r : cos r), negated for q in {1, 2}.

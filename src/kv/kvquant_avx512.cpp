@@ -11,6 +11,7 @@
 #include "kv/grouped_common.h"
 #include "kv/hsum_avx512.h"
 #include "kv/kvquant.h"
+#include "kv/sincos_poly.h"
 
 namespace kvq {
 
@@ -249,10 +250,10 @@ void kvquant_prep_avx512(const float* q, int n_q, int head_dim, int n_rot, const
 
 void kvquant_sincos_avx512(long pos, const double* theta, int half, float* c, float* s) {
   const __m512d p = _mm512_set1_pd(double(pos));
-  const __m512d two_over_pi = _mm512_set1_pd(0.6366197723675814);
+  const __m512d two_over_pi = _mm512_set1_pd(kSincosTwoOverPi);
   // pi/2 = p1 + p2 + p3 to ~160 bits; n * p_i is exact inside each FMA.
-  const __m512d p1 = _mm512_set1_pd(1.5707963267948966), p2 = _mm512_set1_pd(6.123233995736766e-17),
-                p3 = _mm512_set1_pd(-1.4973849048591698e-33);
+  const __m512d p1 = _mm512_set1_pd(kSincosHalfPi[0]), p2 = _mm512_set1_pd(kSincosHalfPi[1]),
+                p3 = _mm512_set1_pd(kSincosHalfPi[2]);
   for (int j = 0; j < half; j += 8) {
     const __mmask8 m = half - j >= 8 ? __mmask8(0xff) : __mmask8((1u << (half - j)) - 1);
     const __m512d x = _mm512_mul_pd(p, _mm512_maskz_loadu_pd(m, theta + j));
@@ -261,24 +262,13 @@ void kvquant_sincos_avx512(long pos, const double* theta, int half, float* c, fl
     r = _mm512_fnmadd_pd(n, p2, r);
     r = _mm512_fnmadd_pd(n, p3, r);
     const __m512d z = _mm512_mul_pd(r, r);
-    // Taylor series on |r| <= pi/4: the first omitted terms are < 1e-17.
-    __m512d ps = _mm512_set1_pd(1.0 / 355687428096000.0);  // 1/17!
-    ps = _mm512_fmadd_pd(ps, z, _mm512_set1_pd(-1.0 / 1307674368000.0));
-    ps = _mm512_fmadd_pd(ps, z, _mm512_set1_pd(1.0 / 6227020800.0));
-    ps = _mm512_fmadd_pd(ps, z, _mm512_set1_pd(-1.0 / 39916800.0));
-    ps = _mm512_fmadd_pd(ps, z, _mm512_set1_pd(1.0 / 362880.0));
-    ps = _mm512_fmadd_pd(ps, z, _mm512_set1_pd(-1.0 / 5040.0));
-    ps = _mm512_fmadd_pd(ps, z, _mm512_set1_pd(1.0 / 120.0));
-    ps = _mm512_fmadd_pd(ps, z, _mm512_set1_pd(-1.0 / 6.0));
+    // Taylor series on |r| <= pi/4 (kv/sincos_poly.h): the first omitted terms are < 1e-17.
+    __m512d ps = _mm512_set1_pd(kSinTaylor[0]), pc = _mm512_set1_pd(kCosTaylor[0]);
+    for (int i = 1; i < 8; ++i) {
+      ps = _mm512_fmadd_pd(ps, z, _mm512_set1_pd(kSinTaylor[i]));
+      pc = _mm512_fmadd_pd(pc, z, _mm512_set1_pd(kCosTaylor[i]));
+    }
     const __m512d sr = _mm512_fmadd_pd(_mm512_mul_pd(ps, z), r, r);
-    __m512d pc = _mm512_set1_pd(1.0 / 20922789888000.0);  // 1/16!
-    pc = _mm512_fmadd_pd(pc, z, _mm512_set1_pd(-1.0 / 87178291200.0));
-    pc = _mm512_fmadd_pd(pc, z, _mm512_set1_pd(1.0 / 479001600.0));
-    pc = _mm512_fmadd_pd(pc, z, _mm512_set1_pd(-1.0 / 3628800.0));
-    pc = _mm512_fmadd_pd(pc, z, _mm512_set1_pd(1.0 / 40320.0));
-    pc = _mm512_fmadd_pd(pc, z, _mm512_set1_pd(-1.0 / 720.0));
-    pc = _mm512_fmadd_pd(pc, z, _mm512_set1_pd(1.0 / 24.0));
-    pc = _mm512_fmadd_pd(pc, z, _mm512_set1_pd(-0.5));
     const __m512d cr = _mm512_fmadd_pd(pc, z, _mm512_set1_pd(1.0));
     // Quadrant n mod 4: sin = (q odd ? cos r : sin r), negated for q in {2, 3}; cos = (q odd ?
     // sin r : cos r), negated for q in {1, 2}.

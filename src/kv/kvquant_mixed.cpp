@@ -46,12 +46,8 @@ std::vector<std::vector<int>> kvquant_mixed_assign(const KvquantMixedConfig& c) 
 
 namespace {
 
-// Per-thread scratch, grown on first use: kernels do not allocate in steady state.
-float* scratch(size_t n) {
-  thread_local std::vector<float> buf;
-  if (buf.size() < n) buf.resize(n);
-  return buf.data();
-}
+struct MixedScratch;
+float* scratch(size_t n) { return kv_thread_scratch<MixedScratch>(n); }
 
 class KvquantMixedKeyCodec final : public KvCodec {
  public:

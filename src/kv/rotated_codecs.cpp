@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kv/grouped_common.h"
 #include "kv/registry_internal.h"
 #include "kv/turboquant.h"
 
@@ -29,12 +30,8 @@ void hadamard_rows(float* x, int n_rows, int dim, int block) {
   }
 }
 
-// Per-thread scratch, grown on first use: kernels do not allocate in steady state.
-float* scratch(size_t n) {
-  thread_local std::vector<float> buf;
-  if (buf.size() < n) buf.resize(n);
-  return buf.data();
-}
+struct RotatedScratch;
+float* scratch(size_t n) { return kv_thread_scratch<RotatedScratch>(n); }
 
 class RotatedCodec final : public KvCodec {
  public:
