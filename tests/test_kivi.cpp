@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "kv/kivi.h"
 #include "kvq/kv_format.h"
+#include "kv_test_util.h"
 
 using namespace kvq;
 
@@ -26,13 +27,7 @@ std::unique_ptr<KvCodec> make(const char* name, int head_dim = 128, int g = 0, i
 }
 
 // n rows of head_dim: gaussian, optionally with a few large outlier channels.
-std::vector<float> gaussian(int n, int d, uint64_t seed, float sd = 1.f) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.f, sd);
-  std::vector<float> x(size_t(n) * d);
-  for (float& v : x) v = nd(rng);
-  return x;
-}
+using test::gaussian;
 
 // Mean squared error; with `relative`, the mean over tokens of ||x_t - y_t||^2 / ||x_t||^2.
 double mse_of(const KvCodec& c, const std::vector<float>& x, int block_tokens, bool relative = false) {
@@ -79,15 +74,7 @@ std::vector<std::vector<float>> adversarial(int n, int d) {
   return out;
 }
 
-std::vector<CpuLevel> levels() {
-  std::vector<CpuLevel> v{CpuLevel::scalar};
-  const CpuLevel prev = cpu_set_level(CpuLevel::avx512);
-  const CpuLevel top = cpu_level();
-  cpu_set_level(prev);
-  if (top >= CpuLevel::avx2) v.push_back(CpuLevel::avx2);
-  if (top >= CpuLevel::avx512) v.push_back(CpuLevel::avx512);
-  return v;
-}
+using test::levels;
 
 }  // namespace
 

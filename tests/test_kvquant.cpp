@@ -22,18 +22,13 @@
 #include "kv/kvquant.h"
 #include "kvq/kv_format.h"
 #include "kivi_int_dot_bound.h"
+#include "kv_test_util.h"
 
 using namespace kvq;
 
 namespace {
 
-std::vector<float> gaussian(int n, int d, uint64_t seed, float sd = 1.f) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.f, sd);
-  std::vector<float> x(size_t(n) * d);
-  for (float& v : x) v = nd(rng);
-  return x;
-}
+using test::gaussian;
 
 // Independent RoPE reference: angle computed directly in double per (position, pair).
 void rope_ref(const KvRope& r, int pos, float* x) {
@@ -62,15 +57,7 @@ double mse(const std::vector<float>& a, const std::vector<float>& b, int skip_ro
   return e / double(a.size() - size_t(skip_rows) * d);
 }
 
-std::vector<CpuLevel> levels() {
-  std::vector<CpuLevel> v{CpuLevel::scalar};
-  const CpuLevel prev = cpu_set_level(CpuLevel::avx512);
-  const CpuLevel top = cpu_level();
-  cpu_set_level(prev);
-  if (top >= CpuLevel::avx2) v.push_back(CpuLevel::avx2);
-  if (top >= CpuLevel::avx512) v.push_back(CpuLevel::avx512);
-  return v;
-}
+using test::levels;
 
 KvRope llama_rope(int n_rot, bool neox = false) {
   KvRope r;

@@ -19,28 +19,15 @@
 #include "kv/kvquant.h"
 #include "kv/kvquant_mixed.h"
 #include "kvq/kv_format.h"
+#include "kv_test_util.h"
 
 using namespace kvq;
 
 namespace {
 
-std::vector<float> gaussian(int n, int d, uint64_t seed, float sd = 1.f) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.f, sd);
-  std::vector<float> x(size_t(n) * d);
-  for (float& v : x) v = nd(rng);
-  return x;
-}
+using test::gaussian;
 
-std::vector<CpuLevel> levels() {
-  std::vector<CpuLevel> v{CpuLevel::scalar};
-  const CpuLevel prev = cpu_set_level(CpuLevel::avx512);
-  const CpuLevel top = cpu_level();
-  cpu_set_level(prev);
-  if (top >= CpuLevel::avx2) v.push_back(CpuLevel::avx2);
-  if (top >= CpuLevel::avx512) v.push_back(CpuLevel::avx512);
-  return v;
-}
+using test::levels;
 
 KvRope rope(int n_rot, bool neox) {
   KvRope r;
