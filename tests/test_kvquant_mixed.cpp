@@ -26,7 +26,6 @@ using namespace kvq;
 namespace {
 
 using test::gaussian;
-
 using test::levels;
 
 KvRope rope(int n_rot, bool neox) {
