@@ -2,6 +2,10 @@
 // against the lane bits (1, 2, ..., 128) to form a lane mask.
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
 #include "kv/grouped_common.h"
 #include "kv/kivi.h"
 
@@ -21,6 +25,37 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Codes of channels 8k..8k+7 of a row's planes as floats (exact small integers).
+template <int B>
+inline __m256 codes8(const uint8_t* planes, int pb, int k) {
+  __m256i v = _mm256_setzero_si256();
+  for (int j = 0; j < B; ++j)
+    v = _mm256_add_epi32(v, _mm256_and_si256(byte_mask(planes[j * pb + k]), _mm256_set1_epi32(1 << j)));
+  return _mm256_cvtepi32_ps(v);
+}
+
+// Codes of channels 32m..32m+31 as floats into f (32): each plane's 4 bytes broadcast, byte c / 8
+// picked by VPSHUFB and bit c % 8 tested for the 32 channels at once, then widened.
+template <int B>
+inline void codes32(const uint8_t* planes, int pb, int m, float* f) {
+  const __m256i rep = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                                       3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32,
+                                       64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+  __m256i codes = _mm256_setzero_si256();
+  for (int j = B - 1; j >= 0; --j) {  // Horner over the planes: codes = 2 codes + bit j
+    int32_t w;
+    std::memcpy(&w, planes + j * pb + 4 * m, 4);
+    const __m256i x = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(w), rep), bit);
+    codes = _mm256_sub_epi8(_mm256_add_epi8(codes, codes), _mm256_cmpeq_epi8(x, bit));
+  }
+  const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+  _mm256_store_ps(f, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
+  _mm256_store_ps(f + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))));
+  _mm256_store_ps(f + 16, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)));
+  _mm256_store_ps(f + 24, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))));
+}
+
 // Codes of a row decoded once to floats (exact small integers), then one FMA chain per query row.
 template <int B>
 void k_scores_impl(const uint8_t* codes, size_t row_bytes, int n, int head_dim, const float* qs,
@@ -29,12 +64,9 @@ void k_scores_impl(const uint8_t* codes, size_t row_bytes, int n, int head_dim, 
   alignas(32) float codef[kvg_max_head_dim];
   for (int t = 0; t < n; ++t) {
     const uint8_t* row = codes + size_t(t) * row_bytes;
-    for (int k = 0; k < pb; ++k) {
-      __m256i v = _mm256_setzero_si256();
-      for (int j = 0; j < B; ++j)
-        v = _mm256_add_epi32(v, _mm256_and_si256(byte_mask(row[j * pb + k]), _mm256_set1_epi32(1 << j)));
-      _mm256_store_ps(codef + 8 * k, _mm256_cvtepi32_ps(v));
-    }
+    int k = 0;
+    for (; k + 4 <= pb; k += 4) codes32<B>(row, pb, k / 4, codef + 8 * k);
+    for (; k < pb; ++k) _mm256_store_ps(codef + 8 * k, codes8<B>(row, pb, k));
     for (int i = 0; i < n_q; ++i) {
       const float* w = qs + size_t(i) * head_dim;
       __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -47,33 +79,62 @@ void k_scores_impl(const uint8_t* codes, size_t row_bytes, int n, int head_dim, 
   }
 }
 
+// acc[i] += sum_t p_it (scale_tg code_tc + zero_tg). Runs of kRun tokens: each block of up to 32
+// channels decoded once for the run into cf, then two query rows at a time accumulate it in
+// registers (8 FMA chains); the zero terms sum_t p_it zero_tg are added once per group.
 template <int B>
 void v_accum_impl(const uint8_t* rows, size_t row_bytes, int n, int head_dim, int group,
                   const float* p, int p_stride, int n_q, float* acc) {
+  constexpr int kRun = 32;
   const int ng = head_dim / group, pb = head_dim / 8;
-  alignas(32) float codef[kvg_max_head_dim];
-  float sc[kvg_max_head_dim / 16], ze[kvg_max_head_dim / 16];
-  for (int t = 0; t < n; ++t) {
-    const uint8_t* row = rows + size_t(t) * row_bytes;
-    const uint8_t* planes = row + size_t(ng) * 4;
-    for (int g = 0; g < ng; ++g) {
-      sc[g] = f16_to_f32(kvg_load_f16(row, g));
-      ze[g] = f16_to_f32(kvg_load_f16(row, ng + g));
+  alignas(32) float cf[kRun * 32];
+  float sc[kRun][kvg_max_head_dim / 16], ze[kRun][kvg_max_head_dim / 16];
+  for (int t0 = 0; t0 < n; t0 += kRun) {
+    const int nt = std::min(kRun, n - t0);
+    for (int u = 0; u < nt; ++u) {
+      const uint8_t* row = rows + size_t(t0 + u) * row_bytes;
+      for (int g = 0; g < ng; ++g) {
+        sc[u][g] = f16_to_f32(kvg_load_f16(row, g));
+        ze[u][g] = f16_to_f32(kvg_load_f16(row, ng + g));
+      }
     }
-    for (int k = 0; k < pb; ++k) {
-      __m256i v = _mm256_setzero_si256();
-      for (int j = 0; j < B; ++j)
-        v = _mm256_add_epi32(v, _mm256_and_si256(byte_mask(planes[j * pb + k]), _mm256_set1_epi32(1 << j)));
-      _mm256_store_ps(codef + 8 * k, _mm256_cvtepi32_ps(v));
-    }
-    for (int i = 0; i < n_q; ++i) {
-      const float w = p[size_t(i) * p_stride + t];
+    for (int i = 0; i < n_q; ++i) {  // zero terms
       float* a = acc + size_t(i) * head_dim;
-      for (int k = 0; k < pb; ++k) {
-        const int g = 8 * k / group;
-        const __m256 av = _mm256_add_ps(_mm256_loadu_ps(a + 8 * k), _mm256_set1_ps(w * ze[g]));
-        _mm256_storeu_ps(a + 8 * k,
-                         _mm256_fmadd_ps(_mm256_set1_ps(w * sc[g]), _mm256_load_ps(codef + 8 * k), av));
+      const float* pi = p + size_t(i) * p_stride + t0;
+      for (int g = 0; g < ng; ++g) {
+        float z = 0;
+        for (int u = 0; u < nt; ++u) z += pi[u] * ze[u][g];
+        for (int c = g * group; c < (g + 1) * group; ++c) a[c] += z;
+      }
+    }
+    for (int c0 = 0; c0 < head_dim; c0 += 32) {
+      const int nv = std::min(32, head_dim - c0) / 8;  // vectors in this block (4, or 2 at a 16-channel tail)
+      for (int u = 0; u < nt; ++u) {
+        const uint8_t* planes = rows + size_t(t0 + u) * row_bytes + size_t(ng) * 4;
+        if (nv == 4) {
+          codes32<B>(planes, pb, c0 / 32, cf + 32 * u);
+        } else {
+          for (int v = 0; v < nv; ++v) _mm256_store_ps(cf + 32 * u + 8 * v, codes8<B>(planes, pb, c0 / 8 + v));
+        }
+      }
+      int gv[4];
+      for (int v = 0; v < nv; ++v) gv[v] = (c0 + 8 * v) / group;
+      for (int i = 0; i < n_q; i += 2) {
+        const int nr = std::min(2, n_q - i);
+        __m256 r[2][4];
+        for (int h = 0; h < 2; ++h)
+          for (int v = 0; v < 4; ++v) r[h][v] = _mm256_setzero_ps();
+        for (int u = 0; u < nt; ++u) {
+          for (int h = 0; h < nr; ++h) {
+            const float w = p[size_t(i + h) * p_stride + t0 + u];
+            for (int v = 0; v < nv; ++v)
+              r[h][v] = _mm256_fmadd_ps(_mm256_set1_ps(w * sc[u][gv[v]]), _mm256_load_ps(cf + 32 * u + 8 * v), r[h][v]);
+          }
+        }
+        for (int h = 0; h < nr; ++h) {
+          float* a = acc + size_t(i + h) * head_dim + c0;
+          for (int v = 0; v < nv; ++v) _mm256_storeu_ps(a + 8 * v, _mm256_add_ps(_mm256_loadu_ps(a + 8 * v), r[h][v]));
+        }
       }
     }
   }
