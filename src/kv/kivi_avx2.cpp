@@ -79,6 +79,33 @@ void k_scores_impl(const uint8_t* codes, size_t row_bytes, int n, int head_dim, 
   }
 }
 
+// NR query rows (weights pi, rows p_stride apart) times nt decoded tokens of one block of NV
+// vectors (cf: 32 floats per token), scaled per token and group, accumulated in registers and
+// added to a (rows acc_stride apart).
+template <int NR, int NV>
+inline void accum_block(const float* cf, int nt, const float* pi, int p_stride, const float (*sc)[kvg_max_head_dim / 16],
+                        const int* gv, bool one_group, float* a, int acc_stride) {
+  __m256 r[NR][NV];
+  for (int h = 0; h < NR; ++h)
+    for (int v = 0; v < NV; ++v) r[h][v] = _mm256_setzero_ps();
+  for (int u = 0; u < nt; ++u)
+    for (int h = 0; h < NR; ++h) {
+      const float w = pi[size_t(h) * p_stride + u];
+      if (one_group) {  // one weight per token and row
+        const __m256 wv = _mm256_set1_ps(w * sc[u][gv[0]]);
+        for (int v = 0; v < NV; ++v) r[h][v] = _mm256_fmadd_ps(wv, _mm256_load_ps(cf + 32 * u + 8 * v), r[h][v]);
+      } else {
+        for (int v = 0; v < NV; ++v)
+          r[h][v] = _mm256_fmadd_ps(_mm256_set1_ps(w * sc[u][gv[v]]), _mm256_load_ps(cf + 32 * u + 8 * v), r[h][v]);
+      }
+    }
+  for (int h = 0; h < NR; ++h)
+    for (int v = 0; v < NV; ++v) {
+      float* o = a + size_t(h) * acc_stride + 8 * v;
+      _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), r[h][v]));
+    }
+}
+
 // acc[i] += sum_t p_it (scale_tg code_tc + zero_tg). Runs of kRun tokens: each block of up to 32
 // channels decoded once for the run into cf, then two query rows at a time accumulate it in
 // registers (8 FMA chains); the zero terms sum_t p_it zero_tg are added once per group.
@@ -88,22 +115,25 @@ void v_accum_impl(const uint8_t* rows, size_t row_bytes, int n, int head_dim, in
   constexpr int kRun = 32;
   const int ng = head_dim / group, pb = head_dim / 8;
   alignas(32) float cf[kRun * 32];
-  float sc[kRun][kvg_max_head_dim / 16], ze[kRun][kvg_max_head_dim / 16];
+  float sc[kRun][kvg_max_head_dim / 16];
+  alignas(32) float ze[kvg_max_head_dim / 16][kRun];  // by group, so the zero terms are 8-token dots
   for (int t0 = 0; t0 < n; t0 += kRun) {
     const int nt = std::min(kRun, n - t0);
-    for (int u = 0; u < nt; ++u) {
+    for (int u = 0; u < kRun; ++u) {
       const uint8_t* row = rows + size_t(t0 + u) * row_bytes;
       for (int g = 0; g < ng; ++g) {
-        sc[u][g] = f16_to_f32(kvg_load_f16(row, g));
-        ze[u][g] = f16_to_f32(kvg_load_f16(row, ng + g));
+        sc[u][g] = u < nt ? f16_to_f32(kvg_load_f16(row, g)) : 0.f;
+        ze[g][u] = u < nt ? f16_to_f32(kvg_load_f16(row, ng + g)) : 0.f;
       }
     }
     for (int i = 0; i < n_q; ++i) {  // zero terms
       float* a = acc + size_t(i) * head_dim;
-      const float* pi = p + size_t(i) * p_stride + t0;
+      alignas(32) float pi[kRun] = {};
+      std::copy(p + size_t(i) * p_stride + t0, p + size_t(i) * p_stride + t0 + nt, pi);
       for (int g = 0; g < ng; ++g) {
-        float z = 0;
-        for (int u = 0; u < nt; ++u) z += pi[u] * ze[u][g];
+        __m256 z8 = _mm256_setzero_ps();
+        for (int u = 0; u < kRun; u += 8) z8 = _mm256_fmadd_ps(_mm256_load_ps(pi + u), _mm256_load_ps(ze[g] + u), z8);
+        const float z = hsum(z8);
         for (int c = g * group; c < (g + 1) * group; ++c) a[c] += z;
       }
     }
@@ -119,21 +149,16 @@ void v_accum_impl(const uint8_t* rows, size_t row_bytes, int n, int head_dim, in
       }
       int gv[4];
       for (int v = 0; v < nv; ++v) gv[v] = (c0 + 8 * v) / group;
+      const bool one_group = gv[0] == gv[nv - 1];
       for (int i = 0; i < n_q; i += 2) {
-        const int nr = std::min(2, n_q - i);
-        __m256 r[2][4];
-        for (int h = 0; h < 2; ++h)
-          for (int v = 0; v < 4; ++v) r[h][v] = _mm256_setzero_ps();
-        for (int u = 0; u < nt; ++u) {
-          for (int h = 0; h < nr; ++h) {
-            const float w = p[size_t(i + h) * p_stride + t0 + u];
-            for (int v = 0; v < nv; ++v)
-              r[h][v] = _mm256_fmadd_ps(_mm256_set1_ps(w * sc[u][gv[v]]), _mm256_load_ps(cf + 32 * u + 8 * v), r[h][v]);
-          }
-        }
-        for (int h = 0; h < nr; ++h) {
-          float* a = acc + size_t(i + h) * head_dim + c0;
-          for (int v = 0; v < nv; ++v) _mm256_storeu_ps(a + 8 * v, _mm256_add_ps(_mm256_loadu_ps(a + 8 * v), r[h][v]));
+        float* a = acc + size_t(i) * head_dim + c0;
+        const float* pi = p + size_t(i) * p_stride + t0;
+        if (n_q - i >= 2) {
+          nv == 4 ? accum_block<2, 4>(cf, nt, pi, p_stride, sc, gv, one_group, a, head_dim)
+                  : accum_block<2, 2>(cf, nt, pi, p_stride, sc, gv, one_group, a, head_dim);
+        } else {
+          nv == 4 ? accum_block<1, 4>(cf, nt, pi, p_stride, sc, gv, one_group, a, head_dim)
+                  : accum_block<1, 2>(cf, nt, pi, p_stride, sc, gv, one_group, a, head_dim);
         }
       }
     }
