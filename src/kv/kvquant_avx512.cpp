@@ -208,9 +208,10 @@ void scores_impl(const KvquantScoreArgs& a, float* out, int out_stride) {
 }  // namespace
 
 void kvquant_scores_avx512(const KvquantScoreArgs& a, float* out, int out_stride) {
-  // Pair chunks must be whole vectors (n_rot / 2 % 16 == 0); other partial rotations are rare
-  // enough for the reference.
-  if ((a.n_rot / 2) % 16 != 0 || a.head_dim > kvg_max_head_dim) return kvquant_scores_scalar(a, out, out_stride);
+  // Pair chunks must be whole vectors (n_rot / 2 % 16 == 0); other shapes (e.g. the 8- and 24-pair
+  // parts of the mixed-precision keys at head_dim 64) go to the AVX2 kernel (8-pair chunks, else
+  // the reference).
+  if ((a.n_rot / 2) % 16 != 0 || a.head_dim > kvg_max_head_dim) return kvquant_scores_avx2(a, out, out_stride);
   switch (a.bits) {
     case 2: return scores_impl<2>(a, out, out_stride);
     case 3: return scores_impl<3>(a, out, out_stride);
@@ -220,7 +221,7 @@ void kvquant_scores_avx512(const KvquantScoreArgs& a, float* out, int out_stride
 
 void kvquant_prep_avx512(const float* q, int n_q, int head_dim, int n_rot, const KvquantScoreLayout& l,
                          const float* c, const float* s, float* out) {
-  if (l.layout != kvquant_layout_lanes) return kvquant_prep_scalar(q, n_q, head_dim, n_rot, l, c, s, out);
+  if (l.layout != kvquant_layout_lanes) return kvquant_prep_avx2(q, n_q, head_dim, n_rot, l, c, s, out);
   const int D = head_dim, half = n_rot / 2;
   // Lanes r of block m = channels 64m + 4L + r: two two-source permutes pick lanes 0-7 from the
   // block's first 32 floats and 8-15 from the last 32.
