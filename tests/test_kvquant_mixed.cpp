@@ -189,51 +189,57 @@ TEST(KvquantMixed, EachChannelIsThePlainCodecOfItsWidth) {
     }
 }
 
+// The shapes shipped at head_dim 64 (parts of 8 and 24 pairs, the AVX2 kernel's 16-channel paths)
+// and 128, partial and full rotation, query groups of up to 4 rows (keys turned in registers) and
+// more (turned in place).
 TEST(KvquantMixed, ScoresMatchDecodeAllLevels) {
-  const int n_q = 5, bt = 128;
+  const int bt = 128;
   for (int d : {64, 128})
-    for (bool neox : {false, true}) {
-      const int H = 2;
-      const KvRope r = rope(d - 16, neox);
-      KvquantMixedConfig c = mixed(d, H, r, d / 4, 2);
-      c.group_tokens = 64;
-      c.sink_tokens = 2;
-      c.outliers_per_token = 1;
-      c.pair_weight.assign(H, std::vector<float>(size_t(d / 2)));
-      std::mt19937 rng(3);
-      for (auto& hw : c.pair_weight)
-        for (float& x : hw) x = float(rng() % 97);
-      auto k = kvquant_mixed_key_codec_create(c);
-      for (int h = 0; h < H; ++h)
-        for (int pos0 : {0, 70000}) {
-          auto x = gaussian(bt, d, 20 + h);
-          for (int t = 0; t < bt; ++t) x[size_t(t) * d + 3] *= 300.f;
-          std::vector<uint8_t> block(k->block_bytes(bt));
-          k->encode(h, x.data(), d, bt, block.data(), bt, 0, pos0);
-          std::vector<float> dec(size_t(bt) * d);
-          k->decode(h, block.data(), bt, 0, bt, pos0, dec.data());
-          auto q = gaussian(n_q, d, 30);
-          const int t0 = 1, n = 120;
-          for (CpuLevel l : levels()) {
-            const CpuLevel prev = cpu_set_level(l);
-            std::vector<float> s(size_t(n_q) * 130, -1.f);
-            k->scores(h, q.data(), n_q, block.data(), bt, t0, n, pos0, s.data(), 130);
-            cpu_set_level(prev);
-            for (int i = 0; i < n_q; ++i) {
-              for (int t = 0; t < n; ++t) {
-                double ref = 0, ra = 0;
-                for (int ch = 0; ch < d; ++ch) {
-                  ref += double(q[size_t(i) * d + ch]) * dec[size_t(t0 + t) * d + ch];
-                  ra += std::fabs(double(q[size_t(i) * d + ch]) * dec[size_t(t0 + t) * d + ch]);
+    for (int hi : {d / 8, d / 4})
+      for (int n_rot : {d - 16, d})
+        for (bool neox : {false, true})
+          for (int n_q : {3, 5}) {
+            const int H = 2;
+            const KvRope r = rope(n_rot, neox);
+            KvquantMixedConfig c = mixed(d, H, r, hi, 2);
+            c.group_tokens = 64;
+            c.sink_tokens = 2;
+            c.outliers_per_token = 1;
+            c.pair_weight.assign(H, std::vector<float>(size_t(d / 2)));
+            std::mt19937 rng(3);
+            for (auto& hw : c.pair_weight)
+              for (float& x : hw) x = float(rng() % 97);
+            auto k = kvquant_mixed_key_codec_create(c);
+            for (int h = 0; h < H; ++h)
+              for (int pos0 : {0, 70000}) {
+                auto x = gaussian(bt, d, 20 + h);
+                for (int t = 0; t < bt; ++t) x[size_t(t) * d + 3] *= 300.f;
+                std::vector<uint8_t> block(k->block_bytes(bt));
+                k->encode(h, x.data(), d, bt, block.data(), bt, 0, pos0);
+                std::vector<float> dec(size_t(bt) * d);
+                k->decode(h, block.data(), bt, 0, bt, pos0, dec.data());
+                auto q = gaussian(n_q, d, 30);
+                const int t0 = 1, n = 120;
+                for (CpuLevel l : levels()) {
+                  const CpuLevel prev = cpu_set_level(l);
+                  std::vector<float> s(size_t(n_q) * 130, -1.f);
+                  k->scores(h, q.data(), n_q, block.data(), bt, t0, n, pos0, s.data(), 130);
+                  cpu_set_level(prev);
+                  for (int i = 0; i < n_q; ++i) {
+                    for (int t = 0; t < n; ++t) {
+                      double ref = 0, ra = 0;
+                      for (int ch = 0; ch < d; ++ch) {
+                        ref += double(q[size_t(i) * d + ch]) * dec[size_t(t0 + t) * d + ch];
+                        ra += std::fabs(double(q[size_t(i) * d + ch]) * dec[size_t(t0 + t) * d + ch]);
+                      }
+                      ASSERT_NEAR(s[size_t(i) * 130 + t], ref, 2e-5 * ra + 1e-30)
+                          << cpu_level_name(l) << " d " << d << " head " << h;
+                    }
+                    for (int t = n; t < 130; ++t) ASSERT_EQ(s[size_t(i) * 130 + t], -1.f);  // untouched
+                  }
                 }
-                ASSERT_NEAR(s[size_t(i) * 130 + t], ref, 2e-5 * ra + 1e-30)
-                    << cpu_level_name(l) << " d " << d << " head " << h;
               }
-              for (int t = n; t < 130; ++t) ASSERT_EQ(s[size_t(i) * 130 + t], -1.f);  // untouched
-            }
           }
-        }
-    }
 }
 
 // Keys whose pairs differ widely in range (a few heavy pairs, as real keys have), queries of
@@ -257,7 +263,8 @@ TEST(KvquantMixed, HeavyPairsWideBeatsUniformBits) {
     for (int i = 0; i < n_q; ++i)
       for (int t = 1; t < bt; ++t) {  // slot 0 is the exact sink
         double s = 0;
-        for (int c = 0; c < d; ++c) s += double(q[size_t(i) * d + c]) * (dec[size_t(t) * d + c] - ref[size_t(t) * d + c]);
+        for (int c = 0; c < d; ++c)
+          s += double(q[size_t(i) * d + c]) * (dec[size_t(t) * d + c] - ref[size_t(t) * d + c]);
         e += s * s;
       }
     return e;
@@ -360,7 +367,7 @@ TEST(KvquantMixed, BadParametersRejected) {
     return std::string();
   };
   KvCodecParams p;
-  p.head_dim = 48;  // 24 pairs: a quarter is 6, not a multiple of 8
+  p.head_dim = 48;  // 24 pairs: half is 12, not a multiple of 8
   p.rope = rope(48, false);
   EXPECT_NE(msg([&] { kv_codec_create("kvquant3.5_k", p); }).find("multiples of 8 pairs"), std::string::npos);
   KvquantMixedConfig c = mixed(64, 1, rope(64, false), 16);
@@ -378,6 +385,13 @@ TEST(KvquantMixed, BadParametersRejected) {
   c.pair_weight.assign(2, std::vector<float>(32, 1.f));
   c.pair_weight[1][4] = -1.f;
   EXPECT_NE(msg([&] { kvquant_mixed_key_codec_create(c); }).find("not finite"), std::string::npos);
+  c = mixed(64, 1, rope(63, false), 16);
+  EXPECT_NE(msg([&] { kvquant_mixed_key_codec_create(c); }).find("n_rot"), std::string::npos);
+  c = mixed(64, 1, rope(80, false), 16);
+  EXPECT_NE(msg([&] { kvquant_mixed_key_codec_create(c); }).find("n_rot"), std::string::npos);
+  c = mixed(128, 1, rope(128, false), 48);
+  c.outliers_per_token = 16;  // the narrow part has 32 channels: at most 4
+  EXPECT_NE(msg([&] { kvquant_mixed_key_codec_create(c); }).find("outliers per token"), std::string::npos);
   c = mixed(64, 2, rope(64, false), 16);
   auto k = kvquant_mixed_key_codec_create(c);
   std::vector<uint8_t> b(k->block_bytes(32));

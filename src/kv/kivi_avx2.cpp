@@ -119,13 +119,12 @@ void v_accum_impl(const uint8_t* rows, size_t row_bytes, int n, int head_dim, in
   alignas(32) float ze[kvg_max_head_dim / 16][kRun];  // by group, so the zero terms are 8-token dots
   for (int t0 = 0; t0 < n; t0 += kRun) {
     const int nt = std::min(kRun, n - t0);
-    for (int u = 0; u < kRun; ++u) {
-      const uint8_t* row = rows + size_t(t0 + u) * row_bytes;
+    for (int u = 0; u < kRun; ++u)
       for (int g = 0; g < ng; ++g) {
-        sc[u][g] = u < nt ? f16_to_f32(kvg_load_f16(row, g)) : 0.f;
-        ze[g][u] = u < nt ? f16_to_f32(kvg_load_f16(row, ng + g)) : 0.f;
+        const uint8_t* row = u < nt ? rows + size_t(t0 + u) * row_bytes : nullptr;
+        sc[u][g] = row ? f16_to_f32(kvg_load_f16(row, g)) : 0.f;
+        ze[g][u] = row ? f16_to_f32(kvg_load_f16(row, ng + g)) : 0.f;
       }
-    }
     for (int i = 0; i < n_q; ++i) {  // zero terms
       float* a = acc + size_t(i) * head_dim;
       alignas(32) float pi[kRun] = {};

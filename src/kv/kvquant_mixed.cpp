@@ -160,13 +160,18 @@ std::unique_ptr<KvCodec> kvquant_mixed_key_codec_create(const KvquantMixedConfig
   for (size_t s = 0; s < c.bits.size(); ++s) {
     if (c.bits[s] < 2 || c.bits[s] > 4) fail("{}: part widths must be 2, 3 or 4 bits (got {})", name, c.bits[s]);
     if (c.pairs[s] <= 0 || c.pairs[s] % 8 != 0)
-      fail("{}: part {} has {} pairs; parts need multiples of 8 pairs (16 channels): head_dim {} is too small "
-           "for this split",
+      fail("{}: part {} would hold {} RoPE pairs; parts need multiples of 8 pairs (16 channels), which head_dim "
+           "{} does not split into for this format",
            name, s, c.pairs[s], c.head_dim);
     if (s > 0 && c.bits[s] >= c.bits[s - 1]) fail("{}: parts must be listed widest first", name);
     total += c.pairs[s];
   }
   if (2 * total != c.head_dim) fail("{}: parts hold {} pairs, head_dim {} has {}", name, total, c.head_dim, c.head_dim / 2);
+  if (c.rope.n_rot < 0 || c.rope.n_rot % 2 != 0 || c.rope.n_rot > c.head_dim)
+    fail("{}: rope n_rot {} must be even and in [0, head_dim {}]", name, c.rope.n_rot, c.head_dim);
+  if (c.rope.n_rot > 0 && (!(c.rope.freq_base > 1.f) || !std::isfinite(c.rope.freq_base) ||
+                           !(c.rope.freq_scale > 0.f) || !std::isfinite(c.rope.freq_scale)))
+    fail("{}: rope freq_base {} must be > 1 and freq_scale {} > 0", name, c.rope.freq_base, c.rope.freq_scale);
   if (!c.codebooks.empty() && c.codebooks.size() != c.bits.size())
     fail("{}: {} codebooks for {} parts", name, c.codebooks.size(), c.bits.size());
   const std::vector<KvRopePair> pairs = kv_rope_pairs(c.rope, c.head_dim);
@@ -180,6 +185,9 @@ std::unique_ptr<KvCodec> kvquant_mixed_key_codec_create(const KvquantMixedConfig
     }
   }
   const int k_all = c.outliers_per_token < 0 ? int(std::ceil(0.01 * c.head_dim - 1e-9)) : c.outliers_per_token;
+  if (k_all > 2 * c.pairs.back() / 8)
+    fail("{}: {} outliers per token exceed the narrowest part's {} channels / 8 (they are kept there)", name, k_all,
+         2 * c.pairs.back());
 
   const std::vector<std::vector<int>> part_of = kvquant_mixed_assign(c);
   std::vector<std::vector<uint16_t>> chan(size_t(c.n_kv_heads));
@@ -191,7 +199,7 @@ std::unique_ptr<KvCodec> kvquant_mixed_key_codec_create(const KvquantMixedConfig
     pc.group_tokens = c.group_tokens;
     pc.residual_tokens = c.residual_tokens;
     pc.sink_tokens = c.sink_tokens;
-    pc.outliers_per_token = s + 1 == c.bits.size() ? std::min(k_all, pc.head_dim / 8) : 0;
+    pc.outliers_per_token = s + 1 == c.bits.size() ? k_all : 0;
     pc.rope = c.rope;
     pc.rope.n_rot = pc.head_dim;
     pc.rope.neox = true;
@@ -222,6 +230,8 @@ nlohmann::json kvquant_pair_weights(const float* keys, int n_tokens, int n_kv_he
     fail("kvquant_pair_weights: {} heads of head_dim {} (needs >= 1 head, an even head_dim <= {})", H, D,
          kvg_max_head_dim);
   if (group_tokens < 2) fail("kvquant_pair_weights: group_tokens must be >= 2 (got {})", group_tokens);
+  if (rope.n_rot < 0 || rope.n_rot % 2 != 0 || rope.n_rot > D)
+    fail("kvquant_pair_weights: rope n_rot {} must be even and in [0, head_dim {}]", rope.n_rot, D);
   if (q_ms.size() != size_t(H) * D)
     fail("kvquant_pair_weights: {} query mean squares, need {} heads x {}", q_ms.size(), H, D);
   const size_t stride = size_t(H) * D;

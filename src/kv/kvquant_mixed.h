@@ -52,7 +52,7 @@ struct KvquantMixedConfig {
   int group_tokens = 32;
   int residual_tokens = 0;
   int sink_tokens = 1;
-  int outliers_per_token = -1;  // -1: ceil(1% of head_dim); kept by the narrowest part
+  int outliers_per_token = -1;  // -1: ceil(1% of head_dim); kept by the narrowest part (at most its channels / 8)
   std::vector<std::vector<float>> codebooks;  // per part (empty entry: the default for its bits)
   // (n_kv_heads, head_dim / 2) pair weights in kv_rope_pairs order; empty: by rate, lowest first.
   std::vector<std::vector<float>> pair_weight;

@@ -188,7 +188,8 @@ int calibrate_command(const CalibrateOptions& o) {
         for (auto it = art.begin(); it != art.end(); ++it) L[it.key()] = it.value();
       }
     // Which RoPE pairs the mixed-precision KVQuant keys (kvquant2.25 .. kvquant3.75) widen.
-    if (hd % 16 == 0 && n_mean > 0) {
+    // (Needs a group of 32 tokens past each window's sink position.)
+    if (hd % 16 == 0 && n_mean > 0 && o.ctx > kvquant_default_group_tokens) {
       KvRope r;
       r.n_rot = std::min(c.n_rot, hd);
       r.freq_base = c.layer_rope_base(il);
