@@ -219,11 +219,13 @@ TEST(KvquantMixed, ScoresMatchDecodeAllLevels) {
                 std::vector<float> dec(size_t(bt) * d);
                 k->decode(h, block.data(), bt, 0, bt, pos0, dec.data());
                 auto q = gaussian(n_q, d, 30);
+                std::vector<float> qp(size_t(n_q) * size_t(k->prepared_query_dim()));
+                k->prepare_query(h, q.data(), n_q, qp.data());
                 const int t0 = 1, n = 120;
                 for (CpuLevel l : levels()) {
                   const CpuLevel prev = cpu_set_level(l);
                   std::vector<float> s(size_t(n_q) * 130, -1.f);
-                  k->scores(h, q.data(), n_q, block.data(), bt, t0, n, pos0, s.data(), 130);
+                  k->scores(h, qp.data(), n_q, block.data(), bt, t0, n, pos0, s.data(), 130);
                   cpu_set_level(prev);
                   for (int i = 0; i < n_q; ++i) {
                     for (int t = 0; t < n; ++t) {

@@ -61,6 +61,7 @@ class KvquantMixedKeyCodec final : public KvCodec {
     info_.group_tokens = c.group_tokens;
     info_.residual_tokens = c.residual_tokens;
     info_.pre_rope = true;
+    info_.transforms_query = true;  // prepare_query reorders the channels into the parts
     for (size_t s = 0, o = 0; s < parts_.size(); ++s) {
       dim_off_.push_back(int(o));
       o += size_t(parts_[s]->head_dim());
@@ -99,19 +100,26 @@ class KvquantMixedKeyCodec final : public KvCodec {
     }
   }
 
-  // The parts' scores added: each part sees its channels of the query (in its order).
-  void scores(int head, const float* qp, int n_q, const uint8_t* block, int block_tokens, int t0, int n, int pos0,
-              float* out, int out_stride) const override {
+  // Once per step: q (n_q, head_dim) -> the parts' queries one after the other, part s's n_q rows
+  // of its channels (in its order) from n_q * dim_off_[s].
+  void prepare_query(int head, const float* q, int n_q, float* qp) const override {
     const int D = cfg_.head_dim;
     const uint16_t* ch = channels(head);
-    const size_t qn = size_t(n_q) * D, tn = size_t(n_q) * size_t(std::max(n, 1));
-    float* buf = scratch(qn + tn);
-    float* q = buf;
-    float* tmp = buf + qn;
     for (size_t s = 0; s < parts_.size(); ++s) {
       const int d = parts_[s]->head_dim();
+      float* o = qp + size_t(n_q) * size_t(dim_off_[s]);
       for (int i = 0; i < n_q; ++i)
-        for (int c = 0; c < d; ++c) q[size_t(i) * d + c] = qp[size_t(i) * D + ch[dim_off_[s] + c]];
+        for (int c = 0; c < d; ++c) o[size_t(i) * d + c] = q[size_t(i) * D + ch[dim_off_[s] + c]];
+    }
+  }
+
+  // The parts' scores added, each part against its prepared query.
+  void scores(int head, const float* qp, int n_q, const uint8_t* block, int block_tokens, int t0, int n, int pos0,
+              float* out, int out_stride) const override {
+    channels(head);  // checks the head
+    float* tmp = scratch(size_t(n_q) * size_t(std::max(n, 1)));
+    for (size_t s = 0; s < parts_.size(); ++s) {
+      const float* q = qp + size_t(n_q) * size_t(dim_off_[s]);
       const uint8_t* pb = block + part_off(s, block_tokens);
       if (s == 0) {
         parts_[s]->scores(head, q, n_q, pb, block_tokens, t0, n, pos0, out, out_stride);
