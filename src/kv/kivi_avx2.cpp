@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 
+#include "kv/bitplanes_avx2.h"
 #include "kv/grouped_common.h"
 #include "kv/kivi.h"
 
@@ -34,21 +34,11 @@ inline __m256 codes8(const uint8_t* planes, int pb, int k) {
   return _mm256_cvtepi32_ps(v);
 }
 
-// Codes of channels 32m..32m+31 as floats into f (32): each plane's 4 bytes broadcast, byte c / 8
-// picked by VPSHUFB and bit c % 8 tested for the 32 channels at once, then widened.
+// Codes of channels 32m..32m+31 as floats into f (32), the planes decoded 32 channels at once.
 template <int B>
 inline void codes32(const uint8_t* planes, int pb, int m, float* f) {
-  const __m256i rep = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
-                                       3, 3, 3, 3, 3, 3);
-  const __m256i bit = _mm256_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32,
-                                       64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
-  __m256i codes = _mm256_setzero_si256();
-  for (int j = B - 1; j >= 0; --j) {  // Horner over the planes: codes = 2 codes + bit j
-    int32_t w;
-    std::memcpy(&w, planes + j * pb + 4 * m, 4);
-    const __m256i x = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(w), rep), bit);
-    codes = _mm256_sub_epi8(_mm256_add_epi8(codes, codes), _mm256_cmpeq_epi8(x, bit));
-  }
+  const __m256i codes =
+      bitplane_codes32_avx2<B>(planes, pb, 4 * m, bitplane_rep_identity_avx2(), bitplane_bit_identity_avx2());
   const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
   _mm256_store_ps(f, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
   _mm256_store_ps(f + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))));

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "core/dtypes.h"
+#include "kv/bitplanes_avx2.h"
 #include "kv/grouped_common.h"
 #include "kv/kvquant.h"
 #include "kv/sincos_poly.h"
@@ -61,11 +62,11 @@ inline __m256 dequant8(const uint8_t* planes, int pb, int k, __m256 cb_lo, __m25
 
 constexpr int kSub = 8;  // tokens dequantized before their outliers are patched: (kSub, head_dim) floats in L1
 
-// 32 channels at a time in vector registers. Byte p of a code vector holds the code of channel
-// src(p) of the chunk: each plane's 4 bytes are broadcast, byte src(p) / 8 picked by VPSHUFB and
-// bit src(p) % 8 tested. The codebook values then come from VPSHUFB on the entries' 4 bytes and
-// two rounds of unpacks, which leave in float vector r the code bytes 4r..4r+3 (low lane) and
-// 16+4r..16+4r+3 (high lane); src is chosen so that vector r holds 8 consecutive score positions.
+// 32 channels at a time in vector registers: the codes from the planes by bitplane_codes32_avx2
+// (kv/bitplanes_avx2.h) in an order chosen per chunk, the codebook values by VPSHUFB on the
+// entries' 4 bytes and two rounds of unpacks, which leave in float vector r the code bytes
+// 4r..4r+3 (low lane) and 16+4r..16+4r+3 (high lane); the order is chosen so that vector r holds
+// 8 consecutive score positions.
 struct Chunk32 {
   alignas(32) uint8_t rep[32], bit[32];
   // target(r, i): channel (of the chunk) that lands in element i of float vector r
@@ -84,18 +85,6 @@ constexpr Chunk32 kChunkIdentity([](int r, int i) { return 8 * r + i; });
 // Adjacent RoPE pairs 0..15 of the chunk: vectors 0, 1 = their a-elements (channels 2i), 2, 3 = b.
 constexpr Chunk32 kChunkPairs([](int r, int i) { return 16 * (r % 2) + 2 * i + r / 2; });
 
-template <int bits>
-inline __m256i codes32(const uint8_t* row, int pb, int byte0, __m256i rep, __m256i bit) {
-  __m256i codes = _mm256_setzero_si256();
-  for (int j = bits - 1; j >= 0; --j) {  // Horner over the planes: codes = 2 codes + bit j
-    int32_t w;
-    std::memcpy(&w, row + j * pb + byte0, 4);
-    const __m256i x = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(w), rep), bit);
-    codes = _mm256_sub_epi8(_mm256_add_epi8(codes, codes), _mm256_cmpeq_epi8(x, bit));
-  }
-  return codes;
-}
-
 // f[r] = codebook[code] for the 32 codes (order above); cbb[k]: byte k of the 16 entries, both lanes.
 inline void values32(__m256i codes, const __m256i* cbb, __m256* f) {
   const __m256i b0 = _mm256_shuffle_epi8(cbb[0], codes), b1 = _mm256_shuffle_epi8(cbb[1], codes);
@@ -113,8 +102,9 @@ inline void values32(__m256i codes, const __m256i* cbb, __m256* f) {
 template <int bits>
 inline void dequant32(const uint8_t* row, int pb, int ch0, const Chunk32& ck, const __m256i* cbb, const int* pos,
                       const float* sc, const float* md, float* kp) {
-  const __m256i codes = codes32<bits>(row, pb, ch0 / 8, _mm256_load_si256(reinterpret_cast<const __m256i*>(ck.rep)),
-                                      _mm256_load_si256(reinterpret_cast<const __m256i*>(ck.bit)));
+  const __m256i codes =
+      bitplane_codes32_avx2<bits>(row, pb, ch0 / 8, _mm256_load_si256(reinterpret_cast<const __m256i*>(ck.rep)),
+                                  _mm256_load_si256(reinterpret_cast<const __m256i*>(ck.bit)));
   __m256 f[4];
   values32(codes, cbb, f);
   for (int r = 0; r < 4; ++r)
