@@ -149,6 +149,14 @@ inline void dequant_row(const uint8_t* row, int D, int n_rot, int half, bool lan
   for (; k < D / 8; ++k) _mm256_store_ps(kp + 8 * k, dequant8<bits>(row, pb, k, cb_lo, cb_hi, sc, md));
 }
 
+// R(t) on 8 pairs: (ka, kb) -> (ka c - kb s, ka s + kb c). The one arithmetic of both the keys
+// turned in registers and the keys turned in place, so their scores are the same bit for bit.
+inline void turn8(__m256 ka, __m256 kb, const float* rc, const float* rs, __m256& ra, __m256& rb) {
+  const __m256 c = _mm256_loadu_ps(rc), s = _mm256_loadu_ps(rs);
+  ra = _mm256_fmsub_ps(ka, c, _mm256_mul_ps(kb, s));
+  rb = _mm256_fmadd_ps(ka, s, _mm256_mul_ps(kb, c));
+}
+
 // Up to four query rows (q: nr rows of D floats in score order) against one key kp: the pairs
 // (a-elements at ia, b-elements at ib), turned by (c, s) here when Turn, else already turned in kp
 // by the same arithmetic, then the unrotated channels. One summation order either way, and each
@@ -164,12 +172,7 @@ inline void dot4(const float* kp, const float* rc, const float* rs, const float*
   for (int m = 0; m < half; m += 8) {
     const int ia = runs ? 32 * (m / 16) + m % 16 : m, ib = ia + (runs ? 16 : half);
     __m256 ra = _mm256_load_ps(kp + ia), rb = _mm256_load_ps(kp + ib);
-    if constexpr (Turn) {
-      const __m256 c = _mm256_loadu_ps(rc + m), s = _mm256_loadu_ps(rs + m);
-      const __m256 ka = ra, kb = rb;
-      ra = _mm256_fmsub_ps(ka, c, _mm256_mul_ps(kb, s));
-      rb = _mm256_fmadd_ps(ka, s, _mm256_mul_ps(kb, c));
-    }
+    if constexpr (Turn) turn8(ra, rb, rc + m, rs + m, ra, rb);
     for (int h = 0; h < 4; ++h) {
       a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qr[h] + ia), ra, a0[h]);
       a1[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qr[h] + ib), rb, a1[h]);
@@ -250,10 +253,10 @@ void scores_bits(const KvquantScoreArgs& a, float* out, int out_stride) {
       }
       for (int m = 0; m < half; m += 8) {  // turned in place once for all the groups
         const int ia = runs ? 32 * (m / 16) + m % 16 : m, ib = ia + (runs ? 16 : half);
-        const __m256 ka = _mm256_load_ps(kp + ia), kb = _mm256_load_ps(kp + ib);
-        const __m256 c = _mm256_loadu_ps(rc + m), s = _mm256_loadu_ps(rs + m);
-        _mm256_store_ps(kp + ia, _mm256_fmsub_ps(ka, c, _mm256_mul_ps(kb, s)));
-        _mm256_store_ps(kp + ib, _mm256_fmadd_ps(ka, s, _mm256_mul_ps(kb, c)));
+        __m256 ra, rb;
+        turn8(_mm256_load_ps(kp + ia), _mm256_load_ps(kp + ib), rc + m, rs + m, ra, rb);
+        _mm256_store_ps(kp + ia, ra);
+        _mm256_store_ps(kp + ib, rb);
       }
       for (int i = 0; i < a.n_q; i += 4)
         dot4<false>(kp, rc, rs, a.q + size_t(i) * D, std::min(4, a.n_q - i), D, a.n_rot, half, runs,
