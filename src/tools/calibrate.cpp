@@ -88,11 +88,12 @@ int calibrate_command(const CalibrateOptions& o) {
     }
     if (il == c.n_layer - 1) pos_in_window += n;
   };
+  const KvCacheConfig cache_cfg = model->kv_cache_config(kv_policy_uniform("f16", c.n_layer), o.ctx);
   for (int ch = 0; ch < chunks; ++ch) {
     std::vector<int32_t> win(ids.begin() + std::ptrdiff_t(size_t(ch) * size_t(o.ctx)),
                              ids.begin() + std::ptrdiff_t(size_t(ch + 1) * size_t(o.ctx)));
     if (tok.add_bos()) win[0] = tok.bos();
-    KvCache cache(model->kv_cache_config(kv_policy_uniform("f16", c.n_layer), o.ctx));
+    KvCache cache(cache_cfg);
     pos_in_window = 0;
     fwd.eval(win.data(), int(win.size()), cache);
     std::fprintf(stderr, "\r[calibrate] window %d/%d", ch + 1, chunks);
@@ -190,11 +191,7 @@ int calibrate_command(const CalibrateOptions& o) {
     // Which RoPE pairs the mixed-precision KVQuant keys (kvquant2.25 .. kvquant3.75) widen.
     // (Needs a group of 32 tokens past each window's sink position.)
     if (hd % 16 == 0 && n_mean > 0 && o.ctx > kvquant_default_group_tokens) {
-      KvRope r;
-      r.n_rot = std::min(c.n_rot, hd);
-      r.freq_base = c.layer_rope_base(il);
-      r.freq_scale = 1.0f / c.layer_rope_scale(il);
-      r.neox = c.rope_neox;
+      const KvRope& r = cache_cfg.rope[size_t(il)];  // the layer's RoPE, as the cache's codecs get it
       std::vector<double> q_ms(qch2[size_t(il)].size());
       for (size_t i = 0; i < q_ms.size(); ++i) q_ms[i] = qch2[size_t(il)][i] / n_mean;
       const nlohmann::json art = kvquant_pair_weights(kpre[size_t(il)].data(), n_tok, nkv, hd, r, q_ms,
