@@ -39,6 +39,28 @@ std::vector<int32_t> greedy_ids(const Model& m, const std::string& kv, int n) {
   return out;
 }
 
+// `kvq calibrate` on two 256-token windows of `text` (no KVQuant codebooks), read back.
+nlohmann::json calibrate_json(const std::string& model, const std::string& text, const std::string& tag) {
+  const std::string path =
+      (fs::temp_directory_path() / ("kvq_" + tag + "_calib_" + std::to_string(::getpid()) + ".json")).string();
+  CalibrateOptions co;
+  co.model = model;
+  co.data = text;
+  co.out = path;
+  co.ctx = 256;
+  co.chunks = 2;
+  co.threads = 2;
+  co.kvquant_bits = {};
+  if (calibrate_command(co) != 0) return {};
+  nlohmann::json calib;
+  {
+    std::ifstream cf(path);
+    cf >> calib;
+  }
+  fs::remove(path);
+  return calib;
+}
+
 // The first n tokens of a text file's first 20000 characters.
 std::vector<int32_t> text_window(const Tokenizer& tok, const std::string& path, int n) {
   std::ifstream in(path);
@@ -167,22 +189,8 @@ TEST(KvEngine, GemmaChannelScalesCutKld) {
   const std::string text_path = shared_path("data/wikitext-2-test.txt");
   const std::string calib_text = shared_path("data/paulgraham-essays.txt");
   if (!fs::exists(text_path) || !fs::exists(calib_text)) GTEST_SKIP() << "../shared/data texts not found";
-  const std::string calib_path = (fs::temp_directory_path() / ("kvq_gemma_calib_" + std::to_string(::getpid()) + ".json")).string();
-  CalibrateOptions co;
-  co.model = model;
-  co.data = calib_text;
-  co.out = calib_path;
-  co.ctx = 256;
-  co.chunks = 2;
-  co.threads = 2;
-  co.kvquant_bits = {};
-  ASSERT_EQ(calibrate_command(co), 0);
-  nlohmann::json calib;
-  {
-    std::ifstream cf(calib_path);
-    cf >> calib;
-  }
-  fs::remove(calib_path);
+  const nlohmann::json calib = calibrate_json(model, calib_text, "gemma");
+  ASSERT_TRUE(calib.contains("layers")) << "kvq calibrate failed";
   ASSERT_TRUE(calib["layers"][0].contains("q_rms"));
   auto m = Model::load(model);
   Tokenizer tok = Tokenizer::from_gguf(m->file());
@@ -212,22 +220,8 @@ TEST(KvEngine, SmolLM2MixedPrecisionKeysBeatThreeBits) {
   const std::string text_path = shared_path("data/wikitext-2-test.txt");
   const std::string calib_text = shared_path("data/paulgraham-essays.txt");
   if (!fs::exists(text_path) || !fs::exists(calib_text)) GTEST_SKIP() << "../shared/data texts not found";
-  const std::string calib_path = (fs::temp_directory_path() / ("kvq_smol_calib_" + std::to_string(::getpid()) + ".json")).string();
-  CalibrateOptions co;
-  co.model = model;
-  co.data = calib_text;
-  co.out = calib_path;
-  co.ctx = 256;
-  co.chunks = 2;
-  co.threads = 2;
-  co.kvquant_bits = {};
-  ASSERT_EQ(calibrate_command(co), 0);
-  nlohmann::json calib;
-  {
-    std::ifstream cf(calib_path);
-    cf >> calib;
-  }
-  fs::remove(calib_path);
+  const nlohmann::json calib = calibrate_json(model, calib_text, "smol");
+  ASSERT_TRUE(calib.contains("layers")) << "kvq calibrate failed";
   auto m = Model::load(model);
   const int L = m->config().n_layer, H = m->config().n_head_kv, hd = m->config().head_dim;
   ASSERT_EQ(calib["layers"].size(), size_t(L));
