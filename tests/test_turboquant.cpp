@@ -712,6 +712,9 @@ TEST(TqRegistry, CodecsAndFormatsByName) {
   EXPECT_EQ(kv_format_find("tq3_qjl").k_codec, "tq3_qjl");
   EXPECT_EQ(kv_format_find("tq3_qjl").v_codec, "tq3");  // values use the MSE variant
   EXPECT_EQ(kv_format_find("k3v4").name, "tq_k3v4");
+  EXPECT_EQ(kv_format_find("k4v3").name, "tq_k4v3");
+  EXPECT_EQ(kv_format_find("tq_k4v3").k_codec, "tq4");
+  EXPECT_EQ(kv_format_find("tq_k4v3").v_codec, "tq3");
   EXPECT_EQ(kv_format_find("tq_k8v4").k_codec, "int8");
   EXPECT_EQ(kv_format_find("tq_k8v4").v_codec, "tq4");
   EXPECT_EQ(kv_format_find("TQ3.5").k_codec, "tq3.5");
@@ -728,7 +731,7 @@ TEST(TqRegistry, FusedAttentionMatchesDecodeReference) {
   const CpuLevel saved = cpu_set_level(CpuLevel::avx512);
   for (CpuLevel lvl : {CpuLevel::scalar, CpuLevel::avx2, CpuLevel::avx512}) {
     cpu_set_level(lvl);
-    for (const char* fmt : {"tq1", "tq2.5", "tq3.5", "tq4", "tq3_qjl", "tq4_dense", "tq_k8v4", "tq_k3v4"}) {
+    for (const char* fmt : {"tq1", "tq2.5", "tq3.5", "tq4", "tq3_qjl", "tq4_dense", "tq_k8v4", "tq_k3v4", "tq_k4v3"}) {
       const KvFormatDesc& f = kv_format_find(fmt);
       const int d = 128, bt = 32, n_blocks = 3, n_q = 5, n_tail = 4, head = 1;
       // The record kernels: the formats' codecs store tiles at this head_dim (kernels checked by
