@@ -93,6 +93,48 @@ BucketSummary second_half_vs(const std::vector<float>& base, const std::vector<f
                                   ids[size_t(p + 1)]));
   return eval_summarize(n, sc);
 }
+
+// A model with its calibration by `kvq calibrate` on the Paul Graham essays and its f16-cache
+// logits over the first n tokens of WikiText-2 (BOS first): what the calibrated formats are
+// measured against. calibrated_window sets *skip (and returns null) when the model or the texts
+// are not installed; calib has no "layers" when the calibration failed.
+struct CalibratedWindow {
+  std::unique_ptr<Model> m;
+  nlohmann::json calib;
+  std::vector<int32_t> ids;
+  std::vector<float> base;
+  ThreadPool pool{2};
+  // Mean KLD of format kv against the f16 cache over the window's second half, printed as
+  // "[kld] <label> <kv> <value>".
+  double kld(const std::string& kv, const char* label) {
+    const double k =
+        second_half_vs(base, window_logits(*m, ids, kv, &calib, pool), ids, m->config().n_vocab).kld_mean;
+    std::printf("[kld] %s %-16s %.5f\n", label, kv.c_str(), k);
+    return k;
+  }
+};
+std::unique_ptr<CalibratedWindow> calibrated_window(const std::string& file, const std::string& tag, int n,
+                                                    std::string* skip) {
+  const std::string model = kvq_test_model(file);
+  const std::string text_path = shared_path("data/wikitext-2-test.txt");
+  const std::string calib_text = shared_path("data/paulgraham-essays.txt");
+  if (model.empty()) {
+    *skip = file + " not installed (run scripts/get-models.sh)";
+    return nullptr;
+  }
+  if (!fs::exists(text_path) || !fs::exists(calib_text)) {
+    *skip = "../shared/data texts not found";
+    return nullptr;
+  }
+  auto w = std::make_unique<CalibratedWindow>();
+  w->calib = calibrate_json(model, calib_text, tag);
+  w->m = Model::load(model);
+  Tokenizer tok = Tokenizer::from_gguf(w->m->file());
+  w->ids = text_window(tok, text_path, n);
+  if (tok.add_bos()) w->ids[0] = tok.bos();
+  w->base = window_logits(*w->m, w->ids, "f16", &w->calib, w->pool);
+  return w;
+}
 }  // namespace
 
 TEST(KvEngine, Stories260KGreedyEqualsF16ForExactAndEightBitCaches) {
@@ -184,28 +226,13 @@ TEST(KvEngine, SmolLM2FormatsStayWithinKldBounds) {
 // text, measured on another, the scaled formats' KLD against the f16 cache is less than half the
 // unscaled ones' (measured at 512 and 2048 tokens: 4-7x; bench/QUALITY.md).
 TEST(KvEngine, GemmaChannelScalesCutKld) {
-  const std::string model = kvq_test_model("gemma-3-270m-q4_k_m.gguf");
-  if (model.empty()) GTEST_SKIP() << "gemma-3-270m-q4_k_m.gguf not installed (run scripts/get-models.sh)";
-  const std::string text_path = shared_path("data/wikitext-2-test.txt");
-  const std::string calib_text = shared_path("data/paulgraham-essays.txt");
-  if (!fs::exists(text_path) || !fs::exists(calib_text)) GTEST_SKIP() << "../shared/data texts not found";
-  const nlohmann::json calib = calibrate_json(model, calib_text, "gemma");
-  ASSERT_TRUE(calib.contains("layers")) << "kvq calibrate failed";
-  ASSERT_TRUE(calib["layers"][0].contains("q_rms"));
-  auto m = Model::load(model);
-  Tokenizer tok = Tokenizer::from_gguf(m->file());
-  std::vector<int32_t> ids = text_window(tok, text_path, 256);
-  if (tok.add_bos()) ids[0] = tok.bos();
-  const int nv = m->config().n_vocab;
-  ThreadPool pool(2);
-  const auto base = window_logits(*m, ids, "f16", &calib, pool);
-  auto kld = [&](const std::string& kv) {
-    const double k = second_half_vs(base, window_logits(*m, ids, kv, &calib, pool), ids, nv).kld_mean;
-    std::printf("[kld] gemma %-10s %.5f\n", kv.c_str(), k);
-    return k;
-  };
+  std::string skip;
+  auto w = calibrated_window("gemma-3-270m-q4_k_m.gguf", "gemma", 256, &skip);
+  if (!w) GTEST_SKIP() << skip;
+  ASSERT_TRUE(w->calib.contains("layers")) << "kvq calibrate failed";
+  ASSERT_TRUE(w->calib["layers"][0].contains("q_rms"));
   for (const char* inner : {"q4_0h", "tq4"}) {
-    const double plain = kld(inner), scaled = kld(std::string(inner) + "_s");
+    const double plain = w->kld(inner, "gemma"), scaled = w->kld(std::string(inner) + "_s", "gemma");
     EXPECT_LT(scaled, 0.5 * plain) << inner;
   }
 }
@@ -215,36 +242,22 @@ TEST(KvEngine, GemmaChannelScalesCutKld) {
 // f16 cache than 3 bits everywhere (values kept in f16, so the keys alone are measured; at 2048
 // tokens with 2.5-bit values: KLD 0.021 against 0.036, bench/QUALITY.md).
 TEST(KvEngine, SmolLM2MixedPrecisionKeysBeatThreeBits) {
-  const std::string model = kvq_test_model("SmolLM2-135M-Instruct.Q4_1.gguf");
-  if (model.empty()) GTEST_SKIP() << "SmolLM2-135M-Instruct.Q4_1.gguf not installed (run scripts/get-models.sh)";
-  const std::string text_path = shared_path("data/wikitext-2-test.txt");
-  const std::string calib_text = shared_path("data/paulgraham-essays.txt");
-  if (!fs::exists(text_path) || !fs::exists(calib_text)) GTEST_SKIP() << "../shared/data texts not found";
-  const nlohmann::json calib = calibrate_json(model, calib_text, "smol");
-  ASSERT_TRUE(calib.contains("layers")) << "kvq calibrate failed";
-  auto m = Model::load(model);
-  const int L = m->config().n_layer, H = m->config().n_head_kv, hd = m->config().head_dim;
-  ASSERT_EQ(calib["layers"].size(), size_t(L));
-  for (const auto& layer : calib["layers"]) {
-    const auto w = layer["kvquant_pair_weight"].get<std::vector<std::vector<float>>>();
-    ASSERT_EQ(w.size(), size_t(H));
-    for (const auto& h : w) {
+  std::string skip;
+  auto w = calibrated_window("SmolLM2-135M-Instruct.Q4_1.gguf", "smol", 512, &skip);
+  if (!w) GTEST_SKIP() << skip;
+  ASSERT_TRUE(w->calib.contains("layers")) << "kvq calibrate failed";
+  const int L = w->m->config().n_layer, H = w->m->config().n_head_kv, hd = w->m->config().head_dim;
+  ASSERT_EQ(w->calib["layers"].size(), size_t(L));
+  for (const auto& layer : w->calib["layers"]) {
+    const auto pw = layer["kvquant_pair_weight"].get<std::vector<std::vector<float>>>();
+    ASSERT_EQ(pw.size(), size_t(H));
+    for (const auto& h : pw) {
       ASSERT_EQ(h.size(), size_t(hd / 2));
       for (float x : h) ASSERT_TRUE(x >= 0 && std::isfinite(x));
     }
   }
-  Tokenizer tok = Tokenizer::from_gguf(m->file());
-  std::vector<int32_t> ids = text_window(tok, text_path, 512);
-  if (tok.add_bos()) ids[0] = tok.bos();
-  const int nv = m->config().n_vocab;
-  ThreadPool pool(2);
-  const auto base = window_logits(*m, ids, "f16", &calib, pool);
-  auto kld = [&](const std::string& kv) {
-    const double k = second_half_vs(base, window_logits(*m, ids, kv, &calib, pool), ids, nv).kld_mean;
-    std::printf("[kld] smollm2 %-16s %.5f\n", kv.c_str(), k);
-    return k;
-  };
-  const double k3 = kld("kvquant3/f16"), k325 = kld("kvquant3.25/f16"), k4 = kld("kvquant4/f16");
+  const double k3 = w->kld("kvquant3/f16", "smollm2"), k325 = w->kld("kvquant3.25/f16", "smollm2"),
+               k4 = w->kld("kvquant4/f16", "smollm2");
   EXPECT_LT(k325, 0.75 * k3);
   EXPECT_LT(k4, k325);  // the widths themselves still order
 }
