@@ -97,20 +97,24 @@ inline void kv_unit_range(size_t unit_bytes, int unit_tokens, int t0, int n, siz
   *bytes = last - first < cap ? last - first : cap;
 }
 
-// f(i, m) for the passes of the SIMD kernels over n_q query rows: at most 4 rows a pass (the
-// accumulator registers), i the pass's first row, m its row count as std::integral_constant<int, 1..4>
-// so that each count has its own kernel instance.
-template <typename F>
-inline void tile_row_passes(int n_q, F&& f) {
-  constexpr int max_rows = 4;
-  for (int i = 0; i < n_q; i += max_rows) {
-    switch (std::min(max_rows, n_q - i)) {
+// f(i, m) for the passes of the SIMD kernels over n_q query rows: at most MaxRows (<= 4) rows a
+// pass (the accumulator registers), i the pass's first row, m its row count as
+// std::integral_constant<int, 1..MaxRows> so that each count has its own kernel instance.
+template <int MaxRows, typename F>
+inline void tile_row_passes_of(int n_q, F&& f) {
+  static_assert(MaxRows >= 1 && MaxRows <= 4);
+  for (int i = 0; i < n_q; i += MaxRows) {
+    switch (std::min(MaxRows, n_q - i)) {
       case 1: f(i, std::integral_constant<int, 1>{}); break;
-      case 2: f(i, std::integral_constant<int, 2>{}); break;
-      case 3: f(i, std::integral_constant<int, 3>{}); break;
-      default: f(i, std::integral_constant<int, 4>{}); break;
+      case 2: if constexpr (MaxRows >= 2) f(i, std::integral_constant<int, 2>{}); break;
+      case 3: if constexpr (MaxRows >= 3) f(i, std::integral_constant<int, 3>{}); break;
+      default: if constexpr (MaxRows >= 4) f(i, std::integral_constant<int, 4>{}); break;
     }
   }
+}
+template <typename F>
+inline void tile_row_passes(int n_q, F&& f) {
+  tile_row_passes_of<4>(n_q, f);
 }
 
 // Code (0..15) of element d of tile slot j in a K / V tile's code bytes: the layout above.

@@ -122,9 +122,11 @@ inline void quantize_weights(const __m256 (*w)[2], bool u8, int16_t (*out)[16], 
 }
 
 // Segments of up to kSegTiles tiles: every tile's weights quantized first (per scale block, the
-// whole head for int8t, 32 channels for q8_0t, with the reference's quantization), then per 8
-// channels the tiles' integer dots flushed into one f32 accumulator per row (the step is a
-// broadcast, so the lanes may stay in VPHADDD's order until the segment's one store).
+// whole head for int8t, 32 channels for q8_0t, with the reference's quantization), then per tile
+// and 8 channels the integer dots of the NQ rows (two int32 chains a row) flushed with the tile's
+// step into a local f32 accumulator kept in VPHADDD's lane order, which is permuted and added to
+// acc once per call. Only the chains live in registers across the token quads (no f32
+// accumulator per row held across tiles: at 4 rows that spilled the chains).
 template <int NQ>
 void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const uint8_t* block, int t0, int n, bool u8,
                 float* acc) {
@@ -136,23 +138,34 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
   const __m256i perm = pair_order();
   alignas(32) int16_t w16[kSegTiles][kMaxSb][NQ][16];
   float dw[kSegTiles][kMaxSb][NQ];
+  alignas(32) float lacc[NQ][kv_max_head_dim];
+  for (int h = 0; h < NQ; ++h) std::memset(lacc[h], 0, sizeof(float) * size_t(hd));
   for (int seg = tile0; seg < tile1; seg += kSegTiles) {
     const int nt = std::min(kSegTiles, tile1 - seg);
     for (int tt = 0; tt < nt; ++tt) {
       const int base = (seg + tt) * 16;
       const uint8_t* tp = block + size_t(seg + tt) * L.tile_bytes;
-      // Lanes outside [t0, t0 + n) weigh 0 and their scales (anything, NaN included) are masked off.
-      alignas(32) int32_t mi[16];
-      for (int j = 0; j < 16; ++j) mi[j] = base + j >= t0 && base + j < t0 + n ? -1 : 0;
-      const __m256 mk0 = _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mi)));
-      const __m256 mk1 = _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mi + 8)));
       __m256 pv[NQ][2];
-      for (int h = 0; h < NQ; ++h) {
-        alignas(32) float pt[16];
-        const float* ph = p + size_t(h) * size_t(p_stride);
-        for (int j = 0; j < 16; ++j) pt[j] = mi[j] ? ph[base + j - t0] : 0.f;
-        pv[h][0] = _mm256_load_ps(pt);
-        pv[h][1] = _mm256_load_ps(pt + 8);
+      __m256 mk0 = _mm256_castsi256_ps(_mm256_set1_epi32(-1)), mk1 = mk0;
+      if (base >= t0 && base + 16 <= t0 + n) {
+        for (int h = 0; h < NQ; ++h) {
+          const float* ph = p + size_t(h) * size_t(p_stride) + size_t(base - t0);
+          pv[h][0] = _mm256_loadu_ps(ph);
+          pv[h][1] = _mm256_loadu_ps(ph + 8);
+        }
+      } else {
+        // Lanes outside [t0, t0 + n) weigh 0 and their scales (anything, NaN included) are masked off.
+        alignas(32) int32_t mi[16];
+        for (int j = 0; j < 16; ++j) mi[j] = base + j >= t0 && base + j < t0 + n ? -1 : 0;
+        mk0 = _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mi)));
+        mk1 = _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mi + 8)));
+        for (int h = 0; h < NQ; ++h) {
+          alignas(32) float pt[16];
+          const float* ph = p + size_t(h) * size_t(p_stride);
+          for (int j = 0; j < 16; ++j) pt[j] = mi[j] ? ph[base + j - t0] : 0.f;
+          pv[h][0] = _mm256_load_ps(pt);
+          pv[h][1] = _mm256_load_ps(pt + 8);
+        }
       }
       for (int sb = 0; sb < nsb; ++sb) {
         __m256 s0, s1;
@@ -173,13 +186,15 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
         quantize_weights<NQ>(w, u8, w16[tt][sb], dw[tt][sb]);
       }
     }
-    for (int c = 0; c < hd / 16; ++c) {
-      const int sb = c / chunks;
-      for (int half = 0; half < 2; ++half) {  // channels 16c + 8 * half .. + 7
-        __m256 facc[NQ];
-        for (int h = 0; h < NQ; ++h) facc[h] = _mm256_setzero_ps();
-        for (int tt = 0; tt < nt; ++tt) {
-          const uint8_t* codes = block + size_t(seg + tt) * L.tile_bytes + L.code_off;
+    for (int tt = 0; tt < nt; ++tt) {
+      const uint8_t* codes = block + size_t(seg + tt) * L.tile_bytes + L.code_off;
+      for (int c = 0, sb = 0, cs = 0; c < hd / 16; ++c) {
+        if (cs == chunks) {  // chunk c starts the next scale block
+          cs = 0;
+          ++sb;
+        }
+        ++cs;
+        for (int half = 0; half < 2; ++half) {  // channels 16c + 8 * half .. + 7
           __m256i a0[NQ], a1[NQ];  // channels 0..3 / 4..7 of the half, a pair of tokens per int32 lane
           for (int h = 0; h < NQ; ++h) a0[h] = a1[h] = _mm256_setzero_si256();
           for (int k = 0; k < 4; ++k) {
@@ -192,25 +207,31 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
               a1[h] = _mm256_add_epi32(a1[h], _mm256_madd_epi16(y1, wv));
             }
           }
-          for (int h = 0; h < NQ; ++h)
-            facc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(a0[h], a1[h])), _mm256_set1_ps(dw[tt][sb][h]),
-                                      facc[h]);
-        }
-        for (int h = 0; h < NQ; ++h) {
-          float* a = acc + size_t(h) * size_t(hd) + size_t(16 * c + 8 * half);
-          _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), _mm256_permutevar8x32_ps(facc[h], perm)));
+          for (int h = 0; h < NQ; ++h) {
+            float* la = lacc[h] + 16 * c + 8 * half;
+            _mm256_store_ps(la, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(a0[h], a1[h])),
+                                                _mm256_set1_ps(dw[tt][sb][h]), _mm256_load_ps(la)));
+          }
         }
       }
     }
   }
+  for (int h = 0; h < NQ; ++h)
+    for (int d = 0; d < hd; d += 8) {
+      float* a = acc + size_t(h) * size_t(hd) + size_t(d);
+      _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), _mm256_permutevar8x32_ps(_mm256_load_ps(lacc[h] + d), perm)));
+    }
 }
 
 }  // namespace
 
+// Both kernels take the query rows two a pass: a pass of 4 rows kept more int32 chains than the 16
+// registers hold, and the spilled chains made it slower than two passes reading the codes twice
+// (bench/BENCHMARKS.md, "The int8 tiles on AVX2").
 void int8t_scores_avx2(const Int8TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
                        float* out, int out_stride) {
   if (n <= 0) return;
-  tile_row_passes(n_q, [&](int i, auto m) {
+  tile_row_passes_of<2>(n_q, [&](int i, auto m) {
     scores_pass<decltype(m)::value>(L, qp + size_t(i) * size_t(L.qdim), block, t0, n,
                                     out + size_t(i) * size_t(out_stride), out_stride);
   });
@@ -220,7 +241,7 @@ void int8t_accum_avx2(const Int8TiledLayout& L, const float* p, int p_stride, in
                       int n, float* acc) {
   if (n <= 0) return;
   const bool u8 = tiles_weights_nonneg_avx2(p, p_stride, n_q, n);
-  tile_row_passes(n_q, [&](int i, auto m) {
+  tile_row_passes_of<2>(n_q, [&](int i, auto m) {
     accum_pass<decltype(m)::value>(L, p + size_t(i) * size_t(p_stride), p_stride, block, t0, n, u8,
                                    acc + size_t(i) * size_t(L.hd));
   });
