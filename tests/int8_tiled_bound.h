@@ -18,7 +18,9 @@ namespace kvq::test {
 // q8_0h rotates q8_0t; q8_0h_c / _s / _cs center and / or scale that.
 inline bool int8t_codec(const KvCodec& c) {
   const std::string& n = c.info().name;
-  return n == "int8t" || n == "q8_0t" || n == "q8_0h" || n == "q8_0h_c" || n == "q8_0h_s" || n == "q8_0h_cs";
+  // "int8_c" centers codec "int8", which is int8t's tiles when head_dim % 32 == 0 (else rows).
+  return n == "int8t" || n == "q8_0t" || n == "q8_0h" || n == "q8_0h_c" || n == "q8_0h_s" || n == "q8_0h_cs" ||
+         (n == "int8_c" && c.head_dim() % 32 == 0);
 }
 inline Int8TiledLayout int8t_layout_of(const KvCodec& c) {
   return c.info().name.rfind("q8_0", 0) == 0 ? q8_0t_layout(c.head_dim()) : int8t_layout(c.head_dim());

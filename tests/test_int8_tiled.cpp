@@ -42,7 +42,8 @@ struct Kind {
   Int8TiledLayout (*layout)(int hd);
   double bits(int hd) const { return elem == KvElem::q8_0 ? 8.5 : 8 + 32.0 / hd; }
 };
-const Kind kKinds[] = {{"int8t", "int8", KvElem::int8, int8t_layout}, {"q8_0t", "q8_0", KvElem::q8_0, q8_0t_layout}};
+const Kind kKinds[] = {{"int8t", "int8_rows", KvElem::int8, int8t_layout},
+                       {"q8_0t", "q8_0", KvElem::q8_0, q8_0t_layout}};
 
 // int8 / q8_0 rows of the same tokens: scale and code of every element.
 struct Rows {
@@ -107,6 +108,31 @@ TEST(Int8Tiled, BytesAndBitsEqualInt8) {
     }
   EXPECT_EQ(kv_format_find(k.tiled).v_codec, k.tiled);
   }
+}
+
+// Codec "int8" (format "int8", the K half of k8v4 / k8v2, the inner codec of int8_c) stores
+// int8t's tiles where they apply and the rows elsewhere: same bytes, same decode either way.
+TEST(Int8Tiled, Int8CodecIsTheTilesWhereTheyApply) {
+  std::mt19937 rng(11);
+  for (int hd : {8, 64, 80, 128, 256})
+    for (KvRole role : {KvRole::key, KvRole::value}) {
+      SCOPED_TRACE(hd);
+      auto c = make("int8", hd, role);
+      auto r = make("int8_rows", hd, role);
+      EXPECT_EQ(c->info().name, hd % 32 == 0 ? "int8t" : "int8");
+      const int bt = 32;
+      EXPECT_EQ(c->block_bytes(bt), r->block_bytes(bt));
+      auto x = make_rows(Pat::random, bt, hd, rng);
+      std::vector<uint8_t> bc(c->block_bytes(bt)), br(r->block_bytes(bt));
+      c->encode(0, x.data(), size_t(hd), bt, bc.data(), bt, 0, 0);
+      r->encode(0, x.data(), size_t(hd), bt, br.data(), bt, 0, 0);
+      std::vector<float> yc(size_t(bt) * size_t(hd)), yr(yc.size());
+      c->decode(0, bc.data(), bt, 0, bt, 0, yc.data());
+      r->decode(0, br.data(), bt, 0, bt, 0, yr.data());
+      EXPECT_EQ(std::memcmp(yc.data(), yr.data(), yc.size() * sizeof(float)), 0);
+    }
+  EXPECT_EQ(kv_format_find("int8").k_codec, "int8");
+  EXPECT_EQ(kv_format_find("int8_rows").v_codec, "int8_rows");
 }
 
 TEST(Int8Tiled, RejectsBadShapes) {

@@ -207,7 +207,7 @@ TEST(Fp8, VectorEncodeMatchesScalarExactly) {
 TEST(RoundTrip, Int8WithinHalfStepOfAbsmax) {
   std::mt19937 rng(1);
   std::normal_distribution<float> nd;
-  auto c = make("int8", 128);
+  auto c = make("int8_rows", 128);  // one token a block; "int8" at this head_dim is int8t's tiles
   for (int trial = 0; trial < 200; ++trial) {
     std::vector<float> x(128);
     const float mag = std::ldexp(1.f, trial % 60 - 30);  // 2^-30 .. 2^29
@@ -330,7 +330,7 @@ TEST(ScaleReuseTrap, FixedScaleBlowsUpDynamicDoesNot) {
   for (int i = 0; i < 4 * hd; ++i) amax16 = std::max(amax16, std::fabs(x[size_t(i)]));
   nlohmann::json calib = {{"layers", {{{"k_scale", amax16 / 127}, {"v_scale", amax16 / 127}}}}};
   auto fixed = make("int8_static", hd, 1, &calib);
-  auto dyn = make("int8", hd);
+  auto dyn = make("int8_rows", hd);  // per-token blocks; "int8" at this head_dim stores int8t's tiles
   auto rel_err = [&](const KvCodec& c, int t) {
     std::vector<uint8_t> blk(c.block_bytes(1));
     std::vector<float> y(hd);

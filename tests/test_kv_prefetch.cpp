@@ -75,7 +75,7 @@ TEST(PrefetchRange, InsideTheBlockForEveryCodec) {
 TEST(PrefetchRange, RowCodecsOptInByElement) {
   // f16 rows gain from the early request, int8 rows measured slower with it (row_codec.cpp).
   auto f16 = make("f16", KvRole::key, nullptr);
-  auto i8 = make("int8", KvRole::key, nullptr);
+  auto i8 = make("int8_rows", KvRole::key, nullptr);
   EXPECT_EQ(f16->prefetch_range(64, 0, 64).bytes, std::min(f16->block_bytes(64), KvCodec::prefetch_lead_bytes));
   EXPECT_EQ(f16->prefetch_range(64, 8, 56).offset, size_t(8) * 128 * 2);
   EXPECT_EQ(i8->prefetch_range(64, 0, 64).bytes, 0u);

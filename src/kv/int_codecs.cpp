@@ -1,6 +1,8 @@
 // Integer codecs quantized per token at write time:
 //  int8:        symmetric, scale absmax/127 per (token, head) as f32 (KvRowScaled):
-//               8 + 32/head_dim bits.
+//               8 + 32/head_dim bits; stored in int8t's 16-token tiles (kv/int8_tiled.h, the same
+//               bytes and decode, integer-dot kernels) when head_dim % 32 == 0, else in rows
+//               ("int8_rows": always rows).
 //  int8_static: symmetric with calibrated per-tensor/per-head scales (kv/calib.h), no per-token
 //               scale: 8 bits; it shows the scale reuse trap when the range grows past calibration.
 //  int4_g{32,64,128}, int2_g{32,64,128}: asymmetric min/max per group of g elements along
@@ -40,8 +42,16 @@ void add_grouped(int bits, int g) {
 }  // namespace
 
 void kv_register_int_codecs() {
+  // "int8" stores int8t's tiles (kv/int8_tiled.h: the same quantization, bytes and decode, with
+  // integer-dot kernels) wherever they apply (head_dim a multiple of 32), else the rows;
+  // "int8_rows" always the rows.
+  kv_register_codec({"int8_rows", "int8 symmetric, f32 absmax scale per (token, head), one row per token",
+                     [](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
+                       return std::make_unique<KvRowCodec>("int8", kv_row_fmt(KvElem::int8, p.head_dim), p.n_kv_heads);
+                     }});
   kv_register_codec({"int8", "int8 symmetric, f32 absmax scale per (token, head)",
                      [](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
+                       if (p.head_dim % 32 == 0 && p.head_dim <= kv_max_head_dim) return kv_codec_create("int8t", p);
                        return std::make_unique<KvRowCodec>("int8", kv_row_fmt(KvElem::int8, p.head_dim), p.n_kv_heads);
                      }});
   kv_register_codec({"int8_static", "int8 symmetric, calibrated per-tensor/per-head scale",
@@ -53,7 +63,10 @@ void kv_register_int_codecs() {
     for (int g : {32, 64, 128}) add_grouped(bits, g);
 
   kv_register_format({"int8", {"int8_per_token"}, "int8", "int8",
-                      "int8 symmetric per (token, head), f32 scale: 8 + 32/head_dim bits"});
+                      "int8 symmetric per (token, head), f32 scale (int8t's tiles where head_dim % 32 == 0): "
+                      "8 + 32/head_dim bits"});
+  kv_register_format({"int8_rows", {}, "int8_rows", "int8_rows",
+                      "int8 symmetric per (token, head), f32 scale, one row per token: 8 + 32/head_dim bits"});
   kv_register_format({"int8_static", {}, "int8_static", "int8_static",
                       "int8 with calibrated K/V scales (needs calibration JSON): 8 bits"});
   for (int bits : {4, 2}) {

@@ -161,7 +161,9 @@ std::shared_ptr<const nlohmann::json> prefill_scales(const Ctx& c, const int32_t
 FormatRun with_static_scales(const FormatRun& r, std::shared_ptr<const nlohmann::json> calib) {
   FormatRun s = r;
   auto swap = [](std::string& codec) {
-    for (const char* base : {"int8", "fp8_e4m3", "fp8_e5m2"})
+    for (const char* base : {"int8", "int8_rows", "int8t"})
+      if (codec == base) codec = "int8_static";
+    for (const char* base : {"fp8_e4m3", "fp8_e5m2"})
       if (codec == base) codec += "_static";
   };
   for (auto& l : s.kv.policy.layers) {

@@ -1,0 +1,107 @@
+// isa_probe: throughput of the AVX2 instructions the fused KV kernels are built from, on this
+// core, as ratios to VFMADD231PS (f16 / f32 kernels' work) measured in the same run.
+//
+//   build/bench/isa_probe [--iters N]
+//
+// Each line runs 12 independent register chains of one instruction (or an alternation of two)
+// in a loop and prints instructions per ns and the ratio to the FMA line. Ratio ~1 for an integer
+// multiply (VPMADDUBSW: 32 u8 x s8 products; VPMADDWD: 16 int16 products) means it issues as
+// often as an FMA (8 f32 products); a pair that runs at the single instruction's rate shares its
+// ports. Plain x86-64 inline assembly, so the numbers are the core's, not the compiler's; exits
+// with a message on a CPU without AVX2 / FMA or off x86-64.
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+
+namespace {
+
+// 12 instructions per loop pass, every destination its own chain (latency hidden).
+#define KVQ_P12(A, B)                                                                                               \
+  A " %%ymm15, %%ymm0, %%ymm0\n" B " %%ymm14, %%ymm1, %%ymm1\n" A " %%ymm15, %%ymm2, %%ymm2\n" B                    \
+    " %%ymm14, %%ymm3, %%ymm3\n" A " %%ymm15, %%ymm4, %%ymm4\n" B " %%ymm14, %%ymm5, %%ymm5\n" A                   \
+    " %%ymm15, %%ymm6, %%ymm6\n" B " %%ymm14, %%ymm7, %%ymm7\n" A " %%ymm15, %%ymm8, %%ymm8\n" B                   \
+    " %%ymm14, %%ymm9, %%ymm9\n" A " %%ymm15, %%ymm10, %%ymm10\n" B " %%ymm14, %%ymm11, %%ymm11\n"
+
+#define KVQ_PROBE(A, B)                                                                                      \
+  [](long n) {                                                                                               \
+    asm volatile("vpxor %%ymm14, %%ymm14, %%ymm14\n vpxor %%ymm15, %%ymm15, %%ymm15\n" ::: "xmm14", "xmm15"); \
+    for (long i = 0; i < n; ++i)                                                                             \
+      asm volatile(KVQ_P12(A, B)::: "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",    \
+                   "xmm9", "xmm10", "xmm11");                                                                \
+  }
+
+struct Probe {
+  const char* name;
+  void (*run)(long);
+};
+
+const Probe kProbes[] = {
+    {"vfmadd231ps (f32 FMA, 8 products)", KVQ_PROBE("vfmadd231ps", "vfmadd231ps")},
+    {"vpmaddubsw (u8 x s8, 32 products)", KVQ_PROBE("vpmaddubsw", "vpmaddubsw")},
+    {"vpmaddwd (int16, 16 products)", KVQ_PROBE("vpmaddwd", "vpmaddwd")},
+    {"vpaddw", KVQ_PROBE("vpaddw", "vpaddw")},
+    {"vpand", KVQ_PROBE("vpand", "vpand")},
+    {"vpshufb", KVQ_PROBE("vpshufb", "vpshufb")},
+    {"vphaddd", KVQ_PROBE("vphaddd", "vphaddd")},
+    {"vpmaddubsw + vfmadd231ps", KVQ_PROBE("vpmaddubsw", "vfmadd231ps")},
+    {"vpmaddwd + vfmadd231ps", KVQ_PROBE("vpmaddwd", "vfmadd231ps")},
+    {"vpmaddubsw + vpmaddwd", KVQ_PROBE("vpmaddubsw", "vpmaddwd")},
+    {"vpmaddubsw + vpaddw", KVQ_PROBE("vpmaddubsw", "vpaddw")},
+    {"vfmadd231ps + vpaddw", KVQ_PROBE("vfmadd231ps", "vpaddw")},
+};
+
+double per_ns(void (*run)(long), long iters) {
+  run(iters / 10);  // warm up (clock ramp)
+  double best = 0;
+  for (int r = 0; r < 5; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    run(iters);
+    const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, 12.0 * double(iters) / ns);
+  }
+  return best;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  long iters = 20000000;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc) {
+      iters = std::strtol(argv[++i], nullptr, 10);
+      if (iters <= 0) {
+        std::fprintf(stderr, "isa_probe: --iters needs a positive count\n");
+        return 2;
+      }
+    } else {
+      std::fprintf(stderr, "usage: isa_probe [--iters N]\n");
+      return 2;
+    }
+  }
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
+    std::fprintf(stderr, "isa_probe: this CPU has no AVX2 / FMA; nothing to measure\n");
+    return 1;
+  }
+  double fma = 0;
+  std::printf("%-38s %12s %10s\n", "instruction (12 independent chains)", "per ns", "x FMA");
+  for (const Probe& p : kProbes) {
+    const double r = per_ns(p.run, iters);
+    if (fma == 0) fma = r;
+    std::printf("%-38s %12.2f %10.2f\n", p.name, r, r / fma);
+  }
+  return 0;
+}
+
+#else
+
+int main() {
+  std::fprintf(stderr, "isa_probe: measures x86-64 AVX2 instructions; not built for this CPU\n");
+  return 1;
+}
+
+#endif
