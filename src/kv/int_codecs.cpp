@@ -45,14 +45,14 @@ void kv_register_int_codecs() {
   // "int8" stores int8t's tiles (kv/int8_tiled.h: the same quantization, bytes and decode, with
   // integer-dot kernels) wherever they apply (head_dim a multiple of 32), else the rows;
   // "int8_rows" always the rows.
-  kv_register_codec({"int8_rows", "int8 symmetric, f32 absmax scale per (token, head), one row per token",
-                     [](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
-                       return std::make_unique<KvRowCodec>("int8", kv_row_fmt(KvElem::int8, p.head_dim), p.n_kv_heads);
-                     }});
+  const auto int8_rows = [](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
+    return std::make_unique<KvRowCodec>("int8", kv_row_fmt(KvElem::int8, p.head_dim), p.n_kv_heads);
+  };
+  kv_register_codec({"int8_rows", "int8 symmetric, f32 absmax scale per (token, head), one row per token", int8_rows});
   kv_register_codec({"int8", "int8 symmetric, f32 absmax scale per (token, head)",
-                     [](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
+                     [int8_rows](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
                        if (p.head_dim % 32 == 0 && p.head_dim <= kv_max_head_dim) return kv_codec_create("int8t", p);
-                       return std::make_unique<KvRowCodec>("int8", kv_row_fmt(KvElem::int8, p.head_dim), p.n_kv_heads);
+                       return int8_rows(p);
                      }});
   kv_register_codec({"int8_static", "int8 symmetric, calibrated per-tensor/per-head scale",
                      [](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
