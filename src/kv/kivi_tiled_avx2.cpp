@@ -60,12 +60,17 @@ void scores_pass(const int8_t* q8, const float* dq, const float* cz, int hd, con
 }  // namespace
 
 // kivit_fold_query_ref's arithmetic bit for bit (see the AVX-512 fold): the C lanes 0..7 and
-// 8..15 in two accumulators, the block maximum exact (NaN lanes ignored), the step and its
-// inverse in scalar as in the reference, VROUNDPS to nearest even, NaN clamped to -127.
+// 8..15 in two accumulators, the block maximum exact (VMAXPS with the new value first returns the
+// running maximum for a NaN lane: NaN lanes ignored, as std::max in the reference), the step and
+// its inverse in IEEE vector divisions. The rounding: |q' * inv| <= 127 (1 + 3 * 2^-24) for every
+// non-NaN lane (|q'| <= amax, inv = 1 / fl(amax / 127)), so the reference's clamp to [-127, 127]
+// only ever acts on NaN (-127: VMAXPS against -127 returns -127 for it) and on products within
+// 2^-21 of +-127 that round to +-127 anyway; VCVTPS2DQ then rounds to nearest even as nearbyint,
+// and a block's 32 bytes are packed at once.
 void kivit_fold_query_avx2(const uint8_t* params, const float* q, int n_q, int hd, int8_t* q8, float* dq,
                            float* cz) {
   const int nb = hd / 32;
-  const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  const __m256 lo = _mm256_set1_ps(-127.f);
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   alignas(32) float sc[1024], ze[1024];
   for (int d = 0; d < hd; d += 8) {
@@ -80,26 +85,29 @@ void kivit_fold_query_avx2(const uint8_t* params, const float* q, int n_q, int h
   for (int i0 = 0; i0 < n_q; i0 += kMaxRows) {
     const int nr = std::min(kMaxRows, n_q - i0);
     alignas(32) float qs[kMaxRows][kv_max_head_dim];
-    alignas(32) float amax[kMaxRows * kv_max_head_dim / 32 + 8] = {};
+    alignas(32) float amax[kMaxRows * kv_max_head_dim / 32 + 8];
+    std::fill(amax + nr * nb, amax + (nr * nb + 7) / 8 * 8, 0.f);  // the last division vector's unused lanes
     for (int r = 0; r < nr; ++r) {
       const int i = i0 + r;
       const float* x = q + size_t(i) * size_t(hd);
       __m256 c[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-      for (int b = 0; b < nb; ++b) {
-        __m256 am = _mm256_setzero_ps();
-        for (int e = 0; e < 4; ++e) {
-          const int d = 32 * b + 8 * e;
-          const __m256 xv = _mm256_loadu_ps(x + d);
-          const __m256 v = _mm256_mul_ps(xv, _mm256_load_ps(sc + d));
-          _mm256_store_ps(qs[r] + d, v);
-          c[e & 1] = _mm256_fmadd_ps(xv, _mm256_load_ps(ze + d), c[e & 1]);
-          const __m256 ord = _mm256_cmp_ps(v, v, _CMP_ORD_Q);
-          am = _mm256_max_ps(am, _mm256_and_ps(ord, _mm256_and_ps(v, absmask)));
+      for (int b0 = 0; b0 < nb; b0 += 4) {  // four blocks' maxima reduced at once (max is exact)
+        __m256 am[4];
+        for (int u = 0; u < 4; ++u) {
+          am[u] = _mm256_setzero_ps();
+          if (b0 + u >= nb) continue;
+          for (int e = 0; e < 4; ++e) {
+            const int d = 32 * (b0 + u) + 8 * e;
+            const __m256 xv = _mm256_loadu_ps(x + d);
+            const __m256 v = _mm256_mul_ps(xv, _mm256_load_ps(sc + d));
+            _mm256_store_ps(qs[r] + d, v);
+            c[e & 1] = _mm256_fmadd_ps(xv, _mm256_load_ps(ze + d), c[e & 1]);
+            am[u] = _mm256_max_ps(_mm256_and_ps(v, absmask), am[u]);  // a NaN lane leaves am
+          }
         }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(am), _mm256_extractf128_ps(am, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-        amax[r * nb + b] = _mm_cvtss_f32(m4);
+        alignas(32) float m[8];
+        _mm256_store_ps(m, tile_max4x8_avx2(am));
+        std::copy(m, m + std::min(4, nb - b0), amax + r * nb + b0);
       }
       alignas(32) float lane[kivit_c_lanes];
       _mm256_store_ps(lane, c[0]);
@@ -121,13 +129,13 @@ void kivit_fold_query_avx2(const uint8_t* params, const float* q, int n_q, int h
       int8_t* r8 = q8 + size_t(i) * size_t(hd);
       for (int b = 0; b < nb; ++b) {
         const __m256 iv = _mm256_set1_ps(inv[r * nb + b]);
-        for (int e = 0; e < 4; ++e) {
-          const __m256 rr =
-              _mm256_round_ps(_mm256_mul_ps(_mm256_load_ps(qs[r] + 32 * b + 8 * e), iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          const __m256i v = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(rr, lo), hi));
-          const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-          _mm_storel_epi64(reinterpret_cast<__m128i*>(r8 + 32 * b + 8 * e), _mm_packs_epi16(p16, p16));
-        }
+        __m256i v[4];
+        for (int e = 0; e < 4; ++e)
+          v[e] = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_mul_ps(_mm256_load_ps(qs[r] + 32 * b + 8 * e), iv), lo));
+        // Per 128-bit lane the packs leave dwords v0 v1 v2 v3 (elements 0..3 of each, then 4..7).
+        const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(r8 + 32 * b),
+                            _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
         dq[size_t(i) * size_t(nb) + size_t(b)] = amax[r * nb + b];
       }
     }
