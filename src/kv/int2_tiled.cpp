@@ -165,15 +165,7 @@ void kv_register_int2_tiled() {
     kv_register_codec(
         {name, fmt::format("int2_g{}'s quantization in a 16-token tiled layout for integer-dot kernels", g),
          [name, g](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
-           if (p.head_dim % g != 0 || p.head_dim > kv_max_head_dim) {
-             std::string valid;
-             for (int v : {32, 64, 128})
-               if (p.head_dim % v == 0) valid += fmt::format("{}{}", valid.empty() ? "" : ", ", v);
-             fail("KV codec '{}': group size {} does not divide head_dim {} (at most {}); valid group sizes for "
-                  "this head_dim: {}",
-                  name, g, p.head_dim, kv_max_head_dim,
-                  valid.empty() ? std::string("none (head_dim must be a multiple of 32)") : valid);
-           }
+           kv_check_group_size(name, g, p.head_dim);
            return std::make_unique<Int2TiledCodec>(name, p.role, p.head_dim, g);
          }});
     // "int2" is int2t_g32 (int2_g32's quantization and bytes; 3 bits: at 2 bits only small groups keep

@@ -28,13 +28,7 @@ void add_grouped(int bits, int g) {
   kv_register_codec(
       {name, fmt::format("int{} asymmetric, f16 scale + min per group of {} along head_dim", bits, g),
        [name, e, g](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
-         if (p.head_dim % g != 0) {
-           std::string valid;
-           for (int v : {32, 64, 128})
-             if (p.head_dim % v == 0) valid += fmt::format("{}{}", valid.empty() ? "" : ", ", v);
-           fail("KV codec '{}': group size {} does not divide head_dim {}; valid group sizes for this head_dim: {}",
-                name, g, p.head_dim, valid.empty() ? std::string("none (head_dim must be a multiple of 32)") : valid);
-         }
+         kv_check_group_size(name, g, p.head_dim);
          return std::make_unique<KvRowCodec>(name, kv_row_fmt(e, p.head_dim, g), p.n_kv_heads);
        }});
 }

@@ -111,6 +111,15 @@ std::string format_list(const Registry& r) {
 void kv_register_codec(KvCodecEntry e) { storage().codecs.push_back(std::move(e)); }
 void kv_register_format(KvFormatDesc d) { storage().formats.push_back(std::move(d)); }
 
+void kv_check_group_size(const std::string& name, int group, int head_dim) {
+  if (head_dim % group == 0) return;
+  std::string valid;
+  for (int v : {32, 64, 128})
+    if (head_dim % v == 0) valid += fmt::format("{}{}", valid.empty() ? "" : ", ", v);
+  fail("KV codec '{}': group size {} does not divide head_dim {}; valid group sizes for this head_dim: {}", name, group,
+       head_dim, valid.empty() ? std::string("none (head_dim must be a multiple of 32)") : valid);
+}
+
 const std::vector<KvFormatDesc>& kv_formats() { return registry().formats; }
 
 const KvFormatDesc& kv_format_find(const std::string& name) {

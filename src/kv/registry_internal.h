@@ -21,4 +21,9 @@ struct KvCodecEntry {
 void kv_register_codec(KvCodecEntry e);
 void kv_register_format(KvFormatDesc d);
 
+// The per-group codecs' (int4_gN, int2_gN, int4t_gN, int2t_gN) parameter check: unless group
+// divides head_dim, throws kvq::Error naming codec `name` and listing the group sizes (32, 64, 128)
+// that do. (head_dim itself is checked by kv_codec_create: at most kv_max_head_dim.)
+void kv_check_group_size(const std::string& name, int group, int head_dim);
+
 }  // namespace kvq
