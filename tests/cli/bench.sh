@@ -2,15 +2,8 @@
 # kvq bench end to end on stories260K: the shared-prefix workload under one KV budget (a format
 # with smaller tokens keeps every prefix resident where f16 cannot), a JSONL workload, and bad input.
 set -u
-kvq=$1
-src=$2
-model=$src/../shared/models/stories260K.gguf
-text=$src/../shared/data/tinyshakespeare.txt
-[[ -f $model && -f $text ]] || { echo "skip: $model or $text not found"; exit 77; }
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-fails=0
-check() { if ! eval "$2"; then echo "FAIL: $1"; fails=$((fails + 1)); else echo "ok: $1"; fi; }
+source "$(dirname "$0")/common.bash"
+require "$model" "$text"
 
 # 4 prefixes of 64 tokens (one page each) in turn, 16 requests. 160 KiB holds 4 f16 pages (640
 # bytes a token) and 5 int8 pages (480): f16 keeps 3 prefixes besides the running request's new
@@ -126,5 +119,4 @@ bad "--chat on a model without a chat template" "no chat template kvq knows" --k
 bad "--chat without a JSONL workload" "applies to --workload" --kv f16 --chat --data "$text"
 bad "text too short for the prefixes" "fewer than --prefixes" --kv f16 --data "$tmp/w.jsonl" --prefix-tokens 64
 
-[[ $fails -eq 0 ]] || { echo "$fails check(s) failed"; exit 1; }
-echo "all bench checks passed"
+finish bench

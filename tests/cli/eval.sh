@@ -1,15 +1,8 @@
 #!/usr/bin/env bash
 # kvq eval and kvq plan --measure end to end on stories260K, and eval's bad-input handling.
 set -u
-kvq=$1
-src=$2
-model=$src/../shared/models/stories260K.gguf
-text=$src/../shared/data/tinyshakespeare.txt
-[[ -f $model && -f $text ]] || { echo "skip: $model or $text not found"; exit 77; }
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-fails=0
-check() { if ! eval "$2"; then echo "FAIL: $1"; fails=$((fails + 1)); else echo "ok: $1"; fi; }
+source "$(dirname "$0")/common.bash"
+require "$model" "$text"
 
 printf '{"prompt": "Once upon a time", "expected": "there", "match": "substring"}\n{"prompt": "Lily", "expected": "xyz"}\n' >"$tmp/own.jsonl"
 "$kvq" eval -m "$model" --kv int8,fp8 --ctx 64,128 --task ppl,own --data "$text" --own "$tmp/own.jsonl" \
@@ -106,4 +99,4 @@ check "plan --measure exits 0" "[[ $? -eq 0 ]]"
 check "plan --measure reports growth per token vs prediction" "grep -q 'bytes/token measured vs 640 predicted' $tmp/m"
 bad "plan --measure without a GGUF" "measure" plan --measure --preset llama-3-70b --ctx 1K,2K
 
-[[ $fails -eq 0 ]] || { echo "$fails check(s) failed"; exit 1; }
+finish eval

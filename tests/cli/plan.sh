@@ -4,13 +4,8 @@
 # input rejected with a message and a non-zero exit (never a crash). Exit 77 (skip) while the
 # binary has no `plan` subcommand.
 set -u
-kvq=$1
-src=$2
+source "$(dirname "$0")/common.bash"
 "$kvq" plan --presets >/dev/null 2>&1 || { echo "skip: '$kvq plan' is not available"; exit 77; }
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-fails=0
-check() { if ! eval "$2"; then echo "FAIL: $1"; fails=$((fails + 1)); else echo "ok: $1"; fi; }
 
 # --presets lists every required model with its shape
 "$kvq" plan --presets >"$tmp/presets"
@@ -88,5 +83,4 @@ bad "broken config" "JSON" --config "$tmp/broken.json"
 bad "unreadable GGUF" "nope.gguf" -m "$tmp/nope.gguf"
 bad "no model" "exactly one model"
 
-[[ $fails -eq 0 ]] || { echo "$fails check(s) failed"; exit 1; }
-echo "all plan checks passed"
+finish plan

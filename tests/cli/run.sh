@@ -2,14 +2,8 @@
 # kvq run as a user runs it: output on stdout only, speed/memory on stderr, and bad input
 # rejected with a one-line error and a non-zero exit (never a crash).
 set -u
-kvq=$1
-src=$2
-model=$src/../shared/models/stories260K.gguf
-[[ -f $model ]] || { echo "skip: $model not found"; exit 77; }
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-fails=0
-check() { if ! eval "$2"; then echo "FAIL: $1"; fails=$((fails + 1)); else echo "ok: $1"; fi; }
+source "$(dirname "$0")/common.bash"
+require "$model"
 
 # greedy from BOS: stdout is exactly the generated text (known output is a prefix)
 "$kvq" run -m "$model" -n 120 --temp 0 -t 1 >"$tmp/out" 2>"$tmp/err"
@@ -60,4 +54,4 @@ bad "negative --kv-sink-tokens" run -m "$model" -p hi --kv-cache-dtype kvquant4 
 rc=$?
 check "K/V split format runs" "[[ $rc -eq 0 && -s $tmp/split ]]"
 
-[[ $fails -eq 0 ]] || { echo "$fails check(s) failed"; exit 1; }
+finish run

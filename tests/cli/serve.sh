@@ -4,15 +4,10 @@
 # SIGTERM; bad flags are rejected with a one-line error and a non-zero exit.
 # The venv lives in $KVQ_OPENAI_VENV (default: $TMPDIR/kvq-openai-venv) and is reused.
 set -u
-kvq=$1
-src=$2
-model=$src/../shared/models/stories260K.gguf
-[[ -f $model ]] || { echo "skip: $model not found"; exit 77; }
-tmp=$(mktemp -d)
+source "$(dirname "$0")/common.bash"
+require "$model"
 pid=
 trap '[[ -n $pid ]] && kill $pid 2>/dev/null; rm -rf "$tmp"' EXIT
-fails=0
-check() { if ! eval "$2"; then echo "FAIL: $1"; fails=$((fails + 1)); else echo "ok: $1"; fi; }
 
 # bad flags
 "$kvq" serve -m "$model" --kv-mem lots >"$tmp/o" 2>"$tmp/e"; rc=$?
@@ -87,5 +82,4 @@ wait $pid; rc=$?
 pid=
 check "SIGTERM stops the server with exit 0" "[[ $rc -eq 0 ]]"
 
-[[ $fails -eq 0 ]] || { echo "$fails check(s) failed"; exit 1; }
-echo "all serve checks passed"
+finish serve

@@ -1,0 +1,16 @@
+# Sourced by the CLI tests (tests/cli/*.sh, run by ctest as `bash SCRIPT KVQ_BINARY SOURCE_DIR`):
+# their arguments, the tiny real model and text from ../shared, a scratch directory removed on
+# exit, and the check / skip / finish helpers.
+kvq=$1
+src=$2
+model=$src/../shared/models/stories260K.gguf
+text=$src/../shared/data/tinyshakespeare.txt
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fails=0
+# check NAME CONDITION: CONDITION (a bash expression) must hold.
+check() { if ! eval "$2"; then echo "FAIL: $1"; fails=$((fails + 1)); else echo "ok: $1"; fi; }
+# require FILE...: skip the test (exit 77, ctest's SKIP_RETURN_CODE) when a file is absent.
+require() { local f; for f; do [[ -f $f ]] || { echo "skip: $f not found"; exit 77; }; done; }
+# finish NAME: the exit status: 1 when any check failed.
+finish() { [[ $fails -eq 0 ]] || { echo "$fails check(s) failed"; exit 1; }; echo "all $1 checks passed"; }
