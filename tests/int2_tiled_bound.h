@@ -1,6 +1,6 @@
-// Error bounds of the tiled int2 kernels (kv/int2_tiled.h) and of kivi2t's key scores
-// (kv/kivi_tiled.h) read off a head block, for tests: int4t's and kivi4t's bounds
-// (tests/int4_tiled_bound.h, tests/kivi_tiled_bound.h) with int2t's code layout and codes 0..3.
+// Error bounds of the tiled int2 kernels (kv/int2_tiled.h) read off a head block, for tests:
+// int4t's bounds (tests/int4_tiled_bound.h) with int2t's code layout and codes 0..3. kivi2t's key
+// score bound is in tests/kivi_tiled_bound.h, with kivi4t's.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -31,36 +31,6 @@ inline double int2t_score_bound(const Int4TiledLayout& L, const float* q, const 
 inline double int2t_value_bound(const Int4TiledLayout& L, const uint8_t* block, int t0, int n, const double* pi,
                                 double pi_scale) {
   return tile_value_bound(L, kInt2tCodes, block, t0, n, pi, pi_scale);
-}
-
-inline bool kivi2t_key_codec(const KvCodec& c) { return c.info().name == "kivi2t_k"; }
-inline bool kivi2t_value_codec(const KvCodec& c) { return c.info().name == "kivi2t_v"; }
-
-// |score - <q, decode(k_t)>| bound for token t (block slot) of a kivi2t_k block of group G:
-//   sum_d (dq_b(d) / 2)(1 + 2^-21) c_td + (hd + 4) 2^-24 sum_d |q_d| (s_d c_td + |m_d| + |decode_td|),
-// with dq_b = max_{d in b} |fl(q_d s_d)| / 127 as the fold computes it. q: (hd) the plain query.
-inline double kivi2t_score_bound(const float* q, const uint8_t* block, int hd, int G, int t) {
-  const size_t group_bytes = size_t(hd) * 4 + size_t(G / 16) * int2t_code_bytes(hd);
-  const uint8_t* grp = block + size_t(t / G) * group_bytes;
-  const int tg = t % G, j = tg % 16;
-  const uint8_t* codes = grp + size_t(hd) * 4 + size_t(tg / 16) * int2t_code_bytes(hd);
-  auto f16at = [&](int i) {
-    f16_t h;
-    std::memcpy(&h, grp + 2 * size_t(i), 2);
-    return f16_to_f32(h);
-  };
-  double quant = 0, mag = 0;
-  for (int b = 0; b < hd / 32; ++b) {
-    double amax = 0;
-    for (int d = 32 * b; d < 32 * b + 32; ++d) amax = std::max(amax, double(std::fabs(q[d] * f16at(d))));
-    for (int d = 32 * b; d < 32 * b + 32; ++d) {
-      const int c = int2t_key_code(codes, j, d);
-      const double s = f16at(d), m = f16at(hd + d);
-      quant += amax / 127 * 0.5 * (1 + std::ldexp(1.0, -21)) * c;
-      mag += std::fabs(double(q[d])) * (s * c + std::fabs(m) + std::fabs(s * c + m));
-    }
-  }
-  return quant + double(hd + 4) * std::ldexp(1.0, -24) * mag + 1e-30;
 }
 
 }  // namespace kvq::test
