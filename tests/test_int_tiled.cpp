@@ -521,50 +521,19 @@ TEST(IntTiled, LongRangeParity) {
 TEST(IntTiled, CodecApiEveryLevel) {
   for (const Width& w : kWidths) {
     SCOPED_TRACE(w.tiled);
-    std::mt19937 rng(13);
-    std::normal_distribution<float> nd;
-    const CpuLevel saved = cpu_set_level(CpuLevel::avx512);
-    const int hd = 128, bt = 64, nq = 4;
-    auto kc = make(w.codec(64), hd, KvRole::key);
-    auto vc = make(w.codec(64), hd, KvRole::value);
-    auto x = make_rows(Pat::outlier_channel, bt, hd, rng);
-    std::vector<uint8_t> kb(kc->block_bytes(bt)), vb(vc->block_bytes(bt));
-    kc->encode(1, x.data(), size_t(hd), bt, kb.data(), bt, 0, 0);
-    vc->encode(1, x.data(), size_t(hd), bt, vb.data(), bt, 0, 0);
-    auto q = make_queries(0, nq, hd, rng);
-    std::vector<float> p(size_t(nq) * 40);
-    for (auto& v : p) v = std::fabs(nd(rng));
-    std::vector<float> s_ref, a_ref;
-    for (CpuLevel lvl : {CpuLevel::scalar, CpuLevel::avx2, CpuLevel::avx512}) {
-      cpu_set_level(lvl);
-      std::vector<float> qp(size_t(nq) * size_t(kc->prepared_query_dim())), s(size_t(nq) * 40), a(size_t(nq) * hd, 0.f);
-      kc->prepare_query(1, q.data(), nq, qp.data());
-      kc->scores(1, qp.data(), nq, kb.data(), bt, 9, 40, 0, s.data(), 40);
-      vc->accumulate(1, p.data(), 40, nq, vb.data(), bt, 9, 40, a.data());
-      if (lvl == CpuLevel::scalar) {
-        s_ref = s;
-        a_ref = a;
-        continue;
+    // f32 summation order only (same quantized weights): relative to sum_t |p_t| |x_t| with x
+    // bounded by the group's range (outlier channels make the min term cancel).
+    test::codec_api_every_level(w.codec(64), 0, [](const std::vector<float>& dec, const std::vector<float>& p, int i,
+                                                   int d) {
+      double mag = 0;
+      for (int t = 0; t < 40; ++t) {
+        double vmax = 0;  // the largest |value| of the token's group: bounds |s c| and |m|
+        for (int e = d / 64 * 64; e < d / 64 * 64 + 64; ++e)
+          vmax = std::max(vmax, double(std::fabs(dec[size_t(9 + t) * 128 + size_t(e)])));
+        mag += std::fabs(p[size_t(i) * 40 + size_t(t)]) * 5 * vmax;
       }
-      EXPECT_EQ(std::memcmp(s.data(), s_ref.data(), sizeof(float) * s.size()), 0) << cpu_level_name(lvl);
-      // f32 summation order only (same quantized weights): relative to sum_t |p_t| |x_t| with x
-      // bounded by the group's range (outlier channels make the min term cancel).
-      std::vector<float> dec(size_t(bt) * size_t(hd));
-      vc->decode(1, vb.data(), bt, 0, bt, 0, dec.data());
-      for (int i = 0; i < nq; ++i)
-        for (int d = 0; d < hd; ++d) {
-          double mag = 0;
-          for (int t = 0; t < 40; ++t) {
-            double vmax = 0;  // the largest |value| of the token's group: bounds |s c| and |m|
-            for (int e = d / 64 * 64; e < d / 64 * 64 + 64; ++e)
-              vmax = std::max(vmax, double(std::fabs(dec[size_t(9 + t) * size_t(hd) + size_t(e)])));
-            mag += std::fabs(p[size_t(i) * 40 + size_t(t)]) * 5 * vmax;
-          }
-          EXPECT_NEAR(a[size_t(i) * size_t(hd) + size_t(d)], a_ref[size_t(i) * size_t(hd) + size_t(d)], 1e-5 * mag)
-              << d;
-        }
-    }
-    cpu_set_level(saved);
+      return mag;
+    });
   }
 }
 
