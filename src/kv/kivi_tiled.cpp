@@ -42,8 +42,10 @@ void kivit_fold_query_ref(const uint8_t* params, const float* q, int n_q, int hd
       }
       const float step = amax / 127.f;
       // As int4t_prepare_query: a non-finite block has no int8 image (codes 0, step 0); C then
-      // carries the NaN / inf into the score as the float kernels would.
-      const float inv = step > 0 && std::isfinite(step) ? 1.f / step : 0.f;
+      // carries the NaN / inf into the score as the float kernels would. Nor has a block so small
+      // that 1 / step overflows (|q'| < ~3.7e-37: its products would all be +-inf or NaN).
+      float inv = step > 0 && std::isfinite(step) ? 1.f / step : 0.f;
+      if (!std::isfinite(inv)) inv = 0.f;
       for (int j = 0; j < 32; ++j)
         r8[32 * b + j] = int8_t(std::min(127.f, std::max(-127.f, std::nearbyint(qs[j] * inv))));
       rd[b] = inv > 0 ? step : 0.f;

@@ -35,8 +35,9 @@
 //                                  + f32 rounding of the block sums, of C (hd terms) and of
 //                                    decode's own s c + m,
 // i.e. |error| <= sum_d (dq_b(d) / 2)(1 + 2^-21) c_td + (hd + 4) 2^-24 sum_d |q_d| (s_d c_td + |m_d| + |decode|)
-// (tests/kivi_tiled_bound.h and tests/int2_tiled_bound.h evaluate it, codes 0..15 or 0..3). A block whose q' is not finite gets step 0 (nothing
-// through its codes); the NaN / inf reaches the score through C as q_d m_d.
+// (tests/kivi_tiled_bound.h evaluates it, codes 0..15 or 0..3). A block whose q' is not finite, or
+// so small that the step's inverse overflows (max |q'| below ~3.7e-37), gets step 0 (nothing
+// through its codes); a NaN / inf reaches the score through C as q_d m_d.
 // The prepared query is the plain query (KvCodec's default): the fold depends on the group, so it
 // runs inside scores(), hd multiply-adds per (row, group of G tokens) against G * hd / 2 code bytes.
 // At G = 32 that is measurable (the AVX-512 fold costs about as much as the tile dots), hence SIMD

@@ -62,15 +62,14 @@ void scores_pass(const int8_t* q8, const float* dq, const float* cz, int hd, con
 // kivit_fold_query_ref's arithmetic bit for bit (see the AVX-512 fold): the C lanes 0..7 and
 // 8..15 in two accumulators, the block maximum exact (VMAXPS with the new value first returns the
 // running maximum for a NaN lane: NaN lanes ignored, as std::max in the reference), the step and
-// its inverse in IEEE vector divisions. The rounding: |q' * inv| <= 127 (1 + 3 * 2^-24) for every
-// non-NaN lane (|q'| <= amax, inv = 1 / fl(amax / 127)), so the reference's clamp to [-127, 127]
-// only ever acts on NaN (-127: VMAXPS against -127 returns -127 for it) and on products within
-// 2^-21 of +-127 that round to +-127 anyway; VCVTPS2DQ then rounds to nearest even as nearbyint,
-// and a block's 32 bytes are packed at once.
+// its inverse in IEEE vector divisions. The rounding: the product clamped to [-127, 127] first
+// (VMAXPS against -127 returns -127 for a NaN product, as the reference's clamp does), then
+// VCVTPS2DQ to nearest even: on [-127, 127] clamping before rounding equals the reference's
+// rounding before clamping. A block's 32 bytes are packed at once.
 void kivit_fold_query_avx2(const uint8_t* params, const float* q, int n_q, int hd, int8_t* q8, float* dq,
                            float* cz) {
   const int nb = hd / 32;
-  const __m256 lo = _mm256_set1_ps(-127.f);
+  const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   alignas(32) float sc[1024], ze[1024];
   for (int d = 0; d < hd; d += 8) {
@@ -114,13 +113,14 @@ void kivit_fold_query_avx2(const uint8_t* params, const float* q, int n_q, int h
       _mm256_store_ps(lane + 8, c[1]);
       cz[i] = kivit_reduce_lanes(lane);
     }
-    // step = amax / 127, inv = 1 / step when step > 0 and finite, else 0 (both 0 then).
+    // step = amax / 127, inv = 1 / step when step > 0 and both are finite, else 0 (both 0 then).
     alignas(32) float inv[kMaxRows * kv_max_head_dim / 32 + 8];
     const __m256 zero = _mm256_setzero_ps(), inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
     for (int k = 0; k < nr * nb; k += 8) {
       const __m256 step = _mm256_div_ps(_mm256_load_ps(amax + k), _mm256_set1_ps(127.f));
       const __m256 ok = _mm256_and_ps(_mm256_cmp_ps(step, zero, _CMP_GT_OQ), _mm256_cmp_ps(step, inf, _CMP_LT_OQ));
-      const __m256 iv = _mm256_and_ps(ok, _mm256_div_ps(_mm256_set1_ps(1.f), step));
+      __m256 iv = _mm256_and_ps(ok, _mm256_div_ps(_mm256_set1_ps(1.f), step));
+      iv = _mm256_and_ps(iv, _mm256_cmp_ps(iv, inf, _CMP_LT_OQ));  // an inverse that overflowed: 0
       _mm256_store_ps(inv + k, iv);
       _mm256_store_ps(amax + k, _mm256_and_ps(_mm256_cmp_ps(iv, zero, _CMP_GT_OQ), step));  // dq
     }
@@ -131,7 +131,8 @@ void kivit_fold_query_avx2(const uint8_t* params, const float* q, int n_q, int h
         const __m256 iv = _mm256_set1_ps(inv[r * nb + b]);
         __m256i v[4];
         for (int e = 0; e < 4; ++e)
-          v[e] = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_mul_ps(_mm256_load_ps(qs[r] + 32 * b + 8 * e), iv), lo));
+          v[e] = _mm256_cvtps_epi32(
+              _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_load_ps(qs[r] + 32 * b + 8 * e), iv), lo), hi));
         // Per 128-bit lane the packs leave dwords v0 v1 v2 v3 (elements 0..3 of each, then 4..7).
         const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(r8 + 32 * b),

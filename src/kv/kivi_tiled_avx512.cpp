@@ -100,9 +100,12 @@ void kivit_fold_query_avx512(const uint8_t* params, const float* q, int n_q, int
       const __m512 step = _mm512_div_ps(m, _mm512_set1_ps(127.f));
       const __mmask16 ok = _mm512_cmp_ps_mask(step, _mm512_setzero_ps(), _CMP_GT_OQ) &
                            _mm512_cmp_ps_mask(step, _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
-      const __m512 inv = _mm512_maskz_div_ps(ok, _mm512_set1_ps(1.f), step);
+      const __m512 inv0 = _mm512_maskz_div_ps(ok, _mm512_set1_ps(1.f), step);
+      // An inverse that overflowed (a block below ~3.7e-37): no int8 image, as the reference.
+      const __mmask16 fin = ok & _mm512_cmp_ps_mask(inv0, _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+      const __m512 inv = _mm512_maskz_mov_ps(fin, inv0);
       alignas(64) float st[16];
-      _mm512_store_ps(st, _mm512_maskz_mov_ps(ok, step));
+      _mm512_store_ps(st, _mm512_maskz_mov_ps(fin, step));
       // Rounding: 4 vectors (two 32-dim blocks) at a time, converted to int32 (to nearest even, as
       // nearbyint), packed with signed saturation and clamped to -127 (NaN converts to INT_MIN,
       // which becomes -127 as the reference's clamp makes it), then put back in channel order.
