@@ -367,8 +367,9 @@ TEST(Int8Tiled, CodecApiEveryLevel) {
     test::codec_api_every_level(k.tiled, 1, [](const std::vector<float>& dec, const std::vector<float>& p, int i,
                                                int d) {
       double mag = 0;
-      for (int t = 0; t < 40; ++t)
-        mag += std::fabs(p[size_t(i) * 40 + size_t(t)]) * 2 * std::fabs(dec[size_t(9 + t) * 128 + size_t(d)]);
+      for (int t = 0; t < test::kApiN; ++t)
+        mag += std::fabs(p[size_t(i) * test::kApiN + size_t(t)]) * 2 *
+               std::fabs(dec[size_t(test::kApiT0 + t) * test::kApiHd + size_t(d)]);
       return mag;
     });
   }

@@ -526,11 +526,11 @@ TEST(IntTiled, CodecApiEveryLevel) {
     test::codec_api_every_level(w.codec(64), 0, [](const std::vector<float>& dec, const std::vector<float>& p, int i,
                                                    int d) {
       double mag = 0;
-      for (int t = 0; t < 40; ++t) {
+      for (int t = 0; t < test::kApiN; ++t) {
         double vmax = 0;  // the largest |value| of the token's group: bounds |s c| and |m|
         for (int e = d / 64 * 64; e < d / 64 * 64 + 64; ++e)
-          vmax = std::max(vmax, double(std::fabs(dec[size_t(9 + t) * 128 + size_t(e)])));
-        mag += std::fabs(p[size_t(i) * 40 + size_t(t)]) * 5 * vmax;
+          vmax = std::max(vmax, double(std::fabs(dec[size_t(test::kApiT0 + t) * test::kApiHd + size_t(e)])));
+        mag += std::fabs(p[size_t(i) * test::kApiN + size_t(t)]) * 5 * vmax;
       }
       return mag;
     });

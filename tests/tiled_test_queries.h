@@ -78,16 +78,18 @@ inline std::vector<float> make_queries(int variant, int nq, int hd, std::mt19937
 }
 
 // Codec `name`'s key scores and value sums through the codec API at every CPU level, as attention
-// calls them (head 1, tokens 9..48 of a 64-token block of outlier-channel rows, 4 query rows):
-// scores bit-identical to the scalar level's, sums within 1e-5 * mag(dec, p, i, d) + 1e-30 of
-// them (f32 summation order), dec the decoded value block (64, 128) and p the weights (4, 40).
+// calls them (head 1, tokens kApiT0 .. kApiT0 + kApiN - 1 of a 64-token block of outlier-channel
+// rows, head_dim kApiHd, 4 query rows): scores bit-identical to the scalar level's, sums within
+// 1e-5 * mag(dec, p, i, d) + 1e-30 of them (f32 summation order), dec the decoded value block
+// (64, kApiHd) and p the weights (4, kApiN).
+inline constexpr int kApiHd = 128, kApiT0 = 9, kApiN = 40;
 inline void codec_api_every_level(
     const std::string& name, int query_variant,
     const std::function<double(const std::vector<float>& dec, const std::vector<float>& p, int i, int d)>& mag) {
   std::mt19937 rng(13);
   std::normal_distribution<float> nd;
   const CpuLevel saved = cpu_set_level(CpuLevel::avx512);
-  const int hd = 128, bt = 64, nq = 4, t0 = 9, n = 40;
+  const int hd = kApiHd, bt = 64, nq = 4, t0 = kApiT0, n = kApiN;
   auto kc = make(name, hd, KvRole::key);
   auto vc = make(name, hd, KvRole::value);
   auto x = make_rows(Pat::outlier_channel, bt, hd, rng);
