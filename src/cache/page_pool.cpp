@@ -3,9 +3,6 @@
 #include <cstdlib>
 #include <cstring>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 namespace kvq {
 
@@ -31,14 +28,7 @@ PagePool::PagePool(size_t n_pages, size_t page_bytes, int page_tokens)
   // cost ~20% of an f16 decode step at 32K tokens (bench/attn_bench KVQ_ATTN_BENCH_HUGEPAGES=1).
   // Where THP is off or unsupported the advice is ignored.
   const size_t bytes = n_pages * page_stride_;
-  constexpr size_t kHuge = size_t(2) << 20;
-  const bool huge = bytes >= kHuge;
-  const size_t alloc_bytes = huge ? (bytes + kHuge - 1) / kHuge * kHuge : bytes;
-  if (alloc_bytes < bytes) fail("KV page pool: {} pages of {} bytes overflow", n_pages, page_bytes);
-  void* p = std::aligned_alloc(huge ? kHuge : 64, alloc_bytes);
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  if (p && huge) (void)madvise(p, alloc_bytes, MADV_HUGEPAGE);
-#endif
+  void* p = bytes >= kHugePageBytes ? aligned_alloc_huge(bytes) : std::aligned_alloc(64, bytes);
   if (!p) fail("KV page pool: cannot allocate {} bytes ({} pages of {} bytes)", n_pages * page_stride_, n_pages, page_stride_);
   arena_.reset(static_cast<uint8_t*>(p));
   states_.resize(n_pages);
