@@ -3,7 +3,6 @@
 #include <cstdlib>
 #include <cstring>
 
-
 namespace kvq {
 
 KvPoolFull::KvPoolFull(size_t needed, size_t available)

@@ -162,8 +162,9 @@ void scores_nq(const KvRowFmt& f, float scale, const float* q, const uint8_t* ro
 // and loop overhead. Chunks rather than whole blocks so that the prefetch runs through the whole
 // call: with one strip pass over a 64-token block, the block's memory time fell into its first
 // strip (1/8 of the work for f16 at head_dim 128) and none overlapped the other seven (measured
-// at 32K tokens on AVX2: f32 15-18%, f16 and bf16 5-16% faster cold with 16-token chunks; 8 tokens
-// no better, 32 between). The accumulators go through acc between chunks: the same FMA order.
+// at 32K tokens on AVX2, bench/BENCHMARKS.md: f32 15-27% faster cold with 16-token chunks, f16
+// up to 16%, bf16 and fp8 within the host's drift; 8 tokens no better, 32 between). The
+// accumulators go through acc between chunks: the same FMA order.
 template <class Isa, KvElem E, int NQ, int SV>
 void accum_nq(const KvRowFmt& f, float scale, const float* p, int p_stride, const uint8_t* rows,
               size_t row_stride, int n, float* acc) {
