@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # KV-format quality on a real model and WikiText-2: kvq eval (perplexity, KL divergence and
 # top-1 agreement against the f16 cache, per context length) and, when LLAMA_PERPLEXITY points
-# at a llama-perplexity binary, llama.cpp's own f16 / q8_0 / q4_0 KV on the same GGUF and text,
+# at a llama-perplexity binary, llama.cpp's own f16 / q8_0 / q4_0 KV (LLAMA_KV) on the same GGUF and text,
 # both with its Hadamard KV rotation (its default for quantized caches) and without it
 # (LLAMA_ATTN_ROT_DISABLE=1).
 #
@@ -14,6 +14,8 @@
 #   TASKS=ppl,needle kvq eval tasks (default ppl); needle uses NEEDLE_HAYSTACK (default TEXT)
 #   KVQ_ARGS="..."   extra kvq eval flags (e.g. --kv-cache-dtype-skip-layers first:2,last:2)
 #   TAG=name         suffix for the output files (several configurations into one OUT_DIR)
+#   LLAMA_KV="..."   llama.cpp cache types to run (default "q8_0 q4_0"; any -ctk type, e.g.
+#                    "q4_1 q5_0 q5_1 iq4_nl")
 #
 # Writes OUT_DIR/kvq-<model><TAG>.json/.html/.txt and OUT_DIR/llamacpp-<model>.txt.
 set -euo pipefail
@@ -40,7 +42,7 @@ if [[ -n "${LLAMA_PERPLEXITY:-}" ]]; then
     base="$out/llamacpp-$name-$c-f16.kld"
     "$LLAMA_PERPLEXITY" -m "$model" -f "$text" -c "$c" --chunks "$chunks" -t "$threads" -fa on \
       --kl-divergence-base "$base" 2>&1 | grep -E "Final estimate" | sed "s/^/ctx $c f16: /" >>"$out/llamacpp-$name.txt"
-    for kv in q8_0 q4_0; do
+    for kv in ${LLAMA_KV:-q8_0 q4_0}; do
       for rot in 1 0; do
         label="$kv"; [[ $rot == 0 ]] && label="$kv-norot"
         LLAMA_ATTN_ROT_DISABLE=$((1 - rot)) "$LLAMA_PERPLEXITY" -m "$model" -f "$text" -c "$c" --chunks "$chunks" \

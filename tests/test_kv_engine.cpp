@@ -213,7 +213,8 @@ TEST(KvEngine, SmolLM2FormatsStayWithinKldBounds) {
                         {"tq4", 0.3}, {"tq3.5", 0.5}, {"tq3", 0.6}, {"kvquant4", 0.3}, {"kvquant3", 0.6},
                         {"kivi2", 1.0}, {"tq2.5", 1.0}, {"q8_0h", 0.02}, {"q4_0h", 0.15}, {"q4_0h_c", 0.15},
                         {"tq4_c", 0.3}, {"int8_c", 0.02}, {"int4t_g32", 0.3}, {"q4_0h_s", 0.15},
-                        {"tq4_s", 0.3}, {"q8_0h_cs", 0.02}};
+                        {"tq4_s", 0.3}, {"q8_0h_cs", 0.02}, {"q4_1", 0.3}, {"iq4_nl", 0.3}, {"q5_0", 0.1},
+                        {"q5_1", 0.1}};
   for (const auto& c : cases) {
     const BucketSummary b = second_half_vs(base, window_logits(*m, ids, c.fmt, &calib, pool), ids, nv);
     std::printf("[kld] %-14s mean %.5f p99 %.5f top1 %.3f dppl %+.3f%%\n", c.fmt, b.kld_mean, b.kld_p99, b.top1_agree, b.delta_ppl_pct);

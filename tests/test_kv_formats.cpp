@@ -313,6 +313,166 @@ TEST(RoundTrip, Q4_0MatchesGgmlFormula) {
   EXPECT_EQ(code(4), 15);  // -7 / d = 7.09 -> 15.59 -> 15
 }
 
+// llama.cpp's other cache types, on values whose codes follow from ggml's formulas by hand.
+TEST(RoundTrip, Q4_1AndQ5MatchGgmlFormulas) {
+  auto code4 = [](const uint8_t* qs, int j) { return j < 16 ? qs[j] & 15 : qs[j - 16] >> 4; };
+  auto code5 = [&](const uint8_t* qh, const uint8_t* qs, int j) {
+    uint32_t h;
+    std::memcpy(&h, qh, 4);
+    return code4(qs, j) | int((h >> j) & 1) << 4;
+  };
+  {  // q4_1: min 0, max 15 -> d = 1, m = 0, q = trunc(x + 0.5) clamped to 15
+    std::vector<float> x(32);
+    for (int j = 0; j < 32; ++j) x[size_t(j)] = float(j % 16);
+    x[5] = 7.5f;    // half rounds up -> 8
+    x[6] = 2.49f;   // -> 2
+    x[7] = 14.6f;   // -> 15
+    auto c = make("q4_1", 32);
+    std::vector<uint8_t> blk(c->block_bytes(1));
+    ASSERT_EQ(blk.size(), sizeof(kv_block_q4_1));
+    c->encode(0, x.data(), 32, 1, blk.data(), 1, 0, 0);
+    kv_block_q4_1 b;
+    std::memcpy(&b, blk.data(), sizeof b);
+    EXPECT_EQ(f16_to_f32(b.d), 1.f);
+    EXPECT_EQ(f16_to_f32(b.m), 0.f);
+    EXPECT_EQ(code4(b.qs, 5), 8);
+    EXPECT_EQ(code4(b.qs, 6), 2);
+    EXPECT_EQ(code4(b.qs, 7), 15);
+    EXPECT_EQ(code4(b.qs, 15), 15);
+    EXPECT_EQ(code4(b.qs, 20), 4);
+    std::vector<float> y(32);
+    c->decode(0, blk.data(), 1, 0, 1, 0, y.data());
+    for (int j = 0; j < 32; ++j) EXPECT_EQ(y[size_t(j)], float(code4(b.qs, j))) << j;
+  }
+  {  // q5_0: values -16..15, largest magnitude -16 -> d = 1, q = trunc(x + 16.5) = x + 16
+    std::vector<float> x(32);
+    for (int j = 0; j < 32; ++j) x[size_t(j)] = float(j - 16);
+    auto c = make("q5_0", 32);
+    std::vector<uint8_t> blk(c->block_bytes(1));
+    ASSERT_EQ(blk.size(), sizeof(kv_block_q5_0));
+    c->encode(0, x.data(), 32, 1, blk.data(), 1, 0, 0);
+    kv_block_q5_0 b;
+    std::memcpy(&b, blk.data(), sizeof b);
+    EXPECT_EQ(f16_to_f32(b.d), 1.f);
+    uint32_t h;
+    std::memcpy(&h, b.qh, 4);
+    EXPECT_EQ(h, 0xffff0000u);  // codes 16..31 (x >= 0) are elements 16..31
+    for (int j = 0; j < 32; ++j) EXPECT_EQ(code5(b.qh, b.qs, j), j) << j;
+    std::vector<float> y(32);
+    c->decode(0, blk.data(), 1, 0, 1, 0, y.data());
+    for (int j = 0; j < 32; ++j) EXPECT_EQ(y[size_t(j)], x[size_t(j)]) << j;
+    // A positive extreme: 15.5 is the largest magnitude -> d = -0.96875; 15.5 -> code 0.
+    x.assign(32, 0.f);
+    x[2] = 15.5f;
+    x[3] = -3.f;  // -3 / d = 3.097 -> trunc(19.6) = 19
+    c->encode(0, x.data(), 32, 1, blk.data(), 1, 0, 0);
+    std::memcpy(&b, blk.data(), sizeof b);
+    EXPECT_EQ(b.d, f32_to_f16(15.5f / -16.f));
+    EXPECT_EQ(code5(b.qh, b.qs, 2), 0);
+    EXPECT_EQ(code5(b.qh, b.qs, 3), 19);
+    EXPECT_EQ(code5(b.qh, b.qs, 0), 16);  // 0 -> 16.5 -> 16
+  }
+  {  // q5_1: min 0, max 31 -> d = 1, q = x
+    std::vector<float> x(32);
+    for (int j = 0; j < 32; ++j) x[size_t(j)] = float((j * 7) % 32);
+    auto c = make("q5_1", 32);
+    std::vector<uint8_t> blk(c->block_bytes(1));
+    ASSERT_EQ(blk.size(), sizeof(kv_block_q5_1));
+    c->encode(0, x.data(), 32, 1, blk.data(), 1, 0, 0);
+    kv_block_q5_1 b;
+    std::memcpy(&b, blk.data(), sizeof b);
+    EXPECT_EQ(f16_to_f32(b.d), 1.f);
+    EXPECT_EQ(f16_to_f32(b.m), 0.f);
+    for (int j = 0; j < 32; ++j) EXPECT_EQ(code5(b.qh, b.qs, j), (j * 7) % 32) << j;
+    std::vector<float> y(32);
+    c->decode(0, blk.data(), 1, 0, 1, 0, y.data());
+    for (int j = 0; j < 32; ++j) EXPECT_EQ(y[size_t(j)], x[size_t(j)]) << j;
+  }
+}
+
+// iq4_nl: values on the grid (times 1/64) come back as their own indices, the least-squares
+// scale is then the grid step, and the rounding picks the nearest grid point.
+TEST(RoundTrip, Iq4NlPicksGridPoints) {
+  std::vector<float> x(32);
+  for (int j = 0; j < 32; ++j) x[size_t(j)] = float(kv_iq4nl_grid[(j * 5) % 16]) / 64.f;
+  auto c = make("iq4_nl", 32);
+  std::vector<uint8_t> blk(c->block_bytes(1));
+  ASSERT_EQ(blk.size(), sizeof(kv_block_iq4_nl));
+  c->encode(0, x.data(), 32, 1, blk.data(), 1, 0, 0);
+  kv_block_iq4_nl b;
+  std::memcpy(&b, blk.data(), sizeof b);
+  auto idx = [&](int j) { return j < 16 ? b.qs[j] & 15 : b.qs[j - 16] >> 4; };
+  EXPECT_EQ(f16_to_f32(b.d), 1.f / 64.f);
+  for (int j = 0; j < 32; ++j) EXPECT_EQ(idx(j), (j * 5) % 16) << j;
+  std::vector<float> y(32);
+  c->decode(0, blk.data(), 1, 0, 1, 0, y.data());
+  for (int j = 0; j < 32; ++j) EXPECT_EQ(y[size_t(j)], x[size_t(j)]) << j;
+  // Off the grid: the largest magnitude -127/64 fixes the step 1/64; 0.3 = 19.2 steps lies
+  // between 13 and 25, nearer 25 (index 10); -0.6 = -38.4 steps between -49 and -35 -> -35.
+  x.assign(32, 0.f);
+  x[0] = -127.f / 64.f;
+  x[1] = 0.3f;
+  x[2] = -0.6f;
+  c->encode(0, x.data(), 32, 1, blk.data(), 1, 0, 0);
+  std::memcpy(&b, blk.data(), sizeof b);
+  EXPECT_EQ(idx(0), 0);
+  EXPECT_EQ(idx(1), 10);
+  EXPECT_EQ(idx(2), 5);
+  EXPECT_EQ(idx(3), 8);  // 0 -> nearest grid point 1
+}
+
+// Error of llama.cpp's other types against its q4_0 on Gaussian rows (the same data): the 5-bit
+// codes halve it, a per-block minimum helps, and iq4_nl's grid (denser near 0) beats q4_0's even
+// steps at the same 4.5 bits. Each within its step bound.
+TEST(RoundTrip, LlamaCppTypesOrderAndBounds) {
+  const int hd = 128, n = 256;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(size_t(n) * hd);
+  for (auto& v : x) v = nd(rng);
+  auto rms_err = [&](const char* name) {
+    auto c = make(name, hd);
+    std::vector<uint8_t> blk(c->block_bytes(n));
+    c->encode(0, x.data(), size_t(hd), n, blk.data(), n, 0, 0);
+    std::vector<float> y(x.size());
+    c->decode(0, blk.data(), n, 0, n, 0, y.data());
+    double e = 0, s = 0, worst = 0;
+    for (size_t i = 0; i < x.size(); ++i) {
+      e += std::pow(double(y[i]) - x[i], 2);
+      s += double(x[i]) * x[i];
+      // Per 32-block: the error is at most half a step plus the f16 rounding of scale and min
+      // (relative 2^-11 each, times the code); steps from the block's range. q4_0 / q5_0 put the
+      // largest magnitude on the lowest code, so the other sign clamps one code short: a full step.
+      const size_t b0 = i / 32 * 32;
+      float mn = x[b0], mx = x[b0], am = 0;
+      for (size_t k = b0; k < b0 + 32; ++k) {
+        mn = std::min(mn, x[k]);
+        mx = std::max(mx, x[k]);
+        am = std::max(am, std::fabs(x[k]));
+      }
+      const std::string nm = name;
+      const double step = nm == "q4_1" ? (mx - mn) / 15 : nm == "q5_1" ? (mx - mn) / 31 : nm == "q5_0" ? am / 16 : am / 8;
+      const double half = nm == "q4_0" || nm == "q5_0" ? step : step / 2;
+      const double bound = nm == "iq4_nl" ? 0.0 : half + 32 * step * 0x1p-11 + std::fabs(mn) * 0x1p-11;
+      if (bound > 0) {
+        EXPECT_LE(std::fabs(double(y[i]) - x[i]), bound * (1 + 1e-6)) << name << " at " << i;
+      }
+      worst = std::max(worst, std::fabs(double(y[i]) - x[i]) / am);
+    }
+    if (std::string(name) == "iq4_nl") {
+      EXPECT_LT(worst, 0.12) << "iq4_nl: error relative to the block's absmax";
+    }
+    return std::sqrt(e / s);
+  };
+  const double q40 = rms_err("q4_0"), q41 = rms_err("q4_1"), q50 = rms_err("q5_0"), q51 = rms_err("q5_1"),
+               iq4 = rms_err("iq4_nl");
+  EXPECT_LT(q41, q40);
+  EXPECT_LT(iq4, q40);
+  EXPECT_LT(q50, 0.6 * q40);
+  EXPECT_LT(q51, 0.6 * q41);
+  EXPECT_LT(q51, q50);
+}
+
 // ---------------------------------------------------------------------------------------------
 // The scale reuse trap: a scale fixed from the first tokens (int8_static, calibrated on them)
 // against the per-token dynamic scale, on a sequence whose range grows 100x.
@@ -488,7 +648,8 @@ const ElemCase kElems[] = {
     {KvElem::e5m2_dyn, 0, "e5m2_dyn"}, {KvElem::int8, 0, "int8"},      {KvElem::int8_static, 0, "int8_static"},
     {KvElem::int4g, 32, "int4g32"}, {KvElem::int4g, 64, "int4g64"},    {KvElem::int4g, 128, "int4g128"},
     {KvElem::int2g, 32, "int2g32"}, {KvElem::int2g, 128, "int2g128"},  {KvElem::q8_0, 0, "q8_0"},
-    {KvElem::q4_0, 0, "q4_0"},
+    {KvElem::q4_0, 0, "q4_0"},      {KvElem::q4_1, 0, "q4_1"},         {KvElem::q5_0, 0, "q5_0"},
+    {KvElem::q5_1, 0, "q5_1"},      {KvElem::iq4_nl, 0, "iq4_nl"},
 };
 
 enum class Pattern { random, outlier_channel, constant_rows, zeros, huge, tiny, mixed_scale, beyond_f16 };

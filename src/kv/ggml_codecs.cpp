@@ -1,5 +1,6 @@
-// llama.cpp's KV cache types q8_0 and q4_0 (blocks of 32 along head_dim, f16 scale; layouts
-// kv_block_q8_0 / kv_block_q4_0 in kv_rows.h), rounding as ggml so codes are bit-comparable.
+// llama.cpp's KV cache types q8_0, q4_0, q4_1, q5_0, q5_1 and iq4_nl (blocks of 32 along head_dim,
+// f16 scale; layouts kv_block_* in kv_rows.h), quantized by ggml's reference formulas so codes are
+// bit-comparable: every type `llama-cli -ctk / -ctv` takes besides the float ones.
 #include "core/error.h"
 #include "kv/registry_internal.h"
 #include "kv/row_codec.h"
@@ -29,6 +30,18 @@ void kv_register_ggml_codecs() {
   kv_register_format({"q4_0", {"ggml_q4_0", "llama_q4_0"}, "q4_0t", "q4_0t",
                       "llama.cpp q4_0 (-ctk/-ctv q4_0) in 16-token tiles: 4.5 bits"});
   kv_register_format({"q4_0_rows", {}, "q4_0", "q4_0", "llama.cpp q4_0 in its own row layout: 4.5 bits"});
+  add("q4_1", KvElem::q4_1, "llama.cpp q4_1: 32 4-bit codes + f16 scale and min per block");
+  add("q5_0", KvElem::q5_0, "llama.cpp q5_0: 32 5-bit codes + f16 scale per block");
+  add("q5_1", KvElem::q5_1, "llama.cpp q5_1: 32 5-bit codes + f16 scale and min per block");
+  add("iq4_nl", KvElem::iq4_nl, "llama.cpp iq4_nl: 32 4-bit indices into a non-uniform grid + f16 scale per block");
+  kv_register_format({"q4_1", {"ggml_q4_1", "llama_q4_1"}, "q4_1", "q4_1",
+                      "llama.cpp q4_1 (-ctk/-ctv q4_1): min + scale per 32, 5 bits"});
+  kv_register_format({"q5_0", {"ggml_q5_0", "llama_q5_0"}, "q5_0", "q5_0",
+                      "llama.cpp q5_0 (-ctk/-ctv q5_0): 5-bit codes, scale per 32, 5.5 bits"});
+  kv_register_format({"q5_1", {"ggml_q5_1", "llama_q5_1"}, "q5_1", "q5_1",
+                      "llama.cpp q5_1 (-ctk/-ctv q5_1): 5-bit codes, min + scale per 32, 6 bits"});
+  kv_register_format({"iq4_nl", {"ggml_iq4_nl", "llama_iq4_nl"}, "iq4_nl", "iq4_nl",
+                      "llama.cpp iq4_nl (-ctk/-ctv iq4_nl): non-uniform 4-bit grid, scale per 32, 4.5 bits"});
 }
 
 // Formats whose K and V use different codecs (keys are the more sensitive half: outlier channels

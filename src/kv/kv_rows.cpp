@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "core/cpu.h"
 #include "core/error.h"
@@ -26,6 +27,10 @@ size_t kv_row_bytes(KvElem e, int hd, int group) {
     case KvElem::int2g: return sizeof(KvGroupParams) * (d / size_t(group)) + d / 4;
     case KvElem::q8_0: return sizeof(kv_block_q8_0) * (d / 32);
     case KvElem::q4_0: return sizeof(kv_block_q4_0) * (d / 32);
+    case KvElem::q4_1: return sizeof(kv_block_q4_1) * (d / 32);
+    case KvElem::q5_0: return sizeof(kv_block_q5_0) * (d / 32);
+    case KvElem::q5_1: return sizeof(kv_block_q5_1) * (d / 32);
+    case KvElem::iq4_nl: return sizeof(kv_block_iq4_nl) * (d / 32);
   }
   return 0;
 }
@@ -36,7 +41,11 @@ double kv_elem_code_bits(KvElem e) {
     case KvElem::f16:
     case KvElem::bf16: return 16;
     case KvElem::int4g:
-    case KvElem::q4_0: return 4;
+    case KvElem::q4_0:
+    case KvElem::q4_1:
+    case KvElem::iq4_nl: return 4;
+    case KvElem::q5_0:
+    case KvElem::q5_1: return 5;
     case KvElem::int2g: return 2;
     default: return 8;
   }
@@ -47,7 +56,7 @@ KvRowFmt kv_row_fmt(KvElem e, int hd, int group) {
   if (e == KvElem::int4g || e == KvElem::int2g)
     KVQ_CHECK(group > 0 && group % kv_unit_elems == 0 && hd % group == 0, "group {} head_dim {}",
               group, hd);
-  if (e == KvElem::q8_0 || e == KvElem::q4_0) KVQ_CHECK(hd % 32 == 0, "head_dim {}", hd);
+  if (e == KvElem::q8_0 || e == KvElem::q4_0 || kv_elem_ggml_ext(e)) KVQ_CHECK(hd % 32 == 0, "head_dim {}", hd);
   KvRowFmt f;
   f.elem = e;
   f.head_dim = hd;
@@ -93,6 +102,75 @@ void encode_group(const float* x, int g, int levels, KvGroupParams* gp, uint8_t*
     c = std::min(float(levels), std::max(0.f, c));
     codes[i] = uint8_t(c);
   }
+}
+
+// ggml's reference quantizers for llama.cpp's other KV types, one 32-element block each (the same
+// formulas and operation order, so the codes match llama.cpp's). The 4-bit min/max split of
+// q4_1 / q5_1: codes from the unrounded d and min, as ggml.
+void minmax(const float* x, float* mn, float* mx) {
+  *mn = std::numeric_limits<float>::max();
+  *mx = -std::numeric_limits<float>::max();
+  for (int j = 0; j < 32; ++j) {
+    if (x[j] < *mn) *mn = x[j];
+    if (x[j] > *mx) *mx = x[j];
+  }
+}
+// The signed value of largest magnitude (the first one on ties), and that magnitude.
+float signed_absmax(const float* x, float* amax) {
+  float a = 0, v = 0;
+  for (int j = 0; j < 32; ++j)
+    if (std::fabs(x[j]) > a) {
+      a = std::fabs(x[j]);
+      v = x[j];
+    }
+  *amax = a;
+  return v;
+}
+// Fifth bits of 32 5-bit codes as q5_*'s qh: bit j = bit 4 of code j.
+void store_qh(const uint8_t* c, uint8_t* qh) {
+  uint32_t h = 0;
+  for (int j = 0; j < 32; ++j) h |= uint32_t((c[j] >> 4) & 1) << j;
+  std::memcpy(qh, &h, 4);  // little-endian, as ggml's memcpy on the hosts kvq runs on
+}
+void pack_nibbles(const uint8_t* c, uint8_t* qs) {
+  for (int j = 0; j < 16; ++j) qs[j] = uint8_t((c[j] & 15) | ((c[j + 16] & 15) << 4));
+}
+// Nearest grid point of iq4_nl (exact midpoints: 2x against the sum of neighbours; ties go up).
+int iq4nl_index(float x) {
+  const float x2 = x + x;
+  int idx = 0;
+  for (int step = 8; step > 0; step >>= 1) {
+    const int j = idx + step;
+    if (x2 >= float(kv_iq4nl_grid[j - 1] + kv_iq4nl_grid[j])) idx = j;
+  }
+  return idx;
+}
+// iq4_nl's reference quantization of one block (ggml's quantize_row_iq4_nl_ref: no scale search):
+// the grid point of x / d0 with d0 = (value of largest magnitude) / -127, then the least-squares
+// scale for those points with weights x^2. L keeps the previous block's indices when the block is
+// (nearly) all zeros, whose d is 0 (decoded values 0 whatever the indices).
+void encode_iq4nl(const float* x, uint8_t* L, kv_block_iq4_nl* blk) {
+  float amax = 0;
+  const float maxv = signed_absmax(x, &amax);
+  float d = 0;
+  if (amax >= 1e-15f) {
+    d = maxv / float(kv_iq4nl_grid[0]);
+    const float id = 1.f / d;
+    float sumqx = 0, sumq2 = 0;
+    for (int j = 0; j < 32; ++j) {
+      const float al = id * x[j];
+      const int l = iq4nl_index(al);
+      L[j] = uint8_t(l);
+      const float q = float(kv_iq4nl_grid[l]);
+      const float w = x[j] * x[j];
+      const float wq = w * q;
+      sumqx += wq * x[j];
+      sumq2 += wq * q;
+    }
+    d = sumqx / sumq2;
+  }
+  blk->d = f32_to_f16(d);
+  pack_nibbles(L, blk->qs);
 }
 
 // Element index -> (byte, shift) of the unit packings described in kv_rows.h.
@@ -214,6 +292,63 @@ void kv_row_encode(const KvRowFmt& f, float scale, const float* x, uint8_t* row)
       }
       return;
     }
+    case KvElem::q4_1:
+    case KvElem::q5_1: {
+      const bool five = f.elem == KvElem::q5_1;
+      for (int b = 0; b < hd / 32; ++b) {
+        const float* xb = x + 32 * b;
+        float mn, mx;
+        minmax(xb, &mn, &mx);
+        const float d = (mx - mn) / (five ? 31.f : 15.f);
+        const float id = d != 0 ? 1.f / d : 0.f;
+        uint8_t c[32];
+        for (int j = 0; j < 32; ++j) {
+          const float v = (xb[j] - mn) * id;
+          // q4_1 clamps the truncated code to 15; q5_1 stores it as is (<= 31 by construction).
+          c[j] = five ? uint8_t(v + 0.5f) : uint8_t(std::min(15, int(int8_t(v + 0.5f))));
+        }
+        if (five) {
+          kv_block_q5_1 blk;
+          blk.d = f32_to_f16(d);
+          blk.m = f32_to_f16(mn);
+          store_qh(c, blk.qh);
+          pack_nibbles(c, blk.qs);
+          std::memcpy(row + b * sizeof(blk), &blk, sizeof blk);
+        } else {
+          kv_block_q4_1 blk;
+          blk.d = f32_to_f16(d);
+          blk.m = f32_to_f16(mn);
+          pack_nibbles(c, blk.qs);
+          std::memcpy(row + b * sizeof(blk), &blk, sizeof blk);
+        }
+      }
+      return;
+    }
+    case KvElem::q5_0: {
+      for (int b = 0; b < hd / 32; ++b) {
+        const float* xb = x + 32 * b;
+        float amax;
+        const float d = signed_absmax(xb, &amax) / -16.f;
+        const float id = d != 0 ? 1.f / d : 0.f;
+        uint8_t c[32];
+        for (int j = 0; j < 32; ++j) c[j] = uint8_t(std::min(31, int(int8_t(xb[j] * id + 16.5f))));
+        kv_block_q5_0 blk;
+        blk.d = f32_to_f16(d);
+        store_qh(c, blk.qh);
+        pack_nibbles(c, blk.qs);
+        std::memcpy(row + b * sizeof(blk), &blk, sizeof blk);
+      }
+      return;
+    }
+    case KvElem::iq4_nl: {
+      uint8_t L[32] = {};
+      for (int b = 0; b < hd / 32; ++b) {
+        kv_block_iq4_nl blk;
+        encode_iq4nl(x + 32 * b, L, &blk);
+        std::memcpy(row + b * sizeof(blk), &blk, sizeof blk);
+      }
+      return;
+    }
   }
 }
 
@@ -282,6 +417,46 @@ void kv_row_decode(const KvRowFmt& f, float scale, const uint8_t* row, float* x)
         for (int j = 0; j < 16; ++j) {
           x[32 * b + j] = float((blk.qs[j] & 15) - 8) * d;
           x[32 * b + j + 16] = float((blk.qs[j] >> 4) - 8) * d;
+        }
+      }
+      return;
+    case KvElem::q4_1:
+      for (int b = 0; b < hd / 32; ++b) {
+        kv_block_q4_1 blk;
+        std::memcpy(&blk, row + b * sizeof(blk), sizeof blk);
+        const float d = f16_to_f32(blk.d), m = f16_to_f32(blk.m);
+        for (int j = 0; j < 16; ++j) {
+          x[32 * b + j] = float(blk.qs[j] & 15) * d + m;  // the product is exact: one rounding
+          x[32 * b + j + 16] = float(blk.qs[j] >> 4) * d + m;
+        }
+      }
+      return;
+    case KvElem::q5_0:
+    case KvElem::q5_1: {
+      const bool one = f.elem == KvElem::q5_1;
+      const size_t bb = one ? sizeof(kv_block_q5_1) : sizeof(kv_block_q5_0);
+      for (int b = 0; b < hd / 32; ++b) {
+        const uint8_t* p = row + size_t(b) * bb;
+        const float d = f16_to_f32(load_u16(p)), m = one ? f16_to_f32(load_u16(p + 2)) : 0.f;
+        const uint8_t* qhp = p + (one ? 4 : 2);
+        const uint8_t* qs = qhp + 4;
+        uint32_t qh;
+        std::memcpy(&qh, qhp, 4);
+        for (int j = 0; j < 32; ++j) {
+          const int c = ((qs[j % 16] >> (j / 16 * 4)) & 15) | int(((qh >> j) & 1) << 4);
+          x[32 * b + j] = one ? float(c) * d + m : float(c - 16) * d;
+        }
+      }
+      return;
+    }
+    case KvElem::iq4_nl:
+      for (int b = 0; b < hd / 32; ++b) {
+        kv_block_iq4_nl blk;
+        std::memcpy(&blk, row + b * sizeof(blk), sizeof blk);
+        const float d = f16_to_f32(blk.d);
+        for (int j = 0; j < 16; ++j) {
+          x[32 * b + j] = d * float(kv_iq4nl_grid[blk.qs[j] & 15]);
+          x[32 * b + j + 16] = d * float(kv_iq4nl_grid[blk.qs[j] >> 4]);
         }
       }
       return;

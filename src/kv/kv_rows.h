@@ -1,6 +1,7 @@
 // Per-token row formats: one token of one KV head stored as a fixed-size row, and the kernels that
 // read rows packed (fused scores against queries, fused probability-weighted accumulation).
-// Every per-token codec of the basic families (float, fp8, int8, grouped int4/int2, q8_0, q4_0)
+// Every per-token codec of the basic families (float, fp8, int8, grouped int4/int2, and llama.cpp's
+// KV cache types q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl)
 // is a KvRowCodec (row_codec.h) over one of these row formats; a head block is simply
 // block_tokens rows, row_bytes apart, so block_bytes = block_tokens * row_bytes exactly.
 //
@@ -33,6 +34,10 @@ enum class KvElem : uint8_t {
   int2g,        // KvGroupParams[head_dim / group] then u8 codes[head_dim / 4] (see kv_unit_int2)
   q8_0,         // kv_block_q8_0[head_dim / 32]
   q4_0,         // kv_block_q4_0[head_dim / 32]
+  q4_1,         // kv_block_q4_1[head_dim / 32]
+  q5_0,         // kv_block_q5_0[head_dim / 32]
+  q5_1,         // kv_block_q5_1[head_dim / 32]
+  iq4_nl,       // kv_block_iq4_nl[head_dim / 32]
 };
 
 // Header of a row whose scale is computed per token at write time. f32 rather than f16: a per-token
@@ -73,6 +78,40 @@ struct kv_block_q4_0 {
   uint8_t qs[16];  // element j in the low nibble of qs[j], element j + 16 in the high; x ~= d * (q - 8)
 };
 static_assert(sizeof(kv_block_q4_0) == 18);
+// The other types llama.cpp's -ctk / -ctv take, element order as q4_0 (element j in the low nibble
+// of qs[j], j + 16 in the high one). q5_*: the fifth bit of element j is bit j of the 32-bit
+// little-endian qh.
+struct kv_block_q4_1 {
+  f16_t d;         // (max - min) / 15
+  f16_t m;         // min
+  uint8_t qs[16];  // x ~= d * q + m, q 0..15
+};
+static_assert(sizeof(kv_block_q4_1) == 20);
+struct kv_block_q5_0 {
+  f16_t d;         // (signed value of largest magnitude) / -16
+  uint8_t qh[4];   // fifth bits
+  uint8_t qs[16];  // x ~= d * (q - 16), q 0..31
+};
+static_assert(sizeof(kv_block_q5_0) == 22);
+struct kv_block_q5_1 {
+  f16_t d;         // (max - min) / 31
+  f16_t m;         // min
+  uint8_t qh[4];   // fifth bits
+  uint8_t qs[16];  // x ~= d * q + m, q 0..31
+};
+static_assert(sizeof(kv_block_q5_1) == 24);
+// iq4_nl: a 4-bit index into a fixed non-uniform grid (denser near 0), one f16 scale per block.
+struct kv_block_iq4_nl {
+  f16_t d;         // least-squares scale for the chosen grid points
+  uint8_t qs[16];  // x ~= d * kv_iq4nl_grid[q]
+};
+static_assert(sizeof(kv_block_iq4_nl) == 18);
+inline constexpr int8_t kv_iq4nl_grid[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// The formats whose SIMD kernels are the AVX2 ones at every level (the float-decode row kernels;
+// they run unchanged on AVX-512 machines).
+inline bool kv_elem_ggml_ext(KvElem e) {
+  return e == KvElem::q4_1 || e == KvElem::q5_0 || e == KvElem::q5_1 || e == KvElem::iq4_nl;
+}
 
 struct KvRowFmt {
   KvElem elem = KvElem::f32;

@@ -23,6 +23,9 @@ struct Avx2 {
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   // 8 accumulators for the weighted sum: 16 ymm registers hold them plus the decoded chunks.
   static constexpr int acc_regs = 8;
+  // Decodes llama.cpp's q4_1 / q5_0 / q5_1 / iq4_nl rows (kv_elem_ggml_ext; the AVX-512 level
+  // runs these kernels for them).
+  static constexpr bool ggml_ext = true;
   // Lane j = sum of v[j]: two hadd levels per 128-bit half, then the halves are added.
   static V hsum_w(const V* v) {
     const V a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -116,12 +119,41 @@ struct Avx2 {
     } else if constexpr (E == KvElem::q8_0) {
       const uint8_t* b = row + sizeof(kv_block_q8_0) * size_t(e / 32);
       return i8_8(b + 2 + (e % 32), ld_f16(b));
-    } else {
-      static_assert(E == KvElem::q4_0);
+    } else if constexpr (E == KvElem::q4_0) {
       const uint8_t* b = row + sizeof(kv_block_q4_0) * size_t(e / 32);
       const float d = ld_f16(b);
       const __m256i c = nib_8(b + 2, (e % 32) / 8);
       return _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(d), _mm256_set1_ps(-8.f * d));
+    } else if constexpr (E == KvElem::q4_1) {
+      // d * q + m with the product exact: the FMA rounds once, as the reference's sum does.
+      const uint8_t* b = row + sizeof(kv_block_q4_1) * size_t(e / 32);
+      const __m256i c = nib_8(b + 4, (e % 32) / 8);
+      return _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(ld_f16(b)), _mm256_set1_ps(ld_f16(b + 2)));
+    } else if constexpr (E == KvElem::q5_0 || E == KvElem::q5_1) {
+      constexpr bool one = E == KvElem::q5_1;
+      const uint8_t* b = row + (one ? sizeof(kv_block_q5_1) : sizeof(kv_block_q5_0)) * size_t(e / 32);
+      const uint8_t* qh = b + (one ? 4 : 2);
+      uint32_t h;
+      std::memcpy(&h, qh, 4);
+      // Fifth bit of element j (lane i: j = e % 32 + i) is bit j of h.
+      const __m256i sh = _mm256_add_epi32(_mm256_set1_epi32(e % 32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      const __m256i hi = _mm256_slli_epi32(
+          _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(h)), sh), _mm256_set1_epi32(1)), 4);
+      const __m256i c = _mm256_or_si256(nib_8(qh + 4, (e % 32) / 8), hi);
+      if constexpr (one)
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(ld_f16(b)), _mm256_set1_ps(ld_f16(b + 2)));
+      else
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(c, _mm256_set1_epi32(16))), _mm256_set1_ps(ld_f16(b)));
+    } else {
+      static_assert(E == KvElem::iq4_nl);
+      // Grid points by index: two 8-entry permutes on the low 3 bits, bit 3 (moved to the sign)
+      // picks the half.
+      const uint8_t* b = row + sizeof(kv_block_iq4_nl) * size_t(e / 32);
+      const __m256i c = nib_8(b + 2, (e % 32) / 8);
+      const __m256 lo = _mm256_permutevar8x32_ps(_mm256_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10), c);
+      const __m256 hi = _mm256_permutevar8x32_ps(_mm256_setr_ps(1, 13, 25, 38, 53, 69, 89, 113), c);
+      const __m256 v = _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(c, 28)));
+      return _mm256_mul_ps(v, _mm256_set1_ps(ld_f16(b)));
     }
   }
 };

@@ -120,6 +120,7 @@ struct Avx512 {
 void kv_rows_scores_avx512(const KvRowFmt& f, float scale, const float* q, int n_q,
                            const uint8_t* rows, size_t row_stride, int n, float* out,
                            int out_stride) {
+  if (kv_elem_ggml_ext(f.elem)) return kv_rows_scores_avx2(f, scale, q, n_q, rows, row_stride, n, out, out_stride);
   if (kv_rows_bf16_dot_active(f))
     return kv_rows_scores_bf16_avx512(f, scale, q, n_q, rows, row_stride, n, out, out_stride);
   kv_rows_simd::scores<Avx512>(f, scale, q, n_q, rows, row_stride, n, out, out_stride);
@@ -127,6 +128,7 @@ void kv_rows_scores_avx512(const KvRowFmt& f, float scale, const float* q, int n
 
 void kv_rows_accum_avx512(const KvRowFmt& f, float scale, const float* p, int p_stride, int n_q,
                           const uint8_t* rows, size_t row_stride, int n, float* acc) {
+  if (kv_elem_ggml_ext(f.elem)) return kv_rows_accum_avx2(f, scale, p, p_stride, n_q, rows, row_stride, n, acc);
   if (f.elem == KvElem::q4_0 || f.elem == KvElem::int4g || f.elem == KvElem::int2g)
     return kv_rows_accum_4bit_avx512(f, p, p_stride, n_q, rows, row_stride, n, acc);
   if (kv_rows_bf16_dot_active(f))
