@@ -214,7 +214,7 @@ TEST(KvEngine, SmolLM2FormatsStayWithinKldBounds) {
                         {"kivi2", 1.0}, {"tq2.5", 1.0}, {"q8_0h", 0.02}, {"q4_0h", 0.15}, {"q4_0h_c", 0.15},
                         {"tq4_c", 0.3}, {"int8_c", 0.02}, {"int4t_g32", 0.3}, {"q4_0h_s", 0.15},
                         {"tq4_s", 0.3}, {"q8_0h_cs", 0.02}, {"q4_1", 0.3}, {"iq4_nl", 0.3}, {"q5_0", 0.1},
-                        {"q5_1", 0.1}};
+                        {"q5_1", 0.1}, {"q4_1h", 0.15}, {"iq4_nlh", 0.15}, {"q5_0h", 0.05}, {"q5_1h", 0.05}};
   for (const auto& c : cases) {
     const BucketSummary b = second_half_vs(base, window_logits(*m, ids, c.fmt, &calib, pool), ids, nv);
     std::printf("[kld] %-14s mean %.5f p99 %.5f top1 %.3f dppl %+.3f%%\n", c.fmt, b.kld_mean, b.kld_p99, b.top1_agree, b.delta_ppl_pct);

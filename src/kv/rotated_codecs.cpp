@@ -1,4 +1,5 @@
-// Hadamard-rotated per-token codecs: q8_0h, q4_0h, int4t_g32h / g64h / g128h. Each vector is multiplied by an orthonormal
+// Hadamard-rotated per-token codecs: q8_0h, q4_0h, q4_1h, q5_0h, q5_1h, iq4_nlh, int4t_g32h / g64h /
+// g128h. Each vector is multiplied by an orthonormal
 // Walsh-Hadamard matrix (block-diagonal, blocks of `rot` channels) before it is quantized, so
 // that the energy of an outlier channel is spread over the whole block and the per-block scale
 // no longer has to cover it. Attention needs no inverse rotation of the cache:
@@ -132,6 +133,18 @@ void kv_register_rotated_codecs() {
                       "q4_0 after a Hadamard rotation (llama.cpp's rotated q4_0 KV): 4.5 bits"});
   kv_register_format({"q8_0_q4_0h", {"k8v4h"}, "q8_0h", "q4_0h",
                       "keys q8_0, values q4_0, both Hadamard-rotated: 6.5 bits"});
+  // llama.cpp's other cache types as its default (rotated) KV cache stores them.
+  struct Ggml {
+    const char* inner;
+    const char* bits;
+  };
+  for (const Ggml g : {Ggml{"q4_1", "5"}, Ggml{"q5_0", "5.5"}, Ggml{"q5_1", "6"}, Ggml{"iq4_nl", "4.5"}}) {
+    const std::string name = std::string(g.inner) + "h";
+    add(name, g.inner, std::string(g.inner) + " of the Hadamard-rotated vector (K: largest power-of-two block, V: blocks of 64)");
+    kv_register_format({name, {std::string(g.inner) + "_hadamard", std::string(g.inner) + "_rot"}, name, name,
+                        std::string(g.inner) + " after a Hadamard rotation (llama.cpp's rotated " + g.inner +
+                            " KV): " + g.bits + " bits"});
+  }
   // The tiled int4 codecs rotated the same way: the outlier-channel fix of q4_0h with int4t's
   // integer-dot kernels (the rotation costs one transform of the query and of the output per step).
   struct Tiled {
