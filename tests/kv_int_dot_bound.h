@@ -75,6 +75,14 @@ inline void kv_row_scm(const KvRowFmt& f, const uint8_t* row, int j, double* s, 
     *c = (blk.qs[j % 16] >> ((j % 32) / 16 * 4)) & 15;
     return;
   }
+  if (f.elem == KvElem::q4_1) {
+    kv_block_q4_1 blk;
+    std::memcpy(&blk, row + size_t(j / 32) * sizeof blk, sizeof blk);
+    *s = f16_to_f32(blk.d);
+    *m = f16_to_f32(blk.m);
+    *c = (blk.qs[j % 16] >> ((j % 32) / 16 * 4)) & 15;
+    return;
+  }
   KvGroupParams p;
   std::memcpy(&p, row + sizeof(KvGroupParams) * size_t(j / f.group), sizeof p);
   *s = f16_to_f32(p.scale);

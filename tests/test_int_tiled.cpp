@@ -57,7 +57,7 @@ struct Width {
   std::string codec(int group) const { return fixed32 ? tiled : tiled + std::to_string(group); }
   std::string row_codec(int group) const { return fixed32 ? rows : rows + std::to_string(group); }
   bool has(int group) const { return !fixed32 || group == 32; }
-  double eff_bits(int group) const { return fixed32 ? 4.5 : bits + 32.0 / group; }
+  double eff_bits(int group) const { return fixed32 ? (elem == KvElem::q4_1 ? 5.0 : 4.5) : bits + 32.0 / group; }
 };
 const Width kWidths[] = {
     {4, "int4t_g", "int4_g", KvElem::int4g, int4t_layout, int4t_scores_ref, int4t_accum_ref,
@@ -72,6 +72,13 @@ const Width kWidths[] = {
     },
     // q4_0 in int4t's tiles: no min table (m = -8 d), signed scales (the s8 weight path).
     {4, "q4_0t", "q4_0", KvElem::q4_0, [](int hd, int) { return q4_0t_layout(hd); }, int4t_scores_ref,
+     int4t_accum_ref,
+#if defined(KVQ_HAVE_SIMD)
+     int4t_scores_avx2, int4t_scores_avx512, int4t_accum_avx2, int4t_accum_avx512,
+#endif
+     true},
+    // q4_1 in int4t_g32's tiles: scale and minimum per 32, q4_1's quantizer.
+    {4, "q4_1t", "q4_1", KvElem::q4_1, [](int hd, int) { return int4t_layout(hd, 32); }, int4t_scores_ref,
      int4t_accum_ref,
 #if defined(KVQ_HAVE_SIMD)
      int4t_scores_avx2, int4t_scores_avx512, int4t_accum_avx2, int4t_accum_avx512,

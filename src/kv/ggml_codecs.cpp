@@ -34,8 +34,10 @@ void kv_register_ggml_codecs() {
   add("q5_0", KvElem::q5_0, "llama.cpp q5_0: 32 5-bit codes + f16 scale per block");
   add("q5_1", KvElem::q5_1, "llama.cpp q5_1: 32 5-bit codes + f16 scale and min per block");
   add("iq4_nl", KvElem::iq4_nl, "llama.cpp iq4_nl: 32 4-bit indices into a non-uniform grid + f16 scale per block");
-  kv_register_format({"q4_1", {"ggml_q4_1", "llama_q4_1"}, "q4_1", "q4_1",
-                      "llama.cpp q4_1 (-ctk/-ctv q4_1): min + scale per 32, 5 bits"});
+  // "q4_1" stores q4_1t's tiles (int4t_g32's layout with q4_1's quantizer), as "q4_0" does.
+  kv_register_format({"q4_1", {"ggml_q4_1", "llama_q4_1"}, "q4_1t", "q4_1t",
+                      "llama.cpp q4_1 (-ctk/-ctv q4_1) in 16-token tiles: min + scale per 32, 5 bits"});
+  kv_register_format({"q4_1_rows", {}, "q4_1", "q4_1", "llama.cpp q4_1 in its own row layout: 5 bits"});
   kv_register_format({"q5_0", {"ggml_q5_0", "llama_q5_0"}, "q5_0", "q5_0",
                       "llama.cpp q5_0 (-ctk/-ctv q5_0): 5-bit codes, scale per 32, 5.5 bits"});
   kv_register_format({"q5_1", {"ggml_q5_1", "llama_q5_1"}, "q5_1", "q5_1",

@@ -114,9 +114,14 @@ class Int4TiledCodec final : public TiledCodecBase<Int4TiledLayout, Int4tOps> {
       : TiledCodecBase(std::move(name), 4, role, int4t_layout(hd, group)), row_(kv_row_fmt(KvElem::int4g, hd, group)) {}
   Int4TiledCodec(std::string name, KvRole role, int hd)
       : TiledCodecBase(std::move(name), 4, role, q4_0t_layout(hd)), row_(kv_row_fmt(KvElem::q4_0, hd)) {}
+  // q4_1t: llama.cpp q4_1's blocks (scale and minimum per 32) are int4t_g32's tables; only the
+  // quantizer (ggml's rounding) is q4_1's.
+  struct Q4_1 {};
+  Int4TiledCodec(std::string name, KvRole role, int hd, Q4_1)
+      : TiledCodecBase(std::move(name), 4, role, int4t_layout(hd, 32)), row_(kv_row_fmt(KvElem::q4_1, hd)) {}
 
-  // Each token is quantized by the row encoder (int4_gN's or q4_0's, so the codes, scales and
-  // minimums are theirs exactly), then scattered into the tile; every byte a token writes is its own.
+  // Each token is quantized by the row encoder (int4_gN's, q4_0's or q4_1's, so the codes, scales
+  // and minimums are theirs exactly), then scattered into the tile; every byte a token writes is its own.
   void encode(int, const float* src, size_t src_stride, int n, uint8_t* block, int block_tokens, int t0,
               int) const override {
     check_block(block_tokens);
@@ -125,6 +130,7 @@ class Int4TiledCodec final : public TiledCodecBase<Int4TiledLayout, Int4tOps> {
     // One buffer serves both row formats: a q4_0 block (18 bytes per 32 elements) is no larger than
     // int4_g32's (4 + 16).
     static_assert(sizeof(kv_block_q4_0) <= sizeof(KvGroupParams) + 16, "row buffer too small for q4_0 rows");
+    static_assert(sizeof(kv_block_q4_1) <= sizeof(KvGroupParams) + 16, "row buffer too small for q4_1 rows");
     uint8_t row[sizeof(KvGroupParams) * (kv_max_head_dim / 32) + kv_max_head_dim / 2];
     uint8_t c[kv_max_head_dim];
     for (int t = 0; t < n; ++t) {
@@ -137,6 +143,18 @@ class Int4TiledCodec final : public TiledCodecBase<Int4TiledLayout, Int4tOps> {
           kv_block_q4_0 blk;
           std::memcpy(&blk, row + sizeof(blk) * size_t(b), sizeof blk);
           kvg_store_f16(tp, size_t(b * 16 + j), blk.d);
+          for (int i = 0; i < 16; ++i) {
+            c[32 * b + i] = uint8_t(blk.qs[i] & 15);
+            c[32 * b + 16 + i] = uint8_t(blk.qs[i] >> 4);
+          }
+        }
+      } else if (row_.elem == KvElem::q4_1) {
+        // q4_1 blocks: f16 d and m, then the codes as q4_0's.
+        for (int b = 0; b < L_.ng; ++b) {
+          kv_block_q4_1 blk;
+          std::memcpy(&blk, row + sizeof(blk) * size_t(b), sizeof blk);
+          kvg_store_f16(tp, size_t(b * 16 + j), blk.d);
+          kvg_store_f16(tp + L_.min_off, size_t(b * 16 + j), blk.m);
           for (int i = 0; i < 16; ++i) {
             c[32 * b + i] = uint8_t(blk.qs[i] & 15);
             c[32 * b + 16 + i] = uint8_t(blk.qs[i] >> 4);
@@ -185,7 +203,8 @@ class Int4TiledCodec final : public TiledCodecBase<Int4TiledLayout, Int4tOps> {
           c = (codes[64 * (4 * ch + j / 4) + 4 * (r % 16) + j % 4] >> (r / 16 * 4)) & 15;
         }
         const int g = e / L_.group;
-        // The same expressions as int4_gN's / q4_0's decode: bit-identical values.
+        // The same values as int4_gN's / q4_0's / q4_1's decode (q4_1's c * d is exact, so its
+        // c * d + m rounds once, as the FMA does): bit-identical.
         x[e] = row_.elem == KvElem::q4_0
                    ? float(c - 8) * tile_f16(tp, size_t(g * 16 + j))
                    : std::fma(float(c), tile_f16(tp, size_t(g * 16 + j)), tile_f16(tp + L_.min_off, size_t(g * 16 + j)));
@@ -223,6 +242,16 @@ void kv_register_int4_tiled() {
   kv_register_format({"q4_0t", {}, "q4_0t", "q4_0t",
                       "llama.cpp q4_0's quantization, bytes and decode in 16-token tiles for integer-dot kernels: "
                       "4.5 bits"});
+  kv_register_codec({"q4_1t", "llama.cpp q4_1's quantization in int4t's 16-token tiles for integer-dot kernels",
+                     [](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
+                       if (p.head_dim % 32 != 0 || p.head_dim > kv_max_head_dim)
+                         fail("KV codec 'q4_1t': head_dim {} must be a multiple of 32 (q4_1's blocks), at most {}",
+                              p.head_dim, kv_max_head_dim);
+                       return std::make_unique<Int4TiledCodec>("q4_1t", p.role, p.head_dim, Int4TiledCodec::Q4_1{});
+                     }});
+  kv_register_format({"q4_1t", {}, "q4_1t", "q4_1t",
+                      "llama.cpp q4_1's quantization, bytes and decode in 16-token tiles for integer-dot kernels: "
+                      "5 bits"});
 }
 
 }  // namespace kvq

@@ -140,7 +140,8 @@ void kv_register_rotated_codecs() {
   };
   for (const Ggml g : {Ggml{"q4_1", "5"}, Ggml{"q5_0", "5.5"}, Ggml{"q5_1", "6"}, Ggml{"iq4_nl", "4.5"}}) {
     const std::string name = std::string(g.inner) + "h";
-    add(name, g.inner, std::string(g.inner) + " of the Hadamard-rotated vector (K: largest power-of-two block, V: blocks of 64)");
+    // q4_1 in q4_1t's tiles (integer-dot kernels), the others as rows.
+    add(name, std::string(g.inner) == "q4_1" ? "q4_1t" : g.inner, std::string(g.inner) + " of the Hadamard-rotated vector (K: largest power-of-two block, V: blocks of 64)");
     kv_register_format({name, {std::string(g.inner) + "_hadamard", std::string(g.inner) + "_rot"}, name, name,
                         std::string(g.inner) + " after a Hadamard rotation (llama.cpp's rotated " + g.inner +
                             " KV): " + g.bits + " bits"});
