@@ -18,10 +18,12 @@ namespace kvq::test {
 // q4_0h rotates q4_0t; q4_0h_c / _s / _cs center and / or scale that.
 inline bool int4t_codec(const KvCodec& c) {
   const std::string& n = c.info().name;
-  return n.rfind("int4t_g", 0) == 0 || n == "q4_0t" || n.rfind("q4_0h", 0) == 0;
+  return n.rfind("int4t_g", 0) == 0 || n == "q4_0t" || n.rfind("q4_0h", 0) == 0 || n == "q4_1t" ||
+         n.rfind("q4_1h", 0) == 0;
 }
 inline Int4TiledLayout int4t_layout_of(const KvCodec& c) {
   if (c.info().name.rfind("q4_0", 0) == 0) return q4_0t_layout(c.head_dim());
+  if (c.info().name.rfind("q4_1", 0) == 0) return int4t_layout(c.head_dim(), 32);  // q4_1t
   return int4t_layout(c.head_dim(), std::stoi(c.info().name.substr(7)));
 }
 
