@@ -257,6 +257,23 @@ TEST(RoundTrip, FloatFormats) {
   }
 }
 
+// Encodes the 32 values x with the one-block codec `name` (head_dim 32, one token) and returns the
+// block as llama.cpp's struct B; *y (when given) gets the decoded values.
+template <class B>
+B encode_ggml_block(const char* name, const std::vector<float>& x, std::vector<float>* y = nullptr) {
+  auto c = make(name, 32);
+  std::vector<uint8_t> blk(c->block_bytes(1));
+  EXPECT_EQ(blk.size(), sizeof(B)) << name;
+  c->encode(0, x.data(), 32, 1, blk.data(), 1, 0, 0);
+  B b;
+  std::memcpy(&b, blk.data(), sizeof b);
+  if (y) {
+    y->resize(32);
+    c->decode(0, blk.data(), 1, 0, 1, 0, y->data());
+  }
+  return b;
+}
+
 // ggml's formulas, checked on values whose codes can be worked out by hand.
 TEST(RoundTrip, Q8_0MatchesGgmlRounding) {
   std::vector<float> x(32, 0.f);
@@ -265,12 +282,7 @@ TEST(RoundTrip, Q8_0MatchesGgmlRounding) {
   x[2] = 0.5f;    // -> 1
   x[3] = -0.5f;   // -> -1
   x[4] = 2.49f;   // -> 2
-  auto c = make("q8_0", 32);
-  std::vector<uint8_t> blk(c->block_bytes(1));
-  ASSERT_EQ(blk.size(), sizeof(kv_block_q8_0));
-  c->encode(0, x.data(), 32, 1, blk.data(), 1, 0, 0);
-  kv_block_q8_0 b;
-  std::memcpy(&b, blk.data(), sizeof b);
+  const auto b = encode_ggml_block<kv_block_q8_0>("q8_0", x);
   EXPECT_EQ(b.d, f32_to_f16(1.f));
   EXPECT_EQ(b.qs[0], 127);
   EXPECT_EQ(b.qs[1], -65);
@@ -284,12 +296,8 @@ TEST(RoundTrip, Q4_0MatchesGgmlFormula) {
   // Values -16..15: the largest magnitude is -16, so d = -16 / -8 = 2 and q = trunc(x/2 + 8.5).
   std::vector<float> x(32);
   for (int j = 0; j < 32; ++j) x[size_t(j)] = float(j - 16);
-  auto c = make("q4_0", 32);
-  std::vector<uint8_t> blk(c->block_bytes(1));
-  ASSERT_EQ(blk.size(), sizeof(kv_block_q4_0));
-  c->encode(0, x.data(), 32, 1, blk.data(), 1, 0, 0);
-  kv_block_q4_0 b;
-  std::memcpy(&b, blk.data(), sizeof b);
+  std::vector<float> y;
+  auto b = encode_ggml_block<kv_block_q4_0>("q4_0", x, &y);
   EXPECT_EQ(f16_to_f32(b.d), 2.f);
   auto code = [&](int j) { return j < 16 ? b.qs[j] & 15 : b.qs[j - 16] >> 4; };
   EXPECT_EQ(code(0), 0);    // -16 -> -8 + 8.5 = 0.5 -> 0
@@ -299,15 +307,12 @@ TEST(RoundTrip, Q4_0MatchesGgmlFormula) {
   EXPECT_EQ(code(16), 8);   // 0 -> 8.5 -> 8
   EXPECT_EQ(code(17), 9);   // 1 -> 9.0
   EXPECT_EQ(code(31), 15);  // 15 -> 16.0, clamped to 15
-  std::vector<float> y(32);
-  c->decode(0, blk.data(), 1, 0, 1, 0, y.data());
   for (int j = 0; j < 32; ++j) EXPECT_EQ(y[size_t(j)], float(code(j) - 8) * 2.f) << j;
   // A positive extreme gives a negative d: 7.9 is the largest magnitude -> d = -0.9875.
   x.assign(32, 0.f);
   x[3] = 7.9f;
   x[4] = -7.f;
-  c->encode(0, x.data(), 32, 1, blk.data(), 1, 0, 0);
-  std::memcpy(&b, blk.data(), sizeof b);
+  b = encode_ggml_block<kv_block_q4_0>("q4_0", x);
   EXPECT_EQ(b.d, f32_to_f16(7.9f / -8.f));
   EXPECT_EQ(code(3), 0);   // 7.9 / d = -8 -> 0.5 -> 0
   EXPECT_EQ(code(4), 15);  // -7 / d = 7.09 -> 15.59 -> 15
@@ -321,18 +326,15 @@ TEST(RoundTrip, Q4_1AndQ5MatchGgmlFormulas) {
     std::memcpy(&h, qh, 4);
     return code4(qs, j) | int((h >> j) & 1) << 4;
   };
+  std::vector<float> y;
   {  // q4_1: min 0, max 15 -> d = 1, m = 0, q = trunc(x + 0.5) clamped to 15
     std::vector<float> x(32);
     for (int j = 0; j < 32; ++j) x[size_t(j)] = float(j % 16);
     x[5] = 7.5f;    // half rounds up -> 8
     x[6] = 2.49f;   // -> 2
     x[7] = 14.6f;   // -> 15
-    auto c = make("q4_1", 32);
-    std::vector<uint8_t> blk(c->block_bytes(1));
-    ASSERT_EQ(blk.size(), sizeof(kv_block_q4_1));
-    c->encode(0, x.data(), 32, 1, blk.data(), 1, 0, 0);
-    kv_block_q4_1 b;
-    std::memcpy(&b, blk.data(), sizeof b);
+    // (q4_1t's tiles hold these rows' codes: test_int_tiled, DecodeMatchesTheRowsBitForBit)
+    const auto b = encode_ggml_block<kv_block_q4_1>("q4_1", x, &y);
     EXPECT_EQ(f16_to_f32(b.d), 1.f);
     EXPECT_EQ(f16_to_f32(b.m), 0.f);
     EXPECT_EQ(code4(b.qs, 5), 8);
@@ -340,33 +342,23 @@ TEST(RoundTrip, Q4_1AndQ5MatchGgmlFormulas) {
     EXPECT_EQ(code4(b.qs, 7), 15);
     EXPECT_EQ(code4(b.qs, 15), 15);
     EXPECT_EQ(code4(b.qs, 20), 4);
-    std::vector<float> y(32);
-    c->decode(0, blk.data(), 1, 0, 1, 0, y.data());
     for (int j = 0; j < 32; ++j) EXPECT_EQ(y[size_t(j)], float(code4(b.qs, j))) << j;
   }
   {  // q5_0: values -16..15, largest magnitude -16 -> d = 1, q = trunc(x + 16.5) = x + 16
     std::vector<float> x(32);
     for (int j = 0; j < 32; ++j) x[size_t(j)] = float(j - 16);
-    auto c = make("q5_0", 32);
-    std::vector<uint8_t> blk(c->block_bytes(1));
-    ASSERT_EQ(blk.size(), sizeof(kv_block_q5_0));
-    c->encode(0, x.data(), 32, 1, blk.data(), 1, 0, 0);
-    kv_block_q5_0 b;
-    std::memcpy(&b, blk.data(), sizeof b);
+    auto b = encode_ggml_block<kv_block_q5_0>("q5_0", x, &y);
     EXPECT_EQ(f16_to_f32(b.d), 1.f);
     uint32_t h;
     std::memcpy(&h, b.qh, 4);
     EXPECT_EQ(h, 0xffff0000u);  // codes 16..31 (x >= 0) are elements 16..31
     for (int j = 0; j < 32; ++j) EXPECT_EQ(code5(b.qh, b.qs, j), j) << j;
-    std::vector<float> y(32);
-    c->decode(0, blk.data(), 1, 0, 1, 0, y.data());
     for (int j = 0; j < 32; ++j) EXPECT_EQ(y[size_t(j)], x[size_t(j)]) << j;
     // A positive extreme: 15.5 is the largest magnitude -> d = -0.96875; 15.5 -> code 0.
     x.assign(32, 0.f);
     x[2] = 15.5f;
     x[3] = -3.f;  // -3 / d = 3.097 -> trunc(19.6) = 19
-    c->encode(0, x.data(), 32, 1, blk.data(), 1, 0, 0);
-    std::memcpy(&b, blk.data(), sizeof b);
+    b = encode_ggml_block<kv_block_q5_0>("q5_0", x);
     EXPECT_EQ(b.d, f32_to_f16(15.5f / -16.f));
     EXPECT_EQ(code5(b.qh, b.qs, 2), 0);
     EXPECT_EQ(code5(b.qh, b.qs, 3), 19);
@@ -375,17 +367,10 @@ TEST(RoundTrip, Q4_1AndQ5MatchGgmlFormulas) {
   {  // q5_1: min 0, max 31 -> d = 1, q = x
     std::vector<float> x(32);
     for (int j = 0; j < 32; ++j) x[size_t(j)] = float((j * 7) % 32);
-    auto c = make("q5_1", 32);
-    std::vector<uint8_t> blk(c->block_bytes(1));
-    ASSERT_EQ(blk.size(), sizeof(kv_block_q5_1));
-    c->encode(0, x.data(), 32, 1, blk.data(), 1, 0, 0);
-    kv_block_q5_1 b;
-    std::memcpy(&b, blk.data(), sizeof b);
+    const auto b = encode_ggml_block<kv_block_q5_1>("q5_1", x, &y);
     EXPECT_EQ(f16_to_f32(b.d), 1.f);
     EXPECT_EQ(f16_to_f32(b.m), 0.f);
     for (int j = 0; j < 32; ++j) EXPECT_EQ(code5(b.qh, b.qs, j), (j * 7) % 32) << j;
-    std::vector<float> y(32);
-    c->decode(0, blk.data(), 1, 0, 1, 0, y.data());
     for (int j = 0; j < 32; ++j) EXPECT_EQ(y[size_t(j)], x[size_t(j)]) << j;
   }
 }
@@ -393,19 +378,12 @@ TEST(RoundTrip, Q4_1AndQ5MatchGgmlFormulas) {
 // iq4_nl: values on the grid (times 1/64) come back as their own indices, the least-squares
 // scale is then the grid step, and the rounding picks the nearest grid point.
 TEST(RoundTrip, Iq4NlPicksGridPoints) {
-  std::vector<float> x(32);
+  std::vector<float> x(32), y;
   for (int j = 0; j < 32; ++j) x[size_t(j)] = float(kv_iq4nl_grid[(j * 5) % 16]) / 64.f;
-  auto c = make("iq4_nl", 32);
-  std::vector<uint8_t> blk(c->block_bytes(1));
-  ASSERT_EQ(blk.size(), sizeof(kv_block_iq4_nl));
-  c->encode(0, x.data(), 32, 1, blk.data(), 1, 0, 0);
-  kv_block_iq4_nl b;
-  std::memcpy(&b, blk.data(), sizeof b);
+  auto b = encode_ggml_block<kv_block_iq4_nl>("iq4_nl", x, &y);
   auto idx = [&](int j) { return j < 16 ? b.qs[j] & 15 : b.qs[j - 16] >> 4; };
   EXPECT_EQ(f16_to_f32(b.d), 1.f / 64.f);
   for (int j = 0; j < 32; ++j) EXPECT_EQ(idx(j), (j * 5) % 16) << j;
-  std::vector<float> y(32);
-  c->decode(0, blk.data(), 1, 0, 1, 0, y.data());
   for (int j = 0; j < 32; ++j) EXPECT_EQ(y[size_t(j)], x[size_t(j)]) << j;
   // Off the grid: the largest magnitude -127/64 fixes the step 1/64; 0.3 = 19.2 steps lies
   // between 13 and 25, nearer 25 (index 10); -0.6 = -38.4 steps between -49 and -35 -> -35.
@@ -413,8 +391,7 @@ TEST(RoundTrip, Iq4NlPicksGridPoints) {
   x[0] = -127.f / 64.f;
   x[1] = 0.3f;
   x[2] = -0.6f;
-  c->encode(0, x.data(), 32, 1, blk.data(), 1, 0, 0);
-  std::memcpy(&b, blk.data(), sizeof b);
+  b = encode_ggml_block<kv_block_iq4_nl>("iq4_nl", x);
   EXPECT_EQ(idx(0), 0);
   EXPECT_EQ(idx(1), 10);
   EXPECT_EQ(idx(2), 5);

@@ -109,7 +109,7 @@ static_assert(sizeof(kv_block_iq4_nl) == 18);
 inline constexpr int8_t kv_iq4nl_grid[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 // The formats whose SIMD kernels are the AVX2 ones at every level (the float-decode row kernels;
 // they run unchanged on AVX-512 machines).
-inline bool kv_elem_ggml_ext(KvElem e) {
+constexpr bool kv_elem_ggml_ext(KvElem e) {
   return e == KvElem::q4_1 || e == KvElem::q5_0 || e == KvElem::q5_1 || e == KvElem::iq4_nl;
 }
 

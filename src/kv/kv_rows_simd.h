@@ -268,25 +268,22 @@ void accum_elem(const KvRowFmt& f, float scale, const float* p, int p_stride, in
 
 #define KVQ_ROWS_FOR_EACH_ELEM(X) \
   X(f32) X(f16) X(bf16) X(e4m3) X(e5m2) X(e4m3_dyn) X(e5m2_dyn) X(int8) X(int8_static) X(int4g) \
-  X(int2g) X(q8_0) X(q4_0)
-// Decoded only by ISAs with Isa::ggml_ext (kv_rows.h: kv_elem_ggml_ext).
-#define KVQ_ROWS_FOR_EACH_GGML_EXT(X) X(q4_1) X(q5_0) X(q5_1) X(iq4_nl)
-template <class Isa>
-inline constexpr bool isa_ggml_ext = requires { Isa::ggml_ext; };
+  X(int2g) X(q8_0) X(q4_0) X(q4_1) X(q5_0) X(q5_1) X(iq4_nl)
+// llama.cpp's q4_1 / q5_* / iq4_nl rows are decoded only by ISAs with Isa::ggml_ext (kv_rows.h:
+// kv_elem_ggml_ext); the others' switches never see them.
+template <class Isa, KvElem E>
+inline constexpr bool isa_decodes = !kv_elem_ggml_ext(E) || requires { Isa::ggml_ext; };
 
 template <class Isa>
 void scores(const KvRowFmt& f, float scale, const float* q, int n_q, const uint8_t* rows,
             size_t row_stride, int n, float* out, int out_stride) {
   switch (f.elem) {
-#define X(e) \
-  case KvElem::e: return scores_elem<Isa, KvElem::e>(f, scale, q, n_q, rows, row_stride, n, out, out_stride);
-    KVQ_ROWS_FOR_EACH_ELEM(X)
-#undef X
-#define X(e)                                                                                                  \
-  case KvElem::e:                                                                                             \
-    if constexpr (isa_ggml_ext<Isa>) return scores_elem<Isa, KvElem::e>(f, scale, q, n_q, rows, row_stride, n, out, out_stride); \
+#define X(e)                                                                                          \
+  case KvElem::e:                                                                                     \
+    if constexpr (isa_decodes<Isa, KvElem::e>)                                                        \
+      return scores_elem<Isa, KvElem::e>(f, scale, q, n_q, rows, row_stride, n, out, out_stride);     \
     break;
-    KVQ_ROWS_FOR_EACH_GGML_EXT(X)
+    KVQ_ROWS_FOR_EACH_ELEM(X)
 #undef X
   }
 }
@@ -295,15 +292,12 @@ template <class Isa>
 void accum(const KvRowFmt& f, float scale, const float* p, int p_stride, int n_q,
            const uint8_t* rows, size_t row_stride, int n, float* acc) {
   switch (f.elem) {
-#define X(e) \
-  case KvElem::e: return accum_elem<Isa, KvElem::e>(f, scale, p, p_stride, n_q, rows, row_stride, n, acc);
-    KVQ_ROWS_FOR_EACH_ELEM(X)
-#undef X
-#define X(e)                                                                                                  \
-  case KvElem::e:                                                                                             \
-    if constexpr (isa_ggml_ext<Isa>) return accum_elem<Isa, KvElem::e>(f, scale, p, p_stride, n_q, rows, row_stride, n, acc); \
+#define X(e)                                                                                          \
+  case KvElem::e:                                                                                     \
+    if constexpr (isa_decodes<Isa, KvElem::e>)                                                        \
+      return accum_elem<Isa, KvElem::e>(f, scale, p, p_stride, n_q, rows, row_stride, n, acc);        \
     break;
-    KVQ_ROWS_FOR_EACH_GGML_EXT(X)
+    KVQ_ROWS_FOR_EACH_ELEM(X)
 #undef X
   }
 }
