@@ -137,27 +137,24 @@ class Int4TiledCodec final : public TiledCodecBase<Int4TiledLayout, Int4tOps> {
       kv_row_encode(row_, 1.f, src + size_t(t) * src_stride, row);
       const int tt = t0 + t, j = tt % kv_tile_tokens;
       uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L_.tile_bytes;
-      if (row_.elem == KvElem::q4_0) {
-        // q4_0 blocks: f16 d, then byte i = code of element i (low nibble) and 16 + i (high).
+      if (row_.elem == KvElem::q4_0 || row_.elem == KvElem::q4_1) {
+        // llama.cpp blocks: f16 d (q4_1: then f16 m, into the min table), then byte i = code of
+        // element i (low nibble) and 16 + i (high).
+        const bool q41 = row_.elem == KvElem::q4_1;
+        const size_t bb = q41 ? sizeof(kv_block_q4_1) : sizeof(kv_block_q4_0);
         for (int b = 0; b < L_.ng; ++b) {
-          kv_block_q4_0 blk;
-          std::memcpy(&blk, row + sizeof(blk) * size_t(b), sizeof blk);
-          kvg_store_f16(tp, size_t(b * 16 + j), blk.d);
-          for (int i = 0; i < 16; ++i) {
-            c[32 * b + i] = uint8_t(blk.qs[i] & 15);
-            c[32 * b + 16 + i] = uint8_t(blk.qs[i] >> 4);
+          const uint8_t* blk = row + bb * size_t(b);
+          f16_t d, m;
+          std::memcpy(&d, blk, sizeof d);
+          kvg_store_f16(tp, size_t(b * 16 + j), d);
+          if (q41) {
+            std::memcpy(&m, blk + 2, sizeof m);
+            kvg_store_f16(tp + L_.min_off, size_t(b * 16 + j), m);
           }
-        }
-      } else if (row_.elem == KvElem::q4_1) {
-        // q4_1 blocks: f16 d and m, then the codes as q4_0's.
-        for (int b = 0; b < L_.ng; ++b) {
-          kv_block_q4_1 blk;
-          std::memcpy(&blk, row + sizeof(blk) * size_t(b), sizeof blk);
-          kvg_store_f16(tp, size_t(b * 16 + j), blk.d);
-          kvg_store_f16(tp + L_.min_off, size_t(b * 16 + j), blk.m);
+          const uint8_t* qs = blk + (q41 ? 4 : 2);
           for (int i = 0; i < 16; ++i) {
-            c[32 * b + i] = uint8_t(blk.qs[i] & 15);
-            c[32 * b + 16 + i] = uint8_t(blk.qs[i] >> 4);
+            c[32 * b + i] = uint8_t(qs[i] & 15);
+            c[32 * b + 16 + i] = uint8_t(qs[i] >> 4);
           }
         }
       } else {

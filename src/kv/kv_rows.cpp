@@ -266,32 +266,6 @@ void kv_row_encode(const KvRowFmt& f, float scale, const float* x, uint8_t* row)
       }
       return;
     }
-    case KvElem::q4_0: {
-      for (int b = 0; b < hd / 32; ++b) {
-        const float* xb = x + 32 * b;
-        float amax = 0, maxv = 0;  // maxv: the signed value of largest magnitude (first one wins)
-        for (int j = 0; j < 32; ++j) {
-          if (std::fabs(xb[j]) > amax) {
-            amax = std::fabs(xb[j]);
-            maxv = xb[j];
-          }
-        }
-        // d = max / -8 puts the largest-magnitude value exactly on code 0 (-8 * d), which uses the
-        // asymmetric code range -8..7 fully on the side that needs it.
-        const float d = maxv / -8.f;
-        const float id = d != 0 ? 1.f / d : 0.f;
-        kv_block_q4_0 blk;
-        blk.d = f32_to_f16(d);
-        for (int j = 0; j < 16; ++j) {
-          // truncation of x/d + 8.5 (>= 0.5 here) = round half up of x/d + 8, as ggml.
-          const int lo = std::min(15, int(int8_t(xb[j] * id + 8.5f)));
-          const int hi = std::min(15, int(int8_t(xb[j + 16] * id + 8.5f)));
-          blk.qs[j] = uint8_t(lo | (hi << 4));
-        }
-        std::memcpy(row + b * sizeof(blk), &blk, sizeof blk);
-      }
-      return;
-    }
     case KvElem::q4_1:
     case KvElem::q5_1: {
       const bool five = f.elem == KvElem::q5_1;
@@ -324,19 +298,33 @@ void kv_row_encode(const KvRowFmt& f, float scale, const float* x, uint8_t* row)
       }
       return;
     }
+    case KvElem::q4_0:
     case KvElem::q5_0: {
+      // The signed value of largest magnitude goes exactly on code 0 (d = max / -half), which uses
+      // the asymmetric code range -half..half-1 fully on the side that needs it; codes are the
+      // truncation of x/d + half + 0.5 (>= 0.5 here: round half up), clamped, as ggml.
+      const bool five = f.elem == KvElem::q5_0;
+      const float half = five ? 16.f : 8.f;
+      const int top = five ? 31 : 15;
       for (int b = 0; b < hd / 32; ++b) {
         const float* xb = x + 32 * b;
         float amax;
-        const float d = signed_absmax(xb, &amax) / -16.f;
+        const float d = signed_absmax(xb, &amax) / -half;
         const float id = d != 0 ? 1.f / d : 0.f;
         uint8_t c[32];
-        for (int j = 0; j < 32; ++j) c[j] = uint8_t(std::min(31, int(int8_t(xb[j] * id + 16.5f))));
-        kv_block_q5_0 blk;
-        blk.d = f32_to_f16(d);
-        store_qh(c, blk.qh);
-        pack_nibbles(c, blk.qs);
-        std::memcpy(row + b * sizeof(blk), &blk, sizeof blk);
+        for (int j = 0; j < 32; ++j) c[j] = uint8_t(std::min(top, int(int8_t(xb[j] * id + (half + 0.5f)))));
+        if (five) {
+          kv_block_q5_0 blk;
+          blk.d = f32_to_f16(d);
+          store_qh(c, blk.qh);
+          pack_nibbles(c, blk.qs);
+          std::memcpy(row + b * sizeof(blk), &blk, sizeof blk);
+        } else {
+          kv_block_q4_0 blk;
+          blk.d = f32_to_f16(d);
+          pack_nibbles(c, blk.qs);
+          std::memcpy(row + b * sizeof(blk), &blk, sizeof blk);
+        }
       }
       return;
     }
@@ -410,56 +398,35 @@ void kv_row_decode(const KvRowFmt& f, float scale, const uint8_t* row, float* x)
       }
       return;
     case KvElem::q4_0:
-      for (int b = 0; b < hd / 32; ++b) {
-        kv_block_q4_0 blk;
-        std::memcpy(&blk, row + b * sizeof(blk), sizeof blk);
-        const float d = f16_to_f32(blk.d);
-        for (int j = 0; j < 16; ++j) {
-          x[32 * b + j] = float((blk.qs[j] & 15) - 8) * d;
-          x[32 * b + j + 16] = float((blk.qs[j] >> 4) - 8) * d;
-        }
-      }
-      return;
     case KvElem::q4_1:
-      for (int b = 0; b < hd / 32; ++b) {
-        kv_block_q4_1 blk;
-        std::memcpy(&blk, row + b * sizeof(blk), sizeof blk);
-        const float d = f16_to_f32(blk.d), m = f16_to_f32(blk.m);
-        for (int j = 0; j < 16; ++j) {
-          x[32 * b + j] = float(blk.qs[j] & 15) * d + m;  // the product is exact: one rounding
-          x[32 * b + j + 16] = float(blk.qs[j] >> 4) * d + m;
-        }
-      }
-      return;
     case KvElem::q5_0:
-    case KvElem::q5_1: {
-      const bool one = f.elem == KvElem::q5_1;
-      const size_t bb = one ? sizeof(kv_block_q5_1) : sizeof(kv_block_q5_0);
+    case KvElem::q5_1:
+    case KvElem::iq4_nl: {
+      // llama.cpp's 4- / 5-bit blocks: f16 d, f16 m (the *_1 types), the fifth bits (q5_*), then
+      // element j's low 4 bits in byte j % 16 (the high nibble for j >= 16). Each value is ggml's
+      // expression; the products are exact, so c * d + m rounds once.
+      const KvElem e = f.elem;
+      const bool has_m = e == KvElem::q4_1 || e == KvElem::q5_1, five = e == KvElem::q5_0 || e == KvElem::q5_1;
+      const size_t bb = kv_row_bytes(e, 32, 0);
       for (int b = 0; b < hd / 32; ++b) {
         const uint8_t* p = row + size_t(b) * bb;
-        const float d = f16_to_f32(load_u16(p)), m = one ? f16_to_f32(load_u16(p + 2)) : 0.f;
-        const uint8_t* qhp = p + (one ? 4 : 2);
-        const uint8_t* qs = qhp + 4;
-        uint32_t qh;
-        std::memcpy(&qh, qhp, 4);
+        const float d = f16_to_f32(load_u16(p)), m = has_m ? f16_to_f32(load_u16(p + 2)) : 0.f;
+        const uint8_t* qs = p + (has_m ? 4 : 2) + (five ? 4 : 0);
+        uint32_t qh = 0;
+        if (five) std::memcpy(&qh, qs - 4, 4);
         for (int j = 0; j < 32; ++j) {
           const int c = ((qs[j % 16] >> (j / 16 * 4)) & 15) | int(((qh >> j) & 1) << 4);
-          x[32 * b + j] = one ? float(c) * d + m : float(c - 16) * d;
+          float& v = x[32 * b + j];
+          switch (e) {
+            case KvElem::q4_0: v = float(c - 8) * d; break;
+            case KvElem::q5_0: v = float(c - 16) * d; break;
+            case KvElem::iq4_nl: v = d * float(kv_iq4nl_grid[c]); break;
+            default: v = float(c) * d + m; break;  // q4_1, q5_1
+          }
         }
       }
       return;
     }
-    case KvElem::iq4_nl:
-      for (int b = 0; b < hd / 32; ++b) {
-        kv_block_iq4_nl blk;
-        std::memcpy(&blk, row + b * sizeof(blk), sizeof blk);
-        const float d = f16_to_f32(blk.d);
-        for (int j = 0; j < 16; ++j) {
-          x[32 * b + j] = d * float(kv_iq4nl_grid[blk.qs[j] & 15]);
-          x[32 * b + j + 16] = d * float(kv_iq4nl_grid[blk.qs[j] >> 4]);
-        }
-      }
-      return;
   }
 }
 
