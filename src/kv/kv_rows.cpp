@@ -135,6 +135,23 @@ void store_qh(const uint8_t* c, uint8_t* qh) {
 void pack_nibbles(const uint8_t* c, uint8_t* qs) {
   for (int j = 0; j < 16; ++j) qs[j] = uint8_t((c[j] & 15) | ((c[j + 16] & 15) << 4));
 }
+// Writes one llama.cpp 4- / 5-bit block of type e (q4_0, q4_1, q5_0, q5_1) at dst: f16 d, f16 m
+// (the *_1 types), the fifth bits (q5_*), the nibbles; codes c[32].
+void store_ggml_block(KvElem e, float d, float m, const uint8_t* c, uint8_t* dst) {
+  const bool has_m = e == KvElem::q4_1 || e == KvElem::q5_1, five = e == KvElem::q5_0 || e == KvElem::q5_1;
+  const f16_t dh = f32_to_f16(d), mh = f32_to_f16(m);
+  std::memcpy(dst, &dh, 2);
+  dst += 2;
+  if (has_m) {
+    std::memcpy(dst, &mh, 2);
+    dst += 2;
+  }
+  if (five) {
+    store_qh(c, dst);
+    dst += 4;
+  }
+  pack_nibbles(c, dst);
+}
 // Nearest grid point of iq4_nl (exact midpoints: 2x against the sum of neighbours; ties go up).
 int iq4nl_index(float x) {
   const float x2 = x + x;
@@ -281,20 +298,7 @@ void kv_row_encode(const KvRowFmt& f, float scale, const float* x, uint8_t* row)
           // q4_1 clamps the truncated code to 15; q5_1 stores it as is (<= 31 by construction).
           c[j] = five ? uint8_t(v + 0.5f) : uint8_t(std::min(15, int(int8_t(v + 0.5f))));
         }
-        if (five) {
-          kv_block_q5_1 blk;
-          blk.d = f32_to_f16(d);
-          blk.m = f32_to_f16(mn);
-          store_qh(c, blk.qh);
-          pack_nibbles(c, blk.qs);
-          std::memcpy(row + b * sizeof(blk), &blk, sizeof blk);
-        } else {
-          kv_block_q4_1 blk;
-          blk.d = f32_to_f16(d);
-          blk.m = f32_to_f16(mn);
-          pack_nibbles(c, blk.qs);
-          std::memcpy(row + b * sizeof(blk), &blk, sizeof blk);
-        }
+        store_ggml_block(f.elem, d, mn, c, row + size_t(b) * kv_row_bytes(f.elem, 32, 0));
       }
       return;
     }
@@ -313,18 +317,7 @@ void kv_row_encode(const KvRowFmt& f, float scale, const float* x, uint8_t* row)
         const float id = d != 0 ? 1.f / d : 0.f;
         uint8_t c[32];
         for (int j = 0; j < 32; ++j) c[j] = uint8_t(std::min(top, int(int8_t(xb[j] * id + (half + 0.5f)))));
-        if (five) {
-          kv_block_q5_0 blk;
-          blk.d = f32_to_f16(d);
-          store_qh(c, blk.qh);
-          pack_nibbles(c, blk.qs);
-          std::memcpy(row + b * sizeof(blk), &blk, sizeof blk);
-        } else {
-          kv_block_q4_0 blk;
-          blk.d = f32_to_f16(d);
-          pack_nibbles(c, blk.qs);
-          std::memcpy(row + b * sizeof(blk), &blk, sizeof blk);
-        }
+        store_ggml_block(f.elem, d, 0.f, c, row + size_t(b) * kv_row_bytes(f.elem, 32, 0));
       }
       return;
     }
