@@ -139,10 +139,11 @@ void pack_nibbles(const uint8_t* c, uint8_t* qs) {
 // (the *_1 types), the fifth bits (q5_*), the nibbles; codes c[32].
 void store_ggml_block(KvElem e, float d, float m, const uint8_t* c, uint8_t* dst) {
   const bool has_m = e == KvElem::q4_1 || e == KvElem::q5_1, five = e == KvElem::q5_0 || e == KvElem::q5_1;
-  const f16_t dh = f32_to_f16(d), mh = f32_to_f16(m);
+  const f16_t dh = f32_to_f16(d);
   std::memcpy(dst, &dh, 2);
   dst += 2;
   if (has_m) {
+    const f16_t mh = f32_to_f16(m);
     std::memcpy(dst, &mh, 2);
     dst += 2;
   }
@@ -286,6 +287,7 @@ void kv_row_encode(const KvRowFmt& f, float scale, const float* x, uint8_t* row)
     case KvElem::q4_1:
     case KvElem::q5_1: {
       const bool five = f.elem == KvElem::q5_1;
+      const size_t bb = kv_row_bytes(f.elem, 32, 0);  // bytes per block
       for (int b = 0; b < hd / 32; ++b) {
         const float* xb = x + 32 * b;
         float mn, mx;
@@ -298,7 +300,7 @@ void kv_row_encode(const KvRowFmt& f, float scale, const float* x, uint8_t* row)
           // q4_1 clamps the truncated code to 15; q5_1 stores it as is (<= 31 by construction).
           c[j] = five ? uint8_t(v + 0.5f) : uint8_t(std::min(15, int(int8_t(v + 0.5f))));
         }
-        store_ggml_block(f.elem, d, mn, c, row + size_t(b) * kv_row_bytes(f.elem, 32, 0));
+        store_ggml_block(f.elem, d, mn, c, row + size_t(b) * bb);
       }
       return;
     }
@@ -310,6 +312,7 @@ void kv_row_encode(const KvRowFmt& f, float scale, const float* x, uint8_t* row)
       const bool five = f.elem == KvElem::q5_0;
       const float half = five ? 16.f : 8.f;
       const int top = five ? 31 : 15;
+      const size_t bb = kv_row_bytes(f.elem, 32, 0);  // bytes per block
       for (int b = 0; b < hd / 32; ++b) {
         const float* xb = x + 32 * b;
         float amax;
@@ -317,7 +320,7 @@ void kv_row_encode(const KvRowFmt& f, float scale, const float* x, uint8_t* row)
         const float id = d != 0 ? 1.f / d : 0.f;
         uint8_t c[32];
         for (int j = 0; j < 32; ++j) c[j] = uint8_t(std::min(top, int(int8_t(xb[j] * id + (half + 0.5f)))));
-        store_ggml_block(f.elem, d, 0.f, c, row + size_t(b) * kv_row_bytes(f.elem, 32, 0));
+        store_ggml_block(f.elem, d, 0.f, c, row + size_t(b) * bb);
       }
       return;
     }
