@@ -14,16 +14,19 @@
 
 namespace kvq::test {
 
-// int4t_gN, and q4_0t (q4_0 in the same tiles: kv/int4_tiled.h, q4_0t_layout).
-// q4_0h rotates q4_0t; q4_0h_c / _s / _cs center and / or scale that.
+// int4t_gN, and llama.cpp's types in the same tiles: q4_0t, q4_1t, q5_0t, q5_1t (kv/int4_tiled.h).
+// q4_0h rotates q4_0t (q4_1h .. q5_1h theirs); q4_0h_c / _s / _cs center and / or scale that.
 inline bool int4t_codec(const KvCodec& c) {
   const std::string& n = c.info().name;
-  return n.rfind("int4t_g", 0) == 0 || n == "q4_0t" || n.rfind("q4_0h", 0) == 0 || n == "q4_1t" ||
-         n.rfind("q4_1h", 0) == 0;
+  for (const char* t : {"q4_0", "q4_1", "q5_0", "q5_1"})
+    if (n == std::string(t) + "t" || n.rfind(std::string(t) + "h", 0) == 0) return true;
+  return n.rfind("int4t_g", 0) == 0;
 }
 inline Int4TiledLayout int4t_layout_of(const KvCodec& c) {
   if (c.info().name.rfind("q4_0", 0) == 0) return q4_0t_layout(c.head_dim());
   if (c.info().name.rfind("q4_1", 0) == 0) return int4t_layout(c.head_dim(), 32);  // q4_1t
+  if (c.info().name.rfind("q5_0", 0) == 0) return q5t_layout(c.head_dim(), false);
+  if (c.info().name.rfind("q5_1", 0) == 0) return q5t_layout(c.head_dim(), true);
   return int4t_layout(c.head_dim(), std::stoi(c.info().name.substr(7)));
 }
 
@@ -34,6 +37,7 @@ struct TileCodes {
   TileCodeFn key, value;
 };
 inline constexpr TileCodes kInt4tCodes{int4t_key_code, int4t_value_code};
+inline constexpr TileCodes kInt5tCodes{int5t_key_code, int5t_value_code};  // q5_0t / q5_1t
 
 // Scale, minimum and code of element d of token t (block slot) in a key or value tile block.
 inline void tile_scm(const Int4TiledLayout& L, const TileCodes& tc, KvRole role, const uint8_t* block, int t, int d,
@@ -50,7 +54,7 @@ inline void tile_scm(const Int4TiledLayout& L, const TileCodes& tc, KvRole role,
 }
 inline void int4t_scm(const Int4TiledLayout& L, KvRole role, const uint8_t* block, int t, int d, double* s, double* m,
                       int* c) {
-  tile_scm(L, kInt4tCodes, role, block, t, d, s, m, c);
+  tile_scm(L, L.code_bits == 5 ? kInt5tCodes : kInt4tCodes, role, block, t, d, s, m, c);
 }
 
 // |score - <q, decode(k_t)>| bound of the integer-dot scores: half a query step (per 32-dim block,
@@ -74,7 +78,7 @@ inline double tile_score_bound(const Int4TiledLayout& L, const TileCodes& tc, co
   return quant + 1e-5 * mag + 1e-30;
 }
 inline double int4t_score_bound(const Int4TiledLayout& L, const float* q, const uint8_t* block, int t) {
-  return tile_score_bound(L, kInt4tCodes, q, block, t);
+  return tile_score_bound(L, L.code_bits == 5 ? kInt5tCodes : kInt4tCodes, q, block, t);
 }
 
 // Inside decode attention: the weighted sum of the tokens [t0, t0 + n) of a value block, one
@@ -106,7 +110,7 @@ inline double tile_value_bound(const Int4TiledLayout& L, const TileCodes& tc, co
 }
 inline double int4t_value_bound(const Int4TiledLayout& L, const uint8_t* block, int t0, int n, const double* pi,
                                 double pi_scale) {
-  return tile_value_bound(L, kInt4tCodes, block, t0, n, pi, pi_scale);
+  return tile_value_bound(L, L.code_bits == 5 ? kInt5tCodes : kInt4tCodes, block, t0, n, pi, pi_scale);
 }
 
 }  // namespace kvq::test

@@ -83,6 +83,21 @@ inline void kv_row_scm(const KvRowFmt& f, const uint8_t* row, int j, double* s, 
     *c = (blk.qs[j % 16] >> ((j % 32) / 16 * 4)) & 15;
     return;
   }
+  if (f.elem == KvElem::q5_0 || f.elem == KvElem::q5_1) {
+    const bool q51 = f.elem == KvElem::q5_1;
+    const size_t bb = q51 ? sizeof(kv_block_q5_1) : sizeof(kv_block_q5_0);
+    const uint8_t* blk = row + size_t(j / 32) * bb;
+    f16_t d, mh;
+    std::memcpy(&d, blk, 2);
+    *s = f16_to_f32(d);
+    if (q51) std::memcpy(&mh, blk + 2, 2);
+    *m = q51 ? double(f16_to_f32(mh)) : -16 * *s;
+    uint32_t qh;
+    std::memcpy(&qh, blk + (q51 ? 4 : 2), 4);
+    const uint8_t* qs = blk + (q51 ? 8 : 6);
+    *c = ((qs[j % 16] >> ((j % 32) / 16 * 4)) & 15) | int((qh >> (j % 32)) & 1) << 4;
+    return;
+  }
   KvGroupParams p;
   std::memcpy(&p, row + sizeof(KvGroupParams) * size_t(j / f.group), sizeof p);
   *s = f16_to_f32(p.scale);

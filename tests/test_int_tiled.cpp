@@ -57,7 +57,9 @@ struct Width {
   std::string codec(int group) const { return fixed32 ? tiled : tiled + std::to_string(group); }
   std::string row_codec(int group) const { return fixed32 ? rows : rows + std::to_string(group); }
   bool has(int group) const { return !fixed32 || group == 32; }
-  double eff_bits(int group) const { return fixed32 ? (elem == KvElem::q4_1 ? 5.0 : 4.5) : bits + 32.0 / group; }
+  double eff_bits(int group) const {
+    return fixed32 ? double(kv_row_bytes(elem, 32, 0)) * 8 / 32 : bits + 32.0 / group;
+  }
 };
 const Width kWidths[] = {
     {4, "int4t_g", "int4_g", KvElem::int4g, int4t_layout, int4t_scores_ref, int4t_accum_ref,
@@ -79,6 +81,20 @@ const Width kWidths[] = {
      true},
     // q4_1 in int4t_g32's tiles: scale and minimum per 32, q4_1's quantizer.
     {4, "q4_1t", "q4_1", KvElem::q4_1, [](int hd, int) { return int4t_layout(hd, 32); }, int4t_scores_ref,
+     int4t_accum_ref,
+#if defined(KVQ_HAVE_SIMD)
+     int4t_scores_avx2, int4t_scores_avx512, int4t_accum_avx2, int4t_accum_avx512,
+#endif
+     true},
+    // q5_0 / q5_1: 5-bit codes (fifth bits beside the nibbles); q5_0 as q4_0t (m = -16 d, signed
+    // scales), q5_1 as q4_1t.
+    {5, "q5_0t", "q5_0", KvElem::q5_0, [](int hd, int) { return q5t_layout(hd, false); }, int4t_scores_ref,
+     int4t_accum_ref,
+#if defined(KVQ_HAVE_SIMD)
+     int4t_scores_avx2, int4t_scores_avx512, int4t_accum_avx2, int4t_accum_avx512,
+#endif
+     true},
+    {5, "q5_1t", "q5_1", KvElem::q5_1, [](int hd, int) { return q5t_layout(hd, true); }, int4t_scores_ref,
      int4t_accum_ref,
 #if defined(KVQ_HAVE_SIMD)
      int4t_scores_avx2, int4t_scores_avx512, int4t_accum_avx2, int4t_accum_avx512,

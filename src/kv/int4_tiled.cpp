@@ -45,6 +45,15 @@ Int4TiledLayout q4_0t_layout(int hd) {
   return L;
 }
 
+Int4TiledLayout q5t_layout(int hd, bool with_min) {
+  Int4TiledLayout L = with_min ? int4t_layout(hd, 32) : q4_0t_layout(hd);
+  if (!with_min) L.min_mul = -16.f;
+  L.code_bits = 5;
+  L.unit_bytes = 320;
+  L.tile_bytes = L.code_off + size_t(10 * hd);
+  return L;
+}
+
 void int4t_prepare_query(const Int4TiledLayout& L, const float* q, int n_q, float* qp) {
   const int hd = L.hd;
   for (int i = 0; i < n_q; ++i) {
@@ -75,6 +84,13 @@ void int4t_prepare_query(const Int4TiledLayout& L, const float* q, int n_q, floa
 
 void int4t_scores_ref(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
                       float* out, int out_stride) {
+  if (L.code_bits == 5)
+    return tiles_scores_ref(L, qp, n_q, block, t0, n, out, out_stride,
+                            [](const uint8_t* codes, int j, int b, const int8_t* q8) {
+                              int32_t dot = 0;
+                              for (int d = 32 * b; d < 32 * b + 32; ++d) dot += int5t_key_code(codes, j, d) * q8[d];
+                              return dot;
+                            });
   // Per dim-octet o: byte 4j + k holds dims 8o + k (low nibble) and 8o + 4 + k (high).
   tiles_scores_ref(L, qp, n_q, block, t0, n, out, out_stride,
                    [](const uint8_t* codes, int j, int b, const int8_t* q8) {
@@ -90,7 +106,7 @@ void int4t_scores_ref(const Int4TiledLayout& L, const float* qp, int n_q, const 
 
 void int4t_accum_ref(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                      int n, float* acc) {
-  tiles_accum_ref(L, p, p_stride, n_q, block, t0, n, acc, int4t_value_code);
+  tiles_accum_ref(L, p, p_stride, n_q, block, t0, n, acc, L.code_bits == 5 ? int5t_value_code : int4t_value_code);
 }
 
 void int4t_scores(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
@@ -107,57 +123,43 @@ namespace {
 
 using Int4tOps = TiledOps<Int4TiledLayout, int4t_prepare_query, int4t_scores, int4t_accum>;
 
-// int4t_gN (rows: int4_gN) or q4_0t (rows: q4_0; layout q4_0t_layout).
+// The layout of llama.cpp type e's blocks in these tiles.
+Int4TiledLayout ggml_tiled_layout(int hd, KvElem e) {
+  switch (e) {
+    case KvElem::q4_0: return q4_0t_layout(hd);
+    case KvElem::q5_0: return q5t_layout(hd, false);
+    case KvElem::q5_1: return q5t_layout(hd, true);
+    default: return int4t_layout(hd, 32);  // q4_1: its scale and minimum per 32 are int4t_g32's tables
+  }
+}
+
+// int4t_gN (rows: int4_gN), or llama.cpp's q4_0t / q4_1t / q5_0t / q5_1t (rows: q4_0 .. q5_1;
+// layouts q4_0t_layout, int4t_layout(hd, 32), q5t_layout).
 class Int4TiledCodec final : public TiledCodecBase<Int4TiledLayout, Int4tOps> {
  public:
   Int4TiledCodec(std::string name, KvRole role, int hd, int group)
       : TiledCodecBase(std::move(name), 4, role, int4t_layout(hd, group)), row_(kv_row_fmt(KvElem::int4g, hd, group)) {}
-  Int4TiledCodec(std::string name, KvRole role, int hd)
-      : TiledCodecBase(std::move(name), 4, role, q4_0t_layout(hd)), row_(kv_row_fmt(KvElem::q4_0, hd)) {}
-  // q4_1t: llama.cpp q4_1's blocks (scale and minimum per 32) are int4t_g32's tables; only the
-  // quantizer (ggml's rounding) is q4_1's.
-  struct Q4_1 {};
-  Int4TiledCodec(std::string name, KvRole role, int hd, Q4_1)
-      : TiledCodecBase(std::move(name), 4, role, int4t_layout(hd, 32)), row_(kv_row_fmt(KvElem::q4_1, hd)) {}
+  Int4TiledCodec(std::string name, KvRole role, int hd, KvElem ggml)
+      : TiledCodecBase(std::move(name), kv_elem_code_bits(ggml), role, ggml_tiled_layout(hd, ggml)),
+        row_(kv_row_fmt(ggml, hd)) {}
 
-  // Each token is quantized by the row encoder (int4_gN's, q4_0's or q4_1's, so the codes, scales
-  // and minimums are theirs exactly), then scattered into the tile; every byte a token writes is its own.
+  // Each token is quantized by the row encoder (int4_gN's or llama.cpp's, so the codes, scales and
+  // minimums are theirs exactly), then scattered into the tile. A token owns its nibble bytes and
+  // its K fifth-bit bytes; a V fifth-bit byte holds bits of 4 tokens, so each clears and sets its own.
   void encode(int, const float* src, size_t src_stride, int n, uint8_t* block, int block_tokens, int t0,
               int) const override {
     check_block(block_tokens);
     KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
     const int hd = L_.hd;
-    // One buffer serves both row formats: a q4_0 block (18 bytes per 32 elements) is no larger than
-    // int4_g32's (4 + 16).
-    static_assert(sizeof(kv_block_q4_0) <= sizeof(KvGroupParams) + 16, "row buffer too small for q4_0 rows");
-    static_assert(sizeof(kv_block_q4_1) <= sizeof(KvGroupParams) + 16, "row buffer too small for q4_1 rows");
-    uint8_t row[sizeof(KvGroupParams) * (kv_max_head_dim / 32) + kv_max_head_dim / 2];
+    const size_t ub = size_t(L_.unit_bytes);
+    constexpr size_t kRowMax = std::max(sizeof(KvGroupParams) + 16, sizeof(kv_block_q5_1)) * (kv_max_head_dim / 32);
+    uint8_t row[kRowMax];
     uint8_t c[kv_max_head_dim];
     for (int t = 0; t < n; ++t) {
       kv_row_encode(row_, 1.f, src + size_t(t) * src_stride, row);
       const int tt = t0 + t, j = tt % kv_tile_tokens;
       uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L_.tile_bytes;
-      if (row_.elem == KvElem::q4_0 || row_.elem == KvElem::q4_1) {
-        // llama.cpp blocks: f16 d (q4_1: then f16 m, into the min table), then byte i = code of
-        // element i (low nibble) and 16 + i (high).
-        const bool q41 = row_.elem == KvElem::q4_1;
-        const size_t bb = q41 ? sizeof(kv_block_q4_1) : sizeof(kv_block_q4_0);
-        for (int b = 0; b < L_.ng; ++b) {
-          const uint8_t* blk = row + bb * size_t(b);
-          f16_t d, m;
-          std::memcpy(&d, blk, sizeof d);
-          kvg_store_f16(tp, size_t(b * 16 + j), d);
-          if (q41) {
-            std::memcpy(&m, blk + 2, sizeof m);
-            kvg_store_f16(tp + L_.min_off, size_t(b * 16 + j), m);
-          }
-          const uint8_t* qs = blk + (q41 ? 4 : 2);
-          for (int i = 0; i < 16; ++i) {
-            c[32 * b + i] = uint8_t(qs[i] & 15);
-            c[32 * b + 16 + i] = uint8_t(qs[i] >> 4);
-          }
-        }
-      } else {
+      if (row_.elem == KvElem::int4g) {
         const uint8_t* rc = row + sizeof(KvGroupParams) * size_t(L_.ng);
         for (int e = 0; e < hd; ++e)
           c[e] = uint8_t((rc[(e / 32) * kv_unit_int4_bytes + e % 16] >> ((e % 32) / 16 * 4)) & 15);
@@ -167,16 +169,57 @@ class Int4TiledCodec final : public TiledCodecBase<Int4TiledLayout, Int4tOps> {
           kvg_store_f16(tp, size_t(g * 16 + j), gp.scale);
           kvg_store_f16(tp + L_.min_off, size_t(g * 16 + j), gp.min);
         }
+      } else {
+        // llama.cpp blocks: f16 d, f16 m (the *_1 types: into the min table), the fifth bits (q5_*:
+        // bit i of qh for element i), then byte i = low 4 bits of element i (low nibble) and 16 + i.
+        const KvElem e = row_.elem;
+        const bool has_m = e == KvElem::q4_1 || e == KvElem::q5_1, five = L_.code_bits == 5;
+        const size_t bb = kv_row_bytes(e, 32, 0);
+        for (int b = 0; b < L_.ng; ++b) {
+          const uint8_t* blk = row + bb * size_t(b);
+          f16_t d, m;
+          std::memcpy(&d, blk, sizeof d);
+          kvg_store_f16(tp, size_t(b * 16 + j), d);
+          if (has_m) {
+            std::memcpy(&m, blk + 2, sizeof m);
+            kvg_store_f16(tp + L_.min_off, size_t(b * 16 + j), m);
+          }
+          const uint8_t* qs = blk + (has_m ? 4 : 2) + (five ? 4 : 0);
+          uint32_t qh = 0;
+          if (five) std::memcpy(&qh, qs - 4, 4);
+          for (int i = 0; i < 16; ++i) {
+            c[32 * b + i] = uint8_t((qs[i] & 15) | ((qh >> i) & 1) << 4);
+            c[32 * b + 16 + i] = uint8_t((qs[i] >> 4) | ((qh >> (16 + i)) & 1) << 4);
+          }
+        }
       }
       uint8_t* codes = tp + L_.code_off;
       if (role_ == KvRole::key) {
         for (int o = 0; o < hd / 8; ++o)
-          for (int k = 0; k < 4; ++k) codes[64 * o + 4 * j + k] = uint8_t(c[8 * o + k] | c[8 * o + 4 + k] << 4);
+          for (int k = 0; k < 4; ++k)
+            codes[ub * size_t(o / 4) + 64 * size_t(o % 4) + 4 * size_t(j) + size_t(k)] =
+                uint8_t((c[8 * o + k] & 15) | (c[8 * o + 4 + k] & 15) << 4);
+        if (L_.code_bits == 5)
+          for (int b = 0; b < hd / 32; ++b)
+            for (int k = 0; k < 4; ++k) {
+              int v = 0;
+              for (int oo = 0; oo < 4; ++oo)
+                for (int nib = 0; nib < 2; ++nib) v |= (c[32 * b + 8 * oo + 4 * nib + k] >> 4) << (2 * oo + nib);
+              codes[ub * size_t(b) + 256 + 32 * size_t(j / 8) + 4 * size_t(j % 8) + size_t(k)] = uint8_t(v);
+            }
       } else {
         const int k = j / 4, m = j % 4;
         for (int ch = 0; ch < hd / 32; ++ch)
           for (int i = 0; i < 16; ++i)
-            codes[64 * (4 * ch + k) + 4 * i + m] = uint8_t(c[32 * ch + i] | c[32 * ch + 16 + i] << 4);
+            codes[ub * size_t(ch) + 64 * size_t(k) + 4 * size_t(i) + size_t(m)] =
+                uint8_t((c[32 * ch + i] & 15) | (c[32 * ch + 16 + i] & 15) << 4);
+        if (L_.code_bits == 5)
+          for (int ch = 0; ch < hd / 32; ++ch)
+            for (int r = 0; r < 32; ++r) {
+              uint8_t& byte = codes[ub * size_t(ch) + 256 + 32 * size_t((r % 16) / 8) + 4 * size_t(r % 8) + size_t(m)];
+              const int bit = 4 * (r / 16) + k;
+              byte = uint8_t((byte & ~(1 << bit)) | (c[32 * ch + r] >> 4) << bit);
+            }
       }
     }
   }
@@ -185,32 +228,30 @@ class Int4TiledCodec final : public TiledCodecBase<Int4TiledLayout, Int4tOps> {
     check_block(block_tokens);
     KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
     const int hd = L_.hd;
+    const bool five = L_.code_bits == 5;
+    const auto code_of = role_ == KvRole::key ? (five ? int5t_key_code : int4t_key_code)
+                                              : (five ? int5t_value_code : int4t_value_code);
     for (int t = 0; t < n; ++t) {
       const int tt = t0 + t, j = tt % kv_tile_tokens;
       const uint8_t* tp = block + size_t(tt / kv_tile_tokens) * L_.tile_bytes;
       const uint8_t* codes = tp + L_.code_off;
       float* x = dst + size_t(t) * size_t(hd);
       for (int e = 0; e < hd; ++e) {
-        int c;
-        if (role_ == KvRole::key) {
-          const int o = e / 8, r = e % 8;
-          c = (codes[64 * o + 4 * j + r % 4] >> (r / 4 * 4)) & 15;
-        } else {
-          const int ch = e / 32, r = e % 32;
-          c = (codes[64 * (4 * ch + j / 4) + 4 * (r % 16) + j % 4] >> (r / 16 * 4)) & 15;
+        const int c = code_of(codes, j, e), g = e / L_.group;
+        const float s = tile_f16(tp, size_t(g * 16 + j));
+        // The same values as the rows' decode (c * d is exact, so q4_1's / q5_1's c * d + m rounds
+        // once, as the FMA does): bit-identical.
+        switch (row_.elem) {
+          case KvElem::q4_0: x[e] = float(c - 8) * s; break;
+          case KvElem::q5_0: x[e] = float(c - 16) * s; break;
+          default: x[e] = std::fma(float(c), s, tile_f16(tp + L_.min_off, size_t(g * 16 + j))); break;
         }
-        const int g = e / L_.group;
-        // The same values as int4_gN's / q4_0's / q4_1's decode (q4_1's c * d is exact, so its
-        // c * d + m rounds once, as the FMA does): bit-identical.
-        x[e] = row_.elem == KvElem::q4_0
-                   ? float(c - 8) * tile_f16(tp, size_t(g * 16 + j))
-                   : std::fma(float(c), tile_f16(tp, size_t(g * 16 + j)), tile_f16(tp + L_.min_off, size_t(g * 16 + j)));
       }
     }
   }
 
  private:
-  KvRowFmt row_;  // int4_gN's or q4_0's row format: the quantizer
+  KvRowFmt row_;  // the row format whose quantizer the tiles hold
 };
 
 }  // namespace
@@ -229,26 +270,28 @@ void kv_register_int4_tiled() {
                                     "{} bits",
                                     g, 4 + 32.0 / g)});
   }
-  kv_register_codec({"q4_0t", "llama.cpp q4_0's quantization in int4t's 16-token tiles for integer-dot kernels",
-                     [](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
-                       if (p.head_dim % 32 != 0 || p.head_dim > kv_max_head_dim)
-                         fail("KV codec 'q4_0t': head_dim {} must be a multiple of 32 (q4_0's blocks), at most {}",
-                              p.head_dim, kv_max_head_dim);
-                       return std::make_unique<Int4TiledCodec>("q4_0t", p.role, p.head_dim);
-                     }});
-  kv_register_format({"q4_0t", {}, "q4_0t", "q4_0t",
-                      "llama.cpp q4_0's quantization, bytes and decode in 16-token tiles for integer-dot kernels: "
-                      "4.5 bits"});
-  kv_register_codec({"q4_1t", "llama.cpp q4_1's quantization in int4t's 16-token tiles for integer-dot kernels",
-                     [](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
-                       if (p.head_dim % 32 != 0 || p.head_dim > kv_max_head_dim)
-                         fail("KV codec 'q4_1t': head_dim {} must be a multiple of 32 (q4_1's blocks), at most {}",
-                              p.head_dim, kv_max_head_dim);
-                       return std::make_unique<Int4TiledCodec>("q4_1t", p.role, p.head_dim, Int4TiledCodec::Q4_1{});
-                     }});
-  kv_register_format({"q4_1t", {}, "q4_1t", "q4_1t",
-                      "llama.cpp q4_1's quantization, bytes and decode in 16-token tiles for integer-dot kernels: "
-                      "5 bits"});
+  // llama.cpp's types in these tiles: quantization, bytes and decode theirs.
+  struct Ggml {
+    const char* name;
+    KvElem elem;
+    const char* bits;
+  };
+  for (const Ggml g : {Ggml{"q4_0", KvElem::q4_0, "4.5"}, Ggml{"q4_1", KvElem::q4_1, "5"},
+                       Ggml{"q5_0", KvElem::q5_0, "5.5"}, Ggml{"q5_1", KvElem::q5_1, "6"}}) {
+    const std::string name = std::string(g.name) + "t";
+    const std::string what = fmt::format("llama.cpp {}'s quantization, bytes and decode in {}-token tiles for "
+                                         "integer-dot kernels",
+                                         g.name, kv_tile_tokens);
+    const KvElem e = g.elem;
+    const std::string rows = g.name;
+    kv_register_codec({name, what, [name, rows, e](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
+                         if (p.head_dim % 32 != 0 || p.head_dim > kv_max_head_dim)
+                           fail("KV codec '{}': head_dim {} must be a multiple of 32 ({}'s blocks), at most {}", name,
+                                p.head_dim, rows, kv_max_head_dim);
+                         return std::make_unique<Int4TiledCodec>(name, p.role, p.head_dim, e);
+                       }});
+    kv_register_format({name, {}, name, name, fmt::format("{}: {} bits", what, g.bits)});
+  }
 }
 
 }  // namespace kvq

@@ -44,6 +44,20 @@
 // weights always take the s8 path (a negative d makes p * d negative), so the weighted sum's
 // step is max_t |p_t d_t| / 127 per (row, tile). Format "q4_0" stores it; "q4_0_rows" keeps the rows.
 //
+// q5_0t / q5_1t: llama.cpp's q5_0 (x = (c - 16) d, no min table, min_mul -16, signed scales, as
+// q4_0t) and q5_1 (x = c d + m: int4t_g32's tables) with 5-bit codes 0..31 (decode bit-identical
+// to the rows, same bytes). code_bits 5: each 32-dim block (K) / 32-channel chunk (V) of the code
+// bytes is 320 bytes, int4t's 256 nibble bytes of it (the codes' low 4 bits, int4t's layout) then
+// 64 bytes of fifth bits, placed so that one VPSLLW / VPSRLW + VPAND moves a vector's fifth bits
+// to bit 4 of the bytes its nibbles occupy:
+//  K: byte 256 + 32 e + 4 (j % 8) + k, e = j / 8 (the tile half), bit 2 oo + nib: the fifth bit of
+//     dim 8 oo + 4 nib + k of the block (oo: octet within the block; a token owns its bytes).
+//  V: byte 256 + 32 half + 4 (r % 8) + j % 4 (r: channel within the chunk, half = (r % 16) / 8),
+//     bit 4 (r / 16) + j / 4 (the token quad; a byte holds bits of 4 tokens).
+// The integer dots stay exact: scores widen their int16 sums every 2 octets (4 * 2 * 31 * 127 <
+// 2^15), the u8 weighted sums every 2 token quads (2 * 2 * 255 * 31); s8 weights against 0..31
+// fit 4 quads as int4t's. Format "q5_0" / "q5_1" store them; "q5_0_rows" / "q5_1_rows" keep the rows.
+//
 // Kernels: *_ref (scalar, same arithmetic: scores are bit-identical to the SIMD ones, weighted
 // sums equal up to f32 summation order), *_avx2, *_avx512; int4t_scores / int4t_accum are the one
 // dispatch point (cpu_level()). Ranges [t0, t0 + n) need not be tile-aligned: lanes outside are
@@ -76,11 +90,16 @@ struct Int4TiledLayout {
   // s8 path (signed_scales).
   float min_mul = 1.f;
   bool signed_scales = false;
+  int code_bits = 4;     // 5: q5_0t / q5_1t
+  int unit_bytes = 256;  // code bytes per 32-dim block (K) / 32-channel chunk (V): 320 at 5 bits
 };
 
 Int4TiledLayout int4t_layout(int head_dim, int group);
 // q4_0t: group 32, min_off 0, min_mul -8, signed scales; tile_bytes = 16 * q4_0's row bytes.
 Int4TiledLayout q4_0t_layout(int head_dim);
+// q5_0t (with_min false: q4_0t's tables, min_mul -16) and q5_1t (int4t_g32's tables), code_bits 5;
+// tile_bytes = 16 * q5_0's / q5_1's row bytes.
+Int4TiledLayout q5t_layout(int head_dim, bool with_min);
 
 // Byte range of the units (tiles, or groups of tiles) of `unit_tokens` tokens, `unit_bytes` apart,
 // that hold tokens [t0, t0 + n) of a head block, capped at `cap` bytes: what the tiled codecs ask
@@ -124,6 +143,20 @@ inline int int4t_key_code(const uint8_t* codes, int j, int d) {
 inline int int4t_value_code(const uint8_t* codes, int j, int d) {
   const int c = d / 32, r = d % 32;
   return (codes[64 * (4 * c + j / 4) + 4 * (r % 16) + j % 4] >> (r / 16 * 4)) & 15;
+}
+
+// q5_0t's / q5_1t's 5-bit codes (layout above).
+inline int int5t_key_code(const uint8_t* codes, int j, int d) {
+  const uint8_t* u = codes + 320 * (d / 32);
+  const int w = d % 32, oo = w / 8, nib = (w % 8) / 4, k = w % 4;
+  const int lo = (u[64 * oo + 4 * j + k] >> (4 * nib)) & 15;
+  return lo | ((u[256 + 32 * (j / 8) + 4 * (j % 8) + k] >> (2 * oo + nib)) & 1) << 4;
+}
+inline int int5t_value_code(const uint8_t* codes, int j, int d) {
+  const uint8_t* u = codes + 320 * (d / 32);
+  const int r = d % 32;
+  const int lo = (u[64 * (j / 4) + 4 * (r % 16) + j % 4] >> (r / 16 * 4)) & 15;
+  return lo | ((u[256 + 32 * ((r % 16) / 8) + 4 * (r % 8) + j % 4] >> (4 * (r / 16) + j / 4)) & 1) << 4;
 }
 
 // The parts of prepared query row `row` of qp (n_q, L.qdim) that the score kernels read.

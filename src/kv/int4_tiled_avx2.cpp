@@ -15,14 +15,25 @@ namespace kvq {
 namespace {
 
 
+// Bit `bit` of every byte of h moved to bit 4 (other bits of the result: anything; the caller
+// masks with 0x10). VPSLLW / VPSRLW by at most 4 / 3 keep each byte's bit 4 within its byte.
+template <int Bit>
+[[gnu::always_inline]] inline __m256i fifth_to_bit4(__m256i h) {
+  static_assert(Bit >= 0 && Bit <= 7);
+  if constexpr (Bit < 4) return _mm256_slli_epi16(h, 4 - Bit);
+  else if constexpr (Bit == 4) return h;
+  else return _mm256_srli_epi16(h, Bit - 4);
+}
+
 // Scores on whole tiles: both 8-token halves (bytes 0..31 and 32..63 of every 64-byte octet
 // record) against the same query broadcasts. Per query block b (4 octets, low and high nibbles:
 // 8 VPMADDUBSW per half) the int16 sums stay within 8 * 2 * 15 * 127 = 30480, so a block's dot
-// is one int16 chain and one widening per (row, half).
-template <int NQ>
+// is one int16 chain and one widening per (row, half). Five (q5_0t / q5_1t): the fifth bits
+// ORed into the nibbles (bit 4), codes up to 31, so the chains are widened every 2 octets.
+template <int NQ, bool Five>
 void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
                  int out_stride) {
-  const __m256i m4 = _mm256_set1_epi8(0x0f);
+  const __m256i m4 = _mm256_set1_epi8(0x0f), m10 = _mm256_set1_epi8(0x10);
   const int bpg = L.group / 32;
   Int4tQueryRow qr[NQ];
   for (int h = 0; h < NQ; ++h) qr[h] = int4t_query_row(L, qp, h);
@@ -36,13 +47,25 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
       __m256 facc[NQ][2];
       for (int h = 0; h < NQ; ++h) facc[h][0] = facc[h][1] = _mm256_setzero_ps();
       for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
-        __m256i s16[NQ][2];
-        for (int h = 0; h < NQ; ++h) s16[h][0] = s16[h][1] = _mm256_setzero_si256();
-        for (int o = 4 * b; o < 4 * b + 4; ++o) {
-          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * o));
-          const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * o + 32));
-          const __m256i lo0 = _mm256_and_si256(x0, m4), hi0 = _mm256_and_si256(_mm256_srli_epi16(x0, 4), m4);
-          const __m256i lo1 = _mm256_and_si256(x1, m4), hi1 = _mm256_and_si256(_mm256_srli_epi16(x1, 4), m4);
+        const uint8_t* cb = codes + size_t(Five ? 320 : 256) * size_t(b);
+        __m256i s16[NQ][2], s32[NQ][2];
+        for (int h = 0; h < NQ; ++h) s16[h][0] = s16[h][1] = s32[h][0] = s32[h][1] = _mm256_setzero_si256();
+        __m256i h5[2];
+        if constexpr (Five)
+          for (int e = 0; e < 2; ++e) h5[e] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 256 + 32 * e));
+        auto octet = [&](auto oo_c) {
+          constexpr int oo = decltype(oo_c)::value;
+          const int o = 4 * b + oo;
+          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 64 * oo));
+          const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 64 * oo + 32));
+          __m256i lo0 = _mm256_and_si256(x0, m4), hi0 = _mm256_and_si256(_mm256_srli_epi16(x0, 4), m4);
+          __m256i lo1 = _mm256_and_si256(x1, m4), hi1 = _mm256_and_si256(_mm256_srli_epi16(x1, 4), m4);
+          if constexpr (Five) {
+            lo0 = _mm256_or_si256(lo0, _mm256_and_si256(fifth_to_bit4<2 * oo>(h5[0]), m10));
+            hi0 = _mm256_or_si256(hi0, _mm256_and_si256(fifth_to_bit4<2 * oo + 1>(h5[0]), m10));
+            lo1 = _mm256_or_si256(lo1, _mm256_and_si256(fifth_to_bit4<2 * oo>(h5[1]), m10));
+            hi1 = _mm256_or_si256(hi1, _mm256_and_si256(fifth_to_bit4<2 * oo + 1>(h5[1]), m10));
+          }
           for (int h = 0; h < NQ; ++h) {
             const __m256i ql = tile_bcast32_avx2(qr[h].q8 + 8 * o), qh = tile_bcast32_avx2(qr[h].q8 + 8 * o + 4);
             s16[h][0] = _mm256_add_epi16(
@@ -50,11 +73,23 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
             s16[h][1] = _mm256_add_epi16(
                 s16[h][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, ql), _mm256_maddubs_epi16(hi1, qh)));
           }
-        }
+          if constexpr (Five && oo % 2 == 1)
+            for (int h = 0; h < NQ; ++h)
+              for (int e = 0; e < 2; ++e) {
+                s32[h][e] = _mm256_add_epi32(s32[h][e], tile_widen_avx2(s16[h][e]));
+                s16[h][e] = _mm256_setzero_si256();
+              }
+        };
+        octet(std::integral_constant<int, 0>{});
+        octet(std::integral_constant<int, 1>{});
+        octet(std::integral_constant<int, 2>{});
+        octet(std::integral_constant<int, 3>{});
         for (int h = 0; h < NQ; ++h) {
           const __m256 d = _mm256_set1_ps(qr[h].dq[b]);
-          facc[h][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tile_widen_avx2(s16[h][0])), d, facc[h][0]);
-          facc[h][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tile_widen_avx2(s16[h][1])), d, facc[h][1]);
+          for (int e = 0; e < 2; ++e) {
+            const __m256i dot = Five ? s32[h][e] : tile_widen_avx2(s16[h][e]);
+            facc[h][e] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, facc[h][e]);
+          }
         }
       }
       for (int e = 0; e < 2; ++e) {
@@ -90,25 +125,47 @@ void int4t_scores_avx2(const Int4TiledLayout& L, const float* qp, int n_q, const
                        float* out, int out_stride) {
   if (n <= 0) return;
   tile_row_passes(n_q, [&](int i, auto m) {
-    scores_pass<decltype(m)::value>(L, qp + size_t(i) * size_t(L.qdim), block, t0, n,
-                                    out + size_t(i) * size_t(out_stride), out_stride);
+    const float* qi = qp + size_t(i) * size_t(L.qdim);
+    float* oi = out + size_t(i) * size_t(out_stride);
+    if (L.code_bits == 5) scores_pass<decltype(m)::value, true>(L, qi, block, t0, n, oi, out_stride);
+    else scores_pass<decltype(m)::value, false>(L, qi, block, t0, n, oi, out_stride);
   });
 }
 
 // The weighted sum: tiles_accum_avx2 with int4t's nibbles. Int16 chains over a tile's 4 token quads:
 // u8 weights x s8 codes 4 quads * 2 * 255 * 15 = 30600, s8 weights x u8 codes 4 * 2 * 15 * 127: both fit.
+// q5_0t / q5_1t: the fifth bits ORed in at bit 4 (lo[k]: bit k of the chunk half's fifth-bit
+// vector, hi[k]: bit 4 + k); their u8 chains are widened every 2 quads (tiles_accum_avx2's Five).
 void int4t_accum_avx2(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                       int n, float* acc) {
   const __m256i m4 = _mm256_set1_epi8(0x0f);
-  tiles_accum_avx2(L, p, p_stride, n_q, block, t0, n, acc,
-                   [m4](const uint8_t* codes, int c, int half, __m256i* lo, __m256i* hi) {
-                     const uint8_t* cp = codes + size_t(c) * 256 + 32 * size_t(half);
-                     for (int k = 0; k < 4; ++k) {
-                       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * k));
-                       lo[k] = _mm256_and_si256(x, m4);
-                       hi[k] = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
-                     }
-                   });
+  auto nibbles = [m4](const uint8_t* cp, __m256i* lo, __m256i* hi) {
+    for (int k = 0; k < 4; ++k) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * k));
+      lo[k] = _mm256_and_si256(x, m4);
+      hi[k] = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
+    }
+  };
+  if (L.code_bits != 5)
+    return tiles_accum_avx2(L, p, p_stride, n_q, block, t0, n, acc,
+                            [nibbles](const uint8_t* codes, int c, int half, __m256i* lo, __m256i* hi) {
+                              nibbles(codes + size_t(c) * 256 + 32 * size_t(half), lo, hi);
+                            });
+  const __m256i m10 = _mm256_set1_epi8(0x10);
+  tiles_accum_avx2<true>(L, p, p_stride, n_q, block, t0, n, acc,
+                         [nibbles, m10](const uint8_t* codes, int c, int half, __m256i* lo, __m256i* hi) {
+                           const uint8_t* u = codes + size_t(c) * 320;
+                           nibbles(u + 32 * size_t(half), lo, hi);
+                           const __m256i h5 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 256 + 32 * half));
+                           lo[0] = _mm256_or_si256(lo[0], _mm256_and_si256(fifth_to_bit4<0>(h5), m10));
+                           lo[1] = _mm256_or_si256(lo[1], _mm256_and_si256(fifth_to_bit4<1>(h5), m10));
+                           lo[2] = _mm256_or_si256(lo[2], _mm256_and_si256(fifth_to_bit4<2>(h5), m10));
+                           lo[3] = _mm256_or_si256(lo[3], _mm256_and_si256(fifth_to_bit4<3>(h5), m10));
+                           hi[0] = _mm256_or_si256(hi[0], _mm256_and_si256(fifth_to_bit4<4>(h5), m10));
+                           hi[1] = _mm256_or_si256(hi[1], _mm256_and_si256(fifth_to_bit4<5>(h5), m10));
+                           hi[2] = _mm256_or_si256(hi[2], _mm256_and_si256(fifth_to_bit4<6>(h5), m10));
+                           hi[3] = _mm256_or_si256(hi[3], _mm256_and_si256(fifth_to_bit4<7>(h5), m10));
+                         });
 }
 
 }  // namespace kvq

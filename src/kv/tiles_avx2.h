@@ -163,23 +163,33 @@ template <int NQ, bool U8, int MaxGroups>
 // (tile_quantize_group_weights_avx2). Per query row two int16 chains over the 4 quads (at most
 // 4 * 2 * 255 * 15 or 4 * 2 * 15 * 127: no overflow), widened once and added with the step into
 // acc row h at channel `at` (low) and at + 16 (high). Each row's chains run and are flushed before
-// the next row's: about 12 live registers (all rows' chains at once spilled).
-template <int NQ, bool U8>
+// the next row's: about 12 live registers (all rows' chains at once spilled). Five (codes 0..31:
+// q5_0t / q5_1t): u8 chains widened every 2 quads (2 * 2 * 255 * 31; s8 ones fit 4 * 2 * 31 * 127).
+template <int NQ, bool U8, bool Five = false>
 [[gnu::always_inline]] inline void tile_accum_chunk_avx2(const __m256i* lo, const __m256i* hi,
                                                          const uint8_t (*w8)[32], const float* dw, float* acc, int hd,
                                                          int at) {
+  constexpr bool kSplit = Five && U8;
   for (int h = 0; h < NQ; ++h) {
     const uint8_t* wp = w8[h / 2];
     __m256i slo = _mm256_setzero_si256(), shi = _mm256_setzero_si256();
+    __m256i wlo = _mm256_setzero_si256(), whi = _mm256_setzero_si256();  // kSplit: the first 2 quads, widened
     for (int k = 0; k < 4; ++k) {
       const __m256i wb = tile_bcast32_avx2(wp + 4 * tile_w8_dword(h, k));
       slo = _mm256_add_epi16(slo, U8 ? _mm256_maddubs_epi16(wb, lo[k]) : _mm256_maddubs_epi16(lo[k], wb));
       shi = _mm256_add_epi16(shi, U8 ? _mm256_maddubs_epi16(wb, hi[k]) : _mm256_maddubs_epi16(hi[k], wb));
+      if (kSplit && k == 1) {
+        wlo = tile_widen_avx2(slo);
+        whi = tile_widen_avx2(shi);
+        slo = shi = _mm256_setzero_si256();
+      }
     }
+    const __m256i dlo = kSplit ? _mm256_add_epi32(wlo, tile_widen_avx2(slo)) : tile_widen_avx2(slo);
+    const __m256i dhi = kSplit ? _mm256_add_epi32(whi, tile_widen_avx2(shi)) : tile_widen_avx2(shi);
     const __m256 s = _mm256_broadcast_ss(&dw[h]);
     float* a = acc + size_t(h) * size_t(hd) + size_t(at);
-    _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(tile_widen_avx2(slo)), s, _mm256_loadu_ps(a)));
-    _mm256_storeu_ps(a + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(tile_widen_avx2(shi)), s, _mm256_loadu_ps(a + 16)));
+    _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo), s, _mm256_loadu_ps(a)));
+    _mm256_storeu_ps(a + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi), s, _mm256_loadu_ps(a + 16)));
   }
 }
 
@@ -248,7 +258,7 @@ inline void tiles_add_min_terms_avx2(float (*msv)[MaxGroups][8], int ng, int gro
 // ChunkLut (tq's tiles): chunk_lut(c, &lut_h, &lut_l) gives chunk c's split codebook tables, and
 // the chunks go through tile_accum_chunk_lut_avx2 (u8 weights only); std::nullptr_t: the codes are
 // the values.
-template <int NQ, bool U8, class ChunkCodes, class ChunkLut = std::nullptr_t>
+template <int NQ, bool U8, bool Five, class ChunkCodes, class ChunkLut = std::nullptr_t>
 void tiles_accum_pass_avx2(const Int4TiledLayout& L, const float* p, int p_stride, const uint8_t* block, int t0,
                            int n, float* acc, ChunkCodes chunk_codes, ChunkLut chunk_lut = nullptr) {
   constexpr bool Lut = !std::is_same_v<ChunkLut, std::nullptr_t>;
@@ -281,7 +291,7 @@ void tiles_accum_pass_avx2(const Int4TiledLayout& L, const float* p, int p_strid
             chunk_lut(c, &lut_h, &lut_l);
             tile_accum_chunk_lut_avx2<NQ>(lo, hi, lut_h, lut_l, w8[tt][g], dw[tt][g], acc, hd, 32 * c + 8 * half);
           } else {
-            tile_accum_chunk_avx2<NQ, U8>(lo, hi, w8[tt][g], dw[tt][g], acc, hd, 32 * c + 8 * half);
+            tile_accum_chunk_avx2<NQ, U8, Five>(lo, hi, w8[tt][g], dw[tt][g], acc, hd, 32 * c + 8 * half);
           }
           if (++cg == cpg) {  // chunk c + 1 starts the next group
             cg = 0;
@@ -292,7 +302,8 @@ void tiles_accum_pass_avx2(const Int4TiledLayout& L, const float* p, int p_strid
   }
   tiles_add_min_terms_avx2<NQ>(msv, ng, L.group, hd, acc, L.min_mul);
 }
-template <class ChunkCodes>
+// Five: chunk_codes gives codes up to 31 (tile_accum_chunk_avx2).
+template <bool Five = false, class ChunkCodes>
 void tiles_accum_avx2(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                       int n, float* acc, ChunkCodes chunk_codes) {
   if (n <= 0) return;
@@ -300,8 +311,8 @@ void tiles_accum_avx2(const Int4TiledLayout& L, const float* p, int p_stride, in
   tile_row_passes(n_q, [&](int i, auto m) {
     const float* pi = p + size_t(i) * size_t(p_stride);
     float* a = acc + size_t(i) * size_t(L.hd);
-    if (u8) tiles_accum_pass_avx2<decltype(m)::value, true>(L, pi, p_stride, block, t0, n, a, chunk_codes);
-    else tiles_accum_pass_avx2<decltype(m)::value, false>(L, pi, p_stride, block, t0, n, a, chunk_codes);
+    if (u8) tiles_accum_pass_avx2<decltype(m)::value, true, Five>(L, pi, p_stride, block, t0, n, a, chunk_codes);
+    else tiles_accum_pass_avx2<decltype(m)::value, false, Five>(L, pi, p_stride, block, t0, n, a, chunk_codes);
   });
 }
 // tq's tiles: u8 weights only (the caller routes weights with a negative entry elsewhere), codes
@@ -311,7 +322,7 @@ void tiles_accum_lut_avx2(const Int4TiledLayout& L, const float* p, int p_stride
                           int t0, int n, float* acc, ChunkCodes chunk_codes, ChunkLut chunk_lut) {
   if (n <= 0) return;
   tile_row_passes(n_q, [&](int i, auto m) {
-    tiles_accum_pass_avx2<decltype(m)::value, true>(L, p + size_t(i) * size_t(p_stride), p_stride, block, t0, n,
+    tiles_accum_pass_avx2<decltype(m)::value, true, false>(L, p + size_t(i) * size_t(p_stride), p_stride, block, t0, n,
                                                     acc + size_t(i) * size_t(L.hd), chunk_codes, chunk_lut);
   });
 }
