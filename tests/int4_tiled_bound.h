@@ -10,15 +10,16 @@
 
 #include "core/dtypes.h"
 #include "kv/int4_tiled.h"
+#include "kv/kv_rows.h"
 #include "kvq/kv_format.h"
 
 namespace kvq::test {
 
-// int4t_gN, and llama.cpp's types in the same tiles: q4_0t, q4_1t, q5_0t, q5_1t (kv/int4_tiled.h).
-// q4_0h rotates q4_0t (q4_1h .. q5_1h theirs); q4_0h_c / _s / _cs center and / or scale that.
+// int4t_gN, and llama.cpp's types in the same tiles: q4_0t, q4_1t, q5_0t, q5_1t, iq4_nlt
+// (kv/int4_tiled.h). q4_0h rotates q4_0t (q4_1h .. iq4_nlh theirs); q4_0h_c / _s / _cs center and / or scale that.
 inline bool int4t_codec(const KvCodec& c) {
   const std::string& n = c.info().name;
-  for (const char* t : {"q4_0", "q4_1", "q5_0", "q5_1"})
+  for (const char* t : {"q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"})
     if (n == std::string(t) + "t" || n.rfind(std::string(t) + "h", 0) == 0) return true;
   return n.rfind("int4t_g", 0) == 0;
 }
@@ -27,6 +28,7 @@ inline Int4TiledLayout int4t_layout_of(const KvCodec& c) {
   if (c.info().name.rfind("q4_1", 0) == 0) return int4t_layout(c.head_dim(), 32);  // q4_1t
   if (c.info().name.rfind("q5_0", 0) == 0) return q5t_layout(c.head_dim(), false);
   if (c.info().name.rfind("q5_1", 0) == 0) return q5t_layout(c.head_dim(), true);
+  if (c.info().name.rfind("iq4_nl", 0) == 0) return iq4nlt_layout(c.head_dim());
   return int4t_layout(c.head_dim(), std::stoi(c.info().name.substr(7)));
 }
 
@@ -38,6 +40,15 @@ struct TileCodes {
 };
 inline constexpr TileCodes kInt4tCodes{int4t_key_code, int4t_value_code};
 inline constexpr TileCodes kInt5tCodes{int5t_key_code, int5t_value_code};  // q5_0t / q5_1t
+// iq4_nlt: the grid value a code stands for (x = s * grid[c]; min 0).
+inline int iq4nlt_key_value(const uint8_t* codes, int j, int d) { return kv_iq4nl_grid[int4t_key_code(codes, j, d)]; }
+inline int iq4nlt_value_value(const uint8_t* codes, int j, int d) {
+  return kv_iq4nl_grid[int4t_value_code(codes, j, d)];
+}
+inline constexpr TileCodes kIq4nltCodes{iq4nlt_key_value, iq4nlt_value_value};
+inline const TileCodes& int4t_codes_of(const Int4TiledLayout& L) {
+  return L.lut ? kIq4nltCodes : L.code_bits == 5 ? kInt5tCodes : kInt4tCodes;
+}
 
 // Scale, minimum and code of element d of token t (block slot) in a key or value tile block.
 inline void tile_scm(const Int4TiledLayout& L, const TileCodes& tc, KvRole role, const uint8_t* block, int t, int d,
@@ -54,7 +65,7 @@ inline void tile_scm(const Int4TiledLayout& L, const TileCodes& tc, KvRole role,
 }
 inline void int4t_scm(const Int4TiledLayout& L, KvRole role, const uint8_t* block, int t, int d, double* s, double* m,
                       int* c) {
-  tile_scm(L, L.code_bits == 5 ? kInt5tCodes : kInt4tCodes, role, block, t, d, s, m, c);
+  tile_scm(L, int4t_codes_of(L), role, block, t, d, s, m, c);
 }
 
 // |score - <q, decode(k_t)>| bound of the integer-dot scores: half a query step (per 32-dim block,
@@ -78,7 +89,7 @@ inline double tile_score_bound(const Int4TiledLayout& L, const TileCodes& tc, co
   return quant + 1e-5 * mag + 1e-30;
 }
 inline double int4t_score_bound(const Int4TiledLayout& L, const float* q, const uint8_t* block, int t) {
-  return tile_score_bound(L, L.code_bits == 5 ? kInt5tCodes : kInt4tCodes, q, block, t);
+  return tile_score_bound(L, int4t_codes_of(L), q, block, t);
 }
 
 // Inside decode attention: the weighted sum of the tokens [t0, t0 + n) of a value block, one
@@ -100,7 +111,7 @@ inline double tile_value_bound(const Int4TiledLayout& L, const TileCodes& tc, co
         int c;
         tile_scm(L, tc, KvRole::value, block, t, d, &s, &m, &c);
         wmax = std::max(wmax, std::fabs(pi[t - t0] * s));
-        csum += c;
+        csum += std::abs(c);  // iq4_nlt: a signed grid value
       }
       e += wmax / (L.signed_scales ? kv_int4t_s8_levels : kv_int4t_u8_levels) * 0.5 * csum;
     }
@@ -110,7 +121,7 @@ inline double tile_value_bound(const Int4TiledLayout& L, const TileCodes& tc, co
 }
 inline double int4t_value_bound(const Int4TiledLayout& L, const uint8_t* block, int t0, int n, const double* pi,
                                 double pi_scale) {
-  return tile_value_bound(L, L.code_bits == 5 ? kInt5tCodes : kInt4tCodes, block, t0, n, pi, pi_scale);
+  return tile_value_bound(L, int4t_codes_of(L), block, t0, n, pi, pi_scale);
 }
 
 }  // namespace kvq::test

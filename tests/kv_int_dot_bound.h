@@ -83,6 +83,14 @@ inline void kv_row_scm(const KvRowFmt& f, const uint8_t* row, int j, double* s, 
     *c = (blk.qs[j % 16] >> ((j % 32) / 16 * 4)) & 15;
     return;
   }
+  if (f.elem == KvElem::iq4_nl) {  // x = d * grid[idx]: the "code" is the grid value (signed)
+    kv_block_iq4_nl blk;
+    std::memcpy(&blk, row + size_t(j / 32) * sizeof blk, sizeof blk);
+    *s = f16_to_f32(blk.d);
+    *m = 0;
+    *c = kv_iq4nl_grid[(blk.qs[j % 16] >> ((j % 32) / 16 * 4)) & 15];
+    return;
+  }
   if (f.elem == KvElem::q5_0 || f.elem == KvElem::q5_1) {
     const bool q51 = f.elem == KvElem::q5_1;
     const size_t bb = q51 ? sizeof(kv_block_q5_1) : sizeof(kv_block_q5_0);
@@ -123,7 +131,7 @@ inline std::vector<double> kv_int_accum_bound(const KvRowFmt& f, const float* p,
           // wmax over the group of channel j: every channel of the group shares s
           kv_row_scm(f, rows + size_t(t) * row_stride, j, &s, &m, &c);
           wmax = std::max(wmax, std::fabs(pt * s));
-          csum += c;
+          csum += std::abs(c);
           mag += std::fabs(pt) * (std::fabs(s * c) + std::fabs(m) + std::fabs(s * c + m));
         }
         quant += wmax / 32767 * 0.51 * csum;

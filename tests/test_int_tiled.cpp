@@ -1,9 +1,10 @@
-// int4t_g* and int2t_g* (kv/int4_tiled.h, kv/int2_tiled.h), each test over both code widths: decode
-// bit-identical to int4_gN / int2_gN, bytes equal to theirs, SIMD kernels against the scalar
-// reference (scores bit-identical, weighted sums up to f32 order), and the reference against exact
-// dots of the decoded values within the derived bounds (the same for both widths: codes 0..15 or
-// 0..3); random and adversarial inputs, partial tiles, several n_q / head_dim / group sizes, every
-// CPU level.
+// int4t_g* and int2t_g* (kv/int4_tiled.h, kv/int2_tiled.h) and llama.cpp's types in int4t's
+// tiles (q4_0t, q4_1t, q5_0t, q5_1t, iq4_nlt), each test over every width: decode bit-identical to
+// the rows whose quantization the tiles hold, bytes equal to theirs, SIMD kernels against the
+// scalar reference (scores bit-identical, weighted sums up to f32 order), and the reference against
+// exact dots of the decoded values within the derived bounds (the same for every width: codes
+// 0..15, 0..31, 0..3 or iq4_nl's grid values); random and adversarial inputs, partial tiles,
+// several n_q / head_dim / group sizes, every CPU level.
 #include <gtest/gtest.h>
 
 #include <array>
@@ -95,6 +96,13 @@ const Width kWidths[] = {
 #endif
      true},
     {5, "q5_1t", "q5_1", KvElem::q5_1, [](int hd, int) { return q5t_layout(hd, true); }, int4t_scores_ref,
+     int4t_accum_ref,
+#if defined(KVQ_HAVE_SIMD)
+     int4t_scores_avx2, int4t_scores_avx512, int4t_accum_avx2, int4t_accum_avx512,
+#endif
+     true},
+    // iq4_nl: q4_0t's tables, codes standing for the grid's int8 values (no min term).
+    {4, "iq4_nlt", "iq4_nl", KvElem::iq4_nl, [](int hd, int) { return iq4nlt_layout(hd); }, int4t_scores_ref,
      int4t_accum_ref,
 #if defined(KVQ_HAVE_SIMD)
      int4t_scores_avx2, int4t_scores_avx512, int4t_accum_avx2, int4t_accum_avx512,
@@ -325,7 +333,7 @@ std::vector<double> accum_bound(const Rows& r, int group, const float* p, int t0
           int c;
           r.scm(t, d, &s, &m, &c);
           const double ap = std::fabs(p[t - t0]);
-          b[size_t(d)] += double(dw) * 0.5 * int4t_weight_step_slack(levels) * c +
+          b[size_t(d)] += double(dw) * 0.5 * int4t_weight_step_slack(levels) * std::abs(c) +
                           1e-5 * ap * (std::fabs(s * c) + std::fabs(m) + std::fabs(s * c + m));
         }
     }

@@ -34,7 +34,8 @@ void kv_register_ggml_codecs() {
   add("q5_0", KvElem::q5_0, "llama.cpp q5_0: 32 5-bit codes + f16 scale per block");
   add("q5_1", KvElem::q5_1, "llama.cpp q5_1: 32 5-bit codes + f16 scale and min per block");
   add("iq4_nl", KvElem::iq4_nl, "llama.cpp iq4_nl: 32 4-bit indices into a non-uniform grid + f16 scale per block");
-  // "q4_1", "q5_0" and "q5_1" store their tiles (q4_1t, q5_0t, q5_1t: kv/int4_tiled.h), as "q4_0" does.
+  // "q4_1", "q5_0", "q5_1" and "iq4_nl" store their tiles (q4_1t .. iq4_nlt: kv/int4_tiled.h), as
+  // "q4_0" does.
   kv_register_format({"q4_1", {"ggml_q4_1", "llama_q4_1"}, "q4_1t", "q4_1t",
                       "llama.cpp q4_1 (-ctk/-ctv q4_1) in 16-token tiles: min + scale per 32, 5 bits"});
   kv_register_format({"q4_1_rows", {}, "q4_1", "q4_1", "llama.cpp q4_1 in its own row layout: 5 bits"});
@@ -44,8 +45,10 @@ void kv_register_ggml_codecs() {
   kv_register_format({"q5_1", {"ggml_q5_1", "llama_q5_1"}, "q5_1t", "q5_1t",
                       "llama.cpp q5_1 (-ctk/-ctv q5_1) in 16-token tiles: 5-bit codes, min + scale per 32, 6 bits"});
   kv_register_format({"q5_1_rows", {}, "q5_1", "q5_1", "llama.cpp q5_1 in its own row layout: 6 bits"});
-  kv_register_format({"iq4_nl", {"ggml_iq4_nl", "llama_iq4_nl"}, "iq4_nl", "iq4_nl",
-                      "llama.cpp iq4_nl (-ctk/-ctv iq4_nl): non-uniform 4-bit grid, scale per 32, 4.5 bits"});
+  kv_register_format({"iq4_nl", {"ggml_iq4_nl", "llama_iq4_nl"}, "iq4_nlt", "iq4_nlt",
+                      "llama.cpp iq4_nl (-ctk/-ctv iq4_nl) in 16-token tiles: non-uniform 4-bit grid, scale per 32, "
+                      "4.5 bits"});
+  kv_register_format({"iq4_nl_rows", {}, "iq4_nl", "iq4_nl", "llama.cpp iq4_nl in its own row layout: 4.5 bits"});
 }
 
 // Formats whose K and V use different codecs (keys are the more sensitive half: outlier channels

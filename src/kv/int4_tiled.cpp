@@ -54,6 +54,13 @@ Int4TiledLayout q5t_layout(int hd, bool with_min) {
   return L;
 }
 
+Int4TiledLayout iq4nlt_layout(int hd) {
+  Int4TiledLayout L = q4_0t_layout(hd);
+  L.min_mul = 0.f;
+  L.lut = kv_iq4nl_grid;
+  return L;
+}
+
 void int4t_prepare_query(const Int4TiledLayout& L, const float* q, int n_q, float* qp) {
   const int hd = L.hd;
   for (int i = 0; i < n_q; ++i) {
@@ -84,6 +91,14 @@ void int4t_prepare_query(const Int4TiledLayout& L, const float* q, int n_q, floa
 
 void int4t_scores_ref(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
                       float* out, int out_stride) {
+  if (L.lut)
+    return tiles_scores_ref(L, qp, n_q, block, t0, n, out, out_stride,
+                            [lut = L.lut](const uint8_t* codes, int j, int b, const int8_t* q8) {
+                              int32_t dot = 0;
+                              for (int d = 32 * b; d < 32 * b + 32; ++d)
+                                dot += int32_t(lut[int4t_key_code(codes, j, d)]) * q8[d];
+                              return dot;
+                            });
   if (L.code_bits == 5)
     return tiles_scores_ref(L, qp, n_q, block, t0, n, out, out_stride,
                             [](const uint8_t* codes, int j, int b, const int8_t* q8) {
@@ -106,6 +121,10 @@ void int4t_scores_ref(const Int4TiledLayout& L, const float* qp, int n_q, const 
 
 void int4t_accum_ref(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                      int n, float* acc) {
+  if (L.lut)
+    return tiles_accum_ref(L, p, p_stride, n_q, block, t0, n, acc, [lut = L.lut](const uint8_t* codes, int j, int d) {
+      return int(lut[int4t_value_code(codes, j, d)]);
+    });
   tiles_accum_ref(L, p, p_stride, n_q, block, t0, n, acc, L.code_bits == 5 ? int5t_value_code : int4t_value_code);
 }
 
@@ -129,12 +148,13 @@ Int4TiledLayout ggml_tiled_layout(int hd, KvElem e) {
     case KvElem::q4_0: return q4_0t_layout(hd);
     case KvElem::q5_0: return q5t_layout(hd, false);
     case KvElem::q5_1: return q5t_layout(hd, true);
+    case KvElem::iq4_nl: return iq4nlt_layout(hd);
     default: return int4t_layout(hd, 32);  // q4_1: its scale and minimum per 32 are int4t_g32's tables
   }
 }
 
-// int4t_gN (rows: int4_gN), or llama.cpp's q4_0t / q4_1t / q5_0t / q5_1t (rows: q4_0 .. q5_1;
-// layouts q4_0t_layout, int4t_layout(hd, 32), q5t_layout).
+// int4t_gN (rows: int4_gN), or llama.cpp's q4_0t / q4_1t / q5_0t / q5_1t / iq4_nlt (rows: q4_0 ..
+// iq4_nl; ggml_tiled_layout).
 class Int4TiledCodec final : public TiledCodecBase<Int4TiledLayout, Int4tOps> {
  public:
   Int4TiledCodec(std::string name, KvRole role, int hd, int group)
@@ -244,6 +264,7 @@ class Int4TiledCodec final : public TiledCodecBase<Int4TiledLayout, Int4tOps> {
         switch (row_.elem) {
           case KvElem::q4_0: x[e] = float(c - 8) * s; break;
           case KvElem::q5_0: x[e] = float(c - 16) * s; break;
+          case KvElem::iq4_nl: x[e] = s * float(kv_iq4nl_grid[c]); break;
           default: x[e] = std::fma(float(c), s, tile_f16(tp + L_.min_off, size_t(g * 16 + j))); break;
         }
       }
@@ -277,7 +298,8 @@ void kv_register_int4_tiled() {
     const char* bits;
   };
   for (const Ggml g : {Ggml{"q4_0", KvElem::q4_0, "4.5"}, Ggml{"q4_1", KvElem::q4_1, "5"},
-                       Ggml{"q5_0", KvElem::q5_0, "5.5"}, Ggml{"q5_1", KvElem::q5_1, "6"}}) {
+                       Ggml{"q5_0", KvElem::q5_0, "5.5"}, Ggml{"q5_1", KvElem::q5_1, "6"},
+                       Ggml{"iq4_nl", KvElem::iq4_nl, "4.5"}}) {
     const std::string name = std::string(g.name) + "t";
     const std::string what = fmt::format("llama.cpp {}'s quantization, bytes and decode in {}-token tiles for "
                                          "integer-dot kernels",

@@ -58,6 +58,13 @@
 // 2^15), the u8 weighted sums every 2 token quads (2 * 2 * 255 * 31); s8 weights against 0..31
 // fit 4 quads as int4t's. Format "q5_0" / "q5_1" store them; "q5_0_rows" / "q5_1_rows" keep the rows.
 //
+// iq4_nlt: llama.cpp's iq4_nl (x = d * grid[c] per 32 channels, kv_iq4nl_grid, d f16 of either
+// sign; decode bit-identical to the rows, same bytes) in q4_0t's tiles with lut = the grid and no
+// min term (min_mul 0): the kernels dot the grid's int8 values (|grid| <= 127) instead of the
+// codes. Scores and (s8) weighted sums take VPSIGNB's sign of the grid value onto the other
+// operand against |grid| in VPMADDUBSW; a pair sum reaches 2 * 127 * 127 and is widened at once.
+// Bounds as q4_0t's with |grid[c]| for c. Format "iq4_nl" stores it; "iq4_nl_rows" keeps the rows.
+//
 // Kernels: *_ref (scalar, same arithmetic: scores are bit-identical to the SIMD ones, weighted
 // sums equal up to f32 summation order), *_avx2, *_avx512; int4t_scores / int4t_accum are the one
 // dispatch point (cpu_level()). Ranges [t0, t0 + n) need not be tile-aligned: lanes outside are
@@ -92,6 +99,7 @@ struct Int4TiledLayout {
   bool signed_scales = false;
   int code_bits = 4;     // 5: q5_0t / q5_1t
   int unit_bytes = 256;  // code bytes per 32-dim block (K) / 32-channel chunk (V): 320 at 5 bits
+  const int8_t* lut = nullptr;  // iq4_nlt: code c stands for lut[c] (kv_iq4nl_grid)
 };
 
 Int4TiledLayout int4t_layout(int head_dim, int group);
@@ -100,6 +108,8 @@ Int4TiledLayout q4_0t_layout(int head_dim);
 // q5_0t (with_min false: q4_0t's tables, min_mul -16) and q5_1t (int4t_g32's tables), code_bits 5;
 // tile_bytes = 16 * q5_0's / q5_1's row bytes.
 Int4TiledLayout q5t_layout(int head_dim, bool with_min);
+// iq4_nlt: q4_0t's tables, min_mul 0, lut kv_iq4nl_grid; tile_bytes = 16 * iq4_nl's row bytes.
+Int4TiledLayout iq4nlt_layout(int head_dim);
 
 // Byte range of the units (tiles, or groups of tiles) of `unit_tokens` tokens, `unit_bytes` apart,
 // that hold tokens [t0, t0 + n) of a head block, capped at `cap` bytes: what the tiled codecs ask

@@ -28,12 +28,23 @@ template <int Bit>
 // Scores on whole tiles: both 8-token halves (bytes 0..31 and 32..63 of every 64-byte octet
 // record) against the same query broadcasts. Per query block b (4 octets, low and high nibbles:
 // 8 VPMADDUBSW per half) the int16 sums stay within 8 * 2 * 15 * 127 = 30480, so a block's dot
-// is one int16 chain and one widening per (row, half). Five (q5_0t / q5_1t): the fifth bits
-// ORed into the nibbles (bit 4), codes up to 31, so the chains are widened every 2 octets.
-template <int NQ, bool Five>
+// is one int16 chain and one widening per (row, half). Mode kFive (q5_0t / q5_1t): the fifth bits
+// ORed into the nibbles (bit 4), codes up to 31, so the chains are widened every 2 octets. Mode
+// kGrid (iq4_nlt): each nibble looked up as |grid| and as grid, whose sign goes onto the query
+// bytes (VPSIGNB); a pair sum reaches 2 * 127 * 127, so every product is widened at once.
+enum ScoreMode { kNibbles, kFive, kGrid };
+template <int NQ, int Mode>
 void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
                  int out_stride) {
+  constexpr bool Five = Mode == kFive, Grid = Mode == kGrid;
   const __m256i m4 = _mm256_set1_epi8(0x0f), m10 = _mm256_set1_epi8(0x10);
+  __m256i lut_abs = m4, lut_sgn = m4;
+  if constexpr (Grid) {
+    int8_t a[16];
+    for (int i = 0; i < 16; ++i) a[i] = int8_t(L.lut[i] < 0 ? -L.lut[i] : L.lut[i]);
+    lut_abs = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
+    lut_sgn = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(L.lut)));
+  }
   const int bpg = L.group / 32;
   Int4tQueryRow qr[NQ];
   for (int h = 0; h < NQ; ++h) qr[h] = int4t_query_row(L, qp, h);
@@ -66,6 +77,22 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
             lo1 = _mm256_or_si256(lo1, _mm256_and_si256(fifth_to_bit4<2 * oo>(h5[1]), m10));
             hi1 = _mm256_or_si256(hi1, _mm256_and_si256(fifth_to_bit4<2 * oo + 1>(h5[1]), m10));
           }
+          if constexpr (Grid) {
+            const __m256i v[4] = {lo0, hi0, lo1, hi1};
+            __m256i va[4], vs[4];
+            for (int i = 0; i < 4; ++i) {
+              va[i] = _mm256_shuffle_epi8(lut_abs, v[i]);
+              vs[i] = _mm256_shuffle_epi8(lut_sgn, v[i]);
+            }
+            for (int h = 0; h < NQ; ++h) {
+              const __m256i qv[2] = {tile_bcast32_avx2(qr[h].q8 + 8 * o), tile_bcast32_avx2(qr[h].q8 + 8 * o + 4)};
+              for (int i = 0; i < 4; ++i)
+                s32[h][i / 2] = _mm256_add_epi32(
+                    s32[h][i / 2],
+                    tile_widen_avx2(_mm256_maddubs_epi16(va[i], _mm256_sign_epi8(qv[i % 2], vs[i]))));
+            }
+            return;
+          }
           for (int h = 0; h < NQ; ++h) {
             const __m256i ql = tile_bcast32_avx2(qr[h].q8 + 8 * o), qh = tile_bcast32_avx2(qr[h].q8 + 8 * o + 4);
             s16[h][0] = _mm256_add_epi16(
@@ -87,7 +114,7 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
         for (int h = 0; h < NQ; ++h) {
           const __m256 d = _mm256_set1_ps(qr[h].dq[b]);
           for (int e = 0; e < 2; ++e) {
-            const __m256i dot = Five ? s32[h][e] : tile_widen_avx2(s16[h][e]);
+            const __m256i dot = Five || Grid ? s32[h][e] : tile_widen_avx2(s16[h][e]);
             facc[h][e] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, facc[h][e]);
           }
         }
@@ -127,8 +154,9 @@ void int4t_scores_avx2(const Int4TiledLayout& L, const float* qp, int n_q, const
   tile_row_passes(n_q, [&](int i, auto m) {
     const float* qi = qp + size_t(i) * size_t(L.qdim);
     float* oi = out + size_t(i) * size_t(out_stride);
-    if (L.code_bits == 5) scores_pass<decltype(m)::value, true>(L, qi, block, t0, n, oi, out_stride);
-    else scores_pass<decltype(m)::value, false>(L, qi, block, t0, n, oi, out_stride);
+    if (L.lut) scores_pass<decltype(m)::value, kGrid>(L, qi, block, t0, n, oi, out_stride);
+    else if (L.code_bits == 5) scores_pass<decltype(m)::value, kFive>(L, qi, block, t0, n, oi, out_stride);
+    else scores_pass<decltype(m)::value, kNibbles>(L, qi, block, t0, n, oi, out_stride);
   });
 }
 
@@ -146,6 +174,21 @@ void int4t_accum_avx2(const Int4TiledLayout& L, const float* p, int p_stride, in
       hi[k] = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
     }
   };
+  if (L.lut) {  // iq4_nlt: signed scales, s8 weights always (tile_accum_chunk_signlut_avx2)
+    int8_t a[16];
+    for (int i = 0; i < 16; ++i) a[i] = int8_t(L.lut[i] < 0 ? -L.lut[i] : L.lut[i]);
+    const __m256i lut_abs = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
+    const __m256i lut_sgn = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(L.lut)));
+    return tiles_accum_lut_avx2<false>(
+        L, p, p_stride, n_q, block, t0, n, acc,
+        [nibbles](const uint8_t* codes, int c, int half, __m256i* lo, __m256i* hi) {
+          nibbles(codes + size_t(c) * 256 + 32 * size_t(half), lo, hi);
+        },
+        [lut_abs, lut_sgn](int, __m256i* t1, __m256i* t2) {
+          *t1 = lut_abs;
+          *t2 = lut_sgn;
+        });
+  }
   if (L.code_bits != 5)
     return tiles_accum_avx2(L, p, p_stride, n_q, block, t0, n, acc,
                             [nibbles](const uint8_t* codes, int c, int half, __m256i* lo, __m256i* hi) {

@@ -61,8 +61,8 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
 
 void int4t_scores_avx512(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
                          float* out, int out_stride) {
-  // q5_0t / q5_1t: the AVX2 kernels (no AVX-512 variant of the 5-bit codes).
-  if (L.code_bits == 5) return int4t_scores_avx2(L, qp, n_q, block, t0, n, out, out_stride);
+  // q5_0t / q5_1t / iq4_nlt: the AVX2 kernels (no AVX-512 variant of the 5-bit codes or the grid).
+  if (L.code_bits == 5 || L.lut) return int4t_scores_avx2(L, qp, n_q, block, t0, n, out, out_stride);
   if (n <= 0) return;
   tile_row_passes(n_q, [&](int i, auto m) {
     scores_pass<decltype(m)::value>(L, qp + size_t(i) * size_t(L.qdim), block, t0, n,
@@ -72,7 +72,7 @@ void int4t_scores_avx512(const Int4TiledLayout& L, const float* qp, int n_q, con
 
 void int4t_accum_avx512(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
                         int t0, int n, float* acc) {
-  if (L.code_bits == 5) return int4t_accum_avx2(L, p, p_stride, n_q, block, t0, n, acc);
+  if (L.code_bits == 5 || L.lut) return int4t_accum_avx2(L, p, p_stride, n_q, block, t0, n, acc);
   // Channel chunks of 32: per tile 4 loads (token quads), split into low and high nibbles.
   const __m512i m4 = _mm512_set1_epi8(0x0f);
   tiles_accum_avx512(L, p, p_stride, n_q, block, t0, n, acc,

@@ -133,15 +133,15 @@ void kv_register_rotated_codecs() {
                       "q4_0 after a Hadamard rotation (llama.cpp's rotated q4_0 KV): 4.5 bits"});
   kv_register_format({"q8_0_q4_0h", {"k8v4h"}, "q8_0h", "q4_0h",
                       "keys q8_0, values q4_0, both Hadamard-rotated: 6.5 bits"});
-  // llama.cpp's other cache types as its default (rotated) KV cache stores them: q4_1, q5_0 and
-  // q5_1 in their tiles (integer-dot kernels), iq4_nl as rows.
+  // llama.cpp's other cache types as its default (rotated) KV cache stores them, in their tiles
+  // (integer-dot kernels).
   struct Ggml {
     const char* type;
     const char* inner;  // the codec of the rotated vector
     const char* bits;
   };
   for (const Ggml g : {Ggml{"q4_1", "q4_1t", "5"}, Ggml{"q5_0", "q5_0t", "5.5"}, Ggml{"q5_1", "q5_1t", "6"},
-                       Ggml{"iq4_nl", "iq4_nl", "4.5"}}) {
+                       Ggml{"iq4_nl", "iq4_nlt", "4.5"}}) {
     const std::string type = g.type, name = type + "h";
     add(name, g.inner, type + " of the Hadamard-rotated vector (K: largest power-of-two block, V: blocks of 64)");
     kv_register_format({name, {type + "_hadamard", type + "_rot"}, name, name,

@@ -228,6 +228,36 @@ template <int NQ>
   }
 }
 
+// iq4_nlt's chunks (kv/int4_tiled.h): s8 weights against codes looked up as |C| (lut_abs, the u8
+// operand) and C (lut_sgn, whose sign goes onto the weights: VPSIGNB); a pair sum reaches
+// 2 * 127 * 127, so each product is widened at once. lo / hi: raw nibbles.
+template <int NQ>
+[[gnu::always_inline]] inline void tile_accum_chunk_signlut_avx2(const __m256i* lo, const __m256i* hi,
+                                                                 __m256i lut_abs, __m256i lut_sgn,
+                                                                 const uint8_t (*w8)[32], const float* dw, float* acc,
+                                                                 int hd, int at) {
+  __m256i loa[4], los[4], hia[4], his[4];
+  for (int k = 0; k < 4; ++k) {
+    loa[k] = _mm256_shuffle_epi8(lut_abs, lo[k]);
+    los[k] = _mm256_shuffle_epi8(lut_sgn, lo[k]);
+    hia[k] = _mm256_shuffle_epi8(lut_abs, hi[k]);
+    his[k] = _mm256_shuffle_epi8(lut_sgn, hi[k]);
+  }
+  for (int h = 0; h < NQ; ++h) {
+    const uint8_t* wp = w8[h / 2];
+    __m256i dlo = _mm256_setzero_si256(), dhi = _mm256_setzero_si256();
+    for (int k = 0; k < 4; ++k) {
+      const __m256i wb = tile_bcast32_avx2(wp + 4 * tile_w8_dword(h, k));
+      dlo = _mm256_add_epi32(dlo, tile_widen_avx2(_mm256_maddubs_epi16(loa[k], _mm256_sign_epi8(wb, los[k]))));
+      dhi = _mm256_add_epi32(dhi, tile_widen_avx2(_mm256_maddubs_epi16(hia[k], _mm256_sign_epi8(wb, his[k]))));
+    }
+    const __m256 s = _mm256_broadcast_ss(&dw[h]);
+    float* a = acc + size_t(h) * size_t(hd) + size_t(at);
+    _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo), s, _mm256_loadu_ps(a)));
+    _mm256_storeu_ps(a + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi), s, _mm256_loadu_ps(a + 16)));
+  }
+}
+
 // The min terms of int4t's / int2t's weighted sums, after the tiles: per query row h < NQ and group
 // g < ng the 8 lanes of msv[h][g] (sum_t p_t m_tg) reduced once and added to the group's channels of
 // acc row h (rows hd apart), times min_mul.
@@ -255,9 +285,9 @@ inline void tiles_add_min_terms_avx2(float (*msv)[MaxGroups][8], int ng, int gro
 // tile_accum_chunk_avx2, then the min terms (times L.min_mul). The group is stepped along the one
 // chunk loop (no c / cpg division; a loop per group had the compiler hoist and spill the weight
 // broadcasts). U8 weights when every weight is >= 0 and the scales are, else s8.
-// ChunkLut (tq's tiles): chunk_lut(c, &lut_h, &lut_l) gives chunk c's split codebook tables, and
-// the chunks go through tile_accum_chunk_lut_avx2 (u8 weights only); std::nullptr_t: the codes are
-// the values.
+// ChunkLut: chunk_lut(c, &t1, &t2) gives chunk c's codebook tables: with u8 weights (tq's tiles)
+// the split tables C >> 4, C & 15 for tile_accum_chunk_lut_avx2, with s8 weights (iq4_nlt) |C|
+// and C for tile_accum_chunk_signlut_avx2; std::nullptr_t: the codes are the values.
 template <int NQ, bool U8, bool Five, class ChunkCodes, class ChunkLut = std::nullptr_t>
 void tiles_accum_pass_avx2(const Int4TiledLayout& L, const float* p, int p_stride, const uint8_t* block, int t0,
                            int n, float* acc, ChunkCodes chunk_codes, ChunkLut chunk_lut = nullptr) {
@@ -287,9 +317,12 @@ void tiles_accum_pass_avx2(const Int4TiledLayout& L, const float* p, int p_strid
           __m256i lo[4], hi[4];
           chunk_codes(codes, c, half, lo, hi);
           if constexpr (Lut) {
-            __m256i lut_h, lut_l;
-            chunk_lut(c, &lut_h, &lut_l);
-            tile_accum_chunk_lut_avx2<NQ>(lo, hi, lut_h, lut_l, w8[tt][g], dw[tt][g], acc, hd, 32 * c + 8 * half);
+            __m256i t1, t2;
+            chunk_lut(c, &t1, &t2);
+            if constexpr (U8)
+              tile_accum_chunk_lut_avx2<NQ>(lo, hi, t1, t2, w8[tt][g], dw[tt][g], acc, hd, 32 * c + 8 * half);
+            else
+              tile_accum_chunk_signlut_avx2<NQ>(lo, hi, t1, t2, w8[tt][g], dw[tt][g], acc, hd, 32 * c + 8 * half);
           } else {
             tile_accum_chunk_avx2<NQ, U8, Five>(lo, hi, w8[tt][g], dw[tt][g], acc, hd, 32 * c + 8 * half);
           }
@@ -315,15 +348,15 @@ void tiles_accum_avx2(const Int4TiledLayout& L, const float* p, int p_stride, in
     else tiles_accum_pass_avx2<decltype(m)::value, false, Five>(L, pi, p_stride, block, t0, n, a, chunk_codes);
   });
 }
-// tq's tiles: u8 weights only (the caller routes weights with a negative entry elsewhere), codes
-// looked up per chunk (ChunkLut above).
-template <class ChunkCodes, class ChunkLut>
+// Codes looked up per chunk (ChunkLut above): U8 true, tq's tiles (u8 weights only: the caller
+// routes weights with a negative entry elsewhere); false, iq4_nlt's s8 weights.
+template <bool U8 = true, class ChunkCodes, class ChunkLut>
 void tiles_accum_lut_avx2(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
                           int t0, int n, float* acc, ChunkCodes chunk_codes, ChunkLut chunk_lut) {
   if (n <= 0) return;
   tile_row_passes(n_q, [&](int i, auto m) {
-    tiles_accum_pass_avx2<decltype(m)::value, true, false>(L, p + size_t(i) * size_t(p_stride), p_stride, block, t0, n,
-                                                    acc + size_t(i) * size_t(L.hd), chunk_codes, chunk_lut);
+    tiles_accum_pass_avx2<decltype(m)::value, U8, false>(L, p + size_t(i) * size_t(p_stride), p_stride, block, t0, n,
+                                                         acc + size_t(i) * size_t(L.hd), chunk_codes, chunk_lut);
   });
 }
 
