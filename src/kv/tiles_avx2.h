@@ -157,6 +157,14 @@ template <int NQ, bool U8, int MaxGroups>
   }
 }
 
+// a[0..7] += dlo * step, a[16..23] += dhi * step: a chunk half's integer sums of one query row
+// into its accumulator (channels at and at + 16).
+[[gnu::always_inline]] inline void tile_accum_add_avx2(float* a, __m256i dlo, __m256i dhi, float step) {
+  const __m256 s = _mm256_set1_ps(step);
+  _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo), s, _mm256_loadu_ps(a)));
+  _mm256_storeu_ps(a + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi), s, _mm256_loadu_ps(a + 16)));
+}
+
 // Step 2 of int4t's / int2t's AVX2 weighted sum for one (tile, 8-lane half, chunk of 32 channels):
 // lo[k] / hi[k] hold the chunk's codes of token quad k (lanes: channels 32c + 8 half + i and 32c + 16
 // + 8 half + i, as u8 0..15 or 0..3), w8 / dw the group's quantized weights and steps
@@ -186,10 +194,7 @@ template <int NQ, bool U8, bool Five = false>
     }
     const __m256i dlo = kSplit ? _mm256_add_epi32(wlo, tile_widen_avx2(slo)) : tile_widen_avx2(slo);
     const __m256i dhi = kSplit ? _mm256_add_epi32(whi, tile_widen_avx2(shi)) : tile_widen_avx2(shi);
-    const __m256 s = _mm256_broadcast_ss(&dw[h]);
-    float* a = acc + size_t(h) * size_t(hd) + size_t(at);
-    _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo), s, _mm256_loadu_ps(a)));
-    _mm256_storeu_ps(a + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi), s, _mm256_loadu_ps(a + 16)));
+    tile_accum_add_avx2(acc + size_t(h) * size_t(hd) + size_t(at), dlo, dhi, dw[h]);
   }
 }
 
@@ -221,10 +226,7 @@ template <int NQ>
     }
     const __m256i dlo = _mm256_add_epi32(_mm256_slli_epi32(tile_widen_avx2(sloh), 4), tile_widen_avx2(slol));
     const __m256i dhi = _mm256_add_epi32(_mm256_slli_epi32(tile_widen_avx2(shih), 4), tile_widen_avx2(shil));
-    const __m256 s = _mm256_broadcast_ss(&dw[h]);
-    float* a = acc + size_t(h) * size_t(hd) + size_t(at);
-    _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo), s, _mm256_loadu_ps(a)));
-    _mm256_storeu_ps(a + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi), s, _mm256_loadu_ps(a + 16)));
+    tile_accum_add_avx2(acc + size_t(h) * size_t(hd) + size_t(at), dlo, dhi, dw[h]);
   }
 }
 
@@ -251,10 +253,7 @@ template <int NQ>
       dlo = _mm256_add_epi32(dlo, tile_widen_avx2(_mm256_maddubs_epi16(loa[k], _mm256_sign_epi8(wb, los[k]))));
       dhi = _mm256_add_epi32(dhi, tile_widen_avx2(_mm256_maddubs_epi16(hia[k], _mm256_sign_epi8(wb, his[k]))));
     }
-    const __m256 s = _mm256_broadcast_ss(&dw[h]);
-    float* a = acc + size_t(h) * size_t(hd) + size_t(at);
-    _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo), s, _mm256_loadu_ps(a)));
-    _mm256_storeu_ps(a + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi), s, _mm256_loadu_ps(a + 16)));
+    tile_accum_add_avx2(acc + size_t(h) * size_t(hd) + size_t(at), dlo, dhi, dw[h]);
   }
 }
 
