@@ -91,21 +91,18 @@ void int4t_prepare_query(const Int4TiledLayout& L, const float* q, int n_q, floa
 
 void int4t_scores_ref(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
                       float* out, int out_stride) {
+  // q5_0t / q5_1t / iq4_nlt: the value of every element from its code reader.
+  const auto per_element = [&](auto value_of) {
+    tiles_scores_ref(L, qp, n_q, block, t0, n, out, out_stride,
+                     [value_of](const uint8_t* codes, int j, int b, const int8_t* q8) {
+                       int32_t dot = 0;
+                       for (int d = 32 * b; d < 32 * b + 32; ++d) dot += int32_t(value_of(codes, j, d)) * q8[d];
+                       return dot;
+                     });
+  };
   if (L.lut)
-    return tiles_scores_ref(L, qp, n_q, block, t0, n, out, out_stride,
-                            [lut = L.lut](const uint8_t* codes, int j, int b, const int8_t* q8) {
-                              int32_t dot = 0;
-                              for (int d = 32 * b; d < 32 * b + 32; ++d)
-                                dot += int32_t(lut[int4t_key_code(codes, j, d)]) * q8[d];
-                              return dot;
-                            });
-  if (L.code_bits == 5)
-    return tiles_scores_ref(L, qp, n_q, block, t0, n, out, out_stride,
-                            [](const uint8_t* codes, int j, int b, const int8_t* q8) {
-                              int32_t dot = 0;
-                              for (int d = 32 * b; d < 32 * b + 32; ++d) dot += int5t_key_code(codes, j, d) * q8[d];
-                              return dot;
-                            });
+    return per_element([lut = L.lut](const uint8_t* codes, int j, int d) { return lut[int4t_key_code(codes, j, d)]; });
+  if (L.code_bits == 5) return per_element(int5t_key_code);
   // Per dim-octet o: byte 4j + k holds dims 8o + k (low nibble) and 8o + 4 + k (high).
   tiles_scores_ref(L, qp, n_q, block, t0, n, out, out_stride,
                    [](const uint8_t* codes, int j, int b, const int8_t* q8) {

@@ -25,26 +25,22 @@ template <int Bit>
   else return _mm256_srli_epi16(h, Bit - 4);
 }
 
+// iq4_nlt's VPSHUFB tables: |grid| (the u8 operand) and grid (its sign).
+inline void grid_tables(const int8_t* lut, __m256i* abs, __m256i* sgn) {
+  int8_t a[16];
+  for (int i = 0; i < 16; ++i) a[i] = int8_t(lut[i] < 0 ? -lut[i] : lut[i]);
+  *abs = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
+  *sgn = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lut)));
+}
+
 // Scores on whole tiles: both 8-token halves (bytes 0..31 and 32..63 of every 64-byte octet
 // record) against the same query broadcasts. Per query block b (4 octets, low and high nibbles:
 // 8 VPMADDUBSW per half) the int16 sums stay within 8 * 2 * 15 * 127 = 30480, so a block's dot
-// is one int16 chain and one widening per (row, half). Mode kFive (q5_0t / q5_1t): the fifth bits
-// ORed into the nibbles (bit 4), codes up to 31, so the chains are widened every 2 octets. Mode
-// kGrid (iq4_nlt): each nibble looked up as |grid| and as grid, whose sign goes onto the query
-// bytes (VPSIGNB); a pair sum reaches 2 * 127 * 127, so every product is widened at once.
-enum ScoreMode { kNibbles, kFive, kGrid };
-template <int NQ, int Mode>
+// is one int16 chain and one widening per (row, half).
+template <int NQ>
 void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
                  int out_stride) {
-  constexpr bool Five = Mode == kFive, Grid = Mode == kGrid;
-  const __m256i m4 = _mm256_set1_epi8(0x0f), m10 = _mm256_set1_epi8(0x10);
-  __m256i lut_abs = m4, lut_sgn = m4;
-  if constexpr (Grid) {
-    int8_t a[16];
-    for (int i = 0; i < 16; ++i) a[i] = int8_t(L.lut[i] < 0 ? -L.lut[i] : L.lut[i]);
-    lut_abs = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
-    lut_sgn = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(L.lut)));
-  }
+  const __m256i m4 = _mm256_set1_epi8(0x0f);
   const int bpg = L.group / 32;
   Int4tQueryRow qr[NQ];
   for (int h = 0; h < NQ; ++h) qr[h] = int4t_query_row(L, qp, h);
@@ -58,41 +54,13 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
       __m256 facc[NQ][2];
       for (int h = 0; h < NQ; ++h) facc[h][0] = facc[h][1] = _mm256_setzero_ps();
       for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
-        const uint8_t* cb = codes + size_t(Five ? 320 : 256) * size_t(b);
-        __m256i s16[NQ][2], s32[NQ][2];
-        for (int h = 0; h < NQ; ++h) s16[h][0] = s16[h][1] = s32[h][0] = s32[h][1] = _mm256_setzero_si256();
-        __m256i h5[2];
-        if constexpr (Five)
-          for (int e = 0; e < 2; ++e) h5[e] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 256 + 32 * e));
-        auto octet = [&](auto oo_c) {
-          constexpr int oo = decltype(oo_c)::value;
-          const int o = 4 * b + oo;
-          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 64 * oo));
-          const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 64 * oo + 32));
-          __m256i lo0 = _mm256_and_si256(x0, m4), hi0 = _mm256_and_si256(_mm256_srli_epi16(x0, 4), m4);
-          __m256i lo1 = _mm256_and_si256(x1, m4), hi1 = _mm256_and_si256(_mm256_srli_epi16(x1, 4), m4);
-          if constexpr (Five) {
-            lo0 = _mm256_or_si256(lo0, _mm256_and_si256(fifth_to_bit4<2 * oo>(h5[0]), m10));
-            hi0 = _mm256_or_si256(hi0, _mm256_and_si256(fifth_to_bit4<2 * oo + 1>(h5[0]), m10));
-            lo1 = _mm256_or_si256(lo1, _mm256_and_si256(fifth_to_bit4<2 * oo>(h5[1]), m10));
-            hi1 = _mm256_or_si256(hi1, _mm256_and_si256(fifth_to_bit4<2 * oo + 1>(h5[1]), m10));
-          }
-          if constexpr (Grid) {
-            const __m256i v[4] = {lo0, hi0, lo1, hi1};
-            __m256i va[4], vs[4];
-            for (int i = 0; i < 4; ++i) {
-              va[i] = _mm256_shuffle_epi8(lut_abs, v[i]);
-              vs[i] = _mm256_shuffle_epi8(lut_sgn, v[i]);
-            }
-            for (int h = 0; h < NQ; ++h) {
-              const __m256i qv[2] = {tile_bcast32_avx2(qr[h].q8 + 8 * o), tile_bcast32_avx2(qr[h].q8 + 8 * o + 4)};
-              for (int i = 0; i < 4; ++i)
-                s32[h][i / 2] = _mm256_add_epi32(
-                    s32[h][i / 2],
-                    tile_widen_avx2(_mm256_maddubs_epi16(va[i], _mm256_sign_epi8(qv[i % 2], vs[i]))));
-            }
-            return;
-          }
+        __m256i s16[NQ][2];
+        for (int h = 0; h < NQ; ++h) s16[h][0] = s16[h][1] = _mm256_setzero_si256();
+        for (int o = 4 * b; o < 4 * b + 4; ++o) {
+          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * o));
+          const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * o + 32));
+          const __m256i lo0 = _mm256_and_si256(x0, m4), hi0 = _mm256_and_si256(_mm256_srli_epi16(x0, 4), m4);
+          const __m256i lo1 = _mm256_and_si256(x1, m4), hi1 = _mm256_and_si256(_mm256_srli_epi16(x1, 4), m4);
           for (int h = 0; h < NQ; ++h) {
             const __m256i ql = tile_bcast32_avx2(qr[h].q8 + 8 * o), qh = tile_bcast32_avx2(qr[h].q8 + 8 * o + 4);
             s16[h][0] = _mm256_add_epi16(
@@ -100,23 +68,11 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
             s16[h][1] = _mm256_add_epi16(
                 s16[h][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, ql), _mm256_maddubs_epi16(hi1, qh)));
           }
-          if constexpr (Five && oo % 2 == 1)
-            for (int h = 0; h < NQ; ++h)
-              for (int e = 0; e < 2; ++e) {
-                s32[h][e] = _mm256_add_epi32(s32[h][e], tile_widen_avx2(s16[h][e]));
-                s16[h][e] = _mm256_setzero_si256();
-              }
-        };
-        octet(std::integral_constant<int, 0>{});
-        octet(std::integral_constant<int, 1>{});
-        octet(std::integral_constant<int, 2>{});
-        octet(std::integral_constant<int, 3>{});
+        }
         for (int h = 0; h < NQ; ++h) {
           const __m256 d = _mm256_set1_ps(qr[h].dq[b]);
-          for (int e = 0; e < 2; ++e) {
-            const __m256i dot = Five || Grid ? s32[h][e] : tile_widen_avx2(s16[h][e]);
-            facc[h][e] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, facc[h][e]);
-          }
+          facc[h][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tile_widen_avx2(s16[h][0])), d, facc[h][0]);
+          facc[h][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tile_widen_avx2(s16[h][1])), d, facc[h][1]);
         }
       }
       for (int e = 0; e < 2; ++e) {
@@ -146,6 +102,104 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
   }
 }
 
+// The scores of q5_0t / q5_1t (Mode kFive) and iq4_nlt (kGrid), as scores_pass's with the
+// codes' values widened: kFive ORs the fifth bits into the nibbles (bit 4), codes up to 31, and
+// widens the int16 chains every 2 octets; kGrid looks each nibble up as |grid| and as grid, whose
+// sign goes onto the query bytes (VPSIGNB), and widens every product (a pair sum reaches
+// 2 * 127 * 127). Kept apart from scores_pass: folding them into it cost the 4-bit kernel 25%.
+enum ScoreMode { kFive, kGrid };
+template <int NQ, int Mode>
+void scores_pass_wide(const Int4TiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
+                      int out_stride) {
+  constexpr bool Five = Mode == kFive, Grid = Mode == kGrid;
+  const __m256i m4 = _mm256_set1_epi8(0x0f), m10 = _mm256_set1_epi8(0x10);
+  __m256i lut_abs = m4, lut_sgn = m4;
+  if constexpr (Grid) grid_tables(L.lut, &lut_abs, &lut_sgn);
+  const int bpg = L.group / 32;
+  Int4tQueryRow qr[NQ];
+  for (int h = 0; h < NQ; ++h) qr[h] = int4t_query_row(L, qp, h);
+  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
+  for (int tile = tile0; tile < tile1; ++tile) {
+    const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
+    const uint8_t* codes = tp + L.code_off;
+    __m256 score[NQ][2];
+    for (int h = 0; h < NQ; ++h) score[h][0] = score[h][1] = _mm256_setzero_ps();
+    for (int g = 0; g < L.ng; ++g) {
+      __m256 facc[NQ][2];
+      for (int h = 0; h < NQ; ++h) facc[h][0] = facc[h][1] = _mm256_setzero_ps();
+      for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
+        const uint8_t* cb = codes + size_t(L.unit_bytes) * size_t(b);
+        __m256i s16[NQ][2], s32[NQ][2];
+        for (int h = 0; h < NQ; ++h) s16[h][0] = s16[h][1] = s32[h][0] = s32[h][1] = _mm256_setzero_si256();
+        __m256i h5[2];
+        if constexpr (Five)
+          for (int e = 0; e < 2; ++e) h5[e] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 256 + 32 * e));
+        for (int oo = 0; oo < 4; ++oo) {
+          const int o = 4 * b + oo;
+          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 64 * oo));
+          const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 64 * oo + 32));
+          __m256i lo0 = _mm256_and_si256(x0, m4), hi0 = _mm256_and_si256(_mm256_srli_epi16(x0, 4), m4);
+          __m256i lo1 = _mm256_and_si256(x1, m4), hi1 = _mm256_and_si256(_mm256_srli_epi16(x1, 4), m4);
+          if constexpr (Five) {
+            // bits 2 oo (low nibbles) and 2 oo + 1 (high) of the fifth-bit vectors to bit 4
+            const __m128i sl = _mm_cvtsi32_si128(oo < 2 ? 4 - 2 * oo : 0), sr = _mm_cvtsi32_si128(oo < 2 ? 0 : 2 * oo - 4);
+            const __m256i f0 = _mm256_srl_epi16(_mm256_sll_epi16(h5[0], sl), sr);
+            const __m256i f1 = _mm256_srl_epi16(_mm256_sll_epi16(h5[1], sl), sr);
+            lo0 = _mm256_or_si256(lo0, _mm256_and_si256(f0, m10));
+            hi0 = _mm256_or_si256(hi0, _mm256_and_si256(_mm256_srli_epi16(f0, 1), m10));
+            lo1 = _mm256_or_si256(lo1, _mm256_and_si256(f1, m10));
+            hi1 = _mm256_or_si256(hi1, _mm256_and_si256(_mm256_srli_epi16(f1, 1), m10));
+          }
+          if constexpr (Grid) {
+            const __m256i v[4] = {lo0, hi0, lo1, hi1};
+            __m256i va[4], vs[4];
+            for (int i = 0; i < 4; ++i) {
+              va[i] = _mm256_shuffle_epi8(lut_abs, v[i]);
+              vs[i] = _mm256_shuffle_epi8(lut_sgn, v[i]);
+            }
+            for (int h = 0; h < NQ; ++h) {
+              const __m256i qv[2] = {tile_bcast32_avx2(qr[h].q8 + 8 * o), tile_bcast32_avx2(qr[h].q8 + 8 * o + 4)};
+              for (int i = 0; i < 4; ++i)
+                s32[h][i / 2] = _mm256_add_epi32(
+                    s32[h][i / 2],
+                    tile_widen_avx2(_mm256_maddubs_epi16(va[i], _mm256_sign_epi8(qv[i % 2], vs[i]))));
+            }
+            continue;
+          }
+          for (int h = 0; h < NQ; ++h) {
+            const __m256i ql = tile_bcast32_avx2(qr[h].q8 + 8 * o), qh = tile_bcast32_avx2(qr[h].q8 + 8 * o + 4);
+            s16[h][0] = _mm256_add_epi16(
+                s16[h][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, ql), _mm256_maddubs_epi16(hi0, qh)));
+            s16[h][1] = _mm256_add_epi16(
+                s16[h][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, ql), _mm256_maddubs_epi16(hi1, qh)));
+          }
+          if (Five && oo % 2 == 1)
+            for (int h = 0; h < NQ; ++h)
+              for (int e = 0; e < 2; ++e) {
+                s32[h][e] = _mm256_add_epi32(s32[h][e], tile_widen_avx2(s16[h][e]));
+                s16[h][e] = _mm256_setzero_si256();
+              }
+        }
+        for (int h = 0; h < NQ; ++h) {
+          const __m256 d = _mm256_set1_ps(qr[h].dq[b]);
+          for (int e = 0; e < 2; ++e) facc[h][e] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[h][e]), d, facc[h][e]);
+        }
+      }
+      for (int e = 0; e < 2; ++e) {
+        const __m256 sv = tile_load_f16x8_avx2(tp + 32 * size_t(g) + 16 * size_t(e));
+        const __m256 mv = tile_load_f16x8_avx2(tp + L.min_off + 32 * size_t(g) + 16 * size_t(e));
+        for (int h = 0; h < NQ; ++h) {
+          score[h][e] = _mm256_fmadd_ps(facc[h][e], sv, score[h][e]);
+          score[h][e] = _mm256_fmadd_ps(mv, _mm256_set1_ps(qr[h].qsum[g]), score[h][e]);
+        }
+      }
+    }
+    for (int e = 0; e < 2; ++e)
+      for (int h = 0; h < NQ; ++h)
+        tile_store_half_avx2(out + size_t(h) * size_t(out_stride), tile * 16 + 8 * e, t0, n, score[h][e]);
+  }
+}
+
 }  // namespace
 
 void int4t_scores_avx2(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
@@ -154,9 +208,9 @@ void int4t_scores_avx2(const Int4TiledLayout& L, const float* qp, int n_q, const
   tile_row_passes(n_q, [&](int i, auto m) {
     const float* qi = qp + size_t(i) * size_t(L.qdim);
     float* oi = out + size_t(i) * size_t(out_stride);
-    if (L.lut) scores_pass<decltype(m)::value, kGrid>(L, qi, block, t0, n, oi, out_stride);
-    else if (L.code_bits == 5) scores_pass<decltype(m)::value, kFive>(L, qi, block, t0, n, oi, out_stride);
-    else scores_pass<decltype(m)::value, kNibbles>(L, qi, block, t0, n, oi, out_stride);
+    if (L.lut) scores_pass_wide<decltype(m)::value, kGrid>(L, qi, block, t0, n, oi, out_stride);
+    else if (L.code_bits == 5) scores_pass_wide<decltype(m)::value, kFive>(L, qi, block, t0, n, oi, out_stride);
+    else scores_pass<decltype(m)::value>(L, qi, block, t0, n, oi, out_stride);
   });
 }
 
@@ -175,10 +229,8 @@ void int4t_accum_avx2(const Int4TiledLayout& L, const float* p, int p_stride, in
     }
   };
   if (L.lut) {  // iq4_nlt: signed scales, s8 weights always (tile_accum_chunk_signlut_avx2)
-    int8_t a[16];
-    for (int i = 0; i < 16; ++i) a[i] = int8_t(L.lut[i] < 0 ? -L.lut[i] : L.lut[i]);
-    const __m256i lut_abs = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
-    const __m256i lut_sgn = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(L.lut)));
+    __m256i lut_abs, lut_sgn;
+    grid_tables(L.lut, &lut_abs, &lut_sgn);
     return tiles_accum_lut_avx2<false>(
         L, p, p_stride, n_q, block, t0, n, acc,
         [nibbles](const uint8_t* codes, int c, int half, __m256i* lo, __m256i* hi) {
