@@ -48,8 +48,8 @@
 // q4_0t) and q5_1 (x = c d + m: int4t_g32's tables) with 5-bit codes 0..31 (decode bit-identical
 // to the rows, same bytes). code_bits 5: each 32-dim block (K) / 32-channel chunk (V) of the code
 // bytes is 320 bytes, int4t's 256 nibble bytes of it (the codes' low 4 bits, int4t's layout) then
-// 64 bytes of fifth bits, placed so that one VPSLLW / VPSRLW + VPAND moves a vector's fifth bits
-// to bit 4 of the bytes its nibbles occupy:
+// 64 bytes of fifth bits, placed so that word shifts (VPSLLW / VPSRLW) and a VPAND move a
+// vector's fifth bits to bit 4 of the bytes its nibbles occupy:
 //  K: byte 256 + 32 e + 4 (j % 8) + k, e = j / 8 (the tile half), bit 2 oo + nib: the fifth bit of
 //     dim 8 oo + 4 nib + k of the block (oo: octet within the block; a token owns its bytes).
 //  V: byte 256 + 32 half + 4 (r % 8) + j % 4 (r: channel within the chunk, half = (r % 16) / 8),
@@ -67,7 +67,8 @@
 //
 // Kernels: *_ref (scalar, same arithmetic: scores are bit-identical to the SIMD ones, weighted
 // sums equal up to f32 summation order), *_avx2, *_avx512; int4t_scores / int4t_accum are the one
-// dispatch point (cpu_level()). Ranges [t0, t0 + n) need not be tile-aligned: lanes outside are
+// dispatch point (cpu_level()). q5_0t / q5_1t / iq4_nlt have no AVX-512 variant: their *_avx512
+// entry points run the AVX2 kernels. Ranges [t0, t0 + n) need not be tile-aligned: lanes outside are
 // computed on whatever the block holds but never stored (scores) or weighted 0 (sums).
 #pragma once
 #include <algorithm>
