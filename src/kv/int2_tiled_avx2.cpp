@@ -48,44 +48,10 @@ inline void key_block_dots(const uint8_t* codes, int b, const int8_t* const* q8,
 template <int NQ>
 void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
                  int out_stride) {
-  const int bpg = L.group / 32;
-  Int4tQueryRow qr[NQ];
-  const int8_t* q8[NQ];
-  for (int h = 0; h < NQ; ++h) {
-    qr[h] = int4t_query_row(L, qp, h);
-    q8[h] = qr[h].q8;
-  }
-  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  for (int tile = tile0; tile < tile1; ++tile) {
-    const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
-    const uint8_t* codes = tp + L.code_off;
-    __m256 score[NQ][2];
-    for (int h = 0; h < NQ; ++h) score[h][0] = score[h][1] = _mm256_setzero_ps();
-    for (int g = 0; g < L.ng; ++g) {
-      __m256 facc[NQ][2];
-      for (int h = 0; h < NQ; ++h) facc[h][0] = facc[h][1] = _mm256_setzero_ps();
-      for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
-        __m256i dot[NQ][2];
-        key_block_dots<NQ>(codes, b, q8, dot);
-        for (int h = 0; h < NQ; ++h) {
-          const __m256 d = _mm256_set1_ps(qr[h].dq[b]);
-          facc[h][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h][0]), d, facc[h][0]);
-          facc[h][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h][1]), d, facc[h][1]);
-        }
-      }
-      for (int e = 0; e < 2; ++e) {
-        const __m256 sv = tile_load_f16x8_avx2(tp + 32 * size_t(g) + 16 * size_t(e));
-        const __m256 mv = tile_load_f16x8_avx2(tp + L.min_off + 32 * size_t(g) + 16 * size_t(e));
-        for (int h = 0; h < NQ; ++h) {
-          score[h][e] = _mm256_fmadd_ps(facc[h][e], sv, score[h][e]);
-          score[h][e] = _mm256_fmadd_ps(mv, _mm256_set1_ps(qr[h].qsum[g]), score[h][e]);
-        }
-      }
-    }
-    for (int h = 0; h < NQ; ++h)
-      for (int e = 0; e < 2; ++e)
-        tile_store_half_avx2(out + size_t(h) * size_t(out_stride), tile * 16 + 8 * e, t0, n, score[h][e]);
-  }
+  tiles_scores_pass_avx2<NQ>(L, qp, block, t0, n, out, out_stride,
+                             [](const uint8_t* codes, int b, const int8_t* const* q8, __m256i(*dot)[2]) {
+                               key_block_dots<NQ>(codes, b, q8, dot);
+                             });
 }
 
 template <int NQ>

@@ -111,93 +111,63 @@ enum ScoreMode { kFive, kGrid };
 template <int NQ, int Mode>
 void scores_pass_wide(const Int4TiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
                       int out_stride) {
-  constexpr bool Five = Mode == kFive, Grid = Mode == kGrid;
   const __m256i m4 = _mm256_set1_epi8(0x0f), m10 = _mm256_set1_epi8(0x10);
   __m256i lut_abs = m4, lut_sgn = m4;
-  if constexpr (Grid) grid_tables(L.lut, &lut_abs, &lut_sgn);
-  const int bpg = L.group / 32;
-  Int4tQueryRow qr[NQ];
-  for (int h = 0; h < NQ; ++h) qr[h] = int4t_query_row(L, qp, h);
-  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  for (int tile = tile0; tile < tile1; ++tile) {
-    const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
-    const uint8_t* codes = tp + L.code_off;
-    __m256 score[NQ][2];
-    for (int h = 0; h < NQ; ++h) score[h][0] = score[h][1] = _mm256_setzero_ps();
-    for (int g = 0; g < L.ng; ++g) {
-      __m256 facc[NQ][2];
-      for (int h = 0; h < NQ; ++h) facc[h][0] = facc[h][1] = _mm256_setzero_ps();
-      for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
-        const uint8_t* cb = codes + size_t(L.unit_bytes) * size_t(b);
-        __m256i s16[NQ][2], s32[NQ][2];
-        for (int h = 0; h < NQ; ++h) s16[h][0] = s16[h][1] = s32[h][0] = s32[h][1] = _mm256_setzero_si256();
+  if constexpr (Mode == kGrid) grid_tables(L.lut, &lut_abs, &lut_sgn);
+  const size_t unit = size_t(L.unit_bytes);
+  tiles_scores_pass_avx2<NQ>(
+      L, qp, block, t0, n, out, out_stride,
+      [=](const uint8_t* codes, int b, const int8_t* const* q8, __m256i(*dot)[2]) {
+        const uint8_t* cb = codes + unit * size_t(b);
+        __m256i s16[NQ][2];
+        for (int h = 0; h < NQ; ++h) {
+          s16[h][0] = s16[h][1] = _mm256_setzero_si256();
+          dot[h][0] = dot[h][1] = _mm256_setzero_si256();
+        }
         __m256i h5[2];
-        if constexpr (Five)
+        if constexpr (Mode == kFive)
           for (int e = 0; e < 2; ++e) h5[e] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 256 + 32 * e));
         for (int oo = 0; oo < 4; ++oo) {
           const int o = 4 * b + oo;
           const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 64 * oo));
           const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 64 * oo + 32));
-          __m256i lo0 = _mm256_and_si256(x0, m4), hi0 = _mm256_and_si256(_mm256_srli_epi16(x0, 4), m4);
-          __m256i lo1 = _mm256_and_si256(x1, m4), hi1 = _mm256_and_si256(_mm256_srli_epi16(x1, 4), m4);
-          if constexpr (Five) {
-            // bits 2 oo (low nibbles) and 2 oo + 1 (high) of the fifth-bit vectors to bit 4
-            const __m128i sl = _mm_cvtsi32_si128(oo < 2 ? 4 - 2 * oo : 0), sr = _mm_cvtsi32_si128(oo < 2 ? 0 : 2 * oo - 4);
-            const __m256i f0 = _mm256_srl_epi16(_mm256_sll_epi16(h5[0], sl), sr);
-            const __m256i f1 = _mm256_srl_epi16(_mm256_sll_epi16(h5[1], sl), sr);
-            lo0 = _mm256_or_si256(lo0, _mm256_and_si256(f0, m10));
-            hi0 = _mm256_or_si256(hi0, _mm256_and_si256(_mm256_srli_epi16(f0, 1), m10));
-            lo1 = _mm256_or_si256(lo1, _mm256_and_si256(f1, m10));
-            hi1 = _mm256_or_si256(hi1, _mm256_and_si256(_mm256_srli_epi16(f1, 1), m10));
-          }
-          if constexpr (Grid) {
-            const __m256i v[4] = {lo0, hi0, lo1, hi1};
+          __m256i v[4] = {_mm256_and_si256(x0, m4), _mm256_and_si256(_mm256_srli_epi16(x0, 4), m4),
+                          _mm256_and_si256(x1, m4), _mm256_and_si256(_mm256_srli_epi16(x1, 4), m4)};
+          if constexpr (Mode == kGrid) {
             __m256i va[4], vs[4];
             for (int i = 0; i < 4; ++i) {
               va[i] = _mm256_shuffle_epi8(lut_abs, v[i]);
               vs[i] = _mm256_shuffle_epi8(lut_sgn, v[i]);
             }
             for (int h = 0; h < NQ; ++h) {
-              const __m256i qv[2] = {tile_bcast32_avx2(qr[h].q8 + 8 * o), tile_bcast32_avx2(qr[h].q8 + 8 * o + 4)};
+              const __m256i qv[2] = {tile_bcast32_avx2(q8[h] + 8 * o), tile_bcast32_avx2(q8[h] + 8 * o + 4)};
               for (int i = 0; i < 4; ++i)
-                s32[h][i / 2] = _mm256_add_epi32(
-                    s32[h][i / 2],
-                    tile_widen_avx2(_mm256_maddubs_epi16(va[i], _mm256_sign_epi8(qv[i % 2], vs[i]))));
+                dot[h][i / 2] = _mm256_add_epi32(
+                    dot[h][i / 2], tile_widen_avx2(_mm256_maddubs_epi16(va[i], _mm256_sign_epi8(qv[i % 2], vs[i]))));
             }
-            continue;
+          } else {
+            // bits 2 oo (low nibbles) and 2 oo + 1 (high) of the fifth-bit vectors to bit 4
+            const __m128i sl = _mm_cvtsi32_si128(oo < 2 ? 4 - 2 * oo : 0), sr = _mm_cvtsi32_si128(oo < 2 ? 0 : 2 * oo - 4);
+            for (int e = 0; e < 2; ++e) {
+              const __m256i f = _mm256_srl_epi16(_mm256_sll_epi16(h5[e], sl), sr);
+              v[2 * e] = _mm256_or_si256(v[2 * e], _mm256_and_si256(f, m10));
+              v[2 * e + 1] = _mm256_or_si256(v[2 * e + 1], _mm256_and_si256(_mm256_srli_epi16(f, 1), m10));
+            }
+            for (int h = 0; h < NQ; ++h) {
+              const __m256i ql = tile_bcast32_avx2(q8[h] + 8 * o), qh = tile_bcast32_avx2(q8[h] + 8 * o + 4);
+              for (int e = 0; e < 2; ++e)
+                s16[h][e] = _mm256_add_epi16(s16[h][e], _mm256_add_epi16(_mm256_maddubs_epi16(v[2 * e], ql),
+                                                                         _mm256_maddubs_epi16(v[2 * e + 1], qh)));
+            }
+            if (oo % 2 == 1)
+              for (int h = 0; h < NQ; ++h)
+                for (int e = 0; e < 2; ++e) {
+                  dot[h][e] = _mm256_add_epi32(dot[h][e], tile_widen_avx2(s16[h][e]));
+                  s16[h][e] = _mm256_setzero_si256();
+                }
           }
-          for (int h = 0; h < NQ; ++h) {
-            const __m256i ql = tile_bcast32_avx2(qr[h].q8 + 8 * o), qh = tile_bcast32_avx2(qr[h].q8 + 8 * o + 4);
-            s16[h][0] = _mm256_add_epi16(
-                s16[h][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, ql), _mm256_maddubs_epi16(hi0, qh)));
-            s16[h][1] = _mm256_add_epi16(
-                s16[h][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, ql), _mm256_maddubs_epi16(hi1, qh)));
-          }
-          if (Five && oo % 2 == 1)
-            for (int h = 0; h < NQ; ++h)
-              for (int e = 0; e < 2; ++e) {
-                s32[h][e] = _mm256_add_epi32(s32[h][e], tile_widen_avx2(s16[h][e]));
-                s16[h][e] = _mm256_setzero_si256();
-              }
         }
-        for (int h = 0; h < NQ; ++h) {
-          const __m256 d = _mm256_set1_ps(qr[h].dq[b]);
-          for (int e = 0; e < 2; ++e) facc[h][e] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[h][e]), d, facc[h][e]);
-        }
-      }
-      for (int e = 0; e < 2; ++e) {
-        const __m256 sv = tile_load_f16x8_avx2(tp + 32 * size_t(g) + 16 * size_t(e));
-        const __m256 mv = tile_load_f16x8_avx2(tp + L.min_off + 32 * size_t(g) + 16 * size_t(e));
-        for (int h = 0; h < NQ; ++h) {
-          score[h][e] = _mm256_fmadd_ps(facc[h][e], sv, score[h][e]);
-          score[h][e] = _mm256_fmadd_ps(mv, _mm256_set1_ps(qr[h].qsum[g]), score[h][e]);
-        }
-      }
-    }
-    for (int e = 0; e < 2; ++e)
-      for (int h = 0; h < NQ; ++h)
-        tile_store_half_avx2(out + size_t(h) * size_t(out_stride), tile * 16 + 8 * e, t0, n, score[h][e]);
-  }
+      });
 }
 
 }  // namespace

@@ -42,6 +42,55 @@ inline void tile_store_half_avx2(float* o, int base, int t0, int n, __m256 v) {
   }
 }
 
+// The score kernels' pass over tiles for int4t-layout key blocks (int2t's, and the q5_0t / q5_1t /
+// iq4_nlt variants of int4t's), up to 4 query rows (NQ): per tile and group, the 32-dim blocks'
+// exact integer dots block_dots(codes, b, q8, dot) (dot[h][e]: int32 lanes of row h's 8-token half
+// e; q8[h]: row h's int8 query) times the block's query step, then the group's scale and min terms
+// in the reference's FMA order, and the lanes inside [t0, t0 + n) stored.
+template <int NQ, class BlockDots>
+[[gnu::always_inline]] inline void tiles_scores_pass_avx2(const Int4TiledLayout& L, const float* qp,
+                                                          const uint8_t* block, int t0, int n, float* out,
+                                                          int out_stride, BlockDots block_dots) {
+  const int bpg = L.group / 32;
+  Int4tQueryRow qr[NQ];
+  const int8_t* q8[NQ];
+  for (int h = 0; h < NQ; ++h) {
+    qr[h] = int4t_query_row(L, qp, h);
+    q8[h] = qr[h].q8;
+  }
+  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
+  for (int tile = tile0; tile < tile1; ++tile) {
+    const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
+    const uint8_t* codes = tp + L.code_off;
+    __m256 score[NQ][2];
+    for (int h = 0; h < NQ; ++h) score[h][0] = score[h][1] = _mm256_setzero_ps();
+    for (int g = 0; g < L.ng; ++g) {
+      __m256 facc[NQ][2];
+      for (int h = 0; h < NQ; ++h) facc[h][0] = facc[h][1] = _mm256_setzero_ps();
+      for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
+        __m256i dot[NQ][2];
+        block_dots(codes, b, q8, dot);
+        for (int h = 0; h < NQ; ++h) {
+          const __m256 d = _mm256_set1_ps(qr[h].dq[b]);
+          facc[h][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h][0]), d, facc[h][0]);
+          facc[h][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h][1]), d, facc[h][1]);
+        }
+      }
+      for (int e = 0; e < 2; ++e) {
+        const __m256 sv = tile_load_f16x8_avx2(tp + 32 * size_t(g) + 16 * size_t(e));
+        const __m256 mv = tile_load_f16x8_avx2(tp + L.min_off + 32 * size_t(g) + 16 * size_t(e));
+        for (int h = 0; h < NQ; ++h) {
+          score[h][e] = _mm256_fmadd_ps(facc[h][e], sv, score[h][e]);
+          score[h][e] = _mm256_fmadd_ps(mv, _mm256_set1_ps(qr[h].qsum[g]), score[h][e]);
+        }
+      }
+    }
+    for (int h = 0; h < NQ; ++h)
+      for (int e = 0; e < 2; ++e)
+        tile_store_half_avx2(out + size_t(h) * size_t(out_stride), tile * 16 + 8 * e, t0, n, score[h][e]);
+  }
+}
+
 // int4t_weights_nonneg, 8 weights per compare.
 inline bool tiles_weights_nonneg_avx2(const float* p, int p_stride, int n_q, int n) {
   __m256 neg = _mm256_setzero_ps();
