@@ -230,12 +230,12 @@ class Int4TiledCodec final : public TiledCodecBase<Int4TiledLayout, Int4tOps> {
           for (int i = 0; i < 16; ++i)
             codes[ub * size_t(ch) + 64 * size_t(k) + 4 * size_t(i) + size_t(m)] =
                 uint8_t((c[32 * ch + i] & 15) | (c[32 * ch + 16 + i] & 15) << 4);
-        if (L_.code_bits == 5)
+        if (L_.code_bits == 5)  // channels r and 16 + r share a byte: bits k and 4 + k
           for (int ch = 0; ch < hd / 32; ++ch)
-            for (int r = 0; r < 32; ++r) {
-              uint8_t& byte = codes[ub * size_t(ch) + 256 + 32 * size_t((r % 16) / 8) + 4 * size_t(r % 8) + size_t(m)];
-              const int bit = 4 * (r / 16) + k;
-              byte = uint8_t((byte & ~(1 << bit)) | (c[32 * ch + r] >> 4) << bit);
+            for (int r = 0; r < 16; ++r) {
+              uint8_t& byte = codes[ub * size_t(ch) + 256 + 32 * size_t(r / 8) + 4 * size_t(r % 8) + size_t(m)];
+              const int mine = (1 << k) | (1 << (4 + k));
+              byte = uint8_t((byte & ~mine) | (c[32 * ch + r] >> 4) << k | (c[32 * ch + 16 + r] >> 4) << (4 + k));
             }
       }
     }
