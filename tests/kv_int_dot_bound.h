@@ -67,43 +67,23 @@ inline bool kv_int_accum_active(const KvRowFmt& f) {
 inline constexpr int kv_int_accum_run = 32;  // kRun of the kernel
 // Scale s, minimum m and code of channel j of a row.
 inline void kv_row_scm(const KvRowFmt& f, const uint8_t* row, int j, double* s, double* m, int* c) {
-  if (f.elem == KvElem::q4_0) {
-    kv_block_q4_0 blk;
-    std::memcpy(&blk, row + size_t(j / 32) * sizeof blk, sizeof blk);
-    *s = f16_to_f32(blk.d);
-    *m = -8 * *s;
-    *c = (blk.qs[j % 16] >> ((j % 32) / 16 * 4)) & 15;
-    return;
-  }
-  if (f.elem == KvElem::q4_1) {
-    kv_block_q4_1 blk;
-    std::memcpy(&blk, row + size_t(j / 32) * sizeof blk, sizeof blk);
-    *s = f16_to_f32(blk.d);
-    *m = f16_to_f32(blk.m);
-    *c = (blk.qs[j % 16] >> ((j % 32) / 16 * 4)) & 15;
-    return;
-  }
-  if (f.elem == KvElem::iq4_nl) {  // x = d * grid[idx]: the "code" is the grid value (signed)
-    kv_block_iq4_nl blk;
-    std::memcpy(&blk, row + size_t(j / 32) * sizeof blk, sizeof blk);
-    *s = f16_to_f32(blk.d);
-    *m = 0;
-    *c = kv_iq4nl_grid[(blk.qs[j % 16] >> ((j % 32) / 16 * 4)) & 15];
-    return;
-  }
-  if (f.elem == KvElem::q5_0 || f.elem == KvElem::q5_1) {
-    const bool q51 = f.elem == KvElem::q5_1;
-    const size_t bb = q51 ? sizeof(kv_block_q5_1) : sizeof(kv_block_q5_0);
-    const uint8_t* blk = row + size_t(j / 32) * bb;
+  // llama.cpp's 4- / 5-bit blocks (kv_rows.h): f16 d, f16 m (q4_1 / q5_1), the fifth bits (q5_*:
+  // bit i of qh), the nibbles (element i low, 16 + i high). x = s c + m with m = -8 s (q4_0),
+  // -16 s (q5_0); iq4_nl's "code" is the grid value (signed), m 0.
+  const KvElem e = f.elem;
+  if (e == KvElem::q4_0 || e == KvElem::q4_1 || e == KvElem::q5_0 || e == KvElem::q5_1 || e == KvElem::iq4_nl) {
+    const bool has_m = e == KvElem::q4_1 || e == KvElem::q5_1, five = e == KvElem::q5_0 || e == KvElem::q5_1;
+    const uint8_t* blk = row + size_t(j / 32) * kv_row_bytes(e, 32, 0);
     f16_t d, mh;
     std::memcpy(&d, blk, 2);
     *s = f16_to_f32(d);
-    if (q51) std::memcpy(&mh, blk + 2, 2);
-    *m = q51 ? double(f16_to_f32(mh)) : -16 * *s;
-    uint32_t qh;
-    std::memcpy(&qh, blk + (q51 ? 4 : 2), 4);
-    const uint8_t* qs = blk + (q51 ? 8 : 6);
-    *c = ((qs[j % 16] >> ((j % 32) / 16 * 4)) & 15) | int((qh >> (j % 32)) & 1) << 4;
+    if (has_m) std::memcpy(&mh, blk + 2, 2);
+    const uint8_t* qs = blk + (has_m ? 4 : 2) + (five ? 4 : 0);
+    uint32_t qh = 0;
+    if (five) std::memcpy(&qh, qs - 4, 4);
+    const int code = ((qs[j % 16] >> ((j % 32) / 16 * 4)) & 15) | int((qh >> (j % 32)) & 1) << 4;
+    *c = e == KvElem::iq4_nl ? kv_iq4nl_grid[code] : code;
+    *m = has_m ? double(f16_to_f32(mh)) : e == KvElem::q4_0 ? -8 * *s : e == KvElem::q5_0 ? -16 * *s : 0.0;
     return;
   }
   KvGroupParams p;

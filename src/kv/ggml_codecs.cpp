@@ -1,6 +1,8 @@
 // llama.cpp's KV cache types q8_0, q4_0, q4_1, q5_0, q5_1 and iq4_nl (blocks of 32 along head_dim,
 // f16 scale; layouts kv_block_* in kv_rows.h), quantized by ggml's reference formulas so codes are
 // bit-comparable: every type `llama-cli -ctk / -ctv` takes besides the float ones.
+#include <fmt/format.h>
+
 #include "core/error.h"
 #include "kv/registry_internal.h"
 #include "kv/row_codec.h"
@@ -8,7 +10,7 @@
 namespace kvq {
 
 namespace {
-void add(const char* name, KvElem e, const char* what) {
+void add(const std::string& name, KvElem e, const std::string& what) {
   kv_register_codec({name, what, [name, e](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
                        if (p.head_dim % 32 != 0)
                          fail("KV codec '{}' stores blocks of 32 along head_dim; head_dim {} is not a multiple of 32",
@@ -19,36 +21,34 @@ void add(const char* name, KvElem e, const char* what) {
 }  // namespace
 
 void kv_register_ggml_codecs() {
-  add("q8_0", KvElem::q8_0, "llama.cpp q8_0: 32 int8 + f16 absmax/127 scale per block");
-  add("q4_0", KvElem::q4_0, "llama.cpp q4_0: 32 4-bit codes + f16 scale per block");
-  // "q8_0" / "q4_0" store q8_0t / q4_0t's tiles (kv/int8_tiled.h, kv/int4_tiled.h): their
-  // quantization, bytes and decode with integer-dot attention kernels; "q8_0_rows" / "q4_0_rows"
-  // keep llama.cpp's row layout itself.
-  kv_register_format({"q8_0", {"ggml_q8_0", "llama_q8_0"}, "q8_0t", "q8_0t",
-                      "llama.cpp q8_0 (-ctk/-ctv q8_0) in 16-token tiles: 8.5 bits"});
-  kv_register_format({"q8_0_rows", {}, "q8_0", "q8_0", "llama.cpp q8_0 in its own row layout: 8.5 bits"});
-  kv_register_format({"q4_0", {"ggml_q4_0", "llama_q4_0"}, "q4_0t", "q4_0t",
-                      "llama.cpp q4_0 (-ctk/-ctv q4_0) in 16-token tiles: 4.5 bits"});
-  kv_register_format({"q4_0_rows", {}, "q4_0", "q4_0", "llama.cpp q4_0 in its own row layout: 4.5 bits"});
-  add("q4_1", KvElem::q4_1, "llama.cpp q4_1: 32 4-bit codes + f16 scale and min per block");
-  add("q5_0", KvElem::q5_0, "llama.cpp q5_0: 32 5-bit codes + f16 scale per block");
-  add("q5_1", KvElem::q5_1, "llama.cpp q5_1: 32 5-bit codes + f16 scale and min per block");
-  add("iq4_nl", KvElem::iq4_nl, "llama.cpp iq4_nl: 32 4-bit indices into a non-uniform grid + f16 scale per block");
-  // "q4_1", "q5_0", "q5_1" and "iq4_nl" store their tiles (q4_1t .. iq4_nlt: kv/int4_tiled.h), as
-  // "q4_0" does.
-  kv_register_format({"q4_1", {"ggml_q4_1", "llama_q4_1"}, "q4_1t", "q4_1t",
-                      "llama.cpp q4_1 (-ctk/-ctv q4_1) in 16-token tiles: min + scale per 32, 5 bits"});
-  kv_register_format({"q4_1_rows", {}, "q4_1", "q4_1", "llama.cpp q4_1 in its own row layout: 5 bits"});
-  kv_register_format({"q5_0", {"ggml_q5_0", "llama_q5_0"}, "q5_0t", "q5_0t",
-                      "llama.cpp q5_0 (-ctk/-ctv q5_0) in 16-token tiles: 5-bit codes, scale per 32, 5.5 bits"});
-  kv_register_format({"q5_0_rows", {}, "q5_0", "q5_0", "llama.cpp q5_0 in its own row layout: 5.5 bits"});
-  kv_register_format({"q5_1", {"ggml_q5_1", "llama_q5_1"}, "q5_1t", "q5_1t",
-                      "llama.cpp q5_1 (-ctk/-ctv q5_1) in 16-token tiles: 5-bit codes, min + scale per 32, 6 bits"});
-  kv_register_format({"q5_1_rows", {}, "q5_1", "q5_1", "llama.cpp q5_1 in its own row layout: 6 bits"});
-  kv_register_format({"iq4_nl", {"ggml_iq4_nl", "llama_iq4_nl"}, "iq4_nlt", "iq4_nlt",
-                      "llama.cpp iq4_nl (-ctk/-ctv iq4_nl) in 16-token tiles: non-uniform 4-bit grid, scale per 32, "
-                      "4.5 bits"});
-  kv_register_format({"iq4_nl_rows", {}, "iq4_nl", "iq4_nl", "llama.cpp iq4_nl in its own row layout: 4.5 bits"});
+  // Each type: its row codec, the format of its name storing its 16-token tiles (q8_0t, q4_0t ..
+  // iq4_nlt: kv/int8_tiled.h, kv/int4_tiled.h; the same quantization, bytes and decode with
+  // integer-dot attention kernels), and "<type>_rows" keeping llama.cpp's row layout itself.
+  struct Type {
+    const char* name;
+    KvElem elem;
+    const char* block;  // what a block of 32 holds
+    const char* tiles;  // the format's summary
+    const char* bits;
+  };
+  for (const Type t : {
+           Type{"q8_0", KvElem::q8_0, "32 int8 + f16 absmax/127 scale per block", "", "8.5"},
+           Type{"q4_0", KvElem::q4_0, "32 4-bit codes + f16 scale per block", "", "4.5"},
+           Type{"q4_1", KvElem::q4_1, "32 4-bit codes + f16 scale and min per block", "min + scale per 32, ", "5"},
+           Type{"q5_0", KvElem::q5_0, "32 5-bit codes + f16 scale per block", "5-bit codes, scale per 32, ", "5.5"},
+           Type{"q5_1", KvElem::q5_1, "32 5-bit codes + f16 scale and min per block",
+                "5-bit codes, min + scale per 32, ", "6"},
+           Type{"iq4_nl", KvElem::iq4_nl, "32 4-bit indices into a non-uniform grid + f16 scale per block",
+                "non-uniform 4-bit grid, scale per 32, ", "4.5"},
+       }) {
+    const std::string name = t.name;
+    add(t.name, t.elem, fmt::format("llama.cpp {}: {}", name, t.block));
+    kv_register_format({name, {"ggml_" + name, "llama_" + name}, name + "t", name + "t",
+                        fmt::format("llama.cpp {0} (-ctk/-ctv {0}) in 16-token tiles: {1}{2} bits", name, t.tiles,
+                                    t.bits)});
+    kv_register_format({name + "_rows", {}, name, name,
+                        fmt::format("llama.cpp {} in its own row layout: {} bits", name, t.bits)});
+  }
 }
 
 // Formats whose K and V use different codecs (keys are the more sensitive half: outlier channels

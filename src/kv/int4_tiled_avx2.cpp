@@ -15,14 +15,12 @@ namespace kvq {
 namespace {
 
 
-// Bit `bit` of every byte of h moved to bit 4 (other bits of the result: anything; the caller
-// masks with 0x10). VPSLLW / VPSRLW by at most 4 / 3 keep each byte's bit 4 within its byte.
-template <int Bit>
-[[gnu::always_inline]] inline __m256i fifth_to_bit4(__m256i h) {
-  static_assert(Bit >= 0 && Bit <= 7);
-  if constexpr (Bit < 4) return _mm256_slli_epi16(h, 4 - Bit);
-  else if constexpr (Bit == 4) return h;
-  else return _mm256_srli_epi16(h, Bit - 4);
+// Bit `bit` (0..7) of every byte of h as 0x10 in that byte, else 0: the fifth bits of a q5 code
+// vector. Word shifts (left by at most 4, right by at most 3) keep each byte's bit 4 within its byte.
+[[gnu::always_inline]] inline __m256i fifth_bits(__m256i h, int bit) {
+  const __m256i b =
+      bit < 4 ? _mm256_sll_epi16(h, _mm_cvtsi32_si128(4 - bit)) : _mm256_srl_epi16(h, _mm_cvtsi32_si128(bit - 4));
+  return _mm256_and_si256(b, _mm256_set1_epi8(0x10));
 }
 
 // iq4_nlt's VPSHUFB tables: |grid| (the u8 operand) and grid (its sign).
@@ -111,7 +109,7 @@ enum ScoreMode { kFive, kGrid };
 template <int NQ, int Mode>
 void scores_pass_wide(const Int4TiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
                       int out_stride) {
-  const __m256i m4 = _mm256_set1_epi8(0x0f), m10 = _mm256_set1_epi8(0x10);
+  const __m256i m4 = _mm256_set1_epi8(0x0f);
   __m256i lut_abs = m4, lut_sgn = m4;
   if constexpr (Mode == kGrid) grid_tables(L.lut, &lut_abs, &lut_sgn);
   const size_t unit = size_t(L.unit_bytes);
@@ -146,12 +144,9 @@ void scores_pass_wide(const Int4TiledLayout& L, const float* qp, const uint8_t* 
                     dot[h][i / 2], tile_widen_avx2(_mm256_maddubs_epi16(va[i], _mm256_sign_epi8(qv[i % 2], vs[i]))));
             }
           } else {
-            // bits 2 oo (low nibbles) and 2 oo + 1 (high) of the fifth-bit vectors to bit 4
-            const __m128i sl = _mm_cvtsi32_si128(oo < 2 ? 4 - 2 * oo : 0), sr = _mm_cvtsi32_si128(oo < 2 ? 0 : 2 * oo - 4);
-            for (int e = 0; e < 2; ++e) {
-              const __m256i f = _mm256_srl_epi16(_mm256_sll_epi16(h5[e], sl), sr);
-              v[2 * e] = _mm256_or_si256(v[2 * e], _mm256_and_si256(f, m10));
-              v[2 * e + 1] = _mm256_or_si256(v[2 * e + 1], _mm256_and_si256(_mm256_srli_epi16(f, 1), m10));
+            for (int e = 0; e < 2; ++e) {  // the low nibbles' fifth bits are bit 2 oo, the high ones' 2 oo + 1
+              v[2 * e] = _mm256_or_si256(v[2 * e], fifth_bits(h5[e], 2 * oo));
+              v[2 * e + 1] = _mm256_or_si256(v[2 * e + 1], fifth_bits(h5[e], 2 * oo + 1));
             }
             for (int h = 0; h < NQ; ++h) {
               const __m256i ql = tile_bcast32_avx2(q8[h] + 8 * o), qh = tile_bcast32_avx2(q8[h] + 8 * o + 4);
@@ -216,20 +211,15 @@ void int4t_accum_avx2(const Int4TiledLayout& L, const float* p, int p_stride, in
                             [nibbles](const uint8_t* codes, int c, int half, __m256i* lo, __m256i* hi) {
                               nibbles(codes + size_t(c) * 256 + 32 * size_t(half), lo, hi);
                             });
-  const __m256i m10 = _mm256_set1_epi8(0x10);
   tiles_accum_avx2<true>(L, p, p_stride, n_q, block, t0, n, acc,
-                         [nibbles, m10](const uint8_t* codes, int c, int half, __m256i* lo, __m256i* hi) {
+                         [nibbles](const uint8_t* codes, int c, int half, __m256i* lo, __m256i* hi) {
                            const uint8_t* u = codes + size_t(c) * 320;
                            nibbles(u + 32 * size_t(half), lo, hi);
                            const __m256i h5 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 256 + 32 * half));
-                           lo[0] = _mm256_or_si256(lo[0], _mm256_and_si256(fifth_to_bit4<0>(h5), m10));
-                           lo[1] = _mm256_or_si256(lo[1], _mm256_and_si256(fifth_to_bit4<1>(h5), m10));
-                           lo[2] = _mm256_or_si256(lo[2], _mm256_and_si256(fifth_to_bit4<2>(h5), m10));
-                           lo[3] = _mm256_or_si256(lo[3], _mm256_and_si256(fifth_to_bit4<3>(h5), m10));
-                           hi[0] = _mm256_or_si256(hi[0], _mm256_and_si256(fifth_to_bit4<4>(h5), m10));
-                           hi[1] = _mm256_or_si256(hi[1], _mm256_and_si256(fifth_to_bit4<5>(h5), m10));
-                           hi[2] = _mm256_or_si256(hi[2], _mm256_and_si256(fifth_to_bit4<6>(h5), m10));
-                           hi[3] = _mm256_or_si256(hi[3], _mm256_and_si256(fifth_to_bit4<7>(h5), m10));
+                           for (int k = 0; k < 4; ++k) {  // token quad k: bits k (low nibbles) and 4 + k
+                             lo[k] = _mm256_or_si256(lo[k], fifth_bits(h5, k));
+                             hi[k] = _mm256_or_si256(hi[k], fifth_bits(h5, 4 + k));
+                           }
                          });
 }
 

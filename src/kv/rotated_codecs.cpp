@@ -123,30 +123,21 @@ void add(const std::string& name, const std::string& inner, const std::string& w
 }  // namespace
 
 void kv_register_rotated_codecs() {
-  // q8_0h / q4_0h store q8_0t / q4_0t (q8_0 / q4_0 in the tiles: the same bytes and decode as the
-  // rows, integer-dot kernels).
-  add("q8_0h", "q8_0t", "q8_0 of the Hadamard-rotated vector (K: largest power-of-two block, V: blocks of 64)");
-  add("q4_0h", "q4_0t", "q4_0 of the Hadamard-rotated vector (K: largest power-of-two block, V: blocks of 64)");
-  kv_register_format({"q8_0h", {"q8_0_hadamard", "q8_0_rot"}, "q8_0h", "q8_0h",
-                      "q8_0 after a Hadamard rotation (llama.cpp's rotated q8_0 KV): 8.5 bits"});
-  kv_register_format({"q4_0h", {"q4_0_hadamard", "q4_0_rot"}, "q4_0h", "q4_0h",
-                      "q4_0 after a Hadamard rotation (llama.cpp's rotated q4_0 KV): 4.5 bits"});
-  kv_register_format({"q8_0_q4_0h", {"k8v4h"}, "q8_0h", "q4_0h",
-                      "keys q8_0, values q4_0, both Hadamard-rotated: 6.5 bits"});
-  // llama.cpp's other cache types as its default (rotated) KV cache stores them, in their tiles
-  // (integer-dot kernels).
+  // llama.cpp's cache types as its default (rotated) KV cache stores them, each in its tiles (q8_0t,
+  // q4_0t .. iq4_nlt: the same bytes and decode as the rows, integer-dot kernels).
   struct Ggml {
     const char* type;
-    const char* inner;  // the codec of the rotated vector
     const char* bits;
   };
-  for (const Ggml g : {Ggml{"q4_1", "q4_1t", "5"}, Ggml{"q5_0", "q5_0t", "5.5"}, Ggml{"q5_1", "q5_1t", "6"},
-                       Ggml{"iq4_nl", "iq4_nlt", "4.5"}}) {
+  for (const Ggml g : {Ggml{"q8_0", "8.5"}, Ggml{"q4_0", "4.5"}, Ggml{"q4_1", "5"}, Ggml{"q5_0", "5.5"},
+                       Ggml{"q5_1", "6"}, Ggml{"iq4_nl", "4.5"}}) {
     const std::string type = g.type, name = type + "h";
-    add(name, g.inner, type + " of the Hadamard-rotated vector (K: largest power-of-two block, V: blocks of 64)");
+    add(name, type + "t", type + " of the Hadamard-rotated vector (K: largest power-of-two block, V: blocks of 64)");
     kv_register_format({name, {type + "_hadamard", type + "_rot"}, name, name,
                         type + " after a Hadamard rotation (llama.cpp's rotated " + type + " KV): " + g.bits + " bits"});
   }
+  kv_register_format({"q8_0_q4_0h", {"k8v4h"}, "q8_0h", "q4_0h",
+                      "keys q8_0, values q4_0, both Hadamard-rotated: 6.5 bits"});
   // The tiled int4 codecs rotated the same way: the outlier-channel fix of q4_0h with int4t's
   // integer-dot kernels (the rotation costs one transform of the query and of the output per step).
   struct Tiled {
