@@ -385,6 +385,48 @@ TEST(Scaled, BadCalibrationIsRejectedClearly) {
   expect_error(bad, "tq3_s", KvRole::key, "non-numeric");
 }
 
+// `--kv-scales qk-norm` (tools/kv_flags.h): key and query channel RMS only, source "qk-norm". The
+// *_s formats' keys are scaled exactly as with a full calibration holding the same RMS vectors;
+// their values are the inner codec's, byte for byte (there are no value statistics to scale by);
+// what needs more than the RMS is refused with a message that says where it comes from.
+TEST(Scaled, QkNormCalibrationScalesKeysOnly) {
+  const int d = 128, n = 32;
+  const ScaledCalib sc = make_scaled_calib(d, 71);
+  const nlohmann::json full = sc.json();
+  const nlohmann::json qkn = {{"source", "qk-norm"}, {"layers", {{{"layer", 0}, {"k_rms", sc.kr}, {"q_rms", sc.qr}}}}};
+  std::mt19937 rng(73);
+  for (const char* inner : {"tq3", "q4_0h", "int4t_g64h"})
+    for (int head = 0; head < kHeads; ++head) {
+      SCOPED_TRACE(testing::Message() << inner << " head " << head);
+      const auto x = rows_around(sc.km[size_t(head)], n, rng);
+      auto encode = [&](const std::string& name, KvRole role, const nlohmann::json* calib) {
+        auto c = make(name, role, d, calib);
+        std::vector<uint8_t> b(c->block_bytes(n));
+        c->encode(head, x.data(), size_t(d), n, b.data(), n, 0, 0);
+        return b;
+      };
+      const std::string scaled = std::string(inner) + "_s";
+      EXPECT_EQ(encode(scaled, KvRole::key, &qkn), encode(scaled, KvRole::key, &full));
+      EXPECT_NE(encode(scaled, KvRole::key, &qkn), encode(inner, KvRole::key, nullptr));  // the keys are scaled
+      EXPECT_EQ(encode(scaled, KvRole::value, &qkn), encode(inner, KvRole::value, nullptr));
+      EXPECT_NE(encode(scaled, KvRole::value, &full), encode(inner, KvRole::value, nullptr));
+      EXPECT_EQ(make(scaled, KvRole::value, d, &qkn)->info().transforms_output,
+                make(inner, KvRole::value, d, nullptr)->info().transforms_output);
+    }
+  auto expect_error = [&](const char* name, KvRole role, const nlohmann::json* calib, const char* needle) {
+    try {
+      make(name, role, d, calib);
+      ADD_FAILURE() << name << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error("tq3_cs", KvRole::key, &qkn, "--kv-scales qk-norm holds only");
+  expect_error("q4_0h_c", KvRole::value, &qkn, "kvq calibrate");
+  expect_error("int8_static", KvRole::key, &qkn, "--kv-scales qk-norm holds only");
+  expect_error("tq3_s", KvRole::key, nullptr, "--kv-scales qk-norm");  // named as the other way to get key scales
+}
+
 // RoPE moves energy between the two channels of a rotated pair with position, so key scales
 // measured per channel at one range of positions would be wrong at another. With the layer's
 // RoPE known, one scale per pair makes the score error the same at every rotation angle; the

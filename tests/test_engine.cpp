@@ -26,7 +26,7 @@ std::vector<int32_t> greedy_alone(const Engine& e, const std::vector<int32_t>& p
   ThreadPool tp(1);
   KvFlags f;
   f.kv_cache_dtype = kv;
-  KvCacheConfig kc = m.kv_cache_config(kv_flags_resolve(f, m.config()).policy, e.ctx(), 16);
+  KvCacheConfig kc = m.kv_cache_config(kv_flags_resolve(f, m).policy, e.ctx(), 16);
   KvCache cache(kc);
   Forward fwd(m, tp);
   const float* lg = fwd.eval(prompt.data(), int(prompt.size()), cache);
@@ -190,7 +190,7 @@ TEST_F(EngineTest, PromptLogprobsEqualAloneWithCachedPagesAndPreemption) {
   {
     ThreadPool tp(1);
     KvFlags f;
-    KvCacheConfig kc = m.kv_cache_config(kv_flags_resolve(f, m.config()).policy, e.ctx(), 16);
+    KvCacheConfig kc = m.kv_cache_config(kv_flags_resolve(f, m).policy, e.ctx(), 16);
     KvCache cache(kc);
     Forward fwd(m, tp);
     const float* lg = fwd.eval(scored.data(), int(scored.size()), cache, /*all_logits=*/true);

@@ -122,7 +122,7 @@ Engine::Engine(const EngineOptions& o) : opt_(o) {
   tok_ = Tokenizer::from_gguf(model_->file());
   const ModelConfig& c = model_->config();
   ctx_ = o.ctx > 0 ? std::min(o.ctx, c.n_ctx_train) : c.n_ctx_train;
-  kv_ = kv_flags_resolve(o.kv, c);
+  kv_ = kv_flags_resolve(o.kv, *model_);
   kcfg_ = model_->kv_cache_config(kv_.policy, ctx_, o.kv.page_tokens);
   kv_.apply(kcfg_);
   kcfg_.model_id = o.model_path;

@@ -9,6 +9,12 @@
 
 namespace kvq {
 
+std::string kv_calib_missing_hint(const nlohmann::json* calib) {
+  if (!calib || !calib->is_object() || calib->value("source", std::string()) != "qk-norm") return "";
+  return " (--kv-scales qk-norm holds only the key and query channel RMS that the model's QK-norm weights imply; "
+         "the rest comes from `kvq calibrate -m MODEL --data TEXT -o calib.json`)";
+}
+
 std::vector<float> kv_calib_head_scales(const KvCodecParams& p, const std::string& codec) {
   std::string key_s = p.role == KvRole::key ? "k_scale" : "v_scale";
   if (!p.calib)
@@ -28,7 +34,7 @@ std::vector<float> kv_calib_head_scales(const KvCodecParams& p, const std::strin
   if (L.is_object() && L.contains(family + "_" + key_s)) key_s = family + "_" + key_s;
   const char* key = key_s.c_str();
   if (!L.is_object() || !L.contains(key))
-    fail("KV codec '{}': calibration layer {} has no \"{}\"", codec, p.layer, key);
+    fail("KV codec '{}': calibration layer {} has no \"{}\"{}", codec, p.layer, key, kv_calib_missing_hint(p.calib));
   const auto& s = L[key];
   auto value = [&](const nlohmann::json& v) -> float {
     if (!v.is_number()) fail("KV codec '{}': layer {} \"{}\": expected a number, got {}", codec, p.layer, key, v.dump());

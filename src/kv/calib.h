@@ -24,6 +24,11 @@ std::vector<float> kv_calib_head_scales(const KvCodecParams& p, const std::strin
 std::vector<std::vector<float>> kv_calib_head_vectors(const nlohmann::json& v, const std::string& where, int n_heads,
                                                       int dim);
 
+// "" for a calibration from `kvq calibrate` (or none); for `--kv-scales qk-norm`'s (source
+// "qk-norm": key and query channel RMS only), a sentence to append to a missing-field error saying
+// what that calibration holds and where the rest comes from.
+std::string kv_calib_missing_hint(const nlohmann::json* calib);
+
 // Placeholder artifacts for every family that reads calibration (static scales 1, channel means
 // 0, channel RMS 1, KVQuant key ranges [-1, 1]) in n_layers entries of n_kv_heads x head_dim:
 // enough to build any calibrated codec where only its size matters (kvq plan, kvq formats), since

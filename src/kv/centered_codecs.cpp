@@ -19,7 +19,9 @@
 //    finish_output multiplies by s.
 //    kvq calibrate stores rms(k_c), rms(q_c) (the group's query heads pooled) and rms(v_c) and
 //    prints the predicted score-error factor; with centering, the channels' standard deviations
-//    replace the key and value RMS.
+//    replace the key and value RMS. On a model with QK-norm, `--kv-scales qk-norm` gives rms(k_c)
+//    and rms(q_c) up to a common factor from the norm weights alone (tools/kv_flags.h,
+//    kv_qk_norm_calib); it has no value statistics, so there the *_s formats scale keys only.
 // The packed bytes are the inner codec's, so bits per element are unchanged.
 #include <algorithm>
 #include <cmath>
@@ -45,12 +47,19 @@ float* scratch(size_t n) { return kv_thread_scratch<CenteredScratch>(n); }
 // floats after n_q inner rows) at any n_q, keeping rows 64-byte multiples.
 constexpr int kDotRoom = 16;
 
+// True when the calibration is `--kv-scales qk-norm`'s (kv_qk_norm_calib, tools/kv_flags.h):
+// key and query channel RMS from the model's QK-norm weights, nothing else.
+bool calib_from_qk_norm(const KvCodecParams& p) { return !kv_calib_missing_hint(p.calib).empty(); }
+
 // The per-head channel vector `key` (n_kv_heads, head_dim) at p.layer from the calibration JSON.
 std::vector<std::vector<float>> calib_vectors(const KvCodecParams& p, const std::string& codec, const char* key,
                                               const char* what) {
   if (!p.calib)
     fail("KV codec '{}' uses the {} of the layer's {}: pass a calibration JSON made by "
-         "`kvq calibrate` (--kv-scales FILE)", codec, what, p.role == KvRole::key ? "keys" : "values");
+         "`kvq calibrate` (--kv-scales FILE){}", codec, what, p.role == KvRole::key ? "keys" : "values",
+         std::strcmp(key, "q_rms") == 0 || std::strcmp(key, "k_rms") == 0
+             ? ", or on a model with QK-norm --kv-scales qk-norm (key scales from its norm weights)"
+             : "");
   const nlohmann::json& j = *p.calib;
   if (!j.is_object() || !j.contains("layers") || !j["layers"].is_array())
     fail("KV codec '{}': calibration JSON has no \"layers\" array", codec);
@@ -58,6 +67,9 @@ std::vector<std::vector<float>> calib_vectors(const KvCodecParams& p, const std:
   if (size_t(p.layer) >= layers.size())
     fail("KV codec '{}': calibration JSON has {} layers, layer {} requested", codec, layers.size(), p.layer);
   const auto& L = layers[size_t(p.layer)];
+  if (calib_from_qk_norm(p) && L.is_object() && !L.contains(key))
+    fail("KV codec '{}' needs the {} of the layer's {}{}", codec, what, p.role == KvRole::key ? "keys" : "values",
+         kv_calib_missing_hint(p.calib));
   if (!L.is_object() || !L.contains(key))
     fail("KV codec '{}': calibration layer {} has no \"{}\" (rerun `kvq calibrate` to add the {})", codec, p.layer,
          key, what);
@@ -261,7 +273,11 @@ void add(const std::string& inner, const char* suffix) {
                        auto mu = center ? calib_vectors(p, name, p.role == KvRole::key ? "k_mean" : "v_mean",
                                                         "channel means")
                                         : std::vector<std::vector<float>>{};
-                       auto s = scale ? calib_scales(p, name, center) : std::vector<std::vector<float>>{};
+                       // --kv-scales qk-norm has no value statistics (the model does not normalize
+                       // values): its *_s formats scale keys only.
+                       const bool unscaled_values = p.role == KvRole::value && !center && calib_from_qk_norm(p);
+                       auto s = scale && !unscaled_values ? calib_scales(p, name, center)
+                                                          : std::vector<std::vector<float>>{};
                        return std::make_unique<AffineCodec>(name, kv_codec_create(inner, p), p.role, std::move(mu),
                                                             std::move(s));
                      }});
@@ -281,7 +297,8 @@ void kv_register_centered_codecs() {
       kv_register_format({n, {}, n, n,
                           std::string(c) + (suf[1] == 'c' ? " of keys and values centered and scaled per channel"
                                                           : " of keys and values scaled per channel") +
-                              " (keys s^2 = rms(k) / rms(q) per RoPE pair, values s^2 = rms(v); needs kvq calibrate)"});
+                              " (keys s^2 = rms(k) / rms(q) per RoPE pair, values s^2 = rms(v); needs kvq calibrate" +
+                              (suf[1] == 'c' ? ")" : ", or --kv-scales qk-norm for keys alone on a QK-norm model)")});
     }
   }
   const char* what = " of keys and values minus their calibrated channel means (needs kvq calibrate)";

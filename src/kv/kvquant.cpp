@@ -674,7 +674,9 @@ void static_from_calib(const char* name, const nlohmann::json* calib, int layer,
   const nlohmann::json* entry = calib_layer_entry(name, calib, layer);
   if (!entry) fail("{}: the calibration has no entry for layer {}", name, layer);
   if (!entry->contains(key))
-    fail("{}: calibration layer {} has no \"{}\" (rerun `kvq calibrate` to add it)", name, layer, key);
+    fail("{}: calibration layer {} has no \"{}\"{}", name, layer, key,
+         kv_calib_missing_hint(calib).empty() ? std::string(" (rerun `kvq calibrate` to add it)")
+                                              : kv_calib_missing_hint(calib));
   const auto& a = (*entry)[key];
   c.codebook = read_codebook(name, a, layer, key, c.bits);
   auto vec = [&](const char* what, std::vector<float>& out) {

@@ -40,6 +40,10 @@ class Model {
   // Cache configuration for this model (shapes and per-layer RoPE filled in).
   KvCacheConfig kv_cache_config(const KvPolicy& policy, int max_tokens, int page_tokens = 64) const;
 
+  // Layer il's weights as viewed in the file (norms F32; attn_q_norm / attn_k_norm set only when
+  // config().qk_norm).
+  const LayerWeights& layer(int il) const { return layers_.at(size_t(il)); }
+
  private:
   friend class Forward;
   std::unique_ptr<gguf::File> file_;

@@ -420,7 +420,7 @@ int bench_command(const BenchOptions& o) {
     po.kv_tokens = size_t(std::max(o.kv.page_tokens, 1));  // one page: the budget is checked per format below
     Engine probe(po);
     for (const std::string& f : formats) {  // names and codec shapes checked now, not mid-run
-      const KvSetup kv = kv_flags_resolve(o.kv, probe.model().config(), f);
+      const KvSetup kv = kv_flags_resolve(o.kv, probe.model(), f);
       KvCacheConfig kc = probe.model().kv_cache_config(kv.policy, 64, o.kv.page_tokens);
       kv.apply(kc);
       KvCache check(kc);

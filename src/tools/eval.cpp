@@ -179,7 +179,7 @@ FormatRun with_static_scales(const FormatRun& r, std::shared_ptr<const nlohmann:
 void task_ppl(Ctx& c, const std::vector<int32_t>& text_ids) {
   const ModelConfig& cfg = c.m.config();
   const int nv = cfg.n_vocab;
-  const FormatRun base{"f16", kv_flags_resolve(c.o.kv, cfg, "f16"), 0, {}};
+  const FormatRun base{"f16", kv_flags_resolve(c.o.kv, c.m, "f16"), 0, {}};
   size_t total = 0;
   for (int ctx : c.ctxs) total += size_t(ctx) * size_t(c.o.chunks) * (c.runs.size() + 1);
   Progress prog(c.o.progress, total);
@@ -260,7 +260,7 @@ constexpr int kNeedleAnswerTokens = 10;  // greedy tokens after the question tha
 // on all of them and report each format against the f16 cache's own outcome.
 std::vector<FormatRun> with_f16_reference(const Ctx& c) {
   std::vector<FormatRun> all;
-  all.push_back(FormatRun{"f16", kv_flags_resolve(c.o.kv, c.m.config(), "f16"), 0, {}});
+  all.push_back(FormatRun{"f16", kv_flags_resolve(c.o.kv, c.m, "f16"), 0, {}});
   for (const auto& r : c.runs) all.push_back(FormatRun{r.name, r.kv, 0, {}});
   return all;
 }
@@ -410,7 +410,7 @@ void task_layers(Ctx& c, const std::vector<int32_t>& text_ids) {
   Forward fwd(c.m, c.pool, 256);
   // f16 reference: every layer's attention output
   std::vector<std::vector<float>> ref(size_t(cfg.n_layer));
-  const FormatRun base{"f16", kv_flags_resolve(c.o.kv, cfg, "f16"), 0, {}};
+  const FormatRun base{"f16", kv_flags_resolve(c.o.kv, c.m, "f16"), 0, {}};
   fwd.on_attn = [&](int il, int n, const float* a) { ref[size_t(il)].insert(ref[size_t(il)].end(), a, a + size_t(n) * row); };
   {
     auto cache = make_cache(c, base, ctx);
@@ -597,7 +597,7 @@ int eval_command(const EvalOptions& o) {
   std::vector<FormatRun> runs;
   for (const auto& f : o.formats) {
     FormatRun r;
-    r.kv = kv_flags_resolve(o.kv, cfg, f);
+    r.kv = kv_flags_resolve(o.kv, *model, f);
     r.name = r.kv.policy.name;
     KvCacheConfig kc = model->kv_cache_config(r.kv.policy, 64, o.kv.page_tokens);
     r.kv.apply(kc);
@@ -616,7 +616,7 @@ int eval_command(const EvalOptions& o) {
   // Bits per element of each format's K side and V side alone (the other side f16: 16 bits).
   std::vector<double> k_bits, v_bits;
   if (!o.budget_bits.empty()) {
-    const KvSetup f16 = kv_flags_resolve(o.kv, cfg, "f16");
+    const KvSetup f16 = kv_flags_resolve(o.kv, *model, "f16");
     for (const auto& r : runs)
       for (int side = 0; side < 2; ++side) {
         KvSetup one = f16;

@@ -1,11 +1,12 @@
 #include "tools/kv_flags.h"
 
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <fstream>
 
 #include "core/error.h"
 #include "kvq/kv_format.h"
-#include "model/config.h"
+#include "model/model.h"
 
 namespace kvq {
 
@@ -19,7 +20,9 @@ void kv_flags_add(CLI::App& app, KvFlags& f) {
   app.add_option("--kv-cache-dtype-skip-layers", f.skip_layers,
                  "layers kept in f16: first:N, last:N, sliding_window, layer indices (comma-separated)");
   app.add_option("--kv-layer", f.layer_overrides, "per-layer override L=KFMT/VFMT (repeatable)");
-  app.add_option("--kv-scales", f.scales_file, "calibration JSON (kvq calibrate) with K/V scales and codebooks");
+  app.add_option("--kv-scales", f.scales_file,
+                 "calibration JSON (kvq calibrate) with K/V scales and codebooks; 'qk-norm': the key channel "
+                 "scales of the *_s formats from the model's QK-norm weights, without calibration");
   app.add_option("--kv-page-tokens", f.page_tokens, "tokens per KV page (power of two, 16..256)")->capture_default_str();
   app.add_option("--kv-group-tokens", f.group_tokens,
                  "grouped formats (kivi*, kvquant*): tokens per quantization group G (default: the format's; "
@@ -32,7 +35,9 @@ void kv_flags_add(CLI::App& app, KvFlags& f) {
 void kv_flags_add_shared(CLI::App& app, KvFlags& f) {
   app.add_option("--kv-cache-dtype-skip-layers", f.skip_layers, "layers kept in f16 for every format");
   app.add_option("--kv-layer", f.layer_overrides, "per-layer override L=KFMT/VFMT (repeatable)");
-  app.add_option("--kv-scales", f.scales_file, "calibration JSON (kvq calibrate)");
+  app.add_option("--kv-scales", f.scales_file,
+                 "calibration JSON (kvq calibrate), or 'qk-norm' (the *_s formats' key scales from the model's "
+                 "QK-norm weights)");
   app.add_option("--kv-page-tokens", f.page_tokens, "tokens per KV page")->capture_default_str();
   app.add_option("--kv-group-tokens", f.group_tokens,
                  "grouped formats (kivi*, kvquant*): tokens per group G (a format name's @gN wins)");
@@ -48,7 +53,28 @@ void kv_flags_add_kvquant(CLI::App& app, KvFlags& f) {
                  "kvquant* keys: first positions of the sequence kept exact (attention sink; default 1)");
 }
 
-KvSetup kv_flags_resolve(const KvFlags& f, const ModelConfig& cfg, const std::string& format) {
+nlohmann::json kv_qk_norm_calib(const Model& m) {
+  const ModelConfig& c = m.config();
+  if (!c.qk_norm)
+    fail("--kv-scales qk-norm: the model ({}) has no QK-norm weights (attn_q_norm / attn_k_norm) to take key "
+         "scales from; calibrate instead: kvq calibrate -m MODEL --data TEXT -o calib.json, then --kv-scales calib.json",
+         c.name.empty() ? c.arch : c.name);
+  nlohmann::json layers = nlohmann::json::array();
+  for (int il = 0; il < c.n_layer; ++il) {
+    const LayerWeights& L = m.layer(il);
+    auto abs_row = [&](const WeightView& w) {
+      const float* x = static_cast<const float*>(w.data);
+      std::vector<float> r(size_t(c.head_dim));
+      for (int i = 0; i < c.head_dim; ++i) r[size_t(i)] = std::fabs(x[i]);
+      return nlohmann::json(std::vector<std::vector<float>>(size_t(c.n_head_kv), r));
+    };
+    layers.push_back({{"layer", il}, {"k_rms", abs_row(L.attn_k_norm)}, {"q_rms", abs_row(L.attn_q_norm)}});
+  }
+  return {{"source", "qk-norm"}, {"model", c.name}, {"layers", std::move(layers)}};
+}
+
+KvSetup kv_flags_resolve(const KvFlags& f, const Model& m, const std::string& format) {
+  const ModelConfig& cfg = m.config();
   KvSetup s;
   KvPolicy& p = s.policy;
   p = kv_policy_uniform(format.empty() ? f.kv_cache_dtype : format, cfg.n_layer);
@@ -65,7 +91,9 @@ KvSetup kv_flags_resolve(const KvFlags& f, const ModelConfig& cfg, const std::st
     p.name += " skip(" + f.skip_layers + ")";
   }
   for (const auto& o : f.layer_overrides) kv_policy_override_layer(p, o);
-  if (!f.scales_file.empty()) {
+  if (f.scales_file == "qk-norm") {
+    s.calib = std::make_shared<const nlohmann::json>(kv_qk_norm_calib(m));
+  } else if (!f.scales_file.empty()) {
     std::ifstream in(f.scales_file);
     if (!in) fail("--kv-scales: cannot read '{}'", f.scales_file);
     try {

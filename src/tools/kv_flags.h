@@ -15,7 +15,7 @@ namespace CLI { class App; }
 
 namespace kvq {
 
-struct ModelConfig;
+class Model;
 
 struct KvFlags {
   std::string kv_cache_dtype = "f16";  // --kv-cache-dtype: format for K and V
@@ -23,7 +23,7 @@ struct KvFlags {
   std::string cache_type_v;            // -ctv: V side (a format name; its V codec is used)
   std::string skip_layers;             // --kv-cache-dtype-skip-layers
   std::vector<std::string> layer_overrides;  // --kv-layer L=KFMT/VFMT (repeatable)
-  std::string scales_file;             // --kv-scales FILE.json (kvq calibrate output)
+  std::string scales_file;             // --kv-scales FILE.json (kvq calibrate output), or "qk-norm"
   int page_tokens = 64;                // --kv-page-tokens
   int group_tokens = 0;                // --kv-group-tokens: G of grouped codecs (0 = codec default)
   int residual_tokens = -1;            // --kv-residual-tokens: R of grouped codecs (-1 = codec default)
@@ -34,7 +34,7 @@ struct KvFlags {
 // What the flags resolve to for one model.
 struct KvSetup {
   KvPolicy policy;
-  std::shared_ptr<const nlohmann::json> calib;  // null when no --kv-scales
+  std::shared_ptr<const nlohmann::json> calib;  // null when no --kv-scales (kv_qk_norm_calib for qk-norm)
   int group_tokens = 0;
   int residual_tokens = -1;
   double outlier_fraction = -1;
@@ -57,6 +57,16 @@ void kv_flags_add_shared(CLI::App& app, KvFlags& f);
 void kv_flags_add_kvquant(CLI::App& app, KvFlags& f);
 // Resolves the flags for a model; throws kvq::Error naming the bad flag (and listing valid
 // formats for unknown names). `format` overrides --kv-cache-dtype when not empty (eval's --kv list).
-KvSetup kv_flags_resolve(const KvFlags& f, const ModelConfig& cfg, const std::string& format = "");
+KvSetup kv_flags_resolve(const KvFlags& f, const Model& m, const std::string& format = "");
+
+// `--kv-scales qk-norm`: the channel statistics that a model with QK-norm (Gemma 3, Qwen3, OLMo 2)
+// implies without any sample text. Its keys and queries leave RMSNorm as x / rms(x) * w, so their
+// channel RMS is proportional to |w| (attn_k_norm, attn_q_norm: one vector per layer, shared by the
+// heads) as far as the normalized vectors spread evenly over channels; the channel-scaled formats
+// (*_s) need nothing more for keys (kv/centered_codecs.cpp). Schema as kvq calibrate's:
+//   {"source": "qk-norm", "model": NAME, "layers": [{"layer": l, "k_rms": [[..]], "q_rms": [[..]]}, ..]}
+// (n_kv_heads rows of head_dim each). No value statistics: the model does not normalize values, so
+// the *_s formats leave values unscaled. Throws kvq::Error when the model has no QK-norm.
+nlohmann::json kv_qk_norm_calib(const Model& m);
 
 }  // namespace kvq

@@ -76,7 +76,7 @@ int run_command(const RunOptions& o) {
     fail("prompt is {} tokens, the context is {} (use a shorter prompt or a larger --ctx-size)", ids.size(), ctx);
 
   ThreadPool pool(threads);
-  const KvSetup kv = kv_flags_resolve(o.kv, c);
+  const KvSetup kv = kv_flags_resolve(o.kv, *model);
   const KvPolicy& policy = kv.policy;
   KvCacheConfig kcfg = model->kv_cache_config(policy, ctx, o.kv.page_tokens);
   kv.apply(kcfg);

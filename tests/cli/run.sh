@@ -48,6 +48,8 @@ bad "negative --kv-group-tokens" run -m "$model" -p hi --kv-cache-dtype kivi4 --
 bad "group that does not divide the page" run -m "$model" -p hi --kv-cache-dtype kivi4 --kv-group-tokens 96
 bad "--kv-outliers above 1/8" run -m "$model" -p hi --kv-cache-dtype kvquant4 --kv-outliers 0.5
 bad "negative --kv-sink-tokens" run -m "$model" -p hi --kv-cache-dtype kvquant4 --kv-sink-tokens -3
+bad "--kv-scales qk-norm on a model without QK-norm" run -m "$model" -p hi --kv-cache-dtype int8_c --kv-scales qk-norm
+check "... says the model has no QK-norm and how to calibrate" "grep -q 'no QK-norm weights.*kvq calibrate' $tmp/be"
 
 # a K/V split name runs (stories260K's head_dim 8 is too small for the 32-wide formats)
 "$kvq" run -m "$model" -p "Lily" -n 8 --temp 0 --kv-cache-dtype int8/f16 >"$tmp/split" 2>"$tmp/split.err"
