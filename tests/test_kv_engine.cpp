@@ -234,6 +234,14 @@ TEST(KvEngine, GemmaChannelScalesCutKld) {
   if (!w) GTEST_SKIP() << skip;
   ASSERT_TRUE(w->calib.contains("layers")) << "kvq calibrate failed";
   ASSERT_TRUE(w->calib["layers"][0].contains("q_rms"));
+  // The predicted gains kvq calibrate records: the measured optimum (3.02x on the essays), and the
+  // QK-norm weights' scales judged on the same statistics (2.34x), which by Cauchy-Schwarz cannot
+  // exceed it.
+  const double gain = w->calib.value("k_scale_gain", 0.0), qkn = w->calib.value("k_scale_gain_qk_norm", 0.0);
+  std::printf("[gain] calibrated %.3f, qk-norm %.3f\n", gain, qkn);
+  EXPECT_GT(gain, 2.0);
+  EXPECT_GT(qkn, 1.5);
+  EXPECT_LE(qkn, gain * (1 + 1e-9));
   for (const char* inner : {"q4_0h", "tq4"}) {
     const double plain = w->kld(inner, "gemma"), scaled = w->kld(std::string(inner) + "_s", "gemma");
     EXPECT_LT(scaled, 0.5 * plain) << inner;

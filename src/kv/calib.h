@@ -24,6 +24,15 @@ std::vector<float> kv_calib_head_scales(const KvCodecParams& p, const std::strin
 std::vector<std::vector<float>> kv_calib_head_vectors(const nlohmann::json& v, const std::string& where, int n_heads,
                                                       int dim);
 
+// One head's channel scales s of the channel-scaled formats (*_s, *_cs; kv/centered_codecs.cpp),
+// from dim-long channel statistics: x the RMS, mu the means (centered formats; null otherwise),
+// q the query channel RMS for keys (null for values). Keys: s^2 = sd(k) / rms(q), one scale per
+// RoPE pair of `rope` from the pair's pooled mean squares, a pair that queries never read
+// (rms(q) = 0) given the largest scale of the others; values: s^2 = sd(v) (sd: the RMS, or the
+// standard deviation when centered). Normalized to a geometric mean of 1 and floored at 1e-3 of
+// the largest.
+std::vector<float> kv_channel_scales(const float* x, const float* mu, const float* q, int dim, const KvRope& rope);
+
 // "" for a calibration from `kvq calibrate` (or none); for `--kv-scales qk-norm`'s (source
 // "qk-norm": key and query channel RMS only), a sentence to append to a missing-field error saying
 // what that calibration holds and where the rest comes from.

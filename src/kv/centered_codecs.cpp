@@ -77,12 +77,7 @@ std::vector<std::vector<float>> calib_vectors(const KvCodecParams& p, const std:
                                p.n_kv_heads, p.head_dim);
 }
 
-// Channel scales from the calibration's RMS vectors (see the header comment): keys
-// s_c = sqrt(sd(k_c) / rms(q_c)), values s_c = sqrt(sd(v_c)), where sd is the RMS, or with
-// centering the standard deviation sqrt(rms^2 - mu^2). A key channel (pair) that queries never
-// read (rms(q) = 0) does not matter to scores: it gets the largest scale of the others, so that its
-// keys shrink rather than swell. Normalized to a geometric mean of 1, and floored at 1e-3 of the
-// largest so that a channel that never moved keeps a finite 1 / s.
+// Channel scales from the calibration's RMS vectors (kv_channel_scales, kv/calib.h).
 std::vector<std::vector<float>> calib_scales(const KvCodecParams& p, const std::string& codec, bool centered) {
   const bool key = p.role == KvRole::key;
   const auto x = calib_vectors(p, codec, key ? "k_rms" : "v_rms", "channel RMS");
@@ -90,52 +85,61 @@ std::vector<std::vector<float>> calib_scales(const KvCodecParams& p, const std::
                            : std::vector<std::vector<float>>{};
   const auto q = key ? calib_vectors(p, codec, "q_rms", "query channel RMS") : std::vector<std::vector<float>>{};
   std::vector<std::vector<float>> out;
-  for (size_t h = 0; h < x.size(); ++h) {
-    const size_t d = x[h].size();
-    std::vector<double> s(d);
-    double smax = 0;
-    for (size_t c = 0; c < d; ++c) {
-      double v = double(x[h][c]) * x[h][c];
-      if (centered) v -= double(mu[h][c]) * mu[h][c];
-      double sd = std::sqrt(std::max(v, 0.0));
-      if (key) sd = q[h][c] > 0 ? sd / q[h][c] : -1.0;  // -1: unread, set below
-      s[c] = sd < 0 ? -1.0 : std::sqrt(sd);
-    }
-    // RoPE turns each rotated channel pair by a position-dependent angle, so per-channel
-    // statistics of post-RoPE keys and queries hold only for the positions they were measured
-    // at: a low-frequency pair keeps its measured split between its two channels over a
-    // 512-token window and swaps it thousands of tokens later. One scale per pair (from the
-    // pair's pooled mean square) commutes with the rotation and holds at every position.
-    if (key && p.rope.n_rot > 0) {
-      const int nr = std::min(p.rope.n_rot, int(d)), half = nr / 2;
-      for (int i = 0; i < half; ++i) {
-        const size_t a = p.rope.neox ? size_t(i) : size_t(2 * i), b = p.rope.neox ? size_t(i + half) : size_t(2 * i + 1);
-        double kk = 0, qq = 0;
-        for (size_t c : {a, b}) {
-          double v = double(x[h][c]) * x[h][c];
-          if (centered) v -= double(mu[h][c]) * mu[h][c];
-          kk += std::max(v, 0.0) / 2;
-          qq += double(q[h][c]) * q[h][c] / 2;
-        }
-        s[a] = s[b] = qq > 0 ? std::sqrt(std::sqrt(kk / qq)) : -1.0;
-      }
-    }
-    smax = *std::max_element(s.begin(), s.end());
-    if (!(smax > 0)) smax = 1;
-    for (auto& v : s)
-      if (v < 0) v = smax;
-    double lg = 0;
-    for (auto& v : s) {
-      v = std::max(v, 1e-3 * smax);
-      lg += std::log(v);
-    }
-    const double g = std::exp(lg / double(d));
-    std::vector<float> r(d);
-    for (size_t c = 0; c < d; ++c) r[c] = float(s[c] / g);
-    out.push_back(std::move(r));
-  }
+  for (size_t h = 0; h < x.size(); ++h)
+    out.push_back(kv_channel_scales(x[h].data(), centered ? mu[h].data() : nullptr, key ? q[h].data() : nullptr,
+                                    int(x[h].size()), key ? p.rope : KvRope{}));
   return out;
 }
+
+}  // namespace
+
+std::vector<float> kv_channel_scales(const float* x, const float* mu, const float* q, int dim, const KvRope& rope) {
+  const bool key = q != nullptr;
+  const size_t d = size_t(dim);
+  std::vector<double> s(d);
+  double smax = 0;
+  for (size_t c = 0; c < d; ++c) {
+    double v = double(x[c]) * x[c];
+    if (mu) v -= double(mu[c]) * mu[c];
+    double sd = std::sqrt(std::max(v, 0.0));
+    if (key) sd = q[c] > 0 ? sd / q[c] : -1.0;  // -1: unread, set below
+    s[c] = sd < 0 ? -1.0 : std::sqrt(sd);
+  }
+  // RoPE turns each rotated channel pair by a position-dependent angle, so per-channel
+  // statistics of post-RoPE keys and queries hold only for the positions they were measured
+  // at: a low-frequency pair keeps its measured split between its two channels over a
+  // 512-token window and swaps it thousands of tokens later. One scale per pair (from the
+  // pair's pooled mean square) commutes with the rotation and holds at every position.
+  if (key && rope.n_rot > 0) {
+    const int nr = std::min(rope.n_rot, dim), half = nr / 2;
+    for (int i = 0; i < half; ++i) {
+      const size_t a = rope.neox ? size_t(i) : size_t(2 * i), b = rope.neox ? size_t(i + half) : size_t(2 * i + 1);
+      double kk = 0, qq = 0;
+      for (size_t c : {a, b}) {
+        double v = double(x[c]) * x[c];
+        if (mu) v -= double(mu[c]) * mu[c];
+        kk += std::max(v, 0.0) / 2;
+        qq += double(q[c]) * q[c] / 2;
+      }
+      s[a] = s[b] = qq > 0 ? std::sqrt(std::sqrt(kk / qq)) : -1.0;
+    }
+  }
+  smax = *std::max_element(s.begin(), s.end());
+  if (!(smax > 0)) smax = 1;
+  for (auto& v : s)
+    if (v < 0) v = smax;
+  double lg = 0;
+  for (auto& v : s) {
+    v = std::max(v, 1e-3 * smax);
+    lg += std::log(v);
+  }
+  const double g = std::exp(lg / double(d));
+  std::vector<float> r(d);
+  for (size_t c = 0; c < d; ++c) r[c] = float(s[c] / g);
+  return r;
+}
+
+namespace {
 
 class AffineCodec final : public KvCodec {
  public:

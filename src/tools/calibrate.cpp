@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "kv/calib.h"
 #include "kv/kvquant.h"
 #include "kv/kvquant_mixed.h"
 #include "model/model.h"
@@ -145,7 +146,10 @@ int calibrate_command(const CalibrateOptions& o) {
   // which the codecs minimize with one scale per RoPE pair (kv/centered_codecs.cpp). The ratio
   // of the unscaled value E|k|^2 E|q|^2 to that minimum is printed: near 1, the model's key
   // imbalance lies within RoPE pairs (it moves with position) and scaling has nothing to take.
-  double k_scale_gain_log = 0;
+  // On a model with QK-norm the same ratio is printed for the scales `--kv-scales qk-norm` takes
+  // from the norm weights (tools/kv_flags.h), evaluated on the measured statistics: how much of
+  // the gain needs no calibration.
+  double k_scale_gain_log = 0, k_qkn_gain_log = 0;
   double k_removed_all = 0, v_removed_all = 0;
   for (int il = 0; il < c.n_layer; ++il) {
     double k_removed = 0, v_removed = 0;
@@ -177,6 +181,21 @@ int calibrate_command(const CalibrateOptions& o) {
         }
         for (int d = 2 * half; d < hd; ++d) kq += std::sqrt(k2[d] * q2[d]);  // channels RoPE leaves alone
         if (kq > 0) k_scale_gain_log += std::log(kk * qq / (kq * kq)) / (c.n_layer * nkv);
+        if (c.qk_norm) {
+          const LayerWeights& W = model->layer(il);
+          std::vector<float> wk(static_cast<size_t>(hd)), wq(static_cast<size_t>(hd));
+          for (int d = 0; d < hd; ++d) {
+            wk[size_t(d)] = std::fabs(static_cast<const float*>(W.attn_k_norm.data)[d]);
+            wq[size_t(d)] = std::fabs(static_cast<const float*>(W.attn_q_norm.data)[d]);
+          }
+          const std::vector<float> s = kv_channel_scales(wk.data(), nullptr, wq.data(), hd, cache_cfg.rope[size_t(il)]);
+          double ks = 0, qs = 0;
+          for (int d = 0; d < hd; ++d) {
+            ks += k2[d] / (double(s[size_t(d)]) * s[size_t(d)]);
+            qs += q2[d] * s[size_t(d)] * s[size_t(d)];
+          }
+          if (ks * qs > 0) k_qkn_gain_log += std::log(kk * qq / (ks * qs)) / (c.n_layer * nkv);
+        }
       }
     }
     if (hd % 16 == 0)
@@ -200,6 +219,10 @@ int calibrate_command(const CalibrateOptions& o) {
     }
     j["layers"].push_back(L);
   }
+  if (n_mean > 0) {  // the predicted gains printed below, kept with the artifacts
+    j["k_scale_gain"] = std::exp(k_scale_gain_log);
+    if (c.qk_norm) j["k_scale_gain_qk_norm"] = std::exp(k_qkn_gain_log);
+  }
   std::ofstream out(o.out);
   if (!out) fail("-o: cannot write '{}'", o.out);
   out << j.dump(1) << "\n";
@@ -207,9 +230,12 @@ int calibrate_command(const CalibrateOptions& o) {
   std::fprintf(stderr, "[calibrate] channel means hold %.1f%% of the key energy and %.1f%% of the value energy (layer average)\n",
                100 * k_removed_all, 100 * v_removed_all);
   if (n_mean > 0) {
-    const double gain = std::exp(k_scale_gain_log);
+    const double gain = j["k_scale_gain"].get<double>();
     std::fprintf(stderr, "[calibrate] key channel scales (*_s formats) cut a rotated quantizer's expected squared score error %.2fx (geometric mean over layers and heads)%s\n",
                  gain, gain < 1.3 ? ": little to gain on this model, the unscaled formats will do as well" : "");
+    if (c.qk_norm)
+      std::fprintf(stderr, "[calibrate] with the scales of --kv-scales qk-norm (the model's QK-norm weights, no calibration): %.2fx\n",
+                   j["k_scale_gain_qk_norm"].get<double>());
   }
   return 0;
 }
