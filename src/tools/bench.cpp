@@ -500,6 +500,7 @@ int bench_command(const BenchOptions& o) {
   j["model"] = model_name;
   j["model_file"] = o.model;
   j["cpu"] = cpu_level_name(cpu_level());  // the kernels' SIMD level: speed differs by level
+  j["kv_scales"] = o.kv.scales_file.empty() ? nlohmann::json() : nlohmann::json(o.kv.scales_file);  // as eval's
   j["kv_mem_bytes"] = kv_mems;
   j["ctx"] = ctx;
   nlohmann::json w;

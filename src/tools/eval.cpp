@@ -678,6 +678,8 @@ int eval_command(const EvalOptions& o) {
   // cpu: the kernels' SIMD level (rounding of the integer-dot kernels differs by level, within bounds)
   nlohmann::json j = {{"model", cfg.name}, {"model_file", o.model}, {"arch", cfg.arch}, {"cpu", cpu_level_name(cpu_level())},
                       {"tasks", o.tasks}, {"scale_mode", o.scale_mode}};
+  // where the formats' calibration came from (--kv-scales: a file, or qk-norm), null without one
+  j["kv_scales"] = o.kv.scales_file.empty() ? nlohmann::json() : nlohmann::json(o.kv.scales_file);
   if (!policies.empty()) j["policies"] = policies;
   j["formats"] = nlohmann::json::array();
   for (auto& r : runs) {

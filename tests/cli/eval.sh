@@ -38,6 +38,8 @@ check "calibration has per-head channel means of K and V" \
 "$kvq" eval -m "$model" --kv int8_c,int8 --kv-scales "$tmp/calib.json" --ctx 64 --data "$text" --json --no-progress -t 1 >"$tmp/c.json" 2>/dev/null
 check "eval runs a centered format from the calibration" \
   "python3 -c \"import json; d=json.load(open('$tmp/c.json')); f=d['formats']; assert f[0]['format']=='int8_c' and 0<=f[0]['buckets'][0]['kld_mean']<0.05\""
+check "eval's JSON names the calibration it ran with (--kv-scales)" \
+  "python3 -c \"import json; assert json.load(open('$tmp/c.json'))['kv_scales']=='$tmp/calib.json'\""
 
 # needle with several trials per cell: one grid entry per (ctx, depth, trial), each trial its own
 # stretch of the haystack, accuracy over all of them; the HTML cells count trials
@@ -46,6 +48,7 @@ check "eval runs a centered format from the calibration" \
 check "needle: 2 depths x 3 trials per format, distinct haystack offsets, accuracy = hits / trials" \
   "python3 -c \"import json; d=json.load(open('$tmp/n.json')); n=d['formats'][0]['needle']; g=n['grid']; assert len(g)==6 and sorted(set(e['trial'] for e in g))==[0,1,2]; assert len(set(e['haystack_offset'] for e in g))==3; assert abs(n['accuracy']-sum(e['ok'] for e in g)/6)<1e-12\""
 check "needle HTML counts trials per cell" "grep -Eq '>[0-3]/3<' $tmp/n.html"
+check "needle JSON: kv_scales null without --kv-scales" "python3 -c \"import json; assert json.load(open('$tmp/n.json'))['kv_scales'] is None\""
 check "needle: lost / gained against the f16 cache's own trials, and a sign-test p in (0, 1]" \
   "python3 -c \"import json; d=json.load(open('$tmp/n.json')); f=d['formats'][0]; ref=f['needle_f16_ok']; ok=[e['ok'] for e in f['needle']['grid']]; v=f['needle']['vs_f16']; assert len(ref)==len(ok)==6; assert v['lost']==sum(r and not o for r,o in zip(ref,ok)); assert v['gained']==sum(o and not r for r,o in zip(ref,ok)); assert 0<v['p_value']<=1; assert abs(sum(ref)/6-f['needle_f16'])<1e-12\""
 
