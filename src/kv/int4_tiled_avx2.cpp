@@ -31,27 +31,17 @@ inline void grid_tables(const int8_t* lut, __m256i* abs, __m256i* sgn) {
   *sgn = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lut)));
 }
 
-// Scores on whole tiles: both 8-token halves (bytes 0..31 and 32..63 of every 64-byte octet
-// record) against the same query broadcasts. Per query block b (4 octets, low and high nibbles:
+// Scores (tiles_scores_pass_avx2's pass) with int4t's block dot: both 8-token halves (bytes 0..31
+// and 32..63 of every 64-byte octet record) against the same query broadcasts. Per query block b (4 octets, low and high nibbles:
 // 8 VPMADDUBSW per half) the int16 sums stay within 8 * 2 * 15 * 127 = 30480, so a block's dot
 // is one int16 chain and one widening per (row, half).
 template <int NQ>
 void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
                  int out_stride) {
   const __m256i m4 = _mm256_set1_epi8(0x0f);
-  const int bpg = L.group / 32;
-  Int4tQueryRow qr[NQ];
-  for (int h = 0; h < NQ; ++h) qr[h] = int4t_query_row(L, qp, h);
-  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  for (int tile = tile0; tile < tile1; ++tile) {
-    const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
-    const uint8_t* codes = tp + L.code_off;
-    __m256 score[NQ][2];
-    for (int h = 0; h < NQ; ++h) score[h][0] = score[h][1] = _mm256_setzero_ps();
-    for (int g = 0; g < L.ng; ++g) {
-      __m256 facc[NQ][2];
-      for (int h = 0; h < NQ; ++h) facc[h][0] = facc[h][1] = _mm256_setzero_ps();
-      for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
+  tiles_scores_pass_avx2<NQ>(
+      L, qp, block, t0, n, out, out_stride,
+      [=](const uint8_t* codes, int b, const int8_t* const* q8, __m256i(*dot)[2]) {
         __m256i s16[NQ][2];
         for (int h = 0; h < NQ; ++h) s16[h][0] = s16[h][1] = _mm256_setzero_si256();
         for (int o = 4 * b; o < 4 * b + 4; ++o) {
@@ -60,7 +50,7 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
           const __m256i lo0 = _mm256_and_si256(x0, m4), hi0 = _mm256_and_si256(_mm256_srli_epi16(x0, 4), m4);
           const __m256i lo1 = _mm256_and_si256(x1, m4), hi1 = _mm256_and_si256(_mm256_srli_epi16(x1, 4), m4);
           for (int h = 0; h < NQ; ++h) {
-            const __m256i ql = tile_bcast32_avx2(qr[h].q8 + 8 * o), qh = tile_bcast32_avx2(qr[h].q8 + 8 * o + 4);
+            const __m256i ql = tile_bcast32_avx2(q8[h] + 8 * o), qh = tile_bcast32_avx2(q8[h] + 8 * o + 4);
             s16[h][0] = _mm256_add_epi16(
                 s16[h][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, ql), _mm256_maddubs_epi16(hi0, qh)));
             s16[h][1] = _mm256_add_epi16(
@@ -68,43 +58,18 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
           }
         }
         for (int h = 0; h < NQ; ++h) {
-          const __m256 d = _mm256_set1_ps(qr[h].dq[b]);
-          facc[h][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tile_widen_avx2(s16[h][0])), d, facc[h][0]);
-          facc[h][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tile_widen_avx2(s16[h][1])), d, facc[h][1]);
+          dot[h][0] = tile_widen_avx2(s16[h][0]);
+          dot[h][1] = tile_widen_avx2(s16[h][1]);
         }
-      }
-      for (int e = 0; e < 2; ++e) {
-        const __m256 sv = tile_load_f16x8_avx2(tp + 32 * size_t(g) + 16 * size_t(e));
-        const __m256 mv = tile_load_f16x8_avx2(tp + L.min_off + 32 * size_t(g) + 16 * size_t(e));
-        for (int h = 0; h < NQ; ++h) {
-          score[h][e] = _mm256_fmadd_ps(facc[h][e], sv, score[h][e]);
-          score[h][e] = _mm256_fmadd_ps(mv, _mm256_set1_ps(qr[h].qsum[g]), score[h][e]);
-        }
-      }
-    }
-    for (int e = 0; e < 2; ++e) {
-      const int base = tile * 16 + 8 * e;
-      const int lo = std::max(0, t0 - base), hi = std::min(8, t0 + n - base);
-      if (hi <= lo) continue;
-      for (int h = 0; h < NQ; ++h) {
-        float* o = out + size_t(h) * size_t(out_stride);
-        if (lo == 0 && hi == 8) {
-          _mm256_storeu_ps(o + (base - t0), score[h][e]);
-        } else {  // partial: only lanes inside [t0, t0 + n)
-          alignas(32) float tmp[8];
-          _mm256_store_ps(tmp, score[h][e]);
-          std::memcpy(o + (base + lo - t0), tmp + lo, sizeof(float) * size_t(hi - lo));
-        }
-      }
-    }
-  }
+      });
 }
 
 // The scores of q5_0t / q5_1t (Mode kFive) and iq4_nlt (kGrid), as scores_pass's with the
 // codes' values widened: kFive ORs the fifth bits into the nibbles (bit 4), codes up to 31, and
 // widens the int16 chains every 2 octets; kGrid looks each nibble up as |grid| and as grid, whose
 // sign goes onto the query bytes (VPSIGNB), and widens every product (a pair sum reaches
-// 2 * 127 * 127). Kept apart from scores_pass: folding them into it cost the 4-bit kernel 25%.
+// 2 * 127 * 127). A block function of their own: folding the modes into scores_pass's cost the
+// 4-bit kernel 25%.
 enum ScoreMode { kFive, kGrid };
 template <int NQ, int Mode>
 void scores_pass_wide(const Int4TiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,

@@ -42,8 +42,8 @@ inline void tile_store_half_avx2(float* o, int base, int t0, int n, __m256 v) {
   }
 }
 
-// The score kernels' pass over tiles for int4t-layout key blocks (int2t's, and the q5_0t / q5_1t /
-// iq4_nlt variants of int4t's), up to 4 query rows (NQ): per tile and group, the 32-dim blocks'
+// The score kernels' pass over tiles for int4t-layout key blocks (int4t's, int2t's, and the q5_0t /
+// q5_1t / iq4_nlt variants of int4t's), up to 4 query rows (NQ): per tile and group, the 32-dim blocks'
 // exact integer dots block_dots(codes, b, q8, dot) (dot[h][e]: int32 lanes of row h's 8-token half
 // e; q8[h]: row h's int8 query) times the block's query step, then the group's scale and min terms
 // in the reference's FMA order, and the lanes inside [t0, t0 + n) stored.

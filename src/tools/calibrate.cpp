@@ -14,6 +14,7 @@
 #include "kv/kvquant_mixed.h"
 #include "model/model.h"
 #include "model/tokenizer.h"
+#include "tools/kv_flags.h"
 
 namespace kvq {
 
@@ -150,6 +151,7 @@ int calibrate_command(const CalibrateOptions& o) {
   // from the norm weights (tools/kv_flags.h), evaluated on the measured statistics: how much of
   // the gain needs no calibration.
   double k_scale_gain_log = 0, k_qkn_gain_log = 0;
+  const nlohmann::json qkn = c.qk_norm ? kv_qk_norm_calib(*model) : nlohmann::json();
   double k_removed_all = 0, v_removed_all = 0;
   for (int il = 0; il < c.n_layer; ++il) {
     double k_removed = 0, v_removed = 0;
@@ -182,12 +184,8 @@ int calibrate_command(const CalibrateOptions& o) {
         for (int d = 2 * half; d < hd; ++d) kq += std::sqrt(k2[d] * q2[d]);  // channels RoPE leaves alone
         if (kq > 0) k_scale_gain_log += std::log(kk * qq / (kq * kq)) / (c.n_layer * nkv);
         if (c.qk_norm) {
-          const LayerWeights& W = model->layer(il);
-          std::vector<float> wk(static_cast<size_t>(hd)), wq(static_cast<size_t>(hd));
-          for (int d = 0; d < hd; ++d) {
-            wk[size_t(d)] = std::fabs(static_cast<const float*>(W.attn_k_norm.data)[d]);
-            wq[size_t(d)] = std::fabs(static_cast<const float*>(W.attn_q_norm.data)[d]);
-          }
+          const auto& QL = qkn["layers"][size_t(il)];
+          const std::vector<float> wk = QL["k_rms"][size_t(h)], wq = QL["q_rms"][size_t(h)];
           const std::vector<float> s = kv_channel_scales(wk.data(), nullptr, wq.data(), hd, cache_cfg.rope[size_t(il)]);
           double ks = 0, qs = 0;
           for (int d = 0; d < hd; ++d) {
