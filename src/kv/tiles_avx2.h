@@ -123,10 +123,10 @@ inline int tile_w8_dword(int h, int k) { return (h & 1) * 2 + (k >> 1) + (k & 1)
 // per group g < ng the weights w_t = p_t s_tg of query rows h < NQ (rows p_stride apart, weight of
 // token t at p[t - t0]) rounded with vector arithmetic (the scalar steps of int4t_weight_step, bit
 // for bit) to u8 (U8) or s8, row pair r's in w8[g][r] (dwords by tile_w8_dword), row h's step in
-// dw[g][h], and the min term p_t m_tg added into the 8 lanes of msv[h][g]. Lanes outside
+// dw[g][h], and (Min) the min term p_t m_tg added into the 8 lanes of msv[h][g]. Lanes outside
 // [t0, t0 + n) weigh 0 and their scales / minimums (which may hold anything, NaN included) are
 // masked off.
-template <int NQ, bool U8, int MaxGroups>
+template <int NQ, bool U8, int MaxGroups, bool Min = true>
 [[gnu::always_inline]] inline void tile_quantize_group_weights_avx2(const float* p, int p_stride, int t0, int n,
                                                                     int base, const uint8_t* tp, size_t min_off,
                                                                     int ng, uint8_t (*w8)[(NQ + 1) / 2][32],
@@ -159,13 +159,9 @@ template <int NQ, bool U8, int MaxGroups>
   }
   for (int g = 0; g < ng; ++g) {
     __m256 sv0 = tile_load_f16x8_avx2(tp + 32 * size_t(g)), sv1 = tile_load_f16x8_avx2(tp + 32 * size_t(g) + 16);
-    __m256 mv0 = tile_load_f16x8_avx2(tp + min_off + 32 * size_t(g));
-    __m256 mv1 = tile_load_f16x8_avx2(tp + min_off + 32 * size_t(g) + 16);
     if (!full) {
       sv0 = _mm256_and_ps(sv0, mk[0]);
       sv1 = _mm256_and_ps(sv1, mk[1]);
-      mv0 = _mm256_and_ps(mv0, mk[0]);
-      mv1 = _mm256_and_ps(mv1, mk[1]);
     }
     __m256 w[NQ][2], wa[4];
     for (int h = 0; h < 4; ++h) {
@@ -200,18 +196,34 @@ template <int NQ, bool U8, int MaxGroups>
                            : _mm256_max_epi8(_mm256_packs_epi16(pk[0], pk[1]), _mm256_set1_epi8(-127));
       _mm256_store_si256(reinterpret_cast<__m256i*>(w8[g][r]), q);
     }
-    for (int h = 0; h < NQ; ++h)
-      _mm256_store_ps(msv[h][g],
-                      _mm256_fmadd_ps(pv[h][1], mv1, _mm256_fmadd_ps(pv[h][0], mv0, _mm256_load_ps(msv[h][g]))));
+    if constexpr (Min) {
+      __m256 mv0 = tile_load_f16x8_avx2(tp + min_off + 32 * size_t(g));
+      __m256 mv1 = tile_load_f16x8_avx2(tp + min_off + 32 * size_t(g) + 16);
+      if (!full) {
+        mv0 = _mm256_and_ps(mv0, mk[0]);
+        mv1 = _mm256_and_ps(mv1, mk[1]);
+      }
+      for (int h = 0; h < NQ; ++h)
+        _mm256_store_ps(msv[h][g],
+                        _mm256_fmadd_ps(pv[h][1], mv1, _mm256_fmadd_ps(pv[h][0], mv0, _mm256_load_ps(msv[h][g]))));
+    }
   }
 }
 
 // a[0..7] += dlo * step, a[16..23] += dhi * step: a chunk half's integer sums of one query row
-// into its accumulator (channels at and at + 16).
-[[gnu::always_inline]] inline void tile_accum_add_avx2(float* a, __m256i dlo, __m256i dhi, float step) {
+// into its accumulator (channels at and at + 16). AddMin: the row's min term m (the same for
+// every channel of the chunk's group) added too, a[i] = (a[i] + m) + d * step.
+template <bool AddMin = false>
+[[gnu::always_inline]] inline void tile_accum_add_avx2(float* a, __m256i dlo, __m256i dhi, float step, float m = 0.f) {
   const __m256 s = _mm256_set1_ps(step);
-  _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo), s, _mm256_loadu_ps(a)));
-  _mm256_storeu_ps(a + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi), s, _mm256_loadu_ps(a + 16)));
+  __m256 alo = _mm256_loadu_ps(a), ahi = _mm256_loadu_ps(a + 16);
+  if constexpr (AddMin) {
+    const __m256 mv = _mm256_set1_ps(m);
+    alo = _mm256_add_ps(alo, mv);
+    ahi = _mm256_add_ps(ahi, mv);
+  }
+  _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo), s, alo));
+  _mm256_storeu_ps(a + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi), s, ahi));
 }
 
 // Step 2 of int4t's / int2t's AVX2 weighted sum for one (tile, 8-lane half, chunk of 32 channels):
@@ -222,10 +234,11 @@ template <int NQ, bool U8, int MaxGroups>
 // acc row h at channel `at` (low) and at + 16 (high). Each row's chains run and are flushed before
 // the next row's: about 12 live registers (all rows' chains at once spilled). Five (codes 0..31:
 // q5_0t / q5_1t): u8 chains widened every 2 quads (2 * 2 * 255 * 31; s8 ones fit 4 * 2 * 31 * 127).
-template <int NQ, bool U8, bool Five = false>
+// AddMin: row h's min term mt[h] added with the sums (tile_accum_add_avx2).
+template <int NQ, bool U8, bool Five = false, bool AddMin = false>
 [[gnu::always_inline]] inline void tile_accum_chunk_avx2(const __m256i* lo, const __m256i* hi,
                                                          const uint8_t (*w8)[32], const float* dw, float* acc, int hd,
-                                                         int at) {
+                                                         int at, const float* mt = nullptr) {
   constexpr bool kSplit = Five && U8;
   for (int h = 0; h < NQ; ++h) {
     const uint8_t* wp = w8[h / 2];
@@ -243,7 +256,7 @@ template <int NQ, bool U8, bool Five = false>
     }
     const __m256i dlo = kSplit ? _mm256_add_epi32(wlo, tile_widen_avx2(slo)) : tile_widen_avx2(slo);
     const __m256i dhi = kSplit ? _mm256_add_epi32(whi, tile_widen_avx2(shi)) : tile_widen_avx2(shi);
-    tile_accum_add_avx2(acc + size_t(h) * size_t(hd) + size_t(at), dlo, dhi, dw[h]);
+    tile_accum_add_avx2<AddMin>(acc + size_t(h) * size_t(hd) + size_t(at), dlo, dhi, dw[h], AddMin ? mt[h] : 0.f);
   }
 }
 
@@ -306,21 +319,18 @@ template <int NQ>
   }
 }
 
-// The min terms of int4t's / int2t's weighted sums, after the tiles: per query row h < NQ and group
-// g < ng the 8 lanes of msv[h][g] (sum_t p_t m_tg) reduced once and added to the group's channels of
-// acc row h (rows hd apart), times min_mul.
+// The min terms of int4t's / int2t's weighted sums: per query row h < NQ and group g < ng the 8
+// lanes of msv[h][g] (sum_t p_t m_tg) reduced, times min_mul (q4_0t's -8: kv/int4_tiled.h), into
+// mt[g][h].
 template <int NQ, int MaxGroups>
-inline void tiles_add_min_terms_avx2(float (*msv)[MaxGroups][8], int ng, int group, int hd, float* acc,
-                                     float min_mul = 1.f) {
+inline void tiles_min_terms_avx2(float (*msv)[MaxGroups][8], int ng, float min_mul, float (*mt)[4]) {
   for (int h = 0; h < NQ; ++h)
     for (int g = 0; g < ng; ++g) {
       const __m256 v = _mm256_load_ps(msv[h][g]);
       __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
       x = _mm_add_ps(x, _mm_movehl_ps(x, x));
       x = _mm_add_ss(x, _mm_movehdup_ps(x));
-      const __m256 m = _mm256_set1_ps(min_mul * _mm_cvtss_f32(x));  // min_mul: q4_0t's -8 (kv/int4_tiled.h)
-      float* a = acc + size_t(h) * size_t(hd) + size_t(g * group);
-      for (int d = 0; d < group; d += 8) _mm256_storeu_ps(a + d, _mm256_add_ps(_mm256_loadu_ps(a + d), m));
+      mt[g][h] = min_mul * _mm_cvtss_f32(x);
     }
 }
 
@@ -330,9 +340,12 @@ inline void tiles_add_min_terms_avx2(float (*msv)[MaxGroups][8], int ng, int gro
 // reads them, so the dword loads find the stores long retired), then per tile, 8-lane half and
 // chunk of 32 channels the layout's chunk_codes(codes, c, half, lo, hi) gives the 4 token quads'
 // code vectors (lo: channels 32c + 8 half + i, hi: 32c + 16 + 8 half + i) for
-// tile_accum_chunk_avx2, then the min terms (times L.min_mul). The group is stepped along the one
-// chunk loop (no c / cpg division; a loop per group had the compiler hoist and spill the weight
-// broadcasts). U8 weights when every weight is >= 0 and the scales are, else s8.
+// tile_accum_chunk_avx2. The group is stepped along the one chunk loop (no c / cpg division; a
+// loop per group had the compiler hoist and spill the weight broadcasts). U8 weights when every
+// weight is >= 0 and the scales are, else s8.
+// The min terms (times L.min_mul) are summed over all tiles in msv and, once the last segment's
+// weights are quantized, added by that segment's first tile along with its sums: no pass of their
+// own over the accumulator. A layout without them (min_mul 0: tq's, iq4_nlt's) skips them whole.
 // ChunkLut: chunk_lut(c, &t1, &t2) gives chunk c's codebook tables: with u8 weights (tq's tiles)
 // the split tables C >> 4, C & 15 for tile_accum_chunk_lut_avx2, with s8 weights (iq4_nlt) |C|
 // and C for tile_accum_chunk_signlut_avx2; std::nullptr_t: the codes are the values.
@@ -345,19 +358,30 @@ void tiles_accum_pass_avx2(const Int4TiledLayout& L, const float* p, int p_strid
   constexpr int NP = (NQ + 1) / 2;  // row pairs
   const int hd = L.hd, ng = L.ng, cpg = L.group / 32;
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  // Per (row, group): the min term sum_t p_t m_tg in 8 lanes, reduced once per call.
+  const bool with_min = L.min_mul != 0.f;
+  // Per (row, group): the min term sum_t p_t m_tg in 8 lanes, reduced once per call into mt.
   alignas(32) float msv[NQ][kMaxGroups][8];
-  for (int h = 0; h < NQ; ++h)
-    for (int g = 0; g < ng; ++g) _mm256_store_ps(msv[h][g], _mm256_setzero_ps());
+  float mt[kMaxGroups][4];
+  if (with_min)
+    for (int h = 0; h < NQ; ++h)
+      for (int g = 0; g < ng; ++g) _mm256_store_ps(msv[h][g], _mm256_setzero_ps());
   // (tile of the segment, group, row pair): quantized weights; (.., group, row h in lane h): steps.
   alignas(32) uint8_t w8[kSegTiles][kMaxGroups][NP][32];
   alignas(32) float dw[kSegTiles][kMaxGroups][8];
   for (int seg = tile0; seg < tile1; seg += kSegTiles) {
     const int nt = std::min(kSegTiles, tile1 - seg);
-    for (int tt = 0; tt < nt; ++tt)
-      tile_quantize_group_weights_avx2<NQ, U8>(p, p_stride, t0, n, (seg + tt) * 16,
-                                               block + size_t(seg + tt) * L.tile_bytes, L.min_off, ng, w8[tt], dw[tt],
-                                               msv);
+    for (int tt = 0; tt < nt; ++tt) {
+      const uint8_t* tp = block + size_t(seg + tt) * L.tile_bytes;
+      if (with_min)
+        tile_quantize_group_weights_avx2<NQ, U8, kMaxGroups, true>(p, p_stride, t0, n, (seg + tt) * 16, tp, L.min_off,
+                                                                   ng, w8[tt], dw[tt], msv);
+      else
+        tile_quantize_group_weights_avx2<NQ, U8, kMaxGroups, false>(p, p_stride, t0, n, (seg + tt) * 16, tp,
+                                                                    L.min_off, ng, w8[tt], dw[tt], msv);
+    }
+    // The last segment's first tile adds the min terms (not with codebook lookups: added after).
+    const bool fold = !Lut && with_min && seg + nt >= tile1;
+    if (fold) tiles_min_terms_avx2<NQ>(msv, ng, L.min_mul, mt);
     for (int tt = 0; tt < nt; ++tt) {
       const uint8_t* codes = block + size_t(seg + tt) * L.tile_bytes + L.code_off;
       for (int half = 0; half < 2; ++half)
@@ -372,7 +396,11 @@ void tiles_accum_pass_avx2(const Int4TiledLayout& L, const float* p, int p_strid
             else
               tile_accum_chunk_signlut_avx2<NQ>(lo, hi, t1, t2, w8[tt][g], dw[tt][g], acc, hd, 32 * c + 8 * half);
           } else {
-            tile_accum_chunk_avx2<NQ, U8, Five>(lo, hi, w8[tt][g], dw[tt][g], acc, hd, 32 * c + 8 * half);
+            if (fold && tt == 0)
+              tile_accum_chunk_avx2<NQ, U8, Five, true>(lo, hi, w8[tt][g], dw[tt][g], acc, hd, 32 * c + 8 * half,
+                                                        mt[g]);
+            else
+              tile_accum_chunk_avx2<NQ, U8, Five>(lo, hi, w8[tt][g], dw[tt][g], acc, hd, 32 * c + 8 * half);
           }
           if (++cg == cpg) {  // chunk c + 1 starts the next group
             cg = 0;
@@ -381,7 +409,15 @@ void tiles_accum_pass_avx2(const Int4TiledLayout& L, const float* p, int p_strid
         }
     }
   }
-  tiles_add_min_terms_avx2<NQ>(msv, ng, L.group, hd, acc, L.min_mul);
+  if (Lut && with_min) {
+    tiles_min_terms_avx2<NQ>(msv, ng, L.min_mul, mt);
+    for (int h = 0; h < NQ; ++h)
+      for (int g = 0; g < ng; ++g) {
+        const __m256 m = _mm256_set1_ps(mt[g][h]);
+        float* a = acc + size_t(h) * size_t(hd) + size_t(g * L.group);
+        for (int d = 0; d < L.group; d += 8) _mm256_storeu_ps(a + d, _mm256_add_ps(_mm256_loadu_ps(a + d), m));
+      }
+  }
 }
 // Five: chunk_codes gives codes up to 31 (tile_accum_chunk_avx2).
 template <bool Five = false, class ChunkCodes>
