@@ -13,6 +13,8 @@
 
 #include "attn/attention.h"
 #include "core/aligned.h"
+#include "core/cpu.h"
+#include "kv/prefetch_along.h"
 #include "kv/row_codec.h"
 #include "kvq/kv_format.h"
 #include "kv/kvquant.h"
@@ -61,6 +63,12 @@ TEST(PrefetchRange, InsideTheBlockForEveryCodec) {
           const KvCodec::PrefetchRange r = c->prefetch_range(bt, t0, n);
           EXPECT_LE(r.offset, bytes) << name << " bt " << bt << " t0 " << t0;
           EXPECT_LE(r.bytes, bytes - std::min(bytes, r.offset)) << name << " bt " << bt << " t0 " << t0 << " n " << n;
+          const KvCodec::PrefetchRange a = c->prefetch_along_range(bt, t0, n);
+          EXPECT_LE(a.offset, bytes) << name << " bt " << bt << " t0 " << t0;
+          EXPECT_LE(a.bytes, bytes - std::min(bytes, a.offset)) << name << " bt " << bt << " t0 " << t0 << " n " << n;
+          if (c->prefetches_along() && n == bt) {
+            EXPECT_EQ(a.bytes, bytes) << name << " bt " << bt;  // uncapped
+          }
           if (const auto* rc = dynamic_cast<const KvRowCodec*>(c.get()); rc && r.bytes > 0) {
             // a row codec's kernels start at the span's first row
             EXPECT_EQ(r.offset, size_t(t0) * rc->fmt().row_bytes) << name;
@@ -85,7 +93,7 @@ namespace {
 // f16 codec that records the prefetch requests attention makes.
 class RecordingCodec final : public KvCodec {
  public:
-  explicit RecordingCodec(KvRole role) : inner_(make("f16", role, nullptr)) {}
+  explicit RecordingCodec(KvRole role, bool along = false) : along_(along), inner_(make("f16", role, nullptr)) {}
   const KvCodecInfo& info() const override { return inner_->info(); }
   int head_dim() const override { return inner_->head_dim(); }
   size_t block_bytes(int bt) const override { return inner_->block_bytes(bt); }
@@ -97,19 +105,24 @@ class RecordingCodec final : public KvCodec {
   }
   void scores(int head, const float* qp, int n_q, const uint8_t* block, int bt, int t0, int n, int pos0, float* out,
               int out_stride) const override {
+    along_seen.push_back(kv_prefetch_along.p);
     inner_->scores(head, qp, n_q, block, bt, t0, n, pos0, out, out_stride);
   }
   void accumulate(int head, const float* p, int p_stride, int n_q, const uint8_t* block, int bt, int t0, int n,
                   float* acc) const override {
+    along_seen.push_back(kv_prefetch_along.p);
     inner_->accumulate(head, p, p_stride, n_q, block, bt, t0, n, acc);
   }
+  bool prefetches_along() const override { return along_; }
   PrefetchRange prefetch_range(int bt, int t0, int n) const override {
     calls.emplace_back(bt, t0, n);
     return inner_->prefetch_range(bt, t0, n);
   }
   mutable std::vector<std::tuple<int, int, int>> calls;
+  mutable std::vector<const uint8_t*> along_seen;  // kv_prefetch_along.p at each fused call
 
  private:
+  bool along_;
   std::unique_ptr<KvCodec> inner_;
 };
 }  // namespace
@@ -160,4 +173,120 @@ TEST(PrefetchRange, AttnDecodeRequestsEverySpanAndKeepsResults) {
   EXPECT_TRUE(kc.calls.empty());
   EXPECT_TRUE(vc.calls.empty());
   EXPECT_EQ(out_off, out);
+}
+
+TEST(PrefetchAlong, LinesCoverTheRangeOnce) {
+  for (size_t bytes : {size_t(0), size_t(1), size_t(63), size_t(64), size_t(65), size_t(4352), size_t(8192), size_t(8193)})
+    for (int n : {1, 2, 3, 4, 7, 16}) {
+      size_t next = 0;
+      for (int i = 0; i < n; ++i) {
+        const KvLineSpan sp = kv_prefetch_along_lines(bytes, i, n);
+        EXPECT_EQ(sp.first, next) << bytes << " " << n << " " << i;
+        EXPECT_LE(sp.first, sp.end);
+        next = sp.end;
+      }
+      EXPECT_EQ(next, (bytes + 63) / 64) << bytes << " " << n;
+    }
+}
+
+TEST(PrefetchAlong, TiledCodecsOptInAtSimdLevels) {
+  const CpuLevel saved = cpu_level();
+  // q4_0t: llama.cpp's q4_0 in int4t's tiles; q4_0h: the same behind a Hadamard rotation (the
+  // wrapper forwards the inner codec's kernels and so its answer).
+  for (const char* name : {"int4t_g128", "int4t_g64", "int2t_g64", "q4_0t", "q4_0h", "int8t", "q8_0t", "tq4", "tq3.5"}) {
+    auto k = make(name, KvRole::key, nullptr), v = make(name, KvRole::value, nullptr);
+    cpu_set_level(CpuLevel::scalar);
+    EXPECT_FALSE(k->prefetches_along()) << name;  // the scalar kernels do not request it
+    EXPECT_FALSE(v->prefetches_along()) << name;
+    cpu_set_level(CpuLevel::avx512);
+    EXPECT_EQ(k->prefetches_along(), cpu_level() != CpuLevel::scalar) << name;
+    EXPECT_EQ(v->prefetches_along(), cpu_level() != CpuLevel::scalar) << name;
+  }
+  EXPECT_FALSE(make("f16", KvRole::key, nullptr)->prefetches_along());
+  cpu_set_level(saved);
+}
+
+TEST(PrefetchAlong, AttnDecodeSetsLaterBlocksAndClearsAfter) {
+  // Codecs that prefetch along: block b's scores see V(b + 1)'s range, its weighted sum K(b + 2)'s,
+  // nothing past the last span or for an empty one; the range is cleared after each call.
+  RecordingCodec kc(KvRole::key, true), vc(KvRole::value, true);
+  const int bt = 16, hd = 128, n_q = 2;
+  const std::vector<std::pair<int, int>> t0n = {{5, 11}, {0, 16}, {0, 16}, {0, 0}, {0, 16}, {0, 7}};
+  const size_t nb = t0n.size();
+  std::vector<std::vector<uint8_t>> kb(nb), vb(nb);
+  std::mt19937 rng(4);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(size_t(bt) * hd);
+  std::vector<KvBlockSpan> spans;
+  for (size_t b = 0; b < nb; ++b) {
+    kb[b].resize(kc.block_bytes(bt));
+    vb[b].resize(vc.block_bytes(bt));
+    for (auto& v : x) v = nd(rng);
+    kc.encode(0, x.data(), hd, bt, kb[b].data(), bt, 0, int(b) * bt);
+    for (auto& v : x) v = nd(rng);
+    vc.encode(0, x.data(), hd, bt, vb[b].data(), bt, 0, int(b) * bt);
+    spans.push_back({kb[b].data(), vb[b].data(), bt, t0n[b].first, t0n[b].second, int(b) * bt});
+  }
+  std::vector<float> q(size_t(n_q) * hd), out(q.size()), lead(q.size());
+  for (auto& v : q) v = nd(rng);
+  AttnParams ap;
+  ap.scale = 0.088f;
+  AlignedBuf<float> scratch(attn_scratch_floats(kc, vc, n_q, bt));
+  attn_decode(kc, vc, 0, q.data(), n_q, spans.data(), int(nb), nullptr, nullptr, 0, 0, ap, out.data(), scratch.data());
+  EXPECT_EQ(kv_prefetch_along.p, nullptr);
+  const size_t row = size_t(hd) * 2;  // f16 rows: a span's range starts at its first row
+  auto at = [&](const std::vector<std::vector<uint8_t>>& bufs, size_t j) -> const uint8_t* {
+    return j < nb && t0n[j].second > 0 ? bufs[j].data() + size_t(t0n[j].first) * row : nullptr;
+  };
+  std::vector<const uint8_t*> want_k, want_v;
+  for (size_t b = 0; b < nb; ++b) {
+    if (t0n[b].second <= 0) continue;
+    want_k.push_back(at(vb, b + 1));
+    want_v.push_back(at(kb, b + 2));
+  }
+  EXPECT_EQ(kc.along_seen, want_k);
+  EXPECT_EQ(vc.along_seen, want_v);
+
+  // The same result bit for bit as the burst requests of codecs that do not prefetch along.
+  RecordingCodec kl(KvRole::key), vl(KvRole::value);
+  attn_decode(kl, vl, 0, q.data(), n_q, spans.data(), int(nb), nullptr, nullptr, 0, 0, ap, lead.data(), scratch.data());
+  EXPECT_EQ(lead, out);
+  for (const uint8_t* p : kl.along_seen) EXPECT_EQ(p, nullptr);
+}
+
+TEST(PrefetchAlong, TiledKernelsGiveTheSameResultsWithAndWithoutIt) {
+  // The requests change no arithmetic: attn_decode with and without the early requests (which
+  // picks the along path for these codecs at SIMD levels) agree bit for bit.
+  for (const char* name : {"int4t_g128", "int2t_g64", "q4_0t", "q4_0h", "int8t", "tq4"}) {
+    auto kc = make(name, KvRole::key, nullptr), vc = make(name, KvRole::value, nullptr);
+    const int hd = 128, n_q = 4;
+    for (int bt : {16, 64}) {
+      const int nb = 9;
+      std::vector<uint8_t> kbuf(size_t(nb) * kc->block_bytes(bt)), vbuf(size_t(nb) * vc->block_bytes(bt));
+      std::mt19937 rng(9);
+      std::normal_distribution<float> nd;
+      std::vector<float> x(size_t(bt) * hd);
+      std::vector<KvBlockSpan> spans;
+      for (int b = 0; b < nb; ++b) {
+        uint8_t* kp = kbuf.data() + size_t(b) * kc->block_bytes(bt);
+        uint8_t* vp = vbuf.data() + size_t(b) * vc->block_bytes(bt);
+        for (auto& v : x) v = nd(rng);
+        kc->encode(0, x.data(), hd, bt, kp, bt, 0, b * bt);
+        for (auto& v : x) v = nd(rng);
+        vc->encode(0, x.data(), hd, bt, vp, bt, 0, b * bt);
+        const int t0 = b == 0 ? 16 % bt : 0, n = b == nb - 1 ? bt / 2 : bt - t0;
+        spans.push_back({kp, vp, bt, t0, n, b * bt});
+      }
+      std::vector<float> q(size_t(n_q) * hd), on(q.size()), off(q.size());
+      for (auto& v : q) v = nd(rng);
+      AttnParams ap;
+      ap.scale = 0.088f;
+      AlignedBuf<float> scratch(attn_scratch_floats(*kc, *vc, n_q, bt));
+      attn_decode(*kc, *vc, 0, q.data(), n_q, spans.data(), nb, nullptr, nullptr, 0, 0, ap, on.data(), scratch.data());
+      EXPECT_EQ(kv_prefetch_along.p, nullptr);
+      ap.prefetch_blocks = false;
+      attn_decode(*kc, *vc, 0, q.data(), n_q, spans.data(), nb, nullptr, nullptr, 0, 0, ap, off.data(), scratch.data());
+      EXPECT_EQ(on, off) << name << " bt " << bt;
+    }
+  }
 }

@@ -97,6 +97,16 @@ class KvCodec {
     const size_t b = block_bytes(block_tokens);
     return {0, b < prefetch_lead_bytes ? b : prefetch_lead_bytes};
   }
+  // Whether this codec's fused scores and weighted sum, at the running CPU level, request the
+  // range attention sets for them (a later block's prefetch_along_range) along their own tile
+  // loops (kv/prefetch_along.h). Attention prefetches further ahead that way when both K's and
+  // V's do.
+  virtual bool prefetches_along() const { return false; }
+  // The bytes of a block that a call over tokens [t0, t0 + n) reads, for requests spread along a
+  // kernel call (no burst, so not capped at prefetch_lead_bytes as prefetch_range is).
+  virtual PrefetchRange prefetch_along_range(int block_tokens, int t0, int n) const {
+    return prefetch_range(block_tokens, t0, n);
+  }
 
   // Encodes tokens [t0, t0 + n) of head `head`. src: (n, head_dim) f32, rows src_stride floats
   // apart. For grouped codecs t0 and n are multiples of group_tokens.

@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "kv/kv_rows.h"
+#include "kv/prefetch_along.h"
 
 namespace kvq {
 
@@ -91,11 +92,73 @@ void softmax_update(Scratch& sc, int n_q, int n_all, int v_dim, const AttnParams
   }
 }
 
+// Blocks ahead that kernels prefetching along request (run_part). Measured at 32K tokens on
+// Zen 4 (bench/BENCHMARKS.md): 1 and 2 blocks alike for int4t_g64, 2 best for int4t_g128 and
+// int2t; 3 and 4 slower.
+constexpr int kAlongBlocks = 2;
+
 // prefetcht1: 8 KiB into L1 would evict rows the running kernel still reads (t0 and nta measured
 // 15-20% slower than t1 for f16).
 inline void prefetch_lead(const KvCodec& c, const uint8_t* block, const KvBlockSpan& sp) {
   const KvCodec::PrefetchRange r = c.prefetch_range(sp.block_tokens, sp.t0, sp.n);
   for (size_t x = 0; x < r.bytes; x += 64) __builtin_prefetch(block + r.offset + x, 0, 2);
+}
+
+// The online softmax over the blocks, each block's leading bytes requested one kernel call early
+// (KvCodec::prefetch_range): the V block's while the K scores run, the next K block's while the
+// weighted sum runs. Measured at 32K tokens: f16 ~19%, f32 ~13%, tq4 ~20%, kivi / kvquant 5-10%
+// faster than leaving each block's start to demand misses (memory then overlaps the compute).
+// ap.prefetch_blocks false: no requests (prefill steps re-read cached blocks).
+void blocks_prefetch_lead(const KvCodec& kc, const KvCodec& vc, int head, int n_q, const KvBlockSpan* spans,
+                          int n_spans, const AttnParams& ap, Scratch& sc, RowMask mask) {
+  const int vd = vc.head_dim();
+  const bool pf = ap.prefetch_blocks;
+  bool k_ahead = !pf;  // the current span's K lead was requested in the previous iteration
+  for (int b = 0, done = 0; b < n_spans; done += std::max(0, spans[b].n), ++b) {
+    const KvBlockSpan& sp = spans[b];
+    if (sp.n <= 0) continue;
+    if (!k_ahead) prefetch_lead(kc, sp.k, sp);
+    if (pf) prefetch_lead(vc, sp.v, sp);
+    kc.scores(head, sc.qp, n_q, sp.k, sp.block_tokens, sp.t0, sp.n, sp.pos0, sc.s, sc.s_stride);
+    softmax_update(sc, n_q, sp.n, vd, ap, mask, done);
+    if (pf) {
+      k_ahead = b + 1 < n_spans && spans[b + 1].n > 0;
+      if (k_ahead) prefetch_lead(kc, spans[b + 1].k, spans[b + 1]);
+    }
+    vc.accumulate(head, sc.s, sc.s_stride, n_q, sp.v, sp.block_tokens, sp.t0, sp.n, sc.acc);
+  }
+}
+
+// The same with kernels that prefetch along (KvCodec::prefetches_along, kv/prefetch_along.h):
+// block b's scores request V(b + D - 1) and its weighted sum K(b + D) in slices along their
+// tiles, D = kAlongBlocks ahead; the first blocks' leads are requested at once before the loop.
+void blocks_prefetch_along(const KvCodec& kc, const KvCodec& vc, int head, int n_q, const KvBlockSpan* spans,
+                           int n_spans, const AttnParams& ap, Scratch& sc, RowMask mask) {
+  constexpr int D = kAlongBlocks;
+  const int vd = vc.head_dim();
+  auto range = [&](const KvCodec& c, int j, bool key) -> KvPrefetchAlong {
+    if (j >= n_spans || spans[j].n <= 0) return {};
+    const KvCodec::PrefetchRange r = c.prefetch_along_range(spans[j].block_tokens, spans[j].t0, spans[j].n);
+    return {(key ? spans[j].k : spans[j].v) + r.offset, r.bytes};
+  };
+  for (int j = 0; j < D && j < n_spans; ++j) {
+    if (spans[j].n <= 0) continue;
+    prefetch_lead(kc, spans[j].k, spans[j]);
+    if (j + 1 < D) prefetch_lead(vc, spans[j].v, spans[j]);
+  }
+  for (int b = 0, done = 0; b < n_spans; done += std::max(0, spans[b].n), ++b) {
+    const KvBlockSpan& sp = spans[b];
+    if (sp.n <= 0) continue;
+    {
+      const KvPrefetchAlong a = range(vc, b + D - 1, false);
+      KvPrefetchAlongScope along(a.p, a.bytes);
+      kc.scores(head, sc.qp, n_q, sp.k, sp.block_tokens, sp.t0, sp.n, sp.pos0, sc.s, sc.s_stride);
+    }
+    softmax_update(sc, n_q, sp.n, vd, ap, mask, done);
+    const KvPrefetchAlong a = range(kc, b + D, true);
+    KvPrefetchAlongScope along(a.p, a.bytes);
+    vc.accumulate(head, sc.s, sc.s_stride, n_q, sp.v, sp.block_tokens, sp.t0, sp.n, sc.acc);
+  }
 }
 
 // The online softmax over spans and then the tail, into sc.m / sc.l / sc.acc (unnormalized, in
@@ -112,25 +175,10 @@ void run_part(const KvCodec& kc, const KvCodec& vc, int head, int n_q, const KvB
   if (n_spans > 0) {
     // One pass over the blocks; each codec call serves all n_q query heads of the group, so the
     // packed K and V bytes of a block are read once per group.
-    // The blocks' leading bytes are requested one kernel call early (KvCodec::prefetch_range):
-    // the V block's while the K scores run, the next K block's while the weighted sum runs.
-    // Measured at 32K tokens: f16 ~19%, f32 ~13%, tq4 ~20%, kivi / kvquant 5-10% faster than
-    // leaving each block's start to demand misses (memory then overlaps the compute).
-    const bool pf = ap.prefetch_blocks;
-    bool k_ahead = !pf;  // the current span's K lead was requested in the previous iteration
-    for (int b = 0, done = 0; b < n_spans; done += std::max(0, spans[b].n), ++b) {
-      const KvBlockSpan& sp = spans[b];
-      if (sp.n <= 0) continue;
-      if (!k_ahead) prefetch_lead(kc, sp.k, sp);
-      if (pf) prefetch_lead(vc, sp.v, sp);
-      kc.scores(head, sc.qp, n_q, sp.k, sp.block_tokens, sp.t0, sp.n, sp.pos0, sc.s, sc.s_stride);
-      softmax_update(sc, n_q, sp.n, vd, ap, mask, done);
-      if (pf) {
-        k_ahead = b + 1 < n_spans && spans[b + 1].n > 0;
-        if (k_ahead) prefetch_lead(kc, spans[b + 1].k, spans[b + 1]);
-      }
-      vc.accumulate(head, sc.s, sc.s_stride, n_q, sp.v, sp.block_tokens, sp.t0, sp.n, sc.acc);
-    }
+    if (ap.prefetch_blocks && kc.prefetches_along() && vc.prefetches_along())
+      blocks_prefetch_along(kc, vc, head, n_q, spans, n_spans, ap, sc, mask);
+    else
+      blocks_prefetch_lead(kc, vc, head, n_q, spans, n_spans, ap, sc, mask);
     // The accumulator is in V's storage basis; the tail is in the model's. finish_output is linear
     // (a rotation), so applying it before the remaining rescales is exact; sc.l is the mass of
     // the spans' weights in acc's scale (a centered codec's mean term).

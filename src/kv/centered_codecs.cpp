@@ -236,6 +236,10 @@ class AffineCodec final : public KvCodec {
   PrefetchRange prefetch_range(int block_tokens, int t0, int n) const override {
     return inner_->prefetch_range(block_tokens, t0, n);
   }
+  bool prefetches_along() const override { return inner_->prefetches_along(); }
+  PrefetchRange prefetch_along_range(int block_tokens, int t0, int n) const override {
+    return inner_->prefetch_along_range(block_tokens, t0, n);
+  }
 
   // The linear part: the inner codec's map to the model's basis, then the value scales.
   void finish_output(int head, float* acc, int n_q) const override {

@@ -88,7 +88,7 @@ void kivi2t_scores(const int8_t* q8, const float* dq, const float* cz, int n_q, 
 
 namespace {
 
-using Int2tOps = TiledOps<Int4TiledLayout, int4t_prepare_query, int2t_scores, int2t_accum>;
+using Int2tOps = TiledOps<Int4TiledLayout, int4t_prepare_query, int2t_scores, int2t_accum, true>;
 
 class Int2TiledCodec final : public TiledCodecBase<Int4TiledLayout, Int2tOps> {
  public:

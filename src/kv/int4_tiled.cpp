@@ -137,7 +137,7 @@ void int4t_accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q
 
 namespace {
 
-using Int4tOps = TiledOps<Int4TiledLayout, int4t_prepare_query, int4t_scores, int4t_accum>;
+using Int4tOps = TiledOps<Int4TiledLayout, int4t_prepare_query, int4t_scores, int4t_accum, true>;
 
 // The layout of llama.cpp type e's blocks in these tiles.
 Int4TiledLayout ggml_tiled_layout(int hd, KvElem e) {

@@ -6,8 +6,9 @@
 #include <algorithm>
 #include <cstring>
 
-#include "kv/tiles_avx512.h"
 #include "kv/int4_tiled.h"
+#include "kv/prefetch_along.h"
+#include "kv/tiles_avx512.h"
 
 namespace kvq {
 namespace {
@@ -21,7 +22,9 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
   Int4tQueryRow qr[NQ];
   for (int h = 0; h < NQ; ++h) qr[h] = int4t_query_row(L, qp, h);
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
+  const KvPrefetchAlong along = kv_prefetch_along;
   for (int tile = tile0; tile < tile1; ++tile) {
+    kv_prefetch_along_step(along, tile - tile0, tile1 - tile0);
     const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
     const uint8_t* codes = tp + L.code_off;
     __m512 score[NQ];

@@ -169,7 +169,7 @@ void int8t_accum(const Int8TiledLayout& L, const float* p, int p_stride, int n_q
 
 namespace {
 
-using Int8tOps = TiledOps<Int8TiledLayout, int8t_prepare_query, int8t_scores, int8t_accum>;
+using Int8tOps = TiledOps<Int8TiledLayout, int8t_prepare_query, int8t_scores, int8t_accum, true>;
 
 // int8t (rows: int8) or q8_0t (rows: q8_0; layout q8_0t_layout).
 class Int8TiledCodec final : public TiledCodecBase<Int8TiledLayout, Int8tOps> {

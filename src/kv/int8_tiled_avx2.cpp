@@ -18,6 +18,7 @@
 
 #include "kv/int4_tiled.h"
 #include "kv/int8_tiled.h"
+#include "kv/prefetch_along.h"
 #include "kv/tiles_avx2.h"
 #include "kv/tiles_ref.h"
 
@@ -81,7 +82,9 @@ void scores_pass(const Int8TiledLayout& L, const float* qp, const uint8_t* block
   Int8tQueryRow qr[NQ];
   for (int h = 0; h < NQ; ++h) qr[h] = int8t_query_row(L, qp, h);
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
+  const KvPrefetchAlong along = kv_prefetch_along;
   for (int tile = tile0; tile < tile1; ++tile) {
+    kv_prefetch_along_step(along, tile - tile0, tile1 - tile0);
     const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
     for (int half = 0; half < 2; ++half) {
       const int base = tile * 16 + 8 * half;
@@ -140,7 +143,10 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
   float dw[kSegTiles][kMaxSb][NQ];
   alignas(32) float lacc[NQ][kv_max_head_dim];
   for (int h = 0; h < NQ; ++h) std::memset(lacc[h], 0, sizeof(float) * size_t(hd));
+  const KvPrefetchAlong along = kv_prefetch_along;
+  const int n_seg = (tile1 - tile0 + kSegTiles - 1) / kSegTiles;
   for (int seg = tile0; seg < tile1; seg += kSegTiles) {
+    kv_prefetch_along_step(along, (seg - tile0) / kSegTiles, n_seg);
     const int nt = std::min(kSegTiles, tile1 - seg);
     for (int tt = 0; tt < nt; ++tt) {
       const int base = (seg + tt) * 16;

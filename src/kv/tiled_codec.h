@@ -5,6 +5,7 @@
 #pragma once
 #include <string>
 
+#include "core/cpu.h"
 #include "core/error.h"
 #include "kv/grouped_common.h"
 #include "kv/int4_tiled.h"
@@ -15,8 +16,10 @@ namespace kvq {
 // A family's three dispatch points as the Ops of TiledCodecBase.
 template <class Layout, void (*Prep)(const Layout&, const float*, int, float*),
           void (*Scores)(const Layout&, const float*, int, const uint8_t*, int, int, float*, int),
-          void (*Accum)(const Layout&, const float*, int, int, const uint8_t*, int, int, float*)>
+          void (*Accum)(const Layout&, const float*, int, int, const uint8_t*, int, int, float*), bool Along = false>
 struct TiledOps {
+  // The SIMD kernels request kv_prefetch_along (kv/prefetch_along.h); the scalar ones do not.
+  static constexpr bool along = Along;
   static void prepare_query(const Layout& L, const float* q, int n_q, float* qp) { Prep(L, q, n_q, qp); }
   static void scores(const Layout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n, float* out,
                      int out_stride) {
@@ -48,6 +51,13 @@ class TiledCodecBase : public KvCodec {
     check_block(block_tokens);
     PrefetchRange r;
     kv_unit_range(L_.tile_bytes, kv_tile_tokens, t0, n, prefetch_lead_bytes, &r.offset, &r.bytes);
+    return r;
+  }
+  bool prefetches_along() const override { return Ops::along && cpu_level() != CpuLevel::scalar; }
+  PrefetchRange prefetch_along_range(int block_tokens, int t0, int n) const override {
+    check_block(block_tokens);
+    PrefetchRange r;
+    kv_unit_range(L_.tile_bytes, kv_tile_tokens, t0, n, block_bytes(block_tokens), &r.offset, &r.bytes);
     return r;
   }
   int prepared_query_dim() const override { return role_ == KvRole::key ? L_.qdim : L_.hd; }

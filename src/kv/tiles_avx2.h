@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "kv/int4_tiled.h"
+#include "kv/prefetch_along.h"
 
 namespace kvq {
 
@@ -59,7 +60,9 @@ template <int NQ, class BlockDots>
     q8[h] = qr[h].q8;
   }
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
+  const KvPrefetchAlong along = kv_prefetch_along;
   for (int tile = tile0; tile < tile1; ++tile) {
+    kv_prefetch_along_step(along, tile - tile0, tile1 - tile0);
     const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
     const uint8_t* codes = tp + L.code_off;
     __m256 score[NQ][2];
@@ -368,8 +371,11 @@ void tiles_accum_pass_avx2(const Int4TiledLayout& L, const float* p, int p_strid
   // (tile of the segment, group, row pair): quantized weights; (.., group, row h in lane h): steps.
   alignas(32) uint8_t w8[kSegTiles][kMaxGroups][NP][32];
   alignas(32) float dw[kSegTiles][kMaxGroups][8];
+  const KvPrefetchAlong along = kv_prefetch_along;
+  const int n_seg = (tile1 - tile0 + kSegTiles - 1) / kSegTiles;
   for (int seg = tile0; seg < tile1; seg += kSegTiles) {
     const int nt = std::min(kSegTiles, tile1 - seg);
+    kv_prefetch_along_step(along, (seg - tile0) / kSegTiles, n_seg);
     for (int tt = 0; tt < nt; ++tt) {
       const uint8_t* tp = block + size_t(seg + tt) * L.tile_bytes;
       if (with_min)

@@ -8,6 +8,7 @@
 
 #include "kv/hsum_avx512.h"
 #include "kv/int4_tiled.h"
+#include "kv/prefetch_along.h"
 
 namespace kvq {
 
@@ -257,8 +258,11 @@ void tiles_accum_pass_avx512(const Int4TiledLayout& L, const float* p, int p_str
   alignas(64) uint8_t w8[kSegTiles * kMaxGroups][64];
   alignas(64) float dws[kSegTiles * kMaxGroups / 4][16];
   float mins[NQ * kMaxGroups];
+  const KvPrefetchAlong along = kv_prefetch_along;
+  const int n_seg = (tile1 - tile0 + kSegTiles - 1) / kSegTiles;
   for (int seg = tile0; seg < tile1; seg += kSegTiles) {
     const int nt = std::min(kSegTiles, tile1 - seg);
+    kv_prefetch_along_step(along, (seg - tile0) / kSegTiles, n_seg);
     for (int tt = 0; tt < nt; ++tt)
       tile_quantize_group_weights_avx512<NQ, U8>(p, p_stride, t0, n, (seg + tt) * 16,
                                                  block + size_t(seg + tt) * L.tile_bytes, L.min_off, ng,

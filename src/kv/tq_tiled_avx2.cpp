@@ -7,6 +7,7 @@
 
 #include <cstring>
 
+#include "kv/prefetch_along.h"
 #include "kv/tiles_avx2.h"
 #include "kv/tq_tiled.h"
 
@@ -64,7 +65,9 @@ void scores_pass(const TqTiledLayout& L, const float* qp, const uint8_t* block, 
     lut_sgn[s] = table(L.seg[s].lut8);
   }
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
+  const KvPrefetchAlong along = kv_prefetch_along;
   for (int tile = tile0; tile < tile1; ++tile) {
+    kv_prefetch_along_step(along, tile - tile0, tile1 - tile0);
     const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
     for (int e = 0; e < 2; ++e) {
       __m256 facc[NQ];

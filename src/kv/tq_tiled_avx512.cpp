@@ -5,6 +5,7 @@
 
 #include <cstring>
 
+#include "kv/prefetch_along.h"
 #include "kv/tiles_avx512.h"
 #include "kv/tq_tiled.h"
 
@@ -62,7 +63,9 @@ void scores_pass(const TqTiledLayout& L, const float* qp, const uint8_t* block, 
   __m512i lutu[2];
   for (int s = 0; s < L.nseg; ++s) lutu[s] = seg_lut(L.seg[s], 0x80);
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
+  const KvPrefetchAlong along = kv_prefetch_along;
   for (int tile = tile0; tile < tile1; ++tile) {
+    kv_prefetch_along_step(along, tile - tile0, tile1 - tile0);
     const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
     __m512 facc[NQ];
     for (int h = 0; h < NQ; ++h) facc[h] = _mm512_setzero_ps();

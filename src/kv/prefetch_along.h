@@ -1,0 +1,53 @@
+// Prefetch along a kernel call: the head block that attention reads a few kernel calls later,
+// requested into L2 by the running fused kernel in slices, one per step of its own tile loop.
+//
+// Attention's blocks are scattered over the page pool, so the hardware prefetchers restart at
+// each one. Requesting a whole block's lines at a call's start (KvCodec::prefetch_range) fills
+// the load queue with prefetches that wait for miss buffers, and the call's own loads wait behind
+// them; one call ahead is also too short for the packed formats, whose calls take about as long
+// as one DRAM round trip. Spread over the tile loop, the requests overlap the integer dots and
+// can be issued further ahead (attn/attention.cpp: run_part).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace kvq {
+
+struct KvPrefetchAlong {
+  const uint8_t* p = nullptr;
+  size_t bytes = 0;
+};
+
+// This thread's range for the next fused kernel call; empty outside attention's block loop.
+inline thread_local KvPrefetchAlong kv_prefetch_along;
+
+// Sets the range for the calls in its scope and clears it after (a stale range would only waste
+// requests, prefetches do not fault, but other callers of the kernels should not pay for them).
+class KvPrefetchAlongScope {
+ public:
+  KvPrefetchAlongScope(const uint8_t* p, size_t bytes) { kv_prefetch_along = {p, bytes}; }
+  ~KvPrefetchAlongScope() { kv_prefetch_along = {}; }
+  KvPrefetchAlongScope(const KvPrefetchAlongScope&) = delete;
+  KvPrefetchAlongScope& operator=(const KvPrefetchAlongScope&) = delete;
+};
+
+// The 64-byte lines [first, end) of a bytes-long range that step i of a loop of n steps requests:
+// consecutive shares that cover every line once.
+struct KvLineSpan {
+  size_t first = 0, end = 0;
+};
+inline KvLineSpan kv_prefetch_along_lines(size_t bytes, int i, int n) {
+  const size_t lines = (bytes + 63) / 64, per = (lines + size_t(n) - 1) / size_t(n);
+  const size_t first = per * size_t(i) < lines ? per * size_t(i) : lines;
+  const size_t end = per * size_t(i + 1) < lines ? per * size_t(i + 1) : lines;
+  return {first, end};
+}
+
+// Step i of a loop of n steps requests its share of a's lines (prefetcht1: into L2).
+[[gnu::always_inline]] inline void kv_prefetch_along_step(const KvPrefetchAlong& a, int i, int n) {
+  if (!a.p) return;
+  const KvLineSpan s = kv_prefetch_along_lines(a.bytes, i, n);
+  for (size_t l = s.first; l < s.end; ++l) __builtin_prefetch(a.p + 64 * l, 0, 2);
+}
+
+}  // namespace kvq
