@@ -81,7 +81,8 @@ void softmax_update(Scratch& sc, int n_q, int n_all, int v_dim, const AttnParams
       std::fill(s, s + n, 0.f);
       continue;
     }
-    const float corr = std::exp(sc.m[i] - m_new);  // 0 on the first block (m = -inf)
+    // 0 on the first block (m = -inf); no exp call while the maximum holds (most blocks)
+    const float corr = m_new == sc.m[i] ? 1.f : std::exp(sc.m[i] - m_new);
     if (corr != 1.f) {
       float* a = sc.acc + size_t(i) * size_t(v_dim);
       for (int d = 0; d < v_dim; ++d) a[d] *= corr;

@@ -39,21 +39,39 @@ static CpuLevel detected_level() {
   return CpuLevel::scalar;
 }
 
-static std::atomic<int> g_cap{[] {
+static int env_cap() {
   const char* e = std::getenv("KVQ_CPU");
   if (!e) return 2;
   if (!std::strcmp(e, "scalar")) return 0;
   if (!std::strcmp(e, "avx2")) return 1;
   return 2;
-}()};
-
-CpuLevel cpu_level() {
-  int d = int(detected_level());
-  int c = g_cap.load(std::memory_order_relaxed);
-  return CpuLevel(d < c ? d : c);
 }
 
-CpuLevel cpu_set_level(CpuLevel cap) { return CpuLevel(g_cap.exchange(int(cap))); }
+static std::atomic<int> g_cap{-1};  // -1: KVQ_CPU's, read at first use
+
+static int cap_now() {
+  int c = g_cap.load(std::memory_order_relaxed);
+  if (c < 0) {
+    int unset = -1;
+    const int e = env_cap();
+    c = g_cap.compare_exchange_strong(unset, e) ? e : g_cap.load();
+  }
+  return c;
+}
+
+int detail::cpu_level_init() {
+  const int d = int(detected_level()), c = cap_now(), l = d < c ? d : c;
+  cpu_level_now.store(l, std::memory_order_relaxed);
+  return l;
+}
+
+CpuLevel cpu_set_level(CpuLevel cap) {
+  const int prev = cap_now();
+  g_cap.store(int(cap));
+  const int d = int(detected_level());
+  detail::cpu_level_now.store(d < int(cap) ? d : int(cap), std::memory_order_relaxed);
+  return CpuLevel(prev);
+}
 
 const char* cpu_level_name(CpuLevel l) {
   switch (l) {

@@ -2,6 +2,8 @@
 // KVQ_CPU=scalar|avx2|avx512 in the environment caps the level (for parity tests and benchmarks).
 #pragma once
 
+#include <atomic>
+
 namespace kvq {
 
 enum class CpuLevel { scalar = 0, avx2 = 1, avx512 = 2 };
@@ -13,8 +15,17 @@ struct CpuFeatures {
 };
 
 const CpuFeatures& cpu_features();
+namespace detail {
+// cpu_level()'s value, -1 until its first use; every kernel dispatch reads it, so it is inline.
+inline std::atomic<int> cpu_level_now{-1};
+int cpu_level_init();
+}  // namespace detail
+
 // Highest level both compiled in and supported by this CPU, capped by KVQ_CPU / cpu_set_level.
-CpuLevel cpu_level();
+inline CpuLevel cpu_level() {
+  const int l = detail::cpu_level_now.load(std::memory_order_relaxed);
+  return CpuLevel(l >= 0 ? l : detail::cpu_level_init());
+}
 // Caps the level for this process (tests use it to run every variant); returns the previous cap.
 CpuLevel cpu_set_level(CpuLevel cap);
 const char* cpu_level_name(CpuLevel l);
