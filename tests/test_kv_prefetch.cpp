@@ -176,7 +176,7 @@ TEST(PrefetchRange, AttnDecodeRequestsEverySpanAndKeepsResults) {
 }
 
 TEST(PrefetchAlong, LinesCoverTheRangeOnce) {
-  for (size_t bytes : {size_t(0), size_t(1), size_t(63), size_t(64), size_t(65), size_t(4352), size_t(8192), size_t(8193)})
+  for (size_t bytes : std::vector<size_t>{0, 1, 63, 64, 65, 4352, 8192, 8193})
     for (int n : {1, 2, 3, 4, 7, 16}) {
       size_t next = 0;
       for (int i = 0; i < n; ++i) {
@@ -187,13 +187,27 @@ TEST(PrefetchAlong, LinesCoverTheRangeOnce) {
       }
       EXPECT_EQ(next, (bytes + 63) / 64) << bytes << " " << n;
     }
+  // Token by token in steps of tu (the last step shorter), as the row kernels walk a block.
+  for (size_t bytes : std::vector<size_t>{0, 64, 4096, 16384, 16448})
+    for (int n : {1, 7, 16, 64})
+      for (int tu : {1, 2, 4, 16}) {
+        size_t next = 0;
+        for (int t = 0; t < n; t += tu) {
+          const KvLineSpan sp = kv_prefetch_along_token_lines(bytes, t, std::min(tu, n - t), n);
+          EXPECT_EQ(sp.first, next) << bytes << " " << n << " " << t;
+          EXPECT_LE(sp.first, sp.end);
+          next = sp.end;
+        }
+        EXPECT_EQ(next, (bytes + 63) / 64) << bytes << " " << n << " " << tu;
+      }
 }
 
-TEST(PrefetchAlong, TiledCodecsOptInAtSimdLevels) {
+TEST(PrefetchAlong, CodecsOptInAtSimdLevels) {
   const CpuLevel saved = cpu_level();
   // q4_0t: llama.cpp's q4_0 in int4t's tiles; q4_0h: the same behind a Hadamard rotation (the
   // wrapper forwards the inner codec's kernels and so its answer).
-  for (const char* name : {"int4t_g128", "int4t_g64", "int2t_g64", "q4_0t", "q4_0h", "int8t", "q8_0t", "tq4", "tq3.5"}) {
+  for (const char* name : {"int4t_g128", "int4t_g64", "int2t_g64", "q4_0t", "q4_0h", "int8t", "q8_0t", "tq4", "tq3.5",
+                           "f32", "f16", "bf16"}) {
     auto k = make(name, KvRole::key, nullptr), v = make(name, KvRole::value, nullptr);
     cpu_set_level(CpuLevel::scalar);
     EXPECT_FALSE(k->prefetches_along()) << name;  // the scalar kernels do not request it
@@ -202,7 +216,9 @@ TEST(PrefetchAlong, TiledCodecsOptInAtSimdLevels) {
     EXPECT_EQ(k->prefetches_along(), cpu_level() != CpuLevel::scalar) << name;
     EXPECT_EQ(v->prefetches_along(), cpu_level() != CpuLevel::scalar) << name;
   }
-  EXPECT_FALSE(make("f16", KvRole::key, nullptr)->prefetches_along());
+  // Row kernels other than the float ones keep the lead requests (or none).
+  for (const char* name : {"int8_rows", "fp8_e4m3", "kivi4t_k"})
+    EXPECT_FALSE(make(name, KvRole::key, nullptr)->prefetches_along()) << name;
   cpu_set_level(saved);
 }
 
@@ -254,10 +270,10 @@ TEST(PrefetchAlong, AttnDecodeSetsLaterBlocksAndClearsAfter) {
   for (const uint8_t* p : kl.along_seen) EXPECT_EQ(p, nullptr);
 }
 
-TEST(PrefetchAlong, TiledKernelsGiveTheSameResultsWithAndWithoutIt) {
+TEST(PrefetchAlong, KernelsGiveTheSameResultsWithAndWithoutIt) {
   // The requests change no arithmetic: attn_decode with and without the early requests (which
   // picks the along path for these codecs at SIMD levels) agree bit for bit.
-  for (const char* name : {"int4t_g128", "int2t_g64", "q4_0t", "q4_0h", "int8t", "tq4"}) {
+  for (const char* name : {"int4t_g128", "int2t_g64", "q4_0t", "q4_0h", "int8t", "tq4", "f16", "bf16"}) {
     auto kc = make(name, KvRole::key, nullptr), vc = make(name, KvRole::value, nullptr);
     const int hd = 128, n_q = 4;
     for (int bt : {16, 64}) {

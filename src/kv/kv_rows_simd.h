@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "kv/kv_rows.h"
+#include "kv/prefetch_along.h"
 
 namespace kvq {
 // q4_0 / int4g / int2g weighted sum (kv_rows_i8_avx512.cpp): int4g / int2g with int16 weights and
@@ -39,8 +40,9 @@ namespace kvq::kv_rows_simd {
 // prefetchers stop at each page boundary, so a kernel reading rows at the bus rate would stall on
 // every page start. Rows kv_prefetch_bytes ahead of the current ones are requested (into L2) as the
 // kernel walks the block (never past its last row). A block's first rows are requested one kernel
-// call early by attn_decode (KvCodec::prefetch_range: the float and int4g / int2g rows). A longer
-// distance here (8 / 16 KiB) or a stream that runs on into the next block measured slower.
+// call early by attn_decode (KvCodec::prefetch_range: the float and int4g / int2g rows), or, for
+// the float rows at SIMD levels, requested along the previous calls (KvRowCodec::prefetches_along).
+// A longer distance here (8 / 16 KiB) or a stream that runs on into the next block measured slower.
 inline constexpr size_t kv_prefetch_bytes = 4096;
 [[gnu::always_inline]] inline void kv_prefetch_ahead(const uint8_t* rows, size_t row_stride, int t, int cnt, int n) {
   const size_t end = size_t(n) * row_stride;
@@ -48,6 +50,8 @@ inline constexpr size_t kv_prefetch_bytes = 4096;
   // Locality 2 (prefetcht1): a block of f16 rows is 16 KiB, so 4 KiB ahead into L1 would evict
   // rows still in use by the weighted sum's later strips.
   for (size_t b = size_t(t) * row_stride + kv_prefetch_bytes; b < e; b += 64) __builtin_prefetch(rows + b, 0, 2);
+  // The tokens' share of the later block attention asked for (kv/prefetch_along.h), if any.
+  kv_prefetch_along_tokens(kv_prefetch_along, t, cnt, n);
 }
 
 // fp8 rows: the kernels decode the codes unscaled (Isa::dec_raw: E5M2 as the f16 it is the high

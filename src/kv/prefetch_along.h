@@ -50,4 +50,17 @@ inline KvLineSpan kv_prefetch_along_lines(size_t bytes, int i, int n) {
   for (size_t l = s.first; l < s.end; ++l) __builtin_prefetch(a.p + 64 * l, 0, 2);
 }
 
+// Tokens [t, t + cnt) of a call over n tokens: their share of a bytes-long range's lines, for
+// kernels that walk a block token by token (the float rows: kv/kv_rows_simd.h's kv_prefetch_ahead).
+inline KvLineSpan kv_prefetch_along_token_lines(size_t bytes, int t, int cnt, int n) {
+  const size_t lines = (bytes + 63) / 64;
+  const size_t first = lines * size_t(t) / size_t(n), end = lines * size_t(t + cnt) / size_t(n);
+  return {first < lines ? first : lines, end < lines ? end : lines};
+}
+[[gnu::always_inline]] inline void kv_prefetch_along_tokens(const KvPrefetchAlong& a, int t, int cnt, int n) {
+  if (!a.p || n <= 0) return;
+  const KvLineSpan s = kv_prefetch_along_token_lines(a.bytes, t, cnt, n);
+  for (size_t l = s.first; l < s.end; ++l) __builtin_prefetch(a.p + 64 * l, 0, 2);
+}
+
 }  // namespace kvq

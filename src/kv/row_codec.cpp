@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "core/cpu.h"
 #include "core/error.h"
 
 namespace kvq {
@@ -67,6 +68,16 @@ KvCodec::PrefetchRange KvRowCodec::prefetch_range(int block_tokens, int t0, int 
   if (t0 < 0 || n <= 0 || t0 >= block_tokens) return {};
   const size_t rows = size_t(std::min(n, block_tokens - t0)) * fmt_.row_bytes;
   return {size_t(t0) * fmt_.row_bytes, std::min(rows, prefetch_lead_bytes)};
+}
+
+bool KvRowCodec::prefetches_along() const {
+  const bool flt = fmt_.elem == KvElem::f32 || fmt_.elem == KvElem::f16 || fmt_.elem == KvElem::bf16;
+  return flt && cpu_level() != CpuLevel::scalar;
+}
+
+KvCodec::PrefetchRange KvRowCodec::prefetch_along_range(int block_tokens, int t0, int n) const {
+  if (t0 < 0 || n <= 0 || t0 >= block_tokens) return {};
+  return {size_t(t0) * fmt_.row_bytes, size_t(std::min(n, block_tokens - t0)) * fmt_.row_bytes};
 }
 
 }  // namespace kvq

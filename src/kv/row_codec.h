@@ -31,6 +31,9 @@ class KvRowCodec : public KvCodec {
                   int block_tokens, int t0, int n, float* acc) const override;
   // The float and grouped int4 / int2 rows only (see row_codec.cpp).
   PrefetchRange prefetch_range(int block_tokens, int t0, int n) const override;
+  // The float rows (f32, f16, bf16) at SIMD levels (kv_rows_simd.h's kv_prefetch_ahead).
+  bool prefetches_along() const override;
+  PrefetchRange prefetch_along_range(int block_tokens, int t0, int n) const override;
 
   const KvRowFmt& fmt() const { return fmt_; }
   float head_scale(int head) const { return scales_[size_t(head)]; }
