@@ -207,7 +207,7 @@ TEST(PrefetchAlong, CodecsOptInAtSimdLevels) {
   // q4_0t: llama.cpp's q4_0 in int4t's tiles; q4_0h: the same behind a Hadamard rotation (the
   // wrapper forwards the inner codec's kernels and so its answer).
   for (const char* name : {"int4t_g128", "int4t_g64", "int2t_g64", "q4_0t", "q4_0h", "int8t", "q8_0t", "tq4", "tq3.5",
-                           "f32", "f16", "bf16"}) {
+                           "f32", "f16", "bf16", "fp8_e4m3", "fp8_e5m2_dyn", "int8_rows", "q8_0", "int4_g64"}) {
     auto k = make(name, KvRole::key, nullptr), v = make(name, KvRole::value, nullptr);
     cpu_set_level(CpuLevel::scalar);
     EXPECT_FALSE(k->prefetches_along()) << name;  // the scalar kernels do not request it
@@ -216,8 +216,8 @@ TEST(PrefetchAlong, CodecsOptInAtSimdLevels) {
     EXPECT_EQ(k->prefetches_along(), cpu_level() != CpuLevel::scalar) << name;
     EXPECT_EQ(v->prefetches_along(), cpu_level() != CpuLevel::scalar) << name;
   }
-  // Row kernels other than the float ones keep the lead requests (or none).
-  for (const char* name : {"int8_rows", "fp8_e4m3", "kivi4t_k"})
+  // KIVI's and KVQuant's kernels keep the lead requests.
+  for (const char* name : {"kivi4t_k", "kivi4_k", "kvquant4_k"})
     EXPECT_FALSE(make(name, KvRole::key, nullptr)->prefetches_along()) << name;
   cpu_set_level(saved);
 }
@@ -273,7 +273,8 @@ TEST(PrefetchAlong, AttnDecodeSetsLaterBlocksAndClearsAfter) {
 TEST(PrefetchAlong, KernelsGiveTheSameResultsWithAndWithoutIt) {
   // The requests change no arithmetic: attn_decode with and without the early requests (which
   // picks the along path for these codecs at SIMD levels) agree bit for bit.
-  for (const char* name : {"int4t_g128", "int2t_g64", "q4_0t", "q4_0h", "int8t", "tq4", "f16", "bf16"}) {
+  for (const char* name : {"int4t_g128", "int2t_g64", "q4_0t", "q4_0h", "int8t", "tq4", "f16", "bf16", "fp8_e4m3",
+                           "q8_0"}) {
     auto kc = make(name, KvRole::key, nullptr), vc = make(name, KvRole::value, nullptr);
     const int hd = 128, n_q = 4;
     for (int bt : {16, 64}) {

@@ -71,8 +71,7 @@ KvCodec::PrefetchRange KvRowCodec::prefetch_range(int block_tokens, int t0, int 
 }
 
 bool KvRowCodec::prefetches_along() const {
-  const bool flt = fmt_.elem == KvElem::f32 || fmt_.elem == KvElem::f16 || fmt_.elem == KvElem::bf16;
-  return flt && cpu_level() != CpuLevel::scalar;
+  return cpu_level() != CpuLevel::scalar;
 }
 
 KvCodec::PrefetchRange KvRowCodec::prefetch_along_range(int block_tokens, int t0, int n) const {

@@ -31,7 +31,7 @@ class KvRowCodec : public KvCodec {
                   int block_tokens, int t0, int n, float* acc) const override;
   // The float and grouped int4 / int2 rows only (see row_codec.cpp).
   PrefetchRange prefetch_range(int block_tokens, int t0, int n) const override;
-  // The float rows (f32, f16, bf16) at SIMD levels (kv_rows_simd.h's kv_prefetch_ahead).
+  // At SIMD levels (kv_rows_simd.h's kv_prefetch_ahead and the bf16 / fp8 kernels call it).
   bool prefetches_along() const override;
   PrefetchRange prefetch_along_range(int block_tokens, int t0, int n) const override;
 
