@@ -216,8 +216,11 @@ TEST(PrefetchAlong, CodecsOptInAtSimdLevels) {
     EXPECT_EQ(k->prefetches_along(), cpu_level() != CpuLevel::scalar) << name;
     EXPECT_EQ(v->prefetches_along(), cpu_level() != CpuLevel::scalar) << name;
   }
-  // KIVI's and KVQuant's kernels keep the lead requests.
-  for (const char* name : {"kivi4t_k", "kivi4_k", "kvquant4_k"})
+  for (const char* name : {"kivi4t_k", "kivi2t_k"}) {
+    EXPECT_EQ(make(name, KvRole::key, nullptr)->prefetches_along(), cpu_level() != CpuLevel::scalar) << name;
+  }
+  // KVQuant's kernels and TurboQuant's records (QJL) keep the lead requests.
+  for (const char* name : {"kvquant4_k", "tq4_qjl"})
     EXPECT_FALSE(make(name, KvRole::key, nullptr)->prefetches_along()) << name;
   cpu_set_level(saved);
 }
@@ -273,11 +276,13 @@ TEST(PrefetchAlong, AttnDecodeSetsLaterBlocksAndClearsAfter) {
 TEST(PrefetchAlong, KernelsGiveTheSameResultsWithAndWithoutIt) {
   // The requests change no arithmetic: attn_decode with and without the early requests (which
   // picks the along path for these codecs at SIMD levels) agree bit for bit.
-  for (const char* name : {"int4t_g128", "int2t_g64", "q4_0t", "q4_0h", "int8t", "tq4", "f16", "bf16", "fp8_e4m3",
-                           "q8_0"}) {
-    auto kc = make(name, KvRole::key, nullptr), vc = make(name, KvRole::value, nullptr);
+  for (std::string name : {"int4t_g128", "int2t_g64", "q4_0t", "q4_0h", "int8t", "tq4", "f16", "bf16", "fp8_e4m3",
+                           "q8_0", "kivi4t", "kivi2t"}) {
+    const bool kivi = name.rfind("kivi", 0) == 0;  // kivi's key and value codecs differ
+    auto kc = make(kivi ? name + "_k" : name, KvRole::key, nullptr);
+    auto vc = make(kivi ? name + "_v" : name, KvRole::value, nullptr);
     const int hd = 128, n_q = 4;
-    for (int bt : {16, 64}) {
+    for (int bt : {kivi ? 32 : 16, 64}) {  // kivi: whole 32-token key groups
       const int nb = 9;
       std::vector<uint8_t> kbuf(size_t(nb) * kc->block_bytes(bt)), vbuf(size_t(nb) * vc->block_bytes(bt));
       std::mt19937 rng(9);

@@ -15,6 +15,7 @@
 #include "kv/int2_tiled.h"
 #include "kv/int4_tiled.h"
 #include "kv/kivi.h"
+#include "kv/prefetch_along.h"
 #include "kv/registry_internal.h"
 
 namespace kvq {
@@ -217,6 +218,14 @@ class KivitKeyCodec final : public KivitCodecBase {
     kv_unit_range(group_bytes(), g_, t0, n, prefetch_lead_bytes, &r.offset, &r.bytes);
     return r;
   }
+  // scores requests attention's range group by group (a token share each), not inside the kernels.
+  bool prefetches_along() const override { return cpu_level() != CpuLevel::scalar; }
+  PrefetchRange prefetch_along_range(int block_tokens, int t0, int n) const override {
+    check_block(block_tokens);
+    PrefetchRange r;
+    kv_unit_range(group_bytes(), g_, t0, n, block_bytes(block_tokens), &r.offset, &r.bytes);
+    return r;
+  }
 
   void encode(int, const float* src, size_t src_stride, int n, uint8_t* block, int block_tokens, int t0,
               int) const override {
@@ -272,7 +281,8 @@ class KivitKeyCodec final : public KivitCodecBase {
               int out_stride) const override {
     check_range(block_tokens, t0, n);
     const int D = hd_;
-    if (n > 0) {
+    const KvPrefetchAlong along = kv_prefetch_along;
+    if (n > 0 && !along.p) {  // requested along the previous calls when attention sets a range
       const size_t a = size_t(t0 / g_) * group_bytes(), e = size_t((t0 + n + g_ - 1) / g_) * group_bytes();
       kvg_prefetch(block + a, e - a);
     }
@@ -282,6 +292,7 @@ class KivitKeyCodec final : public KivitCodecBase {
     for (int t = t0; t < t0 + n;) {
       const int g = t / g_, te = std::min(t0 + n, (g + 1) * g_);
       const uint8_t* grp = block + size_t(g) * group_bytes();
+      kv_prefetch_along_tokens(along, t - t0, te - t, n);
       for (int i0 = 0; i0 < n_q; i0 += qchunk) {
         const int m = std::min(qchunk, n_q - i0);
         kivit_fold_query(grp, qp + size_t(i0) * size_t(D), m, D, q8, dq, cz);
@@ -312,6 +323,14 @@ class KivitValueCodec final : public KivitCodecBase {
     check_block(block_tokens);
     PrefetchRange r;
     kv_unit_range(L_.tile_bytes, kv_tile_tokens, t0, n, prefetch_lead_bytes, &r.offset, &r.bytes);
+    return r;
+  }
+  // int4t's / int2t's weighted sum requests attention's range along its segments.
+  bool prefetches_along() const override { return cpu_level() != CpuLevel::scalar; }
+  PrefetchRange prefetch_along_range(int block_tokens, int t0, int n) const override {
+    check_block(block_tokens);
+    PrefetchRange r;
+    kv_unit_range(L_.tile_bytes, kv_tile_tokens, t0, n, block_bytes(block_tokens), &r.offset, &r.bytes);
     return r;
   }
 
