@@ -43,13 +43,17 @@ namespace {
 
 constexpr int kBlock = 64;
 
-// Read bandwidth measured with the same number of threads as the kernel under test.
+// Read bandwidth measured with the same number of threads as the kernel under test: the best of
+// 5 measurements (each the median of 3 passes over 512 MiB), as a shared host's other tenants only
+// ever lower it; one measurement had a kernel at 108% of the bus on a noisy host.
 double machine_bw(int threads) {
   static std::map<int, double> bw;
   auto it = bw.find(threads);
   if (it == bw.end()) {
     ThreadPool pool(threads);
-    it = bw.emplace(threads, measure_read_bandwidth_gbs(pool, size_t(1) << 29, 3)).first;
+    double best = 0;
+    for (int k = 0; k < 5; ++k) best = std::max(best, measure_read_bandwidth_gbs(pool, size_t(1) << 29, 3));
+    it = bw.emplace(threads, best).first;
   }
   return it->second;
 }
