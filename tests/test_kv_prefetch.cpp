@@ -125,6 +125,29 @@ class RecordingCodec final : public KvCodec {
   bool along_;
   std::unique_ptr<KvCodec> inner_;
 };
+// One K and one V block of bt tokens per (t0, n) entry, random content, and their spans.
+struct TestBlocks {
+  std::vector<std::vector<uint8_t>> k, v;
+  std::vector<KvBlockSpan> spans;
+};
+TestBlocks make_blocks(const KvCodec& kc, const KvCodec& vc, int bt, int hd, const std::vector<std::pair<int, int>>& t0n,
+                       std::mt19937& rng) {
+  TestBlocks tb;
+  tb.k.resize(t0n.size());
+  tb.v.resize(t0n.size());
+  std::normal_distribution<float> nd;
+  std::vector<float> x(size_t(bt) * size_t(hd));
+  for (size_t b = 0; b < t0n.size(); ++b) {
+    tb.k[b].resize(kc.block_bytes(bt));
+    tb.v[b].resize(vc.block_bytes(bt));
+    for (auto& v : x) v = nd(rng);
+    kc.encode(0, x.data(), size_t(hd), bt, tb.k[b].data(), bt, 0, int(b) * bt);
+    for (auto& v : x) v = nd(rng);
+    vc.encode(0, x.data(), size_t(hd), bt, tb.v[b].data(), bt, 0, int(b) * bt);
+    tb.spans.push_back({tb.k[b].data(), tb.v[b].data(), bt, t0n[b].first, t0n[b].second, int(b) * bt});
+  }
+  return tb;
+}
 }  // namespace
 
 TEST(PrefetchRange, AttnDecodeRequestsEverySpanAndKeepsResults) {
@@ -132,20 +155,10 @@ TEST(PrefetchRange, AttnDecodeRequestsEverySpanAndKeepsResults) {
   const int bt = 16, hd = 128, n_q = 4;
   // spans: a partial first block (sliding window), full blocks, an empty span, a partial last one
   const std::vector<std::pair<int, int>> t0n = {{5, 11}, {0, 16}, {0, 0}, {0, 16}, {0, 7}};
-  std::vector<std::vector<uint8_t>> kb(t0n.size()), vb(t0n.size());
   std::mt19937 rng(3);
   std::normal_distribution<float> nd;
-  std::vector<float> x(size_t(bt) * hd);
-  std::vector<KvBlockSpan> spans;
-  for (size_t b = 0; b < t0n.size(); ++b) {
-    kb[b].resize(kc.block_bytes(bt));
-    vb[b].resize(vc.block_bytes(bt));
-    for (auto& v : x) v = nd(rng);
-    kc.encode(0, x.data(), hd, bt, kb[b].data(), bt, 0, int(b) * bt);
-    for (auto& v : x) v = nd(rng);
-    vc.encode(0, x.data(), hd, bt, vb[b].data(), bt, 0, int(b) * bt);
-    spans.push_back({kb[b].data(), vb[b].data(), bt, t0n[b].first, t0n[b].second, int(b) * bt});
-  }
+  const TestBlocks tb = make_blocks(kc, vc, bt, hd, t0n, rng);
+  const std::vector<KvBlockSpan>& spans = tb.spans;
   std::vector<float> q(size_t(n_q) * hd), out(q.size()), ref(q.size());
   for (auto& v : q) v = nd(rng);
   AttnParams ap;
@@ -232,20 +245,11 @@ TEST(PrefetchAlong, AttnDecodeSetsLaterBlocksAndClearsAfter) {
   const int bt = 16, hd = 128, n_q = 2;
   const std::vector<std::pair<int, int>> t0n = {{5, 11}, {0, 16}, {0, 16}, {0, 0}, {0, 16}, {0, 7}};
   const size_t nb = t0n.size();
-  std::vector<std::vector<uint8_t>> kb(nb), vb(nb);
   std::mt19937 rng(4);
   std::normal_distribution<float> nd;
-  std::vector<float> x(size_t(bt) * hd);
-  std::vector<KvBlockSpan> spans;
-  for (size_t b = 0; b < nb; ++b) {
-    kb[b].resize(kc.block_bytes(bt));
-    vb[b].resize(vc.block_bytes(bt));
-    for (auto& v : x) v = nd(rng);
-    kc.encode(0, x.data(), hd, bt, kb[b].data(), bt, 0, int(b) * bt);
-    for (auto& v : x) v = nd(rng);
-    vc.encode(0, x.data(), hd, bt, vb[b].data(), bt, 0, int(b) * bt);
-    spans.push_back({kb[b].data(), vb[b].data(), bt, t0n[b].first, t0n[b].second, int(b) * bt});
-  }
+  const TestBlocks tb = make_blocks(kc, vc, bt, hd, t0n, rng);
+  const std::vector<KvBlockSpan>& spans = tb.spans;
+  const auto &kb = tb.k, &vb = tb.v;
   std::vector<float> q(size_t(n_q) * hd), out(q.size()), lead(q.size());
   for (auto& v : q) v = nd(rng);
   AttnParams ap;

@@ -1,5 +1,6 @@
 // Prefetch along a kernel call: the head block that attention reads a few kernel calls later,
-// requested into L2 by the running fused kernel in slices, one per step of its own tile loop.
+// requested into L2 by the running fused kernel in slices, one per step of its own loop (a tile
+// or segment of the tiled kernels, a token step of the row kernels, a key group of KIVI's).
 //
 // Attention's blocks are scattered over the page pool, so the hardware prefetchers restart at
 // each one. Requesting a whole block's lines at a call's start (KvCodec::prefetch_range) fills
