@@ -239,42 +239,49 @@ TEST(PrefetchAlong, CodecsOptInAtSimdLevels) {
 }
 
 TEST(PrefetchAlong, AttnDecodeSetsLaterBlocksAndClearsAfter) {
-  // Codecs that prefetch along: block b's scores see V(b + 1)'s range, its weighted sum K(b + 2)'s,
-  // nothing past the last span or for an empty one; the range is cleared after each call.
-  RecordingCodec kc(KvRole::key, true), vc(KvRole::value, true);
-  const int bt = 16, hd = 128, n_q = 2;
-  const std::vector<std::pair<int, int>> t0n = {{5, 11}, {0, 16}, {0, 16}, {0, 0}, {0, 16}, {0, 7}};
-  const size_t nb = t0n.size();
-  std::mt19937 rng(4);
-  std::normal_distribution<float> nd;
-  const TestBlocks tb = make_blocks(kc, vc, bt, hd, t0n, rng);
-  const std::vector<KvBlockSpan>& spans = tb.spans;
-  const auto &kb = tb.k, &vb = tb.v;
-  std::vector<float> q(size_t(n_q) * hd), out(q.size()), lead(q.size());
-  for (auto& v : q) v = nd(rng);
-  AttnParams ap;
-  ap.scale = 0.088f;
-  AlignedBuf<float> scratch(attn_scratch_floats(kc, vc, n_q, bt));
-  attn_decode(kc, vc, 0, q.data(), n_q, spans.data(), int(nb), nullptr, nullptr, 0, 0, ap, out.data(), scratch.data());
-  EXPECT_EQ(kv_prefetch_along.p, nullptr);
-  const size_t row = size_t(hd) * 2;  // f16 rows: a span's range starts at its first row
-  auto at = [&](const std::vector<std::vector<uint8_t>>& bufs, size_t j) -> const uint8_t* {
-    return j < nb && t0n[j].second > 0 ? bufs[j].data() + size_t(t0n[j].first) * row : nullptr;
-  };
-  std::vector<const uint8_t*> want_k, want_v;
-  for (size_t b = 0; b < nb; ++b) {
-    if (t0n[b].second <= 0) continue;
-    want_k.push_back(at(vb, b + 1));
-    want_v.push_back(at(kb, b + 2));
-  }
-  EXPECT_EQ(kc.along_seen, want_k);
-  EXPECT_EQ(vc.along_seen, want_v);
+  // Codecs that prefetch along, D blocks ahead: block b's scores see V(b + D - 1)'s range, its
+  // weighted sum K(b + D)'s, nothing past the last span or for an empty one; the range is cleared
+  // after each call. D: the fewest blocks whose K and V bytes reach 8 KiB, at most 3 (f16 rows of
+  // head_dim 128: 512 bytes a token for K and V, so 16-token blocks 1, 8-token 2, 4-token 3).
+  const int hd = 128, n_q = 2;
+  for (auto [bt, D] : {std::pair{16, 1}, std::pair{8, 2}, std::pair{4, 3}}) {
+    RecordingCodec kc(KvRole::key, true), vc(KvRole::value, true);
+    const std::vector<std::pair<int, int>> t0n = {{bt / 4, bt - bt / 4}, {0, bt}, {0, bt}, {0, 0},
+                                                  {0, bt},           {0, bt}, {0, bt / 2}};
+    const size_t nb = t0n.size();
+    std::mt19937 rng(4);
+    std::normal_distribution<float> nd;
+    const TestBlocks tb = make_blocks(kc, vc, bt, hd, t0n, rng);
+    const std::vector<KvBlockSpan>& spans = tb.spans;
+    const auto &kb = tb.k, &vb = tb.v;
+    std::vector<float> q(size_t(n_q) * hd), out(q.size()), lead(q.size());
+    for (auto& v : q) v = nd(rng);
+    AttnParams ap;
+    ap.scale = 0.088f;
+    AlignedBuf<float> scratch(attn_scratch_floats(kc, vc, n_q, bt));
+    attn_decode(kc, vc, 0, q.data(), n_q, spans.data(), int(nb), nullptr, nullptr, 0, 0, ap, out.data(),
+                scratch.data());
+    EXPECT_EQ(kv_prefetch_along.p, nullptr);
+    const size_t row = size_t(hd) * 2;  // f16 rows: a span's range starts at its first row
+    auto at = [&](const std::vector<std::vector<uint8_t>>& bufs, size_t j) -> const uint8_t* {
+      return j < nb && t0n[j].second > 0 ? bufs[j].data() + size_t(t0n[j].first) * row : nullptr;
+    };
+    std::vector<const uint8_t*> want_k, want_v;
+    for (size_t b = 0; b < nb; ++b) {
+      if (t0n[b].second <= 0) continue;
+      want_k.push_back(at(vb, b + size_t(D) - 1));
+      want_v.push_back(at(kb, b + size_t(D)));
+    }
+    EXPECT_EQ(kc.along_seen, want_k) << "bt " << bt;
+    EXPECT_EQ(vc.along_seen, want_v) << "bt " << bt;
 
-  // The same result bit for bit as the burst requests of codecs that do not prefetch along.
-  RecordingCodec kl(KvRole::key), vl(KvRole::value);
-  attn_decode(kl, vl, 0, q.data(), n_q, spans.data(), int(nb), nullptr, nullptr, 0, 0, ap, lead.data(), scratch.data());
-  EXPECT_EQ(lead, out);
-  for (const uint8_t* p : kl.along_seen) EXPECT_EQ(p, nullptr);
+    // The same result bit for bit as the burst requests of codecs that do not prefetch along.
+    RecordingCodec kl(KvRole::key), vl(KvRole::value);
+    attn_decode(kl, vl, 0, q.data(), n_q, spans.data(), int(nb), nullptr, nullptr, 0, 0, ap, lead.data(),
+                scratch.data());
+    EXPECT_EQ(lead, out) << "bt " << bt;
+    for (const uint8_t* p : kl.along_seen) EXPECT_EQ(p, nullptr);
+  }
 }
 
 TEST(PrefetchAlong, KernelsGiveTheSameResultsWithAndWithoutIt) {

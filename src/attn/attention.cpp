@@ -93,10 +93,20 @@ void softmax_update(Scratch& sc, int n_q, int n_all, int v_dim, const AttnParams
   }
 }
 
-// Blocks ahead that kernels prefetching along request (run_part). Measured at 32K tokens on
-// Zen 4 (bench/BENCHMARKS.md): 1 and 2 blocks alike for int4t_g64, 2 best for int4t_g128 and
-// int2t; 3 and 4 slower.
-constexpr int kAlongBlocks = 2;
+// How far ahead kernels prefetching along request (blocks_prefetch_along): the fewest blocks
+// whose K and V bytes reach kAlongAheadBytes, at most kAlongMaxBlocks. Measured at 32K tokens on
+// Zen 4 (bench/BENCHMARKS.md), us at 1 / 2 / 3 blocks: int4t_g64 at head_dim 64 (2.3 KiB blocks)
+// 168 / 151 / 154, at 128 (4.6 KiB) about equal at 1 and 2, at 256 (9.2 KiB) 470 / 645 / 717;
+// q4_0 at 128 better at 1, int2t_g64 and int4t_g128 at 2; f16 the same at 1-3.
+constexpr size_t kAlongAheadBytes = 8192;
+constexpr int kAlongMaxBlocks = 3;
+
+int along_blocks(const KvCodec& kc, const KvCodec& vc, int block_tokens) {
+  const size_t pair = kc.block_bytes(block_tokens) + vc.block_bytes(block_tokens);
+  int d = 1;
+  while (d < kAlongMaxBlocks && size_t(d) * pair < kAlongAheadBytes) ++d;
+  return d;
+}
 
 // prefetcht1: 8 KiB into L1 would evict rows the running kernel still reads (t0 and nta measured
 // 15-20% slower than t1 for f16).
@@ -132,10 +142,10 @@ void blocks_prefetch_lead(const KvCodec& kc, const KvCodec& vc, int head, int n_
 
 // The same with kernels that prefetch along (KvCodec::prefetches_along, kv/prefetch_along.h):
 // block b's scores request V(b + D - 1) and its weighted sum K(b + D) in slices along their
-// tiles, D = kAlongBlocks ahead; the first blocks' leads are requested at once before the loop.
+// tiles, D = along_blocks ahead; the first blocks' leads are requested at once before the loop.
 void blocks_prefetch_along(const KvCodec& kc, const KvCodec& vc, int head, int n_q, const KvBlockSpan* spans,
                            int n_spans, const AttnParams& ap, Scratch& sc, RowMask mask) {
-  constexpr int D = kAlongBlocks;
+  const int D = along_blocks(kc, vc, spans[0].block_tokens);
   const int vd = vc.head_dim();
   auto range = [&](const KvCodec& c, int j, bool key) -> KvPrefetchAlong {
     if (j >= n_spans || spans[j].n <= 0) return {};
