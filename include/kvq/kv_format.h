@@ -98,8 +98,8 @@ class KvCodec {
     return {0, b < prefetch_lead_bytes ? b : prefetch_lead_bytes};
   }
   // Whether this codec's fused scores and weighted sum, at the running CPU level, request the
-  // range attention sets for them (a later block's prefetch_along_range) along their own tile
-  // loops (kv/prefetch_along.h). Attention prefetches further ahead that way when both K's and
+  // range attention sets for them (a later block's prefetch_along_range) along their own loops
+  // (kv/prefetch_along.h). Attention prefetches further ahead that way when both K's and
   // V's do.
   virtual bool prefetches_along() const { return false; }
   // The bytes of a block that a call over tokens [t0, t0 + n) reads, for requests spread along a

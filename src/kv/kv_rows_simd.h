@@ -40,8 +40,8 @@ namespace kvq::kv_rows_simd {
 // prefetchers stop at each page boundary, so a kernel reading rows at the bus rate would stall on
 // every page start. Rows kv_prefetch_bytes ahead of the current ones are requested (into L2) as the
 // kernel walks the block (never past its last row). A block's first rows are requested one kernel
-// call early by attn_decode (KvCodec::prefetch_range: the float and int4g / int2g rows), or, for
-// the float rows at SIMD levels, requested along the previous calls (KvRowCodec::prefetches_along).
+// call early by attn_decode (KvCodec::prefetch_range: the float and int4g / int2g rows), or, at
+// SIMD levels, requested along the previous calls (KvRowCodec::prefetches_along).
 // A longer distance here (8 / 16 KiB) or a stream that runs on into the next block measured slower.
 inline constexpr size_t kv_prefetch_bytes = 4096;
 [[gnu::always_inline]] inline void kv_prefetch_ahead(const uint8_t* rows, size_t row_stride, int t, int cnt, int n) {
