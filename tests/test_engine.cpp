@@ -215,6 +215,9 @@ TEST_F(EngineTest, PromptLogprobsEqualAloneWithCachedPagesAndPreemption) {
       {tok.encode("Once upon a time there was a dog", true), greedy(60)},
       {scored, score_gen},
   };
+  // All four in the scheduler's same step (one by one, the first could run alone for a step and
+  // the pool not fill), so that one of the scoring requests is preempted.
+  std::vector<GenRequest> batch;
   for (size_t i = 0; i < reqs.size(); ++i) {
     GenRequest r;
     r.prompt = reqs[i].first;
@@ -223,8 +226,11 @@ TEST_F(EngineTest, PromptLogprobsEqualAloneWithCachedPagesAndPreemption) {
       res[i] = g;
       done[i].set_value();
     };
-    e.submit(std::move(r));
+    batch.push_back(std::move(r));
   }
+  const std::vector<uint64_t> ids = e.submit_all(std::move(batch));
+  ASSERT_EQ(ids.size(), reqs.size());
+  for (size_t i = 1; i < ids.size(); ++i) EXPECT_EQ(ids[i], ids[i - 1] + 1);
   for (auto& d : done) d.get_future().wait();
   e.wait_idle();
   for (size_t k : {size_t(1), size_t(3)}) {
@@ -413,6 +419,30 @@ TEST_F(EngineTest, CancelFreesPagesAndBadRequestsFail) {
   EXPECT_EQ(bad_id.finish_reason, "error");
   // Still serving.
   EXPECT_EQ(e.generate(tok.encode("Hi", true), greedy(3)).tokens.size(), 3u);
+
+  // Several at once: a bad request among good ones fails alone; max_tokens 0 ends at once.
+  std::vector<std::promise<GenResult>> got(4);
+  std::vector<GenRequest> batch(4);
+  const std::vector<std::vector<int32_t>> prompts = {tok.encode("Hi", true), {}, tok.encode("Lily", true),
+                                                     tok.encode("Tom", true)};
+  for (size_t i = 0; i < batch.size(); ++i) {
+    batch[i].prompt = prompts[i];
+    batch[i].params = greedy(i == 3 ? 0 : 3);
+    batch[i].on_done = [&got, i](const GenResult& g) { got[i].set_value(g); };
+  }
+  const std::vector<uint64_t> ids = e.submit_all(std::move(batch));
+  ASSERT_EQ(ids.size(), 4u);
+  std::vector<GenResult> res;
+  for (auto& p : got) res.push_back(p.get_future().get());
+  EXPECT_EQ(res[0].tokens, e.generate(prompts[0], greedy(3)).tokens);
+  EXPECT_EQ(res[1].finish_reason, "error");
+  EXPECT_NE(res[1].error.find("empty"), std::string::npos);
+  EXPECT_EQ(res[2].tokens, e.generate(prompts[2], greedy(3)).tokens);
+  EXPECT_EQ(res[3].finish_reason, "length");
+  EXPECT_TRUE(res[3].tokens.empty());
+  EXPECT_TRUE(e.submit_all({}).empty());
+  e.wait_idle();
+  expect_pool_clean(e);
 }
 
 // Quantized caches (per-token codecs: the ones stories260K's head_dim 8 allows) share prefixes and

@@ -184,50 +184,67 @@ constexpr int kPromptLogprobsChunk = 64;      // prompt tokens per step of a pro
 }  // namespace
 
 uint64_t Engine::submit(GenRequest r) {
-  auto s = std::make_unique<Seq>();
-  s->t_submit = now_seconds();
-  s->n_prompt = int(r.prompt.size());
-  s->res.prompt_tokens = s->n_prompt;
-  s->tokens = r.prompt;
-  s->req = std::move(r);
-  std::string err;
+  std::vector<GenRequest> one;
+  one.push_back(std::move(r));
+  return submit_all(std::move(one))[0];
+}
+
+std::vector<uint64_t> Engine::submit_all(std::vector<GenRequest> rs) {
   const int P = kcfg_.page_tokens;
-  if (s->tokens.empty()) {
-    err = "the prompt is empty";
-  } else if (s->n_prompt >= ctx_) {
-    err = fmt::format("the prompt is {} tokens, the context is {}", s->n_prompt, ctx_);
-  } else if (size_t((s->n_prompt + 1 + P - 1) / P) > pool_->n_pages()) {
-    err = fmt::format("the prompt is {} tokens, the KV pool holds {}", s->n_prompt, pool_->tokens_capacity());
-  } else {
-    for (int32_t t : s->tokens)
-      if (t < 0 || t >= tok_.n_vocab()) {
-        err = fmt::format("token id {} is outside the vocabulary [0, {})", t, tok_.n_vocab());
-        break;
+  std::vector<std::unique_ptr<Seq>> seqs;
+  std::vector<std::string> errs;
+  std::vector<char> at_once;  // finishes at once: an error, or nothing to do ("length")
+  for (GenRequest& r : rs) {
+    auto s = std::make_unique<Seq>();
+    s->t_submit = now_seconds();
+    s->n_prompt = int(r.prompt.size());
+    s->res.prompt_tokens = s->n_prompt;
+    s->tokens = r.prompt;
+    s->req = std::move(r);
+    std::string err;
+    if (s->tokens.empty()) {
+      err = "the prompt is empty";
+    } else if (s->n_prompt >= ctx_) {
+      err = fmt::format("the prompt is {} tokens, the context is {}", s->n_prompt, ctx_);
+    } else if (size_t((s->n_prompt + 1 + P - 1) / P) > pool_->n_pages()) {
+      err = fmt::format("the prompt is {} tokens, the KV pool holds {}", s->n_prompt, pool_->tokens_capacity());
+    } else if (s->req.params.logprobs > kMaxLogprobs) {
+      err = fmt::format("logprobs {} is above the largest supported, {}", s->req.params.logprobs, kMaxLogprobs);
+    } else {
+      for (int32_t t : s->tokens)
+        if (t < 0 || t >= tok_.n_vocab()) {
+          err = fmt::format("token id {} is outside the vocabulary [0, {})", t, tok_.n_vocab());
+          break;
+        }
+    }
+    const bool nothing_to_do =
+        s->req.params.max_tokens < 0 || (s->req.params.max_tokens == 0 && !s->req.params.prompt_logprobs);
+    at_once.push_back(!err.empty() || nothing_to_do);
+    if (!at_once.back()) {
+      if (s->req.params.prompt_logprobs) {
+        s->res.prompt_logprobs.resize(size_t(s->n_prompt));
+        s->res.prompt_logprobs[0].token = s->tokens[0];
+        s->res.prompt_logprobs[0].logprob = std::numeric_limits<float>::quiet_NaN();
       }
+      s->sampler = std::make_unique<Sampler>(s->req.params.sampling);
+      s->dec = std::make_unique<TokenStreamDecoder>(tok_, false);
+    }
+    seqs.push_back(std::move(s));
+    errs.push_back(std::move(err));
   }
-  std::unique_lock<std::mutex> lk(mu_);
-  const uint64_t id = next_id_++;
-  s->id = id;
-  if (err.empty() && s->req.params.logprobs > kMaxLogprobs)
-    err = fmt::format("logprobs {} is above the largest supported, {}", s->req.params.logprobs, kMaxLogprobs);
-  const bool nothing_to_do = s->req.params.max_tokens < 0 || (s->req.params.max_tokens == 0 && !s->req.params.prompt_logprobs);
-  if (!err.empty() || nothing_to_do) {
-    lk.unlock();
-    finish(*s, err.empty() ? "length" : "error", err);
-    return id;
+  std::vector<uint64_t> ids(seqs.size());
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      seqs[i]->id = ids[i] = next_id_++;
+      if (!at_once[i]) incoming_.push_back(std::move(seqs[i]));
+    }
+    metrics_.waiting = int(incoming_.size() + waiting_.size());
   }
-  if (s->req.params.prompt_logprobs) {
-    s->res.prompt_logprobs.resize(size_t(s->n_prompt));
-    s->res.prompt_logprobs[0].token = s->tokens[0];
-    s->res.prompt_logprobs[0].logprob = std::numeric_limits<float>::quiet_NaN();
-  }
-  s->sampler = std::make_unique<Sampler>(s->req.params.sampling);
-  s->dec = std::make_unique<TokenStreamDecoder>(tok_, false);
-  incoming_.push_back(std::move(s));
-  metrics_.waiting = int(incoming_.size() + waiting_.size());
-  lk.unlock();
+  for (size_t i = 0; i < seqs.size(); ++i)  // outside the lock (on_done may call back)
+    if (at_once[i]) finish(*seqs[i], errs[i].empty() ? "length" : "error", errs[i]);
   cv_.notify_all();
-  return id;
+  return ids;
 }
 
 void Engine::cancel(uint64_t id) {

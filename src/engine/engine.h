@@ -148,6 +148,9 @@ class Engine {
   // prompt + 1 beyond the context, prompt larger than the whole pool) finish at once with
   // finish_reason "error".
   uint64_t submit(GenRequest r);
+  // Queues several requests at once: the scheduler sees all of them at the same step (their ids,
+  // in order). Thread-safe.
+  std::vector<uint64_t> submit_all(std::vector<GenRequest> rs);
   // The request ends as soon as the scheduler sees it ("cancelled"), its pages are freed.
   void cancel(uint64_t id);
   // submit and wait.
