@@ -67,8 +67,10 @@
 //
 // Kernels: *_ref (scalar, same arithmetic: scores are bit-identical to the SIMD ones, weighted
 // sums equal up to f32 summation order), *_avx2, *_avx512; int4t_scores / int4t_accum are the one
-// dispatch point (cpu_level()). q5_0t / q5_1t / iq4_nlt have no AVX-512 variant: their *_avx512
-// entry points run the AVX2 kernels. Ranges [t0, t0 + n) need not be tile-aligned: lanes outside are
+// dispatch point (cpu_level()). The AVX-512 kernels of q5_0t / q5_1t OR the fifth bits into the
+// nibbles (int32 lanes: no widening); iq4_nlt's look the grid up as grid + 128 (VPSHUFB) for the
+// u8 operand and subtract 128 times the other operand's sum (the query block's int8 sum in scores,
+// each tile's weight sum in weighted sums). Ranges [t0, t0 + n) need not be tile-aligned: lanes outside are
 // computed on whatever the block holds but never stored (scores) or weighted 0 (sums).
 #pragma once
 #include <algorithm>

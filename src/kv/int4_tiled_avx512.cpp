@@ -7,20 +7,57 @@
 #include <cstring>
 
 #include "kv/int4_tiled.h"
+#include "kv/kv_rows.h"
 #include "kv/prefetch_along.h"
 #include "kv/tiles_avx512.h"
 
 namespace kvq {
 namespace {
 
+// Bit `bit` (0..7) of every byte of h as 0x10 in that byte, else 0: the fifth bits of a q5 code
+// vector (kv/int4_tiled.h's layout). Word shifts (left by at most 4, right by at most 3) keep each
+// byte's bit 4 within its byte.
+[[gnu::always_inline]] inline __m512i fifth_bits(__m512i h, int bit) {
+  const __m512i b =
+      bit < 4 ? _mm512_sll_epi16(h, _mm_cvtsi32_si128(4 - bit)) : _mm512_srl_epi16(h, _mm_cvtsi32_si128(bit - 4));
+  return _mm512_and_si512(b, _mm512_set1_epi8(0x10));
+}
 
-template <int NQ>
+// iq4_nlt's grid + 128 as u8 in every 128-bit lane (VPSHUFB's table): the u8 operand of VPDPBUSD
+// for a signed value table; the dots then subtract 128 times the other operand's sum.
+inline __m512i grid_table_u8(const int8_t* lut) {
+  alignas(16) uint8_t t[16];
+  for (int i = 0; i < 16; ++i) t[i] = uint8_t(int(lut[i]) + 128);
+  return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+}
+
+// kFour: int4t / q4_0t / q4_1t; kFive: q5_0t / q5_1t, the fifth bits ORed in at bit 4 (codes
+// 0..31); kGrid: iq4_nlt, each nibble looked up as grid + 128 and the block's dot less 128 times
+// the query block's int8 sum. The integer dots are exact in every mode (int32 lanes), so the
+// scores equal the reference's bit for bit.
+enum ScoreMode { kFour, kFive, kGrid };
+
+template <int NQ, int Mode>
 void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
                  int out_stride) {
   const __m512i m4 = _mm512_set1_epi8(0x0f);
   const int bpg = L.group / 32;
+  const size_t unit = Mode == kFour ? 256 : size_t(L.unit_bytes);
   Int4tQueryRow qr[NQ];
   for (int h = 0; h < NQ; ++h) qr[h] = int4t_query_row(L, qp, h);
+  [[maybe_unused]] __m512i gtab = m4;
+  // kGrid: 128 * sum of each query block's int8 values, per row and block.
+  [[maybe_unused]] int32_t qoff[NQ][kv_max_head_dim / 32];
+  if constexpr (Mode == kGrid) {
+    gtab = grid_table_u8(L.lut);
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int h = 0; h < NQ; ++h)
+      for (int b = 0; b < L.hd / 32; ++b) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr[h].q8 + 32 * b));
+        const __m512i s4 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_castsi256_si512(q));
+        qoff[h][b] = 128 * _mm512_mask_reduce_add_epi32(0x00ff, s4);
+      }
+  }
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
   const KvPrefetchAlong along = kv_prefetch_along;
   for (int tile = tile0; tile < tile1; ++tile) {
@@ -33,21 +70,34 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
       __m512 facc[NQ];
       for (int h = 0; h < NQ; ++h) facc[h] = _mm512_setzero_ps();
       for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
+        const uint8_t* cb = codes + unit * size_t(b);
+        [[maybe_unused]] __m512i h5;
+        if constexpr (Mode == kFive) h5 = _mm512_loadu_si512(cb + 256);
         // Low- and high-nibble dots in separate chains: 2 * NQ independent VPDPBUSD chains.
         __m512i ilo[NQ], ihi[NQ];
         for (int h = 0; h < NQ; ++h) ilo[h] = ihi[h] = _mm512_setzero_si512();
-        for (int o = 4 * b; o < 4 * b + 4; ++o) {
-          const __m512i x = _mm512_loadu_si512(codes + 64 * o);
-          const __m512i lo = _mm512_and_si512(x, m4);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
+        for (int oo = 0; oo < 4; ++oo) {
+          const int o = 4 * b + oo;
+          const __m512i x = _mm512_loadu_si512(cb + 64 * oo);
+          __m512i lo = _mm512_and_si512(x, m4);
+          __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
+          if constexpr (Mode == kFive) {  // the low nibbles' fifth bits are bit 2 oo, the high ones' 2 oo + 1
+            lo = _mm512_or_si512(lo, fifth_bits(h5, 2 * oo));
+            hi = _mm512_or_si512(hi, fifth_bits(h5, 2 * oo + 1));
+          } else if constexpr (Mode == kGrid) {
+            lo = _mm512_shuffle_epi8(gtab, lo);
+            hi = _mm512_shuffle_epi8(gtab, hi);
+          }
           for (int h = 0; h < NQ; ++h) {
             ilo[h] = _mm512_dpbusd_epi32(ilo[h], lo, tile_bcast32_avx512(qr[h].q8 + 8 * o));
             ihi[h] = _mm512_dpbusd_epi32(ihi[h], hi, tile_bcast32_avx512(qr[h].q8 + 8 * o + 4));
           }
         }
-        for (int h = 0; h < NQ; ++h)
-          facc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ilo[h], ihi[h])), _mm512_set1_ps(qr[h].dq[b]),
-                                    facc[h]);
+        for (int h = 0; h < NQ; ++h) {
+          __m512i dot = _mm512_add_epi32(ilo[h], ihi[h]);
+          if constexpr (Mode == kGrid) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(qoff[h][b]));
+          facc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(qr[h].dq[b]), facc[h]);
+        }
       }
       const __m512 sv = tile_load_f16x16_avx512(tp + 32 * size_t(g));
       const __m512 mv = tile_load_f16x16_avx512(tp + L.min_off + 32 * size_t(g));
@@ -64,20 +114,39 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
 
 void int4t_scores_avx512(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
                          float* out, int out_stride) {
-  // q5_0t / q5_1t / iq4_nlt: the AVX2 kernels (no AVX-512 variant of the 5-bit codes or the grid).
-  if (L.code_bits == 5 || L.lut) return int4t_scores_avx2(L, qp, n_q, block, t0, n, out, out_stride);
   if (n <= 0) return;
   tile_row_passes(n_q, [&](int i, auto m) {
-    scores_pass<decltype(m)::value>(L, qp + size_t(i) * size_t(L.qdim), block, t0, n,
-                                    out + size_t(i) * size_t(out_stride), out_stride);
+    const float* qi = qp + size_t(i) * size_t(L.qdim);
+    float* oi = out + size_t(i) * size_t(out_stride);
+    if (L.lut) scores_pass<decltype(m)::value, kGrid>(L, qi, block, t0, n, oi, out_stride);
+    else if (L.code_bits == 5) scores_pass<decltype(m)::value, kFive>(L, qi, block, t0, n, oi, out_stride);
+    else scores_pass<decltype(m)::value, kFour>(L, qi, block, t0, n, oi, out_stride);
   });
 }
 
 void int4t_accum_avx512(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
                         int t0, int n, float* acc) {
-  if (L.code_bits == 5 || L.lut) return int4t_accum_avx2(L, p, p_stride, n_q, block, t0, n, acc);
   // Channel chunks of 32: per tile 4 loads (token quads), split into low and high nibbles.
   const __m512i m4 = _mm512_set1_epi8(0x0f);
+  if (L.lut) {  // iq4_nlt: the grid + 128 as u8 codes against s8 weights (tiles_accum_avx512's Flip)
+    const __m512i gtab = grid_table_u8(L.lut);
+    return tiles_accum_avx512<true>(L, p, p_stride, n_q, block, t0, n, acc,
+                                    [m4, gtab](const uint8_t* codes, int c, int k, __m512i* lo, __m512i* hi) {
+                                      const __m512i x = _mm512_loadu_si512(codes + size_t(c) * 256 + 64 * k);
+                                      *lo = _mm512_shuffle_epi8(gtab, _mm512_and_si512(x, m4));
+                                      *hi = _mm512_shuffle_epi8(gtab, _mm512_and_si512(_mm512_srli_epi16(x, 4), m4));
+                                    });
+  }
+  if (L.code_bits == 5)  // q5_0t / q5_1t: token quad k's fifth bits are bit k (low nibbles) and 4 + k
+    return tiles_accum_avx512(L, p, p_stride, n_q, block, t0, n, acc,
+                              [m4](const uint8_t* codes, int c, int k, __m512i* lo, __m512i* hi) {
+                                const uint8_t* u = codes + size_t(c) * 320;
+                                const __m512i x = _mm512_loadu_si512(u + 64 * k);
+                                const __m512i h5 = _mm512_loadu_si512(u + 256);
+                                *lo = _mm512_or_si512(_mm512_and_si512(x, m4), fifth_bits(h5, k));
+                                *hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(x, 4), m4),
+                                                      fifth_bits(h5, 4 + k));
+                              });
   tiles_accum_avx512(L, p, p_stride, n_q, block, t0, n, acc,
                      [m4](const uint8_t* codes, int c, int k, __m512i* lo, __m512i* hi) {
                        const __m512i x = _mm512_loadu_si512(codes + size_t(c) * 256 + 64 * k);

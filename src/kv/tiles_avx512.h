@@ -162,12 +162,12 @@ template <int NQ, bool U8>
 [[gnu::always_inline]] inline void tile_quantize_group_weights_avx512(const float* p, int p_stride, int t0, int n,
                                                                       int base, const uint8_t* tp, size_t min_off,
                                                                       int ng, uint8_t (*w8)[64], float (*dws)[16],
-                                                                      float (*msv)[16]) {
+                                                                      float (*msv)[16], int32_t* wsum = nullptr) {
   __m512 pv[4];
   const __mmask16 mask = tile_load_weights_avx512<NQ>(p, p_stride, t0, n, base, pv);
   tile_quantize_weights_avx512<NQ, U8>(
       pv, ng, [&](int g) { return _mm512_maskz_mov_ps(mask, tile_load_f16x16_avx512(tp + 32 * size_t(g))); }, w8,
-      dws);
+      dws, wsum);
   for (int g = 0; g < ng; ++g) {
     const __m512 mv = _mm512_maskz_mov_ps(mask, tile_load_f16x16_avx512(tp + min_off + 32 * size_t(g)));
     for (int h = 0; h < NQ; ++h)
@@ -181,10 +181,14 @@ template <int NQ, bool U8>
 // (lo: channels 32c + i, hi: 32c + 16 + i) from quad_codes(tile_codes, c, k, &lo, &hi), 2 * NQ
 // VPDPBUSD chains (u8 weights x codes when U8, else codes x s8 weights), flushed to f32 with the
 // tile's step; the f32 sums go to acc once per segment, with the min terms (mins) in the last one.
-template <int NQ, bool U8, class QuadCodes>
+// Flip (s8 weights only): quad_codes returns each code's value + 128 as u8 (a signed value table,
+// iq4_nlt's grid), and the dots subtract 128 * the tile's weight sum (wsum[tt][h * ng + g]).
+template <int NQ, bool U8, class QuadCodes, bool Flip = false>
 [[gnu::always_inline]] inline void tiles_accum_segment_avx512(const Int4TiledLayout& L, const uint8_t* seg, int nt,
                                                               const uint8_t (*w8)[64], const float (*dws)[16],
-                                                              const float* mins, float* acc, QuadCodes quad_codes) {
+                                                              const float* mins, float* acc, QuadCodes quad_codes,
+                                                              const int32_t (*wsum)[NQ * 32] = nullptr) {
+  static_assert(!(Flip && U8), "flipped codes take s8 weights");
   const int ng = L.ng, ngc = (L.ng + 3) / 4;
   for (int c = 0; c < L.hd / 32; ++c) {
     const int g = c * 32 / L.group;
@@ -208,6 +212,12 @@ template <int NQ, bool U8, class QuadCodes>
           }
         }
       }
+      if constexpr (Flip)
+        for (int h = 0; h < NQ; ++h) {
+          const __m512i w = _mm512_set1_epi32(wsum[tt][h * ng + g]);
+          ilo[h] = _mm512_sub_epi32(ilo[h], w);
+          ihi[h] = _mm512_sub_epi32(ihi[h], w);
+        }
       for (int h = 0; h < NQ; ++h) {
         const __m512 s = _mm512_set1_ps(dws[tt * ngc + g / 4][4 * h + g % 4]);
         flo[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ilo[h]), s, flo[h]);
@@ -245,7 +255,7 @@ inline void tiles_reduce_min_terms_avx512(const float (*msv)[16], int n, float m
 // (tile_quantize_group_weights_avx512), then the channel loop (tiles_accum_segment_avx512 with the
 // layout's quad_codes reader), then the min terms (times L.min_mul). U8 weights when every weight
 // is >= 0 and the scales are (not q4_0t's signed ones), else s8.
-template <int NQ, bool U8, class QuadCodes>
+template <int NQ, bool U8, bool Flip = false, class QuadCodes>
 void tiles_accum_pass_avx512(const Int4TiledLayout& L, const float* p, int p_stride, const uint8_t* block, int t0,
                              int n, float* acc, QuadCodes quad_codes) {
   constexpr int kSegTiles = 4;  // tiles whose weights are quantized ahead of the channel loop
@@ -258,6 +268,7 @@ void tiles_accum_pass_avx512(const Int4TiledLayout& L, const float* p, int p_str
   alignas(64) uint8_t w8[kSegTiles * kMaxGroups][64];
   alignas(64) float dws[kSegTiles * kMaxGroups / 4][16];
   float mins[NQ * kMaxGroups];
+  int32_t wsum[Flip ? kSegTiles : 1][NQ * kMaxGroups];  // Flip: 128 * each (row, group) weight sum per tile
   const KvPrefetchAlong along = kv_prefetch_along;
   const int n_seg = (tile1 - tile0 + kSegTiles - 1) / kSegTiles;
   for (int seg = tile0; seg < tile1; seg += kSegTiles) {
@@ -266,18 +277,25 @@ void tiles_accum_pass_avx512(const Int4TiledLayout& L, const float* p, int p_str
     for (int tt = 0; tt < nt; ++tt)
       tile_quantize_group_weights_avx512<NQ, U8>(p, p_stride, t0, n, (seg + tt) * 16,
                                                  block + size_t(seg + tt) * L.tile_bytes, L.min_off, ng,
-                                                 w8 + tt * ng, dws + tt * ngc, msv);
+                                                 w8 + tt * ng, dws + tt * ngc, msv, Flip ? wsum[tt] : nullptr);
     // The min terms are complete once the last segment's weights are: that segment's flush adds them.
     const bool last = seg + kSegTiles >= tile1;
     if (last) tiles_reduce_min_terms_avx512(msv, NQ * ng, L.min_mul, mins);
-    tiles_accum_segment_avx512<NQ, U8>(L, block + size_t(seg) * L.tile_bytes, nt, w8, dws, last ? mins : nullptr,
-                                       acc, quad_codes);
+    tiles_accum_segment_avx512<NQ, U8, QuadCodes, Flip>(L, block + size_t(seg) * L.tile_bytes, nt, w8, dws,
+                                                        last ? mins : nullptr, acc, quad_codes, wsum);
   }
 }
-template <class QuadCodes>
+template <bool Flip = false, class QuadCodes>
 void tiles_accum_avx512(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                         int n, float* acc, QuadCodes quad_codes) {
   if (n <= 0) return;
+  if constexpr (Flip) {  // signed code values: s8 weights always
+    tile_row_passes(n_q, [&](int i, auto m) {
+      tiles_accum_pass_avx512<decltype(m)::value, false, true>(L, p + size_t(i) * size_t(p_stride), p_stride, block,
+                                                               t0, n, acc + size_t(i) * size_t(L.hd), quad_codes);
+    });
+    return;
+  }
   const bool u8 = !L.signed_scales && tiles_weights_nonneg_avx512(p, p_stride, n_q, n);
   tile_row_passes(n_q, [&](int i, auto m) {
     const float* pi = p + size_t(i) * size_t(p_stride);
