@@ -1,5 +1,6 @@
-// isa_probe: throughput of the AVX2 instructions the fused KV kernels are built from, on this
-// core, as ratios to VFMADD231PS (f16 / f32 kernels' work) measured in the same run.
+// isa_probe: throughput of the AVX2 (and, where present, AVX-512 VNNI) instructions the fused KV
+// kernels are built from, on this core, as ratios to VFMADD231PS (f16 / f32 kernels' work)
+// measured in the same run. The zmm lines also give VPDPBUSD's latency (one dependent chain).
 //
 //   build/bench/isa_probe [--iters N]
 //
@@ -34,6 +35,31 @@ namespace {
                    "xmm9", "xmm10", "xmm11");                                                                \
   }
 
+// The same on zmm registers (AVX-512): 12 chains, and with B's source a memory dword broadcast.
+#define KVQ_Z12(A, B)                                                                                               \
+  A " %%zmm15, %%zmm0, %%zmm0\n" B " %%zmm14, %%zmm1, %%zmm1\n" A " %%zmm15, %%zmm2, %%zmm2\n" B                    \
+    " %%zmm14, %%zmm3, %%zmm3\n" A " %%zmm15, %%zmm4, %%zmm4\n" B " %%zmm14, %%zmm5, %%zmm5\n" A                   \
+    " %%zmm15, %%zmm6, %%zmm6\n" B " %%zmm14, %%zmm7, %%zmm7\n" A " %%zmm15, %%zmm8, %%zmm8\n" B                   \
+    " %%zmm14, %%zmm9, %%zmm9\n" A " %%zmm15, %%zmm10, %%zmm10\n" B " %%zmm14, %%zmm11, %%zmm11\n"
+#define KVQ_PROBE_Z(A, B)                                                                                    \
+  [](long n) {                                                                                               \
+    asm volatile("vpxord %%zmm14, %%zmm14, %%zmm14\n vpxord %%zmm15, %%zmm15, %%zmm15\n" ::: "xmm14", "xmm15"); \
+    for (long i = 0; i < n; ++i)                                                                             \
+      asm volatile(KVQ_Z12(A, B)::: "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",    \
+                   "xmm9", "xmm10", "xmm11");                                                                \
+  }
+// One chain of 12 dependent instructions (each adds into zmm0): per ns = 1 / latency.
+#define KVQ_Z1(A) A " %%zmm15, %%zmm14, %%zmm0\n"
+#define KVQ_PROBE_Z_CHAIN(A)                                                                                  \
+  [](long n) {                                                                                               \
+    asm volatile("vpxord %%zmm14, %%zmm14, %%zmm14\n vpxord %%zmm15, %%zmm15, %%zmm15\n" ::: "xmm14", "xmm15"); \
+    for (long i = 0; i < n; ++i)                                                                             \
+      asm volatile(KVQ_Z1(A) KVQ_Z1(A) KVQ_Z1(A) KVQ_Z1(A) KVQ_Z1(A) KVQ_Z1(A) KVQ_Z1(A) KVQ_Z1(A) KVQ_Z1(A)  \
+                       KVQ_Z1(A) KVQ_Z1(A) KVQ_Z1(A)::: "xmm0");                                             \
+  }
+
+alignas(64) int32_t g_bcast[16];
+
 struct Probe {
   const char* name;
   void (*run)(long);
@@ -52,6 +78,30 @@ const Probe kProbes[] = {
     {"vpmaddubsw + vpmaddwd", KVQ_PROBE("vpmaddubsw", "vpmaddwd")},
     {"vpmaddubsw + vpaddw", KVQ_PROBE("vpmaddubsw", "vpaddw")},
     {"vfmadd231ps + vpaddw", KVQ_PROBE("vfmadd231ps", "vpaddw")},
+};
+
+// AVX-512 (VNNI) lines, run when the CPU has AVX512F and AVX512_VNNI.
+void dpbusd_bcast(long n) {
+  asm volatile("vpxord %%zmm15, %%zmm15, %%zmm15\n" ::: "xmm15");
+  for (long i = 0; i < n; ++i)
+    asm volatile(
+        "vpdpbusd (%0)%{1to16%}, %%zmm15, %%zmm0\n vpdpbusd 4(%0)%{1to16%}, %%zmm15, %%zmm1\n"
+        "vpdpbusd 8(%0)%{1to16%}, %%zmm15, %%zmm2\n vpdpbusd 12(%0)%{1to16%}, %%zmm15, %%zmm3\n"
+        "vpdpbusd 16(%0)%{1to16%}, %%zmm15, %%zmm4\n vpdpbusd 20(%0)%{1to16%}, %%zmm15, %%zmm5\n"
+        "vpdpbusd 24(%0)%{1to16%}, %%zmm15, %%zmm6\n vpdpbusd 28(%0)%{1to16%}, %%zmm15, %%zmm7\n"
+        "vpdpbusd 32(%0)%{1to16%}, %%zmm15, %%zmm8\n vpdpbusd 36(%0)%{1to16%}, %%zmm15, %%zmm9\n"
+        "vpdpbusd 40(%0)%{1to16%}, %%zmm15, %%zmm10\n vpdpbusd 44(%0)%{1to16%}, %%zmm15, %%zmm11\n" ::"r"(g_bcast)
+        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "memory");
+}
+
+const Probe kProbes512[] = {
+    {"zmm vfmadd231ps (16 products)", KVQ_PROBE_Z("vfmadd231ps", "vfmadd231ps")},
+    {"zmm vpdpbusd (u8 x s8, 64 products)", KVQ_PROBE_Z("vpdpbusd", "vpdpbusd")},
+    {"zmm vpdpbusd, source {1to16} memory", dpbusd_bcast},
+    {"zmm vpdpbusd + vpandd", KVQ_PROBE_Z("vpdpbusd", "vpandd")},
+    {"zmm vpdpbusd + vfmadd231ps", KVQ_PROBE_Z("vpdpbusd", "vfmadd231ps")},
+    {"zmm vpaddd", KVQ_PROBE_Z("vpaddd", "vpaddd")},
+    {"zmm vpdpbusd, one chain (1 / latency)", KVQ_PROBE_Z_CHAIN("vpdpbusd")},
 };
 
 double per_ns(void (*run)(long), long iters) {
@@ -93,6 +143,14 @@ int main(int argc, char** argv) {
     const double r = per_ns(p.run, iters);
     if (fma == 0) fma = r;
     std::printf("%-38s %12.2f %10.2f\n", p.name, r, r / fma);
+  }
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni")) {
+    for (const Probe& p : kProbes512) {
+      const double r = per_ns(p.run, iters);
+      std::printf("%-38s %12.2f %10.2f\n", p.name, r, r / fma);
+    }
+  } else {
+    std::printf("(no AVX512F / AVX512_VNNI: the zmm lines are skipped)\n");
   }
   return 0;
 }
