@@ -54,8 +54,8 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
     for (int h = 0; h < NQ; ++h)
       for (int b = 0; b < L.hd / 32; ++b) {
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr[h].q8 + 32 * b));
-        const __m512i s4 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_castsi256_si512(q));
-        qoff[h][b] = 128 * _mm512_mask_reduce_add_epi32(0x00ff, s4);
+        const __m512i s4 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_zextsi256_si512(q));
+        qoff[h][b] = 128 * _mm512_reduce_add_epi32(s4);
       }
   }
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
