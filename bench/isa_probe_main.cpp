@@ -20,34 +20,26 @@
 
 namespace {
 
-// 12 instructions per loop pass, every destination its own chain (latency hidden).
-#define KVQ_P12(A, B)                                                                                               \
-  A " %%ymm15, %%ymm0, %%ymm0\n" B " %%ymm14, %%ymm1, %%ymm1\n" A " %%ymm15, %%ymm2, %%ymm2\n" B                    \
-    " %%ymm14, %%ymm3, %%ymm3\n" A " %%ymm15, %%ymm4, %%ymm4\n" B " %%ymm14, %%ymm5, %%ymm5\n" A                   \
-    " %%ymm15, %%ymm6, %%ymm6\n" B " %%ymm14, %%ymm7, %%ymm7\n" A " %%ymm15, %%ymm8, %%ymm8\n" B                   \
-    " %%ymm14, %%ymm9, %%ymm9\n" A " %%ymm15, %%ymm10, %%ymm10\n" B " %%ymm14, %%ymm11, %%ymm11\n"
-
-#define KVQ_PROBE(A, B)                                                                                      \
+// 12 instructions per loop pass on R registers ("ymm" or "zmm"), every destination its own chain
+// (latency hidden).
+#define KVQ_R12(R, A, B)                                                                                  \
+  A " %%" R "15, %%" R "0, %%" R "0\n" B " %%" R "14, %%" R "1, %%" R "1\n" A " %%" R "15, %%" R "2, %%" R \
+    "2\n" B " %%" R "14, %%" R "3, %%" R "3\n" A " %%" R "15, %%" R "4, %%" R "4\n" B " %%" R "14, %%" R     \
+    "5, %%" R "5\n" A " %%" R "15, %%" R "6, %%" R "6\n" B " %%" R "14, %%" R "7, %%" R "7\n" A " %%" R    \
+    "15, %%" R "8, %%" R "8\n" B " %%" R "14, %%" R "9, %%" R "9\n" A " %%" R "15, %%" R "10, %%" R         \
+    "10\n" B " %%" R "14, %%" R "11, %%" R "11\n"
+// Sources 14 and 15 zeroed (Z: the zeroing instruction for R), then the 12 chains in a loop.
+#define KVQ_PROBE_R(R, Z, A, B)                                                                               \
   [](long n) {                                                                                               \
-    asm volatile("vpxor %%ymm14, %%ymm14, %%ymm14\n vpxor %%ymm15, %%ymm15, %%ymm15\n" ::: "xmm14", "xmm15"); \
+    asm volatile(Z " %%" R "14, %%" R "14, %%" R "14\n " Z " %%" R "15, %%" R "15, %%" R "15\n" ::: "xmm14",   \
+                 "xmm15");                                                                                   \
     for (long i = 0; i < n; ++i)                                                                             \
-      asm volatile(KVQ_P12(A, B)::: "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",    \
+      asm volatile(KVQ_R12(R, A, B)::: "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", \
                    "xmm9", "xmm10", "xmm11");                                                                \
   }
-
-// The same on zmm registers (AVX-512): 12 chains, and with B's source a memory dword broadcast.
-#define KVQ_Z12(A, B)                                                                                               \
-  A " %%zmm15, %%zmm0, %%zmm0\n" B " %%zmm14, %%zmm1, %%zmm1\n" A " %%zmm15, %%zmm2, %%zmm2\n" B                    \
-    " %%zmm14, %%zmm3, %%zmm3\n" A " %%zmm15, %%zmm4, %%zmm4\n" B " %%zmm14, %%zmm5, %%zmm5\n" A                   \
-    " %%zmm15, %%zmm6, %%zmm6\n" B " %%zmm14, %%zmm7, %%zmm7\n" A " %%zmm15, %%zmm8, %%zmm8\n" B                   \
-    " %%zmm14, %%zmm9, %%zmm9\n" A " %%zmm15, %%zmm10, %%zmm10\n" B " %%zmm14, %%zmm11, %%zmm11\n"
-#define KVQ_PROBE_Z(A, B)                                                                                    \
-  [](long n) {                                                                                               \
-    asm volatile("vpxord %%zmm14, %%zmm14, %%zmm14\n vpxord %%zmm15, %%zmm15, %%zmm15\n" ::: "xmm14", "xmm15"); \
-    for (long i = 0; i < n; ++i)                                                                             \
-      asm volatile(KVQ_Z12(A, B)::: "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",    \
-                   "xmm9", "xmm10", "xmm11");                                                                \
-  }
+#define KVQ_PROBE(A, B) KVQ_PROBE_R("ymm", "vpxor", A, B)
+// The same on zmm registers (AVX-512).
+#define KVQ_PROBE_Z(A, B) KVQ_PROBE_R("zmm", "vpxord", A, B)
 // One chain of 12 dependent instructions (each adds into zmm0): per ns = 1 / latency.
 #define KVQ_Z1(A) A " %%zmm15, %%zmm14, %%zmm0\n"
 #define KVQ_PROBE_Z_CHAIN(A)                                                                                  \
