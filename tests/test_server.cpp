@@ -156,6 +156,79 @@ TEST_F(ServerTest, CompletionGreedyStreamedEqualsPlain) {
   EXPECT_EQ(evs.back()["usage"]["completion_tokens"], 24);
 }
 
+// n choices: one sequence each, the prompt counted once in usage; choice i samples with seed + i,
+// so it equals a one-choice request with that seed; greedy choices are all the same. Streamed,
+// every chunk names its choice, each choice ends once, and one usage chunk and [DONE] close it.
+TEST_F(ServerTest, SeveralChoices) {
+  json body = {{"prompt", "Once upon a time"}, {"max_tokens", 12}, {"temperature", 0}, {"n", 3}};
+  json j = post_ok("/v1/completions", body);
+  ASSERT_EQ(j["choices"].size(), 3u);
+  json one = body;
+  one.erase("n");
+  const json single = post_ok("/v1/completions", one);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(j["choices"][i]["index"], i);
+    EXPECT_EQ(j["choices"][i]["text"], single["choices"][0]["text"]);
+    EXPECT_EQ(j["choices"][i]["finish_reason"], "length");
+  }
+  EXPECT_EQ(j["usage"]["prompt_tokens"], single["usage"]["prompt_tokens"]);
+  EXPECT_EQ(j["usage"]["completion_tokens"], 36);
+  EXPECT_EQ(j["usage"]["total_tokens"], single["usage"]["prompt_tokens"].get<int>() + 36);
+
+  // The choices share the prompt's pages: a fresh prompt of several pages (16 tokens each here) is
+  // computed once, the other choices adopt its whole pages.
+  const std::string fresh = "The old fisherman walked along the quiet beach every morning and counted the shells that "
+                            "the waves had left behind for him";
+  const int n_fresh = int(engine_->tokenizer().encode(fresh, true).size());
+  ASSERT_GE(n_fresh, 33);
+  const uint64_t hits0 = engine_->metrics().prefix_hit_tokens;
+  json jf = post_ok("/v1/completions", {{"prompt", fresh}, {"max_tokens", 4}, {"temperature", 0}, {"n", 4}});
+  ASSERT_EQ(jf["choices"].size(), 4u);
+  EXPECT_EQ(engine_->metrics().prefix_hit_tokens - hits0, uint64_t(3 * ((n_fresh - 1) / 16) * 16));
+
+  // Sampled chat: choice i = the one-choice request with seed 7 + i.
+  json chat = {{"messages", json::array({{{"role", "user"}, {"content", "Tell me about a dog"}}})},
+               {"max_tokens", 16}, {"temperature", 1.0}, {"seed", 7}, {"n", 2}};
+  json jc = post_ok("/v1/chat/completions", chat);
+  ASSERT_EQ(jc["choices"].size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    json c1 = chat;
+    c1.erase("n");
+    c1["seed"] = 7 + i;
+    EXPECT_EQ(jc["choices"][i]["index"], i);
+    EXPECT_EQ(jc["choices"][i]["message"]["content"], post_ok("/v1/chat/completions", c1)["choices"][0]["message"]["content"])
+        << "choice " << i;
+  }
+  EXPECT_NE(jc["choices"][0]["message"]["content"], jc["choices"][1]["message"]["content"]);  // the seeds differ
+
+  // Streamed, with usage.
+  body["n"] = 2;
+  body["stream_options"] = {{"include_usage", true}};
+  bool done = false;
+  const std::vector<json> evs = stream("/v1/completions", body, &done);
+  EXPECT_TRUE(done);
+  std::string text[2];
+  int finishes[2] = {0, 0}, usage_chunks = 0;
+  for (const auto& e : evs) {
+    if (e["choices"].empty()) {
+      ++usage_chunks;
+      EXPECT_EQ(e["usage"]["completion_tokens"], 24);
+      continue;
+    }
+    ASSERT_EQ(e["choices"].size(), 1u);
+    const int i = e["choices"][0]["index"];
+    ASSERT_TRUE(i == 0 || i == 1) << i;
+    text[i] += e["choices"][0]["text"].get<std::string>();
+    if (!e["choices"][0]["finish_reason"].is_null()) ++finishes[i];
+  }
+  EXPECT_EQ(usage_chunks, 1);
+  EXPECT_TRUE(evs.back()["choices"].empty());  // usage last
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(text[i], single["choices"][0]["text"]) << "choice " << i;
+    EXPECT_EQ(finishes[i], 1) << "choice " << i;
+  }
+}
+
 TEST_F(ServerTest, ChatPlainAndStreamedAndStop) {
   json body = {{"messages", json::array({{{"role", "user"}, {"content", "Once upon a time"}}})},
                {"max_tokens", 20},
@@ -220,7 +293,10 @@ TEST_F(ServerTest, BadInputIs400AndServerKeepsServing) {
   expect_bad(c, R"({"prompt": "a", "stop": ["x", 3]})", "stop");
   expect_bad(c, R"({"prompt": "a", "seed": 1.5})", "seed");
   expect_bad(c, R"({"prompt": "a", "stream": "yes"})", "stream");
-  expect_bad(c, R"({"prompt": "a", "n": 2})", "n");
+  expect_bad(c, R"({"prompt": "a", "n": 0})", "n");
+  expect_bad(c, R"({"prompt": "a", "n": 129})", "n");
+  expect_bad(c, R"({"prompt": "a", "n": "2"})", "n");
+  expect_bad(c, R"({"prompt": "a", "n": 1.5})", "n");
   std::string long_prompt;
   for (int i = 0; i < 300; ++i) long_prompt += "the cat sat. ";
   expect_bad(c, json{{"prompt", long_prompt}}.dump(), "prompt");

@@ -61,7 +61,10 @@ struct ApiRequest {
   bool include_usage = false;
   bool max_tokens_set = false;
   bool echo = false;  // completions: the prompt's text (and log-probabilities) before the completion
+  int n = 1;          // choices: n sequences of the same prompt (seeds seed, seed + 1, ...)
 };
+
+constexpr int kMaxChoices = 128;
 
 ApiRequest parse_common(const json& body) {
   ApiRequest r;
@@ -105,7 +108,10 @@ ApiRequest parse_common(const json& body) {
     r.max_tokens_set = true;
   }
   if (body.contains("n") && !body["n"].is_null()) {
-    if (!body["n"].is_number_integer() || body["n"].get<int64_t>() != 1) throw ApiError{"only n = 1 is supported", "n"};
+    const json& v = body["n"];
+    if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > kMaxChoices)
+      throw ApiError{fmt::format("'n' must be an integer in [1, {}]", kMaxChoices), "n"};
+    r.n = v.get<int>();
   }
   if (body.contains("stream") && !body["stream"].is_null()) {
     if (!body["stream"].is_boolean()) throw ApiError{"'stream' must be a boolean", "stream"};
@@ -192,7 +198,12 @@ struct StreamState {
   std::condition_variable cv;
   std::deque<std::string> events;
   bool done = false;
-  std::atomic<uint64_t> id{0};
+  std::vector<uint64_t> ids;  // the choices' requests (set before the stream starts)
+  int remaining = 0;          // choices not finished yet (under mu)
+  int completion_tokens = 0;  // of the finished ones (under mu)
+  void cancel(Engine& e) const {
+    for (uint64_t id : ids) e.cancel(id);
+  }
   void push(std::string ev) {
     {
       std::lock_guard<std::mutex> lk(mu);
@@ -407,101 +418,132 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
   const std::string id = fmt::format("{}-{}", chat ? "chatcmpl" : "cmpl", next_id++);
   const int64_t created = int64_t(std::time(nullptr));
   const std::string model = opt.model_name;
-  auto usage = [n_prompt](const GenResult& g) {
+  // The prompt counts once for all n choices (it is computed once: they share its pages).
+  auto usage = [n_prompt](int completion_tokens) {
     return json{{"prompt_tokens", n_prompt},
-                {"completion_tokens", g.completion_tokens},
-                {"total_tokens", n_prompt + g.completion_tokens}};
+                {"completion_tokens", completion_tokens},
+                {"total_tokens", n_prompt + completion_tokens}};
+  };
+  const int n_choices = ar.n;
+  // Choice i samples with seed + i (reproducible per choice; greedy choices are all the same).
+  auto choice_request = [&](int i) {
+    GenRequest gr;
+    gr.prompt = prompt;
+    gr.params = ar.params;
+    gr.params.sampling.seed = ar.params.sampling.seed + uint64_t(i);
+    return gr;
   };
 
   if (!ar.stream) {
-    auto pr = std::make_shared<std::promise<GenResult>>();
-    auto fut = pr->get_future();
-    GenRequest gr;
-    gr.prompt = std::move(prompt);
-    gr.params = ar.params;
-    gr.on_done = [pr](const GenResult& g) { pr->set_value(g); };
-    const uint64_t rid = engine.submit(std::move(gr));
+    std::vector<std::future<GenResult>> futs;
+    std::vector<GenRequest> grs;
+    for (int i = 0; i < n_choices; ++i) {
+      auto pr = std::make_shared<std::promise<GenResult>>();
+      futs.push_back(pr->get_future());
+      GenRequest gr = choice_request(i);
+      gr.on_done = [pr](const GenResult& g) { pr->set_value(g); };
+      grs.push_back(std::move(gr));
+    }
+    const std::vector<uint64_t> rids = engine.submit_all(std::move(grs));
     // Nothing is written before the result, so a client that disconnects is only seen by
-    // watching its socket: cancel its request then, which frees its pages at the next step.
+    // watching its socket: cancel its requests then, which frees their pages at the next step.
     const int fd = connection_fd(req);
-    for (;;) {
+    for (size_t next = 0; next < futs.size();) {
       if (fd >= 0 && peer_closed(fd)) {
-        engine.cancel(rid);
+        for (uint64_t rid : rids) engine.cancel(rid);
         break;
       }
-      if (fut.wait_for(std::chrono::milliseconds(fd >= 0 ? 10 : 1000)) == std::future_status::ready) break;
+      if (futs[next].wait_for(std::chrono::milliseconds(fd >= 0 ? 10 : 1000)) == std::future_status::ready) ++next;
     }
-    const GenResult g = fut.get();
-    if (g.finish_reason == "error" || g.finish_reason == "cancelled")
-      throw ApiError{g.error.empty() ? "the request was cancelled" : g.error, "", "", 500};
-    json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish_reason_api(g.finish_reason)}};
-    if (chat) choice["message"] = {{"role", "assistant"}, {"content", g.text}};
-    else choice["text"] = ar.echo ? prompt_text + g.text : g.text;
-    if (chat && ar.params.logprobs >= 0) choice["logprobs"] = chat_logprobs(g.logprobs);
-    if (!chat && ar.params.logprobs >= 0) {
-      std::vector<TokenLogprob> lps = ar.echo ? g.prompt_logprobs : std::vector<TokenLogprob>{};
-      lps.insert(lps.end(), g.logprobs.begin(), g.logprobs.end());
-      choice["logprobs"] = completion_logprobs(lps);
+    std::vector<GenResult> gs;
+    for (auto& f : futs) gs.push_back(f.get());
+    json choices = json::array();
+    int completion_tokens = 0;
+    for (int i = 0; i < n_choices; ++i) {
+      const GenResult& g = gs[size_t(i)];
+      if (g.finish_reason == "error" || g.finish_reason == "cancelled")
+        throw ApiError{g.error.empty() ? "the request was cancelled" : g.error, "", "", 500};
+      completion_tokens += g.completion_tokens;
+      json choice = {{"index", i}, {"logprobs", nullptr}, {"finish_reason", finish_reason_api(g.finish_reason)}};
+      if (chat) choice["message"] = {{"role", "assistant"}, {"content", g.text}};
+      else choice["text"] = ar.echo ? prompt_text + g.text : g.text;
+      if (chat && ar.params.logprobs >= 0) choice["logprobs"] = chat_logprobs(g.logprobs);
+      if (!chat && ar.params.logprobs >= 0) {
+        std::vector<TokenLogprob> lps = ar.echo ? g.prompt_logprobs : std::vector<TokenLogprob>{};
+        lps.insert(lps.end(), g.logprobs.begin(), g.logprobs.end());
+        choice["logprobs"] = completion_logprobs(lps);
+      }
+      choices.push_back(std::move(choice));
     }
     send_json(res, 200,
               json{{"id", id},
                    {"object", chat ? "chat.completion" : "text_completion"},
                    {"created", created},
                    {"model", model},
-                   {"choices", json::array({choice})},
-                   {"usage", usage(g)}});
+                   {"choices", choices},
+                   {"usage", usage(completion_tokens)}});
     return;
   }
 
   auto st = std::make_shared<StreamState>();
-  // Log-probabilities of the tokens sampled since the last chunk (scheduler thread only).
+  st->remaining = n_choices;
+  // Log-probabilities of the tokens sampled since the last chunk, per choice (scheduler thread only).
   struct PendingLogprobs {
     std::vector<TokenLogprob> lps;
     size_t offset = 0;  // completions: byte offset of the next token's text
   };
-  auto pend = std::make_shared<PendingLogprobs>();
   const bool want_lp = ar.params.logprobs >= 0;
-  auto chunk = [=, this](const json& delta_or_text, const json& finish) {
-    json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish}};
-    if (want_lp && !pend->lps.empty()) {
-      choice["logprobs"] = chat ? chat_logprobs(pend->lps) : completion_logprobs(pend->lps, pend->offset, &pend->offset);
-      pend->lps.clear();
-    }
-    if (chat) choice["delta"] = delta_or_text;
-    else choice["text"] = delta_or_text;
-    return json{{"id", id},
-                {"object", chat ? "chat.completion.chunk" : "text_completion"},
-                {"created", created},
-                {"model", model},
-                {"choices", json::array({choice})}};
-  };
-  if (chat) st->push(sse(chunk(json{{"role", "assistant"}, {"content", ""}}, nullptr)));
-  GenRequest gr;
-  gr.prompt = std::move(prompt);
-  gr.params = ar.params;
-  if (want_lp) gr.on_logprob = [pend](const TokenLogprob& lp) { pend->lps.push_back(lp); };
-  gr.on_text = [st, chunk, chat](const std::string& d) {
-    st->push(sse(chunk(chat ? json{{"content", d}} : json(d), nullptr)));
-  };
   const bool include_usage = ar.include_usage;
-  gr.on_done = [st, chunk, chat, include_usage, usage, id, created, model](const GenResult& g) {
-    if (g.finish_reason == "error") {
-      st->push(sse(error_body(g.error, "server_error", "", "")));
-    } else if (g.finish_reason != "cancelled") {
-      st->push(sse(chunk(chat ? json::object() : json(""), finish_reason_api(g.finish_reason))));
-      if (include_usage)
+  std::vector<GenRequest> grs;
+  for (int i = 0; i < n_choices; ++i) {
+    auto pend = std::make_shared<PendingLogprobs>();
+    auto chunk = [=, this](const json& delta_or_text, const json& finish) {
+      json choice = {{"index", i}, {"logprobs", nullptr}, {"finish_reason", finish}};
+      if (want_lp && !pend->lps.empty()) {
+        choice["logprobs"] = chat ? chat_logprobs(pend->lps) : completion_logprobs(pend->lps, pend->offset, &pend->offset);
+        pend->lps.clear();
+      }
+      if (chat) choice["delta"] = delta_or_text;
+      else choice["text"] = delta_or_text;
+      return json{{"id", id},
+                  {"object", chat ? "chat.completion.chunk" : "text_completion"},
+                  {"created", created},
+                  {"model", model},
+                  {"choices", json::array({choice})}};
+    };
+    if (chat) st->push(sse(chunk(json{{"role", "assistant"}, {"content", ""}}, nullptr)));
+    GenRequest gr = choice_request(i);
+    if (want_lp) gr.on_logprob = [pend](const TokenLogprob& lp) { pend->lps.push_back(lp); };
+    gr.on_text = [st, chunk, chat](const std::string& d) {
+      st->push(sse(chunk(chat ? json{{"content", d}} : json(d), nullptr)));
+    };
+    gr.on_done = [st, chunk, chat, include_usage, usage, id, created, model](const GenResult& g) {
+      if (g.finish_reason == "error")
+        st->push(sse(error_body(g.error, "server_error", "", "")));
+      else if (g.finish_reason != "cancelled")
+        st->push(sse(chunk(chat ? json::object() : json(""), finish_reason_api(g.finish_reason))));
+      int left, tokens;
+      {
+        std::lock_guard<std::mutex> lk(st->mu);
+        st->completion_tokens += g.completion_tokens;
+        left = --st->remaining;
+        tokens = st->completion_tokens;
+      }
+      if (left > 0) return;  // the last choice to finish ends the stream
+      if (include_usage && g.finish_reason != "cancelled")
         st->push(sse(json{{"id", id},
                           {"object", chat ? "chat.completion.chunk" : "text_completion"},
                           {"created", created},
                           {"model", model},
                           {"choices", json::array()},
-                          {"usage", usage(g)}}));
-    }
-    st->push("data: [DONE]\n\n");
-    std::lock_guard<std::mutex> lk(st->mu);
-    st->done = true;
-  };
-  st->id = engine.submit(std::move(gr));
+                          {"usage", usage(tokens)}}));
+      st->push("data: [DONE]\n\n");
+      std::lock_guard<std::mutex> lk(st->mu);
+      st->done = true;
+    };
+    grs.push_back(std::move(gr));
+  }
+  st->ids = engine.submit_all(std::move(grs));
   Engine* eng = &engine;
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
@@ -515,7 +557,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
         lk.unlock();
         for (const auto& ev : evs) {
           if (!sink.write(ev.data(), ev.size())) {
-            eng->cancel(st->id);  // the client went away
+            st->cancel(*eng);  // the client went away
             return false;
           }
         }
@@ -527,13 +569,13 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
           }
         }
         if (!sink.is_writable()) {
-          eng->cancel(st->id);
+          st->cancel(*eng);
           return false;
         }
         return true;
       },
       [st, eng](bool success) {
-        if (!success) eng->cancel(st->id);
+        if (!success) st->cancel(*eng);
       });
 }
 
