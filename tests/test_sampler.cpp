@@ -82,6 +82,49 @@ TEST(Sampler, RepetitionPenaltyDividesPositiveAndMultipliesNegative) {
   EXPECT_EQ(s.sample(neg.data(), 2, {0}), 1);  // -1*2 = -2 < -1.5
 }
 
+// OpenAI's penalties count generated tokens only (history past n_prompt): presence once per
+// token, frequency per occurrence; logit bias adds before everything (+100 forces, -100 bans).
+TEST(Sampler, PresenceFrequencyPenaltiesAndLogitBias) {
+  std::vector<float> l = {3.f, 2.5f, 1.f};
+  SamplerParams p;
+  p.temperature = 0;
+  p.presence_penalty = 0.4f;
+  {
+    Sampler s(p);
+    EXPECT_EQ(s.sample(l.data(), 3, {0, 0, 0}, 3), 0);  // all prompt: no penalty
+    EXPECT_EQ(s.sample(l.data(), 3, {0, 0, 0}, 2), 0);  // 3 - 0.4 = 2.6 > 2.5
+  }
+  p.presence_penalty = 0.6f;
+  EXPECT_EQ(Sampler(p).sample(l.data(), 3, {0}, 0), 1);  // 2.4 < 2.5
+  p.presence_penalty = 0;
+  p.frequency_penalty = 0.2f;
+  {
+    Sampler s(p);
+    EXPECT_EQ(s.sample(l.data(), 3, {0, 0}, 0), 0);     // 3 - 0.4 = 2.6
+    EXPECT_EQ(s.sample(l.data(), 3, {0, 0, 0}, 0), 1);  // 3 - 0.6 = 2.4
+    EXPECT_EQ(s.sample(l.data(), 3, {7, -1, 0, 0, 0}, 0), 1);  // ids outside the vocabulary ignored
+  }
+  p.frequency_penalty = -1.f;  // negative: encourages repeats
+  EXPECT_EQ(Sampler(p).sample(l.data(), 3, {2, 2}, 0), 0);     // 1 + 2 = 3: a tie, the lower id
+  EXPECT_EQ(Sampler(p).sample(l.data(), 3, {2, 2, 2}, 0), 2);  // 1 + 3 = 4
+  p.frequency_penalty = 0;
+  p.logit_bias = {{2, 100.f}};
+  EXPECT_EQ(Sampler(p).sample(l.data(), 3, {}), 2);
+  p.logit_bias = {{0, -100.f}, {9, 5.f}};  // ids past the vocabulary ignored
+  EXPECT_EQ(Sampler(p).sample(l.data(), 3, {}), 1);
+  // Sampled: a banned token is never drawn.
+  p.temperature = 1.f;
+  p.logit_bias = {{0, -100.f}};
+  for (const auto& [t, c] : histogram(p, l, 500)) EXPECT_NE(t, 0) << c;
+  p.logit_bias = {{-1, 1.f}};
+  EXPECT_THROW(Sampler{p}, Error);
+  p.logit_bias = {{1, NAN}};
+  EXPECT_THROW(Sampler{p}, Error);
+  p.logit_bias.clear();
+  p.presence_penalty = INFINITY;
+  EXPECT_THROW(Sampler{p}, Error);
+}
+
 TEST(Sampler, SameSeedSameDraws) {
   SamplerParams p;
   p.temperature = 1.f;

@@ -229,6 +229,51 @@ TEST_F(ServerTest, SeveralChoices) {
   }
 }
 
+// Sampling controls beyond temperature / top-p / top-k: logit_bias forces or bans tokens,
+// ignore_eos generates max_tokens past an end-of-generation token, and the OpenAI / vLLM penalties
+// and min_p give what the engine gives with the same sampler settings.
+TEST_F(ServerTest, LogitBiasIgnoreEosAndPenalties) {
+  const Tokenizer& tk = engine_->tokenizer();
+  const int32_t dog = tk.encode("dog", false).at(0);
+  json j = post_ok("/v1/completions", {{"prompt", "Once upon a time"}, {"max_tokens", 6}, {"temperature", 0},
+                                       {"logit_bias", {{std::to_string(dog), 100}}}});
+  std::string six;
+  for (int i = 0; i < 6; ++i) six += tk.token_piece(dog);
+  EXPECT_EQ(j["choices"][0]["text"], six);
+
+  ASSERT_GE(tk.eos(), 0);
+  const json eos_bias = {{std::to_string(tk.eos()), 100}};
+  j = post_ok("/v1/completions", {{"prompt", "Once upon a time"}, {"max_tokens", 5}, {"temperature", 0},
+                                  {"logit_bias", eos_bias}});
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+  EXPECT_LE(j["usage"]["completion_tokens"].get<int>(), 1);
+  j = post_ok("/v1/completions", {{"prompt", "Once upon a time"}, {"max_tokens", 5}, {"temperature", 0},
+                                  {"logit_bias", eos_bias}, {"ignore_eos", true}});
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(j["usage"]["completion_tokens"], 5);
+
+  // Penalties and min_p: the engine's result for the same settings.
+  const json body = {{"prompt", "Once upon a time"}, {"max_tokens", 40},       {"temperature", 0.7},
+                     {"seed", 3},                    {"presence_penalty", 0.5}, {"frequency_penalty", 0.8},
+                     {"repetition_penalty", 1.2},    {"min_p", 0.1},            {"top_p", 0.9}};
+  j = post_ok("/v1/completions", body);
+  GenParams p;
+  p.max_tokens = 40;
+  p.sampling.temperature = 0.7f;
+  p.sampling.seed = 3;
+  p.sampling.top_k = 0;
+  p.sampling.top_p = 0.9f;
+  p.sampling.min_p = 0.1f;
+  p.sampling.presence_penalty = 0.5f;
+  p.sampling.frequency_penalty = 0.8f;
+  p.sampling.repeat_penalty = 1.2f;
+  p.sampling.repeat_last_n = -1;
+  EXPECT_EQ(j["choices"][0]["text"], engine_->generate(tk.encode("Once upon a time", true), p).text);
+  json plain = body;  // the same draws without the penalties: another text (they took effect)
+  for (const char* k : {"presence_penalty", "frequency_penalty", "repetition_penalty"}) plain.erase(k);
+  EXPECT_NE(post_ok("/v1/completions", plain)["choices"][0]["text"], j["choices"][0]["text"]);
+}
+
 TEST_F(ServerTest, ChatPlainAndStreamedAndStop) {
   json body = {{"messages", json::array({{{"role", "user"}, {"content", "Once upon a time"}}})},
                {"max_tokens", 20},
@@ -293,6 +338,16 @@ TEST_F(ServerTest, BadInputIs400AndServerKeepsServing) {
   expect_bad(c, R"({"prompt": "a", "stop": ["x", 3]})", "stop");
   expect_bad(c, R"({"prompt": "a", "seed": 1.5})", "seed");
   expect_bad(c, R"({"prompt": "a", "stream": "yes"})", "stream");
+  expect_bad(c, R"({"prompt": "a", "presence_penalty": 3})", "presence_penalty");
+  expect_bad(c, R"({"prompt": "a", "frequency_penalty": "x"})", "frequency_penalty");
+  expect_bad(c, R"({"prompt": "a", "repetition_penalty": 0})", "repetition_penalty");
+  expect_bad(c, R"({"prompt": "a", "min_p": 2})", "min_p");
+  expect_bad(c, R"({"prompt": "a", "logit_bias": [1]})", "logit_bias");
+  expect_bad(c, R"({"prompt": "a", "logit_bias": {"abc": 1}})", "logit_bias");
+  expect_bad(c, R"({"prompt": "a", "logit_bias": {"5": 200}})", "logit_bias");
+  expect_bad(c, R"({"prompt": "a", "logit_bias": {"5": "up"}})", "logit_bias");
+  expect_bad(c, R"({"prompt": "a", "logit_bias": {"99999999": 1}})", "logit_bias");
+  expect_bad(c, R"({"prompt": "a", "ignore_eos": "yes"})", "ignore_eos");
   expect_bad(c, R"({"prompt": "a", "n": 0})", "n");
   expect_bad(c, R"({"prompt": "a", "n": 129})", "n");
   expect_bad(c, R"({"prompt": "a", "n": "2"})", "n");

@@ -574,7 +574,7 @@ bool Engine::step() {
           finish(s, "length");
           continue;
         }
-        const int32_t next = s.sampler->sample(lg, n_vocab, s.tokens);
+        const int32_t next = s.sampler->sample(lg, n_vocab, s.tokens, size_t(s.n_prompt));
         const double now = now_seconds();
         {
           std::lock_guard<std::mutex> lk(mu_);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "core/error.h"
@@ -49,11 +50,25 @@ Sampler::Sampler(const SamplerParams& p) : p_(p), rng_(p.seed) {
   if (!(p_.top_p > 0)) fail("top_p must be in (0, 1] (got {})", p_.top_p);
   if (!(p_.min_p >= 0 && p_.min_p <= 1)) fail("min_p must be in [0, 1] (got {})", p_.min_p);
   if (!(p_.repeat_penalty > 0)) fail("repeat penalty must be > 0 (got {})", p_.repeat_penalty);
+  if (!std::isfinite(p_.presence_penalty) || !std::isfinite(p_.frequency_penalty))
+    fail("presence / frequency penalties must be finite (got {} / {})", p_.presence_penalty, p_.frequency_penalty);
+  for (const auto& [t, b] : p_.logit_bias)
+    if (t < 0 || !std::isfinite(b)) fail("logit bias {} for token {}: needs a token id >= 0 and a finite bias", b, t);
 }
 
-int32_t Sampler::sample(const float* logits, int n_vocab, const std::vector<int32_t>& history) {
+int32_t Sampler::sample(const float* logits, int n_vocab, const std::vector<int32_t>& history, size_t n_prompt) {
   cand_.resize(size_t(n_vocab));
   for (int i = 0; i < n_vocab; ++i) cand_[size_t(i)] = {logits[i], i};
+  for (const auto& [t, b] : p_.logit_bias)
+    if (t < n_vocab) cand_[size_t(t)].first += b;
+  if ((p_.presence_penalty != 0 || p_.frequency_penalty != 0) && history.size() > n_prompt) {
+    std::unordered_map<int32_t, int> count;
+    for (size_t i = n_prompt; i < history.size(); ++i) ++count[history[i]];
+    for (const auto& [t, c] : count) {
+      if (t < 0 || t >= n_vocab) continue;
+      cand_[size_t(t)].first -= p_.presence_penalty + p_.frequency_penalty * float(c);
+    }
+  }
   if (p_.repeat_penalty != 1.0f && p_.repeat_last_n != 0) {
     size_t n = history.size();
     size_t from = p_.repeat_last_n < 0 || size_t(p_.repeat_last_n) >= n ? 0 : n - size_t(p_.repeat_last_n);

@@ -1,6 +1,6 @@
-// Token sampling from logits: greedy, temperature, top-k, top-p, min-p, repetition penalty,
-// seeded. The order of operations is llama.cpp's: penalties -> top-k -> top-p -> min-p ->
-// temperature -> draw.
+// Token sampling from logits: greedy, temperature, top-k, top-p, min-p, logit bias, presence /
+// frequency and repetition penalties, seeded. The order of operations is llama.cpp's: logit bias ->
+// penalties -> top-k -> top-p -> min-p -> temperature -> draw.
 #pragma once
 #include <cstdint>
 #include <random>
@@ -14,15 +14,22 @@ struct SamplerParams {
   float top_p = 0.95f;        // >= 1: off
   float min_p = 0.05f;        // <= 0: off
   float repeat_penalty = 1.0f;  // 1: off
-  int repeat_last_n = 64;     // tokens considered by the penalty
+  int repeat_last_n = 64;     // tokens considered by the penalty (< 0: the whole history)
+  // OpenAI's penalties over the generated tokens (history past n_prompt): a token's logit less
+  // presence_penalty once if it occurred, and frequency_penalty times its count. 0: off.
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
+  // Added to the logits of these token ids before anything else (OpenAI's logit_bias).
+  std::vector<std::pair<int32_t, float>> logit_bias;
   uint64_t seed = 0xC0FFEE;
 };
 
 class Sampler {
  public:
   explicit Sampler(const SamplerParams& p);
-  // logits: (n_vocab). history: tokens so far (prompt + generated), for the penalty.
-  int32_t sample(const float* logits, int n_vocab, const std::vector<int32_t>& history);
+  // logits: (n_vocab). history: tokens so far (prompt + generated), for the penalties; the first
+  // n_prompt of them are the prompt (presence and frequency penalties count only the rest).
+  int32_t sample(const float* logits, int n_vocab, const std::vector<int32_t>& history, size_t n_prompt = 0);
   const SamplerParams& params() const { return p_; }
 
  private:

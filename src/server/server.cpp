@@ -89,6 +89,33 @@ ApiRequest parse_common(const json& body) {
     if (*p <= 0) throw ApiError{"'top_p' must be > 0", "top_p"};
     s.top_p = float(*p);
   }
+  if (auto v = number("presence_penalty", -2.0, 2.0)) s.presence_penalty = float(*v);
+  if (auto v = number("frequency_penalty", -2.0, 2.0)) s.frequency_penalty = float(*v);
+  if (auto v = number("min_p", 0.0, 1.0)) s.min_p = float(*v);  // vLLM's
+  // vLLM's (and transformers'): over the prompt and the generated tokens, > 1 discourages repeats.
+  if (auto v = number("repetition_penalty", 0.0, 10.0)) {
+    if (*v <= 0) throw ApiError{"'repetition_penalty' must be > 0", "repetition_penalty"};
+    s.repeat_penalty = float(*v);
+    s.repeat_last_n = -1;
+  }
+  if (body.contains("logit_bias") && !body["logit_bias"].is_null()) {
+    const json& lb = body["logit_bias"];
+    if (!lb.is_object()) throw ApiError{"'logit_bias' must be an object of token ids to biases", "logit_bias"};
+    if (lb.size() > 1024) throw ApiError{"'logit_bias' holds at most 1024 tokens", "logit_bias"};
+    for (const auto& [k, v] : lb.items()) {
+      char* end = nullptr;
+      const long t = std::strtol(k.c_str(), &end, 10);
+      if (k.empty() || *end != '\0' || t < 0 || t > INT32_MAX)
+        throw ApiError{fmt::format("'logit_bias' keys must be token ids (got '{}')", k), "logit_bias"};
+      if (!v.is_number() || !(v.get<double>() >= -100 && v.get<double>() <= 100))
+        throw ApiError{fmt::format("'logit_bias' values must be numbers in [-100, 100] (token {})", k), "logit_bias"};
+      s.logit_bias.push_back({int32_t(t), v.get<float>()});
+    }
+  }
+  if (body.contains("ignore_eos") && !body["ignore_eos"].is_null()) {  // vLLM's: generate max_tokens
+    if (!body["ignore_eos"].is_boolean()) throw ApiError{"'ignore_eos' must be a boolean", "ignore_eos"};
+    r.params.ignore_eos = body["ignore_eos"].get<bool>();
+  }
   if (body.contains("top_k") && !body["top_k"].is_null()) {
     if (!body["top_k"].is_number_integer()) throw ApiError{"'top_k' must be an integer", "top_k"};
     s.top_k = body["top_k"].get<int>();
@@ -367,6 +394,10 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
   if (!body.is_object()) throw ApiError{"the request body must be a JSON object", ""};
   ApiRequest ar = parse_common(body);
   parse_logprobs(body, chat, ar);
+  for (const auto& [t, b] : ar.params.sampling.logit_bias)
+    if (t >= engine.tokenizer().n_vocab())
+      throw ApiError{fmt::format("'logit_bias' token {} is outside the vocabulary [0, {})", t, engine.tokenizer().n_vocab()),
+                     "logit_bias"};
   std::vector<int32_t> prompt;
   std::string prompt_text;  // what echo returns
   const char* prompt_param = chat ? "messages" : "prompt";

@@ -98,7 +98,7 @@ int run_command(const RunOptions& o) {
   const double t1 = now_seconds();
   const char* stop_reason = "length";
   for (; n_gen < o.n_predict; ++n_gen) {
-    int32_t next = sampler.sample(logits, c.n_vocab, history);
+    int32_t next = sampler.sample(logits, c.n_vocab, history, ids.size());
     if (tok.is_eog(next)) {
       stop_reason = "end of generation token";
       break;
