@@ -349,6 +349,22 @@ TEST_F(ServerTest, BadInputIs400AndServerKeepsServing) {
   expect_bad(c, R"({"prompt": "a", "logit_bias": {"99999999": 1}})", "logit_bias");
   expect_bad(c, R"({"prompt": "a", "ignore_eos": "yes"})", "ignore_eos");
   expect_bad(c, R"({"prompt": "a", "n": 0})", "n");
+  // Unsupported generation features are refused, never silently dropped.
+  expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}})",
+             "response_format");
+  expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]})", "tools");
+  expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"})", "tool_choice");
+  expect_bad(c, R"({"prompt": "a", "suffix": "end"})", "suffix");
+  expect_bad(c, R"({"prompt": "a", "best_of": 3})", "best_of");
+  expect_bad(c, R"({"prompt": "a", "guided_json": {}})", "guided_json");
+  // ... while their neutral values and metadata pass.
+  post_ok(ch, {{"messages", json::array({{{"role", "user"}, {"content", "hi"}}})},
+               {"max_tokens", 2},
+               {"response_format", {{"type", "text"}}},
+               {"tools", json::array()},
+               {"tool_choice", "none"},
+               {"user", "someone"}});
+  post_ok(c, {{"prompt", "a"}, {"max_tokens", 2}, {"best_of", 1}, {"suffix", ""}});
   expect_bad(c, R"({"prompt": "a", "n": 129})", "n");
   expect_bad(c, R"({"prompt": "a", "n": "2"})", "n");
   expect_bad(c, R"({"prompt": "a", "n": 1.5})", "n");

@@ -165,6 +165,23 @@ ApiRequest parse_common(const json& body) {
   }
   if (body.contains("model") && !body["model"].is_null() && !body["model"].is_string())
     throw ApiError{"'model' must be a string", "model"};
+  // Parameters that would change what is generated and that kvq does not implement: refused, so
+  // that a client never takes plain sampling for what it asked (metadata such as "user" is ignored).
+  auto set = [&](const char* key) { return body.contains(key) && !body[key].is_null(); };
+  if (set("response_format") &&
+      !(body["response_format"].is_object() && body["response_format"].value("type", "") == "text"))
+    throw ApiError{"'response_format' other than {\"type\": \"text\"} is not supported", "response_format"};
+  if (set("tools") && !(body["tools"].is_array() && body["tools"].empty()))
+    throw ApiError{"'tools' (function calling) is not supported", "tools"};
+  if (set("tool_choice") && !(body["tool_choice"].is_string() && body["tool_choice"] == "none"))
+    throw ApiError{"'tool_choice' other than \"none\" is not supported", "tool_choice"};
+  if (set("functions")) throw ApiError{"'functions' (function calling) is not supported", "functions"};
+  if (set("suffix") && !(body["suffix"].is_string() && body["suffix"].get<std::string>().empty()))
+    throw ApiError{"'suffix' (insertion) is not supported", "suffix"};
+  if (set("best_of") && !(body["best_of"].is_number_integer() && body["best_of"].get<int64_t>() == r.n))
+    throw ApiError{"'best_of' other than n is not supported", "best_of"};
+  for (const char* key : {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "grammar", "json_schema"})
+    if (set(key)) throw ApiError{fmt::format("'{}' (constrained decoding) is not supported", key), key};
   return r;
 }
 
