@@ -252,6 +252,20 @@ TEST_F(ServerTest, LogitBiasIgnoreEosAndPenalties) {
   EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
   EXPECT_EQ(j["usage"]["completion_tokens"], 5);
 
+  // stop_token_ids: the forced token ends the generation at once, not output; ignore_eos does not
+  // exempt it; a token that never comes changes nothing.
+  for (bool ign : {false, true}) {
+    j = post_ok("/v1/completions", {{"prompt", "Once upon a time"}, {"max_tokens", 6}, {"temperature", 0},
+                                    {"logit_bias", {{std::to_string(dog), 100}}}, {"stop_token_ids", {dog}},
+                                    {"ignore_eos", ign}});
+    EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+    EXPECT_EQ(j["choices"][0]["text"], "");
+    EXPECT_EQ(j["usage"]["completion_tokens"], 0);
+  }
+  j = post_ok("/v1/completions", {{"prompt", "Once upon a time"}, {"max_tokens", 6}, {"temperature", 0},
+                                  {"logit_bias", {{std::to_string(dog), 100}}}, {"stop_token_ids", {dog + 1}}});
+  EXPECT_EQ(j["choices"][0]["text"], six);
+
   // Penalties and min_p: the engine's result for the same settings.
   const json body = {{"prompt", "Once upon a time"}, {"max_tokens", 40},       {"temperature", 0.7},
                      {"seed", 3},                    {"presence_penalty", 0.5}, {"frequency_penalty", 0.8},
@@ -348,6 +362,9 @@ TEST_F(ServerTest, BadInputIs400AndServerKeepsServing) {
   expect_bad(c, R"({"prompt": "a", "logit_bias": {"5": "up"}})", "logit_bias");
   expect_bad(c, R"({"prompt": "a", "logit_bias": {"99999999": 1}})", "logit_bias");
   expect_bad(c, R"({"prompt": "a", "ignore_eos": "yes"})", "ignore_eos");
+  expect_bad(c, R"({"prompt": "a", "stop_token_ids": 5})", "stop_token_ids");
+  expect_bad(c, R"({"prompt": "a", "stop_token_ids": [-1]})", "stop_token_ids");
+  expect_bad(c, R"({"prompt": "a", "stop_token_ids": [99999999]})", "stop_token_ids");
   expect_bad(c, R"({"prompt": "a", "n": 0})", "n");
   // Unsupported generation features are refused, never silently dropped.
   expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}})",

@@ -584,7 +584,9 @@ bool Engine::step() {
         if (s.res.ttft_s < 0) s.res.ttft_s = now - s.t_submit;
         else s.res.decode_s = now - s.t_submit - s.res.ttft_s;
         s.t_last = now;
-        if (tok_.is_eog(next) && !s.req.params.ignore_eos) {
+        const std::vector<int32_t>& stop_ids = s.req.params.stop_token_ids;
+        if ((tok_.is_eog(next) && !s.req.params.ignore_eos) ||
+            std::find(stop_ids.begin(), stop_ids.end(), next) != stop_ids.end()) {
           finish(s, "stop");
           continue;
         }

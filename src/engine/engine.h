@@ -62,6 +62,8 @@ struct GenParams {
   std::vector<std::string> stop;  // generation ends before the first occurrence of any of these
   bool ignore_eos = false;        // an end-of-generation token is kept and generation goes on
                                   // (benchmarks: every request generates max_tokens)
+  std::vector<int32_t> stop_token_ids;  // generation ends at these tokens, as at end-of-generation
+                                        // (not with ignore_eos's exemption; the token is not output)
   // >= 0: each generated token's log-probability under the model (token_logprob: raw logits,
   // before temperature, penalties and truncation) and that many top alternatives (at most 20).
   int logprobs = -1;

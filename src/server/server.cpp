@@ -112,6 +112,15 @@ ApiRequest parse_common(const json& body) {
       s.logit_bias.push_back({int32_t(t), v.get<float>()});
     }
   }
+  if (body.contains("stop_token_ids") && !body["stop_token_ids"].is_null()) {  // vLLM's
+    const json& v = body["stop_token_ids"];
+    if (!v.is_array() || v.size() > 64) throw ApiError{"'stop_token_ids' must be an array of at most 64 token ids", "stop_token_ids"};
+    for (const auto& t : v) {
+      if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX)
+        throw ApiError{"'stop_token_ids' must hold token ids", "stop_token_ids"};
+      r.params.stop_token_ids.push_back(t.get<int32_t>());
+    }
+  }
   if (body.contains("ignore_eos") && !body["ignore_eos"].is_null()) {  // vLLM's: generate max_tokens
     if (!body["ignore_eos"].is_boolean()) throw ApiError{"'ignore_eos' must be a boolean", "ignore_eos"};
     r.params.ignore_eos = body["ignore_eos"].get<bool>();
@@ -411,6 +420,10 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
   if (!body.is_object()) throw ApiError{"the request body must be a JSON object", ""};
   ApiRequest ar = parse_common(body);
   parse_logprobs(body, chat, ar);
+  for (const int32_t t : ar.params.stop_token_ids)
+    if (t >= engine.tokenizer().n_vocab())
+      throw ApiError{fmt::format("'stop_token_ids' token {} is outside the vocabulary [0, {})", t, engine.tokenizer().n_vocab()),
+                     "stop_token_ids"};
   for (const auto& [t, b] : ar.params.sampling.logit_bias)
     if (t >= engine.tokenizer().n_vocab())
       throw ApiError{fmt::format("'logit_bias' token {} is outside the vocabulary [0, {})", t, engine.tokenizer().n_vocab()),
