@@ -30,7 +30,12 @@ void run_add_cli(CLI::App& app, RunOptions& o) {
   app.add_option("--top-p", o.sampling.top_p, "top-p (1: off)")->capture_default_str();
   app.add_option("--min-p", o.sampling.min_p, "min-p (0: off)")->capture_default_str();
   app.add_option("--repeat-penalty", o.sampling.repeat_penalty, "repetition penalty (1: off)")->capture_default_str();
-  app.add_option("--repeat-last-n", o.sampling.repeat_last_n, "tokens the penalty looks back")->capture_default_str();
+  app.add_option("--repeat-last-n", o.sampling.repeat_last_n, "tokens the penalty looks back (-1: all)")->capture_default_str();
+  app.add_option("--presence-penalty", o.sampling.presence_penalty, "subtracted once from each generated token's logit (0: off)")
+      ->capture_default_str();
+  app.add_option("--frequency-penalty", o.sampling.frequency_penalty,
+                 "subtracted per occurrence from each generated token's logit (0: off)")
+      ->capture_default_str();
   app.add_option("-s,--seed", o.sampling.seed, "random seed")->capture_default_str();
   kv_flags_add(app, o.kv);
 }
