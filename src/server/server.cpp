@@ -680,6 +680,54 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
                                               {"owned_by", "kvq"},
                                               {"max_model_len", impl_->engine.ctx()}}})}});
   });
+  // vLLM's /tokenize and /detokenize: the engine's own tokens for a prompt (or chat messages
+  // through the model's template), and the text of token ids.
+  I.http.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
+    try {
+      const json body = json::parse(req.body, nullptr, false);
+      if (body.is_discarded() || !body.is_object()) throw ApiError{"the request body must be a JSON object", ""};
+      const Tokenizer& tk = impl_->engine.tokenizer();
+      std::vector<int32_t> ids;
+      if (body.contains("messages")) {
+        ids = impl_->chat_prompt(body);
+      } else {
+        if (!body.contains("prompt") || !body["prompt"].is_string())
+          throw ApiError{"'prompt' (a string) or 'messages' is required", "prompt", "missing_required_parameter"};
+        bool special = true;
+        if (body.contains("add_special_tokens") && !body["add_special_tokens"].is_null()) {
+          if (!body["add_special_tokens"].is_boolean())
+            throw ApiError{"'add_special_tokens' must be a boolean", "add_special_tokens"};
+          special = body["add_special_tokens"].get<bool>();
+        }
+        ids = tk.encode(body["prompt"].get<std::string>(), special, true);
+      }
+      send_json(res, 200, json{{"tokens", ids}, {"count", ids.size()}, {"max_model_len", impl_->engine.ctx()}});
+    } catch (const ApiError& e) {
+      send_error(res, e);
+    } catch (const std::exception& e) {
+      send_error(res, ApiError{e.what(), "", "", 500});
+    }
+  });
+  I.http.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
+    try {
+      const json body = json::parse(req.body, nullptr, false);
+      if (body.is_discarded() || !body.is_object()) throw ApiError{"the request body must be a JSON object", ""};
+      const Tokenizer& tk = impl_->engine.tokenizer();
+      if (!body.contains("tokens") || !body["tokens"].is_array())
+        throw ApiError{"'tokens' (an array of token ids) is required", "tokens", "missing_required_parameter"};
+      std::vector<int32_t> ids;
+      for (const auto& t : body["tokens"]) {
+        if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= tk.n_vocab())
+          throw ApiError{fmt::format("'tokens' must be integers in [0, {})", tk.n_vocab()), "tokens"};
+        ids.push_back(t.get<int32_t>());
+      }
+      send_json(res, 200, json{{"prompt", tk.decode(ids)}});
+    } catch (const ApiError& e) {
+      send_error(res, e);
+    } catch (const std::exception& e) {
+      send_error(res, ApiError{e.what(), "", "", 500});
+    }
+  });
   I.http.Get("/health", [](const httplib::Request&, httplib::Response& res) { send_json(res, 200, json{{"status", "ok"}}); });
   I.http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(metrics_prometheus(impl_->engine.metrics()), "text/plain; version=0.0.4");
