@@ -288,6 +288,51 @@ TEST_F(ServerTest, LogitBiasIgnoreEosAndPenalties) {
   EXPECT_NE(post_ok("/v1/completions", plain)["choices"][0]["text"], j["choices"][0]["text"]);
 }
 
+// A batch of prompts (strings or token ids) in one completions request: choice i belongs to prompt
+// i / n; each prompt counts once in usage; echo returns each choice's own prompt; streamed chunks
+// carry the same indices. Oversized or mixed batches are 400s.
+TEST_F(ServerTest, PromptBatch) {
+  const Tokenizer& tk = engine_->tokenizer();
+  const std::string a = "Once upon a time", b = "The little dog";
+  auto single = [&](const std::string& pr) {
+    return post_ok("/v1/completions", {{"prompt", pr}, {"max_tokens", 8}, {"temperature", 0}});
+  };
+  const json sa = single(a), sb = single(b);
+  json j = post_ok("/v1/completions", {{"prompt", {a, b}}, {"max_tokens", 8}, {"temperature", 0}, {"n", 2}});
+  ASSERT_EQ(j["choices"].size(), 4u);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(j["choices"][i]["index"], i);
+    EXPECT_EQ(j["choices"][i]["text"], (i < 2 ? sa : sb)["choices"][0]["text"]) << i;
+  }
+  const int pt = sa["usage"]["prompt_tokens"].get<int>() + sb["usage"]["prompt_tokens"].get<int>();
+  EXPECT_EQ(j["usage"]["prompt_tokens"], pt);
+  EXPECT_EQ(j["usage"]["completion_tokens"], 32);
+  // Token ids, and echo.
+  j = post_ok("/v1/completions", {{"prompt", {tk.encode(b, true), tk.encode(a, true)}},
+                                  {"max_tokens", 8}, {"temperature", 0}, {"echo", true}});
+  ASSERT_EQ(j["choices"].size(), 2u);
+  EXPECT_EQ(j["choices"][0]["text"], tk.decode(tk.encode(b, true)) + sb["choices"][0]["text"].get<std::string>());
+  EXPECT_EQ(j["choices"][1]["text"], tk.decode(tk.encode(a, true)) + sa["choices"][0]["text"].get<std::string>());
+  // Streamed.
+  bool done = false;
+  const std::vector<json> evs = stream("/v1/completions", {{"prompt", {a, b}}, {"max_tokens", 8}, {"temperature", 0}}, &done);
+  EXPECT_TRUE(done);
+  std::string text[2];
+  for (const auto& e : evs) {
+    ASSERT_EQ(e["choices"].size(), 1u);
+    const int i = e["choices"][0]["index"];
+    ASSERT_TRUE(i == 0 || i == 1) << i;
+    text[i] += e["choices"][0]["text"].get<std::string>();
+  }
+  EXPECT_EQ(text[0], sa["choices"][0]["text"]);
+  EXPECT_EQ(text[1], sb["choices"][0]["text"]);
+  // Bad batches.
+  expect_bad("/v1/completions", json{{"prompt", json::array({"a", 5})}}.dump(), "prompt");
+  expect_bad("/v1/completions", json{{"prompt", json::array({json::array({1, 2}), "a", json::array()})}}.dump(), "prompt");
+  expect_bad("/v1/completions", json{{"prompt", std::vector<std::string>(129, "a")}}.dump(), "prompt");
+  expect_bad("/v1/completions", json{{"prompt", std::vector<std::string>(128, "a")}, {"n", 9}}.dump(), "n");
+}
+
 // /tokenize and /detokenize (vLLM's): the engine's tokens, with and without BOS, through the chat
 // template for messages, and back to the text; bad bodies are 400s.
 TEST_F(ServerTest, TokenizeDetokenize) {

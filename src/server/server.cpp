@@ -64,7 +64,8 @@ struct ApiRequest {
   int n = 1;          // choices: n sequences of the same prompt (seeds seed, seed + 1, ...)
 };
 
-constexpr int kMaxChoices = 128;
+constexpr int kMaxChoices = 128;     // n, and prompts in a completions batch
+constexpr int kMaxSequences = 1024;  // prompts x n
 
 ApiRequest parse_common(const json& body) {
   ApiRequest r;
@@ -428,70 +429,96 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
     if (t >= engine.tokenizer().n_vocab())
       throw ApiError{fmt::format("'logit_bias' token {} is outside the vocabulary [0, {})", t, engine.tokenizer().n_vocab()),
                      "logit_bias"};
-  std::vector<int32_t> prompt;
-  std::string prompt_text;  // what echo returns
+  // The prompts: chat's one, or completions' string / token ids, or a batch of either.
+  struct PromptIn {
+    std::vector<int32_t> ids;
+    std::string text;  // what echo returns
+    int max_tokens = 0;
+  };
+  std::vector<PromptIn> prompts;
   const char* prompt_param = chat ? "messages" : "prompt";
   if (chat) {
-    prompt = chat_prompt(body);
+    prompts.push_back({chat_prompt(body), "", 0});
   } else {
     if (!body.contains("prompt")) throw ApiError{"'prompt' is required", "prompt", "missing_required_parameter"};
     const json& p = body["prompt"];
-    // A string, or token ids (OpenAI's array of integers; a batch of one of either is accepted).
-    const json& one = p.is_array() && p.size() == 1 && (p[0].is_string() || p[0].is_array()) ? p[0] : p;
-    if (one.is_string()) {
-      prompt_text = one.get<std::string>();
-      prompt = engine.tokenizer().encode(prompt_text, true, true);
-      if (prompt.empty()) {
-        if (engine.tokenizer().bos() < 0) throw ApiError{"the prompt is empty", "prompt"};
-        prompt.push_back(engine.tokenizer().bos());
+    auto parse_one = [&](const json& one) {
+      PromptIn in;
+      if (one.is_string()) {
+        in.text = one.get<std::string>();
+        in.ids = engine.tokenizer().encode(in.text, true, true);
+        if (in.ids.empty()) {
+          if (engine.tokenizer().bos() < 0) throw ApiError{"the prompt is empty", "prompt"};
+          in.ids.push_back(engine.tokenizer().bos());
+        }
+      } else if (one.is_array() && !one.empty()) {
+        for (const auto& t : one) {
+          if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= engine.tokenizer().n_vocab())
+            throw ApiError{fmt::format("token ids in 'prompt' must be integers in [0, {})", engine.tokenizer().n_vocab()),
+                           "prompt"};
+          in.ids.push_back(t.get<int32_t>());
+        }
+        in.text = engine.tokenizer().decode(in.ids);
+      } else {
+        throw ApiError{"'prompt' must be a string, a non-empty array of token ids, or a batch (array) of either",
+                       "prompt"};
       }
-    } else if (one.is_array() && !one.empty()) {
-      for (const auto& t : one) {
-        if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= engine.tokenizer().n_vocab())
-          throw ApiError{fmt::format("token ids in 'prompt' must be integers in [0, {})", engine.tokenizer().n_vocab()),
-                         "prompt"};
-        prompt.push_back(t.get<int32_t>());
-      }
-      prompt_text = engine.tokenizer().decode(prompt);
+      return in;
+    };
+    if (p.is_array() && !p.empty() && (p[0].is_string() || p[0].is_array())) {  // a batch
+      if (p.size() > size_t(kMaxChoices))
+        throw ApiError{fmt::format("'prompt' holds at most {} prompts", kMaxChoices), "prompt"};
+      for (const auto& one : p) prompts.push_back(parse_one(one));
     } else {
-      throw ApiError{"'prompt' must be a string or a non-empty array of token ids (or a batch of one of either)", "prompt"};
+      prompts.push_back(parse_one(p));
     }
   }
+  if (prompts.size() * size_t(ar.n) > size_t(kMaxSequences))
+    throw ApiError{fmt::format("{} prompts x n {} exceed {} sequences per request", prompts.size(), ar.n, kMaxSequences),
+                   "n"};
   const int ctx = engine.ctx();
-  const int n_prompt = int(prompt.size());
-  if (n_prompt >= ctx)
-    throw ApiError{fmt::format("the prompt is {} tokens, the model's context is {} tokens", n_prompt, ctx), prompt_param,
-                   "context_length_exceeded"};
-  if (size_t(n_prompt) + 1 > engine.pool().tokens_capacity())
-    throw ApiError{fmt::format("the prompt is {} tokens, the KV cache holds {} tokens", n_prompt,
-                               engine.pool().tokens_capacity()),
-                   prompt_param, "context_length_exceeded"};
   if (ar.max_tokens_set && ar.params.max_tokens == 0 && !ar.params.prompt_logprobs)
     throw ApiError{"'max_tokens' must be >= 1 (0 only with echo and logprobs, to score the prompt)", "max_tokens"};
-  if (!ar.max_tokens_set) {
-    ar.params.max_tokens = chat ? ctx - n_prompt : std::min(16, ctx - n_prompt);
-  } else if (n_prompt + ar.params.max_tokens > ctx) {
-    throw ApiError{fmt::format("max_tokens {} + prompt {} tokens exceed the context of {} tokens", ar.params.max_tokens,
-                               n_prompt, ctx),
-                   "max_tokens", "context_length_exceeded"};
+  int prompt_tokens = 0;  // each prompt counts once for its n choices (they share its pages)
+  for (PromptIn& in : prompts) {
+    const int n_prompt = int(in.ids.size());
+    prompt_tokens += n_prompt;
+    if (n_prompt >= ctx)
+      throw ApiError{fmt::format("the prompt is {} tokens, the model's context is {} tokens", n_prompt, ctx),
+                     prompt_param, "context_length_exceeded"};
+    if (size_t(n_prompt) + 1 > engine.pool().tokens_capacity())
+      throw ApiError{fmt::format("the prompt is {} tokens, the KV cache holds {} tokens", n_prompt,
+                                 engine.pool().tokens_capacity()),
+                     prompt_param, "context_length_exceeded"};
+    if (!ar.max_tokens_set) {
+      in.max_tokens = chat ? ctx - n_prompt : std::min(16, ctx - n_prompt);
+    } else if (n_prompt + ar.params.max_tokens > ctx) {
+      throw ApiError{fmt::format("max_tokens {} + prompt {} tokens exceed the context of {} tokens",
+                                 ar.params.max_tokens, n_prompt, ctx),
+                     "max_tokens", "context_length_exceeded"};
+    } else {
+      in.max_tokens = ar.params.max_tokens;
+    }
   }
 
   const std::string id = fmt::format("{}-{}", chat ? "chatcmpl" : "cmpl", next_id++);
   const int64_t created = int64_t(std::time(nullptr));
   const std::string model = opt.model_name;
-  // The prompt counts once for all n choices (it is computed once: they share its pages).
-  auto usage = [n_prompt](int completion_tokens) {
-    return json{{"prompt_tokens", n_prompt},
+  auto usage = [prompt_tokens](int completion_tokens) {
+    return json{{"prompt_tokens", prompt_tokens},
                 {"completion_tokens", completion_tokens},
-                {"total_tokens", n_prompt + completion_tokens}};
+                {"total_tokens", prompt_tokens + completion_tokens}};
   };
-  const int n_choices = ar.n;
-  // Choice i samples with seed + i (reproducible per choice; greedy choices are all the same).
+  // Choice i (OpenAI's order: prompt i / n, its choice i % n) samples with seed + i % n
+  // (reproducible per choice; greedy choices of one prompt are all the same).
+  const int n_choices = int(prompts.size()) * ar.n;
   auto choice_request = [&](int i) {
+    const PromptIn& in = prompts[size_t(i / ar.n)];
     GenRequest gr;
-    gr.prompt = prompt;
+    gr.prompt = in.ids;
     gr.params = ar.params;
-    gr.params.sampling.seed = ar.params.sampling.seed + uint64_t(i);
+    gr.params.max_tokens = in.max_tokens;
+    gr.params.sampling.seed = ar.params.sampling.seed + uint64_t(i % ar.n);
     return gr;
   };
 
@@ -527,7 +554,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
       completion_tokens += g.completion_tokens;
       json choice = {{"index", i}, {"logprobs", nullptr}, {"finish_reason", finish_reason_api(g.finish_reason)}};
       if (chat) choice["message"] = {{"role", "assistant"}, {"content", g.text}};
-      else choice["text"] = ar.echo ? prompt_text + g.text : g.text;
+      else choice["text"] = ar.echo ? prompts[size_t(i / ar.n)].text + g.text : g.text;
       if (chat && ar.params.logprobs >= 0) choice["logprobs"] = chat_logprobs(g.logprobs);
       if (!chat && ar.params.logprobs >= 0) {
         std::vector<TokenLogprob> lps = ar.echo ? g.prompt_logprobs : std::vector<TokenLogprob>{};
