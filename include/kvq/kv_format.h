@@ -107,6 +107,12 @@ class KvCodec {
   virtual PrefetchRange prefetch_along_range(int block_tokens, int t0, int n) const {
     return prefetch_range(block_tokens, t0, n);
   }
+  // A range's first prefetch_lead_bytes: prefetch_range for codecs that compute the whole range
+  // (prefetch_along_range) in one place.
+  static PrefetchRange lead_of(PrefetchRange r) {
+    if (r.bytes > prefetch_lead_bytes) r.bytes = prefetch_lead_bytes;
+    return r;
+  }
 
   // Encodes tokens [t0, t0 + n) of head `head`. src: (n, head_dim) f32, rows src_stride floats
   // apart. For grouped codecs t0 and n are multiples of group_tokens.

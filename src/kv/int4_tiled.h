@@ -115,10 +115,9 @@ Int4TiledLayout q5t_layout(int head_dim, bool with_min);
 Int4TiledLayout iq4nlt_layout(int head_dim);
 
 // Byte range of the units (tiles, or groups of tiles) of `unit_tokens` tokens, `unit_bytes` apart,
-// that hold tokens [t0, t0 + n) of a head block, capped at `cap` bytes: what the tiled codecs ask
-// attention to request one kernel call early. {0, 0} when n <= 0.
-inline void kv_unit_range(size_t unit_bytes, int unit_tokens, int t0, int n, size_t cap, size_t* offset,
-                          size_t* bytes) {
+// that hold tokens [t0, t0 + n) of a head block: what the tiled codecs ask attention to request
+// (prefetch_along_range; its first prefetch_lead_bytes for prefetch_range). {0, 0} when n <= 0.
+inline void kv_unit_range(size_t unit_bytes, int unit_tokens, int t0, int n, size_t* offset, size_t* bytes) {
   if (n <= 0) {
     *offset = *bytes = 0;
     return;
@@ -126,7 +125,7 @@ inline void kv_unit_range(size_t unit_bytes, int unit_tokens, int t0, int n, siz
   const size_t first = size_t(t0 / unit_tokens) * unit_bytes;
   const size_t last = size_t((t0 + n + unit_tokens - 1) / unit_tokens) * unit_bytes;
   *offset = first;
-  *bytes = last - first < cap ? last - first : cap;
+  *bytes = last - first;
 }
 
 // f(i, m) for the passes of the SIMD kernels over n_q query rows: at most MaxRows (<= 4) rows a

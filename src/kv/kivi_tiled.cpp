@@ -213,17 +213,14 @@ class KivitKeyCodec final : public KivitCodecBase {
     return size_t(block_tokens / g_) * group_bytes();
   }
   PrefetchRange prefetch_range(int block_tokens, int t0, int n) const override {
-    check_block(block_tokens);
-    PrefetchRange r;
-    kv_unit_range(group_bytes(), g_, t0, n, prefetch_lead_bytes, &r.offset, &r.bytes);
-    return r;
+    return lead_of(prefetch_along_range(block_tokens, t0, n));
   }
   // scores requests attention's range group by group (a token share each), not inside the kernels.
   bool prefetches_along() const override { return cpu_level() != CpuLevel::scalar; }
   PrefetchRange prefetch_along_range(int block_tokens, int t0, int n) const override {
     check_block(block_tokens);
     PrefetchRange r;
-    kv_unit_range(group_bytes(), g_, t0, n, block_bytes(block_tokens), &r.offset, &r.bytes);
+    kv_unit_range(group_bytes(), g_, t0, n, &r.offset, &r.bytes);
     return r;
   }
 
@@ -320,17 +317,14 @@ class KivitValueCodec final : public KivitCodecBase {
     return size_t(block_tokens / kv_tile_tokens) * L_.tile_bytes;
   }
   PrefetchRange prefetch_range(int block_tokens, int t0, int n) const override {
-    check_block(block_tokens);
-    PrefetchRange r;
-    kv_unit_range(L_.tile_bytes, kv_tile_tokens, t0, n, prefetch_lead_bytes, &r.offset, &r.bytes);
-    return r;
+    return lead_of(prefetch_along_range(block_tokens, t0, n));
   }
   // int4t's / int2t's weighted sum requests attention's range along its segments.
   bool prefetches_along() const override { return cpu_level() != CpuLevel::scalar; }
   PrefetchRange prefetch_along_range(int block_tokens, int t0, int n) const override {
     check_block(block_tokens);
     PrefetchRange r;
-    kv_unit_range(L_.tile_bytes, kv_tile_tokens, t0, n, block_bytes(block_tokens), &r.offset, &r.bytes);
+    kv_unit_range(L_.tile_bytes, kv_tile_tokens, t0, n, &r.offset, &r.bytes);
     return r;
   }
 

@@ -65,9 +65,7 @@ KvCodec::PrefetchRange KvRowCodec::prefetch_range(int block_tokens, int t0, int 
     default:
       return {};
   }
-  if (t0 < 0 || n <= 0 || t0 >= block_tokens) return {};
-  const size_t rows = size_t(std::min(n, block_tokens - t0)) * fmt_.row_bytes;
-  return {size_t(t0) * fmt_.row_bytes, std::min(rows, prefetch_lead_bytes)};
+  return lead_of(prefetch_along_range(block_tokens, t0, n));
 }
 
 bool KvRowCodec::prefetches_along() const {

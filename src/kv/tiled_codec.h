@@ -48,16 +48,13 @@ class TiledCodecBase : public KvCodec {
   }
   // The tiles holding [t0, t0 + n), which attention requests one kernel call early.
   PrefetchRange prefetch_range(int block_tokens, int t0, int n) const override {
-    check_block(block_tokens);
-    PrefetchRange r;
-    kv_unit_range(L_.tile_bytes, kv_tile_tokens, t0, n, prefetch_lead_bytes, &r.offset, &r.bytes);
-    return r;
+    return lead_of(prefetch_along_range(block_tokens, t0, n));
   }
   bool prefetches_along() const override { return Ops::along && cpu_level() != CpuLevel::scalar; }
   PrefetchRange prefetch_along_range(int block_tokens, int t0, int n) const override {
     check_block(block_tokens);
     PrefetchRange r;
-    kv_unit_range(L_.tile_bytes, kv_tile_tokens, t0, n, block_bytes(block_tokens), &r.offset, &r.bytes);
+    kv_unit_range(L_.tile_bytes, kv_tile_tokens, t0, n, &r.offset, &r.bytes);
     return r;
   }
   int prepared_query_dim() const override { return role_ == KvRole::key ? L_.qdim : L_.hd; }
