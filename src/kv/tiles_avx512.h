@@ -157,7 +157,8 @@ template <int NQ, bool U8, class ScaleRow>
 // Step 1 of int4t's / int2t's weighted sum for the tile at tp whose first token is `base`: the
 // weights of query rows h < NQ quantized by tile_quantize_weights_avx512 against the scale table
 // (w8[g], dws[g / 4]), and the min term p_t m_tg added into the 16 lanes of msv[h * ng + g] (the
-// arrays are packed by the actual group count, not strided by the largest one).
+// arrays are packed by the actual group count, not strided by the largest one; msv null: a layout
+// without min terms).
 template <int NQ, bool U8>
 [[gnu::always_inline]] inline void tile_quantize_group_weights_avx512(const float* p, int p_stride, int t0, int n,
                                                                       int base, const uint8_t* tp, size_t min_off,
@@ -168,7 +169,7 @@ template <int NQ, bool U8>
   tile_quantize_weights_avx512<NQ, U8>(
       pv, ng, [&](int g) { return _mm512_maskz_mov_ps(mask, tile_load_f16x16_avx512(tp + 32 * size_t(g))); }, w8,
       dws, wsum);
-  for (int g = 0; g < ng; ++g) {
+  for (int g = 0; msv && g < ng; ++g) {
     const __m512 mv = _mm512_maskz_mov_ps(mask, tile_load_f16x16_avx512(tp + min_off + 32 * size_t(g)));
     for (int h = 0; h < NQ; ++h)
       _mm512_store_ps(msv[h * ng + g], _mm512_fmadd_ps(pv[h], mv, _mm512_load_ps(msv[h * ng + g])));
@@ -263,8 +264,11 @@ void tiles_accum_pass_avx512(const Int4TiledLayout& L, const float* p, int p_str
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
   // Per (query row, group): the min term sum_t p_t m_tg, 16 lanes, reduced once per call (mins).
   const int ng = L.ng, ngc = (L.ng + 3) / 4;
+  // A layout without them (min_mul 0: tq's, iq4_nlt's) skips them whole.
+  const bool with_min = L.min_mul != 0.f;
   alignas(64) float msv[NQ * kMaxGroups][16];
-  for (int i = 0; i < NQ * ng; ++i) _mm512_store_ps(msv[i], _mm512_setzero_ps());
+  if (with_min)
+    for (int i = 0; i < NQ * ng; ++i) _mm512_store_ps(msv[i], _mm512_setzero_ps());
   alignas(64) uint8_t w8[kSegTiles * kMaxGroups][64];
   alignas(64) float dws[kSegTiles * kMaxGroups / 4][16];
   float mins[NQ * kMaxGroups];
@@ -277,9 +281,10 @@ void tiles_accum_pass_avx512(const Int4TiledLayout& L, const float* p, int p_str
     for (int tt = 0; tt < nt; ++tt)
       tile_quantize_group_weights_avx512<NQ, U8>(p, p_stride, t0, n, (seg + tt) * 16,
                                                  block + size_t(seg + tt) * L.tile_bytes, L.min_off, ng,
-                                                 w8 + tt * ng, dws + tt * ngc, msv, Flip ? wsum[tt] : nullptr);
+                                                 w8 + tt * ng, dws + tt * ngc, with_min ? msv : nullptr,
+                                                 Flip ? wsum[tt] : nullptr);
     // The min terms are complete once the last segment's weights are: that segment's flush adds them.
-    const bool last = seg + kSegTiles >= tile1;
+    const bool last = with_min && seg + kSegTiles >= tile1;
     if (last) tiles_reduce_min_terms_avx512(msv, NQ * ng, L.min_mul, mins);
     tiles_accum_segment_avx512<NQ, U8, QuadCodes, Flip>(L, block + size_t(seg) * L.tile_bytes, nt, w8, dws,
                                                         last ? mins : nullptr, acc, quad_codes, wsum);
