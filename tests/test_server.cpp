@@ -116,6 +116,26 @@ class ServerTest : public ::testing::Test {
     return evs;
   }
 
+  // A streamed completion's choices by index: each one's joined text and how many chunks ended it;
+  // chunks without choices (usage) are left out. Every chunk carries one choice of index < n.
+  struct Streamed {
+    std::vector<std::string> text;
+    std::vector<int> finishes;
+  };
+  static Streamed by_choice(const std::vector<json>& evs, int n) {
+    Streamed r{std::vector<std::string>(size_t(n)), std::vector<int>(size_t(n), 0)};
+    for (const auto& e : evs) {
+      if (e["choices"].empty()) continue;
+      EXPECT_EQ(e["choices"].size(), 1u);
+      const int i = e["choices"][0]["index"];
+      EXPECT_TRUE(i >= 0 && i < n) << i;
+      if (i < 0 || i >= n) continue;
+      r.text[size_t(i)] += e["choices"][0]["text"].get<std::string>();
+      if (!e["choices"][0]["finish_reason"].is_null()) ++r.finishes[size_t(i)];
+    }
+    return r;
+  }
+
   static inline Engine* engine_ = nullptr;
   static inline Server* server_ = nullptr;
   static inline std::thread* thread_ = nullptr;
@@ -207,25 +227,19 @@ TEST_F(ServerTest, SeveralChoices) {
   bool done = false;
   const std::vector<json> evs = stream("/v1/completions", body, &done);
   EXPECT_TRUE(done);
-  std::string text[2];
-  int finishes[2] = {0, 0}, usage_chunks = 0;
-  for (const auto& e : evs) {
+  int usage_chunks = 0;
+  for (const auto& e : evs)
     if (e["choices"].empty()) {
       ++usage_chunks;
       EXPECT_EQ(e["usage"]["completion_tokens"], 24);
-      continue;
     }
-    ASSERT_EQ(e["choices"].size(), 1u);
-    const int i = e["choices"][0]["index"];
-    ASSERT_TRUE(i == 0 || i == 1) << i;
-    text[i] += e["choices"][0]["text"].get<std::string>();
-    if (!e["choices"][0]["finish_reason"].is_null()) ++finishes[i];
-  }
   EXPECT_EQ(usage_chunks, 1);
+  ASSERT_FALSE(evs.empty());
   EXPECT_TRUE(evs.back()["choices"].empty());  // usage last
-  for (int i = 0; i < 2; ++i) {
-    EXPECT_EQ(text[i], single["choices"][0]["text"]) << "choice " << i;
-    EXPECT_EQ(finishes[i], 1) << "choice " << i;
+  const Streamed got = by_choice(evs, 2);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(got.text[i], single["choices"][0]["text"]) << "choice " << i;
+    EXPECT_EQ(got.finishes[i], 1) << "choice " << i;
   }
 }
 
@@ -317,15 +331,11 @@ TEST_F(ServerTest, PromptBatch) {
   bool done = false;
   const std::vector<json> evs = stream("/v1/completions", {{"prompt", {a, b}}, {"max_tokens", 8}, {"temperature", 0}}, &done);
   EXPECT_TRUE(done);
-  std::string text[2];
-  for (const auto& e : evs) {
-    ASSERT_EQ(e["choices"].size(), 1u);
-    const int i = e["choices"][0]["index"];
-    ASSERT_TRUE(i == 0 || i == 1) << i;
-    text[i] += e["choices"][0]["text"].get<std::string>();
-  }
-  EXPECT_EQ(text[0], sa["choices"][0]["text"]);
-  EXPECT_EQ(text[1], sb["choices"][0]["text"]);
+  for (const auto& e : evs) EXPECT_FALSE(e["choices"].empty());  // no usage chunk unless asked
+  const Streamed got = by_choice(evs, 2);
+  EXPECT_EQ(got.text[0], sa["choices"][0]["text"]);
+  EXPECT_EQ(got.text[1], sb["choices"][0]["text"]);
+  EXPECT_EQ(got.finishes, (std::vector<int>{1, 1}));
   // Bad batches.
   expect_bad("/v1/completions", json{{"prompt", json::array({"a", 5})}}.dump(), "prompt");
   expect_bad("/v1/completions", json{{"prompt", json::array({json::array({1, 2}), "a", json::array()})}}.dump(), "prompt");
