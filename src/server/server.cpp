@@ -504,6 +504,14 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
   const std::string id = fmt::format("{}-{}", chat ? "chatcmpl" : "cmpl", next_id++);
   const int64_t created = int64_t(std::time(nullptr));
   const std::string model = opt.model_name;
+  // A response's or a stream chunk's envelope around its choices.
+  auto envelope = [id, created, model, chat](bool chunk, json choices) {
+    return json{{"id", id},
+                {"object", chat ? (chunk ? "chat.completion.chunk" : "chat.completion") : "text_completion"},
+                {"created", created},
+                {"model", model},
+                {"choices", std::move(choices)}};
+  };
   auto usage = [prompt_tokens](int completion_tokens) {
     return json{{"prompt_tokens", prompt_tokens},
                 {"completion_tokens", completion_tokens},
@@ -563,13 +571,9 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
       }
       choices.push_back(std::move(choice));
     }
-    send_json(res, 200,
-              json{{"id", id},
-                   {"object", chat ? "chat.completion" : "text_completion"},
-                   {"created", created},
-                   {"model", model},
-                   {"choices", choices},
-                   {"usage", usage(completion_tokens)}});
+    json body_out = envelope(false, std::move(choices));
+    body_out["usage"] = usage(completion_tokens);
+    send_json(res, 200, body_out);
     return;
   }
 
@@ -593,11 +597,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
       }
       if (chat) choice["delta"] = delta_or_text;
       else choice["text"] = delta_or_text;
-      return json{{"id", id},
-                  {"object", chat ? "chat.completion.chunk" : "text_completion"},
-                  {"created", created},
-                  {"model", model},
-                  {"choices", json::array({choice})}};
+      return envelope(true, json::array({choice}));
     };
     if (chat) st->push(sse(chunk(json{{"role", "assistant"}, {"content", ""}}, nullptr)));
     GenRequest gr = choice_request(i);
@@ -605,7 +605,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
     gr.on_text = [st, chunk, chat](const std::string& d) {
       st->push(sse(chunk(chat ? json{{"content", d}} : json(d), nullptr)));
     };
-    gr.on_done = [st, chunk, chat, include_usage, usage, id, created, model](const GenResult& g) {
+    gr.on_done = [st, chunk, chat, include_usage, usage, envelope](const GenResult& g) {
       if (g.finish_reason == "error")
         st->push(sse(error_body(g.error, "server_error", "", "")));
       else if (g.finish_reason != "cancelled")
@@ -618,13 +618,11 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
         tokens = st->completion_tokens;
       }
       if (left > 0) return;  // the last choice to finish ends the stream
-      if (include_usage && g.finish_reason != "cancelled")
-        st->push(sse(json{{"id", id},
-                          {"object", chat ? "chat.completion.chunk" : "text_completion"},
-                          {"created", created},
-                          {"model", model},
-                          {"choices", json::array()},
-                          {"usage", usage(tokens)}}));
+      if (include_usage && g.finish_reason != "cancelled") {
+        json u = envelope(true, json::array());
+        u["usage"] = usage(tokens);
+        st->push(sse(u));
+      }
       st->push("data: [DONE]\n\n");
       std::lock_guard<std::mutex> lk(st->mu);
       st->done = true;
