@@ -239,9 +239,9 @@ TEST(PrefetchAlong, CodecsOptInAtSimdLevels) {
 }
 
 TEST(PrefetchAlong, AttnDecodeSetsLaterBlocksAndClearsAfter) {
-  // Codecs that prefetch along, D blocks ahead: block b's scores see V(b + D - 1)'s range, its
-  // weighted sum K(b + D)'s, nothing past the last span or for an empty one; the range is cleared
-  // after each call. D: the fewest blocks whose K and V bytes reach 8 KiB, at most 3 (f16 rows of
+  // Codecs that prefetch along, D blocks ahead (counting non-empty spans, one a batch for codecs
+  // that do not fuse spans): block b's scores see V(b + D - 1)'s range, its weighted sum K(b + D)'s,
+  // nothing past the last span; the range is cleared after each call. D: the fewest blocks whose K and V bytes reach 8 KiB, at most 3 (f16 rows of
   // head_dim 128: 512 bytes a token for K and V, so 16-token blocks 1, 8-token 2, 4-token 3).
   const int hd = 128, n_q = 2;
   for (auto [bt, D] : {std::pair{16, 1}, std::pair{8, 2}, std::pair{4, 3}}) {
@@ -263,14 +263,16 @@ TEST(PrefetchAlong, AttnDecodeSetsLaterBlocksAndClearsAfter) {
                 scratch.data());
     EXPECT_EQ(kv_prefetch_along.p, nullptr);
     const size_t row = size_t(hd) * 2;  // f16 rows: a span's range starts at its first row
-    auto at = [&](const std::vector<std::vector<uint8_t>>& bufs, size_t j) -> const uint8_t* {
-      return j < nb && t0n[j].second > 0 ? bufs[j].data() + size_t(t0n[j].first) * row : nullptr;
+    std::vector<size_t> filled;  // the non-empty spans: D counts these
+    for (size_t b = 0; b < nb; ++b)
+      if (t0n[b].second > 0) filled.push_back(b);
+    auto at = [&](const std::vector<std::vector<uint8_t>>& bufs, size_t x) -> const uint8_t* {
+      return x < filled.size() ? bufs[filled[x]].data() + size_t(t0n[filled[x]].first) * row : nullptr;
     };
     std::vector<const uint8_t*> want_k, want_v;
-    for (size_t b = 0; b < nb; ++b) {
-      if (t0n[b].second <= 0) continue;
-      want_k.push_back(at(vb, b + size_t(D) - 1));
-      want_v.push_back(at(kb, b + size_t(D)));
+    for (size_t x = 0; x < filled.size(); ++x) {
+      want_k.push_back(at(vb, x + size_t(D) - 1));
+      want_v.push_back(at(kb, x + size_t(D)));
     }
     EXPECT_EQ(kc.along_seen, want_k) << "bt " << bt;
     EXPECT_EQ(vc.along_seen, want_v) << "bt " << bt;

@@ -68,6 +68,20 @@ inline int kv_quantized_tokens(int n, int group_tokens, int residual_tokens) {
   return over <= 0 ? 0 : (over / group_tokens) * group_tokens;
 }
 
+// Tokens [t0, t0 + n) of one head block (slot 0 at absolute position pos0), for the kernels that
+// take several blocks in one call (KvCodec::scores_spans / accumulate_spans), and the bytes of a
+// later block that the kernels request into L2 along their reads of this one (kv/prefetch_along.h;
+// null: none).
+struct KvSpan {
+  const uint8_t* block = nullptr;
+  int block_tokens = 0;
+  int t0 = 0;
+  int n = 0;
+  int pos0 = 0;
+  const uint8_t* along = nullptr;
+  size_t along_bytes = 0;
+};
+
 // All pointers are to one head's data unless stated. `block` is a head block of `block_tokens`
 // tokens; token slots are addressed by index t within the block; `pos0` is the absolute position
 // of slot 0 (pre-RoPE codecs need it). Kernels never allocate.
@@ -133,6 +147,23 @@ class KvCodec {
   // Fused weighted sum: acc[i * head_dim + d] += sum_t p[i * p_stride + t] * v_{t0+t}[d].
   virtual void accumulate(int head, const float* p, int p_stride, int n_q, const uint8_t* block,
                           int block_tokens, int t0, int n, float* acc) const = 0;
+  // The same over several head blocks in one call, their tokens side by side: span s's token
+  // t0 + t is column o_s + t of out / p, o_s = the sum of the n (> 0) of the spans before it.
+  // Scores equal one scores() per span bit for bit; the weighted sum equals one accumulate() per
+  // span up to f32 summation order. Attention calls these with a batch of consecutive blocks, so
+  // that a call's fixed work (the query's setup, the weight scan, reductions, the softmax's latency
+  // chain) is paid once per batch instead of once per page. Default: one call per span, each with
+  // its span's `along` range set as kv_prefetch_along (kv/prefetch_along.h); codecs override them
+  // where one call saves that work, and then request each span's range along its own reads.
+  // Whether this codec's scores_spans (keys) / accumulate_spans (values) run all spans in one
+  // kernel call at the running CPU level. Attention batches blocks only when K's and V's both do:
+  // with per-span calls the batches save little, and codecs whose kernels do not prefetch along
+  // (one burst of requests per call) measured slower with them (bench/BENCHMARKS.md).
+  virtual bool fuses_spans() const { return false; }
+  virtual void scores_spans(int head, const float* qp, int n_q, const KvSpan* spans, int n_spans, float* out,
+                            int out_stride) const;
+  virtual void accumulate_spans(int head, const float* p, int p_stride, int n_q, const KvSpan* spans, int n_spans,
+                                float* acc) const;
   // Maps the accumulated output (n_q, head_dim) back to the model's basis (in place).
   virtual void finish_output(int head, float* acc, int n_q) const;
   // What attention calls once per pass over the blocks instead: the same, given mass[i], the sum

@@ -18,8 +18,13 @@ namespace {
 constexpr int kTailChunk = 64;
 // attn_decode_split: the fewest tokens per part.
 constexpr int kSplitMinPartTokens = 1024;
+// Attention reads the blocks in batches (run_blocks).
+constexpr int kBatchTokens = 256;
+constexpr int kBatchSpans = 16;
 
 size_t round16(size_t n) { return (n + 15) & ~size_t(15); }
+// Scores of a batch of blocks (run_blocks) or of a tail chunk.
+size_t batch_stride(int max_block_tokens) { return round16(size_t(std::max({max_block_tokens, kTailChunk, kBatchTokens}))); }
 
 struct Scratch {
   const float* qp;     // (n_q, prepared_query_dim)
@@ -33,14 +38,14 @@ struct Scratch {
 
 // One part's scores, probabilities and running state; qp (the prepared query) may be shared.
 size_t part_floats(const KvCodec& vc, int n_q, int max_block_tokens) {
-  const size_t s_stride = round16(size_t(std::max(max_block_tokens, kTailChunk)));
+  const size_t s_stride = batch_stride(max_block_tokens);
   return size_t(n_q) * s_stride + round16(size_t(n_q) * size_t(vc.head_dim())) + 2 * round16(size_t(n_q));
 }
 size_t query_floats(const KvCodec& kc, int n_q) { return round16(size_t(n_q) * size_t(kc.prepared_query_dim())); }
 
 Scratch carve_part(const KvCodec& vc, int n_q, int max_block_tokens, float* base, float* qp) {
   Scratch sc;
-  sc.s_stride = int(round16(size_t(std::max(max_block_tokens, kTailChunk))));
+  sc.s_stride = int(batch_stride(max_block_tokens));
   float* p = base;
   sc.qp = qp;
   sc.s = p; p += size_t(n_q) * size_t(sc.s_stride);
@@ -93,18 +98,42 @@ void softmax_update(Scratch& sc, int n_q, int n_all, int v_dim, const AttnParams
   }
 }
 
-// How far ahead kernels prefetching along request (blocks_prefetch_along): the fewest blocks
-// whose K and V bytes reach kAlongAheadBytes, at most kAlongMaxBlocks. Measured at 32K tokens on
-// Zen 4 (bench/BENCHMARKS.md), us at 1 / 2 / 3 blocks: int4t_g64 at head_dim 64 (2.3 KiB blocks)
-// 168 / 151 / 154, at 128 (4.6 KiB) about equal at 1 and 2, at 256 (9.2 KiB) 470 / 645 / 717;
-// q4_0 at 128 better at 1, int2t_g64 and int4t_g128 at 2; f16 the same at 1-3.
-constexpr size_t kAlongAheadBytes = 8192;
-constexpr int kAlongMaxBlocks = 3;
+// Batches: when K's and V's codecs both fuse spans (KvCodec::fuses_spans), attention reads
+// consecutive spans of up to kBatchTokens tokens (and kBatchSpans non-empty spans) with one
+// multi-block kernel call each for K and V and one softmax update: a call's fixed work and the
+// latency chain scores -> softmax -> weight quantization -> weighted sum are paid once per batch,
+// not once per page (at 64-token pages int4t_g128's decode at 32K 11% faster, bench/BENCHMARKS.md).
+// Otherwise a batch is one span. The batches depend on the spans and codecs only, never on n_q or
+// the prefetch flag, so attn_prefill's rows get attn_decode's results bit for bit.
 
-int along_blocks(const KvCodec& kc, const KvCodec& vc, int block_tokens) {
-  const size_t pair = kc.block_bytes(block_tokens) + vc.block_bytes(block_tokens);
+// The end of the batch that starts at span `first` (< n_spans): the spans after it while their
+// tokens fit `cap` (>= any span's n) and at most max_spans of them are not empty.
+int batch_end(const KvBlockSpan* spans, int n_spans, int first, int cap, int max_spans) {
+  int tokens = 0, count = 0, e = first;
+  for (; e < n_spans; ++e) {
+    const int n = std::max(0, spans[e].n);
+    if (n > 0 && (count == max_spans || tokens + n > cap)) break;
+    tokens += n;
+    count += n > 0;
+  }
+  return e;
+}
+
+// How far ahead kernels prefetching along request, in batches: the fewest whose K and V bytes
+// reach kAlongAheadBytes, at most kAlongMaxBatches (from the first batch's bytes). Measured per
+// 64-token block (batches of one block) at 32K tokens on Zen 4 (bench/BENCHMARKS.md), us at 1 / 2
+// / 3 blocks: int4t_g64 at head_dim 64 (2.3 KiB blocks) 168 / 151 / 154, at 128 (4.6 KiB) about
+// equal at 1 and 2, at 256 (9.2 KiB) 470 / 645 / 717; q4_0 at 128 better at 1, int2t_g64 and
+// int4t_g128 at 2; f16 the same at 1-3.
+constexpr size_t kAlongAheadBytes = 8192;
+constexpr int kAlongMaxBatches = 3;
+
+int along_batches(const KvCodec& kc, const KvCodec& vc, const KvBlockSpan* spans, int first, int end) {
+  size_t pair = 0;
+  for (int b = first; b < end; ++b)
+    if (spans[b].n > 0) pair += kc.block_bytes(spans[b].block_tokens) + vc.block_bytes(spans[b].block_tokens);
   int d = 1;
-  while (d < kAlongMaxBlocks && size_t(d) * pair < kAlongAheadBytes) ++d;
+  while (d < kAlongMaxBatches && size_t(d) * pair < kAlongAheadBytes) ++d;
   return d;
 }
 
@@ -115,60 +144,80 @@ inline void prefetch_lead(const KvCodec& c, const uint8_t* block, const KvBlockS
   for (size_t x = 0; x < r.bytes; x += 64) __builtin_prefetch(block + r.offset + x, 0, 2);
 }
 
-// The online softmax over the blocks, each block's leading bytes requested one kernel call early
-// (KvCodec::prefetch_range): the V block's while the K scores run, the next K block's while the
-// weighted sum runs. Measured at 32K tokens: f16 ~19%, f32 ~13%, tq4 ~20%, kivi / kvquant 5-10%
-// faster than leaving each block's start to demand misses (memory then overlaps the compute).
-// ap.prefetch_blocks false: no requests (prefill steps re-read cached blocks).
-void blocks_prefetch_lead(const KvCodec& kc, const KvCodec& vc, int head, int n_q, const KvBlockSpan* spans,
-                          int n_spans, const AttnParams& ap, Scratch& sc, RowMask mask) {
-  const int vd = vc.head_dim();
-  const bool pf = ap.prefetch_blocks;
-  bool k_ahead = !pf;  // the current span's K lead was requested in the previous iteration
-  for (int b = 0, done = 0; b < n_spans; done += std::max(0, spans[b].n), ++b) {
-    const KvBlockSpan& sp = spans[b];
-    if (sp.n <= 0) continue;
-    if (!k_ahead) prefetch_lead(kc, sp.k, sp);
-    if (pf) prefetch_lead(vc, sp.v, sp);
-    kc.scores(head, sc.qp, n_q, sp.k, sp.block_tokens, sp.t0, sp.n, sp.pos0, sc.s, sc.s_stride);
-    softmax_update(sc, n_q, sp.n, vd, ap, mask, done);
-    if (pf) {
-      k_ahead = b + 1 < n_spans && spans[b + 1].n > 0;
-      if (k_ahead) prefetch_lead(kc, spans[b + 1].k, spans[b + 1]);
-    }
-    vc.accumulate(head, sc.s, sc.s_stride, n_q, sp.v, sp.block_tokens, sp.t0, sp.n, sc.acc);
-  }
-}
-
-// The same with kernels that prefetch along (KvCodec::prefetches_along, kv/prefetch_along.h):
-// block b's scores request V(b + D - 1) and its weighted sum K(b + D) in slices along their
-// tiles, D = along_blocks ahead; the first blocks' leads are requested at once before the loop.
-void blocks_prefetch_along(const KvCodec& kc, const KvCodec& vc, int head, int n_q, const KvBlockSpan* spans,
-                           int n_spans, const AttnParams& ap, Scratch& sc, RowMask mask) {
-  const int D = along_blocks(kc, vc, spans[0].block_tokens);
-  const int vd = vc.head_dim();
-  auto range = [&](const KvCodec& c, int j, bool key) -> KvPrefetchAlong {
-    if (j >= n_spans || spans[j].n <= 0) return {};
-    const KvCodec::PrefetchRange r = c.prefetch_along_range(spans[j].block_tokens, spans[j].t0, spans[j].n);
-    return {(key ? spans[j].k : spans[j].v) + r.offset, r.bytes};
-  };
-  for (int j = 0; j < D && j < n_spans; ++j) {
+// The online softmax over the batches (batch_end; one span each unless both codecs fuse spans):
+// per batch one scores_spans call, one softmax update, one accumulate_spans call.
+// Requests ahead of the kernels, two ways:
+//  - K's and V's kernels prefetch along (KvCodec::prefetches_along, kv/prefetch_along.h): each
+//    span's reads are paired with a later block (KvSpan::along), requested in slices along the
+//    kernel's loop: span x of batch i's scores request span x of batch i + D - 1's V, its weighted
+//    sum span x of batch i + D's K (x counting non-empty spans), D = along_batches. The first
+//    batches' leads are requested before the loop.
+//  - else each block's leading bytes (KvCodec::prefetch_range) in one burst one kernel call early:
+//    the batch's V blocks' before its scores, the next batch's K blocks' before its weighted sum.
+// Measured at 32K tokens: f16 ~19%, f32 ~13%, tq4 ~20%, kivi / kvquant 5-10% faster than leaving
+// each block's start to demand misses (memory then overlaps the compute). ap.prefetch_blocks
+// false: no requests (prefill steps re-read cached blocks); the arithmetic is the same either way.
+void run_blocks(const KvCodec& kc, const KvCodec& vc, int head, int n_q, const KvBlockSpan* spans, int n_spans,
+                const AttnParams& ap, Scratch& sc, RowMask mask) {
+  const bool pf = ap.prefetch_blocks, along = pf && kc.prefetches_along() && vc.prefetches_along();
+  const int max_spans = kc.fuses_spans() && vc.fuses_spans() ? kBatchSpans : 1;
+  const int cap = sc.s_stride;
+  auto next = [&](int f) { return f < n_spans ? batch_end(spans, n_spans, f, cap, max_spans) : n_spans; };
+  // first[k]: the first span of batch i + k, k <= D + 1 (n_spans past the last batch).
+  int first[kAlongMaxBatches + 2];
+  first[0] = 0;
+  first[1] = next(0);
+  const int D = along ? along_batches(kc, vc, spans, first[0], first[1]) : 1;
+  for (int k = 2; k <= D + 1; ++k) first[k] = next(first[k - 1]);
+  for (int j = 0; along && j < first[D]; ++j) {
     if (spans[j].n <= 0) continue;
     prefetch_lead(kc, spans[j].k, spans[j]);
-    if (j + 1 < D) prefetch_lead(vc, spans[j].v, spans[j]);
+    if (j < first[D - 1]) prefetch_lead(vc, spans[j].v, spans[j]);
   }
-  for (int b = 0, done = 0; b < n_spans; done += std::max(0, spans[b].n), ++b) {
-    const KvBlockSpan& sp = spans[b];
-    if (sp.n <= 0) continue;
-    {
-      const KvPrefetchAlong a = range(vc, b + D - 1, false);
-      KvPrefetchAlongScope along(a.p, a.bytes);
-      kc.scores(head, sc.qp, n_q, sp.k, sp.block_tokens, sp.t0, sp.n, sp.pos0, sc.s, sc.s_stride);
+  // Sets sp's along range to that of the x-th non-empty span of batch [tb, te), if it has one.
+  auto target = [&](const KvCodec& c, int tb, int te, int x, bool key, KvSpan* sp) {
+    for (int j = tb; j < te; ++j) {
+      if (spans[j].n <= 0 || x-- > 0) continue;
+      const KvCodec::PrefetchRange r = c.prefetch_along_range(spans[j].block_tokens, spans[j].t0, spans[j].n);
+      sp->along = (key ? spans[j].k : spans[j].v) + r.offset;
+      sp->along_bytes = r.bytes;
+      return;
     }
-    softmax_update(sc, n_q, sp.n, vd, ap, mask, done);
-    const KvPrefetchAlong a = range(kc, b + D, true);
-    KvPrefetchAlongScope along(a.p, a.bytes);
-    vc.accumulate(head, sc.s, sc.s_stride, n_q, sp.v, sp.block_tokens, sp.t0, sp.n, sc.acc);
+  };
+  auto leads = [&](const KvCodec& c, int tb, int te, bool key) {
+    for (int j = tb; j < te; ++j)
+      if (spans[j].n > 0) prefetch_lead(c, key ? spans[j].k : spans[j].v, spans[j]);
+  };
+  KvSpan ks[kBatchSpans], vs[kBatchSpans];
+  bool k_ahead = false;  // burst requests: the batch's K leads were requested in the previous iteration
+  for (int done = 0; first[0] < n_spans;) {
+    int m = 0, tokens = 0;
+    for (int j = first[0]; j < first[1]; ++j) {
+      const KvBlockSpan& sp = spans[j];
+      if (sp.n <= 0) continue;
+      ks[m] = {sp.k, sp.block_tokens, sp.t0, sp.n, sp.pos0, nullptr, 0};
+      vs[m] = {sp.v, sp.block_tokens, sp.t0, sp.n, sp.pos0, nullptr, 0};
+      if (along) {
+        target(vc, first[D - 1], first[D], m, false, &ks[m]);
+        target(kc, first[D], first[D + 1], m, true, &vs[m]);
+      }
+      tokens += sp.n;
+      ++m;
+    }
+    if (m > 0) {
+      if (pf && !along) {
+        if (!k_ahead) leads(kc, first[0], first[1], true);
+        leads(vc, first[0], first[1], false);
+      }
+      kc.scores_spans(head, sc.qp, n_q, ks, m, sc.s, sc.s_stride);
+      softmax_update(sc, n_q, tokens, vc.head_dim(), ap, mask, done);
+      k_ahead = pf && !along && first[1] < n_spans;
+      if (k_ahead) leads(kc, first[1], first[2], true);
+      vc.accumulate_spans(head, sc.s, sc.s_stride, n_q, vs, m, sc.acc);
+    }
+    done += tokens;
+    for (int k = 0; k <= D; ++k) first[k] = first[k + 1];
+    first[D + 1] = next(first[D]);
   }
 }
 
@@ -186,10 +235,7 @@ void run_part(const KvCodec& kc, const KvCodec& vc, int head, int n_q, const KvB
   if (n_spans > 0) {
     // One pass over the blocks; each codec call serves all n_q query heads of the group, so the
     // packed K and V bytes of a block are read once per group.
-    if (ap.prefetch_blocks && kc.prefetches_along() && vc.prefetches_along())
-      blocks_prefetch_along(kc, vc, head, n_q, spans, n_spans, ap, sc, mask);
-    else
-      blocks_prefetch_lead(kc, vc, head, n_q, spans, n_spans, ap, sc, mask);
+    run_blocks(kc, vc, head, n_q, spans, n_spans, ap, sc, mask);
     // The accumulator is in V's storage basis; the tail is in the model's. finish_output is linear
     // (a rotation), so applying it before the remaining rescales is exact; sc.l is the mass of
     // the spans' weights in acc's scale (a centered codec's mean term).

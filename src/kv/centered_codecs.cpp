@@ -219,12 +219,14 @@ class AffineCodec final : public KvCodec {
   void scores(int head, const float* qp, int n_q, const uint8_t* block, int block_tokens, int t0, int n, int pos0,
               float* out, int out_stride) const override {
     inner_->scores(head, qp, n_q, block, block_tokens, t0, n, pos0, out, out_stride);
-    if (mu_.empty()) return;
-    const float* dots = qp + size_t(n_q) * size_t(inner_->prepared_query_dim());
-    for (int i = 0; i < n_q; ++i) {
-      float* o = out + size_t(i) * size_t(out_stride);
-      for (int t = 0; t < n; ++t) o[t] += dots[i];
-    }
+    add_mean_dots(qp, n_q, n, out, out_stride);
+  }
+  void scores_spans(int head, const float* qp, int n_q, const KvSpan* spans, int n_spans, float* out,
+                    int out_stride) const override {
+    inner_->scores_spans(head, qp, n_q, spans, n_spans, out, out_stride);
+    int n = 0;
+    for (int s = 0; s < n_spans; ++s) n += std::max(0, spans[s].n);
+    add_mean_dots(qp, n_q, n, out, out_stride);
   }
 
   // The value mean's share, mu * sum_t p_t, is added once per pass in finish_output_mass.
@@ -232,11 +234,16 @@ class AffineCodec final : public KvCodec {
                   int n, float* acc) const override {
     inner_->accumulate(head, p, p_stride, n_q, block, block_tokens, t0, n, acc);
   }
+  void accumulate_spans(int head, const float* p, int p_stride, int n_q, const KvSpan* spans, int n_spans,
+                        float* acc) const override {
+    inner_->accumulate_spans(head, p, p_stride, n_q, spans, n_spans, acc);
+  }
 
   PrefetchRange prefetch_range(int block_tokens, int t0, int n) const override {
     return inner_->prefetch_range(block_tokens, t0, n);
   }
   bool prefetches_along() const override { return inner_->prefetches_along(); }
+  bool fuses_spans() const override { return inner_->fuses_spans(); }
   PrefetchRange prefetch_along_range(int block_tokens, int t0, int n) const override {
     return inner_->prefetch_along_range(block_tokens, t0, n);
   }
@@ -262,6 +269,16 @@ class AffineCodec final : public KvCodec {
   }
 
  private:
+  // The key mean's share of each score, q . mu (prepared after the inner query), on n columns.
+  void add_mean_dots(const float* qp, int n_q, int n, float* out, int out_stride) const {
+    if (mu_.empty()) return;
+    const float* dots = qp + size_t(n_q) * size_t(inner_->prepared_query_dim());
+    for (int i = 0; i < n_q; ++i) {
+      float* o = out + size_t(i) * size_t(out_stride);
+      for (int t = 0; t < n; ++t) o[t] += dots[i];
+    }
+  }
+
   std::unique_ptr<KvCodec> inner_;
   KvRole role_;
   std::vector<std::vector<float>> mu_;        // (n_kv_heads, head_dim), model basis; empty: not centered

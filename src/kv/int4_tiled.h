@@ -78,6 +78,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kvq/kv_format.h"
+
 namespace kvq {
 
 inline constexpr int kv_tile_tokens = 16;
@@ -206,6 +208,12 @@ void int4t_scores_avx512(const Int4TiledLayout& L, const float* qp, int n_q, con
                          float* out, int out_stride);
 void int4t_accum_avx512(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
                         int t0, int n, float* acc);
+// Several blocks in one call (KvCodec::scores_spans / accumulate_spans); the per-block AVX-512
+// kernels are these with one span.
+void int4t_scores_spans_avx512(const Int4TiledLayout& L, const float* qp, int n_q, const KvSpan* spans, int n_spans,
+                               float* out, int out_stride);
+void int4t_accum_spans_avx512(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const KvSpan* spans,
+                              int n_spans, float* acc);
 #endif
 
 // The dispatch point.
@@ -213,6 +221,14 @@ void int4t_scores(const Int4TiledLayout& L, const float* qp, int n_q, const uint
                   float* out, int out_stride);
 void int4t_accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                  int n, float* acc);
+// The multi-block kernels (TiledOps' Spans): one call for all spans at the AVX-512 level (fused()).
+struct Int4tSpans {
+  static bool fused();
+  static void scores(const Int4TiledLayout& L, const float* qp, int n_q, const KvSpan* spans, int n_spans, float* out,
+                     int out_stride);
+  static void accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const KvSpan* spans, int n_spans,
+                    float* acc);
+};
 
 // Weight quantization of the tiled weighted sums (int4t, int2t, q4_0t, kivi values, int8t, q8_0t),
 // shared by every variant so that all of them round identically. Per (query row, group, tile) the

@@ -38,7 +38,7 @@ inline __m512i grid_table_u8(const int8_t* lut) {
 enum ScoreMode { kFour, kFive, kGrid };
 
 template <int NQ, int Mode>
-void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
+void scores_pass(const Int4TiledLayout& L, const float* qp, const KvSpan* spans, int n_spans, float* out,
                  int out_stride) {
   const __m512i m4 = _mm512_set1_epi8(0x0f);
   const int bpg = L.group / 32;
@@ -58,8 +58,12 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
         qoff[h][b] = 128 * _mm512_reduce_add_epi32(s4);
       }
   }
+  for (int s = 0, col = 0; s < n_spans; col += std::max(0, spans[s].n), ++s) {
+  const uint8_t* block = spans[s].block;
+  const int t0 = spans[s].t0, n = spans[s].n;
+  if (n <= 0) continue;
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  const KvPrefetchAlong along = kv_prefetch_along;
+  const KvPrefetchAlong along{spans[s].along, spans[s].along_bytes};
   for (int tile = tile0; tile < tile1; ++tile) {
     kv_prefetch_along_step(along, tile - tile0, tile1 - tile0);
     const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
@@ -106,31 +110,46 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
         score[h] = _mm512_fmadd_ps(mv, _mm512_set1_ps(qr[h].qsum[g]), score[h]);
       }
     }
-    for (int h = 0; h < NQ; ++h) tile_store_avx512(out + size_t(h) * size_t(out_stride), tile * 16, t0, n, score[h]);
+    for (int h = 0; h < NQ; ++h)
+      tile_store_avx512(out + size_t(h) * size_t(out_stride) + col, tile * 16, t0, n, score[h]);
+  }
   }
 }
 
 }  // namespace
 
-void int4t_scores_avx512(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
-                         float* out, int out_stride) {
-  if (n <= 0) return;
+void int4t_scores_spans_avx512(const Int4TiledLayout& L, const float* qp, int n_q, const KvSpan* spans, int n_spans,
+                               float* out, int out_stride) {
   tile_row_passes(n_q, [&](int i, auto m) {
     const float* qi = qp + size_t(i) * size_t(L.qdim);
     float* oi = out + size_t(i) * size_t(out_stride);
-    if (L.lut) scores_pass<decltype(m)::value, kGrid>(L, qi, block, t0, n, oi, out_stride);
-    else if (L.code_bits == 5) scores_pass<decltype(m)::value, kFive>(L, qi, block, t0, n, oi, out_stride);
-    else scores_pass<decltype(m)::value, kFour>(L, qi, block, t0, n, oi, out_stride);
+    if (L.lut) scores_pass<decltype(m)::value, kGrid>(L, qi, spans, n_spans, oi, out_stride);
+    else if (L.code_bits == 5) scores_pass<decltype(m)::value, kFive>(L, qi, spans, n_spans, oi, out_stride);
+    else scores_pass<decltype(m)::value, kFour>(L, qi, spans, n_spans, oi, out_stride);
   });
+}
+
+void int4t_scores_avx512(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
+                         float* out, int out_stride) {
+  if (n <= 0) return;
+  const KvSpan sp = tile_span(block, t0, n);
+  int4t_scores_spans_avx512(L, qp, n_q, &sp, 1, out, out_stride);
 }
 
 void int4t_accum_avx512(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
                         int t0, int n, float* acc) {
+  if (n <= 0) return;
+  const KvSpan sp = tile_span(block, t0, n);
+  int4t_accum_spans_avx512(L, p, p_stride, n_q, &sp, 1, acc);
+}
+
+void int4t_accum_spans_avx512(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const KvSpan* spans,
+                              int n_spans, float* acc) {
   // Channel chunks of 32: per tile 4 loads (token quads), split into low and high nibbles.
   const __m512i m4 = _mm512_set1_epi8(0x0f);
   if (L.lut) {  // iq4_nlt: the grid + 128 as u8 codes against s8 weights (tiles_accum_avx512's Flip)
     const __m512i gtab = grid_table_u8(L.lut);
-    return tiles_accum_avx512<true>(L, p, p_stride, n_q, block, t0, n, acc,
+    return tiles_accum_avx512<true>(L, p, p_stride, n_q, spans, n_spans, acc,
                                     [m4, gtab](const uint8_t* codes, int c, int k, __m512i* lo, __m512i* hi) {
                                       const __m512i x = _mm512_loadu_si512(codes + size_t(c) * 256 + 64 * k);
                                       *lo = _mm512_shuffle_epi8(gtab, _mm512_and_si512(x, m4));
@@ -138,7 +157,7 @@ void int4t_accum_avx512(const Int4TiledLayout& L, const float* p, int p_stride, 
                                     });
   }
   if (L.code_bits == 5)  // q5_0t / q5_1t: token quad k's fifth bits are bit k (low nibbles) and 4 + k
-    return tiles_accum_avx512(L, p, p_stride, n_q, block, t0, n, acc,
+    return tiles_accum_avx512(L, p, p_stride, n_q, spans, n_spans, acc,
                               [m4](const uint8_t* codes, int c, int k, __m512i* lo, __m512i* hi) {
                                 const uint8_t* u = codes + size_t(c) * 320;
                                 const __m512i x = _mm512_loadu_si512(u + 64 * k);
@@ -147,7 +166,7 @@ void int4t_accum_avx512(const Int4TiledLayout& L, const float* p, int p_stride, 
                                 *hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(x, 4), m4),
                                                       fifth_bits(h5, 4 + k));
                               });
-  tiles_accum_avx512(L, p, p_stride, n_q, block, t0, n, acc,
+  tiles_accum_avx512(L, p, p_stride, n_q, spans, n_spans, acc,
                      [m4](const uint8_t* codes, int c, int k, __m512i* lo, __m512i* hi) {
                        const __m512i x = _mm512_loadu_si512(codes + size_t(c) * 256 + 64 * k);
                        *lo = _mm512_and_si512(x, m4);

@@ -12,6 +12,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kvq/kv_format.h"
+
 namespace kvq {
 
 struct KvPrefetchAlong {
@@ -31,6 +33,21 @@ class KvPrefetchAlongScope {
   KvPrefetchAlongScope(const KvPrefetchAlongScope&) = delete;
   KvPrefetchAlongScope& operator=(const KvPrefetchAlongScope&) = delete;
 };
+
+// f(span, o) for each span of a multi-block call with n > 0 (o: its first column, the n of the
+// spans before it summed), each with its span's along range set: the default of
+// KvCodec::scores_spans / accumulate_spans and of kernels without a multi-block form.
+template <class F>
+inline void kv_for_spans(const KvSpan* spans, int n_spans, F&& f) {
+  for (int s = 0, o = 0; s < n_spans; ++s) {
+    if (spans[s].n <= 0) continue;
+    {
+      KvPrefetchAlongScope scope(spans[s].along, spans[s].along_bytes);
+      f(spans[s], o);
+    }
+    o += spans[s].n;
+  }
+}
 
 // The 64-byte lines [first, end) of a bytes-long range that step i of a loop of n steps requests:
 // consecutive shares that cover every line once.

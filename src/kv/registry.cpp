@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "core/error.h"
+#include "kv/prefetch_along.h"
 #include "kv/registry_internal.h"
 
 namespace kvq {
@@ -192,6 +193,20 @@ void KvCodec::prepare_query(int, const float* q, int n_q, float* qp) const {
   const size_t hd = size_t(head_dim());
   const size_t qd = size_t(prepared_query_dim());
   for (int i = 0; i < n_q; ++i) std::copy(q + size_t(i) * hd, q + size_t(i) * hd + hd, qp + size_t(i) * qd);
+}
+
+void KvCodec::scores_spans(int head, const float* qp, int n_q, const KvSpan* spans, int n_spans, float* out,
+                           int out_stride) const {
+  kv_for_spans(spans, n_spans, [&](const KvSpan& sp, int o) {
+    scores(head, qp, n_q, sp.block, sp.block_tokens, sp.t0, sp.n, sp.pos0, out + o, out_stride);
+  });
+}
+
+void KvCodec::accumulate_spans(int head, const float* p, int p_stride, int n_q, const KvSpan* spans, int n_spans,
+                               float* acc) const {
+  kv_for_spans(spans, n_spans, [&](const KvSpan& sp, int o) {
+    accumulate(head, p + o, p_stride, n_q, sp.block, sp.block_tokens, sp.t0, sp.n, acc);
+  });
 }
 
 void KvCodec::finish_output(int, float*, int) const {}

@@ -85,11 +85,20 @@ class RotatedCodec final : public KvCodec {
                   int n, float* acc) const override {
     inner_->accumulate(head, p, p_stride, n_q, block, block_tokens, t0, n, acc);
   }
+  void scores_spans(int head, const float* qp, int n_q, const KvSpan* spans, int n_spans, float* out,
+                    int out_stride) const override {
+    inner_->scores_spans(head, qp, n_q, spans, n_spans, out, out_stride);
+  }
+  void accumulate_spans(int head, const float* p, int p_stride, int n_q, const KvSpan* spans, int n_spans,
+                        float* acc) const override {
+    inner_->accumulate_spans(head, p, p_stride, n_q, spans, n_spans, acc);
+  }
 
   PrefetchRange prefetch_range(int block_tokens, int t0, int n) const override {
     return inner_->prefetch_range(block_tokens, t0, n);
   }
   bool prefetches_along() const override { return inner_->prefetches_along(); }
+  bool fuses_spans() const override { return inner_->fuses_spans(); }
   PrefetchRange prefetch_along_range(int block_tokens, int t0, int n) const override {
     return inner_->prefetch_along_range(block_tokens, t0, n);
   }

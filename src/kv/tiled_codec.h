@@ -3,7 +3,9 @@
 // for (keys: prepare_query + scores; values: accumulate), the other role served through decode,
 // and the prefetch range of the tiles a call reads.
 #pragma once
+#include <algorithm>
 #include <string>
+#include <type_traits>
 
 #include "core/cpu.h"
 #include "core/error.h"
@@ -16,10 +18,14 @@ namespace kvq {
 // A family's three dispatch points as the Ops of TiledCodecBase.
 template <class Layout, void (*Prep)(const Layout&, const float*, int, float*),
           void (*Scores)(const Layout&, const float*, int, const uint8_t*, int, int, float*, int),
-          void (*Accum)(const Layout&, const float*, int, int, const uint8_t*, int, int, float*), bool Along = false>
+          void (*Accum)(const Layout&, const float*, int, int, const uint8_t*, int, int, float*), bool Along = false,
+          class Spans = void>
 struct TiledOps {
   // The SIMD kernels request kv_prefetch_along (kv/prefetch_along.h); the scalar ones do not.
   static constexpr bool along = Along;
+  // Spans: the family's multi-block kernels (static fused(), scores(L, qp, n_q, spans, n_spans,
+  // out, out_stride), accum(L, p, p_stride, n_q, spans, n_spans, acc)), or void.
+  using SpanKernels = Spans;
   static void prepare_query(const Layout& L, const float* q, int n_q, float* qp) { Prep(L, q, n_q, qp); }
   static void scores(const Layout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n, float* out,
                      int out_stride) {
@@ -76,6 +82,30 @@ class TiledCodecBase : public KvCodec {
     if (role_ != KvRole::value)
       return kv_accumulate_via_decode(*this, head, p, p_stride, n_q, block, block_tokens, t0, n, 0, acc);
     Ops::accum(L_, p, p_stride, n_q, block, t0, n, acc);
+  }
+  bool fuses_spans() const override {
+    if constexpr (std::is_void_v<typename Ops::SpanKernels>) return false;
+    else return Ops::SpanKernels::fused();
+  }
+  void scores_spans(int head, const float* qp, int n_q, const KvSpan* spans, int n_spans, float* out,
+                    int out_stride) const override {
+    if constexpr (!std::is_void_v<typename Ops::SpanKernels>) {
+      if (role_ == KvRole::key) {
+        for (int s = 0; s < n_spans; ++s) check_range(spans[s].block_tokens, spans[s].t0, std::max(0, spans[s].n));
+        return Ops::SpanKernels::scores(L_, qp, n_q, spans, n_spans, out, out_stride);
+      }
+    }
+    KvCodec::scores_spans(head, qp, n_q, spans, n_spans, out, out_stride);
+  }
+  void accumulate_spans(int head, const float* p, int p_stride, int n_q, const KvSpan* spans, int n_spans,
+                        float* acc) const override {
+    if constexpr (!std::is_void_v<typename Ops::SpanKernels>) {
+      if (role_ == KvRole::value) {
+        for (int s = 0; s < n_spans; ++s) check_range(spans[s].block_tokens, spans[s].t0, std::max(0, spans[s].n));
+        return Ops::SpanKernels::accum(L_, p, p_stride, n_q, spans, n_spans, acc);
+      }
+    }
+    KvCodec::accumulate_spans(head, p, p_stride, n_q, spans, n_spans, acc);
   }
 
  protected:

@@ -251,17 +251,24 @@ inline void tiles_reduce_min_terms_avx512(const float (*msv)[16], int n, float m
   }
 }
 
-// int4t's / int2t's whole weighted sum (kv/int4_tiled.h) over tokens [t0, t0 + n) of a value block:
-// row passes of up to 4 rows; per segment of 4 tiles the weights quantized ahead
+// A single-block call as a span, its along range this thread's kv_prefetch_along (what the
+// per-block entry points of the multi-span kernels pass on).
+inline KvSpan tile_span(const uint8_t* block, int t0, int n) {
+  return {block, 0, t0, n, 0, kv_prefetch_along.p, kv_prefetch_along.bytes};
+}
+
+// int4t's / int2t's whole weighted sum (kv/int4_tiled.h) over the tokens of several value blocks
+// (KvCodec::accumulate_spans: span s's token t0 + t weighted by column o_s + t of p): row passes of
+// up to 4 rows; per segment of up to 4 tiles of a span the weights quantized ahead
 // (tile_quantize_group_weights_avx512), then the channel loop (tiles_accum_segment_avx512 with the
-// layout's quad_codes reader), then the min terms (times L.min_mul). U8 weights when every weight
-// is >= 0 and the scales are (not q4_0t's signed ones), else s8.
+// layout's quad_codes reader); the min terms (times L.min_mul) summed over all spans and added once,
+// in the call's last segment. U8 weights when every weight is >= 0 and the scales are (not q4_0t's
+// signed ones), else s8.
 template <int NQ, bool U8, bool Flip = false, class QuadCodes>
-void tiles_accum_pass_avx512(const Int4TiledLayout& L, const float* p, int p_stride, const uint8_t* block, int t0,
-                             int n, float* acc, QuadCodes quad_codes) {
+void tiles_accum_pass_avx512(const Int4TiledLayout& L, const float* p, int p_stride, const KvSpan* spans, int n_spans,
+                             float* acc, QuadCodes quad_codes) {
   constexpr int kSegTiles = 4;  // tiles whose weights are quantized ahead of the channel loop
   constexpr int kMaxGroups = 1024 / 32;
-  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
   // Per (query row, group): the min term sum_t p_t m_tg, 16 lanes, reduced once per call (mins).
   const int ng = L.ng, ngc = (L.ng + 3) / 4;
   // A layout without them (min_mul 0: tq's, iq4_nlt's) skips them whole.
@@ -273,41 +280,64 @@ void tiles_accum_pass_avx512(const Int4TiledLayout& L, const float* p, int p_str
   alignas(64) float dws[kSegTiles * kMaxGroups / 4][16];
   float mins[NQ * kMaxGroups];
   int32_t wsum[Flip ? kSegTiles : 1][NQ * kMaxGroups];  // Flip: 128 * each (row, group) weight sum per tile
-  const KvPrefetchAlong along = kv_prefetch_along;
-  const int n_seg = (tile1 - tile0 + kSegTiles - 1) / kSegTiles;
-  for (int seg = tile0; seg < tile1; seg += kSegTiles) {
-    const int nt = std::min(kSegTiles, tile1 - seg);
-    kv_prefetch_along_step(along, (seg - tile0) / kSegTiles, n_seg);
-    for (int tt = 0; tt < nt; ++tt)
-      tile_quantize_group_weights_avx512<NQ, U8>(p, p_stride, t0, n, (seg + tt) * 16,
-                                                 block + size_t(seg + tt) * L.tile_bytes, L.min_off, ng,
-                                                 w8 + tt * ng, dws + tt * ngc, with_min ? msv : nullptr,
-                                                 Flip ? wsum[tt] : nullptr);
-    // The min terms are complete once the last segment's weights are: that segment's flush adds them.
-    const bool last = with_min && seg + kSegTiles >= tile1;
-    if (last) tiles_reduce_min_terms_avx512(msv, NQ * ng, L.min_mul, mins);
-    tiles_accum_segment_avx512<NQ, U8, QuadCodes, Flip>(L, block + size_t(seg) * L.tile_bytes, nt, w8, dws,
-                                                        last ? mins : nullptr, acc, quad_codes, wsum);
+  int last_span = n_spans - 1;
+  while (last_span >= 0 && spans[last_span].n <= 0) --last_span;
+  for (int s = 0, col = 0; s <= last_span; col += std::max(0, spans[s].n), ++s) {
+    const uint8_t* block = spans[s].block;
+    const int t0 = spans[s].t0, n = spans[s].n;
+    if (n <= 0) continue;
+    const float* ps = p + col;
+    const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
+    const KvPrefetchAlong along{spans[s].along, spans[s].along_bytes};
+    const int n_seg = (tile1 - tile0 + kSegTiles - 1) / kSegTiles;
+    for (int seg = tile0; seg < tile1; seg += kSegTiles) {
+      const int nt = std::min(kSegTiles, tile1 - seg);
+      kv_prefetch_along_step(along, (seg - tile0) / kSegTiles, n_seg);
+      for (int tt = 0; tt < nt; ++tt)
+        tile_quantize_group_weights_avx512<NQ, U8>(ps, p_stride, t0, n, (seg + tt) * 16,
+                                                   block + size_t(seg + tt) * L.tile_bytes, L.min_off, ng,
+                                                   w8 + tt * ng, dws + tt * ngc, with_min ? msv : nullptr,
+                                                   Flip ? wsum[tt] : nullptr);
+      // The min terms are complete once the call's last segment's weights are: its flush adds them.
+      const bool last = with_min && s == last_span && seg + kSegTiles >= tile1;
+      if (last) tiles_reduce_min_terms_avx512(msv, NQ * ng, L.min_mul, mins);
+      tiles_accum_segment_avx512<NQ, U8, QuadCodes, Flip>(L, block + size_t(seg) * L.tile_bytes, nt, w8, dws,
+                                                          last ? mins : nullptr, acc, quad_codes, wsum);
+    }
   }
 }
+// Whether every weight of the spans' columns of p is >= 0.
+inline bool tiles_spans_weights_nonneg_avx512(const float* p, int p_stride, int n_q, const KvSpan* spans,
+                                              int n_spans) {
+  int n = 0;
+  for (int s = 0; s < n_spans; ++s) n += std::max(0, spans[s].n);
+  return tiles_weights_nonneg_avx512(p, p_stride, n_q, n);
+}
+template <bool Flip = false, class QuadCodes>
+void tiles_accum_avx512(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const KvSpan* spans,
+                        int n_spans, float* acc, QuadCodes quad_codes) {
+  if constexpr (Flip) {  // signed code values: s8 weights always
+    tile_row_passes(n_q, [&](int i, auto m) {
+      tiles_accum_pass_avx512<decltype(m)::value, false, true>(L, p + size_t(i) * size_t(p_stride), p_stride, spans,
+                                                               n_spans, acc + size_t(i) * size_t(L.hd), quad_codes);
+    });
+    return;
+  }
+  const bool u8 = !L.signed_scales && tiles_spans_weights_nonneg_avx512(p, p_stride, n_q, spans, n_spans);
+  tile_row_passes(n_q, [&](int i, auto m) {
+    const float* pi = p + size_t(i) * size_t(p_stride);
+    float* a = acc + size_t(i) * size_t(L.hd);
+    if (u8) tiles_accum_pass_avx512<decltype(m)::value, true>(L, pi, p_stride, spans, n_spans, a, quad_codes);
+    else tiles_accum_pass_avx512<decltype(m)::value, false>(L, pi, p_stride, spans, n_spans, a, quad_codes);
+  });
+}
+// One block's tokens [t0, t0 + n), requesting this thread's kv_prefetch_along.
 template <bool Flip = false, class QuadCodes>
 void tiles_accum_avx512(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                         int n, float* acc, QuadCodes quad_codes) {
   if (n <= 0) return;
-  if constexpr (Flip) {  // signed code values: s8 weights always
-    tile_row_passes(n_q, [&](int i, auto m) {
-      tiles_accum_pass_avx512<decltype(m)::value, false, true>(L, p + size_t(i) * size_t(p_stride), p_stride, block,
-                                                               t0, n, acc + size_t(i) * size_t(L.hd), quad_codes);
-    });
-    return;
-  }
-  const bool u8 = !L.signed_scales && tiles_weights_nonneg_avx512(p, p_stride, n_q, n);
-  tile_row_passes(n_q, [&](int i, auto m) {
-    const float* pi = p + size_t(i) * size_t(p_stride);
-    float* a = acc + size_t(i) * size_t(L.hd);
-    if (u8) tiles_accum_pass_avx512<decltype(m)::value, true>(L, pi, p_stride, block, t0, n, a, quad_codes);
-    else tiles_accum_pass_avx512<decltype(m)::value, false>(L, pi, p_stride, block, t0, n, a, quad_codes);
-  });
+  const KvSpan sp = tile_span(block, t0, n);
+  tiles_accum_avx512<Flip>(L, p, p_stride, n_q, &sp, 1, acc, quad_codes);
 }
 
 }  // namespace kvq
