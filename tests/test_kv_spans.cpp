@@ -132,9 +132,9 @@ TEST(KvSpans, MultiBlockCallsEqualOneCallPerBlockForEveryCodec) {
   cpu_set_level(saved);
 }
 
-TEST(KvSpans, TiledFourBitCodecsFuseSpansAtAvx512Only) {
+TEST(KvSpans, TiledCodecsFuseSpansAtAvx512Only) {
   const CpuLevel saved = cpu_level();
-  for (const char* name : {"int4t_g128", "int4t_g32", "q4_0t", "q4_0h", "q4_1t", "q5_0t", "iq4_nlt"}) {
+  for (const char* name : {"int4t_g128", "int4t_g32", "q4_0t", "q4_0h", "q4_1t", "q5_0t", "iq4_nlt", "int2t_g64", "tq4", "tq3.5"}) {
     for (KvRole role : {KvRole::key, KvRole::value}) {
       auto c = make(name, role, 128, nullptr);
       cpu_set_level(CpuLevel::scalar);
@@ -145,8 +145,19 @@ TEST(KvSpans, TiledFourBitCodecsFuseSpansAtAvx512Only) {
       EXPECT_EQ(c->fuses_spans(), cpu_level() == CpuLevel::avx512) << name;
     }
   }
-  // Row codecs and KVQuant's keys keep one call per block.
-  for (const char* name : {"f16", "int8_rows", "kvquant4_k"}) EXPECT_FALSE(make(name, KvRole::key, 128, nullptr)->fuses_spans()) << name;
+  // KIVI's tiles: the values' weighted sum takes spans; the keys (one query fold per key group)
+  // stay one call per block but report fusing so that their format's values get batches.
+  for (const char* name : {"kivi4t_k", "kivi4t_v", "kivi2t_k", "kivi2t_v"}) {
+    const KvRole role = std::string(name).back() == 'k' ? KvRole::key : KvRole::value;
+    auto c = make(name, role, 128, nullptr);
+    cpu_set_level(CpuLevel::avx2);
+    EXPECT_FALSE(c->fuses_spans()) << name;
+    cpu_set_level(CpuLevel::avx512);
+    EXPECT_EQ(c->fuses_spans(), cpu_level() == CpuLevel::avx512) << name;
+  }
+  // Row codecs, the 8-bit tiles (measured slower in batches) and KVQuant's keys keep one call per
+  // block.
+  for (const char* name : {"f16", "int8_rows", "int8t", "q8_0t", "kvquant4_k"}) EXPECT_FALSE(make(name, KvRole::key, 128, nullptr)->fuses_spans()) << name;
   cpu_set_level(saved);
 }
 

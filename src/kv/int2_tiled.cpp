@@ -88,7 +88,12 @@ void kivi2t_scores(const int8_t* q8, const float* dq, const float* cz, int n_q, 
 
 namespace {
 
-using Int2tOps = TiledOps<Int4TiledLayout, int4t_prepare_query, int2t_scores, int2t_accum, true>;
+#if defined(KVQ_HAVE_SIMD)
+using Int2tSpans = TiledSpansAvx512<Int4TiledLayout, int2t_scores_spans_avx512, int2t_accum_spans_avx512>;
+#else
+using Int2tSpans = void;
+#endif
+using Int2tOps = TiledOps<Int4TiledLayout, int4t_prepare_query, int2t_scores, int2t_accum, true, Int2tSpans>;
 
 class Int2TiledCodec final : public TiledCodecBase<Int4TiledLayout, Int2tOps> {
  public:

@@ -87,6 +87,10 @@ void int2t_scores_avx512(const Int4TiledLayout& L, const float* qp, int n_q, con
                          float* out, int out_stride);
 void int2t_accum_avx512(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
                         int t0, int n, float* acc);
+void int2t_scores_spans_avx512(const Int4TiledLayout& L, const float* qp, int n_q, const KvSpan* spans, int n_spans,
+                               float* out, int out_stride);
+void int2t_accum_spans_avx512(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const KvSpan* spans,
+                              int n_spans, float* acc);
 #endif
 // The dispatch point.
 void int2t_scores(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,

@@ -40,7 +40,7 @@ inline void key_block_dots(const uint8_t* codes, int b, const int8_t* const* q8,
 }
 
 template <int NQ>
-void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
+void scores_pass(const Int4TiledLayout& L, const float* qp, const KvSpan* spans, int n_spans, float* out,
                  int out_stride) {
   const int bpg = L.group / 32;
   Int4tQueryRow qr[NQ];
@@ -49,11 +49,12 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
     qr[h] = int4t_query_row(L, qp, h);
     q8[h] = qr[h].q8;
   }
+  tile_spans(spans, n_spans, [&](const KvSpan& sp, int col, KvPrefetchAlong along) {
+  const int t0 = sp.t0, n = sp.n;
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  const KvPrefetchAlong along = kv_prefetch_along;
   for (int tile = tile0; tile < tile1; ++tile) {
     kv_prefetch_along_step(along, tile - tile0, tile1 - tile0);
-    const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
+    const uint8_t* tp = sp.block + size_t(tile) * L.tile_bytes;
     const uint8_t* codes = tp + L.code_off;
     __m512 score[NQ];
     for (int h = 0; h < NQ; ++h) score[h] = _mm512_setzero_ps();
@@ -73,8 +74,10 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const uint8_t* block
         score[h] = _mm512_fmadd_ps(mv, _mm512_set1_ps(qr[h].qsum[g]), score[h]);
       }
     }
-    for (int h = 0; h < NQ; ++h) tile_store_avx512(out + size_t(h) * size_t(out_stride), tile * 16, t0, n, score[h]);
+    for (int h = 0; h < NQ; ++h)
+      tile_store_avx512(out + size_t(h) * size_t(out_stride) + col, tile * 16, t0, n, score[h]);
   }
+  });
 }
 
 template <int NQ>
@@ -104,20 +107,33 @@ void kivi_scores_pass(const int8_t* q8, const float* dq, const float* cz, int hd
 
 }  // namespace
 
-void int2t_scores_avx512(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
-                         float* out, int out_stride) {
-  if (n <= 0) return;
+void int2t_scores_spans_avx512(const Int4TiledLayout& L, const float* qp, int n_q, const KvSpan* spans, int n_spans,
+                               float* out, int out_stride) {
   tile_row_passes(n_q, [&](int i, auto m) {
-    scores_pass<decltype(m)::value>(L, qp + size_t(i) * size_t(L.qdim), block, t0, n,
+    scores_pass<decltype(m)::value>(L, qp + size_t(i) * size_t(L.qdim), spans, n_spans,
                                     out + size_t(i) * size_t(out_stride), out_stride);
   });
 }
 
+void int2t_scores_avx512(const Int4TiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
+                         float* out, int out_stride) {
+  if (n <= 0) return;
+  const KvSpan sp = tile_span(block, t0, n);
+  int2t_scores_spans_avx512(L, qp, n_q, &sp, 1, out, out_stride);
+}
+
 void int2t_accum_avx512(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
                         int t0, int n, float* acc) {
+  if (n <= 0) return;
+  const KvSpan sp = tile_span(block, t0, n);
+  int2t_accum_spans_avx512(L, p, p_stride, n_q, &sp, 1, acc);
+}
+
+void int2t_accum_spans_avx512(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const KvSpan* spans,
+                              int n_spans, float* acc) {
   // Channel chunks of 32: per tile 2 loads (token octets), each 4 crumb planes (token quad x
   // channel half): quads 2o and 2o + 1 read the same 64 bytes.
-  tiles_accum_avx512(L, p, p_stride, n_q, block, t0, n, acc,
+  tiles_accum_avx512(L, p, p_stride, n_q, spans, n_spans, acc,
                      [](const uint8_t* codes, int c, int k, __m512i* lo, __m512i* hi) {
                        const __m512i x = _mm512_loadu_si512(codes + size_t(c) * 128 + 64 * (k / 2));
                        *lo = plane(x, 2 * (k % 2));

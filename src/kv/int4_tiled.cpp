@@ -1,7 +1,6 @@
 // int4t_g{32,64,128}: the tiled int4 codec (layout, kernels' arithmetic and error bounds in
 // kv/int4_tiled.h), its scalar reference kernels, the dispatch point and the registration.
 #include "kv/int4_tiled.h"
-#include "kv/prefetch_along.h"
 
 #include <algorithm>
 #include <cmath>
@@ -136,34 +135,13 @@ void int4t_accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q
   KVQ_CPU_PICK(int4t_accum)(L, p, p_stride, n_q, block, t0, n, acc);
 }
 
-bool Int4tSpans::fused() {
-#if defined(KVQ_HAVE_SIMD)
-  return cpu_level() == CpuLevel::avx512;
-#else
-  return false;
-#endif
-}
-void Int4tSpans::scores(const Int4TiledLayout& L, const float* qp, int n_q, const KvSpan* spans, int n_spans,
-                        float* out, int out_stride) {
-#if defined(KVQ_HAVE_SIMD)
-  if (fused()) return int4t_scores_spans_avx512(L, qp, n_q, spans, n_spans, out, out_stride);
-#endif
-  kv_for_spans(spans, n_spans, [&](const KvSpan& sp, int o) {
-    int4t_scores(L, qp, n_q, sp.block, sp.t0, sp.n, out + o, out_stride);
-  });
-}
-void Int4tSpans::accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const KvSpan* spans,
-                       int n_spans, float* acc) {
-#if defined(KVQ_HAVE_SIMD)
-  if (fused()) return int4t_accum_spans_avx512(L, p, p_stride, n_q, spans, n_spans, acc);
-#endif
-  kv_for_spans(spans, n_spans, [&](const KvSpan& sp, int o) {
-    int4t_accum(L, p + o, p_stride, n_q, sp.block, sp.t0, sp.n, acc);
-  });
-}
-
 namespace {
 
+#if defined(KVQ_HAVE_SIMD)
+using Int4tSpans = TiledSpansAvx512<Int4TiledLayout, int4t_scores_spans_avx512, int4t_accum_spans_avx512>;
+#else
+using Int4tSpans = void;
+#endif
 using Int4tOps = TiledOps<Int4TiledLayout, int4t_prepare_query, int4t_scores, int4t_accum, true, Int4tSpans>;
 
 // The layout of llama.cpp type e's blocks in these tiles.

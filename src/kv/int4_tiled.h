@@ -221,15 +221,6 @@ void int4t_scores(const Int4TiledLayout& L, const float* qp, int n_q, const uint
                   float* out, int out_stride);
 void int4t_accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                  int n, float* acc);
-// The multi-block kernels (TiledOps' Spans): one call for all spans at the AVX-512 level (fused()).
-struct Int4tSpans {
-  static bool fused();
-  static void scores(const Int4TiledLayout& L, const float* qp, int n_q, const KvSpan* spans, int n_spans, float* out,
-                     int out_stride);
-  static void accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const KvSpan* spans, int n_spans,
-                    float* acc);
-};
-
 // Weight quantization of the tiled weighted sums (int4t, int2t, q4_0t, kivi values, int8t, q8_0t),
 // shared by every variant so that all of them round identically. Per (query row, group, tile) the
 // weights w_t = p_t s_tg (f32 products) and wmax = max_t |w_t|:

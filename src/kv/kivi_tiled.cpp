@@ -143,6 +143,22 @@ struct KiviTiles<4> {
                     int n, float* acc) {
     int4t_accum(L, p, p_stride, n_q, block, t0, n, acc);
   }
+  // The values' multi-block weighted sum (KvCodec::accumulate_spans) at the AVX-512 level.
+  static bool fused() {
+#if defined(KVQ_HAVE_SIMD)
+    return cpu_level() == CpuLevel::avx512;
+#else
+    return false;
+#endif
+  }
+  static void accum_spans(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const KvSpan* spans,
+                          int n_spans, float* acc) {
+#if defined(KVQ_HAVE_SIMD)
+    int4t_accum_spans_avx512(L, p, p_stride, n_q, spans, n_spans, acc);
+#else
+    (void)L, (void)p, (void)p_stride, (void)n_q, (void)spans, (void)n_spans, (void)acc;
+#endif
+  }
 };
 
 template <>
@@ -177,6 +193,22 @@ struct KiviTiles<2> {
   static void accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                     int n, float* acc) {
     int2t_accum(L, p, p_stride, n_q, block, t0, n, acc);
+  }
+  // The values' multi-block weighted sum (KvCodec::accumulate_spans) at the AVX-512 level.
+  static bool fused() {
+#if defined(KVQ_HAVE_SIMD)
+    return cpu_level() == CpuLevel::avx512;
+#else
+    return false;
+#endif
+  }
+  static void accum_spans(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const KvSpan* spans,
+                          int n_spans, float* acc) {
+#if defined(KVQ_HAVE_SIMD)
+    int2t_accum_spans_avx512(L, p, p_stride, n_q, spans, n_spans, acc);
+#else
+    (void)L, (void)p, (void)p_stride, (void)n_q, (void)spans, (void)n_spans, (void)acc;
+#endif
   }
 };
 
@@ -304,6 +336,9 @@ class KivitKeyCodec final : public KivitCodecBase {
                   int n, float* acc) const override {
     kv_accumulate_via_decode(*this, head, p, p_stride, n_q, block, block_tokens, t0, n, 0, acc);
   }
+  // The query fold is per key group whatever the batch, so scores_spans stays one call per block;
+  // the values' weighted sum is what batches save (KivitValueCodec).
+  bool fuses_spans() const override { return T::fused(); }
 };
 
 template <int Bits>
@@ -379,6 +414,13 @@ class KivitValueCodec final : public KivitCodecBase {
                   float* acc) const override {
     check_range(block_tokens, t0, n);
     T::accum(L_, p, p_stride, n_q, block, t0, n, acc);
+  }
+  bool fuses_spans() const override { return T::fused(); }
+  void accumulate_spans(int head, const float* p, int p_stride, int n_q, const KvSpan* spans, int n_spans,
+                        float* acc) const override {
+    if (!T::fused()) return KvCodec::accumulate_spans(head, p, p_stride, n_q, spans, n_spans, acc);
+    for (int s = 0; s < n_spans; ++s) check_range(spans[s].block_tokens, spans[s].t0, std::max(0, spans[s].n));
+    T::accum_spans(L_, p, p_stride, n_q, spans, n_spans, acc);
   }
 
  private:

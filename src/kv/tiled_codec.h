@@ -23,8 +23,8 @@ template <class Layout, void (*Prep)(const Layout&, const float*, int, float*),
 struct TiledOps {
   // The SIMD kernels request kv_prefetch_along (kv/prefetch_along.h); the scalar ones do not.
   static constexpr bool along = Along;
-  // Spans: the family's multi-block kernels (static fused(), scores(L, qp, n_q, spans, n_spans,
-  // out, out_stride), accum(L, p, p_stride, n_q, spans, n_spans, acc)), or void.
+  // Spans: the family's multi-block kernels (TiledSpansAvx512: static fused(), scores(L, qp, n_q,
+  // spans, n_spans, out, out_stride), accum(L, p, p_stride, n_q, spans, n_spans, acc)), or void.
   using SpanKernels = Spans;
   static void prepare_query(const Layout& L, const float* q, int n_q, float* qp) { Prep(L, q, n_q, qp); }
   static void scores(const Layout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n, float* out,
@@ -34,6 +34,23 @@ struct TiledOps {
   static void accum(const Layout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0, int n,
                     float* acc) {
     Accum(L, p, p_stride, n_q, block, t0, n, acc);
+  }
+};
+
+// A family's multi-block AVX-512 kernels (several head blocks per call, KvCodec::scores_spans /
+// accumulate_spans) as TiledOps' Spans: the codec fuses spans at that level and calls them there;
+// below it, one call per block. Instantiate only where KVQ_HAVE_SIMD is defined.
+template <class Layout, void (*Scores)(const Layout&, const float*, int, const KvSpan*, int, float*, int),
+          void (*Accum)(const Layout&, const float*, int, int, const KvSpan*, int, float*)>
+struct TiledSpansAvx512 {
+  static bool fused() { return cpu_level() == CpuLevel::avx512; }
+  static void scores(const Layout& L, const float* qp, int n_q, const KvSpan* spans, int n_spans, float* out,
+                     int out_stride) {
+    Scores(L, qp, n_q, spans, n_spans, out, out_stride);
+  }
+  static void accum(const Layout& L, const float* p, int p_stride, int n_q, const KvSpan* spans, int n_spans,
+                    float* acc) {
+    Accum(L, p, p_stride, n_q, spans, n_spans, acc);
   }
 };
 
@@ -90,7 +107,7 @@ class TiledCodecBase : public KvCodec {
   void scores_spans(int head, const float* qp, int n_q, const KvSpan* spans, int n_spans, float* out,
                     int out_stride) const override {
     if constexpr (!std::is_void_v<typename Ops::SpanKernels>) {
-      if (role_ == KvRole::key) {
+      if (role_ == KvRole::key && Ops::SpanKernels::fused()) {
         for (int s = 0; s < n_spans; ++s) check_range(spans[s].block_tokens, spans[s].t0, std::max(0, spans[s].n));
         return Ops::SpanKernels::scores(L_, qp, n_q, spans, n_spans, out, out_stride);
       }
@@ -100,7 +117,7 @@ class TiledCodecBase : public KvCodec {
   void accumulate_spans(int head, const float* p, int p_stride, int n_q, const KvSpan* spans, int n_spans,
                         float* acc) const override {
     if constexpr (!std::is_void_v<typename Ops::SpanKernels>) {
-      if (role_ == KvRole::value) {
+      if (role_ == KvRole::value && Ops::SpanKernels::fused()) {
         for (int s = 0; s < n_spans; ++s) check_range(spans[s].block_tokens, spans[s].t0, std::max(0, spans[s].n));
         return Ops::SpanKernels::accum(L_, p, p_stride, n_q, spans, n_spans, acc);
       }

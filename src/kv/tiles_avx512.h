@@ -251,6 +251,17 @@ inline void tiles_reduce_min_terms_avx512(const float (*msv)[16], int n, float m
   }
 }
 
+// f(span, col, along) for each span with n > 0 of a multi-block call: col its first output column
+// (the n of the spans before it summed), along its range to request along the span's tiles.
+template <class F>
+[[gnu::always_inline]] inline void tile_spans(const KvSpan* spans, int n_spans, F&& f) {
+  for (int s = 0, col = 0; s < n_spans; ++s) {
+    if (spans[s].n <= 0) continue;
+    f(spans[s], col, KvPrefetchAlong{spans[s].along, spans[s].along_bytes});
+    col += spans[s].n;
+  }
+}
+
 // A single-block call as a span, its along range this thread's kv_prefetch_along (what the
 // per-block entry points of the multi-span kernels pass on).
 inline KvSpan tile_span(const uint8_t* block, int t0, int n) {

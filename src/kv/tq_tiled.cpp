@@ -195,7 +195,12 @@ namespace {
 
 // TiledCodecBase's fused entry points; TqTiledCodec overrides them (the query is rotated first,
 // and a block of the other role is served in f32).
-using TqTiledOps = TiledOps<TqTiledLayout, tq_tiled_prepare_query, tq_tiled_scores, tq_tiled_accum, true>;
+#if defined(KVQ_HAVE_SIMD)
+using TqTiledSpans = TiledSpansAvx512<TqTiledLayout, tq_tiled_scores_spans_avx512, tq_tiled_accum_spans_avx512>;
+#else
+using TqTiledSpans = void;
+#endif
+using TqTiledOps = TiledOps<TqTiledLayout, tq_tiled_prepare_query, tq_tiled_scores, tq_tiled_accum, true, TqTiledSpans>;
 
 TqTiledLayout layout_for(const std::string& name, double bits, int hd) {
   int n_hi = 0, bh = 0, bl = 0;

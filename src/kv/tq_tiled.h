@@ -112,6 +112,10 @@ void tq_tiled_scores_avx512(const TqTiledLayout& L, const float* qp, int n_q, co
                             float* out, int out_stride);
 void tq_tiled_accum_avx512(const TqTiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
                            int t0, int n, float* acc);
+void tq_tiled_scores_spans_avx512(const TqTiledLayout& L, const float* qp, int n_q, const KvSpan* spans, int n_spans,
+                                  float* out, int out_stride);
+void tq_tiled_accum_spans_avx512(const TqTiledLayout& L, const float* p, int p_stride, int n_q, const KvSpan* spans,
+                                 int n_spans, float* acc);
 #endif
 void tq_tiled_scores(const TqTiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
                      float* out, int out_stride);

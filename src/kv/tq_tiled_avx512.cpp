@@ -49,7 +49,7 @@ inline void key_block_codes(const uint8_t* base, int bits, __m512i* vec) {
 }
 
 template <int NQ>
-void scores_pass(const TqTiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
+void scores_pass(const TqTiledLayout& L, const float* qp, const KvSpan* spans, int n_spans, float* out,
                  int out_stride) {
   const int8_t* q8[NQ];
   const float* dq[NQ];
@@ -62,11 +62,12 @@ void scores_pass(const TqTiledLayout& L, const float* qp, const uint8_t* block, 
   }
   __m512i lutu[2];
   for (int s = 0; s < L.nseg; ++s) lutu[s] = seg_lut(L.seg[s], 0x80);
+  tile_spans(spans, n_spans, [&](const KvSpan& sp, int col, KvPrefetchAlong along) {
+  const int t0 = sp.t0, n = sp.n;
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  const KvPrefetchAlong along = kv_prefetch_along;
   for (int tile = tile0; tile < tile1; ++tile) {
     kv_prefetch_along_step(along, tile - tile0, tile1 - tile0);
-    const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
+    const uint8_t* tp = sp.block + size_t(tile) * L.tile_bytes;
     __m512 facc[NQ];
     for (int h = 0; h < NQ; ++h) facc[h] = _mm512_setzero_ps();
     for (int b = 0; b < L.hd / 32; ++b) {
@@ -87,33 +88,50 @@ void scores_pass(const TqTiledLayout& L, const float* qp, const uint8_t* block, 
     }
     const __m512 norms = tile_load_f16x16_avx512(tp);
     for (int h = 0; h < NQ; ++h)
-      tile_store_avx512(out + size_t(h) * size_t(out_stride), tile * 16, t0, n, _mm512_mul_ps(facc[h], norms));
+      tile_store_avx512(out + size_t(h) * size_t(out_stride) + col, tile * 16, t0, n, _mm512_mul_ps(facc[h], norms));
   }
+  });
 }
 
 }  // namespace
 
+void tq_tiled_scores_spans_avx512(const TqTiledLayout& L, const float* qp, int n_q, const KvSpan* spans, int n_spans,
+                                  float* out, int out_stride) {
+  tile_row_passes(n_q, [&](int i, auto m) {
+    scores_pass<decltype(m)::value>(L, qp + size_t(i) * size_t(L.qdim), spans, n_spans,
+                                    out + size_t(i) * size_t(out_stride), out_stride);
+  });
+}
+
 void tq_tiled_scores_avx512(const TqTiledLayout& L, const float* qp, int n_q, const uint8_t* block, int t0, int n,
                             float* out, int out_stride) {
   if (n <= 0) return;
-  tile_row_passes(n_q, [&](int i, auto m) {
-    scores_pass<decltype(m)::value>(L, qp + size_t(i) * size_t(L.qdim), block, t0, n,
-                                    out + size_t(i) * size_t(out_stride), out_stride);
-  });
+  const KvSpan sp = tile_span(block, t0, n);
+  tq_tiled_scores_spans_avx512(L, qp, n_q, &sp, 1, out, out_stride);
+}
+
+void tq_tiled_accum_avx512(const TqTiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
+                           int t0, int n, float* acc) {
+  if (n <= 0) return;
+  const KvSpan sp = tile_span(block, t0, n);
+  tq_tiled_accum_spans_avx512(L, p, p_stride, n_q, &sp, 1, acc);
 }
 
 // int4t's weighted sum (tiles_accum_avx512) with the value codes of chunk c, token quad k looked
 // up in the chunk's segment image (s8, the operand against u8 weights). Weights with a negative
 // entry take the reference's f32 path: the s8-weight path would need the codes unsigned.
-void tq_tiled_accum_avx512(const TqTiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
-                           int t0, int n, float* acc) {
-  if (n <= 0) return;
-  if (!tiles_weights_nonneg_avx512(p, p_stride, n_q, n))
-    return tq_tiled_accum_signed_ref(L, p, p_stride, n_q, block, t0, n, acc);
+void tq_tiled_accum_spans_avx512(const TqTiledLayout& L, const float* p, int p_stride, int n_q, const KvSpan* spans,
+                                 int n_spans, float* acc) {
+  if (!tiles_spans_weights_nonneg_avx512(p, p_stride, n_q, spans, n_spans)) {
+    tile_spans(spans, n_spans, [&](const KvSpan& sp, int col, KvPrefetchAlong) {
+      tq_tiled_accum_signed_ref(L, p + col, p_stride, n_q, sp.block, sp.t0, sp.n, acc);
+    });
+    return;
+  }
   __m512i lut[2];
   for (int s = 0; s < L.nseg; ++s) lut[s] = seg_lut(L.seg[s], 0);
   const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(0x03);
-  tiles_accum_avx512(L.values, p, p_stride, n_q, block, t0, n, acc,
+  tiles_accum_avx512(L.values, p, p_stride, n_q, spans, n_spans, acc,
                      [&](const uint8_t* tp, int c, int k, __m512i* lo, __m512i* hi) {
                        const int s = L.block_seg[c];
                        const TqTileSeg& g = L.seg[s];
