@@ -218,11 +218,14 @@ class BatchRecorder : public KvCodec {
 TEST(KvSpans, AttentionBatchesFusedCodecsAndRequestsTheNextBatches) {
   const CpuLevel saved = cpu_set_level(CpuLevel::avx512);
   const int hd = 128, n_q = 4, bt = 64;
-  // 11 blocks (one empty): batches of 4 non-empty 64-token blocks (kBatchTokens 256): 4, 4, 2.
+  // 11 blocks (one empty). Batches: int4t_g128's 64-token K + V blocks are 8.5 KiB, so 4 make a
+  // batch (kBatchTokens 256, kBatchBytes 36 KiB): 4, 4, 2; q5_1t's are 12 KiB: 3, 3, 3, 1.
   const std::vector<std::pair<int, int>> t0n = {{16, 48}, {0, 64}, {0, 64}, {0, 0}, {0, 64}, {0, 64},
                                                 {0, 64},  {0, 64}, {0, 64}, {0, 64}, {0, 20}};
+  for (auto [name, per_fused] : {std::pair{"int4t_g128", size_t(4)}, std::pair{"q5_1t", size_t(3)}})
   for (bool fuse : {true, false}) {
-    BatchRecorder kc("int4t_g128", KvRole::key, fuse), vc("int4t_g128", KvRole::value, fuse);
+    SCOPED_TRACE(name);
+    BatchRecorder kc(name, KvRole::key, fuse), vc(name, KvRole::value, fuse);
     std::mt19937 rng(8);
     std::normal_distribution<float> nd;
     std::vector<std::vector<uint8_t>> kb, vb;
@@ -250,7 +253,7 @@ TEST(KvSpans, AttentionBatchesFusedCodecsAndRequestsTheNextBatches) {
     std::vector<size_t> filled;
     for (size_t i = 0; i < t0n.size(); ++i)
       if (t0n[i].second > 0) filled.push_back(i);
-    const size_t per = fuse ? 4 : 1;
+    const size_t per = fuse ? per_fused : 1;
     const size_t n_batches = (filled.size() + per - 1) / per;
     ASSERT_EQ(kc.calls.size(), n_batches) << fuse;
     ASSERT_EQ(vc.calls.size(), n_batches) << fuse;

@@ -18,9 +18,14 @@ namespace {
 constexpr int kTailChunk = 64;
 // attn_decode_split: the fewest tokens per part.
 constexpr int kSplitMinPartTokens = 1024;
-// Attention reads the blocks in batches (run_blocks).
+// Attention reads the blocks in batches (run_blocks) of at most kBatchTokens tokens, kBatchSpans
+// blocks and kBatchBytes of K and V blocks. Measured at 32K tokens on Zen 5 (bench/BENCHMARKS.md):
+// batches of 128 and 256 tokens gain alike, 512 no more; batches of 40-48 KiB (int4t_g32 / q4_1 /
+// q5_1 at 256 tokens) were 5-10% slower than one block at a time when the blocks come from DRAM,
+// at 128 tokens (20-25 KiB) faster.
 constexpr int kBatchTokens = 256;
 constexpr int kBatchSpans = 16;
+constexpr size_t kBatchBytes = 36 << 10;
 
 size_t round16(size_t n) { return (n + 15) & ~size_t(15); }
 // Scores of a batch of blocks (run_blocks) or of a tail chunk.
@@ -107,14 +112,20 @@ void softmax_update(Scratch& sc, int n_q, int n_all, int v_dim, const AttnParams
 // the prefetch flag, so attn_prefill's rows get attn_decode's results bit for bit.
 
 // The end of the batch that starts at span `first` (< n_spans): the spans after it while their
-// tokens fit `cap` (>= any span's n) and at most max_spans of them are not empty.
-int batch_end(const KvBlockSpan* spans, int n_spans, int first, int cap, int max_spans) {
+// tokens fit `cap` (>= any span's n), their K and V blocks kBatchBytes (the first always fits) and
+// at most max_spans of them are not empty.
+int batch_end(const KvCodec& kc, const KvCodec& vc, const KvBlockSpan* spans, int n_spans, int first, int cap,
+              int max_spans) {
   int tokens = 0, count = 0, e = first;
+  size_t bytes = 0;
   for (; e < n_spans; ++e) {
     const int n = std::max(0, spans[e].n);
-    if (n > 0 && (count == max_spans || tokens + n > cap)) break;
+    if (n <= 0) continue;
+    const size_t b = kc.block_bytes(spans[e].block_tokens) + vc.block_bytes(spans[e].block_tokens);
+    if (count > 0 && (count == max_spans || tokens + n > cap || bytes + b > kBatchBytes)) break;
     tokens += n;
-    count += n > 0;
+    bytes += b;
+    ++count;
   }
   return e;
 }
@@ -162,7 +173,7 @@ void run_blocks(const KvCodec& kc, const KvCodec& vc, int head, int n_q, const K
   const bool pf = ap.prefetch_blocks, along = pf && kc.prefetches_along() && vc.prefetches_along();
   const int max_spans = kc.fuses_spans() && vc.fuses_spans() ? kBatchSpans : 1;
   const int cap = sc.s_stride;
-  auto next = [&](int f) { return f < n_spans ? batch_end(spans, n_spans, f, cap, max_spans) : n_spans; };
+  auto next = [&](int f) { return f < n_spans ? batch_end(kc, vc, spans, n_spans, f, cap, max_spans) : n_spans; };
   // first[k]: the first span of batch i + k, k <= D + 1 (n_spans past the last batch).
   int first[kAlongMaxBatches + 2];
   first[0] = 0;

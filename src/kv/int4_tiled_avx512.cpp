@@ -58,12 +58,10 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const KvSpan* spans,
         qoff[h][b] = 128 * _mm512_reduce_add_epi32(s4);
       }
   }
-  for (int s = 0, col = 0; s < n_spans; col += std::max(0, spans[s].n), ++s) {
-  const uint8_t* block = spans[s].block;
-  const int t0 = spans[s].t0, n = spans[s].n;
-  if (n <= 0) continue;
+  tile_spans(spans, n_spans, [&](const KvSpan& sp, int col, KvPrefetchAlong along) {
+  const uint8_t* block = sp.block;
+  const int t0 = sp.t0, n = sp.n;
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  const KvPrefetchAlong along{spans[s].along, spans[s].along_bytes};
   for (int tile = tile0; tile < tile1; ++tile) {
     kv_prefetch_along_step(along, tile - tile0, tile1 - tile0);
     const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
@@ -113,7 +111,7 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const KvSpan* spans,
     for (int h = 0; h < NQ; ++h)
       tile_store_avx512(out + size_t(h) * size_t(out_stride) + col, tile * 16, t0, n, score[h]);
   }
-  }
+  });
 }
 
 }  // namespace
