@@ -121,8 +121,9 @@ int batch_end(const KvCodec& kc, const KvCodec& vc, const KvBlockSpan* spans, in
   for (; e < n_spans; ++e) {
     const int n = std::max(0, spans[e].n);
     if (n <= 0) continue;
+    if (count == max_spans) break;
     const size_t b = kc.block_bytes(spans[e].block_tokens) + vc.block_bytes(spans[e].block_tokens);
-    if (count > 0 && (count == max_spans || tokens + n > cap || bytes + b > kBatchBytes)) break;
+    if (count > 0 && (tokens + n > cap || bytes + b > kBatchBytes)) break;
     tokens += n;
     bytes += b;
     ++count;
@@ -220,11 +221,23 @@ void run_blocks(const KvCodec& kc, const KvCodec& vc, int head, int n_q, const K
         if (!k_ahead) leads(kc, first[0], first[1], true);
         leads(vc, first[0], first[1], false);
       }
-      kc.scores_spans(head, sc.qp, n_q, ks, m, sc.s, sc.s_stride);
+      // One block (codecs that do not fuse spans): the per-block calls, without the multi-block
+      // defaults' extra indirection (measured: q8_0 4% slower through them at 32K, hot).
+      if (m == 1) {
+        KvPrefetchAlongScope a(ks[0].along, ks[0].along_bytes);
+        kc.scores(head, sc.qp, n_q, ks[0].block, ks[0].block_tokens, ks[0].t0, ks[0].n, ks[0].pos0, sc.s, sc.s_stride);
+      } else {
+        kc.scores_spans(head, sc.qp, n_q, ks, m, sc.s, sc.s_stride);
+      }
       softmax_update(sc, n_q, tokens, vc.head_dim(), ap, mask, done);
       k_ahead = pf && !along && first[1] < n_spans;
       if (k_ahead) leads(kc, first[1], first[2], true);
-      vc.accumulate_spans(head, sc.s, sc.s_stride, n_q, vs, m, sc.acc);
+      if (m == 1) {
+        KvPrefetchAlongScope a(vs[0].along, vs[0].along_bytes);
+        vc.accumulate(head, sc.s, sc.s_stride, n_q, vs[0].block, vs[0].block_tokens, vs[0].t0, vs[0].n, sc.acc);
+      } else {
+        vc.accumulate_spans(head, sc.s, sc.s_stride, n_q, vs, m, sc.acc);
+      }
     }
     done += tokens;
     for (int k = 0; k <= D; ++k) first[k] = first[k + 1];

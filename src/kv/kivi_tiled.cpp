@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 
 #include "core/cpu.h"
 #include "core/dtypes.h"
@@ -17,6 +18,7 @@
 #include "kv/kivi.h"
 #include "kv/prefetch_along.h"
 #include "kv/registry_internal.h"
+#include "kv/tiled_codec.h"
 
 namespace kvq {
 
@@ -143,22 +145,12 @@ struct KiviTiles<4> {
                     int n, float* acc) {
     int4t_accum(L, p, p_stride, n_q, block, t0, n, acc);
   }
-  // The values' multi-block weighted sum (KvCodec::accumulate_spans) at the AVX-512 level.
-  static bool fused() {
+  // The values' multi-block weighted sum (KvCodec::accumulate_spans), or void.
 #if defined(KVQ_HAVE_SIMD)
-    return cpu_level() == CpuLevel::avx512;
+  using Spans = TiledSpansAvx512<Int4TiledLayout, int4t_scores_spans_avx512, int4t_accum_spans_avx512>;
 #else
-    return false;
+  using Spans = void;
 #endif
-  }
-  static void accum_spans(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const KvSpan* spans,
-                          int n_spans, float* acc) {
-#if defined(KVQ_HAVE_SIMD)
-    int4t_accum_spans_avx512(L, p, p_stride, n_q, spans, n_spans, acc);
-#else
-    (void)L, (void)p, (void)p_stride, (void)n_q, (void)spans, (void)n_spans, (void)acc;
-#endif
-  }
 };
 
 template <>
@@ -194,23 +186,19 @@ struct KiviTiles<2> {
                     int n, float* acc) {
     int2t_accum(L, p, p_stride, n_q, block, t0, n, acc);
   }
-  // The values' multi-block weighted sum (KvCodec::accumulate_spans) at the AVX-512 level.
-  static bool fused() {
+  // The values' multi-block weighted sum (KvCodec::accumulate_spans), or void.
 #if defined(KVQ_HAVE_SIMD)
-    return cpu_level() == CpuLevel::avx512;
+  using Spans = TiledSpansAvx512<Int4TiledLayout, int2t_scores_spans_avx512, int2t_accum_spans_avx512>;
 #else
-    return false;
+  using Spans = void;
 #endif
-  }
-  static void accum_spans(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const KvSpan* spans,
-                          int n_spans, float* acc) {
-#if defined(KVQ_HAVE_SIMD)
-    int2t_accum_spans_avx512(L, p, p_stride, n_q, spans, n_spans, acc);
-#else
-    (void)L, (void)p, (void)p_stride, (void)n_q, (void)spans, (void)n_spans, (void)acc;
-#endif
-  }
 };
+
+template <class T>
+bool kivit_fuses_spans() {
+  if constexpr (std::is_void_v<typename T::Spans>) return false;
+  else return T::Spans::fused();
+}
 
 class KivitCodecBase : public KvCodec {
  public:
@@ -338,7 +326,7 @@ class KivitKeyCodec final : public KivitCodecBase {
   }
   // The query fold is per key group whatever the batch, so scores_spans stays one call per block;
   // the values' weighted sum is what batches save (KivitValueCodec).
-  bool fuses_spans() const override { return T::fused(); }
+  bool fuses_spans() const override { return kivit_fuses_spans<T>(); }
 };
 
 template <int Bits>
@@ -415,12 +403,16 @@ class KivitValueCodec final : public KivitCodecBase {
     check_range(block_tokens, t0, n);
     T::accum(L_, p, p_stride, n_q, block, t0, n, acc);
   }
-  bool fuses_spans() const override { return T::fused(); }
+  bool fuses_spans() const override { return kivit_fuses_spans<T>(); }
   void accumulate_spans(int head, const float* p, int p_stride, int n_q, const KvSpan* spans, int n_spans,
                         float* acc) const override {
-    if (!T::fused()) return KvCodec::accumulate_spans(head, p, p_stride, n_q, spans, n_spans, acc);
-    for (int s = 0; s < n_spans; ++s) check_range(spans[s].block_tokens, spans[s].t0, std::max(0, spans[s].n));
-    T::accum_spans(L_, p, p_stride, n_q, spans, n_spans, acc);
+    if constexpr (!std::is_void_v<typename T::Spans>) {
+      if (T::Spans::fused()) {
+        for (int s = 0; s < n_spans; ++s) check_range(spans[s].block_tokens, spans[s].t0, std::max(0, spans[s].n));
+        return T::Spans::accum(L_, p, p_stride, n_q, spans, n_spans, acc);
+      }
+    }
+    KvCodec::accumulate_spans(head, p, p_stride, n_q, spans, n_spans, acc);
   }
 
  private:
