@@ -163,8 +163,8 @@ TEST(KvSpans, TiledCodecsFuseSpansAtAvx512Only) {
 
 namespace {
 
-// Forwards to a real codec, claims to fuse spans (or not), and records each multi-block call's
-// spans: their blocks and along ranges.
+// Forwards to a real codec, claims to fuse spans (or not), and records each call's blocks and
+// along ranges (a multi-block call's spans, or a per-block call's block).
 class BatchRecorder : public KvCodec {
  public:
   BatchRecorder(const char* name, KvRole role, bool fuse) : fuse_(fuse), inner_(make(name, role, 128, nullptr)) {}
@@ -179,12 +179,15 @@ class BatchRecorder : public KvCodec {
   }
   int prepared_query_dim() const override { return inner_->prepared_query_dim(); }
   void prepare_query(int head, const float* q, int n_q, float* qp) const override { inner_->prepare_query(head, q, n_q, qp); }
+  // A one-block batch comes as a per-block call, its range in kv_prefetch_along.
   void scores(int head, const float* qp, int n_q, const uint8_t* block, int bt, int t0, int n, int pos0, float* out,
               int out_stride) const override {
+    calls.push_back({{block, kv_prefetch_along.p}});
     inner_->scores(head, qp, n_q, block, bt, t0, n, pos0, out, out_stride);
   }
   void accumulate(int head, const float* p, int p_stride, int n_q, const uint8_t* block, int bt, int t0, int n,
                   float* acc) const override {
+    calls.push_back({{block, kv_prefetch_along.p}});
     inner_->accumulate(head, p, p_stride, n_q, block, bt, t0, n, acc);
   }
   bool prefetches_along() const override { return inner_->prefetches_along(); }
