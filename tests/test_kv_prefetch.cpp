@@ -14,6 +14,7 @@
 #include "attn/attention.h"
 #include "core/aligned.h"
 #include "core/cpu.h"
+#include "forwarding_codec.h"
 #include "kv/prefetch_along.h"
 #include "kv/row_codec.h"
 #include "kvq/kv_format.h"
@@ -91,18 +92,9 @@ TEST(PrefetchRange, RowCodecsOptInByElement) {
 
 namespace {
 // f16 codec that records the prefetch requests attention makes.
-class RecordingCodec final : public KvCodec {
+class RecordingCodec final : public ForwardingCodec {
  public:
-  explicit RecordingCodec(KvRole role, bool along = false) : along_(along), inner_(make("f16", role, nullptr)) {}
-  const KvCodecInfo& info() const override { return inner_->info(); }
-  int head_dim() const override { return inner_->head_dim(); }
-  size_t block_bytes(int bt) const override { return inner_->block_bytes(bt); }
-  void encode(int head, const float* src, size_t stride, int n, uint8_t* block, int bt, int t0, int pos0) const override {
-    inner_->encode(head, src, stride, n, block, bt, t0, pos0);
-  }
-  void decode(int head, const uint8_t* block, int bt, int t0, int n, int pos0, float* dst) const override {
-    inner_->decode(head, block, bt, t0, n, pos0, dst);
-  }
+  explicit RecordingCodec(KvRole role, bool along = false) : ForwardingCodec(make("f16", role, nullptr)), along_(along) {}
   void scores(int head, const float* qp, int n_q, const uint8_t* block, int bt, int t0, int n, int pos0, float* out,
               int out_stride) const override {
     along_seen.push_back(kv_prefetch_along.p);
@@ -123,7 +115,6 @@ class RecordingCodec final : public KvCodec {
 
  private:
   bool along_;
-  std::unique_ptr<KvCodec> inner_;
 };
 // One K and one V block of bt tokens per (t0, n) entry, random content, and their spans.
 struct TestBlocks {

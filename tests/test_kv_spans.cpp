@@ -17,6 +17,7 @@
 #include "core/aligned.h"
 #include "core/cpu.h"
 #include "core/error.h"
+#include "forwarding_codec.h"
 #include "kv/kvquant.h"
 #include "kv/prefetch_along.h"
 #include "kvq/kv_format.h"
@@ -165,20 +166,9 @@ namespace {
 
 // Forwards to a real codec, claims to fuse spans (or not), and records each call's blocks and
 // along ranges (a multi-block call's spans, or a per-block call's block).
-class BatchRecorder : public KvCodec {
+class BatchRecorder : public ForwardingCodec {
  public:
-  BatchRecorder(const char* name, KvRole role, bool fuse) : fuse_(fuse), inner_(make(name, role, 128, nullptr)) {}
-  const KvCodecInfo& info() const override { return inner_->info(); }
-  int head_dim() const override { return inner_->head_dim(); }
-  size_t block_bytes(int bt) const override { return inner_->block_bytes(bt); }
-  void encode(int head, const float* src, size_t stride, int n, uint8_t* block, int bt, int t0, int pos0) const override {
-    inner_->encode(head, src, stride, n, block, bt, t0, pos0);
-  }
-  void decode(int head, const uint8_t* block, int bt, int t0, int n, int pos0, float* dst) const override {
-    inner_->decode(head, block, bt, t0, n, pos0, dst);
-  }
-  int prepared_query_dim() const override { return inner_->prepared_query_dim(); }
-  void prepare_query(int head, const float* q, int n_q, float* qp) const override { inner_->prepare_query(head, q, n_q, qp); }
+  BatchRecorder(const char* name, KvRole role, bool fuse) : ForwardingCodec(make(name, role, 128, nullptr)), fuse_(fuse) {}
   // A one-block batch comes as a per-block call, its range in kv_prefetch_along.
   void scores(int head, const float* qp, int n_q, const uint8_t* block, int bt, int t0, int n, int pos0, float* out,
               int out_stride) const override {
@@ -190,9 +180,6 @@ class BatchRecorder : public KvCodec {
     calls.push_back({{block, kv_prefetch_along.p}});
     inner_->accumulate(head, p, p_stride, n_q, block, bt, t0, n, acc);
   }
-  bool prefetches_along() const override { return inner_->prefetches_along(); }
-  PrefetchRange prefetch_along_range(int bt, int t0, int n) const override { return inner_->prefetch_along_range(bt, t0, n); }
-  PrefetchRange prefetch_range(int bt, int t0, int n) const override { return inner_->prefetch_range(bt, t0, n); }
   bool fuses_spans() const override { return fuse_; }
   void scores_spans(int head, const float* qp, int n_q, const KvSpan* spans, int n_spans, float* out,
                     int out_stride) const override {
@@ -213,7 +200,6 @@ class BatchRecorder : public KvCodec {
     for (int s = 0; s < n; ++s) calls.back().emplace_back(spans[s].block, spans[s].along);
   }
   bool fuse_;
-  std::unique_ptr<KvCodec> inner_;
 };
 
 }  // namespace
