@@ -57,7 +57,7 @@ def main():
         cells = []
         for i, b in enumerate(a.binaries):
             v = times[(n, b)]
-            if not v:
+            if not v or max(v) == 0:  # not run, or skipped (a shape the format does not take)
                 cells.append(f"[{i}] -")
                 continue
             med = statistics.median(v)

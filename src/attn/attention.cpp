@@ -26,6 +26,9 @@ constexpr int kSplitMinPartTokens = 1024;
 constexpr int kBatchTokens = 256;
 constexpr int kBatchSpans = 16;
 constexpr size_t kBatchBytes = 36 << 10;
+// Blocks whose K and V bytes exceed this are read one at a time: at head_dim 256 (int4t_g128's
+// 64-token pair 17 KiB) batches of two were 5-17% slower from DRAM than one block at a time.
+constexpr size_t kBatchPairBytes = 12 << 10;
 
 size_t round16(size_t n) { return (n + 15) & ~size_t(15); }
 // Scores of a batch of blocks (run_blocks) or of a tail chunk.
@@ -112,8 +115,8 @@ void softmax_update(Scratch& sc, int n_q, int n_all, int v_dim, const AttnParams
 // the prefetch flag, so attn_prefill's rows get attn_decode's results bit for bit.
 
 // The end of the batch that starts at span `first` (< n_spans): the spans after it while their
-// tokens fit `cap` (>= any span's n), their K and V blocks kBatchBytes (the first always fits) and
-// at most max_spans of them are not empty.
+// tokens fit `cap` (>= any span's n), their K and V blocks kBatchBytes, each block pair
+// kBatchPairBytes (the first span always fits) and at most max_spans of them are not empty.
 int batch_end(const KvCodec& kc, const KvCodec& vc, const KvBlockSpan* spans, int n_spans, int first, int cap,
               int max_spans) {
   int tokens = 0, count = 0, e = first;
@@ -123,7 +126,7 @@ int batch_end(const KvCodec& kc, const KvCodec& vc, const KvBlockSpan* spans, in
     if (n <= 0) continue;
     if (count == max_spans) break;
     const size_t b = kc.block_bytes(spans[e].block_tokens) + vc.block_bytes(spans[e].block_tokens);
-    if (count > 0 && (tokens + n > cap || bytes + b > kBatchBytes)) break;
+    if (count > 0 && (tokens + n > cap || bytes + b > kBatchBytes || b > kBatchPairBytes)) break;
     tokens += n;
     bytes += b;
     ++count;
