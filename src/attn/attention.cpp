@@ -107,7 +107,7 @@ void softmax_update(Scratch& sc, int n_q, int n_all, int v_dim, const AttnParams
 }
 
 // Batches: when K's and V's codecs both fuse spans (KvCodec::fuses_spans), attention reads
-// consecutive spans of up to kBatchTokens tokens (and kBatchSpans non-empty spans) with one
+// consecutive spans (within kBatchTokens, kBatchSpans, kBatchBytes and kBatchPairBytes) with one
 // multi-block kernel call each for K and V and one softmax update: a call's fixed work and the
 // latency chain scores -> softmax -> weight quantization -> weighted sum are paid once per batch,
 // not once per page (at 64-token pages int4t_g128's decode at 32K 11% faster, bench/BENCHMARKS.md).
