@@ -155,15 +155,16 @@ class KvCodec {
   // chain) is paid once per batch instead of once per page. Default: one call per span, each with
   // its span's `along` range set as kv_prefetch_along (kv/prefetch_along.h); codecs override them
   // where one call saves that work, and then request each span's range along its own reads.
-  // Whether this codec's scores_spans (keys) / accumulate_spans (values) run all spans in one
-  // kernel call at the running CPU level. Attention batches blocks only when K's and V's both do:
-  // with per-span calls the batches save little, and codecs whose kernels do not prefetch along
-  // (one burst of requests per call) measured slower with them (bench/BENCHMARKS.md).
-  virtual bool fuses_spans() const { return false; }
   virtual void scores_spans(int head, const float* qp, int n_q, const KvSpan* spans, int n_spans, float* out,
                             int out_stride) const;
   virtual void accumulate_spans(int head, const float* p, int p_stride, int n_q, const KvSpan* spans, int n_spans,
                                 float* acc) const;
+  // Whether this codec's scores_spans (keys) / accumulate_spans (values) run all spans in one
+  // kernel call at the running CPU level (KIVI's keys, one query fold per key group, say so for
+  // their values' sake). Attention batches blocks only when K's and V's both do: with per-span
+  // calls the batches save little, and codecs whose kernels do not prefetch along (one burst of
+  // requests per call) measured slower with them (bench/BENCHMARKS.md).
+  virtual bool fuses_spans() const { return false; }
   // Maps the accumulated output (n_q, head_dim) back to the model's basis (in place).
   virtual void finish_output(int head, float* acc, int n_q) const;
   // What attention calls once per pass over the blocks instead: the same, given mass[i], the sum
