@@ -125,7 +125,8 @@ int batch_end(const KvCodec& kc, const KvCodec& vc, const KvBlockSpan* spans, in
     const int n = std::max(0, spans[e].n);
     if (n <= 0) continue;
     if (count == max_spans) break;
-    const size_t b = kc.block_bytes(spans[e].block_tokens) + vc.block_bytes(spans[e].block_tokens);
+    // (one-span batches, codecs that do not fuse spans, need no byte counts)
+    const size_t b = max_spans > 1 ? kc.block_bytes(spans[e].block_tokens) + vc.block_bytes(spans[e].block_tokens) : 0;
     if (count > 0 && (tokens + n > cap || bytes + b > kBatchBytes || b > kBatchPairBytes)) break;
     tokens += n;
     bytes += b;

@@ -70,8 +70,8 @@
 // dispatch point (cpu_level()). The AVX-512 kernels of q5_0t / q5_1t OR the fifth bits into the
 // nibbles (int32 lanes: no widening); iq4_nlt's look the grid up as grid + 128 (VPSHUFB) for the
 // u8 operand and subtract 128 times the other operand's sum (the query block's int8 sum in scores,
-// each tile's weight sum in weighted sums). Ranges [t0, t0 + n) need not be tile-aligned: lanes outside are
-// computed on whatever the block holds but never stored (scores) or weighted 0 (sums).
+// each tile's weight sum in weighted sums). Ranges [t0, t0 + n) need not be tile-aligned: lanes
+// outside are computed on whatever the block holds but never stored (scores) or weighted 0 (sums).
 #pragma once
 #include <algorithm>
 #include <cstddef>
@@ -221,6 +221,7 @@ void int4t_scores(const Int4TiledLayout& L, const float* qp, int n_q, const uint
                   float* out, int out_stride);
 void int4t_accum(const Int4TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block, int t0,
                  int n, float* acc);
+
 // Weight quantization of the tiled weighted sums (int4t, int2t, q4_0t, kivi values, int8t, q8_0t),
 // shared by every variant so that all of them round identically. Per (query row, group, tile) the
 // weights w_t = p_t s_tg (f32 products) and wmax = max_t |w_t|:

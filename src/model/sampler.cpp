@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <unordered_map>
 #include <unordered_set>
 
 #include "core/error.h"
@@ -62,12 +61,18 @@ int32_t Sampler::sample(const float* logits, int n_vocab, const std::vector<int3
   for (const auto& [t, b] : p_.logit_bias)
     if (t < n_vocab) cand_[size_t(t)].first += b;
   if ((p_.presence_penalty != 0 || p_.frequency_penalty != 0) && history.size() > n_prompt) {
-    std::unordered_map<int32_t, int> count;
-    for (size_t i = n_prompt; i < history.size(); ++i) ++count[history[i]];
-    for (const auto& [t, c] : count) {
+    // Counted in a dense array (a decode step recounts every generated token: no hashing).
+    count_.resize(size_t(n_vocab));
+    for (size_t i = n_prompt; i < history.size(); ++i) {
+      const int32_t t = history[i];
       if (t < 0 || t >= n_vocab) continue;
-      cand_[size_t(t)].first -= p_.presence_penalty + p_.frequency_penalty * float(c);
+      if (count_[size_t(t)]++ == 0) counted_.push_back(t);
     }
+    for (int32_t t : counted_) {
+      cand_[size_t(t)].first -= p_.presence_penalty + p_.frequency_penalty * float(count_[size_t(t)]);
+      count_[size_t(t)] = 0;
+    }
+    counted_.clear();
   }
   if (p_.repeat_penalty != 1.0f && p_.repeat_last_n != 0) {
     size_t n = history.size();

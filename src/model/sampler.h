@@ -36,6 +36,9 @@ class Sampler {
   SamplerParams p_;
   std::mt19937_64 rng_;
   std::vector<std::pair<float, int32_t>> cand_;
+  // The penalties' per-token counts of the generated tokens (zero between calls) and which are set.
+  std::vector<int> count_;
+  std::vector<int32_t> counted_;
 };
 
 // Index of the largest logit (lowest index on ties).
