@@ -37,15 +37,85 @@ inline __m512i grid_table_u8(const int8_t* lut) {
 // scores equal the reference's bit for bit.
 enum ScoreMode { kFour, kFive, kGrid };
 
-template <int NQ, int Mode>
-void scores_pass(const Int4TiledLayout& L, const float* qp, const KvSpan* spans, int n_spans, float* out,
-                 int out_stride) {
+// The scores of NT (1 or 2) tiles (tp[t]: tile t's bytes) for NQ query rows, into score[t][h]. Two
+// tiles share each query dword broadcast (the loads, not the dot products, bound this kernel: two
+// loads per cycle, one broadcast per VPDPBUSD otherwise); their dots then run one chain per (tile,
+// row), the low and high nibbles in the same chain (8 chains), while a lone tile keeps them in two
+// (8 chains again). The integer dots are exact in every order, so both give the same scores.
+template <int NQ, int Mode, int NT>
+[[gnu::always_inline]] inline void score_tiles(const Int4TiledLayout& L, const Int4tQueryRow* qr,
+                                               const int32_t (*qoff)[kv_max_head_dim / 32], __m512i gtab,
+                                               const uint8_t* const* tp, __m512 (*score)[NQ]) {
+  constexpr bool kSplit = NT == 1;  // separate low / high nibble chains
+  constexpr int kChains = kSplit ? 2 : 1;
   const __m512i m4 = _mm512_set1_epi8(0x0f);
   const int bpg = L.group / 32;
   const size_t unit = Mode == kFour ? 256 : size_t(L.unit_bytes);
+  for (int t = 0; t < NT; ++t)
+    for (int h = 0; h < NQ; ++h) score[t][h] = _mm512_setzero_ps();
+  for (int g = 0; g < L.ng; ++g) {
+    __m512 facc[NT][NQ];
+    for (int t = 0; t < NT; ++t)
+      for (int h = 0; h < NQ; ++h) facc[t][h] = _mm512_setzero_ps();
+    for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
+      const uint8_t* cb[NT];
+      for (int t = 0; t < NT; ++t) cb[t] = tp[t] + L.code_off + unit * size_t(b);
+      [[maybe_unused]] __m512i h5[NT];
+      if constexpr (Mode == kFive)
+        for (int t = 0; t < NT; ++t) h5[t] = _mm512_loadu_si512(cb[t] + 256);
+      __m512i acc[NT][kChains][NQ];
+      for (int t = 0; t < NT; ++t)
+        for (int c = 0; c < kChains; ++c)
+          for (int h = 0; h < NQ; ++h) acc[t][c][h] = _mm512_setzero_si512();
+      for (int oo = 0; oo < 4; ++oo) {
+        const int o = 4 * b + oo;
+        __m512i lo[NT], hi[NT];
+        for (int t = 0; t < NT; ++t) {
+          const __m512i x = _mm512_loadu_si512(cb[t] + 64 * oo);
+          lo[t] = _mm512_and_si512(x, m4);
+          hi[t] = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
+          if constexpr (Mode == kFive) {  // the low nibbles' fifth bits are bit 2 oo, the high ones' 2 oo + 1
+            lo[t] = _mm512_or_si512(lo[t], fifth_bits(h5[t], 2 * oo));
+            hi[t] = _mm512_or_si512(hi[t], fifth_bits(h5[t], 2 * oo + 1));
+          } else if constexpr (Mode == kGrid) {
+            lo[t] = _mm512_shuffle_epi8(gtab, lo[t]);
+            hi[t] = _mm512_shuffle_epi8(gtab, hi[t]);
+          }
+        }
+        for (int h = 0; h < NQ; ++h) {
+          const __m512i ql = tile_bcast32_avx512(qr[h].q8 + 8 * o);
+          for (int t = 0; t < NT; ++t) acc[t][0][h] = _mm512_dpbusd_epi32(acc[t][0][h], lo[t], ql);
+          const __m512i qh = tile_bcast32_avx512(qr[h].q8 + 8 * o + 4);
+          for (int t = 0; t < NT; ++t)
+            acc[t][kChains - 1][h] = _mm512_dpbusd_epi32(acc[t][kChains - 1][h], hi[t], qh);
+        }
+      }
+      for (int h = 0; h < NQ; ++h) {
+        const __m512 dq = _mm512_set1_ps(qr[h].dq[b]);
+        for (int t = 0; t < NT; ++t) {
+          __m512i dot = kSplit ? _mm512_add_epi32(acc[t][0][h], acc[t][kChains - 1][h]) : acc[t][0][h];
+          if constexpr (Mode == kGrid) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(qoff[h][b]));
+          facc[t][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dq, facc[t][h]);
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const __m512 sv = tile_load_f16x16_avx512(tp[t] + 32 * size_t(g));
+      const __m512 mv = tile_load_f16x16_avx512(tp[t] + L.min_off + 32 * size_t(g));
+      for (int h = 0; h < NQ; ++h) {
+        score[t][h] = _mm512_fmadd_ps(facc[t][h], sv, score[t][h]);
+        score[t][h] = _mm512_fmadd_ps(mv, _mm512_set1_ps(qr[h].qsum[g]), score[t][h]);
+      }
+    }
+  }
+}
+
+template <int NQ, int Mode>
+void scores_pass(const Int4TiledLayout& L, const float* qp, const KvSpan* spans, int n_spans, float* out,
+                 int out_stride) {
   Int4tQueryRow qr[NQ];
   for (int h = 0; h < NQ; ++h) qr[h] = int4t_query_row(L, qp, h);
-  [[maybe_unused]] __m512i gtab = m4;
+  __m512i gtab = _mm512_setzero_si512();
   // kGrid: 128 * sum of each query block's int8 values, per row and block.
   [[maybe_unused]] int32_t qoff[NQ][kv_max_head_dim / 32];
   if constexpr (Mode == kGrid) {
@@ -59,58 +129,20 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const KvSpan* spans,
       }
   }
   tile_spans(spans, n_spans, [&](const KvSpan& sp, int col, KvPrefetchAlong along) {
-  const uint8_t* block = sp.block;
-  const int t0 = sp.t0, n = sp.n;
-  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  for (int tile = tile0; tile < tile1; ++tile) {
-    kv_prefetch_along_step(along, tile - tile0, tile1 - tile0);
-    const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
-    const uint8_t* codes = tp + L.code_off;
-    __m512 score[NQ];
-    for (int h = 0; h < NQ; ++h) score[h] = _mm512_setzero_ps();
-    for (int g = 0; g < L.ng; ++g) {
-      __m512 facc[NQ];
-      for (int h = 0; h < NQ; ++h) facc[h] = _mm512_setzero_ps();
-      for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
-        const uint8_t* cb = codes + unit * size_t(b);
-        [[maybe_unused]] __m512i h5;
-        if constexpr (Mode == kFive) h5 = _mm512_loadu_si512(cb + 256);
-        // Low- and high-nibble dots in separate chains: 2 * NQ independent VPDPBUSD chains.
-        __m512i ilo[NQ], ihi[NQ];
-        for (int h = 0; h < NQ; ++h) ilo[h] = ihi[h] = _mm512_setzero_si512();
-        for (int oo = 0; oo < 4; ++oo) {
-          const int o = 4 * b + oo;
-          const __m512i x = _mm512_loadu_si512(cb + 64 * oo);
-          __m512i lo = _mm512_and_si512(x, m4);
-          __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
-          if constexpr (Mode == kFive) {  // the low nibbles' fifth bits are bit 2 oo, the high ones' 2 oo + 1
-            lo = _mm512_or_si512(lo, fifth_bits(h5, 2 * oo));
-            hi = _mm512_or_si512(hi, fifth_bits(h5, 2 * oo + 1));
-          } else if constexpr (Mode == kGrid) {
-            lo = _mm512_shuffle_epi8(gtab, lo);
-            hi = _mm512_shuffle_epi8(gtab, hi);
-          }
-          for (int h = 0; h < NQ; ++h) {
-            ilo[h] = _mm512_dpbusd_epi32(ilo[h], lo, tile_bcast32_avx512(qr[h].q8 + 8 * o));
-            ihi[h] = _mm512_dpbusd_epi32(ihi[h], hi, tile_bcast32_avx512(qr[h].q8 + 8 * o + 4));
-          }
-        }
-        for (int h = 0; h < NQ; ++h) {
-          __m512i dot = _mm512_add_epi32(ilo[h], ihi[h]);
-          if constexpr (Mode == kGrid) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(qoff[h][b]));
-          facc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(qr[h].dq[b]), facc[h]);
-        }
-      }
-      const __m512 sv = tile_load_f16x16_avx512(tp + 32 * size_t(g));
-      const __m512 mv = tile_load_f16x16_avx512(tp + L.min_off + 32 * size_t(g));
-      for (int h = 0; h < NQ; ++h) {
-        score[h] = _mm512_fmadd_ps(facc[h], sv, score[h]);
-        score[h] = _mm512_fmadd_ps(mv, _mm512_set1_ps(qr[h].qsum[g]), score[h]);
-      }
+    const int t0 = sp.t0, n = sp.n;
+    const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
+    for (int tile = tile0; tile < tile1;) {
+      const int nt = std::min(2, tile1 - tile);
+      const uint8_t* tp[2] = {sp.block + size_t(tile) * L.tile_bytes, sp.block + size_t(tile + nt - 1) * L.tile_bytes};
+      __m512 score[2][NQ];
+      for (int t = 0; t < nt; ++t) kv_prefetch_along_step(along, tile + t - tile0, tile1 - tile0);
+      if (nt == 2) score_tiles<NQ, Mode, 2>(L, qr, qoff, gtab, tp, score);
+      else score_tiles<NQ, Mode, 1>(L, qr, qoff, gtab, tp, score);
+      for (int t = 0; t < nt; ++t)
+        for (int h = 0; h < NQ; ++h)
+          tile_store_avx512(out + size_t(h) * size_t(out_stride) + col, (tile + t) * 16, t0, n, score[t][h]);
+      tile += nt;
     }
-    for (int h = 0; h < NQ; ++h)
-      tile_store_avx512(out + size_t(h) * size_t(out_stride) + col, tile * 16, t0, n, score[h]);
-  }
   });
 }
 
