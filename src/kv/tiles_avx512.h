@@ -176,19 +176,20 @@ template <int NQ, bool U8>
   }
 }
 
-// Step 2 of int4t's / int2t's weighted sum over a segment of nt tiles (seg: the segment's first tile)
-// whose weights tile_quantize_group_weights_avx512 stored in w8 + tt * ng / dws + tt * ngc (ngc =
-// ceil(ng / 4)): per chunk c of 32 channels and tile, per token quad k the chunk's codes as u8 lanes
-// (lo: channels 32c + i, hi: 32c + 16 + i) from quad_codes(tile_codes, c, k, &lo, &hi), 2 * NQ
-// VPDPBUSD chains (u8 weights x codes when U8, else codes x s8 weights), flushed to f32 with the
-// tile's step; the f32 sums go to acc once per segment, with the min terms (mins) in the last one.
-// Flip (s8 weights only): quad_codes returns each code's value + 128 as u8 (a signed value table,
-// iq4_nlt's grid), and the dots subtract 128 * the tile's weight sum (wsum[tt][h * ng + g]).
-template <int NQ, bool U8, class QuadCodes, bool Flip = false>
-[[gnu::always_inline]] inline void tiles_accum_segment_avx512(const Int4TiledLayout& L, const uint8_t* seg, int nt,
-                                                              const uint8_t (*w8)[64], const float (*dws)[16],
+// Step 2 of int4t's / int2t's weighted sum over a segment of nt tiles (tiles[tt]: tile tt's bytes,
+// which may lie in different blocks) whose weights tile_quantize_group_weights_avx512 stored in
+// w8 + tt * ng / dws + tt * ngc (ngc = ceil(ng / 4)): per chunk c of 32 channels and tile, per token
+// quad k the chunk's codes as u8 lanes (lo: channels 32c + i, hi: 32c + 16 + i) from
+// quad_codes(tile_codes, c, k, &lo, &hi), 2 * NQ VPDPBUSD chains (u8 weights x codes when U8, else
+// codes x s8 weights), flushed to f32 with the tile's step; the f32 sums go to acc once per segment,
+// with the min terms (mins) in the last one. at(c, tt) runs before chunk c of tile tt (the prefetch
+// requests). Flip (s8 weights only): quad_codes returns each code's value + 128 as u8 (a signed
+// value table, iq4_nlt's grid), and the dots subtract 128 * the tile's weight sum (wsum[tt][h * ng + g]).
+template <int NQ, bool U8, class QuadCodes, bool Flip = false, class At>
+[[gnu::always_inline]] inline void tiles_accum_segment_avx512(const Int4TiledLayout& L, const uint8_t* const* tiles,
+                                                              int nt, const uint8_t (*w8)[64], const float (*dws)[16],
                                                               const float* mins, float* acc, QuadCodes quad_codes,
-                                                              const int32_t (*wsum)[NQ * 32] = nullptr) {
+                                                              const int32_t (*wsum)[NQ * 32], At at) {
   static_assert(!(Flip && U8), "flipped codes take s8 weights");
   const int ng = L.ng, ngc = (L.ng + 3) / 4;
   for (int c = 0; c < L.hd / 32; ++c) {
@@ -196,7 +197,8 @@ template <int NQ, bool U8, class QuadCodes, bool Flip = false>
     __m512 flo[NQ], fhi[NQ];
     for (int h = 0; h < NQ; ++h) flo[h] = fhi[h] = _mm512_setzero_ps();
     for (int tt = 0; tt < nt; ++tt) {
-      const uint8_t* codes = seg + size_t(tt) * L.tile_bytes + L.code_off;
+      at(c, tt);
+      const uint8_t* codes = tiles[tt] + L.code_off;
       __m512i ilo[NQ], ihi[NQ];
       for (int h = 0; h < NQ; ++h) ilo[h] = ihi[h] = _mm512_setzero_si512();
       for (int k = 0; k < 4; ++k) {
@@ -270,29 +272,53 @@ inline KvSpan tile_span(const uint8_t* block, int t0, int n) {
 
 // int4t's / int2t's whole weighted sum (kv/int4_tiled.h) over the tokens of several value blocks
 // (KvCodec::accumulate_spans: span s's token t0 + t weighted by column o_s + t of p): row passes of
-// up to 4 rows; per segment of up to 4 tiles of a span the weights quantized ahead
-// (tile_quantize_group_weights_avx512), then the channel loop (tiles_accum_segment_avx512 with the
-// layout's quad_codes reader); the min terms (times L.min_mul) summed over all spans and added once,
-// in the call's last segment. U8 weights when every weight is >= 0 and the scales are (not q4_0t's
-// signed ones), else s8.
+// up to 4 rows; per segment of up to kSegTiles tiles, taken in order across the spans, first the
+// weights of every tile quantized (tile_quantize_group_weights_avx512: each tile's quantization is
+// a long dependency chain of maxima, divisions and packs, and the segment's tiles are independent,
+// so a long segment lets them overlap), then the channel loop (tiles_accum_segment_avx512 with the
+// layout's quad_codes reader). The min terms (times L.min_mul) are summed over all spans and added
+// once, in the call's last segment. Each tile requests its span's along range in a share of one
+// step per tile (kv_prefetch_along_step), spread over the segment's channel loop. U8 weights when
+// every weight is >= 0 and the scales are (not q4_0t's signed ones), else s8.
 template <int NQ, bool U8, bool Flip = false, class QuadCodes>
 void tiles_accum_pass_avx512(const Int4TiledLayout& L, const float* p, int p_stride, const KvSpan* spans, int n_spans,
                              float* acc, QuadCodes quad_codes) {
-  constexpr int kSegTiles = 4;  // tiles whose weights are quantized ahead of the channel loop
+  // At most 8 tiles per segment: at 32K tokens and head_dim 128 (bench/BENCHMARKS.md) 4-8 tiles
+  // equal, 12-16 slower from DRAM (a segment reads every tile's scale table first, so the last
+  // tiles' lines are needed soon after attention requested them).
+  constexpr int kSegTiles = 8;
+  constexpr int kSegGroups = 128;  // and at most this many (tile, group) weight vectors of 64 bytes
   constexpr int kMaxGroups = 1024 / 32;
   // Per (query row, group): the min term sum_t p_t m_tg, 16 lanes, reduced once per call (mins).
   const int ng = L.ng, ngc = (L.ng + 3) / 4;
+  const int seg_tiles = std::min(kSegTiles, kSegGroups / ng);
   // A layout without them (min_mul 0: tq's, iq4_nlt's) skips them whole.
   const bool with_min = L.min_mul != 0.f;
   alignas(64) float msv[NQ * kMaxGroups][16];
   if (with_min)
     for (int i = 0; i < NQ * ng; ++i) _mm512_store_ps(msv[i], _mm512_setzero_ps());
-  alignas(64) uint8_t w8[kSegTiles * kMaxGroups][64];
-  alignas(64) float dws[kSegTiles * kMaxGroups / 4][16];
+  alignas(64) uint8_t w8[kSegGroups][64];
+  alignas(64) float dws[kSegGroups][16];
   float mins[NQ * kMaxGroups];
   int32_t wsum[Flip ? kSegTiles : 1][NQ * kMaxGroups];  // Flip: 128 * each (row, group) weight sum per tile
+  struct SegRequest {  // a segment tile's share of its span's along range: step `step` of n_steps
+    KvPrefetchAlong along;
+    int step, n_steps;
+  };
+  SegRequest seg[kSegTiles];
+  const uint8_t* seg_tp[kSegTiles];
+  int nt = 0;
   int last_span = n_spans - 1;
   while (last_span >= 0 && spans[last_span].n <= 0) --last_span;
+  auto flush = [&](bool last) {
+    if (last && with_min) tiles_reduce_min_terms_avx512(msv, NQ * ng, L.min_mul, mins);
+    const int nc = L.hd / 32;
+    tiles_accum_segment_avx512<NQ, U8, QuadCodes, Flip>(
+        L, seg_tp, nt, w8, dws, last && with_min ? mins : nullptr, acc, quad_codes, wsum, [&](int c, int tt) {
+          if (c == tt * nc / nt) kv_prefetch_along_step(seg[tt].along, seg[tt].step, seg[tt].n_steps);
+        });
+    nt = 0;
+  };
   for (int s = 0, col = 0; s <= last_span; col += std::max(0, spans[s].n), ++s) {
     const uint8_t* block = spans[s].block;
     const int t0 = spans[s].t0, n = spans[s].n;
@@ -300,20 +326,16 @@ void tiles_accum_pass_avx512(const Int4TiledLayout& L, const float* p, int p_str
     const float* ps = p + col;
     const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
     const KvPrefetchAlong along{spans[s].along, spans[s].along_bytes};
-    const int n_seg = (tile1 - tile0 + kSegTiles - 1) / kSegTiles;
-    for (int seg = tile0; seg < tile1; seg += kSegTiles) {
-      const int nt = std::min(kSegTiles, tile1 - seg);
-      kv_prefetch_along_step(along, (seg - tile0) / kSegTiles, n_seg);
-      for (int tt = 0; tt < nt; ++tt)
-        tile_quantize_group_weights_avx512<NQ, U8>(ps, p_stride, t0, n, (seg + tt) * 16,
-                                                   block + size_t(seg + tt) * L.tile_bytes, L.min_off, ng,
-                                                   w8 + tt * ng, dws + tt * ngc, with_min ? msv : nullptr,
-                                                   Flip ? wsum[tt] : nullptr);
-      // The min terms are complete once the call's last segment's weights are: its flush adds them.
-      const bool last = with_min && s == last_span && seg + kSegTiles >= tile1;
-      if (last) tiles_reduce_min_terms_avx512(msv, NQ * ng, L.min_mul, mins);
-      tiles_accum_segment_avx512<NQ, U8, QuadCodes, Flip>(L, block + size_t(seg) * L.tile_bytes, nt, w8, dws,
-                                                          last ? mins : nullptr, acc, quad_codes, wsum);
+    for (int tile = tile0; tile < tile1; ++tile) {
+      const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
+      tile_quantize_group_weights_avx512<NQ, U8>(ps, p_stride, t0, n, tile * 16, tp, L.min_off, ng, w8 + nt * ng,
+                                                 dws + nt * ngc, with_min ? msv : nullptr, Flip ? wsum[nt] : nullptr);
+      seg[nt] = {along, tile - tile0, tile1 - tile0};
+      seg_tp[nt] = tp;
+      ++nt;
+      // The min terms are complete once the call's last tile's weights are: its segment adds them.
+      const bool last = s == last_span && tile + 1 == tile1;
+      if (nt == seg_tiles || last) flush(last);
     }
   }
 }
