@@ -13,38 +13,65 @@
 namespace kvq {
 namespace {
 
+// The scores of NT (1 or 2) tiles (codes[t]) for NQ rows into facc[t][h], before the group
+// constant. Two tiles share each query broadcast (loads bound the dots: two per cycle, one
+// broadcast per VPDPBUSD), in one chain per (tile, row); a lone tile keeps the low and high
+// nibbles in two chains per row. The integer dots are exact in any order.
+template <int NQ, int NT>
+[[gnu::always_inline]] inline void score_tiles(const int8_t* q8, const float* dq, int hd, const uint8_t* const* codes,
+                                               __m512 (*facc)[NQ]) {
+  constexpr int kChains = NT == 1 ? 2 : 1;
+  const __m512i m4 = _mm512_set1_epi8(0x0f);
+  const int nb = hd / 32;
+  for (int t = 0; t < NT; ++t)
+    for (int h = 0; h < NQ; ++h) facc[t][h] = _mm512_setzero_ps();
+  for (int b = 0; b < nb; ++b) {
+    __m512i acc[NT][kChains][NQ];
+    for (int t = 0; t < NT; ++t)
+      for (int c = 0; c < kChains; ++c)
+        for (int h = 0; h < NQ; ++h) acc[t][c][h] = _mm512_setzero_si512();
+    for (int o = 4 * b; o < 4 * b + 4; ++o) {
+      __m512i lo[NT], hi[NT];
+      for (int t = 0; t < NT; ++t) {
+        const __m512i x = _mm512_loadu_si512(codes[t] + 64 * o);
+        lo[t] = _mm512_and_si512(x, m4);
+        hi[t] = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
+      }
+      for (int h = 0; h < NQ; ++h) {
+        const int8_t* qh = q8 + size_t(h) * size_t(hd);
+        const __m512i ql = tile_bcast32_avx512(qh + 8 * o);
+        for (int t = 0; t < NT; ++t) acc[t][0][h] = _mm512_dpbusd_epi32(acc[t][0][h], lo[t], ql);
+        const __m512i qhi = tile_bcast32_avx512(qh + 8 * o + 4);
+        for (int t = 0; t < NT; ++t)
+          acc[t][kChains - 1][h] = _mm512_dpbusd_epi32(acc[t][kChains - 1][h], hi[t], qhi);
+      }
+    }
+    for (int h = 0; h < NQ; ++h) {
+      const __m512 d = _mm512_set1_ps(dq[size_t(h) * size_t(nb) + size_t(b)]);
+      for (int t = 0; t < NT; ++t) {
+        const __m512i dot = kChains == 2 ? _mm512_add_epi32(acc[t][0][h], acc[t][kChains - 1][h]) : acc[t][0][h];
+        facc[t][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), d, facc[t][h]);
+      }
+    }
+  }
+}
+
 template <int NQ>
 void scores_pass(const int8_t* q8, const float* dq, const float* cz, int hd, const uint8_t* tiles, int t0, int n,
                  float* out, int out_stride) {
-  const __m512i m4 = _mm512_set1_epi8(0x0f);
   const size_t tile_bytes = size_t(8 * hd);
-  const int nb = hd / 32;
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  for (int tile = tile0; tile < tile1; ++tile) {
-    const uint8_t* codes = tiles + size_t(tile) * tile_bytes;
-    __m512 facc[NQ];
-    for (int h = 0; h < NQ; ++h) facc[h] = _mm512_setzero_ps();
-    for (int b = 0; b < nb; ++b) {
-      // Low- and high-nibble dots in separate chains: 2 * NQ independent VPDPBUSD chains.
-      __m512i ilo[NQ], ihi[NQ];
-      for (int h = 0; h < NQ; ++h) ilo[h] = ihi[h] = _mm512_setzero_si512();
-      for (int o = 4 * b; o < 4 * b + 4; ++o) {
-        const __m512i x = _mm512_loadu_si512(codes + 64 * o);
-        const __m512i lo = _mm512_and_si512(x, m4);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
-        for (int h = 0; h < NQ; ++h) {
-          const int8_t* qh = q8 + size_t(h) * size_t(hd);
-          ilo[h] = _mm512_dpbusd_epi32(ilo[h], lo, tile_bcast32_avx512(qh + 8 * o));
-          ihi[h] = _mm512_dpbusd_epi32(ihi[h], hi, tile_bcast32_avx512(qh + 8 * o + 4));
-        }
-      }
+  for (int tile = tile0; tile < tile1;) {
+    const int nt = std::min(2, tile1 - tile);
+    const uint8_t* codes[2] = {tiles + size_t(tile) * tile_bytes, tiles + size_t(tile + nt - 1) * tile_bytes};
+    __m512 facc[2][NQ];
+    if (nt == 2) score_tiles<NQ, 2>(q8, dq, hd, codes, facc);
+    else score_tiles<NQ, 1>(q8, dq, hd, codes, facc);
+    for (int t = 0; t < nt; ++t)
       for (int h = 0; h < NQ; ++h)
-        facc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ilo[h], ihi[h])),
-                                  _mm512_set1_ps(dq[size_t(h) * size_t(nb) + size_t(b)]), facc[h]);
-    }
-    for (int h = 0; h < NQ; ++h)
-      tile_store_avx512(out + size_t(h) * size_t(out_stride), tile * 16, t0, n,
-                        _mm512_add_ps(facc[h], _mm512_set1_ps(cz[h])));
+        tile_store_avx512(out + size_t(h) * size_t(out_stride), (tile + t) * 16, t0, n,
+                          _mm512_add_ps(facc[t][h], _mm512_set1_ps(cz[h])));
+    tile += nt;
   }
 }
 
