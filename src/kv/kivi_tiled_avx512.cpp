@@ -164,10 +164,13 @@ void kivit_fold_query_avx512(const uint8_t* params, const float* q, int n_q, int
         }
       }
     }
+    // kivit_reduce_lanes in registers, the same additions in the same order: lanes l + 8, then
+    // l + 4, l + 2, l + 1.
     for (int r = 0; r < nr; ++r) {
-      alignas(64) float lane[kivit_c_lanes];
-      _mm512_store_ps(lane, c[r]);
-      cz[i0 + r] = kivit_reduce_lanes(lane);
+      const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(c[r]), _mm512_extractf32x8_ps(c[r], 1));
+      const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+      const __m128 d = _mm_add_ps(b, _mm_movehl_ps(b, b));
+      cz[i0 + r] = _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
     }
   }
 }
