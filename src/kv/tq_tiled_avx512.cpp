@@ -3,6 +3,7 @@
 // segment's codebook image with VPSHUFB and dotted with VPDPBUSD.
 #include "core/avx512.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "kv/prefetch_along.h"
@@ -48,6 +49,73 @@ inline void key_block_codes(const uint8_t* base, int bits, __m512i* vec) {
   }
 }
 
+// Vectors v = U * o .. U * o + U - 1 (U = 2 at 4 bits, else 4) of a key block's codes (key_block_codes'
+// order), from the block's o-th 64-byte load.
+template <int U>
+[[gnu::always_inline]] inline void key_unit_codes(const uint8_t* base, int bits, int o, __m512i* vec) {
+  const __m512i x = _mm512_loadu_si512(base + 64 * o);
+  if constexpr (U == 2) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    vec[0] = _mm512_and_si512(x, m4);
+    vec[1] = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
+  } else {
+    const __m512i m2 = _mm512_set1_epi8(0x03);
+    const __m512i y = bits == 3 ? _mm512_loadu_si512(base + 128) : _mm512_setzero_si512();
+    for (int r = 0; r < 4; ++r) {
+      __m512i c = _mm512_and_si512(r ? _mm512_srli_epi16(x, unsigned(2 * r)) : x, m2);
+      if (bits == 3) c = _mm512_or_si512(c, high_bit(y, r + 4 * o));
+      vec[r] = c;
+    }
+  }
+}
+
+// Block b's dots of NT (1 or 2) tiles (tp[t]) with NQ query rows, added into facc[t][h]: per
+// 64-byte load of each tile its U code vectors (U = 2 at 4 bits, else 4), looked up, against U
+// query broadcasts per row that the tiles share (loads bound the dots: two per cycle, one
+// broadcast per VPDPBUSD otherwise). The integer dots are exact, so one tile or two give the same
+// scores.
+template <int NQ, int NT, int U>
+[[gnu::always_inline]] inline void score_block(const TqTiledLayout& L, int b, const int8_t* const* q8,
+                                               const float* const* dq, const int32_t* const* corr,
+                                               const __m512i* lutu, const uint8_t* const* tp, __m512 (*facc)[NQ]) {
+  const int s = L.block_seg[b];
+  const TqTileSeg& g = L.seg[s];
+  const size_t off = g.off + size_t(b - g.ch0 / 32) * size_t(64 * g.bits);
+  __m512i a[NT][NQ];
+  for (int t = 0; t < NT; ++t)
+    for (int h = 0; h < NQ; ++h) a[t][h] = _mm512_setzero_si512();
+  for (int o = 0; o < 8 / U; ++o) {
+    __m512i vec[NT][U];
+    for (int t = 0; t < NT; ++t) {
+      key_unit_codes<U>(tp[t] + off, g.bits, o, vec[t]);
+      for (int u = 0; u < U; ++u) vec[t][u] = _mm512_shuffle_epi8(lutu[s], vec[t][u]);
+    }
+    for (int h = 0; h < NQ; ++h)
+      for (int u = 0; u < U; ++u) {
+        const __m512i qb = tile_bcast32_avx512(q8[h] + 32 * b + 4 * (U * o + u));
+        for (int t = 0; t < NT; ++t) a[t][h] = _mm512_dpbusd_epi32(a[t][h], vec[t][u], qb);
+      }
+  }
+  for (int h = 0; h < NQ; ++h) {
+    const __m512 d = _mm512_set1_ps(dq[h][b]);
+    const __m512i c = _mm512_set1_epi32(corr[h][b]);
+    for (int t = 0; t < NT; ++t)
+      facc[t][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a[t][h], c)), d, facc[t][h]);
+  }
+}
+
+template <int NQ, int NT>
+[[gnu::always_inline]] inline void score_tiles(const TqTiledLayout& L, const int8_t* const* q8, const float* const* dq,
+                                               const int32_t* const* corr, const __m512i* lutu,
+                                               const uint8_t* const* tp, __m512 (*facc)[NQ]) {
+  for (int t = 0; t < NT; ++t)
+    for (int h = 0; h < NQ; ++h) facc[t][h] = _mm512_setzero_ps();
+  for (int b = 0; b < L.hd / 32; ++b) {
+    if (L.seg[L.block_seg[b]].bits == 4) score_block<NQ, NT, 2>(L, b, q8, dq, corr, lutu, tp, facc);
+    else score_block<NQ, NT, 4>(L, b, q8, dq, corr, lutu, tp, facc);
+  }
+}
+
 template <int NQ>
 void scores_pass(const TqTiledLayout& L, const float* qp, const KvSpan* spans, int n_spans, float* out,
                  int out_stride) {
@@ -63,33 +131,23 @@ void scores_pass(const TqTiledLayout& L, const float* qp, const KvSpan* spans, i
   __m512i lutu[2];
   for (int s = 0; s < L.nseg; ++s) lutu[s] = seg_lut(L.seg[s], 0x80);
   tile_spans(spans, n_spans, [&](const KvSpan& sp, int col, KvPrefetchAlong along) {
-  const int t0 = sp.t0, n = sp.n;
-  const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  for (int tile = tile0; tile < tile1; ++tile) {
-    kv_prefetch_along_step(along, tile - tile0, tile1 - tile0);
-    const uint8_t* tp = sp.block + size_t(tile) * L.tile_bytes;
-    __m512 facc[NQ];
-    for (int h = 0; h < NQ; ++h) facc[h] = _mm512_setzero_ps();
-    for (int b = 0; b < L.hd / 32; ++b) {
-      const int s = L.block_seg[b];
-      const TqTileSeg& g = L.seg[s];
-      __m512i vec[8];
-      key_block_codes(tp + g.off + size_t(b - g.ch0 / 32) * size_t(64 * g.bits), g.bits, vec);
-      for (int v = 0; v < 8; ++v) vec[v] = _mm512_shuffle_epi8(lutu[s], vec[v]);
-      for (int h = 0; h < NQ; ++h) {
-        __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
-        for (int v = 0; v < 8; v += 2) {
-          a0 = _mm512_dpbusd_epi32(a0, vec[v], tile_bcast32_avx512(q8[h] + 32 * b + 4 * v));
-          a1 = _mm512_dpbusd_epi32(a1, vec[v + 1], tile_bcast32_avx512(q8[h] + 32 * b + 4 * v + 4));
-        }
-        const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(a0, a1), _mm512_set1_epi32(corr[h][b]));
-        facc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(dq[h][b]), facc[h]);
+    const int t0 = sp.t0, n = sp.n;
+    const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
+    for (int tile = tile0; tile < tile1;) {
+      const int nt = std::min(2, tile1 - tile);
+      const uint8_t* tp[2] = {sp.block + size_t(tile) * L.tile_bytes, sp.block + size_t(tile + nt - 1) * L.tile_bytes};
+      for (int t = 0; t < nt; ++t) kv_prefetch_along_step(along, tile + t - tile0, tile1 - tile0);
+      __m512 facc[2][NQ];
+      if (nt == 2) score_tiles<NQ, 2>(L, q8, dq, corr, lutu, tp, facc);
+      else score_tiles<NQ, 1>(L, q8, dq, corr, lutu, tp, facc);
+      for (int t = 0; t < nt; ++t) {
+        const __m512 norms = tile_load_f16x16_avx512(tp[t]);
+        for (int h = 0; h < NQ; ++h)
+          tile_store_avx512(out + size_t(h) * size_t(out_stride) + col, (tile + t) * 16, t0, n,
+                            _mm512_mul_ps(facc[t][h], norms));
       }
+      tile += nt;
     }
-    const __m512 norms = tile_load_f16x16_avx512(tp);
-    for (int h = 0; h < NQ; ++h)
-      tile_store_avx512(out + size_t(h) * size_t(out_stride) + col, tile * 16, t0, n, _mm512_mul_ps(facc[h], norms));
-  }
   });
 }
 
