@@ -61,18 +61,16 @@ void scores_pass(const int8_t* q8, const float* dq, const float* cz, int hd, con
                  float* out, int out_stride) {
   const size_t tile_bytes = size_t(8 * hd);
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  for (int tile = tile0; tile < tile1;) {
-    const int nt = std::min(2, tile1 - tile);
-    const uint8_t* codes[2] = {tiles + size_t(tile) * tile_bytes, tiles + size_t(tile + nt - 1) * tile_bytes};
-    __m512 facc[2][NQ];
-    if (nt == 2) score_tiles<NQ, 2>(q8, dq, hd, codes, facc);
-    else score_tiles<NQ, 1>(q8, dq, hd, codes, facc);
-    for (int t = 0; t < nt; ++t)
+  tile_pairs(tiles, tile_bytes, tile0, tile1,
+             [&](int tile, auto nt, const uint8_t* const* codes) __attribute__((always_inline)) {
+    constexpr int NT = decltype(nt)::value;
+    __m512 facc[NT][NQ];
+    score_tiles<NQ, NT>(q8, dq, hd, codes, facc);
+    for (int t = 0; t < NT; ++t)
       for (int h = 0; h < NQ; ++h)
         tile_store_avx512(out + size_t(h) * size_t(out_stride), (tile + t) * 16, t0, n,
                           _mm512_add_ps(facc[t][h], _mm512_set1_ps(cz[h])));
-    tile += nt;
-  }
+  });
 }
 
 }  // namespace

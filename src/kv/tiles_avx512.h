@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kv/hsum_avx512.h"
 #include "kv/int4_tiled.h"
@@ -261,6 +262,20 @@ template <class F>
     if (spans[s].n <= 0) continue;
     f(spans[s], col, KvPrefetchAlong{spans[s].along, spans[s].along_bytes});
     col += spans[s].n;
+  }
+}
+
+// f(tile, nt, tp) for tiles [tile0, tile1) of a block two at a time (one at an odd end): the score
+// kernels read a pair against the same query broadcasts. nt: std::integral_constant<int, 1 or 2>
+// (the kernels' tile count as a template argument); tp[t]: the bytes of tile tile + t. Callers mark
+// f always_inline: GCC otherwise outlined the pair case (a call per pair, kivi4 hot +4%).
+template <class F>
+[[gnu::always_inline]] inline void tile_pairs(const uint8_t* block, size_t tile_bytes, int tile0, int tile1, F&& f) {
+  for (int tile = tile0; tile < tile1; tile += 2) {
+    const bool pair = tile + 1 < tile1;
+    const uint8_t* tp[2] = {block + size_t(tile) * tile_bytes, block + size_t(tile + int(pair)) * tile_bytes};
+    if (pair) f(tile, std::integral_constant<int, 2>{}, tp);
+    else f(tile, std::integral_constant<int, 1>{}, tp);
   }
 }
 

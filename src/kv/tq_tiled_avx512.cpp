@@ -3,7 +3,6 @@
 // segment's codebook image with VPSHUFB and dotted with VPDPBUSD.
 #include "core/avx512.h"
 
-#include <algorithm>
 #include <cstring>
 
 #include "kv/prefetch_along.h"
@@ -133,21 +132,19 @@ void scores_pass(const TqTiledLayout& L, const float* qp, const KvSpan* spans, i
   tile_spans(spans, n_spans, [&](const KvSpan& sp, int col, KvPrefetchAlong along) {
     const int t0 = sp.t0, n = sp.n;
     const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-    for (int tile = tile0; tile < tile1;) {
-      const int nt = std::min(2, tile1 - tile);
-      const uint8_t* tp[2] = {sp.block + size_t(tile) * L.tile_bytes, sp.block + size_t(tile + nt - 1) * L.tile_bytes};
-      for (int t = 0; t < nt; ++t) kv_prefetch_along_step(along, tile + t - tile0, tile1 - tile0);
-      __m512 facc[2][NQ];
-      if (nt == 2) score_tiles<NQ, 2>(L, q8, dq, corr, lutu, tp, facc);
-      else score_tiles<NQ, 1>(L, q8, dq, corr, lutu, tp, facc);
-      for (int t = 0; t < nt; ++t) {
+    tile_pairs(sp.block, L.tile_bytes, tile0, tile1,
+               [&](int tile, auto nt, const uint8_t* const* tp) __attribute__((always_inline)) {
+      constexpr int NT = decltype(nt)::value;
+      for (int t = 0; t < NT; ++t) kv_prefetch_along_step(along, tile + t - tile0, tile1 - tile0);
+      __m512 facc[NT][NQ];
+      score_tiles<NQ, NT>(L, q8, dq, corr, lutu, tp, facc);
+      for (int t = 0; t < NT; ++t) {
         const __m512 norms = tile_load_f16x16_avx512(tp[t]);
         for (int h = 0; h < NQ; ++h)
           tile_store_avx512(out + size_t(h) * size_t(out_stride) + col, (tile + t) * 16, t0, n,
                             _mm512_mul_ps(facc[t][h], norms));
       }
-      tile += nt;
-    }
+    });
   });
 }
 
