@@ -128,20 +128,17 @@ void scores_pass(const Int4TiledLayout& L, const float* qp, const KvSpan* spans,
         qoff[h][b] = 128 * _mm512_reduce_add_epi32(s4);
       }
   }
-  tile_spans(spans, n_spans, [&](const KvSpan& sp, int col, KvPrefetchAlong along) {
-    const int t0 = sp.t0, n = sp.n;
-    const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-    tile_pairs(sp.block, L.tile_bytes, tile0, tile1,
-               [&](int tile, auto nt, const uint8_t* const* tp) __attribute__((always_inline)) {
-      constexpr int NT = decltype(nt)::value;
-      __m512 score[NT][NQ];
-      for (int t = 0; t < NT; ++t) kv_prefetch_along_step(along, tile + t - tile0, tile1 - tile0);
-      score_tiles<NQ, Mode, NT>(L, qr, qoff, gtab, tp, score);
-      for (int t = 0; t < NT; ++t)
-        for (int h = 0; h < NQ; ++h)
-          tile_store_avx512(out + size_t(h) * size_t(out_stride) + col, (tile + t) * 16, t0, n, score[t][h]);
-    });
-  });
+  tile_span_pairs(spans, n_spans, L.tile_bytes,
+                  [&](const KvSpan& sp, int col, int tile, auto nt, const uint8_t* const* tp)
+                      __attribute__((always_inline)) {
+                        constexpr int NT = decltype(nt)::value;
+                        __m512 score[NT][NQ];
+                        score_tiles<NQ, Mode, NT>(L, qr, qoff, gtab, tp, score);
+                        for (int t = 0; t < NT; ++t)
+                          for (int h = 0; h < NQ; ++h)
+                            tile_store_avx512(out + size_t(h) * size_t(out_stride) + col, (tile + t) * 16, sp.t0,
+                                              sp.n, score[t][h]);
+                      });
 }
 
 }  // namespace

@@ -279,6 +279,22 @@ template <class F>
   }
 }
 
+// The tiles of a multi-block call's spans two at a time: f(sp, col, tile, nt, tp) as tile_pairs'
+// f for span sp (col: its first output column), each tile's share of the span's along range
+// requested before the pair is read. f is always_inline at the callers, as for tile_pairs.
+template <class F>
+[[gnu::always_inline]] inline void tile_span_pairs(const KvSpan* spans, int n_spans, size_t tile_bytes, F&& f) {
+  tile_spans(spans, n_spans, [&](const KvSpan& sp, int col, KvPrefetchAlong along) __attribute__((always_inline)) {
+    const int tile0 = sp.t0 / 16, tile1 = (sp.t0 + sp.n + 15) / 16;
+    tile_pairs(sp.block, tile_bytes, tile0, tile1,
+               [&](int tile, auto nt, const uint8_t* const* tp) __attribute__((always_inline)) {
+                 for (int t = 0; t < decltype(nt)::value; ++t)
+                   kv_prefetch_along_step(along, tile + t - tile0, tile1 - tile0);
+                 f(sp, col, tile, nt, tp);
+               });
+  });
+}
+
 // A single-block call as a span, its along range this thread's kv_prefetch_along (what the
 // per-block entry points of the multi-span kernels pass on).
 inline KvSpan tile_span(const uint8_t* block, int t0, int n) {

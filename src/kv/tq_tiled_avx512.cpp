@@ -129,23 +129,19 @@ void scores_pass(const TqTiledLayout& L, const float* qp, const KvSpan* spans, i
   }
   __m512i lutu[2];
   for (int s = 0; s < L.nseg; ++s) lutu[s] = seg_lut(L.seg[s], 0x80);
-  tile_spans(spans, n_spans, [&](const KvSpan& sp, int col, KvPrefetchAlong along) {
-    const int t0 = sp.t0, n = sp.n;
-    const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-    tile_pairs(sp.block, L.tile_bytes, tile0, tile1,
-               [&](int tile, auto nt, const uint8_t* const* tp) __attribute__((always_inline)) {
-      constexpr int NT = decltype(nt)::value;
-      for (int t = 0; t < NT; ++t) kv_prefetch_along_step(along, tile + t - tile0, tile1 - tile0);
-      __m512 facc[NT][NQ];
-      score_tiles<NQ, NT>(L, q8, dq, corr, lutu, tp, facc);
-      for (int t = 0; t < NT; ++t) {
-        const __m512 norms = tile_load_f16x16_avx512(tp[t]);
-        for (int h = 0; h < NQ; ++h)
-          tile_store_avx512(out + size_t(h) * size_t(out_stride) + col, (tile + t) * 16, t0, n,
-                            _mm512_mul_ps(facc[t][h], norms));
-      }
-    });
-  });
+  tile_span_pairs(spans, n_spans, L.tile_bytes,
+                  [&](const KvSpan& sp, int col, int tile, auto nt, const uint8_t* const* tp)
+                      __attribute__((always_inline)) {
+                        constexpr int NT = decltype(nt)::value;
+                        __m512 facc[NT][NQ];
+                        score_tiles<NQ, NT>(L, q8, dq, corr, lutu, tp, facc);
+                        for (int t = 0; t < NT; ++t) {
+                          const __m512 norms = tile_load_f16x16_avx512(tp[t]);
+                          for (int h = 0; h < NQ; ++h)
+                            tile_store_avx512(out + size_t(h) * size_t(out_stride) + col, (tile + t) * 16, sp.t0,
+                                              sp.n, _mm512_mul_ps(facc[t][h], norms));
+                        }
+                      });
 }
 
 }  // namespace
