@@ -10,6 +10,10 @@ kind (decode/ctx.., kernel/scores, ...).
     bench/attn_ab.py --filter '^(decode|decode_t2)/(f16|q8_0)/ctx32768/hd128' OLD/... NEW/...
 
 --pin CPU runs the binaries under taskset (single-thread benchmarks only).
+
+Each round runs every binary as a new process; a benchmark whose round medians lie more than 15%
+apart is listed after the table ("spread"), since a shape can read at two speeds from one process
+to the next (bench/BENCHMARKS.md: q5_1 at head_dim 64).
 """
 import argparse
 import collections
@@ -28,7 +32,8 @@ def main():
     ap.add_argument("--pin", help="CPU list for taskset")
     a = ap.parse_args()
     times = collections.defaultdict(list)  # (name, binary) -> us of every repetition
-    for _ in range(a.rounds):
+    per_round = collections.defaultdict(list)  # (name, binary, round) -> us of that run's repetitions
+    for rnd in range(a.rounds):
         for b in a.binaries:
             cmd = ([ "taskset", "-c", a.pin] if a.pin else []) + [
                 b, f"--benchmark_filter={a.filter}", "--benchmark_format=json",
@@ -42,6 +47,7 @@ def main():
                 name = bm["run_name"].split("/min_time")[0]
                 scale = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}[bm["time_unit"]]
                 times[(name, b)].append(bm["real_time"] * scale)
+                per_round[(name, b, rnd)].append(bm["real_time"] * scale)
     names = sorted({n for n, _ in times})
 
     def kind(n):  # the benchmark's name with the format taken out
@@ -53,6 +59,7 @@ def main():
            if n.split("/")[2 if n.startswith("kernel/") else 1] == "f16" and times[(n, b)]}
     for i, b in enumerate(a.binaries):
         print(f"[{i}] {b}")
+    spread = []
     for n in names:
         cells = []
         for i, b in enumerate(a.binaries):
@@ -64,7 +71,15 @@ def main():
             ref = f16.get((kind(n), b))
             x = f" ({ref / med:4.2f}x f16)" if ref else ""
             cells.append(f"[{i}] min {min(v):8.1f} med {med:8.1f}{x}")
+            # Runs are separate processes, and a process's buffers land at other addresses each
+            # time: some shapes read at two speeds from one process to the next (bench/BENCHMARKS.md,
+            # q5_1 at head_dim 64). Round medians more than 15% apart are listed.
+            rm = [statistics.median(per_round[(n, b, k)]) for k in range(a.rounds) if per_round[(n, b, k)]]
+            if len(rm) > 1 and max(rm) > 1.15 * min(rm):
+                spread.append(f"[{i}] {n}: round medians " + " ".join(f"{x:.1f}" for x in rm))
         print(f"{n:44s} " + "  ".join(cells))
+    for line in spread:
+        print("spread " + line)
 
 
 if __name__ == "__main__":
