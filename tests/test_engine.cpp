@@ -335,24 +335,34 @@ TEST_F(EngineTest, StopStringsMaxTokensAndStreaming) {
   GenResult full = e.generate(prompt, greedy(50));
   ASSERT_EQ(full.tokens.size(), 50u);
   EXPECT_EQ(full.finish_reason, "length");
-  // A stop string from the middle of the greedy text: output ends right before it.
-  const size_t cut = full.text.size() / 2;
-  const std::string stop = full.text.substr(cut, 5);
-  const size_t first = full.text.find(stop);
-  GenParams p = greedy(50);
-  p.stop = {"zzzz-never", stop};
-  std::string streamed;
-  std::promise<GenResult> pr;
-  GenRequest r;
-  r.prompt = prompt;
-  r.params = p;
-  r.on_text = [&](const std::string& d) { streamed += d; };
-  r.on_done = [&](const GenResult& g) { pr.set_value(g); };
-  e.submit(std::move(r));
-  GenResult stopped = pr.get_future().get();
-  EXPECT_EQ(stopped.finish_reason, "stop");
-  EXPECT_EQ(stopped.text, full.text.substr(0, first));
-  EXPECT_EQ(streamed, stopped.text);  // the held-back start of the stop string was never sent
+  // Stop strings from the middle of the greedy text, starting at each of 12 consecutive bytes (so
+  // at token boundaries and inside tokens): output ends right before the first occurrence, and
+  // the streamed text is that output, the bytes held back before the stop string included.
+  int inside_token = 0;
+  for (size_t cut = full.text.size() / 2; cut < full.text.size() / 2 + 12; ++cut) {
+    const std::string stop = full.text.substr(cut, 3);
+    const size_t first = full.text.find(stop);
+    // whether the stop string starts inside a token (not at the end of a prefix's decoded text)
+    bool boundary = false;
+    for (size_t k = 1; k <= full.tokens.size() && !boundary; ++k)
+      boundary = tok.decode(std::vector<int32_t>(full.tokens.begin(), full.tokens.begin() + ptrdiff_t(k))).size() == first;
+    inside_token += !boundary;
+    GenParams p = greedy(50);
+    p.stop = {"zzzz-never", stop};
+    std::string streamed;
+    std::promise<GenResult> pr;
+    GenRequest r;
+    r.prompt = prompt;
+    r.params = p;
+    r.on_text = [&](const std::string& d) { streamed += d; };
+    r.on_done = [&](const GenResult& g) { pr.set_value(g); };
+    e.submit(std::move(r));
+    GenResult stopped = pr.get_future().get();
+    EXPECT_EQ(stopped.finish_reason, "stop") << "stop '" << stop << "'";
+    EXPECT_EQ(stopped.text, full.text.substr(0, first)) << "stop '" << stop << "'";
+    EXPECT_EQ(streamed, stopped.text) << "stop '" << stop << "'";  // nothing before the stop lost, nothing of it sent
+  }
+  EXPECT_GT(inside_token, 0);  // the case that once lost the bytes before the stop string
   e.wait_idle();
   expect_pool_clean(e);
 }

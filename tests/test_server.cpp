@@ -481,6 +481,28 @@ TEST_F(ServerTest, BadInputIs400AndServerKeepsServing) {
   expect_bad(ch, R"({"messages": [{"role": "wizard", "content": "hi"}]})", "messages[0].role");
   expect_bad(ch, R"({"messages": [{"role": "user", "content": 3}]})", "messages[0].content");
 
+  // A request for another model is refused with OpenAI's 404 model_not_found; this one's name passes.
+  for (const auto& [path, body] :
+       {std::pair{c, json{{"model", "gpt-4o"}, {"prompt", "a"}, {"max_tokens", 2}}},
+        std::pair{ch, json{{"model", "no-such-model"}, {"messages", json::array({{{"role", "user"}, {"content", "hi"}}})}}}}) {
+    auto cm = client();
+    auto rm = cm.Post(path.c_str(), body.dump(), "application/json");
+    ASSERT_TRUE(rm);
+    EXPECT_EQ(rm->status, 404) << rm->body;
+    const json e = json::parse(rm->body);
+    EXPECT_EQ(e["error"]["code"], "model_not_found");
+    EXPECT_EQ(e["error"]["param"], "model");
+  }
+  post_ok(c, {{"model", "stories260K"}, {"prompt", "a"}, {"max_tokens", 2}});
+  {  // an out-of-range max_tokens names the range
+    auto cm = client();
+    auto rm = cm.Post(c.c_str(), R"({"prompt": "a", "max_tokens": 99999999999})", "application/json");
+    ASSERT_TRUE(rm);
+    EXPECT_EQ(rm->status, 400);
+    EXPECT_NE(json::parse(rm->body)["error"]["message"].get<std::string>().find("between 1 and"), std::string::npos)
+        << rm->body;
+  }
+
   auto cl = client();
   auto r = cl.Get("/v1/nothing");
   ASSERT_TRUE(r);
@@ -658,6 +680,55 @@ TEST_F(ServerTest, ModelsHealthMetrics) {
   const EngineMetrics em = engine_->metrics();
   EXPECT_GT(em.prefix_hit_tokens, 0u);
   EXPECT_NE(t.find(fmt::format("kvq_prefix_cache_hits_total {}", em.prefix_hit_tokens)), std::string::npos);
+}
+
+// A KV pool smaller than the context: a request whose prompt + max_tokens outgrows the whole pool
+// could never finish, so it is refused up front (not cut short with "length"); one that fits runs
+// to its max_tokens, and a request without max_tokens is capped by the pool.
+TEST(ServerSmallPool, RequestsLargerThanThePoolAreRefused) {
+  if (!fs::exists(model_path())) GTEST_SKIP() << "stories260K.gguf not found at " << model_path();
+  EngineOptions o;
+  o.model_path = model_path();
+  o.threads = 1;
+  o.ctx = 256;
+  o.kv_tokens = 64;
+  o.kv.page_tokens = 16;
+  Engine engine(o);
+  ASSERT_LT(engine.pool().tokens_capacity(), size_t(engine.ctx()));
+  const int cap = int(engine.pool().tokens_capacity());
+  ServerOptions so;
+  so.port = 0;
+  so.model_name = "stories260K";
+  Server server(engine, so);
+  const int port = server.bind();
+  std::thread th([&] { server.listen(); });
+  httplib::Client cl("127.0.0.1", port);
+  cl.set_read_timeout(60, 0);
+  const json prompt = json::array({1, 400, 401, 402});  // 4 tokens
+  auto post = [&](const json& body) { return cl.Post("/v1/completions", body.dump(), "application/json"); };
+  auto r = post({{"prompt", prompt}, {"max_tokens", cap - 3}, {"ignore_eos", true}});
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 400) << r->body;
+  if (r->status == 400) {
+    const json e = json::parse(r->body);
+    EXPECT_EQ(e["error"]["code"], "context_length_exceeded");
+    EXPECT_EQ(e["error"]["param"], "max_tokens");
+  }
+  r = post({{"prompt", prompt}, {"max_tokens", cap - 4}, {"ignore_eos", true}, {"temperature", 0}});
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  json j = json::parse(r->body);
+  EXPECT_EQ(j["usage"]["completion_tokens"], cap - 4);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+  r = cl.Post("/v1/chat/completions",
+              json{{"messages", json::array({{{"role", "user"}, {"content", "hi"}}})}, {"ignore_eos", true}}.dump(),
+              "application/json");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  j = json::parse(r->body);
+  EXPECT_EQ(j["usage"]["prompt_tokens"].get<int>() + j["usage"]["completion_tokens"].get<int>(), cap);
+  server.stop();
+  th.join();
 }
 
 TEST(ServeCli, ParseBytes) {

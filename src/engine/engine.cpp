@@ -600,6 +600,7 @@ bool Engine::step() {
         s.text += s.dec->push(next);
         if (cut_at_stop(s.text, from, s.req.params.stop)) {
           s.dec.reset();  // pending bytes come after the cut
+          emit_text(s, true);  // what was held back before the stop string is output
           finish(s, "stop");
           continue;
         }

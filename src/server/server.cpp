@@ -140,7 +140,8 @@ ApiRequest parse_common(const json& body) {
     if (!v.is_number_integer()) throw ApiError{fmt::format("'{}' must be an integer", key), key};
     const int64_t m = v.get<int64_t>();
     // 0 only with echo and logprobs (scoring a prompt, as evaluation harnesses do): checked by the caller.
-    if (m < 0 || m > (int64_t(1) << 30)) throw ApiError{fmt::format("'{}' must be >= 1 (got {})", key, m), key};
+    if (m < 0 || m > (int64_t(1) << 30))
+      throw ApiError{fmt::format("'{}' must be between 1 and {} (got {})", key, int64_t(1) << 30, m), key};
     r.params.max_tokens = int(m);
     r.max_tokens_set = true;
   }
@@ -421,6 +422,11 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
   if (!body.is_object()) throw ApiError{"the request body must be a JSON object", ""};
   ApiRequest ar = parse_common(body);
   parse_logprobs(body, chat, ar);
+  // As OpenAI's and vLLM's servers: a request for another model is refused, not served by this one.
+  if (body.contains("model") && body["model"].is_string() && body["model"].get<std::string>() != opt.model_name)
+    throw ApiError{fmt::format("the model '{}' does not exist: this server serves '{}' (GET /v1/models)",
+                               body["model"].get<std::string>(), opt.model_name),
+                   "model", "model_not_found", 404};
   for (const int32_t t : ar.params.stop_token_ids)
     if (t >= engine.tokenizer().n_vocab())
       throw ApiError{fmt::format("'stop_token_ids' token {} is outside the vocabulary [0, {})", t, engine.tokenizer().n_vocab()),
@@ -480,21 +486,29 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
   if (ar.max_tokens_set && ar.params.max_tokens == 0 && !ar.params.prompt_logprobs)
     throw ApiError{"'max_tokens' must be >= 1 (0 only with echo and logprobs, to score the prompt)", "max_tokens"};
   int prompt_tokens = 0;  // each prompt counts once for its n choices (they share its pages)
+  // The longest sequence one request can grow to: the context, or a smaller KV pool (a sequence that
+  // outgrows the whole pool could never finish; it is refused here rather than cut short).
+  const size_t pool_tokens = engine.pool().tokens_capacity();
+  const int seq_cap = int(std::min<size_t>(size_t(ctx), pool_tokens));
   for (PromptIn& in : prompts) {
     const int n_prompt = int(in.ids.size());
     prompt_tokens += n_prompt;
     if (n_prompt >= ctx)
       throw ApiError{fmt::format("the prompt is {} tokens, the model's context is {} tokens", n_prompt, ctx),
                      prompt_param, "context_length_exceeded"};
-    if (size_t(n_prompt) + 1 > engine.pool().tokens_capacity())
-      throw ApiError{fmt::format("the prompt is {} tokens, the KV cache holds {} tokens", n_prompt,
-                                 engine.pool().tokens_capacity()),
+    if (size_t(n_prompt) + 1 > pool_tokens)
+      throw ApiError{fmt::format("the prompt is {} tokens, the KV cache holds {} tokens", n_prompt, pool_tokens),
                      prompt_param, "context_length_exceeded"};
     if (!ar.max_tokens_set) {
-      in.max_tokens = chat ? ctx - n_prompt : std::min(16, ctx - n_prompt);
+      in.max_tokens = chat ? seq_cap - n_prompt : std::min(16, seq_cap - n_prompt);
     } else if (n_prompt + ar.params.max_tokens > ctx) {
       throw ApiError{fmt::format("max_tokens {} + prompt {} tokens exceed the context of {} tokens",
                                  ar.params.max_tokens, n_prompt, ctx),
+                     "max_tokens", "context_length_exceeded"};
+    } else if (size_t(n_prompt) + size_t(ar.params.max_tokens) > pool_tokens) {
+      throw ApiError{fmt::format("max_tokens {} + prompt {} tokens exceed the KV cache, which holds {} tokens "
+                                 "(kvq serve --kv-mem / --kv-tokens)",
+                                 ar.params.max_tokens, n_prompt, pool_tokens),
                      "max_tokens", "context_length_exceeded"};
     } else {
       in.max_tokens = ar.params.max_tokens;
