@@ -63,6 +63,19 @@ int main(int argc, char** argv) {
   auto* serve = app.add_subcommand("serve", "OpenAI-compatible HTTP server: continuous batching, paged prefix-cached KV, /metrics");
   kvq::serve_add_cli(*serve, serve_opts);
 
+  // A first word that is neither a flag nor a subcommand: say so (CLI11 would only ask for one).
+  if (argc > 1 && argv[1][0] != '-') {
+    std::string names;
+    bool known = false;
+    for (const auto* sc : app.get_subcommands({})) {
+      known |= sc->get_name() == argv[1];
+      names += (names.empty() ? "" : ", ") + sc->get_name();
+    }
+    if (!known) {
+      std::fprintf(stderr, "kvq: error: unknown subcommand '%s' (one of: %s)\n", argv[1], names.c_str());
+      return 1;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -81,6 +94,9 @@ int main(int argc, char** argv) {
     return 1;
   } catch (const std::bad_alloc&) {
     std::fprintf(stderr, "kvq: error: out of memory\n");
+    return 1;
+  } catch (const std::exception& e) {  // anything a library below throws: an error line, not an abort
+    std::fprintf(stderr, "kvq: error: %s\n", e.what());
     return 1;
   }
   return 0;

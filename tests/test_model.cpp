@@ -7,10 +7,14 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "core/error.h"
+#include "gguf/gguf.h"
+#include "gguf_writer.h"
+#include "model/config.h"
 #include "model/model.h"
 #include "model/sampler.h"
 #include "model/tokenizer.h"
@@ -103,6 +107,25 @@ TEST(Stories260K, ContextOverflowIsAnError) {
   EXPECT_THROW(fwd.eval(ids.data(), 17, cache), Error);
   std::vector<int32_t> bad = {1, 100000};
   EXPECT_THROW(fwd.eval(bad.data(), 2, cache), Error);
+}
+
+// The forward's scratch grows linearly with the thread count: only thread 0's buffer serves the
+// split-K attention calls (whose scratch holds one part per thread); the others hold one part.
+TEST(Stories260K, ScratchLinearInThreads) {
+  const std::string path = shared_path("models/stories260K.gguf");
+  if (!fs::exists(path)) GTEST_SKIP() << "stories260K.gguf not found at " << path;
+  auto m = Model::load(path);
+  auto scratch = [&](int threads) {
+    ThreadPool pool(threads);
+    KvCache cache(m->kv_cache_config(kv_policy_uniform("f16", m->config().n_layer), 4096));
+    Forward fwd(*m, pool);
+    std::vector<int32_t> ids = {1, 400, 401};
+    fwd.eval(ids.data(), 3, cache);
+    return double(fwd.scratch_bytes());
+  };
+  // Growth from 16 to 64 threads against growth from 4 to 16: 4x when linear, 16x when quadratic.
+  const double s4 = scratch(4), s16 = scratch(16), s64 = scratch(64);
+  EXPECT_LT(s64 - s16, 8 * (s16 - s4)) << s4 << " / " << s16 << " / " << s64 << " bytes at 4 / 16 / 64 threads";
 }
 
 // Golden references: tests/golden/forward_<model>.json, made by scripts/make_golden.py with Hugging
@@ -247,4 +270,47 @@ TEST(Stories260K, BatchedSequencesEqualSeparateRuns) {
     ForwardSeq dup[2] = {{a.data(), 1, &ca, ForwardSeq::none}, {a.data(), 1, &ca, ForwardSeq::none}};
     EXPECT_THROW(f.eval_batch(dup, 2), Error);
   }
+}
+
+// Float hyperparameters from the GGUF metadata: a NaN, infinite, zero or negative epsilon, RoPE
+// base or soft-cap, or a sliding window past int range, is an error naming the value, not a model
+// that loads and prints garbage.
+TEST(ModelConfig, RejectsNonFiniteOrOutOfRangeFloatMetadata) {
+  using kvq::test::GgufWriter;
+  auto build = [](const std::string& arch, const std::function<void(GgufWriter&)>& extra) {
+    GgufWriter w;
+    w.add_string("general.architecture", arch);
+    const std::string a = arch + ".";
+    w.add_u32(a + "block_count", 2).add_u32(a + "embedding_length", 64).add_u32(a + "feed_forward_length", 128);
+    w.add_u32(a + "attention.head_count", 4).add_u32(a + "attention.head_count_kv", 2).add_u32(a + "context_length", 256);
+    w.add_string_array("tokenizer.ggml.tokens", {"a", "b", "c"});
+    extra(w);
+    return w.build();
+  };
+  auto error_of = [](const std::vector<uint8_t>& img) -> std::string {
+    try {
+      model_config_from_gguf(*gguf::File::parse(img.data(), img.size(), "m.gguf"));
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  EXPECT_EQ(error_of(build("llama", [](GgufWriter&) {})), "(no error)");
+  EXPECT_EQ(error_of(build("gemma3", [](GgufWriter&) {})), "(no error)");
+  for (float eps : {std::nanf(""), -1.f, 0.f, INFINITY})
+    EXPECT_NE(error_of(build("llama", [&](GgufWriter& w) { w.add_f32("llama.attention.layer_norm_rms_epsilon", eps); }))
+                  .find("RMS norm epsilon"),
+              std::string::npos)
+        << eps;
+  for (float base : {0.f, -1.f, 1.f, std::nanf(""), INFINITY})
+    EXPECT_NE(error_of(build("llama", [&](GgufWriter& w) { w.add_f32("llama.rope.freq_base", base); }))
+                  .find("RoPE frequency base"),
+              std::string::npos)
+        << base;
+  EXPECT_NE(error_of(build("gemma3", [](GgufWriter& w) { w.add_u32("gemma3.attention.sliding_window", 0xFFFFFFFFu); }))
+                .find("sliding window 4294967295"),
+            std::string::npos);
+  EXPECT_NE(error_of(build("gemma3", [](GgufWriter& w) { w.add_f32("gemma3.final_logit_softcapping", std::nanf("")); }))
+                .find("soft-capping"),
+            std::string::npos);
 }

@@ -3,6 +3,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
 
 #include "core/error.h"
 
@@ -28,6 +30,18 @@ void wait_until(Done done) {
 }
 
 }  // namespace
+
+int resolve_threads(int requested) {
+  const int hw = int(std::max(1u, std::thread::hardware_concurrency()));
+  if (requested <= 0) return hw;
+  static std::atomic<bool> warned{false};
+  if (requested > hw && !warned.exchange(true))
+    std::fprintf(stderr,
+                 "[kvq] warning: %d threads on a machine with %d hardware threads: the extra threads slow every step "
+                 "(-t %d or less)\n",
+                 requested, hw, hw);
+  return requested;
+}
 
 ThreadPool::ThreadPool(int n_threads) : n_threads_(n_threads < 1 ? 1 : n_threads) {
   KVQ_CHECK(n_threads_ < 0x7FFF);

@@ -17,6 +17,11 @@
 
 namespace kvq {
 
+// The thread count for a -t value: n when n > 0, else every hardware thread. More threads than
+// the machine has are allowed, with a warning on stderr (once per process): workers spin while
+// they wait, so threads beyond the cores slow every parallel region instead of helping.
+int resolve_threads(int requested);
+
 class ThreadPool {
  public:
   explicit ThreadPool(int n_threads);

@@ -126,7 +126,7 @@ Engine::Engine(const EngineOptions& o) : opt_(o) {
   kcfg_ = model_->kv_cache_config(kv_.policy, ctx_, o.kv.page_tokens);
   kv_.apply(kcfg_);
   kcfg_.model_id = o.model_path;
-  const int threads = o.threads > 0 ? o.threads : int(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = resolve_threads(o.threads);
   threads_ = std::make_unique<ThreadPool>(threads);
   fwd_ = std::make_unique<Forward>(*model_, *threads_, o.max_batch);
   const size_t page_bytes = kv_cache_page_bytes(kcfg_);

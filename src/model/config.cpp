@@ -42,6 +42,8 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
     fail("{}: key_length {} != value_length {} is not supported", f.path(), c.head_dim, *vl);
   if (c.head_dim % 2) fail("{}: head dimension {} must be even", f.path(), c.head_dim);
   c.rms_eps = float(f.get_float(a + "attention.layer_norm_rms_epsilon").value_or(1e-5));
+  if (!(std::isfinite(c.rms_eps) && c.rms_eps > 0 && c.rms_eps < 1))
+    fail("{}: RMS norm epsilon {} must be a finite number in (0, 1)", f.path(), c.rms_eps);
   c.n_rot = f.get_int(a + "rope.dimension_count") ? req("rope.dimension_count") : c.head_dim;
   if (c.n_rot > c.head_dim || c.n_rot % 2) fail("{}: rope dimension {} invalid for head dim {}", f.path(), c.n_rot, c.head_dim);
   c.rope_base = float(f.get_float(a + "rope.freq_base").value_or(10000.0));
@@ -51,7 +53,10 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
   } else if (st && *st != "none") {
     fail("{}: rope scaling type '{}' is not supported (supported: none, linear)", f.path(), *st);
   }
-  if (!(c.rope_scale > 0)) fail("{}: rope scaling factor must be > 0", f.path());
+  if (!(c.rope_base > 1 && std::isfinite(c.rope_base)))
+    fail("{}: RoPE frequency base {} must be a finite number > 1", f.path(), c.rope_base);
+  if (!(c.rope_scale > 0 && std::isfinite(c.rope_scale)))
+    fail("{}: rope scaling factor {} must be a finite number > 0", f.path(), c.rope_scale);
   c.layer_sliding.assign(size_t(c.n_layer), false);
 
   if (c.arch == "gemma3") {
@@ -62,12 +67,16 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
     c.qk_norm = true;
     c.rope_base_local = 10000.f;  // Gemma 3's local (sliding-window) layers use base 10k
     c.attn_scale = 1.0f / std::sqrt(float(c.head_dim));
-    c.sliding_window = int(f.get_int(a + "attention.sliding_window").value_or(512));
-    if (c.sliding_window <= 0) fail("{}: sliding window {} must be > 0", f.path(), c.sliding_window);
+    const int64_t sw = f.get_int(a + "attention.sliding_window").value_or(512);
+    if (sw <= 0 || sw > (int64_t(1) << 30)) fail("{}: sliding window {} must be in [1, 2^30]", f.path(), sw);
+    c.sliding_window = int(sw);
     // 5 local layers then 1 global layer, repeating
     for (int il = 0; il < c.n_layer; ++il) c.layer_sliding[size_t(il)] = (il + 1) % 6 != 0;
     c.final_softcap = float(f.get_float(a + "final_logit_softcapping").value_or(0.0));
     c.attn_softcap = float(f.get_float(a + "attn_logit_softcapping").value_or(0.0));
+    if (!(c.final_softcap >= 0 && std::isfinite(c.final_softcap) && c.attn_softcap >= 0 && std::isfinite(c.attn_softcap)))
+      fail("{}: logit soft-capping values ({} final, {} attention) must be finite and >= 0 (0: off)", f.path(),
+           c.final_softcap, c.attn_softcap);
   }
 
   auto tokens = f.find("tokenizer.ggml.tokens");

@@ -251,10 +251,13 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
       for (int i = 0; i < E; ++i) xr[i] *= sc;
     }
   }
-  size_t scratch_need = 0;
-  // Every thread's buffer can serve a split-K call (thread 0 makes them; see the attention below).
-  for (int si = 0; si < n_seqs; ++si)
-    scratch_need = std::max(scratch_need, seqs[si].cache->attend_scratch_floats(group, pool_.size()));
+  size_t scratch_need = 0, split_need = 0;
+  // Thread 0's buffer also serves the split-K calls (thread 0 makes them; see the attention below),
+  // whose scratch grows with the thread count; the others need one part's.
+  for (int si = 0; si < n_seqs; ++si) {
+    scratch_need = std::max(scratch_need, seqs[si].cache->attend_scratch_floats(group));
+    if (pool_.size() > 1) split_need = std::max(split_need, seqs[si].cache->attend_scratch_floats(group, pool_.size()));
+  }
   // Prefill: up to kPrefillRows rows of a sequence per attention call, their queries gathered
   // (and outputs scattered) through two more regions of the thread's buffer.
   const bool prefill = n > n_seqs;
@@ -266,8 +269,10 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
     prefill_attn = (prefill_attn + 15) / 16 * 16;
     scratch_need = std::max(scratch_need, prefill_attn + 2 * rows_floats);
   }
-  for (auto& sb : attn_scratch_)
-    if (sb.size() < scratch_need) sb.resize(scratch_need);
+  for (size_t i = 0; i < attn_scratch_.size(); ++i) {
+    const size_t need = i == 0 ? std::max(scratch_need, split_need) : scratch_need;
+    if (attn_scratch_[i].size() < need) attn_scratch_[i].resize(need);
+  }
   std::vector<float> cs(size_t(c.n_rot));
   AttnParams ap;
   ap.scale = c.attn_scale > 0 ? c.attn_scale : 1.0f / std::sqrt(float(hd));

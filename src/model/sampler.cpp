@@ -46,7 +46,7 @@ TokenLogprob token_logprob(const float* logits, int n_vocab, int32_t token, int 
 
 Sampler::Sampler(const SamplerParams& p) : p_(p), rng_(p.seed) {
   if (!(p_.temperature >= 0) || std::isinf(p_.temperature)) fail("temperature must be >= 0 (got {})", p_.temperature);
-  if (!(p_.top_p > 0)) fail("top_p must be in (0, 1] (got {})", p_.top_p);
+  if (!(p_.top_p > 0 && p_.top_p <= 1)) fail("top_p must be in (0, 1] (got {})", p_.top_p);
   if (!(p_.min_p >= 0 && p_.min_p <= 1)) fail("min_p must be in [0, 1] (got {})", p_.min_p);
   if (!(p_.repeat_penalty > 0)) fail("repeat penalty must be > 0 (got {})", p_.repeat_penalty);
   if (!std::isfinite(p_.presence_penalty) || !std::isfinite(p_.frequency_penalty))

@@ -20,6 +20,7 @@
 #include "core/timer.h"
 #include "engine/engine.h"
 #include "model/chat.h"
+#include "tools/files.h"
 #include "tools/jsonl.h"
 #include "tools/report.h"
 #include "server/serve_cli.h"
@@ -158,11 +159,7 @@ std::vector<BenchRequest> load_workload(const BenchOptions& o, const Tokenizer& 
 // --prefixes documents of --prefix-tokens consecutive tokens of --data, then each request's own
 // --question-tokens from the text after them (wrapping around that remainder when it runs out).
 std::vector<BenchRequest> shared_prefix_workload(const BenchOptions& o, const Tokenizer& tok, int n_requests) {
-  std::ifstream in(o.data, std::ios::binary);
-  if (!in) fail("--data: cannot read '{}'", o.data);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  const std::vector<int32_t> ids = tok.encode(ss.str(), false);
+  const std::vector<int32_t> ids = tok.encode(read_text_file(o.data, "--data"), false);
   const size_t P = size_t(o.prefix_tokens), Q = size_t(o.question_tokens), N = size_t(o.prefixes);
   if (ids.size() < N * P + Q)
     fail("--data has {} tokens, fewer than --prefixes {} x --prefix-tokens {} + --question-tokens {}", ids.size(), N, P,
@@ -397,7 +394,9 @@ int bench_command(const BenchOptions& o) {
       } catch (const std::exception&) {
         pos = 0;
       }
-      if (pos != c.size() || !(v > 0) || v > 1e6) fail("--rate: '{}' is not a request rate (requests per second, > 0)", c);
+      // below one request per ~17 minutes a run would mostly wait for its arrivals
+      if (pos != c.size() || !(v >= 1e-3) || v > 1e6)
+        fail("--rate: '{}' is not a request rate in [0.001, 1000000] requests per second", c);
       loads.push_back({0, v});
     }
   }

@@ -14,7 +14,9 @@
 #include "kv/kvquant_mixed.h"
 #include "model/model.h"
 #include "model/tokenizer.h"
+#include "tools/files.h"
 #include "tools/kv_flags.h"
+#include "tools/report.h"
 
 namespace kvq {
 
@@ -35,11 +37,7 @@ int calibrate_command(const CalibrateOptions& o) {
   const ModelConfig& c = model->config();
   if (o.ctx > c.n_ctx_train) fail("--ctx {} exceeds the model's context length {}", o.ctx, c.n_ctx_train);
   Tokenizer tok = Tokenizer::from_gguf(model->file());
-  std::ifstream in(o.data, std::ios::binary);
-  if (!in) fail("--data: cannot read '{}'", o.data);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  const std::vector<int32_t> ids = tok.encode(ss.str(), false);
+  const std::vector<int32_t> ids = tok.encode(read_text_file(o.data, "--data"), false);
   const int chunks = int(std::min<size_t>(size_t(o.chunks), ids.size() / size_t(o.ctx)));
   if (chunks < 1) fail("--data has {} tokens, fewer than one window of {}", ids.size(), o.ctx);
 
@@ -59,7 +57,7 @@ int calibrate_command(const CalibrateOptions& o) {
   const int group = c.n_head / nkv;
   int pos_in_window = 0;  // on_kv is called per layer with consecutive chunks of one window
 
-  const int threads = o.threads > 0 ? o.threads : int(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = resolve_threads(o.threads);
   ThreadPool pool(threads);
   Forward fwd(*model, pool);
   fwd.on_kv = [&](int il, int n, const float* k_pre, const float* k, const float* v) {
@@ -221,9 +219,7 @@ int calibrate_command(const CalibrateOptions& o) {
     j["k_scale_gain"] = std::exp(k_scale_gain_log);
     if (c.qk_norm) j["k_scale_gain_qk_norm"] = std::exp(k_qkn_gain_log);
   }
-  std::ofstream out(o.out);
-  if (!out) fail("-o: cannot write '{}'", o.out);
-  out << j.dump(1) << "\n";
+  report_write("-o", o.out, j.dump(1) + "\n");
   std::fprintf(stderr, "[calibrate] %d layers, %d tokens -> %s\n", c.n_layer, n_tok, o.out.c_str());
   std::fprintf(stderr, "[calibrate] channel means hold %.1f%% of the key energy and %.1f%% of the value energy (layer average)\n",
                100 * k_removed_all, 100 * v_removed_all);

@@ -19,6 +19,7 @@
 #include "model/sampler.h"
 #include "model/tokenizer.h"
 #include "tools/eval_metrics.h"
+#include "tools/files.h"
 #include "tools/jsonl.h"
 #include "tools/plan.h"
 #include "tools/report.h"
@@ -71,13 +72,7 @@ void eval_add_cli(CLI::App& app, EvalOptions& o) {
 
 namespace {
 
-std::string read_text(const std::string& path, const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("{}: cannot read '{}'", what, path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+std::string read_text(const std::string& path, const char* what) { return read_text_file(path, what); }
 
 class Progress {
  public:
@@ -370,6 +365,8 @@ std::vector<OwnCase> load_own(const std::string& path) {
     OwnCase c{j["prompt"], j["expected"], j.value("match", std::string("substring")), {}, 0, ln};
     if (c.match != "substring" && c.match != "exact")
       fail("--own {}:{}: \"match\" must be \"substring\" or \"exact\", not \"{}\"", path, ln, c.match);
+    if (c.match == "substring" && c.expected.empty())
+      fail("--own {}:{}: an empty \"expected\" is a substring of every output (the case could not fail)", path, ln);
     if (j.contains("prompt_tokens")) {
       const auto& t = j["prompt_tokens"];
       if (!t.is_array() || t.empty())
@@ -638,7 +635,7 @@ int eval_command(const EvalOptions& o) {
       if (b < least - 1e-9) fail("--budget-bits {}: below the cheapest choice, {:.2f} bits per element", b, least);
   }
 
-  const int threads = o.threads > 0 ? o.threads : int(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = resolve_threads(o.threads);
   ThreadPool pool(threads);
   Ctx c{o, *model, tok, pool, runs, ctxs};
   // layers first: with --budget-bits its policies join the formats the other tasks evaluate.

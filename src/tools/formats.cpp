@@ -77,8 +77,13 @@ CodecStats measure(const std::string& name, KvRole role, const FormatsOptions& o
       return st;
     }
   }
+  try {  // a codec whose token group does not fit the page (e.g. G = 32 in 16-token pages) is a row of n/a
+    st.bits = kv_codec_effective_bits(*c, opt.block_tokens, opt.ctx);
+  } catch (const Error& e) {
+    st.error = e.what();
+    return st;
+  }
   st.ok = true;
-  st.bits = kv_codec_effective_bits(*c, opt.block_tokens, opt.ctx);
   st.code_bits = c->info().code_bits;
   st.mse_theory = theory_mse(name, opt.dim);
   if (!opt.distortion || st.needs_calib) return st;
@@ -164,7 +169,7 @@ int formats_command(const FormatsOptions& opt, std::FILE* out) {
   if (opt.trials < 1 || opt.trials > 10000000) fail("formats: --trials {} out of range (1..10^7)", opt.trials);
   if (opt.ctx < 1) fail("formats: --ctx {} must be positive", opt.ctx);
   if (opt.block_tokens < 16 || opt.block_tokens > 256 || (opt.block_tokens & (opt.block_tokens - 1)))
-    fail("formats: --block-tokens {} must be a power of two in 16..256", opt.block_tokens);
+    fail("formats: --page-tokens {} must be a power of two in 16..256", opt.block_tokens);
 
   std::map<std::pair<std::string, int>, CodecStats> cache;  // codecs are shared between formats
   auto stats = [&](const std::string& name, KvRole role) -> const CodecStats& {

@@ -3,11 +3,13 @@
 #include <fstream>
 
 #include "core/error.h"
+#include "tools/files.h"
 
 namespace kvq {
 
 size_t jsonl_for_each(const std::string& path, const char* flag,
                       const std::function<void(const nlohmann::json& value, int line)>& fn) {
+  check_input_file(path, flag);
   std::ifstream in(path);
   if (!in) fail("{}: cannot read '{}'", flag, path);
   std::string line;

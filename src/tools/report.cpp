@@ -38,6 +38,8 @@ void report_write(const char* flag, const std::string& path, const std::string& 
   std::ofstream out(path);
   if (!out) fail("{}: cannot write '{}'", flag, path);
   out << text;
+  out.close();  // a full disk shows here, not at open
+  if (!out) fail("{}: writing '{}' failed (disk full?)", flag, path);
 }
 
 std::string report_svg_lines(const std::string& title, const std::string& x_label, const std::string& y_label,

@@ -1,6 +1,8 @@
 #include "tools/run.h"
 
 #include <CLI/CLI.hpp>
+#include <charconv>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -12,6 +14,7 @@
 #include "model/chat.h"
 #include "model/model.h"
 #include "model/tokenizer.h"
+#include "tools/files.h"
 
 namespace kvq {
 
@@ -36,7 +39,17 @@ void run_add_cli(CLI::App& app, RunOptions& o) {
   app.add_option("--frequency-penalty", o.sampling.frequency_penalty,
                  "subtracted per occurrence from each generated token's logit (0: off)")
       ->capture_default_str();
-  app.add_option("-s,--seed", o.sampling.seed, "random seed")->capture_default_str();
+  app.add_option("-s,--seed", o.sampling.seed, "random seed")
+      ->capture_default_str()
+      ->check(CLI::Validator(
+          [](std::string& v) {  // exactly a uint64 (a larger number would otherwise saturate silently)
+            uint64_t x = 0;
+            const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+            return ec == std::errc() && end == v.data() + v.size()
+                       ? std::string()
+                       : fmt::format("must be an integer in [0, {}] (got {})", UINT64_MAX, v);
+          },
+          "UINT64"));
   kv_flags_add(app, o.kv);
 }
 
@@ -48,19 +61,19 @@ int run_command(const RunOptions& o) {
   if (o.prompt_set && !o.prompt_file.empty()) fail("give either --prompt or --file, not both");
   std::string prompt = o.prompt;
   if (!o.prompt_file.empty()) {
-    std::ifstream in(o.prompt_file, std::ios::binary);
-    if (!in) fail("cannot read prompt file '{}'", o.prompt_file);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    prompt = ss.str();
+    prompt = read_text_file(o.prompt_file, "-f");
   }
-  const int threads = o.threads > 0 ? o.threads : int(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = resolve_threads(o.threads);
 
   auto model = Model::load(o.model);
   const ModelConfig& c = model->config();
   Tokenizer tok = Tokenizer::from_gguf(model->file());
   const int ctx = o.ctx > 0 ? o.ctx : c.n_ctx_train;
   if (o.ctx < 0) fail("--ctx-size must be > 0 (got {})", o.ctx);
+  if (ctx > c.n_ctx_train)
+    std::fprintf(stderr, "[kvq] warning: --ctx-size %d is beyond the %d tokens the model was trained on; past them its output may degrade\n",
+                 ctx, c.n_ctx_train);
+  if (!o.system.empty() && !o.chat) fail("--system needs --chat (the system message goes into the chat template)");
 
   std::string text = prompt;
   if (o.chat) {
@@ -90,7 +103,7 @@ int run_command(const RunOptions& o) {
   Sampler sampler(o.sampling);
 
   if (o.echo) {
-    std::fputs(prompt.c_str(), stdout);
+    std::fwrite(prompt.data(), 1, prompt.size(), stdout);  // all of it, NUL bytes included
     std::fflush(stdout);
   }
   const double t0 = now_seconds();

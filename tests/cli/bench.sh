@@ -102,6 +102,9 @@ bad "no workload" "give a workload" --kv f16
 bad "two workloads" "give a workload" --kv f16 --data "$text" --workload "$tmp/w.jsonl"
 bad "bad concurrency" "is not a number of clients" --kv f16 --data "$text" --concurrency 2,x
 bad "bad rate" "is not a request rate" --kv f16 --data "$text" --rate 0
+bad "a rate too low to finish" "is not a request rate" --kv f16 --data "$text" --rate 1e-9
+mkdir -p "$tmp/adir"
+bad "a directory as the workload" "directory" --kv f16 --workload "$tmp/adir"
 bad "bad budget" "not a size" --kv f16 --data "$text" --kv-mem lots
 printf '{"prompt": "ok"}\n{"prompt": 3}\n' >"$tmp/bad1.jsonl"
 bad "JSONL line without a string prompt" "bad1.jsonl:2: each line needs a string field" --kv f16 --workload "$tmp/bad1.jsonl"

@@ -86,6 +86,11 @@ printf '{"prompt": "a", "expected": "b", "prompt_tokens": [1, 99999]}\n' >"$tmp/
 bad "JSONL with a token outside the vocabulary" "vocabulary" eval -m "$model" --kv int8 --task own --own "$tmp/vocab.jsonl"
 printf '{"prompt": "a", "expected": "b", "max_tokens": 0}\n' >"$tmp/maxtok.jsonl"
 bad "JSONL with max_tokens 0" "max_tokens" eval -m "$model" --kv int8 --task own --own "$tmp/maxtok.jsonl"
+printf '{"prompt": "a", "expected": ""}\n' >"$tmp/emptyexp.jsonl"
+bad "JSONL whose expected substring is empty" "could not fail" eval -m "$model" --kv int8 --task own --own "$tmp/emptyexp.jsonl"
+mkdir -p "$tmp/adir"
+bad "a directory as the eval set" "directory" eval -m "$model" --kv int8 --task own --own "$tmp/adir"
+bad "a directory as the text" "directory" eval -m "$model" --kv int8 --ctx 64 --data "$tmp/adir"
 bad "--needle-set-out without the needle task" "task needle" eval -m "$model" --kv int8 --ctx 64 --data "$text" --needle-set-out "$tmp/x.jsonl"
 bad "unwritable --needle-set-out" "cannot write" eval -m "$model" --kv int8 --task needle --ctx 128 --data "$text" --needle-set-out /nonexistent/dir/s.jsonl
 head -c 300 "$text" >"$tmp/short.txt"

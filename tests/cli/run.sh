@@ -51,6 +51,33 @@ bad "negative --kv-sink-tokens" run -m "$model" -p hi --kv-cache-dtype kvquant4 
 bad "--kv-scales qk-norm on a model without QK-norm" run -m "$model" -p hi --kv-cache-dtype int8_c --kv-scales qk-norm
 check "... says the model has no QK-norm and how to calibrate" "grep -q 'no QK-norm weights.*kvq calibrate' $tmp/be"
 
+mkdir -p "$tmp/adir"
+bad "a directory as the prompt file" run -m "$model" -f "$tmp/adir" -n 2
+check "... says it is a directory" "grep -q 'directory' $tmp/be"
+bad "--system without --chat" run -m "$model" -p hi --system "be brief"
+bad "--top-p above 1" run -m "$model" -p hi --top-p 2
+bad "--seed beyond 64 bits" run -m "$model" -p hi --seed 99999999999999999999999
+bad "unknown subcommand" bogus -m "$model"
+check "... names it and the subcommands" "grep -q \"unknown subcommand 'bogus'.*run\" $tmp/be"
+# a report that cannot be written (a full disk) is an error, not a silent success
+if [[ -w /dev/full ]]; then
+  bad "calibration written to a full disk" calibrate -m "$model" --data "$text" --ctx 64 --chunks 1 -o /dev/full
+  check "... says the write failed" "grep -q 'writing .*/dev/full.* failed' $tmp/be"
+fi
+
+# --echo prints the prompt file's bytes as they are, NUL bytes included
+printf 'a\0b\0c' >"$tmp/nul.txt"
+"$kvq" run -m "$model" -f "$tmp/nul.txt" -n 1 --temp 0 --echo >"$tmp/nulout" 2>/dev/null
+check "--echo keeps NUL bytes" "[[ \"\$(head -c 5 $tmp/nulout | od -An -c | tr -d ' ')\" == 'a\\0b\\0c' ]]"
+# more threads than the machine has: runs, with a warning
+"$kvq" run -m "$model" -p hi -n 2 -t $(( $(nproc) + 1 )) >/dev/null 2>"$tmp/terr"
+rc=$?
+check "more threads than hardware threads runs" "[[ $rc -eq 0 ]]"
+check "... with a warning" "grep -q 'warning: .* threads on a machine with' $tmp/terr"
+# a context beyond the trained one: runs, with a warning
+"$kvq" run -m "$model" -p hi -n 2 -c 100000 >/dev/null 2>"$tmp/cerr"
+check "--ctx-size beyond the trained context warns" "grep -q 'beyond the .* tokens the model was trained on' $tmp/cerr"
+
 # a K/V split name runs (stories260K's head_dim 8 is too small for the 32-wide formats)
 "$kvq" run -m "$model" -p "Lily" -n 8 --temp 0 --kv-cache-dtype int8/f16 >"$tmp/split" 2>"$tmp/split.err"
 rc=$?
