@@ -83,6 +83,12 @@ void write_file(const std::string& path, const std::string& text) {
   f << text;
 }
 
+// The engine's small test model, for --measure (which runs the engine).
+std::string stories_path() {
+  const std::string p = std::string(KVQ_SOURCE_DIR) + "/../shared/models/stories260K.gguf";
+  return std::filesystem::exists(p) ? p : "";
+}
+
 // Every registered format on a preset at 4K tokens, one sequence.
 PlanResult every_format_at_4k(const char* preset) {
   PlanModel m = plan_model_from_preset(preset, 16);
@@ -680,4 +686,25 @@ TEST(Plan, SplitFormatsAndGroupSuffixes) {
   // A shorter group costs more bytes per token.
   EXPECT_GT(plan_format_cost(m, c, "kvquant3/tq2.5_s").per_token_bytes, split.per_token_bytes);
   EXPECT_THROW(plan_format_cost(m, c, "kvquant3@gx"), Error);
+}
+
+// ---------------------------------------------------------------------------------------------
+// --measure on the engine (stories260K).
+
+// The warm-up runs a fixed number of tokens; contexts shorter than that must not read past
+// the prompt buffer (it held only the longest --ctx tokens).
+TEST(PlanMeasure, ContextsShorterThanTheWarmUp) {
+  const std::string model = stories_path();
+  if (model.empty()) GTEST_SKIP() << "stories260K.gguf not found in ../shared/models";
+  PlanOptions o;
+  o.model_path = model;
+  o.kv = "f16";
+  o.ctx = "1,17";
+  o.batch = "1";
+  o.page_tokens = 16;
+  o.measure = true;
+  CmdResult r = run_plan(o);
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  EXPECT_NE(r.out.find("bytes/token measured"), std::string::npos) << r.out;
 }

@@ -43,12 +43,13 @@ int plan_measure(const PlanOptions& o, const PlanModel& pm, const PlanConfig& c,
   ThreadPool pool(int(std::max(1u, std::thread::hardware_concurrency())));
   Forward fwd(*model, pool, int(std::min<int64_t>(c.prefill_chunk, 512)));
   std::mt19937 rng(7);
-  std::vector<int32_t> toks(size_t(ctxs.back()));
+  constexpr int kWarmTokens = 32;
+  std::vector<int32_t> toks(size_t(std::max<int64_t>(ctxs.back(), kWarmTokens)));
   for (auto& t : toks) t = int32_t(rng() % uint32_t(mc.n_vocab));
   {  // size the scratch once and touch every page of the weights mapping (random prompt tokens
      // would otherwise fault in more embedding rows as the context grows), so the baseline is steady
-    KvCache warm(model->kv_cache_config(kv_policy_uniform("f16", mc.n_layer), 64, c.page_tokens));
-    fwd.eval(toks.data(), 32, warm);
+    KvCache warm(model->kv_cache_config(kv_policy_uniform("f16", mc.n_layer), 2 * kWarmTokens, c.page_tokens));
+    fwd.eval(toks.data(), kWarmTokens, warm);
     volatile uint8_t sink = 0;
     for (const auto& t : model->file().tensors())
       for (size_t i = 0; i < t.nbytes; i += 4096) sink = uint8_t(sink + t.data[i]);
