@@ -423,6 +423,57 @@ TEST(Plan, HfConfigErrorsNameTheField) {
   EXPECT_THROW(plan_model_from_hf_config(nlohmann::json::array(), std::nullopt), Error);
 }
 
+// Shapes the engine's GGUF loader rejects are rejected here too: KV heads that do not divide the
+// query heads (fewer or more than them), no KV heads, an odd head dimension.
+TEST(Plan, HfConfigRejectsImpossibleHeadShapes) {
+  nlohmann::json cfg = {{"num_hidden_layers", 2}, {"num_attention_heads", 4}, {"hidden_size", 256},
+                        {"intermediate_size", 512}, {"vocab_size", 1000}};
+  for (int kv : {1, 2, 4}) {
+    cfg["num_key_value_heads"] = kv;
+    EXPECT_NO_THROW(plan_model_from_hf_config(cfg, std::nullopt)) << kv;
+  }
+  for (int kv : {3, 8}) {
+    cfg["num_key_value_heads"] = kv;
+    try {
+      plan_model_from_hf_config(cfg, std::nullopt);
+      ADD_FAILURE() << "accepted 4 attention heads with " << kv << " KV heads";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("num_attention_heads 4 is not a multiple of num_key_value_heads " + std::to_string(kv)),
+                std::string::npos) << e.what();
+    }
+  }
+  cfg["num_key_value_heads"] = 0;
+  EXPECT_THROW(plan_model_from_hf_config(cfg, std::nullopt), Error);
+  cfg["num_key_value_heads"] = 2;
+  cfg["head_dim"] = 63;
+  try {
+    plan_model_from_hf_config(cfg, std::nullopt);
+    ADD_FAILURE() << "accepted head_dim 63";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("head dimension 63 must be even"), std::string::npos) << e.what();
+  }
+
+  // Through the command: exit 1 and the reason on stderr, no plan.
+  const std::string path = temp_path("kv3.json");
+  write_file(path, R"({"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 3,
+                       "hidden_size": 256, "intermediate_size": 512, "vocab_size": 1000})");
+  PlanOptions o;
+  o.config_path = path;
+  o.kv = "f16";
+  CmdResult r = run_plan(o);
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_EQ(r.out, "");
+  EXPECT_NE(r.err.find("not a multiple of num_key_value_heads 3"), std::string::npos) << r.err;
+  std::filesystem::remove(path);
+
+  // Models built by hand go through the same check.
+  PlanModel m = plan_model_from_preset("llama-3.1-8b", 16);
+  m.layers[5].n_kv_heads = 5;
+  PlanConfig c;
+  c.formats = {"f16"};
+  EXPECT_THROW(plan_compute(m, c), Error);
+}
+
 // A GGUF with per-layer KV head counts and an explicit per-layer sliding-window pattern.
 TEST(Plan, GgufPerLayerMetadata) {
   test::GgufWriter w;

@@ -131,6 +131,10 @@ void validate_model(const PlanModel& m) {
     if (l.n_kv_heads <= 0 || l.head_dim_k <= 0 || l.head_dim_v <= 0 || l.window < 0)
       fail("{}: layer {} has an invalid shape ({} KV heads, key dim {}, value dim {}, window {})",
            m.name, il, l.n_kv_heads, l.head_dim_k, l.head_dim_v, l.window);
+    // Grouped-query attention: every KV head serves the same number of query heads.
+    if (m.n_heads % l.n_kv_heads)
+      fail("{}: layer {} has {} KV heads for {} query heads; the query heads must divide evenly among the KV heads",
+           m.name, il, l.n_kv_heads, m.n_heads);
   }
 }
 
@@ -456,12 +460,17 @@ PlanModel plan_model_from_hf_config(const nlohmann::json& cfg, std::optional<dou
     n_kv = m.n_heads;
     m.notes.push_back(fmt::format("'num_key_value_heads' absent: {} KV heads (= attention heads, the transformers default)", m.n_heads));
   }
+  // The shape rules the engine's GGUF loader enforces (model_config_from_gguf).
+  if (m.n_heads % *n_kv)
+    fail("{}: num_attention_heads {} is not a multiple of num_key_value_heads {} (each KV head serves a whole "
+         "group of query heads)", name, m.n_heads, *n_kv);
   if (std::optional<int64_t> hd = f.opt_int("head_dim")) {
     m.head_dim = int(*hd);
   } else {
     if (m.n_embd % m.n_heads) fail("{}: no 'head_dim' and hidden_size {} is not a multiple of num_attention_heads {}", name, m.n_embd, m.n_heads);
     m.head_dim = int(m.n_embd / m.n_heads);
   }
+  if (m.head_dim % 2) fail("{}: head dimension {} must be even (rotary embeddings turn pairs of dimensions)", name, m.head_dim);
   m.ctx_train = f.opt_int("max_position_embeddings").value_or(0);
   if (m.ctx_train == 0) m.notes.push_back("'max_position_embeddings' absent: trained context unknown");
 
