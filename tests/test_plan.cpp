@@ -607,6 +607,13 @@ TEST(Plan, CommandRejectsBadInput) {
   o = base;
   o.gpu_mem_gib = -80;
   expect_fail(o, "--gpu-mem");
+  // Too large is not "not positive": the message gives the range.
+  o = base;
+  o.gpu_mem_gib = 1e20;
+  expect_fail(o, "at most 1000000000");
+  o = base;
+  o.gpu_mem_gib = 1e9;
+  EXPECT_EQ(run_plan(o).rc, 0);
   o = base;
   o.tp = 0;
   expect_fail(o, "--tp");

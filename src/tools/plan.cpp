@@ -34,6 +34,8 @@ constexpr int64_t kActBytes = 4;
 // Upper end of the max-context search: a model whose every layer is sliding-window never runs out.
 constexpr int64_t kMaxContextSearch = int64_t(1) << 40;
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+// Largest --gpu-mem: 1e9 GiB keeps every byte count of the plan well inside int64.
+constexpr double kMaxGpuMemGiB = 1e9;
 
 std::string lower(std::string_view s) {
   std::string r(s);
@@ -1279,7 +1281,8 @@ int plan_command(const PlanOptions& o, std::FILE* out, std::FILE* err) {
     c.util = o.util;
     c.prefill_chunk = o.prefill_chunk;
     if (o.gpu_mem_gib) {
-      if (!(*o.gpu_mem_gib > 0) || *o.gpu_mem_gib > 1e9) fail("--gpu-mem {}: must be a positive number of GiB", *o.gpu_mem_gib);
+      if (!(*o.gpu_mem_gib > 0) || *o.gpu_mem_gib > kMaxGpuMemGiB)
+        fail("--gpu-mem {}: must be a number of GiB per device above 0 and at most {:.0f}", *o.gpu_mem_gib, kMaxGpuMemGiB);
       c.gpu_mem_bytes = int64_t(std::llround(*o.gpu_mem_gib * kGiB));
       if (c.gpu_mem_bytes <= 0) fail("--gpu-mem {}: too small", *o.gpu_mem_gib);
     }
