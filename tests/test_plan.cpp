@@ -766,3 +766,41 @@ TEST(PlanMeasure, ContextsShorterThanTheWarmUp) {
   EXPECT_EQ(r.err, "");
   EXPECT_NE(r.out.find("bytes/token measured"), std::string::npos) << r.out;
 }
+
+// Growth per token needs lengths whose caches differ: two lengths inside one page allocate the
+// same memory (no growth to fit, or a line through noise). With two pages the JSON carries numbers.
+TEST(PlanMeasure, GrowthNeedsDifferentPageCounts) {
+  const std::string model = stories_path();
+  if (model.empty()) GTEST_SKIP() << "stories260K.gguf not found in ../shared/models";
+  PlanOptions o;
+  o.model_path = model;
+  o.kv = "f16";
+  o.batch = "1";
+  o.measure = true;
+  o.json = true;
+  for (const char* ctx : {"64,64", "16,32", "1,64"}) {
+    o.ctx = ctx;
+    CmdResult r = run_plan(o);
+    EXPECT_EQ(r.rc, 1) << ctx << "\n" << r.out;
+    EXPECT_EQ(r.out, "") << ctx;
+    EXPECT_NE(r.err.find("different page counts"), std::string::npos) << ctx << ": " << r.err;
+  }
+  o.ctx = "64,65,128";
+  CmdResult r = run_plan(o);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  nlohmann::json j = nlohmann::json::parse(r.out);  // --json: nothing but the JSON
+  ASSERT_EQ(j["measure"].size(), 1u);
+  const nlohmann::json& f = j["measure"][0];
+  EXPECT_EQ(f["rows"].size(), 3u);
+  for (const char* key : {"growth_bytes_per_token", "predicted_bytes_per_token", "growth_diff_pct", "baseline_bytes"})
+    EXPECT_TRUE(f[key].is_number()) << key << ": " << f[key].dump();
+  // stories260K: 5 layers x 4 KV heads x 2 (K, V) x 8 dims x 2 bytes per token.
+  EXPECT_DOUBLE_EQ(f["predicted_bytes_per_token"].get<double>(), 640.0);
+  EXPECT_GT(f["baseline_bytes"].get<double>(), 0.0);
+
+  o.json = false;
+  r = run_plan(o);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("vs 640 predicted"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("nan"), std::string::npos) << r.out;
+}

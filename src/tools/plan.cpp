@@ -1286,7 +1286,10 @@ int plan_command(const PlanOptions& o, std::FILE* out, std::FILE* err) {
       c.gpu_mem_bytes = int64_t(std::llround(*o.gpu_mem_gib * kGiB));
       if (c.gpu_mem_bytes <= 0) fail("--gpu-mem {}: too small", *o.gpu_mem_gib);
     }
-    if (o.measure) return plan_measure(o, m, c, out);
+    if (o.measure) {
+      validate_config(c);
+      return plan_measure(o, m, c, out);
+    }
     PlanResult r = plan_compute(m, c);
     if (o.json) {
       nlohmann::json j = result_json(r);
