@@ -40,6 +40,13 @@ int calibrate_command(const CalibrateOptions& o) {
   const std::vector<int32_t> ids = tok.encode(read_text_file(o.data, "--data"), false);
   const int chunks = int(std::min<size_t>(size_t(o.chunks), ids.size() / size_t(o.ctx)));
   if (chunks < 1) fail("--data has {} tokens, fewer than one window of {}", ids.size(), o.ctx);
+  // The KVQuant codebooks need a whole token group besides the sink: checked here rather than
+  // after the forward passes.
+  if (!o.kvquant_bits.empty() && chunks * o.ctx < kvquant_default_sink_tokens + kvquant_default_group_tokens)
+    fail("--ctx {} x {} window(s): the KVQuant codebooks (--kvquant-bits) need at least {} tokens ({} sink + a group "
+         "of {}); use a larger --ctx or more --chunks",
+         o.ctx, chunks, kvquant_default_sink_tokens + kvquant_default_group_tokens, kvquant_default_sink_tokens,
+         kvquant_default_group_tokens);
 
   const int nkv = c.n_head_kv, hd = c.head_dim, kvd = nkv * hd;
   std::vector<std::vector<float>> kabs(size_t(c.n_layer), std::vector<float>(size_t(nkv), 0.f));

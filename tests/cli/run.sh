@@ -65,6 +65,9 @@ if [[ -w /dev/full ]]; then
   check "... says the write failed" "grep -q 'writing .*/dev/full.* failed' $tmp/be"
 fi
 
+bad "calibration windows too short for a KVQuant group" calibrate -m "$model" --data "$text" --ctx 32 --chunks 1 -o "$tmp/c.json"
+check "... says so before running the model" "grep -q 'need at least 33 tokens' $tmp/be"
+
 # --echo prints the prompt file's bytes as they are, NUL bytes included
 printf 'a\0b\0c' >"$tmp/nul.txt"
 "$kvq" run -m "$model" -f "$tmp/nul.txt" -n 1 --temp 0 --echo >"$tmp/nulout" 2>/dev/null
