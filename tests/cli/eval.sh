@@ -40,6 +40,9 @@ check "eval runs a centered format from the calibration" \
   "python3 -c \"import json; d=json.load(open('$tmp/c.json')); f=d['formats']; assert f[0]['format']=='int8_c' and 0<=f[0]['buckets'][0]['kld_mean']<0.05\""
 check "eval's JSON names the calibration it ran with (--kv-scales)" \
   "python3 -c \"import json; assert json.load(open('$tmp/c.json'))['kv_scales']=='$tmp/calib.json'\""
+mkdir "$tmp/adir"
+"$kvq" eval -m "$model" --kv int8_c --kv-scales "$tmp/adir" --ctx 64 --data "$text" --no-progress -t 1 >/dev/null 2>"$tmp/de"
+check "eval: --kv-scales naming a directory is an error, not a crash" "[[ $? -eq 1 ]] && grep -q 'kvq: error: --kv-scales .* is a directory' $tmp/de"
 
 # needle with several trials per cell: one grid entry per (ctx, depth, trial), each trial its own
 # stretch of the haystack, accuracy over all of them; the HTML cells count trials

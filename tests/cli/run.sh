@@ -50,6 +50,16 @@ bad "--kv-outliers above 1/8" run -m "$model" -p hi --kv-cache-dtype kvquant4 --
 bad "negative --kv-sink-tokens" run -m "$model" -p hi --kv-cache-dtype kvquant4 --kv-sink-tokens -3
 bad "--kv-scales qk-norm on a model without QK-norm" run -m "$model" -p hi --kv-cache-dtype int8_c --kv-scales qk-norm
 check "... says the model has no QK-norm and how to calibrate" "grep -q 'no QK-norm weights.*kvq calibrate' $tmp/be"
+# the KV flags' own errors: the CLI's one-line message (exit 1), naming the flag
+kv_err() {  # name, expected message, args...
+  local name=$1 msg=$2
+  shift 2
+  "$kvq" run -m "$model" -p hi -n 2 "$@" >"$tmp/ko" 2>"$tmp/ke"
+  local rc=$?
+  check "$name" "[[ $rc -eq 1 ]] && grep -q -- \"kvq: error: .*$msg\" $tmp/ke"
+}
+mkdir "$tmp/adir"
+kv_err "--kv-scales naming a directory" "--kv-scales '$tmp/adir' is a directory" --kv int8_static --kv-scales "$tmp/adir"
 
 mkdir -p "$tmp/adir"
 bad "a directory as the prompt file" run -m "$model" -f "$tmp/adir" -n 2
