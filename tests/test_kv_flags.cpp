@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include "core/error.h"
+#include "kvq/kv_format.h"
 #include "model/model.h"
 #include "tools/kv_flags.h"
 
@@ -42,6 +43,77 @@ std::string resolve_error(const KvFlags& f, const Model& m) {
 }
 
 }  // namespace
+
+// -ctk replaces the K side of --kv and -ctv the V side; the other side keeps its format and its
+// @gN.
+TEST(KvFlags, CacheTypeOverridesOneSideOfASplitOrGroupedFormat) {
+  REQUIRE_STORIES();
+  struct Case {
+    const char* kv;
+    const char* ctk;
+    const char* ctv;
+    std::string k_codec, v_codec;
+  };
+  const std::string g64 = "@g64";
+  const Case cases[] = {
+      {"int8/int4", "", "q8_0", kv_format_find("int8").k_codec, kv_format_find("q8_0").v_codec},
+      {"q8_0/q4_0", "f16", "", kv_format_find("f16").k_codec, kv_format_find("q4_0").v_codec},
+      {"kivi4@g64", "", "q8_0", kv_format_find("kivi4").k_codec + g64, kv_format_find("q8_0").v_codec},
+      {"kivi4@g64/q4_0", "f16", "", kv_format_find("f16").k_codec, kv_format_find("q4_0").v_codec},
+      {"f16/kivi4@g64", "q8_0", "", kv_format_find("q8_0").k_codec, kv_format_find("kivi4").v_codec + g64},
+      {"f16", "kivi4@g64", "", kv_format_find("kivi4").k_codec + g64, kv_format_find("f16").v_codec},
+      {"q4_0", "q8_0", "int8", kv_format_find("q8_0").k_codec, kv_format_find("int8").v_codec},
+  };
+  for (const Case& c : cases) {
+    KvFlags f;
+    f.kv_cache_dtype = c.kv;
+    f.cache_type_k = c.ctk;
+    f.cache_type_v = c.ctv;
+    f.cache_type_k_given = !f.cache_type_k.empty();
+    f.cache_type_v_given = !f.cache_type_v.empty();
+    const std::string what = std::string(c.kv) + " -ctk '" + c.ctk + "' -ctv '" + c.ctv + "'";
+    KvSetup s;
+    ASSERT_NO_THROW(s = kv_flags_resolve(f, *model)) << what << ": " << resolve_error(f, *model);
+    ASSERT_EQ(int(s.policy.layers.size()), model->config().n_layer);
+    for (const auto& l : s.policy.layers) {
+      EXPECT_EQ(l.k_codec, c.k_codec) << what;
+      EXPECT_EQ(l.v_codec, c.v_codec) << what;
+    }
+  }
+  // The same format on both sides keeps its plain name.
+  KvFlags same;
+  same.kv_cache_dtype = "q8_0/q4_0";
+  same.cache_type_v = "q8_0";
+  same.cache_type_v_given = true;
+  EXPECT_EQ(kv_flags_resolve(same, *model).policy.name, "q8_0");
+  // Each flag takes one format: a split there is an error naming the flag.
+  KvFlags split;
+  split.cache_type_k = "q8_0/q4_0";
+  split.cache_type_k_given = true;
+  EXPECT_NE(resolve_error(split, *model).find("--cache-type-k (-ctk)"), std::string::npos);
+  KvFlags unknown;
+  unknown.kv_cache_dtype = "int8/int4";
+  unknown.cache_type_v = "int7";
+  unknown.cache_type_v_given = true;
+  const std::string e = resolve_error(unknown, *model);
+  EXPECT_NE(e.find("--cache-type-v (-ctv)"), std::string::npos) << e;
+  EXPECT_NE(e.find("unknown KV format 'int7'"), std::string::npos) << e;
+}
+
+// An empty format name (-ctk '') is an error, not the default f16.
+TEST(KvFlags, EmptyFormatNamesRejected) {
+  REQUIRE_STORIES();
+  KvFlags k;
+  k.cache_type_k_given = true;
+  EXPECT_NE(resolve_error(k, *model).find("--cache-type-k (-ctk): the format name is empty"), std::string::npos);
+  KvFlags v;
+  v.kv_cache_dtype = "int8";
+  v.cache_type_v_given = true;
+  EXPECT_NE(resolve_error(v, *model).find("--cache-type-v (-ctv): the format name is empty"), std::string::npos);
+  KvFlags kv;
+  kv.kv_cache_dtype = "";
+  EXPECT_NE(resolve_error(kv, *model).find("--kv-cache-dtype: the format name is empty"), std::string::npos);
+}
 
 // --kv-scales that names a directory, or a file that fails while it is read, is a kvq::Error
 // (the CLI's one-line message), not an uncaught stream exception.

@@ -16,8 +16,12 @@ void kv_flags_add(CLI::App& app, KvFlags& f) {
                  "KV cache format for K and V (kvq formats lists them; vLLM names auto/fp8/fp8_e4m3/fp8_e5m2 work); "
                  "KFMT/VFMT splits K and V, FMT@gN sets a grouped format's token group (e.g. kvquant3@g128/tq2.5_s)")
       ->capture_default_str();
-  app.add_option("--cache-type-k", f.cache_type_k, "format of the K cache (also -ctk; llama.cpp spellings f16, q8_0, q4_0 work)");
-  app.add_option("--cache-type-v", f.cache_type_v, "format of the V cache (also -ctv)");
+  app.add_option("--cache-type-k", f.cache_type_k,
+                 "format of the K cache (also -ctk; llama.cpp spellings f16, q8_0, q4_0 work); replaces the K side "
+                 "of --kv-cache-dtype")
+      ->each([&f](const std::string&) { f.cache_type_k_given = true; });
+  app.add_option("--cache-type-v", f.cache_type_v, "format of the V cache (also -ctv); replaces the V side of --kv-cache-dtype")
+      ->each([&f](const std::string&) { f.cache_type_v_given = true; });
   app.add_option("--kv-cache-dtype-skip-layers", f.skip_layers,
                  "layers kept in f16: first:N, last:N, sliding_window, layer indices (comma-separated)");
   app.add_option("--kv-layer", f.layer_overrides, "per-layer override L=KFMT/VFMT (repeatable)");
@@ -74,19 +78,50 @@ nlohmann::json kv_qk_norm_calib(const Model& m) {
   return {{"source", "qk-norm"}, {"model", c.name}, {"layers", std::move(layers)}};
 }
 
+namespace {
+
+// The policy of --kv-cache-dtype (or eval's `format`) with -ctk / -ctv replacing its K or V side.
+// A side keeps its own "@gN"; each is resolved as a whole format (its K or V codec is used).
+KvPolicy resolve_formats(const KvFlags& f, const std::string& format, int n_layer) {
+  const std::string kv = format.empty() ? f.kv_cache_dtype : format;
+  const char* valid = "valid: a name or alias that `kvq formats` lists, e.g. f16, q8_0, q4_0";
+  if (kv.empty()) fail("--kv-cache-dtype: the format name is empty ({})", valid);
+  if (f.cache_type_k_given && f.cache_type_k.empty()) fail("--cache-type-k (-ctk): the format name is empty ({})", valid);
+  if (f.cache_type_v_given && f.cache_type_v.empty()) fail("--cache-type-v (-ctv): the format name is empty ({})", valid);
+  if (f.cache_type_k.empty() && f.cache_type_v.empty()) return kv_policy_uniform(kv, n_layer);
+  for (const auto& [flag, side] : {std::pair{"--cache-type-k (-ctk)", &f.cache_type_k},
+                                   std::pair{"--cache-type-v (-ctv)", &f.cache_type_v}})
+    if (side->find('/') != std::string::npos)
+      fail("{}: '{}' is a K/V split; the flag takes one format for its side (a split goes in --kv-cache-dtype "
+           "KFMT/VFMT)",
+           flag, *side);
+  const size_t slash = kv.find('/');
+  const std::string k_side = !f.cache_type_k.empty() ? f.cache_type_k : kv.substr(0, slash);
+  const std::string v_side = !f.cache_type_v.empty() ? f.cache_type_v
+                             : slash == std::string::npos ? kv
+                                                          : kv.substr(slash + 1);
+  auto side = [&](const std::string& name, bool from_flag, const char* flag) {
+    try {
+      return kv_policy_uniform(name, n_layer);
+    } catch (const Error& e) {
+      fail("{}: {}", from_flag ? flag : "--kv-cache-dtype", e.what());
+    }
+  };
+  const KvPolicy k = side(k_side, !f.cache_type_k.empty(), "--cache-type-k (-ctk)");
+  const KvPolicy v = side(v_side, !f.cache_type_v.empty(), "--cache-type-v (-ctv)");
+  KvPolicy p;
+  p.name = k.name == v.name ? k.name : "K:" + k.name + "/V:" + v.name;
+  p.layers.assign(size_t(n_layer), KvLayerFormat{k.layers[0].k_codec, v.layers[0].v_codec});
+  return p;
+}
+
+}  // namespace
+
 KvSetup kv_flags_resolve(const KvFlags& f, const Model& m, const std::string& format) {
   const ModelConfig& cfg = m.config();
   KvSetup s;
   KvPolicy& p = s.policy;
-  p = kv_policy_uniform(format.empty() ? f.kv_cache_dtype : format, cfg.n_layer);
-  if (!f.cache_type_k.empty() || !f.cache_type_v.empty()) {
-    const std::string kname = f.cache_type_k.empty() ? p.name : kv_format_find(f.cache_type_k).name;
-    const std::string vname = f.cache_type_v.empty() ? p.name : kv_format_find(f.cache_type_v).name;
-    const KvFormatDesc& kd = kv_format_find(kname);
-    const KvFormatDesc& vd = kv_format_find(vname);
-    for (auto& l : p.layers) l = KvLayerFormat{kd.k_codec, vd.v_codec};
-    p.name = kname == vname ? kname : "K:" + kname + "/V:" + vname;
-  }
+  p = resolve_formats(f, format, cfg.n_layer);
   if (!f.skip_layers.empty()) {
     kv_policy_skip_layers(p, kv_parse_skip_layers(f.skip_layers, cfg.n_layer, cfg.layer_sliding));
     p.name += " skip(" + f.skip_layers + ")";

@@ -21,6 +21,8 @@ struct KvFlags {
   std::string kv_cache_dtype = "f16";  // --kv-cache-dtype: format for K and V
   std::string cache_type_k;            // -ctk: K side (a format name; its K codec is used)
   std::string cache_type_v;            // -ctv: V side (a format name; its V codec is used)
+  bool cache_type_k_given = false;     // -ctk was on the command line (an empty value is an error)
+  bool cache_type_v_given = false;
   std::string skip_layers;             // --kv-cache-dtype-skip-layers
   std::vector<std::string> layer_overrides;  // --kv-layer L=KFMT/VFMT (repeatable)
   std::string scales_file;             // --kv-scales FILE.json (kvq calibrate output), or "qk-norm"

@@ -60,6 +60,17 @@ kv_err() {  # name, expected message, args...
 }
 mkdir "$tmp/adir"
 kv_err "--kv-scales naming a directory" "--kv-scales '$tmp/adir' is a directory" --kv int8_static --kv-scales "$tmp/adir"
+kv_err "empty -ctk" "--cache-type-k (-ctk): the format name is empty" -ctk ''
+kv_err "empty --cache-type-v" "--cache-type-v (-ctv): the format name is empty" --kv int8 --cache-type-v ''
+kv_err "empty --kv-cache-dtype" "--kv-cache-dtype: the format name is empty" --kv-cache-dtype ''
+kv_err "-ctk with a K/V split" "--cache-type-k (-ctk): 'int8/f16' is a K/V split" -ctk int8/f16
+
+# -ctk / -ctv replace one side of a K/V split
+"$kvq" run -m "$model" -p "Lily" -n 8 --temp 0 --kv-cache-dtype int8/bf16 >"$tmp/split_ref" 2>/dev/null
+"$kvq" run -m "$model" -p "Lily" -n 8 --temp 0 --kv-cache-dtype int8/f16 -ctv bf16 >"$tmp/split_ctv" 2>"$tmp/split_ctv.err"
+check "-ctv replaces the V side of a K/V split" "[[ $? -eq 0 && -s $tmp/split_ctv ]] && cmp -s $tmp/split_ref $tmp/split_ctv"
+"$kvq" run -m "$model" -p "Lily" -n 8 --temp 0 --kv-cache-dtype f16/bf16 -ctk int8 >"$tmp/split_ctk" 2>/dev/null
+check "-ctk replaces the K side of a K/V split" "[[ $? -eq 0 ]] && cmp -s $tmp/split_ref $tmp/split_ctk"
 
 mkdir -p "$tmp/adir"
 bad "a directory as the prompt file" run -m "$model" -f "$tmp/adir" -n 2
