@@ -115,6 +115,43 @@ TEST(KvFlags, EmptyFormatNamesRejected) {
   EXPECT_NE(resolve_error(kv, *model).find("--kv-cache-dtype: the format name is empty"), std::string::npos);
 }
 
+// A layer given twice to --kv-layer is an error naming it (not the last one winning); a format
+// that does not fit its layer names the layer and the flag.
+TEST(KvFlags, KvLayerErrorsNameTheLayer) {
+  REQUIRE_STORIES();
+  KvFlags twice;
+  twice.kv_cache_dtype = "int8";
+  twice.layer_overrides = {"0=f16", "2=int8/f16", "0=bf16"};
+  const std::string e = resolve_error(twice, *model);
+  EXPECT_NE(e.find("layer 0 is given twice"), std::string::npos) << e;
+  EXPECT_NE(e.find("'0=f16'"), std::string::npos) << e;
+  EXPECT_NE(e.find("'0=bf16'"), std::string::npos) << e;
+  KvFlags ok = twice;
+  ok.layer_overrides = {"0=f16", "2=int8/f16", "4=bf16"};
+  EXPECT_EQ(resolve_error(ok, *model), "no error");
+  // int4_g128: groups of 128 channels, the model's head_dim is 8
+  KvFlags misfit;
+  misfit.layer_overrides = {"3=int4_g128"};
+  const std::string m = resolve_error(misfit, *model);
+  EXPECT_NE(m.find("--kv-layer '3=int4_g128' (layer 3)"), std::string::npos) << m;
+  KvFlags unknown;
+  unknown.layer_overrides = {"3=int7/f16"};
+  const std::string u = resolve_error(unknown, *model);
+  EXPECT_NE(u.find("--kv-layer '3=int7/f16' (layer 3)"), std::string::npos) << u;
+  EXPECT_NE(u.find("unknown KV format 'int7'"), std::string::npos) << u;
+  // a static format whose calibration lacks the layer
+  const fs::path dir = fs::temp_directory_path() / ("kvq_kv_flags_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  std::ofstream(dir / "one_layer.json") << R"({"layers": [{"k_scale": 1.0, "v_scale": 1.0}]})";
+  KvFlags cal;
+  cal.layer_overrides = {"3=int8_static"};
+  cal.scales_file = (dir / "one_layer.json").string();
+  const std::string c = resolve_error(cal, *model);
+  fs::remove_all(dir);
+  EXPECT_NE(c.find("--kv-layer '3=int8_static' (layer 3)"), std::string::npos) << c;
+  EXPECT_NE(c.find("layer 3 requested"), std::string::npos) << c;
+}
+
 // --kv-scales that names a directory, or a file that fails while it is read, is a kvq::Error
 // (the CLI's one-line message), not an uncaught stream exception.
 TEST(KvFlags, UnreadableScalesFileRejected) {

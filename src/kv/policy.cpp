@@ -12,35 +12,47 @@ namespace kvq {
 namespace {
 
 // "FMT" (K and V of one format) or "KFMT/VFMT" (K codec of one format, V codec of another);
-// shared by whole-model formats and --kv-layer overrides. `what` names the flag in errors.
-// Either side may end in "@gN": the token group of its grouped codecs (kv_codec_create).
+// shared by whole-model formats and --kv-layer overrides. `where` names the value in errors (e.g.
+// "KV format 'tq4/f16'"); unknown format names are reported as kv_format_find does, after `where`
+// when `where_unknown`. Either side may end in "@gN": the token group of its grouped codecs
+// (kv_codec_create).
 struct KvPair {
   KvLayerFormat codecs;
   std::string name;
 };
 
 // "kvquant3@g128" -> the format and "@g128" (empty when there is no suffix).
-std::pair<const KvFormatDesc*, std::string> format_and_group(std::string_view side, std::string_view what,
-                                                             std::string_view spec) {
+std::pair<const KvFormatDesc*, std::string> format_and_group(std::string_view side, const std::string& where,
+                                                             bool where_unknown) {
   const size_t at = side.find('@');
-  const KvFormatDesc& d = kv_format_find(std::string(side.substr(0, at)));
-  if (at == std::string_view::npos) return {&d, ""};
+  const std::string name(side.substr(0, at));
+  const KvFormatDesc* d = nullptr;
+  if (!where_unknown) {
+    d = &kv_format_find(name);
+  } else {
+    try {
+      d = &kv_format_find(name);
+    } catch (const Error& e) {
+      fail("{}: {}", where, e.what());
+    }
+  }
+  if (at == std::string_view::npos) return {d, ""};
   const std::string suffix(side.substr(at));
-  kv_parse_group_suffix(suffix, std::string(what) + " '" + std::string(spec) + "'");
-  return {&d, suffix};
+  kv_parse_group_suffix(suffix, where);
+  return {d, suffix};
 }
 
-KvPair parse_kv_pair(std::string_view spec, std::string_view what) {
+KvPair parse_kv_pair(std::string_view spec, const std::string& where, bool where_unknown) {
   const size_t slash = spec.find('/');
   if (slash == std::string_view::npos) {
-    const auto [d, g] = format_and_group(spec, what, spec);
+    const auto [d, g] = format_and_group(spec, where, where_unknown);
     return {KvLayerFormat{d->k_codec + g, d->v_codec + g}, d->name + g};
   }
   const std::string_view kf = spec.substr(0, slash), vf = spec.substr(slash + 1);
   if (kf.empty() || vf.empty() || vf.find('/') != std::string_view::npos)
-    fail("{} '{}': expected FMT or KFMT/VFMT", what, spec);
-  const auto [kd, kg] = format_and_group(kf, what, spec);
-  const auto [vd, vg] = format_and_group(vf, what, spec);
+    fail("{}: expected FMT or KFMT/VFMT", where);
+  const auto [kd, kg] = format_and_group(kf, where, where_unknown);
+  const auto [vd, vg] = format_and_group(vf, where, where_unknown);
   return {KvLayerFormat{kd->k_codec + kg, vd->v_codec + vg}, kd->name + kg + "/" + vd->name + vg};
 }
 
@@ -49,7 +61,7 @@ KvPair parse_kv_pair(std::string_view spec, std::string_view what) {
 KvPolicy kv_policy_uniform(const std::string& format, int n_layer) {
   // "tq4/f16" quantizes only the keys: eval measures K and V error separately this way, without a
   // registered mix for every pair.
-  KvPair kv = parse_kv_pair(format, "KV format");
+  KvPair kv = parse_kv_pair(format, fmt::format("KV format '{}'", format), false);
   KvPolicy p;
   p.name = std::move(kv.name);
   p.layers.assign(size_t(n_layer), kv.codecs);
@@ -112,14 +124,15 @@ void kv_policy_skip_layers(KvPolicy& p, const std::vector<int>& layers) {
   }
 }
 
-void kv_policy_override_layer(KvPolicy& p, std::string_view spec) {
+int kv_policy_override_layer(KvPolicy& p, std::string_view spec) {
   const size_t eq = spec.find('=');
   if (eq == std::string_view::npos) fail("--kv-layer '{}': expected L=KFMT/VFMT or L=FMT", spec);
   const int il = parse_int(spec.substr(0, eq), "--kv-layer", spec);
   if (il < 0 || size_t(il) >= p.layers.size()) fail("--kv-layer '{}': layer {} out of range [0, {})", spec, il, p.layers.size());
   const std::string_view rhs = spec.substr(eq + 1);
   if (rhs.empty()) fail("--kv-layer '{}': expected L=KFMT/VFMT or L=FMT", spec);
-  p.layers[size_t(il)] = parse_kv_pair(rhs, "--kv-layer").codecs;
+  p.layers[size_t(il)] = parse_kv_pair(rhs, fmt::format("--kv-layer '{}' (layer {})", spec, il), true).codecs;
+  return il;
 }
 
 std::string kv_policy_describe(const KvPolicy& p) {

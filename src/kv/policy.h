@@ -30,8 +30,9 @@ std::vector<int> kv_parse_skip_layers(std::string_view spec, int n_layer, const 
 void kv_policy_skip_layers(KvPolicy& p, const std::vector<int>& layers);
 
 // "L=KFMT/VFMT" (or "L=FMT" for both): layer L uses the K codec of format KFMT and the V codec of
-// format VFMT. Throws kvq::Error on malformed specs, unknown formats, layers out of range.
-void kv_policy_override_layer(KvPolicy& p, std::string_view spec);
+// format VFMT; returns L. Throws kvq::Error on malformed specs, unknown formats, layers out of
+// range (errors name the spec and the layer).
+int kv_policy_override_layer(KvPolicy& p, std::string_view spec);
 
 // Human-readable summary: the format name, plus the layers that differ from it.
 std::string kv_policy_describe(const KvPolicy& p);

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "core/error.h"
 #include "kvq/kv_format.h"
@@ -126,7 +127,12 @@ KvSetup kv_flags_resolve(const KvFlags& f, const Model& m, const std::string& fo
     kv_policy_skip_layers(p, kv_parse_skip_layers(f.skip_layers, cfg.n_layer, cfg.layer_sliding));
     p.name += " skip(" + f.skip_layers + ")";
   }
-  for (const auto& o : f.layer_overrides) kv_policy_override_layer(p, o);
+  std::map<int, std::string> overridden;  // layer -> its --kv-layer spec
+  for (const auto& o : f.layer_overrides) {
+    const int il = kv_policy_override_layer(p, o);
+    if (const auto [it, fresh] = overridden.emplace(il, o); !fresh)
+      fail("--kv-layer: layer {} is given twice ('{}' and '{}'); give each layer once", il, it->second, o);
+  }
   if (f.scales_file == "qk-norm") {
     s.calib = std::make_shared<const nlohmann::json>(kv_qk_norm_calib(m));
   } else if (!f.scales_file.empty()) {
@@ -156,6 +162,34 @@ KvSetup kv_flags_resolve(const KvFlags& f, const Model& m, const std::string& fo
   s.residual_tokens = f.residual_tokens;
   s.outlier_fraction = f.outlier_fraction;
   s.sink_tokens = f.sink_tokens;
+  // The overridden layers' codecs are built here, as the cache builds them, so that a format that
+  // does not fit its layer (a group wider than head_dim, a calibration without the layer) is
+  // reported with the --kv-layer that chose it.
+  if (!overridden.empty()) {
+    KvCacheConfig kc = m.kv_cache_config(p, 1, f.page_tokens);
+    s.apply(kc);
+    for (const auto& [il, spec] : overridden) {
+      KvCodecParams cp;
+      cp.head_dim = kc.head_dim;
+      cp.n_kv_heads = kc.n_kv_heads;
+      cp.layer = il;
+      cp.rope = kc.rope[size_t(il)];
+      cp.seed = kc.seed;
+      cp.calib = kc.calib;
+      cp.group_tokens = kc.group_tokens;
+      cp.residual_tokens = kc.residual_tokens;
+      cp.outlier_fraction = kc.outlier_fraction;
+      cp.sink_tokens = kc.sink_tokens;
+      try {
+        cp.role = KvRole::key;
+        kv_codec_create(p.layers[size_t(il)].k_codec, cp);
+        cp.role = KvRole::value;
+        kv_codec_create(p.layers[size_t(il)].v_codec, cp);
+      } catch (const Error& e) {
+        fail("--kv-layer '{}' (layer {}): {}", spec, il, e.what());
+      }
+    }
+  }
   return s;
 }
 

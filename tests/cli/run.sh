@@ -63,6 +63,8 @@ kv_err "--kv-scales naming a directory" "--kv-scales '$tmp/adir' is a directory"
 kv_err "empty -ctk" "--cache-type-k (-ctk): the format name is empty" -ctk ''
 kv_err "empty --cache-type-v" "--cache-type-v (-ctv): the format name is empty" --kv int8 --cache-type-v ''
 kv_err "empty --kv-cache-dtype" "--kv-cache-dtype: the format name is empty" --kv-cache-dtype ''
+kv_err "a layer given twice to --kv-layer" "layer 0 is given twice ('0=int8' and '0=f16')" --kv-layer 0=int8 --kv-layer 0=f16
+kv_err "a format that does not fit its --kv-layer" "--kv-layer '3=int4_g128' (layer 3): " --kv-layer 3=int4_g128
 kv_err "-ctk with a K/V split" "--cache-type-k (-ctk): 'int8/f16' is a K/V split" -ctk int8/f16
 
 # -ctk / -ctv replace one side of a K/V split
