@@ -363,7 +363,10 @@ double max_err_vs_ref(const std::string& format, const Case& c, uint64_t seed, d
     auto kw = kr;
     for (auto& h : kw)
       for (float& w : h) w *= 2.5f;
-    for (int b : {2, 3, 4}) layer["kvquant_cal_k" + std::to_string(b)] = kvquant_cal_artifact(km, kw, b);
+    for (int b : {2, 3, 4}) {
+      layer["kvquant_k" + std::to_string(b)] = {{"codebook", kvquant_default_codebook(b)}};
+      layer["kvquant_cal_k" + std::to_string(b)] = kvquant_cal_artifact(km, kw, b);
+    }
     it = calibs.emplace(c.head_dim, nlohmann::json{{"layers", {layer}}}).first;
   }
   pk.calib = pv.calib = &it->second;

@@ -9,8 +9,10 @@
 #include <fstream>
 
 #include "core/error.h"
+#include "kv/calib.h"
 #include "kvq/kv_format.h"
 #include "model/model.h"
+#include "test_models.h"
 #include "tools/kv_flags.h"
 
 namespace fs = std::filesystem;
@@ -172,4 +174,42 @@ TEST(KvFlags, UnreadableScalesFileRejected) {
     f.scales_file = "/proc/self/mem";
     EXPECT_NE(resolve_error(f, *model).find("--kv-scales"), std::string::npos);
   }
+}
+
+// A KVQuant format with a calibration of another model (stories260K's: 5 layers of head_dim 8,
+// no KVQuant codebooks, as kvq calibrate writes none for head_dim 8) is refused on SmolLM2 (30
+// layers of head_dim 64) when its cache is built, as a static format is; without --kv-scales it
+// runs with the default codebooks.
+TEST(KvFlags, KvquantRefusesAnotherModelsCalibration) {
+  const std::string smol = kvq_test_model("SmolLM2-135M-Instruct.Q4_1.gguf");
+  if (smol.empty()) GTEST_SKIP() << "SmolLM2-135M-Instruct.Q4_1.gguf not installed (run scripts/get-models.sh)";
+  auto m = Model::load(smol);
+  const ModelConfig& c = m->config();
+  const nlohmann::json other = kv_placeholder_calib(5, 1, 8);
+  const nlohmann::json one_layer = kv_placeholder_calib(1, c.n_head_kv, c.head_dim);
+  const nlohmann::json own = kv_placeholder_calib(c.n_layer, c.n_head_kv, c.head_dim);
+  auto build = [&](const std::string& format, const nlohmann::json* calib) {
+    KvFlags f;
+    f.kv_cache_dtype = format;
+    KvSetup s = kv_flags_resolve(f, *m);
+    KvCacheConfig kc = m->kv_cache_config(s.policy, 64);
+    s.apply(kc);
+    kc.calib = calib;
+    try {
+      KvCache cache(kc);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  for (const char* format : {"kvquant4", "kvquant3.25", "kvquant4_cal"}) {
+    EXPECT_EQ(build(format, &own), "no error") << format;
+    const std::string e = build(format, &other);
+    EXPECT_NE(e.find("another model"), std::string::npos) << format << ": " << e;
+    EXPECT_NE(e.find("kvq calibrate"), std::string::npos) << format << ": " << e;
+    const std::string l = build(format, &one_layer);
+    EXPECT_NE(l.find("has 1 layers, layer 1 requested"), std::string::npos) << format << ": " << l;
+  }
+  EXPECT_EQ(build("kvquant4", nullptr), "no error");
+  EXPECT_EQ(build("kvquant3.25", nullptr), "no error");
 }

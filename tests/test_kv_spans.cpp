@@ -31,7 +31,10 @@ nlohmann::json test_calib(int hd) {
   const std::vector<std::vector<float>> rms(1, std::vector<float>(size_t(hd), 1.f));
   nlohmann::json calib = {{"layers", {{{"k_scale", 0.05}, {"v_scale", 0.05}, {"k_mean", mean}, {"v_mean", mean},
                                        {"k_rms", rms}, {"q_rms", rms}, {"v_rms", rms}}}}};
-  for (int b : {2, 3, 4}) calib["layers"][0]["kvquant_cal_k" + std::to_string(b)] = kvquant_cal_artifact(mean, rms, b);
+  for (int b : {2, 3, 4}) {
+    calib["layers"][0]["kvquant_k" + std::to_string(b)] = {{"codebook", kvquant_default_codebook(b)}};
+    calib["layers"][0]["kvquant_cal_k" + std::to_string(b)] = kvquant_cal_artifact(mean, rms, b);
+  }
   return calib;
 }
 

@@ -300,8 +300,9 @@ TEST(Kvquant, CalibrationCodebookReachesTheCodec) {
   // Layer 0's codebook is malformed (not ascending): a clear error, not a crash.
   p.layer = 0;
   EXPECT_THROW(kv_codec_create("kvquant3_k", p), Error);
-  // A layer without an entry uses the default codebook.
+  // Without a calibration, the default codebook.
   p.layer = 3;
+  p.calib = nullptr;
   c.codebook.clear();
   EXPECT_EQ(encode_decode(*kv_codec_create("kvquant3_k", p), x, bt, 0),
             encode_decode(*kvquant_key_codec_create(c), x, bt, 0));
@@ -622,6 +623,62 @@ TEST(Kvquant, BadParametersRejected) {
   EXPECT_THROW(kvquant_fit(x.data(), 64, 1, 128, 3), Error);  // all-constant: nothing to fit
 }
 
+// A calibration that does not hold the codebook for the layer (fitted for other bit widths, or for
+// another model: fewer layers, other heads or head_dim) is an error saying how to refit it, not a
+// silent fallback to the default codebook; --kv-scales qk-norm's holds no codebooks and leaves the
+// default.
+TEST(Kvquant, CalibrationWithoutTheLayersCodebookRejected) {
+  const int d = 64, H = 2;
+  const std::vector<std::vector<float>> rms(size_t(H), std::vector<float>(size_t(d), 1.f));
+  auto entry = [&](int layer, int bits) {
+    return nlohmann::json{{"layer", layer},
+                          {"k_rms", rms},
+                          {"kvquant_k" + std::to_string(bits), {{"codebook", kvquant_default_codebook(bits)}}}};
+  };
+  KvCodecParams p;
+  p.head_dim = d;
+  p.n_kv_heads = H;
+  p.rope = llama_rope(d);
+  auto err = [&](const std::string& codec, const nlohmann::json& calib, int layer) {
+    p.calib = &calib;
+    p.layer = layer;
+    try {
+      kv_codec_create(codec, p);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const nlohmann::json two_layers = {{"layers", {entry(0, 4), entry(1, 4)}}};
+  EXPECT_EQ(err("kvquant4_k", two_layers, 1), "no error");
+  // fitted with --kvquant-bits 2 only
+  const nlohmann::json bits2 = {{"layers", {entry(0, 2), entry(1, 2)}}};
+  const std::string e4 = err("kvquant4_k", bits2, 0);
+  EXPECT_NE(e4.find("kvquant_k4"), std::string::npos) << e4;
+  EXPECT_NE(e4.find("kvq calibrate"), std::string::npos) << e4;
+  EXPECT_NE(e4.find("--kvquant-bits 4"), std::string::npos) << e4;
+  EXPECT_EQ(err("kvquant2_k", bits2, 1), "no error");
+  // fewer layers than the model
+  const std::string el = err("kvquant4_k", two_layers, 5);
+  EXPECT_NE(el.find("has 2 layers, layer 5"), std::string::npos) << el;
+  EXPECT_NE(el.find("kvq calibrate"), std::string::npos) << el;
+  // another model's heads or head_dim
+  p.n_kv_heads = 3;
+  const std::string eh = err("kvquant4_k", two_layers, 0);
+  EXPECT_NE(eh.find("another model"), std::string::npos) << eh;
+  p.n_kv_heads = H;
+  p.head_dim = 128;
+  p.rope = llama_rope(128);
+  EXPECT_NE(err("kvquant4_k", two_layers, 0).find("another model"), std::string::npos);
+  p.head_dim = d;
+  p.rope = llama_rope(d);
+  // not a calibration at all
+  EXPECT_NE(err("kvquant4_k", nlohmann::json::object(), 0).find("\"layers\""), std::string::npos);
+  // qk-norm's statistics: no codebook to read, the default one
+  const nlohmann::json qk = {{"source", "qk-norm"}, {"layers", {{{"layer", 0}, {"k_rms", rms}, {"q_rms", rms}}}}};
+  EXPECT_EQ(err("kvquant4_k", qk, 0), "no error");
+}
+
 // ---------------------------------------------------------------- calibrated ranges (kvquant*_cal)
 
 namespace {
@@ -853,6 +910,7 @@ TEST(KvquantCal, FittedRangesFollowTheChannels) {
     p.n_kv_heads = H;
     p.calib = &calib;
     auto cal = kv_codec_create("kvquant" + std::to_string(b) + "_cal_k", p);
+    p.calib = nullptr;  // the per-group codec with its default codebook
     auto dyn = kv_codec_create("kvquant" + std::to_string(b) + "_k", p);
     const int bt = 256;
     double e_cal = 0, e_dyn = 0, energy = 0;
@@ -962,6 +1020,10 @@ TEST(KvquantCal, BadCalibrationRejected) {
   nlohmann::json bad = good;
   bad["layers"][0]["kvquant_cal_k3"]["scale"][1][4] = -1.0;
   EXPECT_NE(err(&bad).find("negative"), std::string::npos);
+  // another model's layers
+  p.layer = 1;
+  EXPECT_NE(err(&good).find("has 1 layers, layer 1"), std::string::npos) << err(&good);
+  p.layer = 0;
   bad = good;
   bad["layers"][0]["kvquant_cal_k3"]["mid"][0][0] = "x";
   EXPECT_NE(err(&bad).find("non-numeric"), std::string::npos);

@@ -332,7 +332,11 @@ TEST(KvquantMixed, CalibrationWeightsReachTheCodec) {
   p.rope = rope(d, false);
   std::vector<float> w(32, 1.f);
   for (int j = 0; j < 8; ++j) w[size_t(j)] = 10.f;  // the highest-rate pairs: never wide by default
-  nlohmann::json calib = {{"layers", {{{"layer", 0}, {"kvquant_pair_weight", {w}}}}}};
+  nlohmann::json calib = {{"layers",
+                           {{{"layer", 0},
+                             {"kvquant_pair_weight", {w}},
+                             {"kvquant_k4", {{"codebook", kvquant_default_codebook(4)}}},
+                             {"kvquant_k3", {{"codebook", kvquant_default_codebook(3)}}}}}}};
   p.calib = &calib;
   auto with = kv_codec_create("kvquant3.25_k", p);
   p.calib = nullptr;
@@ -354,9 +358,40 @@ TEST(KvquantMixed, CalibrationWeightsReachTheCodec) {
     return e;
   };
   EXPECT_LT(err(*with), 0.5 * err(*without));
-  nlohmann::json bad = {{"layers", {{{"layer", 0}, {"kvquant_pair_weight", {std::vector<float>(31, 1.f)}}}}}};
+  nlohmann::json bad = calib;
+  bad["layers"][0]["kvquant_pair_weight"] = {std::vector<float>(31, 1.f)};
   p.calib = &bad;
   EXPECT_THROW(kv_codec_create("kvquant3.25_k", p), Error);
+}
+
+// A calibration without both codebooks of the layer (fitted for other bit widths, or for a model
+// with fewer layers) is an error saying how to refit it, not the default codebooks in silence.
+TEST(KvquantMixed, CalibrationWithoutTheLayersCodebooksRejected) {
+  const int d = 64;
+  KvCodecParams p;
+  p.head_dim = d;
+  p.n_kv_heads = 1;
+  p.rope = rope(d, false);
+  auto err = [&](const nlohmann::json& calib) {
+    p.calib = &calib;
+    try {
+      kv_codec_create("kvquant3.25_k", p);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  nlohmann::json both = {{"layers",
+                          {{{"layer", 0},
+                            {"kvquant_k4", {{"codebook", kvquant_default_codebook(4)}}},
+                            {"kvquant_k3", {{"codebook", kvquant_default_codebook(3)}}}}}}};
+  EXPECT_EQ(err(both), "no error");
+  nlohmann::json only2 = {{"layers", {{{"layer", 0}, {"kvquant_k2", {{"codebook", kvquant_default_codebook(2)}}}}}}};
+  const std::string e = err(only2);
+  EXPECT_NE(e.find("kvquant_k4"), std::string::npos) << e;
+  EXPECT_NE(e.find("kvq calibrate"), std::string::npos) << e;
+  p.layer = 1;
+  EXPECT_NE(err(both).find("has 1 layers, layer 1"), std::string::npos) << err(both);
 }
 
 TEST(KvquantMixed, BadParametersRejected) {

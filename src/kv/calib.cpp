@@ -75,7 +75,10 @@ nlohmann::json kv_placeholder_calib(int n_layers, int n_kv_heads, int head_dim) 
   const std::vector<std::vector<float>> one(size_t(n_kv_heads), std::vector<float>(size_t(head_dim), 1.f));
   nlohmann::json entry = {{"k_scale", 1.0}, {"v_scale", 1.0}, {"k_mean", zero}, {"v_mean", zero},
                           {"k_rms", one},   {"q_rms", one},   {"v_rms", one}};
-  for (int b : {2, 3, 4}) entry["kvquant_cal_k" + std::to_string(b)] = kvquant_cal_artifact(zero, one, b);
+  for (int b : {2, 3, 4}) {
+    entry["kvquant_k" + std::to_string(b)] = {{"codebook", kvquant_default_codebook(b)}};
+    entry["kvquant_cal_k" + std::to_string(b)] = kvquant_cal_artifact(zero, one, b);
+  }
   nlohmann::json cal = {{"layers", nlohmann::json::array()}};
   for (int i = 0; i < n_layers; ++i) {
     entry["layer"] = i;

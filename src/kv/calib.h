@@ -39,7 +39,7 @@ std::vector<float> kv_channel_scales(const float* x, const float* mu, const floa
 std::string kv_calib_missing_hint(const nlohmann::json* calib);
 
 // Placeholder artifacts for every family that reads calibration (static scales 1, channel means
-// 0, channel RMS 1, KVQuant key ranges [-1, 1]) in n_layers entries of n_kv_heads x head_dim:
+// 0, channel RMS 1, KVQuant's default key codebooks and key ranges [-1, 1]) in n_layers entries of n_kv_heads x head_dim:
 // enough to build any calibrated codec where only its size matters (kvq plan, kvq formats), since
 // no codec's bytes depend on the values.
 nlohmann::json kv_placeholder_calib(int n_layers, int n_kv_heads, int head_dim);

@@ -656,12 +656,50 @@ std::vector<float> read_codebook(const char* name, const nlohmann::json& a, int 
   return cb;
 }
 
-std::vector<float> codebook_from_calib(const char* name, const nlohmann::json* calib, int layer,
-                                       int bits) {
-  const nlohmann::json* entry = calib_layer_entry(name, calib, layer);
+// `kvq calibrate`'s options that write what a format reads from the calibration, for errors.
+std::string rerun_calibrate(int bits) {
+  return fmt::format("rerun `kvq calibrate -m MODEL --data TEXT -o FILE --kvquant-bits {}` with this model", bits);
+}
+
+// Layer `layer`'s entry of a calibration given to a KVQuant key codec, which must be there and be
+// the model's: a calibration with fewer layers, or whose channel statistics (k_rms, k_mean:
+// n_kv_heads x head_dim) are another shape, is another model's (or a truncated file's), and its
+// codebooks and ranges were fitted to other keys.
+const nlohmann::json& calib_model_layer(const char* name, const nlohmann::json& calib, int layer, int n_kv_heads,
+                                        int head_dim, int bits) {
+  if (!calib.is_object() || !calib.contains("layers"))
+    fail("{}: the calibration has no \"layers\" array; {}", name, rerun_calibrate(bits));
+  const nlohmann::json* entry = calib_layer_entry(name, &calib, layer);
+  if (!entry)
+    fail("{}: the calibration has {} layers, layer {} requested (a calibration of another model?); {}", name,
+         calib["layers"].size(), layer, rerun_calibrate(bits));
+  for (const char* stat : {"k_rms", "k_mean"}) {
+    if (!entry->contains(stat)) continue;
+    const auto& v = (*entry)[stat];
+    const size_t heads = v.is_array() ? v.size() : 0;
+    const size_t dim = heads && v[0].is_array() ? v[0].size() : 0;
+    const bool fits = heads == size_t(n_kv_heads) &&
+                      std::all_of(v.begin(), v.end(),
+                                  [&](const nlohmann::json& h) { return h.is_array() && h.size() == size_t(head_dim); });
+    if (!fits)
+      fail("{}: calibration layer {} \"{}\" is {} heads of {} channels, the model's keys are {} heads of {} (a "
+           "calibration of another model?); {}",
+           name, layer, stat, heads, dim, n_kv_heads, head_dim, rerun_calibrate(bits));
+  }
+  return *entry;
+}
+
+// The codebook of kvquant<bits>_k for one layer: empty (the default codebook) without a calibration
+// or with --kv-scales qk-norm's, which holds none; otherwise the layer's "kvquant_k<bits>", which
+// must be there.
+std::vector<float> codebook_from_calib(const char* name, const KvCodecParams& p, int bits) {
+  if (!p.calib || (p.calib->is_object() && p.calib->value("source", std::string()) == "qk-norm")) return {};
+  const nlohmann::json& entry = calib_model_layer(name, *p.calib, p.layer, p.n_kv_heads, p.head_dim, bits);
   const std::string key = "kvquant_k" + std::to_string(bits);
-  if (!entry || !entry->contains(key)) return {};
-  return read_codebook(name, (*entry)[key], layer, key, bits);
+  if (!entry.contains(key))
+    fail("{}: calibration layer {} has no \"{}\" (the {}-bit codebook); {}", name, p.layer, key, bits,
+         rerun_calibrate(bits));
+  return read_codebook(name, entry[key], p.layer, key, bits);
 }
 
 // The calibrated ranges and codebook of kvquant<bits>_cal_k for one layer into c (which holds
@@ -671,13 +709,11 @@ void static_from_calib(const char* name, const nlohmann::json* calib, int layer,
   const std::string key = "kvquant_cal_k" + std::to_string(c.bits);
   if (!calib)
     fail("{}: needs the calibrated key ranges of `kvq calibrate` (--kv-scales FILE)", name);
-  const nlohmann::json* entry = calib_layer_entry(name, calib, layer);
-  if (!entry) fail("{}: the calibration has no entry for layer {}", name, layer);
-  if (!entry->contains(key))
+  const nlohmann::json& entry = calib_model_layer(name, *calib, layer, n_kv_heads, c.head_dim, c.bits);
+  if (!entry.contains(key))
     fail("{}: calibration layer {} has no \"{}\"{}", name, layer, key,
-         kv_calib_missing_hint(calib).empty() ? std::string(" (rerun `kvq calibrate` to add it)")
-                                              : kv_calib_missing_hint(calib));
-  const auto& a = (*entry)[key];
+         kv_calib_missing_hint(calib).empty() ? "; " + rerun_calibrate(c.bits) : kv_calib_missing_hint(calib));
+  const auto& a = entry[key];
   c.codebook = read_codebook(name, a, layer, key, c.bits);
   auto vec = [&](const char* what, std::vector<float>& out) {
     const std::string where = fmt::format("{}: calibration layer {} \"{}\".{}", name, layer, key, what);
@@ -922,9 +958,8 @@ nlohmann::json kvquant_cal_artifact(const std::vector<std::vector<float>>& mid,
   return {{"mid", mid}, {"scale", scale}, {"codebook", kvquant_default_codebook(bits)}};
 }
 
-std::vector<float> kvquant_codebook_from_calib(const std::string& name, const nlohmann::json* calib, int layer,
-                                               int bits) {
-  return codebook_from_calib(name.c_str(), calib, layer, bits);
+std::vector<float> kvquant_codebook_from_calib(const std::string& name, const KvCodecParams& p, int bits) {
+  return codebook_from_calib(name.c_str(), p, bits);
 }
 
 const nlohmann::json* kvquant_calib_layer(const std::string& name, const nlohmann::json* calib, int layer) {
@@ -979,7 +1014,7 @@ void kv_register_kvquant() {
            KvquantKeyConfig c = base(bits, kname, p);
            kv_resolve_grouped(kname.c_str(), p, kvquant_default_group_tokens,
                               kvquant_default_residual_tokens, &c.group_tokens, &c.residual_tokens);
-           c.codebook = codebook_from_calib(kname.c_str(), p.calib, p.layer, bits);
+           c.codebook = codebook_from_calib(kname.c_str(), p, bits);
            outliers(kname, p, c);
            return kvquant_key_codec_create(c);
          }});

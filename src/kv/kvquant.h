@@ -88,11 +88,13 @@ std::unique_ptr<KvCodec> kvquant_key_codec_create(const KvquantKeyConfig& cfg);
 // The default codebook for `bits` (Lloyd fit on standard-normal keys), computed once.
 const std::vector<float>& kvquant_default_codebook(int bits);
 
-// The codebook of "kvquant_k<bits>" in calibration layer `layer` (empty when absent: the codec's
-// default), and the calibration entry of a layer (null when absent); throw kvq::Error, naming
-// `name`, on entries that break the schema.
-std::vector<float> kvquant_codebook_from_calib(const std::string& name, const nlohmann::json* calib, int layer,
-                                               int bits);
+// The codebook of "kvquant_k<bits>" in calibration layer p.layer of p.calib: empty (the codec's
+// default) without a calibration or with --kv-scales qk-norm's (which holds no codebooks). A
+// calibration without the layer, the entry or the model's key shape (n_kv_heads x head_dim channel
+// statistics) is an error: it was fitted for another model or other bit widths. The calibration
+// entry of a layer (null when absent). Both throw kvq::Error, naming `name`, on entries that break
+// the schema.
+std::vector<float> kvquant_codebook_from_calib(const std::string& name, const KvCodecParams& p, int bits);
 const nlohmann::json* kvquant_calib_layer(const std::string& name, const nlohmann::json* calib, int layer);
 
 // Fits one layer's artifacts from calibration keys. keys_pre_rope: (n_tokens, n_kv_heads,

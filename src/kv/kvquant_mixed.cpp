@@ -323,8 +323,7 @@ void kv_register_kvquant_mixed() {
              c.outliers_per_token = int(std::ceil(p.outlier_fraction * p.head_dim - 1e-9));
            }
            if (p.sink_tokens >= 0) c.sink_tokens = p.sink_tokens;
-           c.codebooks = {kvquant_codebook_from_calib(kname, p.calib, p.layer, lo + 1),
-                          kvquant_codebook_from_calib(kname, p.calib, p.layer, lo)};
+           c.codebooks = {kvquant_codebook_from_calib(kname, p, lo + 1), kvquant_codebook_from_calib(kname, p, lo)};
            if (const nlohmann::json* e = kvquant_calib_layer(kname, p.calib, p.layer);
                e && e->contains("kvquant_pair_weight"))
              c.pair_weight = kv_calib_head_vectors((*e)["kvquant_pair_weight"],

@@ -44,6 +44,25 @@ mkdir "$tmp/adir"
 "$kvq" eval -m "$model" --kv int8_c --kv-scales "$tmp/adir" --ctx 64 --data "$text" --no-progress -t 1 >/dev/null 2>"$tmp/de"
 check "eval: --kv-scales naming a directory is an error, not a crash" "[[ $? -eq 1 ]] && grep -q 'kvq: error: --kv-scales .* is a directory' $tmp/de"
 
+# KVQuant keys refuse a calibration that lacks their codebooks: another model's (stories260K's,
+# head_dim 8: none fitted) or one fitted for other bit widths (SmolLM2, when installed)
+smol=${KVQ_MODELS_DIR:-$src/models}/SmolLM2-135M-Instruct.Q4_1.gguf
+[[ -f $smol ]] || smol=$src/models/SmolLM2-135M-Instruct.Q4_1.gguf
+if [[ -f $smol ]]; then
+  for f in kvquant4 kvquant3.25; do
+    "$kvq" run -m "$smol" -p hi -n 2 -t 1 --kv $f --kv-scales "$tmp/calib.json" >/dev/null 2>"$tmp/kq"
+    check "$f refuses stories260K's calibration on SmolLM2" "[[ $? -eq 1 ]] && grep -q 'kvq: error: .*another model.*kvq calibrate' $tmp/kq"
+  done
+  "$kvq" calibrate -m "$smol" --data "$text" -o "$tmp/smol2.json" --ctx 64 --chunks 1 --kvquant-bits 2 -t 1 2>/dev/null
+  "$kvq" run -m "$smol" -p hi -n 2 -t 1 --kv kvquant4 --kv-scales "$tmp/smol2.json" >/dev/null 2>"$tmp/kq"
+  check "kvquant4 refuses a calibration fitted with --kvquant-bits 2" \
+    "[[ $? -eq 1 ]] && grep -q 'kvq: error: .*kvquant_k4.*--kvquant-bits 4' $tmp/kq"
+  "$kvq" run -m "$smol" -p hi -n 2 -t 1 --kv kvquant2 --kv-scales "$tmp/smol2.json" >/dev/null 2>"$tmp/kq"
+  check "kvquant2 runs with the 2-bit calibration" "[[ $? -eq 0 ]]"
+else
+  echo "skip: SmolLM2-135M-Instruct.Q4_1.gguf not installed (the KVQuant calibration checks on it)"
+fi
+
 # needle with several trials per cell: one grid entry per (ctx, depth, trial), each trial its own
 # stretch of the haystack, accuracy over all of them; the HTML cells count trials
 "$kvq" eval -m "$model" --kv int8 --task needle --ctx 128 --depths 20,80 --needles 3 --data "$text" \
