@@ -1020,6 +1020,14 @@ TEST(KvquantCal, BadCalibrationRejected) {
   nlohmann::json bad = good;
   bad["layers"][0]["kvquant_cal_k3"]["scale"][1][4] = -1.0;
   EXPECT_NE(err(&bad).find("negative"), std::string::npos);
+  // A head with no positive scale has no range at all (a channel constant in calibration, scale 0
+  // alone, is fine: ChannelConstantInCalibrationBecomesTheOutlier).
+  bad = good;
+  bad["layers"][0]["kvquant_cal_k3"]["scale"][1] = std::vector<float>(size_t(d), 0.f);
+  EXPECT_NE(err(&bad).find("must be positive and finite"), std::string::npos) << err(&bad);
+  bad = good;
+  bad["layers"][0]["kvquant_cal_k3"]["scale"] = std::vector<std::vector<float>>(2, std::vector<float>(size_t(d), 0.f));
+  EXPECT_NE(err(&bad).find("head 0 is 0 in every channel"), std::string::npos) << err(&bad);
   // another model's layers
   p.layer = 1;
   EXPECT_NE(err(&good).find("has 1 layers, layer 1"), std::string::npos) << err(&good);

@@ -724,6 +724,20 @@ void static_from_calib(const char* name, const nlohmann::json* calib, int layer,
   };
   vec("mid", c.static_mid);
   vec("scale", c.static_scale);
+  // A channel constant in calibration has scale 0 (the codec keeps any other value exact as an
+  // outlier); a head with no positive scale at all has no range to quantize in.
+  for (int h = 0; h < n_kv_heads; ++h) {
+    const float* s = c.static_scale.data() + size_t(h) * size_t(c.head_dim);
+    for (int i = 0; i < c.head_dim; ++i)
+      if (!std::isfinite(s[i]) || s[i] < 0 || s[i] > 65504.f)
+        fail("{}: calibration layer {} \"{}\".scale of head {} channel {} is {}: scales must be positive and "
+             "finite (not negative, at most 65504; 0 only for a channel constant in calibration); {}",
+             name, layer, key, h, i, s[i], rerun_calibrate(c.bits));
+    if (std::none_of(s, s + c.head_dim, [](float v) { return v > 0; }))
+      fail("{}: calibration layer {} \"{}\".scale of head {} is 0 in every channel: scales must be positive "
+           "and finite (0 only for a channel constant in calibration); {}",
+           name, layer, key, h, rerun_calibrate(c.bits));
+  }
   c.n_kv_heads = n_kv_heads;
   if (a.contains("outliers_per_token") && a["outliers_per_token"].is_number_integer())
     c.outliers_per_token = a["outliers_per_token"].get<int>();

@@ -59,6 +59,9 @@ if [[ -f $smol ]]; then
     "[[ $? -eq 1 ]] && grep -q 'kvq: error: .*kvquant_k4.*--kvquant-bits 4' $tmp/kq"
   "$kvq" run -m "$smol" -p hi -n 2 -t 1 --kv kvquant2 --kv-scales "$tmp/smol2.json" >/dev/null 2>"$tmp/kq"
   check "kvquant2 runs with the 2-bit calibration" "[[ $? -eq 0 ]]"
+  python3 -c "import json; d=json.load(open('$tmp/smol2.json')); d['layers'][0]['kvquant_cal_k2']['scale']=[[0.0]*len(h) for h in d['layers'][0]['kvquant_cal_k2']['scale']]; json.dump(d, open('$tmp/smol0.json','w'))"
+  "$kvq" run -m "$smol" -p hi -n 2 -t 1 --kv kvquant2_cal --kv-scales "$tmp/smol0.json" >/dev/null 2>"$tmp/kq"
+  check "kvquant2_cal refuses all-zero scales" "[[ $? -eq 1 ]] && grep -q 'kvq: error: .*must be positive and finite' $tmp/kq"
 else
   echo "skip: SmolLM2-135M-Instruct.Q4_1.gguf not installed (the KVQuant calibration checks on it)"
 fi
