@@ -13,6 +13,7 @@
 #include "tools/plan.h"
 #include "tools/run.h"
 #include "server/serve_cli.h"
+#include "weights/weights.h"
 
 int main(int argc, char** argv) {
   // llama.cpp's multi-letter short flags, which CLI11 cannot declare, mapped to their long names.
@@ -63,6 +64,13 @@ int main(int argc, char** argv) {
   auto* serve = app.add_subcommand("serve", "OpenAI-compatible HTTP server: continuous batching, paged prefix-cached KV, /metrics");
   kvq::serve_add_cli(*serve, serve_opts);
 
+  // Model-running subcommands: the matmul kernels' batch invariance (weights/weights.h).
+  bool batch_invariant = false;
+  for (auto* sc : {run, eval, calibrate, bench, serve})
+    sc->add_flag("--batch-invariant", batch_invariant,
+                 "every matmul runs the one-token kernels, so a token's numbers do not depend on what it is batched "
+                 "with (AVX-512: prefill ~2.5x slower)");
+
   // A first word that is neither a flag nor a subcommand: say so (CLI11 would only ask for one).
   if (argc > 1 && argv[1][0] != '-') {
     std::string names;
@@ -81,6 +89,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  if (batch_invariant) kvq::matmul_set_batch_invariant(true);
   try {
     if (*run) return kvq::run_command(run_opts);
     if (*eval) return kvq::eval_command(eval_opts);

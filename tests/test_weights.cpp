@@ -293,6 +293,45 @@ TEST_P(MatmulParity, SimdKernelsExist) {
 #endif
 }
 
+// Batch invariance: a token's outputs from one call over many tokens equal, bit for bit, those
+// of a call over that token alone, at every level when matmul_batch_invariant() is set, and at
+// the AVX2 and scalar levels always (their kernels sum each row and token on its own). Without
+// it, AVX-512's prefill panels (8 or more tokens) round differently; the test only asks that
+// they stay within the reference's bound there (AllLevelsMatchReference).
+TEST_P(MatmulParity, BatchInvariantTokenByToken) {
+  const GgmlType t = GetParam();
+  const int64_t bs = block_size(t) == 1 ? 32 : block_size(t);
+  const int64_t n_in = 4 * bs, n_out = 37, n_tok = 19;
+  std::mt19937 rng(99 + int(t));
+  const size_t rb = ggml_row_bytes(t, n_in);
+  auto wbytes = random_weights(t, n_in, n_out, rb, ScaleMode::normal, rng);
+  auto x = random_acts(n_tok, n_in, ActMode::normal, rng);
+  WeightView w{t, wbytes.data(), n_in, n_out, rb};
+  ThreadPool pool(2);
+  struct Invariant {
+    bool prev = matmul_batch_invariant();
+    explicit Invariant(bool on) { matmul_set_batch_invariant(on); }
+    ~Invariant() { matmul_set_batch_invariant(prev); }
+  };
+  for (CpuLevel l : kLevels) {
+    LevelCap cap(l);
+    if (cpu_level() != l) continue;
+    for (bool on : {true, false}) {
+      if (!on && l == CpuLevel::avx512) continue;  // the panels: not invariant by design
+      Invariant inv(on);
+      std::vector<float> all(size_t(n_tok * n_out)), one(static_cast<size_t>(n_out));
+      matmul(w, x.data(), n_tok, all.data(), pool);
+      for (int64_t k = 0; k < n_tok; ++k) {
+        matmul(w, x.data() + k * n_in, 1, one.data(), pool);
+        for (int64_t r = 0; r < n_out; ++r)
+          ASSERT_EQ(std::memcmp(&one[size_t(r)], &all[size_t(k * n_out + r)], sizeof(float)), 0)
+              << cpu_level_name(l) << " batch_invariant " << on << " token " << k << " row " << r << ": "
+              << one[size_t(r)] << " alone vs " << all[size_t(k * n_out + r)] << " in the batch";
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Types, MatmulParity, ::testing::ValuesIn(kTypes),
                          [](const auto& info) { return std::string(ggml_type_name(info.param)); });
 

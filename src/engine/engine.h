@@ -74,7 +74,8 @@ struct GenParams {
   // arithmetic (stories260K) its log-probabilities equal the decode path's to 1e-5; as served
   // (8-bit activations) the two differ by the engine's rounding noise, which any small change
   // amplifies (SmolLM2: up to ~0.1 on single tokens, the size of the f32-vs-f16-KV floor of
-  // bench/QUALITY.md), so compare scores from one path.
+  // bench/QUALITY.md), so compare scores from one path, or set matmul_set_batch_invariant(true)
+  // (weights/weights.h), with which the two paths agree bit for bit.
   bool prompt_logprobs = false;
 };
 

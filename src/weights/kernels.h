@@ -31,7 +31,10 @@ using MatmulTileFn = void (*)(const uint8_t* w, size_t w_stride, int64_t nr, con
 MatmulTileFn matmul_kernel_scalar(GgmlType t);
 MatmulTileFn matmul_kernel_avx2(GgmlType t);
 MatmulTileFn matmul_kernel_avx512(GgmlType t);
-// The kernel for cpu_level() (falls back level by level).
+// The AVX-512 kernels without the prefill panels: every call runs what a one-token call runs.
+MatmulTileFn matmul_kernel_avx512_streaming(GgmlType t);
+// The kernel for cpu_level() (falls back level by level); matmul_batch_invariant(): the one whose
+// per-token results do not depend on the call's token count.
 MatmulTileFn matmul_kernel(GgmlType t);
 
 // Rows per tile of the SIMD kernels: chunks of rows handed to threads are multiples of this

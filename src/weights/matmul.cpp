@@ -1,5 +1,6 @@
 // matmul driver (activation conversion, threading, dispatch), its scalar reference, and the
 // scalar level of the quantized-activation kernels.
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -246,15 +247,23 @@ void quantize_act_q8a_avx2(const float* x, BlockQ8A* y, int64_t n) { quantize_ac
 void quantize_act_q8k_avx2(const float* x, BlockQ8K* y, int64_t n) { quantize_act_q8k(x, y, n); }
 MatmulTileFn matmul_kernel_avx2(GgmlType) { return nullptr; }
 MatmulTileFn matmul_kernel_avx512(GgmlType) { return nullptr; }
+MatmulTileFn matmul_kernel_avx512_streaming(GgmlType) { return nullptr; }
 void dequantize_row_f16_avx2(GgmlType t, const void* src, float* dst, int64_t n) {
   dequantize_row_ref(t, src, dst, n);
 }
 #endif
 
+namespace {
+std::atomic<bool> g_batch_invariant{false};
+}  // namespace
+
+void matmul_set_batch_invariant(bool on) { g_batch_invariant.store(on, std::memory_order_relaxed); }
+bool matmul_batch_invariant() { return g_batch_invariant.load(std::memory_order_relaxed); }
+
 MatmulTileFn matmul_kernel(GgmlType t) {
   MatmulTileFn fn = nullptr;
   const CpuLevel l = cpu_level();
-  if (l >= CpuLevel::avx512) fn = matmul_kernel_avx512(t);
+  if (l >= CpuLevel::avx512) fn = matmul_batch_invariant() ? matmul_kernel_avx512_streaming(t) : matmul_kernel_avx512(t);
   if (!fn && l >= CpuLevel::avx2) fn = matmul_kernel_avx2(t);
   if (!fn) fn = matmul_kernel_scalar(t);
   return fn;

@@ -491,5 +491,6 @@ MatmulTileFn panel_kernel_for(GgmlType t) {
 }  // namespace x86_avx512
 
 MatmulTileFn matmul_kernel_avx512(GgmlType t) { return x86_avx512::panel_kernel_for(t); }
+MatmulTileFn matmul_kernel_avx512_streaming(GgmlType t) { return x86_avx512::kernel_for(t); }
 
 }  // namespace kvq

@@ -104,6 +104,11 @@ check "... with a warning" "grep -q 'warning: .* threads on a machine with' $tmp
 "$kvq" run -m "$model" -p hi -n 2 -c 100000 >/dev/null 2>"$tmp/cerr"
 check "--ctx-size beyond the trained context warns" "grep -q 'beyond the .* tokens the model was trained on' $tmp/cerr"
 
+# --batch-invariant runs (stories260K's float weights give the same greedy text either way)
+"$kvq" run -m "$model" -p "Lily" -n 12 --temp 0 -t 1 --batch-invariant >"$tmp/bi" 2>/dev/null
+"$kvq" run -m "$model" -p "Lily" -n 12 --temp 0 -t 1 >"$tmp/nbi" 2>/dev/null
+check "--batch-invariant runs, same greedy text" "[[ -s $tmp/bi ]] && cmp -s $tmp/bi $tmp/nbi"
+
 # a K/V split name runs (stories260K's head_dim 8 is too small for the 32-wide formats)
 "$kvq" run -m "$model" -p "Lily" -n 8 --temp 0 --kv-cache-dtype int8/f16 >"$tmp/split" 2>"$tmp/split.err"
 rc=$?
