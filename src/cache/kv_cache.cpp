@@ -23,17 +23,7 @@ KvCache::KvCache(const KvCacheConfig& cfg, PagePool* pool) : cfg_(cfg), pool_(po
   size_t off = 0;
   for (int il = 0; il < cfg_.n_layer; ++il) {
     Layer& L = layers_[size_t(il)];
-    KvCodecParams p;
-    p.head_dim = cfg_.head_dim;
-    p.n_kv_heads = cfg_.n_kv_heads;
-    p.layer = il;
-    if (size_t(il) < cfg_.rope.size()) p.rope = cfg_.rope[size_t(il)];
-    p.seed = cfg_.seed;
-    p.calib = cfg_.calib;
-    p.group_tokens = cfg_.group_tokens;
-    p.residual_tokens = cfg_.residual_tokens;
-    p.outlier_fraction = cfg_.outlier_fraction;
-    p.sink_tokens = cfg_.sink_tokens;
+    KvCodecParams p = kv_cache_codec_params(cfg_, il);
     p.role = KvRole::key;
     L.k = kv_codec_create(cfg_.policy.layers[size_t(il)].k_codec, p);
     p.role = KvRole::value;
@@ -79,6 +69,21 @@ KvCache::KvCache(const KvCacheConfig& cfg, PagePool* pool) : cfg_(cfg), pool_(po
 
 KvCache::~KvCache() {
   if (pool_) release();
+}
+
+KvCodecParams kv_cache_codec_params(const KvCacheConfig& cfg, int layer) {
+  KvCodecParams p;
+  p.head_dim = cfg.head_dim;
+  p.n_kv_heads = cfg.n_kv_heads;
+  p.layer = layer;
+  if (size_t(layer) < cfg.rope.size()) p.rope = cfg.rope[size_t(layer)];
+  p.seed = cfg.seed;
+  p.calib = cfg.calib;
+  p.group_tokens = cfg.group_tokens;
+  p.residual_tokens = cfg.residual_tokens;
+  p.outlier_fraction = cfg.outlier_fraction;
+  p.sink_tokens = cfg.sink_tokens;
+  return p;
 }
 
 size_t kv_cache_page_bytes(const KvCacheConfig& cfg) { return KvCache(cfg).page_bytes(); }

@@ -251,6 +251,10 @@ class KvCache {
   const PrefixIndex* hashed_by_ = nullptr;  // the index whose keys made hashes_
 };
 
+// The parameters layer `layer`'s K and V codecs are created with under this configuration (the
+// caller sets the role).
+KvCodecParams kv_cache_codec_params(const KvCacheConfig& cfg, int layer);
+
 // Bytes of one page for this configuration (all layers' K and V head blocks): what a PagePool
 // for caches of this configuration must be built with. Throws like KvCache's constructor.
 size_t kv_cache_page_bytes(const KvCacheConfig& cfg);

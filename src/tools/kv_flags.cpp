@@ -169,17 +169,7 @@ KvSetup kv_flags_resolve(const KvFlags& f, const Model& m, const std::string& fo
     KvCacheConfig kc = m.kv_cache_config(p, 1, f.page_tokens);
     s.apply(kc);
     for (const auto& [il, spec] : overridden) {
-      KvCodecParams cp;
-      cp.head_dim = kc.head_dim;
-      cp.n_kv_heads = kc.n_kv_heads;
-      cp.layer = il;
-      cp.rope = kc.rope[size_t(il)];
-      cp.seed = kc.seed;
-      cp.calib = kc.calib;
-      cp.group_tokens = kc.group_tokens;
-      cp.residual_tokens = kc.residual_tokens;
-      cp.outlier_fraction = kc.outlier_fraction;
-      cp.sink_tokens = kc.sink_tokens;
+      KvCodecParams cp = kv_cache_codec_params(kc, il);
       try {
         cp.role = KvRole::key;
         kv_codec_create(p.layers[size_t(il)].k_codec, cp);
