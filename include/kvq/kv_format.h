@@ -16,6 +16,10 @@
 //        kv_quantized_tokens(n) = G * floor(max(0, n - R) / G)
 //    tokens live in head blocks and the rest in the tail; the rule depends on n only, so results
 //    do not depend on how a prompt is chunked.
+//
+// Errors: a caller's mistake (unknown names, bad parameters, a block size outside 1 .. 2^20 tokens,
+// a token range outside the block, a head outside [0, n_kv_heads) where a codec keeps per-head
+// state) throws kvq::Error (kvq/error.h). Pointers must be valid for the sizes the calls state.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -24,6 +28,8 @@
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
+
+#include "kvq/error.h"
 
 namespace kvq {
 
@@ -141,10 +147,16 @@ class KvCodec {
   virtual int prepared_query_dim() const { return head_dim(); }
   // q (n_q, head_dim) -> qp (n_q, prepared_query_dim()). Once per decode step per GQA group.
   virtual void prepare_query(int head, const float* q, int n_q, float* qp) const;
-  // Fused scores: out[i * out_stride + t] = <q_i, k_{t0+t}> for i < n_q, t < n (no scaling).
+  // Fused scores: out[i * out_stride + t] = <q_i, k_{t0+t}> for i < n_q, t < n (no scaling), k
+  // the decoded key, up to the kernels' own rounding: the integer-dot kernels round the prepared
+  // query to int8 (per 32 channels) and the bf16 / fp8 kernels to bf16, as GPU attention kernels
+  // do; each kernel's bound against decode-then-dot is stated in its header under src/kv and
+  // checked by its parity test.
   virtual void scores(int head, const float* qp, int n_q, const uint8_t* block, int block_tokens,
                       int t0, int n, int pos0, float* out, int out_stride) const = 0;
-  // Fused weighted sum: acc[i * head_dim + d] += sum_t p[i * p_stride + t] * v_{t0+t}[d].
+  // Fused weighted sum: acc[i * head_dim + d] += sum_t p[i * p_stride + t] * v_{t0+t}[d], up to
+  // the kernels' rounding of the weights (the integer-dot kernels quantize p times the token's
+  // scale to 8 bits per 16-token tile; bounds as for scores).
   virtual void accumulate(int head, const float* p, int p_stride, int n_q, const uint8_t* block,
                           int block_tokens, int t0, int n, float* acc) const = 0;
   // The same over several head blocks in one call, their tokens side by side: span s's token

@@ -8,11 +8,9 @@
 
 #include <fmt/format.h>
 
-namespace kvq {
+#include "kvq/error.h"
 
-struct Error : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
+namespace kvq {
 
 template <typename... Args>
 [[noreturn]] inline void fail(fmt::format_string<Args...> f, Args&&... args) {

@@ -18,6 +18,18 @@ void kv_check_grouped_params(const char* name, int head_dim, int group_tokens,
          group_tokens, residual_tokens);
 }
 
+void kv_check_block(const std::string& name, int block_tokens) {
+  if (block_tokens <= 0 || block_tokens > kv_max_block_tokens)
+    fail("{}: a block of {} tokens; blocks hold 1 to {} tokens (the engine's pages: a power of two, 16 to 256)",
+         name, block_tokens, kv_max_block_tokens);
+}
+
+void kv_check_token_range(const std::string& name, int block_tokens, int t0, int n) {
+  kv_check_block(name, block_tokens);
+  if (t0 < 0 || n < 0 || t0 > block_tokens - n)
+    fail("{}: tokens [{}, {} + {}) are not inside a block of {} tokens", name, t0, t0, n, block_tokens);
+}
+
 void kv_check_block_tokens(const std::string& name, int block_tokens, int group_tokens) {
   if (block_tokens <= 0 || block_tokens % group_tokens != 0)
     fail("{}: the block size ({} tokens) must be a positive multiple of the token group G = {}; "
@@ -45,6 +57,7 @@ void kv_resolve_grouped(const char* name, const KvCodecParams& p, int default_g,
 void kv_scores_via_decode(const KvCodec& c, int head, const float* qp, int n_q,
                           const uint8_t* block, int block_tokens, int t0, int n, int pos0,
                           float* out, int out_stride) {
+  kv_check_token_range(c.info().name, block_tokens, t0, n);
   const int D = c.head_dim();
   float k[kvg_max_head_dim];
   for (int t = 0; t < n; ++t) {
@@ -60,6 +73,7 @@ void kv_scores_via_decode(const KvCodec& c, int head, const float* qp, int n_q,
 void kv_accumulate_via_decode(const KvCodec& c, int head, const float* p, int p_stride, int n_q,
                               const uint8_t* block, int block_tokens, int t0, int n, int pos0,
                               float* acc) {
+  kv_check_token_range(c.info().name, block_tokens, t0, n);
   const int D = c.head_dim();
   float v[kvg_max_head_dim];
   for (int t = 0; t < n; ++t) {

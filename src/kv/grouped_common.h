@@ -33,6 +33,11 @@ inline float kv_sanitize(float x) {
 
 // G >= 1, R >= 0, R % G == 0, head_dim % 16 == 0 and <= kvg_max_head_dim.
 void kv_check_grouped_params(const char* name, int head_dim, int group_tokens, int residual_tokens);
+// The argument checks of every codec's entry points (kvq::Error: a caller's mistake, never an
+// abort): a block of 1 .. kv_max_block_tokens tokens, and [t0, t0 + n) inside it.
+constexpr int kv_max_block_tokens = 1 << 20;
+void kv_check_block(const std::string& name, int block_tokens);
+void kv_check_token_range(const std::string& name, int block_tokens, int t0, int n);
 // block_tokens > 0 and a multiple of G.
 void kv_check_block_tokens(const std::string& name, int block_tokens, int group_tokens);
 // t0 and n multiples of G, [t0, t0 + n) inside the block.

@@ -171,7 +171,7 @@ class Int4TiledCodec final : public TiledCodecBase<Int4TiledLayout, Int4tOps> {
   void encode(int, const float* src, size_t src_stride, int n, uint8_t* block, int block_tokens, int t0,
               int) const override {
     check_block(block_tokens);
-    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
+    kv_check_token_range(info().name, block_tokens, t0, n);
     const int hd = L_.hd;
     const size_t ub = size_t(L_.unit_bytes);
     constexpr size_t kRowMax = std::max(sizeof(KvGroupParams) + 16, sizeof(kv_block_q5_1)) * (kv_max_head_dim / 32);
@@ -248,7 +248,7 @@ class Int4TiledCodec final : public TiledCodecBase<Int4TiledLayout, Int4tOps> {
 
   void decode(int, const uint8_t* block, int block_tokens, int t0, int n, int, float* dst) const override {
     check_block(block_tokens);
-    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
+    kv_check_token_range(info().name, block_tokens, t0, n);
     const int hd = L_.hd;
     const bool five = L_.code_bits == 5;
     const auto code_of = role_ == KvRole::key ? (five ? int5t_key_code : int4t_key_code)

@@ -183,7 +183,7 @@ class Int8TiledCodec final : public TiledCodecBase<Int8TiledLayout, Int8tOps> {
   void encode(int, const float* src, size_t src_stride, int n, uint8_t* block, int block_tokens, int t0,
               int) const override {
     check_block(block_tokens);
-    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
+    kv_check_token_range(info().name, block_tokens, t0, n);
     const int hd = L_.hd;
     static_assert(sizeof(kv_block_q8_0) == 34, "q8_0 block: f16 d + 32 int8 codes");
     uint8_t row[sizeof(kv_block_q8_0) * (kv_max_head_dim / 32)];
@@ -215,7 +215,7 @@ class Int8TiledCodec final : public TiledCodecBase<Int8TiledLayout, Int8tOps> {
 
   void decode(int, const uint8_t* block, int block_tokens, int t0, int n, int, float* dst) const override {
     check_block(block_tokens);
-    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
+    kv_check_token_range(info().name, block_tokens, t0, n);
     const int hd = L_.hd;
     for (int t = 0; t < n; ++t) {
       const int tt = t0 + t, j = tt % kv_tile_tokens;

@@ -193,6 +193,7 @@ class KiviKeyCodec final : public KiviCodecBase {
   void decode(int, const uint8_t* block, int block_tokens, int t0, int n, int,
               float* dst) const override {
     check_block(block_tokens);
+    kv_check_token_range(info_.name, block_tokens, t0, n);
     const int D = cfg_.head_dim, G = cfg_.group_tokens;
     for (int k = 0; k < n; ++k) {
       const int t = t0 + k;
@@ -208,6 +209,7 @@ class KiviKeyCodec final : public KiviCodecBase {
   void scores(int, const float* qp, int n_q, const uint8_t* block, int block_tokens, int t0, int n,
               int, float* out, int out_stride) const override {
     check_block(block_tokens);
+    kv_check_token_range(info_.name, block_tokens, t0, n);
     const int D = cfg_.head_dim, G = cfg_.group_tokens;
     const KiviKernels& kk = kivi_kernels();
     {
@@ -271,6 +273,7 @@ class KiviValueCodec final : public KiviCodecBase {
   void decode(int, const uint8_t* block, int block_tokens, int t0, int n, int,
               float* dst) const override {
     check_block(block_tokens);
+    kv_check_token_range(info_.name, block_tokens, t0, n);
     const int D = cfg_.head_dim, g = cfg_.value_group, ng = D / g;
     for (int k = 0; k < n; ++k) {
       const uint8_t* row = block + size_t(t0 + k) * row_bytes();
@@ -290,6 +293,7 @@ class KiviValueCodec final : public KiviCodecBase {
   void accumulate(int, const float* p, int p_stride, int n_q, const uint8_t* block,
                   int block_tokens, int t0, int n, float* acc) const override {
     check_block(block_tokens);
+    kv_check_token_range(info_.name, block_tokens, t0, n);
     kvg_prefetch(block + size_t(t0) * row_bytes(), size_t(n) * row_bytes());
     kivi_kernels().v_accum(block + size_t(t0) * row_bytes(), row_bytes(), n, cfg_.bits,
                            cfg_.head_dim, cfg_.value_group, p, p_stride, n_q, acc);

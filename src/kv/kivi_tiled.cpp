@@ -215,7 +215,7 @@ class KivitCodecBase : public KvCodec {
   void check_block(int block_tokens) const { kv_check_block_tokens(info_.name, block_tokens, g_); }
   void check_range(int block_tokens, int t0, int n) const {
     check_block(block_tokens);
-    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
+    kv_check_token_range(info().name, block_tokens, t0, n);
   }
   KvCodecInfo info_;
   int hd_, g_;

@@ -405,6 +405,7 @@ class KvquantKeyCodec final : public KvCodec {
   void decode(int head, const uint8_t* block, int block_tokens, int t0, int n, int pos0,
               float* dst) const override {
     kv_check_block_tokens(info_.name, block_tokens, info_.group_tokens);
+    kv_check_token_range(info_.name, block_tokens, t0, n);
     const int D = cfg_.head_dim, G = grp_tokens(block_tokens);
     float sc[kvg_max_head_dim], mid[kvg_max_head_dim];
     for (int i = 0; i < n; ++i) {
@@ -422,6 +423,7 @@ class KvquantKeyCodec final : public KvCodec {
   void scores(int head, const float* qp, int n_q, const uint8_t* block, int block_tokens, int t0, int n,
               int pos0, float* out, int out_stride) const override {
     kv_check_block_tokens(info_.name, block_tokens, info_.group_tokens);
+    kv_check_token_range(info_.name, block_tokens, t0, n);
     const KvquantKernels& kk = kvquant_kernels();
     const int D = cfg_.head_dim, G = grp_tokens(block_tokens), half = cfg_.rope.n_rot / 2;
     const size_t gb = group_bytes(G);

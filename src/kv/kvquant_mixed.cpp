@@ -89,6 +89,7 @@ class KvquantMixedKeyCodec final : public KvCodec {
   }
 
   void decode(int head, const uint8_t* block, int block_tokens, int t0, int n, int pos0, float* dst) const override {
+    kv_check_token_range(info().name, block_tokens, t0, n);
     const int D = cfg_.head_dim;
     const uint16_t* ch = channels(head);
     for (size_t s = 0; s < parts_.size(); ++s) {
@@ -117,6 +118,7 @@ class KvquantMixedKeyCodec final : public KvCodec {
   void scores(int head, const float* qp, int n_q, const uint8_t* block, int block_tokens, int t0, int n, int pos0,
               float* out, int out_stride) const override {
     channels(head);  // checks the head
+    kv_check_token_range(info().name, block_tokens, t0, n);
     float* tmp = scratch(size_t(n_q) * size_t(std::max(n, 1)));
     for (size_t s = 0; s < parts_.size(); ++s) {
       const float* q = qp + size_t(n_q) * size_t(dim_off_[s]);

@@ -4,6 +4,7 @@
 
 #include "core/cpu.h"
 #include "core/error.h"
+#include "kv/grouped_common.h"
 
 namespace kvq {
 
@@ -16,19 +17,30 @@ KvRowCodec::KvRowCodec(std::string name, const KvRowFmt& fmt, int n_kv_heads,
   KVQ_CHECK(int(scales_.size()) == n_kv_heads, "{} scales for {} heads", scales_.size(), n_kv_heads);
 }
 
+size_t KvRowCodec::block_bytes(int block_tokens) const {
+  kv_check_block(info_.name, block_tokens);
+  return size_t(block_tokens) * fmt_.row_bytes;
+}
+
+float KvRowCodec::scale(int head) const {
+  if (head < 0 || size_t(head) >= scales_.size())
+    fail("{}: KV head {} is outside the codec's {} heads (KvCodecParams::n_kv_heads)", info_.name, head, scales_.size());
+  return scales_[size_t(head)];
+}
+
 void KvRowCodec::encode(int head, const float* src, size_t src_stride, int n, uint8_t* block,
                         int block_tokens, int t0, int) const {
-  KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
+  kv_check_token_range(info().name, block_tokens, t0, n);
   for (int t = 0; t < n; ++t)
-    kv_row_encode(fmt_, scales_[size_t(head)], src + size_t(t) * src_stride,
+    kv_row_encode(fmt_, scale(head), src + size_t(t) * src_stride,
                   block + size_t(t0 + t) * fmt_.row_bytes);
 }
 
 void KvRowCodec::decode(int head, const uint8_t* block, int block_tokens, int t0, int n, int,
                         float* dst) const {
-  KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
+  kv_check_token_range(info().name, block_tokens, t0, n);
   for (int t = 0; t < n; ++t)
-    kv_row_decode(fmt_, scales_[size_t(head)], block + size_t(t0 + t) * fmt_.row_bytes,
+    kv_row_decode(fmt_, scale(head), block + size_t(t0 + t) * fmt_.row_bytes,
                   dst + size_t(t) * size_t(fmt_.head_dim));
 }
 
@@ -38,15 +50,15 @@ void KvRowCodec::prepare_query(int, const float* q, int n_q, float* qp) const {
 
 void KvRowCodec::scores(int head, const float* qp, int n_q, const uint8_t* block, int block_tokens,
                         int t0, int n, int, float* out, int out_stride) const {
-  KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
-  kv_rows_scores_prepared(fmt_, scales_[size_t(head)], qp, n_q, block + size_t(t0) * fmt_.row_bytes,
+  kv_check_token_range(info().name, block_tokens, t0, n);
+  kv_rows_scores_prepared(fmt_, scale(head), qp, n_q, block + size_t(t0) * fmt_.row_bytes,
                           fmt_.row_bytes, n, out, out_stride);
 }
 
 void KvRowCodec::accumulate(int head, const float* p, int p_stride, int n_q, const uint8_t* block,
                             int block_tokens, int t0, int n, float* acc) const {
-  KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
-  kv_rows_accum(fmt_, scales_[size_t(head)], p, p_stride, n_q, block + size_t(t0) * fmt_.row_bytes,
+  kv_check_token_range(info().name, block_tokens, t0, n);
+  kv_rows_accum(fmt_, scale(head), p, p_stride, n_q, block + size_t(t0) * fmt_.row_bytes,
                 fmt_.row_bytes, n, acc);
 }
 

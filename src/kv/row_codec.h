@@ -16,7 +16,7 @@ class KvRowCodec : public KvCodec {
 
   const KvCodecInfo& info() const override { return info_; }
   int head_dim() const override { return fmt_.head_dim; }
-  size_t block_bytes(int block_tokens) const override { return size_t(block_tokens) * fmt_.row_bytes; }
+  size_t block_bytes(int block_tokens) const override;
   void encode(int head, const float* src, size_t src_stride, int n, uint8_t* block, int block_tokens,
               int t0, int pos0) const override;
   void decode(int head, const uint8_t* block, int block_tokens, int t0, int n, int pos0,
@@ -36,7 +36,8 @@ class KvRowCodec : public KvCodec {
   PrefetchRange prefetch_along_range(int block_tokens, int t0, int n) const override;
 
   const KvRowFmt& fmt() const { return fmt_; }
-  float head_scale(int head) const { return scales_[size_t(head)]; }
+  // Head `head`'s scale; kvq::Error for a head outside [0, n_kv_heads).
+  float scale(int head) const;
 
  private:
   KvCodecInfo info_;

@@ -134,7 +134,7 @@ class TiledCodecBase : public KvCodec {
   }
   void check_range(int block_tokens, int t0, int n) const {
     check_block(block_tokens);
-    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block {}", t0, n, block_tokens);
+    kv_check_token_range(info().name, block_tokens, t0, n);
   }
 
   KvCodecInfo info_;

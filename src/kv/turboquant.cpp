@@ -8,6 +8,7 @@
 
 #include "core/dtypes.h"
 #include "core/error.h"
+#include "kv/grouped_common.h"
 #include "kv/turboquant.h"
 
 namespace kvq {
@@ -85,6 +86,7 @@ class TqCodec final : public KvCodec {
   const KvCodecInfo& info() const override { return info_; }
   int head_dim() const override { return dim_; }
   size_t block_bytes(int block_tokens) const override {
+    kv_check_block(info_.name, block_tokens);
     return size_t(block_tokens) * size_t(layout_.record_bytes);
   }
   int prepared_query_dim() const override { return layout_.qjl ? 2 * dim_ : dim_; }
@@ -93,7 +95,7 @@ class TqCodec final : public KvCodec {
               int t0, int pos0) const override {
     (void)head;
     (void)pos0;
-    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block_tokens {}", t0, n, block_tokens);
+    kv_check_token_range(info().name, block_tokens, t0, n);
     const TqEncodeFn enc = tq_kernels_for(cpu_level()).encode;
     for (int t = 0; t < n; ++t)
       enc(enc_, src + size_t(t) * src_stride, block + size_t(t0 + t) * size_t(layout_.record_bytes));
@@ -103,7 +105,7 @@ class TqCodec final : public KvCodec {
               float* dst) const override {
     (void)head;
     (void)pos0;
-    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block_tokens {}", t0, n, block_tokens);
+    kv_check_token_range(info().name, block_tokens, t0, n);
     for (int t = 0; t < n; ++t)
       decode_one(block + size_t(t0 + t) * size_t(layout_.record_bytes), dst + size_t(t) * size_t(dim_));
   }
@@ -129,7 +131,7 @@ class TqCodec final : public KvCodec {
               int pos0, float* out, int out_stride) const override {
     (void)head;
     (void)pos0;
-    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block_tokens {}", t0, n, block_tokens);
+    kv_check_token_range(info().name, block_tokens, t0, n);
     tq_kernels_for(cpu_level())
         .scores(args_, qp, prepared_query_dim(), n_q, block + size_t(t0) * size_t(layout_.record_bytes), n,
                 out, out_stride);
@@ -138,7 +140,7 @@ class TqCodec final : public KvCodec {
   void accumulate(int head, const float* p, int p_stride, int n_q, const uint8_t* block, int block_tokens,
                   int t0, int n, float* acc) const override {
     (void)head;
-    KVQ_CHECK(t0 >= 0 && n >= 0 && t0 + n <= block_tokens, "t0 {} n {} block_tokens {}", t0, n, block_tokens);
+    kv_check_token_range(info().name, block_tokens, t0, n);
     const uint8_t* recs = block + size_t(t0) * size_t(layout_.record_bytes);
     tq_kernels_for(cpu_level()).accumulate(args_, p, p_stride, n_q, recs, n, acc);
     if (!layout_.qjl) return;
