@@ -406,15 +406,16 @@ void KvCache::fork_from(const KvCache& src) {
   hashed_by_ = src.hashed_by_;
 }
 
-int KvCache::adopt_prefix(PrefixIndex& index, const int32_t* tokens, int n_prompt, int max_tokens) {
+int KvCache::adopt_prefix(PrefixIndex& index, const int32_t* tokens, int n_prompt, int max_tokens, bool readmission) {
   KVQ_CHECK(pool_, "adopting a cached prefix needs a page pool");
   KVQ_CHECK(n_tokens_ == 0 && table_.empty() && !step_open_, "adopting a prefix into a cache that holds {} tokens", n_tokens_);
   KVQ_CHECK(index.identity() == identity_, "prefix index of another configuration");
   KVQ_CHECK(index.page_tokens() == cfg_.page_tokens, "prefix index pages of {} tokens, cache pages of {}",
             index.page_tokens(), cfg_.page_tokens);
   const int cap = std::min({max_tokens, n_prompt, cfg_.max_tokens});
+  readmission_ = readmission;
   if (!shareable_ || cap < cfg_.page_tokens) {
-    index.count_query(n_prompt, 0);
+    index.count_query(n_prompt, 0, readmission);
     return 0;
   }
   const KvPrefixMatch m = index.lookup(tokens, cap);
@@ -427,7 +428,7 @@ int KvCache::adopt_prefix(PrefixIndex& index, const int32_t* tokens, int n_promp
     KVQ_CHECK(quantized(L, n_tokens_) == n_tokens_, "adopted prefix of {} tokens leaves a tail", n_tokens_);
     L.tail_start = n_tokens_;
   }
-  index.count_query(n_prompt, n_tokens_);
+  index.count_query(n_prompt, n_tokens_, readmission);
   return n_tokens_;
 }
 
@@ -455,7 +456,7 @@ int KvCache::extend_prefix(PrefixIndex& index, const int32_t* tokens, int n_prom
     KVQ_CHECK(quantized(L, n_tokens_) == n_tokens_, "adopted prefix of {} tokens leaves a tail", n_tokens_);
     L.tail_start = n_tokens_;
   }
-  index.count_extra_hits(m.n_tokens());
+  index.count_extra_hits(m.n_tokens(), readmission_);
   return m.n_tokens();
 }
 

@@ -172,8 +172,9 @@ class KvCache {
   // referenced, not copied, and n_tokens() becomes the adopted length (a multiple of P). Counts
   // the query (n_prompt tokens, adopted tokens as hits) in the index. Requires an empty cache in
   // pool mode and index.identity() == prefix_identity(). Returns the adopted token count (0 when
-  // nothing matched or !prefix_shareable()).
-  int adopt_prefix(PrefixIndex& index, const int32_t* tokens, int n_prompt, int max_tokens);
+  // nothing matched or !prefix_shareable()). readmission: the sequence was preempted and is admitted
+  // again; its query (and extend_prefix's hits) go to the index's re-admission counters.
+  int adopt_prefix(PrefixIndex& index, const int32_t* tokens, int n_prompt, int max_tokens, bool readmission = false);
   // Extends the adopted prefix with cached pages published since (by a sequence that was
   // prefilling the same prefix). Only when everything the cache holds is whole cached pages
   // (n_tokens() == page_hashes().size() * P, no partial page, no open step): then the state at
@@ -248,6 +249,7 @@ class KvCache {
   bool shareable_ = false;
   int step_n_ = 0;                          // tokens of the current step
   std::string identity_;                    // prefix_identity(), built once
+  bool readmission_ = false;                // the last adopt_prefix counted as a re-admission
   const PrefixIndex* hashed_by_ = nullptr;  // the index whose keys made hashes_
 };
 

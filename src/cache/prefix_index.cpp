@@ -146,15 +146,26 @@ PrefixIndex::Insert PrefixIndex::insert(const KvHash& parent, const int32_t* tok
   return Insert::inserted;
 }
 
-void PrefixIndex::count_query(int prompt_tokens, int hit_tokens) {
+void PrefixIndex::count_query(int prompt_tokens, int hit_tokens, bool readmission) {
   KVQ_CHECK(prompt_tokens >= 0 && hit_tokens >= 0 && hit_tokens <= prompt_tokens, "query of {} tokens with {} hits",
             prompt_tokens, hit_tokens);
+  if (readmission) {
+    stats_.readmit_query_tokens += uint64_t(prompt_tokens);
+    stats_.readmit_hit_tokens += uint64_t(hit_tokens);
+    return;
+  }
   stats_.query_tokens += uint64_t(prompt_tokens);
   stats_.hit_tokens += uint64_t(hit_tokens);
 }
 
-void PrefixIndex::count_extra_hits(int hit_tokens) {
+void PrefixIndex::count_extra_hits(int hit_tokens, bool readmission) {
   KVQ_CHECK(hit_tokens >= 0, "{} extra hit tokens", hit_tokens);
+  if (readmission) {
+    stats_.readmit_hit_tokens += uint64_t(hit_tokens);
+    KVQ_CHECK(stats_.readmit_hit_tokens <= stats_.readmit_query_tokens, "{} re-admission hit tokens of {} queried",
+              stats_.readmit_hit_tokens, stats_.readmit_query_tokens);
+    return;
+  }
   stats_.hit_tokens += uint64_t(hit_tokens);
   KVQ_CHECK(stats_.hit_tokens <= stats_.query_tokens, "{} hit tokens of {} queried", stats_.hit_tokens, stats_.query_tokens);
 }

@@ -31,7 +31,7 @@
 // its cached descendants unreachable until they age out).
 //
 // Hit accounting in tokens (count_query): queries = prompt tokens looked up, hits = prompt
-// tokens served from cache.
+// tokens served from cache; re-admissions after a preemption in counters of their own.
 //
 // Threading: not synchronized; one thread (the scheduler's) owns the index, like the pool.
 // Lifetime: the pool keeps a raw pointer to its evictor. Destroy the pool first, or empty the
@@ -72,6 +72,10 @@ struct KvPrefixMatch {
 struct KvPrefixStats {
   uint64_t query_tokens = 0;   // prompt tokens looked up (count_query)
   uint64_t hit_tokens = 0;     // of those, served from cached pages
+  // Sequences admitted again after a preemption, counted apart (as vLLM does): re-finding their own
+  // published pages is not prefix reuse, and would make the hit rate grow with preemptions.
+  uint64_t readmit_query_tokens = 0;
+  uint64_t readmit_hit_tokens = 0;
   uint64_t inserted_pages = 0;
   uint64_t duplicate_pages = 0;  // insert of a page whose prefix was already cached (kept private)
   uint64_t collisions = 0;       // same hash, different content (page not cached)
@@ -115,10 +119,10 @@ class PrefixIndex : public KvPageEvictor {
   Insert insert(const KvHash& parent, const int32_t* tokens, KvPageId page, KvHash* hash);
 
   // Hit accounting: prompt_tokens looked up, hit_tokens of them served from the cache.
-  void count_query(int prompt_tokens, int hit_tokens);
+  void count_query(int prompt_tokens, int hit_tokens, bool readmission = false);
   // More hit tokens for a query already counted (a prefix extended after admission): the caller
   // guarantees the total hits of that query stay <= its prompt tokens.
-  void count_extra_hits(int hit_tokens);
+  void count_extra_hits(int hit_tokens, bool readmission = false);
   KvPrefixStats stats() const;
   size_t n_entries() const { return entries_.size(); }
   size_t n_idle() const { return lru_.size(); }

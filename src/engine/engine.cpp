@@ -323,6 +323,8 @@ void Engine::update_gauges() {
     metrics_.kv_tokens_capacity = pool_->tokens_capacity();
     metrics_.prefix_query_tokens = ps.query_tokens;
     metrics_.prefix_hit_tokens = ps.hit_tokens;
+    metrics_.prefix_readmit_query_tokens = ps.readmit_query_tokens;
+    metrics_.prefix_readmit_hit_tokens = ps.readmit_hit_tokens;
     busy_ = !running_.empty() || !waiting_.empty();
   }
   idle_cv_.notify_all();
@@ -450,8 +452,9 @@ bool Engine::step() {
       }
       break;
     }
+    const bool readmission = s.preempted;
     s.preempted = false;
-    s.res.cached_tokens = adopts ? s.cache->adopt_prefix(*index_, s.tokens.data(), n, n - 1) : 0;
+    s.res.cached_tokens = adopts ? s.cache->adopt_prefix(*index_, s.tokens.data(), n, n - 1, readmission) : 0;
     outstanding += own > covered ? own - covered : 0;
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();

@@ -131,6 +131,8 @@ struct EngineMetrics {
   size_t kv_tokens_capacity = 0;
   uint64_t prefix_query_tokens = 0;
   uint64_t prefix_hit_tokens = 0;
+  uint64_t prefix_readmit_query_tokens = 0;  // preempted sequences admitted again (not in the hit rate)
+  uint64_t prefix_readmit_hit_tokens = 0;
   uint64_t preemptions = 0;
   uint64_t requests_finished = 0;
   uint64_t requests_cancelled = 0;  // of those, ended by cancel()

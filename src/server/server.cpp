@@ -834,6 +834,10 @@ std::string metrics_prometheus(const EngineMetrics& m) {
       m.kv_window_dead);
   one("kvq_prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", m.prefix_query_tokens);
   one("kvq_prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache.", m.prefix_hit_tokens);
+  one("kvq_prefix_cache_preempted_queries_total", "counter",
+      "Tokens of preempted sequences looked up again when readmitted (not in the hit rate).", m.prefix_readmit_query_tokens);
+  one("kvq_prefix_cache_preempted_hits_total", "counter",
+      "Of those, tokens found in the prefix cache (recomputation the cache saved them).", m.prefix_readmit_hit_tokens);
   one("kvq_preemptions_total", "counter", "Sequences preempted (recomputed later) for lack of KV pages.", m.preemptions);
   one("kvq_requests_finished_total", "counter", "Requests finished.", m.requests_finished);
   one("kvq_requests_cancelled_total", "counter", "Requests cancelled (client gone) before they finished.",
