@@ -575,3 +575,20 @@ TEST_P(PagedModel, AdoptedPrefixGivesTheLogitsOfAFullComputation) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, PagedModel, ::testing::Values("f16", "int8"));
+
+// What a sequence of n tokens costs per token: packed formats their packed bytes at every n; a
+// format with a full-precision window (kivi4, G = 16 here, R = 32) f32 rows while n is inside the
+// window and an unfilled group, then the packed bytes for what was packed.
+TEST(KvCacheBytes, PerTokenAtALengthCountsTheFullPrecisionWindow) {
+  const double f32_row = 2.0 * 2 * 2 * 64 * 4;  // layers x (K, V) x heads x head_dim x 4 bytes
+  {
+    KvCache c(synth_cfg("int8"));
+    for (int n : {1, 16, 100, 512}) EXPECT_DOUBLE_EQ(c.bytes_per_token_at(n), c.bytes_per_token()) << n;
+  }
+  KvCache c(synth_cfg("kivi4", 32));
+  for (int n : {1, 20, 47}) EXPECT_DOUBLE_EQ(c.bytes_per_token_at(n), f32_row) << n;  // nothing packed below R + G
+  // 48 tokens: 16 packed (one group after the 32-token window)
+  EXPECT_DOUBLE_EQ(c.bytes_per_token_at(48), (16 * c.bytes_per_token() + 32 * f32_row) / 48);
+  EXPECT_LT(c.bytes_per_token_at(512), 1.2 * c.bytes_per_token() + 48 * f32_row / 512);
+  EXPECT_GT(c.bytes_per_token_at(512), c.bytes_per_token());
+}

@@ -488,6 +488,18 @@ int KvCache::publish_pages(PrefixIndex& index, const int32_t* tokens, int n) {
   return inserted;
 }
 
+double KvCache::bytes_per_token_at(int n) const {
+  KVQ_CHECK(n > 0, "{} tokens", n);
+  double b = 0;
+  for (int il = 0; il < int(layers_.size()); ++il) {
+    const Layer& L = layers_[size_t(il)];
+    const int packed = quantized(L, n);
+    const double tail_row = double(cfg_.n_kv_heads) * double(cfg_.head_dim) * sizeof(float) * (L.pre_rope ? 3 : 2);
+    b += double(layer_page_bytes(il)) / cfg_.page_tokens * packed + tail_row * (n - packed);
+  }
+  return b / n;
+}
+
 size_t KvCache::bytes_tail() const {
   size_t b = 0;
   for (const auto& L : layers_)

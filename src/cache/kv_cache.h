@@ -204,6 +204,10 @@ class KvCache {
   size_t bytes_tail() const;
   // Bytes per token of the packed part, all layers, K and V (from the codecs' block sizes).
   double bytes_per_token() const { return double(page_bytes_) / cfg_.page_tokens; }
+  // Bytes per token a sequence of n > 0 tokens costs: each layer's packed tokens at its packed
+  // bytes per token, the rest (a full-precision residual window, an unfilled token group) at the
+  // f32 tail's (K and V, and the pre-RoPE keys the pre-RoPE codecs keep beside them).
+  double bytes_per_token_at(int n) const;
 
  private:
   struct Layer {

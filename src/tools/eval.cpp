@@ -185,6 +185,7 @@ void task_ppl(Ctx& c, const std::vector<int32_t>& text_ids) {
     if (size_t(ctx) * size_t(c.o.chunks) > text_ids.size())
       fail("--data has {} tokens, fewer than {} window(s) of {} tokens", text_ids.size(), c.o.chunks, ctx);
     std::vector<std::vector<TokenScore>> scores(c.runs.size());
+    std::vector<double> bits_at(c.runs.size(), 0.0);  // at this context: the full-precision window included
     for (int ch = 0; ch < c.o.chunks; ++ch) {
       std::vector<int32_t> win(text_ids.begin() + std::ptrdiff_t(size_t(ch) * size_t(ctx)),
                                text_ids.begin() + std::ptrdiff_t(size_t(ch + 1) * size_t(ctx)));
@@ -220,11 +221,15 @@ void task_ppl(Ctx& c, const std::vector<int32_t>& text_ids) {
           prog.step(fmt::format("ppl ctx {} {}", ctx, c.runs[f].name), size_t(n));
         }
       }
-      for (size_t f = 0; f < c.runs.size(); ++f) c.runs[f].bits_per_element = bits_per_element(*caches[f], cfg);
+      for (size_t f = 0; f < c.runs.size(); ++f) {
+        c.runs[f].bits_per_element = bits_per_element(*caches[f], cfg);
+        bits_at[f] = caches[f]->bytes_per_token_at(ctx) * 8.0 / (2.0 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim);
+      }
     }
     for (size_t f = 0; f < c.runs.size(); ++f) {
       BucketSummary s = eval_summarize(ctx, scores[f]);
-      c.runs[f].report["buckets"].push_back({{"ctx", s.ctx}, {"n_scored", s.n_scored}, {"ppl", s.ppl}, {"base_ppl", s.base_ppl},
+      c.runs[f].report["buckets"].push_back({{"ctx", s.ctx}, {"bits_per_element", bits_at[f]}, {"n_scored", s.n_scored},
+                                             {"ppl", s.ppl}, {"base_ppl", s.base_ppl},
                                              {"delta_ppl_pct", s.delta_ppl_pct}, {"kld_mean", s.kld_mean}, {"kld_p99", s.kld_p99},
                                              {"top1_agree", s.top1_agree}});
     }
@@ -699,7 +704,8 @@ int eval_command(const EvalOptions& o) {
     std::printf("\n%-28s %6s %7s %10s %10s %9s %11s %11s %8s\n", "format", "bits", "ctx", "ppl", "f16 ppl", "dPPL %", "KLD mean", "KLD p99", "top1");
     for (const auto& r : runs)
       for (const auto& b : r.report["buckets"])
-        std::printf("%-28s %6.2f %7d %10.4f %10.4f %+9.3f %11.6f %11.6f %7.2f%%\n", r.name.c_str(), r.bits_per_element,
+        std::printf("%-28s %6.2f %7d %10.4f %10.4f %+9.3f %11.6f %11.6f %7.2f%%\n", r.name.c_str(),
+                    b.value("bits_per_element", r.bits_per_element),
                     b["ctx"].get<int>(), b["ppl"].get<double>(), b["base_ppl"].get<double>(), b["delta_ppl_pct"].get<double>(),
                     b["kld_mean"].get<double>(), b["kld_p99"].get<double>(), 100 * b["top1_agree"].get<double>());
   }

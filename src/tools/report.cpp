@@ -128,7 +128,8 @@ std::string report_html(const nlohmann::json& ev) {
       for (const auto& bk : f["buckets"])
         h += fmt::format("<tr><td style='text-align:left'>{}</td><td>{:.2f}</td><td>{}</td><td>{:.4f}</td><td>{:.4f}</td><td>{:+.3f}</td>"
                          "<td>{:.6f}</td><td>{:.6f}</td><td>{:.2f}%</td></tr>",
-                         esc(f["format"].get<std::string>()), f["bits_per_element"].get<double>(), bk["ctx"].get<int>(),
+                         esc(f["format"].get<std::string>()), bk.value("bits_per_element", f["bits_per_element"].get<double>()),
+                         bk["ctx"].get<int>(),
                          bk["ppl"].get<double>(), bk["base_ppl"].get<double>(), bk["delta_ppl_pct"].get<double>(),
                          bk["kld_mean"].get<double>(), bk["kld_p99"].get<double>(), 100 * bk["top1_agree"].get<double>());
     h += "</table>";

@@ -9,7 +9,7 @@ printf '{"prompt": "Once upon a time", "expected": "there", "match": "substring"
   --json --html "$tmp/r.html" --no-progress -t 1 >"$tmp/out.json" 2>"$tmp/err"
 check "eval exits 0" "[[ $? -eq 0 ]]"
 check "eval JSON has one bucket per context per format" \
-  "python3 -c \"import json,sys; d=json.load(open('$tmp/out.json')); assert [len(f['buckets']) for f in d['formats']]==[2,2]; assert all(b['ctx'] in (64,128) and b['kld_mean']>=0 and 0<=b['top1_agree']<=1 for f in d['formats'] for b in f['buckets']); assert d['formats'][0]['own']['n']==2; assert d['cpu'] in ('scalar','avx2','avx512')\""
+  "python3 -c \"import json,sys; d=json.load(open('$tmp/out.json')); assert [len(f['buckets']) for f in d['formats']]==[2,2]; assert all(b['ctx'] in (64,128) and b['kld_mean']>=0 and 0<=b['top1_agree']<=1 for f in d['formats'] for b in f['buckets']); assert d['formats'][0]['own']['n']==2; assert d['cpu'] in ('scalar','avx2','avx512'); assert all(abs(b['bits_per_element']-f['bits_per_element'])<1e-9 for f in d['formats'] for b in f['buckets'])\""
 check "HTML report is self-contained with SVG plots" "grep -q '<svg' $tmp/r.html && ! grep -q 'http://\|https://' <(sed 's|http://www.w3.org/2000/svg||g' $tmp/r.html)"
 
 # per-layer sensitivity and the static-prefill scale mode
