@@ -591,4 +591,7 @@ TEST(KvCacheBytes, PerTokenAtALengthCountsTheFullPrecisionWindow) {
   EXPECT_DOUBLE_EQ(c.bytes_per_token_at(48), (16 * c.bytes_per_token() + 32 * f32_row) / 48);
   EXPECT_LT(c.bytes_per_token_at(512), 1.2 * c.bytes_per_token() + 48 * f32_row / 512);
   EXPECT_GT(c.bytes_per_token_at(512), c.bytes_per_token());
+  // the most a sequence holds outside the pages: the window and an unfilled group, f32 K and V
+  EXPECT_EQ(double(c.max_tail_bytes()), f32_row * (32 + 16 - 1));
+  EXPECT_EQ(KvCache(synth_cfg("int8")).max_tail_bytes(), 0u);
 }

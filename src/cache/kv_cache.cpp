@@ -500,6 +500,16 @@ double KvCache::bytes_per_token_at(int n) const {
   return b / n;
 }
 
+size_t KvCache::max_tail_bytes() const {
+  size_t b = 0;
+  for (const auto& L : layers_) {
+    if (L.group <= 1 && L.residual <= 0) continue;
+    const size_t row = size_t(cfg_.n_kv_heads) * size_t(cfg_.head_dim) * sizeof(float) * (L.pre_rope ? 3 : 2);
+    b += row * size_t(L.residual + L.group - 1);
+  }
+  return b;
+}
+
 size_t KvCache::bytes_tail() const {
   size_t b = 0;
   for (const auto& L : layers_)

@@ -412,6 +412,7 @@ int bench_command(const BenchOptions& o) {
   std::vector<BenchRequest> reqs;
   std::vector<size_t> page_bytes;  // per format
   std::vector<bool> shareable;     // per format: KvCache::prefix_shareable()
+  std::vector<size_t> tail_max;    // per format: KvCache::max_tail_bytes() (f32, outside --kv-mem)
   std::string model_name;
   int ctx = 0;
   {
@@ -425,6 +426,7 @@ int bench_command(const BenchOptions& o) {
       KvCache check(kc);
       page_bytes.push_back(kv_cache_page_bytes(kc));
       shareable.push_back(check.prefix_shareable());
+      tail_max.push_back(check.max_tail_bytes());
     }
     ctx = probe.ctx();
     model_name = probe.model().config().name;
@@ -521,6 +523,7 @@ int bench_command(const BenchOptions& o) {
   j["workload"] = w;
   j["runs"] = nlohmann::json::array();
   for (const auto& r : runs) {
+    const size_t fi = size_t(std::find(formats.begin(), formats.end(), r.format) - formats.begin());
     nlohmann::json e{{"format", r.format},
                      {"kv_mem_bytes", r.kv_mem},
                      {"concurrency", r.load.clients > 0 ? nlohmann::json(r.load.clients) : nlohmann::json(nullptr)},
@@ -529,6 +532,8 @@ int bench_command(const BenchOptions& o) {
                      {"prefix_cache", r.prefix_cache},
                      {"kv_tokens", r.kv_tokens},
                      {"kv_bytes_per_token", r.kv_bytes_per_token},
+                     // f32 tail per running sequence at most, outside kv_mem_bytes (windows, unfilled groups)
+                     {"tail_bytes_per_sequence_max", fi < tail_max.size() ? tail_max[fi] : size_t(0)},
                      {"requests", r.requests}};
     if (r.fits) {
       e["ok"] = r.ok;
@@ -601,6 +606,13 @@ int bench_command(const BenchOptions& o) {
     }
     bool noted = false;
     for (size_t f = 0; f < formats.size(); ++f) {
+      if (tail_max[f] > 0) {
+        if (!noted) std::printf("\n");
+        noted = true;
+        std::printf("%s: each running sequence also holds up to %.1f KiB of f32 keys and values outside --kv-mem (its "
+                    "full-precision window and unfilled token group)\n",
+                    formats[f].c_str(), double(tail_max[f]) / 1024.0);
+      }
       if (shareable[f]) continue;
       if (!noted) std::printf("\n");
       noted = true;

@@ -12,7 +12,7 @@ require "$model" "$text"
   --question-tokens 8 --concurrency 1,2 --max-tokens 8 -t 1 --json --json-out "$tmp/copy.json" >"$tmp/b.json" 2>"$tmp/e"
 check "bench exits 0" "[[ $? -eq 0 ]]"
 check "one run per format and concurrency, every request served with exactly max_tokens tokens" \
-  "python3 -c \"import json; d=json.load(open('$tmp/b.json')); R=d['runs']; assert [(r['format'],r['concurrency']) for r in R]==[('f16',1),('f16',2),('int8',1),('int8',2)]; assert all(r['fits'] and r['ok']==16 and r['errors']==0 and r['completion_tokens']==16*8 for r in R); assert d['workload']['requests']==16 and d['kv_mem_bytes']==[163840] and all(r['kv_mem_bytes']==163840 for r in R); assert d['cpu'] in ('scalar','avx2','avx512')\""
+  "python3 -c \"import json; d=json.load(open('$tmp/b.json')); R=d['runs']; assert [(r['format'],r['concurrency']) for r in R]==[('f16',1),('f16',2),('int8',1),('int8',2)]; assert all(r['tail_bytes_per_sequence_max']==0 for r in R); assert all(r['fits'] and r['ok']==16 and r['errors']==0 and r['completion_tokens']==16*8 for r in R); assert d['workload']['requests']==16 and d['kv_mem_bytes']==[163840] and all(r['kv_mem_bytes']==163840 for r in R); assert d['cpu'] in ('scalar','avx2','avx512')\""
 check "timings are consistent (p50 <= p95, TTFT > 0, throughput = tokens / wall)" \
   "python3 -c \"import json; d=json.load(open('$tmp/b.json')); assert all(0<r['ttft_p50_s']<=r['ttft_p95_s'] and 0<r['tpot_p50_s']<=r['tpot_p95_s'] and abs(r['throughput_tok_s']*r['wall_s']-r['completion_tokens'])<1e-6*r['completion_tokens'] for r in d['runs'])\""
 check "under the same budget int8 holds more tokens and every prefix: hit rate 12 x 64 / (16 x 73), f16 none" \
