@@ -46,20 +46,27 @@ std::string report_svg_lines(const std::string& title, const std::string& x_labe
                              const nlohmann::json& series, bool log_y, bool log_x) {
   const double W = 640, H = 360, L = 70, R = 170, T = 30, B = 50;
   double x0 = 1e300, x1 = -1e300, y0 = 1e300, y1 = -1e300;
-  auto ty = [&](double y) { return log_y ? std::log10(std::max(y, 1e-12)) : y; };
+  auto ty = [&](double y) { return log_y ? std::log10(y) : y; };
   auto tx = [&](double x) { return log_x ? std::log2(x) : x; };
+  bool nonneg = true;
   for (const auto& s : series)
     for (const auto& p : s["points"]) {
-      const double x = tx(p[0].get<double>()), y = ty(p[1].get<double>());
-      x0 = std::min(x0, x), x1 = std::max(x1, x), y0 = std::min(y0, y), y1 = std::max(y1, y);
+      const double x = tx(p[0].get<double>()), yv = p[1].get<double>();
+      x0 = std::min(x0, x), x1 = std::max(x1, x);
+      nonneg = nonneg && yv >= 0;
+      if (log_y && !(yv > 0)) continue;  // a zero (the f16 reference's KLD) has no place on a log axis
+      y0 = std::min(y0, ty(yv)), y1 = std::max(y1, ty(yv));
     }
   if (x0 > x1) return "<p>(no data)</p>";
+  if (y0 > y1) y0 = y1 = log_y ? -6 : 0;  // every value zero
   if (x1 - x0 < 1e-9) x0 -= 0.5, x1 += 0.5;
   if (y1 - y0 < 1e-12) y0 -= 0.5, y1 += 0.5;
   const double pad = 0.05 * (y1 - y0);
   y0 -= pad, y1 += pad;
+  if (!log_y && nonneg) y0 = std::max(y0, 0.0);  // no negative ticks for values that cannot be negative
   auto px = [&](double x) { return L + (tx(x) - x0) / (x1 - x0) * (W - L - R); };
-  auto py = [&](double y) { return T + (1 - (ty(y) - y0) / (y1 - y0)) * (H - T - B); };
+  // zeros on a log axis sit on the bottom edge
+  auto py = [&](double y) { return T + (1 - ((log_y && !(y > 0) ? y0 : ty(y)) - y0) / (y1 - y0)) * (H - T - B); };
   std::string s = fmt::format("<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}' font-family='sans-serif' font-size='11'>", W, H);
   s += fmt::format("<text x='{}' y='18' font-size='14' font-weight='bold'>{}</text>", L, esc(title));
   s += fmt::format("<rect x='{}' y='{}' width='{}' height='{}' fill='none' stroke='#999'/>", L, T, W - L - R, H - T - B);
