@@ -206,6 +206,7 @@ struct RunResult {
   double kv_bytes_per_token = 0;
   bool fits = true;
   bool prefix_cache = true;  // false: the format's residual window keeps prefixes private
+  size_t window_reserve = 0;  // of kv_mem: f32 windows of the sequences the load can run at once
   int requests = 0, ok = 0, errors = 0;
   std::string first_error;
   double wall_s = 0;
@@ -467,8 +468,13 @@ int bench_command(const BenchOptions& o) {
     for (const BenchLoad& load : loads) {
       // The pool's page size as PagePool rounds it: a budget below one page holds no token.
       const size_t pb = (page_bytes[f] + 63) / 64 * 64;
+      // A format with a full-precision window keeps it in f32 beside the pool, per running sequence:
+      // the budget holds it for as many sequences as the load can run at once, the pool the rest.
+      const size_t seqs = size_t(load.rate > 0 ? o.max_running : std::min(load.clients, o.max_running));
+      const size_t reserve = tail_max[f] * seqs;
+      const size_t pool_mem = kv_mem > reserve ? kv_mem - reserve : 0;
       std::unique_ptr<Engine> eng;
-      if (kv_mem >= pb) eng = std::make_unique<Engine>(engine_options(o, fmt, kv_mem));  // fresh: cold prefix cache
+      if (pool_mem >= pb) eng = std::make_unique<Engine>(engine_options(o, fmt, pool_mem));  // fresh: cold prefix cache
       const size_t cap = eng ? eng->pool().tokens_capacity() : 0;
       if (cap < longest) {
         RunResult rr;
@@ -481,14 +487,21 @@ int bench_command(const BenchOptions& o) {
         rr.kv_bytes_per_token = double(pb) / double(o.kv.page_tokens);
         rr.fits = false;
         rr.prefix_cache = shareable[f];
-        std::fprintf(stderr, "[bench] %s: --kv-mem %s holds %zu tokens, the longest request needs %zu: not run\n",
-                     fmt.c_str(), budgets[bi].c_str(), rr.kv_tokens, longest);
+        rr.window_reserve = reserve;
+        std::fprintf(stderr, "[bench] %s: --kv-mem %s holds %zu tokens%s, the longest request needs %zu: not run\n",
+                     fmt.c_str(), budgets[bi].c_str(), rr.kv_tokens,
+                     reserve ? fmt::format(" after {:.1f} MiB of f32 windows for {} sequences", double(reserve) / 1048576.0,
+                                           seqs).c_str()
+                             : "",
+                     longest);
         runs.push_back(rr);
-        break;  // the same at every load
+        if (reserve == 0) break;  // the same at every load
+        continue;
       }
       std::fprintf(stderr, "[bench] %s, %s, %s, %zu requests ...\n", fmt.c_str(), budgets[bi].c_str(),
                    load.str().c_str(), n_requests);
       runs.push_back(run_one(*eng, fmt, load, reqs, o.seed));
+      runs.back().window_reserve = reserve;
       runs.back().prefix_cache = shareable[f];
       runs.back().budget = budgets[bi];
       runs.back().kv_mem = kv_mem;
@@ -532,8 +545,10 @@ int bench_command(const BenchOptions& o) {
                      {"prefix_cache", r.prefix_cache},
                      {"kv_tokens", r.kv_tokens},
                      {"kv_bytes_per_token", r.kv_bytes_per_token},
-                     // f32 tail per running sequence at most, outside kv_mem_bytes (windows, unfilled groups)
+                     // f32 tail per running sequence at most (windows, unfilled groups), and what of
+                     // kv_mem_bytes is reserved for them (the pool gets the rest)
                      {"tail_bytes_per_sequence_max", fi < tail_max.size() ? tail_max[fi] : size_t(0)},
+                     {"window_reserve_bytes", r.window_reserve},
                      {"requests", r.requests}};
     if (r.fits) {
       e["ok"] = r.ok;
@@ -574,8 +589,10 @@ int bench_command(const BenchOptions& o) {
                 "wall s");
     for (const auto& r : runs) {
       if (!r.fits) {
-        std::printf("%-14s %8s %9zu %8.0f  (the longest request does not fit in the budget)\n", r.format.c_str(),
-                    r.budget.c_str(), r.kv_tokens, r.kv_bytes_per_token);
+        std::printf("%-14s %8s %9zu %8.0f %12s  (the longest request does not fit in the budget%s)\n", r.format.c_str(),
+                    r.budget.c_str(), r.kv_tokens, r.kv_bytes_per_token,
+                    r.window_reserve ? r.load.str().c_str() : "every load",
+                    r.window_reserve ? ", after the f32 windows of the sequences this load runs at once" : "");
         continue;
       }
       std::printf("%-14s %8s %9zu %8.0f %12s %3d/%-3d %9.1f %9s %9s %9s %9s %6.2f %7llu %7.1f\n", r.format.c_str(),
@@ -609,8 +626,9 @@ int bench_command(const BenchOptions& o) {
       if (tail_max[f] > 0) {
         if (!noted) std::printf("\n");
         noted = true;
-        std::printf("%s: each running sequence also holds up to %.1f KiB of f32 keys and values outside --kv-mem (its "
-                    "full-precision window and unfilled token group)\n",
+        std::printf("%s: each running sequence holds up to %.1f KiB of f32 keys and values beside the pages (its "
+                    "full-precision window and unfilled token group); --kv-mem reserves that for as many sequences "
+                    "as each load runs at once (--max-running with --rate), and its pool gets the rest\n",
                     formats[f].c_str(), double(tail_max[f]) / 1024.0);
       }
       if (shareable[f]) continue;

@@ -124,4 +124,16 @@ bad "--chat on a model without a chat template" "no chat template kvq knows" --k
 bad "--chat without a JSONL workload" "applies to --workload" --kv f16 --chat --data "$text"
 bad "text too short for the prefixes" "fewer than --prefixes" --kv f16 --data "$tmp/w.jsonl" --prefix-tokens 64
 
+# A full-precision window (kivi4 on SmolLM2, when installed) is reserved out of the budget for the
+# sequences a load runs at once: 1 client gets a smaller pool than q4_0, 4 clients' windows alone
+# exceed 24 MiB and do not fit.
+smol=${KVQ_MODELS_DIR:-$src/models}/SmolLM2-135M-Instruct.Q4_1.gguf
+[[ -f $smol ]] || smol=$src/models/SmolLM2-135M-Instruct.Q4_1.gguf
+if [[ -f $smol ]]; then
+  "$kvq" bench -m "$smol" --kv q4_0,kivi4 --kv-mem 24MiB --data "$text" --prefixes 2 --prefix-tokens 40 \
+    --question-tokens 16 --max-tokens 4 --requests 4 --concurrency 1,4 -t 1 --json >"$tmp/w.json" 2>/dev/null
+  check "kivi4's windows are reserved out of the budget per running sequence" \
+    "python3 -c \"import json; R={(r['format'],r['concurrency']): r for r in json.load(open('$tmp/w.json'))['runs']}; q,k1,k4=R[('q4_0',1)],R[('kivi4',1)],R[('kivi4',4)]; t=k1['tail_bytes_per_sequence_max']; assert t>0 and q['window_reserve_bytes']==0; assert k1['window_reserve_bytes']==t and k4['window_reserve_bytes']==4*t; assert k1['fits'] and 0<k1['kv_tokens']*k1['kv_bytes_per_token']<=24*2**20-t; assert not k4['fits']\""
+fi
+
 finish bench
