@@ -488,25 +488,25 @@ int KvCache::publish_pages(PrefixIndex& index, const int32_t* tokens, int n) {
   return inserted;
 }
 
+size_t KvCache::tail_row_bytes(const Layer& L) const {
+  return size_t(cfg_.n_kv_heads) * size_t(cfg_.head_dim) * sizeof(float) * (L.pre_rope ? 3 : 2);
+}
+
 double KvCache::bytes_per_token_at(int n) const {
   KVQ_CHECK(n > 0, "{} tokens", n);
   double b = 0;
   for (int il = 0; il < int(layers_.size()); ++il) {
     const Layer& L = layers_[size_t(il)];
     const int packed = quantized(L, n);
-    const double tail_row = double(cfg_.n_kv_heads) * double(cfg_.head_dim) * sizeof(float) * (L.pre_rope ? 3 : 2);
-    b += double(layer_page_bytes(il)) / cfg_.page_tokens * packed + tail_row * (n - packed);
+    b += double(layer_page_bytes(il)) / cfg_.page_tokens * packed + double(tail_row_bytes(L)) * (n - packed);
   }
   return b / n;
 }
 
 size_t KvCache::max_tail_bytes() const {
   size_t b = 0;
-  for (const auto& L : layers_) {
-    if (L.group <= 1 && L.residual <= 0) continue;
-    const size_t row = size_t(cfg_.n_kv_heads) * size_t(cfg_.head_dim) * sizeof(float) * (L.pre_rope ? 3 : 2);
-    b += row * size_t(L.residual + L.group - 1);
-  }
+  for (const auto& L : layers_)
+    if (L.group > 1 || L.residual > 0) b += tail_row_bytes(L) * size_t(L.residual + L.group - 1);
   return b;
 }
 

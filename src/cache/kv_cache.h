@@ -226,6 +226,8 @@ class KvCache {
     int pending = 0;                  // tokens appended in the current step
   };
   int quantized(const Layer& L, int n) const { return kv_quantized_tokens(n, L.group, L.residual); }
+  // One token's f32 tail row: all KV heads, K and V (and the pre-RoPE keys of pre-RoPE codecs).
+  size_t tail_row_bytes(const Layer& L) const;
   struct Reads {
     const float* tk = nullptr;  // tail rows (grouped codecs), head_dim floats apart
     const float* tv = nullptr;

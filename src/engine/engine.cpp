@@ -368,11 +368,13 @@ void Engine::finish(Seq& s, const char* reason, const std::string& error) {
   if (s.done) return;
   s.done = true;
   if (s.cache) s.cache->release();
-  if (s.dec && std::string(reason) != "error" && std::string(reason) != "cancelled") {
-    size_t from = s.sent;
-    s.text += s.dec->flush();
-    if (cut_at_stop(s.text, from, s.req.params.stop)) reason = "stop";
-    emit_text(s, true);
+  if (std::string(reason) != "error" && std::string(reason) != "cancelled") {
+    if (s.dec) {  // a stop string already cut the text and dropped the decoder's pending bytes
+      size_t from = s.sent;
+      s.text += s.dec->flush();
+      if (cut_at_stop(s.text, from, s.req.params.stop)) reason = "stop";
+    }
+    emit_text(s, true);  // what was held back (the start of a possible stop string) is output
   }
   s.res.finish_reason = reason;
   s.res.error = error;
@@ -603,7 +605,6 @@ bool Engine::step() {
         s.text += s.dec->push(next);
         if (cut_at_stop(s.text, from, s.req.params.stop)) {
           s.dec.reset();  // pending bytes come after the cut
-          emit_text(s, true);  // what was held back before the stop string is output
           finish(s, "stop");
           continue;
         }

@@ -25,31 +25,8 @@ inline __m512i high_bit(__m512i y, int k) {
   return _mm512_and_si512(b, _mm512_set1_epi8(4));
 }
 
-// Key block at `base` (64 * bits bytes), `bits` wide: vec[v] = codes of channels 4v..4v+3 of the
-// block, one token per 32-bit lane.
-inline void key_block_codes(const uint8_t* base, int bits, __m512i* vec) {
-  const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(0x03);
-  if (bits == 4) {
-    for (int o = 0; o < 4; ++o) {
-      const __m512i x = _mm512_loadu_si512(base + 64 * o);
-      vec[2 * o] = _mm512_and_si512(x, m4);
-      vec[2 * o + 1] = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
-    }
-    return;
-  }
-  const __m512i y = bits == 3 ? _mm512_loadu_si512(base + 128) : _mm512_setzero_si512();
-  for (int o = 0; o < 2; ++o) {
-    const __m512i x = _mm512_loadu_si512(base + 64 * o);
-    for (int r = 0; r < 4; ++r) {
-      __m512i c = _mm512_and_si512(r ? _mm512_srli_epi16(x, unsigned(2 * r)) : x, m2);
-      if (bits == 3) c = _mm512_or_si512(c, high_bit(y, r + 4 * o));
-      vec[4 * o + r] = c;
-    }
-  }
-}
-
-// Vectors v = U * o .. U * o + U - 1 (U = 2 at 4 bits, else 4) of a key block's codes (key_block_codes'
-// order), from the block's o-th 64-byte load.
+// Vectors v = U * o .. U * o + U - 1 (U = 2 at 4 bits, else 4) of the key block at `base` (64 * bits
+// bytes), from its o-th 64-byte load: vec[v] = codes of channels 4v..4v+3, one token per 32-bit lane.
 template <int U>
 [[gnu::always_inline]] inline void key_unit_codes(const uint8_t* base, int bits, int o, __m512i* vec) {
   const __m512i x = _mm512_loadu_si512(base + 64 * o);

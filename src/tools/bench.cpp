@@ -6,7 +6,6 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdio>
-#include <fstream>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -206,6 +205,7 @@ struct RunResult {
   double kv_bytes_per_token = 0;
   bool fits = true;
   bool prefix_cache = true;  // false: the format's residual window keeps prefixes private
+  size_t tail_max = 0;        // f32 tail bytes per running sequence at most (KvCache::max_tail_bytes)
   size_t window_reserve = 0;  // of kv_mem: f32 windows of the sequences the load can run at once
   int requests = 0, ok = 0, errors = 0;
   std::string first_error;
@@ -487,6 +487,7 @@ int bench_command(const BenchOptions& o) {
         rr.kv_bytes_per_token = double(pb) / double(o.kv.page_tokens);
         rr.fits = false;
         rr.prefix_cache = shareable[f];
+        rr.tail_max = tail_max[f];
         rr.window_reserve = reserve;
         std::fprintf(stderr, "[bench] %s: --kv-mem %s holds %zu tokens%s, the longest request needs %zu: not run\n",
                      fmt.c_str(), budgets[bi].c_str(), rr.kv_tokens,
@@ -501,6 +502,7 @@ int bench_command(const BenchOptions& o) {
       std::fprintf(stderr, "[bench] %s, %s, %s, %zu requests ...\n", fmt.c_str(), budgets[bi].c_str(),
                    load.str().c_str(), n_requests);
       runs.push_back(run_one(*eng, fmt, load, reqs, o.seed));
+      runs.back().tail_max = tail_max[f];
       runs.back().window_reserve = reserve;
       runs.back().prefix_cache = shareable[f];
       runs.back().budget = budgets[bi];
@@ -536,7 +538,6 @@ int bench_command(const BenchOptions& o) {
   j["workload"] = w;
   j["runs"] = nlohmann::json::array();
   for (const auto& r : runs) {
-    const size_t fi = size_t(std::find(formats.begin(), formats.end(), r.format) - formats.begin());
     nlohmann::json e{{"format", r.format},
                      {"kv_mem_bytes", r.kv_mem},
                      {"concurrency", r.load.clients > 0 ? nlohmann::json(r.load.clients) : nlohmann::json(nullptr)},
@@ -547,7 +548,7 @@ int bench_command(const BenchOptions& o) {
                      {"kv_bytes_per_token", r.kv_bytes_per_token},
                      // f32 tail per running sequence at most (windows, unfilled groups), and what of
                      // kv_mem_bytes is reserved for them (the pool gets the rest)
-                     {"tail_bytes_per_sequence_max", fi < tail_max.size() ? tail_max[fi] : size_t(0)},
+                     {"tail_bytes_per_sequence_max", r.tail_max},
                      {"window_reserve_bytes", r.window_reserve},
                      {"requests", r.requests}};
     if (r.fits) {

@@ -7,7 +7,6 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
-#include <sstream>
 #include <limits>
 #include <thread>
 
@@ -72,8 +71,6 @@ void eval_add_cli(CLI::App& app, EvalOptions& o) {
 
 namespace {
 
-std::string read_text(const std::string& path, const char* what) { return read_text_file(path, what); }
-
 class Progress {
  public:
   Progress(bool on, size_t total) : on_(on), total_(std::max<size_t>(total, 1)), t0_(now_seconds()) {}
@@ -104,9 +101,11 @@ struct FormatRun {
   nlohmann::json report = nlohmann::json::object();
 };
 
-double bits_per_element(const KvCache& c, const ModelConfig& cfg) {
-  return c.bytes_per_token() * 8.0 / (2.0 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim);
+// Bits per K or V element for `bytes_per_token` of K and V over all layers and KV heads.
+double bits_per_element(double bytes_per_token, const ModelConfig& cfg) {
+  return bytes_per_token * 8.0 / (2.0 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim);
 }
+double bits_per_element(const KvCache& c, const ModelConfig& cfg) { return bits_per_element(c.bytes_per_token(), cfg); }
 
 struct Ctx {
   const EvalOptions& o;
@@ -223,7 +222,7 @@ void task_ppl(Ctx& c, const std::vector<int32_t>& text_ids) {
       }
       for (size_t f = 0; f < c.runs.size(); ++f) {
         c.runs[f].bits_per_element = bits_per_element(*caches[f], cfg);
-        bits_at[f] = caches[f]->bytes_per_token_at(ctx) * 8.0 / (2.0 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim);
+        bits_at[f] = bits_per_element(caches[f]->bytes_per_token_at(ctx), cfg);
       }
     }
     for (size_t f = 0; f < c.runs.size(); ++f) {
@@ -646,7 +645,7 @@ int eval_command(const EvalOptions& o) {
   // layers first: with --budget-bits its policies join the formats the other tasks evaluate.
   nlohmann::json policies = nlohmann::json::array();
   if (has("layers")) {
-    task_layers(c, tok.encode(read_text(o.data, "--data"), false));
+    task_layers(c, tok.encode(read_text_file(o.data, "--data"), false));
     const size_t n_measured = runs.size();
     for (double budget : o.budget_bits) {
       const std::vector<FormatRun> measured(runs.begin(), runs.begin() + std::ptrdiff_t(n_measured));
@@ -673,8 +672,8 @@ int eval_command(const EvalOptions& o) {
       runs.push_back(std::move(pr));
     }
   }
-  if (has("ppl")) task_ppl(c, tok.encode(read_text(o.data, "--data"), false));
-  if (has("needle")) task_needle(c, tok.encode(read_text(o.haystack.empty() ? o.data : o.haystack, "--haystack"), false));
+  if (has("ppl")) task_ppl(c, tok.encode(read_text_file(o.data, "--data"), false));
+  if (has("needle")) task_needle(c, tok.encode(read_text_file(o.haystack.empty() ? o.data : o.haystack, "--haystack"), false));
   if (has("own")) task_own(c, own_cases);
 
   // cpu: the kernels' SIMD level (rounding of the integer-dot kernels differs by level, within bounds)

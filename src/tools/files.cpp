@@ -2,7 +2,6 @@
 
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 #include <system_error>
 
 #include "core/error.h"
@@ -13,19 +12,19 @@ void check_input_file(const std::string& path, const char* flag) {
   std::error_code ec;
   const auto st = std::filesystem::status(path, ec);
   if (ec || !std::filesystem::exists(st)) fail("{}: cannot read '{}': no such file", flag, path);
-  if (std::filesystem::is_directory(st)) fail("{}: cannot read '{}': it is a directory, not a file", flag, path);
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("{}: cannot read '{}'", flag, path);
+  if (std::filesystem::is_directory(st)) fail("{} '{}' is a directory, not a file", flag, path);
 }
 
 std::string read_text_file(const std::string& path, const char* flag) {
   check_input_file(path, flag);
   std::ifstream in(path, std::ios::binary);
   if (!in) fail("{}: cannot read '{}'", flag, path);
-  std::stringstream ss;
-  ss << in.rdbuf();
+  // A read error (EIO) sets badbit here; a stream insertion of rdbuf() would only look empty.
+  std::string text;
+  char buf[1 << 16];
+  while (in.read(buf, sizeof buf) || in.gcount() > 0) text.append(buf, size_t(in.gcount()));
   if (in.bad()) fail("{}: reading '{}' failed", flag, path);
-  return ss.str();
+  return text;
 }
 
 }  // namespace kvq

@@ -6,8 +6,8 @@
 
 namespace kvq {
 
-// Throws kvq::Error ("<flag>: cannot read '<path>': ...") unless path names something readable
-// that is not a directory.
+// Throws kvq::Error naming the flag unless path names something that exists and is not a
+// directory (callers open it and report a failure to open).
 void check_input_file(const std::string& path, const char* flag);
 // The whole file, checked as above; a read error throws too.
 std::string read_text_file(const std::string& path, const char* flag);

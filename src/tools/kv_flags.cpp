@@ -2,12 +2,11 @@
 
 #include <CLI/CLI.hpp>
 #include <cmath>
-#include <filesystem>
-#include <fstream>
 #include <map>
 
 #include "core/error.h"
 #include "kvq/kv_format.h"
+#include "tools/files.h"
 #include "model/model.h"
 
 namespace kvq {
@@ -136,18 +135,12 @@ KvSetup kv_flags_resolve(const KvFlags& f, const Model& m, const std::string& fo
   if (f.scales_file == "qk-norm") {
     s.calib = std::make_shared<const nlohmann::json>(kv_qk_norm_calib(m));
   } else if (!f.scales_file.empty()) {
-    std::error_code ec;
-    if (std::filesystem::is_directory(f.scales_file, ec))
-      fail("--kv-scales '{}' is a directory; expected a calibration JSON file (kvq calibrate -o FILE) or qk-norm",
-           f.scales_file);
-    std::ifstream in(f.scales_file);
-    if (!in) fail("--kv-scales: cannot read '{}'", f.scales_file);
+    const std::string text = read_text_file(f.scales_file, "--kv-scales");
     try {
-      s.calib = std::make_shared<const nlohmann::json>(nlohmann::json::parse(in));
+      s.calib = std::make_shared<const nlohmann::json>(nlohmann::json::parse(text));
     } catch (const nlohmann::json::exception& e) {
-      fail("--kv-scales '{}': malformed JSON: {}", f.scales_file, e.what());
-    } catch (const std::ios_base::failure& e) {
-      fail("--kv-scales '{}': cannot read the file: {}", f.scales_file, e.what());
+      fail("--kv-scales '{}': malformed JSON (a calibration from kvq calibrate -o FILE, or qk-norm): {}",
+           f.scales_file, e.what());
     }
   }
   if (f.group_tokens < 0 || f.group_tokens > 4096)

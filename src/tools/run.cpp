@@ -4,8 +4,6 @@
 #include <charconv>
 #include <cstdint>
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 #include <thread>
 
 #include "core/cpu.h"
