@@ -80,7 +80,10 @@ const nlohmann::json& bench_calib(int hd) {
                             {"k_rms", rms}, {"q_rms", rms}, {"v_rms", rms}};
     auto width = rms;  // calibrated KVQuant key ranges: three RMS about the mean
     for (float& w : width[0]) w *= 3.f;
-    for (int b : {2, 3, 4}) layer["kvquant_cal_k" + std::to_string(b)] = kvquant_cal_artifact(mean, width, b);
+    for (int b : {2, 3, 4}) {  // the codebooks a calibration gives the KVQuant keys (the defaults here)
+      layer["kvquant_k" + std::to_string(b)] = {{"codebook", kvquant_default_codebook(b)}};
+      layer["kvquant_cal_k" + std::to_string(b)] = kvquant_cal_artifact(mean, width, b);
+    }
     it = by_hd.emplace(hd, nlohmann::json{{"layers", {layer}}}).first;
   }
   return it->second;
