@@ -329,27 +329,16 @@ double int4t_tol(const KvCodec& kc, const KvCodec& vc, int head, const std::vect
   return tol;
 }
 
-// Returns the max error; *tol receives the allowed error: 2e-5 (f32 summation order, polynomial
-// exp) plus, when the scores use the int8 query image, the softmax's response to score errors:
-// every score within Delta = scale * (largest int_dot_bound over the block rows and query rows,
-// taken on the query the kernel quantizes: the plain part of the prepared row, rotated where the
-// codec rotates), so every probability ratio p'/p lies in [e^-2Delta, e^2Delta], the
-// probabilities move by at most (e^2Delta - 1) in L1, and each output by that times max |v|.
-double max_err_vs_ref(const std::string& format, const Case& c, uint64_t seed, double* tol) {
-  const KvFormatDesc& f = kv_format_find(format);
-  KvCodecParams pk, pv;
-  pk.head_dim = pv.head_dim = c.head_dim;
-  pk.n_kv_heads = pv.n_kv_heads = 2;
-  pk.role = KvRole::key;
-  pv.role = KvRole::value;
-  // Static-scale formats need calibration: per-head scales, different per head; centered
-  // formats per-head channel means (a few large channels, as keys have).
+// Calibration artifacts for every format that needs one at head_dim hd (2 KV heads): static
+// scales, different per head; centered formats' per-head channel means (a few large channels, as
+// keys have); channel RMS for the scaled ones; KVQuant codebooks and calibrated key ranges.
+const nlohmann::json& test_calib(int hd) {
   static std::map<int, nlohmann::json> calibs;
-  auto it = calibs.find(c.head_dim);
+  auto it = calibs.find(hd);
   if (it == calibs.end()) {
-    std::vector<std::vector<float>> km(2, std::vector<float>(size_t(c.head_dim))), vm = km, kr = km, qr = km, vr = km;
+    std::vector<std::vector<float>> km(2, std::vector<float>(size_t(hd))), vm = km, kr = km, qr = km, vr = km;
     for (int h = 0; h < 2; ++h)
-      for (int d = 0; d < c.head_dim; ++d) {
+      for (int d = 0; d < hd; ++d) {
         km[size_t(h)][size_t(d)] = (d % 11 == 3) ? 4.f * float(h + 1) : 0.05f * float(d % 7);
         vm[size_t(h)][size_t(d)] = 0.1f * float((d + h) % 5) - 0.2f;
         // channel RMS (scaled formats): above the means, uneven across channels and heads
@@ -367,9 +356,25 @@ double max_err_vs_ref(const std::string& format, const Case& c, uint64_t seed, d
       layer["kvquant_k" + std::to_string(b)] = {{"codebook", kvquant_default_codebook(b)}};
       layer["kvquant_cal_k" + std::to_string(b)] = kvquant_cal_artifact(km, kw, b);
     }
-    it = calibs.emplace(c.head_dim, nlohmann::json{{"layers", {layer}}}).first;
+    it = calibs.emplace(hd, nlohmann::json{{"layers", {layer}}}).first;
   }
-  pk.calib = pv.calib = &it->second;
+  return it->second;
+}
+
+// Returns the max error; *tol receives the allowed error: 2e-5 (f32 summation order, polynomial
+// exp) plus, when the scores use the int8 query image, the softmax's response to score errors:
+// every score within Delta = scale * (largest int_dot_bound over the block rows and query rows,
+// taken on the query the kernel quantizes: the plain part of the prepared row, rotated where the
+// codec rotates), so every probability ratio p'/p lies in [e^-2Delta, e^2Delta], the
+// probabilities move by at most (e^2Delta - 1) in L1, and each output by that times max |v|.
+double max_err_vs_ref(const std::string& format, const Case& c, uint64_t seed, double* tol) {
+  const KvFormatDesc& f = kv_format_find(format);
+  KvCodecParams pk, pv;
+  pk.head_dim = pv.head_dim = c.head_dim;
+  pk.n_kv_heads = pv.n_kv_heads = 2;
+  pk.role = KvRole::key;
+  pv.role = KvRole::value;
+  pk.calib = pv.calib = &test_calib(c.head_dim);
   std::unique_ptr<KvCodec> kc, vc;
   try {
     kc = kv_codec_create(f.k_codec, pk);
@@ -545,6 +550,147 @@ TEST(Attention, FusedMatchesReferenceForEveryFormatAndCpuLevel) {
           EXPECT_LT(e, tol) << f.name << " hd " << hd << " n_q " << nq << " cpu " << cpu_level_name(lvl);
         }
       }
+    }
+  }
+  cpu_set_level(saved);
+}
+
+// Long contexts (vLLM's FP8 cache once passed its short tests and lost most of its needle accuracy
+// at 128K tokens to a kernel accumulation bug): 16K tokens in 256 blocks at positions from 100000
+// on, RoPE on, every format. The short case above runs one batch of blocks; here the fused path runs
+// 64 batches, rescales its sums across them, walks the along requests over the whole list and turns
+// the pre-RoPE keys through angles of 10^5 radians. Planted needles, one key per query row aligned
+// with that row (in the first block, the middle and the last blocks, the tail), take most of each
+// row's attention, so a batch dropped, counted twice or rescaled wrongly moves an output by a good
+// part of max |v|, far beyond the kernels' per-score and per-tile rounding (within 1% of max |v| in
+// the short case's bounds). Checked: fused single pass and split-K (3 parts on 2 threads) against
+// the double reference on the decoded blocks within 2% of max |v|, and split-K against the single
+// pass to float rounding.
+struct LongData {
+  static constexpr int hd = 128, n_q = 4, bt = 64, n_blocks = 256, n_tail = 5, pos0 = 100000;
+  std::vector<float> k, v, q, tk, tv;  // k, v: (n_blocks * bt, hd) pre-RoPE where a codec wants it
+  std::vector<int> needle;             // token index of row i's needle (n_blocks * bt + j: tail row j)
+};
+const LongData& long_data() {
+  static const LongData d = [] {
+    LongData x;
+    const int n = LongData::n_blocks * LongData::bt, hd = LongData::hd;
+    std::mt19937_64 rng(4242);
+    std::normal_distribution<float> nd;
+    x.k.resize(size_t(n) * hd);
+    x.v.resize(x.k.size());
+    for (size_t i = 0; i < x.k.size(); ++i) x.k[i] = nd(rng) * ((i % size_t(hd)) == 3 ? 8.f : 1.f);
+    for (auto& e : x.v) e = nd(rng);
+    x.q.resize(size_t(LongData::n_q) * hd);
+    for (auto& e : x.q) e = nd(rng);
+    x.tk.resize(size_t(LongData::n_tail) * hd);
+    x.tv.resize(x.tk.size());
+    for (auto& e : x.tk) e = nd(rng);
+    for (auto& e : x.tv) e = nd(rng);
+    x.needle = {70, n / 2 + 33, n - 40, n + 2};  // first block, middle, last block, tail
+    return x;
+  }();
+  return d;
+}
+
+// The error of one format against the reference (returns false when the codec cannot be built),
+// with vmax = max |decoded v| and the split-K deviation from the single pass.
+bool long_case(const std::string& format, double* err, double* split_dev, double* vmax) {
+  const LongData& d = long_data();
+  constexpr int hd = LongData::hd, bt = LongData::bt, nb = LongData::n_blocks, n_q = LongData::n_q;
+  const KvFormatDesc& f = kv_format_find(format);
+  KvCodecParams pk, pv;
+  pk.head_dim = pv.head_dim = hd;
+  pk.n_kv_heads = pv.n_kv_heads = 2;
+  pk.role = KvRole::key;
+  pv.role = KvRole::value;
+  pk.rope = pv.rope = KvRope{hd, 10000.f, 1.f, false};
+  pk.calib = pv.calib = &test_calib(hd);
+  auto kc = kv_codec_create(f.k_codec, pk);
+  auto vc = kv_codec_create(f.v_codec, pv);
+  const int head = 1;
+  // The needles: key of row i = 2 * q_i (score 2 |q_i|^2 / sqrt(hd), about 23, against N(0, 1)
+  // scores for the other tokens), turned back by RoPE for a pre-RoPE codec so that its decode aligns
+  // it with q_i; value = 4 * a fixed random row.
+  std::vector<float> k = d.k, v = d.v, tk = d.tk, tv = d.tv;
+  for (int i = 0; i < n_q; ++i) {
+    const int t = d.needle[size_t(i)];
+    const bool tail = t >= nb * bt;
+    float* kr = tail ? &tk[size_t(t - nb * bt) * hd] : &k[size_t(t) * hd];
+    float* vr = tail ? &tv[size_t(t - nb * bt) * hd] : &v[size_t(t) * hd];
+    for (int c = 0; c < hd; ++c) {
+      kr[c] = 2.f * d.q[size_t(i) * hd + size_t(c)];
+      vr[c] = 4.f * d.v[size_t(c)];
+    }
+    if (!tail && kc->info().pre_rope) kv_rope_apply(pk.rope, -(LongData::pos0 + t), kr, hd);
+  }
+  std::vector<std::vector<uint8_t>> kb(nb), vb(nb);
+  std::vector<KvBlockSpan> spans;
+  for (int b = 0; b < nb; ++b) {
+    kb[size_t(b)].resize(kc->block_bytes(bt));
+    vb[size_t(b)].resize(vc->block_bytes(bt));
+    const int pos = LongData::pos0 + b * bt;
+    kc->encode(head, &k[size_t(b) * bt * hd], hd, bt, kb[size_t(b)].data(), bt, 0, pos);
+    vc->encode(head, &v[size_t(b) * bt * hd], hd, bt, vb[size_t(b)].data(), bt, 0, pos);
+    KvBlockSpan s{kb[size_t(b)].data(), vb[size_t(b)].data(), bt, b == 0 ? 7 : 0, 0, pos};
+    s.n = b == nb - 1 ? bt - 9 : bt - s.t0;  // partial first and last blocks (needle 2 stays inside)
+    spans.push_back(s);
+  }
+  AttnParams ap;
+  ap.scale = 1.f / std::sqrt(float(hd));
+  std::vector<float> out(size_t(n_q) * hd), ref(out.size()), split(out.size());
+  AlignedBuf<float> scratch(attn_scratch_floats(*kc, *vc, n_q, bt));
+  attn_decode(*kc, *vc, head, d.q.data(), n_q, spans.data(), nb, tk.data(), tv.data(), hd, LongData::n_tail, ap,
+              out.data(), scratch.data());
+  attn_decode_ref(*kc, *vc, head, d.q.data(), n_q, spans.data(), nb, tk.data(), tv.data(), hd, LongData::n_tail, ap,
+                  ref.data());
+  ThreadPool pool(2);
+  AlignedBuf<float> ss(attn_split_scratch_floats(*kc, *vc, n_q, bt, 3));
+  attn_decode_split(*kc, *vc, head, d.q.data(), n_q, spans.data(), nb, tk.data(), tv.data(), hd, LongData::n_tail, ap,
+                    split.data(), ss.data(), pool, 3);
+  *vmax = 0;
+  std::vector<float> vd(size_t(bt) * hd);
+  for (int b = 0; b < nb; ++b) {
+    vc->decode(head, vb[size_t(b)].data(), bt, 0, bt, LongData::pos0 + b * bt, vd.data());
+    for (float x : vd) *vmax = std::max(*vmax, double(std::fabs(x)));
+  }
+  for (float x : tv) *vmax = std::max(*vmax, double(std::fabs(x)));
+  *err = *split_dev = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (!std::isfinite(out[i]) || !std::isfinite(split[i])) {
+      *err = INFINITY;
+      return true;
+    }
+    *err = std::max({*err, double(std::fabs(out[i] - ref[i])), double(std::fabs(split[i] - ref[i]))});
+    *split_dev = std::max(*split_dev, double(std::fabs(split[i] - out[i])));
+  }
+  // The needles do take the attention: each row's reference output is near its needle's decoded value.
+  for (int i = 0; i < n_q; ++i) {
+    const int t = d.needle[size_t(i)];
+    const float* nv = &tv[size_t(t - nb * bt) * hd];
+    if (t < nb * bt) {
+      vc->decode(head, vb[size_t(t / bt)].data(), bt, t % bt, 1, LongData::pos0 + t / bt * bt, vd.data());
+      nv = vd.data();
+    }
+    double dev = 0;
+    for (int c = 0; c < hd; ++c) dev = std::max(dev, std::fabs(double(ref[size_t(i) * hd + size_t(c)]) - nv[c]));
+    EXPECT_LT(dev, 0.25 * *vmax) << format << ": row " << i << "'s needle does not dominate the reference";
+  }
+  return true;
+}
+
+TEST(Attention, LongContextEveryFormatMatchesReference) {
+  const CpuLevel saved = cpu_level();
+  for (CpuLevel lvl : {CpuLevel::avx2, CpuLevel::avx512}) {
+    cpu_set_level(lvl);
+    if (cpu_level() != lvl) continue;  // not on this CPU
+    for (const auto& f : kv_formats()) {
+      double err = 0, split_dev = 0, vmax = 0;
+      ASSERT_TRUE(long_case(f.name, &err, &split_dev, &vmax));
+      EXPECT_LT(err, 0.02 * vmax) << f.name << " cpu " << cpu_level_name(lvl);
+      EXPECT_LT(split_dev, 2e-5 * (1 + vmax)) << f.name << " cpu " << cpu_level_name(lvl);
+      std::printf("[long] %-16s %-6s err %.3g split-single %.3g max|v| %.3g\n", f.name.c_str(), cpu_level_name(lvl),
+                  err, split_dev, vmax);
     }
   }
   cpu_set_level(saved);
