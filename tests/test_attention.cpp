@@ -564,7 +564,8 @@ TEST(Attention, FusedMatchesReferenceForEveryFormatAndCpuLevel) {
 // row's attention, so a batch dropped, counted twice or rescaled wrongly moves an output by a good
 // part of max |v|, far beyond the kernels' per-score and per-tile rounding (within 1% of max |v| in
 // the short case's bounds). Checked: fused single pass and split-K (3 parts on 2 threads) against
-// the double reference on the decoded blocks within 2% of max |v|, and split-K against the single
+// the double reference on the decoded blocks within 2% of max |v| at every CPU level this machine
+// runs, and split-K against the single
 // pass to float rounding.
 struct LongData {
   static constexpr int hd = 128, n_q = 4, bt = 64, n_blocks = 256, n_tail = 5, pos0 = 100000;
@@ -681,7 +682,7 @@ bool long_case(const std::string& format, double* err, double* split_dev, double
 
 TEST(Attention, LongContextEveryFormatMatchesReference) {
   const CpuLevel saved = cpu_level();
-  for (CpuLevel lvl : {CpuLevel::avx2, CpuLevel::avx512}) {
+  for (CpuLevel lvl : {CpuLevel::scalar, CpuLevel::avx2, CpuLevel::avx512}) {
     cpu_set_level(lvl);
     if (cpu_level() != lvl) continue;  // not on this CPU
     for (const auto& f : kv_formats()) {
