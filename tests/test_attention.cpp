@@ -565,8 +565,7 @@ TEST(Attention, FusedMatchesReferenceForEveryFormatAndCpuLevel) {
 // part of max |v|, far beyond the kernels' per-score and per-tile rounding (within 1% of max |v| in
 // the short case's bounds). Checked: fused single pass and split-K (3 parts on 2 threads) against
 // the double reference on the decoded blocks within 2% of max |v| at every CPU level this machine
-// runs, and split-K against the single
-// pass to float rounding.
+// runs, and split-K against the single pass to float rounding.
 struct LongData {
   static constexpr int hd = 128, n_q = 4, bt = 64, n_blocks = 256, n_tail = 5, pos0 = 100000;
   std::vector<float> k, v, q, tk, tv;  // k, v: (n_blocks * bt, hd) pre-RoPE where a codec wants it
