@@ -214,10 +214,12 @@ inline bool kv_rows_simd_ok(const KvRowFmt& f) { return f.head_dim % 16 == 0; }
 // (tests: test_kv_formats, test_attention).
 inline constexpr double kv_rows_bf16_rel = 1.0 / 256;
 inline constexpr double kv_rows_bf16_flush = 1.1754943508222875e-38;  // 2^-126
-// The fp8 rows with a per-token scale (e4m3_dyn, e5m2_dyn: a 4-byte scale before the codes) stay
-// on the f32 kernels: measured 12-30% slower on these (32K tokens, rows 4 + head_dim bytes apart).
+// The fp8 rows with a per-token scale (e4m3_dyn, e5m2_dyn: a 4-byte scale before the codes) too,
+// since the codes turn into bf16 through byte tables (64 per six instructions): 2x faster than
+// their f32 kernels at 32K tokens (bench/BENCHMARKS.md, "FP8 codes through byte tables").
 inline bool kv_rows_bf16_dot_active(const KvRowFmt& f) {
-  const bool elem = f.elem == KvElem::bf16 || f.elem == KvElem::e4m3 || f.elem == KvElem::e5m2;
+  const bool elem = f.elem == KvElem::bf16 || f.elem == KvElem::e4m3 || f.elem == KvElem::e5m2 ||
+                    f.elem == KvElem::e4m3_dyn || f.elem == KvElem::e5m2_dyn;
   return elem && f.head_dim % 32 == 0;
 }
 

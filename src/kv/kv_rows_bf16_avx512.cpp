@@ -24,18 +24,27 @@ inline __m512bh ld_bh(const void* p) { return reinterpret_cast<__m512bh>(_mm512_
 constexpr bool is_e4m3(KvElem E) { return E == KvElem::e4m3 || E == KvElem::e4m3_dyn; }
 constexpr bool is_dyn(KvElem E) { return E == KvElem::e4m3_dyn || E == KvElem::e5m2_dyn; }
 
-// bf16 bits of the 128 FP8 magnitudes (E4M3 or E5M2), 4 vectors of 32 words.
+// bf16 bits of the 128 FP8 magnitudes (E4M3 or E5M2): 4 vectors of 32 words (t), and the same as
+// two byte tables of 128 entries, the low bytes (b[0], b[1]) and the high bytes (b[2], b[3]).
 struct Fp8Lut {
   __m512i t[4];
+  __m512i b[4];
 };
 Fp8Lut make_fp8_lut(bool e4m3) {
   alignas(64) uint16_t w[128];
+  alignas(64) uint8_t lo[128], hi[128];
   for (int m = 0; m < 128; ++m) {
     const float v = e4m3 ? fp8_e4m3_to_f32(uint8_t(m)) : fp8_e5m2_to_f32(uint8_t(m));
     w[m] = f32_to_bf16(v);  // exact: every FP8 value (and inf / NaN) is a bf16
+    lo[m] = uint8_t(w[m] & 0xff);
+    hi[m] = uint8_t(w[m] >> 8);
   }
   Fp8Lut l;
   for (int j = 0; j < 4; ++j) l.t[j] = _mm512_load_si512(w + 32 * j);
+  for (int j = 0; j < 2; ++j) {
+    l.b[j] = _mm512_load_si512(lo + 64 * j);
+    l.b[2 + j] = _mm512_load_si512(hi + 64 * j);
+  }
   return l;
 }
 const Fp8Lut& fp8_lut(bool e4m3) {
@@ -54,8 +63,23 @@ inline __m512bh fp8_to_bf16_32(const uint8_t* c, const Fp8Lut& L) {
       _mm512_ternarylogic_epi32(mag, _mm512_slli_epi16(x, 8), _mm512_set1_epi16(int16_t(0x8000)), 0xF8));
 }
 
-// Row access by element type: elements [e, e + 32) as bf16, and the row's multiplier (the fp8
-// scale; 1 for bf16).
+// 64 FP8 codes -> their 64 values in bf16, codes 0..31 in *a and 32..63 in *b: the low and high
+// bytes of each value looked up in two 128-entry byte tables (VPERMI2B reads the code's 7 low bits,
+// the magnitude), the code's sign ORed into the high byte, the bytes interleaved into words. The
+// interleave pairs bytes 16L + k (a) and 16L + 8 + k (b) of each 128-bit lane L, k < 8, so the
+// codes' qwords are first put in the order 0, 4, 1, 5, 2, 6, 3, 7. Six instructions per 64 values
+// where fp8_to_bf16_32 takes seven per 32 (its word permutes are the slow part on Zen 5).
+[[gnu::always_inline]] inline void fp8_to_bf16_64(const uint8_t* c, const Fp8Lut& L, __m512bh* a, __m512bh* b) {
+  const __m512i x = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7), _mm512_loadu_si512(c));
+  const __m512i lo = _mm512_permutex2var_epi8(L.b[0], x, L.b[1]);
+  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(L.b[2], x, L.b[3]), x,
+                                               _mm512_set1_epi8(char(0x80)), 0xF8);  // A | (B & C)
+  *a = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi8(lo, hi));
+  *b = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi8(lo, hi));
+}
+
+// Row access by element type: elements [e, e + 32) (dec) or [e, e + 64) (dec2) as bf16, and the
+// row's multiplier (the fp8 scale; 1 for bf16).
 template <KvElem E>
 struct RowRead {
   const Fp8Lut* lut = nullptr;
@@ -66,6 +90,14 @@ struct RowRead {
   [[gnu::always_inline]] __m512bh dec(const uint8_t* row, int e) const {
     if constexpr (E == KvElem::bf16) return ld_bh(row + 2 * size_t(e));
     else return fp8_to_bf16_32(row + (is_dyn(E) ? sizeof(KvRowScaled) : 0) + size_t(e), *lut);
+  }
+  [[gnu::always_inline]] void dec2(const uint8_t* row, int e, __m512bh* a, __m512bh* b) const {
+    if constexpr (E == KvElem::bf16) {
+      *a = ld_bh(row + 2 * size_t(e));
+      *b = ld_bh(row + 2 * size_t(e + 32));
+    } else {
+      fp8_to_bf16_64(row + (is_dyn(E) ? sizeof(KvRowScaled) : 0) + size_t(e), *lut, a, b);
+    }
   }
   [[gnu::always_inline]] float mul(const uint8_t* row) const {
     if constexpr (is_dyn(E)) {
@@ -117,7 +149,18 @@ void scores_nq(const RowRead<E>& rd, const uint16_t* qb, int hd, const uint8_t* 
     for (int u = 0; u < TU; ++u) ru[u] = r0 + size_t(u < cnt ? u : cnt - 1) * row_stride;
     __m512 a[16];
     for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
-    for (int e = 0; e < hd; e += 32) {
+    int e = 0;
+    for (; e + 64 <= hd; e += 64) {  // 64 elements per step: one conversion of 64 codes per row
+      __m512bh x[TU], y[TU];
+      for (int u = 0; u < TU; ++u) rd.dec2(ru[u], e, &x[u], &y[u]);
+      for (int i = 0; i < NQ; ++i) {
+        const __m512bh qv = ld_bh(qb + size_t(i) * size_t(hd) + size_t(e));
+        for (int u = 0; u < TU; ++u) a[i * TU + u] = _mm512_dpbf16_ps(a[i * TU + u], x[u], qv);
+        const __m512bh qw = ld_bh(qb + size_t(i) * size_t(hd) + size_t(e + 32));
+        for (int u = 0; u < TU; ++u) a[i * TU + u] = _mm512_dpbf16_ps(a[i * TU + u], y[u], qw);
+      }
+    }
+    for (; e < hd; e += 32) {
       __m512bh x[TU];
       for (int u = 0; u < TU; ++u) x[u] = rd.dec(ru[u], e);
       for (int i = 0; i < NQ; ++i) {
@@ -172,11 +215,20 @@ void accum_nq(const RowRead<E>& rd, const float* p, int p_stride, int hd, const 
         const uint8_t* r0 = rows + size_t(c0 + t) * row_stride;
         const bool pair = t + 1 < m;
         if (e == 0) kv_rows_simd::kv_prefetch_ahead(rows, row_stride, c0 + t, 2, n);
+        // The rows' elements [e, e + 32 SV) as bf16: one 64-code conversion per row when SV = 2.
+        // An unpaired last token: the partner is zero (its weight is zero too, but the slot may
+        // hold anything, NaN included).
+        __m512bh d0[SV], d1[SV];
+        if constexpr (SV == 2) {
+          rd.dec2(r0, e, &d0[0], &d0[1]);
+          if (pair) rd.dec2(r0 + row_stride, e, &d1[0], &d1[1]);
+        } else {
+          d0[0] = rd.dec(r0, e);
+          if (pair) d1[0] = rd.dec(r0 + row_stride, e);
+        }
         for (int v = 0; v < SV; ++v) {
-          const __m512i x0 = reinterpret_cast<__m512i>(rd.dec(r0, e + 32 * v));
-          // An unpaired last token: the partner is zero (its weight is zero too, but the slot may
-          // hold anything, NaN included).
-          const __m512i x1 = pair ? reinterpret_cast<__m512i>(rd.dec(r0 + row_stride, e + 32 * v)) : _mm512_setzero_si512();
+          const __m512i x0 = reinterpret_cast<__m512i>(d0[v]);
+          const __m512i x1 = pair ? reinterpret_cast<__m512i>(d1[v]) : _mm512_setzero_si512();
           const __m512bh l = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(x0, x1));
           const __m512bh h = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(x0, x1));
           for (int i = 0; i < NQ; ++i) {
