@@ -587,15 +587,15 @@ const LongData& long_data() {
     x.tv.resize(x.tk.size());
     for (auto& e : x.tk) e = nd(rng);
     for (auto& e : x.tv) e = nd(rng);
-    x.needle = {70, n / 2 + 33, n - 40, n + 2};  // first block, middle, last block, tail
+    x.needle = {20, n / 2 + 33, n - 40, n + 2};  // first block (after its t0 = 7), middle, last block, tail
     return x;
   }();
   return d;
 }
 
-// The error of one format against the reference (returns false when the codec cannot be built),
-// with vmax = max |decoded v| and the split-K deviation from the single pass.
-bool long_case(const std::string& format, double* err, double* split_dev, double* vmax) {
+// The error of one format against the reference (INFINITY for a non-finite output), with vmax =
+// max |decoded v| and the split-K deviation from the single pass.
+void long_case(const std::string& format, double* err, double* split_dev, double* vmax) {
   const LongData& d = long_data();
   constexpr int hd = LongData::hd, bt = LongData::bt, nb = LongData::n_blocks, n_q = LongData::n_q;
   const KvFormatDesc& f = kv_format_find(format);
@@ -659,7 +659,7 @@ bool long_case(const std::string& format, double* err, double* split_dev, double
   for (size_t i = 0; i < out.size(); ++i) {
     if (!std::isfinite(out[i]) || !std::isfinite(split[i])) {
       *err = INFINITY;
-      return true;
+      return;
     }
     *err = std::max({*err, double(std::fabs(out[i] - ref[i])), double(std::fabs(split[i] - ref[i]))});
     *split_dev = std::max(*split_dev, double(std::fabs(split[i] - out[i])));
@@ -676,7 +676,6 @@ bool long_case(const std::string& format, double* err, double* split_dev, double
     for (int c = 0; c < hd; ++c) dev = std::max(dev, std::fabs(double(ref[size_t(i) * hd + size_t(c)]) - nv[c]));
     EXPECT_LT(dev, 0.25 * *vmax) << format << ": row " << i << "'s needle does not dominate the reference";
   }
-  return true;
 }
 
 TEST(Attention, LongContextEveryFormatMatchesReference) {
@@ -686,7 +685,7 @@ TEST(Attention, LongContextEveryFormatMatchesReference) {
     if (cpu_level() != lvl) continue;  // not on this CPU
     for (const auto& f : kv_formats()) {
       double err = 0, split_dev = 0, vmax = 0;
-      ASSERT_TRUE(long_case(f.name, &err, &split_dev, &vmax));
+      long_case(f.name, &err, &split_dev, &vmax);
       EXPECT_LT(err, 0.02 * vmax) << f.name << " cpu " << cpu_level_name(lvl);
       EXPECT_LT(split_dev, 2e-5 * (1 + vmax)) << f.name << " cpu " << cpu_level_name(lvl);
       std::printf("[long] %-16s %-6s err %.3g split-single %.3g max|v| %.3g\n", f.name.c_str(), cpu_level_name(lvl),
