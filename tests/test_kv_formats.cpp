@@ -35,11 +35,12 @@ std::unique_ptr<KvCodec> make(const std::string& name, int hd = 128, int heads =
 }
 
 // Encodes one row with codec c and decodes it back.
+// One token through a 16-token block (the smallest block the tiled codecs take), slot 5.
 std::vector<float> roundtrip(const KvCodec& c, const std::vector<float>& x) {
-  std::vector<uint8_t> blk(c.block_bytes(1));
-  c.encode(0, x.data(), x.size(), 1, blk.data(), 1, 0, 0);
+  std::vector<uint8_t> blk(c.block_bytes(16));
+  c.encode(0, x.data(), x.size(), 1, blk.data(), 16, 5, 0);
   std::vector<float> y(x.size());
-  c.decode(0, blk.data(), 1, 0, 1, 0, y.data());
+  c.decode(0, blk.data(), 16, 5, 1, 0, y.data());
   return y;
 }
 
@@ -135,13 +136,13 @@ TEST(Fp8, CodecScaleModes) {
   // Static: per-head scales from calibration JSON.
   nlohmann::json calib = {{"layers", {{{"k_scale", {0.5, 4.0}}, {"v_scale", 2.0}}}}};
   auto s = make("fp8_e4m3_static", 64, 2, &calib);
-  std::vector<uint8_t> blk(s->block_bytes(1));
+  std::vector<uint8_t> blk(s->block_bytes(16));
   std::vector<float> one(64, 1000.f), out(64);
-  s->encode(1, one.data(), 64, 1, blk.data(), 1, 0, 0);  // head 1: scale 4 -> 250 -> representable 256 or 240
-  s->decode(1, blk.data(), 1, 0, 1, 0, out.data());
+  s->encode(1, one.data(), 64, 1, blk.data(), 16, 0, 0);  // head 1: scale 4 -> 250 -> representable 256 or 240
+  s->decode(1, blk.data(), 16, 0, 1, 0, out.data());
   EXPECT_NEAR(out[0], 1000.f, 1000.f / 16);
-  s->encode(0, one.data(), 64, 1, blk.data(), 1, 0, 0);  // head 0: scale 0.5 -> saturates at 448 * 0.5
-  s->decode(0, blk.data(), 1, 0, 1, 0, out.data());
+  s->encode(0, one.data(), 64, 1, blk.data(), 16, 0, 0);  // head 0: scale 0.5 -> saturates at 448 * 0.5
+  s->decode(0, blk.data(), 16, 0, 1, 0, out.data());
   EXPECT_EQ(out[0], 224.f);
 }
 

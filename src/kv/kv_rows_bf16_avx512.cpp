@@ -13,6 +13,7 @@
 
 #include "core/dtypes.h"
 #include "kv/fp8.h"
+#include "kv/fp8_bf16_avx512.h"
 #include "kv/hsum_avx512.h"
 #include "kv/kv_rows_simd.h"
 
@@ -23,34 +24,6 @@ inline __m512bh ld_bh(const void* p) { return reinterpret_cast<__m512bh>(_mm512_
 
 constexpr bool is_e4m3(KvElem E) { return E == KvElem::e4m3 || E == KvElem::e4m3_dyn; }
 constexpr bool is_dyn(KvElem E) { return E == KvElem::e4m3_dyn || E == KvElem::e5m2_dyn; }
-
-// bf16 bits of the 128 FP8 magnitudes (E4M3 or E5M2): 4 vectors of 32 words (t), and the same as
-// two byte tables of 128 entries, the low bytes (b[0], b[1]) and the high bytes (b[2], b[3]).
-struct Fp8Lut {
-  __m512i t[4];
-  __m512i b[4];
-};
-Fp8Lut make_fp8_lut(bool e4m3) {
-  alignas(64) uint16_t w[128];
-  alignas(64) uint8_t lo[128], hi[128];
-  for (int m = 0; m < 128; ++m) {
-    const float v = e4m3 ? fp8_e4m3_to_f32(uint8_t(m)) : fp8_e5m2_to_f32(uint8_t(m));
-    w[m] = f32_to_bf16(v);  // exact: every FP8 value (and inf / NaN) is a bf16
-    lo[m] = uint8_t(w[m] & 0xff);
-    hi[m] = uint8_t(w[m] >> 8);
-  }
-  Fp8Lut l;
-  for (int j = 0; j < 4; ++j) l.t[j] = _mm512_load_si512(w + 32 * j);
-  for (int j = 0; j < 2; ++j) {
-    l.b[j] = _mm512_load_si512(lo + 64 * j);
-    l.b[2 + j] = _mm512_load_si512(hi + 64 * j);
-  }
-  return l;
-}
-const Fp8Lut& fp8_lut(bool e4m3) {
-  static const Fp8Lut e4 = make_fp8_lut(true), e5 = make_fp8_lut(false);
-  return e4m3 ? e4 : e5;
-}
 
 // 32 FP8 codes -> their 32 values in bf16.
 inline __m512bh fp8_to_bf16_32(const uint8_t* c, const Fp8Lut& L) {
@@ -63,19 +36,16 @@ inline __m512bh fp8_to_bf16_32(const uint8_t* c, const Fp8Lut& L) {
       _mm512_ternarylogic_epi32(mag, _mm512_slli_epi16(x, 8), _mm512_set1_epi16(int16_t(0x8000)), 0xF8));
 }
 
-// 64 FP8 codes -> their 64 values in bf16, codes 0..31 in *a and 32..63 in *b: the low and high
-// bytes of each value looked up in two 128-entry byte tables (VPERMI2B reads the code's 7 low bits,
-// the magnitude), the code's sign ORed into the high byte, the bytes interleaved into words. The
-// interleave pairs bytes 16L + k (a) and 16L + 8 + k (b) of each 128-bit lane L, k < 8, so the
-// codes' qwords are first put in the order 0, 4, 1, 5, 2, 6, 3, 7. Six instructions per 64 values
-// where fp8_to_bf16_32 takes seven per 32 (its word permutes are the slow part on Zen 5).
+// 64 FP8 codes -> their 64 values in bf16, codes 0..31 in *a and 32..63 in *b: the codes' qwords
+// put in the order 0, 4, 1, 5, 2, 6, 3, 7 so that fp8_bytes_to_bf16_64's in-lane interleave gives
+// the values in channel order. Six instructions per 64 values where fp8_to_bf16_32 takes seven per
+// 32 (its word permutes are the slow part on Zen 5).
 [[gnu::always_inline]] inline void fp8_to_bf16_64(const uint8_t* c, const Fp8Lut& L, __m512bh* a, __m512bh* b) {
   const __m512i x = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7), _mm512_loadu_si512(c));
-  const __m512i lo = _mm512_permutex2var_epi8(L.b[0], x, L.b[1]);
-  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(L.b[2], x, L.b[3]), x,
-                                               _mm512_set1_epi8(char(0x80)), 0xF8);  // A | (B & C)
-  *a = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi8(lo, hi));
-  *b = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi8(lo, hi));
+  __m512i va, vb;
+  fp8_bytes_to_bf16_64(x, L, &va, &vb);
+  *a = reinterpret_cast<__m512bh>(va);
+  *b = reinterpret_cast<__m512bh>(vb);
 }
 
 // Row access by element type: elements [e, e + 32) (dec) or [e, e + 64) (dec2) as bf16, and the

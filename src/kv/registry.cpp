@@ -27,6 +27,7 @@ void kv_register_centered_codecs();
 void kv_register_int4_tiled();
 void kv_register_kivi_tiled();
 void kv_register_int8_tiled();
+void kv_register_fp8_tiled();
 void kv_register_int2_tiled();
 
 namespace {
@@ -87,6 +88,7 @@ const Registry& registry() {
     kv_register_int4_tiled();
     kv_register_kivi_tiled();
     kv_register_int8_tiled();
+    kv_register_fp8_tiled();
     kv_register_int2_tiled();
     validate(storage());
   });

@@ -83,7 +83,7 @@ class TiledCodecBase : public KvCodec {
   int prepared_query_dim() const override { return role_ == KvRole::key ? L_.qdim : L_.hd; }
   void prepare_query(int head, const float* q, int n_q, float* qp) const override {
     if (role_ != KvRole::key) return KvCodec::prepare_query(head, q, n_q, qp);
-    Ops::prepare_query(L_, q, n_q, qp);
+    Ops::prepare_query(head_layout(head), q, n_q, qp);
   }
   void scores(int head, const float* qp, int n_q, const uint8_t* block, int block_tokens, int t0, int n, int pos0,
               float* out, int out_stride) const override {
@@ -91,14 +91,14 @@ class TiledCodecBase : public KvCodec {
     // A value-layout block has no fused score kernel (a V codec is not asked to score).
     if (role_ != KvRole::key)
       return kv_scores_via_decode(*this, head, qp, n_q, block, block_tokens, t0, n, pos0, out, out_stride);
-    Ops::scores(L_, qp, n_q, block, t0, n, out, out_stride);
+    Ops::scores(head_layout(head), qp, n_q, block, t0, n, out, out_stride);
   }
   void accumulate(int head, const float* p, int p_stride, int n_q, const uint8_t* block, int block_tokens, int t0,
                   int n, float* acc) const override {
     check_range(block_tokens, t0, n);
     if (role_ != KvRole::value)
       return kv_accumulate_via_decode(*this, head, p, p_stride, n_q, block, block_tokens, t0, n, 0, acc);
-    Ops::accum(L_, p, p_stride, n_q, block, t0, n, acc);
+    Ops::accum(head_layout(head), p, p_stride, n_q, block, t0, n, acc);
   }
   bool fuses_spans() const override {
     if constexpr (std::is_void_v<typename Ops::SpanKernels>) return false;
@@ -109,7 +109,7 @@ class TiledCodecBase : public KvCodec {
     if constexpr (!std::is_void_v<typename Ops::SpanKernels>) {
       if (role_ == KvRole::key && Ops::SpanKernels::fused()) {
         for (int s = 0; s < n_spans; ++s) check_range(spans[s].block_tokens, spans[s].t0, std::max(0, spans[s].n));
-        return Ops::SpanKernels::scores(L_, qp, n_q, spans, n_spans, out, out_stride);
+        return Ops::SpanKernels::scores(head_layout(head), qp, n_q, spans, n_spans, out, out_stride);
       }
     }
     KvCodec::scores_spans(head, qp, n_q, spans, n_spans, out, out_stride);
@@ -119,13 +119,15 @@ class TiledCodecBase : public KvCodec {
     if constexpr (!std::is_void_v<typename Ops::SpanKernels>) {
       if (role_ == KvRole::value && Ops::SpanKernels::fused()) {
         for (int s = 0; s < n_spans; ++s) check_range(spans[s].block_tokens, spans[s].t0, std::max(0, spans[s].n));
-        return Ops::SpanKernels::accum(L_, p, p_stride, n_q, spans, n_spans, acc);
+        return Ops::SpanKernels::accum(head_layout(head), p, p_stride, n_q, spans, n_spans, acc);
       }
     }
     KvCodec::accumulate_spans(head, p, p_stride, n_q, spans, n_spans, acc);
   }
 
  protected:
+  // The layout the kernels of head `head` get: L_, or a per-head copy (fp8t's calibrated scales).
+  virtual const Layout& head_layout(int) const { return L_; }
   void check_block(int block_tokens) const {
     if (block_tokens <= 0 || block_tokens % kv_tile_tokens != 0)
       fail("KV codec '{}': block of {} tokens; this codec stores 16-token tiles, so the block (page) size must be a "

@@ -157,8 +157,10 @@ FormatRun with_static_scales(const FormatRun& r, std::shared_ptr<const nlohmann:
   auto swap = [](std::string& codec) {
     for (const char* base : {"int8", "int8_rows", "int8t"})
       if (codec == base) codec = "int8_static";
-    for (const char* base : {"fp8_e4m3", "fp8_e5m2"})
+    for (const char* base : {"fp8_e4m3", "fp8_e5m2", "fp8_e4m3t", "fp8_e5m2t"})
       if (codec == base) codec += "_static";
+    for (const char* base : {"fp8_e4m3", "fp8_e5m2"})
+      if (codec == std::string(base) + "_rows") codec = std::string(base) + "_static_rows";
   };
   for (auto& l : s.kv.policy.layers) {
     swap(l.k_codec);

@@ -1,5 +1,6 @@
 #include "tools/formats.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <memory>
@@ -199,15 +200,21 @@ int formats_command(const FormatsOptions& opt, std::FILE* out) {
   std::fprintf(out, "KV formats (head_dim %d, ctx %d, block %d tokens; bits = codes + scales + zeros + norms,\n"
                     "residual window amortized at ctx; 'bits' = mean of K and V)\n\n",
                opt.dim, opt.ctx, opt.block_tokens);
-  std::fprintf(out, "%-18s %-28s %-16s %-16s %6s %6s %6s  %s\n", "format", "aliases", "K codec", "V codec", "K bits",
-               "V bits", "bits", "description");
+  // Columns as wide as their longest entry (at least the usual widths).
+  int wn = 18, wc = 16;
+  for (const auto& f : kv_formats()) {
+    wn = std::max(wn, int(f.name.size()));
+    wc = std::max({wc, int(f.k_codec.size()), int(f.v_codec.size())});
+  }
+  std::fprintf(out, "%-*s %-28s %-*s %-*s %6s %6s %6s  %s\n", wn, "format", "aliases", wc, "K codec", wc, "V codec",
+               "K bits", "V bits", "bits", "description");
   for (const auto& f : kv_formats()) {
     const CodecStats& k = stats(f.k_codec, KvRole::key);
     const CodecStats& v = stats(f.v_codec, KvRole::value);
     auto b = [](const CodecStats& s) { return s.ok ? fmt::format("{:.3f}", s.bits) : std::string("n/a"); };
     const std::string mean = (k.ok && v.ok) ? fmt::format("{:.3f}", (k.bits + v.bits) / 2) : "n/a";
-    std::fprintf(out, "%-18s %-28s %-16s %-16s %6s %6s %6s  %s\n", f.name.c_str(), join(f.aliases).c_str(),
-                 f.k_codec.c_str(), f.v_codec.c_str(), b(k).c_str(), b(v).c_str(), mean.c_str(),
+    std::fprintf(out, "%-*s %-28s %-*s %-*s %6s %6s %6s  %s\n", wn, f.name.c_str(), join(f.aliases).c_str(), wc,
+                 f.k_codec.c_str(), wc, f.v_codec.c_str(), b(k).c_str(), b(v).c_str(), mean.c_str(),
                  f.description.c_str());
   }
   if (opt.distortion) {
