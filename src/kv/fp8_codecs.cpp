@@ -5,8 +5,10 @@
 //  dynamic (fp8_*_dyn): an f32 scale absmax / fp8_max stored with each token (KvRowScaled):
 //          8 + 32/head_dim bits.
 // Each is stored in 16-token tiles (kv/fp8_tiled.h: the same codes, scales, bytes and decode, with
-// VDPBF16PS kernels that need no horizontal sums) where head_dim % 32 == 0, else in rows; the
-// "_rows" codecs and formats (fp8_e4m3_rows, fp8_e4m3_static_rows, ...) always store rows.
+// VDPBF16PS kernels that need no horizontal sums) where head_dim % 32 == 0 and the CPU runs the
+// AVX-512 level, else in rows; the "_rows" codecs and formats (fp8_e4m3_rows,
+// fp8_e4m3_static_rows, ...) always store rows.
+#include "core/cpu.h"
 #include "kv/calib.h"
 #include "kv/registry_internal.h"
 #include "kv/row_codec.h"
@@ -26,7 +28,10 @@ void add(const std::string& name, const std::string& tiled, KvElem e, Mode mode,
   };
   kv_register_codec({rows, what + ", one row per token", make_rows});
   kv_register_codec({name, what, [tiled, make_rows](const KvCodecParams& p) -> std::unique_ptr<KvCodec> {
-                       if (p.head_dim % 32 == 0 && p.head_dim <= kv_max_head_dim) return kv_codec_create(tiled, p);
+                       // The tiles' VDPBF16PS kernels need AVX-512 BF16; on AVX2 the rows' kernels
+                       // are faster than the tiles' (bench/BENCHMARKS.md, "FP8 in 16-token tiles").
+                       if (p.head_dim % 32 == 0 && p.head_dim <= kv_max_head_dim && cpu_level() == CpuLevel::avx512)
+                         return kv_codec_create(tiled, p);
                        return make_rows(p);
                      }});
 }
@@ -43,8 +48,8 @@ void kv_register_fp8_codecs() {
   add("fp8_e5m2_dyn", "fp8_e5m2t_dyn", KvElem::e5m2_dyn, Mode::dynamic,
       "FP8 E5M2, f32 scale absmax/57344 per (token, head)");
   kv_register_format({"fp8_e4m3", {"fp8", "fp8_e4m3fn", "e4m3"}, "fp8_e4m3", "fp8_e4m3",
-                      "FP8 E4M3 with scale 1.0 (vLLM default; 16-token tiles where head_dim % 32 == 0): 8 bits"});
-  kv_register_format({"fp8_e5m2", {"e5m2"}, "fp8_e5m2", "fp8_e5m2", "FP8 E5M2 with scale 1.0 (16-token tiles where head_dim % 32 == 0): 8 bits"});
+                      "FP8 E4M3 with scale 1.0 (vLLM default; 16-token tiles on AVX-512): 8 bits"});
+  kv_register_format({"fp8_e5m2", {"e5m2"}, "fp8_e5m2", "fp8_e5m2", "FP8 E5M2 with scale 1.0 (16-token tiles on AVX-512): 8 bits"});
   kv_register_format({"fp8_e4m3_static", {"fp8_static"}, "fp8_e4m3_static", "fp8_e4m3_static",
                       "FP8 E4M3 with calibrated K/V scales (needs calibration JSON): 8 bits"});
   kv_register_format({"fp8_e5m2_static", {}, "fp8_e5m2_static", "fp8_e5m2_static",

@@ -61,10 +61,13 @@ template <int NQ>
 void scores_pass(const Fp8TiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
                  int out_stride) {
   const int hd = L.hd;
-  alignas(32) float qf[4][kv_max_head_dim];  // the bf16 query as f32
+  // The bf16 query as f32 pairs repeated over 8 lanes: qr[i][d / 2] = (q[d], q[d + 1]) x 4, the
+  // FMAs' memory operand (a broadcast per FMA doubled the instructions).
+  alignas(32) float qr[4][kv_max_head_dim / 2][8];
   for (int i = 0; i < NQ; ++i) {
     const uint16_t* qb = fp8t_query_bf16(L, qp, i);
-    for (int d = 0; d < hd; ++d) qf[i][d] = bf16_to_f32(qb[d]);
+    for (int d = 0; d < hd; d += 2)
+      for (int r = 0; r < 8; ++r) qr[i][d / 2][r] = bf16_to_f32(qb[d + r % 2]);
   }
   const float unit = code_unit(L);
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
@@ -73,24 +76,31 @@ void scores_pass(const Fp8TiledLayout& L, const float* qp, const uint8_t* block,
     kv_prefetch_along_step(along, tile - tile0, tile1 - tile0);
     const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
     const uint8_t* codes = tp + L.code_off;
-    for (int l = 0; l < 4; ++l) {  // tokens 4l..4l+3: lane l of every unit
-      __m256 acc[NQ];
-      for (int i = 0; i < NQ; ++i) acc[i] = _mm256_setzero_ps();
+    for (int l = 0; l < 4; l += 2) {  // tokens 4l..4l+7: lanes l, l + 1 of every unit
+      // One accumulator per (row, lane): 2 NQ chains (one per row left the FMAs waiting on their
+      // own latency).
+      __m256 acc[NQ][2];
+      for (int i = 0; i < NQ; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
       for (int u = 0; u < hd / 4; ++u) {
-        __m256 x[2];
-        codes16(codes + 64 * size_t(u) + 16 * size_t(l), L.e4m3, x);
+        __m256 x[2][2];
+        for (int h = 0; h < 2; ++h) codes16(codes + 64 * size_t(u) + 16 * size_t(l + h), L.e4m3, x[h]);
         for (int i = 0; i < NQ; ++i) {
-          acc[i] = _mm256_fmadd_ps(x[0], bcast_pair(qf[i] + 4 * u), acc[i]);
-          acc[i] = _mm256_fmadd_ps(x[1], bcast_pair(qf[i] + 4 * u + 2), acc[i]);
+          const __m256 qa = _mm256_load_ps(qr[i][2 * u]), qb = _mm256_load_ps(qr[i][2 * u + 1]);
+          for (int h = 0; h < 2; ++h) {
+            acc[i][h] = _mm256_fmadd_ps(x[h][0], qa, acc[i][h]);
+            acc[i][h] = _mm256_fmadd_ps(x[h][1], qb, acc[i][h]);
+          }
         }
       }
       for (int i = 0; i < NQ; ++i) {
         alignas(32) float s[8];
-        _mm256_store_ps(s, _mm256_hadd_ps(acc[i], acc[i]));  // tokens 4l + {0, 1} at 0, 1; {2, 3} at 4, 5
-        for (int k = 0; k < 4; ++k) {
+        // [l: t0, t1, l+1: t0, t1 | l: t2, t3, l+1: t2, t3] (tokens 4l + k)
+        _mm256_store_ps(s, _mm256_hadd_ps(acc[i][0], acc[i][1]));
+        for (int k = 0; k < 8; ++k) {
           const int j = 4 * l + k, t = tile * 16 + j - t0;
+          const int lane = (k / 4) * 2 + (k % 4 < 2 ? k % 4 : k % 4 + 2);
           if (t >= 0 && t < n)
-            out[size_t(i) * size_t(out_stride) + size_t(t)] = s[k < 2 ? k : k + 2] * (unit * fp8t_mult(L, tp, j));
+            out[size_t(i) * size_t(out_stride) + size_t(t)] = s[lane] * (unit * fp8t_mult(L, tp, j));
         }
       }
     }
@@ -103,7 +113,9 @@ void accum_pass(const Fp8TiledLayout& L, const float* p, int p_stride, const uin
   const int hd = L.hd;
   const float unit = code_unit(L);
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  alignas(32) float w[kSegTiles][4][16];  // bf16-rounded p_t * mult_t (0 outside the range)
+  // bf16-rounded p_t * mult_t (0 outside the range) as pairs repeated over 8 lanes:
+  // w[tt][i][m] = (w_2m, w_2m+1) x 4, the FMAs' memory operand.
+  alignas(32) float w[kSegTiles][4][8][8];
   uint16_t valid[kSegTiles];
   const KvPrefetchAlong along = kv_prefetch_along;
   const int n_seg = (tile1 - tile0 + kSegTiles - 1) / kSegTiles;
@@ -122,7 +134,8 @@ void accum_pass(const Fp8TiledLayout& L, const float* p, int p_stride, const uin
           if (ok) valid[tt] = uint16_t(valid[tt] | (1u << j));
           x[j] = ok ? p[size_t(i) * size_t(p_stride) + size_t(t)] * fp8t_mult(L, tp, j) : 0.f;
         }
-        for (int h = 0; h < 2; ++h) _mm256_store_ps(w[tt][i] + 8 * h, round_bf16(_mm256_load_ps(x + 8 * h)));
+        for (int h = 0; h < 2; ++h) _mm256_store_ps(x + 8 * h, round_bf16(_mm256_load_ps(x + 8 * h)));
+        for (int m = 0; m < 8; ++m) _mm256_store_ps(w[tt][i][m], bcast_pair(x + 2 * m));
       }
     }
     for (int c = 0; c < hd / 32; ++c)
@@ -141,7 +154,7 @@ void accum_pass(const Fp8TiledLayout& L, const float* p, int p_stride, const uin
               x[1] = _mm256_and_ps(x[1], k);
             }
             for (int i = 0; i < NQ; ++i) {
-              const __m256 wp = bcast_pair(w[tt][i] + 2 * m);
+              const __m256 wp = _mm256_load_ps(w[tt][i][m]);
               a[i] = _mm256_fmadd_ps(x[0], wp, a[i]);
               b[i] = _mm256_fmadd_ps(x[1], wp, b[i]);
             }
