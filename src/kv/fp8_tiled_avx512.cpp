@@ -25,15 +25,20 @@ inline void prefetch_tile(const uint8_t* p, size_t bytes) {
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
 inline __m512bh bcast_pair(const uint32_t* p) { return as_bh(_mm512_set1_epi32(int32_t(*p))); }
 
-// T (1 or 2) tiles from tp, tile_bytes apart, against NQ query rows: a query pair broadcast serves
-// both tiles. Scores of tile t, row i to out + i * out_stride at tokens base + 16 t.
+// T (1, 2 or 4) tiles from tp, tile_bytes apart, against NQ query rows: a query pair broadcast
+// serves all T tiles. With T = 4 the A and B products share one accumulator per (tile, row).
+// Scores of tile t, row i to out + i * out_stride at tokens base + 16 t.
 template <int NQ, int T>
 [[gnu::always_inline]] inline void score_tiles(const Fp8TiledLayout& L, const Fp8Lut& lut, const uint32_t* const* q,
                                                const uint8_t* tp, int base, int t0, int n, float* out,
                                                int out_stride) {
-  __m512 a[T][NQ], b[T][NQ];
+  constexpr bool kSplit = T < 4;
+  __m512 a[T][NQ], b[kSplit ? T : 1][NQ];
   for (int t = 0; t < T; ++t)
-    for (int i = 0; i < NQ; ++i) a[t][i] = b[t][i] = _mm512_setzero_ps();
+    for (int i = 0; i < NQ; ++i) a[t][i] = _mm512_setzero_ps();
+  if constexpr (kSplit)
+    for (int t = 0; t < T; ++t)
+      for (int i = 0; i < NQ; ++i) b[t][i] = _mm512_setzero_ps();
   const uint8_t* c = tp + L.code_off;
   for (int u = 0; u < L.hd / 4; ++u) {
     __m512i va[T], vb[T];
@@ -43,16 +48,19 @@ template <int NQ, int T>
       const __m512bh qa = bcast_pair(q[i] + 2 * u), qb = bcast_pair(q[i] + 2 * u + 1);
       for (int t = 0; t < T; ++t) {
         a[t][i] = _mm512_dpbf16_ps(a[t][i], as_bh(va[t]), qa);
-        b[t][i] = _mm512_dpbf16_ps(b[t][i], as_bh(vb[t]), qb);
+        if constexpr (kSplit) b[t][i] = _mm512_dpbf16_ps(b[t][i], as_bh(vb[t]), qb);
+        else a[t][i] = _mm512_dpbf16_ps(a[t][i], as_bh(vb[t]), qb);
       }
     }
   }
   for (int t = 0; t < T; ++t) {
     const uint8_t* tt = tp + size_t(t) * L.tile_bytes;
     const __m512 m = L.token_scales ? _mm512_loadu_ps(reinterpret_cast<const float*>(tt)) : _mm512_set1_ps(L.scale);
-    for (int i = 0; i < NQ; ++i)
-      tile_store_avx512(out + size_t(i) * size_t(out_stride), base + 16 * t, t0, n,
-                        _mm512_mul_ps(_mm512_add_ps(a[t][i], b[t][i]), m));
+    for (int i = 0; i < NQ; ++i) {
+      __m512 z = a[t][i];
+      if constexpr (kSplit) z = _mm512_add_ps(z, b[t][i]);
+      tile_store_avx512(out + size_t(i) * size_t(out_stride), base + 16 * t, t0, n, _mm512_mul_ps(z, m));
+    }
   }
 }
 
@@ -64,13 +72,20 @@ void scores_pass(const Fp8TiledLayout& L, const float* qp, const uint8_t* block,
   for (int i = 0; i < NQ; ++i) q[i] = reinterpret_cast<const uint32_t*>(fp8t_query_bf16(L, qp, i));
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
   const KvPrefetchAlong along = kv_prefetch_along;
-  const int steps = (tile1 - tile0 + 1) / 2;
-  for (int tile = tile0; tile < tile1; tile += 2) {
-    kv_prefetch_along_step(along, (tile - tile0) / 2, steps);
+  const int steps = (tile1 - tile0 + 3) / 4;
+  for (int tile = tile0; tile < tile1; tile += 4) {
+    kv_prefetch_along_step(along, (tile - tile0) / 4, steps);
     const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
-    if (tile + 2 + kAhead <= tile1) prefetch_tile(tp + kAhead * L.tile_bytes, 2 * L.tile_bytes);
-    if (tile + 1 < tile1) score_tiles<NQ, 2>(L, lut, q, tp, tile * 16, t0, n, out, out_stride);
-    else score_tiles<NQ, 1>(L, lut, q, tp, tile * 16, t0, n, out, out_stride);
+    if (tile + 4 + 4 <= tile1) prefetch_tile(tp + 4 * L.tile_bytes, 4 * L.tile_bytes);
+    switch (std::min(4, tile1 - tile)) {
+      case 4: score_tiles<NQ, 4>(L, lut, q, tp, tile * 16, t0, n, out, out_stride); break;
+      case 3:
+        score_tiles<NQ, 2>(L, lut, q, tp, tile * 16, t0, n, out, out_stride);
+        score_tiles<NQ, 1>(L, lut, q, tp + 2 * L.tile_bytes, tile * 16 + 32, t0, n, out, out_stride);
+        break;
+      case 2: score_tiles<NQ, 2>(L, lut, q, tp, tile * 16, t0, n, out, out_stride); break;
+      default: score_tiles<NQ, 1>(L, lut, q, tp, tile * 16, t0, n, out, out_stride); break;
+    }
   }
 }
 
