@@ -22,23 +22,6 @@ inline void prefetch_tile(const uint8_t* p, size_t bytes) {
   for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
 }
 
-// This call's along range (kv/prefetch_along.h) requested a few lines per step of the inner loops
-// instead of all at the call's start: from DRAM 9-27% faster at head_dim 128 and 256, 32K-128K
-// tokens, the same at 64 (bench/BENCHMARKS.md, "FP8 in 16-token tiles").
-struct AlongSpread {
-  const uint8_t* p = nullptr;
-  size_t next = 0, end = 0, per = 0;
-  AlongSpread(const KvPrefetchAlong& a, int steps) {
-    if (!a.p || steps <= 0) return;
-    p = a.p;
-    end = (a.bytes + 63) / 64;
-    per = (end + size_t(steps) - 1) / size_t(steps);
-  }
-  [[gnu::always_inline]] void step() {
-    for (size_t k = 0; k < per && next < end; ++k, ++next) kv_prefetch_l2(p + 64 * next);
-  }
-};
-
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
 inline __m512bh bcast_pair(const uint32_t* p) { return as_bh(_mm512_set1_epi32(int32_t(*p))); }
 
@@ -48,7 +31,7 @@ inline __m512bh bcast_pair(const uint32_t* p) { return as_bh(_mm512_set1_epi32(i
 template <int NQ, int T>
 [[gnu::always_inline]] inline void score_tiles(const Fp8TiledLayout& L, const Fp8Lut& lut, const uint32_t* const* q,
                                                const uint8_t* tp, int base, int t0, int n, float* out,
-                                               int out_stride, AlongSpread& along) {
+                                               int out_stride, KvAlongSpread& along) {
   constexpr bool kSplit = T < 4;
   __m512 a[T][NQ], b[kSplit ? T : 1][NQ];
   for (int t = 0; t < T; ++t)
@@ -91,7 +74,7 @@ void scores_pass(const Fp8TiledLayout& L, const float* qp, const uint8_t* block,
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
   // score_tiles calls (a last 3 tiles take two), hd / 16 along steps each
   const int nt = tile1 - tile0, calls = nt / 4 + (nt % 4 == 3 ? 2 : nt % 4 ? 1 : 0);
-  AlongSpread along(kv_prefetch_along, calls * (L.hd / 16));
+  KvAlongSpread along(kv_prefetch_along, calls * (L.hd / 16));
   for (int tile = tile0; tile < tile1; tile += 4) {
     const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
     if (tile + 4 + 4 <= tile1) prefetch_tile(tp + 4 * L.tile_bytes, 4 * L.tile_bytes);
@@ -117,7 +100,7 @@ inline __mmask32 pair_words(__mmask16 valid, int m) {
 template <int NQ, int C>
 [[gnu::always_inline]] inline void accum_chunks(const Fp8TiledLayout& L, const Fp8Lut& lut, const uint8_t* seg_tp,
                                                 int nt, const uint32_t (*w)[4][8], const __mmask16* valid, int c0,
-                                                float* acc, AlongSpread& along) {
+                                                float* acc, KvAlongSpread& along) {
   __m512 a[NQ][C][2];
   for (int i = 0; i < NQ; ++i)
     for (int c = 0; c < C; ++c) a[i][c][0] = a[i][c][1] = _mm512_setzero_ps();
@@ -159,7 +142,7 @@ void accum_pass(const Fp8TiledLayout& L, const float* p, int p_stride, const uin
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16, nc = L.hd / 32;
   alignas(64) uint32_t w[kSegTiles][4][8];  // (p_2m, p_2m+1) * mult as bf16 pairs: tile, row, pair
   __mmask16 valid[kSegTiles];
-  AlongSpread along(kv_prefetch_along, (tile1 - tile0) * ((nc + 1) / 2));  // per (tile, chunk pair)
+  KvAlongSpread along(kv_prefetch_along, (tile1 - tile0) * ((nc + 1) / 2));  // per (tile, chunk pair)
   for (int seg = tile0; seg < tile1; seg += kSegTiles) {
     const int nt = std::min(kSegTiles, tile1 - seg);
     const uint8_t* seg_tp = block + size_t(seg) * L.tile_bytes;

@@ -79,6 +79,24 @@ inline KvLineSpan kv_prefetch_along_lines(size_t bytes, int i, int n) {
   for (size_t l = s.first; l < s.end; ++l) kv_prefetch_l2(a.p + 64 * l);
 }
 
+// A call's along range requested a few lines per step of a kernel's inner loop (steps: how many
+// times step() will be called) instead of all at the call's start. The fp8 tiles' kernels: a
+// 4-tile step at head_dim 256 would ask for a whole 16 KiB block at once, and from DRAM the spread
+// requests ran 9-27% faster at head_dim 128-256 (bench/BENCHMARKS.md, "FP8 in 16-token tiles").
+struct KvAlongSpread {
+  const uint8_t* p = nullptr;
+  size_t next = 0, end = 0, per = 0;
+  KvAlongSpread(const KvPrefetchAlong& a, int steps) {
+    if (!a.p || steps <= 0) return;
+    p = a.p;
+    end = (a.bytes + 63) / 64;
+    per = (end + size_t(steps) - 1) / size_t(steps);
+  }
+  [[gnu::always_inline]] void step() {
+    for (size_t k = 0; k < per && next < end; ++k, ++next) kv_prefetch_l2(p + 64 * next);
+  }
+};
+
 // Tokens [t, t + cnt) of a call over n tokens: their share of a bytes-long range's lines, for
 // kernels that walk a block token by token (the float rows: kv/kv_rows_simd.h's kv_prefetch_ahead).
 inline KvLineSpan kv_prefetch_along_token_lines(size_t bytes, int t, int cnt, int n) {
