@@ -30,15 +30,15 @@ void scores_pass(const Int8TiledLayout& L, const float* qp, const uint8_t* block
   Int8tQueryRow qr[NQ];
   for (int h = 0; h < NQ; ++h) qr[h] = int8t_query_row(L, qp, h);
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  const KvPrefetchAlong along = kv_prefetch_along;
+  KvAlongSpread along(kv_prefetch_along, (tile1 - tile0) * (L.hd / 32));  // per (tile, 32-dim block)
   for (int tile = tile0; tile < tile1; ++tile) {
-    kv_prefetch_along_step(along, tile - tile0, tile1 - tile0);
     const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
     const uint8_t* codes = tp + L.code_off;
     if (tile + kAhead < tile1) prefetch_tile(tp + kAhead * L.tile_bytes, L.tile_bytes);
     __m512 facc[NQ];
     for (int h = 0; h < NQ; ++h) facc[h] = _mm512_setzero_ps();
     for (int b = 0; b < L.hd / 32; ++b) {
+      along.step();
       // The query's two digits in separate chains: 2 * NQ independent VPDPBUSD chains.
       __m512i ih[NQ], il[NQ];
       for (int h = 0; h < NQ; ++h) ih[h] = il[h] = _mm512_setzero_si512();
@@ -86,10 +86,8 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
   alignas(64) uint8_t w8[kSegTiles * (BS ? kMaxSB : 1)][64];
   alignas(64) float dws[kSegTiles * (BS ? kMaxSB / 4 : 1)][16];
   int32_t wsum[kSegTiles][U8 ? 1 : NQ * (BS ? kMaxSB : 1)];
-  const KvPrefetchAlong along = kv_prefetch_along;
-  const int n_seg = (tile1 - tile0 + kSegTiles - 1) / kSegTiles;
+  KvAlongSpread along(kv_prefetch_along, (tile1 - tile0) * (hd / 16));  // per (channel chunk, tile)
   for (int seg = tile0; seg < tile1; seg += kSegTiles) {
-    kv_prefetch_along_step(along, (seg - tile0) / kSegTiles, n_seg);
     const int nt = std::min(kSegTiles, tile1 - seg);
     // 1. Quantized weights of the segment's tiles (tile_quantize_weights_avx512: int4t_weight_step).
     for (int tt = 0; tt < nt; ++tt) {
@@ -114,6 +112,7 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
       __m512 f[NQ];
       for (int h = 0; h < NQ; ++h) f[h] = _mm512_setzero_ps();
       for (int tt = 0; tt < nt; ++tt) {
+        along.step();
         const uint8_t* cp = block + size_t(seg + tt) * L.tile_bytes + L.code_off + size_t(c) * 256;
         __m512i ia[NQ], ib[NQ];
         for (int h = 0; h < NQ; ++h) ia[h] = ib[h] = _mm512_setzero_si512();
