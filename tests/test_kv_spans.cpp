@@ -138,7 +138,8 @@ TEST(KvSpans, MultiBlockCallsEqualOneCallPerBlockForEveryCodec) {
 
 TEST(KvSpans, TiledCodecsFuseSpansAtAvx512Only) {
   const CpuLevel saved = cpu_level();
-  for (const char* name : {"int4t_g128", "int4t_g32", "q4_0t", "q4_0h", "q4_1t", "q5_0t", "iq4_nlt", "int2t_g64", "tq4", "tq3.5"}) {
+  for (const char* name : {"int4t_g128", "int4t_g32", "q4_0t", "q4_0h", "q4_1t", "q5_0t", "iq4_nlt", "int2t_g64", "tq4", "tq3.5",
+                           "fp8_e4m3t", "fp8_e5m2t_dyn"}) {
     for (KvRole role : {KvRole::key, KvRole::value}) {
       auto c = make(name, role, 128, nullptr);
       cpu_set_level(CpuLevel::scalar);

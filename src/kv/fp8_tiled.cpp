@@ -128,7 +128,12 @@ void fp8t_accum(const Fp8TiledLayout& L, const float* p, int p_stride, int n_q, 
 
 namespace {
 
-using Fp8tOps = TiledOps<Fp8TiledLayout, fp8t_prepare_query, fp8t_scores, fp8t_accum, true>;
+#if defined(KVQ_HAVE_SIMD)
+using Fp8tSpans = TiledSpansAvx512<Fp8TiledLayout, fp8t_scores_spans_avx512, fp8t_accum_spans_avx512>;
+#else
+using Fp8tSpans = void;
+#endif
+using Fp8tOps = TiledOps<Fp8TiledLayout, fp8t_prepare_query, fp8t_scores, fp8t_accum, true, Fp8tSpans>;
 
 KvElem row_elem(bool e4m3, bool token_scales) {
   if (token_scales) return e4m3 ? KvElem::e4m3_dyn : KvElem::e5m2_dyn;

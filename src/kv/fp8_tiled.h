@@ -32,6 +32,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kvq/kv_format.h"
+
 namespace kvq {
 
 struct Fp8TiledLayout {
@@ -82,6 +84,12 @@ void fp8t_scores_avx512(const Fp8TiledLayout& L, const float* qp, int n_q, const
                         float* out, int out_stride);
 void fp8t_accum_avx512(const Fp8TiledLayout& L, const float* p, int p_stride, int n_q, const uint8_t* block,
                        int t0, int n, float* acc);
+// Several blocks per call (the spans' columns consecutive in out / p): attention batches blocks
+// when both codecs fuse spans.
+void fp8t_scores_spans_avx512(const Fp8TiledLayout& L, const float* qp, int n_q, const KvSpan* spans, int n_spans,
+                              float* out, int out_stride);
+void fp8t_accum_spans_avx512(const Fp8TiledLayout& L, const float* p, int p_stride, int n_q, const KvSpan* spans,
+                             int n_spans, float* acc);
 #endif
 
 // The dispatch points (cpu_level()).

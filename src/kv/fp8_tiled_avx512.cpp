@@ -184,4 +184,21 @@ void fp8t_accum_avx512(const Fp8TiledLayout& L, const float* p, int p_stride, in
   });
 }
 
+// Several head blocks per call (KvCodec::scores_spans / accumulate_spans): the kernels above per
+// span, each with its span's along range. What fusing spans buys is attention's batching (one
+// softmax update per batch of blocks instead of per block), for blocks small enough to batch.
+void fp8t_scores_spans_avx512(const Fp8TiledLayout& L, const float* qp, int n_q, const KvSpan* spans, int n_spans,
+                              float* out, int out_stride) {
+  kv_for_spans(spans, n_spans, [&](const KvSpan& sp, int o) {
+    fp8t_scores_avx512(L, qp, n_q, sp.block, sp.t0, sp.n, out + o, out_stride);
+  });
+}
+
+void fp8t_accum_spans_avx512(const Fp8TiledLayout& L, const float* p, int p_stride, int n_q, const KvSpan* spans,
+                             int n_spans, float* acc) {
+  kv_for_spans(spans, n_spans, [&](const KvSpan& sp, int o) {
+    fp8t_accum_avx512(L, p + o, p_stride, n_q, sp.block, sp.t0, sp.n, acc);
+  });
+}
+
 }  // namespace kvq
