@@ -80,9 +80,10 @@ inline KvLineSpan kv_prefetch_along_lines(size_t bytes, int i, int n) {
 }
 
 // A call's along range requested a few lines per step of a kernel's inner loop (steps: how many
-// times step() will be called) instead of all at the call's start. The fp8 tiles' kernels: a
-// 4-tile step at head_dim 256 would ask for a whole 16 KiB block at once, and from DRAM the spread
-// requests ran 9-27% faster at head_dim 128-256 (bench/BENCHMARKS.md, "FP8 in 16-token tiles").
+// times step() will be called) instead of all at the call's start. In the fp8 and int8 tiles'
+// kernels (a 4-tile fp8 step at head_dim 256 would ask for a whole 16 KiB block at once) the
+// spread requests ran 8-28% faster from DRAM at head_dim 128-256 and within 4% at 64
+// (bench/BENCHMARKS.md, "FP8 in 16-token tiles").
 struct KvAlongSpread {
   const uint8_t* p = nullptr;
   size_t next = 0, end = 0, per = 0;
