@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "core/dtypes.h"
+#include "kv/fp8_f16_avx2.h"
 #include "kv/fp8_tiled.h"
 #include "kv/int4_tiled.h"
 #include "kv/kv_rows.h"
@@ -19,21 +20,12 @@ namespace {
 
 constexpr int kSegTiles = 8;
 
-// 16 codes -> f32: x[0] from bytes 0..7, x[1] from bytes 8..15, unscaled by 2^-8 for E4M3 (the
-// caller's multiplier carries the 256). A NaN code (S.1111.111) becomes an f16 NaN (see
-// kv_rows_avx2.cpp).
+// 16 codes -> f32 (kv/fp8_f16_avx2.h): x[0] from bytes 0..7, x[1] from bytes 8..15, E4M3 unscaled
+// by 2^-8 (the caller's multiplier carries the 256).
 inline void codes16(const uint8_t* c, bool e4m3, __m256* x) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
-  if (e4m3) {
-    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(int16_t(0xbfff)));
-    const __m256i nan = _mm256_and_si256(_mm256_add_epi16(h, _mm256_set1_epi16(0x0080)), _mm256_set1_epi16(0x4000));
-    const __m256i g = _mm256_or_si256(h, nan);
-    x[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(g));
-    x[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(g, 1));
-  } else {
-    x[0] = _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), b));
-    x[1] = _mm256_cvtph_ps(_mm_unpackhi_epi8(_mm_setzero_si128(), b));
-  }
+  if (e4m3) fp8_codes16_to_f32_avx2<true>(b, x);
+  else fp8_codes16_to_f32_avx2<false>(b, x);
 }
 
 // (v[0], v[1]) repeated over 8 lanes.

@@ -3,6 +3,7 @@
 
 #include <cstring>
 
+#include "kv/fp8_f16_avx2.h"
 #include "kv/kv_rows_simd.h"
 
 namespace kvq {
@@ -55,17 +56,8 @@ struct Avx2 {
   static constexpr bool pair_decode = true;
   template <KvElem E>
   static void dec_raw2(const uint8_t* c, V* x) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
-    if constexpr (E == KvElem::e4m3 || E == KvElem::e4m3_dyn) {
-      const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(int16_t(0xbfff)));
-      const __m256i nan = _mm256_and_si256(_mm256_add_epi16(h, _mm256_set1_epi16(0x0080)), _mm256_set1_epi16(0x4000));
-      const __m256i g = _mm256_or_si256(h, nan);
-      x[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(g));
-      x[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(g, 1));
-    } else {
-      x[0] = _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), b));
-      x[1] = _mm256_cvtph_ps(_mm_unpackhi_epi8(_mm_setzero_si128(), b));
-    }
+    fp8_codes16_to_f32_avx2<E == KvElem::e4m3 || E == KvElem::e4m3_dyn>(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), x);
   }
   static V e4m3_8(const uint8_t* c, float mul) { return _mm256_mul_ps(e4m3_8_raw(c), _mm256_set1_ps(256.f * mul)); }
   static V e5m2_8(const uint8_t* c, float mul) { return _mm256_mul_ps(e5m2_8_raw(c), _mm256_set1_ps(mul)); }
