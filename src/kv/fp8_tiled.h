@@ -22,8 +22,10 @@
 // bf16 values, products are summed in f32; a score is (the A sum + the B sum) * mult_t. So the
 // bounds of the bf16 / fp8 rows' VDPBF16PS kernels hold (kv/kv_rows.h, kv_rows_bf16_rel): 2^-8
 // relative to sum |q_i k_i| (or sum_t |p_t v_t[d]|), inputs below 2^-126 flushed, f32 summation.
-// The reference (*_ref) sums in the SIMD kernels' order; the instruction's internal rounding of
-// its two products may differ from the reference's, so parity is within f32 summation error.
+// The reference (*_ref) sums token by token as the kernels do, the A and B halves of a score
+// apart (the AVX-512 kernel adds them in one accumulator at four tiles per step, the AVX2 kernels
+// sum f32 lanes); with the instruction's own rounding of its two products the levels agree
+// within f32 summation error, not bit for bit.
 //
 // Ranges [t0, t0 + n) need not be tile-aligned: score lanes outside are computed on whatever the
 // block holds but never stored; in weighted sums they weigh 0 and their codes are masked to 0
