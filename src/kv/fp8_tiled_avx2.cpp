@@ -53,13 +53,10 @@ template <int NQ>
 void scores_pass(const Fp8TiledLayout& L, const float* qp, const uint8_t* block, int t0, int n, float* out,
                  int out_stride) {
   const int hd = L.hd;
-  // The bf16 query as f32 pairs repeated over 8 lanes: qr[i][d / 2] = (q[d], q[d + 1]) x 4, the
-  // FMAs' memory operand (a broadcast per FMA doubled the instructions).
-  alignas(32) float qr[4][kv_max_head_dim / 2][8];
+  alignas(32) float qf[4][kv_max_head_dim];  // the bf16 query as f32
   for (int i = 0; i < NQ; ++i) {
     const uint16_t* qb = fp8t_query_bf16(L, qp, i);
-    for (int d = 0; d < hd; d += 2)
-      for (int r = 0; r < 8; ++r) qr[i][d / 2][r] = bf16_to_f32(qb[d + r % 2]);
+    for (int d = 0; d < hd; ++d) qf[i][d] = bf16_to_f32(qb[d]);
   }
   const float unit = code_unit(L);
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
@@ -77,7 +74,7 @@ void scores_pass(const Fp8TiledLayout& L, const float* qp, const uint8_t* block,
         __m256 x[2][2];
         for (int h = 0; h < 2; ++h) codes16(codes + 64 * size_t(u) + 16 * size_t(l + h), L.e4m3, x[h]);
         for (int i = 0; i < NQ; ++i) {
-          const __m256 qa = _mm256_load_ps(qr[i][2 * u]), qb = _mm256_load_ps(qr[i][2 * u + 1]);
+          const __m256 qa = bcast_pair(qf[i] + 4 * u), qb = bcast_pair(qf[i] + 4 * u + 2);
           for (int h = 0; h < 2; ++h) {
             acc[i][h] = _mm256_fmadd_ps(x[h][0], qa, acc[i][h]);
             acc[i][h] = _mm256_fmadd_ps(x[h][1], qb, acc[i][h]);
@@ -105,9 +102,7 @@ void accum_pass(const Fp8TiledLayout& L, const float* p, int p_stride, const uin
   const int hd = L.hd;
   const float unit = code_unit(L);
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  // bf16-rounded p_t * mult_t (0 outside the range) as pairs repeated over 8 lanes:
-  // w[tt][i][m] = (w_2m, w_2m+1) x 4, the FMAs' memory operand.
-  alignas(32) float w[kSegTiles][4][8][8];
+  alignas(32) float w[kSegTiles][4][16];  // bf16-rounded p_t * mult_t (0 outside the range)
   uint16_t valid[kSegTiles];
   const KvPrefetchAlong along = kv_prefetch_along;
   const int n_seg = (tile1 - tile0 + kSegTiles - 1) / kSegTiles;
@@ -119,7 +114,7 @@ void accum_pass(const Fp8TiledLayout& L, const float* p, int p_stride, const uin
       const uint8_t* tp = seg_tp + size_t(tt) * L.tile_bytes;
       valid[tt] = 0;
       for (int i = 0; i < NQ; ++i) {
-        alignas(32) float x[16];
+        float* x = w[tt][i];
         for (int j = 0; j < 16; ++j) {
           const int t = (seg + tt) * 16 + j - t0;
           const bool ok = t >= 0 && t < n;
@@ -127,7 +122,6 @@ void accum_pass(const Fp8TiledLayout& L, const float* p, int p_stride, const uin
           x[j] = ok ? p[size_t(i) * size_t(p_stride) + size_t(t)] * fp8t_mult(L, tp, j) : 0.f;
         }
         for (int h = 0; h < 2; ++h) _mm256_store_ps(x + 8 * h, round_bf16(_mm256_load_ps(x + 8 * h)));
-        for (int m = 0; m < 8; ++m) _mm256_store_ps(w[tt][i][m], bcast_pair(x + 2 * m));
       }
     }
     for (int c = 0; c < hd / 32; ++c)
@@ -146,7 +140,7 @@ void accum_pass(const Fp8TiledLayout& L, const float* p, int p_stride, const uin
               x[1] = _mm256_and_ps(x[1], k);
             }
             for (int i = 0; i < NQ; ++i) {
-              const __m256 wp = _mm256_load_ps(w[tt][i][m]);
+              const __m256 wp = bcast_pair(w[tt][i] + 2 * m);
               a[i] = _mm256_fmadd_ps(x[0], wp, a[i]);
               b[i] = _mm256_fmadd_ps(x[1], wp, b[i]);
             }
