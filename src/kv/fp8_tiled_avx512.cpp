@@ -17,7 +17,8 @@ namespace kvq {
 namespace {
 
 constexpr int kSegTiles = 8;  // tiles whose weights are formed ahead of the channel loop
-constexpr int kAhead = 2;     // tiles ahead requested into L1 (as int8t's kernels)
+constexpr int kAhead = 2;     // sums: tiles ahead requested into L1 (as int8t's kernels)
+constexpr int kScoreTiles = 4;  // scores: tiles per step (one query broadcast), the next step requested into L1
 inline void prefetch_tile(const uint8_t* p, size_t bytes) {
   for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
 }
@@ -31,7 +32,7 @@ inline __m512bh bcast_pair(const uint32_t* p) { return as_bh(_mm512_set1_epi32(i
 template <int NQ, int T>
 [[gnu::always_inline]] inline void score_tiles(const Fp8TiledLayout& L, const Fp8Lut& lut, const uint32_t* const* q,
                                                const uint8_t* tp, int base, int t0, int n, float* out,
-                                               int out_stride, KvAlongSpread& along) {
+                                               int out_stride) {
   constexpr bool kSplit = T < 4;
   __m512 a[T][NQ], b[kSplit ? T : 1][NQ];
   for (int t = 0; t < T; ++t)
@@ -40,7 +41,6 @@ template <int NQ, int T>
     for (int t = 0; t < T; ++t)
       for (int i = 0; i < NQ; ++i) b[t][i] = _mm512_setzero_ps();
   const uint8_t* c = tp + L.code_off;
-  along.step();  // the scores ask for their share at once: spread over the units, hot ran 18% slower
   for (int u = 0; u < L.hd / 4; ++u) {
     __m512i va[T], vb[T];
     for (int t = 0; t < T; ++t)
@@ -72,20 +72,22 @@ void scores_pass(const Fp8TiledLayout& L, const float* qp, const uint8_t* block,
   const uint32_t* q[NQ];
   for (int i = 0; i < NQ; ++i) q[i] = reinterpret_cast<const uint32_t*>(fp8t_query_bf16(L, qp, i));
   const int tile0 = t0 / 16, tile1 = (t0 + n + 15) / 16;
-  // score_tiles calls (a last 3 tiles take two), one along step each
-  const int nt = tile1 - tile0, calls = nt / 4 + (nt % 4 == 3 ? 2 : nt % 4 ? 1 : 0);
-  KvAlongSpread along(kv_prefetch_along, calls);
-  for (int tile = tile0; tile < tile1; tile += 4) {
+  // A step's share of the along range at once (spread over the score loop, hot ran 18% slower;
+  // the sums spread theirs, below).
+  const KvPrefetchAlong along = kv_prefetch_along;
+  const int steps = (tile1 - tile0 + kScoreTiles - 1) / kScoreTiles;
+  for (int tile = tile0; tile < tile1; tile += kScoreTiles) {
+    kv_prefetch_along_step(along, (tile - tile0) / kScoreTiles, steps);
     const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
-    if (tile + 4 + 4 <= tile1) prefetch_tile(tp + 4 * L.tile_bytes, 4 * L.tile_bytes);
-    switch (std::min(4, tile1 - tile)) {
-      case 4: score_tiles<NQ, 4>(L, lut, q, tp, tile * 16, t0, n, out, out_stride, along); break;
+    if (tile + 2 * kScoreTiles <= tile1) prefetch_tile(tp + kScoreTiles * L.tile_bytes, kScoreTiles * L.tile_bytes);
+    switch (std::min(kScoreTiles, tile1 - tile)) {
+      case 4: score_tiles<NQ, 4>(L, lut, q, tp, tile * 16, t0, n, out, out_stride); break;
       case 3:
-        score_tiles<NQ, 2>(L, lut, q, tp, tile * 16, t0, n, out, out_stride, along);
-        score_tiles<NQ, 1>(L, lut, q, tp + 2 * L.tile_bytes, tile * 16 + 32, t0, n, out, out_stride, along);
+        score_tiles<NQ, 2>(L, lut, q, tp, tile * 16, t0, n, out, out_stride);
+        score_tiles<NQ, 1>(L, lut, q, tp + 2 * L.tile_bytes, tile * 16 + 32, t0, n, out, out_stride);
         break;
-      case 2: score_tiles<NQ, 2>(L, lut, q, tp, tile * 16, t0, n, out, out_stride, along); break;
-      default: score_tiles<NQ, 1>(L, lut, q, tp, tile * 16, t0, n, out, out_stride, along); break;
+      case 2: score_tiles<NQ, 2>(L, lut, q, tp, tile * 16, t0, n, out, out_stride); break;
+      default: score_tiles<NQ, 1>(L, lut, q, tp, tile * 16, t0, n, out, out_stride); break;
     }
   }
 }
