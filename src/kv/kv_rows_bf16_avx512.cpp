@@ -1,9 +1,11 @@
 // bf16 and fp8 rows on AVX-512 BF16: scores and weighted sums as VDPBF16PS dot products (two bf16
 // products per f32 lane and instruction), the other operand rounded to bf16 as GPU attention
 // kernels round the query and the probabilities. FP8 codes become bf16 exactly (every E4M3 / E5M2
-// value, subnormals, inf and NaN included, is a bf16) through a 128-entry table of the magnitudes
-// (two VPERMT2W and a blend) plus the sign; their scale (fixed, calibrated or per token) is applied
-// once per score and folded into the weights. Bounds in kv/kv_rows.h (kv_rows_bf16_rel).
+// value, subnormals, inf and NaN included, is a bf16) through tables of the 128 magnitudes
+// (kv/fp8_bf16_avx512.h: byte tables, 64 codes at a time; word tables for a 32-code remainder)
+// plus the sign; their scale (fixed, calibrated or per token) is applied once per score and folded
+// into the weights. Bounds in kv/kv_rows.h (kv_rows_bf16_rel). On AVX-512 the fp8 formats store
+// tiles (kv/fp8_tiled.h); these rows serve the *_rows formats and head_dims the tiles do not take.
 #include "core/avx512.h"
 
 #include <algorithm>
