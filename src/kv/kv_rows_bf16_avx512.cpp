@@ -5,7 +5,7 @@
 // (kv/fp8_bf16_avx512.h: byte tables, 64 codes at a time; word tables for a 32-code remainder)
 // plus the sign; their scale (fixed, calibrated or per token) is applied once per score and folded
 // into the weights. Bounds in kv/kv_rows.h (kv_rows_bf16_rel). On AVX-512 the fp8 formats store
-// tiles (kv/fp8_tiled.h); these rows serve the *_rows formats and head_dims the tiles do not take.
+// tiles (kv/fp8_tiled.h): these fp8 kernels serve the *_rows formats.
 #include "core/avx512.h"
 
 #include <algorithm>
