@@ -11,6 +11,10 @@ kind (decode/ctx.., kernel/scores, ...).
 
 --pin CPU runs the binaries under taskset (single-thread benchmarks only).
 
+The same binary may be given twice (an A/A run): the gap between its two columns is what the
+machine's noise alone makes of a comparison (2026-12-05, another tenant busy: decode int4t_g128
+32K 232.3 vs 218.6 us, medians of 6). Odd rounds run the binaries in reverse order.
+
 Each round runs every binary as a new process; a benchmark whose round medians lie more than 15%
 apart is listed after the table ("spread"), since a shape can read at two speeds from one process
 to the next (bench/BENCHMARKS.md: q5_1 at head_dim 64).
@@ -33,14 +37,20 @@ def main():
     a = ap.parse_args()
     times = collections.defaultdict(list)  # (name, binary) -> us of every repetition
     per_round = collections.defaultdict(list)  # (name, binary, round) -> us of that run's repetitions
+    # Keyed by position, so that one binary given twice is an A/A test of the machine's noise. Odd
+    # rounds run the binaries in reverse order: a binary always run first (or right after another)
+    # would carry that position's share of the machine's drift.
     for rnd in range(a.rounds):
-        for b in a.binaries:
+        order = list(enumerate(a.binaries))
+        if rnd % 2:
+            order.reverse()
+        for b, path in order:
             cmd = ([ "taskset", "-c", a.pin] if a.pin else []) + [
-                b, f"--benchmark_filter={a.filter}", "--benchmark_format=json",
+                path, f"--benchmark_filter={a.filter}", "--benchmark_format=json",
                 f"--benchmark_repetitions={a.reps}"]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
-                sys.exit(f"{b} failed: {r.stderr.strip()[-500:]}")
+                sys.exit(f"{path} failed: {r.stderr.strip()[-500:]}")
             for bm in json.loads(r.stdout)["benchmarks"]:
                 if bm.get("run_type") == "aggregate":
                     continue
@@ -55,14 +65,15 @@ def main():
         fmt_at = 2 if parts[0] == "kernel" else 1
         return "/".join(parts[:fmt_at] + parts[fmt_at + 1:])
 
-    f16 = {(kind(n), b): statistics.median(times[(n, b)]) for n in names for b in a.binaries
+    f16 = {(kind(n), b): statistics.median(times[(n, b)]) for n in names for b in range(len(a.binaries))
            if n.split("/")[2 if n.startswith("kernel/") else 1] == "f16" and times[(n, b)]}
-    for i, b in enumerate(a.binaries):
-        print(f"[{i}] {b}")
+    for i, path in enumerate(a.binaries):
+        print(f"[{i}] {path}")
     spread = []
     for n in names:
         cells = []
-        for i, b in enumerate(a.binaries):
+        for i in range(len(a.binaries)):
+            b = i
             v = times[(n, b)]
             if not v or max(v) == 0:  # not run, or skipped (a shape the format does not take)
                 cells.append(f"[{i}] -")
