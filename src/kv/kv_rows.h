@@ -183,6 +183,22 @@ inline bool kv_rows_int_dot_ok(const KvRowFmt& f) {
 }
 // 0 when the format has no integer-dot path.
 int kv_rows_query_extra_floats(const KvRowFmt& f);
+// The parts of prepared query row i (rows q_stride floats apart) that the integer kernels read.
+struct KvRowsQueryRow {
+  const uint8_t* lo;  // qlo int8[hd/2]
+  const uint8_t* hi;  // qhi int8[hd/2]
+  const float* dq;    // [hd/8]
+  const float* qs;    // [hd/8]
+};
+inline KvRowsQueryRow kv_rows_query_row(int hd, const float* qp, size_t q_stride, int i) {
+  const float* r = qp + size_t(i) * q_stride;
+  KvRowsQueryRow q;
+  q.lo = reinterpret_cast<const uint8_t*>(r + hd);
+  q.hi = q.lo + hd / 2;
+  q.dq = r + hd + hd / 4;
+  q.qs = q.dq + hd / 8;
+  return q;
+}
 // q: (n_q, head_dim) -> qp: (n_q, head_dim + extra) (see above). Once per decode step.
 void kv_rows_prepare_query(const KvRowFmt& f, const float* q, int n_q, float* qp);
 // kv_rows_scores over prepared query rows (q_stride = head_dim + extra floats apart): the integer

@@ -79,22 +79,9 @@ template <KvElem E>
   return k;
 }
 
-struct QRow {
-  const uint8_t* lo;
-  const uint8_t* hi;
-  const float* dq;
-  const float* qs;
-};
-
-inline QRow qrow(const Ctx& x, const float* qp, size_t q_stride, int i) {
-  const float* r = qp + size_t(i) * q_stride;
-  QRow q;
-  q.lo = reinterpret_cast<const uint8_t*>(r + x.hd);
-  q.hi = q.lo + x.hd / 2;
-  q.dq = r + x.hd + x.hd / 4;
-  q.qs = q.dq + x.hd / 8;
-  return q;
-}
+// Prepared query row i: pointers into its int8 halves and lane vectors (kv_rows.h).
+using QRow = KvRowsQueryRow;
+inline QRow qrow(const Ctx& x, const float* qp, size_t q_stride, int i) { return kv_rows_query_row(x.hd, qp, q_stride, i); }
 
 inline __m256i ld256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 

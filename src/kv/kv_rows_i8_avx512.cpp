@@ -141,22 +141,8 @@ template <KvElem E>
 }
 
 // Prepared query row i: pointers into its int8 halves and lane vectors (kv_rows.h).
-struct QRow {
-  const uint8_t* lo;
-  const uint8_t* hi;
-  const float* dq;
-  const float* qs;
-};
-
-inline QRow qrow(const Ctx& x, const float* qp, size_t q_stride, int i) {
-  const float* r = qp + size_t(i) * q_stride;
-  QRow q;
-  q.lo = reinterpret_cast<const uint8_t*>(r + x.hd);
-  q.hi = q.lo + x.hd / 2;
-  q.dq = r + x.hd + x.hd / 4;
-  q.qs = q.dq + x.hd / 8;
-  return q;
-}
+using QRow = KvRowsQueryRow;
+inline QRow qrow(const Ctx& x, const float* qp, size_t q_stride, int i) { return kv_rows_query_row(x.hd, qp, q_stride, i); }
 
 // F[i] += per-lane partial scores of one token for query rows 0..NQ-1. HD: head_dim when known at
 // compile time (the chunk loop then unrolls and the half-chunk masks are constants), else 0.
