@@ -141,13 +141,12 @@ std::vector<float> kv_channel_scales(const float* x, const float* mu, const floa
 
 namespace {
 
-class AffineCodec final : public KvCodec {
+class AffineCodec final : public KvWrappedCodec {
  public:
   // mu: channel means (empty: not centered); s: channel scales (empty: not scaled).
   AffineCodec(std::string name, std::unique_ptr<KvCodec> inner, KvRole role, std::vector<std::vector<float>> mu,
               std::vector<std::vector<float>> s)
-      : inner_(std::move(inner)), role_(role), mu_(std::move(mu)), s_(std::move(s)) {
-    info_ = inner_->info();
+      : KvWrappedCodec(std::move(inner)), role_(role), mu_(std::move(mu)), s_(std::move(s)) {
     KVQ_CHECK(!info_.pre_rope && info_.group_tokens == 1, "centered / scaled codec {}: the inner codec must be per-token",
               name);
     info_.name = std::move(name);
@@ -157,12 +156,9 @@ class AffineCodec final : public KvCodec {
     }
   }
 
-  const KvCodecInfo& info() const override { return info_; }
-  int head_dim() const override { return inner_->head_dim(); }
   int prepared_query_dim() const override {
     return inner_->prepared_query_dim() + (role_ == KvRole::key && !mu_.empty() ? kDotRoom : 0);
   }
-  size_t block_bytes(int block_tokens) const override { return inner_->block_bytes(block_tokens); }
 
   void encode(int head, const float* src, size_t src_stride, int n, uint8_t* block, int block_tokens, int t0,
               int pos0) const override {
@@ -229,24 +225,8 @@ class AffineCodec final : public KvCodec {
     add_mean_dots(qp, n_q, n, out, out_stride);
   }
 
-  // The value mean's share, mu * sum_t p_t, is added once per pass in finish_output_mass.
-  void accumulate(int head, const float* p, int p_stride, int n_q, const uint8_t* block, int block_tokens, int t0,
-                  int n, float* acc) const override {
-    inner_->accumulate(head, p, p_stride, n_q, block, block_tokens, t0, n, acc);
-  }
-  void accumulate_spans(int head, const float* p, int p_stride, int n_q, const KvSpan* spans, int n_spans,
-                        float* acc) const override {
-    inner_->accumulate_spans(head, p, p_stride, n_q, spans, n_spans, acc);
-  }
-
-  PrefetchRange prefetch_range(int block_tokens, int t0, int n) const override {
-    return inner_->prefetch_range(block_tokens, t0, n);
-  }
-  bool prefetches_along() const override { return inner_->prefetches_along(); }
-  bool fuses_spans() const override { return inner_->fuses_spans(); }
-  PrefetchRange prefetch_along_range(int block_tokens, int t0, int n) const override {
-    return inner_->prefetch_along_range(block_tokens, t0, n);
-  }
+  // The weighted sums are the inner codec's (KvWrappedCodec); the value mean's share,
+  // mu * sum_t p_t, is added once per pass in finish_output_mass.
 
   // The linear part: the inner codec's map to the model's basis, then the value scales.
   void finish_output(int head, float* acc, int n_q) const override {
@@ -279,11 +259,9 @@ class AffineCodec final : public KvCodec {
     }
   }
 
-  std::unique_ptr<KvCodec> inner_;
   KvRole role_;
   std::vector<std::vector<float>> mu_;        // (n_kv_heads, head_dim), model basis; empty: not centered
   std::vector<std::vector<float>> s_;         // (n_kv_heads, head_dim) channel scales; empty: not scaled
-  KvCodecInfo info_;
 };
 
 // Registers inner + suffix: "_c" centered, "_s" scaled, "_cs" both.

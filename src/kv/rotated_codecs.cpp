@@ -34,11 +34,10 @@ void hadamard_rows(float* x, int n_rows, int dim, int block) {
 struct RotatedScratch;
 float* scratch(size_t n) { return kv_thread_scratch<RotatedScratch>(n); }
 
-class RotatedCodec final : public KvCodec {
+class RotatedCodec final : public KvWrappedCodec {
  public:
   RotatedCodec(std::string name, std::unique_ptr<KvCodec> inner, KvRole role, int block)
-      : inner_(std::move(inner)), block_(block) {
-    info_ = inner_->info();
+      : KvWrappedCodec(std::move(inner)), block_(block) {
     KVQ_CHECK(!info_.transforms_query && !info_.transforms_output && !info_.pre_rope && info_.group_tokens == 1,
               "rotated codec {}: the inner codec must be a plain per-token codec", name);
     info_.name = std::move(name);
@@ -46,10 +45,7 @@ class RotatedCodec final : public KvCodec {
     info_.transforms_output = role == KvRole::value;
   }
 
-  const KvCodecInfo& info() const override { return info_; }
-  int head_dim() const override { return inner_->head_dim(); }
   int prepared_query_dim() const override { return inner_->prepared_query_dim(); }
-  size_t block_bytes(int block_tokens) const override { return inner_->block_bytes(block_tokens); }
 
   void encode(int head, const float* src, size_t src_stride, int n, uint8_t* block, int block_tokens, int t0,
               int pos0) const override {
@@ -81,37 +77,19 @@ class RotatedCodec final : public KvCodec {
     inner_->scores(head, qp, n_q, block, block_tokens, t0, n, pos0, out, out_stride);
   }
 
-  void accumulate(int head, const float* p, int p_stride, int n_q, const uint8_t* block, int block_tokens, int t0,
-                  int n, float* acc) const override {
-    inner_->accumulate(head, p, p_stride, n_q, block, block_tokens, t0, n, acc);
-  }
   void scores_spans(int head, const float* qp, int n_q, const KvSpan* spans, int n_spans, float* out,
                     int out_stride) const override {
     inner_->scores_spans(head, qp, n_q, spans, n_spans, out, out_stride);
   }
-  void accumulate_spans(int head, const float* p, int p_stride, int n_q, const KvSpan* spans, int n_spans,
-                        float* acc) const override {
-    inner_->accumulate_spans(head, p, p_stride, n_q, spans, n_spans, acc);
-  }
 
-  PrefetchRange prefetch_range(int block_tokens, int t0, int n) const override {
-    return inner_->prefetch_range(block_tokens, t0, n);
-  }
-  bool prefetches_along() const override { return inner_->prefetches_along(); }
-  bool fuses_spans() const override { return inner_->fuses_spans(); }
-  PrefetchRange prefetch_along_range(int block_tokens, int t0, int n) const override {
-    return inner_->prefetch_along_range(block_tokens, t0, n);
-  }
-
+  // The weighted sums run on the rotated values (KvWrappedCodec); finish_output rotates back.
   void finish_output(int head, float* acc, int n_q) const override {
     inner_->finish_output(head, acc, n_q);
     if (info_.transforms_output) hadamard_rows(acc, n_q, head_dim(), block_);
   }
 
  private:
-  std::unique_ptr<KvCodec> inner_;
   int block_;
-  KvCodecInfo info_;
 };
 
 // llama.cpp's choice: keys rotate over the largest power of two dividing head_dim; values over
