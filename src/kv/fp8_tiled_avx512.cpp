@@ -19,9 +19,6 @@ namespace {
 constexpr int kSegTiles = 8;  // tiles whose weights are formed ahead of the channel loop
 constexpr int kAhead = 2;     // sums: tiles ahead requested into L1 (as int8t's kernels)
 constexpr int kScoreTiles = 4;  // scores: tiles per step (one query broadcast), the next step requested into L1
-inline void prefetch_tile(const uint8_t* p, size_t bytes) {
-  for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
-}
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
 inline __m512bh bcast_pair(const uint32_t* p) { return as_bh(_mm512_set1_epi32(int32_t(*p))); }
@@ -79,7 +76,7 @@ void scores_pass(const Fp8TiledLayout& L, const float* qp, const uint8_t* block,
   for (int tile = tile0; tile < tile1; tile += kScoreTiles) {
     kv_prefetch_along_step(along, (tile - tile0) / kScoreTiles, steps);
     const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
-    if (tile + 2 * kScoreTiles <= tile1) prefetch_tile(tp + kScoreTiles * L.tile_bytes, kScoreTiles * L.tile_bytes);
+    if (tile + 2 * kScoreTiles <= tile1) tile_prefetch_l1(tp + kScoreTiles * L.tile_bytes, kScoreTiles * L.tile_bytes);
     switch (std::min(kScoreTiles, tile1 - tile)) {
       case 4: score_tiles<NQ, 4>(L, lut, q, tp, tile * 16, t0, n, out, out_stride); break;
       case 3:
@@ -150,7 +147,7 @@ void accum_pass(const Fp8TiledLayout& L, const float* p, int p_stride, const uin
     const uint8_t* seg_tp = block + size_t(seg) * L.tile_bytes;
     for (int tt = 0; tt < nt; ++tt) {
       const uint8_t* tp = seg_tp + size_t(tt) * L.tile_bytes;
-      if (seg + tt + kAhead < tile1) prefetch_tile(tp + kAhead * L.tile_bytes, L.tile_bytes);
+      if (seg + tt + kAhead < tile1) tile_prefetch_l1(tp + kAhead * L.tile_bytes, L.tile_bytes);
       __m512 pv[4];
       valid[tt] = tile_load_weights_avx512<NQ>(p, p_stride, t0, n, (seg + tt) * 16, pv);
       // Masked: slots outside the range may hold anything (NaN scales of unwritten tokens).

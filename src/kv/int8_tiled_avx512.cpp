@@ -19,9 +19,6 @@ constexpr int kSegTiles = 8;  // tiles whose weights are quantized ahead of the 
 // The tile kAhead tiles on, requested while this one is computed: at 2 KB a tile (hd 128) the
 // hardware prefetchers and attention's one-call-early request left the dots waiting on memory.
 constexpr int kAhead = 2;
-inline void prefetch_tile(const uint8_t* p, size_t bytes) {
-  for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
-}
 
 // BS: q8_0t's per-(token, block) scales (kv/int8_tiled.h); else int8t's per-token scale.
 template <int NQ, bool BS>
@@ -34,7 +31,7 @@ void scores_pass(const Int8TiledLayout& L, const float* qp, const uint8_t* block
   for (int tile = tile0; tile < tile1; ++tile) {
     const uint8_t* tp = block + size_t(tile) * L.tile_bytes;
     const uint8_t* codes = tp + L.code_off;
-    if (tile + kAhead < tile1) prefetch_tile(tp + kAhead * L.tile_bytes, L.tile_bytes);
+    if (tile + kAhead < tile1) tile_prefetch_l1(tp + kAhead * L.tile_bytes, L.tile_bytes);
     __m512 facc[NQ];
     for (int h = 0; h < NQ; ++h) facc[h] = _mm512_setzero_ps();
     for (int b = 0; b < L.hd / 32; ++b) {
@@ -93,7 +90,7 @@ void accum_pass(const Int8TiledLayout& L, const float* p, int p_stride, const ui
     for (int tt = 0; tt < nt; ++tt) {
       const int base = (seg + tt) * 16;
       const uint8_t* tp = block + size_t(seg + tt) * L.tile_bytes;
-      if (seg + tt + kAhead < tile1) prefetch_tile(tp + kAhead * L.tile_bytes, L.tile_bytes);
+      if (seg + tt + kAhead < tile1) tile_prefetch_l1(tp + kAhead * L.tile_bytes, L.tile_bytes);
       __m512 pv[4];
       const __mmask16 mask = tile_load_weights_avx512<NQ>(p, p_stride, t0, n, base, pv);
       // Masked: slots outside the range may hold anything (NaN scales of unwritten tokens).
