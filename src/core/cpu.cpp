@@ -20,6 +20,7 @@ const CpuFeatures& cpu_features() {
     c.avx512dq = __builtin_cpu_supports("avx512dq");
     c.avx512vnni = __builtin_cpu_supports("avx512vnni");
     c.avx512vbmi = __builtin_cpu_supports("avx512vbmi");
+    c.gfni = __builtin_cpu_supports("gfni");
 #if defined(__clang__) || __GNUC__ >= 12
     c.avx512bf16 = __builtin_cpu_supports("avx512bf16");
 #endif
@@ -32,7 +33,8 @@ const CpuFeatures& cpu_features() {
 static CpuLevel detected_level() {
 #if defined(KVQ_HAVE_SIMD)
   const auto& f = cpu_features();
-  if (f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512vnni && f.avx512bf16 && f.avx512vbmi)
+  if (f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512vnni && f.avx512bf16 && f.avx512vbmi &&
+      f.gfni)
     return CpuLevel::avx512;
   if (f.avx2 && f.fma) return CpuLevel::avx2;
 #endif

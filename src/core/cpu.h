@@ -11,7 +11,7 @@ enum class CpuLevel { scalar = 0, avx2 = 1, avx512 = 2 };
 struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
-  bool avx512bf16 = false, avx512vnni = false, avx512vbmi = false;
+  bool avx512bf16 = false, avx512vnni = false, avx512vbmi = false, gfni = false;
 };
 
 const CpuFeatures& cpu_features();

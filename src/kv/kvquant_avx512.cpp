@@ -6,6 +6,7 @@
 #include "core/avx512.h"
 
 #include <cstring>
+#include <type_traits>
 
 #include "core/dtypes.h"
 #include "kv/grouped_common.h"
@@ -34,12 +35,48 @@ inline __m512 dequant16(const uint8_t* row, int pb, int k, __m512 cb, const floa
 
 // Keys of tokens [0, n) of a into kbuf (n, D) in score order, outliers applied. sc, md: the
 // group's scales and mids in channel order (halves) or score order (lanes).
-template <int B>
+template <int B, int FD>
 void dequant_block(const KvquantScoreArgs& a, int t0, int n, const float* sc, const float* md, float* kbuf) {
   const KvquantScoreLayout& l = *a.layout;
-  const int D = a.head_dim, pb = D / 8, nk = D / 16, half = a.n_rot / 2;
+  const int D = FD ? FD : a.head_dim, pb = D / 8, nk = D / 16, half = (FD ? FD : a.n_rot) / 2;
   const __m512 cb = _mm512_loadu_ps(a.codebook);
-  if (l.layout == kvquant_layout_lanes) {
+  if constexpr (FD > 0) {
+    // The row's B planes in one or two loads; per 64-channel block m a byte permute puts plane j's
+    // byte 8m + i at byte 7 - j of qword i (the other bytes zero) and one GF(2) affine transpose
+    // turns each qword's 8 x 8 bit matrix into the codes of channels 64m + 8i .. 64m + 8i + 7, one
+    // byte each: the byte vector the shifts and vpermps below read (lanes layout).
+    constexpr int RB = B * FD / 8;  // row bytes: 16 .. 128
+    constexpr __mmask64 lo_mask = RB >= 64 ? ~__mmask64(0) : (__mmask64(1) << RB) - 1;
+    constexpr __mmask64 hi_mask = RB > 64 ? (RB >= 128 ? ~__mmask64(0) : (__mmask64(1) << (RB - 64)) - 1) : 0;
+    __mmask64 keep = 0;  // bytes 8 - B .. 7 of every qword
+    for (int i = 0; i < 8; ++i)
+      for (int j = 0; j < B; ++j) keep |= __mmask64(1) << (8 * i + 7 - j);
+    __m512i idx[FD / 64];
+    for (int m = 0; m < FD / 64; ++m) {
+      alignas(64) uint8_t x[64] = {};
+      for (int i = 0; i < 8; ++i)
+        for (int j = 0; j < B; ++j) x[8 * i + 7 - j] = uint8_t(j * (FD / 8) + 8 * m + i);
+      idx[m] = _mm512_load_si512(x);
+    }
+    const __m512i sel = _mm512_set1_epi64(0x8040201008040201ll);  // byte b = 1 << b
+    for (int u = 0; u < n; ++u) {
+      const uint8_t* row = a.rows + size_t(t0 + u) * a.row_bytes;
+      float* kp = kbuf + size_t(u) * FD;
+      const __m512i lo = _mm512_maskz_loadu_epi8(lo_mask, row);
+      const __m512i hi = RB > 64 ? _mm512_maskz_loadu_epi8(hi_mask, row + 64) : lo;
+      for (int m = 0; m < FD / 64; ++m) {
+        const __m512i planes = RB > 64 ? _mm512_maskz_permutex2var_epi8(keep, lo, idx[m], hi)
+                                       : _mm512_maskz_permutexvar_epi8(keep, idx[m], lo);
+        const __m512i v = _mm512_gf2p8affine_epi64_epi8(sel, planes, 0);
+        for (int r = 0; r < 4; ++r) {
+          const __m512i ix = r == 0 ? v : _mm512_srli_epi32(v, 8 * r);
+          const int o = 64 * m + 16 * r;
+          _mm512_store_ps(kp + o, _mm512_fmadd_ps(_mm512_permutexvar_ps(ix, cb), _mm512_load_ps(sc + o),
+                                                  _mm512_load_ps(md + o)));
+        }
+      }
+    }
+  } else if (l.layout == kvquant_layout_lanes) {
     // 64 codes as bytes from the 64-bit plane words; the dword lanes of the byte vector shifted by
     // 8r hold channels 4L + r in their low 4 bits, all vpermps reads.
     for (int u = 0; u < n; ++u) {
@@ -68,7 +105,7 @@ void dequant_block(const KvquantScoreArgs& a, int t0, int n, const float* sc, co
       float* kp = kbuf + size_t(u) * D;
       int k = 0;
       if (!l.neox) {
-        for (; 16 * k < a.n_rot; k += 2) {
+        for (; 16 * k < 2 * half; k += 2) {
           const __m512 x0 = dequant16<B>(row, pb, k, cb, sc, md), x1 = dequant16<B>(row, pb, k + 1, cb, sc, md);
           _mm512_store_ps(kp + 8 * k, _mm512_permutex2var_ps(x0, ev, x1));
           _mm512_store_ps(kp + half + 8 * k, _mm512_permutex2var_ps(x0, od, x1));
@@ -96,6 +133,22 @@ inline PairGeom pair_geom(const KvquantScoreArgs& a) {
   if (a.layout->layout == kvquant_layout_lanes && !a.layout->neox) return {32, 16};
   return {16, a.n_rot / 2};
 }
+
+// The shape a kernel instance is compiled for: FD = 0 reads head_dim, n_rot, the pair geometry and
+// the table stride from the arguments; FD > 0 is head_dim = n_rot = rot_stride * 2 = FD in the lanes
+// layout, neox (NX) or adjacent pairs, every loop bound and offset a constant (measured: the dot
+// pass of kvquant4 at head_dim 128 from about 42 to 27 cycles per token, bench/BENCHMARKS.md).
+template <int FD, bool NX>
+struct ScoreShape {
+  int D, half, n_rot, rstride;
+  PairGeom g;
+  explicit ScoreShape(const KvquantScoreArgs& a)
+      : D(FD ? FD : a.head_dim),
+        half(FD ? FD / 2 : a.n_rot / 2),
+        n_rot(FD ? FD : a.n_rot),
+        rstride(FD ? FD / 2 : a.rot_stride),
+        g(FD ? (NX ? PairGeom{16, FD / 2} : PairGeom{32, 16}) : pair_geom(a)) {}
+};
 
 // Accumulators of one (query, token): its R(t)-turned key against the query's score-order rows.
 template <int NQ, int TU>
@@ -130,19 +183,20 @@ inline void dot_block(const float* kbuf, const float* rc, const float* rs, int r
   }
 }
 
-template <int NQ>
+template <int NQ, int FD, bool NX>
 void scores_nq(const KvquantScoreArgs& a, const float* kbuf, int t0, int n, const float* q, float* out,
                int out_stride) {
   constexpr int NQP = NQ == 3 ? 4 : NQ;
   constexpr int TU = 16 / NQP;
-  const int D = a.head_dim, half = a.n_rot / 2;
-  const PairGeom g = pair_geom(a);
+  const ScoreShape<FD, NX> sh(a);
+  const int D = sh.D, half = sh.half, rstride = sh.rstride;
+  const PairGeom g = sh.g;
   int u = 0;
   for (; u + TU <= n; u += TU) {
     __m512 acc[NQ * TU];
     for (auto& v : acc) v = _mm512_setzero_ps();
-    dot_block<NQ, TU>(kbuf + size_t(u) * D, a.rot_c + size_t(t0 + u) * a.rot_stride,
-                      a.rot_s + size_t(t0 + u) * a.rot_stride, a.rot_stride, q, D, half, a.n_rot, g, acc);
+    dot_block<NQ, TU>(kbuf + size_t(u) * D, a.rot_c + size_t(t0 + u) * rstride, a.rot_s + size_t(t0 + u) * rstride,
+                      rstride, q, D, half, sh.n_rot, g, acc);
     __m512 v[16];
     for (int j = 0; j < 16; ++j) v[j] = _mm512_setzero_ps();
     for (int o = 0; o < NQ * TU; ++o) v[4 * (o % 4) + o / 4] = acc[o];  // lane o: query o / TU, token o % TU
@@ -154,17 +208,17 @@ void scores_nq(const KvquantScoreArgs& a, const float* kbuf, int t0, int n, cons
   for (; u < n; ++u) {
     __m512 acc[NQ];
     for (auto& v : acc) v = _mm512_setzero_ps();
-    dot_block<NQ, 1>(kbuf + size_t(u) * D, a.rot_c + size_t(t0 + u) * a.rot_stride,
-                     a.rot_s + size_t(t0 + u) * a.rot_stride, a.rot_stride, q, D, half, a.n_rot, g, acc);
+    dot_block<NQ, 1>(kbuf + size_t(u) * D, a.rot_c + size_t(t0 + u) * rstride, a.rot_s + size_t(t0 + u) * rstride,
+                     rstride, q, D, half, sh.n_rot, g, acc);
     for (int i = 0; i < NQ; ++i) out[size_t(i) * out_stride + size_t(t0 + u)] = _mm512_reduce_add_ps(acc[i]);
   }
 }
 
-template <int B>
+template <int B, int FD, bool NX>
 void scores_impl(const KvquantScoreArgs& a, float* out, int out_stride) {
-  const int D = a.head_dim;
+  const int D = FD ? FD : a.head_dim;
   alignas(64) float sc[kvg_max_head_dim], md[kvg_max_head_dim];
-  if (a.layout->layout == kvquant_layout_lanes) {
+  if (FD || a.layout->layout == kvquant_layout_lanes) {
     // Straight into score order: lanes r of block m are channels 64m + 4L + r, picked from the
     // block's 64 f16 values with one two-source word permute.
     for (int m = 0; m < D / 64; ++m)
@@ -191,17 +245,33 @@ void scores_impl(const KvquantScoreArgs& a, float* out, int out_stride) {
   alignas(64) float kbuf[kSub * kvg_max_head_dim];
   for (int t0 = 0; t0 < a.n; t0 += kSub) {
     const int n = a.n - t0 < kSub ? a.n - t0 : kSub;
-    dequant_block<B>(a, t0, n, sc, md, kbuf);
+    dequant_block<B, FD>(a, t0, n, sc, md, kbuf);
     for (int i0 = 0; i0 < a.n_q; i0 += 4) {
       const float* q = a.q + size_t(i0) * D;
       float* o = out + size_t(i0) * out_stride;
       switch (a.n_q - i0 < 4 ? a.n_q - i0 : 4) {
-        case 1: scores_nq<1>(a, kbuf, t0, n, q, o, out_stride); break;
-        case 2: scores_nq<2>(a, kbuf, t0, n, q, o, out_stride); break;
-        case 3: scores_nq<3>(a, kbuf, t0, n, q, o, out_stride); break;
-        default: scores_nq<4>(a, kbuf, t0, n, q, o, out_stride); break;
+        case 1: scores_nq<1, FD, NX>(a, kbuf, t0, n, q, o, out_stride); break;
+        case 2: scores_nq<2, FD, NX>(a, kbuf, t0, n, q, o, out_stride); break;
+        case 3: scores_nq<3, FD, NX>(a, kbuf, t0, n, q, o, out_stride); break;
+        default: scores_nq<4, FD, NX>(a, kbuf, t0, n, q, o, out_stride); break;
       }
     }
+  }
+}
+
+// f(std::integral_constant<int, FD>, std::integral_constant<bool, NX>) for the shapes with an
+// instance (fd 64 / 128 / 256), else FD = 0 (shape read from the arguments; NX unused then).
+template <class F>
+void with_fixed_shape(int fd, bool neox, F&& f) {
+  using std::integral_constant;
+  switch (fd) {
+    case 64: return neox ? f(integral_constant<int, 64>{}, integral_constant<bool, true>{})
+                         : f(integral_constant<int, 64>{}, integral_constant<bool, false>{});
+    case 128: return neox ? f(integral_constant<int, 128>{}, integral_constant<bool, true>{})
+                          : f(integral_constant<int, 128>{}, integral_constant<bool, false>{});
+    case 256: return neox ? f(integral_constant<int, 256>{}, integral_constant<bool, true>{})
+                          : f(integral_constant<int, 256>{}, integral_constant<bool, false>{});
+    default: return f(integral_constant<int, 0>{}, integral_constant<bool, false>{});
   }
 }
 
@@ -212,11 +282,16 @@ void kvquant_scores_avx512(const KvquantScoreArgs& a, float* out, int out_stride
   // parts of the mixed-precision keys at head_dim 64) go to the AVX2 kernel (8-pair chunks, else
   // the reference).
   if ((a.n_rot / 2) % 16 != 0 || a.head_dim > kvg_max_head_dim) return kvquant_scores_avx2(a, out, out_stride);
-  switch (a.bits) {
-    case 2: return scores_impl<2>(a, out, out_stride);
-    case 3: return scores_impl<3>(a, out, out_stride);
-    default: return scores_impl<4>(a, out, out_stride);
-  }
+  // Every channel rotated, lanes layout, the usual head sizes: an instance with constant shapes.
+  const bool fixed = a.layout->layout == kvquant_layout_lanes && a.n_rot == a.head_dim && a.rot_stride == a.n_rot / 2;
+  const int fd = fixed && (a.head_dim == 64 || a.head_dim == 128 || a.head_dim == 256) ? a.head_dim : 0;
+  return with_fixed_shape(fd, a.layout->neox, [&](auto fdc, auto nxc) {
+    switch (a.bits) {
+      case 2: return scores_impl<2, fdc(), nxc()>(a, out, out_stride);
+      case 3: return scores_impl<3, fdc(), nxc()>(a, out, out_stride);
+      default: return scores_impl<4, fdc(), nxc()>(a, out, out_stride);
+    }
+  });
 }
 
 void kvquant_prep_avx512(const float* q, int n_q, int head_dim, int n_rot, const KvquantScoreLayout& l,
