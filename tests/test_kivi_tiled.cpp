@@ -252,7 +252,7 @@ TEST(KiviTiled, FoldParityDirect) {
   if (!(cf.avx2 && cf.fma && cf.f16c)) GTEST_SKIP() << "no AVX2";
   const bool has512 = cf.avx512f && cf.avx512bw && cf.avx512vnni;
   std::mt19937 rng(13);
-  for (int hd : {32, 128, 512})
+  for (int hd : {32, 64, 128, 256, 512})  // 64, 128, 256: the AVX-512 fold's constant-shape instances
     for (Pat pat : kPats) {
       auto c = make("kivi4t_k", hd, KvRole::key);
       auto x = make_rows(pat, 32, hd, rng);

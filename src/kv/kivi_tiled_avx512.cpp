@@ -79,8 +79,12 @@ void scores_pass(const int8_t* q8, const float* dq, const float* cz, int hd, con
 // the accumulator is the reference's lane l), an exact maximum (NaN lanes ignored as std::max
 // does), IEEE division for the step and its inverse (four blocks per vector), conversion to
 // nearest even as nearbyint, and saturation and clamp such that NaN becomes -127 as in the reference.
-void kivit_fold_query_avx512(const uint8_t* params, const float* q, int n_q, int hd, int8_t* q8, float* dq,
-                             float* cz) {
+namespace {
+
+// FHD > 0: head_dim as a constant (the loops unroll whole), else hd.
+template <int FHD>
+void fold_query(const uint8_t* params, const float* q, int n_q, int hd_arg, int8_t* q8, float* dq, float* cz) {
+  const int hd = FHD ? FHD : hd_arg;
   const int nb = hd / 32;
   // The group's scales and zeros as f32, once for all rows.
   alignas(64) float sc[1024], ze[1024];
@@ -170,6 +174,18 @@ void kivit_fold_query_avx512(const uint8_t* params, const float* q, int n_q, int
       const __m128 d = _mm_add_ps(b, _mm_movehl_ps(b, b));
       cz[i0 + r] = _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
     }
+  }
+}
+
+}  // namespace
+
+void kivit_fold_query_avx512(const uint8_t* params, const float* q, int n_q, int hd, int8_t* q8, float* dq,
+                             float* cz) {
+  switch (hd) {
+    case 64: return fold_query<64>(params, q, n_q, hd, q8, dq, cz);
+    case 128: return fold_query<128>(params, q, n_q, hd, q8, dq, cz);
+    case 256: return fold_query<256>(params, q, n_q, hd, q8, dq, cz);
+    default: return fold_query<0>(params, q, n_q, hd, q8, dq, cz);
   }
 }
 
