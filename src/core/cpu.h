@@ -1,5 +1,7 @@
 // CPU feature detection and the one place that decides which kernel variant runs.
 // KVQ_CPU=scalar|avx2|avx512 in the environment caps the level (for parity tests and benchmarks).
+// avx512: AVX-512 F/BW/VL/DQ, VNNI, BF16, VBMI and GFNI (Zen 4 and later, Sapphire Rapids and
+// later); avx2: AVX2 and FMA (with F16C); else scalar.
 #pragma once
 
 #include <atomic>

@@ -137,7 +137,7 @@ inline PairGeom pair_geom(const KvquantScoreArgs& a) {
 // The shape a kernel instance is compiled for: FD = 0 reads head_dim, n_rot, the pair geometry and
 // the table stride from the arguments; FD > 0 is head_dim = n_rot = rot_stride * 2 = FD in the lanes
 // layout, neox (NX) or adjacent pairs, every loop bound and offset a constant (measured: the dot
-// pass of kvquant4 at head_dim 128 from about 42 to 27 cycles per token, bench/BENCHMARKS.md).
+// pass of kvquant4 at head_dim 128 from about 42 to 31 cycles per token, bench/BENCHMARKS.md).
 template <int FD, bool NX>
 struct ScoreShape {
   int D, half, n_rot, rstride;
