@@ -1,8 +1,9 @@
-// AVX-512 KVQuant score kernel: a sub-block of tokens is dequantized into pair order (16 codes from
-// the bit planes with masked adds, one vpermps into the <= 16-entry codebook, adjacent pairs split
-// into a- and b-elements with vpermt2ps), outlier channels are patched with scalar stores, then the
-// keys are turned by R(t) from the table and dotted with up to 4 query rows, 16 (token, query)
-// sums finished by one hsum16.
+// AVX-512 KVQuant score kernel: a sub-block of tokens is dequantized into score order (code bytes
+// from the bit planes: per 64 channels one byte permute and one GF(2) affine transpose in the
+// instances for head_dim 64 / 128 / 256, else masked adds per plane; one vpermps into the <= 16-entry
+// codebook per 16 channels), outlier channels are patched with scalar stores, then the keys are
+// turned by R(t) from the table and dotted with up to 4 query rows, 16 (token, query) sums finished
+// by one hsum16.
 #include "core/avx512.h"
 
 #include <cstring>
