@@ -34,6 +34,29 @@ inline __m512 dequant16(const uint8_t* row, int pb, int k, __m512 cb, const floa
   return _mm512_fmadd_ps(_mm512_permutexvar_ps(v, cb), _mm512_load_ps(sc + 16 * k), _mm512_load_ps(md + 16 * k));
 }
 
+// The first N (16, 24, 32, 48 or 64) bytes at p in the low bytes of a vector, with loads of exactly
+// those bytes (the rest of the vector is never read): no read past a code row, and no masked-off
+// lane that could fall on a page nothing has touched yet (a microcode assist each time:
+// bench/BENCHMARKS.md, "kvquant4's keys in 16-token tiles").
+template <int N>
+[[gnu::always_inline]] inline __m512i load_row_bytes(const uint8_t* p) {
+  static_assert(N == 16 || N == 24 || N == 32 || N == 48 || N == 64);
+  if constexpr (N == 64) {
+    return _mm512_loadu_si512(p);
+  } else if constexpr (N == 48) {
+    return _mm512_inserti32x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32)), 2);
+  } else if constexpr (N == 32) {
+    return _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else if constexpr (N == 24) {
+    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 16)), 1);
+    return _mm512_castsi256_si512(v);
+  } else {
+    return _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+
 // Keys of tokens [0, n) of a into kbuf (n, D) in score order, outliers applied. sc, md: the
 // group's scales and mids in channel order (halves) or score order (lanes).
 template <int B, int FD>
@@ -47,8 +70,6 @@ void dequant_block(const KvquantScoreArgs& a, int t0, int n, const float* sc, co
     // turns each qword's 8 x 8 bit matrix into the codes of channels 64m + 8i .. 64m + 8i + 7, one
     // byte each: the byte vector the shifts and vpermps below read (lanes layout).
     constexpr int RB = B * FD / 8;  // row bytes: 16 .. 128
-    constexpr __mmask64 lo_mask = RB >= 64 ? ~__mmask64(0) : (__mmask64(1) << RB) - 1;
-    constexpr __mmask64 hi_mask = RB > 64 ? (RB >= 128 ? ~__mmask64(0) : (__mmask64(1) << (RB - 64)) - 1) : 0;
     __mmask64 keep = 0;  // bytes 8 - B .. 7 of every qword
     for (int i = 0; i < 8; ++i)
       for (int j = 0; j < B; ++j) keep |= __mmask64(1) << (8 * i + 7 - j);
@@ -63,8 +84,9 @@ void dequant_block(const KvquantScoreArgs& a, int t0, int n, const float* sc, co
     for (int u = 0; u < n; ++u) {
       const uint8_t* row = a.rows + size_t(t0 + u) * a.row_bytes;
       float* kp = kbuf + size_t(u) * FD;
-      const __m512i lo = _mm512_maskz_loadu_epi8(lo_mask, row);
-      const __m512i hi = RB > 64 ? _mm512_maskz_loadu_epi8(hi_mask, row + 64) : lo;
+      const __m512i lo = load_row_bytes<(RB < 64 ? RB : 64)>(row);
+      __m512i hi = lo;
+      if constexpr (RB > 64) hi = load_row_bytes<RB - 64>(row + 64);
       for (int m = 0; m < FD / 64; ++m) {
         const __m512i planes = RB > 64 ? _mm512_maskz_permutex2var_epi8(keep, lo, idx[m], hi)
                                        : _mm512_maskz_permutexvar_epi8(keep, idx[m], lo);
