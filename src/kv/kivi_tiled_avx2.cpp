@@ -66,8 +66,11 @@ void scores_pass(const int8_t* q8, const float* dq, const float* cz, int hd, con
 // (VMAXPS against -127 returns -127 for a NaN product, as the reference's clamp does), then
 // VCVTPS2DQ to nearest even: on [-127, 127] clamping before rounding equals the reference's
 // rounding before clamping. A block's 32 bytes are packed at once.
-void kivit_fold_query_avx2(const uint8_t* params, const float* q, int n_q, int hd, int8_t* q8, float* dq,
-                           float* cz) {
+namespace {
+
+template <int FHD>
+void fold_query(const uint8_t* params, const float* q, int n_q, int hd_arg, int8_t* q8, float* dq, float* cz) {
+  const int hd = FHD ? FHD : hd_arg;
   const int nb = hd / 32;
   const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -140,6 +143,18 @@ void kivit_fold_query_avx2(const uint8_t* params, const float* q, int n_q, int h
         dq[size_t(i) * size_t(nb) + size_t(b)] = amax[r * nb + b];
       }
     }
+  }
+}
+
+}  // namespace
+
+void kivit_fold_query_avx2(const uint8_t* params, const float* q, int n_q, int hd, int8_t* q8, float* dq,
+                           float* cz) {
+  switch (hd) {
+    case 64: return fold_query<64>(params, q, n_q, hd, q8, dq, cz);
+    case 128: return fold_query<128>(params, q, n_q, hd, q8, dq, cz);
+    case 256: return fold_query<256>(params, q, n_q, hd, q8, dq, cz);
+    default: return fold_query<0>(params, q, n_q, hd, q8, dq, cz);
   }
 }
 
