@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "core/dtypes.h"
@@ -14,6 +15,19 @@ namespace kvq {
 
 // Stack buffers in the kernels are sized by this; codecs reject larger heads.
 constexpr int kvg_max_head_dim = 512;
+
+// f(std::integral_constant<int, D>) with D = head_dim for the head sizes that have constant-shape
+// kernel instances (64, 128, 256: loops unrolled whole), else D = 0 (the instance that reads the
+// shape at run time). The one list of those sizes for the kvquant and kivi kernels.
+template <class F>
+inline decltype(auto) kvg_with_head_dim(int head_dim, F&& f) {
+  switch (head_dim) {
+    case 64: return f(std::integral_constant<int, 64>{});
+    case 128: return f(std::integral_constant<int, 128>{});
+    case 256: return f(std::integral_constant<int, 256>{});
+    default: return f(std::integral_constant<int, 0>{});
+  }
+}
 
 // Head-block fields are not aligned for 16-bit access (groups follow odd-sized code areas).
 inline f16_t kvg_load_f16(const uint8_t* base, size_t i) {

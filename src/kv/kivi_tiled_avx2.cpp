@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 
+#include "kv/grouped_common.h"
 #include "kv/kivi_tiled.h"
 #include "kv/kv_rows.h"
 #include "kv/tiles_avx2.h"
@@ -150,12 +151,7 @@ void fold_query(const uint8_t* params, const float* q, int n_q, int hd_arg, int8
 
 void kivit_fold_query_avx2(const uint8_t* params, const float* q, int n_q, int hd, int8_t* q8, float* dq,
                            float* cz) {
-  switch (hd) {
-    case 64: return fold_query<64>(params, q, n_q, hd, q8, dq, cz);
-    case 128: return fold_query<128>(params, q, n_q, hd, q8, dq, cz);
-    case 256: return fold_query<256>(params, q, n_q, hd, q8, dq, cz);
-    default: return fold_query<0>(params, q, n_q, hd, q8, dq, cz);
-  }
+  kvg_with_head_dim(hd, [&](auto fhd) { fold_query<fhd()>(params, q, n_q, hd, q8, dq, cz); });
 }
 
 void kivit_scores_avx2(const int8_t* q8, const float* dq, const float* cz, int n_q, int hd, const uint8_t* tiles,

@@ -282,22 +282,6 @@ void scores_impl(const KvquantScoreArgs& a, float* out, int out_stride) {
   }
 }
 
-// f(std::integral_constant<int, FD>, std::integral_constant<bool, NX>) for the shapes with an
-// instance (fd 64 / 128 / 256), else FD = 0 (shape read from the arguments; NX unused then).
-template <class F>
-void with_fixed_shape(int fd, bool neox, F&& f) {
-  using std::integral_constant;
-  switch (fd) {
-    case 64: return neox ? f(integral_constant<int, 64>{}, integral_constant<bool, true>{})
-                         : f(integral_constant<int, 64>{}, integral_constant<bool, false>{});
-    case 128: return neox ? f(integral_constant<int, 128>{}, integral_constant<bool, true>{})
-                          : f(integral_constant<int, 128>{}, integral_constant<bool, false>{});
-    case 256: return neox ? f(integral_constant<int, 256>{}, integral_constant<bool, true>{})
-                          : f(integral_constant<int, 256>{}, integral_constant<bool, false>{});
-    default: return f(integral_constant<int, 0>{}, integral_constant<bool, false>{});
-  }
-}
-
 }  // namespace
 
 void kvquant_scores_avx512(const KvquantScoreArgs& a, float* out, int out_stride) {
@@ -307,13 +291,17 @@ void kvquant_scores_avx512(const KvquantScoreArgs& a, float* out, int out_stride
   if ((a.n_rot / 2) % 16 != 0 || a.head_dim > kvg_max_head_dim) return kvquant_scores_avx2(a, out, out_stride);
   // Every channel rotated, lanes layout, the usual head sizes: an instance with constant shapes.
   const bool fixed = a.layout->layout == kvquant_layout_lanes && a.n_rot == a.head_dim && a.rot_stride == a.n_rot / 2;
-  const int fd = fixed && (a.head_dim == 64 || a.head_dim == 128 || a.head_dim == 256) ? a.head_dim : 0;
-  return with_fixed_shape(fd, a.layout->neox, [&](auto fdc, auto nxc) {
+  const auto run = [&](auto fd, auto nx) {
     switch (a.bits) {
-      case 2: return scores_impl<2, fdc(), nxc()>(a, out, out_stride);
-      case 3: return scores_impl<3, fdc(), nxc()>(a, out, out_stride);
-      default: return scores_impl<4, fdc(), nxc()>(a, out, out_stride);
+      case 2: return scores_impl<2, fd(), nx()>(a, out, out_stride);
+      case 3: return scores_impl<3, fd(), nx()>(a, out, out_stride);
+      default: return scores_impl<4, fd(), nx()>(a, out, out_stride);
     }
+  };
+  kvg_with_head_dim(fixed ? a.head_dim : 0, [&](auto fd) {
+    if constexpr (fd() == 0) run(fd, std::false_type{});  // NX unused: the shape is read at run time
+    else if (a.layout->neox) run(fd, std::true_type{});
+    else run(fd, std::false_type{});
   });
 }
 
