@@ -72,22 +72,21 @@ def main():
     spread = []
     for n in names:
         cells = []
-        for i in range(len(a.binaries)):
-            b = i
+        for b in range(len(a.binaries)):  # b: the binary's position (keys of times / per_round)
             v = times[(n, b)]
             if not v or max(v) == 0:  # not run, or skipped (a shape the format does not take)
-                cells.append(f"[{i}] -")
+                cells.append(f"[{b}] -")
                 continue
             med = statistics.median(v)
             ref = f16.get((kind(n), b))
             x = f" ({ref / med:4.2f}x f16)" if ref else ""
-            cells.append(f"[{i}] min {min(v):8.1f} med {med:8.1f}{x}")
+            cells.append(f"[{b}] min {min(v):8.1f} med {med:8.1f}{x}")
             # Runs are separate processes, and a process's buffers land at other addresses each
             # time: some shapes read at two speeds from one process to the next (bench/BENCHMARKS.md,
             # q5_1 at head_dim 64). Round medians more than 15% apart are listed.
             rm = [statistics.median(per_round[(n, b, k)]) for k in range(a.rounds) if per_round[(n, b, k)]]
             if len(rm) > 1 and max(rm) > 1.15 * min(rm):
-                spread.append(f"[{i}] {n}: round medians " + " ".join(f"{x:.1f}" for x in rm))
+                spread.append(f"[{b}] {n}: round medians " + " ".join(f"{x:.1f}" for x in rm))
         print(f"{n:44s} " + "  ".join(cells))
     for line in spread:
         print("spread " + line)
