@@ -863,12 +863,16 @@ TEST(Attention, SplitKMatchesReferenceAndSinglePass) {
   }
 }
 
-// The engine's split path: KvCache::attend_head with a pool gives the single-pass result, over
-// pages, with a sliding window and with a grouped format's f32 tail (kivi4: the newest tokens are
-// not yet quantized).
-TEST(Attention, KvCacheAttendHeadSplitMatchesSinglePass) {
+// The engine's decode split: KvCache::attend_head_part over parts that tile the visible tokens,
+// merged by attn_merge_parts, gives attend_head's result, over pages, with a sliding window and
+// with a grouped format's f32 tail (kivi4 keys: the newest tokens are not yet quantized), for cuts
+// at and off page boundaries, an empty part, and a last part that holds nothing (the tail starts
+// in the part before it). Values in f16, so that the parts differ by the merge's rounding alone:
+// an integer-dot weighted sum also rounds each part's weights to its own steps (the merge of such
+// parts is attn_decode_split's, tested above against one pass).
+TEST(Attention, KvCacheAttendHeadPartsMatchSinglePass) {
   const int hd = 64, n_q = 2, n_tok = 3000;
-  for (const char* fmt : {"f16", "q4_0", "kivi4"}) {
+  for (const char* fmt : {"f16", "q4_0/f16", "kivi4/f16"}) {
     KvCacheConfig c;
     c.n_layer = 1;
     c.n_kv_heads = 2;
@@ -887,20 +891,108 @@ TEST(Attention, KvCacheAttendHeadSplitMatchesSinglePass) {
     for (auto& x : q) x = nd(rng);
     cache.append(0, n_tok, k.data(), k.data(), v.data());
     cache.commit(n_tok);
-    ThreadPool pool(2);
-    std::vector<float> one(size_t(n_q) * hd), split(one.size());
-    std::vector<float> s1(cache.attend_scratch_floats(n_q)), s2(cache.attend_scratch_floats(n_q, pool.size()));
+    std::vector<float> one(size_t(n_q) * hd), merged(one.size()), scratch(cache.attend_scratch_floats(n_q));
     std::vector<KvBlockSpan> spans;
     AttnParams ap;
     ap.scale = 0.125f;
     for (int window : {0, 2500}) {
+      const int vis = KvCache::visible_tokens(n_tok - 1, window);
+      ASSERT_EQ(vis, window ? window : n_tok);
+      const std::vector<std::vector<int>> cuts = {
+          {0, vis}, {0, 1024, vis}, {0, 1000, vis}, {0, 700, 700, 1800, vis}, {0, 1500, vis - 10, vis}};
       for (int h = 0; h < 2; ++h) {
-        cache.attend_head(0, h, n_tok - 1, q.data(), n_q, ap, window, one.data(), s1.data(), spans);
-        cache.attend_head(0, h, n_tok - 1, q.data(), n_q, ap, window, split.data(), s2.data(), spans, &pool);
-        for (size_t i = 0; i < one.size(); ++i)
-          ASSERT_NEAR(split[i], one[i], 2e-5) << fmt << " window " << window << " head " << h;
+        cache.attend_head(0, h, n_tok - 1, q.data(), n_q, ap, window, one.data(), scratch.data(), spans);
+        for (const auto& cut : cuts) {
+          const int np = int(cut.size()) - 1;
+          std::vector<std::vector<float>> parts(size_t(np), std::vector<float>(cache.attend_part_floats(n_q)));
+          std::vector<const float*> ptr;
+          for (int p = 0; p < np; ++p) {
+            cache.attend_head_part(0, h, n_tok - 1, q.data(), n_q, ap, window, cut[size_t(p)], cut[size_t(p) + 1],
+                                   parts[size_t(p)].data(), scratch.data(), spans);
+            ptr.push_back(parts[size_t(p)].data());
+          }
+          attn_merge_parts(ptr.data(), np, n_q, hd, merged.data());
+          for (size_t i = 0; i < one.size(); ++i)
+            ASSERT_NEAR(merged[i], one[i], 2e-5) << fmt << " window " << window << " head " << h << " parts " << np;
+        }
       }
     }
+  }
+}
+
+// attn_balance_pieces: every item's pieces tile its tokens in order, threads never go backwards,
+// and the cuts fall where the shares say unless a side would be shorter than min_piece.
+TEST(Attention, BalancePiecesTileItemsAndBalanceThreads) {
+  using P = std::vector<AttnPiece>;
+  auto same = [](const P& a, const P& b) {
+    if (a.size() != b.size()) return false;
+    for (size_t i = 0; i < a.size(); ++i)
+      if (a[i].item != b[i].item || a[i].from != b[i].from || a[i].to != b[i].to || a[i].thread != b[i].thread)
+        return false;
+    return true;
+  };
+  {  // 3 heads on 2 threads (SmolLM2): the middle head is cut in half
+    const int t[] = {8000, 8000, 8000};
+    EXPECT_TRUE(same(attn_balance_pieces(t, 3, 2, 1024), P{{0, 0, 8000, 0}, {1, 0, 4000, 0}, {1, 4000, 8000, 1}, {2, 0, 8000, 1}}));
+  }
+  {  // one head on 2 threads (Gemma 3)
+    const int t[] = {3000};
+    EXPECT_TRUE(same(attn_balance_pieces(t, 1, 2, 1024), P{{0, 0, 1500, 0}, {0, 1500, 3000, 1}}));
+    // on 4 threads the quarter cuts would leave 750 tokens: they move to the ends
+    EXPECT_TRUE(same(attn_balance_pieces(t, 1, 4, 1024), P{{0, 0, 1500, 1}, {0, 1500, 3000, 2}}));
+  }
+  {  // a half cut would leave 1023 tokens on one side: not cut
+    const int t[] = {2047};
+    EXPECT_TRUE(same(attn_balance_pieces(t, 1, 2, 1024), P{{0, 0, 2047, 0}}));
+  }
+  {  // short items: whole, two per thread
+    const int t[] = {100, 100, 100, 100};
+    EXPECT_TRUE(same(attn_balance_pieces(t, 4, 2, 1024), P{{0, 0, 100, 0}, {1, 0, 100, 0}, {2, 0, 100, 1}, {3, 0, 100, 1}}));
+  }
+  {  // one long document beside short chats
+    const int t[] = {200, 12000, 300};
+    EXPECT_TRUE(same(attn_balance_pieces(t, 3, 2, 1024), P{{0, 0, 200, 0}, {1, 0, 6050, 0}, {1, 6050, 12000, 1}, {2, 0, 300, 1}}));
+  }
+  EXPECT_TRUE(attn_balance_pieces(nullptr, 0, 2, 1024).empty());
+  // Random cases: the invariants.
+  std::mt19937 rng(9);
+  for (int trial = 0; trial < 500; ++trial) {
+    const int n_items = 1 + int(rng() % 12), n_threads = 1 + int(rng() % 9), min_piece = int(rng() % 2000);
+    std::vector<int> t(static_cast<size_t>(n_items));
+    for (auto& x : t) x = rng() % 4 == 0 ? int(rng() % 50) : int(rng() % 20000);
+    const P ps = attn_balance_pieces(t.data(), n_items, n_threads, min_piece);
+    std::vector<int64_t> load(static_cast<size_t>(n_threads), 0);
+    int item = -1, next_from = 0, last_thread = 0;
+    for (const AttnPiece& pc : ps) {
+      ASSERT_GE(pc.thread, last_thread);
+      ASSERT_LT(pc.thread, n_threads);
+      last_thread = pc.thread;
+      if (pc.item != item) {
+        ASSERT_EQ(pc.item, item + 1);
+        if (item >= 0) {
+          ASSERT_EQ(next_from, t[size_t(item)]);
+        }
+        item = pc.item;
+        next_from = 0;
+      }
+      ASSERT_EQ(pc.from, next_from);
+      ASSERT_TRUE(pc.to > pc.from || (pc.from == 0 && t[size_t(item)] == 0));
+      if (pc.from > 0) {  // a cut leaves min_piece on both sides
+        ASSERT_GE(pc.from, min_piece);
+      }
+      if (pc.to < t[size_t(item)]) {
+        ASSERT_GE(t[size_t(item)] - pc.to, min_piece);
+      }
+      next_from = pc.to;
+      load[size_t(pc.thread)] += pc.to - pc.from;
+    }
+    ASSERT_EQ(item, n_items - 1);
+    ASSERT_EQ(next_from, t[size_t(item)]);
+    // A snapped cut moves by less than min_piece (the shorter side), so no thread carries more
+    // than its share plus min_piece at each of its two ends.
+    int64_t total = 0;
+    for (int x : t) total += x;
+    for (int64_t l : load) ASSERT_LE(l, total / n_threads + 1 + 2 * int64_t(min_piece)) << trial;
   }
 }
 

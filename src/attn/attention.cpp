@@ -44,22 +44,27 @@ struct Scratch {
   int s_stride;
 };
 
+// A part's running state (attn_part_floats): m, l, acc, each padded to 16 floats.
+size_t state_floats(int n_q, int vd) { return 2 * round16(size_t(n_q)) + round16(size_t(n_q) * size_t(vd)); }
+void point_state(Scratch& sc, int n_q, float* state) {
+  sc.m = state;
+  sc.l = state + round16(size_t(n_q));
+  sc.acc = state + 2 * round16(size_t(n_q));
+}
+
 // One part's scores, probabilities and running state; qp (the prepared query) may be shared.
 size_t part_floats(const KvCodec& vc, int n_q, int max_block_tokens) {
-  const size_t s_stride = batch_stride(max_block_tokens);
-  return size_t(n_q) * s_stride + round16(size_t(n_q) * size_t(vc.head_dim())) + 2 * round16(size_t(n_q));
+  return size_t(n_q) * batch_stride(max_block_tokens) + state_floats(n_q, vc.head_dim());
 }
 size_t query_floats(const KvCodec& kc, int n_q) { return round16(size_t(n_q) * size_t(kc.prepared_query_dim())); }
 
-Scratch carve_part(const KvCodec& vc, int n_q, int max_block_tokens, float* base, float* qp) {
+// [scores (n_q, s_stride)][state]
+Scratch carve_part(int n_q, int max_block_tokens, float* base, float* qp) {
   Scratch sc;
   sc.s_stride = int(batch_stride(max_block_tokens));
-  float* p = base;
   sc.qp = qp;
-  sc.s = p; p += size_t(n_q) * size_t(sc.s_stride);
-  sc.acc = p; p += round16(size_t(n_q) * size_t(vc.head_dim()));
-  sc.m = p; p += round16(size_t(n_q));
-  sc.l = p;
+  sc.s = base;
+  point_state(sc, n_q, base + size_t(n_q) * size_t(sc.s_stride));
   return sc;
 }
 
@@ -304,7 +309,7 @@ void attn_decode(const KvCodec& kc, const KvCodec& vc, int head, const float* q,
                  size_t tail_stride, int n_tail, const AttnParams& ap, float* out, float* scratch) {
   const int vd = vc.head_dim();
   float* qp = scratch;
-  Scratch sc = carve_part(vc, n_q, max_span_tokens(spans, n_spans), scratch + query_floats(kc, n_q), qp);
+  Scratch sc = carve_part(n_q, max_span_tokens(spans, n_spans), scratch + query_floats(kc, n_q), qp);
   sc.q_raw = q;
   if (n_spans > 0) kc.prepare_query(head, q, n_q, qp);
   run_part(kc, vc, head, n_q, spans, n_spans, tail_k, tail_v, tail_stride, n_tail, ap, sc);
@@ -320,7 +325,7 @@ void attn_prefill(const KvCodec& kc, const KvCodec& vc, int head, const float* q
                   float* scratch) {
   const int vd = vc.head_dim(), nq = n_q * n_rows;
   float* qp = scratch;
-  Scratch sc = carve_part(vc, nq, max_span_tokens(spans, n_spans), scratch + query_floats(kc, nq), qp);
+  Scratch sc = carve_part(nq, max_span_tokens(spans, n_spans), scratch + query_floats(kc, nq), qp);
   sc.q_raw = q;
   if (n_spans > 0) kc.prepare_query(head, q, nq, qp);
   run_part(kc, vc, head, nq, spans, n_spans, tail_k, tail_v, tail_stride, n_tail, ap, sc, RowMask{row_limit, n_q});
@@ -360,34 +365,88 @@ void attn_decode_split(const KvCodec& kc, const KvCodec& vc, int head, const flo
   float* parts = scratch + query_floats(kc, n_q);
   pool.parallel_for(size_t(n_parts), 1, [&](size_t pb, size_t pe) {
     for (size_t p = pb; p < pe; ++p) {
-      Scratch sc = carve_part(vc, n_q, max_bt, parts + p * part_stride, qp);
+      Scratch sc = carve_part(n_q, max_bt, parts + p * part_stride, qp);
       sc.q_raw = q;
       const bool last = p + 1 == size_t(n_parts);
       run_part(kc, vc, head, n_q, spans + first[p], first[p + 1] - first[p], last ? tail_k : nullptr,
                last ? tail_v : nullptr, tail_stride, last ? n_tail : 0, ap, sc);
     }
   });
-  // Exact merge: part p holds m_p, l_p = sum exp(s - m_p), acc_p = sum exp(s - m_p) v, so with
-  // M = max m_p the whole is l = sum exp(m_p - M) l_p and acc = sum exp(m_p - M) acc_p.
+  std::vector<const float*> states(static_cast<size_t>(n_parts));
+  for (int p = 0; p < n_parts; ++p) states[size_t(p)] = carve_part(n_q, max_bt, parts + size_t(p) * part_stride, qp).m;
+  attn_merge_parts(states.data(), n_parts, n_q, vd, out);
+}
+
+size_t attn_part_floats(const KvCodec& vc, int n_q) { return state_floats(n_q, vc.head_dim()); }
+
+void attn_decode_part(const KvCodec& kc, const KvCodec& vc, int head, const float* q, int n_q,
+                      const KvBlockSpan* spans, int n_spans, const float* tail_k, const float* tail_v,
+                      size_t tail_stride, int n_tail, const AttnParams& ap, float* part, float* scratch) {
+  float* qp = scratch;
+  Scratch sc = carve_part(n_q, max_span_tokens(spans, n_spans), scratch + query_floats(kc, n_q), qp);
+  point_state(sc, n_q, part);
+  sc.q_raw = q;
+  if (n_spans > 0) kc.prepare_query(head, q, n_q, qp);
+  run_part(kc, vc, head, n_q, spans, n_spans, tail_k, tail_v, tail_stride, n_tail, ap, sc);
+}
+
+void attn_merge_parts(const float* const* parts, int n_parts, int n_q, int vd, float* out) {
+  const size_t l_off = round16(size_t(n_q)), acc_off = 2 * round16(size_t(n_q));
   for (int i = 0; i < n_q; ++i) {
     float M = -std::numeric_limits<float>::infinity();
-    for (int p = 0; p < n_parts; ++p) M = std::max(M, carve_part(vc, n_q, max_bt, parts + size_t(p) * part_stride, qp).m[i]);
+    for (int p = 0; p < n_parts; ++p) M = std::max(M, parts[p][i]);
     float* o = out + size_t(i) * size_t(vd);
     std::fill(o, o + vd, 0.f);
     float l = 0;
     if (M != -std::numeric_limits<float>::infinity()) {
       for (int p = 0; p < n_parts; ++p) {
-        const Scratch sc = carve_part(vc, n_q, max_bt, parts + size_t(p) * part_stride, qp);
-        if (sc.m[i] == -std::numeric_limits<float>::infinity()) continue;  // nothing attendable in it
-        const float w = std::exp(sc.m[i] - M);
-        l += w * sc.l[i];
-        const float* a = sc.acc + size_t(i) * size_t(vd);
+        const float m = parts[p][i];
+        if (m == -std::numeric_limits<float>::infinity()) continue;  // nothing attendable in it
+        const float w = std::exp(m - M);
+        l += w * parts[p][l_off + size_t(i)];
+        const float* a = parts[p] + acc_off + size_t(i) * size_t(vd);
         for (int d = 0; d < vd; ++d) o[d] += w * a[d];
       }
     }
     const float inv = l > 0 ? 1.f / l : 0.f;
     for (int d = 0; d < vd; ++d) o[d] *= inv;
   }
+}
+
+std::vector<AttnPiece> attn_balance_pieces(const int* tokens, int n_items, int n_threads, int min_piece) {
+  std::vector<AttnPiece> pieces;
+  if (n_items <= 0) return pieces;
+  n_threads = std::max(1, n_threads);
+  std::vector<int64_t> base(size_t(n_items) + 1, 0);  // item w's tokens: [base[w], base[w + 1])
+  for (int w = 0; w < n_items; ++w) base[size_t(w) + 1] = base[size_t(w)] + std::max(0, tokens[w]);
+  const int64_t total = base[size_t(n_items)];
+  // cut[k]: where thread k's share begins; non-decreasing, cut[0] = 0, cut[n_threads] = total.
+  std::vector<int64_t> cut(size_t(n_threads) + 1, total);
+  cut[0] = 0;
+  for (int k = 1, w = 0; k < n_threads; ++k) {
+    int64_t c = (total * k + n_threads / 2) / n_threads;
+    while (w < n_items && base[size_t(w) + 1] <= c) ++w;  // c lies in item w (or at the end)
+    if (w < n_items && c > base[size_t(w)]) {
+      const int64_t a = c - base[size_t(w)], b = base[size_t(w) + 1] - c;
+      if (a < min_piece || b < min_piece) c = a <= b ? base[size_t(w)] : base[size_t(w) + 1];
+    }
+    cut[size_t(k)] = std::max(c, cut[size_t(k) - 1]);
+  }
+  for (int w = 0, k = 0; w < n_items; ++w) {
+    const int64_t lo = base[size_t(w)], hi = base[size_t(w) + 1];
+    while (k + 1 < n_threads && cut[size_t(k) + 1] <= lo) ++k;  // the thread whose share holds lo
+    if (hi == lo) {  // an empty item: one empty piece, so that every item has its output
+      pieces.push_back({w, 0, 0, k});
+      continue;
+    }
+    for (int64_t t = lo; t < hi;) {
+      while (k + 1 < n_threads && cut[size_t(k) + 1] <= t) ++k;
+      const int64_t e = std::min(hi, cut[size_t(k) + 1]);
+      pieces.push_back({w, int(t - lo), int(e - lo), k});
+      t = e;
+    }
+  }
+  return pieces;
 }
 
 void attn_decode_ref(const KvCodec& kc, const KvCodec& vc, int head, const float* q, int n_q,

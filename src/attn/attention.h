@@ -4,6 +4,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "kvq/kv_format.h"
 
@@ -63,6 +64,33 @@ void attn_decode_split(const KvCodec& kc, const KvCodec& vc, int head, const flo
                        size_t tail_stride, int n_tail, const AttnParams& ap, float* out, float* scratch,
                        ThreadPool& pool, int n_parts);
 size_t attn_split_scratch_floats(const KvCodec& kc, const KvCodec& vc, int n_q, int max_block_tokens, int n_parts);
+
+// One part of a context (split-K over the caller's own threads): the online-softmax state of n_q
+// query rows over some of the context's spans and, in the part that ends the context, its tail.
+// The state, attn_part_floats(vc, n_q) floats: running max m (n_q), sum of exp(s - m) l (n_q),
+// unnormalized output acc (n_q, v head_dim), in that order, each region padded to a multiple of 16
+// floats. Parts that together hold every span and the tail once, merged by attn_merge_parts in
+// position order, give attn_decode's result up to float rounding (attn_decode_split is this with
+// the parts on a pool). scratch: attn_scratch_floats(...) floats.
+size_t attn_part_floats(const KvCodec& vc, int n_q);
+void attn_decode_part(const KvCodec& kc, const KvCodec& vc, int head, const float* q, int n_q,
+                      const KvBlockSpan* spans, int n_spans, const float* tail_k, const float* tail_v,
+                      size_t tail_stride, int n_tail, const AttnParams& ap, float* part, float* scratch);
+// out (n_q, vd) from the states of n_parts parts (parts[p]: attn_part_floats floats each). Exact
+// in the sense of flash-decoding: with M = max m_p, l = sum exp(m_p - M) l_p and out = sum exp(m_p
+// - M) acc_p / l; a part with nothing attendable (m = -inf) adds nothing.
+void attn_merge_parts(const float* const* parts, int n_parts, int n_q, int vd, float* out);
+
+// Balancing decode attention over threads: n_items items (query row x KV head), item w reading
+// tokens[w] tokens, as contiguous pieces of the items' tokens laid end to end, thread k taking
+// about a 1 / n_threads share from k / n_threads of the total on. A cut falls inside an item only
+// where both sides keep at least min_piece tokens; otherwise it moves to the nearer end of that
+// item. Pieces come in item order (an item's pieces in token order, on increasing threads); an
+// item in one piece has from = 0, to = tokens[w].
+struct AttnPiece {
+  int item, from, to, thread;
+};
+std::vector<AttnPiece> attn_balance_pieces(const int* tokens, int n_items, int n_threads, int min_piece);
 
 // Reference: decodes every token to f32 (codec.decode) and computes softmax(q.K^T) V in double.
 void attn_decode_ref(const KvCodec& kc, const KvCodec& vc, int head, const float* q, int n_q,

@@ -251,11 +251,15 @@ void KvCache::append(int layer, int n, const float* k_pre, const float* k, const
   L.pending = n;
 }
 
-size_t KvCache::attend_scratch_floats(int n_q, int n_parts) const {
+size_t KvCache::attend_scratch_floats(int n_q) const {
   size_t m = 0;
-  for (const auto& L : layers_)
-    m = std::max(m, n_parts > 1 ? attn_split_scratch_floats(*L.k, *L.v, n_q, max_block_tokens_, n_parts)
-                                : attn_scratch_floats(*L.k, *L.v, n_q, max_block_tokens_));
+  for (const auto& L : layers_) m = std::max(m, attn_scratch_floats(*L.k, *L.v, n_q, max_block_tokens_));
+  return m;
+}
+
+size_t KvCache::attend_part_floats(int n_q) const {
+  size_t m = 0;
+  for (const auto& L : layers_) m = std::max(m, attn_part_floats(*L.v, n_q));
   return m;
 }
 
@@ -291,20 +295,34 @@ KvCache::Reads KvCache::reads(const Layer& L, int head, int start, int end, std:
 }
 
 void KvCache::attend_head(int layer, int head, int pos, const float* q, int n_q, const AttnParams& ap,
-                          int window, float* out, float* scratch, std::vector<KvBlockSpan>& spans,
-                          ThreadPool* split) const {
+                          int window, float* out, float* scratch, std::vector<KvBlockSpan>& spans) const {
   const Layer& L = layers_[size_t(layer)];
   KVQ_CHECK(pos < n_tokens_ + L.pending, "query position {} beyond the appended tokens", pos);
   const int end = pos + 1;
-  const Reads rd = reads(L, head, window > 0 ? std::max(0, end - window) : 0, end, spans);
-  const float *tk = rd.tk, *tv = rd.tv;
-  const int n_tail = rd.n_tail;
-  if (split && split->size() > 1)
-    attn_decode_split(*L.k, *L.v, head, q, n_q, spans.data(), int(spans.size()), tk, tv, size_t(cfg_.head_dim),
-                      n_tail, ap, out, scratch, *split, split->size());
-  else
-    attn_decode(*L.k, *L.v, head, q, n_q, spans.data(), int(spans.size()), tk, tv, size_t(cfg_.head_dim), n_tail,
-                ap, out, scratch);
+  const Reads rd = reads(L, head, end - visible_tokens(pos, window), end, spans);
+  attn_decode(*L.k, *L.v, head, q, n_q, spans.data(), int(spans.size()), rd.tk, rd.tv, size_t(cfg_.head_dim),
+              rd.n_tail, ap, out, scratch);
+}
+
+void KvCache::attend_head_part(int layer, int head, int pos, const float* q, int n_q, const AttnParams& ap,
+                               int window, int from, int to, float* part, float* scratch,
+                               std::vector<KvBlockSpan>& spans) const {
+  const Layer& L = layers_[size_t(layer)];
+  KVQ_CHECK(pos < n_tokens_ + L.pending, "query position {} beyond the appended tokens", pos);
+  const int end = pos + 1;
+  KVQ_CHECK(0 <= from && from <= to && to <= visible_tokens(pos, window), "part [{}, {}) outside the {} tokens seen",
+            from, to, visible_tokens(pos, window));
+  const Reads rd = reads(L, head, end - visible_tokens(pos, window), end, spans);
+  // Spans [i0, i1): those whose first token's offset lies in [from, to).
+  size_t i0 = 0, i1 = 0;
+  int off = 0;
+  for (; i0 < spans.size() && off < from; ++i0) off += spans[i0].n;
+  for (i1 = i0; i1 < spans.size() && off < to; ++i1) off += spans[i1].n;
+  // off: the tail's first offset once every span is counted.
+  for (size_t i = i1; i < spans.size(); ++i) off += spans[i].n;
+  const bool tail = rd.n_tail > 0 && from <= off && off < to;
+  attn_decode_part(*L.k, *L.v, head, q, n_q, spans.data() + i0, int(i1 - i0), tail ? rd.tk : nullptr,
+                   tail ? rd.tv : nullptr, size_t(cfg_.head_dim), tail ? rd.n_tail : 0, ap, part, scratch);
 }
 
 void KvCache::attend_rows(int layer, int head, int pos, int n_rows, const float* q, int n_q, const AttnParams& ap,

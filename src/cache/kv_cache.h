@@ -124,11 +124,21 @@ class KvCache {
   // Attention for one query position `pos` (n_tokens() <= pos < n_tokens() + n appended) and KV
   // head `head`: q (n_q, head_dim) -> out (n_q, head_dim). window > 0: sees the last `window`
   // positions only. scratch: attend_scratch_floats(n_q) floats, private to the calling thread.
-  // split: split-K over that pool's threads (attn_decode_split; the caller must not be inside a
-  // job of it), scratch then attend_scratch_floats(n_q, split->size()) floats.
   void attend_head(int layer, int head, int pos, const float* q, int n_q, const AttnParams& ap,
-                   int window, float* out, float* scratch, std::vector<KvBlockSpan>& spans,
-                   ThreadPool* split = nullptr) const;
+                   int window, float* out, float* scratch, std::vector<KvBlockSpan>& spans) const;
+  // A part of attend_head's work, for splitting one head's context over threads (the engine's
+  // decode, attn_balance_pieces): the online-softmax state (attn_decode_part) over the tokens
+  // attend_head reads at offsets [from, to) of its order (packed spans by position, then the f32
+  // tail), 0 <= from <= to <= visible_tokens(pos, window). A span belongs to the part that holds
+  // its first token and the tail to the part that holds the tail's first token, so parts that
+  // tile [0, visible) read every token once; merged (attn_merge_parts, in order) they give
+  // attend_head's result up to float rounding. part: attend_part_floats(n_q) floats; scratch as
+  // attend_head's.
+  void attend_head_part(int layer, int head, int pos, const float* q, int n_q, const AttnParams& ap, int window,
+                        int from, int to, float* part, float* scratch, std::vector<KvBlockSpan>& spans) const;
+  size_t attend_part_floats(int n_q) const;
+  // How many tokens a query at `pos` sees with this window (attend_head's range).
+  static int visible_tokens(int pos, int window) { return window > 0 ? std::min(pos + 1, window) : pos + 1; }
   // Attention for n_rows consecutive query positions pos, pos+1, ... of the current step (a
   // prefill chunk) and KV head `head`, rows that see the same packed blocks batched into one
   // attn_prefill call (each block decoded once for all of them): per-token codecs and grouped
@@ -137,7 +147,7 @@ class KvCache {
   // scratch: attend_scratch_floats(n_q * n_rows) floats.
   void attend_rows(int layer, int head, int pos, int n_rows, const float* q, int n_q, const AttnParams& ap,
                    int window, float* out, float* scratch, std::vector<KvBlockSpan>& spans) const;
-  size_t attend_scratch_floats(int n_q, int n_parts = 1) const;
+  size_t attend_scratch_floats(int n_q) const;
   // Ends the step: the n appended tokens become part of the sequence.
   void commit(int n);
   // Drops everything (new sequence). Pool mode: the same as release().

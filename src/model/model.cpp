@@ -11,9 +11,9 @@ namespace kvq {
 
 namespace {
 
-// Decode attention switches to split-K (see the attention step) from this context length on:
-// two parts of attn_decode_split's minimum size.
-constexpr int kSplitMinContext = 2048;
+// Decode attention: an item (row x KV head) is cut between threads only where both sides keep at
+// least this many tokens (attn_balance_pieces); shorter parts cost more in merging than they save.
+constexpr int kMinPieceTokens = 1024;
 // Prefill rows of one sequence per attention call (KvCache::attend_rows).
 constexpr int kPrefillRows = 16;
 
@@ -192,7 +192,7 @@ size_t Forward::scratch_bytes() const {
   size_t b = 0;
   for (const auto* a : {&x_, &xn_, &tmp_, &q_, &attn_out_, &k_pre_, &k_, &v_, &gate_, &up_, &logits_}) b += a->bytes();
   for (const auto& s : attn_scratch_) b += s.bytes();
-  return b;
+  return b + part_states_.bytes();
 }
 
 const float* Forward::eval(const int32_t* tokens, int n, KvCache& cache, bool all_logits) {
@@ -251,12 +251,10 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
       for (int i = 0; i < E; ++i) xr[i] *= sc;
     }
   }
-  size_t scratch_need = 0, split_need = 0;
-  // Thread 0's buffer also serves the split-K calls (thread 0 makes them; see the attention below),
-  // whose scratch grows with the thread count; the others need one part's.
+  size_t scratch_need = 0, part_need = 0;
   for (int si = 0; si < n_seqs; ++si) {
     scratch_need = std::max(scratch_need, seqs[si].cache->attend_scratch_floats(group));
-    if (pool_.size() > 1) split_need = std::max(split_need, seqs[si].cache->attend_scratch_floats(group, pool_.size()));
+    part_need = std::max(part_need, seqs[si].cache->attend_part_floats(group));
   }
   // Prefill: up to kPrefillRows rows of a sequence per attention call, their queries gathered
   // (and outputs scattered) through two more regions of the thread's buffer.
@@ -269,10 +267,8 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
     prefill_attn = (prefill_attn + 15) / 16 * 16;
     scratch_need = std::max(scratch_need, prefill_attn + 2 * rows_floats);
   }
-  for (size_t i = 0; i < attn_scratch_.size(); ++i) {
-    const size_t need = i == 0 ? std::max(scratch_need, split_need) : scratch_need;
-    if (attn_scratch_[i].size() < need) attn_scratch_[i].resize(need);
-  }
+  for (auto& s : attn_scratch_)
+    if (s.size() < scratch_need) s.resize(scratch_need);
   std::vector<float> cs(size_t(c.n_rot));
   AttnParams ap;
   ap.scale = c.attn_scale > 0 ? c.attn_scale : 1.0f / std::sqrt(float(hd));
@@ -304,22 +300,52 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
     }
     const int window = c.layer_window(il);
     const int items = n * nkv;
-    // Fewer (row, KV head) items than threads and long contexts (decode of one sequence; Gemma 3
-    // has a single KV head): split each item's context over the threads instead of leaving
-    // threads idle. attn_decode_split itself falls back to one pass below 2 x 1024 tokens.
-    bool split = pool_.size() > 1 && items < pool_.size();
-    for (int r = 0; r < n && split; ++r) {
-      const int ctx = row_pos_[size_t(r)] + 1;
-      split = (window > 0 ? std::min(window, ctx) : ctx) >= kSplitMinContext;
-    }
-    if (split) {
-      for (int w = 0; w < items; ++w) {
-        const int r = w / nkv, h = w % nkv;
-        const size_t qo = size_t(r) * size_t(qd) + size_t(h) * size_t(group) * size_t(hd);
-        seqs[row_seq_[size_t(r)]].cache->attend_head(il, h, row_pos_[size_t(r)], q_.data() + qo, group, ap, window,
-                                                     attn_out_.data() + qo, attn_scratch_[0].data(), spans_[0], &pool_);
+    if (!prefill) {
+      // Decode: the items' tokens laid end to end and cut into one share per thread
+      // (attn_balance_pieces), so that heads and sequences of unequal count or length keep every
+      // thread busy (SmolLM2's 3 KV heads on 2 threads, Gemma 3's single one, a long document
+      // beside short chats). An item cut in parts is merged after the threads finish.
+      item_tokens_.resize(size_t(items));
+      for (int w = 0; w < items; ++w) item_tokens_[size_t(w)] = KvCache::visible_tokens(row_pos_[size_t(w / nkv)], window);
+      pieces_ = attn_balance_pieces(item_tokens_.data(), items, pool_.size(), kMinPieceTokens);
+      // parts_[j]: piece j's state when its item is cut, else null.
+      parts_.assign(pieces_.size(), nullptr);
+      size_t n_cut = 0;
+      for (size_t j = 0; j < pieces_.size(); ++j) {
+        const AttnPiece& pc = pieces_[j];
+        if (pc.from > 0 || pc.to < item_tokens_[size_t(pc.item)]) ++n_cut;
       }
-    } else if (prefill) {
+      if (part_states_.size() < n_cut * part_need) part_states_.resize(n_cut * part_need);
+      for (size_t j = 0, c = 0; j < pieces_.size(); ++j) {
+        const AttnPiece& pc = pieces_[j];
+        if (pc.from > 0 || pc.to < item_tokens_[size_t(pc.item)]) parts_[j] = part_states_.data() + part_need * c++;
+      }
+      pool_.run([&](int ti, int) {
+        for (size_t j = 0; j < pieces_.size(); ++j) {
+          const AttnPiece& pc = pieces_[j];
+          if (pc.thread != ti) continue;
+          const int r = pc.item / nkv, h = pc.item % nkv;
+          const size_t qo = size_t(r) * size_t(qd) + size_t(h) * size_t(group) * size_t(hd);
+          const KvCache& cache = *seqs[row_seq_[size_t(r)]].cache;
+          if (parts_[j])
+            cache.attend_head_part(il, h, row_pos_[size_t(r)], q_.data() + qo, group, ap, window, pc.from, pc.to,
+                                   parts_[j], attn_scratch_[size_t(ti)].data(), spans_[size_t(ti)]);
+          else
+            cache.attend_head(il, h, row_pos_[size_t(r)], q_.data() + qo, group, ap, window, attn_out_.data() + qo,
+                              attn_scratch_[size_t(ti)].data(), spans_[size_t(ti)]);
+        }
+      });
+      for (size_t j = 0; j < pieces_.size();) {
+        size_t e = j + 1;
+        while (e < pieces_.size() && pieces_[e].item == pieces_[j].item) ++e;
+        if (parts_[j]) {
+          const int r = pieces_[j].item / nkv, h = pieces_[j].item % nkv;
+          const size_t qo = size_t(r) * size_t(qd) + size_t(h) * size_t(group) * size_t(hd);
+          attn_merge_parts(parts_.data() + j, int(e - j), group, hd, attn_out_.data() + qo);
+        }
+        j = e;
+      }
+    } else {
       // (sequence, block of up to kPrefillRows of its rows, KV head) items: each packed block is
       // decoded once per item instead of once per row.
       blocks_.clear();
@@ -343,14 +369,7 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
                         grp * sizeof(float));
         }
       });
-    } else pool_.run([&](int ti, int nt) {
-      for (int w = ti; w < items; w += nt) {
-        const int r = w / nkv, h = w % nkv;
-        const size_t qo = size_t(r) * size_t(qd) + size_t(h) * size_t(group) * size_t(hd);
-        seqs[row_seq_[size_t(r)]].cache->attend_head(il, h, row_pos_[size_t(r)], q_.data() + qo, group, ap, window,
-                                                     attn_out_.data() + qo, attn_scratch_[size_t(ti)].data(), spans_[size_t(ti)]);
-      }
-    });
+    }
     if (on_attn) on_attn(il, n, attn_out_.data());
     matmul(L.wo, attn_out_.data(), n, tmp_.data(), pool_);
     if (c.post_norms)

@@ -109,6 +109,12 @@ class Forward {
     int seq, r0, n;  // rows r0 .. r0 + n - 1, all of sequence seq
   };
   std::vector<RowBlock> blocks_;  // prefill attention items
+  // Decode attention's pieces (attn_balance_pieces) over the items' visible token counts, and the
+  // online-softmax states of the pieces of cut items (parts_[j] into part_states_, else null).
+  std::vector<int> item_tokens_;
+  std::vector<AttnPiece> pieces_;
+  std::vector<float*> parts_;
+  AlignedBuf<float> part_states_;
 };
 
 }  // namespace kvq
