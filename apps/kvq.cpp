@@ -68,8 +68,8 @@ int main(int argc, char** argv) {
   bool batch_invariant = false;
   for (auto* sc : {run, eval, calibrate, bench, serve})
     sc->add_flag("--batch-invariant", batch_invariant,
-                 "every matmul runs the one-token kernels, so a token's numbers do not depend on what it is batched "
-                 "with (AVX-512: prefill ~2.5x slower)");
+                 "every matmul runs the one-token kernels and decode attention keeps each KV head on one thread, "
+                 "so a token's numbers do not depend on what it is batched with (AVX-512: prefill ~2.5x slower)");
 
   // A first word that is neither a flag nor a subcommand: say so (CLI11 would only ask for one).
   if (argc > 1 && argv[1][0] != '-') {

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <fstream>
 #include <random>
@@ -952,6 +953,14 @@ TEST(Attention, BalancePiecesTileItemsAndBalanceThreads) {
   {  // one long document beside short chats
     const int t[] = {200, 12000, 300};
     EXPECT_TRUE(same(attn_balance_pieces(t, 3, 2, 1024), P{{0, 0, 200, 0}, {1, 0, 6050, 0}, {1, 6050, 12000, 1}, {2, 0, 300, 1}}));
+  }
+  {  // min_piece beyond any item (batch-invariant decode): whole items only, the cut at the
+     // nearer item end (a tie: the earlier one)
+    const int t[] = {8000, 8000, 8000}, u[] = {6000, 9000, 8000};
+    EXPECT_TRUE(same(attn_balance_pieces(t, 3, 2, std::numeric_limits<int>::max()),
+                     P{{0, 0, 8000, 0}, {1, 0, 8000, 1}, {2, 0, 8000, 1}}));
+    EXPECT_TRUE(same(attn_balance_pieces(u, 3, 2, std::numeric_limits<int>::max()),
+                     P{{0, 0, 6000, 0}, {1, 0, 9000, 0}, {2, 0, 8000, 1}}));
   }
   EXPECT_TRUE(attn_balance_pieces(nullptr, 0, 2, 1024).empty());
   // Random cases: the invariants.

@@ -548,3 +548,44 @@ TEST(EngineBatchInvariant, DecodeAndPrefillScoresAgreeExactly) {
   ASSERT_EQ(short_scores.size(), head.size());
   for (size_t i = 1; i < head.size(); ++i) EXPECT_EQ(short_scores[i].logprob, scored[i].logprob) << "prompt token " << i;
 }
+
+// The same past 2048 tokens, where decode attention cuts a KV head's context between the threads
+// unless batch invariance is on (SmolLM2: 3 KV heads on 2 threads): with it, no item is cut, and
+// the generated tokens' log-probabilities still equal the prefill path's bit for bit.
+TEST(EngineBatchInvariant, LongContextDecodeAndPrefillScoresAgreeExactly) {
+  const std::string path = kvq_test_model("SmolLM2-135M-Instruct.Q4_1.gguf");
+  if (path.empty()) GTEST_SKIP() << "SmolLM2-135M-Instruct.Q4_1.gguf not installed (run scripts/get-models.sh)";
+  struct Invariant {
+    bool prev = matmul_batch_invariant();
+    Invariant() { matmul_set_batch_invariant(true); }
+    ~Invariant() { matmul_set_batch_invariant(prev); }
+  } inv;
+  EngineOptions o;
+  o.model_path = path;
+  o.threads = 2;
+  o.ctx = 2304;
+  o.kv_tokens = 4608;
+  Engine e(o);
+  std::string text;
+  for (int i = 0; text.size() < 12000; ++i)
+    text += "Item " + std::to_string(i) + " of the list is a number that nobody has written down before. ";
+  std::vector<int32_t> prompt = e.tokenizer().encode(text, true);
+  ASSERT_GE(prompt.size(), 2200u);
+  prompt.resize(2200);
+  GenParams g;
+  g.sampling.temperature = 0;
+  g.max_tokens = 3;
+  g.logprobs = 0;
+  g.ignore_eos = true;
+  const GenResult gen = e.generate(prompt, g);
+  ASSERT_EQ(gen.tokens.size(), 3u);
+  std::vector<int32_t> all = prompt;
+  all.insert(all.end(), gen.tokens.begin(), gen.tokens.end());
+  GenParams s;
+  s.max_tokens = 0;
+  s.prompt_logprobs = true;
+  const GenResult r = e.generate(all, s);
+  ASSERT_EQ(r.prompt_logprobs.size(), all.size());
+  for (size_t i = 0; i < gen.tokens.size(); ++i)
+    EXPECT_EQ(r.prompt_logprobs[prompt.size() + i].logprob, gen.logprobs[i].logprob) << "generated token " << i;
+}

@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "core/error.h"
 #include "weights/glu.h"
+#include "weights/weights.h"
 
 namespace kvq {
 
@@ -307,7 +309,11 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
       // beside short chats). An item cut in parts is merged after the threads finish.
       item_tokens_.resize(size_t(items));
       for (int w = 0; w < items; ++w) item_tokens_[size_t(w)] = KvCache::visible_tokens(row_pos_[size_t(w / nkv)], window);
-      pieces_ = attn_balance_pieces(item_tokens_.data(), items, pool_.size(), kMinPieceTokens);
+      // Batch-invariant mode: no item is cut, so that a sequence's attention does not depend on
+      // what it is batched with (a cut item's merge rounds differently from one pass, which is
+      // what the prefill path computes); the whole items are still balanced by their tokens.
+      const int min_piece = matmul_batch_invariant() ? std::numeric_limits<int>::max() : kMinPieceTokens;
+      pieces_ = attn_balance_pieces(item_tokens_.data(), items, pool_.size(), min_piece);
       // parts_[j]: piece j's state when its item is cut, else null.
       parts_.assign(pieces_.size(), nullptr);
       size_t n_cut = 0;
