@@ -939,8 +939,13 @@ TEST(Attention, BalancePiecesTileItemsAndBalanceThreads) {
   {  // one head on 2 threads (Gemma 3)
     const int t[] = {3000};
     EXPECT_TRUE(same(attn_balance_pieces(t, 1, 2, 1024), P{{0, 0, 1500, 0}, {0, 1500, 3000, 1}}));
-    // on 4 threads the quarter cuts would leave 750 tokens: they move to the ends
-    EXPECT_TRUE(same(attn_balance_pieces(t, 1, 4, 1024), P{{0, 0, 1500, 1}, {0, 1500, 3000, 2}}));
+    // on 4 threads the quarter cuts would leave 750 tokens: they move onto the start and the half
+    EXPECT_TRUE(same(attn_balance_pieces(t, 1, 4, 1024), P{{0, 0, 1500, 1}, {0, 1500, 3000, 3}}));
+    // 5000 tokens on 8 threads: eighths of 625 would be too short; cuts move onto earlier ones
+    const int u[] = {5000};
+    const P p8 = attn_balance_pieces(u, 1, 8, 1024);
+    ASSERT_FALSE(p8.empty());
+    for (const AttnPiece& pc : p8) EXPECT_GE(pc.to - pc.from, 1024) << pc.from;
   }
   {  // a half cut would leave 1023 tokens on one side: not cut
     const int t[] = {2047};
@@ -991,6 +996,9 @@ TEST(Attention, BalancePiecesTileItemsAndBalanceThreads) {
       }
       if (pc.to < t[size_t(item)]) {
         ASSERT_GE(t[size_t(item)] - pc.to, min_piece);
+      }
+      if (pc.from > 0 || pc.to < t[size_t(item)]) {  // a part of a cut item: never shorter either
+        ASSERT_GE(pc.to - pc.from, min_piece);
       }
       next_from = pc.to;
       load[size_t(pc.thread)] += pc.to - pc.from;

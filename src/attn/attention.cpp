@@ -426,9 +426,11 @@ std::vector<AttnPiece> attn_balance_pieces(const int* tokens, int n_items, int n
   for (int k = 1, w = 0; k < n_threads; ++k) {
     int64_t c = (total * k + n_threads / 2) / n_threads;
     while (w < n_items && base[size_t(w) + 1] <= c) ++w;  // c lies in item w (or at the end)
-    if (w < n_items && c > base[size_t(w)]) {
-      const int64_t a = c - base[size_t(w)], b = base[size_t(w) + 1] - c;
-      if (a < min_piece || b < min_piece) c = a <= b ? base[size_t(w)] : base[size_t(w) + 1];
+    // The piece before c starts at the item's start or at the previous cut, whichever is later.
+    const int64_t lo = w < n_items ? std::max(base[size_t(w)], cut[size_t(k) - 1]) : total;
+    if (w < n_items && c > lo) {
+      const int64_t a = c - lo, b = base[size_t(w) + 1] - c;
+      if (a < min_piece || b < min_piece) c = a <= b ? lo : base[size_t(w) + 1];
     }
     cut[size_t(k)] = std::max(c, cut[size_t(k) - 1]);
   }
