@@ -500,51 +500,77 @@ TEST_F(EngineTest, PoolSmallerThanContext) {
   expect_pool_clean(e);
 }
 
-// Batch-invariant matmuls (kvq ... --batch-invariant) on a model with quantized weights: the
-// log-probabilities decode steps report for the generated tokens equal, bit for bit, those the
-// prefill path scores for the same tokens, and a short prompt's scores equal the same tokens'
-// inside a longer prompt (on AVX-512 without the switch both differ by the 8-bit activation
-// rounding's amplification of the prefill kernels' rounding: README, "Batch size and results").
-TEST(EngineBatchInvariant, DecodeAndPrefillScoresAgreeExactly) {
-  const std::string path = kvq_test_model("SmolLM2-135M-Instruct.Q4_1.gguf");
-  if (path.empty()) GTEST_SKIP() << "SmolLM2-135M-Instruct.Q4_1.gguf not installed (run scripts/get-models.sh)";
-  struct Invariant {
-    bool prev = matmul_batch_invariant();
-    Invariant() { matmul_set_batch_invariant(true); }
-    ~Invariant() { matmul_set_batch_invariant(prev); }
-  } inv;
-  EngineOptions o;
-  o.model_path = path;
-  o.threads = 2;
-  o.ctx = 256;
-  o.kv_tokens = 1024;
-  Engine e(o);
-  const std::vector<int32_t> prompt =
-      e.tokenizer().encode("The Roman empire was one of the largest empires in history.", true);
-  ASSERT_GE(prompt.size(), 10u);
+namespace {
+
+// Batch-invariant mode (kvq ... --batch-invariant) for the scope of a test.
+struct BatchInvariantOn {
+  bool prev = matmul_batch_invariant();
+  BatchInvariantOn() { matmul_set_batch_invariant(true); }
+  ~BatchInvariantOn() { matmul_set_batch_invariant(prev); }
+};
+
+// Each prompt token's log-probability through the prefill path (a request that generates nothing).
+std::vector<TokenLogprob> score_prompt(Engine& e, const std::vector<int32_t>& ids) {
+  GenParams s;
+  s.max_tokens = 0;
+  s.prompt_logprobs = true;
+  const GenResult r = e.generate(ids, s);
+  EXPECT_EQ(r.prompt_logprobs.size(), ids.size());
+  return r.prompt_logprobs;
+}
+
+// Generates n greedy tokens after prompt, then scores prompt + those tokens by prefill: the
+// log-probabilities the decode steps reported must equal the prefill path's bit for bit (the
+// first generated token comes from the prompt's prefill, the others from decode steps). Returns
+// the prefill scores.
+std::vector<TokenLogprob> expect_decode_scores_equal_prefill(Engine& e, const std::vector<int32_t>& prompt, int n) {
   GenParams g;
   g.sampling.temperature = 0;
-  g.max_tokens = 8;
+  g.max_tokens = n;
   g.logprobs = 0;
   g.ignore_eos = true;
   const GenResult gen = e.generate(prompt, g);
-  ASSERT_EQ(gen.tokens.size(), 8u);
-  auto score = [&](const std::vector<int32_t>& ids) {
-    GenParams s;
-    s.max_tokens = 0;
-    s.prompt_logprobs = true;
-    const GenResult r = e.generate(ids, s);
-    EXPECT_EQ(r.prompt_logprobs.size(), ids.size());
-    return r.prompt_logprobs;
-  };
+  EXPECT_EQ(gen.tokens.size(), size_t(n));
   std::vector<int32_t> all = prompt;
   all.insert(all.end(), gen.tokens.begin(), gen.tokens.end());
-  const auto scored = score(all);
-  ASSERT_EQ(scored.size(), all.size());
+  const auto scored = score_prompt(e, all);
+  if (scored.size() != all.size() || gen.logprobs.size() != gen.tokens.size()) {
+    ADD_FAILURE() << "missing log-probabilities";
+    return scored;
+  }
   for (size_t i = 0; i < gen.tokens.size(); ++i)
     EXPECT_EQ(scored[prompt.size() + i].logprob, gen.logprobs[i].logprob) << "generated token " << i;
+  return scored;
+}
+
+EngineOptions smollm2_options(const std::string& path, int ctx, int kv_tokens) {
+  EngineOptions o;
+  o.model_path = path;
+  o.threads = 2;
+  o.ctx = ctx;
+  o.kv_tokens = kv_tokens;
+  return o;
+}
+
+}  // namespace
+
+// Batch-invariant matmuls on a model with quantized weights: the log-probabilities decode steps
+// report for the generated tokens equal, bit for bit, those the prefill path scores for the same
+// tokens, and a short prompt's scores equal the same tokens' inside a longer prompt (on AVX-512
+// without the switch both differ by the 8-bit activation rounding's amplification of the prefill
+// kernels' rounding: README, "Batch size and results").
+TEST(EngineBatchInvariant, DecodeAndPrefillScoresAgreeExactly) {
+  const std::string path = kvq_test_model("SmolLM2-135M-Instruct.Q4_1.gguf");
+  if (path.empty()) GTEST_SKIP() << "SmolLM2-135M-Instruct.Q4_1.gguf not installed (run scripts/get-models.sh)";
+  BatchInvariantOn inv;
+  Engine e(smollm2_options(path, 256, 1024));
+  const std::vector<int32_t> prompt =
+      e.tokenizer().encode("The Roman empire was one of the largest empires in history.", true);
+  ASSERT_GE(prompt.size(), 10u);
+  const auto scored = expect_decode_scores_equal_prefill(e, prompt, 8);
+  ASSERT_EQ(scored.size(), prompt.size() + 8);
   const std::vector<int32_t> head(prompt.begin(), prompt.begin() + 5);  // a prompt of fewer than 8 tokens
-  const auto short_scores = score(head);
+  const auto short_scores = score_prompt(e, head);
   ASSERT_EQ(short_scores.size(), head.size());
   for (size_t i = 1; i < head.size(); ++i) EXPECT_EQ(short_scores[i].logprob, scored[i].logprob) << "prompt token " << i;
 }
@@ -555,37 +581,13 @@ TEST(EngineBatchInvariant, DecodeAndPrefillScoresAgreeExactly) {
 TEST(EngineBatchInvariant, LongContextDecodeAndPrefillScoresAgreeExactly) {
   const std::string path = kvq_test_model("SmolLM2-135M-Instruct.Q4_1.gguf");
   if (path.empty()) GTEST_SKIP() << "SmolLM2-135M-Instruct.Q4_1.gguf not installed (run scripts/get-models.sh)";
-  struct Invariant {
-    bool prev = matmul_batch_invariant();
-    Invariant() { matmul_set_batch_invariant(true); }
-    ~Invariant() { matmul_set_batch_invariant(prev); }
-  } inv;
-  EngineOptions o;
-  o.model_path = path;
-  o.threads = 2;
-  o.ctx = 2304;
-  o.kv_tokens = 4608;
-  Engine e(o);
+  BatchInvariantOn inv;
+  Engine e(smollm2_options(path, 2304, 4608));
   std::string text;
   for (int i = 0; text.size() < 12000; ++i)
     text += "Item " + std::to_string(i) + " of the list is a number that nobody has written down before. ";
   std::vector<int32_t> prompt = e.tokenizer().encode(text, true);
   ASSERT_GE(prompt.size(), 2200u);
   prompt.resize(2200);
-  GenParams g;
-  g.sampling.temperature = 0;
-  g.max_tokens = 3;
-  g.logprobs = 0;
-  g.ignore_eos = true;
-  const GenResult gen = e.generate(prompt, g);
-  ASSERT_EQ(gen.tokens.size(), 3u);
-  std::vector<int32_t> all = prompt;
-  all.insert(all.end(), gen.tokens.begin(), gen.tokens.end());
-  GenParams s;
-  s.max_tokens = 0;
-  s.prompt_logprobs = true;
-  const GenResult r = e.generate(all, s);
-  ASSERT_EQ(r.prompt_logprobs.size(), all.size());
-  for (size_t i = 0; i < gen.tokens.size(); ++i)
-    EXPECT_EQ(r.prompt_logprobs[prompt.size() + i].logprob, gen.logprobs[i].logprob) << "generated token " << i;
+  expect_decode_scores_equal_prefill(e, prompt, 3);
 }
