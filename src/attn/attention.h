@@ -85,8 +85,8 @@ void attn_merge_parts(const float* const* parts, int n_parts, int n_q, int vd, f
 // tokens[w] tokens, as contiguous pieces of the items' tokens laid end to end, thread k taking
 // about a 1 / n_threads share from k / n_threads of the total on. A cut falls inside an item only
 // where the pieces on both sides keep at least min_piece tokens; otherwise it moves to the nearer
-// end of its piece (the item's end, or the previous cut). Pieces come in item order (an item's pieces in token order, on increasing threads); an
-// item in one piece has from = 0, to = tokens[w].
+// end of its piece (the item's end, or the previous cut). Pieces come in item order (an item's
+// pieces in token order, on increasing threads); an item in one piece has from = 0, to = tokens[w].
 struct AttnPiece {
   int item, from, to, thread;
 };

@@ -313,14 +313,14 @@ void KvCache::attend_head_part(int layer, int head, int pos, const float* q, int
   KVQ_CHECK(0 <= from && from <= to && to <= visible_tokens(pos, window), "part [{}, {}) outside the {} tokens seen",
             from, to, visible_tokens(pos, window));
   const Reads rd = reads(L, head, end - visible_tokens(pos, window), end, spans);
-  // Spans [i0, i1): those whose first token's offset lies in [from, to).
+  // Spans [i0, i1): those whose first token's offset lies in [from, to); the tail's first offset
+  // is visible - n_tail.
   size_t i0 = 0, i1 = 0;
   int off = 0;
   for (; i0 < spans.size() && off < from; ++i0) off += spans[i0].n;
   for (i1 = i0; i1 < spans.size() && off < to; ++i1) off += spans[i1].n;
-  // off: the tail's first offset once every span is counted.
-  for (size_t i = i1; i < spans.size(); ++i) off += spans[i].n;
-  const bool tail = rd.n_tail > 0 && from <= off && off < to;
+  const int tail_off = visible_tokens(pos, window) - rd.n_tail;
+  const bool tail = rd.n_tail > 0 && from <= tail_off && tail_off < to;
   attn_decode_part(*L.k, *L.v, head, q, n_q, spans.data() + i0, int(i1 - i0), tail ? rd.tk : nullptr,
                    tail ? rd.tv : nullptr, size_t(cfg_.head_dim), tail ? rd.n_tail : 0, ap, part, scratch);
 }

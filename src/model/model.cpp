@@ -315,23 +315,20 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
       const int min_piece = matmul_batch_invariant() ? std::numeric_limits<int>::max() : kMinPieceTokens;
       pieces_ = attn_balance_pieces(item_tokens_.data(), items, pool_.size(), min_piece);
       // parts_[j]: piece j's state when its item is cut, else null.
-      parts_.assign(pieces_.size(), nullptr);
-      size_t n_cut = 0;
-      for (size_t j = 0; j < pieces_.size(); ++j) {
-        const AttnPiece& pc = pieces_[j];
-        if (pc.from > 0 || pc.to < item_tokens_[size_t(pc.item)]) ++n_cut;
-      }
+      auto is_cut = [&](const AttnPiece& pc) { return pc.from > 0 || pc.to < item_tokens_[size_t(pc.item)]; };
+      const size_t n_cut = size_t(std::count_if(pieces_.begin(), pieces_.end(), is_cut));
       if (part_states_.size() < n_cut * part_need) part_states_.resize(n_cut * part_need);
-      for (size_t j = 0, c = 0; j < pieces_.size(); ++j) {
-        const AttnPiece& pc = pieces_[j];
-        if (pc.from > 0 || pc.to < item_tokens_[size_t(pc.item)]) parts_[j] = part_states_.data() + part_need * c++;
-      }
+      parts_.assign(pieces_.size(), nullptr);
+      for (size_t j = 0, c = 0; j < pieces_.size(); ++j)
+        if (is_cut(pieces_[j])) parts_[j] = part_states_.data() + part_need * c++;
+      // Item w's query rows and output: row w / nkv, KV head w % nkv's group of query heads.
+      auto q_off = [&](int w) { return size_t(w / nkv) * size_t(qd) + size_t(w % nkv) * size_t(group) * size_t(hd); };
       pool_.run([&](int ti, int) {
         for (size_t j = 0; j < pieces_.size(); ++j) {
           const AttnPiece& pc = pieces_[j];
           if (pc.thread != ti) continue;
           const int r = pc.item / nkv, h = pc.item % nkv;
-          const size_t qo = size_t(r) * size_t(qd) + size_t(h) * size_t(group) * size_t(hd);
+          const size_t qo = q_off(pc.item);
           const KvCache& cache = *seqs[row_seq_[size_t(r)]].cache;
           if (parts_[j])
             cache.attend_head_part(il, h, row_pos_[size_t(r)], q_.data() + qo, group, ap, window, pc.from, pc.to,
@@ -344,11 +341,7 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
       for (size_t j = 0; j < pieces_.size();) {
         size_t e = j + 1;
         while (e < pieces_.size() && pieces_[e].item == pieces_[j].item) ++e;
-        if (parts_[j]) {
-          const int r = pieces_[j].item / nkv, h = pieces_[j].item % nkv;
-          const size_t qo = size_t(r) * size_t(qd) + size_t(h) * size_t(group) * size_t(hd);
-          attn_merge_parts(parts_.data() + j, int(e - j), group, hd, attn_out_.data() + qo);
-        }
+        if (parts_[j]) attn_merge_parts(parts_.data() + j, int(e - j), group, hd, attn_out_.data() + q_off(pieces_[j].item));
         j = e;
       }
     } else {
