@@ -7,6 +7,7 @@
 #include <cmath>
 #include <future>
 #include <mutex>
+#include <random>
 
 #include "engine/engine.h"
 #include "model/chat.h"
@@ -333,6 +334,107 @@ TEST_F(EngineTest, ColdSharedPrefixUnderPreemption) {
   EXPECT_GT(e.metrics().preemptions, 0u);
   EXPECT_GT(e.metrics().prefix_hit_tokens, 0u);
   expect_pool_clean(e);
+}
+
+// The prefills' split of a step's budget: the oldest is sure of its share, the rest goes to the
+// prompts with the fewest tokens left first (ties to the older); never more than a limit or the
+// budget, and no budget left unused while a prefill wants it.
+TEST(EnginePrefillShares, OldestSureThenFewestLeftFirst) {
+  using V = std::vector<int>;
+  const auto shares = [](const V& left, int budget, int oldest) { return prefill_shares(left, left, budget, oldest); };
+  EXPECT_EQ(shares({5600, 110, 110, 110}, 256, 64), (V{64, 110, 82, 0}));  // short ones behind a long one
+  EXPECT_EQ(shares({5536, 28, 110}, 256, 64), (V{118, 28, 110}));
+  EXPECT_EQ(shares({5600}, 256, 64), (V{256}));                    // alone: the whole budget
+  EXPECT_EQ(shares({1024, 1024, 1024, 1024}, 256, 64), (V{256, 0, 0, 0}));  // equal: oldest first
+  EXPECT_EQ(shares({1024, 1000, 1024}, 256, 64), (V{256, 0, 0}));  // 960 left after its share
+  EXPECT_EQ(shares({1024, 900, 1024}, 256, 64), (V{64, 192, 0}));
+  EXPECT_EQ(shares({5600, 300, 40}, 256, 64), (V{64, 152, 40}));  // a middle one behind the long one
+  EXPECT_EQ(shares({5600, 110, 110}, 256, 256), (V{256, 0, 0}));  // oldest_tokens = budget: oldest first
+  EXPECT_EQ(shares({30, 500}, 256, 64), (V{30, 226}));
+  EXPECT_EQ(shares({}, 256, 64), V{});
+  EXPECT_EQ(shares({10, 20}, 0, 64), (V{0, 0}));
+  // A prompt_logprobs request's limit is below what it has left: it is ordered by what is left.
+  EXPECT_EQ(prefill_shares({2000, 64, 50}, {2000, 900, 50}, 256, 64), (V{142, 64, 50}));
+  std::mt19937 rng(7);
+  for (int t = 0; t < 5000; ++t) {
+    V left(rng() % 6), lim;
+    for (int& l : left) {
+      l = 1 + int(rng() % 400);
+      lim.push_back(rng() % 4 ? l : std::min(l, 64));
+    }
+    const int budget = int(rng() % 300), oldest = 1 + int(rng() % 100);
+    const V got = prefill_shares(lim, left, budget, oldest);
+    ASSERT_EQ(got.size(), lim.size());
+    int sum = 0, want = 0;
+    for (size_t i = 0; i < lim.size(); ++i) {
+      ASSERT_GE(got[i], 0);
+      ASSERT_LE(got[i], lim[i]);
+      sum += got[i];
+      want += lim[i];
+    }
+    ASSERT_EQ(sum, std::min(budget, want));
+    if (!lim.empty()) {
+      ASSERT_GE(got[0], std::min({lim[0], oldest, budget}));  // the oldest's share
+    }
+    // Beyond that share, a prefill with fewer tokens left is served before one with more.
+    for (size_t i = 0; i < lim.size(); ++i)
+      for (size_t j = 0; j < lim.size(); ++j) {
+        const int base_i = i == 0 ? std::min({lim[0], oldest, budget}) : 0;
+        const int base_j = j == 0 ? std::min({lim[0], oldest, budget}) : 0;
+        if (left[i] - base_i < left[j] - base_j && got[j] > base_j) {
+          ASSERT_EQ(got[i], lim[i]) << i << " " << j;
+        }
+      }
+  }
+}
+
+// A long prompt admitted first no longer holds back the short prompts admitted with it: by
+// default (the oldest prefill sure of max_batch / 4 tokens a step) the short ones get their first
+// tokens before the long one; strictly oldest first (oldest_prefill_tokens = max_batch) after it.
+// Outputs equal each request run alone either way.
+TEST_F(EngineTest, LongPrefillDoesNotHoldBackShortPrompts) {
+  for (const int oldest : {-1, 64}) {
+    SCOPED_TRACE(oldest);
+    EngineOptions o = base_options(4096);
+    o.autostart = false;
+    o.oldest_prefill_tokens = oldest;
+    ASSERT_EQ(o.max_batch, 64);
+    Engine e(o);
+    const Tokenizer& tok = e.tokenizer();
+    std::string story;
+    while (story.size() < 1400) story += std::string(kShared) + " it rolled away. ";
+    const std::vector<std::vector<int32_t>> prompts = {tok.encode(story, true), tok.encode("Tom had a blue car. He", true),
+                                                       tok.encode("The sun was hot. Tim", true),
+                                                       tok.encode("Sue liked to draw pictures of", true)};
+    ASSERT_GT(prompts[0].size(), 4u * size_t(o.max_batch));  // several steps of prefill
+    std::mutex mu;
+    std::vector<int> first_at(prompts.size(), -1);  // order in which the first tokens came
+    int n_first = 0;
+    std::vector<GenRequest> rs;
+    std::vector<GenResult> res(prompts.size());
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      GenRequest r;
+      r.prompt = prompts[i];
+      r.params = greedy(6);
+      r.params.logprobs = 0;
+      r.on_logprob = [&, i](const TokenLogprob&) {
+        std::lock_guard<std::mutex> lk(mu);
+        if (first_at[i] < 0) first_at[i] = n_first++;
+      };
+      r.on_done = [&, i](const GenResult& g) { res[i] = g; };
+      rs.push_back(std::move(r));
+    }
+    e.submit_all(std::move(rs));
+    e.start();
+    e.wait_idle();
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      SCOPED_TRACE(i);
+      EXPECT_EQ(res[i].tokens, greedy_alone(e, prompts[i], 6));
+      ASSERT_GE(first_at[i], 0);
+    }
+    EXPECT_EQ(first_at[0], oldest < 0 ? 3 : 0);  // the three short prompts first, or the long one
+    expect_pool_clean(e);
+  }
 }
 
 TEST_F(EngineTest, StopStringsMaxTokensAndStreaming) {

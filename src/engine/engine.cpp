@@ -87,6 +87,25 @@ size_t Engine::outstanding_pages() const {
   return total;
 }
 
+std::vector<int> prefill_shares(const std::vector<int>& limits, const std::vector<int>& left, int budget,
+                                int oldest_tokens) {
+  std::vector<int> got(limits.size(), 0);
+  if (limits.empty() || budget <= 0) return got;
+  got[0] = std::min({limits[0], std::max(0, oldest_tokens), budget});
+  budget -= got[0];
+  std::vector<size_t> order(limits.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return left[a] - got[a] < left[b] - got[b]; });
+  for (size_t i : order) {
+    if (budget <= 0) break;
+    const int more = std::min(limits[i] - got[i], budget);
+    got[i] += more;
+    budget -= more;
+  }
+  return got;
+}
+
 bool Engine::defer_prefill(Seq& s, size_t i) const {
   // s holds only whole cached pages and its next prompt page is one that another running
   // sequence r is computing right now: computing it here too would be redundant, so s skips this
@@ -116,6 +135,9 @@ bool Engine::defer_prefill(Seq& s, size_t i) const {
 Engine::Engine(const EngineOptions& o) : opt_(o) {
   if (o.max_batch < 1) fail("--max-batch must be >= 1 (got {})", o.max_batch);
   if (o.max_running < 1) fail("max running sequences must be >= 1 (got {})", o.max_running);
+  if (o.oldest_prefill_tokens == 0 || o.oldest_prefill_tokens < -1)
+    fail("--oldest-prefill-tokens must be >= 1 (got {})", o.oldest_prefill_tokens);
+  oldest_prefill_tokens_ = o.oldest_prefill_tokens > 0 ? o.oldest_prefill_tokens : std::max(1, o.max_batch / 4);
   if (o.threads < 0) fail("--threads must be >= 1 (got {})", o.threads);
   if (o.ctx < 0) fail("context must be > 0 (got {})", o.ctx);
   model_ = Model::load(o.model_path);
@@ -485,16 +507,34 @@ bool Engine::step() {
   std::vector<char> scheduled(running_.size(), 0);
   int budget = fwd_->max_batch();
   size_t reserved = 0;
+  // Prompt log-probabilities need every row of the prompt's logits: in chunks that bound them.
+  const auto scores_all = [](const Seq& s) { return s.req.params.prompt_logprobs && s.cache->n_tokens() + 1 < s.n_prompt; };
+  std::vector<int> share(running_.size(), 0);  // prefills' tokens this step (pass 1)
   for (int pass = 0; pass < 2; ++pass) {
+    if (pass == 1) {
+      // The prefills' shares of what the decodes left; a deferred prefill gets none.
+      std::vector<size_t> idx;
+      std::vector<int> limits, left;
+      for (size_t i = 0; i < running_.size(); ++i) {
+        Seq& s = *running_[i];
+        if (s.preempted || s.done || scheduled[i]) continue;
+        const int pending = int(s.tokens.size()) - s.cache->n_tokens();
+        if (pending == 1 || defer_prefill(s, i)) continue;
+        idx.push_back(i);
+        left.push_back(pending);
+        limits.push_back(scores_all(s) ? std::min(pending, kPromptLogprobsChunk) : pending);
+      }
+      const std::vector<int> got = prefill_shares(limits, left, budget, oldest_prefill_tokens_);
+      for (size_t k = 0; k < idx.size(); ++k) share[idx[k]] = got[k];
+    }
     for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
       Seq& s = *running_[i];
       if (s.preempted || s.done || scheduled[i]) continue;
       const int pending = int(s.tokens.size()) - s.cache->n_tokens();
       if ((pass == 0) != (pending == 1)) continue;
-      if (pass == 1 && defer_prefill(s, i)) continue;
-      // Prompt log-probabilities need every row of the prompt's logits: in chunks that bound them.
-      const bool all = s.req.params.prompt_logprobs && s.cache->n_tokens() + 1 < s.n_prompt;
-      const int n = std::min({pending, budget, all ? kPromptLogprobsChunk : pending});
+      if (pass == 1 && (share[i] == 0 || defer_prefill(s, i))) continue;
+      const bool all = scores_all(s);
+      const int n = pass == 0 ? 1 : share[i];
       const size_t need = size_t(s.cache->pages_needed(n));
       bool self_preempted = false;
       while (need + reserved > pool_->n_available()) {

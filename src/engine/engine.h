@@ -13,7 +13,11 @@
 //     step instead of computing that page a second time (defer_prefill: a strict order, so no
 //     cycle of waits; recomputed every step, so a preempted or finished holder frees its waiters);
 //   - step: every running sequence asks for its pending tokens (1 when decoding; a chunk of the
-//     prompt when prefilling), oldest first, decodes before prefills, within max_batch tokens;
+//     prompt when prefilling), decodes before prefills, within max_batch tokens; the prefills
+//     share what the decodes leave (prefill_shares): the oldest is sure of oldest_prefill_tokens,
+//     the rest goes to those with the fewest prompt tokens left first, so a long prompt does not
+//     hold back the shorter ones admitted after it, prompts of equal length run oldest first, and
+//     a prompt alone takes the whole budget;
 //     the pages each step needs are checked before eval_batch (so KvPoolFull never fires inside a
 //     batch, where it would leave the earlier sequences of the batch half-appended);
 //   - preemption by recompute: when the pool cannot supply a sequence's pages, the most recently
@@ -49,6 +53,9 @@ struct EngineOptions {
   int threads = 0;            // 0: hardware threads
   int max_batch = 256;        // tokens per step (decode + prefill chunks)
   int max_running = 64;       // sequences running at once
+  // Prompt tokens per step the oldest prefill is sure of while shorter prompts are prefilled
+  // (prefill_shares); -1: max_batch / 4; >= max_batch: prefills strictly oldest first.
+  int oldest_prefill_tokens = -1;
   size_t kv_mem = 0;          // KV pool budget in bytes (0: use kv_tokens)
   size_t kv_tokens = 0;       // KV pool size in tokens (0 and kv_mem 0: 8 contexts' worth)
   int ctx = 0;                // context per sequence (0: the model's)
@@ -140,6 +147,15 @@ struct EngineMetrics {
   uint64_t generation_tokens = 0;
 };
 
+// How a step's prefill budget is split (Engine::step). Prefills are given oldest first: left[i]
+// is prefill i's prompt tokens still to compute, limits[i] (<= left[i]) the most it can take this
+// step. The oldest first gets up to oldest_tokens; what is left of the budget then goes to the
+// prefills with the fewest tokens left (after that first share) first, ties to the older, each up
+// to its limit. So a short prompt is not held back by a long one ahead of it (which still gets
+// oldest_tokens a step), and equal prompts run oldest first. Returns each prefill's tokens.
+std::vector<int> prefill_shares(const std::vector<int>& limits, const std::vector<int>& left, int budget,
+                                int oldest_tokens);
+
 class Engine {
  public:
   explicit Engine(const EngineOptions& o);  // loads the model; throws kvq::Error
@@ -190,6 +206,7 @@ class Engine {
   std::unique_ptr<Model> model_;
   Tokenizer tok_;
   int ctx_ = 0;
+  int oldest_prefill_tokens_ = 0;  // prefill_shares' oldest_tokens (resolved from the options)
   KvSetup kv_;
   KvCacheConfig kcfg_;
   int window_ = 0;                // the sliding window (0: no sliding-window layer)

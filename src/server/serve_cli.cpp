@@ -20,6 +20,11 @@ void serve_add_cli(CLI::App& app, ServeOptions& o) {
   app.add_option("-t,--threads", o.engine.threads, "threads (default: all hardware threads)")->check(CLI::Range(1, 1024));
   app.add_option("--max-batch", o.engine.max_batch, "tokens per step (decode + prefill chunks)")->capture_default_str();
   app.add_option("--max-running", o.engine.max_running, "sequences running at once")->capture_default_str();
+  app.add_option("--oldest-prefill-tokens", o.engine.oldest_prefill_tokens,
+                 "prompt tokens per step the oldest prompt being prefilled is sure of; the rest of the step "
+                 "goes to the prompts with the fewest tokens left (default: --max-batch / 4; >= --max-batch: "
+                 "prompts strictly oldest first)")
+      ->check(CLI::Range(1, 1 << 20));
   app.add_option("-c,--ctx-size", o.engine.ctx, "context per request (default: the model's)");
   kv_flags_add(app, o.engine.kv);
 }

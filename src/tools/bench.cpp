@@ -68,6 +68,11 @@ void bench_add_cli(CLI::App& app, BenchOptions& o) {
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
   app.add_option("--max-running", o.max_running, "sequences running at once")->check(CLI::Range(1, 1 << 16))->capture_default_str();
+  app.add_option("--oldest-prefill-tokens", o.oldest_prefill_tokens,
+                 "prompt tokens per step the oldest prompt being prefilled is sure of; the rest of the step "
+                 "goes to the prompts with the fewest tokens left (default: --max-batch / 4; >= --max-batch: "
+                 "prompts strictly oldest first)")
+      ->check(CLI::Range(1, 1 << 20));
   app.add_flag("--chat", o.chat, "--workload: each prompt is a user turn in the model's chat template");
   app.add_flag("--json", o.json, "print JSON instead of a table");
   app.add_option("--json-out", o.json_out, "also write the JSON report to this file");
@@ -223,6 +228,7 @@ EngineOptions engine_options(const BenchOptions& o, const std::string& format, s
   eo.threads = o.threads;
   eo.max_batch = o.max_batch;
   eo.max_running = o.max_running;
+  eo.oldest_prefill_tokens = o.oldest_prefill_tokens;
   eo.kv_mem = kv_mem;
   eo.ctx = o.ctx;
   eo.kv = o.kv;

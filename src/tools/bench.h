@@ -41,6 +41,7 @@ struct BenchOptions {
   int threads = 0;
   int ctx = 0;
   int max_batch = 256;
+  int oldest_prefill_tokens = -1;  // EngineOptions::oldest_prefill_tokens
   int max_running = 64;
   bool chat = false;                      // --chat: JSONL prompts as a user turn of the model's chat template
   bool json = false;

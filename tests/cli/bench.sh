@@ -106,6 +106,7 @@ bad "a rate too low to finish" "is not a request rate" --kv f16 --data "$text" -
 mkdir -p "$tmp/adir"
 bad "a directory as the workload" "directory" --kv f16 --workload "$tmp/adir"
 bad "bad budget" "not a size" --kv f16 --data "$text" --kv-mem lots
+bad "zero --oldest-prefill-tokens" "oldest-prefill-tokens" --kv f16 --data "$text" --oldest-prefill-tokens 0
 mkdir "$tmp/adir"
 bad "--kv-scales naming a directory" "is a directory" --kv int8_c --data "$text" --kv-scales "$tmp/adir"
 printf '{"prompt": "ok"}\n{"prompt": 3}\n' >"$tmp/bad1.jsonl"
