@@ -731,6 +731,81 @@ TEST(ServerSmallPool, RequestsLargerThanThePoolAreRefused) {
   th.join();
 }
 
+TEST(ServerApiKey, Matches) {
+  EXPECT_TRUE(api_key_matches("Bearer s3cret", "", "s3cret"));
+  EXPECT_TRUE(api_key_matches("bearer s3cret", "", "s3cret"));
+  EXPECT_TRUE(api_key_matches("", "s3cret", "s3cret"));
+  EXPECT_TRUE(api_key_matches("Bearer wrong", "s3cret", "s3cret"));
+  EXPECT_FALSE(api_key_matches("", "", "s3cret"));
+  EXPECT_FALSE(api_key_matches("Bearer s3cre", "", "s3cret"));
+  EXPECT_FALSE(api_key_matches("Bearer s3cret2", "", "s3cret"));
+  EXPECT_FALSE(api_key_matches("Bearer S3cret", "", "s3cret"));
+  EXPECT_FALSE(api_key_matches("s3cret", "", "s3cret"));         // no scheme
+  EXPECT_FALSE(api_key_matches("Basic s3cret", "", "s3cret"));
+  EXPECT_FALSE(api_key_matches("Bearer ", "", "s3cret"));
+  EXPECT_FALSE(api_key_matches("Bearer  s3cret", "", "s3cret"));  // the key as sent, not trimmed
+}
+
+// With an API key every route but /health and /metrics answers 401 invalid_api_key without it or
+// with a wrong one, and serves as before with it.
+TEST(ServerApiKey, RoutesNeedTheKey) {
+  if (!fs::exists(model_path())) GTEST_SKIP() << "stories260K.gguf not found at " << model_path();
+  EngineOptions o;
+  o.model_path = model_path();
+  o.threads = 1;
+  o.ctx = 256;
+  o.kv_tokens = 1024;
+  o.kv.page_tokens = 16;
+  Engine engine(o);
+  ServerOptions so;
+  so.port = 0;
+  so.model_name = "stories260K";
+  so.api_key = "s3cret";
+  Server server(engine, so);
+  const int port = server.bind();
+  std::thread th([&] { server.listen(); });
+  httplib::Client cl("127.0.0.1", port);
+  cl.set_read_timeout(60, 0);
+  const std::string body = json{{"prompt", "Once upon a time"}, {"max_tokens", 4}, {"temperature", 0}}.dump();
+  auto expect_401 = [&](const httplib::Result& r, const std::string& what) {
+    SCOPED_TRACE(what);
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 401) << r->body;
+    EXPECT_EQ(r->get_header_value("WWW-Authenticate"), "Bearer");
+    const json e = json::parse(r->body);
+    EXPECT_EQ(e["error"]["code"], "invalid_api_key");
+    EXPECT_EQ(e["error"]["type"], "invalid_request_error");
+  };
+  expect_401(cl.Post("/v1/completions", body, "application/json"), "completions, no key");
+  expect_401(cl.Get("/v1/models"), "models, no key");
+  expect_401(cl.Post("/tokenize", json{{"prompt", "hi"}}.dump(), "application/json"), "tokenize, no key");
+  expect_401(cl.Get("/v1/nothing"), "an unknown route, no key");
+  cl.set_bearer_token_auth("wrong");
+  expect_401(cl.Post("/v1/completions", body, "application/json"), "completions, wrong key");
+  EXPECT_EQ(engine.metrics().requests_finished, 0u);  // nothing reached the engine
+  httplib::Client open("127.0.0.1", port);
+  auto r = open.Get("/health");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  r = open.Get("/metrics");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  cl.set_bearer_token_auth("s3cret");
+  r = cl.Post("/v1/completions", body, "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(json::parse(r->body)["usage"]["completion_tokens"], 4);
+  r = cl.Get("/v1/models");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  httplib::Client xk("127.0.0.1", port);
+  r = xk.Get("/v1/models", httplib::Headers{{"X-Api-Key", "s3cret"}});
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  server.stop();
+  th.join();
+}
+
 TEST(ServeCli, ParseBytes) {
   EXPECT_EQ(parse_bytes("2GiB"), size_t(2) << 30);
   EXPECT_EQ(parse_bytes("512MiB"), size_t(512) << 20);

@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 
 #include "core/error.h"
@@ -26,6 +27,9 @@ void serve_add_cli(CLI::App& app, ServeOptions& o) {
                  "prompts strictly oldest first)")
       ->check(CLI::Range(1, 1 << 20));
   app.add_option("-c,--ctx-size", o.engine.ctx, "context per request (default: the model's)");
+  app.add_option("--api-key", o.api_key,
+                 "key clients must send (Authorization: Bearer KEY) on every route but /health and /metrics "
+                 "(default: $KVQ_API_KEY; none: no key asked)");
   kv_flags_add(app, o.engine.kv);
 }
 
@@ -65,10 +69,14 @@ int serve_command(ServeOptions o) {
   so.host = o.host;
   so.port = o.port;
   so.model_name = o.model_name.empty() ? std::filesystem::path(o.engine.model_path).stem().string() : o.model_name;
+  so.api_key = o.api_key;
+  if (so.api_key.empty())
+    if (const char* k = std::getenv("KVQ_API_KEY")) so.api_key = k;
   Server server(engine, so);
   const int port = server.bind();
-  std::fprintf(stderr, "[kvq] serving %s on http://%s:%d (context %d, KV pool %zu tokens)\n", so.model_name.c_str(),
-               o.host.c_str(), port, engine.ctx(), engine.pool().tokens_capacity());
+  std::fprintf(stderr, "[kvq] serving %s on http://%s:%d (context %d, KV pool %zu tokens%s)\n", so.model_name.c_str(),
+               o.host.c_str(), port, engine.ctx(), engine.pool().tokens_capacity(),
+               so.api_key.empty() ? "" : ", API key required");
   g_server = &server;
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);

@@ -14,6 +14,7 @@ struct ServeOptions {
   int port = 8080;
   std::string model_name;
   std::string kv_mem;  // "2GiB", "512MiB", "1e9" ...
+  std::string api_key;  // --api-key, else $KVQ_API_KEY; empty: no key asked
 };
 
 void serve_add_cli(CLI::App& app, ServeOptions& o);

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -695,6 +696,18 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
   I.http.new_task_queue = [n_threads] { return new httplib::ThreadPool(size_t(n_threads)); };
   I.http.set_payload_max_length(size_t(64) << 20);
 
+  if (!I.opt.api_key.empty()) {
+    I.http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+      if (req.path == "/health" || req.path == "/metrics") return httplib::Server::HandlerResponse::Unhandled;
+      if (api_key_matches(req.get_header_value("Authorization"), req.get_header_value("X-Api-Key"), impl_->opt.api_key))
+        return httplib::Server::HandlerResponse::Unhandled;
+      res.set_header("WWW-Authenticate", "Bearer");
+      send_error(res, ApiError{"Incorrect API key provided: send it as 'Authorization: Bearer <key>'.", "",
+                               "invalid_api_key", 401});
+      return httplib::Server::HandlerResponse::Handled;
+    });
+  }
+
   auto wrap = [this](bool chat) {
     return [this, chat](const httplib::Request& req, httplib::Response& res) {
       try {
@@ -805,6 +818,23 @@ void Server::listen() { impl_->http.listen_after_bind(); }
 
 void Server::stop() {
   if (impl_->http.is_running()) impl_->http.stop();
+}
+
+bool api_key_matches(const std::string& authorization, const std::string& x_api_key, const std::string& key) {
+  // Constant time in the key's bytes: a mismatch found early takes as long as one found late.
+  auto same = [&key](const std::string& given) {
+    unsigned diff = given.size() == key.size() ? 0u : 1u;
+    for (size_t i = 0; i < key.size(); ++i) diff |= unsigned(uint8_t(i < given.size() ? given[i] : 0) ^ uint8_t(key[i]));
+    return diff == 0;
+  };
+  bool ok = false;
+  if (authorization.size() > 7) {
+    std::string scheme = authorization.substr(0, 7);
+    for (char& c : scheme) c = char(std::tolower(uint8_t(c)));
+    if (scheme == "bearer ") ok = same(authorization.substr(7));
+  }
+  if (!x_api_key.empty()) ok = same(x_api_key) || ok;
+  return ok;
 }
 
 std::string metrics_prometheus(const EngineMetrics& m) {

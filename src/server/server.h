@@ -2,7 +2,8 @@
 //   POST /v1/completions, POST /v1/chat/completions (stream via SSE "data: {...}\n\n", ending with
 //   "data: [DONE]\n\n"), GET /v1/models, GET /health, GET /metrics (Prometheus text format).
 // Every request body is validated here, at the edge: bad input gets a 400 with an OpenAI-style
-// error object {"error": {"message", "type", "param", "code"}}; unknown routes a 404.
+// error object {"error": {"message", "type", "param", "code"}}; unknown routes a 404; with an API
+// key, a request without it a 401.
 #pragma once
 #include <memory>
 #include <string>
@@ -16,6 +17,9 @@ struct ServerOptions {
   int port = 8080;          // 0: any free port (bind() returns it)
   std::string model_name;   // the id /v1/models reports (default: the model file's stem)
   int http_threads = 64;    // connections served at once (a streaming request holds one)
+  // Non-empty: every route but /health and /metrics needs "Authorization: Bearer <api_key>" (or
+  // "X-Api-Key: <api_key>"); others get OpenAI's 401 invalid_api_key.
+  std::string api_key;
 };
 
 class Server {
@@ -36,6 +40,10 @@ class Server {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// Whether a request's headers carry the key: "Authorization: Bearer <key>" (the scheme's case
+// ignored) or "X-Api-Key: <key>", compared in time independent of where they differ.
+bool api_key_matches(const std::string& authorization, const std::string& x_api_key, const std::string& key);
 
 // Prometheus text exposition of the engine's metrics.
 std::string metrics_prometheus(const EngineMetrics& m);

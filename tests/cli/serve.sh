@@ -6,6 +6,7 @@
 set -u
 source "$(dirname "$0")/common.bash"
 require "$model"
+unset KVQ_API_KEY  # the servers below ask for a key only where they say so
 pid=
 trap '[[ -n $pid ]] && kill $pid 2>/dev/null; rm -rf "$tmp"' EXIT
 
@@ -81,5 +82,32 @@ kill -TERM $pid
 wait $pid; rc=$?
 pid=
 check "SIGTERM stops the server with exit 0" "[[ $rc -eq 0 ]]"
+
+# an API key, from --api-key or $KVQ_API_KEY: 401 without it, served with it, /health open
+start_keyed() {  # KVQ_API_KEY's value, then more flags for the server
+  local key=$1
+  shift
+  KVQ_API_KEY=$key "$kvq" serve -m "$model" --port 0 -t 1 -c 256 --kv-tokens 1024 --kv-page-tokens 16 "$@" 2>"$tmp/klog" &
+  pid=$!
+  port=
+  for _ in $(seq 100); do
+    port=$(sed -n 's|.*serving .* on http://127.0.0.1:\([0-9]*\).*|\1|p' "$tmp/klog")
+    [[ -n $port ]] && break
+    sleep 0.1
+  done
+  url=http://127.0.0.1:$port
+}
+for how in flag env; do
+  if [[ $how == flag ]]; then start_keyed "" --api-key k3y; else start_keyed k3y; fi
+  check "$how: the log says a key is required" "grep -q 'API key required' $tmp/klog"
+  code=$(curl -s -o "$tmp/k.json" -w '%{http_code}' $url/v1/models)
+  check "$how: no key is 401 invalid_api_key" "[[ $code == 401 ]] && grep -q invalid_api_key $tmp/k.json"
+  check "$how: a wrong key is 401" "[[ \$(curl -s -o /dev/null -w '%{http_code}' -H 'Authorization: Bearer nope' $url/v1/models) == 401 ]]"
+  check "$how: the key is served" "[[ \$(curl -s -o /dev/null -w '%{http_code}' -H 'Authorization: Bearer k3y' $url/v1/models) == 200 ]]"
+  check "$how: /health needs no key" "[[ \$(curl -s -o /dev/null -w '%{http_code}' $url/health) == 200 ]]"
+  kill -TERM $pid
+  wait $pid
+  pid=
+done
 
 finish serve
