@@ -5,9 +5,11 @@
 //   model_speed MODEL.gguf [--pp 512] [--tg 128] [--depth 0] [--threads 1,2] [--reps 3] [--kv f16] [--json]
 //
 // Decode bandwidth = (weight bytes + KV bytes read per token) / time per token.
-// --depth N measures decode after an N-token context (llama-bench's -d): the context is prefilled
-// once per thread count (untimed), then each repetition decodes tg tokens on top of it, so the KV
-// cache format's attention cost shows next to the weights'. --pp 0 skips the prompt test.
+// --depth N measures both tests after an N-token context (llama-bench's -d): for decode the context
+// is prefilled once per thread count (untimed), then each repetition decodes tg tokens on top of
+// it, so the KV cache format's attention cost shows next to the weights'; for the prompt each
+// repetition prefills the context (untimed) and then times pp more tokens in chunks of 512: the
+// time to first token of a prompt that continues a long one. --pp 0 skips the prompt test.
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -67,6 +69,8 @@ int main(int argc, char** argv) {
   }
   try {
     auto m = Model::load(path);
+    if (depth + pp + 8 > m->config().n_ctx_train && m->config().n_ctx_train > 0)
+      fail("--depth {} + --pp {} exceeds the model's context of {} tokens", depth, pp, m->config().n_ctx_train);
     if (depth + reps * tg + 8 > m->config().n_ctx_train && m->config().n_ctx_train > 0)
       fail("--depth {} + {} x {} decoded tokens exceeds the model's context of {} tokens", depth, reps, tg,
            m->config().n_ctx_train);
@@ -81,8 +85,11 @@ int main(int argc, char** argv) {
       const double bw = measure_read_bandwidth_gbs(pool, size_t(512) << 20, 3);
       std::vector<double> pp_tps, tg_tps, tg_gbs;
       Forward fwd(*m, pool, 512);
+      std::vector<int32_t> ctx(static_cast<size_t>(depth), 0);
+      for (auto& t : ctx) t = int32_t(rng() % uint32_t(c.n_vocab));
       for (int r = 0; r < reps && pp > 0; ++r) {
-        KvCache cache(m->kv_cache_config(policy, pp + 8));
+        KvCache cache(m->kv_cache_config(policy, depth + pp + 8));
+        if (depth > 0) fwd.eval(ctx.data(), depth, cache);
         double t0 = now_seconds();
         fwd.eval(prompt.data(), pp, cache);
         pp_tps.push_back(pp / (now_seconds() - t0));
@@ -90,8 +97,6 @@ int main(int argc, char** argv) {
       // Decode: from a fresh one-token context as llama-bench's tg does, or on top of a prefilled
       // context of `depth` tokens (each repetition continues the same sequence).
       KvCache deep(m->kv_cache_config(policy, depth + reps * tg + 8));
-      std::vector<int32_t> ctx(static_cast<size_t>(depth), 0);
-      for (auto& t : ctx) t = int32_t(rng() % uint32_t(c.n_vocab));
       if (depth > 0) fwd.eval(ctx.data(), depth, deep);
       for (int r = 0; r < reps; ++r) {
         std::unique_ptr<KvCache> fresh;
@@ -118,8 +123,8 @@ int main(int argc, char** argv) {
         std::printf("{\"threads\": %d, \"kv\": \"%s\", \"pp\": %d, \"pp_tps\": %.2f, \"tg\": %d, \"depth\": %d, \"tg_tps\": %.2f, \"tg_gbs\": %.2f, \"read_bw_gbs\": %.2f}\n",
                     nt, kv.c_str(), pp, mpp, tg, depth, mtg, mgbs, bw);
       else
-        std::printf("threads %d: pp%d %.1f tokens/s | tg%d @ depth %d %.1f tokens/s | decode reads %.2f GB/s = %.0f%% of measured read bandwidth %.2f GB/s\n",
-                    nt, pp, mpp, tg, depth, mtg, mgbs, 100.0 * mgbs / bw, bw);
+        std::printf("threads %d: pp%d @ depth %d %.1f tokens/s | tg%d @ depth %d %.1f tokens/s | decode reads %.2f GB/s = %.0f%% of measured read bandwidth %.2f GB/s\n",
+                    nt, pp, depth, mpp, tg, depth, mtg, mgbs, 100.0 * mgbs / bw, bw);
       std::fflush(stdout);
     }
   } catch (const Error& e) {

@@ -806,6 +806,71 @@ TEST(ServerApiKey, RoutesNeedTheKey) {
   th.join();
 }
 
+// Cross-origin requests: allowed origins get Access-Control-Allow-Origin on every response (JSON,
+// SSE, errors), OPTIONS preflights are answered without the API key; other origins get no CORS
+// header; an empty list adds none.
+TEST(ServerCors, AllowedOriginsAndPreflight) {
+  if (!fs::exists(model_path())) GTEST_SKIP() << "stories260K.gguf not found at " << model_path();
+  EngineOptions o;
+  o.model_path = model_path();
+  o.threads = 1;
+  o.ctx = 256;
+  o.kv_tokens = 1024;
+  o.kv.page_tokens = 16;
+  Engine engine(o);
+  const std::string body = json{{"prompt", "Once upon a time"}, {"max_tokens", 3}, {"temperature", 0}}.dump();
+  const std::string stream_body =
+      json{{"prompt", "Once upon a time"}, {"max_tokens", 3}, {"temperature", 0}, {"stream", true}}.dump();
+  for (const std::vector<std::string>& origins :
+       {std::vector<std::string>{"*"}, std::vector<std::string>{"http://ui.example", "http://other.example"},
+        std::vector<std::string>{}}) {
+    SCOPED_TRACE(origins.empty() ? "none" : origins[0]);
+    ServerOptions so;
+    so.port = 0;
+    so.model_name = "stories260K";
+    so.api_key = "k3y";
+    so.allowed_origins = origins;
+    Server server(engine, so);
+    const int port = server.bind();
+    std::thread th([&] { server.listen(); });
+    httplib::Client cl("127.0.0.1", port);
+    cl.set_read_timeout(60, 0);
+    const bool any = !origins.empty() && origins[0] == "*";
+    const std::string want = origins.empty() ? "" : any ? "*" : "http://ui.example";
+    const httplib::Headers from_ui{{"Origin", "http://ui.example"}, {"Authorization", "Bearer k3y"}};
+    auto r = cl.Post("/v1/completions", from_ui, body, "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 200);
+    EXPECT_EQ(r->get_header_value("Access-Control-Allow-Origin"), want);
+    EXPECT_EQ(r->get_header_value("Vary"), want.empty() || any ? "" : "Origin");
+    r = cl.Post("/v1/completions", from_ui, stream_body, "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 200);
+    EXPECT_NE(r->body.find("data: [DONE]"), std::string::npos);
+    EXPECT_EQ(r->get_header_value("Access-Control-Allow-Origin"), want);
+    r = cl.Post("/v1/completions", httplib::Headers{{"Origin", "http://ui.example"}}, body, "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 401);  // the key is still needed; the error is readable cross-origin
+    EXPECT_EQ(r->get_header_value("Access-Control-Allow-Origin"), want);
+    r = cl.Options("/v1/chat/completions", httplib::Headers{{"Origin", "http://ui.example"},
+                                                            {"Access-Control-Request-Method", "POST"},
+                                                            {"Access-Control-Request-Headers", "authorization,content-type"}});
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, origins.empty() ? 404 : 204);  // no API key on a preflight
+    EXPECT_EQ(r->get_header_value("Access-Control-Allow-Origin"), want);
+    EXPECT_EQ(r->get_header_value("Access-Control-Allow-Headers"), want.empty() ? "" : "authorization,content-type");
+    EXPECT_EQ(r->get_header_value("Access-Control-Allow-Methods"), want.empty() ? "" : "GET, POST, OPTIONS");
+    r = cl.Get("/health", httplib::Headers{{"Origin", "http://elsewhere.example"}});
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->get_header_value("Access-Control-Allow-Origin"), any ? "*" : "");
+    r = cl.Get("/health");
+    ASSERT_TRUE(r);
+    EXPECT_FALSE(r->has_header("Access-Control-Allow-Origin"));  // not a cross-origin request
+    server.stop();
+    th.join();
+  }
+}
+
 TEST(ServeCli, ParseBytes) {
   EXPECT_EQ(parse_bytes("2GiB"), size_t(2) << 30);
   EXPECT_EQ(parse_bytes("512MiB"), size_t(512) << 20);

@@ -7,6 +7,7 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "core/strings.h"
 #include "server/server.h"
 
 namespace kvq {
@@ -30,6 +31,9 @@ void serve_add_cli(CLI::App& app, ServeOptions& o) {
   app.add_option("--api-key", o.api_key,
                  "key clients must send (Authorization: Bearer KEY) on every route but /health and /metrics "
                  "(default: $KVQ_API_KEY; none: no key asked)");
+  app.add_option("--allowed-origins", o.allowed_origins,
+                 "origins browsers may call from, comma-separated (\"*\": any; \"\": no CORS headers)")
+      ->capture_default_str();
   kv_flags_add(app, o.engine.kv);
 }
 
@@ -70,6 +74,9 @@ int serve_command(ServeOptions o) {
   so.port = o.port;
   so.model_name = o.model_name.empty() ? std::filesystem::path(o.engine.model_path).stem().string() : o.model_name;
   so.api_key = o.api_key;
+  so.allowed_origins.clear();
+  for (const std::string& one : split_list(o.allowed_origins))
+    if (!one.empty()) so.allowed_origins.push_back(one);
   if (so.api_key.empty())
     if (const char* k = std::getenv("KVQ_API_KEY")) so.api_key = k;
   Server server(engine, so);

@@ -15,6 +15,7 @@ struct ServeOptions {
   std::string model_name;
   std::string kv_mem;  // "2GiB", "512MiB", "1e9" ...
   std::string api_key;  // --api-key, else $KVQ_API_KEY; empty: no key asked
+  std::string allowed_origins = "*";  // comma-separated; empty: no CORS headers
 };
 
 void serve_add_cli(CLI::App& app, ServeOptions& o);

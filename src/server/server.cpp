@@ -696,9 +696,36 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
   I.http.new_task_queue = [n_threads] { return new httplib::ThreadPool(size_t(n_threads)); };
   I.http.set_payload_max_length(size_t(64) << 20);
 
+  if (!I.opt.allowed_origins.empty()) {
+    // The allowed origin as the response names it ("*" or the request's own); empty: none.
+    auto allow = [this](const httplib::Request& req) -> std::string {
+      const std::string origin = req.get_header_value("Origin");
+      if (origin.empty()) return "";
+      for (const std::string& o : impl_->opt.allowed_origins) {
+        if (o == "*") return "*";
+        if (o == origin) return origin;
+      }
+      return "";
+    };
+    I.http.set_post_routing_handler([allow](const httplib::Request& req, httplib::Response& res) {
+      const std::string a = allow(req);
+      if (a.empty()) return;
+      res.set_header("Access-Control-Allow-Origin", a);
+      if (a != "*") res.set_header("Vary", "Origin");
+    });
+    I.http.Options(R"(.*)", [allow](const httplib::Request& req, httplib::Response& res) {
+      res.status = 204;
+      if (allow(req).empty()) return;
+      res.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+      const std::string h = req.get_header_value("Access-Control-Request-Headers");
+      res.set_header("Access-Control-Allow-Headers", h.empty() ? "Authorization, Content-Type, X-Api-Key" : h);
+      res.set_header("Access-Control-Max-Age", "600");
+    });
+  }
   if (!I.opt.api_key.empty()) {
     I.http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
-      if (req.path == "/health" || req.path == "/metrics") return httplib::Server::HandlerResponse::Unhandled;
+      if (req.path == "/health" || req.path == "/metrics" || req.method == "OPTIONS")
+        return httplib::Server::HandlerResponse::Unhandled;
       if (api_key_matches(req.get_header_value("Authorization"), req.get_header_value("X-Api-Key"), impl_->opt.api_key))
         return httplib::Server::HandlerResponse::Unhandled;
       res.set_header("WWW-Authenticate", "Bearer");

@@ -7,6 +7,7 @@
 #pragma once
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "engine/engine.h"
 
@@ -20,6 +21,10 @@ struct ServerOptions {
   // Non-empty: every route but /health and /metrics needs "Authorization: Bearer <api_key>" (or
   // "X-Api-Key: <api_key>"); others get OpenAI's 401 invalid_api_key.
   std::string api_key;
+  // Cross-origin requests (browser clients): an Origin in this list, or any with "*", gets
+  // Access-Control-Allow-Origin on every response, and OPTIONS preflights are answered (without
+  // the API key, which browsers do not send on them). Empty: no CORS headers. Default "*", as vLLM.
+  std::vector<std::string> allowed_origins = {"*"};
 };
 
 class Server {

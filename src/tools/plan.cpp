@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/strings.h"
 #include "gguf/gguf.h"
 #include "kvq/kv_format.h"
 
@@ -41,26 +42,6 @@ std::string lower(std::string_view s) {
   std::string r(s);
   for (char& c : r) c = char(std::tolower(static_cast<unsigned char>(c)));
   return r;
-}
-
-std::string trim(std::string_view s) {
-  size_t a = 0, b = s.size();
-  while (a < b && std::isspace(static_cast<unsigned char>(s[a]))) ++a;
-  while (b > a && std::isspace(static_cast<unsigned char>(s[b - 1]))) --b;
-  return std::string(s.substr(a, b - a));
-}
-
-std::vector<std::string> split_list(std::string_view s) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  while (true) {
-    size_t comma = s.find(',', start);
-    std::string item = trim(s.substr(start, comma == std::string_view::npos ? s.npos : comma - start));
-    out.push_back(item);
-    if (comma == std::string_view::npos) break;
-    start = comma + 1;
-  }
-  return out;
 }
 
 // "1234567" -> "1,234,567"
