@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "gguf/gguf.h"
 #include "gguf_writer.h"
+#include "model/chat.h"
 #include "model/config.h"
 #include "model/model.h"
 #include "model/sampler.h"
@@ -313,4 +314,55 @@ TEST(ModelConfig, RejectsNonFiniteOrOutOfRangeFloatMetadata) {
   EXPECT_NE(error_of(build("gemma3", [](GgufWriter& w) { w.add_f32("gemma3.final_logit_softcapping", std::nanf("")); }))
                 .find("soft-capping"),
             std::string::npos);
+}
+
+// Chat templates from their Jinja text: the family, and for ChatML the default system turn the
+// template writes when a conversation has none (SmolLM2's and Qwen2.5's), or none at all (a
+// plain ChatML template must not get another model's system prompt).
+TEST(ChatTemplate, FamilyAndDefaultSystemFromTheJinja) {
+  const std::string smollm2 =
+      "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+      "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+      "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+      "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+  const std::string qwen_like =
+      "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + "
+      "'<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are Qwen, a helpful assistant.<|im_end|>\\n' }}"
+      "{%- endif %}";
+  const std::string plain =
+      "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+      "'\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+  const std::string gemma = "{{ bos_token }}{% for message in messages %}<start_of_turn>...{% endfor %}";
+
+  const ChatTemplate s = chat_template_from_text(smollm2);
+  EXPECT_EQ(s.family, ChatFamily::chatml);
+  EXPECT_EQ(s.default_system, "You are a helpful AI assistant named SmolLM, trained by Hugging Face");
+  EXPECT_EQ(chat_render(s, {{"user", "Hi"}}),
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+  EXPECT_EQ(chat_render(s, {{"system", "Be brief."}, {"user", "Hi"}}),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+
+  const ChatTemplate q = chat_template_from_text(qwen_like);
+  EXPECT_EQ(q.family, ChatFamily::chatml);
+  EXPECT_EQ(q.default_system, "You are Qwen, a helpful assistant.");
+
+  const ChatTemplate p = chat_template_from_text(plain);
+  EXPECT_EQ(p.family, ChatFamily::chatml);
+  EXPECT_EQ(p.default_system, "");
+  EXPECT_EQ(chat_render(p, {{"user", "Hi"}}), "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+
+  EXPECT_EQ(chat_template_from_text(gemma).family, ChatFamily::gemma);
+  EXPECT_FALSE(chat_template_from_text("{{ messages }}").known());
+  EXPECT_THROW(chat_render(ChatTemplate{}, {{"user", "Hi"}}), Error);
+}
+
+// The installed SmolLM2 GGUF's own template gives its default system turn.
+TEST(ChatTemplate, SmolLM2GgufHasItsDefaultSystemTurn) {
+  const std::string path = kvq_test_model("SmolLM2-135M-Instruct.Q4_1.gguf");
+  if (path.empty()) GTEST_SKIP() << "SmolLM2-135M-Instruct.Q4_1.gguf not installed (run scripts/get-models.sh)";
+  const auto f = gguf::File::open(path);
+  const ChatTemplate t = chat_template_detect(*f);
+  EXPECT_EQ(t.family, ChatFamily::chatml);
+  EXPECT_EQ(t.default_system, "You are a helpful AI assistant named SmolLM, trained by Hugging Face");
 }

@@ -5,36 +5,68 @@
 
 namespace kvq {
 
-ChatTemplate chat_template_detect(const gguf::File& f) {
-  auto t = f.get_string("tokenizer.chat_template");
-  if (!t) return ChatTemplate::none;
-  if (t->find("<|im_start|>") != std::string::npos) return ChatTemplate::chatml;
-  if (t->find("<start_of_turn>") != std::string::npos) return ChatTemplate::gemma;
-  return ChatTemplate::none;
+ChatTemplate chat_template_from_text(const std::string& t) {
+  ChatTemplate c;
+  if (t.find("<|im_start|>") != std::string::npos) {
+    c.family = ChatFamily::chatml;
+    // A literal system turn in the template, '<|im_start|>system\nTEXT<|im_end|>', is the default
+    // it opens a conversation without a system message with; a system turn built from the
+    // messages ('<|im_start|>' + message['role'] ...) is no such literal.
+    const std::string open = "<|im_start|>system";
+    for (size_t at = t.find(open); at != std::string::npos; at = t.find(open, at + 1)) {
+      size_t p = at + open.size();
+      if (t.compare(p, 1, "\n") == 0) p += 1;
+      else if (t.compare(p, 2, "\\n") == 0) p += 2;
+      else continue;
+      const size_t end = t.find("<|im_end|>", p);
+      if (end == std::string::npos) break;
+      const std::string text = t.substr(p, end - p);
+      if (text.empty() || text.find_first_of("{}'\"") != std::string::npos) continue;
+      std::string unescaped;  // "\n" written as an escape inside the Jinja string literal
+      for (size_t i = 0; i < text.size(); ++i) {
+        if (text[i] == '\\' && i + 1 < text.size() && text[i + 1] == 'n') {
+          unescaped += '\n';
+          ++i;
+        } else {
+          unescaped += text[i];
+        }
+      }
+      c.default_system = unescaped;
+      break;
+    }
+  } else if (t.find("<start_of_turn>") != std::string::npos) {
+    c.family = ChatFamily::gemma;
+  }
+  return c;
 }
 
-const char* chat_template_name(ChatTemplate t) {
-  switch (t) {
-    case ChatTemplate::chatml: return "chatml";
-    case ChatTemplate::gemma: return "gemma";
+ChatTemplate chat_template_detect(const gguf::File& f) {
+  auto t = f.get_string("tokenizer.chat_template");
+  return t ? chat_template_from_text(*t) : ChatTemplate{};
+}
+
+const char* chat_template_name(const ChatTemplate& t) {
+  switch (t.family) {
+    case ChatFamily::chatml: return "chatml";
+    case ChatFamily::gemma: return "gemma";
     default: return "none";
   }
 }
 
-std::string chat_render(ChatTemplate t, const std::vector<ChatMessage>& msgs) {
+std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& msgs) {
   std::string out;
   for (const auto& m : msgs)
     if (m.role != "system" && m.role != "user" && m.role != "assistant")
       fail("unknown chat role '{}' (valid: system, user, assistant)", m.role);
-  if (t == ChatTemplate::chatml) {
-    // SmolLM2's template inserts its default system prompt when the conversation has none.
-    if (msgs.empty() || msgs[0].role != "system")
-      out += "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n";
+  if (t.family == ChatFamily::chatml) {
+    // A template with a default system turn (SmolLM2's) opens a conversation that has none with it.
+    if (!t.default_system.empty() && (msgs.empty() || msgs[0].role != "system"))
+      out += "<|im_start|>system\n" + t.default_system + "<|im_end|>\n";
     for (const auto& m : msgs) out += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
     out += "<|im_start|>assistant\n";
     return out;
   }
-  if (t == ChatTemplate::gemma) {
+  if (t.family == ChatFamily::gemma) {
     // Gemma has no system role: the system text is prefixed to the first user turn.
     std::string pending_system;
     for (const auto& m : msgs) {

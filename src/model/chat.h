@@ -1,5 +1,5 @@
 // Chat templates for the supported instruct models, chosen from the GGUF's
-// tokenizer.chat_template: ChatML (SmolLM2-Instruct) and Gemma's turn format.
+// tokenizer.chat_template: ChatML (SmolLM2-Instruct and other ChatML models) and Gemma's turn format.
 #pragma once
 #include <string>
 #include <vector>
@@ -12,13 +12,23 @@ struct ChatMessage {
   std::string content;
 };
 
-enum class ChatTemplate { none, chatml, gemma };
+enum class ChatFamily { none, chatml, gemma };
 
-// Detects the template family; ChatTemplate::none when the model has no template kvq knows.
+struct ChatTemplate {
+  ChatFamily family = ChatFamily::none;
+  // ChatML: the system turn the model's template opens a conversation without one with, read from
+  // the template (SmolLM2: "You are a helpful AI assistant named SmolLM, ..."); empty: none.
+  std::string default_system;
+  bool known() const { return family != ChatFamily::none; }
+};
+
+// Detects the template family; family none when the model has no template kvq knows.
 ChatTemplate chat_template_detect(const gguf::File& f);
-const char* chat_template_name(ChatTemplate t);
+// The same from the text of a tokenizer.chat_template.
+ChatTemplate chat_template_from_text(const std::string& jinja);
+const char* chat_template_name(const ChatTemplate& t);
 // Renders messages and the opening of the assistant's turn. The BOS token is not included
 // (the tokenizer adds it when the model wants it). Throws kvq::Error for an unknown role.
-std::string chat_render(ChatTemplate t, const std::vector<ChatMessage>& msgs);
+std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& msgs);
 
 }  // namespace kvq

@@ -331,7 +331,7 @@ struct Server::Impl {
   Engine& engine;
   ServerOptions opt;
   httplib::Server http;
-  ChatTemplate tpl = ChatTemplate::none;
+  ChatTemplate tpl;
   std::atomic<uint64_t> next_id{1};
   std::atomic<int> listen_fd{-1};  // the listening socket, seen through the socket-options hook
   Impl(Engine& e, const ServerOptions& o) : engine(e), opt(o) {}
@@ -360,13 +360,13 @@ std::vector<int32_t> Server::Impl::chat_prompt(const json& body) {
     msgs.push_back({role == "developer" ? "system" : role, message_content(m, i)});
   }
   std::string text;
-  if (tpl != ChatTemplate::none) {
+  if (tpl.known()) {
     text = chat_render(tpl, msgs);
   } else {
     // A model without a chat template kvq knows (a base model): the contents, one per line.
     for (const auto& m : msgs) text += m.content + "\n";
   }
-  return engine.tokenizer().encode(text, true, /*parse_special=*/tpl != ChatTemplate::none);
+  return engine.tokenizer().encode(text, true, /*parse_special=*/tpl.known());
 }
 
 // Completions' logprobs object (echo: the prompt's tokens first); tokens as the bytes each renders

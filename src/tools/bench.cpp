@@ -121,7 +121,7 @@ struct BenchRequest {
   size_t last_prompt() const { return longest() - size_t(max_tokens); }
 };
 
-std::vector<BenchRequest> load_workload(const BenchOptions& o, const Tokenizer& tok, ChatTemplate tpl) {
+std::vector<BenchRequest> load_workload(const BenchOptions& o, const Tokenizer& tok, const ChatTemplate& tpl) {
   std::vector<BenchRequest> reqs;
   jsonl_for_each(o.workload, "--workload", [&](const nlohmann::json& j, int ln) {
     if (!j.is_object() || !j.contains("prompt") || !j["prompt"].is_string())
@@ -438,8 +438,8 @@ int bench_command(const BenchOptions& o) {
     ctx = probe.ctx();
     model_name = probe.model().config().name;
     if (!o.workload.empty()) {
-      const ChatTemplate tpl = o.chat ? chat_template_detect(probe.model().file()) : ChatTemplate::none;
-      if (o.chat && tpl == ChatTemplate::none) fail("--chat: the model has no chat template kvq knows (ChatML, Gemma)");
+      const ChatTemplate tpl = o.chat ? chat_template_detect(probe.model().file()) : ChatTemplate{};
+      if (o.chat && !tpl.known()) fail("--chat: the model has no chat template kvq knows (ChatML, Gemma)");
       reqs = load_workload(o, probe.tokenizer(), tpl);
       if (o.requests > 0) {
         std::vector<BenchRequest> all;

@@ -533,8 +533,8 @@ void task_own(Ctx& c, const std::vector<OwnCase>& cases) {
   const std::vector<FormatRun> all = with_f16_reference(c);
   Progress prog(c.o.progress, cases.size() * all.size());
   Forward fwd(c.m, c.pool, 256);
-  const ChatTemplate tpl = c.o.chat ? chat_template_detect(c.m.file()) : ChatTemplate::none;
-  if (c.o.chat && tpl == ChatTemplate::none) fail("--chat: the model has no chat template kvq supports");
+  const ChatTemplate tpl = c.o.chat ? chat_template_detect(c.m.file()) : ChatTemplate{};
+  if (c.o.chat && !tpl.known()) fail("--chat: the model has no chat template kvq supports");
   std::vector<bool> ref_ok;
   for (size_t f = 0; f < all.size(); ++f) {
     std::vector<bool> oks;

@@ -75,8 +75,8 @@ int run_command(const RunOptions& o) {
 
   std::string text = prompt;
   if (o.chat) {
-    ChatTemplate tpl = chat_template_detect(model->file());
-    if (tpl == ChatTemplate::none) fail("{}: the model has no chat template kvq supports (ChatML, Gemma)", o.model);
+    const ChatTemplate tpl = chat_template_detect(model->file());
+    if (!tpl.known()) fail("{}: the model has no chat template kvq supports (ChatML, Gemma)", o.model);
     std::vector<ChatMessage> msgs;
     if (!o.system.empty()) msgs.push_back({"system", o.system});
     msgs.push_back({"user", prompt});
