@@ -146,6 +146,10 @@ TEST_F(EngineTest, ConcurrentRequestsEqualAloneAndSharePrefixes) {
   EXPECT_EQ(m.running, 0);
   EXPECT_EQ(m.waiting, 0);
   EXPECT_EQ(m.ttft.count, prompts.size() + 1);
+  EXPECT_EQ(m.e2e.count, prompts.size() + 1);    // every request ended by its length
+  EXPECT_EQ(m.queue.count, prompts.size() + 1);  // each admitted once
+  EXPECT_GE(m.e2e.sum, m.ttft.sum);               // a request ends after its first token
+  EXPECT_LE(m.queue.sum, m.ttft.sum);             // and is admitted before it
   EXPECT_GT(m.tpot.count, 0u);
   EXPECT_EQ(m.kv_usage, 0.0);
   expect_pool_clean(e);
@@ -167,6 +171,7 @@ TEST_F(EngineTest, TinyPoolPreemptsAndOutputsStayEqual) {
   // readmitted is counted apart, not as prefix reuse (the hit rate stays 0).
   const EngineMetrics m = e.metrics();
   EXPECT_GT(m.preemptions, 0u);
+  EXPECT_EQ(m.queue.count, prompts.size());  // readmissions after preemption are not counted again
   EXPECT_EQ(m.prefix_hit_tokens, 0u);
   EXPECT_GT(m.prefix_readmit_query_tokens, 0u);
   EXPECT_LE(m.prefix_readmit_hit_tokens, m.prefix_readmit_query_tokens);

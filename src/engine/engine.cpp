@@ -407,6 +407,7 @@ void Engine::finish(Seq& s, const char* reason, const std::string& error) {
     cancelled_.erase(s.id);
     ++metrics_.requests_finished;
     if (reason == std::string("cancelled")) ++metrics_.requests_cancelled;
+    if (reason == std::string("stop") || reason == std::string("length")) metrics_.e2e.observe(now_seconds() - s.t_submit);
     metrics_.generation_tokens += uint64_t(s.res.completion_tokens);
     if (reason != std::string("error")) metrics_.prompt_tokens += uint64_t(s.n_prompt);
   }
@@ -477,6 +478,10 @@ bool Engine::step() {
       break;
     }
     const bool readmission = s.preempted;
+    if (!readmission) {
+      std::lock_guard<std::mutex> lk(mu_);
+      metrics_.queue.observe(now_seconds() - s.t_submit);
+    }
     s.preempted = false;
     s.res.cached_tokens = adopts ? s.cache->adopt_prefix(*index_, s.tokens.data(), n, n - 1, readmission) : 0;
     outstanding += own > covered ? own - covered : 0;

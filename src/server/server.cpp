@@ -880,6 +880,9 @@ std::string metrics_prometheus(const EngineMetrics& m) {
   };
   hist("kvq_time_to_first_token_seconds", "Time from request arrival to its first generated token.", m.ttft);
   hist("kvq_time_per_output_token_seconds", "Time between consecutive generated tokens of a request.", m.tpot);
+  hist("kvq_e2e_request_latency_seconds", "Time from request arrival to its end (requests that stopped or reached their length).",
+       m.e2e);
+  hist("kvq_request_queue_time_seconds", "Time from request arrival to its admission to the running batch.", m.queue);
   one("kvq_requests_running", "gauge", "Requests in the running batch.", m.running);
   one("kvq_requests_waiting", "gauge", "Requests queued for admission.", m.waiting);
   one("kvq_kv_cache_usage_ratio", "gauge", "Referenced KV pages / all KV pages.", m.kv_usage);
