@@ -218,6 +218,9 @@ struct RunResult {
   long prompt_tokens = 0, completion_tokens = 0;
   double throughput = 0;  // generated tokens per second
   double ttft_p50 = 0, ttft_p95 = 0, tpot_p50 = 0, tpot_p95 = 0;
+  // Also the means and 99th percentiles, and end-to-end latency (submit -> last token), as vLLM's
+  // serving benchmark reports them.
+  double ttft_mean = 0, ttft_p99 = 0, tpot_mean = 0, tpot_p99 = 0, e2e_mean = 0, e2e_p50 = 0, e2e_p95 = 0, e2e_p99 = 0;
   double hit_rate = 0;
   uint64_t preemptions = 0;
 };
@@ -337,7 +340,7 @@ RunResult run_one(Engine& eng, const std::string& format, const BenchLoad& load,
   rr.wall_s = now_seconds() - t0;
   const EngineMetrics m1 = eng.metrics();
 
-  std::vector<double> ttft, tpot;
+  std::vector<double> ttft, tpot, e2e;
   for (const GenResult& g : res) {
     if (g.finish_reason.empty() || g.finish_reason == "error" || g.finish_reason == "cancelled") {
       ++rr.errors;  // empty: never sent, an earlier turn of its conversation failed
@@ -348,6 +351,7 @@ RunResult run_one(Engine& eng, const std::string& format, const BenchLoad& load,
     rr.prompt_tokens += g.prompt_tokens;
     rr.completion_tokens += g.completion_tokens;
     if (g.ttft_s >= 0) ttft.push_back(g.ttft_s);
+    if (g.ttft_s >= 0) e2e.push_back(g.ttft_s + g.decode_s);
     if (g.completion_tokens >= 2) tpot.push_back(g.decode_s / double(g.completion_tokens - 1));
   }
   rr.throughput = rr.wall_s > 0 ? double(rr.completion_tokens) / rr.wall_s : 0;
@@ -355,6 +359,19 @@ RunResult run_one(Engine& eng, const std::string& format, const BenchLoad& load,
   rr.ttft_p95 = bench_percentile(ttft, 0.95);
   rr.tpot_p50 = bench_percentile(tpot, 0.5);
   rr.tpot_p95 = bench_percentile(tpot, 0.95);
+  const auto mean = [](const std::vector<double>& v) {
+    double s = 0;
+    for (double x : v) s += x;
+    return v.empty() ? std::numeric_limits<double>::quiet_NaN() : s / double(v.size());
+  };
+  rr.ttft_mean = mean(ttft);
+  rr.ttft_p99 = bench_percentile(ttft, 0.99);
+  rr.tpot_mean = mean(tpot);
+  rr.tpot_p99 = bench_percentile(tpot, 0.99);
+  rr.e2e_mean = mean(e2e);
+  rr.e2e_p50 = bench_percentile(e2e, 0.5);
+  rr.e2e_p95 = bench_percentile(e2e, 0.95);
+  rr.e2e_p99 = bench_percentile(e2e, 0.99);
   const uint64_t q = m1.prefix_query_tokens - m0.prefix_query_tokens;
   rr.hit_rate = q ? double(m1.prefix_hit_tokens - m0.prefix_hit_tokens) / double(q) : 0;
   rr.preemptions = m1.preemptions - m0.preemptions;
@@ -569,6 +586,14 @@ int bench_command(const BenchOptions& o) {
       e["ttft_p95_s"] = num_or_null(r.ttft_p95);
       e["tpot_p50_s"] = num_or_null(r.tpot_p50);
       e["tpot_p95_s"] = num_or_null(r.tpot_p95);
+      e["ttft_mean_s"] = num_or_null(r.ttft_mean);
+      e["ttft_p99_s"] = num_or_null(r.ttft_p99);
+      e["tpot_mean_s"] = num_or_null(r.tpot_mean);
+      e["tpot_p99_s"] = num_or_null(r.tpot_p99);
+      e["e2e_mean_s"] = num_or_null(r.e2e_mean);
+      e["e2e_p50_s"] = num_or_null(r.e2e_p50);
+      e["e2e_p95_s"] = num_or_null(r.e2e_p95);
+      e["e2e_p99_s"] = num_or_null(r.e2e_p99);
       e["prefix_hit_rate"] = r.hit_rate;
       e["preemptions"] = r.preemptions;
     }
