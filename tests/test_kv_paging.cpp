@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <random>
 
 #include "cache/kv_cache.h"
@@ -54,7 +55,7 @@ void kv_row(int32_t token, int pos, int layer, int width, float* k, float* v) {
 // One step: appends tokens (n,) at the cache's current length to every layer, runs attention
 // for every new position and head with queries derived from the position, commits. Returns
 // the attention outputs (layer, token, head, n_q, head_dim) in order.
-std::vector<float> step(KvCache& c, const int32_t* tokens, int n) {
+std::vector<float> step(KvCache& c, const int32_t* tokens, int n, const std::vector<int>& windows = {}) {
   const KvCacheConfig& cfg = c.config();
   const int w = cfg.n_kv_heads * cfg.head_dim, hd = cfg.head_dim;
   const int pos0 = c.n_tokens();
@@ -72,7 +73,8 @@ std::vector<float> step(KvCache& c, const int32_t* tokens, int n) {
         std::mt19937 rng(uint32_t(pos0 + t) * 31u + uint32_t(h) * 7u + uint32_t(il));
         std::normal_distribution<float> nd(0.f, 1.f);
         for (auto& x : q) x = nd(rng);
-        c.attend_head(il, h, pos0 + t, q.data(), n_q, ap, 0, out.data(), scratch.data(), spans);
+        const int window = size_t(il) < windows.size() ? windows[size_t(il)] : 0;
+        c.attend_head(il, h, pos0 + t, q.data(), n_q, ap, window, out.data(), scratch.data(), spans);
         out_all.insert(out_all.end(), out.begin(), out.end());
       }
   }
@@ -412,6 +414,61 @@ TEST(KvPaging, WindowDeadPagesNeedEveryReferencingSequencePastThem) {
   a.release();
   b.release();
   EXPECT_EQ(pool.n_free(), pool.n_pages());
+}
+
+// A private cache told its sliding layers' windows keeps their blocks only about a window deep
+// (window pages freed behind it and reused) and attends exactly as a cache that keeps everything;
+// a query reaching behind the window is a checked error. Per-token and grouped codecs, prefill
+// chunks larger and smaller than the window, decode steps.
+TEST(KvPaging, PrivateCacheFreesSlidingLayersBehindTheWindow) {
+  const std::vector<int> windows = {0, 40};  // layer 0 full, layer 1 sees the last 40 positions
+  for (const std::string format : {"f16", "int4", "kivi4", "kvquant4"}) {
+    SCOPED_TRACE(format);
+    KvCacheConfig full = synth_cfg(format, format == "kivi4" ? 32 : -1);
+    KvCacheConfig win = full;
+    win.window = windows;
+    KvCache a(full), b(win);
+    ASSERT_EQ(a.page_bytes(), b.page_bytes());  // a pool page still holds every layer
+    const std::vector<int32_t> toks = tokens(300, 11);
+    std::vector<int> chunks = {70, 5, 33, 64};
+    while (std::accumulate(chunks.begin(), chunks.end(), 0) < 300) chunks.push_back(1);
+    int at = 0;
+    size_t most = 0;
+    for (int n : chunks) {
+      const auto oa = step(a, toks.data() + at, n, windows);
+      const auto ob = step(b, toks.data() + at, n, windows);
+      ASSERT_TRUE(same_bits(oa, ob)) << "step at " << at;
+      at += n;
+      most = std::max(most, b.bytes_pages());
+    }
+    // Layer 0 in full; layer 1 about window + one step (70 tokens) deep, in whole pages.
+    const size_t layer1 = b.layer_page_bytes(1), layer0 = b.layer_page_bytes(0);
+    EXPECT_EQ(a.bytes_pages(), size_t(a.n_pages()) * (layer0 + layer1));
+    EXPECT_LE(most, size_t(a.n_pages()) * layer0 + size_t((40 + 70) / P + 3) * layer1);
+    EXPECT_LT(b.bytes_pages(), a.bytes_pages() - size_t(a.n_pages() / 3) * layer1);  // a third of layer 1's pages saved at least
+    // Behind the window: the freed pages are not read.
+    std::vector<float> q(size_t(n_q) * 64, 0.1f), out(q.size()), scratch(b.attend_scratch_floats(n_q));
+    std::vector<KvBlockSpan> spans;
+    AttnParams ap;
+    ap.scale = 0.125f;
+    std::vector<float> k(2 * 64, 0.f);
+    b.append(0, 1, k.data(), k.data(), k.data());
+    b.append(1, 1, k.data(), k.data(), k.data());
+    EXPECT_DEATH(b.attend_head(1, 0, b.n_tokens(), q.data(), n_q, ap, 0, out.data(), scratch.data(), spans), "was freed");
+    b.attend_head(1, 0, b.n_tokens(), q.data(), n_q, ap, 40, out.data(), scratch.data(), spans);
+    b.commit(1);
+    // A fork copies what is held, and a cleared cache starts over.
+    KvCache c(win);
+    c.fork_from(b);
+    const auto oc = step(c, toks.data(), 3, windows);
+    const auto ob = step(b, toks.data(), 3, windows);
+    EXPECT_TRUE(same_bits(oc, ob));
+    b.clear();
+    EXPECT_EQ(b.bytes_pages(), 0u);
+    const auto o1 = step(b, toks.data(), 50, windows);
+    KvCache d(full);
+    EXPECT_TRUE(same_bits(o1, step(d, toks.data(), 50, windows)));
+  }
 }
 
 TEST(KvPaging, GroupedCodecWithResidualWindowIsNotShared) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <unordered_map>
+#include <utility>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -20,7 +21,12 @@ KvCache::KvCache(const KvCacheConfig& cfg, PagePool* pool) : cfg_(cfg), pool_(po
   if (int(cfg_.policy.layers.size()) != cfg_.n_layer)
     fail("KV cache: policy has {} layers, model has {}", cfg_.policy.layers.size(), cfg_.n_layer);
   layers_.resize(size_t(cfg_.n_layer));
-  size_t off = 0;
+  auto window_of = [this](int il) { return size_t(il) < cfg_.window.size() ? std::max(0, cfg_.window[size_t(il)]) : 0; };
+  // Private caches keep sliding layers in window pages of their own when some layer reads all.
+  bool split = false;
+  if (!pool_)
+    for (int il = 0; il < cfg_.n_layer; ++il) split = split || window_of(il) > 0;
+  size_t off = 0, woff = 0;
   for (int il = 0; il < cfg_.n_layer; ++il) {
     Layer& L = layers_[size_t(il)];
     KvCodecParams p = kv_cache_codec_params(cfg_, il);
@@ -47,17 +53,22 @@ KvCache::KvCache(const KvCacheConfig& cfg, PagePool* pool) : cfg_(cfg), pool_(po
     auto align = [](size_t x) { return (x + 63) & ~size_t(63); };
     L.k_block = align(L.k_block);
     L.v_block = align(L.v_block);
-    L.k_off = off;
-    off += L.k_block * size_t(cfg_.n_kv_heads);
-    L.v_off = off;
-    off += L.v_block * size_t(cfg_.n_kv_heads);
+    L.windowed = split && window_of(il) > 0;
+    if (L.windowed) wmax_ = std::max(wmax_, window_of(il));
+    size_t& o = L.windowed ? woff : off;
+    L.k_off = o;
+    o += L.k_block * size_t(cfg_.n_kv_heads);
+    L.v_off = o;
+    o += L.v_block * size_t(cfg_.n_kv_heads);
     if (L.group > 1) {
       L.tail_k.resize(size_t(cfg_.n_kv_heads));
       L.tail_v.resize(size_t(cfg_.n_kv_heads));
       if (L.pre_rope) L.tail_k_pre.resize(size_t(cfg_.n_kv_heads));
     }
   }
-  page_bytes_ = off;
+  page_bytes_ = off + woff;  // every layer's blocks: the pool's page, whatever the private split
+  gpage_bytes_ = off;
+  wpage_bytes_ = woff;
   max_block_tokens_ = cfg_.page_tokens;
   // With R = 0 and G | P every page boundary leaves an empty tail (see the header comment).
   shareable_ = std::all_of(layers_.begin(), layers_.end(), [](const Layer& L) { return L.residual == 0; });
@@ -165,10 +176,43 @@ int KvCache::pages_needed(int n) const {
   return need;
 }
 
+const uint8_t* KvCache::layer_page(const Layer& L, int page) const {
+  if (pool_) return pool_->data(table_[size_t(page)]);
+  if (!L.windowed) return pages_[size_t(page)].data();
+  KVQ_CHECK(page >= wfreed_ && size_t(page) < wpages_.size(), "window page {} was freed (pages below {} are)", page, wfreed_);
+  return wpages_[size_t(page)].data();
+}
+
+void KvCache::free_window_pages() {
+  if (pool_ || wpage_bytes_ == 0) return;
+  // A page goes when the next query of every sliding layer (at n_tokens_ or later) sees none of
+  // its tokens, and no sliding layer will still write into it (grouped codecs pack late).
+  int bound = n_tokens_ + 1 - wmax_;
+  for (const Layer& L : layers_)
+    if (L.windowed) bound = std::min(bound, quantized(L, n_tokens_));
+  const int below = std::min(int(wpages_.size()), std::max(0, bound) / cfg_.page_tokens);
+  for (; wfreed_ < below; ++wfreed_) wfree_.push_back(std::exchange(wpages_[size_t(wfreed_)], AlignedBuf<uint8_t>()));
+}
+
+size_t KvCache::bytes_pages() const {
+  if (pool_) return size_t(n_pages()) * page_bytes_;
+  const size_t held = wpages_.size() - std::min(wpages_.size(), size_t(wfreed_)) + wfree_.size();
+  return pages_.size() * gpage_bytes_ + held * wpage_bytes_;
+}
+
 void KvCache::prepare_step(int n) {
   const size_t want = size_t(pages_for(n_tokens_ + n));
   if (!pool_) {
-    while (pages_.size() < want) pages_.emplace_back(page_bytes_);
+    while (pages_.size() < want) pages_.emplace_back(gpage_bytes_);
+    while (wpage_bytes_ && wpages_.size() < want) {
+      if (wfree_.empty()) {
+        wpages_.emplace_back(wpage_bytes_);  // zeroed
+      } else {
+        wpages_.push_back(std::exchange(wfree_.back(), AlignedBuf<uint8_t>()));
+        wfree_.pop_back();
+        std::memset(wpages_.back().data(), 0, wpage_bytes_);  // as a new page
+      }
+    }
     return;
   }
   const int need = pages_needed(n);
@@ -228,7 +272,7 @@ void KvCache::append(int layer, int n, const float* k_pre, const float* k, const
   for (int t = q0; t < q1;) {
     const int page = t / P, slot = t % P;
     const int run = std::min(q1 - t, P - slot);
-    uint8_t* pg = page_ptr(page);
+    uint8_t* pg = layer_page(L, page);
     for (int h = 0; h < nkv; ++h) {
       const float *ks, *vs;
       size_t stride;
@@ -272,7 +316,7 @@ KvCache::Reads KvCache::reads(const Layer& L, int head, int start, int end, std:
   for (int t = start; t < packed_end;) {
     const int page = t / P, slot = t % P;
     const int run = std::min(packed_end - t, P - slot);
-    const uint8_t* pg = page_ptr(page);
+    const uint8_t* pg = layer_page(L, page);
     KvBlockSpan s;
     s.k = pg + L.k_off + size_t(head) * L.k_block;
     s.v = pg + L.v_off + size_t(head) * L.v_block;
@@ -368,6 +412,7 @@ void KvCache::commit(int n) {
   n_tokens_ = n1;
   step_open_ = false;
   step_n_ = 0;
+  free_window_pages();
 }
 
 void KvCache::clear() { release(); }
@@ -378,6 +423,9 @@ void KvCache::release() {
     table_.clear();
   } else {
     pages_.clear();
+    wpages_.clear();
+    wfree_.clear();
+    wfreed_ = 0;
   }
   reset_tokens();
 }
@@ -407,9 +455,14 @@ void KvCache::fork_from(const KvCache& src) {
     table_ = src.table_;
   } else {
     for (const auto& pg : src.pages_) {
-      pages_.emplace_back(page_bytes_);
-      std::memcpy(pages_.back().data(), pg.data(), page_bytes_);
+      pages_.emplace_back(gpage_bytes_);
+      if (gpage_bytes_) std::memcpy(pages_.back().data(), pg.data(), gpage_bytes_);
     }
+    for (const auto& pg : src.wpages_) {  // freed ones stay empty
+      wpages_.emplace_back(pg.size());
+      if (pg.size()) std::memcpy(wpages_.back().data(), pg.data(), pg.size());
+    }
+    wfreed_ = src.wfreed_;
   }
   for (size_t il = 0; il < layers_.size(); ++il) {
     Layer& L = layers_[il];

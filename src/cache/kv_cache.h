@@ -46,6 +46,12 @@
 // used while any sequence references it, and holds page_tokens tokens of every layer); the
 // engine reports the share of referenced bytes that sliding layers can no longer read as its own
 // gauge (kvq_kv_cache_window_dead_ratio) instead of counting those bytes as free capacity.
+// A private cache (no pool: `kvq run`, eval, calibrate, plan --measure) whose config names the
+// windows (KvCacheConfig::window) does reclaim them: the sliding layers' blocks live in window
+// pages of their own, one per page index, freed as soon as every sliding layer's next query lies
+// past them and reused (zeroed) for new pages, so such a layer holds about window + one step of
+// tokens instead of the whole sequence (Gemma 3 270M at 4K tokens: 3 of 18 layers grow with the
+// context). Reading a freed window page is a checked error.
 //
 // Grouped codecs and the prefix cache. A grouped codec with a residual window R > 0 (KIVI
 // defaults: G=32, R=128) keeps the newest >= R tokens in full precision outside the pages, so the
@@ -92,6 +98,10 @@ struct KvCacheConfig {
   int max_tokens = 0;                 // capacity (the model's context)
   KvPolicy policy;                    // per-layer codecs
   std::vector<KvRope> rope;           // per layer (for pre-RoPE key codecs)
+  // Per layer: the positions a sliding-window layer's queries see (0 or absent: all). A private
+  // cache keeps such layers' blocks in pages of their own and frees those behind the window; pool
+  // pages hold every layer (see the header comment).
+  std::vector<int> window;
   uint64_t seed = 0x6b7671;
   const nlohmann::json* calib = nullptr;
   int group_tokens = 0;               // grouped codecs: G (0 = codec default)
@@ -209,8 +219,9 @@ class KvCache {
   }
   // Bytes held: pages (codes, scales, norms) and the full-precision tail.
   size_t page_bytes() const { return page_bytes_; }
-  // Pages referenced by this sequence (shared pages counted in full).
-  size_t bytes_pages() const { return size_t(n_pages()) * page_bytes_; }
+  // Page bytes held: pool mode, the pages referenced (shared pages counted in full); private mode,
+  // the full layers' pages and the sliding layers' window pages held (with freed ones kept for reuse).
+  size_t bytes_pages() const;
   size_t bytes_tail() const;
   // Bytes per token of the packed part, all layers, K and V (from the codecs' block sizes).
   double bytes_per_token() const { return double(page_bytes_) / cfg_.page_tokens; }
@@ -230,6 +241,7 @@ class KvCache {
     size_t k_block = 0, v_block = 0;  // bytes of one head block
     int group = 1, residual = 0;      // the layer's rule for which tokens are packed
     bool pre_rope = false;
+    bool windowed = false;            // private mode: blocks in the window pages (freed behind the window)
     int tail_start = 0;               // absolute position of tail row 0
     // full-precision tail per head: (rows, head_dim); k_pre only for pre-RoPE key codecs
     std::vector<std::vector<float>> tail_k, tail_v, tail_k_pre;
@@ -244,10 +256,13 @@ class KvCache {
     int n_tail = 0;
   };
   Reads reads(const Layer& L, int head, int start, int end, std::vector<KvBlockSpan>& spans) const;
-  uint8_t* page_ptr(int page) { return pool_ ? pool_->data(table_[size_t(page)]) : pages_[size_t(page)].data(); }
-  const uint8_t* page_ptr(int page) const {
-    return pool_ ? pool_->data(table_[size_t(page)]) : pages_[size_t(page)].data();
+  // Layer L's page `page` (its K and V blocks at L.k_off / L.v_off).
+  const uint8_t* layer_page(const Layer& L, int page) const;
+  uint8_t* layer_page(const Layer& L, int page) {
+    return const_cast<uint8_t*>(static_cast<const KvCache*>(this)->layer_page(L, page));
   }
+  // Private mode: returns the window pages every sliding layer is past to the free list.
+  void free_window_pages();
   // Pages [first, last) that a step appending n tokens writes into.
   void written_pages(int n, int* first, int* last) const;
   // Makes sure a step of n tokens has every page it needs, private and writable; throws
@@ -259,7 +274,13 @@ class KvCache {
   KvCacheConfig cfg_;
   std::vector<Layer> layers_;
   size_t page_bytes_ = 0;
-  std::vector<AlignedBuf<uint8_t>> pages_;  // private mode: (n_pages, page_bytes)
+  std::vector<AlignedBuf<uint8_t>> pages_;  // private mode: (n_pages, gpage_bytes_): the full layers
+  // Private mode with sliding layers: their blocks, page by page (wpage_bytes_ each; empty once
+  // freed: pages [0, wfreed_)), and freed buffers kept for reuse.
+  std::vector<AlignedBuf<uint8_t>> wpages_, wfree_;
+  size_t gpage_bytes_ = 0, wpage_bytes_ = 0;
+  int wfreed_ = 0;
+  int wmax_ = 0;                            // the widest sliding window
   PagePool* pool_ = nullptr;
   std::vector<KvPageId> table_;             // pool mode: block table
   std::vector<KvHash> hashes_;              // chain hashes of pages [0, hashes_.size())

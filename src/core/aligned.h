@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <utility>
 #include <new>
 
 #if defined(__linux__)
@@ -36,6 +37,13 @@ class AlignedBuf {
  public:
   AlignedBuf() = default;
   explicit AlignedBuf(size_t n) { resize(n); }
+  // A moved-from buffer is empty (size 0), not a size without storage.
+  AlignedBuf(AlignedBuf&& o) noexcept : ptr_(std::move(o.ptr_)), n_(std::exchange(o.n_, 0)) {}
+  AlignedBuf& operator=(AlignedBuf&& o) noexcept {
+    ptr_ = std::move(o.ptr_);
+    n_ = std::exchange(o.n_, 0);
+    return *this;
+  }
   void resize(size_t n) {
     if (n == n_) return;
     size_t bytes = (n * sizeof(T) + 63) & ~size_t(63);

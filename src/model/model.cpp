@@ -169,6 +169,7 @@ KvCacheConfig Model::kv_cache_config(const KvPolicy& policy, int max_tokens, int
     r.freq_scale = 1.0f / cfg_.layer_rope_scale(il);
     r.neox = cfg_.rope_neox;
     kc.rope.push_back(r);
+    kc.window.push_back(cfg_.layer_window(il));
   }
   return kc;
 }
