@@ -111,7 +111,7 @@ int main(int argc, char** argv) {
         double t0 = now_seconds();
         for (int i = 0; i < tg; ++i) {
           tok = prompt[size_t(i + 1) % prompt.size()];
-          kv_read += cache2->bytes_per_token() * cache2->n_tokens();
+          kv_read += cache2->decode_read_bytes(cache2->n_tokens());
           fwd.eval(&tok, 1, *cache2);
         }
         double t_tg = now_seconds() - t0;

@@ -471,6 +471,24 @@ TEST(KvPaging, PrivateCacheFreesSlidingLayersBehindTheWindow) {
   }
 }
 
+// What a decode query reads: every layer's visible tokens packed (a sliding layer's window), and
+// a grouped codec's f32 tail rows.
+TEST(KvPaging, DecodeReadBytesCountWindowsAndTails) {
+  KvCacheConfig c = synth_cfg("int8");
+  const KvCache full(c);
+  const double per_layer = double(full.layer_page_bytes(0)) / P;  // both layers alike
+  EXPECT_DOUBLE_EQ(full.decode_read_bytes(99), full.bytes_per_token() * 100);
+  c.window = {0, 40};
+  const KvCache win(c);
+  EXPECT_DOUBLE_EQ(win.decode_read_bytes(99), per_layer * (100 + 40));
+  EXPECT_DOUBLE_EQ(win.decode_read_bytes(9), per_layer * (10 + 10));
+  KvCacheConfig g = synth_cfg("kivi4", 32);  // G = 16, R = 32: the newest 32..47 tokens in f32
+  const KvCache grouped(g);
+  const double row = 2.0 * 64 * 2 * sizeof(float), gl = double(grouped.layer_page_bytes(0)) / P;
+  const int packed = kv_quantized_tokens(100, 16, 32);
+  EXPECT_DOUBLE_EQ(grouped.decode_read_bytes(99), 2 * (gl * packed + row * (100 - packed)));
+}
+
 TEST(KvPaging, GroupedCodecWithResidualWindowIsNotShared) {
   const KvCacheConfig cfg = synth_cfg("kivi2");  // R = 128 by default
   PagePool pool(16, kv_cache_page_bytes(cfg), P);

@@ -574,6 +574,19 @@ double KvCache::bytes_per_token_at(int n) const {
   return b / n;
 }
 
+double KvCache::decode_read_bytes(int pos) const {
+  double b = 0;
+  for (int il = 0; il < int(layers_.size()); ++il) {
+    const Layer& L = layers_[size_t(il)];
+    const int w = size_t(il) < cfg_.window.size() ? cfg_.window[size_t(il)] : 0;
+    const int end = pos + 1, start = w > 0 ? std::max(0, end - w) : 0, packed_end = quantized(L, end);
+    const int packed = std::max(0, packed_end - start), tail = end - std::max(start, packed_end);
+    b += double(layer_page_bytes(il)) / cfg_.page_tokens * packed +
+         double(tail) * double(cfg_.n_kv_heads) * double(cfg_.head_dim) * 2.0 * sizeof(float);
+  }
+  return b;
+}
+
 size_t KvCache::max_tail_bytes() const {
   size_t b = 0;
   for (const auto& L : layers_)

@@ -229,6 +229,10 @@ class KvCache {
   // bytes per token, the rest (a full-precision residual window, an unfilled token group) at the
   // f32 tail's (K and V, and the pre-RoPE keys the pre-RoPE codecs keep beside them).
   double bytes_per_token_at(int n) const;
+  // Bytes attention reads for one query at position pos, all layers and KV heads, K and V: each
+  // layer's visible tokens (its window, KvCacheConfig::window) packed, and the f32 tail rows of
+  // grouped codecs. What a decode step's attention streams (model_speed's bandwidth figure).
+  double decode_read_bytes(int pos) const;
   // The most f32 tail bytes one sequence holds outside the pages: per layer its residual window and
   // an unfilled token group (G - 1), all KV heads, K and V (and pre-RoPE keys); 0 for per-token
   // formats.
