@@ -457,7 +457,10 @@ TEST(KvPaging, PrivateCacheFreesSlidingLayersBehindTheWindow) {
     EXPECT_DEATH(b.attend_head(1, 0, b.n_tokens(), q.data(), n_q, ap, 0, out.data(), scratch.data(), spans), "was freed");
     b.attend_head(1, 0, b.n_tokens(), q.data(), n_q, ap, 40, out.data(), scratch.data(), spans);
     b.commit(1);
-    // A fork copies what is held, and a cleared cache starts over.
+    // A fork copies what is held (between caches of the same windows only), and a cleared cache
+    // starts over.
+    KvCache e(full);
+    EXPECT_DEATH(e.fork_from(b), "different sliding windows");
     KvCache c(win);
     c.fork_from(b);
     const auto oc = step(c, toks.data(), 3, windows);

@@ -22,7 +22,7 @@ KvCache::KvCache(const KvCacheConfig& cfg, PagePool* pool) : cfg_(cfg), pool_(po
     fail("KV cache: policy has {} layers, model has {}", cfg_.policy.layers.size(), cfg_.n_layer);
   layers_.resize(size_t(cfg_.n_layer));
   auto window_of = [this](int il) { return size_t(il) < cfg_.window.size() ? std::max(0, cfg_.window[size_t(il)]) : 0; };
-  // Private caches keep sliding layers in window pages of their own when some layer reads all.
+  // Private caches keep sliding-window layers' blocks in window pages of their own.
   bool split = false;
   if (!pool_)
     for (int il = 0; il < cfg_.n_layer; ++il) split = split || window_of(il) > 0;
@@ -450,6 +450,7 @@ void KvCache::fork_from(const KvCache& src) {
   KVQ_CHECK(!src.step_open_, "fork of a cache in the middle of a step");
   KVQ_CHECK(src.pool_ == pool_, "fork between caches of different page pools");
   KVQ_CHECK(src.identity_ == identity_, "fork between caches of different configurations");
+  KVQ_CHECK(src.cfg_.window == cfg_.window, "fork between private caches of different sliding windows");
   if (pool_) {
     for (KvPageId p : src.table_) pool_->ref(p);
     table_ = src.table_;

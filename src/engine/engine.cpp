@@ -514,8 +514,14 @@ bool Engine::step() {
   size_t reserved = 0;
   // Prompt log-probabilities need every row of the prompt's logits: in chunks that bound them.
   const auto scores_all = [](const Seq& s) { return s.req.params.prompt_logprobs && s.cache->n_tokens() + 1 < s.n_prompt; };
+  // The most prompt tokens a prefill can take this step.
+  const auto prefill_limit = [&](const Seq& s, int pending) {
+    return scores_all(s) ? std::min(pending, kPromptLogprobsChunk) : pending;
+  };
   std::vector<int> share(running_.size(), 0);  // prefills' tokens this step (pass 1)
-  for (int pass = 0; pass < 2; ++pass) {
+  // Pass 0: decodes; pass 1: the prefills' shares; pass 2: what a preemption in pass 1 left of
+  // the budget, to the prefills not scheduled yet, oldest first.
+  for (int pass = 0; pass < 3; ++pass) {
     if (pass == 1) {
       // The prefills' shares of what the decodes left; a deferred prefill gets none.
       std::vector<size_t> idx;
@@ -527,7 +533,7 @@ bool Engine::step() {
         if (pending == 1 || defer_prefill(s, i)) continue;
         idx.push_back(i);
         left.push_back(pending);
-        limits.push_back(scores_all(s) ? std::min(pending, kPromptLogprobsChunk) : pending);
+        limits.push_back(prefill_limit(s, pending));
       }
       const std::vector<int> got = prefill_shares(limits, left, budget, oldest_prefill_tokens_);
       for (size_t k = 0; k < idx.size(); ++k) share[idx[k]] = got[k];
@@ -537,9 +543,10 @@ bool Engine::step() {
       if (s.preempted || s.done || scheduled[i]) continue;
       const int pending = int(s.tokens.size()) - s.cache->n_tokens();
       if ((pass == 0) != (pending == 1)) continue;
-      if (pass == 1 && (share[i] == 0 || defer_prefill(s, i))) continue;
+      if (pass == 1 && share[i] == 0) continue;
+      if (pass >= 1 && defer_prefill(s, i)) continue;
       const bool all = scores_all(s);
-      const int n = pass == 0 ? 1 : share[i];
+      const int n = pass == 0 ? 1 : pass == 1 ? share[i] : std::min(prefill_limit(s, pending), budget);
       const size_t need = size_t(s.cache->pages_needed(n));
       bool self_preempted = false;
       while (need + reserved > pool_->n_available()) {

@@ -707,11 +707,13 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
       }
       return "";
     };
-    I.http.set_post_routing_handler([allow](const httplib::Request& req, httplib::Response& res) {
+    const bool any = std::find(I.opt.allowed_origins.begin(), I.opt.allowed_origins.end(), "*") != I.opt.allowed_origins.end();
+    I.http.set_post_routing_handler([allow, any](const httplib::Request& req, httplib::Response& res) {
+      // With a list of origins the answer depends on the request's Origin: caches must key on it,
+      // also for the responses that name no origin.
+      if (!any) res.set_header("Vary", "Origin");
       const std::string a = allow(req);
-      if (a.empty()) return;
-      res.set_header("Access-Control-Allow-Origin", a);
-      if (a != "*") res.set_header("Vary", "Origin");
+      if (!a.empty()) res.set_header("Access-Control-Allow-Origin", a);
     });
     I.http.Options(R"(.*)", [allow](const httplib::Request& req, httplib::Response& res) {
       res.status = 204;
