@@ -20,6 +20,37 @@ using namespace kvq;
 
 namespace {
 std::string model_path() { return std::string(KVQ_SOURCE_DIR) + "/../shared/models/stories260K.gguf"; }
+
+// stories260K on one thread, 256-token context, pages of 16 tokens.
+EngineOptions one_thread_options(size_t kv_tokens) {
+  EngineOptions o;
+  o.model_path = model_path();
+  o.threads = 1;
+  o.ctx = 256;
+  o.kv_tokens = kv_tokens;
+  o.kv.page_tokens = 16;
+  return o;
+}
+
+// Any free loopback port, the model named stories260K.
+ServerOptions loopback_options() {
+  ServerOptions so;
+  so.port = 0;
+  so.model_name = "stories260K";
+  return so;
+}
+
+// A server listening on its own thread for a test's scope.
+struct ServerOnThread {
+  Server server;
+  int port;
+  std::thread th;
+  ServerOnThread(Engine& e, const ServerOptions& so) : server(e, so), port(server.bind()), th([this] { server.listen(); }) {}
+  ~ServerOnThread() {
+    server.stop();
+    th.join();
+  }
+};
 }  // namespace
 
 class ServerTest : public ::testing::Test {
@@ -691,22 +722,11 @@ TEST_F(ServerTest, ModelsHealthMetrics) {
 // to its max_tokens, and a request without max_tokens is capped by the pool.
 TEST(ServerSmallPool, RequestsLargerThanThePoolAreRefused) {
   if (!fs::exists(model_path())) GTEST_SKIP() << "stories260K.gguf not found at " << model_path();
-  EngineOptions o;
-  o.model_path = model_path();
-  o.threads = 1;
-  o.ctx = 256;
-  o.kv_tokens = 64;
-  o.kv.page_tokens = 16;
-  Engine engine(o);
+  Engine engine(one_thread_options(64));
   ASSERT_LT(engine.pool().tokens_capacity(), size_t(engine.ctx()));
   const int cap = int(engine.pool().tokens_capacity());
-  ServerOptions so;
-  so.port = 0;
-  so.model_name = "stories260K";
-  Server server(engine, so);
-  const int port = server.bind();
-  std::thread th([&] { server.listen(); });
-  httplib::Client cl("127.0.0.1", port);
+  ServerOnThread srv(engine, loopback_options());
+  httplib::Client cl("127.0.0.1", srv.port);
   cl.set_read_timeout(60, 0);
   const json prompt = json::array({1, 400, 401, 402});  // 4 tokens
   auto post = [&](const json& body) { return cl.Post("/v1/completions", body.dump(), "application/json"); };
@@ -731,8 +751,6 @@ TEST(ServerSmallPool, RequestsLargerThanThePoolAreRefused) {
   ASSERT_EQ(r->status, 200) << r->body;
   j = json::parse(r->body);
   EXPECT_EQ(j["usage"]["prompt_tokens"].get<int>() + j["usage"]["completion_tokens"].get<int>(), cap);
-  server.stop();
-  th.join();
 }
 
 TEST(ServerApiKey, Matches) {
@@ -754,20 +772,11 @@ TEST(ServerApiKey, Matches) {
 // with a wrong one, and serves as before with it.
 TEST(ServerApiKey, RoutesNeedTheKey) {
   if (!fs::exists(model_path())) GTEST_SKIP() << "stories260K.gguf not found at " << model_path();
-  EngineOptions o;
-  o.model_path = model_path();
-  o.threads = 1;
-  o.ctx = 256;
-  o.kv_tokens = 1024;
-  o.kv.page_tokens = 16;
-  Engine engine(o);
-  ServerOptions so;
-  so.port = 0;
-  so.model_name = "stories260K";
+  Engine engine(one_thread_options(1024));
+  ServerOptions so = loopback_options();
   so.api_key = "s3cret";
-  Server server(engine, so);
-  const int port = server.bind();
-  std::thread th([&] { server.listen(); });
+  ServerOnThread srv(engine, so);
+  const int port = srv.port;
   httplib::Client cl("127.0.0.1", port);
   cl.set_read_timeout(60, 0);
   const std::string body = json{{"prompt", "Once upon a time"}, {"max_tokens", 4}, {"temperature", 0}}.dump();
@@ -806,8 +815,6 @@ TEST(ServerApiKey, RoutesNeedTheKey) {
   r = xk.Get("/v1/models", httplib::Headers{{"X-Api-Key", "s3cret"}});
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 200);
-  server.stop();
-  th.join();
 }
 
 // Cross-origin requests: allowed origins get Access-Control-Allow-Origin on every response (JSON,
@@ -815,13 +822,7 @@ TEST(ServerApiKey, RoutesNeedTheKey) {
 // header; an empty list adds none.
 TEST(ServerCors, AllowedOriginsAndPreflight) {
   if (!fs::exists(model_path())) GTEST_SKIP() << "stories260K.gguf not found at " << model_path();
-  EngineOptions o;
-  o.model_path = model_path();
-  o.threads = 1;
-  o.ctx = 256;
-  o.kv_tokens = 1024;
-  o.kv.page_tokens = 16;
-  Engine engine(o);
+  Engine engine(one_thread_options(1024));
   const std::string body = json{{"prompt", "Once upon a time"}, {"max_tokens", 3}, {"temperature", 0}}.dump();
   const std::string stream_body =
       json{{"prompt", "Once upon a time"}, {"max_tokens", 3}, {"temperature", 0}, {"stream", true}}.dump();
@@ -829,15 +830,11 @@ TEST(ServerCors, AllowedOriginsAndPreflight) {
        {std::vector<std::string>{"*"}, std::vector<std::string>{"http://ui.example", "http://other.example"},
         std::vector<std::string>{}}) {
     SCOPED_TRACE(origins.empty() ? "none" : origins[0]);
-    ServerOptions so;
-    so.port = 0;
-    so.model_name = "stories260K";
+    ServerOptions so = loopback_options();
     so.api_key = "k3y";
     so.allowed_origins = origins;
-    Server server(engine, so);
-    const int port = server.bind();
-    std::thread th([&] { server.listen(); });
-    httplib::Client cl("127.0.0.1", port);
+    ServerOnThread srv(engine, so);
+    httplib::Client cl("127.0.0.1", srv.port);
     cl.set_read_timeout(60, 0);
     const bool any = !origins.empty() && origins[0] == "*";
     const std::string want = origins.empty() ? "" : any ? "*" : "http://ui.example";
@@ -871,8 +868,6 @@ TEST(ServerCors, AllowedOriginsAndPreflight) {
     r = cl.Get("/health");
     ASSERT_TRUE(r);
     EXPECT_FALSE(r->has_header("Access-Control-Allow-Origin"));  // not a cross-origin request
-    server.stop();
-    th.join();
   }
 }
 

@@ -20,15 +20,21 @@ check "unknown KV format exits 1" "[[ $rc -eq 1 ]] && grep -q 'error' $tmp/e"
 "$kvq" serve -m "$tmp/missing.gguf" >"$tmp/o" 2>"$tmp/e"; rc=$?
 check "missing model exits 1" "[[ $rc -eq 1 ]]"
 
+# wait_port LOG: the port a server started with --port 0 reports in its log (empty after 10 s)
+wait_port() {
+  local p=
+  for _ in $(seq 100); do
+    p=$(sed -n 's|.*serving .* on http://127.0.0.1:\([0-9]*\).*|\1|p' "$1")
+    [[ -n $p ]] && break
+    sleep 0.1
+  done
+  echo "$p"
+}
+
 # start on a free port (it prints the port it got)
 "$kvq" serve -m "$model" --port 0 -t 1 -c 256 --kv-tokens 2048 --kv int8 --kv-page-tokens 16 2>"$tmp/log" &
 pid=$!
-port=
-for _ in $(seq 100); do
-  port=$(sed -n 's|.*serving .* on http://127.0.0.1:\([0-9]*\).*|\1|p' "$tmp/log")
-  [[ -n $port ]] && break
-  sleep 0.1
-done
+port=$(wait_port "$tmp/log")
 check "server reports its port" "[[ -n '$port' ]]"
 url=http://127.0.0.1:$port
 
@@ -89,13 +95,7 @@ start_keyed() {  # KVQ_API_KEY's value, then more flags for the server
   shift
   KVQ_API_KEY=$key "$kvq" serve -m "$model" --port 0 -t 1 -c 256 --kv-tokens 1024 --kv-page-tokens 16 "$@" 2>"$tmp/klog" &
   pid=$!
-  port=
-  for _ in $(seq 100); do
-    port=$(sed -n 's|.*serving .* on http://127.0.0.1:\([0-9]*\).*|\1|p' "$tmp/klog")
-    [[ -n $port ]] && break
-    sleep 0.1
-  done
-  url=http://127.0.0.1:$port
+  url=http://127.0.0.1:$(wait_port "$tmp/klog")
 }
 for how in flag env; do
   if [[ $how == flag ]]; then start_keyed "" --api-key k3y; else start_keyed k3y; fi
