@@ -4,6 +4,7 @@
 #include <charconv>
 #include <cstdint>
 #include <cstdio>
+#include <iostream>
 #include <thread>
 
 #include "core/cpu.h"
@@ -24,6 +25,9 @@ void run_add_cli(CLI::App& app, RunOptions& o) {
   app.add_option("-t,--threads", o.threads, "threads (default: all hardware threads)")->check(CLI::Range(1, 1024));
   app.add_option("-c,--ctx-size", o.ctx, "context length (default: the model's)");
   app.add_flag("--chat", o.chat, "wrap the prompt in the model's chat template");
+  app.add_flag("-i,--interactive", o.interactive,
+               "with --chat: a conversation, one user turn per line of stdin (after -p, if given), each reply "
+               "continuing the same KV cache");
   app.add_option("--system", o.system, "system message (with --chat)");
   app.add_flag("--echo", o.echo, "print the prompt before the generated text");
   app.add_option("--temp", o.sampling.temperature, "temperature (0: greedy)")->capture_default_str();
@@ -73,23 +77,27 @@ int run_command(const RunOptions& o) {
                  ctx, c.n_ctx_train);
   if (!o.system.empty() && !o.chat) fail("--system needs --chat (the system message goes into the chat template)");
 
-  std::string text = prompt;
+  if (o.interactive && !o.chat) fail("--interactive needs --chat (each line is a user turn in the chat template)");
+  if (o.interactive && o.echo) fail("--echo does not apply to --interactive");
+
+  ChatTemplate tpl;
   if (o.chat) {
-    const ChatTemplate tpl = chat_template_detect(model->file());
+    tpl = chat_template_detect(model->file());
     if (!tpl.known()) fail("{}: the model has no chat template kvq supports (ChatML, Gemma)", o.model);
+  }
+  // The first turn: the whole prompt in the template (system message first).
+  auto first_turn = [&](const std::string& user) {
     std::vector<ChatMessage> msgs;
     if (!o.system.empty()) msgs.push_back({"system", o.system});
-    msgs.push_back({"user", prompt});
-    text = chat_render(tpl, msgs);
-  }
-  std::vector<int32_t> ids = tok.encode(text, /*add_bos=*/true, /*parse_special=*/o.chat);
-  const bool from_start = text.empty();  // generated text starts the document (no prompt)
-  if (ids.empty()) {
-    if (tok.bos() < 0) fail("empty prompt and the model has no BOS token to start from");
-    ids.push_back(tok.bos());
-  }
-  if (int(ids.size()) >= ctx)
-    fail("prompt is {} tokens, the context is {} (use a shorter prompt or a larger --ctx-size)", ids.size(), ctx);
+    msgs.push_back({"user", user});
+    return chat_render(tpl, msgs);
+  };
+  // A later turn: what follows the model's reply in the template (its end of turn, the user's
+  // turn, the opening of the next reply), read off a rendered conversation with a marker reply.
+  auto next_turn = [&](const std::string& user) {
+    const std::string r = chat_render(tpl, {{"user", "\x01"}, {"assistant", "\x02"}, {"user", user}});
+    return r.substr(r.find('\x02') + 1);
+  };
 
   ThreadPool pool(threads);
   const KvSetup kv = kv_flags_resolve(o.kv, *model);
@@ -99,52 +107,108 @@ int run_command(const RunOptions& o) {
   KvCache cache(kcfg);
   Forward fwd(*model, pool);
   Sampler sampler(o.sampling);
-
-  if (o.echo) {
-    std::fwrite(prompt.data(), 1, prompt.size(), stdout);  // all of it, NUL bytes included
-    std::fflush(stdout);
-  }
-  const double t0 = now_seconds();
-  const float* logits = fwd.eval(ids.data(), int(ids.size()), cache);
-  const double t_prompt = now_seconds() - t0;
-
-  std::vector<int32_t> history = ids;
-  TokenStreamDecoder stream(tok, from_start);
-  int n_gen = 0, n_eval = 0;  // tokens sampled; tokens run through the model
-  const double t1 = now_seconds();
+  std::vector<int32_t> history;  // every token in the cache, and the one sampled last
+  double t_prompt = 0, t_gen = 0;
+  size_t n_prompt = 0;
+  int n_eval = 0;                // tokens decoded (run through the model one at a time)
   const char* stop_reason = "length";
-  for (; n_gen < o.n_predict; ++n_gen) {
-    int32_t next = sampler.sample(logits, c.n_vocab, history, ids.size());
-    if (tok.is_eog(next)) {
-      stop_reason = "end of generation token";
-      break;
+
+  // One turn: the new prompt tokens into the cache, then up to n_predict sampled tokens streamed
+  // to stdout. Returns false when the context is full.
+  auto turn = [&](const std::vector<int32_t>& ids, bool from_start) -> bool {
+    if (cache.n_tokens() + int(ids.size()) >= ctx) {
+      if (cache.n_tokens() == 0)
+        fail("prompt is {} tokens, the context is {} (use a shorter prompt or a larger --ctx-size)", ids.size(), ctx);
+      stop_reason = "context full";
+      return false;
     }
-    history.push_back(next);
-    std::string piece = stream.push(next);
-    if (!piece.empty()) {
-      std::fwrite(piece.data(), 1, piece.size(), stdout);
+    const double t0 = now_seconds();
+    const float* logits = fwd.eval(ids.data(), int(ids.size()), cache);
+    t_prompt += now_seconds() - t0;
+    n_prompt += ids.size();
+    history.insert(history.end(), ids.begin(), ids.end());
+    const size_t turn_start = history.size();
+    TokenStreamDecoder stream(tok, from_start);
+    const double t1 = now_seconds();
+    stop_reason = "length";
+    bool room = true;
+    for (int n_gen = 0; n_gen < o.n_predict; ++n_gen) {
+      const int32_t next = sampler.sample(logits, c.n_vocab, history, turn_start);
+      if (tok.is_eog(next)) {
+        stop_reason = "end of generation token";
+        break;
+      }
+      history.push_back(next);
+      const std::string piece = stream.push(next);
+      if (!piece.empty()) {
+        std::fwrite(piece.data(), 1, piece.size(), stdout);
+        std::fflush(stdout);
+      }
+      if (cache.n_tokens() >= ctx) {
+        stop_reason = "context full";
+        room = false;
+        break;
+      }
+      if (n_gen + 1 == o.n_predict && !o.interactive) continue;  // the last token needs no logits
+      logits = fwd.eval(&next, 1, cache);
+      ++n_eval;
+    }
+    const std::string rest = stream.flush();
+    std::fwrite(rest.data(), 1, rest.size(), stdout);
+    std::fputc('\n', stdout);
+    std::fflush(stdout);
+    t_gen += now_seconds() - t1;
+    return room;
+  };
+
+  if (!o.interactive) {
+    const std::string text = o.chat ? first_turn(prompt) : prompt;
+    std::vector<int32_t> ids = tok.encode(text, /*add_bos=*/true, /*parse_special=*/o.chat);
+    const bool from_start = text.empty();  // generated text starts the document (no prompt)
+    if (ids.empty()) {
+      if (tok.bos() < 0) fail("empty prompt and the model has no BOS token to start from");
+      ids.push_back(tok.bos());
+    }
+    if (int(ids.size()) >= ctx)
+      fail("prompt is {} tokens, the context is {} (use a shorter prompt or a larger --ctx-size)", ids.size(), ctx);
+    if (o.echo) {
+      std::fwrite(prompt.data(), 1, prompt.size(), stdout);  // all of it, NUL bytes included
       std::fflush(stdout);
     }
-    if (cache.n_tokens() >= ctx) {
-      stop_reason = "context full";
-      ++n_gen;
-      break;
+    turn(ids, from_start);
+  } else {
+    // Each user line, rendered as the template continues the conversation, goes into the same
+    // cache after the reply before it: nothing already in the cache is computed again.
+    std::string line = prompt;
+    bool have = o.prompt_set || !o.prompt_file.empty();
+    int turns = 0;
+    for (;;) {
+      if (!have) {
+        std::fprintf(stderr, "> ");
+        std::fflush(stderr);
+        if (!std::getline(std::cin, line)) break;
+        if (line.empty()) continue;
+      }
+      have = false;
+      const std::string text = turns == 0 ? first_turn(line) : next_turn(line);
+      const std::vector<int32_t> ids = tok.encode(text, /*add_bos=*/turns == 0, /*parse_special=*/true);
+      const size_t before = n_prompt;
+      const bool room = turn(ids, false);
+      ++turns;
+      std::fprintf(stderr, "[kvq] turn %d: %zu new prompt tokens, %d in the cache\n", turns, n_prompt - before,
+                   cache.n_tokens());
+      if (!room) {
+        std::fprintf(stderr, "[kvq] the context of %d tokens is full: conversation ends\n", ctx);
+        break;
+      }
     }
-    if (n_gen + 1 == o.n_predict) continue;  // the last token needs no logits
-    logits = fwd.eval(&next, 1, cache);
-    ++n_eval;
   }
-  std::string rest = stream.flush();
-  std::fwrite(rest.data(), 1, rest.size(), stdout);
-  std::fputc('\n', stdout);
-  std::fflush(stdout);
-  const double t_gen = now_seconds() - t1;
   std::fprintf(stderr, "\n[kvq] %s | %s | %d threads | cpu %s | KV %s (%.1f bytes/token)\n", c.name.c_str(),
                c.arch.c_str(), threads, cpu_level_name(cpu_level()), kv_policy_describe(policy).c_str(),
                cache.bytes_per_token());
   std::fprintf(stderr, "[kvq] stop: %s\n", stop_reason);
-  std::fprintf(stderr, "[kvq] prompt: %zu tokens in %.3f s (%.1f tokens/s)\n", ids.size(), t_prompt,
-               double(ids.size()) / std::max(t_prompt, 1e-9));
+  std::fprintf(stderr, "[kvq] prompt: %zu tokens in %.3f s (%.1f tokens/s)\n", n_prompt, t_prompt,
+               double(n_prompt) / std::max(t_prompt, 1e-9));
   std::fprintf(stderr, "[kvq] decode: %d tokens in %.3f s (%.1f tokens/s)\n", n_eval, t_gen,
                n_eval > 0 ? double(n_eval) / std::max(t_gen, 1e-9) : 0.0);
   std::fprintf(stderr, "[kvq] memory: weights %s, KV %s (%d tokens), scratch %s\n", mib(model->weights_bytes()).c_str(),

@@ -19,6 +19,7 @@ struct RunOptions {
   int threads = 0;       // 0: all hardware threads
   int ctx = 0;           // 0: the model's training context
   bool chat = false;
+  bool interactive = false;  // --chat -i: a conversation read from stdin, one user turn per line
   bool echo = false;
   std::string system;    // --system, with --chat
   SamplerParams sampling;

@@ -78,6 +78,7 @@ mkdir -p "$tmp/adir"
 bad "a directory as the prompt file" run -m "$model" -f "$tmp/adir" -n 2
 check "... says it is a directory" "grep -q 'directory' $tmp/be"
 bad "--system without --chat" run -m "$model" -p hi --system "be brief"
+bad "--interactive without --chat" run -m "$model" -i -n 4 </dev/null
 bad "--top-p above 1" run -m "$model" -p hi --top-p 2
 bad "--seed beyond 64 bits" run -m "$model" -p hi --seed 99999999999999999999999
 bad "unknown subcommand" bogus -m "$model"
@@ -113,5 +114,19 @@ check "--batch-invariant runs, same greedy text" "[[ -s $tmp/bi ]] && cmp -s $tm
 "$kvq" run -m "$model" -p "Lily" -n 8 --temp 0 --kv-cache-dtype int8/f16 >"$tmp/split" 2>"$tmp/split.err"
 rc=$?
 check "K/V split format runs" "[[ $rc -eq 0 && -s $tmp/split ]]"
+
+# --chat -i: a conversation from stdin, each turn continuing the cache (SmolLM2, when installed):
+# the first reply equals the one-shot run's, and the second turn computes only its own tokens.
+smol=${KVQ_MODELS_DIR:-$src/models}/SmolLM2-135M-Instruct.Q4_1.gguf
+[[ -f $smol ]] || smol=$src/models/SmolLM2-135M-Instruct.Q4_1.gguf
+if [[ -f $smol ]]; then
+  "$kvq" run -m "$smol" --chat -p "What is a cat?" -n 12 --temp 0 -t 1 >"$tmp/one" 2>/dev/null
+  printf 'What is a cat?\n\nAnd a dog?\n' | "$kvq" run -m "$smol" --chat -i -n 12 --temp 0 -t 1 >"$tmp/conv" 2>"$tmp/conv.err"
+  rc=$?
+  check "interactive: exits 0 at the end of stdin, one reply per non-empty line" "[[ $rc -eq 0 && \$(wc -l <$tmp/conv) -eq 2 ]]"
+  check "interactive: the first reply is the one-shot reply" "[[ \"\$(head -n 1 $tmp/conv)\" == \"\$(cat $tmp/one)\" ]]"
+  check "interactive: turn 2 adds only its own tokens to the cache" \
+    "python3 -c \"import re; t=re.findall(r'turn (\\d+): (\\d+) new prompt tokens, (\\d+) in the cache', open('$tmp/conv.err').read()); assert [x[0] for x in t]==['1','2']; n1,c1,n2,c2=int(t[0][1]),int(t[0][2]),int(t[1][1]),int(t[1][2]); assert 0<c1-n1<=12 and 0<n2<c1 and 0<=c2-c1-n2<=12, t\""
+fi
 
 finish run
