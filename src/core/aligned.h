@@ -4,8 +4,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <utility>
 #include <new>
+#include <utility>
 
 #if defined(__linux__)
 #include <sys/mman.h>

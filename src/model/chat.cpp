@@ -53,6 +53,12 @@ const char* chat_template_name(const ChatTemplate& t) {
   }
 }
 
+std::string chat_render_next_turn(const ChatTemplate& t, const std::string& user) {
+  // Read off a rendered conversation whose earlier turns are markers.
+  const std::string full = chat_render(t, {{"user", "\x01"}, {"assistant", "\x02"}, {"user", user}});
+  return full.substr(full.find('\x02') + 1);
+}
+
 std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& msgs) {
   std::string out;
   for (const auto& m : msgs)

@@ -30,5 +30,8 @@ const char* chat_template_name(const ChatTemplate& t);
 // Renders messages and the opening of the assistant's turn. The BOS token is not included
 // (the tokenizer adds it when the model wants it). Throws kvq::Error for an unknown role.
 std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& msgs);
+// What the template puts after an assistant reply's text to continue the conversation with a user
+// turn: the reply's end, the user's turn, the opening of the next reply.
+std::string chat_render_next_turn(const ChatTemplate& t, const std::string& user);
 
 }  // namespace kvq

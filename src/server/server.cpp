@@ -697,17 +697,15 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
   I.http.set_payload_max_length(size_t(64) << 20);
 
   if (!I.opt.allowed_origins.empty()) {
+    const std::vector<std::string>& origins = I.opt.allowed_origins;
+    const bool any = std::find(origins.begin(), origins.end(), "*") != origins.end();
     // The allowed origin as the response names it ("*" or the request's own); empty: none.
-    auto allow = [this](const httplib::Request& req) -> std::string {
+    auto allow = [&origins, any](const httplib::Request& req) -> std::string {
       const std::string origin = req.get_header_value("Origin");
       if (origin.empty()) return "";
-      for (const std::string& o : impl_->opt.allowed_origins) {
-        if (o == "*") return "*";
-        if (o == origin) return origin;
-      }
-      return "";
+      if (any) return "*";
+      return std::find(origins.begin(), origins.end(), origin) != origins.end() ? origin : "";
     };
-    const bool any = std::find(I.opt.allowed_origins.begin(), I.opt.allowed_origins.end(), "*") != I.opt.allowed_origins.end();
     I.http.set_post_routing_handler([allow, any](const httplib::Request& req, httplib::Response& res) {
       // With a list of origins the answer depends on the request's Origin: caches must key on it,
       // also for the responses that name no origin.

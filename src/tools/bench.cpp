@@ -145,10 +145,7 @@ std::vector<BenchRequest> load_workload(const BenchOptions& o, const Tokenizer& 
       for (const auto& t : j["turns"]) {
         if (!t.is_string()) fail("--workload {}:{}: \"turns\" must be an array of strings", o.workload, ln);
         std::string text = t.get<std::string>();
-        if (o.chat) {  // what the template puts after an answer: its end, the user turn, the next answer's start
-          const std::string full = chat_render(tpl, {{"user", "\x01"}, {"assistant", "\x02"}, {"user", text}});
-          text = full.substr(full.find('\x02') + 1);
-        }
+        if (o.chat) text = chat_render_next_turn(tpl, text);
         std::vector<int32_t> ids = tok.encode(text, false, o.chat);
         if (ids.empty()) fail("--workload {}:{}: an empty follow-up turn", o.workload, ln);
         r.followups.push_back(std::move(ids));

@@ -92,12 +92,6 @@ int run_command(const RunOptions& o) {
     msgs.push_back({"user", user});
     return chat_render(tpl, msgs);
   };
-  // A later turn: what follows the model's reply in the template (its end of turn, the user's
-  // turn, the opening of the next reply), read off a rendered conversation with a marker reply.
-  auto next_turn = [&](const std::string& user) {
-    const std::string r = chat_render(tpl, {{"user", "\x01"}, {"assistant", "\x02"}, {"user", user}});
-    return r.substr(r.find('\x02') + 1);
-  };
 
   ThreadPool pool(threads);
   const KvSetup kv = kv_flags_resolve(o.kv, *model);
@@ -169,8 +163,6 @@ int run_command(const RunOptions& o) {
       if (tok.bos() < 0) fail("empty prompt and the model has no BOS token to start from");
       ids.push_back(tok.bos());
     }
-    if (int(ids.size()) >= ctx)
-      fail("prompt is {} tokens, the context is {} (use a shorter prompt or a larger --ctx-size)", ids.size(), ctx);
     if (o.echo) {
       std::fwrite(prompt.data(), 1, prompt.size(), stdout);  // all of it, NUL bytes included
       std::fflush(stdout);
@@ -190,7 +182,7 @@ int run_command(const RunOptions& o) {
         if (line.empty()) continue;
       }
       have = false;
-      const std::string text = turns == 0 ? first_turn(line) : next_turn(line);
+      const std::string text = turns == 0 ? first_turn(line) : chat_render_next_turn(tpl, line);
       const std::vector<int32_t> ids = tok.encode(text, /*add_bos=*/turns == 0, /*parse_special=*/true);
       const size_t before = n_prompt;
       const bool room = turn(ids, false);
