@@ -698,3 +698,63 @@ TEST(EngineBatchInvariant, LongContextDecodeAndPrefillScoresAgreeExactly) {
   prompt.resize(2200);
   expect_decode_scores_equal_prefill(e, prompt, 3);
 }
+
+namespace {
+
+// A long text of numbered lines (no shared data needed).
+std::string numbered_text(int lines, const char* topic) {
+  std::string s;
+  for (int i = 1; i <= lines; ++i)
+    s += fmt::format("Note {} on {}: the river by mill {} ran {} while the baker counted {} loaves.\n", i, topic,
+                     i * 7 % 13, i % 2 ? "fast" : "slow", i * 3 + 1);
+  return s;
+}
+
+}  // namespace
+
+// Gemma 3 (15 of 18 layers see the last 512 positions) served from a pool: the sliding layers'
+// pages are freed behind the window, prompts longer than the window share a cached prefix (its
+// full-attention pages and the window pages it still reads), and a pool too small for all three
+// sequences admits them as their pages allow; every output equals the request run alone on a
+// private cache (batch-invariant matmuls, so that chunking does not move the 8-bit activation
+// rounding). Preemption with sliding groups: KvPaging.WindowedPoolUnderRandomTraffic.
+TEST(EngineWindows, GemmaSlidingPagesFreedAndShared) {
+  const std::string path = kvq_test_model("gemma-3-270m-q4_k_m.gguf");
+  if (path.empty()) GTEST_SKIP() << "gemma-3-270m-q4_k_m.gguf not installed (run scripts/get-models.sh)";
+  BatchInvariantOn bi;
+  EngineOptions o;
+  o.model_path = path;
+  o.threads = 2;
+  o.ctx = 2048;
+  o.kv.page_tokens = 32;
+  o.max_batch = 128;
+  o.kv_tokens = 1100;  // one ~750-token sequence fits, not three at once
+  o.autostart = false;
+  Engine e(o);
+  EXPECT_EQ(e.kv_shape().n_groups(), 6);  // 3 global layers, 15 sliding ones in 5 groups of 3
+  const size_t pages = e.pool().n_pages();
+  EXPECT_EQ(pages, e.kv_shape().pages_at(1100, 128));  // prefilled in 128-token steps
+  EXPECT_GE(e.kv_tokens_capacity(), 1100u);
+  EXPECT_LT(e.kv_tokens_capacity(), 1100u + 32u);
+  // A page holding all 18 layers would give the same bytes pages / 6 positions.
+  EXPECT_GT(e.kv_tokens_capacity(), pages * 32 / 6 * 3 / 2);
+  const Tokenizer& tok = e.tokenizer();
+  const std::string doc = numbered_text(30, "the valley");
+  std::vector<std::vector<int32_t>> prompts = {
+      tok.encode(doc + "Question: which mill ran fast? Answer:", true),
+      tok.encode(doc + "Question: how many loaves were counted in note 3? Answer:", true),
+      tok.encode(numbered_text(26, "the harbour") + "Summary:", true)};
+  ASSERT_GT(prompts[0].size(), 600u);
+  ASSERT_LT(prompts[0].size(), 1000u);
+  std::vector<Outcome> got = run_concurrently(e, prompts, greedy(16));
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(got[i].res.finish_reason, "length") << got[i].res.error;
+    EXPECT_EQ(got[i].res.tokens, greedy_alone(e, prompts[i], 16));
+  }
+  // The second question adopts the document's pages (whole pages below its last prompt token).
+  EXPECT_GE(got[1].res.cached_tokens, int(common_prefix(prompts[0], prompts[1]) / 32 * 32) - 32);
+  EXPECT_GT(got[1].res.cached_tokens, 512);
+  EXPECT_EQ(e.prefix_index().stats().duplicate_pages, 0u);
+  expect_pool_clean(e);
+}

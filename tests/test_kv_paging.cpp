@@ -83,11 +83,12 @@ std::vector<float> step(KvCache& c, const int32_t* tokens, int n, const std::vec
 }
 
 // Feeds tokens in the given chunk sizes; returns all attention outputs.
-std::vector<float> feed(KvCache& c, const std::vector<int32_t>& tokens, int from, const std::vector<int>& chunks) {
+std::vector<float> feed(KvCache& c, const std::vector<int32_t>& tokens, int from, const std::vector<int>& chunks,
+                        const std::vector<int>& windows = {}) {
   std::vector<float> all;
   int at = from;
   for (int n : chunks) {
-    auto o = step(c, tokens.data() + at, n);
+    auto o = step(c, tokens.data() + at, n, windows);
     all.insert(all.end(), o.begin(), o.end());
     at += n;
   }
@@ -281,9 +282,9 @@ TEST_P(AdoptFormat, AdoptedPrefixEqualsComputingItAgain) {
   EXPECT_EQ(index.n_entries(), 2u);
 
   // b adopts a's two full pages (the shared third page is partial in a: not cached). Admission
-  // arithmetic: b's prompt takes exactly kv_admit_pages out of the available pages.
+  // arithmetic: b's prompt takes exactly admit_pages out of the available pages.
   const size_t avail0 = pool.n_available();
-  const size_t admit_b = kv_admit_pages(pool, index.lookup(tb.data(), int(tb.size()) - 1), int(tb.size()));
+  const size_t admit_b = b.admit_pages(index.lookup(tb.data(), int(tb.size()) - 1), int(tb.size()));
   EXPECT_EQ(admit_b, 2u);  // pages 2 and 3 of 50 tokens; pages 0 and 1 are a's, in use
   EXPECT_EQ(b.adopt_prefix(index, tb.data(), int(tb.size()), int(tb.size()) - 1), 32);
   EXPECT_EQ(b.n_tokens(), 32);
@@ -313,7 +314,7 @@ TEST_P(AdoptFormat, AdoptedPrefixEqualsComputingItAgain) {
   // The same prompt again: all three cached pages (48 of 50 tokens), idle now: admitting the
   // prompt takes them and one new page out of the available set.
   const size_t avail1 = pool.n_available();
-  const size_t admit_c = kv_admit_pages(pool, index.lookup(tb.data(), int(tb.size()) - 1), int(tb.size()));
+  const size_t admit_c = c.admit_pages(index.lookup(tb.data(), int(tb.size()) - 1), int(tb.size()));
   EXPECT_EQ(admit_c, 4u);
   EXPECT_EQ(c.adopt_prefix(index, tb.data(), int(tb.size()), int(tb.size()) - 1), 48);
   EXPECT_EQ(pool.n_idle(), 0u);
@@ -393,29 +394,6 @@ INSTANTIATE_TEST_SUITE_P(Formats, AdoptFormat,
                                            std::make_pair(std::string("kivi2"), 0),
                                            std::make_pair(std::string("kvquant4"), -1)));
 
-// Sliding-window accounting: a page is dead only when every sequence referencing it has moved
-// its window past all of the page's tokens.
-TEST(KvPaging, WindowDeadPagesNeedEveryReferencingSequencePastThem) {
-  const KvCacheConfig cfg = synth_cfg("int8");
-  PagePool pool(16, kv_cache_page_bytes(cfg), P);
-  KvCache a(cfg, &pool), b(cfg, &pool);
-  const auto t = tokens(8 * P, 13);
-  feed(a, t, 0, {5 * P + 3});
-  // a's next query is at 5P+3 and sees [3P+4, 5P+3]: pages 0..2 are behind it.
-  EXPECT_EQ(kv_window_dead_pages({&a}, 2 * P), 3u);
-  EXPECT_EQ(kv_window_dead_pages({&a}, 0), 0u);       // no window: everything is read
-  EXPECT_EQ(kv_window_dead_pages({&a}, 8 * P), 0u);   // a window wider than the sequence
-  // b shares a's pages and goes 2 pages further: pages 3 and 4 are behind b's window but not a's.
-  b.fork_from(a);
-  feed(b, t, 5 * P + 3, {2 * P});
-  EXPECT_EQ(kv_window_dead_pages({&b}, 2 * P), 5u);
-  EXPECT_EQ(kv_window_dead_pages({&a, &b}, 2 * P), 3u);
-  EXPECT_EQ(kv_window_dead_pages({&b, &a}, 2 * P), 3u);
-  a.release();
-  b.release();
-  EXPECT_EQ(pool.n_free(), pool.n_pages());
-}
-
 // A private cache told its sliding layers' windows keeps their blocks only about a window deep
 // (window pages freed behind it and reused) and attends exactly as a cache that keeps everything;
 // a query reaching behind the window is a checked error. Per-token and grouped codecs, prefill
@@ -428,7 +406,7 @@ TEST(KvPaging, PrivateCacheFreesSlidingLayersBehindTheWindow) {
     KvCacheConfig win = full;
     win.window = windows;
     KvCache a(full), b(win);
-    ASSERT_EQ(a.page_bytes(), b.page_bytes());  // a pool page still holds every layer
+    ASSERT_EQ(a.page_bytes(), b.page_bytes());  // every layer's blocks of a page, wherever they live
     const std::vector<int32_t> toks = tokens(300, 11);
     std::vector<int> chunks = {70, 5, 33, 64};
     while (std::accumulate(chunks.begin(), chunks.end(), 0) < 300) chunks.push_back(1);
@@ -460,7 +438,7 @@ TEST(KvPaging, PrivateCacheFreesSlidingLayersBehindTheWindow) {
     // A fork copies what is held (between caches of the same windows only), and a cleared cache
     // starts over.
     KvCache e(full);
-    EXPECT_DEATH(e.fork_from(b), "different sliding windows");
+    EXPECT_DEATH(e.fork_from(b), "different configurations");  // another page layout
     KvCache c(win);
     c.fork_from(b);
     const auto oc = step(c, toks.data(), 3, windows);
@@ -471,6 +449,191 @@ TEST(KvPaging, PrivateCacheFreesSlidingLayersBehindTheWindow) {
     const auto o1 = step(b, toks.data(), 50, windows);
     KvCache d(full);
     EXPECT_TRUE(same_bits(o1, step(d, toks.data(), 50, windows)));
+  }
+}
+
+// In a pool, sliding-window layers keep their blocks in a page group of their own: its pages go
+// back to the pool behind the window, pages_at counts exactly what the sequence references, and
+// attention equals a private cache that keeps everything. Per-token and grouped codecs (kivi2 with
+// R = 0 packs a page late), prefill chunks larger and smaller than the window, decode steps.
+TEST(KvPaging, PoolCacheFreesSlidingGroupsBehindTheWindow) {
+  const std::vector<int> windows = {0, 40};  // layer 0 full, layer 1 sees the last 40 positions
+  for (const std::string format : {"f16", "int4", "kivi2", "kvquant4"}) {
+    SCOPED_TRACE(format);
+    const KvCacheConfig full = synth_cfg(format, format == "kivi2" ? 0 : -1);
+    KvCacheConfig win = full;
+    win.window = windows;
+    PagePool pool(64, kv_cache_page_bytes(win), P);
+    KvCache a(win, &pool), ref(full);
+    ASSERT_EQ(a.n_groups(), 2);
+    EXPECT_EQ(a.group_window(0), 0);
+    EXPECT_EQ(a.group_window(1), 40);
+    EXPECT_EQ(a.layer_group(1), 1);
+    EXPECT_EQ(kv_cache_page_bytes(win), a.layer_page_bytes(0));  // a pool page holds one layer here
+    EXPECT_NE(a.prefix_identity(), KvCache(full).prefix_identity());
+    const std::vector<int32_t> toks = tokens(300, 21);
+    std::vector<int> chunks = {70, 5, 33, 64};
+    while (std::accumulate(chunks.begin(), chunks.end(), 0) < 300) chunks.push_back(1);
+    int at = 0;
+    for (int n : chunks) {
+      const auto oa = step(a, toks.data() + at, n, windows);
+      ASSERT_TRUE(same_bits(oa, step(ref, toks.data() + at, n, windows))) << "step at " << at;
+      at += n;
+      ASSERT_EQ(size_t(a.n_pages()), a.pages_at(at)) << "at " << at;
+      ASSERT_EQ(pool.n_used(), size_t(a.n_pages()));
+    }
+    // Group 0: every position; group 1: the window (40 positions: 3 or 4 pages), no more.
+    EXPECT_LE(a.n_pages(), a.pages_for(300) + 4);
+    EXPECT_EQ(a.block_table(1)[0], kv_page_none);
+    EXPECT_EQ(a.tokens_in_pages(size_t(a.pages_for(300) + 4)), a.pages_for(300) * P);
+    a.release();
+    EXPECT_EQ(pool.n_free(), pool.n_pages());
+  }
+}
+
+// A cached prefix carries the sliding group's pages that its window still reads: a sequence that
+// adopts it references those and the full group's pages, and computes the rest exactly as from
+// scratch. The sliding pages a sequence leaves behind stay cached (idle); evicted, they make the
+// same prefix unadoptable that deep, while a prefix whose window pages are still held stays so.
+TEST(KvPaging, WindowedPrefixCarriesItsWindowPages) {
+  for (const std::string format : {"f16", "kvquant4"}) {
+    SCOPED_TRACE(format);
+    const KvCacheConfig full = synth_cfg(format);
+    KvCacheConfig win = full;
+    win.window = {0, 40};
+    PagePool pool(64, kv_cache_page_bytes(win), P);
+    KvCache a(win, &pool), b(win, &pool), c(win, &pool);
+    auto index = kv_cache_prefix_index(a, &test_key);
+    ASSERT_EQ(index->n_groups(), 2);
+    pool.set_evictor(index.get());
+    const auto ta = tokens(12 * P + 5, 31);
+    auto tb = std::vector<int32_t>(ta.begin(), ta.begin() + 8 * P + 3);
+    const auto extra = tokens(20, 32);
+    tb.insert(tb.end(), extra.begin(), extra.end());
+    const int na = int(ta.size()), nb = int(tb.size());
+
+    // One chunk longer than the window: the sliding pages behind it are kept until published.
+    EXPECT_EQ(a.adopt_prefix(*index, ta.data(), na, na - 1), 0);
+    feed(a, ta, 0, {na}, win.window);
+    EXPECT_EQ(a.publish_pages(*index, ta.data(), na), 12);
+    EXPECT_EQ(size_t(a.n_pages()), a.pages_at(na));
+    EXPECT_EQ(pool.n_idle(), 9u);  // group 1's pages 0..8: behind a's window, cached
+
+    // b adopts 8 pages: group 0's pages 0..7 and group 1's 5..7 (its next query sees 89..128).
+    const KvPrefixMatch m = index->lookup(tb.data(), nb - 1);
+    ASSERT_EQ(m.pages.size(), 8u);
+    EXPECT_EQ(m.n_pages_total(), 8u + 3u);
+    EXPECT_EQ(m.window_pages[0][4], kv_page_none);
+    EXPECT_TRUE(pool.is_idle(m.window_pages[0][5]));  // a freed it: cached, idle
+    const size_t avail0 = pool.n_available(), admit = b.admit_pages(m, nb);
+    EXPECT_EQ(b.adopt_prefix(*index, tb.data(), nb, nb - 1), 8 * P);
+    EXPECT_EQ(size_t(b.n_pages()), b.pages_at(8 * P));
+    KvCache ref(full);
+    feed(ref, tb, 0, {8 * P}, win.window);
+    EXPECT_TRUE(same_bits(feed(b, tb, 8 * P, {nb - 8 * P}, win.window), feed(ref, tb, 8 * P, {nb - 8 * P}, win.window)));
+    EXPECT_EQ(avail0 - pool.n_available(), admit);
+    b.release();
+
+    // Every idle page goes: group 1's pages 0..8 of a's chain among them.
+    pool.evict_idle();
+    EXPECT_EQ(index->lookup(tb.data(), nb - 1).pages.size(), 0u);  // its window pages are gone
+    const KvPrefixMatch ma = index->lookup(ta.data(), na - 1);
+    EXPECT_EQ(ma.pages.size(), 12u);  // a still holds group 1's pages 9..12
+    EXPECT_EQ(c.adopt_prefix(*index, ta.data(), na, na - 1), 12 * P);
+    KvCache ref2(full);
+    feed(ref2, ta, 0, {12 * P}, win.window);
+    EXPECT_TRUE(same_bits(feed(c, ta, 12 * P, {na - 12 * P}, win.window), feed(ref2, ta, 12 * P, {na - 12 * P}, win.window)));
+    a.release();
+    c.release();
+    EXPECT_EQ(pool.n_used(), 0u);
+    expect_pool_consistent(pool);
+    pool.evict_idle();
+    EXPECT_EQ(index->n_entries(), 0u);
+    pool.set_evictor(nullptr);
+  }
+}
+
+// Random serving traffic on a small pool with a sliding group: sequences drawn from three shared
+// prefixes adopt cached pages, extend them as others publish, prefill in random chunks (some
+// longer than the window), get preempted when the pool runs out, and finish. Every step's
+// attention equals a private cache's fed the same chunks, every sequence references exactly
+// pages_at(its length) pages, and the pool and the index agree on what is idle.
+TEST(KvPaging, WindowedPoolUnderRandomTraffic) {
+  for (uint32_t seed : {1u, 2u, 3u}) {
+    SCOPED_TRACE(seed);
+    std::mt19937 rng(seed);
+    const KvCacheConfig full = synth_cfg("int8");
+    KvCacheConfig win = full;
+    win.window = {0, 40};
+    PagePool pool(26, kv_cache_page_bytes(win), P);  // a sequence alone peaks at 22 pages
+    auto index = kv_cache_prefix_index(KvCache(win, &pool), &test_key);
+    pool.set_evictor(index.get());
+    std::vector<std::vector<int32_t>> prefixes;
+    for (uint32_t k = 0; k < 3; ++k) prefixes.push_back(tokens(120, 100 + k));
+    struct Seq {
+      std::vector<int32_t> t;
+      std::unique_ptr<KvCache> c, ref;
+      bool admitted = false;
+    };
+    std::vector<Seq> live;
+    int finished = 0, preempted = 0, adopted = 0;
+    for (int round = 0; round < 4000 && finished < 24; ++round) {
+      if (live.size() < 4 && (live.empty() || rng() % 4 == 0)) {
+        Seq s;
+        const auto& pre = prefixes[rng() % 3];
+        s.t.assign(pre.begin(), pre.begin() + 20 + rng() % 100);
+        const auto tail = tokens(10 + int(rng() % 60), rng());
+        s.t.insert(s.t.end(), tail.begin(), tail.end());
+        s.c = std::make_unique<KvCache>(win, &pool);
+        s.ref = std::make_unique<KvCache>(full);
+        live.push_back(std::move(s));
+      }
+      const size_t i = rng() % live.size();
+      Seq& s = live[i];
+      const int n = int(s.t.size());
+      if (!s.admitted) {
+        const int got = s.c->adopt_prefix(*index, s.t.data(), n, n - 1);
+        if (got > 0) feed(*s.ref, s.t, 0, {got}, win.window);
+        adopted += got;
+        s.admitted = true;
+      } else if (s.c->prefix_extendable()) {
+        const int at = s.c->n_tokens(), got = s.c->extend_prefix(*index, s.t.data(), n, n - 1);
+        if (got > 0) feed(*s.ref, s.t, at, {got}, win.window);
+        adopted += got;
+      }
+      const int at = s.c->n_tokens();
+      if (at == n) {
+        s.c->release();
+        live.erase(live.begin() + std::ptrdiff_t(i));
+        ++finished;
+        continue;
+      }
+      const int chunk = std::min(n - at, 1 + int(rng() % 64));
+      std::vector<float> out;
+      try {
+        out = feed(*s.c, s.t, at, {chunk}, win.window);
+      } catch (const KvPoolFull&) {
+        ASSERT_EQ(s.c->n_tokens(), at);
+        s.c->release();  // preempted: recomputed from the start
+        s.ref = std::make_unique<KvCache>(full);
+        s.admitted = false;
+        ++preempted;
+        continue;
+      }
+      ASSERT_TRUE(same_bits(out, feed(*s.ref, s.t, at, {chunk}, win.window))) << "round " << round;
+      s.c->publish_pages(*index, s.t.data(), s.c->n_tokens());
+      ASSERT_EQ(size_t(s.c->n_pages()), s.c->pages_at(s.c->n_tokens()));
+      ASSERT_EQ(pool.n_free() + pool.n_idle() + pool.n_used(), pool.n_pages());
+      ASSERT_EQ(pool.n_idle(), index->n_idle());
+    }
+    EXPECT_EQ(finished, 24);
+    EXPECT_GT(preempted, 0);
+    EXPECT_GT(adopted, 0);
+    for (Seq& s : live) s.c->release();
+    EXPECT_EQ(pool.n_used(), 0u);
+    pool.evict_idle();
+    EXPECT_EQ(index->n_entries(), 0u);
+    pool.set_evictor(nullptr);
   }
 }
 

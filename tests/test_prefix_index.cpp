@@ -8,6 +8,7 @@
 
 #include "cache/page_pool.h"
 #include "cache/prefix_index.h"
+#include "core/error.h"
 
 using namespace kvq;
 
@@ -242,4 +243,66 @@ TEST(PrefixIndex, AttachedToAPoolIdlePagesStayResidentUntilNeeded) {
   EXPECT_EQ(pool.n_free(), pool.n_pages());
   EXPECT_EQ(idx.n_entries(), 0u);
   pool.set_evictor(nullptr);
+}
+
+// Page groups: group 0 names the chain; a sliding group (window 40 here) adds the pages its window
+// still reads. A prefix is adoptable only as deep as those are cached; an entry whose group-0 page
+// was evicted no longer matches, stays while a sliding page of it does, and is filled again by the
+// next insert of the same prefix; bad group layouts are refused.
+TEST(PrefixIndex, PageGroupsMatchOnlyWhatTheWindowsStillRead) {
+  EXPECT_THROW(PrefixIndex("x", P, std::vector<int>{40}, &test_key), Error);     // group 0 must be full
+  EXPECT_THROW(PrefixIndex("x", P, std::vector<int>{0, 0}, &test_key), Error);   // a sliding group needs a window
+  PrefixIndex idx("groups", P, std::vector<int>{0, 40}, &test_key);
+  EXPECT_EQ(idx.n_groups(), 2);
+  EXPECT_EQ(kv_window_first_page(8 * P, 40, P), 5);  // the query at 128 sees 89..128
+  EXPECT_EQ(kv_window_first_page(30, 40, P), 0);
+  const auto t = random_tokens(8 * P, 7);
+  // Pages 0..7 in group 0 as 100..107; group 1 holds 205..207 only (the others were freed).
+  KvHash parent = idx.root();
+  for (int i = 0; i < 8; ++i) {
+    KvHash h;
+    const std::vector<KvPageId> pages = {KvPageId(100 + i), i >= 5 ? KvPageId(200 + i) : kv_page_none};
+    ASSERT_EQ(idx.insert(parent, t.data() + i * P, pages, &h), PrefixIndex::Insert::inserted);
+    parent = h;
+  }
+  EXPECT_DEATH(idx.insert(idx.root(), t.data(), KvPageId(300), nullptr), "one page into an index of 2");
+  KvPrefixMatch m = idx.lookup(t.data(), 8 * P);
+  ASSERT_EQ(m.pages.size(), 8u);
+  ASSERT_EQ(m.window_pages.size(), 1u);
+  EXPECT_EQ(m.window_pages[0], (std::vector<KvPageId>{kv_page_none, kv_page_none, kv_page_none, kv_page_none,
+                                                      kv_page_none, 205, 206, 207}));
+  EXPECT_EQ(m.n_pages_total(), 11u);
+  // 7 pages would need group 1's pages 4..6: 204 is missing, and so on down to 0.
+  EXPECT_EQ(idx.lookup(t.data(), 8 * P - 1).pages.size(), 0u);
+  // Continuing after page 6 (a sequence holding pages 0..6 and the window's pages before 7):
+  // only page 7 and its window page are new.
+  m = idx.lookup_after(m.hashes[6], t.data() + 7 * P, P, 7);
+  ASSERT_EQ(m.pages.size(), 1u);
+  EXPECT_EQ(m.window_pages[0], std::vector<KvPageId>{207});
+  // Idle pages: group 1's 207 and group 0's 107 go idle, 207 first; eviction takes 207, and the
+  // prefix is then adoptable nowhere deep (page 7's window page is gone).
+  EXPECT_TRUE(idx.kv_page_unused(207));
+  EXPECT_TRUE(idx.kv_page_unused(107));
+  EXPECT_EQ(idx.kv_page_evict(), 207);
+  EXPECT_EQ(idx.lookup(t.data(), 8 * P).pages.size(), 0u);
+  // Evicting 107 leaves page 7's entry with no page at all: it goes.
+  const size_t entries = idx.n_entries();
+  EXPECT_EQ(idx.kv_page_evict(), 107);
+  EXPECT_EQ(idx.n_entries(), entries - 1);
+  // Page 6's group-0 page evicted while its window page stays: the entry no longer matches...
+  EXPECT_TRUE(idx.kv_page_unused(106));
+  EXPECT_EQ(idx.kv_page_evict(), 106);
+  EXPECT_EQ(idx.n_entries(), entries - 1);  // 206 keeps it
+  // ...until the same prefix is inserted again: its group-0 page fills the place, 206 stays.
+  KvHash h5 = idx.root();
+  for (int i = 0; i < 6; ++i) h5 = idx.page_hash(h5, t.data() + i * P);
+  KvHash h6;
+  EXPECT_EQ(idx.insert(h5, t.data() + 6 * P, std::vector<KvPageId>{306, 406}, &h6), PrefixIndex::Insert::inserted);
+  EXPECT_TRUE(idx.contains_page(306));
+  EXPECT_TRUE(idx.contains_page(206));
+  EXPECT_FALSE(idx.contains_page(406));  // the place was taken: that page stays its sequence's
+  m = idx.lookup_after(h5, t.data() + 6 * P, P, 6);
+  ASSERT_EQ(m.pages.size(), 1u);
+  EXPECT_EQ(m.pages[0], 306);
+  EXPECT_EQ(m.window_pages[0], std::vector<KvPageId>{206});
 }

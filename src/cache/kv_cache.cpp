@@ -22,11 +22,7 @@ KvCache::KvCache(const KvCacheConfig& cfg, PagePool* pool) : cfg_(cfg), pool_(po
     fail("KV cache: policy has {} layers, model has {}", cfg_.policy.layers.size(), cfg_.n_layer);
   layers_.resize(size_t(cfg_.n_layer));
   auto window_of = [this](int il) { return size_t(il) < cfg_.window.size() ? std::max(0, cfg_.window[size_t(il)]) : 0; };
-  // Private caches keep sliding-window layers' blocks in window pages of their own.
-  bool split = false;
-  if (!pool_)
-    for (int il = 0; il < cfg_.n_layer; ++il) split = split || window_of(il) > 0;
-  size_t off = 0, woff = 0;
+  std::vector<size_t> layer_bytes(size_t(cfg_.n_layer));
   for (int il = 0; il < cfg_.n_layer; ++il) {
     Layer& L = layers_[size_t(il)];
     KvCodecParams p = kv_cache_codec_params(cfg_, il);
@@ -53,29 +49,79 @@ KvCache::KvCache(const KvCacheConfig& cfg, PagePool* pool) : cfg_(cfg), pool_(po
     auto align = [](size_t x) { return (x + 63) & ~size_t(63); };
     L.k_block = align(L.k_block);
     L.v_block = align(L.v_block);
-    L.windowed = split && window_of(il) > 0;
-    if (L.windowed) wmax_ = std::max(wmax_, window_of(il));
-    size_t& o = L.windowed ? woff : off;
-    L.k_off = o;
-    o += L.k_block * size_t(cfg_.n_kv_heads);
-    L.v_off = o;
-    o += L.v_block * size_t(cfg_.n_kv_heads);
+    layer_bytes[size_t(il)] = layer_page_bytes(il);
+    page_bytes_ += layer_bytes[size_t(il)];
     if (L.group > 1) {
       L.tail_k.resize(size_t(cfg_.n_kv_heads));
       L.tail_v.resize(size_t(cfg_.n_kv_heads));
       if (L.pre_rope) L.tail_k_pre.resize(size_t(cfg_.n_kv_heads));
     }
   }
-  page_bytes_ = off + woff;  // every layer's blocks: the pool's page, whatever the private split
-  gpage_bytes_ = off;
-  wpage_bytes_ = woff;
+  // Page groups (see the header comment).
+  const auto plan = [&](bool pooled) {
+    std::vector<Group> gs;
+    std::vector<int> full, windows;
+    for (int il = 0; il < cfg_.n_layer; ++il) {
+      const int w = window_of(il);
+      if (w == 0) full.push_back(il);
+      else if (std::find(windows.begin(), windows.end(), w) == windows.end()) windows.push_back(w);
+    }
+    if (pooled && (full.empty() || windows.empty())) {
+      gs.emplace_back();
+      for (int il = 0; il < cfg_.n_layer; ++il) gs.back().layers.push_back(il);
+    } else {
+      if (!full.empty()) {
+        gs.emplace_back();
+        gs.back().layers = full;
+      }
+      size_t cap = SIZE_MAX;  // pooled: no sliding group's page above the full group's or one layer's
+      if (pooled) {
+        cap = 0;
+        for (int il = 0; il < cfg_.n_layer; ++il) cap = std::max(cap, layer_bytes[size_t(il)]);
+        size_t f = 0;
+        for (int il : full) f += layer_bytes[size_t(il)];
+        cap = std::max(cap, f);
+      }
+      for (int w : windows) {
+        bool open = false;
+        size_t bytes = 0;
+        for (int il = 0; il < cfg_.n_layer; ++il) {
+          if (window_of(il) != w) continue;
+          if (!open || bytes + layer_bytes[size_t(il)] > cap) {
+            gs.emplace_back();
+            gs.back().window = w;
+            bytes = 0;
+            open = true;
+          }
+          gs.back().layers.push_back(il);
+          bytes += layer_bytes[size_t(il)];
+        }
+      }
+    }
+    for (Group& G : gs)
+      for (int il : G.layers) G.bytes += layer_bytes[size_t(il)];
+    return gs;
+  };
+  for (const Group& G : plan(true)) pool_page_bytes_ = std::max(pool_page_bytes_, G.bytes);
+  groups_ = plan(pool_ != nullptr);
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    size_t off = 0;
+    for (int il : groups_[g].layers) {
+      Layer& L = layers_[size_t(il)];
+      L.pgroup = int(g);
+      L.k_off = off;
+      off += L.k_block * size_t(cfg_.n_kv_heads);
+      L.v_off = off;
+      off += L.v_block * size_t(cfg_.n_kv_heads);
+    }
+  }
   max_block_tokens_ = cfg_.page_tokens;
   // With R = 0 and G | P every page boundary leaves an empty tail (see the header comment).
   shareable_ = std::all_of(layers_.begin(), layers_.end(), [](const Layer& L) { return L.residual == 0; });
   identity_ = build_identity();
-  if (pool_ && (pool_->page_tokens() != cfg_.page_tokens || pool_->page_bytes() != page_bytes_))
+  if (pool_ && (pool_->page_tokens() != cfg_.page_tokens || pool_->page_bytes() != pool_page_bytes_))
     fail("KV cache: the page pool holds pages of {} tokens / {} bytes, this cache needs {} tokens / {} bytes",
-         pool_->page_tokens(), pool_->page_bytes(), cfg_.page_tokens, page_bytes_);
+         pool_->page_tokens(), pool_->page_bytes(), cfg_.page_tokens, pool_page_bytes_);
 }
 
 KvCache::~KvCache() {
@@ -97,33 +143,13 @@ KvCodecParams kv_cache_codec_params(const KvCacheConfig& cfg, int layer) {
   return p;
 }
 
-size_t kv_cache_page_bytes(const KvCacheConfig& cfg) { return KvCache(cfg).page_bytes(); }
+size_t kv_cache_page_bytes(const KvCacheConfig& cfg) { return KvCache(cfg).pool_page_bytes(); }
 
-size_t kv_admit_pages(const PagePool& pool, const KvPrefixMatch& m, int n_prompt) {
-  const size_t P = size_t(pool.page_tokens());
-  const size_t total = (size_t(std::max(0, n_prompt)) + P - 1) / P;
-  size_t need = total > m.pages.size() ? total - m.pages.size() : 0;
-  for (KvPageId p : m.pages)
-    if (pool.is_idle(p)) ++need;
-  return need;
-}
-
-size_t kv_window_dead_pages(const std::vector<const KvCache*>& seqs, int window) {
-  if (window <= 0) return 0;
-  std::unordered_map<KvPageId, bool> dead;  // page -> dead for every referencing sequence so far
-  for (const KvCache* c : seqs) {
-    const int P = c->config().page_tokens;
-    const int first_seen = c->n_tokens() + 1 - window;
-    const auto& table = c->block_table();
-    for (size_t i = 0; i < table.size(); ++i) {
-      const bool d = int(i + 1) * P <= first_seen;
-      auto [it, fresh] = dead.emplace(table[i], d);
-      if (!fresh) it->second = it->second && d;
-    }
-  }
-  size_t n = 0;
-  for (const auto& [page, d] : dead) n += d ? 1 : 0;
-  return n;
+std::unique_ptr<PrefixIndex> kv_cache_prefix_index(const KvCache& c, const KvHashKey* key) {
+  KVQ_CHECK(c.n_groups() >= 1 && c.group_window(0) == 0, "a prefix index needs page group 0 to be full attention");
+  std::vector<int> windows;
+  for (int g = 0; g < c.n_groups(); ++g) windows.push_back(c.group_window(g));
+  return std::make_unique<PrefixIndex>(c.prefix_identity(), c.config().page_tokens, std::move(windows), key);
 }
 
 std::string KvCache::build_identity() const {
@@ -138,6 +164,13 @@ std::string KvCache::build_identity() const {
     const std::string dump = cfg_.calib->dump();
     const KvHash h = kv_hash128(KvHashKey{1, 2, 3, 4}, dump.data(), dump.size());
     s += fmt::format(";calib={:016x}{:016x}", h.hi, h.lo);
+  }
+  if (groups_.size() > 1) {  // the page layout
+    s += ";groups=";
+    for (const Group& G : groups_) {
+      s += fmt::format("w{}:", G.window);
+      for (int il : G.layers) s += fmt::format("{}.", il);
+    }
   }
   for (int il = 0; il < cfg_.n_layer; ++il) {
     const Layer& L = layers_[size_t(il)];
@@ -155,9 +188,18 @@ std::string KvCache::build_identity() const {
 
 std::string KvCache::prefix_identity() const { return identity_; }
 
-void KvCache::written_pages(int n, int* first, int* last) const {
+int KvCache::group_first_page(const Group& G, int n) const {
+  if (G.window == 0) return 0;
+  // Past the window of every layer's next query, and packed by every layer (grouped codecs pack late).
+  int bound = n + 1 - G.window;
+  for (int il : G.layers) bound = std::min(bound, quantized(layers_[size_t(il)], n));
+  return std::max(0, bound) / cfg_.page_tokens;
+}
+
+void KvCache::written_pages(const Group& G, int n, int* first, int* last) const {
   int w0 = n_tokens_ + n, w1 = 0;
-  for (const auto& L : layers_) {
+  for (int il : G.layers) {
+    const Layer& L = layers_[size_t(il)];
     w0 = std::min(w0, quantized(L, n_tokens_));
     w1 = std::max(w1, quantized(L, n_tokens_ + n));
   }
@@ -166,76 +208,144 @@ void KvCache::written_pages(int n, int* first, int* last) const {
   *last = w1 > w0 ? (w1 + P - 1) / P : *first;
 }
 
+int KvCache::n_pages() const {
+  int n = 0;
+  for (const Group& G : groups_) {
+    if (pool_) {
+      for (KvPageId p : G.table) n += p != kv_page_none ? 1 : 0;
+    } else {
+      for (const auto& b : G.pages) n += b.size() ? 1 : 0;
+    }
+  }
+  return n;
+}
+
+size_t KvCache::pages_at(int n, int step) const {
+  size_t total = 0;
+  const int end = pages_for(n), before = std::max(0, n - std::max(0, step));
+  for (const Group& G : groups_) total += size_t(end - std::min(end, group_first_page(G, before)));
+  return total;
+}
+
+int KvCache::tokens_in_pages(size_t pages, int step) const {
+  // pages_at grows with n, and is at least the positions' pages.
+  int lo = 0, hi = int(std::min<size_t>(pages * size_t(cfg_.page_tokens), size_t(INT32_MAX) / 2));
+  while (lo < hi) {
+    const int mid = lo + (hi - lo + 1) / 2;
+    if (pages_at(mid, std::min(step, mid)) <= pages) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
 int KvCache::pages_needed(int n) const {
   if (!pool_) return 0;
-  int first, last;
-  written_pages(n, &first, &last);
-  int need = std::max(0, pages_for(n_tokens_ + n) - int(table_.size()));
-  for (int i = first; i < std::min(last, int(table_.size())); ++i)
-    if (pool_->refcount(table_[size_t(i)]) > 1) ++need;
+  const int want = pages_for(n_tokens_ + n);
+  int need = 0;
+  for (const Group& G : groups_) {
+    int first, last;
+    written_pages(G, n, &first, &last);
+    need += std::max(0, want - int(G.table.size()));
+    for (int i = first; i < std::min(last, int(G.table.size())); ++i)
+      if (G.table[size_t(i)] != kv_page_none && pool_->refcount(G.table[size_t(i)]) > 1) ++need;
+  }
+  return need;
+}
+
+size_t KvCache::admit_pages(const KvPrefixMatch& m, int n_prompt, int step) const {
+  KVQ_CHECK(pool_, "admission needs a page pool");
+  const size_t matched = m.n_pages_total();
+  const int n = std::max(0, n_prompt);
+  const size_t total = pages_at(n, std::min(step, n - m.n_tokens()));
+  size_t need = total > matched ? total - matched : 0;
+  for (KvPageId p : m.pages)
+    if (pool_->is_idle(p)) ++need;
+  for (const auto& w : m.window_pages)
+    for (KvPageId p : w)
+      if (p != kv_page_none && pool_->is_idle(p)) ++need;
   return need;
 }
 
 const uint8_t* KvCache::layer_page(const Layer& L, int page) const {
-  if (pool_) return pool_->data(table_[size_t(page)]);
-  if (!L.windowed) return pages_[size_t(page)].data();
-  KVQ_CHECK(page >= wfreed_ && size_t(page) < wpages_.size(), "window page {} was freed (pages below {} are)", page, wfreed_);
-  return wpages_[size_t(page)].data();
+  const Group& G = groups_[size_t(L.pgroup)];
+  KVQ_CHECK(page >= G.freed, "page {} of a sliding-window group was freed (pages below {} are)", page, G.freed);
+  if (pool_) return pool_->data(G.table[size_t(page)]);
+  return G.pages[size_t(page)].data();
 }
 
 void KvCache::free_window_pages() {
-  if (pool_ || wpage_bytes_ == 0) return;
-  // A page goes when the next query of every sliding layer (at n_tokens_ or later) sees none of
-  // its tokens, and no sliding layer will still write into it (grouped codecs pack late).
-  int bound = n_tokens_ + 1 - wmax_;
-  for (const Layer& L : layers_)
-    if (L.windowed) bound = std::min(bound, quantized(L, n_tokens_));
-  const int below = std::min(int(wpages_.size()), std::max(0, bound) / cfg_.page_tokens);
-  for (; wfreed_ < below; ++wfreed_) wfree_.push_back(std::exchange(wpages_[size_t(wfreed_)], AlignedBuf<uint8_t>()));
+  // A sequence that publishes to a prefix index keeps its full pages until they are published, so
+  // that the cached prefix has the sliding pages too (a step longer than the window would free
+  // them before publish_pages sees them).
+  const int published = pool_ && shareable_ && hashed_by_ ? int(hashes_.size()) : INT32_MAX;
+  for (Group& G : groups_) {
+    if (G.window == 0) continue;
+    const int size = pool_ ? int(G.table.size()) : int(G.pages.size());
+    const int below = std::min({size, group_first_page(G, n_tokens_), published});
+    for (; G.freed < below; ++G.freed) {
+      if (pool_) {
+        const KvPageId p = std::exchange(G.table[size_t(G.freed)], kv_page_none);
+        if (p != kv_page_none) pool_->unref(p);  // none: a place an adopted prefix left empty
+      } else {
+        G.spare.push_back(std::exchange(G.pages[size_t(G.freed)], AlignedBuf<uint8_t>()));
+      }
+    }
+  }
 }
 
 size_t KvCache::bytes_pages() const {
-  if (pool_) return size_t(n_pages()) * page_bytes_;
-  const size_t held = wpages_.size() - std::min(wpages_.size(), size_t(wfreed_)) + wfree_.size();
-  return pages_.size() * gpage_bytes_ + held * wpage_bytes_;
+  if (pool_) return size_t(n_pages()) * pool_->page_bytes();
+  size_t b = 0;
+  for (const Group& G : groups_) {
+    size_t held = G.spare.size();
+    for (const auto& pg : G.pages) held += pg.size() ? 1 : 0;
+    b += held * G.bytes;
+  }
+  return b;
 }
 
 void KvCache::prepare_step(int n) {
   const size_t want = size_t(pages_for(n_tokens_ + n));
   if (!pool_) {
-    while (pages_.size() < want) pages_.emplace_back(gpage_bytes_);
-    while (wpage_bytes_ && wpages_.size() < want) {
-      if (wfree_.empty()) {
-        wpages_.emplace_back(wpage_bytes_);  // zeroed
-      } else {
-        wpages_.push_back(std::exchange(wfree_.back(), AlignedBuf<uint8_t>()));
-        wfree_.pop_back();
-        std::memset(wpages_.back().data(), 0, wpage_bytes_);  // as a new page
+    for (Group& G : groups_) {
+      while (G.pages.size() < want) {
+        if (G.spare.empty()) {
+          G.pages.emplace_back(G.bytes);  // zeroed
+        } else {
+          G.pages.push_back(std::exchange(G.spare.back(), AlignedBuf<uint8_t>()));
+          G.spare.pop_back();
+          std::memset(G.pages.back().data(), 0, G.bytes);  // as a new page
+        }
       }
     }
     return;
   }
   const int need = pages_needed(n);
   if (size_t(need) > pool_->n_available()) throw KvPoolFull(size_t(need), pool_->n_available());
-  int first, last;
-  written_pages(n, &first, &last);
-  // Cached pages are full and final: a step never writes below the published prefix.
-  KVQ_CHECK(first >= int(hashes_.size()), "step writes page {} of a cached prefix of {} pages", first, hashes_.size());
-  for (int i = first; i < std::min(last, int(table_.size())); ++i) {
-    const KvPageId old = table_[size_t(i)];
-    if (pool_->refcount(old) <= 1) continue;
-    // Copy-on-write: another sequence (a fork) holds this partial page; its tokens stay as
-    // they are, ours continue in a private copy.
-    const KvPageId cp = pool_->alloc();
-    KVQ_CHECK(cp != kv_page_none, "pool ran out after reporting {} available pages", need);
-    std::memcpy(pool_->data(cp), pool_->data(old), page_bytes_);
-    pool_->unref(old);
-    table_[size_t(i)] = cp;
-  }
-  while (table_.size() < want) {
-    const KvPageId p = pool_->alloc();
-    KVQ_CHECK(p != kv_page_none, "pool ran out after reporting {} available pages", need);
-    table_.push_back(p);
+  const size_t pb = pool_->page_bytes();
+  for (Group& G : groups_) {
+    int first, last;
+    written_pages(G, n, &first, &last);
+    // Cached pages are full and final: a step never writes below the published prefix.
+    KVQ_CHECK(first >= int(hashes_.size()) || first >= last, "step writes page {} of a cached prefix of {} pages", first,
+              hashes_.size());
+    for (int i = first; i < std::min(last, int(G.table.size())); ++i) {
+      const KvPageId old = G.table[size_t(i)];
+      KVQ_CHECK(old != kv_page_none, "step writes page {} freed behind the window", i);
+      if (pool_->refcount(old) <= 1) continue;
+      // Copy-on-write: another sequence (a fork) holds this partial page; its tokens stay as
+      // they are, ours continue in a private copy.
+      const KvPageId cp = pool_->alloc();
+      KVQ_CHECK(cp != kv_page_none, "pool ran out after reporting {} available pages", need);
+      std::memcpy(pool_->data(cp), pool_->data(old), pb);
+      pool_->unref(old);
+      G.table[size_t(i)] = cp;
+    }
+    while (G.table.size() < want) {
+      const KvPageId p = pool_->alloc();
+      KVQ_CHECK(p != kv_page_none, "pool ran out after reporting {} available pages", need);
+      G.table.push_back(p);
+    }
   }
 }
 
@@ -417,15 +527,32 @@ void KvCache::commit(int n) {
 
 void KvCache::clear() { release(); }
 
+void KvCache::release_from(int from) {
+  // Last position first and, at each position, sliding groups before group 0: a cached chain's
+  // deepest pages become the least recently used, and a sliding group's page goes idle before the
+  // group-0 page of its position (PrefixIndex evicts in that order).
+  int n = 0;
+  for (const Group& G : groups_) n = std::max(n, int(G.table.size()));
+  for (int i = n; i-- > from;)
+    for (size_t g = groups_.size(); g-- > 0;) {
+      Group& G = groups_[g];
+      if (i < int(G.table.size()) && G.table[size_t(i)] != kv_page_none) pool_->unref(G.table[size_t(i)]);
+    }
+  for (Group& G : groups_) {
+    if (int(G.table.size()) > from) G.table.resize(size_t(from));
+    G.freed = std::min(G.freed, from);
+  }
+}
+
 void KvCache::release() {
   if (pool_) {
-    for (size_t i = table_.size(); i-- > 0;) pool_->unref(table_[i]);
-    table_.clear();
+    release_from(0);
   } else {
-    pages_.clear();
-    wpages_.clear();
-    wfree_.clear();
-    wfreed_ = 0;
+    for (Group& G : groups_) {
+      G.pages.clear();
+      G.spare.clear();
+      G.freed = 0;
+    }
   }
   reset_tokens();
 }
@@ -450,20 +577,22 @@ void KvCache::fork_from(const KvCache& src) {
   KVQ_CHECK(!src.step_open_, "fork of a cache in the middle of a step");
   KVQ_CHECK(src.pool_ == pool_, "fork between caches of different page pools");
   KVQ_CHECK(src.identity_ == identity_, "fork between caches of different configurations");
-  KVQ_CHECK(src.cfg_.window == cfg_.window, "fork between private caches of different sliding windows");
-  if (pool_) {
-    for (KvPageId p : src.table_) pool_->ref(p);
-    table_ = src.table_;
-  } else {
-    for (const auto& pg : src.pages_) {
-      pages_.emplace_back(gpage_bytes_);
-      if (gpage_bytes_) std::memcpy(pages_.back().data(), pg.data(), gpage_bytes_);
+  KVQ_CHECK(src.cfg_.window == cfg_.window, "fork between caches of different sliding windows");
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    Group& G = groups_[g];
+    const Group& S = src.groups_[g];
+    if (pool_) {
+      for (KvPageId p : S.table)
+        if (p != kv_page_none) pool_->ref(p);
+      G.table = S.table;
+    } else {
+      G.pages.clear();
+      for (const auto& pg : S.pages) {  // freed ones stay empty
+        G.pages.emplace_back(pg.size());
+        if (pg.size()) std::memcpy(G.pages.back().data(), pg.data(), pg.size());
+      }
     }
-    for (const auto& pg : src.wpages_) {  // freed ones stay empty
-      wpages_.emplace_back(pg.size());
-      if (pg.size()) std::memcpy(wpages_.back().data(), pg.data(), pg.size());
-    }
-    wfreed_ = src.wfreed_;
+    G.freed = S.freed;
   }
   for (size_t il = 0; il < layers_.size(); ++il) {
     Layer& L = layers_[il];
@@ -478,12 +607,35 @@ void KvCache::fork_from(const KvCache& src) {
   hashed_by_ = src.hashed_by_;
 }
 
+void KvCache::take_match(const KvPrefixMatch& m) {
+  KVQ_CHECK(m.window_pages.size() + 1 == groups_.size(), "prefix match of {} page groups for a cache of {}",
+            m.window_pages.size() + 1, groups_.size());
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    Group& G = groups_[g];
+    const std::vector<KvPageId>& pages = g == 0 ? m.pages : m.window_pages[g - 1];
+    KVQ_CHECK(pages.size() == m.pages.size(), "prefix match with {} pages in group {}, {} in group 0", pages.size(), g,
+              m.pages.size());
+    for (KvPageId p : pages)
+      if (p != kv_page_none) pool_->ref(p);
+    G.table.insert(G.table.end(), pages.begin(), pages.end());
+  }
+  hashes_.insert(hashes_.end(), m.hashes.begin(), m.hashes.end());
+  n_tokens_ += m.n_tokens();
+  for (auto& L : layers_) {
+    KVQ_CHECK(quantized(L, n_tokens_) == n_tokens_, "adopted prefix of {} tokens leaves a tail", n_tokens_);
+    L.tail_start = n_tokens_;
+  }
+  // The places the windows no longer read: none in the match, or our own pages before it.
+  free_window_pages();
+}
+
 int KvCache::adopt_prefix(PrefixIndex& index, const int32_t* tokens, int n_prompt, int max_tokens, bool readmission) {
   KVQ_CHECK(pool_, "adopting a cached prefix needs a page pool");
-  KVQ_CHECK(n_tokens_ == 0 && table_.empty() && !step_open_, "adopting a prefix into a cache that holds {} tokens", n_tokens_);
+  KVQ_CHECK(n_tokens_ == 0 && n_pages() == 0 && !step_open_, "adopting a prefix into a cache that holds {} tokens", n_tokens_);
   KVQ_CHECK(index.identity() == identity_, "prefix index of another configuration");
   KVQ_CHECK(index.page_tokens() == cfg_.page_tokens, "prefix index pages of {} tokens, cache pages of {}",
             index.page_tokens(), cfg_.page_tokens);
+  KVQ_CHECK(index.n_groups() == n_groups(), "prefix index of {} page groups, cache of {}", index.n_groups(), n_groups());
   const int cap = std::min({max_tokens, n_prompt, cfg_.max_tokens});
   readmission_ = readmission;
   if (!shareable_ || cap < cfg_.page_tokens) {
@@ -491,22 +643,20 @@ int KvCache::adopt_prefix(PrefixIndex& index, const int32_t* tokens, int n_promp
     return 0;
   }
   const KvPrefixMatch m = index.lookup(tokens, cap);
-  for (KvPageId p : m.pages) pool_->ref(p);
-  table_ = m.pages;
-  hashes_ = m.hashes;
-  hashed_by_ = &index;
-  n_tokens_ = m.n_tokens();
-  for (auto& L : layers_) {
-    KVQ_CHECK(quantized(L, n_tokens_) == n_tokens_, "adopted prefix of {} tokens leaves a tail", n_tokens_);
-    L.tail_start = n_tokens_;
+  for (Group& G : groups_) {
+    G.table.clear();
+    G.freed = 0;
   }
+  hashes_.clear();
+  hashed_by_ = &index;
+  take_match(m);
   index.count_query(n_prompt, n_tokens_, readmission);
   return n_tokens_;
 }
 
 bool KvCache::prefix_extendable() const {
   return pool_ && shareable_ && !step_open_ && n_tokens_ == int(hashes_.size()) * cfg_.page_tokens &&
-         table_.size() == hashes_.size();
+         groups_[0].table.size() == hashes_.size();
 }
 
 int KvCache::extend_prefix(PrefixIndex& index, const int32_t* tokens, int n_prompt, int max_tokens) {
@@ -517,17 +667,13 @@ int KvCache::extend_prefix(PrefixIndex& index, const int32_t* tokens, int n_prom
   const int cap = std::min({max_tokens, n_prompt, cfg_.max_tokens});
   if (cap - n_tokens_ < P) return 0;
   const KvHash parent = hashes_.empty() ? index.root() : hashes_.back();
-  const KvPrefixMatch m = index.lookup_after(parent, tokens + n_tokens_, cap - n_tokens_);
+  const int have = n_tokens_ / P;
+  for (const Group& G : groups_)  // every group's places up to the prefix (freed or held)
+    KVQ_CHECK(int(G.table.size()) == have, "page group holds {} places for a prefix of {} pages", G.table.size(), have);
+  const KvPrefixMatch m = index.lookup_after(parent, tokens + n_tokens_, cap - n_tokens_, have);
   if (m.pages.empty()) return 0;
-  for (KvPageId p : m.pages) pool_->ref(p);
-  table_.insert(table_.end(), m.pages.begin(), m.pages.end());
-  hashes_.insert(hashes_.end(), m.hashes.begin(), m.hashes.end());
   hashed_by_ = &index;
-  n_tokens_ += m.n_tokens();
-  for (auto& L : layers_) {
-    KVQ_CHECK(quantized(L, n_tokens_) == n_tokens_, "adopted prefix of {} tokens leaves a tail", n_tokens_);
-    L.tail_start = n_tokens_;
-  }
+  take_match(m);
   index.count_extra_hits(m.n_tokens(), readmission_);
   return m.n_tokens();
 }
@@ -536,6 +682,7 @@ int KvCache::publish_pages(PrefixIndex& index, const int32_t* tokens, int n) {
   KVQ_CHECK(pool_, "publishing pages needs a page pool");
   KVQ_CHECK(n == n_tokens_ && !step_open_, "publish of {} tokens, the cache holds {}", n, n_tokens_);
   KVQ_CHECK(index.identity() == identity_, "prefix index of another configuration");
+  KVQ_CHECK(index.n_groups() == n_groups(), "prefix index of {} page groups, cache of {}", index.n_groups(), n_groups());
   if (!shareable_) return 0;
   if (hashed_by_ != &index) {
     hashes_.clear();
@@ -545,18 +692,26 @@ int KvCache::publish_pages(PrefixIndex& index, const int32_t* tokens, int n) {
   for (const auto& L : layers_) packed = std::min(packed, quantized(L, n_tokens_));
   const int full = packed / cfg_.page_tokens;
   int inserted = 0;
+  std::vector<KvPageId> pages(groups_.size());
   for (int i = int(hashes_.size()); i < full; ++i) {
     const KvHash parent = i > 0 ? hashes_[size_t(i - 1)] : index.root();
     const int32_t* t = tokens + size_t(i) * size_t(cfg_.page_tokens);
     KvHash h;
-    if (index.contains_page(table_[size_t(i)])) {
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      const auto& tb = groups_[g].table;
+      pages[g] = i < int(tb.size()) ? tb[size_t(i)] : kv_page_none;
+      // A page already cached (shared with a fork that published it, or adopted) is not offered.
+      if (g > 0 && pages[g] != kv_page_none && index.contains_page(pages[g])) pages[g] = kv_page_none;
+    }
+    if (index.contains_page(pages[0])) {
       // Shared with a fork that published it already.
       h = index.page_hash(parent, t);
-    } else if (index.insert(parent, t, table_[size_t(i)], &h) == PrefixIndex::Insert::inserted) {
+    } else if (index.insert(parent, t, pages, &h) == PrefixIndex::Insert::inserted) {
       ++inserted;
     }
     hashes_.push_back(h);
   }
+  free_window_pages();  // what the windows left behind, now cached
   return inserted;
 }
 

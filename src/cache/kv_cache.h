@@ -16,10 +16,11 @@
 //    page is never written: the first write into it copies it (copy-on-write).
 //
 // Serving API (pool mode), in the order a scheduler uses it; everything on the scheduler thread:
-//   PagePool pool(n, kv_cache_page_bytes(cfg), P) or PagePool::from_bytes/from_tokens;
-//   PrefixIndex index(cache.prefix_identity(), P); pool.set_evictor(&index);
+//   PagePool pool(n, kv_cache_page_bytes(cfg), P) or PagePool::from_bytes (cache.pages_at(tokens)
+//   pages hold one sequence of that many tokens);
+//   index = kv_cache_prefix_index(cache); pool.set_evictor(index.get());
 //   admit:    m = index.lookup(prompt, n_prompt - 1); admit when
-//             kv_admit_pages(pool, m, n_prompt) <= pool.n_available() (new pages for the rest
+//             cache.admit_pages(m, n_prompt) <= pool.n_available() (new pages for the rest
 //             of the prompt, plus matched pages that are idle now: adopting them makes them
 //             used, so they leave the available count);
 //   adopt:    cache.adopt_prefix(index, prompt, n_prompt, n_prompt - 1) -> tokens already
@@ -33,25 +34,25 @@
 //             recompute it later;
 //   finish:   release() returns every page (unref): pages that are cached stay resident as idle
 //             pages (evicted LRU when the pool needs them), the others go back on the free list.
-//   metrics:  pool.usage(), pool.tokens_capacity(), index.stats() (query/hit tokens).
+//   metrics:  pool.usage(), cache.tokens_in_pages(pool.n_pages()), index.stats() (query/hit tokens).
 //
-// Sliding-window layers (Gemma 3: 5 of every 6 layers see the last 512 positions only). A page
-// holds every layer's blocks for its tokens, so a page older than the window of a sequence is
-// dead for that sequence's sliding layers but still read by its global layers: it can be freed
-// only when no layer of any sequence referencing it reads it, which with the model families kvq
-// runs (llama: no window; Gemma 3: a global layer every 6th) never happens. Reclaiming the dead
-// sliding-layer bytes would take a page layout per layer group (separate page tables for the
-// sliding layers, freed page by page behind the window, and prefix-cache entries that name both
-// kinds of pages): not implemented. The pool accounting stays exact in whole pages (a page is
-// used while any sequence references it, and holds page_tokens tokens of every layer); the
-// engine reports the share of referenced bytes that sliding layers can no longer read as its own
-// gauge (kvq_kv_cache_window_dead_ratio) instead of counting those bytes as free capacity.
-// A private cache (no pool: `kvq run`, eval, calibrate, plan --measure) whose config names the
-// windows (KvCacheConfig::window) does reclaim them: the sliding layers' blocks live in window
-// pages of their own, one per page index, freed as soon as every sliding layer's next query lies
-// past them and reused (zeroed) for new pages, so such a layer holds about window + one step of
-// tokens instead of the whole sequence (Gemma 3 270M at 4K tokens: 3 of 18 layers grow with the
-// context). Reading a freed window page is a checked error.
+// Sliding-window layers (Gemma 3: 5 of every 6 layers see the last 512 positions only) keep their
+// blocks in page groups of their own, so that the pages behind the window can be freed while the
+// full-attention layers' pages stay. A page group is a set of layers with one window (0: full
+// attention) and its own block table: page i of group g holds tokens [i*P, (i+1)*P) of g's layers.
+// A sliding group's page goes (pool: unref; private: kept for reuse, zeroed) once every one of its
+// layers' next query lies past it and no grouped codec will still pack into it, so such a layer
+// holds about its window plus one step of tokens instead of the whole sequence (Gemma 3 270M at 4K
+// tokens: 3 of 18 layers grow with the context). Reading a freed page is a checked error.
+//  - private caches: one group for the full-attention layers, one per window size;
+//  - pool caches: every group's page must fit the pool's one page size, so the sliding layers are
+//    split into groups whose pages are no larger than the largest of the full-attention group's
+//    page and one sliding layer's (Gemma 3 270M: 3 global layers, 15 sliding ones in 5 groups of 3,
+//    all pages the same size; vLLM's hybrid KV cache manager does the same). Group 0 holds the
+//    full-attention layers and names the prefix-cache chain; a model without a full-attention
+//    layer (every layer sliding) keeps one group that is never freed in a pool. A cached prefix
+//    holds, besides its group-0 pages, the sliding groups' pages its window still reads
+//    (PrefixIndex); the pool's pages are counted per group (pages_at).
 //
 // Grouped codecs and the prefix cache. A grouped codec with a residual window R > 0 (KIVI
 // defaults: G=32, R=128) keeps the newest >= R tokens in full precision outside the pages, so the
@@ -98,9 +99,8 @@ struct KvCacheConfig {
   int max_tokens = 0;                 // capacity (the model's context)
   KvPolicy policy;                    // per-layer codecs
   std::vector<KvRope> rope;           // per layer (for pre-RoPE key codecs)
-  // Per layer: the positions a sliding-window layer's queries see (0 or absent: all). A private
-  // cache keeps such layers' blocks in pages of their own and frees those behind the window; pool
-  // pages hold every layer (see the header comment).
+  // Per layer: the positions a sliding-window layer's queries see (0 or absent: all). Such layers
+  // keep their blocks in page groups of their own, freed behind the window (see the header comment).
   std::vector<int> window;
   uint64_t seed = 0x6b7671;
   const nlohmann::json* calib = nullptr;
@@ -165,14 +165,34 @@ class KvCache {
 
   // ---- paging (see the header comment)
   PagePool* pool() const { return pool_; }
-  // Block table: page ids, page i holding tokens [i*P, (i+1)*P) (pool mode; empty otherwise).
-  const std::vector<KvPageId>& block_table() const { return table_; }
-  int n_pages() const { return pool_ ? int(table_.size()) : int(pages_.size()); }
-  // Pages a sequence of n tokens occupies.
+  // Page groups: group g's window (0: full attention; group 0 in a pool always is).
+  int n_groups() const { return int(groups_.size()); }
+  int group_window(int g) const { return groups_[size_t(g)].window; }
+  int layer_group(int layer) const { return layers_[size_t(layer)].pgroup; }
+  // Block table of group g: page ids, page i holding tokens [i*P, (i+1)*P), kv_page_none for
+  // pages freed behind a window (pool mode; empty otherwise).
+  const std::vector<KvPageId>& block_table(int g = 0) const { return groups_[size_t(g)].table; }
+  // Pages held, all groups (pool mode: referenced; private: allocated and not freed).
+  int n_pages() const;
+  // Positions (pages of P tokens) a sequence of n tokens spans.
   int pages_for(int n_tokens) const { return (n_tokens + cfg_.page_tokens - 1) / cfg_.page_tokens; }
+  // Pages, all groups, a sequence of n tokens references: every position's page in full-attention
+  // groups, those its windows still read in sliding ones. step > 0: while the step of `step` tokens
+  // that brings it to n runs (its first queries still read the window before it: a sliding group
+  // then holds about window + step tokens); 0: between steps (after publish_pages when the sequence
+  // publishes).
+  size_t pages_at(int n_tokens, int step = 0) const;
+  // The most tokens one sequence can hold in `pages` pages, reaching them in steps of at most
+  // `step` tokens (the inverse of pages_at; may exceed capacity()).
+  int tokens_in_pages(size_t pages, int step = 0) const;
   // Pages the pool must supply to append n more tokens in one step: new pages plus copies of
   // shared pages that the step writes into. 0 in private mode.
   int pages_needed(int n) const;
+  // Pages that admitting a prompt of n_prompt tokens with the cached prefix m (PrefixIndex::lookup)
+  // takes out of the pool's available pages: those of the prompt's tokens after the prefix, plus
+  // the matched pages that are idle now (adopting makes them used). Pool mode.
+  // step: the most prompt tokens one step computes (pages_at).
+  size_t admit_pages(const KvPrefixMatch& m, int n_prompt, int step = 0) const;
   // Returns every page to the pool (last page first, so that cached pages of a chain are evicted
   // deepest first) and empties the sequence. Private mode: frees the pages.
   void release();
@@ -219,10 +239,12 @@ class KvCache {
   }
   // Bytes held: pages (codes, scales, norms) and the full-precision tail.
   size_t page_bytes() const { return page_bytes_; }
-  // Page bytes held: pool mode, the pages referenced (shared pages counted in full); private mode,
-  // the full layers' pages and the sliding layers' window pages held (with freed ones kept for reuse).
+  // Page bytes held: pool mode, the pages referenced (shared pages counted in full, at the pool's
+  // page size); private mode, every group's pages held (with freed ones kept for reuse).
   size_t bytes_pages() const;
   size_t bytes_tail() const;
+  // Bytes of a pool page for this configuration: the largest page group's (kv_cache_page_bytes).
+  size_t pool_page_bytes() const { return pool_page_bytes_; }
   // Bytes per token of the packed part, all layers, K and V (from the codecs' block sizes).
   double bytes_per_token() const { return double(page_bytes_) / cfg_.page_tokens; }
   // Bytes per token a sequence of n > 0 tokens costs: each layer's packed tokens at its packed
@@ -241,11 +263,11 @@ class KvCache {
  private:
   struct Layer {
     std::unique_ptr<KvCodec> k, v;
-    size_t k_off = 0, v_off = 0;      // offsets of the layer's K and V head blocks in a page
+    int pgroup = 0;                   // page group
+    size_t k_off = 0, v_off = 0;      // offsets of the layer's K and V head blocks in its group's page
     size_t k_block = 0, v_block = 0;  // bytes of one head block
     int group = 1, residual = 0;      // the layer's rule for which tokens are packed
     bool pre_rope = false;
-    bool windowed = false;            // private mode: blocks in the window pages (freed behind the window)
     int tail_start = 0;               // absolute position of tail row 0
     // full-precision tail per head: (rows, head_dim); k_pre only for pre-RoPE key codecs
     std::vector<std::vector<float>> tail_k, tail_v, tail_k_pre;
@@ -265,10 +287,24 @@ class KvCache {
   uint8_t* layer_page(const Layer& L, int page) {
     return const_cast<uint8_t*>(static_cast<const KvCache*>(this)->layer_page(L, page));
   }
-  // Private mode: returns the window pages every sliding layer is past to the free list.
+  struct Group {
+    int window = 0;               // 0: full attention (never freed)
+    std::vector<int> layers;
+    size_t bytes = 0;             // bytes of this group's page: its layers' K and V blocks
+    std::vector<KvPageId> table;  // pool mode: page ids (kv_page_none once freed)
+    std::vector<AlignedBuf<uint8_t>> pages, spare;  // private mode: pages (empty once freed), freed ones
+    int freed = 0;                // pages [0, freed) are freed
+  };
+  // The first page of group g that a sequence of n tokens still reads (0 for full groups).
+  int group_first_page(const Group& G, int n) const;
+  // Frees the pages of sliding groups that every one of their layers is past.
   void free_window_pages();
-  // Pages [first, last) that a step appending n tokens writes into.
-  void written_pages(int n, int* first, int* last) const;
+  // Pages [first, last) of group g that a step appending n tokens writes into.
+  void written_pages(const Group& G, int n, int* first, int* last) const;
+  // Releases pages [from, ...) of every group, last position first, sliding groups before group 0.
+  void release_from(int from);
+  // Takes the prefix match's pages (referenced) as positions [table size, ...).
+  void take_match(const KvPrefixMatch& m);
   // Makes sure a step of n tokens has every page it needs, private and writable; throws
   // KvPoolFull without changing anything when the pool cannot supply them.
   void prepare_step(int n);
@@ -277,16 +313,10 @@ class KvCache {
 
   KvCacheConfig cfg_;
   std::vector<Layer> layers_;
-  size_t page_bytes_ = 0;
-  std::vector<AlignedBuf<uint8_t>> pages_;  // private mode: (n_pages, gpage_bytes_): the full layers
-  // Private mode with sliding layers: their blocks, page by page (wpage_bytes_ each; empty once
-  // freed: pages [0, wfreed_)), and freed buffers kept for reuse.
-  std::vector<AlignedBuf<uint8_t>> wpages_, wfree_;
-  size_t gpage_bytes_ = 0, wpage_bytes_ = 0;
-  int wfreed_ = 0;
-  int wmax_ = 0;                            // the widest sliding window
+  std::vector<Group> groups_;
+  size_t page_bytes_ = 0;                   // every layer's blocks of one page
+  size_t pool_page_bytes_ = 0;              // the largest group's page under the pool's grouping
   PagePool* pool_ = nullptr;
-  std::vector<KvPageId> table_;             // pool mode: block table
   std::vector<KvHash> hashes_;              // chain hashes of pages [0, hashes_.size())
   int n_tokens_ = 0;
   int max_block_tokens_ = 0;
@@ -302,19 +332,13 @@ class KvCache {
 // caller sets the role).
 KvCodecParams kv_cache_codec_params(const KvCacheConfig& cfg, int layer);
 
-// Bytes of one page for this configuration (all layers' K and V head blocks): what a PagePool
-// for caches of this configuration must be built with. Throws like KvCache's constructor.
+// Bytes of one pool page for this configuration (the largest page group's K and V head blocks):
+// what a PagePool for caches of this configuration must be built with. Throws like KvCache's
+// constructor.
 size_t kv_cache_page_bytes(const KvCacheConfig& cfg);
 
-// Pages (pool mode) that every one of `seqs` referencing them can no longer read through a
-// sliding window of `window` positions: all their tokens lie below the window of that sequence's
-// next query (n_tokens() + 1 - window; positions only grow). A page any sequence still reads, or
-// that a sequence not listed references, is not the caller's to judge: list every sequence.
-size_t kv_window_dead_pages(const std::vector<const KvCache*>& seqs, int window);
-
-// Pages that admitting a prompt of n_prompt tokens with the cached prefix m (from
-// PrefixIndex::lookup) takes out of pool.n_available(): the pages for tokens after the prefix,
-// plus the matched pages that are idle now. Compare with pool.n_available() before adopting.
-size_t kv_admit_pages(const PagePool& pool, const KvPrefixMatch& m, int n_prompt);
+// A PrefixIndex for the pool caches of this configuration: its identity, page size and page
+// groups' windows.
+std::unique_ptr<PrefixIndex> kv_cache_prefix_index(const KvCache& pool_cache, const KvHashKey* key = nullptr);
 
 }  // namespace kvq

@@ -1,5 +1,6 @@
 #include "cache/prefix_index.h"
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 
@@ -71,12 +72,20 @@ KvHash kv_hash128(const KvHashKey& key, const void* data, size_t n) {
   return {kv_siphash24(key.k0, key.k1, data, n), kv_siphash24(key.k2, key.k3, data, n)};
 }
 
-PrefixIndex::PrefixIndex(std::string identity, int page_tokens) : PrefixIndex(std::move(identity), page_tokens, random_key()) {}
+PrefixIndex::PrefixIndex(std::string identity, int page_tokens)
+    : PrefixIndex(std::move(identity), page_tokens, std::vector<int>{0}, nullptr) {}
 
 PrefixIndex::PrefixIndex(std::string identity, int page_tokens, const KvHashKey& key)
-    : identity_(std::move(identity)), page_tokens_(page_tokens), key_(key) {
+    : PrefixIndex(std::move(identity), page_tokens, std::vector<int>{0}, &key) {}
+
+PrefixIndex::PrefixIndex(std::string identity, int page_tokens, std::vector<int> group_windows, const KvHashKey* key)
+    : identity_(std::move(identity)), page_tokens_(page_tokens), windows_(std::move(group_windows)),
+      key_(key ? *key : random_key()) {
   if (page_tokens < 16 || page_tokens > 256 || (page_tokens & (page_tokens - 1)))
     fail("prefix index: page size {} tokens must be a power of two in 16..256", page_tokens);
+  if (windows_.empty() || windows_[0] != 0) fail("prefix index: page group 0 must hold full-attention layers");
+  for (size_t g = 1; g < windows_.size(); ++g)
+    if (windows_[g] <= 0) fail("prefix index: page group {} has window {}", g, windows_[g]);
   root_ = kv_hash128(key_, identity_.data(), identity_.size());
 }
 
@@ -99,12 +108,14 @@ KvHash PrefixIndex::page_hash(const KvHash& parent, const int32_t* tokens) const
   return kv_hash128(key_, buf, 32 + 4 * size_t(page_tokens_));
 }
 
-KvPrefixMatch PrefixIndex::lookup(const int32_t* tokens, int n) const { return lookup_after(root_, tokens, n); }
+KvPrefixMatch PrefixIndex::lookup(const int32_t* tokens, int n) const { return lookup_after(root_, tokens, n, 0); }
 
-KvPrefixMatch PrefixIndex::lookup_after(const KvHash& parent_of_first, const int32_t* tokens, int n) const {
+KvPrefixMatch PrefixIndex::lookup_after(const KvHash& parent_of_first, const int32_t* tokens, int n, int first_page) const {
   KvPrefixMatch m;
   m.page_tokens = page_tokens_;
   const int P = page_tokens_;
+  const size_t G = windows_.size();
+  m.window_pages.resize(G - 1);
   KvHash parent = parent_of_first;
   for (int i = 0; (i + 1) * P <= n; ++i) {
     const int32_t* t = tokens + size_t(i) * size_t(P);
@@ -112,36 +123,77 @@ KvPrefixMatch PrefixIndex::lookup_after(const KvHash& parent_of_first, const int
     auto it = entries_.find(h);
     if (it == entries_.end()) break;
     const Entry& e = it->second;
-    if (!(e.parent == parent) || std::memcmp(e.tokens.data(), t, sizeof(int32_t) * size_t(P)) != 0) break;
-    m.pages.push_back(e.page);
+    if (e.pages[0] == kv_page_none || !(e.parent == parent) ||
+        std::memcmp(e.tokens.data(), t, sizeof(int32_t) * size_t(P)) != 0)
+      break;
+    m.pages.push_back(e.pages[0]);
+    for (size_t g = 1; g < G; ++g) m.window_pages[g - 1].push_back(e.pages[g]);
     m.hashes.push_back(h);
     parent = h;
+  }
+  // The longest prefix whose sliding groups hold every page their windows still read.
+  size_t k = m.pages.size();
+  const auto adoptable = [&](size_t k) {
+    for (size_t g = 1; g < G; ++g) {
+      const int f = kv_window_first_page((first_page + int(k)) * P, windows_[g], P) - first_page;
+      for (size_t i = size_t(std::max(0, f)); i < k; ++i)
+        if (m.window_pages[g - 1][i] == kv_page_none) return false;
+    }
+    return true;
+  };
+  while (k > 0 && !adoptable(k)) --k;
+  m.pages.resize(k);
+  m.hashes.resize(k);
+  for (size_t g = 1; g < G; ++g) {
+    auto& w = m.window_pages[g - 1];
+    w.resize(k);
+    const int f = kv_window_first_page((first_page + int(k)) * P, windows_[g], P) - first_page;
+    for (int i = 0; i < std::min(f, int(k)); ++i) w[size_t(i)] = kv_page_none;
   }
   return m;
 }
 
 PrefixIndex::Insert PrefixIndex::insert(const KvHash& parent, const int32_t* tokens, KvPageId page, KvHash* hash) {
-  KVQ_CHECK(page != kv_page_none, "caching an invalid page");
-  KVQ_CHECK(!contains_page(page), "page {} is already cached", page);
+  KVQ_CHECK(windows_.size() == 1, "insert of one page into an index of {} page groups", windows_.size());
+  return insert(parent, tokens, std::vector<KvPageId>{page}, hash);
+}
+
+PrefixIndex::Insert PrefixIndex::insert(const KvHash& parent, const int32_t* tokens, const std::vector<KvPageId>& pages,
+                                        KvHash* hash) {
+  KVQ_CHECK(pages.size() == windows_.size(), "insert of {} pages into an index of {} page groups", pages.size(),
+            windows_.size());
+  KVQ_CHECK(pages[0] != kv_page_none, "caching an invalid page");
+  for (KvPageId p : pages) KVQ_CHECK(p == kv_page_none || !contains_page(p), "page {} is already cached", p);
   const KvHash h = page_hash(parent, tokens);
   if (hash) *hash = h;
   auto it = entries_.find(h);
+  Entry* e = nullptr;
   if (it != entries_.end()) {
-    const Entry& e = it->second;
-    const bool same = e.parent == parent && std::memcmp(e.tokens.data(), tokens, sizeof(int32_t) * size_t(page_tokens_)) == 0;
-    if (same) {
+    e = &it->second;
+    const bool same = e->parent == parent && std::memcmp(e->tokens.data(), tokens, sizeof(int32_t) * size_t(page_tokens_)) == 0;
+    if (!same) {
+      ++stats_.collisions;
+      return Insert::collision;
+    }
+    if (e->pages[0] != kv_page_none) {
       ++stats_.duplicate_pages;
       return Insert::duplicate;
     }
-    ++stats_.collisions;
-    return Insert::collision;
+    // Its group-0 page was evicted while sliding groups' pages stayed: fill the empty places.
+  } else {
+    Entry fresh;
+    fresh.parent = parent;
+    fresh.tokens.assign(tokens, tokens + page_tokens_);
+    fresh.pages.assign(windows_.size(), kv_page_none);
+    fresh.idle.assign(windows_.size(), 0);
+    fresh.lru.resize(windows_.size());
+    e = &entries_.emplace(h, std::move(fresh)).first->second;
   }
-  Entry e;
-  e.parent = parent;
-  e.tokens.assign(tokens, tokens + page_tokens_);
-  e.page = page;
-  entries_.emplace(h, std::move(e));
-  by_page_.emplace(page, h);
+  for (size_t g = 0; g < pages.size(); ++g) {
+    if (pages[g] == kv_page_none || e->pages[g] != kv_page_none) continue;
+    e->pages[g] = pages[g];
+    by_page_.emplace(pages[g], PageRef{h, int(g)});
+  }
   ++stats_.inserted_pages;
   return Insert::inserted;
 }
@@ -177,23 +229,29 @@ KvPrefixStats PrefixIndex::stats() const {
   return s;
 }
 
-bool PrefixIndex::kv_page_unused(KvPageId page) {
+PrefixIndex::Entry& PrefixIndex::entry_of(KvPageId page, int* group) {
   auto bp = by_page_.find(page);
-  if (bp == by_page_.end()) return false;
-  Entry& e = entries_.at(bp->second);
-  KVQ_CHECK(!e.idle, "cached page {} released twice", page);
-  e.idle = true;
-  e.lru = lru_.insert(lru_.end(), page);
+  KVQ_CHECK(bp != by_page_.end(), "page {} is not in the prefix index", page);
+  *group = bp->second.group;
+  return entries_.at(bp->second.entry);
+}
+
+bool PrefixIndex::kv_page_unused(KvPageId page) {
+  if (!contains_page(page)) return false;
+  int g = 0;
+  Entry& e = entry_of(page, &g);
+  KVQ_CHECK(!e.idle[size_t(g)], "cached page {} released twice", page);
+  e.idle[size_t(g)] = 1;
+  e.lru[size_t(g)] = lru_.insert(lru_.end(), page);
   return true;
 }
 
 void PrefixIndex::kv_page_reused(KvPageId page) {
-  auto bp = by_page_.find(page);
-  KVQ_CHECK(bp != by_page_.end(), "reuse of page {} that the prefix index does not hold", page);
-  Entry& e = entries_.at(bp->second);
-  KVQ_CHECK(e.idle, "reuse of cached page {} that is not idle", page);
-  lru_.erase(e.lru);
-  e.idle = false;
+  int g = 0;
+  Entry& e = entry_of(page, &g);
+  KVQ_CHECK(e.idle[size_t(g)], "reuse of cached page {} that is not idle", page);
+  lru_.erase(e.lru[size_t(g)]);
+  e.idle[size_t(g)] = 0;
 }
 
 KvPageId PrefixIndex::kv_page_evict() {
@@ -202,8 +260,13 @@ KvPageId PrefixIndex::kv_page_evict() {
   lru_.pop_front();
   auto bp = by_page_.find(page);
   KVQ_CHECK(bp != by_page_.end(), "idle page {} without an entry", page);
-  entries_.erase(bp->second);
+  const KvHash h = bp->second.entry;
+  Entry& e = entries_.at(h);
+  const size_t g = size_t(bp->second.group);
+  e.pages[g] = kv_page_none;
+  e.idle[g] = 0;
   by_page_.erase(bp);
+  if (std::all_of(e.pages.begin(), e.pages.end(), [](KvPageId p) { return p == kv_page_none; })) entries_.erase(h);
   ++stats_.evicted_pages;
   return page;
 }

@@ -30,6 +30,19 @@
 // least recently used and are evicted before their parents (a parent evicted first would make
 // its cached descendants unreachable until they age out).
 //
+// Page groups. A KvCache in a pool keeps sliding-window layers in page groups of their own
+// (kv_cache.h): a chain position then holds one page per group. Group 0 holds the full-attention
+// layers and names the chain: a position is matched only while its group-0 page is cached. Group
+// g >= 1 holds layers that see the last windows[g] positions; its pages are needed only for the
+// positions the next query still sees, so a prefix of k pages is adoptable when, for every such
+// group, the pages from kv_window_first_page(k * P, windows[g], P) to k - 1 are cached too (the
+// longest adoptable prefix may be shorter than the longest matched chain). A sliding group's page
+// is released by its sequences as soon as they are past it and then ages on the LRU list like any
+// idle page; since every sequence that references it also references the same position's group-0
+// page, it always becomes idle before that page and is evicted first. An entry whose group-0 page
+// was evicted no longer matches and goes when its last page does; inserting the same prefix again
+// fills it.
+//
 // Hit accounting in tokens (count_query): queries = prompt tokens looked up, hits = prompt
 // tokens served from cache; re-admissions after a preemption in counters of their own.
 //
@@ -38,6 +51,7 @@
 // cache (pool.evict_idle()) and detach (pool.set_evictor(nullptr)) before destroying the index.
 #pragma once
 #include <cstddef>
+#include <algorithm>
 #include <cstdint>
 #include <list>
 #include <string>
@@ -61,12 +75,29 @@ struct KvHashKey {  // 128-bit hash: two SipHash-2-4 keys
 };
 KvHash kv_hash128(const KvHashKey& key, const void* data, size_t n);
 
-// The longest cached prefix of a token sequence: pages[i] holds tokens [i*P, (i+1)*P).
+// The first page (of page_tokens tokens) a sliding-window layer of `window` positions still reads
+// once a sequence holds n_tokens tokens: its next query, at position n_tokens, sees positions
+// n_tokens + 1 - window and later.
+inline int kv_window_first_page(int n_tokens, int window, int page_tokens) {
+  return window > 0 ? std::max(0, n_tokens + 1 - window) / page_tokens : 0;
+}
+
+// The longest cached prefix of a token sequence: pages[i] (group 0) holds tokens [i*P, (i+1)*P).
 struct KvPrefixMatch {
   std::vector<KvPageId> pages;
+  // Per sliding group g >= 1 (window_pages[g - 1]): (pages.size(),) its pages, kv_page_none for the
+  // positions its window no longer reads. Empty when the index has one group.
+  std::vector<std::vector<KvPageId>> window_pages;
   std::vector<KvHash> hashes;  // chain hash of each matched page
   int page_tokens = 0;
   int n_tokens() const { return int(pages.size()) * page_tokens; }
+  // Pages of every group that adopting the match references.
+  size_t n_pages_total() const {
+    size_t n = pages.size();
+    for (const auto& w : window_pages)
+      for (KvPageId p : w) n += p != kv_page_none ? 1 : 0;
+    return n;
+  }
 };
 
 struct KvPrefixStats {
@@ -92,23 +123,30 @@ class PrefixIndex : public KvPageEvictor {
   PrefixIndex(std::string identity, int page_tokens);
   // Fixed keys (tests; an index whose hashes must be reproducible across processes).
   PrefixIndex(std::string identity, int page_tokens, const KvHashKey& key);
+  // Page groups (see the header comment): group_windows[g] is group g's window, 0 for group 0.
+  // key == null: random keys.
+  PrefixIndex(std::string identity, int page_tokens, std::vector<int> group_windows, const KvHashKey* key = nullptr);
   PrefixIndex(const PrefixIndex&) = delete;
   PrefixIndex& operator=(const PrefixIndex&) = delete;
 
   const std::string& identity() const { return identity_; }
   int page_tokens() const { return page_tokens_; }
+  int n_groups() const { return int(windows_.size()); }
+  const std::vector<int>& group_windows() const { return windows_; }
   // Parent hash of page 0: H(identity).
   const KvHash& root() const { return root_; }
   // Chain hash of a page: tokens (page_tokens,) following the prefix named by parent.
   KvHash page_hash(const KvHash& parent, const int32_t* tokens) const;
 
-  // Longest run of cached full pages that starts at token 0 of tokens (n,), at most
+  // Longest adoptable run of cached full pages that starts at token 0 of tokens (n,), at most
   // floor(n / page_tokens) pages. Does not change LRU order or statistics.
   KvPrefixMatch lookup(const int32_t* tokens, int n) const;
   // The same, continuing a prefix already matched: cached pages that follow the prefix named by
-  // `parent` (root() for none), tokens (n,) being the tokens after that prefix. A scheduler uses it
-  // to extend a sequence's adopted prefix with pages published since it was admitted.
-  KvPrefixMatch lookup_after(const KvHash& parent, const int32_t* tokens, int n) const;
+  // `parent` (root() for none), tokens (n,) being the tokens after that prefix and first_page the
+  // position of the first of them (the pages before it, those the windows need included, are the
+  // caller's). A scheduler uses it to extend a sequence's adopted prefix with pages published
+  // since it was admitted.
+  KvPrefixMatch lookup_after(const KvHash& parent, const int32_t* tokens, int n, int first_page = 0) const;
 
   enum class Insert { inserted, duplicate, collision };
   // Caches page `page` as the page after the prefix `parent` holding tokens (page_tokens,).
@@ -117,6 +155,9 @@ class PrefixIndex : public KvPageEvictor {
   // result, so the caller can keep chaining). duplicate: the same prefix is already cached in
   // another page (this one stays uncached); collision: another content has this hash.
   Insert insert(const KvHash& parent, const int32_t* tokens, KvPageId page, KvHash* hash);
+  // With page groups: pages (n_groups(),), one per group, kv_page_none for a sliding group's page
+  // its sequence no longer holds; pages[0] is required.
+  Insert insert(const KvHash& parent, const int32_t* tokens, const std::vector<KvPageId>& pages, KvHash* hash);
 
   // Hit accounting: prompt_tokens looked up, hit_tokens of them served from the cache.
   void count_query(int prompt_tokens, int hit_tokens, bool readmission = false);
@@ -142,17 +183,23 @@ class PrefixIndex : public KvPageEvictor {
   struct Entry {
     KvHash parent;
     std::vector<int32_t> tokens;  // (page_tokens,) compared on every match
-    KvPageId page = kv_page_none;
-    bool idle = false;
-    std::list<KvPageId>::iterator lru;  // valid when idle
+    std::vector<KvPageId> pages;  // per group; kv_page_none: not cached
+    std::vector<char> idle;       // per group
+    std::vector<std::list<KvPageId>::iterator> lru;  // per group, valid when idle
   };
+  struct PageRef {
+    KvHash entry;
+    int group = 0;
+  };
+  Entry& entry_of(KvPageId page, int* group);
 
   std::string identity_;
   int page_tokens_ = 0;
+  std::vector<int> windows_;  // per group
   KvHashKey key_;
   KvHash root_;
   std::unordered_map<KvHash, Entry, HashOf> entries_;
-  std::unordered_map<KvPageId, KvHash> by_page_;
+  std::unordered_map<KvPageId, PageRef> by_page_;
   std::list<KvPageId> lru_;  // idle cached pages, least recently used at the front
   KvPrefixStats stats_;
 };

@@ -80,8 +80,10 @@ size_t Engine::outstanding_pages() const {
   for (size_t i = 0; i < running_.size(); ++i) {
     const Seq& r = *running_[i];
     if (r.preempted || r.done) continue;
-    const size_t own = size_t(r.cache->pages_for(int(r.tokens.size())));
-    const size_t covered = std::max(size_t(r.cache->n_pages()), inflight_pages(r, SIZE_MAX, i));
+    const int n = int(r.tokens.size()), pending = n - r.cache->n_tokens();
+    const size_t own = r.cache->pages_at(n, std::min(pending, fwd_->max_batch()));
+    const size_t inflight = inflight_pages(r, SIZE_MAX, i);
+    const size_t covered = std::max(size_t(r.cache->n_pages()), inflight ? r.cache->pages_at(int(inflight) * kcfg_.page_tokens) : 0);
     if (own > covered) total += own - covered;
   }
   return total;
@@ -153,24 +155,28 @@ Engine::Engine(const EngineOptions& o) : opt_(o) {
   fwd_ = std::make_unique<Forward>(*model_, *threads_, o.max_batch);
   const size_t page_bytes = kv_cache_page_bytes(kcfg_);
   const int P = kcfg_.page_tokens;
-  if (o.kv_mem > 0) {
-    pool_ = PagePool::from_bytes(o.kv_mem, page_bytes, P);
-  } else if (o.kv_tokens > 0) {
-    pool_ = PagePool::from_tokens(o.kv_tokens, page_bytes, P);
-  } else {
-    // Default: room for 8 full contexts, at most 2 GiB.
-    const size_t pages = (size_t(ctx_) * 8 + size_t(P) - 1) / size_t(P);
-    pool_ = PagePool::from_bytes(std::min(pages * page_bytes, size_t(2) << 30), page_bytes, P);
-  }
-  KvCache probe(kcfg_, pool_.get());
-  for (int il = 0; il < c.n_layer; ++il)
-    if (c.layer_window(il) > 0) {
-      window_ = c.layer_window(il);
-      window_page_bytes_ += probe.layer_page_bytes(il);
+  // Pages per token count: a private cache of this configuration counts like a pool one (pages_at
+  // depends on the page groups, which a pool cache has).
+  {
+    PagePool one(1, page_bytes, P);
+    const KvCache shape(kcfg_, &one);
+    if (o.kv_mem > 0) {
+      pool_ = PagePool::from_bytes(o.kv_mem, page_bytes, P);
+    } else if (o.kv_tokens > 0) {
+      // --kv-tokens: one prompt of that many tokens fits, prefilled in max_batch chunks (every page
+      // group's pages for it).
+      const int n = int(std::min<size_t>(o.kv_tokens, INT32_MAX / 2));
+      pool_ = std::make_unique<PagePool>(std::max<size_t>(1, shape.pages_at(n, std::min(n, o.max_batch))), page_bytes, P);
+    } else {
+      // Default: room for 8 full contexts, at most 2 GiB.
+      const size_t pages = shape.pages_at(ctx_, std::min(ctx_, o.max_batch)) * 8;
+      pool_ = PagePool::from_bytes(std::min(pages * page_bytes, size_t(2) << 30), page_bytes, P);
     }
-  index_ = std::make_unique<PrefixIndex>(probe.prefix_identity(), P);
+  }
+  shape_ = std::make_unique<KvCache>(kcfg_, pool_.get());
+  index_ = kv_cache_prefix_index(*shape_);
   pool_->set_evictor(index_.get());
-  metrics_.kv_tokens_capacity = pool_->tokens_capacity();
+  metrics_.kv_tokens_capacity = kv_tokens_capacity();
   if (o.autostart) start();
 }
 
@@ -212,7 +218,6 @@ uint64_t Engine::submit(GenRequest r) {
 }
 
 std::vector<uint64_t> Engine::submit_all(std::vector<GenRequest> rs) {
-  const int P = kcfg_.page_tokens;
   std::vector<std::unique_ptr<Seq>> seqs;
   std::vector<std::string> errs;
   std::vector<char> at_once;  // finishes at once: an error, or nothing to do ("length")
@@ -228,8 +233,8 @@ std::vector<uint64_t> Engine::submit_all(std::vector<GenRequest> rs) {
       err = "the prompt is empty";
     } else if (s->n_prompt >= ctx_) {
       err = fmt::format("the prompt is {} tokens, the context is {}", s->n_prompt, ctx_);
-    } else if (size_t((s->n_prompt + 1 + P - 1) / P) > pool_->n_pages()) {
-      err = fmt::format("the prompt is {} tokens, the KV pool holds {}", s->n_prompt, pool_->tokens_capacity());
+    } else if (shape_->pages_at(s->n_prompt + 1, std::min(s->n_prompt + 1, opt_.max_batch)) > pool_->n_pages()) {
+      err = fmt::format("the prompt is {} tokens, the KV pool holds {}", s->n_prompt, kv_tokens_capacity());
     } else if (s->req.params.logprobs > kMaxLogprobs) {
       err = fmt::format("logprobs {} is above the largest supported, {}", s->req.params.logprobs, kMaxLogprobs);
     } else {
@@ -323,26 +328,16 @@ void Engine::loop() {
   }
 }
 
-double Engine::window_dead_ratio() const {
-  if (window_ <= 0 || window_page_bytes_ == 0) return 0.0;
-  // Cached pages no running sequence references are idle (available), not counted here.
-  std::vector<const KvCache*> seqs;
-  for (const auto& s : running_)
-    if (!s->preempted && !s->done && s->cache) seqs.push_back(s->cache.get());
-  const size_t n_dead = kv_window_dead_pages(seqs, window_);
-  return double(n_dead) * double(window_page_bytes_) / (double(pool_->n_pages()) * double(pool_->page_bytes()));
-}
+size_t Engine::kv_tokens_capacity() const { return size_t(shape_->tokens_in_pages(pool_->n_pages(), opt_.max_batch)); }
 
 void Engine::update_gauges() {
   const KvPrefixStats ps = index_->stats();
-  const double window_dead = window_dead_ratio();
   {
     std::lock_guard<std::mutex> lk(mu_);
     metrics_.running = int(running_.size());
     metrics_.waiting = int(waiting_.size() + incoming_.size());
     metrics_.kv_usage = pool_->usage();
-    metrics_.kv_window_dead = window_dead;
-    metrics_.kv_tokens_capacity = pool_->tokens_capacity();
+    metrics_.kv_tokens_capacity = kv_tokens_capacity();
     metrics_.prefix_query_tokens = ps.query_tokens;
     metrics_.prefix_hit_tokens = ps.hit_tokens;
     metrics_.prefix_readmit_query_tokens = ps.readmit_query_tokens;
@@ -461,12 +456,15 @@ bool Engine::step() {
     // A prompt_logprobs request computes its whole prompt: nothing adopted, nothing awaited.
     const bool adopts = !s.req.params.prompt_logprobs;
     const KvPrefixMatch m = adopts ? index_->lookup(s.tokens.data(), n - 1) : KvPrefixMatch{};
-    size_t need = kv_admit_pages(*pool_, m, n);
+    size_t need = s.cache->admit_pages(m, n, fwd_->max_batch());
     const size_t inflight =
         adopts && s.cache->prefix_shareable() ? inflight_pages(s, size_t(n - 1) / P, running_.size()) : 0;
-    const size_t covered = std::max(m.pages.size(), inflight);
-    if (inflight > m.pages.size()) need -= std::min(need, inflight - m.pages.size());
-    const size_t own = size_t(s.cache->pages_for(n));
+    // In pages of every group: what the matched prefix holds, and what the in-flight one will.
+    const size_t matched = m.n_pages_total();
+    const size_t inflight_held = inflight > m.pages.size() ? s.cache->pages_at(int(inflight * P)) : 0;
+    const size_t covered = std::max(matched, inflight_held);
+    if (inflight_held > matched) need -= std::min(need, inflight_held - matched);
+    const size_t own = s.cache->pages_at(n, std::min(n - m.n_tokens(), fwd_->max_batch()));
     if (need + outstanding > pool_->n_available()) {
       if (running_.empty()) {
         // Nothing else holds pages: this sequence cannot fit in the pool at all.

@@ -135,11 +135,7 @@ struct EngineMetrics {
   int running = 0;
   int waiting = 0;
   double kv_usage = 0;
-  // Share of the pool's bytes, in referenced pages, held by sliding-window layers' blocks that no
-  // running sequence referencing the page can attend to any more (positions below every such
-  // sequence's window). Dead but not reclaimable: a page holds every layer (see kv_cache.h).
-  double kv_window_dead = 0;
-  size_t kv_tokens_capacity = 0;
+  size_t kv_tokens_capacity = 0;  // the most tokens one sequence can hold in the pool (kv_tokens_capacity())
   uint64_t prefix_query_tokens = 0;
   uint64_t prefix_hit_tokens = 0;
   uint64_t prefix_readmit_query_tokens = 0;  // preempted sequences admitted again (not in the hit rate)
@@ -186,6 +182,11 @@ class Engine {
   const Tokenizer& tokenizer() const { return tok_; }
   int ctx() const { return ctx_; }
   const PagePool& pool() const { return *pool_; }  // inspect only when the engine is idle
+  // The most tokens one sequence can hold in the whole pool: with sliding-window layers, every
+  // position's page of the full-attention group plus the window's pages of the sliding groups.
+  size_t kv_tokens_capacity() const;
+  // A cache of the engine's configuration in its pool, holding nothing (page counts, shapes).
+  const KvCache& kv_shape() const { return *shape_; }
   const PrefixIndex& prefix_index() const { return *index_; }
   // True when no request is queued or running.
   bool idle() const;
@@ -204,7 +205,6 @@ class Engine {
   size_t inflight_pages(const Seq& s, size_t limit, size_t before) const;
   bool defer_prefill(Seq& s, size_t index) const;
   size_t outstanding_pages() const;
-  double window_dead_ratio() const;
 
   EngineOptions opt_;
   std::unique_ptr<Model> model_;
@@ -213,14 +213,13 @@ class Engine {
   int oldest_prefill_tokens_ = 0;  // prefill_shares' oldest_tokens (resolved from the options)
   KvSetup kv_;
   KvCacheConfig kcfg_;
-  int window_ = 0;                // the sliding window (0: no sliding-window layer)
-  size_t window_page_bytes_ = 0;  // bytes of a page held by sliding-window layers
   std::unique_ptr<ThreadPool> threads_;
   std::unique_ptr<Forward> fwd_;
   // The pool points at the index (its evictor): the index must outlive the pool, so it is
   // declared first (destroyed last).
   std::unique_ptr<PrefixIndex> index_;
   std::unique_ptr<PagePool> pool_;
+  std::unique_ptr<KvCache> shape_;  // holds no page; destroyed before the pool
 
   // Shared with submitters (mu_).
   mutable std::mutex mu_;

@@ -82,7 +82,7 @@ int serve_command(ServeOptions o) {
   Server server(engine, so);
   const int port = server.bind();
   std::fprintf(stderr, "[kvq] serving %s on http://%s:%d (context %d, KV pool %zu tokens%s)\n", so.model_name.c_str(),
-               o.host.c_str(), port, engine.ctx(), engine.pool().tokens_capacity(),
+               o.host.c_str(), port, engine.ctx(), engine.kv_tokens_capacity(),
                so.api_key.empty() ? "" : ", API key required");
   g_server = &server;
   std::signal(SIGINT, on_signal);

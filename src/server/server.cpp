@@ -489,7 +489,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
   int prompt_tokens = 0;  // each prompt counts once for its n choices (they share its pages)
   // The longest sequence one request can grow to: the context, or a smaller KV pool (a sequence that
   // outgrows the whole pool could never finish; it is refused here rather than cut short).
-  const size_t pool_tokens = engine.pool().tokens_capacity();
+  const size_t pool_tokens = engine.kv_tokens_capacity();
   const int seq_cap = int(std::min<size_t>(size_t(ctx), pool_tokens));
   for (PromptIn& in : prompts) {
     const int n_prompt = int(in.ids.size());
@@ -886,12 +886,9 @@ std::string metrics_prometheus(const EngineMetrics& m) {
   one("kvq_requests_running", "gauge", "Requests in the running batch.", m.running);
   one("kvq_requests_waiting", "gauge", "Requests queued for admission.", m.waiting);
   one("kvq_kv_cache_usage_ratio", "gauge", "Referenced KV pages / all KV pages.", m.kv_usage);
-  one("kvq_kv_cache_tokens_capacity", "gauge", "Tokens the KV page pool holds (a page holds every layer's K and V).",
+  one("kvq_kv_cache_tokens_capacity", "gauge",
+      "The most tokens one sequence can hold in the KV page pool (sliding-window layers hold only their window).",
       m.kv_tokens_capacity);
-  one("kvq_kv_cache_window_dead_ratio", "gauge",
-      "Share of the KV pool's bytes held in referenced pages by sliding-window layers for positions no running "
-      "sequence can attend to any more (not reclaimable: a page holds every layer).",
-      m.kv_window_dead);
   one("kvq_prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", m.prefix_query_tokens);
   one("kvq_prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache.", m.prefix_hit_tokens);
   one("kvq_prefix_cache_preempted_queries_total", "counter",

@@ -243,8 +243,8 @@ RunResult run_one(Engine& eng, const std::string& format, const BenchLoad& load,
   rr.load = load;
   rr.requests = 0;
   for (const auto& r : reqs) rr.requests += r.turns();
-  rr.kv_tokens = eng.pool().tokens_capacity();
-  rr.kv_bytes_per_token = double(eng.pool().page_bytes()) / double(eng.pool().page_tokens());
+  rr.kv_tokens = eng.kv_tokens_capacity();
+  rr.kv_bytes_per_token = eng.kv_shape().bytes_per_token();
 
   // Warm-up (not measured): the first forward pass faults in the weights and scratch. A prompt
   // shorter than a page publishes nothing to the prefix cache.
@@ -432,6 +432,7 @@ int bench_command(const BenchOptions& o) {
   // Every format name is checked (and the model loaded once) before any run.
   std::vector<BenchRequest> reqs;
   std::vector<size_t> page_bytes;  // per format
+  std::vector<double> bytes_per_token;  // per format: KvCache::bytes_per_token()
   std::vector<bool> shareable;     // per format: KvCache::prefix_shareable()
   std::vector<size_t> tail_max;    // per format: KvCache::max_tail_bytes() (f32, outside --kv-mem)
   std::string model_name;
@@ -446,6 +447,7 @@ int bench_command(const BenchOptions& o) {
       kv.apply(kc);
       KvCache check(kc);
       page_bytes.push_back(kv_cache_page_bytes(kc));
+      bytes_per_token.push_back(check.bytes_per_token());
       shareable.push_back(check.prefix_shareable());
       tail_max.push_back(check.max_tail_bytes());
     }
@@ -495,7 +497,7 @@ int bench_command(const BenchOptions& o) {
       const size_t pool_mem = kv_mem > reserve ? kv_mem - reserve : 0;
       std::unique_ptr<Engine> eng;
       if (pool_mem >= pb) eng = std::make_unique<Engine>(engine_options(o, fmt, pool_mem));  // fresh: cold prefix cache
-      const size_t cap = eng ? eng->pool().tokens_capacity() : 0;
+      const size_t cap = eng ? eng->kv_tokens_capacity() : 0;
       if (cap < longest) {
         RunResult rr;
         rr.format = fmt;
@@ -504,7 +506,7 @@ int bench_command(const BenchOptions& o) {
         rr.load = load;
         rr.requests = int(n_requests);
         rr.kv_tokens = cap;
-        rr.kv_bytes_per_token = double(pb) / double(o.kv.page_tokens);
+        rr.kv_bytes_per_token = bytes_per_token[f];
         rr.fits = false;
         rr.prefix_cache = shareable[f];
         rr.tail_max = tail_max[f];
