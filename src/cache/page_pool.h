@@ -1,8 +1,9 @@
 // KV page pool: every KV page of every sequence, under one fixed memory budget.
 //
-// A page holds page_tokens tokens of one sequence for every layer (K and V head blocks in each
-// layer's codec; see KvCache). Its size in bytes comes from the codecs (KvCache::page_bytes()),
-// so the same budget holds ~4x the pages (and tokens) with a 4-bit format as with f16.
+// A page holds page_tokens tokens of one sequence for the layers of one page group (K and V head
+// blocks in each layer's codec; see KvCache: every layer when the model has no sliding-window
+// layer). Its size in bytes comes from the codecs (KvCache::pool_page_bytes()), so the same budget
+// holds ~4x the pages (and tokens) with a 4-bit format as with f16.
 //
 // The pool is one 64-byte-aligned arena allocated once; a page is named by its id (its index in
 // the arena). Each page is in exactly one of three states:
@@ -72,7 +73,7 @@ class PagePool {
   PagePool(size_t n_pages, size_t page_bytes, int page_tokens);
   // --kv-mem: as many pages as fit in budget_bytes (at least one, else kvq::Error).
   static std::unique_ptr<PagePool> from_bytes(size_t budget_bytes, size_t page_bytes, int page_tokens);
-  // --kv-tokens: enough pages for `tokens` tokens (rounded up to whole pages).
+  // Enough pages for `tokens` tokens (rounded up to whole pages) when a page holds every layer.
   static std::unique_ptr<PagePool> from_tokens(size_t tokens, size_t page_bytes, int page_tokens);
   PagePool(const PagePool&) = delete;
   PagePool& operator=(const PagePool&) = delete;
@@ -86,6 +87,8 @@ class PagePool {
   size_t n_used() const { return n_pages_ - free_.size() - n_idle_; }
   // Pages alloc() can still hand out: free ones plus idle cached ones it would evict.
   size_t n_available() const { return free_.size() + n_idle_; }
+  // Positions the pages hold (a sequence's tokens when a page holds every layer; with page groups,
+  // KvCache::tokens_in_pages).
   size_t tokens_capacity() const { return n_pages_ * size_t(page_tokens_); }
   size_t arena_bytes() const { return n_pages_ * page_stride_; }
   // Referenced pages / all pages: idle cached pages count as available, as a scheduler sees them.

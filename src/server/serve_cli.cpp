@@ -18,7 +18,7 @@ void serve_add_cli(CLI::App& app, ServeOptions& o) {
   app.add_option("--port", o.port, "port (0: any free port)")->capture_default_str();
   app.add_option("--model-name", o.model_name, "model id reported by the API (default: the file's stem)");
   app.add_option("--kv-mem", o.kv_mem, "KV page pool budget in bytes (e.g. 2GiB, 512MiB)");
-  app.add_option("--kv-tokens", o.engine.kv_tokens, "KV page pool size in tokens (instead of --kv-mem)");
+  app.add_option("--kv-tokens", o.engine.kv_tokens, "KV page pool size: room for one prompt of this many tokens, prefilled in --max-batch steps (instead of --kv-mem)");
   app.add_option("-t,--threads", o.engine.threads, "threads (default: all hardware threads)")->check(CLI::Range(1, 1024));
   app.add_option("--max-batch", o.engine.max_batch, "tokens per step (decode + prefill chunks)")->capture_default_str();
   app.add_option("--max-running", o.engine.max_running, "sequences running at once")->capture_default_str();

@@ -1250,9 +1250,9 @@ int plan_command(const PlanOptions& o, std::FILE* out, std::FILE* err) {
     }
     if (std::any_of(m.layers.begin(), m.layers.end(), [](const PlanLayer& l) { return l.window > 0; }))
       m.notes.push_back(
-          "sliding-window layers are counted at their window, as vLLM and llama.cpp store them and as kvq run, eval "
-          "and calibrate do; kvq's shared serving pool (kvq serve, kvq bench) still keeps every layer's K and V for "
-          "every token, so there a token costs the full-attention rate of all layers");
+          "sliding-window layers are counted at their window, as vLLM and llama.cpp store them and as kvq stores them "
+          "(kvq run, eval and calibrate, and the serving pool of kvq serve and kvq bench, whose sliding layers' "
+          "pages are freed behind the window; a prompt step adds its own tokens to the window while it runs)");
     PlanConfig c;
     c.ctx = plan_parse_count_list(o.ctx, "--ctx");
     c.batch = plan_parse_count_list(o.batch, "--batch");
