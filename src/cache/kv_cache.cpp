@@ -527,26 +527,26 @@ void KvCache::commit(int n) {
 
 void KvCache::clear() { release(); }
 
-void KvCache::release_from(int from) {
+void KvCache::unref_pages() {
   // Last position first and, at each position, sliding groups before group 0: a cached chain's
   // deepest pages become the least recently used, and a sliding group's page goes idle before the
   // group-0 page of its position (PrefixIndex evicts in that order).
   int n = 0;
   for (const Group& G : groups_) n = std::max(n, int(G.table.size()));
-  for (int i = n; i-- > from;)
+  for (int i = n; i-- > 0;)
     for (size_t g = groups_.size(); g-- > 0;) {
-      Group& G = groups_[g];
-      if (i < int(G.table.size()) && G.table[size_t(i)] != kv_page_none) pool_->unref(G.table[size_t(i)]);
+      const std::vector<KvPageId>& t = groups_[g].table;
+      if (i < int(t.size()) && t[size_t(i)] != kv_page_none) pool_->unref(t[size_t(i)]);
     }
   for (Group& G : groups_) {
-    if (int(G.table.size()) > from) G.table.resize(size_t(from));
-    G.freed = std::min(G.freed, from);
+    G.table.clear();
+    G.freed = 0;
   }
 }
 
 void KvCache::release() {
   if (pool_) {
-    release_from(0);
+    unref_pages();
   } else {
     for (Group& G : groups_) {
       G.pages.clear();

@@ -301,8 +301,8 @@ class KvCache {
   void free_window_pages();
   // Pages [first, last) of group g that a step appending n tokens writes into.
   void written_pages(const Group& G, int n, int* first, int* last) const;
-  // Releases pages [from, ...) of every group, last position first, sliding groups before group 0.
-  void release_from(int from);
+  // Pool mode: unrefs every group's pages, last position first, sliding groups before group 0.
+  void unref_pages();
   // Takes the prefix match's pages (referenced) as positions [table size, ...).
   void take_match(const KvPrefixMatch& m);
   // Makes sure a step of n tokens has every page it needs, private and writable; throws
