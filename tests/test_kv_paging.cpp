@@ -491,6 +491,48 @@ TEST(KvPaging, PoolCacheFreesSlidingGroupsBehindTheWindow) {
   }
 }
 
+// Page groups under a pool: every layer in exactly one group, group 0 the full-attention layers,
+// sliding groups of one window each, no group's page above the pool's; layers of different sizes
+// (here two f16 layers among q4_0 ones) are packed so that the largest page is the full group's
+// or one layer's. A private cache keeps one group per window; a model whose layers all slide keeps
+// one group in a pool (nothing names the prefix chain otherwise).
+TEST(KvPaging, PageGroupsCoverEveryLayerOnce) {
+  KvCacheConfig c = synth_cfg("q4_0");
+  c.n_layer = 8;
+  c.policy = kv_policy_uniform("q4_0", 8);
+  kv_policy_skip_layers(c.policy, {0, 1});  // f16
+  c.rope.assign(8, KvRope{64, 10000.f, 1.f, false});
+  c.window = {40, 40, 0, 40, 40, 24, 0, 40};
+  PagePool pool(8, kv_cache_page_bytes(c), P);
+  const KvCache a(c, &pool);
+  ASSERT_GE(a.n_groups(), 3);
+  EXPECT_EQ(a.group_window(0), 0);
+  std::vector<int> seen(8, 0);
+  std::vector<size_t> bytes(size_t(a.n_groups()), 0);
+  for (int il = 0; il < 8; ++il) {
+    const int g = a.layer_group(il);
+    ++seen[size_t(il)];
+    EXPECT_EQ(a.group_window(g), c.window[size_t(il)]) << "layer " << il;
+    bytes[size_t(g)] += a.layer_page_bytes(il);
+  }
+  EXPECT_EQ(seen, std::vector<int>(8, 1));
+  const size_t biggest = std::max(a.layer_page_bytes(0), a.layer_page_bytes(2) + a.layer_page_bytes(6));
+  EXPECT_EQ(a.pool_page_bytes(), biggest);
+  for (size_t g = 0; g < bytes.size(); ++g) EXPECT_LE(bytes[g], a.pool_page_bytes()) << "group " << g;
+  EXPECT_EQ(a.layer_group(2), 0);
+  EXPECT_EQ(a.layer_group(6), 0);
+  // Private: full layers, window 40, window 24.
+  EXPECT_EQ(KvCache(c).n_groups(), 3);
+  // Every layer sliding: one group in a pool, one per window privately.
+  KvCacheConfig all = c;
+  all.window = std::vector<int>(8, 40);
+  PagePool pool_all(8, kv_cache_page_bytes(all), P);
+  EXPECT_EQ(KvCache(all, &pool_all).n_groups(), 1);
+  EXPECT_EQ(KvCache(all, &pool_all).group_window(0), 0);
+  EXPECT_EQ(KvCache(all).n_groups(), 1);
+  EXPECT_EQ(KvCache(all).group_window(0), 40);
+}
+
 // A cached prefix carries the sliding group's pages that its window still reads: a sequence that
 // adopts it references those and the full group's pages, and computes the rest exactly as from
 // scratch. The sliding pages a sequence leaves behind stay cached (idle); evicted, they make the
