@@ -453,7 +453,7 @@ TEST(KvPaging, PrivateCacheFreesSlidingLayersBehindTheWindow) {
 }
 
 // In a pool, sliding-window layers keep their blocks in a page group of their own: its pages go
-// back to the pool behind the window, pages_at counts exactly what the sequence references, and
+// back to the pool behind the window, pages_at bounds what the sequence references, and
 // attention equals a private cache that keeps everything. Per-token and grouped codecs (kivi2 with
 // R = 0 packs a page late), prefill chunks larger and smaller than the window, decode steps.
 TEST(KvPaging, PoolCacheFreesSlidingGroupsBehindTheWindow) {
@@ -476,10 +476,13 @@ TEST(KvPaging, PoolCacheFreesSlidingGroupsBehindTheWindow) {
     while (std::accumulate(chunks.begin(), chunks.end(), 0) < 300) chunks.push_back(1);
     int at = 0;
     for (int n : chunks) {
+      // The step's peak (pages held + pages it takes) within pages_at's bound.
+      ASSERT_LE(size_t(a.n_pages() + a.pages_needed(n)), a.pages_at(at + n, n)) << "step at " << at;
       const auto oa = step(a, toks.data() + at, n, windows);
       ASSERT_TRUE(same_bits(oa, step(ref, toks.data() + at, n, windows))) << "step at " << at;
       at += n;
-      ASSERT_EQ(size_t(a.n_pages()), a.pages_at(at)) << "at " << at;
+      ASSERT_LE(size_t(a.n_pages()), a.pages_at(at)) << "at " << at;
+      ASSERT_GE(a.n_pages(), a.pages_for(at) + (at > 40 ? 3 : a.pages_for(at)) - 1) << "at " << at;
       ASSERT_EQ(pool.n_used(), size_t(a.n_pages()));
     }
     // Group 0: every position; group 1: the window (40 positions: 3 or 4 pages), no more.
@@ -533,6 +536,54 @@ TEST(KvPaging, PageGroupsCoverEveryLayerOnce) {
   EXPECT_EQ(KvCache(all).group_window(0), 40);
 }
 
+// pages_at on a Gemma-like layout (18 layers, 3 full, window 512, 64-token pages) for steps of
+// any alignment: never below what any schedule of steps of up to `step` tokens references (its
+// peak), non-decreasing in n, and tokens_in_pages its inverse.
+TEST(KvPaging, PagesAtBoundsEveryScheduleAndGrows) {
+  KvCacheConfig c = synth_cfg("q4_0");
+  c.n_layer = 18;
+  c.n_kv_heads = 1;
+  c.page_tokens = 64;
+  c.max_tokens = 4096;
+  c.policy = kv_policy_uniform("q4_0", 18);
+  c.rope.assign(18, KvRope{64, 10000.f, 1.f, false});
+  c.window.assign(18, 512);
+  for (int il : {5, 11, 17}) c.window[size_t(il)] = 0;
+  PagePool one(1, kv_cache_page_bytes(c), 64);
+  const KvCache k(c, &one);
+  ASSERT_EQ(k.n_groups(), 6);
+  for (int s : {0, 1, 100, 255, 256}) {
+    size_t prev = 0;
+    for (int n = 0; n <= 3000; ++n) {
+      const size_t p = k.pages_at(n, s);
+      ASSERT_GE(p, prev) << "n " << n << " step " << s;
+      prev = p;
+    }
+    for (size_t pages : {size_t(40), size_t(76), size_t(81), size_t(120)}) {
+      const int t = k.tokens_in_pages(pages, s);
+      EXPECT_LE(k.pages_at(t, std::min(s, t)), pages);
+      EXPECT_GT(k.pages_at(t + 1, std::min(s, t + 1)), pages);
+    }
+  }
+  // Real schedules: a 1024-token prompt in chunks of 255 (decodes share the budget), and one of 803
+  // in chunks of 100; the peak of every step is within the bound for the step size.
+  for (const auto& [n_prompt, chunk] : {std::pair{1024, 255}, std::pair{803, 100}, std::pair{2000, 256}}) {
+    PagePool pool(400, kv_cache_page_bytes(c), 64);
+    KvCache a(c, &pool);
+    const auto t = tokens(n_prompt, 5);
+    std::vector<float> kv(size_t(chunk) * 64, 0.5f);
+    for (int at = 0; at < n_prompt;) {
+      const int n = std::min(chunk, n_prompt - at);
+      ASSERT_LE(size_t(a.n_pages() + a.pages_needed(n)), a.pages_at(at + n, chunk)) << "step at " << at;
+      ASSERT_LE(size_t(a.n_pages() + a.pages_needed(n)), a.pages_at(n_prompt, chunk));
+      for (int il = 0; il < 18; ++il) a.append(il, n, kv.data(), kv.data(), kv.data());
+      a.commit(n);
+      at += n;
+    }
+    a.release();
+  }
+}
+
 // A cached prefix carries the sliding group's pages that its window still reads: a sequence that
 // adopts it references those and the full group's pages, and computes the rest exactly as from
 // scratch. The sliding pages a sequence leaves behind stay cached (idle); evicted, they make the
@@ -558,7 +609,8 @@ TEST(KvPaging, WindowedPrefixCarriesItsWindowPages) {
     EXPECT_EQ(a.adopt_prefix(*index, ta.data(), na, na - 1), 0);
     feed(a, ta, 0, {na}, win.window);
     EXPECT_EQ(a.publish_pages(*index, ta.data(), na), 12);
-    EXPECT_EQ(size_t(a.n_pages()), a.pages_at(na));
+    EXPECT_LE(size_t(a.n_pages()), a.pages_at(na));
+    EXPECT_EQ(a.n_pages(), 13 + 4);  // group 0: 13; group 1: pages 9..12 (its next query sees 158..197)
     EXPECT_EQ(pool.n_idle(), 9u);  // group 1's pages 0..8: behind a's window, cached
 
     // b adopts 8 pages: group 0's pages 0..7 and group 1's 5..7 (its next query sees 89..128).
@@ -569,11 +621,11 @@ TEST(KvPaging, WindowedPrefixCarriesItsWindowPages) {
     EXPECT_TRUE(pool.is_idle(m.window_pages[0][5]));  // a freed it: cached, idle
     const size_t avail0 = pool.n_available(), admit = b.admit_pages(m, nb);
     EXPECT_EQ(b.adopt_prefix(*index, tb.data(), nb, nb - 1), 8 * P);
-    EXPECT_EQ(size_t(b.n_pages()), b.pages_at(8 * P));
+    EXPECT_EQ(b.n_pages(), 8 + 3);
     KvCache ref(full);
     feed(ref, tb, 0, {8 * P}, win.window);
     EXPECT_TRUE(same_bits(feed(b, tb, 8 * P, {nb - 8 * P}, win.window), feed(ref, tb, 8 * P, {nb - 8 * P}, win.window)));
-    EXPECT_EQ(avail0 - pool.n_available(), admit);
+    EXPECT_LE(avail0 - pool.n_available(), admit);  // an upper bound with sliding groups
     b.release();
 
     // Every idle page goes: group 1's pages 0..8 of a's chain among them.
@@ -598,7 +650,7 @@ TEST(KvPaging, WindowedPrefixCarriesItsWindowPages) {
 // Random serving traffic on a small pool with a sliding group: sequences drawn from three shared
 // prefixes adopt cached pages, extend them as others publish, prefill in random chunks (some
 // longer than the window), get preempted when the pool runs out, and finish. Every step's
-// attention equals a private cache's fed the same chunks, every sequence references exactly
+// attention equals a private cache's fed the same chunks, every sequence references at most
 // pages_at(its length) pages, and the pool and the index agree on what is idle.
 TEST(KvPaging, WindowedPoolUnderRandomTraffic) {
   for (uint32_t seed : {1u, 2u, 3u}) {
@@ -664,7 +716,7 @@ TEST(KvPaging, WindowedPoolUnderRandomTraffic) {
       }
       ASSERT_TRUE(same_bits(out, feed(*s.ref, s.t, at, {chunk}, win.window))) << "round " << round;
       s.c->publish_pages(*index, s.t.data(), s.c->n_tokens());
-      ASSERT_EQ(size_t(s.c->n_pages()), s.c->pages_at(s.c->n_tokens()));
+      ASSERT_LE(size_t(s.c->n_pages()), s.c->pages_at(s.c->n_tokens()));
       ASSERT_EQ(pool.n_free() + pool.n_idle() + pool.n_used(), pool.n_pages());
       ASSERT_EQ(pool.n_idle(), index->n_idle());
     }

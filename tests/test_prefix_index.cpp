@@ -305,4 +305,15 @@ TEST(PrefixIndex, PageGroupsMatchOnlyWhatTheWindowsStillRead) {
   ASSERT_EQ(m.pages.size(), 1u);
   EXPECT_EQ(m.pages[0], 306);
   EXPECT_EQ(m.window_pages[0], std::vector<KvPageId>{206});
+  // A sliding place evicted while its position's group-0 page stayed (page 5: 105 stays, 205 goes)
+  // is filled by the next sequence that computes the same page, although its group-0 page is a
+  // duplicate.
+  EXPECT_TRUE(idx.kv_page_unused(205));
+  EXPECT_EQ(idx.kv_page_evict(), 205);
+  KvHash h4 = idx.root();
+  for (int i = 0; i < 5; ++i) h4 = idx.page_hash(h4, t.data() + i * P);
+  EXPECT_EQ(idx.insert(h4, t.data() + 5 * P, std::vector<KvPageId>{505, 605}, nullptr), PrefixIndex::Insert::duplicate);
+  EXPECT_FALSE(idx.contains_page(505));
+  EXPECT_TRUE(idx.contains_page(605));
+  EXPECT_EQ(idx.lookup_after(h4, t.data() + 5 * P, P, 5).window_pages[0], std::vector<KvPageId>{605});
 }

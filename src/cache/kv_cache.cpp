@@ -220,11 +220,48 @@ int KvCache::n_pages() const {
   return n;
 }
 
+int KvCache::group_keep_tokens(const Group& G) const {
+  // Tokens before a step's first that the group still holds: what its window reads, or what its
+  // grouped codecs have not packed yet (their residual window and an unfilled token group).
+  int keep = G.window - 1;
+  for (int il : G.layers) {
+    const Layer& L = layers_[size_t(il)];
+    if (L.group > 1) keep = std::max(keep, L.residual + L.group - 1);
+  }
+  return keep;
+}
+
 size_t KvCache::pages_at(int n, int step) const {
+  const int P = cfg_.page_tokens, end = pages_for(n);
   size_t total = 0;
-  const int end = pages_for(n), before = std::max(0, n - std::max(0, step));
-  for (const Group& G : groups_) total += size_t(end - std::min(end, group_first_page(G, before)));
+  for (const Group& G : groups_) {
+    if (G.window == 0) {
+      total += size_t(end);
+      continue;
+    }
+    // A run of `span` tokens, wherever it starts, touches at most ceil((span - 1) / P) + 1 pages:
+    // an upper bound for any alignment of the steps, and one that grows with n.
+    const int span = std::min(n, std::max(0, step) + group_keep_tokens(G));
+    const int pages = span <= 0 ? 0 : (span - 1 + P - 1) / P + 1;
+    total += size_t(std::min(end, pages));
+  }
   return total;
+}
+
+size_t KvCache::prefix_pages_kept(int k, int n_prompt, int step) const {
+  // Group 0 keeps every adopted page; a sliding group adopted pages [first(k * P), k) and keeps
+  // those its window still reads when the prompt's last step starts.
+  const int P = cfg_.page_tokens, last_start = std::max(0, n_prompt - std::max(0, step));
+  size_t kept = 0;
+  for (const Group& G : groups_) {
+    if (G.window == 0) {
+      kept += size_t(k);
+      continue;
+    }
+    const int from = std::max(kv_window_first_page(k * P, G.window, P), group_first_page(G, last_start));
+    kept += size_t(std::max(0, k - from));
+  }
+  return kept;
 }
 
 int KvCache::tokens_in_pages(size_t pages, int step) const {
@@ -254,10 +291,12 @@ int KvCache::pages_needed(int n) const {
 
 size_t KvCache::admit_pages(const KvPrefixMatch& m, int n_prompt, int step) const {
   KVQ_CHECK(pool_, "admission needs a page pool");
-  const size_t matched = m.n_pages_total();
-  const int n = std::max(0, n_prompt);
+  const int n = std::max(0, n_prompt), k = int(m.pages.size());
   const size_t total = pages_at(n, std::min(step, n - m.n_tokens()));
-  size_t need = total > matched ? total - matched : 0;
+  const size_t kept = prefix_pages_kept(k, n, step);
+  size_t need = total > kept ? total - kept : 0;
+  // Adopting an idle page makes it used: it leaves the available count (until its sequence
+  // drops it again behind the window).
   for (KvPageId p : m.pages)
     if (pool_->is_idle(p)) ++need;
   for (const auto& w : m.window_pages)
@@ -638,20 +677,21 @@ int KvCache::adopt_prefix(PrefixIndex& index, const int32_t* tokens, int n_promp
   KVQ_CHECK(index.n_groups() == n_groups(), "prefix index of {} page groups, cache of {}", index.n_groups(), n_groups());
   const int cap = std::min({max_tokens, n_prompt, cfg_.max_tokens});
   readmission_ = readmission;
+  if (shareable_) publish_to(index);
   if (!shareable_ || cap < cfg_.page_tokens) {
     index.count_query(n_prompt, 0, readmission);
     return 0;
   }
   const KvPrefixMatch m = index.lookup(tokens, cap);
-  for (Group& G : groups_) {
-    G.table.clear();
-    G.freed = 0;
-  }
-  hashes_.clear();
-  hashed_by_ = &index;
   take_match(m);
   index.count_query(n_prompt, n_tokens_, readmission);
   return n_tokens_;
+}
+
+void KvCache::publish_to(const PrefixIndex& index) {
+  if (hashed_by_ == &index) return;
+  hashes_.clear();  // chain hashes are per index (its keys)
+  hashed_by_ = &index;
 }
 
 bool KvCache::prefix_extendable() const {
@@ -684,10 +724,7 @@ int KvCache::publish_pages(PrefixIndex& index, const int32_t* tokens, int n) {
   KVQ_CHECK(index.identity() == identity_, "prefix index of another configuration");
   KVQ_CHECK(index.n_groups() == n_groups(), "prefix index of {} page groups, cache of {}", index.n_groups(), n_groups());
   if (!shareable_) return 0;
-  if (hashed_by_ != &index) {
-    hashes_.clear();
-    hashed_by_ = &index;
-  }
+  publish_to(index);
   int packed = n_tokens_;
   for (const auto& L : layers_) packed = std::min(packed, quantized(L, n_tokens_));
   const int full = packed / cfg_.page_tokens;

@@ -176,12 +176,17 @@ class KvCache {
   int n_pages() const;
   // Positions (pages of P tokens) a sequence of n tokens spans.
   int pages_for(int n_tokens) const { return (n_tokens + cfg_.page_tokens - 1) / cfg_.page_tokens; }
-  // Pages, all groups, a sequence of n tokens references: every position's page in full-attention
-  // groups, those its windows still read in sliding ones. step > 0: while the step of `step` tokens
-  // that brings it to n runs (its first queries still read the window before it: a sliding group
-  // then holds about window + step tokens); 0: between steps (after publish_pages when the sequence
-  // publishes).
+  // Pages, all groups, a sequence of n tokens references at most: every position's page in
+  // full-attention groups, those its windows still read in sliding ones. step > 0: while a step of
+  // up to `step` tokens that brings it to n runs (its first queries still read the window before
+  // it: a sliding group then holds about window + step tokens); 0: between steps (after
+  // publish_pages when the sequence publishes). An upper bound whatever the steps' alignment to
+  // pages, and non-decreasing in n.
   size_t pages_at(int n_tokens, int step = 0) const;
+  // Of the pages a prefix of k cached positions brings (PrefixIndex::lookup: group 0's k, a
+  // sliding group's within its window at k), those the sequence still references when the last
+  // step of its n_prompt-token prompt (steps of up to `step` tokens) starts.
+  size_t prefix_pages_kept(int k, int n_prompt, int step) const;
   // The most tokens one sequence can hold in `pages` pages, reaching them in steps of at most
   // `step` tokens (the inverse of pages_at; may exceed capacity()).
   int tokens_in_pages(size_t pages, int step = 0) const;
@@ -207,6 +212,11 @@ class KvCache {
   // True when a page-aligned prefix leaves nothing outside the pages (no grouped codec with a
   // residual window), i.e. when pages alone can be adopted.
   bool prefix_shareable() const { return shareable_; }
+  // The sequence will publish its pages to index (publish_pages after every step): its sliding
+  // groups keep their full pages until published, so the cached prefix has them too.
+  // adopt_prefix implies it; a sequence that publishes without adopting calls it before its first
+  // step.
+  void publish_to(const PrefixIndex& index);
   // Adopts the longest cached prefix of tokens (n_prompt,), at most max_tokens tokens (pass
   // n_prompt - 1 so the last prompt token is computed and yields logits): the cached pages are
   // referenced, not copied, and n_tokens() becomes the adopted length (a multiple of P). Counts
@@ -297,6 +307,8 @@ class KvCache {
   };
   // The first page of group g that a sequence of n tokens still reads (0 for full groups).
   int group_first_page(const Group& G, int n) const;
+  // Tokens before a step's first that a sliding group still holds (pages_at).
+  int group_keep_tokens(const Group& G) const;
   // Frees the pages of sliding groups that every one of their layers is past.
   void free_window_pages();
   // Pages [first, last) of group g that a step appending n tokens writes into.

@@ -176,6 +176,13 @@ PrefixIndex::Insert PrefixIndex::insert(const KvHash& parent, const int32_t* tok
       return Insert::collision;
     }
     if (e->pages[0] != kv_page_none) {
+      // Already cached. Sliding groups' places that were evicted (they go first) are filled with
+      // this sequence's pages: the same tokens after the same prefix, so the same bytes.
+      for (size_t g = 1; g < pages.size(); ++g)
+        if (pages[g] != kv_page_none && e->pages[g] == kv_page_none) {
+          e->pages[g] = pages[g];
+          by_page_.emplace(pages[g], PageRef{h, int(g)});
+        }
       ++stats_.duplicate_pages;
       return Insert::duplicate;
     }

@@ -83,7 +83,8 @@ size_t Engine::outstanding_pages() const {
     const int n = int(r.tokens.size()), pending = n - r.cache->n_tokens();
     const size_t own = r.cache->pages_at(n, std::min(pending, fwd_->max_batch()));
     const size_t inflight = inflight_pages(r, SIZE_MAX, i);
-    const size_t covered = std::max(size_t(r.cache->n_pages()), inflight ? r.cache->pages_at(int(inflight) * kcfg_.page_tokens) : 0);
+    const size_t covered =
+        std::max(size_t(r.cache->n_pages()), r.cache->prefix_pages_kept(int(inflight), n, fwd_->max_batch()));
     if (own > covered) total += own - covered;
   }
   return total;
@@ -459,9 +460,10 @@ bool Engine::step() {
     size_t need = s.cache->admit_pages(m, n, fwd_->max_batch());
     const size_t inflight =
         adopts && s.cache->prefix_shareable() ? inflight_pages(s, size_t(n - 1) / P, running_.size()) : 0;
-    // In pages of every group: what the matched prefix holds, and what the in-flight one will.
-    const size_t matched = m.n_pages_total();
-    const size_t inflight_held = inflight > m.pages.size() ? s.cache->pages_at(int(inflight * P)) : 0;
+    // In pages of every group: what the matched prefix brings, and what the in-flight one will,
+    // that the sequence still holds when its prompt's last step runs.
+    const size_t matched = s.cache->prefix_pages_kept(int(m.pages.size()), n, fwd_->max_batch());
+    const size_t inflight_held = inflight > m.pages.size() ? s.cache->prefix_pages_kept(int(inflight), n, fwd_->max_batch()) : 0;
     const size_t covered = std::max(matched, inflight_held);
     if (inflight_held > matched) need -= std::min(need, inflight_held - matched);
     const size_t own = s.cache->pages_at(n, std::min(n - m.n_tokens(), fwd_->max_batch()));
@@ -482,6 +484,7 @@ bool Engine::step() {
     }
     s.preempted = false;
     s.res.cached_tokens = adopts ? s.cache->adopt_prefix(*index_, s.tokens.data(), n, n - 1, readmission) : 0;
+    s.cache->publish_to(*index_);  // every step's pages are published (a prompt_logprobs one adopts none)
     outstanding += own > covered ? own - covered : 0;
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
