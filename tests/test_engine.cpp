@@ -397,6 +397,44 @@ TEST(EnginePrefillShares, OldestSureThenFewestLeftFirst) {
 // default (the oldest prefill sure of max_batch / 4 tokens a step) the short ones get their first
 // tokens before the long one; strictly oldest first (oldest_prefill_tokens = max_batch) after it.
 // Outputs equal each request run alone either way.
+// What a prompt chunk costs a step while sequences decode, against a hand count: 2 layers
+// (layer 0 full attention, layer 1 a window of 4), n_embd 8, 2 query heads and 1 KV head of 2
+// dimensions, n_ff 16. Weight multiply-adds per token: 2 x (8 x 2 x (2 + 2 + 1 + 1) + 3 x 8 x 16)
+// = 960; attention per visible position and layer: 2 x 2 x 2 = 8; so each layer adds R x 8 / 960
+// = R / 120 per visible position.
+TEST(EnginePrefillCost, ChunkCostAgainstAHandCount) {
+  ModelConfig c;
+  c.n_layer = 2;
+  c.n_embd = 8;
+  c.n_head = 2;
+  c.n_head_kv = 1;
+  c.head_dim = 2;
+  c.n_ff = 16;
+  c.sliding_window = 4;
+  c.layer_sliding = {false, true};
+  const PrefillCost pc = PrefillCost::from_model(c, 1.0);
+  ASSERT_TRUE(pc.active());
+  EXPECT_DOUBLE_EQ(pc.full, 1.0 / 120);
+  ASSERT_EQ(pc.windows.size(), 1u);
+  EXPECT_EQ(pc.windows[0].first, 4);
+  // Tokens 0..5 see 1..6 positions (21 in all) in layer 0 and 1, 2, 3, 4, 4, 4 (18) in layer 1:
+  // 6 + 39 / 120 -> 7.
+  EXPECT_EQ(pc.cost(0, 6), 7);
+  // Tokens 10, 11: 11 + 12 = 23 positions in layer 0, 4 + 4 in layer 1: 2 + 31 / 120 -> 3.
+  EXPECT_EQ(pc.cost(10, 2), 3);
+  EXPECT_EQ(pc.cost(5, 0), 0);
+  EXPECT_EQ(pc.tokens_for(0, 7, 100), 6);  // 7 tokens cost 7 + 50 / 120 -> 8
+  EXPECT_EQ(pc.tokens_for(0, 7, 3), 3);    // the limit
+  EXPECT_EQ(pc.tokens_for(10, 2, 100), 1);
+  // Deep in a context a token costs more: at 1200 positions, 1 + 1200 / 120 + 4 / 120.
+  EXPECT_EQ(pc.cost(1199, 1), 12);
+  EXPECT_EQ(pc.tokens_for(1199, 64, 1000), 5);
+  // R = 0: every token counts 1.
+  const PrefillCost off = PrefillCost::from_model(c, 0.0);
+  EXPECT_FALSE(off.active());
+  EXPECT_EQ(off.cost(1199, 64), 64);
+}
+
 TEST_F(EngineTest, LongPrefillDoesNotHoldBackShortPrompts) {
   for (const int oldest : {-1, 64}) {
     SCOPED_TRACE(oldest);

@@ -1,6 +1,7 @@
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <cmath>
 #include <future>
 #include <limits>
 #include <random>
@@ -109,6 +110,50 @@ std::vector<int> prefill_shares(const std::vector<int>& limits, const std::vecto
   return got;
 }
 
+PrefillCost PrefillCost::from_model(const ModelConfig& c, double r) {
+  PrefillCost pc;
+  if (r <= 0) return pc;
+  // Weight multiply-adds per token (q, k, v, o and the gated FFN of every layer) and attention
+  // multiply-adds per visible position (q.k and p.v over every query head).
+  const double w = double(c.n_layer) * (double(c.n_embd) * double(c.head_dim) * (2.0 * c.n_head + 2.0 * c.n_head_kv) +
+                                        3.0 * double(c.n_embd) * double(c.n_ff));
+  const double per_layer = r * 2.0 * double(c.n_head) * double(c.head_dim) / std::max(w, 1.0);
+  for (int il = 0; il < c.n_layer; ++il) {
+    const int win = c.layer_window(il);
+    if (win <= 0) {
+      pc.full += per_layer;
+      continue;
+    }
+    auto it = std::find_if(pc.windows.begin(), pc.windows.end(), [&](const auto& x) { return x.first == win; });
+    if (it == pc.windows.end()) pc.windows.emplace_back(win, per_layer);
+    else it->second += per_layer;
+  }
+  return pc;
+}
+
+int PrefillCost::cost(int start, int n) const {
+  if (n <= 0) return 0;
+  // Positions visible to the queries at start .. start + n - 1: q = start + 1 .. start + n.
+  const double a = double(start) + 1, b = double(start) + double(n);
+  double x = double(n) + full * (a + b) * double(n) / 2;
+  for (const auto& [win, k] : windows) {
+    const double w = double(win), top = std::min(b, w);  // sum of min(q, w)
+    const double below = top >= a ? (a + top) * (top - a + 1) / 2 : 0;
+    x += k * (below + w * std::max(0.0, b - std::max(a - 1, w)));
+  }
+  return int(std::min(std::ceil(x - 1e-9), 1e9));
+}
+
+int PrefillCost::tokens_for(int start, int budget, int limit) const {
+  int lo = 0, hi = std::min(limit, budget);  // a token costs at least 1
+  while (lo < hi) {
+    const int mid = lo + (hi - lo + 1) / 2;
+    if (cost(start, mid) <= budget) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
 bool Engine::defer_prefill(Seq& s, size_t i) const {
   // s holds only whole cached pages and its next prompt page is one that another running
   // sequence r is computing right now: computing it here too would be redundant, so s skips this
@@ -147,6 +192,9 @@ Engine::Engine(const EngineOptions& o) : opt_(o) {
   tok_ = Tokenizer::from_gguf(model_->file());
   const ModelConfig& c = model_->config();
   ctx_ = o.ctx > 0 ? std::min(o.ctx, c.n_ctx_train) : c.n_ctx_train;
+  if (!(o.prefill_attention_cost >= 0) || o.prefill_attention_cost > 1e6)
+    fail("--prefill-attention-cost must be in [0, 1e6] (got {})", o.prefill_attention_cost);
+  prefill_cost_ = PrefillCost::from_model(c, o.prefill_attention_cost);
   kv_ = kv_flags_resolve(o.kv, *model_);
   kcfg_ = model_->kv_cache_config(kv_.policy, ctx_, o.kv.page_tokens);
   kv_.apply(kcfg_);
@@ -520,10 +568,13 @@ bool Engine::step() {
     return scores_all(s) ? std::min(pending, kPromptLogprobsChunk) : pending;
   };
   std::vector<int> share(running_.size(), 0);  // prefills' tokens this step (pass 1)
+  // With sequences decoding, the prefills' budget is counted in depth-0 tokens (prefill_cost).
+  bool by_cost = false;
   // Pass 0: decodes; pass 1: the prefills' shares; pass 2: what a preemption in pass 1 left of
   // the budget, to the prefills not scheduled yet, oldest first.
   for (int pass = 0; pass < 3; ++pass) {
     if (pass == 1) {
+      by_cost = !items.empty() && prefill_cost_.active();
       // The prefills' shares of what the decodes left; a deferred prefill gets none.
       std::vector<size_t> idx;
       std::vector<int> limits, left;
@@ -532,12 +583,20 @@ bool Engine::step() {
         if (s.preempted || s.done || scheduled[i]) continue;
         const int pending = int(s.tokens.size()) - s.cache->n_tokens();
         if (pending == 1 || defer_prefill(s, i)) continue;
+        const int start = s.cache->n_tokens(), limit = prefill_limit(s, pending);
         idx.push_back(i);
-        left.push_back(pending);
-        limits.push_back(prefill_limit(s, pending));
+        left.push_back(by_cost ? prefill_cost_.cost(start, pending) : pending);
+        limits.push_back(by_cost ? prefill_cost_.cost(start, limit) : limit);
       }
       const std::vector<int> got = prefill_shares(limits, left, budget, oldest_prefill_tokens_);
-      for (size_t k = 0; k < idx.size(); ++k) share[idx[k]] = got[k];
+      for (size_t k = 0; k < idx.size(); ++k) {
+        const Seq& s = *running_[idx[k]];
+        const int pending = int(s.tokens.size()) - s.cache->n_tokens();
+        // A share buys at least one token (the oldest prefill always progresses).
+        share[idx[k]] = !by_cost || got[k] == 0
+                            ? got[k]
+                            : std::max(1, prefill_cost_.tokens_for(s.cache->n_tokens(), got[k], prefill_limit(s, pending)));
+      }
     }
     for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
       Seq& s = *running_[i];
@@ -547,7 +606,11 @@ bool Engine::step() {
       if (pass == 1 && share[i] == 0) continue;
       if (pass >= 1 && defer_prefill(s, i)) continue;
       const bool all = scores_all(s);
-      const int n = pass == 0 ? 1 : pass == 1 ? share[i] : std::min(prefill_limit(s, pending), budget);
+      const int n = pass == 0   ? 1
+                    : pass == 1 ? share[i]
+                    : by_cost   ? prefill_cost_.tokens_for(s.cache->n_tokens(), budget, prefill_limit(s, pending))
+                                : std::min(prefill_limit(s, pending), budget);
+      if (n <= 0) continue;
       const size_t need = size_t(s.cache->pages_needed(n));
       bool self_preempted = false;
       while (need + reserved > pool_->n_available()) {
@@ -574,7 +637,7 @@ bool Engine::step() {
       if (self_preempted) continue;
       reserved += need;
       scheduled[i] = 1;
-      budget -= n;
+      budget -= pass >= 1 && by_cost ? std::min(budget, prefill_cost_.cost(s.cache->n_tokens(), n)) : n;
       items.push_back({&s, n, n == pending, all, s.cache->n_tokens()});
     }
   }

@@ -56,6 +56,12 @@ struct EngineOptions {
   // Prompt tokens per step the oldest prefill is sure of while shorter prompts are prefilled
   // (prefill_shares); -1: max_batch / 4; >= max_batch: prefills strictly oldest first.
   int oldest_prefill_tokens = -1;
+  // While sequences decode, a prompt token at depth d counts as 1 + R x (its attention
+  // multiply-adds at d / its weight multiply-adds) of the step's budget (Engine::prefill_cost), so
+  // that a step carrying a chunk deep in a long prompt takes about as long as a max_batch step at
+  // depth 0 and the decoding sequences' time per token stays bounded. R: what one attention
+  // multiply-add costs next to one weight multiply-add; 0: every token counts 1.
+  double prefill_attention_cost = 2.0;
   size_t kv_mem = 0;          // KV pool budget in bytes (0: use kv_tokens)
   size_t kv_tokens = 0;       // KV pool size in tokens (0 and kv_mem 0: 8 contexts' worth)
   int ctx = 0;                // context per sequence (0: the model's)
@@ -156,6 +162,28 @@ struct EngineMetrics {
 std::vector<int> prefill_shares(const std::vector<int>& limits, const std::vector<int>& left, int budget,
                                 int oldest_tokens);
 
+// What prompt tokens cost a step while sequences decode (EngineOptions::prefill_attention_cost), in
+// depth-0 tokens: a token at position p costs 1 + full x (p + 1) + sum over sliding windows w of
+// windows[w] x min(p + 1, w), the coefficients being R x attention multiply-adds per visible
+// position / weight multiply-adds per token.
+struct PrefillCost {
+  double full = 0;                               // the full-attention layers together
+  std::vector<std::pair<int, double>> windows;   // (window, coefficient) per window size
+  static PrefillCost from_model(const ModelConfig& c, double r);
+  bool active() const { return full > 0 || !windows.empty(); }
+  // Tokens [start, start + n), rounded up.
+  int cost(int start, int n) const;
+  // The most of up to `limit` tokens from `start` that `budget` units pay for.
+  int tokens_for(int start, int budget, int limit) const;
+};
+
+// The --prefill-attention-cost option's help (kvq serve and kvq bench).
+inline constexpr const char* kPrefillAttentionCostHelp =
+    "while sequences decode, a prompt token at depth d counts as 1 + R x (its attention multiply-adds at d / its "
+    "weight multiply-adds) tokens of --max-batch, so that steps carrying a chunk deep in a long prompt take about "
+    "as long as steps at depth 0 and the decoding sequences' time per output token stays bounded (0: every "
+    "token counts 1, as vLLM's token budget)";
+
 class Engine {
  public:
   explicit Engine(const EngineOptions& o);  // loads the model; throws kvq::Error
@@ -206,11 +234,13 @@ class Engine {
   bool defer_prefill(Seq& s, size_t index) const;
   size_t outstanding_pages() const;
 
+
   EngineOptions opt_;
   std::unique_ptr<Model> model_;
   Tokenizer tok_;
   int ctx_ = 0;
   int oldest_prefill_tokens_ = 0;  // prefill_shares' oldest_tokens (resolved from the options)
+  PrefillCost prefill_cost_;  // prompt tokens' cost while sequences decode
   KvSetup kv_;
   KvCacheConfig kcfg_;
   std::unique_ptr<ThreadPool> threads_;

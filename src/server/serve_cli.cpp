@@ -22,6 +22,9 @@ void serve_add_cli(CLI::App& app, ServeOptions& o) {
   app.add_option("-t,--threads", o.engine.threads, "threads (default: all hardware threads)")->check(CLI::Range(1, 1024));
   app.add_option("--max-batch", o.engine.max_batch, "tokens per step (decode + prefill chunks)")->capture_default_str();
   app.add_option("--max-running", o.engine.max_running, "sequences running at once")->capture_default_str();
+  app.add_option("--prefill-attention-cost", o.engine.prefill_attention_cost, kPrefillAttentionCostHelp)
+      ->check(CLI::Range(0.0, 1e6))
+      ->capture_default_str();
   app.add_option("--oldest-prefill-tokens", o.engine.oldest_prefill_tokens,
                  "prompt tokens per step the oldest prompt being prefilled is sure of; the rest of the step "
                  "goes to the prompts with the fewest tokens left (default: --max-batch / 4; >= --max-batch: "

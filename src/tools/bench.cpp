@@ -68,6 +68,9 @@ void bench_add_cli(CLI::App& app, BenchOptions& o) {
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
   app.add_option("--max-running", o.max_running, "sequences running at once")->check(CLI::Range(1, 1 << 16))->capture_default_str();
+  app.add_option("--prefill-attention-cost", o.prefill_attention_cost, kPrefillAttentionCostHelp)
+      ->check(CLI::Range(0.0, 1e6))
+      ->capture_default_str();
   app.add_option("--oldest-prefill-tokens", o.oldest_prefill_tokens,
                  "prompt tokens per step the oldest prompt being prefilled is sure of; the rest of the step "
                  "goes to the prompts with the fewest tokens left (default: --max-batch / 4; >= --max-batch: "
@@ -229,6 +232,7 @@ EngineOptions engine_options(const BenchOptions& o, const std::string& format, s
   eo.max_batch = o.max_batch;
   eo.max_running = o.max_running;
   eo.oldest_prefill_tokens = o.oldest_prefill_tokens;
+  eo.prefill_attention_cost = o.prefill_attention_cost;
   eo.kv_mem = kv_mem;
   eo.ctx = o.ctx;
   eo.kv = o.kv;

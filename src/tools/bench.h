@@ -42,6 +42,7 @@ struct BenchOptions {
   int ctx = 0;
   int max_batch = 256;
   int oldest_prefill_tokens = -1;  // EngineOptions::oldest_prefill_tokens
+  double prefill_attention_cost = 2.0;  // EngineOptions::prefill_attention_cost
   int max_running = 64;
   bool chat = false;                      // --chat: JSONL prompts as a user turn of the model's chat template
   bool json = false;

@@ -107,6 +107,8 @@ mkdir -p "$tmp/adir"
 bad "a directory as the workload" "directory" --kv f16 --workload "$tmp/adir"
 bad "bad budget" "not a size" --kv f16 --data "$text" --kv-mem lots
 bad "zero --oldest-prefill-tokens" "oldest-prefill-tokens" --kv f16 --data "$text" --oldest-prefill-tokens 0
+bad "negative --prefill-attention-cost" "prefill-attention-cost" --kv f16 --data "$text" --prefill-attention-cost -1
+bad "non-numeric --prefill-attention-cost" "prefill-attention-cost" --kv f16 --data "$text" --prefill-attention-cost lots
 mkdir "$tmp/adir"
 bad "--kv-scales naming a directory" "is a directory" --kv int8_c --data "$text" --kv-scales "$tmp/adir"
 printf '{"prompt": "ok"}\n{"prompt": 3}\n' >"$tmp/bad1.jsonl"
