@@ -17,7 +17,9 @@
 //     share what the decodes leave (prefill_shares): the oldest is sure of oldest_prefill_tokens,
 //     the rest goes to those with the fewest prompt tokens left first, so a long prompt does not
 //     hold back the shorter ones admitted after it, prompts of equal length run oldest first, and
-//     a prompt alone takes the whole budget;
+//     a prompt alone takes the whole budget; while sequences decode, prompt tokens are counted at
+//     what their attention costs at their depth (PrefillCost), so steps deep in a long prompt do
+//     not stretch the decoding sequences' time per token;
 //     the pages each step needs are checked before eval_batch (so KvPoolFull never fires inside a
 //     batch, where it would leave the earlier sequences of the batch half-appended);
 //   - preemption by recompute: when the pool cannot supply a sequence's pages, the most recently
