@@ -59,7 +59,8 @@ struct EngineOptions {
   // (prefill_shares); -1: max_batch / 4; >= max_batch: prefills strictly oldest first.
   int oldest_prefill_tokens = -1;
   // While sequences decode, a prompt token at depth d counts as 1 + R x (its attention
-  // multiply-adds at d / its weight multiply-adds) of the step's budget (Engine::prefill_cost), so
+  // multiply-adds at d / its weight multiply-adds) of the step's budget and of
+  // oldest_prefill_tokens (PrefillCost), so
   // that a step carrying a chunk deep in a long prompt takes about as long as a max_batch step at
   // depth 0 and the decoding sequences' time per token stays bounded. R: what one attention
   // multiply-add costs next to one weight multiply-add; 0: every token counts 1.
