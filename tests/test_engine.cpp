@@ -393,10 +393,6 @@ TEST(EnginePrefillShares, OldestSureThenFewestLeftFirst) {
   }
 }
 
-// A long prompt admitted first no longer holds back the short prompts admitted with it: by
-// default (the oldest prefill sure of max_batch / 4 tokens a step) the short ones get their first
-// tokens before the long one; strictly oldest first (oldest_prefill_tokens = max_batch) after it.
-// Outputs equal each request run alone either way.
 // What a prompt chunk costs a step while sequences decode, against a hand count: 2 layers
 // (layer 0 full attention, layer 1 a window of 4), n_embd 8, 2 query heads and 1 KV head of 2
 // dimensions, n_ff 16. Weight multiply-adds per token: 2 x (8 x 2 x (2 + 2 + 1 + 1) + 3 x 8 x 16)
@@ -435,6 +431,10 @@ TEST(EnginePrefillCost, ChunkCostAgainstAHandCount) {
   EXPECT_EQ(off.cost(1199, 64), 64);
 }
 
+// A long prompt admitted first no longer holds back the short prompts admitted with it: by
+// default (the oldest prefill sure of max_batch / 4 tokens a step) the short ones get their first
+// tokens before the long one; strictly oldest first (oldest_prefill_tokens = max_batch) after it.
+// Outputs equal each request run alone either way.
 TEST_F(EngineTest, LongPrefillDoesNotHoldBackShortPrompts) {
   for (const int oldest : {-1, 64}) {
     SCOPED_TRACE(oldest);

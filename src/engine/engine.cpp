@@ -570,8 +570,9 @@ bool Engine::step() {
   std::vector<int> share(running_.size(), 0);  // prefills' tokens this step (pass 1)
   // With sequences decoding, the prefills' budget is counted in depth-0 tokens (prefill_cost).
   bool by_cost = false;
-  // Pass 0: decodes; pass 1: the prefills' shares; pass 2: what a preemption in pass 1 left of
-  // the budget, to the prefills not scheduled yet, oldest first.
+  // Pass 0: decodes; pass 1: the prefills' shares; pass 2: what is left of the budget (freed by a
+  // preemption in pass 1, or shares' units that bought no whole token) to the prefills not
+  // scheduled yet, oldest first.
   for (int pass = 0; pass < 3; ++pass) {
     if (pass == 1) {
       by_cost = !items.empty() && prefill_cost_.active();
@@ -592,13 +593,19 @@ bool Engine::step() {
       for (size_t k = 0; k < idx.size(); ++k) {
         const Seq& s = *running_[idx[k]];
         const int pending = int(s.tokens.size()) - s.cache->n_tokens();
-        // A share buys at least one token (the oldest prefill always progresses).
-        share[idx[k]] = !by_cost || got[k] == 0
-                            ? got[k]
-                            : std::max(1, prefill_cost_.tokens_for(s.cache->n_tokens(), got[k], prefill_limit(s, pending)));
+        if (!by_cost || got[k] == 0) {
+          share[idx[k]] = got[k];
+          continue;
+        }
+        // The tokens a share pays for; the oldest prefill gets one even if it costs more than its
+        // share, so that it always progresses (another one gets none: its units go to pass 2).
+        const int t = prefill_cost_.tokens_for(s.cache->n_tokens(), got[k], prefill_limit(s, pending));
+        share[idx[k]] = k == 0 ? std::max(1, t) : t;
       }
     }
-    for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
+    // Pass 1's shares were fitted to the budget: each runs even if the oldest's first token
+    // cost more than its share and emptied the budget.
+    for (size_t i = 0; i < running_.size() && (pass == 1 || budget > 0); ++i) {
       Seq& s = *running_[i];
       if (s.preempted || s.done || scheduled[i]) continue;
       const int pending = int(s.tokens.size()) - s.cache->n_tokens();
