@@ -16,11 +16,11 @@
 //    page is never written: the first write into it copies it (copy-on-write).
 //
 // Serving API (pool mode), in the order a scheduler uses it; everything on the scheduler thread:
-//   PagePool pool(n, kv_cache_page_bytes(cfg), P) or PagePool::from_bytes (cache.pages_at(tokens)
-//   pages hold one sequence of that many tokens);
+//   PagePool pool(n, kv_cache_page_bytes(cfg), P) or PagePool::from_bytes (cache.pages_at(tokens,
+//   step) pages hold one sequence of that many tokens computed in steps of up to `step`);
 //   index = kv_cache_prefix_index(cache); pool.set_evictor(index.get());
 //   admit:    m = index.lookup(prompt, n_prompt - 1); admit when
-//             cache.admit_pages(m, n_prompt) <= pool.n_available() (new pages for the rest
+//             cache.admit_pages(m, n_prompt, step) <= pool.n_available() (new pages for the rest
 //             of the prompt, plus matched pages that are idle now: adopting them makes them
 //             used, so they leave the available count);
 //   adopt:    cache.adopt_prefix(index, prompt, n_prompt, n_prompt - 1) -> tokens already
@@ -247,7 +247,8 @@ class KvCache {
     const Layer& L = layers_[size_t(layer)];
     return (L.k_block + L.v_block) * size_t(cfg_.n_kv_heads);
   }
-  // Bytes held: pages (codes, scales, norms) and the full-precision tail.
+  // Bytes of every layer's K and V blocks for one page of tokens (codes, scales, norms), in
+  // whichever page groups they live.
   size_t page_bytes() const { return page_bytes_; }
   // Page bytes held: pool mode, the pages referenced (shared pages counted in full, at the pool's
   // page size); private mode, every group's pages held (with freed ones kept for reuse).
