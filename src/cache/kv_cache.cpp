@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <unordered_map>
 #include <utility>
 
 #include <fmt/format.h>
@@ -102,8 +101,9 @@ KvCache::KvCache(const KvCacheConfig& cfg, PagePool* pool) : cfg_(cfg), pool_(po
       for (int il : G.layers) G.bytes += layer_bytes[size_t(il)];
     return gs;
   };
-  for (const Group& G : plan(true)) pool_page_bytes_ = std::max(pool_page_bytes_, G.bytes);
-  groups_ = plan(pool_ != nullptr);
+  std::vector<Group> pooled = plan(true);
+  for (const Group& G : pooled) pool_page_bytes_ = std::max(pool_page_bytes_, G.bytes);
+  groups_ = pool_ ? std::move(pooled) : plan(false);
   for (size_t g = 0; g < groups_.size(); ++g) {
     size_t off = 0;
     for (int il : groups_[g].layers) {

@@ -204,8 +204,8 @@ Engine::Engine(const EngineOptions& o) : opt_(o) {
   fwd_ = std::make_unique<Forward>(*model_, *threads_, o.max_batch);
   const size_t page_bytes = kv_cache_page_bytes(kcfg_);
   const int P = kcfg_.page_tokens;
-  // Pages per token count: a private cache of this configuration counts like a pool one (pages_at
-  // depends on the page groups, which a pool cache has).
+  // Sizing counts pages per page group as a pool cache lays them out (a private cache groups the
+  // layers differently), so a cache on a one-page pool stands in until the real pool exists.
   {
     PagePool one(1, page_bytes, P);
     const KvCache shape(kcfg_, &one);
@@ -225,7 +225,8 @@ Engine::Engine(const EngineOptions& o) : opt_(o) {
   shape_ = std::make_unique<KvCache>(kcfg_, pool_.get());
   index_ = kv_cache_prefix_index(*shape_);
   pool_->set_evictor(index_.get());
-  metrics_.kv_tokens_capacity = kv_tokens_capacity();
+  kv_capacity_ = size_t(shape_->tokens_in_pages(pool_->n_pages(), o.max_batch));
+  metrics_.kv_tokens_capacity = kv_capacity_;
   if (o.autostart) start();
 }
 
@@ -377,8 +378,6 @@ void Engine::loop() {
   }
 }
 
-size_t Engine::kv_tokens_capacity() const { return size_t(shape_->tokens_in_pages(pool_->n_pages(), opt_.max_batch)); }
-
 void Engine::update_gauges() {
   const KvPrefixStats ps = index_->stats();
   {
@@ -386,7 +385,6 @@ void Engine::update_gauges() {
     metrics_.running = int(running_.size());
     metrics_.waiting = int(waiting_.size() + incoming_.size());
     metrics_.kv_usage = pool_->usage();
-    metrics_.kv_tokens_capacity = kv_tokens_capacity();
     metrics_.prefix_query_tokens = ps.query_tokens;
     metrics_.prefix_hit_tokens = ps.hit_tokens;
     metrics_.prefix_readmit_query_tokens = ps.readmit_query_tokens;

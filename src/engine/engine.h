@@ -60,10 +60,10 @@ struct EngineOptions {
   int oldest_prefill_tokens = -1;
   // While sequences decode, a prompt token at depth d counts as 1 + R x (its attention
   // multiply-adds at d / its weight multiply-adds) of the step's budget and of
-  // oldest_prefill_tokens (PrefillCost), so
-  // that a step carrying a chunk deep in a long prompt takes about as long as a max_batch step at
-  // depth 0 and the decoding sequences' time per token stays bounded. R: what one attention
-  // multiply-add costs next to one weight multiply-add; 0: every token counts 1.
+  // oldest_prefill_tokens (PrefillCost), so that a step carrying a chunk deep in a long prompt
+  // takes about as long as a max_batch step at depth 0 and the decoding sequences' time per token
+  // stays bounded. R: what one attention multiply-add costs next to one weight multiply-add; 0:
+  // every token counts 1.
   double prefill_attention_cost = 2.0;
   size_t kv_mem = 0;          // KV pool budget in bytes (0: use kv_tokens)
   size_t kv_tokens = 0;       // KV pool size in tokens (0 and kv_mem 0: 8 contexts' worth)
@@ -180,7 +180,12 @@ struct PrefillCost {
   int tokens_for(int start, int budget, int limit) const;
 };
 
-// The --prefill-attention-cost option's help (kvq serve and kvq bench).
+// The --oldest-prefill-tokens and --prefill-attention-cost options' help (kvq serve and kvq bench).
+inline constexpr const char* kOldestPrefillTokensHelp =
+    "prompt tokens per step the oldest prompt being prefilled is sure of (counted as --prefill-attention-cost "
+    "prices them while sequences decode); the rest of the step goes to the prompts with the fewest tokens left "
+    "(default: --max-batch / 4; >= --max-batch: prompts strictly oldest first)";
+
 inline constexpr const char* kPrefillAttentionCostHelp =
     "while sequences decode, a prompt token at depth d counts as 1 + R x (its attention multiply-adds at d / its "
     "weight multiply-adds) tokens of --max-batch, so that steps carrying a chunk deep in a long prompt take about "
@@ -213,9 +218,10 @@ class Engine {
   const Tokenizer& tokenizer() const { return tok_; }
   int ctx() const { return ctx_; }
   const PagePool& pool() const { return *pool_; }  // inspect only when the engine is idle
-  // The most tokens one sequence can hold in the whole pool: with sliding-window layers, every
-  // position's page of the full-attention group plus the window's pages of the sliding groups.
-  size_t kv_tokens_capacity() const;
+  // The most tokens one sequence can hold in the whole pool, prefilled in max_batch steps: with
+  // sliding-window layers, every position's page of the full-attention group plus the window's
+  // pages of the sliding groups.
+  size_t kv_tokens_capacity() const { return kv_capacity_; }
   // A cache of the engine's configuration in its pool, holding nothing (page counts, shapes).
   const KvCache& kv_shape() const { return *shape_; }
   const PrefixIndex& prefix_index() const { return *index_; }
@@ -237,7 +243,6 @@ class Engine {
   bool defer_prefill(Seq& s, size_t index) const;
   size_t outstanding_pages() const;
 
-
   EngineOptions opt_;
   std::unique_ptr<Model> model_;
   Tokenizer tok_;
@@ -253,6 +258,7 @@ class Engine {
   std::unique_ptr<PrefixIndex> index_;
   std::unique_ptr<PagePool> pool_;
   std::unique_ptr<KvCache> shape_;  // holds no page; destroyed before the pool
+  size_t kv_capacity_ = 0;           // kv_tokens_capacity(): the pool never changes size
 
   // Shared with submitters (mu_).
   mutable std::mutex mu_;

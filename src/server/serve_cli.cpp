@@ -25,10 +25,7 @@ void serve_add_cli(CLI::App& app, ServeOptions& o) {
   app.add_option("--prefill-attention-cost", o.engine.prefill_attention_cost, kPrefillAttentionCostHelp)
       ->check(CLI::Range(0.0, 1e6))
       ->capture_default_str();
-  app.add_option("--oldest-prefill-tokens", o.engine.oldest_prefill_tokens,
-                 "prompt tokens per step the oldest prompt being prefilled is sure of; the rest of the step "
-                 "goes to the prompts with the fewest tokens left (default: --max-batch / 4; >= --max-batch: "
-                 "prompts strictly oldest first)")
+  app.add_option("--oldest-prefill-tokens", o.engine.oldest_prefill_tokens, kOldestPrefillTokensHelp)
       ->check(CLI::Range(1, 1 << 20));
   app.add_option("-c,--ctx-size", o.engine.ctx, "context per request (default: the model's)");
   app.add_option("--api-key", o.api_key,

@@ -71,10 +71,7 @@ void bench_add_cli(CLI::App& app, BenchOptions& o) {
   app.add_option("--prefill-attention-cost", o.prefill_attention_cost, kPrefillAttentionCostHelp)
       ->check(CLI::Range(0.0, 1e6))
       ->capture_default_str();
-  app.add_option("--oldest-prefill-tokens", o.oldest_prefill_tokens,
-                 "prompt tokens per step the oldest prompt being prefilled is sure of; the rest of the step "
-                 "goes to the prompts with the fewest tokens left (default: --max-batch / 4; >= --max-batch: "
-                 "prompts strictly oldest first)")
+  app.add_option("--oldest-prefill-tokens", o.oldest_prefill_tokens, kOldestPrefillTokensHelp)
       ->check(CLI::Range(1, 1 << 20));
   app.add_flag("--chat", o.chat, "--workload: each prompt is a user turn in the model's chat template");
   app.add_flag("--json", o.json, "print JSON instead of a table");
@@ -585,18 +582,12 @@ int bench_command(const BenchOptions& o) {
       e["prompt_tokens"] = r.prompt_tokens;
       e["completion_tokens"] = r.completion_tokens;
       e["throughput_tok_s"] = r.throughput;
-      e["ttft_p50_s"] = num_or_null(r.ttft_p50);
-      e["ttft_p95_s"] = num_or_null(r.ttft_p95);
-      e["tpot_p50_s"] = num_or_null(r.tpot_p50);
-      e["tpot_p95_s"] = num_or_null(r.tpot_p95);
-      e["ttft_mean_s"] = num_or_null(r.ttft_mean);
-      e["ttft_p99_s"] = num_or_null(r.ttft_p99);
-      e["tpot_mean_s"] = num_or_null(r.tpot_mean);
-      e["tpot_p99_s"] = num_or_null(r.tpot_p99);
-      e["e2e_mean_s"] = num_or_null(r.e2e_mean);
-      e["e2e_p50_s"] = num_or_null(r.e2e_p50);
-      e["e2e_p95_s"] = num_or_null(r.e2e_p95);
-      e["e2e_p99_s"] = num_or_null(r.e2e_p99);
+      const std::pair<const char*, double> latencies[] = {
+          {"ttft_p50_s", r.ttft_p50},   {"ttft_p95_s", r.ttft_p95}, {"tpot_p50_s", r.tpot_p50},
+          {"tpot_p95_s", r.tpot_p95},   {"ttft_mean_s", r.ttft_mean}, {"ttft_p99_s", r.ttft_p99},
+          {"tpot_mean_s", r.tpot_mean}, {"tpot_p99_s", r.tpot_p99}, {"e2e_mean_s", r.e2e_mean},
+          {"e2e_p50_s", r.e2e_p50},     {"e2e_p95_s", r.e2e_p95},   {"e2e_p99_s", r.e2e_p99}};
+      for (const auto& [name, v] : latencies) e[name] = num_or_null(v);
       e["prefix_hit_rate"] = r.hit_rate;
       e["preemptions"] = r.preemptions;
     }

@@ -12,6 +12,7 @@
 
 #include "core/cpu.h"
 #include "core/error.h"
+#include "core/strings.h"
 #include "core/timer.h"
 #include "model/chat.h"
 #include "model/model.h"
@@ -393,11 +394,6 @@ std::vector<OwnCase> load_own(const std::string& path) {
   });
   if (cases.empty()) fail("--own {}: no eval cases (empty file)", path);
   return cases;
-}
-
-std::string trim(const std::string& s) {
-  const size_t a = s.find_first_not_of(" \t\r\n"), b = s.find_last_not_of(" \t\r\n");
-  return a == std::string::npos ? "" : s.substr(a, b - a + 1);
 }
 
 // ---- layers: for each layer L and side (K or V), only that layer's K (or V) uses the format and
