@@ -422,8 +422,16 @@ int bench_command(const BenchOptions& o) {
       loads.push_back({0, v});
     }
   }
-  report_check_writable("--json-out", o.json_out);
-  report_check_writable("--html", o.html);
+  {  // no output may be an input or the other output
+    const std::vector<ReportPath> inputs = {{"the model (-m)", o.model},
+                                            {"the text (--data)", o.data},
+                                            {"the workload (--workload)", o.workload},
+                                            {"the calibration (--kv-scales)", o.kv.scales_file}};
+    std::vector<ReportPath> json_others = inputs;
+    json_others.push_back({"--html", o.html});
+    report_check_writable("--json-out", o.json_out, json_others);
+    report_check_writable("--html", o.html, inputs);
+  }
   if (o.chat && o.workload.empty()) fail("--chat applies to --workload prompts");
   if (o.workload.empty() == o.data.empty())
     fail("give a workload: --workload FILE.jsonl (your requests) or --data FILE (a shared-prefix workload cut from text)");

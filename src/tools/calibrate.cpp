@@ -31,6 +31,8 @@ void calibrate_add_cli(CLI::App& app, CalibrateOptions& o) {
 int calibrate_command(const CalibrateOptions& o) {
   for (int b : o.kvquant_bits)
     if (b < 2 || b > 4) fail("--kvquant-bits: {} is not one of 2, 3, 4", b);
+  // The output path before the passes over the text, not after them.
+  report_check_writable("-o", o.out, {{"the model (-m)", o.model}, {"the text (--data)", o.data}});
   auto model = Model::load(o.model);
   const ModelConfig& c = model->config();
   if (o.ctx > c.n_ctx_train) fail("--ctx {} exceeds the model's context length {}", o.ctx, c.n_ctx_train);

@@ -2,10 +2,12 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <limits>
 #include <thread>
@@ -108,6 +110,15 @@ double bits_per_element(double bytes_per_token, const ModelConfig& cfg) {
 }
 double bits_per_element(const KvCache& c, const ModelConfig& cfg) { return bits_per_element(c.bytes_per_token(), cfg); }
 
+// The reference every format is compared with: the f16 cache in every layer. The per-layer flags
+// (--kv-layer, --kv-cache-dtype-skip-layers) shape the formats under test, not the reference.
+KvSetup f16_reference(const KvFlags& flags, const Model& m) {
+  KvFlags f = flags;
+  f.layer_overrides.clear();
+  f.skip_layers.clear();
+  return kv_flags_resolve(f, m, "f16");
+}
+
 struct Ctx {
   const EvalOptions& o;
   Model& m;
@@ -176,7 +187,7 @@ FormatRun with_static_scales(const FormatRun& r, std::shared_ptr<const nlohmann:
 void task_ppl(Ctx& c, const std::vector<int32_t>& text_ids) {
   const ModelConfig& cfg = c.m.config();
   const int nv = cfg.n_vocab;
-  const FormatRun base{"f16", kv_flags_resolve(c.o.kv, c.m, "f16"), 0, {}};
+  const FormatRun base{"f16", f16_reference(c.o.kv, c.m), 0, {}};
   size_t total = 0;
   for (int ctx : c.ctxs) total += size_t(ctx) * size_t(c.o.chunks) * (c.runs.size() + 1);
   Progress prog(c.o.progress, total);
@@ -262,7 +273,7 @@ constexpr int kNeedleAnswerTokens = 10;  // greedy tokens after the question tha
 // on all of them and report each format against the f16 cache's own outcome.
 std::vector<FormatRun> with_f16_reference(const Ctx& c) {
   std::vector<FormatRun> all;
-  all.push_back(FormatRun{"f16", kv_flags_resolve(c.o.kv, c.m, "f16"), 0, {}});
+  all.push_back(FormatRun{"f16", f16_reference(c.o.kv, c.m), 0, {}});
   for (const auto& r : c.runs) all.push_back(FormatRun{r.name, r.kv, 0, {}});
   return all;
 }
@@ -274,10 +285,22 @@ nlohmann::json vs_f16(const std::vector<bool>& ref_ok, const std::vector<bool>& 
   return {{"lost", po.lost}, {"gained", po.gained}, {"p_value", po.p_value}};
 }
 
+constexpr const char* kNeedleQuestion = "\nWhat is the secret passcode mentioned in the text above? The secret passcode is";
+std::string needle_sentence(const std::string& code) { return " The secret passcode is " + code + ". Remember it. "; }
+
+// The haystack tokens of a trial at context ctx whose needle has needle_tokens tokens; fails when
+// the context cannot hold the needle and question or the haystack is too short.
+int needle_hay_len(int ctx, size_t needle_tokens, size_t question_tokens, size_t hay_tokens) {
+  const int hay_len = ctx - int(needle_tokens + question_tokens) - 1 - (kNeedleAnswerTokens + 2);
+  if (hay_len < 16) fail("needle: context {} is too short for the needle and question", ctx);
+  if (size_t(hay_len) > hay_tokens)
+    fail("needle: the haystack has {} tokens, fewer than the {} needed for context {}", hay_tokens, hay_len, ctx);
+  return hay_len;
+}
+
 void task_needle(Ctx& c, const std::vector<int32_t>& hay_ids) {
   std::mt19937 rng(4242);
-  const std::string question = "\nWhat is the secret passcode mentioned in the text above? The secret passcode is";
-  const std::vector<int32_t> q_ids = c.tok.encode(question, false);
+  const std::vector<int32_t> q_ids = c.tok.encode(kNeedleQuestion, false);
   const int trials = c.o.needles;
   size_t total = c.ctxs.size() * c.o.depths.size() * size_t(trials) * (c.runs.size() + 1);
   Progress prog(c.o.progress, total);
@@ -285,21 +308,15 @@ void task_needle(Ctx& c, const std::vector<int32_t>& hay_ids) {
   const std::vector<FormatRun> all = with_f16_reference(c);
   std::vector<nlohmann::json> grids(all.size(), nlohmann::json::array());
   // --needle-set-out: the trials as an own-task eval set (the path was checked before the model loaded).
-  std::ofstream set_out;
-  if (!c.o.needle_set_out.empty()) {
-    set_out.open(c.o.needle_set_out, std::ios::binary | std::ios::trunc);
-    if (!set_out) fail("--needle-set-out: cannot write '{}'", c.o.needle_set_out);
-  }
+  // Written whole at the end: a failed run leaves an existing file as it was.
+  std::optional<ReportFile> set_out;
+  if (!c.o.needle_set_out.empty()) set_out.emplace("--needle-set-out", c.o.needle_set_out);
   for (int ctx : c.ctxs) {
     for (int depth : c.o.depths) {
       for (int k = 0; k < trials; ++k) {
         const std::string code = std::to_string(100000 + rng() % 900000);
-        const std::vector<int32_t> needle = c.tok.encode(" The secret passcode is " + code + ". Remember it. ", false);
-        const int hay_len = ctx - int(needle.size() + q_ids.size()) - 1 - (kNeedleAnswerTokens + 2);
-        if (hay_len < 16) fail("needle: context {} is too short for the needle and question", ctx);
-        if (size_t(hay_len) > hay_ids.size())
-          fail("needle: the haystack has {} tokens, fewer than the {} needed for context {}", hay_ids.size(), hay_len,
-               ctx);
+        const std::vector<int32_t> needle = c.tok.encode(needle_sentence(code), false);
+        const int hay_len = needle_hay_len(ctx, needle.size(), q_ids.size(), hay_ids.size());
         const size_t spare = hay_ids.size() - size_t(hay_len);
         const size_t off = trials > 1 ? spare * size_t(k) / size_t(trials - 1) : 0;
         const auto hay = hay_ids.begin() + std::ptrdiff_t(off);
@@ -310,7 +327,7 @@ void task_needle(Ctx& c, const std::vector<int32_t>& hay_ids) {
         prompt.insert(prompt.end(), needle.begin(), needle.end());
         prompt.insert(prompt.end(), hay + std::ptrdiff_t(at), hay + hay_len);
         prompt.insert(prompt.end(), q_ids.begin(), q_ids.end());
-        if (set_out.is_open()) {
+        if (set_out) {
           // The text (without BOS) for engines that tokenize it themselves; the exact tokens for
           // --task own, which then reproduces this trial bit for bit.
           const bool bos = c.tok.add_bos();
@@ -320,8 +337,7 @@ void task_needle(Ctx& c, const std::vector<int32_t>& hay_ids) {
                                        {"max_tokens", kNeedleAnswerTokens}, {"ctx", ctx},
                                        {"depth", depth},             {"trial", k},
                                        {"haystack_offset", off}};
-          set_out << line.dump() << '\n';
-          if (!set_out) fail("--needle-set-out: write to '{}' failed", c.o.needle_set_out);
+          set_out->write(line.dump() + "\n");
         }
         for (size_t f = 0; f < all.size(); ++f) {
           auto cache = make_cache(c, all[f], int(prompt.size()) + kNeedleAnswerTokens + 2);
@@ -334,6 +350,7 @@ void task_needle(Ctx& c, const std::vector<int32_t>& hay_ids) {
       }
     }
   }
+  if (set_out) set_out->commit();
   auto oks = [&](size_t f) {
     std::vector<bool> v;
     for (const auto& g : grids[f]) v.push_back(g["ok"].get<bool>());
@@ -369,6 +386,8 @@ std::vector<OwnCase> load_own(const std::string& path) {
   jsonl_for_each(path, "--own", [&](const nlohmann::json& j, int ln) {
     if (!j.is_object() || !j.contains("prompt") || !j["prompt"].is_string() || !j.contains("expected") || !j["expected"].is_string())
       fail("--own {}:{}: each line needs string fields \"prompt\" and \"expected\"", path, ln);
+    if (j.contains("match") && !j["match"].is_string())
+      fail("--own {}:{}: \"match\" must be the string \"substring\" or \"exact\"", path, ln);
     OwnCase c{j["prompt"], j["expected"], j.value("match", std::string("substring")), {}, 0, ln};
     if (c.match != "substring" && c.match != "exact")
       fail("--own {}:{}: \"match\" must be \"substring\" or \"exact\", not \"{}\"", path, ln, c.match);
@@ -409,7 +428,7 @@ void task_layers(Ctx& c, const std::vector<int32_t>& text_ids) {
   Forward fwd(c.m, c.pool, 256);
   // f16 reference: every layer's attention output
   std::vector<std::vector<float>> ref(size_t(cfg.n_layer));
-  const FormatRun base{"f16", kv_flags_resolve(c.o.kv, c.m, "f16"), 0, {}};
+  const FormatRun base{"f16", f16_reference(c.o.kv, c.m), 0, {}};
   fwd.on_attn = [&](int il, int n, const float* a) { ref[size_t(il)].insert(ref[size_t(il)].end(), a, a + size_t(n) * row); };
   {
     auto cache = make_cache(c, base, ctx);
@@ -523,31 +542,40 @@ LayerPolicy choose_layer_policy(const std::vector<FormatRun>& runs, const std::v
   return p;
 }
 
+// Tokenizes the cases that have no "prompt_tokens" (through the chat template with --chat) and
+// checks every case against the model, so that a bad case fails before any model time is spent.
+void prepare_own(std::vector<OwnCase>& cases, const EvalOptions& o, const Model& m, const Tokenizer& tok) {
+  const ChatTemplate tpl = o.chat ? chat_template_detect(m.file()) : ChatTemplate{};
+  if (o.chat && !tpl.known()) fail("--chat: the model has no chat template kvq supports");
+  for (OwnCase& oc : cases) {
+    if (oc.tokens.empty()) {
+      const std::string text = o.chat ? chat_render(tpl, {{"user", oc.prompt}}) : oc.prompt;
+      oc.tokens = tok.encode(text, true, o.chat);
+    }
+    for (int32_t id : oc.tokens)
+      if (id >= tok.n_vocab())
+        fail("--own line {}: prompt token {} is outside the model's vocabulary of {}", oc.line, id, tok.n_vocab());
+    const int max_tokens = oc.max_tokens > 0 ? oc.max_tokens : o.max_tokens;
+    if (int64_t(oc.tokens.size()) + max_tokens > m.config().n_ctx_train)
+      fail("--own line {}: a prompt of {} tokens and {} answer tokens do not fit the model's context of {}", oc.line,
+           oc.tokens.size(), max_tokens, m.config().n_ctx_train);
+  }
+}
+
+// cases: after prepare_own.
 void task_own(Ctx& c, const std::vector<OwnCase>& cases) {
   // Like needle: the f16 cache runs the same cases first, and each format reports the cases it
   // lost and gained against it (a replayed needle set gives the needle task's table).
   const std::vector<FormatRun> all = with_f16_reference(c);
   Progress prog(c.o.progress, cases.size() * all.size());
   Forward fwd(c.m, c.pool, 256);
-  const ChatTemplate tpl = c.o.chat ? chat_template_detect(c.m.file()) : ChatTemplate{};
-  if (c.o.chat && !tpl.known()) fail("--chat: the model has no chat template kvq supports");
   std::vector<bool> ref_ok;
   for (size_t f = 0; f < all.size(); ++f) {
     std::vector<bool> oks;
     nlohmann::json items = nlohmann::json::array();
     for (const auto& oc : cases) {
-      std::vector<int32_t> ids = oc.tokens;
-      if (ids.empty()) {
-        const std::string text = c.o.chat ? chat_render(tpl, {{"user", oc.prompt}}) : oc.prompt;
-        ids = c.tok.encode(text, true, c.o.chat);
-      }
-      for (int32_t id : ids)
-        if (id >= c.tok.n_vocab())
-          fail("--own line {}: prompt token {} is outside the model's vocabulary of {}", oc.line, id, c.tok.n_vocab());
+      const std::vector<int32_t>& ids = oc.tokens;
       const int max_tokens = oc.max_tokens > 0 ? oc.max_tokens : c.o.max_tokens;
-      if (int(ids.size()) + max_tokens > c.m.config().n_ctx_train)
-        fail("--own line {}: a prompt of {} tokens and {} answer tokens do not fit the model's context of {}", oc.line,
-             ids.size(), max_tokens, c.m.config().n_ctx_train);
       auto cache = make_cache(c, all[f], int(ids.size()) + max_tokens + 2);
       const std::string out = greedy_generate(c, fwd, *cache, ids, max_tokens);
       const bool hit = oc.match == "exact" ? trim(out) == trim(oc.expected) : out.find(oc.expected) != std::string::npos;
@@ -582,6 +610,8 @@ int eval_command(const EvalOptions& o) {
   if (!o.needle_set_out.empty() && !has("needle")) fail("--needle-set-out writes the trials of task needle: add --task needle");
   for (int d : o.depths)
     if (d < 0 || d > 100) fail("--depths: {} is not a percentage in [0, 100]", d);
+  for (double b : o.budget_bits)
+    if (!std::isfinite(b)) fail("--budget-bits: {} is not a number of bits in [1, 32]", b);
 
   auto model = o.f32_weights ? Model::load_f32(o.model) : Model::load(o.model);
   const ModelConfig& cfg = model->config();
@@ -591,6 +621,7 @@ int eval_command(const EvalOptions& o) {
     const int64_t v = plan_parse_count(s, "--ctx");
     if (v < 16) fail("--ctx: {} is too short (minimum 16)", v);
     if (v > cfg.n_ctx_train) fail("--ctx: {} exceeds the model's context length {}", v, cfg.n_ctx_train);
+    if (std::find(ctxs.begin(), ctxs.end(), int(v)) != ctxs.end()) fail("--ctx: {} is given twice", v);
     ctxs.push_back(int(v));
   }
   std::vector<FormatRun> runs;
@@ -604,18 +635,48 @@ int eval_command(const EvalOptions& o) {
     r.bits_per_element = bits_per_element(probe, cfg);
     runs.push_back(std::move(r));
   }
-  report_check_writable("--json-out", o.json_out);  // output paths too: before the runs, not after them
-  report_check_writable("--needle-set-out", o.needle_set_out);
-  report_check_writable("--html", o.html);
+  {  // output paths too: before the runs, not after them; none may be an input or another output
+    const std::vector<ReportPath> inputs = {{"the model (-m)", o.model},           {"the text (--data)", o.data},
+                                            {"the haystack (--haystack)", o.haystack}, {"the eval set (--own)", o.own},
+                                            {"the calibration (--kv-scales)", o.kv.scales_file}};
+    auto others = [&](std::vector<ReportPath> outs) {
+      outs.insert(outs.begin(), inputs.begin(), inputs.end());
+      return outs;
+    };
+    report_check_writable("--json-out", o.json_out,
+                          others({{"--needle-set-out", o.needle_set_out}, {"--html", o.html}}));
+    report_check_writable("--needle-set-out", o.needle_set_out, others({{"--html", o.html}}));
+    report_check_writable("--html", o.html, inputs);
+  }
   // the own-set file is validated before any model time is spent
   std::vector<OwnCase> own_cases;
-  if (has("own")) own_cases = load_own(o.own);
+  if (has("own")) {
+    own_cases = load_own(o.own);
+    prepare_own(own_cases, o, *model, tok);
+  }
+  // The texts, read and checked against every context before any task runs.
+  std::vector<int32_t> text_ids, hay_ids;
+  if (has("ppl") || has("layers")) text_ids = tok.encode(read_text_file(o.data, "--data"), false);
+  if (has("needle")) {
+    hay_ids = o.haystack.empty() && !text_ids.empty()
+                  ? text_ids
+                  : tok.encode(read_text_file(o.haystack.empty() ? o.data : o.haystack, "--haystack"), false);
+    const size_t q_tokens = tok.encode(kNeedleQuestion, false).size();
+    const size_t n_tokens = tok.encode(needle_sentence("100000"), false).size();  // a six-digit passcode's needle
+    for (int ctx : ctxs) needle_hay_len(ctx, n_tokens, q_tokens, hay_ids.size());
+  }
+  for (int ctx : ctxs) {
+    if (has("ppl") && size_t(ctx) * size_t(o.chunks) > text_ids.size())
+      fail("--data has {} tokens, fewer than {} window(s) of {} tokens", text_ids.size(), o.chunks, ctx);
+    if (has("layers") && size_t(ctx) > text_ids.size())
+      fail("--data has {} tokens, fewer than the {} of --ctx", text_ids.size(), ctx);
+  }
 
   if (!o.budget_bits.empty() && !has("layers")) fail("--budget-bits needs --task layers (its per-layer errors)");
   // Bits per element of each format's K side and V side alone (the other side f16: 16 bits).
   std::vector<double> k_bits, v_bits;
   if (!o.budget_bits.empty()) {
-    const KvSetup f16 = kv_flags_resolve(o.kv, *model, "f16");
+    const KvSetup f16 = f16_reference(o.kv, *model);
     for (const auto& r : runs)
       for (int side = 0; side < 2; ++side) {
         KvSetup one = f16;
@@ -643,7 +704,7 @@ int eval_command(const EvalOptions& o) {
   // layers first: with --budget-bits its policies join the formats the other tasks evaluate.
   nlohmann::json policies = nlohmann::json::array();
   if (has("layers")) {
-    task_layers(c, tok.encode(read_text_file(o.data, "--data"), false));
+    task_layers(c, text_ids);
     const size_t n_measured = runs.size();
     for (double budget : o.budget_bits) {
       const std::vector<FormatRun> measured(runs.begin(), runs.begin() + std::ptrdiff_t(n_measured));
@@ -670,8 +731,8 @@ int eval_command(const EvalOptions& o) {
       runs.push_back(std::move(pr));
     }
   }
-  if (has("ppl")) task_ppl(c, tok.encode(read_text_file(o.data, "--data"), false));
-  if (has("needle")) task_needle(c, tok.encode(read_text_file(o.haystack.empty() ? o.data : o.haystack, "--haystack"), false));
+  if (has("ppl")) task_ppl(c, text_ids);
+  if (has("needle")) task_needle(c, hay_ids);
   if (has("own")) task_own(c, own_cases);
 
   // cpu: the kernels' SIMD level (rounding of the integer-dot kernels differs by level, within bounds)

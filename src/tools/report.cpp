@@ -1,9 +1,15 @@
 #include "tools/report.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
+#include <filesystem>
 #include <fmt/format.h>
-#include <fstream>
 
 #include "core/error.h"
 
@@ -30,16 +36,95 @@ const char* kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", 
 
 }  // namespace
 
-void report_check_writable(const char* flag, const std::string& path) {
-  if (!path.empty() && !std::ofstream(path, std::ios::app)) fail("{}: cannot write '{}'", flag, path);
+namespace {
+
+// The path a write lands on: a symbolic link's target (rename would replace the link itself).
+std::filesystem::path write_target(const std::string& path) {
+  std::error_code ec;
+  const std::filesystem::path p(path);
+  if (std::filesystem::is_symlink(p, ec)) {
+    const std::filesystem::path t = std::filesystem::weakly_canonical(p, ec);
+    if (!ec) return t;
+  }
+  return p;
+}
+
+// A new, empty file beside `target` (O_EXCL, the umask's mode); its name in `name`.
+int open_beside(const std::filesystem::path& target, std::string& name) {
+  static std::atomic<unsigned> counter{0};
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    name = fmt::format("{}.kvq-tmp-{}-{}", target.string(), ::getpid(), counter.fetch_add(1));
+    const int fd = ::open(name.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd >= 0 || errno != EEXIST) return fd;
+  }
+  errno = EEXIST;
+  return -1;
+}
+
+}  // namespace
+
+void report_check_writable(const char* flag, const std::string& path, const std::vector<ReportPath>& others) {
+  if (path.empty()) return;
+  std::error_code ec;
+  const std::filesystem::path target = write_target(path);
+  if (std::filesystem::is_directory(target, ec)) fail("{}: '{}' is a directory", flag, path);
+  for (const ReportPath& o : others) {
+    if (o.path.empty()) continue;
+    if (o.path == path || std::filesystem::equivalent(target, o.path, ec))
+      fail("{}: '{}' is also {}; give the output another path", flag, path, o.what);
+  }
+  const bool exists = std::filesystem::exists(target, ec);
+  if (exists && ::access(target.c_str(), W_OK) != 0) fail("{}: cannot write '{}': {}", flag, path, std::strerror(errno));
+  if (exists && !std::filesystem::is_regular_file(target, ec)) return;  // a device or pipe: written in place
+  std::string tmp;
+  const int fd = open_beside(target, tmp);
+  if (fd < 0) fail("{}: cannot write '{}': {}", flag, path, std::strerror(errno));
+  ::close(fd);
+  ::unlink(tmp.c_str());
+}
+
+ReportFile::ReportFile(const char* flag, const std::string& path) : flag_(flag), path_(write_target(path).string()) {
+  std::error_code ec;
+  if (std::filesystem::exists(path_, ec) && !std::filesystem::is_regular_file(path_, ec)) {
+    // A device or pipe (/dev/stdout, a FIFO) is written in place: it has no contents to keep, and
+    // a rename would replace the node itself.
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CLOEXEC);
+  } else {
+    fd_ = open_beside(path_, tmp_);
+  }
+  if (fd_ < 0) fail("{}: cannot write '{}': {}", flag_, path, std::strerror(errno));
+}
+
+ReportFile::~ReportFile() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!tmp_.empty()) ::unlink(tmp_.c_str());
+}
+
+void ReportFile::write(const std::string& text) {
+  if (fd_ < 0) fail("{}: '{}' was already written", flag_, path_);
+  for (size_t done = 0; done < text.size();) {
+    const ssize_t n = ::write(fd_, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) fail("{}: writing '{}' failed: {}", flag_, path_, std::strerror(n < 0 ? errno : EIO));
+    done += size_t(n);
+  }
+}
+
+void ReportFile::commit() {
+  if (fd_ < 0) fail("{}: '{}' was already written", flag_, path_);
+  const int rc = ::close(fd_);  // a full disk or quota can show here, not at write
+  fd_ = -1;
+  if (rc != 0) fail("{}: writing '{}' failed: {}", flag_, path_, std::strerror(errno));
+  if (tmp_.empty()) return;  // written in place
+  if (::rename(tmp_.c_str(), path_.c_str()) != 0)
+    fail("{}: cannot replace '{}': {}", flag_, path_, std::strerror(errno));
+  tmp_.clear();
 }
 
 void report_write(const char* flag, const std::string& path, const std::string& text) {
-  std::ofstream out(path);
-  if (!out) fail("{}: cannot write '{}'", flag, path);
-  out << text;
-  out.close();  // a full disk shows here, not at open
-  if (!out) fail("{}: writing '{}' failed (disk full?)", flag, path);
+  ReportFile f(flag, path);
+  f.write(text);
+  f.commit();
 }
 
 std::string report_svg_lines(const std::string& title, const std::string& x_label, const std::string& y_label,

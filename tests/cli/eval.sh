@@ -125,6 +125,40 @@ bad "unknown scale mode" "scale-mode" eval -m "$model" --kv int8 --ctx 64 --data
 bad "centered format without calibration" "kvq calibrate" eval -m "$model" --kv int8_c --ctx 64 --data "$text"
 bad "unwritable --html, before any model time" "cannot write" eval -m "$model" --kv int8 --ctx 64 --data "$text" --html /nonexistent/dir/r.html
 bad "unknown task" "unknown task" eval -m "$model" --kv int8 --task nope --ctx 64 --data "$text"
+bad "an --own match that is not a string" "match" eval -m "$model" --kv int8 --task own --own <(printf '{"prompt": "a", "expected": "b", "match": 5}\n')
+bad "--budget-bits nan" "budget-bits" eval -m "$model" --kv fp8,int8 --task layers --budget-bits nan --ctx 64 --data "$text"
+bad "a context given twice" "twice" eval -m "$model" --kv int8 --ctx 64,64 --data "$text"
+bad "an empty item of --ctx" "empty item" eval -m "$model" --kv int8 --ctx 64,,128 --data "$text"
+bad "an empty item of --kv" "empty item" eval -m "$model" --kv=int8, --ctx 64 --data "$text"
+bad "an empty --kv" "empty" eval -m "$model" --kv '' --ctx 64 --data "$text"
+bad "an empty numeric value" "empty" run -m "$model" -n ''
+bad "a typo in --kv-cache-dtype beside -ctk and -ctv" "bogus" run -m "$model" --kv-cache-dtype bogus -ctk f16 -ctv f16 -n 1
+bad "a token group of 1" "2..1024" run -m "$model" --kv-cache-dtype kivi4@g1 -n 1
+bad "--kv-group-tokens 1" "2..1024" run -m "$model" --kv-cache-dtype kivi4 --kv-group-tokens 1 -n 1
+# a needle context the haystack cannot fill: rejected before the ppl task runs, not after it
+"$kvq" eval -m "$model" --kv int8 --task ppl,needle --ctx 128,512 --data "$text" --haystack "$tmp/short.txt" --no-progress -t 1 >/dev/null 2>"$tmp/late"
+check "a short haystack fails before any task runs" "[[ $? -ne 0 ]] && grep -q 'haystack has' $tmp/late && ! grep -q 'ppl ctx' $tmp/late"
+
+# outputs: never an input, never left partial or empty, an existing file kept on failure
+cp "$model" "$tmp/m.gguf"
+sum0=$(sha256sum <"$tmp/m.gguf")
+bad "--needle-set-out onto the model" "also the model" eval -m "$tmp/m.gguf" --kv int8 --task needle --ctx 128 --data "$text" --needle-set-out "$tmp/./m.gguf"
+bad "calibrate -o onto the model" "also the model" calibrate -m "$tmp/m.gguf" --data "$text" -o "$tmp/m.gguf"
+bad "calibrate -o onto the text" "also the text" calibrate -m "$model" --data "$text" -o "$text"
+bad "--json-out onto --html" "also --html" eval -m "$model" --kv int8 --ctx 64 --data "$text" --json-out "$tmp/r" --html "$tmp/r"
+check "the model file is intact" "[[ \$(sha256sum <$tmp/m.gguf) == '$sum0' ]]"
+echo keep >"$tmp/keep.json"
+bad "calibrate from a missing text" "cannot read" calibrate -m "$model" --data "$tmp/none.txt" -o "$tmp/keep.json"
+check "an existing output is kept when the run fails" "[[ \$(cat $tmp/keep.json) == keep ]]"
+echo keep >"$tmp/set.jsonl"
+bad "a haystack too short for the needle set" "haystack" eval -m "$model" --kv int8 --task needle --ctx 512 --haystack "$tmp/short.txt" --needle-set-out "$tmp/set.jsonl"
+check "... leaves the earlier needle set as it was" "[[ \$(cat $tmp/set.jsonl) == keep ]]"
+bad "bench without a workload" "workload" bench -m "$model" --kv f16 --json-out "$tmp/b1.json" --html "$tmp/b1.html"
+check "... leaves no empty report files" "[[ ! -e $tmp/b1.json && ! -e $tmp/b1.html ]]"
+check "no temporary files left beside the outputs" "! ls $tmp | grep -q kvq-tmp"
+# calibration entries out of layer order are refused, not read as other layers' scales
+python3 -c "import json; d=json.load(open('$tmp/calib.json')); d['layers'].reverse(); json.dump(d, open('$tmp/rev.json','w'))"
+bad "a calibration whose layers are out of order" "layer order" run -m "$model" --kv-cache-dtype int8_static --kv-scales "$tmp/rev.json" -n 1
 
 # plan --measure: measured growth per token next to the prediction
 "$kvq" plan --measure -m "$model" --ctx 256,512,1024 --kv f16 >"$tmp/m" 2>&1
