@@ -71,6 +71,20 @@ int main(int argc, char** argv) {
                  "every matmul runs the one-token kernels and decode attention keeps each KV head on one thread, "
                  "so a token's numbers do not depend on what it is batched with (AVX-512: prefill ~2.5x slower)");
 
+  // An empty value is an error for numeric options and for the items of comma-separated lists:
+  // CLI11 would read `-n ''` as 0 and drop the empty item of `--ctx 64,,128`. (Text options keep
+  // empty values: `-p ''` starts from BOS, `--allowed-origins ''` allows none.)
+  const CLI::Validator non_empty(
+      [](std::string& v) { return v.empty() ? std::string("an empty value (give one)") : std::string(); }, "", "non-empty");
+  for (auto* sc : app.get_subcommands({}))
+    for (CLI::Option* opt : sc->get_options()) {
+      if (opt->get_type_size() == 0) continue;  // flags take no value
+      const std::string t = opt->get_type_name();
+      const bool numeric = t.find("INT") != std::string::npos || t.find("FLOAT") != std::string::npos ||
+                           t.find("NUMBER") != std::string::npos;
+      if (numeric || opt->get_delimiter() != '\0') opt->check(non_empty);
+    }
+
   // A first word that is neither a flag nor a subcommand: say so (CLI11 would only ask for one).
   if (argc > 1 && argv[1][0] != '-') {
     std::string names;
@@ -82,6 +96,34 @@ int main(int argc, char** argv) {
     if (!known) {
       std::fprintf(stderr, "kvq: error: unknown subcommand '%s' (one of: %s)\n", argv[1], names.c_str());
       return 1;
+    }
+  }
+  // CLI11 drops the empty items of a comma-separated list (`--ctx 64,,128` would be 64,128):
+  // they are errors, looked for in the raw arguments of the list options of the subcommand given.
+  if (argc > 1) {
+    CLI::App* sc = nullptr;
+    for (auto* s : app.get_subcommands({}))
+      if (s->get_name() == argv[1]) sc = s;
+    for (int i = 2; sc && i < argc; ++i) {
+      std::string a = argv[i], value;
+      if (a.size() < 2 || a[0] != '-') continue;
+      bool inline_value = false;
+      if (const size_t eq = a.find('='); eq != std::string::npos && a.rfind("--", 0) == 0) {
+        value = a.substr(eq + 1);
+        a.resize(eq);
+        inline_value = true;
+      }
+      const CLI::Option* opt = sc->get_option_no_throw(a);
+      if (!opt || opt->get_delimiter() == '\0' || opt->get_type_size() == 0) continue;
+      if (!inline_value) {
+        if (i + 1 >= argc) continue;  // CLI11 reports the missing value
+        value = argv[++i];
+      }
+      const char d = opt->get_delimiter();
+      if (!value.empty() && (value.front() == d || value.back() == d || value.find(std::string(2, d)) != std::string::npos)) {
+        std::fprintf(stderr, "kvq: error: %s: '%s' has an empty item\n", a.c_str(), value.c_str());
+        return 2;
+      }
     }
   }
   try {

@@ -28,4 +28,23 @@ inline std::vector<std::string> split_list(std::string_view s) {
   return out;
 }
 
+// A string read from a file (GGUF metadata), made safe to print in an error message: control
+// bytes (a NUL that would cut the message, terminal escapes) as \xNN, at most max_bytes shown.
+inline std::string printable(std::string_view s, size_t max_bytes = 120) {
+  static const char* hex = "0123456789abcdef";
+  std::string o;
+  for (size_t i = 0; i < s.size() && i < max_bytes; ++i) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c < 0x20 || c == 0x7f) {
+      o += "\\x";
+      o += hex[c >> 4];
+      o += hex[c & 15];
+    } else {
+      o += char(c);
+    }
+  }
+  if (s.size() > max_bytes) o += "...";
+  return o;
+}
+
 }  // namespace kvq

@@ -343,6 +343,7 @@ std::unique_ptr<File> File::parse(const uint8_t* data, size_t size, const std::s
 std::unique_ptr<File> File::open(const std::string& path) {
   std::unique_ptr<File> f(new File());
   f->path_ = path;
+  if (path.empty()) fail("the model path is empty (give a GGUF file)");
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) fail("{}: cannot open: {}", path, std::strerror(errno));
   struct stat st {};

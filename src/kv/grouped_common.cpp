@@ -14,8 +14,9 @@ void kv_check_grouped_params(const char* name, int head_dim, int group_tokens,
   if (group_tokens < 1)
     fail("{}: group_tokens must be >= 1 (got {})", name, group_tokens);
   if (residual_tokens < 0 || residual_tokens % group_tokens != 0)
-    fail("{}: residual_tokens must be a non-negative multiple of group_tokens {} (got {})", name,
-         group_tokens, residual_tokens);
+    fail("{}: the full-precision window (residual_tokens, --kv-residual-tokens) must be a non-negative multiple "
+         "of the token group ({}: --kv-group-tokens or @gN); got {}",
+         name, group_tokens, residual_tokens);
 }
 
 void kv_check_block(const std::string& name, int block_tokens) {

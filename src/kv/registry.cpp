@@ -147,9 +147,9 @@ int kv_parse_group_suffix(const std::string& suffix, const std::string& where) {
   const char* b = suffix.data() + 2;
   const char* e = suffix.data() + suffix.size();
   const bool ok = suffix.size() > 2 && suffix.compare(0, 2, "@g") == 0 && std::from_chars(b, e, n).ptr == e &&
-                  n >= 1 && n <= 1024;
+                  n >= 2 && n <= 1024;
   if (!ok)
-    fail("{}: '{}' is not a token-group suffix: expected @gN with N in 1..1024 (e.g. kvquant3@g128)", where,
+    fail("{}: '{}' is not a token-group suffix: expected @gN with N in 2..1024 (e.g. kvquant3@g128)", where,
          suffix);
   return n;
 }

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/strings.h"
 #include "gguf/gguf.h"
 
 namespace kvq {
@@ -25,7 +26,7 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
   if (!arch) fail("{}: missing metadata key 'general.architecture'", f.path());
   c.arch = *arch;
   if (c.arch != "llama" && c.arch != "gemma3")
-    fail("{}: unsupported architecture '{}' (supported: llama, gemma3)", f.path(), c.arch);
+    fail("{}: unsupported architecture '{}' (supported: llama, gemma3)", f.path(), printable(c.arch));
   c.name = f.get_string("general.name").value_or(c.arch);
   const std::string a = c.arch + ".";
   auto req = [&](const char* k) { return int(positive(f, a + k, require_int(f, a + k))); };
@@ -51,7 +52,7 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
   if (auto st = f.get_string(a + "rope.scaling.type"); st && *st == "linear") {
     c.rope_scale = float(f.get_float(a + "rope.scaling.factor").value_or(1.0));
   } else if (st && *st != "none") {
-    fail("{}: rope scaling type '{}' is not supported (supported: none, linear)", f.path(), *st);
+    fail("{}: rope scaling type '{}' is not supported (supported: none, linear)", f.path(), printable(*st));
   }
   if (!(c.rope_base > 1 && std::isfinite(c.rope_base)))
     fail("{}: RoPE frequency base {} must be a finite number > 1", f.path(), c.rope_base);

@@ -49,6 +49,8 @@ Sampler::Sampler(const SamplerParams& p) : p_(p), rng_(p.seed) {
   if (!(p_.top_p > 0 && p_.top_p <= 1)) fail("top_p must be in (0, 1] (got {})", p_.top_p);
   if (!(p_.min_p >= 0 && p_.min_p <= 1)) fail("min_p must be in [0, 1] (got {})", p_.min_p);
   if (!(p_.repeat_penalty > 0)) fail("repeat penalty must be > 0 (got {})", p_.repeat_penalty);
+  if (p_.top_k < -1) fail("top_k must be >= 0, or -1 for off (got {})", p_.top_k);
+  if (p_.repeat_last_n < -1) fail("repeat_last_n must be >= 0, or -1 for the whole context (got {})", p_.repeat_last_n);
   if (!std::isfinite(p_.presence_penalty) || !std::isfinite(p_.frequency_penalty))
     fail("presence / frequency penalties must be finite (got {} / {})", p_.presence_penalty, p_.frequency_penalty);
   for (const auto& [t, b] : p_.logit_bias)

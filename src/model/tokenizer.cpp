@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include "core/error.h"
+#include "core/strings.h"
 #include "model/unicode.h"
 
 namespace kvq {
@@ -155,7 +156,7 @@ Tokenizer Tokenizer::from_gguf(const gguf::File& f) {
   } else if (*model == "gpt2") {
     t.kind_ = Kind::bpe;
   } else {
-    fail("{}: tokenizer.ggml.model = '{}' is not supported (supported: llama, gpt2)", f.path(), *model);
+    fail("{}: tokenizer.ggml.model = '{}' is not supported (supported: llama, gpt2)", f.path(), printable(*model));
   }
 
   auto tokens = f.get_string_array("tokenizer.ggml.tokens");
@@ -234,7 +235,7 @@ Tokenizer Tokenizer::from_gguf(const gguf::File& f) {
         break;
       case TokenType::byte: {
         const int b = parse_byte_piece(p);
-        if (b < 0) fail("{}: byte token {} is '{}', expected <0xXX>", f.path(), i, p);
+        if (b < 0) fail("{}: byte token {} is '{}', expected <0xXX>", f.path(), i, printable(p));
         t.decoded_[i] = std::string(1, static_cast<char>(b));
         if (t.byte_token_[b] < 0) t.byte_token_[b] = i;
         break;
@@ -273,7 +274,7 @@ Tokenizer Tokenizer::from_gguf(const gguf::File& f) {
       // pieces never hold a plain space (the byte alphabet moves it to U+0120), so the first
       // space after the first character separates the pair
       const size_t sp = m.find(' ', 1);
-      if (sp == std::string::npos) fail("{}: merge {} ('{}') is not 'left right'", f.path(), r, m);
+      if (sp == std::string::npos) fail("{}: merge {} ('{}') is not 'left right'", f.path(), r, printable(m));
       const int32_t l = t.find_token(std::string_view(m).substr(0, sp));
       const int32_t rt = t.find_token(std::string_view(m).substr(sp + 1));
       const int32_t merged = t.find_token(std::string(m, 0, sp) + m.substr(sp + 1));
@@ -286,7 +287,7 @@ Tokenizer Tokenizer::from_gguf(const gguf::File& f) {
       t.split_digits_ = true;
     } else if (pre != "gpt2" && pre != "default") {
       fail("{}: pre-tokenizer tokenizer.ggml.pre = '{}' is not supported (supported: gpt2, default, "
-           "smollm, starcoder, refact)", f.path(), pre);
+           "smollm, starcoder, refact)", f.path(), printable(pre));
     }
   } else {
     for (int b = 0; b < 256; ++b) {

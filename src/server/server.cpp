@@ -128,8 +128,11 @@ ApiRequest parse_common(const json& body) {
     r.params.ignore_eos = body["ignore_eos"].get<bool>();
   }
   if (body.contains("top_k") && !body["top_k"].is_null()) {
-    if (!body["top_k"].is_number_integer()) throw ApiError{"'top_k' must be an integer", "top_k"};
-    s.top_k = body["top_k"].get<int>();
+    const json& v = body["top_k"];
+    if (!v.is_number_integer() || (v.is_number_unsigned() ? v.get<uint64_t>() > uint64_t(INT32_MAX)
+                                                          : v.get<int64_t>() < -1 || v.get<int64_t>() > INT32_MAX))
+      throw ApiError{"'top_k' must be an integer >= 0 (-1 or 0: off)", "top_k"};
+    s.top_k = v.get<int>();
   }
   if (body.contains("seed") && !body["seed"].is_null()) {
     if (!body["seed"].is_number_integer()) throw ApiError{"'seed' must be an integer", "seed"};

@@ -89,6 +89,13 @@ KvPolicy resolve_formats(const KvFlags& f, const std::string& format, int n_laye
   if (f.cache_type_k_given && f.cache_type_k.empty()) fail("--cache-type-k (-ctk): the format name is empty ({})", valid);
   if (f.cache_type_v_given && f.cache_type_v.empty()) fail("--cache-type-v (-ctv): the format name is empty ({})", valid);
   if (f.cache_type_k.empty() && f.cache_type_v.empty()) return kv_policy_uniform(kv, n_layer);
+  // Even when -ctk and -ctv replace both of its sides, a --kv-cache-dtype given is checked: a typo
+  // there is not silently ignored.
+  try {
+    kv_policy_uniform(kv, n_layer);
+  } catch (const Error& e) {
+    fail("--kv-cache-dtype: {}", e.what());
+  }
   for (const auto& [flag, side] : {std::pair{"--cache-type-k (-ctk)", &f.cache_type_k},
                                    std::pair{"--cache-type-v (-ctv)", &f.cache_type_v}})
     if (side->find('/') != std::string::npos)
@@ -132,6 +139,11 @@ KvSetup kv_flags_resolve(const KvFlags& f, const Model& m, const std::string& fo
     if (const auto [it, fresh] = overridden.emplace(il, o); !fresh)
       fail("--kv-layer: layer {} is given twice ('{}' and '{}'); give each layer once", il, it->second, o);
   }
+  if (!overridden.empty()) {  // the name says which layers differ from the format it names
+    std::string specs;
+    for (const auto& [il, spec] : overridden) specs += (specs.empty() ? "" : ",") + spec;
+    p.name += " layers(" + specs + ")";
+  }
   if (f.scales_file == "qk-norm") {
     s.calib = std::make_shared<const nlohmann::json>(kv_qk_norm_calib(m));
   } else if (!f.scales_file.empty()) {
@@ -142,9 +154,22 @@ KvSetup kv_flags_resolve(const KvFlags& f, const Model& m, const std::string& fo
       fail("--kv-scales '{}': malformed JSON (a calibration from kvq calibrate -o FILE, or qk-norm): {}",
            f.scales_file, e.what());
     }
+    // The formats read a layer's entry by its place in "layers": an entry that names another
+    // layer would hand one layer's scales to another.
+    if (s.calib->is_object() && s.calib->contains("layers") && (*s.calib)["layers"].is_array()) {
+      const auto& layers = (*s.calib)["layers"];
+      for (size_t i = 0; i < layers.size(); ++i) {
+        const auto& e = layers[i];
+        if (!e.is_object() || !e.contains("layer")) continue;
+        if (!e["layer"].is_number_integer() || e["layer"].get<int64_t>() != int64_t(i))
+          fail("--kv-scales '{}': entry {} of \"layers\" names layer {}; the entries must be in layer order, "
+               "entry i for layer i (as kvq calibrate writes them)",
+               f.scales_file, i, e["layer"].dump());
+      }
+    }
   }
-  if (f.group_tokens < 0 || f.group_tokens > 4096)
-    fail("--kv-group-tokens: {} is out of range (1..4096, or 0 for the format's default)", f.group_tokens);
+  if (f.group_tokens < 0 || f.group_tokens == 1 || f.group_tokens > 1024)
+    fail("--kv-group-tokens: {} is out of range (2..1024, as @gN; or 0 for the format's default)", f.group_tokens);
   if (f.residual_tokens < -1 || f.residual_tokens > (1 << 20))
     fail("--kv-residual-tokens: {} is out of range (0..1048576, or -1 for the format's default)", f.residual_tokens);
   if (f.outlier_fraction != -1 && !(f.outlier_fraction >= 0 && f.outlier_fraction <= 0.125))
