@@ -2,6 +2,8 @@
 // model readers (presets, config.json, GGUF), and rejection of bad input.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -474,20 +476,22 @@ TEST(Plan, HfConfigRejectsImpossibleHeadShapes) {
   EXPECT_THROW(plan_compute(m, c), Error);
 }
 
-// A GGUF with per-layer KV head counts and an explicit per-layer sliding-window pattern.
+// A GGUF with per-layer KV head counts and an explicit per-layer sliding-window pattern (an
+// architecture kvq does not run, so the planner reads it from the metadata alone).
 TEST(Plan, GgufPerLayerMetadata) {
   test::GgufWriter w;
-  w.add_string("general.architecture", "llama");
-  w.add_u32("llama.block_count", 4);
-  w.add_u32("llama.embedding_length", 256);
-  w.add_u32("llama.feed_forward_length", 512);
-  w.add_u32("llama.attention.head_count", 4);
-  w.add_i32_array("llama.attention.head_count_kv", {2, 1, 2, 4});
-  w.add_u32("llama.context_length", 2048);
-  w.add_u32("llama.attention.sliding_window", 128);
-  w.add_array("llama.attention.sliding_window_pattern", gguf::ValueType::boolean,
+  w.add_string("general.architecture", "openelm");
+  w.add_u32("openelm.block_count", 4);
+  w.add_u32("openelm.embedding_length", 256);
+  w.add_u32("openelm.feed_forward_length", 512);
+  w.add_u32("openelm.attention.head_count", 4);
+  w.add_i32_array("openelm.attention.head_count_kv", {2, 1, 2, 4});
+  w.add_u32("openelm.context_length", 2048);
+  w.add_u32("openelm.attention.sliding_window", 128);
+  w.add_array("openelm.attention.sliding_window_pattern", gguf::ValueType::boolean,
               {test::gv::boolean(true), test::gv::boolean(false), test::gv::boolean(true), test::gv::boolean(false)});
   w.add_tensor("token_embd.weight", GgmlType::F16, {256, 100});
+  for (int il = 0; il < 4; ++il) w.add_tensor("blk." + std::to_string(il) + ".attn_norm.weight", GgmlType::F32, {256});
   std::vector<uint8_t> img = w.build();
   auto f = gguf::File::parse(img.data(), img.size(), "synthetic.gguf");
   PlanModel m = plan_model_from_gguf(*f);
@@ -498,7 +502,7 @@ TEST(Plan, GgufPerLayerMetadata) {
   EXPECT_EQ(m.layers[0].window, 128);
   EXPECT_EQ(m.layers[1].window, 0);
   EXPECT_EQ(m.n_vocab, 100);
-  EXPECT_EQ(m.weights_bytes, 256 * 100 * 2);
+  EXPECT_EQ(m.weights_bytes, 256 * 100 * 2 + 4 * 256 * 4);
   PlanConfig c;
   c.formats = {"f16"};
   c.ctx = {1024};
@@ -744,6 +748,269 @@ TEST(Plan, SplitFormatsAndGroupSuffixes) {
   // A shorter group costs more bytes per token.
   EXPECT_GT(plan_format_cost(m, c, "kvquant3/tq2.5_s").per_token_bytes, split.per_token_bytes);
   EXPECT_THROW(plan_format_cost(m, c, "kvquant3@gx"), Error);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Model shapes out of range, overflow, metadata that contradicts the tensors, the --tp label.
+
+namespace {
+
+// f16 only, one row: 4K tokens x 1 sequence.
+PlanOptions one_row_options() {
+  PlanOptions o;
+  o.kv = std::string("f16");
+  o.ctx = std::string("4K");  // (a literal assigned here trips GCC 12's -Wrestrict false positive)
+  o.batch = std::string("1");
+  return o;
+}
+
+// Runs `kvq plan --config` on a config.json written from `cfg` (f16 only, one row).
+CmdResult plan_config(const nlohmann::json& cfg, const std::string& name) {
+  const std::string path = temp_path(name);
+  write_file(path, cfg.dump());
+  PlanOptions o = one_row_options();
+  o.config_path = path;
+  CmdResult r = run_plan(o);
+  std::filesystem::remove(path);
+  return r;
+}
+
+nlohmann::json llama8b_config() {
+  return {{"model_type", "llama"}, {"num_hidden_layers", 32}, {"num_attention_heads", 32},
+          {"num_key_value_heads", 8}, {"hidden_size", 4096}, {"intermediate_size", 14336},
+          {"vocab_size", 128256}, {"max_position_embeddings", 131072}, {"torch_dtype", "bfloat16"}};
+}
+
+// A small GGUF: 4 query heads of 16 dims (embedding 64), `kv_heads` KV heads in the metadata and
+// `kv_heads_tensors` in the K/V projections of the first `tensor_layers` layers.
+struct TinyGguf {
+  std::string arch = "qwen2";
+  int64_t block_count = 4;
+  int tensor_layers = 4;
+  int kv_heads = 2;
+  int kv_heads_tensors = 2;
+  std::optional<uint32_t> context_length = 2048;
+  double rms_eps = 1e-5;
+  bool tensors = true;
+
+  std::string write(const std::string& name) const {
+    test::GgufWriter w;
+    const std::string a = arch + ".";
+    w.add_string("general.architecture", arch);
+    w.add_u64(a + "block_count", uint64_t(block_count));
+    w.add_u32(a + "embedding_length", 64);
+    w.add_u32(a + "feed_forward_length", 128);
+    w.add_u32(a + "attention.head_count", 4);
+    w.add_u32(a + "attention.head_count_kv", uint32_t(kv_heads));
+    if (context_length) w.add_u32(a + "context_length", *context_length);
+    w.add_f32(a + "attention.layer_norm_rms_epsilon", float(rms_eps));
+    std::vector<std::string> tokens;
+    for (int i = 0; i < 32; ++i) tokens.push_back(std::to_string(i));
+    w.add_string_array("tokenizer.ggml.tokens", tokens);
+    if (tensors) {
+      w.add_tensor("token_embd.weight", GgmlType::F16, {64, 32});
+      w.add_tensor("output_norm.weight", GgmlType::F32, {64});
+      for (int il = 0; il < tensor_layers; ++il) {
+        const std::string p = "blk." + std::to_string(il) + ".";
+        w.add_tensor(p + "attn_norm.weight", GgmlType::F32, {64});
+        w.add_tensor(p + "attn_k.weight", GgmlType::F16, {64, int64_t(kv_heads_tensors) * 16});
+        w.add_tensor(p + "attn_v.weight", GgmlType::F16, {64, int64_t(kv_heads_tensors) * 16});
+      }
+    }
+    const std::string path = temp_path(name);
+    w.write(path);
+    return path;
+  }
+};
+
+CmdResult plan_gguf(const TinyGguf& g, const std::string& name) {
+  const std::string path = g.write(name);
+  PlanOptions o = one_row_options();
+  o.model_path = path;
+  CmdResult r = run_plan(o);
+  std::filesystem::remove(path);
+  return r;
+}
+
+// Bad input: exit 1, nothing on stdout, one line on stderr holding every needle.
+void expect_rejected(const CmdResult& r, const std::vector<std::string>& needles, const std::string& what) {
+  EXPECT_EQ(r.rc, 1) << what << "\nstdout: " << r.out;
+  EXPECT_EQ(r.out, "") << what;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << what << ": " << r.err;
+  for (const std::string& n : needles) EXPECT_NE(r.err.find(n), std::string::npos) << what << ": " << r.err;
+}
+
+}  // namespace
+
+// Sizes far past any model are range errors naming the field and its range, raised before the
+// planner sizes anything from them (200M layers used to grow to 24 GB; 2^31-1 heads ran out of
+// memory sizing placeholder calibration).
+TEST(Plan, HfConfigFieldsOutOfRange) {
+  struct Case {
+    const char* field;
+    int64_t value;
+    const char* range;
+  };
+  for (const Case& c : {Case{"num_hidden_layers", 200000000, "1..4096"}, Case{"num_hidden_layers", 2000000000, "1..4096"},
+                        Case{"num_hidden_layers", 4097, "1..4096"}, Case{"num_attention_heads", 2147483647, "1..2^16"},
+                        Case{"num_key_value_heads", 2147483647, "1..2^16"}, Case{"head_dim", 1 << 20, "1..2^16"},
+                        Case{"hidden_size", 2147483647, "1..2^20"}, Case{"intermediate_size", (1 << 20) + 1, "1..2^20"},
+                        Case{"vocab_size", (1 << 24) + 1, "1..2^24"},
+                        Case{"max_position_embeddings", int64_t(1) << 31, "1..2^30"},
+                        Case{"sliding_window", int64_t(1) << 31, "1..2^30"}}) {
+    nlohmann::json cfg = llama8b_config();
+    cfg[c.field] = c.value;
+    const std::string what = std::string(c.field) + " = " + std::to_string(c.value);
+    expect_rejected(plan_config(cfg, "range.json"), {std::string("'") + c.field + "'", c.range, std::to_string(c.value)}, what);
+  }
+  // heads x head_dim is bounded too: 65536 heads of 128 dims.
+  nlohmann::json cfg = llama8b_config();
+  cfg["num_attention_heads"] = 65536;
+  cfg["num_key_value_heads"] = 65536;
+  cfg["head_dim"] = 128;
+  expect_rejected(plan_config(cfg, "width.json"), {"num_attention_heads 65536 x head dimension 128", "2^18"}, "width");
+
+  // The largest shapes inside the bounds are planned; every preset is inside them.
+  cfg = llama8b_config();
+  cfg["num_hidden_layers"] = 4096;
+  cfg["num_attention_heads"] = 512;
+  cfg["num_key_value_heads"] = 512;
+  cfg["head_dim"] = 512;
+  cfg["hidden_size"] = 1 << 20;
+  cfg["intermediate_size"] = 1 << 20;
+  cfg["vocab_size"] = 1 << 24;
+  cfg["max_position_embeddings"] = 1 << 30;
+  CmdResult r = plan_config(cfg, "largest.json");
+  EXPECT_EQ(r.rc, 0) << r.err;
+  for (const PlanPreset& p : plan_presets()) {
+    PlanConfig c;
+    c.formats = {"f16"};
+    c.ctx = {4096};
+    c.batch = {1};
+    EXPECT_NO_THROW(plan_compute(plan_model_from_preset(p.name, 16), c)) << p.name;
+  }
+}
+
+// The parameter count cannot wrap: hidden, intermediate and vocabulary sizes of 2^31-1 used to
+// print a negative parameter count and exit 0.
+TEST(Plan, ParameterCountNeverWraps) {
+  nlohmann::json cfg = llama8b_config();
+  cfg["hidden_size"] = 2147483647;
+  cfg["intermediate_size"] = 2147483647;
+  cfg["vocab_size"] = 2147483647;
+  cfg["head_dim"] = 128;
+  expect_rejected(plan_config(cfg, "overflow.json"), {"'hidden_size'", "1..2^20"}, "2^31-1 sizes");
+
+  // At the bounds the count is exact: the same sum in 128-bit arithmetic.
+  cfg = llama8b_config();
+  cfg["num_hidden_layers"] = 4096;
+  cfg["num_attention_heads"] = 512;
+  cfg["num_key_value_heads"] = 512;
+  cfg["head_dim"] = 512;
+  cfg["hidden_size"] = 1 << 20;
+  cfg["intermediate_size"] = 1 << 20;
+  cfg["vocab_size"] = 1 << 24;
+  cfg["torch_dtype"] = "float32";
+  PlanModel m = plan_model_from_hf_config(cfg, std::nullopt);
+  const __int128 e = 1 << 20, q = 512 * 512, ff = 1 << 20, v = 1 << 24;
+  const __int128 want = 4096 * (e * q * 4 + 3 * e * ff + 2 * e) + 2 * v * e + e;
+  ASSERT_LT(want * 4, __int128(INT64_MAX));
+  EXPECT_EQ(m.n_params, int64_t(want));
+  EXPECT_EQ(m.weights_bytes, int64_t(want * 4));
+
+  // Shapes past the bounds, built by hand: an error, not a wrapped number.
+  PlanPreset p;
+  p.name = "huge";
+  p.n_layers = 2147483647;
+  p.n_heads = p.n_kv_heads = p.head_dim = 2147483647;
+  p.n_embd = p.n_ff = p.n_vocab = 2147483647;
+  try {
+    plan_dense_params(p);
+    ADD_FAILURE() << "no error for a parameter count past 2^63";
+  } catch (const Error& e2) {
+    EXPECT_NE(std::string(e2.what()).find("exceeds 2^63"), std::string::npos) << e2.what();
+  }
+  PlanModel big = plan_model_from_preset("llama-3.1-8b", 16);
+  big.n_embd = 2147483647;
+  PlanConfig c;
+  c.formats = {"f16"};
+  EXPECT_THROW(plan_compute(big, c), Error);
+}
+
+// GGUF metadata is checked against the tensor index, for any architecture: the layer count, the
+// K/V projection shapes, a file without tensors; and context 0, non-finite values, counts past
+// the bounds. For the architectures kvq runs, the engine's own metadata checks apply as well.
+TEST(Plan, GgufMetadataMustMatchTheTensors) {
+  for (const std::string arch : {"qwen2", "llama"}) {
+    TinyGguf g;
+    g.arch = arch;
+    CmdResult ok = plan_gguf(g, "ok.gguf");
+    ASSERT_EQ(ok.rc, 0) << arch << ": " << ok.err;
+    EXPECT_NE(ok.out.find("4 layers, 4 heads, 2 KV heads, head_dim 16"), std::string::npos) << ok.out;
+
+    TinyGguf b = g;
+    b.block_count = 100;
+    b.tensor_layers = 5;
+    expect_rejected(plan_gguf(b, "layers.gguf"), {"'" + arch + ".block_count' = 100", "no tensors for layer 5"},
+                    arch + ": 100 layers, tensors for 5");
+    b = g;
+    b.tensor_layers = 5;
+    expect_rejected(plan_gguf(b, "extra.gguf"), {"'blk.4.attn_norm.weight'", "block_count' = 4"},
+                    arch + ": a tensor past block_count");
+    b = g;
+    b.tensors = false;
+    expect_rejected(plan_gguf(b, "empty.gguf"), {"no tensors"}, arch + ": no tensors");
+    b = g;
+    b.context_length = 0;
+    expect_rejected(plan_gguf(b, "ctx0.gguf"), {"'" + arch + ".context_length' = 0", "1..2^30"}, arch + ": context 0");
+    b = g;
+    b.kv_heads = 4;  // the projections hold 2 heads of 16
+    expect_rejected(plan_gguf(b, "kv.gguf"),
+                    {"'blk.0.attn_k.weight' has 32 outputs", "'" + arch + ".attention.head_count_kv' x key_length = 4 x 16 = 64"},
+                    arch + ": head_count_kv against attn_k");
+    b = g;
+    b.rms_eps = std::nan("");
+    expect_rejected(plan_gguf(b, "nan.gguf"), {"'" + arch + ".attention.layer_norm_rms_epsilon' = nan", "not a finite number"},
+                    arch + ": NaN epsilon");
+    b = g;
+    b.block_count = int64_t(1) << 29;
+    expect_rejected(plan_gguf(b, "2p29.gguf"), {"'" + arch + ".block_count' = 536870912", "1..4096"}, arch + ": 2^29 layers");
+  }
+  // An epsilon of 2 is finite, and the planner does not read it; the engine rejects it for llama.
+  TinyGguf g;
+  g.rms_eps = 2;
+  EXPECT_EQ(plan_gguf(g, "eps2.gguf").rc, 0);
+  g.arch = "llama";
+  expect_rejected(plan_gguf(g, "eps2.gguf"), {"RMS norm epsilon 2"}, "llama: epsilon 2");
+}
+
+// With more devices than KV heads each device holds a replica of one head: the label says so
+// rather than "KV heads / tp".
+TEST(Plan, TensorParallelLabelSaysWhatIsComputed) {
+  PlanOptions o;
+  o.preset = "smollm2-135m";  // 3 KV heads
+  o.kv = "f16";
+  o.ctx = "4K";
+  o.batch = "1";
+  o.tp = 9;
+  CmdResult r = run_plan(o);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("KV per device (3 KV heads on 9 devices: 1 per device, each head replicated on 3 devices):"),
+            std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("KV heads / 9"), std::string::npos) << r.out;
+  // The figure under it: one head of three, 1/3 of the whole model's KV.
+  PlanModel m = plan_model_from_preset("smollm2-135m", 16);
+  PlanConfig c;
+  c.formats = {"f16"};
+  c.ctx = {4096};
+  c.batch = {1};
+  c.tp = 9;
+  const PlanRow row = plan_compute(m, c).rows[0];
+  EXPECT_EQ(row.kv_bytes_device * 3, row.kv_bytes);
+  o.tp = 3;
+  r = run_plan(o);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("KV per device (3 KV heads / 3 = 1 per device):"), std::string::npos) << r.out;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@
 #include "core/strings.h"
 #include "gguf/gguf.h"
 #include "kvq/kv_format.h"
+#include "model/config.h"
 
 namespace kvq {
 
@@ -37,6 +38,30 @@ constexpr int64_t kMaxContextSearch = int64_t(1) << 40;
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 // Largest --gpu-mem: 1e9 GiB keeps every byte count of the plan well inside int64.
 constexpr double kMaxGpuMemGiB = 1e9;
+
+// Bounds on a model's shape, checked on config.json fields and GGUF metadata before anything is
+// sized from them. Each is far above the largest public model (in parentheses), and together they
+// keep the parameter count below 2^56 and every per-layer figure small.
+constexpr int64_t kMaxLayers = 4096;            // 126 (Llama 3.1 405B)
+constexpr int64_t kMaxHeads = 65536;            // 128 (Llama 3.1 405B, DeepSeek-V3)
+constexpr int64_t kMaxHeadDim = 65536;          // 256 (Gemma), 576 (DeepSeek's MLA keys)
+// heads x head_dim, query and KV alike: 24,576 (DeepSeek-V3 queries), 14,336 (BLOOM's KV).
+// Codecs that need calibration are sized with placeholder artifacts of this width.
+constexpr int64_t kMaxAttnWidth = int64_t(1) << 18;
+constexpr int64_t kMaxEmbd = int64_t(1) << 20;  // 16,384 (Llama 3.1 405B)
+constexpr int64_t kMaxFf = int64_t(1) << 20;    // 53,248 (Llama 3.1 405B)
+constexpr int64_t kMaxVocab = int64_t(1) << 24; // 262,208 (Gemma 3)
+// Trained context and sliding window: the engine's own metadata bound (model_config_from_gguf);
+// 10,485,760 (Llama 4 Scout). Informational here, nothing is sized from it.
+constexpr int64_t kMaxContext = int64_t(1) << 30;
+
+// A bound as the error messages give it: powers of two from 2^16 up as "2^18", others in digits.
+std::string bound_text(int64_t hi) {
+  if (hi >= 65536 && (hi & (hi - 1)) == 0) return fmt::format("2^{}", __builtin_ctzll(uint64_t(hi)));
+  return std::to_string(hi);
+}
+// "1..4096", "1..2^20"
+std::string range_text(int64_t lo, int64_t hi) { return fmt::format("{}..{}", lo, bound_text(hi)); }
 
 std::string lower(std::string_view s) {
   std::string r(s);
@@ -105,15 +130,30 @@ int kv_heads_per_device(int n_kv_heads, int tp) {
 }
 
 void validate_model(const PlanModel& m) {
-  if (m.n_layers <= 0) fail("{}: layer count must be positive (got {})", m.name, m.n_layers);
+  if (m.n_layers <= 0 || m.n_layers > kMaxLayers)
+    fail("{}: layer count {} is out of range ({})", m.name, m.n_layers, range_text(1, kMaxLayers));
   if (m.n_heads <= 0 || m.head_dim <= 0) fail("{}: {} heads of {} dims is not a valid attention shape", m.name, m.n_heads, m.head_dim);
+  if (m.n_heads > kMaxHeads || m.head_dim > kMaxHeadDim || int64_t(m.n_heads) * m.head_dim > kMaxAttnWidth)
+    fail("{}: {} heads of {} dims is out of range (heads {}, head_dim {}, heads x head_dim at most {})", m.name,
+         m.n_heads, m.head_dim, range_text(1, kMaxHeads), range_text(1, kMaxHeadDim), bound_text(kMaxAttnWidth));
   if (m.n_embd < 0 || m.n_ff < 0 || m.n_vocab < 0) fail("{}: negative model dimensions", m.name);
+  if (m.n_embd > kMaxEmbd || m.n_ff > kMaxFf || m.n_vocab > kMaxVocab)
+    fail("{}: hidden size {}, FFN size {}, vocabulary {}: out of range (hidden {}, FFN {}, vocabulary {})", m.name,
+         m.n_embd, m.n_ff, m.n_vocab, range_text(0, kMaxEmbd), range_text(0, kMaxFf), range_text(0, kMaxVocab));
+  if (m.ctx_train < 0 || m.ctx_train > kMaxContext)
+    fail("{}: trained context {} is out of range ({}; 0 = unknown)", m.name, m.ctx_train, range_text(0, kMaxContext));
   if (int(m.layers.size()) != m.n_layers) fail("{}: {} layer entries for {} layers", m.name, m.layers.size(), m.n_layers);
   for (size_t il = 0; il < m.layers.size(); ++il) {
     const PlanLayer& l = m.layers[il];
     if (l.n_kv_heads <= 0 || l.head_dim_k <= 0 || l.head_dim_v <= 0 || l.window < 0)
       fail("{}: layer {} has an invalid shape ({} KV heads, key dim {}, value dim {}, window {})",
            m.name, il, l.n_kv_heads, l.head_dim_k, l.head_dim_v, l.window);
+    if (l.n_kv_heads > kMaxHeads || l.head_dim_k > kMaxHeadDim || l.head_dim_v > kMaxHeadDim ||
+        int64_t(l.n_kv_heads) * std::max(l.head_dim_k, l.head_dim_v) > kMaxAttnWidth || l.window > kMaxContext)
+      fail("{}: layer {} is out of range ({} KV heads, key dim {}, value dim {}, window {}; KV heads {}, dims {}, "
+           "KV heads x dim at most {}, window at most {})",
+           m.name, il, l.n_kv_heads, l.head_dim_k, l.head_dim_v, l.window, range_text(1, kMaxHeads),
+           range_text(1, kMaxHeadDim), bound_text(kMaxAttnWidth), bound_text(kMaxContext));
     // Grouped-query attention: every KV head serves the same number of query heads.
     if (m.n_heads % l.n_kv_heads)
       fail("{}: layer {} has {} KV heads for {} query heads; the query heads must divide evenly among the KV heads",
@@ -190,17 +230,42 @@ const PlanPreset& plan_preset_find(const std::string& name) {
 }
 
 int64_t plan_dense_params(const PlanPreset& p) {
-  const int64_t e = p.n_embd, q = int64_t(p.n_heads) * p.head_dim, kv = int64_t(p.n_kv_heads) * p.head_dim;
-  int64_t layer = e * q + 2 * e * kv + q * e;   // Wq, Wk, Wv, Wo
-  if (p.qkv_bias) layer += q + 2 * kv;
-  layer += 3 * e * p.n_ff;                       // gated FFN: gate, up, down
-  layer += int64_t(p.norms_per_layer) * e;
-  if (p.qk_norm) layer += 2 * int64_t(p.head_dim);
-  int64_t total = int64_t(p.n_layers) * layer;
-  total += p.n_vocab * e * (p.tied_embeddings ? 1 : 2);
-  total += e;                                    // final norm
+  if (p.n_layers < 0 || p.n_heads < 0 || p.n_kv_heads < 0 || p.head_dim < 0 || p.n_embd < 0 || p.n_ff < 0 ||
+      p.n_vocab < 0 || p.norms_per_layer < 0)
+    fail("parameter count of '{}': negative model dimensions", p.name);
+  // Checked arithmetic: shapes within the planner's bounds stay below 2^56 parameters; shapes
+  // past them fail here rather than wrap.
+  auto overflow = [&]() -> int64_t { fail("parameter count of '{}' exceeds 2^63", p.name); };
+  auto mul = [&](int64_t a, int64_t b) {
+    int64_t r;
+    return __builtin_mul_overflow(a, b, &r) ? overflow() : r;
+  };
+  auto add = [&](int64_t a, int64_t b) {
+    int64_t r;
+    return __builtin_add_overflow(a, b, &r) ? overflow() : r;
+  };
+  const int64_t e = p.n_embd, q = mul(p.n_heads, p.head_dim), kv = mul(p.n_kv_heads, p.head_dim);
+  int64_t layer = add(add(mul(e, q), mul(2, mul(e, kv))), mul(q, e));  // Wq, Wk, Wv, Wo
+  if (p.qkv_bias) layer = add(layer, add(q, mul(2, kv)));
+  layer = add(layer, mul(3, mul(e, p.n_ff)));   // gated FFN: gate, up, down
+  layer = add(layer, mul(p.norms_per_layer, e));
+  if (p.qk_norm) layer = add(layer, mul(2, p.head_dim));
+  int64_t total = mul(p.n_layers, layer);
+  total = add(total, mul(mul(p.n_vocab, e), p.tied_embeddings ? 1 : 2));
+  total = add(total, e);                         // final norm
   return total;
 }
+
+namespace {
+
+// params x bits / 8, rounded up; kvq::Error where it does not fit in int64.
+int64_t weights_bytes_of(int64_t n_params, double bits) {
+  const double b = std::ceil(double(n_params) * bits / 8.0);
+  if (!(b >= 0) || b >= 9.2e18) fail("weights of {} parameters at {} bits exceed 2^63 bytes", n_params, bits);
+  return int64_t(b);
+}
+
+}  // namespace
 
 bool plan_layer_is_local(int il, int swa_pattern) {
   if (swa_pattern <= 0) return false;
@@ -230,7 +295,7 @@ PlanModel plan_model_from_preset(const std::string& name, double weights_bits) {
     m.layers.push_back(l);
   }
   m.n_params = plan_dense_params(p);
-  m.weights_bytes = int64_t(std::ceil(double(m.n_params) * weights_bits / 8.0));
+  m.weights_bytes = weights_bytes_of(m.n_params, weights_bits);
   m.weights_note = fmt::format("{} params x {} bits", group_digits(m.n_params), weights_bits);
   return m;
 }
@@ -259,10 +324,79 @@ std::optional<int64_t> gguf_int_or_max(const gguf::File& f, const std::string& k
   return x;
 }
 
-int64_t positive_int(std::optional<int64_t> v, const std::string& what, const std::string& where) {
+// A required integer in 1..max.
+int64_t positive_int(std::optional<int64_t> v, const std::string& what, const std::string& where, int64_t max) {
   if (!v) fail("{}: missing '{}'", where, what);
-  if (*v <= 0 || *v > std::numeric_limits<int32_t>::max()) fail("{}: '{}' = {} is out of range", where, what, *v);
+  if (*v <= 0 || *v > max) fail("{}: '{}' = {} is out of range ({})", where, what, *v, range_text(1, max));
   return *v;
+}
+
+// An optional integer in lo..max.
+std::optional<int64_t> bounded_int(std::optional<int64_t> v, const std::string& what, const std::string& where,
+                                   int64_t lo, int64_t max) {
+  if (v && (*v < lo || *v > max)) fail("{}: '{}' = {} is out of range ({})", where, what, *v, range_text(lo, max));
+  return v;
+}
+
+// Every float among the architecture's metadata (arrays included) must be finite: a NaN epsilon
+// or an infinite RoPE base is a broken file, whatever the planner reads.
+void check_finite(const gguf::File& f, const std::string& prefix) {
+  for (const gguf::KeyValue& kv : f.metadata()) {
+    if (kv.key.rfind(prefix, 0) != 0) continue;
+    const gguf::Value& v = kv.value;
+    if (v.is_float() && !std::isfinite(v.f))
+      fail("{}: '{}' = {} is not a finite number", f.path(), kv.key, v.f);
+    if (v.type == gguf::ValueType::array)
+      for (size_t i = 0; i < v.arr.size(); ++i)
+        if (v.arr[i].is_float() && !std::isfinite(v.arr[i].f))
+          fail("{}: '{}'[{}] = {} is not a finite number", f.path(), kv.key, i, v.arr[i].f);
+  }
+}
+
+// "blk.12.attn_k.weight" -> 12; nullopt for tensors outside the layers.
+std::optional<int64_t> tensor_layer(const std::string& name) {
+  if (name.rfind("blk.", 0) != 0) return std::nullopt;
+  size_t i = 4;
+  int64_t n = 0;
+  for (; i < name.size() && std::isdigit(static_cast<unsigned char>(name[i])); ++i)
+    if (n <= kMaxLayers) n = n * 10 + (name[i] - '0');  // past the bound: stays past it, never wraps
+  if (i == 4 || i >= name.size() || name[i] != '.') return std::nullopt;
+  return n;
+}
+
+// The metadata against the tensor index, for every architecture: the file holds tensors, the
+// layers block_count names are the blk.N tensors present, and K/V projections, where the file has
+// them as attn_k / attn_v, have KV heads x head size outputs.
+void check_gguf_tensors(const gguf::File& f, const PlanModel& m, const std::string& a) {
+  const std::string& where = f.path();
+  if (f.tensors().empty()) fail("{}: the file holds no tensors (no weights to plan for)", where);
+  std::vector<bool> present(size_t(m.n_layers), false);
+  for (const gguf::TensorInfo& t : f.tensors()) {
+    std::optional<int64_t> il = tensor_layer(t.name);
+    if (!il) continue;
+    if (*il >= m.n_layers)
+      fail("{}: tensor '{}' belongs to a layer past '{}block_count' = {} (layers 0..{})", where, t.name, a,
+           m.n_layers, m.n_layers - 1);
+    present[size_t(*il)] = true;
+  }
+  for (int il = 0; il < m.n_layers; ++il)
+    if (!present[size_t(il)])
+      fail("{}: '{}block_count' = {} but the file has no tensors for layer {} (blk.{}.*)", where, a, m.n_layers, il, il);
+  for (int il = 0; il < m.n_layers; ++il) {
+    const PlanLayer& l = m.layers[size_t(il)];
+    for (const auto& [kind, dim, key] : {std::tuple<const char*, int, const char*>{"k", l.head_dim_k, "key_length"},
+                                         std::tuple<const char*, int, const char*>{"v", l.head_dim_v, "value_length"}}) {
+      const std::string name = fmt::format("blk.{}.attn_{}.weight", il, kind);
+      const gguf::TensorInfo* t = f.find_tensor(name);
+      if (!t) continue;
+      int64_t out = 1;  // outputs: every dimension past the first (as the engine's loader reads them)
+      for (size_t d = 1; d < t->ne.size(); ++d) out = sat_mul(out, t->ne[d]);
+      const int64_t want = int64_t(l.n_kv_heads) * dim;
+      if (t->ne.size() < 2 || out != want)
+        fail("{}: tensor '{}' has {} outputs, but '{}attention.head_count_kv' x {} = {} x {} = {} for layer {}", where,
+             name, t->ne.size() < 2 ? 1 : out, a, key, l.n_kv_heads, dim, want, il);
+    }
+  }
 }
 
 }  // namespace
@@ -276,18 +410,23 @@ PlanModel plan_model_from_gguf(const gguf::File& f) {
   m.arch = *arch;
   m.name = f.get_string("general.name").value_or(*arch);
   const std::string a = *arch + ".";
+  check_finite(f, a);
 
-  m.n_layers = int(positive_int(gguf_int_or_max(f, a + "block_count", nullptr), a + "block_count", where));
-  m.n_heads = int(positive_int(gguf_int_or_max(f, a + "attention.head_count", nullptr), a + "attention.head_count", where));
+  // Every count is bounded before anything is sized from it.
+  m.n_layers = int(positive_int(gguf_int_or_max(f, a + "block_count", nullptr), a + "block_count", where, kMaxLayers));
+  m.n_heads = int(positive_int(gguf_int_or_max(f, a + "attention.head_count", nullptr), a + "attention.head_count", where,
+                               kMaxHeads));
   std::vector<int64_t> kv_per_layer;
-  std::optional<int64_t> n_kv = gguf_int_or_max(f, a + "attention.head_count_kv", &kv_per_layer);
+  std::optional<int64_t> n_kv = bounded_int(gguf_int_or_max(f, a + "attention.head_count_kv", &kv_per_layer),
+                                            a + "attention.head_count_kv", where, 1, kMaxHeads);
   if (!n_kv) {
     n_kv = m.n_heads;
     m.notes.push_back(fmt::format("'{}attention.head_count_kv' absent: assuming {} KV heads (= query heads)", a, m.n_heads));
   }
   if (!kv_per_layer.empty() && int64_t(kv_per_layer.size()) != m.n_layers)
     fail("{}: '{}attention.head_count_kv' has {} entries for {} layers", where, a, kv_per_layer.size(), m.n_layers);
-  std::optional<int64_t> n_embd = gguf_int_or_max(f, a + "embedding_length", nullptr);
+  std::optional<int64_t> n_embd =
+      bounded_int(gguf_int_or_max(f, a + "embedding_length", nullptr), a + "embedding_length", where, 1, kMaxEmbd);
   m.n_embd = n_embd.value_or(0);
   std::optional<int64_t> kl = gguf_int_or_max(f, a + "attention.key_length", nullptr);
   std::optional<int64_t> vl = gguf_int_or_max(f, a + "attention.value_length", nullptr);
@@ -297,26 +436,31 @@ PlanModel plan_model_from_gguf(const gguf::File& f) {
     if (!kl) kl = *n_embd / m.n_heads;
     if (!vl) vl = *n_embd / m.n_heads;
   }
-  int64_t hk = positive_int(kl, a + "attention.key_length", where);
-  int64_t hv = positive_int(vl, a + "attention.value_length", where);
+  int64_t hk = positive_int(kl, a + "attention.key_length", where, kMaxHeadDim);
+  int64_t hv = positive_int(vl, a + "attention.value_length", where, kMaxHeadDim);
   m.head_dim = int(hk);
-  m.ctx_train = gguf_int_or_max(f, a + "context_length", nullptr).value_or(0);
-  m.n_ff = gguf_int_or_max(f, a + "feed_forward_length", nullptr).value_or(0);
+  // Present: a real length (0 is not "unknown"); absent: unknown.
+  m.ctx_train = bounded_int(gguf_int_or_max(f, a + "context_length", nullptr), a + "context_length", where, 1, kMaxContext)
+                    .value_or(0);
+  if (m.ctx_train == 0) m.notes.push_back(fmt::format("'{}context_length' absent: trained context unknown", a));
+  m.n_ff = bounded_int(gguf_int_or_max(f, a + "feed_forward_length", nullptr), a + "feed_forward_length", where, 0, kMaxFf)
+               .value_or(0);
   if (m.n_ff == 0) m.notes.push_back("feed_forward_length absent: FFN buffers left out of the activation estimate");
 
   // Vocabulary: explicit key, else the embedding matrix, else the tokenizer.
   if (auto nv = gguf_int_or_max(f, a + "vocab_size", nullptr)) {
-    m.n_vocab = *nv;
+    m.n_vocab = *bounded_int(nv, a + "vocab_size", where, 1, kMaxVocab);
   } else if (const gguf::TensorInfo* t = f.find_tensor("token_embd.weight"); t && t->ne.size() >= 2) {
-    m.n_vocab = t->ne[1];
+    m.n_vocab = *bounded_int(t->ne[1], "token_embd.weight rows (vocabulary)", where, 1, kMaxVocab);
   } else if (const gguf::Value* tok = f.find("tokenizer.ggml.tokens"); tok && tok->type == gguf::ValueType::array) {
-    m.n_vocab = int64_t(tok->arr.size());
+    m.n_vocab = *bounded_int(int64_t(tok->arr.size()), "tokenizer.ggml.tokens (vocabulary)", where, 1, kMaxVocab);
   }
 
   // Sliding window: which layers use it. An explicit per-layer pattern wins; otherwise the
   // architecture's known layout; otherwise every layer is counted as full attention (the
   // conservative answer) and the output says so.
-  std::optional<int64_t> window = gguf_int_or_max(f, a + "attention.sliding_window", nullptr);
+  std::optional<int64_t> window = bounded_int(gguf_int_or_max(f, a + "attention.sliding_window", nullptr),
+                                              a + "attention.sliding_window", where, 0, kMaxContext);
   std::vector<bool> local(size_t(m.n_layers), false);
   if (window && *window > 0) {
     const gguf::Value* pat = f.find(a + "attention.sliding_window_pattern");
@@ -333,7 +477,8 @@ PlanModel plan_model_from_gguf(const gguf::File& f) {
       int pattern = 0;
       if (pat) {
         std::optional<int64_t> x = pat->as_int();
-        if (!x || *x < 0) fail("{}: '{}attention.sliding_window_pattern' must be a non-negative integer", where, a);
+        if (!x || *x < 0 || *x > std::numeric_limits<int32_t>::max())
+          fail("{}: '{}attention.sliding_window_pattern' must be a non-negative integer", where, a);
         pattern = int(*x);
       } else if (*arch == "gemma3") {
         pattern = 6;  // Gemma 3: five local layers, then one global
@@ -358,9 +503,13 @@ PlanModel plan_model_from_gguf(const gguf::File& f) {
     if (m.layers[il].n_kv_heads <= 0)
       fail("{}: layer {} has {} KV heads (layers without attention are not supported by the planner)",
            where, il, m.layers[il].n_kv_heads);
+  validate_model(m);  // the shape bounds that span fields (heads x head_dim), with their ranges
+  check_gguf_tensors(f, m, a);
+  // The architectures kvq runs: the engine's own metadata checks as well (the same file must load).
+  if (*arch == "llama" || *arch == "gemma3") model_config_from_gguf(f);
 
   int64_t params = 0;
-  for (const gguf::TensorInfo& t : f.tensors()) params += t.n_elements();
+  for (const gguf::TensorInfo& t : f.tensors()) params = sat_add(params, t.n_elements());
   m.n_params = params;
   m.weights_bytes = int64_t(f.tensor_bytes());
   m.weights_note = fmt::format("tensor data in the GGUF ({} tensors)", f.tensors().size());
@@ -387,15 +536,16 @@ struct HfFields {
     if (top.contains(key) && !top[key].is_null()) return &top[key];
     return nullptr;
   }
-  std::optional<int64_t> opt_int(const char* key) const {
+  // A positive integer of at most `max` (checked before anything is sized from it).
+  std::optional<int64_t> opt_int(const char* key, int64_t max) const {
     const nlohmann::json* v = get(key);
     if (!v) return std::nullopt;
-    if (!v->is_number_integer() || v->get<int64_t>() <= 0 || v->get<int64_t>() > std::numeric_limits<int32_t>::max())
-      fail("{}: field '{}' must be a positive integer (got {})", where, key, v->dump());
+    if (!v->is_number_integer() || v->get<int64_t>() <= 0 || v->get<int64_t>() > max)
+      fail("{}: field '{}' must be an integer in {} (got {})", where, key, range_text(1, max), v->dump());
     return v->get<int64_t>();
   }
-  int64_t req_int(const char* key) const {
-    std::optional<int64_t> v = opt_int(key);
+  int64_t req_int(const char* key, int64_t max) const {
+    std::optional<int64_t> v = opt_int(key, max);
     if (!v) fail("{}: missing field '{}'", where, key);
     return *v;
   }
@@ -433,12 +583,12 @@ PlanModel plan_model_from_hf_config(const nlohmann::json& cfg, std::optional<dou
   m.source = "config.json";
   m.name = name;
   m.arch = f.opt_string("model_type").value_or("");
-  m.n_layers = int(f.req_int("num_hidden_layers"));
-  m.n_heads = int(f.req_int("num_attention_heads"));
-  m.n_embd = f.req_int("hidden_size");
-  m.n_ff = f.req_int("intermediate_size");
-  m.n_vocab = f.req_int("vocab_size");
-  std::optional<int64_t> n_kv = f.opt_int("num_key_value_heads");
+  m.n_layers = int(f.req_int("num_hidden_layers", kMaxLayers));
+  m.n_heads = int(f.req_int("num_attention_heads", kMaxHeads));
+  m.n_embd = f.req_int("hidden_size", kMaxEmbd);
+  m.n_ff = f.req_int("intermediate_size", kMaxFf);
+  m.n_vocab = f.req_int("vocab_size", kMaxVocab);
+  std::optional<int64_t> n_kv = f.opt_int("num_key_value_heads", kMaxHeads);
   if (!n_kv) {
     n_kv = m.n_heads;
     m.notes.push_back(fmt::format("'num_key_value_heads' absent: {} KV heads (= attention heads, the transformers default)", m.n_heads));
@@ -447,14 +597,17 @@ PlanModel plan_model_from_hf_config(const nlohmann::json& cfg, std::optional<dou
   if (m.n_heads % *n_kv)
     fail("{}: num_attention_heads {} is not a multiple of num_key_value_heads {} (each KV head serves a whole "
          "group of query heads)", name, m.n_heads, *n_kv);
-  if (std::optional<int64_t> hd = f.opt_int("head_dim")) {
+  if (std::optional<int64_t> hd = f.opt_int("head_dim", kMaxHeadDim)) {
     m.head_dim = int(*hd);
   } else {
     if (m.n_embd % m.n_heads) fail("{}: no 'head_dim' and hidden_size {} is not a multiple of num_attention_heads {}", name, m.n_embd, m.n_heads);
     m.head_dim = int(m.n_embd / m.n_heads);
   }
   if (m.head_dim % 2) fail("{}: head dimension {} must be even (rotary embeddings turn pairs of dimensions)", name, m.head_dim);
-  m.ctx_train = f.opt_int("max_position_embeddings").value_or(0);
+  if (int64_t(m.n_heads) * m.head_dim > kMaxAttnWidth)
+    fail("{}: num_attention_heads {} x head dimension {} = {} is out of range (at most {})", name, m.n_heads,
+         m.head_dim, int64_t(m.n_heads) * m.head_dim, bound_text(kMaxAttnWidth));
+  m.ctx_train = f.opt_int("max_position_embeddings", kMaxContext).value_or(0);
   if (m.ctx_train == 0) m.notes.push_back("'max_position_embeddings' absent: trained context unknown");
 
   // Sliding window layers: layer_types names each layer; else sliding_window_pattern; else the
@@ -464,7 +617,8 @@ PlanModel plan_model_from_hf_config(const nlohmann::json& cfg, std::optional<dou
   std::optional<int64_t> window;
   bool use_sw = f.opt_bool("use_sliding_window").value_or(true);
   if (const nlohmann::json* w = f.get("sliding_window"); w && use_sw) {
-    if (!w->is_number_integer() || w->get<int64_t>() <= 0) fail("{}: field 'sliding_window' must be a positive integer or null (got {})", name, w->dump());
+    if (!w->is_number_integer() || w->get<int64_t>() <= 0 || w->get<int64_t>() > kMaxContext)
+      fail("{}: field 'sliding_window' must be an integer in {} or null (got {})", name, range_text(1, kMaxContext), w->dump());
     window = w->get<int64_t>();
   }
   if (window) {
@@ -481,7 +635,7 @@ PlanModel plan_model_from_hf_config(const nlohmann::json& cfg, std::optional<dou
       }
     } else {
       int pattern = 1;
-      if (std::optional<int64_t> p = f.opt_int("sliding_window_pattern")) pattern = int(*p);
+      if (std::optional<int64_t> p = f.opt_int("sliding_window_pattern", std::numeric_limits<int32_t>::max())) pattern = int(*p);
       else if (mt.rfind("gemma3", 0) == 0) pattern = 6;
       else if (mt == "gemma2") pattern = 2;
       for (int il = 0; il < m.n_layers; ++il) local[size_t(il)] = plan_layer_is_local(il, pattern);
@@ -504,6 +658,7 @@ PlanModel plan_model_from_hf_config(const nlohmann::json& cfg, std::optional<dou
     return m;
   }
   PlanPreset shape;
+  shape.name = name;
   shape.n_layers = m.n_layers;
   shape.n_heads = m.n_heads;
   shape.n_kv_heads = int(*n_kv);
@@ -531,7 +686,7 @@ PlanModel plan_model_from_hf_config(const nlohmann::json& cfg, std::optional<dou
     }
   }
   if (!(bits > 0) || bits > 64) fail("--weights-bits must be in (0, 64] (got {})", bits);
-  m.weights_bytes = int64_t(std::ceil(double(m.n_params) * bits / 8.0));
+  m.weights_bytes = weights_bytes_of(m.n_params, bits);
   m.weights_note = fmt::format("~{} params (from the shapes) x {} bits", group_digits(m.n_params), bits);
   return m;
 }
@@ -716,8 +871,10 @@ PlanFormatCost plan_format_cost(const PlanModel& m, const PlanConfig& c, const s
         // Codecs that read calibration artifacts (static scales, channel means) have the same
         // size whatever their values: size them with placeholder ones. Other errors (a group
         // that does not divide head_dim, ...) stand.
-        const nlohmann::json cal = kv_placeholder_calib(layer + 1, heads, head_dim);
+        // One layer of placeholders, read as layer 0: the size does not depend on the layer.
+        const nlohmann::json cal = kv_placeholder_calib(1, heads, head_dim);
         p.calib = &cal;
+        p.layer = 0;
         try {
           cd = kv_codec_create(name, p);
         } catch (const Error& e2) {
@@ -981,6 +1138,25 @@ std::string model_shape_line(const PlanModel& m) {
   return s;
 }
 
+// How the KV heads are spread over tp devices, as kv_heads_per_device computes it, e.g.
+// "8 KV heads / 2 = 4 per device" or "3 KV heads on 9 devices: 1 per device, each head replicated
+// on 3 devices"; one clause per distinct head count of a model with per-layer counts.
+std::string tp_kv_split_text(const PlanModel& m, int tp) {
+  std::set<int> counts;
+  for (const PlanLayer& l : m.layers) counts.insert(l.n_kv_heads);
+  std::string s;
+  for (int n : counts) {
+    if (!s.empty()) s += "; ";
+    const int per = kv_heads_per_device(n, tp);
+    if (n % tp == 0)
+      s += fmt::format("{} KV heads / {} = {} per device", n, tp, per);
+    else
+      s += fmt::format("{} KV head{} on {} devices: {} per device, each head replicated on {} devices", n,
+                       n == 1 ? "" : "s", tp, per, tp / n);
+  }
+  return s;
+}
+
 nlohmann::json result_json(const PlanResult& r) {
   using nlohmann::json;
   const PlanModel& m = r.model;
@@ -1137,7 +1313,7 @@ void print_text(std::FILE* out, const PlanResult& r, bool explain) {
     std::fprintf(out, "budget per device: %s x %.2f = %s\n", plan_format_bytes(double(c.gpu_mem_bytes)).c_str(), c.util,
                  plan_format_bytes(double(r.budget_bytes_device)).c_str());
   if (c.tp > 1) {
-    std::fprintf(out, "KV per device (KV heads / %d):\n", c.tp);
+    std::fprintf(out, "KV per device (%s):\n", tp_kv_split_text(m, c.tp).c_str());
     grid([](const PlanRow& row) { return plan_format_bytes(double(row.kv_bytes_device)); });
   }
   if (r.weights_bytes_device >= 0) {
