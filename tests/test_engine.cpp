@@ -550,6 +550,41 @@ TEST(EngineEos, IgnoreEosRunsToMaxTokens) {
   expect_pool_clean(e);
 }
 
+// abort_all (the server's shutdown): a request running mid-generation and one still queued both
+// end with "error" and the reason, their pages freed; a later submit fails at once.
+TEST_F(EngineTest, AbortAllEndsRunningAndQueuedRequests) {
+  EngineOptions o = base_options(2048);
+  o.max_running = 1;  // the second request queues behind the first
+  Engine e(o);
+  const Tokenizer& tok = e.tokenizer();
+  std::promise<GenResult> first, second;
+  std::atomic<int> deltas{0};
+  std::vector<GenRequest> rs(2);
+  for (auto& r : rs) {
+    r.prompt = tok.encode("Once upon a time", true);
+    r.params = greedy(400);
+  }
+  rs[0].on_text = [&](const std::string&) {
+    if (++deltas == 3) e.abort_all("shutting down");
+  };
+  rs[0].on_done = [&](const GenResult& g) { first.set_value(g); };
+  rs[1].on_done = [&](const GenResult& g) { second.set_value(g); };
+  e.submit_all(std::move(rs));
+  const GenResult a = first.get_future().get(), b = second.get_future().get();
+  EXPECT_EQ(a.finish_reason, "error");
+  EXPECT_EQ(a.error, "shutting down");
+  EXPECT_GE(a.tokens.size(), 3u);
+  EXPECT_LT(a.tokens.size(), 400u);
+  EXPECT_EQ(b.finish_reason, "error");
+  EXPECT_TRUE(b.tokens.empty());
+  EXPECT_TRUE(e.aborting());
+  const GenResult later = e.generate(tok.encode("Hi", true), greedy(3));
+  EXPECT_EQ(later.finish_reason, "error");
+  EXPECT_EQ(later.error, "shutting down");
+  e.wait_idle();
+  expect_pool_clean(e);
+}
+
 TEST_F(EngineTest, CancelFreesPagesAndBadRequestsFail) {
   Engine e(base_options(2048));
   const Tokenizer& tok = e.tokenizer();

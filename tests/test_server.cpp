@@ -9,6 +9,7 @@
 
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 
 #include "server/serve_cli.h"
@@ -462,6 +463,14 @@ TEST_F(ServerTest, BadInputIs400AndServerKeepsServing) {
       {R"({"prompt": "a", "temperature": "hot"})", "temperature"},
       {R"({"prompt": "a", "temperature": 5})", "temperature"},
       {R"({"prompt": "a", "top_p": 0})", "top_p"},
+      {R"({"prompt": "a", "top_p": 1e-300})", "top_p"},  // > 0 as a double, 0 as the sampler's float
+      {R"({"prompt": "a", "repetition_penalty": 1e-300})", "repetition_penalty"},
+      {R"({"prompt": "a", "top_k": 4294967297})", "top_k"},  // would wrap to 1 as an int
+      {R"({"prompt": "a", "top_k": -2})", "top_k"},
+      {R"({"prompt": "a", "logit_bias": {" 5": 1}})", "logit_bias"},
+      {R"({"prompt": "a", "logit_bias": {"+5": 1}})", "logit_bias"},
+      {R"({"prompt": "a", "stream": true, "stream_options": 5})", "stream_options"},
+      {R"({"prompt": "a", "stream": true, "stream_options": {"include_usage": "yes"}})", "stream_options"},
       {R"({"prompt": "a", "stop": 3})", "stop"},
       {R"({"prompt": "a", "stop": ["x", 3]})", "stop"},
       {R"({"prompt": "a", "seed": 1.5})", "seed"},
@@ -534,7 +543,24 @@ TEST_F(ServerTest, BadInputIs400AndServerKeepsServing) {
         << rm->body;
   }
 
+  {  // echo with max_tokens 0 and no logprobs: the prompt back, as OpenAI's API
+    const json e = post_ok(c, {{"prompt", "Once upon"}, {"max_tokens", 0}, {"echo", true}});
+    EXPECT_EQ(e["choices"][0]["text"], "Once upon");
+    EXPECT_EQ(e["usage"]["completion_tokens"], 0);
+  }
+
   auto cl = client();
+  // A route asked with the other method: 405 naming the one it takes.
+  auto expect_405 = [](const httplib::Result& rr) {
+    ASSERT_TRUE(rr);
+    EXPECT_EQ(rr->status, 405) << rr->body;
+    EXPECT_EQ(json::parse(rr->body)["error"]["code"], "method_not_allowed");
+    EXPECT_FALSE(rr->get_header_value("Allow").empty());
+  };
+  expect_405(cl.Get(c.c_str()));
+  expect_405(cl.Get("/tokenize"));
+  expect_405(cl.Post("/v1/models", "{}", "application/json"));
+  expect_405(cl.Delete("/v1/chat/completions"));
   auto r = cl.Get("/v1/nothing");
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 404);
@@ -636,7 +662,6 @@ TEST_F(ServerTest, ChatLogprobsAndTokenPrompts) {
   expect_bad(cp, R"({"prompt": "a", "logprobs": -1})", "logprobs");
   expect_bad(cp, R"({"prompt": "a", "echo": true, "stream": true})", "echo");
   expect_bad(cp, R"({"prompt": "a", "echo": "yes"})", "echo");
-  expect_bad(cp, R"({"prompt": "a", "echo": true, "max_tokens": 0})", "max_tokens");
   expect_bad(cp, R"({"prompt": [1, 99999]})", "prompt");
   expect_bad(cp, R"({"prompt": [1, -2]})", "prompt");
   expect_bad(cp, R"({"prompt": []})", "prompt");
@@ -751,6 +776,45 @@ TEST(ServerSmallPool, RequestsLargerThanThePoolAreRefused) {
   ASSERT_EQ(r->status, 200) << r->body;
   j = json::parse(r->body);
   EXPECT_EQ(j["usage"]["prompt_tokens"].get<int>() + j["usage"]["completion_tokens"].get<int>(), cap);
+}
+
+// Shutting down (SIGTERM): requests in flight end at once, a plain one answered 503 and a stream
+// closed with an error event and [DONE]; later requests are refused; nothing stays allocated.
+TEST(ServerShutdown, InFlightRequestsEndWithAnAnswer) {
+  if (!fs::exists(model_path())) GTEST_SKIP() << "stories260K.gguf not found at " << model_path();
+  EngineOptions o = one_thread_options(1024);
+  o.autostart = false;  // the requests queue until the engine starts: still in flight at shutdown
+  Engine engine(o);
+  ServerOnThread srv(engine, loopback_options());
+  auto post = [&](const json& body) {
+    httplib::Client cl("127.0.0.1", srv.port);
+    cl.set_read_timeout(30, 0);
+    return cl.Post("/v1/completions", body.dump(), "application/json");
+  };
+  std::optional<httplib::Result> plain, streamed;
+  std::thread t1([&] { plain.emplace(post({{"prompt", "Once upon a time"}, {"max_tokens", 100}})); });
+  std::thread t2([&] { streamed.emplace(post({{"prompt", "Once upon a time"}, {"max_tokens", 100}, {"stream", true}})); });
+  for (int i = 0; i < 500 && engine.metrics().waiting < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_EQ(engine.metrics().waiting, 2);
+  engine.abort_all("the server is shutting down");
+  engine.start();
+  t1.join();
+  t2.join();
+  ASSERT_TRUE(plain && *plain);
+  EXPECT_EQ((*plain)->status, 503) << (*plain)->body;
+  EXPECT_NE((*plain)->body.find("shutting down"), std::string::npos) << (*plain)->body;
+  ASSERT_TRUE(streamed && *streamed);
+  const std::string& sb = (*streamed)->body;
+  EXPECT_EQ((*streamed)->status, 200);
+  EXPECT_NE(sb.find("\"error\""), std::string::npos) << sb;
+  EXPECT_NE(sb.find("shutting down"), std::string::npos) << sb;
+  EXPECT_EQ(sb.rfind("data: [DONE]\n\n"), sb.size() - 14) << sb;
+  auto later = post({{"prompt", "Hi"}, {"max_tokens", 2}});
+  ASSERT_TRUE(later);
+  EXPECT_EQ(later->status, 503) << later->body;
+  engine.wait_idle();
+  EXPECT_EQ(engine.pool().n_used(), 0u);
+  srv.server.shutdown(1.0);  // returns at once: nothing is left to end
 }
 
 TEST(ServerApiKey, Matches) {

@@ -314,6 +314,10 @@ std::vector<uint64_t> Engine::submit_all(std::vector<GenRequest> rs) {
     std::lock_guard<std::mutex> lk(mu_);
     for (size_t i = 0; i < seqs.size(); ++i) {
       seqs[i]->id = ids[i] = next_id_++;
+      if (!abort_reason_.empty() && errs[i].empty()) {  // shutting down: nothing new runs
+        errs[i] = abort_reason_;
+        at_once[i] = 1;
+      }
       if (!at_once[i]) incoming_.push_back(std::move(seqs[i]));
     }
     metrics_.waiting = int(incoming_.size() + waiting_.size());
@@ -322,6 +326,19 @@ std::vector<uint64_t> Engine::submit_all(std::vector<GenRequest> rs) {
     if (at_once[i]) finish(*seqs[i], errs[i].empty() ? "length" : "error", errs[i]);
   cv_.notify_all();
   return ids;
+}
+
+void Engine::abort_all(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    abort_reason_ = reason.empty() ? "aborted" : reason;
+  }
+  cv_.notify_all();
+}
+
+bool Engine::aborting() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return !abort_reason_.empty();
 }
 
 void Engine::cancel(uint64_t id) {
@@ -475,9 +492,18 @@ void Engine::preempt(size_t i) {
 bool Engine::step() {
   // Cancellations.
   std::unordered_set<uint64_t> canc;
+  std::string abort_reason;
   {
     std::lock_guard<std::mutex> lk(mu_);
     canc = cancelled_;
+    abort_reason = abort_reason_;
+  }
+  if (!abort_reason.empty()) {
+    for (auto& s : running_) finish(*s, "error", abort_reason);
+    for (auto& s : waiting_) finish(*s, "error", abort_reason);
+    running_.clear();
+    waiting_.clear();
+    return false;
   }
   if (!canc.empty()) {
     for (auto& s : running_)

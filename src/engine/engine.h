@@ -210,6 +210,10 @@ class Engine {
   std::vector<uint64_t> submit_all(std::vector<GenRequest> rs);
   // The request ends as soon as the scheduler sees it ("cancelled"), its pages are freed.
   void cancel(uint64_t id);
+  // Shutting down: every queued and running request ends at the next step with finish_reason
+  // "error" and `reason` (its pages freed), and every later submit at once. Thread-safe.
+  void abort_all(const std::string& reason);
+  bool aborting() const;
   // submit and wait.
   GenResult generate(const std::vector<int32_t>& prompt, const GenParams& p);
 
@@ -265,6 +269,7 @@ class Engine {
   mutable std::condition_variable cv_, idle_cv_;
   std::deque<std::unique_ptr<Seq>> incoming_;
   std::unordered_set<uint64_t> cancelled_;
+  std::string abort_reason_;  // non-empty: abort_all was called
   uint64_t next_id_ = 1;
   bool stop_ = false;
   bool busy_ = false;  // the scheduler holds requests

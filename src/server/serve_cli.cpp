@@ -1,10 +1,13 @@
 #include "server/serve_cli.h"
 
 #include <CLI/CLI.hpp>
+#include <atomic>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <thread>
 
 #include "core/error.h"
 #include "core/strings.h"
@@ -22,6 +25,11 @@ void serve_add_cli(CLI::App& app, ServeOptions& o) {
   app.add_option("-t,--threads", o.engine.threads, "threads (default: all hardware threads)")->check(CLI::Range(1, 1024));
   app.add_option("--max-batch", o.engine.max_batch, "tokens per step (decode + prefill chunks)")->capture_default_str();
   app.add_option("--max-running", o.engine.max_running, "sequences running at once")->capture_default_str();
+  app.add_option("--http-threads", o.http_threads,
+                 "connections served at once (each open connection holds one while its request waits or streams; "
+                 "/health and /metrics need a free one)")
+      ->check(CLI::Range(4, 65536))
+      ->capture_default_str();
   app.add_option("--prefill-attention-cost", o.engine.prefill_attention_cost, kPrefillAttentionCostHelp)
       ->check(CLI::Range(0.0, 1e6))
       ->capture_default_str();
@@ -60,9 +68,12 @@ size_t parse_bytes(const std::string& s) {
   return size_t(v * mul);
 }
 
-static Server* g_server = nullptr;
+// The handler only records the signal (nothing else is async-signal-safe); a watcher thread
+// shuts the server down. A second signal during the drain exits at once.
+static volatile std::sig_atomic_t g_signalled = 0;
 static void on_signal(int) {
-  if (g_server) g_server->stop();
+  if (g_signalled) std::_Exit(1);
+  g_signalled = 1;
 }
 
 int serve_command(ServeOptions o) {
@@ -74,6 +85,7 @@ int serve_command(ServeOptions o) {
   so.port = o.port;
   so.model_name = o.model_name.empty() ? std::filesystem::path(o.engine.model_path).stem().string() : o.model_name;
   so.api_key = o.api_key;
+  so.http_threads = o.http_threads;
   so.allowed_origins.clear();
   for (const std::string& one : split_list(o.allowed_origins))
     if (!one.empty()) so.allowed_origins.push_back(one);
@@ -84,11 +96,19 @@ int serve_command(ServeOptions o) {
   std::fprintf(stderr, "[kvq] serving %s on http://%s:%d (context %d, KV pool %zu tokens%s)\n", so.model_name.c_str(),
                o.host.c_str(), port, engine.ctx(), engine.kv_tokens_capacity(),
                so.api_key.empty() ? "" : ", API key required");
-  g_server = &server;
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
+  std::atomic<bool> listening{true};
+  std::thread watcher([&] {
+    while (listening.load() && !g_signalled) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (g_signalled) {
+      std::fprintf(stderr, "[kvq] shutting down: ending the requests in flight\n");
+      server.shutdown();
+    }
+  });
   server.listen();
-  g_server = nullptr;
+  listening = false;
+  watcher.join();
   return 0;
 }
 

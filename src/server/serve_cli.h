@@ -3,6 +3,7 @@
 #include <string>
 
 #include "engine/engine.h"
+#include "server/server.h"
 
 namespace CLI { class App; }
 
@@ -16,6 +17,7 @@ struct ServeOptions {
   std::string kv_mem;  // "2GiB", "512MiB", "1e9" ...
   std::string api_key;  // --api-key, else $KVQ_API_KEY; empty: no key asked
   std::string allowed_origins = "*";  // comma-separated; empty: no CORS headers
+  int http_threads = ServerOptions{}.http_threads;
 };
 
 void serve_add_cli(CLI::App& app, ServeOptions& o);

@@ -19,8 +19,10 @@
 #include <future>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <thread>
 
 #include "core/error.h"
+#include "core/timer.h"
 #include "model/chat.h"
 
 namespace kvq {
@@ -87,8 +89,9 @@ ApiRequest parse_common(const json& body) {
     return x;
   };
   if (auto t = number("temperature", 0.0, 2.0)) s.temperature = float(*t);
+  // top_p and repetition_penalty must stay > 0 as the floats the sampler uses (1e-300 is 0 there).
   if (auto p = number("top_p", 0.0, 1.0)) {
-    if (*p <= 0) throw ApiError{"'top_p' must be > 0", "top_p"};
+    if (!(float(*p) > 0)) throw ApiError{"'top_p' must be > 0", "top_p"};
     s.top_p = float(*p);
   }
   if (auto v = number("presence_penalty", -2.0, 2.0)) s.presence_penalty = float(*v);
@@ -96,7 +99,7 @@ ApiRequest parse_common(const json& body) {
   if (auto v = number("min_p", 0.0, 1.0)) s.min_p = float(*v);  // vLLM's
   // vLLM's (and transformers'): over the prompt and the generated tokens, > 1 discourages repeats.
   if (auto v = number("repetition_penalty", 0.0, 10.0)) {
-    if (*v <= 0) throw ApiError{"'repetition_penalty' must be > 0", "repetition_penalty"};
+    if (!(float(*v) > 0)) throw ApiError{"'repetition_penalty' must be > 0", "repetition_penalty"};
     s.repeat_penalty = float(*v);
     s.repeat_last_n = -1;
   }
@@ -107,7 +110,9 @@ ApiRequest parse_common(const json& body) {
     for (const auto& [k, v] : lb.items()) {
       char* end = nullptr;
       const long t = std::strtol(k.c_str(), &end, 10);
-      if (k.empty() || *end != '\0' || t < 0 || t > INT32_MAX)
+      // digits only: strtol would also take " 5" and "+5"
+      if (k.empty() || k.find_first_not_of("0123456789") != std::string::npos || *end != '\0' || t < 0 ||
+          t > INT32_MAX)
         throw ApiError{fmt::format("'logit_bias' keys must be token ids (got '{}')", k), "logit_bias"};
       if (!v.is_number() || !(v.get<double>() >= -100 && v.get<double>() <= 100))
         throw ApiError{fmt::format("'logit_bias' values must be numbers in [-100, 100] (token {})", k), "logit_bias"};
@@ -159,9 +164,14 @@ ApiRequest parse_common(const json& body) {
     if (!body["stream"].is_boolean()) throw ApiError{"'stream' must be a boolean", "stream"};
     r.stream = body["stream"].get<bool>();
   }
-  if (body.contains("stream_options") && body["stream_options"].is_object()) {
+  if (body.contains("stream_options") && !body["stream_options"].is_null()) {
     const json& so = body["stream_options"];
-    if (so.contains("include_usage") && so["include_usage"].is_boolean()) r.include_usage = so["include_usage"].get<bool>();
+    if (!so.is_object()) throw ApiError{"'stream_options' must be an object", "stream_options"};
+    if (so.contains("include_usage") && !so["include_usage"].is_null()) {
+      if (!so["include_usage"].is_boolean())
+        throw ApiError{"'stream_options.include_usage' must be a boolean", "stream_options"};
+      r.include_usage = so["include_usage"].get<bool>();
+    }
   }
   if (body.contains("stop") && !body["stop"].is_null()) {
     const json& st = body["stop"];
@@ -420,10 +430,16 @@ json Server::Impl::chat_logprobs(const std::vector<TokenLogprob>& lps) const {
   return json{{"content", content}};
 }
 
-void Server::Impl::handle_generate(const httplib::Request& req, httplib::Response& res, bool chat) {
+// A request body: a JSON object, or a 400 saying what it is instead.
+static json parse_body(const httplib::Request& req) {
   json body = json::parse(req.body, nullptr, false);
   if (body.is_discarded()) throw ApiError{"the request body is not valid JSON", ""};
   if (!body.is_object()) throw ApiError{"the request body must be a JSON object", ""};
+  return body;
+}
+
+void Server::Impl::handle_generate(const httplib::Request& req, httplib::Response& res, bool chat) {
+  json body = parse_body(req);
   ApiRequest ar = parse_common(body);
   parse_logprobs(body, chat, ar);
   // As OpenAI's and vLLM's servers: a request for another model is refused, not served by this one.
@@ -487,8 +503,8 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
     throw ApiError{fmt::format("{} prompts x n {} exceed {} sequences per request", prompts.size(), ar.n, kMaxSequences),
                    "n"};
   const int ctx = engine.ctx();
-  if (ar.max_tokens_set && ar.params.max_tokens == 0 && !ar.params.prompt_logprobs)
-    throw ApiError{"'max_tokens' must be >= 1 (0 only with echo and logprobs, to score the prompt)", "max_tokens"};
+  if (ar.max_tokens_set && ar.params.max_tokens == 0 && !ar.echo)
+    throw ApiError{"'max_tokens' must be >= 1 (0 only with echo: the prompt, scored with logprobs)", "max_tokens"};
   int prompt_tokens = 0;  // each prompt counts once for its n choices (they share its pages)
   // The longest sequence one request can grow to: the context, or a smaller KV pool (a sequence that
   // outgrows the whole pool could never finish; it is refused here rather than cut short).
@@ -576,7 +592,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
     for (int i = 0; i < n_choices; ++i) {
       const GenResult& g = gs[size_t(i)];
       if (g.finish_reason == "error" || g.finish_reason == "cancelled")
-        throw ApiError{g.error.empty() ? "the request was cancelled" : g.error, "", "", 500};
+        throw ApiError{g.error.empty() ? "the request was cancelled" : g.error, "", "", engine.aborting() ? 503 : 500};
       completion_tokens += g.completion_tokens;
       json choice = {{"index", i}, {"logprobs", nullptr}, {"finish_reason", finish_reason_api(g.finish_reason)}};
       if (chat) choice["message"] = {{"role", "assistant"}, {"content", g.text}};
@@ -766,8 +782,7 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
   // through the model's template), and the text of token ids.
   I.http.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
     try {
-      const json body = json::parse(req.body, nullptr, false);
-      if (body.is_discarded() || !body.is_object()) throw ApiError{"the request body must be a JSON object", ""};
+      const json body = parse_body(req);
       const Tokenizer& tk = impl_->engine.tokenizer();
       std::vector<int32_t> ids;
       if (body.contains("messages")) {
@@ -792,8 +807,7 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
   });
   I.http.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
     try {
-      const json body = json::parse(req.body, nullptr, false);
-      if (body.is_discarded() || !body.is_object()) throw ApiError{"the request body must be a JSON object", ""};
+      const json body = parse_body(req);
       const Tokenizer& tk = impl_->engine.tokenizer();
       if (!body.contains("tokens") || !body["tokens"].is_array())
         throw ApiError{"'tokens' (an array of token ids) is required", "tokens", "missing_required_parameter"};
@@ -811,6 +825,24 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
     }
   });
   I.http.Get("/health", [](const httplib::Request&, httplib::Response& res) { send_json(res, 200, json{{"status", "ok"}}); });
+  // A route asked with the other method: 405 naming the one it takes (rather than a 404).
+  for (const auto& [route, allowed] : {std::pair{"/v1/completions", "POST"}, std::pair{"/v1/chat/completions", "POST"},
+                                       std::pair{"/tokenize", "POST"}, std::pair{"/detokenize", "POST"},
+                                       std::pair{"/v1/models", "GET"}, std::pair{"/health", "GET"},
+                                       std::pair{"/metrics", "GET"}}) {
+    auto wrong = [route = std::string(route), allowed = std::string(allowed)](const httplib::Request& req,
+                                                                             httplib::Response& res) {
+      res.set_header("Allow", allowed);
+      send_json(res, 405,
+                error_body(fmt::format("{} takes {}, not {}", route, allowed, req.method), "invalid_request_error", "",
+                           "method_not_allowed"));
+    };
+    if (std::string(allowed) == "POST") I.http.Get(route, wrong);
+    else I.http.Post(route, wrong);
+    I.http.Put(route, wrong);
+    I.http.Delete(route, wrong);
+    I.http.Patch(route, wrong);
+  }
   I.http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(metrics_prometheus(impl_->engine.metrics()), "text/plain; version=0.0.4");
   });
@@ -848,6 +880,17 @@ void Server::listen() { impl_->http.listen_after_bind(); }
 
 void Server::stop() {
   if (impl_->http.is_running()) impl_->http.stop();
+}
+
+void Server::shutdown(double drain_s) {
+  Impl& I = *impl_;
+  I.engine.abort_all("the server is shutting down");
+  // The handlers answer their clients (a 503, or a stream's error event and [DONE]) once the
+  // engine has ended their requests; then the listener and the connections close.
+  const double t0 = now_seconds();
+  while (!I.engine.idle() && now_seconds() - t0 < drain_s) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  stop();
 }
 
 bool api_key_matches(const std::string& authorization, const std::string& x_api_key, const std::string& key) {

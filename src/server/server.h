@@ -17,7 +17,9 @@ struct ServerOptions {
   std::string host = "127.0.0.1";
   int port = 8080;          // 0: any free port (bind() returns it)
   std::string model_name;   // the id /v1/models reports (default: the model file's stem)
-  int http_threads = 64;    // connections served at once (a streaming request holds one)
+  // Connections served at once: each open connection holds one thread while its request waits
+  // for the engine or streams, and /health and /metrics need a free one too.
+  int http_threads = 1024;
   // Non-empty: every route but /health and /metrics needs "Authorization: Bearer <api_key>" (or
   // "X-Api-Key: <api_key>"); others get OpenAI's 401 invalid_api_key.
   std::string api_key;
@@ -38,7 +40,13 @@ class Server {
   int bind();
   // Serves until stop() (call bind() first).
   void listen();
+  // Stops listening and closes the connections once their handlers return (in-flight requests
+  // run to their end first).
   void stop();
+  // SIGTERM / SIGINT: every in-flight and queued request ends now (non-streaming ones answered
+  // 503, streams with an error event and [DONE]), then stop(); waits at most drain_s for the
+  // engine to end them.
+  void shutdown(double drain_s = 5.0);
 
  private:
   void widen_backlog();
