@@ -453,6 +453,7 @@ TEST_F(ServerTest, BadInputIs400AndServerKeepsServing) {
   const std::string c = "/v1/completions", ch = "/v1/chat/completions";
   expect_bad(c, "{not json");
   expect_bad(c, "[1, 2]");
+  expect_bad(c, std::string(R"({"prompt": "a", "max_tokens": 2})") + std::string(1, '\0') + "garbage");
   // Completions bodies and the parameter each one's error names.
   const std::pair<const char*, const char*> bad[] = {
       {R"({"max_tokens": 4})", "prompt"},
@@ -943,6 +944,15 @@ TEST(ServeCli, ParseBytes) {
   EXPECT_THROW(parse_bytes("lots"), Error);
   EXPECT_THROW(parse_bytes("2XB"), Error);
   EXPECT_THROW(parse_bytes("-5"), Error);
+  EXPECT_THROW(parse_bytes("0x10MiB"), Error);  // not read as hexadecimal
+  EXPECT_THROW(parse_bytes("inf"), Error);
+  EXPECT_EQ(parse_bytes("1e9"), 1000000000u);
+  try {
+    parse_bytes("1e30GiB");
+    FAIL() << "1e30GiB accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("larger than"), std::string::npos) << e.what();
+  }
 }
 
 TEST_F(ServerTest, ClientGoneMidStreamCancelsAndFreesPages) {

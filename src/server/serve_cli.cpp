@@ -48,7 +48,11 @@ void serve_add_cli(CLI::App& app, ServeOptions& o) {
 size_t parse_bytes(const std::string& s) {
   size_t pos = 0;
   double v = 0;
+  // decimal only: std::stod would also read hexadecimal ("0x10MiB") and "inf" / "nan"
+  const bool decimal = !s.empty() && s.find_first_not_of("0123456789.eE+- KMGiBb") == std::string::npos &&
+                       s.find("0x") == std::string::npos && s.find("0X") == std::string::npos;
   try {
+    if (!decimal) throw std::invalid_argument(s);
     v = std::stod(s, &pos);
   } catch (const std::exception&) {
     fail("'{}' is not a size (examples: 2GiB, 512MiB, 1000000)", s);
@@ -64,7 +68,8 @@ size_t parse_bytes(const std::string& s) {
   else if (unit == "MB") mul = 1e6;
   else if (unit == "GB") mul = 1e9;
   else fail("'{}': unknown size unit '{}' (use B, KiB, MiB, GiB, KB, MB, GB)", s, unit);
-  if (!(v > 0) || v * mul > 1e15) fail("'{}' is not a positive size", s);
+  if (!(v > 0)) fail("'{}' is not a positive size", s);
+  if (v * mul > 1e15) fail("'{}' is larger than 1e15 bytes (~909 TiB), the largest size kvq takes", s);
   return size_t(v * mul);
 }
 
@@ -78,7 +83,13 @@ static void on_signal(int) {
 
 int serve_command(ServeOptions o) {
   if (!o.kv_mem.empty() && o.engine.kv_tokens > 0) fail("give either --kv-mem or --kv-tokens, not both");
-  if (!o.kv_mem.empty()) o.engine.kv_mem = parse_bytes(o.kv_mem);
+  if (!o.kv_mem.empty()) {
+    try {
+      o.engine.kv_mem = parse_bytes(o.kv_mem);
+    } catch (const Error& e) {
+      fail("--kv-mem: {}", e.what());
+    }
+  }
   Engine engine(o.engine);
   ServerOptions so;
   so.host = o.host;

@@ -432,6 +432,8 @@ json Server::Impl::chat_logprobs(const std::vector<TokenLogprob>& lps) const {
 
 // A request body: a JSON object, or a 400 saying what it is instead.
 static json parse_body(const httplib::Request& req) {
+  // (the JSON parser would stop at a raw NUL byte and ignore what follows it)
+  if (req.body.find('\0') != std::string::npos) throw ApiError{"the request body holds a NUL byte", ""};
   json body = json::parse(req.body, nullptr, false);
   if (body.is_discarded()) throw ApiError{"the request body is not valid JSON", ""};
   if (!body.is_object()) throw ApiError{"the request body must be a JSON object", ""};
@@ -850,8 +852,14 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
     if (!res.body.empty()) return;
     if (res.status == 404)
       send_json(res, 404, error_body(fmt::format("no route {} {}", req.method, req.path), "invalid_request_error", "", "not_found"));
+    else if (res.status == 413)
+      send_json(res, 413, error_body("the request body is larger than 64 MiB", "invalid_request_error", "", ""));
     else
-      send_json(res, res.status, error_body(fmt::format("HTTP {}", res.status), "invalid_request_error", "", ""));
+      send_json(res, res.status,
+                error_body(fmt::format("HTTP {}: the request could not be read (its headers, Content-Type or "
+                                       "Content-Length)",
+                                       res.status),
+                           "invalid_request_error", "", ""));
   });
 }
 

@@ -437,7 +437,13 @@ int bench_command(const BenchOptions& o) {
     fail("give a workload: --workload FILE.jsonl (your requests) or --data FILE (a shared-prefix workload cut from text)");
   const std::vector<std::string> budgets = split_csv(o.kv_mem, "--kv-mem");
   std::vector<size_t> kv_mems;
-  for (const auto& b : budgets) kv_mems.push_back(parse_bytes(b));
+  for (const auto& b : budgets) {
+    try {
+      kv_mems.push_back(parse_bytes(b));
+    } catch (const Error& e) {
+      fail("--kv-mem: {}", e.what());
+    }
+  }
   // Every format name is checked (and the model loaded once) before any run.
   std::vector<BenchRequest> reqs;
   std::vector<size_t> page_bytes;  // per format
