@@ -1,4 +1,5 @@
-// Load generator for `kvq serve`: N concurrent clients stream /v1/completions requests that share
+// Load generator for `kvq serve` (or another OpenAI-compatible server: bench/compare_llamacpp_serve.sh
+// drives llama.cpp's llama-server with it): N concurrent clients stream /v1/completions requests that share
 // long prefixes (so the server's prefix cache has something to hit) and measure TTFT, TPOT and
 // throughput as a user of the OpenAI API sees them (wall clock on the client side, SSE parsing
 // included).
@@ -41,6 +42,7 @@ struct Args {
   std::string order = "rr";  // rr: request i uses prefix i % N; random: seeded uniform choice
   unsigned seed = 1;
   double timeout_s = 600;
+  bool ignore_eos = false;  // every request generates max_tokens (servers compared on equal work)
 };
 
 struct Sample {
@@ -50,6 +52,7 @@ struct Sample {
   double tpot_s = -1;  // < 0: fewer than 2 tokens, no inter-token time
   double end_s = 0;    // when the request ended, seconds since the run started (to place failures in time)
   int tokens = 0;
+  int prompt_tokens = -1;  // the server's usage.prompt_tokens, if it sent usage
   std::string error;
 };
 
@@ -57,7 +60,7 @@ struct Sample {
   std::fprintf(stderr,
                "error: %s\nusage: serve_load --port P [--host H] [--concurrency N] [--requests M] [--max-tokens T]\n"
                "                  --prefix-file FILE [--prefixes N --prefix-bytes B [--order rr|random]]\n"
-               "                  [--seed S] [--timeout SECONDS]\n",
+               "                  [--seed S] [--timeout SECONDS] [--ignore-eos]\n",
                msg.c_str());
   std::exit(2);
 }
@@ -91,6 +94,7 @@ Args parse_args(int argc, char** argv) {
     else if (f == "--order") a.order = need(i);
     else if (f == "--seed") a.seed = unsigned(to_int(f, need(i)));
     else if (f == "--timeout") a.timeout_s = double(to_int(f, need(i)));
+    else if (f == "--ignore-eos") a.ignore_eos = true;
     else usage_exit("unknown flag " + f);
   }
   if (a.port <= 0 || a.port > 65535) usage_exit("--port must be in [1, 65535]");
@@ -152,6 +156,7 @@ Sample run_one(const Args& a, const std::string& prompt) {
   json body = {{"prompt", prompt},         {"max_tokens", a.max_tokens},
                {"temperature", 0},         {"stream", true},
                {"stream_options", {{"include_usage", true}}}};
+  if (a.ignore_eos) body["ignore_eos"] = true;
   httplib::Request req;
   req.method = "POST";
   req.path = "/v1/completions";
@@ -182,8 +187,10 @@ Sample run_one(const Args& a, const std::string& prompt) {
         s.error = j["error"].value("message", std::string("error event"));
         continue;
       }
-      if (j.contains("usage") && j["usage"].is_object())
+      if (j.contains("usage") && j["usage"].is_object()) {
         usage_tokens = j["usage"].value("completion_tokens", -1);
+        s.prompt_tokens = j["usage"].value("prompt_tokens", -1);
+      }
       if (j.contains("choices") && j["choices"].is_array() && !j["choices"].empty()) {
         const auto& c = j["choices"][0];
         if (c.contains("text") && c["text"].is_string() && !c["text"].get<std::string>().empty()) {
@@ -269,7 +276,8 @@ int main(int argc, char** argv) {
   const double wall = std::chrono::duration<double>(clk::now() - t0).count();
 
   std::vector<double> ttft, tpot;
-  long tokens = 0;
+  long tokens = 0, prompt_tokens = 0;
+  int with_usage = 0;
   int ok = 0, empty = 0;
   std::string first_error;
   struct ErrorCount {
@@ -291,6 +299,10 @@ int main(int argc, char** argv) {
     }
     ++ok;
     tokens += s.tokens;
+    if (s.prompt_tokens >= 0) {
+      prompt_tokens += s.prompt_tokens;
+      ++with_usage;
+    }
     ttft.push_back(s.ttft_s);
     if (s.tpot_s >= 0) tpot.push_back(s.tpot_s);
   }
@@ -323,7 +335,9 @@ int main(int argc, char** argv) {
             {"ttft_ms_p50", num(ttft50)},
             {"ttft_ms_p95", num(ttft95)},
             {"tpot_ms_p50", num(tpot50)},
-            {"tpot_ms_p95", num(tpot95)}};
+            {"tpot_ms_p95", num(tpot95)},
+            {"ignore_eos", a.ignore_eos},
+            {"prompt_tokens_mean", with_usage > 0 ? num(double(prompt_tokens) / with_usage) : json(nullptr)}};
   std::printf("--json %s\n", j.dump().c_str());
   return failed == 0 ? 0 : 1;
 }
