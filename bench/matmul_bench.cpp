@@ -98,7 +98,7 @@ void bm_matmul(benchmark::State& st, GgmlType t, Shape s, int64_t n_tok) {
   // a rate of (GB / bw * 100) per second is GB/s as a percentage of the measured bandwidth
   st.counters["%bw"] = benchmark::Counter(double(wbytes) * iters / 1e9 / bw * 100.0, benchmark::Counter::kIsRate);
   st.counters["bw_GB/s"] = bw;
-  st.SetLabel(n_tok == 1 ? "decode" : "prefill");
+  st.SetLabel(n_tok == 1 ? "decode" : n_tok < 512 ? "batched decode" : "prefill");
 }
 
 const Shape kShapes32[] = {
@@ -120,6 +120,15 @@ int register_all() {
   };
   for (GgmlType t : t32)
     for (const auto& s : kShapes32) reg(t, s);
+  // Gemma 3's output projection (its 262144-token vocabulary, tied to the Q8_0 embeddings in
+  // Q4_K_M files) at the few rows of a batched decode step, where it dominates the step.
+  const Shape vocab{"gemma_vocab_262144x640", 262144, 640};
+  for (int64_t n_tok : {int64_t(1), int64_t(4), int64_t(8), int64_t(16)}) {
+    std::string name = std::string("q8_0/") + vocab.name + "/rows" + std::to_string(n_tok);
+    benchmark::RegisterBenchmark(name.c_str(), [vocab, n_tok](benchmark::State& st) { bm_matmul(st, GgmlType::Q8_0, vocab, n_tok); })
+        ->Arg(1)->Arg(2)->ArgName("threads")->UseRealTime()->Unit(benchmark::kMicrosecond)
+        ->MinTime(0.05)->Repetitions(3)->ReportAggregatesOnly(true);
+  }
   for (GgmlType t : tk)
     for (const auto& s : kShapesK) reg(t, s);
   return 0;

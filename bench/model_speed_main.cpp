@@ -2,7 +2,7 @@
 // llama-bench's pp512 / tg128, plus the memory bandwidth decode reaches as a share of this
 // machine's read bandwidth measured in the same run.
 //
-//   model_speed MODEL.gguf [--pp 512] [--tg 128] [--depth 0] [--threads 1,2] [--reps 3] [--kv f16] [--json]
+//   model_speed MODEL.gguf [--pp 512] [--tg 128] [--depth 0] [--batch 1] [--threads 1,2] [--reps 3] [--kv f16] [--json]
 //
 // Decode bandwidth = (weight bytes + KV bytes read per token) / time per token.
 // --depth N measures both tests after an N-token context (llama-bench's -d): for decode the context
@@ -10,6 +10,9 @@
 // it, so the KV cache format's attention cost shows next to the weights'; for the prompt each
 // repetition prefills the context (untimed) and then times pp more tokens in chunks of 512: the
 // time to first token of a prompt that continues a long one. --pp 0 skips the prompt test.
+// --batch B decodes B sequences at once (each its own cache at the same depth, one step = one
+// token of each, as a server's decode steps): tg tokens/s counts all B sequences' tokens, as
+// llama-batched-bench's S_TG does.
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -33,11 +36,11 @@ static double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: model_speed MODEL.gguf [--pp N] [--tg N] [--depth N] [--threads 1,2] [--reps N] [--kv FMT] [--json]\n");
+    std::fprintf(stderr, "usage: model_speed MODEL.gguf [--pp N] [--tg N] [--depth N] [--batch B] [--threads 1,2] [--reps N] [--kv FMT] [--json]\n");
     return 2;
   }
   std::string path = argv[1], kv = "f16";
-  int pp = 512, tg = 128, reps = 3, depth = 0;
+  int pp = 512, tg = 128, reps = 3, depth = 0, batch = 1;
   bool json = false;
   std::vector<int> threads = {1, 2};
   for (int i = 2; i < argc; ++i) {
@@ -50,6 +53,7 @@ int main(int argc, char** argv) {
     else if (a == "--tg") tg = std::stoi(next());
     else if (a == "--reps") reps = std::stoi(next());
     else if (a == "--depth") depth = std::stoi(next());
+    else if (a == "--batch") batch = std::stoi(next());
     else if (a == "--kv") kv = next();
     else if (a == "--json") json = true;
     else if (a == "--threads") {
@@ -63,8 +67,8 @@ int main(int argc, char** argv) {
       }
     } else { std::fprintf(stderr, "unknown option %s\n", a.c_str()); return 2; }
   }
-  if (pp < 0 || tg < 1 || reps < 1 || depth < 0) {
-    std::fprintf(stderr, "model_speed: --pp and --depth must be >= 0, --tg and --reps >= 1\n");
+  if (pp < 0 || tg < 1 || reps < 1 || depth < 0 || batch < 1 || batch > 512) {
+    std::fprintf(stderr, "model_speed: --pp and --depth must be >= 0, --tg and --reps >= 1, --batch in 1..512\n");
     return 2;
   }
   try {
@@ -95,36 +99,49 @@ int main(int argc, char** argv) {
         pp_tps.push_back(pp / (now_seconds() - t0));
       }
       // Decode: from a fresh one-token context as llama-bench's tg does, or on top of a prefilled
-      // context of `depth` tokens (each repetition continues the same sequence).
-      KvCache deep(m->kv_cache_config(policy, depth + reps * tg + 8));
-      if (depth > 0) fwd.eval(ctx.data(), depth, deep);
+      // context of `depth` tokens (each repetition continues the same sequences).
+      std::vector<std::unique_ptr<KvCache>> deep;
+      for (int b = 0; b < batch; ++b) {
+        deep.push_back(std::make_unique<KvCache>(m->kv_cache_config(policy, depth + reps * tg + 8)));
+        if (depth > 0) fwd.eval(ctx.data(), depth, *deep.back());
+      }
       for (int r = 0; r < reps; ++r) {
-        std::unique_ptr<KvCache> fresh;
-        KvCache* cache2 = &deep;
-        if (depth == 0) {
-          fresh = std::make_unique<KvCache>(m->kv_cache_config(policy, tg + 8));
-          cache2 = fresh.get();
+        std::vector<std::unique_ptr<KvCache>> fresh;
+        std::vector<KvCache*> caches;
+        for (int b = 0; b < batch; ++b) {
+          if (depth == 0) {
+            fresh.push_back(std::make_unique<KvCache>(m->kv_cache_config(policy, tg + 8)));
+            caches.push_back(fresh.back().get());
+            const int32_t first = prompt[0];
+            fwd.eval(&first, 1, *caches.back());
+          } else {
+            caches.push_back(deep[size_t(b)].get());
+          }
         }
-        int32_t tok = prompt[0];
-        if (depth == 0) fwd.eval(&tok, 1, *cache2);
+        std::vector<int32_t> toks(static_cast<size_t>(batch));
+        std::vector<ForwardSeq> fs(static_cast<size_t>(batch));
         double kv_read = 0;
         double t0 = now_seconds();
         for (int i = 0; i < tg; ++i) {
-          tok = prompt[size_t(i + 1) % prompt.size()];
-          kv_read += cache2->decode_read_bytes(cache2->n_tokens());
-          fwd.eval(&tok, 1, *cache2);
+          for (int b = 0; b < batch; ++b) {
+            toks[size_t(b)] = prompt[size_t(i + 1 + b) % prompt.size()];
+            kv_read += caches[size_t(b)]->decode_read_bytes(caches[size_t(b)]->n_tokens());
+            fs[size_t(b)] = ForwardSeq{&toks[size_t(b)], 1, caches[size_t(b)], ForwardSeq::last};
+          }
+          if (batch == 1) fwd.eval(toks.data(), 1, *caches[0]);
+          else fwd.eval_batch(fs.data(), batch);
         }
         double t_tg = now_seconds() - t0;
-        tg_tps.push_back(tg / t_tg);
+        tg_tps.push_back(double(tg) * batch / t_tg);
         tg_gbs.push_back((double(m->decode_weight_bytes()) * tg + kv_read) / t_tg / 1e9);
       }
       const double mpp = pp > 0 ? median(pp_tps) : 0, mtg = median(tg_tps), mgbs = median(tg_gbs);
       if (json)
-        std::printf("{\"threads\": %d, \"kv\": \"%s\", \"pp\": %d, \"pp_tps\": %.2f, \"tg\": %d, \"depth\": %d, \"tg_tps\": %.2f, \"tg_gbs\": %.2f, \"read_bw_gbs\": %.2f}\n",
-                    nt, kv.c_str(), pp, mpp, tg, depth, mtg, mgbs, bw);
+        std::printf("{\"threads\": %d, \"kv\": \"%s\", \"pp\": %d, \"pp_tps\": %.2f, \"tg\": %d, \"depth\": %d, \"batch\": %d, \"tg_tps\": %.2f, \"tg_gbs\": %.2f, \"read_bw_gbs\": %.2f}\n",
+                    nt, kv.c_str(), pp, mpp, tg, depth, batch, mtg, mgbs, bw);
       else
-        std::printf("threads %d: pp%d @ depth %d %.1f tokens/s | tg%d @ depth %d %.1f tokens/s | decode reads %.2f GB/s = %.0f%% of measured read bandwidth %.2f GB/s\n",
-                    nt, pp, depth, mpp, tg, depth, mtg, mgbs, 100.0 * mgbs / bw, bw);
+        std::printf("threads %d: pp%d @ depth %d %.1f tokens/s | tg%d @ depth %d x %d sequences %.1f tokens/s | decode reads %.2f GB/s = %.0f%% of measured read bandwidth %.2f GB/s\n",
+                    nt, pp, depth, mpp, tg, depth, batch, mtg, mgbs, 100.0 * mgbs / bw, bw);
       std::fflush(stdout);
     }
   } catch (const Error& e) {

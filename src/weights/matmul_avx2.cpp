@@ -8,6 +8,7 @@
 #define KVQ_NT_K 2
 #define KVQ_NR_F 4
 #define KVQ_NT_F 2
+#define KVQ_INTERLEAVE_MIN_TOKENS 8
 #include "weights/matmul_x86.inl"
 
 #include "weights/weights.h"

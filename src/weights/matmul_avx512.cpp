@@ -8,6 +8,7 @@
 #define KVQ_NT_K 2
 #define KVQ_NR_F 4
 #define KVQ_NT_F 4
+#define KVQ_INTERLEAVE_MIN_TOKENS 12
 #include "core/aligned.h"
 #include "weights/matmul_x86.inl"
 
@@ -26,7 +27,7 @@ namespace x86_avx512 {
 namespace {
 
 constexpr int kPR = 16;             // rows per panel: the 16 int32 lanes of a zmm
-constexpr int kPanelMinTokens = 8;  // below this the streaming kernels win (no unpack pass)
+constexpr int kPanelMinTokens = 12;  // below this the streaming kernels win (no unpack pass; see gemm)
 constexpr int kPP = 2;              // panels per register tile: 32 rows share each activation broadcast
 // tokens per register tile: kPP x kPT float accumulators + as many int32 dot sums (+ as many
 // super-block sums for the K-quants) within the 32 zmm registers

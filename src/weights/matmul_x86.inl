@@ -466,9 +466,12 @@ int64_t gemm_packed_rows(const uint8_t* w, size_t ws, int64_t nr, const uint8_t*
 #endif
 
 // Rows outer, tokens inner: the NR weight rows stay in L1 while every token tile streams past.
-// Decode (one token) goes row by row instead: W then arrives as one sequential stream per thread,
-// which the hardware prefetchers follow at close to full bandwidth, whereas NR interleaved row
-// streams measured at half of it.
+// Up to kInterleaveMinTokens - 1 tokens (decode, and the few rows of a batched decode step) go row
+// by row instead: W then arrives as one sequential stream per thread, which the hardware
+// prefetchers follow at close to full bandwidth, whereas NR interleaved row streams measured at
+// half of it and less (Gemma 3's 262144 x 640 Q8_0 output projection at 4 tokens: 7.6 GB/s,
+// 22 ms against 6 ms for one token; bench/BENCHMARKS.md).
+constexpr int64_t kInterleaveMinTokens = KVQ_INTERLEAVE_MIN_TOKENS;
 template <GgmlType T, int NR, int NT>
 void gemm(const uint8_t* w, size_t ws, int64_t nr, const uint8_t* x, size_t xs, int64_t nt, int64_t n_in,
           float* y, int64_t ldy) {
@@ -478,7 +481,7 @@ void gemm(const uint8_t* w, size_t ws, int64_t nr, const uint8_t* x, size_t xs, 
     if (nt >= kPackedNT) r = gemm_packed_rows<T, NR, kPackedNT>(w, ws, nr, x, xs, nt, n_in, y, ldy);
   }
 #endif
-  if (nt > 1)
+  if (nt >= kInterleaveMinTokens)
     for (; r + NR <= nr; r += NR)
       for (int64_t t = 0; t < nt; t += NT)
         tile_rows<T, NR, NT>(w + size_t(r) * ws, ws, x + size_t(t) * xs, xs, int(std::min<int64_t>(NT, nt - t)),

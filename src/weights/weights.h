@@ -31,7 +31,7 @@ void dequantize_row(GgmlType t, const void* src, float* dst, int64_t n);
 void matmul(const WeightView& w, const float* x, int64_t n_tok, float* y, ThreadPool& pool);
 // Batch-invariant matmuls (off by default; process-wide): every call runs the kernels of a
 // one-token call, so a token's result does not depend on how many tokens share the call. On
-// AVX-512 the calls of 8 or more tokens otherwise run prefill kernels that round their sums
+// AVX-512 the calls of 12 or more tokens otherwise run prefill kernels that round their sums
 // differently (and about 2.5x faster); the AVX2 and scalar kernels are batch-invariant already.
 void matmul_set_batch_invariant(bool on);
 bool matmul_batch_invariant();
