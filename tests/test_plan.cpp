@@ -840,6 +840,19 @@ void expect_rejected(const CmdResult& r, const std::vector<std::string>& needles
   for (const std::string& n : needles) EXPECT_NE(r.err.find(n), std::string::npos) << what << ": " << r.err;
 }
 
+// A config at every bound of plan's shape checks at once (all of them inside the bounds).
+nlohmann::json largest_config() {
+  nlohmann::json cfg = llama8b_config();
+  cfg["num_hidden_layers"] = 4096;
+  cfg["num_attention_heads"] = 512;
+  cfg["num_key_value_heads"] = 512;
+  cfg["head_dim"] = 512;
+  cfg["hidden_size"] = 1 << 20;
+  cfg["intermediate_size"] = 1 << 20;
+  cfg["vocab_size"] = 1 << 24;
+  return cfg;
+}
+
 }  // namespace
 
 // Sizes far past any model are range errors naming the field and its range, raised before the
@@ -871,14 +884,7 @@ TEST(Plan, HfConfigFieldsOutOfRange) {
   expect_rejected(plan_config(cfg, "width.json"), {"num_attention_heads 65536 x head dimension 128", "2^18"}, "width");
 
   // The largest shapes inside the bounds are planned; every preset is inside them.
-  cfg = llama8b_config();
-  cfg["num_hidden_layers"] = 4096;
-  cfg["num_attention_heads"] = 512;
-  cfg["num_key_value_heads"] = 512;
-  cfg["head_dim"] = 512;
-  cfg["hidden_size"] = 1 << 20;
-  cfg["intermediate_size"] = 1 << 20;
-  cfg["vocab_size"] = 1 << 24;
+  cfg = largest_config();
   cfg["max_position_embeddings"] = 1 << 30;
   CmdResult r = plan_config(cfg, "largest.json");
   EXPECT_EQ(r.rc, 0) << r.err;
@@ -902,14 +908,7 @@ TEST(Plan, ParameterCountNeverWraps) {
   expect_rejected(plan_config(cfg, "overflow.json"), {"'hidden_size'", "1..2^20"}, "2^31-1 sizes");
 
   // At the bounds the count is exact: the same sum in 128-bit arithmetic.
-  cfg = llama8b_config();
-  cfg["num_hidden_layers"] = 4096;
-  cfg["num_attention_heads"] = 512;
-  cfg["num_key_value_heads"] = 512;
-  cfg["head_dim"] = 512;
-  cfg["hidden_size"] = 1 << 20;
-  cfg["intermediate_size"] = 1 << 20;
-  cfg["vocab_size"] = 1 << 24;
+  cfg = largest_config();
   cfg["torch_dtype"] = "float32";
   PlanModel m = plan_model_from_hf_config(cfg, std::nullopt);
   const __int128 e = 1 << 20, q = 512 * 512, ff = 1 << 20, v = 1 << 24;
