@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "core/strings.h"
 #include "server/server.h"
+#include "tools/kv_flags.h"
 
 namespace kvq {
 
@@ -91,6 +92,7 @@ int serve_command(ServeOptions o) {
     }
   }
   Engine engine(o.engine);
+  kv_flags_warn_unused(o.engine.kv, kv_flags_resolve(o.engine.kv, engine.model()), engine.model());
   ServerOptions so;
   so.host = o.host;
   so.port = o.port;

@@ -458,6 +458,7 @@ int bench_command(const BenchOptions& o) {
     Engine probe(po);
     for (const std::string& f : formats) {  // names and codec shapes checked now, not mid-run
       const KvSetup kv = kv_flags_resolve(o.kv, probe.model(), f);
+      kv_flags_warn_unused(o.kv, kv, probe.model());
       KvCacheConfig kc = probe.model().kv_cache_config(kv.policy, 64, o.kv.page_tokens);
       kv.apply(kc);
       KvCache check(kc);

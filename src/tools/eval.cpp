@@ -628,6 +628,7 @@ int eval_command(const EvalOptions& o) {
   for (const auto& f : o.formats) {
     FormatRun r;
     r.kv = kv_flags_resolve(o.kv, *model, f);
+    kv_flags_warn_unused(o.kv, r.kv, *model);
     r.name = r.kv.policy.name;
     KvCacheConfig kc = model->kv_cache_config(r.kv.policy, 64, o.kv.page_tokens);
     r.kv.apply(kc);

@@ -1,7 +1,9 @@
 #include "tools/kv_flags.h"
 
 #include <CLI/CLI.hpp>
+#include <cctype>
 #include <cmath>
+#include <cstdio>
 #include <map>
 
 #include "core/error.h"
@@ -79,6 +81,11 @@ nlohmann::json kv_qk_norm_calib(const Model& m) {
 }
 
 namespace {
+
+std::string lower_ascii(std::string v) {
+  for (char& ch : v) ch = char(std::tolower(static_cast<unsigned char>(ch)));
+  return v;
+}
 
 // The policy of --kv-cache-dtype (or eval's `format`) with -ctk / -ctv replacing its K or V side.
 // A side keeps its own "@gN"; each is resolved as a whole format (its K or V codec is used).
@@ -199,6 +206,33 @@ KvSetup kv_flags_resolve(const KvFlags& f, const Model& m, const std::string& fo
     }
   }
   return s;
+}
+
+void kv_flags_warn_unused(const KvFlags& f, const KvSetup& s, const Model& m) {
+  if (!(f.group_tokens > 0 || f.residual_tokens >= 0 || f.outlier_fraction >= 0 || f.sink_tokens >= 0)) return;
+  KvCacheConfig kc = m.kv_cache_config(s.policy, 1, f.page_tokens);
+  s.apply(kc);
+  bool grouped = false, kvquant = false;
+  for (int il = 0; il < m.config().n_layer; ++il) {
+    KvCodecParams cp = kv_cache_codec_params(kc, il);
+    for (KvRole role : {KvRole::key, KvRole::value}) {
+      cp.role = role;
+      const KvLayerFormat& lf = s.policy.layers[size_t(il)];
+      const auto codec = kv_codec_create(role == KvRole::key ? lf.k_codec : lf.v_codec, cp);
+      grouped = grouped || codec->info().group_tokens > 1;
+      kvquant = kvquant || lower_ascii(codec->info().name).rfind("kvquant", 0) == 0;
+    }
+  }
+  std::string unused;
+  if (!grouped && f.group_tokens > 0) unused += " --kv-group-tokens";
+  if (!grouped && f.residual_tokens >= 0) unused += " --kv-residual-tokens";
+  if (!kvquant && f.outlier_fraction >= 0) unused += " --kv-outliers";
+  if (!kvquant && f.sink_tokens >= 0) unused += " --kv-sink-tokens";
+  if (!unused.empty())
+    std::fprintf(stderr,
+                 "[kvq] warning:%s: no layer of '%s' reads it (grouped formats: kivi*, kvquant*; outliers and sink "
+                 "tokens: kvquant*); ignored\n",
+                 unused.c_str(), s.policy.name.c_str());
 }
 
 }  // namespace kvq

@@ -61,6 +61,11 @@ void kv_flags_add_kvquant(CLI::App& app, KvFlags& f);
 // formats for unknown names). `format` overrides --kv-cache-dtype when not empty (eval's --kv list).
 KvSetup kv_flags_resolve(const KvFlags& f, const Model& m, const std::string& format = "");
 
+// Warns on stderr when --kv-group-tokens, --kv-residual-tokens, --kv-outliers or --kv-sink-tokens
+// is given and no layer of the resolved formats reads it (grouped formats: kivi*, kvquant*;
+// outliers and sink tokens: kvquant*), instead of ignoring it silently.
+void kv_flags_warn_unused(const KvFlags& f, const KvSetup& s, const Model& m);
+
 // `--kv-scales qk-norm`: the channel statistics that a model with QK-norm (Gemma 3, Qwen3, OLMo 2)
 // implies without any sample text. Its keys and queries leave RMSNorm as x / rms(x) * w, so their
 // channel RMS is proportional to |w| (attn_k_norm, attn_q_norm: one vector per layer, shared by the

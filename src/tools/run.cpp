@@ -95,6 +95,7 @@ int run_command(const RunOptions& o) {
 
   ThreadPool pool(threads);
   const KvSetup kv = kv_flags_resolve(o.kv, *model);
+  kv_flags_warn_unused(o.kv, kv, *model);
   const KvPolicy& policy = kv.policy;
   KvCacheConfig kcfg = model->kv_cache_config(policy, ctx, o.kv.page_tokens);
   kv.apply(kcfg);

@@ -129,4 +129,16 @@ if [[ -f $smol ]]; then
     "python3 -c \"import re; t=re.findall(r'turn (\\d+): (\\d+) new prompt tokens, (\\d+) in the cache', open('$tmp/conv.err').read()); assert [x[0] for x in t]==['1','2']; n1,c1,n2,c2=int(t[0][1]),int(t[0][2]),int(t[1][1]),int(t[1][2]); assert 0<c1-n1<=12 and 0<n2<c1 and 0<=c2-c1-n2<=12, t\""
 fi
 
+# flags that no layer's format reads are said, not dropped silently
+"$kvq" run -m "$model" --kv-cache-dtype f16 --kv-group-tokens 16 --kv-sink-tokens 4 -n 1 -t 1 >/dev/null 2>"$tmp/unused"
+check "grouped-format flags on f16: run goes on and warns, naming them" \
+  "[[ $? -eq 0 ]] && grep -q 'warning: --kv-group-tokens --kv-sink-tokens: no layer of .f16. reads it' $tmp/unused"
+"$kvq" run -m "$model" --kv-cache-dtype f16 -n 1 -t 1 >/dev/null 2>"$tmp/quiet"
+check "... and no warning without them" "! grep -q warning $tmp/quiet"
+# a serving context beyond the trained one is capped, and said once
+"$kvq" bench -m "$model" --kv f16 --kv-mem 4MiB --data "$text" -c 100000 --requests 2 --concurrency 1 --max-tokens 2 \
+  --prefixes 1 --prefix-tokens 32 -t 1 >/dev/null 2>"$tmp/ctxw"
+check "bench -c beyond the trained context: warned once, capped" \
+  "[[ \$(grep -c 'beyond the 2048 tokens the model was trained on; using 2048' $tmp/ctxw) -eq 1 ]]"
+
 finish run
