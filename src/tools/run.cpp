@@ -185,6 +185,12 @@ int run_command(const RunOptions& o) {
       have = false;
       const std::string text = turns == 0 ? first_turn(line) : chat_render_next_turn(tpl, line);
       const std::vector<int32_t> ids = tok.encode(text, /*add_bos=*/turns == 0, /*parse_special=*/true);
+      if (cache.n_tokens() + int(ids.size()) >= ctx) {
+        // Too long for what is left of the context: not sent, the conversation goes on as it was.
+        std::fprintf(stderr, "[kvq] this turn is %zu tokens and the context has room for %d more: not sent (type a "
+                     "shorter one)\n", ids.size(), ctx - cache.n_tokens() - 1);
+        continue;
+      }
       const size_t before = n_prompt;
       const bool room = turn(ids, false);
       ++turns;

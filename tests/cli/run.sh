@@ -127,6 +127,12 @@ if [[ -f $smol ]]; then
   check "interactive: the first reply is the one-shot reply" "[[ \"\$(head -n 1 $tmp/conv)\" == \"\$(cat $tmp/one)\" ]]"
   check "interactive: turn 2 adds only its own tokens to the cache" \
     "python3 -c \"import re; t=re.findall(r'turn (\\d+): (\\d+) new prompt tokens, (\\d+) in the cache', open('$tmp/conv.err').read()); assert [x[0] for x in t]==['1','2']; n1,c1,n2,c2=int(t[0][1]),int(t[0][2]),int(t[1][1]),int(t[1][2]); assert 0<c1-n1<=12 and 0<n2<c1 and 0<=c2-c1-n2<=12, t\""
+  # a line longer than the context left is not sent; the conversation goes on with the next one
+  { python3 -c "print('cat ' * 400)"; printf 'What is a cat?\n'; } |
+    "$kvq" run -m "$smol" --chat -i -c 256 -n 12 --temp 0 -t 1 >"$tmp/conv2" 2>"$tmp/conv2.err"
+  rc=$?
+  check "interactive: a turn too long for the context is refused, the next one answered" \
+    "[[ $rc -eq 0 ]] && grep -q 'not sent' $tmp/conv2.err && [[ \"\$(head -n 1 $tmp/conv2)\" == \"\$(cat $tmp/one)\" ]]"
 fi
 
 # flags that no layer's format reads are said, not dropped silently
