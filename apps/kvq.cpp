@@ -85,45 +85,38 @@ int main(int argc, char** argv) {
       if (numeric || opt->get_delimiter() != '\0') opt->check(non_empty);
     }
 
+  // The subcommand named by the first word, if any.
+  CLI::App* sc = nullptr;
+  for (auto* s : app.get_subcommands({}))
+    if (argc > 1 && s->get_name() == argv[1]) sc = s;
   // A first word that is neither a flag nor a subcommand: say so (CLI11 would only ask for one).
-  if (argc > 1 && argv[1][0] != '-') {
+  if (argc > 1 && argv[1][0] != '-' && !sc) {
     std::string names;
-    bool known = false;
-    for (const auto* sc : app.get_subcommands({})) {
-      known |= sc->get_name() == argv[1];
-      names += (names.empty() ? "" : ", ") + sc->get_name();
-    }
-    if (!known) {
-      std::fprintf(stderr, "kvq: error: unknown subcommand '%s' (one of: %s)\n", argv[1], names.c_str());
-      return 1;
-    }
+    for (const auto* s : app.get_subcommands({})) names += (names.empty() ? "" : ", ") + s->get_name();
+    std::fprintf(stderr, "kvq: error: unknown subcommand '%s' (one of: %s)\n", argv[1], names.c_str());
+    return 1;
   }
   // CLI11 drops the empty items of a comma-separated list (`--ctx 64,,128` would be 64,128):
   // they are errors, looked for in the raw arguments of the list options of the subcommand given.
-  if (argc > 1) {
-    CLI::App* sc = nullptr;
-    for (auto* s : app.get_subcommands({}))
-      if (s->get_name() == argv[1]) sc = s;
-    for (int i = 2; sc && i < argc; ++i) {
-      std::string a = argv[i], value;
-      if (a.size() < 2 || a[0] != '-') continue;
-      bool inline_value = false;
-      if (const size_t eq = a.find('='); eq != std::string::npos && a.rfind("--", 0) == 0) {
-        value = a.substr(eq + 1);
-        a.resize(eq);
-        inline_value = true;
-      }
-      const CLI::Option* opt = sc->get_option_no_throw(a);
-      if (!opt || opt->get_delimiter() == '\0' || opt->get_type_size() == 0) continue;
-      if (!inline_value) {
-        if (i + 1 >= argc) continue;  // CLI11 reports the missing value
-        value = argv[++i];
-      }
-      const char d = opt->get_delimiter();
-      if (!value.empty() && (value.front() == d || value.back() == d || value.find(std::string(2, d)) != std::string::npos)) {
-        std::fprintf(stderr, "kvq: error: %s: '%s' has an empty item\n", a.c_str(), value.c_str());
-        return 2;
-      }
+  for (int i = 2; sc && i < argc; ++i) {
+    std::string a = argv[i], value;
+    if (a.size() < 2 || a[0] != '-') continue;
+    bool inline_value = false;
+    if (const size_t eq = a.find('='); eq != std::string::npos && a.rfind("--", 0) == 0) {
+      value = a.substr(eq + 1);
+      a.resize(eq);
+      inline_value = true;
+    }
+    const CLI::Option* opt = sc->get_option_no_throw(a);
+    if (!opt || opt->get_delimiter() == '\0' || opt->get_type_size() == 0) continue;
+    if (!inline_value) {
+      if (i + 1 >= argc) continue;  // CLI11 reports the missing value
+      value = argv[++i];
+    }
+    const char d = opt->get_delimiter();
+    if (!value.empty() && (value.front() == d || value.back() == d || value.find(std::string(2, d)) != std::string::npos)) {
+      std::fprintf(stderr, "kvq: error: %s: '%s' has an empty item\n", a.c_str(), value.c_str());
+      return 2;
     }
   }
   try {

@@ -1,9 +1,8 @@
 #include "engine/engine.h"
 
 #include <algorithm>
-#include <atomic>
-#include <cstdio>
 #include <cmath>
+#include <cstdio>
 #include <future>
 #include <limits>
 #include <random>
@@ -112,6 +111,12 @@ std::vector<int> prefill_shares(const std::vector<int>& limits, const std::vecto
   return got;
 }
 
+void engine_warn_ctx_capped(int ctx, int n_ctx_train) {
+  if (ctx > n_ctx_train)
+    std::fprintf(stderr, "[kvq] warning: --ctx-size %d is beyond the %d tokens the model was trained on; using %d\n",
+                 ctx, n_ctx_train, n_ctx_train);
+}
+
 PrefillCost PrefillCost::from_model(const ModelConfig& c, double r) {
   PrefillCost pc;
   if (r <= 0) return pc;
@@ -194,10 +199,6 @@ Engine::Engine(const EngineOptions& o) : opt_(o) {
   tok_ = Tokenizer::from_gguf(model_->file());
   const ModelConfig& c = model_->config();
   ctx_ = o.ctx > 0 ? std::min(o.ctx, c.n_ctx_train) : c.n_ctx_train;
-  static std::atomic<bool> ctx_warned{false};  // once per process (bench builds an engine per run)
-  if (o.ctx > c.n_ctx_train && !ctx_warned.exchange(true))
-    std::fprintf(stderr, "[kvq] warning: --ctx-size %d is beyond the %d tokens the model was trained on; using %d\n",
-                 o.ctx, c.n_ctx_train, c.n_ctx_train);
   if (!(o.prefill_attention_cost >= 0) || o.prefill_attention_cost > 1e6)
     fail("--prefill-attention-cost must be in [0, 1e6] (got {})", o.prefill_attention_cost);
   prefill_cost_ = PrefillCost::from_model(c, o.prefill_attention_cost);

@@ -180,6 +180,10 @@ struct PrefillCost {
   int tokens_for(int start, int budget, int limit) const;
 };
 
+// The engine serves at most the model's trained context (EngineOptions::ctx beyond it is capped):
+// the warning kvq serve and kvq bench print when a --ctx-size is capped.
+void engine_warn_ctx_capped(int ctx, int n_ctx_train);
+
 // The --oldest-prefill-tokens and --prefill-attention-cost options' help (kvq serve and kvq bench).
 inline constexpr const char* kOldestPrefillTokensHelp =
     "prompt tokens per step the oldest prompt being prefilled is sure of (counted as --prefill-attention-cost "
@@ -220,6 +224,8 @@ class Engine {
   EngineMetrics metrics() const;
   const Model& model() const { return *model_; }
   const Tokenizer& tokenizer() const { return tok_; }
+  // What the KV flags resolved to (the formats per layer, calibration, G and R).
+  const KvSetup& kv_setup() const { return kv_; }
   int ctx() const { return ctx_; }
   const PagePool& pool() const { return *pool_; }  // inspect only when the engine is idle
   // The most tokens one sequence can hold in the whole pool, prefilled in max_batch steps: with

@@ -92,7 +92,8 @@ int serve_command(ServeOptions o) {
     }
   }
   Engine engine(o.engine);
-  kv_flags_warn_unused(o.engine.kv, kv_flags_resolve(o.engine.kv, engine.model()), engine.model());
+  kv_flags_warn_unused(o.engine.kv, engine.kv_setup(), engine.model());
+  engine_warn_ctx_capped(o.engine.ctx, engine.model().config().n_ctx_train);
   ServerOptions so;
   so.host = o.host;
   so.port = o.port;

@@ -468,6 +468,7 @@ int bench_command(const BenchOptions& o) {
       tail_max.push_back(check.max_tail_bytes());
     }
     ctx = probe.ctx();
+    engine_warn_ctx_capped(o.ctx, probe.model().config().n_ctx_train);
     model_name = probe.model().config().name;
     if (!o.workload.empty()) {
       const ChatTemplate tpl = o.chat ? chat_template_detect(probe.model().file()) : ChatTemplate{};

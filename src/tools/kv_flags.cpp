@@ -1,7 +1,6 @@
 #include "tools/kv_flags.h"
 
 #include <CLI/CLI.hpp>
-#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -81,11 +80,6 @@ nlohmann::json kv_qk_norm_calib(const Model& m) {
 }
 
 namespace {
-
-std::string lower_ascii(std::string v) {
-  for (char& ch : v) ch = char(std::tolower(static_cast<unsigned char>(ch)));
-  return v;
-}
 
 // The policy of --kv-cache-dtype (or eval's `format`) with -ctk / -ctv replacing its K or V side.
 // A side keeps its own "@gN"; each is resolved as a whole format (its K or V codec is used).
@@ -220,7 +214,7 @@ void kv_flags_warn_unused(const KvFlags& f, const KvSetup& s, const Model& m) {
       const KvLayerFormat& lf = s.policy.layers[size_t(il)];
       const auto codec = kv_codec_create(role == KvRole::key ? lf.k_codec : lf.v_codec, cp);
       grouped = grouped || codec->info().group_tokens > 1;
-      kvquant = kvquant || lower_ascii(codec->info().name).rfind("kvquant", 0) == 0;
+      kvquant = kvquant || codec->info().name.rfind("kvquant", 0) == 0;  // registry names: lower case
     }
   }
   std::string unused;
