@@ -431,6 +431,142 @@ TEST(EnginePrefillCost, ChunkCostAgainstAHandCount) {
   EXPECT_EQ(off.cost(1199, 64), 64);
 }
 
+// The step-time fit recovers a + b x decode units + c x prompt units from measured steps, says
+// how many prompt units a target leaves, and follows a machine that slows down.
+TEST(StepTimeFit, RecoversCoefficientsAndBudget) {
+  StepTimeFit f;
+  const auto t = [](double d, double p) { return 0.02 + 0.001 * d + 0.0005 * p; };
+  EXPECT_EQ(f.prefill_within(8, 0.05), -1);  // nothing seen
+  f.observe(8, 0, t(8, 0));
+  f.observe(4, 0, t(4, 0));
+  EXPECT_EQ(f.prefill_within(8, 0.05), -1);  // no step with prompt units yet
+  const double steps[][2] = {{0, 256}, {7, 249}, {8, 24}, {6, 100}, {3, 0}, {8, 16}};
+  for (const auto& x : steps) f.observe(x[0], x[1], t(x[0], x[1]));
+  double k[3];
+  ASSERT_TRUE(f.coefficients(k));
+  EXPECT_NEAR(k[0], 0.02, 2e-4);
+  EXPECT_NEAR(k[1], 0.001, 2e-5);
+  EXPECT_NEAR(k[2], 0.0005, 5e-6);
+  // 8 decode units take 28 ms: 22 ms of a 50 ms target buy 44 prompt units.
+  EXPECT_NEAR(f.prefill_within(8, 0.05), 44.0, 0.5);
+  EXPECT_EQ(f.prefill_within(8, 0.02), 0.0);  // below the decodes' own time: none
+  // The machine gets twice as slow: the fit follows within a few hundred steps.
+  for (int i = 0; i < 400; ++i) {
+    const double d = 1 + i % 8, p = (i * 37) % 200;
+    f.observe(d, p, 2 * t(d, p));
+  }
+  ASSERT_TRUE(f.coefficients(k));
+  EXPECT_NEAR(k[2], 0.001, 2e-5);
+  EXPECT_NEAR(f.prefill_within(8, 0.1), 44.0, 0.5);
+}
+
+TEST(StepTimeFit, UndeterminedOrFreePromptsGiveNoBudget) {
+  // Only prefill-only and decode-only steps (decode and prompt units never seen apart): the weak
+  // b = c penalty determines the fit, which fits both kinds of step.
+  StepTimeFit f;
+  for (int i = 0; i < 10; ++i) {
+    f.observe(0, 64, 0.010 + 64 * 0.0005);
+    f.observe(1, 0, 0.010 + 0.0005);
+  }
+  double k[3];
+  ASSERT_TRUE(f.coefficients(k));
+  EXPECT_NEAR(k[0] + 64 * k[2], 0.042, 1e-4);
+  EXPECT_NEAR(k[0] + k[1], 0.0105, 1e-4);
+  EXPECT_GT(f.prefill_within(1, 0.03), 0);
+  // Steps that took less with more prompt units, and no fit before them that priced a prompt
+  // unit: no budget (-1: the engine then uses max_batch alone).
+  StepTimeFit g;
+  for (int i = 0; i < 20; ++i) g.observe(4, 10.0 * (i % 5), 0.05 - 0.001 * (i % 5));
+  EXPECT_FALSE(g.coefficients(k));
+  EXPECT_EQ(g.prefill_within(4, 0.1), -1);
+  // NaN and negative times are not steps.
+  StepTimeFit h;
+  for (int i = 0; i < 10; ++i) h.observe(1, 16, std::nan(""));
+  h.observe(1, 16, -1);
+  EXPECT_FALSE(h.coefficients(k));
+  // A valid fit is kept through steps whose noise would price a prompt unit at nothing.
+  StepTimeFit v;
+  for (int i = 0; i < 8; ++i) v.observe(1, 16.0 * (i % 4), 0.010 + 0.0005 * 16 * (i % 4));
+  ASSERT_TRUE(v.coefficients(k));
+  for (int i = 0; i < 200; ++i) v.observe(1, 16.0 * (i % 4), 0.03 - 0.0001 * (i % 4));
+  double now[3];
+  ASSERT_TRUE(v.coefficients(now));
+  EXPECT_GT(now[2], 0);
+  EXPECT_GE(v.prefill_within(1, 0.05), 0);
+}
+
+// --tpot-target-ms: a prompt that arrives while a sequence decodes is prefilled in steps of as
+// many units as the fitted step time leaves of the target (the steps timed by a model of a
+// machine, 1 ms + 0.1 ms a decode unit + 0.02 ms a prompt unit, so the schedule does not depend
+// on this host's noise): ~63 units a step with a 2.6 ms target, kTpotTargetMinPrefill units when
+// the target is below a decode step's own time, max_batch without a target. The decoding
+// sequence samples one token a step, so its tokens count the steps B's prompt took. Outputs equal
+// each request run alone either way.
+TEST_F(EngineTest, TpotTargetBoundsPromptUnitsBesideDecodes) {
+  for (const double target : {0.0, 2.6, 1e-6}) {
+    SCOPED_TRACE(target);
+    EngineOptions o = base_options(4096);
+    o.tpot_target_ms = target;
+    o.step_seconds = [](double d, double p, double) { return 0.001 + 0.0001 * d + 0.00002 * p; };
+    o.max_batch = 256;  // A's prompt in large chunks: steps whose time is mostly its arithmetic
+    Engine e(o);
+    const Tokenizer& tok = e.tokenizer();
+    std::string story, other;
+    while (story.size() < 900) story += std::string(kShared) + " it rolled away. ";
+    while (other.size() < 300) other += "Tom had a blue car and a red hat. ";
+    const std::vector<int32_t> pa = tok.encode(story, true), pb = tok.encode(other, true);
+    ASSERT_GT(pa.size(), size_t(o.max_batch));  // A's own prefill: more than one chunk
+    // B's prompt in the units steps are priced in (its attention counts too): many floors' worth,
+    // a few max_batch steps' worth.
+    const int units = PrefillCost::from_model(e.model().config(), o.prefill_attention_cost).cost(0, int(pb.size()));
+    ASSERT_GT(units, 10 * kTpotTargetMinPrefill);
+    std::mutex mu;
+    int a_tokens = 0, a_at_b_first = -1;
+    std::promise<GenResult> ra, rb;
+    GenRequest b;
+    b.prompt = pb;
+    b.params = greedy(4);
+    b.params.logprobs = 0;
+    b.on_logprob = [&](const TokenLogprob&) {
+      std::lock_guard<std::mutex> lk(mu);
+      if (a_at_b_first < 0) a_at_b_first = a_tokens;
+    };
+    b.on_done = [&](const GenResult& g) { rb.set_value(g); };
+    GenRequest a;
+    a.prompt = pa;
+    a.params = greedy(60);
+    a.params.ignore_eos = true;
+    a.params.logprobs = 0;
+    a.on_logprob = [&](const TokenLogprob&) {
+      bool submit_b = false;
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        submit_b = ++a_tokens == 3;  // B arrives while A decodes (from the scheduler thread: the next step sees it)
+      }
+      if (submit_b) e.submit(std::move(b));
+    };
+    a.on_done = [&](const GenResult& g) { ra.set_value(g); };
+    e.submit(std::move(a));
+    const GenResult ga = ra.get_future().get(), gb = rb.get_future().get();
+    e.wait_idle();
+    EXPECT_EQ(gb.tokens, greedy_alone(e, pb, 4));
+    ASSERT_EQ(ga.tokens.size(), 60u);
+    const int steps_for_b = a_at_b_first - 3;  // A's tokens while B's prompt was computed
+    if (target == 0) {
+      EXPECT_EQ(steps_for_b, 1);  // 224 units in one max_batch step
+    } else if (target > 1) {
+      // 2.6 ms - 1 ms - 0.1 ms x A's ~3.3 decode units leave ~63 prompt units: 4 steps, or 5 where
+      // a step's last token would overrun its share.
+      EXPECT_GE(steps_for_b, 4);
+      EXPECT_LE(steps_for_b, 5);
+    } else {
+      EXPECT_GE(steps_for_b, units / kTpotTargetMinPrefill - 1);
+      EXPECT_LE(steps_for_b, units / kTpotTargetMinPrefill + 4);
+    }
+    expect_pool_clean(e);
+  }
+}
+
 // A long prompt admitted first no longer holds back the short prompts admitted with it: by
 // default (the oldest prefill sure of max_batch / 4 tokens a step) the short ones get their first
 // tokens before the long one; strictly oldest first (oldest_prefill_tokens = max_batch) after it.

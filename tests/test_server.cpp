@@ -734,13 +734,17 @@ TEST_F(ServerTest, ModelsHealthMetrics) {
         "kvq_kv_cache_usage_ratio 0", "kvq_kv_cache_tokens_capacity 4096", "kvq_prefix_cache_queries_total",
         "kvq_prefix_cache_hits_total", "kvq_preemptions_total", "# TYPE kvq_time_to_first_token_seconds histogram",
         "# TYPE kvq_e2e_request_latency_seconds histogram", "kvq_e2e_request_latency_seconds_count",
-        "# TYPE kvq_request_queue_time_seconds histogram", "kvq_request_queue_time_seconds_bucket{le=\"+Inf\"}"})
+        "# TYPE kvq_request_queue_time_seconds histogram", "kvq_request_queue_time_seconds_bucket{le=\"+Inf\"}",
+        "# TYPE kvq_decode_step_seconds histogram"})
     EXPECT_NE(t.find(name), std::string::npos) << name << "\n" << t;
   const EngineMetrics em = engine_->metrics();
   EXPECT_GT(em.prefix_hit_tokens, 0u);
   EXPECT_NE(t.find(fmt::format("kvq_prefix_cache_hits_total {}", em.prefix_hit_tokens)), std::string::npos);
   EXPECT_NE(t.find(fmt::format("kvq_e2e_request_latency_seconds_count {}", em.e2e.count)), std::string::npos);
   EXPECT_GE(em.e2e.count, 2u);
+  // One after the other, each request's tokens after its first come from steps that decode.
+  EXPECT_GE(em.decode_step.count, 6u);
+  EXPECT_NE(t.find(fmt::format("kvq_decode_step_seconds_count {}", em.decode_step.count)), std::string::npos);
 }
 
 // A KV pool smaller than the context: a request whose prompt + max_tokens outgrows the whole pool

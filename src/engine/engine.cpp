@@ -111,6 +111,78 @@ std::vector<int> prefill_shares(const std::vector<int>& limits, const std::vecto
   return got;
 }
 
+void StepTimeFit::observe(double d, double p, double seconds) {
+  if (!(seconds >= 0) || !std::isfinite(seconds) || !std::isfinite(d) || !std::isfinite(p)) return;
+  const double x[3] = {1.0, d, p};
+  for (int i = 0; i < 3; ++i) {
+    for (int j = 0; j < 3; ++j) s_[i][j] = forget_ * s_[i][j] + x[i] * x[j];
+    r_[i] = forget_ * r_[i] + x[i] * seconds;
+  }
+  p_weight_ = forget_ * p_weight_ + (p > 0 ? 1.0 : 0.0);
+  ++n_;
+  double k[3];
+  if (solve(k)) {
+    std::copy(k, k + 3, k_);
+    valid_ = true;
+  }
+}
+
+bool StepTimeFit::solve(double out[3]) const {
+  if (n_ < kMinSteps || p_weight_ <= 1e-3) return false;
+  // Normal equations over the coefficients in `use` (the others 0), with a weak penalty
+  // mu (b - c)^2 that decides only the direction the steps leave open (decode units and prompt
+  // units never seen apart).
+  const auto fit = [&](const std::vector<int>& use) {
+    const int n = int(use.size());
+    double m[3][4] = {};
+    for (int i = 0; i < n; ++i) {
+      for (int j = 0; j < n; ++j) m[i][j] = s_[use[size_t(i)]][use[size_t(j)]];
+      m[i][3] = r_[use[size_t(i)]];
+    }
+    if (n == 3) {
+      const double mu = 1e-6 * (s_[1][1] + s_[2][2]) + 1e-12;
+      m[1][1] += mu;
+      m[2][2] += mu;
+      m[1][2] -= mu;
+      m[2][1] -= mu;
+    }
+    double scale = 0;
+    for (int i = 0; i < n; ++i) scale = std::max(scale, m[i][i]);
+    for (int col = 0; col < n; ++col) {
+      int piv = col;
+      for (int i = col + 1; i < n; ++i)
+        if (std::fabs(m[i][col]) > std::fabs(m[piv][col])) piv = i;
+      if (std::fabs(m[piv][col]) <= 1e-12 * scale) return false;
+      for (int j = 0; j < 4; ++j) std::swap(m[col][j], m[piv][j]);
+      for (int i = 0; i < n; ++i) {
+        if (i == col) continue;
+        const double f = m[i][col] / m[col][col];
+        for (int j = col; j < 4; ++j) m[i][j] -= f * m[col][j];
+      }
+    }
+    out[0] = out[1] = out[2] = 0;
+    for (int i = 0; i < n; ++i) out[use[size_t(i)]] = m[i][3] / m[i][i];
+    return true;
+  };
+  // A decode unit that takes less than none (noise while the decodes' count hardly varied) would
+  // make steps with more decodes look cheaper: such a fit leaves decode units out.
+  if (!fit({0, 1, 2}) || out[1] < 0) {
+    if (!fit({0, 2})) return false;
+  }
+  return out[2] > 0 && std::isfinite(out[0]) && std::isfinite(out[1]) && std::isfinite(out[2]);
+}
+
+bool StepTimeFit::coefficients(double out[3]) const {
+  if (!valid_) return false;
+  std::copy(k_, k_ + 3, out);
+  return true;
+}
+
+double StepTimeFit::prefill_within(double d, double seconds) const {
+  if (!valid_) return -1;
+  return std::max(0.0, (seconds - (k_[0] + k_[1] * d)) / k_[2]);
+}
+
 void engine_warn_ctx_capped(int ctx, int n_ctx_train) {
   if (ctx > n_ctx_train)
     std::fprintf(stderr, "[kvq] warning: --ctx-size %d is beyond the %d tokens the model was trained on; using %d\n",
@@ -138,7 +210,9 @@ PrefillCost PrefillCost::from_model(const ModelConfig& c, double r) {
   return pc;
 }
 
-int PrefillCost::cost(int start, int n) const {
+int PrefillCost::cost(int start, int n) const { return int(std::min(std::ceil(units(start, n) - 1e-9), 1e9)); }
+
+double PrefillCost::units(int start, int n) const {
   if (n <= 0) return 0;
   // Positions visible to the queries at start .. start + n - 1: q = start + 1 .. start + n.
   const double a = double(start) + 1, b = double(start) + double(n);
@@ -148,7 +222,7 @@ int PrefillCost::cost(int start, int n) const {
     const double below = top >= a ? (a + top) * (top - a + 1) / 2 : 0;
     x += k * (below + w * std::max(0.0, b - std::max(a - 1, w)));
   }
-  return int(std::min(std::ceil(x - 1e-9), 1e9));
+  return x;
 }
 
 int PrefillCost::tokens_for(int start, int budget, int limit) const {
@@ -190,6 +264,7 @@ bool Engine::defer_prefill(Seq& s, size_t i) const {
 Engine::Engine(const EngineOptions& o) : opt_(o) {
   if (o.max_batch < 1) fail("--max-batch must be >= 1 (got {})", o.max_batch);
   if (o.max_running < 1) fail("max running sequences must be >= 1 (got {})", o.max_running);
+  if (!(o.tpot_target_ms >= 0) || o.tpot_target_ms > 1e9) fail("--tpot-target-ms must be >= 0 (got {})", o.tpot_target_ms);
   if (o.oldest_prefill_tokens == 0 || o.oldest_prefill_tokens < -1)
     fail("--oldest-prefill-tokens must be >= 1 (got {})", o.oldest_prefill_tokens);
   oldest_prefill_tokens_ = o.oldest_prefill_tokens > 0 ? o.oldest_prefill_tokens : std::max(1, o.max_batch / 4);
@@ -599,6 +674,9 @@ bool Engine::step() {
     return scores_all(s) ? std::min(pending, kPromptLogprobsChunk) : pending;
   };
   std::vector<int> share(running_.size(), 0);  // prefills' tokens this step (pass 1)
+  // The step's decode and prompt tokens as prefill_cost prices them (StepTimeFit's d and p).
+  double decode_units = 0, prompt_units = 0;
+  const auto units = [&](int start, int n) { return prefill_cost_.active() ? prefill_cost_.units(start, n) : double(n); };
   // With sequences decoding, the prefills' budget is counted in depth-0 tokens (prefill_cost).
   bool by_cost = false;
   // Pass 0: decodes; pass 1: the prefills' shares; pass 2: what is left of the budget (freed by a
@@ -607,6 +685,13 @@ bool Engine::step() {
   for (int pass = 0; pass < 3; ++pass) {
     if (pass == 1) {
       by_cost = !items.empty() && prefill_cost_.active();
+      // --tpot-target-ms: the decoding sequences' next token is this step's end; the prompt units
+      // it carries are what the fitted step time leaves of the target (while the fit cannot
+      // tell, max_batch alone: that step is what teaches it).
+      if (opt_.tpot_target_ms > 0 && !items.empty()) {
+        const double within = step_fit_.prefill_within(decode_units, opt_.tpot_target_ms / 1000);
+        if (within >= 0) budget = std::min(budget, std::max(kTpotTargetMinPrefill, int(std::min(within, 1e9))));
+      }
       // The prefills' shares of what the decodes left; a deferred prefill gets none.
       std::vector<size_t> idx;
       std::vector<int> limits, left;
@@ -676,6 +761,7 @@ bool Engine::step() {
       reserved += need;
       scheduled[i] = 1;
       budget -= pass >= 1 && by_cost ? std::min(budget, prefill_cost_.cost(s.cache->n_tokens(), n)) : n;
+      (pass == 0 ? decode_units : prompt_units) += units(s.cache->n_tokens(), n);
       items.push_back({&s, n, n == pending, all, s.cache->n_tokens()});
     }
   }
@@ -693,6 +779,7 @@ bool Engine::step() {
     }
     const float* logits = nullptr;
     bool ok = false;
+    const double t_step = now_seconds();
     try {
       logits = fwd_->eval_batch(fs.data(), int(fs.size()));
       ok = true;
@@ -768,6 +855,13 @@ bool Engine::step() {
           continue;
         }
       }
+      // The step as the decoding sequences wait for it: the forward pass and the sampling.
+      const double took = now_seconds() - t_step;
+      if (decode_units > 0) {
+        std::lock_guard<std::mutex> lk(mu_);
+        metrics_.decode_step.observe(took);
+      }
+      step_fit_.observe(decode_units, prompt_units, opt_.step_seconds ? opt_.step_seconds(decode_units, prompt_units, took) : took);
     }
   }
 

@@ -19,7 +19,9 @@
 //     hold back the shorter ones admitted after it, prompts of equal length run oldest first, and
 //     a prompt alone takes the whole budget; while sequences decode, prompt tokens are counted at
 //     what their attention costs at their depth (PrefillCost), so steps deep in a long prompt do
-//     not stretch the decoding sequences' time per token;
+//     not stretch the decoding sequences' time per token; with a time per output token target
+//     (EngineOptions::tpot_target_ms), their budget is also at most what the step time fitted
+//     from the engine's own steps (StepTimeFit) leaves of the target;
 //     the pages each step needs are checked before eval_batch (so KvPoolFull never fires inside a
 //     batch, where it would leave the earlier sequences of the batch half-appended);
 //   - preemption by recompute: when the pool cannot supply a sequence's pages, the most recently
@@ -65,6 +67,16 @@ struct EngineOptions {
   // stays bounded. R: what one attention multiply-add costs next to one weight multiply-add; 0:
   // every token counts 1.
   double prefill_attention_cost = 2.0;
+  // > 0: while sequences decode, a step carries only as many prompt units (as prefill_cost prices
+  // them) as keep its expected time within this many milliseconds, at least
+  // kTpotTargetMinPrefill, so that prompts still progress (StepTimeFit: the engine's own step
+  // times, fitted as it runs). Trades the time to first token for the time per output token, as a
+  // smaller max_batch does, but in time rather than tokens: it holds at any depth, model and
+  // machine. 0: max_batch alone bounds a step.
+  double tpot_target_ms = 0;
+  // Tests: the step time StepTimeFit is given, from the step's decode and prompt units and the
+  // time measured (a model of a machine instead of this one's noisy clock). Empty: the measured.
+  std::function<double(double d, double p, double seconds)> step_seconds;
   size_t kv_mem = 0;          // KV pool budget in bytes (0: use kv_tokens)
   size_t kv_tokens = 0;       // KV pool size in tokens (0 and kv_mem 0: 8 contexts' worth)
   int ctx = 0;                // context per sequence (0: the model's)
@@ -141,6 +153,9 @@ struct EngineMetrics {
   // to the running batch (the wait for pages and for a running slot) of every admitted request.
   Histogram e2e{{0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0}};
   Histogram queue{{0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0}};
+  // Steps that carried decode tokens (forward pass and sampling): what each decoding sequence
+  // waits for its next token, the time --tpot-target-ms bounds.
+  Histogram decode_step{{0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0}};
   int running = 0;
   int waiting = 0;
   double kv_usage = 0;
@@ -176,9 +191,46 @@ struct PrefillCost {
   bool active() const { return full > 0 || !windows.empty(); }
   // Tokens [start, start + n), rounded up.
   int cost(int start, int n) const;
+  // The same, not rounded.
+  double units(int start, int n) const;
   // The most of up to `limit` tokens from `start` that `budget` units pay for.
   int tokens_for(int start, int budget, int limit) const;
 };
+
+// The engine's step times, for EngineOptions::tpot_target_ms: t = a + b x D + c x P, D the step's
+// decode tokens and P its prompt tokens, both in PrefillCost::units (1 per token when it is off),
+// fitted by least squares over every measured step, each weighted by forget^(steps since), so
+// that the fit follows a machine whose load changes. Decode and prompt tokens have their own
+// coefficient (a few decode rows are bound by reading the weights, prompt chunks by their
+// arithmetic); a weak penalty on b - c makes the fit determined while one kind of step is all
+// it has seen. A fit that prices a prompt unit at no time (c <= 0: noise on steps whose time is
+// mostly fixed costs) is not used: the last one that did not is kept.
+class StepTimeFit {
+ public:
+  explicit StepTimeFit(double forget = 0.99) : forget_(forget) {}
+  void observe(double d, double p, double seconds);
+  // The most prompt units a step with d decode units can carry and be expected to take at most
+  // `seconds` (0 when even none would exceed it), or -1 while the fit cannot tell: fewer than
+  // kMinSteps steps seen, none with prompt units, or no fit yet with c > 0.
+  double prefill_within(double d, double seconds) const;
+  // The fit in use (a, b, c), in seconds; false when prefill_within would return -1.
+  bool coefficients(double out[3]) const;
+  static constexpr int kMinSteps = 4;
+
+ private:
+  bool solve(double out[3]) const;
+  double forget_;
+  double s_[3][3] = {};  // sum of weight x x x^T, x = (1, d, p)
+  double r_[3] = {};     // sum of weight x t
+  double p_weight_ = 0;  // weight of the steps with prompt units
+  int n_ = 0;
+  double k_[3] = {};     // the fit in use
+  bool valid_ = false;
+};
+
+// The fewest prompt units a step gives the prompts being prefilled under
+// EngineOptions::tpot_target_ms.
+inline constexpr int kTpotTargetMinPrefill = 16;
 
 // The engine serves at most the model's trained context (EngineOptions::ctx beyond it is capped):
 // the warning kvq serve and kvq bench print when a --ctx-size is capped.
@@ -195,6 +247,12 @@ inline constexpr const char* kPrefillAttentionCostHelp =
     "weight multiply-adds) tokens of --max-batch, so that steps carrying a chunk deep in a long prompt take about "
     "as long as steps at depth 0 and the decoding sequences' time per output token stays bounded (0: every "
     "token counts 1, as vLLM's token budget)";
+
+inline constexpr const char* kTpotTargetHelp =
+    "while sequences decode, a step carries only as many prompt tokens as keep its expected time (fitted from the "
+    "engine's own step times as it runs) within this many milliseconds, and at least 16 (priced as "
+    "--prefill-attention-cost prices them), so that each output token takes about this long while first tokens "
+    "come later; 0: --max-batch alone bounds a step";
 
 class Engine {
  public:
@@ -259,6 +317,7 @@ class Engine {
   int ctx_ = 0;
   int oldest_prefill_tokens_ = 0;  // prefill_shares' oldest_tokens (resolved from the options)
   PrefillCost prefill_cost_;  // prompt tokens' cost while sequences decode
+  StepTimeFit step_fit_;      // scheduler thread only
   KvSetup kv_;
   KvCacheConfig kcfg_;
   std::unique_ptr<ThreadPool> threads_;

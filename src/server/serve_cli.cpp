@@ -36,6 +36,7 @@ void serve_add_cli(CLI::App& app, ServeOptions& o) {
       ->capture_default_str();
   app.add_option("--oldest-prefill-tokens", o.engine.oldest_prefill_tokens, kOldestPrefillTokensHelp)
       ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--tpot-target-ms", o.engine.tpot_target_ms, kTpotTargetHelp)->check(CLI::Range(0.0, 1e9));
   app.add_option("-c,--ctx-size", o.engine.ctx, "context per request (default: the model's)");
   app.add_option("--api-key", o.api_key,
                  "key clients must send (Authorization: Bearer KEY) on every route but /health and /metrics "

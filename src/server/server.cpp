@@ -937,6 +937,10 @@ std::string metrics_prometheus(const EngineMetrics& m) {
   hist("kvq_e2e_request_latency_seconds", "Time from request arrival to its end (requests that stopped or reached their length).",
        m.e2e);
   hist("kvq_request_queue_time_seconds", "Time from request arrival to its admission to the running batch.", m.queue);
+  hist("kvq_decode_step_seconds",
+       "Time of an engine step that carried decode tokens (forward pass and sampling): each decoding request's wait "
+       "for its next token, which --tpot-target-ms bounds.",
+       m.decode_step);
   one("kvq_requests_running", "gauge", "Requests in the running batch.", m.running);
   one("kvq_requests_waiting", "gauge", "Requests queued for admission.", m.waiting);
   one("kvq_kv_cache_usage_ratio", "gauge", "Referenced KV pages / all KV pages.", m.kv_usage);

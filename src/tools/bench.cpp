@@ -73,6 +73,7 @@ void bench_add_cli(CLI::App& app, BenchOptions& o) {
       ->capture_default_str();
   app.add_option("--oldest-prefill-tokens", o.oldest_prefill_tokens, kOldestPrefillTokensHelp)
       ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--tpot-target-ms", o.tpot_target_ms, kTpotTargetHelp)->check(CLI::Range(0.0, 1e9));
   app.add_flag("--chat", o.chat, "--workload: each prompt is a user turn in the model's chat template");
   app.add_flag("--json", o.json, "print JSON instead of a table");
   app.add_option("--json-out", o.json_out, "also write the JSON report to this file");
@@ -230,6 +231,7 @@ EngineOptions engine_options(const BenchOptions& o, const std::string& format, s
   eo.max_running = o.max_running;
   eo.oldest_prefill_tokens = o.oldest_prefill_tokens;
   eo.prefill_attention_cost = o.prefill_attention_cost;
+  eo.tpot_target_ms = o.tpot_target_ms;
   eo.kv_mem = kv_mem;
   eo.ctx = o.ctx;
   eo.kv = o.kv;

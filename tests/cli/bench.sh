@@ -47,6 +47,12 @@ else
   echo "skip: $smol not installed (scripts/get-models.sh): residual-window and chat checks"
 fi
 
+# --tpot-target-ms: the same requests served, every one to its max_tokens
+"$kvq" bench -m "$model" --kv f16 --data "$text" --prefixes 2 --prefix-tokens 64 --question-tokens 8 --requests 8 \
+  --concurrency 4 --max-tokens 8 -t 1 --tpot-target-ms 0.5 --json >"$tmp/tp.json" 2>/dev/null
+check "--tpot-target-ms: every request served" \
+  "[[ $? -eq 0 ]] && python3 -c \"import json; r=json.load(open('$tmp/tp.json'))['runs'][0]; assert r['ok']==8 and r['errors']==0 and r['completion_tokens']==64, r\""
+
 # the table, and a JSONL workload (max_tokens per line, --requests cycling over the lines)
 printf '{"prompt": "Once upon a time", "max_tokens": 5}\n\n{"prompt": "Lily and Ben went to the park"}\n' >"$tmp/w.jsonl"
 "$kvq" bench -m "$model" --kv fp8 --workload "$tmp/w.jsonl" --requests 3 --max-tokens 4 --concurrency 2 -t 1 >"$tmp/t" 2>"$tmp/e"
@@ -109,6 +115,8 @@ bad "bad budget" "not a size" --kv f16 --data "$text" --kv-mem lots
 bad "zero --oldest-prefill-tokens" "oldest-prefill-tokens" --kv f16 --data "$text" --oldest-prefill-tokens 0
 bad "negative --prefill-attention-cost" "prefill-attention-cost" --kv f16 --data "$text" --prefill-attention-cost -1
 bad "non-numeric --prefill-attention-cost" "prefill-attention-cost" --kv f16 --data "$text" --prefill-attention-cost lots
+bad "negative --tpot-target-ms" "tpot-target-ms" --kv f16 --data "$text" --tpot-target-ms -1
+bad "NaN --tpot-target-ms" "tpot-target-ms must be >= 0" --kv f16 --data "$text" --tpot-target-ms nan
 mkdir "$tmp/adir"
 bad "--kv-scales naming a directory" "is a directory" --kv int8_c --data "$text" --kv-scales "$tmp/adir"
 printf '{"prompt": "ok"}\n{"prompt": 3}\n' >"$tmp/bad1.jsonl"
