@@ -418,6 +418,13 @@ TEST(EnginePrefillCost, ChunkCostAgainstAHandCount) {
   EXPECT_EQ(pc.cost(0, 6), 7);
   // Tokens 10, 11: 11 + 12 = 23 positions in layer 0, 4 + 4 in layer 1: 2 + 31 / 120 -> 3.
   EXPECT_EQ(pc.cost(10, 2), 3);
+  // Tokens whose every row's logits are computed also pay the output projection: n_vocab x
+  // n_embd / 960 each (vocabulary 240: 2 more per token).
+  c.n_vocab = 240;
+  const PrefillCost scored = pc.scored(c);
+  EXPECT_DOUBLE_EQ(scored.units(10, 2), pc.units(10, 2) + 2 * 2.0);
+  EXPECT_EQ(scored.cost(10, 2), 7);
+  EXPECT_EQ(PrefillCost::from_model(c, 0.0).scored(c).cost(10, 2), 2);  // R = 0: tokens
   EXPECT_EQ(pc.cost(5, 0), 0);
   EXPECT_EQ(pc.tokens_for(0, 7, 100), 6);  // 7 tokens cost 7 + 50 / 120 -> 8
   EXPECT_EQ(pc.tokens_for(0, 7, 3), 3);    // the limit
@@ -493,22 +500,63 @@ TEST(StepTimeFit, UndeterminedOrFreePromptsGiveNoBudget) {
   ASSERT_TRUE(v.coefficients(now));
   EXPECT_GT(now[2], 0);
   EXPECT_GE(v.prefill_within(1, 0.05), 0);
+  // Every step full (decode + prompt units = 64, prefill-only steps too): the steps leave the
+  // direction (a - 64 x, x, x) open, where rounding can give c ~ 1e-16 and "any budget": such a
+  // fit is refused, not used.
+  StepTimeFit full;
+  for (int i = 0; i < 50; ++i) {
+    const double d = i % 9;
+    full.observe(d, 64 - d, 0.04);
+  }
+  if (full.coefficients(k)) {
+    EXPECT_GT(k[2] * 64, 1e-3 * k[0]);
+  }
+  EXPECT_LT(full.prefill_within(4, 0.05), 1e6);
+}
+
+// One stalled step (the host busy for a second) is taken at 3x the prediction, so the budgets
+// stay close to what they were.
+TEST(StepTimeFit, OneStalledStepDoesNotShrinkTheBudget) {
+  StepTimeFit f;
+  const auto t = [](double d, double p) { return 0.02 + 0.001 * d + 0.0005 * p; };
+  for (int i = 0; i < 200; ++i) {
+    const double d = 1 + i % 8, p = (i * 37) % 200;
+    f.observe(d, p, t(d, p));
+  }
+  const double before = f.prefill_within(8, 0.06);
+  ASSERT_NEAR(before, 64.0, 0.5);
+  f.observe(8, 64, 1.0);
+  EXPECT_GT(f.prefill_within(8, 0.06), 0.5 * before);
+  for (int i = 0; i < 50; ++i) {
+    const double d = 1 + i % 8, p = (i * 37) % 200;
+    f.observe(d, p, t(d, p));
+  }
+  EXPECT_NEAR(f.prefill_within(8, 0.06), before, 0.1 * before);
 }
 
 // --tpot-target-ms: a prompt that arrives while a sequence decodes is prefilled in steps of as
 // many units as the fitted step time leaves of the target (the steps timed by a model of a
 // machine, 1 ms + 0.1 ms a decode unit + 0.02 ms a prompt unit, so the schedule does not depend
 // on this host's noise): ~63 units a step with a 2.6 ms target, kTpotTargetMinPrefill units when
-// the target is below a decode step's own time, max_batch without a target. The decoding
-// sequence samples one token a step, so its tokens count the steps B's prompt took. Outputs equal
-// each request run alone either way.
+// the target is below a decode step's own time, one max_batch step without a target; with
+// --prefill-attention-cost 0 the units are tokens. The decoding sequence samples one token a
+// step, so its tokens count the steps B's prompt took. The units the fit is given add up to both
+// prompts' PrefillCost, and outputs equal each request run alone.
 TEST_F(EngineTest, TpotTargetBoundsPromptUnitsBesideDecodes) {
-  for (const double target : {0.0, 2.6, 1e-6}) {
-    SCOPED_TRACE(target);
+  struct Case {
+    double target, r;
+  };
+  for (const Case cs : {Case{0.0, 2.0}, Case{2.6, 2.0}, Case{1e-6, 2.0}, Case{1e-6, 0.0}}) {
+    SCOPED_TRACE(testing::Message() << "target " << cs.target << " R " << cs.r);
     EngineOptions o = base_options(4096);
-    o.tpot_target_ms = target;
-    o.step_seconds = [](double d, double p, double) { return 0.001 + 0.0001 * d + 0.00002 * p; };
-    o.max_batch = 256;  // A's prompt in large chunks: steps whose time is mostly its arithmetic
+    o.tpot_target_ms = cs.target;
+    o.prefill_attention_cost = cs.r;
+    double prompt_units_seen = 0;  // scheduler thread, read after wait_idle
+    o.step_seconds = [&](double d, double p, double) {
+      prompt_units_seen += p;
+      return 0.001 + 0.0001 * d + 0.00002 * p;
+    };
+    o.max_batch = 256;  // A's prompt in large chunks
     Engine e(o);
     const Tokenizer& tok = e.tokenizer();
     std::string story, other;
@@ -516,10 +564,12 @@ TEST_F(EngineTest, TpotTargetBoundsPromptUnitsBesideDecodes) {
     while (other.size() < 300) other += "Tom had a blue car and a red hat. ";
     const std::vector<int32_t> pa = tok.encode(story, true), pb = tok.encode(other, true);
     ASSERT_GT(pa.size(), size_t(o.max_batch));  // A's own prefill: more than one chunk
-    // B's prompt in the units steps are priced in (its attention counts too): many floors' worth,
-    // a few max_batch steps' worth.
-    const int units = PrefillCost::from_model(e.model().config(), o.prefill_attention_cost).cost(0, int(pb.size()));
-    ASSERT_GT(units, 10 * kTpotTargetMinPrefill);
+    // B's prompt in the units steps are priced in (its attention counts too with R > 0): many
+    // floors' worth, one max_batch step's worth.
+    const PrefillCost pc = PrefillCost::from_model(e.model().config(), cs.r);
+    const int units = cs.r > 0 ? pc.cost(0, int(pb.size())) : int(pb.size());
+    ASSERT_GT(units, 9 * kTpotTargetMinPrefill);
+    ASSERT_LT(units, o.max_batch);
     std::mutex mu;
     int a_tokens = 0, a_at_b_first = -1;
     std::promise<GenResult> ra, rb;
@@ -551,10 +601,14 @@ TEST_F(EngineTest, TpotTargetBoundsPromptUnitsBesideDecodes) {
     e.wait_idle();
     EXPECT_EQ(gb.tokens, greedy_alone(e, pb, 4));
     ASSERT_EQ(ga.tokens.size(), 60u);
+    const std::vector<int32_t> ref = greedy_alone(e, pa, 60);  // up to an end-of-generation token
+    EXPECT_EQ(std::vector<int32_t>(ga.tokens.begin(), ga.tokens.begin() + ptrdiff_t(ref.size())), ref);
+    const double want = cs.r > 0 ? pc.units(0, int(pa.size())) + pc.units(0, int(pb.size())) : double(pa.size() + pb.size());
+    EXPECT_NEAR(prompt_units_seen, want, 1e-6 * want);
     const int steps_for_b = a_at_b_first - 3;  // A's tokens while B's prompt was computed
-    if (target == 0) {
-      EXPECT_EQ(steps_for_b, 1);  // 224 units in one max_batch step
-    } else if (target > 1) {
+    if (cs.target == 0) {
+      EXPECT_EQ(steps_for_b, 1);  // all of it in one max_batch step
+    } else if (cs.target > 1) {
       // 2.6 ms - 1 ms - 0.1 ms x A's ~3.3 decode units leave ~63 prompt units: 4 steps, or 5 where
       // a step's last token would overrun its share.
       EXPECT_GE(steps_for_b, 4);

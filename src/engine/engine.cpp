@@ -113,13 +113,14 @@ std::vector<int> prefill_shares(const std::vector<int>& limits, const std::vecto
 
 void StepTimeFit::observe(double d, double p, double seconds) {
   if (!(seconds >= 0) || !std::isfinite(seconds) || !std::isfinite(d) || !std::isfinite(p)) return;
+  if (valid_) seconds = std::min(seconds, 3 * std::max(k_[0] + k_[1] * d + k_[2] * p, 1e-6));
   const double x[3] = {1.0, d, p};
   for (int i = 0; i < 3; ++i) {
     for (int j = 0; j < 3; ++j) s_[i][j] = forget_ * s_[i][j] + x[i] * x[j];
     r_[i] = forget_ * r_[i] + x[i] * seconds;
   }
   p_weight_ = forget_ * p_weight_ + (p > 0 ? 1.0 : 0.0);
-  ++n_;
+  if (n_ < kMinSteps) ++n_;
   double k[3];
   if (solve(k)) {
     std::copy(k, k + 3, k_);
@@ -140,7 +141,7 @@ bool StepTimeFit::solve(double out[3]) const {
       m[i][3] = r_[use[size_t(i)]];
     }
     if (n == 3) {
-      const double mu = 1e-6 * (s_[1][1] + s_[2][2]) + 1e-12;
+      const double mu = 1e-6 * std::min(s_[1][1], s_[2][2]) + 1e-12;
       m[1][1] += mu;
       m[2][2] += mu;
       m[1][2] -= mu;
@@ -169,7 +170,12 @@ bool StepTimeFit::solve(double out[3]) const {
   if (!fit({0, 1, 2}) || out[1] < 0) {
     if (!fit({0, 2})) return false;
   }
-  return out[2] > 0 && std::isfinite(out[0]) && std::isfinite(out[1]) && std::isfinite(out[2]);
+  if (!std::isfinite(out[0]) || !std::isfinite(out[1]) || !std::isfinite(out[2])) return false;
+  // A prompt unit must be worth something next to the fixed cost: the steps' typical prompt
+  // units at least a thousandth of it (a c of 1e-16 is the rounding of a direction the steps
+  // left open, and would buy any budget).
+  const double p_rms = std::sqrt(s_[2][2] / p_weight_);
+  return out[2] > 0 && out[2] * p_rms > 1e-3 * std::max(out[0], 0.0);
 }
 
 bool StepTimeFit::coefficients(double out[3]) const {
@@ -189,13 +195,18 @@ void engine_warn_ctx_capped(int ctx, int n_ctx_train) {
                  ctx, n_ctx_train, n_ctx_train);
 }
 
+// Weight multiply-adds per token: q, k, v, o and the gated FFN of every layer.
+static double weight_macs(const ModelConfig& c) {
+  return double(c.n_layer) * (double(c.n_embd) * double(c.head_dim) * (2.0 * c.n_head + 2.0 * c.n_head_kv) +
+                              3.0 * double(c.n_embd) * double(c.n_ff));
+}
+
 PrefillCost PrefillCost::from_model(const ModelConfig& c, double r) {
   PrefillCost pc;
   if (r <= 0) return pc;
-  // Weight multiply-adds per token (q, k, v, o and the gated FFN of every layer) and attention
-  // multiply-adds per visible position (q.k and p.v over every query head).
-  const double w = double(c.n_layer) * (double(c.n_embd) * double(c.head_dim) * (2.0 * c.n_head + 2.0 * c.n_head_kv) +
-                                        3.0 * double(c.n_embd) * double(c.n_ff));
+  // Attention multiply-adds per visible position (q.k and p.v over every query head) against the
+  // weight ones per token.
+  const double w = weight_macs(c);
   const double per_layer = r * 2.0 * double(c.n_head) * double(c.head_dim) / std::max(w, 1.0);
   for (int il = 0; il < c.n_layer; ++il) {
     const int win = c.layer_window(il);
@@ -210,13 +221,19 @@ PrefillCost PrefillCost::from_model(const ModelConfig& c, double r) {
   return pc;
 }
 
+PrefillCost PrefillCost::scored(const ModelConfig& c) const {
+  PrefillCost pc = *this;
+  if (active()) pc.per_token += double(c.n_vocab) * double(c.n_embd) / std::max(weight_macs(c), 1.0);
+  return pc;
+}
+
 int PrefillCost::cost(int start, int n) const { return int(std::min(std::ceil(units(start, n) - 1e-9), 1e9)); }
 
 double PrefillCost::units(int start, int n) const {
   if (n <= 0) return 0;
   // Positions visible to the queries at start .. start + n - 1: q = start + 1 .. start + n.
   const double a = double(start) + 1, b = double(start) + double(n);
-  double x = double(n) + full * (a + b) * double(n) / 2;
+  double x = double(n) * (1 + per_token) + full * (a + b) * double(n) / 2;
   for (const auto& [win, k] : windows) {
     const double w = double(win), top = std::min(b, w);  // sum of min(q, w)
     const double below = top >= a ? (a + top) * (top - a + 1) / 2 : 0;
@@ -264,7 +281,8 @@ bool Engine::defer_prefill(Seq& s, size_t i) const {
 Engine::Engine(const EngineOptions& o) : opt_(o) {
   if (o.max_batch < 1) fail("--max-batch must be >= 1 (got {})", o.max_batch);
   if (o.max_running < 1) fail("max running sequences must be >= 1 (got {})", o.max_running);
-  if (!(o.tpot_target_ms >= 0) || o.tpot_target_ms > 1e9) fail("--tpot-target-ms must be >= 0 (got {})", o.tpot_target_ms);
+  if (!(o.tpot_target_ms >= 0) || o.tpot_target_ms > 1e9)
+    fail("--tpot-target-ms must be between 0 and 1e9 (got {})", o.tpot_target_ms);
   if (o.oldest_prefill_tokens == 0 || o.oldest_prefill_tokens < -1)
     fail("--oldest-prefill-tokens must be >= 1 (got {})", o.oldest_prefill_tokens);
   oldest_prefill_tokens_ = o.oldest_prefill_tokens > 0 ? o.oldest_prefill_tokens : std::max(1, o.max_batch / 4);
@@ -277,6 +295,7 @@ Engine::Engine(const EngineOptions& o) : opt_(o) {
   if (!(o.prefill_attention_cost >= 0) || o.prefill_attention_cost > 1e6)
     fail("--prefill-attention-cost must be in [0, 1e6] (got {})", o.prefill_attention_cost);
   prefill_cost_ = PrefillCost::from_model(c, o.prefill_attention_cost);
+  prefill_cost_scored_ = prefill_cost_.scored(c);
   kv_ = kv_flags_resolve(o.kv, *model_);
   kcfg_ = model_->kv_cache_config(kv_.policy, ctx_, o.kv.page_tokens);
   kv_.apply(kcfg_);
@@ -572,6 +591,8 @@ void Engine::preempt(size_t i) {
 }
 
 bool Engine::step() {
+  // The step as the decoding sequences wait for it: scheduling, the forward pass and the sampling.
+  const double t_step = now_seconds();
   // Cancellations.
   std::unordered_set<uint64_t> canc;
   std::string abort_reason;
@@ -676,7 +697,12 @@ bool Engine::step() {
   std::vector<int> share(running_.size(), 0);  // prefills' tokens this step (pass 1)
   // The step's decode and prompt tokens as prefill_cost prices them (StepTimeFit's d and p).
   double decode_units = 0, prompt_units = 0;
-  const auto units = [&](int start, int n) { return prefill_cost_.active() ? prefill_cost_.units(start, n) : double(n); };
+  bool decoding = false;  // a sequence that sampled before waits for this step (the target applies)
+  // A prefill's pricing: prompt_logprobs chunks also pay for every row's logits.
+  const auto cost_of = [&](const Seq& s) -> const PrefillCost& { return scores_all(s) ? prefill_cost_scored_ : prefill_cost_; };
+  const auto units = [&](const Seq& s, int n) {
+    return prefill_cost_.active() ? cost_of(s).units(s.cache->n_tokens(), n) : double(n);
+  };
   // With sequences decoding, the prefills' budget is counted in depth-0 tokens (prefill_cost).
   bool by_cost = false;
   // Pass 0: decodes; pass 1: the prefills' shares; pass 2: what is left of the budget (freed by a
@@ -688,7 +714,7 @@ bool Engine::step() {
       // --tpot-target-ms: the decoding sequences' next token is this step's end; the prompt units
       // it carries are what the fitted step time leaves of the target (while the fit cannot
       // tell, max_batch alone: that step is what teaches it).
-      if (opt_.tpot_target_ms > 0 && !items.empty()) {
+      if (opt_.tpot_target_ms > 0 && decoding) {
         const double within = step_fit_.prefill_within(decode_units, opt_.tpot_target_ms / 1000);
         if (within >= 0) budget = std::min(budget, std::max(kTpotTargetMinPrefill, int(std::min(within, 1e9))));
       }
@@ -702,8 +728,8 @@ bool Engine::step() {
         if (pending == 1 || defer_prefill(s, i)) continue;
         const int start = s.cache->n_tokens(), limit = prefill_limit(s, pending);
         idx.push_back(i);
-        left.push_back(by_cost ? prefill_cost_.cost(start, pending) : pending);
-        limits.push_back(by_cost ? prefill_cost_.cost(start, limit) : limit);
+        left.push_back(by_cost ? cost_of(s).cost(start, pending) : pending);
+        limits.push_back(by_cost ? cost_of(s).cost(start, limit) : limit);
       }
       const std::vector<int> got = prefill_shares(limits, left, budget, oldest_prefill_tokens_);
       for (size_t k = 0; k < idx.size(); ++k) {
@@ -715,7 +741,7 @@ bool Engine::step() {
         }
         // The tokens a share pays for; the oldest prefill gets one even if it costs more than its
         // share, so that it always progresses (another one gets none: its units go to pass 2).
-        const int t = prefill_cost_.tokens_for(s.cache->n_tokens(), got[k], prefill_limit(s, pending));
+        const int t = cost_of(s).tokens_for(s.cache->n_tokens(), got[k], prefill_limit(s, pending));
         share[idx[k]] = k == 0 ? std::max(1, t) : t;
       }
     }
@@ -731,7 +757,7 @@ bool Engine::step() {
       const bool all = scores_all(s);
       const int n = pass == 0   ? 1
                     : pass == 1 ? share[i]
-                    : by_cost   ? prefill_cost_.tokens_for(s.cache->n_tokens(), budget, prefill_limit(s, pending))
+                    : by_cost   ? cost_of(s).tokens_for(s.cache->n_tokens(), budget, prefill_limit(s, pending))
                                 : std::min(prefill_limit(s, pending), budget);
       if (n <= 0) continue;
       const size_t need = size_t(s.cache->pages_needed(n));
@@ -760,8 +786,11 @@ bool Engine::step() {
       if (self_preempted) continue;
       reserved += need;
       scheduled[i] = 1;
-      budget -= pass >= 1 && by_cost ? std::min(budget, prefill_cost_.cost(s.cache->n_tokens(), n)) : n;
-      (pass == 0 ? decode_units : prompt_units) += units(s.cache->n_tokens(), n);
+      budget -= pass >= 1 && by_cost ? std::min(budget, cost_of(s).cost(s.cache->n_tokens(), n)) : n;
+      (pass == 0 ? decode_units : prompt_units) += units(s, n);
+      // A sequence that has sampled before waits on this step for its next token (a first token
+      // of a prompt found whole in the cache is a decode row too, but no one's time per token).
+      if (pass == 0 && s.t_last != 0) decoding = true;
       items.push_back({&s, n, n == pending, all, s.cache->n_tokens()});
     }
   }
@@ -779,7 +808,6 @@ bool Engine::step() {
     }
     const float* logits = nullptr;
     bool ok = false;
-    const double t_step = now_seconds();
     try {
       logits = fwd_->eval_batch(fs.data(), int(fs.size()));
       ok = true;
@@ -855,9 +883,8 @@ bool Engine::step() {
           continue;
         }
       }
-      // The step as the decoding sequences wait for it: the forward pass and the sampling.
       const double took = now_seconds() - t_step;
-      if (decode_units > 0) {
+      if (decoding) {
         std::lock_guard<std::mutex> lk(mu_);
         metrics_.decode_step.observe(took);
       }

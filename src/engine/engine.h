@@ -69,7 +69,7 @@ struct EngineOptions {
   double prefill_attention_cost = 2.0;
   // > 0: while sequences decode, a step carries only as many prompt units (as prefill_cost prices
   // them) as keep its expected time within this many milliseconds, at least
-  // kTpotTargetMinPrefill, so that prompts still progress (StepTimeFit: the engine's own step
+  // kTpotTargetMinPrefill (or what max_batch leaves), so that prompts still progress (StepTimeFit: the engine's own step
   // times, fitted as it runs). Trades the time to first token for the time per output token, as a
   // smaller max_batch does, but in time rather than tokens: it holds at any depth, model and
   // machine. 0: max_batch alone bounds a step.
@@ -181,13 +181,17 @@ std::vector<int> prefill_shares(const std::vector<int>& limits, const std::vecto
                                 int oldest_tokens);
 
 // What prompt tokens cost a step while sequences decode (EngineOptions::prefill_attention_cost), in
-// depth-0 tokens: a token at position p costs 1 + full x (p + 1) + sum over sliding windows w of
-// windows[w] x min(p + 1, w), the coefficients being R x attention multiply-adds per visible
-// position / weight multiply-adds per token.
+// depth-0 tokens: a token at position p costs 1 + per_token + full x (p + 1) + sum over sliding
+// windows w of windows[w] x min(p + 1, w), the coefficients being R x attention multiply-adds per
+// visible position / weight multiply-adds per token.
 struct PrefillCost {
   double full = 0;                               // the full-attention layers together
   std::vector<std::pair<int, double>> windows;   // (window, coefficient) per window size
+  double per_token = 0;  // more per token (scored(): each row's logits, output projection and log-softmax)
   static PrefillCost from_model(const ModelConfig& c, double r);
+  // The same for prompt tokens whose every row's logits are computed (GenParams::prompt_logprobs):
+  // each also costs the output projection, n_vocab x n_embd multiply-adds / the weight ones.
+  PrefillCost scored(const ModelConfig& c) const;
   bool active() const { return full > 0 || !windows.empty(); }
   // Tokens [start, start + n), rounded up.
   int cost(int start, int n) const;
@@ -202,16 +206,18 @@ struct PrefillCost {
 // fitted by least squares over every measured step, each weighted by forget^(steps since), so
 // that the fit follows a machine whose load changes. Decode and prompt tokens have their own
 // coefficient (a few decode rows are bound by reading the weights, prompt chunks by their
-// arithmetic); a weak penalty on b - c makes the fit determined while one kind of step is all
-// it has seen. A fit that prices a prompt unit at no time (c <= 0: noise on steps whose time is
-// mostly fixed costs) is not used: the last one that did not is kept.
+// arithmetic); a weak penalty on b - c decides the direction steps leave open while decode and
+// prompt units have not been seen apart, and a fit with b < 0 leaves decode units out. A fit
+// that prices a prompt unit at (next to) nothing (noise on steps whose time is mostly fixed costs)
+// is not used: the last one that did not is kept. A step is taken at most at 3x what the fit in
+// use predicts for it, so one stalled step does not shrink the budgets for hundreds of steps.
 class StepTimeFit {
  public:
   explicit StepTimeFit(double forget = 0.99) : forget_(forget) {}
   void observe(double d, double p, double seconds);
   // The most prompt units a step with d decode units can carry and be expected to take at most
   // `seconds` (0 when even none would exceed it), or -1 while the fit cannot tell: fewer than
-  // kMinSteps steps seen, none with prompt units, or no fit yet with c > 0.
+  // kMinSteps steps seen, none with prompt units, or no fit yet that prices a prompt unit.
   double prefill_within(double d, double seconds) const;
   // The fit in use (a, b, c), in seconds; false when prefill_within would return -1.
   bool coefficients(double out[3]) const;
@@ -317,6 +323,7 @@ class Engine {
   int ctx_ = 0;
   int oldest_prefill_tokens_ = 0;  // prefill_shares' oldest_tokens (resolved from the options)
   PrefillCost prefill_cost_;  // prompt tokens' cost while sequences decode
+  PrefillCost prefill_cost_scored_;  // the same for prompt_logprobs chunks (every row's logits)
   StepTimeFit step_fit_;      // scheduler thread only
   KvSetup kv_;
   KvCacheConfig kcfg_;

@@ -116,7 +116,7 @@ bad "zero --oldest-prefill-tokens" "oldest-prefill-tokens" --kv f16 --data "$tex
 bad "negative --prefill-attention-cost" "prefill-attention-cost" --kv f16 --data "$text" --prefill-attention-cost -1
 bad "non-numeric --prefill-attention-cost" "prefill-attention-cost" --kv f16 --data "$text" --prefill-attention-cost lots
 bad "negative --tpot-target-ms" "tpot-target-ms" --kv f16 --data "$text" --tpot-target-ms -1
-bad "NaN --tpot-target-ms" "tpot-target-ms must be >= 0" --kv f16 --data "$text" --tpot-target-ms nan
+bad "NaN --tpot-target-ms" "tpot-target-ms must be between 0 and 1e9" --kv f16 --data "$text" --tpot-target-ms nan
 mkdir "$tmp/adir"
 bad "--kv-scales naming a directory" "is a directory" --kv int8_c --data "$text" --kv-scales "$tmp/adir"
 printf '{"prompt": "ok"}\n{"prompt": 3}\n' >"$tmp/bad1.jsonl"
