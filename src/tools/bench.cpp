@@ -16,6 +16,7 @@
 
 #include "core/cpu.h"
 #include "core/error.h"
+#include "core/thread_pool.h"
 #include "core/timer.h"
 #include "engine/engine.h"
 #include "model/chat.h"
@@ -577,6 +578,13 @@ int bench_command(const BenchOptions& o) {
   w["first_prompt_tokens_mean"] = double(prompt_total) / double(reqs.size());
   w["sampling"] = "greedy, end-of-generation ignored";
   j["workload"] = w;
+  // The engine's scheduling settings: what TTFT and TPOT depend on besides the format.
+  j["scheduler"] = {{"max_batch", o.max_batch},
+                    {"max_running", o.max_running},
+                    {"oldest_prefill_tokens", o.oldest_prefill_tokens > 0 ? o.oldest_prefill_tokens : std::max(1, o.max_batch / 4)},
+                    {"prefill_attention_cost", o.prefill_attention_cost},
+                    {"tpot_target_ms", o.tpot_target_ms},
+                    {"threads", resolve_threads(o.threads)}};
   j["runs"] = nlohmann::json::array();
   for (const auto& r : runs) {
     nlohmann::json e{{"format", r.format},
@@ -627,7 +635,10 @@ int bench_command(const BenchOptions& o) {
     else
       std::printf("workload: %s, %zu requests (mean prompt %.0f tokens)", o.workload.c_str(), reqs.size(),
                   double(prompt_total) / double(reqs.size()));
-    std::printf(", greedy, end-of-generation ignored\n\n");
+    std::printf(", greedy, end-of-generation ignored\n");
+    std::printf("scheduler: --max-batch %d", o.max_batch);
+    if (o.tpot_target_ms > 0) std::printf(", --tpot-target-ms %g", o.tpot_target_ms);
+    std::printf("\n\n");
     std::printf("%-14s %8s %9s %8s %12s %7s %9s %9s %9s %9s %9s %6s %7s %7s\n", "format", "KV mem", "KV tokens",
                 "B/token", "load", "ok/req", "tok/s", "TTFT p50", "TTFT p95", "TPOT p50", "TPOT p95", "hit", "preempt",
                 "wall s");

@@ -50,8 +50,8 @@ fi
 # --tpot-target-ms: the same requests served, every one to its max_tokens
 "$kvq" bench -m "$model" --kv f16 --data "$text" --prefixes 2 --prefix-tokens 64 --question-tokens 8 --requests 8 \
   --concurrency 4 --max-tokens 8 -t 1 --tpot-target-ms 0.5 --json >"$tmp/tp.json" 2>/dev/null
-check "--tpot-target-ms: every request served" \
-  "[[ $? -eq 0 ]] && python3 -c \"import json; r=json.load(open('$tmp/tp.json'))['runs'][0]; assert r['ok']==8 and r['errors']==0 and r['completion_tokens']==64, r\""
+check "--tpot-target-ms: every request served, the setting in the report" \
+  "[[ $? -eq 0 ]] && python3 -c \"import json; d=json.load(open('$tmp/tp.json')); r=d['runs'][0]; assert r['ok']==8 and r['errors']==0 and r['completion_tokens']==64, r; assert d['scheduler']=={'max_batch': 256, 'max_running': 64, 'oldest_prefill_tokens': 64, 'prefill_attention_cost': 2.0, 'tpot_target_ms': 0.5, 'threads': 1}, d['scheduler']\""
 
 # the table, and a JSONL workload (max_tokens per line, --requests cycling over the lines)
 printf '{"prompt": "Once upon a time", "max_tokens": 5}\n\n{"prompt": "Lily and Ben went to the park"}\n' >"$tmp/w.jsonl"
