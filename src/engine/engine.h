@@ -69,10 +69,10 @@ struct EngineOptions {
   double prefill_attention_cost = 2.0;
   // > 0: while sequences decode, a step carries only as many prompt units (as prefill_cost prices
   // them) as keep its expected time within this many milliseconds, at least
-  // kTpotTargetMinPrefill (or what max_batch leaves), so that prompts still progress (StepTimeFit: the engine's own step
-  // times, fitted as it runs). Trades the time to first token for the time per output token, as a
-  // smaller max_batch does, but in time rather than tokens: it holds at any depth, model and
-  // machine. 0: max_batch alone bounds a step.
+  // kTpotTargetMinPrefill (or what max_batch leaves), so that prompts still progress
+  // (StepTimeFit: the engine's own step times, fitted as it runs). Trades the time to first token
+  // for the time per output token, as a smaller max_batch does, but in time rather than tokens:
+  // it holds at any depth, model and machine. 0: max_batch alone bounds a step.
   double tpot_target_ms = 0;
   // Tests: the step time StepTimeFit is given, from the step's decode and prompt units and the
   // time measured (a model of a machine instead of this one's noisy clock). Empty: the measured.
@@ -153,8 +153,8 @@ struct EngineMetrics {
   // to the running batch (the wait for pages and for a running slot) of every admitted request.
   Histogram e2e{{0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0}};
   Histogram queue{{0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0}};
-  // Steps that carried decode tokens (forward pass and sampling): what each decoding sequence
-  // waits for its next token, the time --tpot-target-ms bounds.
+  // Steps on which a sequence that sampled before waits for its next token (scheduling, forward
+  // pass and sampling): the time --tpot-target-ms bounds.
   Histogram decode_step{{0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0}};
   int running = 0;
   int waiting = 0;

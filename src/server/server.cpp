@@ -938,8 +938,8 @@ std::string metrics_prometheus(const EngineMetrics& m) {
        m.e2e);
   hist("kvq_request_queue_time_seconds", "Time from request arrival to its admission to the running batch.", m.queue);
   hist("kvq_decode_step_seconds",
-       "Time of an engine step that carried decode tokens (forward pass and sampling): each decoding request's wait "
-       "for its next token, which --tpot-target-ms bounds.",
+       "Time of an engine step on which a request that has generated tokens waits for its next one (scheduling, "
+       "forward pass and sampling): what --tpot-target-ms bounds.",
        m.decode_step);
   one("kvq_requests_running", "gauge", "Requests in the running batch.", m.running);
   one("kvq_requests_waiting", "gauge", "Requests queued for admission.", m.waiting);
