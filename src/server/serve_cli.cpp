@@ -108,9 +108,11 @@ int serve_command(ServeOptions o) {
     if (const char* k = std::getenv("KVQ_API_KEY")) so.api_key = k;
   Server server(engine, so);
   const int port = server.bind();
-  std::fprintf(stderr, "[kvq] serving %s on http://%s:%d (context %d, KV pool %zu tokens%s)\n", so.model_name.c_str(),
-               o.host.c_str(), port, engine.ctx(), engine.kv_tokens_capacity(),
-               so.api_key.empty() ? "" : ", API key required");
+  const std::string target =
+      o.engine.tpot_target_ms > 0 ? fmt::format(", {:g} ms per output token targeted", o.engine.tpot_target_ms) : "";
+  std::fprintf(stderr, "[kvq] serving %s on http://%s:%d (context %d, KV pool %zu tokens, steps of up to %d tokens%s%s)\n",
+               so.model_name.c_str(), o.host.c_str(), port, engine.ctx(), engine.kv_tokens_capacity(),
+               o.engine.max_batch, target.c_str(), so.api_key.empty() ? "" : ", API key required");
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
   std::atomic<bool> listening{true};

@@ -19,6 +19,8 @@ check "--kv-mem with --kv-tokens exits 1" "[[ $rc -eq 1 ]] && grep -q 'not both'
 check "unknown KV format exits 1" "[[ $rc -eq 1 ]] && grep -q 'error' $tmp/e"
 "$kvq" serve -m "$tmp/missing.gguf" >"$tmp/o" 2>"$tmp/e"; rc=$?
 check "missing model exits 1" "[[ $rc -eq 1 ]]"
+"$kvq" serve -m "$model" --tpot-target-ms -1 >"$tmp/o" 2>"$tmp/e"; rc=$?
+check "negative --tpot-target-ms exits non-zero" "[[ $rc -ne 0 ]] && grep -q 'tpot-target-ms' $tmp/e"
 
 # wait_port LOG: the port a server started with --port 0 reports in its log (empty after 10 s)
 wait_port() {
@@ -32,10 +34,12 @@ wait_port() {
 }
 
 # start on a free port (it prints the port it got)
-"$kvq" serve -m "$model" --port 0 -t 1 -c 256 --kv-tokens 2048 --kv int8 --kv-page-tokens 16 2>"$tmp/log" &
+"$kvq" serve -m "$model" --port 0 -t 1 -c 256 --kv-tokens 2048 --kv int8 --kv-page-tokens 16 --tpot-target-ms 50 \
+  2>"$tmp/log" &
 pid=$!
 port=$(wait_port "$tmp/log")
 check "server reports its port" "[[ -n '$port' ]]"
+check "... and its step budget and target" "grep -q 'steps of up to 256 tokens, 50 ms per output token targeted' $tmp/log"
 url=http://127.0.0.1:$port
 
 check "/health is 200" "[[ \$(curl -s -o /dev/null -w '%{http_code}' $url/health) == 200 ]]"
