@@ -74,7 +74,10 @@ void bench_add_cli(CLI::App& app, BenchOptions& o) {
       ->capture_default_str();
   app.add_option("--oldest-prefill-tokens", o.oldest_prefill_tokens, kOldestPrefillTokensHelp)
       ->check(CLI::Range(1, 1 << 20));
-  app.add_option("--tpot-target-ms", o.tpot_target_ms, kTpotTargetHelp)->check(CLI::Range(0.0, 1e9));
+  app.add_option("--tpot-target-ms", o.tpot_target_ms,
+                 std::string(kTpotTargetHelp) + ". Comma-separated: every format and load runs at each (0,45,60 shows "
+                 "what each target costs in TTFT and throughput)")
+      ->capture_default_str();
   app.add_flag("--chat", o.chat, "--workload: each prompt is a user turn in the model's chat template");
   app.add_flag("--json", o.json, "print JSON instead of a table");
   app.add_option("--json-out", o.json_out, "also write the JSON report to this file");
@@ -202,6 +205,7 @@ struct BenchLoad {
 
 struct RunResult {
   std::string format;
+  double tpot_target_ms = 0;  // --tpot-target-ms of the run (0: none)
   std::string budget;  // --kv-mem as given
   size_t kv_mem = 0;
   BenchLoad load;
@@ -224,7 +228,7 @@ struct RunResult {
   uint64_t preemptions = 0;
 };
 
-EngineOptions engine_options(const BenchOptions& o, const std::string& format, size_t kv_mem) {
+EngineOptions engine_options(const BenchOptions& o, const std::string& format, size_t kv_mem, double tpot_target_ms) {
   EngineOptions eo;
   eo.model_path = o.model;
   eo.threads = o.threads;
@@ -232,7 +236,7 @@ EngineOptions engine_options(const BenchOptions& o, const std::string& format, s
   eo.max_running = o.max_running;
   eo.oldest_prefill_tokens = o.oldest_prefill_tokens;
   eo.prefill_attention_cost = o.prefill_attention_cost;
-  eo.tpot_target_ms = o.tpot_target_ms;
+  eo.tpot_target_ms = tpot_target_ms;
   eo.kv_mem = kv_mem;
   eo.ctx = o.ctx;
   eo.kv = o.kv;
@@ -425,6 +429,23 @@ int bench_command(const BenchOptions& o) {
       loads.push_back({0, v});
     }
   }
+  std::vector<double> targets;
+  for (const std::string& c : split_csv(o.tpot_target_ms, "--tpot-target-ms")) {
+    size_t pos = 0;
+    double v = 0;
+    try {
+      v = std::stod(c, &pos);
+    } catch (const std::exception&) {
+      pos = 0;
+    }
+    if (pos != c.size() || !(v >= 0) || v > 1e9) fail("--tpot-target-ms: '{}' is not a time in [0, 1e9] ms", c);
+    if (std::find(targets.begin(), targets.end(), v) != targets.end()) fail("--tpot-target-ms: {} given twice", c);
+    targets.push_back(v);
+  }
+  // A run's name in the table and the plots: its format, and its target when several are swept.
+  const auto run_name = [&](const std::string& format, double target) {
+    return targets.size() > 1 && target > 0 ? fmt::format("{} @{:g}ms", format, target) : format;
+  };
   {  // no output may be an input or the other output
     const std::vector<ReportPath> inputs = {{"the model (-m)", o.model},
                                             {"the text (--data)", o.data},
@@ -456,7 +477,7 @@ int bench_command(const BenchOptions& o) {
   std::string model_name;
   int ctx = 0;
   {
-    EngineOptions po = engine_options(o, formats.front(), 0);
+    EngineOptions po = engine_options(o, formats.front(), 0, 0);
     po.kv_tokens = size_t(std::max(o.kv.page_tokens, 1));  // one page: the budget is checked per format below
     Engine probe(po);
     for (const std::string& f : formats) {  // names and codec shapes checked now, not mid-run
@@ -507,6 +528,7 @@ int bench_command(const BenchOptions& o) {
   for (size_t f = 0; f < formats.size(); ++f) {
     const std::string& fmt = formats[f];
     const size_t kv_mem = kv_mems[bi];
+    bool fits = true;
     for (const BenchLoad& load : loads) {
       // The pool's page size as PagePool rounds it: a budget below one page holds no token.
       const size_t pb = (page_bytes[f] + 63) / 64 * 64;
@@ -515,40 +537,46 @@ int bench_command(const BenchOptions& o) {
       const size_t seqs = size_t(load.rate > 0 ? o.max_running : std::min(load.clients, o.max_running));
       const size_t reserve = tail_max[f] * seqs;
       const size_t pool_mem = kv_mem > reserve ? kv_mem - reserve : 0;
-      std::unique_ptr<Engine> eng;
-      if (pool_mem >= pb) eng = std::make_unique<Engine>(engine_options(o, fmt, pool_mem));  // fresh: cold prefix cache
-      const size_t cap = eng ? eng->kv_tokens_capacity() : 0;
-      if (cap < longest) {
-        RunResult rr;
-        rr.format = fmt;
-        rr.budget = budgets[bi];
-        rr.kv_mem = kv_mem;
-        rr.load = load;
-        rr.requests = int(n_requests);
-        rr.kv_tokens = cap;
-        rr.kv_bytes_per_token = bytes_per_token[f];
-        rr.fits = false;
-        rr.prefix_cache = shareable[f];
-        rr.tail_max = tail_max[f];
-        rr.window_reserve = reserve;
-        std::fprintf(stderr, "[bench] %s: --kv-mem %s holds %zu tokens%s, the longest request needs %zu: not run\n",
-                     fmt.c_str(), budgets[bi].c_str(), rr.kv_tokens,
-                     reserve ? fmt::format(" after {:.1f} MiB of f32 windows for {} sequences", double(reserve) / 1048576.0,
-                                           seqs).c_str()
-                             : "",
-                     longest);
-        runs.push_back(rr);
-        if (reserve == 0) break;  // the same at every load
-        continue;
+      for (const double target : targets) {
+        std::unique_ptr<Engine> eng;
+        if (pool_mem >= pb)  // fresh: cold prefix cache
+          eng = std::make_unique<Engine>(engine_options(o, fmt, pool_mem, target));
+        const size_t cap = eng ? eng->kv_tokens_capacity() : 0;
+        if (cap < longest) {
+          RunResult rr;
+          rr.format = fmt;
+          rr.budget = budgets[bi];
+          rr.kv_mem = kv_mem;
+          rr.load = load;
+          rr.requests = int(n_requests);
+          rr.kv_tokens = cap;
+          rr.kv_bytes_per_token = bytes_per_token[f];
+          rr.fits = false;
+          rr.prefix_cache = shareable[f];
+          rr.tail_max = tail_max[f];
+          rr.window_reserve = reserve;
+          std::fprintf(stderr, "[bench] %s: --kv-mem %s holds %zu tokens%s, the longest request needs %zu: not run\n",
+                       fmt.c_str(), budgets[bi].c_str(), rr.kv_tokens,
+                       reserve ? fmt::format(" after {:.1f} MiB of f32 windows for {} sequences", double(reserve) / 1048576.0,
+                                             seqs).c_str()
+                               : "",
+                       longest);
+          runs.push_back(rr);
+          fits = reserve > 0;  // without windows, the same at every load
+          break;               // and at every target
+        }
+        std::fprintf(stderr, "[bench] %s, %s, %s%s, %zu requests ...\n", fmt.c_str(), budgets[bi].c_str(),
+                     load.str().c_str(), target > 0 ? fmt::format(", --tpot-target-ms {:g}", target).c_str() : "",
+                     n_requests);
+        runs.push_back(run_one(*eng, fmt, load, reqs, o.seed));
+        runs.back().tpot_target_ms = target;
+        runs.back().tail_max = tail_max[f];
+        runs.back().window_reserve = reserve;
+        runs.back().prefix_cache = shareable[f];
+        runs.back().budget = budgets[bi];
+        runs.back().kv_mem = kv_mem;
       }
-      std::fprintf(stderr, "[bench] %s, %s, %s, %zu requests ...\n", fmt.c_str(), budgets[bi].c_str(),
-                   load.str().c_str(), n_requests);
-      runs.push_back(run_one(*eng, fmt, load, reqs, o.seed));
-      runs.back().tail_max = tail_max[f];
-      runs.back().window_reserve = reserve;
-      runs.back().prefix_cache = shareable[f];
-      runs.back().budget = budgets[bi];
-      runs.back().kv_mem = kv_mem;
+      if (!fits) break;
     }
   }
   bool any = false;
@@ -583,11 +611,12 @@ int bench_command(const BenchOptions& o) {
                     {"max_running", o.max_running},
                     {"oldest_prefill_tokens", o.oldest_prefill_tokens > 0 ? o.oldest_prefill_tokens : std::max(1, o.max_batch / 4)},
                     {"prefill_attention_cost", o.prefill_attention_cost},
-                    {"tpot_target_ms", o.tpot_target_ms},
+                    {"tpot_target_ms", targets},  // each run has its own (its tpot_target_ms)
                     {"threads", resolve_threads(o.threads)}};
   j["runs"] = nlohmann::json::array();
   for (const auto& r : runs) {
     nlohmann::json e{{"format", r.format},
+                     {"tpot_target_ms", r.tpot_target_ms},
                      {"kv_mem_bytes", r.kv_mem},
                      {"concurrency", r.load.clients > 0 ? nlohmann::json(r.load.clients) : nlohmann::json(nullptr)},
                      {"rate", r.load.rate > 0 ? nlohmann::json(r.load.rate) : nlohmann::json(nullptr)},
@@ -637,7 +666,7 @@ int bench_command(const BenchOptions& o) {
                   double(prompt_total) / double(reqs.size()));
     std::printf(", greedy, end-of-generation ignored\n");
     std::printf("scheduler: --max-batch %d", o.max_batch);
-    if (o.tpot_target_ms > 0) std::printf(", --tpot-target-ms %g", o.tpot_target_ms);
+    if (targets.size() > 1 || targets.front() > 0) std::printf(", --tpot-target-ms %s (@N ms)", o.tpot_target_ms.c_str());
     std::printf("\n\n");
     std::printf("%-14s %8s %9s %8s %12s %7s %9s %9s %9s %9s %9s %6s %7s %7s\n", "format", "KV mem", "KV tokens",
                 "B/token", "load", "ok/req", "tok/s", "TTFT p50", "TTFT p95", "TPOT p50", "TPOT p95", "hit", "preempt",
@@ -650,7 +679,8 @@ int bench_command(const BenchOptions& o) {
                     r.window_reserve ? ", after the f32 windows of the sequences this load runs at once" : "");
         continue;
       }
-      std::printf("%-14s %8s %9zu %8.0f %12s %3d/%-3d %9.1f %9s %9s %9s %9s %6.2f %7llu %7.1f\n", r.format.c_str(),
+      std::printf("%-14s %8s %9zu %8.0f %12s %3d/%-3d %9.1f %9s %9s %9s %9s %6.2f %7llu %7.1f\n",
+                  run_name(r.format, r.tpot_target_ms).c_str(),
                   r.budget.c_str(), r.kv_tokens, r.kv_bytes_per_token, r.load.str().c_str(), r.ok, r.requests, r.throughput,
                   fmt_time(r.ttft_p50).c_str(), fmt_time(r.ttft_p95).c_str(), fmt_time(r.tpot_p50).c_str(),
                   fmt_time(r.tpot_p95).c_str(), r.hit_rate,
@@ -663,7 +693,7 @@ int bench_command(const BenchOptions& o) {
       if (base.format != formats.front() || !base.fits || base.ok == 0) continue;
       for (const auto& r : runs) {
         if (r.format == base.format || !r.fits || r.ok == 0 || r.load.clients != base.load.clients ||
-            r.load.rate != base.load.rate || r.kv_mem != base.kv_mem)
+            r.load.rate != base.load.rate || r.kv_mem != base.kv_mem || r.tpot_target_ms != base.tpot_target_ms)
           continue;
         if (!header) std::printf("\nagainst %s at the same budget and load:\n", base.format.c_str());
         header = true;
@@ -672,8 +702,26 @@ int bench_command(const BenchOptions& o) {
           ttft = r.ttft_p50 <= base.ttft_p50 ? fmt::format("{:.2f}x lower", base.ttft_p50 / r.ttft_p50)
                                              : fmt::format("{:.2f}x higher", r.ttft_p50 / base.ttft_p50);
         std::printf("  %-14s %8s %12s  TTFT p50 %s, throughput %.2fx, prefix hit rate %.2f (%.2f)\n",
-                    r.format.c_str(), r.budget.c_str(), r.load.str().c_str(), ttft.c_str(), base.throughput > 0 ? r.throughput / base.throughput : 0.0,
+                    run_name(r.format, r.tpot_target_ms).c_str(), r.budget.c_str(), r.load.str().c_str(), ttft.c_str(), base.throughput > 0 ? r.throughput / base.throughput : 0.0,
                     r.hit_rate, base.hit_rate);
+      }
+    }
+    // Each target against the first one, same format, budget and load: what the target costs.
+    header = false;
+    for (const auto& base : runs) {
+      if (targets.size() < 2 || base.tpot_target_ms != targets.front() || !base.fits || base.ok == 0) continue;
+      for (const auto& r : runs) {
+        if (r.tpot_target_ms == base.tpot_target_ms || r.format != base.format || !r.fits || r.ok == 0 ||
+            r.load.clients != base.load.clients || r.load.rate != base.load.rate || r.kv_mem != base.kv_mem)
+          continue;
+        if (!header)
+          std::printf("\nagainst %s at the same format, budget and load:\n",
+                      targets.front() > 0 ? fmt::format("--tpot-target-ms {:g}", targets.front()).c_str() : "no target");
+        header = true;
+        const auto ratio = [](double a, double b) { return a > 0 && b > 0 ? fmt::format("{:.2f}x", a / b) : std::string("-"); };
+        std::printf("  %-14s %8s %12s  TPOT p50 %s, TTFT p50 %s, throughput %s\n", run_name(r.format, r.tpot_target_ms).c_str(),
+                    r.budget.c_str(), r.load.str().c_str(), ratio(r.tpot_p50, base.tpot_p50).c_str(),
+                    ratio(r.ttft_p50, base.ttft_p50).c_str(), ratio(r.throughput, base.throughput).c_str());
       }
     }
     bool noted = false;

@@ -43,7 +43,7 @@ struct BenchOptions {
   int max_batch = 256;
   int oldest_prefill_tokens = -1;  // EngineOptions::oldest_prefill_tokens
   double prefill_attention_cost = 2.0;  // EngineOptions::prefill_attention_cost
-  double tpot_target_ms = 0;             // EngineOptions::tpot_target_ms
+  std::string tpot_target_ms = "0";      // --tpot-target-ms: comma-separated EngineOptions::tpot_target_ms, a run each
   int max_running = 64;
   bool chat = false;                      // --chat: JSONL prompts as a user turn of the model's chat template
   bool json = false;

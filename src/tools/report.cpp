@@ -333,9 +333,13 @@ std::string report_bench_html(const nlohmann::json& b) {
   h += fmt::format("<h1>kvq bench: {}</h1><p>model file {}, KV budget(s) {} bytes, context {}</p>",
                    esc(b.value("model", std::string("?"))), esc(b.value("model_file", std::string("?"))),
                    esc(budgets.dump()), b.value("ctx", 0));
-  // A series per format, or per (format, budget) when several budgets were swept.
+  // A series per format, or per (format, TPOT target, budget) when several were swept.
+  const nlohmann::json sched = b.value("scheduler", nlohmann::json::object());
+  const bool several_targets = sched.contains("tpot_target_ms") && sched["tpot_target_ms"].is_array() &&
+                               sched["tpot_target_ms"].size() > 1;
   auto series_name = [&](const nlohmann::json& r) {
     std::string n = r["format"].get<std::string>();
+    if (several_targets && r.value("tpot_target_ms", 0.0) > 0) n += fmt::format(" @{:g}ms", r.value("tpot_target_ms", 0.0));
     if (budgets.size() > 1) {
       const double v = r["kv_mem_bytes"].get<double>();
       n += v >= 1073741824.0 ? fmt::format(" @ {:g} GiB", v / 1073741824.0)
@@ -361,6 +365,7 @@ std::string report_bench_html(const nlohmann::json& b) {
       bool log_y;
     };
     for (const Metric m : {Metric{"ttft_p50_s", "TTFT p50 (ms)", 1e3, true}, Metric{"ttft_p95_s", "TTFT p95 (ms)", 1e3, true},
+                           Metric{"tpot_p50_s", "TPOT p50 (ms)", 1e3, false},
                            Metric{"throughput_tok_s", "generated tokens/s", 1.0, false},
                            Metric{"prefix_hit_rate", "prefix hit rate", 1.0, false}}) {
       nlohmann::json series = nlohmann::json::array();
@@ -395,7 +400,10 @@ std::string report_bench_html(const nlohmann::json& b) {
     h += fmt::format(
         "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.0f}</td><td>{}</td><td>{} / {}</td><td>{:.1f}</td><td>{}</td>"
         "<td>{}</td><td>{}</td><td>{}</td><td>{:.2f}{}</td><td>{}</td></tr>",
-        esc(r["format"].get<std::string>()), r["kv_mem_bytes"].get<size_t>(), r["kv_tokens"].get<size_t>(), r["kv_bytes_per_token"].get<double>(), load,
+        esc(several_targets && r.value("tpot_target_ms", 0.0) > 0
+                ? fmt::format("{} @{:g}ms", r["format"].get<std::string>(), r.value("tpot_target_ms", 0.0))
+                : r["format"].get<std::string>()),
+        r["kv_mem_bytes"].get<size_t>(), r["kv_tokens"].get<size_t>(), r["kv_bytes_per_token"].get<double>(), load,
         r["ok"].get<int>(), r["requests"].get<int>(), r["throughput_tok_s"].get<double>(), ms(r["ttft_p50_s"]),
         ms(r["ttft_p95_s"]), ms(r["tpot_p50_s"]), ms(r["tpot_p95_s"]), r["prefix_hit_rate"].get<double>(),
         r["prefix_cache"].get<bool>() ? "" : " (no sharing: residual window)", r["preemptions"].get<uint64_t>());

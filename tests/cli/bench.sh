@@ -25,7 +25,7 @@ check "table: each format against the first at the same load" \
 "$kvq" bench -m "$model" --kv f16,int8 --kv-mem 163840 --data "$text" --prefixes 4 --prefix-tokens 64 \
   --question-tokens 8 --concurrency 1,2 --rate 50 --max-tokens 8 -t 1 --html "$tmp/b.html" >/dev/null 2>&1
 check "--html: self-contained report, charts per load kind, every run in the table" \
-  "[[ \$(grep -o '<svg' $tmp/b.html | wc -l) -eq 8 ]] && [[ \$(grep -o '<tr><td>' $tmp/b.html | wc -l) -eq 6 ]] && ! grep -q 'http://\|https://' <(sed 's|http://www.w3.org/2000/svg||g' $tmp/b.html)"
+  "[[ \$(grep -o '<svg' $tmp/b.html | wc -l) -eq 10 ]] && [[ \$(grep -o '<tr><td>' $tmp/b.html | wc -l) -eq 6 ]] && ! grep -q 'http://\|https://' <(sed 's|http://www.w3.org/2000/svg||g' $tmp/b.html)"
 check "--json-out writes the same report" "cmp -s $tmp/b.json <(python3 -c \"import json; print(json.dumps(json.load(open('$tmp/copy.json')), indent=2))\") || python3 -c \"import json; assert json.load(open('$tmp/b.json'))==json.load(open('$tmp/copy.json'))\""
 
 # KIVI's residual window keeps prefixes private (exactness); with R = 0 its pages are shared
@@ -51,7 +51,14 @@ fi
 "$kvq" bench -m "$model" --kv f16 --data "$text" --prefixes 2 --prefix-tokens 64 --question-tokens 8 --requests 8 \
   --concurrency 4 --max-tokens 8 -t 1 --tpot-target-ms 0.5 --json >"$tmp/tp.json" 2>/dev/null
 check "--tpot-target-ms: every request served, the setting in the report" \
-  "[[ $? -eq 0 ]] && python3 -c \"import json; d=json.load(open('$tmp/tp.json')); r=d['runs'][0]; assert r['ok']==8 and r['errors']==0 and r['completion_tokens']==64, r; assert d['scheduler']=={'max_batch': 256, 'max_running': 64, 'oldest_prefill_tokens': 64, 'prefill_attention_cost': 2.0, 'tpot_target_ms': 0.5, 'threads': 1}, d['scheduler']\""
+  "[[ $? -eq 0 ]] && python3 -c \"import json; d=json.load(open('$tmp/tp.json')); r=d['runs'][0]; assert r['ok']==8 and r['errors']==0 and r['completion_tokens']==64, r; assert d['scheduler']=={'max_batch': 256, 'max_running': 64, 'oldest_prefill_tokens': 64, 'prefill_attention_cost': 2.0, 'tpot_target_ms': [0.5], 'threads': 1}, d['scheduler']; assert r['tpot_target_ms']==0.5\""
+
+# --tpot-target-ms as a list: every format runs at each target; the table compares each target with
+# the first, and the HTML report has a series per format and target
+"$kvq" bench -m "$model" --kv f16,int8 --data "$text" --prefixes 2 --prefix-tokens 64 --question-tokens 8 --requests 8 \
+  --concurrency 4 --max-tokens 8 -t 1 --tpot-target-ms 0,0.5 --html "$tmp/tt.html" >"$tmp/tt.txt" 2>/dev/null
+check "--tpot-target-ms 0,0.5: a run per format and target, each compared with no target" \
+  "[[ $? -eq 0 ]] && grep -q '^f16 @0.5ms ' $tmp/tt.txt && grep -q '^int8 @0.5ms ' $tmp/tt.txt && grep -q '^f16  ' $tmp/tt.txt && grep -q 'against no target at the same format, budget and load' $tmp/tt.txt && grep -E -q '^  int8 @0.5ms .* TPOT p50 [0-9.]+x, TTFT p50 [0-9.]+x, throughput [0-9.]+x' $tmp/tt.txt && grep -q 'int8 @0.5ms' $tmp/tt.html"
 
 # the table, and a JSONL workload (max_tokens per line, --requests cycling over the lines)
 printf '{"prompt": "Once upon a time", "max_tokens": 5}\n\n{"prompt": "Lily and Ben went to the park"}\n' >"$tmp/w.jsonl"
@@ -116,7 +123,8 @@ bad "zero --oldest-prefill-tokens" "oldest-prefill-tokens" --kv f16 --data "$tex
 bad "negative --prefill-attention-cost" "prefill-attention-cost" --kv f16 --data "$text" --prefill-attention-cost -1
 bad "non-numeric --prefill-attention-cost" "prefill-attention-cost" --kv f16 --data "$text" --prefill-attention-cost lots
 bad "negative --tpot-target-ms" "tpot-target-ms" --kv f16 --data "$text" --tpot-target-ms -1
-bad "NaN --tpot-target-ms" "tpot-target-ms must be between 0 and 1e9" --kv f16 --data "$text" --tpot-target-ms nan
+bad "NaN --tpot-target-ms" "'nan' is not a time" --kv f16 --data "$text" --tpot-target-ms nan
+bad "a --tpot-target-ms given twice" "given twice" --kv f16 --data "$text" --tpot-target-ms 5,5
 mkdir "$tmp/adir"
 bad "--kv-scales naming a directory" "is a directory" --kv int8_c --data "$text" --kv-scales "$tmp/adir"
 printf '{"prompt": "ok"}\n{"prompt": 3}\n' >"$tmp/bad1.jsonl"
