@@ -446,7 +446,11 @@ TEST(StepTimeFit, RecoversCoefficientsAndBudget) {
   EXPECT_EQ(f.prefill_within(8, 0.05), -1);  // nothing seen
   f.observe(8, 0, t(8, 0));
   f.observe(4, 0, t(4, 0));
-  EXPECT_EQ(f.prefill_within(8, 0.05), -1);  // no step with prompt units yet
+  // No fit yet: every unit at the dearest price seen, 24 ms / 4 units (fixed costs included).
+  double none[3];
+  EXPECT_FALSE(f.coefficients(none));
+  EXPECT_NEAR(f.prefill_within(1, 0.05), 0.05 / 0.006 - 1, 1e-9);
+  EXPECT_EQ(f.prefill_within(8, 0.04), 0.0);
   const double steps[][2] = {{0, 256}, {7, 249}, {8, 24}, {6, 100}, {3, 0}, {8, 16}};
   for (const auto& x : steps) f.observe(x[0], x[1], t(x[0], x[1]));
   double k[3];
@@ -481,11 +485,12 @@ TEST(StepTimeFit, UndeterminedOrFreePromptsGiveNoBudget) {
   EXPECT_NEAR(k[0] + k[1], 0.0105, 1e-4);
   EXPECT_GT(f.prefill_within(1, 0.03), 0);
   // Steps that took less with more prompt units, and no fit before them that priced a prompt
-  // unit: no budget (-1: the engine then uses max_batch alone).
+  // unit: no fit, so units at the dearest price seen (50 ms for 4 units, last seen 4 steps back,
+  // decayed by 0.99 a step since: 0.1 s buys 8 / 0.99^4 units, less 4).
   StepTimeFit g;
   for (int i = 0; i < 20; ++i) g.observe(4, 10.0 * (i % 5), 0.05 - 0.001 * (i % 5));
   EXPECT_FALSE(g.coefficients(k));
-  EXPECT_EQ(g.prefill_within(4, 0.1), -1);
+  EXPECT_NEAR(g.prefill_within(4, 0.1), 8 / std::pow(0.99, 4) - 4, 1e-6);
   // NaN and negative times are not steps.
   StepTimeFit h;
   for (int i = 0; i < 10; ++i) h.observe(1, 16, std::nan(""));
@@ -591,7 +596,9 @@ TEST_F(EngineTest, TpotTargetBoundsPromptUnitsBesideDecodes) {
       bool submit_b = false;
       {
         std::lock_guard<std::mutex> lk(mu);
-        submit_b = ++a_tokens == 3;  // B arrives while A decodes (from the scheduler thread: the next step sees it)
+        // B arrives while A decodes, once the fit is in use (from the scheduler thread: the next
+        // step sees it)
+        submit_b = ++a_tokens == 10;
       }
       if (submit_b) e.submit(std::move(b));
     };
@@ -605,7 +612,7 @@ TEST_F(EngineTest, TpotTargetBoundsPromptUnitsBesideDecodes) {
     EXPECT_EQ(std::vector<int32_t>(ga.tokens.begin(), ga.tokens.begin() + ptrdiff_t(ref.size())), ref);
     const double want = cs.r > 0 ? pc.units(0, int(pa.size())) + pc.units(0, int(pb.size())) : double(pa.size() + pb.size());
     EXPECT_NEAR(prompt_units_seen, want, 1e-6 * want);
-    const int steps_for_b = a_at_b_first - 3;  // A's tokens while B's prompt was computed
+    const int steps_for_b = a_at_b_first - 10;  // A's tokens while B's prompt was computed
     if (cs.target == 0) {
       EXPECT_EQ(steps_for_b, 1);  // all of it in one max_batch step
     } else if (cs.target > 1) {

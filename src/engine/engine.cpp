@@ -120,6 +120,7 @@ void StepTimeFit::observe(double d, double p, double seconds) {
     r_[i] = forget_ * r_[i] + x[i] * seconds;
   }
   p_weight_ = forget_ * p_weight_ + (p > 0 ? 1.0 : 0.0);
+  if (d + p > 0) price_ = std::max(forget_ * price_, seconds / (d + p));
   if (n_ < kMinSteps) ++n_;
   double k[3];
   if (solve(k)) {
@@ -185,8 +186,9 @@ bool StepTimeFit::coefficients(double out[3]) const {
 }
 
 double StepTimeFit::prefill_within(double d, double seconds) const {
-  if (!valid_) return -1;
-  return std::max(0.0, (seconds - (k_[0] + k_[1] * d)) / k_[2]);
+  if (valid_) return std::max(0.0, (seconds - (k_[0] + k_[1] * d)) / k_[2]);
+  if (!(price_ > 0)) return -1;
+  return std::max(0.0, seconds / price_ - d);
 }
 
 void engine_warn_ctx_capped(int ctx, int n_ctx_train) {
@@ -712,8 +714,7 @@ bool Engine::step() {
     if (pass == 1) {
       by_cost = !items.empty() && prefill_cost_.active();
       // --tpot-target-ms: the decoding sequences' next token is this step's end; the prompt units
-      // it carries are what the fitted step time leaves of the target (while the fit cannot
-      // tell, max_batch alone: that step is what teaches it).
+      // it carries are what the fitted step time leaves of the target.
       if (opt_.tpot_target_ms > 0 && decoding) {
         const double within = step_fit_.prefill_within(decode_units, opt_.tpot_target_ms / 1000);
         if (within >= 0) budget = std::min(budget, std::max(kTpotTargetMinPrefill, int(std::min(within, 1e9))));

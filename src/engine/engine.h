@@ -216,12 +216,15 @@ class StepTimeFit {
   explicit StepTimeFit(double forget = 0.99) : forget_(forget) {}
   void observe(double d, double p, double seconds);
   // The most prompt units a step with d decode units can carry and be expected to take at most
-  // `seconds` (0 when even none would exceed it), or -1 while the fit cannot tell: fewer than
-  // kMinSteps steps seen, none with prompt units, or no fit yet that prices a prompt unit.
+  // `seconds` (0 when even none would exceed it). Until the fit is in use (kMinSteps steps, some
+  // with prompt units, a fit that prices a prompt unit), every unit is priced at the dearest time
+  // per unit of the steps seen (fixed costs included; decaying by forget a step): an overestimate,
+  // so the first steps beside decodes come in under the target rather than over it. -1 before any
+  // step.
   double prefill_within(double d, double seconds) const;
-  // The fit in use (a, b, c), in seconds; false when prefill_within would return -1.
+  // The fit in use (a, b, c), in seconds; false until there is one.
   bool coefficients(double out[3]) const;
-  static constexpr int kMinSteps = 4;
+  static constexpr int kMinSteps = 8;
 
  private:
   bool solve(double out[3]) const;
@@ -232,6 +235,7 @@ class StepTimeFit {
   int n_ = 0;
   double k_[3] = {};     // the fit in use
   bool valid_ = false;
+  double price_ = 0;  // the dearest seconds / (d + p) of the steps seen, decaying by forget a step
 };
 
 // The fewest prompt units a step gives the prompts being prefilled under
