@@ -398,39 +398,8 @@ nlohmann::json num_or_null(double v) { return std::isfinite(v) ? nlohmann::json(
 
 int bench_command(const BenchOptions& o) {
   const std::vector<std::string> formats = split_csv(o.kv_list, "--kv");
-  // Closed-loop runs (--concurrency, default 1,8 when --rate is not given), then open-loop ones.
-  std::vector<BenchLoad> loads;
-  const std::string clients = o.concurrency.empty() && o.rate.empty() ? "1,8" : o.concurrency;
-  if (!clients.empty()) {
-    for (const std::string& c : split_csv(clients, "--concurrency")) {
-      size_t pos = 0;
-      int v = 0;
-      try {
-        v = std::stoi(c, &pos);
-      } catch (const std::exception&) {
-        pos = 0;
-      }
-      if (pos != c.size() || v < 1 || v > 4096) fail("--concurrency: '{}' is not a number of clients in 1..4096", c);
-      loads.push_back({v, 0});
-    }
-  }
-  if (!o.rate.empty()) {
-    for (const std::string& c : split_csv(o.rate, "--rate")) {
-      size_t pos = 0;
-      double v = 0;
-      try {
-        v = std::stod(c, &pos);
-      } catch (const std::exception&) {
-        pos = 0;
-      }
-      // below one request per ~17 minutes a run would mostly wait for its arrivals
-      if (pos != c.size() || !(v >= 1e-3) || v > 1e6)
-        fail("--rate: '{}' is not a request rate in [0.001, 1000000] requests per second", c);
-      loads.push_back({0, v});
-    }
-  }
-  std::vector<double> targets;
-  for (const std::string& c : split_csv(o.tpot_target_ms, "--tpot-target-ms")) {
+  // A whole list item as a number within [lo, hi] (NaN never), or NaN.
+  const auto number_in = [](const std::string& c, double lo, double hi) {
     size_t pos = 0;
     double v = 0;
     try {
@@ -438,7 +407,30 @@ int bench_command(const BenchOptions& o) {
     } catch (const std::exception&) {
       pos = 0;
     }
-    if (pos != c.size() || !(v >= 0) || v > 1e9) fail("--tpot-target-ms: '{}' is not a time in [0, 1e9] ms", c);
+    return pos == c.size() && v >= lo && v <= hi ? v : std::nan("");
+  };
+  // Closed-loop runs (--concurrency, default 1,8 when --rate is not given), then open-loop ones.
+  std::vector<BenchLoad> loads;
+  const std::string clients = o.concurrency.empty() && o.rate.empty() ? "1,8" : o.concurrency;
+  if (!clients.empty()) {
+    for (const std::string& c : split_csv(clients, "--concurrency")) {
+      const double v = number_in(c, 1, 4096);
+      if (std::isnan(v) || v != std::floor(v)) fail("--concurrency: '{}' is not a number of clients in 1..4096", c);
+      loads.push_back({int(v), 0});
+    }
+  }
+  if (!o.rate.empty()) {
+    for (const std::string& c : split_csv(o.rate, "--rate")) {
+      // below one request per ~17 minutes a run would mostly wait for its arrivals
+      const double v = number_in(c, 1e-3, 1e6);
+      if (std::isnan(v)) fail("--rate: '{}' is not a request rate in [0.001, 1000000] requests per second", c);
+      loads.push_back({0, v});
+    }
+  }
+  std::vector<double> targets;
+  for (const std::string& c : split_csv(o.tpot_target_ms, "--tpot-target-ms")) {
+    const double v = number_in(c, 0, 1e9);
+    if (std::isnan(v)) fail("--tpot-target-ms: '{}' is not a time in [0, 1e9] ms", c);
     if (std::find(targets.begin(), targets.end(), v) != targets.end()) fail("--tpot-target-ms: {} given twice", c);
     targets.push_back(v);
   }
