@@ -398,16 +398,16 @@ nlohmann::json num_or_null(double v) { return std::isfinite(v) ? nlohmann::json(
 
 int bench_command(const BenchOptions& o) {
   const std::vector<std::string> formats = split_csv(o.kv_list, "--kv");
-  // A whole list item as a number within [lo, hi] (NaN never), or NaN.
+  // A whole list item as a decimal number within [lo, hi] (not NaN, not hexadecimal), or NaN.
   const auto number_in = [](const std::string& c, double lo, double hi) {
     size_t pos = 0;
     double v = 0;
     try {
-      v = std::stod(c, &pos);
+      if (c.find_first_of("xX") == std::string::npos) v = std::stod(c, &pos);
     } catch (const std::exception&) {
       pos = 0;
     }
-    return pos == c.size() && v >= lo && v <= hi ? v : std::nan("");
+    return pos > 0 && pos == c.size() && v >= lo && v <= hi ? v : std::nan("");
   };
   // Closed-loop runs (--concurrency, default 1,8 when --rate is not given), then open-loop ones.
   std::vector<BenchLoad> loads;

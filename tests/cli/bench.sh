@@ -114,6 +114,9 @@ bad "format that does not fit the model's head_dim" "head_dim 8 must be a multip
 bad "no workload" "give a workload" --kv f16
 bad "two workloads" "give a workload" --kv f16 --data "$text" --workload "$tmp/w.jsonl"
 bad "bad concurrency" "is not a number of clients" --kv f16 --data "$text" --concurrency 2,x
+bad "hexadecimal concurrency" "is not a number of clients" --kv f16 --data "$text" --concurrency 0x10
+bad "fractional concurrency" "is not a number of clients" --kv f16 --data "$text" --concurrency 1.5
+bad "hexadecimal rate" "is not a request rate" --kv f16 --data "$text" --rate 0x1
 bad "bad rate" "is not a request rate" --kv f16 --data "$text" --rate 0
 bad "a rate too low to finish" "is not a request rate" --kv f16 --data "$text" --rate 1e-9
 mkdir -p "$tmp/adir"
