@@ -446,10 +446,11 @@ TEST(StepTimeFit, RecoversCoefficientsAndBudget) {
   EXPECT_EQ(f.prefill_within(8, 0.05), -1);  // nothing seen
   f.observe(8, 0, t(8, 0));
   f.observe(4, 0, t(4, 0));
-  // No fit yet: every unit at the dearest price seen, 24 ms / 4 units (fixed costs included).
+  // No fit yet: the fastest step (24 ms) plus every unit at the dearest price seen, 24 ms / 4
+  // units (fixed costs included).
   double none[3];
   EXPECT_FALSE(f.coefficients(none));
-  EXPECT_NEAR(f.prefill_within(1, 0.05), 0.05 / 0.006 - 1, 1e-9);
+  EXPECT_NEAR(f.prefill_within(1, 0.05), (0.05 - 0.024) / 0.006 - 1, 1e-9);
   EXPECT_EQ(f.prefill_within(8, 0.04), 0.0);
   const double steps[][2] = {{0, 256}, {7, 249}, {8, 24}, {6, 100}, {3, 0}, {8, 16}};
   for (const auto& x : steps) f.observe(x[0], x[1], t(x[0], x[1]));
@@ -471,7 +472,7 @@ TEST(StepTimeFit, RecoversCoefficientsAndBudget) {
   EXPECT_NEAR(f.prefill_within(8, 0.1), 44.0, 0.5);
 }
 
-TEST(StepTimeFit, UndeterminedOrFreePromptsGiveNoBudget) {
+TEST(StepTimeFit, OpenDirectionsFreePromptsAndBadTimes) {
   // Only prefill-only and decode-only steps (decode and prompt units never seen apart): the weak
   // b = c penalty determines the fit, which fits both kinds of step.
   StepTimeFit f;
@@ -485,12 +486,12 @@ TEST(StepTimeFit, UndeterminedOrFreePromptsGiveNoBudget) {
   EXPECT_NEAR(k[0] + k[1], 0.0105, 1e-4);
   EXPECT_GT(f.prefill_within(1, 0.03), 0);
   // Steps that took less with more prompt units, and no fit before them that priced a prompt
-  // unit: no fit, so units at the dearest price seen (50 ms for 4 units, last seen 4 steps back,
-  // decayed by 0.99 a step since: 0.1 s buys 8 / 0.99^4 units, less 4).
+  // unit: no fit, so the fastest step (46 ms) plus units at the dearest price seen (50 ms for 4
+  // units, last seen 4 steps back, decayed by 0.99 a step since).
   StepTimeFit g;
   for (int i = 0; i < 20; ++i) g.observe(4, 10.0 * (i % 5), 0.05 - 0.001 * (i % 5));
   EXPECT_FALSE(g.coefficients(k));
-  EXPECT_NEAR(g.prefill_within(4, 0.1), 8 / std::pow(0.99, 4) - 4, 1e-6);
+  EXPECT_NEAR(g.prefill_within(4, 0.1), (0.1 - 0.046) / (0.0125 * std::pow(0.99, 4)) - 4, 1e-6);
   // NaN and negative times are not steps.
   StepTimeFit h;
   for (int i = 0; i < 10; ++i) h.observe(1, 16, std::nan(""));
@@ -517,6 +518,31 @@ TEST(StepTimeFit, UndeterminedOrFreePromptsGiveNoBudget) {
     EXPECT_GT(k[2] * 64, 1e-3 * k[0]);
   }
   EXPECT_LT(full.prefill_within(4, 0.05), 1e6);
+}
+
+// Before the fit, whatever steps came first (large prefill-only chunks, decode-only steps, mixed
+// ones), the budget never makes a step of a machine of that kind (a fixed cost + per-unit costs)
+// exceed the target: the fastest step bounds the fixed cost, the dearest price the units.
+TEST(StepTimeFit, BeforeTheFitStepsStayWithinTheTarget) {
+  const auto t = [](double d, double p) { return 0.02 + 0.001 * d + 0.0005 * p; };
+  const double steps[][2] = {{0, 256}, {0, 200}, {1.3, 250}, {8, 0}, {4, 30}, {8, 16}, {2, 100}};
+  for (size_t first = 0; first < 3; ++first) {  // histories starting with each kind of step
+    StepTimeFit f;
+    for (size_t i = 0; i < 7; ++i) {
+      const auto& x = steps[(first + i) % 7];
+      f.observe(x[0], x[1], t(x[0], x[1]));
+      double k[3];
+      ASSERT_FALSE(f.coefficients(k));  // fewer than kMinSteps: the cautious price
+      for (const double d : {1.0, 4.0, 8.0})
+        for (const double target : {0.03, 0.05, 0.1, 0.2}) {
+          const double p = f.prefill_within(d, target);
+          ASSERT_GE(p, 0);
+          if (p > 0) {
+            EXPECT_LE(t(d, p), target + 1e-12) << "first " << first << " step " << i << " d " << d;
+          }
+        }
+    }
+  }
 }
 
 // One stalled step (the host busy for a second) is taken at 3x the prediction, so the budgets
@@ -550,16 +576,20 @@ TEST(StepTimeFit, OneStalledStepDoesNotShrinkTheBudget) {
 TEST_F(EngineTest, TpotTargetBoundsPromptUnitsBesideDecodes) {
   struct Case {
     double target, r;
+    int arrive;  // A's tokens when B is submitted (10: the fit is in use; 1: before it)
   };
-  for (const Case cs : {Case{0.0, 2.0}, Case{2.6, 2.0}, Case{1e-6, 2.0}, Case{1e-6, 0.0}}) {
-    SCOPED_TRACE(testing::Message() << "target " << cs.target << " R " << cs.r);
+  for (const Case cs : {Case{0.0, 2.0, 10}, Case{2.6, 2.0, 10}, Case{1e-6, 2.0, 10}, Case{1e-6, 0.0, 10}, Case{2.6, 2.0, 1}}) {
+    SCOPED_TRACE(testing::Message() << "target " << cs.target << " R " << cs.r << " arrive " << cs.arrive);
     EngineOptions o = base_options(4096);
     o.tpot_target_ms = cs.target;
     o.prefill_attention_cost = cs.r;
     double prompt_units_seen = 0;  // scheduler thread, read after wait_idle
+    double slowest_beside_decodes = 0;
     o.step_seconds = [&](double d, double p, double) {
       prompt_units_seen += p;
-      return 0.001 + 0.0001 * d + 0.00002 * p;
+      const double t = 0.001 + 0.0001 * d + 0.00002 * p;
+      if (d > 0 && p > 0) slowest_beside_decodes = std::max(slowest_beside_decodes, t);
+      return t;
     };
     o.max_batch = 256;  // A's prompt in large chunks
     Engine e(o);
@@ -598,7 +628,7 @@ TEST_F(EngineTest, TpotTargetBoundsPromptUnitsBesideDecodes) {
         std::lock_guard<std::mutex> lk(mu);
         // B arrives while A decodes, once the fit is in use (from the scheduler thread: the next
         // step sees it)
-        submit_b = ++a_tokens == 10;
+        submit_b = ++a_tokens == cs.arrive;
       }
       if (submit_b) e.submit(std::move(b));
     };
@@ -612,14 +642,19 @@ TEST_F(EngineTest, TpotTargetBoundsPromptUnitsBesideDecodes) {
     EXPECT_EQ(std::vector<int32_t>(ga.tokens.begin(), ga.tokens.begin() + ptrdiff_t(ref.size())), ref);
     const double want = cs.r > 0 ? pc.units(0, int(pa.size())) + pc.units(0, int(pb.size())) : double(pa.size() + pb.size());
     EXPECT_NEAR(prompt_units_seen, want, 1e-6 * want);
-    const int steps_for_b = a_at_b_first - 10;  // A's tokens while B's prompt was computed
+    const int steps_for_b = a_at_b_first - cs.arrive;  // A's tokens while B's prompt was computed
     if (cs.target == 0) {
       EXPECT_EQ(steps_for_b, 1);  // all of it in one max_batch step
-    } else if (cs.target > 1) {
+    } else if (cs.target > 1 && cs.arrive == 10) {
       // 2.6 ms - 1 ms - 0.1 ms x A's ~3.3 decode units leave ~63 prompt units: 4 steps, or 5 where
       // a step's last token would overrun its share.
       EXPECT_GE(steps_for_b, 4);
       EXPECT_LE(steps_for_b, 5);
+    } else if (cs.target > 1) {
+      // Before the fit (A's 2 prefill steps seen when B arrives) the cautious price: every step beside A's
+      // decodes within the target, so more steps than with the fit.
+      EXPECT_LE(slowest_beside_decodes, cs.target / 1000 + 1e-12);
+      EXPECT_GE(steps_for_b, 4);
     } else {
       EXPECT_GE(steps_for_b, units / kTpotTargetMinPrefill - 1);
       EXPECT_LE(steps_for_b, units / kTpotTargetMinPrefill + 4);

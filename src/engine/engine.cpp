@@ -120,7 +120,10 @@ void StepTimeFit::observe(double d, double p, double seconds) {
     r_[i] = forget_ * r_[i] + x[i] * seconds;
   }
   p_weight_ = forget_ * p_weight_ + (p > 0 ? 1.0 : 0.0);
-  if (d + p > 0) price_ = std::max(forget_ * price_, seconds / (d + p));
+  if (d + p > 0) {
+    price_ = std::max(forget_ * price_, seconds / (d + p));
+    fastest_ = fastest_ < 0 ? seconds : std::min(fastest_, seconds);
+  }
   if (n_ < kMinSteps) ++n_;
   double k[3];
   if (solve(k)) {
@@ -188,7 +191,7 @@ bool StepTimeFit::coefficients(double out[3]) const {
 double StepTimeFit::prefill_within(double d, double seconds) const {
   if (valid_) return std::max(0.0, (seconds - (k_[0] + k_[1] * d)) / k_[2]);
   if (!(price_ > 0)) return -1;
-  return std::max(0.0, seconds / price_ - d);
+  return std::max(0.0, (seconds - std::max(fastest_, 0.0)) / price_ - d);
 }
 
 void engine_warn_ctx_capped(int ctx, int n_ctx_train) {
@@ -714,7 +717,8 @@ bool Engine::step() {
     if (pass == 1) {
       by_cost = !items.empty() && prefill_cost_.active();
       // --tpot-target-ms: the decoding sequences' next token is this step's end; the prompt units
-      // it carries are what the fitted step time leaves of the target.
+      // it carries are what the expected step time leaves of the target (StepTimeFit: the fit, or
+      // before it a cautious price).
       if (opt_.tpot_target_ms > 0 && decoding) {
         const double within = step_fit_.prefill_within(decode_units, opt_.tpot_target_ms / 1000);
         if (within >= 0) budget = std::min(budget, std::max(kTpotTargetMinPrefill, int(std::min(within, 1e9))));

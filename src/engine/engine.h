@@ -217,10 +217,11 @@ class StepTimeFit {
   void observe(double d, double p, double seconds);
   // The most prompt units a step with d decode units can carry and be expected to take at most
   // `seconds` (0 when even none would exceed it). Until the fit is in use (kMinSteps steps, some
-  // with prompt units, a fit that prices a prompt unit), every unit is priced at the dearest time
-  // per unit of the steps seen (fixed costs included; decaying by forget a step): an overestimate,
-  // so the first steps beside decodes come in under the target rather than over it. -1 before any
-  // step.
+  // with prompt units, a fit that prices a prompt unit), a step is expected to take the fastest
+  // step seen (at least the fixed cost) plus every unit at the dearest time per unit of the steps
+  // seen (their fixed costs included; decaying by forget a step): counting the fixed cost twice,
+  // so the first steps beside decodes come in under the target, at the price of smaller prompt
+  // chunks meanwhile. -1 before any step with tokens.
   double prefill_within(double d, double seconds) const;
   // The fit in use (a, b, c), in seconds; false until there is one.
   bool coefficients(double out[3]) const;
@@ -236,6 +237,7 @@ class StepTimeFit {
   double k_[3] = {};     // the fit in use
   bool valid_ = false;
   double price_ = 0;  // the dearest seconds / (d + p) of the steps seen, decaying by forget a step
+  double fastest_ = -1;  // the fastest step seen, seconds (-1: none)
 };
 
 // The fewest prompt units a step gives the prompts being prefilled under
