@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <future>
+#include <initializer_list>
 #include <limits>
 #include <random>
 
@@ -137,12 +138,13 @@ bool StepTimeFit::solve(double out[3]) const {
   // Normal equations over the coefficients in `use` (the others 0), with a weak penalty
   // mu (b - c)^2 that decides only the direction the steps leave open (decode units and prompt
   // units never seen apart).
-  const auto fit = [&](const std::vector<int>& use) {
-    const int n = int(use.size());
+  const auto fit = [&](std::initializer_list<int> coefficients) {
+    const int n = int(coefficients.size());
+    const int* use = coefficients.begin();
     double m[3][4] = {};
     for (int i = 0; i < n; ++i) {
-      for (int j = 0; j < n; ++j) m[i][j] = s_[use[size_t(i)]][use[size_t(j)]];
-      m[i][3] = r_[use[size_t(i)]];
+      for (int j = 0; j < n; ++j) m[i][j] = s_[use[i]][use[j]];
+      m[i][3] = r_[use[i]];
     }
     if (n == 3) {
       const double mu = 1e-6 * std::min(s_[1][1], s_[2][2]) + 1e-12;
@@ -166,7 +168,7 @@ bool StepTimeFit::solve(double out[3]) const {
       }
     }
     out[0] = out[1] = out[2] = 0;
-    for (int i = 0; i < n; ++i) out[use[size_t(i)]] = m[i][3] / m[i][i];
+    for (int i = 0; i < n; ++i) out[use[i]] = m[i][3] / m[i][i];
     return true;
   };
   // A decode unit that takes less than none (noise while the decodes' count hardly varied) would
