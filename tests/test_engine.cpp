@@ -1063,3 +1063,133 @@ TEST(EngineWindows, GemmaSlidingPagesFreedAndShared) {
   EXPECT_EQ(e.prefix_index().stats().duplicate_pages, 0u);
   expect_pool_clean(e);
 }
+
+// The KV offload tier (EngineOptions::kv_offload_bytes): a document's pages, evicted from a pool
+// too small to keep them beside two other prompts, are read back from the tier by a later question
+// on the same document instead of recomputed, and that question generates what it generates alone.
+// Without the tier the same sequence of requests recomputes the document (the control: the tier is
+// what makes the hit). f16 and int8 (the tier keeps the pool's packed bytes as they are; Gemma 3's
+// test below runs q4_0).
+TEST_F(EngineTest, OffloadedPrefixIsReadBackAndOutputsStayEqual) {
+  const fs::path dir = fs::temp_directory_path() / "kvq_test_offload";
+  fs::create_directories(dir);
+  for (const char* kv : {"f16", "int8"})
+    for (const bool tier : {false, true}) {
+      SCOPED_TRACE(std::string(kv) + (tier ? " with the tier" : " without"));
+      EngineOptions o = base_options(160);  // 10 pages of 16 tokens: one prompt and its answer
+      o.kv.kv_cache_dtype = kv;
+      if (tier) {
+        o.kv_offload_dir = dir.string();
+        o.kv_offload_bytes = size_t(4) << 20;
+      }
+      Engine e(o);
+      const Tokenizer& tok = e.tokenizer();
+      const std::string doc = std::string(kShared) + " ran to get it. The ball was shiny and new.";
+      const std::vector<int32_t> first = tok.encode(doc + " Lily said", true);
+      const std::vector<int32_t> later = tok.encode(doc + " Her mom smiled and", true);
+      ASSERT_GE(common_prefix(first, later), 64u);
+      ASSERT_LE(first.size() + 8, 150u);
+      EXPECT_EQ(e.generate(first, greedy(8)).finish_reason, "length");
+      // Two other prompts take the pool: the document's idle pages are evicted.
+      for (const char* other : {"Tom had a little dog named Max. Max liked to run and jump in the sun and the rain all day",
+                                "The sun was hot and the sky was blue. Sue and Ben went to the lake to swim with the ducks"}) {
+        const std::vector<int32_t> p = tok.encode(std::string(other) + " long.", true);
+        EXPECT_EQ(e.generate(p, greedy(40)).finish_reason, "length");
+      }
+      const EngineMetrics before = e.metrics();
+      const GenResult g = e.generate(later, greedy(12));
+      const EngineMetrics after = e.metrics();
+      EXPECT_EQ(g.finish_reason, "length") << g.error;
+      EXPECT_EQ(g.tokens, greedy_alone(e, later, 12, kv));
+      EXPECT_EQ(after.offload, tier);
+      if (tier) {
+        // Every whole page of the common prefix below the last prompt token comes back.
+        const int pages = int(std::min(common_prefix(first, later), later.size() - 1) / 16);
+        EXPECT_EQ(g.cached_tokens, pages * 16);
+        EXPECT_GT(after.offload_stats.stored_pages, 0u);
+        EXPECT_EQ(after.offload_stats.loaded_pages - before.offload_stats.loaded_pages, uint64_t(pages));
+        EXPECT_EQ(after.offload_hit_tokens - before.offload_hit_tokens, uint64_t(pages * 16));
+        EXPECT_EQ(after.offload_stats.write_errors + after.offload_stats.read_errors, 0u);
+      } else {
+        EXPECT_EQ(g.cached_tokens, 0);
+      }
+      expect_pool_clean(e);
+    }
+  fs::remove_all(dir);
+}
+
+TEST_F(EngineTest, OffloadOptionsAreChecked) {
+  const fs::path dir = fs::temp_directory_path() / "kvq_test_offload_opts";
+  fs::create_directories(dir);
+  const auto error_of = [](const EngineOptions& o) {
+    try {
+      Engine e(o);
+    } catch (const Error& err) {
+      return std::string(err.what());
+    }
+    return std::string();
+  };
+  EngineOptions o = base_options(160);
+  o.kv_offload_bytes = 1 << 20;
+  EXPECT_NE(error_of(o).find("needs --kv-offload-dir"), std::string::npos);
+  o = base_options(160);
+  o.kv_offload_dir = dir.string();
+  EXPECT_NE(error_of(o).find("needs --kv-offload-size"), std::string::npos);
+  o.kv_offload_bytes = 1 << 20;
+  o.kv_offload_dir = (dir / "missing").string();
+  EXPECT_NE(error_of(o).find("is not a directory"), std::string::npos);
+  o.kv_offload_dir = dir.string();
+  o.kv_offload_bytes = 100;  // below one page
+  EXPECT_NE(error_of(o).find("holds no KV page"), std::string::npos);
+  o.kv_offload_bytes = 1 << 20;
+  EXPECT_EQ(error_of(o), "");
+  // The tier's file is unlinked once created: nothing stays in the directory.
+  {
+    Engine e(o);
+    EXPECT_TRUE(fs::is_empty(dir));
+  }
+  fs::remove_all(dir);
+}
+
+// Gemma 3's sliding-window page groups: the document's group-0 pages and the window pages its next
+// query reads are read back from the tier together, and the answer equals the request alone (a
+// q4_0 cache: the tier holds packed 4-bit pages).
+TEST(EngineWindows, GemmaOffloadedPrefixReadBack) {
+  const std::string path = kvq_test_model("gemma-3-270m-q4_k_m.gguf");
+  if (path.empty()) GTEST_SKIP() << "gemma-3-270m-q4_k_m.gguf not installed (run scripts/get-models.sh)";
+  BatchInvariantOn bi;
+  const fs::path dir = fs::temp_directory_path() / "kvq_test_offload_gemma";
+  fs::create_directories(dir);
+  EngineOptions o;
+  o.model_path = path;
+  o.threads = 2;
+  o.ctx = 2048;
+  o.kv.page_tokens = 32;
+  o.max_batch = 128;
+  o.kv_tokens = 1100;  // one ~750-token sequence at a time
+  o.kv_offload_dir = dir.string();
+  o.kv_offload_bytes = size_t(64) << 20;
+  o.kv.kv_cache_dtype = "q4_0";
+  Engine e(o);
+  const Tokenizer& tok = e.tokenizer();
+  const std::string doc = numbered_text(30, "the valley");
+  const std::vector<int32_t> first = tok.encode(doc + "Question: which mill ran fast? Answer:", true);
+  const std::vector<int32_t> other = tok.encode(numbered_text(26, "the harbour") + "Summary:", true);
+  const std::vector<int32_t> later = tok.encode(doc + "Question: how many loaves were counted in note 3? Answer:", true);
+  EXPECT_EQ(e.generate(first, greedy(8)).finish_reason, "length");
+  EXPECT_EQ(e.generate(other, greedy(8)).finish_reason, "length");
+  const EngineMetrics before = e.metrics();
+  const GenResult g = e.generate(later, greedy(16));
+  const EngineMetrics after = e.metrics();
+  EXPECT_EQ(g.finish_reason, "length") << g.error;
+  EXPECT_EQ(g.tokens, greedy_alone(e, later, 16, "q4_0"));
+  EXPECT_GT(g.cached_tokens, 512);
+  EXPECT_GT(after.offload_hit_tokens - before.offload_hit_tokens, 0u);
+  EXPECT_LE(after.offload_hit_tokens - before.offload_hit_tokens, uint64_t(g.cached_tokens));
+  // Sliding groups' pages came back too, not only group 0's.
+  EXPECT_GT(after.offload_stats.loaded_pages - before.offload_stats.loaded_pages,
+            (after.offload_hit_tokens - before.offload_hit_tokens) / 32);
+  EXPECT_EQ(after.offload_stats.write_errors + after.offload_stats.read_errors, 0u);
+  expect_pool_clean(e);
+  fs::remove_all(dir);
+}

@@ -205,6 +205,39 @@ PrefixIndex::Insert PrefixIndex::insert(const KvHash& parent, const int32_t* tok
   return Insert::inserted;
 }
 
+KvPageId PrefixIndex::page_of(const KvHash& hash, int group) const {
+  auto it = entries_.find(hash);
+  if (it == entries_.end() || group < 0 || size_t(group) >= windows_.size()) return kv_page_none;
+  return it->second.pages[size_t(group)];
+}
+
+bool PrefixIndex::restore(const KvHash& parent, const int32_t* tokens, int group, KvPageId page) {
+  KVQ_CHECK(group >= 0 && size_t(group) < windows_.size(), "page group {} of {}", group, windows_.size());
+  KVQ_CHECK(page != kv_page_none && !contains_page(page), "restoring page {} that is cached or invalid", page);
+  const KvHash h = page_hash(parent, tokens);
+  auto it = entries_.find(h);
+  if (it == entries_.end()) {
+    if (group != 0) return false;
+    Entry fresh;
+    fresh.parent = parent;
+    fresh.tokens.assign(tokens, tokens + page_tokens_);
+    fresh.pages.assign(windows_.size(), kv_page_none);
+    fresh.idle.assign(windows_.size(), 0);
+    fresh.lru.resize(windows_.size());
+    it = entries_.emplace(h, std::move(fresh)).first;
+  } else {
+    const Entry& e = it->second;
+    if (!(e.parent == parent) || std::memcmp(e.tokens.data(), tokens, sizeof(int32_t) * size_t(page_tokens_)) != 0) {
+      ++stats_.collisions;
+      return false;
+    }
+    if (e.pages[size_t(group)] != kv_page_none || (group != 0 && e.pages[0] == kv_page_none)) return false;
+  }
+  it->second.pages[size_t(group)] = page;
+  by_page_.emplace(page, PageRef{h, group});
+  return true;
+}
+
 void PrefixIndex::count_query(int prompt_tokens, int hit_tokens, bool readmission) {
   KVQ_CHECK(prompt_tokens >= 0 && hit_tokens >= 0 && hit_tokens <= prompt_tokens, "query of {} tokens with {} hits",
             prompt_tokens, hit_tokens);
@@ -270,6 +303,7 @@ KvPageId PrefixIndex::kv_page_evict() {
   const KvHash h = bp->second.entry;
   Entry& e = entries_.at(h);
   const size_t g = size_t(bp->second.group);
+  if (spill_) spill_->kv_page_spill(h, e.parent, e.tokens.data(), int(g), page);
   e.pages[g] = kv_page_none;
   e.idle[g] = 0;
   by_page_.erase(bp);

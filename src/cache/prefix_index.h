@@ -116,6 +116,17 @@ struct KvPrefixStats {
   double hit_rate() const { return query_tokens ? double(hit_tokens) / double(query_tokens) : 0.0; }
 };
 
+// Where evicted pages go instead of being dropped (KvOffload). Called by kv_page_evict while the
+// page's bytes are still intact in the pool.
+class KvPageSpill {
+ public:
+  virtual ~KvPageSpill() = default;
+  // Page `page` of page group `group`, cached as the page named `hash` (tokens (page_tokens,)
+  // after the prefix named `parent`), is being evicted.
+  virtual void kv_page_spill(const KvHash& hash, const KvHash& parent, const int32_t* tokens, int group,
+                             KvPageId page) = 0;
+};
+
 class PrefixIndex : public KvPageEvictor {
  public:
   // identity: see the header comment; page_tokens: tokens per page (power of two 16..256).
@@ -158,6 +169,17 @@ class PrefixIndex : public KvPageEvictor {
   // With page groups: pages (n_groups(),), one per group, kv_page_none for a sliding group's page
   // its sequence no longer holds; pages[0] is required.
   Insert insert(const KvHash& parent, const int32_t* tokens, const std::vector<KvPageId>& pages, KvHash* hash);
+
+  // The page group `group` holds for the page named `hash`, or kv_page_none.
+  KvPageId page_of(const KvHash& hash, int group) const;
+  // A page read back from an offload tier: caches `page` (referenced by the caller, who releases
+  // it later like any adopted page) as group `group`'s page of the page named by (parent,
+  // tokens). Group 0 creates the entry if needed; a sliding group's page needs the entry's group-0
+  // page cached. False (nothing cached) when that place is taken, the hash collides or, for a
+  // sliding group, group 0 is not cached.
+  bool restore(const KvHash& parent, const int32_t* tokens, int group, KvPageId page);
+  // Evicted pages go to `spill` (null: dropped). The spill must outlive the index or be detached.
+  void set_spill(KvPageSpill* spill) { spill_ = spill; }
 
   // Hit accounting: prompt_tokens looked up, hit_tokens of them served from the cache.
   void count_query(int prompt_tokens, int hit_tokens, bool readmission = false);
@@ -202,6 +224,7 @@ class PrefixIndex : public KvPageEvictor {
   std::unordered_map<KvPageId, PageRef> by_page_;
   std::list<KvPageId> lru_;  // idle cached pages, least recently used at the front
   KvPrefixStats stats_;
+  KvPageSpill* spill_ = nullptr;
 };
 
 }  // namespace kvq

@@ -93,6 +93,72 @@ size_t Engine::outstanding_pages() const {
   return total;
 }
 
+void Engine::restore_offloaded(Seq& s, int n, size_t outstanding) {
+  // The longest prefix of s's first n tokens whose pages are cached in the pool or kept in the
+  // offload tier: group 0 for every page, and each sliding group for the pages its window still
+  // reads after the prefix (as PrefixIndex::lookup adopts them).
+  const int P = kcfg_.page_tokens;
+  const std::vector<int>& windows = index_->group_windows();
+  const int G = int(windows.size());
+  const size_t limit = std::min(s.keys.size(), size_t(std::max(0, n)) / size_t(P));
+  const auto have = [&](size_t i, int g) {
+    return index_->page_of(s.keys[i], g) != kv_page_none || offload_->contains(s.keys[i], g);
+  };
+  size_t k = 0;
+  while (k < limit && have(k, 0)) ++k;
+  const auto first_of = [&](size_t k, int g) { return size_t(kv_window_first_page(int(k) * P, windows[size_t(g)], P)); };
+  const auto complete = [&](size_t k) {
+    for (int g = 1; g < G; ++g)
+      for (size_t i = first_of(k, g); i < k; ++i)
+        if (!have(i, g)) return false;
+    return true;
+  };
+  while (k > 0 && !complete(k)) --k;
+  // What the prefix needs: pool pages to pin (idle ones would otherwise be evicted by the reads)
+  // and pages to read back, in chain order.
+  std::vector<std::pair<size_t, int>> missing;
+  std::vector<std::pair<size_t, KvPageId>> held;  // (chain position, page)
+  size_t idle_needed = 0;
+  for (size_t i = 0; i < k; ++i)
+    for (int g = 0; g < G; ++g) {
+      if (g > 0 && i < first_of(k, g)) continue;
+      const KvPageId p = index_->page_of(s.keys[i], g);
+      if (p == kv_page_none) missing.emplace_back(i, g);
+      else if (pool_->is_idle(p)) ++idle_needed;
+    }
+  if (missing.empty()) return;
+  // Only when the whole prefix fits beside what running sequences are promised: otherwise the
+  // request cannot be admitted now either, and the reads would only evict other prefixes.
+  if (missing.size() + idle_needed + outstanding > pool_->n_available()) return;
+  for (size_t i = 0; i < k; ++i)
+    for (int g = 0; g < G; ++g) {
+      if (g > 0 && i < first_of(k, g)) continue;
+      const KvPageId p = index_->page_of(s.keys[i], g);
+      if (p == kv_page_none) continue;
+      pool_->ref(p);
+      held.emplace_back(i, p);
+    }
+  for (const auto& [i, g] : missing) offload_->touch(s.keys[i], g);
+  size_t loaded_group0 = 0;
+  for (const auto& [i, g] : missing) {
+    const KvHash parent = i == 0 ? index_->root() : s.keys[i - 1];
+    const int32_t* toks = s.tokens.data() + i * size_t(P);
+    const KvPageId page = pool_->alloc();
+    if (page == kv_page_none) break;
+    if (!offload_->load(s.keys[i], g, parent, toks, page) || !index_->restore(parent, toks, g, page)) {
+      pool_->unref(page);  // not cached: back to the free list
+      break;  // the prefix ends here
+    }
+    held.emplace_back(i, page);
+    if (g == 0) ++loaded_group0;
+  }
+  if (!s.preempted) offload_hit_tokens_ += loaded_group0 * size_t(P);  // as the hit rate, first admissions
+  // Released deepest first, as a sequence releases its pages, so that parents stay the more
+  // recently used and are evicted after their descendants.
+  std::stable_sort(held.begin(), held.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (const auto& [i, p] : held) pool_->unref(p);
+}
+
 std::vector<int> prefill_shares(const std::vector<int>& limits, const std::vector<int>& left, int budget,
                                 int oldest_tokens) {
   std::vector<int> got(limits.size(), 0);
@@ -333,8 +399,23 @@ Engine::Engine(const EngineOptions& o) : opt_(o) {
   shape_ = std::make_unique<KvCache>(kcfg_, pool_.get());
   index_ = kv_cache_prefix_index(*shape_);
   pool_->set_evictor(index_.get());
+  if (o.kv_offload_bytes > 0) {
+    if (o.kv_offload_dir.empty()) fail("--kv-offload-size needs --kv-offload-dir (where the tier's file goes)");
+    if (!shape_->prefix_shareable())
+      std::fprintf(stderr,
+                   "[kvq] warning: this KV configuration keeps prefixes private (a full-precision window): "
+                   "--kv-offload-size has nothing to keep\n");
+    offload_ = std::make_unique<KvOffload>(o.kv_offload_dir, o.kv_offload_bytes, *pool_);
+    index_->set_spill(offload_.get());
+  } else if (!o.kv_offload_dir.empty()) {
+    fail("--kv-offload-dir needs --kv-offload-size (the tier's size, e.g. 4GiB)");
+  }
   kv_capacity_ = size_t(shape_->tokens_in_pages(pool_->n_pages(), o.max_batch));
   metrics_.kv_tokens_capacity = kv_capacity_;
+  if (offload_) {
+    metrics_.offload = true;
+    metrics_.offload_stats = offload_->stats();
+  }
   if (o.autostart) start();
 }
 
@@ -353,6 +434,7 @@ Engine::~Engine() {
   running_.clear();
   waiting_.clear();
   incoming_.clear();
+  index_->set_spill(nullptr);  // emptying the pool is no eviction worth keeping
   pool_->evict_idle();
   pool_->set_evictor(nullptr);
 }
@@ -514,6 +596,11 @@ void Engine::update_gauges() {
     metrics_.prefix_hit_tokens = ps.hit_tokens;
     metrics_.prefix_readmit_query_tokens = ps.readmit_query_tokens;
     metrics_.prefix_readmit_hit_tokens = ps.readmit_hit_tokens;
+    if (offload_) {
+      metrics_.offload = true;
+      metrics_.offload_stats = offload_->stats();
+      metrics_.offload_hit_tokens = offload_hit_tokens_;
+    }
     busy_ = !running_.empty() || !waiting_.empty();
   }
   idle_cv_.notify_all();
@@ -638,6 +725,7 @@ bool Engine::step() {
     update_keys(s);
     // A prompt_logprobs request computes its whole prompt: nothing adopted, nothing awaited.
     const bool adopts = !s.req.params.prompt_logprobs;
+    if (offload_ && adopts && s.cache->prefix_shareable()) restore_offloaded(s, n - 1, outstanding);
     const KvPrefixMatch m = adopts ? index_->lookup(s.tokens.data(), n - 1) : KvPrefixMatch{};
     size_t need = s.cache->admit_pages(m, n, fwd_->max_batch());
     const size_t inflight =

@@ -43,6 +43,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "cache/kv_offload.h"
 #include "cache/page_pool.h"
 #include "cache/prefix_index.h"
 #include "model/model.h"
@@ -77,6 +78,10 @@ struct EngineOptions {
   // Tests: the step time StepTimeFit is given, from the step's decode and prompt units and the
   // time measured (a model of a machine instead of this one's noisy clock). Empty: the measured.
   std::function<double(double d, double p, double seconds)> step_seconds;
+  // > 0: cached prefix pages the pool evicts go to a file of this many bytes in kv_offload_dir
+  // (KvOffload) and are read back, instead of recomputed, by the next request with that prefix.
+  size_t kv_offload_bytes = 0;
+  std::string kv_offload_dir;
   size_t kv_mem = 0;          // KV pool budget in bytes (0: use kv_tokens)
   size_t kv_tokens = 0;       // KV pool size in tokens (0 and kv_mem 0: 8 contexts' worth)
   int ctx = 0;                // context per sequence (0: the model's)
@@ -165,6 +170,11 @@ struct EngineMetrics {
   uint64_t prefix_readmit_query_tokens = 0;  // preempted sequences admitted again (not in the hit rate)
   uint64_t prefix_readmit_hit_tokens = 0;
   uint64_t preemptions = 0;
+  bool offload = false;  // EngineOptions::kv_offload_bytes > 0; then the tier's counters:
+  KvOffloadStats offload_stats;
+  // Prompt tokens whose pages were read back from the tier (first admissions, as prefix_hit_tokens:
+  // part of those).
+  uint64_t offload_hit_tokens = 0;
   uint64_t requests_finished = 0;
   uint64_t requests_cancelled = 0;  // of those, ended by cancel()
   uint64_t prompt_tokens = 0;
@@ -322,6 +332,7 @@ class Engine {
   size_t inflight_pages(const Seq& s, size_t limit, size_t before) const;
   bool defer_prefill(Seq& s, size_t index) const;
   size_t outstanding_pages() const;
+  void restore_offloaded(Seq& s, int n, size_t outstanding);
 
   EngineOptions opt_;
   std::unique_ptr<Model> model_;
@@ -340,6 +351,8 @@ class Engine {
   std::unique_ptr<PrefixIndex> index_;
   std::unique_ptr<PagePool> pool_;
   std::unique_ptr<KvCache> shape_;  // holds no page; destroyed before the pool
+  std::unique_ptr<KvOffload> offload_;  // the index's spill (detached before the pool empties)
+  uint64_t offload_hit_tokens_ = 0;
   size_t kv_capacity_ = 0;           // kv_tokens_capacity(): the pool never changes size
 
   // Shared with submitters (mu_).

@@ -23,6 +23,8 @@ void serve_add_cli(CLI::App& app, ServeOptions& o) {
   app.add_option("--model-name", o.model_name, "model id reported by the API (default: the file's stem)");
   app.add_option("--kv-mem", o.kv_mem, "KV page pool budget in bytes (e.g. 2GiB, 512MiB)");
   app.add_option("--kv-tokens", o.engine.kv_tokens, "KV page pool size: room for one prompt of this many tokens, prefilled in --max-batch steps (instead of --kv-mem)");
+  app.add_option("--kv-offload-dir", o.engine.kv_offload_dir, kKvOffloadDirHelp);
+  app.add_option("--kv-offload-size", o.kv_offload_size, kKvOffloadSizeHelp);
   app.add_option("-t,--threads", o.engine.threads, "threads (default: all hardware threads)")->check(CLI::Range(1, 1024));
   app.add_option("--max-batch", o.engine.max_batch, "tokens per step (decode + prefill chunks)")->capture_default_str();
   app.add_option("--max-running", o.engine.max_running, "sequences running at once")->capture_default_str();
@@ -92,6 +94,13 @@ int serve_command(ServeOptions o) {
       fail("--kv-mem: {}", e.what());
     }
   }
+  if (!o.kv_offload_size.empty()) {
+    try {
+      o.engine.kv_offload_bytes = parse_bytes(o.kv_offload_size);
+    } catch (const Error& e) {
+      fail("--kv-offload-size: {}", e.what());
+    }
+  }
   Engine engine(o.engine);
   kv_flags_warn_unused(o.engine.kv, engine.kv_setup(), engine.model());
   engine_warn_ctx_capped(o.engine.ctx, engine.model().config().n_ctx_train);
@@ -110,8 +119,15 @@ int serve_command(ServeOptions o) {
   const int port = server.bind();
   const std::string target =
       o.engine.tpot_target_ms > 0 ? fmt::format(", {:g} ms per output token targeted", o.engine.tpot_target_ms) : "";
-  std::fprintf(stderr, "[kvq] serving %s on http://%s:%d (context %d, KV pool %zu tokens, steps of up to %d tokens%s%s)\n",
-               so.model_name.c_str(), o.host.c_str(), port, engine.ctx(), engine.kv_tokens_capacity(),
+  const EngineMetrics em = engine.metrics();
+  const std::string offload =
+      o.engine.kv_offload_bytes > 0
+          ? fmt::format(", offload tier {} pages ({:.1f} MiB) in {}", em.offload_stats.capacity_pages,
+                        double(em.offload_stats.capacity_pages) * double(em.offload_stats.page_bytes) / 1048576.0,
+                        o.engine.kv_offload_dir)
+          : "";
+  std::fprintf(stderr, "[kvq] serving %s on http://%s:%d (context %d, KV pool %zu tokens%s, steps of up to %d tokens%s%s)\n",
+               so.model_name.c_str(), o.host.c_str(), port, engine.ctx(), engine.kv_tokens_capacity(), offload.c_str(),
                o.engine.max_batch, target.c_str(), so.api_key.empty() ? "" : ", API key required");
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);

@@ -15,12 +15,21 @@ struct ServeOptions {
   int port = 8080;
   std::string model_name;
   std::string kv_mem;  // "2GiB", "512MiB", "1e9" ...
+  std::string kv_offload_size;  // the same kind of size
   std::string api_key;  // --api-key, else $KVQ_API_KEY; empty: no key asked
   std::string allowed_origins = "*";  // comma-separated; empty: no CORS headers
   int http_threads = ServerOptions{}.http_threads;
 };
 
 void serve_add_cli(CLI::App& app, ServeOptions& o);
+// --kv-offload-dir and --kv-offload-size (kvq serve and kvq bench): the help texts.
+inline constexpr const char* kKvOffloadDirHelp =
+    "directory for the KV offload tier's file (created there and unlinked at once; an SSD, not a RAM disk): cached "
+    "prefix pages the pool evicts are written there and read back, instead of recomputed, by the next request "
+    "with that prefix";
+inline constexpr const char* kKvOffloadSizeHelp =
+    "size of the KV offload tier (e.g. 8GiB; with --kv-offload-dir); pages in the cache's format, so a 4-bit "
+    "cache keeps ~4x the prefixes of f16";
 int serve_command(ServeOptions o);
 // "2GiB", "512M", "1000000" -> bytes; throws kvq::Error on anything else.
 size_t parse_bytes(const std::string& s);

@@ -954,6 +954,23 @@ std::string metrics_prometheus(const EngineMetrics& m) {
   one("kvq_prefix_cache_preempted_hits_total", "counter",
       "Of those, tokens found in the prefix cache (recomputation the cache saved them).", m.prefix_readmit_hit_tokens);
   one("kvq_preemptions_total", "counter", "Sequences preempted (recomputed later) for lack of KV pages.", m.preemptions);
+  if (m.offload) {
+    const KvOffloadStats& o = m.offload_stats;
+    one("kvq_kv_offload_capacity_pages", "gauge", "KV pages the offload tier (--kv-offload-size) holds.", o.capacity_pages);
+    one("kvq_kv_offload_pages", "gauge", "KV pages in the offload tier now.", o.resident_pages);
+    one("kvq_kv_offload_stored_pages_total", "counter", "Cached KV pages evicted from the pool and written to the tier.",
+        o.stored_pages);
+    one("kvq_kv_offload_loaded_pages_total", "counter", "KV pages read back from the tier instead of recomputed.",
+        o.loaded_pages);
+    one("kvq_kv_offload_hit_tokens_total", "counter", "Prompt tokens whose KV was read back from the tier.",
+        m.offload_hit_tokens);
+    one("kvq_kv_offload_dropped_pages_total", "counter", "Pages the tier let go for newer ones (least recently used).",
+        o.dropped_pages);
+    one("kvq_kv_offload_errors_total", "counter", "Failed tier writes and reads (the pages were recomputed).",
+        o.write_errors + o.read_errors);
+    one("kvq_kv_offload_write_seconds_total", "counter", "Time spent writing pages to the tier.", o.write_seconds);
+    one("kvq_kv_offload_read_seconds_total", "counter", "Time spent reading pages from the tier.", o.read_seconds);
+  }
   one("kvq_requests_finished_total", "counter", "Requests finished.", m.requests_finished);
   one("kvq_requests_cancelled_total", "counter", "Requests cancelled (client gone) before they finished.",
       m.requests_cancelled);

@@ -74,6 +74,9 @@ void bench_add_cli(CLI::App& app, BenchOptions& o) {
       ->capture_default_str();
   app.add_option("--oldest-prefill-tokens", o.oldest_prefill_tokens, kOldestPrefillTokensHelp)
       ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--kv-offload-dir", o.kv_offload_dir, kKvOffloadDirHelp);
+  app.add_option("--kv-offload-size", o.kv_offload_size,
+                 std::string(kKvOffloadSizeHelp) + ". Every run starts with an empty tier, as with an empty pool");
   app.add_option("--tpot-target-ms", o.tpot_target_ms,
                  std::string(kTpotTargetHelp) + ". Comma-separated: every format and load runs at each (0,45,60 shows "
                  "what each target costs in TTFT and throughput)")
@@ -226,9 +229,16 @@ struct RunResult {
   double ttft_mean = 0, ttft_p99 = 0, tpot_mean = 0, tpot_p99 = 0, e2e_mean = 0, e2e_p50 = 0, e2e_p95 = 0, e2e_p99 = 0;
   double hit_rate = 0;
   uint64_t preemptions = 0;
+  // --kv-offload-size: prompt tokens read back from the tier / prompt tokens looked up, and the
+  // tier's traffic during the run.
+  bool offload = false;
+  double offload_hit_rate = 0;
+  uint64_t offload_loaded = 0, offload_stored = 0;
+  double offload_read_s = 0, offload_write_s = 0;
 };
 
-EngineOptions engine_options(const BenchOptions& o, const std::string& format, size_t kv_mem, double tpot_target_ms) {
+EngineOptions engine_options(const BenchOptions& o, const std::string& format, size_t kv_mem, double tpot_target_ms,
+                             size_t offload_bytes) {
   EngineOptions eo;
   eo.model_path = o.model;
   eo.threads = o.threads;
@@ -238,6 +248,8 @@ EngineOptions engine_options(const BenchOptions& o, const std::string& format, s
   eo.prefill_attention_cost = o.prefill_attention_cost;
   eo.tpot_target_ms = tpot_target_ms;
   eo.kv_mem = kv_mem;
+  eo.kv_offload_bytes = offload_bytes;
+  if (offload_bytes > 0) eo.kv_offload_dir = o.kv_offload_dir;
   eo.ctx = o.ctx;
   eo.kv = o.kv;
   eo.kv.kv_cache_dtype = format;
@@ -380,6 +392,14 @@ RunResult run_one(Engine& eng, const std::string& format, const BenchLoad& load,
   const uint64_t q = m1.prefix_query_tokens - m0.prefix_query_tokens;
   rr.hit_rate = q ? double(m1.prefix_hit_tokens - m0.prefix_hit_tokens) / double(q) : 0;
   rr.preemptions = m1.preemptions - m0.preemptions;
+  if (m1.offload) {
+    rr.offload = true;
+    rr.offload_hit_rate = q ? double(m1.offload_hit_tokens - m0.offload_hit_tokens) / double(q) : 0;
+    rr.offload_loaded = m1.offload_stats.loaded_pages - m0.offload_stats.loaded_pages;
+    rr.offload_stored = m1.offload_stats.stored_pages - m0.offload_stats.stored_pages;
+    rr.offload_read_s = m1.offload_stats.read_seconds - m0.offload_stats.read_seconds;
+    rr.offload_write_s = m1.offload_stats.write_seconds - m0.offload_stats.write_seconds;
+  }
   return rr;
 }
 
@@ -469,7 +489,7 @@ int bench_command(const BenchOptions& o) {
   std::string model_name;
   int ctx = 0;
   {
-    EngineOptions po = engine_options(o, formats.front(), 0, 0);
+    EngineOptions po = engine_options(o, formats.front(), 0, 0, 0);
     po.kv_tokens = size_t(std::max(o.kv.page_tokens, 1));  // one page: the budget is checked per format below
     Engine probe(po);
     for (const std::string& f : formats) {  // names and codec shapes checked now, not mid-run
@@ -515,6 +535,16 @@ int bench_command(const BenchOptions& o) {
   long prompt_total = 0;  // first turns
   for (const auto& r : reqs) prompt_total += long(r.prompt.size());
 
+  size_t offload_bytes = 0;
+  if (!o.kv_offload_size.empty()) {
+    try {
+      offload_bytes = parse_bytes(o.kv_offload_size);
+    } catch (const Error& e) {
+      fail("--kv-offload-size: {}", e.what());
+    }
+  }
+  if ((offload_bytes > 0) != !o.kv_offload_dir.empty())
+    fail("--kv-offload-dir and --kv-offload-size go together (the tier's directory and its size)");
   std::vector<RunResult> runs;
   for (size_t bi = 0; bi < kv_mems.size(); ++bi)
   for (size_t f = 0; f < formats.size(); ++f) {
@@ -532,7 +562,7 @@ int bench_command(const BenchOptions& o) {
       for (const double target : targets) {
         std::unique_ptr<Engine> eng;
         if (pool_mem >= pb)  // fresh: cold prefix cache
-          eng = std::make_unique<Engine>(engine_options(o, fmt, pool_mem, target));
+          eng = std::make_unique<Engine>(engine_options(o, fmt, pool_mem, target, offload_bytes));
         const size_t cap = eng ? eng->kv_tokens_capacity() : 0;
         if (cap < longest) {
           RunResult rr;
@@ -581,6 +611,7 @@ int bench_command(const BenchOptions& o) {
   j["cpu"] = cpu_level_name(cpu_level());  // the kernels' SIMD level: speed differs by level
   j["kv_scales"] = o.kv.scales_file.empty() ? nlohmann::json() : nlohmann::json(o.kv.scales_file);  // as eval's
   j["kv_mem_bytes"] = kv_mems;
+  j["kv_offload_bytes"] = offload_bytes;  // 0: no offload tier
   j["ctx"] = ctx;
   nlohmann::json w;
   if (!o.workload.empty()) {
@@ -638,6 +669,14 @@ int bench_command(const BenchOptions& o) {
       for (const auto& [name, v] : latencies) e[name] = num_or_null(v);
       e["prefix_hit_rate"] = r.hit_rate;
       e["preemptions"] = r.preemptions;
+      if (r.offload) {
+        // Of the prompt tokens looked up, those read back from the tier (part of prefix_hit_rate).
+        e["offload_hit_rate"] = r.offload_hit_rate;
+        e["offload_loaded_pages"] = r.offload_loaded;
+        e["offload_stored_pages"] = r.offload_stored;
+        e["offload_read_s"] = r.offload_read_s;
+        e["offload_write_s"] = r.offload_write_s;
+      }
     }
     j["runs"].push_back(e);
   }
@@ -661,7 +700,12 @@ int bench_command(const BenchOptions& o) {
     std::printf("scheduler: --max-batch %d", o.max_batch);
     if (targets.size() > 1) std::printf(", --tpot-target-ms %s (runs marked @N ms; none unmarked)", o.tpot_target_ms.c_str());
     else if (targets.front() > 0) std::printf(", --tpot-target-ms %g", targets.front());
+    if (offload_bytes > 0)
+      std::printf("\nKV offload tier: %s in %s (evicted prefix pages written there and read back; every run starts "
+                  "empty)",
+                  o.kv_offload_size.c_str(), o.kv_offload_dir.c_str());
     std::printf("\n\n");
+    bool header = false;
     std::printf("%-14s %8s %9s %8s %12s %7s %9s %9s %9s %9s %9s %6s %7s %7s\n", "format", "KV mem", "KV tokens",
                 "B/token", "load", "ok/req", "tok/s", "TTFT p50", "TTFT p95", "TPOT p50", "TPOT p95", "hit", "preempt",
                 "wall s");
@@ -681,8 +725,18 @@ int bench_command(const BenchOptions& o) {
                   static_cast<unsigned long long>(r.preemptions), r.wall_s);
       if (r.errors) std::printf("  %d request(s) failed: %s\n", r.errors, r.first_error.c_str());
     }
+    header = false;
+    for (const auto& r : runs) {
+      if (!r.fits || !r.offload) continue;
+      if (!header) std::printf("\nKV offload tier (of the hit rate, the prompt tokens read back from the tier):\n");
+      header = true;
+      std::printf("  %-14s %8s %12s  %.2f of the prompt tokens; %llu pages read (%.3f s), %llu written (%.3f s)\n",
+                  run_name(r.format, r.tpot_target_ms).c_str(), r.budget.c_str(), r.load.str().c_str(),
+                  r.offload_hit_rate, static_cast<unsigned long long>(r.offload_loaded), r.offload_read_s,
+                  static_cast<unsigned long long>(r.offload_stored), r.offload_write_s);
+    }
     // Each format against the first one at the same load: what the budget buys.
-    bool header = false;
+    header = false;
     for (const auto& base : runs) {
       if (base.format != formats.front() || !base.fits || base.ok == 0) continue;
       for (const auto& r : runs) {

@@ -45,6 +45,8 @@ struct BenchOptions {
   double prefill_attention_cost = 2.0;  // EngineOptions::prefill_attention_cost
   std::string tpot_target_ms = "0";      // --tpot-target-ms: comma-separated EngineOptions::tpot_target_ms, a run each
   int max_running = 64;
+  std::string kv_offload_dir;             // --kv-offload-dir (EngineOptions::kv_offload_dir)
+  std::string kv_offload_size;            // --kv-offload-size, e.g. 4GiB (every run gets a fresh tier)
   bool chat = false;                      // --chat: JSONL prompts as a user turn of the model's chat template
   bool json = false;
   std::string json_out;

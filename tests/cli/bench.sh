@@ -28,6 +28,21 @@ check "--html: self-contained report, charts per load kind, every run in the tab
   "[[ \$(grep -o '<svg' $tmp/b.html | wc -l) -eq 10 ]] && [[ \$(grep -o '<tr><td>' $tmp/b.html | wc -l) -eq 6 ]] && ! grep -q 'http://\|https://' <(sed 's|http://www.w3.org/2000/svg||g' $tmp/b.html)"
 check "--json-out writes the same report" "cmp -s $tmp/b.json <(python3 -c \"import json; print(json.dumps(json.load(open('$tmp/copy.json')), indent=2))\") || python3 -c \"import json; assert json.load(open('$tmp/b.json'))==json.load(open('$tmp/copy.json'))\""
 
+# --kv-offload-size: f16's evicted prefix pages go to the tier and come back: it hits on every
+# repeat as int8 does (12 of 16 requests), the pages read back from the file
+mkdir -p "$tmp/off"
+"$kvq" bench -m "$model" --kv f16 --kv-mem 163840 --data "$text" --prefixes 4 --prefix-tokens 64 \
+  --question-tokens 8 --concurrency 1 --max-tokens 8 -t 1 --kv-offload-dir "$tmp/off" --kv-offload-size 1MiB \
+  --json >"$tmp/off.json" 2>/dev/null
+check "--kv-offload-size: f16 in 160 KiB hits on every repeat, read back from the tier" \
+  "[[ $? -eq 0 ]] && python3 -c \"import json; d=json.load(open('$tmp/off.json')); r=d['runs'][0]; assert d['kv_offload_bytes']==1048576; assert r['ok']==16 and r['completion_tokens']==128, r; assert abs(r['prefix_hit_rate']-12*64/(16*73))<1e-9, r['prefix_hit_rate']; assert 0<r['offload_hit_rate']<=r['prefix_hit_rate'] and r['offload_loaded_pages']>=12 and r['offload_stored_pages']>0, r\""
+check "--kv-offload-dir: the tier's file does not outlive the run" "[[ -z \$(ls -A $tmp/off) ]]"
+"$kvq" bench -m "$model" --kv f16 --kv-mem 163840 --data "$text" --prefixes 4 --prefix-tokens 64 \
+  --question-tokens 8 --concurrency 1 --max-tokens 8 -t 1 --kv-offload-dir "$tmp/off" --kv-offload-size 1MiB \
+  >"$tmp/off.txt" 2>/dev/null
+check "--kv-offload-size: the table names the tier and what came back from it" \
+  "grep -q 'KV offload tier: 1MiB in' $tmp/off.txt && grep -E -q '^  f16 .* 1 client  0\.[0-9]+ of the prompt tokens; [0-9]+ pages read' $tmp/off.txt"
+
 # KIVI's residual window keeps prefixes private (exactness); with R = 0 its pages are shared
 smol=$src/models/SmolLM2-135M-Instruct.Q4_1.gguf
 if [[ -f $smol ]]; then
@@ -126,9 +141,13 @@ bad "zero --oldest-prefill-tokens" "oldest-prefill-tokens" --kv f16 --data "$tex
 bad "negative --prefill-attention-cost" "prefill-attention-cost" --kv f16 --data "$text" --prefill-attention-cost -1
 bad "non-numeric --prefill-attention-cost" "prefill-attention-cost" --kv f16 --data "$text" --prefill-attention-cost lots
 bad "negative --tpot-target-ms" "tpot-target-ms" --kv f16 --data "$text" --tpot-target-ms -1
+bad "--kv-offload-size without a directory" "go together" --kv f16 --data "$text" --kv-offload-size 1MiB
+bad "--kv-offload-dir without a size" "go together" --kv f16 --data "$text" --kv-offload-dir "$tmp"
+bad "a bad --kv-offload-size" "kv-offload-size: 'lots' is not a size" --kv f16 --data "$text" --kv-offload-dir "$tmp" --kv-offload-size lots
+bad "a --kv-offload-dir that is not a directory" "is not a directory" --kv f16 --data "$text" --kv-offload-dir "$tmp/b.json" --kv-offload-size 1MiB
 bad "NaN --tpot-target-ms" "'nan' is not a time" --kv f16 --data "$text" --tpot-target-ms nan
 bad "a --tpot-target-ms given twice" "given twice" --kv f16 --data "$text" --tpot-target-ms 5,5
-mkdir "$tmp/adir"
+mkdir -p "$tmp/adir"
 bad "--kv-scales naming a directory" "is a directory" --kv int8_c --data "$text" --kv-scales "$tmp/adir"
 printf '{"prompt": "ok"}\n{"prompt": 3}\n' >"$tmp/bad1.jsonl"
 bad "JSONL line without a string prompt" "bad1.jsonl:2: each line needs a string field" --kv f16 --workload "$tmp/bad1.jsonl"

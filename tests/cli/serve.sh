@@ -21,6 +21,10 @@ check "unknown KV format exits 1" "[[ $rc -eq 1 ]] && grep -q 'error' $tmp/e"
 check "missing model exits 1" "[[ $rc -eq 1 ]]"
 "$kvq" serve -m "$model" --tpot-target-ms -1 >"$tmp/o" 2>"$tmp/e"; rc=$?
 check "negative --tpot-target-ms exits non-zero" "[[ $rc -ne 0 ]] && grep -q 'tpot-target-ms' $tmp/e"
+"$kvq" serve -m "$model" --kv-offload-size 1MiB >"$tmp/o" 2>"$tmp/e"; rc=$?
+check "--kv-offload-size without --kv-offload-dir exits 1" "[[ $rc -eq 1 ]] && grep -q 'needs --kv-offload-dir' $tmp/e"
+"$kvq" serve -m "$model" --kv-offload-dir "$tmp" --kv-offload-size 1x >"$tmp/o" 2>"$tmp/e"; rc=$?
+check "a bad --kv-offload-size exits 1" "[[ $rc -eq 1 ]] && grep -q 'kv-offload-size' $tmp/e"
 
 # wait_port LOG: the port a server started with --port 0 reports in its log (empty after 10 s)
 wait_port() {
@@ -34,8 +38,9 @@ wait_port() {
 }
 
 # start on a free port (it prints the port it got)
+mkdir -p "$tmp/tier"
 "$kvq" serve -m "$model" --port 0 -t 1 -c 256 --kv-tokens 2048 --kv int8 --kv-page-tokens 16 --tpot-target-ms 50 \
-  2>"$tmp/log" &
+  --kv-offload-dir "$tmp/tier" --kv-offload-size 1MiB 2>"$tmp/log" &
 pid=$!
 port=$(wait_port "$tmp/log")
 check "server reports its port" "[[ -n '$port' ]]"
@@ -53,6 +58,9 @@ check "stream ends with [DONE]" "[[ \$(tail -c 14 $tmp/s.txt) == 'data: [DONE]' 
 code=$(curl -s -o "$tmp/bad.json" -w '%{http_code}' $url/v1/completions -d '{"prompt": 1}')
 check "bad prompt is 400 with an error object" "[[ $code == 400 ]] && grep -q invalid_request_error $tmp/bad.json"
 check "/metrics has the TTFT histogram" "curl -s $url/metrics | grep -q '^kvq_time_to_first_token_seconds_count 2'"
+check "... and the offload tier's size (1 MiB of 8 KiB slots) and counters" \
+  "curl -s $url/metrics >$tmp/m.txt && grep -q '^kvq_kv_offload_capacity_pages 128' $tmp/m.txt && grep -q '^kvq_kv_offload_loaded_pages_total 0' $tmp/m.txt"
+check "the startup line names the tier" "grep -q 'offload tier 128 pages' $tmp/log"
 
 # the official OpenAI client
 venv=${KVQ_OPENAI_VENV:-${TMPDIR:-/tmp}/kvq-openai-venv}

@@ -1,0 +1,169 @@
+#include "cache/kv_offload.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+#include "core/error.h"
+#include "core/timer.h"
+
+namespace kvq {
+
+namespace {
+
+// Whole-buffer pwrite / pread: false on an error or an early end of file.
+bool write_all(int fd, const uint8_t* p, size_t n, off_t off) {
+  while (n > 0) {
+    const ssize_t w = ::pwrite(fd, p, n, off);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    p += w;
+    n -= size_t(w);
+    off += w;
+  }
+  return true;
+}
+
+bool read_all(int fd, uint8_t* p, size_t n, off_t off) {
+  while (n > 0) {
+    const ssize_t r = ::pread(fd, p, n, off);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    p += r;
+    n -= size_t(r);
+    off += r;
+  }
+  return true;
+}
+
+}  // namespace
+
+KvOffload::KvOffload(const std::string& dir, size_t capacity_bytes, PagePool& pool) : pool_(pool) {
+  const size_t page = pool.page_bytes();
+  slot_bytes_ = (page + 4095) / 4096 * 4096;
+  const size_t n = capacity_bytes / slot_bytes_;
+  if (n < 1)
+    fail("--kv-offload-size {} bytes holds no KV page (a page is {} bytes on disk)", capacity_bytes, slot_bytes_);
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) fail("--kv-offload-dir '{}' is not a directory", dir);
+  std::string path = (std::filesystem::path(dir) / "kvq-offload-XXXXXX").string();
+  std::vector<char> name(path.begin(), path.end());
+  name.push_back('\0');
+  fd_ = ::mkstemp(name.data());
+  if (fd_ < 0) fail("--kv-offload-dir '{}': cannot create a file there: {}", dir, std::strerror(errno));
+  // The file is reached by its descriptor only: nothing stays on disk after the process.
+  ::unlink(name.data());
+  struct statvfs vfs{};
+  if (::fstatvfs(fd_, &vfs) == 0) {
+    const double free_bytes = double(vfs.f_bavail) * double(vfs.f_frsize);
+    if (free_bytes < double(n) * double(slot_bytes_))
+      std::fprintf(stderr,
+                   "[kvq] warning: --kv-offload-size %.1f MiB is more than the %.1f MiB free in '%s': pages that do "
+                   "not fit are recomputed\n",
+                   double(n) * double(slot_bytes_) / 1048576.0, free_bytes / 1048576.0, dir.c_str());
+  }
+  slot_meta_.resize(n);
+  free_.reserve(n);
+  for (size_t i = n; i-- > 0;) free_.push_back(i);
+  stats_.capacity_pages = n;
+  stats_.page_bytes = page;
+}
+
+KvOffload::~KvOffload() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void KvOffload::drop(size_t slot) {
+  Slot& s = slot_meta_[slot];
+  if (!s.used) return;
+  slots_.erase(s.key);
+  lru_.erase(s.lru);
+  s.used = false;
+  s.tokens.clear();
+  free_.push_back(slot);
+}
+
+void KvOffload::kv_page_spill(const KvHash& hash, const KvHash& parent, const int32_t* tokens, int group, KvPageId page) {
+  const Key key{hash, group};
+  if (auto it = slots_.find(key); it != slots_.end()) {
+    // The same tokens after the same prefix: the bytes the tier holds already.
+    Slot& s = slot_meta_[it->second];
+    lru_.splice(lru_.end(), lru_, s.lru);
+    ++stats_.kept_pages;
+    return;
+  }
+  if (!stats_.writing) return;
+  if (free_.empty()) {
+    drop(lru_.front());
+    ++stats_.dropped_pages;
+  }
+  const size_t slot = free_.back();
+  const double t0 = now_seconds();
+  const bool ok = write_all(fd_, pool_.data(page), pool_.page_bytes(), off_t(slot) * off_t(slot_bytes_));
+  stats_.write_seconds += now_seconds() - t0;
+  if (!ok) {
+    const int err = errno;
+    if (++stats_.write_errors == 1)
+      std::fprintf(stderr, "[kvq] warning: KV offload write failed (%s): the page is dropped, as without the tier\n",
+                   std::strerror(err));
+    if (stats_.write_errors >= uint64_t(kMaxWriteErrors)) {
+      stats_.writing = false;
+      std::fprintf(stderr, "[kvq] warning: %d KV offload writes failed: the tier stops storing pages\n",
+                   kMaxWriteErrors);
+    }
+    return;
+  }
+  free_.pop_back();
+  Slot& s = slot_meta_[slot];
+  s.key = key;
+  s.parent = parent;
+  s.tokens.assign(tokens, tokens + pool_.page_tokens());
+  s.lru = lru_.insert(lru_.end(), slot);
+  s.used = true;
+  slots_.emplace(key, slot);
+  ++stats_.stored_pages;
+}
+
+void KvOffload::touch(const KvHash& hash, int group) {
+  if (auto it = slots_.find(Key{hash, group}); it != slots_.end()) {
+    Slot& s = slot_meta_[it->second];
+    lru_.splice(lru_.end(), lru_, s.lru);
+  }
+}
+
+bool KvOffload::load(const KvHash& hash, int group, const KvHash& parent, const int32_t* tokens, KvPageId page) {
+  auto it = slots_.find(Key{hash, group});
+  if (it == slots_.end()) return false;
+  const size_t slot = it->second;
+  Slot& s = slot_meta_[slot];
+  if (!(s.parent == parent) ||
+      std::memcmp(s.tokens.data(), tokens, sizeof(int32_t) * size_t(pool_.page_tokens())) != 0)
+    return false;
+  const double t0 = now_seconds();
+  const bool ok = read_all(fd_, pool_.data(page), pool_.page_bytes(), off_t(slot) * off_t(slot_bytes_));
+  stats_.read_seconds += now_seconds() - t0;
+  if (!ok) {
+    if (++stats_.read_errors == 1)
+      std::fprintf(stderr, "[kvq] warning: KV offload read failed (%s): the prefix is recomputed\n",
+                   errno ? std::strerror(errno) : "short read");
+    drop(slot);
+    return false;
+  }
+  lru_.splice(lru_.end(), lru_, s.lru);
+  ++stats_.loaded_pages;
+  return true;
+}
+
+KvOffloadStats KvOffload::stats() const {
+  KvOffloadStats s = stats_;
+  s.resident_pages = slots_.size();
+  return s;
+}
+
+}  // namespace kvq

@@ -1,0 +1,271 @@
+// KV offload tier on its own: a pool, a prefix index and the tier, no model. Evicted pages go to
+// the tier with their bytes; a load returns exactly those bytes, only for the same parent and
+// tokens; the tier reuses its least recently used slot when full; PrefixIndex::restore caches a
+// loaded page so that the next lookup adopts it.
+#include <gtest/gtest.h>
+
+#include <sys/resource.h>
+
+#include <csignal>
+#include <filesystem>
+#include <random>
+
+#include "cache/kv_offload.h"
+#include "cache/page_pool.h"
+#include "cache/prefix_index.h"
+#include "core/error.h"
+
+namespace fs = std::filesystem;
+using namespace kvq;
+
+namespace {
+
+constexpr int P = 16;
+constexpr size_t kPageBytes = 5000;  // not a multiple of 4 KiB: slots are padded
+const KvHashKey test_key{1, 2, 3, 4};
+
+std::vector<int32_t> tokens_of(int n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> t(size_t(n), 0);
+  for (auto& x : t) x = int32_t(rng() % 32000);
+  return t;
+}
+
+void fill(PagePool& pool, KvPageId page, uint8_t seed) {
+  uint8_t* d = pool.data(page);
+  for (size_t i = 0; i < pool.page_bytes(); ++i) d[i] = uint8_t(seed * 31 + i * 7);
+}
+
+bool holds(const PagePool& pool, KvPageId page, uint8_t seed) {
+  const uint8_t* d = pool.data(page);
+  for (size_t i = 0; i < pool.page_bytes(); ++i)
+    if (d[i] != uint8_t(seed * 31 + i * 7)) return false;
+  return true;
+}
+
+struct TierTest : ::testing::Test {
+  fs::path dir;
+  void SetUp() override {
+    dir = fs::temp_directory_path() / ("kvq_test_tier_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) +
+                                       "_" + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::create_directories(dir);
+  }
+  void TearDown() override { fs::remove_all(dir); }
+};
+
+}  // namespace
+
+TEST_F(TierTest, EvictedPagesAreKeptAndReadBackOnlyForTheirPrefix) {
+  PagePool pool(3, kPageBytes, P);
+  PrefixIndex idx("id", P, test_key);
+  pool.set_evictor(&idx);
+  KvOffload tier(dir.string(), 4 * 8192, pool);
+  idx.set_spill(&tier);
+  EXPECT_EQ(tier.capacity_pages(), 4u);  // 5000-byte pages in 8 KiB slots
+  EXPECT_TRUE(fs::is_empty(dir));         // the file is unlinked
+
+  // A sequence computes two pages of a prefix and releases them: cached, idle.
+  const auto a = tokens_of(2 * P, 1);
+  std::vector<KvPageId> seq;
+  ASSERT_TRUE(pool.alloc_n(2, seq));
+  fill(pool, seq[0], 10);
+  fill(pool, seq[1], 11);
+  KvHash h0, h1;
+  ASSERT_EQ(idx.insert(idx.root(), a.data(), seq[0], &h0), PrefixIndex::Insert::inserted);
+  ASSERT_EQ(idx.insert(h0, a.data() + P, seq[1], &h1), PrefixIndex::Insert::inserted);
+  pool.unref(seq[1]);
+  pool.unref(seq[0]);
+
+  // Another sequence takes every page: both cached pages are evicted into the tier.
+  std::vector<KvPageId> big;
+  ASSERT_TRUE(pool.alloc_n(3, big));
+  EXPECT_EQ(idx.lookup(a.data(), 2 * P).n_tokens(), 0);
+  EXPECT_TRUE(tier.contains(h0, 0));
+  EXPECT_TRUE(tier.contains(h1, 0));
+  EXPECT_FALSE(tier.contains(h1, 1));
+  EXPECT_EQ(tier.stats().stored_pages, 2u);
+  for (KvPageId p : big) pool.unref(p);
+
+  // Read back into fresh pages: the same bytes, only for the same parent and tokens.
+  const KvPageId p0 = pool.alloc();
+  const KvPageId p1 = pool.alloc();
+  EXPECT_FALSE(tier.load(h0, 0, h1, a.data(), p0));  // wrong parent
+  auto b = a;
+  b[3] ^= 1;
+  EXPECT_FALSE(tier.load(h0, 0, idx.root(), b.data(), p0));  // other tokens
+  EXPECT_FALSE(tier.load(h0, 1, idx.root(), a.data(), p0));  // other group
+  ASSERT_TRUE(tier.load(h0, 0, idx.root(), a.data(), p0));
+  ASSERT_TRUE(tier.load(h1, 0, h0, a.data() + P, p1));
+  EXPECT_TRUE(holds(pool, p0, 10));
+  EXPECT_TRUE(holds(pool, p1, 11));
+  EXPECT_EQ(tier.stats().loaded_pages, 2u);
+
+  // Cached again through restore: the next lookup adopts both.
+  EXPECT_TRUE(idx.restore(h0, a.data() + P, 0, p1));  // page 1, after the prefix h0
+  EXPECT_EQ(idx.page_of(h1, 0), p1);
+  EXPECT_EQ(idx.lookup(a.data(), 2 * P).n_tokens(), 0);  // page 0 is not cached yet
+  EXPECT_TRUE(idx.restore(idx.root(), a.data(), 0, p0));
+  EXPECT_EQ(idx.page_of(h0, 0), p0);
+  const KvPageId spare = pool.alloc();
+  ASSERT_NE(spare, kv_page_none);
+  EXPECT_FALSE(idx.restore(idx.root(), a.data(), 0, spare));  // the place is taken
+  pool.unref(spare);
+  const KvPrefixMatch m = idx.lookup(a.data(), 2 * P);
+  ASSERT_EQ(m.pages.size(), 2u);
+  EXPECT_EQ(m.pages[0], p0);
+  EXPECT_EQ(m.pages[1], p1);
+
+  // Evicted again: the tier holds them already (no second write).
+  pool.unref(p1);
+  pool.unref(p0);
+  std::vector<KvPageId> again;
+  ASSERT_TRUE(pool.alloc_n(pool.n_available(), again));
+  EXPECT_EQ(tier.stats().stored_pages, 2u);
+  EXPECT_EQ(tier.stats().kept_pages, 2u);
+  for (KvPageId p : again) pool.unref(p);
+  idx.set_spill(nullptr);
+  pool.evict_idle();
+  pool.set_evictor(nullptr);
+}
+
+TEST_F(TierTest, FullTierReusesTheLeastRecentlyUsedSlot) {
+  PagePool pool(2, kPageBytes, P);
+  PrefixIndex idx("id", P, test_key);
+  pool.set_evictor(&idx);
+  KvOffload tier(dir.string(), 2 * 8192, pool);
+  idx.set_spill(&tier);
+  // Three one-page prefixes computed and evicted in turn: the tier (2 slots) keeps the last two,
+  // unless a touch made an older one the more recent.
+  std::vector<KvHash> h(3);
+  std::vector<std::vector<int32_t>> t;
+  for (int i = 0; i < 3; ++i) {
+    t.push_back(tokens_of(P, 100 + uint32_t(i)));
+    const KvPageId p = pool.alloc();
+    ASSERT_NE(p, kv_page_none);
+    fill(pool, p, uint8_t(i));
+    ASSERT_EQ(idx.insert(idx.root(), t.back().data(), p, &h[size_t(i)]), PrefixIndex::Insert::inserted);
+    pool.unref(p);
+    std::vector<KvPageId> all;
+    ASSERT_TRUE(pool.alloc_n(2, all));  // evicts it
+    for (KvPageId q : all) pool.unref(q);
+    if (i == 1) tier.touch(h[0], 0);  // now the most recent: h[1] goes first
+  }
+  EXPECT_TRUE(tier.contains(h[0], 0));
+  EXPECT_FALSE(tier.contains(h[1], 0));
+  EXPECT_TRUE(tier.contains(h[2], 0));
+  const KvOffloadStats s = tier.stats();
+  EXPECT_EQ(s.stored_pages, 3u);
+  EXPECT_EQ(s.dropped_pages, 1u);
+  EXPECT_EQ(s.resident_pages, 2u);
+  const KvPageId p = pool.alloc();
+  ASSERT_TRUE(tier.load(h[0], 0, idx.root(), t[0].data(), p));
+  EXPECT_TRUE(holds(pool, p, 0));
+  pool.unref(p);
+  idx.set_spill(nullptr);
+  pool.evict_idle();
+  pool.set_evictor(nullptr);
+}
+
+TEST_F(TierTest, PageGroupsAreKeptApartAndRestoredAfterGroupZero) {
+  // Group 1 is a sliding group (window 32): its page of a position is restored only once the
+  // position's group-0 page is cached.
+  PagePool pool(4, kPageBytes, P);
+  PrefixIndex idx("id", P, std::vector<int>{0, 32}, &test_key);
+  pool.set_evictor(&idx);
+  KvOffload tier(dir.string(), 8 * 8192, pool);
+  idx.set_spill(&tier);
+  const auto a = tokens_of(P, 5);
+  std::vector<KvPageId> pages;
+  ASSERT_TRUE(pool.alloc_n(2, pages));
+  fill(pool, pages[0], 20);
+  fill(pool, pages[1], 21);
+  KvHash h;
+  ASSERT_EQ(idx.insert(idx.root(), a.data(), pages, &h), PrefixIndex::Insert::inserted);
+  pool.unref(pages[1]);
+  pool.unref(pages[0]);
+  std::vector<KvPageId> all;
+  ASSERT_TRUE(pool.alloc_n(4, all));
+  for (KvPageId q : all) pool.unref(q);
+  ASSERT_TRUE(tier.contains(h, 0));
+  ASSERT_TRUE(tier.contains(h, 1));
+  const KvPageId g0 = pool.alloc(), g1 = pool.alloc();
+  ASSERT_TRUE(tier.load(h, 1, idx.root(), a.data(), g1));
+  EXPECT_TRUE(holds(pool, g1, 21));
+  EXPECT_FALSE(idx.restore(idx.root(), a.data(), 1, g1));  // group 0 is not cached
+  ASSERT_TRUE(tier.load(h, 0, idx.root(), a.data(), g0));
+  EXPECT_TRUE(holds(pool, g0, 20));
+  EXPECT_TRUE(idx.restore(idx.root(), a.data(), 0, g0));
+  EXPECT_TRUE(idx.restore(idx.root(), a.data(), 1, g1));
+  EXPECT_EQ(idx.page_of(h, 0), g0);
+  EXPECT_EQ(idx.page_of(h, 1), g1);
+  const KvPrefixMatch m = idx.lookup(a.data(), P);
+  ASSERT_EQ(m.pages.size(), 1u);
+  EXPECT_EQ(m.window_pages[0][0], g1);
+  pool.unref(g1);
+  pool.unref(g0);
+  idx.set_spill(nullptr);
+  pool.evict_idle();
+  pool.set_evictor(nullptr);
+}
+
+TEST_F(TierTest, BadPlacesAndSizesAreRefused) {
+  PagePool pool(1, kPageBytes, P);
+  const auto error_of = [&](const std::string& d, size_t bytes) {
+    try {
+      KvOffload t(d, bytes, pool);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(error_of((dir / "nope").string(), 1 << 20).find("is not a directory"), std::string::npos);
+  EXPECT_NE(error_of(dir.string(), 8191).find("holds no KV page"), std::string::npos);
+  EXPECT_EQ(error_of(dir.string(), 8192), "");
+}
+
+// A write that fails (here: the file size limit, as a full disk would) drops the page as if there
+// were no tier; after KvOffload::kMaxWriteErrors failures the tier stops writing. Nothing throws.
+TEST_F(TierTest, FailedWritesDropThePageAndEventuallyStopTheTier) {
+  PagePool pool(2, kPageBytes, P);
+  PrefixIndex idx("id", P, test_key);
+  pool.set_evictor(&idx);
+  KvOffload tier(dir.string(), 64 * 8192, pool);
+  idx.set_spill(&tier);
+  const auto evict_one = [&](uint32_t seed, KvHash* h) {
+    const auto t = tokens_of(P, seed);
+    const KvPageId p = pool.alloc();
+    ASSERT_NE(p, kv_page_none);
+    fill(pool, p, uint8_t(seed));
+    ASSERT_EQ(idx.insert(idx.root(), t.data(), p, h), PrefixIndex::Insert::inserted);
+    pool.unref(p);
+    std::vector<KvPageId> all;
+    ASSERT_TRUE(pool.alloc_n(2, all));
+    for (KvPageId q : all) pool.unref(q);
+  };
+  KvHash first;
+  evict_one(1, &first);  // slot 0, within the limit below
+  ASSERT_TRUE(tier.contains(first, 0));
+  rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  const auto prev = std::signal(SIGXFSZ, SIG_IGN);
+  rlimit lim = old;
+  lim.rlim_cur = 8192;  // one slot: every later slot's write fails (EFBIG)
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &lim), 0);
+  std::vector<KvHash> lost(size_t(KvOffload::kMaxWriteErrors) + 2);
+  for (size_t i = 0; i < lost.size(); ++i) evict_one(10 + uint32_t(i), &lost[i]);
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, prev);
+  const KvOffloadStats s = tier.stats();
+  EXPECT_EQ(s.write_errors, uint64_t(KvOffload::kMaxWriteErrors));  // then it stopped trying
+  EXPECT_FALSE(s.writing);
+  EXPECT_EQ(s.stored_pages, 1u);
+  for (const KvHash& h : lost) EXPECT_FALSE(tier.contains(h, 0));
+  // What it held before is still there and reads back.
+  const KvPageId p = pool.alloc();
+  ASSERT_TRUE(tier.load(first, 0, idx.root(), tokens_of(P, 1).data(), p));
+  EXPECT_TRUE(holds(pool, p, 1));
+  pool.unref(p);
+  idx.set_spill(nullptr);
+  pool.evict_idle();
+  pool.set_evictor(nullptr);
+}
