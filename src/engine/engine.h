@@ -6,7 +6,10 @@
 //     available, minus the longest cached prefix (which it adopts) or the prefix a running
 //     sequence is computing (which it will adopt), and minus the pages running sequences will
 //     still take for their own prompts (pages are allocated lazily, chunk by chunk); nobody
-//     overtakes it;
+//     overtakes it; with an offload tier (EngineOptions::kv_offload_bytes, KvOffload), the pages
+//     of its prompt's prefix that the pool evicted into the tier are read back first
+//     (restore_offloaded), when the whole prefix fits beside the pages promised, so the lookup
+//     adopts them instead of the prefix being recomputed;
 //   - in-flight prefixes: a prefilling sequence that holds only cached pages first adopts the
 //     pages published since the last step (every step publishes the pages its chunks filled);
 //     if its next prompt page is one that another running sequence is computing now, it skips the
@@ -332,6 +335,9 @@ class Engine {
   size_t inflight_pages(const Seq& s, size_t limit, size_t before) const;
   bool defer_prefill(Seq& s, size_t index) const;
   size_t outstanding_pages() const;
+  // The pages of the longest prefix of s's first n tokens held by the pool or the offload tier
+  // (group 0 and the window pages each sliding group reads after it) are read back into the pool
+  // and cached in the index, if they all fit beside `outstanding` promised pages.
   void restore_offloaded(Seq& s, int n, size_t outstanding);
 
   EngineOptions opt_;
