@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
@@ -44,7 +45,8 @@ bool read_all(int fd, uint8_t* p, size_t n, off_t off) {
 
 }  // namespace
 
-KvOffload::KvOffload(const std::string& dir, size_t capacity_bytes, PagePool& pool) : pool_(pool) {
+KvOffload::KvOffload(const std::string& dir, size_t capacity_bytes, PagePool& pool, bool direct)
+    : pool_(pool), direct_(direct) {
   const size_t page = pool.page_bytes();
   slot_bytes_ = (page + 4095) / 4096 * 4096;
   const size_t n = capacity_bytes / slot_bytes_;
@@ -59,6 +61,18 @@ KvOffload::KvOffload(const std::string& dir, size_t capacity_bytes, PagePool& po
   if (fd_ < 0) fail("--kv-offload-dir '{}': cannot create a file there: {}", dir, std::strerror(errno));
   // The file is reached by its descriptor only: nothing stays on disk after the process.
   ::unlink(name.data());
+  if (direct_) {
+    const int fl = ::fcntl(fd_, F_GETFL);
+    if (fl < 0 || ::fcntl(fd_, F_SETFL, fl | O_DIRECT) != 0) {
+      const int err = errno;
+      ::close(fd_);
+      fd_ = -1;
+      fail("--kv-offload-direct: the file system of '{}' does not take O_DIRECT: {}", dir, std::strerror(err));
+    }
+    bounce_.reset(static_cast<uint8_t*>(std::aligned_alloc(4096, slot_bytes_)));
+    if (!bounce_) fail("--kv-offload-direct: out of memory");
+    std::memset(bounce_.get(), 0, slot_bytes_);
+  }
   struct statvfs vfs{};
   if (::fstatvfs(fd_, &vfs) == 0) {
     const double free_bytes = double(vfs.f_bavail) * double(vfs.f_frsize);
@@ -77,6 +91,22 @@ KvOffload::KvOffload(const std::string& dir, size_t capacity_bytes, PagePool& po
 
 KvOffload::~KvOffload() {
   if (fd_ >= 0) ::close(fd_);
+}
+
+bool KvOffload::write_slot(size_t slot, const uint8_t* page) {
+  const off_t off = off_t(slot) * off_t(slot_bytes_);
+  if (!direct_) return write_all(fd_, page, pool_.page_bytes(), off);
+  // O_DIRECT: whole 4 KiB blocks from an aligned buffer.
+  std::memcpy(bounce_.get(), page, pool_.page_bytes());
+  return write_all(fd_, bounce_.get(), slot_bytes_, off);
+}
+
+bool KvOffload::read_slot(size_t slot, uint8_t* page) {
+  const off_t off = off_t(slot) * off_t(slot_bytes_);
+  if (!direct_) return read_all(fd_, page, pool_.page_bytes(), off);
+  if (!read_all(fd_, bounce_.get(), slot_bytes_, off)) return false;
+  std::memcpy(page, bounce_.get(), pool_.page_bytes());
+  return true;
 }
 
 void KvOffload::drop(size_t slot) {
@@ -105,7 +135,7 @@ void KvOffload::kv_page_spill(const KvHash& hash, const KvHash& parent, const in
   }
   const size_t slot = free_.back();
   const double t0 = now_seconds();
-  const bool ok = write_all(fd_, pool_.data(page), pool_.page_bytes(), off_t(slot) * off_t(slot_bytes_));
+  const bool ok = write_slot(slot, pool_.data(page));
   stats_.write_seconds += now_seconds() - t0;
   if (!ok) {
     const int err = errno;
@@ -146,7 +176,7 @@ bool KvOffload::load(const KvHash& hash, int group, const KvHash& parent, const 
       std::memcmp(s.tokens.data(), tokens, sizeof(int32_t) * size_t(pool_.page_tokens())) != 0)
     return false;
   const double t0 = now_seconds();
-  const bool ok = read_all(fd_, pool_.data(page), pool_.page_bytes(), off_t(slot) * off_t(slot_bytes_));
+  const bool ok = read_slot(slot, pool_.data(page));
   stats_.read_seconds += now_seconds() - t0;
   if (!ok) {
     if (++stats_.read_errors == 1)

@@ -26,12 +26,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <list>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "cache/page_pool.h"
 #include "cache/prefix_index.h"
+#include "core/aligned.h"
 
 namespace kvq {
 
@@ -53,9 +55,10 @@ struct KvOffloadStats {
 class KvOffload : public KvPageSpill {
  public:
   // A tier of capacity_bytes (whole pages of the pool's page_bytes) in an unlinked file created in
-  // directory `dir`. Throws kvq::Error when the directory cannot hold a file or the capacity is
-  // below one page.
-  KvOffload(const std::string& dir, size_t capacity_bytes, PagePool& pool);
+  // directory `dir`. direct: the file is read and written with O_DIRECT, past the OS page cache
+  // (so the tier takes no memory beyond the pool, and every load comes from the device). Throws
+  // kvq::Error when the directory cannot hold such a file or the capacity is below one page.
+  KvOffload(const std::string& dir, size_t capacity_bytes, PagePool& pool, bool direct = false);
   ~KvOffload() override;
   KvOffload(const KvOffload&) = delete;
   KvOffload& operator=(const KvOffload&) = delete;
@@ -97,8 +100,13 @@ class KvOffload : public KvPageSpill {
   };
   void drop(size_t slot);
 
+  bool write_slot(size_t slot, const uint8_t* page);
+  bool read_slot(size_t slot, uint8_t* page);
+
   PagePool& pool_;
   int fd_ = -1;
+  bool direct_ = false;
+  std::unique_ptr<uint8_t[], AlignedFree> bounce_;  // (slot_bytes_,) 4 KiB-aligned, for O_DIRECT
   size_t slot_bytes_ = 0;  // page_bytes rounded up to 4 KiB
   std::vector<Slot> slot_meta_;
   std::vector<size_t> free_;

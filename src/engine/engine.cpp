@@ -405,7 +405,7 @@ Engine::Engine(const EngineOptions& o) : opt_(o) {
       std::fprintf(stderr,
                    "[kvq] warning: this KV configuration keeps prefixes private (a full-precision window): "
                    "--kv-offload-size has nothing to keep\n");
-    offload_ = std::make_unique<KvOffload>(o.kv_offload_dir, o.kv_offload_bytes, *pool_);
+    offload_ = std::make_unique<KvOffload>(o.kv_offload_dir, o.kv_offload_bytes, *pool_, o.kv_offload_direct);
     index_->set_spill(offload_.get());
   } else if (!o.kv_offload_dir.empty()) {
     fail("--kv-offload-dir needs --kv-offload-size (the tier's size, e.g. 4GiB)");

@@ -85,6 +85,7 @@ struct EngineOptions {
   // (KvOffload) and are read back, instead of recomputed, by the next request with that prefix.
   size_t kv_offload_bytes = 0;
   std::string kv_offload_dir;
+  bool kv_offload_direct = false;  // the tier's file past the OS page cache (O_DIRECT)
   size_t kv_mem = 0;          // KV pool budget in bytes (0: use kv_tokens)
   size_t kv_tokens = 0;       // KV pool size in tokens (0 and kv_mem 0: 8 contexts' worth)
   int ctx = 0;                // context per sequence (0: the model's)

@@ -25,6 +25,7 @@ void serve_add_cli(CLI::App& app, ServeOptions& o) {
   app.add_option("--kv-tokens", o.engine.kv_tokens, "KV page pool size: room for one prompt of this many tokens, prefilled in --max-batch steps (instead of --kv-mem)");
   app.add_option("--kv-offload-dir", o.engine.kv_offload_dir, kKvOffloadDirHelp);
   app.add_option("--kv-offload-size", o.kv_offload_size, kKvOffloadSizeHelp);
+  app.add_flag("--kv-offload-direct", o.engine.kv_offload_direct, kKvOffloadDirectHelp);
   app.add_option("-t,--threads", o.engine.threads, "threads (default: all hardware threads)")->check(CLI::Range(1, 1024));
   app.add_option("--max-batch", o.engine.max_batch, "tokens per step (decode + prefill chunks)")->capture_default_str();
   app.add_option("--max-running", o.engine.max_running, "sequences running at once")->capture_default_str();

@@ -30,6 +30,9 @@ inline constexpr const char* kKvOffloadDirHelp =
 inline constexpr const char* kKvOffloadSizeHelp =
     "size of the KV offload tier (e.g. 8GiB; with --kv-offload-dir); pages in the cache's format, so a 4-bit "
     "cache keeps ~4x the prefixes of f16";
+inline constexpr const char* kKvOffloadDirectHelp =
+    "read and write the offload tier with O_DIRECT, past the OS page cache: the tier then takes no memory beyond "
+    "the KV pool, and every page read back comes from the device";
 int serve_command(ServeOptions o);
 // "2GiB", "512M", "1000000" -> bytes; throws kvq::Error on anything else.
 size_t parse_bytes(const std::string& s);

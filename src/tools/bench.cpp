@@ -75,6 +75,7 @@ void bench_add_cli(CLI::App& app, BenchOptions& o) {
   app.add_option("--oldest-prefill-tokens", o.oldest_prefill_tokens, kOldestPrefillTokensHelp)
       ->check(CLI::Range(1, 1 << 20));
   app.add_option("--kv-offload-dir", o.kv_offload_dir, kKvOffloadDirHelp);
+  app.add_flag("--kv-offload-direct", o.kv_offload_direct, kKvOffloadDirectHelp);
   app.add_option("--kv-offload-size", o.kv_offload_size,
                  std::string(kKvOffloadSizeHelp) + ". Every run starts with an empty tier, as with an empty pool");
   app.add_option("--tpot-target-ms", o.tpot_target_ms,
@@ -250,6 +251,7 @@ EngineOptions engine_options(const BenchOptions& o, const std::string& format, s
   eo.kv_mem = kv_mem;
   eo.kv_offload_bytes = offload_bytes;
   if (offload_bytes > 0) eo.kv_offload_dir = o.kv_offload_dir;
+  eo.kv_offload_direct = o.kv_offload_direct;
   eo.ctx = o.ctx;
   eo.kv = o.kv;
   eo.kv.kv_cache_dtype = format;
@@ -612,6 +614,7 @@ int bench_command(const BenchOptions& o) {
   j["kv_scales"] = o.kv.scales_file.empty() ? nlohmann::json() : nlohmann::json(o.kv.scales_file);  // as eval's
   j["kv_mem_bytes"] = kv_mems;
   j["kv_offload_bytes"] = offload_bytes;  // 0: no offload tier
+  j["kv_offload_direct"] = o.kv_offload_direct;
   j["ctx"] = ctx;
   nlohmann::json w;
   if (!o.workload.empty()) {
@@ -701,9 +704,9 @@ int bench_command(const BenchOptions& o) {
     if (targets.size() > 1) std::printf(", --tpot-target-ms %s (runs marked @N ms; none unmarked)", o.tpot_target_ms.c_str());
     else if (targets.front() > 0) std::printf(", --tpot-target-ms %g", targets.front());
     if (offload_bytes > 0)
-      std::printf("\nKV offload tier: %s in %s (evicted prefix pages written there and read back; every run starts "
+      std::printf("\nKV offload tier: %s in %s%s (evicted prefix pages written there and read back; every run starts "
                   "empty)",
-                  o.kv_offload_size.c_str(), o.kv_offload_dir.c_str());
+                  o.kv_offload_size.c_str(), o.kv_offload_dir.c_str(), o.kv_offload_direct ? ", O_DIRECT" : "");
     std::printf("\n\n");
     bool header = false;
     std::printf("%-14s %8s %9s %8s %12s %7s %9s %9s %9s %9s %9s %6s %7s %7s\n", "format", "KV mem", "KV tokens",

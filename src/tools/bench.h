@@ -47,6 +47,7 @@ struct BenchOptions {
   int max_running = 64;
   std::string kv_offload_dir;             // --kv-offload-dir (EngineOptions::kv_offload_dir)
   std::string kv_offload_size;            // --kv-offload-size, e.g. 4GiB (every run gets a fresh tier)
+  bool kv_offload_direct = false;         // --kv-offload-direct
   bool chat = false;                      // --chat: JSONL prompts as a user turn of the model's chat template
   bool json = false;
   std::string json_out;

@@ -43,6 +43,16 @@ check "--kv-offload-dir: the tier's file does not outlive the run" "[[ -z \$(ls 
 check "--kv-offload-size: the table names the tier and what came back from it" \
   "grep -q 'KV offload tier: 1MiB in' $tmp/off.txt && grep -E -q '^  f16 .* 1 client  0\.[0-9]+ of the prompt tokens; [0-9]+ pages read' $tmp/off.txt"
 
+"$kvq" bench -m "$model" --kv f16 --kv-mem 163840 --data "$text" --prefixes 4 --prefix-tokens 64 \
+  --question-tokens 8 --concurrency 1 --max-tokens 8 -t 1 --kv-offload-dir "$tmp/off" --kv-offload-size 1MiB \
+  --kv-offload-direct --json >"$tmp/offd.json" 2>"$tmp/offd.err"; rc=$?
+if [[ $rc -ne 0 ]] && grep -q 'does not take O_DIRECT' "$tmp/offd.err"; then
+  echo "skip: $tmp does not take O_DIRECT: --kv-offload-direct check"
+else
+  check "--kv-offload-direct: the same hits through O_DIRECT" \
+    "[[ $rc -eq 0 ]] && python3 -c \"import json; d=json.load(open('$tmp/offd.json')); r=d['runs'][0]; assert d['kv_offload_direct']; assert abs(r['prefix_hit_rate']-12*64/(16*73))<1e-9 and r['offload_loaded_pages']>=12, r\""
+fi
+
 # KIVI's residual window keeps prefixes private (exactness); with R = 0 its pages are shared
 smol=$src/models/SmolLM2-135M-Instruct.Q4_1.gguf
 if [[ -f $smol ]]; then
