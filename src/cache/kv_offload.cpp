@@ -82,9 +82,7 @@ KvOffload::KvOffload(const std::string& dir, size_t capacity_bytes, PagePool& po
                    "not fit are recomputed\n",
                    double(n) * double(slot_bytes_) / 1048576.0, free_bytes / 1048576.0, dir.c_str());
   }
-  slot_meta_.resize(n);
-  free_.reserve(n);
-  for (size_t i = n; i-- > 0;) free_.push_back(i);
+  capacity_ = n;  // slots' records are made as they are first used (a large tier of small pages)
   stats_.capacity_pages = n;
   stats_.page_bytes = page;
 }
@@ -129,6 +127,10 @@ void KvOffload::kv_page_spill(const KvHash& hash, const KvHash& parent, const in
     return;
   }
   if (!stats_.writing) return;
+  if (free_.empty() && slot_meta_.size() < capacity_) {
+    free_.push_back(slot_meta_.size());
+    slot_meta_.emplace_back();
+  }
   if (free_.empty()) {
     drop(lru_.front());
     ++stats_.dropped_pages;

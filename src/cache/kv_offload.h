@@ -77,7 +77,7 @@ class KvOffload : public KvPageSpill {
   bool load(const KvHash& hash, int group, const KvHash& parent, const int32_t* tokens, KvPageId page);
 
   KvOffloadStats stats() const;
-  size_t capacity_pages() const { return slot_meta_.size(); }
+  size_t capacity_pages() const { return capacity_; }
   static constexpr int kMaxWriteErrors = 8;
 
  private:
@@ -108,8 +108,9 @@ class KvOffload : public KvPageSpill {
   bool direct_ = false;
   std::unique_ptr<uint8_t[], AlignedFree> bounce_;  // (slot_bytes_,) 4 KiB-aligned, for O_DIRECT
   size_t slot_bytes_ = 0;  // page_bytes rounded up to 4 KiB
-  std::vector<Slot> slot_meta_;
-  std::vector<size_t> free_;
+  size_t capacity_ = 0;    // slots
+  std::vector<Slot> slot_meta_;  // the slots used so far
+  std::vector<size_t> free_;     // of those, the ones free again (a failed write, a failed read)
   std::list<size_t> lru_;  // slots in use, least recently used at the front
   std::unordered_map<Key, size_t, KeyHash> slots_;
   KvOffloadStats stats_;
