@@ -178,6 +178,7 @@ bool KvOffload::load(const KvHash& hash, int group, const KvHash& parent, const 
       std::memcmp(s.tokens.data(), tokens, sizeof(int32_t) * size_t(pool_.page_tokens())) != 0)
     return false;
   const double t0 = now_seconds();
+  errno = 0;  // a short read sets none
   const bool ok = read_slot(slot, pool_.data(page));
   stats_.read_seconds += now_seconds() - t0;
   if (!ok) {

@@ -34,6 +34,10 @@ struct Engine::Seq {
   GenResult res;
   double t_submit = 0, t_last = 0;
   bool preempted = false, done = false;
+  // Pages were read back from the offload tier for this admission (restore_offloaded reads once
+  // per admission: a head that still waits for pages does not read them again every step if the
+  // pool's pressure evicts them meanwhile; a preemption starts a new admission).
+  bool restored = false;
   // Chain hashes of the full pages of `tokens` (the prefix index's page_hash): two sequences
   // share their first k pages exactly when their first k keys are equal. Compared to find a
   // running sequence that is already computing the pages this one would compute (in-flight
@@ -138,6 +142,7 @@ void Engine::restore_offloaded(Seq& s, int n, size_t outstanding) {
       pool_->ref(p);
       held.emplace_back(i, p);
     }
+  s.restored = true;
   for (const auto& [i, g] : missing) offload_->touch(s.keys[i], g);
   size_t loaded_group0 = 0;
   for (const auto& [i, g] : missing) {
@@ -679,6 +684,7 @@ void Engine::preempt(size_t i) {
   Seq& s = *running_[i];
   s.cache->release();
   s.preempted = true;
+  s.restored = false;
   ++s.res.preemptions;
   std::lock_guard<std::mutex> lk(mu_);
   ++metrics_.preemptions;
@@ -725,7 +731,7 @@ bool Engine::step() {
     update_keys(s);
     // A prompt_logprobs request computes its whole prompt: nothing adopted, nothing awaited.
     const bool adopts = !s.req.params.prompt_logprobs;
-    if (offload_ && adopts && s.cache->prefix_shareable()) restore_offloaded(s, n - 1, outstanding);
+    if (offload_ && adopts && !s.restored && s.cache->prefix_shareable()) restore_offloaded(s, n - 1, outstanding);
     const KvPrefixMatch m = adopts ? index_->lookup(s.tokens.data(), n - 1) : KvPrefixMatch{};
     size_t need = s.cache->admit_pages(m, n, fwd_->max_batch());
     const size_t inflight =
