@@ -1135,6 +1135,11 @@ TEST_F(EngineTest, OffloadOptionsAreChecked) {
   o = base_options(160);
   o.kv_offload_dir = dir.string();
   EXPECT_NE(error_of(o).find("needs --kv-offload-size"), std::string::npos);
+  o.kv_offload_dir.clear();
+  o.kv_offload_direct = true;
+  EXPECT_NE(error_of(o).find("--kv-offload-direct needs"), std::string::npos);
+  o.kv_offload_direct = false;
+  o.kv_offload_dir = dir.string();
   o.kv_offload_bytes = 1 << 20;
   o.kv_offload_dir = (dir / "missing").string();
   EXPECT_NE(error_of(o).find("is not a directory"), std::string::npos);

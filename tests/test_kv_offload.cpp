@@ -223,9 +223,11 @@ TEST_F(TierTest, BadPlacesAndSizesAreRefused) {
   EXPECT_EQ(error_of(dir.string(), 8192), "");
 }
 
-// A write that fails (here: the file size limit, as a full disk would) drops the page as if there
-// were no tier; after KvOffload::kMaxWriteErrors failures the tier stops writing. Nothing throws.
-TEST_F(TierTest, FailedWritesDropThePageAndEventuallyStopTheTier) {
+// A write past the file's end that fails (here: the file size limit, as a full disk would) drops
+// that page as if there were no tier, and the tier shrinks to the slots it has and reuses them;
+// writes that fail in a row on those (a limit of 0) stop the tier after KvOffload::kMaxWriteErrors.
+// Nothing throws, and what the tier holds stays readable.
+TEST_F(TierTest, FailedWritesShrinkTheTierThenStopIt) {
   PagePool pool(2, kPageBytes, P);
   PrefixIndex idx("id", P, test_key);
   pool.set_evictor(&idx);
@@ -249,22 +251,37 @@ TEST_F(TierTest, FailedWritesDropThePageAndEventuallyStopTheTier) {
   ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
   const auto prev = std::signal(SIGXFSZ, SIG_IGN);
   rlimit lim = old;
-  lim.rlim_cur = 8192;  // one slot: every later slot's write fails (EFBIG)
+  lim.rlim_cur = 8192;  // one slot: slot 1's write fails (EFBIG)
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &lim), 0);
+  std::vector<KvHash> later(4);
+  for (size_t i = 0; i < later.size(); ++i) evict_one(10 + uint32_t(i), &later[i]);
+  KvOffloadStats s = tier.stats();
+  EXPECT_EQ(s.write_errors, 1u);
+  EXPECT_EQ(s.capacity_pages, 1u);
+  EXPECT_TRUE(s.writing);
+  EXPECT_FALSE(tier.contains(later[0], 0));  // its write failed
+  EXPECT_TRUE(tier.contains(later.back(), 0));  // slot 0, reused
+  EXPECT_FALSE(tier.contains(first, 0));
+  {
+    const KvPageId p = pool.alloc();
+    ASSERT_TRUE(tier.load(later.back(), 0, idx.root(), tokens_of(P, 13).data(), p));
+    EXPECT_TRUE(holds(pool, p, 13));
+    pool.unref(p);
+  }
+  // A limit of 0: even slot 0 cannot be written; after kMaxWriteErrors failures in a row the tier
+  // stops writing.
+  lim.rlim_cur = 0;
   ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &lim), 0);
   std::vector<KvHash> lost(size_t(KvOffload::kMaxWriteErrors) + 2);
-  for (size_t i = 0; i < lost.size(); ++i) evict_one(10 + uint32_t(i), &lost[i]);
+  for (size_t i = 0; i < lost.size(); ++i) evict_one(100 + uint32_t(i), &lost[i]);
   ::setrlimit(RLIMIT_FSIZE, &old);
   std::signal(SIGXFSZ, prev);
-  const KvOffloadStats s = tier.stats();
-  EXPECT_EQ(s.write_errors, uint64_t(KvOffload::kMaxWriteErrors));  // then it stopped trying
+  s = tier.stats();
+  EXPECT_EQ(s.write_errors, 1u + uint64_t(KvOffload::kMaxWriteErrors));  // then it stopped trying
   EXPECT_FALSE(s.writing);
-  EXPECT_EQ(s.stored_pages, 1u);
   for (const KvHash& h : lost) EXPECT_FALSE(tier.contains(h, 0));
-  // What it held before is still there and reads back.
-  const KvPageId p = pool.alloc();
-  ASSERT_TRUE(tier.load(first, 0, idx.root(), tokens_of(P, 1).data(), p));
-  EXPECT_TRUE(holds(pool, p, 1));
-  pool.unref(p);
+  // The slot dropped for the first failed rewrite held later.back(); nothing else is held.
+  EXPECT_EQ(s.resident_pages, 0u);
   idx.set_spill(nullptr);
   pool.evict_idle();
   pool.set_evictor(nullptr);

@@ -70,7 +70,11 @@ KvOffload::KvOffload(const std::string& dir, size_t capacity_bytes, PagePool& po
       fail("--kv-offload-direct: the file system of '{}' does not take O_DIRECT: {}", dir, std::strerror(err));
     }
     bounce_.reset(static_cast<uint8_t*>(std::aligned_alloc(4096, slot_bytes_)));
-    if (!bounce_) fail("--kv-offload-direct: out of memory");
+    if (!bounce_) {
+      ::close(fd_);
+      fd_ = -1;
+      fail("--kv-offload-direct: out of memory");
+    }
     std::memset(bounce_.get(), 0, slot_bytes_);
   }
   struct statvfs vfs{};
@@ -130,27 +134,48 @@ void KvOffload::kv_page_spill(const KvHash& hash, const KvHash& parent, const in
   if (free_.empty() && slot_meta_.size() < capacity_) {
     free_.push_back(slot_meta_.size());
     slot_meta_.emplace_back();
+    ever_written_.push_back(0);
   }
   if (free_.empty()) {
     drop(lru_.front());
     ++stats_.dropped_pages;
   }
   const size_t slot = free_.back();
+  const bool fresh = slot + 1 == slot_meta_.size() && !ever_written_[slot];
   const double t0 = now_seconds();
+  errno = 0;  // a write of 0 bytes sets none
   const bool ok = write_slot(slot, pool_.data(page));
   stats_.write_seconds += now_seconds() - t0;
   if (!ok) {
     const int err = errno;
-    if (++stats_.write_errors == 1)
+    ++stats_.write_errors;
+    if (fresh) {
+      // A slot past the file's end could not be written (a full disk, a file size limit): the
+      // tier keeps the slots it has and reuses them, least recently used first.
+      free_.pop_back();
+      slot_meta_.pop_back();
+      ever_written_.pop_back();
+      capacity_ = slot_meta_.size();
+      stats_.capacity_pages = capacity_;
+      std::fprintf(stderr,
+                   "[kvq] warning: KV offload write failed (%s): the tier keeps the %zu pages it holds and reuses "
+                   "them\n",
+                   err ? std::strerror(err) : "nothing written", capacity_);
+      if (capacity_ == 0) stats_.writing = false;
+      return;
+    }
+    if (++consecutive_errors_ == 1)
       std::fprintf(stderr, "[kvq] warning: KV offload write failed (%s): the page is dropped, as without the tier\n",
-                   std::strerror(err));
-    if (stats_.write_errors >= uint64_t(kMaxWriteErrors)) {
+                   err ? std::strerror(err) : "nothing written");
+    if (consecutive_errors_ >= kMaxWriteErrors) {
       stats_.writing = false;
-      std::fprintf(stderr, "[kvq] warning: %d KV offload writes failed: the tier stops storing pages\n",
+      std::fprintf(stderr, "[kvq] warning: %d KV offload writes in a row failed: the tier stops storing pages\n",
                    kMaxWriteErrors);
     }
     return;
   }
+  consecutive_errors_ = 0;
+  ever_written_[slot] = 1;
   free_.pop_back();
   Slot& s = slot_meta_[slot];
   s.key = key;

@@ -16,9 +16,10 @@
 // process), and its file is unlinked as soon as it is created, so nothing is left on disk.
 // When the tier is full the least recently stored or loaded slot is reused.
 //
-// Failures lose nothing: a write that fails (a full disk) leaves the page uncached, as without
-// the tier, and after kMaxWriteErrors failures the tier stops writing; a read that fails or
-// returns short is a miss, and the prefix is recomputed.
+// Failures lose nothing: a write that fails leaves the page uncached, as without the tier. When it
+// was a slot past the file's end (a full disk, a file size limit) the tier shrinks to the slots it
+// has written and goes on reusing them; after kMaxWriteErrors failures in a row on those it stops
+// writing. A read that fails or returns short is a miss, and the prefix is recomputed.
 //
 // Threading: not synchronized; the pool's thread (the scheduler's) owns it, as it owns the pool
 // and the index.
@@ -45,11 +46,11 @@ struct KvOffloadStats {
   uint64_t kept_pages = 0;     // evicted pages the tier already held (no write)
   uint64_t dropped_pages = 0;  // slots reused for newer pages (least recently used first)
   uint64_t loaded_pages = 0;   // pages read back into the pool
-  uint64_t write_errors = 0;
+  uint64_t write_errors = 0;    // failed writes (capacity_pages shrinks when one was past the file's end)
   uint64_t read_errors = 0;    // reads that failed or came back short (treated as misses)
   double write_seconds = 0;
   double read_seconds = 0;
-  bool writing = true;         // false once kMaxWriteErrors writes failed
+  bool writing = true;         // false once kMaxWriteErrors writes in a row failed, or no slot is left
 };
 
 class KvOffload : public KvPageSpill {
@@ -111,6 +112,8 @@ class KvOffload : public KvPageSpill {
   size_t capacity_ = 0;    // slots
   std::vector<Slot> slot_meta_;  // the slots used so far
   std::vector<size_t> free_;     // of those, the ones free again (a failed write, a failed read)
+  std::vector<char> ever_written_;  // per slot: it held a page once (its place in the file exists)
+  int consecutive_errors_ = 0;      // failed writes to slots the file already has, in a row
   std::list<size_t> lru_;  // slots in use, least recently used at the front
   std::unordered_map<Key, size_t, KeyHash> slots_;
   KvOffloadStats stats_;

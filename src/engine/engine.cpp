@@ -38,6 +38,9 @@ struct Engine::Seq {
   // per admission: a head that still waits for pages does not read them again every step if the
   // pool's pressure evicts them meanwhile; a preemption starts a new admission).
   bool restored = false;
+  // Group-0 pages read back for this admission (chain position, page): counted as offload hits
+  // when the admission adopts them.
+  std::vector<std::pair<size_t, KvPageId>> restored_pages;
   // Chain hashes of the full pages of `tokens` (the prefix index's page_hash): two sequences
   // share their first k pages exactly when their first k keys are equal. Compared to find a
   // running sequence that is already computing the pages this one would compute (in-flight
@@ -121,7 +124,12 @@ void Engine::restore_offloaded(Seq& s, int n, size_t outstanding) {
   // What the prefix needs: pool pages to pin (idle ones would otherwise be evicted by the reads)
   // and pages to read back, in chain order.
   std::vector<std::pair<size_t, int>> missing;
-  std::vector<std::pair<size_t, KvPageId>> held;  // (chain position, page)
+  struct Held {
+    size_t i;  // chain position
+    int g;     // page group
+    KvPageId page;
+  };
+  std::vector<Held> held;
   size_t idle_needed = 0;
   for (size_t i = 0; i < k; ++i)
     for (int g = 0; g < G; ++g) {
@@ -131,20 +139,26 @@ void Engine::restore_offloaded(Seq& s, int n, size_t outstanding) {
       else if (pool_->is_idle(p)) ++idle_needed;
     }
   if (missing.empty()) return;
-  // Only when the whole prefix fits beside what running sequences are promised: otherwise the
-  // request cannot be admitted now either, and the reads would only evict other prefixes.
-  if (missing.size() + idle_needed + outstanding > pool_->n_available()) return;
+  // Only when the request will be admitted with the prefix read back (the admission check that
+  // follows: the pages for the rest of its prompt, plus every matched page that is idle, beside
+  // what running sequences are promised); otherwise the reads would only evict other prefixes,
+  // and the pages read could be evicted again before it is admitted.
+  const int n_prompt = int(s.tokens.size()), step = fwd_->max_batch();
+  const size_t total = s.cache->pages_at(n_prompt, std::min(step, n_prompt - int(k) * P));
+  const size_t kept = s.cache->prefix_pages_kept(int(k), n_prompt, step);
+  const size_t need = (total > kept ? total - kept : 0) + idle_needed + missing.size();
+  if (need + outstanding > pool_->n_available()) return;
+  const double t0 = now_seconds();
   for (size_t i = 0; i < k; ++i)
     for (int g = 0; g < G; ++g) {
       if (g > 0 && i < first_of(k, g)) continue;
       const KvPageId p = index_->page_of(s.keys[i], g);
       if (p == kv_page_none) continue;
       pool_->ref(p);
-      held.emplace_back(i, p);
+      held.push_back({i, g, p});
     }
   s.restored = true;
   for (const auto& [i, g] : missing) offload_->touch(s.keys[i], g);
-  size_t loaded_group0 = 0;
   for (const auto& [i, g] : missing) {
     const KvHash parent = i == 0 ? index_->root() : s.keys[i - 1];
     const int32_t* toks = s.tokens.data() + i * size_t(P);
@@ -154,14 +168,16 @@ void Engine::restore_offloaded(Seq& s, int n, size_t outstanding) {
       pool_->unref(page);  // not cached: back to the free list
       break;  // the prefix ends here
     }
-    held.emplace_back(i, page);
-    if (g == 0) ++loaded_group0;
+    held.push_back({i, g, page});
+    if (g == 0) s.restored_pages.emplace_back(i, page);
   }
-  if (!s.preempted) offload_hit_tokens_ += loaded_group0 * size_t(P);  // as the hit rate, first admissions
-  // Released deepest first, as a sequence releases its pages, so that parents stay the more
-  // recently used and are evicted after their descendants.
-  std::stable_sort(held.begin(), held.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
-  for (const auto& [i, p] : held) pool_->unref(p);
+  // Released as a sequence releases its pages (KvCache::release): deepest first, so that parents
+  // stay the more recently used, and at each position the sliding groups' pages before group 0's,
+  // so that they are evicted first (PrefixIndex: an entry matches only while its group-0 page is
+  // cached).
+  std::sort(held.begin(), held.end(), [](const Held& a, const Held& b) { return a.i != b.i ? a.i > b.i : a.g > b.g; });
+  for (const Held& h : held) pool_->unref(h.page);
+  restore_seconds_ += now_seconds() - t0;
 }
 
 std::vector<int> prefill_shares(const std::vector<int>& limits, const std::vector<int>& left, int budget,
@@ -406,14 +422,18 @@ Engine::Engine(const EngineOptions& o) : opt_(o) {
   pool_->set_evictor(index_.get());
   if (o.kv_offload_bytes > 0) {
     if (o.kv_offload_dir.empty()) fail("--kv-offload-size needs --kv-offload-dir (where the tier's file goes)");
-    if (!shape_->prefix_shareable())
+    if (!shape_->prefix_shareable()) {
       std::fprintf(stderr,
                    "[kvq] warning: this KV configuration keeps prefixes private (a full-precision window): "
-                   "--kv-offload-size has nothing to keep\n");
-    offload_ = std::make_unique<KvOffload>(o.kv_offload_dir, o.kv_offload_bytes, *pool_, o.kv_offload_direct);
-    index_->set_spill(offload_.get());
+                   "no offload tier (--kv-offload-size) is made, as it would have nothing to keep\n");
+    } else {
+      offload_ = std::make_unique<KvOffload>(o.kv_offload_dir, o.kv_offload_bytes, *pool_, o.kv_offload_direct);
+      index_->set_spill(offload_.get());
+    }
   } else if (!o.kv_offload_dir.empty()) {
     fail("--kv-offload-dir needs --kv-offload-size (the tier's size, e.g. 4GiB)");
+  } else if (o.kv_offload_direct) {
+    fail("--kv-offload-direct needs --kv-offload-dir and --kv-offload-size");
   }
   kv_capacity_ = size_t(shape_->tokens_in_pages(pool_->n_pages(), o.max_batch));
   metrics_.kv_tokens_capacity = kv_capacity_;
@@ -685,6 +705,7 @@ void Engine::preempt(size_t i) {
   s.cache->release();
   s.preempted = true;
   s.restored = false;
+  s.restored_pages.clear();
   ++s.res.preemptions;
   std::lock_guard<std::mutex> lk(mu_);
   ++metrics_.preemptions;
@@ -693,6 +714,7 @@ void Engine::preempt(size_t i) {
 bool Engine::step() {
   // The step as the decoding sequences wait for it: scheduling, the forward pass and the sampling.
   const double t_step = now_seconds();
+  restore_seconds_ = 0;
   // Cancellations.
   std::unordered_set<uint64_t> canc;
   std::string abort_reason;
@@ -760,6 +782,12 @@ bool Engine::step() {
     }
     s.preempted = false;
     s.res.cached_tokens = adopts ? s.cache->adopt_prefix(*index_, s.tokens.data(), n, n - 1, readmission) : 0;
+    // Offload hits: the pages read back for this admission that it adopted (as the hit rate,
+    // first admissions only).
+    for (const auto& [i, page] : s.restored_pages)
+      if (!readmission && int(i) < s.res.cached_tokens / int(P) && index_->page_of(s.keys[i], 0) == page)
+        offload_hit_tokens_ += P;
+    s.restored_pages.clear();
     s.cache->publish_to(*index_);  // every step's pages are published (a prompt_logprobs one adopts none)
     outstanding += own > covered ? own - covered : 0;
     running_.push_back(std::move(waiting_.front()));
@@ -989,7 +1017,10 @@ bool Engine::step() {
         std::lock_guard<std::mutex> lk(mu_);
         metrics_.decode_step.observe(took);
       }
-      step_fit_.observe(decode_units, prompt_units, opt_.step_seconds ? opt_.step_seconds(decode_units, prompt_units, took) : took);
+      // The fit models the step's computation: offload reads (restore_offloaded) are left out.
+      const double computed = std::max(0.0, took - restore_seconds_);
+      step_fit_.observe(decode_units, prompt_units,
+                        opt_.step_seconds ? opt_.step_seconds(decode_units, prompt_units, computed) : computed);
     }
   }
 

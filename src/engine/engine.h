@@ -176,8 +176,8 @@ struct EngineMetrics {
   uint64_t preemptions = 0;
   bool offload = false;  // EngineOptions::kv_offload_bytes > 0; then the tier's counters:
   KvOffloadStats offload_stats;
-  // Prompt tokens whose pages were read back from the tier (first admissions, as prefix_hit_tokens:
-  // part of those).
+  // Prompt tokens adopted from pages read back from the tier (first admissions, as
+  // prefix_hit_tokens: part of those).
   uint64_t offload_hit_tokens = 0;
   uint64_t requests_finished = 0;
   uint64_t requests_cancelled = 0;  // of those, ended by cancel()
@@ -360,6 +360,7 @@ class Engine {
   std::unique_ptr<KvCache> shape_;  // holds no page; destroyed before the pool
   std::unique_ptr<KvOffload> offload_;  // the index's spill (detached before the pool empties)
   uint64_t offload_hit_tokens_ = 0;
+  double restore_seconds_ = 0;  // this step's offload reads (left out of the step-time fit)
   size_t kv_capacity_ = 0;           // kv_tokens_capacity(): the pool never changes size
 
   // Shared with submitters (mu_).

@@ -77,7 +77,9 @@ void bench_add_cli(CLI::App& app, BenchOptions& o) {
   app.add_option("--kv-offload-dir", o.kv_offload_dir, kKvOffloadDirHelp);
   app.add_flag("--kv-offload-direct", o.kv_offload_direct, kKvOffloadDirectHelp);
   app.add_option("--kv-offload-size", o.kv_offload_size,
-                 std::string(kKvOffloadSizeHelp) + ". Every run starts with an empty tier, as with an empty pool");
+                 std::string(kKvOffloadSizeHelp) +
+                     ". Comma-separated: every format and load runs with each (0: no tier; 0,8GiB shows what the "
+                     "tier buys). Every run starts with an empty tier, as with an empty pool");
   app.add_option("--tpot-target-ms", o.tpot_target_ms,
                  std::string(kTpotTargetHelp) + ". Comma-separated: every format and load runs at each (0,45,60 shows "
                  "what each target costs in TTFT and throughput)")
@@ -233,6 +235,7 @@ struct RunResult {
   // --kv-offload-size: prompt tokens read back from the tier / prompt tokens looked up, and the
   // tier's traffic during the run.
   bool offload = false;
+  size_t offload_bytes = 0;  // the run's --kv-offload-size (0: no tier)
   double offload_hit_rate = 0;
   uint64_t offload_loaded = 0, offload_stored = 0;
   double offload_read_s = 0, offload_write_s = 0;
@@ -251,7 +254,7 @@ EngineOptions engine_options(const BenchOptions& o, const std::string& format, s
   eo.kv_mem = kv_mem;
   eo.kv_offload_bytes = offload_bytes;
   if (offload_bytes > 0) eo.kv_offload_dir = o.kv_offload_dir;
-  eo.kv_offload_direct = o.kv_offload_direct;
+  eo.kv_offload_direct = offload_bytes > 0 && o.kv_offload_direct;
   eo.ctx = o.ctx;
   eo.kv = o.kv;
   eo.kv.kv_cache_dtype = format;
@@ -456,9 +459,41 @@ int bench_command(const BenchOptions& o) {
     if (std::find(targets.begin(), targets.end(), v) != targets.end()) fail("--tpot-target-ms: {} given twice", c);
     targets.push_back(v);
   }
-  // A run's name in the table and the plots: its format, and its target when several are swept.
-  const auto run_name = [&](const std::string& format, double target) {
-    return targets.size() > 1 && target > 0 ? fmt::format("{} @{:g}ms", format, target) : format;
+  // --kv-offload-size: one tier size, or a list whose "0" runs without a tier.
+  std::vector<size_t> offloads;
+  std::vector<std::string> offload_names;
+  for (const std::string& c : split_csv(o.kv_offload_size.empty() ? std::string("0") : o.kv_offload_size,
+                                        "--kv-offload-size")) {
+    size_t v = 0;
+    if (c != "0") {
+      try {
+        v = parse_bytes(c);
+      } catch (const Error& e) {
+        fail("--kv-offload-size: {}", e.what());
+      }
+    }
+    if (std::find(offloads.begin(), offloads.end(), v) != offloads.end()) fail("--kv-offload-size: {} given twice", c);
+    offloads.push_back(v);
+    offload_names.push_back(c);
+  }
+  std::vector<std::pair<double, size_t>> variants;  // (target, tier size): a run each per format, budget, load
+  for (const double t : targets)
+    for (const size_t b : offloads) variants.emplace_back(t, b);
+  const bool any_tier = std::any_of(offloads.begin(), offloads.end(), [](size_t v) { return v > 0; });
+  if (any_tier != !o.kv_offload_dir.empty())
+    fail("--kv-offload-dir and --kv-offload-size go together (the tier's directory and its size)");
+  if (o.kv_offload_direct && !any_tier) fail("--kv-offload-direct needs --kv-offload-dir and --kv-offload-size");
+  const auto offload_name = [&](size_t bytes) {
+    for (size_t i = 0; i < offloads.size(); ++i)
+      if (offloads[i] == bytes) return offload_names[i];
+    return std::to_string(bytes);
+  };
+  // A run's name in the table and the plots: its format, and its target and tier size when several
+  // are swept.
+  const auto run_name = [&](const std::string& format, double target, size_t offload) {
+    std::string n = targets.size() > 1 && target > 0 ? fmt::format("{} @{:g}ms", format, target) : format;
+    if (offloads.size() > 1 && offload > 0) n += " +" + offload_name(offload);
+    return n;
   };
   {  // no output may be an input or the other output
     const std::vector<ReportPath> inputs = {{"the model (-m)", o.model},
@@ -537,16 +572,6 @@ int bench_command(const BenchOptions& o) {
   long prompt_total = 0;  // first turns
   for (const auto& r : reqs) prompt_total += long(r.prompt.size());
 
-  size_t offload_bytes = 0;
-  if (!o.kv_offload_size.empty()) {
-    try {
-      offload_bytes = parse_bytes(o.kv_offload_size);
-    } catch (const Error& e) {
-      fail("--kv-offload-size: {}", e.what());
-    }
-  }
-  if ((offload_bytes > 0) != !o.kv_offload_dir.empty())
-    fail("--kv-offload-dir and --kv-offload-size go together (the tier's directory and its size)");
   std::vector<RunResult> runs;
   for (size_t bi = 0; bi < kv_mems.size(); ++bi)
   for (size_t f = 0; f < formats.size(); ++f) {
@@ -561,9 +586,9 @@ int bench_command(const BenchOptions& o) {
       const size_t seqs = size_t(load.rate > 0 ? o.max_running : std::min(load.clients, o.max_running));
       const size_t reserve = tail_max[f] * seqs;
       const size_t pool_mem = kv_mem > reserve ? kv_mem - reserve : 0;
-      for (const double target : targets) {
+      for (const auto& [target, offload_bytes] : variants) {
         std::unique_ptr<Engine> eng;
-        if (pool_mem >= pb)  // fresh: cold prefix cache
+        if (pool_mem >= pb)  // fresh: cold prefix cache (and an empty tier)
           eng = std::make_unique<Engine>(engine_options(o, fmt, pool_mem, target, offload_bytes));
         const size_t cap = eng ? eng->kv_tokens_capacity() : 0;
         if (cap < longest) {
@@ -577,6 +602,7 @@ int bench_command(const BenchOptions& o) {
           rr.kv_bytes_per_token = bytes_per_token[f];
           rr.fits = false;
           rr.tpot_target_ms = target;  // the first: a budget that does not fit fails them all
+          rr.offload_bytes = offload_bytes;
           rr.prefix_cache = shareable[f];
           rr.tail_max = tail_max[f];
           rr.window_reserve = reserve;
@@ -588,13 +614,15 @@ int bench_command(const BenchOptions& o) {
                        longest);
           runs.push_back(rr);
           fits = reserve > 0;  // without windows, the same at every load
-          break;               // and at every target
+          break;               // and at every target and tier size
         }
-        std::fprintf(stderr, "[bench] %s, %s, %s%s, %zu requests ...\n", fmt.c_str(), budgets[bi].c_str(),
+        std::fprintf(stderr, "[bench] %s, %s, %s%s%s, %zu requests ...\n", fmt.c_str(), budgets[bi].c_str(),
                      load.str().c_str(), target > 0 ? fmt::format(", --tpot-target-ms {:g}", target).c_str() : "",
+                     offload_bytes > 0 ? fmt::format(", offload tier {}", offload_name(offload_bytes)).c_str() : "",
                      n_requests);
         runs.push_back(run_one(*eng, fmt, load, reqs, o.seed));
         runs.back().tpot_target_ms = target;
+        runs.back().offload_bytes = offload_bytes;
         runs.back().tail_max = tail_max[f];
         runs.back().window_reserve = reserve;
         runs.back().prefix_cache = shareable[f];
@@ -613,7 +641,7 @@ int bench_command(const BenchOptions& o) {
   j["cpu"] = cpu_level_name(cpu_level());  // the kernels' SIMD level: speed differs by level
   j["kv_scales"] = o.kv.scales_file.empty() ? nlohmann::json() : nlohmann::json(o.kv.scales_file);  // as eval's
   j["kv_mem_bytes"] = kv_mems;
-  j["kv_offload_bytes"] = offload_bytes;  // 0: no offload tier
+  j["kv_offload_bytes"] = offloads;  // each run has its own (0: no offload tier)
   j["kv_offload_direct"] = o.kv_offload_direct;
   j["ctx"] = ctx;
   nlohmann::json w;
@@ -644,6 +672,7 @@ int bench_command(const BenchOptions& o) {
   for (const auto& r : runs) {
     nlohmann::json e{{"format", r.format},
                      {"tpot_target_ms", r.tpot_target_ms},
+                     {"kv_offload_bytes", r.offload_bytes},
                      {"kv_mem_bytes", r.kv_mem},
                      {"concurrency", r.load.clients > 0 ? nlohmann::json(r.load.clients) : nlohmann::json(nullptr)},
                      {"rate", r.load.rate > 0 ? nlohmann::json(r.load.rate) : nlohmann::json(nullptr)},
@@ -703,10 +732,11 @@ int bench_command(const BenchOptions& o) {
     std::printf("scheduler: --max-batch %d", o.max_batch);
     if (targets.size() > 1) std::printf(", --tpot-target-ms %s (runs marked @N ms; none unmarked)", o.tpot_target_ms.c_str());
     else if (targets.front() > 0) std::printf(", --tpot-target-ms %g", targets.front());
-    if (offload_bytes > 0)
+    if (any_tier)
       std::printf("\nKV offload tier: %s in %s%s (evicted prefix pages written there and read back; every run starts "
-                  "empty)",
-                  o.kv_offload_size.c_str(), o.kv_offload_dir.c_str(), o.kv_offload_direct ? ", O_DIRECT" : "");
+                  "empty%s)",
+                  o.kv_offload_size.c_str(), o.kv_offload_dir.c_str(), o.kv_offload_direct ? ", O_DIRECT" : "",
+                  offloads.size() > 1 ? "; runs marked +SIZE" : "");
     std::printf("\n\n");
     bool header = false;
     std::printf("%-14s %8s %9s %8s %12s %7s %9s %9s %9s %9s %9s %6s %7s %7s\n", "format", "KV mem", "KV tokens",
@@ -721,7 +751,7 @@ int bench_command(const BenchOptions& o) {
         continue;
       }
       std::printf("%-14s %8s %9zu %8.0f %12s %3d/%-3d %9.1f %9s %9s %9s %9s %6.2f %7llu %7.1f\n",
-                  run_name(r.format, r.tpot_target_ms).c_str(),
+                  run_name(r.format, r.tpot_target_ms, r.offload_bytes).c_str(),
                   r.budget.c_str(), r.kv_tokens, r.kv_bytes_per_token, r.load.str().c_str(), r.ok, r.requests, r.throughput,
                   fmt_time(r.ttft_p50).c_str(), fmt_time(r.ttft_p95).c_str(), fmt_time(r.tpot_p50).c_str(),
                   fmt_time(r.tpot_p95).c_str(), r.hit_rate,
@@ -734,7 +764,7 @@ int bench_command(const BenchOptions& o) {
       if (!header) std::printf("\nKV offload tier (of the hit rate, the prompt tokens read back from the tier):\n");
       header = true;
       std::printf("  %-14s %8s %12s  %.2f of the prompt tokens; %llu pages read (%.3f s), %llu written (%.3f s)\n",
-                  run_name(r.format, r.tpot_target_ms).c_str(), r.budget.c_str(), r.load.str().c_str(),
+                  run_name(r.format, r.tpot_target_ms, r.offload_bytes).c_str(), r.budget.c_str(), r.load.str().c_str(),
                   r.offload_hit_rate, static_cast<unsigned long long>(r.offload_loaded), r.offload_read_s,
                   static_cast<unsigned long long>(r.offload_stored), r.offload_write_s);
     }
@@ -744,18 +774,19 @@ int bench_command(const BenchOptions& o) {
       if (base.format != formats.front() || !base.fits || base.ok == 0) continue;
       for (const auto& r : runs) {
         if (r.format == base.format || !r.fits || r.ok == 0 || r.load.clients != base.load.clients ||
-            r.load.rate != base.load.rate || r.kv_mem != base.kv_mem || r.tpot_target_ms != base.tpot_target_ms)
+            r.load.rate != base.load.rate || r.kv_mem != base.kv_mem || r.tpot_target_ms != base.tpot_target_ms ||
+            r.offload_bytes != base.offload_bytes)
           continue;
         if (!header)
-          std::printf("\nagainst %s at the same budget and load%s:\n", base.format.c_str(),
-                      targets.size() > 1 ? " and TPOT target" : "");
+          std::printf("\nagainst %s at the same budget and load%s%s:\n", base.format.c_str(),
+                      targets.size() > 1 ? " and TPOT target" : "", offloads.size() > 1 ? " and offload tier" : "");
         header = true;
         std::string ttft = "-";
         if (r.ttft_p50 > 0 && base.ttft_p50 > 0)
           ttft = r.ttft_p50 <= base.ttft_p50 ? fmt::format("{:.2f}x lower", base.ttft_p50 / r.ttft_p50)
                                              : fmt::format("{:.2f}x higher", r.ttft_p50 / base.ttft_p50);
         std::printf("  %-14s %8s %12s  TTFT p50 %s, throughput %.2fx, prefix hit rate %.2f (%.2f)\n",
-                    run_name(r.format, r.tpot_target_ms).c_str(), r.budget.c_str(), r.load.str().c_str(), ttft.c_str(), base.throughput > 0 ? r.throughput / base.throughput : 0.0,
+                    run_name(r.format, r.tpot_target_ms, r.offload_bytes).c_str(), r.budget.c_str(), r.load.str().c_str(), ttft.c_str(), base.throughput > 0 ? r.throughput / base.throughput : 0.0,
                     r.hit_rate, base.hit_rate);
       }
     }
@@ -765,16 +796,43 @@ int bench_command(const BenchOptions& o) {
       if (targets.size() < 2 || base.tpot_target_ms != targets.front() || !base.fits || base.ok == 0) continue;
       for (const auto& r : runs) {
         if (r.tpot_target_ms == base.tpot_target_ms || r.format != base.format || !r.fits || r.ok == 0 ||
-            r.load.clients != base.load.clients || r.load.rate != base.load.rate || r.kv_mem != base.kv_mem)
+            r.load.clients != base.load.clients || r.load.rate != base.load.rate || r.kv_mem != base.kv_mem ||
+            r.offload_bytes != base.offload_bytes)
           continue;
         if (!header)
           std::printf("\nagainst %s at the same format, budget and load:\n",
                       targets.front() > 0 ? fmt::format("--tpot-target-ms {:g}", targets.front()).c_str() : "no target");
         header = true;
         const auto ratio = [](double a, double b) { return a > 0 && b > 0 ? fmt::format("{:.2f}x", a / b) : std::string("-"); };
-        std::printf("  %-14s %8s %12s  TPOT p50 %s, TTFT p50 %s, throughput %s\n", run_name(r.format, r.tpot_target_ms).c_str(),
+        std::printf("  %-14s %8s %12s  TPOT p50 %s, TTFT p50 %s, throughput %s\n", run_name(r.format, r.tpot_target_ms, r.offload_bytes).c_str(),
                     r.budget.c_str(), r.load.str().c_str(), ratio(r.tpot_p50, base.tpot_p50).c_str(),
                     ratio(r.ttft_p50, base.ttft_p50).c_str(), ratio(r.throughput, base.throughput).c_str());
+      }
+    }
+    // Each tier size against the first (a list starting with 0: against no tier), same format,
+    // budget, load and target: what the tier buys.
+    header = false;
+    for (const auto& base : runs) {
+      if (offloads.size() < 2 || base.offload_bytes != offloads.front() || !base.fits || base.ok == 0) continue;
+      for (const auto& r : runs) {
+        if (r.offload_bytes == base.offload_bytes || r.format != base.format || !r.fits || r.ok == 0 ||
+            r.load.clients != base.load.clients || r.load.rate != base.load.rate || r.kv_mem != base.kv_mem ||
+            r.tpot_target_ms != base.tpot_target_ms)
+          continue;
+        if (!header)
+          std::printf("\nagainst %s at the same format, budget, load and target:\n",
+                      offloads.front() > 0 ? fmt::format("an offload tier of {}", offload_names.front()).c_str()
+                                           : "no offload tier");
+        header = true;
+        const auto lower = [](double a, double b) {
+          if (!(a > 0 && b > 0)) return std::string("-");
+          return a <= b ? fmt::format("{:.2f}x lower", b / a) : fmt::format("{:.2f}x higher", a / b);
+        };
+        std::printf("  %-14s %8s %12s  TTFT p50 %s, throughput %s, prefix hit rate %.2f (%.2f)\n",
+                    run_name(r.format, r.tpot_target_ms, r.offload_bytes).c_str(), r.budget.c_str(),
+                    r.load.str().c_str(), lower(r.ttft_p50, base.ttft_p50).c_str(),
+                    base.throughput > 0 ? fmt::format("{:.2f}x", r.throughput / base.throughput).c_str() : "-",
+                    r.hit_rate, base.hit_rate);
       }
     }
     bool noted = false;

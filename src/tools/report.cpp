@@ -337,15 +337,23 @@ std::string report_bench_html(const nlohmann::json& b) {
   const nlohmann::json sched = b.value("scheduler", nlohmann::json::object());
   const bool several_targets = sched.contains("tpot_target_ms") && sched["tpot_target_ms"].is_array() &&
                                sched["tpot_target_ms"].size() > 1;
-  auto series_name = [&](const nlohmann::json& r) {
+  const bool several_tiers = b.contains("kv_offload_bytes") && b["kv_offload_bytes"].is_array() &&
+                             b["kv_offload_bytes"].size() > 1;
+  const auto bytes_name = [](double v) {
+    return v >= 1073741824.0 ? fmt::format("{:g} GiB", v / 1073741824.0)
+           : v >= 1048576.0  ? fmt::format("{:g} MiB", v / 1048576.0)
+                             : fmt::format("{:g} KiB", v / 1024.0);
+  };
+  // The run's format, with its target and offload tier when several were swept.
+  auto run_label = [&](const nlohmann::json& r) {
     std::string n = r["format"].get<std::string>();
     if (several_targets && r.value("tpot_target_ms", 0.0) > 0) n += fmt::format(" @{:g}ms", r.value("tpot_target_ms", 0.0));
-    if (budgets.size() > 1) {
-      const double v = r["kv_mem_bytes"].get<double>();
-      n += v >= 1073741824.0 ? fmt::format(" @ {:g} GiB", v / 1073741824.0)
-           : v >= 1048576.0  ? fmt::format(" @ {:g} MiB", v / 1048576.0)
-                             : fmt::format(" @ {:g} KiB", v / 1024.0);
-    }
+    if (several_tiers && r.value("kv_offload_bytes", 0.0) > 0) n += " +" + bytes_name(r.value("kv_offload_bytes", 0.0)) + " tier";
+    return n;
+  };
+  auto series_name = [&](const nlohmann::json& r) {
+    std::string n = run_label(r);
+    if (budgets.size() > 1) n += " @ " + bytes_name(r["kv_mem_bytes"].get<double>());
     return n;
   };
   h += "<p>workload: " + esc(w.dump()) + "</p>";
@@ -400,9 +408,7 @@ std::string report_bench_html(const nlohmann::json& b) {
     h += fmt::format(
         "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.0f}</td><td>{}</td><td>{} / {}</td><td>{:.1f}</td><td>{}</td>"
         "<td>{}</td><td>{}</td><td>{}</td><td>{:.2f}{}</td><td>{}</td></tr>",
-        esc(several_targets && r.value("tpot_target_ms", 0.0) > 0
-                ? fmt::format("{} @{:g}ms", r["format"].get<std::string>(), r.value("tpot_target_ms", 0.0))
-                : r["format"].get<std::string>()),
+        esc(run_label(r)),
         r["kv_mem_bytes"].get<size_t>(), r["kv_tokens"].get<size_t>(), r["kv_bytes_per_token"].get<double>(), load,
         r["ok"].get<int>(), r["requests"].get<int>(), r["throughput_tok_s"].get<double>(), ms(r["ttft_p50_s"]),
         ms(r["ttft_p95_s"]), ms(r["tpot_p50_s"]), ms(r["tpot_p95_s"]), r["prefix_hit_rate"].get<double>(),

@@ -35,13 +35,18 @@ mkdir -p "$tmp/off"
   --question-tokens 8 --concurrency 1 --max-tokens 8 -t 1 --kv-offload-dir "$tmp/off" --kv-offload-size 1MiB \
   --json >"$tmp/off.json" 2>/dev/null
 check "--kv-offload-size: f16 in 160 KiB hits on every repeat, read back from the tier" \
-  "[[ $? -eq 0 ]] && python3 -c \"import json; d=json.load(open('$tmp/off.json')); r=d['runs'][0]; assert d['kv_offload_bytes']==1048576; assert r['ok']==16 and r['completion_tokens']==128, r; assert abs(r['prefix_hit_rate']-12*64/(16*73))<1e-9, r['prefix_hit_rate']; assert 0<r['offload_hit_rate']<=r['prefix_hit_rate'] and r['offload_loaded_pages']>=12 and r['offload_stored_pages']>0, r\""
+  "[[ $? -eq 0 ]] && python3 -c \"import json; d=json.load(open('$tmp/off.json')); r=d['runs'][0]; assert d['kv_offload_bytes']==[1048576] and r['kv_offload_bytes']==1048576; assert r['ok']==16 and r['completion_tokens']==128, r; assert abs(r['prefix_hit_rate']-12*64/(16*73))<1e-9, r['prefix_hit_rate']; assert 0<r['offload_hit_rate']<=r['prefix_hit_rate'] and r['offload_loaded_pages']>=12 and r['offload_stored_pages']>0, r\""
 check "--kv-offload-dir: the tier's file does not outlive the run" "[[ -z \$(ls -A $tmp/off) ]]"
 "$kvq" bench -m "$model" --kv f16 --kv-mem 163840 --data "$text" --prefixes 4 --prefix-tokens 64 \
   --question-tokens 8 --concurrency 1 --max-tokens 8 -t 1 --kv-offload-dir "$tmp/off" --kv-offload-size 1MiB \
   >"$tmp/off.txt" 2>/dev/null
 check "--kv-offload-size: the table names the tier and what came back from it" \
   "grep -q 'KV offload tier: 1MiB in' $tmp/off.txt && grep -E -q '^  f16 .* 1 client  0\.[0-9]+ of the prompt tokens; [0-9]+ pages read' $tmp/off.txt"
+"$kvq" bench -m "$model" --kv f16 --kv-mem 163840 --data "$text" --prefixes 4 --prefix-tokens 64 \
+  --question-tokens 8 --concurrency 1 --max-tokens 8 -t 1 --kv-offload-dir "$tmp/off" --kv-offload-size 0,1MiB \
+  --html "$tmp/off.html" >"$tmp/offl.txt" 2>/dev/null
+check "--kv-offload-size 0,1MiB: a run without and one with the tier, compared" \
+  "[[ $? -eq 0 ]] && grep -q '^f16  ' $tmp/offl.txt && grep -q '^f16 +1MiB ' $tmp/offl.txt && grep -q 'against no offload tier at the same format, budget, load and target' $tmp/offl.txt && grep -E -q '^  f16 \+1MiB .* TTFT p50 [0-9.]+x (lower|higher), throughput [0-9.]+x, prefix hit rate 0.66 \(0.00\)' $tmp/offl.txt && grep -q 'f16 +1 MiB tier' $tmp/off.html"
 
 "$kvq" bench -m "$model" --kv f16 --kv-mem 163840 --data "$text" --prefixes 4 --prefix-tokens 64 \
   --question-tokens 8 --concurrency 1 --max-tokens 8 -t 1 --kv-offload-dir "$tmp/off" --kv-offload-size 1MiB \
@@ -153,6 +158,8 @@ bad "non-numeric --prefill-attention-cost" "prefill-attention-cost" --kv f16 --d
 bad "negative --tpot-target-ms" "tpot-target-ms" --kv f16 --data "$text" --tpot-target-ms -1
 bad "--kv-offload-size without a directory" "go together" --kv f16 --data "$text" --kv-offload-size 1MiB
 bad "--kv-offload-dir without a size" "go together" --kv f16 --data "$text" --kv-offload-dir "$tmp"
+bad "--kv-offload-direct without a tier" "kv-offload-direct needs" --kv f16 --data "$text" --kv-offload-direct
+bad "a --kv-offload-size given twice" "given twice" --kv f16 --data "$text" --kv-offload-dir "$tmp" --kv-offload-size 1MiB,1MiB
 bad "a bad --kv-offload-size" "kv-offload-size: 'lots' is not a size" --kv f16 --data "$text" --kv-offload-dir "$tmp" --kv-offload-size lots
 bad "a --kv-offload-dir that is not a directory" "is not a directory" --kv f16 --data "$text" --kv-offload-dir "$tmp/b.json" --kv-offload-size 1MiB
 bad "NaN --tpot-target-ms" "'nan' is not a time" --kv f16 --data "$text" --tpot-target-ms nan

@@ -25,6 +25,8 @@ check "negative --tpot-target-ms exits non-zero" "[[ $rc -ne 0 ]] && grep -q 'tp
 check "--kv-offload-size without --kv-offload-dir exits 1" "[[ $rc -eq 1 ]] && grep -q 'needs --kv-offload-dir' $tmp/e"
 "$kvq" serve -m "$model" --kv-offload-dir "$tmp" --kv-offload-size 1x >"$tmp/o" 2>"$tmp/e"; rc=$?
 check "a bad --kv-offload-size exits 1" "[[ $rc -eq 1 ]] && grep -q 'kv-offload-size' $tmp/e"
+"$kvq" serve -m "$model" --kv-offload-direct >"$tmp/o" 2>"$tmp/e"; rc=$?
+check "--kv-offload-direct without a tier exits 1" "[[ $rc -eq 1 ]] && grep -q 'kv-offload-direct needs' $tmp/e"
 
 # wait_port LOG: the port a server started with --port 0 reports in its log (empty after 10 s)
 wait_port() {
