@@ -1198,3 +1198,40 @@ TEST(EngineWindows, GemmaOffloadedPrefixReadBack) {
   expect_pool_clean(e);
   fs::remove_all(dir);
 }
+
+// Preemption with the offload tier: in a pool too small for four requests, preempted sequences'
+// published pages are evicted into the tier and read back when they are admitted again. Outputs
+// equal each request alone, the pool ends clean, and pages read back for readmissions are not
+// counted as offload hits (the prompts share nothing: no hit of either kind).
+TEST_F(EngineTest, PreemptedSequencesReadTheirPagesBackFromTheTier) {
+  const fs::path dir = fs::temp_directory_path() / "kvq_test_offload_preempt";
+  fs::create_directories(dir);
+  EngineOptions o = base_options(128);  // 8 pages of 16 tokens
+  o.kv_offload_dir = dir.string();
+  o.kv_offload_bytes = size_t(4) << 20;
+  {
+    Engine e(o);
+    const Tokenizer& tok = e.tokenizer();
+    std::vector<std::vector<int32_t>> prompts = {
+        tok.encode("Lily went to the park and", true),
+        tok.encode("Once upon a time there was a dog", true),
+        tok.encode("The sun was hot. Tim", true),
+        tok.encode("Sue liked to draw pictures of", true),
+    };
+    std::vector<Outcome> got = run_concurrently(e, prompts, greedy(60));
+    const EngineMetrics m = e.metrics();
+    EXPECT_GT(m.preemptions, 0u);
+    EXPECT_EQ(m.prefix_hit_tokens, 0u);
+    EXPECT_EQ(m.offload_hit_tokens, 0u);
+    EXPECT_GT(m.offload_stats.stored_pages, 0u);
+    EXPECT_EQ(m.offload_stats.write_errors + m.offload_stats.read_errors, 0u);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      SCOPED_TRACE(i);
+      EXPECT_EQ(got[i].res.tokens, greedy_alone(e, prompts[i], 60));
+    }
+    // Readmitted sequences found their evicted pages in the tier (2-5 pages in every schedule seen).
+    EXPECT_GT(m.offload_stats.loaded_pages, 0u);
+    expect_pool_clean(e);
+  }
+  fs::remove_all(dir);
+}
