@@ -61,6 +61,12 @@ GenParams greedy(int max_tokens) {
   return p;
 }
 
+// Four prompts that share no page: in a pool of 8 pages they cannot all hold their pages at once.
+std::vector<std::vector<int32_t>> four_short_prompts(const Tokenizer& tok) {
+  return {tok.encode("Lily went to the park and", true), tok.encode("Once upon a time there was a dog", true),
+          tok.encode("The sun was hot. Tim", true), tok.encode("Sue liked to draw pictures of", true)};
+}
+
 const char* kShared =
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her "
     "friends. One day, she saw a big red ball under a tree and";
@@ -160,12 +166,7 @@ TEST_F(EngineTest, TinyPoolPreemptsAndOutputsStayEqual) {
   EngineOptions o = base_options(128);
   Engine e(o);
   const Tokenizer& tok = e.tokenizer();
-  std::vector<std::vector<int32_t>> prompts = {
-      tok.encode("Lily went to the park and", true),
-      tok.encode("Once upon a time there was a dog", true),
-      tok.encode("The sun was hot. Tim", true),
-      tok.encode("Sue liked to draw pictures of", true),
-  };
+  const std::vector<std::vector<int32_t>> prompts = four_short_prompts(tok);
   std::vector<Outcome> got = run_concurrently(e, prompts, greedy(60));
   // The prompts share no page: a preempted sequence that finds its own published pages again when
   // readmitted is counted apart, not as prefix reuse (the hit rate stays 0).
@@ -1023,17 +1024,24 @@ std::string numbered_text(int lines, const char* topic) {
 // sequences admits them as their pages allow; every output equals the request run alone on a
 // private cache (batch-invariant matmuls, so that chunking does not move the 8-bit activation
 // rounding). Preemption with sliding groups: KvPaging.WindowedPoolUnderRandomTraffic.
-TEST(EngineWindows, GemmaSlidingPagesFreedAndShared) {
-  const std::string path = kvq_test_model("gemma-3-270m-q4_k_m.gguf");
-  if (path.empty()) GTEST_SKIP() << "gemma-3-270m-q4_k_m.gguf not installed (run scripts/get-models.sh)";
-  BatchInvariantOn bi;
+// Gemma 3 270M in 32-token pages, 128-token steps and a pool that holds one ~750-token sequence
+// (not three at once).
+EngineOptions gemma_window_options(const std::string& path) {
   EngineOptions o;
   o.model_path = path;
   o.threads = 2;
   o.ctx = 2048;
   o.kv.page_tokens = 32;
   o.max_batch = 128;
-  o.kv_tokens = 1100;  // one ~750-token sequence fits, not three at once
+  o.kv_tokens = 1100;
+  return o;
+}
+
+TEST(EngineWindows, GemmaSlidingPagesFreedAndShared) {
+  const std::string path = kvq_test_model("gemma-3-270m-q4_k_m.gguf");
+  if (path.empty()) GTEST_SKIP() << "gemma-3-270m-q4_k_m.gguf not installed (run scripts/get-models.sh)";
+  BatchInvariantOn bi;
+  EngineOptions o = gemma_window_options(path);
   o.autostart = false;
   Engine e(o);
   EXPECT_EQ(e.kv_shape().n_groups(), 6);  // 3 global layers, 15 sliding ones in 5 groups of 3
@@ -1165,13 +1173,7 @@ TEST(EngineWindows, GemmaOffloadedPrefixReadBack) {
   BatchInvariantOn bi;
   const fs::path dir = fs::temp_directory_path() / "kvq_test_offload_gemma";
   fs::create_directories(dir);
-  EngineOptions o;
-  o.model_path = path;
-  o.threads = 2;
-  o.ctx = 2048;
-  o.kv.page_tokens = 32;
-  o.max_batch = 128;
-  o.kv_tokens = 1100;  // one ~750-token sequence at a time
+  EngineOptions o = gemma_window_options(path);
   o.kv_offload_dir = dir.string();
   o.kv_offload_bytes = size_t(64) << 20;
   o.kv.kv_cache_dtype = "q4_0";
@@ -1212,12 +1214,7 @@ TEST_F(EngineTest, PreemptedSequencesReadTheirPagesBackFromTheTier) {
   {
     Engine e(o);
     const Tokenizer& tok = e.tokenizer();
-    std::vector<std::vector<int32_t>> prompts = {
-        tok.encode("Lily went to the park and", true),
-        tok.encode("Once upon a time there was a dog", true),
-        tok.encode("The sun was hot. Tim", true),
-        tok.encode("Sue liked to draw pictures of", true),
-    };
+    const std::vector<std::vector<int32_t>> prompts = four_short_prompts(tok);
     std::vector<Outcome> got = run_concurrently(e, prompts, greedy(60));
     const EngineMetrics m = e.metrics();
     EXPECT_GT(m.preemptions, 0u);

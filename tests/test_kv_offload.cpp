@@ -43,6 +43,26 @@ bool holds(const PagePool& pool, KvPageId page, uint8_t seed) {
   return true;
 }
 
+// A pool whose prefix index spills into a tier; detached and emptied in order at the end.
+struct Rig {
+  PagePool pool;
+  PrefixIndex idx;
+  std::unique_ptr<KvOffload> tier;
+  Rig(size_t pages, std::vector<int> groups = {0}) : pool(pages, kPageBytes, P), idx("id", P, std::move(groups), &test_key) {
+    pool.set_evictor(&idx);
+  }
+  KvOffload& attach(const fs::path& dir, size_t bytes, bool direct = false) {
+    tier = std::make_unique<KvOffload>(dir.string(), bytes, pool, direct);
+    idx.set_spill(tier.get());
+    return *tier;
+  }
+  ~Rig() {
+    idx.set_spill(nullptr);
+    pool.evict_idle();
+    pool.set_evictor(nullptr);
+  }
+};
+
 struct TierTest : ::testing::Test {
   fs::path dir;
   void SetUp() override {
@@ -56,11 +76,10 @@ struct TierTest : ::testing::Test {
 }  // namespace
 
 TEST_F(TierTest, EvictedPagesAreKeptAndReadBackOnlyForTheirPrefix) {
-  PagePool pool(3, kPageBytes, P);
-  PrefixIndex idx("id", P, test_key);
-  pool.set_evictor(&idx);
-  KvOffload tier(dir.string(), 4 * 8192, pool);
-  idx.set_spill(&tier);
+  Rig rig(3);
+  PagePool& pool = rig.pool;
+  PrefixIndex& idx = rig.idx;
+  KvOffload& tier = rig.attach(dir, 4 * 8192);
   EXPECT_EQ(tier.capacity_pages(), 4u);  // 5000-byte pages in 8 KiB slots
   EXPECT_TRUE(fs::is_empty(dir));         // the file is unlinked
 
@@ -123,17 +142,13 @@ TEST_F(TierTest, EvictedPagesAreKeptAndReadBackOnlyForTheirPrefix) {
   EXPECT_EQ(tier.stats().stored_pages, 2u);
   EXPECT_EQ(tier.stats().kept_pages, 2u);
   for (KvPageId p : again) pool.unref(p);
-  idx.set_spill(nullptr);
-  pool.evict_idle();
-  pool.set_evictor(nullptr);
 }
 
 TEST_F(TierTest, FullTierReusesTheLeastRecentlyUsedSlot) {
-  PagePool pool(2, kPageBytes, P);
-  PrefixIndex idx("id", P, test_key);
-  pool.set_evictor(&idx);
-  KvOffload tier(dir.string(), 2 * 8192, pool);
-  idx.set_spill(&tier);
+  Rig rig(2);
+  PagePool& pool = rig.pool;
+  PrefixIndex& idx = rig.idx;
+  KvOffload& tier = rig.attach(dir, 2 * 8192);
   // Three one-page prefixes computed and evicted in turn: the tier (2 slots) keeps the last two,
   // unless a touch made an older one the more recent.
   std::vector<KvHash> h(3);
@@ -161,19 +176,15 @@ TEST_F(TierTest, FullTierReusesTheLeastRecentlyUsedSlot) {
   ASSERT_TRUE(tier.load(h[0], 0, idx.root(), t[0].data(), p));
   EXPECT_TRUE(holds(pool, p, 0));
   pool.unref(p);
-  idx.set_spill(nullptr);
-  pool.evict_idle();
-  pool.set_evictor(nullptr);
 }
 
 TEST_F(TierTest, PageGroupsAreKeptApartAndRestoredAfterGroupZero) {
   // Group 1 is a sliding group (window 32): its page of a position is restored only once the
   // position's group-0 page is cached.
-  PagePool pool(4, kPageBytes, P);
-  PrefixIndex idx("id", P, std::vector<int>{0, 32}, &test_key);
-  pool.set_evictor(&idx);
-  KvOffload tier(dir.string(), 8 * 8192, pool);
-  idx.set_spill(&tier);
+  Rig rig(4, std::vector<int>{0, 32});
+  PagePool& pool = rig.pool;
+  PrefixIndex& idx = rig.idx;
+  KvOffload& tier = rig.attach(dir, 8 * 8192);
   const auto a = tokens_of(P, 5);
   std::vector<KvPageId> pages;
   ASSERT_TRUE(pool.alloc_n(2, pages));
@@ -203,9 +214,6 @@ TEST_F(TierTest, PageGroupsAreKeptApartAndRestoredAfterGroupZero) {
   EXPECT_EQ(m.window_pages[0][0], g1);
   pool.unref(g1);
   pool.unref(g0);
-  idx.set_spill(nullptr);
-  pool.evict_idle();
-  pool.set_evictor(nullptr);
 }
 
 TEST_F(TierTest, BadPlacesAndSizesAreRefused) {
@@ -228,11 +236,10 @@ TEST_F(TierTest, BadPlacesAndSizesAreRefused) {
 // writes that fail in a row on those (a limit of 0) stop the tier after KvOffload::kMaxWriteErrors.
 // Nothing throws, and what the tier holds stays readable.
 TEST_F(TierTest, FailedWritesShrinkTheTierThenStopIt) {
-  PagePool pool(2, kPageBytes, P);
-  PrefixIndex idx("id", P, test_key);
-  pool.set_evictor(&idx);
-  KvOffload tier(dir.string(), 64 * 8192, pool);
-  idx.set_spill(&tier);
+  Rig rig(2);
+  PagePool& pool = rig.pool;
+  PrefixIndex& idx = rig.idx;
+  KvOffload& tier = rig.attach(dir, 64 * 8192);
   const auto evict_one = [&](uint32_t seed, KvHash* h) {
     const auto t = tokens_of(P, seed);
     const KvPageId p = pool.alloc();
@@ -282,26 +289,21 @@ TEST_F(TierTest, FailedWritesShrinkTheTierThenStopIt) {
   for (const KvHash& h : lost) EXPECT_FALSE(tier.contains(h, 0));
   // The slot dropped for the first failed rewrite held later.back(); nothing else is held.
   EXPECT_EQ(s.resident_pages, 0u);
-  idx.set_spill(nullptr);
-  pool.evict_idle();
-  pool.set_evictor(nullptr);
 }
 
 // --kv-offload-direct: the same pages, through O_DIRECT and a bounce buffer (a 5000-byte page in an
 // 8 KiB slot); skipped where the temporary directory's file system refuses O_DIRECT (tmpfs).
 TEST_F(TierTest, DirectIoKeepsTheSameBytes) {
-  PagePool pool(2, kPageBytes, P);
-  PrefixIndex idx("id", P, test_key);
-  pool.set_evictor(&idx);
-  std::unique_ptr<KvOffload> tier;
+  Rig rig(2);
+  PagePool& pool = rig.pool;
+  PrefixIndex& idx = rig.idx;
   try {
-    tier = std::make_unique<KvOffload>(dir.string(), 4 * 8192, pool, true);
+    rig.attach(dir, 4 * 8192, true);
   } catch (const Error& e) {
-    pool.set_evictor(nullptr);
     ASSERT_NE(std::string(e.what()).find("does not take O_DIRECT"), std::string::npos) << e.what();
     GTEST_SKIP() << e.what();
   }
-  idx.set_spill(tier.get());
+  KvOffload* tier = rig.tier.get();
   std::vector<KvHash> h(2);
   std::vector<std::vector<int32_t>> t;
   for (int i = 0; i < 2; ++i) {
@@ -320,7 +322,4 @@ TEST_F(TierTest, DirectIoKeepsTheSameBytes) {
     EXPECT_TRUE(holds(pool, all[size_t(i)], uint8_t(40 + i)));
   }
   for (KvPageId q : all) pool.unref(q);
-  idx.set_spill(nullptr);
-  pool.evict_idle();
-  pool.set_evictor(nullptr);
 }

@@ -153,6 +153,16 @@ KvPrefixMatch PrefixIndex::lookup_after(const KvHash& parent_of_first, const int
   return m;
 }
 
+PrefixIndex::Entry PrefixIndex::new_entry(const KvHash& parent, const int32_t* tokens) const {
+  Entry e;
+  e.parent = parent;
+  e.tokens.assign(tokens, tokens + page_tokens_);
+  e.pages.assign(windows_.size(), kv_page_none);
+  e.idle.assign(windows_.size(), 0);
+  e.lru.resize(windows_.size());
+  return e;
+}
+
 PrefixIndex::Insert PrefixIndex::insert(const KvHash& parent, const int32_t* tokens, KvPageId page, KvHash* hash) {
   KVQ_CHECK(windows_.size() == 1, "insert of one page into an index of {} page groups", windows_.size());
   return insert(parent, tokens, std::vector<KvPageId>{page}, hash);
@@ -188,13 +198,7 @@ PrefixIndex::Insert PrefixIndex::insert(const KvHash& parent, const int32_t* tok
     }
     // Its group-0 page was evicted while sliding groups' pages stayed: fill the empty places.
   } else {
-    Entry fresh;
-    fresh.parent = parent;
-    fresh.tokens.assign(tokens, tokens + page_tokens_);
-    fresh.pages.assign(windows_.size(), kv_page_none);
-    fresh.idle.assign(windows_.size(), 0);
-    fresh.lru.resize(windows_.size());
-    e = &entries_.emplace(h, std::move(fresh)).first->second;
+    e = &entries_.emplace(h, new_entry(parent, tokens)).first->second;
   }
   for (size_t g = 0; g < pages.size(); ++g) {
     if (pages[g] == kv_page_none || e->pages[g] != kv_page_none) continue;
@@ -218,13 +222,7 @@ bool PrefixIndex::restore(const KvHash& parent, const int32_t* tokens, int group
   auto it = entries_.find(h);
   if (it == entries_.end()) {
     if (group != 0) return false;
-    Entry fresh;
-    fresh.parent = parent;
-    fresh.tokens.assign(tokens, tokens + page_tokens_);
-    fresh.pages.assign(windows_.size(), kv_page_none);
-    fresh.idle.assign(windows_.size(), 0);
-    fresh.lru.resize(windows_.size());
-    it = entries_.emplace(h, std::move(fresh)).first;
+    it = entries_.emplace(h, new_entry(parent, tokens)).first;
   } else {
     const Entry& e = it->second;
     if (!(e.parent == parent) || std::memcmp(e.tokens.data(), tokens, sizeof(int32_t) * size_t(page_tokens_)) != 0) {

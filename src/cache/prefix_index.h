@@ -214,6 +214,7 @@ class PrefixIndex : public KvPageEvictor {
     int group = 0;
   };
   Entry& entry_of(KvPageId page, int* group);
+  Entry new_entry(const KvHash& parent, const int32_t* tokens) const;  // no page cached yet
 
   std::string identity_;
   int page_tokens_ = 0;
