@@ -962,7 +962,7 @@ std::string metrics_prometheus(const EngineMetrics& m) {
         o.stored_pages);
     one("kvq_kv_offload_loaded_pages_total", "counter", "KV pages read back from the tier instead of recomputed.",
         o.loaded_pages);
-    one("kvq_kv_offload_hit_tokens_total", "counter", "Prompt tokens whose KV was read back from the tier.",
+    one("kvq_kv_offload_hit_tokens_total", "counter", "Prompt tokens adopted from KV pages read back from the tier (first admissions).",
         m.offload_hit_tokens);
     one("kvq_kv_offload_dropped_pages_total", "counter", "Pages the tier let go for newer ones (least recently used).",
         o.dropped_pages);

@@ -124,4 +124,25 @@ for how in flag env; do
   pid=
 done
 
+# the offload tier over HTTP: a pool of 5 pages holds one prompt; a document evicted by two other
+# prompts comes back from the tier for the next question on it
+mkdir -p "$tmp/tier2"
+"$kvq" serve -m "$model" --port 0 -t 1 -c 256 --kv-tokens 80 --kv int8 --kv-page-tokens 16 \
+  --kv-offload-dir "$tmp/tier2" --kv-offload-size 1MiB 2>"$tmp/tlog" &
+pid=$!
+port=$(wait_port "$tmp/tlog")
+url=http://127.0.0.1:$port
+doc="Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her friends. One day, she saw a big red ball"
+ask() { curl -s $url/v1/completions -H 'Content-Type: application/json' -d "{\"prompt\": \"$1\", \"max_tokens\": 8, \"temperature\": 0}" >/dev/null; }
+ask "$doc and"
+ask "Tom had a little dog named Max. Max liked to run and jump in the sun and the rain all day long and"
+ask "The sun was hot and the sky was blue. Sue and Ben went to the lake to swim with the ducks all day and"
+ask "$doc under a tree. She"
+curl -s $url/metrics >"$tmp/tm.txt"
+check "offload tier: the document's pages were written, read back and adopted" \
+  "awk '/^kvq_kv_offload_stored_pages_total/ {s=\$2} /^kvq_kv_offload_loaded_pages_total/ {l=\$2} /^kvq_kv_offload_hit_tokens_total/ {h=\$2} END {exit !(s > 0 && l >= 2 && h >= 32)}' $tmp/tm.txt"
+kill -TERM $pid
+wait $pid
+pid=
+
 finish serve
