@@ -18,29 +18,26 @@ namespace kvq {
 
 namespace {
 
-// Whole-buffer pwrite / pread: false on an error or an early end of file.
-bool write_all(int fd, const uint8_t* p, size_t n, off_t off) {
-  while (n > 0) {
-    const ssize_t w = ::pwrite(fd, p, n, off);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return false;
-    p += w;
-    n -= size_t(w);
-    off += w;
+// The whole of n bytes at offset off through io(done, count, offset) (a pwrite or pread of the
+// rest): false on an error or an early end of file.
+template <typename Io>
+bool whole(Io io, size_t n, off_t off) {
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t r = io(done, n - done, off + off_t(done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    done += size_t(r);
   }
   return true;
 }
 
+bool write_all(int fd, const uint8_t* p, size_t n, off_t off) {
+  return whole([&](size_t d, size_t m, off_t o) { return ::pwrite(fd, p + d, m, o); }, n, off);
+}
+
 bool read_all(int fd, uint8_t* p, size_t n, off_t off) {
-  while (n > 0) {
-    const ssize_t r = ::pread(fd, p, n, off);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    p += r;
-    n -= size_t(r);
-    off += r;
-  }
-  return true;
+  return whole([&](size_t d, size_t m, off_t o) { return ::pread(fd, p + d, m, o); }, n, off);
 }
 
 }  // namespace

@@ -129,14 +129,18 @@ void Engine::restore_offloaded(Seq& s, int n, size_t outstanding) {
     int g;     // page group
     KvPageId page;
   };
-  std::vector<Held> held;
+  std::vector<Held> held;  // the pages in the pool, then those read back
   size_t idle_needed = 0;
   for (size_t i = 0; i < k; ++i)
     for (int g = 0; g < G; ++g) {
       if (g > 0 && i < first_of(k, g)) continue;
       const KvPageId p = index_->page_of(s.keys[i], g);
-      if (p == kv_page_none) missing.emplace_back(i, g);
-      else if (pool_->is_idle(p)) ++idle_needed;
+      if (p == kv_page_none) {
+        missing.emplace_back(i, g);
+        continue;
+      }
+      held.push_back({i, g, p});
+      if (pool_->is_idle(p)) ++idle_needed;
     }
   if (missing.empty()) return;
   // Only when the request will be admitted with the prefix read back (the admission check that
@@ -149,14 +153,7 @@ void Engine::restore_offloaded(Seq& s, int n, size_t outstanding) {
   const size_t need = (total > kept ? total - kept : 0) + idle_needed + missing.size();
   if (need + outstanding > pool_->n_available()) return;
   const double t0 = now_seconds();
-  for (size_t i = 0; i < k; ++i)
-    for (int g = 0; g < G; ++g) {
-      if (g > 0 && i < first_of(k, g)) continue;
-      const KvPageId p = index_->page_of(s.keys[i], g);
-      if (p == kv_page_none) continue;
-      pool_->ref(p);
-      held.push_back({i, g, p});
-    }
+  for (const Held& h : held) pool_->ref(h.page);
   s.restored = true;
   for (const auto& [i, g] : missing) offload_->touch(s.keys[i], g);
   for (const auto& [i, g] : missing) {
