@@ -122,7 +122,7 @@ int serve_command(ServeOptions o) {
       o.engine.tpot_target_ms > 0 ? fmt::format(", {:g} ms per output token targeted", o.engine.tpot_target_ms) : "";
   const EngineMetrics em = engine.metrics();
   const std::string offload =
-      o.engine.kv_offload_bytes > 0
+      em.offload  // a tier was made (none where prefixes are private)
           ? fmt::format(", offload tier {} pages ({:.1f} MiB) in {}", em.offload_stats.capacity_pages,
                         double(em.offload_stats.capacity_pages) * double(em.offload_stats.page_bytes) / 1048576.0,
                         o.engine.kv_offload_dir)
