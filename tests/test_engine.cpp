@@ -1126,6 +1126,88 @@ TEST_F(EngineTest, OffloadedPrefixIsReadBackAndOutputsStayEqual) {
   fs::remove_all(dir);
 }
 
+// --kv-offload-persist: the document a run computed (its pages in the pool when the engine stops,
+// written to the tier then) is read back by the next run's question on it, under the same hash key,
+// and the answer equals the request alone. The model is named by its content: a copy of the file
+// under another path finds the same tier; another KV format has a file of its own; a run without
+// persistence leaves the files alone.
+TEST_F(EngineTest, PersistentOffloadTierServesTheNextRun) {
+  const fs::path dir = fs::temp_directory_path() / "kvq_test_offload_persist";
+  const fs::path copy_dir = fs::temp_directory_path() / "kvq_test_offload_persist_model";
+  fs::remove_all(dir);
+  fs::remove_all(copy_dir);
+  fs::create_directories(dir);
+  fs::create_directories(copy_dir);
+  const auto options = [&](const char* kv) {
+    EngineOptions o = base_options(160);
+    o.kv.kv_cache_dtype = kv;
+    o.kv_offload_dir = dir.string();
+    o.kv_offload_bytes = size_t(4) << 20;
+    o.kv_offload_persist = true;
+    return o;
+  };
+  const auto files = [&] {
+    size_t n = 0;
+    for ([[maybe_unused]] const auto& e : fs::directory_iterator(dir)) ++n;
+    return n;
+  };
+  const std::string doc = std::string(kShared) + " ran to get it. The ball was shiny and new.";
+  std::vector<int32_t> first, later;
+  {
+    Engine e(options("int8"));
+    first = e.tokenizer().encode(doc + " Lily said", true);
+    later = e.tokenizer().encode(doc + " Her mom smiled and", true);
+    EXPECT_EQ(e.metrics().offload_stats.pages_at_start, 0u);
+    EXPECT_TRUE(e.metrics().offload_stats.persistent);
+    EXPECT_EQ(e.generate(first, greedy(8)).finish_reason, "length");
+    EXPECT_EQ(e.metrics().offload_stats.stored_pages, 0u);  // all in the pool still
+  }
+  EXPECT_EQ(files(), 1u);
+  const int pages = int(std::min(common_prefix(first, later), later.size() - 1) / 16);
+  ASSERT_GE(pages, 4);
+  fs::copy_file(model_path(), copy_dir / "renamed.gguf");
+  for (const bool renamed : {false, true}) {
+    SCOPED_TRACE(renamed ? "the model under another path" : "the same model file");
+    EngineOptions o = options("int8");
+    if (renamed) o.model_path = (copy_dir / "renamed.gguf").string();
+    Engine e(o);
+    const EngineMetrics before = e.metrics();
+    // The first run left the document's pages; the second, this very prompt's.
+    const int hit = renamed ? int((later.size() - 1) / 16) : pages;
+    EXPECT_GE(before.offload_stats.pages_at_start, size_t(hit));
+    const GenResult g = e.generate(later, greedy(12));
+    const EngineMetrics after = e.metrics();
+    EXPECT_EQ(g.finish_reason, "length") << g.error;
+    EXPECT_EQ(g.cached_tokens, hit * 16);
+    EXPECT_EQ(after.offload_stats.loaded_pages - before.offload_stats.loaded_pages, uint64_t(hit));
+    EXPECT_EQ(after.offload_hit_tokens - before.offload_hit_tokens, uint64_t(hit * 16));
+    EXPECT_EQ(after.offload_stats.read_errors, 0u);
+    EXPECT_EQ(g.tokens, greedy_alone(e, later, 12, "int8"));
+    expect_pool_clean(e);
+  }
+  EXPECT_EQ(files(), 1u);
+  {
+    Engine e(options("f16"));  // another identity
+    EXPECT_EQ(e.metrics().offload_stats.pages_at_start, 0u);
+    const GenResult g = e.generate(later, greedy(4));
+    EXPECT_EQ(g.cached_tokens, 0);
+  }
+  EXPECT_EQ(files(), 2u);
+  {
+    EngineOptions o = options("int8");
+    o.kv_offload_persist = false;
+    Engine e(o);
+    EXPECT_EQ(e.generate(later, greedy(4)).cached_tokens, 0);
+  }
+  EXPECT_EQ(files(), 2u);
+  {
+    Engine e(options("int8"));
+    EXPECT_GE(e.metrics().offload_stats.pages_at_start, size_t(pages));
+  }
+  fs::remove_all(dir);
+  fs::remove_all(copy_dir);
+}
+
 TEST_F(EngineTest, OffloadOptionsAreChecked) {
   const fs::path dir = fs::temp_directory_path() / "kvq_test_offload_opts";
   fs::create_directories(dir);
@@ -1147,6 +1229,9 @@ TEST_F(EngineTest, OffloadOptionsAreChecked) {
   o.kv_offload_direct = true;
   EXPECT_NE(error_of(o).find("--kv-offload-direct needs"), std::string::npos);
   o.kv_offload_direct = false;
+  o.kv_offload_persist = true;
+  EXPECT_NE(error_of(o).find("--kv-offload-persist needs"), std::string::npos);
+  o.kv_offload_persist = false;
   o.kv_offload_dir = dir.string();
   o.kv_offload_bytes = 1 << 20;
   o.kv_offload_dir = (dir / "missing").string();

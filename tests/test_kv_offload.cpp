@@ -5,9 +5,12 @@
 #include <gtest/gtest.h>
 
 #include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <csignal>
 #include <filesystem>
+#include <fstream>
 #include <random>
 
 #include "cache/kv_offload.h"
@@ -55,6 +58,35 @@ struct Rig {
     tier = std::make_unique<KvOffload>(dir.string(), bytes, pool, direct);
     idx.set_spill(tier.get());
     return *tier;
+  }
+  // A persistent tier (KvOffloadOptions::persist) for cache identity `id`.
+  KvOffload& attach_persistent(const fs::path& dir, size_t bytes, const std::string& id, bool direct = false) {
+    tier = std::make_unique<KvOffload>(KvOffloadOptions{dir.string(), bytes, direct, true, id}, pool);
+    idx.set_spill(tier.get());
+    return *tier;
+  }
+  // A one-page prefix of `seed`'s tokens and bytes, computed, released and evicted (into the tier):
+  // its hash.
+  KvHash evict_one(uint32_t seed) {
+    const auto t = tokens_of(P, seed);
+    const KvPageId p = pool.alloc();
+    EXPECT_NE(p, kv_page_none);
+    fill(pool, p, uint8_t(seed));
+    KvHash h;
+    EXPECT_EQ(idx.insert(idx.root(), t.data(), p, &h), PrefixIndex::Insert::inserted);
+    pool.unref(p);
+    std::vector<KvPageId> all;
+    EXPECT_TRUE(pool.alloc_n(pool.n_available(), all));
+    for (KvPageId q : all) pool.unref(q);
+    return h;
+  }
+  // The tier gives back `seed`'s page (evict_one) byte for byte.
+  bool gives_back(const KvHash& h, uint32_t seed) {
+    const KvPageId p = pool.alloc();
+    const bool ok = p != kv_page_none && tier->load(h, 0, idx.root(), tokens_of(P, seed).data(), p) &&
+                    holds(pool, p, uint8_t(seed));
+    if (p != kv_page_none) pool.unref(p);
+    return ok;
   }
   ~Rig() {
     idx.set_spill(nullptr);
@@ -322,4 +354,194 @@ TEST_F(TierTest, DirectIoKeepsTheSameBytes) {
     EXPECT_TRUE(holds(pool, all[size_t(i)], uint8_t(40 + i)));
   }
   for (KvPageId q : all) pool.unref(q);
+}
+
+// --kv-offload-persist: the tier's file outlives the tier. The next tier with the same identity
+// starts from its pages (every one readable, byte for byte), in their order of use, with the same
+// hash key; a tier with another identity has a file of its own. Through O_DIRECT too (skipped
+// where the file system refuses it).
+TEST_F(TierTest, PersistentTierKeepsItsPagesForTheNextRun) {
+  for (const bool direct : {false, true}) {
+    SCOPED_TRACE(direct ? "O_DIRECT" : "buffered");
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    KvHashKey key;
+    std::vector<KvHash> h(3);
+    {
+      Rig rig(2);
+      try {
+        rig.attach_persistent(dir, 4 * 8192, "model A; int8");
+      } catch (const Error& e) {
+        ASSERT_TRUE(direct) << e.what();
+        GTEST_SKIP() << e.what();
+      }
+      if (direct) {
+        try {
+          rig.tier.reset();
+          rig.attach_persistent(dir, 4 * 8192, "model A; int8", true);
+        } catch (const Error& e) {
+          ASSERT_NE(std::string(e.what()).find("does not take O_DIRECT"), std::string::npos) << e.what();
+          GTEST_SKIP() << e.what();
+        }
+      }
+      KvOffload& tier = *rig.tier;
+      EXPECT_TRUE(tier.persistent());
+      EXPECT_EQ(tier.stats().pages_at_start, 0u);
+      EXPECT_EQ(tier.path(), KvOffload::persistent_path(dir.string(), "model A; int8"));
+      EXPECT_TRUE(fs::exists(tier.path()));
+      for (int i = 0; i < 3; ++i) h[size_t(i)] = rig.evict_one(uint32_t(i));
+      tier.touch(h[0], 0);  // order of use: 1, 2, 0
+      key = tier.key();
+    }  // saved
+    ASSERT_TRUE(fs::exists(KvOffload::persistent_path(dir.string(), "model A; int8")));
+    {
+      Rig rig(2);
+      KvOffload& tier = rig.attach_persistent(dir, 4 * 8192, "model A; int8", direct);
+      EXPECT_EQ(tier.stats().pages_at_start, 3u);
+      EXPECT_EQ(tier.stats().resident_pages, 3u);
+      EXPECT_EQ(tier.key().k0, key.k0);
+      EXPECT_EQ(tier.key().k3, key.k3);
+      for (int i = 0; i < 3; ++i) EXPECT_TRUE(tier.contains(h[size_t(i)], 0));
+      // Two newer pages fill the 4 slots and take the least recently used: h[1].
+      rig.evict_one(10);
+      rig.evict_one(11);
+      EXPECT_FALSE(tier.contains(h[1], 0));
+      EXPECT_TRUE(rig.gives_back(h[0], 0));
+      EXPECT_TRUE(rig.gives_back(h[2], 2));
+      EXPECT_EQ(tier.stats().read_errors, 0u);
+    }
+    {
+      Rig rig(2);
+      KvOffload& tier = rig.attach_persistent(dir, 4 * 8192, "model B; int8", direct);
+      EXPECT_EQ(tier.stats().pages_at_start, 0u);
+      EXPECT_FALSE(tier.contains(h[0], 0));
+      EXPECT_NE(tier.path(), KvOffload::persistent_path(dir.string(), "model A; int8"));
+    }
+    size_t files = 0;
+    for ([[maybe_unused]] const auto& e : fs::directory_iterator(dir)) ++files;
+    EXPECT_EQ(files, 2u);
+  }
+}
+
+namespace {
+// Runs f in a child process that then ends at once (_exit: no destructor, as a killed server):
+// its exit status.
+template <typename F>
+int in_child(F f) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const int rc = f();
+    ::_exit(rc);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+}  // namespace
+
+// A run that ends without saving (killed): if it wrote pages, the next run does not trust the
+// file and starts empty; if it only read, the file is as it was saved and still serves.
+TEST_F(TierTest, PersistentTierKilledAfterWritingStartsEmpty) {
+  const std::string id = "model A; q4_0";
+  KvHash h0;
+  {
+    Rig rig(2);
+    rig.attach_persistent(dir, 4 * 8192, id);
+    h0 = rig.evict_one(1);
+  }
+  // Killed after reading only.
+  EXPECT_EQ(in_child([&] {
+              Rig* rig = new Rig(2);  // never destroyed
+              rig->attach_persistent(dir, 4 * 8192, id);
+              return rig->gives_back(h0, 1) ? 0 : 3;
+            }),
+            0);
+  {
+    Rig rig(2);
+    KvOffload& tier = rig.attach_persistent(dir, 4 * 8192, id);
+    EXPECT_EQ(tier.stats().pages_at_start, 1u);
+    EXPECT_TRUE(rig.gives_back(h0, 1));
+  }
+  // Killed after writing a page.
+  EXPECT_EQ(in_child([&] {
+              Rig* rig = new Rig(2);
+              rig->attach_persistent(dir, 4 * 8192, id);
+              rig->evict_one(2);
+              return rig->tier->stats().stored_pages == 1 ? 0 : 3;
+            }),
+            0);
+  Rig rig(2);
+  KvOffload& tier = rig.attach_persistent(dir, 4 * 8192, id);
+  EXPECT_EQ(tier.stats().pages_at_start, 0u);
+  EXPECT_FALSE(tier.contains(h0, 0));
+  // It goes on as a new tier.
+  const KvHash h3 = rig.evict_one(3);
+  EXPECT_TRUE(rig.gives_back(h3, 3));
+}
+
+// A damaged file (its header, its index, the identity it names, a truncation) starts empty; a
+// second tier on a file in use is refused; a smaller tier keeps the pages of the slots it has.
+TEST_F(TierTest, PersistentTierRefusesDamagedOrBusyFilesAndShrinks) {
+  const std::string id = "model A; f16";
+  const std::string path = KvOffload::persistent_path(dir.string(), id);
+  std::vector<KvHash> h(3);
+  const auto save_three = [&] {
+    fs::remove(path);
+    Rig rig(2);
+    rig.attach_persistent(dir, 4 * 8192, id);
+    for (int i = 0; i < 3; ++i) h[size_t(i)] = rig.evict_one(uint32_t(20 + i));
+  };
+  const auto pages_at_start = [&] {
+    Rig rig(2);
+    return rig.attach_persistent(dir, 4 * 8192, id).stats().pages_at_start;
+  };
+  const auto flip = [&](std::streamoff at) {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(at);
+    char c = 0;
+    f.read(&c, 1);
+    c = char(c ^ 0x40);
+    f.seekp(at);
+    f.write(&c, 1);
+  };
+  save_three();
+  EXPECT_EQ(pages_at_start(), 3u);  // (and saved again as it was)
+  const auto size = std::streamoff(fs::file_size(path));
+  flip(size - 5);  // the index's last entry
+  EXPECT_EQ(pages_at_start(), 0u);
+  save_three();
+  flip(20);  // the header
+  EXPECT_EQ(pages_at_start(), 0u);
+  save_three();
+  flip(4096 + 3);  // the identity string
+  EXPECT_EQ(pages_at_start(), 0u);
+  save_three();
+  fs::resize_file(path, fs::file_size(path) - 100);
+  EXPECT_EQ(pages_at_start(), 0u);
+
+  // Busy: one tier per file.
+  save_three();
+  {
+    Rig rig(2);
+    rig.attach_persistent(dir, 4 * 8192, id);
+    PagePool other(1, kPageBytes, P);
+    try {
+      KvOffload second(KvOffloadOptions{dir.string(), 4 * 8192, false, true, id}, other);
+      ADD_FAILURE() << "a second tier opened a file in use";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("in use by another process"), std::string::npos) << e.what();
+    }
+  }
+  // A smaller tier: the pages of its slots (the first two stored) stay.
+  {
+    Rig rig(2);
+    KvOffload& tier = rig.attach_persistent(dir, 2 * 8192, id);
+    EXPECT_EQ(tier.stats().pages_at_start, 2u);
+    EXPECT_TRUE(rig.gives_back(h[0], 20));
+    EXPECT_TRUE(rig.gives_back(h[1], 21));
+    EXPECT_FALSE(tier.contains(h[2], 0));
+  }
+  // No identity: refused.
+  PagePool pool(1, kPageBytes, P);
+  EXPECT_THROW(KvOffload(KvOffloadOptions{dir.string(), 4 * 8192, false, true, ""}, pool), Error);
 }

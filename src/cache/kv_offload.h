@@ -12,9 +12,22 @@
 // Slots are named by the page's chain hash and page group, as the prefix index names pages, and
 // a load checks the slot's stored parent hash and token ids against the query, so only the same
 // tokens after the same prefix, under the same cache identity, ever match. The index of slots
-// lives in memory: the tier lasts as long as the process (the hashes' keys are drawn per
-// process), and its file is unlinked as soon as it is created, so nothing is left on disk.
-// When the tier is full the least recently stored or loaded slot is reused.
+// lives in memory. When the tier is full the least recently stored or loaded slot is reused.
+//
+// Two lifetimes:
+// - by default the tier lasts as long as the process: its file is unlinked as soon as it is
+//   created, so nothing is left on disk, and the prefix index draws its hash keys per process;
+// - persistent (KvOffloadOptions::persist): the file is DIR/kvq-offload-<id>.kvq, <id> a hash of
+//   the cache identity (everything the page bytes depend on: the model's content fingerprint, the
+//   codecs, the page layout; KvCache::prefix_identity), locked against a second process, and kept
+//   when the tier closes (save(): the slots' index, least recently used first, after the slots,
+//   and a header marked clean). The next tier opened with the same identity starts from it: it
+//   takes the file's hash key (key(), for the prefix index, so the pages' chain hashes are the
+//   same as in the run that wrote them) and its slots. A file not closed cleanly (the process
+//   was killed), or written by another layout version, starts empty; so does a damaged one (its
+//   header and index are checksummed).
+//   File layout: a 4 KiB header; the identity string, padded to 4 KiB; the slots (slot_bytes
+//   each, 4 KiB-aligned, as O_DIRECT needs); after a clean close, the index.
 //
 // Failures lose nothing: a write that fails leaves the page uncached, as without the tier. When it
 // was a slot past the file's end (a full disk, a file size limit) the tier shrinks to the slots it
@@ -22,7 +35,7 @@
 // writing. A read that fails or returns short is a miss, and the prefix is recomputed.
 //
 // Threading: not synchronized; the pool's thread (the scheduler's) owns it, as it owns the pool
-// and the index.
+// and the index. A persistent tier's file is also locked (flock) against other processes.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -50,16 +63,31 @@ struct KvOffloadStats {
   uint64_t read_errors = 0;    // reads that failed or came back short (treated as misses)
   double write_seconds = 0;
   double read_seconds = 0;
+  size_t pages_at_start = 0;   // persistent tier: pages kept from the run that saved its file
+  bool persistent = false;
   bool writing = true;         // false once kMaxWriteErrors writes in a row failed, or no slot is left
+};
+
+struct KvOffloadOptions {
+  std::string dir;            // where the tier's file goes
+  size_t capacity_bytes = 0;  // whole pages of the pool's page_bytes (each padded to 4 KiB)
+  // The file is read and written with O_DIRECT, past the OS page cache (so the tier takes no
+  // memory beyond the pool, and every load comes from the device).
+  bool direct = false;
+  // Keep the file across runs (see above); identity is then required: the cache identity the
+  // pages' bytes depend on (KvCache::prefix_identity with a model fingerprint, not a path).
+  bool persist = false;
+  std::string identity;
 };
 
 class KvOffload : public KvPageSpill {
  public:
-  // A tier of capacity_bytes (whole pages of the pool's page_bytes) in an unlinked file created in
-  // directory `dir`. direct: the file is read and written with O_DIRECT, past the OS page cache
-  // (so the tier takes no memory beyond the pool, and every load comes from the device). Throws
-  // kvq::Error when the directory cannot hold such a file or the capacity is below one page.
+  // Throws kvq::Error when the directory cannot hold the tier's file, the capacity is below one
+  // page, or (persistent) another process holds the file.
+  KvOffload(const KvOffloadOptions& o, PagePool& pool);
+  // A tier of capacity_bytes in an unlinked file created in directory `dir`.
   KvOffload(const std::string& dir, size_t capacity_bytes, PagePool& pool, bool direct = false);
+  // A persistent tier that was not saved is saved.
   ~KvOffload() override;
   KvOffload(const KvOffload&) = delete;
   KvOffload& operator=(const KvOffload&) = delete;
@@ -81,6 +109,19 @@ class KvOffload : public KvPageSpill {
   size_t capacity_pages() const { return capacity_; }
   static constexpr int kMaxWriteErrors = 8;
 
+  // The prefix index's hash key: the file's when a persistent tier started from one, else drawn
+  // at random. Persistent tiers only (the default tier leaves the index its own key).
+  const KvHashKey& key() const { return key_; }
+  bool persistent() const { return persist_; }
+  const std::string& path() const { return path_; }  // persistent: the file
+  // Persistent tier: makes the slots durable and writes their index and a clean header, so that
+  // the next tier with the same identity starts from them. The tier stays usable (its header is
+  // marked in use again at the next write). False (with a warning) when the file could not be
+  // written: the next run then starts empty. No-op for the default tier.
+  bool save();
+  // A persistent file's name in `dir` for a cache identity.
+  static std::string persistent_path(const std::string& dir, const std::string& identity);
+
  private:
   struct Key {
     KvHash hash;
@@ -100,12 +141,24 @@ class KvOffload : public KvPageSpill {
     bool used = false;
   };
   void drop(size_t slot);
+  void open_persistent(const KvOffloadOptions& o);
+  bool load_persistent(const KvOffloadOptions& o, std::string* why);  // the saved slots, if the file has them
+  bool write_header(bool clean, uint64_t table_entries, uint64_t table_check);
+  bool mark_in_use();  // before the first write after a save (or after opening); false: not marked
 
   bool write_slot(size_t slot, const uint8_t* page);
   bool read_slot(size_t slot, uint8_t* page);
 
   PagePool& pool_;
   int fd_ = -1;
+  int meta_fd_ = -1;  // persistent: the same file, buffered (header, identity, index)
+  bool persist_ = false;
+  bool in_use_marked_ = false;  // persistent: the header says "in use" (not clean) on disk
+  std::string path_;
+  std::string identity_;  // persistent: written after the header
+  size_t file_slots_ = 0;  // persistent: slots the file held when opened (writes there do not extend it)
+  KvHashKey key_{};
+  uint64_t data_offset_ = 0;  // where slot 0 starts
   bool direct_ = false;
   std::unique_ptr<uint8_t[], AlignedFree> bounce_;  // (slot_bytes_,) 4 KiB-aligned, for O_DIRECT
   size_t slot_bytes_ = 0;  // page_bytes rounded up to 4 KiB

@@ -29,7 +29,9 @@ inline void store_le64(uint8_t* p, uint64_t x) {
   for (int i = 0; i < 8; ++i) p[i] = uint8_t(x >> (8 * i));
 }
 
-KvHashKey random_key() {
+}  // namespace
+
+KvHashKey kv_random_key() {
   std::random_device rd;
   auto r64 = [&] { return (uint64_t(rd()) << 32) ^ uint64_t(rd()); };
   KvHashKey k;
@@ -39,8 +41,6 @@ KvHashKey random_key() {
   k.k3 = r64();
   return k;
 }
-
-}  // namespace
 
 uint64_t kv_siphash24(uint64_t k0, uint64_t k1, const void* data, size_t n) {
   const auto* p = static_cast<const uint8_t*>(data);
@@ -80,7 +80,7 @@ PrefixIndex::PrefixIndex(std::string identity, int page_tokens, const KvHashKey&
 
 PrefixIndex::PrefixIndex(std::string identity, int page_tokens, std::vector<int> group_windows, const KvHashKey* key)
     : identity_(std::move(identity)), page_tokens_(page_tokens), windows_(std::move(group_windows)),
-      key_(key ? *key : random_key()) {
+      key_(key ? *key : kv_random_key()) {
   if (page_tokens < 16 || page_tokens > 256 || (page_tokens & (page_tokens - 1)))
     fail("prefix index: page size {} tokens must be a power of two in 16..256", page_tokens);
   if (windows_.empty() || windows_[0] != 0) fail("prefix index: page group 0 must hold full-attention layers");

@@ -74,6 +74,8 @@ struct KvHashKey {  // 128-bit hash: two SipHash-2-4 keys
   uint64_t k0 = 0, k1 = 0, k2 = 0, k3 = 0;
 };
 KvHash kv_hash128(const KvHashKey& key, const void* data, size_t n);
+// A key drawn from std::random_device.
+KvHashKey kv_random_key();
 
 // The first page (of page_tokens tokens) a sliding-window layer of `window` positions still reads
 // once a sequence holds n_tokens tokens: its next query, at position n_tokens, sees positions

@@ -100,6 +100,29 @@ size_t Engine::outstanding_pages() const {
   return total;
 }
 
+std::string gguf_fingerprint(const gguf::File& f) {
+  // The file's size, its first MiB (the header, metadata and tensor table, and the first
+  // tensors), 64 blocks of 4 KiB spread evenly over the rest, and its last 4 KiB: a change of
+  // weights, quantization or metadata changes it (an edit that spares every sampled block does
+  // not; the fingerprint names a file, it does not authenticate one).
+  const uint8_t* p = f.image();
+  const size_t n = f.image_size();
+  std::vector<uint8_t> buf;
+  const auto take = [&](size_t at, size_t len) {
+    len = std::min(len, n - std::min(n, at));
+    buf.insert(buf.end(), p + at, p + at + len);
+  };
+  const size_t head = std::min(n, size_t(1) << 20), block = 4096;
+  take(0, head);
+  if (n > head)
+    for (int i = 0; i < 64; ++i) take(head + (n - head) / 64 * size_t(i), block);
+  if (n > block) take(n - block, block);
+  const uint64_t size = n;
+  buf.insert(buf.end(), reinterpret_cast<const uint8_t*>(&size), reinterpret_cast<const uint8_t*>(&size) + 8);
+  const KvHash h = kv_hash128(KvHashKey{0x6767756666707231ull, 0x6b76712d6d6f646cull, 3, 4}, buf.data(), buf.size());
+  return fmt::format("gguf:{}:{:016x}{:016x}", n, h.hi, h.lo);
+}
+
 void Engine::restore_offloaded(Seq& s, int n, size_t outstanding) {
   // The longest prefix of s's first n tokens whose pages are cached in the pool or kept in the
   // offload tier: group 0 for every page, and each sliding group for the pages its window still
@@ -390,7 +413,8 @@ Engine::Engine(const EngineOptions& o) : opt_(o) {
   kv_ = kv_flags_resolve(o.kv, *model_);
   kcfg_ = model_->kv_cache_config(kv_.policy, ctx_, o.kv.page_tokens);
   kv_.apply(kcfg_);
-  kcfg_.model_id = o.model_path;
+  // A persistent offload tier outlives the path: the model is named by its content.
+  kcfg_.model_id = o.kv_offload_persist ? gguf_fingerprint(model_->file()) : o.model_path;
   const int threads = resolve_threads(o.threads);
   threads_ = std::make_unique<ThreadPool>(threads);
   fwd_ = std::make_unique<Forward>(*model_, *threads_, o.max_batch);
@@ -415,8 +439,6 @@ Engine::Engine(const EngineOptions& o) : opt_(o) {
     }
   }
   shape_ = std::make_unique<KvCache>(kcfg_, pool_.get());
-  index_ = kv_cache_prefix_index(*shape_);
-  pool_->set_evictor(index_.get());
   if (o.kv_offload_bytes > 0) {
     if (o.kv_offload_dir.empty()) fail("--kv-offload-size needs --kv-offload-dir (where the tier's file goes)");
     if (!shape_->prefix_shareable()) {
@@ -424,14 +446,24 @@ Engine::Engine(const EngineOptions& o) : opt_(o) {
                    "[kvq] warning: this KV configuration keeps prefixes private (a full-precision window): "
                    "no offload tier (--kv-offload-size) is made, as it would have nothing to keep\n");
     } else {
-      offload_ = std::make_unique<KvOffload>(o.kv_offload_dir, o.kv_offload_bytes, *pool_, o.kv_offload_direct);
-      index_->set_spill(offload_.get());
+      KvOffloadOptions to;
+      to.dir = o.kv_offload_dir;
+      to.capacity_bytes = o.kv_offload_bytes;
+      to.direct = o.kv_offload_direct;
+      to.persist = o.kv_offload_persist;
+      if (to.persist) to.identity = shape_->prefix_identity();
+      offload_ = std::make_unique<KvOffload>(to, *pool_);
     }
   } else if (!o.kv_offload_dir.empty()) {
     fail("--kv-offload-dir needs --kv-offload-size (the tier's size, e.g. 4GiB)");
-  } else if (o.kv_offload_direct) {
-    fail("--kv-offload-direct needs --kv-offload-dir and --kv-offload-size");
+  } else if (o.kv_offload_direct || o.kv_offload_persist) {
+    fail("{} needs --kv-offload-dir and --kv-offload-size",
+         o.kv_offload_direct ? "--kv-offload-direct" : "--kv-offload-persist");
   }
+  // A persistent tier's pages were hashed under its file's key: the index takes the same.
+  index_ = kv_cache_prefix_index(*shape_, offload_ && offload_->persistent() ? &offload_->key() : nullptr);
+  pool_->set_evictor(index_.get());
+  if (offload_) index_->set_spill(offload_.get());
   kv_capacity_ = size_t(shape_->tokens_in_pages(pool_->n_pages(), o.max_batch));
   metrics_.kv_tokens_capacity = kv_capacity_;
   if (offload_) {
@@ -456,7 +488,13 @@ Engine::~Engine() {
   running_.clear();
   waiting_.clear();
   incoming_.clear();
-  index_->set_spill(nullptr);  // emptying the pool is no eviction worth keeping
+  if (offload_ && offload_->persistent()) {
+    // The pool's cached prefixes are the most recent: they go to the tier (least recently used
+    // first), which is then saved for the next run.
+    pool_->evict_idle();
+    offload_->save();
+  }
+  index_->set_spill(nullptr);  // otherwise emptying the pool is no eviction worth keeping
   pool_->evict_idle();
   pool_->set_evictor(nullptr);
 }

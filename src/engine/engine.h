@@ -86,6 +86,10 @@ struct EngineOptions {
   size_t kv_offload_bytes = 0;
   std::string kv_offload_dir;
   bool kv_offload_direct = false;  // the tier's file past the OS page cache (O_DIRECT)
+  // The tier's file is kept across runs (KvOffloadOptions::persist): named by the cache identity,
+  // with the model named by a fingerprint of its file's content instead of its path, and saved
+  // when the engine stops, after the pool's cached prefix pages have been written to it.
+  bool kv_offload_persist = false;
   size_t kv_mem = 0;          // KV pool budget in bytes (0: use kv_tokens)
   size_t kv_tokens = 0;       // KV pool size in tokens (0 and kv_mem 0: 8 contexts' worth)
   int ctx = 0;                // context per sequence (0: the model's)
@@ -191,6 +195,10 @@ struct EngineMetrics {
 // prefills with the fewest tokens left (after that first share) first, ties to the older, each up
 // to its limit. So a short prompt is not held back by a long one ahead of it (which still gets
 // oldest_tokens a step), and equal prompts run oldest first. Returns each prefill's tokens.
+// A name for a GGUF file's content (size and sampled bytes hashed): what a persistent offload
+// tier's identity names the model by (EngineOptions::kv_offload_persist).
+std::string gguf_fingerprint(const gguf::File& f);
+
 std::vector<int> prefill_shares(const std::vector<int>& limits, const std::vector<int>& left, int budget,
                                 int oldest_tokens);
 

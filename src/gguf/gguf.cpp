@@ -335,6 +335,8 @@ struct Parser {
 std::unique_ptr<File> File::parse(const uint8_t* data, size_t size, const std::string& name) {
   std::unique_ptr<File> f(new File());
   f->path_ = name;
+  f->image_ = data;
+  f->image_size_ = size;
   Parser p(*f, data, size);
   p.parse();
   return f;
@@ -367,6 +369,8 @@ std::unique_ptr<File> File::open(const std::string& path) {
   if (m == MAP_FAILED) fail("{}: mmap failed: {}", path, std::strerror(e));
   f->map_ = m;  // owned from here: ~File unmaps even if parsing throws
   f->map_size_ = size;
+  f->image_ = static_cast<const uint8_t*>(m);
+  f->image_size_ = size;
   Parser p(*f, static_cast<const uint8_t*>(m), size);
   p.parse();
   return f;

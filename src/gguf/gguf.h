@@ -80,6 +80,9 @@ class File {
   // Sum of all tensors' nbytes (weights memory).
   size_t tensor_bytes() const;
   const std::string& path() const { return path_; }
+  // The whole file as mapped (or the buffer given to parse).
+  const uint8_t* image() const { return image_; }
+  size_t image_size() const { return image_size_; }
 
  private:
   File() = default;
@@ -90,6 +93,8 @@ class File {
   std::vector<TensorInfo> tensors_;
   void* map_ = nullptr;
   size_t map_size_ = 0;
+  const uint8_t* image_ = nullptr;
+  size_t image_size_ = 0;
   friend struct Parser;
 };
 

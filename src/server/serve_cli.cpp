@@ -26,6 +26,7 @@ void serve_add_cli(CLI::App& app, ServeOptions& o) {
   app.add_option("--kv-offload-dir", o.engine.kv_offload_dir, kKvOffloadDirHelp);
   app.add_option("--kv-offload-size", o.kv_offload_size, kKvOffloadSizeHelp);
   app.add_flag("--kv-offload-direct", o.engine.kv_offload_direct, kKvOffloadDirectHelp);
+  app.add_flag("--kv-offload-persist", o.engine.kv_offload_persist, kKvOffloadPersistHelp);
   app.add_option("-t,--threads", o.engine.threads, "threads (default: all hardware threads)")->check(CLI::Range(1, 1024));
   app.add_option("--max-batch", o.engine.max_batch, "tokens per step (decode + prefill chunks)")->capture_default_str();
   app.add_option("--max-running", o.engine.max_running, "sequences running at once")->capture_default_str();
@@ -123,9 +124,12 @@ int serve_command(ServeOptions o) {
   const EngineMetrics em = engine.metrics();
   const std::string offload =
       em.offload  // a tier was made (none where prefixes are private)
-          ? fmt::format(", offload tier {} pages ({:.1f} MiB) in {}", em.offload_stats.capacity_pages,
+          ? fmt::format(", offload tier {} pages ({:.1f} MiB) in {}{}", em.offload_stats.capacity_pages,
                         double(em.offload_stats.capacity_pages) * double(em.offload_stats.page_bytes) / 1048576.0,
-                        o.engine.kv_offload_dir)
+                        o.engine.kv_offload_dir,
+                        em.offload_stats.persistent
+                            ? fmt::format(", kept across runs: {} pages from the last run", em.offload_stats.pages_at_start)
+                            : "")
           : "";
   std::fprintf(stderr, "[kvq] serving %s on http://%s:%d (context %d, KV pool %zu tokens%s, steps of up to %d tokens%s%s)\n",
                so.model_name.c_str(), o.host.c_str(), port, engine.ctx(), engine.kv_tokens_capacity(), offload.c_str(),

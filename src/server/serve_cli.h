@@ -33,6 +33,10 @@ inline constexpr const char* kKvOffloadSizeHelp =
 inline constexpr const char* kKvOffloadDirectHelp =
     "read and write the offload tier with O_DIRECT, past the OS page cache: the tier then takes no memory beyond "
     "the KV pool, and every page read back comes from the device";
+inline constexpr const char* kKvOffloadPersistHelp =
+    "keep the offload tier's file (DIR/kvq-offload-<id>.kvq, <id> naming the model's content and the KV "
+    "configuration) when the server stops, after writing the pool's cached prefixes to it, and start from it "
+    "the next time: the prefixes kept are read back instead of recomputed after a restart";
 int serve_command(ServeOptions o);
 // "2GiB", "512M", "1000000" -> bytes; throws kvq::Error on anything else.
 size_t parse_bytes(const std::string& s);

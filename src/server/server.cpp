@@ -958,6 +958,8 @@ std::string metrics_prometheus(const EngineMetrics& m) {
     const KvOffloadStats& o = m.offload_stats;
     one("kvq_kv_offload_capacity_pages", "gauge", "KV pages the offload tier (--kv-offload-size) holds.", o.capacity_pages);
     one("kvq_kv_offload_pages", "gauge", "KV pages in the offload tier now.", o.resident_pages);
+    one("kvq_kv_offload_pages_at_start", "gauge",
+        "KV pages a persistent offload tier (--kv-offload-persist) kept from the last run.", o.pages_at_start);
     one("kvq_kv_offload_stored_pages_total", "counter", "Cached KV pages evicted from the pool and written to the tier.",
         o.stored_pages);
     one("kvq_kv_offload_loaded_pages_total", "counter", "KV pages read back from the tier instead of recomputed.",

@@ -145,4 +145,37 @@ kill -TERM $pid
 wait $pid
 pid=
 
+# --kv-offload-persist: the document computed before a restart is read back after it; a second
+# server on the same tier file is refused while the first runs
+"$kvq" serve -m "$model" --kv-offload-persist >"$tmp/o" 2>"$tmp/e"; rc=$?
+check "--kv-offload-persist without a tier exits 1" "[[ $rc -eq 1 ]] && grep -q 'kv-offload-persist needs' $tmp/e"
+mkdir -p "$tmp/tier3"
+persist=(serve -m "$model" --port 0 -t 1 -c 256 --kv-tokens 80 --kv int8 --kv-page-tokens 16
+  --kv-offload-dir "$tmp/tier3" --kv-offload-size 1MiB --kv-offload-persist)
+"$kvq" "${persist[@]}" 2>"$tmp/plog" &
+pid=$!
+port=$(wait_port "$tmp/plog")
+url=http://127.0.0.1:$port
+ask "$doc and"
+check "persistent tier: the startup line says so" "grep -q 'kept across runs: 0 pages from the last run' $tmp/plog"
+"$kvq" "${persist[@]}" >"$tmp/o" 2>"$tmp/e"; rc=$?
+check "persistent tier: a second server on the same file exits 1" "[[ $rc -eq 1 ]] && grep -q 'in use by another process' $tmp/e"
+kill -TERM $pid
+wait $pid
+pid=
+check "persistent tier: the file stays after the server stops" "ls $tmp/tier3/kvq-offload-*.kvq >/dev/null"
+"$kvq" "${persist[@]}" 2>"$tmp/plog" &
+pid=$!
+port=$(wait_port "$tmp/plog")
+url=http://127.0.0.1:$port
+check "persistent tier: the restarted server names the pages kept" \
+  "grep -Eq 'kept across runs: [1-9][0-9]* pages from the last run' $tmp/plog"
+ask "$doc under a tree. She"
+curl -s $url/metrics >"$tmp/pm.txt"
+check "persistent tier: the document is read back after the restart, not recomputed" \
+  "awk '/^kvq_kv_offload_pages_at_start/ {a=\$2} /^kvq_kv_offload_loaded_pages_total/ {l=\$2} /^kvq_kv_offload_hit_tokens_total/ {h=\$2} END {exit !(a >= 2 && l >= 2 && h >= 32)}' $tmp/pm.txt"
+kill -TERM $pid
+wait $pid
+pid=
+
 finish serve
