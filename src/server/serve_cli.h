@@ -24,9 +24,9 @@ struct ServeOptions {
 void serve_add_cli(CLI::App& app, ServeOptions& o);
 // --kv-offload-dir and --kv-offload-size (kvq serve and kvq bench): the help texts.
 inline constexpr const char* kKvOffloadDirHelp =
-    "directory for the KV offload tier's file (created there and unlinked at once; an SSD, not a RAM disk): cached "
-    "prefix pages the pool evicts are written there and read back, instead of recomputed, by the next request "
-    "with that prefix";
+    "directory for the KV offload tier's file (an SSD, not a RAM disk; created there and unlinked at once, unless "
+    "kvq serve's --kv-offload-persist keeps it): cached prefix pages the pool evicts are written there and read "
+    "back, instead of recomputed, by the next request with that prefix";
 inline constexpr const char* kKvOffloadSizeHelp =
     "size of the KV offload tier (e.g. 8GiB; with --kv-offload-dir); pages in the cache's format, so a 4-bit "
     "cache keeps ~4x the prefixes of f16";
