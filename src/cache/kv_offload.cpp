@@ -145,8 +145,11 @@ void KvOffload::open_persistent(const KvOffloadOptions& o) {
   path_ = persistent_path(o.dir, o.identity);
   fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   if (fd_ < 0) fail("--kv-offload-dir '{}': cannot open '{}': {}", o.dir, path_, std::strerror(errno));
-  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0)
-    fail("--kv-offload-persist: '{}' is in use by another process (one persistent tier per file)", path_);
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    if (errno == EWOULDBLOCK)
+      fail("--kv-offload-persist: '{}' is in use by another process (one persistent tier per file)", path_);
+    fail("--kv-offload-persist: cannot lock '{}': {}", path_, std::strerror(errno));
+  }
   meta_fd_ = ::open(path_.c_str(), O_RDWR | O_CLOEXEC);
   if (meta_fd_ < 0) fail("--kv-offload-dir '{}': cannot open '{}': {}", o.dir, path_, std::strerror(errno));
   identity_ = o.identity;
@@ -199,13 +202,15 @@ bool KvOffload::load_persistent(const KvOffloadOptions& o, std::string* why) {
     return false;
   }
   const size_t entry = sizeof(EntryHead) + 4 * P;
-  if (h.table_entries > h.capacity || h.capacity > (uint64_t(1) << 40) / slot_bytes_) {
-    *why = "a damaged index";
+  const uint64_t table_at = h.data_offset + h.capacity * h.slot_bytes;
+  if (h.table_entries > h.capacity || h.capacity > (uint64_t(1) << 40) / slot_bytes_ ||
+      table_at + h.table_entries * entry > uint64_t(st.st_size)) {
+    *why = "a damaged or truncated index";
     return false;
   }
   std::vector<uint8_t> table(size_t(h.table_entries) * entry);
   const KvHashKey key{h.key[0], h.key[1], h.key[2], h.key[3]};
-  if (!read_all(meta_fd_, table.data(), table.size(), off_t(h.data_offset + h.capacity * h.slot_bytes)) ||
+  if (!read_all(meta_fd_, table.data(), table.size(), off_t(table_at)) ||
       kv_siphash24(key.k0, key.k1, table.data(), table.size()) != h.table_check) {
     *why = "a damaged or truncated index";
     return false;
