@@ -505,7 +505,7 @@ TEST_F(TierTest, PersistentTierRefusesDamagedOrBusyFilesAndShrinks) {
     f.write(&c, 1);
   };
   save_three();
-  EXPECT_EQ(pages_at_start(), 3u);  // (and saved again as it was)
+  EXPECT_EQ(pages_at_start(), 3u);  // (a tier that only read leaves the file as it was)
   const auto size = std::streamoff(fs::file_size(path));
   flip(size - 5);  // the index's last entry
   EXPECT_EQ(pages_at_start(), 0u);
@@ -540,6 +540,30 @@ TEST_F(TierTest, PersistentTierRefusesDamagedOrBusyFilesAndShrinks) {
     EXPECT_TRUE(rig.gives_back(h[0], 20));
     EXPECT_TRUE(rig.gives_back(h[1], 21));
     EXPECT_FALSE(tier.contains(h[2], 0));
+  }
+  // A larger tier keeps them all and stores more beside them.
+  save_three();
+  {
+    Rig rig(2);
+    KvOffload& tier = rig.attach_persistent(dir, 8 * 8192, id);
+    EXPECT_EQ(tier.stats().pages_at_start, 3u);
+    for (uint32_t i = 0; i < 5; ++i) rig.evict_one(30 + i);
+    EXPECT_EQ(tier.stats().dropped_pages, 0u);
+    for (int i = 0; i < 3; ++i) EXPECT_TRUE(rig.gives_back(h[size_t(i)], uint32_t(20 + i)));
+  }
+  // A slot whose bytes changed on disk (slot 0 holds the first page stored) is a failed read, a
+  // miss; the others are read as they were.
+  save_three();
+  flip(std::streamoff(8192 + 8192 * 0 + 100));  // data at 4 KiB header + 4 KiB identity; 8 KiB slots
+  {
+    Rig rig(2);
+    KvOffload& tier = rig.attach_persistent(dir, 4 * 8192, id);
+    EXPECT_EQ(tier.stats().pages_at_start, 3u);
+    EXPECT_FALSE(rig.gives_back(h[0], 20));
+    EXPECT_EQ(tier.stats().read_errors, 1u);
+    EXPECT_FALSE(tier.contains(h[0], 0));
+    EXPECT_TRUE(rig.gives_back(h[1], 21));
+    EXPECT_TRUE(rig.gives_back(h[2], 22));
   }
   // No identity: refused.
   PagePool pool(1, kPageBytes, P);

@@ -785,6 +785,14 @@ TEST(KvPaging, PrefixIdentityNamesEverythingThatChangesPageBytes) {
   c = synth_cfg("f16");
   c.rope[1].freq_base = 500000.f;
   EXPECT_NE(KvCache(c).prefix_identity(), base);
+  // Dense-and-sparse keys' outlier share and exact sink tokens (same codec names).
+  c = synth_cfg("kvquant4");
+  const std::string kvq4 = KvCache(c).prefix_identity();
+  c.outlier_fraction = 0.02;
+  EXPECT_NE(KvCache(c).prefix_identity(), kvq4);
+  c = synth_cfg("kvquant4");
+  c.sink_tokens = 4;
+  EXPECT_NE(KvCache(c).prefix_identity(), kvq4);
   // One layer kept at another format.
   c = synth_cfg("int8");
   kv_policy_skip_layers(c.policy, {1});

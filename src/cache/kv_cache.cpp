@@ -156,10 +156,13 @@ std::string KvCache::build_identity() const {
   // Everything a page's bytes depend on besides the token ids: the weights, the shapes, and for
   // each layer the codecs with every parameter they are built from. Floats print exactly
   // (shortest round-trip form).
-  std::string s = fmt::format("kvq-kv-pages/1;model={};layers={};kv_heads={};head_dim={};page_tokens={};seed={:#x};"
-                              "group={};residual={}",
-                              cfg_.model_id, cfg_.n_layer, cfg_.n_kv_heads, cfg_.head_dim, cfg_.page_tokens, cfg_.seed,
-                              cfg_.group_tokens, cfg_.residual_tokens);
+  // The build: what a page's bytes are under a given codec name is kvq's to change between
+  // versions (a persistent offload tier outlives the process).
+  std::string s = fmt::format("kvq-kv-pages/1;build={};model={};layers={};kv_heads={};head_dim={};page_tokens={};"
+                              "seed={:#x};group={};residual={};outliers={};sink={}",
+                              KVQ_BUILD_ID, cfg_.model_id, cfg_.n_layer, cfg_.n_kv_heads, cfg_.head_dim,
+                              cfg_.page_tokens, cfg_.seed, cfg_.group_tokens, cfg_.residual_tokens,
+                              cfg_.outlier_fraction, cfg_.sink_tokens);
   if (cfg_.calib) {
     const std::string dump = cfg_.calib->dump();
     const KvHash h = kv_hash128(KvHashKey{1, 2, 3, 4}, dump.data(), dump.size());

@@ -7,6 +7,9 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <zlib.h>
+
+#include <algorithm>
 #include <cerrno>
 #include <cstddef>
 #include <cstdio>
@@ -67,14 +70,29 @@ static_assert(sizeof(FileHeader) <= kBlock);
 struct EntryHead {  // then page_tokens int32 token ids
   uint64_t hash[2], parent[2];
   uint32_t group, slot;
+  uint32_t crc;  // CRC-32 of the page's bytes, checked when the next run first reads the slot
+  uint32_t pad;
 };
-static_assert(sizeof(EntryHead) == 40);
+static_assert(sizeof(EntryHead) == 48);
 
 uint64_t header_check(const FileHeader& h) {
   return kv_siphash24(kCheckKey.k0, kCheckKey.k1, &h, offsetof(FileHeader, check));
 }
 
 size_t round_block(size_t n) { return (n + kBlock - 1) / kBlock * kBlock; }
+
+constexpr uint64_t kMaxFileBytes = uint64_t(1) << 50;  // keeps every offset computation in range
+
+uint32_t page_crc(const uint8_t* p, size_t n) {
+  uLong c = ::crc32(0L, Z_NULL, 0);
+  while (n > 0) {  // crc32 takes a uInt length
+    const uInt m = uInt(std::min<size_t>(n, size_t(1) << 30));
+    c = ::crc32(c, p, m);
+    p += m;
+    n -= m;
+  }
+  return uint32_t(c);
+}
 
 }  // namespace
 
@@ -88,6 +106,7 @@ KvOffload::KvOffload(const KvOffloadOptions& o, PagePool& pool) : pool_(pool), p
   const size_t n = o.capacity_bytes / slot_bytes_;
   if (n < 1)
     fail("--kv-offload-size {} bytes holds no KV page (a page is {} bytes on disk)", o.capacity_bytes, slot_bytes_);
+  if (double(n) * double(slot_bytes_) > double(kMaxFileBytes)) fail("--kv-offload-size above 1 PiB is not supported");
   std::error_code ec;
   if (!std::filesystem::is_directory(dir, ec)) fail("--kv-offload-dir '{}' is not a directory", dir);
   capacity_ = n;  // slots' records are made as they are first used (a large tier of small pages)
@@ -203,12 +222,18 @@ bool KvOffload::load_persistent(const KvOffloadOptions& o, std::string* why) {
   }
   const size_t entry = sizeof(EntryHead) + 4 * P;
   const uint64_t table_at = h.data_offset + h.capacity * h.slot_bytes;
-  if (h.table_entries > h.capacity || h.capacity > (uint64_t(1) << 40) / slot_bytes_ ||
+  if (h.table_entries > h.capacity || h.capacity > kMaxFileBytes / slot_bytes_ ||
       table_at + h.table_entries * entry > uint64_t(st.st_size)) {
     *why = "a damaged or truncated index";
     return false;
   }
-  std::vector<uint8_t> table(size_t(h.table_entries) * entry);
+  std::vector<uint8_t> table;
+  try {
+    table.resize(size_t(h.table_entries) * entry);
+  } catch (const std::bad_alloc&) {
+    *why = "an index too large to read";
+    return false;
+  }
   const KvHashKey key{h.key[0], h.key[1], h.key[2], h.key[3]};
   if (!read_all(meta_fd_, table.data(), table.size(), off_t(table_at)) ||
       kv_siphash24(key.k0, key.k1, table.data(), table.size()) != h.table_check) {
@@ -222,7 +247,7 @@ bool KvOffload::load_persistent(const KvOffloadOptions& o, std::string* why) {
     const uint8_t* p = table.data() + e * entry;
     EntryHead eh;
     std::memcpy(&eh, p, sizeof eh);
-    if (eh.slot >= capacity_ || seen[eh.slot]) continue;
+    if (eh.slot >= capacity_ || eh.slot >= h.capacity || seen[eh.slot]) continue;
     seen[eh.slot] = 1;
     const Key k{KvHash{eh.hash[0], eh.hash[1]}, int(eh.group)};
     if (slots_.count(k)) continue;
@@ -234,6 +259,8 @@ bool KvOffload::load_persistent(const KvOffloadOptions& o, std::string* why) {
     std::memcpy(s.tokens.data(), p + sizeof eh, 4 * P);
     s.lru = lru_.insert(lru_.end(), size_t(eh.slot));
     s.used = true;
+    s.crc = eh.crc;
+    s.verify = true;  // its bytes come from another run: checked when first read
     slots_.emplace(k, size_t(eh.slot));
   }
   ever_written_.assign(slot_meta_.size(), 1);
@@ -281,13 +308,16 @@ bool KvOffload::mark_in_use() {
 
 bool KvOffload::save() {
   if (!persist_ || fd_ < 0) return true;
+  // Not clean while the index is rewritten: the new one may land where the old one's slots were
+  // (a smaller tier than the file's), so a save cut short must not leave the old index trusted.
+  if (!mark_in_use()) return false;
   const size_t P = size_t(pool_.page_tokens());
   const size_t entry = sizeof(EntryHead) + 4 * P;
   std::vector<uint8_t> table(lru_.size() * entry);
   size_t e = 0;
   for (size_t slot : lru_) {
     const Slot& s = slot_meta_[slot];
-    EntryHead eh{{s.key.hash.lo, s.key.hash.hi}, {s.parent.lo, s.parent.hi}, uint32_t(s.key.group), uint32_t(slot)};
+    EntryHead eh{{s.key.hash.lo, s.key.hash.hi}, {s.parent.lo, s.parent.hi}, uint32_t(s.key.group), uint32_t(slot), s.crc, 0};
     uint8_t* p = table.data() + e++ * entry;
     std::memcpy(p, &eh, sizeof eh);
     std::memcpy(p + sizeof eh, s.tokens.data(), 4 * P);
@@ -309,7 +339,13 @@ bool KvOffload::save() {
 }
 
 KvOffload::~KvOffload() {
-  if (persist_ && fd_ >= 0 && in_use_marked_) save();
+  if (persist_ && fd_ >= 0 && in_use_marked_) {
+    try {
+      save();
+    } catch (const std::exception& e) {  // the index's buffer: the next run starts empty
+      std::fprintf(stderr, "[kvq] warning: KV offload: cannot save %s: %s\n", path_.c_str(), e.what());
+    }
+  }
   if (meta_fd_ >= 0) ::close(meta_fd_);
   if (fd_ >= 0) ::close(fd_);  // releases the lock
 }
@@ -363,6 +399,7 @@ void KvOffload::kv_page_spill(const KvHash& hash, const KvHash& parent, const in
   const size_t slot = free_.back();
   const bool fresh = slot + 1 == slot_meta_.size() && !ever_written_[slot];
   const double t0 = now_seconds();
+  const uint32_t crc = persist_ ? page_crc(pool_.data(page), pool_.page_bytes()) : 0;
   errno = 0;  // a write of 0 bytes sets none
   const bool ok = write_slot(slot, pool_.data(page));
   stats_.write_seconds += now_seconds() - t0;
@@ -403,6 +440,8 @@ void KvOffload::kv_page_spill(const KvHash& hash, const KvHash& parent, const in
   s.tokens.assign(tokens, tokens + pool_.page_tokens());
   s.lru = lru_.insert(lru_.end(), slot);
   s.used = true;
+  s.crc = crc;
+  s.verify = false;
   slots_.emplace(key, slot);
   ++stats_.stored_pages;
 }
@@ -424,15 +463,17 @@ bool KvOffload::load(const KvHash& hash, int group, const KvHash& parent, const 
     return false;
   const double t0 = now_seconds();
   errno = 0;  // a short read sets none
-  const bool ok = read_slot(slot, pool_.data(page));
+  bool ok = read_slot(slot, pool_.data(page));
+  const bool bad = ok && s.verify && page_crc(pool_.data(page), pool_.page_bytes()) != s.crc;
   stats_.read_seconds += now_seconds() - t0;
-  if (!ok) {
+  if (!ok || bad) {
     if (++stats_.read_errors == 1)
       std::fprintf(stderr, "[kvq] warning: KV offload read failed (%s): the prefix is recomputed\n",
-                   errno ? std::strerror(errno) : "short read");
+                   bad ? "the page's bytes do not match their checksum" : errno ? std::strerror(errno) : "short read");
     drop(slot);
     return false;
   }
+  s.verify = false;
   lru_.splice(lru_.end(), lru_, s.lru);
   ++stats_.loaded_pages;
   return true;

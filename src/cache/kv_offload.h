@@ -25,7 +25,8 @@
 //   takes the file's hash key (key(), for the prefix index, so the pages' chain hashes are the
 //   same as in the run that wrote them) and its slots. A file not closed cleanly (the process
 //   was killed), or written by another layout version, starts empty; so does a damaged one (its
-//   header and index are checksummed).
+//   header and index are checksummed). Each slot's CRC-32 is kept in the index, and a slot from
+//   another run is checked the first time it is read: a mismatch is a failed read (a miss).
 //   File layout: a 4 KiB header; the identity string, padded to 4 KiB; the slots (slot_bytes
 //   each, 4 KiB-aligned, as O_DIRECT needs); after a clean close, the index.
 //
@@ -139,6 +140,8 @@ class KvOffload : public KvPageSpill {
     std::vector<int32_t> tokens;
     std::list<size_t>::iterator lru;  // valid while the slot holds a page
     bool used = false;
+    uint32_t crc = 0;     // persistent: CRC-32 of the page's bytes
+    bool verify = false;  // persistent: from another run, not read since (the CRC is checked)
   };
   void drop(size_t slot);
   void open_persistent(const KvOffloadOptions& o);

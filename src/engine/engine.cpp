@@ -490,9 +490,14 @@ Engine::~Engine() {
   incoming_.clear();
   if (offload_ && offload_->persistent()) {
     // The pool's cached prefixes are the most recent: they go to the tier (least recently used
-    // first), which is then saved for the next run.
+    // first), which is then saved for the next run. Cut short (a second signal), the file is not
+    // trusted by the next run.
+    const size_t cached = pool_->n_idle();
+    const double t0 = now_seconds();
     pool_->evict_idle();
-    offload_->save();
+    if (offload_->save())
+      std::fprintf(stderr, "[kvq] KV offload tier saved to %s: %zu pages (%zu from the pool), %.2f s\n",
+                   offload_->path().c_str(), offload_->stats().resident_pages, cached, now_seconds() - t0);
   }
   index_->set_spill(nullptr);  // otherwise emptying the pool is no eviction worth keeping
   pool_->evict_idle();
