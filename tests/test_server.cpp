@@ -401,6 +401,49 @@ TEST_F(ServerTest, TokenizeDetokenize) {
   expect_bad("/detokenize", R"({"tokens": [99999999]})", "tokens");
 }
 
+// JSON mode: response_format {"type": "json_object"} makes every completion, plain or streamed,
+// chat or not, the start of one JSON object (stories260K, a story model, never writes JSON by
+// itself); one that ends by itself ("stop") is a whole object.
+TEST_F(ServerTest, JsonObjectResponseFormat) {
+  const auto json_prefix = [](const std::string& t) {
+    try {
+      return json::parse(t).is_object();
+    } catch (const json::parse_error& e) {
+      return e.byte >= t.size();  // only the end of the text is missing
+    }
+  };
+  int stopped = 0;
+  for (int seed = 0; seed < 6; ++seed) {
+    json body = {{"prompt", "Once upon a time"}, {"max_tokens", 48}, {"temperature", 1.0}, {"seed", seed},
+                 {"response_format", {{"type", "json_object"}}}};
+    const json j = post_ok("/v1/completions", body);
+    const std::string text = j["choices"][0]["text"];
+    SCOPED_TRACE(text);
+    ASSERT_FALSE(text.empty());
+    EXPECT_TRUE(json_prefix(text));
+    if (j["choices"][0]["finish_reason"] == "stop") {
+      ++stopped;
+      EXPECT_TRUE(json::parse(text).is_object());
+    }
+    // Streamed: the same text (same seed).
+    bool done = false;
+    std::string joined;
+    for (const auto& e : stream("/v1/completions", body, &done))
+      if (e.contains("choices") && !e["choices"].empty()) joined += e["choices"][0].value("text", "");
+    EXPECT_TRUE(done);
+    EXPECT_EQ(joined, text);
+  }
+  // Without it the same requests are no JSON at all.
+  const json plain = post_ok("/v1/completions", {{"prompt", "Once upon a time"}, {"max_tokens", 16}, {"temperature", 0}});
+  EXPECT_FALSE(json_prefix(plain["choices"][0]["text"]));
+  const json chat = post_ok("/v1/chat/completions", {{"messages", json::array({{{"role", "user"}, {"content", "hi"}}})},
+                                                    {"max_tokens", 32},
+                                                    {"temperature", 0},
+                                                    {"response_format", {{"type", "json_object"}}}});
+  EXPECT_TRUE(json_prefix(chat["choices"][0]["message"]["content"]));
+  RecordProperty("stopped", stopped);
+}
+
 TEST_F(ServerTest, ChatPlainAndStreamedAndStop) {
   json body = {{"messages", json::array({{{"role", "user"}, {"content", "Once upon a time"}}})},
                {"max_tokens", 20},
@@ -500,7 +543,10 @@ TEST_F(ServerTest, BadInputIs400AndServerKeepsServing) {
   };
   for (const auto& [b, param] : bad) expect_bad(c, b, param);
   // Chat's unsupported features.
-  expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}})",
+  expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}})",
+             "response_format");
+  expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "response_format": "json"})", "response_format");
+  expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": 1}})",
              "response_format");
   expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]})", "tools");
   expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"})", "tool_choice");

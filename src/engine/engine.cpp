@@ -46,6 +46,10 @@ struct Engine::Seq {
   // running sequence that is already computing the pages this one would compute (in-flight
   // prefix); the index still compares token ids before anything is adopted.
   std::vector<KvHash> keys;
+  // JSON mode (GenParams::json_object): the text generated so far, as the grammar sees it, and the
+  // logits with the tokens that cannot come next masked.
+  std::unique_ptr<JsonState> json;
+  std::vector<float> masked;
 };
 
 namespace {
@@ -560,6 +564,7 @@ std::vector<uint64_t> Engine::submit_all(std::vector<GenRequest> rs) {
       }
       s->sampler = std::make_unique<Sampler>(s->req.params.sampling);
       s->dec = std::make_unique<TokenStreamDecoder>(tok_, false);
+      if (s->req.params.json_object) s->json = std::make_unique<JsonState>();
     }
     seqs.push_back(std::move(s));
     errs.push_back(std::move(err));
@@ -1017,7 +1022,14 @@ bool Engine::step() {
           finish(s, "length");
           continue;
         }
-        const int32_t next = s.sampler->sample(lg, n_vocab, s.tokens, size_t(s.n_prompt));
+        const float* sample_from = lg;
+        if (s.json) {
+          if (!json_vocab_) json_vocab_ = std::make_unique<JsonVocab>(tok_);
+          s.masked.assign(lg, lg + n_vocab);
+          json_mask(*s.json, *json_vocab_, s.req.params.stop_token_ids, s.masked.data(), n_vocab);
+          sample_from = s.masked.data();
+        }
+        const int32_t next = s.sampler->sample(sample_from, n_vocab, s.tokens, size_t(s.n_prompt));
         const double now = now_seconds();
         {
           std::lock_guard<std::mutex> lk(mu_);
@@ -1035,6 +1047,7 @@ bool Engine::step() {
         }
         s.tokens.push_back(next);
         s.res.tokens.push_back(next);
+        if (s.json) s.json->feed(json_vocab_->bytes(next));  // allowed by the mask: it feeds
         if (s.req.params.logprobs >= 0) {
           s.res.logprobs.push_back(token_logprob(lg, n_vocab, next, s.req.params.logprobs));
           if (s.req.on_logprob) s.req.on_logprob(s.res.logprobs.back());

@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "cache/kv_offload.h"
+#include "model/json_constraint.h"
 #include "cache/page_pool.h"
 #include "cache/prefix_index.h"
 #include "model/model.h"
@@ -118,6 +119,11 @@ struct GenParams {
   // bench/QUALITY.md), so compare scores from one path, or set matmul_set_batch_invariant(true)
   // (weights/weights.h), with which the two paths agree bit for bit.
   bool prompt_logprobs = false;
+  // JSON mode (OpenAI's response_format {"type": "json_object"}): only tokens that keep the text a
+  // prefix of one JSON object are sampled, and generation ends once the object is closed
+  // (model/json_constraint.h). A request cut short by max_tokens ends with "length" mid-object,
+  // as OpenAI's does.
+  bool json_object = false;
 };
 
 struct GenResult {
@@ -366,6 +372,7 @@ class Engine {
   std::unique_ptr<PrefixIndex> index_;
   std::unique_ptr<PagePool> pool_;
   std::unique_ptr<KvCache> shape_;  // holds no page; destroyed before the pool
+  std::unique_ptr<JsonVocab> json_vocab_;  // JSON mode's token bytes (made on first use)
   std::unique_ptr<KvOffload> offload_;  // the index's spill (detached before the pool empties)
   uint64_t offload_hit_tokens_ = 0;
   double restore_seconds_ = 0;  // this step's offload reads (left out of the step-time fit)

@@ -193,9 +193,17 @@ ApiRequest parse_common(const json& body) {
   // Parameters that would change what is generated and that kvq does not implement: refused, so
   // that a client never takes plain sampling for what it asked (metadata such as "user" is ignored).
   auto set = [&](const char* key) { return body.contains(key) && !body[key].is_null(); };
-  if (set("response_format") &&
-      !(body["response_format"].is_object() && body["response_format"].value("type", "") == "text"))
-    throw ApiError{"'response_format' other than {\"type\": \"text\"} is not supported", "response_format"};
+  if (set("response_format")) {
+    const json& f = body["response_format"];
+    const json* type = f.is_object() && f.contains("type") ? &f["type"] : nullptr;
+    if (!type || !type->is_string())
+      throw ApiError{"'response_format' must be an object with a string 'type'", "response_format"};
+    if (*type == "json_object") r.params.json_object = true;
+    else if (*type != "text")
+      throw ApiError{fmt::format("'response_format' type '{}' is not supported (supported: \"text\", \"json_object\")",
+                                 type->get<std::string>()),
+                     "response_format"};
+  }
   if (set("tools") && !(body["tools"].is_array() && body["tools"].empty()))
     throw ApiError{"'tools' (function calling) is not supported", "tools"};
   if (set("tool_choice") && !(body["tool_choice"].is_string() && body["tool_choice"] == "none"))

@@ -1,0 +1,106 @@
+// JSON mode's cost (response_format json_object, model/json_constraint.h): time per output token
+// with and without the token mask, on the same model, engine and number of tokens, measured in
+// the same run, and the mask's own time per step.
+//
+//   json_mode MODEL.gguf [--tokens 64] [--reps 5] [--threads 2]
+//
+// Each repetition generates up to --tokens tokens in JSON mode (greedy) from a prompt that asks
+// for JSON, then the same number of tokens without it (end of generation ignored), and compares
+// their decode time per token (first token excluded). The mask alone: json_mask over the whole
+// vocabulary at every byte of the JSON text generated, median microseconds per call.
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/timer.h"
+#include "engine/engine.h"
+#include "model/chat.h"
+#include "model/json_constraint.h"
+
+using namespace kvq;
+
+static double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: json_mode MODEL.gguf [--tokens 64] [--reps 5] [--threads 2]\n");
+    return 2;
+  }
+  int tokens = 64, reps = 5, threads = 2;
+  for (int i = 2; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    if (a == "--tokens") tokens = std::stoi(argv[i + 1]);
+    else if (a == "--reps") reps = std::stoi(argv[i + 1]);
+    else if (a == "--threads") threads = std::stoi(argv[i + 1]);
+    else {
+      std::fprintf(stderr, "unknown option %s\n", a.c_str());
+      return 2;
+    }
+  }
+  EngineOptions o;
+  o.model_path = argv[1];
+  o.threads = threads;
+  o.ctx = 1024;
+  Engine e(o);
+  const Tokenizer& tok = e.tokenizer();
+  // The model's chat template; a base model (Gemma 3 270M has none) gets an example to follow.
+  const std::string ask = "Describe three cats as a JSON object: for each its name, age in years and colors.";
+  std::string text_prompt;
+  try {
+    text_prompt = chat_render(chat_template_detect(e.model().file()), {ChatMessage{"user", ask}});
+  } catch (const Error&) {
+    text_prompt = "Two dogs as a JSON object: {\"dogs\": [{\"name\": \"Rex\", \"age\": 4, \"colors\": [\"brown\"]}, "
+                  "{\"name\": \"Bo\", \"age\": 2, \"colors\": [\"black\", \"white\"]}]}\n" + ask + "\n";
+  }
+  const std::vector<int32_t> prompt = tok.encode(text_prompt, true, true);
+  std::vector<double> per_json, per_plain;
+  std::string text;
+  int n = 0;
+  for (int r = 0; r < reps; ++r) {
+    GenParams p;
+    p.sampling.temperature = 0;
+    p.max_tokens = tokens;
+    p.json_object = true;
+    const GenResult j = e.generate(prompt, p);
+    n = int(j.tokens.size());
+    text = j.text;
+    if (n < 8) {
+      std::fprintf(stderr, "JSON mode generated only %d tokens\n", n);
+      return 1;
+    }
+    p.json_object = false;
+    p.ignore_eos = true;
+    p.max_tokens = n;
+    const GenResult q = e.generate(prompt, p);
+    per_json.push_back(j.decode_s / (n - 1));
+    per_plain.push_back(q.decode_s / (int(q.tokens.size()) - 1));
+  }
+  // The mask alone, at every byte boundary of the generated text.
+  const JsonVocab vocab(tok);
+  std::vector<float> logits(size_t(tok.n_vocab()));
+  std::vector<double> mask_us, in_string_us, other_us;
+  JsonState s;
+  for (unsigned char c : text) {
+    std::fill(logits.begin(), logits.end(), 0.f);
+    const double t0 = now_seconds();
+    json_mask(s, vocab, {}, logits.data(), tok.n_vocab());
+    const double us = (now_seconds() - t0) * 1e6;
+    mask_us.push_back(us);
+    (s.in_string_text() ? in_string_us : other_us).push_back(us);
+    if (!s.feed(c)) break;
+  }
+  std::printf("model %s, vocabulary %d, %d threads, %d reps of %d tokens\n", argv[1], tok.n_vocab(), threads, reps, n);
+  std::printf("decode ms/token: JSON mode %.2f, plain %.2f, ratio %.3f\n", median(per_json) * 1e3,
+              median(per_plain) * 1e3, median(per_json) / median(per_plain));
+  std::printf("json_mask: median %.0f us per step over %zu states (inside strings %.0f us over %zu, elsewhere %.0f us "
+              "over %zu)\n",
+              median(mask_us), mask_us.size(), in_string_us.empty() ? 0.0 : median(in_string_us), in_string_us.size(),
+              other_us.empty() ? 0.0 : median(other_us), other_us.size());
+  std::printf("text: %s\n", text.c_str());
+  return 0;
+}

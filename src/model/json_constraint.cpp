@@ -1,0 +1,321 @@
+#include "model/json_constraint.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "model/tokenizer.h"
+
+namespace kvq {
+
+namespace {
+
+bool is_ws(unsigned char c) { return c == ' ' || c == '\t' || c == '\n'; }
+bool is_digit(unsigned char c) { return c >= '0' && c <= '9'; }
+bool is_hex(unsigned char c) { return is_digit(c) || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'); }
+
+}  // namespace
+
+bool JsonState::value_end() {
+  mode_ = stack_.empty() ? Mode::done : Mode::after;
+  return true;
+}
+
+bool JsonState::close(unsigned char c) {
+  if (stack_.empty() || (c == '}' ? '{' : '[') != stack_.back()) return false;
+  stack_.pop_back();
+  return value_end();
+}
+
+bool JsonState::value_start(unsigned char c) {
+  switch (c) {
+    case '{':
+    case '[':
+      if (int(stack_.size()) >= kMaxDepth) return false;
+      stack_.push_back(char(c));
+      mode_ = c == '{' ? Mode::obj_first : Mode::arr_first;
+      return true;
+    case '"':
+      mode_ = Mode::string;
+      key_ = false;
+      utf8_left_ = 0;
+      return true;
+    case '-':
+      mode_ = Mode::number;
+      num_ = Num::minus;
+      return true;
+    case 't':
+    case 'f':
+    case 'n':
+      mode_ = Mode::literal;
+      word_ = c == 't' ? "rue" : c == 'f' ? "alse" : "ull";
+      left_ = uint8_t(std::strlen(word_));
+      return true;
+    default:
+      if (!is_digit(c)) return false;
+      mode_ = Mode::number;
+      num_ = c == '0' ? Num::zero : Num::integer;
+      return true;
+  }
+}
+
+bool JsonState::string_byte(unsigned char c) {
+  if (utf8_left_ > 0) {
+    if (c < 0x80 || c > 0xBF) return false;
+    --utf8_left_;
+    return true;
+  }
+  if (c == '"') {
+    if (key_) {
+      mode_ = Mode::colon;
+      return true;
+    }
+    return value_end();
+  }
+  if (c == '\\') {
+    mode_ = Mode::escape;
+    return true;
+  }
+  if (c < 0x20) return false;  // control characters are escaped in JSON strings
+  if (c < 0x80) return true;
+  if (c >= 0xC2 && c <= 0xDF) utf8_left_ = 1;
+  else if (c >= 0xE0 && c <= 0xEF) utf8_left_ = 2;
+  else if (c >= 0xF0 && c <= 0xF4) utf8_left_ = 3;
+  else return false;
+  return true;
+}
+
+bool JsonState::feed(unsigned char c) {
+  const bool ws = is_ws(c);
+  switch (mode_) {
+    case Mode::string:
+      return string_byte(c);
+    case Mode::escape:
+      if (c == 'u') {
+        mode_ = Mode::unicode;
+        left_ = 4;
+        return true;
+      }
+      if (!std::strchr("\"\\/bfnrt", c) || c == 0) return false;
+      mode_ = Mode::string;
+      return true;
+    case Mode::unicode:
+      if (!is_hex(c)) return false;
+      if (--left_ == 0) mode_ = Mode::string;
+      return true;
+    case Mode::literal:
+      if (c != uint8_t(*word_)) return false;
+      ++word_;
+      if (--left_ == 0) return value_end();
+      return true;
+    case Mode::number:
+      switch (num_) {
+        case Num::minus:
+          if (!is_digit(c)) return false;
+          num_ = c == '0' ? Num::zero : Num::integer;
+          return true;
+        case Num::zero:
+        case Num::integer:
+          if (is_digit(c) && num_ == Num::integer) return true;
+          if (c == '.') {
+            num_ = Num::dot;
+            return true;
+          }
+          if (c == 'e' || c == 'E') {
+            num_ = Num::e;
+            return true;
+          }
+          break;  // the number ends before c
+        case Num::dot:
+          if (!is_digit(c)) return false;
+          num_ = Num::fraction;
+          return true;
+        case Num::fraction:
+          if (is_digit(c)) return true;
+          if (c == 'e' || c == 'E') {
+            num_ = Num::e;
+            return true;
+          }
+          break;
+        case Num::e:
+          if (c == '+' || c == '-') {
+            num_ = Num::e_sign;
+            return true;
+          }
+          if (!is_digit(c)) return false;
+          num_ = Num::exponent;
+          return true;
+        case Num::e_sign:
+          if (!is_digit(c)) return false;
+          num_ = Num::exponent;
+          return true;
+        case Num::exponent:
+          if (is_digit(c)) return true;
+          break;
+      }
+      // A complete number ends here (numbers are always inside the top-level object): c comes
+      // after it.
+      value_end();
+      return feed(c);
+    default:
+      break;
+  }
+  // Between tokens of the grammar: whitespace, within its limit.
+  if (ws) {
+    if (mode_ == Mode::done) return false;
+    if (c == '\n') {
+      if (nl_ || ws_ > 0) return false;
+      nl_ = true;
+      return true;
+    }
+    if (nl_ ? ws_ >= kMaxIndent : ws_ > 0) return false;
+    ++ws_;
+    return true;
+  }
+  ws_ = 0;
+  nl_ = false;
+  switch (mode_) {
+    case Mode::start:
+      if (c != '{') return false;
+      return value_start(c);
+    case Mode::obj_first:
+      if (c == '}') return close(c);
+      [[fallthrough]];
+    case Mode::obj_key:
+      if (c != '"') return false;
+      mode_ = Mode::string;
+      key_ = true;
+      utf8_left_ = 0;
+      return true;
+    case Mode::colon:
+      if (c != ':') return false;
+      mode_ = Mode::value;
+      return true;
+    case Mode::arr_first:
+      if (c == ']') return close(c);
+      return value_start(c);
+    case Mode::value:
+      return value_start(c);
+    case Mode::after:
+      if (c == ',') {
+        mode_ = stack_.back() == '{' ? Mode::obj_key : Mode::value;
+        return true;
+      }
+      if (c == '}' || c == ']') return close(c);
+      return false;
+    default:
+      return false;  // done: nothing more
+  }
+}
+
+JsonVocab::JsonVocab(const Tokenizer& tok) {
+  const int32_t n = tok.n_vocab();
+  bytes_.resize(size_t(n));
+  eog_.assign(size_t(n), 0);
+  for (int32_t id = 0; id < n; ++id) {
+    const TokenType t = tok.token_type(id);
+    // Control and unused tokens render as nothing: they are no JSON text (end-of-generation
+    // tokens are handled apart).
+    if (t != TokenType::control && t != TokenType::unused) bytes_[size_t(id)] = tok.token_piece(id);
+  }
+  for (int32_t id : tok.eog_ids())
+    if (id >= 0 && id < n) eog_[size_t(id)] = 1;
+  string_text_.assign(size_t(n), 0);
+  for (int32_t id = 0; id < n; ++id) {
+    const std::string& b = bytes_[size_t(id)];
+    if (b.empty()) continue;
+    JsonState s;  // inside a string value
+    s.feed(std::string_view("{\"k\":\""));
+    string_text_[size_t(id)] = s.feed(b) && s.in_string_text() && b.find_first_of("\"\\") == std::string::npos;
+  }
+  first_.assign(size_t(n), 0);
+  second_.assign(size_t(n), 0);
+  flags_.assign(size_t(n), 0);
+  for (int32_t id = 0; id < n; ++id) {
+    const std::string& b = bytes_[size_t(id)];
+    uint8_t f = 0;
+    if (eog_[size_t(id)]) f |= kEnds;
+    if (b.empty()) f |= kEmpty;
+    else first_[size_t(id)] = static_cast<uint8_t>(b[0]);
+    if (b.size() >= 2) second_[size_t(id)] = static_cast<uint8_t>(b[1]);
+    if (string_text_[size_t(id)]) f |= kText;
+    if (b.size() == 1) f |= kOneByte;
+    flags_[size_t(id)] = f;
+  }
+}
+
+int json_mask(const JsonState& state, const JsonVocab& vocab, const std::vector<int32_t>& stop_ids, float* logits,
+              int n_vocab) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const int n = std::min(n_vocab, int(vocab.n_vocab()));
+  // Which first bytes can come next, and (outside string text, where few first bytes can) after
+  // each of those which second bytes.
+  const bool text = state.in_string_text(), done = state.done();
+  bool first_ok[256];
+  static thread_local std::vector<uint8_t> second_ok(256 * 256);
+  for (int c = 0; c < 256; ++c) {
+    JsonState s = state;
+    first_ok[c] = s.feed(static_cast<unsigned char>(c));
+    uint8_t* row = second_ok.data() + 256 * c;
+    if (text || !first_ok[c]) {
+      std::fill(row, row + 256, uint8_t(1));  // no filter: the bytes are fed
+      continue;
+    }
+    for (int d = 0; d < 256; ++d) {
+      JsonState t = s;
+      row[d] = t.feed(static_cast<unsigned char>(d));
+    }
+  }
+  // The request's stop token ids end generation as end-of-generation tokens do: their logits as
+  // they were, to be put back once the object is complete.
+  std::vector<std::pair<int32_t, float>> stops;
+  for (int32_t id : stop_ids)
+    if (id >= 0 && id < n) stops.emplace_back(id, logits[id]);
+  const uint8_t* flags = vocab.flags_.data();
+  const uint8_t* first = vocab.first_.data();
+  const uint8_t* second = vocab.second_.data();
+  int allowed = 0;
+  for (int32_t id = 0; id < n; ++id) {
+    const uint8_t f = flags[id];
+    bool ok;
+    if (f & JsonVocab::kEnds) {
+      ok = done;
+    } else if (text && (f & JsonVocab::kText)) {
+      ok = true;
+    } else if ((f & JsonVocab::kEmpty) || !first_ok[first[id]]) {
+      ok = false;
+    } else if (f & JsonVocab::kOneByte) {
+      ok = true;
+    } else if (!second_ok[256 * first[id] + second[id]]) {
+      ok = false;
+    } else {
+      JsonState s = state;
+      ok = s.feed(vocab.bytes(id));
+    }
+    if (ok) ++allowed;
+    else logits[id] = ninf;
+  }
+  for (int id = n; id < n_vocab; ++id) logits[id] = ninf;
+  for (const auto& [id, logit] : stops) {
+    if (flags[id] & JsonVocab::kEnds) continue;  // done already
+    const bool was = logits[id] != ninf;
+    if (done) {
+      if (!was) ++allowed;
+      logits[id] = logit;
+    } else if (was) {
+      logits[id] = ninf;
+      --allowed;
+    }
+  }
+  if (allowed == 0) {
+    // Nothing can continue the text (a vocabulary without some byte): end it.
+    for (int32_t id = 0; id < n; ++id)
+      if (flags[id] & JsonVocab::kEnds) {
+        logits[id] = 0;
+        ++allowed;
+      }
+  }
+  return allowed;
+}
+
+}  // namespace kvq

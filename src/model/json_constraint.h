@@ -1,0 +1,109 @@
+// JSON mode (OpenAI's response_format {"type": "json_object"}): generation constrained, token by
+// token, to one JSON object (RFC 8259).
+//
+// JsonState is a character-level pushdown automaton over the bytes generated so far: feed() takes
+// the next byte and says whether the text can still be completed into a JSON object. The grammar
+// is JSON's, with three limits that keep a model from running away inside it: the top-level value
+// is an object; whitespace between tokens (and before the object) is at most one space or tab, or
+// one newline followed by at most kMaxIndent spaces and tabs (llama.cpp's JSON grammar allows 20);
+// nesting is at most kMaxDepth containers. Strings must be valid UTF-8 (no control characters; escapes checked) and numbers
+// JSON's (no leading zeros, no bare '.', exponents with digits).
+//
+// JsonVocab holds each token's bytes as generated text renders them (Tokenizer::token_piece) once
+// per tokenizer; json_mask() sets the logits of the tokens that cannot come next to -infinity:
+// a token is allowed when all its bytes can be fed; end-of-generation tokens (and the request's
+// stop token ids) only once the object is complete, and then nothing else (as llama.cpp's JSON
+// grammar: no trailing whitespace).
+// Cost per step: a token whose first two bytes cannot come next is rejected by tables built per
+// step (256 entries, and 256 more for each first byte that can come),
+// a token of plain text inside a string is accepted by its precomputed flag, and only the others
+// run their bytes through a copy of the state (bench/BENCHMARKS.md, "JSON mode").
+#pragma once
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace kvq {
+
+class Tokenizer;
+
+class JsonState {
+ public:
+  static constexpr int kMaxIndent = 32;
+  static constexpr int kMaxDepth = 64;
+
+  // false: c cannot come next (the state is then unspecified: feed a copy to test).
+  bool feed(unsigned char c);
+  bool feed(std::string_view bytes) {
+    for (unsigned char c : bytes)
+      if (!feed(c)) return false;
+    return true;
+  }
+  // The top-level object is complete.
+  bool done() const { return mode_ == Mode::done; }
+  // Inside a string, between characters: text without '"', '\\' and control characters goes on.
+  bool in_string_text() const { return mode_ == Mode::string && utf8_left_ == 0; }
+  int depth() const { return int(stack_.size()); }
+
+ private:
+  enum class Mode : uint8_t {
+    start,      // before the top-level object: whitespace or '{'
+    obj_first,  // after '{': '"' (a key) or '}'
+    obj_key,    // after ',' in an object: '"'
+    colon,      // after a key: ':'
+    value,      // a value
+    arr_first,  // after '[': a value or ']'
+    after,      // after a value in a container: ',' or its closer
+    string,     // in a string (key_: an object's key)
+    escape,     // after '\' in a string
+    unicode,    // in \uXXXX: left_ hex digits to go
+    literal,    // in true / false / null: word_ and left_
+    number,     // in a number: num_
+    done,       // the top-level object is closed
+  };
+  enum class Num : uint8_t { minus, zero, integer, dot, fraction, e, e_sign, exponent };
+  bool value_start(unsigned char c);
+  bool value_end();
+  bool close(unsigned char c);
+  bool string_byte(unsigned char c);
+
+  Mode mode_ = Mode::start;
+  Num num_ = Num::minus;
+  bool key_ = false;
+  uint8_t left_ = 0;      // unicode: hex digits left; literal: characters left
+  uint8_t utf8_left_ = 0; // continuation bytes a string's UTF-8 character still needs
+  uint8_t ws_ = 0;        // spaces and tabs in this gap between tokens
+  bool nl_ = false;       // this gap has its newline
+  const char* word_ = nullptr;  // literal: the rest of the word
+  std::string stack_;     // open containers, '{' or '['
+};
+
+class JsonVocab {
+ public:
+  explicit JsonVocab(const Tokenizer& tok);
+  const std::string& bytes(int32_t id) const { return bytes_[size_t(id)]; }
+  bool ends(int32_t id) const { return eog_[size_t(id)] != 0; }
+  // The token is whole UTF-8 characters with no '"', '\\' or control character: inside a string
+  // it is text, and leaves the state as it was.
+  bool string_text(int32_t id) const { return string_text_[size_t(id)] != 0; }
+  int32_t n_vocab() const { return int32_t(bytes_.size()); }
+
+ private:
+  friend int json_mask(const JsonState&, const JsonVocab&, const std::vector<int32_t>&, float*, int);
+  enum : uint8_t { kEnds = 1, kEmpty = 2, kText = 4, kOneByte = 8 };
+  std::vector<std::string> bytes_;  // token_piece of each token ("" for control tokens)
+  std::vector<char> eog_;           // end-of-generation tokens
+  std::vector<char> string_text_;   // string_text()
+  std::vector<uint8_t> first_;      // each token's first byte (0 when empty)
+  std::vector<uint8_t> second_;     // and second (0 when shorter)
+  std::vector<uint8_t> flags_;      // kEnds (end of generation), kEmpty, kText (string_text), kOneByte
+};
+
+// Sets logits[t] = -inf for every token t that cannot come after `state`; stop_ids end generation
+// as end-of-generation tokens do. Returns the number of tokens left allowed (when none would be,
+// the end-of-generation tokens are left, so that generation stops).
+int json_mask(const JsonState& state, const JsonVocab& vocab, const std::vector<int32_t>& stop_ids, float* logits,
+              int n_vocab);
+
+}  // namespace kvq
