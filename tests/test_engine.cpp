@@ -3,6 +3,8 @@
 // through Forward::eval on a private cache.
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <filesystem>
 #include <cmath>
 #include <future>
@@ -779,6 +781,41 @@ TEST(EngineEos, IgnoreEosRunsToMaxTokens) {
   EXPECT_GT(full.ttft_s, 0);
   EXPECT_GT(full.decode_s, 0);
   EXPECT_GT(stopped.ttft_s, 0);
+  e.wait_idle();
+  expect_pool_clean(e);
+}
+
+// JSON mode on an instruction-tuned model: the answer is one JSON object that ends the request
+// ("stop") with the token that closes it, with or without ignore_eos (nothing can follow the
+// object); without JSON mode the same request is no JSON object.
+TEST(EngineEos, JsonModeClosesTheObject) {
+  const std::string model = kvq_test_model("SmolLM2-135M-Instruct.Q4_1.gguf");
+  if (model.empty()) GTEST_SKIP() << "SmolLM2-135M-Instruct.Q4_1.gguf not installed (run scripts/get-models.sh)";
+  EngineOptions o;
+  o.model_path = model;
+  o.threads = 2;
+  o.ctx = 512;
+  o.kv_tokens = 1024;
+  Engine e(o);
+  const std::string text =
+      chat_render(chat_template_detect(e.model().file()), {{"user", "Describe a cat as a JSON object with its name and age."}});
+  const std::vector<int32_t> prompt = e.tokenizer().encode(text, true, true);
+  GenParams p = greedy(120);
+  p.json_object = true;
+  const GenResult a = e.generate(prompt, p);
+  ASSERT_EQ(a.finish_reason, "stop") << a.text;
+  const nlohmann::json doc = nlohmann::json::parse(a.text);
+  EXPECT_TRUE(doc.is_object());
+  EXPECT_FALSE(doc.empty());
+  EXPECT_EQ(a.text.back(), '}');
+  p.ignore_eos = true;
+  const GenResult b = e.generate(prompt, p);
+  EXPECT_EQ(b.finish_reason, "stop");
+  EXPECT_EQ(b.text, a.text);
+  EXPECT_EQ(b.tokens, a.tokens);
+  GenParams plain = greedy(int(a.tokens.size()));
+  const GenResult c = e.generate(prompt, plain);
+  EXPECT_FALSE(nlohmann::json::accept(c.text)) << c.text;
   e.wait_idle();
   expect_pool_clean(e);
 }

@@ -105,6 +105,8 @@ const char* const kValid[] = {
     "{\n  \"name\": \"Felix\",\n  \"age\": 12\n}",
     R"({"":""})",
     R"({"a":0.0,"b":0e5,"c":1E+2})",
+    R"({"pair": "\uD83D\uDE00", "max": "\uFFFF", "low": "\u0000"})",
+    "{\"edges\": \"\xED\x9F\xBF \xF4\x8F\xBF\xBF \xEE\x80\x80 \xF0\x90\x80\x80\"}",  // U+D7FF, U+10FFFF, U+E000, U+10000
 };
 
 const char* const kInvalid[] = {
@@ -137,6 +139,15 @@ const char* const kInvalid[] = {
     "{\"a\":[}",
     "{\"a\":{]}",
     "{\"a\":1",  // not closed
+    "{\"a\":\"\xE0\x80\x80\"}",      // overlong
+    "{\"a\":\"\xF0\x80\x80\x80\"}",  // overlong
+    "{\"a\":\"\xED\xA0\x80\"}",      // a surrogate in UTF-8
+    "{\"a\":\"\xF4\x90\x80\x80\"}",  // past U+10FFFF
+    "{\"a\":\"\\uD800\"}",            // a lone high surrogate
+    "{\"a\":\"\\uDC00\"}",            // a lone low one
+    "{\"a\":\"\\uD800\\u0041\"}",    // a high one, then no low one
+    "{\"a\":\"\\uD800x\"}",
+    "{\"a\":\"\\uD800\\n\"}",
 };
 
 }  // namespace
@@ -189,21 +200,22 @@ TEST(JsonConstraint, LimitsWhitespaceAndDepth) {
   EXPECT_EQ(taken(deep + "["), deep.size());
 }
 
-// Random edits of valid documents (ASCII: the \u escapes, UTF-8 and surrogates are checked above):
-// the automaton takes a whole document exactly when the reference parser does, and a document it
-// rejects is cut at a byte after which no completion exists (the reference rejects the prefix
-// plus any of a set of endings).
+// Random edits of valid documents, with structural characters, whitespace, escapes, hex digits
+// and bytes of UTF-8 characters (leads, continuations, the bounds of the well-formed ranges): the
+// automaton takes a whole document exactly when the reference parser does.
 TEST(JsonConstraint, AgreesWithTheReferenceParserOnMutatedDocuments) {
   std::mt19937 rng(12345);
-  const std::string alphabet = "{}[]\":,0123456789-+.eEtrufalsn \n\\abc";
+  const std::string alphabet =
+      "{}[]\":,0123456789-+.eEtrufalsn \n\t\\abcuDdF\xC3\xA9\xE2\x82\xAC\xED\xA0\x9F\xF4\x90\x8F\xC0\xE0\xF0\xBF";
   const char* const bases[] = {
       R"({"a": -0.5e+10, "b": [1, 2.25, -3E-2, 0, 10], "c": {"d": null, "e": true, "f": false}})",
       R"({"nested": [[[], {}], [{"x": [1, {"y": []}]}]], "s": "a\"b\\c\n"})",
       R"({"k1":"v","k2":[true,false,null],"k3":{"x":12.5}})",
+      "{\"u\": \"\\uD83D\\uDE00 \\u00e9 caf\xC3\xA9 \xE2\x82\xAC\", \"t\":\t1}",
   };
   int agree_valid = 0, agree_invalid = 0;
   for (int trial = 0; trial < 20000; ++trial) {
-    std::string d = bases[trial % 3];
+    std::string d = bases[trial % 4];
     const int edits = 1 + int(rng() % 3);
     for (int e = 0; e < edits && !d.empty(); ++e) {
       const size_t at = rng() % d.size();
@@ -271,9 +283,20 @@ TEST_P(JsonMask, LeavesExactlyTheContinuations) {
   // A complete object: only the end-of-generation tokens (and the request's stop ids).
   const std::vector<int32_t> end = allowed("{\"a\": 1}");
   EXPECT_EQ(end, tok.eog_ids());
-  const int32_t extra = tok.find_token("<unk>") >= 0 ? tok.find_token("<unk>") : 0;
-  std::vector<int32_t> with = allowed("{\"a\": 1}", {extra});
-  EXPECT_EQ(with.size(), tok.eog_ids().size() + (std::count(tok.eog_ids().begin(), tok.eog_ids().end(), extra) ? 0 : 1));
+  // A stop id is a token that ends generation: "}" as one is masked where it would close the
+  // object (it would end it unclosed) and allowed, with its own logit, once the object is closed.
+  int32_t brace = -1;
+  for (int32_t id = 0; id < n && brace < 0; ++id)
+    if (vocab.bytes(id) == "}" && !tok.is_eog(id)) brace = id;
+  ASSERT_GE(brace, 0);
+  const std::vector<int32_t> open_ids = allowed("{\"a\": 1");
+  EXPECT_NE(std::find(open_ids.begin(), open_ids.end(), brace), open_ids.end());
+  const std::vector<int32_t> stopped = allowed("{\"a\": 1", {brace});
+  EXPECT_EQ(stopped.size() + 1, open_ids.size());
+  EXPECT_EQ(std::find(stopped.begin(), stopped.end(), brace), stopped.end());
+  std::vector<int32_t> with = allowed("{\"a\": 1}", {brace});
+  EXPECT_EQ(with.size(), tok.eog_ids().size() + 1);
+  EXPECT_NE(std::find(with.begin(), with.end(), brace), with.end());
   // Before that, no end-of-generation token.
   for (int32_t id : allowed("{\"a\": 1")) EXPECT_FALSE(tok.is_eog(id));
 }

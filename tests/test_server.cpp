@@ -409,7 +409,7 @@ TEST_F(ServerTest, JsonObjectResponseFormat) {
     try {
       return json::parse(t).is_object();
     } catch (const json::parse_error& e) {
-      return e.byte >= t.size();  // only the end of the text is missing
+      return e.byte == t.size() + 1;  // only the end of the text is missing
     }
   };
   int stopped = 0;
@@ -440,8 +440,10 @@ TEST_F(ServerTest, JsonObjectResponseFormat) {
                                                     {"max_tokens", 32},
                                                     {"temperature", 0},
                                                     {"response_format", {{"type", "json_object"}}}});
-  EXPECT_TRUE(json_prefix(chat["choices"][0]["message"]["content"]));
-  RecordProperty("stopped", stopped);
+  const std::string content = chat["choices"][0]["message"]["content"];
+  EXPECT_FALSE(content.empty());
+  EXPECT_TRUE(json_prefix(content));
+  RecordProperty("stopped", stopped);  // stories rarely close; EngineEos.JsonModeClosesTheObject does
 }
 
 TEST_F(ServerTest, ChatPlainAndStreamedAndStop) {

@@ -1047,7 +1047,11 @@ bool Engine::step() {
         }
         s.tokens.push_back(next);
         s.res.tokens.push_back(next);
-        if (s.json) s.json->feed(json_vocab_->bytes(next));  // allowed by the mask: it feeds
+        if (s.json && !s.json->feed(json_vocab_->bytes(next))) {
+          // Only when the mask left nothing to sample (a vocabulary that cannot go on).
+          finish(s, "error", "JSON mode: the model's vocabulary has no token that continues the JSON text");
+          continue;
+        }
         if (s.req.params.logprobs >= 0) {
           s.res.logprobs.push_back(token_logprob(lg, n_vocab, next, s.req.params.logprobs));
           if (s.req.on_logprob) s.req.on_logprob(s.res.logprobs.back());
@@ -1060,6 +1064,10 @@ bool Engine::step() {
           continue;
         }
         emit_text(s, false);
+        if (s.json && s.json->done()) {  // the object is closed: nothing else can follow
+          finish(s, "stop");
+          continue;
+        }
         if (int(s.res.tokens.size()) >= s.req.params.max_tokens || int(s.tokens.size()) >= ctx_) {
           finish(s, "length");
           continue;

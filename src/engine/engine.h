@@ -120,9 +120,10 @@ struct GenParams {
   // (weights/weights.h), with which the two paths agree bit for bit.
   bool prompt_logprobs = false;
   // JSON mode (OpenAI's response_format {"type": "json_object"}): only tokens that keep the text a
-  // prefix of one JSON object are sampled, and generation ends once the object is closed
-  // (model/json_constraint.h). A request cut short by max_tokens ends with "length" mid-object,
-  // as OpenAI's does.
+  // prefix of one JSON object are sampled, and generation ends ("stop") with the token that closes
+  // it, ignore_eos or not (model/json_constraint.h). A request cut short by max_tokens ends with
+  // "length" mid-object, as OpenAI's does; a stop string can cut it too. logprobs stay those of the
+  // model's distribution (before the mask, as before any sampling setting).
   bool json_object = false;
 };
 

@@ -61,10 +61,13 @@ bool JsonState::value_start(unsigned char c) {
 
 bool JsonState::string_byte(unsigned char c) {
   if (utf8_left_ > 0) {
-    if (c < 0x80 || c > 0xBF) return false;
+    if (c < utf8_lo_ || c > utf8_hi_) return false;
     --utf8_left_;
+    utf8_lo_ = 0x80;
+    utf8_hi_ = 0xBF;
     return true;
   }
+  if (low_needed_ && c != '\\') return false;  // a high surrogate's low half comes next
   if (c == '"') {
     if (key_) {
       mode_ = Mode::colon;
@@ -78,10 +81,22 @@ bool JsonState::string_byte(unsigned char c) {
   }
   if (c < 0x20) return false;  // control characters are escaped in JSON strings
   if (c < 0x80) return true;
-  if (c >= 0xC2 && c <= 0xDF) utf8_left_ = 1;
-  else if (c >= 0xE0 && c <= 0xEF) utf8_left_ = 2;
-  else if (c >= 0xF0 && c <= 0xF4) utf8_left_ = 3;
-  else return false;
+  // Well-formed UTF-8 (Unicode table 3-7): the first continuation byte's range depends on the lead.
+  utf8_lo_ = 0x80;
+  utf8_hi_ = 0xBF;
+  if (c >= 0xC2 && c <= 0xDF) {
+    utf8_left_ = 1;
+  } else if (c >= 0xE0 && c <= 0xEF) {
+    utf8_left_ = 2;
+    if (c == 0xE0) utf8_lo_ = 0xA0;  // no overlong forms
+    if (c == 0xED) utf8_hi_ = 0x9F;  // no surrogates
+  } else if (c >= 0xF0 && c <= 0xF4) {
+    utf8_left_ = 3;
+    if (c == 0xF0) utf8_lo_ = 0x90;
+    if (c == 0xF4) utf8_hi_ = 0x8F;  // nothing past U+10FFFF
+  } else {
+    return false;
+  }
   return true;
 }
 
@@ -94,15 +109,32 @@ bool JsonState::feed(unsigned char c) {
       if (c == 'u') {
         mode_ = Mode::unicode;
         left_ = 4;
+        code_ = 0;
         return true;
       }
-      if (!std::strchr("\"\\/bfnrt", c) || c == 0) return false;
+      if (low_needed_ || !std::strchr("\"\\/bfnrt", c) || c == 0) return false;
       mode_ = Mode::string;
       return true;
-    case Mode::unicode:
+    case Mode::unicode: {
       if (!is_hex(c)) return false;
-      if (--left_ == 0) mode_ = Mode::string;
+      const int v = is_digit(c) ? c - '0' : (c | 0x20) - 'a' + 10;
+      code_ = uint16_t(code_ << 4 | v);
+      // A surrogate only as a pair: a high half (D800-DBFF) then a low one (DC00-DFFF). Checked as
+      // soon as the first digits decide it.
+      const int done_digits = 4 - (left_ - 1);
+      const uint16_t top = uint16_t(code_ << (4 * (4 - done_digits)));
+      const uint16_t span = uint16_t((1u << (4 * (4 - done_digits))) - 1);  // values the rest can add
+      const bool may_high = top <= 0xDBFF && top + span >= 0xD800;
+      const bool may_low = top <= 0xDFFF && top + span >= 0xDC00;
+      const bool may_other = top < 0xD800 || top + span > 0xDFFF;
+      if (low_needed_ ? !may_low : !(may_other || may_high)) return false;
+      if (--left_ == 0) {
+        mode_ = Mode::string;
+        if (low_needed_) low_needed_ = false;
+        else if (code_ >= 0xD800 && code_ <= 0xDBFF) low_needed_ = true;
+      }
       return true;
+    }
     case Mode::literal:
       if (c != uint8_t(*word_)) return false;
       ++word_;

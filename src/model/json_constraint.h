@@ -43,7 +43,7 @@ class JsonState {
   // The top-level object is complete.
   bool done() const { return mode_ == Mode::done; }
   // Inside a string, between characters: text without '"', '\\' and control characters goes on.
-  bool in_string_text() const { return mode_ == Mode::string && utf8_left_ == 0; }
+  bool in_string_text() const { return mode_ == Mode::string && utf8_left_ == 0 && !low_needed_; }
   int depth() const { return int(stack_.size()); }
 
  private:
@@ -73,6 +73,9 @@ class JsonState {
   bool key_ = false;
   uint8_t left_ = 0;      // unicode: hex digits left; literal: characters left
   uint8_t utf8_left_ = 0; // continuation bytes a string's UTF-8 character still needs
+  uint8_t utf8_lo_ = 0x80, utf8_hi_ = 0xBF;  // the range of the next one (narrower after E0, ED, F0, F4)
+  uint16_t code_ = 0;     // unicode: the escape's value so far
+  bool low_needed_ = false;  // a \uD800-\uDBFF escape waits for its \uDC00-\uDFFF
   uint8_t ws_ = 0;        // spaces and tabs in this gap between tokens
   bool nl_ = false;       // this gap has its newline
   const char* word_ = nullptr;  // literal: the rest of the word
