@@ -757,17 +757,26 @@ TEST_F(EngineTest, StopStringsMaxTokensAndStreaming) {
 // ignore_eos (what kvq bench uses): the end-of-generation token is kept and generation goes on to
 // max_tokens; the tokens before it are the ones a normal request gets. Timings are filled in.
 // SmolLM2-Instruct ends a chat turn with <|im_end|> (stories260K's stories never end).
-TEST(EngineEos, IgnoreEosRunsToMaxTokens) {
-  const std::string model = kvq_test_model("SmolLM2-135M-Instruct.Q4_1.gguf");
-  if (model.empty()) GTEST_SKIP() << "SmolLM2-135M-Instruct.Q4_1.gguf not installed (run scripts/get-models.sh)";
+// SmolLM2-135M-Instruct in a small engine, and a user turn in its chat template.
+static EngineOptions smollm2_options(const std::string& model) {
   EngineOptions o;
   o.model_path = model;
   o.threads = 2;
   o.ctx = 512;
   o.kv_tokens = 1024;
-  Engine e(o);
-  const std::string text = chat_render(chat_template_detect(e.model().file()), {{"user", "Say hello."}});
-  const std::vector<int32_t> prompt = e.tokenizer().encode(text, true, true);
+  return o;
+}
+
+static std::vector<int32_t> chat_prompt(const Engine& e, const std::string& user) {
+  const std::string text = chat_render(chat_template_detect(e.model().file()), {{"user", user}});
+  return e.tokenizer().encode(text, true, true);
+}
+
+TEST(EngineEos, IgnoreEosRunsToMaxTokens) {
+  const std::string model = kvq_test_model("SmolLM2-135M-Instruct.Q4_1.gguf");
+  if (model.empty()) GTEST_SKIP() << "SmolLM2-135M-Instruct.Q4_1.gguf not installed (run scripts/get-models.sh)";
+  Engine e(smollm2_options(model));
+  const std::vector<int32_t> prompt = chat_prompt(e, "Say hello.");
   const GenResult stopped = e.generate(prompt, greedy(100));
   ASSERT_EQ(stopped.finish_reason, "stop") << "the model no longer ends this turn within 100 tokens";
   ASSERT_LT(stopped.tokens.size(), 99u);
@@ -791,15 +800,8 @@ TEST(EngineEos, IgnoreEosRunsToMaxTokens) {
 TEST(EngineEos, JsonModeClosesTheObject) {
   const std::string model = kvq_test_model("SmolLM2-135M-Instruct.Q4_1.gguf");
   if (model.empty()) GTEST_SKIP() << "SmolLM2-135M-Instruct.Q4_1.gguf not installed (run scripts/get-models.sh)";
-  EngineOptions o;
-  o.model_path = model;
-  o.threads = 2;
-  o.ctx = 512;
-  o.kv_tokens = 1024;
-  Engine e(o);
-  const std::string text =
-      chat_render(chat_template_detect(e.model().file()), {{"user", "Describe a cat as a JSON object with its name and age."}});
-  const std::vector<int32_t> prompt = e.tokenizer().encode(text, true, true);
+  Engine e(smollm2_options(model));
+  const std::vector<int32_t> prompt = chat_prompt(e, "Describe a cat as a JSON object with its name and age.");
   GenParams p = greedy(120);
   p.json_object = true;
   const GenResult a = e.generate(prompt, p);
