@@ -12,6 +12,7 @@
 #include "core/timer.h"
 #include "model/chat.h"
 #include "model/model.h"
+#include "model/json_constraint.h"
 #include "model/tokenizer.h"
 #include "tools/files.h"
 
@@ -30,6 +31,9 @@ void run_add_cli(CLI::App& app, RunOptions& o) {
                "continuing the same KV cache");
   app.add_option("--system", o.system, "system message (with --chat)");
   app.add_flag("--echo", o.echo, "print the prompt before the generated text");
+  app.add_flag("--json", o.json_object,
+               "JSON mode: only tokens that continue one JSON object are sampled, and generation ends when it "
+               "closes (as kvq serve's response_format json_object)");
   app.add_option("--temp", o.sampling.temperature, "temperature (0: greedy)")->capture_default_str();
   app.add_option("--top-k", o.sampling.top_k, "top-k (0: off)")->capture_default_str();
   app.add_option("--top-p", o.sampling.top_p, "top-p (1: off)")->capture_default_str();
@@ -102,6 +106,8 @@ int run_command(const RunOptions& o) {
   KvCache cache(kcfg);
   Forward fwd(*model, pool);
   Sampler sampler(o.sampling);
+  const std::unique_ptr<JsonVocab> json_vocab = o.json_object ? std::make_unique<JsonVocab>(tok) : nullptr;
+  std::vector<float> masked;
   std::vector<int32_t> history;  // every token in the cache, and the one sampled last
   double t_prompt = 0, t_gen = 0;
   size_t n_prompt = 0;
@@ -127,8 +133,15 @@ int run_command(const RunOptions& o) {
     const double t1 = now_seconds();
     stop_reason = "length";
     bool room = true;
+    JsonState json;  // each turn's answer is one object
     for (int n_gen = 0; n_gen < o.n_predict; ++n_gen) {
-      const int32_t next = sampler.sample(logits, c.n_vocab, history, turn_start);
+      const float* lg = logits;
+      if (json_vocab) {
+        masked.assign(logits, logits + c.n_vocab);
+        json_mask(json, *json_vocab, {}, masked.data(), int(c.n_vocab));
+        lg = masked.data();
+      }
+      const int32_t next = sampler.sample(lg, c.n_vocab, history, turn_start);
       if (tok.is_eog(next)) {
         stop_reason = "end of generation token";
         break;
@@ -138,6 +151,10 @@ int run_command(const RunOptions& o) {
       if (!piece.empty()) {
         std::fwrite(piece.data(), 1, piece.size(), stdout);
         std::fflush(stdout);
+      }
+      if (json_vocab && (!json.feed(json_vocab->bytes(next)) || json.done())) {
+        stop_reason = json.done() ? "end of the JSON object" : "no token continues the JSON text";
+        break;
       }
       if (cache.n_tokens() >= ctx) {
         stop_reason = "context full";

@@ -21,6 +21,7 @@ struct RunOptions {
   bool chat = false;
   bool interactive = false;  // --chat -i: a conversation read from stdin, one user turn per line
   bool echo = false;
+  bool json_object = false;  // --json: the output is one JSON object (model/json_constraint.h)
   std::string system;    // --system, with --chat
   SamplerParams sampling;
   KvFlags kv;

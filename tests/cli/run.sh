@@ -25,6 +25,12 @@ check "--echo prints the prompt" "grep -q '^Once upon a time' $tmp/echo"
 "$kvq" run -m "$model" -p "Lily" -n 30 --temp 0.9 --seed 7 >"$tmp/s2" 2>/dev/null
 check "same seed, same text" "cmp -s $tmp/s1 $tmp/s2"
 
+# --json: the story model writes the start of a JSON object (a whole one when it closes it)
+"$kvq" run -m "$model" -p "Once upon a time" -n 40 --temp 0.9 --seed 3 --json >"$tmp/json" 2>"$tmp/jerr"
+check "--json: the output starts a JSON object" "[[ \$(tr -d ' \n\t' <$tmp/json | head -c 2) == '{\"' ]]"
+check "--json: plain run of the same prompt does not" "[[ \$(tr -d ' \n\t' <$tmp/s1 | head -c 1) != '{' ]]"
+check "--json: it ends closed or at the limit" "grep -Eq 'stop: (end of the JSON object|length)' $tmp/jerr"
+
 # bad input: clear error, non-zero exit, no crash (exit code 1 or CLI11's usage code, not a signal)
 bad() {
   local name=$1; shift
