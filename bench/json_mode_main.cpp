@@ -18,13 +18,11 @@
 #include "engine/engine.h"
 #include "model/chat.h"
 #include "model/json_constraint.h"
+#include "tools/bench.h"
 
 using namespace kvq;
 
-static double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+static double median(std::vector<double> v) { return bench_percentile(v, 0.5); }
 
 int main(int argc, char** argv) {
   if (argc < 2) {
