@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "model/tokenizer.h"
+#include "model/unicode.h"
 
 namespace kvq {
 
@@ -81,22 +82,10 @@ bool JsonState::string_byte(unsigned char c) {
   }
   if (c < 0x20) return false;  // control characters are escaped in JSON strings
   if (c < 0x80) return true;
-  // Well-formed UTF-8 (Unicode table 3-7): the first continuation byte's range depends on the lead.
-  utf8_lo_ = 0x80;
-  utf8_hi_ = 0xBF;
-  if (c >= 0xC2 && c <= 0xDF) {
-    utf8_left_ = 1;
-  } else if (c >= 0xE0 && c <= 0xEF) {
-    utf8_left_ = 2;
-    if (c == 0xE0) utf8_lo_ = 0xA0;  // no overlong forms
-    if (c == 0xED) utf8_hi_ = 0x9F;  // no surrogates
-  } else if (c >= 0xF0 && c <= 0xF4) {
-    utf8_left_ = 3;
-    if (c == 0xF0) utf8_lo_ = 0x90;
-    if (c == 0xF4) utf8_hi_ = 0x8F;  // nothing past U+10FFFF
-  } else {
-    return false;
-  }
+  // Well-formed UTF-8: the first continuation byte's range depends on the lead.
+  const int len = unicode::utf8_lead_info(c, &utf8_lo_, &utf8_hi_);
+  if (len == 0) return false;
+  utf8_left_ = uint8_t(len - 1);
   return true;
 }
 

@@ -43,9 +43,9 @@ const std::array<CharClass, 128> k_ascii_class = [] {
 
 bool is_cont(uint8_t b) { return (b & 0xC0) == 0x80; }
 
-// Expected length of a sequence starting with lead byte b and the allowed range of its second
-// byte (excludes overlong forms, surrogates and code points above U+10FFFF); 0 if b is no lead.
-int lead_info(uint8_t b, uint8_t* lo, uint8_t* hi) {
+}  // namespace
+
+int utf8_lead_info(uint8_t b, uint8_t* lo, uint8_t* hi) {
   *lo = 0x80;
   *hi = 0xBF;
   if (b >= 0xC2 && b <= 0xDF) return 2;
@@ -62,8 +62,6 @@ int lead_info(uint8_t b, uint8_t* lo, uint8_t* hi) {
   return 0;
 }
 
-}  // namespace
-
 CharClass char_class(uint32_t cp) { return cp < 128 ? k_ascii_class[cp] : classify_slow(cp); }
 
 int utf8_decode(std::string_view s, size_t i, uint32_t* cp) {
@@ -73,7 +71,7 @@ int utf8_decode(std::string_view s, size_t i, uint32_t* cp) {
     return 1;
   }
   uint8_t lo, hi;
-  const int len = lead_info(b0, &lo, &hi);
+  const int len = utf8_lead_info(b0, &lo, &hi);
   if (len == 0 || i + len > s.size()) {
     *cp = k_invalid_cp;
     return 1;
@@ -122,7 +120,7 @@ size_t utf8_complete_prefix(std::string_view s) {
   for (size_t k = 1; k <= 3 && k <= n; ++k) {
     const size_t p = n - k;
     uint8_t lo, hi;
-    const int len = lead_info(static_cast<uint8_t>(s[p]), &lo, &hi);
+    const int len = utf8_lead_info(static_cast<uint8_t>(s[p]), &lo, &hi);
     if (len == 0) {
       if (is_cont(static_cast<uint8_t>(s[p]))) continue;  // keep looking for its lead byte
       return n;                                            // ASCII or invalid: nothing pending

@@ -19,6 +19,10 @@ CharClass char_class(uint32_t cp);
 // overlong forms and surrogates decode as one byte with cp = 0xFFFFFFFF (class other).
 inline constexpr uint32_t k_invalid_cp = 0xFFFFFFFFu;
 int utf8_decode(std::string_view s, size_t i, uint32_t* cp);
+// Expected length of a UTF-8 sequence starting with lead byte b, and the allowed range of its
+// second byte (excludes overlong forms, surrogates and code points above U+10FFFF); 0 if b is no
+// lead byte.
+int utf8_lead_info(uint8_t b, uint8_t* lo, uint8_t* hi);
 void utf8_append(std::string& out, uint32_t cp);
 
 // Length of the longest prefix of `s` that does not end inside an incomplete (but so far valid)
