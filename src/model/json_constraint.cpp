@@ -17,6 +17,17 @@ bool is_hex(unsigned char c) { return is_digit(c) || (c >= 'a' && c <= 'f') || (
 
 }  // namespace
 
+bool json_u_escape_prefix_ok(uint16_t code, int digits, bool low_needed) {
+  // A surrogate only as a pair: a high half (D800-DBFF) then a low one (DC00-DFFF). Checked as
+  // soon as the first digits decide it.
+  const uint32_t top = uint32_t(code) << (4 * (4 - digits));
+  const uint32_t span = (1u << (4 * (4 - digits))) - 1;  // values the rest can add
+  const bool may_high = top <= 0xDBFF && top + span >= 0xD800;
+  const bool may_low = top <= 0xDFFF && top + span >= 0xDC00;
+  const bool may_other = top < 0xD800 || top + span > 0xDFFF;
+  return low_needed ? may_low : (may_other || may_high);
+}
+
 bool JsonState::value_end() {
   mode_ = stack_.empty() ? Mode::done : Mode::after;
   return true;
@@ -108,15 +119,7 @@ bool JsonState::feed(unsigned char c) {
       if (!is_hex(c)) return false;
       const int v = is_digit(c) ? c - '0' : (c | 0x20) - 'a' + 10;
       code_ = uint16_t(code_ << 4 | v);
-      // A surrogate only as a pair: a high half (D800-DBFF) then a low one (DC00-DFFF). Checked as
-      // soon as the first digits decide it.
-      const int done_digits = 4 - (left_ - 1);
-      const uint16_t top = uint16_t(code_ << (4 * (4 - done_digits)));
-      const uint16_t span = uint16_t((1u << (4 * (4 - done_digits))) - 1);  // values the rest can add
-      const bool may_high = top <= 0xDBFF && top + span >= 0xD800;
-      const bool may_low = top <= 0xDFFF && top + span >= 0xDC00;
-      const bool may_other = top < 0xD800 || top + span > 0xDFFF;
-      if (low_needed_ ? !may_low : !(may_other || may_high)) return false;
+      if (!json_u_escape_prefix_ok(code_, 4 - (left_ - 1), low_needed_)) return false;
       if (--left_ == 0) {
         mode_ = Mode::string;
         if (low_needed_) low_needed_ = false;

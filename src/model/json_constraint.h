@@ -28,6 +28,10 @@ namespace kvq {
 
 class Tokenizer;
 
+// The first `digits` (1..4) hex digits of a \u escape, value `code`, can still end as JSON allows:
+// a surrogate only as a pair, a high half (D800-DBFF) then, when low_needed, a low one (DC00-DFFF).
+bool json_u_escape_prefix_ok(uint16_t code, int digits, bool low_needed);
+
 class JsonState {
  public:
   static constexpr int kMaxIndent = 32;

@@ -1,0 +1,893 @@
+#include "model/json_schema.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <stdexcept>
+
+#include "model/json_constraint.h"
+#include "model/unicode.h"
+
+namespace kvq {
+
+namespace {
+
+using json = nlohmann::ordered_json;
+using Elem = Grammar::Elem;
+using Seq = std::vector<Elem>;
+using ByteSet = Grammar::ByteSet;
+
+constexpr uint32_t kUnbounded = UINT32_MAX;
+
+bool has(const ByteSet& s, unsigned char c) { return (s[c >> 6] >> (c & 63)) & 1; }
+
+// ---- the string element: its progress packed into a Frame's sub ----
+
+enum StrPhase : uint8_t { kOpen = 0, kBody, kEscape, kHex, kUtf8 };
+struct StrSub {
+  uint8_t phase = kOpen;
+  uint8_t left = 0;  // kHex: digits to go; kUtf8: continuation bytes to go
+  bool low = false;  // a \uD800-\uDBFF escape waits for its low half
+  uint8_t lo = 0x80, hi = 0xBF;  // kUtf8: the range of the next byte
+  uint16_t code = 0;             // kHex: the escape's value so far
+  uint32_t count = 0;            // code points so far (counted only when the string is bounded)
+};
+uint64_t pack(const StrSub& s) {
+  return uint64_t(s.phase) | uint64_t(s.left) << 3 | uint64_t(s.low) << 6 | uint64_t(s.lo) << 8 |
+         uint64_t(s.hi) << 16 | uint64_t(s.code) << 24 | uint64_t(s.count) << 40;
+}
+StrSub unpack(uint64_t v) {
+  StrSub s;
+  s.phase = uint8_t(v & 7);
+  s.left = uint8_t(v >> 3 & 7);
+  s.low = (v >> 6 & 1) != 0;
+  s.lo = uint8_t(v >> 8);
+  s.hi = uint8_t(v >> 16);
+  s.code = uint16_t(v >> 24);
+  s.count = uint32_t(v >> 40);
+  return s;
+}
+constexpr uint64_t kStrFail = ~uint64_t(0);
+constexpr uint64_t kStrClosed = ~uint64_t(0) - 1;
+constexpr uint32_t kMaxCount = (1u << 24) - 1;
+
+bool is_hex(unsigned char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'); }
+
+void count_char(StrSub& s, const Grammar::StrBounds& b) {
+  if (!b.free() && s.count < kMaxCount) ++s.count;
+}
+
+uint64_t str_step(const Grammar::StrBounds& b, uint64_t sub, unsigned char c) {
+  StrSub s = unpack(sub);
+  switch (s.phase) {
+    case kOpen:
+      if (c != '"') return kStrFail;
+      s.phase = kBody;
+      return pack(s);
+    case kBody:
+      if (s.low) {  // only the low half's escape
+        if (c != '\\') return kStrFail;
+        s.phase = kEscape;
+        return pack(s);
+      }
+      if (c == '"') return s.count >= b.min_len ? kStrClosed : kStrFail;
+      if (b.max_len != kUnbounded && s.count >= b.max_len) return kStrFail;  // no room for another character
+      if (c == '\\') {
+        s.phase = kEscape;
+        return pack(s);
+      }
+      if (c < 0x20) return kStrFail;
+      if (c < 0x80) {
+        count_char(s, b);
+        return pack(s);
+      } else {
+        const int len = unicode::utf8_lead_info(c, &s.lo, &s.hi);
+        if (len == 0) return kStrFail;
+        s.phase = kUtf8;
+        s.left = uint8_t(len - 1);
+        return pack(s);
+      }
+    case kUtf8:
+      if (c < s.lo || c > s.hi) return kStrFail;
+      s.lo = 0x80;
+      s.hi = 0xBF;
+      if (--s.left == 0) {
+        s.phase = kBody;
+        count_char(s, b);
+      }
+      return pack(s);
+    case kEscape:
+      if (c == 'u') {
+        s.phase = kHex;
+        s.left = 4;
+        s.code = 0;
+        return pack(s);
+      }
+      if (s.low || c == 0 || !std::strchr("\"\\/bfnrt", c)) return kStrFail;
+      s.phase = kBody;
+      count_char(s, b);
+      return pack(s);
+    case kHex: {
+      if (!is_hex(c)) return kStrFail;
+      const int v = c <= '9' ? c - '0' : (c | 0x20) - 'a' + 10;
+      s.code = uint16_t(s.code << 4 | v);
+      if (!json_u_escape_prefix_ok(s.code, 4 - (s.left - 1), s.low)) return kStrFail;
+      if (--s.left == 0) {
+        s.phase = kBody;
+        if (s.low) {
+          s.low = false;  // the pair was counted with its high half
+        } else {
+          s.low = s.code >= 0xD800 && s.code <= 0xDBFF;
+          count_char(s, b);
+        }
+      }
+      return pack(s);
+    }
+    default:
+      return kStrFail;
+  }
+}
+
+// ---- the gap between tokens: 0 none yet, 1 a space or tab (full), 2 + k a newline and k more ----
+
+constexpr uint64_t kWsFail = ~uint64_t(0);
+uint64_t ws_step(uint64_t sub, unsigned char c) {
+  const bool blank = c == ' ' || c == '\t';
+  if (sub == 0) return blank ? 1 : c == '\n' ? 2 : kWsFail;
+  if (sub == 1) return kWsFail;
+  return blank && sub - 2 < uint64_t(JsonState::kMaxIndent) ? sub + 1 : kWsFail;
+}
+bool ws_more(uint64_t sub) { return sub == 0 || (sub >= 2 && sub - 2 < uint64_t(JsonState::kMaxIndent)); }
+
+Seq operator+(Seq a, const Seq& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+}  // namespace
+
+// ---- the schema compiler ----
+
+class SchemaCompiler {
+ public:
+  SchemaCompiler(Grammar& g, const json& root) : g_(g), root_(root) {}
+
+  void compile() {
+    const uint32_t value = schema(root_, "");
+    g_.root_ = uint32_t(g_.elems_.size());
+    g_.elems_.push_back(ws());
+    g_.elems_.push_back(rule(value));
+    g_.elems_.push_back({Grammar::kEnd, 0});
+    check_left_recursion();
+  }
+
+ private:
+  [[noreturn]] static void fail(const std::string& path, const std::string& why) {
+    throw std::invalid_argument("json_schema at '" + (path.empty() ? std::string("#") : "#" + path) + "': " + why);
+  }
+  static std::string child(const std::string& path, const std::string& key) {
+    std::string k;  // JSON pointer escaping
+    for (char c : key) {
+      if (c == '~') k += "~0";
+      else if (c == '/') k += "~1";
+      else k += c;
+    }
+    return path + "/" + k;
+  }
+
+  uint32_t new_rule() {
+    g_.rules_.emplace_back();
+    if (g_.rules_.size() > 200000) fail("", "the schema needs more than 200000 grammar rules (lower minItems/maxItems)");
+    return uint32_t(g_.rules_.size() - 1);
+  }
+  void alt(uint32_t r, const Seq& seq) {
+    g_.rules_[r].push_back(uint32_t(g_.elems_.size()));
+    g_.elems_.insert(g_.elems_.end(), seq.begin(), seq.end());
+    g_.elems_.push_back({Grammar::kEnd, 0});
+  }
+  uint32_t rule_of(const std::vector<Seq>& alts) {
+    const uint32_t r = new_rule();
+    for (const Seq& a : alts) alt(r, a);
+    return r;
+  }
+  Elem bytes(const ByteSet& s) {
+    auto it = set_ids_.find(s);
+    if (it == set_ids_.end()) {
+      it = set_ids_.emplace(s, uint32_t(g_.sets_.size())).first;
+      g_.sets_.push_back(s);
+    }
+    return {Grammar::kBytes, it->second};
+  }
+  Elem range(unsigned char lo, unsigned char hi) {
+    ByteSet s{};
+    for (int c = lo; c <= hi; ++c) s[size_t(c >> 6)] |= uint64_t(1) << (c & 63);
+    return bytes(s);
+  }
+  Elem ch(unsigned char c) { return range(c, c); }
+  Seq lit(std::string_view text) {
+    Seq s;
+    for (unsigned char c : text) s.push_back(ch(c));
+    return s;
+  }
+  static Elem rule(uint32_t r) { return {Grammar::kRule, r}; }
+  static Elem ws() { return {Grammar::kWs, 0}; }
+  Elem str(uint32_t min_len, uint32_t max_len) {
+    g_.strs_.push_back({min_len, max_len});
+    return {Grammar::kStr, uint32_t(g_.strs_.size() - 1)};
+  }
+
+  // The text of one value (const, enum): containers with the gaps between tokens that other
+  // values have, scalars as nlohmann writes them.
+  Seq value_text(const json& v) {
+    if (v.is_object() || v.is_array()) {
+      Seq s = {ch(v.is_object() ? '{' : '['), ws()};
+      bool first = true;
+      for (auto it = v.begin(); it != v.end(); ++it) {
+        if (!first) s = s + Seq{ch(','), ws()};
+        first = false;
+        if (v.is_object()) s = s + lit(json(it.key()).dump(-1, ' ', false, json::error_handler_t::strict)) + Seq{ws(), ch(':'), ws()};
+        s = s + value_text(it.value()) + Seq{ws()};
+      }
+      return s + Seq{ch(v.is_object() ? '}' : ']')};
+    }
+    return lit(v.dump(-1, ' ', false, json::error_handler_t::strict));
+  }
+
+  // x repeated min..max times (max kUnbounded: no bound).
+  uint32_t repeat(const Seq& x, uint32_t min, uint32_t max) {
+    uint32_t tail = new_rule();  // up to (max - min) more
+    alt(tail, {});
+    if (max == kUnbounded) {
+      alt(tail, x + Seq{rule(tail)});
+    } else {
+      for (uint32_t k = min; k < max; ++k) tail = rule_of({{}, x + Seq{rule(tail)}});
+    }
+    Seq seq;
+    for (uint32_t k = 0; k < min; ++k) seq = seq + x;
+    return rule_of({seq + Seq{rule(tail)}});
+  }
+
+  uint32_t number(bool integer) {
+    uint32_t& memo = integer ? integer_ : number_;
+    if (memo != UINT32_MAX) return memo;
+    const Elem digit = range('0', '9');
+    const uint32_t int_part = rule_of({lit("0"), Seq{range('1', '9'), rule(repeat({digit}, 0, 15))}});
+    const uint32_t signed_int = rule_of({{rule(int_part)}, lit("-") + Seq{rule(int_part)}});
+    if (integer) return memo = signed_int;
+    const uint32_t frac = rule_of({{}, lit(".") + Seq{rule(repeat({digit}, 1, 16))}});
+    ByteSet sign{};
+    sign['+' >> 6] |= uint64_t(1) << ('+' & 63);
+    sign['-' >> 6] |= uint64_t(1) << ('-' & 63);
+    ByteSet e{};
+    e['e' >> 6] |= uint64_t(1) << ('e' & 63);
+    e['E' >> 6] |= uint64_t(1) << ('E' & 63);
+    const uint32_t sign_opt = rule_of({{}, {bytes(sign)}});
+    // Exponents of at most two digits: 1e300 is JSON, but past a double's range for most parsers.
+    const uint32_t exp = rule_of({{}, Seq{bytes(e), rule(sign_opt), rule(repeat({digit}, 1, 2))}});
+    return memo = rule_of({{rule(signed_int), rule(frac), rule(exp)}});
+  }
+
+  // Any JSON value.
+  uint32_t any() {
+    if (any_ != UINT32_MAX) return any_;
+    any_ = new_rule();
+    const uint32_t member = rule_of({{str(0, kUnbounded), ws(), ch(':'), ws(), rule(any_), ws()}});
+    const uint32_t members = new_rule();
+    alt(members, {});
+    alt(members, Seq{ch(','), ws(), rule(member), rule(members)});
+    const uint32_t object = rule_of({{ch('{'), ws(), ch('}')}, {ch('{'), ws(), rule(member), rule(members), ch('}')}});
+    const uint32_t item = rule_of({{rule(any_), ws()}});
+    const uint32_t items = new_rule();
+    alt(items, {});
+    alt(items, Seq{ch(','), ws(), rule(item), rule(items)});
+    const uint32_t array = rule_of({{ch('['), ws(), ch(']')}, {ch('['), ws(), rule(item), rule(items), ch(']')}});
+    for (const Seq& a : std::vector<Seq>{{rule(object)}, {rule(array)}, {str(0, kUnbounded)}, {rule(number(false))},
+                                         lit("true"), lit("false"), lit("null")})
+      alt(any_, a);
+    return any_;
+  }
+
+  static bool is_annotation(const std::string& k) {
+    static const std::set<std::string> ann = {"title", "description", "default", "examples", "$schema", "$id",
+                                              "$comment", "deprecated", "readOnly", "writeOnly", "$defs",
+                                              "definitions", "contentMediaType", "contentEncoding", "$anchor",
+                                              "discriminator", "nullable", "strict"};
+    return ann.count(k) != 0;
+  }
+  static const std::set<std::string>& unsupported() {
+    static const std::set<std::string> u = {
+        "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+        "minProperties", "maxProperties", "patternProperties", "propertyNames", "dependentRequired",
+        "dependentSchemas", "dependencies", "uniqueItems", "contains", "minContains", "maxContains", "not", "if",
+        "then", "else", "unevaluatedProperties", "unevaluatedItems", "additionalItems", "$dynamicRef",
+        "$recursiveRef", "$dynamicAnchor", "$recursiveAnchor", "contentSchema"};
+    return u;
+  }
+  static const char* supported_list() {
+    return "supported: type, properties, required, additionalProperties, items, prefixItems, minItems, "
+           "maxItems, minLength, maxLength, enum, const, anyOf, oneOf, allOf (one schema), $ref, $defs";
+  }
+
+  static uint32_t count_of(const json& s, const char* key, const std::string& path) {
+    if (!s.contains(key)) return kUnbounded;
+    const json& v = s[key];
+    if (!v.is_number_integer() || v.get<int64_t>() < 0) fail(path, std::string("'") + key + "' must be a non-negative integer");
+    return uint32_t(std::min<int64_t>(v.get<int64_t>(), int64_t(kUnbounded) - 1));
+  }
+
+  static bool matches_type(const json& v, const std::string& t) {
+    if (t == "null") return v.is_null();
+    if (t == "boolean") return v.is_boolean();
+    if (t == "integer") return v.is_number_integer() || (v.is_number_float() && v.get<double>() == std::floor(v.get<double>()));
+    if (t == "number") return v.is_number();
+    if (t == "string") return v.is_string();
+    if (t == "array") return v.is_array();
+    if (t == "object") return v.is_object();
+    return false;
+  }
+
+  std::vector<std::string> types_of(const json& s, const std::string& path) {
+    static const std::set<std::string> known = {"null", "boolean", "integer", "number", "string", "array", "object"};
+    std::vector<std::string> types;
+    if (!s.contains("type")) return types;
+    const json& t = s["type"];
+    if (t.is_string()) {
+      types.push_back(t.get<std::string>());
+    } else if (t.is_array() && !t.empty()) {
+      for (const json& x : t) {
+        if (!x.is_string()) fail(path, "'type' must be a string or a list of strings");
+        types.push_back(x.get<std::string>());
+      }
+    } else {
+      fail(path, "'type' must be a string or a non-empty list of strings");
+    }
+    for (const std::string& x : types)
+      if (!known.count(x))
+        fail(path, "unknown type '" + x + "' (types: null, boolean, integer, number, string, array, object)");
+    return types;
+  }
+
+  uint32_t ref(const std::string& target, const std::string& path) {
+    if (target.empty() || target[0] != '#')
+      fail(path, "$ref '" + target + "' is not supported (only references into this schema: #, #/$defs/NAME, #/definitions/NAME)");
+    auto it = refs_.find(target);
+    if (it != refs_.end()) return it->second;
+    const std::string pointer = target.substr(1);
+    const json* node = nullptr;
+    try {
+      node = &root_.at(json::json_pointer(pointer));
+    } catch (const std::exception&) {
+      fail(path, "$ref '" + target + "' points at nothing in the schema");
+    }
+    const uint32_t r = new_rule();  // before compiling the target: it may refer to itself
+    refs_.emplace(target, r);
+    alt(r, {rule(schema(*node, pointer))});
+    return r;
+  }
+
+  uint32_t schema(const json& s, const std::string& path) {
+    if (++depth_ > 256) fail(path, "the schema is nested more than 256 levels");
+    struct Leave {
+      int& d;
+      ~Leave() { --d; }
+    } leave{depth_};
+    if (s.is_boolean()) {
+      if (s.get<bool>()) return any();
+      fail(path, "the schema false accepts no value");
+    }
+    if (!s.is_object()) fail(path, "a schema must be an object or a boolean");
+    std::vector<std::string> constraints;  // the keywords that constrain, for the combinations refused
+    for (const auto& [k, v] : s.items()) {
+      if (unsupported().count(k)) fail(path, "'" + k + "' is not supported (" + supported_list() + ")");
+      if (!is_annotation(k)) constraints.push_back(k);
+    }
+    auto only = [&](const char* keyword) {
+      for (const std::string& k : constraints)
+        if (k != keyword && k != "$defs" && k != "definitions")
+          fail(path, std::string("'") + keyword + "' beside '" + k + "' is not supported (put the constraints inside its schemas)");
+    };
+    if (s.contains("$ref")) {
+      only("$ref");
+      if (!s["$ref"].is_string()) fail(path, "'$ref' must be a string");
+      return ref(s["$ref"].get<std::string>(), child(path, "$ref"));
+    }
+    for (const char* k : {"anyOf", "oneOf", "allOf"}) {
+      if (!s.contains(k)) continue;
+      only(k);
+      const json& subs = s[k];
+      if (!subs.is_array() || subs.empty()) fail(path, std::string("'") + k + "' must be a non-empty list of schemas");
+      if (std::string(k) == "allOf") {
+        if (subs.size() != 1) fail(path, "'allOf' with more than one schema is not supported");
+        return schema(subs[0], child(child(path, k), "0"));
+      }
+      const uint32_t r = new_rule();
+      int n = 0;
+      for (size_t i = 0; i < subs.size(); ++i) {
+        if (subs[i].is_boolean() && !subs[i].get<bool>()) continue;  // accepts nothing: no branch
+        alt(r, {rule(schema(subs[i], child(child(path, k), std::to_string(i))))});
+        ++n;
+      }
+      if (n == 0) fail(path, std::string("every schema of '") + k + "' is false");
+      return r;
+    }
+    const std::vector<std::string> types = types_of(s, path);
+    if (s.contains("const") || s.contains("enum")) {
+      std::vector<json> values;
+      if (s.contains("const")) values.push_back(s["const"]);
+      if (s.contains("enum")) {
+        if (!s["enum"].is_array() || s["enum"].empty()) fail(path, "'enum' must be a non-empty list");
+        for (const json& v : s["enum"]) values.push_back(v);
+      }
+      if (s.contains("const") && s.contains("enum") &&
+          std::find(values.begin() + 1, values.end(), values[0]) == values.end())
+        fail(path, "'const' is not one of 'enum'");
+      if (s.contains("const")) values.resize(1);
+      const uint32_t r = new_rule();
+      int n = 0;
+      for (const json& v : values) {
+        bool ok = types.empty();
+        for (const std::string& t : types) ok = ok || matches_type(v, t);
+        if (!ok) continue;
+        alt(r, value_text(v));
+        ++n;
+      }
+      if (n == 0) fail(path, "no value of 'enum'/'const' has the schema's 'type'");
+      return r;
+    }
+    std::vector<std::string> ts = types;
+    if (ts.empty()) {  // the type the keywords imply, or any value
+      const bool obj = s.contains("properties") || s.contains("required") || s.contains("additionalProperties");
+      const bool arr = s.contains("items") || s.contains("prefixItems") || s.contains("minItems") || s.contains("maxItems");
+      const bool str_kw = s.contains("minLength") || s.contains("maxLength");
+      if (obj + arr + str_kw > 1) fail(path, "keywords of several types without 'type'");
+      if (obj) ts = {"object"};
+      else if (arr) ts = {"array"};
+      else if (str_kw) ts = {"string"};
+      else return any();
+    }
+    if (ts.size() == 1) return typed(s, ts[0], path);
+    const uint32_t r = new_rule();
+    std::set<std::string> seen;
+    for (const std::string& t : ts)
+      if (seen.insert(t).second) alt(r, {rule(typed(s, t, path))});
+    return r;
+  }
+
+  uint32_t typed(const json& s, const std::string& t, const std::string& path) {
+    if (t == "null") return rule_of({lit("null")});
+    if (t == "boolean") return rule_of({lit("true"), lit("false")});
+    if (t == "integer") return number(true);
+    if (t == "number") return number(false);
+    if (t == "string") {
+      const uint32_t min_len = s.contains("minLength") ? count_of(s, "minLength", path) : 0;
+      const uint32_t max_len = count_of(s, "maxLength", path);
+      if (min_len > max_len) fail(path, "'minLength' is larger than 'maxLength'");
+      return rule_of({{str(min_len, max_len)}});
+    }
+    if (t == "array") return array(s, path);
+    return object(s, path);
+  }
+
+  uint32_t array(const json& s, const std::string& path) {
+    std::vector<uint32_t> prefix;  // a tuple's item schemas
+    uint32_t rest = UINT32_MAX;    // the others' (none: no more items)
+    const json* tuple = nullptr;
+    std::string tuple_path;
+    if (s.contains("prefixItems")) {
+      tuple = &s["prefixItems"];
+      tuple_path = child(path, "prefixItems");
+    } else if (s.contains("items") && s["items"].is_array()) {
+      tuple = &s["items"];  // draft 4-7 tuples: no more items
+      tuple_path = child(path, "items");
+    }
+    if (tuple) {
+      if (!tuple->is_array()) fail(tuple_path, "must be a list of schemas");
+      for (size_t i = 0; i < tuple->size(); ++i) prefix.push_back(schema((*tuple)[i], child(tuple_path, std::to_string(i))));
+    }
+    if (s.contains("items") && !s["items"].is_array()) {
+      const json& it = s["items"];
+      if (!(it.is_boolean() && !it.get<bool>())) rest = schema(it, child(path, "items"));
+    } else if (!s.contains("items") && !s.contains("prefixItems")) {
+      rest = any();
+    } else if (s.contains("prefixItems") && !s.contains("items")) {
+      rest = any();
+    }
+    const uint32_t min = s.contains("minItems") ? count_of(s, "minItems", path) : 0;
+    uint32_t max = count_of(s, "maxItems", path);
+    if (rest == UINT32_MAX) max = std::min<uint32_t>(max, uint32_t(prefix.size()));
+    if (min > max) fail(path, "no array fits: 'minItems' is larger than " + std::string(rest == UINT32_MAX ? "the tuple" : "'maxItems'"));
+    const uint32_t top = max == kUnbounded ? std::max<uint32_t>(uint32_t(prefix.size()), min) : max;
+    if (top > 10000) fail(path, "'minItems'/'maxItems' above 10000 are not supported");
+    auto slot = [&](uint32_t j) { return j < prefix.size() ? prefix[j] : rest; };
+    if (max == 0) return rule_of({{ch('['), ws(), ch(']')}});
+    // after[j]: after j items, the rest of the array up to its ']'.
+    uint32_t next = new_rule();  // after[top]
+    alt(next, {});
+    if (max == kUnbounded) alt(next, Seq{ch(','), ws(), rule(slot(top)), ws(), rule(next)});
+    for (uint32_t j = top - 1; j >= 1; --j) {
+      const uint32_t r = new_rule();
+      if (j >= min) alt(r, {});
+      alt(r, Seq{ch(','), ws(), rule(slot(j)), ws(), rule(next)});
+      next = r;
+    }
+    std::vector<Seq> alts;
+    if (min == 0) alts.push_back({ch('['), ws(), ch(']')});
+    alts.push_back({ch('['), ws(), rule(slot(0)), ws(), rule(next), ch(']')});
+    return rule_of(alts);
+  }
+
+  uint32_t object(const json& s, const std::string& path) {
+    std::vector<std::pair<std::string, const json*>> props;
+    if (s.contains("properties")) {
+      if (!s["properties"].is_object()) fail(path, "'properties' must be an object");
+      for (const auto& [k, v] : s["properties"].items()) props.emplace_back(k, &v);
+    }
+    std::set<std::string> required;
+    if (s.contains("required")) {
+      if (!s["required"].is_array()) fail(path, "'required' must be a list of names");
+      for (const json& r : s["required"]) {
+        if (!r.is_string()) fail(path, "'required' must be a list of names");
+        const std::string name = r.get<std::string>();
+        if (std::none_of(props.begin(), props.end(), [&](const auto& p) { return p.first == name; }))
+          fail(path, "required property '" + name + "' is not in 'properties'");
+        required.insert(name);
+      }
+    }
+    uint32_t extra_value = UINT32_MAX;
+    if (s.contains("additionalProperties")) {
+      const json& ap = s["additionalProperties"];
+      if (ap.is_boolean()) {
+        if (ap.get<bool>()) extra_value = any();
+      } else {
+        extra_value = schema(ap, child(path, "additionalProperties"));
+      }
+    } else if (!s.contains("properties")) {
+      extra_value = any();  // {"type": "object"}: any object
+    }
+    // A[i]: properties i.. with none written yet; B[i]: the same after at least one (a ',' first).
+    uint32_t a_next, b_next;
+    if (extra_value != UINT32_MAX) {
+      const Seq kv = {str(0, kUnbounded), ws(), ch(':'), ws(), rule(extra_value), ws()};
+      const uint32_t more = new_rule();
+      alt(more, {});
+      alt(more, Seq{ch(','), ws()} + kv + Seq{rule(more)});
+      a_next = rule_of({{}, kv + Seq{rule(more)}});
+      b_next = more;
+    } else {
+      a_next = rule_of({{}});
+      b_next = a_next;
+    }
+    for (size_t i = props.size(); i-- > 0;) {
+      const std::string& name = props[i].first;
+      const Seq kv = lit(json(name).dump(-1, ' ', false, json::error_handler_t::strict)) +
+                     Seq{ws(), ch(':'), ws(), rule(schema(*props[i].second, child(child(path, "properties"), name))), ws()};
+      const bool optional = !required.count(name);
+      const uint32_t a = new_rule(), b = new_rule();
+      alt(a, kv + Seq{rule(b_next)});
+      if (optional) alt(a, {rule(a_next)});
+      alt(b, Seq{ch(','), ws()} + kv + Seq{rule(b_next)});
+      if (optional) alt(b, {rule(b_next)});
+      a_next = a;
+      b_next = b;
+    }
+    return rule_of({{ch('{'), ws(), rule(a_next), ch('}')}});
+  }
+
+  // A rule that can call itself (or another that calls it back) before reading any byte would
+  // never end: refused.
+  void check_left_recursion() {
+    const size_t n = g_.rules_.size();
+    std::vector<char> nullable(n, 0);
+    auto elem_nullable = [&](const Elem& e) {
+      return e.kind == Grammar::kWs || (e.kind == Grammar::kRule && nullable[e.arg]);
+    };
+    for (bool changed = true; changed;) {
+      changed = false;
+      for (size_t r = 0; r < n; ++r) {
+        if (nullable[r]) continue;
+        for (uint32_t a : g_.rules_[r]) {
+          uint32_t p = a;
+          while (g_.elems_[p].kind != Grammar::kEnd && elem_nullable(g_.elems_[p])) ++p;
+          if (g_.elems_[p].kind == Grammar::kEnd) {
+            nullable[r] = 1;
+            changed = true;
+            break;
+          }
+        }
+      }
+    }
+    std::vector<std::vector<uint32_t>> calls(n);  // rules called before any byte
+    for (size_t r = 0; r < n; ++r)
+      for (uint32_t a : g_.rules_[r])
+        for (uint32_t p = a; g_.elems_[p].kind != Grammar::kEnd; ++p) {
+          const Elem& e = g_.elems_[p];
+          if (e.kind == Grammar::kRule) calls[r].push_back(e.arg);
+          if (!elem_nullable(e)) break;
+        }
+    std::vector<uint8_t> color(n, 0);  // 0 new, 1 on the path, 2 done
+    for (size_t start = 0; start < n; ++start) {
+      if (color[start]) continue;
+      std::vector<std::pair<uint32_t, size_t>> st{{uint32_t(start), 0}};
+      color[start] = 1;
+      while (!st.empty()) {
+        auto& [r, i] = st.back();
+        if (i < calls[r].size()) {
+          const uint32_t c = calls[r][i++];
+          if (color[c] == 1) fail("", "the schema refers to itself ($ref) before any text: no document would end");
+          if (color[c] == 0) {
+            color[c] = 1;
+            st.push_back({c, 0});
+          }
+        } else {
+          color[r] = 2;
+          st.pop_back();
+        }
+      }
+    }
+  }
+
+  Grammar& g_;
+  const json& root_;
+  std::map<std::string, uint32_t> refs_;
+  std::map<ByteSet, uint32_t> set_ids_;
+  uint32_t any_ = UINT32_MAX, number_ = UINT32_MAX, integer_ = UINT32_MAX;
+  int depth_ = 0;
+};
+
+std::shared_ptr<const Grammar> Grammar::from_schema(const nlohmann::ordered_json& schema) {
+  auto g = std::make_shared<Grammar>();
+  SchemaCompiler c(*g, schema);
+  c.compile();
+  return g;
+}
+
+std::shared_ptr<const Grammar> Grammar::from_schema_text(std::string_view text) {
+  nlohmann::ordered_json schema;
+  try {
+    schema = nlohmann::ordered_json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw std::invalid_argument(std::string("json_schema is not JSON: ") + e.what());
+  }
+  return from_schema(schema);
+}
+
+// ---- the parse state ----
+
+GrammarState::GrammarState(std::shared_ptr<const Grammar> g) : g_(std::move(g)) {
+  if (!g_) return;  // an empty state, to be filled by step()
+  Stack s{{g_->root_, 0}};
+  expand(s, stacks_);
+  normalize(stacks_);
+}
+
+void GrammarState::normalize(std::vector<Stack>& stacks) {
+  std::sort(stacks.begin(), stacks.end());
+  stacks.erase(std::unique(stacks.begin(), stacks.end()), stacks.end());
+}
+
+void GrammarState::expand(Stack& stack, std::vector<Stack>& out) const {
+  const Grammar& g = *g_;
+  while (true) {
+    if (stack.empty()) {
+      out.push_back(stack);
+      return;
+    }
+    Frame& f = stack.back();
+    const Elem& e = g.elems_[f.pos];
+    switch (e.kind) {
+      case Grammar::kEnd:
+        stack.pop_back();
+        continue;
+      case Grammar::kBytes:
+      case Grammar::kStr:
+        out.push_back(stack);
+        return;
+      case Grammar::kWs:
+        if (ws_more(f.sub)) out.push_back(stack);
+        f = {f.pos + 1, 0};
+        continue;
+      case Grammar::kRule: {
+        f = {f.pos + 1, 0};  // where the rule returns to
+        while (!stack.empty() && g.elems_[stack.back().pos].kind == Grammar::kEnd) stack.pop_back();
+        if (stack.size() >= Grammar::kMaxStack || out.size() > Grammar::kMaxStacks) return;
+        const std::vector<uint32_t>& alts = g.rules_[e.arg];
+        if (alts.empty()) return;
+        for (size_t i = 0; i + 1 < alts.size(); ++i) {
+          Stack copy = stack;
+          copy.push_back({alts[i], 0});
+          expand(copy, out);
+        }
+        stack.push_back({alts.back(), 0});
+        continue;
+      }
+    }
+  }
+}
+
+bool GrammarState::step(unsigned char c, GrammarState& out) const {
+  const Grammar& g = *g_;
+  if (out.g_ != g_) out.g_ = g_;
+  out.stacks_.clear();
+  for (const Stack& st : stacks_) {
+    if (st.empty()) continue;
+    const Frame& f = st.back();
+    const Elem& e = g.elems_[f.pos];
+    if (e.kind == Grammar::kBytes) {
+      if (!has(g.sets_[e.arg], c)) continue;
+      Stack s = st;
+      s.back() = {f.pos + 1, 0};
+      expand(s, out.stacks_);
+    } else if (e.kind == Grammar::kStr) {
+      const uint64_t n = str_step(g.strs_[e.arg], f.sub, c);
+      if (n == kStrFail) continue;
+      Stack s = st;
+      if (n == kStrClosed) {
+        s.back() = {f.pos + 1, 0};
+        expand(s, out.stacks_);
+      } else {
+        s.back().sub = n;
+        out.stacks_.push_back(std::move(s));
+      }
+    } else if (e.kind == Grammar::kWs) {
+      const uint64_t n = ws_step(f.sub, c);
+      if (n == kWsFail) continue;
+      Stack s = st;
+      s.back().sub = n;
+      expand(s, out.stacks_);
+    }
+  }
+  if (out.stacks_.empty()) return false;
+  normalize(out.stacks_);
+  if (out.stacks_.size() > Grammar::kMaxStacks) {
+    out.stacks_.clear();
+    return false;
+  }
+  return true;
+}
+
+bool GrammarState::feed(unsigned char c) {
+  GrammarState next(nullptr);
+  if (!step(c, next)) return false;
+  stacks_.swap(next.stacks_);
+  return true;
+}
+
+bool GrammarState::feed(std::string_view bytes) {
+  GrammarState s = *this;
+  for (unsigned char c : bytes)
+    if (!s.feed(c)) return false;
+  stacks_.swap(s.stacks_);
+  return true;
+}
+
+bool GrammarState::accepting() const { return !stacks_.empty() && stacks_.front().empty(); }
+
+bool GrammarState::done() const { return stacks_.size() == 1 && stacks_.front().empty(); }
+
+bool GrammarState::in_free_string() const {
+  if (stacks_.empty()) return false;
+  for (const Stack& st : stacks_) {
+    if (st.empty()) return false;
+    const Elem& e = g_->elems_[st.back().pos];
+    if (e.kind != Grammar::kStr || !g_->strs_[e.arg].free()) return false;
+    const StrSub s = unpack(st.back().sub);
+    if (s.phase != kBody || s.low) return false;
+  }
+  return true;
+}
+
+// ---- the vocabulary trie and the mask ----
+
+GrammarVocab::GrammarVocab(const JsonVocab& vocab) {
+  const int32_t n = vocab.n_vocab();
+  bytes_.resize(size_t(n));
+  eog_.assign(size_t(n), 0);
+  text_.assign(size_t(n), 0);
+  std::vector<int32_t> all, special;
+  for (int32_t id = 0; id < n; ++id) {
+    bytes_[size_t(id)] = vocab.bytes(id);
+    eog_[size_t(id)] = vocab.ends(id);
+    text_[size_t(id)] = vocab.string_text(id);
+    if (bytes_[size_t(id)].empty() || eog_[size_t(id)]) continue;
+    all.push_back(id);
+    if (!text_[size_t(id)]) special.push_back(id);
+  }
+  all_ = build(bytes_, all);
+  special_ = build(bytes_, special);
+}
+
+GrammarVocab::Trie GrammarVocab::build(const std::vector<std::string>& bytes, const std::vector<int32_t>& ids_in) {
+  std::vector<int32_t> ids = ids_in;
+  std::stable_sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) { return bytes[size_t(a)] < bytes[size_t(b)]; });
+  Trie t;
+  std::vector<uint32_t> path;  // path[d]: the node at depth d + 1 on the current token's path
+  const std::string* prev = nullptr;
+  for (int32_t id : ids) {
+    const std::string& b = bytes[size_t(id)];
+    if (b.size() > 65535) continue;
+    size_t common = 0;
+    if (prev)
+      while (common < prev->size() && common < b.size() && (*prev)[common] == b[common]) ++common;
+    while (path.size() > common) {
+      t.nodes[path.back()].end = uint32_t(t.nodes.size());
+      path.pop_back();
+    }
+    for (size_t d = common; d < b.size(); ++d) {
+      path.push_back(uint32_t(t.nodes.size()));
+      t.nodes.push_back({0, uint32_t(t.tokens.size()), 0, uint16_t(d + 1), static_cast<uint8_t>(b[d])});
+    }
+    Node& end = t.nodes[path.back()];
+    if (end.tok_count == 0) end.tok_begin = uint32_t(t.tokens.size());
+    t.tokens.push_back(id);
+    ++end.tok_count;
+    t.max_depth = std::max<uint16_t>(t.max_depth, uint16_t(b.size()));
+    prev = &b;
+  }
+  while (!path.empty()) {
+    t.nodes[path.back()].end = uint32_t(t.nodes.size());
+    path.pop_back();
+  }
+  return t;
+}
+
+namespace {
+
+// Marks in `ok` every token of the trie whose bytes can follow `state`.
+void walk(const GrammarState& state, const GrammarVocab::Trie& trie, std::vector<char>& ok) {
+  static thread_local std::vector<GrammarState> level;
+  if (level.size() < size_t(trie.max_depth) + 1) level.resize(size_t(trie.max_depth) + 1, GrammarState(nullptr));
+  level[0] = state;
+  const auto& nodes = trie.nodes;
+  for (uint32_t i = 0; i < nodes.size();) {
+    const GrammarVocab::Node& nd = nodes[i];
+    if (!level[nd.depth - 1].step(nd.byte, level[nd.depth])) {
+      i = nd.end;
+      continue;
+    }
+    for (uint32_t k = 0; k < nd.tok_count; ++k) ok[size_t(trie.tokens[nd.tok_begin + k])] = 1;
+    ++i;
+  }
+}
+
+}  // namespace
+
+int grammar_mask(const GrammarState& state, const GrammarVocab& vocab, const std::vector<int32_t>& stop_ids,
+                 float* logits, int n_vocab) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const int n = std::min(n_vocab, vocab.n_vocab());
+  static thread_local std::vector<char> ok;
+  ok.assign(size_t(n), 0);
+  if (state.in_free_string()) {
+    for (int32_t id = 0; id < n; ++id) ok[size_t(id)] = vocab.text_[size_t(id)];
+    walk(state, vocab.special_, ok);
+  } else {
+    walk(state, vocab.all_, ok);
+  }
+  const bool end = state.accepting();
+  for (int32_t id = 0; id < n; ++id)
+    if (vocab.eog_[size_t(id)]) ok[size_t(id)] = end;
+  for (int32_t id : stop_ids)
+    if (id >= 0 && id < n) ok[size_t(id)] = end;
+  int allowed = 0;
+  for (int32_t id = 0; id < n; ++id) {
+    if (ok[size_t(id)]) ++allowed;
+    else logits[id] = ninf;
+  }
+  for (int id = n; id < n_vocab; ++id) logits[id] = ninf;
+  if (allowed == 0) {
+    // Nothing can continue the text (a vocabulary without some byte): end it.
+    for (int32_t id = 0; id < n; ++id)
+      if (vocab.eog_[size_t(id)]) {
+        logits[id] = 0;
+        ++allowed;
+      }
+  }
+  return allowed;
+}
+
+}  // namespace kvq

@@ -1,0 +1,155 @@
+// Structured output (OpenAI's response_format {"type": "json_schema"}): generation constrained,
+// token by token, to JSON text that a JSON Schema accepts.
+//
+// Grammar::from_schema compiles a schema into a byte-level context-free grammar. Its terminals
+// are byte sets, plus two elements the automaton runs itself: a JSON string (quotes, escapes,
+// well-formed UTF-8 and, when the schema bounds it, its length in code points) and the gap
+// between tokens (JsonState's rule: at most one space or tab, or a newline and at most 32 spaces
+// or tabs). GrammarState is the set of parse stacks that the bytes so far leave open (a schema's
+// alternatives, anyOf or optional properties, can keep several open until a byte decides).
+//
+// What the generated text looks like:
+// - an object's properties come in the schema's order; every required one is there, the others
+//   may be left out; no other property unless `additionalProperties` is true or a schema (absent
+//   means none, as llama.cpp's converter and OpenAI's strict mode); extra properties come after
+//   the listed ones (their names are any string);
+// - numbers have at most 16 integer digits, 16 fraction digits and 2 exponent digits (within a
+//   double's range);
+// - `oneOf` is generated as `anyOf` (a value matching two of its branches is possible).
+// Supported keywords: type (a name or a list), properties, required, additionalProperties, items
+// (a schema, or a list: a tuple), prefixItems, minItems, maxItems, minLength, maxLength, enum,
+// const, anyOf, oneOf, allOf (one schema), $ref (a JSON pointer into the document: #/$defs/...,
+// #/definitions/..., #), $defs and definitions. Annotations (title, description, default,
+// examples, $schema, $id, $comment, ...) are ignored. The other validation keywords (pattern,
+// format, minimum, maximum, multipleOf, uniqueItems, not, if, ...) are refused with an error that
+// names them, rather than generating text the schema would reject.
+//
+// grammar_mask() sets to -inf the logits of the tokens whose bytes cannot continue the text. It
+// walks the vocabulary as a trie (GrammarVocab), so a byte that cannot come next rules out every
+// token that starts with it at once; inside a string without length bounds, the tokens of plain
+// string text (JsonVocab's flag) are allowed without a walk, and only the others are walked.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace kvq {
+
+class JsonVocab;
+
+class Grammar {
+ public:
+  // Throws std::invalid_argument with the schema location (a JSON pointer) and the reason. An
+  // ordered_json keeps the properties in the order they were written, which is the order they
+  // are generated in.
+  static std::shared_ptr<const Grammar> from_schema(const nlohmann::ordered_json& schema);
+  static std::shared_ptr<const Grammar> from_schema_text(std::string_view text);
+
+  // Parse stacks deeper than this are dropped (a document nested past ~100 levels).
+  static constexpr size_t kMaxStack = 400;
+  // A state with more open stacks than this fails (a schema whose alternatives stay ambiguous).
+  static constexpr size_t kMaxStacks = 4096;
+
+  enum Kind : uint8_t { kEnd, kBytes, kRule, kStr, kWs };
+  struct Elem {
+    Kind kind;
+    uint32_t arg;  // kBytes: byte set; kRule: rule; kStr: string bounds
+  };
+  struct StrBounds {
+    uint32_t min_len = 0;
+    uint32_t max_len = UINT32_MAX;
+    bool free() const { return min_len == 0 && max_len == UINT32_MAX; }
+  };
+  using ByteSet = std::array<uint64_t, 4>;
+
+  size_t n_rules() const { return rules_.size(); }
+
+ private:
+  friend class GrammarState;
+  friend class SchemaCompiler;
+  std::vector<Elem> elems_;                  // alternatives, each ended by kEnd
+  std::vector<std::vector<uint32_t>> rules_; // each rule: its alternatives' first elements
+  std::vector<ByteSet> sets_;
+  std::vector<StrBounds> strs_;
+  uint32_t root_ = 0;
+};
+
+class GrammarState {
+ public:
+  struct Frame {
+    uint32_t pos;  // the element to match next (below the top: where to return)
+    uint64_t sub;  // kStr / kWs: progress inside the element
+    bool operator==(const Frame& o) const { return pos == o.pos && sub == o.sub; }
+    bool operator<(const Frame& o) const { return pos != o.pos ? pos < o.pos : sub < o.sub; }
+  };
+  using Stack = std::vector<Frame>;
+
+  explicit GrammarState(std::shared_ptr<const Grammar> g);
+
+  // false: c cannot come next (the state is then unchanged).
+  bool feed(unsigned char c);
+  bool feed(std::string_view bytes);
+  // The text so far is a whole document (end of generation may come).
+  bool accepting() const;
+  // Accepting, and no byte can follow (an object or array closed at the top).
+  bool done() const;
+  // Inside a string without length bounds, between characters, in every open stack: plain string
+  // text (no '"', '\\' or control character, whole UTF-8 characters) goes on and leaves the state
+  // as it is.
+  bool in_free_string() const;
+  size_t n_stacks() const { return stacks_.size(); }
+
+  // The state after c, in `out` (false and `out` empty when c cannot come next). For the mask's
+  // walk, which keeps one state per depth of the vocabulary trie.
+  bool step(unsigned char c, GrammarState& out) const;
+
+ private:
+  void expand(Stack& stack, std::vector<Stack>& out) const;
+  static void normalize(std::vector<Stack>& stacks);
+
+  std::shared_ptr<const Grammar> g_;
+  std::vector<Stack> stacks_;  // sorted, unique; an empty stack = a complete document
+};
+
+// The vocabulary as a trie over each token's bytes (JsonVocab's: Tokenizer::token_piece), in preorder: each
+// node has its byte, its depth, the end of its subtree and the tokens whose bytes end there.
+class GrammarVocab {
+ public:
+  explicit GrammarVocab(const JsonVocab& vocab);
+  int32_t n_vocab() const { return int32_t(bytes_.size()); }
+  const std::string& bytes(int32_t id) const { return bytes_[size_t(id)]; }
+
+  struct Node {
+    uint32_t end;        // preorder index past this node's subtree
+    uint32_t tok_begin;  // tokens_[tok_begin, tok_begin + tok_count) end at this node
+    uint32_t tok_count;
+    uint16_t depth;      // 1 for the root's children
+    uint8_t byte;
+  };
+  struct Trie {
+    std::vector<Node> nodes;
+    std::vector<int32_t> tokens;
+    uint16_t max_depth = 0;
+  };
+
+ private:
+  friend int grammar_mask(const GrammarState&, const GrammarVocab&, const std::vector<int32_t>&, float*, int);
+  static Trie build(const std::vector<std::string>& bytes, const std::vector<int32_t>& ids);
+  std::vector<std::string> bytes_;
+  std::vector<char> eog_;
+  std::vector<char> text_;  // JsonVocab::string_text
+  Trie all_;                // every token with bytes
+  Trie special_;            // those that are not plain string text
+};
+
+// Sets logits[t] = -inf for every token t that cannot come after `state`; stop_ids end generation
+// as end-of-generation tokens do (only once the document is complete). Returns the number of
+// tokens left allowed (when none would be, the end-of-generation tokens are left).
+int grammar_mask(const GrammarState& state, const GrammarVocab& vocab, const std::vector<int32_t>& stop_ids,
+                 float* logits, int n_vocab);
+
+}  // namespace kvq

@@ -1,0 +1,445 @@
+// Structured output: the JSON Schema compiler, the grammar automaton and the vocabulary mask
+// (model/json_schema.h).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <functional>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+
+#include "gguf/gguf.h"
+#include "model/json_constraint.h"
+#include "model/json_schema.h"
+#include "model/tokenizer.h"
+#include "model/unicode.h"
+
+using namespace kvq;
+using ojson = nlohmann::ordered_json;
+
+namespace {
+
+std::shared_ptr<const Grammar> compile(const std::string& schema) { return Grammar::from_schema_text(schema); }
+
+// The whole text is a document of the schema.
+bool accepts(const std::shared_ptr<const Grammar>& g, const std::string& text) {
+  GrammarState s(g);
+  return s.feed(text) && s.accepting();
+}
+// The text is a prefix of some document (every byte fed).
+bool prefix(const std::shared_ptr<const Grammar>& g, const std::string& text) {
+  GrammarState s(g);
+  return s.feed(text);
+}
+
+std::string compile_error(const std::string& schema) {
+  try {
+    compile(schema);
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// An independent validator for the keywords the compiler supports, on the parsed document: what
+// the generated text must satisfy. Properties must also come in the schema's order (checked on
+// the ordered document).
+size_t code_points(const std::string& s) {
+  size_t n = 0;
+  for (unsigned char c : s) n += (c & 0xC0) != 0x80;
+  return n;
+}
+bool validate(const ojson& root, const ojson& s, const ojson& v);
+bool validate_type(const ojson& root, const ojson& s, const std::string& t, const ojson& v) {
+  if (t == "null") return v.is_null();
+  if (t == "boolean") return v.is_boolean();
+  if (t == "integer") return v.is_number_integer();
+  if (t == "number") return v.is_number();
+  if (t == "string") {
+    if (!v.is_string()) return false;
+    const size_t n = code_points(v.get<std::string>());
+    if (s.contains("minLength") && n < s["minLength"].get<size_t>()) return false;
+    if (s.contains("maxLength") && n > s["maxLength"].get<size_t>()) return false;
+    return true;
+  }
+  if (t == "array") {
+    if (!v.is_array()) return false;
+    if (s.contains("minItems") && v.size() < s["minItems"].get<size_t>()) return false;
+    if (s.contains("maxItems") && v.size() > s["maxItems"].get<size_t>()) return false;
+    const ojson* tuple = s.contains("prefixItems") ? &s["prefixItems"]
+                         : (s.contains("items") && s["items"].is_array()) ? &s["items"] : nullptr;
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (tuple && i < tuple->size()) {
+        if (!validate(root, (*tuple)[i], v[i])) return false;
+      } else if (s.contains("items") && !s["items"].is_array()) {
+        if (!validate(root, s["items"], v[i])) return false;
+      } else if (tuple && s.contains("items")) {
+        return false;  // a draft-7 tuple: nothing past it
+      }
+    }
+    return true;
+  }
+  // object
+  if (!v.is_object()) return false;
+  const ojson props = s.value("properties", ojson::object());
+  size_t last = 0;
+  for (auto it = v.begin(); it != v.end(); ++it) {
+    if (props.contains(it.key())) {
+      size_t idx = 0;
+      for (auto p = props.begin(); p != props.end(); ++p, ++idx)
+        if (p.key() == it.key()) break;
+      if (idx < last) return false;  // out of the schema's order
+      last = idx;
+      if (!validate(root, props[it.key()], it.value())) return false;
+    } else {
+      const ojson ap = s.contains("additionalProperties") ? s["additionalProperties"]
+                       : s.contains("properties") ? ojson(false) : ojson(true);
+      if (ap.is_boolean() ? !ap.get<bool>() : !validate(root, ap, it.value())) return false;
+    }
+  }
+  for (const ojson& r : s.value("required", ojson::array()))
+    if (!v.contains(r.get<std::string>())) return false;
+  return true;
+}
+bool validate(const ojson& root, const ojson& s, const ojson& v) {
+  if (s.is_boolean()) return s.get<bool>();
+  if (s.contains("$ref")) return validate(root, root.at(ojson::json_pointer(s["$ref"].get<std::string>().substr(1))), v);
+  if (s.contains("const")) return v == s["const"];
+  if (s.contains("enum")) {
+    for (const ojson& e : s["enum"])
+      if (v == e) return true;
+    return false;
+  }
+  for (const char* k : {"anyOf", "oneOf"})
+    if (s.contains(k)) {
+      for (const ojson& sub : s[k])
+        if (validate(root, sub, v)) return true;
+      return false;
+    }
+  if (s.contains("allOf")) return validate(root, s["allOf"][0], v);
+  std::vector<std::string> types;
+  if (s.contains("type")) {
+    if (s["type"].is_string()) types.push_back(s["type"].get<std::string>());
+    else
+      for (const ojson& t : s["type"]) types.push_back(t.get<std::string>());
+  } else if (s.contains("properties") || s.contains("required") || s.contains("additionalProperties")) {
+    types = {"object"};
+  } else if (s.contains("items") || s.contains("prefixItems") || s.contains("minItems") || s.contains("maxItems")) {
+    types = {"array"};
+  } else if (s.contains("minLength") || s.contains("maxLength")) {
+    types = {"string"};
+  } else {
+    return true;
+  }
+  for (const std::string& t : types)
+    if (validate_type(root, s, t, v)) return true;
+  return false;
+}
+
+// Schemas covering every supported keyword, used by the random-walk and mask tests.
+const std::vector<std::string>& schemas() {
+  static const std::vector<std::string> s = {
+      R"({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+          "email": {"type": "string", "maxLength": 12}}, "required": ["name", "age"]})",
+      R"({"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 4})",
+      R"({"type": "object", "properties": {"kind": {"enum": ["cat", "dog", 3, null, {"a": [1]}]},
+          "ok": {"type": "boolean"}, "tag": {"const": "x\"y"}}, "required": ["kind", "ok", "tag"]})",
+      R"({"$defs": {"node": {"type": "object", "properties": {"v": {"type": "integer"},
+          "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 3}}, "required": ["v"]}},
+          "$ref": "#/$defs/node"})",
+      R"({"anyOf": [{"type": "string", "minLength": 2, "maxLength": 3}, {"type": "null"}, {"type": "array",
+          "prefixItems": [{"type": "boolean"}, {"type": "string"}], "items": false}]})",
+      R"({"type": "object", "properties": {"id": {"type": "integer"}}, "additionalProperties": {"type": "string"}})",
+      R"({"type": "object"})",
+      R"({"type": ["object", "null"], "properties": {"a": {"type": ["string", "integer"]}, "b": {}}})",
+      R"({"type": "object", "properties": {"z": {"type": "string"}, "a": {"type": "string"}, "m": {"type": "number"}},
+          "required": ["z", "a", "m"], "title": "ordered", "description": "properties in the written order"})",
+  };
+  return s;
+}
+
+// A random document of the grammar: bytes drawn among those that can come next, ending when the
+// state accepts (with a probability that grows with length). Checks that no state is a dead end.
+std::string random_walk(const std::shared_ptr<const Grammar>& g, std::mt19937& rng, bool* finished) {
+  GrammarState s(g);
+  std::string out;
+  *finished = false;
+  for (int len = 0; len < 600; ++len) {
+    if (s.accepting() && (s.done() || std::uniform_int_distribution<int>(0, 99)(rng) < 5 + len / 10)) {
+      *finished = true;
+      return out;
+    }
+    std::vector<unsigned char> next;
+    for (int c = 0; c < 256; ++c) {
+      GrammarState t(nullptr);
+      if (s.step(static_cast<unsigned char>(c), t)) next.push_back(static_cast<unsigned char>(c));
+    }
+    EXPECT_FALSE(next.empty()) << "dead end after '" << out << "'";
+    if (next.empty()) return out;
+    // Past 200 bytes, prefer what closes: brackets, quotes, and the digits and letters of short
+    // words, so that most walks end.
+    unsigned char c = next[std::uniform_int_distribution<size_t>(0, next.size() - 1)(rng)];
+    if (len > 200)
+      for (unsigned char pref : std::string("\"}]el0"))
+        if (std::find(next.begin(), next.end(), pref) != next.end()) {
+          c = pref;
+          break;
+        }
+    EXPECT_TRUE(s.feed(c));
+    out += char(c);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(JsonSchema, RefusesWhatItCannotGenerate) {
+  EXPECT_NE(compile_error(R"({"type": "string", "pattern": "^a+$"})").find("'pattern' is not supported"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "string", "format": "date-time"})").find("'format' is not supported"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "integer", "minimum": 0})").find("#': 'minimum' is not supported"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"properties": {"a": {"not": {}}}})").find("#/properties/a': 'not'"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"$ref": "#/$defs/missing"})").find("points at nothing"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"$ref": "https://example.com/s.json"})").find("only references into this schema"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"$ref": "#"})").find("refers to itself"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"anyOf": [{"$ref": "#"}, {"type": "null"}]})").find("refers to itself"), std::string::npos);
+  EXPECT_NE(compile_error("false").find("accepts no value"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "strng"})").find("unknown type 'strng'"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "string", "minLength": 5, "maxLength": 2})").find("larger than"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "array", "minItems": -1})").find("non-negative integer"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"properties": {"a": {}}, "required": ["b"]})").find("'b' is not in 'properties'"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"allOf": [{"type": "string"}, {"maxLength": 3}]})").find("more than one"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"anyOf": [{"type": "string"}], "maxLength": 3})").find("beside"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "integer", "enum": ["a"]})").find("no value of 'enum'"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "array", "prefixItems": [{}], "items": false, "minItems": 2})").find("no array fits"),
+            std::string::npos);
+  EXPECT_NE(compile_error("{\"type\": ").find("not JSON"), std::string::npos);
+  EXPECT_NE(compile_error("[1]").find("must be an object or a boolean"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "array", "maxItems": 100000})").find("above 10000"), std::string::npos);
+  // Annotations are no constraint: ignored.
+  EXPECT_EQ(compile_error(R"({"title": "T", "description": "d", "default": 1, "examples": [1], "$schema": "x",
+                             "type": "integer"})"),
+            "");
+}
+
+TEST(JsonSchema, ObjectsFollowTheSchemasOrderAndRequiredProperties) {
+  const auto g = compile(schemas()[0]);
+  EXPECT_TRUE(accepts(g, R"({"name": "Ann", "age": 31})"));
+  EXPECT_TRUE(accepts(g, R"({"name":"Ann","age":31,"email":"a@b.c"})"));
+  EXPECT_TRUE(accepts(g, "{\n  \"name\": \"Ann\",\n  \"age\": -7\n}"));
+  EXPECT_FALSE(accepts(g, R"({"name": "Ann"})"));                      // age is required
+  EXPECT_FALSE(prefix(g, R"({"age": 31, "name": "Ann"})"));            // out of order
+  EXPECT_FALSE(prefix(g, R"({"name": "Ann", "age": 31, "x": 1})"));    // no other property
+  EXPECT_FALSE(prefix(g, R"({"name": 5)"));                            // wrong type
+  EXPECT_FALSE(prefix(g, R"({"name": "Ann", "age": 3.5)"));            // an integer
+  EXPECT_FALSE(prefix(g, R"({"name": "Ann", "age": 31, "email": "0123456789abc")"));  // maxLength 12
+  EXPECT_FALSE(prefix(g, R"({"name": "Ann",, )"));
+  EXPECT_FALSE(prefix(g, R"({"name": "Ann"  ,)"));                     // two blanks in a gap
+  EXPECT_FALSE(prefix(g, R"({"name": "Ann", "age": 1} )"));  // nothing after the object
+  GrammarState s(g);
+  ASSERT_TRUE(s.feed(R"({"name": "Ann", "age": 31)"));
+  EXPECT_FALSE(s.accepting());
+  ASSERT_TRUE(s.feed("}"));
+  EXPECT_TRUE(s.done());  // nothing can follow the closed object
+
+  // The written order, not nlohmann's sorted one.
+  const auto o = compile(schemas()[8]);
+  EXPECT_TRUE(accepts(o, R"({"z": "", "a": "", "m": 1})"));
+  EXPECT_FALSE(prefix(o, R"({"a")"));
+
+  // Extra properties: their schema.
+  const auto x = compile(schemas()[5]);
+  EXPECT_TRUE(accepts(x, R"({"id": 1, "p": "q", "r": "s"})"));
+  EXPECT_TRUE(accepts(x, R"({"p": "q"})"));
+  EXPECT_TRUE(accepts(x, R"({})"));
+  EXPECT_FALSE(prefix(x, R"({"p": 1)"));
+  // Any object.
+  const auto any = compile(schemas()[6]);
+  EXPECT_TRUE(accepts(any, R"({"a": [1, {"b": null}], "c": "d\u00e9"})"));
+  EXPECT_FALSE(prefix(any, R"([)"));
+}
+
+TEST(JsonSchema, StringsNumbersArraysAndAlternatives) {
+  // Lengths in code points: a multi-byte character and an escape are one each, a surrogate pair one.
+  const auto s = compile(R"({"type": "string", "minLength": 2, "maxLength": 3})");
+  EXPECT_FALSE(accepts(s, "\"a\""));
+  EXPECT_TRUE(accepts(s, "\"ab\""));
+  EXPECT_TRUE(accepts(s, "\"\xC3\xA9\xE2\x82\xAC\\n\""));
+  EXPECT_TRUE(accepts(s, "\"a\\uD83D\\uDE00\""));
+  EXPECT_FALSE(prefix(s, "\"abcd"));
+  EXPECT_FALSE(prefix(s, "\"a\\uDE00"));        // a low half alone
+  EXPECT_FALSE(prefix(s, "\"a\\uD83Dx"));       // a high half alone
+  EXPECT_FALSE(prefix(s, "\"\xC0\xAF"));        // overlong
+  EXPECT_FALSE(prefix(s, "\"a\tb"));            // a raw control character
+  const auto z = compile(R"({"type": "string", "maxLength": 0})");
+  EXPECT_TRUE(accepts(z, "\"\""));
+  EXPECT_FALSE(prefix(z, "\"a"));
+
+  const auto i = compile(R"({"type": "integer"})");
+  EXPECT_TRUE(accepts(i, "0"));
+  EXPECT_TRUE(accepts(i, "-120"));
+  EXPECT_TRUE(accepts(i, "1234567890123456"));    // 16 digits
+  EXPECT_FALSE(prefix(i, "12345678901234567"));   // 17
+  EXPECT_FALSE(prefix(i, "01"));
+  EXPECT_FALSE(prefix(i, "1."));
+  GrammarState n(i);
+  ASSERT_TRUE(n.feed("12"));
+  EXPECT_TRUE(n.accepting());
+  EXPECT_FALSE(n.done());  // more digits may come
+  const auto f = compile(R"({"type": "number"})");
+  EXPECT_TRUE(accepts(f, "-0.5e+10"));
+  EXPECT_TRUE(accepts(f, "3E7"));
+  EXPECT_FALSE(accepts(f, "1."));
+  EXPECT_FALSE(prefix(f, ".5"));
+
+  const auto a = compile(schemas()[1]);
+  EXPECT_FALSE(accepts(a, "[1]"));
+  EXPECT_TRUE(accepts(a, "[1, 2.5]"));
+  EXPECT_TRUE(accepts(a, "[1,2,3,4]"));
+  EXPECT_FALSE(prefix(a, "[1,2,3,4,"));
+  EXPECT_FALSE(prefix(a, "[1,]"));
+  EXPECT_FALSE(prefix(a, "[\"a\""));
+
+  const auto alt = compile(schemas()[4]);
+  EXPECT_TRUE(accepts(alt, "\"ab\""));
+  EXPECT_TRUE(accepts(alt, "null"));
+  EXPECT_TRUE(accepts(alt, "[true, \"x\"]"));
+  EXPECT_TRUE(accepts(alt, "[true]"));  // prefixItems do not require their items
+  EXPECT_FALSE(prefix(alt, "[true, \"x\", 1"));
+  EXPECT_FALSE(prefix(alt, "[\"x\""));
+
+  const auto e = compile(schemas()[2]);
+  EXPECT_TRUE(accepts(e, R"({"kind": "cat", "ok": true, "tag": "x\"y"})"));
+  EXPECT_TRUE(accepts(e, R"({"kind": {"a":[1]}, "ok": false, "tag": "x\"y"})"));
+  EXPECT_TRUE(accepts(e, R"({"kind": null, "ok": false, "tag": "x\"y"})"));
+  EXPECT_FALSE(prefix(e, R"({"kind": "cow")"));
+  EXPECT_FALSE(prefix(e, R"({"kind": 3, "ok": true, "tag": "xy")"));
+
+  // Recursion through $ref.
+  const auto t = compile(schemas()[3]);
+  EXPECT_TRUE(accepts(t, R"({"v": 1, "kids": [{"v": 2}, {"v": 3, "kids": [{"v": 4, "kids": []}]}]})"));
+  EXPECT_FALSE(prefix(t, R"({"v": 1, "kids": [{"kids": [])"));
+}
+
+// Random documents of every test schema: each parses, validates against the schema by an
+// independent validator, and none of the states on the way is a dead end.
+TEST(JsonSchema, RandomDocumentsValidate) {
+  std::mt19937 rng(7);
+  for (const std::string& text : schemas()) {
+    SCOPED_TRACE(text);
+    const auto g = compile(text);
+    const ojson schema = ojson::parse(text);
+    int finished = 0;
+    for (int k = 0; k < 150; ++k) {
+      bool done = false;
+      const std::string doc = random_walk(g, rng, &done);
+      if (!done) {
+        ADD_FAILURE() << "unfinished: " << doc;
+        continue;
+      }
+      ++finished;
+      ojson v;
+      ASSERT_NO_THROW(v = ojson::parse(doc)) << doc;
+      ASSERT_TRUE(validate(schema, schema, v)) << doc;
+    }
+    EXPECT_GE(finished, 100);
+  }
+}
+
+// Documents written by nlohmann (compact and indented by 2) from values that validate are
+// accepted, and mutations of them are accepted only when they still validate.
+TEST(JsonSchema, AcceptsWrittenDocumentsAndMutationsOnlyWhenValid) {
+  std::mt19937 rng(11);
+  for (const std::string& text : schemas()) {
+    SCOPED_TRACE(text);
+    const auto g = compile(text);
+    const ojson schema = ojson::parse(text);
+    for (int k = 0; k < 120; ++k) {
+      bool done = false;
+      const std::string doc = random_walk(g, rng, &done);
+      if (!done) continue;
+      const ojson v = ojson::parse(doc);
+      // nlohmann writes floats its own way (17 digits, 3-digit exponents): documents with one are
+      // not rewritten.
+      const std::function<bool(const ojson&)> has_float = [&](const ojson& x) {
+        if (x.is_number_float()) return true;
+        for (const ojson& c : x)
+          if ((x.is_object() || x.is_array()) && has_float(c)) return true;
+        return false;
+      };
+      if (!has_float(v)) {
+        for (const std::string& w : {v.dump(), v.dump(2)}) EXPECT_TRUE(accepts(g, w)) << w;
+      }
+      std::string m = doc;
+      const size_t at = std::uniform_int_distribution<size_t>(0, m.size() - 1)(rng);
+      const std::string alphabet = "{}[]\",:0123456789-.eEtrufalsn \n\\ab";
+      switch (std::uniform_int_distribution<int>(0, 2)(rng)) {
+        case 0: m.erase(at, 1); break;
+        case 1: m.insert(at, 1, alphabet[std::uniform_int_distribution<size_t>(0, alphabet.size() - 1)(rng)]); break;
+        default: m[at] = alphabet[std::uniform_int_distribution<size_t>(0, alphabet.size() - 1)(rng)]; break;
+      }
+      if (!accepts(g, m)) continue;
+      ojson mv;
+      ASSERT_NO_THROW(mv = ojson::parse(m)) << m;
+      EXPECT_TRUE(validate(schema, schema, mv)) << m;
+    }
+  }
+}
+
+// grammar_mask over real vocabularies, against feeding each token's bytes, at states reached by
+// random walks (inside strings, numbers, keys, between tokens).
+class GrammarMask : public ::testing::TestWithParam<std::string> {};
+
+INSTANTIATE_TEST_SUITE_P(Vocabularies, GrammarMask,
+                         ::testing::Values(std::string(KVQ_SOURCE_DIR) + "/../shared/models/stories260K.gguf",
+                                           std::string(KVQ_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+
+TEST_P(GrammarMask, LeavesExactlyTheContinuations) {
+  const std::string path = GetParam();
+  if (!std::filesystem::exists(path)) GTEST_SKIP() << path << " not found (scripts/get-models.sh installs SmolLM2)";
+  const auto f = gguf::File::open(path);
+  const Tokenizer tok = Tokenizer::from_gguf(*f);
+  const JsonVocab jv(tok);
+  const GrammarVocab vocab(jv);
+  const int n = tok.n_vocab();
+  std::mt19937 rng(3);
+  int states = 0, free_strings = 0;
+  for (const std::string& text : schemas()) {
+    const auto g = compile(text);
+    for (int k = 0; k < 4; ++k) {
+      bool done = false;
+      const std::string doc = random_walk(g, rng, &done);
+      // Prefixes at a few cut points of the document.
+      for (size_t cut : {size_t(0), doc.size() / 3, doc.size() / 2, doc.size() - std::min<size_t>(doc.size(), 2), doc.size()}) {
+        GrammarState s(g);
+        ASSERT_TRUE(s.feed(std::string_view(doc).substr(0, cut)));
+        SCOPED_TRACE(text + " after '" + doc.substr(0, cut) + "'");
+        free_strings += s.in_free_string();
+        ++states;
+        const std::vector<int32_t> stop = {5};
+        std::vector<float> logits(size_t(n), 1.0f);
+        const int count = grammar_mask(s, vocab, stop, logits.data(), n);
+        int expect_count = 0;
+        for (int32_t id = 0; id < n; ++id) {
+          const std::string piece = tok.token_piece(id);
+          const bool control = tok.token_type(id) == TokenType::control;
+          bool expect;
+          if (tok.is_eog(id) || id == 5) {
+            expect = s.accepting();
+          } else {
+            GrammarState t = s;
+            expect = !control && !piece.empty() && t.feed(piece);
+          }
+          expect_count += expect;
+          ASSERT_EQ(logits[size_t(id)] == 1.0f, expect) << "token " << id << " '" << piece << "'";
+        }
+        if (expect_count > 0) {
+          EXPECT_EQ(count, expect_count);
+        }
+      }
+    }
+  }
+  EXPECT_GT(free_strings, 3);  // the plain-string-text path was exercised
+  EXPECT_GT(states, 100);
+}
