@@ -1,13 +1,15 @@
-// JSON mode's cost (response_format json_object, model/json_constraint.h): time per output token
+// JSON mode's cost (response_format json_object, model/json_constraint.h), or with --schema that of
+// structured output (response_format json_schema, model/json_schema.h): time per output token
 // with and without the token mask, on the same model, engine and number of tokens, measured in
 // the same run, and the mask's own time per step.
 //
-//   json_mode MODEL.gguf [--tokens 64] [--reps 5] [--threads 2]
+//   json_mode MODEL.gguf [--tokens 64] [--reps 5] [--threads 2] [--schema FILE]
 //
-// Each repetition generates up to --tokens tokens in JSON mode (greedy) from a prompt that asks
+// Each repetition generates up to --tokens tokens constrained (greedy) from a prompt that asks
 // for JSON, then the same number of tokens without it (end of generation ignored), and compares
-// their decode time per token (first token excluded). The mask alone: json_mask over the whole
-// vocabulary at every byte of the JSON text generated, median microseconds per call.
+// their decode time per token (first token excluded). The mask alone: json_mask (grammar_mask)
+// over the whole vocabulary at every byte of the JSON text generated, median microseconds per
+// call. bench/cats.schema.json is a schema for the prompt's question.
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -18,6 +20,8 @@
 #include "engine/engine.h"
 #include "model/chat.h"
 #include "model/json_constraint.h"
+#include "model/json_schema.h"
+#include "tools/files.h"
 #include "tools/bench.h"
 
 using namespace kvq;
@@ -26,15 +30,17 @@ static double median(std::vector<double> v) { return bench_percentile(v, 0.5); }
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: json_mode MODEL.gguf [--tokens 64] [--reps 5] [--threads 2]\n");
+    std::fprintf(stderr, "usage: json_mode MODEL.gguf [--tokens 64] [--reps 5] [--threads 2] [--schema FILE]\n");
     return 2;
   }
   int tokens = 64, reps = 5, threads = 2;
+  std::shared_ptr<const Grammar> grammar;
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--tokens") tokens = std::stoi(argv[i + 1]);
     else if (a == "--reps") reps = std::stoi(argv[i + 1]);
     else if (a == "--threads") threads = std::stoi(argv[i + 1]);
+    else if (a == "--schema") grammar = Grammar::from_schema_text(read_text_file(argv[i + 1], "--schema"));
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
       return 2;
@@ -63,7 +69,8 @@ int main(int argc, char** argv) {
     GenParams p;
     p.sampling.temperature = 0;
     p.max_tokens = tokens;
-    p.json_object = true;
+    p.json_object = !grammar;
+    p.grammar = grammar;
     const GenResult j = e.generate(prompt, p);
     n = int(j.tokens.size());
     text = j.text;
@@ -72,6 +79,7 @@ int main(int argc, char** argv) {
       return 1;
     }
     p.json_object = false;
+    p.grammar = nullptr;
     p.ignore_eos = true;
     p.max_tokens = n;
     const GenResult q = e.generate(prompt, p);
@@ -80,24 +88,27 @@ int main(int argc, char** argv) {
   }
   // The mask alone, at every byte boundary of the generated text.
   const JsonVocab vocab(tok);
+  const std::unique_ptr<GrammarVocab> gvocab = grammar ? std::make_unique<GrammarVocab>(vocab) : nullptr;
   std::vector<float> logits(size_t(tok.n_vocab()));
   std::vector<double> mask_us, in_string_us, other_us;
   JsonState s;
+  std::unique_ptr<GrammarState> g = grammar ? std::make_unique<GrammarState>(grammar) : nullptr;
   for (unsigned char c : text) {
     std::fill(logits.begin(), logits.end(), 0.f);
     const double t0 = now_seconds();
-    json_mask(s, vocab, {}, logits.data(), tok.n_vocab());
+    if (g) grammar_mask(*g, *gvocab, {}, logits.data(), tok.n_vocab());
+    else json_mask(s, vocab, {}, logits.data(), tok.n_vocab());
     const double us = (now_seconds() - t0) * 1e6;
     mask_us.push_back(us);
-    (s.in_string_text() ? in_string_us : other_us).push_back(us);
-    if (!s.feed(c)) break;
+    ((g ? g->in_free_string() : s.in_string_text()) ? in_string_us : other_us).push_back(us);
+    if (g ? !g->feed(c) : !s.feed(c)) break;
   }
   std::printf("model %s, vocabulary %d, %d threads, %d reps of %d tokens\n", argv[1], tok.n_vocab(), threads, reps, n);
-  std::printf("decode ms/token: JSON mode %.2f, plain %.2f, ratio %.3f\n", median(per_json) * 1e3,
+  std::printf("decode ms/token: %s %.2f, plain %.2f, ratio %.3f\n", grammar ? "json_schema" : "JSON mode", median(per_json) * 1e3,
               median(per_plain) * 1e3, median(per_json) / median(per_plain));
-  std::printf("json_mask: median %.0f us per step over %zu states (inside strings %.0f us over %zu, elsewhere %.0f us "
+  std::printf("%s: median %.0f us per step over %zu states (inside strings %.0f us over %zu, elsewhere %.0f us "
               "over %zu)\n",
-              median(mask_us), mask_us.size(), in_string_us.empty() ? 0.0 : median(in_string_us), in_string_us.size(),
+              grammar ? "grammar_mask" : "json_mask", median(mask_us), mask_us.size(), in_string_us.empty() ? 0.0 : median(in_string_us), in_string_us.size(),
               other_us.empty() ? 0.0 : median(other_us), other_us.size());
   std::printf("text: %s\n", text.c_str());
   return 0;

@@ -822,6 +822,46 @@ TEST(EngineEos, JsonModeClosesTheObject) {
   expect_pool_clean(e);
 }
 
+// Structured output on a real chat model: greedy, the answer is a document of the schema (the
+// properties in the schema's order), ends "stop" with the token that closes it, ignore_eos or
+// not; JSON mode and a schema together are refused.
+TEST(EngineEos, JsonSchemaCompletesTheDocument) {
+  const std::string model = kvq_test_model("SmolLM2-135M-Instruct.Q4_1.gguf");
+  if (model.empty()) GTEST_SKIP() << "SmolLM2-135M-Instruct.Q4_1.gguf not installed (run scripts/get-models.sh)";
+  Engine e(smollm2_options(model));
+  const std::vector<int32_t> prompt = chat_prompt(e, "Describe a cat as a JSON object with its name, age and color.");
+  GenParams p = greedy(160);
+  p.grammar = Grammar::from_schema_text(
+      R"({"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"},
+          "color": {"enum": ["black", "white", "orange", "gray"]}, "indoor": {"type": "boolean"}},
+          "required": ["name", "age", "color"]})");
+  const GenResult a = e.generate(prompt, p);
+  ASSERT_EQ(a.finish_reason, "stop") << a.text;
+  const nlohmann::ordered_json doc = nlohmann::ordered_json::parse(a.text);
+  ASSERT_TRUE(doc.is_object());
+  auto it = doc.begin();
+  ASSERT_EQ(it.key(), "name");
+  size_t chars = 0;
+  for (unsigned char ch : it.value().get<std::string>()) chars += (ch & 0xC0) != 0x80;
+  EXPECT_LE(chars, 20u);
+  ASSERT_EQ((++it).key(), "age");
+  EXPECT_TRUE(it.value().is_number_integer());
+  ASSERT_EQ((++it).key(), "color");
+  EXPECT_NE(std::string("black white orange gray").find(it.value().get<std::string>()), std::string::npos);
+  EXPECT_EQ(a.text.back(), '}');
+  p.ignore_eos = true;
+  const GenResult b = e.generate(prompt, p);
+  EXPECT_EQ(b.finish_reason, "stop");
+  EXPECT_EQ(b.tokens, a.tokens);
+  GenParams both = p;
+  both.json_object = true;
+  const GenResult c = e.generate(prompt, both);
+  EXPECT_EQ(c.finish_reason, "error");
+  EXPECT_NE(c.error.find("JSON mode and a json_schema"), std::string::npos) << c.error;
+  e.wait_idle();
+  expect_pool_clean(e);
+}
+
 // abort_all (the server's shutdown): a request running mid-generation and one still queued both
 // end with "error" and the reason, their pages freed; a later submit fails at once.
 TEST_F(EngineTest, AbortAllEndsRunningAndQueuedRequests) {

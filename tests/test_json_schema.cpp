@@ -156,6 +156,7 @@ const std::vector<std::string>& schemas() {
       R"({"type": ["object", "null"], "properties": {"a": {"type": ["string", "integer"]}, "b": {}}})",
       R"({"type": "object", "properties": {"z": {"type": "string"}, "a": {"type": "string"}, "m": {"type": "number"}},
           "required": ["z", "a", "m"], "title": "ordered", "description": "properties in the written order"})",
+      R"({"type": "array", "items": {"type": "array", "items": {"enum": ["a", "b"]}}})",
   };
   return s;
 }

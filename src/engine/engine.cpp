@@ -49,6 +49,8 @@ struct Engine::Seq {
   // JSON mode (GenParams::json_object): the text generated so far, as the grammar sees it, and the
   // logits with the tokens that cannot come next masked.
   std::unique_ptr<JsonState> json;
+  // Structured output (GenParams::grammar): the schema's parse state after the text so far.
+  std::unique_ptr<GrammarState> grammar;
   std::vector<float> masked;
 };
 
@@ -546,6 +548,8 @@ std::vector<uint64_t> Engine::submit_all(std::vector<GenRequest> rs) {
       err = fmt::format("the prompt is {} tokens, the KV pool holds {}", s->n_prompt, kv_tokens_capacity());
     } else if (s->req.params.logprobs > kMaxLogprobs) {
       err = fmt::format("logprobs {} is above the largest supported, {}", s->req.params.logprobs, kMaxLogprobs);
+    } else if (s->req.params.json_object && s->req.params.grammar) {
+      err = "JSON mode and a json_schema together: give one";
     } else {
       for (int32_t t : s->tokens)
         if (t < 0 || t >= tok_.n_vocab()) {
@@ -565,6 +569,7 @@ std::vector<uint64_t> Engine::submit_all(std::vector<GenRequest> rs) {
       s->sampler = std::make_unique<Sampler>(s->req.params.sampling);
       s->dec = std::make_unique<TokenStreamDecoder>(tok_, false);
       if (s->req.params.json_object) s->json = std::make_unique<JsonState>();
+      else if (s->req.params.grammar) s->grammar = std::make_unique<GrammarState>(s->req.params.grammar);
     }
     seqs.push_back(std::move(s));
     errs.push_back(std::move(err));
@@ -1028,6 +1033,12 @@ bool Engine::step() {
           s.masked.assign(lg, lg + n_vocab);
           json_mask(*s.json, *json_vocab_, s.req.params.stop_token_ids, s.masked.data(), n_vocab);
           sample_from = s.masked.data();
+        } else if (s.grammar) {
+          if (!json_vocab_) json_vocab_ = std::make_unique<JsonVocab>(tok_);
+          if (!grammar_vocab_) grammar_vocab_ = std::make_unique<GrammarVocab>(*json_vocab_);
+          s.masked.assign(lg, lg + n_vocab);
+          grammar_mask(*s.grammar, *grammar_vocab_, s.req.params.stop_token_ids, s.masked.data(), n_vocab);
+          sample_from = s.masked.data();
         }
         const int32_t next = s.sampler->sample(sample_from, n_vocab, s.tokens, size_t(s.n_prompt));
         const double now = now_seconds();
@@ -1040,7 +1051,11 @@ bool Engine::step() {
         else s.res.decode_s = now - s.t_submit - s.res.ttft_s;
         s.t_last = now;
         const std::vector<int32_t>& stop_ids = s.req.params.stop_token_ids;
-        if ((tok_.is_eog(next) && !s.req.params.ignore_eos) ||
+        if (s.grammar && tok_.is_eog(next) && !s.grammar->accepting()) {  // the mask's last resort
+          finish(s, "error", "json_schema: the model's vocabulary has no token that continues the document");
+          continue;
+        }
+        if ((tok_.is_eog(next) && (!s.req.params.ignore_eos || s.grammar)) ||
             std::find(stop_ids.begin(), stop_ids.end(), next) != stop_ids.end()) {
           finish(s, "stop");
           continue;
@@ -1050,6 +1065,10 @@ bool Engine::step() {
         if (s.json && !s.json->feed(json_vocab_->bytes(next))) {
           // Only when the mask left nothing to sample (a vocabulary that cannot go on).
           finish(s, "error", "JSON mode: the model's vocabulary has no token that continues the JSON text");
+          continue;
+        }
+        if (s.grammar && !s.grammar->feed(grammar_vocab_->bytes(next))) {
+          finish(s, "error", "json_schema: the model's vocabulary has no token that continues the document");
           continue;
         }
         if (s.req.params.logprobs >= 0) {
@@ -1064,7 +1083,7 @@ bool Engine::step() {
           continue;
         }
         emit_text(s, false);
-        if (s.json && s.json->done()) {  // the object is closed: nothing else can follow
+        if ((s.json && s.json->done()) || (s.grammar && s.grammar->done())) {  // nothing else can follow
           finish(s, "stop");
           continue;
         }

@@ -48,6 +48,7 @@
 
 #include "cache/kv_offload.h"
 #include "model/json_constraint.h"
+#include "model/json_schema.h"
 #include "cache/page_pool.h"
 #include "cache/prefix_index.h"
 #include "model/model.h"
@@ -125,6 +126,12 @@ struct GenParams {
   // "length" mid-object, as OpenAI's does; a stop string can cut it too. logprobs stay those of the
   // model's distribution (before the mask, as before any sampling setting).
   bool json_object = false;
+  // Structured output (OpenAI's response_format {"type": "json_schema"}): only tokens that keep
+  // the text a prefix of a document of the schema (model/json_schema.h) are sampled; generation
+  // ends ("stop") with the token that completes a document nothing can follow (an object, an
+  // array, a string), or with end of generation once the document is complete. Not together
+  // with json_object.
+  std::shared_ptr<const Grammar> grammar;
 };
 
 struct GenResult {
@@ -374,6 +381,7 @@ class Engine {
   std::unique_ptr<PagePool> pool_;
   std::unique_ptr<KvCache> shape_;  // holds no page; destroyed before the pool
   std::unique_ptr<JsonVocab> json_vocab_;  // JSON mode's token bytes (made on first use)
+  std::unique_ptr<GrammarVocab> grammar_vocab_;  // structured output's vocabulary trie (first use)
   std::unique_ptr<KvOffload> offload_;  // the index's spill (detached before the pool empties)
   uint64_t offload_hit_tokens_ = 0;
   double restore_seconds_ = 0;  // this step's offload reads (left out of the step-time fit)

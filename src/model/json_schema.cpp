@@ -501,7 +501,7 @@ class SchemaCompiler {
     uint32_t max = count_of(s, "maxItems", path);
     if (rest == UINT32_MAX) max = std::min<uint32_t>(max, uint32_t(prefix.size()));
     if (min > max) fail(path, "no array fits: 'minItems' is larger than " + std::string(rest == UINT32_MAX ? "the tuple" : "'maxItems'"));
-    const uint32_t top = max == kUnbounded ? std::max<uint32_t>(uint32_t(prefix.size()), min) : max;
+    const uint32_t top = max == kUnbounded ? std::max<uint32_t>({uint32_t(prefix.size()), min, 1}) : max;
     if (top > 10000) fail(path, "'minItems'/'maxItems' above 10000 are not supported");
     auto slot = [&](uint32_t j) { return j < prefix.size() ? prefix[j] : rest; };
     if (max == 0) return rule_of({{ch('['), ws(), ch(']')}});

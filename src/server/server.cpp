@@ -70,7 +70,9 @@ struct ApiRequest {
 constexpr int kMaxChoices = 128;     // n, and prompts in a completions batch
 constexpr int kMaxSequences = 1024;  // prompts x n
 
-ApiRequest parse_common(const json& body) {
+// raw: the body's text, from which a json_schema is read again keeping its properties' written
+// order (the order they are generated in; json sorts an object's keys).
+ApiRequest parse_common(const json& body, std::string_view raw) {
   ApiRequest r;
   SamplerParams& s = r.params.sampling;
   // OpenAI semantics: plain temperature / top_p sampling, no top-k or min-p unless asked.
@@ -198,11 +200,33 @@ ApiRequest parse_common(const json& body) {
     const json* type = f.is_object() && f.contains("type") ? &f["type"] : nullptr;
     if (!type || !type->is_string())
       throw ApiError{"'response_format' must be an object with a string 'type'", "response_format"};
-    if (*type == "json_object") r.params.json_object = true;
-    else if (*type != "text")
-      throw ApiError{fmt::format("'response_format' type '{}' is not supported (supported: \"text\", \"json_object\")",
+    // A schema: OpenAI's {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}, or
+    // llama.cpp's "schema" beside the type ("json_schema" or "json_object").
+    const bool in_json_schema = *type == "json_schema" && f.contains("json_schema");
+    const bool beside = (*type == "json_schema" || *type == "json_object") && f.contains("schema");
+    if (*type == "json_schema" && !in_json_schema && !beside)
+      throw ApiError{"'response_format' json_schema needs 'json_schema': {\"name\": ..., \"schema\": {...}}", "response_format"};
+    if (in_json_schema || beside) {
+      if (in_json_schema && !(f["json_schema"].is_object() && f["json_schema"].contains("schema")))
+        throw ApiError{"'response_format.json_schema' must be an object with a 'schema'", "response_format"};
+      const nlohmann::ordered_json ordered = nlohmann::ordered_json::parse(raw, nullptr, false);
+      const nlohmann::ordered_json::json_pointer at(in_json_schema ? "/response_format/json_schema/schema"
+                                                                   : "/response_format/schema");
+      if (ordered.is_discarded() || !ordered.contains(at))
+        throw ApiError{"'response_format': the schema could not be read from the request body", "response_format"};
+      try {
+        r.params.grammar = Grammar::from_schema(ordered.at(at));
+      } catch (const std::invalid_argument& e) {
+        throw ApiError{fmt::format("'response_format': {}", e.what()), "response_format"};
+      }
+    } else if (*type == "json_object") {
+      r.params.json_object = true;
+    } else if (*type != "text") {
+      throw ApiError{fmt::format("'response_format' type '{}' is not supported (supported: \"text\", \"json_object\", "
+                                 "\"json_schema\")",
                                  type->get<std::string>()),
                      "response_format"};
+    }
   }
   if (set("tools") && !(body["tools"].is_array() && body["tools"].empty()))
     throw ApiError{"'tools' (function calling) is not supported", "tools"};
@@ -450,7 +474,7 @@ static json parse_body(const httplib::Request& req) {
 
 void Server::Impl::handle_generate(const httplib::Request& req, httplib::Response& res, bool chat) {
   json body = parse_body(req);
-  ApiRequest ar = parse_common(body);
+  ApiRequest ar = parse_common(body, req.body);
   parse_logprobs(body, chat, ar);
   // As OpenAI's and vLLM's servers: a request for another model is refused, not served by this one.
   if (body.contains("model") && body["model"].is_string() && body["model"].get<std::string>() != opt.model_name)

@@ -13,6 +13,7 @@
 #include "model/chat.h"
 #include "model/model.h"
 #include "model/json_constraint.h"
+#include "model/json_schema.h"
 #include "model/tokenizer.h"
 #include "tools/files.h"
 
@@ -34,6 +35,10 @@ void run_add_cli(CLI::App& app, RunOptions& o) {
   app.add_flag("--json", o.json_object,
                "JSON mode: only tokens that continue one JSON object are sampled, and generation ends when it "
                "closes (as kvq serve's response_format json_object)");
+  app.add_option("--json-schema", o.json_schema,
+                 "structured output: only tokens that continue a document of the JSON Schema in FILE are sampled, "
+                 "and generation ends when it is complete (as kvq serve's response_format json_schema)")
+      ->type_name("FILE");
   app.add_option("--temp", o.sampling.temperature, "temperature (0: greedy)")->capture_default_str();
   app.add_option("--top-k", o.sampling.top_k, "top-k (0: off)")->capture_default_str();
   app.add_option("--top-p", o.sampling.top_p, "top-p (1: off)")->capture_default_str();
@@ -70,6 +75,15 @@ int run_command(const RunOptions& o) {
     prompt = read_text_file(o.prompt_file, "-f");
   }
   const int threads = resolve_threads(o.threads);
+  if (o.json_object && !o.json_schema.empty()) fail("give either --json or --json-schema, not both");
+  std::shared_ptr<const Grammar> grammar;
+  if (!o.json_schema.empty()) {
+    try {
+      grammar = Grammar::from_schema_text(read_text_file(o.json_schema, "--json-schema"));
+    } catch (const std::invalid_argument& e) {
+      fail("--json-schema {}: {}", o.json_schema, e.what());
+    }
+  }
 
   auto model = Model::load(o.model);
   const ModelConfig& c = model->config();
@@ -106,7 +120,8 @@ int run_command(const RunOptions& o) {
   KvCache cache(kcfg);
   Forward fwd(*model, pool);
   Sampler sampler(o.sampling);
-  const std::unique_ptr<JsonVocab> json_vocab = o.json_object ? std::make_unique<JsonVocab>(tok) : nullptr;
+  const std::unique_ptr<JsonVocab> json_vocab = o.json_object || grammar ? std::make_unique<JsonVocab>(tok) : nullptr;
+  const std::unique_ptr<GrammarVocab> grammar_vocab = grammar ? std::make_unique<GrammarVocab>(*json_vocab) : nullptr;
   std::vector<float> masked;
   std::vector<int32_t> history;  // every token in the cache, and the one sampled last
   double t_prompt = 0, t_gen = 0;
@@ -134,16 +149,21 @@ int run_command(const RunOptions& o) {
     stop_reason = "length";
     bool room = true;
     JsonState json;  // each turn's answer is one object
+    std::unique_ptr<GrammarState> doc = grammar ? std::make_unique<GrammarState>(grammar) : nullptr;  // or document
     for (int n_gen = 0; n_gen < o.n_predict; ++n_gen) {
       const float* lg = logits;
-      if (json_vocab) {
+      if (doc) {
+        masked.assign(logits, logits + c.n_vocab);
+        grammar_mask(*doc, *grammar_vocab, {}, masked.data(), int(c.n_vocab));
+        lg = masked.data();
+      } else if (json_vocab) {
         masked.assign(logits, logits + c.n_vocab);
         json_mask(json, *json_vocab, {}, masked.data(), int(c.n_vocab));
         lg = masked.data();
       }
       const int32_t next = sampler.sample(lg, c.n_vocab, history, turn_start);
       if (tok.is_eog(next)) {
-        stop_reason = "end of generation token";
+        stop_reason = doc && !doc->accepting() ? "no token continues the document" : "end of generation token";
         break;
       }
       history.push_back(next);
@@ -152,7 +172,11 @@ int run_command(const RunOptions& o) {
         std::fwrite(piece.data(), 1, piece.size(), stdout);
         std::fflush(stdout);
       }
-      if (json_vocab && (!json.feed(json_vocab->bytes(next)) || json.done())) {
+      if (doc && (!doc->feed(json_vocab->bytes(next)) || doc->done())) {
+        stop_reason = doc->done() ? "end of the document" : "no token continues the document";
+        break;
+      }
+      if (json_vocab && !doc && (!json.feed(json_vocab->bytes(next)) || json.done())) {
         stop_reason = json.done() ? "end of the JSON object" : "no token continues the JSON text";
         break;
       }

@@ -31,6 +31,13 @@ check "--json: the output starts a JSON object" "[[ \$(tr -d ' \n\t' <$tmp/json 
 check "--json: plain run of the same prompt does not" "[[ \$(tr -d ' \n\t' <$tmp/s1 | head -c 1) != '{' ]]"
 check "--json: it ends closed or at the limit" "grep -Eq 'stop: (end of the JSON object|length)' $tmp/jerr"
 
+# --json-schema: a document of the schema, complete (a short array of booleans and nulls)
+printf '%s' '{"type": "array", "items": {"type": ["boolean", "null"]}, "minItems": 1, "maxItems": 3}' >"$tmp/schema.json"
+"$kvq" run -m "$model" -p "Once upon a time" -n 60 --temp 0.9 --seed 3 --json-schema "$tmp/schema.json" >"$tmp/js" 2>"$tmp/jserr"
+check "--json-schema: the output is a document of the schema" \
+  "python3 -c 'import json,sys; v=json.load(open(sys.argv[1])); assert isinstance(v, list) and 1 <= len(v) <= 3 and all(x in (True, False, None) for x in v)' $tmp/js"
+check "--json-schema: it ends with the document" "grep -q 'stop: end of the document' $tmp/jserr"
+
 # bad input: clear error, non-zero exit, no crash (exit code 1 or CLI11's usage code, not a signal)
 bad() {
   local name=$1; shift
@@ -42,6 +49,10 @@ bad() {
 bad "missing model file" run -m "$tmp/nope.gguf" -p hi
 printf 'GGUF\x03\x00\x00\x00garbage' >"$tmp/bad.gguf"
 bad "malformed model file" run -m "$tmp/bad.gguf" -p hi
+printf '%s' '{"type": "string", "format": "email"}' >"$tmp/bad_schema.json"
+bad "--json-schema with an unsupported keyword" run -m "$model" -p hi --json-schema "$tmp/bad_schema.json"
+check "... names it" "grep -q \"'format' is not supported\" $tmp/be"
+bad "--json-schema and --json" run -m "$model" -p hi --json --json-schema "$tmp/schema.json"
 bad "threads < 1" run -m "$model" -p hi -t -1
 bad "unknown flag" run -m "$model" --no-such-flag
 bad "unknown KV format" run -m "$model" -p hi --kv-cache-dtype int7

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Structured output checked by an independent validator: kvq run --json-schema samples (hot, many
+# seeds) from the story model under schemas of every supported keyword, and each complete
+# document is validated by Python's jsonschema (python3-jsonschema, scripts/install-deps.sh).
+set -u
+source "$(dirname "$0")/common.bash"
+require "$model"
+python3 -c 'import jsonschema' 2>/dev/null || { echo "skip: python3 jsonschema not installed (scripts/install-deps.sh)"; exit 77; }
+
+schemas=(
+  '{"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 8}, "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2}}, "required": ["name", "age"]}'
+  '{"$defs": {"t": {"type": "object", "properties": {"v": {"type": "number"}, "k": {"type": "array", "items": {"$ref": "#/$defs/t"}, "maxItems": 2}}, "required": ["v"]}}, "$ref": "#/$defs/t"}'
+  '{"anyOf": [{"type": "null"}, {"type": "array", "prefixItems": [{"type": "boolean"}, {"enum": ["a", 1, null]}], "items": false, "minItems": 2}, {"const": {"k": [1, 2]}}]}'
+  '{"type": "object", "properties": {"id": {"type": "integer"}}, "additionalProperties": {"type": ["boolean", "null"]}}'
+  '{"type": "array", "items": {"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 2}]}, "minItems": 1, "maxItems": 4}'
+  '{"type": "object", "properties": {"s": {"type": "string", "maxLength": 4}, "u": {"type": "string", "minLength": 2, "maxLength": 2}}, "required": ["s", "u"], "additionalProperties": false}'
+)
+complete=0
+invalid=0
+for i in "${!schemas[@]}"; do
+  printf '%s' "${schemas[$i]}" >"$tmp/schema$i.json"
+  for seed in 1 2 3 4 5 6 7 8 9 10 11 12; do
+    "$kvq" run -m "$model" -p "Once upon a time" -n 200 --temp 1.3 --seed "$seed" \
+      --json-schema "$tmp/schema$i.json" >"$tmp/out" 2>"$tmp/err" || { echo "FAIL: schema $i seed $seed exited non-zero"; fails=$((fails + 1)); continue; }
+    grep -Eq 'stop: (end of the document|end of generation token)' "$tmp/err" || continue  # cut at -n
+    complete=$((complete + 1))
+    if ! python3 - "$tmp/schema$i.json" "$tmp/out" <<'PY'
+import json, sys, jsonschema
+schema = json.load(open(sys.argv[1]))
+doc = json.loads(open(sys.argv[2], encoding="utf-8").read())
+jsonschema.Draft202012Validator(schema).validate(doc)
+PY
+    then
+      echo "FAIL: schema $i seed $seed: $(head -c 300 "$tmp/out")"
+      invalid=$((invalid + 1))
+    fi
+  done
+done
+echo "complete documents: $complete of $(( ${#schemas[@]} * 12 )), invalid: $invalid"
+check "every complete document validates" "[[ $invalid -eq 0 ]]"
+check "most runs complete their document" "[[ $complete -ge 48 ]]"
+finish json_schema
