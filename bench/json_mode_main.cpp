@@ -100,16 +100,19 @@ int main(int argc, char** argv) {
     else json_mask(s, vocab, {}, logits.data(), tok.n_vocab());
     const double us = (now_seconds() - t0) * 1e6;
     mask_us.push_back(us);
-    ((g ? g->in_free_string() : s.in_string_text()) ? in_string_us : other_us).push_back(us);
+    ((g ? g->string_room() >= 0 : s.in_string_text()) ? in_string_us : other_us).push_back(us);
     if (g ? !g->feed(c) : !s.feed(c)) break;
   }
   std::printf("model %s, vocabulary %d, %d threads, %d reps of %d tokens\n", argv[1], tok.n_vocab(), threads, reps, n);
   std::printf("decode ms/token: %s %.2f, plain %.2f, ratio %.3f\n", grammar ? "json_schema" : "JSON mode", median(per_json) * 1e3,
               median(per_plain) * 1e3, median(per_json) / median(per_plain));
-  std::printf("%s: median %.0f us per step over %zu states (inside strings %.0f us over %zu, elsewhere %.0f us "
-              "over %zu)\n",
-              grammar ? "grammar_mask" : "json_mask", median(mask_us), mask_us.size(), in_string_us.empty() ? 0.0 : median(in_string_us), in_string_us.size(),
-              other_us.empty() ? 0.0 : median(other_us), other_us.size());
+  double mean = 0;
+  for (double us : mask_us) mean += us / double(mask_us.size());
+  std::printf("%s: median %.0f us per step over %zu states, mean %.0f, max %.0f (inside strings %.0f us over %zu, "
+              "elsewhere %.0f us over %zu)\n",
+              grammar ? "grammar_mask" : "json_mask", median(mask_us), mask_us.size(), mean,
+              *std::max_element(mask_us.begin(), mask_us.end()), in_string_us.empty() ? 0.0 : median(in_string_us),
+              in_string_us.size(), other_us.empty() ? 0.0 : median(other_us), other_us.size());
   std::printf("text: %s\n", text.c_str());
   return 0;
 }

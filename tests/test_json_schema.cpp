@@ -317,6 +317,21 @@ TEST(JsonSchema, StringsNumbersArraysAndAlternatives) {
   EXPECT_FALSE(prefix(e, R"({"kind": "cow")"));
   EXPECT_FALSE(prefix(e, R"({"kind": 3, "ok": true, "tag": "xy")"));
 
+  // A long enum: its values share parse stacks by prefix.
+  ojson big = {{"enum", ojson::array()}};
+  for (int k = 0; k < 5000; ++k) big["enum"].push_back("city-" + std::to_string(k));
+  big["enum"].push_back(7);
+  big["enum"].push_back("city-1");  // twice
+  const auto b = Grammar::from_schema(big);
+  EXPECT_TRUE(accepts(b, "\"city-4321\""));
+  EXPECT_TRUE(accepts(b, "\"city-1\""));
+  EXPECT_TRUE(accepts(b, "7"));
+  EXPECT_FALSE(prefix(b, "\"city-5000"));
+  EXPECT_FALSE(accepts(b, "\"city-"));
+  GrammarState bs(b);
+  ASSERT_TRUE(bs.feed("\"city-1"));
+  EXPECT_LE(bs.n_stacks(), 12u);
+
   // Recursion through $ref.
   const auto t = compile(schemas()[3]);
   EXPECT_TRUE(accepts(t, R"({"v": 1, "kids": [{"v": 2}, {"v": 3, "kids": [{"v": 4, "kids": []}]}]})"));

@@ -238,6 +238,29 @@ class SchemaCompiler {
     return lit(v.dump(-1, ' ', false, json::error_handler_t::strict));
   }
 
+  // The words [lo, hi) of a sorted list, from byte `depth` on, as a trie of rules: one open parse
+  // stack per word prefix however many words share it (a long enum does not fill the state with
+  // one stack per value).
+  uint32_t word_trie(const std::vector<std::string>& w, size_t lo, size_t hi, size_t depth) {
+    const uint32_t r = new_rule();
+    if (hi - lo == 1) {
+      alt(r, lit(std::string_view(w[lo]).substr(depth)));
+      return r;
+    }
+    size_t i = lo;
+    if (w[i].size() == depth) {  // a word ends here (sorted first)
+      alt(r, {});
+      ++i;
+    }
+    while (i < hi) {
+      size_t j = i;
+      while (j < hi && w[j][depth] == w[i][depth]) ++j;
+      alt(r, {ch(static_cast<unsigned char>(w[i][depth])), rule(word_trie(w, i, j, depth + 1))});
+      i = j;
+    }
+    return r;
+  }
+
   // x repeated min..max times (max kUnbounded: no bound).
   uint32_t repeat(const Seq& x, uint32_t min, uint32_t max) {
     uint32_t tail = new_rule();  // up to (max - min) more
@@ -429,14 +452,21 @@ class SchemaCompiler {
       if (s.contains("const")) values.resize(1);
       const uint32_t r = new_rule();
       int n = 0;
+      std::vector<std::string> words;  // the scalars' texts, merged into one trie
       for (const json& v : values) {
         bool ok = types.empty();
         for (const std::string& t : types) ok = ok || matches_type(v, t);
         if (!ok) continue;
-        alt(r, value_text(v));
+        if (v.is_object() || v.is_array()) alt(r, value_text(v));
+        else words.push_back(v.dump(-1, ' ', false, json::error_handler_t::strict));
         ++n;
       }
       if (n == 0) fail(path, "no value of 'enum'/'const' has the schema's 'type'");
+      if (!words.empty()) {
+        std::sort(words.begin(), words.end());
+        words.erase(std::unique(words.begin(), words.end()), words.end());
+        alt(r, {rule(word_trie(words, 0, words.size(), 0))});
+      }
       return r;
     }
     std::vector<std::string> ts = types;
@@ -769,16 +799,19 @@ bool GrammarState::accepting() const { return !stacks_.empty() && stacks_.front(
 
 bool GrammarState::done() const { return stacks_.size() == 1 && stacks_.front().empty(); }
 
-bool GrammarState::in_free_string() const {
-  if (stacks_.empty()) return false;
+int64_t GrammarState::string_room() const {
+  if (stacks_.empty()) return -1;
+  int64_t room = 0;
   for (const Stack& st : stacks_) {
-    if (st.empty()) return false;
+    if (st.empty()) return -1;
     const Elem& e = g_->elems_[st.back().pos];
-    if (e.kind != Grammar::kStr || !g_->strs_[e.arg].free()) return false;
+    if (e.kind != Grammar::kStr) return -1;
     const StrSub s = unpack(st.back().sub);
-    if (s.phase != kBody || s.low) return false;
+    if (s.phase != kBody || s.low) return -1;
+    const Grammar::StrBounds& b = g_->strs_[e.arg];
+    room = std::max<int64_t>(room, b.max_len == kUnbounded ? int64_t(kUnbounded) : int64_t(b.max_len) - s.count);
   }
-  return true;
+  return room;
 }
 
 // ---- the vocabulary trie and the mask ----
@@ -788,11 +821,13 @@ GrammarVocab::GrammarVocab(const JsonVocab& vocab) {
   bytes_.resize(size_t(n));
   eog_.assign(size_t(n), 0);
   text_.assign(size_t(n), 0);
+  text_len_.assign(size_t(n), 0);
   std::vector<int32_t> all, special;
   for (int32_t id = 0; id < n; ++id) {
     bytes_[size_t(id)] = vocab.bytes(id);
     eog_[size_t(id)] = vocab.ends(id);
     text_[size_t(id)] = vocab.string_text(id);
+    for (unsigned char c : bytes_[size_t(id)]) text_len_[size_t(id)] += (c & 0xC0) != 0x80;
     if (bytes_[size_t(id)].empty() || eog_[size_t(id)]) continue;
     all.push_back(id);
     if (!text_[size_t(id)]) special.push_back(id);
@@ -862,8 +897,11 @@ int grammar_mask(const GrammarState& state, const GrammarVocab& vocab, const std
   const int n = std::min(n_vocab, vocab.n_vocab());
   static thread_local std::vector<char> ok;
   ok.assign(size_t(n), 0);
-  if (state.in_free_string()) {
-    for (int32_t id = 0; id < n; ++id) ok[size_t(id)] = vocab.text_[size_t(id)];
+  const int64_t room = state.string_room();
+  if (room >= 0) {
+    // Inside strings: plain text that fits in the room left, without a walk; the other tokens
+    // (quotes, escapes, partial UTF-8) walked.
+    for (int32_t id = 0; id < n; ++id) ok[size_t(id)] = vocab.text_[size_t(id)] && vocab.text_len_[size_t(id)] <= room;
     walk(state, vocab.special_, ok);
   } else {
     walk(state, vocab.all_, ok);

@@ -97,10 +97,11 @@ class GrammarState {
   bool accepting() const;
   // Accepting, and no byte can follow (an object or array closed at the top).
   bool done() const;
-  // Inside a string without length bounds, between characters, in every open stack: plain string
-  // text (no '"', '\\' or control character, whole UTF-8 characters) goes on and leaves the state
-  // as it is.
-  bool in_free_string() const;
+  // Inside a string, between characters, in every open stack: plain string text (no '"', '\\' or
+  // control character, whole UTF-8 characters) goes on while it fits. Returns the most code points
+  // one more piece of text can have (UINT32_MAX: no bound), or -1 when not in a string everywhere.
+  int64_t string_room() const;
+  bool in_free_string() const { return string_room() == int64_t(UINT32_MAX); }
   size_t n_stacks() const { return stacks_.size(); }
 
   // The state after c, in `out` (false and `out` empty when c cannot come next). For the mask's
@@ -142,6 +143,7 @@ class GrammarVocab {
   std::vector<std::string> bytes_;
   std::vector<char> eog_;
   std::vector<char> text_;  // JsonVocab::string_text
+  std::vector<uint32_t> text_len_;  // and such a token's length in code points
   Trie all_;                // every token with bytes
   Trie special_;            // those that are not plain string text
 };
