@@ -7,7 +7,9 @@
 #include <functional>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <map>
 #include <random>
+#include <regex>
 #include <set>
 
 #include "gguf/gguf.h"
@@ -55,13 +57,30 @@ bool validate(const ojson& root, const ojson& s, const ojson& v);
 bool validate_type(const ojson& root, const ojson& s, const std::string& t, const ojson& v) {
   if (t == "null") return v.is_null();
   if (t == "boolean") return v.is_boolean();
-  if (t == "integer") return v.is_number_integer();
+  if (t == "integer") {
+    if (!v.is_number_integer()) return false;
+    const double x = v.get<double>();
+    if (s.contains("minimum") && x < s["minimum"].get<double>()) return false;
+    if (s.contains("maximum") && x > s["maximum"].get<double>()) return false;
+    if (s.contains("exclusiveMinimum") && x <= s["exclusiveMinimum"].get<double>()) return false;
+    if (s.contains("exclusiveMaximum") && x >= s["exclusiveMaximum"].get<double>()) return false;
+    return true;
+  }
   if (t == "number") return v.is_number();
   if (t == "string") {
     if (!v.is_string()) return false;
     const size_t n = code_points(v.get<std::string>());
     if (s.contains("minLength") && n < s["minLength"].get<size_t>()) return false;
     if (s.contains("maxLength") && n > s["maxLength"].get<size_t>()) return false;
+    if (s.contains("format")) {
+      static const std::map<std::string, std::regex> formats = {
+          {"date", std::regex(R"(\d{4}-((0[13578]|1[02])-(0[1-9]|[12]\d|3[01])|(0[469]|11)-(0[1-9]|[12]\d|30)|02-(0[1-9]|1\d|2[0-8])))")},
+          {"time", std::regex(R"(([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d+)?(Z|[+-]([01]\d|2[0-3]):[0-5]\d))")},
+          {"date-time", std::regex(R"(\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])T([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d+)?(Z|[+-]([01]\d|2[0-3]):[0-5]\d))")},
+          {"uuid", std::regex(R"([0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12})")},
+          {"ipv4", std::regex(R"(((25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d))")}};
+      if (!std::regex_match(v.get<std::string>(), formats.at(s["format"].get<std::string>()))) return false;
+    }
     return true;
   }
   if (t == "array") {
@@ -157,6 +176,12 @@ const std::vector<std::string>& schemas() {
       R"({"type": "object", "properties": {"z": {"type": "string"}, "a": {"type": "string"}, "m": {"type": "number"}},
           "required": ["z", "a", "m"], "title": "ordered", "description": "properties in the written order"})",
       R"({"type": "array", "items": {"type": "array", "items": {"enum": ["a", "b"]}}})",
+      R"({"type": "object", "properties": {"n": {"type": "integer", "minimum": -15, "maximum": 230},
+          "p": {"type": "integer", "exclusiveMinimum": 0}, "q": {"type": "integer", "minimum": 1000, "maximum": 1004},
+          "r": {"type": ["integer", "null"], "exclusiveMaximum": -3}}, "required": ["n", "p", "q", "r"]})",
+      R"({"type": "array", "prefixItems": [{"type": "string", "format": "date"}, {"format": "time"},
+          {"type": "string", "format": "date-time"}, {"type": "string", "format": "uuid"},
+          {"type": "string", "format": "ipv4"}], "items": false, "minItems": 5})",
   };
   return s;
 }
@@ -198,8 +223,12 @@ std::string random_walk(const std::shared_ptr<const Grammar>& g, std::mt19937& r
 
 TEST(JsonSchema, RefusesWhatItCannotGenerate) {
   EXPECT_NE(compile_error(R"({"type": "string", "pattern": "^a+$"})").find("'pattern' is not supported"), std::string::npos);
-  EXPECT_NE(compile_error(R"({"type": "string", "format": "date-time"})").find("'format' is not supported"), std::string::npos);
-  EXPECT_NE(compile_error(R"({"type": "integer", "minimum": 0})").find("#': 'minimum' is not supported"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "string", "format": "email"})").find("format 'email' is not supported"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "number", "minimum": 0})").find("on integers only"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"minimum": 0})").find("without \"type\": \"integer\""), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "integer", "minimum": 3, "exclusiveMaximum": 4.0, "maximum": 2})").find("no integer lies"),
+            std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "integer", "multipleOf": 2})").find("#': 'multipleOf' is not supported"), std::string::npos);
   EXPECT_NE(compile_error(R"({"properties": {"a": {"not": {}}}})").find("#/properties/a': 'not'"), std::string::npos);
   EXPECT_NE(compile_error(R"({"$ref": "#/$defs/missing"})").find("points at nothing"), std::string::npos);
   EXPECT_NE(compile_error(R"({"$ref": "https://example.com/s.json"})").find("only references into this schema"), std::string::npos);
@@ -288,6 +317,37 @@ TEST(JsonSchema, StringsNumbersArraysAndAlternatives) {
   ASSERT_TRUE(n.feed("12"));
   EXPECT_TRUE(n.accepting());
   EXPECT_FALSE(n.done());  // more digits may come
+  // Bounded integers: a digit only while some number it starts is in range.
+  const auto r = compile(R"({"type": "integer", "minimum": -15, "maximum": 230})");
+  for (const char* ok : {"-15", "-9", "0", "7", "23", "199", "230"}) EXPECT_TRUE(accepts(r, ok)) << ok;
+  for (const char* no : {"-16", "-150", "231", "300", "1000", "01"}) EXPECT_FALSE(accepts(r, no)) << no;
+  EXPECT_TRUE(accepts(r, "-0"));    // JSON's -0, which is 0
+  EXPECT_FALSE(prefix(r, "240"));   // no number starting so is in range
+  EXPECT_FALSE(prefix(r, "-20"));
+  EXPECT_FALSE(prefix(r, "2300"));
+  const auto pos = compile(R"({"type": "integer", "exclusiveMinimum": 0, "maximum": 9})");
+  EXPECT_FALSE(prefix(pos, "0"));
+  EXPECT_FALSE(prefix(pos, "-"));
+  EXPECT_TRUE(accepts(pos, "9"));
+  GrammarState ps(pos);
+  ASSERT_TRUE(ps.feed("9"));
+  EXPECT_TRUE(ps.done());  // no digit can follow
+  // Formats.
+  const auto dt = compile(R"({"type": "string", "format": "date-time"})");
+  EXPECT_TRUE(accepts(dt, "\"2026-12-06T15:30:00Z\""));
+  EXPECT_TRUE(accepts(dt, "\"2026-02-28T23:59:59.123+01:00\""));
+  EXPECT_FALSE(prefix(dt, "\"2026-13"));
+  EXPECT_FALSE(prefix(dt, "\"2026-12-06 "));
+  EXPECT_FALSE(prefix(dt, "\"2026-12-06T24"));
+  EXPECT_FALSE(prefix(dt, "\"2026-02-29"));
+  EXPECT_FALSE(prefix(dt, "\"2026-04-31"));
+  EXPECT_FALSE(prefix(dt, "\"0000"));
+  EXPECT_TRUE(prefix(dt, "\"2026-01-31T"));
+  const auto ip = compile(R"({"format": "ipv4"})");
+  EXPECT_TRUE(accepts(ip, "\"192.168.0.255\""));
+  EXPECT_FALSE(prefix(ip, "\"256"));
+  EXPECT_FALSE(prefix(ip, "\"01"));
+
   const auto f = compile(R"({"type": "number"})");
   EXPECT_TRUE(accepts(f, "-0.5e+10"));
   EXPECT_TRUE(accepts(f, "3E7"));

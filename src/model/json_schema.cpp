@@ -144,6 +144,60 @@ uint64_t ws_step(uint64_t sub, unsigned char c) {
 }
 bool ws_more(uint64_t sub) { return sub == 0 || (sub >= 2 && sub - 2 < uint64_t(JsonState::kMaxIndent)); }
 
+// ---- the bounded integer: sub = digits (bits 0-4), '-' seen (bit 5), magnitude so far (bits 8-) ----
+
+constexpr int kIntDigits = 16;
+constexpr uint64_t kIntFail = ~uint64_t(0);
+int64_t pow10(int j) {
+  int64_t p = 1;
+  while (j-- > 0) p *= 10;
+  return p;
+}
+struct IntSub {
+  int digits;
+  bool neg;
+  int64_t mag;
+};
+IntSub unpack_int(uint64_t v) { return {int(v & 31), (v >> 5 & 1) != 0, int64_t(v >> 8)}; }
+uint64_t pack_int(const IntSub& s) { return uint64_t(s.digits) | uint64_t(s.neg) << 5 | uint64_t(s.mag) << 8; }
+// Some number of j more digits after s lies in [lo, hi].
+bool int_reachable(const Grammar::IntBounds& b, const IntSub& s, int j) {
+  int64_t mlo, mhi;  // the magnitudes
+  if (s.digits == 0) {
+    if (j == 0) return false;
+    mlo = j == 1 ? 0 : pow10(j - 1);
+    mhi = pow10(j) - 1;
+  } else {
+    if (s.mag == 0 && j > 0) return false;  // no digit after a leading 0
+    mlo = s.mag * pow10(j);
+    mhi = (s.mag + 1) * pow10(j) - 1;
+  }
+  const int64_t lo = s.neg ? -mhi : mlo, hi = s.neg ? -mlo : mhi;
+  return lo <= b.hi && hi >= b.lo;
+}
+bool int_more(const Grammar::IntBounds& b, uint64_t sub) {
+  const IntSub s = unpack_int(sub);
+  for (int j = 1; s.digits + j <= kIntDigits; ++j)
+    if (int_reachable(b, s, j)) return true;
+  return false;
+}
+bool int_complete(const Grammar::IntBounds& b, uint64_t sub) { return int_reachable(b, unpack_int(sub), 0); }
+uint64_t int_step(const Grammar::IntBounds& b, uint64_t sub, unsigned char c) {
+  IntSub s = unpack_int(sub);
+  if (c == '-') {
+    if (s.digits > 0 || s.neg) return kIntFail;
+    s.neg = true;
+  } else if (c >= '0' && c <= '9') {
+    if (s.digits >= kIntDigits || (s.digits > 0 && s.mag == 0)) return kIntFail;
+    s.mag = s.mag * 10 + (c - '0');
+    ++s.digits;
+  } else {
+    return kIntFail;
+  }
+  const uint64_t n = pack_int(s);
+  return int_more(b, n) || int_complete(b, n) ? n : kIntFail;
+}
+
 Seq operator+(Seq a, const Seq& b) {
   a.insert(a.end(), b.begin(), b.end());
   return a;
@@ -324,7 +378,7 @@ class SchemaCompiler {
   }
   static const std::set<std::string>& unsupported() {
     static const std::set<std::string> u = {
-        "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+        "pattern", "multipleOf",
         "minProperties", "maxProperties", "patternProperties", "propertyNames", "dependentRequired",
         "dependentSchemas", "dependencies", "uniqueItems", "contains", "minContains", "maxContains", "not", "if",
         "then", "else", "unevaluatedProperties", "unevaluatedItems", "additionalItems", "$dynamicRef",
@@ -333,7 +387,8 @@ class SchemaCompiler {
   }
   static const char* supported_list() {
     return "supported: type, properties, required, additionalProperties, items, prefixItems, minItems, "
-           "maxItems, minLength, maxLength, enum, const, anyOf, oneOf, allOf (one schema), $ref, $defs";
+           "maxItems, minLength, maxLength, minimum/maximum/exclusiveMinimum/exclusiveMaximum on integers, format "
+           "(date, time, date-time, uuid, ipv4), enum, const, anyOf, oneOf, allOf (one schema), $ref, $defs";
   }
 
   static uint32_t count_of(const json& s, const char* key, const std::string& path) {
@@ -473,8 +528,11 @@ class SchemaCompiler {
     if (ts.empty()) {  // the type the keywords imply, or any value
       const bool obj = s.contains("properties") || s.contains("required") || s.contains("additionalProperties");
       const bool arr = s.contains("items") || s.contains("prefixItems") || s.contains("minItems") || s.contains("maxItems");
-      const bool str_kw = s.contains("minLength") || s.contains("maxLength");
-      if (obj + arr + str_kw > 1) fail(path, "keywords of several types without 'type'");
+      const bool str_kw = s.contains("minLength") || s.contains("maxLength") || s.contains("format");
+      const bool num_kw = s.contains("minimum") || s.contains("maximum") || s.contains("exclusiveMinimum") ||
+                          s.contains("exclusiveMaximum");
+      if (obj + arr + str_kw + num_kw > 1) fail(path, "keywords of several types without 'type'");
+      if (num_kw) fail(path, "minimum/maximum without \"type\": \"integer\" are not supported");
       if (obj) ts = {"object"};
       else if (arr) ts = {"array"};
       else if (str_kw) ts = {"string"};
@@ -491,8 +549,17 @@ class SchemaCompiler {
   uint32_t typed(const json& s, const std::string& t, const std::string& path) {
     if (t == "null") return rule_of({lit("null")});
     if (t == "boolean") return rule_of({lit("true"), lit("false")});
-    if (t == "integer") return number(true);
-    if (t == "number") return number(false);
+    const bool bounded = s.contains("minimum") || s.contains("maximum") || s.contains("exclusiveMinimum") ||
+                         s.contains("exclusiveMaximum");
+    if (t == "integer") return bounded ? bounded_integer(s, path) : number(true);
+    if (t == "number") {
+      if (bounded) fail(path, "minimum/maximum are supported on integers only (\"type\": \"integer\")");
+      return number(false);
+    }
+    if (t == "string" && s.contains("format")) {
+      if (s.contains("minLength") || s.contains("maxLength")) fail(path, "'format' beside minLength/maxLength is not supported");
+      return format(s["format"], path);
+    }
     if (t == "string") {
       const uint32_t min_len = s.contains("minLength") ? count_of(s, "minLength", path) : 0;
       const uint32_t max_len = count_of(s, "maxLength", path);
@@ -501,6 +568,88 @@ class SchemaCompiler {
     }
     if (t == "array") return array(s, path);
     return object(s, path);
+  }
+
+  // An integer within minimum / maximum (exclusive ones too, numeric as draft 6+ or boolean as
+  // draft 4). Bounds past 16 digits are clamped to what the grammar writes.
+  uint32_t bounded_integer(const json& s, const std::string& path) {
+    const double big = double(pow10(kIntDigits) - 1);
+    double lo = -big, hi = big;
+    auto num = [&](const char* k) {
+      if (!s[k].is_number()) fail(path, std::string("'") + k + "' must be a number");
+      return s[k].get<double>();
+    };
+    const bool ex_lo_flag = s.contains("exclusiveMinimum") && s["exclusiveMinimum"].is_boolean() && s["exclusiveMinimum"].get<bool>();
+    const bool ex_hi_flag = s.contains("exclusiveMaximum") && s["exclusiveMaximum"].is_boolean() && s["exclusiveMaximum"].get<bool>();
+    if (s.contains("minimum")) {
+      const double m = num("minimum");
+      lo = std::max(lo, ex_lo_flag ? std::floor(m) + 1 : std::ceil(m));
+    }
+    if (s.contains("maximum")) {
+      const double m = num("maximum");
+      hi = std::min(hi, ex_hi_flag ? std::ceil(m) - 1 : std::floor(m));
+    }
+    if (s.contains("exclusiveMinimum") && !s["exclusiveMinimum"].is_boolean()) lo = std::max(lo, std::floor(num("exclusiveMinimum")) + 1);
+    if (s.contains("exclusiveMaximum") && !s["exclusiveMaximum"].is_boolean()) hi = std::min(hi, std::ceil(num("exclusiveMaximum")) - 1);
+    lo = std::max(lo, -big);
+    hi = std::min(hi, big);
+    if (!(lo <= hi)) fail(path, "no integer lies within the schema's minimum and maximum");
+    g_.ints_.push_back({int64_t(lo), int64_t(hi)});
+    return rule_of({{Elem{Grammar::kInt, uint32_t(g_.ints_.size() - 1)}}});
+  }
+
+  // A string of a format: the quotes around the format's text.
+  uint32_t format(const json& f, const std::string& path) {
+    if (!f.is_string()) fail(path, "'format' must be a string");
+    const std::string name = f.get<std::string>();
+    const Elem d = range('0', '9');
+    ByteSet hex{};
+    for (int c : std::string("0123456789abcdefABCDEF")) hex[size_t(c >> 6)] |= uint64_t(1) << (c & 63);
+    const Elem h = bytes(hex);
+    auto times = [](const Elem& e, int n) { return Seq(size_t(n), e); };
+    auto hour = [&] { return rule_of({Seq{range('0', '1'), d}, Seq{ch('2'), range('0', '3')}}); };
+    // A calendar date: years 0001-9999, each month's days (February to the 28th: the 29th would
+    // need the year's leap rule).
+    auto date = [&] {
+      const Elem nz = range('1', '9');
+      const uint32_t year = rule_of({Seq{nz, d, d, d}, Seq{ch('0'), nz, d, d}, Seq{ch('0'), ch('0'), nz, d},
+                                     Seq{ch('0'), ch('0'), ch('0'), nz}});
+      const Seq d_lo = {ch('0'), nz}, d_mid = {range('1', '2'), d};
+      const uint32_t d31 = rule_of({d_lo, d_mid, Seq{ch('3'), range('0', '1')}});
+      const uint32_t d30 = rule_of({d_lo, d_mid, lit("30")});
+      const uint32_t d28 = rule_of({d_lo, Seq{ch('1'), d}, Seq{ch('2'), range('0', '8')}});
+      std::vector<Seq> months;
+      for (const char* m : {"01", "03", "05", "07", "08", "10", "12"}) months.push_back(lit(m) + Seq{ch('-'), rule(d31)});
+      for (const char* m : {"04", "06", "09", "11"}) months.push_back(lit(m) + Seq{ch('-'), rule(d30)});
+      months.push_back(lit("02-") + Seq{rule(d28)});
+      return Seq{rule(year), ch('-'), rule(rule_of(months))};
+    };
+    auto time = [&] {
+      const uint32_t frac = rule_of({{}, Seq{ch('.'), rule(repeat({d}, 1, 9))}});
+      ByteSet sign{};
+      sign['+' >> 6] |= uint64_t(1) << ('+' & 63);
+      sign['-' >> 6] |= uint64_t(1) << ('-' & 63);
+      const uint32_t zone = rule_of({lit("Z"), Seq{bytes(sign), rule(hour()), ch(':'), range('0', '5'), d}});
+      return Seq{rule(hour()), ch(':'), range('0', '5'), d, ch(':'), range('0', '5'), d, rule(frac), rule(zone)};
+    };
+    Seq text;
+    if (name == "date") {
+      text = date();
+    } else if (name == "time") {
+      text = time();
+    } else if (name == "date-time") {
+      text = date() + Seq{ch('T')} + time();
+    } else if (name == "uuid") {
+      text = times(h, 8) + Seq{ch('-')} + times(h, 4) + Seq{ch('-')} + times(h, 4) + Seq{ch('-')} + times(h, 4) +
+             Seq{ch('-')} + times(h, 12);
+    } else if (name == "ipv4") {
+      const uint32_t octet = rule_of({Seq{d}, Seq{range('1', '9'), d}, Seq{ch('1'), d, d}, Seq{ch('2'), range('0', '4'), d},
+                                      Seq{ch('2'), ch('5'), range('0', '5')}});
+      text = Seq{rule(octet), ch('.'), rule(octet), ch('.'), rule(octet), ch('.'), rule(octet)};
+    } else {
+      fail(path, "format '" + name + "' is not supported (formats: date, time, date-time, uuid, ipv4)");
+    }
+    return rule_of({Seq{ch('"')} + text + Seq{ch('"')}});
   }
 
   uint32_t array(const json& s, const std::string& path) {
@@ -721,6 +870,13 @@ void GrammarState::expand(Stack& stack, std::vector<Stack>& out) const {
         if (ws_more(f.sub)) out.push_back(stack);
         f = {f.pos + 1, 0};
         continue;
+      case Grammar::kInt: {
+        const Grammar::IntBounds& b = g.ints_[e.arg];
+        if (int_more(b, f.sub)) out.push_back(stack);
+        if (!int_complete(b, f.sub)) return;
+        f = {f.pos + 1, 0};
+        continue;
+      }
       case Grammar::kRule: {
         f = {f.pos + 1, 0};  // where the rule returns to
         while (!stack.empty() && g.elems_[stack.back().pos].kind == Grammar::kEnd) stack.pop_back();
@@ -766,6 +922,12 @@ bool GrammarState::step(unsigned char c, GrammarState& out) const {
     } else if (e.kind == Grammar::kWs) {
       const uint64_t n = ws_step(f.sub, c);
       if (n == kWsFail) continue;
+      Stack s = st;
+      s.back().sub = n;
+      expand(s, out.stacks_);
+    } else if (e.kind == Grammar::kInt) {
+      const uint64_t n = int_step(g.ints_[e.arg], f.sub, c);
+      if (n == kIntFail) continue;
       Stack s = st;
       s.back().sub = n;
       expand(s, out.stacks_);

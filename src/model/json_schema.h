@@ -15,14 +15,18 @@
 //   the listed ones (their names are any string);
 // - numbers have at most 16 integer digits, 16 fraction digits and 2 exponent digits (within a
 //   double's range);
-// - `oneOf` is generated as `anyOf` (a value matching two of its branches is possible).
+// - `oneOf` is generated as `anyOf` (a value matching two of its branches is possible);
+// - formats: date is a calendar date of years 0001-9999 (February to the 28th), time RFC 3339's
+//   full-time without leap seconds, date-time the two joined by 'T', uuid 8-4-4-4-12 hex digits,
+//   ipv4 four octets without leading zeros.
 // Supported keywords: type (a name or a list), properties, required, additionalProperties, items
-// (a schema, or a list: a tuple), prefixItems, minItems, maxItems, minLength, maxLength, enum,
-// const, anyOf, oneOf, allOf (one schema), $ref (a JSON pointer into the document: #/$defs/...,
-// #/definitions/..., #), $defs and definitions. Annotations (title, description, default,
-// examples, $schema, $id, $comment, ...) are ignored. The other validation keywords (pattern,
-// format, minimum, maximum, multipleOf, uniqueItems, not, if, ...) are refused with an error that
-// names them, rather than generating text the schema would reject.
+// (a schema, or a list: a tuple), prefixItems, minItems, maxItems, minLength, maxLength, minimum,
+// maximum, exclusiveMinimum, exclusiveMaximum (on integers), format (date, time, date-time, uuid,
+// ipv4), enum, const, anyOf, oneOf, allOf (one schema), $ref (a JSON pointer into the document:
+// #/$defs/..., #/definitions/..., #), $defs and definitions. Annotations (title, description,
+// default, examples, $schema, $id, $comment, ...) are ignored. The other validation keywords
+// (pattern, other formats, bounds on non-integer numbers, multipleOf, uniqueItems, not, if, ...)
+// are refused with an error that names them, rather than generating text the schema would reject.
 //
 // grammar_mask() sets to -inf the logits of the tokens whose bytes cannot continue the text. It
 // walks the vocabulary as a trie (GrammarVocab), so a byte that cannot come next rules out every
@@ -54,10 +58,15 @@ class Grammar {
   // A state with more open stacks than this fails (a schema whose alternatives stay ambiguous).
   static constexpr size_t kMaxStacks = 4096;
 
-  enum Kind : uint8_t { kEnd, kBytes, kRule, kStr, kWs };
+  enum Kind : uint8_t { kEnd, kBytes, kRule, kStr, kWs, kInt };
   struct Elem {
     Kind kind;
-    uint32_t arg;  // kBytes: byte set; kRule: rule; kStr: string bounds
+    uint32_t arg;  // kBytes: byte set; kRule: rule; kStr: string bounds; kInt: integer bounds
+  };
+  // An integer in [lo, hi] (minimum / maximum): a digit can come only while some number it starts
+  // is in the range.
+  struct IntBounds {
+    int64_t lo, hi;
   };
   struct StrBounds {
     uint32_t min_len = 0;
@@ -75,6 +84,7 @@ class Grammar {
   std::vector<std::vector<uint32_t>> rules_; // each rule: its alternatives' first elements
   std::vector<ByteSet> sets_;
   std::vector<StrBounds> strs_;
+  std::vector<IntBounds> ints_;
   uint32_t root_ = 0;
 };
 
