@@ -179,6 +179,7 @@ const std::vector<std::string>& schemas() {
       R"({"type": "object", "properties": {"n": {"type": "integer", "minimum": -15, "maximum": 230},
           "p": {"type": "integer", "exclusiveMinimum": 0}, "q": {"type": "integer", "minimum": 1000, "maximum": 1004},
           "r": {"type": ["integer", "null"], "exclusiveMaximum": -3}}, "required": ["n", "p", "q", "r"]})",
+      R"({"properties": {"name": {"type": "string"}, "na": {"type": "integer"}}, "additionalProperties": {"type": "integer"}})",
       R"({"type": "array", "prefixItems": [{"type": "string", "format": "date"}, {"format": "time"},
           {"type": "string", "format": "date-time"}, {"type": "string", "format": "uuid"},
           {"type": "string", "format": "ipv4"}], "items": false, "minItems": 5})",
@@ -223,7 +224,7 @@ std::string random_walk(const std::shared_ptr<const Grammar>& g, std::mt19937& r
 
 TEST(JsonSchema, RefusesWhatItCannotGenerate) {
   EXPECT_NE(compile_error(R"({"type": "string", "pattern": "^a+$"})").find("'pattern' is not supported"), std::string::npos);
-  EXPECT_NE(compile_error(R"({"type": "string", "format": "email"})").find("format 'email' is not supported"), std::string::npos);
+  EXPECT_EQ(compile_error(R"({"type": "string", "format": "email"})"), "");  // an annotation: a plain string
   EXPECT_NE(compile_error(R"({"type": "number", "minimum": 0})").find("on integers only"), std::string::npos);
   EXPECT_NE(compile_error(R"({"minimum": 0})").find("without \"type\": \"integer\""), std::string::npos);
   EXPECT_NE(compile_error(R"({"type": "integer", "minimum": 3, "exclusiveMaximum": 4.0, "maximum": 2})").find("no integer lies"),
@@ -232,7 +233,23 @@ TEST(JsonSchema, RefusesWhatItCannotGenerate) {
   EXPECT_NE(compile_error(R"({"properties": {"a": {"not": {}}}})").find("#/properties/a': 'not'"), std::string::npos);
   EXPECT_NE(compile_error(R"({"$ref": "#/$defs/missing"})").find("points at nothing"), std::string::npos);
   EXPECT_NE(compile_error(R"({"$ref": "https://example.com/s.json"})").find("only references into this schema"), std::string::npos);
-  EXPECT_NE(compile_error(R"({"$ref": "#"})").find("refers to itself"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"$ref": "#"})").find("no finite document"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"properties": {"c": {"$ref": "#"}}, "required": ["c"]})").find("no finite document"),
+            std::string::npos);
+  EXPECT_EQ(compile_error(R"({"properties": {"c": {"$ref": "#"}}})"), "");  // optional: ends
+  EXPECT_EQ(compile_error(R"({"type": "array", "uniqueItems": false, "minItems": 0})"), "");
+  EXPECT_NE(compile_error(R"({"type": "array", "uniqueItems": true})").find("'uniqueItems' is not supported"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"enum": [1], "properties": {}})").find("beside 'properties'"), std::string::npos);
+  {
+    ojson deep = 1;
+    for (int k = 0; k < 100; ++k) deep = ojson::array({deep});
+    EXPECT_NE(compile_error(ojson{{"const", deep}}.dump()).find("nested deeper than 64"), std::string::npos);
+  }
+  {
+    ojson any_of = {{"anyOf", ojson::array()}};
+    for (int k = 0; k < 300; ++k) any_of["anyOf"].push_back({{"type", "string"}, {"maxLength", k + 1}});
+    EXPECT_NE(compile_error(any_of.dump()).find("more than kvq tracks"), std::string::npos);
+  }
   EXPECT_NE(compile_error(R"({"anyOf": [{"$ref": "#"}, {"type": "null"}]})").find("refers to itself"), std::string::npos);
   EXPECT_NE(compile_error("false").find("accepts no value"), std::string::npos);
   EXPECT_NE(compile_error(R"({"type": "strng"})").find("unknown type 'strng'"), std::string::npos);
@@ -284,10 +301,49 @@ TEST(JsonSchema, ObjectsFollowTheSchemasOrderAndRequiredProperties) {
   EXPECT_TRUE(accepts(x, R"({"p": "q"})"));
   EXPECT_TRUE(accepts(x, R"({})"));
   EXPECT_FALSE(prefix(x, R"({"p": 1)"));
+  // An extra property is none of the listed ones, however its name is written.
+  const auto xn = compile(schemas()[11]);
+  EXPECT_TRUE(accepts(xn, R"({"name": "a", "nam": 1, "names": 2, "x\u0061": 3})"));
+  EXPECT_TRUE(accepts(xn, R"({"na": 4, "n": 5})"));
+  EXPECT_FALSE(prefix(xn, R"({"name": 5)"));   // the listed name takes a string
+  EXPECT_FALSE(prefix(xn, R"({"na": "x")"));   // and "na" an integer
+  EXPECT_FALSE(prefix(xn, R"({"n\u0061)"));    // no escape before the name is left
+  EXPECT_FALSE(prefix(xn, R"({"name": "a", "name")"));
   // Any object.
   const auto any = compile(schemas()[6]);
   EXPECT_TRUE(accepts(any, R"({"a": [1, {"b": null}], "c": "d\u00e9"})"));
   EXPECT_FALSE(prefix(any, R"([)"));
+}
+
+// Nesting past the parse stacks' depth: the byte that would go deeper cannot come, and the
+// document can still be closed (no dead end).
+TEST(JsonSchema, NestingLimitLeavesNoDeadEnd) {
+  for (const std::string& text : {std::string(R"({"type": "object"})"),
+                                 std::string(R"({"$defs": {"n": {"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}}},
+                                                 "$ref": "#/$defs/n"})")}) {
+    SCOPED_TRACE(text);
+    const auto g = compile(text);
+    GrammarState s(g);
+    int depth = 0;
+    while (depth < 1000 && s.feed("{\"a\": ")) ++depth;
+    EXPECT_GT(depth, 50);
+    EXPECT_LT(depth, 1000);
+    // Something still comes next, and the whole can be closed.
+    bool any = false;
+    for (int c = 0; c < 256 && !any; ++c) {
+      GrammarState t(nullptr);
+      any = s.step(static_cast<unsigned char>(c), t);
+    }
+    EXPECT_TRUE(any);
+    std::string close = text.find("$defs") != std::string::npos ? "" : "1";
+    for (int k = 0; k < depth; ++k) close += "}";
+    if (text.find("$defs") != std::string::npos) {
+      // The object schema's "a" takes an object: close the last opened key's value as an empty one.
+      close = "{}" + close;
+    }
+    EXPECT_TRUE(s.feed(close));
+    EXPECT_TRUE(s.accepting());
+  }
 }
 
 TEST(JsonSchema, StringsNumbersArraysAndAlternatives) {
@@ -376,6 +432,15 @@ TEST(JsonSchema, StringsNumbersArraysAndAlternatives) {
   EXPECT_TRUE(accepts(e, R"({"kind": null, "ok": false, "tag": "x\"y"})"));
   EXPECT_FALSE(prefix(e, R"({"kind": "cow")"));
   EXPECT_FALSE(prefix(e, R"({"kind": 3, "ok": true, "tag": "xy")"));
+
+  // enum values filtered by the bounds beside them.
+  const auto eb = compile(R"({"type": "string", "maxLength": 2, "enum": ["abc", "ab", 3]})");
+  EXPECT_TRUE(accepts(eb, "\"ab\""));
+  EXPECT_FALSE(prefix(eb, "\"abc"));
+  EXPECT_FALSE(prefix(eb, "3"));
+  const auto ei = compile(R"({"type": "integer", "minimum": 2, "enum": [1, 2, 3]})");
+  EXPECT_FALSE(prefix(ei, "1"));
+  EXPECT_TRUE(accepts(ei, "3"));
 
   // A long enum: its values share parse stacks by prefix.
   ojson big = {{"enum", ojson::array()}};

@@ -1052,7 +1052,7 @@ bool Engine::step() {
         s.t_last = now;
         const std::vector<int32_t>& stop_ids = s.req.params.stop_token_ids;
         if (s.grammar && tok_.is_eog(next) && !s.grammar->accepting()) {  // the mask's last resort
-          finish(s, "error", "json_schema: the model's vocabulary has no token that continues the document");
+          finish(s, "error", "json_schema: no token can continue the document (the vocabulary lacks one, or the document reached the grammar's limits: nesting, or alternatives open at once)");
           continue;
         }
         if ((tok_.is_eog(next) && (!s.req.params.ignore_eos || s.grammar)) ||
@@ -1068,7 +1068,7 @@ bool Engine::step() {
           continue;
         }
         if (s.grammar && !s.grammar->feed(grammar_vocab_->bytes(next))) {
-          finish(s, "error", "json_schema: the model's vocabulary has no token that continues the document");
+          finish(s, "error", "json_schema: no token can continue the document (the vocabulary lacks one, or the document reached the grammar's limits: nesting, or alternatives open at once)");
           continue;
         }
         if (s.req.params.logprobs >= 0) {

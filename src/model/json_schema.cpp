@@ -64,6 +64,7 @@ void count_char(StrSub& s, const Grammar::StrBounds& b) {
 
 uint64_t str_step(const Grammar::StrBounds& b, uint64_t sub, unsigned char c) {
   StrSub s = unpack(sub);
+  if (s.phase == kOpen && b.opened) s.phase = kBody;  // its quote was read before
   switch (s.phase) {
     case kOpen:
       if (c != '"') return kStrFail;
@@ -217,6 +218,8 @@ class SchemaCompiler {
     g_.elems_.push_back(ws());
     g_.elems_.push_back(rule(value));
     g_.elems_.push_back({Grammar::kEnd, 0});
+    if (!prune_unproductive(value))
+      fail("", "the schema admits no finite document (a required property or item refers back to its own schema)");
     check_left_recursion();
   }
 
@@ -240,6 +243,7 @@ class SchemaCompiler {
     return uint32_t(g_.rules_.size() - 1);
   }
   void alt(uint32_t r, const Seq& seq) {
+    if (g_.elems_.size() + seq.size() > 4000000) fail("", "the schema needs more than 4M grammar elements");
     g_.rules_[r].push_back(uint32_t(g_.elems_.size()));
     g_.elems_.insert(g_.elems_.end(), seq.begin(), seq.end());
     g_.elems_.push_back({Grammar::kEnd, 0});
@@ -277,19 +281,44 @@ class SchemaCompiler {
 
   // The text of one value (const, enum): containers with the gaps between tokens that other
   // values have, scalars as nlohmann writes them.
-  Seq value_text(const json& v) {
+  // (Values are nested at most kMaxValueDepth: checked before.)
+  void value_text(const json& v, Seq& out) {
     if (v.is_object() || v.is_array()) {
-      Seq s = {ch(v.is_object() ? '{' : '['), ws()};
+      out.push_back(ch(v.is_object() ? '{' : '['));
+      out.push_back(ws());
       bool first = true;
       for (auto it = v.begin(); it != v.end(); ++it) {
-        if (!first) s = s + Seq{ch(','), ws()};
+        if (!first) {
+          out.push_back(ch(','));
+          out.push_back(ws());
+        }
         first = false;
-        if (v.is_object()) s = s + lit(json(it.key()).dump(-1, ' ', false, json::error_handler_t::strict)) + Seq{ws(), ch(':'), ws()};
-        s = s + value_text(it.value()) + Seq{ws()};
+        if (v.is_object()) {
+          for (const Elem& e : lit(json(it.key()).dump(-1, ' ', false, json::error_handler_t::strict))) out.push_back(e);
+          out.insert(out.end(), {ws(), ch(':'), ws()});
+        }
+        value_text(it.value(), out);
+        out.push_back(ws());
       }
-      return s + Seq{ch(v.is_object() ? '}' : ']')};
+      out.push_back(ch(v.is_object() ? '}' : ']'));
+      return;
     }
-    return lit(v.dump(-1, ' ', false, json::error_handler_t::strict));
+    for (const Elem& e : lit(v.dump(-1, ' ', false, json::error_handler_t::strict))) out.push_back(e);
+  }
+  static constexpr int kMaxValueDepth = 64;
+  // The nesting of a value, without recursion (a hostile one may be nested past the stack).
+  static int value_depth(const json& v) {
+    int deepest = 0;
+    std::vector<std::pair<const json*, int>> todo{{&v, 1}};
+    while (!todo.empty()) {
+      const auto [x, d] = todo.back();
+      todo.pop_back();
+      deepest = std::max(deepest, d);
+      if (d > kMaxValueDepth) break;
+      if (x->is_object() || x->is_array())
+        for (const json& c : *x) todo.emplace_back(&c, d + 1);
+    }
+    return deepest;
   }
 
   // The words [lo, hi) of a sorted list, from byte `depth` on, as a trie of rules: one open parse
@@ -312,6 +341,38 @@ class SchemaCompiler {
       alt(r, {ch(static_cast<unsigned char>(w[i][depth])), rule(word_trie(w, i, j, depth + 1))});
       i = j;
     }
+    return r;
+  }
+
+  // The rest of a string after its opening quote (no length bounds).
+  Elem str_body() {
+    g_.strs_.push_back({0, kUnbounded, true});
+    return {Grammar::kStr, uint32_t(g_.strs_.size() - 1)};
+  }
+
+  // A string's text after its opening quote that is none of the (sorted, JSON-escaped) names
+  // [lo, hi) from byte `depth` on, then its closing quote. While it follows a name it takes that
+  // name's bytes; it leaves every name with a printable ASCII character none of them has next
+  // (not '\\': an escape there could spell a name's character), and then `rest` (any text); it
+  // closes anywhere but at a name's end. So a key never equals a listed name, however written.
+  uint32_t key_trie(const std::vector<std::string>& w, size_t lo, size_t hi, size_t depth, const Elem& rest) {
+    const uint32_t r = new_rule();
+    size_t i = lo;
+    const bool name_ends = w[i].size() == depth;  // sorted: a name ending here comes first
+    if (name_ends) ++i;
+    ByteSet leave{};
+    for (int c = 0x20; c <= 0x7E; ++c)
+      if (c != '"' && c != '\\') leave[size_t(c >> 6)] |= uint64_t(1) << (c & 63);
+    while (i < hi) {
+      size_t j = i;
+      const unsigned char b = static_cast<unsigned char>(w[i][depth]);
+      while (j < hi && static_cast<unsigned char>(w[j][depth]) == b) ++j;
+      leave[b >> 6] &= ~(uint64_t(1) << (b & 63));
+      alt(r, {ch(b), rule(key_trie(w, i, j, depth + 1, rest))});
+      i = j;
+    }
+    if (leave != ByteSet{}) alt(r, {bytes(leave), rest});
+    if (!name_ends) alt(r, {ch('"')});
     return r;
   }
 
@@ -398,6 +459,30 @@ class SchemaCompiler {
     return uint32_t(std::min<int64_t>(v.get<int64_t>(), int64_t(kUnbounded) - 1));
   }
 
+  // v satisfies the schema's string-length and number bounds (those that apply to its type).
+  static bool within_bounds(const json& s, const json& v, const std::string& path) {
+    auto num = [&](const char* k) {
+      if (!s[k].is_number()) fail(path, std::string("'") + k + "' must be a number");
+      return s[k].get<double>();
+    };
+    if (v.is_string()) {
+      size_t n = 0;
+      for (unsigned char c : v.get<std::string>()) n += (c & 0xC0) != 0x80;
+      if (s.contains("minLength") && n < count_of(s, "minLength", path)) return false;
+      if (s.contains("maxLength") && n > count_of(s, "maxLength", path)) return false;
+    }
+    if (v.is_number()) {
+      const double x = v.get<double>();
+      const bool ex_lo = s.contains("exclusiveMinimum") && s["exclusiveMinimum"].is_boolean() && s["exclusiveMinimum"].get<bool>();
+      const bool ex_hi = s.contains("exclusiveMaximum") && s["exclusiveMaximum"].is_boolean() && s["exclusiveMaximum"].get<bool>();
+      if (s.contains("minimum") && (ex_lo ? x <= num("minimum") : x < num("minimum"))) return false;
+      if (s.contains("maximum") && (ex_hi ? x >= num("maximum") : x > num("maximum"))) return false;
+      if (s.contains("exclusiveMinimum") && !s["exclusiveMinimum"].is_boolean() && x <= num("exclusiveMinimum")) return false;
+      if (s.contains("exclusiveMaximum") && !s["exclusiveMaximum"].is_boolean() && x >= num("exclusiveMaximum")) return false;
+    }
+    return true;
+  }
+
   static bool matches_type(const json& v, const std::string& t) {
     if (t == "null") return v.is_null();
     if (t == "boolean") return v.is_boolean();
@@ -461,6 +546,8 @@ class SchemaCompiler {
     if (!s.is_object()) fail(path, "a schema must be an object or a boolean");
     std::vector<std::string> constraints;  // the keywords that constrain, for the combinations refused
     for (const auto& [k, v] : s.items()) {
+      // Settings that constrain nothing.
+      if ((k == "uniqueItems" && v == false) || ((k == "minProperties" || k == "minContains") && v == 0)) continue;
       if (unsupported().count(k)) fail(path, "'" + k + "' is not supported (" + supported_list() + ")");
       if (!is_annotation(k)) constraints.push_back(k);
     }
@@ -495,6 +582,15 @@ class SchemaCompiler {
     }
     const std::vector<std::string> types = types_of(s, path);
     if (s.contains("const") || s.contains("enum")) {
+      // Beside the values, only what can be checked on them: they are filtered by it.
+      static const std::set<std::string> siblings = {"const", "enum", "type", "minLength", "maxLength", "minimum",
+                                                     "maximum", "exclusiveMinimum", "exclusiveMaximum", "$defs",
+                                                     "definitions"};
+      for (const std::string& k : constraints)
+        if (!siblings.count(k)) fail(path, "'enum'/'const' beside '" + k + "' is not supported");
+      for (const char* k : {"const", "enum"})
+        if (s.contains(k) && value_depth(s[k]) > kMaxValueDepth)
+          fail(path, std::string("'") + k + "' is nested deeper than " + std::to_string(kMaxValueDepth) + " levels");
       std::vector<json> values;
       if (s.contains("const")) values.push_back(s["const"]);
       if (s.contains("enum")) {
@@ -511,12 +607,16 @@ class SchemaCompiler {
       for (const json& v : values) {
         bool ok = types.empty();
         for (const std::string& t : types) ok = ok || matches_type(v, t);
-        if (!ok) continue;
-        if (v.is_object() || v.is_array()) alt(r, value_text(v));
+        if (!ok || !within_bounds(s, v, path)) continue;
+        if (v.is_object() || v.is_array()) {
+          Seq text;
+          value_text(v, text);
+          alt(r, text);
+        }
         else words.push_back(v.dump(-1, ' ', false, json::error_handler_t::strict));
         ++n;
       }
-      if (n == 0) fail(path, "no value of 'enum'/'const' has the schema's 'type'");
+      if (n == 0) fail(path, "no value of 'enum'/'const' has the schema's 'type' and bounds");
       if (!words.empty()) {
         std::sort(words.begin(), words.end());
         words.erase(std::unique(words.begin(), words.end()), words.end());
@@ -557,8 +657,13 @@ class SchemaCompiler {
       return number(false);
     }
     if (t == "string" && s.contains("format")) {
-      if (s.contains("minLength") || s.contains("maxLength")) fail(path, "'format' beside minLength/maxLength is not supported");
-      return format(s["format"], path);
+      const uint32_t r = format(s["format"], path);
+      if (r != UINT32_MAX) {
+        if (s.contains("minLength") || s.contains("maxLength"))
+          fail(path, "'format' beside minLength/maxLength is not supported");
+        return r;
+      }
+      // Another format: an annotation (JSON Schema 2020-12's default), the string is plain.
     }
     if (t == "string") {
       const uint32_t min_len = s.contains("minLength") ? count_of(s, "minLength", path) : 0;
@@ -598,7 +703,8 @@ class SchemaCompiler {
     return rule_of({{Elem{Grammar::kInt, uint32_t(g_.ints_.size() - 1)}}});
   }
 
-  // A string of a format: the quotes around the format's text.
+  // A string of a format: the quotes around the format's text. UINT32_MAX for a format kvq does
+  // not generate.
   uint32_t format(const json& f, const std::string& path) {
     if (!f.is_string()) fail(path, "'format' must be a string");
     const std::string name = f.get<std::string>();
@@ -647,7 +753,7 @@ class SchemaCompiler {
                                       Seq{ch('2'), ch('5'), range('0', '5')}});
       text = Seq{rule(octet), ch('.'), rule(octet), ch('.'), rule(octet), ch('.'), rule(octet)};
     } else {
-      fail(path, "format '" + name + "' is not supported (formats: date, time, date-time, uuid, ipv4)");
+      return UINT32_MAX;
     }
     return rule_of({Seq{ch('"')} + text + Seq{ch('"')}});
   }
@@ -731,7 +837,15 @@ class SchemaCompiler {
     // A[i]: properties i.. with none written yet; B[i]: the same after at least one (a ',' first).
     uint32_t a_next, b_next;
     if (extra_value != UINT32_MAX) {
-      const Seq kv = {str(0, kUnbounded), ws(), ch(':'), ws(), rule(extra_value), ws()};
+      std::vector<std::string> names;  // an extra property is none of the listed ones
+      for (const auto& p : props) {
+        const std::string q = json(p.first).dump(-1, ' ', false, json::error_handler_t::strict);
+        names.push_back(q.substr(1, q.size() - 2));
+      }
+      std::sort(names.begin(), names.end());
+      const Seq key = names.empty() ? Seq{str(0, kUnbounded)}
+                                    : Seq{ch('"'), rule(key_trie(names, 0, names.size(), 0, str_body()))};
+      const Seq kv = key + Seq{ws(), ch(':'), ws(), rule(extra_value), ws()};
       const uint32_t more = new_rule();
       alt(more, {});
       alt(more, Seq{ch(','), ws()} + kv + Seq{rule(more)});
@@ -755,6 +869,32 @@ class SchemaCompiler {
       b_next = b;
     }
     return rule_of({{ch('{'), ws(), rule(a_next), ch('}')}});
+  }
+
+  // Drops the alternatives that cannot end (they call a rule that never ends: a required
+  // recursion), so that no generation goes into one. false when the root is such a rule.
+  bool prune_unproductive(uint32_t root) {
+    const size_t n = g_.rules_.size();
+    std::vector<char> ends(n, 0);
+    auto alt_ends = [&](uint32_t a) {
+      for (uint32_t p = a; g_.elems_[p].kind != Grammar::kEnd; ++p)
+        if (g_.elems_[p].kind == Grammar::kRule && !ends[g_.elems_[p].arg]) return false;
+      return true;
+    };
+    for (bool changed = true; changed;) {
+      changed = false;
+      for (size_t r = 0; r < n; ++r) {
+        if (ends[r]) continue;
+        for (uint32_t a : g_.rules_[r])
+          if (alt_ends(a)) {
+            ends[r] = 1;
+            changed = true;
+            break;
+          }
+      }
+    }
+    for (auto& alts : g_.rules_) std::erase_if(alts, [&](uint32_t a) { return !alt_ends(a); });
+    return ends[root] != 0;
   }
 
   // A rule that can call itself (or another that calls it back) before reading any byte would
@@ -822,6 +962,9 @@ std::shared_ptr<const Grammar> Grammar::from_schema(const nlohmann::ordered_json
   auto g = std::make_shared<Grammar>();
   SchemaCompiler c(*g, schema);
   c.compile();
+  if (GrammarState(g).n_stacks() == 0)
+    throw std::invalid_argument("json_schema at '#': the schema's alternatives at the start are more than kvq tracks at once (" +
+                                std::to_string(kMaxStacks) + ")");
   return g;
 }
 
@@ -840,8 +983,9 @@ std::shared_ptr<const Grammar> Grammar::from_schema_text(std::string_view text) 
 GrammarState::GrammarState(std::shared_ptr<const Grammar> g) : g_(std::move(g)) {
   if (!g_) return;  // an empty state, to be filled by step()
   Stack s{{g_->root_, 0}};
-  expand(s, stacks_);
+  if (!expand(s, stacks_)) stacks_.clear();
   normalize(stacks_);
+  if (stacks_.size() > Grammar::kMaxStacks) stacks_.clear();
 }
 
 void GrammarState::normalize(std::vector<Stack>& stacks) {
@@ -849,12 +993,12 @@ void GrammarState::normalize(std::vector<Stack>& stacks) {
   stacks.erase(std::unique(stacks.begin(), stacks.end()), stacks.end());
 }
 
-void GrammarState::expand(Stack& stack, std::vector<Stack>& out) const {
+bool GrammarState::expand(Stack& stack, std::vector<Stack>& out) const {
   const Grammar& g = *g_;
   while (true) {
     if (stack.empty()) {
       out.push_back(stack);
-      return;
+      return true;
     }
     Frame& f = stack.back();
     const Elem& e = g.elems_[f.pos];
@@ -865,7 +1009,7 @@ void GrammarState::expand(Stack& stack, std::vector<Stack>& out) const {
       case Grammar::kBytes:
       case Grammar::kStr:
         out.push_back(stack);
-        return;
+        return true;
       case Grammar::kWs:
         if (ws_more(f.sub)) out.push_back(stack);
         f = {f.pos + 1, 0};
@@ -873,20 +1017,22 @@ void GrammarState::expand(Stack& stack, std::vector<Stack>& out) const {
       case Grammar::kInt: {
         const Grammar::IntBounds& b = g.ints_[e.arg];
         if (int_more(b, f.sub)) out.push_back(stack);
-        if (!int_complete(b, f.sub)) return;
+        if (!int_complete(b, f.sub)) return true;
         f = {f.pos + 1, 0};
         continue;
       }
       case Grammar::kRule: {
         f = {f.pos + 1, 0};  // where the rule returns to
         while (!stack.empty() && g.elems_[stack.back().pos].kind == Grammar::kEnd) stack.pop_back();
-        if (stack.size() >= Grammar::kMaxStack || out.size() > Grammar::kMaxStacks) return;
+        // Past the limits: the caller drops everything this expansion made (the byte that led
+        // here cannot come), rather than keep a part of it that may go nowhere.
+        if (stack.size() >= Grammar::kMaxStack || out.size() > Grammar::kMaxStacks) return false;
         const std::vector<uint32_t>& alts = g.rules_[e.arg];
-        if (alts.empty()) return;
+        if (alts.empty()) return true;
         for (size_t i = 0; i + 1 < alts.size(); ++i) {
           Stack copy = stack;
           copy.push_back({alts[i], 0});
-          expand(copy, out);
+          if (!expand(copy, out)) return false;
         }
         stack.push_back({alts.back(), 0});
         continue;
@@ -899,6 +1045,10 @@ bool GrammarState::step(unsigned char c, GrammarState& out) const {
   const Grammar& g = *g_;
   if (out.g_ != g_) out.g_ = g_;
   out.stacks_.clear();
+  const auto grow = [&](Stack& s) {
+    const size_t mark = out.stacks_.size();
+    if (!expand(s, out.stacks_)) out.stacks_.resize(mark);
+  };
   for (const Stack& st : stacks_) {
     if (st.empty()) continue;
     const Frame& f = st.back();
@@ -907,14 +1057,14 @@ bool GrammarState::step(unsigned char c, GrammarState& out) const {
       if (!has(g.sets_[e.arg], c)) continue;
       Stack s = st;
       s.back() = {f.pos + 1, 0};
-      expand(s, out.stacks_);
+      grow(s);
     } else if (e.kind == Grammar::kStr) {
       const uint64_t n = str_step(g.strs_[e.arg], f.sub, c);
       if (n == kStrFail) continue;
       Stack s = st;
       if (n == kStrClosed) {
         s.back() = {f.pos + 1, 0};
-        expand(s, out.stacks_);
+        grow(s);
       } else {
         s.back().sub = n;
         out.stacks_.push_back(std::move(s));
@@ -924,13 +1074,13 @@ bool GrammarState::step(unsigned char c, GrammarState& out) const {
       if (n == kWsFail) continue;
       Stack s = st;
       s.back().sub = n;
-      expand(s, out.stacks_);
+      grow(s);
     } else if (e.kind == Grammar::kInt) {
       const uint64_t n = int_step(g.ints_[e.arg], f.sub, c);
       if (n == kIntFail) continue;
       Stack s = st;
       s.back().sub = n;
-      expand(s, out.stacks_);
+      grow(s);
     }
   }
   if (out.stacks_.empty()) return false;
@@ -969,8 +1119,8 @@ int64_t GrammarState::string_room() const {
     const Elem& e = g_->elems_[st.back().pos];
     if (e.kind != Grammar::kStr) return -1;
     const StrSub s = unpack(st.back().sub);
-    if (s.phase != kBody || s.low) return -1;
     const Grammar::StrBounds& b = g_->strs_[e.arg];
+    if ((s.phase != kBody && !(s.phase == kOpen && b.opened)) || s.low) return -1;
     room = std::max<int64_t>(room, b.max_len == kUnbounded ? int64_t(kUnbounded) : int64_t(b.max_len) - s.count);
   }
   return room;

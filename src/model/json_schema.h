@@ -12,7 +12,8 @@
 // - an object's properties come in the schema's order; every required one is there, the others
 //   may be left out; no other property unless `additionalProperties` is true or a schema (absent
 //   means none, as llama.cpp's converter and OpenAI's strict mode); extra properties come after
-//   the listed ones (their names are any string);
+//   the listed ones, named by any string that is none of the listed names (and leaves them at a
+//   printable ASCII character);
 // - numbers have at most 16 integer digits, 16 fraction digits and 2 exponent digits (within a
 //   double's range);
 // - `oneOf` is generated as `anyOf` (a value matching two of its branches is possible);
@@ -53,10 +54,12 @@ class Grammar {
   static std::shared_ptr<const Grammar> from_schema(const nlohmann::ordered_json& schema);
   static std::shared_ptr<const Grammar> from_schema_text(std::string_view text);
 
-  // Parse stacks deeper than this are dropped (a document nested past ~100 levels).
+  // A byte that would make a parse stack deeper than this cannot come (a document nested past
+  // ~100 levels).
   static constexpr size_t kMaxStack = 400;
-  // A state with more open stacks than this fails (a schema whose alternatives stay ambiguous).
-  static constexpr size_t kMaxStacks = 4096;
+  // A byte that would leave more open stacks than this cannot come (a schema whose alternatives
+  // stay undecided that long); the mask's cost grows with the open stacks.
+  static constexpr size_t kMaxStacks = 256;
 
   enum Kind : uint8_t { kEnd, kBytes, kRule, kStr, kWs, kInt };
   struct Elem {
@@ -71,6 +74,7 @@ class Grammar {
   struct StrBounds {
     uint32_t min_len = 0;
     uint32_t max_len = UINT32_MAX;
+    bool opened = false;  // the opening quote is not part of it (read before)
     bool free() const { return min_len == 0 && max_len == UINT32_MAX; }
   };
   using ByteSet = std::array<uint64_t, 4>;
@@ -119,7 +123,9 @@ class GrammarState {
   bool step(unsigned char c, GrammarState& out) const;
 
  private:
-  void expand(Stack& stack, std::vector<Stack>& out) const;
+  // Pushes onto `out` the stacks `stack` opens (each with a terminal on top, or empty: the
+  // document is complete). false past kMaxStack or kMaxStacks: what it pushed is to be dropped.
+  bool expand(Stack& stack, std::vector<Stack>& out) const;
   static void normalize(std::vector<Stack>& stacks);
 
   std::shared_ptr<const Grammar> g_;
