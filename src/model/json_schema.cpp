@@ -306,6 +306,7 @@ class SchemaCompiler {
     for (const Elem& e : lit(v.dump(-1, ' ', false, json::error_handler_t::strict))) out.push_back(e);
   }
   static constexpr int kMaxValueDepth = 64;
+  static constexpr size_t kMaxWord = 4096;  // an enum scalar's or an extra-keyed name's text (tries recurse per byte)
   // The nesting of a value, without recursion (a hostile one may be nested past the stack).
   static int value_depth(const json& v) {
     int deepest = 0;
@@ -357,6 +358,15 @@ class SchemaCompiler {
   // closes anywhere but at a name's end. So a key never equals a listed name, however written.
   uint32_t key_trie(const std::vector<std::string>& w, size_t lo, size_t hi, size_t depth, const Elem& rest) {
     const uint32_t r = new_rule();
+    // Between two characters of the names' text (not inside an escape or a UTF-8 sequence): only
+    // there may the key leave them or close.
+    size_t at = 0;
+    while (at < depth) {
+      const unsigned char c = static_cast<unsigned char>(w[lo][at]);
+      uint8_t l, h;
+      at += c == '\\' ? (w[lo][at + 1] == 'u' ? 6 : 2) : c < 0x80 ? 1 : size_t(std::max(1, unicode::utf8_lead_info(c, &l, &h)));
+    }
+    const bool boundary = at == depth;
     size_t i = lo;
     const bool name_ends = w[i].size() == depth;  // sorted: a name ending here comes first
     if (name_ends) ++i;
@@ -371,8 +381,8 @@ class SchemaCompiler {
       alt(r, {ch(b), rule(key_trie(w, i, j, depth + 1, rest))});
       i = j;
     }
-    if (leave != ByteSet{}) alt(r, {bytes(leave), rest});
-    if (!name_ends) alt(r, {ch('"')});
+    if (boundary && leave != ByteSet{}) alt(r, {bytes(leave), rest});
+    if (boundary && !name_ends) alt(r, {ch('"')});
     return r;
   }
 
@@ -472,13 +482,16 @@ class SchemaCompiler {
       if (s.contains("maxLength") && n > count_of(s, "maxLength", path)) return false;
     }
     if (v.is_number()) {
-      const double x = v.get<double>();
+      auto c = [&](const char* k) {
+        num(k);  // a number, or an error
+        return compare_numbers(v, s[k]);
+      };
       const bool ex_lo = s.contains("exclusiveMinimum") && s["exclusiveMinimum"].is_boolean() && s["exclusiveMinimum"].get<bool>();
       const bool ex_hi = s.contains("exclusiveMaximum") && s["exclusiveMaximum"].is_boolean() && s["exclusiveMaximum"].get<bool>();
-      if (s.contains("minimum") && (ex_lo ? x <= num("minimum") : x < num("minimum"))) return false;
-      if (s.contains("maximum") && (ex_hi ? x >= num("maximum") : x > num("maximum"))) return false;
-      if (s.contains("exclusiveMinimum") && !s["exclusiveMinimum"].is_boolean() && x <= num("exclusiveMinimum")) return false;
-      if (s.contains("exclusiveMaximum") && !s["exclusiveMaximum"].is_boolean() && x >= num("exclusiveMaximum")) return false;
+      if (s.contains("minimum") && (ex_lo ? c("minimum") <= 0 : c("minimum") < 0)) return false;
+      if (s.contains("maximum") && (ex_hi ? c("maximum") >= 0 : c("maximum") > 0)) return false;
+      if (s.contains("exclusiveMinimum") && !s["exclusiveMinimum"].is_boolean() && c("exclusiveMinimum") <= 0) return false;
+      if (s.contains("exclusiveMaximum") && !s["exclusiveMaximum"].is_boolean() && c("exclusiveMaximum") >= 0) return false;
     }
     return true;
   }
@@ -614,6 +627,7 @@ class SchemaCompiler {
           alt(r, text);
         }
         else words.push_back(v.dump(-1, ' ', false, json::error_handler_t::strict));
+        if (!words.empty() && words.back().size() > kMaxWord) fail(path, "an 'enum'/'const' value longer than 4096 bytes");
         ++n;
       }
       if (n == 0) fail(path, "no value of 'enum'/'const' has the schema's 'type' and bounds");
@@ -678,29 +692,49 @@ class SchemaCompiler {
   // An integer within minimum / maximum (exclusive ones too, numeric as draft 6+ or boolean as
   // draft 4). Bounds past 16 digits are clamped to what the grammar writes.
   uint32_t bounded_integer(const json& s, const std::string& path) {
-    const double big = double(pow10(kIntDigits) - 1);
-    double lo = -big, hi = big;
-    auto num = [&](const char* k) {
-      if (!s[k].is_number()) fail(path, std::string("'") + k + "' must be a number");
-      return s[k].get<double>();
-    };
+    constexpr int64_t big = 9999999999999999;  // 16 digits
+    int64_t lo = -big, hi = big;
     const bool ex_lo_flag = s.contains("exclusiveMinimum") && s["exclusiveMinimum"].is_boolean() && s["exclusiveMinimum"].get<bool>();
     const bool ex_hi_flag = s.contains("exclusiveMaximum") && s["exclusiveMaximum"].is_boolean() && s["exclusiveMaximum"].get<bool>();
-    if (s.contains("minimum")) {
-      const double m = num("minimum");
-      lo = std::max(lo, ex_lo_flag ? std::floor(m) + 1 : std::ceil(m));
-    }
-    if (s.contains("maximum")) {
-      const double m = num("maximum");
-      hi = std::min(hi, ex_hi_flag ? std::ceil(m) - 1 : std::floor(m));
-    }
-    if (s.contains("exclusiveMinimum") && !s["exclusiveMinimum"].is_boolean()) lo = std::max(lo, std::floor(num("exclusiveMinimum")) + 1);
-    if (s.contains("exclusiveMaximum") && !s["exclusiveMaximum"].is_boolean()) hi = std::min(hi, std::ceil(num("exclusiveMaximum")) - 1);
-    lo = std::max(lo, -big);
-    hi = std::min(hi, big);
-    if (!(lo <= hi)) fail(path, "no integer lies within the schema's minimum and maximum");
-    g_.ints_.push_back({int64_t(lo), int64_t(hi)});
+    auto bound = [&](const char* k, bool lower, bool exclusive) {
+      if (!s[k].is_number()) fail(path, std::string("'") + k + "' must be a number");
+      return int_bound(s[k], lower, exclusive);
+    };
+    if (s.contains("minimum")) lo = std::max(lo, bound("minimum", true, ex_lo_flag));
+    if (s.contains("maximum")) hi = std::min(hi, bound("maximum", false, ex_hi_flag));
+    if (s.contains("exclusiveMinimum") && !s["exclusiveMinimum"].is_boolean()) lo = std::max(lo, bound("exclusiveMinimum", true, true));
+    if (s.contains("exclusiveMaximum") && !s["exclusiveMaximum"].is_boolean()) hi = std::min(hi, bound("exclusiveMaximum", false, true));
+    if (lo > hi) fail(path, "no integer of at most 16 digits lies within the schema's minimum and maximum");
+    g_.ints_.push_back({lo, hi});
     return rule_of({{Elem{Grammar::kInt, uint32_t(g_.ints_.size() - 1)}}});
+  }
+
+  // The integer bound a number sets: the least integer >= it (lower) or the greatest <= it,
+  // past it when exclusive; exact for integers of any size (as JSON writes them), clamped just
+  // outside 16 digits.
+  static int64_t int_bound(const json& v, bool lower, bool exclusive) {
+    constexpr int64_t edge = 10000000000000000;  // one past 16 digits
+    if (v.is_number_integer()) {
+      __int128 x = v.is_number_unsigned() ? __int128(v.get<uint64_t>()) : __int128(v.get<int64_t>());
+      if (exclusive) x += lower ? 1 : -1;
+      return int64_t(std::clamp<__int128>(x, -edge, edge));
+    }
+    const double x = v.get<double>();
+    double r = lower ? (exclusive ? std::floor(x) + 1 : std::ceil(x)) : (exclusive ? std::ceil(x) - 1 : std::floor(x));
+    r = std::clamp(r, -double(edge), double(edge));
+    return int64_t(r);
+  }
+  // a < b, a == b or a > b (-1, 0, 1) for JSON numbers: exact between integers.
+  static int compare_numbers(const json& a, const json& b) {
+    if (a.is_number_integer() && b.is_number_integer()) {
+      const auto wide = [](const json& v) {
+        return v.is_number_unsigned() ? __int128(v.get<uint64_t>()) : __int128(v.get<int64_t>());
+      };
+      const __int128 x = wide(a), y = wide(b);
+      return x < y ? -1 : x > y ? 1 : 0;
+    }
+    const double x = a.get<double>(), y = b.get<double>();
+    return x < y ? -1 : x > y ? 1 : 0;
   }
 
   // A string of a format: the quotes around the format's text. UINT32_MAX for a format kvq does
@@ -812,6 +846,7 @@ class SchemaCompiler {
       if (!s["properties"].is_object()) fail(path, "'properties' must be an object");
       for (const auto& [k, v] : s["properties"].items()) props.emplace_back(k, &v);
     }
+    if (props.size() > 1000) fail(path, "objects of more than 1000 properties are not supported");
     std::set<std::string> required;
     if (s.contains("required")) {
       if (!s["required"].is_array()) fail(path, "'required' must be a list of names");
@@ -834,41 +869,49 @@ class SchemaCompiler {
     } else if (!s.contains("properties")) {
       extra_value = any();  // {"type": "object"}: any object
     }
-    // A[i]: properties i.. with none written yet; B[i]: the same after at least one (a ',' first).
-    uint32_t a_next, b_next;
+    // C[i]: one property at or after i (an optional one may be passed over), then B of the next;
+    // B[i]: after at least one property, the rest from i on (each after a ','; the ',' and its gap
+    // shared, so that the candidates after it are one parse stack each); A[i]: the same with none
+    // written yet. Past the listed properties (i = n), the extra ones.
+    const size_t n = props.size();
+    std::vector<char> rest_optional(n + 1, 1);  // no required property at or after i
+    for (size_t i = n; i-- > 0;) rest_optional[i] = rest_optional[i + 1] && !required.count(props[i].first);
+    uint32_t c_next = UINT32_MAX, b_next;  // C[n] (none when no extra property), B[n]
     if (extra_value != UINT32_MAX) {
       std::vector<std::string> names;  // an extra property is none of the listed ones
       for (const auto& p : props) {
         const std::string q = json(p.first).dump(-1, ' ', false, json::error_handler_t::strict);
+        if (q.size() > kMaxWord) fail(path, "a property name longer than 4096 bytes beside additionalProperties");
         names.push_back(q.substr(1, q.size() - 2));
       }
       std::sort(names.begin(), names.end());
       const Seq key = names.empty() ? Seq{str(0, kUnbounded)}
                                     : Seq{ch('"'), rule(key_trie(names, 0, names.size(), 0, str_body()))};
       const Seq kv = key + Seq{ws(), ch(':'), ws(), rule(extra_value), ws()};
-      const uint32_t more = new_rule();
-      alt(more, {});
-      alt(more, Seq{ch(','), ws()} + kv + Seq{rule(more)});
-      a_next = rule_of({{}, kv + Seq{rule(more)}});
-      b_next = more;
+      b_next = new_rule();
+      alt(b_next, {});
+      alt(b_next, Seq{ch(','), ws()} + kv + Seq{rule(b_next)});
+      c_next = rule_of({kv + Seq{rule(b_next)}});
     } else {
-      a_next = rule_of({{}});
-      b_next = a_next;
+      b_next = rule_of({{}});
     }
-    for (size_t i = props.size(); i-- > 0;) {
+    for (size_t i = n; i-- > 0;) {
       const std::string& name = props[i].first;
       const Seq kv = lit(json(name).dump(-1, ' ', false, json::error_handler_t::strict)) +
                      Seq{ws(), ch(':'), ws(), rule(schema(*props[i].second, child(child(path, "properties"), name))), ws()};
-      const bool optional = !required.count(name);
-      const uint32_t a = new_rule(), b = new_rule();
-      alt(a, kv + Seq{rule(b_next)});
-      if (optional) alt(a, {rule(a_next)});
-      alt(b, Seq{ch(','), ws()} + kv + Seq{rule(b_next)});
-      if (optional) alt(b, {rule(b_next)});
-      a_next = a;
+      const uint32_t c = new_rule();
+      alt(c, kv + Seq{rule(b_next)});
+      if (!required.count(name) && c_next != UINT32_MAX) alt(c, {rule(c_next)});
+      const uint32_t b = new_rule();
+      if (rest_optional[i]) alt(b, {});
+      alt(b, Seq{ch(','), ws(), rule(c)});
+      c_next = c;
       b_next = b;
     }
-    return rule_of({{ch('{'), ws(), rule(a_next), ch('}')}});
+    std::vector<Seq> open;  // after '{' and its gap
+    if (rest_optional[0]) open.push_back({ch('}')});
+    if (c_next != UINT32_MAX) open.push_back({rule(c_next), ch('}')});
+    return rule_of({{ch('{'), ws(), rule(rule_of(open))}});
   }
 
   // Drops the alternatives that cannot end (they call a rule that never ends: a required
@@ -881,9 +924,9 @@ class SchemaCompiler {
         if (g_.elems_[p].kind == Grammar::kRule && !ends[g_.elems_[p].arg]) return false;
       return true;
     };
-    for (bool changed = true; changed;) {
+    for (bool changed = true; changed;) {  // in reverse: rules are made before those they call
       changed = false;
-      for (size_t r = 0; r < n; ++r) {
+      for (size_t r = n; r-- > 0;) {
         if (ends[r]) continue;
         for (uint32_t a : g_.rules_[r])
           if (alt_ends(a)) {
@@ -907,7 +950,7 @@ class SchemaCompiler {
     };
     for (bool changed = true; changed;) {
       changed = false;
-      for (size_t r = 0; r < n; ++r) {
+      for (size_t r = n; r-- > 0;) {
         if (nullable[r]) continue;
         for (uint32_t a : g_.rules_[r]) {
           uint32_t p = a;
@@ -1083,6 +1126,9 @@ bool GrammarState::step(unsigned char c, GrammarState& out) const {
       grow(s);
     }
   }
+  // Stacks deeper than kMaxStack - kHeadroom are dropped: what completes a document from one may
+  // push that many frames more.
+  std::erase_if(out.stacks_, [](const Stack& st) { return st.size() > Grammar::kMaxStack - Grammar::kHeadroom; });
   if (out.stacks_.empty()) return false;
   normalize(out.stacks_);
   if (out.stacks_.size() > Grammar::kMaxStacks) {

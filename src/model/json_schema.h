@@ -12,8 +12,8 @@
 // - an object's properties come in the schema's order; every required one is there, the others
 //   may be left out; no other property unless `additionalProperties` is true or a schema (absent
 //   means none, as llama.cpp's converter and OpenAI's strict mode); extra properties come after
-//   the listed ones, named by any string that is none of the listed names (and leaves them at a
-//   printable ASCII character);
+//   the listed ones, named by any string that is none of the listed names (it leaves them, between
+//   two characters, at a printable ASCII character);
 // - numbers have at most 16 integer digits, 16 fraction digits and 2 exponent digits (within a
 //   double's range);
 // - `oneOf` is generated as `anyOf` (a value matching two of its branches is possible);
@@ -25,9 +25,10 @@
 // maximum, exclusiveMinimum, exclusiveMaximum (on integers), format (date, time, date-time, uuid,
 // ipv4), enum, const, anyOf, oneOf, allOf (one schema), $ref (a JSON pointer into the document:
 // #/$defs/..., #/definitions/..., #), $defs and definitions. Annotations (title, description,
-// default, examples, $schema, $id, $comment, ...) are ignored. The other validation keywords
-// (pattern, other formats, bounds on non-integer numbers, multipleOf, uniqueItems, not, if, ...)
-// are refused with an error that names them, rather than generating text the schema would reject.
+// default, examples, $schema, $id, $comment, ...) are ignored, and so are other formats (an
+// annotation by default in JSON Schema 2020-12: plain strings). The other validation keywords
+// (pattern, bounds on non-integer numbers, multipleOf, uniqueItems, not, if, ...) are refused with
+// an error that names them, rather than generating text the schema would reject.
 //
 // grammar_mask() sets to -inf the logits of the tokens whose bytes cannot continue the text. It
 // walks the vocabulary as a trie (GrammarVocab), so a byte that cannot come next rules out every
@@ -54,12 +55,13 @@ class Grammar {
   static std::shared_ptr<const Grammar> from_schema(const nlohmann::ordered_json& schema);
   static std::shared_ptr<const Grammar> from_schema_text(std::string_view text);
 
-  // A byte that would make a parse stack deeper than this cannot come (a document nested past
-  // ~100 levels).
+  // A byte that would make a parse stack deeper than kMaxStack - kHeadroom cannot come (a document
+  // nested past ~100 levels); the headroom is for what completes the document.
   static constexpr size_t kMaxStack = 400;
+  static constexpr size_t kHeadroom = 80;
   // A byte that would leave more open stacks than this cannot come (a schema whose alternatives
   // stay undecided that long); the mask's cost grows with the open stacks.
-  static constexpr size_t kMaxStacks = 256;
+  static constexpr size_t kMaxStacks = 1024;
 
   enum Kind : uint8_t { kEnd, kBytes, kRule, kStr, kWs, kInt };
   struct Elem {

@@ -49,9 +49,9 @@ bad() {
 bad "missing model file" run -m "$tmp/nope.gguf" -p hi
 printf 'GGUF\x03\x00\x00\x00garbage' >"$tmp/bad.gguf"
 bad "malformed model file" run -m "$tmp/bad.gguf" -p hi
-printf '%s' '{"type": "string", "format": "email"}' >"$tmp/bad_schema.json"
+printf '%s' '{"type": "string", "pattern": "^[a-z]+$"}' >"$tmp/bad_schema.json"
 bad "--json-schema with an unsupported keyword" run -m "$model" -p hi --json-schema "$tmp/bad_schema.json"
-check "... names it" "grep -q \"'format' is not supported\" $tmp/be"
+check "... names it" "grep -q \"'pattern' is not supported\" $tmp/be"
 bad "--json-schema and --json" run -m "$model" -p hi --json --json-schema "$tmp/schema.json"
 bad "threads < 1" run -m "$model" -p hi -t -1
 bad "unknown flag" run -m "$model" --no-such-flag
