@@ -1,14 +1,15 @@
 // JSON mode's cost (response_format json_object, model/json_constraint.h), or with --schema that of
 // structured output (response_format json_schema, model/json_schema.h): time per output token
 // with and without the token mask, on the same model, engine and number of tokens, measured in
-// the same run, and the mask's own time per step.
+// the same run, and the mask's own time per step (grammar_mask: JSON mode's grammar is that of
+// {"type": "object"}).
 //
 //   json_mode MODEL.gguf [--tokens 64] [--reps 5] [--threads 2] [--schema FILE]
 //
 // Each repetition generates up to --tokens tokens constrained (greedy) from a prompt that asks
 // for JSON, then the same number of tokens without it (end of generation ignored), and compares
-// their decode time per token (first token excluded). The mask alone: json_mask (grammar_mask)
-// over the whole vocabulary at every byte of the JSON text generated, median microseconds per
+// their decode time per token (first token excluded). The mask alone: grammar_mask over the whole
+// vocabulary at every byte of the JSON text generated, median microseconds per
 // call. bench/cats.schema.json is a schema for the prompt's question.
 #include <algorithm>
 #include <cstdio>
@@ -19,7 +20,6 @@
 #include "core/timer.h"
 #include "engine/engine.h"
 #include "model/chat.h"
-#include "model/json_constraint.h"
 #include "model/json_schema.h"
 #include "tools/files.h"
 #include "tools/bench.h"
@@ -88,20 +88,18 @@ int main(int argc, char** argv) {
   }
   // The mask alone, at every byte boundary of the generated text.
   const JsonVocab vocab(tok);
-  const std::unique_ptr<GrammarVocab> gvocab = grammar ? std::make_unique<GrammarVocab>(vocab) : nullptr;
+  const GrammarVocab gvocab(vocab);
   std::vector<float> logits(size_t(tok.n_vocab()));
   std::vector<double> mask_us, in_string_us, other_us;
-  JsonState s;
-  std::unique_ptr<GrammarState> g = grammar ? std::make_unique<GrammarState>(grammar) : nullptr;
+  GrammarState g(grammar ? grammar : Grammar::json_object());
   for (unsigned char c : text) {
     std::fill(logits.begin(), logits.end(), 0.f);
     const double t0 = now_seconds();
-    if (g) grammar_mask(*g, *gvocab, {}, logits.data(), tok.n_vocab());
-    else json_mask(s, vocab, {}, logits.data(), tok.n_vocab());
+    grammar_mask(g, gvocab, {}, logits.data(), tok.n_vocab());
     const double us = (now_seconds() - t0) * 1e6;
     mask_us.push_back(us);
-    ((g ? g->string_room() >= 0 : s.in_string_text()) ? in_string_us : other_us).push_back(us);
-    if (g ? !g->feed(c) : !s.feed(c)) break;
+    (g.string_room() >= 0 ? in_string_us : other_us).push_back(us);
+    if (!g.feed(c)) break;
   }
   std::printf("model %s, vocabulary %d, %d threads, %d reps of %d tokens\n", argv[1], tok.n_vocab(), threads, reps, n);
   std::printf("decode ms/token: %s %.2f, plain %.2f, ratio %.3f\n", grammar ? "json_schema" : "JSON mode", median(per_json) * 1e3,
@@ -110,7 +108,7 @@ int main(int argc, char** argv) {
   for (double us : mask_us) mean += us / double(mask_us.size());
   std::printf("%s: median %.0f us per step over %zu states, mean %.0f, max %.0f (inside strings %.0f us over %zu, "
               "elsewhere %.0f us over %zu)\n",
-              grammar ? "grammar_mask" : "json_mask", median(mask_us), mask_us.size(), mean,
+              "grammar_mask", median(mask_us), mask_us.size(), mean,
               *std::max_element(mask_us.begin(), mask_us.end()), in_string_us.empty() ? 0.0 : median(in_string_us),
               in_string_us.size(), other_us.empty() ? 0.0 : median(other_us), other_us.size());
   std::printf("text: %s\n", text.c_str());

@@ -46,10 +46,8 @@ struct Engine::Seq {
   // running sequence that is already computing the pages this one would compute (in-flight
   // prefix); the index still compares token ids before anything is adopted.
   std::vector<KvHash> keys;
-  // JSON mode (GenParams::json_object): the text generated so far, as the grammar sees it, and the
-  // logits with the tokens that cannot come next masked.
-  std::unique_ptr<JsonState> json;
-  // Structured output (GenParams::grammar): the schema's parse state after the text so far.
+  // JSON mode and structured output (GenParams::json_object, GenParams::grammar): the parse state
+  // of the text generated so far, and the logits with the tokens that cannot come next masked.
   std::unique_ptr<GrammarState> grammar;
   std::vector<float> masked;
 };
@@ -568,7 +566,7 @@ std::vector<uint64_t> Engine::submit_all(std::vector<GenRequest> rs) {
       }
       s->sampler = std::make_unique<Sampler>(s->req.params.sampling);
       s->dec = std::make_unique<TokenStreamDecoder>(tok_, false);
-      if (s->req.params.json_object) s->json = std::make_unique<JsonState>();
+      if (s->req.params.json_object) s->grammar = std::make_unique<GrammarState>(Grammar::json_object());
       else if (s->req.params.grammar) s->grammar = std::make_unique<GrammarState>(s->req.params.grammar);
     }
     seqs.push_back(std::move(s));
@@ -1028,12 +1026,7 @@ bool Engine::step() {
           continue;
         }
         const float* sample_from = lg;
-        if (s.json) {
-          if (!json_vocab_) json_vocab_ = std::make_unique<JsonVocab>(tok_);
-          s.masked.assign(lg, lg + n_vocab);
-          json_mask(*s.json, *json_vocab_, s.req.params.stop_token_ids, s.masked.data(), n_vocab);
-          sample_from = s.masked.data();
-        } else if (s.grammar) {
+        if (s.grammar) {
           if (!json_vocab_) json_vocab_ = std::make_unique<JsonVocab>(tok_);
           if (!grammar_vocab_) grammar_vocab_ = std::make_unique<GrammarVocab>(*json_vocab_);
           s.masked.assign(lg, lg + n_vocab);
@@ -1052,7 +1045,7 @@ bool Engine::step() {
         s.t_last = now;
         const std::vector<int32_t>& stop_ids = s.req.params.stop_token_ids;
         if (s.grammar && tok_.is_eog(next) && !s.grammar->accepting()) {  // the mask's last resort
-          finish(s, "error", "json_schema: no token can continue the document (the vocabulary lacks one, or the document reached the grammar's limits: nesting, or alternatives open at once)");
+          finish(s, "error", "JSON mode / json_schema: no token can continue the document (the vocabulary lacks one, or the document reached the grammar's limits: nesting, or alternatives open at once)");
           continue;
         }
         if ((tok_.is_eog(next) && (!s.req.params.ignore_eos || s.grammar)) ||
@@ -1062,13 +1055,8 @@ bool Engine::step() {
         }
         s.tokens.push_back(next);
         s.res.tokens.push_back(next);
-        if (s.json && !s.json->feed(json_vocab_->bytes(next))) {
-          // Only when the mask left nothing to sample (a vocabulary that cannot go on).
-          finish(s, "error", "JSON mode: the model's vocabulary has no token that continues the JSON text");
-          continue;
-        }
         if (s.grammar && !s.grammar->feed(grammar_vocab_->bytes(next))) {
-          finish(s, "error", "json_schema: no token can continue the document (the vocabulary lacks one, or the document reached the grammar's limits: nesting, or alternatives open at once)");
+          finish(s, "error", "JSON mode / json_schema: no token can continue the document (the vocabulary lacks one, or the document reached the grammar's limits: nesting, or alternatives open at once)");
           continue;
         }
         if (s.req.params.logprobs >= 0) {
@@ -1083,7 +1071,7 @@ bool Engine::step() {
           continue;
         }
         emit_text(s, false);
-        if ((s.json && s.json->done()) || (s.grammar && s.grammar->done())) {  // nothing else can follow
+        if (s.grammar && s.grammar->done()) {  // nothing else can follow
           finish(s, "stop");
           continue;
         }

@@ -122,9 +122,10 @@ struct GenParams {
   bool prompt_logprobs = false;
   // JSON mode (OpenAI's response_format {"type": "json_object"}): only tokens that keep the text a
   // prefix of one JSON object are sampled, and generation ends ("stop") with the token that closes
-  // it, ignore_eos or not (model/json_constraint.h). A request cut short by max_tokens ends with
-  // "length" mid-object, as OpenAI's does; a stop string can cut it too. logprobs stay those of the
-  // model's distribution (before the mask, as before any sampling setting).
+  // it, ignore_eos or not (the grammar of {"type": "object"}, model/json_schema.h). A request cut
+  // short by max_tokens ends with "length" mid-object, as OpenAI's does; a stop string can cut it
+  // too. logprobs stay those of the model's distribution (before the mask, as before any sampling
+  // setting).
   bool json_object = false;
   // Structured output (OpenAI's response_format {"type": "json_schema"}): only tokens that keep
   // the text a prefix of a document of the schema (model/json_schema.h) are sampled; generation
@@ -380,8 +381,8 @@ class Engine {
   std::unique_ptr<PrefixIndex> index_;
   std::unique_ptr<PagePool> pool_;
   std::unique_ptr<KvCache> shape_;  // holds no page; destroyed before the pool
-  std::unique_ptr<JsonVocab> json_vocab_;  // JSON mode's token bytes (made on first use)
-  std::unique_ptr<GrammarVocab> grammar_vocab_;  // structured output's vocabulary trie (first use)
+  std::unique_ptr<JsonVocab> json_vocab_;        // the tokens' bytes (made on first use)
+  std::unique_ptr<GrammarVocab> grammar_vocab_;  // and the vocabulary's trie, for JSON mode and json_schema
   std::unique_ptr<KvOffload> offload_;  // the index's spill (detached before the pool empties)
   uint64_t offload_hit_tokens_ = 0;
   double restore_seconds_ = 0;  // this step's offload reads (left out of the step-time fit)

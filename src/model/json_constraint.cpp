@@ -1,8 +1,6 @@
 #include "model/json_constraint.h"
 
-#include <algorithm>
 #include <cstring>
-#include <limits>
 
 #include "model/tokenizer.h"
 #include "model/unicode.h"
@@ -252,94 +250,6 @@ JsonVocab::JsonVocab(const Tokenizer& tok) {
     s.feed(std::string_view("{\"k\":\""));
     string_text_[size_t(id)] = s.feed(b) && s.in_string_text() && b.find_first_of("\"\\") == std::string::npos;
   }
-  first_.assign(size_t(n), 0);
-  second_.assign(size_t(n), 0);
-  flags_.assign(size_t(n), 0);
-  for (int32_t id = 0; id < n; ++id) {
-    const std::string& b = bytes_[size_t(id)];
-    uint8_t f = 0;
-    if (eog_[size_t(id)]) f |= kEnds;
-    if (b.empty()) f |= kEmpty;
-    else first_[size_t(id)] = static_cast<uint8_t>(b[0]);
-    if (b.size() >= 2) second_[size_t(id)] = static_cast<uint8_t>(b[1]);
-    if (string_text_[size_t(id)]) f |= kText;
-    if (b.size() == 1) f |= kOneByte;
-    flags_[size_t(id)] = f;
-  }
-}
-
-int json_mask(const JsonState& state, const JsonVocab& vocab, const std::vector<int32_t>& stop_ids, float* logits,
-              int n_vocab) {
-  const float ninf = -std::numeric_limits<float>::infinity();
-  const int n = std::min(n_vocab, int(vocab.n_vocab()));
-  // Which first bytes can come next, and (outside string text, where few first bytes can) after
-  // each of those which second bytes.
-  const bool text = state.in_string_text(), done = state.done();
-  bool first_ok[256];
-  static thread_local std::vector<uint8_t> second_ok(256 * 256);
-  for (int c = 0; c < 256; ++c) {
-    JsonState s = state;
-    first_ok[c] = s.feed(static_cast<unsigned char>(c));
-    uint8_t* row = second_ok.data() + 256 * c;
-    if (text || !first_ok[c]) {
-      std::fill(row, row + 256, uint8_t(1));  // no filter: the bytes are fed
-      continue;
-    }
-    for (int d = 0; d < 256; ++d) {
-      JsonState t = s;
-      row[d] = t.feed(static_cast<unsigned char>(d));
-    }
-  }
-  // The request's stop token ids end generation as end-of-generation tokens do: their logits as
-  // they were, to be put back once the object is complete.
-  std::vector<std::pair<int32_t, float>> stops;
-  for (int32_t id : stop_ids)
-    if (id >= 0 && id < n) stops.emplace_back(id, logits[id]);
-  const uint8_t* flags = vocab.flags_.data();
-  const uint8_t* first = vocab.first_.data();
-  const uint8_t* second = vocab.second_.data();
-  int allowed = 0;
-  for (int32_t id = 0; id < n; ++id) {
-    const uint8_t f = flags[id];
-    bool ok;
-    if (f & JsonVocab::kEnds) {
-      ok = done;
-    } else if (text && (f & JsonVocab::kText)) {
-      ok = true;
-    } else if ((f & JsonVocab::kEmpty) || !first_ok[first[id]]) {
-      ok = false;
-    } else if (f & JsonVocab::kOneByte) {
-      ok = true;
-    } else if (!second_ok[256 * first[id] + second[id]]) {
-      ok = false;
-    } else {
-      JsonState s = state;
-      ok = s.feed(vocab.bytes(id));
-    }
-    if (ok) ++allowed;
-    else logits[id] = ninf;
-  }
-  for (int id = n; id < n_vocab; ++id) logits[id] = ninf;
-  for (const auto& [id, logit] : stops) {
-    if (flags[id] & JsonVocab::kEnds) continue;  // done already
-    const bool was = logits[id] != ninf;
-    if (done) {
-      if (!was) ++allowed;
-      logits[id] = logit;
-    } else if (was) {
-      logits[id] = ninf;
-      --allowed;
-    }
-  }
-  if (allowed == 0) {
-    // Nothing can continue the text (a vocabulary without some byte): end it.
-    for (int32_t id = 0; id < n; ++id)
-      if (flags[id] & JsonVocab::kEnds) {
-        logits[id] = 0;
-        ++allowed;
-      }
-  }
-  return allowed;
 }
 
 }  // namespace kvq

@@ -1,23 +1,18 @@
-// JSON mode (OpenAI's response_format {"type": "json_object"}): generation constrained, token by
-// token, to one JSON object (RFC 8259).
+// A JSON automaton, and each token's bytes as JSON text sees them.
 //
-// JsonState is a character-level pushdown automaton over the bytes generated so far: feed() takes
-// the next byte and says whether the text can still be completed into a JSON object. The grammar
-// is JSON's, with three limits that keep a model from running away inside it: the top-level value
-// is an object; whitespace between tokens (and before the object) is at most one space or tab, or
-// one newline followed by at most kMaxIndent spaces and tabs (llama.cpp's JSON grammar allows 20);
-// nesting is at most kMaxDepth containers. Strings must be valid UTF-8 (no control characters; escapes checked) and numbers
-// JSON's (no leading zeros, no bare '.', exponents with digits).
+// JsonState is a character-level pushdown automaton over a JSON object's bytes: feed() takes the
+// next byte and says whether the text can still be completed into a JSON object. The grammar is
+// JSON's (RFC 8259), with the limits JSON mode keeps a model within: the top-level value is an
+// object; whitespace between tokens (and before the object) is at most one space or tab, or one
+// newline followed by at most kMaxIndent spaces and tabs (llama.cpp's JSON grammar allows 20);
+// nesting is at most kMaxDepth containers. Strings must be valid UTF-8 (no control characters;
+// escapes checked) and numbers JSON's (no leading zeros, no bare '.', exponents with digits).
+// Generation runs on the grammar of model/json_schema.h ({"type": "object"} for JSON mode, the same
+// rules); JsonState is the reference its tests compare that grammar with, and what JsonVocab uses
+// to find the tokens that are plain string text.
 //
 // JsonVocab holds each token's bytes as generated text renders them (Tokenizer::token_piece) once
-// per tokenizer; json_mask() sets the logits of the tokens that cannot come next to -infinity:
-// a token is allowed when all its bytes can be fed; end-of-generation tokens (and the request's
-// stop token ids) only once the object is complete, and then nothing else (as llama.cpp's JSON
-// grammar: no trailing whitespace).
-// Cost per step: a token whose first two bytes cannot come next is rejected by tables built per
-// step (256 entries, and 256 more for each first byte that can come),
-// a token of plain text inside a string is accepted by its precomputed flag, and only the others
-// run their bytes through a copy of the state (bench/BENCHMARKS.md, "JSON mode").
+// per tokenizer, which tokens end generation, and which are plain string text.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -97,20 +92,9 @@ class JsonVocab {
   int32_t n_vocab() const { return int32_t(bytes_.size()); }
 
  private:
-  friend int json_mask(const JsonState&, const JsonVocab&, const std::vector<int32_t>&, float*, int);
-  enum : uint8_t { kEnds = 1, kEmpty = 2, kText = 4, kOneByte = 8 };
   std::vector<std::string> bytes_;  // token_piece of each token ("" for control tokens)
   std::vector<char> eog_;           // end-of-generation tokens
   std::vector<char> string_text_;   // string_text()
-  std::vector<uint8_t> first_;      // each token's first byte (0 when empty)
-  std::vector<uint8_t> second_;     // and second (0 when shorter)
-  std::vector<uint8_t> flags_;      // kEnds (end of generation), kEmpty, kText (string_text), kOneByte
 };
-
-// Sets logits[t] = -inf for every token t that cannot come after `state`; stop_ids end generation
-// as end-of-generation tokens do. Returns the number of tokens left allowed (when none would be,
-// the end-of-generation tokens are left, so that generation stops).
-int json_mask(const JsonState& state, const JsonVocab& vocab, const std::vector<int32_t>& stop_ids, float* logits,
-              int n_vocab);
 
 }  // namespace kvq

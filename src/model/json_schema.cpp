@@ -1011,6 +1011,11 @@ std::shared_ptr<const Grammar> Grammar::from_schema(const nlohmann::ordered_json
   return g;
 }
 
+const std::shared_ptr<const Grammar>& Grammar::json_object() {
+  static const std::shared_ptr<const Grammar> g = from_schema_text(R"({"type": "object"})");
+  return g;
+}
+
 std::shared_ptr<const Grammar> Grammar::from_schema_text(std::string_view text) {
   nlohmann::ordered_json schema;
   try {

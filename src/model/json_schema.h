@@ -54,6 +54,8 @@ class Grammar {
   // are generated in.
   static std::shared_ptr<const Grammar> from_schema(const nlohmann::ordered_json& schema);
   static std::shared_ptr<const Grammar> from_schema_text(std::string_view text);
+  // JSON mode's grammar (response_format json_object): {"type": "object"}, any JSON object.
+  static const std::shared_ptr<const Grammar>& json_object();
 
   // A byte that would make a parse stack deeper than kMaxStack - kHeadroom cannot come (a document
   // nested past ~100 levels); the headroom is for what completes the document.

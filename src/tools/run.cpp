@@ -76,7 +76,7 @@ int run_command(const RunOptions& o) {
   }
   const int threads = resolve_threads(o.threads);
   if (o.json_object && !o.json_schema.empty()) fail("give either --json or --json-schema, not both");
-  std::shared_ptr<const Grammar> grammar;
+  std::shared_ptr<const Grammar> grammar = o.json_object ? Grammar::json_object() : nullptr;
   if (!o.json_schema.empty()) {
     try {
       grammar = Grammar::from_schema_text(read_text_file(o.json_schema, "--json-schema"));
@@ -120,7 +120,7 @@ int run_command(const RunOptions& o) {
   KvCache cache(kcfg);
   Forward fwd(*model, pool);
   Sampler sampler(o.sampling);
-  const std::unique_ptr<JsonVocab> json_vocab = o.json_object || grammar ? std::make_unique<JsonVocab>(tok) : nullptr;
+  const std::unique_ptr<JsonVocab> json_vocab = grammar ? std::make_unique<JsonVocab>(tok) : nullptr;
   const std::unique_ptr<GrammarVocab> grammar_vocab = grammar ? std::make_unique<GrammarVocab>(*json_vocab) : nullptr;
   std::vector<float> masked;
   std::vector<int32_t> history;  // every token in the cache, and the one sampled last
@@ -148,17 +148,13 @@ int run_command(const RunOptions& o) {
     const double t1 = now_seconds();
     stop_reason = "length";
     bool room = true;
-    JsonState json;  // each turn's answer is one object
-    std::unique_ptr<GrammarState> doc = grammar ? std::make_unique<GrammarState>(grammar) : nullptr;  // or document
+    // Each turn's answer is one document (--json: one object).
+    std::unique_ptr<GrammarState> doc = grammar ? std::make_unique<GrammarState>(grammar) : nullptr;
     for (int n_gen = 0; n_gen < o.n_predict; ++n_gen) {
       const float* lg = logits;
       if (doc) {
         masked.assign(logits, logits + c.n_vocab);
         grammar_mask(*doc, *grammar_vocab, {}, masked.data(), int(c.n_vocab));
-        lg = masked.data();
-      } else if (json_vocab) {
-        masked.assign(logits, logits + c.n_vocab);
-        json_mask(json, *json_vocab, {}, masked.data(), int(c.n_vocab));
         lg = masked.data();
       }
       const int32_t next = sampler.sample(lg, c.n_vocab, history, turn_start);
@@ -173,11 +169,9 @@ int run_command(const RunOptions& o) {
         std::fflush(stdout);
       }
       if (doc && (!doc->feed(json_vocab->bytes(next)) || doc->done())) {
-        stop_reason = doc->done() ? "end of the document" : "no token continues the document";
-        break;
-      }
-      if (json_vocab && !doc && (!json.feed(json_vocab->bytes(next)) || json.done())) {
-        stop_reason = json.done() ? "end of the JSON object" : "no token continues the JSON text";
+        stop_reason = !doc->done()      ? "no token continues the document"
+                      : o.json_object ? "end of the JSON object"
+                                      : "end of the document";
         break;
       }
       if (cache.n_tokens() >= ctx) {
