@@ -11,7 +11,6 @@
 #include <cctype>
 #include <filesystem>
 #include <random>
-#include <regex>
 #include <string>
 
 #include "gguf/gguf.h"
@@ -35,6 +34,22 @@ size_t taken(const std::string& doc) {
   for (size_t i = 0; i < doc.size(); ++i)
     if (!s.feed(static_cast<unsigned char>(doc[i]))) return i;
   return doc.size();
+}
+
+// A run of 17 digits, or 3 after an exponent's e: a number longer than JSON mode's grammar writes.
+bool long_number(const std::string& d) {
+  auto digit = [&](size_t i) { return i < d.size() && d[i] >= '0' && d[i] <= '9'; };
+  for (size_t i = 0; i < d.size(); ++i) {
+    size_t run = 0;
+    while (digit(i + run)) ++run;
+    if (run >= 17) return true;
+    if (d[i] == 'e' || d[i] == 'E') {
+      size_t j = i + 1;
+      if (j < d.size() && (d[j] == '+' || d[j] == '-')) ++j;
+      if (digit(j) && digit(j + 1) && digit(j + 2)) return true;
+    }
+  }
+  return false;
 }
 
 // What kvq's JSON mode promises: RFC 8259 (nlohmann's parser) with an object at the top, no
@@ -238,8 +253,7 @@ TEST(JsonConstraint, AgreesWithTheReferenceParserOnMutatedDocuments) {
     GrammarState g(Grammar::json_object());
     size_t k = 0;
     while (k < d.size() && g.feed(static_cast<unsigned char>(d[k]))) ++k;
-    static const std::regex long_number("[eE][-+]?[0-9]{3}|[0-9]{17}");
-    if (std::regex_search(d, long_number)) {
+    if (long_number(d)) {
       ASSERT_LE(k, taken(d)) << d;
       ASSERT_TRUE(!(k == d.size() && g.accepting()) || ref) << d;
       ++long_numbers;

@@ -515,6 +515,11 @@ void Engine::start() {
 }
 
 namespace {
+// A constrained request (JSON mode, json_schema) that no token can continue: the mask left only
+// the end of generation, or a token its grammar then refused.
+constexpr const char* kNoContinuation =
+    "JSON mode / json_schema: no token can continue the document (the vocabulary lacks one, or the document "
+    "reached the grammar's limits: nesting, or alternatives open at once)";
 constexpr int kMaxLogprobs = 20;              // top alternatives per token (OpenAI's limit)
 constexpr int kPromptLogprobsChunk = 64;      // prompt tokens per step of a prompt_logprobs request
                                               // (bounds its (tokens, n_vocab) logits rows)
@@ -1045,7 +1050,7 @@ bool Engine::step() {
         s.t_last = now;
         const std::vector<int32_t>& stop_ids = s.req.params.stop_token_ids;
         if (s.grammar && tok_.is_eog(next) && !s.grammar->accepting()) {  // the mask's last resort
-          finish(s, "error", "JSON mode / json_schema: no token can continue the document (the vocabulary lacks one, or the document reached the grammar's limits: nesting, or alternatives open at once)");
+          finish(s, "error", kNoContinuation);
           continue;
         }
         if ((tok_.is_eog(next) && (!s.req.params.ignore_eos || s.grammar)) ||
@@ -1056,7 +1061,7 @@ bool Engine::step() {
         s.tokens.push_back(next);
         s.res.tokens.push_back(next);
         if (s.grammar && !s.grammar->feed(grammar_vocab_->bytes(next))) {
-          finish(s, "error", "JSON mode / json_schema: no token can continue the document (the vocabulary lacks one, or the document reached the grammar's limits: nesting, or alternatives open at once)");
+          finish(s, "error", kNoContinuation);
           continue;
         }
         if (s.req.params.logprobs >= 0) {
