@@ -353,6 +353,29 @@ TEST(JsonSchema, ObjectsFollowTheSchemasOrderAndRequiredProperties) {
   EXPECT_FALSE(prefix(any, R"([)"));
 }
 
+// vLLM's guided_choice: exactly one of the strings, raw.
+TEST(JsonSchema, Choices) {
+  const auto g = Grammar::from_choices({"yes", "no", "yes!", "caf\xC3\xA9", "no"});
+  EXPECT_TRUE(accepts(g, "no"));
+  EXPECT_TRUE(accepts(g, "caf\xC3\xA9"));
+  EXPECT_FALSE(prefix(g, "\"no"));
+  EXPECT_FALSE(prefix(g, " yes"));
+  EXPECT_FALSE(prefix(g, "nope"));
+  GrammarState s(g);
+  ASSERT_TRUE(s.feed("yes"));
+  EXPECT_TRUE(s.accepting());
+  EXPECT_FALSE(s.done());  // "yes!" may go on
+  ASSERT_TRUE(s.feed("!"));
+  EXPECT_TRUE(s.done());
+  GrammarState n(g);
+  ASSERT_TRUE(n.feed("no"));
+  EXPECT_TRUE(n.done());
+  EXPECT_THROW(Grammar::from_choices({}), std::invalid_argument);
+  EXPECT_THROW(Grammar::from_choices({std::string(5000, 'a')}), std::invalid_argument);
+  GrammarState e(Grammar::from_choices({"", "a"}));
+  EXPECT_TRUE(e.accepting());  // the empty choice: the end may come at once
+}
+
 // Nesting past the parse stacks' depth: the byte that would go deeper cannot come, and the
 // document can still be closed (no dead end).
 TEST(JsonSchema, NestingLimitLeavesNoDeadEnd) {

@@ -493,8 +493,36 @@ TEST_F(ServerTest, JsonSchemaResponseFormat) {
   ASSERT_TRUE(arr.is_array());
   ASSERT_EQ(arr.size(), 2u);
   for (const json& x : arr) EXPECT_LE(x.get<std::string>().size(), 12u);
+  // vLLM's guided_choice and guided_json (a schema, or its text), llama.cpp's json_schema.
+  for (int seed = 0; seed < 3; ++seed) {
+    const json c = post_ok("/v1/completions", {{"prompt", "Once upon a time"}, {"max_tokens", 20}, {"temperature", 1.0},
+                                               {"seed", seed}, {"guided_choice", {"happy", "sad", "hungry"}}});
+    const std::string t = c["choices"][0]["text"];
+    EXPECT_TRUE(t == "happy" || t == "sad" || t == "hungry") << t;
+    EXPECT_EQ(c["choices"][0]["finish_reason"], "stop");
+  }
+  const json array_schema = {{"type", "array"}, {"items", {{"type", "boolean"}}}, {"minItems", 1}, {"maxItems", 2}};
+  for (const auto& [key, schema] : {std::pair<std::string, json>{"guided_json", array_schema},
+                                    {"guided_json", json(array_schema.dump())},
+                                    {"json_schema", array_schema}}) {  // llama.cpp's field
+    const json c = post_ok("/v1/completions",
+                           {{"prompt", "Once upon a time"}, {"max_tokens", 40}, {"temperature", 0}, {key, schema}});
+    const std::string t = c["choices"][0]["text"];
+    ASSERT_EQ(c["choices"][0]["finish_reason"], "stop") << t;
+    const json v = json::parse(t);
+    ASSERT_TRUE(v.is_array()) << t;
+    EXPECT_TRUE(v.size() == 1 || v.size() == 2) << t;
+    for (const json& x : v) EXPECT_TRUE(x.is_boolean()) << t;
+  }
   // Refused schemas.
   const std::string ch = "/v1/chat/completions";
+  expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "guided_choice": []})", "guided_choice");
+  expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "guided_choice": ["a", 1]})", "guided_choice");
+  expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "guided_choice": ["a"], "guided_json": {}})", "guided_json");
+  expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "guided_choice": ["a"],
+                 "response_format": {"type": "json_object"}})",
+             "guided_choice");
+  expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "guided_json": "{\"type\": \"strng\"}"})", "guided_json");
   expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema",
                  "json_schema": {"name": "t", "schema": {"type": "string", "pattern": "^a"}}}})",
              "response_format");
@@ -608,7 +636,7 @@ TEST_F(ServerTest, BadInputIs400AndServerKeepsServing) {
       // generation features kvq does not implement: refused, never silently dropped
       {R"({"prompt": "a", "suffix": "end"})", "suffix"},
       {R"({"prompt": "a", "best_of": 3})", "best_of"},
-      {R"({"prompt": "a", "guided_json": {}})", "guided_json"},
+      {R"({"prompt": "a", "guided_regex": "a+"})", "guided_regex"},
   };
   for (const auto& [b, param] : bad) expect_bad(c, b, param);
   // Chat's unsupported features.

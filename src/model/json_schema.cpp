@@ -212,6 +212,18 @@ class SchemaCompiler {
  public:
   SchemaCompiler(Grammar& g, const json& root) : g_(g), root_(root) {}
 
+  void compile_choices(std::vector<std::string> words) {
+    if (words.empty()) throw std::invalid_argument("guided_choice: give at least one choice");
+    for (const std::string& w : words)
+      if (w.size() > kMaxWord) throw std::invalid_argument("guided_choice: a choice is longer than 4096 bytes");
+    std::sort(words.begin(), words.end());
+    words.erase(std::unique(words.begin(), words.end()), words.end());
+    const uint32_t value = word_trie(words, 0, words.size(), 0);
+    g_.root_ = uint32_t(g_.elems_.size());
+    g_.elems_.push_back(rule(value));
+    g_.elems_.push_back({Grammar::kEnd, 0});
+  }
+
   void compile() {
     const uint32_t value = schema(root_, "");
     g_.root_ = uint32_t(g_.elems_.size());
@@ -1008,6 +1020,14 @@ std::shared_ptr<const Grammar> Grammar::from_schema(const nlohmann::ordered_json
   if (GrammarState(g).n_stacks() == 0)
     throw std::invalid_argument("json_schema at '#': the schema's alternatives at the start are more than kvq tracks at once (" +
                                 std::to_string(kMaxStacks) + ")");
+  return g;
+}
+
+std::shared_ptr<const Grammar> Grammar::from_choices(const std::vector<std::string>& choices) {
+  auto g = std::make_shared<Grammar>();
+  static const nlohmann::ordered_json none;
+  SchemaCompiler c(*g, none);
+  c.compile_choices(choices);
   return g;
 }
 

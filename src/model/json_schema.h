@@ -1,5 +1,6 @@
-// Structured output (OpenAI's response_format {"type": "json_schema"}): generation constrained,
-// token by token, to JSON text that a JSON Schema accepts.
+// Structured output (OpenAI's response_format {"type": "json_schema"}, vLLM's guided_json and
+// guided_choice): generation constrained, token by token, to JSON text that a JSON Schema accepts,
+// or to one of a list of strings.
 //
 // Grammar::from_schema compiles a schema into a byte-level context-free grammar. Its terminals
 // are byte sets, plus two elements the automaton runs itself: a JSON string (quotes, escapes,
@@ -54,6 +55,9 @@ class Grammar {
   // are generated in.
   static std::shared_ptr<const Grammar> from_schema(const nlohmann::ordered_json& schema);
   static std::shared_ptr<const Grammar> from_schema_text(std::string_view text);
+  // vLLM's guided_choice: the text is exactly one of the choices (no quotes, nothing around it).
+  // Throws std::invalid_argument for no choice, or one longer than 4096 bytes.
+  static std::shared_ptr<const Grammar> from_choices(const std::vector<std::string>& choices);
   // JSON mode's grammar (response_format json_object): {"type": "object"}, any JSON object.
   static const std::shared_ptr<const Grammar>& json_object();
 

@@ -228,6 +228,41 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
                      "response_format"};
     }
   }
+  // vLLM's guided decoding parameters, guided_json (a schema, or its text) and guided_choice (the
+  // output is exactly one of the strings), and llama.cpp's json_schema (as guided_json).
+  const int guided = set("guided_json") + set("guided_choice") + set("json_schema");
+  if (guided > 0) {
+    const char* which = set("guided_json") ? "guided_json" : set("json_schema") ? "json_schema" : "guided_choice";
+    if (guided > 1 || r.params.grammar || r.params.json_object)
+      throw ApiError{"give one of 'response_format' (json_object or json_schema), 'guided_json', 'json_schema' and "
+                     "'guided_choice'",
+                     which};
+    try {
+      if (std::string(which) != "guided_choice") {
+        const json& g = body[which];
+        if (g.is_string()) {
+          r.params.grammar = Grammar::from_schema_text(g.get<std::string>());
+        } else {
+          const nlohmann::ordered_json ordered = nlohmann::ordered_json::parse(raw, nullptr, false);
+          const nlohmann::ordered_json::json_pointer at("/" + std::string(which));
+          if (ordered.is_discarded() || !ordered.contains(at))
+            throw ApiError{fmt::format("'{}': the schema could not be read from the request body", which), which};
+          r.params.grammar = Grammar::from_schema(ordered.at(at));
+        }
+      } else {
+        const json& c = body["guided_choice"];
+        if (!c.is_array()) throw ApiError{"'guided_choice' must be a list of strings", "guided_choice"};
+        std::vector<std::string> choices;
+        for (const json& x : c) {
+          if (!x.is_string()) throw ApiError{"'guided_choice' must be a list of strings", "guided_choice"};
+          choices.push_back(x.get<std::string>());
+        }
+        r.params.grammar = Grammar::from_choices(choices);
+      }
+    } catch (const std::invalid_argument& e) {
+      throw ApiError{fmt::format("'{}': {}", which, e.what()), which};
+    }
+  }
   if (set("tools") && !(body["tools"].is_array() && body["tools"].empty()))
     throw ApiError{"'tools' (function calling) is not supported", "tools"};
   if (set("tool_choice") && !(body["tool_choice"].is_string() && body["tool_choice"] == "none"))
@@ -237,7 +272,7 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
     throw ApiError{"'suffix' (insertion) is not supported", "suffix"};
   if (set("best_of") && !(body["best_of"].is_number_integer() && body["best_of"].get<int64_t>() == r.n))
     throw ApiError{"'best_of' other than n is not supported", "best_of"};
-  for (const char* key : {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "grammar", "json_schema"})
+  for (const char* key : {"guided_regex", "guided_grammar", "grammar"})
     if (set(key)) throw ApiError{fmt::format("'{}' (constrained decoding) is not supported", key), key};
   return r;
 }
