@@ -3,10 +3,10 @@
 // or to one of a list of strings.
 //
 // Grammar::from_schema compiles a schema into a byte-level context-free grammar. Its terminals
-// are byte sets, plus two elements the automaton runs itself: a JSON string (quotes, escapes,
-// well-formed UTF-8 and, when the schema bounds it, its length in code points) and the gap
-// between tokens (JsonState's rule: at most one space or tab, or a newline and at most 32 spaces
-// or tabs). GrammarState is the set of parse stacks that the bytes so far leave open (a schema's
+// are byte sets, plus three elements the automaton runs itself: a JSON string (quotes, escapes,
+// well-formed UTF-8 and, when the schema bounds it, its length in code points), an integer within
+// bounds, and the gap between tokens (JsonState's rule: at most one space or tab, or a newline and
+// at most 32 spaces or tabs). GrammarState is the set of parse stacks that the bytes so far leave open (a schema's
 // alternatives, anyOf or optional properties, can keep several open until a byte decides).
 //
 // What the generated text looks like:
@@ -17,6 +17,7 @@
 //   two characters, at a printable ASCII character);
 // - numbers have at most 16 integer digits, 16 fraction digits and 2 exponent digits (within a
 //   double's range);
+// - `enum` / `const` values are filtered by the type, length and bounds beside them;
 // - `oneOf` is generated as `anyOf` (a value matching two of its branches is possible);
 // - formats: date is a calendar date of years 0001-9999 (February to the 28th), time RFC 3339's
 //   full-time without leap seconds, date-time the two joined by 'T', uuid 8-4-4-4-12 hex digits,
@@ -33,8 +34,10 @@
 //
 // grammar_mask() sets to -inf the logits of the tokens whose bytes cannot continue the text. It
 // walks the vocabulary as a trie (GrammarVocab), so a byte that cannot come next rules out every
-// token that starts with it at once; inside a string without length bounds, the tokens of plain
-// string text (JsonVocab's flag) are allowed without a walk, and only the others are walked.
+// token that starts with it at once; inside strings, the tokens of plain string text (JsonVocab's
+// flag) that fit the length left are allowed without a walk, and only the others are walked.
+// Limits: nesting to about 100 levels, at most kMaxStacks parse stacks open at once, objects of
+// at most 1000 properties, const / enum values nested at most 64 levels.
 #pragma once
 #include <array>
 #include <cstdint>
