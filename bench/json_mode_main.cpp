@@ -4,15 +4,21 @@
 // the same run, and the mask's own time per step (grammar_mask: JSON mode's grammar is that of
 // {"type": "object"}).
 //
-//   json_mode MODEL.gguf [--tokens 64] [--reps 5] [--threads 2] [--schema FILE]
+//   json_mode MODEL.gguf [--tokens 64] [--reps 5] [--threads 2] [--schema FILE] [--batch 1]
 //
 // Each repetition generates up to --tokens tokens constrained (greedy) from a prompt that asks
 // for JSON, then the same number of tokens without it (end of generation ignored), and compares
 // their decode time per token (first token excluded). The mask alone: grammar_mask over the whole
 // vocabulary at every byte of the JSON text generated, median microseconds per
-// call. bench/cats.schema.json is a schema for the prompt's question.
+// call. bench/cats.schema.json is a schema for the prompt's question. --batch N submits N copies
+// of each request at once (sampled with temperature 1 and seeds 0..N-1, so that they differ) and
+// compares the time from submission to the last token, per token generated, constrained vs plain:
+// the masks of the N sequences share each step.
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstdio>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -33,13 +39,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: json_mode MODEL.gguf [--tokens 64] [--reps 5] [--threads 2] [--schema FILE]\n");
     return 2;
   }
-  int tokens = 64, reps = 5, threads = 2;
+  int tokens = 64, reps = 5, threads = 2, batch = 1;
   std::shared_ptr<const Grammar> grammar;
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--tokens") tokens = std::stoi(argv[i + 1]);
     else if (a == "--reps") reps = std::stoi(argv[i + 1]);
     else if (a == "--threads") threads = std::stoi(argv[i + 1]);
+    else if (a == "--batch") batch = std::stoi(argv[i + 1]);
     else if (a == "--schema") grammar = Grammar::from_schema_text(read_text_file(argv[i + 1], "--schema"));
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
@@ -62,6 +69,55 @@ int main(int argc, char** argv) {
                   "{\"name\": \"Bo\", \"age\": 2, \"colors\": [\"black\", \"white\"]}]}\n" + ask + "\n";
   }
   const std::vector<int32_t> prompt = tok.encode(text_prompt, true, true);
+  if (batch > 1) {
+    // N requests at once: wall time per generated token, constrained vs plain (the plain ones
+    // generate as many tokens as the constrained ones did, end of generation ignored).
+    std::vector<double> ratio;
+    for (int r = 0; r < reps; ++r) {
+      double per[2] = {0, 0};
+      std::vector<int> counts(size_t(batch), tokens);
+      for (int constrained = 1; constrained >= 0; --constrained) {
+        std::vector<GenRequest> rs(static_cast<size_t>(batch));
+        std::vector<GenResult> out(static_cast<size_t>(batch));
+        std::atomic<int> left{batch};
+        std::mutex mu;
+        std::condition_variable cv;
+        for (int b = 0; b < batch; ++b) {
+          GenRequest& q = rs[size_t(b)];
+          q.prompt = prompt;
+          q.params.sampling.temperature = 1.0f;
+          q.params.sampling.seed = uint64_t(b);
+          q.params.max_tokens = constrained ? tokens : counts[size_t(b)];
+          q.params.json_object = constrained && !grammar;
+          q.params.grammar = constrained ? grammar : nullptr;
+          q.params.ignore_eos = !constrained;
+          q.on_done = [&, b](const GenResult& g) {
+            out[size_t(b)] = g;
+            std::lock_guard<std::mutex> lk(mu);
+            if (--left == 0) cv.notify_all();
+          };
+        }
+        const double t0 = now_seconds();
+        e.submit_all(std::move(rs));
+        {
+          std::unique_lock<std::mutex> lk(mu);
+          cv.wait(lk, [&] { return left == 0; });
+        }
+        const double took = now_seconds() - t0;
+        size_t total = 0;
+        for (int b = 0; b < batch; ++b) {
+          total += out[size_t(b)].tokens.size();
+          if (constrained) counts[size_t(b)] = std::max<int>(1, int(out[size_t(b)].tokens.size()));
+        }
+        per[constrained] = took / double(total);
+      }
+      ratio.push_back(per[1] / per[0]);
+      std::printf("batch %d, rep %d: %s %.3f ms per token, plain %.3f, ratio %.3f\n", batch, r,
+                  grammar ? "json_schema" : "JSON mode", per[1] * 1e3, per[0] * 1e3, per[1] / per[0]);
+    }
+    std::printf("batch %d: median ratio %.3f\n", batch, median(ratio));
+    return 0;
+  }
   std::vector<double> per_json, per_plain;
   std::string text;
   int n = 0;
