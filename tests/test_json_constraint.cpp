@@ -1,4 +1,4 @@
-// JSON mode: the reference automaton (model/json_constraint.h) accepts exactly the JSON objects
+// JSON mode: the reference automaton (tests/json_reference.h) accepts exactly the JSON objects
 // (checked against nlohmann::json's parser on valid, invalid and randomly mutated documents), every
 // prefix of one and nothing else; the grammar JSON mode generates with (Grammar::json_object,
 // model/json_schema.h) takes the same bytes on those documents; its mask on a real vocabulary
@@ -14,9 +14,11 @@
 #include <string>
 
 #include "gguf/gguf.h"
+#include "json_reference.h"
 #include "model/json_constraint.h"
 #include "model/json_schema.h"
 #include "model/tokenizer.h"
+#include "test_models.h"
 
 using namespace kvq;
 
@@ -274,9 +276,7 @@ TEST(JsonConstraint, AgreesWithTheReferenceParserOnMutatedDocuments) {
 // against feeding each token's bytes to the reference automaton.
 class JsonMask : public ::testing::TestWithParam<std::string> {};
 
-INSTANTIATE_TEST_SUITE_P(Vocabularies, JsonMask,
-                         ::testing::Values(std::string(KVQ_SOURCE_DIR) + "/../shared/models/stories260K.gguf",
-                                           std::string(KVQ_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+INSTANTIATE_TEST_SUITE_P(Vocabularies, JsonMask, ::testing::ValuesIn(kvq_vocab_test_models()));
 
 TEST_P(JsonMask, LeavesExactlyTheContinuations) {
   const std::string path = GetParam();

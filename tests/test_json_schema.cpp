@@ -20,6 +20,7 @@
 #include "model/json_constraint.h"
 #include "model/json_schema.h"
 #include "model/tokenizer.h"
+#include "test_models.h"
 #include "model/unicode.h"
 
 using namespace kvq;
@@ -590,9 +591,7 @@ TEST(JsonSchema, AcceptsWrittenDocumentsAndMutationsOnlyWhenValid) {
 // random walks (inside strings, numbers, keys, between tokens).
 class GrammarMask : public ::testing::TestWithParam<std::string> {};
 
-INSTANTIATE_TEST_SUITE_P(Vocabularies, GrammarMask,
-                         ::testing::Values(std::string(KVQ_SOURCE_DIR) + "/../shared/models/stories260K.gguf",
-                                           std::string(KVQ_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+INSTANTIATE_TEST_SUITE_P(Vocabularies, GrammarMask, ::testing::ValuesIn(kvq_vocab_test_models()));
 
 TEST_P(GrammarMask, LeavesExactlyTheContinuations) {
   const std::string path = GetParam();

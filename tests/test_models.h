@@ -14,3 +14,11 @@ inline std::string kvq_test_model(const std::string& file) {
     if (!d.empty() && std::filesystem::exists(d + "/" + file)) return d + "/" + file;
   return "";
 }
+
+// The real vocabularies the token-mask tests run over: stories260K's (SentencePiece with byte
+// tokens, from ../shared) and SmolLM2's (byte-level BPE, 49152 tokens, from scripts/get-models.sh).
+// A test skips the one that is absent.
+inline std::vector<std::string> kvq_vocab_test_models() {
+  return {std::string(KVQ_SOURCE_DIR) + "/../shared/models/stories260K.gguf",
+          std::string(KVQ_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf"};
+}

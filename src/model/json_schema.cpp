@@ -141,9 +141,9 @@ uint64_t ws_step(uint64_t sub, unsigned char c) {
   const bool blank = c == ' ' || c == '\t';
   if (sub == 0) return blank ? 1 : c == '\n' ? 2 : kWsFail;
   if (sub == 1) return kWsFail;
-  return blank && sub - 2 < uint64_t(JsonState::kMaxIndent) ? sub + 1 : kWsFail;
+  return blank && sub - 2 < uint64_t(kJsonMaxIndent) ? sub + 1 : kWsFail;
 }
-bool ws_more(uint64_t sub) { return sub == 0 || (sub >= 2 && sub - 2 < uint64_t(JsonState::kMaxIndent)); }
+bool ws_more(uint64_t sub) { return sub == 0 || (sub >= 2 && sub - 2 < uint64_t(kJsonMaxIndent)); }
 
 // ---- the bounded integer: sub = digits (bits 0-4), '-' seen (bit 5), magnitude so far (bits 8-) ----
 

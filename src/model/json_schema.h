@@ -5,9 +5,10 @@
 // Grammar::from_schema compiles a schema into a byte-level context-free grammar. Its terminals
 // are byte sets, plus three elements the automaton runs itself: a JSON string (quotes, escapes,
 // well-formed UTF-8 and, when the schema bounds it, its length in code points), an integer within
-// bounds, and the gap between tokens (JsonState's rule: at most one space or tab, or a newline and
-// at most 32 spaces or tabs). GrammarState is the set of parse stacks that the bytes so far leave open (a schema's
-// alternatives, anyOf or optional properties, can keep several open until a byte decides).
+// bounds, and the gap between tokens (at most one space or tab, or a newline and at most
+// kJsonMaxIndent spaces or tabs). GrammarState is the set of parse stacks that the bytes so far
+// leave open (a schema's alternatives, anyOf or optional properties, can keep several open until
+// a byte decides).
 //
 // What the generated text looks like:
 // - an object's properties come in the schema's order; every required one is there, the others
