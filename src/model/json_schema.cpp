@@ -1202,16 +1202,15 @@ int64_t GrammarState::string_room() const {
 GrammarVocab::GrammarVocab(const JsonVocab& vocab) {
   const int32_t n = vocab.n_vocab();
   bytes_.resize(size_t(n));
-  eog_.assign(size_t(n), 0);
   text_.assign(size_t(n), 0);
   text_len_.assign(size_t(n), 0);
   std::vector<int32_t> all, special;
   for (int32_t id = 0; id < n; ++id) {
     bytes_[size_t(id)] = vocab.bytes(id);
-    eog_[size_t(id)] = vocab.ends(id);
+    if (vocab.ends(id)) eog_ids_.push_back(id);
     text_[size_t(id)] = vocab.string_text(id);
     for (unsigned char c : bytes_[size_t(id)]) text_len_[size_t(id)] += (c & 0xC0) != 0x80;
-    if (bytes_[size_t(id)].empty() || eog_[size_t(id)]) continue;
+    if (bytes_[size_t(id)].empty() || vocab.ends(id)) continue;
     all.push_back(id);
     if (!text_[size_t(id)]) special.push_back(id);
   }
@@ -1290,8 +1289,8 @@ int grammar_mask(const GrammarState& state, const GrammarVocab& vocab, const std
     walk(state, vocab.all_, ok);
   }
   const bool end = state.accepting();
-  for (int32_t id = 0; id < n; ++id)
-    if (vocab.eog_[size_t(id)]) ok[size_t(id)] = end;
+  for (int32_t id : vocab.eog_ids_)
+    if (id < n) ok[size_t(id)] = end;
   for (int32_t id : stop_ids)
     if (id >= 0 && id < n) ok[size_t(id)] = end;
   int allowed = 0;
@@ -1302,8 +1301,8 @@ int grammar_mask(const GrammarState& state, const GrammarVocab& vocab, const std
   for (int id = n; id < n_vocab; ++id) logits[id] = ninf;
   if (allowed == 0) {
     // Nothing can continue the text (a vocabulary without some byte): end it.
-    for (int32_t id = 0; id < n; ++id)
-      if (vocab.eog_[size_t(id)]) {
+    for (int32_t id : vocab.eog_ids_)
+      if (id < n) {
         logits[id] = 0;
         ++allowed;
       }

@@ -169,7 +169,7 @@ class GrammarVocab {
   friend int grammar_mask(const GrammarState&, const GrammarVocab&, const std::vector<int32_t>&, float*, int);
   static Trie build(const std::vector<std::string>& bytes, const std::vector<int32_t>& ids);
   std::vector<std::string> bytes_;
-  std::vector<char> eog_;
+  std::vector<int32_t> eog_ids_;  // the end-of-generation tokens
   std::vector<char> text_;  // JsonVocab::string_text
   std::vector<uint32_t> text_len_;  // and such a token's length in code points
   Trie all_;                // every token with bytes
