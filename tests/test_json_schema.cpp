@@ -77,6 +77,8 @@ bool validate_type(const ojson& root, const ojson& s, const std::string& t, cons
     const size_t n = code_points(v.get<std::string>());
     if (s.contains("minLength") && n < s["minLength"].get<size_t>()) return false;
     if (s.contains("maxLength") && n > s["maxLength"].get<size_t>()) return false;
+    if (s.contains("pattern") && !std::regex_search(v.get<std::string>(), std::regex(s["pattern"].get<std::string>())))
+      return false;
     if (s.contains("format")) {
       static const std::map<std::string, std::regex> formats = {
           {"date", std::regex(R"(\d{4}-((0[13578]|1[02])-(0[1-9]|[12]\d|3[01])|(0[469]|11)-(0[1-9]|[12]\d|30)|02-(0[1-9]|1\d|2[0-8])))")},
@@ -132,6 +134,8 @@ bool validate(const ojson& root, const ojson& s, const ojson& v) {
   if (s.contains("$ref")) return validate(root, root.at(ojson::json_pointer(s["$ref"].get<std::string>().substr(1))), v);
   if (s.contains("const")) return v == s["const"];
   if (s.contains("enum")) {
+    if (s.contains("pattern") && v.is_string() && !std::regex_search(v.get<std::string>(), std::regex(s["pattern"].get<std::string>())))
+      return false;
     for (const ojson& e : s["enum"])
       if (v == e) return true;
     return false;
@@ -152,7 +156,7 @@ bool validate(const ojson& root, const ojson& s, const ojson& v) {
     types = {"object"};
   } else if (s.contains("items") || s.contains("prefixItems") || s.contains("minItems") || s.contains("maxItems")) {
     types = {"array"};
-  } else if (s.contains("minLength") || s.contains("maxLength")) {
+  } else if (s.contains("minLength") || s.contains("maxLength") || s.contains("pattern")) {
     types = {"string"};
   } else {
     return true;
@@ -188,6 +192,10 @@ const std::vector<std::string>& schemas() {
       R"({"type": "array", "prefixItems": [{"type": "string", "format": "date"}, {"format": "time"},
           {"type": "string", "format": "date-time"}, {"type": "string", "format": "uuid"},
           {"type": "string", "format": "ipv4"}], "items": false, "minItems": 5})",
+      R"({"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3,5}$"},
+          "note": {"pattern": "a(b|c)*d", "maxLength": 9}, "q": {"type": "string", "pattern": "^[^\"\\\\]*[\"\\\\]\\n?$"},
+          "pick": {"enum": ["ab", "cd", "ax", 5], "pattern": "^a"}, "any": {"type": "string", "pattern": "^x"}},
+          "required": ["code", "note", "q", "pick", "any"]})",
   };
   return s;
 }
@@ -211,10 +219,10 @@ std::string random_walk(const std::shared_ptr<const Grammar>& g, std::mt19937& r
     EXPECT_FALSE(next.empty()) << "dead end after '" << out << "'";
     if (next.empty()) return out;
     // Past 200 bytes, prefer what closes: brackets, quotes, and the digits and letters of short
-    // words, so that most walks end.
+    // words, so that most walks end (and a backslash, which a pattern may need before a quote).
     unsigned char c = next[std::uniform_int_distribution<size_t>(0, next.size() - 1)(rng)];
     if (len > 200)
-      for (unsigned char pref : std::string("\"}]el0"))
+      for (unsigned char pref : std::string("\"\\}]el0"))
         if (std::find(next.begin(), next.end(), pref) != next.end()) {
           c = pref;
           break;
@@ -228,7 +236,14 @@ std::string random_walk(const std::shared_ptr<const Grammar>& g, std::mt19937& r
 }  // namespace
 
 TEST(JsonSchema, RefusesWhatItCannotGenerate) {
-  EXPECT_NE(compile_error(R"({"type": "string", "pattern": "^a+$"})").find("'pattern' is not supported"), std::string::npos);
+  EXPECT_NE(compile_error(R"j({"type": "string", "pattern": "(?=a)"})j").find("#': pattern \"(?=a)\": lookahead"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"properties": {"p": {"pattern": 3}}})").find("#/properties/p': 'pattern' must be a string"),
+            std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "string", "format": "date", "pattern": "^2"})").find("minLength/maxLength/pattern"),
+            std::string::npos);
+  EXPECT_NE(compile_error(R"({"enum": ["ab", "cd"], "pattern": "^x"})").find("no value of 'enum'"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "string", "pattern": "^abc$", "maxLength": 2})").find("within the length bounds"),
+            std::string::npos);
   EXPECT_EQ(compile_error(R"({"type": "string", "format": "email"})"), "");  // an annotation: a plain string
   EXPECT_NE(compile_error(R"({"type": "number", "minimum": 0})").find("on integers only"), std::string::npos);
   EXPECT_NE(compile_error(R"({"minimum": 0})").find("without \"type\": \"integer\""), std::string::npos);

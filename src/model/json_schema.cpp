@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "model/json_constraint.h"
+#include "model/regex.h"
 #include "model/unicode.h"
 
 namespace kvq {
@@ -461,7 +462,7 @@ class SchemaCompiler {
   }
   static const std::set<std::string>& unsupported() {
     static const std::set<std::string> u = {
-        "pattern", "multipleOf",
+        "multipleOf",
         "minProperties", "maxProperties", "patternProperties", "propertyNames", "dependentRequired",
         "dependentSchemas", "dependencies", "uniqueItems", "contains", "minContains", "maxContains", "not", "if",
         "then", "else", "unevaluatedProperties", "unevaluatedItems", "additionalItems", "$dynamicRef",
@@ -470,7 +471,7 @@ class SchemaCompiler {
   }
   static const char* supported_list() {
     return "supported: type, properties, required, additionalProperties, items, prefixItems, minItems, "
-           "maxItems, minLength, maxLength, minimum/maximum/exclusiveMinimum/exclusiveMaximum on integers, format "
+           "maxItems, minLength, maxLength, pattern, minimum/maximum/exclusiveMinimum/exclusiveMaximum on integers, format "
            "(date, time, date-time, uuid, ipv4), enum, const, anyOf, oneOf, allOf (one schema), $ref, $defs";
   }
 
@@ -608,7 +609,7 @@ class SchemaCompiler {
     const std::vector<std::string> types = types_of(s, path);
     if (s.contains("const") || s.contains("enum")) {
       // Beside the values, only what can be checked on them: they are filtered by it.
-      static const std::set<std::string> siblings = {"const", "enum", "type", "minLength", "maxLength", "minimum",
+      static const std::set<std::string> siblings = {"const", "enum", "type", "minLength", "maxLength", "pattern", "minimum",
                                                      "maximum", "exclusiveMinimum", "exclusiveMaximum", "$defs",
                                                      "definitions"};
       for (const std::string& k : constraints)
@@ -629,10 +630,13 @@ class SchemaCompiler {
       const uint32_t r = new_rule();
       int n = 0;
       std::vector<std::string> words;  // the scalars' texts, merged into one trie
+      std::unique_ptr<RegexDfa> pattern;  // strings are filtered by it too
+      if (s.contains("pattern")) pattern = std::make_unique<RegexDfa>(regex(s, path, {}));
       for (const json& v : values) {
         bool ok = types.empty();
         for (const std::string& t : types) ok = ok || matches_type(v, t);
         if (!ok || !within_bounds(s, v, path)) continue;
+        if (pattern && v.is_string() && !pattern->matches(v.get<std::string>())) continue;
         if (v.is_object() || v.is_array()) {
           Seq text;
           value_text(v, text);
@@ -654,7 +658,7 @@ class SchemaCompiler {
     if (ts.empty()) {  // the type the keywords imply, or any value
       const bool obj = s.contains("properties") || s.contains("required") || s.contains("additionalProperties");
       const bool arr = s.contains("items") || s.contains("prefixItems") || s.contains("minItems") || s.contains("maxItems");
-      const bool str_kw = s.contains("minLength") || s.contains("maxLength") || s.contains("format");
+      const bool str_kw = s.contains("minLength") || s.contains("maxLength") || s.contains("format") || s.contains("pattern");
       const bool num_kw = s.contains("minimum") || s.contains("maximum") || s.contains("exclusiveMinimum") ||
                           s.contains("exclusiveMaximum");
       if (obj + arr + str_kw + num_kw > 1) fail(path, "keywords of several types without 'type'");
@@ -685,8 +689,8 @@ class SchemaCompiler {
     if (t == "string" && s.contains("format")) {
       const uint32_t r = format(s["format"], path);
       if (r != UINT32_MAX) {
-        if (s.contains("minLength") || s.contains("maxLength"))
-          fail(path, "'format' beside minLength/maxLength is not supported");
+        if (s.contains("minLength") || s.contains("maxLength") || s.contains("pattern"))
+          fail(path, "'format' beside minLength/maxLength/pattern is not supported");
         return r;
       }
       // Another format: an annotation (JSON Schema 2020-12's default), the string is plain.
@@ -695,12 +699,58 @@ class SchemaCompiler {
       const uint32_t min_len = s.contains("minLength") ? count_of(s, "minLength", path) : 0;
       const uint32_t max_len = count_of(s, "maxLength", path);
       if (min_len > max_len) fail(path, "'minLength' is larger than 'maxLength'");
+      if (s.contains("pattern")) {
+        RegexOptions o;
+        o.json_string = true;
+        o.min_len = min_len;
+        o.max_len = max_len;
+        return rule_of({Seq{ch('"'), rule(dfa_rules(regex(s, path, o), true)), ch('"')}});
+      }
       return rule_of({{str(min_len, max_len)}});
     }
     if (t == "array") return array(s, path);
     return object(s, path);
   }
 
+  // A string's `pattern` as a JSON Schema validator reads it: a match anywhere unless anchored.
+  static RegexDfa regex(const json& s, const std::string& path, RegexOptions o) {
+    if (!s["pattern"].is_string()) fail(path, "'pattern' must be a string");
+    o.search = true;
+    try {
+      return compile_regex(s["pattern"].get<std::string>(), o);
+    } catch (const std::invalid_argument& e) {
+      fail(path, e.what());
+    }
+  }
+
+  // One rule per state of the automaton: the bytes of each code point it takes (UTF-8, or its JSON
+  // encoding), followed by the rule of the state it leads to, and the empty text where it accepts.
+  // (A code point's last byte ends the rule: the stack keeps one frame per state.)
+  uint32_t dfa_rules(const RegexDfa& d, bool json_string) {
+    const uint32_t base = uint32_t(g_.rules_.size());
+    for (size_t i = 0; i < d.states.size(); ++i) new_rule();
+    for (size_t i = 0; i < d.states.size(); ++i) {
+      for (const auto& [set, to] : d.states[i].next)
+        for (const ByteSeq& seq : encode_code_points(set, json_string)) {
+          Seq x;
+          for (const ByteClass& c : seq) x.push_back(bytes(c));
+          x.push_back(rule(base + to));
+          alt(base + uint32_t(i), x);
+        }
+      if (d.states[i].accept) alt(base + uint32_t(i), {});
+    }
+    return base;
+  }
+
+ public:
+  void compile_regex_text(std::string_view pattern, const RegexOptions& opt) {
+    const uint32_t r = dfa_rules(compile_regex(pattern, opt), opt.json_string);
+    g_.root_ = uint32_t(g_.elems_.size());
+    g_.elems_.push_back(rule(r));
+    g_.elems_.push_back({Grammar::kEnd, 0});
+  }
+
+ private:
   // An integer within minimum / maximum (exclusive ones too, numeric as draft 6+ or boolean as
   // draft 4). Bounds past 16 digits are clamped to what the grammar writes.
   uint32_t bounded_integer(const json& s, const std::string& path) {
@@ -1028,6 +1078,12 @@ std::shared_ptr<const Grammar> Grammar::from_choices(const std::vector<std::stri
   static const nlohmann::ordered_json none;
   SchemaCompiler c(*g, none);
   c.compile_choices(choices);
+  return g;
+}
+
+std::shared_ptr<const Grammar> Grammar::from_regex(std::string_view pattern, const RegexOptions& opt) {
+  auto g = std::make_shared<Grammar>();
+  SchemaCompiler(*g, json()).compile_regex_text(pattern, opt);
   return g;
 }
 

@@ -23,14 +23,18 @@
 // - formats: date is a calendar date of years 0001-9999 (February to the 28th), time RFC 3339's
 //   full-time without leap seconds, date-time the two joined by 'T', uuid 8-4-4-4-12 hex digits,
 //   ipv4 four octets without leading zeros.
+// - `pattern` (regex.h) holds for the string's text (a match anywhere unless `^` / `$` anchor it,
+//   as validators read it), together with minLength / maxLength; each character is written in one
+//   JSON encoding (`\"`, `\\`, `\n`-style or `\u00XX` escapes for the characters JSON escapes,
+//   UTF-8 for the rest).
 // Supported keywords: type (a name or a list), properties, required, additionalProperties, items
-// (a schema, or a list: a tuple), prefixItems, minItems, maxItems, minLength, maxLength, minimum,
+// (a schema, or a list: a tuple), prefixItems, minItems, maxItems, minLength, maxLength, pattern, minimum,
 // maximum, exclusiveMinimum, exclusiveMaximum (on integers), format (date, time, date-time, uuid,
 // ipv4), enum, const, anyOf, oneOf, allOf (one schema), $ref (a JSON pointer into the document:
 // #/$defs/..., #/definitions/..., #), $defs and definitions. Annotations (title, description,
 // default, examples, $schema, $id, $comment, ...) are ignored, and so are other formats (an
 // annotation by default in JSON Schema 2020-12: plain strings). The other validation keywords
-// (pattern, bounds on non-integer numbers, multipleOf, uniqueItems, not, if, ...) are refused with
+// (bounds on non-integer numbers, multipleOf, uniqueItems, not, if, ...) are refused with
 // an error that names them, rather than generating text the schema would reject.
 //
 // grammar_mask() sets to -inf the logits of the tokens whose bytes cannot continue the text. It
@@ -48,6 +52,8 @@
 #include <string_view>
 #include <vector>
 
+#include "model/regex.h"
+
 namespace kvq {
 
 class JsonVocab;
@@ -62,6 +68,11 @@ class Grammar {
   // vLLM's guided_choice: the text is exactly one of the choices (no quotes, nothing around it).
   // Throws std::invalid_argument for no choice, or one longer than 4096 bytes.
   static std::shared_ptr<const Grammar> from_choices(const std::vector<std::string>& choices);
+  // vLLM's guided_regex: the whole text matches the regular expression (regex.h: ECMA-262 syntax;
+  // `opt` as compile_regex takes it, and json_string for the inside of a JSON string, written as
+  // encode_code_points writes it). Throws std::invalid_argument naming what is not supported, or a
+  // pattern nothing matches.
+  static std::shared_ptr<const Grammar> from_regex(std::string_view pattern, const RegexOptions& opt = {});
   // JSON mode's grammar (response_format json_object): {"type": "object"}, any JSON object.
   static const std::shared_ptr<const Grammar>& json_object();
 

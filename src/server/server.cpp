@@ -228,39 +228,71 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
                      "response_format"};
     }
   }
-  // vLLM's guided decoding parameters, guided_json (a schema, or its text) and guided_choice (the
-  // output is exactly one of the strings), and llama.cpp's json_schema (as guided_json).
-  const int guided = set("guided_json") + set("guided_choice") + set("json_schema");
-  if (guided > 0) {
-    const char* which = set("guided_json") ? "guided_json" : set("json_schema") ? "json_schema" : "guided_choice";
-    if (guided > 1 || r.params.grammar || r.params.json_object)
-      throw ApiError{"give one of 'response_format' (json_object or json_schema), 'guided_json', 'json_schema' and "
-                     "'guided_choice'",
-                     which};
+  // vLLM's structured outputs: {"structured_outputs": {"json" | "regex" | "choice" | "json_object": ...}}
+  // (v0.12 on) and the guided_json / guided_regex / guided_choice parameters before it; and
+  // llama.cpp's json_schema (as guided_json). A schema is an object or its text; the choice's output
+  // is exactly one of its strings; the regex's output matches it whole.
+  struct Guided {
+    std::string name;     // as the client wrote it, for errors
+    std::string pointer;  // where in the body
+    char kind;            // 'j' schema, 'r' regex, 'c' choice, 'o' JSON mode
+  };
+  std::vector<Guided> guided;
+  for (const auto& [key, kind] : {std::pair{"guided_json", 'j'}, {"json_schema", 'j'}, {"guided_regex", 'r'},
+                                  {"guided_choice", 'c'}})
+    if (set(key)) guided.push_back({key, std::string("/") + key, kind});
+  if (set("structured_outputs")) {
+    const json& so = body["structured_outputs"];
+    if (!so.is_object()) throw ApiError{"'structured_outputs' must be an object", "structured_outputs"};
+    for (const auto& [k, v] : so.items()) {
+      const std::string name = "structured_outputs." + k;
+      if (v.is_null() || k == "disable_fallback" || k == "disable_any_whitespace" || k == "disable_additional_properties")
+        continue;  // backend settings: kvq has one backend, whitespace as llama.cpp's, no unlisted properties
+      const std::string at = "/structured_outputs/" + k;
+      if (k == "json") guided.push_back({name, at, 'j'});
+      else if (k == "regex") guided.push_back({name, at, 'r'});
+      else if (k == "choice") guided.push_back({name, at, 'c'});
+      else if (k == "json_object" && v == true) guided.push_back({name, at, 'o'});
+      else if (k == "json_object") continue;
+      else if (k == "grammar" || k == "structural_tag" || k == "whitespace_pattern")
+        throw ApiError{fmt::format("'{}' is not supported", name), name};
+      else throw ApiError{fmt::format("unknown parameter '{}' (structured_outputs takes json, regex, choice, json_object)", name), name};
+    }
+  }
+  if (!guided.empty()) {
+    const Guided& g = guided.front();
+    if (guided.size() > 1 || r.params.grammar || r.params.json_object)
+      throw ApiError{"give one of 'response_format' (json_object or json_schema), 'structured_outputs' (one of json, "
+                     "regex, choice, json_object), 'guided_json', 'json_schema', 'guided_regex' and 'guided_choice'",
+                     g.name};
+    const json& v = body.at(json::json_pointer(g.pointer));
     try {
-      if (std::string(which) != "guided_choice") {
-        const json& g = body[which];
-        if (g.is_string()) {
-          r.params.grammar = Grammar::from_schema_text(g.get<std::string>());
+      if (g.kind == 'j') {
+        if (v.is_string()) {
+          r.params.grammar = Grammar::from_schema_text(v.get<std::string>());
         } else {
           const nlohmann::ordered_json ordered = nlohmann::ordered_json::parse(raw, nullptr, false);
-          const nlohmann::ordered_json::json_pointer at("/" + std::string(which));
+          const nlohmann::ordered_json::json_pointer at(g.pointer);
           if (ordered.is_discarded() || !ordered.contains(at))
-            throw ApiError{fmt::format("'{}': the schema could not be read from the request body", which), which};
+            throw ApiError{fmt::format("'{}': the schema could not be read from the request body", g.name), g.name};
           r.params.grammar = Grammar::from_schema(ordered.at(at));
         }
-      } else {
-        const json& c = body["guided_choice"];
-        if (!c.is_array()) throw ApiError{"'guided_choice' must be a list of strings", "guided_choice"};
+      } else if (g.kind == 'r') {
+        if (!v.is_string()) throw ApiError{fmt::format("'{}' must be a string", g.name), g.name};
+        r.params.grammar = Grammar::from_regex(v.get<std::string>());
+      } else if (g.kind == 'c') {
+        if (!v.is_array()) throw ApiError{fmt::format("'{}' must be a list of strings", g.name), g.name};
         std::vector<std::string> choices;
-        for (const json& x : c) {
-          if (!x.is_string()) throw ApiError{"'guided_choice' must be a list of strings", "guided_choice"};
+        for (const json& x : v) {
+          if (!x.is_string()) throw ApiError{fmt::format("'{}' must be a list of strings", g.name), g.name};
           choices.push_back(x.get<std::string>());
         }
         r.params.grammar = Grammar::from_choices(choices);
+      } else {
+        r.params.json_object = true;
       }
     } catch (const std::invalid_argument& e) {
-      throw ApiError{fmt::format("'{}': {}", which, e.what()), which};
+      throw ApiError{fmt::format("'{}': {}", g.name, e.what()), g.name};
     }
   }
   if (set("tools") && !(body["tools"].is_array() && body["tools"].empty()))
@@ -272,7 +304,7 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
     throw ApiError{"'suffix' (insertion) is not supported", "suffix"};
   if (set("best_of") && !(body["best_of"].is_number_integer() && body["best_of"].get<int64_t>() == r.n))
     throw ApiError{"'best_of' other than n is not supported", "best_of"};
-  for (const char* key : {"guided_regex", "guided_grammar", "grammar"})
+  for (const char* key : {"guided_grammar", "grammar"})
     if (set(key)) throw ApiError{fmt::format("'{}' (constrained decoding) is not supported", key), key};
   return r;
 }

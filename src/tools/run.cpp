@@ -39,6 +39,11 @@ void run_add_cli(CLI::App& app, RunOptions& o) {
                  "structured output: only tokens that continue a document of the JSON Schema in FILE are sampled, "
                  "and generation ends when it is complete (as kvq serve's response_format json_schema)")
       ->type_name("FILE");
+  app.add_option("--regex", o.regex,
+                 "structured output: only tokens that continue a text matching the regular expression PATTERN "
+                 "whole are sampled, and generation ends when no more can come (as kvq serve's structured_outputs "
+                 "regex; ECMA-262 syntax)")
+      ->type_name("PATTERN");
   app.add_option("--temp", o.sampling.temperature, "temperature (0: greedy)")->capture_default_str();
   app.add_option("--top-k", o.sampling.top_k, "top-k (0: off)")->capture_default_str();
   app.add_option("--top-p", o.sampling.top_p, "top-p (1: off)")->capture_default_str();
@@ -75,13 +80,21 @@ int run_command(const RunOptions& o) {
     prompt = read_text_file(o.prompt_file, "-f");
   }
   const int threads = resolve_threads(o.threads);
-  if (o.json_object && !o.json_schema.empty()) fail("give either --json or --json-schema, not both");
+  if (int(o.json_object) + int(!o.json_schema.empty()) + int(!o.regex.empty()) > 1)
+    fail("give one of --json, --json-schema and --regex");
   std::shared_ptr<const Grammar> grammar = o.json_object ? Grammar::json_object() : nullptr;
   if (!o.json_schema.empty()) {
     try {
       grammar = Grammar::from_schema_text(read_text_file(o.json_schema, "--json-schema"));
     } catch (const std::invalid_argument& e) {
       fail("--json-schema {}: {}", o.json_schema, e.what());
+    }
+  }
+  if (!o.regex.empty()) {
+    try {
+      grammar = Grammar::from_regex(o.regex);
+    } catch (const std::invalid_argument& e) {
+      fail("--regex: {}", e.what());
     }
   }
 
@@ -171,7 +184,8 @@ int run_command(const RunOptions& o) {
       if (doc && (!doc->feed(json_vocab->bytes(next)) || doc->done())) {
         stop_reason = !doc->done()      ? "no token continues the document"
                       : o.json_object ? "end of the JSON object"
-                                      : "end of the document";
+                      : o.regex.empty() ? "end of the document"
+                                        : "end of the match";
         break;
       }
       if (cache.n_tokens() >= ctx) {

@@ -23,6 +23,7 @@ struct RunOptions {
   bool echo = false;
   bool json_object = false;  // --json: the output is one JSON object (model/json_constraint.h)
   std::string json_schema;   // --json-schema FILE: the output is a document of the schema (model/json_schema.h)
+  std::string regex;         // --regex PATTERN: the output matches it whole (model/regex.h)
   std::string system;    // --system, with --chat
   SamplerParams sampling;
   KvFlags kv;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Structured output checked by an independent validator: kvq run --json-schema samples (hot, many
+# Structured output checked by independent validators: kvq run --json-schema samples (hot, many
 # seeds) from the story model under schemas of every supported keyword, and each complete
-# document is validated by Python's jsonschema (python3-jsonschema, scripts/install-deps.sh).
+# document is validated by Python's jsonschema (python3-jsonschema, scripts/install-deps.sh);
+# kvq run --regex output is matched whole by Python's re.
 set -u
 source "$(dirname "$0")/common.bash"
 require "$model"
@@ -16,6 +17,7 @@ schemas=(
   '{"type": "object", "properties": {"s": {"type": "string", "maxLength": 4}, "u": {"type": "string", "minLength": 2, "maxLength": 2}}, "required": ["s", "u"], "additionalProperties": false}'
   '{"type": "object", "properties": {"n": {"type": "integer", "minimum": -5, "exclusiveMaximum": 40}, "d": {"type": "string", "format": "date"}, "id": {"type": "string", "format": "uuid"}, "ip": {"format": "ipv4"}}, "required": ["n", "d", "id", "ip"]}'
   '{"properties": {"a": {"type": "string"}, "ab": {"type": "boolean"}}, "additionalProperties": {"type": "null"}, "required": ["ab"]}'
+  '{"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3}$"}, "note": {"type": "string", "pattern": "(cat|dog)s?", "maxLength": 12}, "q": {"type": "string", "pattern": "^[^a-z]*\"\\\\.$", "maxLength": 10}}, "required": ["code", "note", "q"]}'
 )
 complete=0
 invalid=0
@@ -43,6 +45,22 @@ PY
     fi
   done
 done
+matched=0
+for seed in 1 2 3 4 5 6 7 8; do
+  pattern='(yes|no): [0-9]{1,3}( [a-z]+)?\.'
+  "$kvq" run -m "$model" -p "Once upon a time" -n 60 --temp 1.3 --seed "$seed" --regex "$pattern" >"$tmp/out" 2>"$tmp/err" ||
+    { echo "FAIL: --regex seed $seed exited non-zero"; fails=$((fails + 1)); continue; }
+  grep -Eq 'stop: (end of the match|end of generation token)' "$tmp/err" || continue  # cut at -n
+  if python3 - "$pattern" "$tmp/out" <<'PY'
+import re, sys
+text = open(sys.argv[2], encoding="utf-8").read()
+assert text.endswith("\n")
+sys.exit(0 if re.fullmatch(sys.argv[1], text[:-1]) else 1)
+PY
+  then matched=$((matched + 1)); else echo "FAIL: --regex seed $seed: $(head -c 200 "$tmp/out")"; invalid=$((invalid + 1)); fi
+done
+echo "--regex: $matched of 8 complete and matched"
+check "--regex output matches" "[[ $matched -ge 6 ]]"
 echo "complete documents: $complete of $(( ${#schemas[@]} * 12 )), invalid: $invalid"
 check "every complete document validates" "[[ $invalid -eq 0 ]]"
 check "most runs complete their document" "[[ $complete -ge 64 ]]"

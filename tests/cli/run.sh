@@ -49,10 +49,13 @@ bad() {
 bad "missing model file" run -m "$tmp/nope.gguf" -p hi
 printf 'GGUF\x03\x00\x00\x00garbage' >"$tmp/bad.gguf"
 bad "malformed model file" run -m "$tmp/bad.gguf" -p hi
-printf '%s' '{"type": "string", "pattern": "^[a-z]+$"}' >"$tmp/bad_schema.json"
+printf '%s' '{"type": "integer", "multipleOf": 3}' >"$tmp/bad_schema.json"
 bad "--json-schema with an unsupported keyword" run -m "$model" -p hi --json-schema "$tmp/bad_schema.json"
-check "... names it" "grep -q \"'pattern' is not supported\" $tmp/be"
+check "... names it" "grep -q \"'multipleOf' is not supported\" $tmp/be"
 bad "--json-schema and --json" run -m "$model" -p hi --json --json-schema "$tmp/schema.json"
+bad "--regex and --json" run -m "$model" -p hi --json --regex 'a+'
+bad "--regex with a backreference" run -m "$model" -p hi --regex '(a)\1'
+check "... names it" "grep -q 'backreferences are not supported' $tmp/be"
 bad "threads < 1" run -m "$model" -p hi -t -1
 bad "unknown flag" run -m "$model" --no-such-flag
 bad "unknown KV format" run -m "$model" -p hi --kv-cache-dtype int7

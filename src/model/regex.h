@@ -1,0 +1,68 @@
+// Regular expressions for structured output (JSON Schema's `pattern`, vLLM's `guided_regex`),
+// compiled into a deterministic automaton over the bytes of the text they describe, which the
+// grammar (json_schema.h) runs one rule per state.
+//
+// Syntax: ECMA-262's, as JSON Schema's `pattern` takes it (the part Python's `re` shares):
+// literals (any UTF-8 text), `.`, character classes `[...]` / `[^...]` with ranges and escapes,
+// `\d \D \w \W \s \S` (ECMA-262's sets: \d and \w ASCII, \s with the Unicode spaces), `\t \n \r
+// \f \v \0 \xHH \uHHHH` (surrogate pairs joined) `\u{H...}` `\cX` and escaped punctuation,
+// groups `(...)`, `(?:...)`, `(?<name>...)`, `(?P<name>...)`, alternation `|`, the quantifiers
+// `* + ? {n} {n,} {n,m}` (lazy `?` accepted: it does not change what matches; n, m <= 1000), and
+// `^` / `$` at the start / end of the pattern or of one of its top-level alternatives. `.` is any
+// code point but the line terminators (\n, \r, U+2028, U+2029), as in ECMA-262.
+// Refused, with an error naming it and where: backreferences, lookaround, word boundaries (\b \B),
+// Unicode property escapes (\p), inline flags, anchors elsewhere, possessive quantifiers.
+#pragma once
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace kvq {
+
+using CodePoints = std::vector<std::pair<uint32_t, uint32_t>>;  // ranges of code points, sorted, disjoint
+
+// The automaton over code points: each state's transitions on sets of code points, disjoint when
+// it is deterministic (up to RegexOptions::max_states states); past that, the pattern's NFA
+// without its empty moves, whose sets may overlap (the text may be in several states at once).
+struct RegexDfa {
+  struct State {
+    bool accept = false;
+    std::vector<std::pair<CodePoints, uint32_t>> next;
+  };
+  std::vector<State> states;  // 0 is the start; every state can reach an accepting one
+  bool deterministic = true;
+  // The UTF-8 text is accepted (a reference for tests; the grammar runs the states itself).
+  bool matches(std::string_view utf8) const;
+};
+
+struct RegexOptions {
+  // The text is the inside of a JSON string (without its quotes): written as encode_code_points
+  // writes it (Grammar::from_regex).
+  bool json_string = false;
+  // JSON Schema's `pattern`: a match anywhere in the text, unless `^` / `$` anchor it. Otherwise
+  // (vLLM's guided_regex) the whole text matches, and `^` / `$` change nothing.
+  bool search = false;
+  // The text's length in code points (JSON Schema's minLength / maxLength).
+  uint32_t min_len = 0;
+  uint32_t max_len = UINT32_MAX;
+  // Past it, the NFA (a pattern with a length bound is refused: its counter would multiply the
+  // NFA's states).
+  size_t max_states = 4000;
+};
+
+// Throws std::invalid_argument naming what is wrong or not supported (with its offset in the
+// pattern), or a pattern that no text matches within the length bounds.
+RegexDfa compile_regex(std::string_view pattern, const RegexOptions& opt);
+
+// The bytes of a set of code points, as sequences of byte sets: UTF-8, or with json_string each
+// code point in one JSON encoding: `\"`, `\\`, `\b \f \n \r \t`, `\u00xx` for the other control
+// characters, UTF-8 for the rest.
+using ByteClass = std::array<uint64_t, 4>;
+using ByteSeq = std::vector<ByteClass>;
+std::vector<ByteSeq> encode_code_points(const CodePoints& set, bool json_string);
+
+}  // namespace kvq
