@@ -534,8 +534,11 @@ TEST_F(ServerTest, JsonSchemaResponseFormat) {
     EXPECT_TRUE(std::regex_match(v["id"].get<std::string>(), code)) << t;
   }
   const std::regex answer("(yes|no), [0-9]{2}");
+  const std::string gbnf = "root ::= answer \", \" [0-9]{2}\nanswer ::= \"yes\" | \"no\"\n";
   for (const json& extra : {json{{"guided_regex", "(yes|no), [0-9]{2}"}},
-                            json{{"structured_outputs", {{"regex", "(yes|no), [0-9]{2}"}, {"disable_fallback", true}}}}}) {
+                            json{{"structured_outputs", {{"regex", "(yes|no), [0-9]{2}"}, {"disable_fallback", true}}}},
+                            json{{"grammar", gbnf}}, json{{"guided_grammar", gbnf}},
+                            json{{"structured_outputs", {{"grammar", gbnf}}}}}) {
     for (int seed = 0; seed < 3; ++seed) {
       json body = {{"prompt", "Once upon a time"}, {"max_tokens", 20}, {"temperature", 1.0}, {"seed", seed}};
       body.update(extra);
@@ -574,7 +577,9 @@ TEST_F(ServerTest, JsonSchemaResponseFormat) {
   expect_bad(ch, hi + R"j("guided_regex": "(a"})j", "guided_regex");
   expect_bad(ch, hi + R"("guided_regex": 5})", "guided_regex");
   expect_bad(ch, hi + R"("structured_outputs": {"regex": "a\\b"}})", "structured_outputs.regex");
-  expect_bad(ch, hi + R"("structured_outputs": {"grammar": "root ::= \"a\""}})", "structured_outputs.grammar");
+  expect_bad(ch, hi + R"("structured_outputs": {"grammar": "root ::= \"a"}})", "structured_outputs.grammar");
+  expect_bad(ch, hi + R"("structured_outputs": {"whitespace_pattern": " "}})", "structured_outputs.whitespace_pattern");
+  expect_bad(ch, hi + R"("grammar": "root ::= \"a\"", "guided_regex": "a"})", "guided_regex");
   expect_bad(ch, hi + R"("structured_outputs": {"regxe": "a"}})", "structured_outputs.regxe");
   expect_bad(ch, hi + R"("structured_outputs": {"regex": "a", "choice": ["a"]}})", "structured_outputs.choice");
   expect_bad(ch, hi + R"("structured_outputs": {"regex": "a"}, "guided_regex": "a"})", "guided_regex");
@@ -690,8 +695,9 @@ TEST_F(ServerTest, BadInputIs400AndServerKeepsServing) {
       // generation features kvq does not implement: refused, never silently dropped
       {R"({"prompt": "a", "suffix": "end"})", "suffix"},
       {R"({"prompt": "a", "best_of": 3})", "best_of"},
-      {R"({"prompt": "a", "guided_grammar": "root ::= \"a\""})", "guided_grammar"},
-      {R"({"prompt": "a", "grammar": "root ::= \"a\""})", "grammar"},
+      {R"({"prompt": "a", "guided_grammar": "root ::= x"})", "guided_grammar"},
+      {R"({"prompt": "a", "grammar": "root ::= (\"a\"?)*"})", "grammar"},
+      {R"({"prompt": "a", "grammar": 3})", "grammar"},
   };
   for (const auto& [b, param] : bad) expect_bad(c, b, param);
   // Chat's unsupported features.

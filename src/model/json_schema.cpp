@@ -10,6 +10,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "model/gbnf.h"
 #include "model/json_constraint.h"
 #include "model/regex.h"
 #include "model/unicode.h"
@@ -233,7 +234,32 @@ class SchemaCompiler {
     g_.elems_.push_back({Grammar::kEnd, 0});
     if (!prune_unproductive(value))
       fail("", "the schema admits no finite document (a required property or item refers back to its own schema)");
-    check_left_recursion();
+    if (left_recursive_rule() != UINT32_MAX) fail("", "the schema refers to itself ($ref) before any text: no document would end");
+  }
+
+  // A GBNF grammar: one rule per GBNF rule (made first, so that references resolve), groups and
+  // repetitions as rules of their own, characters as the byte sequences of their UTF-8.
+  void compile_gbnf(const Gbnf& gb) {
+    const uint32_t base = uint32_t(g_.rules_.size());
+    for (size_t i = 0; i < gb.rules.size(); ++i) new_rule();
+    std::vector<uint32_t> owner(gb.rules.size(), 0);  // the GBNF rule each grammar rule was made for
+    for (size_t i = 0; i < gb.rules.size(); ++i) owner[i] = uint32_t(i);
+    for (size_t i = 0; i < gb.rules.size(); ++i) {
+      for (const std::vector<GbnfItem>& seq : gb.rules[i]) alt(base + uint32_t(i), gbnf_seq(seq, base));
+      owner.resize(g_.rules_.size() - base, uint32_t(i));
+    }
+    g_.root_ = uint32_t(g_.elems_.size());
+    g_.elems_.push_back(rule(base + gb.root));
+    g_.elems_.push_back({Grammar::kEnd, 0});
+    if (!prune_unproductive(base + gb.root))
+      throw std::invalid_argument("grammar: 'root' admits no finite text (every way through it refers back to a rule it is in)");
+    const uint32_t r = left_recursive_rule();
+    if (r != UINT32_MAX) {
+      const std::string& name = gb.names[r >= base && r - base < owner.size() ? owner[r - base] : gb.root];
+      throw std::invalid_argument("grammar: rule '" + name + "' can come back to itself before any text (left recursion, "
+                                  "or a repetition of something that can be empty); write it as a repetition, e.g. "
+                                  "x ::= y (\"+\" y)*");
+    }
   }
 
  private:
@@ -1003,8 +1029,8 @@ class SchemaCompiler {
   }
 
   // A rule that can call itself (or another that calls it back) before reading any byte would
-  // never end: refused.
-  void check_left_recursion() {
+  // never end: returns one such rule, or UINT32_MAX when there is none.
+  uint32_t left_recursive_rule() {
     const size_t n = g_.rules_.size();
     std::vector<char> nullable(n, 0);
     auto elem_nullable = [&](const Elem& e) {
@@ -1042,7 +1068,7 @@ class SchemaCompiler {
         auto& [r, i] = st.back();
         if (i < calls[r].size()) {
           const uint32_t c = calls[r][i++];
-          if (color[c] == 1) fail("", "the schema refers to itself ($ref) before any text: no document would end");
+          if (color[c] == 1) return c;
           if (color[c] == 0) {
             color[c] = 1;
             st.push_back({c, 0});
@@ -1053,12 +1079,53 @@ class SchemaCompiler {
         }
       }
     }
+    return UINT32_MAX;
+  }
+
+  // A GBNF sequence's elements.
+  Seq gbnf_seq(const std::vector<GbnfItem>& seq, uint32_t base) {
+    Seq out;
+    for (const GbnfItem& item : seq) {
+      Seq x;
+      switch (item.kind) {
+        case GbnfItem::kLiteral: x = lit(item.literal); break;
+        case GbnfItem::kRef: x = {rule(base + item.ref)}; break;
+        case GbnfItem::kChars: {
+          auto it = char_rules_.find(item.chars);
+          if (it == char_rules_.end()) {
+            const uint32_t r = new_rule();
+            for (const ByteSeq& bs : encode_code_points(item.chars, false)) {
+              Seq b;
+              for (const ByteClass& c : bs) b.push_back(bytes(c));
+              alt(r, b);
+            }
+            it = char_rules_.emplace(item.chars, r).first;
+          }
+          x = {rule(it->second)};
+          break;
+        }
+        case GbnfItem::kGroup: {
+          const uint32_t r = new_rule();
+          for (const std::vector<GbnfItem>& a : item.alts) alt(r, gbnf_seq(a, base));
+          x = {rule(r)};
+          break;
+        }
+      }
+      if (item.min == 1 && item.max == 1) {
+        out.insert(out.end(), x.begin(), x.end());
+        continue;
+      }
+      if (x.size() != 1) x = {rule(rule_of({x}))};
+      out.push_back(rule(repeat(x, item.min, item.max == UINT32_MAX ? kUnbounded : item.max)));
+    }
+    return out;
   }
 
   Grammar& g_;
   const json& root_;
   std::map<std::string, uint32_t> refs_;
   std::map<ByteSet, uint32_t> set_ids_;
+  std::map<CodePoints, uint32_t> char_rules_;  // a GBNF character class: its rule
   uint32_t any_ = UINT32_MAX, number_ = UINT32_MAX, integer_ = UINT32_MAX;
   int depth_ = 0;
 };
@@ -1078,6 +1145,13 @@ std::shared_ptr<const Grammar> Grammar::from_choices(const std::vector<std::stri
   static const nlohmann::ordered_json none;
   SchemaCompiler c(*g, none);
   c.compile_choices(choices);
+  return g;
+}
+
+std::shared_ptr<const Grammar> Grammar::from_gbnf(std::string_view text) {
+  const Gbnf gb = parse_gbnf(text);
+  auto g = std::make_shared<Grammar>();
+  SchemaCompiler(*g, json()).compile_gbnf(gb);
   return g;
 }
 

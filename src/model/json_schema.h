@@ -73,6 +73,10 @@ class Grammar {
   // encode_code_points writes it). Throws std::invalid_argument naming what is not supported, or a
   // pattern nothing matches.
   static std::shared_ptr<const Grammar> from_regex(std::string_view pattern, const RegexOptions& opt = {});
+  // llama.cpp's GBNF (its server's `grammar`, vLLM's structured_outputs.grammar; gbnf.h): the text
+  // of rule `root`. Throws std::invalid_argument naming the line and column, or a rule that comes
+  // back to itself before any text (left recursion), which the parse stacks cannot run.
+  static std::shared_ptr<const Grammar> from_gbnf(std::string_view text);
   // JSON mode's grammar (response_format json_object): {"type": "object"}, any JSON object.
   static const std::shared_ptr<const Grammar>& json_object();
 

@@ -538,6 +538,9 @@ std::vector<ByteSeq> merged(std::vector<ByteSeq> seqs) {
 
 }  // namespace
 
+CodePoints normalize_code_points(CodePoints ranges) { return normalize(std::move(ranges)); }
+CodePoints complement_code_points(const CodePoints& set) { return complement(set); }
+
 std::vector<ByteSeq> encode_code_points(const CodePoints& set, bool json_string) {
   std::vector<ByteSeq> out;
   if (!json_string) {

@@ -24,6 +24,10 @@
 namespace kvq {
 
 using CodePoints = std::vector<std::pair<uint32_t, uint32_t>>;  // ranges of code points, sorted, disjoint
+// Any ranges sorted, merged and without the surrogates (no text holds them); and the code points
+// not in a set.
+CodePoints normalize_code_points(CodePoints ranges);
+CodePoints complement_code_points(const CodePoints& set);
 
 // The automaton over code points: each state's transitions on sets of code points, disjoint when
 // it is deterministic (up to RegexOptions::max_states states); past that, the pattern's NFA

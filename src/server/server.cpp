@@ -228,18 +228,19 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
                      "response_format"};
     }
   }
-  // vLLM's structured outputs: {"structured_outputs": {"json" | "regex" | "choice" | "json_object": ...}}
-  // (v0.12 on) and the guided_json / guided_regex / guided_choice parameters before it; and
-  // llama.cpp's json_schema (as guided_json). A schema is an object or its text; the choice's output
-  // is exactly one of its strings; the regex's output matches it whole.
+  // vLLM's structured outputs: {"structured_outputs": {"json" | "regex" | "choice" | "grammar" |
+  // "json_object": ...}} (v0.12 on) and the guided_json / guided_regex / guided_choice /
+  // guided_grammar parameters before it; and llama.cpp's json_schema (as guided_json) and grammar.
+  // A schema is an object or its text; the choice's output is exactly one of its strings; the
+  // regex's output matches it whole; a grammar is GBNF.
   struct Guided {
     std::string name;     // as the client wrote it, for errors
     std::string pointer;  // where in the body
-    char kind;            // 'j' schema, 'r' regex, 'c' choice, 'o' JSON mode
+    char kind;            // 'j' schema, 'r' regex, 'c' choice, 'g' GBNF, 'o' JSON mode
   };
   std::vector<Guided> guided;
   for (const auto& [key, kind] : {std::pair{"guided_json", 'j'}, {"json_schema", 'j'}, {"guided_regex", 'r'},
-                                  {"guided_choice", 'c'}})
+                                  {"guided_choice", 'c'}, {"guided_grammar", 'g'}, {"grammar", 'g'}})
     if (set(key)) guided.push_back({key, std::string("/") + key, kind});
   if (set("structured_outputs")) {
     const json& so = body["structured_outputs"];
@@ -252,18 +253,20 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
       if (k == "json") guided.push_back({name, at, 'j'});
       else if (k == "regex") guided.push_back({name, at, 'r'});
       else if (k == "choice") guided.push_back({name, at, 'c'});
+      else if (k == "grammar") guided.push_back({name, at, 'g'});
       else if (k == "json_object" && v == true) guided.push_back({name, at, 'o'});
       else if (k == "json_object") continue;
-      else if (k == "grammar" || k == "structural_tag" || k == "whitespace_pattern")
+      else if (k == "structural_tag" || k == "whitespace_pattern")
         throw ApiError{fmt::format("'{}' is not supported", name), name};
-      else throw ApiError{fmt::format("unknown parameter '{}' (structured_outputs takes json, regex, choice, json_object)", name), name};
+      else throw ApiError{fmt::format("unknown parameter '{}' (structured_outputs takes json, regex, choice, grammar, json_object)", name), name};
     }
   }
   if (!guided.empty()) {
     const Guided& g = guided.front();
     if (guided.size() > 1 || r.params.grammar || r.params.json_object)
       throw ApiError{"give one of 'response_format' (json_object or json_schema), 'structured_outputs' (one of json, "
-                     "regex, choice, json_object), 'guided_json', 'json_schema', 'guided_regex' and 'guided_choice'",
+                     "regex, choice, grammar, json_object), 'guided_json', 'json_schema', 'guided_regex', 'guided_choice', "
+                     "'guided_grammar' and 'grammar'",
                      g.name};
     const json& v = body.at(json::json_pointer(g.pointer));
     try {
@@ -277,9 +280,9 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
             throw ApiError{fmt::format("'{}': the schema could not be read from the request body", g.name), g.name};
           r.params.grammar = Grammar::from_schema(ordered.at(at));
         }
-      } else if (g.kind == 'r') {
+      } else if (g.kind == 'r' || g.kind == 'g') {
         if (!v.is_string()) throw ApiError{fmt::format("'{}' must be a string", g.name), g.name};
-        r.params.grammar = Grammar::from_regex(v.get<std::string>());
+        r.params.grammar = g.kind == 'r' ? Grammar::from_regex(v.get<std::string>()) : Grammar::from_gbnf(v.get<std::string>());
       } else if (g.kind == 'c') {
         if (!v.is_array()) throw ApiError{fmt::format("'{}' must be a list of strings", g.name), g.name};
         std::vector<std::string> choices;
@@ -304,8 +307,6 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
     throw ApiError{"'suffix' (insertion) is not supported", "suffix"};
   if (set("best_of") && !(body["best_of"].is_number_integer() && body["best_of"].get<int64_t>() == r.n))
     throw ApiError{"'best_of' other than n is not supported", "best_of"};
-  for (const char* key : {"guided_grammar", "grammar"})
-    if (set(key)) throw ApiError{fmt::format("'{}' (constrained decoding) is not supported", key), key};
   return r;
 }
 

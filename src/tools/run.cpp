@@ -44,6 +44,11 @@ void run_add_cli(CLI::App& app, RunOptions& o) {
                  "whole are sampled, and generation ends when no more can come (as kvq serve's structured_outputs "
                  "regex; ECMA-262 syntax)")
       ->type_name("PATTERN");
+  app.add_option("--grammar", o.grammar,
+                 "structured output: only tokens that continue a text of the GBNF grammar (llama.cpp's format; its "
+                 "rule root) are sampled, and generation ends when no more can come")
+      ->type_name("GBNF");
+  app.add_option("--grammar-file", o.grammar_file, "--grammar, read from FILE")->type_name("FILE");
   app.add_option("--temp", o.sampling.temperature, "temperature (0: greedy)")->capture_default_str();
   app.add_option("--top-k", o.sampling.top_k, "top-k (0: off)")->capture_default_str();
   app.add_option("--top-p", o.sampling.top_p, "top-p (1: off)")->capture_default_str();
@@ -80,8 +85,9 @@ int run_command(const RunOptions& o) {
     prompt = read_text_file(o.prompt_file, "-f");
   }
   const int threads = resolve_threads(o.threads);
-  if (int(o.json_object) + int(!o.json_schema.empty()) + int(!o.regex.empty()) > 1)
-    fail("give one of --json, --json-schema and --regex");
+  if (int(o.json_object) + int(!o.json_schema.empty()) + int(!o.regex.empty()) + int(!o.grammar.empty()) +
+          int(!o.grammar_file.empty()) > 1)
+    fail("give one of --json, --json-schema, --regex, --grammar and --grammar-file");
   std::shared_ptr<const Grammar> grammar = o.json_object ? Grammar::json_object() : nullptr;
   if (!o.json_schema.empty()) {
     try {
@@ -95,6 +101,15 @@ int run_command(const RunOptions& o) {
       grammar = Grammar::from_regex(o.regex);
     } catch (const std::invalid_argument& e) {
       fail("--regex: {}", e.what());
+    }
+  }
+  if (!o.grammar.empty() || !o.grammar_file.empty()) {
+    const char* flag = o.grammar.empty() ? "--grammar-file" : "--grammar";
+    const std::string text = o.grammar.empty() ? read_text_file(o.grammar_file, "--grammar-file") : o.grammar;
+    try {
+      grammar = Grammar::from_gbnf(text);
+    } catch (const std::invalid_argument& e) {
+      fail("{}: {}", flag, e.what());
     }
   }
 
@@ -184,8 +199,8 @@ int run_command(const RunOptions& o) {
       if (doc && (!doc->feed(json_vocab->bytes(next)) || doc->done())) {
         stop_reason = !doc->done()      ? "no token continues the document"
                       : o.json_object ? "end of the JSON object"
-                      : o.regex.empty() ? "end of the document"
-                                        : "end of the match";
+                      : o.json_schema.empty() ? "end of the text"
+                                              : "end of the document";
         break;
       }
       if (cache.n_tokens() >= ctx) {

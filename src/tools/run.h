@@ -24,6 +24,8 @@ struct RunOptions {
   bool json_object = false;  // --json: the output is one JSON object (model/json_constraint.h)
   std::string json_schema;   // --json-schema FILE: the output is a document of the schema (model/json_schema.h)
   std::string regex;         // --regex PATTERN: the output matches it whole (model/regex.h)
+  std::string grammar;       // --grammar GBNF: the output is a text of the grammar (model/gbnf.h)
+  std::string grammar_file;  // --grammar-file FILE: the same, read from FILE
   std::string system;    // --system, with --chat
   SamplerParams sampling;
   KvFlags kv;

@@ -2,7 +2,7 @@
 # Structured output checked by independent validators: kvq run --json-schema samples (hot, many
 # seeds) from the story model under schemas of every supported keyword, and each complete
 # document is validated by Python's jsonschema (python3-jsonschema, scripts/install-deps.sh);
-# kvq run --regex output is matched whole by Python's re.
+# kvq run --regex and --grammar-file output is matched whole by Python's re.
 set -u
 source "$(dirname "$0")/common.bash"
 require "$model"
@@ -50,7 +50,7 @@ for seed in 1 2 3 4 5 6 7 8; do
   pattern='(yes|no): [0-9]{1,3}( [a-z]+)?\.'
   "$kvq" run -m "$model" -p "Once upon a time" -n 60 --temp 1.3 --seed "$seed" --regex "$pattern" >"$tmp/out" 2>"$tmp/err" ||
     { echo "FAIL: --regex seed $seed exited non-zero"; fails=$((fails + 1)); continue; }
-  grep -Eq 'stop: (end of the match|end of generation token)' "$tmp/err" || continue  # cut at -n
+  grep -Eq 'stop: (end of the text|end of generation token)' "$tmp/err" || continue  # cut at -n
   if python3 - "$pattern" "$tmp/out" <<'PY'
 import re, sys
 text = open(sys.argv[2], encoding="utf-8").read()
@@ -61,6 +61,22 @@ PY
 done
 echo "--regex: $matched of 8 complete and matched"
 check "--regex output matches" "[[ $matched -ge 6 ]]"
+# A GBNF grammar (--grammar-file) and the regular expression of the same language.
+printf '%s\n' 'root ::= item ("," " "? item){0,3} "."' 'item ::= [a-z]{1,6}   # a word' >"$tmp/list.gbnf"
+matched=0
+for seed in 1 2 3 4 5 6 7 8; do
+  "$kvq" run -m "$model" -p "Once upon a time" -n 60 --temp 1.3 --seed "$seed" --grammar-file "$tmp/list.gbnf" >"$tmp/out" 2>"$tmp/err" ||
+    { echo "FAIL: --grammar-file seed $seed exited non-zero"; fails=$((fails + 1)); continue; }
+  grep -Eq 'stop: (end of the text|end of generation token)' "$tmp/err" || continue
+  if python3 - '[a-z]{1,6}(, ?[a-z]{1,6}){0,3}\.' "$tmp/out" <<'PY'
+import re, sys
+text = open(sys.argv[2], encoding="utf-8").read()
+sys.exit(0 if text.endswith("\n") and re.fullmatch(sys.argv[1], text[:-1]) else 1)
+PY
+  then matched=$((matched + 1)); else echo "FAIL: --grammar-file seed $seed: $(head -c 200 "$tmp/out")"; invalid=$((invalid + 1)); fi
+done
+echo "--grammar-file: $matched of 8 complete and matched"
+check "--grammar-file output is a text of the grammar" "[[ $matched -ge 6 ]]"
 echo "complete documents: $complete of $(( ${#schemas[@]} * 12 )), invalid: $invalid"
 check "every complete document validates" "[[ $invalid -eq 0 ]]"
 check "most runs complete their document" "[[ $complete -ge 64 ]]"

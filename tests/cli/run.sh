@@ -56,6 +56,10 @@ bad "--json-schema and --json" run -m "$model" -p hi --json --json-schema "$tmp/
 bad "--regex and --json" run -m "$model" -p hi --json --regex 'a+'
 bad "--regex with a backreference" run -m "$model" -p hi --regex '(a)\1'
 check "... names it" "grep -q 'backreferences are not supported' $tmp/be"
+bad "--grammar with an undefined rule" run -m "$model" -p hi --grammar 'root ::= x'
+check "... names it" "grep -q \"line 1, column 10: rule 'x' is used but not defined\" $tmp/be"
+bad "--grammar and --regex" run -m "$model" -p hi --grammar 'root ::= "a"' --regex a
+bad "--grammar-file missing" run -m "$model" -p hi --grammar-file "$tmp/nope.gbnf"
 bad "threads < 1" run -m "$model" -p hi -t -1
 bad "unknown flag" run -m "$model" --no-such-flag
 bad "unknown KV format" run -m "$model" -p hi --kv-cache-dtype int7
