@@ -140,9 +140,20 @@ TEST(Regex, Utf8) {
   EXPECT_TRUE(range.matches("ç😀"));
   EXPECT_FALSE(range.matches("àa"));
   EXPECT_FALSE(range.matches("ýA"));
-  EXPECT_TRUE(Re("\\u{1F600}\\u00e9\\x41\\uD83D\\uDE00", {}).matches("😀éA😀"));
+  EXPECT_TRUE(Re("\\u{1F600}\\u00e9\\x41", {}).matches("😀éA"));
   EXPECT_TRUE(Re("\\s+", {}).matches(" \t\xC2\xA0\xE3\x80\x80"));  // U+00A0, U+3000
   EXPECT_FALSE(Re("\\S", {}).matches("\xE2\x80\xA8"));  // U+2028
+  // What ECMA-262 and Python's re both match: \d and \w ASCII (Python's are Unicode), \s
+  // without U+FEFF (Python's lacks it); negations leave out what either reading matches.
+  const std::vector<std::pair<std::string, std::string>> neither = {
+      {"\\W", "é"},          {"\\W", "\xD9\xA3"},  // U+0663 ARABIC-INDIC DIGIT THREE
+      {"\\D", "\xD9\xA3"},  {"[^\\d]", "\xD9\xA3"}, {"\\w", "é"},          {"\\d", "\xD9\xA3"},
+      {"\\s", "\xEF\xBB\xBF"},                            // U+FEFF
+      {"\\S", "\x1C"},       {"\\S", "\xC2\x85"},      {"[^\\s]", "\xC2\x85"}, {"\\S", "\xEF\xBB\xBF"}};
+  for (const auto& [p, text] : neither) EXPECT_FALSE(Re(p, {}).matches(text)) << p << " " << text;
+  for (const auto& [p, text] : std::vector<std::pair<std::string, std::string>>{
+           {"\\W", "-"}, {"\\D", "x"}, {"[^\\d]", "é"}, {"\\S", "é"}, {"[^\\w]", "+"}, {"\\s", "\xE2\x80\xA9"}})
+    EXPECT_TRUE(Re(p, {}).matches(text)) << p << " " << text;
 }
 
 TEST(Regex, JsonStringEncodingAndLengths) {
@@ -211,8 +222,8 @@ TEST(Regex, RefusesWhatItDoesNotSupport) {
       {"a$b", "'$' is supported only"},   {"(a", "missing ')'"},                 {"a)", "unmatched ')'"},
       {"[ab", "missing ']'"},             {"ab\\", "at the end"},                {"[z-a]", "out of order"},
       {"\\q", "unknown escape"},          {"*a", "nothing to repeat"},           {"a{3,2}", "n > m"},
-      {"\\uD800", "lone surrogate"},      {"\\u{110000}", "above U+10FFFF"},     {"(^a)", "'^' is supported only"},
-      {"\\x4", "hex digits"},             {"a{,2}", "write {0,n}"},              {"\\Z", "anchors other"},
+      {"\\uD83D\\uDE00", "surrogate escape"},      {"\\u{110000}", "above U+10FFFF"},     {"(^a)", "'^' is supported only"},
+      {"\\x4", "hex digits"},             {"a{,2}", "write {0,n}"}, {"a{,}", "write {0,n} or *"},              {"\\Z", "anchors other"},
       {"\xC3(", "not valid UTF-8"},       {"\\012", "octal"}};
   for (const auto& [p, why] : cases) {
     const std::string e = error_of(p);
@@ -226,7 +237,22 @@ TEST(Regex, RefusesWhatItDoesNotSupport) {
   RegexOptions small;
   small.max_states = 50;
   small.max_len = 20;
-  EXPECT_NE(error_of("(a|b)*a(a|b){8}", small).find("more than 50 states with these length bounds"), std::string::npos);
+  EXPECT_NE(error_of("(a|b)*a(a|b){8}", small).find("states with these length bounds"), std::string::npos);
+  EXPECT_NE(error_of(std::string(300, '(') + "a" + std::string(300, ')')).find("nested deeper than 200"), std::string::npos);
+  // Budgets: patterns whose automata would take too long or too much memory are refused.
+  EXPECT_NE(error_of("((a?){1000}){499}").find("more than 200000 states"), std::string::npos);
+  RegexOptions search;
+  search.search = true;
+  EXPECT_NE(error_of("((a?){550}){2}(b|c)*b(b|c){12}", search).find("too complex"), std::string::npos);
+  RegexOptions json_search = search;
+  json_search.json_string = true;
+  EXPECT_THROW(Grammar::from_regex("[a-z].{120}", json_search), std::invalid_argument);  // an NFA of too many stacks
+  // Length bounds that the pattern keeps anyway need no counter.
+  RegexOptions bounded;
+  bounded.max_len = 5000;
+  EXPECT_EQ(compile_regex("^cat-[0-9]{3}$", bounded).states.size(), compile_regex("^cat-[0-9]{3}$", {}).states.size());
+  EXPECT_TRUE(Re("^[a-z]+$", bounded).matches(std::string(5000, 'a')));
+  EXPECT_FALSE(Re("^[a-z]+$", bounded).matches(std::string(5001, 'a')));
 }
 
 // Past max_states the automaton is the NFA: the same texts match.

@@ -8,6 +8,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <unordered_map>
 #include <stdexcept>
 
 #include "model/gbnf.h"
@@ -240,6 +241,7 @@ class SchemaCompiler {
   // A GBNF grammar: one rule per GBNF rule (made first, so that references resolve), groups and
   // repetitions as rules of their own, characters as the byte sequences of their UTF-8.
   void compile_gbnf(const Gbnf& gb) {
+    schema_ = false;
     const uint32_t base = uint32_t(g_.rules_.size());
     for (size_t i = 0; i < gb.rules.size(); ++i) new_rule();
     std::vector<uint32_t> owner(gb.rules.size(), 0);  // the GBNF rule each grammar rule was made for
@@ -266,6 +268,11 @@ class SchemaCompiler {
   [[noreturn]] static void fail(const std::string& path, const std::string& why) {
     throw std::invalid_argument("json_schema at '" + (path.empty() ? std::string("#") : "#" + path) + "': " + why);
   }
+  // A size limit: as a schema's error, or plainly for a pattern or a grammar of its own.
+  [[noreturn]] void limit(const std::string& why) const {
+    if (schema_) fail("", why);
+    throw std::invalid_argument(why);
+  }
   static std::string child(const std::string& path, const std::string& key) {
     std::string k;  // JSON pointer escaping
     for (char c : key) {
@@ -278,11 +285,12 @@ class SchemaCompiler {
 
   uint32_t new_rule() {
     g_.rules_.emplace_back();
-    if (g_.rules_.size() > 200000) fail("", "the schema needs more than 200000 grammar rules (lower minItems/maxItems)");
+    if (g_.rules_.size() > 200000)
+      limit("more than 200000 grammar rules are needed (lower a schema's minItems/maxItems, or a pattern's or grammar's repetition counts)");
     return uint32_t(g_.rules_.size() - 1);
   }
   void alt(uint32_t r, const Seq& seq) {
-    if (g_.elems_.size() + seq.size() > 4000000) fail("", "the schema needs more than 4M grammar elements");
+    if (g_.elems_.size() + seq.size() > 4000000) limit("more than 4M grammar elements are needed");
     g_.rules_[r].push_back(uint32_t(g_.elems_.size()));
     g_.elems_.insert(g_.elems_.end(), seq.begin(), seq.end());
     g_.elems_.push_back({Grammar::kEnd, 0});
@@ -657,7 +665,8 @@ class SchemaCompiler {
       int n = 0;
       std::vector<std::string> words;  // the scalars' texts, merged into one trie
       std::unique_ptr<RegexDfa> pattern;  // strings are filtered by it too
-      if (s.contains("pattern")) pattern = std::make_unique<RegexDfa>(regex(s, path, {}));
+      if (s.contains("pattern") && std::any_of(values.begin(), values.end(), [](const json& v) { return v.is_string(); }))
+        pattern = std::make_unique<RegexDfa>(regex(s, path, {}));
       for (const json& v : values) {
         bool ok = types.empty();
         for (const std::string& t : types) ok = ok || matches_type(v, t);
@@ -749,27 +758,82 @@ class SchemaCompiler {
     }
   }
 
-  // One rule per state of the automaton: the bytes of each code point it takes (UTF-8, or its JSON
-  // encoding), followed by the rule of the state it leads to, and the empty text where it accepts.
-  // (A code point's last byte ends the rule: the stack keeps one frame per state.)
+  // A rule that reads one code point of `set`: its bytes (UTF-8, or its JSON encoding) as a tree
+  // of rules, the encodings determinized byte by byte, so that a rule has one alternative per set
+  // of bytes that lead alike (a class of hundreds of ranges, such as [^\w], keeps a handful of
+  // parse stacks). One per set, shared by every state and rule that reads it.
+  uint32_t code_point_rule(const CodePoints& set, bool json_string) {
+    auto found = code_point_rules_.find({set, json_string});
+    if (found != code_point_rules_.end()) return found->second;
+    const std::vector<ByteSeq> seqs = encode_code_points(set, json_string);
+    using Key = std::vector<std::pair<uint32_t, uint32_t>>;  // (encoding, bytes of it read)
+    std::map<Key, uint32_t> node_rule;
+    std::vector<std::pair<Key, uint32_t>> todo;
+    Key root;
+    for (uint32_t c = 0; c < seqs.size(); ++c) root.emplace_back(c, 0);
+    const uint32_t top = new_rule();
+    todo.emplace_back(std::move(root), top);
+    std::array<std::vector<uint32_t>, 256> at;  // per byte: the key's entries that take it
+    for (size_t t = 0; t < todo.size(); ++t) {
+      const Key key = todo[t].first;
+      const uint32_t r = todo[t].second;
+      for (auto& a : at) a.clear();
+      for (uint32_t j = 0; j < key.size(); ++j) {
+        const ByteClass& cls = seqs[key[j].first][key[j].second];
+        for (int w = 0; w < 4; ++w)
+          for (uint64_t bits = cls[size_t(w)]; bits; bits &= bits - 1) at[size_t(w * 64 + __builtin_ctzll(bits))].push_back(j);
+      }
+      std::map<std::vector<uint32_t>, ByteSet> groups;
+      for (int b = 0; b < 256; ++b)
+        if (!at[size_t(b)].empty()) groups[at[size_t(b)]][size_t(b >> 6)] |= uint64_t(1) << (b & 63);
+      for (const auto& [entries, bs] : groups) {
+        Key next;
+        bool done = false;
+        for (uint32_t j : entries) {
+          const auto [c, p] = key[j];
+          if (p + 1 == seqs[c].size()) done = true;
+          else next.emplace_back(c, p + 1);
+        }
+        if (done) alt(r, {bytes(bs)});
+        if (next.empty()) continue;
+        auto [it, fresh] = node_rule.emplace(next, 0);
+        if (fresh) {
+          it->second = new_rule();
+          todo.emplace_back(next, it->second);
+        }
+        alt(r, {bytes(bs), rule(it->second)});
+      }
+    }
+    code_point_rules_.emplace(std::make_pair(set, json_string), top);
+    return top;
+  }
+
+  // One rule per state of the automaton: for each set of code points it reads, the rule of one
+  // such code point, then the rule of the state it leads to (which ends the state's rule: the
+  // stack keeps one frame per state), and the empty alternative where it accepts. An NFA (a pattern
+  // past RegexOptions::max_states) is refused when its states' alternatives in all could open more
+  // parse stacks than half of kMaxStacks: the text may be in all its states at once.
   uint32_t dfa_rules(const RegexDfa& d, bool json_string) {
     const uint32_t base = uint32_t(g_.rules_.size());
     for (size_t i = 0; i < d.states.size(); ++i) new_rule();
+    size_t opened = 0;
     for (size_t i = 0; i < d.states.size(); ++i) {
-      for (const auto& [set, to] : d.states[i].next)
-        for (const ByteSeq& seq : encode_code_points(set, json_string)) {
-          Seq x;
-          for (const ByteClass& c : seq) x.push_back(bytes(c));
-          x.push_back(rule(base + to));
-          alt(base + uint32_t(i), x);
-        }
+      for (const auto& [set, to] : d.states[i].next) {
+        const uint32_t cp = code_point_rule(set, json_string);
+        alt(base + uint32_t(i), {rule(cp), rule(base + to)});
+        opened += g_.rules_[cp].size();
+      }
       if (d.states[i].accept) alt(base + uint32_t(i), {});
+      if (!d.deterministic && opened > Grammar::kMaxStacks / 2)
+        throw std::invalid_argument("the pattern is too complex: its automaton needs more states than kvq builds, and "
+                                    "its NFA could open more parse stacks than kvq tracks");
     }
     return base;
   }
 
  public:
   void compile_regex_text(std::string_view pattern, const RegexOptions& opt) {
+    schema_ = false;
     const uint32_t r = dfa_rules(compile_regex(pattern, opt), opt.json_string);
     g_.root_ = uint32_t(g_.elems_.size());
     g_.elems_.push_back(rule(r));
@@ -1091,17 +1155,7 @@ class SchemaCompiler {
         case GbnfItem::kLiteral: x = lit(item.literal); break;
         case GbnfItem::kRef: x = {rule(base + item.ref)}; break;
         case GbnfItem::kChars: {
-          auto it = char_rules_.find(item.chars);
-          if (it == char_rules_.end()) {
-            const uint32_t r = new_rule();
-            for (const ByteSeq& bs : encode_code_points(item.chars, false)) {
-              Seq b;
-              for (const ByteClass& c : bs) b.push_back(bytes(c));
-              alt(r, b);
-            }
-            it = char_rules_.emplace(item.chars, r).first;
-          }
-          x = {rule(it->second)};
+          x = {rule(code_point_rule(item.chars, false))};
           break;
         }
         case GbnfItem::kGroup: {
@@ -1125,7 +1179,8 @@ class SchemaCompiler {
   const json& root_;
   std::map<std::string, uint32_t> refs_;
   std::map<ByteSet, uint32_t> set_ids_;
-  std::map<CodePoints, uint32_t> char_rules_;  // a GBNF character class: its rule
+  std::map<std::pair<CodePoints, bool>, uint32_t> code_point_rules_;  // code_point_rule's, by set and encoding
+  bool schema_ = true;                          // compiling a JSON Schema (errors name their location)
   uint32_t any_ = UINT32_MAX, number_ = UINT32_MAX, integer_ = UINT32_MAX;
   int depth_ = 0;
 };
@@ -1152,12 +1207,18 @@ std::shared_ptr<const Grammar> Grammar::from_gbnf(std::string_view text) {
   const Gbnf gb = parse_gbnf(text);
   auto g = std::make_shared<Grammar>();
   SchemaCompiler(*g, json()).compile_gbnf(gb);
+  if (GrammarState(g).n_stacks() == 0)
+    throw std::invalid_argument("grammar: root's alternatives at the start are more than kvq tracks at once (" +
+                                std::to_string(kMaxStacks) + ")");
   return g;
 }
 
 std::shared_ptr<const Grammar> Grammar::from_regex(std::string_view pattern, const RegexOptions& opt) {
   auto g = std::make_shared<Grammar>();
   SchemaCompiler(*g, json()).compile_regex_text(pattern, opt);
+  if (GrammarState(g).n_stacks() == 0)
+    throw std::invalid_argument("pattern \"" + std::string(pattern) + "\": its alternatives at the start are more than kvq tracks at once (" +
+                                std::to_string(kMaxStacks) + ")");
   return g;
 }
 
@@ -1308,6 +1369,15 @@ bool GrammarState::feed(std::string_view bytes) {
   return true;
 }
 
+size_t GrammarState::hash() const {
+  uint64_t h = 0x9E3779B97F4A7C15ull ^ stacks_.size();
+  for (const Stack& st : stacks_) {
+    h = (h ^ st.size()) * 0x100000001B3ull;
+    for (const Frame& f : st) h = (h ^ (uint64_t(f.pos) * 0x9E3779B97F4A7C15ull ^ f.sub)) * 0x100000001B3ull;
+  }
+  return size_t(h ^ (h >> 29));
+}
+
 bool GrammarState::accepting() const { return !stacks_.empty() && stacks_.front().empty(); }
 
 bool GrammarState::done() const { return stacks_.size() == 1 && stacks_.front().empty(); }
@@ -1385,17 +1455,46 @@ GrammarVocab::Trie GrammarVocab::build(const std::vector<std::string>& bytes, co
 namespace {
 
 // Marks in `ok` every token of the trie whose bytes can follow `state`.
+// The trie in preorder, one state per depth. The states met are kept, each once, with the step
+// from each on each byte: many nodes share a state and a byte (a pattern's loop such as
+// `[a-z]+` comes back to one state after every letter), and those take the step already made.
 void walk(const GrammarState& state, const GrammarVocab::Trie& trie, std::vector<char>& ok) {
-  static thread_local std::vector<GrammarState> level;
-  if (level.size() < size_t(trie.max_depth) + 1) level.resize(size_t(trie.max_depth) + 1, GrammarState(nullptr));
-  level[0] = state;
+  struct Memo {
+    std::vector<GrammarState> states;
+    std::unordered_multimap<size_t, int32_t> by_hash;
+    std::unordered_map<uint64_t, int32_t> next;  // state << 8 | byte -> state; -1: the byte cannot come
+    std::vector<int32_t> level;
+  };
+  static thread_local Memo m;
+  m.states.clear();
+  m.by_hash.clear();
+  m.next.clear();
+  const auto intern = [&](GrammarState&& s) {
+    const size_t h = s.hash();
+    for (auto [it, end] = m.by_hash.equal_range(h); it != end; ++it)
+      if (m.states[size_t(it->second)] == s) return it->second;
+    const int32_t id = int32_t(m.states.size());
+    m.states.push_back(std::move(s));
+    m.by_hash.emplace(h, id);
+    return id;
+  };
+  m.level.assign(size_t(trie.max_depth) + 1, 0);
+  m.level[0] = intern(GrammarState(state));
   const auto& nodes = trie.nodes;
   for (uint32_t i = 0; i < nodes.size();) {
     const GrammarVocab::Node& nd = nodes[i];
-    if (!level[nd.depth - 1].step(nd.byte, level[nd.depth])) {
+    const uint64_t key = uint64_t(m.level[nd.depth - 1]) << 8 | nd.byte;
+    auto it = m.next.find(key);
+    if (it == m.next.end()) {
+      GrammarState t(nullptr);
+      const int32_t id = m.states[size_t(m.level[nd.depth - 1])].step(nd.byte, t) ? intern(std::move(t)) : -1;
+      it = m.next.emplace(key, id).first;
+    }
+    if (it->second < 0) {
       i = nd.end;
       continue;
     }
+    m.level[nd.depth] = it->second;
     for (uint32_t k = 0; k < nd.tok_count; ++k) ok[size_t(trie.tokens[nd.tok_begin + k])] = 1;
     ++i;
   }

@@ -144,6 +144,9 @@ class GrammarState {
   int64_t string_room() const;
   bool in_free_string() const { return string_room() == int64_t(UINT32_MAX); }
   size_t n_stacks() const { return stacks_.size(); }
+  // Two states of one grammar are equal when their parse stacks are (what follows is the same).
+  bool operator==(const GrammarState& o) const { return g_ == o.g_ && stacks_ == o.stacks_; }
+  size_t hash() const;
 
   // The state after c, in `out` (false and `out` empty when c cannot come next). For the mask's
   // walk, which keeps one state per depth of the vocabulary trie.

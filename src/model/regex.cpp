@@ -18,7 +18,13 @@ using Ranges = CodePoints;
 constexpr uint32_t kMaxCp = 0x10FFFF;
 constexpr uint32_t kRepMax = 1000;
 constexpr uint32_t kInf = UINT32_MAX;
-constexpr size_t kMaxNfaStates = 2000000;
+// Budgets for one pattern (compiled per request): NFA states and edges, the NFA states the DFA's
+// states hold in all (the subset construction's work), and the NFA's transitions once its empty
+// moves are taken out.
+constexpr size_t kMaxNfaStates = 200000;
+constexpr size_t kMaxNfaEdges = 1000000;
+constexpr size_t kMaxSubsetWork = 5000000;
+constexpr size_t kMaxNfaTransitions = 4096;
 
 // Sorted, merged, without the surrogates (no text holds them).
 Ranges normalize(Ranges r) {
@@ -70,6 +76,46 @@ const Ranges& spaces() {  // ECMA-262's WhiteSpace and LineTerminator
                                      {0x2028, 0x2029}, {0x202F, 0x202F}, {0x205F, 0x205F}, {0x3000, 0x3000},
                                      {0xFEFF, 0xFEFF}});
   return r;
+}
+// The code points of a Unicode category (unicode::char_class), built once.
+const Ranges& category(unicode::CharClass which) {
+  static const std::array<Ranges, 4> all = [] {
+    std::array<Ranges, 4> out;
+    for (uint32_t cp = 0; cp <= kMaxCp; ++cp) {
+      if (cp >= 0xD800 && cp <= 0xDFFF) continue;
+      Ranges& r = out[size_t(unicode::char_class(cp))];
+      if (!r.empty() && r.back().second + 1 == cp) r.back().second = cp;
+      else r.emplace_back(cp, cp);
+    }
+    return out;
+  }();
+  return all[size_t(which)];
+}
+
+// A class escape as the two readings of a pattern have it: ECMA-262's (JSON Schema) and Python's
+// re (vLLM, and Python's jsonschema), whose \d \w \s are Unicode and whose \s differs. `narrow`
+// is in both (what a class may generate), `wide` covers both (what a negated class leaves out).
+struct ClassSet {
+  Ranges narrow, wide;
+};
+ClassSet class_escape(char c) {
+  using unicode::CharClass;
+  static const ClassSet d{digits(), unite(digits(), category(CharClass::number))};
+  static const ClassSet w{word(), unite(unite(word(), category(CharClass::letter)), category(CharClass::number))};
+  static const ClassSet sp = [] {
+    Ranges narrow;  // ECMA-262's spaces but U+FEFF, which Python's \s leaves out
+    for (auto [lo, hi] : spaces())
+      if (lo != 0xFEFF) narrow.emplace_back(lo, hi);
+    return ClassSet{narrow, unite(unite(spaces(), category(CharClass::space)), {{0x1C, 0x1F}, {0x85, 0x85}})};
+  }();
+  switch (c) {
+    case 'd': return d;
+    case 'D': return {complement(d.wide), complement(d.narrow)};
+    case 'w': return w;
+    case 'W': return {complement(w.wide), complement(w.narrow)};
+    case 's': return sp;
+    default: return {complement(sp.wide), complement(sp.narrow)};  // 'S'
+  }
 }
 
 struct Node {
@@ -163,8 +209,8 @@ class Parser {
     if (j < p_.size() && p_[j] == ',') {
       size_t k = j + 1;
       while (k < p_.size() && p_[k] >= '0' && p_[k] <= '9') ++k;
-      if (k > j + 1 && k < p_.size() && p_[k] == '}')
-        fail("'{,n}' is a literal in ECMA-262 but a quantifier in Python: write {0,n}, or \\{ for the brace", i_);
+      if (k < p_.size() && p_[k] == '}')
+        fail("'{,n}' and '{,}' are literals in ECMA-262 but quantifiers in Python: write {0,n} or *, or \\{ for the brace", i_);
     }
     if (!number(mn)) return false;
     *mx = *mn;
@@ -218,6 +264,11 @@ class Parser {
     const char c = p_[i_];
     if (c == '(') {
       ++i_;
+      if (++depth_ > 200) fail("groups nested deeper than 200", at);
+      struct Leave {
+        int& d;
+        ~Leave() { --d; }
+      } leave{depth_};
       if (more() && p_[i_] == '?') {
         const std::string_view rest = p_.substr(i_);
         if (rest.starts_with("?:")) {
@@ -245,9 +296,9 @@ class Parser {
       return set_node(complement({{'\n', '\n'}, {'\r', '\r'}, {0x2028, 0x2029}}));
     }
     if (c == '\\') {
-      Ranges r;
+      ClassSet r;
       const uint32_t cp = escape(false, &r);
-      return set_node(cp == kInf ? r : Ranges{{cp, cp}});
+      return set_node(cp == kInf ? r.narrow : Ranges{{cp, cp}});
     }
     if (c == '*' || c == '+' || c == '?' || (c == '{' && is_quantifier(i_))) fail("nothing to repeat", at);
     const uint32_t cp = code_point();
@@ -264,17 +315,19 @@ class Parser {
     }
     if (more() && p_[i_] == ']')
       fail("an empty class '[]' or '[^]' (ECMA-262: none or any character; Python: a literal ']'); write '\\]' for the bracket", at);
-    Ranges r;
+    // The characters of the class as both readings have them, and all that either may have.
+    Ranges narrow, wide;
     while (true) {
       if (!more()) fail("missing ']'", at);
       if (p_[i_] == ']') {
         ++i_;
         break;
       }
-      Ranges esc;
+      ClassSet esc;
       const uint32_t lo = class_atom(&esc);
       if (lo == kInf) {
-        r = unite(std::move(r), esc);
+        narrow = unite(std::move(narrow), esc.narrow);
+        wide = unite(std::move(wide), esc.wide);
         continue;
       }
       if (i_ + 1 < p_.size() && p_[i_] == '-' && p_[i_ + 1] != ']') {
@@ -283,15 +336,16 @@ class Parser {
         const uint32_t hi = class_atom(&esc);
         if (hi == kInf) fail("a range cannot end at a class escape such as \\d", dash);
         if (hi < lo) fail("a range out of order", dash);
-        r.emplace_back(lo, hi);
+        narrow.emplace_back(lo, hi);
+        wide.emplace_back(lo, hi);
       } else {
-        r.emplace_back(lo, lo);
+        narrow.emplace_back(lo, lo);
+        wide.emplace_back(lo, lo);
       }
     }
-    r = normalize(std::move(r));
-    return neg ? complement(r) : r;
+    return neg ? complement(wide) : normalize(std::move(narrow));
   }
-  uint32_t class_atom(Ranges* set) {
+  uint32_t class_atom(ClassSet* set) {
     if (p_[i_] == '\\') return escape(true, set);
     return code_point();
   }
@@ -307,18 +361,18 @@ class Parser {
   }
 
   // The code point an escape stands for, or kInf with the set (\d, \w, \s and their negations).
-  uint32_t escape(bool in_class, Ranges* set) {
+  uint32_t escape(bool in_class, ClassSet* set) {
     const size_t at = i_;
     ++i_;
     if (!more()) fail("'\\' at the end of the pattern", at);
     const char c = p_[i_++];
     switch (c) {
-      case 'd': *set = digits(); return kInf;
-      case 'D': *set = complement(digits()); return kInf;
-      case 'w': *set = word(); return kInf;
-      case 'W': *set = complement(word()); return kInf;
-      case 's': *set = spaces(); return kInf;
-      case 'S': *set = complement(spaces()); return kInf;
+      case 'd':
+      case 'D':
+      case 'w':
+      case 'W':
+      case 's':
+      case 'S': *set = class_escape(c); return kInf;
       case 't': return '\t';
       case 'n': return '\n';
       case 'r': return '\r';
@@ -348,14 +402,9 @@ class Parser {
         } else {
           cp = hex(4, at);
         }
-        if (cp >= 0xD800 && cp <= 0xDBFF && p_.substr(i_).starts_with("\\u")) {
-          const size_t keep = i_;
-          i_ += 2;
-          const uint32_t lo = hex(4, at);
-          if (lo >= 0xDC00 && lo <= 0xDFFF) return 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-          i_ = keep;
-        }
-        if (cp >= 0xD800 && cp <= 0xDFFF) fail("a lone surrogate", at);
+        if (cp >= 0xD800 && cp <= 0xDFFF)
+          fail("a surrogate escape (ECMA-262 reads a pair as one character, Python as two that no text has): "
+               "write the character itself", at);
         return cp;
       }
       case 'c':
@@ -378,6 +427,7 @@ class Parser {
 
   std::string_view p_;
   size_t i_ = 0;
+  int depth_ = 0;
 };
 
 // ---- the NFA over code points ----
@@ -399,7 +449,7 @@ class Nfa {
   explicit Nfa(const std::vector<Node>& nodes) : nodes_(nodes) {}
 
   uint32_t add() {
-    if (eps.size() >= kMaxNfaStates) throw std::invalid_argument("the pattern is too large (its automaton needs more than 2M states)");
+    if (eps.size() >= kMaxNfaStates) throw std::invalid_argument("the pattern is too large (its NFA needs more than 200000 states)");
     eps.emplace_back();
     edges.emplace_back();
     return uint32_t(eps.size() - 1);
@@ -410,6 +460,8 @@ class Nfa {
     switch (n.kind) {
       case Node::kSet: {
         const uint32_t s = add(), e = add();
+        n_edges_ += n.set.size();
+        if (n_edges_ > kMaxNfaEdges) throw std::invalid_argument("the pattern is too large (its NFA needs more than 1M edges)");
         for (auto [lo, hi] : n.set) edges[s].push_back({lo, hi, e});
         return {s, e};
       }
@@ -465,6 +517,7 @@ class Nfa {
 
  private:
   const std::vector<Node>& nodes_;
+  size_t n_edges_ = 0;
 };
 
 // The UTF-8 encodings of [lo, hi] (no surrogates inside) as sequences of byte ranges, each range a
@@ -516,22 +569,28 @@ ByteClass byte_class(std::string_view bytes) {
 // Sequences of one length that differ at one position only, merged into one (each alternative of
 // a grammar rule is a parse stack of its own).
 std::vector<ByteSeq> merged(std::vector<ByteSeq> seqs) {
-  for (bool again = true; again;) {
-    again = false;
-    for (size_t i = 0; i < seqs.size() && !again; ++i)
-      for (size_t j = i + 1; j < seqs.size() && !again; ++j) {
-        if (seqs[i].size() != seqs[j].size()) continue;
-        size_t diff = 0, at = 0;
-        for (size_t k = 0; k < seqs[i].size(); ++k)
-          if (seqs[i][k] != seqs[j][k]) {
-            ++diff;
-            at = k;
-          }
-        if (diff > 1) continue;
-        for (size_t w = 0; w < 4; ++w) seqs[i][at][w] |= seqs[j][at][w];
-        seqs.erase(seqs.begin() + std::ptrdiff_t(j));
-        again = true;
+  // One pass per position, last first: sequences equal but at that position become one.
+  size_t longest = 0;
+  for (const ByteSeq& q : seqs) longest = std::max(longest, q.size());
+  for (size_t at = longest; at-- > 0;) {
+    std::map<std::vector<ByteClass>, size_t> first;  // the sequence without position `at` -> where it went
+    std::vector<ByteSeq> out;
+    for (ByteSeq& q : seqs) {
+      if (q.size() <= at) {
+        out.push_back(std::move(q));
+        continue;
       }
+      std::vector<ByteClass> key = q;
+      key[at] = ByteClass{};
+      key.push_back(ByteClass{q.size(), 0, 0, 0});  // only sequences of one length merge
+      auto [it, fresh] = first.emplace(std::move(key), out.size());
+      if (fresh) {
+        out.push_back(std::move(q));
+      } else {
+        for (size_t w = 0; w < 4; ++w) out[it->second][at][w] |= q[at][w];
+      }
+    }
+    seqs = std::move(out);
   }
   return seqs;
 }
@@ -578,8 +637,86 @@ std::vector<ByteSeq> encode_code_points(const CodePoints& set, bool json_string)
   return merged(std::move(out));
 }
 
+namespace {
+
+// The shortest and longest texts (code points) an automaton accepts; longest UINT32_MAX when a
+// loop makes it unbounded. (Every state can reach an accepting one.)
+std::pair<uint32_t, uint32_t> length_range(const RegexDfa& d) {
+  const size_t n = d.states.size();
+  std::vector<uint32_t> shortest(n, kInf), longest(n, 0);
+  std::vector<uint8_t> color(n, 0);  // 0 new, 1 on the path, 2 done
+  bool loop = false;
+  // Depth first from the start: the lengths to an accepting state from each state after its
+  // successors.
+  std::vector<std::pair<uint32_t, size_t>> st{{0, 0}};
+  color[0] = 1;
+  while (!st.empty() && !loop) {
+    auto& [q, i] = st.back();
+    if (i < d.states[q].next.size()) {
+      const uint32_t to = d.states[q].next[i++].second;
+      if (color[to] == 1) loop = true;
+      else if (color[to] == 0) {
+        color[to] = 1;
+        st.push_back({to, 0});
+      }
+      continue;
+    }
+    uint32_t lo = d.states[q].accept ? 0 : kInf, hi = 0;
+    for (const auto& [r, to] : d.states[q].next) {
+      if (shortest[to] != kInf) lo = std::min(lo, shortest[to] + 1);
+      hi = std::max(hi, longest[to] + 1);
+    }
+    shortest[q] = lo;
+    longest[q] = hi;
+    color[q] = 2;
+    st.pop_back();
+  }
+  if (loop) {  // the shortest still matters: breadth first over the reversed edges
+    std::vector<std::vector<uint32_t>> back(n);
+    std::vector<uint32_t> dist(n, kInf), todo;
+    for (size_t q = 0; q < n; ++q) {
+      for (const auto& [r, to] : d.states[q].next) back[to].push_back(uint32_t(q));
+      if (d.states[q].accept) {
+        dist[q] = 0;
+        todo.push_back(uint32_t(q));
+      }
+    }
+    for (size_t k = 0; k < todo.size(); ++k)
+      for (uint32_t p : back[todo[k]])
+        if (dist[p] == kInf) {
+          dist[p] = dist[todo[k]] + 1;
+          todo.push_back(p);
+        }
+    return {dist[0], kInf};
+  }
+  return {shortest[0], longest[0]};
+}
+
+RegexDfa compile_impl(std::string_view pattern, const RegexOptions& opt);
+
+}  // namespace
+
 RegexDfa compile_regex(std::string_view pattern, const RegexOptions& opt) {
   if (opt.min_len > opt.max_len) throw std::invalid_argument("the minimum length is above the maximum");
+  if (opt.min_len == 0 && opt.max_len == kInf) return compile_impl(pattern, opt);
+  // Length bounds: none needed when every text of the pattern already keeps within them;
+  // otherwise a code-point counter in the states, with room for as many states as it needs.
+  RegexOptions free = opt;
+  free.min_len = 0;
+  free.max_len = kInf;
+  {
+    RegexDfa d = compile_impl(pattern, free);
+    const auto [lo, hi] = length_range(d);
+    if (lo >= opt.min_len && hi <= opt.max_len) return d;
+  }
+  RegexOptions counted = opt;
+  counted.max_states = opt.max_states * 16;
+  return compile_impl(pattern, counted);
+}
+
+namespace {
+
+RegexDfa compile_impl(std::string_view pattern, const RegexOptions& opt) {
   Parser parser(pattern);
   const std::vector<Parser::Top> tops = parser.parse();
   std::vector<Node>& nodes = parser.nodes;
@@ -639,6 +776,7 @@ RegexDfa compile_regex(std::string_view pattern, const RegexOptions& opt) {
 
   using Key = std::pair<std::vector<uint32_t>, uint32_t>;  // NFA states, code points so far
   std::map<Key, uint32_t> ids;
+  size_t work = 0;
   std::vector<Key> keys;
   RegexDfa dfa;
   const auto intern = [&](Key k) {
@@ -660,6 +798,7 @@ RegexDfa compile_regex(std::string_view pattern, const RegexOptions& opt) {
     touched.clear();
     bool accept = false;
     for (uint32_t s : keys[d].first) {
+      work += 1 + nfa.edges[s].size();
       accept = accept || s == final_state;
       for (const Nfa::Edge& e : nfa.edges[s])
         for (size_t c = class_of(e.lo), last = class_of(e.hi); c <= last; ++c) {
@@ -667,15 +806,22 @@ RegexDfa compile_regex(std::string_view pattern, const RegexOptions& opt) {
           targets[c].push_back(e.to);
         }
     }
+    if (work > kMaxSubsetWork) throw TooLarge{};
     dfa.states[d].accept = accept && count >= opt.min_len;
     std::sort(touched.begin(), touched.end());
     uint32_t n = count + 1;
     const bool room = opt.max_len == kInf || n <= opt.max_len;
     if (opt.max_len == kInf) n = std::min(n, opt.min_len);
     std::map<uint32_t, CodePoints> next;
+    std::map<std::vector<uint32_t>, uint32_t> closed;  // the classes' targets -> the state they lead to
     for (size_t c : touched) {
       if (room) {
-        const uint32_t to = intern({closure(targets[c]), n});
+        std::vector<uint32_t>& tg = targets[c];
+        std::sort(tg.begin(), tg.end());
+        tg.erase(std::unique(tg.begin(), tg.end()), tg.end());
+        auto found = closed.find(tg);
+        if (found == closed.end()) found = closed.emplace(tg, intern({closure(tg), n})).first;
+        const uint32_t to = found->second;
         CodePoints& r = next[to];
         if (!r.empty() && r.back().second + 1 == bounds[c]) r.back().second = bounds[c + 1] - 1;
         else r.emplace_back(bounds[c], bounds[c + 1] - 1);
@@ -690,7 +836,7 @@ RegexDfa compile_regex(std::string_view pattern, const RegexOptions& opt) {
     // would multiply.
     if (opt.min_len > 0 || opt.max_len != kInf)
       throw std::invalid_argument("pattern \"" + std::string(pattern) + "\": its automaton needs more than " +
-                                  std::to_string(opt.max_states) + " states with these length bounds");
+                                  std::to_string(opt.max_states) + " states with these length bounds (minLength/maxLength)");
     dfa = RegexDfa{};
     dfa.deterministic = false;
     std::map<uint32_t, uint32_t> id;  // NFA state -> state
@@ -704,10 +850,15 @@ RegexDfa compile_regex(std::string_view pattern, const RegexOptions& opt) {
       return it->second;
     };
     state_of(top.s);
+    size_t transitions = 0;
     for (size_t d = 0; d < order.size(); ++d) {
       std::map<uint32_t, CodePoints> next;
       bool accept = false;
-      for (uint32_t s : closure({order[d]})) {
+      const std::vector<uint32_t> cl = closure({order[d]});
+      if ((work += cl.size()) > kMaxSubsetWork)
+        throw std::invalid_argument("pattern \"" + std::string(pattern) + "\" is too complex: its automaton needs more than " +
+                                    std::to_string(opt.max_states) + " states");
+      for (uint32_t s : cl) {
         accept = accept || s == final_state;
         for (const Nfa::Edge& e : nfa.edges[s]) next[e.to].emplace_back(e.lo, e.hi);
       }
@@ -715,6 +866,9 @@ RegexDfa compile_regex(std::string_view pattern, const RegexOptions& opt) {
       for (auto& [q, r] : next) {
         const uint32_t to = state_of(q);
         dfa.states[d].next.emplace_back(normalize(std::move(r)), to);
+        if ((transitions += 1) > kMaxNfaTransitions)
+          throw std::invalid_argument("pattern \"" + std::string(pattern) + "\" is too complex: its automaton needs more than " +
+                                      std::to_string(opt.max_states) + " states, and its NFA more than 4096 transitions");
       }
     }
   }
@@ -760,6 +914,8 @@ RegexDfa compile_regex(std::string_view pattern, const RegexOptions& opt) {
   }
   return out;
 }
+
+}  // namespace
 
 bool RegexDfa::matches(std::string_view text) const {
   std::vector<uint32_t> at{0}, next;

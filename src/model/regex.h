@@ -2,16 +2,21 @@
 // compiled into a deterministic automaton over the bytes of the text they describe, which the
 // grammar (json_schema.h) runs one rule per state.
 //
-// Syntax: ECMA-262's, as JSON Schema's `pattern` takes it (the part Python's `re` shares):
-// literals (any UTF-8 text), `.`, character classes `[...]` / `[^...]` with ranges and escapes,
-// `\d \D \w \W \s \S` (ECMA-262's sets: \d and \w ASCII, \s with the Unicode spaces), `\t \n \r
-// \f \v \0 \xHH \uHHHH` (surrogate pairs joined) `\u{H...}` `\cX` and escaped punctuation,
-// groups `(...)`, `(?:...)`, `(?<name>...)`, `(?P<name>...)`, alternation `|`, the quantifiers
-// `* + ? {n} {n,} {n,m}` (lazy `?` accepted: it does not change what matches; n, m <= 1000), and
-// `^` / `$` at the start / end of the pattern or of one of its top-level alternatives. `.` is any
-// code point but the line terminators (\n, \r, U+2028, U+2029), as in ECMA-262.
+// Syntax: ECMA-262's, as JSON Schema's `pattern` takes it, in the part Python's `re` reads the same
+// (vLLM's regexes, Python's jsonschema): literals (any UTF-8 text), `.`, character classes `[...]`
+// / `[^...]` with ranges and escapes, `\d \D \w \W \s \S`, `\t \n \r \f \v \0 \xHH \uHHHH`
+// `\u{H...}` `\cX` and escaped punctuation, groups `(...)`, `(?:...)`, `(?<name>...)`,
+// `(?P<name>...)`, alternation `|`, the quantifiers `* + ? {n} {n,} {n,m}` (lazy `?` accepted: it
+// does not change what matches; n, m <= 1000), and `^` / `$` at the start / end of the pattern or
+// of one of its top-level alternatives. `.` is any code point but the line terminators (\n, \r,
+// U+2028, U+2029), as in ECMA-262. Where the two readings differ, the automaton takes only what
+// both match: \d and \w are ASCII (Python's are Unicode), \s is ECMA-262's without U+FEFF, and
+// \D \W \S and negated classes leave out what either reading would take as a digit, word
+// character or space.
 // Refused, with an error naming it and where: backreferences, lookaround, word boundaries (\b \B),
-// Unicode property escapes (\p), inline flags, anchors elsewhere, possessive quantifiers.
+// Unicode property escapes (\p), inline flags, anchors elsewhere, possessive quantifiers, surrogate
+// escapes, `[]`, `{,n}` and `{,}` (read differently by the two), groups nested deeper than 200, and
+// patterns whose automata would be too large to build per request.
 #pragma once
 #include <array>
 #include <cstddef>
@@ -53,8 +58,8 @@ struct RegexOptions {
   // The text's length in code points (JSON Schema's minLength / maxLength).
   uint32_t min_len = 0;
   uint32_t max_len = UINT32_MAX;
-  // Past it, the NFA (a pattern with a length bound is refused: its counter would multiply the
-  // NFA's states).
+  // Past it, the NFA (16 times as many with a length bound the pattern does not keep by itself,
+  // whose counter the NFA cannot carry: past that the pattern is refused).
   size_t max_states = 4000;
 };
 

@@ -247,8 +247,15 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
     if (!so.is_object()) throw ApiError{"'structured_outputs' must be an object", "structured_outputs"};
     for (const auto& [k, v] : so.items()) {
       const std::string name = "structured_outputs." + k;
-      if (v.is_null() || k == "disable_fallback" || k == "disable_any_whitespace" || k == "disable_additional_properties")
-        continue;  // backend settings: kvq has one backend, whitespace as llama.cpp's, no unlisted properties
+      // Backend settings: kvq has one backend, and leaves out properties a schema does not list unless
+      // its additionalProperties allows them. Its JSON allows whitespace between tokens (llama.cpp's
+      // rule), so a request for none is refused.
+      if (v.is_null() || k == "disable_fallback" || k == "disable_additional_properties") continue;
+      if (k == "disable_any_whitespace") {
+        if (v == false) continue;
+        throw ApiError{fmt::format("'{}' is not supported (kvq's JSON allows whitespace between tokens)", name), name};
+      }
+      if (k == "json_object" && !v.is_boolean()) throw ApiError{fmt::format("'{}' must be a boolean", name), name};
       const std::string at = "/structured_outputs/" + k;
       if (k == "json") guided.push_back({name, at, 'j'});
       else if (k == "regex") guided.push_back({name, at, 'r'});
