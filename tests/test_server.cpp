@@ -584,6 +584,9 @@ TEST_F(ServerTest, JsonSchemaResponseFormat) {
   expect_bad(ch, hi + R"("structured_outputs": {"regex": "a", "choice": ["a"]}})", "structured_outputs.choice");
   expect_bad(ch, hi + R"("structured_outputs": {"regex": "a"}, "guided_regex": "a"})", "guided_regex");
   expect_bad(ch, hi + R"("structured_outputs": "a"})", "structured_outputs");
+  expect_bad(ch, hi + R"("structured_outputs": {"json_object": true, "disable_any_whitespace": true}})",
+             "structured_outputs.disable_any_whitespace");
+  expect_bad(ch, hi + R"("structured_outputs": {"json_object": "yes"}})", "structured_outputs.json_object");
   expect_bad(ch, hi + R"("structured_outputs": {"json": {"type": "strng"}}})", "structured_outputs.json");
   expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema",
                  "json_schema": {"name": "t"}}})",

@@ -1455,27 +1455,82 @@ GrammarVocab::Trie GrammarVocab::build(const std::vector<std::string>& bytes, co
 namespace {
 
 // Marks in `ok` every token of the trie whose bytes can follow `state`.
+// uint64 -> int32, open addressing; emptied in O(1) by an epoch (a mask call empties it each time,
+// and most calls use a small part of what the largest one grew it to).
+class FlatMap {
+ public:
+  void reset() {
+    if (keys_.empty()) resize(1024);
+    if (++epoch_ == 0) {
+      std::fill(stamp_.begin(), stamp_.end(), 0u);
+      epoch_ = 1;
+    }
+    used_ = 0;
+  }
+  const int32_t* find(uint64_t k) const {
+    for (size_t i = slot(k);; i = (i + 1) & mask_) {
+      if (stamp_[i] != epoch_) return nullptr;
+      if (keys_[i] == k) return &vals_[i];
+    }
+  }
+  void put(uint64_t k, int32_t v) {
+    if ((used_ + 1) * 2 > keys_.size()) resize(keys_.size() * 2);
+    size_t i = slot(k);
+    while (stamp_[i] == epoch_ && keys_[i] != k) i = (i + 1) & mask_;
+    if (stamp_[i] != epoch_) ++used_;
+    stamp_[i] = epoch_;
+    keys_[i] = k;
+    vals_[i] = v;
+  }
+
+ private:
+  size_t slot(uint64_t k) const { return size_t((k * 0x9E3779B97F4A7C15ull) >> 20) & mask_; }
+  void resize(size_t n) {
+    std::vector<uint64_t> keys = std::move(keys_);
+    std::vector<int32_t> vals = std::move(vals_);
+    std::vector<uint32_t> stamp = std::move(stamp_);
+    const uint32_t old = epoch_;
+    keys_.assign(n, 0);
+    vals_.assign(n, 0);
+    stamp_.assign(n, 0);
+    mask_ = n - 1;
+    epoch_ = 1;
+    used_ = 0;
+    for (size_t i = 0; i < keys.size(); ++i)
+      if (stamp[i] == old && old != 0) put(keys[i], vals[i]);
+  }
+  std::vector<uint64_t> keys_;
+  std::vector<int32_t> vals_;
+  std::vector<uint32_t> stamp_;
+  uint32_t epoch_ = 0;
+  size_t used_ = 0, mask_ = 0;
+};
+
 // The trie in preorder, one state per depth. The states met are kept, each once, with the step
 // from each on each byte: many nodes share a state and a byte (a pattern's loop such as
 // `[a-z]+` comes back to one state after every letter), and those take the step already made.
 void walk(const GrammarState& state, const GrammarVocab::Trie& trie, std::vector<char>& ok) {
   struct Memo {
     std::vector<GrammarState> states;
-    std::unordered_multimap<size_t, int32_t> by_hash;
-    std::unordered_map<uint64_t, int32_t> next;  // state << 8 | byte -> state; -1: the byte cannot come
+    std::vector<int32_t> same_hash;  // per state: the next one of the same hash, or -1
+    FlatMap by_hash;                 // hash -> the last state of that hash
+    FlatMap next;                    // state << 8 | byte -> state; -1: the byte cannot come
     std::vector<int32_t> level;
   };
   static thread_local Memo m;
   m.states.clear();
-  m.by_hash.clear();
-  m.next.clear();
+  m.same_hash.clear();
+  m.by_hash.reset();
+  m.next.reset();
   const auto intern = [&](GrammarState&& s) {
-    const size_t h = s.hash();
-    for (auto [it, end] = m.by_hash.equal_range(h); it != end; ++it)
-      if (m.states[size_t(it->second)] == s) return it->second;
+    const uint64_t h = s.hash();
+    const int32_t* head = m.by_hash.find(h);
+    for (int32_t id = head ? *head : -1; id >= 0; id = m.same_hash[size_t(id)])
+      if (m.states[size_t(id)] == s) return id;
     const int32_t id = int32_t(m.states.size());
     m.states.push_back(std::move(s));
-    m.by_hash.emplace(h, id);
+    m.same_hash.push_back(head ? *head : -1);
+    m.by_hash.put(h, id);
     return id;
   };
   m.level.assign(size_t(trie.max_depth) + 1, 0);
@@ -1484,17 +1539,20 @@ void walk(const GrammarState& state, const GrammarVocab::Trie& trie, std::vector
   for (uint32_t i = 0; i < nodes.size();) {
     const GrammarVocab::Node& nd = nodes[i];
     const uint64_t key = uint64_t(m.level[nd.depth - 1]) << 8 | nd.byte;
-    auto it = m.next.find(key);
-    if (it == m.next.end()) {
+    const int32_t* found = m.next.find(key);
+    int32_t to;
+    if (found) {
+      to = *found;
+    } else {
       GrammarState t(nullptr);
-      const int32_t id = m.states[size_t(m.level[nd.depth - 1])].step(nd.byte, t) ? intern(std::move(t)) : -1;
-      it = m.next.emplace(key, id).first;
+      to = m.states[size_t(m.level[nd.depth - 1])].step(nd.byte, t) ? intern(std::move(t)) : -1;
+      m.next.put(key, to);
     }
-    if (it->second < 0) {
+    if (to < 0) {
       i = nd.end;
       continue;
     }
-    m.level[nd.depth] = it->second;
+    m.level[nd.depth] = to;
     for (uint32_t k = 0; k < nd.tok_count; ++k) ok[size_t(trie.tokens[nd.tok_begin + k])] = 1;
     ++i;
   }
