@@ -232,7 +232,10 @@ TEST(Gbnf, Errors) {
       {"root ::= [abc", "without its closing ']'"},
       {"root ::= (\"a\"", "without its closing ')'"},
       {"root ::= * \"a\"", "repeats nothing"},
-      {"root ::= \"a\"{1001}", "above 1000"},
+      {"root ::= \"a\"{2001}", "above 2000"},
+      {"root ::= x y\ny ::= \"a\"\nx ::= z", "line 3, column 7: rule 'z' is used but not defined"},
+      {"root ::= \"a\"\r\rroot ::= \"b\"", "line 3, column 1: rule 'root' is defined twice"},
+      {"root ::= (\"a\"{2}){2}{2}{2}{2}{2}{2}{2}{2}{2}{2}", "more than 8 repetitions of a repetition"},
       {"root ::= \"a\"{3,2}", "m > n"},
       {"root ::= \"\\q\"", "unknown escape"},
       {"root ::= \"\\uD800\"", "no Unicode scalar value"},
@@ -245,4 +248,24 @@ TEST(Gbnf, Errors) {
     const std::string e = error_of(text);
     EXPECT_NE(e.find(why), std::string::npos) << text << " -> " << e;
   }
+  // Hostile grammars end in an error or a grammar, quickly, never in a crash: a long run of
+  // repetition operators, empty alternatives nested a million deep, and a bottom-up chain of
+  // 50000 rules (linear, not quadratic, in the rules).
+  {
+    const auto g = Grammar::from_gbnf(join({"root ::= \"a\"", std::string(50000, '?'), std::string(20000, '*'), " \"b\""}));
+    EXPECT_TRUE(accepts(g, "aaab"));  // "a"?...* is "a"*
+    EXPECT_TRUE(accepts(g, "b"));
+  }
+  EXPECT_NE(error_of("root ::= ((\"x\"?){1000}){1000}").find("rules expanded"), std::string::npos);
+  {
+    std::string chain = "r0 ::= \"x\"\n";
+    for (int k = 1; k < 50000; ++k) chain += join({"r", std::to_string(k), " ::= r", std::to_string(k - 1), "\n"});
+    chain += "root ::= r49999 \"y\"\n";
+    EXPECT_TRUE(accepts(Grammar::from_gbnf(chain), "xy"));
+  }
+  // Empty alternatives that derive the empty text many ways: each configuration once.
+  const auto amb = Grammar::from_gbnf("root ::= \"a\" ( | ){11} (\"b\"? | \"c\"?){30} \"d\"");
+  EXPECT_TRUE(accepts(amb, "ad"));
+  EXPECT_TRUE(accepts(amb, "abcbd"));
+  EXPECT_FALSE(accepts(amb, join({"a", std::string(31, 'b'), "d"})));
 }

@@ -69,6 +69,7 @@ bool validate_type(const ojson& root, const ojson& s, const std::string& t, cons
     if (s.contains("maximum") && x > s["maximum"].get<double>()) return false;
     if (s.contains("exclusiveMinimum") && x <= s["exclusiveMinimum"].get<double>()) return false;
     if (s.contains("exclusiveMaximum") && x >= s["exclusiveMaximum"].get<double>()) return false;
+    if (s.contains("multipleOf") && v.get<int64_t>() % s["multipleOf"].get<int64_t>() != 0) return false;
     return true;
   }
   if (t == "number") return v.is_number();
@@ -187,7 +188,8 @@ const std::vector<std::string>& schemas() {
       R"({"type": "array", "items": {"type": "array", "items": {"enum": ["a", "b"]}}})",
       R"({"type": "object", "properties": {"n": {"type": "integer", "minimum": -15, "maximum": 230},
           "p": {"type": "integer", "exclusiveMinimum": 0}, "q": {"type": "integer", "minimum": 1000, "maximum": 1004},
-          "r": {"type": ["integer", "null"], "exclusiveMaximum": -3}}, "required": ["n", "p", "q", "r"]})",
+          "r": {"type": ["integer", "null"], "exclusiveMaximum": -3}, "m": {"type": "integer", "multipleOf": 7, "minimum": -30,
+          "maximum": 100}, "k": {"type": "integer", "multipleOf": 1000}}, "required": ["n", "p", "q", "r", "m", "k"]})",
       R"({"properties": {"name": {"type": "string"}, "na": {"type": "integer"}}, "additionalProperties": {"type": "integer"}})",
       R"({"type": "array", "prefixItems": [{"type": "string", "format": "date"}, {"format": "time"},
           {"type": "string", "format": "date-time"}, {"type": "string", "format": "uuid"},
@@ -249,7 +251,12 @@ TEST(JsonSchema, RefusesWhatItCannotGenerate) {
   EXPECT_NE(compile_error(R"({"minimum": 0})").find("without \"type\": \"integer\""), std::string::npos);
   EXPECT_NE(compile_error(R"({"type": "integer", "minimum": 3, "exclusiveMaximum": 4.0, "maximum": 2})").find("lies within"),
             std::string::npos);
-  EXPECT_NE(compile_error(R"({"type": "integer", "multipleOf": 2})").find("#': 'multipleOf' is not supported"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "integer", "multipleOf": 0.5})").find("#': 'multipleOf' other than an integer"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "number", "multipleOf": 2})").find("on integers only"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "integer", "multipleOf": 0})").find("must be a number > 0"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "integer", "multipleOf": 7, "minimum": 8, "maximum": 13})").find("no multiple"),
+            std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "number", "exclusiveMinimum": 0, "maximum": 1})").find("on integers only"), std::string::npos);
   EXPECT_NE(compile_error(R"({"properties": {"a": {"not": {}}}})").find("#/properties/a': 'not'"), std::string::npos);
   EXPECT_NE(compile_error(R"({"$ref": "#/$defs/missing"})").find("points at nothing"), std::string::npos);
   EXPECT_NE(compile_error(R"({"$ref": "https://example.com/s.json"})").find("only references into this schema"), std::string::npos);

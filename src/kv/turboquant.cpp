@@ -21,10 +21,6 @@ constexpr uint64_t kSeedRotation = 1;
 constexpr uint64_t kSeedQjl = 2;
 constexpr int kMaxDim = 1024;
 
-inline void store_u16(uint8_t* p, uint16_t v) {
-  p[0] = uint8_t(v);
-  p[1] = uint8_t(v >> 8);
-}
 inline uint16_t load_u16(const uint8_t* p) { return uint16_t(p[0] | (p[1] << 8)); }
 
 // The Hadamard transform exists for powers of two only; other head sizes (80, 96, 112) get the

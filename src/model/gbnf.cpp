@@ -11,7 +11,7 @@ namespace kvq {
 
 namespace {
 
-constexpr uint32_t kMaxCount = 1000;
+constexpr uint32_t kMaxCount = 2000;  // as llama.cpp's
 constexpr int kMaxNesting = 200;
 
 class Parser {
@@ -21,8 +21,14 @@ class Parser {
   Gbnf parse() {
     space(true);
     while (more()) rule();
+    size_t first_undefined = std::string::npos;
+    std::string undefined;
     for (const auto& [name, use] : first_use_)
-      if (!defined_[index_.at(name)]) fail_at(use, "rule '" + name + "' is used but not defined");
+      if (!defined_[index_.at(name)] && use < first_undefined) {
+        first_undefined = use;
+        undefined = name;
+      }
+    if (!undefined.empty()) fail_at(first_undefined, "rule '" + undefined + "' is used but not defined");
     const auto root = index_.find("root");
     if (root == index_.end() || !defined_[root->second]) fail_at(t_.size(), "no 'root' rule (the text the grammar generates)");
     g_.root = root->second;
@@ -33,7 +39,7 @@ class Parser {
   [[noreturn]] void fail_at(size_t at, const std::string& why) const {
     size_t line = 1, col = 1;
     for (size_t k = 0; k < at && k < t_.size(); ++k) {
-      if (t_[k] == '\n') {
+      if (t_[k] == '\n' || (t_[k] == '\r' && (k + 1 >= t_.size() || t_[k + 1] != '\n'))) {
         ++line;
         col = 1;
       } else {
@@ -160,7 +166,7 @@ class Parser {
       ++i_;
     }
     if (i_ == from) fail("expected a number");
-    if (v > kMaxCount) fail_at(from, "a repetition count above 1000");
+    if (v > kMaxCount) fail_at(from, "a repetition count above 2000");
     return uint32_t(v);
   }
 
@@ -221,11 +227,25 @@ class Parser {
       } else if (c == '*' || c == '+' || c == '?' || c == '{') {
         if (seq.empty()) fail(std::string("'") + c + "' repeats nothing");
         GbnfItem& last = seq.back();
-        if (last.min != 1 || last.max != 1) {  // x** : repeat the repetition
+        if (last.min != 1 || last.max != 1) {
+          // A repetition of a repetition: x?? is x?, and x* x+ x? combined are x* but for x++,
+          // which is x+; other counts go in a group of their own (at most 8 deep).
+          const bool simple = c != '{' && last.min <= 1 && (last.max == 1 || last.max == UINT32_MAX);
+          if (simple) {
+            const bool optional = last.min == 0 || c == '*' || c == '?';
+            const bool many = last.max == UINT32_MAX || c == '*' || c == '+';
+            last.min = optional ? 0 : 1;
+            last.max = many ? UINT32_MAX : 1;
+            ++i_;
+            space(nested);
+            continue;
+          }
+          if (++wraps_ > 8) fail("more than 8 repetitions of a repetition");
           GbnfItem inner = std::move(last);
           last = GbnfItem{};
           last.kind = GbnfItem::kGroup;
-          last.alts = {{std::move(inner)}};
+          last.alts.emplace_back();
+          last.alts.back().push_back(std::move(inner));
         }
         ++i_;
         if (c == '*') {
@@ -256,6 +276,7 @@ class Parser {
         break;  // '|', ')', the end of the line
       }
       seq.push_back(std::move(item));
+      wraps_ = 0;
       space(nested);
     }
     return seq;
@@ -267,6 +288,7 @@ class Parser {
   std::map<std::string, uint32_t> index_;
   std::map<std::string, size_t> first_use_;
   std::vector<char> defined_;
+  int wraps_ = 0;  // repetitions of the last item's repetition
 };
 
 }  // namespace

@@ -9,7 +9,7 @@
 // its line, except inside parentheses or after '|' or '::='); `root` is the text. Terms: "literal"
 // and [character class] / [^negated] with ranges, escapes \t \n \r \\ \" \[ \] \- \xHH \uHHHH
 // \UHHHHHHHH, `.` (any character), rule names, ( groups ) and `|`; repetition *, +, ?, {m}, {m,},
-// {m,n} (counts up to 1000); # comments. Characters are Unicode code points, the text UTF-8.
+// {m,n} (counts up to 2000, as llama.cpp); # comments. Characters are Unicode code points, the text UTF-8.
 // Refused with the line and column: token references (<...>), undefined or twice-defined rules, no
 // `root`.
 #pragma once

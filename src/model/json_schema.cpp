@@ -176,8 +176,12 @@ bool int_reachable(const Grammar::IntBounds& b, const IntSub& s, int j) {
     mlo = s.mag * pow10(j);
     mhi = (s.mag + 1) * pow10(j) - 1;
   }
-  const int64_t lo = s.neg ? -mhi : mlo, hi = s.neg ? -mlo : mhi;
-  return lo <= b.hi && hi >= b.lo;
+  const int64_t lo = std::max(s.neg ? -mhi : mlo, b.lo), hi = std::min(s.neg ? -mlo : mhi, b.hi);
+  if (lo > hi) return false;
+  if (b.multiple == 1) return true;
+  // A multiple of m in [lo, hi]: the greatest one <= hi is >= lo (floor division).
+  const int64_t q = hi / b.multiple - (hi % b.multiple != 0 && hi < 0 ? 1 : 0);
+  return q * b.multiple >= lo;
 }
 bool int_more(const Grammar::IntBounds& b, uint64_t sub) {
   const IntSub s = unpack_int(sub);
@@ -435,13 +439,13 @@ class SchemaCompiler {
 
   // x repeated min..max times (max kUnbounded: no bound).
   uint32_t repeat(const Seq& x, uint32_t min, uint32_t max) {
+    // (The empty alternative last: the parse stacks expand it in a loop rather than a call, so a
+    // long run of optional items does not nest.)
     uint32_t tail = new_rule();  // up to (max - min) more
+    if (max == kUnbounded) alt(tail, x + Seq{rule(tail)});
     alt(tail, {});
-    if (max == kUnbounded) {
-      alt(tail, x + Seq{rule(tail)});
-    } else {
-      for (uint32_t k = min; k < max; ++k) tail = rule_of({{}, x + Seq{rule(tail)}});
-    }
+    if (max != kUnbounded)
+      for (uint32_t k = min; k < max; ++k) tail = rule_of({x + Seq{rule(tail)}, {}});
     Seq seq;
     for (uint32_t k = 0; k < min; ++k) seq = seq + x;
     return rule_of({seq + Seq{rule(tail)}});
@@ -496,7 +500,6 @@ class SchemaCompiler {
   }
   static const std::set<std::string>& unsupported() {
     static const std::set<std::string> u = {
-        "multipleOf",
         "minProperties", "maxProperties", "patternProperties", "propertyNames", "dependentRequired",
         "dependentSchemas", "dependencies", "uniqueItems", "contains", "minContains", "maxContains", "not", "if",
         "then", "else", "unevaluatedProperties", "unevaluatedItems", "additionalItems", "$dynamicRef",
@@ -505,7 +508,7 @@ class SchemaCompiler {
   }
   static const char* supported_list() {
     return "supported: type, properties, required, additionalProperties, items, prefixItems, minItems, "
-           "maxItems, minLength, maxLength, pattern, minimum/maximum/exclusiveMinimum/exclusiveMaximum on integers, format "
+           "maxItems, minLength, maxLength, pattern, minimum/maximum/exclusiveMinimum/exclusiveMaximum/multipleOf on integers, format "
            "(date, time, date-time, uuid, ipv4), enum, const, anyOf, oneOf, allOf (one schema), $ref, $defs";
   }
 
@@ -695,9 +698,9 @@ class SchemaCompiler {
       const bool arr = s.contains("items") || s.contains("prefixItems") || s.contains("minItems") || s.contains("maxItems");
       const bool str_kw = s.contains("minLength") || s.contains("maxLength") || s.contains("format") || s.contains("pattern");
       const bool num_kw = s.contains("minimum") || s.contains("maximum") || s.contains("exclusiveMinimum") ||
-                          s.contains("exclusiveMaximum");
+                          s.contains("exclusiveMaximum") || s.contains("multipleOf");
       if (obj + arr + str_kw + num_kw > 1) fail(path, "keywords of several types without 'type'");
-      if (num_kw) fail(path, "minimum/maximum without \"type\": \"integer\" are not supported");
+      if (num_kw) fail(path, "minimum/maximum/multipleOf without \"type\": \"integer\" are not supported");
       if (obj) ts = {"object"};
       else if (arr) ts = {"array"};
       else if (str_kw) ts = {"string"};
@@ -715,10 +718,10 @@ class SchemaCompiler {
     if (t == "null") return rule_of({lit("null")});
     if (t == "boolean") return rule_of({lit("true"), lit("false")});
     const bool bounded = s.contains("minimum") || s.contains("maximum") || s.contains("exclusiveMinimum") ||
-                         s.contains("exclusiveMaximum");
+                         s.contains("exclusiveMaximum") || s.contains("multipleOf");
     if (t == "integer") return bounded ? bounded_integer(s, path) : number(true);
     if (t == "number") {
-      if (bounded) fail(path, "minimum/maximum are supported on integers only (\"type\": \"integer\")");
+      if (bounded) fail(path, "minimum/maximum/multipleOf are supported on integers only (\"type\": \"integer\")");
       return number(false);
     }
     if (t == "string" && s.contains("format")) {
@@ -857,7 +860,17 @@ class SchemaCompiler {
     if (s.contains("exclusiveMinimum") && !s["exclusiveMinimum"].is_boolean()) lo = std::max(lo, bound("exclusiveMinimum", true, true));
     if (s.contains("exclusiveMaximum") && !s["exclusiveMaximum"].is_boolean()) hi = std::min(hi, bound("exclusiveMaximum", false, true));
     if (lo > hi) fail(path, "no integer of at most 16 digits lies within the schema's minimum and maximum");
-    g_.ints_.push_back({lo, hi});
+    int64_t multiple = 1;
+    if (s.contains("multipleOf")) {
+      const json& m = s["multipleOf"];
+      if (!m.is_number() || !(m.get<double>() > 0)) fail(path, "'multipleOf' must be a number > 0");
+      if (!(std::floor(m.get<double>()) == m.get<double>())) fail(path, "'multipleOf' other than an integer is not supported");
+      if (m.get<double>() >= 1e16) fail(path, "'multipleOf' of more than 16 digits is not supported");
+      multiple = m.is_number_unsigned() ? int64_t(m.get<uint64_t>()) : m.is_number_integer() ? m.get<int64_t>() : int64_t(m.get<double>());
+      const int64_t q = hi / multiple - (hi % multiple != 0 && hi < 0 ? 1 : 0);  // floor(hi / multiple)
+      if (q * multiple < lo) fail(path, "no multiple of 'multipleOf' lies within the schema's minimum and maximum");
+    }
+    g_.ints_.push_back({lo, hi, multiple});
     return rule_of({{Elem{Grammar::kInt, uint32_t(g_.ints_.size() - 1)}}});
   }
 
@@ -1068,26 +1081,59 @@ class SchemaCompiler {
 
   // Drops the alternatives that cannot end (they call a rule that never ends: a required
   // recursion), so that no generation goes into one. false when the root is such a rule.
-  bool prune_unproductive(uint32_t root) {
+  // The rules whose alternatives satisfy `holds`: those with an alternative whose elements all do,
+  // an element `counts` being one that holds only if its rule does (the others: `plain`). A
+  // worklist, linear in the grammar's size whatever order the rules come in.
+  template <typename Plain>
+  std::vector<char> rule_fixpoint(Plain plain) {
     const size_t n = g_.rules_.size();
-    std::vector<char> ends(n, 0);
+    std::vector<char> holds(n, 0);
+    std::vector<uint32_t> alt_rule, left;                  // per alternative: its rule, rules not yet known
+    std::vector<std::vector<uint32_t>> users(n);           // per rule: the alternatives that call it
+    std::vector<uint32_t> todo;
+    for (size_t r = 0; r < n; ++r)
+      for (uint32_t a : g_.rules_[r]) {
+        const uint32_t id = uint32_t(alt_rule.size());
+        alt_rule.push_back(uint32_t(r));
+        uint32_t count = 0;
+        bool possible = true;
+        for (uint32_t p = a; g_.elems_[p].kind != Grammar::kEnd; ++p) {
+          const Elem& e = g_.elems_[p];
+          if (e.kind == Grammar::kRule) {
+            ++count;
+            users[e.arg].push_back(id);
+          } else if (!plain(e)) {
+            possible = false;
+          }
+        }
+        left.push_back(possible ? count : UINT32_MAX);
+        if (possible && count == 0 && !holds[r]) {
+          holds[r] = 1;
+          todo.push_back(uint32_t(r));
+        }
+      }
+    while (!todo.empty()) {
+      const uint32_t r = todo.back();
+      todo.pop_back();
+      for (uint32_t id : users[r]) {
+        if (left[id] == UINT32_MAX || --left[id] != 0) continue;
+        const uint32_t q = alt_rule[id];
+        if (!holds[q]) {
+          holds[q] = 1;
+          todo.push_back(q);
+        }
+      }
+    }
+    return holds;
+  }
+
+  bool prune_unproductive(uint32_t root) {
+    const std::vector<char> ends = rule_fixpoint([](const Elem&) { return true; });
     auto alt_ends = [&](uint32_t a) {
       for (uint32_t p = a; g_.elems_[p].kind != Grammar::kEnd; ++p)
         if (g_.elems_[p].kind == Grammar::kRule && !ends[g_.elems_[p].arg]) return false;
       return true;
     };
-    for (bool changed = true; changed;) {  // in reverse: rules are made before those they call
-      changed = false;
-      for (size_t r = n; r-- > 0;) {
-        if (ends[r]) continue;
-        for (uint32_t a : g_.rules_[r])
-          if (alt_ends(a)) {
-            ends[r] = 1;
-            changed = true;
-            break;
-          }
-      }
-    }
     for (auto& alts : g_.rules_) std::erase_if(alts, [&](uint32_t a) { return !alt_ends(a); });
     return ends[root] != 0;
   }
@@ -1096,25 +1142,10 @@ class SchemaCompiler {
   // never end: returns one such rule, or UINT32_MAX when there is none.
   uint32_t left_recursive_rule() {
     const size_t n = g_.rules_.size();
-    std::vector<char> nullable(n, 0);
+    const std::vector<char> nullable = rule_fixpoint([](const Elem& e) { return e.kind == Grammar::kWs; });
     auto elem_nullable = [&](const Elem& e) {
       return e.kind == Grammar::kWs || (e.kind == Grammar::kRule && nullable[e.arg]);
     };
-    for (bool changed = true; changed;) {
-      changed = false;
-      for (size_t r = n; r-- > 0;) {
-        if (nullable[r]) continue;
-        for (uint32_t a : g_.rules_[r]) {
-          uint32_t p = a;
-          while (g_.elems_[p].kind != Grammar::kEnd && elem_nullable(g_.elems_[p])) ++p;
-          if (g_.elems_[p].kind == Grammar::kEnd) {
-            nullable[r] = 1;
-            changed = true;
-            break;
-          }
-        }
-      }
-    }
     std::vector<std::vector<uint32_t>> calls(n);  // rules called before any byte
     for (size_t r = 0; r < n; ++r)
       for (uint32_t a : g_.rules_[r])
@@ -1191,7 +1222,7 @@ std::shared_ptr<const Grammar> Grammar::from_schema(const nlohmann::ordered_json
   c.compile();
   if (GrammarState(g).n_stacks() == 0)
     throw std::invalid_argument("json_schema at '#': the schema's alternatives at the start are more than kvq tracks at once (" +
-                                std::to_string(kMaxStacks) + ")");
+                                std::to_string(kMaxStacks) + " parse stacks, " + std::to_string(GrammarState::kMaxExpansion) + " rules expanded)");
   return g;
 }
 
@@ -1209,7 +1240,7 @@ std::shared_ptr<const Grammar> Grammar::from_gbnf(std::string_view text) {
   SchemaCompiler(*g, json()).compile_gbnf(gb);
   if (GrammarState(g).n_stacks() == 0)
     throw std::invalid_argument("grammar: root's alternatives at the start are more than kvq tracks at once (" +
-                                std::to_string(kMaxStacks) + ")");
+                                std::to_string(kMaxStacks) + " parse stacks, " + std::to_string(GrammarState::kMaxExpansion) + " rules expanded)");
   return g;
 }
 
@@ -1218,7 +1249,7 @@ std::shared_ptr<const Grammar> Grammar::from_regex(std::string_view pattern, con
   SchemaCompiler(*g, json()).compile_regex_text(pattern, opt);
   if (GrammarState(g).n_stacks() == 0)
     throw std::invalid_argument("pattern \"" + std::string(pattern) + "\": its alternatives at the start are more than kvq tracks at once (" +
-                                std::to_string(kMaxStacks) + ")");
+                                std::to_string(kMaxStacks) + " parse stacks, " + std::to_string(GrammarState::kMaxExpansion) + " rules expanded)");
   return g;
 }
 
@@ -1242,7 +1273,8 @@ std::shared_ptr<const Grammar> Grammar::from_schema_text(std::string_view text) 
 GrammarState::GrammarState(std::shared_ptr<const Grammar> g) : g_(std::move(g)) {
   if (!g_) return;  // an empty state, to be filled by step()
   Stack s{{g_->root_, 0}};
-  if (!expand(s, stacks_)) stacks_.clear();
+  Expansion x;
+  if (!expand(s, stacks_, x, 0)) stacks_.clear();
   normalize(stacks_);
   if (stacks_.size() > Grammar::kMaxStacks) stacks_.clear();
 }
@@ -1252,7 +1284,7 @@ void GrammarState::normalize(std::vector<Stack>& stacks) {
   stacks.erase(std::unique(stacks.begin(), stacks.end()), stacks.end());
 }
 
-bool GrammarState::expand(Stack& stack, std::vector<Stack>& out) const {
+bool GrammarState::expand(Stack& stack, std::vector<Stack>& out, Expansion& x, int depth) const {
   const Grammar& g = *g_;
   while (true) {
     if (stack.empty()) {
@@ -1285,13 +1317,24 @@ bool GrammarState::expand(Stack& stack, std::vector<Stack>& out) const {
         while (!stack.empty() && g.elems_[stack.back().pos].kind == Grammar::kEnd) stack.pop_back();
         // Past the limits: the caller drops everything this expansion made (the byte that led
         // here cannot come), rather than keep a part of it that may go nowhere.
-        if (stack.size() >= Grammar::kMaxStack || out.size() > Grammar::kMaxStacks) return false;
+        if (stack.size() >= Grammar::kMaxStack || ++x.work > kMaxExpansion || depth > 1000) return false;
+        if (out.size() > Grammar::kMaxStacks) {  // the distinct ones only
+          std::sort(out.begin() + std::ptrdiff_t(x.from), out.end());
+          out.erase(std::unique(out.begin() + std::ptrdiff_t(x.from), out.end()), out.end());
+          if (out.size() > Grammar::kMaxStacks) return false;
+        }
         const std::vector<uint32_t>& alts = g.rules_[e.arg];
         if (alts.empty()) return true;
+        if (x.work > 1024) {  // a configuration met before opens nothing new
+          stack.push_back({e.arg, UINT64_MAX});  // (a marker frame: the rule about to be expanded)
+          const bool fresh = x.seen.insert(stack).second;
+          stack.pop_back();
+          if (!fresh) return true;
+        }
         for (size_t i = 0; i + 1 < alts.size(); ++i) {
           Stack copy = stack;
           copy.push_back({alts[i], 0});
-          if (!expand(copy, out)) return false;
+          if (!expand(copy, out, x, depth + 1)) return false;
         }
         stack.push_back({alts.back(), 0});
         continue;
@@ -1306,7 +1349,9 @@ bool GrammarState::step(unsigned char c, GrammarState& out) const {
   out.stacks_.clear();
   const auto grow = [&](Stack& s) {
     const size_t mark = out.stacks_.size();
-    if (!expand(s, out.stacks_)) out.stacks_.resize(mark);
+    Expansion x;
+    x.from = mark;
+    if (!expand(s, out.stacks_, x, 0)) out.stacks_.resize(mark);
   };
   for (const Stack& st : stacks_) {
     if (st.empty()) continue;
@@ -1515,40 +1560,53 @@ void walk(const GrammarState& state, const GrammarVocab::Trie& trie, std::vector
     std::vector<int32_t> same_hash;  // per state: the next one of the same hash, or -1
     FlatMap by_hash;                 // hash -> the last state of that hash
     FlatMap next;                    // state << 8 | byte -> state; -1: the byte cannot come
-    std::vector<int32_t> level;
+    std::vector<int32_t> level;      // per depth: the state, or kScratch: it is in scratch[depth]
+    std::vector<GrammarState> scratch;
+    size_t frames = 0;               // in the states kept
   };
+  constexpr int32_t kDead = -1, kScratch = -2;
+  constexpr size_t kMaxFrames = size_t(1) << 22;  // ~50 MB of kept states; past it, steps are not kept
   static thread_local Memo m;
   m.states.clear();
   m.same_hash.clear();
   m.by_hash.reset();
   m.next.reset();
-  const auto intern = [&](GrammarState&& s) {
+  m.frames = 0;
+  if (m.scratch.size() < size_t(trie.max_depth) + 1) m.scratch.resize(size_t(trie.max_depth) + 1, GrammarState(nullptr));
+  const auto intern = [&](GrammarState&& s, size_t depth) {
     const uint64_t h = s.hash();
     const int32_t* head = m.by_hash.find(h);
     for (int32_t id = head ? *head : -1; id >= 0; id = m.same_hash[size_t(id)])
       if (m.states[size_t(id)] == s) return id;
+    if (m.frames > kMaxFrames) {
+      m.scratch[depth] = std::move(s);
+      return kScratch;
+    }
     const int32_t id = int32_t(m.states.size());
+    m.frames += s.n_frames();
     m.states.push_back(std::move(s));
     m.same_hash.push_back(head ? *head : -1);
     m.by_hash.put(h, id);
     return id;
   };
   m.level.assign(size_t(trie.max_depth) + 1, 0);
-  m.level[0] = intern(GrammarState(state));
+  m.level[0] = intern(GrammarState(state), 0);
   const auto& nodes = trie.nodes;
   for (uint32_t i = 0; i < nodes.size();) {
     const GrammarVocab::Node& nd = nodes[i];
-    const uint64_t key = uint64_t(m.level[nd.depth - 1]) << 8 | nd.byte;
-    const int32_t* found = m.next.find(key);
+    const int32_t from = m.level[nd.depth - 1];
     int32_t to;
+    const uint64_t key = uint64_t(uint32_t(from)) << 8 | nd.byte;
+    const int32_t* found = from >= 0 ? m.next.find(key) : nullptr;
     if (found) {
       to = *found;
     } else {
       GrammarState t(nullptr);
-      to = m.states[size_t(m.level[nd.depth - 1])].step(nd.byte, t) ? intern(std::move(t)) : -1;
-      m.next.put(key, to);
+      const GrammarState& parent = from >= 0 ? m.states[size_t(from)] : m.scratch[nd.depth - 1];
+      to = parent.step(nd.byte, t) ? intern(std::move(t), nd.depth) : kDead;
+      if (from >= 0 && to != kScratch) m.next.put(key, to);
     }
-    if (to < 0) {
+    if (to == kDead) {
       i = nd.end;
       continue;
     }
@@ -1556,6 +1614,7 @@ void walk(const GrammarState& state, const GrammarVocab::Trie& trie, std::vector
     for (uint32_t k = 0; k < nd.tok_count; ++k) ok[size_t(trie.tokens[nd.tok_begin + k])] = 1;
     ++i;
   }
+  m.states.clear();  // (they hold the grammar)
 }
 
 }  // namespace

@@ -29,12 +29,12 @@
 //   UTF-8 for the rest).
 // Supported keywords: type (a name or a list), properties, required, additionalProperties, items
 // (a schema, or a list: a tuple), prefixItems, minItems, maxItems, minLength, maxLength, pattern, minimum,
-// maximum, exclusiveMinimum, exclusiveMaximum (on integers), format (date, time, date-time, uuid,
+// maximum, exclusiveMinimum, exclusiveMaximum, multipleOf (on integers, by an integer), format (date, time, date-time, uuid,
 // ipv4), enum, const, anyOf, oneOf, allOf (one schema), $ref (a JSON pointer into the document:
 // #/$defs/..., #/definitions/..., #), $defs and definitions. Annotations (title, description,
 // default, examples, $schema, $id, $comment, ...) are ignored, and so are other formats (an
 // annotation by default in JSON Schema 2020-12: plain strings). The other validation keywords
-// (bounds on non-integer numbers, multipleOf, uniqueItems, not, if, ...) are refused with
+// (bounds on non-integer numbers, multipleOf but an integer's by an integer, uniqueItems, not, if, ...) are refused with
 // an error that names them, rather than generating text the schema would reject.
 //
 // grammar_mask() sets to -inf the logits of the tokens whose bytes cannot continue the text. It
@@ -48,6 +48,7 @@
 #include <cstdint>
 #include <memory>
 #include <nlohmann/json_fwd.hpp>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -97,6 +98,7 @@ class Grammar {
   // is in the range.
   struct IntBounds {
     int64_t lo, hi;
+    int64_t multiple = 1;  // multipleOf
   };
   struct StrBounds {
     uint32_t min_len = 0;
@@ -144,18 +146,34 @@ class GrammarState {
   int64_t string_room() const;
   bool in_free_string() const { return string_room() == int64_t(UINT32_MAX); }
   size_t n_stacks() const { return stacks_.size(); }
+  // Rules expanded for one byte at most (a grammar whose empty alternatives branch past it refuses
+  // the byte).
+  static constexpr size_t kMaxExpansion = 1 << 16;
   // Two states of one grammar are equal when their parse stacks are (what follows is the same).
   bool operator==(const GrammarState& o) const { return g_ == o.g_ && stacks_ == o.stacks_; }
   size_t hash() const;
+  size_t n_frames() const {
+    size_t n = 0;
+    for (const Stack& st : stacks_) n += st.size();
+    return n;
+  }
 
   // The state after c, in `out` (false and `out` empty when c cannot come next). For the mask's
   // walk, which keeps one state per depth of the vocabulary trie.
   bool step(unsigned char c, GrammarState& out) const;
 
  private:
-  // Pushes onto `out` the stacks `stack` opens (each with a terminal on top, or empty: the
-  // document is complete). false past kMaxStack or kMaxStacks: what it pushed is to be dropped.
-  bool expand(Stack& stack, std::vector<Stack>& out) const;
+  // Pushes onto `out` (past out[from]) the stacks `stack` opens (each with a terminal on top, or
+  // empty: the document is complete). false past kMaxStack or kMaxStacks (distinct stacks), or past
+  // kMaxExpansion rules expanded: what it pushed is to be dropped. Past 1024 rules expanded in one
+  // call (alternatives that can be empty, nested: `("a"? | "b"?)*`), each configuration is
+  // expanded once.
+  struct Expansion {
+    size_t from = 0;  // out[from...] is this expansion's
+    size_t work = 0;
+    std::set<Stack> seen;
+  };
+  bool expand(Stack& stack, std::vector<Stack>& out, Expansion& x, int depth) const;
   static void normalize(std::vector<Stack>& stacks);
 
   std::shared_ptr<const Grammar> g_;

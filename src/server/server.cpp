@@ -241,7 +241,9 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
   std::vector<Guided> guided;
   for (const auto& [key, kind] : {std::pair{"guided_json", 'j'}, {"json_schema", 'j'}, {"guided_regex", 'r'},
                                   {"guided_choice", 'c'}, {"guided_grammar", 'g'}, {"grammar", 'g'}})
-    if (set(key)) guided.push_back({key, std::string("/") + key, kind});
+    // (llama.cpp's clients may send an empty grammar for none, which its server takes so.)
+    if (set(key) && !(std::string_view(key) == "grammar" && body[key] == ""))
+      guided.push_back({key, std::string("/") + key, kind});
   if (set("structured_outputs")) {
     const json& so = body["structured_outputs"];
     if (!so.is_object()) throw ApiError{"'structured_outputs' must be an object", "structured_outputs"};

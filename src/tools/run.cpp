@@ -43,11 +43,13 @@ void run_add_cli(CLI::App& app, RunOptions& o) {
                  "structured output: only tokens that continue a text matching the regular expression PATTERN "
                  "whole are sampled, and generation ends when no more can come (as kvq serve's structured_outputs "
                  "regex; ECMA-262 syntax)")
-      ->type_name("PATTERN");
+      ->type_name("PATTERN")
+      ->each([&o](const std::string&) { o.regex_given = true; });
   app.add_option("--grammar", o.grammar,
                  "structured output: only tokens that continue a text of the GBNF grammar (llama.cpp's format; its "
                  "rule root) are sampled, and generation ends when no more can come")
-      ->type_name("GBNF");
+      ->type_name("GBNF")
+      ->each([&o](const std::string&) { o.grammar_given = true; });
   app.add_option("--grammar-file", o.grammar_file, "--grammar, read from FILE")->type_name("FILE");
   app.add_option("--temp", o.sampling.temperature, "temperature (0: greedy)")->capture_default_str();
   app.add_option("--top-k", o.sampling.top_k, "top-k (0: off)")->capture_default_str();
@@ -85,8 +87,8 @@ int run_command(const RunOptions& o) {
     prompt = read_text_file(o.prompt_file, "-f");
   }
   const int threads = resolve_threads(o.threads);
-  if (int(o.json_object) + int(!o.json_schema.empty()) + int(!o.regex.empty()) + int(!o.grammar.empty()) +
-          int(!o.grammar_file.empty()) > 1)
+  const bool regex = o.regex_given, gbnf = o.grammar_given;
+  if (int(o.json_object) + int(!o.json_schema.empty()) + int(regex) + int(gbnf) + int(!o.grammar_file.empty()) > 1)
     fail("give one of --json, --json-schema, --regex, --grammar and --grammar-file");
   std::shared_ptr<const Grammar> grammar = o.json_object ? Grammar::json_object() : nullptr;
   if (!o.json_schema.empty()) {
@@ -96,16 +98,16 @@ int run_command(const RunOptions& o) {
       fail("--json-schema {}: {}", o.json_schema, e.what());
     }
   }
-  if (!o.regex.empty()) {
+  if (regex) {
     try {
       grammar = Grammar::from_regex(o.regex);
     } catch (const std::invalid_argument& e) {
       fail("--regex: {}", e.what());
     }
   }
-  if (!o.grammar.empty() || !o.grammar_file.empty()) {
-    const char* flag = o.grammar.empty() ? "--grammar-file" : "--grammar";
-    const std::string text = o.grammar.empty() ? read_text_file(o.grammar_file, "--grammar-file") : o.grammar;
+  if (gbnf || !o.grammar_file.empty()) {
+    const char* flag = gbnf ? "--grammar" : "--grammar-file";
+    const std::string text = gbnf ? o.grammar : read_text_file(o.grammar_file, "--grammar-file");
     try {
       grammar = Grammar::from_gbnf(text);
     } catch (const std::invalid_argument& e) {

@@ -26,6 +26,7 @@ struct RunOptions {
   std::string regex;         // --regex PATTERN: the output matches it whole (model/regex.h)
   std::string grammar;       // --grammar GBNF: the output is a text of the grammar (model/gbnf.h)
   std::string grammar_file;  // --grammar-file FILE: the same, read from FILE
+  bool regex_given = false, grammar_given = false;  // --regex / --grammar given (an empty one too)
   std::string system;    // --system, with --chat
   SamplerParams sampling;
   KvFlags kv;

@@ -49,9 +49,9 @@ bad() {
 bad "missing model file" run -m "$tmp/nope.gguf" -p hi
 printf 'GGUF\x03\x00\x00\x00garbage' >"$tmp/bad.gguf"
 bad "malformed model file" run -m "$tmp/bad.gguf" -p hi
-printf '%s' '{"type": "integer", "multipleOf": 3}' >"$tmp/bad_schema.json"
+printf '%s' '{"type": "array", "uniqueItems": true}' >"$tmp/bad_schema.json"
 bad "--json-schema with an unsupported keyword" run -m "$model" -p hi --json-schema "$tmp/bad_schema.json"
-check "... names it" "grep -q \"'multipleOf' is not supported\" $tmp/be"
+check "... names it" "grep -q \"'uniqueItems' is not supported\" $tmp/be"
 bad "--json-schema and --json" run -m "$model" -p hi --json --json-schema "$tmp/schema.json"
 bad "--regex and --json" run -m "$model" -p hi --json --regex 'a+'
 bad "--regex with a backreference" run -m "$model" -p hi --regex '(a)\1'
@@ -60,6 +60,8 @@ bad "--grammar with an undefined rule" run -m "$model" -p hi --grammar 'root ::=
 check "... names it" "grep -q \"line 1, column 10: rule 'x' is used but not defined\" $tmp/be"
 bad "--grammar and --regex" run -m "$model" -p hi --grammar 'root ::= "a"' --regex a
 bad "--grammar-file missing" run -m "$model" -p hi --grammar-file "$tmp/nope.gbnf"
+"$kvq" run -m "$model" -p hi -n 8 --regex '' >"$tmp/out" 2>"$tmp/err"
+check "--regex '' (only the empty text) generates nothing" "[[ \$(cat $tmp/out) == '' ]] && grep -Eq 'stop: end of (the text|generation token)' $tmp/err"
 bad "threads < 1" run -m "$model" -p hi -t -1
 bad "unknown flag" run -m "$model" --no-such-flag
 bad "unknown KV format" run -m "$model" -p hi --kv-cache-dtype int7
