@@ -12,6 +12,7 @@
 #include <regex>
 
 #include "model/gbnf.h"
+#include "grammar_walk.h"
 #include "model/json_schema.h"
 
 using namespace kvq;
@@ -164,27 +165,9 @@ ws     ::= [ \t\n]{0,20}
   const auto g = Grammar::from_gbnf(json_gbnf);
   int parsed = 0;
   for (int k = 0; k < 300; ++k) {
-    GrammarState s(g);
-    std::string out;
-    for (int len = 0; len < 400; ++len) {
-      if (s.accepting() && (s.done() || std::uniform_int_distribution<int>(0, 99)(rng) < 4 + len / 8)) break;
-      std::vector<unsigned char> next;
-      for (int c = 0; c < 256; ++c) {
-        GrammarState t(nullptr);
-        if (s.step(static_cast<unsigned char>(c), t)) next.push_back(static_cast<unsigned char>(c));
-      }
-      ASSERT_FALSE(next.empty()) << "dead end after " << out;
-      unsigned char c = next[std::uniform_int_distribution<size_t>(0, next.size() - 1)(rng)];
-      if (len > 150)
-        for (unsigned char pref : std::string("\"]}0el"))
-          if (std::find(next.begin(), next.end(), pref) != next.end()) {
-            c = pref;
-            break;
-          }
-      ASSERT_TRUE(s.feed(c));
-      out += char(c);
-    }
-    if (!s.accepting()) continue;
+    bool finished = false;
+    const std::string out = random_walk(g, rng, &finished);
+    if (!finished) continue;
     ++parsed;
     EXPECT_TRUE(nlohmann::json::accept(out)) << out;
   }
