@@ -180,7 +180,8 @@ int run_command(const RunOptions& o) {
     bool room = true;
     // Each turn's answer is one document (--json: one object).
     std::unique_ptr<GrammarState> doc = grammar ? std::make_unique<GrammarState>(grammar) : nullptr;
-    for (int n_gen = 0; n_gen < o.n_predict; ++n_gen) {
+    if (doc && doc->done()) stop_reason = "end of the text";  // only the empty text (--regex '')
+    for (int n_gen = 0; n_gen < o.n_predict && !(doc && doc->done()); ++n_gen) {
       const float* lg = logits;
       if (doc) {
         masked.assign(logits, logits + c.n_vocab);
