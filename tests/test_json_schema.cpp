@@ -73,7 +73,15 @@ bool validate_type(const ojson& root, const ojson& s, const std::string& t, cons
     if (s.contains("multipleOf") && v.get<int64_t>() % s["multipleOf"].get<int64_t>() != 0) return false;
     return true;
   }
-  if (t == "number") return v.is_number();
+  if (t == "number") {
+    if (!v.is_number()) return false;
+    const double x = v.get<double>();
+    if (s.contains("minimum") && x < s["minimum"].get<double>()) return false;
+    if (s.contains("maximum") && x > s["maximum"].get<double>()) return false;
+    if (s.contains("exclusiveMinimum") && x <= s["exclusiveMinimum"].get<double>()) return false;
+    if (s.contains("exclusiveMaximum") && x >= s["exclusiveMaximum"].get<double>()) return false;
+    return true;
+  }
   if (t == "string") {
     if (!v.is_string()) return false;
     const size_t n = code_points(v.get<std::string>());
@@ -199,6 +207,10 @@ const std::vector<std::string>& schemas() {
           "note": {"pattern": "a(b|c)*d", "maxLength": 9}, "q": {"type": "string", "pattern": "^[^\"\\\\]*[\"\\\\]\\n?$"},
           "pick": {"enum": ["ab", "cd", "ax", 5], "pattern": "^a"}, "any": {"type": "string", "pattern": "^x"}},
           "required": ["code", "note", "q", "pick", "any"]})",
+      R"({"type": "object", "properties": {"p": {"type": "number", "minimum": 0, "maximum": 1},
+          "t": {"type": "number", "exclusiveMinimum": -2.5, "maximum": 3.75}, "u": {"type": ["number", "null"],
+          "exclusiveMaximum": -0.25}, "v": {"type": "number", "minimum": 1e-3, "exclusiveMaximum": 2e-3}},
+          "required": ["p", "t", "u", "v"]})",
   };
   return s;
 }
@@ -215,7 +227,10 @@ TEST(JsonSchema, RefusesWhatItCannotGenerate) {
   EXPECT_NE(compile_error(R"({"type": "string", "pattern": "^abc$", "maxLength": 2})").find("within the length bounds"),
             std::string::npos);
   EXPECT_EQ(compile_error(R"({"type": "string", "format": "email"})"), "");  // an annotation: a plain string
-  EXPECT_NE(compile_error(R"({"type": "number", "minimum": 0})").find("on integers only"), std::string::npos);
+  EXPECT_EQ(compile_error(R"({"type": "number", "minimum": 0})"), "");
+  EXPECT_NE(compile_error(R"({"type": "number", "minimum": 2, "maximum": 1.5})").find("no number lies within"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "number", "minimum": 1, "exclusiveMaximum": 1})").find("no number lies within"),
+            std::string::npos);
   EXPECT_NE(compile_error(R"({"minimum": 0})").find("without \"type\": \"integer\""), std::string::npos);
   EXPECT_NE(compile_error(R"({"type": "integer", "minimum": 3, "exclusiveMaximum": 4.0, "maximum": 2})").find("lies within"),
             std::string::npos);
@@ -224,7 +239,7 @@ TEST(JsonSchema, RefusesWhatItCannotGenerate) {
   EXPECT_NE(compile_error(R"({"type": "integer", "multipleOf": 0})").find("must be a number > 0"), std::string::npos);
   EXPECT_NE(compile_error(R"({"type": "integer", "multipleOf": 7, "minimum": 8, "maximum": 13})").find("no multiple"),
             std::string::npos);
-  EXPECT_NE(compile_error(R"({"type": "number", "exclusiveMinimum": 0, "maximum": 1})").find("on integers only"), std::string::npos);
+  EXPECT_EQ(compile_error(R"({"type": "number", "exclusiveMinimum": 0, "maximum": 1})"), "");
   EXPECT_NE(compile_error(R"({"properties": {"a": {"not": {}}}})").find("#/properties/a': 'not'"), std::string::npos);
   EXPECT_NE(compile_error(R"({"$ref": "#/$defs/missing"})").find("points at nothing"), std::string::npos);
   EXPECT_NE(compile_error(R"({"$ref": "https://example.com/s.json"})").find("only references into this schema"), std::string::npos);
@@ -263,6 +278,43 @@ TEST(JsonSchema, RefusesWhatItCannotGenerate) {
   EXPECT_EQ(compile_error(R"({"title": "T", "description": "d", "default": 1, "examples": [1], "$schema": "x",
                              "type": "integer"})"),
             "");
+}
+
+// Numbers within bounds, exact in decimal: every number of a grid of integer parts and fractions
+// (trailing zeros, just above and below each bound) is accepted exactly when it lies within.
+TEST(JsonSchema, NumberBoundsExactInDecimal) {
+  struct Case {
+    const char* schema;
+    double lo, hi;
+    bool lo_ex, hi_ex;
+  };
+  const std::vector<Case> cases = {
+      {R"({"type": "number", "minimum": 0, "maximum": 1})", 0, 1, false, false},
+      {R"({"type": "number", "minimum": -2.5, "maximum": 3.75})", -2.5, 3.75, false, false},
+      {R"({"type": "number", "exclusiveMinimum": 0.1, "maximum": 0.2})", 0.1, 0.2, true, false},
+      {R"({"type": "number", "minimum": -1, "exclusiveMaximum": -0.25})", -1, -0.25, false, true},
+      {R"({"type": "number", "exclusiveMinimum": 0})", 0, 1e300, true, false},
+      {R"({"type": "number", "maximum": -7, "minimum": -8.09})", -8.09, -7, false, false},
+      {R"({"type": "number", "minimum": 2.5, "maximum": 2.75, "exclusiveMaximum": true})", 2.5, 2.75, false, true},
+  };
+  std::vector<std::string> texts;
+  for (const char* i : {"0", "1", "2", "3", "4", "7", "8", "10", "-1", "-2", "-3", "-7", "-8"})
+    for (const char* f : {"", ".0", ".1", ".09", ".1000", ".10001", ".2", ".2000", ".20001", ".25", ".24999", ".2501", ".5",
+                          ".75", ".7500", ".75001", ".9", ".99", ".00001"})
+      texts.push_back(std::string(i) + f);
+  int yes = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.schema);
+    const auto g = compile(c.schema);
+    for (const std::string& t : texts) {
+      const double v = std::strtod(t.c_str(), nullptr);
+      const bool want = (c.lo_ex ? v > c.lo : v >= c.lo) && (c.hi_ex ? v < c.hi : v <= c.hi);
+      ASSERT_EQ(accepts(g, t), want) << t;
+      yes += want;
+    }
+    EXPECT_FALSE(accepts(g, "1e0"));  // no exponent
+  }
+  EXPECT_GT(yes, 200);
 }
 
 TEST(JsonSchema, ObjectsFollowTheSchemasOrderAndRequiredProperties) {

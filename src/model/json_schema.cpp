@@ -508,7 +508,7 @@ class SchemaCompiler {
   }
   static const char* supported_list() {
     return "supported: type, properties, required, additionalProperties, items, prefixItems, minItems, "
-           "maxItems, minLength, maxLength, pattern, minimum/maximum/exclusiveMinimum/exclusiveMaximum/multipleOf on integers, format "
+           "maxItems, minLength, maxLength, pattern, minimum/maximum/exclusiveMinimum/exclusiveMaximum, multipleOf on integers, format "
            "(date, time, date-time, uuid, ipv4), enum, const, anyOf, oneOf, allOf (one schema), $ref, $defs";
   }
 
@@ -700,7 +700,7 @@ class SchemaCompiler {
       const bool num_kw = s.contains("minimum") || s.contains("maximum") || s.contains("exclusiveMinimum") ||
                           s.contains("exclusiveMaximum") || s.contains("multipleOf");
       if (obj + arr + str_kw + num_kw > 1) fail(path, "keywords of several types without 'type'");
-      if (num_kw) fail(path, "minimum/maximum/multipleOf without \"type\": \"integer\" are not supported");
+      if (num_kw) fail(path, "minimum/maximum/multipleOf without \"type\": \"integer\" or \"number\" are not supported");
       if (obj) ts = {"object"};
       else if (arr) ts = {"array"};
       else if (str_kw) ts = {"string"};
@@ -721,8 +721,8 @@ class SchemaCompiler {
                          s.contains("exclusiveMaximum") || s.contains("multipleOf");
     if (t == "integer") return bounded ? bounded_integer(s, path) : number(true);
     if (t == "number") {
-      if (bounded) fail(path, "minimum/maximum/multipleOf are supported on integers only (\"type\": \"integer\")");
-      return number(false);
+      if (s.contains("multipleOf")) fail(path, "'multipleOf' is supported on integers only (\"type\": \"integer\")");
+      return bounded ? bounded_number(s, path) : number(false);
     }
     if (t == "string" && s.contains("format")) {
       const uint32_t r = format(s["format"], path);
@@ -844,6 +844,161 @@ class SchemaCompiler {
   }
 
  private:
+  // A number's bound as exact decimal digits (from the shortest text that reads back as it).
+  struct Decimal {
+    bool neg = false;
+    std::string int_digits = "0";  // no leading zeros; past 16 digits, 10^16
+    std::string frac;              // no trailing zeros
+  };
+  static Decimal decimal_of(const json& v) {
+    const std::string t = v.dump();
+    Decimal d;
+    size_t i = 0;
+    if (t[0] == '-') {
+      d.neg = true;
+      i = 1;
+    }
+    std::string mant;
+    int point = -1;
+    for (; i < t.size() && t[i] != 'e' && t[i] != 'E'; ++i) {
+      if (t[i] == '.') point = int(mant.size());
+      else mant += t[i];
+    }
+    if (point < 0) point = int(mant.size());
+    if (i < t.size()) point += std::stoi(t.substr(i + 1));
+    std::string ip, fp;
+    if (point <= 0) {
+      ip = "0";
+      fp = std::string(size_t(std::min(-point, 400)), '0') + mant;
+    } else if (size_t(point) >= mant.size()) {
+      ip = mant + std::string(size_t(std::min(point, 400)) - mant.size(), '0');
+    } else {
+      ip = mant.substr(0, size_t(point));
+      fp = mant.substr(size_t(point));
+    }
+    while (ip.size() > 1 && ip[0] == '0') ip.erase(0, 1);
+    while (!fp.empty() && fp.back() == '0') fp.pop_back();
+    if (ip.size() > 16) {
+      ip = "10000000000000000";
+      fp.clear();
+    }
+    if (ip == "0" && fp.empty()) d.neg = false;
+    d.int_digits = ip;
+    d.frac = fp;
+    return d;
+  }
+  struct NumBound {
+    bool set = false;
+    Decimal d;
+    bool exclusive = false;
+  };
+
+  // Fraction digits D (the number's 0.D) at least (or above) 0.f: a regular expression.
+  static std::string frac_at_least(const std::string& f, bool exclusive) {
+    if (f.empty()) return exclusive ? "0*[1-9][0-9]*" : "[0-9]*";
+    const char c = f[0];
+    std::string alts;
+    if (c < '9') alts = std::string("[") + char(c + 1) + "-9][0-9]*|";
+    return "(?:" + alts + c + frac_at_least(f.substr(1), exclusive) + ")";
+  }
+  // ... at most (or below) 0.f; empty when none is (below 0).
+  static std::string frac_at_most(const std::string& f, bool exclusive) {
+    if (f.empty()) return exclusive ? "" : "0*";
+    const char c = f[0];
+    std::string alts = "|";  // D ends before f does: below it (f has no trailing zeros)
+    if (c > '0') alts += std::string("[0-") + char(c - 1) + "][0-9]*|";
+    const std::string rest = frac_at_most(f.substr(1), exclusive);
+    if (!rest.empty()) alts += c + rest + "|";
+    alts.pop_back();
+    return "(?:" + alts + ")";
+  }
+
+  // An optional fraction (".D", at most 16 digits) whose 0.D keeps within the bounds given; the
+  // empty text stands for no fraction (0.D = 0). UINT32_MAX when no fraction, not even none, does.
+  uint32_t fraction(const std::string* lo, bool lo_ex, const std::string* hi, bool hi_ex) {
+    RegexOptions o;
+    o.max_len = 16;
+    RegexDfa d = compile_regex("[0-9]*", o);
+    if (lo) d = intersect(d, compile_regex(frac_at_least(*lo, lo_ex), o));
+    if (hi) {
+      const std::string re = frac_at_most(*hi, hi_ex);
+      if (re.empty()) return UINT32_MAX;
+      if (!d.states.empty()) d = intersect(d, compile_regex(re, o));
+    }
+    if (d.states.empty()) return UINT32_MAX;
+    const uint32_t base = dfa_rules(d, false);
+    const uint32_t r = new_rule();
+    for (const auto& [set, to] : d.states[0].next) alt(r, {ch('.'), rule(code_point_rule(set, false)), rule(base + to)});
+    if (d.states[0].accept) alt(r, {});
+    return g_.rules_[r].empty() ? UINT32_MAX : r;
+  }
+
+  // A non-negative magnitude I(.D) within [lo, hi] (exclusive where said; hi unset: no bound), with
+  // no exponent: the integer parts strictly between the bounds' take any fraction, those equal to a
+  // bound's take the fractions on its side of it. UINT32_MAX when none is.
+  uint32_t magnitude(const NumBound& lo, const NumBound& hi) {
+    constexpr int64_t big = 9999999999999999;
+    const int64_t a = std::stoll(lo.d.int_digits);
+    const int64_t b = hi.set ? std::min<int64_t>(std::stoll(hi.d.int_digits), big) : big;
+    const uint32_t r = new_rule();
+    if (a + 1 <= b - (hi.set ? 1 : 0)) {
+      g_.ints_.push_back({a + 1, hi.set ? b - 1 : big, 1});
+      Seq x{Elem{Grammar::kInt, uint32_t(g_.ints_.size() - 1)}};
+      const uint32_t any = fraction(nullptr, false, nullptr, false);
+      alt(r, x + Seq{rule(any)});
+    }
+    if (a <= b) {
+      const bool same = hi.set && a == b;
+      const uint32_t f = fraction(&lo.d.frac, lo.exclusive, same ? &hi.d.frac : nullptr, hi.exclusive);
+      if (f != UINT32_MAX) alt(r, lit(std::to_string(a)) + Seq{rule(f)});
+    }
+    if (hi.set && b > a) {
+      const uint32_t f = fraction(nullptr, false, &hi.d.frac, hi.exclusive);
+      if (f != UINT32_MAX) alt(r, lit(std::to_string(b)) + Seq{rule(f)});
+    }
+    return g_.rules_[r].empty() ? UINT32_MAX : r;
+  }
+
+  // A number within minimum / maximum (exclusive ones too), exact in decimal, written without an
+  // exponent, at most 16 digits on each side of the point.
+  uint32_t bounded_number(const json& s, const std::string& path) {
+    NumBound lo, hi;
+    auto take = [&](const char* k, bool lower, bool exclusive) {
+      if (!s[k].is_number()) fail(path, std::string("'") + k + "' must be a number");
+      NumBound& b = lower ? lo : hi;
+      const int c = b.set ? compare_numbers(s[k], lower ? lo_json_ : hi_json_) : 0;
+      if (!b.set || (lower ? c > 0 : c < 0) || (c == 0 && exclusive)) {
+        b = {true, decimal_of(s[k]), exclusive};
+        (lower ? lo_json_ : hi_json_) = s[k];
+      }
+    };
+    const bool ex_lo_flag = s.contains("exclusiveMinimum") && s["exclusiveMinimum"].is_boolean() && s["exclusiveMinimum"].get<bool>();
+    const bool ex_hi_flag = s.contains("exclusiveMaximum") && s["exclusiveMaximum"].is_boolean() && s["exclusiveMaximum"].get<bool>();
+    if (s.contains("minimum")) take("minimum", true, ex_lo_flag);
+    if (s.contains("maximum")) take("maximum", false, ex_hi_flag);
+    if (s.contains("exclusiveMinimum") && !s["exclusiveMinimum"].is_boolean()) take("exclusiveMinimum", true, true);
+    if (s.contains("exclusiveMaximum") && !s["exclusiveMaximum"].is_boolean()) take("exclusiveMaximum", false, true);
+    const uint32_t r = new_rule();
+    // Non-negative numbers: magnitudes from max(lo, 0) to hi.
+    if (!hi.set || !hi.d.neg) {
+      NumBound mlo = lo.set && !lo.d.neg ? lo : NumBound{true, Decimal{}, false};
+      const uint32_t m = magnitude(mlo, hi);
+      if (m != UINT32_MAX) alt(r, {rule(m)});
+    }
+    // Negative numbers, -m: m from max(-hi, 0) to -lo.
+    if (!lo.set || lo.d.neg) {
+      NumBound mlo = hi.set && hi.d.neg ? hi : NumBound{true, Decimal{}, false};
+      mlo.d.neg = false;
+      NumBound mhi = lo;
+      mhi.d.neg = false;
+      if (!hi.set || !hi.d.neg) mlo.exclusive = true;  // -0 is 0, written as 0 above
+      const uint32_t m = magnitude(mlo, mhi);
+      if (m != UINT32_MAX) alt(r, {ch('-'), rule(m)});
+    }
+    if (g_.rules_[r].empty()) fail(path, "no number lies within the schema's minimum and maximum");
+    return r;
+  }
+
   // An integer within minimum / maximum (exclusive ones too, numeric as draft 6+ or boolean as
   // draft 4). Bounds past 16 digits are clamped to what the grammar writes.
   uint32_t bounded_integer(const json& s, const std::string& path) {
@@ -1212,6 +1367,7 @@ class SchemaCompiler {
   std::map<ByteSet, uint32_t> set_ids_;
   std::map<std::pair<CodePoints, bool>, uint32_t> code_point_rules_;  // code_point_rule's, by set and encoding
   bool schema_ = true;                          // compiling a JSON Schema (errors name their location)
+  json lo_json_, hi_json_;                      // bounded_number's bounds so far
   uint32_t any_ = UINT32_MAX, number_ = UINT32_MAX, integer_ = UINT32_MAX;
   int depth_ = 0;
 };

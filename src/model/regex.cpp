@@ -694,7 +694,82 @@ std::pair<uint32_t, uint32_t> length_range(const RegexDfa& d) {
 
 RegexDfa compile_impl(std::string_view pattern, const RegexOptions& opt);
 
+// Only the states from which some text is accepted, the start first; none when the start is not.
+RegexDfa live_states(RegexDfa dfa) {
+  const size_t n = dfa.states.size();
+  std::vector<std::vector<uint32_t>> back(n);
+  std::vector<char> live(n, 0);
+  std::vector<uint32_t> todo;
+  for (size_t d = 0; d < n; ++d) {
+    for (const auto& [r, to] : dfa.states[d].next) back[to].push_back(uint32_t(d));
+    if (dfa.states[d].accept) {
+      live[d] = 1;
+      todo.push_back(uint32_t(d));
+    }
+  }
+  while (!todo.empty()) {
+    const uint32_t s = todo.back();
+    todo.pop_back();
+    for (uint32_t p : back[s])
+      if (!live[p]) {
+        live[p] = 1;
+        todo.push_back(p);
+      }
+  }
+  RegexDfa out;
+  out.deterministic = dfa.deterministic;
+  if (n == 0 || !live[0]) return out;
+  std::vector<uint32_t> renum(n, kInf);
+  for (size_t d = 0; d < n; ++d)
+    if (live[d]) {
+      renum[d] = uint32_t(out.states.size());
+      out.states.emplace_back();
+    }
+  for (size_t d = 0; d < n; ++d) {
+    if (!live[d]) continue;
+    RegexDfa::State& st = out.states[renum[d]];
+    st.accept = dfa.states[d].accept;
+    for (auto& [r, to] : dfa.states[d].next)
+      if (live[to]) st.next.emplace_back(std::move(r), renum[to]);
+  }
+  return out;
+}
+
 }  // namespace
+
+RegexDfa intersect(const RegexDfa& a, const RegexDfa& b) {
+  if (!a.deterministic || !b.deterministic) throw std::invalid_argument("intersect: automata must be deterministic");
+  RegexDfa out;
+  std::map<std::pair<uint32_t, uint32_t>, uint32_t> ids;
+  std::vector<std::pair<uint32_t, uint32_t>> todo;
+  const auto id = [&](uint32_t p, uint32_t q) {
+    auto [it, fresh] = ids.emplace(std::make_pair(p, q), uint32_t(todo.size()));
+    if (fresh) {
+      todo.emplace_back(p, q);
+      out.states.emplace_back();
+    }
+    return it->second;
+  };
+  id(0, 0);
+  for (size_t k = 0; k < todo.size(); ++k) {
+    const auto [p, q] = todo[k];
+    out.states[k].accept = a.states[p].accept && b.states[q].accept;
+    for (const auto& [ra, ta] : a.states[p].next)
+      for (const auto& [rb, tb] : b.states[q].next) {
+        CodePoints both;  // ra and rb, both sorted
+        for (size_t i = 0, j = 0; i < ra.size() && j < rb.size();) {
+          const uint32_t lo = std::max(ra[i].first, rb[j].first), hi = std::min(ra[i].second, rb[j].second);
+          if (lo <= hi) both.emplace_back(lo, hi);
+          if (ra[i].second < rb[j].second) ++i;
+          else ++j;
+        }
+        if (both.empty()) continue;
+        const uint32_t to = id(ta, tb);
+        out.states[k].next.emplace_back(std::move(both), to);
+      }
+  }
+  return live_states(std::move(out));
+}
 
 RegexDfa compile_regex(std::string_view pattern, const RegexOptions& opt) {
   if (opt.min_len > opt.max_len) throw std::invalid_argument("the minimum length is above the maximum");
@@ -873,45 +948,10 @@ RegexDfa compile_impl(std::string_view pattern, const RegexOptions& opt) {
     }
   }
 
-  // Only the states from which some text is accepted.
-  const size_t n = dfa.states.size();
-  std::vector<std::vector<uint32_t>> back(n);
-  std::vector<char> live(n, 0);
-  std::vector<uint32_t> todo;
-  for (size_t d = 0; d < n; ++d) {
-    for (const auto& [r, to] : dfa.states[d].next) back[to].push_back(uint32_t(d));
-    if (dfa.states[d].accept) {
-      live[d] = 1;
-      todo.push_back(uint32_t(d));
-    }
-  }
-  while (!todo.empty()) {
-    const uint32_t s = todo.back();
-    todo.pop_back();
-    for (uint32_t p : back[s])
-      if (!live[p]) {
-        live[p] = 1;
-        todo.push_back(p);
-      }
-  }
-  if (!live[0])
+  RegexDfa out = live_states(std::move(dfa));
+  if (out.states.empty())
     throw std::invalid_argument("pattern \"" + std::string(pattern) + "\": no text matches it" +
                                 (opt.min_len > 0 || opt.max_len != kInf ? " within the length bounds" : ""));
-  std::vector<uint32_t> renum(n, kInf);
-  RegexDfa out;
-  out.deterministic = dfa.deterministic;
-  for (size_t d = 0; d < n; ++d)
-    if (live[d]) {
-      renum[d] = uint32_t(out.states.size());
-      out.states.emplace_back();
-    }
-  for (size_t d = 0; d < n; ++d) {
-    if (!live[d]) continue;
-    RegexDfa::State& st = out.states[renum[d]];
-    st.accept = dfa.states[d].accept;
-    for (auto& [r, to] : dfa.states[d].next)
-      if (live[to]) st.next.emplace_back(std::move(r), renum[to]);
-  }
   return out;
 }
 

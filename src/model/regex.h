@@ -67,6 +67,9 @@ struct RegexOptions {
 // pattern), or a pattern that no text matches within the length bounds.
 RegexDfa compile_regex(std::string_view pattern, const RegexOptions& opt);
 
+// The texts both deterministic automata accept (no states when there are none).
+RegexDfa intersect(const RegexDfa& a, const RegexDfa& b);
+
 // The bytes of a set of code points, as sequences of byte sets: UTF-8, or with json_string each
 // code point in one JSON encoding: `\"`, `\\`, `\b \f \n \r \t`, `\u00xx` for the other control
 // characters, UTF-8 for the rest.
