@@ -63,23 +63,14 @@ bool validate(const ojson& root, const ojson& s, const ojson& v);
 bool validate_type(const ojson& root, const ojson& s, const std::string& t, const ojson& v) {
   if (t == "null") return v.is_null();
   if (t == "boolean") return v.is_boolean();
-  if (t == "integer") {
-    if (!v.is_number_integer()) return false;
+  if (t == "integer" || t == "number") {
+    if (t == "integer" ? !v.is_number_integer() : !v.is_number()) return false;
     const double x = v.get<double>();
     if (s.contains("minimum") && x < s["minimum"].get<double>()) return false;
     if (s.contains("maximum") && x > s["maximum"].get<double>()) return false;
     if (s.contains("exclusiveMinimum") && x <= s["exclusiveMinimum"].get<double>()) return false;
     if (s.contains("exclusiveMaximum") && x >= s["exclusiveMaximum"].get<double>()) return false;
     if (s.contains("multipleOf") && v.get<int64_t>() % s["multipleOf"].get<int64_t>() != 0) return false;
-    return true;
-  }
-  if (t == "number") {
-    if (!v.is_number()) return false;
-    const double x = v.get<double>();
-    if (s.contains("minimum") && x < s["minimum"].get<double>()) return false;
-    if (s.contains("maximum") && x > s["maximum"].get<double>()) return false;
-    if (s.contains("exclusiveMinimum") && x <= s["exclusiveMinimum"].get<double>()) return false;
-    if (s.contains("exclusiveMaximum") && x >= s["exclusiveMaximum"].get<double>()) return false;
     return true;
   }
   if (t == "string") {
