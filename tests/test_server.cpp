@@ -60,12 +60,13 @@ struct ServerOnThread {
 
 class ServerTest : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() {
+  static void SetUpTestSuite() { start(256); }
+  static void start(int ctx) {
     if (!fs::exists(model_path())) return;
     EngineOptions o;
     o.model_path = model_path();
     o.threads = 2;
-    o.ctx = 256;
+    o.ctx = ctx;
     o.kv_tokens = 4096;
     o.kv.page_tokens = 16;
     engine_ = new Engine(o);
@@ -640,6 +641,204 @@ TEST_F(ServerTest, ChatPlainAndStreamedAndStop) {
   EXPECT_EQ(post_ok("/v1/chat/completions", body)["choices"][0]["message"]["content"], content.substr(0, content.find(stop)));
 }
 
+// The same server with a 2048-token context: the tools' prompt is ~500 of the story model's tokens.
+class ToolServerTest : public ServerTest {
+ protected:
+  static void SetUpTestSuite() { start(2048); }
+};
+
+// Function calling (server/tools.h): calls whose arguments follow the function's parameters, the
+// same streamed as plain, each tool_choice, the response form, conversations with tool results,
+// and the 400s.
+TEST_F(ToolServerTest, ToolCalls) {
+  const json tools = json::parse(R"j([
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+       "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "add", "parameters": {"type": "object",
+     "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99}, "b": {"type": "integer", "minimum": -99, "maximum": 99}},
+     "required": ["a", "b"]}}}])j");
+  json body = {{"messages", json::array({{{"role", "user"}, {"content", "Lily"}}})},
+               {"tools", tools},
+               {"tool_choice", "required"},
+               {"parallel_tool_calls", false},
+               {"max_tokens", 200},
+               {"temperature", 0}};
+  // Checks a call against its function: name, and arguments as the parameters say.
+  auto check_call = [](const json& c) {
+    EXPECT_EQ(c["type"], "function");
+    const std::string id = c["id"];
+    EXPECT_TRUE(std::regex_match(id, std::regex("call_[A-Za-z0-9]{24}"))) << id;
+    const std::string name = c["function"]["name"];
+    const json args = json::parse(c["function"]["arguments"].get<std::string>());
+    if (name == "get_weather") {
+      EXPECT_TRUE(args["city"].is_string() && args["city"].get<std::string>().size() <= 8) << args;
+      EXPECT_TRUE(args["days"].is_number_integer() && args["days"] >= 1 && args["days"] <= 7) << args;
+    } else {
+      EXPECT_EQ(name, "add");
+      EXPECT_TRUE(args["a"].is_number_integer() && args["a"] >= -99 && args["a"] <= 99) << args;
+      EXPECT_TRUE(args["b"].is_number_integer() && args["b"] >= -99 && args["b"] <= 99) << args;
+    }
+    return name;
+  };
+  json j = post_ok("/v1/chat/completions", body);
+  const json& ch = j["choices"][0];
+  EXPECT_EQ(ch["finish_reason"], "tool_calls") << ch;
+  EXPECT_TRUE(ch["message"]["content"].is_null());
+  ASSERT_EQ(ch["message"]["tool_calls"].size(), 1u) << ch;
+  check_call(ch["message"]["tool_calls"][0]);
+  const json first = ch["message"]["tool_calls"][0];
+
+  // Streamed: the same call, whole in one chunk, then the finish.
+  bool done = false;
+  std::vector<json> evs = stream("/v1/chat/completions", body, &done);
+  EXPECT_TRUE(done);
+  json streamed_calls = json::array();
+  std::string streamed_content;
+  for (const json& e : evs) {
+    const json& d = e["choices"][0]["delta"];
+    if (d.contains("tool_calls")) streamed_calls.insert(streamed_calls.end(), d["tool_calls"].begin(), d["tool_calls"].end());
+    if (d.contains("content")) streamed_content += d["content"].get<std::string>();
+  }
+  EXPECT_EQ(streamed_content, "");
+  ASSERT_EQ(streamed_calls.size(), 1u);
+  EXPECT_EQ(streamed_calls[0]["index"], 0);
+  EXPECT_EQ(streamed_calls[0]["function"], first["function"]);
+  EXPECT_EQ(evs.back()["choices"][0]["finish_reason"], "tool_calls");
+
+  // A named function: a call of it, whatever the model prefers.
+  const std::string other = first["function"]["name"] == "add" ? "get_weather" : "add";
+  body["tool_choice"] = {{"type", "function"}, {"function", {{"name", other}}}};
+  body["parallel_tool_calls"] = true;
+  j = post_ok("/v1/chat/completions", body);
+  ASSERT_EQ(j["choices"][0]["message"]["tool_calls"].size(), 1u) << j;
+  EXPECT_EQ(check_call(j["choices"][0]["message"]["tool_calls"][0]), other);
+
+  // auto, sampled: calls or a response; a response streams as content and equals the plain one.
+  body["tool_choice"] = "auto";
+  body["parallel_tool_calls"] = false;
+  body["temperature"] = 1.0;
+  int calls = 0, responses = 0;
+  for (int seed = 1; seed <= 12; ++seed) {
+    body["seed"] = seed;
+    j = post_ok("/v1/chat/completions", body);
+    const json& c = j["choices"][0];
+    if (c["finish_reason"] == "tool_calls") {
+      ++calls;
+      check_call(c["message"]["tool_calls"][0]);
+      continue;
+    }
+    EXPECT_FALSE(c["message"].contains("tool_calls"));
+    ASSERT_TRUE(c["message"]["content"].is_string());
+    if (c["finish_reason"] == "stop") ++responses;
+    evs = stream("/v1/chat/completions", body, &done);
+    std::string joined;
+    for (const json& e : evs) {
+      const json& d = e["choices"][0]["delta"];
+      EXPECT_FALSE(d.contains("tool_calls"));
+      if (d.contains("content")) joined += d["content"].get<std::string>();
+    }
+    EXPECT_EQ(joined, c["message"]["content"].get<std::string>());
+  }
+  EXPECT_GT(calls, 0);
+  // A response, pushed there by a bias on the word's tokens (the story model calls otherwise): its
+  // text streams as content, the same as the plain reply's, cut at max_tokens.
+  json biased = body;
+  biased["max_tokens"] = 60;
+  biased["logit_bias"] = json::object();
+  const json word = post_ok("/tokenize", {{"prompt", "response"}, {"add_special_tokens", false}});
+  ASSERT_FALSE(word["tokens"].empty());
+  for (const json& t : word["tokens"]) biased["logit_bias"][std::to_string(t.get<int>())] = 8;
+  for (int seed = 1; seed <= 20; ++seed) {  // the first seed whose reply is a response
+    biased["seed"] = seed;
+    j = post_ok("/v1/chat/completions", biased);
+    if (!j["choices"][0]["message"]["content"].is_null() && j["choices"][0]["message"]["content"].get<std::string>().find('{') ==
+                                                                 std::string::npos)
+      break;
+  }
+  const json& bc = j["choices"][0];
+  EXPECT_EQ(bc["finish_reason"], "length") << j;
+  EXPECT_FALSE(bc["message"].contains("tool_calls"));
+  const std::string response = bc["message"]["content"];
+  EXPECT_FALSE(response.empty());
+  EXPECT_EQ(response.find("{"), std::string::npos) << response;  // the text, not the envelope
+  evs = stream("/v1/chat/completions", biased, &done);
+  std::string joined;
+  int pieces = 0;
+  for (const json& e : evs)
+    if (e["choices"][0]["delta"].contains("content") && !e["choices"][0]["delta"]["content"].get<std::string>().empty()) {
+      joined += e["choices"][0]["delta"]["content"].get<std::string>();
+      ++pieces;
+    }
+  EXPECT_EQ(joined, response);
+  EXPECT_GT(pieces, 5);  // as it is generated, not at the end
+  EXPECT_EQ(evs.back()["choices"][0]["finish_reason"], "length");
+
+  // tool_choice none: the tools are not offered, the reply is free text (the plain chat's).
+  json plain = {{"messages", body["messages"]}, {"max_tokens", 20}, {"temperature", 0}};
+  json none = plain;
+  none["tools"] = tools;
+  none["tool_choice"] = "none";
+  EXPECT_EQ(post_ok("/v1/chat/completions", none)["choices"][0]["message"]["content"],
+            post_ok("/v1/chat/completions", plain)["choices"][0]["message"]["content"]);
+
+  // response_format's schema for the response, beside the calls
+  json rf = body;
+  rf["tool_choice"] = "auto";
+  rf["temperature"] = 0;
+  rf["response_format"] = json::parse(R"j({"type": "json_schema", "json_schema": {"name": "r", "schema":
+      {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}})j");
+  j = post_ok("/v1/chat/completions", rf);
+  if (j["choices"][0]["finish_reason"] == "stop") {
+    const json r = json::parse(j["choices"][0]["message"]["content"].get<std::string>());
+    EXPECT_TRUE(r["n"].is_number_integer()) << j;
+  } else if (j["choices"][0]["finish_reason"] == "tool_calls") {
+    check_call(j["choices"][0]["message"]["tool_calls"][0]);
+  }
+
+  // A conversation with an earlier call and its result; /tokenize counts the tools' prompt.
+  json convo = body;
+  convo["tool_choice"] = "required";
+  convo["temperature"] = 0;
+  convo["messages"] = json::parse(R"j([{"role": "user", "content": "Lily"},
+    {"role": "assistant", "content": null, "tool_calls": [{"id": "call_x", "type": "function",
+      "function": {"name": "add", "arguments": "{\"a\": 1, \"b\": 2}"}}]},
+    {"role": "tool", "tool_call_id": "call_x", "content": "3"}])j");
+  j = post_ok("/v1/chat/completions", convo);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "tool_calls") << j;
+  const int with_tools = post_ok("/tokenize", convo)["count"];
+  convo.erase("tools");
+  convo.erase("tool_choice");
+  convo.erase("parallel_tool_calls");
+  const int without = post_ok("/tokenize", convo)["count"];
+  EXPECT_GT(with_tools, without + 50);
+  EXPECT_EQ(post_ok("/v1/chat/completions", convo)["choices"][0]["message"].count("tool_calls"), 0u);
+
+  // 400s
+  const std::string msgs = R"("messages": [{"role": "user", "content": "x"}])";
+  const std::string fn = R"({"type": "function", "function": {"name": "f"}})";
+  expect_bad("/v1/chat/completions", "{" + msgs + R"(, "tools": [{"type": "function", "function": {"name": "f g"}}]})",
+             "tools[0].function.name");
+  expect_bad("/v1/chat/completions", "{" + msgs + R"(, "tools": [)" + fn + R"(], "tool_choice": "maybe"})", "tool_choice");
+  expect_bad("/v1/chat/completions", "{" + msgs + R"(, "tool_choice": "required"})", "tool_choice");
+  expect_bad("/v1/chat/completions",
+             "{" + msgs + R"(, "tools": [)" + fn + R"(], "tool_choice": {"type": "function", "function": {"name": "g"}}})",
+             "tool_choice");
+  expect_bad("/v1/chat/completions", "{" + msgs + R"(, "tools": [)" + fn + R"(], "guided_regex": "a+"})", "guided_regex");
+  expect_bad("/v1/chat/completions", "{" + msgs + R"(, "tools": [)" + fn + R"(], "structured_outputs": {"choice": ["a"]}})",
+             "structured_outputs.choice");
+  expect_bad("/v1/chat/completions", "{" + msgs + R"(, "functions": [{"name": "f"}]})", "functions");
+  expect_bad("/v1/chat/completions",
+             R"({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]})",
+             "messages[0].tool_calls[0].function.arguments");
+  expect_bad("/v1/completions", R"({"prompt": "x", "tools": [)" + fn + "]}", "tools");
+  // ... and a constraint is served beside tools turned off
+  const json yn = post_ok("/v1/chat/completions", json::parse("{" + msgs + R"(, "tools": [)" + fn +
+                                                               R"(], "tool_choice": "none", "guided_choice": ["yes", "no"], "max_tokens": 5})"));
+  const std::string answer = yn["choices"][0]["message"]["content"];
+  EXPECT_TRUE(answer == "yes" || answer == "no") << answer;
+}
+
 TEST_F(ServerTest, ConcurrentRequests) {
   std::vector<std::thread> ts;
   std::vector<std::string> got(6);
@@ -715,7 +914,7 @@ TEST_F(ServerTest, BadInputIs400AndServerKeepsServing) {
   expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "response_format": "json"})", "response_format");
   expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": 1}})",
              "response_format");
-  expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]})", "tools");
+  expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]})", "tools[0].function");
   expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"})", "tool_choice");
   // ... while their neutral values and metadata pass.
   post_ok(ch, {{"messages", json::array({{{"role", "user"}, {"content", "hi"}}})},

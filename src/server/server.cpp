@@ -24,6 +24,7 @@
 #include "core/error.h"
 #include "core/timer.h"
 #include "model/chat.h"
+#include "server/tools.h"
 
 namespace kvq {
 
@@ -65,6 +66,8 @@ struct ApiRequest {
   bool max_tokens_set = false;
   bool echo = false;  // completions: the prompt's text (and log-probabilities) before the completion
   int n = 1;          // choices: n sequences of the same prompt (seeds seed, seed + 1, ...)
+  std::string constraint;      // the parameter that constrains the output (empty: none)
+  std::string schema_pointer;  // response_format json_schema: where its schema is in the body
 };
 
 constexpr int kMaxChoices = 128;     // n, and prompts in a completions batch
@@ -219,8 +222,11 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
       } catch (const std::invalid_argument& e) {
         throw ApiError{fmt::format("'response_format': {}", e.what()), "response_format"};
       }
+      r.constraint = "response_format";
+      r.schema_pointer = at.to_string();
     } else if (*type == "json_object") {
       r.params.json_object = true;
+      r.constraint = "response_format";
     } else if (*type != "text") {
       throw ApiError{fmt::format("'response_format' type '{}' is not supported (supported: \"text\", \"json_object\", "
                                  "\"json_schema\")",
@@ -278,6 +284,7 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
                      "'guided_grammar' and 'grammar'",
                      g.name};
     const json& v = body.at(json::json_pointer(g.pointer));
+    r.constraint = g.name;
     try {
       if (g.kind == 'j') {
         if (v.is_string()) {
@@ -307,33 +314,11 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
       throw ApiError{fmt::format("'{}': {}", g.name, e.what()), g.name};
     }
   }
-  if (set("tools") && !(body["tools"].is_array() && body["tools"].empty()))
-    throw ApiError{"'tools' (function calling) is not supported", "tools"};
-  if (set("tool_choice") && !(body["tool_choice"].is_string() && body["tool_choice"] == "none"))
-    throw ApiError{"'tool_choice' other than \"none\" is not supported", "tool_choice"};
-  if (set("functions")) throw ApiError{"'functions' (function calling) is not supported", "functions"};
   if (set("suffix") && !(body["suffix"].is_string() && body["suffix"].get<std::string>().empty()))
     throw ApiError{"'suffix' (insertion) is not supported", "suffix"};
   if (set("best_of") && !(body["best_of"].is_number_integer() && body["best_of"].get<int64_t>() == r.n))
     throw ApiError{"'best_of' other than n is not supported", "best_of"};
   return r;
-}
-
-std::string message_content(const json& m, size_t i) {
-  const std::string param = fmt::format("messages[{}].content", i);
-  if (!m.contains("content") || m["content"].is_null()) return "";
-  const json& c = m["content"];
-  if (c.is_string()) return c.get<std::string>();
-  if (c.is_array()) {  // [{"type": "text", "text": "..."}]
-    std::string s;
-    for (const auto& part : c) {
-      if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
-        throw ApiError{"only text content parts are supported", param};
-      s += part["text"].get<std::string>();
-    }
-    return s;
-  }
-  throw ApiError{"message content must be a string or an array of text parts", param};
 }
 
 // logprobs / top_logprobs / echo. Completions: "logprobs": N (0-20 alternatives per token) and
@@ -463,23 +448,82 @@ struct Server::Impl {
   // *end: the byte after their text.
   json completion_logprobs(const std::vector<TokenLogprob>& lps, size_t offset = 0, size_t* end = nullptr) const;
   json chat_logprobs(const std::vector<TokenLogprob>& lps) const;
-  std::vector<int32_t> chat_prompt(const json& body);
+  // A chat request's tools (tools.h): with ar, the reply's grammar is set on it (the response's
+  // form from its response_format, any other constraint refused); without, for /tokenize.
+  struct ChatTools {
+    ToolSpec spec;
+    bool response_is_string = true;
+    std::string system_extra;  // the tools' prompt (empty: tools not active)
+  };
+  ChatTools chat_tools(const json& body, std::string_view raw, ApiRequest* ar) const;
+  // The chat prompt; system_extra: what the system turn adds (the tools' prompt), empty: nothing.
+  std::vector<int32_t> chat_prompt(const json& body, const std::string& system_extra);
 };
 
-std::vector<int32_t> Server::Impl::chat_prompt(const json& body) {
+Server::Impl::ChatTools Server::Impl::chat_tools(const json& body, std::string_view raw, ApiRequest* ar) const {
+  ChatTools t;
+  const bool any = body.contains("tools") || body.contains("tool_choice") || body.contains("parallel_tool_calls") ||
+                   body.contains("functions") || body.contains("function_call");
+  if (!any) return t;
+  const nlohmann::ordered_json ob = nlohmann::ordered_json::parse(raw, nullptr, false);
+  if (ob.is_discarded()) throw ApiError{"the request body is not valid JSON", ""};
+  try {
+    t.spec = parse_tools(ob);
+  } catch (const ToolsError& e) {
+    throw ApiError{e.what(), e.param};
+  }
+  if (!t.spec.active()) return t;
+  nlohmann::ordered_json response = nullptr;  // the response's schema (null: a string)
+  if (ar && !ar->constraint.empty()) {
+    if (ar->constraint != "response_format")
+      throw ApiError{fmt::format("'{}' cannot be combined with 'tools': the reply's form is the tools' (tool_choice "
+                                 "\"none\" turns them off; response_format gives the response's form)",
+                                 ar->constraint),
+                     ar->constraint};
+    if (ar->params.json_object) {
+      response = nlohmann::ordered_json::object();
+      response["type"] = "object";
+      response["additionalProperties"] = true;
+    } else {
+      response = ob.at(nlohmann::ordered_json::json_pointer(ar->schema_pointer));
+    }
+  } else if (!ar && body.contains("response_format") && body["response_format"].is_object()) {
+    const json type = body["response_format"].value("type", json());
+    t.response_is_string = !(type == "json_schema" || type == "json_object");
+  }
+  if (ar) {
+    t.response_is_string = response.is_null();
+    try {
+      ar->params.grammar = Grammar::from_schema(tool_reply_schema(t.spec, response));
+    } catch (const std::invalid_argument& e) {
+      throw ApiError{fmt::format("'tools': the reply's schema: {}", e.what()), "tools"};
+    }
+    ar->params.json_object = false;
+  }
+  t.system_extra = tool_system_prompt(t.spec, t.response_is_string);
+  return t;
+}
+
+// A reply's tool calls as the API writes them; streamed chunks number them.
+static json tool_calls_json(const std::vector<ToolCall>& calls, bool indexed) {
+  json out = json::array();
+  for (size_t k = 0; k < calls.size(); ++k) {
+    json c = {{"id", calls[k].id},
+              {"type", "function"},
+              {"function", {{"name", calls[k].name}, {"arguments", calls[k].arguments}}}};
+    if (indexed) c["index"] = k;
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+std::vector<int32_t> Server::Impl::chat_prompt(const json& body, const std::string& system_extra) {
   if (!body.contains("messages")) throw ApiError{"'messages' is required", "messages", "missing_required_parameter"};
-  const json& ms = body["messages"];
-  if (!ms.is_array() || ms.empty()) throw ApiError{"'messages' must be a non-empty array", "messages"};
   std::vector<ChatMessage> msgs;
-  for (size_t i = 0; i < ms.size(); ++i) {
-    const json& m = ms[i];
-    if (!m.is_object()) throw ApiError{"each message must be an object", fmt::format("messages[{}]", i)};
-    if (!m.contains("role") || !m["role"].is_string())
-      throw ApiError{"each message needs a string 'role'", fmt::format("messages[{}].role", i)};
-    const std::string role = m["role"].get<std::string>();
-    if (role != "system" && role != "user" && role != "assistant" && role != "developer")
-      throw ApiError{fmt::format("unknown role '{}'", role), fmt::format("messages[{}].role", i)};
-    msgs.push_back({role == "developer" ? "system" : role, message_content(m, i)});
+  try {
+    msgs = tool_chat_messages(body["messages"], system_extra, tpl);
+  } catch (const ToolsError& e) {
+    throw ApiError{e.what(), e.param};
   }
   std::string text;
   if (tpl.known()) {
@@ -574,9 +618,16 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
   };
   std::vector<PromptIn> prompts;
   const char* prompt_param = chat ? "messages" : "prompt";
+  ChatTools tools;
   if (chat) {
-    prompts.push_back({chat_prompt(body), "", 0});
+    tools = chat_tools(body, req.body, &ar);
+    prompts.push_back({chat_prompt(body, tools.system_extra), "", 0});
   } else {
+    auto set = [&](const char* key) { return body.contains(key) && !body[key].is_null(); };
+    if ((set("tools") && !(body["tools"].is_array() && body["tools"].empty())) || set("functions") ||
+        (set("tool_choice") && body["tool_choice"] != "none"))
+      throw ApiError{"function calling ('tools', 'tool_choice') is for /v1/chat/completions",
+                     set("functions") ? "functions" : set("tools") ? "tools" : "tool_choice"};
     if (!body.contains("prompt")) throw ApiError{"'prompt' is required", "prompt", "missing_required_parameter"};
     const json& p = body["prompt"];
     auto parse_one = [&](const json& one) {
@@ -699,6 +750,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
     std::vector<GenResult> gs;
     for (auto& f : futs) gs.push_back(f.get());
     json choices = json::array();
+    std::mt19937_64 id_rng(std::random_device{}());  // tool calls' ids
     int completion_tokens = 0;
     for (int i = 0; i < n_choices; ++i) {
       const GenResult& g = gs[size_t(i)];
@@ -706,8 +758,17 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
         throw ApiError{g.error.empty() ? "the request was cancelled" : g.error, "", "", engine.aborting() ? 503 : 500};
       completion_tokens += g.completion_tokens;
       json choice = {{"index", i}, {"logprobs", nullptr}, {"finish_reason", finish_reason_api(g.finish_reason)}};
-      if (chat) choice["message"] = {{"role", "assistant"}, {"content", g.text}};
-      else choice["text"] = ar.echo ? prompts[size_t(i / ar.n)].text + g.text : g.text;
+      if (chat && tools.spec.active()) {
+        const ToolReply tr = parse_tool_reply(g.text, tools.response_is_string, id_rng);
+        json msg = {{"role", "assistant"}, {"content", tr.has_content ? json(tr.content) : json(nullptr)}};
+        if (!tr.calls.empty()) {
+          msg["tool_calls"] = tool_calls_json(tr.calls, false);
+          choice["finish_reason"] = "tool_calls";
+        }
+        choice["message"] = std::move(msg);
+      } else if (chat) {
+        choice["message"] = {{"role", "assistant"}, {"content", g.text}};
+      } else choice["text"] = ar.echo ? prompts[size_t(i / ar.n)].text + g.text : g.text;
       if (chat && ar.params.logprobs >= 0) choice["logprobs"] = chat_logprobs(g.logprobs);
       if (!chat && ar.params.logprobs >= 0) {
         std::vector<TokenLogprob> lps = ar.echo ? g.prompt_logprobs : std::vector<TokenLogprob>{};
@@ -747,14 +808,35 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
     if (chat) st->push(sse(chunk(json{{"role", "assistant"}, {"content", ""}}, nullptr)));
     GenRequest gr = choice_request(i);
     if (want_lp) gr.on_logprob = [pend](const TokenLogprob& lp) { pend->lps.push_back(lp); };
-    gr.on_text = [st, chunk, chat](const std::string& d) {
+    // With tools, the reply's text is read as it streams: a response's text goes out as content,
+    // tool calls in one chunk at the end (tools.h).
+    std::shared_ptr<ToolReplyStream> reply;
+    if (chat && tools.spec.active()) reply = std::make_shared<ToolReplyStream>(tools.response_is_string);
+    gr.on_text = [st, chunk, chat, reply](const std::string& d) {
+      if (reply) {
+        const std::string c = reply->feed(d);
+        if (!c.empty()) st->push(sse(chunk(json{{"content", c}}, nullptr)));
+        return;
+      }
       st->push(sse(chunk(chat ? json{{"content", d}} : json(d), nullptr)));
     };
-    gr.on_done = [st, chunk, chat, include_usage, usage, envelope](const GenResult& g) {
-      if (g.finish_reason == "error")
+    const bool response_is_string = tools.response_is_string;
+    gr.on_done = [st, chunk, chat, include_usage, usage, envelope, reply, response_is_string](const GenResult& g) {
+      if (g.finish_reason == "error") {
         st->push(sse(error_body(g.error, "server_error", "", "")));
-      else if (g.finish_reason != "cancelled")
+      } else if (g.finish_reason != "cancelled" && reply) {
+        std::mt19937_64 rng(std::random_device{}());
+        const ToolReply tr = parse_tool_reply(g.text, response_is_string, rng);
+        const std::string& sent = reply->streamed();
+        if (!tr.calls.empty()) {
+          st->push(sse(chunk(json{{"tool_calls", tool_calls_json(tr.calls, true)}}, nullptr)));
+        } else if (tr.content.size() > sent.size() && tr.content.compare(0, sent.size(), sent) == 0) {
+          st->push(sse(chunk(json{{"content", tr.content.substr(sent.size())}}, nullptr)));
+        }
+        st->push(sse(chunk(json::object(), tr.calls.empty() ? finish_reason_api(g.finish_reason) : "tool_calls")));
+      } else if (g.finish_reason != "cancelled") {
         st->push(sse(chunk(chat ? json::object() : json(""), finish_reason_api(g.finish_reason))));
+      }
       int left, tokens;
       {
         std::lock_guard<std::mutex> lk(st->mu);
@@ -897,7 +979,7 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
       const Tokenizer& tk = impl_->engine.tokenizer();
       std::vector<int32_t> ids;
       if (body.contains("messages")) {
-        ids = impl_->chat_prompt(body);
+        ids = impl_->chat_prompt(body, impl_->chat_tools(body, req.body, nullptr).system_extra);
       } else {
         if (!body.contains("prompt") || !body["prompt"].is_string())
           throw ApiError{"'prompt' (a string) or 'messages' is required", "prompt", "missing_required_parameter"};

@@ -1,0 +1,422 @@
+#include "server/tools.h"
+
+#include <fmt/format.h>
+
+#include <map>
+#include <set>
+
+#include "model/json_schema.h"
+
+namespace kvq {
+
+using ojson = nlohmann::ordered_json;
+using json = nlohmann::json;
+
+namespace {
+
+bool is_set(const ojson& body, const char* key) { return body.contains(key) && !body[key].is_null(); }
+
+// OpenAI's rule for function names.
+bool valid_function_name(const std::string& n) {
+  if (n.empty() || n.size() > 64) return false;
+  for (char c : n)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-')) return false;
+  return true;
+}
+
+// Points every "$ref" of a schema that `schema` was the whole document of ("#", "#/$defs/x") at
+// the same place under `at` (a JSON pointer) of the document it is now part of. Values (const,
+// enum, default, examples) are data, not schemas, and are left as they are.
+void rebase_refs(ojson& schema, const std::string& at) {
+  if (schema.is_array()) {
+    for (ojson& x : schema) rebase_refs(x, at);
+    return;
+  }
+  if (!schema.is_object()) return;
+  for (auto it = schema.begin(); it != schema.end(); ++it) {
+    const std::string& k = it.key();
+    if (k == "const" || k == "enum" || k == "default" || k == "examples") continue;
+    if (k == "$ref" && it.value().is_string()) {
+      const std::string r = it.value().get<std::string>();
+      if (!r.empty() && r[0] == '#') it.value() = "#" + at + r.substr(1);
+      continue;
+    }
+    rebase_refs(it.value(), at);
+  }
+}
+
+ojson call_schema(const ToolFunction& f, const std::string& at) {
+  ojson params = f.parameters;
+  rebase_refs(params, at + "/properties/arguments");
+  ojson name = ojson::object();
+  name["const"] = f.name;
+  ojson props = ojson::object();
+  props["name"] = name;
+  props["arguments"] = params;
+  ojson s = ojson::object();
+  s["type"] = "object";
+  s["properties"] = props;
+  s["required"] = ojson::array({"name", "arguments"});
+  s["additionalProperties"] = false;
+  return s;
+}
+
+// The reply starts as {"response": "...: where the string's text starts. undecided: the text so
+// far could still become one.
+enum class Lead { undecided, response, other };
+Lead response_lead(const std::string& t, size_t* body_at) {
+  size_t i = 0;
+  auto ws = [&] {
+    while (i < t.size() && (t[i] == ' ' || t[i] == '\t' || t[i] == '\n' || t[i] == '\r')) ++i;
+  };
+  auto expect = [&](std::string_view lit) -> Lead {
+    for (char c : lit) {
+      if (i == t.size()) return Lead::undecided;
+      if (t[i] != c) return Lead::other;
+      ++i;
+    }
+    return Lead::response;
+  };
+  for (std::string_view lit : {"{", "\"response\"", ":", "\""}) {
+    ws();
+    if (const Lead l = expect(lit); l != Lead::response) return l;
+  }
+  *body_at = i;
+  return Lead::response;
+}
+
+// The text of a JSON string whose body (after the opening quote) starts `body`: up to its closing
+// quote, or, while it is open, up to the last character that is whole (an escape or a surrogate
+// pair cut short is left for later). Decoded by the JSON parser.
+std::string decoded_prefix(std::string_view body) {
+  size_t end = body.size();
+  bool escaped = false;
+  for (size_t i = 0; i < body.size(); ++i) {
+    if (escaped) {
+      escaped = false;
+    } else if (body[i] == '\\') {
+      escaped = true;
+    } else if (body[i] == '"') {
+      end = i;
+      break;
+    }
+  }
+  body = body.substr(0, end);
+  // The longest escape is a surrogate pair, \uD83D\uDE00: 12 bytes.
+  for (size_t drop = 0; drop <= std::min<size_t>(12, body.size()); ++drop) {
+    std::string quoted = "\"";
+    quoted += body.substr(0, body.size() - drop);
+    quoted += '"';
+    json s = json::parse(quoted, nullptr, false);
+    if (!s.is_discarded() && s.is_string()) return s.get<std::string>();
+  }
+  return "";
+}
+
+std::string call_id(std::mt19937_64& rng) {
+  static const char kAlnum[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+  std::uniform_int_distribution<int> d(0, int(sizeof kAlnum) - 2);
+  std::string id = "call_";
+  for (int i = 0; i < 24; ++i) id += kAlnum[d(rng)];
+  return id;
+}
+
+std::string message_text(const json& m, size_t i) {
+  const std::string param = fmt::format("messages[{}].content", i);
+  if (!m.contains("content") || m["content"].is_null()) return "";
+  const json& c = m["content"];
+  if (c.is_string()) return c.get<std::string>();
+  if (c.is_array()) {  // [{"type": "text", "text": "..."}]
+    std::string s;
+    for (const auto& part : c) {
+      if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
+        throw ToolsError("only text content parts are supported", param);
+      s += part["text"].get<std::string>();
+    }
+    return s;
+  }
+  throw ToolsError("message content must be a string or an array of text parts", param);
+}
+
+}  // namespace
+
+ToolSpec parse_tools(const ojson& body) {
+  ToolSpec spec;
+  if (is_set(body, "functions") || is_set(body, "function_call"))
+    throw ToolsError("'functions' and 'function_call' (deprecated by OpenAI) are not supported: use 'tools' and 'tool_choice'",
+                     is_set(body, "functions") ? "functions" : "function_call");
+  if (is_set(body, "tools")) {
+    const ojson& tools = body["tools"];
+    if (!tools.is_array()) throw ToolsError("'tools' must be an array of {\"type\": \"function\", \"function\": {...}}", "tools");
+    if (tools.size() > 128) throw ToolsError("'tools' holds at most 128 functions", "tools");
+    std::set<std::string> names;
+    for (size_t i = 0; i < tools.size(); ++i) {
+      const std::string at = fmt::format("tools[{}]", i);
+      const ojson& t = tools[i];
+      if (!t.is_object() || !t.contains("type") || !t["type"].is_string())
+        throw ToolsError("each tool must be an object with a string 'type'", at);
+      if (t["type"] != "function")
+        throw ToolsError(fmt::format("tool type '{}' is not supported (supported: \"function\")", t["type"].get<std::string>()),
+                         at + ".type");
+      if (!t.contains("function") || !t["function"].is_object())
+        throw ToolsError("a function tool needs a 'function' object", at + ".function");
+      const ojson& f = t["function"];
+      if (!f.contains("name") || !f["name"].is_string() || !valid_function_name(f["name"].get<std::string>()))
+        throw ToolsError("a function's 'name' must be 1 to 64 letters, digits, '_' or '-'", at + ".function.name");
+      ToolFunction fn;
+      fn.name = f["name"].get<std::string>();
+      if (!names.insert(fn.name).second)
+        throw ToolsError(fmt::format("two tools are named '{}'", fn.name), at + ".function.name");
+      if (is_set(f, "description")) {
+        if (!f["description"].is_string()) throw ToolsError("'description' must be a string", at + ".function.description");
+        fn.description = f["description"].get<std::string>();
+      }
+      if (is_set(f, "strict") && !f["strict"].is_boolean())
+        throw ToolsError("'strict' must be a boolean", at + ".function.strict");
+      const std::string pparam = at + ".function.parameters";
+      if (is_set(f, "parameters")) {
+        fn.parameters = f["parameters"];
+        if (!fn.parameters.is_object()) throw ToolsError("'parameters' must be a JSON Schema object", pparam);
+        // The arguments are an object (OpenAI's rule): a schema of another type cannot be.
+        if (fn.parameters.contains("type") && fn.parameters["type"] != "object")
+          throw ToolsError("'parameters' must describe an object (\"type\": \"object\")", pparam);
+      } else {
+        fn.parameters = ojson::object();  // no parameters: the empty object
+        fn.parameters["type"] = "object";
+        fn.parameters["properties"] = ojson::object();
+      }
+      try {
+        (void)Grammar::from_schema(fn.parameters);
+      } catch (const std::invalid_argument& e) {
+        throw ToolsError(fmt::format("'{}': {}", pparam, e.what()), pparam);
+      }
+      spec.functions.push_back(std::move(fn));
+    }
+  }
+  if (!spec.functions.empty()) spec.choice = ToolChoice::automatic;
+  if (is_set(body, "tool_choice")) {
+    const ojson& c = body["tool_choice"];
+    if (c == "none") {
+      spec.choice = ToolChoice::none;
+    } else if (c == "auto") {
+      spec.choice = ToolChoice::automatic;
+    } else if (c == "required") {
+      spec.choice = ToolChoice::required;
+    } else if (c.is_object() && c.value("type", ojson()) == "function" && c.contains("function") &&
+               c["function"].is_object() && c["function"].contains("name") && c["function"]["name"].is_string()) {
+      spec.choice = ToolChoice::named;
+      spec.named = c["function"]["name"].get<std::string>();
+      bool found = false;
+      for (const ToolFunction& f : spec.functions) found = found || f.name == spec.named;
+      if (!found) throw ToolsError(fmt::format("'tool_choice' names '{}', which is not among 'tools'", spec.named), "tool_choice");
+    } else {
+      throw ToolsError("'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": "
+                       "{\"name\": ...}}",
+                       "tool_choice");
+    }
+    if (spec.choice != ToolChoice::none && spec.functions.empty())
+      throw ToolsError("'tool_choice' other than \"none\" needs 'tools'", "tool_choice");
+  }
+  if (is_set(body, "parallel_tool_calls")) {
+    if (!body["parallel_tool_calls"].is_boolean()) throw ToolsError("'parallel_tool_calls' must be a boolean", "parallel_tool_calls");
+    spec.parallel = body["parallel_tool_calls"].get<bool>();
+  }
+  return spec;
+}
+
+ojson tool_reply_schema(const ToolSpec& spec, const ojson& response_schema) {
+  const bool with_response = spec.choice == ToolChoice::automatic;
+  const std::string calls_at = with_response ? "/anyOf/0" : "";
+  std::vector<const ToolFunction*> fns;
+  for (const ToolFunction& f : spec.functions)
+    if (spec.choice != ToolChoice::named || f.name == spec.named) fns.push_back(&f);
+  const std::string items_at = calls_at + "/properties/tool_calls/items";
+  ojson items;
+  if (fns.size() == 1) {
+    items = call_schema(*fns[0], items_at);
+  } else {
+    ojson any = ojson::array();
+    for (size_t i = 0; i < fns.size(); ++i) any.push_back(call_schema(*fns[i], fmt::format("{}/anyOf/{}", items_at, i)));
+    items = ojson::object();
+    items["anyOf"] = any;
+  }
+  ojson arr = ojson::object();
+  arr["type"] = "array";
+  arr["items"] = items;
+  arr["minItems"] = 1;
+  if (!spec.parallel || spec.choice == ToolChoice::named) arr["maxItems"] = 1;
+  ojson calls = ojson::object();
+  calls["type"] = "object";
+  calls["properties"] = ojson::object();
+  calls["properties"]["tool_calls"] = arr;
+  calls["required"] = ojson::array({"tool_calls"});
+  calls["additionalProperties"] = false;
+  if (!with_response) return calls;
+  ojson resp = response_schema.is_null() ? ojson::object({{"type", "string"}}) : response_schema;
+  rebase_refs(resp, "/anyOf/1/properties/response");
+  ojson answer = ojson::object();
+  answer["type"] = "object";
+  answer["properties"] = ojson::object();
+  answer["properties"]["response"] = resp;
+  answer["required"] = ojson::array({"response"});
+  answer["additionalProperties"] = false;
+  ojson s = ojson::object();
+  s["anyOf"] = ojson::array({calls, answer});
+  return s;
+}
+
+std::string tool_system_prompt(const ToolSpec& spec, bool response_is_string) {
+  std::string p = "You can call functions. Each is given as JSON with its name, what it does, and the JSON Schema of its "
+                  "arguments:\n";
+  for (const ToolFunction& f : spec.functions) {
+    ojson d = ojson::object();
+    d["name"] = f.name;
+    if (!f.description.empty()) d["description"] = f.description;
+    d["parameters"] = f.parameters;
+    p += d.dump() + "\n";
+  }
+  const std::string call = "{\"tool_calls\": [{\"name\": FUNCTION NAME, \"arguments\": ARGUMENTS OBJECT}";
+  const std::string calls = spec.parallel ? call + ", ...]}" : call + "]}";
+  switch (spec.choice) {
+    case ToolChoice::automatic:
+      p += "\nReply with one JSON object: " + calls + " to call " +
+           (spec.parallel ? "one or more of the functions" : "one of the functions") + ", or {\"response\": " +
+           (response_is_string ? "YOUR REPLY" : "YOUR REPLY AS JSON") + "} to answer directly.";
+      break;
+    case ToolChoice::required:
+      p += "\nReply with one JSON object " + calls + ", calling " +
+           (spec.parallel ? "one or more of the functions." : "one of the functions.");
+      break;
+    case ToolChoice::named:
+      p += "\nReply with one JSON object {\"tool_calls\": [{\"name\": \"" + spec.named +
+           "\", \"arguments\": ARGUMENTS OBJECT}]}, calling the function " + spec.named + ".";
+      break;
+    case ToolChoice::none:
+      break;
+  }
+  return p;
+}
+
+std::vector<ChatMessage> tool_chat_messages(const json& ms, const std::string& system_extra, const ChatTemplate& tpl) {
+  if (!ms.is_array() || ms.empty()) throw ToolsError("'messages' must be a non-empty array", "messages");
+  std::vector<ChatMessage> out;
+  std::map<std::string, std::string> call_names;  // tool_call_id -> function name
+  bool in_tool_turn = false;                      // the last turn holds tool results
+  for (size_t i = 0; i < ms.size(); ++i) {
+    const json& m = ms[i];
+    const std::string at = fmt::format("messages[{}]", i);
+    if (!m.is_object()) throw ToolsError("each message must be an object", at);
+    if (!m.contains("role") || !m["role"].is_string()) throw ToolsError("each message needs a string 'role'", at + ".role");
+    const std::string role = m["role"].get<std::string>();
+    if (role != "system" && role != "user" && role != "assistant" && role != "developer" && role != "tool")
+      throw ToolsError(fmt::format("unknown role '{}' (valid: system, developer, user, assistant, tool)", role), at + ".role");
+    std::string content = message_text(m, i);
+    if (role == "tool") {
+      ojson r = ojson::object();
+      std::string name;
+      if (m.contains("tool_call_id") && !m["tool_call_id"].is_null()) {
+        if (!m["tool_call_id"].is_string()) throw ToolsError("'tool_call_id' must be a string", at + ".tool_call_id");
+        auto it = call_names.find(m["tool_call_id"].get<std::string>());
+        if (it != call_names.end()) name = it->second;
+      }
+      if (name.empty() && m.contains("name") && m["name"].is_string()) name = m["name"].get<std::string>();
+      if (!name.empty()) r["name"] = name;
+      r["content"] = content;
+      ojson line = ojson::object();
+      line["tool_response"] = r;
+      if (in_tool_turn) {
+        out.back().content += '\n';
+        out.back().content += line.dump();
+      } else {
+        out.push_back({"user", line.dump()});
+        in_tool_turn = true;
+      }
+      continue;
+    }
+    in_tool_turn = false;
+    if (role == "assistant" && m.contains("tool_calls") && !m["tool_calls"].is_null()) {
+      const json& tc = m["tool_calls"];
+      if (!tc.is_array()) throw ToolsError("'tool_calls' must be an array", at + ".tool_calls");
+      ojson calls = ojson::array();
+      for (size_t j = 0; j < tc.size(); ++j) {
+        const std::string cat = fmt::format("{}.tool_calls[{}]", at, j);
+        const json& c = tc[j];
+        if (!c.is_object() || !c.contains("function") || !c["function"].is_object())
+          throw ToolsError("each tool call needs a 'function' object", cat);
+        const json& f = c["function"];
+        if (!f.contains("name") || !f["name"].is_string()) throw ToolsError("a tool call needs a string 'name'", cat + ".function.name");
+        ojson args = ojson::object();
+        if (f.contains("arguments") && !f["arguments"].is_null()) {
+          if (!f["arguments"].is_string())
+            throw ToolsError("a tool call's 'arguments' must be a string of JSON", cat + ".function.arguments");
+          args = ojson::parse(f["arguments"].get<std::string>(), nullptr, false);
+          if (args.is_discarded()) throw ToolsError("a tool call's 'arguments' is not valid JSON", cat + ".function.arguments");
+        }
+        ojson one = ojson::object();
+        one["name"] = f["name"];
+        one["arguments"] = args;
+        calls.push_back(one);
+        if (c.contains("id") && c["id"].is_string()) call_names[c["id"].get<std::string>()] = f["name"].get<std::string>();
+      }
+      if (!calls.empty()) {
+        ojson env = ojson::object();
+        env["tool_calls"] = calls;
+        if (!content.empty()) content += '\n';
+        content += env.dump();
+      }
+    }
+    out.push_back({role == "developer" ? "system" : role, content});
+  }
+  if (!system_extra.empty()) {
+    if (out[0].role == "system") {
+      out[0].content += (out[0].content.empty() ? "" : "\n\n") + system_extra;
+    } else {
+      std::string s = tpl.default_system;
+      if (!s.empty()) s += "\n\n";
+      out.insert(out.begin(), ChatMessage{"system", s + system_extra});
+    }
+  }
+  return out;
+}
+
+ToolReply parse_tool_reply(const std::string& text, bool response_is_string, std::mt19937_64& rng) {
+  ToolReply r;
+  const ojson doc = ojson::parse(text, nullptr, false);
+  if (!doc.is_discarded() && doc.is_object()) {
+    if (doc.contains("tool_calls") && doc["tool_calls"].is_array()) {
+      for (const ojson& c : doc["tool_calls"]) {
+        if (!c.is_object() || !c.contains("name") || !c["name"].is_string() || !c.contains("arguments")) continue;
+        r.calls.push_back({call_id(rng), c["name"].get<std::string>(), c["arguments"].dump()});
+      }
+      if (!r.calls.empty()) {
+        r.complete = true;
+        return r;
+      }
+    } else if (doc.contains("response")) {
+      r.complete = true;
+      r.has_content = true;
+      const ojson& v = doc["response"];
+      r.content = response_is_string && v.is_string() ? v.get<std::string>() : v.dump();
+      return r;
+    }
+  }
+  r.has_content = true;
+  size_t body = 0;
+  r.content = response_is_string && response_lead(text, &body) == Lead::response ? decoded_prefix(std::string_view(text).substr(body))
+                                                                                  : text;
+  return r;
+}
+
+std::string ToolReplyStream::feed(const std::string& piece) {
+  text_ += piece;
+  if (!on_) return "";
+  size_t body = 0;
+  if (response_lead(text_, &body) != Lead::response) return "";
+  std::string now = decoded_prefix(std::string_view(text_).substr(body));
+  if (now.size() <= out_.size()) return "";
+  std::string delta = now.substr(out_.size());
+  out_ = std::move(now);
+  return delta;
+}
+
+}  // namespace kvq

@@ -1,0 +1,367 @@
+// Function calling (server/tools.h): the tools' parsing and errors, the reply's grammar (random
+// replies checked by an independent validator against each function's parameters), reading
+// replies back, streaming a response's text, and the conversation's turns.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+
+#include "grammar_walk.h"
+#include "model/json_schema.h"
+#include "schema_validator.h"
+#include "server/tools.h"
+
+using namespace kvq;
+using ojson = nlohmann::ordered_json;
+using json = nlohmann::json;
+
+namespace {
+
+const char* kTools = R"j({"tools": [
+  {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+   "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+     "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}},
+  {"type": "function", "function": {"name": "add", "parameters": {"type": "object",
+     "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "number"}},
+     "required": ["a", "b"], "additionalProperties": false}}},
+  {"type": "function", "function": {"name": "tree", "strict": true, "parameters": {"$defs": {"node": {"type": "object",
+     "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}},
+     "required": ["v"]}}, "type": "object", "properties": {"root": {"$ref": "#/$defs/node"}, "again": {"$ref": "#"}},
+     "required": ["root"]}}},
+  {"type": "function", "function": {"name": "ping"}}
+]})j";
+
+ojson body_with(const std::string& extra) {
+  ojson b = ojson::parse(kTools);
+  const ojson e = ojson::parse(extra);
+  for (auto it = e.begin(); it != e.end(); ++it) b[it.key()] = it.value();
+  return b;
+}
+
+std::string tools_error(const std::string& body, std::string* param = nullptr) {
+  try {
+    parse_tools(ojson::parse(body));
+  } catch (const ToolsError& e) {
+    if (param) *param = e.param;
+    return e.what();
+  }
+  return "";
+}
+
+// The parameters of the function a call names, or null.
+const ojson* params_of(const ToolSpec& spec, const std::string& name) {
+  for (const ToolFunction& f : spec.functions)
+    if (f.name == name) return &f.parameters;
+  return nullptr;
+}
+
+}  // namespace
+
+TEST(Tools, ParseAndChoice) {
+  ToolSpec s = parse_tools(ojson::parse(kTools));
+  ASSERT_EQ(s.functions.size(), 4u);
+  EXPECT_EQ(s.choice, ToolChoice::automatic);  // the default with tools
+  EXPECT_TRUE(s.parallel);
+  EXPECT_EQ(s.functions[0].description, "Weather for a city");
+  // parameters keep their written order; no parameters: the empty object
+  EXPECT_EQ(s.functions[0].parameters["properties"].begin().key(), "city");
+  EXPECT_EQ(s.functions[3].parameters, ojson::parse(R"({"type": "object", "properties": {}})"));
+
+  EXPECT_EQ(parse_tools(body_with(R"({"tool_choice": "none"})")).choice, ToolChoice::none);
+  EXPECT_EQ(parse_tools(body_with(R"({"tool_choice": "required"})")).choice, ToolChoice::required);
+  s = parse_tools(body_with(R"({"tool_choice": {"type": "function", "function": {"name": "add"}}, "parallel_tool_calls": false})"));
+  EXPECT_EQ(s.choice, ToolChoice::named);
+  EXPECT_EQ(s.named, "add");
+  EXPECT_FALSE(s.parallel);
+  // no tools: nothing to call
+  EXPECT_EQ(parse_tools(ojson::parse(R"({"messages": []})")).choice, ToolChoice::none);
+  EXPECT_EQ(parse_tools(ojson::parse(R"({"tools": [], "tool_choice": "none"})")).choice, ToolChoice::none);
+}
+
+TEST(Tools, BadToolsNameTheField) {
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {R"({"tools": {}})", "tools"},
+      {R"({"tools": [1]})", "tools[0]"},
+      {R"({"tools": [{"type": "code_interpreter"}]})", "tools[0].type"},
+      {R"({"tools": [{"type": "function"}]})", "tools[0].function"},
+      {R"({"tools": [{"type": "function", "function": {"name": "a b"}}]})", "tools[0].function.name"},
+      {R"({"tools": [{"type": "function", "function": {"name": ""}}]})", "tools[0].function.name"},
+      {R"({"tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}]})",
+       "tools[1].function.name"},
+      {R"({"tools": [{"type": "function", "function": {"name": "f", "description": 3}}]})", "tools[0].function.description"},
+      {R"({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]})", "tools[0].function.parameters"},
+      {R"({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]})",
+       "tools[0].function.parameters"},
+      {R"({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties":
+          {"xs": {"type": "array", "uniqueItems": true}}}}}]})",
+       "tools[0].function.parameters"},
+      {R"({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]})", "tools[0].function.strict"},
+      {R"({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"})", "tool_choice"},
+      {R"({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}})",
+       "tool_choice"},
+      {R"({"tool_choice": "required"})", "tool_choice"},
+      {R"({"tool_choice": "auto"})", "tool_choice"},
+      {R"({"tools": [], "tool_choice": "auto"})", "tool_choice"},
+      {R"({"tools": [{"type": "function", "function": {"name": "f"}}], "parallel_tool_calls": 1})", "parallel_tool_calls"},
+      {R"({"functions": [{"name": "f"}]})", "functions"},
+      {R"({"function_call": "auto"})", "function_call"},
+  };
+  for (const auto& [body, param] : bad) {
+    SCOPED_TRACE(body);
+    std::string p;
+    const std::string msg = tools_error(body, &p);
+    EXPECT_FALSE(msg.empty());
+    EXPECT_EQ(p, param) << msg;
+  }
+  // The schema's error says where in the parameters and what.
+  EXPECT_NE(tools_error(bad[10].first).find("uniqueItems"), std::string::npos);
+}
+
+// Random replies of each tool_choice's grammar: every complete one is a reply of the allowed
+// form, whose calls name allowed functions with arguments their parameters accept.
+TEST(Tools, RepliesFollowTheChoiceAndTheParameters) {
+  struct Case {
+    std::string extra;
+    bool calls_only;
+    std::string only_name;  // non-empty: the one function allowed
+    bool one_call;
+  };
+  const std::vector<Case> cases = {
+      {R"({})", false, "", false},
+      {R"({"tool_choice": "required"})", true, "", false},
+      {R"({"tool_choice": "required", "parallel_tool_calls": false})", true, "", true},
+      {R"({"tool_choice": {"type": "function", "function": {"name": "tree"}}})", true, "tree", true},
+      {R"({"tool_choice": {"type": "function", "function": {"name": "ping"}}})", true, "ping", true},
+  };
+  std::mt19937 rng(7);
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.extra);
+    const ToolSpec spec = parse_tools(body_with(c.extra));
+    const auto g = Grammar::from_schema(tool_reply_schema(spec, nullptr));
+    int complete = 0, responses = 0, calls = 0;
+    std::set<std::string> names;
+    for (int i = 0; i < 300; ++i) {
+      bool finished = false;
+      const std::string text = random_walk(g, rng, &finished);
+      if (!finished) continue;
+      ++complete;
+      const ojson doc = ojson::parse(text, nullptr, false);
+      ASSERT_FALSE(doc.is_discarded()) << text;
+      ASSERT_TRUE(doc.is_object()) << text;
+      ASSERT_EQ(doc.size(), 1u) << text;
+      if (doc.contains("response")) {
+        EXPECT_FALSE(c.calls_only) << text;
+        EXPECT_TRUE(doc["response"].is_string()) << text;
+        ++responses;
+        continue;
+      }
+      ASSERT_TRUE(doc.contains("tool_calls")) << text;
+      const ojson& tc = doc["tool_calls"];
+      ASSERT_TRUE(tc.is_array() && !tc.empty()) << text;
+      if (c.one_call) {
+        EXPECT_EQ(tc.size(), 1u) << text;
+      }
+      for (const ojson& call : tc) {
+        ASSERT_TRUE(call.is_object() && call.size() == 2 && call.begin().key() == "name") << text;
+        const std::string name = call["name"].get<std::string>();
+        if (!c.only_name.empty()) {
+          EXPECT_EQ(name, c.only_name);
+        }
+        const ojson* params = params_of(spec, name);
+        ASSERT_NE(params, nullptr) << text;
+        EXPECT_TRUE(kvq::test::validate(*params, *params, call["arguments"])) << name << ": " << call["arguments"].dump();
+        names.insert(name);
+        ++calls;
+      }
+      // the reply read back: the same calls, ids of OpenAI's form and distinct
+      std::mt19937_64 idr(1);
+      const ToolReply r = parse_tool_reply(text, true, idr);
+      EXPECT_TRUE(r.complete);
+      EXPECT_FALSE(r.has_content);
+      ASSERT_EQ(r.calls.size(), tc.size());
+      std::set<std::string> ids;
+      for (size_t k = 0; k < r.calls.size(); ++k) {
+        EXPECT_EQ(r.calls[k].name, tc[k]["name"]);
+        EXPECT_EQ(ojson::parse(r.calls[k].arguments), tc[k]["arguments"]);
+        EXPECT_EQ(r.calls[k].id.size(), 29u);
+        EXPECT_EQ(r.calls[k].id.rfind("call_", 0), 0u);
+        ids.insert(r.calls[k].id);
+      }
+      EXPECT_EQ(ids.size(), r.calls.size());
+    }
+    EXPECT_GT(complete, 150);
+    EXPECT_GT(calls, 0);
+    if (!c.calls_only) {
+      EXPECT_GT(responses, 0);
+    }
+    if (c.only_name.empty()) {
+      EXPECT_GE(names.size(), 3u);
+    }
+  }
+}
+
+TEST(Tools, ResponseSchemaAndRefsRebased) {
+  // response_format's schema for the response, with $refs of its own
+  const ojson resp = ojson::parse(R"({"$defs": {"p": {"type": "integer", "minimum": 1, "maximum": 9}},
+      "type": "object", "properties": {"n": {"$ref": "#/$defs/p"}}, "required": ["n"]})");
+  const ToolSpec spec = parse_tools(ojson::parse(kTools));
+  const ojson schema = tool_reply_schema(spec, resp);
+  // the functions' refs now point into the reply's schema, and resolve there
+  const ojson& tree = schema["anyOf"][0]["properties"]["tool_calls"]["items"]["anyOf"][2]["properties"]["arguments"];
+  EXPECT_EQ(tree["properties"]["root"]["$ref"], "#/anyOf/0/properties/tool_calls/items/anyOf/2/properties/arguments/$defs/node");
+  EXPECT_EQ(tree["properties"]["again"]["$ref"], "#/anyOf/0/properties/tool_calls/items/anyOf/2/properties/arguments");
+  const auto g = Grammar::from_schema(schema);
+  GrammarState s(g);
+  EXPECT_TRUE(s.feed(R"({"response": {"n": 7}})") && s.accepting());
+  GrammarState t(g);
+  EXPECT_FALSE(t.feed(R"({"response": {"n": 17}})") && t.accepting());
+  GrammarState u(g);
+  EXPECT_TRUE(u.feed(R"({"tool_calls": [{"name": "tree", "arguments": {"root": {"v": 1, "kids": [{"v": 2}]}, "again": {"root": {"v": 3}}}}]})") &&
+              u.accepting());
+  std::mt19937_64 idr(3);
+  const ToolReply r = parse_tool_reply(R"({"response": {"n": 7}})", false, idr);
+  EXPECT_TRUE(r.complete && r.has_content);
+  EXPECT_EQ(r.content, R"({"n":7})");
+  EXPECT_TRUE(r.calls.empty());
+}
+
+TEST(Tools, ReplyReadBack) {
+  std::mt19937_64 idr(5);
+  ToolReply r = parse_tool_reply(R"({"response": "Hi \"there\"\n\u00e9\ud83d\ude00"})", true, idr);
+  EXPECT_TRUE(r.complete);
+  EXPECT_EQ(r.content, "Hi \"there\"\n\xc3\xa9\xf0\x9f\x98\x80");
+  // cut short: the response's text so far, escapes left whole
+  for (const auto& [text, want] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"response": "Hi \"th)", "Hi \"th"},
+           {R"({"response": "ab\)", "ab"},
+           {R"({"response": "ab\u00)", "ab"},
+           {R"({"response": "ab\ud83d)", "ab"},
+           {R"({"response": "ab\ud83d\ude0)", "ab"},
+           {R"({"response": "ab\ud83d\ude00)", "ab\xf0\x9f\x98\x80"},
+           {R"({"response": "done")", "done"},
+           {" {\n  \"response\" :\"x", "x"},
+           {R"({"respo)", R"({"respo)"},  // not yet a response: the raw text
+           {R"({"tool_calls": [{"name": "f", "argu)", R"({"tool_calls": [{"name": "f", "argu)"},
+       }) {
+    SCOPED_TRACE(text);
+    r = parse_tool_reply(text, true, idr);
+    EXPECT_FALSE(r.complete);
+    EXPECT_TRUE(r.has_content);
+    EXPECT_EQ(r.content, want);
+    EXPECT_TRUE(r.calls.empty());
+  }
+  // a response of another schema, cut: the raw text
+  EXPECT_EQ(parse_tool_reply(R"({"response": "ab)", false, idr).content, R"({"response": "ab)");
+}
+
+// Streamed in any pieces, the response's text comes out in order, a prefix of the whole reply's
+// content at every point, and all of it once the reply is complete.
+TEST(Tools, StreamedResponseIsAPrefixOfTheReply) {
+  const std::vector<std::string> texts = {
+      R"({"response": "Hi \"there\"\n\u00e9\ud83d\ude00 and \\ more"})",
+      "{ \"response\":\n \"caf\xc3\xa9 \xf0\x9f\x98\x80\\t\\/\"}",
+      R"({"tool_calls": [{"name": "f", "arguments": {"response": "x"}}]})",
+      R"({"response": "cut \u12)",
+  };
+  std::mt19937 rng(11);
+  for (const std::string& text : texts) {
+    SCOPED_TRACE(text);
+    std::mt19937_64 idr(1);
+    const ToolReply whole = parse_tool_reply(text, true, idr);
+    for (int round = 0; round < 50; ++round) {
+      ToolReplyStream st(true);
+      std::string out;
+      size_t at = 0;
+      while (at < text.size()) {
+        size_t n = round == 0 ? 1 : std::uniform_int_distribution<size_t>(1, 6)(rng);
+        // pieces end on whole UTF-8 characters, as the engine's text does
+        while (at + n < text.size() && (static_cast<unsigned char>(text[at + n]) & 0xC0) == 0x80) ++n;
+        n = std::min(n, text.size() - at);
+        out += st.feed(text.substr(at, n));
+        at += n;
+        EXPECT_EQ(out, st.streamed());
+        EXPECT_EQ(whole.content.compare(0, out.size(), out), 0) << out;
+      }
+      if (whole.calls.empty()) {
+        EXPECT_EQ(out, whole.content);
+      }
+      else EXPECT_EQ(out, "");
+    }
+  }
+  ToolReplyStream off(false);  // a response of another schema is not streamed
+  EXPECT_EQ(off.feed(R"({"response": "abc")"), "");
+}
+
+TEST(Tools, ConversationTurns) {
+  const json ms = json::parse(R"j([
+    {"role": "user", "content": "Weather in Paris and Rome?"},
+    {"role": "assistant", "content": null, "tool_calls": [
+      {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+      {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Rome\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_2", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "rain"}]},
+    {"role": "assistant", "content": "Paris: rain, Rome: sunny."},
+    {"role": "tool", "tool_call_id": "unknown", "name": "add", "content": "3"}
+  ])j");
+  ChatTemplate tpl;
+  tpl.family = ChatFamily::chatml;
+  tpl.default_system = "You are SmolLM.";
+  std::vector<ChatMessage> out = tool_chat_messages(ms, "TOOLS", tpl);
+  ASSERT_EQ(out.size(), 6u);
+  EXPECT_EQ(out[0].role, "system");
+  EXPECT_EQ(out[0].content, "You are SmolLM.\n\nTOOLS");
+  EXPECT_EQ(out[2].role, "assistant");
+  EXPECT_EQ(out[2].content,
+            R"({"tool_calls":[{"name":"get_weather","arguments":{"city":"Paris"}},{"name":"get_weather","arguments":{"city":"Rome"}}]})");
+  EXPECT_EQ(out[3].role, "user");  // both results in one turn, named by their calls
+  EXPECT_EQ(out[3].content,
+            "{\"tool_response\":{\"name\":\"get_weather\",\"content\":\"sunny\"}}\n"
+            "{\"tool_response\":{\"name\":\"get_weather\",\"content\":\"rain\"}}");
+  EXPECT_EQ(out[4].content, "Paris: rain, Rome: sunny.");
+  EXPECT_EQ(out[5].content, R"({"tool_response":{"name":"add","content":"3"}})");
+  // a system turn of the request's own takes the tools' text; without tools nothing is added
+  const json with_system = json::parse(R"([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}])");
+  out = tool_chat_messages(with_system, "TOOLS", tpl);
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[0].role, "system");
+  EXPECT_EQ(out[0].content, "Be brief.\n\nTOOLS");
+  out = tool_chat_messages(with_system, "", tpl);
+  EXPECT_EQ(out[0].content, "Be brief.");
+  // the rendered prompt (ChatML)
+  EXPECT_EQ(chat_render(tpl, tool_chat_messages(json::parse(R"([{"role": "user", "content": "hi"}])"), "T", tpl)),
+            "<|im_start|>system\nYou are SmolLM.\n\nT<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+
+  for (const auto& [bad, param] : std::vector<std::pair<std::string, std::string>>{
+           {R"([])", "messages"},
+           {R"([{"role": "robot", "content": "x"}])", "messages[0].role"},
+           {R"([{"role": "assistant", "tool_calls": {}}])", "messages[0].tool_calls"},
+           {R"([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}])",
+            "messages[0].tool_calls[0].function.arguments"},
+           {R"([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]}])",
+            "messages[0].tool_calls[0].function.arguments"},
+           {R"([{"role": "assistant", "tool_calls": [{"type": "function"}]}])", "messages[0].tool_calls[0]"},
+           {R"([{"role": "tool", "tool_call_id": 5, "content": "x"}])", "messages[0].tool_call_id"},
+           {R"([{"role": "user", "content": [{"type": "image_url"}]}])", "messages[0].content"},
+       }) {
+    SCOPED_TRACE(bad);
+    try {
+      tool_chat_messages(json::parse(bad), "", tpl);
+      ADD_FAILURE() << "accepted";
+    } catch (const ToolsError& e) {
+      EXPECT_EQ(e.param, param) << e.what();
+    }
+  }
+}
+
+TEST(Tools, SystemPromptSaysTheForm) {
+  ToolSpec s = parse_tools(ojson::parse(kTools));
+  std::string p = tool_system_prompt(s, true);
+  EXPECT_NE(p.find(R"("name":"get_weather","description":"Weather for a city","parameters":{"type":"object")"), std::string::npos) << p;
+  EXPECT_NE(p.find("{\"response\": YOUR REPLY}"), std::string::npos);
+  s = parse_tools(body_with(R"({"tool_choice": "required"})"));
+  p = tool_system_prompt(s, true);
+  EXPECT_EQ(p.find("response"), std::string::npos);
+  s = parse_tools(body_with(R"({"tool_choice": {"type": "function", "function": {"name": "add"}}})"));
+  EXPECT_NE(tool_system_prompt(s, true).find("calling the function add."), std::string::npos);
+}
