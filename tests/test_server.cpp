@@ -698,13 +698,46 @@ TEST_F(ToolServerTest, ToolCalls) {
   for (const json& e : evs) {
     const json& d = e["choices"][0]["delta"];
     if (d.contains("tool_calls")) streamed_calls.insert(streamed_calls.end(), d["tool_calls"].begin(), d["tool_calls"].end());
-    if (d.contains("content")) streamed_content += d["content"].get<std::string>();
+    if (d.contains("content") && d["content"].is_string()) streamed_content += d["content"].get<std::string>();
   }
   EXPECT_EQ(streamed_content, "");
   ASSERT_EQ(streamed_calls.size(), 1u);
   EXPECT_EQ(streamed_calls[0]["index"], 0);
   EXPECT_EQ(streamed_calls[0]["function"], first["function"]);
+  EXPECT_EQ(streamed_calls[0]["type"], "function");
+  EXPECT_TRUE(std::regex_match(streamed_calls[0]["id"].get<std::string>(), std::regex("call_[A-Za-z0-9]{24}")));
+  EXPECT_NE(streamed_calls[0]["id"], first["id"]);  // ids are drawn per reply
   EXPECT_EQ(evs.back()["choices"][0]["finish_reason"], "tool_calls");
+  // as OpenAI's streams of calls, the first chunk's content is null
+  EXPECT_TRUE(evs.front()["choices"][0]["delta"]["content"].is_null());
+  EXPECT_EQ(evs.front()["choices"][0]["delta"]["role"], "assistant");
+
+  // n = 2, streamed: each choice's call in its own chunk, indexed within the choice
+  json two = body;
+  two["n"] = 2;
+  two["temperature"] = 1.0;
+  two["seed"] = 5;
+  evs = stream("/v1/chat/completions", two, &done);
+  std::vector<int> calls_of(2, 0), finishes(2, 0);
+  for (const json& e : evs) {
+    if (e["choices"].empty()) continue;
+    const json& c = e["choices"][0];
+    const int i = c["index"];
+    ASSERT_TRUE(i == 0 || i == 1);
+    if (c["delta"].contains("tool_calls")) {
+      for (const json& tc : c["delta"]["tool_calls"]) {
+        EXPECT_EQ(tc["index"], calls_of[size_t(i)]);
+        check_call(tc);
+        ++calls_of[size_t(i)];
+      }
+    }
+    if (!c["finish_reason"].is_null()) {
+      ++finishes[size_t(i)];
+      EXPECT_EQ(c["finish_reason"], "tool_calls");
+    }
+  }
+  EXPECT_EQ(calls_of, std::vector<int>({1, 1}));
+  EXPECT_EQ(finishes, std::vector<int>({1, 1}));
 
   // A named function: a call of it, whatever the model prefers.
   const std::string other = first["function"]["name"] == "add" ? "get_weather" : "add";
@@ -713,12 +746,13 @@ TEST_F(ToolServerTest, ToolCalls) {
   j = post_ok("/v1/chat/completions", body);
   ASSERT_EQ(j["choices"][0]["message"]["tool_calls"].size(), 1u) << j;
   EXPECT_EQ(check_call(j["choices"][0]["message"]["tool_calls"][0]), other);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");  // OpenAI's for a call forced by name
 
   // auto, sampled: calls or a response; a response streams as content and equals the plain one.
   body["tool_choice"] = "auto";
   body["parallel_tool_calls"] = false;
   body["temperature"] = 1.0;
-  int calls = 0, responses = 0;
+  int calls = 0;
   for (int seed = 1; seed <= 12; ++seed) {
     body["seed"] = seed;
     j = post_ok("/v1/chat/completions", body);
@@ -730,13 +764,12 @@ TEST_F(ToolServerTest, ToolCalls) {
     }
     EXPECT_FALSE(c["message"].contains("tool_calls"));
     ASSERT_TRUE(c["message"]["content"].is_string());
-    if (c["finish_reason"] == "stop") ++responses;
     evs = stream("/v1/chat/completions", body, &done);
     std::string joined;
     for (const json& e : evs) {
       const json& d = e["choices"][0]["delta"];
       EXPECT_FALSE(d.contains("tool_calls"));
-      if (d.contains("content")) joined += d["content"].get<std::string>();
+      if (d.contains("content") && d["content"].is_string()) joined += d["content"].get<std::string>();
     }
     EXPECT_EQ(joined, c["message"]["content"].get<std::string>());
   }
@@ -766,7 +799,8 @@ TEST_F(ToolServerTest, ToolCalls) {
   std::string joined;
   int pieces = 0;
   for (const json& e : evs)
-    if (e["choices"][0]["delta"].contains("content") && !e["choices"][0]["delta"]["content"].get<std::string>().empty()) {
+    if (e["choices"][0]["delta"].contains("content") && e["choices"][0]["delta"]["content"].is_string() &&
+        !e["choices"][0]["delta"]["content"].get<std::string>().empty()) {
       joined += e["choices"][0]["delta"]["content"].get<std::string>();
       ++pieces;
     }
@@ -788,12 +822,25 @@ TEST_F(ToolServerTest, ToolCalls) {
   rf["temperature"] = 0;
   rf["response_format"] = json::parse(R"j({"type": "json_schema", "json_schema": {"name": "r", "schema":
       {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}})j");
+  rf["logit_bias"] = biased["logit_bias"];  // toward the response
+  rf["max_tokens"] = 400;
   j = post_ok("/v1/chat/completions", rf);
+  ASSERT_EQ(j["choices"][0]["finish_reason"], "stop") << j;
+  const json r = json::parse(j["choices"][0]["message"]["content"].get<std::string>());
+  EXPECT_TRUE(r.is_object() && r.size() == 1 && r["n"].is_number_integer()) << j;
+  // JSON mode's response: any object; cut short (the bias keeps the story model in a key), the
+  // object so far, without the reply's wrapper
+  rf.erase("response_format");
+  rf["response_format"] = {{"type", "json_object"}};
+  rf["max_tokens"] = 40;
+  j = post_ok("/v1/chat/completions", rf);
+  const std::string obj = j["choices"][0]["message"]["content"];
   if (j["choices"][0]["finish_reason"] == "stop") {
-    const json r = json::parse(j["choices"][0]["message"]["content"].get<std::string>());
-    EXPECT_TRUE(r["n"].is_number_integer()) << j;
-  } else if (j["choices"][0]["finish_reason"] == "tool_calls") {
-    check_call(j["choices"][0]["message"]["tool_calls"][0]);
+    EXPECT_TRUE(json::parse(obj).is_object()) << j;
+  } else {
+    EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+    EXPECT_EQ(obj.substr(0, 1), "{") << j;
+    EXPECT_FALSE(std::regex_search(obj, std::regex(R"(^\{\s*"response"\s*:\s*\{)"))) << j;
   }
 
   // A conversation with an earlier call and its result; /tokenize counts the tools' prompt.

@@ -29,7 +29,12 @@ const char* kTools = R"j({"tools": [
      "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}},
      "required": ["v"]}}, "type": "object", "properties": {"root": {"$ref": "#/$defs/node"}, "again": {"$ref": "#"}},
      "required": ["root"]}}},
-  {"type": "function", "function": {"name": "ping"}}
+  {"type": "function", "function": {"name": "ping"}},
+  {"type": "function", "function": {"name": "named_like_keywords", "parameters": {"type": "object",
+     "$defs": {"const": {"type": "integer", "minimum": 5, "maximum": 6}},
+     "properties": {"default": {"$ref": "#/$defs/const"}, "enum": {"anyOf": [{"type": "null"}, {"$ref": "#"}]},
+       "items": {"type": "array", "items": {"$ref": "#/$defs/const"}, "maxItems": 2}},
+     "required": ["default"]}}}
 ]})j";
 
 ojson body_with(const std::string& extra) {
@@ -60,13 +65,18 @@ const ojson* params_of(const ToolSpec& spec, const std::string& name) {
 
 TEST(Tools, ParseAndChoice) {
   ToolSpec s = parse_tools(ojson::parse(kTools));
-  ASSERT_EQ(s.functions.size(), 4u);
+  ASSERT_EQ(s.functions.size(), 5u);
   EXPECT_EQ(s.choice, ToolChoice::automatic);  // the default with tools
   EXPECT_TRUE(s.parallel);
   EXPECT_EQ(s.functions[0].description, "Weather for a city");
   // parameters keep their written order; no parameters: the empty object
   EXPECT_EQ(s.functions[0].parameters["properties"].begin().key(), "city");
   EXPECT_EQ(s.functions[3].parameters, ojson::parse(R"({"type": "object", "properties": {}})"));
+  // parameters without a type: an object's keywords (or none) are read as an object
+  s = parse_tools(ojson::parse(R"({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}},
+      {"type": "function", "function": {"name": "g", "parameters": {"properties": {"x": {"type": "integer"}}}}}]})"));
+  EXPECT_EQ(s.functions[0].parameters, ojson::parse(R"({"type": "object"})"));
+  EXPECT_EQ(s.functions[1].parameters["type"], "object");
 
   EXPECT_EQ(parse_tools(body_with(R"({"tool_choice": "none"})")).choice, ToolChoice::none);
   EXPECT_EQ(parse_tools(body_with(R"({"tool_choice": "required"})")).choice, ToolChoice::required);
@@ -97,6 +107,10 @@ TEST(Tools, BadToolsNameTheField) {
           {"xs": {"type": "array", "uniqueItems": true}}}}}]})",
        "tools[0].function.parameters"},
       {R"({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]})", "tools[0].function.strict"},
+      {R"({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}]})",
+       "tools[0].function.parameters"},
+      {R"({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/a", "$defs": {"a": {}}}}}]})",
+       "tools[0].function.parameters"},
       {R"({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"})", "tool_choice"},
       {R"({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}})",
        "tool_choice"},
@@ -116,6 +130,7 @@ TEST(Tools, BadToolsNameTheField) {
   }
   // The schema's error says where in the parameters and what.
   EXPECT_NE(tools_error(bad[10].first).find("uniqueItems"), std::string::npos);
+  EXPECT_NE(tools_error(bad[12].first).find("anyOf"), std::string::npos);
 }
 
 // Random replies of each tool_choice's grammar: every complete one is a reply of the allowed
@@ -211,7 +226,27 @@ TEST(Tools, ResponseSchemaAndRefsRebased) {
   const ojson& tree = schema["anyOf"][0]["properties"]["tool_calls"]["items"]["anyOf"][2]["properties"]["arguments"];
   EXPECT_EQ(tree["properties"]["root"]["$ref"], "#/anyOf/0/properties/tool_calls/items/anyOf/2/properties/arguments/$defs/node");
   EXPECT_EQ(tree["properties"]["again"]["$ref"], "#/anyOf/0/properties/tool_calls/items/anyOf/2/properties/arguments");
+  // a function's properties and definitions named like keywords keep their refs right
+  const ojson& kw = schema["anyOf"][0]["properties"]["tool_calls"]["items"]["anyOf"][4]["properties"]["arguments"];
+  const std::string kw_at = "#/anyOf/0/properties/tool_calls/items/anyOf/4/properties/arguments";
+  EXPECT_EQ(kw["properties"]["default"]["$ref"], kw_at + "/$defs/const");
+  EXPECT_EQ(kw["properties"]["enum"]["anyOf"][1]["$ref"], kw_at);
+  EXPECT_EQ(kw["properties"]["items"]["items"]["$ref"], kw_at + "/$defs/const");
   const auto g = Grammar::from_schema(schema);
+  auto call = [&](const std::string& args) {
+    GrammarState st(g);
+    return st.feed(R"({"tool_calls": [{"name": "named_like_keywords", "arguments": )" + args + "}]}") && st.accepting();
+  };
+  EXPECT_TRUE(call(R"({"default": 5, "enum": {"default": 6, "enum": null}, "items": [6, 5]})"));
+  EXPECT_FALSE(call(R"({"default": 7})"));
+  EXPECT_FALSE(call(R"({"default": 5, "enum": {"tool_calls": []}})"));  // "#" is the function's arguments
+  EXPECT_FALSE(call(R"({"default": 5, "items": [4]})"));
+  // ... and a response schema's too
+  const ojson resp2 = ojson::parse(R"({"$defs": {"d": {"type": "boolean"}}, "type": "object",
+      "properties": {"examples": {"$ref": "#/$defs/d"}}, "required": ["examples"]})");
+  const auto g2 = Grammar::from_schema(tool_reply_schema(spec, resp2));
+  GrammarState r2(g2);
+  EXPECT_TRUE(r2.feed(R"({"response": {"examples": true}})") && r2.accepting());
   GrammarState s(g);
   EXPECT_TRUE(s.feed(R"({"response": {"n": 7}})") && s.accepting());
   GrammarState t(g);
@@ -251,8 +286,9 @@ TEST(Tools, ReplyReadBack) {
     EXPECT_EQ(r.content, want);
     EXPECT_TRUE(r.calls.empty());
   }
-  // a response of another schema, cut: the raw text
-  EXPECT_EQ(parse_tool_reply(R"({"response": "ab)", false, idr).content, R"({"response": "ab)");
+  // a response of another schema, cut: its document so far
+  EXPECT_EQ(parse_tool_reply(R"({"response": {"n": 1)", false, idr).content, R"({"n": 1)");
+  EXPECT_EQ(parse_tool_reply(R"({"response":)", false, idr).content, R"({"response":)");
 }
 
 // Streamed in any pieces, the response's text comes out in order, a prefix of the whole reply's
@@ -285,8 +321,16 @@ TEST(Tools, StreamedResponseIsAPrefixOfTheReply) {
       }
       if (whole.calls.empty()) {
         EXPECT_EQ(out, whole.content);
+      } else {
+        EXPECT_EQ(out, "");
       }
-      else EXPECT_EQ(out, "");
+      // against the JSON parser's reading of the whole reply, or the expected text of a cut one
+      const json doc = json::parse(text, nullptr, false);
+      if (!doc.is_discarded() && doc.contains("response")) {
+        EXPECT_EQ(out, doc["response"].get<std::string>());
+      } else if (whole.calls.empty()) {
+        EXPECT_EQ(out, "cut ");
+      }
     }
   }
   ToolReplyStream off(false);  // a response of another schema is not streamed

@@ -619,8 +619,11 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
   std::vector<PromptIn> prompts;
   const char* prompt_param = chat ? "messages" : "prompt";
   ChatTools tools;
+  // A reply with calls ends "tool_calls"; as OpenAI's, a call forced by name ends "stop".
+  const char* tool_finish = "tool_calls";
   if (chat) {
     tools = chat_tools(body, req.body, &ar);
+    if (tools.spec.choice == ToolChoice::named) tool_finish = "stop";
     prompts.push_back({chat_prompt(body, tools.system_extra), "", 0});
   } else {
     auto set = [&](const char* key) { return body.contains(key) && !body[key].is_null(); };
@@ -763,7 +766,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
         json msg = {{"role", "assistant"}, {"content", tr.has_content ? json(tr.content) : json(nullptr)}};
         if (!tr.calls.empty()) {
           msg["tool_calls"] = tool_calls_json(tr.calls, false);
-          choice["finish_reason"] = "tool_calls";
+          choice["finish_reason"] = tool_finish;
         }
         choice["message"] = std::move(msg);
       } else if (chat) {
@@ -805,7 +808,8 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
       else choice["text"] = delta_or_text;
       return envelope(true, json::array({choice}));
     };
-    if (chat) st->push(sse(chunk(json{{"role", "assistant"}, {"content", ""}}, nullptr)));
+    // (with tools, content null until a response's text comes, as OpenAI's streams of calls)
+    if (chat) st->push(sse(chunk(json{{"role", "assistant"}, {"content", tools.spec.active() ? json(nullptr) : json("")}}, nullptr)));
     GenRequest gr = choice_request(i);
     if (want_lp) gr.on_logprob = [pend](const TokenLogprob& lp) { pend->lps.push_back(lp); };
     // With tools, the reply's text is read as it streams: a response's text goes out as content,
@@ -821,7 +825,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
       st->push(sse(chunk(chat ? json{{"content", d}} : json(d), nullptr)));
     };
     const bool response_is_string = tools.response_is_string;
-    gr.on_done = [st, chunk, chat, include_usage, usage, envelope, reply, response_is_string](const GenResult& g) {
+    gr.on_done = [st, chunk, chat, include_usage, usage, envelope, reply, response_is_string, tool_finish](const GenResult& g) {
       if (g.finish_reason == "error") {
         st->push(sse(error_body(g.error, "server_error", "", "")));
       } else if (g.finish_reason != "cancelled" && reply) {
@@ -833,7 +837,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
         } else if (tr.content.size() > sent.size() && tr.content.compare(0, sent.size(), sent) == 0) {
           st->push(sse(chunk(json{{"content", tr.content.substr(sent.size())}}, nullptr)));
         }
-        st->push(sse(chunk(json::object(), tr.calls.empty() ? finish_reason_api(g.finish_reason) : "tool_calls")));
+        st->push(sse(chunk(json::object(), tr.calls.empty() ? finish_reason_api(g.finish_reason) : tool_finish)));
       } else if (g.finish_reason != "cancelled") {
         st->push(sse(chunk(chat ? json::object() : json(""), finish_reason_api(g.finish_reason))));
       }

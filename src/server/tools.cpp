@@ -25,23 +25,32 @@ bool valid_function_name(const std::string& n) {
 }
 
 // Points every "$ref" of a schema that `schema` was the whole document of ("#", "#/$defs/x") at
-// the same place under `at` (a JSON pointer) of the document it is now part of. Values (const,
-// enum, default, examples) are data, not schemas, and are left as they are.
+// the same place under `at` (a JSON pointer) of the document it is now part of. Only schemas are
+// walked (by the keywords that hold them), so that a property or definition named like a keyword,
+// and data (const, enum, default, examples), are left as they are.
 void rebase_refs(ojson& schema, const std::string& at) {
-  if (schema.is_array()) {
-    for (ojson& x : schema) rebase_refs(x, at);
-    return;
-  }
   if (!schema.is_object()) return;
   for (auto it = schema.begin(); it != schema.end(); ++it) {
     const std::string& k = it.key();
-    if (k == "const" || k == "enum" || k == "default" || k == "examples") continue;
-    if (k == "$ref" && it.value().is_string()) {
-      const std::string r = it.value().get<std::string>();
-      if (!r.empty() && r[0] == '#') it.value() = "#" + at + r.substr(1);
-      continue;
+    ojson& v = it.value();
+    if (k == "$ref") {
+      if (v.is_string() && !v.get<std::string>().empty() && v.get<std::string>()[0] == '#')
+        v = "#" + at + v.get<std::string>().substr(1);
+    } else if (k == "properties" || k == "patternProperties" || k == "$defs" || k == "definitions" ||
+               k == "dependentSchemas") {
+      if (v.is_object())
+        for (auto p = v.begin(); p != v.end(); ++p) rebase_refs(p.value(), at);
+    } else if (k == "anyOf" || k == "oneOf" || k == "allOf" || k == "prefixItems" || k == "items") {
+      if (v.is_array()) {
+        for (ojson& x : v) rebase_refs(x, at);
+      } else {
+        rebase_refs(v, at);  // items: one schema
+      }
+    } else if (k == "additionalProperties" || k == "additionalItems" || k == "not" || k == "if" || k == "then" ||
+               k == "else" || k == "contains" || k == "propertyNames" || k == "unevaluatedItems" ||
+               k == "unevaluatedProperties") {
+      rebase_refs(v, at);
     }
-    rebase_refs(it.value(), at);
   }
 }
 
@@ -61,10 +70,10 @@ ojson call_schema(const ToolFunction& f, const std::string& at) {
   return s;
 }
 
-// The reply starts as {"response": "...: where the string's text starts. undecided: the text so
-// far could still become one.
+// The reply starts as {"response": ...: where the response starts (string: the text after its
+// opening quote). undecided: the text so far could still become one.
 enum class Lead { undecided, response, other };
-Lead response_lead(const std::string& t, size_t* body_at) {
+Lead response_lead(const std::string& t, size_t* body_at, bool string) {
   size_t i = 0;
   auto ws = [&] {
     while (i < t.size() && (t[i] == ' ' || t[i] == '\t' || t[i] == '\n' || t[i] == '\r')) ++i;
@@ -77,40 +86,55 @@ Lead response_lead(const std::string& t, size_t* body_at) {
     }
     return Lead::response;
   };
-  for (std::string_view lit : {"{", "\"response\"", ":", "\""}) {
+  for (std::string_view lit : {"{", "\"response\"", ":"}) {
     ws();
     if (const Lead l = expect(lit); l != Lead::response) return l;
+  }
+  ws();
+  if (i == t.size()) return Lead::undecided;
+  if (string) {
+    if (const Lead l = expect("\""); l != Lead::response) return l;
   }
   *body_at = i;
   return Lead::response;
 }
 
-// The text of a JSON string whose body (after the opening quote) starts `body`: up to its closing
-// quote, or, while it is open, up to the last character that is whole (an escape or a surrogate
-// pair cut short is left for later). Decoded by the JSON parser.
-std::string decoded_prefix(std::string_view body) {
-  size_t end = body.size();
+// Where a JSON string whose text (after the opening quote) starts `body` ends: its closing quote,
+// or npos while it is open.
+size_t string_end(std::string_view body) {
   bool escaped = false;
   for (size_t i = 0; i < body.size(); ++i) {
-    if (escaped) {
-      escaped = false;
-    } else if (body[i] == '\\') {
-      escaped = true;
-    } else if (body[i] == '"') {
-      end = i;
-      break;
-    }
+    if (escaped) escaped = false;
+    else if (body[i] == '\\') escaped = true;
+    else if (body[i] == '"') return i;
   }
-  body = body.substr(0, end);
+  return std::string_view::npos;
+}
+
+// Decodes the longest start of a JSON string's text (no quotes) that holds only whole characters
+// (an escape or a surrogate pair cut short is left out); *used: its bytes. Decoded by the JSON
+// parser.
+std::string decode_whole(std::string_view text, size_t* used) {
   // The longest escape is a surrogate pair, \uD83D\uDE00: 12 bytes.
-  for (size_t drop = 0; drop <= std::min<size_t>(12, body.size()); ++drop) {
+  for (size_t drop = 0; drop <= std::min<size_t>(12, text.size()); ++drop) {
     std::string quoted = "\"";
-    quoted += body.substr(0, body.size() - drop);
+    quoted += text.substr(0, text.size() - drop);
     quoted += '"';
     json s = json::parse(quoted, nullptr, false);
-    if (!s.is_discarded() && s.is_string()) return s.get<std::string>();
+    if (!s.is_discarded() && s.is_string()) {
+      *used = text.size() - drop;
+      return s.get<std::string>();
+    }
   }
+  *used = 0;
   return "";
+}
+
+// The text of a JSON string whose body starts `body`: up to its closing quote, or, while it is
+// open, its whole characters.
+std::string decoded_prefix(std::string_view body) {
+  size_t used = 0;
+  return decode_whole(body.substr(0, std::min(body.size(), string_end(body))), &used);
 }
 
 std::string call_id(std::mt19937_64& rng) {
@@ -177,9 +201,16 @@ ToolSpec parse_tools(const ojson& body) {
       if (is_set(f, "parameters")) {
         fn.parameters = f["parameters"];
         if (!fn.parameters.is_object()) throw ToolsError("'parameters' must be a JSON Schema object", pparam);
-        // The arguments are an object (OpenAI's rule): a schema of another type cannot be.
-        if (fn.parameters.contains("type") && fn.parameters["type"] != "object")
+        // The arguments are an object (OpenAI's rule): a schema that allows anything else cannot
+        // be. Without a type, a schema of only an object's keywords (or none: {}) is read as one.
+        if (fn.parameters.contains("type") ? fn.parameters["type"] != "object" : false)
           throw ToolsError("'parameters' must describe an object (\"type\": \"object\")", pparam);
+        if (!fn.parameters.contains("type")) {
+          for (const char* k : {"$ref", "anyOf", "oneOf", "allOf", "enum", "const", "not", "if"})
+            if (fn.parameters.contains(k))
+              throw ToolsError(fmt::format("'parameters' must say \"type\": \"object\" beside '{}'", k), pparam);
+          fn.parameters["type"] = "object";
+        }
       } else {
         fn.parameters = ojson::object();  // no parameters: the empty object
         fn.parameters["type"] = "object";
@@ -402,20 +433,32 @@ ToolReply parse_tool_reply(const std::string& text, bool response_is_string, std
   }
   r.has_content = true;
   size_t body = 0;
-  r.content = response_is_string && response_lead(text, &body) == Lead::response ? decoded_prefix(std::string_view(text).substr(body))
-                                                                                  : text;
+  if (response_lead(text, &body, response_is_string) != Lead::response) r.content = text;
+  else if (response_is_string) r.content = decoded_prefix(std::string_view(text).substr(body));
+  else r.content = text.substr(body);  // the response's document so far
   return r;
 }
 
 std::string ToolReplyStream::feed(const std::string& piece) {
   text_ += piece;
-  if (!on_) return "";
-  size_t body = 0;
-  if (response_lead(text_, &body) != Lead::response) return "";
-  std::string now = decoded_prefix(std::string_view(text_).substr(body));
-  if (now.size() <= out_.size()) return "";
-  std::string delta = now.substr(out_.size());
-  out_ = std::move(now);
+  if (!on_ || closed_) return "";
+  if (body_ == std::string::npos) {
+    size_t at = 0;
+    const Lead l = response_lead(text_, &at, true);
+    if (l == Lead::other) on_ = false;  // tool calls, read whole at the end
+    if (l != Lead::response) return "";
+    body_ = done_ = at;
+  }
+  // Only the bytes after those already decoded, which end on a whole character.
+  std::string_view rest = std::string_view(text_).substr(done_);
+  if (const size_t end = string_end(rest); end != std::string_view::npos) {
+    rest = rest.substr(0, end);
+    closed_ = true;
+  }
+  size_t used = 0;
+  std::string delta = decode_whole(rest, &used);
+  done_ += used;
+  out_ += delta;
   return delta;
 }
 

@@ -13,9 +13,11 @@
 // json_object), the response is that schema's document instead of a string.
 //
 // The reply is read back into the API's form: tool calls as message.tool_calls (ids
-// "call_" + 24 random letters and digits, arguments as JSON text), finish_reason "tool_calls";
-// a response as message.content. A reply cut short (max_tokens, a stop string) is not a document:
-// its content is the response's text so far when it had started as one, else the raw text.
+// "call_" + 24 random letters and digits, arguments as JSON text), finish_reason "tool_calls"
+// ("stop" for a call forced by name, as OpenAI's); a response as message.content. A reply cut
+// short (max_tokens, a stop string) is not a document: its content is the response's text (or
+// document) so far when it had started as one, else the raw text. logprobs and stop strings apply
+// to the reply as generated.
 // Streamed, a response's text comes as it is generated; tool calls come whole, in one chunk, when
 // the reply is complete.
 //
@@ -59,7 +61,9 @@ struct ToolSpec {
 
 // Reads tools, tool_choice and parallel_tool_calls from a chat request body (an ordered_json keeps
 // the parameters' properties in the order they are written, the order they are generated in).
-// Each function's parameters are compiled on their own, so that an error names the function.
+// Parameters must describe an object; without a type, a schema of an object's keywords (or {})
+// is given "type": "object". Each function's parameters are compiled on their own, so that an
+// error names the function.
 // Throws ToolsError.
 ToolSpec parse_tools(const nlohmann::ordered_json& body);
 
@@ -107,8 +111,11 @@ class ToolReplyStream {
 
  private:
   bool on_;
-  std::string text_;  // the reply so far
-  std::string out_;   // the response text returned so far
+  std::string text_;                    // the reply so far
+  std::string out_;                     // the response text returned so far
+  size_t body_ = std::string::npos;     // where the response's string starts in text_ (npos: not yet)
+  size_t done_ = 0;                     // the bytes of text_ decoded into out_
+  bool closed_ = false;                 // the string's closing quote came
 };
 
 }  // namespace kvq
