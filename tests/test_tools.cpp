@@ -409,3 +409,23 @@ TEST(Tools, SystemPromptSaysTheForm) {
   s = parse_tools(body_with(R"({"tool_choice": {"type": "function", "function": {"name": "add"}}})"));
   EXPECT_NE(tool_system_prompt(s, true).find("calling the function add."), std::string::npos);
 }
+
+// Text no grammar lets through (the engine's replies are valid JSON strings) still never takes back
+// what was streamed: decoding stops before what the JSON parser refuses.
+TEST(Tools, InvalidStringTextStopsTheResponse) {
+  for (const auto& [text, want] : std::vector<std::pair<std::string, std::string>>{
+           {"{\"response\": \"abc\xC3(defghijklmnopqrstuvwxyz", "abc"},
+           {R"({"response": "abc\xdefghijklmnopqrstuvwxyz)", "abc"},
+           {R"({"response": "abc\ud83d\u0041defghijklmnopqrstuvwxyz)", "abc"},
+           {"{\"response\": \"ab\ncdefghijklmnopqrstuvwxyz", "ab"},
+       }) {
+    SCOPED_TRACE(text);
+    std::mt19937_64 idr(1);
+    const ToolReply r = parse_tool_reply(text, true, idr);
+    EXPECT_EQ(r.content, want);
+    ToolReplyStream st(true);
+    std::string out;
+    for (char c : text) out += st.feed(std::string(1, c));
+    EXPECT_EQ(out, want);
+  }
+}

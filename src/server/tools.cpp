@@ -112,19 +112,34 @@ size_t string_end(std::string_view body) {
 }
 
 // Decodes the longest start of a JSON string's text (no quotes) that holds only whole characters
-// (an escape or a surrogate pair cut short is left out); *used: its bytes. Decoded by the JSON
-// parser.
+// (an escape or a surrogate pair cut short is left out, and so is everything from a character the
+// JSON parser refuses); *used: its bytes. Decoded by the JSON parser.
 std::string decode_whole(std::string_view text, size_t* used) {
-  // The longest escape is a surrogate pair, \uD83D\uDE00: 12 bytes.
-  for (size_t drop = 0; drop <= std::min<size_t>(12, text.size()); ++drop) {
-    std::string quoted = "\"";
-    quoted += text.substr(0, text.size() - drop);
-    quoted += '"';
-    json s = json::parse(quoted, nullptr, false);
-    if (!s.is_discarded() && s.is_string()) {
-      *used = text.size() - drop;
-      return s.get<std::string>();
+  size_t end = text.size();
+  while (true) {
+    // The longest escape is a surrogate pair, \uD83D\uDE00: 12 bytes.
+    size_t error_at = end;  // where the parser stopped, in text
+    for (size_t drop = 0; drop <= std::min<size_t>(12, end); ++drop) {
+      std::string quoted = "\"";
+      quoted += text.substr(0, end - drop);
+      quoted += '"';
+      json s = json::parse(quoted, nullptr, false);
+      if (!s.is_discarded() && s.is_string()) {
+        *used = end - drop;
+        return s.get<std::string>();
+      }
+      if (drop == 0) {
+        try {
+          const json unused = json::parse(quoted);
+        } catch (const json::parse_error& e) {
+          error_at = e.byte >= 2 ? std::min(end, size_t(e.byte) - 2) : 0;  // e.byte: 1-based, after the quote
+        }
+      }
     }
+    // Something inside that no more text can mend (not valid in a JSON string): decode up to it
+    // (the character the parser stopped at, and the escape it may be part of, dropped above).
+    if (error_at + 1 >= end) break;
+    end = error_at + 1;
   }
   *used = 0;
   return "";
@@ -413,8 +428,9 @@ std::vector<ChatMessage> tool_chat_messages(const json& ms, const std::string& s
 ToolReply parse_tool_reply(const std::string& text, bool response_is_string, std::mt19937_64& rng) {
   ToolReply r;
   const ojson doc = ojson::parse(text, nullptr, false);
-  if (!doc.is_discarded() && doc.is_object()) {
-    if (doc.contains("tool_calls") && doc["tool_calls"].is_array()) {
+  // The reply's form is its first key's (as the stream reads it).
+  if (!doc.is_discarded() && doc.is_object() && !doc.empty()) {
+    if (doc.begin().key() == "tool_calls" && doc["tool_calls"].is_array()) {
       for (const ojson& c : doc["tool_calls"]) {
         if (!c.is_object() || !c.contains("name") || !c["name"].is_string() || !c.contains("arguments")) continue;
         r.calls.push_back({call_id(rng), c["name"].get<std::string>(), c["arguments"].dump()});
@@ -423,7 +439,7 @@ ToolReply parse_tool_reply(const std::string& text, bool response_is_string, std
         r.complete = true;
         return r;
       }
-    } else if (doc.contains("response")) {
+    } else if (doc.begin().key() == "response") {
       r.complete = true;
       r.has_content = true;
       const ojson& v = doc["response"];
