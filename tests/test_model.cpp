@@ -355,6 +355,19 @@ TEST(ChatTemplate, FamilyAndDefaultSystemFromTheJinja) {
   EXPECT_EQ(chat_template_from_text(gemma).family, ChatFamily::gemma);
   EXPECT_FALSE(chat_template_from_text("{{ messages }}").known());
   EXPECT_THROW(chat_render(ChatTemplate{}, {{"user", "Hi"}}), Error);
+
+  // add_generation_prompt false, and the assistant's last message continued
+  const ChatRenderOptions no_prompt{false, false}, cont{false, true};
+  EXPECT_EQ(chat_render(p, {{"user", "Hi"}}, no_prompt), "<|im_start|>user\nHi<|im_end|>\n");
+  EXPECT_EQ(chat_render(p, {{"user", "Hi"}, {"assistant", "Hello, I"}}, cont),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello, I");
+  const ChatTemplate g = chat_template_from_text(gemma);
+  EXPECT_EQ(chat_render(g, {{"system", "Be brief."}, {"user", "Hi"}}, no_prompt),
+            "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n");
+  EXPECT_EQ(chat_render(g, {{"user", "Hi"}, {"assistant", "Hello, I"}}, cont),
+            "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nHello, I");
+  EXPECT_THROW(chat_render(p, {{"user", "Hi"}}, cont), Error);                               // last is the user's
+  EXPECT_THROW(chat_render(p, {{"user", "Hi"}, {"assistant", "x"}}, ChatRenderOptions{true, true}), Error);
 }
 
 // The installed SmolLM2 GGUF's own template gives its default system turn.

@@ -641,6 +641,35 @@ TEST_F(ServerTest, ChatPlainAndStreamedAndStop) {
   EXPECT_EQ(post_ok("/v1/chat/completions", body)["choices"][0]["message"]["content"], content.substr(0, content.find(stop)));
 }
 
+// vLLM's continue_final_message: the assistant's last message is continued, as the plain text
+// would be (the story model has no template: messages one per line); add_generation_prompt.
+TEST_F(ServerTest, ContinueFinalMessage) {
+  json body = {{"messages", json::array({{{"role", "user"}, {"content", "Once upon a time"}},
+                                         {{"role", "assistant"}, {"content", "there was a little"}}})},
+               {"continue_final_message", true},
+               {"add_generation_prompt", false},
+               {"max_tokens", 16},
+               {"temperature", 0}};
+  const std::string cont = post_ok("/v1/chat/completions", body)["choices"][0]["message"]["content"];
+  json plain = {{"prompt", "Once upon a time\nthere was a little"}, {"max_tokens", 16}, {"temperature", 0}};
+  EXPECT_EQ(cont, post_ok("/v1/completions", plain)["choices"][0]["text"].get<std::string>());
+  body.erase("add_generation_prompt");  // false is implied
+  EXPECT_EQ(post_ok("/v1/chat/completions", body)["choices"][0]["message"]["content"], cont);
+  // /tokenize reads them too: the open message has no line end after it
+  json tok = body;
+  const int open_count = post_ok("/tokenize", tok)["count"];
+  tok.erase("continue_final_message");
+  EXPECT_EQ(post_ok("/tokenize", tok)["count"].get<int>(), open_count + 1);
+
+  const std::string two = R"("messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])";
+  expect_bad("/v1/chat/completions", "{" + two + R"(, "continue_final_message": true, "add_generation_prompt": true})",
+             "continue_final_message");
+  expect_bad("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "a"}], "continue_final_message": true})",
+             "continue_final_message");
+  expect_bad("/v1/chat/completions", "{" + two + R"(, "continue_final_message": 1})", "continue_final_message");
+  expect_bad("/v1/chat/completions", "{" + two + R"(, "add_generation_prompt": "no"})", "add_generation_prompt");
+}
+
 // The same server with a 2048-token context: the tools' prompt is ~500 of the story model's tokens.
 class ToolServerTest : public ServerTest {
  protected:

@@ -59,17 +59,25 @@ std::string chat_render_next_turn(const ChatTemplate& t, const std::string& user
   return full.substr(full.find('\x02') + 1);
 }
 
-std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& msgs) {
+std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& msgs, const ChatRenderOptions& opt) {
   std::string out;
   for (const auto& m : msgs)
     if (m.role != "system" && m.role != "user" && m.role != "assistant")
       fail("unknown chat role '{}' (valid: system, user, assistant)", m.role);
+  const bool cont = opt.continue_final_message;
+  if (cont && opt.add_generation_prompt)
+    fail("continue_final_message and add_generation_prompt cannot both be set (set add_generation_prompt to false)");
+  if (cont && (msgs.empty() || msgs.back().role != "assistant"))
+    fail("continue_final_message needs the last message to be the assistant's");
   if (t.family == ChatFamily::chatml) {
     // A template with a default system turn (SmolLM2's) opens a conversation that has none with it.
     if (!t.default_system.empty() && (msgs.empty() || msgs[0].role != "system"))
       out += "<|im_start|>system\n" + t.default_system + "<|im_end|>\n";
-    for (const auto& m : msgs) out += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
-    out += "<|im_start|>assistant\n";
+    for (size_t i = 0; i < msgs.size(); ++i) {
+      out += "<|im_start|>" + msgs[i].role + "\n" + msgs[i].content;
+      if (!(cont && i + 1 == msgs.size())) out += "<|im_end|>\n";
+    }
+    if (opt.add_generation_prompt) out += "<|im_start|>assistant\n";
     return out;
   }
   if (t.family == ChatFamily::gemma) {
@@ -83,9 +91,10 @@ std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& m
       const char* role = m.role == "assistant" ? "model" : "user";
       std::string content = m.role == "user" ? pending_system + m.content : m.content;
       if (m.role == "user") pending_system.clear();
-      out += std::string("<start_of_turn>") + role + "\n" + content + "<end_of_turn>\n";
+      out += std::string("<start_of_turn>") + role + "\n" + content;
+      if (!(cont && &m == &msgs.back())) out += "<end_of_turn>\n";
     }
-    out += "<start_of_turn>model\n";
+    if (opt.add_generation_prompt) out += "<start_of_turn>model\n";
     return out;
   }
   fail("this model has no chat template kvq supports (supported: ChatML, Gemma)");

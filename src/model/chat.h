@@ -27,9 +27,16 @@ ChatTemplate chat_template_detect(const gguf::File& f);
 // The same from the text of a tokenizer.chat_template.
 ChatTemplate chat_template_from_text(const std::string& jinja);
 const char* chat_template_name(const ChatTemplate& t);
+// How a conversation's text ends (vLLM's chat parameters of the same names).
+struct ChatRenderOptions {
+  bool add_generation_prompt = true;    // open the assistant's turn after the messages
+  bool continue_final_message = false;  // leave the last message (the assistant's) open, to be
+                                        // continued: no end of turn after it, no new turn
+};
 // Renders messages and the opening of the assistant's turn. The BOS token is not included
-// (the tokenizer adds it when the model wants it). Throws kvq::Error for an unknown role.
-std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& msgs);
+// (the tokenizer adds it when the model wants it). Throws kvq::Error for an unknown role, and for
+// continue_final_message with add_generation_prompt or with a last message not the assistant's.
+std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& msgs, const ChatRenderOptions& opt = {});
 // What the template puts after an assistant reply's text to continue the conversation with a user
 // turn: the reply's end, the user's turn, the opening of the next reply.
 std::string chat_render_next_turn(const ChatTemplate& t, const std::string& user);

@@ -525,12 +525,34 @@ std::vector<int32_t> Server::Impl::chat_prompt(const json& body, const std::stri
   } catch (const ToolsError& e) {
     throw ApiError{e.what(), e.param};
   }
+  // vLLM's add_generation_prompt (default true) and continue_final_message (default false): the
+  // last message, the assistant's, left open and continued (a reply's start given by the client).
+  ChatRenderOptions ro;
+  for (const auto& [key, field] : {std::pair{"add_generation_prompt", &ro.add_generation_prompt},
+                                   std::pair{"continue_final_message", &ro.continue_final_message}}) {
+    if (!body.contains(key) || body[key].is_null()) continue;
+    if (!body[key].is_boolean()) throw ApiError{fmt::format("'{}' must be a boolean", key), key};
+    *field = body[key].get<bool>();
+  }
+  if (ro.continue_final_message) {
+    if (body.contains("add_generation_prompt") && ro.add_generation_prompt)
+      throw ApiError{"'continue_final_message' continues the last message: 'add_generation_prompt' must be false",
+                     "continue_final_message"};
+    ro.add_generation_prompt = false;
+    if (msgs.back().role != "assistant")
+      throw ApiError{"'continue_final_message' needs the last message to be the assistant's", "continue_final_message"};
+    if (!system_extra.empty())
+      throw ApiError{"'continue_final_message' cannot be combined with 'tools' (the reply's form is the tools'); "
+                     "tool_choice \"none\" turns them off",
+                     "continue_final_message"};
+  }
   std::string text;
   if (tpl.known()) {
-    text = chat_render(tpl, msgs);
+    text = chat_render(tpl, msgs, ro);
   } else {
     // A model without a chat template kvq knows (a base model): the contents, one per line.
     for (const auto& m : msgs) text += m.content + "\n";
+    if (ro.continue_final_message) text.pop_back();
   }
   return engine.tokenizer().encode(text, true, /*parse_special=*/tpl.known());
 }
