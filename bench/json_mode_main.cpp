@@ -4,7 +4,11 @@
 // the same run, and the mask's own time per step (grammar_mask: JSON mode's grammar is that of
 // {"type": "object"}).
 //
-//   json_mode MODEL.gguf [--tokens 64] [--reps 5] [--threads 2] [--schema FILE | --grammar GBNF_FILE] [--batch 1]
+//   json_mode MODEL.gguf [--tokens 64] [--reps 5] [--threads 2] [--schema FILE | --grammar GBNF_FILE | --tools FILE] [--batch 1]
+//
+// --tools FILE: function calling (server/tools.h): FILE is a chat request's "tools" (and
+// "tool_choice", "parallel_tool_calls"); the prompt is a question for them with the tools'
+// system text, and the grammar that of the reply (bench/weather.tools.json).
 //
 // Each repetition generates up to --tokens tokens constrained (greedy) from a prompt that asks
 // for JSON, then the same number of tokens without it (end of generation ignored), and compares
@@ -28,6 +32,7 @@
 #include "engine/engine.h"
 #include "model/chat.h"
 #include "model/json_schema.h"
+#include "server/tools.h"
 #include "tools/files.h"
 #include "tools/bench.h"
 
@@ -37,11 +42,13 @@ static double median(std::vector<double> v) { return bench_percentile(v, 0.5); }
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: json_mode MODEL.gguf [--tokens 64] [--reps 5] [--threads 2] [--schema FILE | --grammar GBNF_FILE]\n");
+    std::fprintf(stderr, "usage: json_mode MODEL.gguf [--tokens 64] [--reps 5] [--threads 2] [--schema FILE | --grammar GBNF_FILE | "
+                         "--tools FILE] [--batch 1]\n");
     return 2;
   }
   int tokens = 64, reps = 5, threads = 2, batch = 1;
   std::shared_ptr<const Grammar> grammar;
+  std::string tools_prompt;  // --tools: the system turn's text
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--tokens") tokens = std::stoi(argv[i + 1]);
@@ -50,6 +57,15 @@ int main(int argc, char** argv) {
     else if (a == "--batch") batch = std::stoi(argv[i + 1]);
     else if (a == "--schema") grammar = Grammar::from_schema_text(read_text_file(argv[i + 1], "--schema"));
     else if (a == "--grammar") grammar = Grammar::from_gbnf(read_text_file(argv[i + 1], "--grammar"));
+    else if (a == "--tools") {
+      const ToolSpec spec = parse_tools(nlohmann::ordered_json::parse(read_text_file(argv[i + 1], "--tools")));
+      if (!spec.active()) {
+        std::fprintf(stderr, "--tools: no tools to call in %s\n", argv[i + 1]);
+        return 2;
+      }
+      grammar = Grammar::from_schema(tool_reply_schema(spec, nullptr));
+      tools_prompt = tool_system_prompt(spec, true);
+    }
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
       return 2;
@@ -62,13 +78,24 @@ int main(int argc, char** argv) {
   Engine e(o);
   const Tokenizer& tok = e.tokenizer();
   // The model's chat template; a base model (Gemma 3 270M has none) gets an example to follow.
-  const std::string ask = "Describe three cats as a JSON object: for each its name, age in years and colors.";
+  const std::string ask = tools_prompt.empty() ? "Describe three cats as a JSON object: for each its name, age in years and colors."
+                                               : "What will the weather be in Paris and in Rome this week?";
   std::string text_prompt;
-  try {
-    text_prompt = chat_render(chat_template_detect(e.model().file()), {ChatMessage{"user", ask}});
-  } catch (const Error&) {
-    text_prompt = "Two dogs as a JSON object: {\"dogs\": [{\"name\": \"Rex\", \"age\": 4, \"colors\": [\"brown\"]}, "
-                  "{\"name\": \"Bo\", \"age\": 2, \"colors\": [\"black\", \"white\"]}]}\n" + ask + "\n";
+  const ChatTemplate tpl = chat_template_detect(e.model().file());
+  if (!tools_prompt.empty()) {
+    const auto msgs = tool_chat_messages(nlohmann::json::array({{{"role", "user"}, {"content", ask}}}), tools_prompt, tpl);
+    if (tpl.known()) {
+      text_prompt = chat_render(tpl, msgs);
+    } else {
+      for (const ChatMessage& m : msgs) text_prompt += m.content + "\n";  // as kvq serve writes it
+    }
+  } else {
+    try {
+      text_prompt = chat_render(tpl, {ChatMessage{"user", ask}});
+    } catch (const Error&) {
+      text_prompt = "Two dogs as a JSON object: {\"dogs\": [{\"name\": \"Rex\", \"age\": 4, \"colors\": [\"brown\"]}, "
+                    "{\"name\": \"Bo\", \"age\": 2, \"colors\": [\"black\", \"white\"]}]}\n" + ask + "\n";
+    }
   }
   const std::vector<int32_t> prompt = tok.encode(text_prompt, true, true);
   if (batch > 1) {
