@@ -34,7 +34,15 @@ inline bool validate_type(const ojson& root, const ojson& s, const std::string& 
     if (s.contains("maximum") && x > s["maximum"].get<double>()) return false;
     if (s.contains("exclusiveMinimum") && x <= s["exclusiveMinimum"].get<double>()) return false;
     if (s.contains("exclusiveMaximum") && x >= s["exclusiveMaximum"].get<double>()) return false;
-    if (s.contains("multipleOf") && v.get<int64_t>() % s["multipleOf"].get<int64_t>() != 0) return false;
+    if (s.contains("multipleOf")) {
+      const double m = s["multipleOf"].get<double>();
+      if (m == std::floor(m)) {  // an integer: integer multiples
+        if (x != std::floor(x) || int64_t(x) % int64_t(m) != 0) return false;
+      } else {  // a power of ten below 1: at most that many fraction digits
+        const double scaled = x / m;
+        if (std::fabs(scaled - std::round(scaled)) > 1e-6 * std::max(1.0, std::fabs(scaled))) return false;
+      }
+    }
     return true;
   }
   if (t == "string") {

@@ -88,6 +88,9 @@ const std::vector<std::string>& schemas() {
           "t": {"type": "number", "exclusiveMinimum": -2.5, "maximum": 3.75}, "u": {"type": ["number", "null"],
           "exclusiveMaximum": -0.25}, "v": {"type": "number", "minimum": 1e-3, "exclusiveMaximum": 2e-3}},
           "required": ["p", "t", "u", "v"]})",
+      R"({"type": "object", "properties": {"price": {"type": "number", "multipleOf": 0.01, "minimum": 0, "maximum": 1000},
+          "step": {"type": "number", "multipleOf": 0.1, "exclusiveMinimum": -1.25}, "five": {"type": "number", "multipleOf": 5,
+          "maximum": 12.5}, "milli": {"type": "number", "multipleOf": 0.001}}, "required": ["price", "step", "five", "milli"]})",
   };
   return s;
 }
@@ -112,7 +115,10 @@ TEST(JsonSchema, RefusesWhatItCannotGenerate) {
   EXPECT_NE(compile_error(R"({"type": "integer", "minimum": 3, "exclusiveMaximum": 4.0, "maximum": 2})").find("lies within"),
             std::string::npos);
   EXPECT_NE(compile_error(R"({"type": "integer", "multipleOf": 0.5})").find("#': 'multipleOf' other than an integer"), std::string::npos);
-  EXPECT_NE(compile_error(R"({"type": "number", "multipleOf": 2})").find("on integers only"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "number", "multipleOf": 0.25})").find("a power of ten below 1"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "number", "multipleOf": 1.5})").find("a power of ten below 1"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "number", "multipleOf": 1e-17})").find("a power of ten below 1"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "number", "multipleOf": -0.1})").find("must be a number > 0"), std::string::npos);
   EXPECT_NE(compile_error(R"({"type": "integer", "multipleOf": 0})").find("must be a number > 0"), std::string::npos);
   EXPECT_NE(compile_error(R"({"type": "integer", "multipleOf": 7, "minimum": 8, "maximum": 13})").find("no multiple"),
             std::string::npos);
@@ -192,6 +198,47 @@ TEST(JsonSchema, NumberBoundsExactInDecimal) {
     EXPECT_FALSE(accepts(g, "1e0"));  // no exponent
   }
   EXPECT_GT(yes, 200);
+}
+
+// multipleOf on numbers: by a power of ten below 1, the numbers of at most that many fraction
+// digits (trailing zeros included), within the bounds beside it; by an integer, its integer
+// multiples, written as integers.
+TEST(JsonSchema, NumberMultipleOfExactInDecimal) {
+  struct Case {
+    const char* schema;
+    int digits;  // fraction digits at most; -1: integer multiples of `step`
+    double step, lo, hi;
+    bool lo_ex, hi_ex;
+  };
+  const std::vector<Case> cases = {
+      {R"({"type": "number", "multipleOf": 0.01})", 2, 0, -1e300, 1e300, false, false},
+      {R"({"type": "number", "multipleOf": 0.1, "minimum": -2.5, "maximum": 3.75})", 1, 0, -2.5, 3.75, false, false},
+      {R"({"type": "number", "multipleOf": 0.001, "exclusiveMinimum": 0.2, "maximum": 1})", 3, 0, 0.2, 1, true, false},
+      {R"({"type": "number", "multipleOf": 0.01, "exclusiveMinimum": 0, "exclusiveMaximum": 0.25})", 2, 0, 0, 0.25, true, true},
+      {R"({"type": "number", "multipleOf": 5, "minimum": -7.5, "maximum": 12.5})", -1, 5, -7.5, 12.5, false, false},
+      {R"({"type": "number", "multipleOf": 1.0})", -1, 1, -1e300, 1e300, false, false},
+  };
+  std::vector<std::string> texts;
+  for (const char* i : {"0", "1", "2", "3", "5", "10", "15", "-1", "-2", "-3", "-5", "-10"})
+    for (const char* f : {"", ".0", ".00", ".000", ".1", ".2", ".20", ".200", ".2001", ".25", ".250", ".251", ".5", ".75", ".05",
+                          ".001", ".009", ".99", ".990", ".9901"})
+      texts.push_back(std::string(i) + f);
+  int yes = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.schema);
+    const auto g = compile(c.schema);
+    for (const std::string& t : texts) {
+      const double v = std::strtod(t.c_str(), nullptr);
+      const size_t point = t.find('.');
+      const int frac = point == std::string::npos ? 0 : int(t.size() - point - 1);
+      const bool in = (c.lo_ex ? v > c.lo : v >= c.lo) && (c.hi_ex ? v < c.hi : v <= c.hi);
+      const bool step = c.digits >= 0 ? frac <= c.digits : frac == 0 && std::fmod(v, c.step) == 0;
+      ASSERT_EQ(accepts(g, t), in && step) << t;
+      yes += in && step;
+    }
+    EXPECT_FALSE(accepts(g, "1e0"));  // no exponent
+  }
+  EXPECT_GT(yes, 150);
 }
 
 TEST(JsonSchema, ObjectsFollowTheSchemasOrderAndRequiredProperties) {

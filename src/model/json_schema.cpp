@@ -508,7 +508,8 @@ class SchemaCompiler {
   }
   static const char* supported_list() {
     return "supported: type, properties, required, additionalProperties, items, prefixItems, minItems, "
-           "maxItems, minLength, maxLength, pattern, minimum/maximum/exclusiveMinimum/exclusiveMaximum, multipleOf on integers, format "
+           "maxItems, minLength, maxLength, pattern, minimum/maximum/exclusiveMinimum/exclusiveMaximum, multipleOf (an integer, "
+           "or on numbers a power of ten such as 0.01), format "
            "(date, time, date-time, uuid, ipv4), enum, const, anyOf, oneOf, allOf (one schema), $ref, $defs";
   }
 
@@ -721,7 +722,21 @@ class SchemaCompiler {
                          s.contains("exclusiveMaximum") || s.contains("multipleOf");
     if (t == "integer") return bounded ? bounded_integer(s, path) : number(true);
     if (t == "number") {
-      if (s.contains("multipleOf")) fail(path, "'multipleOf' is supported on integers only (\"type\": \"integer\")");
+      if (s.contains("multipleOf")) {
+        // An integer's multiples are integers (written so); a power of ten's below 1 (0.01) are the
+        // numbers of at most that many fraction digits. Other steps (0.25) are refused.
+        const json& m = s["multipleOf"];
+        if (!m.is_number() || !(m.get<double>() > 0)) fail(path, "'multipleOf' must be a number > 0");
+        if (std::floor(m.get<double>()) == m.get<double>()) return bounded_integer(s, path);
+        const Decimal d = decimal_of(m);
+        const size_t k = d.frac.size();
+        if (d.int_digits != "0" || k == 0 || k > 16 || d.frac.find_first_not_of('0') != k - 1 || d.frac.back() != '1')
+          fail(path, "'multipleOf' on numbers is supported as an integer or a power of ten below 1 (0.1, 0.01, ...)");
+        frac_digits_ = int(k);
+        const uint32_t r = bounded_number(s, path);
+        frac_digits_ = 16;
+        return r;
+      }
       return bounded ? bounded_number(s, path) : number(false);
     }
     if (t == "string" && s.contains("format")) {
@@ -913,11 +928,12 @@ class SchemaCompiler {
     return "(?:" + alts + ")";
   }
 
-  // An optional fraction (".D", at most 16 digits) whose 0.D keeps within the bounds given; the
-  // empty text stands for no fraction (0.D = 0). UINT32_MAX when no fraction, not even none, does.
+  // An optional fraction (".D", at most frac_digits_ digits) whose 0.D keeps within the bounds
+  // given; the empty text stands for no fraction (0.D = 0). UINT32_MAX when no fraction, not even
+  // none, does.
   uint32_t fraction(const std::string* lo, bool lo_ex, const std::string* hi, bool hi_ex) {
     RegexOptions o;
-    o.max_len = 16;
+    o.max_len = uint32_t(frac_digits_);
     RegexDfa d = compile_regex("[0-9]*", o);
     if (lo) d = intersect(d, compile_regex(frac_at_least(*lo, lo_ex), o));
     if (hi) {
@@ -1368,6 +1384,7 @@ class SchemaCompiler {
   std::map<std::pair<CodePoints, bool>, uint32_t> code_point_rules_;  // code_point_rule's, by set and encoding
   bool schema_ = true;                          // compiling a JSON Schema (errors name their location)
   json lo_json_, hi_json_;                      // bounded_number's bounds so far
+  int frac_digits_ = 16;                        // bounded_number's fraction digits at most (multipleOf 10^-k: k)
   uint32_t any_ = UINT32_MAX, number_ = UINT32_MAX, integer_ = UINT32_MAX;
   int depth_ = 0;
 };

@@ -30,12 +30,14 @@
 // Supported keywords: type (a name or a list), properties, required, additionalProperties, items
 // (a schema, or a list: a tuple), prefixItems, minItems, maxItems, minLength, maxLength, pattern, minimum,
 // maximum, exclusiveMinimum, exclusiveMaximum (on integers, and on numbers exactly in decimal, which
-// are then written without an exponent), multipleOf (on integers, by an integer), format (date, time, date-time, uuid,
+// are then written without an exponent), multipleOf (by an integer: integers, also for numbers,
+// written as integers; on numbers by a power of ten below 1, 0.01: at most that many fraction
+// digits, without an exponent), format (date, time, date-time, uuid,
 // ipv4), enum, const, anyOf, oneOf, allOf (one schema), $ref (a JSON pointer into the document:
 // #/$defs/..., #/definitions/..., #), $defs and definitions. Annotations (title, description,
 // default, examples, $schema, $id, $comment, ...) are ignored, and so are other formats (an
 // annotation by default in JSON Schema 2020-12: plain strings). The other validation keywords
-// (multipleOf but an integer's by an integer, uniqueItems, not, if, ...) are refused with
+// (multipleOf by other steps, such as 0.25, uniqueItems, not, if, ...) are refused with
 // an error that names them, rather than generating text the schema would reject.
 //
 // grammar_mask() sets to -inf the logits of the tokens whose bytes cannot continue the text. It
