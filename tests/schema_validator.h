@@ -67,6 +67,10 @@ inline bool validate_type(const ojson& root, const ojson& s, const std::string& 
     if (!v.is_array()) return false;
     if (s.contains("minItems") && v.size() < s["minItems"].get<size_t>()) return false;
     if (s.contains("maxItems") && v.size() > s["maxItems"].get<size_t>()) return false;
+    if (s.value("uniqueItems", false))
+      for (size_t i = 0; i < v.size(); ++i)
+        for (size_t j = i + 1; j < v.size(); ++j)
+          if (v[i] == v[j]) return false;
     const ojson* tuple = s.contains("prefixItems") ? &s["prefixItems"]
                          : (s.contains("items") && s["items"].is_array()) ? &s["items"] : nullptr;
     for (size_t i = 0; i < v.size(); ++i) {

@@ -91,6 +91,10 @@ const std::vector<std::string>& schemas() {
       R"({"type": "object", "properties": {"price": {"type": "number", "multipleOf": 0.01, "minimum": 0, "maximum": 1000},
           "step": {"type": "number", "multipleOf": 0.1, "exclusiveMinimum": -1.25}, "five": {"type": "number", "multipleOf": 5,
           "maximum": 12.5}, "milli": {"type": "number", "multipleOf": 0.001}}, "required": ["price", "step", "five", "milli"]})",
+      R"({"$defs": {"Tag": {"enum": ["a", "b", "c", "d", "e", "f"]}}, "type": "object", "properties": {
+          "tags": {"type": "array", "items": {"$ref": "#/$defs/Tag"}, "uniqueItems": true},
+          "two": {"type": "array", "items": {"$ref": "#/$defs/Tag"}, "uniqueItems": true, "minItems": 2, "maxItems": 3},
+          "flags": {"type": "array", "items": {"type": "boolean"}, "uniqueItems": true}}, "required": ["tags", "two"]})",
   };
   return s;
 }
@@ -131,7 +135,11 @@ TEST(JsonSchema, RefusesWhatItCannotGenerate) {
             std::string::npos);
   EXPECT_EQ(compile_error(R"({"properties": {"c": {"$ref": "#"}}})"), "");  // optional: ends
   EXPECT_EQ(compile_error(R"({"type": "array", "uniqueItems": false, "minItems": 0})"), "");
-  EXPECT_NE(compile_error(R"({"type": "array", "uniqueItems": true})").find("'uniqueItems' is not supported"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "array", "uniqueItems": true})").find("'uniqueItems' is supported on arrays whose"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "array", "items": {"type": "string"}, "uniqueItems": true})").find("not a grammar"),
+            std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": true, "minItems": 3})").find("distinct values"),
+            std::string::npos);
   EXPECT_NE(compile_error(R"({"enum": [1], "properties": {}})").find("beside 'properties'"), std::string::npos);
   {
     ojson deep = 1;
@@ -239,6 +247,39 @@ TEST(JsonSchema, NumberMultipleOfExactInDecimal) {
     EXPECT_FALSE(accepts(g, "1e0"));  // no exponent
   }
   EXPECT_GT(yes, 150);
+}
+
+// uniqueItems over finitely many values: the items are a subsequence of the values in their written
+// order (each at most once), within minItems / maxItems; enums reached through $ref (pydantic's
+// sets of an Enum), booleans, duplicates in the enum and values its type leaves out.
+TEST(JsonSchema, UniqueItemsOverFiniteValues) {
+  const auto g = compile(R"({"$defs": {"Color": {"type": "string", "enum": ["red", "green", "blue", "green", 7]}},
+      "type": "array", "items": {"$ref": "#/$defs/Color"}, "uniqueItems": true, "maxItems": 2})");
+  // every array of at most 2 items over red, green, blue, 7: accepted exactly when in order, distinct
+  const std::vector<std::string> vals = {"\"red\"", "\"green\"", "\"blue\"", "7"};
+  int yes = 0;
+  for (size_t a = 0; a <= vals.size(); ++a)
+    for (size_t b = 0; b <= vals.size(); ++b) {
+      std::string t = "[";
+      if (a < vals.size()) t += vals[a];
+      if (a < vals.size() && b < vals.size()) t += ", " + vals[b];
+      t += "]";
+      if (a == vals.size() && b < vals.size()) continue;
+      const bool want = (a == vals.size()) || (a < 3 && (b == vals.size() || (b < 3 && b > a)));
+      EXPECT_EQ(accepts(g, t), want) << t;
+      yes += want;
+    }
+  EXPECT_EQ(yes, 1 + 3 + 3);
+  EXPECT_FALSE(prefix(g, R"(["red", "green", )"));  // maxItems
+  const auto b = compile(R"({"type": "array", "items": {"type": "boolean"}, "uniqueItems": true, "minItems": 1})");
+  EXPECT_TRUE(accepts(b, "[false, true]"));
+  EXPECT_TRUE(accepts(b, "[true]"));
+  EXPECT_FALSE(accepts(b, "[]"));
+  EXPECT_FALSE(prefix(b, "[true, true"));
+  EXPECT_FALSE(prefix(b, "[true, false"));
+  const auto o = compile(R"({"type": "array", "items": {"enum": [{"a": 1}, [1, 2], null]}, "uniqueItems": true})");
+  EXPECT_TRUE(accepts(o, R"([{"a": 1}, [1, 2], null])"));
+  EXPECT_FALSE(prefix(o, R"([null, {)"));
 }
 
 TEST(JsonSchema, ObjectsFollowTheSchemasOrderAndRequiredProperties) {

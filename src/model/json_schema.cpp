@@ -597,6 +597,62 @@ class SchemaCompiler {
     return r;
   }
 
+  // The values of an enum / const that the type, bounds and pattern beside them allow.
+  std::vector<json> filter_values(const json& s, const std::vector<std::string>& types, const std::vector<json>& values,
+                                  const std::string& path) {
+    std::unique_ptr<RegexDfa> pattern;  // strings are filtered by it too
+    if (s.contains("pattern") && std::any_of(values.begin(), values.end(), [](const json& v) { return v.is_string(); }))
+      pattern = std::make_unique<RegexDfa>(regex(s, path, {}));
+    std::vector<json> out;
+    for (const json& v : values) {
+      bool ok = types.empty();
+      for (const std::string& t : types) ok = ok || matches_type(v, t);
+      if (!ok || !within_bounds(s, v, path)) continue;
+      if (pattern && v.is_string() && !pattern->matches(v.get<std::string>())) continue;
+      out.push_back(v);
+    }
+    return out;
+  }
+
+  // uniqueItems: the values an array's items can take when they are finitely many (items an enum
+  // or const, booleans or null, through $ref and allOf of one schema), each once; empty when
+  // they are not.
+  std::vector<json> finite_item_values(const json& items, const std::string& path) {
+    const json* s = &items;
+    for (int hops = 0; hops < 64 && s->is_object(); ++hops) {
+      if (s->contains("$ref") && (*s)["$ref"].is_string()) {
+        const std::string target = (*s)["$ref"].get<std::string>();
+        if (target.empty() || target[0] != '#') return {};
+        try {
+          s = &root_.at(json::json_pointer(target.substr(1)));
+        } catch (const std::exception&) {
+          return {};
+        }
+      } else if (s->contains("allOf") && (*s)["allOf"].is_array() && (*s)["allOf"].size() == 1) {
+        s = &(*s)["allOf"][0];
+      } else {
+        break;
+      }
+    }
+    if (!s->is_object()) return {};
+    std::vector<json> values;
+    if (s->contains("const")) {
+      values.push_back((*s)["const"]);
+    } else if (s->contains("enum") && (*s)["enum"].is_array()) {
+      for (const json& v : (*s)["enum"]) values.push_back(v);
+    } else if (s->contains("type") && (*s)["type"] == "boolean" && s->size() == 1) {
+      values = {json(false), json(true)};
+    } else if (s->contains("type") && (*s)["type"] == "null" && s->size() == 1) {
+      values = {json(nullptr)};
+    } else {
+      return {};
+    }
+    std::vector<json> out;
+    for (const json& v : filter_values(*s, types_of(*s, path), values, path))
+      if (std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);  // JSON equality: 1 is 1.0
+    return out;
+  }
+
   uint32_t schema(const json& s, const std::string& path) {
     if (++depth_ > 256) fail(path, "the schema is nested more than 256 levels");
     struct Leave {
@@ -612,6 +668,10 @@ class SchemaCompiler {
     for (const auto& [k, v] : s.items()) {
       // Settings that constrain nothing.
       if ((k == "uniqueItems" && v == false) || ((k == "minProperties" || k == "minContains") && v == 0)) continue;
+      if (k == "uniqueItems" && v == true) {  // arrays of finitely many values only (array())
+        constraints.push_back(k);
+        continue;
+      }
       if (unsupported().count(k)) fail(path, "'" + k + "' is not supported (" + supported_list() + ")");
       if (!is_annotation(k)) constraints.push_back(k);
     }
@@ -668,14 +728,7 @@ class SchemaCompiler {
       const uint32_t r = new_rule();
       int n = 0;
       std::vector<std::string> words;  // the scalars' texts, merged into one trie
-      std::unique_ptr<RegexDfa> pattern;  // strings are filtered by it too
-      if (s.contains("pattern") && std::any_of(values.begin(), values.end(), [](const json& v) { return v.is_string(); }))
-        pattern = std::make_unique<RegexDfa>(regex(s, path, {}));
-      for (const json& v : values) {
-        bool ok = types.empty();
-        for (const std::string& t : types) ok = ok || matches_type(v, t);
-        if (!ok || !within_bounds(s, v, path)) continue;
-        if (pattern && v.is_string() && !pattern->matches(v.get<std::string>())) continue;
+      for (const json& v : filter_values(s, types, values, path)) {
         if (v.is_object() || v.is_array()) {
           Seq text;
           value_text(v, text);
@@ -1129,6 +1182,7 @@ class SchemaCompiler {
   }
 
   uint32_t array(const json& s, const std::string& path) {
+    if (s.contains("uniqueItems") && s["uniqueItems"] == true) return unique_array(s, path);
     std::vector<uint32_t> prefix;  // a tuple's item schemas
     uint32_t rest = UINT32_MAX;    // the others' (none: no more items)
     const json* tuple = nullptr;
@@ -1173,6 +1227,46 @@ class SchemaCompiler {
     std::vector<Seq> alts;
     if (min == 0) alts.push_back({ch('['), ws(), ch(']')});
     alts.push_back({ch('['), ws(), rule(slot(0)), ws(), rule(next), ch(']')});
+    return rule_of(alts);
+  }
+
+  // uniqueItems on an array whose items take finitely many values (an enum, a const, booleans):
+  // the items are a subsequence of the values in their written order, so each comes at most once.
+  // Other item schemas are refused: uniqueness among free strings or numbers is not a grammar.
+  uint32_t unique_array(const json& s, const std::string& path) {
+    if (s.contains("prefixItems") || !s.contains("items") || !s["items"].is_object())
+      fail(path, "'uniqueItems' is supported on arrays whose 'items' is one schema of finitely many values (an enum, "
+                 "a const, booleans)");
+    const std::vector<json> values = finite_item_values(s["items"], child(path, "items"));
+    if (values.empty())
+      fail(path, "'uniqueItems' is supported on arrays whose items are an enum, a const or booleans (uniqueness among "
+                 "other values is not a grammar)");
+    if (values.size() > 256) fail(path, "'uniqueItems' over more than 256 values is not supported");
+    const uint32_t k = uint32_t(values.size());
+    const uint32_t min = s.contains("minItems") ? count_of(s, "minItems", path) : 0;
+    const uint32_t max = std::min(count_of(s, "maxItems", path), k);
+    if (min > max) fail(path, "no array fits: 'minItems' is larger than the distinct values 'uniqueItems' allows");
+    // from[j][c]: the c-th item, value j or a later one, then the rest; after(i, c): after c
+    // items, the last value i, the rest up to ']'.
+    const uint32_t top = std::max<uint32_t>(max, 1);
+    if (size_t(k) * top > 16384) fail(path, "'uniqueItems' with this many values and items is not supported");
+    std::vector<Seq> item(k);
+    for (uint32_t i = 0; i < k; ++i) value_text(values[i], item[i]);
+    std::vector<uint32_t> from(size_t(k) * top);
+    auto at = [&](uint32_t j, uint32_t c) { return from[size_t(j) * top + (c - 1)]; };
+    for (uint32_t j = 0; j < k; ++j)
+      for (uint32_t c = 1; c <= top; ++c) from[size_t(j) * top + (c - 1)] = new_rule();
+    for (uint32_t j = 0; j < k; ++j)
+      for (uint32_t c = 1; c <= top; ++c) {
+        const uint32_t rest = new_rule();  // after(j, c)
+        if (c < max && j + 1 < k) alt(rest, Seq{ch(','), ws(), rule(at(j + 1, c + 1))});
+        if (c >= min) alt(rest, {});
+        alt(at(j, c), item[j] + Seq{ws(), rule(rest)});
+        if (j + 1 < k) alt(at(j, c), {rule(at(j + 1, c))});
+      }
+    std::vector<Seq> alts;
+    if (min == 0) alts.push_back({ch('['), ws(), ch(']')});
+    if (max > 0) alts.push_back({ch('['), ws(), rule(at(0, 1)), ch(']')});
     return rule_of(alts);
   }
 

@@ -28,7 +28,9 @@
 //   JSON encoding (`\"`, `\\`, `\n`-style or `\u00XX` escapes for the characters JSON escapes,
 //   UTF-8 for the rest).
 // Supported keywords: type (a name or a list), properties, required, additionalProperties, items
-// (a schema, or a list: a tuple), prefixItems, minItems, maxItems, minLength, maxLength, pattern, minimum,
+// (a schema, or a list: a tuple), prefixItems, minItems, maxItems, uniqueItems (items of finitely
+// many values: an enum or const, also through $ref, or booleans; the items are then a subsequence
+// of the values in their written order), minLength, maxLength, pattern, minimum,
 // maximum, exclusiveMinimum, exclusiveMaximum (on integers, and on numbers exactly in decimal, which
 // are then written without an exponent), multipleOf (by an integer: integers, also for numbers,
 // written as integers; on numbers by a power of ten below 1, 0.01: at most that many fraction
@@ -37,7 +39,7 @@
 // #/$defs/..., #/definitions/..., #), $defs and definitions. Annotations (title, description,
 // default, examples, $schema, $id, $comment, ...) are ignored, and so are other formats (an
 // annotation by default in JSON Schema 2020-12: plain strings). The other validation keywords
-// (multipleOf by other steps, such as 0.25, uniqueItems, not, if, ...) are refused with
+// (multipleOf by other steps, such as 0.25, uniqueItems over other items, not, if, ...) are refused with
 // an error that names them, rather than generating text the schema would reject.
 //
 // grammar_mask() sets to -inf the logits of the tokens whose bytes cannot continue the text. It
