@@ -104,6 +104,8 @@ inline bool validate_type(const ojson& root, const ojson& s, const std::string& 
   }
   for (const ojson& r : s.value("required", ojson::array()))
     if (!v.contains(r.get<std::string>())) return false;
+  if (s.contains("minProperties") && v.size() < s["minProperties"].get<size_t>()) return false;
+  if (s.contains("maxProperties") && v.size() > s["maxProperties"].get<size_t>()) return false;
   return true;
 }
 inline bool validate(const ojson& root, const ojson& s, const ojson& v) {

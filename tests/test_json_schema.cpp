@@ -95,6 +95,9 @@ const std::vector<std::string>& schemas() {
           "tags": {"type": "array", "items": {"$ref": "#/$defs/Tag"}, "uniqueItems": true},
           "two": {"type": "array", "items": {"$ref": "#/$defs/Tag"}, "uniqueItems": true, "minItems": 2, "maxItems": 3},
           "flags": {"type": "array", "items": {"type": "boolean"}, "uniqueItems": true}}, "required": ["tags", "two"]})",
+      R"({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 3},
+          "c": {"type": "boolean"}, "d": {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1,
+          "maxProperties": 2}}, "minProperties": 2, "maxProperties": 3})",
   };
   return s;
 }
@@ -280,6 +283,63 @@ TEST(JsonSchema, UniqueItemsOverFiniteValues) {
   const auto o = compile(R"({"type": "array", "items": {"enum": [{"a": 1}, [1, 2], null]}, "uniqueItems": true})");
   EXPECT_TRUE(accepts(o, R"([{"a": 1}, [1, 2], null])"));
   EXPECT_FALSE(prefix(o, R"([null, {)"));
+}
+
+// minProperties / maxProperties: every object over the listed properties (in order) and extra
+// ones, accepted exactly when its count is within the bounds and its required properties are there.
+TEST(JsonSchema, PropertyCounts) {
+  struct Case {
+    const char* schema;
+    size_t lo, hi;
+    bool extras;
+  };
+  const std::vector<Case> cases = {
+      {R"({"properties": {"a": {}, "b": {}, "c": {}}, "minProperties": 1, "maxProperties": 2})", 1, 2, false},
+      {R"({"properties": {"a": {}, "b": {}, "c": {}}, "required": ["b"], "minProperties": 2})", 2, 99, false},
+      {R"({"type": "object", "properties": {"a": {}, "b": {}}, "additionalProperties": true, "minProperties": 2,
+          "maxProperties": 3})", 2, 3, true},
+      {R"({"type": "object", "maxProperties": 1})", 0, 1, true},
+      {R"({"type": "object", "minProperties": 2})", 2, 99, true},
+      {R"({"properties": {"a": {}, "b": {}}, "minProperties": 0, "maxProperties": 5})", 0, 5, false},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.schema);
+    const auto g = compile(c.schema);
+    const ojson sch = ojson::parse(c.schema);
+    const ojson listed = sch.value("properties", ojson::object());
+    std::vector<std::string> names;
+    for (auto it = listed.begin(); it != listed.end(); ++it) names.push_back(it.key());
+    const size_t extra_max = c.extras ? 3 : 0;
+    int yes = 0;
+    for (unsigned mask = 0; mask < (1u << names.size()); ++mask)
+      for (size_t extra = 0; extra <= extra_max; ++extra) {
+        std::string t = "{";
+        size_t count = 0;
+        bool has_required = true;
+        for (size_t i = 0; i < names.size(); ++i) {
+          const bool in = mask >> i & 1;
+          for (const ojson& r : sch.value("required", ojson::array()))
+            if (r == names[i] && !in) has_required = false;
+          if (!in) continue;
+          t += std::string(count ? ", " : "") + "\"" + names[i] + "\": 1";
+          ++count;
+        }
+        for (size_t e = 0; e < extra; ++e) {
+          t += std::string(count ? ", " : "") + "\"x" + std::to_string(e) + "\": 1";
+          ++count;
+        }
+        t += "}";
+        const bool want = has_required && count >= c.lo && count <= c.hi;
+        EXPECT_EQ(accepts(g, t), want) << t;
+        yes += want;
+      }
+    EXPECT_GT(yes, 0);
+  }
+  EXPECT_NE(compile_error(R"({"properties": {"a": {}, "b": {}}, "required": ["a", "b"], "maxProperties": 1})").find("maxProperties"),
+            std::string::npos);
+  EXPECT_NE(compile_error(R"({"properties": {"a": {}}, "minProperties": 2})").find("minProperties"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "object", "maxProperties": -1})").find("non-negative integer"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "object", "minProperties": 3, "maxProperties": 2})").find("no object fits"), std::string::npos);
 }
 
 TEST(JsonSchema, ObjectsFollowTheSchemasOrderAndRequiredProperties) {

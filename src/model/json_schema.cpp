@@ -500,14 +500,15 @@ class SchemaCompiler {
   }
   static const std::set<std::string>& unsupported() {
     static const std::set<std::string> u = {
-        "minProperties", "maxProperties", "patternProperties", "propertyNames", "dependentRequired",
+        "patternProperties", "propertyNames", "dependentRequired",
         "dependentSchemas", "dependencies", "uniqueItems", "contains", "minContains", "maxContains", "not", "if",
         "then", "else", "unevaluatedProperties", "unevaluatedItems", "additionalItems", "$dynamicRef",
         "$recursiveRef", "$dynamicAnchor", "$recursiveAnchor", "contentSchema"};
     return u;
   }
   static const char* supported_list() {
-    return "supported: type, properties, required, additionalProperties, items, prefixItems, minItems, "
+    return "supported: type, properties, required, additionalProperties, minProperties, maxProperties, items, "
+           "prefixItems, minItems, uniqueItems (items of finitely many values), "
            "maxItems, minLength, maxLength, pattern, minimum/maximum/exclusiveMinimum/exclusiveMaximum, multipleOf (an integer, "
            "or on numbers a power of ten such as 0.01), format "
            "(date, time, date-time, uuid, ipv4), enum, const, anyOf, oneOf, allOf (one schema), $ref, $defs";
@@ -667,7 +668,7 @@ class SchemaCompiler {
     std::vector<std::string> constraints;  // the keywords that constrain, for the combinations refused
     for (const auto& [k, v] : s.items()) {
       // Settings that constrain nothing.
-      if ((k == "uniqueItems" && v == false) || ((k == "minProperties" || k == "minContains") && v == 0)) continue;
+      if ((k == "uniqueItems" && v == false) || (k == "minContains" && v == 0)) continue;
       if (k == "uniqueItems" && v == true) {  // arrays of finitely many values only (array())
         constraints.push_back(k);
         continue;
@@ -1299,14 +1300,31 @@ class SchemaCompiler {
     } else if (!s.contains("properties")) {
       extra_value = any();  // {"type": "object"}: any object
     }
-    // C[i]: one property at or after i (an optional one may be passed over), then B of the next;
-    // B[i]: after at least one property, the rest from i on (each after a ','; the ',' and its gap
-    // shared, so that the candidates after it are one parse stack each); A[i]: the same with none
-    // written yet. Past the listed properties (i = n), the extra ones.
+    // minProperties / maxProperties: the rules below count the properties written, c, up to T (past
+    // it, counts are alike: T is maxProperties when set, else minProperties).
+    const uint32_t n_required = uint32_t(required.size());
+    const uint32_t min_props = s.contains("minProperties") ? count_of(s, "minProperties", path) : 0;
+    const uint32_t max_props = count_of(s, "maxProperties", path);
+    if (n_required > max_props) fail(path, "no object fits: more properties are required than 'maxProperties'");
+    if (min_props > max_props) fail(path, "no object fits: 'minProperties' is more than 'maxProperties'");
+    if (extra_value == UINT32_MAX && min_props > props.size())
+      fail(path, "no object fits: 'minProperties' is more than the properties the schema allows");
+    const bool counted = min_props > n_required || (max_props != kUnbounded && (max_props < props.size() || extra_value != UINT32_MAX));
+    const uint32_t T = !counted ? 0 : max_props != kUnbounded ? max_props : min_props;
+    if (size_t(props.size() + 1) * (size_t(T) + 1) > 65536)
+      fail(path, "'minProperties'/'maxProperties' with this many properties are not supported");
+    const auto level = [&](uint32_t c) { return std::min(c, T); };
+    const auto may_end = [&](uint32_t c) { return !counted || c >= min_props; };
+    const auto may_add = [&](uint32_t c) { return !counted || max_props == kUnbounded || c < max_props; };
+    // C[i][c]: one property at or after i (an optional one may be passed over), then B of the next;
+    // B[i][c]: after at least one property, the rest from i on (each after a ','; the ',' and its gap
+    // shared, so that the candidates after it are one parse stack each); c: the properties written
+    // before. Past the listed properties (i = n), the extra ones.
     const size_t n = props.size();
     std::vector<char> rest_optional(n + 1, 1);  // no required property at or after i
     for (size_t i = n; i-- > 0;) rest_optional[i] = rest_optional[i + 1] && !required.count(props[i].first);
-    uint32_t c_next = UINT32_MAX, b_next;  // C[n] (none when no extra property), B[n]
+    const uint32_t levels = T + 1;
+    std::vector<uint32_t> c_next(levels, UINT32_MAX), b_next(levels);  // C[n], B[n] (C: none when no extra property)
     if (extra_value != UINT32_MAX) {
       std::vector<std::string> names;  // an extra property is none of the listed ones
       for (const auto& p : props) {
@@ -1318,29 +1336,37 @@ class SchemaCompiler {
       const Seq key = names.empty() ? Seq{str(0, kUnbounded)}
                                     : Seq{ch('"'), rule(key_trie(names, 0, names.size(), 0, str_body()))};
       const Seq kv = key + Seq{ws(), ch(':'), ws(), rule(extra_value), ws()};
-      b_next = new_rule();
-      alt(b_next, {});
-      alt(b_next, Seq{ch(','), ws()} + kv + Seq{rule(b_next)});
-      c_next = rule_of({kv + Seq{rule(b_next)}});
+      for (uint32_t c = 0; c < levels; ++c) b_next[c] = new_rule();
+      for (uint32_t c = levels; c-- > 0;) {
+        if (may_end(c)) alt(b_next[c], {});
+        if (may_add(c)) alt(b_next[c], Seq{ch(','), ws()} + kv + Seq{rule(b_next[level(c + 1)])});
+        if (may_add(c)) c_next[c] = rule_of({kv + Seq{rule(b_next[level(c + 1)])}});
+      }
     } else {
-      b_next = rule_of({{}});
+      for (uint32_t c = 0; c < levels; ++c) b_next[c] = may_end(c) ? rule_of({{}}) : new_rule();
     }
     for (size_t i = n; i-- > 0;) {
       const std::string& name = props[i].first;
       const Seq kv = lit(json(name).dump(-1, ' ', false, json::error_handler_t::strict)) +
                      Seq{ws(), ch(':'), ws(), rule(schema(*props[i].second, child(child(path, "properties"), name))), ws()};
-      const uint32_t c = new_rule();
-      alt(c, kv + Seq{rule(b_next)});
-      if (!required.count(name) && c_next != UINT32_MAX) alt(c, {rule(c_next)});
-      const uint32_t b = new_rule();
-      if (rest_optional[i]) alt(b, {});
-      alt(b, Seq{ch(','), ws(), rule(c)});
-      c_next = c;
-      b_next = b;
+      std::vector<uint32_t> cs(levels, UINT32_MAX), bs(levels);
+      for (uint32_t c = 0; c < levels; ++c) {
+        const uint32_t cr = new_rule();
+        if (may_add(c)) alt(cr, kv + Seq{rule(b_next[level(c + 1)])});
+        if (!required.count(name) && c_next[c] != UINT32_MAX) alt(cr, {rule(c_next[c])});
+        cs[c] = cr;
+        const uint32_t b = new_rule();
+        if (rest_optional[i] && may_end(c)) alt(b, {});
+        alt(b, Seq{ch(','), ws(), rule(cr)});
+        bs[c] = b;
+      }
+      c_next = std::move(cs);
+      b_next = std::move(bs);
     }
     std::vector<Seq> open;  // after '{' and its gap
-    if (rest_optional[0]) open.push_back({ch('}')});
-    if (c_next != UINT32_MAX) open.push_back({rule(c_next), ch('}')});
+    if (rest_optional[0] && may_end(0)) open.push_back({ch('}')});
+    if (c_next[0] != UINT32_MAX) open.push_back({rule(c_next[0]), ch('}')});
+    if (open.empty()) fail(path, "no object fits the schema's 'minProperties'/'maxProperties'");
     return rule_of({{ch('{'), ws(), rule(rule_of(open))}});
   }
 

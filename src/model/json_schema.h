@@ -27,7 +27,8 @@
 //   as validators read it), together with minLength / maxLength; each character is written in one
 //   JSON encoding (`\"`, `\\`, `\n`-style or `\u00XX` escapes for the characters JSON escapes,
 //   UTF-8 for the rest).
-// Supported keywords: type (a name or a list), properties, required, additionalProperties, items
+// Supported keywords: type (a name or a list), properties, required, additionalProperties,
+// minProperties, maxProperties (the properties written are counted, extra ones too), items
 // (a schema, or a list: a tuple), prefixItems, minItems, maxItems, uniqueItems (items of finitely
 // many values: an enum or const, also through $ref, or booleans; the items are then a subsequence
 // of the values in their written order), minLength, maxLength, pattern, minimum,

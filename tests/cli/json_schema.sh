@@ -17,6 +17,7 @@ schemas=(
   '{"type": "object", "properties": {"s": {"type": "string", "maxLength": 4}, "u": {"type": "string", "minLength": 2, "maxLength": 2}}, "required": ["s", "u"], "additionalProperties": false}'
   '{"type": "object", "properties": {"n": {"type": "integer", "minimum": -5, "exclusiveMaximum": 40, "multipleOf": 3}, "x": {"type": "number", "exclusiveMinimum": -0.5, "maximum": 2.25}, "d": {"type": "string", "format": "date"}, "id": {"type": "string", "format": "uuid"}, "ip": {"format": "ipv4"}}, "required": ["n", "d", "id", "ip"]}'
   '{"properties": {"a": {"type": "string"}, "ab": {"type": "boolean"}}, "additionalProperties": {"type": "null"}, "required": ["ab"]}'
+  '{"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}}, "additionalProperties": {"type": "null"}, "minProperties": 2, "maxProperties": 3}'
   '{"$defs": {"c": {"enum": ["x", "y", "z", 1, null]}}, "type": "array", "items": {"$ref": "#/$defs/c"}, "uniqueItems": true, "minItems": 1}'
   '{"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3}$"}, "note": {"type": "string", "pattern": "(cat|dog)s?", "maxLength": 12}, "q": {"type": "string", "pattern": "^[^a-z]*\"\\\\.$", "maxLength": 10}}, "required": ["code", "note", "q"]}'
 )
