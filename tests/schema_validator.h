@@ -24,6 +24,19 @@ inline size_t code_points(const std::string& s) {
   return n;
 }
 inline bool validate(const ojson& root, const ojson& s, const ojson& v);
+// The fraction digits of a number as written shortest (what a document's text parses back to).
+inline int decimal_places(const ojson& v) {
+  if (v.is_number_integer()) return 0;
+  std::string t = v.dump();
+  int exp = 0;
+  if (const size_t e = t.find_first_of("eE"); e != std::string::npos) {
+    exp = std::stoi(t.substr(e + 1));
+    t.resize(e);
+  }
+  const size_t p = t.find('.');
+  const int frac = p == std::string::npos ? 0 : int(t.size() - p - 1);
+  return std::max(0, frac - exp);
+}
 inline bool validate_type(const ojson& root, const ojson& s, const std::string& t, const ojson& v) {
   if (t == "null") return v.is_null();
   if (t == "boolean") return v.is_boolean();
@@ -38,9 +51,8 @@ inline bool validate_type(const ojson& root, const ojson& s, const std::string& 
       const double m = s["multipleOf"].get<double>();
       if (m == std::floor(m)) {  // an integer: integer multiples
         if (x != std::floor(x) || int64_t(x) % int64_t(m) != 0) return false;
-      } else {  // a power of ten below 1: at most that many fraction digits
-        const double scaled = x / m;
-        if (std::fabs(scaled - std::round(scaled)) > 1e-6 * std::max(1.0, std::fabs(scaled))) return false;
+      } else if (decimal_places(v) > decimal_places(s["multipleOf"])) {  // a power of ten below 1: exact in decimal
+        return false;
       }
     }
     return true;

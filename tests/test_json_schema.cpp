@@ -342,6 +342,65 @@ TEST(JsonSchema, PropertyCounts) {
   EXPECT_NE(compile_error(R"({"type": "object", "minProperties": 3, "maxProperties": 2})").find("no object fits"), std::string::npos);
 }
 
+// Cases that once compiled wrong: an integer range below 0 (no '-' could start it), a step of 0.1
+// beside a bound whose fraction needs more digits, uniqueItems without items or beside keywords
+// its items cannot take, and uniqueItems over many values.
+TEST(JsonSchema, EdgesOfBoundsStepsAndUniqueness) {
+  const auto neg = compile(R"({"type": "integer", "maximum": -1})");
+  EXPECT_TRUE(accepts(neg, "-1"));
+  EXPECT_TRUE(accepts(neg, "-1234"));
+  EXPECT_FALSE(prefix(neg, "0"));
+  const auto band = compile(R"({"type": "integer", "minimum": -5, "maximum": -2})");
+  EXPECT_TRUE(accepts(band, "-3"));
+  EXPECT_FALSE(prefix(band, "-6"));
+  EXPECT_FALSE(prefix(band, "-1"));
+  EXPECT_TRUE(accepts(compile(R"({"type": "number", "multipleOf": 1, "exclusiveMaximum": 0})"), "-7"));
+  std::mt19937 rng(3);
+  const auto in_object = compile(R"({"type": "object", "properties": {"n": {"type": "integer", "maximum": -1}}, "required": ["n"]})");
+  for (int i = 0; i < 20; ++i) {
+    bool finished = false;
+    const std::string t = random_walk(in_object, rng, &finished);  // fails on a dead end
+    if (finished) {
+      EXPECT_LE(ojson::parse(t)["n"].get<int64_t>(), -1) << t;
+    }
+  }
+
+  const auto tenth = compile(R"({"type": "number", "multipleOf": 0.1, "exclusiveMinimum": 0.9})");
+  for (const char* t : {"1", "1.1", "2.0", "0.95"}) EXPECT_EQ(accepts(tenth, t), std::string(t) != "0.95") << t;
+  EXPECT_FALSE(accepts(tenth, "0.9"));
+  const auto hundredth = compile(R"({"type": "number", "multipleOf": 0.01, "minimum": 3.999, "maximum": 5})");
+  EXPECT_TRUE(accepts(hundredth, "4"));
+  EXPECT_TRUE(accepts(hundredth, "4.01"));
+  EXPECT_FALSE(accepts(hundredth, "3.99"));
+  const auto below = compile(R"({"type": "number", "multipleOf": 0.01, "maximum": -3.999})");
+  EXPECT_TRUE(accepts(below, "-4"));
+  EXPECT_TRUE(accepts(below, "-4.01"));
+  EXPECT_FALSE(accepts(below, "-3.99"));
+  EXPECT_NE(compile_error(R"({"type": "number", "exclusiveMinimum": 1e-300})").find("more than 16 fraction digits"),
+            std::string::npos);
+  EXPECT_EQ(compile_error(R"({"type": "number", "exclusiveMinimum": 0.9999999999999999, "maximum": 2})"), "");
+
+  EXPECT_NE(compile_error(R"({"uniqueItems": true})").find("uniqueItems"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"uniqueItems": true, "description": "x"})").find("uniqueItems"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "object", "additionalProperties": {"uniqueItems": true}})").find("uniqueItems"),
+            std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "array", "items": {"enum": [1, 2, 3, 4], "multipleOf": 2}, "uniqueItems": true})"), "");
+  EXPECT_NE(compile_error(R"({"type": "array", "items": {"const": "x", "enum": ["a"]}, "uniqueItems": true})"), "");
+  EXPECT_NE(compile_error(R"({"$defs": {"e": {"enum": ["a"]}}, "type": "array", "items": {"$ref": "#/$defs/e", "not": {}},
+      "uniqueItems": true})"), "");
+  EXPECT_NE(compile_error(R"({"type": "array", "items": {"enum": ["2020-01-01", "x"], "format": "date"}, "uniqueItems": true})"), "");
+  std::string deep = "1";
+  deep = std::string(100, '[') + deep + std::string(100, ']');
+  EXPECT_NE(compile_error(R"({"type": "array", "items": {"enum": [)" + deep + R"(]}, "uniqueItems": true})").find("nested deeper"),
+            std::string::npos);
+  ojson many = ojson::parse(R"({"type": "array", "items": {"enum": []}, "uniqueItems": true})");
+  for (int i = 0; i < 200; ++i) many["items"]["enum"].push_back(std::string("v") += std::to_string(i));
+  const auto g = compile(many.dump());
+  EXPECT_TRUE(accepts(g, R"(["v0", "v17", "v199"])"));
+  EXPECT_FALSE(prefix(g, R"(["v17", "v0")"));
+  EXPECT_FALSE(prefix(g, R"(["v3", "v3")"));
+}
+
 TEST(JsonSchema, ObjectsFollowTheSchemasOrderAndRequiredProperties) {
   const auto g = compile(schemas()[0]);
   EXPECT_TRUE(accepts(g, R"({"name": "Ann", "age": 31})"));

@@ -366,6 +366,10 @@ TEST(ChatTemplate, FamilyAndDefaultSystemFromTheJinja) {
             "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n");
   EXPECT_EQ(chat_render(g, {{"user", "Hi"}, {"assistant", "Hello, I"}}, cont),
             "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nHello, I");
+  // a system text with no user turn after it becomes a user turn of its own
+  EXPECT_EQ(chat_render(g, {{"system", "Be brief."}, {"assistant", "Sure,"}}, cont),
+            "<start_of_turn>user\nBe brief.<end_of_turn>\n<start_of_turn>model\nSure,");
+  EXPECT_EQ(chat_render(g, {{"system", "Be brief."}}), "<start_of_turn>user\nBe brief.<end_of_turn>\n<start_of_turn>model\n");
   EXPECT_THROW(chat_render(p, {{"user", "Hi"}}, cont), Error);                               // last is the user's
   EXPECT_THROW(chat_render(p, {{"user", "Hi"}, {"assistant", "x"}}, ChatRenderOptions{true, true}), Error);
 }

@@ -641,6 +641,16 @@ TEST_F(ServerTest, ChatPlainAndStreamedAndStop) {
   EXPECT_EQ(post_ok("/v1/chat/completions", body)["choices"][0]["message"]["content"], content.substr(0, content.find(stop)));
 }
 
+// A request body nested past 512 levels is refused before it is parsed, and the server goes on.
+TEST_F(ServerTest, DeeplyNestedBodyIsRefused) {
+  const std::string deep = std::string(200000, '[') + "1" + std::string(200000, ']');
+  expect_bad("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "tools": )" + deep + "}");
+  expect_bad("/v1/completions", R"({"prompt": "x", "stop": ")" + std::string(600, '[') + R"(", "x": )" + std::string(600, '{'));
+  // brackets inside strings do not count
+  json ok = {{"prompt", "x"}, {"user", std::string(600, '[') + "\\\"" + std::string(600, '{')}, {"max_tokens", 2}};
+  EXPECT_EQ(post_ok("/v1/completions", ok)["usage"]["completion_tokens"], 2);
+}
+
 // vLLM's continue_final_message: the assistant's last message is continued, as the plain text
 // would be (the story model has no template: messages one per line); add_generation_prompt.
 TEST_F(ServerTest, ContinueFinalMessage) {
@@ -661,7 +671,13 @@ TEST_F(ServerTest, ContinueFinalMessage) {
   tok.erase("continue_final_message");
   EXPECT_EQ(post_ok("/tokenize", tok)["count"].get<int>(), open_count + 1);
 
+  body["add_generation_prompt"] = nullptr;  // null: unset
+  EXPECT_EQ(post_ok("/v1/chat/completions", body)["choices"][0]["message"]["content"], cont);
   const std::string two = R"("messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])";
+  expect_bad("/v1/chat/completions", "{" + two + R"(, "continue_final_message": true, "response_format": {"type": "json_object"}})",
+             "continue_final_message");
+  expect_bad("/v1/chat/completions", "{" + two + R"(, "continue_final_message": true, "guided_regex": "a+"})",
+             "continue_final_message");
   expect_bad("/v1/chat/completions", "{" + two + R"(, "continue_final_message": true, "add_generation_prompt": true})",
              "continue_final_message");
   expect_bad("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "a"}], "continue_final_message": true})",

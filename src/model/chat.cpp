@@ -88,11 +88,22 @@ std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& m
         pending_system += m.content + "\n\n";
         continue;
       }
+      // A system text no user turn follows (an assistant's turn comes first, or nothing) is a user
+      // turn of its own rather than lost.
+      if (m.role == "assistant" && !pending_system.empty()) {
+        pending_system.resize(pending_system.size() - 2);
+        out += "<start_of_turn>user\n" + pending_system + "<end_of_turn>\n";
+        pending_system.clear();
+      }
       const char* role = m.role == "assistant" ? "model" : "user";
       std::string content = m.role == "user" ? pending_system + m.content : m.content;
       if (m.role == "user") pending_system.clear();
       out += std::string("<start_of_turn>") + role + "\n" + content;
       if (!(cont && &m == &msgs.back())) out += "<end_of_turn>\n";
+    }
+    if (!pending_system.empty()) {
+      pending_system.resize(pending_system.size() - 2);
+      out += "<start_of_turn>user\n" + pending_system + "<end_of_turn>\n";
     }
     if (opt.add_generation_prompt) out += "<start_of_turn>model\n";
     return out;

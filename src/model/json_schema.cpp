@@ -7,6 +7,7 @@
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <unordered_map>
 #include <stdexcept>
@@ -184,9 +185,14 @@ bool int_reachable(const Grammar::IntBounds& b, const IntSub& s, int j) {
   return q * b.multiple >= lo;
 }
 bool int_more(const Grammar::IntBounds& b, uint64_t sub) {
-  const IntSub s = unpack_int(sub);
+  IntSub s = unpack_int(sub);
   for (int j = 1; s.digits + j <= kIntDigits; ++j)
     if (int_reachable(b, s, j)) return true;
+  if (s.digits == 0 && !s.neg) {  // before anything: a '-' can come, for a range below 0
+    s.neg = true;
+    for (int j = 1; j <= kIntDigits; ++j)
+      if (int_reachable(b, s, j)) return true;
+  }
   return false;
 }
 bool int_complete(const Grammar::IntBounds& b, uint64_t sub) { return int_reachable(b, unpack_int(sub), 0); }
@@ -641,10 +647,10 @@ class SchemaCompiler {
       values.push_back((*s)["const"]);
     } else if (s->contains("enum") && (*s)["enum"].is_array()) {
       for (const json& v : (*s)["enum"]) values.push_back(v);
-    } else if (s->contains("type") && (*s)["type"] == "boolean" && s->size() == 1) {
-      values = {json(false), json(true)};
-    } else if (s->contains("type") && (*s)["type"] == "null" && s->size() == 1) {
-      values = {json(nullptr)};
+    } else if (s->contains("type") && ((*s)["type"] == "boolean" || (*s)["type"] == "null") &&
+               std::all_of(s->items().begin(), s->items().end(),
+                           [](const auto& kv) { return kv.key() == "type" || is_annotation(kv.key()); })) {
+      values = (*s)["type"] == "null" ? std::vector<json>{json(nullptr)} : std::vector<json>{json(false), json(true)};
     } else {
       return {};
     }
@@ -750,7 +756,8 @@ class SchemaCompiler {
     std::vector<std::string> ts = types;
     if (ts.empty()) {  // the type the keywords imply, or any value
       const bool obj = s.contains("properties") || s.contains("required") || s.contains("additionalProperties");
-      const bool arr = s.contains("items") || s.contains("prefixItems") || s.contains("minItems") || s.contains("maxItems");
+      const bool arr = s.contains("items") || s.contains("prefixItems") || s.contains("minItems") || s.contains("maxItems") ||
+                       (s.contains("uniqueItems") && s["uniqueItems"] == true);
       const bool str_kw = s.contains("minLength") || s.contains("maxLength") || s.contains("format") || s.contains("pattern");
       const bool num_kw = s.contains("minimum") || s.contains("maximum") || s.contains("exclusiveMinimum") ||
                           s.contains("exclusiveMaximum") || s.contains("multipleOf");
@@ -987,13 +994,28 @@ class SchemaCompiler {
   // none, does.
   uint32_t fraction(const std::string* lo, bool lo_ex, const std::string* hi, bool hi_ex) {
     RegexOptions o;
-    o.max_len = uint32_t(frac_digits_);
-    RegexDfa d = compile_regex("[0-9]*", o);
-    if (lo) d = intersect(d, compile_regex(frac_at_least(*lo, lo_ex), o));
+    o.max_len = 16;  // (a bound's fractions may all be longer than frac_digits_: cut below)
+    RegexDfa d = compile_regex(frac_digits_ < 16 ? "[0-9]{0," + std::to_string(frac_digits_) + "}" : "[0-9]*", o);
+    // (A bound no fraction of at most 16 digits passes leaves none: compile_regex refuses a
+    // pattern with no text within its length bound.)
+    const auto bound = [&](const std::string& re) -> std::optional<RegexDfa> {
+      try {
+        return compile_regex(re, o);
+      } catch (const std::invalid_argument&) {
+        return std::nullopt;
+      }
+    };
+    if (lo) {
+      const auto b = bound(frac_at_least(*lo, lo_ex));
+      if (!b) return UINT32_MAX;
+      d = intersect(d, *b);
+    }
     if (hi) {
       const std::string re = frac_at_most(*hi, hi_ex);
       if (re.empty()) return UINT32_MAX;
-      if (!d.states.empty()) d = intersect(d, compile_regex(re, o));
+      const auto b = bound(re);
+      if (!b) return UINT32_MAX;
+      if (!d.states.empty()) d = intersect(d, *b);
     }
     if (d.states.empty()) return UINT32_MAX;
     const uint32_t base = dfa_rules(d, false);
@@ -1035,6 +1057,8 @@ class SchemaCompiler {
     NumBound lo, hi;
     auto take = [&](const char* k, bool lower, bool exclusive) {
       if (!s[k].is_number()) fail(path, std::string("'") + k + "' must be a number");
+      if (decimal_of(s[k]).frac.size() > 16)
+        fail(path, std::string("'") + k + "' has more than 16 fraction digits (numbers are written with at most 16)");
       NumBound& b = lower ? lo : hi;
       const int c = b.set ? compare_numbers(s[k], lower ? lo_json_ : hi_json_) : 0;
       if (!b.set || (lower ? c > 0 : c < 0) || (c == 0 && exclusive)) {
@@ -1238,6 +1262,9 @@ class SchemaCompiler {
     if (s.contains("prefixItems") || !s.contains("items") || !s["items"].is_object())
       fail(path, "'uniqueItems' is supported on arrays whose 'items' is one schema of finitely many values (an enum, "
                  "a const, booleans)");
+    // The item schema compiled as any other, for its checks (keywords refused, values too deep, a
+    // const not in its enum, ...); its values are then read from it.
+    (void)schema(s["items"], child(path, "items"));
     const std::vector<json> values = finite_item_values(s["items"], child(path, "items"));
     if (values.empty())
       fail(path, "'uniqueItems' is supported on arrays whose items are an enum, a const or booleans (uniqueness among "
@@ -1245,24 +1272,34 @@ class SchemaCompiler {
     if (values.size() > 256) fail(path, "'uniqueItems' over more than 256 values is not supported");
     const uint32_t k = uint32_t(values.size());
     const uint32_t min = s.contains("minItems") ? count_of(s, "minItems", path) : 0;
-    const uint32_t max = std::min(count_of(s, "maxItems", path), k);
-    if (min > max) fail(path, "no array fits: 'minItems' is larger than the distinct values 'uniqueItems' allows");
-    // from[j][c]: the c-th item, value j or a later one, then the rest; after(i, c): after c
-    // items, the last value i, the rest up to ']'.
-    const uint32_t top = std::max<uint32_t>(max, 1);
+    const uint32_t max_items = count_of(s, "maxItems", path);
+    if (min > max_items) fail(path, "no array fits: 'minItems' is larger than 'maxItems'");
+    if (min > k) fail(path, "no array fits: 'minItems' is larger than the distinct values of the items");
+    const uint32_t max = std::min(max_items, k);
+    // from[j][c]: the c-th item, value j or a later one, then the rest; after it, the rest up to
+    // ']'. The count c only where minItems / maxItems bound it (else one level).
+    const bool counted = min > 0 || max < k;
+    const uint32_t top = counted ? std::max<uint32_t>(max, 1) : 1;
     if (size_t(k) * top > 16384) fail(path, "'uniqueItems' with this many values and items is not supported");
-    std::vector<Seq> item(k);
-    for (uint32_t i = 0; i < k; ++i) value_text(values[i], item[i]);
+    std::vector<uint32_t> item(k);  // each value's text, one rule
+    for (uint32_t i = 0; i < k; ++i) {
+      Seq text;
+      value_text(values[i], text);
+      item[i] = rule_of({text});
+    }
+    const auto next = [&](uint32_t c) { return counted ? c + 1 : 1; };
+    const auto may_add = [&](uint32_t c) { return !counted || c < max; };
+    const auto may_end = [&](uint32_t c) { return !counted || c >= min; };
     std::vector<uint32_t> from(size_t(k) * top);
     auto at = [&](uint32_t j, uint32_t c) { return from[size_t(j) * top + (c - 1)]; };
     for (uint32_t j = 0; j < k; ++j)
       for (uint32_t c = 1; c <= top; ++c) from[size_t(j) * top + (c - 1)] = new_rule();
     for (uint32_t j = 0; j < k; ++j)
       for (uint32_t c = 1; c <= top; ++c) {
-        const uint32_t rest = new_rule();  // after(j, c)
-        if (c < max && j + 1 < k) alt(rest, Seq{ch(','), ws(), rule(at(j + 1, c + 1))});
-        if (c >= min) alt(rest, {});
-        alt(at(j, c), item[j] + Seq{ws(), rule(rest)});
+        const uint32_t rest = new_rule();
+        if (may_add(c) && j + 1 < k) alt(rest, Seq{ch(','), ws(), rule(at(j + 1, next(c)))});
+        if (may_end(c)) alt(rest, {});
+        alt(at(j, c), {rule(item[j]), ws(), rule(rest)});
         if (j + 1 < k) alt(at(j, c), {rule(at(j + 1, c))});
       }
     std::vector<Seq> alts;

@@ -71,6 +71,7 @@ struct ApiRequest {
 };
 
 constexpr int kMaxChoices = 128;     // n, and prompts in a completions batch
+constexpr int kMaxBodyDepth = 512;   // arrays and objects nested in a request body
 constexpr int kMaxSequences = 1024;  // prompts x n
 
 // raw: the body's text, from which a json_schema is read again keeping its properties' written
@@ -535,7 +536,7 @@ std::vector<int32_t> Server::Impl::chat_prompt(const json& body, const std::stri
     *field = body[key].get<bool>();
   }
   if (ro.continue_final_message) {
-    if (body.contains("add_generation_prompt") && ro.add_generation_prompt)
+    if (body.contains("add_generation_prompt") && !body["add_generation_prompt"].is_null() && ro.add_generation_prompt)
       throw ApiError{"'continue_final_message' continues the last message: 'add_generation_prompt' must be false",
                      "continue_final_message"};
     ro.add_generation_prompt = false;
@@ -609,6 +610,23 @@ json Server::Impl::chat_logprobs(const std::vector<TokenLogprob>& lps) const {
 static json parse_body(const httplib::Request& req) {
   // (the JSON parser would stop at a raw NUL byte and ignore what follows it)
   if (req.body.find('\0') != std::string::npos) throw ApiError{"the request body holds a NUL byte", ""};
+  // Nesting is bounded before parsing: the JSON library copies and frees values recursively.
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (char c : req.body) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      if (++depth > kMaxBodyDepth)
+        throw ApiError{fmt::format("the request body is nested deeper than {} levels", kMaxBodyDepth), ""};
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
   json body = json::parse(req.body, nullptr, false);
   if (body.is_discarded()) throw ApiError{"the request body is not valid JSON", ""};
   if (!body.is_object()) throw ApiError{"the request body must be a JSON object", ""};
@@ -646,6 +664,13 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
   if (chat) {
     tools = chat_tools(body, req.body, &ar);
     if (tools.spec.choice == ToolChoice::named) tool_finish = "stop";
+    // A constraint's grammar starts at the reply's first byte: after a continued message's start
+    // the text would be that start followed by a whole document.
+    if (!ar.constraint.empty() && body.contains("continue_final_message") && body["continue_final_message"] == true)
+      throw ApiError{fmt::format("'continue_final_message' cannot be combined with '{}': its grammar would start after "
+                                 "the continued text",
+                                 ar.constraint),
+                     "continue_final_message"};
     prompts.push_back({chat_prompt(body, tools.system_extra), "", 0});
   } else {
     auto set = [&](const char* key) { return body.contains(key) && !body[key].is_null(); };
