@@ -117,8 +117,9 @@ check "--turns beyond the context: rejected before any run" "[[ $? -ne 0 ]] && g
 # open loop: Poisson arrivals at --rate requests per second (seeded), next to a closed-loop run
 "$kvq" bench -m "$model" --kv f16 --kv-mem 1MiB --data "$text" --prefixes 2 --prefix-tokens 64 --question-tokens 8 \
   --requests 6 --max-tokens 4 --concurrency 2 --rate 4,1000 -t 1 --json >"$tmp/r.json" 2>/dev/null
+# (the seeded arrivals at 4 req/s span 0.33 s: the run lasts at least that, however fast it serves)
 check "--rate: open-loop runs after the closed-loop one, all served; at 4 req/s the 6 arrivals span a while" \
-  "python3 -c \"import json; R=json.load(open('$tmp/r.json'))['runs']; assert [(r['concurrency'],r['rate']) for r in R]==[(2,None),(None,4),(None,1000)], R; assert all(r['ok']==6 for r in R); assert R[1]['wall_s']>0.05 and R[1]['wall_s']>R[2]['wall_s'], (R[1]['wall_s'],R[2]['wall_s'])\""
+  "python3 -c \"import json; R=json.load(open('$tmp/r.json'))['runs']; assert [(r['concurrency'],r['rate']) for r in R]==[(2,None),(None,4),(None,1000)], R; assert all(r['ok']==6 for r in R); assert R[1]['wall_s']>0.3, (R[1]['wall_s'],R[2]['wall_s'])\""
 
 # JSONL conversations: "turns" are follow-ups sent with the answers so far
 printf '{"prompt": "Once upon a time", "max_tokens": 5, "turns": ["Then Lily said", "The end"]}\n{"prompt": "Ben ran"}\n' >"$tmp/conv.jsonl"
