@@ -177,10 +177,15 @@ TEST(JsonSchema, RefusesWhatItCannotGenerate) {
 // Numbers within bounds, exact in decimal: every number of a grid of integer parts and fractions
 // (trailing zeros, just above and below each bound) is accepted exactly when it lies within.
 TEST(JsonSchema, NumberBoundsExactInDecimal) {
+  // multipleOf on numbers: by a power of ten below 1, the numbers of at most that many fraction
+  // digits (trailing zeros included), within the bounds beside it; by an integer, its integer
+  // multiples, written as integers.
   struct Case {
     const char* schema;
     double lo, hi;
     bool lo_ex, hi_ex;
+    int digits = 16;  // fraction digits at most; -1: integer multiples of `step`
+    double step = 0;
   };
   const std::vector<Case> cases = {
       {R"({"type": "number", "minimum": 0, "maximum": 1})", 0, 1, false, false},
@@ -190,49 +195,18 @@ TEST(JsonSchema, NumberBoundsExactInDecimal) {
       {R"({"type": "number", "exclusiveMinimum": 0})", 0, 1e300, true, false},
       {R"({"type": "number", "maximum": -7, "minimum": -8.09})", -8.09, -7, false, false},
       {R"({"type": "number", "minimum": 2.5, "maximum": 2.75, "exclusiveMaximum": true})", 2.5, 2.75, false, true},
+      {R"({"type": "number", "multipleOf": 0.01})", -1e300, 1e300, false, false, 2},
+      {R"({"type": "number", "multipleOf": 0.1, "minimum": -2.5, "maximum": 3.75})", -2.5, 3.75, false, false, 1},
+      {R"({"type": "number", "multipleOf": 0.001, "exclusiveMinimum": 0.2, "maximum": 1})", 0.2, 1, true, false, 3},
+      {R"({"type": "number", "multipleOf": 0.01, "exclusiveMinimum": 0, "exclusiveMaximum": 0.25})", 0, 0.25, true, true, 2},
+      {R"({"type": "number", "multipleOf": 5, "minimum": -7.5, "maximum": 12.5})", -7.5, 12.5, false, false, -1, 5},
+      {R"({"type": "number", "multipleOf": 1.0})", -1e300, 1e300, false, false, -1, 1},
   };
   std::vector<std::string> texts;
-  for (const char* i : {"0", "1", "2", "3", "4", "7", "8", "10", "-1", "-2", "-3", "-7", "-8"})
-    for (const char* f : {"", ".0", ".1", ".09", ".1000", ".10001", ".2", ".2000", ".20001", ".25", ".24999", ".2501", ".5",
-                          ".75", ".7500", ".75001", ".9", ".99", ".00001"})
-      texts.push_back(std::string(i) + f);
-  int yes = 0;
-  for (const Case& c : cases) {
-    SCOPED_TRACE(c.schema);
-    const auto g = compile(c.schema);
-    for (const std::string& t : texts) {
-      const double v = std::strtod(t.c_str(), nullptr);
-      const bool want = (c.lo_ex ? v > c.lo : v >= c.lo) && (c.hi_ex ? v < c.hi : v <= c.hi);
-      ASSERT_EQ(accepts(g, t), want) << t;
-      yes += want;
-    }
-    EXPECT_FALSE(accepts(g, "1e0"));  // no exponent
-  }
-  EXPECT_GT(yes, 200);
-}
-
-// multipleOf on numbers: by a power of ten below 1, the numbers of at most that many fraction
-// digits (trailing zeros included), within the bounds beside it; by an integer, its integer
-// multiples, written as integers.
-TEST(JsonSchema, NumberMultipleOfExactInDecimal) {
-  struct Case {
-    const char* schema;
-    int digits;  // fraction digits at most; -1: integer multiples of `step`
-    double step, lo, hi;
-    bool lo_ex, hi_ex;
-  };
-  const std::vector<Case> cases = {
-      {R"({"type": "number", "multipleOf": 0.01})", 2, 0, -1e300, 1e300, false, false},
-      {R"({"type": "number", "multipleOf": 0.1, "minimum": -2.5, "maximum": 3.75})", 1, 0, -2.5, 3.75, false, false},
-      {R"({"type": "number", "multipleOf": 0.001, "exclusiveMinimum": 0.2, "maximum": 1})", 3, 0, 0.2, 1, true, false},
-      {R"({"type": "number", "multipleOf": 0.01, "exclusiveMinimum": 0, "exclusiveMaximum": 0.25})", 2, 0, 0, 0.25, true, true},
-      {R"({"type": "number", "multipleOf": 5, "minimum": -7.5, "maximum": 12.5})", -1, 5, -7.5, 12.5, false, false},
-      {R"({"type": "number", "multipleOf": 1.0})", -1, 1, -1e300, 1e300, false, false},
-  };
-  std::vector<std::string> texts;
-  for (const char* i : {"0", "1", "2", "3", "5", "10", "15", "-1", "-2", "-3", "-5", "-10"})
-    for (const char* f : {"", ".0", ".00", ".000", ".1", ".2", ".20", ".200", ".2001", ".25", ".250", ".251", ".5", ".75", ".05",
-                          ".001", ".009", ".99", ".990", ".9901"})
+  for (const char* i : {"0", "1", "2", "3", "4", "5", "7", "8", "10", "15", "-1", "-2", "-3", "-5", "-7", "-8", "-10"})
+    for (const char* f : {"", ".0", ".00", ".000", ".1", ".09", ".1000", ".10001", ".2", ".20", ".200", ".2000", ".2001", ".20001",
+                          ".25", ".250", ".251", ".24999", ".2501", ".5", ".75", ".7500", ".75001", ".05", ".001", ".009", ".9",
+                          ".99", ".990", ".9901", ".00001"})
       texts.push_back(std::string(i) + f);
   int yes = 0;
   for (const Case& c : cases) {
@@ -249,7 +223,7 @@ TEST(JsonSchema, NumberMultipleOfExactInDecimal) {
     }
     EXPECT_FALSE(accepts(g, "1e0"));  // no exponent
   }
-  EXPECT_GT(yes, 150);
+  EXPECT_GT(yes, 500);
 }
 
 // uniqueItems over finitely many values: the items are a subsequence of the values in their written

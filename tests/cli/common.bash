@@ -14,3 +14,12 @@ check() { if ! eval "$2"; then echo "FAIL: $1"; fails=$((fails + 1)); else echo 
 require() { local f; for f; do [[ -f $f ]] || { echo "skip: $f not found"; exit 77; }; done; }
 # finish NAME: the exit status: 1 when any check failed.
 finish() { [[ $fails -eq 0 ]] || { echo "$fails check(s) failed"; exit 1; }; echo "all $1 checks passed"; }
+# openai_python: the python of a venv with the official `openai` client ($KVQ_OPENAI_VENV, default
+# $TMPDIR/kvq-openai-venv, made once and reused); prints nothing when pip cannot install it.
+openai_python() {
+  local venv=${KVQ_OPENAI_VENV:-${TMPDIR:-/tmp}/kvq-openai-venv}
+  if [[ ! -x $venv/bin/python ]] || ! "$venv/bin/python" -c 'import openai' 2>/dev/null; then
+    python3 -m venv "$venv" >/dev/null 2>&1 && "$venv/bin/pip" install -q openai >/dev/null 2>&1
+  fi
+  "$venv/bin/python" -c 'import openai' 2>/dev/null && echo "$venv/bin/python"
+}

@@ -65,12 +65,9 @@ check "... and the offload tier's size (1 MiB of 8 KiB slots) and counters" \
 check "the startup line names the tier" "grep -q 'offload tier 128 pages' $tmp/log"
 
 # the official OpenAI client
-venv=${KVQ_OPENAI_VENV:-${TMPDIR:-/tmp}/kvq-openai-venv}
-if [[ ! -x $venv/bin/python ]] || ! "$venv/bin/python" -c 'import openai' 2>/dev/null; then
-  python3 -m venv "$venv" >/dev/null 2>&1 && "$venv/bin/pip" install -q openai >/dev/null 2>&1
-fi
-if "$venv/bin/python" -c 'import openai' 2>/dev/null; then
-  "$venv/bin/python" - "$url" >"$tmp/py.out" 2>&1 <<'PY'
+py=$(openai_python)
+if [[ -n $py ]]; then
+  "$py" - "$url" >"$tmp/py.out" 2>&1 <<'PY'
 import sys
 import openai
 c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="none")

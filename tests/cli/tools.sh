@@ -2,7 +2,7 @@
 # Function calling on kvq serve with a real chat model (SmolLM2-135M-Instruct, scripts/get-models.sh):
 # sampled tool calls whose arguments Python's jsonschema validates against the function's
 # parameters, streamed calls assembled as OpenAI's clients assemble them, a conversation with a
-# tool's result, and (when the `openai` package can be installed into the venv that serve.sh uses)
+# tool's result, and (when the `openai` package can be installed: common.bash's openai_python)
 # the official client reading the calls into its own types.
 set -u
 source "$(dirname "$0")/common.bash"
@@ -133,12 +133,9 @@ check "tool calls validated by jsonschema, streamed = plain, conversation, 400" 
   "grep -q 'tools ok' $tmp/py.out || { cat $tmp/py.out; false; }"
 grep -E "^(required|auto|conversation)" "$tmp/py.out"
 
-venv=${KVQ_OPENAI_VENV:-${TMPDIR:-/tmp}/kvq-openai-venv}
-if [[ ! -x $venv/bin/python ]] || ! "$venv/bin/python" -c 'import openai' 2>/dev/null; then
-  python3 -m venv "$venv" >/dev/null 2>&1 && "$venv/bin/pip" install -q openai >/dev/null 2>&1
-fi
-if "$venv/bin/python" -c 'import openai' 2>/dev/null; then
-  "$venv/bin/python" - "$url" >"$tmp/oa.out" 2>&1 <<'PY'
+py=$(openai_python)
+if [[ -n $py ]]; then
+  "$py" - "$url" >"$tmp/oa.out" 2>&1 <<'PY'
 import json, sys
 import openai
 c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="none")
