@@ -63,7 +63,7 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "--tools: no tools to call in %s\n", argv[i + 1]);
         return 2;
       }
-      grammar = Grammar::from_schema(tool_reply_schema(spec, nullptr));
+      grammar = tool_reply_grammar(spec, nullptr);
       tools_prompt = tool_system_prompt(spec, true);
     }
     else {

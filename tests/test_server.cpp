@@ -646,6 +646,10 @@ TEST_F(ServerTest, DeeplyNestedBodyIsRefused) {
   const std::string deep = std::string(200000, '[') + "1" + std::string(200000, ']');
   expect_bad("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "tools": )" + deep + "}");
   expect_bad("/v1/completions", R"({"prompt": "x", "stop": ")" + std::string(600, '[') + R"(", "x": )" + std::string(600, '{'));
+  auto c = client();
+  auto r = c.Post("/v1/chat/completions", R"({"tools": )" + deep + "}", "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_NE(r->body.find("nested deeper than 512 levels"), std::string::npos) << r->body.substr(0, 200);
   // brackets inside strings do not count
   json ok = {{"prompt", "x"}, {"user", std::string(600, '[') + "\\\"" + std::string(600, '{')}, {"max_tokens", 2}};
   EXPECT_EQ(post_ok("/v1/completions", ok)["usage"]["completion_tokens"], 2);
@@ -677,6 +681,9 @@ TEST_F(ServerTest, ContinueFinalMessage) {
   expect_bad("/v1/chat/completions", "{" + two + R"(, "continue_final_message": true, "response_format": {"type": "json_object"}})",
              "continue_final_message");
   expect_bad("/v1/chat/completions", "{" + two + R"(, "continue_final_message": true, "guided_regex": "a+"})",
+             "continue_final_message");
+  expect_bad("/v1/chat/completions",
+             "{" + two + R"(, "continue_final_message": true, "tools": [{"type": "function", "function": {"name": "f"}}]})",
              "continue_final_message");
   expect_bad("/v1/chat/completions", "{" + two + R"(, "continue_final_message": true, "add_generation_prompt": true})",
              "continue_final_message");

@@ -46,7 +46,8 @@ ojson body_with(const std::string& extra) {
 
 std::string tools_error(const std::string& body, std::string* param = nullptr) {
   try {
-    parse_tools(ojson::parse(body));
+    const ToolSpec spec = parse_tools(ojson::parse(body));
+    if (spec.active()) tool_reply_grammar(spec, nullptr);  // the parameters' schemas
   } catch (const ToolsError& e) {
     if (param) *param = e.param;
     return e.what();
@@ -107,6 +108,8 @@ TEST(Tools, BadToolsNameTheField) {
           {"xs": {"type": "array", "uniqueItems": true}}}}}]})",
        "tools[0].function.parameters"},
       {R"({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]})", "tools[0].function.strict"},
+      {R"({"tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g",
+          "parameters": {"type": "object", "properties": {"x": {"not": {}}}}}}]})", "tools[1].function.parameters"},
       {R"({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}]})",
        "tools[0].function.parameters"},
       {R"({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/a", "$defs": {"a": {}}}}}]})",
@@ -130,7 +133,8 @@ TEST(Tools, BadToolsNameTheField) {
   }
   // The schema's error says where in the parameters and what.
   EXPECT_NE(tools_error(bad[10].first).find("uniqueItems"), std::string::npos);
-  EXPECT_NE(tools_error(bad[12].first).find("anyOf"), std::string::npos);
+  EXPECT_NE(tools_error(bad[12].first).find("'not'"), std::string::npos);
+  EXPECT_NE(tools_error(bad[13].first).find("anyOf"), std::string::npos);
 }
 
 // Random replies of each tool_choice's grammar: every complete one is a reply of the allowed

@@ -586,18 +586,24 @@ class SchemaCompiler {
     return types;
   }
 
+  // The node a "$ref" into this document names; nullptr when it names none (or another document).
+  const json* ref_target(const std::string& target) const {
+    if (target.empty() || target[0] != '#') return nullptr;
+    try {
+      return &root_.at(json::json_pointer(target.substr(1)));
+    } catch (const std::exception&) {
+      return nullptr;
+    }
+  }
+
   uint32_t ref(const std::string& target, const std::string& path) {
     if (target.empty() || target[0] != '#')
       fail(path, "$ref '" + target + "' is not supported (only references into this schema: #, #/$defs/NAME, #/definitions/NAME)");
     auto it = refs_.find(target);
     if (it != refs_.end()) return it->second;
     const std::string pointer = target.substr(1);
-    const json* node = nullptr;
-    try {
-      node = &root_.at(json::json_pointer(pointer));
-    } catch (const std::exception&) {
-      fail(path, "$ref '" + target + "' points at nothing in the schema");
-    }
+    const json* node = ref_target(target);
+    if (!node) fail(path, "$ref '" + target + "' points at nothing in the schema");
     const uint32_t r = new_rule();  // before compiling the target: it may refer to itself
     refs_.emplace(target, r);
     alt(r, {rule(schema(*node, pointer))});
@@ -628,13 +634,8 @@ class SchemaCompiler {
     const json* s = &items;
     for (int hops = 0; hops < 64 && s->is_object(); ++hops) {
       if (s->contains("$ref") && (*s)["$ref"].is_string()) {
-        const std::string target = (*s)["$ref"].get<std::string>();
-        if (target.empty() || target[0] != '#') return {};
-        try {
-          s = &root_.at(json::json_pointer(target.substr(1)));
-        } catch (const std::exception&) {
-          return {};
-        }
+        s = ref_target((*s)["$ref"].get<std::string>());
+        if (!s) return {};
       } else if (s->contains("allOf") && (*s)["allOf"].is_array() && (*s)["allOf"].size() == 1) {
         s = &(*s)["allOf"][0];
       } else {

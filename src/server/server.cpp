@@ -495,9 +495,9 @@ Server::Impl::ChatTools Server::Impl::chat_tools(const json& body, std::string_v
   if (ar) {
     t.response_is_string = response.is_null();
     try {
-      ar->params.grammar = Grammar::from_schema(tool_reply_schema(t.spec, response));
-    } catch (const std::invalid_argument& e) {
-      throw ApiError{fmt::format("'tools': the reply's schema: {}", e.what()), "tools"};
+      ar->params.grammar = tool_reply_grammar(t.spec, response);
+    } catch (const ToolsError& e) {
+      throw ApiError{e.what(), e.param};
     }
     ar->params.json_object = false;
   }
@@ -542,10 +542,6 @@ std::vector<int32_t> Server::Impl::chat_prompt(const json& body, const std::stri
     ro.add_generation_prompt = false;
     if (msgs.back().role != "assistant")
       throw ApiError{"'continue_final_message' needs the last message to be the assistant's", "continue_final_message"};
-    if (!system_extra.empty())
-      throw ApiError{"'continue_final_message' cannot be combined with 'tools' (the reply's form is the tools'); "
-                     "tool_choice \"none\" turns them off",
-                     "continue_final_message"};
   }
   std::string text;
   if (tpl.known()) {
@@ -610,24 +606,16 @@ json Server::Impl::chat_logprobs(const std::vector<TokenLogprob>& lps) const {
 static json parse_body(const httplib::Request& req) {
   // (the JSON parser would stop at a raw NUL byte and ignore what follows it)
   if (req.body.find('\0') != std::string::npos) throw ApiError{"the request body holds a NUL byte", ""};
-  // Nesting is bounded before parsing: the JSON library copies and frees values recursively.
-  int depth = 0;
-  bool in_string = false, escaped = false;
-  for (char c : req.body) {
-    if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      if (++depth > kMaxBodyDepth)
-        throw ApiError{fmt::format("the request body is nested deeper than {} levels", kMaxBodyDepth), ""};
-    } else if (c == '}' || c == ']') {
-      --depth;
-    }
-  }
-  json body = json::parse(req.body, nullptr, false);
+  // Nesting is bounded while parsing (the parser's callback sees each value's depth): the JSON
+  // library copies and frees values recursively.
+  json body = json::parse(
+      req.body,
+      [](int depth, json::parse_event_t, json&) {
+        if (depth > kMaxBodyDepth)
+          throw ApiError{fmt::format("the request body is nested deeper than {} levels", kMaxBodyDepth), ""};
+        return true;
+      },
+      false);
   if (body.is_discarded()) throw ApiError{"the request body is not valid JSON", ""};
   if (!body.is_object()) throw ApiError{"the request body must be a JSON object", ""};
   return body;
@@ -664,12 +652,13 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
   if (chat) {
     tools = chat_tools(body, req.body, &ar);
     if (tools.spec.choice == ToolChoice::named) tool_finish = "stop";
-    // A constraint's grammar starts at the reply's first byte: after a continued message's start
-    // the text would be that start followed by a whole document.
-    if (!ar.constraint.empty() && body.contains("continue_final_message") && body["continue_final_message"] == true)
+    // A constraint's grammar (the tools' too) starts at the reply's first byte: after a continued
+    // message's start the text would be that start followed by a whole document.
+    if ((ar.params.grammar || ar.params.json_object) && body.contains("continue_final_message") &&
+        body["continue_final_message"] == true)
       throw ApiError{fmt::format("'continue_final_message' cannot be combined with '{}': its grammar would start after "
                                  "the continued text",
-                                 ar.constraint),
+                                 tools.spec.active() ? "tools" : ar.constraint),
                      "continue_final_message"};
     prompts.push_back({chat_prompt(body, tools.system_extra), "", 0});
   } else {

@@ -54,6 +54,17 @@ void rebase_refs(ojson& schema, const std::string& at) {
   }
 }
 
+// {"type": "object", "properties": {name: value}, "required": [name]} and nothing else.
+ojson one_property(const char* name, ojson value) {
+  ojson s = ojson::object();
+  s["type"] = "object";
+  s["properties"] = ojson::object();
+  s["properties"][name] = std::move(value);
+  s["required"] = ojson::array({name});
+  s["additionalProperties"] = false;
+  return s;
+}
+
 ojson call_schema(const ToolFunction& f, const std::string& at) {
   ojson params = f.parameters;
   rebase_refs(params, at + "/properties/arguments");
@@ -218,7 +229,7 @@ ToolSpec parse_tools(const ojson& body) {
         if (!fn.parameters.is_object()) throw ToolsError("'parameters' must be a JSON Schema object", pparam);
         // The arguments are an object (OpenAI's rule): a schema that allows anything else cannot
         // be. Without a type, a schema of only an object's keywords (or none: {}) is read as one.
-        if (fn.parameters.contains("type") ? fn.parameters["type"] != "object" : false)
+        if (fn.parameters.contains("type") && fn.parameters["type"] != "object")
           throw ToolsError("'parameters' must describe an object (\"type\": \"object\")", pparam);
         if (!fn.parameters.contains("type")) {
           for (const char* k : {"$ref", "anyOf", "oneOf", "allOf", "enum", "const", "not", "if"})
@@ -231,11 +242,7 @@ ToolSpec parse_tools(const ojson& body) {
         fn.parameters["type"] = "object";
         fn.parameters["properties"] = ojson::object();
       }
-      try {
-        (void)Grammar::from_schema(fn.parameters);
-      } catch (const std::invalid_argument& e) {
-        throw ToolsError(fmt::format("'{}': {}", pparam, e.what()), pparam);
-      }
+      fn.index = i;
       spec.functions.push_back(std::move(fn));
     }
   }
@@ -291,24 +298,30 @@ ojson tool_reply_schema(const ToolSpec& spec, const ojson& response_schema) {
   arr["items"] = items;
   arr["minItems"] = 1;
   if (!spec.parallel || spec.choice == ToolChoice::named) arr["maxItems"] = 1;
-  ojson calls = ojson::object();
-  calls["type"] = "object";
-  calls["properties"] = ojson::object();
-  calls["properties"]["tool_calls"] = arr;
-  calls["required"] = ojson::array({"tool_calls"});
-  calls["additionalProperties"] = false;
+  ojson calls = one_property("tool_calls", std::move(arr));
   if (!with_response) return calls;
   ojson resp = response_schema.is_null() ? ojson::object({{"type", "string"}}) : response_schema;
   rebase_refs(resp, "/anyOf/1/properties/response");
-  ojson answer = ojson::object();
-  answer["type"] = "object";
-  answer["properties"] = ojson::object();
-  answer["properties"]["response"] = resp;
-  answer["required"] = ojson::array({"response"});
-  answer["additionalProperties"] = false;
   ojson s = ojson::object();
-  s["anyOf"] = ojson::array({calls, answer});
+  s["anyOf"] = ojson::array({std::move(calls), one_property("response", std::move(resp))});
   return s;
+}
+
+std::shared_ptr<const Grammar> tool_reply_grammar(const ToolSpec& spec, const ojson& response_schema) {
+  try {
+    return Grammar::from_schema(tool_reply_schema(spec, response_schema));
+  } catch (const std::invalid_argument& e) {
+    // Only when it fails is each function's schema compiled alone, to name the one at fault.
+    for (const ToolFunction& f : spec.functions) {
+      try {
+        (void)Grammar::from_schema(f.parameters);
+      } catch (const std::invalid_argument& fe) {
+        const std::string param = fmt::format("tools[{}].function.parameters", f.index);
+        throw ToolsError(fmt::format("'{}': {}", param, fe.what()), param);
+      }
+    }
+    throw ToolsError(fmt::format("the reply's schema: {}", e.what()), response_schema.is_null() ? "tools" : "response_format");
+  }
 }
 
 std::string tool_system_prompt(const ToolSpec& spec, bool response_is_string) {

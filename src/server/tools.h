@@ -28,6 +28,7 @@
 #pragma once
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <memory>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -36,6 +37,8 @@
 #include "model/chat.h"
 
 namespace kvq {
+
+class Grammar;
 
 // A request's tools or messages that cannot be served; param names the field (OpenAI's error).
 struct ToolsError : std::invalid_argument {
@@ -47,6 +50,7 @@ struct ToolFunction {
   std::string name;
   std::string description;            // empty: none
   nlohmann::ordered_json parameters;  // the arguments' JSON Schema
+  size_t index = 0;                   // its place in the request's tools
 };
 
 enum class ToolChoice { none, automatic, required, named };
@@ -62,8 +66,7 @@ struct ToolSpec {
 // Reads tools, tool_choice and parallel_tool_calls from a chat request body (an ordered_json keeps
 // the parameters' properties in the order they are written, the order they are generated in).
 // Parameters must describe an object; without a type, a schema of an object's keywords (or {})
-// is given "type": "object". Each function's parameters are compiled on their own, so that an
-// error names the function.
+// is given "type": "object". The schemas are compiled by tool_reply_grammar.
 // Throws ToolsError.
 ToolSpec parse_tools(const nlohmann::ordered_json& body);
 
@@ -71,6 +74,9 @@ ToolSpec parse_tools(const nlohmann::ordered_json& body);
 // for a string. The functions' own "$ref"s (pointers into their parameters) are rewritten to point
 // into this document.
 nlohmann::ordered_json tool_reply_schema(const ToolSpec& spec, const nlohmann::ordered_json& response_schema);
+// That schema compiled. Throws ToolsError naming the function whose parameters cannot be
+// generated (tools[i].function.parameters), else the response's schema.
+std::shared_ptr<const Grammar> tool_reply_grammar(const ToolSpec& spec, const nlohmann::ordered_json& response_schema);
 
 // What the system turn says about the functions and the reply's form.
 std::string tool_system_prompt(const ToolSpec& spec, bool response_is_string);
