@@ -48,6 +48,8 @@ void fill_weights(GgmlType t, uint8_t* w, size_t bytes, std::mt19937& rng) {
       return;
     case GgmlType::Q4_1: case GgmlType::Q5_1: case GgmlType::Q4_K: case GgmlType::Q5_K: f16_fields = {0, 2}; break;
     case GgmlType::Q6_K: f16_fields = {208}; break;
+    case GgmlType::Q2_K: f16_fields = {80, 82}; break;
+    case GgmlType::Q3_K: f16_fields = {108}; break;
     default: f16_fields = {0}; break;
   }
   const uint16_t h = f32_to_f16(0.01f);
@@ -108,8 +110,8 @@ const Shape kShapesK[] = {{"smol_576x1536", 576, 1536}, {"gemma_640x2048", 640, 
 
 int register_all() {
   const GgmlType t32[] = {GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0,
-                          GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1};
-  const GgmlType tk[] = {GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K};
+                          GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::IQ4_NL};
+  const GgmlType tk[] = {GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::IQ4_XS};
   auto reg = [](GgmlType t, const Shape& s) {
     for (int64_t n_tok : {int64_t(1), int64_t(512)}) {
       std::string name = std::string(ggml_type_name(t)) + "/" + s.name + (n_tok == 1 ? "/decode" : "/prefill512");

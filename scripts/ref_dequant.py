@@ -7,7 +7,7 @@ Each file is a sequence of records (little-endian):
   b"KVQD", u32 ggml type id, u32 n_elements, u32 n_bytes, n_bytes raw bytes, n_elements float32.
 Records: random blocks for every type (scale fields set to chosen fp16 values: ordinary, tiny,
 subnormal, zero, negative, large), plus, when the model files are given, the first blocks of a
-few rows of real tensors of each type they contain.
+few rows of a real tensor of each type each file contains.
 
 usage: ref_dequant.py OUT_DIR [MODEL.gguf ...]     (pip install gguf numpy)
 """
@@ -22,7 +22,8 @@ from gguf.quants import dequantize
 
 # byte offsets of the fp16 scale fields inside each block
 F16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
-              T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
+              T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.Q2_K: [80, 82], T.Q3_K: [108],
+              T.IQ4_NL: [0], T.IQ4_XS: [0]}
 SCALES = [0.0123, -0.0071, 3.0e-3, 6.1e-5, 2.0e-6, 0.0, 1.5, -250.0]  # 2e-6 is an fp16 subnormal
 
 
@@ -76,7 +77,9 @@ def real_rows(path, want):
 def main():
     out_dir = Path(sys.argv[1])
     out_dir.mkdir(parents=True, exist_ok=True)
-    types = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
+    # new types go at the end: the random stream, and so the earlier files, stay the same
+    types = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K,
+             T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS]
     rng = np.random.default_rng(20240611)
     real = {}
     for model in sys.argv[2:]:

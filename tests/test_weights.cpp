@@ -25,7 +25,8 @@ namespace {
 
 const GgmlType kTypes[] = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16, GgmlType::Q8_0,
                            GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1,
-                           GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K};
+                           GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::Q2_K,
+                           GgmlType::Q3_K, GgmlType::IQ4_NL, GgmlType::IQ4_XS};
 
 int block_size(GgmlType t) { return ggml_type_traits(uint32_t(t))->block_size; }
 size_t type_size(GgmlType t) { return ggml_type_traits(uint32_t(t))->type_size; }
@@ -141,12 +142,19 @@ std::vector<uint8_t> random_weights(GgmlType t, int64_t n_in, int64_t n_out, siz
         }
         case GgmlType::F16: put16(0, f32_to_f16(nd(rng) * std::min(mag, 100.0f))); break;
         case GgmlType::BF16: put16(0, f32_to_bf16(nd(rng) * mag)); break;
-        case GgmlType::Q4_0: case GgmlType::Q5_0: case GgmlType::Q8_0: put16(0, pick_scale(m, rng)); break;
+        case GgmlType::Q4_0: case GgmlType::Q5_0: case GgmlType::Q8_0: case GgmlType::IQ4_NL: case GgmlType::IQ4_XS:
+          put16(0, pick_scale(m, rng));
+          break;
         case GgmlType::Q4_1: case GgmlType::Q5_1: case GgmlType::Q4_K: case GgmlType::Q5_K:
           put16(0, pick_scale(m, rng));
           put16(2, pick_scale(m, rng));
           break;
         case GgmlType::Q6_K: put16(208, pick_scale(m, rng)); break;
+        case GgmlType::Q2_K:
+          put16(80, pick_scale(m, rng));
+          put16(82, pick_scale(m, rng));
+          break;
+        case GgmlType::Q3_K: put16(108, pick_scale(m, rng)); break;
         default: break;
       }
     }
@@ -485,15 +493,15 @@ TEST(Glu, PooledEqualsSingleCall) {
 
 TEST(WeightsApi, SupportedTypes) {
   for (GgmlType t : kTypes) EXPECT_TRUE(weight_type_supported(t));
-  EXPECT_FALSE(weight_type_supported(GgmlType::Q2_K));
-  EXPECT_FALSE(weight_type_supported(GgmlType::IQ4_NL));
+  EXPECT_FALSE(weight_type_supported(GgmlType::IQ2_XXS));
+  EXPECT_FALSE(weight_type_supported(GgmlType::Q8_K));
 }
 
 TEST(WeightsApi, BadViewsAreUserErrors) {
   std::vector<uint8_t> buf(4096);
   std::vector<float> x(256), y(16);
   ThreadPool pool(1);
-  WeightView unsupported{GgmlType::Q2_K, buf.data(), 256, 2, 84};
+  WeightView unsupported{GgmlType::IQ2_XXS, buf.data(), 256, 2, 66};
   EXPECT_THROW(matmul(unsupported, x.data(), 1, y.data(), pool), Error);
   WeightView ragged{GgmlType::Q4_0, buf.data(), 40, 2, 40};
   EXPECT_THROW(matmul(ragged, x.data(), 1, y.data(), pool), Error);

@@ -15,6 +15,9 @@ enum class GgmlType : uint32_t {
   TQ1_0 = 34, TQ2_0 = 35, MXFP4 = 39,
 };
 
+// The 16 levels of IQ4_NL / IQ4_XS codes (ggml's table; also kvq's iq4_nl KV cache type).
+inline constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
 struct GgmlTypeTraits {
   const char* name;
   int block_size;      // elements per block

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "core/dtypes.h"
+#include "gguf/ggml_types.h"
 
 namespace kvq {
 
@@ -106,7 +107,7 @@ struct kv_block_iq4_nl {
   uint8_t qs[16];  // x ~= d * kv_iq4nl_grid[q]
 };
 static_assert(sizeof(kv_block_iq4_nl) == 18);
-inline constexpr int8_t kv_iq4nl_grid[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+inline constexpr const int8_t (&kv_iq4nl_grid)[16] = kIq4nlValues;
 // The formats whose SIMD kernels are the AVX2 ones at every level (the float-decode row kernels;
 // they run unchanged on AVX-512 machines).
 constexpr bool kv_elem_ggml_ext(KvElem e) {

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "core/dtypes.h"
+#include "gguf/ggml_types.h"
 
 namespace kvq {
 
@@ -83,6 +84,55 @@ struct BlockQ6_K {
   f16_t d;
 };
 static_assert(sizeof(BlockQ6_K) == 210);
+
+// 16 sub-blocks of 16: w = d * (sc[j] & 15) * q - dmin * (sc[j] >> 4), q 2 bits. Per half h (128
+// elements): element 32k + l (k < 4, l < 32) is bits 2k, 2k+1 of qs[32h + l], sub-block 8h + 2k + l / 16.
+struct BlockQ2_K {
+  uint8_t scales[kQKK / 16];  // low nibble scale, high nibble min
+  uint8_t qs[kQKK / 4];
+  f16_t d;
+  f16_t dmin;
+};
+static_assert(sizeof(BlockQ2_K) == 84);
+
+// 16 sub-blocks of 16: w = d * (sc[j] - 32) * (q - 4 * !hbit), q 2 bits laid out as Q2_K's; the
+// high bit of element 32k + l of half h is bit 4h + k of hmask[l]; 16 6-bit scales packed in 12
+// bytes (bytes 0-7: low nibbles of scales 0-7 and, in the high nibbles, of 8-15; bytes 8-11: the
+// top 2 bits, scale j at bits 2 * (j / 4) of byte 8 + j % 4).
+struct BlockQ3_K {
+  uint8_t hmask[kQKK / 8];
+  uint8_t qs[kQKK / 4];
+  uint8_t scales[12];
+  f16_t d;
+};
+static_assert(sizeof(BlockQ3_K) == 110);
+
+// Non-linear 4-bit codes: w = d * kIq4nlValues[q], nibbles in Q4_0's order.
+struct BlockIQ4_NL {
+  f16_t d;
+  uint8_t qs[kQK / 2];
+};
+static_assert(sizeof(BlockIQ4_NL) == 18);
+
+// 8 sub-blocks of 32 with IQ4_NL's codes: w = d * (ls[j] - 32) * kIq4nlValues[q], ls 6 bits (low
+// nibble j % 2 of scales_l[j / 2], top 2 bits at bit 2j of scales_h); sub-block j's 16 bytes of qs
+// hold its elements 0..15 in low nibbles and 16..31 in high.
+struct BlockIQ4_XS {
+  f16_t d;
+  uint16_t scales_h;
+  uint8_t scales_l[kQKK / 64];
+  uint8_t qs[kQKK / 2];
+};
+static_assert(sizeof(BlockIQ4_XS) == 136);
+
+// Unpacks Q3_K's 16 6-bit scales (minus 32) into sc.
+inline void q3k_scales(const uint8_t* s, int8_t* sc) {
+  for (int j = 0; j < 16; ++j) {
+    const int lo = j < 8 ? (s[j] & 0xF) : (s[j - 8] >> 4);
+    const int hi = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+    sc[j] = int8_t((lo | (hi << 4)) - 32);
+  }
+}
 
 // ---- activation blocks (kvq-internal, built per matmul call) ----
 

@@ -15,7 +15,8 @@ bool weight_type_supported(GgmlType t) {
   switch (t) {
     case GgmlType::F32: case GgmlType::F16: case GgmlType::BF16: case GgmlType::Q8_0:
     case GgmlType::Q4_0: case GgmlType::Q4_1: case GgmlType::Q5_0: case GgmlType::Q5_1:
-    case GgmlType::Q4_K: case GgmlType::Q5_K: case GgmlType::Q6_K:
+    case GgmlType::Q2_K: case GgmlType::Q3_K: case GgmlType::Q4_K: case GgmlType::Q5_K: case GgmlType::Q6_K:
+    case GgmlType::IQ4_NL: case GgmlType::IQ4_XS:
       return true;
     default:
       return false;
@@ -80,6 +81,57 @@ void deq_q8_0(const BlockQ8_0* b, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += kQK) {
     const float d = f16_to_f32(b[i].d);
     for (int j = 0; j < kQK; ++j) y[j] = float(b[i].qs[j]) * d;
+  }
+}
+
+void deq_q2_k(const BlockQ2_K* b, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, y += kQKK) {
+    const float d = f16_to_f32(b[i].d), dmin = f16_to_f32(b[i].dmin);
+    for (int e = 0; e < kQKK; ++e) {
+      const int h = e / 128, k = (e % 128) / 32, l = e % 32;
+      const uint8_t sc = b[i].scales[8 * h + 2 * k + l / 16];
+      const float dl = d * float(sc & 0xF), ml = dmin * float(sc >> 4);
+      y[e] = dl * float((b[i].qs[32 * h + l] >> (2 * k)) & 3) - ml;
+    }
+  }
+}
+
+void deq_q3_k(const BlockQ3_K* b, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, y += kQKK) {
+    const float d = f16_to_f32(b[i].d);
+    int8_t sc[16];
+    q3k_scales(b[i].scales, sc);
+    for (int e = 0; e < kQKK; ++e) {
+      const int h = e / 128, k = (e % 128) / 32, l = e % 32;
+      const int q = ((b[i].qs[32 * h + l] >> (2 * k)) & 3) - (((b[i].hmask[l] >> (4 * h + k)) & 1) ? 0 : 4);
+      const float dl = d * float(sc[8 * h + 2 * k + l / 16]);
+      y[e] = dl * float(q);
+    }
+  }
+}
+
+void deq_iq4_nl(const BlockIQ4_NL* b, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, y += kQK) {
+    const float d = f16_to_f32(b[i].d);
+    for (int j = 0; j < kQK / 2; ++j) {
+      y[j] = d * float(kIq4nlValues[b[i].qs[j] & 0xF]);
+      y[j + 16] = d * float(kIq4nlValues[b[i].qs[j] >> 4]);
+    }
+  }
+}
+
+void deq_iq4_xs(const BlockIQ4_XS* b, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, y += kQKK) {
+    const float d = f16_to_f32(b[i].d);
+    for (int j = 0; j < 8; ++j) {
+      const int ls = ((b[i].scales_l[j / 2] >> (4 * (j % 2))) & 0xF) | (((b[i].scales_h >> (2 * j)) & 3) << 4);
+      const float dl = d * float(ls - 32);
+      const uint8_t* q = b[i].qs + 16 * j;
+      for (int l = 0; l < 16; ++l) {
+        y[32 * j + l] = dl * float(kIq4nlValues[q[l] & 0xF]);
+        y[32 * j + l + 16] = dl * float(kIq4nlValues[q[l] >> 4]);
+      }
+    }
   }
 }
 
@@ -155,6 +207,10 @@ void dequantize_row_ref(GgmlType t, const void* src, float* dst, int64_t n) {
     case GgmlType::Q5_0: deq_q5_0(static_cast<const BlockQ5_0*>(src), dst, nb); break;
     case GgmlType::Q5_1: deq_q5_1(static_cast<const BlockQ5_1*>(src), dst, nb); break;
     case GgmlType::Q8_0: deq_q8_0(static_cast<const BlockQ8_0*>(src), dst, nb); break;
+    case GgmlType::Q2_K: deq_q2_k(static_cast<const BlockQ2_K*>(src), dst, nb); break;
+    case GgmlType::Q3_K: deq_q3_k(static_cast<const BlockQ3_K*>(src), dst, nb); break;
+    case GgmlType::IQ4_NL: deq_iq4_nl(static_cast<const BlockIQ4_NL*>(src), dst, nb); break;
+    case GgmlType::IQ4_XS: deq_iq4_xs(static_cast<const BlockIQ4_XS*>(src), dst, nb); break;
     case GgmlType::Q4_K: deq_q4_k(static_cast<const BlockQ4_K*>(src), dst, nb); break;
     case GgmlType::Q5_K: deq_q5_k(static_cast<const BlockQ5_K*>(src), dst, nb); break;
     case GgmlType::Q6_K: deq_q6_k(static_cast<const BlockQ6_K*>(src), dst, nb); break;

@@ -11,7 +11,18 @@ namespace kvq {
 
 // What x is converted to before the dot products with a weight type.
 enum class ActFormat { f32, q8a, q8k };
-ActFormat act_format(GgmlType t);
+constexpr ActFormat act_format(GgmlType t) {
+  switch (t) {
+    case GgmlType::Q4_0: case GgmlType::Q4_1: case GgmlType::Q5_0: case GgmlType::Q5_1:
+    case GgmlType::Q8_0: case GgmlType::IQ4_NL:
+      return ActFormat::q8a;
+    case GgmlType::Q2_K: case GgmlType::Q3_K: case GgmlType::Q4_K: case GgmlType::Q5_K: case GgmlType::Q6_K:
+    case GgmlType::IQ4_XS:
+      return ActFormat::q8k;
+    default:
+      return ActFormat::f32;
+  }
+}
 // Bytes of one converted activation row of n_in elements.
 size_t act_row_bytes(ActFormat f, int64_t n_in);
 

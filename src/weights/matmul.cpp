@@ -14,18 +14,6 @@
 
 namespace kvq {
 
-ActFormat act_format(GgmlType t) {
-  switch (t) {
-    case GgmlType::Q4_0: case GgmlType::Q4_1: case GgmlType::Q5_0: case GgmlType::Q5_1:
-    case GgmlType::Q8_0:
-      return ActFormat::q8a;
-    case GgmlType::Q4_K: case GgmlType::Q5_K: case GgmlType::Q6_K:
-      return ActFormat::q8k;
-    default:
-      return ActFormat::f32;
-  }
-}
-
 size_t act_row_bytes(ActFormat f, int64_t n_in) {
   switch (f) {
     case ActFormat::q8a: return size_t(n_in / kQK) * sizeof(BlockQ8A);
@@ -124,6 +112,13 @@ float row_dot_q8a(const uint8_t* w, const BlockQ8A* x, int64_t nb) {
         q[j] = int8_t(((blk.qs[j] & 0xF) | ((qh >> j) & 1) << 4) - off);
         q[j + 16] = int8_t(((blk.qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - off);
       }
+    } else if constexpr (T == GgmlType::IQ4_NL) {
+      const auto& blk = reinterpret_cast<const BlockIQ4_NL*>(w)[b];
+      d = f16_to_f32(blk.d);
+      for (int j = 0; j < 16; ++j) {
+        q[j] = kIq4nlValues[blk.qs[j] & 0xF];
+        q[j + 16] = kIq4nlValues[blk.qs[j] >> 4];
+      }
     } else {
       static_assert(T == GgmlType::Q8_0);
       const auto& blk = reinterpret_cast<const BlockQ8_0*>(w)[b];
@@ -159,6 +154,43 @@ float row_dot_q8k(const uint8_t* w, const BlockQ8K* x, int64_t nb) {
         msum += int(m) * x[b].bsum32[j];
       }
       acc += f16_to_f32(blk.d) * x[b].d * float(isum) - f16_to_f32(blk.dmin) * x[b].d * float(msum);
+    } else if constexpr (T == GgmlType::Q2_K || T == GgmlType::Q3_K) {
+      // 16 sub-blocks of 16: element 32k + l of half h is bits 2k of qs[32h + l], sub-block 8h + 2k + l / 16
+      using B = std::conditional_t<T == GgmlType::Q2_K, BlockQ2_K, BlockQ3_K>;
+      const auto& blk = reinterpret_cast<const B*>(w)[b];
+      int8_t sc3[16];
+      if constexpr (T == GgmlType::Q3_K) q3k_scales(blk.scales, sc3);
+      int isum = 0, msum = 0;
+      for (int j = 0; j < 16; ++j) {
+        const int h = j / 8, k = (j % 8) / 2, l0 = 16 * (j % 2);
+        int s = 0;
+        for (int l = l0; l < l0 + 16; ++l) {
+          int v = (blk.qs[32 * h + l] >> (2 * k)) & 3;
+          if constexpr (T == GgmlType::Q3_K) v -= ((blk.hmask[l] >> (4 * h + k)) & 1) ? 0 : 4;
+          s += v * xq[128 * h + 32 * k + l];
+        }
+        if constexpr (T == GgmlType::Q2_K) {
+          isum += int(blk.scales[j] & 0xF) * s;
+          msum += int(blk.scales[j] >> 4) * x[b].bsum16[j];
+        } else {
+          isum += int(sc3[j]) * s;
+        }
+      }
+      acc += f16_to_f32(blk.d) * x[b].d * float(isum);
+      if constexpr (T == GgmlType::Q2_K) acc -= f16_to_f32(blk.dmin) * x[b].d * float(msum);
+    } else if constexpr (T == GgmlType::IQ4_XS) {
+      const auto& blk = reinterpret_cast<const BlockIQ4_XS*>(w)[b];
+      int isum = 0;
+      for (int j = 0; j < 8; ++j) {
+        const int ls = ((blk.scales_l[j / 2] >> (4 * (j % 2))) & 0xF) | (((blk.scales_h >> (2 * j)) & 3) << 4);
+        int s = 0;
+        for (int l = 0; l < 16; ++l) {
+          s += kIq4nlValues[blk.qs[16 * j + l] & 0xF] * xq[32 * j + l];
+          s += kIq4nlValues[blk.qs[16 * j + l] >> 4] * xq[32 * j + l + 16];
+        }
+        isum += (ls - 32) * s;
+      }
+      acc += f16_to_f32(blk.d) * x[b].d * float(isum);
     } else {
       static_assert(T == GgmlType::Q6_K);
       const auto& blk = reinterpret_cast<const BlockQ6_K*>(w)[b];
@@ -215,7 +247,7 @@ void tile_scalar(const uint8_t* w, size_t ws, int64_t nr, const uint8_t* x, size
       float v;
       if constexpr (T == GgmlType::F32 || T == GgmlType::F16 || T == GgmlType::BF16)
         v = row_dot_float<T>(wr, reinterpret_cast<const float*>(xt), n_in);
-      else if constexpr (T == GgmlType::Q4_K || T == GgmlType::Q5_K || T == GgmlType::Q6_K)
+      else if constexpr (act_format(T) == ActFormat::q8k)
         v = row_dot_q8k<T>(wr, reinterpret_cast<const BlockQ8K*>(xt), n_in / kQKK);
       else
         v = row_dot_q8a<T>(wr, reinterpret_cast<const BlockQ8A*>(xt), n_in / kQK);
@@ -238,6 +270,10 @@ MatmulTileFn matmul_kernel_scalar(GgmlType t) {
     case GgmlType::Q4_K: return tile_scalar<GgmlType::Q4_K>;
     case GgmlType::Q5_K: return tile_scalar<GgmlType::Q5_K>;
     case GgmlType::Q6_K: return tile_scalar<GgmlType::Q6_K>;
+    case GgmlType::Q2_K: return tile_scalar<GgmlType::Q2_K>;
+    case GgmlType::Q3_K: return tile_scalar<GgmlType::Q3_K>;
+    case GgmlType::IQ4_NL: return tile_scalar<GgmlType::IQ4_NL>;
+    case GgmlType::IQ4_XS: return tile_scalar<GgmlType::IQ4_XS>;
     default: return nullptr;
   }
 }

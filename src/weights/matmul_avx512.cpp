@@ -33,7 +33,7 @@ constexpr int kPP = 2;              // panels per register tile: 32 rows share e
 // super-block sums for the K-quants) within the 32 zmm registers
 template <GgmlType T>
 constexpr int panel_tokens() {
-  return T == GgmlType::Q4_K || T == GgmlType::Q5_K || T == GgmlType::Q6_K ? 4 : 6;
+  return act_format(T) == ActFormat::q8k ? 4 : 6;
 }
 constexpr int kTokBlock = 64;       // tokens whose activations stay in L2 while the panels pass
 
@@ -75,14 +75,8 @@ inline void interleave16(const uint8_t* tmp, int n, uint8_t* out) {
 // ---- 32-element types: unsigned codes u with w = d * (u - off) + m
 
 template <GgmlType T>
-constexpr size_t block_bytes32() {
-  return T == GgmlType::Q4_0 ? sizeof(BlockQ4_0) : T == GgmlType::Q4_1 ? sizeof(BlockQ4_1)
-       : T == GgmlType::Q5_0 ? sizeof(BlockQ5_0) : T == GgmlType::Q5_1 ? sizeof(BlockQ5_1)
-       : sizeof(BlockQ8_0);
-}
-template <GgmlType T>
 constexpr int panel_off32() {
-  return T == GgmlType::Q4_0 ? 8 : T == GgmlType::Q5_0 ? 16 : T == GgmlType::Q8_0 ? 128 : 0;
+  return T == GgmlType::Q4_0 ? 8 : T == GgmlType::Q5_0 ? 16 : w32_signed<T>() ? 128 : 0;
 }
 
 // Codes of one block in element order (32 bytes), its scale and min.
@@ -93,7 +87,7 @@ inline __m256i unpack32(const uint8_t* p, float* d, float* m) {
   *d = w.d;
   if constexpr (w32_has_min<T>()) *m = w.m;
   else *m = 0;
-  if constexpr (T == GgmlType::Q8_0) return _mm256_xor_si256(w.sgn, _mm256_set1_epi8(char(0x80)));  // q + 128
+  if constexpr (w32_signed<T>()) return _mm256_xor_si256(w.sgn, _mm256_set1_epi8(char(0x80)));  // q + 128
   else return w.u;
 }
 
@@ -105,7 +99,7 @@ void pack32(const uint8_t* w, size_t ws, int nr, int64_t nb, uint8_t* codes, flo
     for (int r = 0; r < kPR; ++r) {
       __m256i u = _mm256_setzero_si256();
       float dr = 0, mr = 0;
-      if (r < nr) u = unpack32<T>(w + size_t(r) * ws + size_t(b) * block_bytes32<T>(), &dr, &mr);
+      if (r < nr) u = unpack32<T>(w + size_t(r) * ws + size_t(b) * w32_block_bytes<T>(), &dr, &mr);
       _mm256_store_si256(reinterpret_cast<__m256i*>(tmp + r * kQK), u);
       d[b * kPR + r] = dr;
       m[b * kPR + r] = mr;
@@ -153,46 +147,153 @@ void panel_tile32(const uint8_t* const* codes, const float* const* d, const floa
     for (int t = 0; t < NT; ++t) _mm512_mask_storeu_ps(y + t * ldy + p * kPR, rmask[p], acc[p][t]);
 }
 
-// ---- K-quants: 256-element super-blocks, integer sub-block scales
+// ---- K-quants and IQ4_XS: 256-element super-blocks, integer sub-block scales
+//
+// Every element is an unsigned code u (0..255) with w = d * sc_j * (u - off) - dmin * m_j for its
+// sub-block j: Q4_K / Q5_K (8 sub-blocks of 32; off 0, mins), IQ4_XS (8 of 32; its levels + 128,
+// off 128), Q6_K (16 of 16; q + 32, off 32), Q3_K (16 of 16; q + 4, off 4), Q2_K (16 of 16; off 0,
+// mins). A panel of nb super-blocks: codes (nb, subs, groups, 16 rows, 4), sc (nb, subs, 16) int32
+// scales, cp (nb, subs / 2, 16) int32 holding the int16 correction factors of sub-blocks 2p and
+// 2p + 1 (the mins, or the scales for an offset: off is a power of two), d and dmin (nb, 16).
 
-// Q4_K / Q5_K panel of nb super-blocks: codes (nb, 8 sub-blocks, 8 groups, 16 rows, 4), sc (nb, 8, 16)
-// int32 scales, mp (nb, 4, 16) int32 holding the int16 mins of sub-blocks 2p and 2p+1, d and dmin (nb, 16).
 template <GgmlType T>
-void pack_q45k(const uint8_t* w, size_t ws, int nr, int64_t nb, uint8_t* codes, int32_t* sc, int32_t* mp, float* d,
-               float* dmin) {
-  using B = std::conditional_t<T == GgmlType::Q4_K, BlockQ4_K, BlockQ5_K>;
+constexpr int k_subs() {
+  return T == GgmlType::Q4_K || T == GgmlType::Q5_K || T == GgmlType::IQ4_XS ? 8 : 16;
+}
+template <GgmlType T>
+constexpr bool k_has_min() {
+  return T == GgmlType::Q4_K || T == GgmlType::Q5_K || T == GgmlType::Q2_K;
+}
+// log2 of the code offset (types without mins)
+template <GgmlType T>
+constexpr int k_off_shift() {
+  return T == GgmlType::IQ4_XS ? 7 : T == GgmlType::Q6_K ? 5 : T == GgmlType::Q3_K ? 2 : 0;
+}
+template <GgmlType T>
+constexpr size_t k_block_bytes() {
+  return T == GgmlType::Q2_K ? sizeof(BlockQ2_K) : T == GgmlType::Q3_K ? sizeof(BlockQ3_K)
+       : T == GgmlType::Q4_K ? sizeof(BlockQ4_K) : T == GgmlType::Q5_K ? sizeof(BlockQ5_K)
+       : T == GgmlType::Q6_K ? sizeof(BlockQ6_K) : sizeof(BlockIQ4_XS);
+}
+template <GgmlType T>
+constexpr bool k_panel() {
+  return T == GgmlType::Q2_K || T == GgmlType::Q3_K || T == GgmlType::Q4_K || T == GgmlType::Q5_K ||
+         T == GgmlType::Q6_K || T == GgmlType::IQ4_XS;
+}
+
+// One row's super-block b: its 256 codes in element order into tr, its scales, correction
+// factors, d and dmin.
+template <GgmlType T>
+inline void unpack_k(const uint8_t* p, uint8_t* tr, int16_t* scale, int16_t* corr, float* d, float* dmin) {
+  constexpr int subs = k_subs<T>();
+  if constexpr (T == GgmlType::Q4_K || T == GgmlType::Q5_K) {
+    using B = std::conditional_t<T == GgmlType::Q4_K, BlockQ4_K, BlockQ5_K>;
+    const B* blk = reinterpret_cast<const B*>(p);
+    for (int j = 0; j < subs; ++j) {
+      uint8_t sc, mn;
+      k_scale_min(blk->scales, j, &sc, &mn);
+      scale[j] = sc;
+      corr[j] = mn;
+    }
+    *d = f16(blk->d);
+    *dmin = f16(blk->dmin);
+    __m256i qh = _mm256_setzero_si256();
+    if constexpr (T == GgmlType::Q5_K) qh = load32(blk->qh);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i q = load32(blk->qs + 32 * c);
+      __m256i lo = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0F));
+      if constexpr (T == GgmlType::Q5_K) {
+        const __m256i x10 = _mm256_set1_epi8(0x10);
+        lo = _mm256_mask_add_epi8(lo, _mm256_test_epi8_mask(qh, _mm256_set1_epi8(char(1 << (2 * c)))), lo, x10);
+        hi = _mm256_mask_add_epi8(hi, _mm256_test_epi8_mask(qh, _mm256_set1_epi8(char(2 << (2 * c)))), hi, x10);
+      }
+      _mm256_store_si256(reinterpret_cast<__m256i*>(tr + 64 * c), lo);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(tr + 64 * c + 32), hi);
+    }
+  } else if constexpr (T == GgmlType::IQ4_XS) {
+    const BlockIQ4_XS* blk = reinterpret_cast<const BlockIQ4_XS*>(p);
+    alignas(16) int16_t ls[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(ls), iq4xs_scales16(blk));
+    for (int j = 0; j < subs; ++j) scale[j] = corr[j] = ls[j];
+    *d = f16(blk->d);
+    *dmin = 0;
+    for (int j = 0; j < subs; ++j) {
+      const __m256i v = _mm256_shuffle_epi8(iq4nl_table(), unpack_nibbles16(blk->qs + 16 * j));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(tr + 32 * j), _mm256_xor_si256(v, _mm256_set1_epi8(char(0x80))));
+    }
+  } else if constexpr (T == GgmlType::Q6_K) {
+    const BlockQ6_K* blk = reinterpret_cast<const BlockQ6_K*>(p);
+    for (int j = 0; j < subs; ++j) scale[j] = corr[j] = blk->scales[j];
+    *d = f16(blk->d);
+    *dmin = 0;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i qh = load32(blk->qh + 32 * h);
+      for (int k = 0; k < 4; ++k) {  // elements 128h + 32k .. +32
+        const __m256i ql = load32(blk->ql + 64 * h + 32 * (k & 1));
+        const __m256i lo = k < 2 ? _mm256_and_si256(ql, m4) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
+        __m256i hb;
+        switch (k) {
+          case 0: hb = _mm256_slli_epi16(qh, 4); break;
+          case 1: hb = _mm256_slli_epi16(qh, 2); break;
+          case 2: hb = qh; break;
+          default: hb = _mm256_srli_epi16(qh, 2); break;
+        }
+        _mm256_store_si256(reinterpret_cast<__m256i*>(tr + 128 * h + 32 * k), _mm256_or_si256(lo, _mm256_and_si256(hb, m30)));
+      }
+    }
+  } else {
+    static_assert(T == GgmlType::Q2_K || T == GgmlType::Q3_K);
+    constexpr bool q3 = T == GgmlType::Q3_K;
+    using B = std::conditional_t<q3, BlockQ3_K, BlockQ2_K>;
+    const B* blk = reinterpret_cast<const B*>(p);
+    *d = f16(blk->d);
+    __m256i hm = _mm256_setzero_si256();
+    if constexpr (q3) {
+      int8_t sc[16];
+      q3k_scales(blk->scales, sc);
+      for (int j = 0; j < subs; ++j) scale[j] = corr[j] = sc[j];
+      *dmin = 0;
+      hm = load32(blk->hmask);
+    } else {
+      for (int j = 0; j < subs; ++j) {
+        scale[j] = int16_t(blk->scales[j] & 0xF);
+        corr[j] = int16_t(blk->scales[j] >> 4);
+      }
+      *dmin = f16(blk->dmin);
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256i q = load32(blk->qs + 32 * h);
+      for (int k = 0; k < 4; ++k) {
+        __m256i u = _mm256_and_si256(_mm256_srli_epi16(q, 2 * k), _mm256_set1_epi8(3));
+        // Q3_K: + 4 where the high bit is set (q + 4 = low bits + 4 * high bit)
+        if constexpr (q3)
+          u = _mm256_mask_add_epi8(u, _mm256_test_epi8_mask(hm, _mm256_set1_epi8(char(1 << (4 * h + k)))), u,
+                                   _mm256_set1_epi8(4));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(tr + 128 * h + 32 * k), u);
+      }
+    }
+  }
+}
+
+template <GgmlType T>
+void pack_k(const uint8_t* w, size_t ws, int nr, int64_t nb, uint8_t* codes, int32_t* sc, int32_t* cp, float* d,
+            float* dmin) {
+  constexpr int subs = k_subs<T>();
   alignas(64) uint8_t tmp[kPR * kQKK];
   for (int64_t b = 0; b < nb; ++b) {
     for (int r = 0; r < kPR; ++r) {
       uint8_t* tr = tmp + r * kQKK;
-      if (r >= nr) {
-        std::memset(tr, 0, kQKK);
-        for (int j = 0; j < 8; ++j) sc[(b * 8 + j) * kPR + r] = 0;
-        for (int p = 0; p < 4; ++p) mp[(b * 4 + p) * kPR + r] = 0;
-        d[b * kPR + r] = dmin[b * kPR + r] = 0;
-        continue;
-      }
-      const B* blk = reinterpret_cast<const B*>(w + size_t(r) * ws) + b;
-      uint8_t s[8], mn[8];
-      for (int j = 0; j < 8; ++j) k_scale_min(blk->scales, j, &s[j], &mn[j]);
-      for (int j = 0; j < 8; ++j) sc[(b * 8 + j) * kPR + r] = s[j];
-      for (int p = 0; p < 4; ++p) mp[(b * 4 + p) * kPR + r] = int32_t(uint32_t(mn[2 * p]) | (uint32_t(mn[2 * p + 1]) << 16));
-      d[b * kPR + r] = f16(blk->d);
-      dmin[b * kPR + r] = f16(blk->dmin);
-      __m256i qh = _mm256_setzero_si256();
-      if constexpr (T == GgmlType::Q5_K) qh = load32(blk->qh);
-      for (int c = 0; c < 4; ++c) {
-        const __m256i q = load32(blk->qs + 32 * c);
-        __m256i lo = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
-        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0F));
-        if constexpr (T == GgmlType::Q5_K) {
-          const __m256i x10 = _mm256_set1_epi8(0x10);
-          lo = _mm256_mask_add_epi8(lo, _mm256_test_epi8_mask(qh, _mm256_set1_epi8(char(1 << (2 * c)))), lo, x10);
-          hi = _mm256_mask_add_epi8(hi, _mm256_test_epi8_mask(qh, _mm256_set1_epi8(char(2 << (2 * c)))), hi, x10);
-        }
-        _mm256_store_si256(reinterpret_cast<__m256i*>(tr + 64 * c), lo);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(tr + 64 * c + 32), hi);
-      }
+      int16_t scale[subs] = {}, corr[subs] = {};
+      float dr = 0, mr = 0;
+      if (r < nr) unpack_k<T>(w + size_t(r) * ws + size_t(b) * k_block_bytes<T>(), tr, scale, corr, &dr, &mr);
+      else std::memset(tr, 0, kQKK);
+      for (int j = 0; j < subs; ++j) sc[(b * subs + j) * kPR + r] = scale[j];
+      for (int q = 0; q < subs / 2; ++q)
+        cp[(b * subs / 2 + q) * kPR + r] = int32_t(uint32_t(uint16_t(corr[2 * q])) | (uint32_t(uint16_t(corr[2 * q + 1])) << 16));
+      d[b * kPR + r] = dr;
+      dmin[b * kPR + r] = mr;
     }
     interleave16(tmp, kQKK, codes + size_t(b) * kPR * kQKK);
   }
@@ -215,10 +316,11 @@ inline void dots_subblock(const uint8_t* const* cb, size_t off, const BlockQ8K* 
   }
 }
 
-template <int P, int NT>
-void panel_tile_q45k(const uint8_t* const* codes, const int32_t* const* sc, const int32_t* const* mp,
-                     const float* const* d, const float* const* dmin, const uint8_t* x, size_t xs, int64_t nb,
-                     float* y, int64_t ldy, const __mmask16* rmask) {
+template <GgmlType T, int P, int NT>
+void panel_tile_k(const uint8_t* const* codes, const int32_t* const* sc, const int32_t* const* cp,
+                  const float* const* d, const float* const* dmin, const uint8_t* x, size_t xs, int64_t nb,
+                  float* y, int64_t ldy, const __mmask16* rmask) {
+  constexpr int subs = k_subs<T>(), len = kQKK / subs;
   __m512 acc[P][NT];
   for (int p = 0; p < P; ++p)
     for (int t = 0; t < NT; ++t) acc[p][t] = _mm512_setzero_ps();
@@ -228,110 +330,35 @@ void panel_tile_q45k(const uint8_t* const* codes, const int32_t* const* sc, cons
     __m512i isum[P][NT], ia[P][NT];
     for (int p = 0; p < P; ++p)
       for (int t = 0; t < NT; ++t) isum[p][t] = _mm512_setzero_si512();
-    for (int j = 0; j < 8; ++j) {
-      dots_subblock<P, NT>(codes, size_t(b) * kPR * kQKK + size_t(j) * 8 * 64, xb, 32 * j, 8, ia);
-      // exact: sc <= 63, |dot| <= 31 * 127 * 32, eight of them stay far below 2^31
+    for (int j = 0; j < subs; ++j) {
+      dots_subblock<P, NT>(codes, size_t(b) * kPR * kQKK + size_t(j) * len * 16, xb, len * j, len / 4, ia);
+      // exact: per sub-block |sc| * u * 127 * len <= 2^25 (IQ4_XS: 32 * 255 * 127 * 32), 16 of them < 2^31
       for (int p = 0; p < P; ++p) {
-        const __m512i sv = _mm512_load_si512(sc[p] + (b * 8 + j) * kPR);
+        const __m512i sv = _mm512_load_si512(sc[p] + (b * subs + j) * kPR);
         for (int t = 0; t < NT; ++t) isum[p][t] = _mm512_add_epi32(isum[p][t], _mm512_mullo_epi32(ia[p][t], sv));
       }
     }
-    // mins: sum_j m_j * bsum32_j, two sub-blocks per vpdpwssd
+    // sum_j c_j * (sum of x over sub-block j), two sub-blocks per vpdpwssd
     for (int p = 0; p < P; ++p)
       for (int t = 0; t < NT; ++t) ia[p][t] = _mm512_setzero_si512();
-    for (int q = 0; q < 4; ++q)
+    for (int q = 0; q < subs / 2; ++q)
       for (int t = 0; t < NT; ++t) {
-        const __m512i xv = bcast32(xb[t]->bsum32 + 2 * q);
-        for (int p = 0; p < P; ++p) ia[p][t] = _mm512_dpwssd_epi32(ia[p][t], _mm512_load_si512(mp[p] + (b * 4 + q) * kPR), xv);
-      }
-    for (int p = 0; p < P; ++p) {
-      const __m512 dv = _mm512_load_ps(d[p] + b * kPR), mdv = _mm512_load_ps(dmin[p] + b * kPR);
-      for (int t = 0; t < NT; ++t) {
-        const __m512 xd = _mm512_set1_ps(xb[t]->d);
-        acc[p][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[p][t]), _mm512_mul_ps(dv, xd), acc[p][t]);
-        acc[p][t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ia[p][t]), _mm512_mul_ps(mdv, xd), acc[p][t]);
-      }
-    }
-  }
-  for (int p = 0; p < P; ++p)
-    for (int t = 0; t < NT; ++t) _mm512_mask_storeu_ps(y + t * ldy + p * kPR, rmask[p], acc[p][t]);
-}
-
-// Q6_K panel: codes (nb, 16 sub-blocks, 4 groups, 16 rows, 4) as q + 32 (0..63), sc (nb, 16, 16)
-// int32 scales, sp (nb, 8, 16) int32 holding the int16 scales of sub-blocks 2p, 2p+1, d (nb, 16).
-void pack_q6k(const uint8_t* w, size_t ws, int nr, int64_t nb, uint8_t* codes, int32_t* sc, int32_t* sp, float* d) {
-  alignas(64) uint8_t tmp[kPR * kQKK];
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int r = 0; r < kPR; ++r) {
-      uint8_t* tr = tmp + r * kQKK;
-      if (r >= nr) {
-        std::memset(tr, 0, kQKK);
-        for (int j = 0; j < 16; ++j) sc[(b * 16 + j) * kPR + r] = 0;
-        for (int p = 0; p < 8; ++p) sp[(b * 8 + p) * kPR + r] = 0;
-        d[b * kPR + r] = 0;
-        continue;
-      }
-      const BlockQ6_K* blk = reinterpret_cast<const BlockQ6_K*>(w + size_t(r) * ws) + b;
-      for (int j = 0; j < 16; ++j) sc[(b * 16 + j) * kPR + r] = blk->scales[j];
-      for (int p = 0; p < 8; ++p)
-        sp[(b * 8 + p) * kPR + r] =
-            int32_t(uint32_t(uint16_t(int16_t(blk->scales[2 * p]))) | (uint32_t(uint16_t(int16_t(blk->scales[2 * p + 1]))) << 16));
-      d[b * kPR + r] = f16(blk->d);
-      for (int h = 0; h < 2; ++h) {
-        const __m256i qh = load32(blk->qh + 32 * h);
-        for (int k = 0; k < 4; ++k) {  // elements 128h + 32k .. +32
-          const __m256i ql = load32(blk->ql + 64 * h + 32 * (k & 1));
-          const __m256i lo = k < 2 ? _mm256_and_si256(ql, m4) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
-          __m256i hb;
-          switch (k) {
-            case 0: hb = _mm256_slli_epi16(qh, 4); break;
-            case 1: hb = _mm256_slli_epi16(qh, 2); break;
-            case 2: hb = qh; break;
-            default: hb = _mm256_srli_epi16(qh, 2); break;
-          }
-          _mm256_store_si256(reinterpret_cast<__m256i*>(tr + 128 * h + 32 * k), _mm256_or_si256(lo, _mm256_and_si256(hb, m30)));
-        }
-      }
-    }
-    interleave16(tmp, kQKK, codes + size_t(b) * kPR * kQKK);
-  }
-}
-
-template <int P, int NT>
-void panel_tile_q6k(const uint8_t* const* codes, const int32_t* const* sc, const int32_t* const* sp,
-                    const float* const* d, const uint8_t* x, size_t xs, int64_t nb, float* y, int64_t ldy,
-                    const __mmask16* rmask) {
-  __m512 acc[P][NT];
-  for (int p = 0; p < P; ++p)
-    for (int t = 0; t < NT; ++t) acc[p][t] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const BlockQ8K* xb[NT];
-    for (int t = 0; t < NT; ++t) xb[t] = reinterpret_cast<const BlockQ8K*>(x + size_t(t) * xs) + b;
-    __m512i isum[P][NT], ia[P][NT];
-    for (int p = 0; p < P; ++p)
-      for (int t = 0; t < NT; ++t) isum[p][t] = _mm512_setzero_si512();
-    for (int j = 0; j < 16; ++j) {
-      dots_subblock<P, NT>(codes, size_t(b) * kPR * kQKK + size_t(j) * 4 * 64, xb, 16 * j, 4, ia);
-      // exact: |sc| <= 128, dot <= 63 * 127 * 16; sixteen of them < 2^28
-      for (int p = 0; p < P; ++p) {
-        const __m512i sv = _mm512_load_si512(sc[p] + (b * 16 + j) * kPR);
-        for (int t = 0; t < NT; ++t) isum[p][t] = _mm512_add_epi32(isum[p][t], _mm512_mullo_epi32(ia[p][t], sv));
-      }
-    }
-    // codes are q + 32: subtract 32 * sum_j sc_j * bsum16_j, two sub-blocks per vpdpwssd
-    for (int p = 0; p < P; ++p)
-      for (int t = 0; t < NT; ++t) ia[p][t] = _mm512_setzero_si512();
-    for (int q = 0; q < 8; ++q)
-      for (int t = 0; t < NT; ++t) {
-        const __m512i xv = bcast32(xb[t]->bsum16 + 2 * q);
-        for (int p = 0; p < P; ++p) ia[p][t] = _mm512_dpwssd_epi32(ia[p][t], _mm512_load_si512(sp[p] + (b * 8 + q) * kPR), xv);
+        const __m512i xv = bcast32(subs == 8 ? xb[t]->bsum32 + 2 * q : xb[t]->bsum16 + 2 * q);
+        for (int p = 0; p < P; ++p)
+          ia[p][t] = _mm512_dpwssd_epi32(ia[p][t], _mm512_load_si512(cp[p] + (b * subs / 2 + q) * kPR), xv);
       }
     for (int p = 0; p < P; ++p) {
       const __m512 dv = _mm512_load_ps(d[p] + b * kPR);
       for (int t = 0; t < NT; ++t) {
-        const __m512i tot = _mm512_sub_epi32(isum[p][t], _mm512_slli_epi32(ia[p][t], 5));
-        acc[p][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(dv, _mm512_set1_ps(xb[t]->d)), acc[p][t]);
+        const __m512 xd = _mm512_set1_ps(xb[t]->d);
+        if constexpr (k_has_min<T>()) {
+          acc[p][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[p][t]), _mm512_mul_ps(dv, xd), acc[p][t]);
+          acc[p][t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ia[p][t]), _mm512_mul_ps(_mm512_load_ps(dmin[p] + b * kPR), xd), acc[p][t]);
+        } else {
+          // codes are q + off: subtract off * sum_j sc_j * sum(x in sub-block j)
+          const __m512i tot = _mm512_sub_epi32(isum[p][t], _mm512_slli_epi32(ia[p][t], k_off_shift<T>()));
+          acc[p][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(dv, xd), acc[p][t]);
+        }
       }
     }
   }
@@ -344,35 +371,32 @@ void panel_tile_q6k(const uint8_t* const* codes, const int32_t* const* sc, const
 // Bytes of packed data per panel and per block (codes + per-row metadata).
 template <GgmlType T>
 constexpr size_t panel_block_bytes() {
-  if constexpr (T == GgmlType::Q4_K || T == GgmlType::Q5_K) return kPR * (kQKK + 4 * (8 + 4 + 2));
-  else if constexpr (T == GgmlType::Q6_K) return kPR * (kQKK + 4 * (16 + 8 + 1));
+  if constexpr (k_panel<T>()) return kPR * (kQKK + 4 * (k_subs<T>() + k_subs<T>() / 2 + 2));
   else return kPR * (kQK + 4 * 2);
 }
 
 template <GgmlType T>
 struct Panel {
   const uint8_t* codes;
-  const int32_t* i0;  // K-quants: sub-block scales
-  const int32_t* i1;  // K-quants: scale / min pairs
+  const int32_t* i0;  // super-block types: sub-block scales
+  const int32_t* i1;  // super-block types: correction factor pairs
   const float* f0;    // d
-  const float* f1;    // m (32-element types) or dmin (Q4_K/Q5_K)
+  const float* f1;    // m (32-element types) or dmin (super-block types)
 };
 
 template <GgmlType T>
 Panel<T> panel_at(uint8_t* base, int64_t nb) {
   // layout per panel: codes, then the int32 fields, then the float fields (all 64-byte multiples)
-  constexpr bool k45 = T == GgmlType::Q4_K || T == GgmlType::Q5_K, k6 = T == GgmlType::Q6_K;
-  const size_t bs = k45 || k6 ? kQKK : kQK;
+  const size_t bs = k_panel<T>() ? kQKK : kQK;
   Panel<T> p{};
   uint8_t* c = base;
   p.codes = c;
   c += size_t(nb) * kPR * bs;
-  if constexpr (k45 || k6) {
-    const int nsub = k45 ? 8 : 16, npair = k45 ? 4 : 8;
+  if constexpr (k_panel<T>()) {
     p.i0 = reinterpret_cast<const int32_t*>(c);
-    c += size_t(nb) * nsub * kPR * 4;
+    c += size_t(nb) * k_subs<T>() * kPR * 4;
     p.i1 = reinterpret_cast<const int32_t*>(c);
-    c += size_t(nb) * npair * kPR * 4;
+    c += size_t(nb) * (k_subs<T>() / 2) * kPR * 4;
   }
   p.f0 = reinterpret_cast<const float*>(c);
   c += size_t(nb) * kPR * 4;
@@ -393,10 +417,8 @@ inline void panel_tile(const Panel<T>* pn, const uint8_t* x, size_t xs, int64_t 
     f0[p] = pn[p].f0;
     f1[p] = pn[p].f1;
   }
-  if constexpr (T == GgmlType::Q4_K || T == GgmlType::Q5_K)
-    panel_tile_q45k<P, NT>(codes, i0, i1, f0, f1, x, xs, nb, y, ldy, rm);
-  else if constexpr (T == GgmlType::Q6_K)
-    panel_tile_q6k<P, NT>(codes, i0, i1, f0, x, xs, nb, y, ldy, rm);
+  if constexpr (k_panel<T>())
+    panel_tile_k<T, P, NT>(codes, i0, i1, f0, f1, x, xs, nb, y, ldy, rm);
   else
     panel_tile32<T, P, NT>(codes, f0, f1, x, xs, nb, y, ldy, rm);
 }
@@ -418,8 +440,7 @@ constexpr size_t kPackBytes = size_t(384) << 10;
 template <GgmlType T>
 void gemm_panels(const uint8_t* w, size_t ws, int64_t nr, const uint8_t* x, size_t xs, int64_t nt, int64_t n_in,
                  float* y, int64_t ldy) {
-  constexpr bool kq = T == GgmlType::Q4_K || T == GgmlType::Q5_K || T == GgmlType::Q6_K;
-  const int64_t nb = n_in / (kq ? kQKK : kQK);
+  const int64_t nb = n_in / (k_panel<T>() ? kQKK : kQK);
   const size_t pbytes = size_t(nb) * panel_block_bytes<T>();
   // whole 2-panel tiles per group, at least one
   const int64_t group_panels = std::max<int64_t>(kPP, int64_t(kPackBytes / pbytes) / kPP * kPP);
@@ -434,12 +455,9 @@ void gemm_panels(const uint8_t* w, size_t ws, int64_t nr, const uint8_t* x, size
       const Panel<T> p = panel_at<T>(buf.data() + size_t(pi) * pbytes, nb);
       const uint8_t* wr = w + size_t(r0 + pi * kPR) * ws;
       const int rows = int(std::min<int64_t>(kPR, nr - r0 - pi * kPR));
-      if constexpr (T == GgmlType::Q4_K || T == GgmlType::Q5_K)
-        pack_q45k<T>(wr, ws, rows, nb, const_cast<uint8_t*>(p.codes), const_cast<int32_t*>(p.i0),
-                     const_cast<int32_t*>(p.i1), const_cast<float*>(p.f0), const_cast<float*>(p.f1));
-      else if constexpr (T == GgmlType::Q6_K)
-        pack_q6k(wr, ws, rows, nb, const_cast<uint8_t*>(p.codes), const_cast<int32_t*>(p.i0),
-                 const_cast<int32_t*>(p.i1), const_cast<float*>(p.f0));
+      if constexpr (k_panel<T>())
+        pack_k<T>(wr, ws, rows, nb, const_cast<uint8_t*>(p.codes), const_cast<int32_t*>(p.i0),
+                  const_cast<int32_t*>(p.i1), const_cast<float*>(p.f0), const_cast<float*>(p.f1));
       else
         pack32<T>(wr, ws, rows, nb, const_cast<uint8_t*>(p.codes), const_cast<float*>(p.f0), const_cast<float*>(p.f1));
     }
@@ -482,9 +500,13 @@ MatmulTileFn panel_kernel_for(GgmlType t) {
     case GgmlType::Q5_0: return gemm_any<GgmlType::Q5_0, KVQ_NR_32, KVQ_NT_32>;
     case GgmlType::Q5_1: return gemm_any<GgmlType::Q5_1, KVQ_NR_32, KVQ_NT_32>;
     case GgmlType::Q8_0: return gemm_any<GgmlType::Q8_0, KVQ_NR_32, KVQ_NT_32>;
+    case GgmlType::IQ4_NL: return gemm_any<GgmlType::IQ4_NL, KVQ_NR_32, KVQ_NT_32>;
     case GgmlType::Q4_K: return gemm_any<GgmlType::Q4_K, KVQ_NR_K, KVQ_NT_K>;
     case GgmlType::Q5_K: return gemm_any<GgmlType::Q5_K, KVQ_NR_K, KVQ_NT_K>;
     case GgmlType::Q6_K: return gemm_any<GgmlType::Q6_K, KVQ_NR_K, KVQ_NT_K>;
+    case GgmlType::Q2_K: return gemm_any<GgmlType::Q2_K, KVQ_NR_K, KVQ_NT_K>;
+    case GgmlType::Q3_K: return gemm_any<GgmlType::Q3_K, KVQ_NR_K, KVQ_NT_K>;
+    case GgmlType::IQ4_XS: return gemm_any<GgmlType::IQ4_XS, KVQ_NR_K, KVQ_NT_K>;
     default: return kernel_for(t);
   }
 }

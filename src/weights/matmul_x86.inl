@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "weights/blocks.h"
@@ -58,6 +59,11 @@ inline __m256i bits_to_0x10(uint32_t bits) {
 #endif
 }
 
+// IQ4_NL's 16 levels in both 128-bit lanes, for vpshufb on 4-bit codes.
+inline __m256i iq4nl_table() {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4nlValues)));
+}
+
 inline uint32_t load_u32(const uint8_t* p) {
   uint32_t v;
   std::memcpy(&v, p, 4);
@@ -66,8 +72,9 @@ inline uint32_t load_u32(const uint8_t* p) {
 
 // ---------------------------------------------------------------- 32-element types
 
-// One weight block as unsigned codes u (0..31, or |w| for Q8_0) with w = d * (u - off) + m.
-// Q8_0 keeps its sign in `sgn` (sign trick: |w| * (x * sign w), since u may reach 128).
+// One weight block as unsigned codes u (0..31, or |q| for the signed Q8_0 and IQ4_NL) with
+// w = d * (u - off) + m. The signed types keep their codes in `sgn` (sign trick: |q| * (x * sign q),
+// since Q8_0's u may reach 128).
 template <GgmlType T>
 struct W32 {
   __m256i u;
@@ -95,12 +102,23 @@ inline void load_w32(const uint8_t* p, W32<T>& w) {
     w.d = f16(b->d);
     w.m = f16(b->m);
     w.u = _mm256_or_si256(unpack_nibbles16(b->qs), bits_to_0x10(load_u32(b->qh)));
+  } else if constexpr (T == GgmlType::IQ4_NL) {
+    const auto* b = reinterpret_cast<const BlockIQ4_NL*>(p);
+    w.d = f16(b->d);
+    w.sgn = _mm256_shuffle_epi8(iq4nl_table(), unpack_nibbles16(b->qs));
+    w.u = _mm256_abs_epi8(w.sgn);
   } else {
     const auto* b = reinterpret_cast<const BlockQ8_0*>(p);
     w.d = f16(b->d);
     w.sgn = load32(b->qs);
     w.u = _mm256_abs_epi8(w.sgn);
   }
+}
+
+// Codes kept signed (see W32).
+template <GgmlType T>
+constexpr bool w32_signed() {
+  return T == GgmlType::Q8_0 || T == GgmlType::IQ4_NL;
 }
 
 // Integer offset subtracted from u: folded into the dot product through sum(qx) = s / d.
@@ -117,7 +135,7 @@ template <GgmlType T>
 constexpr size_t w32_block_bytes() {
   return T == GgmlType::Q4_0 ? sizeof(BlockQ4_0) : T == GgmlType::Q4_1 ? sizeof(BlockQ4_1)
        : T == GgmlType::Q5_0 ? sizeof(BlockQ5_0) : T == GgmlType::Q5_1 ? sizeof(BlockQ5_1)
-       : sizeof(BlockQ8_0);
+       : T == GgmlType::IQ4_NL ? sizeof(BlockIQ4_NL) : sizeof(BlockQ8_0);
 }
 
 // NR rows x NT tokens; one block of 32 at a time, each weight block unpacked once and used NT times.
@@ -145,7 +163,7 @@ void tile32(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t nb
       if constexpr (w32_has_min<T>()) svals[t] = xb->ds;
       for (int r = 0; r < NR; ++r) {
         __m256i p;
-        if constexpr (T == GgmlType::Q8_0)
+        if constexpr (w32_signed<T>())
           p = dot_u8s8(init, wb[r].u, _mm256_sign_epi8(xv, wb[r].sgn));
         else
           p = dot_u8s8(init, wb[r].u, xv);
@@ -306,6 +324,165 @@ void tile_q6k(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t 
     for (int t = 0; t < NT; ++t) y[t * ldy + r] = hsum(acc[r][t]);
 }
 
+// Q2_K and Q3_K: 16 sub-blocks of 16, 2-bit codes (Q3_K: plus a high bit, as u - 4 with u = 0..7).
+// A chunk (h, k) is elements 128h + 32k .. +32: bits 2k of qs[32h .. 32h + 32], sub-blocks
+// j = 8h + 2k (the lower 128-bit lane) and j + 1 (the upper), whose scales one vpshufb spreads
+// from the 16 scale bytes (int16, zero-extended) to the matching lanes.
+template <int J>
+inline __m256i scale_pair_ctl() {
+  return _mm256_set_m128i(_mm_set1_epi16(int16_t(0x8000 | (J + 1))), _mm_set1_epi16(int16_t(0x8000 | J)));
+}
+
+// Bit B of each byte moved to bit D (16-bit shifts; the caller masks the other bits out).
+template <int B, int D>
+inline __m256i move_bit(__m256i v) {
+  if constexpr (B > D) return _mm256_srli_epi16(v, B - D);
+  else if constexpr (B < D) return _mm256_slli_epi16(v, D - B);
+  else return v;
+}
+
+// Q3_K's 16 6-bit scales (unsigned, before the -32) as 16 bytes.
+inline __m128i q3k_scale_bytes(const uint8_t* s) {
+  uint32_t a0, a1, t;
+  std::memcpy(&a0, s, 4);
+  std::memcpy(&a1, s + 4, 4);
+  std::memcpy(&t, s + 8, 4);
+  const uint32_t m4 = 0x0f0f0f0f, m2 = 0x03030303;
+  const uint32_t s0 = (a0 & m4) | ((t & m2) << 4), s1 = (a1 & m4) | (((t >> 2) & m2) << 4);
+  const uint32_t s2 = ((a0 >> 4) & m4) | (((t >> 4) & m2) << 4), s3 = ((a1 >> 4) & m4) | (((t >> 6) & m2) << 4);
+  return _mm_set_epi32(int(s3), int(s2), int(s1), int(s0));
+}
+
+template <GgmlType T, int NR, int NT>
+void tile_q23k(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t nb, float* y, int64_t ldy) {
+  constexpr bool q3 = T == GgmlType::Q3_K;
+  using B = std::conditional_t<q3, BlockQ3_K, BlockQ2_K>;
+  __m256 acc[NR][NT];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+  const __m256i m3 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(4);
+  for (int64_t b = 0; b < nb; ++b) {
+    const B* wb[NR];
+    __m256i scb[NR];  // the 16 scales as bytes (Q2_K: low nibbles; Q3_K: 6 bits) in both 128-bit lanes
+    __m256i corr16[NR];  // per sub-block int16: Q2_K its min, Q3_K its scale - 32
+    __m256i hm[NR];
+    for (int r = 0; r < NR; ++r) {
+      wb[r] = reinterpret_cast<const B*>(w + size_t(r) * ws) + b;
+      if constexpr (q3) {
+        const __m128i sb = q3k_scale_bytes(wb[r]->scales);
+        scb[r] = _mm256_broadcastsi128_si256(sb);
+        corr16[r] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(sb), _mm256_set1_epi16(32));
+        hm[r] = load32(wb[r]->hmask);
+      } else {
+        const __m128i sb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb[r]->scales));
+        scb[r] = _mm256_broadcastsi128_si256(_mm_and_si128(sb, _mm_set1_epi8(0x0F)));
+        corr16[r] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sb, 4), _mm_set1_epi8(0x0F)));
+      }
+    }
+    __m256i iacc[NR][NT];
+    for (int r = 0; r < NR; ++r)
+      for (int t = 0; t < NT; ++t) iacc[r][t] = _mm256_setzero_si256();
+    auto chunk = [&](auto hk) {
+      constexpr int h = decltype(hk)::value / 4, k = decltype(hk)::value % 4;
+      __m256i u[NR], sv[NR];
+      for (int r = 0; r < NR; ++r) {
+        const __m256i q = load32(wb[r]->qs + 32 * h);
+        u[r] = _mm256_and_si256(_mm256_srli_epi16(q, 2 * k), m3);
+        sv[r] = _mm256_shuffle_epi8(scb[r], scale_pair_ctl<8 * h + 2 * k>());
+        if constexpr (q3) {
+          // u = low bits + 4 * high bit (0..7); the -4 goes into the sub-block sums' correction
+          u[r] = _mm256_or_si256(u[r], _mm256_and_si256(move_bit<4 * h + k, 2>(hm[r]), m4));
+          sv[r] = _mm256_sub_epi16(sv[r], _mm256_set1_epi16(32));
+        }
+      }
+      for (int t = 0; t < NT; ++t) {
+        const BlockQ8K* xb = reinterpret_cast<const BlockQ8K*>(x + size_t(t) * xs) + b;
+        const __m256i xv = load32(xb->qs + 128 * h + 32 * k);
+        for (int r = 0; r < NR; ++r)  // u <= 7: pair sums <= 1778
+          iacc[r][t] = _mm256_add_epi32(iacc[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(u[r], xv), sv[r]));
+      }
+    };
+    [&]<int... I>(std::integer_sequence<int, I...>) { (chunk(std::integral_constant<int, I>{}), ...); }(
+        std::make_integer_sequence<int, 8>{});
+    for (int t = 0; t < NT; ++t) {
+      const BlockQ8K* xb = reinterpret_cast<const BlockQ8K*>(x + size_t(t) * xs) + b;
+      const __m256i bs = load32(xb->bsum16);
+      for (int r = 0; r < NR; ++r) {
+        const __m256i c = _mm256_madd_epi16(corr16[r], bs);
+        const float dd = f16(wb[r]->d) * xb->d;
+        if constexpr (q3) {
+          // codes are u - 4: subtract 4 * sum_j sc_j * sum(x in sub-block j)
+          const __m256i tot = _mm256_sub_epi32(iacc[r][t], _mm256_slli_epi32(c, 2));
+          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_set1_ps(dd), acc[r][t]);
+        } else {
+          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][t]), _mm256_set1_ps(dd), acc[r][t]);
+          acc[r][t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(f16(wb[r]->dmin) * xb->d), acc[r][t]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) y[t * ldy + r] = hsum(acc[r][t]);
+}
+
+// IQ4_XS's 8 6-bit sub-block scales minus 32, as int16.
+inline __m128i iq4xs_scales16(const BlockIQ4_XS* b) {
+  uint32_t l;
+  std::memcpy(&l, b->scales_l, 4);
+  // the 2-bit high parts of scales 0..7 spread to one byte each
+  uint64_t hb = b->scales_h;
+  hb = (hb | (hb << 24)) & 0x000000FF000000FFull;
+  hb = (hb | (hb << 12)) & 0x000F000F000F000Full;
+  hb = (hb | (hb << 6)) & 0x0303030303030303ull;
+  const __m128i lo = _mm_unpacklo_epi8(_mm_cvtsi32_si128(int(l & 0x0f0f0f0f)), _mm_cvtsi32_si128(int((l >> 4) & 0x0f0f0f0f)));
+  const __m128i ls = _mm_or_si128(lo, _mm_cvtsi64_si128(int64_t(hb << 4)));
+  return _mm_sub_epi16(_mm_cvtepu8_epi16(ls), _mm_set1_epi16(32));
+}
+
+// IQ4_XS: sub-block j's 32 codes looked up as signed levels v; |v| * (x * sign v) as in tile32,
+// each sub-block's pair sums scaled by its int16 scale in the madd.
+template <int NR, int NT>
+void tile_iq4xs(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t nb, float* y, int64_t ldy) {
+  __m256 acc[NR][NT];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+  const __m256i tbl = iq4nl_table();
+  for (int64_t b = 0; b < nb; ++b) {
+    const BlockIQ4_XS* wb[NR];
+    __m256i scv[NR];
+    for (int r = 0; r < NR; ++r) {
+      wb[r] = reinterpret_cast<const BlockIQ4_XS*>(w + size_t(r) * ws) + b;
+      scv[r] = _mm256_broadcastsi128_si256(iq4xs_scales16(wb[r]));
+    }
+    __m256i iacc[NR][NT];
+    for (int r = 0; r < NR; ++r)
+      for (int t = 0; t < NT; ++t) iacc[r][t] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      __m256i v[NR], u[NR], sv[NR];
+      const __m256i bc = _mm256_set1_epi16(int16_t((2 * j) | ((2 * j + 1) << 8)));
+      for (int r = 0; r < NR; ++r) {
+        v[r] = _mm256_shuffle_epi8(tbl, unpack_nibbles16(wb[r]->qs + 16 * j));
+        u[r] = _mm256_abs_epi8(v[r]);
+        sv[r] = _mm256_shuffle_epi8(scv[r], bc);
+      }
+      for (int t = 0; t < NT; ++t) {
+        const BlockQ8K* xb = reinterpret_cast<const BlockQ8K*>(x + size_t(t) * xs) + b;
+        const __m256i xv = load32(xb->qs + 32 * j);
+        for (int r = 0; r < NR; ++r)  // |v|, |x| <= 127: pair sums <= 32258
+          iacc[r][t] = _mm256_add_epi32(
+              iacc[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(u[r], _mm256_sign_epi8(xv, v[r])), sv[r]));
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const float dx = reinterpret_cast<const BlockQ8K*>(x + size_t(t) * xs)[b].d;
+      for (int r = 0; r < NR; ++r)
+        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][t]), _mm256_set1_ps(f16(wb[r]->d) * dx), acc[r][t]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) y[t * ldy + r] = hsum(acc[r][t]);
+}
+
 // ---------------------------------------------------------------- float types
 
 template <GgmlType T>
@@ -362,6 +539,10 @@ void tile(const uint8_t* w, size_t ws, const uint8_t* x, size_t xs, int64_t n_in
     tile_q45k<T, NR, NT>(w, ws, x, xs, n_in / kQKK, y, ldy);
   else if constexpr (T == GgmlType::Q6_K)
     tile_q6k<NR, NT>(w, ws, x, xs, n_in / kQKK, y, ldy);
+  else if constexpr (T == GgmlType::Q2_K || T == GgmlType::Q3_K)
+    tile_q23k<T, NR, NT>(w, ws, x, xs, n_in / kQKK, y, ldy);
+  else if constexpr (T == GgmlType::IQ4_XS)
+    tile_iq4xs<NR, NT>(w, ws, x, xs, n_in / kQKK, y, ldy);
   else
     tile32<T, NR, NT>(w, ws, x, xs, n_in / kQK, y, ldy);
 }
@@ -504,9 +685,13 @@ MatmulTileFn kernel_for(GgmlType t) {
     case GgmlType::Q5_0: return gemm<GgmlType::Q5_0, KVQ_NR_32, KVQ_NT_32>;
     case GgmlType::Q5_1: return gemm<GgmlType::Q5_1, KVQ_NR_32, KVQ_NT_32>;
     case GgmlType::Q8_0: return gemm<GgmlType::Q8_0, KVQ_NR_32, KVQ_NT_32>;
+    case GgmlType::IQ4_NL: return gemm<GgmlType::IQ4_NL, KVQ_NR_32, KVQ_NT_32>;
     case GgmlType::Q4_K: return gemm<GgmlType::Q4_K, KVQ_NR_K, KVQ_NT_K>;
     case GgmlType::Q5_K: return gemm<GgmlType::Q5_K, KVQ_NR_K, KVQ_NT_K>;
     case GgmlType::Q6_K: return gemm<GgmlType::Q6_K, KVQ_NR_K, KVQ_NT_K>;
+    case GgmlType::Q2_K: return gemm<GgmlType::Q2_K, KVQ_NR_K, KVQ_NT_K>;
+    case GgmlType::Q3_K: return gemm<GgmlType::Q3_K, KVQ_NR_K, KVQ_NT_K>;
+    case GgmlType::IQ4_XS: return gemm<GgmlType::IQ4_XS, KVQ_NR_K, KVQ_NT_K>;
     default: return nullptr;
   }
 }
