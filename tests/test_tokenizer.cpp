@@ -464,6 +464,56 @@ TEST(Pretokenizer, Gpt2RegexSemantics) {
   EXPECT_EQ(pretok("", false), V{});
 }
 
+namespace {
+std::vector<std::string> pretok_llama3(const std::string& s, int digits) {
+  std::vector<kvq::unicode::Span> spans;
+  kvq::unicode::pretokenize_llama3(s, digits, spans);
+  std::vector<std::string> out;
+  size_t pos = 0;
+  for (const auto& sp : spans) {
+    EXPECT_EQ(sp.begin, pos) << "spans must tile the text";
+    out.push_back(s.substr(sp.begin, sp.len));
+    pos = sp.begin + sp.len;
+  }
+  EXPECT_EQ(pos, s.size());
+  return out;
+}
+}  // namespace
+
+TEST(Pretokenizer, Llama3RegexSemantics) {
+  EXPECT_EQ(pretok_llama3("Hello world", 3), (V{"Hello", " world"}));
+  EXPECT_EQ(pretok_llama3("don't DON'T", 3), (V{"don", "'t", " DON", "'T"}));  // either case
+  EXPECT_EQ(pretok_llama3("(hello)", 3), (V{"(hello", ")"}));  // one non-letter joins the letters after it
+  EXPECT_EQ(pretok_llama3("x 1234567", 3), (V{"x", " ", "123", "456", "7"}));
+  EXPECT_EQ(pretok_llama3("x 1234567", 1), (V{"x", " ", "1", "2", "3", "4", "5", "6", "7"}));
+  EXPECT_EQ(pretok_llama3("a \n\n  b", 3), (V{"a", " \n\n", " ", " b"}));  // whitespace up to its last newline
+  EXPECT_EQ(pretok_llama3("ok!!\n\nnext", 3), (V{"ok", "!!\n\n", "next"}));  // punctuation takes the newlines after it
+  EXPECT_EQ(pretok_llama3("\tword", 3), (V{"\tword"}));
+  EXPECT_EQ(pretok_llama3("", 3), V{});
+}
+
+// Against the `regex` package running the patterns themselves (scripts/ref_pretokenize.py).
+TEST(Pretokenizer, Llama3AndQwen2MatchRegexReference) {
+  const std::string path = std::string(KVQ_SOURCE_DIR) + "/tests/golden/pretokenize_llama3.json";
+  std::ifstream in(path);
+  ASSERT_TRUE(in) << "missing " << path << " (run scripts/ref_pretokenize.py)";
+  const json g = json::parse(in);
+  ASSERT_GE(g["cases"].size(), 400u);
+  int bad = 0;
+  for (const auto& c : g["cases"]) {
+    const std::string text = c["text"].get<std::string>();
+    for (const auto& [key, digits] : {std::pair<const char*, int>{"llama3", 3}, {"qwen2", 1}}) {
+      const auto want = c[key].get<std::vector<std::string>>();
+      const auto got = pretok_llama3(text, digits);
+      if (got != want && ++bad <= 5) {
+        json jg = got, jw = want;
+        ADD_FAILURE() << key << " " << json(text).dump() << ": got " << jg.dump() << " want " << jw.dump();
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0);
+}
+
 TEST(Unicode, Classes) {
   using kvq::unicode::CharClass;
   using kvq::unicode::char_class;

@@ -285,9 +285,14 @@ Tokenizer Tokenizer::from_gguf(const gguf::File& f) {
     const std::string pre = f.get_string("tokenizer.ggml.pre").value_or("default");
     if (pre == "smollm" || pre == "starcoder" || pre == "refact") {
       t.split_digits_ = true;
+    } else if (pre == "llama-bpe" || pre == "llama3" || pre == "llama-v3" || pre == "smaug-bpe") {
+      t.llama3_digits_ = 3;
+    } else if (pre == "qwen2" || pre == "deepseek-r1-qwen") {
+      t.llama3_digits_ = 1;
     } else if (pre != "gpt2" && pre != "default") {
       fail("{}: pre-tokenizer tokenizer.ggml.pre = '{}' is not supported (supported: gpt2, default, "
-           "smollm, starcoder, refact)", f.path(), printable(pre));
+           "smollm, starcoder, refact, llama-bpe, llama3, llama-v3, smaug-bpe, qwen2, deepseek-r1-qwen)",
+           f.path(), printable(pre));
     }
   } else {
     for (int b = 0; b < 256; ++b) {
@@ -503,7 +508,8 @@ void Tokenizer::spm_word(std::string_view bv, std::vector<int32_t>& out) const {
 void Tokenizer::encode_bpe(std::string_view text, WordCache& cache, std::vector<int32_t>& out) const {
   thread_local std::vector<unicode::Span> spans;
   spans.clear();
-  unicode::pretokenize_gpt2(text, split_digits_, spans);
+  if (llama3_digits_ > 0) unicode::pretokenize_llama3(text, llama3_digits_, spans);
+  else unicode::pretokenize_gpt2(text, split_digits_, spans);
   auto run = [this](std::string_view w, std::vector<int32_t>& o) { bpe_word(w, o); };
   for (const unicode::Span& s : spans) cache.encode(text.substr(s.begin, s.len), out, run);
 }

@@ -4,7 +4,8 @@
 //    the highest score is merged until none is in the vocabulary; characters that end up as no
 //    token fall back to <0xXX> byte tokens (or <unk>).
 //  - "gpt2": byte-level BPE. The text is split by the pre-tokenizer that tokenizer.ggml.pre names
-//    ("gpt2"/"default": the GPT-2 regex; "smollm", "starcoder", "refact": digits split apart first),
+//    ("gpt2"/"default": the GPT-2 regex; "smollm", "starcoder", "refact": digits split apart first;
+//    "llama-bpe" (Llama 3) and "qwen2": the Llama 3 regex, numbers cut every 3 digits or every one),
 //    each piece's bytes are mapped to the GPT-2 byte alphabet and merged by merge rank.
 // USER_DEFINED tokens written in the text are always matched as single tokens; CONTROL tokens
 // (e.g. "<|im_start|>") only when parse_special is set. Matching is leftmost-longest on the raw
@@ -105,6 +106,7 @@ class Tokenizer {
   SpecialSet user_specials_;  // USER_DEFINED: always matched
   SpecialSet all_specials_;   // plus CONTROL and UNKNOWN: when parse_special
   bool split_digits_ = false;
+  int llama3_digits_ = 0;  // > 0: the Llama 3 pre-tokenizer, numbers cut every llama3_digits_ digits
   // SPM: code points c such that some mergeable piece holds "c\u2581". Elsewhere no piece can
   // span the boundary between a character and a following U+2581, so the text is encoded word by
   // word there (with the same result, as no merge crosses it), which lets repeated words be cached.

@@ -220,6 +220,91 @@ void split_gpt2_stretch(const std::vector<Cp>& cps, size_t b, size_t e, uint32_t
   }
 }
 
+inline bool is_cr_lf(uint32_t c) { return c == '\r' || c == '\n'; }
+
+// The Llama 3 regex over cps (max_digits 3; Qwen2's: 1):
+//   (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,max_digits}|
+//   ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
+// Each position takes the first alternative that matches there, as the regex engine does.
+void split_llama3(const std::vector<Cp>& cps, int max_digits, uint32_t end_off, std::vector<Span>& out) {
+  const size_t e = cps.size();
+  auto off = [&](size_t k) { return k < e ? cps[k].off : end_off; };
+  auto emit = [&](size_t from, size_t to) { out.push_back({off(from), off(to) - off(from)}); };
+  auto run = [&](size_t k, CharClass c) {
+    while (k < e && cps[k].cls == c) ++k;
+    return k;
+  };
+  auto lower = [](uint32_t c) { return c >= 'A' && c <= 'Z' ? c + 32 : c; };
+  size_t i = 0;
+  while (i < e) {
+    const uint32_t c = cps[i].cp;
+    const CharClass cl = cps[i].cls;
+    // contractions, either case
+    if (c == '\'' && i + 1 < e) {
+      const uint32_t c1 = lower(cps[i + 1].cp);
+      if (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd') {
+        emit(i, i + 2);
+        i += 2;
+        continue;
+      }
+      if (i + 2 < e) {
+        const uint32_t c2 = lower(cps[i + 2].cp);
+        if ((c1 == 'r' && c2 == 'e') || (c1 == 'v' && c2 == 'e') || (c1 == 'l' && c2 == 'l')) {
+          emit(i, i + 3);
+          i += 3;
+          continue;
+        }
+      }
+    }
+    // [^\r\n\p{L}\p{N}]?\p{L}+: letters, after at most one character that is none of these
+    if (cl == CharClass::letter) {
+      const size_t k = run(i, CharClass::letter);
+      emit(i, k);
+      i = k;
+      continue;
+    }
+    if (cl != CharClass::number && !is_cr_lf(c) && i + 1 < e && cps[i + 1].cls == CharClass::letter) {
+      const size_t k = run(i + 1, CharClass::letter);
+      emit(i, k);
+      i = k;
+      continue;
+    }
+    // \p{N}{1,max_digits}
+    if (cl == CharClass::number) {
+      const size_t k = std::min(run(i, CharClass::number), i + size_t(max_digits));
+      emit(i, k);
+      i = k;
+      continue;
+    }
+    //  ?[^\s\p{L}\p{N}]+[\r\n]*
+    const size_t j = c == ' ' && i + 1 < e && cps[i + 1].cls == CharClass::other ? i + 1 : i;
+    if (cps[j].cls == CharClass::other) {
+      size_t k = run(j, CharClass::other);
+      while (k < e && is_cr_lf(cps[k].cp)) ++k;
+      emit(i, k);
+      i = k;
+      continue;
+    }
+    // whitespace (cl == space): \s*[\r\n]+ up to the run's last CR / LF, if it has one
+    const size_t k = run(i, CharClass::space);
+    size_t nl = k;
+    while (nl > i && !is_cr_lf(cps[nl - 1].cp)) --nl;
+    if (nl > i) {
+      emit(i, nl);
+      i = nl;
+      continue;
+    }
+    // \s+(?!\S), then \s+: as in GPT-2's
+    if (k == e || k - i == 1) {
+      emit(i, k);
+      i = k;
+    } else {
+      emit(i, k - 1);
+      i = k - 1;
+    }
+  }
+}
+
 }  // namespace
 
 void pretokenize_gpt2(std::string_view text, bool split_digits, std::vector<Span>& out) {
@@ -245,6 +330,18 @@ void pretokenize_gpt2(std::string_view text, bool split_digits, std::vector<Span
     b = i + 1;
   }
   split_gpt2_stretch(cps, b, cps.size(), end_off, out);
+}
+
+void pretokenize_llama3(std::string_view text, int max_digits, std::vector<Span>& out) {
+  thread_local std::vector<Cp> cps;
+  cps.clear();
+  for (size_t i = 0; i < text.size();) {
+    uint32_t cp;
+    const int len = utf8_decode(text, i, &cp);
+    cps.push_back({cp, static_cast<uint32_t>(i), char_class(cp)});
+    i += len;
+  }
+  split_llama3(cps, max_digits, static_cast<uint32_t>(text.size()), out);
 }
 
 }  // namespace kvq::unicode

@@ -1,6 +1,6 @@
 // Unicode helpers for the tokenizer: UTF-8 decoding that never fails (invalid bytes become single
 // "other" code points, so byte-level BPE still sees every byte), the \p{L} / \p{N} / \s classes the
-// pre-tokenizer regexes use, and the GPT-2 pre-tokenizer as a hand-written state machine.
+// pre-tokenizer regexes use, and the GPT-2 and Llama 3 pre-tokenizers as hand-written state machines.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -43,5 +43,11 @@ struct Span {
 // With split_digits, every \p{N} code point is first cut out as its own piece and the regex runs
 // on the stretches between them (the "smollm" / StarCoder pre-tokenizer). Appends to `out`.
 void pretokenize_gpt2(std::string_view text, bool split_digits, std::vector<Span>& out);
+
+// Llama 3's pre-tokenizer ("llama-bpe"), the split made by the regex
+//   (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|
+//   \s*[\r\n]+|\s+(?!\S)|\s+
+// max_digits 3; Qwen2's ("qwen2") is the same with \p{N} one at a time (max_digits 1). Appends to `out`.
+void pretokenize_llama3(std::string_view text, int max_digits, std::vector<Span>& out);
 
 }  // namespace kvq::unicode

@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Writes tests/golden/pretokenize_llama3.json: texts and the pieces the Llama 3 ("llama-bpe") and
+Qwen2 ("qwen2") pre-tokenizer regexes cut them into, as computed by the `regex` package (an
+independent regex engine with Unicode properties), for tests/test_tokenizer.cpp to compare kvq's
+hand-written pre-tokenizer against.
+
+Texts: hand-picked cases (contractions in either case, punctuation before letters, digit runs,
+newlines inside whitespace runs, combining marks, non-ASCII digits and spaces) and random strings
+drawn from a pool of characters of every class the patterns distinguish.
+
+usage: ref_pretokenize.py OUT.json      (pip install regex)
+"""
+import json
+import random
+import sys
+
+import regex
+
+# the patterns as llama.cpp and the Hugging Face tokenizer.json files of these models write them
+LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+         r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+CASES = [
+    "Hello world", "don't DON'T I'M we'Ll THEY'VE you'Re it's 'sup", "a  b", "x\n\ny", "end  ",
+    "(hello) [world] \"quoted\" 'single'", "...hello", "$100 and 12345678 or 3.14159",
+    "x 123 456", "tab\tsep\tword", "line\r\nbreak\r\n\r\n  indented", "  \n  \n  x", "\n\n\n",
+    "a\u00a0b\u3000c\u2009d", "cafe\u0301 na\u0308ive", "\u0663\u0664\u0665 \u0968\u0969 \uff11\uff12",
+    "\u4f60\u597d\uff0c\u4e16\u754c\uff01", "\u041f\u0440\u0438\u0432\u0435\u0442, \u043c\u0438\u0440!",
+    "emoji \U0001f600\U0001f600 ok!!\n", "mixed123abc456", "C++ and C# are languages.",
+    "    def f(x):\n        return x**2\n", "", " ", "'", "''", "'s'", "1'2", "a'", "\r", " \r\n",
+    "!!!\n\n\nnext", " !?\n", "x  \ty", "\t\tword", "\n word", ". word", ".\nword",
+]
+
+POOL = (list("abcXYZ") + list("0123456789") + [" ", " ", " ", "\t", "\n", "\r", "\u00a0", "\u3000"]
+        + list(".,!?'\"()-_;:$%&*+/<=>@[]^`{|}~") + ["\u00e9", "\u00df", "\u4f60", "\u0416", "\u03a9",
+        "\u0663", "\u0968", "\uff11", "\u00bd", "\u2163", "\u0301", "\u0308", "\U0001f600", "\u2122",
+        "\u20ac", "\u00a9", "S", "T", "L", "V", "E", "M", "D", "R"])
+
+
+def pieces(pattern, text):
+    out = regex.findall(pattern, text)
+    assert "".join(out) == text, (pattern, text)
+    return out
+
+
+def main():
+    rng = random.Random(20261206)
+    texts = list(CASES)
+    for _ in range(400):
+        n = rng.randint(1, 24)
+        texts.append("".join(rng.choice(POOL) for _ in range(n)))
+    cases = [{"text": t, "llama3": pieces(LLAMA3, t), "qwen2": pieces(QWEN2, t)} for t in texts]
+    with open(sys.argv[1], "w", encoding="utf-8") as f:
+        json.dump({"produced_by": f"scripts/ref_pretokenize.py with regex {regex.__version__}",
+                   "llama3_pattern": LLAMA3, "qwen2_pattern": QWEN2, "cases": cases}, f, ensure_ascii=True,
+                  indent=0)
+        f.write("\n")
+    print(len(cases), "cases")
+
+
+if __name__ == "__main__":
+    main()
