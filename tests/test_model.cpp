@@ -8,6 +8,8 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <cstring>
+#include <random>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -276,6 +278,190 @@ TEST(Stories260K, BatchedSequencesEqualSeparateRuns) {
 // Float hyperparameters from the GGUF metadata: a NaN, infinite, zero or negative epsilon, RoPE
 // base or soft-cap, or a sliding window past int range, is an error naming the value, not a model
 // that loads and prints garbage.
+namespace {
+// stories260K rewritten as a Qwen2 / Qwen3 model: metadata keys renamed, each head's Q and K
+// projection rows reordered (2i -> i, 2i+1 -> i + head_dim / 2) so that the NeoX-style RoPE of
+// those architectures rotates the pairs the llama model's RoPE rotates, plus the architecture's
+// own tensors (from `extra`).
+std::string write_stories_as(const std::string& arch, const std::string& out_path,
+                             const std::function<void(kvq::test::GgufWriter&, const ModelConfig&)>& extra) {
+  auto f = gguf::File::open(shared_path("models/stories260K.gguf"));
+  const ModelConfig c = model_config_from_gguf(*f);
+  kvq::test::GgufWriter w;
+  for (const auto& kv : f->metadata()) {
+    if (kv.key == "general.architecture") w.add_string(kv.key, arch);
+    else if (kv.key.rfind("llama.", 0) == 0) w.add(arch + kv.key.substr(5), kv.value);
+    else w.add(kv.key, kv.value);
+  }
+  const int hd = c.head_dim;
+  for (const auto& t : f->tensors()) {
+    std::vector<uint8_t> data(t.data, t.data + t.nbytes);
+    const bool q = t.name.find("attn_q.weight") != std::string::npos, k = t.name.find("attn_k.weight") != std::string::npos;
+    if (q || k) {
+      EXPECT_EQ(t.type, GgmlType::F32);
+      const size_t row = size_t(t.ne[0]) * sizeof(float);
+      const int heads = q ? c.n_head : c.n_head_kv;
+      for (int h = 0; h < heads; ++h)
+        for (int j = 0; j < hd; ++j) {
+          const int src = j < hd / 2 ? 2 * j : 2 * (j - hd / 2) + 1;
+          std::memcpy(data.data() + (size_t(h) * hd + j) * row, t.data + (size_t(h) * hd + src) * row, row);
+        }
+    }
+    w.add_tensor(t.name, t.type, t.ne, std::move(data));
+  }
+  extra(w, c);
+  w.write(out_path);
+  return out_path;
+}
+
+std::vector<float> stories_logits(const Model& m, const std::vector<int32_t>& ids) {
+  ThreadPool pool(1);
+  KvCache cache(m.kv_cache_config(kv_policy_uniform("f32", m.config().n_layer), 64));
+  Forward fwd(m, pool);
+  const float* l = fwd.eval(ids.data(), int(ids.size()), cache, true);
+  return std::vector<float>(l, l + ids.size() * size_t(m.config().n_vocab));
+}
+}  // namespace
+
+TEST(ArchVariants, Qwen2WithZeroBiasesComputesTheLlamaModel) {
+  if (!fs::exists(shared_path("models/stories260K.gguf"))) GTEST_SKIP() << "stories260K.gguf not found";
+  const std::string path = (fs::temp_directory_path() / "kvq_test_stories_qwen2.gguf").string();
+  write_stories_as("qwen2", path, [](kvq::test::GgufWriter& w, const ModelConfig& c) {
+    for (int il = 0; il < c.n_layer; ++il) {
+      const std::string p = "blk." + std::to_string(il) + ".";
+      w.add_tensor(p + "attn_q.bias", GgmlType::F32, {int64_t(c.n_head) * c.head_dim});
+      w.add_tensor(p + "attn_k.bias", GgmlType::F32, {int64_t(c.n_head_kv) * c.head_dim});
+      w.add_tensor(p + "attn_v.bias", GgmlType::F32, {int64_t(c.n_head_kv) * c.head_dim});
+    }
+  });
+  auto llama = Model::load(shared_path("models/stories260K.gguf"));
+  auto qwen = Model::load(path);
+  EXPECT_TRUE(qwen->config().rope_neox && qwen->config().qkv_bias && !qwen->config().qk_norm);
+  const Tokenizer tok = Tokenizer::from_gguf(qwen->file());
+  // the known greedy story, and every logit of a prompt within float rounding of the llama model's
+  const std::string expected = read_file(shared_path("models/stories260K.greedy.txt"));
+  EXPECT_EQ(greedy(*qwen, tok, {tok.bos()}, 200).substr(0, expected.size()), expected);
+  const std::vector<int32_t> ids = tok.encode("Once upon a time, a little girl named Lily found a ball.", true);
+  const auto a = stories_logits(*llama, ids), b = stories_logits(*qwen, ids);
+  ASSERT_EQ(a.size(), b.size());
+  float worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(a[i] - b[i]));
+  EXPECT_LT(worst, 1e-3f);
+  fs::remove(path);
+}
+
+// The biases are added to q, k and v before RoPE: at layer 0 of the first token (where RoPE is the
+// identity) the taps see the unbiased projections plus exactly the biases.
+TEST(ArchVariants, Qwen2BiasesAreAddedToQKV) {
+  if (!fs::exists(shared_path("models/stories260K.gguf"))) GTEST_SKIP() << "stories260K.gguf not found";
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 0.3f);
+  std::vector<std::vector<float>> bias[3];  // q, k, v per layer
+  auto write = [&](const std::string& path, bool zero) {
+    return write_stories_as("qwen2", path, [&](kvq::test::GgufWriter& w, const ModelConfig& c) {
+      const char* names[3] = {"attn_q.bias", "attn_k.bias", "attn_v.bias"};
+      for (int il = 0; il < c.n_layer; ++il)
+        for (int j = 0; j < 3; ++j) {
+          const int64_t n = int64_t(j == 0 ? c.n_head : c.n_head_kv) * c.head_dim;
+          std::vector<float> b(size_t(n), 0.0f);
+          if (!zero) {
+            for (auto& x : b) x = nd(rng);
+            bias[j].push_back(b);
+          }
+          w.add_tensor_f32("blk." + std::to_string(il) + "." + names[j], {n}, b);
+        }
+    });
+  };
+  const auto tmp = fs::temp_directory_path();
+  const std::string p0 = write((tmp / "kvq_test_qwen2_b0.gguf").string(), true);
+  const std::string p1 = write((tmp / "kvq_test_qwen2_b1.gguf").string(), false);
+  struct Taps {
+    std::vector<float> q, k_pre, v;
+  };
+  auto run = [](const std::string& path) {
+    auto m = Model::load(path);
+    ThreadPool pool(1);
+    KvCache cache(m->kv_cache_config(kv_policy_uniform("f32", m->config().n_layer), 16));
+    Forward fwd(*m, pool);
+    Taps t;
+    fwd.on_kv = [&](int il, int, const float* k_pre, const float*, const float* v) {
+      if (il != 0) return;
+      const int n = m->config().n_head_kv * m->config().head_dim;
+      t.k_pre.assign(k_pre, k_pre + n);
+      t.v.assign(v, v + n);
+    };
+    fwd.on_q = [&](int il, int, const float* q) {
+      if (il == 0) t.q.assign(q, q + m->config().n_head * m->config().head_dim);
+    };
+    const int32_t bos = 1;
+    fwd.eval(&bos, 1, cache);
+    return t;
+  };
+  const Taps a = run(p0), b = run(p1);
+  ASSERT_FALSE(a.q.empty() || a.k_pre.empty() || a.v.empty());
+  for (size_t i = 0; i < a.q.size(); ++i) EXPECT_EQ(b.q[i], a.q[i] + bias[0][0][i]) << "q " << i;
+  for (size_t i = 0; i < a.k_pre.size(); ++i) EXPECT_EQ(b.k_pre[i], a.k_pre[i] + bias[1][0][i]) << "k " << i;
+  for (size_t i = 0; i < a.v.size(); ++i) EXPECT_EQ(b.v[i], a.v[i] + bias[2][0][i]) << "v " << i;
+  fs::remove(p0);
+  fs::remove(p1);
+}
+
+TEST(ArchVariants, Qwen3NeedsItsQKNormsAndLlama31RopeFactorsAreRefused) {
+  if (!fs::exists(shared_path("models/stories260K.gguf"))) GTEST_SKIP() << "stories260K.gguf not found";
+  const auto tmp = fs::temp_directory_path();
+  // Qwen3 with unit q / k norms: q and k of each head RMS-normalized before RoPE
+  const std::string p3 = write_stories_as("qwen3", (tmp / "kvq_test_qwen3.gguf").string(),
+                                          [](kvq::test::GgufWriter& w, const ModelConfig& c) {
+    for (int il = 0; il < c.n_layer; ++il) {
+      const std::string p = "blk." + std::to_string(il) + ".";
+      w.add_tensor_f32(p + "attn_q_norm.weight", {c.head_dim}, std::vector<float>(size_t(c.head_dim), 1.0f));
+      w.add_tensor_f32(p + "attn_k_norm.weight", {c.head_dim}, std::vector<float>(size_t(c.head_dim), 1.0f));
+    }
+  });
+  auto m = Model::load(p3);
+  EXPECT_TRUE(m->config().rope_neox && m->config().qk_norm && !m->config().qkv_bias);
+  {
+    ThreadPool pool(1);
+    KvCache cache(m->kv_cache_config(kv_policy_uniform("f32", m->config().n_layer), 16));
+    Forward fwd(*m, pool);
+    const int hd = m->config().head_dim;
+    std::vector<float> k_pre;
+    fwd.on_kv = [&](int il, int, const float* kp, const float*, const float*) {
+      if (il == 0) k_pre.assign(kp, kp + m->config().n_head_kv * hd);
+    };
+    const int32_t bos = 1;
+    fwd.eval(&bos, 1, cache);
+    ASSERT_FALSE(k_pre.empty());
+    for (int h = 0; h < m->config().n_head_kv; ++h) {  // unit norm weights: each head's RMS is 1
+      double ss = 0;
+      for (int i = 0; i < hd; ++i) ss += double(k_pre[size_t(h * hd + i)]) * k_pre[size_t(h * hd + i)];
+      EXPECT_NEAR(std::sqrt(ss / hd), 1.0, 1e-3) << "head " << h;
+    }
+  }
+  m.reset();
+  // without them it is refused, naming the tensor
+  const std::string p3b = write_stories_as("qwen3", (tmp / "kvq_test_qwen3_nonorm.gguf").string(),
+                                           [](kvq::test::GgufWriter&, const ModelConfig&) {});
+  try {
+    Model::load(p3b);
+    ADD_FAILURE() << "a qwen3 file without q / k norms loaded";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("attn_q_norm.weight"), std::string::npos) << e.what();
+  }
+  // Llama 3.1-style RoPE frequency factors: refused rather than ignored
+  const std::string pr = write_stories_as("llama", (tmp / "kvq_test_rope_freqs.gguf").string(),
+                                          [](kvq::test::GgufWriter& w, const ModelConfig& c) {
+    w.add_tensor_f32("rope_freqs.weight", {c.head_dim / 2}, std::vector<float>(size_t(c.head_dim / 2), 1.0f));
+  });
+  try {
+    Model::load(pr);
+    ADD_FAILURE() << "rope_freqs.weight was ignored";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rope_freqs.weight"), std::string::npos) << e.what();
+  }
+  for (const auto& p : {p3, p3b, pr}) fs::remove(p);
+}
+
 TEST(ModelConfig, RejectsNonFiniteOrOutOfRangeFloatMetadata) {
   using kvq::test::GgufWriter;
   auto build = [](const std::string& arch, const std::function<void(GgufWriter&)>& extra) {

@@ -25,8 +25,8 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
   auto arch = f.get_string("general.architecture");
   if (!arch) fail("{}: missing metadata key 'general.architecture'", f.path());
   c.arch = *arch;
-  if (c.arch != "llama" && c.arch != "gemma3")
-    fail("{}: unsupported architecture '{}' (supported: llama, gemma3)", f.path(), printable(c.arch));
+  if (c.arch != "llama" && c.arch != "gemma3" && c.arch != "qwen2" && c.arch != "qwen3")
+    fail("{}: unsupported architecture '{}' (supported: llama, gemma3, qwen2, qwen3)", f.path(), printable(c.arch));
   c.name = f.get_string("general.name").value_or(c.arch);
   const std::string a = c.arch + ".";
   auto req = [&](const char* k) { return int(positive(f, a + k, require_int(f, a + k))); };
@@ -60,6 +60,15 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
     fail("{}: rope scaling factor {} must be a finite number > 0", f.path(), c.rope_scale);
   c.layer_sliding.assign(size_t(c.n_layer), false);
 
+  // Llama 3.1-style RoPE (per-dimension frequency factors in a tensor) is not implemented:
+  // ignoring the factors would run the model with the wrong positions.
+  if (f.find_tensor("rope_freqs.weight"))
+    fail("{}: tensor 'rope_freqs.weight' (RoPE frequency factors, as in Llama 3.1+) is not supported", f.path());
+  if (c.arch == "qwen2" || c.arch == "qwen3") {
+    c.rope_neox = true;
+    c.qkv_bias = c.arch == "qwen2";
+    c.qk_norm = c.arch == "qwen3";
+  }
   if (c.arch == "gemma3") {
     c.rope_neox = true;
     c.embd_scale = true;

@@ -8,7 +8,7 @@ namespace kvq {
 namespace gguf { class File; }
 
 struct ModelConfig {
-  std::string arch;         // general.architecture: "llama", "gemma3"
+  std::string arch;         // general.architecture: "llama", "gemma3", "qwen2", "qwen3"
   std::string name;         // general.name
   int n_layer = 0;
   int n_embd = 0;
@@ -27,11 +27,13 @@ struct ModelConfig {
   float rope_scale = 1.f;        // linear scaling factor of global layers (positions / factor)
   float rope_base_local = 10000.f;  // sliding-window layers (Gemma 3)
 
+  bool qkv_bias = false;         // biases added to q, k and v (Qwen2)
+
   // Gemma-style flags
   bool embd_scale = false;       // multiply embeddings by sqrt(n_embd)
   bool geglu = false;            // GELU(tanh) gate instead of SiLU
   bool post_norms = false;       // RMSNorm after attention and after the FFN, before the residual add
-  bool qk_norm = false;          // RMSNorm over head_dim on q and k before RoPE
+  bool qk_norm = false;          // RMSNorm over head_dim on q and k before RoPE (Gemma 3, Qwen3)
   float attn_scale = 0.f;        // q.k scale; 0 -> 1/sqrt(head_dim)
   float final_softcap = 0.f;     // logits = c * tanh(logits / c) when > 0
   float attn_softcap = 0.f;

@@ -44,7 +44,7 @@ WeightView view_of(const gguf::File& f, const std::string& name, int64_t n_in, i
 
 WeightView norm_of(const gguf::File& f, const std::string& name, int64_t n, bool required = true) {
   WeightView w = view_of(f, name, n, 1, required);
-  if (w.data && w.type != GgmlType::F32) fail("{}: norm tensor '{}' must be F32, is {}", f.path(), name, ggml_type_name(w.type));
+  if (w.data && w.type != GgmlType::F32) fail("{}: tensor '{}' (a norm or bias) must be F32, is {}", f.path(), name, ggml_type_name(w.type));
   return w;
 }
 
@@ -58,6 +58,12 @@ void rms_norm(const float* x, float* y, const float* w, int n_rows, int n, float
     const float s = float(1.0 / std::sqrt(ss / n + double(eps)));
     for (int i = 0; i < n; ++i) yr[i] = xr[i] * s * w[i];
   }
+}
+
+// x (n_rows, n) += b (n) on every row
+void add_bias(float* x, const float* b, int n_rows, int64_t n) {
+  for (int r = 0; r < n_rows; ++r)
+    for (int64_t i = 0; i < n; ++i) x[size_t(r) * size_t(n) + size_t(i)] += b[i];
 }
 
 // RoPE in place on `n_heads` heads of one token. x: (n_heads, head_dim)
@@ -111,6 +117,11 @@ std::unique_ptr<Model> Model::load(const std::string& path) {
     L.ffn_gate = view_of(f, p + "ffn_gate.weight", c.n_embd, c.n_ff);
     L.ffn_up = view_of(f, p + "ffn_up.weight", c.n_embd, c.n_ff);
     L.ffn_down = view_of(f, p + "ffn_down.weight", c.n_ff, c.n_embd);
+    if (c.qkv_bias) {
+      L.bq = norm_of(f, p + "attn_q.bias", qd);
+      L.bk = norm_of(f, p + "attn_k.bias", kvd);
+      L.bv = norm_of(f, p + "attn_v.bias", kvd);
+    }
     if (c.qk_norm) {
       L.attn_q_norm = norm_of(f, p + "attn_q_norm.weight", c.head_dim);
       L.attn_k_norm = norm_of(f, p + "attn_k_norm.weight", c.head_dim);
@@ -285,6 +296,11 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
     matmul(L.wq, xn_.data(), n, q_.data(), pool_);
     matmul(L.wk, xn_.data(), n, k_.data(), pool_);
     matmul(L.wv, xn_.data(), n, v_.data(), pool_);
+    if (c.qkv_bias) {
+      add_bias(q_.data(), static_cast<const float*>(L.bq.data), n, qd);
+      add_bias(k_.data(), static_cast<const float*>(L.bk.data), n, kvd);
+      add_bias(v_.data(), static_cast<const float*>(L.bv.data), n, kvd);
+    }
     if (c.qk_norm) {
       rms_norm(q_.data(), q_.data(), static_cast<const float*>(L.attn_q_norm.data), n * nh, hd, c.rms_eps);
       rms_norm(k_.data(), k_.data(), static_cast<const float*>(L.attn_k_norm.data), n * nkv, hd, c.rms_eps);

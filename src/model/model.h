@@ -18,6 +18,7 @@ namespace kvq {
 
 struct LayerWeights {
   WeightView attn_norm, wq, wk, wv, wo, attn_q_norm, attn_k_norm, attn_post_norm;
+  WeightView bq, bk, bv;  // F32 biases of q, k, v (config().qkv_bias)
   WeightView ffn_norm, ffn_gate, ffn_up, ffn_down, ffn_post_norm;
 };
 

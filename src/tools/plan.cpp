@@ -506,7 +506,7 @@ PlanModel plan_model_from_gguf(const gguf::File& f) {
   validate_model(m);  // the shape bounds that span fields (heads x head_dim), with their ranges
   check_gguf_tensors(f, m, a);
   // The architectures kvq runs: the engine's own metadata checks as well (the same file must load).
-  if (*arch == "llama" || *arch == "gemma3") model_config_from_gguf(f);
+  if (*arch == "llama" || *arch == "gemma3" || *arch == "qwen2" || *arch == "qwen3") model_config_from_gguf(f);
 
   int64_t params = 0;
   for (const gguf::TensorInfo& t : f.tensors()) params = sat_add(params, t.n_elements());
