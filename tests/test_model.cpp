@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "gguf/gguf.h"
 #include "gguf_writer.h"
+#include "kv/kvquant.h"
 #include "model/chat.h"
 #include "model/config.h"
 #include "model/model.h"
@@ -406,7 +407,7 @@ TEST(ArchVariants, Qwen2BiasesAreAddedToQKV) {
   fs::remove(p1);
 }
 
-TEST(ArchVariants, Qwen3NeedsItsQKNormsAndLlama31RopeFactorsAreRefused) {
+TEST(ArchVariants, Qwen3NormalizesQAndKPerHeadAndNeedsItsNorms) {
   if (!fs::exists(shared_path("models/stories260K.gguf"))) GTEST_SKIP() << "stories260K.gguf not found";
   const auto tmp = fs::temp_directory_path();
   // Qwen3 with unit q / k norms: q and k of each head RMS-normalized before RoPE
@@ -448,18 +449,50 @@ TEST(ArchVariants, Qwen3NeedsItsQKNormsAndLlama31RopeFactorsAreRefused) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("attn_q_norm.weight"), std::string::npos) << e.what();
   }
-  // Llama 3.1-style RoPE frequency factors: refused rather than ignored
-  const std::string pr = write_stories_as("llama", (tmp / "kvq_test_rope_freqs.gguf").string(),
-                                          [](kvq::test::GgufWriter& w, const ModelConfig& c) {
-    w.add_tensor_f32("rope_freqs.weight", {c.head_dim / 2}, std::vector<float>(size_t(c.head_dim / 2), 1.0f));
+  for (const auto& p : {p3, p3b}) fs::remove(p);
+}
+
+
+// Llama 3.1-style RoPE factors (rope_freqs.weight): every pair turning 2x slower is linear
+// position scaling by 2, in the model's RoPE and in the pre-RoPE key codecs' (kv_rope_theta).
+TEST(ArchVariants, RopeFrequencyFactorsScaleEachPair) {
+  if (!fs::exists(shared_path("models/stories260K.gguf"))) GTEST_SKIP() << "stories260K.gguf not found";
+  const auto tmp = fs::temp_directory_path();
+  auto with = [&](const std::string& name, const std::function<void(kvq::test::GgufWriter&, const ModelConfig&)>& x) {
+    return write_stories_as("llama", (tmp / name).string(), x);
+  };
+  const std::string pf = with("kvq_test_rope_factors.gguf", [](kvq::test::GgufWriter& w, const ModelConfig& c) {
+    w.add_tensor_f32("rope_freqs.weight", {c.n_rot / 2}, std::vector<float>(size_t(c.n_rot / 2), 2.0f));
   });
-  try {
-    Model::load(pr);
-    ADD_FAILURE() << "rope_freqs.weight was ignored";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("rope_freqs.weight"), std::string::npos) << e.what();
-  }
-  for (const auto& p : {p3, p3b, pr}) fs::remove(p);
+  // the writer copies the metadata, so the linear scaling goes in as extra keys
+  const std::string pl = with("kvq_test_rope_linear.gguf", [](kvq::test::GgufWriter& w, const ModelConfig&) {
+    w.add_string("llama.rope.scaling.type", "linear");
+    w.add_f32("llama.rope.scaling.factor", 2.0f);
+  });
+  auto mf = Model::load(pf), ml = Model::load(pl);
+  ASSERT_EQ(mf->config().rope_freq_factors.size(), size_t(mf->config().n_rot / 2));
+  EXPECT_EQ(ml->config().rope_scale, 2.0f);
+  const Tokenizer tok = Tokenizer::from_gguf(mf->file());
+  const std::vector<int32_t> ids = tok.encode("Once upon a time, there was a big dog. The dog liked to run and play.", true);
+  const auto a = stories_logits(*mf, ids), b = stories_logits(*ml, ids);
+  float worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(a[i] - b[i]));
+  EXPECT_LT(worst, 1e-4f);
+  // and the factors reach the cache's RoPE (what pre-RoPE key codecs rotate with)
+  const KvCacheConfig kf = mf->kv_cache_config(kv_policy_uniform("f16", mf->config().n_layer), 64);
+  ASSERT_EQ(kf.rope[0].freq_factors, mf->config().rope_freq_factors);
+  KvRope r = kf.rope[0], lin = kf.rope[0];
+  lin.freq_factors.clear();
+  lin.freq_scale = 0.5f;
+  for (int i = 0; i < r.n_rot / 2; ++i) EXPECT_NEAR(kv_rope_theta(r, i), kv_rope_theta(lin, i), 1e-15) << i;
+  // a non-positive factor is refused
+  const std::string pz = with("kvq_test_rope_zero.gguf", [](kvq::test::GgufWriter& w, const ModelConfig& c) {
+    w.add_tensor_f32("rope_freqs.weight", {c.n_rot / 2}, std::vector<float>(size_t(c.n_rot / 2), 0.0f));
+  });
+  EXPECT_THROW(Model::load(pz), Error);
+  mf.reset();
+  ml.reset();
+  for (const auto& p : {pf, pl, pz}) fs::remove(p);
 }
 
 TEST(ModelConfig, RejectsNonFiniteOrOutOfRangeFloatMetadata) {
@@ -539,6 +572,21 @@ TEST(ChatTemplate, FamilyAndDefaultSystemFromTheJinja) {
   EXPECT_EQ(chat_render(p, {{"user", "Hi"}}), "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
 
   EXPECT_EQ(chat_template_from_text(gemma).family, ChatFamily::gemma);
+  // Llama 3's (as its tokenizer_config.json writes it): headers, trimmed contents, <|eot_id|>
+  const std::string llama3 =
+      "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+      "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+      "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+      "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
+  const ChatTemplate l3 = chat_template_from_text(llama3);
+  EXPECT_EQ(l3.family, ChatFamily::llama3);
+  EXPECT_EQ(chat_render(l3, {{"system", "Be brief. "}, {"user", "\nHi there"}}),
+            "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+            "<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n");
+  EXPECT_EQ(chat_render(l3, {{"user", "Hi"}, {"assistant", "Hello, I"}}, ChatRenderOptions{false, true}),
+            "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\nHello, I");
   EXPECT_FALSE(chat_template_from_text("{{ messages }}").known());
   EXPECT_THROW(chat_render(ChatTemplate{}, {{"user", "Hi"}}), Error);
 

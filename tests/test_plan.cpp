@@ -784,7 +784,7 @@ nlohmann::json llama8b_config() {
 // A small GGUF: 4 query heads of 16 dims (embedding 64), `kv_heads` KV heads in the metadata and
 // `kv_heads_tensors` in the K/V projections of the first `tensor_layers` layers.
 struct TinyGguf {
-  std::string arch = "qwen2";
+  std::string arch = "phi3";  // an architecture the planner reads and the engine does not run
   int64_t block_count = 4;
   int tensor_layers = 4;
   int kv_heads = 2;
@@ -940,7 +940,7 @@ TEST(Plan, ParameterCountNeverWraps) {
 // K/V projection shapes, a file without tensors; and context 0, non-finite values, counts past
 // the bounds. For the architectures kvq runs, the engine's own metadata checks apply as well.
 TEST(Plan, GgufMetadataMustMatchTheTensors) {
-  for (const std::string arch : {"qwen2", "llama"}) {
+  for (const std::string arch : {"phi3", "llama"}) {
     TinyGguf g;
     g.arch = arch;
     CmdResult ok = plan_gguf(g, "ok.gguf");

@@ -696,10 +696,10 @@ TEST(TokenizerSynthetic, MalformedVocabulariesAreErrors) {
   {
     GgufWriter w;
     w.add_string("tokenizer.ggml.model", "gpt2");
-    w.add_string("tokenizer.ggml.pre", "llama-bpe");
+    w.add_string("tokenizer.ggml.pre", "deepseek-coder");
     w.add("tokenizer.ggml.tokens", str_arr({"a", "b"}));
     w.add("tokenizer.ggml.merges", str_arr({"a b"}));
-    expect_error(w, "llama-bpe");
+    expect_error(w, "deepseek-coder");
   }
   {
     auto b = build(spm_writer({"a"}, {0}, with([](SpmOverrides& o) { o.eos = 0xFFFFFFFFu; })));  // "none": no error

@@ -342,6 +342,122 @@ TEST_P(MatmulParity, BatchInvariantTokenByToken) {
   }
 }
 
+// Every SIMD kernel against the scalar one on the very same quantized activations: the integer
+// dot products are exact at every level, so the results may differ only by float rounding of the
+// per-block products and their sum (far tighter than the activation-quantization bound of
+// AllLevelsMatchReference, which a wrong code or scale could hide within). The SIMD kernels round
+// per lane, where a block's code and offset terms are still apart: with a code equal to the offset
+// (w = 0) under a huge activation both terms are large, so the bound scales with them.
+TEST_P(MatmulParity, SimdKernelsEqualScalarOnTheSameActivations) {
+  const GgmlType t = GetParam();
+  const int64_t bs = block_size(t) == 1 ? 32 : block_size(t);
+  const int64_t n_in = 4 * bs, n_out = 37;
+  const ActFormat af = act_format(t);
+  const size_t xs = act_row_bytes(af, n_in), rb = ggml_row_bytes(t, n_in);
+  std::mt19937 rng(4321 + int(t));
+  struct Level {
+    const char* name;
+    MatmulTileFn fn;
+  };
+  std::vector<Level> levels;
+#if defined(KVQ_HAVE_SIMD)
+  if (cpu_features().avx2 && cpu_features().fma) levels.push_back({"avx2", matmul_kernel_avx2(t)});
+  {
+    LevelCap cap(CpuLevel::avx512);
+    if (cpu_level() == CpuLevel::avx512) {
+      levels.push_back({"avx512", matmul_kernel_avx512(t)});
+      levels.push_back({"avx512 streaming", matmul_kernel_avx512_streaming(t)});
+    }
+  }
+#endif
+  if (levels.empty()) GTEST_SKIP() << "no SIMD level on this CPU";
+  for (ScaleMode sm : {ScaleMode::normal, ScaleMode::mixed})
+    for (int64_t nt : {1, 3, 6, 13, 70}) {
+      auto w = random_weights(t, n_in, n_out, rb, sm, rng);
+      auto x = random_acts(nt, n_in, ActMode::outlier, rng);
+      // the activations as every kernel reads them, and their dequantized values
+      std::vector<uint8_t> xq(xs * size_t(nt));
+      std::vector<float> xd(size_t(nt * n_in));
+      for (int64_t k = 0; k < nt; ++k) {
+        const float* xk = x.data() + k * n_in;
+        float* dk = xd.data() + k * n_in;
+        if (af == ActFormat::q8a) {
+          auto* q = reinterpret_cast<BlockQ8A*>(xq.data() + size_t(k) * xs);
+          quantize_act_q8a(xk, q, n_in);
+          for (int64_t i = 0; i < n_in; ++i) dk[i] = q[i / kQK].d * float(q[i / kQK].qs[i % kQK]);
+        } else if (af == ActFormat::q8k) {
+          auto* q = reinterpret_cast<BlockQ8K*>(xq.data() + size_t(k) * xs);
+          quantize_act_q8k(xk, q, n_in);
+          for (int64_t i = 0; i < n_in; ++i) dk[i] = q[i / kQKK].d * float(q[i / kQKK].qs[i % kQKK]);
+        } else {
+          std::memcpy(xq.data() + size_t(k) * xs, xk, xs);
+          std::memcpy(dk, xk, xs);
+        }
+      }
+      std::vector<float> ref(size_t(nt * n_out)), got(ref.size());
+      matmul_kernel_scalar(t)(w.data(), rb, n_out, xq.data(), xs, nt, n_in, ref.data(), n_out);
+      std::vector<float> row(static_cast<size_t>(n_in));
+      for (const Level& lv : levels) {
+        ASSERT_NE(lv.fn, nullptr) << lv.name;
+        std::fill(got.begin(), got.end(), NAN);
+        lv.fn(w.data(), rb, n_out, xq.data(), xs, nt, n_in, got.data(), n_out);
+        int bad = 0;
+        for (int64_t r = 0; r < n_out && bad < 3; ++r) {
+          dequantize_row_ref(t, w.data() + size_t(r) * rb, row.data(), n_in);
+          // The scale of the float rounding: the kernels sum a block's codes and its offset (or min)
+          // in separate terms, each up to max |w| + the block's range of w times |x|; float types
+          // sum w x itself.
+          std::vector<double> amag(static_cast<size_t>(n_in));
+          const int64_t blk = block_size(t);
+          for (int64_t b0 = 0; b0 < n_in; b0 += blk) {
+            double lo = row[size_t(b0)], hi = lo, amax = 0;
+            for (int64_t i = b0; i < b0 + blk; ++i) {
+              lo = std::min(lo, double(row[size_t(i)]));
+              hi = std::max(hi, double(row[size_t(i)]));
+              amax = std::max(amax, std::fabs(double(row[size_t(i)])));
+            }
+            for (int64_t i = b0; i < b0 + blk; ++i) amag[size_t(i)] = blk == 1 ? amax : amax + (hi - lo);
+          }
+          for (int64_t k = 0; k < nt; ++k) {
+            double mag = 0;
+            for (int64_t i = 0; i < n_in; ++i) mag += amag[size_t(i)] * std::fabs(double(xd[size_t(k * n_in + i)]));
+            const float a = got[size_t(k * n_out + r)], b = ref[size_t(k * n_out + r)];
+            if (!(std::fabs(double(a) - double(b)) <= 4e-6 * mag + 1e-30)) {
+              ADD_FAILURE() << lv.name << " " << ggml_type_name(t) << " scale " << int(sm) << " nt " << nt << " row " << r
+                            << " token " << k << ": " << a << " vs scalar " << b << " (rounding scale " << mag << ")";
+              ++bad;
+            }
+          }
+        }
+      }
+    }
+}
+
+// A block whose scale would be subnormal quantizes to zeros at every level (its inverse would
+// overflow to infinity and give codes out of range).
+TEST(ActQuant, SubnormalScaleBlocksQuantizeToZeros) {
+  std::vector<float> x(256, 0.0f);
+  x[0] = 1.5e-38f;
+  x[1] = -1.5e-38f;
+  x[40] = 1e-40f;
+  BlockQ8A qa[8], qa2[8];
+  BlockQ8K qk[1], qk2[1];
+  quantize_act_q8a(x.data(), qa, 256);
+  quantize_act_q8k(x.data(), qk, 256);
+  for (const auto& b : qa) {
+    EXPECT_EQ(b.d, 0.0f);
+    for (int8_t q : b.qs) EXPECT_EQ(q, 0);
+  }
+  EXPECT_EQ(qk[0].d, 0.0f);
+  for (int8_t q : qk[0].qs) EXPECT_EQ(q, 0);
+  if (cpu_features().avx2) {
+    quantize_act_q8a_avx2(x.data(), qa2, 256);
+    quantize_act_q8k_avx2(x.data(), qk2, 256);
+    EXPECT_EQ(std::memcmp(qa, qa2, sizeof qa), 0);
+    EXPECT_EQ(std::memcmp(qk, qk2, sizeof qk), 0);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Types, MatmulParity, ::testing::ValuesIn(kTypes),
                          [](const auto& info) { return std::string(ggml_type_name(info.param)); });
 

@@ -41,6 +41,9 @@ struct KvRope {
   float freq_base = 10000.f;
   float freq_scale = 1.f;    // linear position scaling (positions multiplied by this)
   bool neox = false;         // false: adjacent pairs (2i, 2i+1); true: halves (i, i + n_rot/2)
+  // Per-pair frequency factors (n_rot / 2 of them, or none): pair i turns freq_factors[i] times
+  // slower (Llama 3.1-style RoPE scaling, the GGUF tensor rope_freqs.weight).
+  std::vector<float> freq_factors = {};
 };
 
 // Everything a codec is built from. One codec instance serves all KV heads of one layer's K or V.

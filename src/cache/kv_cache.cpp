@@ -5,6 +5,7 @@
 #include <utility>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -184,6 +185,7 @@ std::string KvCache::build_identity() const {
     if (size_t(il) < cfg_.rope.size()) {
       const KvRope& r = cfg_.rope[size_t(il)];
       s += fmt::format(",rope={}:{}:{}:{}", r.n_rot, r.freq_base, r.freq_scale, r.neox ? 1 : 0);
+      if (!r.freq_factors.empty()) s += fmt::format(":f{}", fmt::join(r.freq_factors, ","));
     }
   }
   return s;

@@ -136,7 +136,8 @@ inline void rope_rotate(float* x, const float* cs, const float* sn, int n_rot, b
 }  // namespace
 
 double kv_rope_theta(const KvRope& r, int i) {
-  return double(r.freq_scale) * std::pow(double(r.freq_base), -2.0 * i / r.n_rot);
+  const double t = double(r.freq_scale) * std::pow(double(r.freq_base), -2.0 * i / r.n_rot);
+  return r.freq_factors.empty() ? t : t / double(r.freq_factors[size_t(i)]);
 }
 
 void kv_rope_apply(const KvRope& r, int pos, float* x, int) {

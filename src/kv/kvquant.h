@@ -135,7 +135,8 @@ nlohmann::json kvquant_cal_artifact(const std::vector<std::vector<float>>& mid,
 // The engine should rotate q and the tail keys with the same function so both sides agree.
 void kv_rope_apply(const KvRope& r, int pos, float* x, int head_dim);
 
-// The angle rate of RoPE pair i (pos * rate radians): freq_scale * freq_base^(-2i / n_rot).
+// The angle rate of RoPE pair i (pos * rate radians): freq_scale * freq_base^(-2i / n_rot), divided
+// by freq_factors[i] when the RoPE has factors.
 double kv_rope_theta(const KvRope& r, int i);
 
 // ---- kernels: scalar reference and SIMD variants share these signatures ----

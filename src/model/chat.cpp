@@ -36,6 +36,8 @@ ChatTemplate chat_template_from_text(const std::string& t) {
     }
   } else if (t.find("<start_of_turn>") != std::string::npos) {
     c.family = ChatFamily::gemma;
+  } else if (t.find("<|start_header_id|>") != std::string::npos) {
+    c.family = ChatFamily::llama3;
   }
   return c;
 }
@@ -49,6 +51,7 @@ const char* chat_template_name(const ChatTemplate& t) {
   switch (t.family) {
     case ChatFamily::chatml: return "chatml";
     case ChatFamily::gemma: return "gemma";
+    case ChatFamily::llama3: return "llama3";
     default: return "none";
   }
 }
@@ -108,7 +111,22 @@ std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& m
     if (opt.add_generation_prompt) out += "<start_of_turn>model\n";
     return out;
   }
-  fail("this model has no chat template kvq supports (supported: ChatML, Gemma)");
+  if (t.family == ChatFamily::llama3) {
+    // Llama 3's turns: a header naming the role, the content trimmed as its template does, <|eot_id|>.
+    // (The <|begin_of_text|> before them is the tokenizer's BOS.)
+    auto trim = [](const std::string& x) {
+      const char* ws = " \t\n\r\f\v";
+      const size_t b = x.find_first_not_of(ws);
+      return b == std::string::npos ? std::string() : x.substr(b, x.find_last_not_of(ws) - b + 1);
+    };
+    for (size_t i = 0; i < msgs.size(); ++i) {
+      out += "<|start_header_id|>" + msgs[i].role + "<|end_header_id|>\n\n" + trim(msgs[i].content);
+      if (!(cont && i + 1 == msgs.size())) out += "<|eot_id|>";
+    }
+    if (opt.add_generation_prompt) out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
+    return out;
+  }
+  fail("this model has no chat template kvq supports (supported: ChatML, Gemma, Llama 3)");
 }
 
 }  // namespace kvq

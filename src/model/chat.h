@@ -12,7 +12,7 @@ struct ChatMessage {
   std::string content;
 };
 
-enum class ChatFamily { none, chatml, gemma };
+enum class ChatFamily { none, chatml, gemma, llama3 };
 
 struct ChatTemplate {
   ChatFamily family = ChatFamily::none;

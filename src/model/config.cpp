@@ -1,6 +1,7 @@
 #include "model/config.h"
 
 #include <cmath>
+#include <cstring>
 
 #include "core/error.h"
 #include "core/strings.h"
@@ -60,10 +61,17 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
     fail("{}: rope scaling factor {} must be a finite number > 0", f.path(), c.rope_scale);
   c.layer_sliding.assign(size_t(c.n_layer), false);
 
-  // Llama 3.1-style RoPE (per-dimension frequency factors in a tensor) is not implemented:
-  // ignoring the factors would run the model with the wrong positions.
-  if (f.find_tensor("rope_freqs.weight"))
-    fail("{}: tensor 'rope_freqs.weight' (RoPE frequency factors, as in Llama 3.1+) is not supported", f.path());
+  // Llama 3.1-style RoPE: a frequency factor per rotated pair
+  if (const gguf::TensorInfo* t = f.find_tensor("rope_freqs.weight")) {
+    if (t->type != GgmlType::F32 || t->n_elements() != c.n_rot / 2)
+      fail("{}: tensor 'rope_freqs.weight' must be F32 with {} values (one per rotated pair), is {} with {}", f.path(),
+           c.n_rot / 2, ggml_type_name(t->type), t->n_elements());
+    c.rope_freq_factors.resize(size_t(c.n_rot / 2));
+    std::memcpy(c.rope_freq_factors.data(), t->data, c.rope_freq_factors.size() * sizeof(float));
+    for (float x : c.rope_freq_factors)
+      if (!(std::isfinite(x) && x > 0))
+        fail("{}: rope_freqs.weight holds {}: the factors must be finite numbers > 0", f.path(), x);
+  }
   if (c.arch == "qwen2" || c.arch == "qwen3") {
     c.rope_neox = true;
     c.qkv_bias = c.arch == "qwen2";

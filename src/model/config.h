@@ -26,6 +26,9 @@ struct ModelConfig {
   float rope_base = 10000.f;     // global layers
   float rope_scale = 1.f;        // linear scaling factor of global layers (positions / factor)
   float rope_base_local = 10000.f;  // sliding-window layers (Gemma 3)
+  // Per-pair frequency factors of the global layers (rope_freqs.weight, Llama 3.1+): pair i turns
+  // factor[i] times slower; empty: none.
+  std::vector<float> rope_freq_factors;
 
   bool qkv_bias = false;         // biases added to q, k and v (Qwen2)
 
@@ -44,6 +47,10 @@ struct ModelConfig {
 
   float layer_rope_base(int il) const { return layer_sliding[size_t(il)] ? rope_base_local : rope_base; }
   float layer_rope_scale(int il) const { return layer_sliding[size_t(il)] ? 1.f : rope_scale; }
+  const std::vector<float>& layer_rope_factors(int il) const {
+    static const std::vector<float> none;
+    return layer_sliding[size_t(il)] ? none : rope_freq_factors;
+  }
   int layer_window(int il) const { return layer_sliding[size_t(il)] ? sliding_window : 0; }
 };
 

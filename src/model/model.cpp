@@ -83,10 +83,11 @@ void rope(float* x, int n_heads, int head_dim, int n_rot, bool neox, const float
 
 // Angles in double: at positions in the tens of thousands float angles drift by ~1e-3 rad, and
 // the pre-RoPE key codecs rotate with the same double-precision angles (kv_rope_apply).
-void rope_table(float* cs, int pos, int n_rot, float base, float scale) {
+void rope_table(float* cs, int pos, int n_rot, float base, float scale, const std::vector<float>& factors) {
   const double p = double(pos) / double(scale);
   for (int i = 0; i < n_rot / 2; ++i) {
-    const double theta = p * std::pow(double(base), -2.0 * double(i) / double(n_rot));
+    double theta = p * std::pow(double(base), -2.0 * double(i) / double(n_rot));
+    if (!factors.empty()) theta /= double(factors[size_t(i)]);
     cs[2 * i] = float(std::cos(theta));
     cs[2 * i + 1] = float(std::sin(theta));
   }
@@ -179,6 +180,7 @@ KvCacheConfig Model::kv_cache_config(const KvPolicy& policy, int max_tokens, int
     r.freq_base = cfg_.layer_rope_base(il);
     r.freq_scale = 1.0f / cfg_.layer_rope_scale(il);
     r.neox = cfg_.rope_neox;
+    r.freq_factors = cfg_.layer_rope_factors(il);
     kc.rope.push_back(r);
     kc.window.push_back(cfg_.layer_window(il));
   }
@@ -307,7 +309,8 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
     }
     std::memcpy(k_pre_.data(), k_.data(), size_t(n) * size_t(kvd) * sizeof(float));
     for (int r = 0; r < n; ++r) {
-      rope_table(cs.data(), row_pos_[size_t(r)], c.n_rot, c.layer_rope_base(il), c.layer_rope_scale(il));
+      rope_table(cs.data(), row_pos_[size_t(r)], c.n_rot, c.layer_rope_base(il), c.layer_rope_scale(il),
+                 c.layer_rope_factors(il));
       rope(q_.data() + size_t(r) * size_t(qd), nh, hd, c.n_rot, c.rope_neox, cs.data());
       rope(k_.data() + size_t(r) * size_t(kvd), nkv, hd, c.n_rot, c.rope_neox, cs.data());
     }

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 #include "gguf/ggml_types.h"
 #include "weights/blocks.h"
@@ -25,6 +26,14 @@ constexpr ActFormat act_format(GgmlType t) {
 }
 // Bytes of one converted activation row of n_in elements.
 size_t act_row_bytes(ActFormat f, int64_t n_in);
+
+// The scale of an activation block whose largest |x| is amax: amax / 127, or 0 when its inverse
+// would overflow to infinity (d < 1 / FLT_MAX: such a block, |x| < 3.8e-37, quantizes to zeros
+// instead of to codes out of range).
+inline float act_scale(float amax) {
+  const float d = amax / 127.0f;
+  return d >= 1.0f / std::numeric_limits<float>::max() ? d : 0.0f;
+}
 
 // Activation quantizers (scalar; exact same output at every CPU level).
 // x: (n) -> y: (n / 32) blocks, d = amax / 127, qs = round(x / d).

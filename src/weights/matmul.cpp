@@ -32,7 +32,7 @@ void quantize_act_q8a(const float* x, BlockQ8A* y, int64_t n) {
   for (int64_t b = 0; b < n / kQK; ++b, x += kQK) {
     float amax = 0;
     for (int j = 0; j < kQK; ++j) amax = std::fmax(amax, std::fabs(x[j]));
-    const float d = amax / 127.0f;
+    const float d = act_scale(amax);
     const float id = d != 0 ? 1.0f / d : 0.0f;
     int sum = 0;
     for (int j = 0; j < kQK; ++j) {
@@ -49,7 +49,7 @@ void quantize_act_q8k(const float* x, BlockQ8K* y, int64_t n) {
   for (int64_t b = 0; b < n / kQKK; ++b, x += kQKK) {
     float amax = 0;
     for (int j = 0; j < kQKK; ++j) amax = std::fmax(amax, std::fabs(x[j]));
-    const float d = amax / 127.0f;
+    const float d = act_scale(amax);
     const float id = d != 0 ? 1.0f / d : 0.0f;
     for (int j = 0; j < kQKK; ++j) y[b].qs[j] = quant_one(x[j], id);
     for (int g = 0; g < 16; ++g) {

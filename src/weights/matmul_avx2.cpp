@@ -56,7 +56,7 @@ inline __m256 abs_max(const float* x, int n) {
 void quantize_act_q8a_avx2(const float* x, BlockQ8A* y, int64_t n) {
   for (int64_t b = 0; b < n / kQK; ++b, x += kQK) {
     const float amax = hmax(abs_max(x, kQK));
-    const float d = amax / 127.0f;
+    const float d = act_scale(amax);
     const float id = d != 0 ? 1.0f / d : 0.0f;
     y[b].sum = quant32(x, _mm256_set1_ps(id), y[b].qs);
     y[b].ds = d * float(y[b].sum);
@@ -67,7 +67,7 @@ void quantize_act_q8a_avx2(const float* x, BlockQ8A* y, int64_t n) {
 void quantize_act_q8k_avx2(const float* x, BlockQ8K* y, int64_t n) {
   for (int64_t b = 0; b < n / kQKK; ++b, x += kQKK) {
     const float amax = hmax(abs_max(x, kQKK));
-    const float d = amax / 127.0f;
+    const float d = act_scale(amax);
     const float id = d != 0 ? 1.0f / d : 0.0f;
     const __m256 idv = _mm256_set1_ps(id);
     for (int g = 0; g < 8; ++g) quant32(x + 32 * g, idv, y[b].qs + 32 * g);
