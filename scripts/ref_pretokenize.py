@@ -30,7 +30,7 @@ CASES = [
     "\u4f60\u597d\uff0c\u4e16\u754c\uff01", "\u041f\u0440\u0438\u0432\u0435\u0442, \u043c\u0438\u0440!",
     "emoji \U0001f600\U0001f600 ok!!\n", "mixed123abc456", "C++ and C# are languages.",
     "    def f(x):\n        return x**2\n", "", " ", "'", "''", "'s'", "1'2", "a'", "\r", " \r\n",
-    "!!!\n\n\nnext", " !?\n", "x  \ty", "\t\tword", "\n word", ". word", ".\nword",
+    "!!!\n\n\nnext", " !?\n", "x  \ty", "\t\tword", "\n word", ". word", ".\nword", "it'\u017fa 'S 'K",
 ]
 
 POOL = (list("abcXYZ") + list("0123456789") + [" ", " ", " ", "\t", "\n", "\r", "\u00a0", "\u3000"]

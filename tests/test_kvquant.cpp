@@ -598,6 +598,14 @@ TEST(Kvquant, BadParametersRejected) {
   c.rope.freq_base = 0.f;
   EXPECT_THROW(kvquant_key_codec_create(c), Error);
   c.rope.freq_base = 10000.f;
+  // RoPE frequency factors: one per rotated pair, finite and > 0 (a short list would be read past)
+  c.rope.freq_factors = {1.0f};
+  EXPECT_THROW(kvquant_key_codec_create(c), Error);
+  c.rope.freq_factors.assign(64, 0.0f);
+  EXPECT_THROW(kvquant_key_codec_create(c), Error);
+  c.rope.freq_factors.assign(64, 2.0f);
+  EXPECT_NO_THROW(kvquant_key_codec_create(c));
+  c.rope.freq_factors.clear();
   c.outliers_per_token = 17;
   EXPECT_THROW(kvquant_key_codec_create(c), Error);
   c.outliers_per_token = -1;

@@ -587,6 +587,21 @@ TEST(ChatTemplate, FamilyAndDefaultSystemFromTheJinja) {
   EXPECT_EQ(chat_render(l3, {{"user", "Hi"}, {"assistant", "Hello, I"}}, ChatRenderOptions{false, true}),
             "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
             "<|start_header_id|>assistant<|end_header_id|>\n\nHello, I");
+  // trimmed as Python's str.strip: Unicode whitespace too (NBSP, ideographic space)
+  EXPECT_EQ(chat_render(l3, {{"user", "\xC2\xA0hi\xE3\x80\x80"}}, ChatRenderOptions{false, false}),
+            "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>");
+  // Llama 3.1+: a system turn always, opening with the knowledge cutoff and the template's date
+  const ChatTemplate l31 = chat_template_from_text(
+      "{{- \"<|start_header_id|>system<|end_header_id|>\\n\\n\" }}{{- \"Cutting Knowledge Date: December 2023\\n\" }}"
+      "{{- \"Today Date: \" + date_string + \"\\n\\n\" }}{{- system_message }}{{- \"<|eot_id|>\" }}");
+  EXPECT_EQ(l31.family, ChatFamily::llama3);
+  const std::string head = "<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
+                           "Today Date: 26 Jul 2024\n\n";
+  EXPECT_EQ(chat_render(l31, {{"user", "Hi"}}),
+            head + "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+                   "<|start_header_id|>assistant<|end_header_id|>\n\n");
+  EXPECT_EQ(chat_render(l31, {{"system", " Be brief."}, {"user", "Hi"}}, ChatRenderOptions{false, false}),
+            head + "Be brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>");
   EXPECT_FALSE(chat_template_from_text("{{ messages }}").known());
   EXPECT_THROW(chat_render(ChatTemplate{}, {{"user", "Hi"}}), Error);
 

@@ -430,9 +430,11 @@ TEST(TokenizerSmolLM2, Corpora) {
 // ---- pre-tokenizer and UTF-8 helpers on their own ----
 
 namespace {
-std::vector<std::string> pretok(const std::string& s, bool digits) {
+// The pieces a pre-tokenizer cuts s into (checking that they tile it).
+template <typename Split>
+std::vector<std::string> pieces(const std::string& s, Split split) {
   std::vector<kvq::unicode::Span> spans;
-  kvq::unicode::pretokenize_gpt2(s, digits, spans);
+  split(s, spans);
   std::vector<std::string> out;
   size_t pos = 0;
   for (const auto& sp : spans) {
@@ -442,6 +444,12 @@ std::vector<std::string> pretok(const std::string& s, bool digits) {
   }
   EXPECT_EQ(pos, s.size());
   return out;
+}
+std::vector<std::string> pretok(const std::string& s, bool digits) {
+  return pieces(s, [&](const std::string& t, auto& sp) { kvq::unicode::pretokenize_gpt2(t, digits, sp); });
+}
+std::vector<std::string> pretok_llama3(const std::string& s, int digits) {
+  return pieces(s, [&](const std::string& t, auto& sp) { kvq::unicode::pretokenize_llama3(t, digits, sp); });
 }
 using V = std::vector<std::string>;
 }  // namespace
@@ -464,21 +472,6 @@ TEST(Pretokenizer, Gpt2RegexSemantics) {
   EXPECT_EQ(pretok("", false), V{});
 }
 
-namespace {
-std::vector<std::string> pretok_llama3(const std::string& s, int digits) {
-  std::vector<kvq::unicode::Span> spans;
-  kvq::unicode::pretokenize_llama3(s, digits, spans);
-  std::vector<std::string> out;
-  size_t pos = 0;
-  for (const auto& sp : spans) {
-    EXPECT_EQ(sp.begin, pos) << "spans must tile the text";
-    out.push_back(s.substr(sp.begin, sp.len));
-    pos = sp.begin + sp.len;
-  }
-  EXPECT_EQ(pos, s.size());
-  return out;
-}
-}  // namespace
 
 TEST(Pretokenizer, Llama3RegexSemantics) {
   EXPECT_EQ(pretok_llama3("Hello world", 3), (V{"Hello", " world"}));
@@ -649,6 +642,41 @@ TEST(TokenizerSynthetic, BpeMergesByRank) {
   EXPECT_EQ(tok.bos(), -1);
   EXPECT_TRUE(tok.is_eog(6));   // control token named like an end of turn
   EXPECT_EQ(tok.encode("a<|end|>", false, true), (std::vector<int32_t>{0, 6}));
+}
+
+// Llama 3's pre-tokenizer takes a pre-token that is a word of the vocabulary whole (its
+// tokenizer's ignore_merges), and opens texts with BOS unless the file says otherwise; Qwen2's
+// merges every pre-token.
+TEST(TokenizerSynthetic, Llama3TakesVocabularyWordsWholeAndAddsBos) {
+  auto make = [](const std::string& pre, std::optional<bool> add_bos) {
+    GgufWriter w;
+    w.add_string("tokenizer.ggml.model", "gpt2");
+    w.add_string("tokenizer.ggml.pre", pre);
+    w.add("tokenizer.ggml.tokens", str_arr({"a", "b", "c", "ab", "abc", "<|begin_of_text|>"}));
+    w.add("tokenizer.ggml.token_type", i32_arr({1, 1, 1, 1, 1, 3}));
+    w.add("tokenizer.ggml.merges", str_arr({"a b"}));  // no merge makes "abc"
+    w.add_u32("tokenizer.ggml.bos_token_id", 5);
+    if (add_bos) w.add_bool("tokenizer.ggml.add_bos_token", *add_bos);
+    return w;
+  };
+  {
+    auto b = build(make("llama-bpe", std::nullopt));
+    const Tokenizer tok = Tokenizer::from_gguf(*b.file);
+    EXPECT_EQ(tok.encode("abc", false), (std::vector<int32_t>{4}));
+    EXPECT_EQ(tok.encode("abcab", false), (std::vector<int32_t>{3, 2, 3}));  // not a word: merged
+    EXPECT_TRUE(tok.add_bos());
+    EXPECT_EQ(tok.encode("abc", true), (std::vector<int32_t>{5, 4}));
+  }
+  {
+    auto b = build(make("llama-bpe", false));
+    EXPECT_FALSE(Tokenizer::from_gguf(*b.file).add_bos());
+  }
+  {
+    auto b = build(make("qwen2", std::nullopt));
+    const Tokenizer tok = Tokenizer::from_gguf(*b.file);
+    EXPECT_EQ(tok.encode("abc", false), (std::vector<int32_t>{3, 2}));
+    EXPECT_FALSE(tok.add_bos());
+  }
 }
 
 TEST(TokenizerSynthetic, MalformedVocabulariesAreErrors) {

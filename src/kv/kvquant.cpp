@@ -151,6 +151,20 @@ void kv_rope_apply(const KvRope& r, int pos, float* x, int) {
   rope_rotate(x, cs, sn, r.n_rot, r.neox);
 }
 
+void kv_check_rope(const char* name, const KvRope& r, int head_dim) {
+  if (r.n_rot < 0 || r.n_rot % 2 != 0 || r.n_rot > head_dim)
+    fail("{}: rope n_rot {} must be even and in [0, head_dim {}]", name, r.n_rot, head_dim);
+  if (r.n_rot > 0 && (!(r.freq_base > 1.f) || !std::isfinite(r.freq_base) ||
+                      !(r.freq_scale > 0.f) || !std::isfinite(r.freq_scale)))
+    fail("{}: rope freq_base {} must be > 1 and freq_scale {} > 0", name, r.freq_base,
+         r.freq_scale);
+  if (!r.freq_factors.empty() && r.freq_factors.size() != size_t(r.n_rot / 2))
+    fail("{}: rope freq_factors has {} values, n_rot {} needs {} (or none)", name, r.freq_factors.size(), r.n_rot,
+         r.n_rot / 2);
+  for (float x : r.freq_factors)
+    if (!(std::isfinite(x) && x > 0.f)) fail("{}: rope freq_factors holds {}: each must be a finite number > 0", name, x);
+}
+
 // ---------------------------------------------------------------- group normalization
 
 namespace {
@@ -747,14 +761,6 @@ void static_from_calib(const char* name, const nlohmann::json* calib, int layer,
   if (a.contains("sink_tokens") && a["sink_tokens"].is_number_integer()) c.sink_tokens = a["sink_tokens"].get<int>();
 }
 
-void check_rope(const char* name, const KvRope& r, int head_dim) {
-  if (r.n_rot < 0 || r.n_rot % 2 != 0 || r.n_rot > head_dim)
-    fail("{}: rope n_rot {} must be even and in [0, head_dim {}]", name, r.n_rot, head_dim);
-  if (r.n_rot > 0 && (!(r.freq_base > 1.f) || !std::isfinite(r.freq_base) ||
-                      !(r.freq_scale > 0.f) || !std::isfinite(r.freq_scale)))
-    fail("{}: rope freq_base {} must be > 1 and freq_scale {} > 0", name, r.freq_base,
-         r.freq_scale);
-}
 
 }  // namespace
 
@@ -772,7 +778,7 @@ std::unique_ptr<KvCodec> kvquant_key_codec_create(const KvquantKeyConfig& c0) {
   if (c.outliers_per_token > c.head_dim / 8)
     fail("{}: outliers_per_token {} exceeds head_dim / 8 = {}", name, c.outliers_per_token,
          c.head_dim / 8);
-  check_rope(name, c.rope, c.head_dim);
+  kv_check_rope(name, c.rope, c.head_dim);
   if (!c.pair_theta.empty()) {
     if (!c.rope.neox || c.n_kv_heads < 1 ||
         c.pair_theta.size() != size_t(c.n_kv_heads) * size_t(c.rope.n_rot / 2))

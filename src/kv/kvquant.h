@@ -134,6 +134,9 @@ nlohmann::json kvquant_cal_artifact(const std::vector<std::vector<float>>& mid,
 // turns by pos * freq_scale * freq_base^(-2i / n_rot) (angles in double). x: (head_dim), in place.
 // The engine should rotate q and the tail keys with the same function so both sides agree.
 void kv_rope_apply(const KvRope& r, int pos, float* x, int head_dim);
+// Throws kvq::Error naming `name` unless r fits head_dim: n_rot even and <= head_dim, freq_base > 1,
+// freq_scale > 0, and freq_factors empty or n_rot / 2 finite numbers > 0.
+void kv_check_rope(const char* name, const KvRope& r, int head_dim);
 
 // The angle rate of RoPE pair i (pos * rate radians): freq_scale * freq_base^(-2i / n_rot), divided
 // by freq_factors[i] when the RoPE has factors.

@@ -177,11 +177,7 @@ std::unique_ptr<KvCodec> kvquant_mixed_key_codec_create(const KvquantMixedConfig
     total += c.pairs[s];
   }
   if (2 * total != c.head_dim) fail("{}: parts hold {} pairs, head_dim {} has {}", name, total, c.head_dim, c.head_dim / 2);
-  if (c.rope.n_rot < 0 || c.rope.n_rot % 2 != 0 || c.rope.n_rot > c.head_dim)
-    fail("{}: rope n_rot {} must be even and in [0, head_dim {}]", name, c.rope.n_rot, c.head_dim);
-  if (c.rope.n_rot > 0 && (!(c.rope.freq_base > 1.f) || !std::isfinite(c.rope.freq_base) ||
-                           !(c.rope.freq_scale > 0.f) || !std::isfinite(c.rope.freq_scale)))
-    fail("{}: rope freq_base {} must be > 1 and freq_scale {} > 0", name, c.rope.freq_base, c.rope.freq_scale);
+  kv_check_rope(name, c.rope, c.head_dim);
   if (!c.codebooks.empty() && c.codebooks.size() != c.bits.size())
     fail("{}: {} codebooks for {} parts", name, c.codebooks.size(), c.bits.size());
   const std::vector<KvRopePair> pairs = kv_rope_pairs(c.rope, c.head_dim);

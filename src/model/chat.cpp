@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "gguf/gguf.h"
+#include "model/unicode.h"
 
 namespace kvq {
 
@@ -38,6 +39,10 @@ ChatTemplate chat_template_from_text(const std::string& t) {
     c.family = ChatFamily::gemma;
   } else if (t.find("<|start_header_id|>") != std::string::npos) {
     c.family = ChatFamily::llama3;
+    // Llama 3.1+: the system turn is always there and opens with the knowledge cutoff and a date
+    // (the template's own fallback date, used when the renderer passes none)
+    if (t.find("Cutting Knowledge Date") != std::string::npos)
+      c.system_prefix = "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n";
   }
   return c;
 }
@@ -112,14 +117,31 @@ std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& m
     return out;
   }
   if (t.family == ChatFamily::llama3) {
-    // Llama 3's turns: a header naming the role, the content trimmed as its template does, <|eot_id|>.
-    // (The <|begin_of_text|> before them is the tokenizer's BOS.)
+    // Llama 3's turns: a header naming the role, the content trimmed as its template does (Unicode
+    // whitespace, as Python's str.strip), <|eot_id|>. (The <|begin_of_text|> before them is the
+    // tokenizer's BOS.)
     auto trim = [](const std::string& x) {
-      const char* ws = " \t\n\r\f\v";
-      const size_t b = x.find_first_not_of(ws);
-      return b == std::string::npos ? std::string() : x.substr(b, x.find_last_not_of(ws) - b + 1);
+      size_t b = 0, e = x.size();
+      for (uint32_t cp; b < e;) {
+        const int n = unicode::utf8_decode(x, b, &cp);
+        if (unicode::char_class(cp) != unicode::CharClass::space) break;
+        b += size_t(n);
+      }
+      while (e > b) {
+        size_t s = e - 1;
+        while (s > b && (static_cast<uint8_t>(x[s]) & 0xC0) == 0x80) --s;  // back to a lead byte
+        uint32_t cp;
+        unicode::utf8_decode(x, s, &cp);
+        if (unicode::char_class(cp) != unicode::CharClass::space) break;
+        e = s;
+      }
+      return x.substr(b, e - b);
     };
-    for (size_t i = 0; i < msgs.size(); ++i) {
+    const bool sys_first = !msgs.empty() && msgs[0].role == "system";
+    if (!t.system_prefix.empty())  // Llama 3.1+: the system turn, with the first system message if any
+      out += "<|start_header_id|>system<|end_header_id|>\n\n" + t.system_prefix +
+             (sys_first ? trim(msgs[0].content) : std::string()) + "<|eot_id|>";
+    for (size_t i = t.system_prefix.empty() || !sys_first ? 0 : 1; i < msgs.size(); ++i) {
       out += "<|start_header_id|>" + msgs[i].role + "<|end_header_id|>\n\n" + trim(msgs[i].content);
       if (!(cont && i + 1 == msgs.size())) out += "<|eot_id|>";
     }

@@ -16,6 +16,8 @@ enum class ChatFamily { none, chatml, gemma, llama3 };
 
 struct ChatTemplate {
   ChatFamily family = ChatFamily::none;
+  // Llama 3.1+: the text its system turn opens with (knowledge cutoff and date); empty: none.
+  std::string system_prefix;
   // ChatML: the system turn the model's template opens a conversation without one with, read from
   // the template (SmolLM2: "You are a helpful AI assistant named SmolLM, ..."); empty: none.
   std::string default_system;

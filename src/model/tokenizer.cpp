@@ -287,6 +287,10 @@ Tokenizer Tokenizer::from_gguf(const gguf::File& f) {
       t.split_digits_ = true;
     } else if (pre == "llama-bpe" || pre == "llama3" || pre == "llama-v3" || pre == "smaug-bpe") {
       t.llama3_digits_ = 3;
+      // As Llama 3's own tokenizer (and llama.cpp): a pre-token that is a word of the vocabulary
+      // is that token, without merging; and a BOS opens every text unless the file says otherwise.
+      t.ignore_merges_ = true;
+      if (!f.find("tokenizer.ggml.add_bos_token")) t.add_bos_ = true;
     } else if (pre == "qwen2" || pre == "deepseek-r1-qwen") {
       t.llama3_digits_ = 1;
     } else if (pre != "gpt2" && pre != "default") {
@@ -515,6 +519,24 @@ void Tokenizer::encode_bpe(std::string_view text, WordCache& cache, std::vector<
 }
 
 void Tokenizer::bpe_word(std::string_view word, std::vector<int32_t>& out) const {
+  if (ignore_merges_) {
+    thread_local std::string mapped;  // the word in the vocabulary's byte alphabet
+    mapped.clear();
+    bool ok = true;
+    for (char ch : word) {
+      const int32_t b = byte_token_[static_cast<uint8_t>(ch)];
+      if (b < 0) {
+        ok = false;
+        break;
+      }
+      mapped += pieces_[static_cast<size_t>(b)];
+    }
+    const int32_t id = ok ? find_token(mapped) : -1;
+    if (id >= 0 && types_[static_cast<size_t>(id)] == TokenType::normal) {
+      out.push_back(id);
+      return;
+    }
+  }
   thread_local std::vector<Symbol> sym;
   sym.clear();
   for (size_t i = 0; i < word.size(); ++i) {

@@ -107,6 +107,7 @@ class Tokenizer {
   SpecialSet all_specials_;   // plus CONTROL and UNKNOWN: when parse_special
   bool split_digits_ = false;
   int llama3_digits_ = 0;  // > 0: the Llama 3 pre-tokenizer, numbers cut every llama3_digits_ digits
+  bool ignore_merges_ = false;  // a pre-token that is a normal token is taken whole (Llama 3)
   // SPM: code points c such that some mergeable piece holds "c\u2581". Elsewhere no piece can
   // span the boundary between a character and a following U+2581, so the text is encoded word by
   // word there (with the same result, as no merge crosses it), which lets repeated words be cached.

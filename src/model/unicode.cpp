@@ -168,6 +168,32 @@ struct Cp {
   CharClass cls;
 };
 
+// The text's code points with their offsets and classes (one buffer per thread, reused).
+const std::vector<Cp>& code_points(std::string_view text) {
+  thread_local std::vector<Cp> cps;
+  cps.clear();
+  for (size_t i = 0; i < text.size();) {
+    uint32_t cp;
+    const int len = utf8_decode(text, i, &cp);
+    cps.push_back({cp, static_cast<uint32_t>(i), char_class(cp)});
+    i += len;
+  }
+  return cps;
+}
+
+// Length of the contraction 's 't 're 've 'm 'll 'd at cps[i] (before e), 0 if none; ASCII letters
+// of either case when any_case.
+size_t contraction(const std::vector<Cp>& cps, size_t i, size_t e, bool any_case) {
+  if (cps[i].cp != '\'' || i + 1 >= e) return 0;
+  // (?i) case folding of the letters involved: ASCII capitals, and U+017F (long s) folding to s
+  auto low = [&](uint32_t c) { return !any_case ? c : c >= 'A' && c <= 'Z' ? c + 32 : c == 0x17F ? uint32_t('s') : c; };
+  const uint32_t c1 = low(cps[i + 1].cp);
+  if (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd') return 2;
+  if (i + 2 >= e) return 0;
+  const uint32_t c2 = low(cps[i + 2].cp);
+  return (c1 == 'r' && c2 == 'e') || (c1 == 'v' && c2 == 'e') || (c1 == 'l' && c2 == 'l') ? 3 : 0;
+}
+
 // The GPT-2 regex over cps[b, e) (one stretch; e is "end of string" for the lookahead).
 void split_gpt2_stretch(const std::vector<Cp>& cps, size_t b, size_t e, uint32_t end_off,
                         std::vector<Span>& out) {
@@ -181,21 +207,10 @@ void split_gpt2_stretch(const std::vector<Cp>& cps, size_t b, size_t e, uint32_t
   while (i < e) {
     const uint32_t c = cps[i].cp;
     // 's 't 're 've 'm 'll 'd (case-sensitive, as in the GPT-2 pattern)
-    if (c == '\'' && i + 1 < e) {
-      const uint32_t c1 = cps[i + 1].cp;
-      if (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd') {
-        emit(i, i + 2);
-        i += 2;
-        continue;
-      }
-      if (i + 2 < e) {
-        const uint32_t c2 = cps[i + 2].cp;
-        if ((c1 == 'r' && c2 == 'e') || (c1 == 'v' && c2 == 'e') || (c1 == 'l' && c2 == 'l')) {
-          emit(i, i + 3);
-          i += 3;
-          continue;
-        }
-      }
+    if (const size_t n = contraction(cps, i, e, false)) {
+      emit(i, i + n);
+      i += n;
+      continue;
     }
     // ' ?\p{L}+', ' ?\p{N}+', ' ?[^\s\p{L}\p{N}]+': an ASCII space joins the piece after it
     size_t j = i;
@@ -234,27 +249,15 @@ void split_llama3(const std::vector<Cp>& cps, int max_digits, uint32_t end_off, 
     while (k < e && cps[k].cls == c) ++k;
     return k;
   };
-  auto lower = [](uint32_t c) { return c >= 'A' && c <= 'Z' ? c + 32 : c; };
   size_t i = 0;
   while (i < e) {
     const uint32_t c = cps[i].cp;
     const CharClass cl = cps[i].cls;
     // contractions, either case
-    if (c == '\'' && i + 1 < e) {
-      const uint32_t c1 = lower(cps[i + 1].cp);
-      if (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd') {
-        emit(i, i + 2);
-        i += 2;
-        continue;
-      }
-      if (i + 2 < e) {
-        const uint32_t c2 = lower(cps[i + 2].cp);
-        if ((c1 == 'r' && c2 == 'e') || (c1 == 'v' && c2 == 'e') || (c1 == 'l' && c2 == 'l')) {
-          emit(i, i + 3);
-          i += 3;
-          continue;
-        }
-      }
+    if (const size_t n = contraction(cps, i, e, true)) {
+      emit(i, i + n);
+      i += n;
+      continue;
     }
     // [^\r\n\p{L}\p{N}]?\p{L}+: letters, after at most one character that is none of these
     if (cl == CharClass::letter) {
@@ -308,14 +311,7 @@ void split_llama3(const std::vector<Cp>& cps, int max_digits, uint32_t end_off, 
 }  // namespace
 
 void pretokenize_gpt2(std::string_view text, bool split_digits, std::vector<Span>& out) {
-  thread_local std::vector<Cp> cps;
-  cps.clear();
-  for (size_t i = 0; i < text.size();) {
-    uint32_t cp;
-    const int len = utf8_decode(text, i, &cp);
-    cps.push_back({cp, static_cast<uint32_t>(i), char_class(cp)});
-    i += len;
-  }
+  const std::vector<Cp>& cps = code_points(text);
   const auto end_off = static_cast<uint32_t>(text.size());
   if (!split_digits) {
     split_gpt2_stretch(cps, 0, cps.size(), end_off, out);
@@ -333,14 +329,7 @@ void pretokenize_gpt2(std::string_view text, bool split_digits, std::vector<Span
 }
 
 void pretokenize_llama3(std::string_view text, int max_digits, std::vector<Span>& out) {
-  thread_local std::vector<Cp> cps;
-  cps.clear();
-  for (size_t i = 0; i < text.size();) {
-    uint32_t cp;
-    const int len = utf8_decode(text, i, &cp);
-    cps.push_back({cp, static_cast<uint32_t>(i), char_class(cp)});
-    i += len;
-  }
+  const std::vector<Cp>& cps = code_points(text);
   split_llama3(cps, max_digits, static_cast<uint32_t>(text.size()), out);
 }
 
