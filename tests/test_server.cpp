@@ -931,6 +931,12 @@ TEST_F(ToolServerTest, ToolCalls) {
              R"({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]})",
              "messages[0].tool_calls[0].function.arguments");
   expect_bad("/v1/completions", R"({"prompt": "x", "tools": [)" + fn + "]}", "tools");
+  // parameters kvq cannot generate: refused by /tokenize as by the chat route
+  const std::string bad_params =
+      "{" + msgs + R"(, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+      "properties": {"s": {"type": "string", "uniqueItems": 3}}, "patternProperties": {"^x": {}}}}}]})";
+  expect_bad("/v1/chat/completions", bad_params, "tools[0].function.parameters");
+  expect_bad("/tokenize", bad_params, "tools[0].function.parameters");
   // ... and a constraint is served beside tools turned off
   const json yn = post_ok("/v1/chat/completions", json::parse("{" + msgs + R"(, "tools": [)" + fn +
                                                                R"(], "tool_choice": "none", "guided_choice": ["yes", "no"], "max_tokens": 5})"));

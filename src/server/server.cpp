@@ -450,7 +450,8 @@ struct Server::Impl {
   json completion_logprobs(const std::vector<TokenLogprob>& lps, size_t offset = 0, size_t* end = nullptr) const;
   json chat_logprobs(const std::vector<TokenLogprob>& lps) const;
   // A chat request's tools (tools.h): with ar, the reply's grammar is set on it (the response's
-  // form from its response_format, any other constraint refused); without, for /tokenize.
+  // form from its response_format, any other constraint refused); without, for /tokenize (the
+  // functions' parameters are still compiled, so that the same tools are refused).
   struct ChatTools {
     ToolSpec spec;
     bool response_is_string = true;
@@ -492,14 +493,18 @@ Server::Impl::ChatTools Server::Impl::chat_tools(const json& body, std::string_v
     const json type = body["response_format"].value("type", json());
     t.response_is_string = !(type == "json_schema" || type == "json_object");
   }
-  if (ar) {
-    t.response_is_string = response.is_null();
-    try {
+  // The reply's grammar: set on the request, or (for /tokenize) compiled only so that a function
+  // whose parameters kvq cannot generate is refused here as at /v1/chat/completions.
+  try {
+    if (ar) {
+      t.response_is_string = response.is_null();
       ar->params.grammar = tool_reply_grammar(t.spec, response);
-    } catch (const ToolsError& e) {
-      throw ApiError{e.what(), e.param};
+      ar->params.json_object = false;
+    } else {
+      (void)tool_reply_grammar(t.spec, nullptr);
     }
-    ar->params.json_object = false;
+  } catch (const ToolsError& e) {
+    throw ApiError{e.what(), e.param};
   }
   t.system_extra = tool_system_prompt(t.spec, t.response_is_string);
   return t;
