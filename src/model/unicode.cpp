@@ -194,6 +194,11 @@ size_t contraction(const std::vector<Cp>& cps, size_t i, size_t e, bool any_case
   return (c1 == 'r' && c2 == 'e') || (c1 == 'v' && c2 == 'e') || (c1 == 'l' && c2 == 'l') ? 3 : 0;
 }
 
+// Where '\s+(?!\S)|\s+' ends for the whitespace run [i, k) (e: the end of the text): before the
+// run's last character when a non-space follows it, so that it joins the next piece; the whole run
+// at the end of the text, or when it is a single character.
+size_t whitespace_end(size_t i, size_t k, size_t e) { return k == e || k - i == 1 ? k : k - 1; }
+
 // The GPT-2 regex over cps[b, e) (one stretch; e is "end of string" for the lookahead).
 void split_gpt2_stretch(const std::vector<Cp>& cps, size_t b, size_t e, uint32_t end_off,
                         std::vector<Span>& out) {
@@ -222,16 +227,9 @@ void split_gpt2_stretch(const std::vector<Cp>& cps, size_t b, size_t e, uint32_t
       i = k;
       continue;
     }
-    // '\s+(?!\S)': whitespace up to (not including) the last one before a non-space; '\s+': a
-    // lone whitespace character before a non-space
-    const size_t k = run(i, CharClass::space);
-    if (k == e || k - i == 1) {
-      emit(i, k);
-      i = k;
-    } else {
-      emit(i, k - 1);
-      i = k - 1;
-    }
+    const size_t k = whitespace_end(i, run(i, CharClass::space), e);
+    emit(i, k);
+    i = k;
   }
 }
 
@@ -297,14 +295,9 @@ void split_llama3(const std::vector<Cp>& cps, int max_digits, uint32_t end_off, 
       i = nl;
       continue;
     }
-    // \s+(?!\S), then \s+: as in GPT-2's
-    if (k == e || k - i == 1) {
-      emit(i, k);
-      i = k;
-    } else {
-      emit(i, k - 1);
-      i = k - 1;
-    }
+    const size_t w = whitespace_end(i, k, e);
+    emit(i, w);
+    i = w;
   }
 }
 
