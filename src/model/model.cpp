@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "kv/kvquant.h"
 #include "weights/glu.h"
 #include "weights/weights.h"
 
@@ -81,13 +82,12 @@ void rope(float* x, int n_heads, int head_dim, int n_rot, bool neox, const float
   }
 }
 
-// Angles in double: at positions in the tens of thousands float angles drift by ~1e-3 rad, and
-// the pre-RoPE key codecs rotate with the same double-precision angles (kv_rope_apply).
-void rope_table(float* cs, int pos, int n_rot, float base, float scale, const std::vector<float>& factors) {
-  const double p = double(pos) / double(scale);
-  for (int i = 0; i < n_rot / 2; ++i) {
-    double theta = p * std::pow(double(base), -2.0 * double(i) / double(n_rot));
-    if (!factors.empty()) theta /= double(factors[size_t(i)]);
+// The RoPE table of one position: the angles in double, at the rates of kv_rope_theta, which the
+// pre-RoPE key codecs rotate with too (at positions in the tens of thousands float angles drift by
+// ~1e-3 rad).
+void rope_table(float* cs, int pos, const KvRope& r) {
+  for (int i = 0; i < r.n_rot / 2; ++i) {
+    const double theta = double(pos) * kv_rope_theta(r, i);
     cs[2 * i] = float(std::cos(theta));
     cs[2 * i + 1] = float(std::sin(theta));
   }
@@ -106,6 +106,15 @@ std::unique_ptr<Model> Model::load(const std::string& path) {
   m->output_norm_ = norm_of(f, "output_norm.weight", c.n_embd);
   m->output_ = c.tied_output ? m->tok_embd_ : view_of(f, "output.weight", c.n_embd, c.n_vocab);
   m->layers_.resize(size_t(c.n_layer));
+  for (int il = 0; il < c.n_layer; ++il) {
+    KvRope r;
+    r.n_rot = c.n_rot;
+    r.freq_base = c.layer_rope_base(il);
+    r.freq_scale = 1.0f / c.layer_rope_scale(il);
+    r.neox = c.rope_neox;
+    r.freq_factors = c.layer_rope_factors(il);
+    m->layer_rope_.push_back(std::move(r));
+  }
   for (int il = 0; il < c.n_layer; ++il) {
     auto& L = m->layers_[size_t(il)];
     const std::string p = "blk." + std::to_string(il) + ".";
@@ -174,16 +183,8 @@ KvCacheConfig Model::kv_cache_config(const KvPolicy& policy, int max_tokens, int
   kc.page_tokens = page_tokens;
   kc.max_tokens = max_tokens;
   kc.policy = policy;
-  for (int il = 0; il < cfg_.n_layer; ++il) {
-    KvRope r;
-    r.n_rot = cfg_.n_rot;
-    r.freq_base = cfg_.layer_rope_base(il);
-    r.freq_scale = 1.0f / cfg_.layer_rope_scale(il);
-    r.neox = cfg_.rope_neox;
-    r.freq_factors = cfg_.layer_rope_factors(il);
-    kc.rope.push_back(r);
-    kc.window.push_back(cfg_.layer_window(il));
-  }
+  kc.rope = layer_rope_;
+  for (int il = 0; il < cfg_.n_layer; ++il) kc.window.push_back(cfg_.layer_window(il));
   return kc;
 }
 
@@ -309,8 +310,7 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
     }
     std::memcpy(k_pre_.data(), k_.data(), size_t(n) * size_t(kvd) * sizeof(float));
     for (int r = 0; r < n; ++r) {
-      rope_table(cs.data(), row_pos_[size_t(r)], c.n_rot, c.layer_rope_base(il), c.layer_rope_scale(il),
-                 c.layer_rope_factors(il));
+      rope_table(cs.data(), row_pos_[size_t(r)], m_.layer_rope_[size_t(il)]);
       rope(q_.data() + size_t(r) * size_t(qd), nh, hd, c.n_rot, c.rope_neox, cs.data());
       rope(k_.data() + size_t(r) * size_t(kvd), nkv, hd, c.n_rot, c.rope_neox, cs.data());
     }

@@ -51,6 +51,7 @@ class Model {
   ModelConfig cfg_;
   WeightView tok_embd_, output_norm_, output_;
   std::vector<LayerWeights> layers_;
+  std::vector<KvRope> layer_rope_;  // each layer's RoPE, as the model and its KV cache rotate
   std::vector<AlignedBuf<float>> f32_weights_;  // owned copies when loaded with load_f32
   void dequantize_all_f32();
 };

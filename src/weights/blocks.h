@@ -125,6 +125,11 @@ struct BlockIQ4_XS {
 };
 static_assert(sizeof(BlockIQ4_XS) == 136);
 
+// IQ4_XS's 6-bit scale of sub-block j, minus 32.
+inline int iq4xs_scale(const BlockIQ4_XS& b, int j) {
+  return (((b.scales_l[j / 2] >> (4 * (j % 2))) & 0xF) | (((b.scales_h >> (2 * j)) & 3) << 4)) - 32;
+}
+
 // Unpacks Q3_K's 16 6-bit scales (minus 32) into sc.
 inline void q3k_scales(const uint8_t* s, int8_t* sc) {
   for (int j = 0; j < 16; ++j) {

@@ -124,8 +124,7 @@ void deq_iq4_xs(const BlockIQ4_XS* b, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += kQKK) {
     const float d = f16_to_f32(b[i].d);
     for (int j = 0; j < 8; ++j) {
-      const int ls = ((b[i].scales_l[j / 2] >> (4 * (j % 2))) & 0xF) | (((b[i].scales_h >> (2 * j)) & 3) << 4);
-      const float dl = d * float(ls - 32);
+      const float dl = d * float(iq4xs_scale(b[i], j));
       const uint8_t* q = b[i].qs + 16 * j;
       for (int l = 0; l < 16; ++l) {
         y[32 * j + l] = dl * float(kIq4nlValues[q[l] & 0xF]);

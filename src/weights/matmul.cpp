@@ -182,13 +182,12 @@ float row_dot_q8k(const uint8_t* w, const BlockQ8K* x, int64_t nb) {
       const auto& blk = reinterpret_cast<const BlockIQ4_XS*>(w)[b];
       int isum = 0;
       for (int j = 0; j < 8; ++j) {
-        const int ls = ((blk.scales_l[j / 2] >> (4 * (j % 2))) & 0xF) | (((blk.scales_h >> (2 * j)) & 3) << 4);
         int s = 0;
         for (int l = 0; l < 16; ++l) {
           s += kIq4nlValues[blk.qs[16 * j + l] & 0xF] * xq[32 * j + l];
           s += kIq4nlValues[blk.qs[16 * j + l] >> 4] * xq[32 * j + l + 16];
         }
-        isum += (ls - 32) * s;
+        isum += iq4xs_scale(blk, j) * s;
       }
       acc += f16_to_f32(blk.d) * x[b].d * float(isum);
     } else {

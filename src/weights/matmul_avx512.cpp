@@ -175,10 +175,10 @@ constexpr size_t k_block_bytes() {
        : T == GgmlType::Q4_K ? sizeof(BlockQ4_K) : T == GgmlType::Q5_K ? sizeof(BlockQ5_K)
        : T == GgmlType::Q6_K ? sizeof(BlockQ6_K) : sizeof(BlockIQ4_XS);
 }
+// The super-block types: those whose activations are 256-element blocks.
 template <GgmlType T>
 constexpr bool k_panel() {
-  return T == GgmlType::Q2_K || T == GgmlType::Q3_K || T == GgmlType::Q4_K || T == GgmlType::Q5_K ||
-         T == GgmlType::Q6_K || T == GgmlType::IQ4_XS;
+  return act_format(T) == ActFormat::q8k;
 }
 
 // One row's super-block b: its 256 codes in element order into tr, its scales, correction
