@@ -1,25 +1,39 @@
 #!/usr/bin/env python3
-"""Writes a llama-architecture GGUF again as a Qwen2 or Qwen3 model (or as llama with Llama
-3.1-style RoPE frequency factors), for checking kvq's qwen2 / qwen3 forward passes, RoPE factors
-and the Llama 3 / Qwen2 pre-tokenizers against another engine on the same file (bench/BENCHMARKS.md, "Qwen2 and Qwen3 architectures"). No Qwen GGUF small enough ships on
-PyPI; this keeps a trained model's weights, so perplexities stay meaningful:
+"""Writes a llama-architecture GGUF again as a Qwen2, Qwen3 or Phi-3 model (or as llama with Llama
+3.1-style RoPE frequency factors), or a Gemma 3 GGUF as a Gemma 2 model, for checking kvq's forward
+passes, RoPE factors and the Llama 3 / Qwen2 pre-tokenizers against another engine on the same file
+(bench/BENCHMARKS.md, "Qwen2 and Qwen3 architectures" and "Gemma 2 and Phi-3 architectures"). No
+Qwen, Phi-3 or Gemma 2 GGUF small enough ships on PyPI; this keeps a trained model's weights, so
+perplexities stay meaningful (except gemma2's, which loses the q / k norms it was trained with):
 
 - the Q and K projection rows of each head are reordered (2i -> i, 2i+1 -> i + head_dim / 2), so
   that the NeoX-style RoPE of these architectures rotates the same pairs the llama model's RoPE
   rotated: with zero biases (qwen2) the variant computes what the original does;
 - qwen2: random biases on q, k and v (normal, standard deviation --bias-std);
 - qwen3: random q / k norm weights (uniform in [1 - s, 1 + s], s = --norm-spread) of RMSNorm per head;
+- phi3: q, k and v in one attn_qkv matrix (rows q, k, v), gate and up in one ffn_up (gate rows
+  first), as Phi-3's files have them; with --longrope ORIG, LongRoPE: short factors 1, long factors
+  rising from 1 to --long-factor, rope.scaling.original_context_length ORIG and
+  rope.scaling.attn_factor sqrt(1 + ln(context / ORIG) / ln(ORIG)) (Phi-3.5's formula);
+- gemma2 (from a gemma3 file): the metadata renamed (Gemma 2's soft-caps and alternating
+  sliding-window layers are its defaults) and the q / k norms, which Gemma 2 does not have, folded
+  into the Q / K rows as if each head's RMS were its expected value (rows times norm weight / s,
+  s^2 = the mean over the head's rows of sum_i W_ji^2 g_i^2, g the attention norm's weights; the
+  folded rows stored F16), which keeps the model close to the original instead of wrecked;
 - llama: the architecture kept, no reordering; with --rope-freqs F, a rope_freqs.weight tensor whose
   factors rise linearly from 1 (the fastest pair) to F (the slowest);
 - --pre NAME replaces tokenizer.ggml.pre (e.g. qwen2, llama-bpe), the pre-tokenizer both engines apply.
 
-usage: make_arch_variant.py IN.gguf OUT.gguf {qwen2,qwen3,llama} [--pre NAME] [--bias-std 0.02]
-                            [--norm-spread 0.2] [--rope-freqs F] [--seed 1]   (pip install gguf numpy)
+usage: make_arch_variant.py IN.gguf OUT.gguf {qwen2,qwen3,phi3,gemma2,llama} [--pre NAME] [--bias-std 0.02]
+                            [--norm-spread 0.2] [--rope-freqs F] [--longrope ORIG] [--long-factor 4]
+                            [--seed 1]   (pip install gguf numpy)
 """
 import argparse
+import math
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf.quants import dequantize
 
 
 def field_value(field):
@@ -30,8 +44,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("src")
     ap.add_argument("dst")
-    ap.add_argument("arch", choices=["qwen2", "qwen3", "llama"])
+    ap.add_argument("arch", choices=["qwen2", "qwen3", "phi3", "gemma2", "llama"])
     ap.add_argument("--rope-freqs", type=float, default=None)
+    ap.add_argument("--longrope", type=int, default=None)
+    ap.add_argument("--long-factor", type=float, default=4.0)
     ap.add_argument("--pre", default=None)
     ap.add_argument("--bias-std", type=float, default=0.02)
     ap.add_argument("--norm-spread", type=float, default=0.2)
@@ -40,7 +56,8 @@ def main():
     rng = np.random.default_rng(a.seed)
     r = GGUFReader(a.src)
     src_arch = field_value(r.fields["general.architecture"])
-    assert src_arch == "llama", f"expects a llama-architecture file, got {src_arch}"
+    want = "gemma3" if a.arch == "gemma2" else "llama"
+    assert src_arch == want, f"{a.arch} is made from a {want} file, got {src_arch}"
     w = GGUFWriter(a.dst, a.arch)
     for name, f in r.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
@@ -55,25 +72,60 @@ def main():
     n_head = int(field_value(r.fields[f"{src_arch}.attention.head_count"]))
     n_kv = int(field_value(r.fields[f"{src_arch}.attention.head_count_kv"]))
     n_embd = int(field_value(r.fields[f"{src_arch}.embedding_length"]))
+    n_ctx = int(field_value(r.fields[f"{src_arch}.context_length"]))
     hd = n_embd // n_head
     perm = np.concatenate([np.arange(0, hd, 2), np.arange(1, hd, 2)])
+    neox = a.arch in ("qwen2", "qwen3", "phi3")
     extra = []
+    fused = {}  # phi3: block -> {kind: data}
+    by_name = {t.name: t for t in r.tensors}
     for t in r.tensors:
         data = np.asarray(t.data)
-        if a.arch != "llama" and (t.name.endswith("attn_q.weight") or t.name.endswith("attn_k.weight")):
-            heads = n_head if t.name.endswith("attn_q.weight") else n_kv
+        kind = t.name.split(".")[-2] if t.name.startswith("blk.") else ""
+        blk = t.name.rsplit(".", 2)[0]
+        if a.arch == "gemma2" and kind in ("attn_q_norm", "attn_k_norm"):
+            continue
+        if a.arch == "gemma2" and kind in ("attn_q", "attn_k"):
+            wt = dequantize(data, t.tensor_type).reshape(-1, int(t.shape[0])).astype(np.float64)
+            g_attn = np.asarray(by_name[f"{blk}.attn_norm.weight"].data, dtype=np.float64)
+            g_head = np.asarray(by_name[f"{blk}.{kind}_norm.weight"].data, dtype=np.float64)
+            hdim = g_head.size
+            heads = wt.reshape(-1, hdim, wt.shape[1])
+            s = np.sqrt(((heads ** 2) * (g_attn ** 2)).sum(axis=2).mean(axis=1))  # per head
+            heads = heads * (g_head[None, :, None] / s[:, None, None])
+            folded = heads.reshape(wt.shape).astype(np.float16)
+            w.add_tensor(t.name, folded, raw_shape=folded.shape, raw_dtype=GGMLQuantizationType.F16)
+            continue
+        if neox and kind in ("attn_q", "attn_k"):
+            heads = n_head if kind == "attn_q" else n_kv
             rows = data.reshape(heads, hd, -1)[:, perm, :]
             data = rows.reshape(data.shape)
+        if a.arch == "phi3" and kind in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up"):
+            fused.setdefault(blk, {})[kind] = (data, t.tensor_type)
+            parts = fused[blk]
+            for name, group in (("attn_qkv", ("attn_q", "attn_k", "attn_v")), ("ffn_up", ("ffn_gate", "ffn_up"))):
+                if kind in group and all(g in parts for g in group):
+                    types = {parts[g][1] for g in group}
+                    assert len(types) == 1, f"{blk}: {group} have different types {types}; cannot fuse"
+                    cat = np.concatenate([parts[g][0] for g in group], axis=0)
+                    w.add_tensor(f"{blk}.{name}.weight", cat, raw_shape=cat.shape, raw_dtype=types.pop())
+            continue
         w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
-        if a.arch != "llama" and t.name.split(".")[-2] in ("attn_q", "attn_k", "attn_v"):
-            blk = t.name.rsplit(".", 2)[0]
-            kind = t.name.split(".")[-2]
+        if a.arch in ("qwen2", "qwen3") and kind in ("attn_q", "attn_k", "attn_v"):
             heads = n_head if kind == "attn_q" else n_kv
             if a.arch == "qwen2":
                 extra.append((f"{blk}.{kind}.bias", (rng.standard_normal(heads * hd) * a.bias_std).astype(np.float32)))
             elif kind != "attn_v":
                 extra.append((f"{blk}.{kind}_norm.weight",
                               rng.uniform(1 - a.norm_spread, 1 + a.norm_spread, hd).astype(np.float32)))
+    if a.longrope:
+        assert a.arch == "phi3", "--longrope is Phi-3's"
+        extra.append(("rope_factors_short.weight", np.ones(hd // 2, dtype=np.float32)))
+        extra.append(("rope_factors_long.weight", np.linspace(1.0, a.long_factor, hd // 2).astype(np.float32)))
+        w.add_uint32("phi3.rope.scaling.original_context_length", a.longrope)
+        scale = n_ctx / a.longrope
+        w.add_float32("phi3.rope.scaling.attn_factor",
+                      math.sqrt(1 + math.log(scale) / math.log(a.longrope)) if scale > 1 else 1.0)
     if a.rope_freqs:
         extra.append(("rope_freqs.weight", np.linspace(1.0, a.rope_freqs, hd // 2).astype(np.float32)))
     for name, v in extra:

@@ -166,6 +166,8 @@ class GgufWriter {
     tensors_.push_back(std::move(t));
     return *this;
   }
+  // The tensors added so far, to edit or remove before build().
+  std::vector<Tensor>& tensors() { return tensors_; }
   // A tensor with data of the right size for its type and shape (zero-filled when data is empty).
   GgufWriter& add_tensor(const std::string& name, GgmlType type, const std::vector<int64_t>& ne,
                          std::vector<uint8_t> data = {}) {

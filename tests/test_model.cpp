@@ -284,15 +284,18 @@ namespace {
 // projection rows reordered (2i -> i, 2i+1 -> i + head_dim / 2) so that the NeoX-style RoPE of
 // those architectures rotates the pairs the llama model's RoPE rotates, plus the architecture's
 // own tensors (from `extra`).
+// `drop_keys`: metadata keys (as renamed) left out, for `extra` to write again.
 std::string write_stories_as(const std::string& arch, const std::string& out_path,
-                             const std::function<void(kvq::test::GgufWriter&, const ModelConfig&)>& extra) {
+                             const std::function<void(kvq::test::GgufWriter&, const ModelConfig&)>& extra,
+                             const std::vector<std::string>& drop_keys = {}) {
   auto f = gguf::File::open(shared_path("models/stories260K.gguf"));
   const ModelConfig c = model_config_from_gguf(*f);
   kvq::test::GgufWriter w;
   for (const auto& kv : f->metadata()) {
+    const std::string key = kv.key.rfind("llama.", 0) == 0 ? arch + kv.key.substr(5) : kv.key;
+    if (std::find(drop_keys.begin(), drop_keys.end(), key) != drop_keys.end()) continue;
     if (kv.key == "general.architecture") w.add_string(kv.key, arch);
-    else if (kv.key.rfind("llama.", 0) == 0) w.add(arch + kv.key.substr(5), kv.value);
-    else w.add(kv.key, kv.value);
+    else w.add(key, kv.value);
   }
   const int hd = c.head_dim;
   for (const auto& t : f->tensors()) {
@@ -495,6 +498,265 @@ TEST(ArchVariants, RopeFrequencyFactorsScaleEachPair) {
   for (const auto& p : {pf, pl, pz}) fs::remove(p);
 }
 
+namespace {
+// Replaces each layer's tensors `parts` (in that order) by one tensor `fused` whose rows are theirs
+// one after another (Phi-3's attn_qkv and gate / up ffn_up).
+void fuse_rows(kvq::test::GgufWriter& w, int n_layer, const std::vector<std::string>& parts, const std::string& fused) {
+  auto& ts = w.tensors();
+  for (int il = 0; il < n_layer; ++il) {
+    const std::string p = "blk." + std::to_string(il) + ".";
+    kvq::test::GgufWriter::Tensor out;
+    out.name = p + fused;
+    for (const auto& part : parts) {
+      auto it = std::find_if(ts.begin(), ts.end(), [&](const auto& t) { return t.name == p + part; });
+      ASSERT_NE(it, ts.end()) << p + part;
+      if (out.dims.empty()) {
+        out.dims = {it->dims[0], 0};
+        out.type_id = it->type_id;
+      }
+      ASSERT_EQ(it->dims[0], out.dims[0]);
+      out.dims[1] += it->dims[1];
+      out.data.insert(out.data.end(), it->data.begin(), it->data.end());
+      ts.erase(it);
+    }
+    ts.push_back(std::move(out));
+  }
+}
+
+float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  float worst = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) worst = std::max(worst, std::fabs(a[i] - b[i]));
+  return worst;
+}
+}  // namespace
+
+// Phi-3's fused matrices: stories260K with q, k, v in one attn_qkv (rows q, k, v) and gate and up
+// in one ffn_up (gate rows first) computes the llama model (its Q / K rows reordered for Phi-3's
+// NeoX RoPE), and loads as separate matrices too.
+TEST(ArchVariants, Phi3FusedMatricesComputeTheLlamaModel) {
+  if (!fs::exists(shared_path("models/stories260K.gguf"))) GTEST_SKIP() << "stories260K.gguf not found";
+  const std::string path = (fs::temp_directory_path() / "kvq_test_stories_phi3.gguf").string();
+  write_stories_as("phi3", path, [](kvq::test::GgufWriter& w, const ModelConfig& c) {
+    fuse_rows(w, c.n_layer, {"attn_q.weight", "attn_k.weight", "attn_v.weight"}, "attn_qkv.weight");
+    fuse_rows(w, c.n_layer, {"ffn_gate.weight", "ffn_up.weight"}, "ffn_up.weight");
+  });
+  auto llama = Model::load(shared_path("models/stories260K.gguf"));
+  auto phi = Model::load(path);
+  EXPECT_TRUE(phi->config().rope_neox && phi->config().fused_gate_up && !phi->config().qkv_bias);
+  EXPECT_EQ(phi->file().find_tensor("blk.0.attn_q.weight"), nullptr);
+  const Tokenizer tok = Tokenizer::from_gguf(phi->file());
+  const std::string expected = read_file(shared_path("models/stories260K.greedy.txt"));
+  EXPECT_EQ(greedy(*phi, tok, {tok.bos()}, 200).substr(0, expected.size()), expected);
+  const std::vector<int32_t> ids = tok.encode("Once upon a time, a little girl named Lily found a ball.", true);
+  EXPECT_LT(max_abs_diff(stories_logits(*llama, ids), stories_logits(*phi, ids)), 1e-3f);
+  // the f32 reference load splits the fused rows the same way
+  auto phi32 = Model::load_f32(path);
+  EXPECT_LT(max_abs_diff(stories_logits(*llama, ids), stories_logits(*phi32, ids)), 1e-3f);
+  // a fused matrix of the wrong height is refused, naming it
+  const std::string bad = (fs::temp_directory_path() / "kvq_test_stories_phi3_bad.gguf").string();
+  write_stories_as("phi3", bad, [](kvq::test::GgufWriter& w, const ModelConfig& c) {
+    fuse_rows(w, c.n_layer, {"attn_q.weight", "attn_k.weight", "attn_v.weight"}, "attn_qkv.weight");
+  });
+  try {
+    Model::load(bad);
+    ADD_FAILURE() << "a phi3 file with an unfused ffn_up loaded";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'blk.0.ffn_up.weight' has shape"), std::string::npos) << e.what();
+  }
+  phi.reset();
+  phi32.reset();
+  fs::remove(path);
+  fs::remove(bad);
+}
+
+// Phi-3's LongRoPE: the short factors up to rope.scaling.original_context_length, the long ones
+// when kvq runs at a longer context; rope.scaling.attn_factor a scales the rotated part of q.k by
+// a^2 (cos and sin times a on q and k), and only that part when the rotation is partial.
+TEST(ArchVariants, Phi3LongRopeFactorsFollowTheContext) {
+  if (!fs::exists(shared_path("models/stories260K.gguf"))) GTEST_SKIP() << "stories260K.gguf not found";
+  const auto tmp = fs::temp_directory_path();
+  auto phi3 = [&](const std::string& name, const std::function<void(kvq::test::GgufWriter&, const ModelConfig&)>& x,
+                  const std::vector<std::string>& drop = {}) {
+    return write_stories_as(
+        "phi3", (tmp / name).string(),
+        [&](kvq::test::GgufWriter& w, const ModelConfig& c) {
+          fuse_rows(w, c.n_layer, {"ffn_gate.weight", "ffn_up.weight"}, "ffn_up.weight");
+          x(w, c);
+        },
+        drop);
+  };
+  // short factors 1 (none), long factors 2 (linear scaling by 2), switch at 128 tokens
+  const std::string pr = phi3("kvq_test_phi3_longrope.gguf", [](kvq::test::GgufWriter& w, const ModelConfig& c) {
+    w.add_tensor_f32("rope_factors_short.weight", {c.n_rot / 2}, std::vector<float>(size_t(c.n_rot / 2), 1.0f));
+    w.add_tensor_f32("rope_factors_long.weight", {c.n_rot / 2}, std::vector<float>(size_t(c.n_rot / 2), 2.0f));
+    w.add_u32("phi3.rope.scaling.original_context_length", 128);
+  });
+  const std::string pplain = phi3("kvq_test_phi3_plain.gguf", [](kvq::test::GgufWriter&, const ModelConfig&) {});
+  const std::string plin = phi3("kvq_test_phi3_linear.gguf", [](kvq::test::GgufWriter& w, const ModelConfig&) {
+    w.add_string("phi3.rope.scaling.type", "linear");
+    w.add_f32("phi3.rope.scaling.factor", 2.0f);
+  });
+  auto shorter = Model::load(pr, 128), longer = Model::load(pr), trained = Model::load(pr, 2048);
+  EXPECT_FALSE(shorter->config().rope_long);
+  EXPECT_TRUE(longer->config().rope_long);  // ctx 0: the trained context, 2048 > 128
+  EXPECT_TRUE(trained->config().rope_long);
+  EXPECT_EQ(longer->config().n_ctx_orig, 128);
+  EXPECT_EQ(model_rope_note(longer->config(), 0), "[kvq] LongRoPE: the long factors (context 2048 > 128 original)");
+  EXPECT_EQ(model_rope_note(shorter->config(), 128), "[kvq] LongRoPE: the short factors (context 128 <= 128 original)");
+  auto plain = Model::load(pplain), lin = Model::load(plin);
+  EXPECT_EQ(plain->config().n_ctx_orig, plain->config().n_ctx_train);
+  EXPECT_EQ(model_rope_note(plain->config(), 0), "");
+  const Tokenizer tok = Tokenizer::from_gguf(plain->file());
+  const std::vector<int32_t> ids = tok.encode("Once upon a time, there was a big dog. The dog liked to run and play.", true);
+  const auto lp = stories_logits(*plain, ids), ll = stories_logits(*lin, ids);
+  EXPECT_LT(max_abs_diff(stories_logits(*shorter, ids), lp), 1e-4f);
+  EXPECT_LT(max_abs_diff(stories_logits(*longer, ids), ll), 1e-4f);
+  EXPECT_GT(max_abs_diff(lp, ll), 1e-2f);  // the two settings do differ on this prompt
+  EXPECT_EQ(longer->kv_cache_config(kv_policy_uniform("f16", 5), 64).rope[0].freq_factors,
+            std::vector<float>(size_t(longer->config().n_rot / 2), 2.0f));
+
+  // attn_factor on a partial rotation (4 of 8 dims): equal to the plain model with the rotated
+  // dims of each head's q rows (the first 4, NeoX pairs (i, i + 2)) times a^2.
+  const float a = 1.25f;
+  auto partial = [](kvq::test::GgufWriter& w) { w.add_u32("phi3.rope.dimension_count", 4); };
+  const std::vector<std::string> rot_key = {"phi3.rope.dimension_count"};
+  const std::string pa = phi3(
+      "kvq_test_phi3_attnf.gguf",
+      [&](kvq::test::GgufWriter& w, const ModelConfig&) {
+        partial(w);
+        w.add_f32("phi3.rope.scaling.attn_factor", a);
+      },
+      rot_key);
+  const std::string pq = phi3("kvq_test_phi3_qscaled.gguf", [&](kvq::test::GgufWriter& w, const ModelConfig& c) {
+    partial(w);
+    for (auto& t : w.tensors()) {
+      if (t.name.find("attn_q.weight") == std::string::npos) continue;
+      float* rows = reinterpret_cast<float*>(t.data.data());
+      for (int h = 0; h < c.n_head; ++h)
+        for (int j = 0; j < 4; ++j)
+          for (int64_t i = 0; i < c.n_embd; ++i) rows[(size_t(h) * size_t(c.head_dim) + size_t(j)) * size_t(c.n_embd) + size_t(i)] *= a * a;
+    }
+  }, rot_key);
+  auto ma = Model::load(pa), mq = Model::load(pq);
+  EXPECT_EQ(ma->config().rope_attn_factor, a);
+  EXPECT_EQ(ma->config().n_rot, 4);
+  const auto la = stories_logits(*ma, ids), lq = stories_logits(*mq, ids);
+  EXPECT_LT(max_abs_diff(la, lq), 1e-4f);
+  EXPECT_GT(max_abs_diff(la, lp), 1e-2f);
+
+  // one set of LongRoPE factors alone, both kinds of factors, or a bad attn_factor are refused
+  const std::string p1 = phi3("kvq_test_phi3_onlylong.gguf", [](kvq::test::GgufWriter& w, const ModelConfig& c) {
+    w.add_tensor_f32("rope_factors_long.weight", {c.n_rot / 2}, std::vector<float>(size_t(c.n_rot / 2), 2.0f));
+  });
+  const std::string p2 = phi3("kvq_test_phi3_both.gguf", [](kvq::test::GgufWriter& w, const ModelConfig& c) {
+    for (const char* n : {"rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight"})
+      w.add_tensor_f32(n, {c.n_rot / 2}, std::vector<float>(size_t(c.n_rot / 2), 2.0f));
+  });
+  const std::string p3 = phi3("kvq_test_phi3_badattnf.gguf", [](kvq::test::GgufWriter& w, const ModelConfig&) {
+    w.add_f32("phi3.rope.scaling.attn_factor", std::nanf(""));
+  });
+  for (const auto& [p, what] : {std::pair<std::string, std::string>{p1, "needs both"}, {p2, "one set of RoPE factors"},
+                                {p3, "attn_factor nan"}}) {
+    try {
+      Model::load(p);
+      ADD_FAILURE() << p << " loaded";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  }
+  shorter.reset(); longer.reset(); trained.reset(); plain.reset(); lin.reset(); ma.reset(); mq.reset();
+  for (const auto& p : {pr, pplain, plin, pa, pq, p1, p2, p3}) fs::remove(p);
+}
+
+// Gemma 2 and Gemma 3 hyperparameters: the sliding-window layout (the file's pattern, else each
+// architecture's own), the soft-caps (Gemma 2's 50 / 30 by default), the 27B models' attention
+// scale, and the local layers' RoPE.
+TEST(ModelConfig, GemmaLayoutsSoftcapsAndScales) {
+  using kvq::test::GgufWriter;
+  auto cfg = [](const std::string& arch, int n_layer, const std::function<void(GgufWriter&)>& extra) {
+    GgufWriter w;
+    w.add_string("general.architecture", arch);
+    const std::string a = arch + ".";
+    w.add_u32(a + "block_count", uint32_t(n_layer)).add_u32(a + "embedding_length", 512).add_u32(a + "feed_forward_length", 128);
+    w.add_u32(a + "attention.head_count", 4).add_u32(a + "attention.head_count_kv", 2).add_u32(a + "context_length", 256);
+    w.add_u32(a + "attention.key_length", 64).add_u32(a + "attention.value_length", 64);
+    w.add_string_array("tokenizer.ggml.tokens", {"a", "b", "c"});
+    extra(w);
+    const std::vector<uint8_t> img = w.build();
+    return model_config_from_gguf(*gguf::File::parse(img.data(), img.size(), "m.gguf"));
+  };
+  auto none = [](GgufWriter&) {};
+  auto layout = [](const ModelConfig& c) {
+    std::string s;
+    for (bool b : c.layer_sliding) s += b ? 'L' : 'G';
+    return s;
+  };
+  const ModelConfig g2 = cfg("gemma2", 6, none);
+  EXPECT_EQ(layout(g2), "LGLGLG");
+  EXPECT_EQ(g2.sliding_window, 4096);
+  EXPECT_FALSE(g2.qk_norm);
+  EXPECT_TRUE(g2.post_norms && g2.geglu && g2.embd_scale && g2.rope_neox);
+  EXPECT_EQ(g2.attn_softcap, 50.f);
+  EXPECT_EQ(g2.final_softcap, 30.f);
+  EXPECT_FLOAT_EQ(g2.attn_scale, 1.f / 8.f);  // 1/sqrt(head_dim 64)
+  EXPECT_EQ(g2.rope_base_local, g2.rope_base);
+  const ModelConfig g2b = cfg("gemma2", 6, [](GgufWriter& w) {
+    w.add_f32("gemma2.attn_logit_softcapping", 0.f).add_f32("gemma2.final_logit_softcapping", 20.f);
+    w.add_u32("gemma2.attention.sliding_window", 128).add_f32("gemma2.rope.freq_base", 1e6f);
+  });
+  EXPECT_EQ(g2b.attn_softcap, 0.f);
+  EXPECT_EQ(g2b.final_softcap, 20.f);
+  EXPECT_EQ(g2b.sliding_window, 128);
+  EXPECT_EQ(g2b.rope_base_local, 1e6f);
+  // the 27B models: 1/sqrt(n_embd / n_head) = 1/sqrt(128)
+  EXPECT_FLOAT_EQ(cfg("gemma2", 46, none).attn_scale, 1.f / std::sqrt(128.f));
+  EXPECT_FLOAT_EQ(cfg("gemma3", 62, none).attn_scale, 1.f / std::sqrt(128.f));
+  EXPECT_FLOAT_EQ(cfg("gemma3", 46, none).attn_scale, 1.f / 8.f);
+
+  const ModelConfig g3 = cfg("gemma3", 12, none);
+  EXPECT_EQ(layout(g3), "LLLLLGLLLLLG");
+  EXPECT_TRUE(g3.qk_norm);
+  EXPECT_EQ(g3.attn_softcap, 0.f);
+  EXPECT_EQ(g3.final_softcap, 0.f);
+  EXPECT_EQ(g3.rope_base_local, 10000.f);
+  const ModelConfig g3b = cfg("gemma3", 12, [](GgufWriter& w) {
+    w.add_f32("gemma3.rope.freq_base_swa", 5e4f).add_string("gemma3.rope.scaling.type", "linear");
+    w.add_f32("gemma3.rope.scaling.factor", 8.f);
+  });
+  EXPECT_EQ(g3b.rope_base_local, 5e4f);
+  EXPECT_EQ(g3b.layer_rope_scale(0), 1.f);  // local layers unscaled
+  EXPECT_EQ(g3b.layer_rope_scale(5), 8.f);
+  EXPECT_EQ(cfg("gemma2", 6, [](GgufWriter& w) {
+              w.add_string("gemma2.rope.scaling.type", "linear");
+              w.add_f32("gemma2.rope.scaling.factor", 2.f);
+            }).layer_rope_scale(0),
+            2.f);  // Gemma 2's local layers scale as its global ones
+
+  // sliding_window_pattern as llama.cpp reads it: n (0: all local, 1: none), or one boolean per layer
+  auto with_pattern = [&](uint32_t n) {
+    return layout(cfg("gemma3", 6, [&](GgufWriter& w) { w.add_u32("gemma3.attention.sliding_window_pattern", n); }));
+  };
+  EXPECT_EQ(with_pattern(0), "LLLLLL");
+  EXPECT_EQ(with_pattern(1), "GGGGGG");
+  EXPECT_EQ(with_pattern(3), "LLGLLG");
+  EXPECT_EQ(layout(cfg("gemma2", 4, [](GgufWriter& w) {
+              w.add_array("gemma2.attention.sliding_window_pattern", gguf::ValueType::boolean,
+                          {kvq::test::gv::boolean(false), kvq::test::gv::boolean(true), kvq::test::gv::boolean(true),
+                           kvq::test::gv::boolean(false)});
+            })),
+            "GLLG");
+  EXPECT_THROW(cfg("gemma2", 4, [](GgufWriter& w) {
+                 w.add_array("gemma2.attention.sliding_window_pattern", gguf::ValueType::boolean,
+                             {kvq::test::gv::boolean(true)});
+               }),
+               Error);
+  // Phi-3's sliding window is not used (as in llama.cpp)
+  const ModelConfig p3 = cfg("phi3", 4, [](GgufWriter& w) { w.add_u32("phi3.attention.sliding_window", 2047); });
+  EXPECT_EQ(layout(p3), "GGGG");
+  EXPECT_EQ(p3.layer_window(0), 0);
+}
+
 TEST(ModelConfig, RejectsNonFiniteOrOutOfRangeFloatMetadata) {
   using kvq::test::GgufWriter;
   auto build = [](const std::string& arch, const std::function<void(GgufWriter&)>& extra) {
@@ -602,6 +864,25 @@ TEST(ChatTemplate, FamilyAndDefaultSystemFromTheJinja) {
                    "<|start_header_id|>assistant<|end_header_id|>\n\n");
   EXPECT_EQ(chat_render(l31, {{"system", " Be brief."}, {"user", "Hi"}}, ChatRenderOptions{false, false}),
             head + "Be brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>");
+  // Phi-3.5's (and Phi-3's): '<|role|>\n' + content + '<|end|>\n', empty system turns left out
+  const ChatTemplate phi = chat_template_from_text(
+      "{% for message in messages %}{% if message['role'] == 'system' and message['content'] %}{{'<|system|>\n' + "
+      "message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + "
+      "'<|end|>\n'}}{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}"
+      "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}");
+  EXPECT_EQ(phi.family, ChatFamily::phi3);
+  EXPECT_STREQ(chat_template_name(phi), "phi3");
+  EXPECT_EQ(chat_render(phi, {{"system", "Be brief."}, {"user", "Hi"}}),
+            "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n");
+  EXPECT_EQ(chat_render(phi, {{"system", ""}, {"user", "Hi"}, {"assistant", "Hello, I"}}, ChatRenderOptions{false, true}),
+            "<|user|>\nHi<|end|>\n<|assistant|>\nHello, I");
+  // Phi-3-mini's first template: the newline as a string of its own
+  EXPECT_EQ(chat_template_from_text("{{'<|user|>' + '\\n' + message['content'] + '<|end|>' + '\\n' + '<|assistant|>'}}").family,
+            ChatFamily::phi3);
+  // Phi-4-mini's turns have no newline, Phi-4's are '<|im_start|>user<|im_sep|>': neither is rendered
+  // as another family
+  EXPECT_FALSE(chat_template_from_text("{{'<|' + message['role'] + '|>' + message['content'] + '<|end|>'}}<|user|>x<|end|><|assistant|>").known());
+  EXPECT_FALSE(chat_template_from_text("{{'<|im_start|>' + message['role'] + '<|im_sep|>' + message['content'] + '<|im_end|>'}}").known());
   EXPECT_FALSE(chat_template_from_text("{{ messages }}").known());
   EXPECT_THROW(chat_render(ChatTemplate{}, {{"user", "Hi"}}), Error);
 

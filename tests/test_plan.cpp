@@ -382,6 +382,11 @@ TEST(Plan, HfConfigMatchesPreset) {
   g["text_config"]["layer_types"] = lt;
   gm = plan_model_from_hf_config(g, std::nullopt);
   for (int il = 0; il < 18; ++il) EXPECT_EQ(gm.layers[size_t(il)].window, il == 3 ? 0 : 512) << il;
+  // Hugging Face's sliding_window_pattern 1: layer i is global where (i + 1) % 1 == 0, so all are
+  g["text_config"].erase("layer_types");
+  g["text_config"]["sliding_window_pattern"] = 1;
+  gm = plan_model_from_hf_config(g, std::nullopt);
+  for (int il = 0; il < 18; ++il) EXPECT_EQ(gm.layers[size_t(il)].window, 0) << il;
 
   // Mistral v0.1: a sliding window on every layer.
   nlohmann::json mi = cfg;
@@ -512,6 +517,22 @@ TEST(Plan, GgufPerLayerMetadata) {
   // global layers (1 + 4 heads) all 1024.
   EXPECT_EQ(r.rows[0].kv_bytes, 4 * 128 * 256 + 5 * 1024 * 256);
   EXPECT_EQ(r.formats[0].per_token_bytes, 9 * 256.0);
+
+  // An integer pattern n, as llama.cpp reads it: layer il slides unless il % n == n - 1; 0 makes
+  // every layer slide, 1 none.
+  for (const auto& [n, want] : {std::pair<uint32_t, std::string>{0, "LLLL"}, {1, "GGGG"}, {2, "LGLG"}, {3, "LLGL"}}) {
+    test::GgufWriter wp;
+    wp.add_string("general.architecture", "openelm");
+    wp.add_u32("openelm.block_count", 4).add_u32("openelm.embedding_length", 256).add_u32("openelm.attention.head_count", 4);
+    wp.add_u32("openelm.attention.sliding_window", 128).add_u32("openelm.attention.sliding_window_pattern", n);
+    wp.add_tensor("token_embd.weight", GgmlType::F16, {256, 100});
+    for (int il = 0; il < 4; ++il) wp.add_tensor("blk." + std::to_string(il) + ".attn_norm.weight", GgmlType::F32, {256});
+    const std::vector<uint8_t> ip = wp.build();
+    const PlanModel mp = plan_model_from_gguf(*gguf::File::parse(ip.data(), ip.size(), "pattern.gguf"));
+    std::string got;
+    for (const PlanLayer& l : mp.layers) got += l.window ? 'L' : 'G';
+    EXPECT_EQ(got, want) << "pattern " << n;
+  }
 
   // Missing block_count: named in the error.
   test::GgufWriter w2;
@@ -784,7 +805,7 @@ nlohmann::json llama8b_config() {
 // A small GGUF: 4 query heads of 16 dims (embedding 64), `kv_heads` KV heads in the metadata and
 // `kv_heads_tensors` in the K/V projections of the first `tensor_layers` layers.
 struct TinyGguf {
-  std::string arch = "phi3";  // an architecture the planner reads and the engine does not run
+  std::string arch = "olmo2";  // an architecture the planner reads and the engine does not run
   int64_t block_count = 4;
   int tensor_layers = 4;
   int kv_heads = 2;
@@ -940,7 +961,7 @@ TEST(Plan, ParameterCountNeverWraps) {
 // K/V projection shapes, a file without tensors; and context 0, non-finite values, counts past
 // the bounds. For the architectures kvq runs, the engine's own metadata checks apply as well.
 TEST(Plan, GgufMetadataMustMatchTheTensors) {
-  for (const std::string arch : {"phi3", "llama"}) {
+  for (const std::string arch : {"olmo2", "llama"}) {
     TinyGguf g;
     g.arch = arch;
     CmdResult ok = plan_gguf(g, "ok.gguf");

@@ -406,10 +406,11 @@ Engine::Engine(const EngineOptions& o) : opt_(o) {
   oldest_prefill_tokens_ = o.oldest_prefill_tokens > 0 ? o.oldest_prefill_tokens : std::max(1, o.max_batch / 4);
   if (o.threads < 0) fail("--threads must be >= 1 (got {})", o.threads);
   if (o.ctx < 0) fail("context must be > 0 (got {})", o.ctx);
-  model_ = Model::load(o.model_path);
+  model_ = Model::load(o.model_path, o.ctx);
   tok_ = Tokenizer::from_gguf(model_->file());
   const ModelConfig& c = model_->config();
   ctx_ = o.ctx > 0 ? std::min(o.ctx, c.n_ctx_train) : c.n_ctx_train;
+  if (const std::string note = model_rope_note(c, o.ctx); !note.empty()) std::fprintf(stderr, "%s\n", note.c_str());
   if (!(o.prefill_attention_cost >= 0) || o.prefill_attention_cost > 1e6)
     fail("--prefill-attention-cost must be in [0, 1e6] (got {})", o.prefill_attention_cost);
   prefill_cost_ = PrefillCost::from_model(c, o.prefill_attention_cost);

@@ -6,8 +6,26 @@
 
 namespace kvq {
 
+namespace {
+// Phi-3's turns: a literal '<|user|>' followed by a newline (written '\n' or as a newline, maybe
+// after closing the string literal: "'<|user|>' + '\n'"), and '<|end|>'. Phi-4-mini's turns have
+// no newline and are not these.
+bool phi3_turns(const std::string& t) {
+  if (t.find("<|end|>") == std::string::npos || t.find("<|assistant|>") == std::string::npos) return false;
+  for (size_t at = t.find("<|user|>"); at != std::string::npos; at = t.find("<|user|>", at + 1)) {
+    size_t p = at + 8;
+    while (p < t.size() && (t[p] == '\'' || t[p] == '"' || t[p] == '+' || t[p] == ' ')) ++p;
+    if (t.compare(p, 1, "\n") == 0 || t.compare(p, 2, "\\n") == 0) return true;
+  }
+  return false;
+}
+}  // namespace
+
 ChatTemplate chat_template_from_text(const std::string& t) {
   ChatTemplate c;
+  // Phi-4's turns ('<|im_start|>user<|im_sep|>...') are not ChatML's: left unknown rather than
+  // rendered as ChatML.
+  if (t.find("<|im_sep|>") != std::string::npos) return c;
   if (t.find("<|im_start|>") != std::string::npos) {
     c.family = ChatFamily::chatml;
     // A literal system turn in the template, '<|im_start|>system\nTEXT<|im_end|>', is the default
@@ -37,6 +55,8 @@ ChatTemplate chat_template_from_text(const std::string& t) {
     }
   } else if (t.find("<start_of_turn>") != std::string::npos) {
     c.family = ChatFamily::gemma;
+  } else if (phi3_turns(t)) {
+    c.family = ChatFamily::phi3;
   } else if (t.find("<|start_header_id|>") != std::string::npos) {
     c.family = ChatFamily::llama3;
     // Llama 3.1+: the system turn is always there and opens with the knowledge cutoff and a date
@@ -57,6 +77,7 @@ const char* chat_template_name(const ChatTemplate& t) {
     case ChatFamily::chatml: return "chatml";
     case ChatFamily::gemma: return "gemma";
     case ChatFamily::llama3: return "llama3";
+    case ChatFamily::phi3: return "phi3";
     default: return "none";
   }
 }
@@ -148,7 +169,19 @@ std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& m
     if (opt.add_generation_prompt) out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
     return out;
   }
-  fail("this model has no chat template kvq supports (supported: ChatML, Gemma, Llama 3)");
+  if (t.family == ChatFamily::phi3) {
+    // Phi-3 / Phi-3.5: '<|role|>\n' + content + '<|end|>\n'; an empty system message is left out,
+    // as its template does. (Without a generation prompt the template ends with the EOS token,
+    // which kvq leaves out: the text ends after the last turn.)
+    for (size_t i = 0; i < msgs.size(); ++i) {
+      if (msgs[i].role == "system" && msgs[i].content.empty()) continue;
+      out += "<|" + msgs[i].role + "|>\n" + msgs[i].content;
+      if (!(cont && i + 1 == msgs.size())) out += "<|end|>\n";
+    }
+    if (opt.add_generation_prompt) out += "<|assistant|>\n";
+    return out;
+  }
+  fail("this model has no chat template kvq supports (supported: ChatML, Gemma, Llama 3, Phi-3)");
 }
 
 }  // namespace kvq

@@ -1,5 +1,6 @@
 // Chat templates for the supported instruct models, chosen from the GGUF's
-// tokenizer.chat_template: ChatML (SmolLM2-Instruct and other ChatML models) and Gemma's turn format.
+// tokenizer.chat_template: ChatML (SmolLM2-Instruct and other ChatML models), Gemma's turn format,
+// Llama 3's headers and Phi-3's role tags.
 #pragma once
 #include <string>
 #include <vector>
@@ -12,7 +13,7 @@ struct ChatMessage {
   std::string content;
 };
 
-enum class ChatFamily { none, chatml, gemma, llama3 };
+enum class ChatFamily { none, chatml, gemma, llama3, phi3 };
 
 struct ChatTemplate {
   ChatFamily family = ChatFamily::none;

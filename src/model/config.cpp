@@ -3,6 +3,8 @@
 #include <cmath>
 #include <cstring>
 
+#include <fmt/format.h>
+
 #include "core/error.h"
 #include "core/strings.h"
 #include "gguf/gguf.h"
@@ -21,13 +23,67 @@ int64_t positive(const gguf::File& f, const std::string& key, int64_t v) {
 }
 }  // namespace
 
-ModelConfig model_config_from_gguf(const gguf::File& f) {
+std::optional<std::vector<bool>> gguf_sliding_layers(const gguf::File& f, const std::string& arch, int n_layer,
+                                                     int default_pattern, const std::string& where) {
+  const std::string key = arch + ".attention.sliding_window_pattern";
+  std::vector<bool> sliding(size_t(n_layer), false);
+  const gguf::Value* pat = f.find(key);
+  if (pat && pat->type == gguf::ValueType::array) {
+    if (int64_t(pat->arr.size()) != n_layer)
+      fail("{}: '{}' has {} entries for {} layers", where, key, pat->arr.size(), n_layer);
+    for (int il = 0; il < n_layer; ++il) {
+      const gguf::Value& e = pat->arr[size_t(il)];
+      std::optional<int64_t> x = e.type == gguf::ValueType::boolean ? std::optional<int64_t>(int64_t(e.u)) : e.as_int();
+      if (!x) fail("{}: '{}' must hold booleans", where, key);
+      sliding[size_t(il)] = *x != 0;
+    }
+    return sliding;
+  }
+  int64_t n = default_pattern;
+  if (pat) {
+    std::optional<int64_t> x = pat->as_int();
+    if (!x || *x < 0 || *x > (int64_t(1) << 30)) fail("{}: '{}' must be an integer in [0, 2^30] or an array of booleans", where, key);
+    n = *x;
+  } else if (default_pattern < 0) {
+    return std::nullopt;
+  }
+  for (int il = 0; il < n_layer; ++il) sliding[size_t(il)] = n == 0 || il % n < n - 1;
+  return sliding;
+}
+
+std::string model_rope_note(const ModelConfig& c, int ctx) {
+  if (!c.has_long_rope) return {};
+  const int at = ctx > 0 ? ctx : c.n_ctx_train;
+  return c.rope_long ? fmt::format("[kvq] LongRoPE: the long factors (context {} > {} original)", at, c.n_ctx_orig)
+                     : fmt::format("[kvq] LongRoPE: the short factors (context {} <= {} original)", at, c.n_ctx_orig);
+}
+
+namespace {
+// A per-pair RoPE factor tensor (n_rot / 2 finite values > 0), or empty when absent.
+std::vector<float> rope_factor_tensor(const gguf::File& f, const char* name, int n_rot) {
+  const gguf::TensorInfo* t = f.find_tensor(name);
+  if (!t) return {};
+  if (t->type != GgmlType::F32 || t->n_elements() != n_rot / 2)
+    fail("{}: tensor '{}' must be F32 with {} values (one per rotated pair), is {} with {}", f.path(), name, n_rot / 2,
+         ggml_type_name(t->type), t->n_elements());
+  std::vector<float> v(size_t(n_rot / 2));
+  std::memcpy(v.data(), t->data, v.size() * sizeof(float));
+  for (float x : v)
+    if (!(std::isfinite(x) && x > 0)) fail("{}: {} holds {}: the factors must be finite numbers > 0", f.path(), name, x);
+  return v;
+}
+}  // namespace
+
+ModelConfig model_config_from_gguf(const gguf::File& f, int ctx) {
   ModelConfig c;
   auto arch = f.get_string("general.architecture");
   if (!arch) fail("{}: missing metadata key 'general.architecture'", f.path());
   c.arch = *arch;
-  if (c.arch != "llama" && c.arch != "gemma3" && c.arch != "qwen2" && c.arch != "qwen3")
-    fail("{}: unsupported architecture '{}' (supported: llama, gemma3, qwen2, qwen3)", f.path(), printable(c.arch));
+  if (c.arch != "llama" && c.arch != "gemma2" && c.arch != "gemma3" && c.arch != "qwen2" && c.arch != "qwen3" &&
+      c.arch != "phi3")
+    fail("{}: unsupported architecture '{}' (supported: llama, gemma2, gemma3, qwen2, qwen3, phi3)", f.path(),
+         printable(c.arch));
+  const bool gemma = c.arch == "gemma2" || c.arch == "gemma3";
   c.name = f.get_string("general.name").value_or(c.arch);
   const std::string a = c.arch + ".";
   auto req = [&](const char* k) { return int(positive(f, a + k, require_int(f, a + k))); };
@@ -49,7 +105,6 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
   c.n_rot = f.get_int(a + "rope.dimension_count") ? req("rope.dimension_count") : c.head_dim;
   if (c.n_rot > c.head_dim || c.n_rot % 2) fail("{}: rope dimension {} invalid for head dim {}", f.path(), c.n_rot, c.head_dim);
   c.rope_base = float(f.get_float(a + "rope.freq_base").value_or(10000.0));
-  c.rope_base_local = c.rope_base;
   if (auto st = f.get_string(a + "rope.scaling.type"); st && *st == "linear") {
     c.rope_scale = float(f.get_float(a + "rope.scaling.factor").value_or(1.0));
   } else if (st && *st != "none") {
@@ -59,39 +114,68 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
     fail("{}: RoPE frequency base {} must be a finite number > 1", f.path(), c.rope_base);
   if (!(c.rope_scale > 0 && std::isfinite(c.rope_scale)))
     fail("{}: rope scaling factor {} must be a finite number > 0", f.path(), c.rope_scale);
+  // Sliding-window layers: Gemma 2 alternates (local first, window 4096 by default), Gemma 3 has 5
+  // local layers then a global one; both as the file's sliding_window_pattern says when it has
+  // one. Phi-3 files carry a sliding window too, which kvq ignores, as llama.cpp does (full
+  // attention on every layer).
   c.layer_sliding.assign(size_t(c.n_layer), false);
-
-  // Llama 3.1-style RoPE: a frequency factor per rotated pair
-  if (const gguf::TensorInfo* t = f.find_tensor("rope_freqs.weight")) {
-    if (t->type != GgmlType::F32 || t->n_elements() != c.n_rot / 2)
-      fail("{}: tensor 'rope_freqs.weight' must be F32 with {} values (one per rotated pair), is {} with {}", f.path(),
-           c.n_rot / 2, ggml_type_name(t->type), t->n_elements());
-    c.rope_freq_factors.resize(size_t(c.n_rot / 2));
-    std::memcpy(c.rope_freq_factors.data(), t->data, c.rope_freq_factors.size() * sizeof(float));
-    for (float x : c.rope_freq_factors)
-      if (!(std::isfinite(x) && x > 0))
-        fail("{}: rope_freqs.weight holds {}: the factors must be finite numbers > 0", f.path(), x);
+  if (gemma) {
+    const int64_t sw = f.get_int(a + "attention.sliding_window").value_or(c.arch == "gemma2" ? 4096 : 512);
+    if (sw <= 0 || sw > (int64_t(1) << 30)) fail("{}: sliding window {} must be in [1, 2^30]", f.path(), sw);
+    c.sliding_window = int(sw);
+    c.layer_sliding = *gguf_sliding_layers(f, c.arch, c.n_layer, c.arch == "gemma2" ? 2 : 6, f.path());
   }
+  // The local layers' RoPE: Gemma 3's base 10000 and no scaling, Gemma 2's as the global layers'.
+  c.rope_base_local = float(f.get_float(a + "rope.freq_base_swa").value_or(c.arch == "gemma3" ? 10000.0 : c.rope_base));
+  c.rope_scale_local = c.arch == "gemma3" ? 1.f : c.rope_scale;
+  if (!(c.rope_base_local > 1 && std::isfinite(c.rope_base_local)))
+    fail("{}: RoPE frequency base of the sliding-window layers {} must be a finite number > 1", f.path(), c.rope_base_local);
+
+  // Per-pair RoPE factors: Llama 3.1's one set, or Phi-3's LongRoPE pair chosen by the context.
+  c.rope_freq_factors = rope_factor_tensor(f, "rope_freqs.weight", c.n_rot);
+  std::vector<float> lng = rope_factor_tensor(f, "rope_factors_long.weight", c.n_rot);
+  std::vector<float> sht = rope_factor_tensor(f, "rope_factors_short.weight", c.n_rot);
+  if (lng.empty() != sht.empty())
+    fail("{}: LongRoPE needs both 'rope_factors_long.weight' and 'rope_factors_short.weight'; the file has only '{}'",
+         f.path(), lng.empty() ? "rope_factors_short.weight" : "rope_factors_long.weight");
+  if (!lng.empty() && !c.rope_freq_factors.empty())
+    fail("{}: the file has both 'rope_freqs.weight' and LongRoPE factors; one set of RoPE factors is expected", f.path());
+  c.n_ctx_orig = f.get_int(a + "rope.scaling.original_context_length") ? req("rope.scaling.original_context_length")
+                                                                        : c.n_ctx_train;
+  if (!lng.empty()) {
+    c.has_long_rope = true;
+    c.rope_long = (ctx > 0 ? ctx : c.n_ctx_train) > c.n_ctx_orig;
+    c.rope_freq_factors = c.rope_long ? std::move(lng) : std::move(sht);
+  }
+  c.rope_attn_factor = float(f.get_float(a + "rope.scaling.attn_factor").value_or(1.0));
+  if (!(std::isfinite(c.rope_attn_factor) && c.rope_attn_factor > 0 && c.rope_attn_factor < 16))
+    fail("{}: rope.scaling.attn_factor {} must be a finite number in (0, 16)", f.path(), c.rope_attn_factor);
+
   if (c.arch == "qwen2" || c.arch == "qwen3") {
     c.rope_neox = true;
     c.qkv_bias = c.arch == "qwen2";
     c.qk_norm = c.arch == "qwen3";
   }
-  if (c.arch == "gemma3") {
+  if (c.arch == "phi3") {
+    c.rope_neox = true;
+    c.fused_gate_up = true;
+  }
+  if (gemma) {
     c.rope_neox = true;
     c.embd_scale = true;
     c.geglu = true;
     c.post_norms = true;
-    c.qk_norm = true;
-    c.rope_base_local = 10000.f;  // Gemma 3's local (sliding-window) layers use base 10k
-    c.attn_scale = 1.0f / std::sqrt(float(c.head_dim));
-    const int64_t sw = f.get_int(a + "attention.sliding_window").value_or(512);
-    if (sw <= 0 || sw > (int64_t(1) << 30)) fail("{}: sliding window {} must be in [1, 2^30]", f.path(), sw);
-    c.sliding_window = int(sw);
-    // 5 local layers then 1 global layer, repeating
-    for (int il = 0; il < c.n_layer; ++il) c.layer_sliding[size_t(il)] = (il + 1) % 6 != 0;
-    c.final_softcap = float(f.get_float(a + "final_logit_softcapping").value_or(0.0));
-    c.attn_softcap = float(f.get_float(a + "attn_logit_softcapping").value_or(0.0));
+    c.qk_norm = c.arch == "gemma3";
+    // q.k is scaled by 1/sqrt(query_pre_attn_scalar), which GGUF does not carry: head_dim, except
+    // for the 27B models (Gemma 2: 46 layers, Gemma 3: 62), where it is n_embd / n_head; the same
+    // rule as llama.cpp's.
+    const bool is_27b = c.n_layer == (c.arch == "gemma2" ? 46 : 62);
+    c.attn_scale = 1.0f / std::sqrt(float(is_27b ? c.n_embd / c.n_head : c.head_dim));
+    // Gemma 2 soft-caps attention scores at 50 and logits at 30 unless the file says otherwise;
+    // Gemma 3 caps neither.
+    const double cap_final = c.arch == "gemma2" ? 30.0 : 0.0, cap_attn = c.arch == "gemma2" ? 50.0 : 0.0;
+    c.final_softcap = float(f.get_float(a + "final_logit_softcapping").value_or(cap_final));
+    c.attn_softcap = float(f.get_float(a + "attn_logit_softcapping").value_or(cap_attn));
     if (!(c.final_softcap >= 0 && std::isfinite(c.final_softcap) && c.attn_softcap >= 0 && std::isfinite(c.attn_softcap)))
       fail("{}: logit soft-capping values ({} final, {} attention) must be finite and >= 0 (0: off)", f.path(),
            c.final_softcap, c.attn_softcap);

@@ -1,6 +1,8 @@
-// Model hyperparameters read from GGUF metadata. The llama family and Gemma 3 differ only in
-// flags here; the forward pass reads the flags (one graph, no per-architecture file).
+// Model hyperparameters read from GGUF metadata. The supported architectures (llama, gemma2,
+// gemma3, qwen2, qwen3, phi3) differ only in flags here; the forward pass reads the flags (one
+// graph, no per-architecture file).
 #pragma once
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -8,7 +10,7 @@ namespace kvq {
 namespace gguf { class File; }
 
 struct ModelConfig {
-  std::string arch;         // general.architecture: "llama", "gemma3", "qwen2", "qwen3"
+  std::string arch;         // general.architecture: "llama", "gemma2", "gemma3", "qwen2", "qwen3", "phi3"
   std::string name;         // general.name
   int n_layer = 0;
   int n_embd = 0;
@@ -25,12 +27,21 @@ struct ModelConfig {
   bool rope_neox = false;        // pairs (i, i + n_rot/2) instead of (2i, 2i+1)
   float rope_base = 10000.f;     // global layers
   float rope_scale = 1.f;        // linear scaling factor of global layers (positions / factor)
-  float rope_base_local = 10000.f;  // sliding-window layers (Gemma 3)
-  // Per-pair frequency factors of the global layers (rope_freqs.weight, Llama 3.1+): pair i turns
-  // factor[i] times slower; empty: none.
+  float rope_base_local = 10000.f;  // sliding-window layers (rope.freq_base_swa; Gemma 3: 10000)
+  float rope_scale_local = 1.f;     // linear scaling of sliding-window layers (Gemma 2: as global)
+  // Per-pair frequency factors of the global layers: pair i turns factor[i] times slower; empty:
+  // none. Llama 3.1+: rope_freqs.weight. Phi-3 LongRoPE: rope_factors_long.weight when the context
+  // kvq runs at exceeds n_ctx_orig, else rope_factors_short.weight (rope_long says which).
   std::vector<float> rope_freq_factors;
+  bool has_long_rope = false;    // the file has LongRoPE's two sets
+  bool rope_long = false;
+  int n_ctx_orig = 0;            // rope.scaling.original_context_length (LongRoPE's switch point)
+  // rope.scaling.attn_factor: the rotated dimensions of q and k are multiplied by it (LongRoPE's
+  // magnitude correction, sqrt(1 + ln(scale) / ln(n_ctx_orig))); 1: none.
+  float rope_attn_factor = 1.f;
 
   bool qkv_bias = false;         // biases added to q, k and v (Qwen2)
+  bool fused_gate_up = false;    // ffn_up holds the gate rows, then the up rows (Phi-3)
 
   // Gemma-style flags
   bool embd_scale = false;       // multiply embeddings by sqrt(n_embd)
@@ -46,7 +57,7 @@ struct ModelConfig {
   bool tied_output = false;      // output projection is token_embd
 
   float layer_rope_base(int il) const { return layer_sliding[size_t(il)] ? rope_base_local : rope_base; }
-  float layer_rope_scale(int il) const { return layer_sliding[size_t(il)] ? 1.f : rope_scale; }
+  float layer_rope_scale(int il) const { return layer_sliding[size_t(il)] ? rope_scale_local : rope_scale; }
   const std::vector<float>& layer_rope_factors(int il) const {
     static const std::vector<float> none;
     return layer_sliding[size_t(il)] ? none : rope_freq_factors;
@@ -55,7 +66,21 @@ struct ModelConfig {
 };
 
 // Reads and validates the hyperparameters; throws kvq::Error for unsupported architectures or
-// missing/inconsistent values.
-ModelConfig model_config_from_gguf(const gguf::File& f);
+// missing/inconsistent values. `ctx`: the context (tokens per sequence) the model will run at, 0
+// for its trained context; it picks Phi-3's LongRoPE factors (long past n_ctx_orig), as llama.cpp
+// picks them by its context size.
+ModelConfig model_config_from_gguf(const gguf::File& f, int ctx = 0);
+
+// For models with two sets of RoPE factors (LongRoPE): which set the config uses and why, as a
+// line for stderr; empty for other models.
+std::string model_rope_note(const ModelConfig& c, int ctx);
+
+// Which layers use sliding-window attention, from `ARCH.attention.sliding_window_pattern` as
+// llama.cpp reads it: an array of booleans (true: sliding), or an integer n (0: every layer; else
+// layer il slides unless il % n == n - 1, so n = 1 is none); without the key, `default_pattern` in
+// the same sense, or nullopt when default_pattern < 0 (the architecture's layout is unknown).
+// `where` names the file in errors.
+std::optional<std::vector<bool>> gguf_sliding_layers(const gguf::File& f, const std::string& arch, int n_layer,
+                                                     int default_pattern, const std::string& where);
 
 }  // namespace kvq

@@ -43,6 +43,14 @@ WeightView view_of(const gguf::File& f, const std::string& name, int64_t n_in, i
   return w;
 }
 
+// Rows [from, from + n) of a weight matrix: a view into the same data (rows are whole blocks).
+WeightView rows_of(const WeightView& w, int64_t from, int64_t n) {
+  WeightView r = w;
+  r.data = static_cast<const uint8_t*>(w.data) + size_t(from) * w.row_bytes;
+  r.n_out = n;
+  return r;
+}
+
 WeightView norm_of(const gguf::File& f, const std::string& name, int64_t n, bool required = true) {
   WeightView w = view_of(f, name, n, 1, required);
   if (w.data && w.type != GgmlType::F32) fail("{}: tensor '{}' (a norm or bias) must be F32, is {}", f.path(), name, ggml_type_name(w.type));
@@ -95,11 +103,11 @@ void rope_table(float* cs, int pos, const KvRope& r) {
 
 }  // namespace
 
-std::unique_ptr<Model> Model::load(const std::string& path) {
+std::unique_ptr<Model> Model::load(const std::string& path, int ctx) {
   auto m = std::unique_ptr<Model>(new Model());
   m->file_ = gguf::File::open(path);
   const gguf::File& f = *m->file_;
-  m->cfg_ = model_config_from_gguf(f);
+  m->cfg_ = model_config_from_gguf(f, ctx);
   const ModelConfig& c = m->cfg_;
   const int64_t qd = int64_t(c.n_head) * c.head_dim, kvd = int64_t(c.n_head_kv) * c.head_dim;
   m->tok_embd_ = view_of(f, "token_embd.weight", c.n_embd, c.n_vocab);
@@ -119,13 +127,26 @@ std::unique_ptr<Model> Model::load(const std::string& path) {
     auto& L = m->layers_[size_t(il)];
     const std::string p = "blk." + std::to_string(il) + ".";
     L.attn_norm = norm_of(f, p + "attn_norm.weight", c.n_embd);
-    L.wq = view_of(f, p + "attn_q.weight", c.n_embd, qd);
-    L.wk = view_of(f, p + "attn_k.weight", c.n_embd, kvd);
-    L.wv = view_of(f, p + "attn_v.weight", c.n_embd, kvd);
+    if (f.find_tensor(p + "attn_qkv.weight")) {  // one matrix: the q rows, then k's, then v's (Phi-3)
+      const WeightView qkv = view_of(f, p + "attn_qkv.weight", c.n_embd, qd + 2 * kvd);
+      L.wq = rows_of(qkv, 0, qd);
+      L.wk = rows_of(qkv, qd, kvd);
+      L.wv = rows_of(qkv, qd + kvd, kvd);
+    } else {
+      L.wq = view_of(f, p + "attn_q.weight", c.n_embd, qd);
+      L.wk = view_of(f, p + "attn_k.weight", c.n_embd, kvd);
+      L.wv = view_of(f, p + "attn_v.weight", c.n_embd, kvd);
+    }
     L.wo = view_of(f, p + "attn_output.weight", qd, c.n_embd);
     L.ffn_norm = norm_of(f, p + "ffn_norm.weight", c.n_embd);
-    L.ffn_gate = view_of(f, p + "ffn_gate.weight", c.n_embd, c.n_ff);
-    L.ffn_up = view_of(f, p + "ffn_up.weight", c.n_embd, c.n_ff);
+    if (c.fused_gate_up) {  // ffn_up: the gate rows, then the up rows (Phi-3)
+      const WeightView gu = view_of(f, p + "ffn_up.weight", c.n_embd, 2 * int64_t(c.n_ff));
+      L.ffn_gate = rows_of(gu, 0, c.n_ff);
+      L.ffn_up = rows_of(gu, c.n_ff, c.n_ff);
+    } else {
+      L.ffn_gate = view_of(f, p + "ffn_gate.weight", c.n_embd, c.n_ff);
+      L.ffn_up = view_of(f, p + "ffn_up.weight", c.n_embd, c.n_ff);
+    }
     L.ffn_down = view_of(f, p + "ffn_down.weight", c.n_ff, c.n_embd);
     if (c.qkv_bias) {
       L.bq = norm_of(f, p + "attn_q.bias", qd);
@@ -150,8 +171,8 @@ size_t Model::decode_weight_bytes() const {
   return b;
 }
 
-std::unique_ptr<Model> Model::load_f32(const std::string& path) {
-  auto m = load(path);
+std::unique_ptr<Model> Model::load_f32(const std::string& path, int ctx) {
+  auto m = load(path, ctx);
   m->dequantize_all_f32();
   return m;
 }
@@ -313,6 +334,20 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
       rope_table(cs.data(), row_pos_[size_t(r)], m_.layer_rope_[size_t(il)]);
       rope(q_.data() + size_t(r) * size_t(qd), nh, hd, c.n_rot, c.rope_neox, cs.data());
       rope(k_.data() + size_t(r) * size_t(kvd), nkv, hd, c.n_rot, c.rope_neox, cs.data());
+    }
+    if (c.rope_attn_factor != 1.f) {
+      // RoPE scaled by a factor a (cos and sin times a) on q and k scales the rotated part of q.k
+      // by a^2: done on q alone, so that the cache keeps the keys as rotated without it (and the
+      // pre-RoPE key codecs need no magnitude of their own).
+      const float a2 = c.rope_attn_factor * c.rope_attn_factor;
+      const int half = c.n_rot / 2;
+      for (int r = 0; r < n * nh; ++r) {
+        float* qh = q_.data() + size_t(r) * size_t(hd);
+        for (int i = 0; i < half; ++i) {
+          qh[c.rope_neox ? i : 2 * i] *= a2;
+          qh[c.rope_neox ? i + half : 2 * i + 1] *= a2;
+        }
+      }
     }
     if (on_kv) on_kv(il, n, k_pre_.data(), k_.data(), v_.data());
     if (on_q) on_q(il, n, q_.data());

@@ -25,11 +25,13 @@ struct LayerWeights {
 class Model {
  public:
   // Opens and validates the file (architecture, tensor shapes and types); throws kvq::Error.
-  static std::unique_ptr<Model> load(const std::string& path);
+  // `ctx`: the tokens per sequence it will run at (0: its trained context), which picks Phi-3's
+  // LongRoPE factors (model_config_from_gguf).
+  static std::unique_ptr<Model> load(const std::string& path, int ctx = 0);
   // Reference precision: every weight matrix dequantized to f32 once at load, so matmuls run in
   // f32 without quantizing activations. For checking the graph against an f32 reference (and
   // for measuring what activation quantization costs); ~4 bytes per parameter of memory.
-  static std::unique_ptr<Model> load_f32(const std::string& path);
+  static std::unique_ptr<Model> load_f32(const std::string& path, int ctx = 0);
 
   const ModelConfig& config() const { return cfg_; }
   const gguf::File& file() const { return *file_; }

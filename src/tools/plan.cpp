@@ -463,32 +463,14 @@ PlanModel plan_model_from_gguf(const gguf::File& f) {
                                               a + "attention.sliding_window", where, 0, kMaxContext);
   std::vector<bool> local(size_t(m.n_layers), false);
   if (window && *window > 0) {
-    const gguf::Value* pat = f.find(a + "attention.sliding_window_pattern");
-    if (pat && pat->type == gguf::ValueType::array) {
-      if (int64_t(pat->arr.size()) != m.n_layers)
-        fail("{}: '{}attention.sliding_window_pattern' has {} entries for {} layers", where, a, pat->arr.size(), m.n_layers);
-      for (int il = 0; il < m.n_layers; ++il) {
-        const gguf::Value& e = pat->arr[size_t(il)];
-        std::optional<int64_t> x = e.type == gguf::ValueType::boolean ? std::optional<int64_t>(int64_t(e.u)) : e.as_int();
-        if (!x) fail("{}: '{}attention.sliding_window_pattern' must hold booleans", where, a);
-        local[size_t(il)] = *x != 0;
-      }
+    // The pattern key as llama.cpp reads it, else the architecture's known layout (Phi-3's window
+    // is not used, by kvq as by llama.cpp: no sliding layer).
+    const int known = *arch == "gemma3" ? 6 : *arch == "gemma2" ? 2 : *arch == "phi3" ? 1 : -1;
+    if (std::optional<std::vector<bool>> sl = gguf_sliding_layers(f, *arch, int(m.n_layers), known, where)) {
+      local = std::move(*sl);
     } else {
-      int pattern = 0;
-      if (pat) {
-        std::optional<int64_t> x = pat->as_int();
-        if (!x || *x < 0 || *x > std::numeric_limits<int32_t>::max())
-          fail("{}: '{}attention.sliding_window_pattern' must be a non-negative integer", where, a);
-        pattern = int(*x);
-      } else if (*arch == "gemma3") {
-        pattern = 6;  // Gemma 3: five local layers, then one global
-      } else if (*arch == "gemma2") {
-        pattern = 2;  // Gemma 2: local and global layers alternate, local first
-      } else {
-        m.notes.push_back(fmt::format("'{}attention.sliding_window' = {} but the layer pattern of '{}' is unknown: "
-                                      "every layer counted as full attention", a, *window, *arch));
-      }
-      for (int il = 0; il < m.n_layers; ++il) local[size_t(il)] = plan_layer_is_local(il, pattern);
+      m.notes.push_back(fmt::format("'{}attention.sliding_window' = {} but the layer pattern of '{}' is unknown: "
+                                    "every layer counted as full attention", a, *window, *arch));
     }
   }
   for (int il = 0; il < m.n_layers; ++il) {
@@ -506,7 +488,8 @@ PlanModel plan_model_from_gguf(const gguf::File& f) {
   validate_model(m);  // the shape bounds that span fields (heads x head_dim), with their ranges
   check_gguf_tensors(f, m, a);
   // The architectures kvq runs: the engine's own metadata checks as well (the same file must load).
-  if (*arch == "llama" || *arch == "gemma3" || *arch == "qwen2" || *arch == "qwen3") model_config_from_gguf(f);
+  if (*arch == "llama" || *arch == "gemma2" || *arch == "gemma3" || *arch == "qwen2" || *arch == "qwen3" || *arch == "phi3")
+    model_config_from_gguf(f);
 
   int64_t params = 0;
   for (const gguf::TensorInfo& t : f.tensors()) params = sat_add(params, t.n_elements());
@@ -635,7 +618,10 @@ PlanModel plan_model_from_hf_config(const nlohmann::json& cfg, std::optional<dou
       }
     } else {
       int pattern = 1;
-      if (std::optional<int64_t> p = f.opt_int("sliding_window_pattern", std::numeric_limits<int32_t>::max())) pattern = int(*p);
+      // Hugging Face's sliding_window_pattern: layer i is global where (i + 1) % n == 0, so n = 1
+      // makes every layer global.
+      if (std::optional<int64_t> p = f.opt_int("sliding_window_pattern", std::numeric_limits<int32_t>::max()))
+        pattern = *p == 1 ? 0 : int(*p);
       else if (mt.rfind("gemma3", 0) == 0) pattern = 6;
       else if (mt == "gemma2") pattern = 2;
       for (int il = 0; il < m.n_layers; ++il) local[size_t(il)] = plan_layer_is_local(il, pattern);

@@ -4,6 +4,7 @@
 // splits the measurement into a baseline (weights, scratch, runtime) and growth per token (the
 // KV cache). The prediction is fitted over the same points, so the two growths compare alike.
 #include <algorithm>
+#include <limits>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -36,10 +37,10 @@ int plan_measure(const PlanOptions& o, const PlanModel& pm, const PlanConfig& c,
   if (o.model_path.empty()) fail("--measure needs -m MODEL.gguf (it runs the engine)");
   std::vector<std::string> formats = c.formats;
   if (formats.empty()) formats.push_back("f16");
-  auto model = Model::load(o.model_path);
-  const ModelConfig& mc = model->config();
   std::vector<int64_t> ctxs = c.ctx;
   std::sort(ctxs.begin(), ctxs.end());
+  auto model = Model::load(o.model_path, ctxs.empty() ? 0 : int(std::min<int64_t>(ctxs.back(), std::numeric_limits<int>::max())));
+  const ModelConfig& mc = model->config();
   for (int64_t x : ctxs)
     if (x > mc.n_ctx_train) fail("--ctx {} exceeds the model's context length {}", x, mc.n_ctx_train);
   if (ctxs.size() < 2) fail("--measure needs at least two --ctx values to separate baseline and growth");

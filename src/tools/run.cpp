@@ -115,11 +115,12 @@ int run_command(const RunOptions& o) {
     }
   }
 
-  auto model = Model::load(o.model);
+  if (o.ctx < 0) fail("--ctx-size must be > 0 (got {})", o.ctx);
+  auto model = Model::load(o.model, o.ctx);
   const ModelConfig& c = model->config();
   Tokenizer tok = Tokenizer::from_gguf(model->file());
   const int ctx = o.ctx > 0 ? o.ctx : c.n_ctx_train;
-  if (o.ctx < 0) fail("--ctx-size must be > 0 (got {})", o.ctx);
+  if (const std::string note = model_rope_note(c, o.ctx); !note.empty()) std::fprintf(stderr, "%s\n", note.c_str());
   if (ctx > c.n_ctx_train)
     std::fprintf(stderr, "[kvq] warning: --ctx-size %d is beyond the %d tokens the model was trained on; past them its output may degrade\n",
                  ctx, c.n_ctx_train);
@@ -131,7 +132,7 @@ int run_command(const RunOptions& o) {
   ChatTemplate tpl;
   if (o.chat) {
     tpl = chat_template_detect(model->file());
-    if (!tpl.known()) fail("{}: the model has no chat template kvq supports (ChatML, Gemma, Llama 3)", o.model);
+    if (!tpl.known()) fail("{}: the model has no chat template kvq supports (ChatML, Gemma, Llama 3, Phi-3)", o.model);
   }
   // The first turn: the whole prompt in the template (system message first).
   auto first_turn = [&](const std::string& user) {
