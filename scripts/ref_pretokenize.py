@@ -2,13 +2,14 @@
 """Writes tests/golden/pretokenize_llama3.json: texts and the pieces the Llama 3 ("llama-bpe") and
 Qwen2 ("qwen2") pre-tokenizer regexes cut them into, as computed by the `regex` package (an
 independent regex engine with Unicode properties), for tests/test_tokenizer.cpp to compare kvq's
-hand-written pre-tokenizer against.
+hand-written pre-tokenizer against; and tests/golden/pretokenize_cased.json, the same for the
+Tekken ("tekken") and GPT-4o ("gpt-4o", "llama4") patterns, whose letter classes go by case.
 
 Texts: hand-picked cases (contractions in either case, punctuation before letters, digit runs,
 newlines inside whitespace runs, combining marks, non-ASCII digits and spaces) and random strings
 drawn from a pool of characters of every class the patterns distinguish.
 
-usage: ref_pretokenize.py OUT.json      (pip install regex)
+usage: ref_pretokenize.py LLAMA3_OUT.json [CASED_OUT.json]      (pip install regex)
 """
 import json
 import random
@@ -21,6 +22,15 @@ LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[
           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# as llama.cpp's comments and the tokenizer.json files of Mistral Nemo and GPT-4o-style models write them
+UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
+LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+CONTR = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{UPPER}*{LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{UPPER}+{LOWER}*|\p{{N}}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{UPPER}*{LOWER}+{CONTR}|[^\r\n\p{{L}}\p{{N}}]?{UPPER}+{LOWER}*{CONTR}"
+         r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 CASES = [
     "Hello world", "don't DON'T I'M we'Ll THEY'VE you'Re it's 'sup", "a  b", "x\n\ny", "end  ",
@@ -37,6 +47,19 @@ POOL = (list("abcXYZ") + list("0123456789") + [" ", " ", " ", "\t", "\n", "\r", 
         + list(".,!?'\"()-_;:$%&*+/<=>@[]^`{|}~") + ["\u00e9", "\u00df", "\u4f60", "\u0416", "\u03a9",
         "\u0663", "\u0968", "\uff11", "\u00bd", "\u2163", "\u0301", "\u0308", "\U0001f600", "\u2122",
         "\u20ac", "\u00a9", "S", "T", "L", "V", "E", "M", "D", "R"])
+
+
+# the cased patterns' own cases: capitals inside words, all-capitals words, title-case and
+# modifier letters, marks before and after letters, contractions after capitals, slashes
+CASED_CASES = [
+    "HelloWorld", "HELLOworld", "helloWORLD", "ABCdef GHI jkl", "iPhone XML HTTPRequest", "I'M DON'T we'Re",
+    "\u01c5ungla \u01c4\u01c6", "\u02b0a a\u02b0 \u3005\u4f60", "\u0301a a\u0301 \u0301\u0301 !\u0301 \u0301!",
+    "\u0416\u0436\u0416 \u03a9\u03c9", "path/to/file //x\n/\r\n", "x/ /y", "1234567 12a", "\u212a\u017f \u00df\u1e9e",
+    "na\u0903x \u0915\u093f\u0924", "A'S a'ſ", " 'sup", "  Hello", "\tWorld", "\u00a0Na\u00efve",
+]
+
+CASED_POOL = POOL + ["\u01c5", "\u02b0", "\u3005", "\u0436", "\u03c9", "\u1e9e", "\u212a", "\u017f",
+                     "\u0903", "\u093f", "\u0915", "\u20dd", "/", "/", "A", "b", "Q"]
 
 
 def pieces(pattern, text):
@@ -58,6 +81,19 @@ def main():
                   indent=0)
         f.write("\n")
     print(len(cases), "cases")
+    if len(sys.argv) > 2:
+        rng = random.Random(20261207)
+        texts = list(CASES) + CASED_CASES
+        for _ in range(600):
+            n = rng.randint(1, 24)
+            texts.append("".join(rng.choice(CASED_POOL) for _ in range(n)))
+        cases = [{"text": t, "tekken": pieces(TEKKEN, t), "gpt4o": pieces(GPT4O, t)} for t in texts]
+        with open(sys.argv[2], "w", encoding="utf-8") as f:
+            json.dump({"produced_by": f"scripts/ref_pretokenize.py with regex {regex.__version__}",
+                       "tekken_pattern": TEKKEN, "gpt4o_pattern": GPT4O, "cases": cases}, f, ensure_ascii=True,
+                      indent=0)
+            f.write("\n")
+        print(len(cases), "cased cases")
 
 
 if __name__ == "__main__":

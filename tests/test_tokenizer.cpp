@@ -451,6 +451,9 @@ std::vector<std::string> pretok(const std::string& s, bool digits) {
 std::vector<std::string> pretok_llama3(const std::string& s, int digits) {
   return pieces(s, [&](const std::string& t, auto& sp) { kvq::unicode::pretokenize_llama3(t, digits, sp); });
 }
+std::vector<std::string> pretok_cased(const std::string& s, int digits, bool contractions) {
+  return pieces(s, [&](const std::string& t, auto& sp) { kvq::unicode::pretokenize_cased(t, digits, contractions, sp); });
+}
 using V = std::vector<std::string>;
 }  // namespace
 
@@ -507,6 +510,46 @@ TEST(Pretokenizer, Llama3AndQwen2MatchRegexReference) {
   EXPECT_EQ(bad, 0);
 }
 
+// Tekken's and GPT-4o's patterns: words cut by case, digits one at a time (Tekken) or three,
+// contractions only after a word (GPT-4o), slashes and line breaks after punctuation.
+TEST(Pretokenizer, CasedRegexSemantics) {
+  EXPECT_EQ(pretok_cased("HelloWorld", 1, false), (V{"Hello", "World"}));
+  EXPECT_EQ(pretok_cased("HELLO world", 1, false), (V{"HELLO", " world"}));  // all capitals: U+ W*
+  EXPECT_EQ(pretok_cased("ABCdef", 1, false), (V{"ABCdef"}));
+  EXPECT_EQ(pretok_cased("iPhone", 1, false), (V{"i", "Phone"}));
+  EXPECT_EQ(pretok_cased("12345", 1, false), (V{"1", "2", "3", "4", "5"}));
+  EXPECT_EQ(pretok_cased("12345", 3, true), (V{"123", "45"}));
+  EXPECT_EQ(pretok_cased("don't I'M", 3, true), (V{"don't", " I'M"}));  // GPT-4o: the contraction joins the word
+  EXPECT_EQ(pretok_cased("don't", 1, false), (V{"don", "'t"}));         // Tekken: punctuation of its own
+  EXPECT_EQ(pretok_cased("a/b//\nc", 1, false), (V{"a", "/b", "//\n", "c"}));  // one P joins the word after it
+  // a caseless letter (CJK) or a mark belongs to both classes: "ABC" + U+4F60 is one upper-then-lower word
+  EXPECT_EQ(pretok_cased("ABC\u4f60x", 1, false), (V{"ABC\u4f60x"}));
+  EXPECT_EQ(pretok_cased("\u0301!", 1, false), (V{"\u0301", "!"}));
+}
+
+// The same against the `regex` package running the patterns themselves, on the Unicode version
+// kvq's tables come from (tests/golden/pretokenize_cased.json, scripts/ref_pretokenize.py).
+TEST(Pretokenizer, TekkenAndGpt4oMatchRegexReference) {
+  const std::string path = std::string(KVQ_SOURCE_DIR) + "/tests/golden/pretokenize_cased.json";
+  std::ifstream in(path);
+  ASSERT_TRUE(in) << "missing " << path << " (run scripts/ref_pretokenize.py)";
+  const json g = json::parse(in);
+  ASSERT_GE(g["cases"].size(), 600u);
+  int bad = 0;
+  for (const auto& c : g["cases"]) {
+    const std::string text = c["text"].get<std::string>();
+    for (const auto& [key, digits, contr] : {std::tuple<const char*, int, bool>{"tekken", 1, false}, {"gpt4o", 3, true}}) {
+      const auto want = c[key].get<std::vector<std::string>>();
+      const auto got = pretok_cased(text, digits, contr);
+      if (got != want && ++bad <= 5) {
+        json jg = got, jw = want;
+        ADD_FAILURE() << key << " " << json(text).dump() << ": got " << jg.dump() << " want " << jw.dump();
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0);
+}
+
 TEST(Unicode, Classes) {
   using kvq::unicode::CharClass;
   using kvq::unicode::char_class;
@@ -525,6 +568,21 @@ TEST(Unicode, Classes) {
   EXPECT_EQ(char_class(0x0301), CharClass::other);    // combining accent (Mn)
   EXPECT_EQ(char_class(0x1D400), CharClass::letter);  // mathematical bold A
   EXPECT_EQ(char_class(0x10FFFF), CharClass::other);
+  EXPECT_EQ(char_class(0x1C89), CharClass::letter);  // Cyrillic capital TJE (Unicode 16)
+  using kvq::unicode::LetterCase;
+  using kvq::unicode::letter_case;
+  EXPECT_EQ(letter_case('Q'), LetterCase::upper);
+  EXPECT_EQ(letter_case('q'), LetterCase::lower);
+  EXPECT_EQ(letter_case('7'), LetterCase::none);
+  EXPECT_EQ(letter_case(0x01C5), LetterCase::upper);     // Dz digraph, title case (Lt)
+  EXPECT_EQ(letter_case(0x0436), LetterCase::lower);     // Cyrillic zhe
+  EXPECT_EQ(letter_case(0x1C89), LetterCase::upper);
+  EXPECT_EQ(letter_case(0x02B0), LetterCase::caseless);  // modifier letter h (Lm)
+  EXPECT_EQ(letter_case(0x4F60), LetterCase::caseless);  // CJK (Lo)
+  EXPECT_EQ(letter_case(0x0301), LetterCase::mark);      // Mn
+  EXPECT_EQ(letter_case(0x0903), LetterCase::mark);      // Mc
+  EXPECT_EQ(letter_case(0x20DD), LetterCase::mark);      // Me
+  EXPECT_EQ(letter_case(0x1F600), LetterCase::none);
 }
 
 TEST(Unicode, Utf8Helpers) {
@@ -676,6 +734,19 @@ TEST(TokenizerSynthetic, Llama3TakesVocabularyWordsWholeAndAddsBos) {
     const Tokenizer tok = Tokenizer::from_gguf(*b.file);
     EXPECT_EQ(tok.encode("abc", false), (std::vector<int32_t>{3, 2}));
     EXPECT_FALSE(tok.add_bos());
+  }
+  // Tekken (Mistral Nemo) as Llama 3: words taken whole, BOS by default; GPT-4o's merges them
+  {
+    auto b = build(make("tekken", std::nullopt));
+    const Tokenizer tok = Tokenizer::from_gguf(*b.file);
+    EXPECT_EQ(tok.encode("abc", false), (std::vector<int32_t>{4}));
+    EXPECT_TRUE(tok.add_bos());
+  }
+  for (const char* pre : {"gpt-4o", "llama4"}) {
+    auto b = build(make(pre, std::nullopt));
+    const Tokenizer tok = Tokenizer::from_gguf(*b.file);
+    EXPECT_EQ(tok.encode("abc", false), (std::vector<int32_t>{3, 2})) << pre;
+    EXPECT_FALSE(tok.add_bos()) << pre;
   }
 }
 

@@ -293,9 +293,19 @@ Tokenizer Tokenizer::from_gguf(const gguf::File& f) {
       if (!f.find("tokenizer.ggml.add_bos_token")) t.add_bos_ = true;
     } else if (pre == "qwen2" || pre == "deepseek-r1-qwen") {
       t.llama3_digits_ = 1;
+    } else if (pre == "tekken") {
+      // Mistral's Tekken (Mistral Nemo, Mistral Small 3): digits one at a time; vocabulary words
+      // taken whole and a BOS opening every text, as its tokenizer (and llama.cpp) does
+      t.cased_digits_ = 1;
+      t.ignore_merges_ = true;
+      if (!f.find("tokenizer.ggml.add_bos_token")) t.add_bos_ = true;
+    } else if (pre == "gpt-4o" || pre == "llama4") {
+      t.cased_digits_ = 3;
+      t.cased_contractions_ = true;
     } else if (pre != "gpt2" && pre != "default") {
       fail("{}: pre-tokenizer tokenizer.ggml.pre = '{}' is not supported (supported: gpt2, default, "
-           "smollm, starcoder, refact, llama-bpe, llama3, llama-v3, smaug-bpe, qwen2, deepseek-r1-qwen)",
+           "smollm, starcoder, refact, llama-bpe, llama3, llama-v3, smaug-bpe, qwen2, deepseek-r1-qwen, tekken, "
+           "gpt-4o, llama4)",
            f.path(), printable(pre));
     }
   } else {
@@ -512,7 +522,8 @@ void Tokenizer::spm_word(std::string_view bv, std::vector<int32_t>& out) const {
 void Tokenizer::encode_bpe(std::string_view text, WordCache& cache, std::vector<int32_t>& out) const {
   thread_local std::vector<unicode::Span> spans;
   spans.clear();
-  if (llama3_digits_ > 0) unicode::pretokenize_llama3(text, llama3_digits_, spans);
+  if (cased_digits_ > 0) unicode::pretokenize_cased(text, cased_digits_, cased_contractions_, spans);
+  else if (llama3_digits_ > 0) unicode::pretokenize_llama3(text, llama3_digits_, spans);
   else unicode::pretokenize_gpt2(text, split_digits_, spans);
   auto run = [this](std::string_view w, std::vector<int32_t>& o) { bpe_word(w, o); };
   for (const unicode::Span& s : spans) cache.encode(text.substr(s.begin, s.len), out, run);

@@ -5,7 +5,8 @@
 //    token fall back to <0xXX> byte tokens (or <unk>).
 //  - "gpt2": byte-level BPE. The text is split by the pre-tokenizer that tokenizer.ggml.pre names
 //    ("gpt2"/"default": the GPT-2 regex; "smollm", "starcoder", "refact": digits split apart first;
-//    "llama-bpe" (Llama 3) and "qwen2": the Llama 3 regex, numbers cut every 3 digits or every one),
+//    "llama-bpe" (Llama 3) and "qwen2": the Llama 3 regex, numbers cut every 3 digits or every one;
+//    "tekken" (Mistral Nemo / Small 3) and "gpt-4o" / "llama4": the case-aware patterns),
 //    each piece's bytes are mapped to the GPT-2 byte alphabet and merged by merge rank.
 // USER_DEFINED tokens written in the text are always matched as single tokens; CONTROL tokens
 // (e.g. "<|im_start|>") only when parse_special is set. Matching is leftmost-longest on the raw
@@ -107,6 +108,8 @@ class Tokenizer {
   SpecialSet all_specials_;   // plus CONTROL and UNKNOWN: when parse_special
   bool split_digits_ = false;
   int llama3_digits_ = 0;  // > 0: the Llama 3 pre-tokenizer, numbers cut every llama3_digits_ digits
+  int cased_digits_ = 0;   // > 0: the Tekken / GPT-4o pre-tokenizer (pretokenize_cased)
+  bool cased_contractions_ = false;
   bool ignore_merges_ = false;  // a pre-token that is a normal token is taken whole (Llama 3)
   // SPM: code points c such that some mergeable piece holds "c\u2581". Elsewhere no piece can
   // span the boundary between a character and a following U+2581, so the text is encoded word by

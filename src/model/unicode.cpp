@@ -34,6 +34,15 @@ CharClass classify_slow(uint32_t cp) {
   return CharClass::other;
 }
 
+LetterCase letter_case_slow(uint32_t cp) {
+  if (cp == k_invalid_cp) return LetterCase::none;
+  if (in_ranges(std::begin(k_upper_ranges), std::end(k_upper_ranges), cp)) return LetterCase::upper;
+  if (in_ranges(std::begin(k_lower_ranges), std::end(k_lower_ranges), cp)) return LetterCase::lower;
+  if (in_ranges(std::begin(k_mark_ranges), std::end(k_mark_ranges), cp)) return LetterCase::mark;
+  if (in_ranges(std::begin(k_letter_ranges), std::end(k_letter_ranges), cp)) return LetterCase::caseless;
+  return LetterCase::none;
+}
+
 // Most text is ASCII; a flat table keeps the hot path free of the binary search.
 const std::array<CharClass, 128> k_ascii_class = [] {
   std::array<CharClass, 128> t{};
@@ -63,6 +72,11 @@ int utf8_lead_info(uint8_t b, uint8_t* lo, uint8_t* hi) {
 }
 
 CharClass char_class(uint32_t cp) { return cp < 128 ? k_ascii_class[cp] : classify_slow(cp); }
+
+LetterCase letter_case(uint32_t cp) {
+  if (cp < 128) return cp >= 'A' && cp <= 'Z' ? LetterCase::upper : cp >= 'a' && cp <= 'z' ? LetterCase::lower : LetterCase::none;
+  return letter_case_slow(cp);
+}
 
 int utf8_decode(std::string_view s, size_t i, uint32_t* cp) {
   const auto b0 = static_cast<uint8_t>(s[i]);
@@ -301,6 +315,94 @@ void split_llama3(const std::vector<Cp>& cps, int max_digits, uint32_t end_off, 
   }
 }
 
+// The Tekken / GPT-4o patterns over cps (pretokenize_cased). U = [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}],
+// W = [\p{Ll}\p{Lm}\p{Lo}\p{M}], P = [^\r\n\p{L}\p{N}] (a mark is in all three). Each position
+// takes the first alternative that matches, with the regex engine's backtracking: P? first taken,
+// then left out; U* giving back characters until W+ matches.
+void split_cased(const std::vector<Cp>& cps, const std::vector<LetterCase>& lc, int max_digits, bool contractions,
+                 uint32_t end_off, std::vector<Span>& out) {
+  const size_t e = cps.size();
+  auto off = [&](size_t k) { return k < e ? cps[k].off : end_off; };
+  auto emit = [&](size_t from, size_t to) { out.push_back({off(from), off(to) - off(from)}); };
+  auto run = [&](size_t k, CharClass c) {
+    while (k < e && cps[k].cls == c) ++k;
+    return k;
+  };
+  auto is_u = [&](size_t k) { return lc[k] == LetterCase::upper || lc[k] == LetterCase::caseless || lc[k] == LetterCase::mark; };
+  auto is_w = [&](size_t k) { return lc[k] == LetterCase::lower || lc[k] == LetterCase::caseless || lc[k] == LetterCase::mark; };
+  auto is_p = [&](size_t k) {
+    return cps[k].cls != CharClass::letter && cps[k].cls != CharClass::number && !is_cr_lf(cps[k].cp);
+  };
+  auto u_run = [&](size_t k) {
+    while (k < e && is_u(k)) ++k;
+    return k;
+  };
+  auto w_run = [&](size_t k) {
+    while (k < e && is_w(k)) ++k;
+    return k;
+  };
+  // U*W+ from s: its end, or 0 (s > 0 always where it is called with a P taken; s == i otherwise,
+  // so the end is > s when it matches)
+  auto upper_then_lower = [&](size_t s) -> size_t {
+    const size_t eu = u_run(s);
+    if (eu < e && is_w(eu)) return w_run(eu);
+    for (size_t j = eu; j > s; --j)  // U* gives back up to the last character W+ can take
+      if (is_w(j - 1)) return j;
+    return 0;
+  };
+  // U+W* from s: its end, or 0
+  auto upper_run = [&](size_t s) -> size_t {
+    const size_t eu = u_run(s);
+    return eu == s ? 0 : w_run(eu);
+  };
+  auto with_contraction = [&](size_t k) { return contractions && k < e ? k + contraction(cps, k, e, true) : k; };
+  size_t i = 0;
+  while (i < e) {
+    const uint32_t c = cps[i].cp;
+    const CharClass cl = cps[i].cls;
+    size_t k = 0;
+    const bool p = is_p(i) && i + 1 < e;
+    if (p) k = upper_then_lower(i + 1);
+    if (!k) k = upper_then_lower(i);
+    if (!k && p) k = upper_run(i + 1);
+    if (!k) k = upper_run(i);
+    if (k) {
+      k = with_contraction(k);
+      emit(i, k);
+      i = k;
+      continue;
+    }
+    // \p{N}{1,max_digits}
+    if (cl == CharClass::number) {
+      k = std::min(run(i, CharClass::number), i + size_t(max_digits));
+      emit(i, k);
+      i = k;
+      continue;
+    }
+    //  ?[^\s\p{L}\p{N}]+[\r\n/]*
+    const size_t j = c == ' ' && i + 1 < e && cps[i + 1].cls == CharClass::other ? i + 1 : i;
+    if (cps[j].cls == CharClass::other) {
+      k = run(j, CharClass::other);
+      while (k < e && (is_cr_lf(cps[k].cp) || cps[k].cp == '/')) ++k;
+      emit(i, k);
+      i = k;
+      continue;
+    }
+    // whitespace: as in the Llama 3 pattern
+    k = run(i, CharClass::space);
+    size_t nl = k;
+    while (nl > i && !is_cr_lf(cps[nl - 1].cp)) --nl;
+    if (nl > i) {
+      emit(i, nl);
+      i = nl;
+      continue;
+    }
+    const size_t w = whitespace_end(i, k, e);
+    emit(i, w);
+    i = w;
+  }
+}
+
 }  // namespace
 
 void pretokenize_gpt2(std::string_view text, bool split_digits, std::vector<Span>& out) {
@@ -324,6 +426,14 @@ void pretokenize_gpt2(std::string_view text, bool split_digits, std::vector<Span
 void pretokenize_llama3(std::string_view text, int max_digits, std::vector<Span>& out) {
   const std::vector<Cp>& cps = code_points(text);
   split_llama3(cps, max_digits, static_cast<uint32_t>(text.size()), out);
+}
+
+void pretokenize_cased(std::string_view text, int max_digits, bool contractions, std::vector<Span>& out) {
+  const std::vector<Cp>& cps = code_points(text);
+  thread_local std::vector<LetterCase> lc;
+  lc.clear();
+  for (const Cp& c : cps) lc.push_back(letter_case(c.cp));
+  split_cased(cps, lc, max_digits, contractions, static_cast<uint32_t>(text.size()), out);
 }
 
 }  // namespace kvq::unicode

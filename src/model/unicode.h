@@ -1,6 +1,7 @@
 // Unicode helpers for the tokenizer: UTF-8 decoding that never fails (invalid bytes become single
-// "other" code points, so byte-level BPE still sees every byte), the \p{L} / \p{N} / \s classes the
-// pre-tokenizer regexes use, and the GPT-2 and Llama 3 pre-tokenizers as hand-written state machines.
+// "other" code points, so byte-level BPE still sees every byte), the \p{L} / \p{N} / \s classes and
+// letter cases the pre-tokenizer regexes use, and the GPT-2, Llama 3 and Tekken / GPT-4o
+// pre-tokenizers as hand-written state machines.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -14,6 +15,11 @@ enum class CharClass : uint8_t { other, letter, number, space };
 
 // Category of a code point: letter = general category L*, number = N*, space = White_Space.
 CharClass char_class(uint32_t cp);
+
+// The case classes the Tekken and GPT-4o patterns use: upper = Lu, Lt; lower = Ll; caseless =
+// Lm, Lo (letters of neither case); mark = M*; none for the rest.
+enum class LetterCase : uint8_t { none, upper, lower, caseless, mark };
+LetterCase letter_case(uint32_t cp);
 
 // Decodes one code point at s[i]; returns its byte length (1..4). Invalid or truncated sequences,
 // overlong forms and surrogates decode as one byte with cp = 0xFFFFFFFF (class other).
@@ -49,5 +55,15 @@ void pretokenize_gpt2(std::string_view text, bool split_digits, std::vector<Span
 //   \s*[\r\n]+|\s+(?!\S)|\s+
 // max_digits 3; Qwen2's ("qwen2") is the same with \p{N} one at a time (max_digits 1). Appends to `out`.
 void pretokenize_llama3(std::string_view text, int max_digits, std::vector<Span>& out);
+
+// Mistral's Tekken pre-tokenizer ("tekken"; max_digits 1, no contractions), the split made by
+//   [^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|
+//   [^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}|
+//    ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+
+// and GPT-4o's ("gpt-4o", "llama4"; max_digits 3, contractions): the same with
+// (?i:'s|'t|'re|'ve|'m|'ll|'d)? after each of the two letter alternatives and \p{N}{1,3}. A word
+// is cut before a capital that follows lower-case letters ("HelloWorld": "Hello", "World"), an
+// all-capitals word is kept whole. Appends to `out`.
+void pretokenize_cased(std::string_view text, int max_digits, bool contractions, std::vector<Span>& out);
 
 }  // namespace kvq::unicode
