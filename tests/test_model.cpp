@@ -883,6 +883,36 @@ TEST(ChatTemplate, FamilyAndDefaultSystemFromTheJinja) {
   // as another family
   EXPECT_FALSE(chat_template_from_text("{{'<|' + message['role'] + '|>' + message['content'] + '<|end|>'}}<|user|>x<|end|><|assistant|>").known());
   EXPECT_FALSE(chat_template_from_text("{{'<|im_start|>' + message['role'] + '<|im_sep|>' + message['content'] + '<|im_end|>'}}").known());
+  // Mistral's (the templates of mistralai/cookbook's tokenization guide): v1 with '[INST]' as spaced
+  // text and the system prompt in the first user turn; v2 / v3 / Tekken with the control tokens
+  // right before each message (a SentencePiece vocabulary's dummy prefix gives the space) and the
+  // system prompt in the last user turn; v7 with [SYSTEM_PROMPT] turns
+  const std::string body = "{% if message['role'] == 'user' %}{{ %s }}{% elif message['role'] == 'assistant' %}{{ %s }}{% endif %}";
+  auto mistral = [&](const std::string& user, const std::string& assistant) {
+    std::string b = body;
+    b.replace(b.find("%s"), 2, user);
+    b.replace(b.find("%s"), 2, assistant);
+    return chat_template_from_text("{{ bos_token }}{% for message in messages %}" + b + "{% endfor %}");
+  };
+  const ChatTemplate mv1 = mistral("' [INST] ' + message['content'] + ' [/INST]'", "' ' + message['content'] + eos_token");
+  const ChatTemplate mv3 = mistral("'[INST] ' + message['content'] + '[/INST]'", "' ' + message['content'] + eos_token");
+  const ChatTemplate mtk = mistral("'[INST]' + message['content'] + '[/INST]'", "message['content'] + eos_token");
+  EXPECT_EQ(mv1.family, ChatFamily::mistral_v1);
+  EXPECT_EQ(mv3.family, ChatFamily::mistral);
+  EXPECT_EQ(mtk.family, ChatFamily::mistral);
+  const std::vector<ChatMessage> conv = {{"system", "Be brief."}, {"user", "Hi"}, {"assistant", "Hello"}, {"user", "Bye"}};
+  EXPECT_EQ(chat_render(mv1, conv), "[INST] Be brief.\n\nHi [/INST] Hello</s>[INST] Bye [/INST]");
+  EXPECT_EQ(chat_render(mtk, conv), "[INST]Hi[/INST]Hello</s>[INST]Be brief.\n\nBye[/INST]");
+  EXPECT_EQ(chat_render(mtk, {{"user", "Hi"}, {"assistant", "Hel"}}, ChatRenderOptions{false, true}), "[INST]Hi[/INST]Hel");
+  EXPECT_EQ(chat_render(mtk, {{"system", "S"}}), "[INST]S[/INST]");  // no user turn to go into
+  const ChatTemplate mv7 = chat_template_from_text(
+      "{%- if messages[0]['role'] == 'system' %}{{- '[SYSTEM_PROMPT]' + messages[0]['content'] + '[/SYSTEM_PROMPT]' }}"
+      "{%- endif %}{{- '[INST]' + message['content'] + '[/INST]' }}");
+  EXPECT_EQ(mv7.family, ChatFamily::mistral_v7);
+  EXPECT_STREQ(chat_template_name(mv7), "mistral-v7");
+  EXPECT_EQ(chat_render(mv7, conv), "[SYSTEM_PROMPT]Be brief.[/SYSTEM_PROMPT][INST]Hi[/INST]Hello</s>[INST]Bye[/INST]");
+  // Llama 2's [INST] template (<<SYS>>) is not Mistral's
+  EXPECT_FALSE(chat_template_from_text("{{ '[INST] <<SYS>>\\n' + system + '\\n<</SYS>>\\n\\n' }}").known());
   EXPECT_FALSE(chat_template_from_text("{{ messages }}").known());
   EXPECT_THROW(chat_render(ChatTemplate{}, {{"user", "Hi"}}), Error);
 

@@ -57,6 +57,12 @@ ChatTemplate chat_template_from_text(const std::string& t) {
     c.family = ChatFamily::gemma;
   } else if (phi3_turns(t)) {
     c.family = ChatFamily::phi3;
+  } else if (t.find("[SYSTEM_PROMPT]") != std::string::npos && t.find("[INST]") != std::string::npos) {
+    c.family = ChatFamily::mistral_v7;
+  } else if (t.find("[INST]") != std::string::npos && t.find("<<SYS>>") == std::string::npos) {
+    // Llama 2's [INST] template (with <<SYS>>) is another format, left unknown. Mistral's first
+    // template writes a space before [/INST]; the later ones do not.
+    c.family = t.find(" [/INST]") != std::string::npos ? ChatFamily::mistral_v1 : ChatFamily::mistral;
   } else if (t.find("<|start_header_id|>") != std::string::npos) {
     c.family = ChatFamily::llama3;
     // Llama 3.1+: the system turn is always there and opens with the knowledge cutoff and a date
@@ -78,6 +84,9 @@ const char* chat_template_name(const ChatTemplate& t) {
     case ChatFamily::gemma: return "gemma";
     case ChatFamily::llama3: return "llama3";
     case ChatFamily::phi3: return "phi3";
+    case ChatFamily::mistral_v1: return "mistral-v1";
+    case ChatFamily::mistral: return "mistral";
+    case ChatFamily::mistral_v7: return "mistral-v7";
     default: return "none";
   }
 }
@@ -181,7 +190,40 @@ std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& m
     if (opt.add_generation_prompt) out += "<|assistant|>\n";
     return out;
   }
-  fail("this model has no chat template kvq supports (supported: ChatML, Gemma, Llama 3, Phi-3)");
+  if (t.family == ChatFamily::mistral_v1 || t.family == ChatFamily::mistral || t.family == ChatFamily::mistral_v7) {
+    // Mistral's turns as mistral_common tokenizes them: the control tokens [INST] and [/INST] with
+    // each message right after them, where a SentencePiece vocabulary's dummy prefix (which kvq's
+    // tokenizer puts after every special token) supplies the space mistral_common's per-message
+    // encoding gives; the first template's [INST] and [/INST] are text, spaced as written. The
+    // assistant's reply ends with </s>. Without [SYSTEM_PROMPT] turns, system messages go into a user
+    // turn, followed by a blank line: the first one (v1) or the last one (later versions), or a turn
+    // of their own when no user turn follows.
+    const bool v1 = t.family == ChatFamily::mistral_v1, v7 = t.family == ChatFamily::mistral_v7;
+    const std::string inst = v1 ? "[INST] " : "[INST]", end_inst = v1 ? " [/INST]" : "[/INST]";
+    std::string system;
+    size_t sys_user = msgs.size();  // the user turn that takes the system text
+    if (!v7) {
+      for (size_t i = 0; i < msgs.size(); ++i)
+        if (msgs[i].role == "system") system += (system.empty() ? "" : "\n\n") + msgs[i].content;
+        else if (msgs[i].role == "user" && (!v1 || sys_user == msgs.size())) sys_user = i;
+    }
+    const bool sys_alone = !system.empty() && sys_user == msgs.size();
+    if (sys_alone) out += inst + system + end_inst;
+    for (size_t i = 0; i < msgs.size(); ++i) {
+      const ChatMessage& m = msgs[i];
+      const bool last_open = cont && i + 1 == msgs.size();
+      if (m.role == "system") {
+        if (v7) out += "[SYSTEM_PROMPT]" + m.content + "[/SYSTEM_PROMPT]";
+      } else if (m.role == "user") {
+        out += inst + (i == sys_user && !system.empty() ? system + "\n\n" : std::string()) + m.content + end_inst;
+      } else {
+        out += (v1 ? " " : "") + m.content;
+        if (!last_open) out += "</s>";
+      }
+    }
+    return out;  // the last [/INST] opens the reply: no generation prompt of its own
+  }
+  fail("this model has no chat template kvq supports (supported: ChatML, Gemma, Llama 3, Phi-3, Mistral)");
 }
 
 }  // namespace kvq

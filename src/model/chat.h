@@ -1,6 +1,6 @@
 // Chat templates for the supported instruct models, chosen from the GGUF's
 // tokenizer.chat_template: ChatML (SmolLM2-Instruct and other ChatML models), Gemma's turn format,
-// Llama 3's headers and Phi-3's role tags.
+// Llama 3's headers, Phi-3's role tags and Mistral's [INST] turns.
 #pragma once
 #include <string>
 #include <vector>
@@ -13,7 +13,10 @@ struct ChatMessage {
   std::string content;
 };
 
-enum class ChatFamily { none, chatml, gemma, llama3, phi3 };
+// mistral_v1: Mistral 7B v0.1 / v0.2 ('[INST] ' and ' [/INST]' as text, the system prompt in the first
+// user turn); mistral: v2 / v3 / Tekken ([INST] and [/INST] control tokens, the system prompt in the
+// last user turn); mistral_v7: [SYSTEM_PROMPT] turns (Mistral Small 3, Large 2411).
+enum class ChatFamily { none, chatml, gemma, llama3, phi3, mistral_v1, mistral, mistral_v7 };
 
 struct ChatTemplate {
   ChatFamily family = ChatFamily::none;
