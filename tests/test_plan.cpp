@@ -343,6 +343,18 @@ TEST(Plan, PresetParameterCounts) {
   EXPECT_EQ(plan_model_from_preset("llama-3.2-1b", 16).n_params, 1235814400);
   EXPECT_EQ(plan_model_from_preset("smollm2-135m", 16).n_params, 134515008);
   EXPECT_EQ(plan_model_from_preset("mistral-7b", 16).n_params, 7248023552);
+  EXPECT_EQ(plan_model_from_preset("gemma-2-9b", 16).n_params, 9241705984);
+  EXPECT_EQ(plan_model_from_preset("phi-3.5-mini", 16).n_params, 3821079552);
+  // Gemma 2: local and global layers alternate, local first
+  const PlanModel g2 = plan_model_from_preset("gemma-2-9b", 16);
+  for (int il = 0; il < 4; ++il) EXPECT_EQ(g2.layers[size_t(il)].window, il % 2 == 0 ? 4096 : 0) << il;
+  // Phi-3's config.json sliding window (2047 for Phi-3-mini-4k) is not counted: the engine does not use it
+  nlohmann::json phi = {{"model_type", "phi3"}, {"num_hidden_layers", 32}, {"num_attention_heads", 32},
+                        {"num_key_value_heads", 32}, {"hidden_size", 3072}, {"intermediate_size", 8192},
+                        {"vocab_size", 32064}, {"max_position_embeddings", 4096}, {"sliding_window", 2047}};
+  const PlanModel pm = plan_model_from_hf_config(phi, std::nullopt);
+  for (const PlanLayer& l : pm.layers) EXPECT_EQ(l.window, 0);
+  EXPECT_EQ(pm.n_params, 3821079552);
   EXPECT_EQ(plan_model_from_preset("llama-3-70b", 4.5).weights_bytes, (70553706496 * 9 + 15) / 16);
   EXPECT_EQ(plan_model_from_preset("LLAMA-3-70B", 16).n_layers, 80);
 }

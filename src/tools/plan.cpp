@@ -198,6 +198,17 @@ const std::vector<PlanPreset>& plan_presets() {
     p.n_ff = 14336; p.n_vocab = 32768; p.ctx_train = 32768;
     add(p);
     p = {};
+    p.name = "gemma-2-9b"; p.hf_name = "google/gemma-2-9b";
+    p.n_layers = 42; p.n_heads = 16; p.n_kv_heads = 8; p.head_dim = 256; p.n_embd = 3584;
+    p.n_ff = 14336; p.n_vocab = 256000; p.ctx_train = 8192; p.window = 4096; p.swa_pattern = 2;
+    p.tied_embeddings = true; p.norms_per_layer = 4;
+    add(p);
+    p = {};
+    p.name = "phi-3.5-mini"; p.hf_name = "microsoft/Phi-3.5-mini-instruct";
+    p.n_layers = 32; p.n_heads = 32; p.n_kv_heads = 32; p.head_dim = 96; p.n_embd = 3072;
+    p.n_ff = 8192; p.n_vocab = 32064; p.ctx_train = 131072;
+    add(p);
+    p = {};
     p.name = "gemma-3-27b"; p.hf_name = "google/gemma-3-27b-it (text model)";
     p.n_layers = 62; p.n_heads = 32; p.n_kv_heads = 16; p.head_dim = 128; p.n_embd = 5376;
     p.n_ff = 21504; p.n_vocab = 262208; p.ctx_train = 131072; p.window = 1024; p.swa_pattern = 6;
@@ -599,6 +610,11 @@ PlanModel plan_model_from_hf_config(const nlohmann::json& cfg, std::optional<dou
   std::vector<bool> local(size_t(m.n_layers), false);
   std::optional<int64_t> window;
   bool use_sw = f.opt_bool("use_sliding_window").value_or(true);
+  if (mt == "phi3" && f.get("sliding_window")) {
+    // Phi-3's window is not used by kvq's engine (nor by llama.cpp's): every layer full
+    use_sw = false;
+    m.notes.push_back("Phi-3's 'sliding_window' is not used (kvq and llama.cpp attend to the whole context)");
+  }
   if (const nlohmann::json* w = f.get("sliding_window"); w && use_sw) {
     if (!w->is_number_integer() || w->get<int64_t>() <= 0 || w->get<int64_t>() > kMaxContext)
       fail("{}: field 'sliding_window' must be an integer in {} or null (got {})", name, range_text(1, kMaxContext), w->dump());
