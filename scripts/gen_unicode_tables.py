@@ -5,11 +5,15 @@ the case classes of the Tekken and GPT-4o patterns (\\p{Lu}, \\p{Lt}, \\p{Ll}, \
 the letters in neither).
 
   pip install unicodedata2   # the current Unicode (Python's own unicodedata may be years older)
-  python3 scripts/gen_unicode_tables.py > src/model/unicode_tables.inc
+  python3 scripts/gen_unicode_tables.py > src/model/unicode_tables.inc   [--allow-stdlib]
 """
+import sys
 try:
     import unicodedata2 as unicodedata
 except ImportError:
+    if "--allow-stdlib" not in sys.argv:
+        sys.exit("gen_unicode_tables.py: pip install unicodedata2 (Python's own unicodedata may be years older; "
+                 "--allow-stdlib uses it anyway)")
     import unicodedata
 
 

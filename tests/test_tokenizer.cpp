@@ -522,6 +522,7 @@ TEST(Pretokenizer, CasedRegexSemantics) {
   EXPECT_EQ(pretok_cased("don't I'M", 3, true), (V{"don't", " I'M"}));  // GPT-4o: the contraction joins the word
   EXPECT_EQ(pretok_cased("don't", 1, false), (V{"don", "'t"}));         // Tekken: punctuation of its own
   EXPECT_EQ(pretok_cased("a/b//\nc", 1, false), (V{"a", "/b", "//\n", "c"}));  // one P joins the word after it
+  EXPECT_EQ(pretok_cased("a;\n/b", 1, false), (V{"a", ";\n/", "b"}));           // [\r\n/]* after punctuation
   // a caseless letter (CJK) or a mark belongs to both classes: "ABC" + U+4F60 is one upper-then-lower word
   EXPECT_EQ(pretok_cased("ABC\u4f60x", 1, false), (V{"ABC\u4f60x"}));
   EXPECT_EQ(pretok_cased("\u0301!", 1, false), (V{"\u0301", "!"}));
@@ -734,6 +735,20 @@ TEST(TokenizerSynthetic, Llama3TakesVocabularyWordsWholeAndAddsBos) {
     const Tokenizer tok = Tokenizer::from_gguf(*b.file);
     EXPECT_EQ(tok.encode("abc", false), (std::vector<int32_t>{3, 2}));
     EXPECT_FALSE(tok.add_bos());
+  }
+  // the Llama 3 pattern's other names: falcon3 and pixtral as llama-bpe; smaug-bpe and dbrx (Phi-4)
+  // merge every pre-token and add BOS only when the file says so (as llama.cpp)
+  for (const char* pre : {"falcon3", "pixtral"}) {
+    auto b = build(make(pre, std::nullopt));
+    const Tokenizer tok = Tokenizer::from_gguf(*b.file);
+    EXPECT_EQ(tok.encode("abc", false), (std::vector<int32_t>{4})) << pre;
+    EXPECT_TRUE(tok.add_bos()) << pre;
+  }
+  for (const char* pre : {"smaug-bpe", "dbrx"}) {
+    auto b = build(make(pre, std::nullopt));
+    const Tokenizer tok = Tokenizer::from_gguf(*b.file);
+    EXPECT_EQ(tok.encode("abc", false), (std::vector<int32_t>{3, 2})) << pre;
+    EXPECT_FALSE(tok.add_bos()) << pre;
   }
   // Tekken (Mistral Nemo) as Llama 3: words taken whole, BOS by default; GPT-4o's merges them
   {

@@ -285,15 +285,21 @@ Tokenizer Tokenizer::from_gguf(const gguf::File& f) {
     const std::string pre = f.get_string("tokenizer.ggml.pre").value_or("default");
     if (pre == "smollm" || pre == "starcoder" || pre == "refact") {
       t.split_digits_ = true;
-    } else if (pre == "llama-bpe" || pre == "llama3" || pre == "llama-v3" || pre == "smaug-bpe") {
+    } else if (pre == "llama-bpe" || pre == "llama3" || pre == "llama-v3" || pre == "falcon3" || pre == "pixtral" ||
+               pre == "midm-2.0") {
       t.llama3_digits_ = 3;
       // As Llama 3's own tokenizer (and llama.cpp): a pre-token that is a word of the vocabulary
       // is that token, without merging; and a BOS opens every text unless the file says otherwise.
       t.ignore_merges_ = true;
       if (!f.find("tokenizer.ggml.add_bos_token")) t.add_bos_ = true;
+    } else if (pre == "smaug-bpe" || pre == "dbrx") {
+      t.llama3_digits_ = 3;  // Llama 3's pattern, but merged as any BPE and BOS as the file says
     } else if (pre == "qwen2" || pre == "deepseek-r1-qwen") {
       t.llama3_digits_ = 1;
     } else if (pre == "tekken") {
+      // (The Tekken and GPT-4o patterns' letter cases are Unicode's here, as in the Hugging Face
+      // tokenizers; llama.cpp approximates them with ASCII, so on text with non-ASCII capitals or
+      // marks its pieces, and then tokens, can differ from these.)
       // Mistral's Tekken (Mistral Nemo, Mistral Small 3): digits one at a time; vocabulary words
       // taken whole and a BOS opening every text, as its tokenizer (and llama.cpp) does
       t.cased_digits_ = 1;
@@ -304,8 +310,8 @@ Tokenizer Tokenizer::from_gguf(const gguf::File& f) {
       t.cased_contractions_ = true;
     } else if (pre != "gpt2" && pre != "default") {
       fail("{}: pre-tokenizer tokenizer.ggml.pre = '{}' is not supported (supported: gpt2, default, "
-           "smollm, starcoder, refact, llama-bpe, llama3, llama-v3, smaug-bpe, qwen2, deepseek-r1-qwen, tekken, "
-           "gpt-4o, llama4)",
+           "smollm, starcoder, refact, llama-bpe, llama3, llama-v3, falcon3, pixtral, midm-2.0, smaug-bpe, dbrx, qwen2, "
+           "deepseek-r1-qwen, tekken, gpt-4o, llama4)",
            f.path(), printable(pre));
     }
   } else {

@@ -176,6 +176,10 @@ bool utf8_is_valid(std::string_view s) {
 
 namespace {
 
+// Code points a thread's buffers keep between texts; a longer text's buffers are released by the
+// next shorter one.
+constexpr size_t kKeepCodePoints = size_t(1) << 16;
+
 struct Cp {
   uint32_t cp;
   uint32_t off;  // byte offset in the text
@@ -186,6 +190,7 @@ struct Cp {
 const std::vector<Cp>& code_points(std::string_view text) {
   thread_local std::vector<Cp> cps;
   cps.clear();
+  if (cps.capacity() > kKeepCodePoints && text.size() < kKeepCodePoints) cps.shrink_to_fit();  // after a huge text
   for (size_t i = 0; i < text.size();) {
     uint32_t cp;
     const int len = utf8_decode(text, i, &cp);
@@ -432,6 +437,7 @@ void pretokenize_cased(std::string_view text, int max_digits, bool contractions,
   const std::vector<Cp>& cps = code_points(text);
   thread_local std::vector<LetterCase> lc;
   lc.clear();
+  if (lc.capacity() > kKeepCodePoints && cps.size() < kKeepCodePoints) lc.shrink_to_fit();
   for (const Cp& c : cps) lc.push_back(letter_case(c.cp));
   split_cased(cps, lc, max_digits, contractions, static_cast<uint32_t>(text.size()), out);
 }
