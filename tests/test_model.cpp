@@ -879,10 +879,19 @@ TEST(ChatTemplate, FamilyAndDefaultSystemFromTheJinja) {
   // Phi-3-mini's first template: the newline as a string of its own
   EXPECT_EQ(chat_template_from_text("{{'<|user|>' + '\\n' + message['content'] + '<|end|>' + '\\n' + '<|assistant|>'}}").family,
             ChatFamily::phi3);
-  // Phi-4-mini's turns have no newline, Phi-4's are '<|im_start|>user<|im_sep|>': neither is rendered
-  // as another family
-  EXPECT_FALSE(chat_template_from_text("{{'<|' + message['role'] + '|>' + message['content'] + '<|end|>'}}<|user|>x<|end|><|assistant|>").known());
-  EXPECT_FALSE(chat_template_from_text("{{'<|im_start|>' + message['role'] + '<|im_sep|>' + message['content'] + '<|im_end|>'}}").known());
+  // Phi-4-mini's turns have no newline; Phi-4's are '<|im_start|>user<|im_sep|>' (not ChatML's)
+  const ChatTemplate p4m = chat_template_from_text(
+      "{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endfor %}"
+      "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}");
+  EXPECT_EQ(p4m.family, ChatFamily::phi4_mini);
+  EXPECT_EQ(chat_render(p4m, {{"system", "S"}, {"user", "Hi"}}), "<|system|>S<|end|><|user|>Hi<|end|><|assistant|>");
+  const ChatTemplate p4 = chat_template_from_text(
+      "{% for message in messages %}{% if (message['role'] == 'user') %}{{'<|im_start|>user<|im_sep|>' + "
+      "message['content'] + '<|im_end|>'}}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+      "{{ '<|im_start|>assistant<|im_sep|>' }}{% endif %}");
+  EXPECT_EQ(p4.family, ChatFamily::phi4);
+  EXPECT_EQ(chat_render(p4, {{"system", "S"}, {"user", "Hi"}, {"assistant", "Hel"}}, ChatRenderOptions{false, true}),
+            "<|im_start|>system<|im_sep|>S<|im_end|><|im_start|>user<|im_sep|>Hi<|im_end|><|im_start|>assistant<|im_sep|>Hel");
   // Mistral's (the templates of mistralai/cookbook's tokenization guide): v1 with '[INST]' as spaced
   // text and the system prompt in the first user turn; v2 / v3 / Tekken with the control tokens
   // right before each message (a SentencePiece vocabulary's dummy prefix gives the space) and the

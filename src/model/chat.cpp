@@ -23,10 +23,10 @@ bool phi3_turns(const std::string& t) {
 
 ChatTemplate chat_template_from_text(const std::string& t) {
   ChatTemplate c;
-  // Phi-4's turns ('<|im_start|>user<|im_sep|>...') are not ChatML's: left unknown rather than
-  // rendered as ChatML.
-  if (t.find("<|im_sep|>") != std::string::npos) return c;
-  if (t.find("<|im_start|>") != std::string::npos) {
+  // Phi-4's turns ('<|im_start|>user<|im_sep|>...') are not ChatML's.
+  if (t.find("<|im_sep|>") != std::string::npos && t.find("<|im_start|>") != std::string::npos) {
+    c.family = ChatFamily::phi4;
+  } else if (t.find("<|im_start|>") != std::string::npos) {
     c.family = ChatFamily::chatml;
     // A literal system turn in the template, '<|im_start|>system\nTEXT<|im_end|>', is the default
     // it opens a conversation without a system message with; a system turn built from the
@@ -57,6 +57,9 @@ ChatTemplate chat_template_from_text(const std::string& t) {
     c.family = ChatFamily::gemma;
   } else if (phi3_turns(t)) {
     c.family = ChatFamily::phi3;
+  } else if (t.find("'<|' + message['role'] + '|>'") != std::string::npos && t.find("<|end|>") != std::string::npos &&
+             t.find("<|assistant|>") != std::string::npos) {
+    c.family = ChatFamily::phi4_mini;  // the role tag built from the role, no newline after it
   } else if (t.find("[SYSTEM_PROMPT]") != std::string::npos && t.find("[INST]") != std::string::npos) {
     c.family = ChatFamily::mistral_v7;
   } else if (t.find("[INST]") != std::string::npos && t.find("<<SYS>>") == std::string::npos) {
@@ -84,6 +87,8 @@ const char* chat_template_name(const ChatTemplate& t) {
     case ChatFamily::gemma: return "gemma";
     case ChatFamily::llama3: return "llama3";
     case ChatFamily::phi3: return "phi3";
+    case ChatFamily::phi4: return "phi4";
+    case ChatFamily::phi4_mini: return "phi4-mini";
     case ChatFamily::mistral_v1: return "mistral-v1";
     case ChatFamily::mistral: return "mistral";
     case ChatFamily::mistral_v7: return "mistral-v7";
@@ -176,6 +181,16 @@ std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& m
       if (!(cont && i + 1 == msgs.size())) out += "<|eot_id|>";
     }
     if (opt.add_generation_prompt) out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
+    return out;
+  }
+  if (t.family == ChatFamily::phi4 || t.family == ChatFamily::phi4_mini) {
+    const bool mini = t.family == ChatFamily::phi4_mini;
+    for (size_t i = 0; i < msgs.size(); ++i) {
+      out += mini ? "<|" + msgs[i].role + "|>" : "<|im_start|>" + msgs[i].role + "<|im_sep|>";
+      out += msgs[i].content;
+      if (!(cont && i + 1 == msgs.size())) out += mini ? "<|end|>" : "<|im_end|>";
+    }
+    if (opt.add_generation_prompt) out += mini ? "<|assistant|>" : "<|im_start|>assistant<|im_sep|>";
     return out;
   }
   if (t.family == ChatFamily::phi3) {

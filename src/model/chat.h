@@ -16,7 +16,9 @@ struct ChatMessage {
 // mistral_v1: Mistral 7B v0.1 / v0.2 ('[INST] ' and ' [/INST]' as text, the system prompt in the first
 // user turn); mistral: v2 / v3 / Tekken ([INST] and [/INST] control tokens, the system prompt in the
 // last user turn); mistral_v7: [SYSTEM_PROMPT] turns (Mistral Small 3, Large 2411).
-enum class ChatFamily { none, chatml, gemma, llama3, phi3, mistral_v1, mistral, mistral_v7 };
+// phi4: '<|im_start|>role<|im_sep|>content<|im_end|>' (Phi-4); phi4_mini: '<|role|>content<|end|>'
+// (Phi-4-mini: Phi-3's tags without the newlines).
+enum class ChatFamily { none, chatml, gemma, llama3, phi3, phi4, phi4_mini, mistral_v1, mistral, mistral_v7 };
 
 struct ChatTemplate {
   ChatFamily family = ChatFamily::none;
