@@ -238,7 +238,7 @@ std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& m
     }
     return out;  // the last [/INST] opens the reply: no generation prompt of its own
   }
-  fail("this model has no chat template kvq supports (supported: ChatML, Gemma, Llama 3, Phi-3, Mistral)");
+  fail("this model has no chat template kvq supports (supported: ChatML, Gemma, Llama 3, Phi-3, Phi-4, Mistral)");
 }
 
 }  // namespace kvq
