@@ -96,6 +96,8 @@ const char* chat_template_name(const ChatTemplate& t) {
   }
 }
 
+const char* chat_supported_families() { return "ChatML, Gemma, Llama 3, Phi-3, Phi-4, Mistral"; }
+
 std::string chat_render_next_turn(const ChatTemplate& t, const std::string& user) {
   // Read off a rendered conversation whose earlier turns are markers.
   const std::string full = chat_render(t, {{"user", "\x01"}, {"assistant", "\x02"}, {"user", user}});
@@ -238,7 +240,7 @@ std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& m
     }
     return out;  // the last [/INST] opens the reply: no generation prompt of its own
   }
-  fail("this model has no chat template kvq supports (supported: ChatML, Gemma, Llama 3, Phi-3, Phi-4, Mistral)");
+  fail("this model has no chat template kvq supports (supported: {})", chat_supported_families());
 }
 
 }  // namespace kvq

@@ -35,6 +35,8 @@ ChatTemplate chat_template_detect(const gguf::File& f);
 // The same from the text of a tokenizer.chat_template.
 ChatTemplate chat_template_from_text(const std::string& jinja);
 const char* chat_template_name(const ChatTemplate& t);
+// The families kvq renders, for error messages: "ChatML, Gemma, ...".
+const char* chat_supported_families();
 // How a conversation's text ends (vLLM's chat parameters of the same names).
 struct ChatRenderOptions {
   bool add_generation_prompt = true;    // open the assistant's turn after the messages

@@ -545,7 +545,7 @@ int bench_command(const BenchOptions& o) {
     model_name = probe.model().config().name;
     if (!o.workload.empty()) {
       const ChatTemplate tpl = o.chat ? chat_template_detect(probe.model().file()) : ChatTemplate{};
-      if (o.chat && !tpl.known()) fail("--chat: the model has no chat template kvq knows (ChatML, Gemma, Llama 3, Phi-3, Phi-4, Mistral)");
+      if (o.chat && !tpl.known()) fail("--chat: the model has no chat template kvq knows ({})", chat_supported_families());
       reqs = load_workload(o, probe.tokenizer(), tpl);
       if (o.requests > 0) {
         std::vector<BenchRequest> all;

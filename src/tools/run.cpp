@@ -132,7 +132,7 @@ int run_command(const RunOptions& o) {
   ChatTemplate tpl;
   if (o.chat) {
     tpl = chat_template_detect(model->file());
-    if (!tpl.known()) fail("{}: the model has no chat template kvq supports (ChatML, Gemma, Llama 3, Phi-3, Phi-4, Mistral)", o.model);
+    if (!tpl.known()) fail("{}: the model has no chat template kvq supports ({})", o.model, chat_supported_families());
   }
   // The first turn: the whole prompt in the template (system message first).
   auto first_turn = [&](const std::string& user) {
