@@ -615,6 +615,30 @@ TEST(ArchVariants, Phi3LongRopeFactorsFollowTheContext) {
   EXPECT_GT(max_abs_diff(lp, ll), 1e-2f);  // the two settings do differ on this prompt
   EXPECT_EQ(longer->kv_cache_config(kv_policy_uniform("f16", 5), 64).rope[0].freq_factors,
             std::vector<float>(size_t(longer->config().n_rot / 2), 2.0f));
+  // set_context picks the set again (kvq eval runs each --ctx with its own)
+  EXPECT_TRUE(longer->set_context(128));
+  EXPECT_FALSE(longer->config().rope_long);
+  EXPECT_LT(max_abs_diff(stories_logits(*longer, ids), lp), 1e-4f);
+  EXPECT_FALSE(longer->set_context(100));
+  EXPECT_TRUE(longer->set_context(0));
+  EXPECT_LT(max_abs_diff(stories_logits(*longer, ids), ll), 1e-4f);
+  // per-pair factors: long factors f_i = 4^(2i / n_rot) turn pair i as a base of 40000 would
+  const std::string pb = phi3("kvq_test_phi3_base.gguf", [](kvq::test::GgufWriter& w, const ModelConfig&) {
+    w.add_f32("phi3.rope.freq_base", 40000.f);
+  });
+  const std::string pv = phi3("kvq_test_phi3_varied.gguf", [](kvq::test::GgufWriter& w, const ModelConfig& c) {
+    std::vector<float> f(size_t(c.n_rot / 2));
+    for (size_t i = 0; i < f.size(); ++i) f[i] = std::pow(4.0f, 2.0f * float(i) / float(c.n_rot));
+    w.add_tensor_f32("rope_factors_short.weight", {c.n_rot / 2}, std::vector<float>(f.size(), 1.0f));
+    w.add_tensor_f32("rope_factors_long.weight", {c.n_rot / 2}, f);
+    w.add_u32("phi3.rope.scaling.original_context_length", 128);
+  });
+  {
+    auto mb = Model::load(pb), mv = Model::load(pv);
+    EXPECT_LT(max_abs_diff(stories_logits(*mb, ids), stories_logits(*mv, ids)), 1e-3f);
+  }
+  fs::remove(pb);
+  fs::remove(pv);
 
   // attn_factor on a partial rotation (4 of 8 dims): equal to the plain model with the rotated
   // dims of each head's q rows (the first 4, NeoX pairs (i, i + 2)) times a^2.
@@ -667,6 +691,105 @@ TEST(ArchVariants, Phi3LongRopeFactorsFollowTheContext) {
   }
   shorter.reset(); longer.reset(); trained.reset(); plain.reset(); lin.reset(); ma.reset(); mq.reset();
   for (const auto& p : {pr, pplain, plin, pa, pq, p1, p2, p3}) fs::remove(p);
+}
+
+// SmolLM3: no RoPE on every 4th layer (stories260K has 5: layer 3), so there the cache's keys are
+// the projections as they are, while the other layers rotate theirs; elsewhere the llama model.
+TEST(ArchVariants, SmolLM3SkipsRopeOnEveryFourthLayer) {
+  if (!fs::exists(shared_path("models/stories260K.gguf"))) GTEST_SKIP() << "stories260K.gguf not found";
+  const auto tmp = fs::temp_directory_path();
+  const std::string p3 = write_stories_as("smollm3", (tmp / "kvq_test_smollm3.gguf").string(), [](auto&, const auto&) {});
+  const std::string pl = write_stories_as("llama", (tmp / "kvq_test_smollm3_ref.gguf").string(), [](auto&, const auto&) {});
+  auto m3 = Model::load(p3), ml = Model::load(pl);
+  const ModelConfig& c = m3->config();
+  ASSERT_EQ(c.n_layer, 5);
+  for (int il = 0; il < c.n_layer; ++il) EXPECT_EQ(c.layer_n_rot(il), il == 3 ? 0 : c.n_rot) << il;
+  EXPECT_EQ(m3->kv_cache_config(kv_policy_uniform("f16", 5), 64).rope[3].n_rot, 0);
+  const Tokenizer tok = Tokenizer::from_gguf(m3->file());
+  const std::vector<int32_t> ids = tok.encode("Once upon a time, there was a big dog.", true);
+  // keys as cached, per layer: rotated (k != k_pre) except on layer 3
+  ThreadPool pool(1);
+  KvCache cache(m3->kv_cache_config(kv_policy_uniform("f32", 5), 64));
+  Forward f(*m3, pool);
+  std::vector<float> rotated(5, 0.f);
+  f.on_kv = [&](int il, int n, const float* kpre, const float* k, const float*) {
+    for (size_t i = 0; i < size_t(n) * size_t(c.n_head_kv * c.head_dim); ++i)
+      rotated[size_t(il)] = std::max(rotated[size_t(il)], std::fabs(k[i] - kpre[i]));
+  };
+  f.eval(ids.data(), int(ids.size()), cache);
+  for (int il = 0; il < 5; ++il) {
+    if (il == 3) EXPECT_EQ(rotated[size_t(il)], 0.f);
+    else EXPECT_GT(rotated[size_t(il)], 1e-3f) << il;
+  }
+  // the first token (RoPE the identity at position 0) as the llama model; later tokens differ
+  const auto a = stories_logits(*m3, ids), b = stories_logits(*ml, ids);
+  const size_t nv = size_t(c.n_vocab);
+  float first = 0, later = 0;
+  for (size_t i = 0; i < a.size(); ++i) (i < nv ? first : later) = std::max(i < nv ? first : later, std::fabs(a[i] - b[i]));
+  EXPECT_LT(first, 1e-4f);
+  EXPECT_GT(later, 1e-2f);
+  m3.reset();
+  ml.reset();
+  fs::remove(p3);
+  fs::remove(pl);
+}
+
+// Granite's multipliers are the llama model with them folded into its weights: embedding_scale s
+// into token_embd, residual_scale r into attn_output and ffn_down, attention.scale a into attn_q
+// (times sqrt(head_dim)), logit_scale L into output (1 / L).
+TEST(ArchVariants, GraniteMultipliersEqualFoldedWeights) {
+  if (!fs::exists(shared_path("models/stories260K.gguf"))) GTEST_SKIP() << "stories260K.gguf not found";
+  const auto tmp = fs::temp_directory_path();
+  const float s = 3.f, r = 0.5f, a = 0.25f, L = 4.f;
+  const std::string pg = write_stories_as("granite", (tmp / "kvq_test_granite.gguf").string(),
+                                          [&](kvq::test::GgufWriter& w, const ModelConfig&) {
+                                            w.add_f32("granite.embedding_scale", s).add_f32("granite.residual_scale", r);
+                                            w.add_f32("granite.attention.scale", a).add_f32("granite.logit_scale", L);
+                                          });
+  const std::string pf = write_stories_as("llama", (tmp / "kvq_test_granite_folded.gguf").string(),
+                                          [&](kvq::test::GgufWriter& w, const ModelConfig& c) {
+    for (auto& t : w.tensors()) {
+      float* x = reinterpret_cast<float*>(t.data.data());
+      const size_t n = t.data.size() / sizeof(float);
+      float k = 1.f;
+      if (t.name == "token_embd.weight") k = s;
+      else if (t.name == "output.weight") k = 1.f / L;
+      else if (t.name.find("attn_output.weight") != std::string::npos || t.name.find("ffn_down.weight") != std::string::npos) k = r;
+      else if (t.name.find("attn_q.weight") != std::string::npos) k = a * std::sqrt(float(c.head_dim));
+      for (size_t i = 0; i < n; ++i) x[i] *= k;
+    }
+  });
+  auto mg = Model::load(pg), mf = Model::load(pf);
+  EXPECT_EQ(mg->config().logit_scale, L);
+  EXPECT_EQ(mg->config().embd_mult, s);
+  ASSERT_FALSE(mf->config().tied_output);  // stories260K has its own output.weight (equal to token_embd)
+  const Tokenizer tok = Tokenizer::from_gguf(mg->file());
+  const std::vector<int32_t> ids = tok.encode("Once upon a time, there was a big dog.", true);
+  const auto lg = stories_logits(*mg, ids), lf = stories_logits(*mf, ids);
+  float worst = 0, mag = 0;
+  for (size_t i = 0; i < lg.size(); ++i) {
+    worst = std::max(worst, std::fabs(lg[i] - lf[i]));
+    mag = std::max(mag, std::fabs(lf[i]));
+  }
+  EXPECT_LT(worst, 1e-4f * (1 + mag));
+  // logit_scale is required; a bias Granite files may carry is refused rather than ignored
+  const std::string pn = write_stories_as("granite", (tmp / "kvq_test_granite_nolog.gguf").string(), [](auto&, const auto&) {});
+  const std::string pb = write_stories_as("granite", (tmp / "kvq_test_granite_bias.gguf").string(),
+                                          [](kvq::test::GgufWriter& w, const ModelConfig& c) {
+                                            w.add_f32("granite.logit_scale", 1.f);
+                                            w.add_tensor_f32("blk.0.attn_output.bias", {c.n_embd}, std::vector<float>(size_t(c.n_embd), 0.f));
+                                          });
+  for (const auto& [p, what] : {std::pair<std::string, std::string>{pn, "granite.logit_scale"}, {pb, "biases are not supported"}}) {
+    try {
+      Model::load(p);
+      ADD_FAILURE() << p << " loaded";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  }
+  mg.reset();
+  mf.reset();
+  for (const auto& p : {pg, pf, pn, pb}) fs::remove(p);
 }
 
 // Gemma 2 and Gemma 3 hyperparameters: the sliding-window layout (the file's pattern, else each

@@ -410,7 +410,8 @@ Engine::Engine(const EngineOptions& o) : opt_(o) {
   tok_ = Tokenizer::from_gguf(model_->file());
   const ModelConfig& c = model_->config();
   ctx_ = o.ctx > 0 ? std::min(o.ctx, c.n_ctx_train) : c.n_ctx_train;
-  if (const std::string note = model_rope_note(c, o.ctx); !note.empty()) std::fprintf(stderr, "%s\n", note.c_str());
+  model_->set_context(ctx_);  // the context it runs at, once capped
+  if (const std::string note = model_rope_note(c, ctx_); !note.empty()) std::fprintf(stderr, "%s\n", note.c_str());
   if (!(o.prefill_attention_cost >= 0) || o.prefill_attention_cost > 1e6)
     fail("--prefill-attention-cost must be in [0, 1e6] (got {})", o.prefill_attention_cost);
   prefill_cost_ = PrefillCost::from_model(c, o.prefill_attention_cost);

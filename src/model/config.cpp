@@ -51,6 +51,20 @@ std::optional<std::vector<bool>> gguf_sliding_layers(const gguf::File& f, const 
   return sliding;
 }
 
+void model_config_pick_rope(ModelConfig& c, int ctx) {
+  if (!c.has_long_rope) return;
+  c.rope_long = (ctx > 0 ? ctx : c.n_ctx_train) > c.n_ctx_orig;
+  c.rope_freq_factors = c.rope_long ? c.rope_factors_long : c.rope_factors_short;
+}
+
+bool model_arch_supported(const std::string& arch) {
+  for (const char* a : {"llama", "gemma2", "gemma3", "qwen2", "qwen3", "phi3", "smollm3", "granite"})
+    if (arch == a) return true;
+  return false;
+}
+
+const char* model_arch_list() { return "llama, gemma2, gemma3, qwen2, qwen3, phi3, smollm3, granite"; }
+
 std::string model_rope_note(const ModelConfig& c, int ctx) {
   if (!c.has_long_rope) return {};
   const int at = ctx > 0 ? ctx : c.n_ctx_train;
@@ -79,10 +93,8 @@ ModelConfig model_config_from_gguf(const gguf::File& f, int ctx) {
   auto arch = f.get_string("general.architecture");
   if (!arch) fail("{}: missing metadata key 'general.architecture'", f.path());
   c.arch = *arch;
-  if (c.arch != "llama" && c.arch != "gemma2" && c.arch != "gemma3" && c.arch != "qwen2" && c.arch != "qwen3" &&
-      c.arch != "phi3")
-    fail("{}: unsupported architecture '{}' (supported: llama, gemma2, gemma3, qwen2, qwen3, phi3)", f.path(),
-         printable(c.arch));
+  if (!model_arch_supported(c.arch))
+    fail("{}: unsupported architecture '{}' (supported: {})", f.path(), printable(c.arch), model_arch_list());
   const bool gemma = c.arch == "gemma2" || c.arch == "gemma3";
   c.name = f.get_string("general.name").value_or(c.arch);
   const std::string a = c.arch + ".";
@@ -144,8 +156,9 @@ ModelConfig model_config_from_gguf(const gguf::File& f, int ctx) {
                                                                         : c.n_ctx_train;
   if (!lng.empty()) {
     c.has_long_rope = true;
-    c.rope_long = (ctx > 0 ? ctx : c.n_ctx_train) > c.n_ctx_orig;
-    c.rope_freq_factors = c.rope_long ? std::move(lng) : std::move(sht);
+    c.rope_factors_long = std::move(lng);
+    c.rope_factors_short = std::move(sht);
+    model_config_pick_rope(c, ctx);
   }
   c.rope_attn_factor = float(f.get_float(a + "rope.scaling.attn_factor").value_or(1.0));
   if (!(std::isfinite(c.rope_attn_factor) && c.rope_attn_factor > 0 && c.rope_attn_factor < 16))
@@ -159,6 +172,25 @@ ModelConfig model_config_from_gguf(const gguf::File& f, int ctx) {
   if (c.arch == "phi3") {
     c.rope_neox = true;
     c.fused_gate_up = true;
+  }
+  if (c.arch == "smollm3") {  // no RoPE on every 4th layer (3, 7, ...), as llama.cpp reads SmolLM3
+    c.layer_no_rope.assign(size_t(c.n_layer), false);
+    for (int il = 0; il < c.n_layer; ++il) c.layer_no_rope[size_t(il)] = (il + 1) % 4 == 0;
+  }
+  if (c.arch == "granite") {
+    auto mult = [&](const char* key, bool required) {
+      const std::optional<double> v = f.get_float(a + key);
+      if (!v && required) fail("{}: missing metadata key '{}{}'", f.path(), a, key);
+      if (v && !(std::isfinite(*v) && *v > 0 && *v < 1e6))
+        fail("{}: '{}{}' = {} must be a finite number in (0, 1e6)", f.path(), a, key, *v);
+      return float(v.value_or(0.0));
+    };
+    c.logit_scale = mult("logit_scale", true);
+    c.residual_scale = mult("residual_scale", false);
+    c.embd_mult = mult("embedding_scale", false);
+    c.attn_scale = mult("attention.scale", false);  // 0: 1/sqrt(head_dim)
+    for (const char* b : {"blk.0.attn_output.bias", "blk.0.ffn_down.bias", "blk.0.ffn_up.bias"})
+      if (f.find_tensor(b)) fail("{}: tensor '{}': Granite's output biases are not supported", f.path(), b);
   }
   if (gemma) {
     c.rope_neox = true;

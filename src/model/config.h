@@ -1,5 +1,5 @@
 // Model hyperparameters read from GGUF metadata. The supported architectures (llama, gemma2,
-// gemma3, qwen2, qwen3, phi3) differ only in flags here; the forward pass reads the flags (one
+// gemma3, qwen2, qwen3, phi3, smollm3, granite) differ only in flags here; the forward pass reads the flags (one
 // graph, no per-architecture file).
 #pragma once
 #include <optional>
@@ -10,7 +10,8 @@ namespace kvq {
 namespace gguf { class File; }
 
 struct ModelConfig {
-  std::string arch;         // general.architecture: "llama", "gemma2", "gemma3", "qwen2", "qwen3", "phi3"
+  std::string arch;         // general.architecture: "llama", "gemma2", "gemma3", "qwen2", "qwen3", "phi3",
+                            // "smollm3", "granite"
   std::string name;         // general.name
   int n_layer = 0;
   int n_embd = 0;
@@ -33,12 +34,16 @@ struct ModelConfig {
   // none. Llama 3.1+: rope_freqs.weight. Phi-3 LongRoPE: rope_factors_long.weight when the context
   // kvq runs at exceeds n_ctx_orig, else rope_factors_short.weight (rope_long says which).
   std::vector<float> rope_freq_factors;
+  std::vector<float> rope_factors_long, rope_factors_short;  // LongRoPE's two sets (else empty)
   bool has_long_rope = false;    // the file has LongRoPE's two sets
   bool rope_long = false;
   int n_ctx_orig = 0;            // rope.scaling.original_context_length (LongRoPE's switch point)
   // rope.scaling.attn_factor: the rotated dimensions of q and k are multiplied by it (LongRoPE's
   // magnitude correction, sqrt(1 + ln(scale) / ln(n_ctx_orig))); 1: none.
   float rope_attn_factor = 1.f;
+
+  // Layers without RoPE (SmolLM3: every 4th); empty: every layer has it.
+  std::vector<bool> layer_no_rope;
 
   bool qkv_bias = false;         // biases added to q, k and v (Qwen2)
   bool fused_gate_up = false;    // ffn_up holds the gate rows, then the up rows (Phi-3)
@@ -56,6 +61,12 @@ struct ModelConfig {
 
   bool tied_output = false;      // output projection is token_embd
 
+  // Granite's multipliers (0: none): embeddings times embd_mult, each layer's attention and FFN
+  // outputs times residual_scale before the residual add, logits divided by logit_scale.
+  float embd_mult = 0.f;
+  float residual_scale = 0.f;
+  float logit_scale = 0.f;
+
   float layer_rope_base(int il) const { return layer_sliding[size_t(il)] ? rope_base_local : rope_base; }
   float layer_rope_scale(int il) const { return layer_sliding[size_t(il)] ? rope_scale_local : rope_scale; }
   const std::vector<float>& layer_rope_factors(int il) const {
@@ -63,6 +74,7 @@ struct ModelConfig {
     return layer_sliding[size_t(il)] ? none : rope_freq_factors;
   }
   int layer_window(int il) const { return layer_sliding[size_t(il)] ? sliding_window : 0; }
+  int layer_n_rot(int il) const { return !layer_no_rope.empty() && layer_no_rope[size_t(il)] ? 0 : n_rot; }
 };
 
 // Reads and validates the hyperparameters; throws kvq::Error for unsupported architectures or
@@ -70,6 +82,14 @@ struct ModelConfig {
 // for its trained context; it picks Phi-3's LongRoPE factors (long past n_ctx_orig), as llama.cpp
 // picks them by its context size.
 ModelConfig model_config_from_gguf(const gguf::File& f, int ctx = 0);
+
+// Picks LongRoPE's factor set for a context of `ctx` tokens (0: the trained context): the long one
+// past n_ctx_orig. No effect on models without the two sets.
+void model_config_pick_rope(ModelConfig& c, int ctx);
+
+// The architectures kvq runs (general.architecture), and their list for messages.
+bool model_arch_supported(const std::string& arch);
+const char* model_arch_list();
 
 // For models with two sets of RoPE factors (LongRoPE): which set the config uses and why, as a
 // line for stderr; empty for other models.

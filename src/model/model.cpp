@@ -69,6 +69,14 @@ void rms_norm(const float* x, float* y, const float* w, int n_rows, int n, float
   }
 }
 
+// x += y * scale (scale 0: 1), the residual add of a layer's attention or FFN output y
+void add_residual(float* x, const float* y, size_t n, float scale) {
+  if (scale > 0)
+    for (size_t i = 0; i < n; ++i) x[i] += y[i] * scale;
+  else
+    for (size_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
 // x (n_rows, n) += b (n) on every row
 void add_bias(float* x, const float* b, int n_rows, int64_t n) {
   for (int r = 0; r < n_rows; ++r)
@@ -114,15 +122,7 @@ std::unique_ptr<Model> Model::load(const std::string& path, int ctx) {
   m->output_norm_ = norm_of(f, "output_norm.weight", c.n_embd);
   m->output_ = c.tied_output ? m->tok_embd_ : view_of(f, "output.weight", c.n_embd, c.n_vocab);
   m->layers_.resize(size_t(c.n_layer));
-  for (int il = 0; il < c.n_layer; ++il) {
-    KvRope r;
-    r.n_rot = c.n_rot;
-    r.freq_base = c.layer_rope_base(il);
-    r.freq_scale = 1.0f / c.layer_rope_scale(il);
-    r.neox = c.rope_neox;
-    r.freq_factors = c.layer_rope_factors(il);
-    m->layer_rope_.push_back(std::move(r));
-  }
+  m->build_layer_rope();
   for (int il = 0; il < c.n_layer; ++il) {
     auto& L = m->layers_[size_t(il)];
     const std::string p = "blk." + std::to_string(il) + ".";
@@ -163,6 +163,27 @@ std::unique_ptr<Model> Model::load(const std::string& path, int ctx) {
     }
   }
   return m;
+}
+
+void Model::build_layer_rope() {
+  const ModelConfig& c = cfg_;
+  layer_rope_.clear();
+  for (int il = 0; il < c.n_layer; ++il) {
+    KvRope r;
+    r.n_rot = c.layer_n_rot(il);
+    r.freq_base = c.layer_rope_base(il);
+    r.freq_scale = 1.0f / c.layer_rope_scale(il);
+    r.neox = c.rope_neox;
+    r.freq_factors = c.layer_rope_factors(il);
+    layer_rope_.push_back(std::move(r));
+  }
+}
+
+bool Model::set_context(int ctx) {
+  const bool was = cfg_.rope_long;
+  model_config_pick_rope(cfg_, ctx);
+  build_layer_rope();
+  return cfg_.rope_long != was;
 }
 
 size_t Model::decode_weight_bytes() const {
@@ -284,8 +305,8 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
     const ForwardSeq& s = seqs[row_seq_[size_t(r)]];
     float* xr = x_.data() + size_t(r) * size_t(E);
     weight_row(m_.tok_embd_, s.tokens[row_pos_[size_t(r)] - s.cache->n_tokens()], xr);
-    if (c.embd_scale) {
-      const float sc = std::sqrt(float(E));
+    if (c.embd_scale || c.embd_mult > 0) {
+      const float sc = (c.embd_scale ? std::sqrt(float(E)) : 1.f) * (c.embd_mult > 0 ? c.embd_mult : 1.f);
       for (int i = 0; i < E; ++i) xr[i] *= sc;
     }
   }
@@ -330,17 +351,18 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
       rms_norm(k_.data(), k_.data(), static_cast<const float*>(L.attn_k_norm.data), n * nkv, hd, c.rms_eps);
     }
     std::memcpy(k_pre_.data(), k_.data(), size_t(n) * size_t(kvd) * sizeof(float));
-    for (int r = 0; r < n; ++r) {
+    const int n_rot = m_.layer_rope_[size_t(il)].n_rot;  // 0 on a layer without RoPE
+    for (int r = 0; r < n && n_rot > 0; ++r) {
       rope_table(cs.data(), row_pos_[size_t(r)], m_.layer_rope_[size_t(il)]);
-      rope(q_.data() + size_t(r) * size_t(qd), nh, hd, c.n_rot, c.rope_neox, cs.data());
-      rope(k_.data() + size_t(r) * size_t(kvd), nkv, hd, c.n_rot, c.rope_neox, cs.data());
+      rope(q_.data() + size_t(r) * size_t(qd), nh, hd, n_rot, c.rope_neox, cs.data());
+      rope(k_.data() + size_t(r) * size_t(kvd), nkv, hd, n_rot, c.rope_neox, cs.data());
     }
-    if (c.rope_attn_factor != 1.f) {
+    if (c.rope_attn_factor != 1.f && n_rot > 0) {
       // RoPE scaled by a factor a (cos and sin times a) on q and k scales the rotated part of q.k
       // by a^2: done on q alone, so that the cache keeps the keys as rotated without it (and the
       // pre-RoPE key codecs need no magnitude of their own).
       const float a2 = c.rope_attn_factor * c.rope_attn_factor;
-      const int half = c.n_rot / 2;
+      const int half = n_rot / 2;
       for (int r = 0; r < n * nh; ++r) {
         float* qh = q_.data() + size_t(r) * size_t(hd);
         for (int i = 0; i < half; ++i) {
@@ -428,7 +450,7 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
     matmul(L.wo, attn_out_.data(), n, tmp_.data(), pool_);
     if (c.post_norms)
       rms_norm(tmp_.data(), tmp_.data(), static_cast<const float*>(L.attn_post_norm.data), n, E, c.rms_eps);
-    for (size_t i = 0; i < size_t(n) * size_t(E); ++i) x_[i] += tmp_[i];
+    add_residual(x_.data(), tmp_.data(), size_t(n) * size_t(E), c.residual_scale);
 
     rms_norm(x_.data(), xn_.data(), static_cast<const float*>(L.ffn_norm.data), n, E, c.rms_eps);
     matmul(L.ffn_gate, xn_.data(), n, gate_.data(), pool_);
@@ -437,7 +459,7 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
     matmul(L.ffn_down, gate_.data(), n, tmp_.data(), pool_);
     if (c.post_norms)
       rms_norm(tmp_.data(), tmp_.data(), static_cast<const float*>(L.ffn_post_norm.data), n, E, c.rms_eps);
-    for (size_t i = 0; i < size_t(n) * size_t(E); ++i) x_[i] += tmp_[i];
+    add_residual(x_.data(), tmp_.data(), size_t(n) * size_t(E), c.residual_scale);
   }
   for (int si = 0; si < n_seqs; ++si) seqs[si].cache->commit(seqs[si].n);
 
@@ -453,6 +475,10 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
   if (out_rows == 0) return;
   rms_norm(x_.data(), xn_.data(), static_cast<const float*>(m_.output_norm_.data), out_rows, E, c.rms_eps);
   matmul(m_.output_, xn_.data(), out_rows, logits_out, pool_);
+  if (c.logit_scale > 0) {
+    const float inv = 1.0f / c.logit_scale;
+    for (size_t i = 0; i < size_t(out_rows) * size_t(c.n_vocab); ++i) logits_out[i] *= inv;
+  }
   if (c.final_softcap > 0) {
     const float cap = c.final_softcap;
     for (size_t i = 0; i < size_t(out_rows) * size_t(c.n_vocab); ++i) logits_out[i] = cap * std::tanh(logits_out[i] / cap);

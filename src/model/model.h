@@ -40,6 +40,11 @@ class Model {
   // gathered one row at a time (unless it doubles as the output projection).
   size_t decode_weight_bytes() const;
 
+  // Picks the RoPE factors for a context of `ctx` tokens (LongRoPE's two sets; no effect on other
+  // models), as load does. Caches made before keep the old RoPE: make new ones. True when the
+  // set changed.
+  bool set_context(int ctx);
+
   // Cache configuration for this model (shapes and per-layer RoPE filled in).
   KvCacheConfig kv_cache_config(const KvPolicy& policy, int max_tokens, int page_tokens = 64) const;
 
@@ -56,6 +61,7 @@ class Model {
   std::vector<KvRope> layer_rope_;  // each layer's RoPE, as the model and its KV cache rotate
   std::vector<AlignedBuf<float>> f32_weights_;  // owned copies when loaded with load_f32
   void dequantize_all_f32();
+  void build_layer_rope();
 };
 
 // One sequence's share of a batched forward step: n tokens appended to `cache`.

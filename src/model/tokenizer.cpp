@@ -216,7 +216,9 @@ Tokenizer Tokenizer::from_gguf(const gguf::File& f) {
   if (t.eos_ >= 0) t.eog_ids_.push_back(t.eos_);
   for (std::string_view name : k_eog_names) {
     const int32_t id = t.find_token(name);
-    if (id >= 0 && t.types_[id] == TokenType::control) t.eog_ids_.push_back(id);
+    // control tokens, or user-defined ones (a file that types <|end|> so still ends a turn with
+    // it, as llama.cpp treats such tokens)
+    if (id >= 0 && (t.types_[id] == TokenType::control || t.types_[id] == TokenType::user_defined)) t.eog_ids_.push_back(id);
   }
   std::sort(t.eog_ids_.begin(), t.eog_ids_.end());
   t.eog_ids_.erase(std::unique(t.eog_ids_.begin(), t.eog_ids_.end()), t.eog_ids_.end());

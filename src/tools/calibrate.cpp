@@ -114,6 +114,8 @@ int calibrate_command(const CalibrateOptions& o) {
     return r;
   };
   nlohmann::json j = {{"model", c.name}, {"model_file", o.model}, {"data", o.data}, {"tokens", chunks * o.ctx}};
+  // LongRoPE models: the factor set the keys were rotated with (the channel statistics depend on it)
+  if (c.has_long_rope) j["rope_factors"] = c.rope_long ? "long" : "short";
   j["layers"] = nlohmann::json::array();
   const int n_tok = chunks * o.ctx;
   const double n_mean = double(n_tok - chunks);  // tokens in the means (position 0 left out)
@@ -173,7 +175,7 @@ int calibrate_command(const CalibrateOptions& o) {
       L["k_rms"] = rms(kch2[size_t(il)]);
       L["v_rms"] = rms(vch2[size_t(il)]);
       L["q_rms"] = rms(qch2[size_t(il)]);
-      const int nr = std::min(c.n_rot, hd), half = nr / 2;
+      const int nr = std::min(c.layer_n_rot(int(il)), hd), half = nr / 2;
       for (int h = 0; h < nkv; ++h) {
         const double* k2 = kch2[size_t(il)].data() + size_t(h) * size_t(hd);
         const double* q2 = qch2[size_t(il)].data() + size_t(h) * size_t(hd);

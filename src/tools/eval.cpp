@@ -128,6 +128,12 @@ struct Ctx {
   std::vector<int> ctxs;
 };
 
+// Each context length runs with the RoPE factors kvq would run at that context (Phi-3's LongRoPE:
+// short up to its original context, long past it); the caches of a context are made after this.
+void use_context(Ctx& c, int ctx) {
+  if (c.m.set_context(ctx)) std::fprintf(stderr, "%s\n", model_rope_note(c.m.config(), ctx).c_str());
+}
+
 std::unique_ptr<KvCache> make_cache(const Ctx& c, const FormatRun& r, int max_tokens) {
   KvCacheConfig kc = c.m.kv_cache_config(r.kv.policy, max_tokens, c.o.kv.page_tokens);
   r.kv.apply(kc);
@@ -195,6 +201,7 @@ void task_ppl(Ctx& c, const std::vector<int32_t>& text_ids) {
   Forward fwd(c.m, c.pool, B);
   std::vector<float> base_logits;
   for (int ctx : c.ctxs) {
+    use_context(c, ctx);
     if (size_t(ctx) * size_t(c.o.chunks) > text_ids.size())
       fail("--data has {} tokens, fewer than {} window(s) of {} tokens", text_ids.size(), c.o.chunks, ctx);
     std::vector<std::vector<TokenScore>> scores(c.runs.size());
@@ -312,6 +319,7 @@ void task_needle(Ctx& c, const std::vector<int32_t>& hay_ids) {
   std::optional<ReportFile> set_out;
   if (!c.o.needle_set_out.empty()) set_out.emplace("--needle-set-out", c.o.needle_set_out);
   for (int ctx : c.ctxs) {
+    use_context(c, ctx);
     for (int depth : c.o.depths) {
       for (int k = 0; k < trials; ++k) {
         const std::string code = std::to_string(100000 + rng() % 900000);
@@ -421,6 +429,7 @@ std::vector<OwnCase> load_own(const std::string& path) {
 void task_layers(Ctx& c, const std::vector<int32_t>& text_ids) {
   const ModelConfig& cfg = c.m.config();
   const int ctx = c.ctxs.front();
+  use_context(c, ctx);
   if (size_t(ctx) > text_ids.size()) fail("--data has {} tokens, fewer than the {} of --ctx", text_ids.size(), ctx);
   std::vector<int32_t> win(text_ids.begin(), text_ids.begin() + ctx);
   if (c.tok.add_bos()) win[0] = c.tok.bos();
@@ -564,6 +573,8 @@ void prepare_own(std::vector<OwnCase>& cases, const EvalOptions& o, const Model&
 
 // cases: after prepare_own.
 void task_own(Ctx& c, const std::vector<OwnCase>& cases) {
+  // at the longest --ctx, or the trained context without one (as kvq run without --ctx-size)
+  use_context(c, c.ctxs.empty() ? 0 : *std::max_element(c.ctxs.begin(), c.ctxs.end()));
   // Like needle: the f16 cache runs the same cases first, and each format reports the cases it
   // lost and gained against it (a replayed needle set gives the needle task's table).
   const std::vector<FormatRun> all = with_f16_reference(c);

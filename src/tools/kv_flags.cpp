@@ -155,6 +155,17 @@ KvSetup kv_flags_resolve(const KvFlags& f, const Model& m, const std::string& fo
       fail("--kv-scales '{}': malformed JSON (a calibration from kvq calibrate -o FILE, or qk-norm): {}",
            f.scales_file, e.what());
     }
+    // A LongRoPE model calibrated with the other factor set: the statistics of the rotated key
+    // channels were taken at other rates (attention stays right; the codecs rotate with the
+    // running model's RoPE).
+    const ModelConfig& mc = m.config();
+    if (mc.has_long_rope && s.calib->is_object() && s.calib->contains("rope_factors") &&
+        (*s.calib)["rope_factors"] != (mc.rope_long ? "long" : "short"))
+      std::fprintf(stderr,
+                   "[kvq] warning: --kv-scales '%s' was calibrated with the %s LongRoPE factors, the model runs with "
+                   "the %s ones (calibrate at a --ctx on the same side of %d tokens)\n",
+                   f.scales_file.c_str(), (*s.calib)["rope_factors"].dump().c_str(), mc.rope_long ? "long" : "short",
+                   mc.n_ctx_orig);
     // The formats read a layer's entry by its place in "layers": an entry that names another
     // layer would hand one layer's scales to another.
     if (s.calib->is_object() && s.calib->contains("layers") && (*s.calib)["layers"].is_array()) {

@@ -472,6 +472,7 @@ PlanModel plan_model_from_gguf(const gguf::File& f) {
   // conservative answer) and the output says so.
   std::optional<int64_t> window = bounded_int(gguf_int_or_max(f, a + "attention.sliding_window", nullptr),
                                               a + "attention.sliding_window", where, 0, kMaxContext);
+  if (!window && *arch == "gemma2") window = 4096;  // Gemma 2's default, as the engine (and llama.cpp) take it
   std::vector<bool> local(size_t(m.n_layers), false);
   if (window && *window > 0) {
     // The pattern key as llama.cpp reads it, else the architecture's known layout (Phi-3's window
@@ -499,8 +500,7 @@ PlanModel plan_model_from_gguf(const gguf::File& f) {
   validate_model(m);  // the shape bounds that span fields (heads x head_dim), with their ranges
   check_gguf_tensors(f, m, a);
   // The architectures kvq runs: the engine's own metadata checks as well (the same file must load).
-  if (*arch == "llama" || *arch == "gemma2" || *arch == "gemma3" || *arch == "qwen2" || *arch == "qwen3" || *arch == "phi3")
-    model_config_from_gguf(f);
+  if (model_arch_supported(*arch)) model_config_from_gguf(f);
 
   int64_t params = 0;
   for (const gguf::TensorInfo& t : f.tensors()) params = sat_add(params, t.n_elements());
