@@ -15,6 +15,9 @@ perplexities stay meaningful (except gemma2's, which loses the q / k norms it wa
   first), as Phi-3's files have them; with --longrope ORIG, LongRoPE: short factors 1, long factors
   rising from 1 to --long-factor, rope.scaling.original_context_length ORIG and
   rope.scaling.attn_factor sqrt(1 + ln(context / ORIG) / ln(ORIG)) (Phi-3.5's formula);
+- smollm3: the architecture renamed (no RoPE on every 4th layer);
+- granite: the architecture renamed, with Granite's multipliers --granite E,R,A,L (embedding_scale,
+  residual_scale, attention.scale, logit_scale);
 - gemma2 (from a gemma3 file): the metadata renamed (Gemma 2's soft-caps and alternating
   sliding-window layers are its defaults) and the q / k norms, which Gemma 2 does not have, folded
   into the Q / K rows as if each head's RMS were its expected value (rows times norm weight / s,
@@ -24,9 +27,9 @@ perplexities stay meaningful (except gemma2's, which loses the q / k norms it wa
   factors rise linearly from 1 (the fastest pair) to F (the slowest);
 - --pre NAME replaces tokenizer.ggml.pre (e.g. qwen2, llama-bpe), the pre-tokenizer both engines apply.
 
-usage: make_arch_variant.py IN.gguf OUT.gguf {qwen2,qwen3,phi3,gemma2,llama} [--pre NAME] [--bias-std 0.02]
+usage: make_arch_variant.py IN.gguf OUT.gguf {qwen2,qwen3,phi3,smollm3,granite,gemma2,llama} [--pre NAME] [--bias-std 0.02]
                             [--norm-spread 0.2] [--rope-freqs F] [--longrope ORIG] [--long-factor 4]
-                            [--seed 1]   (pip install gguf numpy)
+                            [--granite 1.5,0.9,0.11,1.2] [--seed 1]   (pip install gguf numpy)
 """
 import argparse
 import math
@@ -44,7 +47,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("src")
     ap.add_argument("dst")
-    ap.add_argument("arch", choices=["qwen2", "qwen3", "phi3", "gemma2", "llama"])
+    ap.add_argument("arch", choices=["qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma2", "llama"])
+    ap.add_argument("--granite", default="1.5,0.9,0.11,1.2")
     ap.add_argument("--rope-freqs", type=float, default=None)
     ap.add_argument("--longrope", type=int, default=None)
     ap.add_argument("--long-factor", type=float, default=4.0)
@@ -118,6 +122,12 @@ def main():
             elif kind != "attn_v":
                 extra.append((f"{blk}.{kind}_norm.weight",
                               rng.uniform(1 - a.norm_spread, 1 + a.norm_spread, hd).astype(np.float32)))
+    if a.arch == "granite":
+        e, res, att, logit = (float(x) for x in a.granite.split(","))
+        w.add_float32("granite.embedding_scale", e)
+        w.add_float32("granite.residual_scale", res)
+        w.add_float32("granite.attention.scale", att)
+        w.add_float32("granite.logit_scale", logit)
     if a.longrope:
         assert a.arch == "phi3", "--longrope is Phi-3's"
         extra.append(("rope_factors_short.weight", np.ones(hd // 2, dtype=np.float32)))
