@@ -1043,6 +1043,14 @@ TEST(ChatTemplate, FamilyAndDefaultSystemFromTheJinja) {
   EXPECT_EQ(mv7.family, ChatFamily::mistral_v7);
   EXPECT_STREQ(chat_template_name(mv7), "mistral-v7");
   EXPECT_EQ(chat_render(mv7, conv), "[SYSTEM_PROMPT]Be brief.[/SYSTEM_PROMPT][INST]Hi[/INST]Hello</s>[INST]Bye[/INST]");
+  // Granite 3.x's
+  const ChatTemplate gr = chat_template_from_text(
+      "{%- for message in loop_messages %}{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + "
+      "message['content'] + '<|end_of_text|>\n' }}{%- endfor %}");
+  EXPECT_EQ(gr.family, ChatFamily::granite);
+  EXPECT_EQ(chat_render(gr, {{"system", "S"}, {"user", "Hi"}}),
+            "<|start_of_role|>system<|end_of_role|>S<|end_of_text|>\n<|start_of_role|>user<|end_of_role|>Hi<|end_of_text|>\n"
+            "<|start_of_role|>assistant<|end_of_role|>");
   // Llama 2's [INST] template (<<SYS>>) is not Mistral's
   EXPECT_FALSE(chat_template_from_text("{{ '[INST] <<SYS>>\\n' + system + '\\n<</SYS>>\\n\\n' }}").known());
   EXPECT_FALSE(chat_template_from_text("{{ messages }}").known());

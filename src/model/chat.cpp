@@ -55,6 +55,8 @@ ChatTemplate chat_template_from_text(const std::string& t) {
     }
   } else if (t.find("<start_of_turn>") != std::string::npos) {
     c.family = ChatFamily::gemma;
+  } else if (t.find("<|start_of_role|>") != std::string::npos && t.find("<|end_of_role|>") != std::string::npos) {
+    c.family = ChatFamily::granite;
   } else if (phi3_turns(t)) {
     c.family = ChatFamily::phi3;
   } else if (t.find("'<|' + message['role'] + '|>'") != std::string::npos && t.find("<|end|>") != std::string::npos &&
@@ -89,6 +91,7 @@ const char* chat_template_name(const ChatTemplate& t) {
     case ChatFamily::phi3: return "phi3";
     case ChatFamily::phi4: return "phi4";
     case ChatFamily::phi4_mini: return "phi4-mini";
+    case ChatFamily::granite: return "granite";
     case ChatFamily::mistral_v1: return "mistral-v1";
     case ChatFamily::mistral: return "mistral";
     case ChatFamily::mistral_v7: return "mistral-v7";
@@ -96,7 +99,7 @@ const char* chat_template_name(const ChatTemplate& t) {
   }
 }
 
-const char* chat_supported_families() { return "ChatML, Gemma, Llama 3, Phi-3, Phi-4, Mistral"; }
+const char* chat_supported_families() { return "ChatML, Gemma, Llama 3, Phi-3, Phi-4, Mistral, Granite"; }
 
 std::string chat_render_next_turn(const ChatTemplate& t, const std::string& user) {
   // Read off a rendered conversation whose earlier turns are markers.
@@ -183,6 +186,16 @@ std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& m
       if (!(cont && i + 1 == msgs.size())) out += "<|eot_id|>";
     }
     if (opt.add_generation_prompt) out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
+    return out;
+  }
+  if (t.family == ChatFamily::granite) {
+    // Granite 3.x's turns. (Its template writes a default system turn with today's date when the
+    // conversation has none; kvq, as llama.cpp, does not.)
+    for (size_t i = 0; i < msgs.size(); ++i) {
+      out += "<|start_of_role|>" + msgs[i].role + "<|end_of_role|>" + msgs[i].content;
+      if (!(cont && i + 1 == msgs.size())) out += "<|end_of_text|>\n";
+    }
+    if (opt.add_generation_prompt) out += "<|start_of_role|>assistant<|end_of_role|>";
     return out;
   }
   if (t.family == ChatFamily::phi4 || t.family == ChatFamily::phi4_mini) {

@@ -18,7 +18,8 @@ struct ChatMessage {
 // last user turn); mistral_v7: [SYSTEM_PROMPT] turns (Mistral Small 3, Large 2411).
 // phi4: '<|im_start|>role<|im_sep|>content<|im_end|>' (Phi-4); phi4_mini: '<|role|>content<|end|>'
 // (Phi-4-mini: Phi-3's tags without the newlines).
-enum class ChatFamily { none, chatml, gemma, llama3, phi3, phi4, phi4_mini, mistral_v1, mistral, mistral_v7 };
+// granite: '<|start_of_role|>role<|end_of_role|>content<|end_of_text|>\n' (Granite 3.x).
+enum class ChatFamily { none, chatml, gemma, llama3, phi3, phi4, phi4_mini, mistral_v1, mistral, mistral_v7, granite };
 
 struct ChatTemplate {
   ChatFamily family = ChatFamily::none;
