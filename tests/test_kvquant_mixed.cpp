@@ -141,8 +141,10 @@ TEST(KvquantMixed, WidePairsAreTheHeaviest) {
 TEST(KvquantMixed, EachChannelIsThePlainCodecOfItsWidth) {
   const int d = 64, bt = 64, H = 2;
   for (bool neox : {false, true})
-    for (int n_rot : {64, 48}) {
-      const KvRope r = rope(n_rot, neox);
+    for (int n_rot : {64, 48, -48}) {  // -48: 48 with per-pair frequency factors (Llama 3.1, LongRoPE)
+      KvRope r = rope(std::abs(n_rot), neox);
+      if (n_rot < 0)
+        for (int i = 0; i < -n_rot / 2; ++i) r.freq_factors.push_back(1.f + 3.f * float(i) / float(-n_rot / 2 - 1));
       KvquantMixedConfig c = mixed(d, H, r, 16);
       c.outliers_per_token = 0;
       c.sink_tokens = 1;

@@ -762,6 +762,16 @@ TEST(ArchVariants, GraniteMultipliersEqualFoldedWeights) {
   auto mg = Model::load(pg), mf = Model::load(pf);
   EXPECT_EQ(mg->config().logit_scale, L);
   EXPECT_EQ(mg->config().embd_mult, s);
+  {  // rope.scaling.finetuned = false: no RoPE on any layer
+    const std::string pr = write_stories_as("granite", (tmp / "kvq_test_granite_norope.gguf").string(),
+                                            [](kvq::test::GgufWriter& w, const ModelConfig&) {
+                                              w.add_f32("granite.logit_scale", 1.f).add_bool("granite.rope.scaling.finetuned", false);
+                                            });
+    auto mr = Model::load(pr);
+    for (int il = 0; il < mr->config().n_layer; ++il) EXPECT_EQ(mr->config().layer_n_rot(il), 0) << il;
+    mr.reset();
+    fs::remove(pr);
+  }
   ASSERT_FALSE(mf->config().tied_output);  // stories260K has its own output.weight (equal to token_embd)
   const Tokenizer tok = Tokenizer::from_gguf(mg->file());
   const std::vector<int32_t> ids = tok.encode("Once upon a time, there was a big dog.", true);
@@ -779,7 +789,7 @@ TEST(ArchVariants, GraniteMultipliersEqualFoldedWeights) {
                                             w.add_f32("granite.logit_scale", 1.f);
                                             w.add_tensor_f32("blk.0.attn_output.bias", {c.n_embd}, std::vector<float>(size_t(c.n_embd), 0.f));
                                           });
-  for (const auto& [p, what] : {std::pair<std::string, std::string>{pn, "granite.logit_scale"}, {pb, "biases are not supported"}}) {
+  for (const auto& [p, what] : {std::pair<std::string, std::string>{pn, "granite.logit_scale"}, {pb, "biases in Granite's layers are not supported"}}) {
     try {
       Model::load(p);
       ADD_FAILURE() << p << " loaded";
@@ -1007,6 +1017,10 @@ TEST(ChatTemplate, FamilyAndDefaultSystemFromTheJinja) {
       "{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endfor %}"
       "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}");
   EXPECT_EQ(p4m.family, ChatFamily::phi4_mini);
+  // Phi-3-small's and Phi-3-vision's build the tag the same way, with a newline after it: Phi-3's turns
+  EXPECT_EQ(chat_template_from_text("{{ '<|' + message['role'] + '|>' + '\n' + message['content'] + '<|end|>\n' }}"
+                                    "{{ '<|assistant|>\n' }}").family,
+            ChatFamily::phi3);
   EXPECT_EQ(chat_render(p4m, {{"system", "S"}, {"user", "Hi"}}), "<|system|>S<|end|><|user|>Hi<|end|><|assistant|>");
   const ChatTemplate p4 = chat_template_from_text(
       "{% for message in messages %}{% if (message['role'] == 'user') %}{{'<|im_start|>user<|im_sep|>' + "
@@ -1036,6 +1050,11 @@ TEST(ChatTemplate, FamilyAndDefaultSystemFromTheJinja) {
   EXPECT_EQ(chat_render(mv1, conv), "[INST] Be brief.\n\nHi [/INST] Hello</s>[INST] Bye [/INST]");
   EXPECT_EQ(chat_render(mtk, conv), "[INST]Hi[/INST]Hello</s>[INST]Be brief.\n\nBye[/INST]");
   EXPECT_EQ(chat_render(mtk, {{"user", "Hi"}, {"assistant", "Hel"}}, ChatRenderOptions{false, true}), "[INST]Hi[/INST]Hel");
+  // a reply's own leading space (SentencePiece's, as kvq generated it) and trailing blanks are trimmed
+  EXPECT_EQ(chat_render(mtk, {{"user", "Hi"}, {"assistant", " Hello \n"}, {"user", "Bye"}}),
+            "[INST]Hi[/INST]Hello</s>[INST]Bye[/INST]");
+  EXPECT_EQ(chat_render(mv1, {{"user", "Hi"}, {"assistant", " Hello"}, {"user", "Bye"}}),
+            "[INST] Hi [/INST] Hello</s>[INST] Bye [/INST]");
   EXPECT_EQ(chat_render(mtk, {{"system", "S"}}), "[INST]S[/INST]");  // no user turn to go into
   const ChatTemplate mv7 = chat_template_from_text(
       "{%- if messages[0]['role'] == 'system' %}{{- '[SYSTEM_PROMPT]' + messages[0]['content'] + '[/SYSTEM_PROMPT]' }}"
@@ -1072,6 +1091,21 @@ TEST(ChatTemplate, FamilyAndDefaultSystemFromTheJinja) {
   EXPECT_EQ(chat_render(g, {{"system", "Be brief."}}), "<start_of_turn>user\nBe brief.<end_of_turn>\n<start_of_turn>model\n");
   EXPECT_THROW(chat_render(p, {{"user", "Hi"}}, cont), Error);                               // last is the user's
   EXPECT_THROW(chat_render(p, {{"user", "Hi"}, {"assistant", "x"}}, ChatRenderOptions{true, true}), Error);
+}
+
+// Mistral's [INST] rendering follows the vocabulary: v0.3 files carry v1's spaced template with a
+// control-token [INST], which takes the control-token rendering.
+TEST(ChatTemplate, MistralRenderingFollowsTheVocabulary) {
+  auto detect = [](int inst_type) {
+    kvq::test::GgufWriter w;
+    w.add_string("tokenizer.chat_template", "{{ ' [INST] ' + message['content'] + ' [/INST]' }}");
+    w.add_string_array("tokenizer.ggml.tokens", {"<unk>", "<s>", "</s>", "[INST]", "[/INST]"});
+    w.add_i32_array("tokenizer.ggml.token_type", {2, 3, 3, inst_type, inst_type});
+    const std::vector<uint8_t> img = w.build();
+    return chat_template_detect(*gguf::File::parse(img.data(), img.size(), "m.gguf")).family;
+  };
+  EXPECT_EQ(detect(3), ChatFamily::mistral);     // control tokens: v2 / v3
+  EXPECT_EQ(detect(1), ChatFamily::mistral_v1);  // text: v1
 }
 
 // The installed SmolLM2 GGUF's own template gives its default system turn.

@@ -209,6 +209,7 @@ std::unique_ptr<KvCodec> kvquant_mixed_key_codec_create(const KvquantMixedConfig
     pc.rope = c.rope;
     pc.rope.n_rot = pc.head_dim;
     pc.rope.neox = true;
+    pc.rope.freq_factors.clear();  // in pair_theta below, with the rates (and for the model's n_rot)
     if (!(pc.rope.freq_base > 1.f)) pc.rope.freq_base = 10000.f;  // unused: the rates below
     if (!(pc.rope.freq_scale > 0.f)) pc.rope.freq_scale = 1.f;
     if (!c.codebooks.empty()) pc.codebook = c.codebooks[s];

@@ -1,5 +1,7 @@
 #include "model/chat.h"
 
+#include <string_view>
+
 #include "core/error.h"
 #include "gguf/gguf.h"
 #include "model/unicode.h"
@@ -10,13 +12,17 @@ namespace {
 // Phi-3's turns: a literal '<|user|>' followed by a newline (written '\n' or as a newline, maybe
 // after closing the string literal: "'<|user|>' + '\n'"), and '<|end|>'. Phi-4-mini's turns have
 // no newline and are not these.
+// Whether a newline (as one, or as the escape \n) comes at t[p], past the quotes, '+' and spaces
+// of a string concatenation ("'<|user|>' + '\n'").
+bool newline_follows(const std::string& t, size_t p) {
+  while (p < t.size() && (t[p] == '\'' || t[p] == '"' || t[p] == '+' || t[p] == ' ')) ++p;
+  return t.compare(p, 1, "\n") == 0 || t.compare(p, 2, "\\n") == 0;
+}
+
 bool phi3_turns(const std::string& t) {
   if (t.find("<|end|>") == std::string::npos || t.find("<|assistant|>") == std::string::npos) return false;
-  for (size_t at = t.find("<|user|>"); at != std::string::npos; at = t.find("<|user|>", at + 1)) {
-    size_t p = at + 8;
-    while (p < t.size() && (t[p] == '\'' || t[p] == '"' || t[p] == '+' || t[p] == ' ')) ++p;
-    if (t.compare(p, 1, "\n") == 0 || t.compare(p, 2, "\\n") == 0) return true;
-  }
+  for (size_t at = t.find("<|user|>"); at != std::string::npos; at = t.find("<|user|>", at + 1))
+    if (newline_follows(t, at + 8)) return true;
   return false;
 }
 }  // namespace
@@ -59,9 +65,12 @@ ChatTemplate chat_template_from_text(const std::string& t) {
     c.family = ChatFamily::granite;
   } else if (phi3_turns(t)) {
     c.family = ChatFamily::phi3;
-  } else if (t.find("'<|' + message['role'] + '|>'") != std::string::npos && t.find("<|end|>") != std::string::npos &&
-             t.find("<|assistant|>") != std::string::npos) {
-    c.family = ChatFamily::phi4_mini;  // the role tag built from the role, no newline after it
+  } else if (const size_t rt = t.find("'<|' + message['role'] + '|>'");
+             rt != std::string::npos && t.find("<|end|>") != std::string::npos && t.find("<|assistant|>") != std::string::npos) {
+    // the role tag built from the role: Phi-4-mini's has no newline after it, Phi-3-small's and
+    // Phi-3-vision's do (Phi-3's turns)
+    const size_t tag = std::string_view("'<|' + message['role'] + '|>'").size();
+    c.family = newline_follows(t, rt + tag) ? ChatFamily::phi3 : ChatFamily::phi4_mini;
   } else if (t.find("[SYSTEM_PROMPT]") != std::string::npos && t.find("[INST]") != std::string::npos) {
     c.family = ChatFamily::mistral_v7;
   } else if (t.find("[INST]") != std::string::npos && t.find("<<SYS>>") == std::string::npos) {
@@ -80,7 +89,23 @@ ChatTemplate chat_template_from_text(const std::string& t) {
 
 ChatTemplate chat_template_detect(const gguf::File& f) {
   auto t = f.get_string("tokenizer.chat_template");
-  return t ? chat_template_from_text(*t) : ChatTemplate{};
+  ChatTemplate c = t ? chat_template_from_text(*t) : ChatTemplate{};
+  if (c.family == ChatFamily::mistral_v1 || c.family == ChatFamily::mistral) {
+    // Which of Mistral's [INST] renderings: the vocabulary's, not the template's spacing (Mistral
+    // 7B v0.3 files carry v1's spaced template with a vocabulary whose [INST] is a control token,
+    // where the spaces would become tokens of their own).
+    const gguf::Value* toks = f.find("tokenizer.ggml.tokens");
+    const gguf::Value* types = f.find("tokenizer.ggml.token_type");
+    bool control = false;
+    if (toks && toks->type == gguf::ValueType::array && types && types->type == gguf::ValueType::array)
+      for (size_t i = 0; i < toks->arr.size() && i < types->arr.size(); ++i)
+        if (toks->arr[i].type == gguf::ValueType::string && toks->arr[i].s == "[INST]") {
+          control = types->arr[i].as_int() == std::optional<int64_t>(3);  // CONTROL
+          break;
+        }
+    c.family = control ? ChatFamily::mistral : ChatFamily::mistral_v1;
+  }
+  return c;
 }
 
 const char* chat_template_name(const ChatTemplate& t) {
@@ -247,7 +272,12 @@ std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& m
       } else if (m.role == "user") {
         out += inst + (i == sys_user && !system.empty() ? system + "\n\n" : std::string()) + m.content + end_inst;
       } else {
-        out += (v1 ? " " : "") + m.content;
+        // trimmed, as its templates do (a reply kvq generated starts with the SentencePiece
+        // space, which the rendering gives again)
+        std::string content = m.content;
+        content.erase(0, content.find_first_not_of(" \t\n"));
+        if (!last_open) content.erase(content.find_last_not_of(" \t\n") + 1);
+        out += (v1 ? " " : "") + content;
         if (!last_open) out += "</s>";
       }
     }

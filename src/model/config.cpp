@@ -189,8 +189,12 @@ ModelConfig model_config_from_gguf(const gguf::File& f, int ctx) {
     c.residual_scale = mult("residual_scale", false);
     c.embd_mult = mult("embedding_scale", false);
     c.attn_scale = mult("attention.scale", false);  // 0: 1/sqrt(head_dim)
-    for (const char* b : {"blk.0.attn_output.bias", "blk.0.ffn_down.bias", "blk.0.ffn_up.bias"})
-      if (f.find_tensor(b)) fail("{}: tensor '{}': Granite's output biases are not supported", f.path(), b);
+    for (const char* b : {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"})
+      for (int il = 0; il < c.n_layer; ++il)
+        if (const std::string t = fmt::format("blk.{}.{}.bias", il, b); f.find_tensor(t))
+          fail("{}: tensor '{}': biases in Granite's layers are not supported", f.path(), t);
+    // rope.scaling.finetuned = false switches Granite's RoPE off (as llama.cpp reads it)
+    if (!f.get_bool(a + "rope.scaling.finetuned").value_or(true)) c.layer_no_rope.assign(size_t(c.n_layer), true);
   }
   if (gemma) {
     c.rope_neox = true;

@@ -174,7 +174,7 @@ void Model::build_layer_rope() {
     r.freq_base = c.layer_rope_base(il);
     r.freq_scale = 1.0f / c.layer_rope_scale(il);
     r.neox = c.rope_neox;
-    r.freq_factors = c.layer_rope_factors(il);
+    if (r.n_rot > 0) r.freq_factors = c.layer_rope_factors(il);  // none on a layer without RoPE
     layer_rope_.push_back(std::move(r));
   }
 }
