@@ -68,32 +68,26 @@ def pieces(pattern, text):
     return out
 
 
-def main():
-    rng = random.Random(20261206)
-    texts = list(CASES)
-    for _ in range(400):
+def write_golden(path, seed, cases, pool, n_random, patterns):
+    """cases + n_random random texts over pool, each with its pieces under every pattern."""
+    rng = random.Random(seed)
+    texts = list(cases)
+    for _ in range(n_random):
         n = rng.randint(1, 24)
-        texts.append("".join(rng.choice(POOL) for _ in range(n)))
-    cases = [{"text": t, "llama3": pieces(LLAMA3, t), "qwen2": pieces(QWEN2, t)} for t in texts]
-    with open(sys.argv[1], "w", encoding="utf-8") as f:
+        texts.append("".join(rng.choice(pool) for _ in range(n)))
+    out = [{"text": t, **{k: pieces(p, t) for k, p in patterns.items()}} for t in texts]
+    with open(path, "w", encoding="utf-8") as f:
         json.dump({"produced_by": f"scripts/ref_pretokenize.py with regex {regex.__version__}",
-                   "llama3_pattern": LLAMA3, "qwen2_pattern": QWEN2, "cases": cases}, f, ensure_ascii=True,
+                   **{f"{k}_pattern": p for k, p in patterns.items()}, "cases": out}, f, ensure_ascii=True,
                   indent=0)
         f.write("\n")
-    print(len(cases), "cases")
+    print(len(out), "cases in", path)
+
+
+def main():
+    write_golden(sys.argv[1], 20261206, CASES, POOL, 400, {"llama3": LLAMA3, "qwen2": QWEN2})
     if len(sys.argv) > 2:
-        rng = random.Random(20261207)
-        texts = list(CASES) + CASED_CASES
-        for _ in range(600):
-            n = rng.randint(1, 24)
-            texts.append("".join(rng.choice(CASED_POOL) for _ in range(n)))
-        cases = [{"text": t, "tekken": pieces(TEKKEN, t), "gpt4o": pieces(GPT4O, t)} for t in texts]
-        with open(sys.argv[2], "w", encoding="utf-8") as f:
-            json.dump({"produced_by": f"scripts/ref_pretokenize.py with regex {regex.__version__}",
-                       "tekken_pattern": TEKKEN, "gpt4o_pattern": GPT4O, "cases": cases}, f, ensure_ascii=True,
-                      indent=0)
-            f.write("\n")
-        print(len(cases), "cased cases")
+        write_golden(sys.argv[2], 20261207, CASES + CASED_CASES, CASED_POOL, 600, {"tekken": TEKKEN, "gpt4o": GPT4O})
 
 
 if __name__ == "__main__":

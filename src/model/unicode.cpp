@@ -254,6 +254,27 @@ void split_gpt2_stretch(const std::vector<Cp>& cps, size_t b, size_t e, uint32_t
 
 inline bool is_cr_lf(uint32_t c) { return c == '\r' || c == '\n'; }
 
+// The end of the piece at cps[i] (a character that no letter or digit alternative took) by the last
+// alternatives the Llama 3, Tekken and GPT-4o patterns share: ' ?[^\s\p{L}\p{N}]+[\r\n]*' (with '/'
+// among the trailing characters for Tekken / GPT-4o), then for whitespace '\s*[\r\n]+' up to the
+// run's last CR / LF, '\s+(?!\S)' and '\s+'.
+size_t punct_or_space_end(const std::vector<Cp>& cps, size_t i, size_t e, bool slash) {
+  auto run = [&](size_t k, CharClass c) {
+    while (k < e && cps[k].cls == c) ++k;
+    return k;
+  };
+  const size_t j = cps[i].cp == ' ' && i + 1 < e && cps[i + 1].cls == CharClass::other ? i + 1 : i;
+  if (cps[j].cls == CharClass::other) {
+    size_t k = run(j, CharClass::other);
+    while (k < e && (is_cr_lf(cps[k].cp) || (slash && cps[k].cp == '/'))) ++k;
+    return k;
+  }
+  const size_t k = run(i, CharClass::space);
+  size_t nl = k;
+  while (nl > i && !is_cr_lf(cps[nl - 1].cp)) --nl;
+  return nl > i ? nl : whitespace_end(i, k, e);
+}
+
 // The Llama 3 regex over cps (max_digits 3; Qwen2's: 1):
 //   (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,max_digits}|
 //   ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
@@ -296,27 +317,9 @@ void split_llama3(const std::vector<Cp>& cps, int max_digits, uint32_t end_off, 
       i = k;
       continue;
     }
-    //  ?[^\s\p{L}\p{N}]+[\r\n]*
-    const size_t j = c == ' ' && i + 1 < e && cps[i + 1].cls == CharClass::other ? i + 1 : i;
-    if (cps[j].cls == CharClass::other) {
-      size_t k = run(j, CharClass::other);
-      while (k < e && is_cr_lf(cps[k].cp)) ++k;
-      emit(i, k);
-      i = k;
-      continue;
-    }
-    // whitespace (cl == space): \s*[\r\n]+ up to the run's last CR / LF, if it has one
-    const size_t k = run(i, CharClass::space);
-    size_t nl = k;
-    while (nl > i && !is_cr_lf(cps[nl - 1].cp)) --nl;
-    if (nl > i) {
-      emit(i, nl);
-      i = nl;
-      continue;
-    }
-    const size_t w = whitespace_end(i, k, e);
-    emit(i, w);
-    i = w;
+    const size_t k = punct_or_space_end(cps, i, e, false);
+    emit(i, k);
+    i = k;
   }
 }
 
@@ -363,7 +366,6 @@ void split_cased(const std::vector<Cp>& cps, const std::vector<LetterCase>& lc, 
   auto with_contraction = [&](size_t k) { return contractions && k < e ? k + contraction(cps, k, e, true) : k; };
   size_t i = 0;
   while (i < e) {
-    const uint32_t c = cps[i].cp;
     const CharClass cl = cps[i].cls;
     size_t k = 0;
     const bool p = is_p(i) && i + 1 < e;
@@ -384,27 +386,9 @@ void split_cased(const std::vector<Cp>& cps, const std::vector<LetterCase>& lc, 
       i = k;
       continue;
     }
-    //  ?[^\s\p{L}\p{N}]+[\r\n/]*
-    const size_t j = c == ' ' && i + 1 < e && cps[i + 1].cls == CharClass::other ? i + 1 : i;
-    if (cps[j].cls == CharClass::other) {
-      k = run(j, CharClass::other);
-      while (k < e && (is_cr_lf(cps[k].cp) || cps[k].cp == '/')) ++k;
-      emit(i, k);
-      i = k;
-      continue;
-    }
-    // whitespace: as in the Llama 3 pattern
-    k = run(i, CharClass::space);
-    size_t nl = k;
-    while (nl > i && !is_cr_lf(cps[nl - 1].cp)) --nl;
-    if (nl > i) {
-      emit(i, nl);
-      i = nl;
-      continue;
-    }
-    const size_t w = whitespace_end(i, k, e);
-    emit(i, w);
-    i = w;
+    k = punct_or_space_end(cps, i, e, true);
+    emit(i, k);
+    i = k;
   }
 }
 
