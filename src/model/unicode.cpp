@@ -218,21 +218,30 @@ size_t contraction(const std::vector<Cp>& cps, size_t i, size_t e, bool any_case
 // at the end of the text, or when it is a single character.
 size_t whitespace_end(size_t i, size_t k, size_t e) { return k == e || k - i == 1 ? k : k - 1; }
 
+// A splitter's output and class runs over cps[.., e) (e: "end of string" for the lookaheads).
+struct Pieces {
+  const std::vector<Cp>& cps;
+  size_t e;
+  uint32_t end_off;  // byte offset of e
+  std::vector<Span>& out;
+  uint32_t off(size_t k) const { return k < e ? cps[k].off : end_off; }
+  void emit(size_t from, size_t to) const { out.push_back({off(from), off(to) - off(from)}); }
+  size_t run(size_t k, CharClass c) const {
+    while (k < e && cps[k].cls == c) ++k;
+    return k;
+  }
+};
+
 // The GPT-2 regex over cps[b, e) (one stretch; e is "end of string" for the lookahead).
 void split_gpt2_stretch(const std::vector<Cp>& cps, size_t b, size_t e, uint32_t end_off,
                         std::vector<Span>& out) {
-  auto off = [&](size_t k) { return k < e ? cps[k].off : end_off; };
-  auto emit = [&](size_t from, size_t to) { out.push_back({off(from), off(to) - off(from)}); };
-  auto run = [&](size_t k, CharClass c) {
-    while (k < e && cps[k].cls == c) ++k;
-    return k;
-  };
+  const Pieces pc{cps, e, end_off, out};
   size_t i = b;
   while (i < e) {
     const uint32_t c = cps[i].cp;
     // 's 't 're 've 'm 'll 'd (case-sensitive, as in the GPT-2 pattern)
     if (const size_t n = contraction(cps, i, e, false)) {
-      emit(i, i + n);
+      pc.emit(i, i + n);
       i += n;
       continue;
     }
@@ -241,13 +250,13 @@ void split_gpt2_stretch(const std::vector<Cp>& cps, size_t b, size_t e, uint32_t
     if (c == ' ' && i + 1 < e && cps[i + 1].cls != CharClass::space) j = i + 1;
     const CharClass cj = cps[j].cls;
     if (cj != CharClass::space) {
-      const size_t k = run(j, cj);
-      emit(i, k);
+      const size_t k = pc.run(j, cj);
+      pc.emit(i, k);
       i = k;
       continue;
     }
-    const size_t k = whitespace_end(i, run(i, CharClass::space), e);
-    emit(i, k);
+    const size_t k = whitespace_end(i, pc.run(i, CharClass::space), e);
+    pc.emit(i, k);
     i = k;
   }
 }
@@ -258,18 +267,16 @@ inline bool is_cr_lf(uint32_t c) { return c == '\r' || c == '\n'; }
 // alternatives the Llama 3, Tekken and GPT-4o patterns share: ' ?[^\s\p{L}\p{N}]+[\r\n]*' (with '/'
 // among the trailing characters for Tekken / GPT-4o), then for whitespace '\s*[\r\n]+' up to the
 // run's last CR / LF, '\s+(?!\S)' and '\s+'.
-size_t punct_or_space_end(const std::vector<Cp>& cps, size_t i, size_t e, bool slash) {
-  auto run = [&](size_t k, CharClass c) {
-    while (k < e && cps[k].cls == c) ++k;
-    return k;
-  };
+size_t punct_or_space_end(const Pieces& pc, size_t i, bool slash) {
+  const std::vector<Cp>& cps = pc.cps;
+  const size_t e = pc.e;
   const size_t j = cps[i].cp == ' ' && i + 1 < e && cps[i + 1].cls == CharClass::other ? i + 1 : i;
   if (cps[j].cls == CharClass::other) {
-    size_t k = run(j, CharClass::other);
+    size_t k = pc.run(j, CharClass::other);
     while (k < e && (is_cr_lf(cps[k].cp) || (slash && cps[k].cp == '/'))) ++k;
     return k;
   }
-  const size_t k = run(i, CharClass::space);
+  const size_t k = pc.run(i, CharClass::space);
   size_t nl = k;
   while (nl > i && !is_cr_lf(cps[nl - 1].cp)) --nl;
   return nl > i ? nl : whitespace_end(i, k, e);
@@ -281,44 +288,39 @@ size_t punct_or_space_end(const std::vector<Cp>& cps, size_t i, size_t e, bool s
 // Each position takes the first alternative that matches there, as the regex engine does.
 void split_llama3(const std::vector<Cp>& cps, int max_digits, uint32_t end_off, std::vector<Span>& out) {
   const size_t e = cps.size();
-  auto off = [&](size_t k) { return k < e ? cps[k].off : end_off; };
-  auto emit = [&](size_t from, size_t to) { out.push_back({off(from), off(to) - off(from)}); };
-  auto run = [&](size_t k, CharClass c) {
-    while (k < e && cps[k].cls == c) ++k;
-    return k;
-  };
+  const Pieces pc{cps, e, end_off, out};
   size_t i = 0;
   while (i < e) {
     const uint32_t c = cps[i].cp;
     const CharClass cl = cps[i].cls;
     // contractions, either case
     if (const size_t n = contraction(cps, i, e, true)) {
-      emit(i, i + n);
+      pc.emit(i, i + n);
       i += n;
       continue;
     }
     // [^\r\n\p{L}\p{N}]?\p{L}+: letters, after at most one character that is none of these
     if (cl == CharClass::letter) {
-      const size_t k = run(i, CharClass::letter);
-      emit(i, k);
+      const size_t k = pc.run(i, CharClass::letter);
+      pc.emit(i, k);
       i = k;
       continue;
     }
     if (cl != CharClass::number && !is_cr_lf(c) && i + 1 < e && cps[i + 1].cls == CharClass::letter) {
-      const size_t k = run(i + 1, CharClass::letter);
-      emit(i, k);
+      const size_t k = pc.run(i + 1, CharClass::letter);
+      pc.emit(i, k);
       i = k;
       continue;
     }
     // \p{N}{1,max_digits}
     if (cl == CharClass::number) {
-      const size_t k = std::min(run(i, CharClass::number), i + size_t(max_digits));
-      emit(i, k);
+      const size_t k = std::min(pc.run(i, CharClass::number), i + size_t(max_digits));
+      pc.emit(i, k);
       i = k;
       continue;
     }
-    const size_t k = punct_or_space_end(cps, i, e, false);
-    emit(i, k);
+    const size_t k = punct_or_space_end(pc, i, false);
+    pc.emit(i, k);
     i = k;
   }
 }
@@ -330,12 +332,7 @@ void split_llama3(const std::vector<Cp>& cps, int max_digits, uint32_t end_off, 
 void split_cased(const std::vector<Cp>& cps, const std::vector<LetterCase>& lc, int max_digits, bool contractions,
                  uint32_t end_off, std::vector<Span>& out) {
   const size_t e = cps.size();
-  auto off = [&](size_t k) { return k < e ? cps[k].off : end_off; };
-  auto emit = [&](size_t from, size_t to) { out.push_back({off(from), off(to) - off(from)}); };
-  auto run = [&](size_t k, CharClass c) {
-    while (k < e && cps[k].cls == c) ++k;
-    return k;
-  };
+  const Pieces pc{cps, e, end_off, out};
   auto is_u = [&](size_t k) { return lc[k] == LetterCase::upper || lc[k] == LetterCase::caseless || lc[k] == LetterCase::mark; };
   auto is_w = [&](size_t k) { return lc[k] == LetterCase::lower || lc[k] == LetterCase::caseless || lc[k] == LetterCase::mark; };
   auto is_p = [&](size_t k) {
@@ -375,19 +372,19 @@ void split_cased(const std::vector<Cp>& cps, const std::vector<LetterCase>& lc, 
     if (!k) k = upper_run(i);
     if (k) {
       k = with_contraction(k);
-      emit(i, k);
+      pc.emit(i, k);
       i = k;
       continue;
     }
     // \p{N}{1,max_digits}
     if (cl == CharClass::number) {
-      k = std::min(run(i, CharClass::number), i + size_t(max_digits));
-      emit(i, k);
+      k = std::min(pc.run(i, CharClass::number), i + size_t(max_digits));
+      pc.emit(i, k);
       i = k;
       continue;
     }
-    k = punct_or_space_end(cps, i, e, true);
-    emit(i, k);
+    k = punct_or_space_end(pc, i, true);
+    pc.emit(i, k);
     i = k;
   }
 }
