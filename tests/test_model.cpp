@@ -597,7 +597,9 @@ TEST(ArchVariants, Phi3LongRopeFactorsFollowTheContext) {
     w.add_string("phi3.rope.scaling.type", "linear");
     w.add_f32("phi3.rope.scaling.factor", 2.0f);
   });
-  auto shorter = Model::load(pr, 128), longer = Model::load(pr), trained = Model::load(pr, 2048);
+  auto shorter = Model::load(pr), longer = Model::load(pr), trained = Model::load(pr);
+  shorter->set_context(128);
+  trained->set_context(2048);
   EXPECT_FALSE(shorter->config().rope_long);
   EXPECT_TRUE(longer->config().rope_long);  // ctx 0: the trained context, 2048 > 128
   EXPECT_TRUE(trained->config().rope_long);

@@ -9,9 +9,6 @@
 namespace kvq {
 
 namespace {
-// Phi-3's turns: a literal '<|user|>' followed by a newline (written '\n' or as a newline, maybe
-// after closing the string literal: "'<|user|>' + '\n'"), and '<|end|>'. Phi-4-mini's turns have
-// no newline and are not these.
 // Whether a newline (as one, or as the escape \n) comes at t[p], past the quotes, '+' and spaces
 // of a string concatenation ("'<|user|>' + '\n'").
 bool newline_follows(const std::string& t, size_t p) {
@@ -19,6 +16,8 @@ bool newline_follows(const std::string& t, size_t p) {
   return t.compare(p, 1, "\n") == 0 || t.compare(p, 2, "\\n") == 0;
 }
 
+// Phi-3's turns: a literal '<|user|>' followed by a newline, and '<|end|>'. Phi-4-mini's turns
+// have no newline and are not these.
 bool phi3_turns(const std::string& t) {
   if (t.find("<|end|>") == std::string::npos || t.find("<|assistant|>") == std::string::npos) return false;
   for (size_t at = t.find("<|user|>"); at != std::string::npos; at = t.find("<|user|>", at + 1))

@@ -88,7 +88,7 @@ std::vector<float> rope_factor_tensor(const gguf::File& f, const char* name, int
 }
 }  // namespace
 
-ModelConfig model_config_from_gguf(const gguf::File& f, int ctx) {
+ModelConfig model_config_from_gguf(const gguf::File& f) {
   ModelConfig c;
   auto arch = f.get_string("general.architecture");
   if (!arch) fail("{}: missing metadata key 'general.architecture'", f.path());
@@ -158,7 +158,7 @@ ModelConfig model_config_from_gguf(const gguf::File& f, int ctx) {
     c.has_long_rope = true;
     c.rope_factors_long = std::move(lng);
     c.rope_factors_short = std::move(sht);
-    model_config_pick_rope(c, ctx);
+    model_config_pick_rope(c, 0);
   }
   c.rope_attn_factor = float(f.get_float(a + "rope.scaling.attn_factor").value_or(1.0));
   if (!(std::isfinite(c.rope_attn_factor) && c.rope_attn_factor > 0 && c.rope_attn_factor < 16))

@@ -78,13 +78,12 @@ struct ModelConfig {
 };
 
 // Reads and validates the hyperparameters; throws kvq::Error for unsupported architectures or
-// missing/inconsistent values. `ctx`: the context (tokens per sequence) the model will run at, 0
-// for its trained context; it picks Phi-3's LongRoPE factors (long past n_ctx_orig), as llama.cpp
-// picks them by its context size.
-ModelConfig model_config_from_gguf(const gguf::File& f, int ctx = 0);
+// missing/inconsistent values. Phi-3's LongRoPE factors are picked for the trained context
+// (model_config_pick_rope / Model::set_context pick them for another).
+ModelConfig model_config_from_gguf(const gguf::File& f);
 
 // Picks LongRoPE's factor set for a context of `ctx` tokens (0: the trained context): the long one
-// past n_ctx_orig. No effect on models without the two sets.
+// past n_ctx_orig, as llama.cpp picks by its context size. No effect on models without the two sets.
 void model_config_pick_rope(ModelConfig& c, int ctx);
 
 // The architectures kvq runs (general.architecture), and their list for messages.

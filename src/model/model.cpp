@@ -111,11 +111,11 @@ void rope_table(float* cs, int pos, const KvRope& r) {
 
 }  // namespace
 
-std::unique_ptr<Model> Model::load(const std::string& path, int ctx) {
+std::unique_ptr<Model> Model::load(const std::string& path) {
   auto m = std::unique_ptr<Model>(new Model());
   m->file_ = gguf::File::open(path);
   const gguf::File& f = *m->file_;
-  m->cfg_ = model_config_from_gguf(f, ctx);
+  m->cfg_ = model_config_from_gguf(f);
   const ModelConfig& c = m->cfg_;
   const int64_t qd = int64_t(c.n_head) * c.head_dim, kvd = int64_t(c.n_head_kv) * c.head_dim;
   m->tok_embd_ = view_of(f, "token_embd.weight", c.n_embd, c.n_vocab);
@@ -192,8 +192,8 @@ size_t Model::decode_weight_bytes() const {
   return b;
 }
 
-std::unique_ptr<Model> Model::load_f32(const std::string& path, int ctx) {
-  auto m = load(path, ctx);
+std::unique_ptr<Model> Model::load_f32(const std::string& path) {
+  auto m = load(path);
   m->dequantize_all_f32();
   return m;
 }

@@ -25,13 +25,12 @@ struct LayerWeights {
 class Model {
  public:
   // Opens and validates the file (architecture, tensor shapes and types); throws kvq::Error.
-  // `ctx`: the tokens per sequence it will run at (0: its trained context), which picks Phi-3's
-  // LongRoPE factors (model_config_from_gguf).
-  static std::unique_ptr<Model> load(const std::string& path, int ctx = 0);
+  // RoPE as at the trained context: set_context for another.
+  static std::unique_ptr<Model> load(const std::string& path);
   // Reference precision: every weight matrix dequantized to f32 once at load, so matmuls run in
   // f32 without quantizing activations. For checking the graph against an f32 reference (and
   // for measuring what activation quantization costs); ~4 bytes per parameter of memory.
-  static std::unique_ptr<Model> load_f32(const std::string& path, int ctx = 0);
+  static std::unique_ptr<Model> load_f32(const std::string& path);
 
   const ModelConfig& config() const { return cfg_; }
   const gguf::File& file() const { return *file_; }
@@ -40,9 +39,9 @@ class Model {
   // gathered one row at a time (unless it doubles as the output projection).
   size_t decode_weight_bytes() const;
 
-  // Picks the RoPE factors for a context of `ctx` tokens (LongRoPE's two sets; no effect on other
-  // models), as load does. Caches made before keep the old RoPE: make new ones. True when the
-  // set changed.
+  // Picks the RoPE factors for a context of `ctx` tokens, the one a tool runs at (0: the trained
+  // context; LongRoPE's two sets, no effect on other models). Caches made before keep the old RoPE:
+  // make new ones. True when the set changed.
   bool set_context(int ctx);
 
   // Cache configuration for this model (shapes and per-layer RoPE filled in).

@@ -33,9 +33,10 @@ int calibrate_command(const CalibrateOptions& o) {
     if (b < 2 || b > 4) fail("--kvquant-bits: {} is not one of 2, 3, 4", b);
   // The output path before the passes over the text, not after them.
   report_check_writable("-o", o.out, {{"the model (-m)", o.model}, {"the text (--data)", o.data}});
-  auto model = Model::load(o.model, std::max(o.ctx, 0));
+  auto model = Model::load(o.model);
   const ModelConfig& c = model->config();
   if (o.ctx > c.n_ctx_train) fail("--ctx {} exceeds the model's context length {}", o.ctx, c.n_ctx_train);
+  model->set_context(o.ctx);
   Tokenizer tok = Tokenizer::from_gguf(model->file());
   const std::vector<int32_t> ids = tok.encode(read_text_file(o.data, "--data"), false);
   const int chunks = int(std::min<size_t>(size_t(o.chunks), ids.size() / size_t(o.ctx)));

@@ -624,13 +624,8 @@ int eval_command(const EvalOptions& o) {
   for (double b : o.budget_bits)
     if (!std::isfinite(b)) fail("--budget-bits: {} is not a number of bits in [1, 32]", b);
 
-  // The longest context asked picks the model's RoPE factors where it has two sets (Phi-3's).
-  int64_t ctx_max = 0;
-  for (const auto& s : o.ctx) ctx_max = std::max(ctx_max, plan_parse_count(s, "--ctx"));
-  const int load_ctx = int(std::min<int64_t>(ctx_max, std::numeric_limits<int>::max()));
-  auto model = o.f32_weights ? Model::load_f32(o.model, load_ctx) : Model::load(o.model, load_ctx);
+  auto model = o.f32_weights ? Model::load_f32(o.model) : Model::load(o.model);
   const ModelConfig& cfg = model->config();
-  if (const std::string note = model_rope_note(cfg, load_ctx); !note.empty()) std::fprintf(stderr, "%s\n", note.c_str());
   Tokenizer tok = Tokenizer::from_gguf(model->file());
   std::vector<int> ctxs;
   for (const auto& s : o.ctx) {
@@ -640,6 +635,11 @@ int eval_command(const EvalOptions& o) {
     if (std::find(ctxs.begin(), ctxs.end(), int(v)) != ctxs.end()) fail("--ctx: {} is given twice", v);
     ctxs.push_back(int(v));
   }
+  // The RoPE factors of the longest context asked (LongRoPE models; each task then takes its own
+  // context's, use_context); the formats' calibration is checked against these.
+  const int ctx_max = ctxs.empty() ? 0 : *std::max_element(ctxs.begin(), ctxs.end());
+  model->set_context(ctx_max);
+  if (const std::string note = model_rope_note(cfg, ctx_max); !note.empty()) std::fprintf(stderr, "%s\n", note.c_str());
   std::vector<FormatRun> runs;
   for (const auto& f : o.formats) {
     FormatRun r;

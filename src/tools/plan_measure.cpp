@@ -4,7 +4,6 @@
 // splits the measurement into a baseline (weights, scratch, runtime) and growth per token (the
 // KV cache). The prediction is fitted over the same points, so the two growths compare alike.
 #include <algorithm>
-#include <limits>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -39,10 +38,11 @@ int plan_measure(const PlanOptions& o, const PlanModel& pm, const PlanConfig& c,
   if (formats.empty()) formats.push_back("f16");
   std::vector<int64_t> ctxs = c.ctx;
   std::sort(ctxs.begin(), ctxs.end());
-  auto model = Model::load(o.model_path, ctxs.empty() ? 0 : int(std::min<int64_t>(ctxs.back(), std::numeric_limits<int>::max())));
+  auto model = Model::load(o.model_path);
   const ModelConfig& mc = model->config();
   for (int64_t x : ctxs)
     if (x > mc.n_ctx_train) fail("--ctx {} exceeds the model's context length {}", x, mc.n_ctx_train);
+  if (!ctxs.empty()) model->set_context(int(ctxs.back()));
   if (ctxs.size() < 2) fail("--measure needs at least two --ctx values to separate baseline and growth");
   const int64_t P = c.page_tokens;
   auto room = [P](int64_t ctx) { return (ctx + P - 1) / P * P; };

@@ -116,7 +116,8 @@ int run_command(const RunOptions& o) {
   }
 
   if (o.ctx < 0) fail("--ctx-size must be > 0 (got {})", o.ctx);
-  auto model = Model::load(o.model, o.ctx);
+  auto model = Model::load(o.model);
+  model->set_context(o.ctx);
   const ModelConfig& c = model->config();
   Tokenizer tok = Tokenizer::from_gguf(model->file());
   const int ctx = o.ctx > 0 ? o.ctx : c.n_ctx_train;
