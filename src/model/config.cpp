@@ -51,6 +51,12 @@ std::optional<std::vector<bool>> gguf_sliding_layers(const gguf::File& f, const 
   return sliding;
 }
 
+int model_arch_swa_pattern(const std::string& arch) {
+  return arch == "gemma3" ? 6 : arch == "gemma2" ? 2 : arch == "phi3" ? 1 : -1;
+}
+
+int64_t model_arch_swa_window(const std::string& arch) { return arch == "gemma3" ? 512 : arch == "gemma2" ? 4096 : 0; }
+
 void model_config_pick_rope(ModelConfig& c, int ctx) {
   if (!c.has_long_rope) return;
   c.rope_long = (ctx > 0 ? ctx : c.n_ctx_train) > c.n_ctx_orig;
@@ -132,10 +138,10 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
   // attention on every layer).
   c.layer_sliding.assign(size_t(c.n_layer), false);
   if (gemma) {
-    const int64_t sw = f.get_int(a + "attention.sliding_window").value_or(c.arch == "gemma2" ? 4096 : 512);
+    const int64_t sw = f.get_int(a + "attention.sliding_window").value_or(model_arch_swa_window(c.arch));
     if (sw <= 0 || sw > (int64_t(1) << 30)) fail("{}: sliding window {} must be in [1, 2^30]", f.path(), sw);
     c.sliding_window = int(sw);
-    c.layer_sliding = *gguf_sliding_layers(f, c.arch, c.n_layer, c.arch == "gemma2" ? 2 : 6, f.path());
+    c.layer_sliding = *gguf_sliding_layers(f, c.arch, c.n_layer, model_arch_swa_pattern(c.arch), f.path());
   }
   // The local layers' RoPE: Gemma 3's base 10000 and no scaling, Gemma 2's as the global layers'.
   c.rope_base_local = float(f.get_float(a + "rope.freq_base_swa").value_or(c.arch == "gemma3" ? 10000.0 : c.rope_base));

@@ -94,6 +94,12 @@ const char* model_arch_list();
 // line for stderr; empty for other models.
 std::string model_rope_note(const ModelConfig& c, int ctx);
 
+// The sliding-window layout an architecture has when its file does not say: the pattern in
+// gguf_sliding_layers' sense (Gemma 3: 6, Gemma 2: 2, Phi-3: 1, whose window is not used; -1:
+// unknown) and the window (Gemma 3: 512, Gemma 2: 4096; 0: none known).
+int model_arch_swa_pattern(const std::string& arch);
+int64_t model_arch_swa_window(const std::string& arch);
+
 // Which layers use sliding-window attention, from `ARCH.attention.sliding_window_pattern` as
 // llama.cpp reads it: an array of booleans (true: sliding), or an integer n (0: every layer; else
 // layer il slides unless il % n == n - 1, so n = 1 is none); without the key, `default_pattern` in

@@ -299,11 +299,11 @@ Tokenizer Tokenizer::from_gguf(const gguf::File& f) {
     } else if (pre == "qwen2" || pre == "deepseek-r1-qwen") {
       t.llama3_digits_ = 1;
     } else if (pre == "tekken") {
-      // (The Tekken and GPT-4o patterns' letter cases are Unicode's here, as in the Hugging Face
-      // tokenizers; llama.cpp approximates them with ASCII, so on text with non-ASCII capitals or
-      // marks its pieces, and then tokens, can differ from these.)
       // Mistral's Tekken (Mistral Nemo, Mistral Small 3): digits one at a time; vocabulary words
-      // taken whole and a BOS opening every text, as its tokenizer (and llama.cpp) does
+      // taken whole and a BOS opening every text, as its tokenizer (and llama.cpp) does. The
+      // Tekken and GPT-4o patterns' letter cases are Unicode's, as in the Hugging Face tokenizers
+      // (llama.cpp approximates them with ASCII, so on non-ASCII capitals or marks its pieces can
+      // differ).
       t.cased_digits_ = 1;
       t.ignore_merges_ = true;
       if (!f.find("tokenizer.ggml.add_bos_token")) t.add_bos_ = true;

@@ -472,13 +472,13 @@ PlanModel plan_model_from_gguf(const gguf::File& f) {
   // conservative answer) and the output says so.
   std::optional<int64_t> window = bounded_int(gguf_int_or_max(f, a + "attention.sliding_window", nullptr),
                                               a + "attention.sliding_window", where, 0, kMaxContext);
-  if (!window && *arch == "gemma2") window = 4096;  // Gemma 2's default, as the engine (and llama.cpp) take it
+  if (!window && *arch == "gemma2") window = model_arch_swa_window(*arch);  // as the engine (and llama.cpp) take it
   std::vector<bool> local(size_t(m.n_layers), false);
   if (window && *window > 0) {
     // The pattern key as llama.cpp reads it, else the architecture's known layout (Phi-3's window
     // is not used, by kvq as by llama.cpp: no sliding layer).
-    const int known = *arch == "gemma3" ? 6 : *arch == "gemma2" ? 2 : *arch == "phi3" ? 1 : -1;
-    if (std::optional<std::vector<bool>> sl = gguf_sliding_layers(f, *arch, int(m.n_layers), known, where)) {
+    if (std::optional<std::vector<bool>> sl =
+            gguf_sliding_layers(f, *arch, int(m.n_layers), model_arch_swa_pattern(*arch), where)) {
       local = std::move(*sl);
     } else {
       m.notes.push_back(fmt::format("'{}attention.sliding_window' = {} but the layer pattern of '{}' is unknown: "
