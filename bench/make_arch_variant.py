@@ -25,11 +25,23 @@ perplexities stay meaningful (except gemma2's, which loses the q / k norms it wa
   folded rows stored F16), which keeps the model close to the original instead of wrecked;
 - llama: the architecture kept, no reordering; with --rope-freqs F, a rope_freqs.weight tensor whose
   factors rise linearly from 1 (the fastest pair) to F (the slowest);
+- mixtral, qwen2moe, qwen3moe, granitemoe: llama (Mixtral's experts), qwen2, qwen3 or granite as
+  above, with each layer's FFN cut into --experts N,K experts (N slices of the hidden channels, their
+  gate / up rows kept as they are in the file, their down columns stored F16 times --down-scale,
+  default N) and a router (F32) choosing K per token: with --router gate (default) expert e's row is
+  the mean of its channels' gate rows, scaled to norm --router-std; with --router random, normal with
+  standard deviation --router-std / sqrt(n_embd). qwen2moe keeps the first --shared channels as its
+  shared expert behind a random sigmoid gate (its down times 2) and cuts the rest. Such a model is
+  worse than the original (a token runs a share of its FFN), but both engines run the same file, so
+  their routing has to agree for their perplexities to;
 - --pre NAME replaces tokenizer.ggml.pre (e.g. qwen2, llama-bpe), the pre-tokenizer both engines apply.
 
-usage: make_arch_variant.py IN.gguf OUT.gguf {qwen2,qwen3,phi3,smollm3,granite,gemma2,llama} [--pre NAME] [--bias-std 0.02]
+usage: make_arch_variant.py IN.gguf OUT.gguf {qwen2,qwen3,phi3,smollm3,granite,gemma2,llama,
+                            mixtral,qwen2moe,qwen3moe,granitemoe} [--pre NAME] [--bias-std 0.02]
                             [--norm-spread 0.2] [--rope-freqs F] [--longrope ORIG] [--long-factor 4]
-                            [--granite 1.5,0.9,0.11,1.2] [--seed 1]   (pip install gguf numpy)
+                            [--granite 1.5,0.9,0.11,1.2] [--experts 8,2] [--shared 768] [--router gate|random]
+                            [--router-std 3] [--down-scale N]
+                            [--seed 1]   (pip install gguf numpy)
 """
 import argparse
 import math
@@ -47,7 +59,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("src")
     ap.add_argument("dst")
-    ap.add_argument("arch", choices=["qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma2", "llama"])
+    ap.add_argument("arch", choices=["qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma2", "llama", "mixtral",
+                                     "qwen2moe", "qwen3moe", "granitemoe"])
+    ap.add_argument("--experts", default="8,2")
+    ap.add_argument("--shared", type=int, default=768)
+    ap.add_argument("--router-std", type=float, default=3.0)
+    ap.add_argument("--router", choices=["gate", "random"], default="gate")
+    ap.add_argument("--down-scale", type=float, default=None)
     ap.add_argument("--granite", default="1.5,0.9,0.11,1.2")
     ap.add_argument("--rope-freqs", type=float, default=None)
     ap.add_argument("--longrope", type=int, default=None)
@@ -62,11 +80,17 @@ def main():
     src_arch = field_value(r.fields["general.architecture"])
     want = "gemma3" if a.arch == "gemma2" else "llama"
     assert src_arch == want, f"{a.arch} is made from a {want} file, got {src_arch}"
-    w = GGUFWriter(a.dst, a.arch)
+    moe = a.arch in ("mixtral", "qwen2moe", "qwen3moe", "granitemoe")
+    out_arch = "llama" if a.arch == "mixtral" else a.arch
+    a.arch = {"mixtral": "llama", "qwen2moe": "qwen2", "qwen3moe": "qwen3", "granitemoe": "granite"}.get(a.arch, a.arch)
+    n_exp, k_exp = (int(x) for x in a.experts.split(","))
+    w = GGUFWriter(a.dst, out_arch)
     for name, f in r.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
-        key = a.arch + name[len(src_arch):] if name.startswith(src_arch + ".") else name
+        if moe and out_arch in ("llama", "granitemoe") and name == f"{src_arch}.feed_forward_length":
+            continue  # the experts' width, written below
+        key = out_arch + name[len(src_arch):] if name.startswith(src_arch + ".") else name
         val = field_value(f)
         if name == "tokenizer.ggml.pre" and a.pre:
             val = a.pre
@@ -78,6 +102,8 @@ def main():
     n_embd = int(field_value(r.fields[f"{src_arch}.embedding_length"]))
     n_ctx = int(field_value(r.fields[f"{src_arch}.context_length"]))
     hd = n_embd // n_head
+    n_ff = int(field_value(r.fields[f"{src_arch}.feed_forward_length"]))
+    ffn = {}  # MoE: block -> {kind: (data, type)}
     perm = np.concatenate([np.arange(0, hd, 2), np.arange(1, hd, 2)])
     neox = a.arch in ("qwen2", "qwen3", "phi3")
     extra = []
@@ -104,6 +130,9 @@ def main():
             heads = n_head if kind == "attn_q" else n_kv
             rows = data.reshape(heads, hd, -1)[:, perm, :]
             data = rows.reshape(data.shape)
+        if moe and kind in ("ffn_gate", "ffn_up", "ffn_down"):
+            ffn.setdefault(blk, {})[kind] = (data, t.tensor_type)
+            continue
         if a.arch == "phi3" and kind in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up"):
             fused.setdefault(blk, {})[kind] = (data, t.tensor_type)
             parts = fused[blk]
@@ -115,6 +144,8 @@ def main():
                     w.add_tensor(f"{blk}.{name}.weight", cat, raw_shape=cat.shape, raw_dtype=types.pop())
             continue
         w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
+        if out_arch == "qwen2moe" and t.name == "token_embd.weight" and "output.weight" not in by_name:
+            w.add_tensor("output.weight", data, raw_shape=data.shape, raw_dtype=t.tensor_type)  # llama.cpp needs it
         if a.arch in ("qwen2", "qwen3") and kind in ("attn_q", "attn_k", "attn_v"):
             heads = n_head if kind == "attn_q" else n_kv
             if a.arch == "qwen2":
@@ -124,10 +155,47 @@ def main():
                               rng.uniform(1 - a.norm_spread, 1 + a.norm_spread, hd).astype(np.float32)))
     if a.arch == "granite":
         e, res, att, logit = (float(x) for x in a.granite.split(","))
-        w.add_float32("granite.embedding_scale", e)
-        w.add_float32("granite.residual_scale", res)
-        w.add_float32("granite.attention.scale", att)
-        w.add_float32("granite.logit_scale", logit)
+        w.add_float32(f"{out_arch}.embedding_scale", e)
+        w.add_float32(f"{out_arch}.residual_scale", res)
+        w.add_float32(f"{out_arch}.attention.scale", att)
+        w.add_float32(f"{out_arch}.logit_scale", logit)
+    if moe:
+        shared = a.shared if out_arch == "qwen2moe" else 0
+        routed = n_ff - shared
+        assert routed % n_exp == 0, f"{routed} routed channels do not split into {n_exp} experts"
+        fe = routed // n_exp
+        if a.down_scale is None:
+            a.down_scale = float(n_exp)
+        if out_arch in ("llama", "granitemoe"):  # their experts are feed_forward_length wide
+            w.add_uint32(f"{out_arch}.feed_forward_length", fe)
+        w.add_uint32(f"{out_arch}.expert_count", n_exp)
+        w.add_uint32(f"{out_arch}.expert_used_count", k_exp)
+        if out_arch in ("qwen2moe", "qwen3moe"):
+            w.add_uint32(f"{out_arch}.expert_feed_forward_length", fe)
+        if shared:
+            w.add_uint32(f"{out_arch}.expert_shared_feed_forward_length", shared)
+        for blk, parts in ffn.items():
+            (g, gt), (u, ut), (d, dt) = parts["ffn_gate"], parts["ffn_up"], parts["ffn_down"]
+            down = dequantize(d, dt).reshape(n_embd, n_ff).astype(np.float32)  # rows: outputs, columns: channels
+            for kind, rows, typ in (("ffn_gate", g, gt), ("ffn_up", u, ut)):
+                if shared:
+                    w.add_tensor(f"{blk}.{kind}_shexp.weight", rows[:shared], raw_shape=rows[:shared].shape, raw_dtype=typ)
+                ex = rows[shared:].reshape((n_exp, fe) + rows.shape[1:])
+                w.add_tensor(f"{blk}.{kind}_exps.weight", ex, raw_shape=ex.shape, raw_dtype=typ)
+            if shared:
+                sd = (down[:, :shared] * 2).astype(np.float16)
+                w.add_tensor(f"{blk}.ffn_down_shexp.weight", sd, raw_shape=sd.shape, raw_dtype=GGMLQuantizationType.F16)
+                extra.append((f"{blk}.ffn_gate_inp_shexp.weight",
+                              (rng.standard_normal(n_embd) / math.sqrt(n_embd)).astype(np.float32)))
+            de = np.stack([down[:, shared + e * fe: shared + (e + 1) * fe] for e in range(n_exp)]) * a.down_scale
+            de = de.astype(np.float16)  # (expert, output, channel)
+            w.add_tensor(f"{blk}.ffn_down_exps.weight", de, raw_shape=de.shape, raw_dtype=GGMLQuantizationType.F16)
+            if a.router == "gate":  # expert e scored by the mean of its channels' gate rows
+                gr = dequantize(g, gt).reshape(n_ff, n_embd)[shared:].reshape(n_exp, fe, n_embd).mean(axis=1)
+                gr = gr / np.linalg.norm(gr, axis=1, keepdims=True) * a.router_std
+            else:
+                gr = rng.standard_normal((n_exp, n_embd)) * a.router_std / math.sqrt(n_embd)
+            extra.append((f"{blk}.ffn_gate_inp.weight", gr.astype(np.float32)))
     if a.longrope:
         assert a.arch == "phi3", "--longrope is Phi-3's"
         extra.append(("rope_factors_short.weight", np.ones(hd // 2, dtype=np.float32)))

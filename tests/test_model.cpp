@@ -804,6 +804,429 @@ TEST(ArchVariants, GraniteMultipliersEqualFoldedWeights) {
   for (const auto& p : {pg, pf, pn, pb}) fs::remove(p);
 }
 
+TEST(MoE, RouteIsSoftmaxTopKThenNormalized) {
+  // probabilities softmax(logits); the k largest in decreasing order, ties to the lower index
+  const float logits[5] = {1.f, 3.f, 2.f, 3.f, -1.f};
+  double z = 0;
+  for (float l : logits) z += std::exp(double(l));
+  int sel[3];
+  float w[3];
+  moe_route(logits, 5, 2, false, sel, w);
+  EXPECT_EQ(sel[0], 1);
+  EXPECT_EQ(sel[1], 3);
+  EXPECT_NEAR(w[0], std::exp(3.0) / z, 1e-7);
+  EXPECT_NEAR(w[1], std::exp(3.0) / z, 1e-7);
+  moe_route(logits, 5, 3, false, sel, w);
+  EXPECT_EQ(sel[2], 2);
+  EXPECT_NEAR(w[2], std::exp(2.0) / z, 1e-7);
+  // normalized: divided by the chosen ones' sum
+  moe_route(logits, 5, 3, true, sel, w);
+  const double s = 2 * std::exp(3.0) + std::exp(2.0);
+  EXPECT_NEAR(w[0], std::exp(3.0) / s, 1e-7);
+  EXPECT_NEAR(w[2], std::exp(2.0) / s, 1e-7);
+  EXPECT_NEAR(w[0] + w[1] + w[2], 1.0, 1e-6);
+  // one expert, normalized: weight 1 whatever its probability; large logits do not overflow
+  const float big[3] = {-500.f, 800.f, 799.f};
+  moe_route(big, 3, 1, true, sel, w);
+  EXPECT_EQ(sel[0], 1);
+  EXPECT_EQ(w[0], 1.f);
+  moe_route(big, 3, 2, false, sel, w);
+  EXPECT_EQ(sel[1], 2);
+  EXPECT_NEAR(w[0], 1 / (1 + std::exp(-1.0)), 1e-6);
+  EXPECT_NEAR(w[1], std::exp(-1.0) / (1 + std::exp(-1.0)), 1e-6);
+}
+
+namespace {
+// Cuts each layer's F32 FFN (ffn_gate / ffn_up rows are channels, ffn_down rows are outputs) into
+// a mixture of experts as llama.cpp's files hold one: channels [routed_from, n_ff) in n_exp equal
+// slices (ffn_{gate,up,down}_exps, down times down_scale), channels [0, shared) as a shared expert
+// (ffn_{gate,up,down}_shexp, down times shared_scale, with a zero ffn_gate_inp_shexp when
+// shexp_gate), and a router of weights router(layer, expert, input).
+struct MoeCut {
+  int n_exp = 4;
+  int routed_from = 0;
+  int shared = 0;
+  float down_scale = 1.f, shared_scale = 1.f;
+  bool shexp_gate = false;
+  std::function<float(int, int, int)> router = [](int, int, int) { return 0.f; };
+};
+void cut_into_experts(kvq::test::GgufWriter& w, const ModelConfig& c, const MoeCut& m) {
+  auto& ts = w.tensors();
+  auto take = [&](const std::string& name) {
+    auto it = std::find_if(ts.begin(), ts.end(), [&](const auto& t) { return t.name == name; });
+    EXPECT_NE(it, ts.end()) << name;
+    EXPECT_EQ(it->type_id, uint32_t(GgmlType::F32));
+    std::vector<float> v(it->data.size() / sizeof(float));
+    std::memcpy(v.data(), it->data.data(), it->data.size());
+    ts.erase(it);
+    return v;
+  };
+  const int E = c.n_embd, F = c.n_ff, fe = (F - m.routed_from) / m.n_exp;
+  ASSERT_EQ(fe * m.n_exp, F - m.routed_from);
+  for (int il = 0; il < c.n_layer; ++il) {
+    const std::string p = "blk." + std::to_string(il) + ".";
+    const std::vector<float> gate = take(p + "ffn_gate.weight"), up = take(p + "ffn_up.weight"),
+                             down = take(p + "ffn_down.weight");
+    auto rows = [&](const std::vector<float>& x, int from, int n) {
+      return std::vector<float>(x.begin() + ptrdiff_t(from) * E, x.begin() + ptrdiff_t(from + n) * E);
+    };
+    auto down_cols = [&](int from, int n, float scale) {
+      std::vector<float> d;
+      for (int o = 0; o < E; ++o)
+        for (int j = from; j < from + n; ++j) d.push_back(down[size_t(o) * size_t(F) + size_t(j)] * scale);
+      return d;
+    };
+    w.add_tensor_f32(p + "ffn_gate_exps.weight", {E, fe, m.n_exp}, rows(gate, m.routed_from, fe * m.n_exp));
+    w.add_tensor_f32(p + "ffn_up_exps.weight", {E, fe, m.n_exp}, rows(up, m.routed_from, fe * m.n_exp));
+    std::vector<float> de;
+    for (int e = 0; e < m.n_exp; ++e) {
+      const std::vector<float> d = down_cols(m.routed_from + e * fe, fe, m.down_scale);
+      de.insert(de.end(), d.begin(), d.end());
+    }
+    w.add_tensor_f32(p + "ffn_down_exps.weight", {fe, E, m.n_exp}, de);
+    std::vector<float> router;
+    for (int e = 0; e < m.n_exp; ++e)
+      for (int i = 0; i < E; ++i) router.push_back(m.router(il, e, i));
+    w.add_tensor_f32(p + "ffn_gate_inp.weight", {E, m.n_exp}, router);
+    if (m.shared > 0) {
+      w.add_tensor_f32(p + "ffn_gate_shexp.weight", {E, m.shared}, rows(gate, 0, m.shared));
+      w.add_tensor_f32(p + "ffn_up_shexp.weight", {E, m.shared}, rows(up, 0, m.shared));
+      w.add_tensor_f32(p + "ffn_down_shexp.weight", {m.shared, E}, down_cols(0, m.shared, m.shared_scale));
+      if (m.shexp_gate) w.add_tensor_f32(p + "ffn_gate_inp_shexp.weight", {E}, std::vector<float>(size_t(E), 0.f));
+    }
+  }
+}
+std::function<float(int, int, int)> random_router(float stddev, unsigned seed) {
+  auto table = std::make_shared<std::vector<float>>();
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, stddev);
+  for (int i = 0; i < 64 * 4 * 16; ++i) table->push_back(nd(rng));
+  return [table](int il, int e, int i) { return (*table)[size_t((il * 4 + e) * 64 + i) % table->size()]; };
+}
+}  // namespace
+
+// Mixtral's layout (llama with experts): the FFN cut into 4 slices of its channels, each expert's
+// output times 4 and a zero router (every probability 1/4, all 4 experts run) computes the dense
+// model, quantized-path and f32 reference loads alike; with 2 of 4 experts a decode step reads
+// half the expert bytes.
+TEST(ArchVariants, MixtralExpertsCuttingTheFfnComputeTheDenseModel) {
+  if (!fs::exists(shared_path("models/stories260K.gguf"))) GTEST_SKIP() << "stories260K.gguf not found";
+  const auto tmp = fs::temp_directory_path();
+  auto mixtral = [&](const std::string& name, int used) {
+    return write_stories_as("llama", (tmp / name).string(), [&](kvq::test::GgufWriter& w, const ModelConfig& c) {
+      MoeCut m;
+      m.down_scale = 4.f;
+      cut_into_experts(w, c, m);
+      w.add_u32("llama.expert_count", 4).add_u32("llama.expert_used_count", uint32_t(used));
+      w.add_u32("llama.feed_forward_length", uint32_t(c.n_ff / 4));
+    }, {"llama.feed_forward_length"});
+  };
+  const std::string pm = mixtral("kvq_test_mixtral.gguf", 4), p2 = mixtral("kvq_test_mixtral2.gguf", 2);
+  const std::string pd = write_stories_as("llama", (tmp / "kvq_test_mixtral_dense.gguf").string(), [](auto&, const auto&) {});
+  auto mm = Model::load(pm), md = Model::load(pd), m2 = Model::load(p2);
+  const ModelConfig& c = mm->config();
+  EXPECT_EQ(c.n_expert, 4);
+  EXPECT_EQ(c.n_expert_used, 4);
+  EXPECT_EQ(c.n_ff_exp, 43);
+  EXPECT_TRUE(c.moe_norm_weights);
+  EXPECT_EQ(c.n_ff_shexp, 0);
+  EXPECT_EQ(mm->layer(0).ffn_gate_exps.size(), 4u);
+  const Tokenizer tok = Tokenizer::from_gguf(mm->file());
+  const std::vector<int32_t> ids = tok.encode("Once upon a time, a little girl named Lily found a ball.", true);
+  const auto dense = stories_logits(*md, ids);
+  EXPECT_LT(max_abs_diff(dense, stories_logits(*mm, ids)), 1e-3f);
+  EXPECT_EQ(greedy(*mm, tok, {tok.bos()}, 100), greedy(*md, tok, {tok.bos()}, 100));
+  auto m32 = Model::load_f32(pm);
+  EXPECT_LT(max_abs_diff(dense, stories_logits(*m32, ids)), 1e-3f);
+  // a token runs 2 of 4 experts: 2 experts' gate, up and down (43 x 64 F32 each) fewer per layer
+  EXPECT_EQ(mm->decode_weight_bytes() - m2->decode_weight_bytes(), size_t(c.n_layer) * 2 * 3 * 43 * 64 * sizeof(float));
+  EXPECT_EQ(mm->weights_bytes(), m2->weights_bytes());
+  mm.reset();
+  md.reset();
+  m2.reset();
+  m32.reset();
+  for (const auto& p : {pm, p2, pd}) fs::remove(p);
+}
+
+// Qwen2-MoE's shared expert is added times sigmoid(ffn_gate_inp_shexp . x): the whole FFN as the
+// shared expert with its down doubled behind a zero gate (sigmoid 0 = 1/2), beside routed experts
+// whose down is zero, computes the dense model (its routing, 2 of 4 by a random router, then adds
+// nothing). Granite MoE Shared's shared expert is ungated.
+TEST(ArchVariants, SharedExpertsQwen2MoeGatedGraniteMoeNot) {
+  if (!fs::exists(shared_path("models/stories260K.gguf"))) GTEST_SKIP() << "stories260K.gguf not found";
+  const auto tmp = fs::temp_directory_path();
+  const std::string pq = write_stories_as("qwen2moe", (tmp / "kvq_test_qwen2moe.gguf").string(),
+                                          [](kvq::test::GgufWriter& w, const ModelConfig& c) {
+    MoeCut m;
+    m.shared = c.n_ff;
+    m.shared_scale = 2.f;
+    m.down_scale = 0.f;
+    m.shexp_gate = true;
+    m.router = random_router(1.f, 7);
+    cut_into_experts(w, c, m);
+    w.add_u32("qwen2moe.expert_count", 4).add_u32("qwen2moe.expert_used_count", 2);
+    w.add_u32("qwen2moe.expert_feed_forward_length", uint32_t(c.n_ff / 4));
+    w.add_u32("qwen2moe.expert_shared_feed_forward_length", uint32_t(c.n_ff));
+    for (int il = 0; il < c.n_layer; ++il) {
+      const std::string p = "blk." + std::to_string(il) + ".";
+      w.add_tensor(p + "attn_q.bias", GgmlType::F32, {int64_t(c.n_head) * c.head_dim});
+      w.add_tensor(p + "attn_k.bias", GgmlType::F32, {int64_t(c.n_head_kv) * c.head_dim});
+      w.add_tensor(p + "attn_v.bias", GgmlType::F32, {int64_t(c.n_head_kv) * c.head_dim});
+    }
+  });
+  const std::string pg = write_stories_as("granitemoe", (tmp / "kvq_test_granitemoe.gguf").string(),
+                                          [](kvq::test::GgufWriter& w, const ModelConfig& c) {
+    MoeCut m;
+    m.shared = c.n_ff;
+    m.down_scale = 0.f;
+    m.router = random_router(1.f, 8);
+    cut_into_experts(w, c, m);
+    w.add_u32("granitemoe.expert_count", 4).add_u32("granitemoe.expert_used_count", 2);
+    w.add_u32("granitemoe.feed_forward_length", uint32_t(c.n_ff / 4));
+    w.add_u32("granitemoe.expert_shared_feed_forward_length", uint32_t(c.n_ff));
+    w.add_f32("granitemoe.logit_scale", 1.f);
+  }, {"granitemoe.feed_forward_length"});
+  const std::string pd = write_stories_as("llama", (tmp / "kvq_test_shexp_dense.gguf").string(), [](auto&, const auto&) {});
+  auto mq = Model::load(pq), mg = Model::load(pg), md = Model::load(pd);
+  auto llama = Model::load(shared_path("models/stories260K.gguf"));
+  EXPECT_TRUE(mq->config().shexp_gated && !mq->config().moe_norm_weights && mq->config().qkv_bias);
+  EXPECT_EQ(mq->config().n_ff_exp, 43);
+  EXPECT_EQ(mq->config().n_ff_shexp, 172);
+  EXPECT_TRUE(!mg->config().shexp_gated && mg->config().moe_norm_weights);
+  const Tokenizer tok = Tokenizer::from_gguf(mq->file());
+  const std::vector<int32_t> ids = tok.encode("Once upon a time, a little girl named Lily found a ball.", true);
+  EXPECT_LT(max_abs_diff(stories_logits(*llama, ids), stories_logits(*mq, ids)), 1e-3f);  // NeoX rows reordered
+  EXPECT_LT(max_abs_diff(stories_logits(*md, ids), stories_logits(*mg, ids)), 1e-3f);
+  mq.reset();
+  mg.reset();
+  md.reset();
+  for (const auto& p : {pq, pg, pd}) fs::remove(p);
+}
+
+// The whole model at its first token, computed here from the file's tensors: stories260K cut to
+// one layer whose FFN is a mixture of experts (4 routed slices, 2 chosen by a random router, a
+// shared expert behind a random gate for Qwen2-MoE). At position 0 attention returns each head's
+// value, so the logits follow from embedding, norms, value and output projections, and the MoE
+// FFN, which this reference computes on its own: softmax over the router's logits, the 2 largest,
+// weights normalized (Mixtral) or not (Qwen2-MoE), SiLU-gated experts, sigmoid-gated shared one.
+TEST(ArchVariants, OneLayerMixtureOfExpertsMatchesAReference) {
+  if (!fs::exists(shared_path("models/stories260K.gguf"))) GTEST_SKIP() << "stories260K.gguf not found";
+  for (const std::string arch : {"llama", "qwen2moe"}) {
+    SCOPED_TRACE(arch);
+    const bool qwen = arch == "qwen2moe";
+    const std::string path = (fs::temp_directory_path() / ("kvq_test_moe1_" + arch + ".gguf")).string();
+    write_stories_as(arch, path, [&](kvq::test::GgufWriter& w, const ModelConfig& c) {
+      MoeCut m;
+      m.routed_from = qwen ? 72 : 0;
+      m.shared = qwen ? 72 : 0;
+      m.down_scale = 2.f;
+      m.shexp_gate = qwen;
+      m.router = random_router(0.05f, 11);
+      cut_into_experts(w, c, m);
+      auto& ts = w.tensors();
+      ts.erase(std::remove_if(ts.begin(), ts.end(), [](const auto& t) { return t.name.rfind("blk.", 0) == 0 && t.name.rfind("blk.0.", 0) != 0; }),
+               ts.end());
+      for (auto& t : ts)
+        if (t.name == "blk.0.ffn_gate_inp_shexp.weight")
+          for (size_t i = 0; i < t.data.size() / 4; ++i) {
+            const float v = 0.3f * std::sin(float(i));
+            std::memcpy(t.data.data() + 4 * i, &v, 4);
+          }
+      const int fe = (c.n_ff - m.routed_from) / 4;
+      w.add_u32(arch + ".block_count", 1).add_u32(arch + ".expert_count", 4).add_u32(arch + ".expert_used_count", 2);
+      if (qwen) {
+        w.add_u32("qwen2moe.expert_feed_forward_length", uint32_t(fe)).add_u32("qwen2moe.expert_shared_feed_forward_length", 72);
+        for (const char* b : {"attn_q", "attn_k", "attn_v"})
+          w.add_tensor(std::string("blk.0.") + b + ".bias", GgmlType::F32, {int64_t(b[5] == 'q' ? c.n_head : c.n_head_kv) * c.head_dim});
+      } else {
+        w.add_u32("llama.feed_forward_length", uint32_t(fe));
+      }
+    }, qwen ? std::vector<std::string>{"qwen2moe.block_count"} : std::vector<std::string>{"llama.block_count", "llama.feed_forward_length"});
+    auto m = Model::load(path);
+    const ModelConfig& c = m->config();
+    ASSERT_EQ(c.n_layer, 1);
+    const int E = c.n_embd, hd = c.head_dim, group = c.n_head / c.n_head_kv, Fe = c.n_ff_exp;
+    auto T = [&](const std::string& name) {
+      const gguf::TensorInfo* t = m->file().find_tensor(name);
+      EXPECT_NE(t, nullptr) << name;
+      return reinterpret_cast<const float*>(t->data);
+    };
+    // y (rows) = W (rows x cols, row-major) x
+    auto mv = [](const float* W, const std::vector<double>& x, int rows) {
+      std::vector<double> y(size_t(rows), 0.0);
+      for (int r = 0; r < rows; ++r)
+        for (size_t i = 0; i < x.size(); ++i) y[size_t(r)] += double(W[size_t(r) * x.size() + i]) * x[i];
+      return y;
+    };
+    auto rmsn = [&](const std::vector<double>& x, const float* g) {
+      double ss = 0;
+      for (double v : x) ss += v * v;
+      const double sc = 1.0 / std::sqrt(ss / double(x.size()) + double(c.rms_eps));
+      std::vector<double> y(x.size());
+      for (size_t i = 0; i < x.size(); ++i) y[i] = x[i] * sc * g[i];
+      return y;
+    };
+    auto silu = [](double v) { return v / (1 + std::exp(-v)); };
+    auto glu_ffn = [&](const float* G, const float* U, const float* D, int n_ch, const std::vector<double>& x) {
+      const auto g = mv(G, x, n_ch), u = mv(U, x, n_ch);
+      std::vector<double> h(static_cast<size_t>(n_ch));
+      for (int j = 0; j < n_ch; ++j) h[size_t(j)] = silu(g[size_t(j)]) * u[size_t(j)];
+      return mv(D, h, E);
+    };
+    const Tokenizer tok = Tokenizer::from_gguf(m->file());
+    const int32_t bos = tok.bos();
+    std::vector<double> x(static_cast<size_t>(E));
+    for (int i = 0; i < E; ++i) x[size_t(i)] = T("token_embd.weight")[size_t(bos) * size_t(E) + size_t(i)];
+    const auto v = mv(T("blk.0.attn_v.weight"), rmsn(x, T("blk.0.attn_norm.weight")), c.n_head_kv * hd);
+    std::vector<double> heads(size_t(c.n_head) * size_t(hd));
+    for (int h = 0; h < c.n_head; ++h)
+      for (int d = 0; d < hd; ++d) heads[size_t(h * hd + d)] = v[size_t((h / group) * hd + d)];
+    const auto o = mv(T("blk.0.attn_output.weight"), heads, E);
+    for (int i = 0; i < E; ++i) x[size_t(i)] += o[size_t(i)];
+    const auto xn = rmsn(x, T("blk.0.ffn_norm.weight"));
+    const auto logit = mv(T("blk.0.ffn_gate_inp.weight"), xn, 4);
+    std::vector<int> order = {0, 1, 2, 3};
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return logit[size_t(a)] > logit[size_t(b)]; });
+    double z = 0;
+    for (double l : logit) z += std::exp(l);
+    double w0 = std::exp(logit[size_t(order[0])]) / z, w1 = std::exp(logit[size_t(order[1])]) / z;
+    if (!qwen) {
+      const double s = w0 + w1;
+      w0 /= s;
+      w1 /= s;
+    }
+    std::vector<double> ffn(size_t(E), 0.0);
+    const size_t up_stride = size_t(Fe) * size_t(E), down_stride = size_t(E) * size_t(Fe);
+    for (const auto& [e, we] : {std::pair<int, double>{order[0], w0}, {order[1], w1}}) {
+      const auto y = glu_ffn(T("blk.0.ffn_gate_exps.weight") + size_t(e) * up_stride, T("blk.0.ffn_up_exps.weight") + size_t(e) * up_stride,
+                             T("blk.0.ffn_down_exps.weight") + size_t(e) * down_stride, Fe, xn);
+      for (int i = 0; i < E; ++i) ffn[size_t(i)] += we * y[size_t(i)];
+    }
+    if (qwen) {
+      const auto y = glu_ffn(T("blk.0.ffn_gate_shexp.weight"), T("blk.0.ffn_up_shexp.weight"), T("blk.0.ffn_down_shexp.weight"), 72, xn);
+      const double g = 1 / (1 + std::exp(-mv(T("blk.0.ffn_gate_inp_shexp.weight"), xn, 1)[0]));
+      for (int i = 0; i < E; ++i) ffn[size_t(i)] += g * y[size_t(i)];
+    }
+    for (int i = 0; i < E; ++i) x[size_t(i)] += ffn[size_t(i)];
+    const auto want = mv(T("output.weight"), rmsn(x, T("output_norm.weight")), c.n_vocab);
+    const auto got = stories_logits(*m, {bos});
+    double worst = 0, mag = 0;
+    for (int i = 0; i < c.n_vocab; ++i) {
+      worst = std::max(worst, std::fabs(double(got[size_t(i)]) - want[size_t(i)]));
+      mag = std::max(mag, std::fabs(want[size_t(i)]));
+    }
+    EXPECT_LT(worst, 1e-4 * (1 + mag));
+    EXPECT_GT(std::fabs(logit[size_t(order[1])] - logit[size_t(order[2])]), 1e-3);  // not a near tie
+    m.reset();
+    fs::remove(path);
+  }
+}
+
+// Routed rows: two sequences whose tokens pick experts (2 of 4, random router) in one decode
+// step get what each gets alone, so the rows gathered per expert are scattered back to their own.
+TEST(ArchVariants, ExpertRowsBatchedEqualAlone) {
+  if (!fs::exists(shared_path("models/stories260K.gguf"))) GTEST_SKIP() << "stories260K.gguf not found";
+  const std::string path = (fs::temp_directory_path() / "kvq_test_qwen3moe.gguf").string();
+  write_stories_as("qwen3moe", path, [](kvq::test::GgufWriter& w, const ModelConfig& c) {
+    MoeCut m;
+    m.down_scale = 2.f;
+    m.router = random_router(2.f, 3);
+    cut_into_experts(w, c, m);
+    w.add_u32("qwen3moe.expert_count", 4).add_u32("qwen3moe.expert_used_count", 2);
+    w.add_u32("qwen3moe.expert_feed_forward_length", uint32_t(c.n_ff / 4));
+    for (int il = 0; il < c.n_layer; ++il)
+      for (const char* nm : {"attn_q_norm", "attn_k_norm"})
+        w.add_tensor_f32("blk." + std::to_string(il) + "." + nm + ".weight", {c.head_dim}, std::vector<float>(size_t(c.head_dim), 1.f));
+  });
+  auto m = Model::load(path);
+  const Tokenizer tok = Tokenizer::from_gguf(m->file());
+  const int nv = m->config().n_vocab;
+  ThreadPool pool(2);
+  auto cfg = m->kv_cache_config(kv_policy_uniform("f32", m->config().n_layer), 256);
+  std::vector<std::vector<int32_t>> prompts = {tok.encode("Once upon a time, there was a big dog.", true),
+                                               tok.encode("Tom and Sue went to the park to play with a red ball", true),
+                                               tok.encode("The cat sat", true)};
+  std::vector<std::vector<float>> alone;
+  for (const auto& ids : prompts) {
+    KvCache c(cfg);
+    Forward f(*m, pool);
+    f.eval(ids.data(), int(ids.size()) - 1, c);
+    const float* l = f.eval(ids.data() + ids.size() - 1, 1, c);
+    alone.emplace_back(l, l + nv);
+  }
+  std::vector<std::unique_ptr<KvCache>> caches;
+  Forward f(*m, pool);
+  std::vector<ForwardSeq> seqs;
+  for (const auto& ids : prompts) {
+    caches.push_back(std::make_unique<KvCache>(cfg));
+    f.eval(ids.data(), int(ids.size()) - 1, *caches.back());
+    seqs.push_back({ids.data() + ids.size() - 1, 1, caches.back().get(), ForwardSeq::last});
+  }
+  const float* l = f.eval_batch(seqs.data(), int(seqs.size()));
+  float worst = 0, spread = 0;
+  for (size_t s = 0; s < prompts.size(); ++s)
+    for (int i = 0; i < nv; ++i) {
+      worst = std::max(worst, std::fabs(l[s * size_t(nv) + size_t(i)] - alone[s][size_t(i)]));
+      spread = std::max(spread, std::fabs(alone[s][size_t(i)] - alone[0][size_t(i)]));
+    }
+  EXPECT_LT(worst, 1e-4f);
+  EXPECT_GT(spread, 0.1f);  // the sequences' logits differ: a mixed-up row would show
+  m.reset();
+  fs::remove(path);
+}
+
+// Experts in files kvq does not run them in, missing or inconsistent counts, and expert tensors
+// of the wrong shape are refused with the key or tensor named.
+TEST(ArchVariants, ExpertMetadataAndShapesAreChecked) {
+  if (!fs::exists(shared_path("models/stories260K.gguf"))) GTEST_SKIP() << "stories260K.gguf not found";
+  const auto tmp = fs::temp_directory_path();
+  struct Case {
+    std::string arch, what;
+    std::function<void(kvq::test::GgufWriter&, const ModelConfig&)> edit;
+    std::vector<std::string> drop;
+  };
+  auto cut = [](int n_exp) {
+    return [n_exp](kvq::test::GgufWriter& w, const ModelConfig& c) {
+      MoeCut m;
+      m.n_exp = n_exp;
+      cut_into_experts(w, c, m);
+    };
+  };
+  const std::vector<Case> cases = {
+      {"qwen2", "experts are not supported in a qwen2 model",
+       [](kvq::test::GgufWriter& w, const ModelConfig&) { w.add_u32("qwen2.expert_count", 4).add_u32("qwen2.expert_used_count", 2); }, {}},
+      {"qwen3moe", "needs 'qwen3moe.expert_count' > 0", [](auto&, const auto&) {}, {}},
+      {"llama", "'llama.expert_used_count' = 5 must be in [1, 4]",
+       [&](kvq::test::GgufWriter& w, const ModelConfig& c) {
+         cut(4)(w, c);
+         w.add_u32("llama.expert_count", 4).add_u32("llama.expert_used_count", 5).add_u32("llama.feed_forward_length", 43);
+       }, {"llama.feed_forward_length"}},
+      {"llama", "'blk.0.ffn_gate_exps.weight' has shape [64, 43, 4], expected [64, 172, 4]",
+       [&](kvq::test::GgufWriter& w, const ModelConfig& c) {
+         cut(4)(w, c);
+         w.add_u32("llama.expert_count", 4).add_u32("llama.expert_used_count", 2);
+       }, {}},
+      {"llama", "missing tensor 'blk.0.ffn_gate_inp.weight'",
+       [&](kvq::test::GgufWriter& w, const ModelConfig& c) {
+         cut(4)(w, c);
+         auto& ts = w.tensors();
+         ts.erase(std::find_if(ts.begin(), ts.end(), [](const auto& t) { return t.name == "blk.0.ffn_gate_inp.weight"; }));
+         w.add_u32("llama.expert_count", 4).add_u32("llama.expert_used_count", 2).add_u32("llama.feed_forward_length", 43);
+       }, {"llama.feed_forward_length"}},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.what);
+    const std::string p = write_stories_as(k.arch, (tmp / "kvq_test_moe_bad.gguf").string(), k.edit, k.drop);
+    try {
+      Model::load(p);
+      ADD_FAILURE() << "loaded";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(k.what), std::string::npos) << e.what();
+    }
+    fs::remove(p);
+  }
+}
+
 // Gemma 2 and Gemma 3 hyperparameters: the sliding-window layout (the file's pattern, else each
 // architecture's own), the soft-caps (Gemma 2's 50 / 30 by default), the 27B models' attention
 // scale, and the local layers' RoPE.

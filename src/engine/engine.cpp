@@ -313,10 +313,12 @@ void engine_warn_ctx_capped(int ctx, int n_ctx_train) {
                  ctx, n_ctx_train, n_ctx_train);
 }
 
-// Weight multiply-adds per token: q, k, v, o and the gated FFN of every layer.
+// Weight multiply-adds per token: q, k, v, o and the gated FFN of every layer (with experts, the
+// router and the experts a token runs).
 static double weight_macs(const ModelConfig& c) {
   return double(c.n_layer) * (double(c.n_embd) * double(c.head_dim) * (2.0 * c.n_head + 2.0 * c.n_head_kv) +
-                              3.0 * double(c.n_embd) * double(c.n_ff));
+                              3.0 * double(c.n_embd) * double(c.ffn_active_channels()) +
+                              double(c.n_embd) * double(c.n_expert));
 }
 
 PrefillCost PrefillCost::from_model(const ModelConfig& c, double r) {

@@ -64,12 +64,16 @@ void model_config_pick_rope(ModelConfig& c, int ctx) {
 }
 
 bool model_arch_supported(const std::string& arch) {
-  for (const char* a : {"llama", "gemma2", "gemma3", "qwen2", "qwen3", "phi3", "smollm3", "granite"})
+  for (const char* a : {"llama", "gemma2", "gemma3", "qwen2", "qwen3", "phi3", "smollm3", "granite", "qwen2moe",
+                        "qwen3moe", "granitemoe"})
     if (arch == a) return true;
   return false;
 }
 
-const char* model_arch_list() { return "llama, gemma2, gemma3, qwen2, qwen3, phi3, smollm3, granite"; }
+const char* model_arch_list() {
+  return "llama (and Mixtral's experts), gemma2, gemma3, qwen2, qwen3, phi3, smollm3, granite, qwen2moe, qwen3moe, "
+         "granitemoe";
+}
 
 std::string model_rope_note(const ModelConfig& c, int ctx) {
   if (!c.has_long_rope) return {};
@@ -91,6 +95,63 @@ std::vector<float> rope_factor_tensor(const gguf::File& f, const char* name, int
   for (float x : v)
     if (!(std::isfinite(x) && x > 0)) fail("{}: {} holds {}: the factors must be finite numbers > 0", f.path(), name, x);
   return v;
+}
+}  // namespace
+
+namespace {
+// The mixture-of-experts hyperparameters, as llama.cpp reads them per architecture: the experts'
+// width is feed_forward_length for Mixtral (llama) and Granite MoE, expert_feed_forward_length
+// (else feed_forward_length / expert_used_count) for the Qwen MoE models; Qwen2-MoE's shared
+// expert is expert_shared_feed_forward_length wide (else feed_forward_length) and gated, Granite
+// MoE Shared's ungated and present when that key is > 0.
+void read_experts(const gguf::File& f, ModelConfig& c) {
+  const std::string a = c.arch + ".";
+  const bool qwen_moe = c.arch == "qwen2moe" || c.arch == "qwen3moe";
+  const int64_t ne = f.get_int(a + "expert_count").value_or(0);
+  const int64_t nu = f.get_int(a + "expert_used_count").value_or(0);
+  if (ne == 0) {
+    if (qwen_moe) fail("{}: a {} model needs '{}expert_count' > 0", f.path(), c.arch, a);
+    return;
+  }
+  if (c.arch != "llama" && c.arch != "granite" && c.arch != "granitemoe" && !qwen_moe)
+    fail("{}: '{}expert_count' = {}: experts are not supported in a {} model (kvq runs them in llama (Mixtral), "
+         "qwen2moe, qwen3moe, granite and granitemoe files)", f.path(), a, ne, c.arch);
+  if (ne < 0 || ne > 4096) fail("{}: '{}expert_count' = {} is out of range [1, 4096]", f.path(), a, ne);
+  if (nu <= 0 || nu > ne)
+    fail("{}: '{}expert_used_count' = {} must be in [1, {}] (the experts each token runs)", f.path(), a, nu, ne);
+  c.n_expert = int(ne);
+  c.n_expert_used = int(nu);
+  c.n_ff_exp = c.n_ff;
+  if (qwen_moe) {
+    const std::string key = a + "expert_feed_forward_length";
+    if (const gguf::Value* v = f.find(key); v && v->type == gguf::ValueType::array) {
+      // one width per layer in llama.cpp's reading; kvq takes it when every layer has the same
+      std::optional<int64_t> first;
+      for (const gguf::Value& e : v->arr) {
+        const std::optional<int64_t> x = e.as_int();
+        if (!x || (first && *x != *first))
+          fail("{}: '{}' must hold one integer width for every layer (per-layer widths are not supported)", f.path(), key);
+        first = x;
+      }
+      if (!first) fail("{}: '{}' is empty", f.path(), key);
+      c.n_ff_exp = int(positive(f, key, *first));
+    } else if (f.get_int(key)) {
+      c.n_ff_exp = int(positive(f, key, *f.get_int(key)));
+    } else {
+      c.n_ff_exp = c.n_ff / c.n_expert_used;
+      if (c.n_ff_exp <= 0) fail("{}: no '{}' and feed_forward_length {} < expert_used_count {}", f.path(), key, c.n_ff, nu);
+    }
+  }
+  const std::string shk = a + "expert_shared_feed_forward_length";
+  const std::optional<int64_t> sh = f.get_int(shk);
+  if (sh && (*sh < 0 || *sh > (int64_t(1) << 30))) fail("{}: '{}' = {} is out of range", f.path(), shk, *sh);
+  if (c.arch == "qwen2moe") {
+    c.n_ff_shexp = int(sh && *sh > 0 ? *sh : c.n_ff);
+    c.shexp_gated = true;
+  } else if (c.arch == "granite" || c.arch == "granitemoe") {
+    c.n_ff_shexp = int(sh.value_or(0));
+  }
+  c.moe_norm_weights = c.arch != "qwen2moe";
 }
 }  // namespace
 
@@ -170,11 +231,12 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
   if (!(std::isfinite(c.rope_attn_factor) && c.rope_attn_factor > 0 && c.rope_attn_factor < 16))
     fail("{}: rope.scaling.attn_factor {} must be a finite number in (0, 16)", f.path(), c.rope_attn_factor);
 
-  if (c.arch == "qwen2" || c.arch == "qwen3") {
+  if (c.arch == "qwen2" || c.arch == "qwen3" || c.arch == "qwen2moe" || c.arch == "qwen3moe") {
     c.rope_neox = true;
-    c.qkv_bias = c.arch == "qwen2";
-    c.qk_norm = c.arch == "qwen3";
+    c.qkv_bias = c.arch == "qwen2" || c.arch == "qwen2moe";
+    c.qk_norm = c.arch == "qwen3" || c.arch == "qwen3moe";
   }
+  read_experts(f, c);
   if (c.arch == "phi3") {
     c.rope_neox = true;
     c.fused_gate_up = true;
@@ -183,7 +245,7 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
     c.layer_no_rope.assign(size_t(c.n_layer), false);
     for (int il = 0; il < c.n_layer; ++il) c.layer_no_rope[size_t(il)] = (il + 1) % 4 == 0;
   }
-  if (c.arch == "granite") {
+  if (c.arch == "granite" || c.arch == "granitemoe") {
     auto mult = [&](const char* key, bool required) {
       const std::optional<double> v = f.get_float(a + key);
       if (!v && required) fail("{}: missing metadata key '{}{}'", f.path(), a, key);

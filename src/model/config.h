@@ -1,7 +1,10 @@
 // Model hyperparameters read from GGUF metadata. The supported architectures (llama, gemma2,
-// gemma3, qwen2, qwen3, phi3, smollm3, granite) differ only in flags here; the forward pass reads the flags (one
-// graph, no per-architecture file).
+// gemma3, qwen2, qwen3, phi3, smollm3, granite, and the mixture-of-experts qwen2moe, qwen3moe,
+// granitemoe and llama / granite with experts, as Mixtral) differ only in flags here; the forward
+// pass reads the flags (one graph, no per-architecture file).
 #pragma once
+#include <algorithm>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -11,7 +14,7 @@ namespace gguf { class File; }
 
 struct ModelConfig {
   std::string arch;         // general.architecture: "llama", "gemma2", "gemma3", "qwen2", "qwen3", "phi3",
-                            // "smollm3", "granite"
+                            // "smollm3", "granite", "qwen2moe", "qwen3moe", "granitemoe"
   std::string name;         // general.name
   int n_layer = 0;
   int n_embd = 0;
@@ -61,6 +64,20 @@ struct ModelConfig {
 
   bool tied_output = false;      // output projection is token_embd
 
+  // Mixture of experts (n_expert > 0): each layer's FFN is n_expert gated FFNs of n_ff_exp
+  // channels (ffn_{gate,up,down}_exps); a router (ffn_gate_inp) scores them, the softmax over all
+  // of them gives probabilities, and each token runs the n_expert_used most probable, its output
+  // their sum weighted by those probabilities (divided by their sum when moe_norm_weights: Mixtral,
+  // Qwen3-MoE, Granite MoE; as they are for Qwen2-MoE). A shared expert of n_ff_shexp channels
+  // (Qwen2-MoE, Granite MoE Shared) runs on every token and is added, times sigmoid of its own
+  // gate (ffn_gate_inp_shexp) when shexp_gated (Qwen2-MoE).
+  int n_expert = 0;
+  int n_expert_used = 0;
+  int n_ff_exp = 0;
+  int n_ff_shexp = 0;
+  bool moe_norm_weights = false;
+  bool shexp_gated = false;
+
   // Granite's multipliers (0: none): embeddings times embd_mult, each layer's attention and FFN
   // outputs times residual_scale before the residual add, logits divided by logit_scale.
   float embd_mult = 0.f;
@@ -75,6 +92,12 @@ struct ModelConfig {
   }
   int layer_window(int il) const { return layer_sliding[size_t(il)] ? sliding_window : 0; }
   int layer_n_rot(int il) const { return !layer_no_rope.empty() && layer_no_rope[size_t(il)] ? 0 : n_rot; }
+  // FFN channels one token runs through in a layer: n_ff, or the used experts' and the shared one's.
+  int64_t ffn_active_channels() const {
+    return n_expert > 0 ? int64_t(n_expert_used) * n_ff_exp + n_ff_shexp : n_ff;
+  }
+  // Widest FFN hidden row the forward pass holds at once (dense, one expert or the shared one).
+  int ffn_max_channels() const { return n_expert > 0 ? std::max(n_ff_exp, n_ff_shexp) : n_ff; }
 };
 
 // Reads and validates the hyperparameters; throws kvq::Error for unsupported architectures or

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <limits>
 
+#include <fmt/ranges.h>
+
 #include "core/error.h"
 #include "kv/kvquant.h"
 #include "weights/glu.h"
@@ -49,6 +51,26 @@ WeightView rows_of(const WeightView& w, int64_t from, int64_t n) {
   r.data = static_cast<const uint8_t*>(w.data) + size_t(from) * w.row_bytes;
   r.n_out = n;
   return r;
+}
+
+// Expert e's matrix of a 3-D tensor [n_in, n_out, n_expert] (ne order), one row view per expert.
+std::vector<WeightView> experts_of(const gguf::File& f, const std::string& name, int64_t n_in, int64_t n_out, int n_expert) {
+  const gguf::TensorInfo* t = f.find_tensor(name);
+  if (!t) fail("{}: missing tensor '{}'", f.path(), name);
+  if (t->ne.size() != 3 || t->ne[0] != n_in || t->ne[1] != n_out || t->ne[2] != n_expert)
+    fail("{}: tensor '{}' has shape [{}], expected [{}, {}, {}] (inputs, outputs, experts)", f.path(), name,
+         fmt::format("{}", fmt::join(t->ne, ", ")), n_in, n_out, n_expert);
+  if (!weight_type_supported(t->type))
+    fail("{}: tensor '{}' has type {}, which kvq does not support", f.path(), name, ggml_type_name(t->type));
+  WeightView all;
+  all.type = t->type;
+  all.data = t->data;
+  all.n_in = n_in;
+  all.n_out = n_out * n_expert;
+  all.row_bytes = ggml_row_bytes(t->type, n_in);
+  std::vector<WeightView> v;
+  for (int e = 0; e < n_expert; ++e) v.push_back(rows_of(all, int64_t(e) * n_out, n_out));
+  return v;
 }
 
 WeightView norm_of(const gguf::File& f, const std::string& name, int64_t n, bool required = true) {
@@ -139,7 +161,18 @@ std::unique_ptr<Model> Model::load(const std::string& path) {
     }
     L.wo = view_of(f, p + "attn_output.weight", qd, c.n_embd);
     L.ffn_norm = norm_of(f, p + "ffn_norm.weight", c.n_embd);
-    if (c.fused_gate_up) {  // ffn_up: the gate rows, then the up rows (Phi-3)
+    if (c.n_expert > 0) {
+      L.ffn_gate_inp = view_of(f, p + "ffn_gate_inp.weight", c.n_embd, c.n_expert);
+      L.ffn_gate_exps = experts_of(f, p + "ffn_gate_exps.weight", c.n_embd, c.n_ff_exp, c.n_expert);
+      L.ffn_up_exps = experts_of(f, p + "ffn_up_exps.weight", c.n_embd, c.n_ff_exp, c.n_expert);
+      L.ffn_down_exps = experts_of(f, p + "ffn_down_exps.weight", c.n_ff_exp, c.n_embd, c.n_expert);
+      if (c.n_ff_shexp > 0) {
+        L.ffn_gate_shexp = view_of(f, p + "ffn_gate_shexp.weight", c.n_embd, c.n_ff_shexp);
+        L.ffn_up_shexp = view_of(f, p + "ffn_up_shexp.weight", c.n_embd, c.n_ff_shexp);
+        L.ffn_down_shexp = view_of(f, p + "ffn_down_shexp.weight", c.n_ff_shexp, c.n_embd);
+        if (c.shexp_gated) L.ffn_gate_inp_shexp = view_of(f, p + "ffn_gate_inp_shexp.weight", c.n_embd, 1);
+      }
+    } else if (c.fused_gate_up) {  // ffn_up: the gate rows, then the up rows (Phi-3)
       const WeightView gu = view_of(f, p + "ffn_up.weight", c.n_embd, 2 * int64_t(c.n_ff));
       L.ffn_gate = rows_of(gu, 0, c.n_ff);
       L.ffn_up = rows_of(gu, c.n_ff, c.n_ff);
@@ -147,7 +180,7 @@ std::unique_ptr<Model> Model::load(const std::string& path) {
       L.ffn_gate = view_of(f, p + "ffn_gate.weight", c.n_embd, c.n_ff);
       L.ffn_up = view_of(f, p + "ffn_up.weight", c.n_embd, c.n_ff);
     }
-    L.ffn_down = view_of(f, p + "ffn_down.weight", c.n_ff, c.n_embd);
+    if (c.n_expert == 0) L.ffn_down = view_of(f, p + "ffn_down.weight", c.n_ff, c.n_embd);
     if (c.qkv_bias) {
       L.bq = norm_of(f, p + "attn_q.bias", qd);
       L.bk = norm_of(f, p + "attn_k.bias", kvd);
@@ -189,6 +222,11 @@ bool Model::set_context(int ctx) {
 size_t Model::decode_weight_bytes() const {
   size_t b = file_->tensor_bytes();
   if (!cfg_.tied_output) b -= size_t(tok_embd_.n_out) * tok_embd_.row_bytes;
+  // one token reads n_expert_used of each layer's experts
+  const size_t idle = size_t(cfg_.n_expert - cfg_.n_expert_used);
+  for (const auto& L : layers_)
+    for (const auto* ws : {&L.ffn_gate_exps, &L.ffn_up_exps, &L.ffn_down_exps})
+      if (!ws->empty()) b -= idle * size_t(ws->front().n_out) * ws->front().row_bytes;
   return b;
 }
 
@@ -213,8 +251,13 @@ void Model::dequantize_all_f32() {
   convert(tok_embd_);
   if (tied) output_ = tok_embd_;
   else convert(output_);
-  for (auto& L : layers_)
-    for (WeightView* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.ffn_gate, &L.ffn_up, &L.ffn_down}) convert(*w);
+  for (auto& L : layers_) {
+    for (WeightView* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.ffn_gate, &L.ffn_up, &L.ffn_down, &L.ffn_gate_inp,
+                          &L.ffn_gate_shexp, &L.ffn_up_shexp, &L.ffn_down_shexp})
+      convert(*w);
+    for (auto* ws : {&L.ffn_gate_exps, &L.ffn_up_exps, &L.ffn_down_exps})
+      for (WeightView& w : *ws) convert(w);
+  }
 }
 
 KvCacheConfig Model::kv_cache_config(const KvPolicy& policy, int max_tokens, int page_tokens) const {
@@ -241,15 +284,26 @@ Forward::Forward(const Model& m, ThreadPool& pool, int max_batch) : m_(m), pool_
   k_pre_.resize(B * size_t(c.n_head_kv) * size_t(c.head_dim));
   k_.resize(B * size_t(c.n_head_kv) * size_t(c.head_dim));
   v_.resize(B * size_t(c.n_head_kv) * size_t(c.head_dim));
-  gate_.resize(B * size_t(c.n_ff));
-  up_.resize(B * size_t(c.n_ff));
+  gate_.resize(B * size_t(c.ffn_max_channels()));
+  up_.resize(B * size_t(c.ffn_max_channels()));
+  if (c.n_expert > 0) {
+    router_.resize(B * size_t(c.n_expert));
+    moe_w_.resize(B * size_t(c.n_expert_used));
+    moe_sel_.resize(B * size_t(c.n_expert_used));
+    moe_x_.resize(B * size_t(c.n_embd));
+    moe_y_.resize(B * size_t(c.n_embd));
+    shexp_gate_.resize(B);
+  }
   attn_scratch_.resize(size_t(pool.size()));
   spans_.resize(size_t(pool.size()));
 }
 
 size_t Forward::scratch_bytes() const {
   size_t b = 0;
-  for (const auto* a : {&x_, &xn_, &tmp_, &q_, &attn_out_, &k_pre_, &k_, &v_, &gate_, &up_, &logits_}) b += a->bytes();
+  for (const auto* a : {&x_, &xn_, &tmp_, &q_, &attn_out_, &k_pre_, &k_, &v_, &gate_, &up_, &logits_, &router_, &moe_w_,
+                        &moe_x_, &moe_y_, &shexp_gate_})
+    b += a->bytes();
+  b += (moe_sel_.capacity() + moe_rows_.capacity()) * sizeof(int);
   for (const auto& s : attn_scratch_) b += s.bytes();
   return b + part_states_.bytes();
 }
@@ -453,10 +507,14 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
     add_residual(x_.data(), tmp_.data(), size_t(n) * size_t(E), c.residual_scale);
 
     rms_norm(x_.data(), xn_.data(), static_cast<const float*>(L.ffn_norm.data), n, E, c.rms_eps);
-    matmul(L.ffn_gate, xn_.data(), n, gate_.data(), pool_);
-    matmul(L.ffn_up, xn_.data(), n, up_.data(), pool_);
-    glu(c.geglu ? GluAct::gelu_tanh : GluAct::silu, gate_.data(), up_.data(), gate_.data(), size_t(n) * size_t(F), pool_);
-    matmul(L.ffn_down, gate_.data(), n, tmp_.data(), pool_);
+    if (c.n_expert > 0) {
+      ffn_moe(L, n);
+    } else {
+      matmul(L.ffn_gate, xn_.data(), n, gate_.data(), pool_);
+      matmul(L.ffn_up, xn_.data(), n, up_.data(), pool_);
+      glu(c.geglu ? GluAct::gelu_tanh : GluAct::silu, gate_.data(), up_.data(), gate_.data(), size_t(n) * size_t(F), pool_);
+      matmul(L.ffn_down, gate_.data(), n, tmp_.data(), pool_);
+    }
     if (c.post_norms)
       rms_norm(tmp_.data(), tmp_.data(), static_cast<const float*>(L.ffn_post_norm.data), n, E, c.rms_eps);
     add_residual(x_.data(), tmp_.data(), size_t(n) * size_t(E), c.residual_scale);
@@ -484,4 +542,82 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
     for (size_t i = 0; i < size_t(out_rows) * size_t(c.n_vocab); ++i) logits_out[i] = cap * std::tanh(logits_out[i] / cap);
   }
 }
+void moe_route(const float* logits, int n, int k, bool normalize, int* experts, float* weights) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int e = 0; e < n; ++e) mx = std::max(mx, logits[e]);
+  double sum = 0;
+  for (int e = 0; e < n; ++e) sum += std::exp(double(logits[e]) - double(mx));
+  // k passes of a selection: the largest logit not yet taken, the lower index on ties
+  for (int j = 0; j < k; ++j) {
+    int best = -1;
+    for (int e = 0; e < n; ++e) {
+      bool taken = false;
+      for (int i = 0; i < j && !taken; ++i) taken = experts[i] == e;
+      if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
+    }
+    experts[j] = best;
+    weights[j] = float(std::exp(double(logits[best]) - double(mx)) / sum);
+  }
+  if (normalize) {
+    double s = 0;
+    for (int j = 0; j < k; ++j) s += weights[j];
+    const double d = std::max(s, 6.103515625e-5);
+    for (int j = 0; j < k; ++j) weights[j] = float(weights[j] / d);
+  }
+}
+
+// The mixture-of-experts FFN of n rows of xn_ into tmp_: each expert runs once on the rows that
+// chose it (their inputs gathered, so a step's tokens share its weights as in the dense matmuls),
+// and each row adds its experts' outputs in expert order, so a row's result depends only on its
+// own routing; then the shared expert on every row.
+void Forward::ffn_moe(const LayerWeights& L, int n) {
+  const ModelConfig& c = m_.cfg_;
+  const int E = c.n_embd, ne = c.n_expert, k = c.n_expert_used, Fe = c.n_ff_exp;
+  const GluAct act = c.geglu ? GluAct::gelu_tanh : GluAct::silu;
+  matmul(L.ffn_gate_inp, xn_.data(), n, router_.data(), pool_);
+  for (int r = 0; r < n; ++r) {
+    moe_route(router_.data() + size_t(r) * size_t(ne), ne, k, c.moe_norm_weights, moe_sel_.data() + size_t(r) * size_t(k), moe_w_.data() + size_t(r) * size_t(k));
+  }
+  std::fill(tmp_.data(), tmp_.data() + size_t(n) * size_t(E), 0.0f);
+  for (int e = 0; e < ne; ++e) {
+    moe_rows_.clear();  // (row, weight index) pairs of the rows that chose e
+    for (int r = 0; r < n; ++r)
+      for (int j = 0; j < k; ++j)
+        if (moe_sel_[size_t(r) * size_t(k) + size_t(j)] == e) {
+          moe_rows_.push_back(r);
+          moe_rows_.push_back(j);
+        }
+    const int m = int(moe_rows_.size() / 2);
+    if (m == 0) continue;
+    for (int i = 0; i < m; ++i)
+      std::memcpy(moe_x_.data() + size_t(i) * size_t(E), xn_.data() + size_t(moe_rows_[2 * size_t(i)]) * size_t(E),
+                  size_t(E) * sizeof(float));
+    matmul(L.ffn_gate_exps[size_t(e)], moe_x_.data(), m, gate_.data(), pool_);
+    matmul(L.ffn_up_exps[size_t(e)], moe_x_.data(), m, up_.data(), pool_);
+    glu(act, gate_.data(), up_.data(), gate_.data(), size_t(m) * size_t(Fe), pool_);
+    matmul(L.ffn_down_exps[size_t(e)], gate_.data(), m, moe_y_.data(), pool_);
+    for (int i = 0; i < m; ++i) {
+      const int r = moe_rows_[2 * size_t(i)];
+      const float w = moe_w_[size_t(r) * size_t(k) + size_t(moe_rows_[2 * size_t(i) + 1])];
+      float* o = tmp_.data() + size_t(r) * size_t(E);
+      const float* y = moe_y_.data() + size_t(i) * size_t(E);
+      for (int d = 0; d < E; ++d) o[d] += w * y[d];
+    }
+  }
+  if (c.n_ff_shexp > 0) {
+    const int Fs = c.n_ff_shexp;
+    matmul(L.ffn_gate_shexp, xn_.data(), n, gate_.data(), pool_);
+    matmul(L.ffn_up_shexp, xn_.data(), n, up_.data(), pool_);
+    glu(act, gate_.data(), up_.data(), gate_.data(), size_t(n) * size_t(Fs), pool_);
+    matmul(L.ffn_down_shexp, gate_.data(), n, moe_y_.data(), pool_);
+    if (c.shexp_gated) matmul(L.ffn_gate_inp_shexp, xn_.data(), n, shexp_gate_.data(), pool_);
+    for (int r = 0; r < n; ++r) {
+      const float g = c.shexp_gated ? 1.0f / (1.0f + std::exp(-shexp_gate_[size_t(r)])) : 1.0f;
+      float* o = tmp_.data() + size_t(r) * size_t(E);
+      const float* y = moe_y_.data() + size_t(r) * size_t(E);
+      for (int d = 0; d < E; ++d) o[d] += g * y[d];
+    }
+  }
+}
+
 }  // namespace kvq

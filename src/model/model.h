@@ -20,7 +20,19 @@ struct LayerWeights {
   WeightView attn_norm, wq, wk, wv, wo, attn_q_norm, attn_k_norm, attn_post_norm;
   WeightView bq, bk, bv;  // F32 biases of q, k, v (config().qkv_bias)
   WeightView ffn_norm, ffn_gate, ffn_up, ffn_down, ffn_post_norm;
+  // Mixture of experts (config().n_expert > 0; ffn_gate / ffn_up / ffn_down unset): the router
+  // (n_embd -> n_expert), expert e's matrices as row views of the file's 3-D tensors, and the
+  // shared expert with its gate (n_embd -> 1) where the model has them.
+  WeightView ffn_gate_inp;
+  std::vector<WeightView> ffn_gate_exps, ffn_up_exps, ffn_down_exps;
+  WeightView ffn_gate_shexp, ffn_up_shexp, ffn_down_shexp, ffn_gate_inp_shexp;
 };
+
+// Expert routing of one token, as llama.cpp's softmax gating: probabilities softmax(logits) over
+// the n experts, the k most probable chosen in decreasing order (by their logits; ties to the lower
+// index), and their weights: the probabilities, divided by their sum when `normalize` (the sum held
+// at >= 2^-14, as llama.cpp clamps it). experts, weights: (k).
+void moe_route(const float* logits, int n, int k, bool normalize, int* experts, float* weights);
 
 class Model {
  public:
@@ -36,7 +48,8 @@ class Model {
   const gguf::File& file() const { return *file_; }
   size_t weights_bytes() const { return file_->tensor_bytes(); }
   // Weight bytes one decode step reads: everything but the embedding table, which is only
-  // gathered one row at a time (unless it doubles as the output projection).
+  // gathered one row at a time (unless it doubles as the output projection), and, with experts,
+  // but the n_expert_used experts of each layer one token runs.
   size_t decode_weight_bytes() const;
 
   // Picks the RoPE factors for a context of `ctx` tokens, the one a tool runs at (0: the trained
@@ -108,8 +121,14 @@ class Forward {
   AlignedBuf<float> x_, xn_;
   // (max_batch, n_head * head_dim) queries; (max_batch, n_kv * head_dim) keys (pre/post RoPE), values
   AlignedBuf<float> q_, k_pre_, k_, v_, attn_out_;
-  // (max_batch, n_ff) FFN gate and up
+  // (max_batch, n_ff) FFN gate and up (the widest expert's or shared expert's width with experts)
   AlignedBuf<float> gate_, up_;
+  // Mixture of experts: (max_batch, n_expert) router logits, (max_batch, n_expert_used) chosen
+  // experts and weights, (max_batch, n_embd) one expert's gathered inputs and outputs, (max_batch)
+  // the shared expert's gate, and each expert's rows this step.
+  AlignedBuf<float> router_, moe_w_, moe_x_, moe_y_, shexp_gate_;
+  std::vector<int> moe_sel_, moe_rows_;
+  void ffn_moe(const LayerWeights& L, int n);
   AlignedBuf<float> tmp_;          // (max_batch, n_embd)
   AlignedBuf<float> logits_;       // (rows, n_vocab)
   std::vector<AlignedBuf<float>> attn_scratch_;  // one per thread
