@@ -23,6 +23,7 @@
 #include "model/sampler.h"
 #include "model/tokenizer.h"
 #include "test_models.h"
+#include "tools/plan.h"
 
 using namespace kvq;
 namespace fs = std::filesystem;
@@ -941,6 +942,12 @@ TEST(ArchVariants, MixtralExpertsCuttingTheFfnComputeTheDenseModel) {
   // a token runs 2 of 4 experts: 2 experts' gate, up and down (43 x 64 F32 each) fewer per layer
   EXPECT_EQ(mm->decode_weight_bytes() - m2->decode_weight_bytes(), size_t(c.n_layer) * 2 * 3 * 43 * 64 * sizeof(float));
   EXPECT_EQ(mm->weights_bytes(), m2->weights_bytes());
+  // kvq plan reads the same counts from the file: all parameters, and those a token runs through
+  const PlanModel pl = plan_model_from_gguf_path(p2);
+  EXPECT_EQ(pl.n_expert, 4);
+  EXPECT_EQ(pl.n_expert_used, 2);
+  EXPECT_EQ(pl.n_params - pl.n_params_active, int64_t(c.n_layer) * 2 * 3 * 43 * 64);
+  EXPECT_EQ(pl.weights_bytes, int64_t(m2->weights_bytes()));
   mm.reset();
   md.reset();
   m2.reset();

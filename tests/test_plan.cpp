@@ -359,6 +359,62 @@ TEST(Plan, PresetParameterCounts) {
   EXPECT_EQ(plan_model_from_preset("LLAMA-3-70B", 16).n_layers, 80);
 }
 
+// Mixture-of-experts shapes: published totals and active counts (Mixtral 8x7B 46.7B / 12.9B,
+// Qwen3-30B-A3B 30.5B / 3.3B, Qwen1.5-MoE-A2.7B 14.3B / 2.7B), from presets and config.json alike.
+TEST(Plan, MixtureOfExpertsParameters) {
+  const PlanModel mx = plan_model_from_preset("mixtral-8x7b", 16);
+  EXPECT_EQ(mx.n_params, 46702792704);
+  EXPECT_EQ(mx.n_params_active, 12879925248);
+  EXPECT_EQ(mx.n_expert, 8);
+  EXPECT_EQ(mx.n_expert_used, 2);
+  const PlanModel q3 = plan_model_from_preset("qwen3-30b-a3b", 16);
+  EXPECT_EQ(q3.n_params, 30532122624);
+  EXPECT_EQ(q3.n_params_active, 3353032704);
+  EXPECT_EQ(q3.n_ff, 768);  // the FFN buffers are one expert wide
+  ASSERT_FALSE(q3.notes.empty());
+  EXPECT_NE(q3.notes.back().find("8 of 128 experts per token"), std::string::npos) << q3.notes.back();
+  nlohmann::json q3c = {{"model_type", "qwen3_moe"}, {"num_hidden_layers", 48}, {"num_attention_heads", 32},
+                        {"num_key_value_heads", 4}, {"head_dim", 128}, {"hidden_size", 2048},
+                        {"intermediate_size", 6144}, {"moe_intermediate_size", 768}, {"num_experts", 128},
+                        {"num_experts_per_tok", 8}, {"vocab_size", 151936}, {"max_position_embeddings", 40960},
+                        {"tie_word_embeddings", false}, {"decoder_sparse_step", 1},
+                        {"mlp_only_layers", nlohmann::json::array()}, {"torch_dtype", "bfloat16"}};
+  const PlanModel q3m = plan_model_from_hf_config(q3c, std::nullopt);
+  EXPECT_EQ(q3m.n_params, q3.n_params);
+  EXPECT_EQ(q3m.n_params_active, q3.n_params_active);
+  EXPECT_EQ(q3m.weights_bytes, 2 * q3.n_params);
+  // two layers kept dense: each trades its 128 experts and router for a 6144-wide FFN
+  q3c["mlp_only_layers"] = {0, 47};
+  const int64_t moe_layer = 128 * 3 * int64_t(2048) * 768 + 2048 * 128, dense_layer = 3 * int64_t(2048) * 6144;
+  EXPECT_EQ(plan_model_from_hf_config(q3c, std::nullopt).n_params, q3.n_params - 2 * (moe_layer - dense_layer));
+  q3c["mlp_only_layers"] = {48};
+  EXPECT_THROW(plan_model_from_hf_config(q3c, std::nullopt), Error);
+  // Qwen1.5-MoE-A2.7B: 60 experts (4 per token), a gated shared expert, q/k/v biases
+  nlohmann::json q2 = {{"model_type", "qwen2_moe"}, {"num_hidden_layers", 24}, {"num_attention_heads", 16},
+                       {"num_key_value_heads", 16}, {"hidden_size", 2048}, {"intermediate_size", 5632},
+                       {"moe_intermediate_size", 1408}, {"shared_expert_intermediate_size", 5632},
+                       {"num_experts", 60}, {"num_experts_per_tok", 4}, {"vocab_size", 151936},
+                       {"max_position_embeddings", 8192}, {"tie_word_embeddings", false}};
+  const PlanModel q2m = plan_model_from_hf_config(q2, std::nullopt);
+  EXPECT_EQ(q2m.n_params, 14315784192);
+  EXPECT_EQ(q2m.n_params_active, 2689173504);
+  // Mixtral's config.json
+  nlohmann::json mc = {{"model_type", "mixtral"}, {"num_hidden_layers", 32}, {"num_attention_heads", 32},
+                       {"num_key_value_heads", 8}, {"hidden_size", 4096}, {"intermediate_size", 14336},
+                       {"num_local_experts", 8}, {"num_experts_per_tok", 2}, {"vocab_size", 32000},
+                       {"max_position_embeddings", 32768}};
+  EXPECT_EQ(plan_model_from_hf_config(mc, std::nullopt).n_params, mx.n_params);
+  mc.erase("num_experts_per_tok");
+  EXPECT_THROW(plan_model_from_hf_config(mc, std::nullopt), Error);
+  // a family whose expert layout kvq does not know: weights left unknown, and said so
+  nlohmann::json ds = {{"model_type", "deepseek_v2"}, {"num_hidden_layers", 27}, {"num_attention_heads", 16},
+                       {"hidden_size", 2048}, {"intermediate_size", 10944}, {"n_routed_experts", 64},
+                       {"vocab_size", 102400}};
+  const PlanModel dm = plan_model_from_hf_config(ds, std::nullopt);
+  EXPECT_EQ(dm.weights_bytes, -1);
+  EXPECT_NE(dm.notes.back().find("expert layout not known"), std::string::npos);
+}
+
 TEST(Plan, HfConfigMatchesPreset) {
   // Llama-3.1-8B's config.json fields.
   nlohmann::json cfg = {{"model_type", "llama"}, {"num_hidden_layers", 32}, {"num_attention_heads", 32},
@@ -957,7 +1013,7 @@ TEST(Plan, ParameterCountNeverWraps) {
   p.n_heads = p.n_kv_heads = p.head_dim = 2147483647;
   p.n_embd = p.n_ff = p.n_vocab = 2147483647;
   try {
-    plan_dense_params(p);
+    plan_params(p);
     ADD_FAILURE() << "no error for a parameter count past 2^63";
   } catch (const Error& e2) {
     EXPECT_NE(std::string(e2.what()).find("exceeds 2^63"), std::string::npos) << e2.what();

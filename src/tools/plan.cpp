@@ -221,6 +221,18 @@ const std::vector<PlanPreset>& plan_presets() {
     p.tied_embeddings = true; p.norms_per_layer = 4; p.qk_norm = true;
     add(p);
     p = {};
+    p.name = "mixtral-8x7b"; p.hf_name = "mistralai/Mixtral-8x7B-v0.1";
+    p.n_layers = 32; p.n_heads = 32; p.n_kv_heads = 8; p.head_dim = 128; p.n_embd = 4096;
+    p.n_ff = 14336; p.n_vocab = 32000; p.ctx_train = 32768;
+    p.n_expert = 8; p.n_expert_used = 2; p.n_ff_exp = 14336;
+    add(p);
+    p = {};
+    p.name = "qwen3-30b-a3b"; p.hf_name = "Qwen/Qwen3-30B-A3B";
+    p.n_layers = 48; p.n_heads = 32; p.n_kv_heads = 4; p.head_dim = 128; p.n_embd = 2048;
+    p.n_ff = 6144; p.n_vocab = 151936; p.ctx_train = 40960; p.qk_norm = true;
+    p.n_expert = 128; p.n_expert_used = 8; p.n_ff_exp = 768;
+    add(p);
+    p = {};
     p.name = "smollm2-135m"; p.hf_name = "HuggingFaceTB/SmolLM2-135M";
     p.n_layers = 30; p.n_heads = 9; p.n_kv_heads = 3; p.head_dim = 64; p.n_embd = 576;
     p.n_ff = 1536; p.n_vocab = 49152; p.ctx_train = 8192; p.tied_embeddings = true;
@@ -240,9 +252,11 @@ const PlanPreset& plan_preset_find(const std::string& name) {
   fail("unknown preset '{}' (presets: {}; `kvq plan --presets` shows their shapes)", name, names);
 }
 
-int64_t plan_dense_params(const PlanPreset& p) {
+namespace {
+int64_t count_params(const PlanPreset& p, bool active) {
   if (p.n_layers < 0 || p.n_heads < 0 || p.n_kv_heads < 0 || p.head_dim < 0 || p.n_embd < 0 || p.n_ff < 0 ||
-      p.n_vocab < 0 || p.norms_per_layer < 0)
+      p.n_vocab < 0 || p.norms_per_layer < 0 || p.n_expert < 0 || p.n_expert_used < 0 || p.n_ff_exp < 0 ||
+      p.n_ff_shexp < 0 || p.n_dense_layers < 0 || p.n_dense_layers > p.n_layers)
     fail("parameter count of '{}': negative model dimensions", p.name);
   // Checked arithmetic: shapes within the planner's bounds stay below 2^56 parameters; shapes
   // past them fail here rather than wrap.
@@ -258,14 +272,26 @@ int64_t plan_dense_params(const PlanPreset& p) {
   const int64_t e = p.n_embd, q = mul(p.n_heads, p.head_dim), kv = mul(p.n_kv_heads, p.head_dim);
   int64_t layer = add(add(mul(e, q), mul(2, mul(e, kv))), mul(q, e));  // Wq, Wk, Wv, Wo
   if (p.qkv_bias) layer = add(layer, add(q, mul(2, kv)));
-  layer = add(layer, mul(3, mul(e, p.n_ff)));   // gated FFN: gate, up, down
   layer = add(layer, mul(p.norms_per_layer, e));
   if (p.qk_norm) layer = add(layer, mul(2, p.head_dim));
+  const int64_t dense_ffn = mul(3, mul(e, p.n_ff));  // gated FFN: gate, up, down
   int64_t total = mul(p.n_layers, layer);
+  if (p.n_expert > 0) {
+    int64_t moe = mul(mul(active ? p.n_expert_used : p.n_expert, 3), mul(e, p.n_ff_exp));  // experts
+    moe = add(moe, mul(e, p.n_expert));                                                    // router
+    moe = add(moe, add(mul(3, mul(e, p.n_ff_shexp)), p.shexp_gate ? e : 0));               // shared expert
+    total = add(total, add(mul(p.n_layers - p.n_dense_layers, moe), mul(p.n_dense_layers, dense_ffn)));
+  } else {
+    total = add(total, mul(p.n_layers, dense_ffn));
+  }
   total = add(total, mul(mul(p.n_vocab, e), p.tied_embeddings ? 1 : 2));
   total = add(total, e);                         // final norm
   return total;
 }
+}  // namespace
+
+int64_t plan_params(const PlanPreset& p) { return count_params(p, false); }
+int64_t plan_active_params(const PlanPreset& p) { return count_params(p, true); }
 
 namespace {
 
@@ -283,6 +309,28 @@ bool plan_layer_is_local(int il, int swa_pattern) {
   if (swa_pattern == 1) return true;
   return (il + 1) % swa_pattern != 0;
 }
+
+namespace {
+std::string moe_note(const PlanModel& m) {
+  std::string s = fmt::format("mixture of experts: {} of {} experts per token", m.n_expert_used, m.n_expert);
+  if (m.n_params_active > 0 && m.n_params > 0)
+    s += fmt::format(", {} of the {} parameters ({:.1f}%) per token, which is what one sequence's decode step reads",
+                     group_digits(m.n_params_active), group_digits(m.n_params),
+                     100.0 * double(m.n_params_active) / double(m.n_params));
+  return s;
+}
+
+// The planner's view of a shape with experts: counts, active parameters, and the FFN buffers one
+// expert (or the shared one, or a dense layer) wide.
+void fill_experts(PlanModel& m, const PlanPreset& p) {
+  if (p.n_expert <= 0) return;
+  m.n_expert = p.n_expert;
+  m.n_expert_used = p.n_expert_used;
+  m.n_params_active = plan_active_params(p);
+  m.n_ff = std::max({p.n_ff_exp, p.n_ff_shexp, p.n_dense_layers > 0 ? p.n_ff : int64_t(0)});
+  m.notes.push_back(moe_note(m));
+}
+}  // namespace
 
 PlanModel plan_model_from_preset(const std::string& name, double weights_bits) {
   const PlanPreset& p = plan_preset_find(name);
@@ -305,7 +353,8 @@ PlanModel plan_model_from_preset(const std::string& name, double weights_bits) {
     l.window = plan_layer_is_local(il, p.swa_pattern) ? p.window : 0;
     m.layers.push_back(l);
   }
-  m.n_params = plan_dense_params(p);
+  m.n_params = plan_params(p);
+  fill_experts(m, p);
   m.weights_bytes = weights_bytes_of(m.n_params, weights_bits);
   m.weights_note = fmt::format("{} params x {} bits", group_digits(m.n_params), weights_bits);
   return m;
@@ -502,11 +551,29 @@ PlanModel plan_model_from_gguf(const gguf::File& f) {
   // The architectures kvq runs: the engine's own metadata checks as well (the same file must load).
   if (model_arch_supported(*arch)) model_config_from_gguf(f);
 
-  int64_t params = 0;
-  for (const gguf::TensorInfo& t : f.tensors()) params = sat_add(params, t.n_elements());
+  int64_t params = 0, expert_params = 0;
+  for (const gguf::TensorInfo& t : f.tensors()) {
+    params = sat_add(params, t.n_elements());
+    if (t.name.size() > 12 && t.name.compare(t.name.size() - 12, 12, "_exps.weight") == 0)
+      expert_params = sat_add(expert_params, t.n_elements());
+  }
   m.n_params = params;
   m.weights_bytes = int64_t(f.tensor_bytes());
   m.weights_note = fmt::format("tensor data in the GGUF ({} tensors)", f.tensors().size());
+  // Experts: a token runs expert_used_count of expert_count; the FFN buffers are one expert wide.
+  const std::optional<int64_t> ne = bounded_int(gguf_int_or_max(f, a + "expert_count", nullptr), a + "expert_count", where, 0, 4096);
+  if (ne && *ne > 0) {
+    const std::optional<int64_t> nu =
+        bounded_int(gguf_int_or_max(f, a + "expert_used_count", nullptr), a + "expert_used_count", where, 1, *ne);
+    if (!nu) fail("{}: '{}expert_count' = {} without '{}expert_used_count'", where, a, *ne, a);
+    m.n_expert = int(*ne);
+    m.n_expert_used = int(*nu);
+    m.n_params_active = params - int64_t(double(expert_params) * double(*ne - *nu) / double(*ne));
+    const std::optional<int64_t> fe = gguf_int_or_max(f, a + "expert_feed_forward_length", nullptr);
+    const std::optional<int64_t> fs = gguf_int_or_max(f, a + "expert_shared_feed_forward_length", nullptr);
+    if (fe && *fe > 0) m.n_ff = std::min(m.n_ff, std::max(*fe, fs.value_or(0)));
+    m.notes.push_back(moe_note(m));
+  }
   return m;
 }
 
@@ -651,15 +718,46 @@ PlanModel plan_model_from_hf_config(const nlohmann::json& cfg, std::optional<dou
     m.layers.push_back(l);
   }
 
-  // Weights: parameters from the shapes (dense decoder). Mixture-of-experts configs are not
-  // dense; their weights need --weights-bytes.
+  // Weights: parameters from the shapes. Mixture-of-experts configs of the families whose expert
+  // layout is known (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE) are counted; others need
+  // --weights-bytes.
+  PlanPreset shape;
   const bool moe = f.get("num_local_experts") || f.get("num_experts") || f.get("n_routed_experts");
-  if (moe) {
-    m.notes.push_back("mixture-of-experts config: weights not estimated (pass --weights-bytes)");
+  const bool qwen_moe = mt == "qwen2_moe" || mt == "qwen3_moe";
+  const bool known_moe = mt == "mixtral" || qwen_moe || mt == "granitemoe" || mt == "granitemoeshared";
+  if (moe && !known_moe) {
+    m.notes.push_back(fmt::format("mixture-of-experts config ('{}'): expert layout not known to kvq, weights not "
+                                  "estimated (pass --weights-bytes)", mt));
     m.weights_note = "unknown (mixture of experts)";
     return m;
   }
-  PlanPreset shape;
+  if (moe) {
+    shape.n_expert = int(f.req_int(qwen_moe ? "num_experts" : "num_local_experts", 4096));
+    shape.n_expert_used = int(f.req_int("num_experts_per_tok", shape.n_expert));
+    if (shape.n_expert < 1 || shape.n_expert_used < 1)
+      fail("{}: {} experts with {} per token: both must be at least 1", name, shape.n_expert, shape.n_expert_used);
+    shape.n_ff_exp = qwen_moe ? f.req_int("moe_intermediate_size", kMaxFf) : m.n_ff;
+    if (mt == "qwen2_moe") {
+      shape.n_ff_shexp = f.opt_int("shared_expert_intermediate_size", kMaxFf).value_or(0);
+      shape.shexp_gate = shape.n_ff_shexp > 0;
+    }
+    if (mt == "granitemoeshared") shape.n_ff_shexp = f.opt_int("shared_intermediate_size", kMaxFf).value_or(0);
+    if (qwen_moe) {  // layers in mlp_only_layers, or off the decoder_sparse_step, keep a dense FFN
+      const int64_t step = f.opt_int("decoder_sparse_step", kMaxLayers).value_or(1);
+      std::vector<bool> dense(size_t(m.n_layers), false);
+      if (const nlohmann::json* only = f.get("mlp_only_layers")) {
+        if (!only->is_array()) fail("{}: field 'mlp_only_layers' must be an array of layer indices", name);
+        for (const auto& x : *only) {
+          if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() >= m.n_layers)
+            fail("{}: 'mlp_only_layers' holds {}, not a layer index in [0, {})", name, x.dump(), m.n_layers);
+          dense[size_t(x.get<int64_t>())] = true;
+        }
+      }
+      for (int il = 0; il < m.n_layers; ++il)
+        if (step < 1 || (il + 1) % step != 0) dense[size_t(il)] = true;
+      shape.n_dense_layers = int(std::count(dense.begin(), dense.end(), true));
+    }
+  }
   shape.name = name;
   shape.n_layers = m.n_layers;
   shape.n_heads = m.n_heads;
@@ -670,10 +768,11 @@ PlanModel plan_model_from_hf_config(const nlohmann::json& cfg, std::optional<dou
   shape.n_vocab = m.n_vocab;
   const bool gemma = mt.rfind("gemma", 0) == 0;
   shape.tied_embeddings = f.opt_bool("tie_word_embeddings").value_or(gemma);
-  shape.qkv_bias = f.opt_bool("attention_bias").value_or(mt == "qwen2");
+  shape.qkv_bias = f.opt_bool("attention_bias").value_or(mt == "qwen2" || mt == "qwen2_moe");
   shape.norms_per_layer = gemma && mt != "gemma" ? 4 : 2;
-  shape.qk_norm = mt.rfind("gemma3", 0) == 0 || mt == "qwen3" || mt == "olmo2";
-  m.n_params = plan_dense_params(shape);
+  shape.qk_norm = mt.rfind("gemma3", 0) == 0 || mt == "qwen3" || mt == "qwen3_moe" || mt == "olmo2";
+  m.n_params = plan_params(shape);
+  fill_experts(m, shape);
   double bits = 0;
   if (weights_bits) {
     bits = *weights_bits;
@@ -809,7 +908,10 @@ ActTerms activation_terms(const PlanModel& m, const PlanConfig& c) {
   const int64_t q_dim = heads * m.head_dim;
   const int64_t ff = ceil_div(m.n_ff, tp);
   // One token's working set: residual stream + two normed/projected copies, q, k, v, FFN gate+up.
-  const int64_t per_token = 3 * m.n_embd + q_dim + 2 * kv_dim + 2 * ff;
+  int64_t per_token = 3 * m.n_embd + q_dim + 2 * kv_dim + 2 * ff;
+  // Experts: one expert's gathered inputs and outputs, the router's scores, the chosen experts'
+  // weights and indices, the shared expert's gate.
+  if (m.n_expert > 0) per_token += 2 * m.n_embd + m.n_expert + 2 * m.n_expert_used + 1;
   // Attention works page by page (online softmax): one page of scores per head in flight.
   const int64_t scores = heads * c.page_tokens;
   ActTerms t;
@@ -1082,7 +1184,9 @@ const char* kExplain =
     "  activations per device (f32 estimate) = 4 x [batch x (w + h x P + n_vocab) + chunk x (w + h x P)]\n"
     "      w = 3 x n_embd + h x head_dim + 2 x kv_dim + 2 x n_ff (residual, normed copies, q, k, v, FFN gate+up)\n"
     "      h = query heads / tp, kv_dim = KV heads per device x head_dim, n_ff / tp; h x P = one page of scores\n"
-    "      per head (online softmax); n_vocab = logits per sequence; chunk = --prefill-chunk tokens\n"
+    "      per head (online softmax); n_vocab = logits per sequence; chunk = --prefill-chunk tokens;\n"
+    "      with experts n_ff is one expert's width (or the shared expert's), and w adds 2 x n_embd + n_expert\n"
+    "      + 2 x used + 1 (an expert's gathered rows in and out, router scores, choices, shared gate)\n"
     "  budget per device = floor(gpu_mem x util)\n"
     "  max KV tokens = floor((budget - weights/tp - activations(batch 1)) / page_bytes per device) x P\n"
     "      (counts every layer at the full-attention rate; sliding-window models fit more, see max context)\n"
@@ -1167,6 +1271,11 @@ nlohmann::json result_json(const PlanResult& r) {
   json model = {{"name", m.name}, {"source", m.source}, {"arch", m.arch}, {"n_layers", m.n_layers},
                 {"n_heads", m.n_heads}, {"head_dim", m.head_dim}, {"n_embd", m.n_embd}, {"n_ff", m.n_ff},
                 {"n_vocab", m.n_vocab}, {"ctx_train", m.ctx_train}, {"n_params", m.n_params}};
+  if (m.n_expert > 0) {
+    model["n_expert"] = m.n_expert;
+    model["n_expert_used"] = m.n_expert_used;
+    model["n_params_active"] = m.n_params_active > 0 ? nlohmann::json(m.n_params_active) : nlohmann::json(nullptr);
+  }
   json layers = json::array();
   for (const PlanLayer& l : m.layers)
     layers.push_back({{"n_kv_heads", l.n_kv_heads}, {"head_dim_k", l.head_dim_k}, {"head_dim_v", l.head_dim_v}, {"window", l.window}});
@@ -1355,7 +1464,7 @@ void print_presets(std::FILE* out, bool json) {
       a.push_back({{"name", p.name}, {"hf_name", p.hf_name}, {"n_layers", p.n_layers}, {"n_heads", p.n_heads},
                    {"n_kv_heads", p.n_kv_heads}, {"head_dim", p.head_dim}, {"n_embd", p.n_embd}, {"n_ff", p.n_ff},
                    {"n_vocab", p.n_vocab}, {"ctx_train", p.ctx_train}, {"sliding_window", p.window},
-                   {"sliding_window_pattern", p.swa_pattern}, {"n_params", plan_dense_params(p)}});
+                   {"sliding_window_pattern", p.swa_pattern}, {"n_params", plan_params(p)}});
     std::fprintf(out, "%s\n", a.dump(2).c_str());
     return;
   }
@@ -1367,7 +1476,7 @@ void print_presets(std::FILE* out, bool json) {
     else if (p.swa_pattern > 1) sw = fmt::format("{} ({}:1 local:global)", p.window, p.swa_pattern - 1);
     t.push_back({p.name, std::to_string(p.n_layers), std::to_string(p.n_heads), std::to_string(p.n_kv_heads),
                  std::to_string(p.head_dim), std::to_string(p.n_embd), std::to_string(p.n_ff), std::to_string(p.n_vocab),
-                 std::to_string(p.ctx_train), sw, group_digits(plan_dense_params(p)), p.hf_name});
+                 std::to_string(p.ctx_train), sw, group_digits(plan_params(p)), p.hf_name});
   }
   print_table(out, t);
 }

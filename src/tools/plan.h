@@ -50,13 +50,17 @@ struct PlanModel {
   int64_t ctx_train = 0;     // trained context length; 0 = unknown
   std::vector<PlanLayer> layers;  // (n_layers)
   int64_t n_params = 0;      // 0 = unknown
+  // Mixture of experts: experts per layer and per token (0: dense), and the parameters one token
+  // runs through (0: unknown or dense), which is what a decode step of one sequence reads.
+  int n_expert = 0, n_expert_used = 0;
+  int64_t n_params_active = 0;
   int64_t weights_bytes = -1;  // -1 = unknown (capacity then needs --weights-bytes)
   std::string weights_note;    // how weights_bytes was obtained
   std::vector<std::string> notes;  // assumptions the planner had to make about this model
 };
 
 // Built-in models with public hyperparameters. Parameter counts are computed from the shapes
-// (dense decoder: embeddings, attention, gated FFN, norms), see plan_dense_params().
+// (decoder: embeddings, attention, gated FFN or experts, norms), see plan_params().
 struct PlanPreset {
   std::string name;
   std::string hf_name;       // the public checkpoint the shapes are taken from
@@ -74,12 +78,25 @@ struct PlanPreset {
   bool qkv_bias = false;
   int norms_per_layer = 2;   // RMSNorm weight vectors of width n_embd per layer
   bool qk_norm = false;      // per-head RMSNorm on q and k (head_dim weights each)
+  // Mixture of experts (n_expert > 0): each layer's FFN is n_expert gated FFNs of n_ff_exp
+  // channels and a router (n_embd x n_expert), n_expert_used of them run per token, plus a shared
+  // expert of n_ff_shexp channels (with a one-output gate when shexp_gate); n_dense_layers of
+  // the layers keep a dense FFN of n_ff channels instead (Qwen3-MoE's mlp_only_layers).
+  int n_expert = 0;
+  int n_expert_used = 0;
+  int64_t n_ff_exp = 0;
+  int64_t n_ff_shexp = 0;
+  bool shexp_gate = false;
+  int n_dense_layers = 0;
 };
 
 const std::vector<PlanPreset>& plan_presets();
 // Unknown name: kvq::Error listing the presets.
 const PlanPreset& plan_preset_find(const std::string& name);
-int64_t plan_dense_params(const PlanPreset& p);
+// All parameters; with experts, plan_active_params counts those one token runs through (the
+// n_expert_used experts of each layer instead of all of them).
+int64_t plan_params(const PlanPreset& p);
+int64_t plan_active_params(const PlanPreset& p);
 
 // True when layer `il` of a model with a sliding window uses it, for pattern k (see PlanPreset).
 bool plan_layer_is_local(int il, int swa_pattern);
