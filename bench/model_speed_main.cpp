@@ -133,7 +133,7 @@ int main(int argc, char** argv) {
         }
         double t_tg = now_seconds() - t0;
         tg_tps.push_back(double(tg) * batch / t_tg);
-        tg_gbs.push_back((double(m->decode_weight_bytes()) * tg + kv_read) / t_tg / 1e9);
+        tg_gbs.push_back((double(m->decode_weight_bytes(batch)) * tg + kv_read) / t_tg / 1e9);
       }
       const double mpp = pp > 0 ? median(pp_tps) : 0, mtg = median(tg_tps), mgbs = median(tg_gbs);
       if (json)

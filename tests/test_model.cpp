@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/dtypes.h"
 #include "core/error.h"
 #include "gguf/gguf.h"
 #include "gguf_writer.h"
@@ -849,8 +850,23 @@ struct MoeCut {
   int shared = 0;
   float down_scale = 1.f, shared_scale = 1.f;
   bool shexp_gate = false;
+  bool q8_0 = false;  // the routed experts' tensors stored Q8_0 (their input widths multiples of 32)
   std::function<float(int, int, int)> router = [](int, int, int) { return 0.f; };
 };
+// llama.cpp's Q8_0 blocks: 32 values as one f16 scale (amax / 127) and 32 rounded int8 codes.
+std::vector<uint8_t> quantize_q8_0(const std::vector<float>& x) {
+  std::vector<uint8_t> out;
+  for (size_t b = 0; b < x.size(); b += 32) {
+    float amax = 0;
+    for (size_t i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b + i]));
+    const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
+    const uint16_t dh = f32_to_f16(d);
+    out.push_back(uint8_t(dh & 0xff));
+    out.push_back(uint8_t(dh >> 8));
+    for (size_t i = 0; i < 32; ++i) out.push_back(uint8_t(int8_t(std::lround(x[b + i] * id))));
+  }
+  return out;
+}
 void cut_into_experts(kvq::test::GgufWriter& w, const ModelConfig& c, const MoeCut& m) {
   auto& ts = w.tensors();
   auto take = [&](const std::string& name) {
@@ -877,14 +893,18 @@ void cut_into_experts(kvq::test::GgufWriter& w, const ModelConfig& c, const MoeC
         for (int j = from; j < from + n; ++j) d.push_back(down[size_t(o) * size_t(F) + size_t(j)] * scale);
       return d;
     };
-    w.add_tensor_f32(p + "ffn_gate_exps.weight", {E, fe, m.n_exp}, rows(gate, m.routed_from, fe * m.n_exp));
-    w.add_tensor_f32(p + "ffn_up_exps.weight", {E, fe, m.n_exp}, rows(up, m.routed_from, fe * m.n_exp));
     std::vector<float> de;
     for (int e = 0; e < m.n_exp; ++e) {
       const std::vector<float> d = down_cols(m.routed_from + e * fe, fe, m.down_scale);
       de.insert(de.end(), d.begin(), d.end());
     }
-    w.add_tensor_f32(p + "ffn_down_exps.weight", {fe, E, m.n_exp}, de);
+    auto add = [&](const std::string& name, const std::vector<int64_t>& ne, const std::vector<float>& v) {
+      if (m.q8_0) w.add_tensor(name, GgmlType::Q8_0, ne, quantize_q8_0(v));
+      else w.add_tensor_f32(name, ne, v);
+    };
+    add(p + "ffn_gate_exps.weight", {E, fe, m.n_exp}, rows(gate, m.routed_from, fe * m.n_exp));
+    add(p + "ffn_up_exps.weight", {E, fe, m.n_exp}, rows(up, m.routed_from, fe * m.n_exp));
+    add(p + "ffn_down_exps.weight", {fe, E, m.n_exp}, de);
     std::vector<float> router;
     for (int e = 0; e < m.n_exp; ++e)
       for (int i = 0; i < E; ++i) router.push_back(m.router(il, e, i));
@@ -1012,20 +1032,23 @@ TEST(ArchVariants, SharedExpertsQwen2MoeGatedGraniteMoeNot) {
 
 // The whole model at its first token, computed here from the file's tensors: stories260K cut to
 // one layer whose FFN is a mixture of experts (4 routed slices, 2 chosen by a random router, a
-// shared expert behind a random gate for Qwen2-MoE). At position 0 attention returns each head's
-// value, so the logits follow from embedding, norms, value and output projections, and the MoE
-// FFN, which this reference computes on its own: softmax over the router's logits, the 2 largest,
-// weights normalized (Mixtral) or not (Qwen2-MoE), SiLU-gated experts, sigmoid-gated shared one.
+// shared expert behind a random gate for Qwen2-MoE, ungated for Granite MoE). At position 0
+// attention returns each head's value, so the logits follow from embedding, norms, value and
+// output projections, and the MoE FFN, which this reference computes on its own: softmax over
+// the router's logits, the 2 largest, weights normalized (Mixtral, Qwen3-MoE, Granite) or not
+// (Qwen2-MoE), SiLU-gated experts, the shared one. Qwen3-MoE's file leaves the experts' width to
+// feed_forward_length / expert_used_count and gives the count as a per-layer array.
 TEST(ArchVariants, OneLayerMixtureOfExpertsMatchesAReference) {
   if (!fs::exists(shared_path("models/stories260K.gguf"))) GTEST_SKIP() << "stories260K.gguf not found";
-  for (const std::string arch : {"llama", "qwen2moe"}) {
+  for (const std::string arch : {"llama", "qwen2moe", "qwen3moe", "granitemoe", "granite"}) {
     SCOPED_TRACE(arch);
-    const bool qwen = arch == "qwen2moe";
+    const bool qwen = arch == "qwen2moe", qwen3 = arch == "qwen3moe", granite = arch.rfind("granite", 0) == 0;
+    const bool shared = qwen || arch == "granitemoe";
     const std::string path = (fs::temp_directory_path() / ("kvq_test_moe1_" + arch + ".gguf")).string();
     write_stories_as(arch, path, [&](kvq::test::GgufWriter& w, const ModelConfig& c) {
       MoeCut m;
-      m.routed_from = qwen ? 72 : 0;
-      m.shared = qwen ? 72 : 0;
+      m.routed_from = shared ? 72 : 0;
+      m.shared = shared ? 72 : 0;
       m.down_scale = 2.f;
       m.shexp_gate = qwen;
       m.router = random_router(0.05f, 11);
@@ -1040,18 +1063,31 @@ TEST(ArchVariants, OneLayerMixtureOfExpertsMatchesAReference) {
             std::memcpy(t.data.data() + 4 * i, &v, 4);
           }
       const int fe = (c.n_ff - m.routed_from) / 4;
-      w.add_u32(arch + ".block_count", 1).add_u32(arch + ".expert_count", 4).add_u32(arch + ".expert_used_count", 2);
+      w.add_u32(arch + ".block_count", 1).add_u32(arch + ".expert_count", 4);
+      // expert_used_count as a per-layer array (one layer) for Qwen3-MoE, as llama.cpp accepts it
+      if (qwen3) w.add_array("qwen3moe.expert_used_count", gguf::ValueType::u32, {kvq::test::gv::u32(2)});
+      else w.add_u32(arch + ".expert_used_count", 2);
       if (qwen) {
         w.add_u32("qwen2moe.expert_feed_forward_length", uint32_t(fe)).add_u32("qwen2moe.expert_shared_feed_forward_length", 72);
         for (const char* b : {"attn_q", "attn_k", "attn_v"})
           w.add_tensor(std::string("blk.0.") + b + ".bias", GgmlType::F32, {int64_t(b[5] == 'q' ? c.n_head : c.n_head_kv) * c.head_dim});
+      } else if (qwen3) {  // no expert_feed_forward_length: feed_forward_length / expert_used_count
+        w.add_u32("qwen3moe.feed_forward_length", uint32_t(2 * fe));
+        for (const char* nm : {"attn_q_norm", "attn_k_norm"})
+          w.add_tensor_f32(std::string("blk.0.") + nm + ".weight", {c.head_dim}, std::vector<float>(size_t(c.head_dim), 1.f));
       } else {
-        w.add_u32("llama.feed_forward_length", uint32_t(fe));
+        w.add_u32(arch + ".feed_forward_length", uint32_t(fe));
       }
-    }, qwen ? std::vector<std::string>{"qwen2moe.block_count"} : std::vector<std::string>{"llama.block_count", "llama.feed_forward_length"});
+      if (granite) w.add_f32(arch + ".logit_scale", 1.f);
+      if (arch == "granitemoe") w.add_u32("granitemoe.expert_shared_feed_forward_length", 72);
+    }, qwen ? std::vector<std::string>{"qwen2moe.block_count"}
+            : std::vector<std::string>{arch + ".block_count", arch + ".feed_forward_length"});
     auto m = Model::load(path);
     const ModelConfig& c = m->config();
     ASSERT_EQ(c.n_layer, 1);
+    EXPECT_EQ(c.moe_norm_weights, !qwen);
+    EXPECT_EQ(c.n_ff_exp, shared ? 25 : 43);
+    EXPECT_EQ(c.n_ff_shexp, shared ? 72 : 0);
     const int E = c.n_embd, hd = c.head_dim, group = c.n_head / c.n_head_kv, Fe = c.n_ff_exp;
     auto T = [&](const std::string& name) {
       const gguf::TensorInfo* t = m->file().find_tensor(name);
@@ -1097,7 +1133,7 @@ TEST(ArchVariants, OneLayerMixtureOfExpertsMatchesAReference) {
     double z = 0;
     for (double l : logit) z += std::exp(l);
     double w0 = std::exp(logit[size_t(order[0])]) / z, w1 = std::exp(logit[size_t(order[1])]) / z;
-    if (!qwen) {
+    if (c.moe_norm_weights) {
       const double s = w0 + w1;
       w0 /= s;
       w1 /= s;
@@ -1109,9 +1145,9 @@ TEST(ArchVariants, OneLayerMixtureOfExpertsMatchesAReference) {
                              T("blk.0.ffn_down_exps.weight") + size_t(e) * down_stride, Fe, xn);
       for (int i = 0; i < E; ++i) ffn[size_t(i)] += we * y[size_t(i)];
     }
-    if (qwen) {
+    if (shared) {
       const auto y = glu_ffn(T("blk.0.ffn_gate_shexp.weight"), T("blk.0.ffn_up_shexp.weight"), T("blk.0.ffn_down_shexp.weight"), 72, xn);
-      const double g = 1 / (1 + std::exp(-mv(T("blk.0.ffn_gate_inp_shexp.weight"), xn, 1)[0]));
+      const double g = qwen ? 1 / (1 + std::exp(-mv(T("blk.0.ffn_gate_inp_shexp.weight"), xn, 1)[0])) : 1.0;
       for (int i = 0; i < E; ++i) ffn[size_t(i)] += g * y[size_t(i)];
     }
     for (int i = 0; i < E; ++i) x[size_t(i)] += ffn[size_t(i)];
@@ -1178,7 +1214,52 @@ TEST(ArchVariants, ExpertRowsBatchedEqualAlone) {
     }
   EXPECT_LT(worst, 1e-4f);
   EXPECT_GT(spread, 0.1f);  // the sequences' logits differ: a mixed-up row would show
+  // a prompt's rows in one step (each expert's rows gathered from the whole prompt) as one by one
+  const auto& ids = prompts[1];
+  KvCache c1(cfg), c2(cfg);
+  Forward f1(*m, pool), f2(*m, pool);
+  const float* all = f1.eval(ids.data(), int(ids.size()), c1, true);
+  const std::vector<float> whole(all, all + ids.size() * size_t(nv));
+  float step_worst = 0;
+  for (size_t t = 0; t < ids.size(); ++t) {
+    const float* one = f2.eval(ids.data() + t, 1, c2);
+    for (int i = 0; i < nv; ++i) step_worst = std::max(step_worst, std::fabs(one[i] - whole[t * size_t(nv) + size_t(i)]));
+  }
+  EXPECT_LT(step_worst, 1e-4f);
   m.reset();
+  fs::remove(path);
+}
+
+// Expert tensors in a quantized type (Q8_0): each expert's rows are viewed at its own offset of
+// the 3-D tensor, and the quantized kernels (8-bit activations) agree with the f32 reference load
+// (weights dequantized, f32 activations) as closely as on a dense model.
+TEST(ArchVariants, QuantizedExpertTensors) {
+  if (!fs::exists(shared_path("models/stories260K.gguf"))) GTEST_SKIP() << "stories260K.gguf not found";
+  const std::string path = (fs::temp_directory_path() / "kvq_test_moe_q8.gguf").string();
+  write_stories_as("llama", path, [](kvq::test::GgufWriter& w, const ModelConfig& c) {
+    MoeCut m;
+    m.routed_from = c.n_ff - 4 * 32;  // experts of 32 channels, Q8_0's block
+    m.down_scale = 4.f;
+    m.q8_0 = true;
+    m.router = random_router(0.05f, 5);
+    cut_into_experts(w, c, m);
+    w.add_u32("llama.expert_count", 4).add_u32("llama.expert_used_count", 2).add_u32("llama.feed_forward_length", 32);
+  }, {"llama.feed_forward_length"});
+  auto q = Model::load(path), r = Model::load_f32(path);
+  EXPECT_EQ(q->layer(0).ffn_down_exps[3].type, GgmlType::Q8_0);
+  EXPECT_EQ(r->layer(0).ffn_down_exps[3].type, GgmlType::F32);
+  const Tokenizer tok = Tokenizer::from_gguf(q->file());
+  const std::vector<int32_t> ids = tok.encode("Once upon a time, a little girl named Lily found a ball.", true);
+  const auto a = stories_logits(*q, ids), b = stories_logits(*r, ids);
+  const size_t nv = size_t(q->config().n_vocab);
+  float mag = 0;
+  for (float x : b) mag = std::max(mag, std::fabs(x));
+  EXPECT_LT(max_abs_diff(a, b), 0.05f * mag);  // 8-bit activations: 0.013-0.037 x mag per token
+  for (size_t t = 0; t < ids.size(); ++t)
+    EXPECT_EQ(std::max_element(a.begin() + ptrdiff_t(t * nv), a.begin() + ptrdiff_t((t + 1) * nv)) - a.begin(),
+              std::max_element(b.begin() + ptrdiff_t(t * nv), b.begin() + ptrdiff_t((t + 1) * nv)) - b.begin()) << t;
+  q.reset();
+  r.reset();
   fs::remove(path);
 }
 
@@ -1212,6 +1293,19 @@ TEST(ArchVariants, ExpertMetadataAndShapesAreChecked) {
        [&](kvq::test::GgufWriter& w, const ModelConfig& c) {
          cut(4)(w, c);
          w.add_u32("llama.expert_count", 4).add_u32("llama.expert_used_count", 2);
+       }, {}},
+      {"llama", "'llama.expert_count' = 2000 is out of range [1, 1024]",
+       [](kvq::test::GgufWriter& w, const ModelConfig&) { w.add_u32("llama.expert_count", 2000).add_u32("llama.expert_used_count", 2); }, {}},
+      {"llama", "without 'llama.expert_used_count'",
+       [](kvq::test::GgufWriter& w, const ModelConfig&) { w.add_u32("llama.expert_count", 4); }, {}},
+      {"qwen3moe", "'qwen3moe.expert_used_count' must hold one integer for every layer",
+       [](kvq::test::GgufWriter& w, const ModelConfig&) {
+         w.add_u32("qwen3moe.expert_count", 4);
+         w.add_array("qwen3moe.expert_used_count", gguf::ValueType::u32, {kvq::test::gv::u32(2), kvq::test::gv::u32(3)});
+       }, {}},
+      {"qwen3moe", "routing within expert groups is not supported",
+       [](kvq::test::GgufWriter& w, const ModelConfig&) {
+         w.add_u32("qwen3moe.expert_count", 4).add_u32("qwen3moe.expert_used_count", 2).add_u32("qwen3moe.expert_group_count", 2);
        }, {}},
       {"llama", "missing tensor 'blk.0.ffn_gate_inp.weight'",
        [&](kvq::test::GgufWriter& w, const ModelConfig& c) {

@@ -107,8 +107,27 @@ namespace {
 void read_experts(const gguf::File& f, ModelConfig& c) {
   const std::string a = c.arch + ".";
   const bool qwen_moe = c.arch == "qwen2moe" || c.arch == "qwen3moe";
-  const int64_t ne = f.get_int(a + "expert_count").value_or(0);
-  const int64_t nu = f.get_int(a + "expert_used_count").value_or(0);
+  // An integer key, or an array of one value per layer as llama.cpp accepts for some of these
+  // (kvq takes the array when every layer has the same value); nullopt when absent.
+  auto uniform_int = [&](const std::string& key) -> std::optional<int64_t> {
+    const gguf::Value* v = f.find(key);
+    if (!v) return std::nullopt;
+    if (v->type != gguf::ValueType::array) {
+      const std::optional<int64_t> x = v->as_int();
+      if (!x) fail("{}: '{}' must be an integer", f.path(), key);
+      return x;
+    }
+    std::optional<int64_t> first;
+    for (const gguf::Value& e : v->arr) {
+      const std::optional<int64_t> x = e.as_int();
+      if (!x || (first && *x != *first))
+        fail("{}: '{}' must hold one integer for every layer (per-layer values are not supported)", f.path(), key);
+      first = x;
+    }
+    if (!first) fail("{}: '{}' is an empty array", f.path(), key);
+    return first;
+  };
+  const int64_t ne = uniform_int(a + "expert_count").value_or(0);
   if (ne == 0) {
     if (qwen_moe) fail("{}: a {} model needs '{}expert_count' > 0", f.path(), c.arch, a);
     return;
@@ -116,31 +135,24 @@ void read_experts(const gguf::File& f, ModelConfig& c) {
   if (c.arch != "llama" && c.arch != "granite" && c.arch != "granitemoe" && !qwen_moe)
     fail("{}: '{}expert_count' = {}: experts are not supported in a {} model (kvq runs them in llama (Mixtral), "
          "qwen2moe, qwen3moe, granite and granitemoe files)", f.path(), a, ne, c.arch);
-  if (ne < 0 || ne > 4096) fail("{}: '{}expert_count' = {} is out of range [1, 4096]", f.path(), a, ne);
-  if (nu <= 0 || nu > ne)
-    fail("{}: '{}expert_used_count' = {} must be in [1, {}] (the experts each token runs)", f.path(), a, nu, ne);
+  // llama.cpp's limit (LLAMA_MAX_EXPERTS)
+  if (ne < 0 || ne > 1024) fail("{}: '{}expert_count' = {} is out of range [1, 1024]", f.path(), a, ne);
+  const std::optional<int64_t> nu = uniform_int(a + "expert_used_count");
+  if (!nu) fail("{}: '{}expert_count' = {} without '{}expert_used_count' (the experts each token runs)", f.path(), a, ne, a);
+  if (*nu <= 0 || *nu > ne)
+    fail("{}: '{}expert_used_count' = {} must be in [1, {}] (the experts each token runs)", f.path(), a, *nu, ne);
+  // DeepSeek-style group routing (a token's experts taken from its best groups) is not implemented
+  if (const std::optional<int64_t> g = uniform_int(a + "expert_group_count"); g && *g > 1)
+    fail("{}: '{}expert_group_count' = {}: routing within expert groups is not supported", f.path(), a, *g);
   c.n_expert = int(ne);
-  c.n_expert_used = int(nu);
+  c.n_expert_used = int(*nu);
   c.n_ff_exp = c.n_ff;
-  if (qwen_moe) {
+  if (qwen_moe) {  // the experts' width, else (absent or 0) feed_forward_length / expert_used_count
     const std::string key = a + "expert_feed_forward_length";
-    if (const gguf::Value* v = f.find(key); v && v->type == gguf::ValueType::array) {
-      // one width per layer in llama.cpp's reading; kvq takes it when every layer has the same
-      std::optional<int64_t> first;
-      for (const gguf::Value& e : v->arr) {
-        const std::optional<int64_t> x = e.as_int();
-        if (!x || (first && *x != *first))
-          fail("{}: '{}' must hold one integer width for every layer (per-layer widths are not supported)", f.path(), key);
-        first = x;
-      }
-      if (!first) fail("{}: '{}' is empty", f.path(), key);
-      c.n_ff_exp = int(positive(f, key, *first));
-    } else if (f.get_int(key)) {
-      c.n_ff_exp = int(positive(f, key, *f.get_int(key)));
-    } else {
-      c.n_ff_exp = c.n_ff / c.n_expert_used;
-      if (c.n_ff_exp <= 0) fail("{}: no '{}' and feed_forward_length {} < expert_used_count {}", f.path(), key, c.n_ff, nu);
-    }
+    const int64_t fe = uniform_int(key).value_or(0);
+    if (fe < 0 || fe > (int64_t(1) << 30)) fail("{}: '{}' = {} is out of range", f.path(), key, fe);
+    c.n_ff_exp = fe > 0 ? int(fe) : c.n_ff / c.n_expert_used;
+    if (c.n_ff_exp <= 0) fail("{}: no '{}' and feed_forward_length {} < expert_used_count {}", f.path(), key, c.n_ff, *nu);
   }
   const std::string shk = a + "expert_shared_feed_forward_length";
   const std::optional<int64_t> sh = f.get_int(shk);
@@ -262,7 +274,9 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
         if (const std::string t = fmt::format("blk.{}.{}.bias", il, b); f.find_tensor(t))
           fail("{}: tensor '{}': biases in Granite's layers are not supported", f.path(), t);
     // rope.scaling.finetuned = false switches Granite's RoPE off (as llama.cpp reads it)
-    if (!f.get_bool(a + "rope.scaling.finetuned").value_or(true)) c.layer_no_rope.assign(size_t(c.n_layer), true);
+    // (Granite MoE's reader does not look at the key)
+    if (c.arch == "granite" && !f.get_bool(a + "rope.scaling.finetuned").value_or(true))
+      c.layer_no_rope.assign(size_t(c.n_layer), true);
   }
   if (gemma) {
     c.rope_neox = true;

@@ -166,6 +166,8 @@ std::unique_ptr<Model> Model::load(const std::string& path) {
       L.ffn_gate_exps = experts_of(f, p + "ffn_gate_exps.weight", c.n_embd, c.n_ff_exp, c.n_expert);
       L.ffn_up_exps = experts_of(f, p + "ffn_up_exps.weight", c.n_embd, c.n_ff_exp, c.n_expert);
       L.ffn_down_exps = experts_of(f, p + "ffn_down_exps.weight", c.n_ff_exp, c.n_embd, c.n_expert);
+      for (const char* t : {"ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"})
+        m->expert_bytes_ += f.find_tensor(p + t)->nbytes;
       if (c.n_ff_shexp > 0) {
         L.ffn_gate_shexp = view_of(f, p + "ffn_gate_shexp.weight", c.n_embd, c.n_ff_shexp);
         L.ffn_up_shexp = view_of(f, p + "ffn_up_shexp.weight", c.n_embd, c.n_ff_shexp);
@@ -219,14 +221,14 @@ bool Model::set_context(int ctx) {
   return cfg_.rope_long != was;
 }
 
-size_t Model::decode_weight_bytes() const {
+size_t Model::decode_weight_bytes(int n_seqs) const {
   size_t b = file_->tensor_bytes();
   if (!cfg_.tied_output) b -= size_t(tok_embd_.n_out) * tok_embd_.row_bytes;
-  // one token reads n_expert_used of each layer's experts
-  const size_t idle = size_t(cfg_.n_expert - cfg_.n_expert_used);
-  for (const auto& L : layers_)
-    for (const auto* ws : {&L.ffn_gate_exps, &L.ffn_up_exps, &L.ffn_down_exps})
-      if (!ws->empty()) b -= idle * size_t(ws->front().n_out) * ws->front().row_bytes;
+  // n_seqs tokens read at most n_seqs x n_expert_used of each layer's experts
+  if (cfg_.n_expert > 0) {
+    const int64_t read = std::min<int64_t>(cfg_.n_expert, int64_t(std::max(n_seqs, 1)) * cfg_.n_expert_used);
+    b -= size_t(double(expert_bytes_) * double(cfg_.n_expert - read) / double(cfg_.n_expert));
+  }
   return b;
 }
 
@@ -290,6 +292,9 @@ Forward::Forward(const Model& m, ThreadPool& pool, int max_batch) : m_(m), pool_
     router_.resize(B * size_t(c.n_expert));
     moe_w_.resize(B * size_t(c.n_expert_used));
     moe_sel_.resize(B * size_t(c.n_expert_used));
+    moe_rows_.resize(2 * B * size_t(c.n_expert_used));
+    moe_off_.resize(size_t(c.n_expert) + 1);
+    moe_fill_.resize(size_t(c.n_expert));
     moe_x_.resize(B * size_t(c.n_embd));
     moe_y_.resize(B * size_t(c.n_embd));
     shexp_gate_.resize(B);
@@ -303,7 +308,7 @@ size_t Forward::scratch_bytes() const {
   for (const auto* a : {&x_, &xn_, &tmp_, &q_, &attn_out_, &k_pre_, &k_, &v_, &gate_, &up_, &logits_, &router_, &moe_w_,
                         &moe_x_, &moe_y_, &shexp_gate_})
     b += a->bytes();
-  b += (moe_sel_.capacity() + moe_rows_.capacity()) * sizeof(int);
+  b += (moe_sel_.capacity() + moe_rows_.capacity() + moe_off_.capacity() + moe_fill_.capacity()) * sizeof(int);
   for (const auto& s : attn_scratch_) b += s.bytes();
   return b + part_states_.bytes();
 }
@@ -543,20 +548,22 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
   }
 }
 void moe_route(const float* logits, int n, int k, bool normalize, int* experts, float* weights) {
+  // NaN logits rank last (a strict order for the sort); their probabilities stay NaN
+  auto key = [&](int e) { return std::isnan(logits[e]) ? -std::numeric_limits<float>::infinity() : logits[e]; };
   float mx = -std::numeric_limits<float>::infinity();
-  for (int e = 0; e < n; ++e) mx = std::max(mx, logits[e]);
+  for (int e = 0; e < n; ++e) mx = std::max(mx, key(e));
   double sum = 0;
   for (int e = 0; e < n; ++e) sum += std::exp(double(logits[e]) - double(mx));
-  // k passes of a selection: the largest logit not yet taken, the lower index on ties
+  thread_local std::vector<int> idx;
+  idx.resize(size_t(n));
+  for (int e = 0; e < n; ++e) idx[size_t(e)] = e;
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int a, int b) {
+    const float ka = key(a), kb = key(b);
+    return ka > kb || (ka == kb && a < b);
+  });
   for (int j = 0; j < k; ++j) {
-    int best = -1;
-    for (int e = 0; e < n; ++e) {
-      bool taken = false;
-      for (int i = 0; i < j && !taken; ++i) taken = experts[i] == e;
-      if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
-    }
-    experts[j] = best;
-    weights[j] = float(std::exp(double(logits[best]) - double(mx)) / sum);
+    experts[j] = idx[size_t(j)];
+    weights[j] = float(std::exp(double(logits[experts[j]]) - double(mx)) / sum);
   }
   if (normalize) {
     double s = 0;
@@ -579,26 +586,32 @@ void Forward::ffn_moe(const LayerWeights& L, int n) {
     moe_route(router_.data() + size_t(r) * size_t(ne), ne, k, c.moe_norm_weights, moe_sel_.data() + size_t(r) * size_t(k), moe_w_.data() + size_t(r) * size_t(k));
   }
   std::fill(tmp_.data(), tmp_.data() + size_t(n) * size_t(E), 0.0f);
+  // The (row, choice) pairs grouped by expert, rows in order: expert e's at moe_rows_[2 * off[e]..].
+  moe_off_.assign(size_t(ne) + 1, 0);
+  for (int i = 0; i < n * k; ++i) ++moe_off_[size_t(moe_sel_[size_t(i)]) + 1];
+  for (int e = 0; e < ne; ++e) moe_off_[size_t(e) + 1] += moe_off_[size_t(e)];
+  moe_rows_.resize(2 * size_t(n) * size_t(k));
+  moe_fill_.assign(moe_off_.begin(), moe_off_.end() - 1);
+  for (int r = 0; r < n; ++r)
+    for (int j = 0; j < k; ++j) {
+      const size_t at = size_t(moe_fill_[size_t(moe_sel_[size_t(r) * size_t(k) + size_t(j)])]++);
+      moe_rows_[2 * at] = r;
+      moe_rows_[2 * at + 1] = j;
+    }
   for (int e = 0; e < ne; ++e) {
-    moe_rows_.clear();  // (row, weight index) pairs of the rows that chose e
-    for (int r = 0; r < n; ++r)
-      for (int j = 0; j < k; ++j)
-        if (moe_sel_[size_t(r) * size_t(k) + size_t(j)] == e) {
-          moe_rows_.push_back(r);
-          moe_rows_.push_back(j);
-        }
-    const int m = int(moe_rows_.size() / 2);
+    const int m = moe_off_[size_t(e) + 1] - moe_off_[size_t(e)];
     if (m == 0) continue;
+    const int* pairs = moe_rows_.data() + 2 * size_t(moe_off_[size_t(e)]);
     for (int i = 0; i < m; ++i)
-      std::memcpy(moe_x_.data() + size_t(i) * size_t(E), xn_.data() + size_t(moe_rows_[2 * size_t(i)]) * size_t(E),
+      std::memcpy(moe_x_.data() + size_t(i) * size_t(E), xn_.data() + size_t(pairs[2 * i]) * size_t(E),
                   size_t(E) * sizeof(float));
     matmul(L.ffn_gate_exps[size_t(e)], moe_x_.data(), m, gate_.data(), pool_);
     matmul(L.ffn_up_exps[size_t(e)], moe_x_.data(), m, up_.data(), pool_);
     glu(act, gate_.data(), up_.data(), gate_.data(), size_t(m) * size_t(Fe), pool_);
     matmul(L.ffn_down_exps[size_t(e)], gate_.data(), m, moe_y_.data(), pool_);
     for (int i = 0; i < m; ++i) {
-      const int r = moe_rows_[2 * size_t(i)];
-      const float w = moe_w_[size_t(r) * size_t(k) + size_t(moe_rows_[2 * size_t(i) + 1])];
+      const int r = pairs[2 * i];
+      const float w = moe_w_[size_t(r) * size_t(k) + size_t(pairs[2 * i + 1])];
       float* o = tmp_.data() + size_t(r) * size_t(E);
       const float* y = moe_y_.data() + size_t(i) * size_t(E);
       for (int d = 0; d < E; ++d) o[d] += w * y[d];

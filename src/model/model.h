@@ -49,8 +49,9 @@ class Model {
   size_t weights_bytes() const { return file_->tensor_bytes(); }
   // Weight bytes one decode step reads: everything but the embedding table, which is only
   // gathered one row at a time (unless it doubles as the output projection), and, with experts,
-  // but the n_expert_used experts of each layer one token runs.
-  size_t decode_weight_bytes() const;
+  // but those the step's tokens run: at most n_seqs x n_expert_used of each layer's (the bound:
+  // distinct tokens often share experts).
+  size_t decode_weight_bytes(int n_seqs = 1) const;
 
   // Picks the RoPE factors for a context of `ctx` tokens, the one a tool runs at (0: the trained
   // context; LongRoPE's two sets, no effect on other models). Caches made before keep the old RoPE:
@@ -72,6 +73,7 @@ class Model {
   std::vector<LayerWeights> layers_;
   std::vector<KvRope> layer_rope_;  // each layer's RoPE, as the model and its KV cache rotate
   std::vector<AlignedBuf<float>> f32_weights_;  // owned copies when loaded with load_f32
+  size_t expert_bytes_ = 0;  // the expert tensors' bytes in the file
   void dequantize_all_f32();
   void build_layer_rope();
 };
@@ -125,9 +127,9 @@ class Forward {
   AlignedBuf<float> gate_, up_;
   // Mixture of experts: (max_batch, n_expert) router logits, (max_batch, n_expert_used) chosen
   // experts and weights, (max_batch, n_embd) one expert's gathered inputs and outputs, (max_batch)
-  // the shared expert's gate, and each expert's rows this step.
+  // the shared expert's gate, and the step's (row, choice) pairs grouped by expert (offsets per expert).
   AlignedBuf<float> router_, moe_w_, moe_x_, moe_y_, shexp_gate_;
-  std::vector<int> moe_sel_, moe_rows_;
+  std::vector<int> moe_sel_, moe_rows_, moe_off_, moe_fill_;
   void ffn_moe(const LayerWeights& L, int n);
   AlignedBuf<float> tmp_;          // (max_batch, n_embd)
   AlignedBuf<float> logits_;       // (rows, n_vocab)

@@ -569,9 +569,16 @@ PlanModel plan_model_from_gguf(const gguf::File& f) {
     m.n_expert = int(*ne);
     m.n_expert_used = int(*nu);
     m.n_params_active = params - int64_t(double(expert_params) * double(*ne - *nu) / double(*ne));
-    const std::optional<int64_t> fe = gguf_int_or_max(f, a + "expert_feed_forward_length", nullptr);
-    const std::optional<int64_t> fs = gguf_int_or_max(f, a + "expert_shared_feed_forward_length", nullptr);
-    if (fe && *fe > 0) m.n_ff = std::min(m.n_ff, std::max(*fe, fs.value_or(0)));
+    // The FFN buffers: one expert (expert_feed_forward_length, else feed_forward_length, or, for the
+    // Qwen MoE models, feed_forward_length / used) or the shared expert (Qwen2-MoE: else
+    // feed_forward_length), whichever is wider.
+    const bool qwen_moe = *arch == "qwen2moe" || *arch == "qwen3moe";
+    const int64_t ffl = m.n_ff;
+    int64_t fe = gguf_int_or_max(f, a + "expert_feed_forward_length", nullptr).value_or(0);
+    if (fe <= 0) fe = qwen_moe ? ffl / *nu : ffl;
+    int64_t fs = gguf_int_or_max(f, a + "expert_shared_feed_forward_length", nullptr).value_or(0);
+    if (fs <= 0 && *arch == "qwen2moe") fs = ffl;
+    m.n_ff = std::min<int64_t>(std::max(fe, fs), kMaxFf);
     m.notes.push_back(moe_note(m));
   }
   return m;
