@@ -25,8 +25,8 @@ perplexities stay meaningful (except gemma2's, which loses the q / k norms it wa
   folded rows stored F16), which keeps the model close to the original instead of wrecked;
 - llama: the architecture kept, no reordering; with --rope-freqs F, a rope_freqs.weight tensor whose
   factors rise linearly from 1 (the fastest pair) to F (the slowest);
-- mixtral, qwen2moe, qwen3moe, granitemoe: llama (Mixtral's experts), qwen2, qwen3 or granite as
-  above, with each layer's FFN cut into --experts N,K experts (N slices of the hidden channels, their
+- mixtral, qwen2moe, qwen3moe, granitemoe, olmoe: llama (Mixtral's experts), qwen2, qwen3, granite or
+  olmoe as above, with each layer's FFN cut into --experts N,K experts (N slices of the hidden channels, their
   gate / up rows kept as they are in the file, their down columns stored F16 times --down-scale,
   default N) and a router (F32) choosing K per token: with --router gate (default) expert e's row is
   the mean of its channels' gate rows, scaled to norm --router-std; with --router random, normal with
@@ -34,10 +34,16 @@ perplexities stay meaningful (except gemma2's, which loses the q / k norms it wa
   shared expert behind a random sigmoid gate (its down times 2) and cuts the rest. Such a model is
   worse than the original (a token runs a share of its FFN), but both engines run the same file, so
   their routing has to agree for their perplexities to;
+- olmo2: q / k norms over all heads at once (weights uniform in [1 - s, 1 + s], s = --norm-spread),
+  NeoX RoPE, and the attention and FFN norms moved after their blocks (post_attention_norm,
+  post_ffw_norm with the same weights), as OLMo 2 has them: a different model from the original;
+- olmoe: the olmo2 q / k norms with the pre-norms kept, each KV head repeated for its query heads
+  (llama.cpp's OLMoE has no grouped-query attention; the same attention), and the FFN cut into
+  experts (see the mixture-of-experts modes);
 - --pre NAME replaces tokenizer.ggml.pre (e.g. qwen2, llama-bpe), the pre-tokenizer both engines apply.
 
 usage: make_arch_variant.py IN.gguf OUT.gguf {qwen2,qwen3,phi3,smollm3,granite,gemma2,llama,
-                            mixtral,qwen2moe,qwen3moe,granitemoe} [--pre NAME] [--bias-std 0.02]
+                            mixtral,qwen2moe,qwen3moe,granitemoe,olmo2,olmoe} [--pre NAME] [--bias-std 0.02]
                             [--norm-spread 0.2] [--rope-freqs F] [--longrope ORIG] [--long-factor 4]
                             [--granite 1.5,0.9,0.11,1.2] [--experts 8,2] [--shared 768] [--router gate|random]
                             [--router-std 3] [--down-scale N]
@@ -60,7 +66,7 @@ def main():
     ap.add_argument("src")
     ap.add_argument("dst")
     ap.add_argument("arch", choices=["qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma2", "llama", "mixtral",
-                                     "qwen2moe", "qwen3moe", "granitemoe"])
+                                     "qwen2moe", "qwen3moe", "granitemoe", "olmo2", "olmoe"])
     ap.add_argument("--experts", default="8,2")
     ap.add_argument("--shared", type=int, default=768)
     ap.add_argument("--router-std", type=float, default=3.0)
@@ -80,20 +86,23 @@ def main():
     src_arch = field_value(r.fields["general.architecture"])
     want = "gemma3" if a.arch == "gemma2" else "llama"
     assert src_arch == want, f"{a.arch} is made from a {want} file, got {src_arch}"
-    moe = a.arch in ("mixtral", "qwen2moe", "qwen3moe", "granitemoe")
+    moe = a.arch in ("mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe")
     out_arch = "llama" if a.arch == "mixtral" else a.arch
+    olmo = out_arch in ("olmo2", "olmoe")
     a.arch = {"mixtral": "llama", "qwen2moe": "qwen2", "qwen3moe": "qwen3", "granitemoe": "granite"}.get(a.arch, a.arch)
     n_exp, k_exp = (int(x) for x in a.experts.split(","))
     w = GGUFWriter(a.dst, out_arch)
     for name, f in r.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
-        if moe and out_arch in ("llama", "granitemoe") and name == f"{src_arch}.feed_forward_length":
+        if moe and out_arch in ("llama", "granitemoe", "olmoe") and name == f"{src_arch}.feed_forward_length":
             continue  # the experts' width, written below
         key = out_arch + name[len(src_arch):] if name.startswith(src_arch + ".") else name
         val = field_value(f)
         if name == "tokenizer.ggml.pre" and a.pre:
             val = a.pre
+        if out_arch == "olmoe" and name == f"{src_arch}.attention.head_count_kv":
+            val = field_value(r.fields[f"{src_arch}.attention.head_count"])  # KV heads repeated, below
         vtype = f.types[0]
         sub = f.types[-1] if vtype == GGUFValueType.ARRAY else None
         w.add_key_value(key, val, vtype, sub_type=sub)
@@ -105,7 +114,7 @@ def main():
     n_ff = int(field_value(r.fields[f"{src_arch}.feed_forward_length"]))
     ffn = {}  # MoE: block -> {kind: (data, type)}
     perm = np.concatenate([np.arange(0, hd, 2), np.arange(1, hd, 2)])
-    neox = a.arch in ("qwen2", "qwen3", "phi3")
+    neox = a.arch in ("qwen2", "qwen3", "phi3") or olmo
     extra = []
     fused = {}  # phi3: block -> {kind: data}
     by_name = {t.name: t for t in r.tensors}
@@ -130,6 +139,18 @@ def main():
             heads = n_head if kind == "attn_q" else n_kv
             rows = data.reshape(heads, hd, -1)[:, perm, :]
             data = rows.reshape(data.shape)
+        if out_arch == "olmoe" and kind in ("attn_k", "attn_v") and n_kv < n_head:
+            # llama.cpp's OLMoE has no grouped-query attention: each KV head repeated for its query heads
+            rows = data.reshape(n_kv, hd, -1)
+            data = np.repeat(rows, n_head // n_kv, axis=0).reshape(n_head * hd, -1)
+        if out_arch == "olmo2" and kind in ("attn_norm", "ffn_norm"):  # OLMo 2 normalizes outputs instead
+            name = "post_attention_norm" if kind == "attn_norm" else "post_ffw_norm"
+            extra.append((f"{blk}.{name}.weight", np.asarray(data, dtype=np.float32)))
+            continue
+        if olmo and kind in ("attn_q", "attn_k"):  # q / k norms over all heads at once
+            heads = n_head if kind == "attn_q" or out_arch == "olmoe" else n_kv
+            extra.append((f"{blk}.{kind}_norm.weight",
+                          rng.uniform(1 - a.norm_spread, 1 + a.norm_spread, heads * hd).astype(np.float32)))
         if moe and kind in ("ffn_gate", "ffn_up", "ffn_down"):
             ffn.setdefault(blk, {})[kind] = (data, t.tensor_type)
             continue
@@ -144,7 +165,7 @@ def main():
                     w.add_tensor(f"{blk}.{name}.weight", cat, raw_shape=cat.shape, raw_dtype=types.pop())
             continue
         w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
-        if out_arch == "qwen2moe" and t.name == "token_embd.weight" and "output.weight" not in by_name:
+        if out_arch in ("qwen2moe", "olmo2", "olmoe") and t.name == "token_embd.weight" and "output.weight" not in by_name:
             w.add_tensor("output.weight", data, raw_shape=data.shape, raw_dtype=t.tensor_type)  # llama.cpp needs it
         if a.arch in ("qwen2", "qwen3") and kind in ("attn_q", "attn_k", "attn_v"):
             heads = n_head if kind == "attn_q" else n_kv
@@ -166,7 +187,7 @@ def main():
         fe = routed // n_exp
         if a.down_scale is None:
             a.down_scale = float(n_exp)
-        if out_arch in ("llama", "granitemoe"):  # their experts are feed_forward_length wide
+        if out_arch in ("llama", "granitemoe", "olmoe"):  # their experts are feed_forward_length wide
             w.add_uint32(f"{out_arch}.feed_forward_length", fe)
         w.add_uint32(f"{out_arch}.expert_count", n_exp)
         w.add_uint32(f"{out_arch}.expert_used_count", k_exp)

@@ -1036,13 +1036,14 @@ TEST(ArchVariants, SharedExpertsQwen2MoeGatedGraniteMoeNot) {
 // attention returns each head's value, so the logits follow from embedding, norms, value and
 // output projections, and the MoE FFN, which this reference computes on its own: softmax over
 // the router's logits, the 2 largest, weights normalized (Mixtral, Qwen3-MoE, Granite) or not
-// (Qwen2-MoE), SiLU-gated experts, the shared one. Qwen3-MoE's file leaves the experts' width to
+// (Qwen2-MoE, OLMoE), SiLU-gated experts, the shared one. Qwen3-MoE's file leaves the experts' width to
 // feed_forward_length / expert_used_count and gives the count as a per-layer array.
 TEST(ArchVariants, OneLayerMixtureOfExpertsMatchesAReference) {
   if (!fs::exists(shared_path("models/stories260K.gguf"))) GTEST_SKIP() << "stories260K.gguf not found";
-  for (const std::string arch : {"llama", "qwen2moe", "qwen3moe", "granitemoe", "granite"}) {
+  for (const std::string arch : {"llama", "qwen2moe", "qwen3moe", "granitemoe", "granite", "olmoe"}) {
     SCOPED_TRACE(arch);
     const bool qwen = arch == "qwen2moe", qwen3 = arch == "qwen3moe", granite = arch.rfind("granite", 0) == 0;
+    const bool olmoe = arch == "olmoe";
     const bool shared = qwen || arch == "granitemoe";
     const std::string path = (fs::temp_directory_path() / ("kvq_test_moe1_" + arch + ".gguf")).string();
     write_stories_as(arch, path, [&](kvq::test::GgufWriter& w, const ModelConfig& c) {
@@ -1079,13 +1080,17 @@ TEST(ArchVariants, OneLayerMixtureOfExpertsMatchesAReference) {
         w.add_u32(arch + ".feed_forward_length", uint32_t(fe));
       }
       if (granite) w.add_f32(arch + ".logit_scale", 1.f);
+      if (olmoe) {  // OLMoE's q / k norms span all heads
+        w.add_tensor_f32("blk.0.attn_q_norm.weight", {int64_t(c.n_head) * c.head_dim}, std::vector<float>(size_t(c.n_head * c.head_dim), 1.f));
+        w.add_tensor_f32("blk.0.attn_k_norm.weight", {int64_t(c.n_head_kv) * c.head_dim}, std::vector<float>(size_t(c.n_head_kv * c.head_dim), 1.f));
+      }
       if (arch == "granitemoe") w.add_u32("granitemoe.expert_shared_feed_forward_length", 72);
     }, qwen ? std::vector<std::string>{"qwen2moe.block_count"}
             : std::vector<std::string>{arch + ".block_count", arch + ".feed_forward_length"});
     auto m = Model::load(path);
     const ModelConfig& c = m->config();
     ASSERT_EQ(c.n_layer, 1);
-    EXPECT_EQ(c.moe_norm_weights, !qwen);
+    EXPECT_EQ(c.moe_norm_weights, !qwen && !olmoe);
     EXPECT_EQ(c.n_ff_exp, shared ? 25 : 43);
     EXPECT_EQ(c.n_ff_shexp, shared ? 72 : 0);
     const int E = c.n_embd, hd = c.head_dim, group = c.n_head / c.n_head_kv, Fe = c.n_ff_exp;
@@ -1163,6 +1168,131 @@ TEST(ArchVariants, OneLayerMixtureOfExpertsMatchesAReference) {
     m.reset();
     fs::remove(path);
   }
+}
+
+// OLMo 2: no norm before attention or the FFN, RMSNorm of their outputs before the residual add
+// (post_attention_norm, post_ffw_norm), and q / k normalized over all heads at once. Checked on
+// stories260K cut to one layer at its first token against the same computation written out here
+// (queries through the tap, where RoPE at position 0 is the identity; logits end to end).
+TEST(ArchVariants, Olmo2PostNormsAndFullWidthQkNorm) {
+  if (!fs::exists(shared_path("models/stories260K.gguf"))) GTEST_SKIP() << "stories260K.gguf not found";
+  const std::string path = (fs::temp_directory_path() / "kvq_test_olmo2.gguf").string();
+  write_stories_as("olmo2", path, [](kvq::test::GgufWriter& w, const ModelConfig& c) {
+    auto& ts = w.tensors();
+    ts.erase(std::remove_if(ts.begin(), ts.end(), [](const auto& t) {
+               const bool other_layer = t.name.rfind("blk.", 0) == 0 && t.name.rfind("blk.0.", 0) != 0;
+               return other_layer || t.name == "blk.0.attn_norm.weight" || t.name == "blk.0.ffn_norm.weight";
+             }), ts.end());
+    auto vec = [](size_t n, float base, float step) {
+      std::vector<float> v(n);
+      for (size_t i = 0; i < n; ++i) v[i] = base + step * std::sin(float(i) * 1.7f);
+      return v;
+    };
+    const size_t qd = size_t(c.n_head * c.head_dim), kvd = size_t(c.n_head_kv * c.head_dim), E = size_t(c.n_embd);
+    w.add_tensor_f32("blk.0.post_attention_norm.weight", {c.n_embd}, vec(E, 1.f, 0.3f));
+    w.add_tensor_f32("blk.0.post_ffw_norm.weight", {c.n_embd}, vec(E, 0.8f, 0.2f));
+    w.add_tensor_f32("blk.0.attn_q_norm.weight", {int64_t(qd)}, vec(qd, 1.f, 0.4f));
+    w.add_tensor_f32("blk.0.attn_k_norm.weight", {int64_t(kvd)}, vec(kvd, 1.f, 0.4f));
+    w.add_u32("olmo2.block_count", 1);
+  }, {"olmo2.block_count"});
+  auto m = Model::load(path);
+  const ModelConfig& c = m->config();
+  EXPECT_TRUE(c.qk_norm && c.qk_norm_full && c.post_norms && !c.pre_norms && c.rope_neox);
+  EXPECT_FALSE(c.layer_sliding[0]);
+  const int E = c.n_embd, qd = c.n_head * c.head_dim, hd = c.head_dim, group = c.n_head / c.n_head_kv;
+  auto T = [&](const std::string& name) {
+    const gguf::TensorInfo* t = m->file().find_tensor(name);
+    EXPECT_NE(t, nullptr) << name;
+    return reinterpret_cast<const float*>(t->data);
+  };
+  auto mv = [](const float* W, const std::vector<double>& x, int rows) {
+    std::vector<double> y(static_cast<size_t>(rows), 0.0);
+    for (int r = 0; r < rows; ++r)
+      for (size_t i = 0; i < x.size(); ++i) y[size_t(r)] += double(W[size_t(r) * x.size() + i]) * x[i];
+    return y;
+  };
+  auto rmsn = [&](const std::vector<double>& x, const float* g) {
+    double ss = 0;
+    for (double v : x) ss += v * v;
+    const double sc = 1.0 / std::sqrt(ss / double(x.size()) + double(c.rms_eps));
+    std::vector<double> y(x.size());
+    for (size_t i = 0; i < x.size(); ++i) y[i] = x[i] * sc * g[i];
+    return y;
+  };
+  const Tokenizer tok = Tokenizer::from_gguf(m->file());
+  const int32_t bos = tok.bos();
+  std::vector<double> x(static_cast<size_t>(E));
+  for (int i = 0; i < E; ++i) x[size_t(i)] = T("token_embd.weight")[size_t(bos) * size_t(E) + size_t(i)];
+  // q: the raw embedding projected (no pre-norm), normalized over all 8 heads at once
+  const auto q_want = rmsn(mv(T("blk.0.attn_q.weight"), x, qd), T("blk.0.attn_q_norm.weight"));
+  std::vector<float> q_got;
+  {
+    ThreadPool pool(1);
+    KvCache cache(m->kv_cache_config(kv_policy_uniform("f32", 1), 64));
+    Forward f(*m, pool);
+    f.on_q = [&](int, int n, const float* q) { q_got.assign(q, q + size_t(n) * size_t(qd)); };
+    f.eval(&bos, 1, cache);
+  }
+  ASSERT_EQ(q_got.size(), size_t(qd));
+  double q_worst = 0, head_rms_spread = 0;
+  for (int i = 0; i < qd; ++i) q_worst = std::max(q_worst, std::fabs(double(q_got[size_t(i)]) - q_want[size_t(i)]));
+  EXPECT_LT(q_worst, 1e-5);
+  {  // per-head norms would make every head's RMS ~ its weights'; all-heads-at-once does not
+    std::vector<double> rms;
+    for (int h = 0; h < c.n_head; ++h) {
+      double ss = 0;
+      for (int d = 0; d < hd; ++d) ss += double(q_got[size_t(h * hd + d)]) * q_got[size_t(h * hd + d)];
+      rms.push_back(std::sqrt(ss / hd));
+    }
+    head_rms_spread = *std::max_element(rms.begin(), rms.end()) / *std::min_element(rms.begin(), rms.end());
+  }
+  EXPECT_GT(head_rms_spread, 1.5);
+  // logits: x + post_attn_norm(attention), then + post_ffw_norm(FFN of that), no pre-norms
+  const auto v = mv(T("blk.0.attn_v.weight"), x, c.n_head_kv * hd);
+  std::vector<double> heads(static_cast<size_t>(qd));
+  for (int h = 0; h < c.n_head; ++h)
+    for (int d = 0; d < hd; ++d) heads[size_t(h * hd + d)] = v[size_t((h / group) * hd + d)];
+  const auto o = rmsn(mv(T("blk.0.attn_output.weight"), heads, E), T("blk.0.post_attention_norm.weight"));
+  for (int i = 0; i < E; ++i) x[size_t(i)] += o[size_t(i)];
+  const auto g = mv(T("blk.0.ffn_gate.weight"), x, c.n_ff), u = mv(T("blk.0.ffn_up.weight"), x, c.n_ff);
+  std::vector<double> hmid(static_cast<size_t>(c.n_ff));
+  for (int j = 0; j < c.n_ff; ++j) hmid[size_t(j)] = g[size_t(j)] / (1 + std::exp(-g[size_t(j)])) * u[size_t(j)];
+  const auto ffn = rmsn(mv(T("blk.0.ffn_down.weight"), hmid, E), T("blk.0.post_ffw_norm.weight"));
+  for (int i = 0; i < E; ++i) x[size_t(i)] += ffn[size_t(i)];
+  const auto want = mv(T("output.weight"), rmsn(x, T("output_norm.weight")), c.n_vocab);
+  const auto got = stories_logits(*m, {bos});
+  double worst = 0, mag = 0;
+  for (int i = 0; i < c.n_vocab; ++i) {
+    worst = std::max(worst, std::fabs(double(got[size_t(i)]) - want[size_t(i)]));
+    mag = std::max(mag, std::fabs(want[size_t(i)]));
+  }
+  EXPECT_LT(worst, 1e-4 * (1 + mag));
+  m.reset();
+  fs::remove(path);
+  // OLMo 3 (olmo2 with a sliding window): 3 local layers, then a global one; local RoPE unscaled
+  const std::string p3 = (fs::temp_directory_path() / "kvq_test_olmo3.gguf").string();
+  write_stories_as("olmo2", p3, [](kvq::test::GgufWriter& w, const ModelConfig& c) {
+    auto& ts = w.tensors();
+    ts.erase(std::remove_if(ts.begin(), ts.end(), [](const auto& t) { return t.name.find("attn_norm") != std::string::npos || t.name.find("ffn_norm") != std::string::npos; }), ts.end());
+    for (int il = 0; il < c.n_layer; ++il) {
+      const std::string p = "blk." + std::to_string(il) + ".";
+      for (const char* nm : {"post_attention_norm", "post_ffw_norm"}) w.add_tensor_f32(p + nm + ".weight", {c.n_embd}, std::vector<float>(size_t(c.n_embd), 1.f));
+      w.add_tensor_f32(p + "attn_q_norm.weight", {c.n_head * c.head_dim}, std::vector<float>(size_t(c.n_head * c.head_dim), 1.f));
+      w.add_tensor_f32(p + "attn_k_norm.weight", {c.n_head_kv * c.head_dim}, std::vector<float>(size_t(c.n_head_kv * c.head_dim), 1.f));
+    }
+    w.add_u32("olmo2.attention.sliding_window", 16).add_f32("olmo2.rope.freq_base_swa", 5000.f);
+    w.add_f32("olmo2.rope.scaling.factor", 2.f).add_string("olmo2.rope.scaling.type", "linear");
+  });
+  auto m3 = Model::load(p3);
+  const ModelConfig& c3 = m3->config();
+  for (int il = 0; il < c3.n_layer; ++il) {
+    EXPECT_EQ(c3.layer_sliding[size_t(il)], il % 4 != 3) << il;
+    EXPECT_EQ(c3.layer_window(il), il % 4 != 3 ? 16 : 0) << il;
+    EXPECT_EQ(c3.layer_rope_scale(il), il % 4 != 3 ? 1.f : 2.f) << il;
+    EXPECT_EQ(c3.layer_rope_base(il), il % 4 != 3 ? 5000.f : 10000.f) << il;
+  }
+  m3.reset();
+  fs::remove(p3);
 }
 
 // Routed rows: two sequences whose tokens pick experts (2 of 4, random router) in one decode

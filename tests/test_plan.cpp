@@ -360,7 +360,8 @@ TEST(Plan, PresetParameterCounts) {
 }
 
 // Mixture-of-experts shapes: published totals and active counts (Mixtral 8x7B 46.7B / 12.9B,
-// Qwen3-30B-A3B 30.5B / 3.3B, Qwen1.5-MoE-A2.7B 14.3B / 2.7B), from presets and config.json alike.
+// Qwen3-30B-A3B 30.5B / 3.3B, Qwen1.5-MoE-A2.7B 14.3B / 2.7B, OLMoE 6.9B / 1.3B), from presets and
+// config.json alike.
 TEST(Plan, MixtureOfExpertsParameters) {
   const PlanModel mx = plan_model_from_preset("mixtral-8x7b", 16);
   EXPECT_EQ(mx.n_params, 46702792704);
@@ -406,6 +407,18 @@ TEST(Plan, MixtureOfExpertsParameters) {
   EXPECT_EQ(plan_model_from_hf_config(mc, std::nullopt).n_params, mx.n_params);
   mc.erase("num_experts_per_tok");
   EXPECT_THROW(plan_model_from_hf_config(mc, std::nullopt), Error);
+  // OLMoE-1B-7B (64 experts, 8 per token; q / k norms over all heads) and OLMo-2-0425-1B: 6.92B / 1.28B, 1.48B
+  nlohmann::json oe = {{"model_type", "olmoe"}, {"num_hidden_layers", 16}, {"num_attention_heads", 16},
+                       {"num_key_value_heads", 16}, {"hidden_size", 2048}, {"intermediate_size", 1024},
+                       {"num_experts", 64}, {"num_experts_per_tok", 8}, {"vocab_size", 50304},
+                       {"max_position_embeddings", 4096}, {"tie_word_embeddings", false}};
+  const PlanModel oem = plan_model_from_hf_config(oe, std::nullopt);
+  EXPECT_EQ(oem.n_params, 6919161856);
+  EXPECT_EQ(oem.n_params_active, 1282017280);
+  nlohmann::json o2 = {{"model_type", "olmo2"}, {"num_hidden_layers", 16}, {"num_attention_heads", 16},
+                       {"num_key_value_heads", 16}, {"hidden_size", 2048}, {"intermediate_size", 8192},
+                       {"vocab_size", 100352}, {"max_position_embeddings", 4096}, {"tie_word_embeddings", false}};
+  EXPECT_EQ(plan_model_from_hf_config(o2, std::nullopt).n_params, 1484916736);
   // a family whose expert layout kvq does not know: weights left unknown, and said so
   nlohmann::json ds = {{"model_type", "deepseek_v2"}, {"num_hidden_layers", 27}, {"num_attention_heads", 16},
                        {"hidden_size", 2048}, {"intermediate_size", 10944}, {"n_routed_experts", 64},
@@ -873,7 +886,7 @@ nlohmann::json llama8b_config() {
 // A small GGUF: 4 query heads of 16 dims (embedding 64), `kv_heads` KV heads in the metadata and
 // `kv_heads_tensors` in the K/V projections of the first `tensor_layers` layers.
 struct TinyGguf {
-  std::string arch = "olmo2";  // an architecture the planner reads and the engine does not run
+  std::string arch = "stablelm";  // an architecture the planner reads and the engine does not run
   int64_t block_count = 4;
   int tensor_layers = 4;
   int kv_heads = 2;
@@ -1029,7 +1042,7 @@ TEST(Plan, ParameterCountNeverWraps) {
 // K/V projection shapes, a file without tensors; and context 0, non-finite values, counts past
 // the bounds. For the architectures kvq runs, the engine's own metadata checks apply as well.
 TEST(Plan, GgufMetadataMustMatchTheTensors) {
-  for (const std::string arch : {"olmo2", "llama"}) {
+  for (const std::string arch : {"stablelm", "llama"}) {
     TinyGguf g;
     g.arch = arch;
     CmdResult ok = plan_gguf(g, "ok.gguf");

@@ -52,7 +52,7 @@ std::optional<std::vector<bool>> gguf_sliding_layers(const gguf::File& f, const 
 }
 
 int model_arch_swa_pattern(const std::string& arch) {
-  return arch == "gemma3" ? 6 : arch == "gemma2" ? 2 : arch == "phi3" ? 1 : -1;
+  return arch == "gemma3" ? 6 : arch == "gemma2" ? 2 : arch == "phi3" ? 1 : arch == "olmo2" ? 4 : -1;
 }
 
 int64_t model_arch_swa_window(const std::string& arch) { return arch == "gemma3" ? 512 : arch == "gemma2" ? 4096 : 0; }
@@ -64,15 +64,15 @@ void model_config_pick_rope(ModelConfig& c, int ctx) {
 }
 
 bool model_arch_supported(const std::string& arch) {
-  for (const char* a : {"llama", "gemma2", "gemma3", "qwen2", "qwen3", "phi3", "smollm3", "granite", "qwen2moe",
-                        "qwen3moe", "granitemoe"})
+  for (const char* a : {"llama", "gemma2", "gemma3", "qwen2", "qwen3", "phi3", "smollm3", "granite", "olmo2", "qwen2moe",
+                        "qwen3moe", "granitemoe", "olmoe"})
     if (arch == a) return true;
   return false;
 }
 
 const char* model_arch_list() {
-  return "llama (and Mixtral's experts), gemma2, gemma3, qwen2, qwen3, phi3, smollm3, granite, qwen2moe, qwen3moe, "
-         "granitemoe";
+  return "llama (and Mixtral's experts), gemma2, gemma3, qwen2, qwen3, phi3, smollm3, granite, olmo2, qwen2moe, "
+         "qwen3moe, granitemoe, olmoe";
 }
 
 std::string model_rope_note(const ModelConfig& c, int ctx) {
@@ -106,7 +106,7 @@ namespace {
 // MoE Shared's ungated and present when that key is > 0.
 void read_experts(const gguf::File& f, ModelConfig& c) {
   const std::string a = c.arch + ".";
-  const bool qwen_moe = c.arch == "qwen2moe" || c.arch == "qwen3moe";
+  const bool qwen_moe = c.arch == "qwen2moe" || c.arch == "qwen3moe", needs = qwen_moe || c.arch == "olmoe";
   // An integer key, or an array of one value per layer as llama.cpp accepts for some of these
   // (kvq takes the array when every layer has the same value); nullopt when absent.
   auto uniform_int = [&](const std::string& key) -> std::optional<int64_t> {
@@ -129,12 +129,12 @@ void read_experts(const gguf::File& f, ModelConfig& c) {
   };
   const int64_t ne = uniform_int(a + "expert_count").value_or(0);
   if (ne == 0) {
-    if (qwen_moe) fail("{}: a {} model needs '{}expert_count' > 0", f.path(), c.arch, a);
+    if (needs) fail("{}: a {} model needs '{}expert_count' > 0", f.path(), c.arch, a);
     return;
   }
-  if (c.arch != "llama" && c.arch != "granite" && c.arch != "granitemoe" && !qwen_moe)
+  if (c.arch != "llama" && c.arch != "granite" && c.arch != "granitemoe" && !needs)
     fail("{}: '{}expert_count' = {}: experts are not supported in a {} model (kvq runs them in llama (Mixtral), "
-         "qwen2moe, qwen3moe, granite and granitemoe files)", f.path(), a, ne, c.arch);
+         "qwen2moe, qwen3moe, granite, granitemoe and olmoe files)", f.path(), a, ne, c.arch);
   // llama.cpp's limit (LLAMA_MAX_EXPERTS)
   if (ne < 0 || ne > 1024) fail("{}: '{}expert_count' = {} is out of range [1, 1024]", f.path(), a, ne);
   const std::optional<int64_t> nu = uniform_int(a + "expert_used_count");
@@ -163,7 +163,7 @@ void read_experts(const gguf::File& f, ModelConfig& c) {
   } else if (c.arch == "granite" || c.arch == "granitemoe") {
     c.n_ff_shexp = int(sh.value_or(0));
   }
-  c.moe_norm_weights = c.arch != "qwen2moe";
+  c.moe_norm_weights = c.arch != "qwen2moe" && c.arch != "olmoe";
 }
 }  // namespace
 
@@ -210,7 +210,10 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
   // one. Phi-3 files carry a sliding window too, which kvq ignores, as llama.cpp does (full
   // attention on every layer).
   c.layer_sliding.assign(size_t(c.n_layer), false);
-  if (gemma) {
+  // OLMo 3 (architecture olmo2 with a sliding window): 3 local layers then a global one unless the
+  // file's pattern says otherwise; its local layers' RoPE unscaled, as llama.cpp runs them.
+  const bool olmo_swa = c.arch == "olmo2" && f.get_int(a + "attention.sliding_window").value_or(0) > 0;
+  if (gemma || olmo_swa) {
     const int64_t sw = f.get_int(a + "attention.sliding_window").value_or(model_arch_swa_window(c.arch));
     if (sw <= 0 || sw > (int64_t(1) << 30)) fail("{}: sliding window {} must be in [1, 2^30]", f.path(), sw);
     c.sliding_window = int(sw);
@@ -218,7 +221,7 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
   }
   // The local layers' RoPE: Gemma 3's base 10000 and no scaling, Gemma 2's as the global layers'.
   c.rope_base_local = float(f.get_float(a + "rope.freq_base_swa").value_or(c.arch == "gemma3" ? 10000.0 : c.rope_base));
-  c.rope_scale_local = c.arch == "gemma3" ? 1.f : c.rope_scale;
+  c.rope_scale_local = c.arch == "gemma3" || c.arch == "olmo2" ? 1.f : c.rope_scale;
   if (!(c.rope_base_local > 1 && std::isfinite(c.rope_base_local)))
     fail("{}: RoPE frequency base of the sliding-window layers {} must be a finite number > 1", f.path(), c.rope_base_local);
 
@@ -249,6 +252,12 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
     c.qk_norm = c.arch == "qwen3" || c.arch == "qwen3moe";
   }
   read_experts(f, c);
+  if (c.arch == "olmo2" || c.arch == "olmoe") {  // q and k normalized over all their heads at once
+    c.rope_neox = true;
+    c.qk_norm = c.qk_norm_full = true;
+    c.pre_norms = c.arch == "olmoe";  // OLMo 2 normalizes the attention and FFN outputs instead
+    c.post_norms = c.arch == "olmo2";
+  }
   if (c.arch == "phi3") {
     c.rope_neox = true;
     c.fused_gate_up = true;

@@ -1,7 +1,7 @@
 // Model hyperparameters read from GGUF metadata. The supported architectures (llama, gemma2,
-// gemma3, qwen2, qwen3, phi3, smollm3, granite, and the mixture-of-experts qwen2moe, qwen3moe,
-// granitemoe and llama / granite with experts, as Mixtral) differ only in flags here; the forward
-// pass reads the flags (one graph, no per-architecture file).
+// gemma3, qwen2, qwen3, phi3, smollm3, granite, olmo2, and the mixture-of-experts qwen2moe,
+// qwen3moe, granitemoe, olmoe and llama / granite with experts, as Mixtral) differ only in flags
+// here; the forward pass reads the flags (one graph, no per-architecture file).
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -14,7 +14,7 @@ namespace gguf { class File; }
 
 struct ModelConfig {
   std::string arch;         // general.architecture: "llama", "gemma2", "gemma3", "qwen2", "qwen3", "phi3",
-                            // "smollm3", "granite", "qwen2moe", "qwen3moe", "granitemoe"
+                            // "smollm3", "granite", "olmo2", "qwen2moe", "qwen3moe", "granitemoe", "olmoe"
   std::string name;         // general.name
   int n_layer = 0;
   int n_embd = 0;
@@ -56,6 +56,8 @@ struct ModelConfig {
   bool geglu = false;            // GELU(tanh) gate instead of SiLU
   bool post_norms = false;       // RMSNorm after attention and after the FFN, before the residual add
   bool qk_norm = false;          // RMSNorm over head_dim on q and k before RoPE (Gemma 3, Qwen3)
+  bool qk_norm_full = false;     // with qk_norm: over all of q's (and k's) heads at once (OLMo 2, OLMoE)
+  bool pre_norms = true;         // RMSNorm before attention and FFN (OLMo 2 has only post_norms)
   float attn_scale = 0.f;        // q.k scale; 0 -> 1/sqrt(head_dim)
   float final_softcap = 0.f;     // logits = c * tanh(logits / c) when > 0
   float attn_softcap = 0.f;

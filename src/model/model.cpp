@@ -148,7 +148,7 @@ std::unique_ptr<Model> Model::load(const std::string& path) {
   for (int il = 0; il < c.n_layer; ++il) {
     auto& L = m->layers_[size_t(il)];
     const std::string p = "blk." + std::to_string(il) + ".";
-    L.attn_norm = norm_of(f, p + "attn_norm.weight", c.n_embd);
+    if (c.pre_norms) L.attn_norm = norm_of(f, p + "attn_norm.weight", c.n_embd);
     if (f.find_tensor(p + "attn_qkv.weight")) {  // one matrix: the q rows, then k's, then v's (Phi-3)
       const WeightView qkv = view_of(f, p + "attn_qkv.weight", c.n_embd, qd + 2 * kvd);
       L.wq = rows_of(qkv, 0, qd);
@@ -160,7 +160,7 @@ std::unique_ptr<Model> Model::load(const std::string& path) {
       L.wv = view_of(f, p + "attn_v.weight", c.n_embd, kvd);
     }
     L.wo = view_of(f, p + "attn_output.weight", qd, c.n_embd);
-    L.ffn_norm = norm_of(f, p + "ffn_norm.weight", c.n_embd);
+    if (c.pre_norms) L.ffn_norm = norm_of(f, p + "ffn_norm.weight", c.n_embd);
     if (c.n_expert > 0) {
       L.ffn_gate_inp = view_of(f, p + "ffn_gate_inp.weight", c.n_embd, c.n_expert);
       L.ffn_gate_exps = experts_of(f, p + "ffn_gate_exps.weight", c.n_embd, c.n_ff_exp, c.n_expert);
@@ -189,8 +189,8 @@ std::unique_ptr<Model> Model::load(const std::string& path) {
       L.bv = norm_of(f, p + "attn_v.bias", kvd);
     }
     if (c.qk_norm) {
-      L.attn_q_norm = norm_of(f, p + "attn_q_norm.weight", c.head_dim);
-      L.attn_k_norm = norm_of(f, p + "attn_k_norm.weight", c.head_dim);
+      L.attn_q_norm = norm_of(f, p + "attn_q_norm.weight", c.qk_norm_full ? qd : c.head_dim);
+      L.attn_k_norm = norm_of(f, p + "attn_k_norm.weight", c.qk_norm_full ? kvd : c.head_dim);
     }
     if (c.post_norms) {
       L.attn_post_norm = norm_of(f, p + "post_attention_norm.weight", c.n_embd);
@@ -396,7 +396,7 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
 
   for (int il = 0; il < c.n_layer; ++il) {
     const LayerWeights& L = m_.layers_[size_t(il)];
-    rms_norm(x_.data(), xn_.data(), static_cast<const float*>(L.attn_norm.data), n, E, c.rms_eps);
+    pre_norm(L.attn_norm, n);
     matmul(L.wq, xn_.data(), n, q_.data(), pool_);
     matmul(L.wk, xn_.data(), n, k_.data(), pool_);
     matmul(L.wv, xn_.data(), n, v_.data(), pool_);
@@ -405,9 +405,10 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
       add_bias(k_.data(), static_cast<const float*>(L.bk.data), n, kvd);
       add_bias(v_.data(), static_cast<const float*>(L.bv.data), n, kvd);
     }
-    if (c.qk_norm) {
-      rms_norm(q_.data(), q_.data(), static_cast<const float*>(L.attn_q_norm.data), n * nh, hd, c.rms_eps);
-      rms_norm(k_.data(), k_.data(), static_cast<const float*>(L.attn_k_norm.data), n * nkv, hd, c.rms_eps);
+    if (c.qk_norm) {  // per head, or over all heads of a row (qk_norm_full)
+      const bool full = c.qk_norm_full;
+      rms_norm(q_.data(), q_.data(), static_cast<const float*>(L.attn_q_norm.data), full ? n : n * nh, full ? qd : hd, c.rms_eps);
+      rms_norm(k_.data(), k_.data(), static_cast<const float*>(L.attn_k_norm.data), full ? n : n * nkv, full ? kvd : hd, c.rms_eps);
     }
     std::memcpy(k_pre_.data(), k_.data(), size_t(n) * size_t(kvd) * sizeof(float));
     const int n_rot = m_.layer_rope_[size_t(il)].n_rot;  // 0 on a layer without RoPE
@@ -511,7 +512,7 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
       rms_norm(tmp_.data(), tmp_.data(), static_cast<const float*>(L.attn_post_norm.data), n, E, c.rms_eps);
     add_residual(x_.data(), tmp_.data(), size_t(n) * size_t(E), c.residual_scale);
 
-    rms_norm(x_.data(), xn_.data(), static_cast<const float*>(L.ffn_norm.data), n, E, c.rms_eps);
+    pre_norm(L.ffn_norm, n);
     if (c.n_expert > 0) {
       ffn_moe(L, n);
     } else {
@@ -547,6 +548,13 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
     for (size_t i = 0; i < size_t(out_rows) * size_t(c.n_vocab); ++i) logits_out[i] = cap * std::tanh(logits_out[i] / cap);
   }
 }
+// xn_ = the layer input normalized by `w`, or as it is for models without pre-norms (OLMo 2).
+void Forward::pre_norm(const WeightView& w, int n) {
+  const ModelConfig& c = m_.cfg_;
+  if (c.pre_norms) rms_norm(x_.data(), xn_.data(), static_cast<const float*>(w.data), n, c.n_embd, c.rms_eps);
+  else std::memcpy(xn_.data(), x_.data(), size_t(n) * size_t(c.n_embd) * sizeof(float));
+}
+
 void moe_route(const float* logits, int n, int k, bool normalize, int* experts, float* weights) {
   // NaN logits rank last (a strict order for the sort); their probabilities stay NaN
   auto key = [&](int e) { return std::isnan(logits[e]) ? -std::numeric_limits<float>::infinity() : logits[e]; };

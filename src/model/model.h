@@ -62,7 +62,7 @@ class Model {
   KvCacheConfig kv_cache_config(const KvPolicy& policy, int max_tokens, int page_tokens = 64) const;
 
   // Layer il's weights as viewed in the file (norms F32; attn_q_norm / attn_k_norm set only when
-  // config().qk_norm).
+  // config().qk_norm, attn_norm / ffn_norm only when config().pre_norms).
   const LayerWeights& layer(int il) const { return layers_.at(size_t(il)); }
 
  private:
@@ -131,6 +131,7 @@ class Forward {
   AlignedBuf<float> router_, moe_w_, moe_x_, moe_y_, shexp_gate_;
   std::vector<int> moe_sel_, moe_rows_, moe_off_, moe_fill_;
   void ffn_moe(const LayerWeights& L, int n);
+  void pre_norm(const WeightView& w, int n);
   AlignedBuf<float> tmp_;          // (max_batch, n_embd)
   AlignedBuf<float> logits_;       // (rows, n_vocab)
   std::vector<AlignedBuf<float>> attn_scratch_;  // one per thread

@@ -65,6 +65,10 @@ nlohmann::json kv_qk_norm_calib(const Model& m) {
     fail("--kv-scales qk-norm: the model ({}) has no QK-norm weights (attn_q_norm / attn_k_norm) to take key "
          "scales from; calibrate instead: kvq calibrate -m MODEL --data TEXT -o calib.json, then --kv-scales calib.json",
          c.name.empty() ? c.arch : c.name);
+  if (c.qk_norm_full)
+    fail("--kv-scales qk-norm: the model ({}) normalizes q and k over all heads at once, so its norm weights do not "
+         "give each head's key scale; calibrate instead: kvq calibrate -m MODEL --data TEXT -o calib.json, then "
+         "--kv-scales calib.json", c.name.empty() ? c.arch : c.name);
   nlohmann::json layers = nlohmann::json::array();
   for (int il = 0; il < c.n_layer; ++il) {
     const LayerWeights& L = m.layer(il);

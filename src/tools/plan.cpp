@@ -273,7 +273,7 @@ int64_t count_params(const PlanPreset& p, bool active) {
   int64_t layer = add(add(mul(e, q), mul(2, mul(e, kv))), mul(q, e));  // Wq, Wk, Wv, Wo
   if (p.qkv_bias) layer = add(layer, add(q, mul(2, kv)));
   layer = add(layer, mul(p.norms_per_layer, e));
-  if (p.qk_norm) layer = add(layer, mul(2, p.head_dim));
+  if (p.qk_norm) layer = add(layer, p.qk_norm_full ? add(q, kv) : mul(2, p.head_dim));
   const int64_t dense_ffn = mul(3, mul(e, p.n_ff));  // gated FFN: gate, up, down
   int64_t total = mul(p.n_layers, layer);
   if (p.n_expert > 0) {
@@ -726,12 +726,12 @@ PlanModel plan_model_from_hf_config(const nlohmann::json& cfg, std::optional<dou
   }
 
   // Weights: parameters from the shapes. Mixture-of-experts configs of the families whose expert
-  // layout is known (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE) are counted; others need
+  // layout is known (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE, OLMoE) are counted; others need
   // --weights-bytes.
   PlanPreset shape;
   const bool moe = f.get("num_local_experts") || f.get("num_experts") || f.get("n_routed_experts");
   const bool qwen_moe = mt == "qwen2_moe" || mt == "qwen3_moe";
-  const bool known_moe = mt == "mixtral" || qwen_moe || mt == "granitemoe" || mt == "granitemoeshared";
+  const bool known_moe = mt == "mixtral" || qwen_moe || mt == "granitemoe" || mt == "granitemoeshared" || mt == "olmoe";
   if (moe && !known_moe) {
     m.notes.push_back(fmt::format("mixture-of-experts config ('{}'): expert layout not known to kvq, weights not "
                                   "estimated (pass --weights-bytes)", mt));
@@ -739,7 +739,7 @@ PlanModel plan_model_from_hf_config(const nlohmann::json& cfg, std::optional<dou
     return m;
   }
   if (moe) {
-    shape.n_expert = int(f.req_int(qwen_moe ? "num_experts" : "num_local_experts", 4096));
+    shape.n_expert = int(f.req_int(qwen_moe || mt == "olmoe" ? "num_experts" : "num_local_experts", 4096));
     shape.n_expert_used = int(f.req_int("num_experts_per_tok", shape.n_expert));
     if (shape.n_expert < 1 || shape.n_expert_used < 1)
       fail("{}: {} experts with {} per token: both must be at least 1", name, shape.n_expert, shape.n_expert_used);
@@ -777,7 +777,8 @@ PlanModel plan_model_from_hf_config(const nlohmann::json& cfg, std::optional<dou
   shape.tied_embeddings = f.opt_bool("tie_word_embeddings").value_or(gemma);
   shape.qkv_bias = f.opt_bool("attention_bias").value_or(mt == "qwen2" || mt == "qwen2_moe");
   shape.norms_per_layer = gemma && mt != "gemma" ? 4 : 2;
-  shape.qk_norm = mt.rfind("gemma3", 0) == 0 || mt == "qwen3" || mt == "qwen3_moe" || mt == "olmo2";
+  shape.qk_norm = mt.rfind("gemma3", 0) == 0 || mt == "qwen3" || mt == "qwen3_moe" || mt == "olmo2" || mt == "olmoe";
+  shape.qk_norm_full = mt == "olmo2" || mt == "olmoe";
   m.n_params = plan_params(shape);
   fill_experts(m, shape);
   double bits = 0;

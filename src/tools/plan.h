@@ -78,6 +78,7 @@ struct PlanPreset {
   bool qkv_bias = false;
   int norms_per_layer = 2;   // RMSNorm weight vectors of width n_embd per layer
   bool qk_norm = false;      // per-head RMSNorm on q and k (head_dim weights each)
+  bool qk_norm_full = false; // with qk_norm: over all heads at once (q heads x head_dim + KV heads x head_dim weights)
   // Mixture of experts (n_expert > 0): each layer's FFN is n_expert gated FFNs of n_ff_exp
   // channels and a router (n_embd x n_expert), n_expert_used of them run per token, plus a shared
   // expert of n_ff_shexp channels (with a one-output gate when shexp_gate); n_dense_layers of
