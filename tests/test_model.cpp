@@ -1030,6 +1030,39 @@ TEST(ArchVariants, SharedExpertsQwen2MoeGatedGraniteMoeNot) {
   for (const auto& p : {pq, pg, pd}) fs::remove(p);
 }
 
+namespace {
+// Pieces of the one-layer references below, in double: a file's F32 tensor, y = W x for W of
+// `rows` rows, RMSNorm times weights, and the largest logit error relative to the logits' size.
+const float* tensor_f32(const Model& m, const std::string& name) {
+  const gguf::TensorInfo* t = m.file().find_tensor(name);
+  EXPECT_NE(t, nullptr) << name;
+  return t ? reinterpret_cast<const float*>(t->data) : nullptr;
+}
+std::vector<double> ref_mv(const float* W, const std::vector<double>& x, int rows) {
+  std::vector<double> y(static_cast<size_t>(rows), 0.0);
+  for (int r = 0; r < rows; ++r)
+    for (size_t i = 0; i < x.size(); ++i) y[size_t(r)] += double(W[size_t(r) * x.size() + i]) * x[i];
+  return y;
+}
+std::vector<double> ref_rms_norm(const std::vector<double>& x, const float* g, float eps) {
+  double ss = 0;
+  for (double v : x) ss += v * v;
+  const double sc = 1.0 / std::sqrt(ss / double(x.size()) + double(eps));
+  std::vector<double> y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = x[i] * sc * g[i];
+  return y;
+}
+// max |got - want| / (1 + max |want|)
+double rel_logit_error(const std::vector<float>& got, const std::vector<double>& want) {
+  double worst = 0, mag = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    worst = std::max(worst, std::fabs(double(got[i]) - want[i]));
+    mag = std::max(mag, std::fabs(want[i]));
+  }
+  return worst / (1 + mag);
+}
+}  // namespace
+
 // The whole model at its first token, computed here from the file's tensors: stories260K cut to
 // one layer whose FFN is a mixture of experts (4 routed slices, 2 chosen by a random router, a
 // shared expert behind a random gate for Qwen2-MoE, ungated for Granite MoE). At position 0
@@ -1094,26 +1127,9 @@ TEST(ArchVariants, OneLayerMixtureOfExpertsMatchesAReference) {
     EXPECT_EQ(c.n_ff_exp, shared ? 25 : 43);
     EXPECT_EQ(c.n_ff_shexp, shared ? 72 : 0);
     const int E = c.n_embd, hd = c.head_dim, group = c.n_head / c.n_head_kv, Fe = c.n_ff_exp;
-    auto T = [&](const std::string& name) {
-      const gguf::TensorInfo* t = m->file().find_tensor(name);
-      EXPECT_NE(t, nullptr) << name;
-      return reinterpret_cast<const float*>(t->data);
-    };
-    // y (rows) = W (rows x cols, row-major) x
-    auto mv = [](const float* W, const std::vector<double>& x, int rows) {
-      std::vector<double> y(size_t(rows), 0.0);
-      for (int r = 0; r < rows; ++r)
-        for (size_t i = 0; i < x.size(); ++i) y[size_t(r)] += double(W[size_t(r) * x.size() + i]) * x[i];
-      return y;
-    };
-    auto rmsn = [&](const std::vector<double>& x, const float* g) {
-      double ss = 0;
-      for (double v : x) ss += v * v;
-      const double sc = 1.0 / std::sqrt(ss / double(x.size()) + double(c.rms_eps));
-      std::vector<double> y(x.size());
-      for (size_t i = 0; i < x.size(); ++i) y[i] = x[i] * sc * g[i];
-      return y;
-    };
+    auto T = [&](const std::string& name) { return tensor_f32(*m, name); };
+    const auto& mv = ref_mv;
+    auto rmsn = [&](const std::vector<double>& x, const float* g) { return ref_rms_norm(x, g, c.rms_eps); };
     auto silu = [](double v) { return v / (1 + std::exp(-v)); };
     auto glu_ffn = [&](const float* G, const float* U, const float* D, int n_ch, const std::vector<double>& x) {
       const auto g = mv(G, x, n_ch), u = mv(U, x, n_ch);
@@ -1157,13 +1173,7 @@ TEST(ArchVariants, OneLayerMixtureOfExpertsMatchesAReference) {
     }
     for (int i = 0; i < E; ++i) x[size_t(i)] += ffn[size_t(i)];
     const auto want = mv(T("output.weight"), rmsn(x, T("output_norm.weight")), c.n_vocab);
-    const auto got = stories_logits(*m, {bos});
-    double worst = 0, mag = 0;
-    for (int i = 0; i < c.n_vocab; ++i) {
-      worst = std::max(worst, std::fabs(double(got[size_t(i)]) - want[size_t(i)]));
-      mag = std::max(mag, std::fabs(want[size_t(i)]));
-    }
-    EXPECT_LT(worst, 1e-4 * (1 + mag));
+    EXPECT_LT(rel_logit_error(stories_logits(*m, {bos}), want), 1e-4);
     EXPECT_GT(std::fabs(logit[size_t(order[1])] - logit[size_t(order[2])]), 1e-3);  // not a near tie
     m.reset();
     fs::remove(path);
@@ -1200,25 +1210,9 @@ TEST(ArchVariants, Olmo2PostNormsAndFullWidthQkNorm) {
   EXPECT_TRUE(c.qk_norm && c.qk_norm_full && c.post_norms && !c.pre_norms && c.rope_neox);
   EXPECT_FALSE(c.layer_sliding[0]);
   const int E = c.n_embd, qd = c.n_head * c.head_dim, hd = c.head_dim, group = c.n_head / c.n_head_kv;
-  auto T = [&](const std::string& name) {
-    const gguf::TensorInfo* t = m->file().find_tensor(name);
-    EXPECT_NE(t, nullptr) << name;
-    return reinterpret_cast<const float*>(t->data);
-  };
-  auto mv = [](const float* W, const std::vector<double>& x, int rows) {
-    std::vector<double> y(static_cast<size_t>(rows), 0.0);
-    for (int r = 0; r < rows; ++r)
-      for (size_t i = 0; i < x.size(); ++i) y[size_t(r)] += double(W[size_t(r) * x.size() + i]) * x[i];
-    return y;
-  };
-  auto rmsn = [&](const std::vector<double>& x, const float* g) {
-    double ss = 0;
-    for (double v : x) ss += v * v;
-    const double sc = 1.0 / std::sqrt(ss / double(x.size()) + double(c.rms_eps));
-    std::vector<double> y(x.size());
-    for (size_t i = 0; i < x.size(); ++i) y[i] = x[i] * sc * g[i];
-    return y;
-  };
+  auto T = [&](const std::string& name) { return tensor_f32(*m, name); };
+  const auto& mv = ref_mv;
+  auto rmsn = [&](const std::vector<double>& x, const float* g) { return ref_rms_norm(x, g, c.rms_eps); };
   const Tokenizer tok = Tokenizer::from_gguf(m->file());
   const int32_t bos = tok.bos();
   std::vector<double> x(static_cast<size_t>(E));
@@ -1260,13 +1254,7 @@ TEST(ArchVariants, Olmo2PostNormsAndFullWidthQkNorm) {
   const auto ffn = rmsn(mv(T("blk.0.ffn_down.weight"), hmid, E), T("blk.0.post_ffw_norm.weight"));
   for (int i = 0; i < E; ++i) x[size_t(i)] += ffn[size_t(i)];
   const auto want = mv(T("output.weight"), rmsn(x, T("output_norm.weight")), c.n_vocab);
-  const auto got = stories_logits(*m, {bos});
-  double worst = 0, mag = 0;
-  for (int i = 0; i < c.n_vocab; ++i) {
-    worst = std::max(worst, std::fabs(double(got[size_t(i)]) - want[size_t(i)]));
-    mag = std::max(mag, std::fabs(want[size_t(i)]));
-  }
-  EXPECT_LT(worst, 1e-4 * (1 + mag));
+  EXPECT_LT(rel_logit_error(stories_logits(*m, {bos}), want), 1e-4);
   m.reset();
   fs::remove(path);
   // OLMo 3 (olmo2 with a sliding window): 3 local layers, then a global one; local RoPE unscaled
