@@ -2,10 +2,12 @@
 // token: the file `llama-perplexity -m MODEL -f TEXT -c CTX --chunks N --kl-divergence-base FILE`
 // writes (its tokens, and per chunk the log-probabilities of the second half of the window, 16-bit
 // quantized over the top 16 nats) is read, kvq runs each window of those tokens (BOS first where
-// the model adds one, as llama-perplexity does), and per scored token compares:
+// the model adds one, as llama-perplexity does), and per scored token compares, as
+// `llama-perplexity --kl-divergence` computes them from that file:
 //   KLD(llama.cpp || kvq) (mean, p99), top-1 agreement, and each engine's perplexity.
 // The reference point for "as close as two engines get" is kvq against itself with one change of
-// rounding: --kv f32 against the default f16 cache, printed on the same tokens (--self).
+// rounding (--self): its logits with an f32 cache, stored as llama.cpp stores its own, against
+// the default f16 cache on the same tokens.
 //
 //   logits_vs_llamacpp MODEL.gguf LLAMA_LOGITS_FILE [--kv f16] [--threads 2] [--self]
 //
@@ -46,30 +48,51 @@ struct Stats {
   }
 };
 
-// log-softmax of one row
-void log_softmax(const float* l, int nv, std::vector<double>& out) {
-  double mx = l[0];
-  for (int i = 1; i < nv; ++i) mx = std::max(mx, double(l[i]));
-  double s = 0;
-  for (int i = 0; i < nv; ++i) s += std::exp(double(l[i]) - mx);
-  const double ls = std::log(s);
-  out.resize(size_t(nv));
-  for (int i = 0; i < nv; ++i) out[size_t(i)] = double(l[i]) - mx - ls;
+// A row as llama-perplexity --kl-divergence-base stores it: scale and min_log_prob as two floats
+// (four uint16), then each token's log-probability over the 16 nats below the top, 16-bit.
+void encode_row(const float* l, int nv, std::vector<uint16_t>& row) {
+  float mx = l[0], mn = l[0];
+  for (int i = 1; i < nv; ++i) {
+    mx = std::max(mx, l[i]);
+    mn = std::min(mn, l[i]);
+  }
+  mn = std::max(mn, mx - 16);
+  double se = 0;
+  for (int i = 0; i < nv; ++i) se += std::exp(l[i] - mx);
+  const float lse = float(std::log(se)), min_lp = mn - mx - lse, scale = (mx - mn) / 65535.f;
+  row.assign(size_t(2 * ((nv + 1) / 2) + 4), 0);
+  std::memcpy(row.data(), &scale, 4);
+  std::memcpy(row.data() + 2, &min_lp, 4);
+  if (scale > 0)
+    for (int i = 0; i < nv; ++i)
+      row[size_t(4 + i)] = l[i] > mn ? uint16_t(std::lround((1 / scale) * (l[i] - mn))) : 0;
 }
 
-// a, b: log-probabilities of the reference and the compared engine for the same token
-void compare(const std::vector<double>& a, const std::vector<double>& b, int next, Stats& st) {
+// KLD(reference row || logits), top-1 agreement and both negative log-likelihoods, computed as
+// llama-perplexity --kl-divergence computes them from such a row: tokens within 16 nats of the
+// top enter the KLD, the reference's log-probabilities are used as stored.
+void compare(const uint16_t* row, const float* l, int nv, int next, Stats& st) {
+  float scale, min_lp;
+  std::memcpy(&scale, row, 4);
+  std::memcpy(&min_lp, row + 2, 4);
+  const uint16_t* v = row + 4;
+  int imax = 0;
+  for (int i = 1; i < nv; ++i)
+    if (l[i] > l[imax]) imax = i;
+  double se = 0;
+  for (int i = 0; i < nv; ++i) se += std::exp(double(l[i]) - l[imax]);
+  const double lse = double(l[imax]) + std::log(se);
   double kld = 0;
-  size_t am = 0, bm = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    kld += std::exp(a[i]) * (a[i] - b[i]);
-    if (a[i] > a[am]) am = i;
-    if (b[i] > b[bm]) bm = i;
+  int ibase = 0;
+  for (int i = 0; i < nv; ++i) {
+    const double lb = double(scale) * v[i] + min_lp;
+    if (lb > double(scale) * v[ibase] + min_lp) ibase = i;
+    if (lb > -16) kld += std::exp(lb) * (lb - (double(l[i]) - lse));
   }
-  st.kld.push_back(std::max(kld, 0.0));
-  st.agree += am == bm;
-  st.nll_a -= a[size_t(next)];
-  st.nll_b -= b[size_t(next)];
+  st.kld.push_back(kld);
+  st.agree += imax == ibase;
+  st.nll_a -= double(scale) * v[next] + min_lp;
+  st.nll_b += lse - l[next];
   ++st.n;
 }
 
@@ -113,8 +136,7 @@ int main(int argc, char** argv) {
     if (model->config().n_vocab != n_vocab) fail("vocabulary sizes differ: kvq {}, file {}", model->config().n_vocab, n_vocab);
     ThreadPool pool(threads);
     const int first = n_ctx / 2, nvq = 2 * ((n_vocab + 1) / 2) + 4;
-    std::vector<uint16_t> row(static_cast<size_t>(nvq));
-    std::vector<double> ll, lk, lr;
+    std::vector<uint16_t> row(static_cast<size_t>(nvq)), self_row;
     Stats vs_llama, vs_self;
     for (int c = 0; c < n_chunk; ++c) {
       std::vector<int32_t> win(tokens.begin() + ptrdiff_t(c) * n_ctx, tokens.begin() + ptrdiff_t(c + 1) * n_ctx);
@@ -125,22 +147,12 @@ int main(int argc, char** argv) {
       for (int j = first; j < n_ctx - 1; ++j) {
         in.read(reinterpret_cast<char*>(row.data()), std::streamsize(row.size() * 2));
         if (!in) fail("{}: ends inside chunk {}", argv[2], c);
-        float scale, min_lp;
-        std::memcpy(&scale, row.data(), 4);
-        std::memcpy(&min_lp, row.data() + 2, 4);
-        ll.resize(size_t(n_vocab));
-        double s = 0;
-        for (int i = 0; i < n_vocab; ++i) {
-          ll[size_t(i)] = double(min_lp) + double(scale) * row[size_t(4 + i)];
-          s += std::exp(ll[size_t(i)]);
-        }
-        for (double& x : ll) x -= std::log(s);  // renormalized after the 16-bit rounding
-        log_softmax(lg.data() + size_t(j) * size_t(n_vocab), n_vocab, lk);
         const int next = tokens[size_t(c) * size_t(n_ctx) + size_t(j) + 1];
-        compare(ll, lk, next, vs_llama);
-        if (self) {
-          log_softmax(ref.data() + size_t(j) * size_t(n_vocab), n_vocab, lr);
-          compare(lr, lk, next, vs_self);
+        const float* lk = lg.data() + size_t(j) * size_t(n_vocab);
+        compare(row.data(), lk, n_vocab, next, vs_llama);
+        if (self) {  // kvq's f32-cache logits stored as llama.cpp stores its own, then read alike
+          encode_row(ref.data() + size_t(j) * size_t(n_vocab), n_vocab, self_row);
+          compare(self_row.data(), lk, n_vocab, next, vs_self);
         }
       }
       std::fprintf(stderr, "\rchunk %d/%d", c + 1, n_chunk);

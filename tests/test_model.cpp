@@ -836,6 +836,12 @@ TEST(MoE, RouteIsSoftmaxTopKThenNormalized) {
   EXPECT_EQ(sel[1], 2);
   EXPECT_NEAR(w[0], 1 / (1 + std::exp(-1.0)), 1e-6);
   EXPECT_NEAR(w[1], std::exp(-1.0) / (1 + std::exp(-1.0)), 1e-6);
+  // a NaN logit ranks last (its probability stays NaN, as the whole row's then)
+  const float nan_row[3] = {std::nanf(""), 1.f, 2.f};
+  moe_route(nan_row, 3, 3, false, sel, w);
+  EXPECT_EQ(sel[0], 2);
+  EXPECT_EQ(sel[1], 1);
+  EXPECT_EQ(sel[2], 0);
 }
 
 namespace {
@@ -962,6 +968,8 @@ TEST(ArchVariants, MixtralExpertsCuttingTheFfnComputeTheDenseModel) {
   // a token runs 2 of 4 experts: 2 experts' gate, up and down (43 x 64 F32 each) fewer per layer
   EXPECT_EQ(mm->decode_weight_bytes() - m2->decode_weight_bytes(), size_t(c.n_layer) * 2 * 3 * 43 * 64 * sizeof(float));
   EXPECT_EQ(mm->weights_bytes(), m2->weights_bytes());
+  EXPECT_EQ(m2->decode_weight_bytes(2), mm->decode_weight_bytes());  // 2 sequences x 2 experts: all 4 at most
+  EXPECT_EQ(m2->decode_weight_bytes(9), mm->decode_weight_bytes(1));
   // kvq plan reads the same counts from the file: all parameters, and those a token runs through
   const PlanModel pl = plan_model_from_gguf_path(p2);
   EXPECT_EQ(pl.n_expert, 4);
@@ -1218,19 +1226,25 @@ TEST(ArchVariants, Olmo2PostNormsAndFullWidthQkNorm) {
   std::vector<double> x(static_cast<size_t>(E));
   for (int i = 0; i < E; ++i) x[size_t(i)] = T("token_embd.weight")[size_t(bos) * size_t(E) + size_t(i)];
   // q: the raw embedding projected (no pre-norm), normalized over all 8 heads at once
+  const int kvd = c.n_head_kv * hd;
   const auto q_want = rmsn(mv(T("blk.0.attn_q.weight"), x, qd), T("blk.0.attn_q_norm.weight"));
-  std::vector<float> q_got;
+  const auto k_want = rmsn(mv(T("blk.0.attn_k.weight"), x, kvd), T("blk.0.attn_k_norm.weight"));
+  std::vector<float> q_got, k_got;
   {
     ThreadPool pool(1);
     KvCache cache(m->kv_cache_config(kv_policy_uniform("f32", 1), 64));
     Forward f(*m, pool);
     f.on_q = [&](int, int n, const float* q) { q_got.assign(q, q + size_t(n) * size_t(qd)); };
+    f.on_kv = [&](int, int n, const float* kpre, const float*, const float*) { k_got.assign(kpre, kpre + size_t(n) * size_t(kvd)); };
     f.eval(&bos, 1, cache);
   }
   ASSERT_EQ(q_got.size(), size_t(qd));
-  double q_worst = 0, head_rms_spread = 0;
+  ASSERT_EQ(k_got.size(), size_t(kvd));
+  double q_worst = 0, k_worst = 0, head_rms_spread = 0;
   for (int i = 0; i < qd; ++i) q_worst = std::max(q_worst, std::fabs(double(q_got[size_t(i)]) - q_want[size_t(i)]));
+  for (int i = 0; i < kvd; ++i) k_worst = std::max(k_worst, std::fabs(double(k_got[size_t(i)]) - k_want[size_t(i)]));
   EXPECT_LT(q_worst, 1e-5);
+  EXPECT_LT(k_worst, 1e-5);
   {  // per-head norms would make every head's RMS ~ its weights'; all-heads-at-once does not
     std::vector<double> rms;
     for (int h = 0; h < c.n_head; ++h) {
@@ -1257,7 +1271,8 @@ TEST(ArchVariants, Olmo2PostNormsAndFullWidthQkNorm) {
   EXPECT_LT(rel_logit_error(stories_logits(*m, {bos}), want), 1e-4);
   m.reset();
   fs::remove(path);
-  // OLMo 3 (olmo2 with a sliding window): 3 local layers, then a global one; local RoPE unscaled
+  // OLMo 3 (olmo2 with a sliding window): 3 local layers, then a global one; local RoPE unscaled and
+  // at the global base
   const std::string p3 = (fs::temp_directory_path() / "kvq_test_olmo3.gguf").string();
   write_stories_as("olmo2", p3, [](kvq::test::GgufWriter& w, const ModelConfig& c) {
     auto& ts = w.tensors();
@@ -1277,7 +1292,7 @@ TEST(ArchVariants, Olmo2PostNormsAndFullWidthQkNorm) {
     EXPECT_EQ(c3.layer_sliding[size_t(il)], il % 4 != 3) << il;
     EXPECT_EQ(c3.layer_window(il), il % 4 != 3 ? 16 : 0) << il;
     EXPECT_EQ(c3.layer_rope_scale(il), il % 4 != 3 ? 1.f : 2.f) << il;
-    EXPECT_EQ(c3.layer_rope_base(il), il % 4 != 3 ? 5000.f : 10000.f) << il;
+    EXPECT_EQ(c3.layer_rope_base(il), 10000.f) << il;  // rope.freq_base_swa not used, as in llama.cpp's graph
   }
   m3.reset();
   fs::remove(p3);

@@ -744,6 +744,13 @@ TEST(TokenizerSynthetic, Llama3TakesVocabularyWordsWholeAndAddsBos) {
     EXPECT_EQ(tok.encode("abc", false), (std::vector<int32_t>{4})) << pre;
     EXPECT_TRUE(tok.add_bos()) << pre;
   }
+  {  // OLMo's pre-tokenizer is GPT-2's pattern
+    auto b = build(make("olmo", std::nullopt));
+    const Tokenizer tok = Tokenizer::from_gguf(*b.file);
+    auto g = build(make("gpt2", std::nullopt));
+    const Tokenizer gpt2 = Tokenizer::from_gguf(*g.file);
+    for (const char* text : {"abc", "abc 123 it's", " x\n\ny"}) EXPECT_EQ(tok.encode(text, false), gpt2.encode(text, false)) << text;
+  }
   for (const char* pre : {"smaug-bpe", "dbrx"}) {
     auto b = build(make(pre, std::nullopt));
     const Tokenizer tok = Tokenizer::from_gguf(*b.file);

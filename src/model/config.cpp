@@ -199,7 +199,8 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
   if (auto st = f.get_string(a + "rope.scaling.type"); st && *st == "linear") {
     c.rope_scale = float(f.get_float(a + "rope.scaling.factor").value_or(1.0));
   } else if (st && *st != "none") {
-    fail("{}: rope scaling type '{}' is not supported (supported: none, linear)", f.path(), printable(*st));
+    fail("{}: rope scaling type '{}' is not supported (supported: none, linear){}", f.path(), printable(*st),
+         *st == "yarn" ? "; YaRN (OLMo 3, Qwen3 past 32K, DeepSeek) is not implemented" : "");
   }
   if (!(c.rope_base > 1 && std::isfinite(c.rope_base)))
     fail("{}: RoPE frequency base {} must be a finite number > 1", f.path(), c.rope_base);
@@ -220,7 +221,9 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
     c.layer_sliding = *gguf_sliding_layers(f, c.arch, c.n_layer, model_arch_swa_pattern(c.arch), f.path());
   }
   // The local layers' RoPE: Gemma 3's base 10000 and no scaling, Gemma 2's as the global layers'.
-  c.rope_base_local = float(f.get_float(a + "rope.freq_base_swa").value_or(c.arch == "gemma3" ? 10000.0 : c.rope_base));
+  // (OLMo 3's graph in llama.cpp rotates its local layers at the global base whatever the file says)
+  c.rope_base_local = c.arch == "olmo2" ? c.rope_base
+                                        : float(f.get_float(a + "rope.freq_base_swa").value_or(c.arch == "gemma3" ? 10000.0 : c.rope_base));
   c.rope_scale_local = c.arch == "gemma3" || c.arch == "olmo2" ? 1.f : c.rope_scale;
   if (!(c.rope_base_local > 1 && std::isfinite(c.rope_base_local)))
     fail("{}: RoPE frequency base of the sliding-window layers {} must be a finite number > 1", f.path(), c.rope_base_local);

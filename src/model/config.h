@@ -42,7 +42,7 @@ struct ModelConfig {
   bool rope_long = false;
   int n_ctx_orig = 0;            // rope.scaling.original_context_length (LongRoPE's switch point)
   // rope.scaling.attn_factor: the rotated dimensions of q and k are multiplied by it (LongRoPE's
-  // magnitude correction, sqrt(1 + ln(scale) / ln(n_ctx_orig))); 1: none.
+  // magnitude correction, sqrt(1 + ln(scale) / ln(n_ctx_orig))) on all but sliding-window layers; 1: none.
   float rope_attn_factor = 1.f;
 
   // Layers without RoPE (SmolLM3: every 4th); empty: every layer has it.

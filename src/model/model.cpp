@@ -417,7 +417,7 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
       rope(q_.data() + size_t(r) * size_t(qd), nh, hd, n_rot, c.rope_neox, cs.data());
       rope(k_.data() + size_t(r) * size_t(kvd), nkv, hd, n_rot, c.rope_neox, cs.data());
     }
-    if (c.rope_attn_factor != 1.f && n_rot > 0) {
+    if (c.rope_attn_factor != 1.f && n_rot > 0 && !c.layer_sliding[size_t(il)]) {
       // RoPE scaled by a factor a (cos and sin times a) on q and k scales the rotated part of q.k
       // by a^2: done on q alone, so that the cache keeps the keys as rotated without it (and the
       // pre-RoPE key codecs need no magnitude of their own).

@@ -310,8 +310,8 @@ Tokenizer Tokenizer::from_gguf(const gguf::File& f) {
     } else if (pre == "gpt-4o" || pre == "llama4") {
       t.cased_digits_ = 3;
       t.cased_contractions_ = true;
-    } else if (pre != "gpt2" && pre != "default") {
-      fail("{}: pre-tokenizer tokenizer.ggml.pre = '{}' is not supported (supported: gpt2, default, "
+    } else if (pre != "gpt2" && pre != "default" && pre != "olmo") {  // OLMo's (OLMoE, OLMo 1.7): GPT-2's pattern
+      fail("{}: pre-tokenizer tokenizer.ggml.pre = '{}' is not supported (supported: gpt2, default, olmo, "
            "smollm, starcoder, refact, llama-bpe, llama3, llama-v3, falcon3, pixtral, midm-2.0, smaug-bpe, dbrx, qwen2, "
            "deepseek-r1-qwen, tekken, gpt-4o, llama4)",
            f.path(), printable(pre));

@@ -159,7 +159,8 @@ int calibrate_command(const CalibrateOptions& o) {
   // from the norm weights (tools/kv_flags.h), evaluated on the measured statistics: how much of
   // the gain needs no calibration.
   double k_scale_gain_log = 0, k_qkn_gain_log = 0;
-  const nlohmann::json qkn = c.qk_norm ? kv_qk_norm_calib(*model) : nlohmann::json();
+  // (not for q / k norms over all heads at once, OLMo 2's: their weights give no per-head scale)
+  const nlohmann::json qkn = c.qk_norm && !c.qk_norm_full ? kv_qk_norm_calib(*model) : nlohmann::json();
   double k_removed_all = 0, v_removed_all = 0;
   for (int il = 0; il < c.n_layer; ++il) {
     double k_removed = 0, v_removed = 0;
@@ -191,7 +192,7 @@ int calibrate_command(const CalibrateOptions& o) {
         }
         for (int d = 2 * half; d < hd; ++d) kq += std::sqrt(k2[d] * q2[d]);  // channels RoPE leaves alone
         if (kq > 0) k_scale_gain_log += std::log(kk * qq / (kq * kq)) / (c.n_layer * nkv);
-        if (c.qk_norm) {
+        if (!qkn.is_null()) {
           const auto& QL = qkn["layers"][size_t(il)];
           const std::vector<float> wk = QL["k_rms"][size_t(h)], wq = QL["q_rms"][size_t(h)];
           const std::vector<float> s = kv_channel_scales(wk.data(), nullptr, wq.data(), hd, cache_cfg.rope[size_t(il)]);
@@ -227,7 +228,7 @@ int calibrate_command(const CalibrateOptions& o) {
   }
   if (n_mean > 0) {  // the predicted gains printed below, kept with the artifacts
     j["k_scale_gain"] = std::exp(k_scale_gain_log);
-    if (c.qk_norm) j["k_scale_gain_qk_norm"] = std::exp(k_qkn_gain_log);
+    if (!qkn.is_null()) j["k_scale_gain_qk_norm"] = std::exp(k_qkn_gain_log);
   }
   report_write("-o", o.out, j.dump(1) + "\n");
   std::fprintf(stderr, "[calibrate] %d layers, %d tokens -> %s\n", c.n_layer, n_tok, o.out.c_str());
@@ -237,7 +238,7 @@ int calibrate_command(const CalibrateOptions& o) {
     const double gain = j["k_scale_gain"].get<double>();
     std::fprintf(stderr, "[calibrate] key channel scales (*_s formats) cut a rotated quantizer's expected squared score error %.2fx (geometric mean over layers and heads)%s\n",
                  gain, gain < 1.3 ? ": little to gain on this model, the unscaled formats will do as well" : "");
-    if (c.qk_norm)
+    if (!qkn.is_null())
       std::fprintf(stderr, "[calibrate] with the scales of --kv-scales qk-norm (the model's QK-norm weights, no calibration): %.2fx\n",
                    j["k_scale_gain_qk_norm"].get<double>());
   }

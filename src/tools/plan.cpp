@@ -561,7 +561,7 @@ PlanModel plan_model_from_gguf(const gguf::File& f) {
   m.weights_bytes = int64_t(f.tensor_bytes());
   m.weights_note = fmt::format("tensor data in the GGUF ({} tensors)", f.tensors().size());
   // Experts: a token runs expert_used_count of expert_count; the FFN buffers are one expert wide.
-  const std::optional<int64_t> ne = bounded_int(gguf_int_or_max(f, a + "expert_count", nullptr), a + "expert_count", where, 0, 4096);
+  const std::optional<int64_t> ne = bounded_int(gguf_int_or_max(f, a + "expert_count", nullptr), a + "expert_count", where, 0, 1024);
   if (ne && *ne > 0) {
     const std::optional<int64_t> nu =
         bounded_int(gguf_int_or_max(f, a + "expert_used_count", nullptr), a + "expert_used_count", where, 1, *ne);
@@ -574,7 +574,7 @@ PlanModel plan_model_from_gguf(const gguf::File& f) {
     // feed_forward_length), whichever is wider.
     const bool qwen_moe = *arch == "qwen2moe" || *arch == "qwen3moe";
     const int64_t ffl = m.n_ff;
-    int64_t fe = gguf_int_or_max(f, a + "expert_feed_forward_length", nullptr).value_or(0);
+    int64_t fe = qwen_moe ? gguf_int_or_max(f, a + "expert_feed_forward_length", nullptr).value_or(0) : 0;
     if (fe <= 0) fe = qwen_moe ? ffl / *nu : ffl;
     int64_t fs = gguf_int_or_max(f, a + "expert_shared_feed_forward_length", nullptr).value_or(0);
     if (fs <= 0 && *arch == "qwen2moe") fs = ffl;
@@ -777,8 +777,9 @@ PlanModel plan_model_from_hf_config(const nlohmann::json& cfg, std::optional<dou
   shape.tied_embeddings = f.opt_bool("tie_word_embeddings").value_or(gemma);
   shape.qkv_bias = f.opt_bool("attention_bias").value_or(mt == "qwen2" || mt == "qwen2_moe");
   shape.norms_per_layer = gemma && mt != "gemma" ? 4 : 2;
-  shape.qk_norm = mt.rfind("gemma3", 0) == 0 || mt == "qwen3" || mt == "qwen3_moe" || mt == "olmo2" || mt == "olmoe";
-  shape.qk_norm_full = mt == "olmo2" || mt == "olmoe";
+  shape.qk_norm = mt.rfind("gemma3", 0) == 0 || mt == "qwen3" || mt == "qwen3_moe" || mt == "olmo2" || mt == "olmo3" ||
+                  mt == "olmoe";
+  shape.qk_norm_full = mt == "olmo2" || mt == "olmo3" || mt == "olmoe";
   m.n_params = plan_params(shape);
   fill_experts(m, shape);
   double bits = 0;
