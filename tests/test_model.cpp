@@ -1767,6 +1767,51 @@ TEST(ChatTemplate, MistralRenderingFollowsTheVocabulary) {
   EXPECT_EQ(detect(1), ChatFamily::mistral_v1);  // text: v1
 }
 
+// OLMo 2's template (Tülu 3): user and system turns end with a newline, an assistant's with EOS
+// and a newline before the next message; its '{{ bos_token }}' is written when the vocabulary
+// does not add BOS (OLMo 2's files do not say add_bos_token). Zephyr's and Phi-3's turns are not it.
+TEST(ChatTemplate, TuluTurnsOfOlmo2) {
+  const std::string olmo2 =
+      "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}{{ '<|system|>\n' + "
+      "message['content'] + '\n' }}{% elif message['role'] == 'user' %}{{ '<|user|>\n' + message['content'] + '\n' }}"
+      "{% elif message['role'] == 'assistant' %}{% if not loop.last %}{{ '<|assistant|>\n'  + message['content'] + "
+      "eos_token + '\n' }}{% else %}{{ '<|assistant|>\n'  + message['content'] + eos_token }}{% endif %}{% endif %}"
+      "{% if loop.last and add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}{% endfor %}";
+  const ChatTemplate t = chat_template_from_text(olmo2);
+  ASSERT_EQ(t.family, ChatFamily::tulu);
+  EXPECT_STREQ(chat_template_name(t), "tulu");
+  const std::vector<ChatMessage> msgs = {{"system", "S"}, {"user", "U1"}, {"assistant", "A1"}, {"user", "U2"}};
+  EXPECT_EQ(chat_render(t, msgs), "<|system|>\nS\n<|user|>\nU1\n<|assistant|>\nA1<|endoftext|>\n<|user|>\nU2\n<|assistant|>\n");
+  ChatRenderOptions none;
+  none.add_generation_prompt = false;
+  EXPECT_EQ(chat_render(t, {{"user", "U"}, {"assistant", "A"}}, none), "<|user|>\nU\n<|assistant|>\nA<|endoftext|>");
+  ChatRenderOptions cont;
+  cont.add_generation_prompt = false;
+  cont.continue_final_message = true;
+  EXPECT_EQ(chat_render(t, {{"user", "U"}, {"assistant", "The"}}, cont), "<|user|>\nU\n<|assistant|>\nThe");
+  EXPECT_EQ(chat_render_next_turn(t, "U3"), "<|endoftext|>\n<|user|>\nU3\n<|assistant|>\n");
+  // Zephyr ends every turn with EOS; Phi-3 with <|end|>
+  EXPECT_NE(chat_template_from_text("{% for message in messages %}{{ '<|user|>\n' + message['content'] + eos_token }}"
+                                    "{{ '<|assistant|>\n' }}{% endfor %}").family, ChatFamily::tulu);
+  EXPECT_EQ(chat_template_from_text("{{ '<|user|>\n' + message['content'] + '<|end|>\n' + '<|assistant|>\n' }}").family,
+            ChatFamily::phi3);
+  // from a file: the vocabulary's EOS and BOS texts, BOS written unless the tokenizer adds it
+  auto detect = [&](std::optional<bool> add_bos) {
+    kvq::test::GgufWriter w;
+    w.add_string("tokenizer.chat_template", olmo2);
+    w.add_string_array("tokenizer.ggml.tokens", {"a", "<|endoftext|>", "<|pad|>", "<|eos|>"});
+    w.add_u32("tokenizer.ggml.bos_token_id", 1).add_u32("tokenizer.ggml.eos_token_id", 3);
+    if (add_bos) w.add_bool("tokenizer.ggml.add_bos_token", *add_bos);
+    const std::vector<uint8_t> img = w.build();
+    return chat_template_detect(*gguf::File::parse(img.data(), img.size(), "m.gguf"));
+  };
+  const ChatTemplate f = detect(std::nullopt);
+  EXPECT_EQ(f.bos_prefix, "<|endoftext|>");
+  EXPECT_EQ(chat_render(f, {{"user", "U"}}), "<|endoftext|><|user|>\nU\n<|assistant|>\n");
+  EXPECT_EQ(chat_render(f, {{"user", "U"}, {"assistant", "A"}}, none), "<|endoftext|><|user|>\nU\n<|assistant|>\nA<|eos|>");
+  EXPECT_EQ(detect(true).bos_prefix, "");
+}
+
 // The installed SmolLM2 GGUF's own template gives its default system turn.
 TEST(ChatTemplate, SmolLM2GgufHasItsDefaultSystemTurn) {
   const std::string path = kvq_test_model("SmolLM2-135M-Instruct.Q4_1.gguf");

@@ -24,6 +24,19 @@ bool phi3_turns(const std::string& t) {
     if (newline_follows(t, at + 8)) return true;
   return false;
 }
+// Tülu 3's turns (OLMo 2): '<|user|>' and a newline, the content and a newline after it, the
+// assistant's turn ended by eos_token; no '<|end|>' (Phi-3) and no EOS after a user turn (Zephyr).
+bool tulu_turns(const std::string& t) {
+  if (t.find("<|end|>") != std::string::npos || t.find("<|assistant|>") == std::string::npos ||
+      t.find("eos_token") == std::string::npos)
+    return false;
+  const size_t u = t.find("<|user|>");
+  if (u == std::string::npos || !newline_follows(t, u + 8)) return false;
+  // "... + message['content'] + '\n'" right after the user tag
+  const size_t content = t.find("message['content']", u);
+  return content != std::string::npos && newline_follows(t, content + std::string_view("message['content']").size()) &&
+         content < t.find("<|assistant|>", u);
+}
 }  // namespace
 
 ChatTemplate chat_template_from_text(const std::string& t) {
@@ -70,6 +83,8 @@ ChatTemplate chat_template_from_text(const std::string& t) {
     // Phi-3-vision's do (Phi-3's turns)
     const size_t tag = std::string_view("'<|' + message['role'] + '|>'").size();
     c.family = newline_follows(t, rt + tag) ? ChatFamily::phi3 : ChatFamily::phi4_mini;
+  } else if (tulu_turns(t)) {
+    c.family = ChatFamily::tulu;
   } else if (t.find("[SYSTEM_PROMPT]") != std::string::npos && t.find("[INST]") != std::string::npos) {
     c.family = ChatFamily::mistral_v7;
   } else if (t.find("[INST]") != std::string::npos && t.find("<<SYS>>") == std::string::npos) {
@@ -104,6 +119,19 @@ ChatTemplate chat_template_detect(const gguf::File& f) {
         }
     c.family = control ? ChatFamily::mistral : ChatFamily::mistral_v1;
   }
+  if (c.family == ChatFamily::tulu) {
+    // the vocabulary's EOS and BOS texts; the template's '{{ bos_token }}' written when the
+    // tokenizer does not add BOS itself (OLMo 2's files say nothing, so it does not)
+    const gguf::Value* toks = f.find("tokenizer.ggml.tokens");
+    auto text_of = [&](const char* key) -> std::string {
+      const std::optional<int64_t> id = f.get_int(key);
+      if (!id || !toks || toks->type != gguf::ValueType::array || *id < 0 || size_t(*id) >= toks->arr.size()) return {};
+      return toks->arr[size_t(*id)].s;
+    };
+    if (std::string eos = text_of("tokenizer.ggml.eos_token_id"); !eos.empty()) c.eos_text = eos;
+    const bool tmpl_bos = t && t->find("bos_token") != std::string::npos;
+    if (tmpl_bos && !f.get_bool("tokenizer.ggml.add_bos_token").value_or(false)) c.bos_prefix = text_of("tokenizer.ggml.bos_token_id");
+  }
   return c;
 }
 
@@ -119,11 +147,12 @@ const char* chat_template_name(const ChatTemplate& t) {
     case ChatFamily::mistral_v1: return "mistral-v1";
     case ChatFamily::mistral: return "mistral";
     case ChatFamily::mistral_v7: return "mistral-v7";
+    case ChatFamily::tulu: return "tulu";
     default: return "none";
   }
 }
 
-const char* chat_supported_families() { return "ChatML, Gemma, Llama 3, Phi-3, Phi-4, Mistral, Granite"; }
+const char* chat_supported_families() { return "ChatML, Gemma, Llama 3, Phi-3, Phi-4, Mistral, Granite, Tülu (OLMo 2)"; }
 
 std::string chat_render_next_turn(const ChatTemplate& t, const std::string& user) {
   // Read off a rendered conversation whose earlier turns are markers.
@@ -230,6 +259,19 @@ std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& m
       if (!(cont && i + 1 == msgs.size())) out += mini ? "<|end|>" : "<|im_end|>";
     }
     if (opt.add_generation_prompt) out += mini ? "<|assistant|>" : "<|im_start|>assistant<|im_sep|>";
+    return out;
+  }
+  if (t.family == ChatFamily::tulu) {
+    // Tülu 3 (OLMo 2, OLMoE): user and system turns end with a newline, the assistant's with EOS
+    // (and a newline when another message follows).
+    out += t.bos_prefix;
+    for (size_t i = 0; i < msgs.size(); ++i) {
+      const bool last = i + 1 == msgs.size();
+      out += "<|" + msgs[i].role + "|>\n" + msgs[i].content;
+      if (msgs[i].role != "assistant") out += "\n";
+      else if (!(cont && last)) out += t.eos_text + (last ? "" : "\n");
+    }
+    if (opt.add_generation_prompt && !msgs.empty()) out += "<|assistant|>\n";
     return out;
   }
   if (t.family == ChatFamily::phi3) {

@@ -19,7 +19,9 @@ struct ChatMessage {
 // phi4: '<|im_start|>role<|im_sep|>content<|im_end|>' (Phi-4); phi4_mini: '<|role|>content<|end|>'
 // (Phi-4-mini: Phi-3's tags without the newlines).
 // granite: '<|start_of_role|>role<|end_of_role|>content<|end_of_text|>\n' (Granite 3.x).
-enum class ChatFamily { none, chatml, gemma, llama3, phi3, phi4, phi4_mini, mistral_v1, mistral, mistral_v7, granite };
+// tulu: '<|role|>\n' + content + '\n' for user and system, the assistant's content + EOS (+ '\n'
+// when a turn follows) (OLMo 2, OLMoE: Tülu 3's template).
+enum class ChatFamily { none, chatml, gemma, llama3, phi3, phi4, phi4_mini, mistral_v1, mistral, mistral_v7, granite, tulu };
 
 struct ChatTemplate {
   ChatFamily family = ChatFamily::none;
@@ -28,6 +30,10 @@ struct ChatTemplate {
   // ChatML: the system turn the model's template opens a conversation without one with, read from
   // the template (SmolLM2: "You are a helpful AI assistant named SmolLM, ..."); empty: none.
   std::string default_system;
+  // Tülu: the EOS token's text ending an assistant turn, and the BOS token's text when the template
+  // writes it and the tokenizer does not add it (OLMo 2's files); empty: none.
+  std::string eos_text = "<|endoftext|>";
+  std::string bos_prefix;
   bool known() const { return family != ChatFamily::none; }
 };
 
@@ -45,7 +51,7 @@ struct ChatRenderOptions {
                                         // continued: no end of turn after it, no new turn
 };
 // Renders messages and the opening of the assistant's turn. The BOS token is not included
-// (the tokenizer adds it when the model wants it). Throws kvq::Error for an unknown role, and for
+// (the tokenizer adds it when the model wants it), except a template's own (bos_prefix). Throws kvq::Error for an unknown role, and for
 // continue_final_message with add_generation_prompt or with a last message not the assistant's.
 std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& msgs, const ChatRenderOptions& opt = {});
 // What the template puts after an assistant reply's text to continue the conversation with a user
