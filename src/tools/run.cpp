@@ -7,6 +7,8 @@
 #include <iostream>
 #include <thread>
 
+#include <fmt/format.h>
+
 #include "core/cpu.h"
 #include "core/error.h"
 #include "core/timer.h"
@@ -271,8 +273,9 @@ int run_command(const RunOptions& o) {
       }
     }
   }
+  const std::string arch = c.n_expert > 0 ? fmt::format("{}, {} of {} experts per token", c.arch, c.n_expert_used, c.n_expert) : c.arch;
   std::fprintf(stderr, "\n[kvq] %s | %s | %d threads | cpu %s | KV %s (%.1f bytes/token)\n", c.name.c_str(),
-               c.arch.c_str(), threads, cpu_level_name(cpu_level()), kv_policy_describe(policy).c_str(),
+               arch.c_str(), threads, cpu_level_name(cpu_level()), kv_policy_describe(policy).c_str(),
                cache.bytes_per_token());
   std::fprintf(stderr, "[kvq] stop: %s\n", stop_reason);
   std::fprintf(stderr, "[kvq] prompt: %zu tokens in %.3f s (%.1f tokens/s)\n", n_prompt, t_prompt,
