@@ -371,7 +371,7 @@ TEST(Plan, MixtureOfExpertsParameters) {
   const PlanModel q3 = plan_model_from_preset("qwen3-30b-a3b", 16);
   EXPECT_EQ(q3.n_params, 30532122624);
   EXPECT_EQ(q3.n_params_active, 3353032704);
-  EXPECT_EQ(q3.n_ff, 768);  // the FFN buffers are one expert wide
+  EXPECT_EQ(q3.n_ff, 8 * 768);  // the FFN buffers hold a token's 8 experts
   ASSERT_FALSE(q3.notes.empty());
   EXPECT_NE(q3.notes.back().find("8 of 128 experts per token"), std::string::npos) << q3.notes.back();
   nlohmann::json q3c = {{"model_type", "qwen3_moe"}, {"num_hidden_layers", 48}, {"num_attention_heads", 32},

@@ -342,6 +342,44 @@ TEST_P(MatmulParity, BatchInvariantTokenByToken) {
   }
 }
 
+// Several products in one pass (the experts of a step): each job's rows bit-equal to its own
+// matmul, whatever the neighbours' types, widths and token counts, for jobs sharing activations
+// (converted once) and for a job with no tokens.
+TEST_P(MatmulParity, ManyJobsEqualEachAlone) {
+  const GgmlType t = GetParam();
+  const int64_t bs = block_size(t) == 1 ? 32 : block_size(t);
+  std::mt19937 rng(7 + int(t));
+  struct Shape { GgmlType type; int64_t n_in, n_out, n_tok; };
+  const std::vector<Shape> shapes = {{t, 4 * bs, 37, 3}, {t, 4 * bs, 70, 3}, {GgmlType::F32, 4 * bs, 5, 3},
+                                     {t, 2 * bs, 33, 1}, {t, 2 * bs, 16, 0}, {GgmlType::Q8_0, 64, 96, 13}};
+  std::vector<std::vector<uint8_t>> wb;
+  std::vector<WeightView> ws;
+  std::vector<std::vector<float>> xs, ys;
+  for (const Shape& sh : shapes) {
+    const size_t rb = ggml_row_bytes(sh.type, sh.n_in);
+    wb.push_back(random_weights(sh.type, sh.n_in, sh.n_out, rb, ScaleMode::normal, rng));
+    ws.push_back({sh.type, wb.back().data(), sh.n_in, sh.n_out, rb});
+    xs.push_back(random_acts(std::max<int64_t>(sh.n_tok, 1), sh.n_in, ActMode::normal, rng));
+    ys.emplace_back(size_t(std::max<int64_t>(sh.n_tok, 1) * sh.n_out), -1.f);
+  }
+  ThreadPool pool(2);
+  std::vector<MatmulJob> jobs;
+  for (size_t j = 0; j < shapes.size(); ++j)
+    jobs.push_back({&ws[j], j == 1 ? xs[0].data() : j == 2 ? xs[0].data() : xs[j].data(), shapes[j].n_tok, ys[j].data()});
+  for (CpuLevel l : kLevels) {
+    LevelCap cap(l);
+    if (cpu_level() != l) continue;
+    for (auto& y : ys) std::fill(y.begin(), y.end(), -1.f);
+    matmul_many(jobs.data(), int(jobs.size()), pool);
+    for (size_t j = 0; j < shapes.size(); ++j) {
+      std::vector<float> alone(ys[j].size(), -1.f);
+      matmul(ws[j], jobs[j].x, shapes[j].n_tok, alone.data(), pool);
+      ASSERT_EQ(std::memcmp(alone.data(), ys[j].data(), alone.size() * sizeof(float)), 0) << cpu_level_name(l) << " job " << j;
+    }
+    EXPECT_EQ(ys[4][0], -1.f);  // no tokens: nothing written
+  }
+}
+
 // Every SIMD kernel against the scalar one on the very same quantized activations: the integer
 // dot products are exact at every level, so the results may differ only by float rounding of the
 // per-block products and their sum (far tighter than the activation-quantization bound of

@@ -3,7 +3,6 @@
 // qwen3moe, granitemoe, olmoe and llama / granite with experts, as Mixtral) differ only in flags
 // here; the forward pass reads the flags (one graph, no per-architecture file).
 #pragma once
-#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -94,12 +93,12 @@ struct ModelConfig {
   }
   int layer_window(int il) const { return layer_sliding[size_t(il)] ? sliding_window : 0; }
   int layer_n_rot(int il) const { return !layer_no_rope.empty() && layer_no_rope[size_t(il)] ? 0 : n_rot; }
-  // FFN channels one token runs through in a layer: n_ff, or the used experts' and the shared one's.
+  // FFN channels one token runs through in a layer: n_ff, or the used experts' and the shared one's
+  // (also the FFN hidden row the forward pass holds per token: a step runs them all at once).
   int64_t ffn_active_channels() const {
     return n_expert > 0 ? int64_t(n_expert_used) * n_ff_exp + n_ff_shexp : n_ff;
   }
-  // Widest FFN hidden row the forward pass holds at once (dense, one expert or the shared one).
-  int ffn_max_channels() const { return n_expert > 0 ? std::max(n_ff_exp, n_ff_shexp) : n_ff; }
+
 };
 
 // Reads and validates the hyperparameters; throws kvq::Error for unsupported architectures or

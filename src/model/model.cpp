@@ -286,18 +286,20 @@ Forward::Forward(const Model& m, ThreadPool& pool, int max_batch) : m_(m), pool_
   k_pre_.resize(B * size_t(c.n_head_kv) * size_t(c.head_dim));
   k_.resize(B * size_t(c.n_head_kv) * size_t(c.head_dim));
   v_.resize(B * size_t(c.n_head_kv) * size_t(c.head_dim));
-  gate_.resize(B * size_t(c.ffn_max_channels()));
-  up_.resize(B * size_t(c.ffn_max_channels()));
+  gate_.resize(B * size_t(c.ffn_active_channels()));
+  up_.resize(B * size_t(c.ffn_active_channels()));
   if (c.n_expert > 0) {
+    const size_t k = size_t(c.n_expert_used);
     router_.resize(B * size_t(c.n_expert));
-    moe_w_.resize(B * size_t(c.n_expert_used));
-    moe_sel_.resize(B * size_t(c.n_expert_used));
-    moe_rows_.resize(2 * B * size_t(c.n_expert_used));
+    moe_w_.resize(B * k);
+    moe_sel_.resize(B * k);
+    moe_rows_.resize(2 * B * k);
     moe_off_.resize(size_t(c.n_expert) + 1);
     moe_fill_.resize(size_t(c.n_expert));
-    moe_x_.resize(B * size_t(c.n_embd));
-    moe_y_.resize(B * size_t(c.n_embd));
+    moe_x_.resize(B * k * size_t(c.n_embd));
+    moe_y_.resize(B * (k + (c.n_ff_shexp > 0 ? 1 : 0)) * size_t(c.n_embd));
     shexp_gate_.resize(B);
+    moe_jobs_.reserve(2 * size_t(c.n_expert) + 3);
   }
   attn_scratch_.resize(size_t(pool.size()));
   spans_.resize(size_t(pool.size()));
@@ -309,6 +311,7 @@ size_t Forward::scratch_bytes() const {
                         &moe_x_, &moe_y_, &shexp_gate_})
     b += a->bytes();
   b += (moe_sel_.capacity() + moe_rows_.capacity() + moe_off_.capacity() + moe_fill_.capacity()) * sizeof(int);
+  b += moe_jobs_.capacity() * sizeof(MatmulJob);
   for (const auto& s : attn_scratch_) b += s.bytes();
   return b + part_states_.bytes();
 }
@@ -583,18 +586,19 @@ void moe_route(const float* logits, int n, int k, bool normalize, int* experts, 
 
 // The mixture-of-experts FFN of n rows of xn_ into tmp_: each expert runs once on the rows that
 // chose it (their inputs gathered, so a step's tokens share its weights as in the dense matmuls),
-// and each row adds its experts' outputs in expert order, so a row's result depends only on its
-// own routing; then the shared expert on every row.
+// all experts' (and the shared expert's) gate and up products in one pass over the pool and their
+// down products in another; each row adds its experts' outputs in expert order, so a row's result
+// depends only on its own routing, then the shared expert's.
 void Forward::ffn_moe(const LayerWeights& L, int n) {
   const ModelConfig& c = m_.cfg_;
-  const int E = c.n_embd, ne = c.n_expert, k = c.n_expert_used, Fe = c.n_ff_exp;
+  const int E = c.n_embd, ne = c.n_expert, k = c.n_expert_used, Fe = c.n_ff_exp, Fs = c.n_ff_shexp;
   const GluAct act = c.geglu ? GluAct::gelu_tanh : GluAct::silu;
   matmul(L.ffn_gate_inp, xn_.data(), n, router_.data(), pool_);
-  for (int r = 0; r < n; ++r) {
-    moe_route(router_.data() + size_t(r) * size_t(ne), ne, k, c.moe_norm_weights, moe_sel_.data() + size_t(r) * size_t(k), moe_w_.data() + size_t(r) * size_t(k));
-  }
-  std::fill(tmp_.data(), tmp_.data() + size_t(n) * size_t(E), 0.0f);
-  // The (row, choice) pairs grouped by expert, rows in order: expert e's at moe_rows_[2 * off[e]..].
+  for (int r = 0; r < n; ++r)
+    moe_route(router_.data() + size_t(r) * size_t(ne), ne, k, c.moe_norm_weights, moe_sel_.data() + size_t(r) * size_t(k),
+              moe_w_.data() + size_t(r) * size_t(k));
+  // The (row, choice) pairs grouped by expert, rows in order: expert e's are pairs
+  // moe_off_[e] .. moe_off_[e + 1], and its gathered rows sit at the same row offsets.
   moe_off_.assign(size_t(ne) + 1, 0);
   for (int i = 0; i < n * k; ++i) ++moe_off_[size_t(moe_sel_[size_t(i)]) + 1];
   for (int e = 0; e < ne; ++e) moe_off_[size_t(e) + 1] += moe_off_[size_t(e)];
@@ -605,39 +609,48 @@ void Forward::ffn_moe(const LayerWeights& L, int n) {
       const size_t at = size_t(moe_fill_[size_t(moe_sel_[size_t(r) * size_t(k) + size_t(j)])]++);
       moe_rows_[2 * at] = r;
       moe_rows_[2 * at + 1] = j;
+      std::memcpy(moe_x_.data() + at * size_t(E), xn_.data() + size_t(r) * size_t(E), size_t(E) * sizeof(float));
     }
+  // gate_ / up_: the n * k routed rows of Fe, then the shared expert's n rows of Fs; moe_y_: the
+  // routed outputs, then the shared one's
+  const size_t routed = size_t(n) * size_t(k);
+  float* gate_sh = gate_.data() + routed * size_t(Fe);
+  float* up_sh = up_.data() + routed * size_t(Fe);
+  float* y_sh = moe_y_.data() + routed * size_t(E);
+  moe_jobs_.clear();
   for (int e = 0; e < ne; ++e) {
-    const int m = moe_off_[size_t(e) + 1] - moe_off_[size_t(e)];
+    const size_t o = size_t(moe_off_[size_t(e)]), m = size_t(moe_off_[size_t(e) + 1]) - o;
     if (m == 0) continue;
-    const int* pairs = moe_rows_.data() + 2 * size_t(moe_off_[size_t(e)]);
-    for (int i = 0; i < m; ++i)
-      std::memcpy(moe_x_.data() + size_t(i) * size_t(E), xn_.data() + size_t(pairs[2 * i]) * size_t(E),
-                  size_t(E) * sizeof(float));
-    matmul(L.ffn_gate_exps[size_t(e)], moe_x_.data(), m, gate_.data(), pool_);
-    matmul(L.ffn_up_exps[size_t(e)], moe_x_.data(), m, up_.data(), pool_);
-    glu(act, gate_.data(), up_.data(), gate_.data(), size_t(m) * size_t(Fe), pool_);
-    matmul(L.ffn_down_exps[size_t(e)], gate_.data(), m, moe_y_.data(), pool_);
-    for (int i = 0; i < m; ++i) {
-      const int r = pairs[2 * i];
-      const float w = moe_w_[size_t(r) * size_t(k) + size_t(pairs[2 * i + 1])];
-      float* o = tmp_.data() + size_t(r) * size_t(E);
-      const float* y = moe_y_.data() + size_t(i) * size_t(E);
-      for (int d = 0; d < E; ++d) o[d] += w * y[d];
-    }
+    moe_jobs_.push_back({&L.ffn_gate_exps[size_t(e)], moe_x_.data() + o * size_t(E), int64_t(m), gate_.data() + o * size_t(Fe)});
+    moe_jobs_.push_back({&L.ffn_up_exps[size_t(e)], moe_x_.data() + o * size_t(E), int64_t(m), up_.data() + o * size_t(Fe)});
   }
-  if (c.n_ff_shexp > 0) {
-    const int Fs = c.n_ff_shexp;
-    matmul(L.ffn_gate_shexp, xn_.data(), n, gate_.data(), pool_);
-    matmul(L.ffn_up_shexp, xn_.data(), n, up_.data(), pool_);
-    glu(act, gate_.data(), up_.data(), gate_.data(), size_t(n) * size_t(Fs), pool_);
-    matmul(L.ffn_down_shexp, gate_.data(), n, moe_y_.data(), pool_);
-    if (c.shexp_gated) matmul(L.ffn_gate_inp_shexp, xn_.data(), n, shexp_gate_.data(), pool_);
-    for (int r = 0; r < n; ++r) {
-      const float g = c.shexp_gated ? 1.0f / (1.0f + std::exp(-shexp_gate_[size_t(r)])) : 1.0f;
-      float* o = tmp_.data() + size_t(r) * size_t(E);
-      const float* y = moe_y_.data() + size_t(r) * size_t(E);
-      for (int d = 0; d < E; ++d) o[d] += g * y[d];
-    }
+  if (Fs > 0) {
+    moe_jobs_.push_back({&L.ffn_gate_shexp, xn_.data(), n, gate_sh});
+    moe_jobs_.push_back({&L.ffn_up_shexp, xn_.data(), n, up_sh});
+    if (c.shexp_gated) moe_jobs_.push_back({&L.ffn_gate_inp_shexp, xn_.data(), n, shexp_gate_.data()});
+  }
+  matmul_many(moe_jobs_.data(), int(moe_jobs_.size()), pool_);
+  glu(act, gate_.data(), up_.data(), gate_.data(), routed * size_t(Fe) + size_t(n) * size_t(Fs), pool_);
+  moe_jobs_.clear();
+  for (int e = 0; e < ne; ++e) {
+    const size_t o = size_t(moe_off_[size_t(e)]), m = size_t(moe_off_[size_t(e) + 1]) - o;
+    if (m > 0) moe_jobs_.push_back({&L.ffn_down_exps[size_t(e)], gate_.data() + o * size_t(Fe), int64_t(m), moe_y_.data() + o * size_t(E)});
+  }
+  if (Fs > 0) moe_jobs_.push_back({&L.ffn_down_shexp, gate_sh, n, y_sh});
+  matmul_many(moe_jobs_.data(), int(moe_jobs_.size()), pool_);
+  std::fill(tmp_.data(), tmp_.data() + size_t(n) * size_t(E), 0.0f);
+  for (size_t i = 0; i < routed; ++i) {  // pairs in expert order
+    const int r = moe_rows_[2 * i];
+    const float w = moe_w_[size_t(r) * size_t(k) + size_t(moe_rows_[2 * i + 1])];
+    float* o = tmp_.data() + size_t(r) * size_t(E);
+    const float* y = moe_y_.data() + i * size_t(E);
+    for (int d = 0; d < E; ++d) o[d] += w * y[d];
+  }
+  for (int r = 0; r < n && Fs > 0; ++r) {
+    const float g = c.shexp_gated ? 1.0f / (1.0f + std::exp(-shexp_gate_[size_t(r)])) : 1.0f;
+    float* o = tmp_.data() + size_t(r) * size_t(E);
+    const float* y = y_sh + size_t(r) * size_t(E);
+    for (int d = 0; d < E; ++d) o[d] += g * y[d];
   }
 }
 

@@ -123,13 +123,16 @@ class Forward {
   AlignedBuf<float> x_, xn_;
   // (max_batch, n_head * head_dim) queries; (max_batch, n_kv * head_dim) keys (pre/post RoPE), values
   AlignedBuf<float> q_, k_pre_, k_, v_, attn_out_;
-  // (max_batch, n_ff) FFN gate and up (the widest expert's or shared expert's width with experts)
+  // (max_batch, ffn_active_channels) FFN gate and up: a row's n_ff, or its chosen experts' and the
+  // shared expert's channels
   AlignedBuf<float> gate_, up_;
   // Mixture of experts: (max_batch, n_expert) router logits, (max_batch, n_expert_used) chosen
-  // experts and weights, (max_batch, n_embd) one expert's gathered inputs and outputs, (max_batch)
+  // experts and weights, (max_batch x n_expert_used (+ 1), n_embd) the experts' gathered inputs and
+  // outputs (and the shared expert's), (max_batch)
   // the shared expert's gate, and the step's (row, choice) pairs grouped by expert (offsets per expert).
   AlignedBuf<float> router_, moe_w_, moe_x_, moe_y_, shexp_gate_;
   std::vector<int> moe_sel_, moe_rows_, moe_off_, moe_fill_;
+  std::vector<MatmulJob> moe_jobs_;  // one step's expert products, run together
   void ffn_moe(const LayerWeights& L, int n);
   void pre_norm(const WeightView& w, int n);
   AlignedBuf<float> tmp_;          // (max_batch, n_embd)

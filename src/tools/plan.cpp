@@ -320,14 +320,14 @@ std::string moe_note(const PlanModel& m) {
   return s;
 }
 
-// The planner's view of a shape with experts: counts, active parameters, and the FFN buffers one
-// expert (or the shared one, or a dense layer) wide.
+// The planner's view of a shape with experts: counts, active parameters, and the FFN buffers of a
+// token's chosen experts and the shared one (the engine runs them at once), or of a dense layer.
 void fill_experts(PlanModel& m, const PlanPreset& p) {
   if (p.n_expert <= 0) return;
   m.n_expert = p.n_expert;
   m.n_expert_used = p.n_expert_used;
   m.n_params_active = plan_active_params(p);
-  m.n_ff = std::max({p.n_ff_exp, p.n_ff_shexp, p.n_dense_layers > 0 ? p.n_ff : int64_t(0)});
+  m.n_ff = std::max(p.n_expert_used * p.n_ff_exp + p.n_ff_shexp, p.n_dense_layers > 0 ? p.n_ff : int64_t(0));
   m.notes.push_back(moe_note(m));
 }
 }  // namespace
@@ -569,16 +569,16 @@ PlanModel plan_model_from_gguf(const gguf::File& f) {
     m.n_expert = int(*ne);
     m.n_expert_used = int(*nu);
     m.n_params_active = params - int64_t(double(expert_params) * double(*ne - *nu) / double(*ne));
-    // The FFN buffers: one expert (expert_feed_forward_length, else feed_forward_length, or, for the
-    // Qwen MoE models, feed_forward_length / used) or the shared expert (Qwen2-MoE: else
-    // feed_forward_length), whichever is wider.
+    // The FFN buffers: a token's chosen experts (each expert_feed_forward_length wide, else
+    // feed_forward_length, or, for the Qwen MoE models, feed_forward_length / used) and the shared
+    // expert (Qwen2-MoE: else feed_forward_length), which the engine runs at once.
     const bool qwen_moe = *arch == "qwen2moe" || *arch == "qwen3moe";
     const int64_t ffl = m.n_ff;
     int64_t fe = qwen_moe ? gguf_int_or_max(f, a + "expert_feed_forward_length", nullptr).value_or(0) : 0;
     if (fe <= 0) fe = qwen_moe ? ffl / *nu : ffl;
     int64_t fs = gguf_int_or_max(f, a + "expert_shared_feed_forward_length", nullptr).value_or(0);
     if (fs <= 0 && *arch == "qwen2moe") fs = ffl;
-    m.n_ff = std::min<int64_t>(std::max(fe, fs), kMaxFf);
+    m.n_ff = std::min<int64_t>(*nu * fe + fs, kMaxFf);
     m.notes.push_back(moe_note(m));
   }
   return m;
@@ -918,9 +918,9 @@ ActTerms activation_terms(const PlanModel& m, const PlanConfig& c) {
   const int64_t ff = ceil_div(m.n_ff, tp);
   // One token's working set: residual stream + two normed/projected copies, q, k, v, FFN gate+up.
   int64_t per_token = 3 * m.n_embd + q_dim + 2 * kv_dim + 2 * ff;
-  // Experts: one expert's gathered inputs and outputs, the router's scores, the chosen experts'
-  // weights and indices, the shared expert's gate.
-  if (m.n_expert > 0) per_token += 2 * m.n_embd + m.n_expert + 2 * m.n_expert_used + 1;
+  // Experts: the chosen experts' gathered inputs and outputs (and the shared expert's output), the
+  // router's scores, the chosen experts' weights and indices, the shared expert's gate.
+  if (m.n_expert > 0) per_token += (2 * int64_t(m.n_expert_used) + 1) * m.n_embd + m.n_expert + 2 * m.n_expert_used + 1;
   // Attention works page by page (online softmax): one page of scores per head in flight.
   const int64_t scores = heads * c.page_tokens;
   ActTerms t;
@@ -1194,8 +1194,9 @@ const char* kExplain =
     "      w = 3 x n_embd + h x head_dim + 2 x kv_dim + 2 x n_ff (residual, normed copies, q, k, v, FFN gate+up)\n"
     "      h = query heads / tp, kv_dim = KV heads per device x head_dim, n_ff / tp; h x P = one page of scores\n"
     "      per head (online softmax); n_vocab = logits per sequence; chunk = --prefill-chunk tokens;\n"
-    "      with experts n_ff is one expert's width (or the shared expert's), and w adds 2 x n_embd + n_expert\n"
-    "      + 2 x used + 1 (an expert's gathered rows in and out, router scores, choices, shared gate)\n"
+    "      with experts n_ff is the used experts' widths and the shared expert's, and w adds (2 x used + 1)\n"
+    "      x n_embd + n_expert + 2 x used + 1 (the experts' gathered rows in and out, router scores, choices,\n"
+    "      shared gate)\n"
     "  budget per device = floor(gpu_mem x util)\n"
     "  max KV tokens = floor((budget - weights/tp - activations(batch 1)) / page_bytes per device) x P\n"
     "      (counts every layer at the full-attention rate; sliding-window models fit more, see max context)\n"

@@ -45,7 +45,7 @@ struct PlanModel {
   int n_heads = 0;           // query heads
   int head_dim = 0;          // query head dim
   int64_t n_embd = 0;
-  int64_t n_ff = 0;          // FFN hidden size (largest over layers)
+  int64_t n_ff = 0;          // FFN hidden size (largest over layers; with experts, a token's chosen and shared ones')
   int64_t n_vocab = 0;
   int64_t ctx_train = 0;     // trained context length; 0 = unknown
   std::vector<PlanLayer> layers;  // (n_layers)

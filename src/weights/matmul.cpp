@@ -317,39 +317,78 @@ static void check_view(const WeightView& w) {
   KVQ_CHECK(w.data != nullptr);
 }
 
-void matmul(const WeightView& w, const float* x, int64_t n_tok, float* y, ThreadPool& pool) {
-  check_view(w);
-  if (n_tok <= 0) return;
+namespace {
+// x (n_tok, n_in) converted to the activation format of w's type into dst (when not f32): the
+// converted rows, or x itself.
+const uint8_t* convert_activations(const WeightView& w, const float* x, int64_t n_tok, AlignedBuf<uint8_t>& dst,
+                                   ThreadPool& pool) {
   const ActFormat af = act_format(w.type);
-  const MatmulTileFn fn = matmul_kernel(w.type);
+  if (af == ActFormat::f32) return reinterpret_cast<const uint8_t*>(x);
   const size_t xs = act_row_bytes(af, w.n_in);
-  const uint8_t* xa = reinterpret_cast<const uint8_t*>(x);
+  if (dst.size() < xs * size_t(n_tok)) dst.resize(xs * size_t(n_tok));
+  uint8_t* d = dst.data();
+  const int64_t n_in = w.n_in;
+  const bool simd = cpu_level() >= CpuLevel::avx2;
+  auto quant = [&](size_t b, size_t e) {
+    for (size_t t = b; t < e; ++t) {
+      auto* qa = reinterpret_cast<BlockQ8A*>(d + t * xs);
+      auto* qk = reinterpret_cast<BlockQ8K*>(d + t * xs);
+      if (af == ActFormat::q8a) simd ? quantize_act_q8a_avx2(x + t * n_in, qa, n_in) : quantize_act_q8a(x + t * n_in, qa, n_in);
+      else simd ? quantize_act_q8k_avx2(x + t * n_in, qk, n_in) : quantize_act_q8k(x + t * n_in, qk, n_in);
+    }
+  };
+  if (n_tok >= 4 * pool.size()) pool.parallel_for(size_t(n_tok), 1, quant);
+  else quant(0, size_t(n_tok));
+  return d;
+}
+}  // namespace
+
+void matmul(const WeightView& w, const float* x, int64_t n_tok, float* y, ThreadPool& pool) {
+  const MatmulJob job{&w, x, n_tok, y};
+  matmul_many(&job, 1, pool);
+}
+
+void matmul_many(const MatmulJob* jobs, int n_jobs, ThreadPool& pool) {
   // Per calling thread: matmul is re-entrant across threads that each own their pool.
-  thread_local AlignedBuf<uint8_t> xq;
-  if (af != ActFormat::f32) {
-    if (xq.size() < xs * size_t(n_tok)) xq.resize(xs * size_t(n_tok));
-    uint8_t* dst = xq.data();
-    const int64_t n_in = w.n_in;
-    const bool simd = cpu_level() >= CpuLevel::avx2;
-    auto quant = [&](size_t b, size_t e) {
-      for (size_t t = b; t < e; ++t) {
-        auto* qa = reinterpret_cast<BlockQ8A*>(dst + t * xs);
-        auto* qk = reinterpret_cast<BlockQ8K*>(dst + t * xs);
-        if (af == ActFormat::q8a) simd ? quantize_act_q8a_avx2(x + t * n_in, qa, n_in) : quantize_act_q8a(x + t * n_in, qa, n_in);
-        else simd ? quantize_act_q8k_avx2(x + t * n_in, qk, n_in) : quantize_act_q8k(x + t * n_in, qk, n_in);
-      }
-    };
-    if (n_tok >= 4 * pool.size()) pool.parallel_for(size_t(n_tok), 1, quant);
-    else quant(0, size_t(n_tok));
-    xa = dst;
+  // (The pool's workers read these through references: a thread_local named inside the lambda
+  // would be each worker's own.)
+  thread_local std::vector<AlignedBuf<uint8_t>> xq_tl;
+  thread_local std::vector<const uint8_t*> xa_tl;
+  thread_local std::vector<size_t> first_tl;
+  std::vector<AlignedBuf<uint8_t>>& xq = xq_tl;
+  std::vector<const uint8_t*>& xa = xa_tl;
+  std::vector<size_t>& first = first_tl;  // job j's rows at [first[j], first[j] + n_out) of the whole
+  if (xq.size() < size_t(n_jobs)) xq.resize(size_t(n_jobs));
+  xa.assign(size_t(n_jobs), nullptr);
+  first.assign(size_t(n_jobs) + 1, 0);
+  for (int j = 0; j < n_jobs; ++j) {
+    const MatmulJob& jb = jobs[j];
+    check_view(*jb.w);
+    if (jb.n_tok > 0) {
+      // the same activations for the same input width and format are converted once
+      for (int i = 0; i < j && !xa[size_t(j)]; ++i)
+        if (jobs[i].x == jb.x && jobs[i].n_tok == jb.n_tok && jobs[i].w->n_in == jb.w->n_in &&
+            act_format(jobs[i].w->type) == act_format(jb.w->type))
+          xa[size_t(j)] = xa[size_t(i)];
+      if (!xa[size_t(j)]) xa[size_t(j)] = convert_activations(*jb.w, jb.x, jb.n_tok, xq[size_t(j)], pool);
+    }
+    // each job's rows padded to whole tiles, so that no chunk spans two jobs' tile boundaries
+    const int64_t rows = jb.n_tok > 0 ? jb.w->n_out : 0;
+    first[size_t(j) + 1] = first[size_t(j)] + size_t((rows + kTileRows - 1) / kTileRows * kTileRows);
   }
-  const auto* wd = static_cast<const uint8_t*>(w.data);
-  const size_t rb = w.row_bytes;
-  const int64_t n_in = w.n_in, n_out = w.n_out;
   // Chunks of rows, a multiple of the kernels' row tile; threads take contiguous chunk ranges so
   // each streams its own part of W once.
-  pool.parallel_for(size_t(n_out), kTileRows, [&](size_t b, size_t e) {
-    fn(wd + b * rb, rb, int64_t(e - b), xa, xs, n_tok, n_in, y + b, n_out);
+  pool.parallel_for(first[size_t(n_jobs)], kTileRows, [&](size_t b, size_t e) {
+    for (int j = 0; j < n_jobs; ++j) {
+      const MatmulJob& jb = jobs[j];
+      const size_t lo = std::max(b, first[size_t(j)]), hi = std::min(e, first[size_t(j)] + size_t(jb.n_tok > 0 ? jb.w->n_out : 0));
+      if (lo >= hi) continue;
+      const WeightView& w = *jb.w;
+      const size_t r0 = lo - first[size_t(j)];
+      const auto* wd = static_cast<const uint8_t*>(w.data);
+      matmul_kernel(w.type)(wd + r0 * w.row_bytes, w.row_bytes, int64_t(hi - lo), xa[size_t(j)], act_row_bytes(act_format(w.type), w.n_in),
+               jb.n_tok, w.n_in, jb.y + r0, w.n_out);
+    }
   });
 }
 

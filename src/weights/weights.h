@@ -30,6 +30,16 @@ void dequantize_row(GgmlType t, const void* src, float* dst, int64_t n);
 // y (n_tok, n_out) = x (n_tok, n_in) . W^T. Multi-threaded over the pool; SIMD kernels chosen by
 // cpu_level(). n_tok == 1 is the decode matrix-vector product.
 void matmul(const WeightView& w, const float* x, int64_t n_tok, float* y, ThreadPool& pool);
+// Several independent products in one pass over the pool (the experts a step runs): job j is
+// matmul(*w, x, n_tok, y). Each row's result is the one matmul gives; threads share out the rows
+// of all jobs at once instead of meeting after each.
+struct MatmulJob {
+  const WeightView* w;
+  const float* x;
+  int64_t n_tok;
+  float* y;
+};
+void matmul_many(const MatmulJob* jobs, int n_jobs, ThreadPool& pool);
 // Batch-invariant matmuls (off by default; process-wide): every call runs the kernels of a
 // one-token call, so a token's result does not depend on how many tokens share the call. On
 // AVX-512 the calls of 12 or more tokens otherwise run prefill kernels that round their sums
