@@ -549,7 +549,8 @@ PlanModel plan_model_from_gguf(const gguf::File& f) {
   validate_model(m);  // the shape bounds that span fields (heads x head_dim), with their ranges
   check_gguf_tensors(f, m, a);
   // The architectures kvq runs: the engine's own metadata checks as well (the same file must load).
-  if (model_arch_supported(*arch)) model_config_from_gguf(f);
+  std::optional<ModelConfig> engine_cfg;
+  if (model_arch_supported(*arch)) engine_cfg = model_config_from_gguf(f);
 
   int64_t params = 0, expert_params = 0;
   for (const gguf::TensorInfo& t : f.tensors()) {
@@ -569,16 +570,9 @@ PlanModel plan_model_from_gguf(const gguf::File& f) {
     m.n_expert = int(*ne);
     m.n_expert_used = int(*nu);
     m.n_params_active = params - int64_t(double(expert_params) * double(*ne - *nu) / double(*ne));
-    // The FFN buffers: a token's chosen experts (each expert_feed_forward_length wide, else
-    // feed_forward_length, or, for the Qwen MoE models, feed_forward_length / used) and the shared
-    // expert (Qwen2-MoE: else feed_forward_length), which the engine runs at once.
-    const bool qwen_moe = *arch == "qwen2moe" || *arch == "qwen3moe";
-    const int64_t ffl = m.n_ff;
-    int64_t fe = qwen_moe ? gguf_int_or_max(f, a + "expert_feed_forward_length", nullptr).value_or(0) : 0;
-    if (fe <= 0) fe = qwen_moe ? ffl / *nu : ffl;
-    int64_t fs = gguf_int_or_max(f, a + "expert_shared_feed_forward_length", nullptr).value_or(0);
-    if (fs <= 0 && *arch == "qwen2moe") fs = ffl;
-    m.n_ff = std::min<int64_t>(*nu * fe + fs, kMaxFf);
+    // The FFN buffers: a token's chosen experts and the shared one, which the engine runs at once,
+    // with the widths the engine reads (for architectures it runs; others keep feed_forward_length).
+    if (engine_cfg) m.n_ff = std::min<int64_t>(engine_cfg->ffn_active_channels(), kMaxFf);
     m.notes.push_back(moe_note(m));
   }
   return m;

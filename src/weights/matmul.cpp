@@ -1,5 +1,6 @@
 // matmul driver (activation conversion, threading, dispatch), its scalar reference, and the
 // scalar level of the quantized-activation kernels.
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -352,18 +353,27 @@ void matmul_many(const MatmulJob* jobs, int n_jobs, ThreadPool& pool) {
   // Per calling thread: matmul is re-entrant across threads that each own their pool.
   // (The pool's workers read these through references: a thread_local named inside the lambda
   // would be each worker's own.)
+  // Per job: converted activations, their row stride, the kernel, and the job's rows at
+  // [first[j], first[j] + n_out) of all jobs' rows.
   thread_local std::vector<AlignedBuf<uint8_t>> xq_tl;
   thread_local std::vector<const uint8_t*> xa_tl;
-  thread_local std::vector<size_t> first_tl;
+  thread_local std::vector<size_t> xs_tl, first_tl;
+  thread_local std::vector<MatmulTileFn> fn_tl;
   std::vector<AlignedBuf<uint8_t>>& xq = xq_tl;
   std::vector<const uint8_t*>& xa = xa_tl;
-  std::vector<size_t>& first = first_tl;  // job j's rows at [first[j], first[j] + n_out) of the whole
+  std::vector<size_t>& xs = xs_tl;
+  std::vector<size_t>& first = first_tl;
+  std::vector<MatmulTileFn>& fn = fn_tl;
   if (xq.size() < size_t(n_jobs)) xq.resize(size_t(n_jobs));
   xa.assign(size_t(n_jobs), nullptr);
+  xs.resize(size_t(n_jobs));
+  fn.resize(size_t(n_jobs));
   first.assign(size_t(n_jobs) + 1, 0);
   for (int j = 0; j < n_jobs; ++j) {
     const MatmulJob& jb = jobs[j];
     check_view(*jb.w);
+    xs[size_t(j)] = act_row_bytes(act_format(jb.w->type), jb.w->n_in);
+    fn[size_t(j)] = matmul_kernel(jb.w->type);
     if (jb.n_tok > 0) {
       // the same activations for the same input width and format are converted once
       for (int i = 0; i < j && !xa[size_t(j)]; ++i)
@@ -379,15 +389,16 @@ void matmul_many(const MatmulJob* jobs, int n_jobs, ThreadPool& pool) {
   // Chunks of rows, a multiple of the kernels' row tile; threads take contiguous chunk ranges so
   // each streams its own part of W once.
   pool.parallel_for(first[size_t(n_jobs)], kTileRows, [&](size_t b, size_t e) {
-    for (int j = 0; j < n_jobs; ++j) {
+    // the jobs whose padded rows meet [b, e), from the one holding row b on
+    for (size_t j = size_t(std::upper_bound(first.begin(), first.end(), b) - first.begin()) - 1;
+         j < size_t(n_jobs) && first[j] < e; ++j) {
       const MatmulJob& jb = jobs[j];
-      const size_t lo = std::max(b, first[size_t(j)]), hi = std::min(e, first[size_t(j)] + size_t(jb.n_tok > 0 ? jb.w->n_out : 0));
+      const size_t lo = std::max(b, first[j]), hi = std::min(e, first[j] + size_t(jb.n_tok > 0 ? jb.w->n_out : 0));
       if (lo >= hi) continue;
       const WeightView& w = *jb.w;
-      const size_t r0 = lo - first[size_t(j)];
-      const auto* wd = static_cast<const uint8_t*>(w.data);
-      matmul_kernel(w.type)(wd + r0 * w.row_bytes, w.row_bytes, int64_t(hi - lo), xa[size_t(j)], act_row_bytes(act_format(w.type), w.n_in),
-               jb.n_tok, w.n_in, jb.y + r0, w.n_out);
+      const size_t r0 = lo - first[j];
+      fn[j](static_cast<const uint8_t*>(w.data) + r0 * w.row_bytes, w.row_bytes, int64_t(hi - lo), xa[j], xs[j], jb.n_tok,
+            w.n_in, jb.y + r0, w.n_out);
     }
   });
 }
