@@ -10,6 +10,8 @@
 // the default f16 cache on the same tokens.
 //
 //   logits_vs_llamacpp MODEL.gguf LLAMA_LOGITS_FILE [--kv f16] [--threads 2] [--self]
+//                      [--rope-scaling KIND --rope-scale F --yarn-orig-ctx N]
+// (the RoPE flags as given to llama-perplexity, for models run with another RoPE scaling)
 //
 // llama.cpp is not part of kvq: its llama-perplexity is built separately.
 #include <algorithm>
@@ -107,13 +109,19 @@ std::vector<float> run_window(const Model& m, ThreadPool& pool, const std::strin
 
 int main(int argc, char** argv) {
   try {
-    if (argc < 3) fail("usage: logits_vs_llamacpp MODEL.gguf LLAMA_LOGITS_FILE [--kv f16] [--threads 2] [--self]");
+    if (argc < 3)
+      fail("usage: logits_vs_llamacpp MODEL.gguf LLAMA_LOGITS_FILE [--kv f16] [--threads 2] [--self] "
+           "[--rope-scaling KIND --rope-scale F --yarn-orig-ctx N]");
     std::string kv = "f16";
     int threads = 2;
     bool self = false;
+    RopeOverrides rope;
     for (int i = 3; i < argc; ++i) {
       const std::string a = argv[i];
       if (a == "--kv" && i + 1 < argc) kv = argv[++i];
+      else if (a == "--rope-scaling" && i + 1 < argc) rope.scaling = argv[++i];
+      else if (a == "--rope-scale" && i + 1 < argc) rope.scale = std::stod(argv[++i]);
+      else if (a == "--yarn-orig-ctx" && i + 1 < argc) rope.yarn_orig_ctx = std::stoi(argv[++i]);
       else if (a == "--threads" && i + 1 < argc) threads = std::stoi(argv[++i]);
       else if (a == "--self") self = true;
       else fail("unknown argument '{}'", a);
@@ -130,7 +138,7 @@ int main(int argc, char** argv) {
       fail("{}: not a llama-perplexity --kl-divergence-base file", argv[2]);
     std::vector<int32_t> tokens(size_t(n_chunk) * size_t(n_ctx));
     in.read(reinterpret_cast<char*>(tokens.data()), std::streamsize(tokens.size() * 4));
-    auto model = Model::load(argv[1]);
+    auto model = Model::load(argv[1], rope);
     model->set_context(n_ctx);
     const Tokenizer tok = Tokenizer::from_gguf(model->file());
     if (model->config().n_vocab != n_vocab) fail("vocabulary sizes differ: kvq {}, file {}", model->config().n_vocab, n_vocab);

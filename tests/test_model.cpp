@@ -533,6 +533,263 @@ float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
 }
 }  // namespace
 
+namespace {
+// ggml's YaRN RoPE, written out as ggml-cpu's rope_yarn / ggml_rope_cache_init and llama.cpp's
+// context setup compute it (in float, the angle built up pair by pair): pair i of a token at
+// position `pos` turns by angle[i], and cos and sin are multiplied by `mscale`.
+struct GgmlYarn {
+  std::vector<float> angle;
+  float mscale = 1;
+};
+GgmlYarn ggml_yarn(int pos, int n_dims, float base, float factor, int orig_ctx, float beta_fast, float beta_slow,
+                   float rope_attn_factor = 1.f) {
+  const float freq_scale = 1.0f / factor;
+  auto corr_dim = [&](float n_rot) {
+    return float(n_dims) * std::log(float(orig_ctx) / (n_rot * 2 * float(M_PI))) / (2 * std::log(base));
+  };
+  const float corr0 = std::max(0.0f, std::floor(corr_dim(beta_fast)));
+  const float corr1 = std::min(float(n_dims - 1), std::ceil(corr_dim(beta_slow)));
+  // llama_context: yarn_attn_factor = get_mscale(factor) / (1 + 0.1 ln factor) x rope_attn_factor
+  const float get_mscale = factor <= 1.0f ? 1.0f : 0.1f * std::log(factor) + 1.0f;
+  const float attn_factor = get_mscale / (1.0f + 0.1f * std::log(factor)) * rope_attn_factor;
+  GgmlYarn g;
+  const float theta_scale = std::pow(base, -2.0f / float(n_dims));
+  float theta = float(pos);
+  for (int i0 = 0; i0 < n_dims; i0 += 2) {
+    const float theta_extrap = theta, theta_interp = freq_scale * theta_extrap;
+    const float y = float(i0 / 2 - corr0) / std::max(0.001f, corr1 - corr0);
+    const float ramp_mix = (1 - std::min(1.0f, std::max(0.0f, y))) * 1.0f;  // ext_factor 1
+    g.angle.push_back(theta_interp * (1 - ramp_mix) + theta_extrap * ramp_mix);
+    g.mscale = attn_factor * (1.0f + 0.1f * std::log(1.0f / freq_scale));
+    theta *= theta_scale;
+  }
+  return g;
+}
+
+ModelConfig yarn_config(int n_rot, float base, float factor, int orig_ctx, float beta_fast = 32, float beta_slow = 1) {
+  ModelConfig c;
+  c.n_layer = 1;
+  c.head_dim = c.n_rot = n_rot;
+  c.rope_base = c.rope_base_local = base;
+  c.rope_scale = factor;
+  c.rope_yarn = true;
+  c.yarn_orig_ctx = c.n_ctx_orig = orig_ctx;
+  c.yarn_beta_fast = beta_fast;
+  c.yarn_beta_slow = beta_slow;
+  c.layer_sliding = {false};
+  return c;
+}
+}  // namespace
+
+// YaRN as kvq runs it (per-pair rates folded into the RoPE's factors, the magnitude on q) turns
+// every pair by ggml's angle and scales q.k as ggml's cos / sin magnitude does, for Qwen3's,
+// OLMo 3's and gpt-oss's settings and at positions to 128K.
+TEST(Rope, YarnMatchesGgmlRopeYarn) {
+  struct Case { int n_rot; float base, factor; int orig; float bf, bs; };
+  for (const Case& k : {Case{128, 1000000.f, 4.f, 32768, 32, 1}, Case{128, 500000.f, 8.f, 8192, 32, 1},
+                        Case{64, 150000.f, 32.f, 4096, 32, 1}, Case{64, 10000.f, 2.f, 2048, 16, 2},
+                        Case{8, 10000.f, 4.f, 256, 32, 1}}) {
+    const ModelConfig c = yarn_config(k.n_rot, k.base, k.factor, k.orig, k.bf, k.bs);
+    const KvRope r = model_layer_rope(c, 0);
+    ASSERT_EQ(r.freq_factors.size(), size_t(k.n_rot / 2));
+    EXPECT_EQ(r.freq_scale, 1.f);
+    int kept = 0, interp = 0;  // pairs at the trained rate and fully interpolated ones
+    for (int pos : {0, 1, 17, 1000, 30000, 131071}) {
+      const GgmlYarn g = ggml_yarn(pos, k.n_rot, k.base, k.factor, k.orig, k.bf, k.bs);
+      for (int i = 0; i < k.n_rot / 2; ++i) {
+        const double mine = double(pos) * kv_rope_theta(r, i);
+        // ggml builds the angle in float: relative rounding ~1e-7 per step, pair by pair
+        EXPECT_NEAR(mine, double(g.angle[size_t(i)]), 2e-5 * std::max(1.0, std::fabs(mine)))
+            << "n_rot " << k.n_rot << " pos " << pos << " pair " << i;
+        if (pos == 1) {
+          const double plain = std::pow(double(k.base), -2.0 * i / k.n_rot);
+          kept += std::fabs(mine / plain - 1) < 1e-6;
+          interp += std::fabs(mine / plain * k.factor - 1) < 1e-6;
+        }
+      }
+      EXPECT_NEAR(model_layer_rope_mscale(c, 0), g.mscale, 1e-6);
+    }
+    // every setting has pairs on both sides of the ramp
+    EXPECT_GT(kept, 0) << k.n_rot;
+    EXPECT_GT(interp, 0) << k.n_rot;
+  }
+  // the magnitude: 1 + 0.1 ln(factor), times rope.scaling.attn_factor
+  ModelConfig c = yarn_config(128, 1e6f, 4.f, 32768);
+  EXPECT_NEAR(model_layer_rope_mscale(c, 0), 1 + 0.1 * std::log(4.0), 1e-6);
+  c.rope_attn_factor = 1.5f;
+  EXPECT_NEAR(model_layer_rope_mscale(c, 0), ggml_yarn(1, 128, 1e6f, 4.f, 32768, 32, 1, 1.5f).mscale, 1e-6);
+  // factor 1 is no scaling at all; linear scaling has no magnitude and one rate
+  c = yarn_config(128, 1e6f, 1.f, 32768);
+  EXPECT_TRUE(model_layer_rope(c, 0).freq_factors.empty());
+  EXPECT_EQ(model_layer_rope_mscale(c, 0), 1.f);
+  c = yarn_config(128, 1e6f, 4.f, 32768);
+  c.rope_yarn = false;
+  EXPECT_TRUE(model_layer_rope(c, 0).freq_factors.empty());
+  EXPECT_EQ(model_layer_rope(c, 0).freq_scale, 0.25f);
+  EXPECT_EQ(model_layer_rope_mscale(c, 0), 1.f);
+  // a file's per-pair factors (Llama 3.1's) stay, YaRN's rates on top: ggml divides the angle by them first
+  c = yarn_config(64, 10000.f, 2.f, 2048, 16, 2);
+  c.rope_freq_factors.resize(32);
+  for (size_t i = 0; i < 32; ++i) c.rope_freq_factors[i] = 1.0f + float(i) / 8;
+  const KvRope r = model_layer_rope(c, 0);
+  const std::vector<double> rate = model_yarn_pair_rates(64, 10000.f, 2.f, 2048, 16, 2);
+  for (int i = 0; i < 32; ++i) {
+    const double plain = std::pow(10000.0, -2.0 * i / 64) / c.rope_freq_factors[size_t(i)];
+    EXPECT_NEAR(kv_rope_theta(r, i), plain * rate[size_t(i)], 1e-6 * plain) << i;
+  }
+}
+
+// A YaRN file (stories260K with rope.scaling.type yarn) computes what the model computes with
+// ggml's YaRN written out another way: each pair's rate as rope_freqs.weight and the magnitude
+// squared on q's rows; --rope-scaling yarn on the plain file gives the same; the cache's RoPE (what
+// pre-RoPE key codecs rotate with) has YaRN's rates; OLMo 3's local layers keep plain RoPE.
+TEST(ArchVariants, YarnFileAndOverridesComputeGgmlsYarn) {
+  if (!fs::exists(shared_path("models/stories260K.gguf"))) GTEST_SKIP() << "stories260K.gguf not found";
+  const auto tmp = fs::temp_directory_path();
+  auto with = [&](const std::string& name, const std::function<void(kvq::test::GgufWriter&, const ModelConfig&)>& x) {
+    return write_stories_as("llama", (tmp / name).string(), x);
+  };
+  const float factor = 4.f;
+  const int orig = 64;  // pair 0 keeps its rate, pair 1 is mixed, pairs 2 and 3 are interpolated
+  const std::string py = with("kvq_test_yarn.gguf", [&](kvq::test::GgufWriter& w, const ModelConfig&) {
+    w.add_string("llama.rope.scaling.type", "yarn");
+    w.add_f32("llama.rope.scaling.factor", factor);
+    w.add_u32("llama.rope.scaling.original_context_length", orig);
+  });
+  const std::string pw = with("kvq_test_yarn_written.gguf", [&](kvq::test::GgufWriter& w, const ModelConfig& c) {
+    const GgmlYarn g = ggml_yarn(1, c.n_rot, c.rope_base, factor, orig, 32, 1);
+    std::vector<float> ff(size_t(c.n_rot / 2));
+    for (int i = 0; i < c.n_rot / 2; ++i)  // ggml's angle at position 1 is the pair's rate
+      ff[size_t(i)] = float(std::pow(double(c.rope_base), -2.0 * i / c.n_rot) / double(g.angle[size_t(i)]));
+    w.add_tensor_f32("rope_freqs.weight", {c.n_rot / 2}, ff);
+    ASSERT_EQ(c.n_rot, c.head_dim);  // every dim rotates: all of q times mscale^2
+    for (auto& t : w.tensors()) {
+      if (t.name.find("attn_q.weight") == std::string::npos) continue;
+      float* rows = reinterpret_cast<float*>(t.data.data());
+      for (size_t i = 0; i < size_t(c.n_head) * size_t(c.head_dim) * size_t(c.n_embd); ++i) rows[i] *= g.mscale * g.mscale;
+    }
+  });
+  // (written as the others are: write_stories_as reorders q / k rows, which a llama file rotates by other pairs)
+  const std::string pplain = with("kvq_test_yarn_plain.gguf", [](kvq::test::GgufWriter&, const ModelConfig&) {});
+  RopeOverrides ov;
+  ov.scaling = "yarn";
+  ov.scale = factor;
+  ov.yarn_orig_ctx = orig;
+  auto my = Model::load(py), mw = Model::load(pw), mo = Model::load(pplain, ov), mp = Model::load(pplain);
+  const ModelConfig& cy = my->config();
+  EXPECT_TRUE(cy.rope_yarn);
+  EXPECT_EQ(cy.rope_scale, factor);
+  EXPECT_EQ(cy.yarn_orig_ctx, orig);
+  EXPECT_EQ(cy.n_ctx_train, mp->config().n_ctx_train);  // the file's own context stays
+  EXPECT_EQ(mo->config().n_ctx_train, orig * int(factor));  // an override's: original x factor
+  EXPECT_EQ(model_rope_scaling_note(cy), "YaRN RoPE scaling x4 of 64 positions (beta 32 / 1)");
+  const Tokenizer tok = Tokenizer::from_gguf(my->file());
+  std::string text;
+  for (int i = 0; i < 4; ++i) text += "Once upon a time, there was a big dog. The dog liked to run and play in the park. ";
+  std::vector<int32_t> ids = tok.encode(text, true);
+  ASSERT_GT(ids.size(), size_t(64));
+  ids.resize(64);  // the test caches' size
+  const auto ly = stories_logits(*my, ids), lw = stories_logits(*mw, ids), lo = stories_logits(*mo, ids),
+             lp = stories_logits(*mp, ids);
+  EXPECT_LT(max_abs_diff(ly, lw), 1e-4f);
+  EXPECT_LT(max_abs_diff(ly, lo), 1e-6f);
+  EXPECT_GT(max_abs_diff(ly, lp), 1e-2f);  // YaRN does change this model's output
+  // the cache's RoPE (what pre-RoPE key codecs rotate with) carries the rates
+  const KvCacheConfig ky = my->kv_cache_config(kv_policy_uniform("f16", cy.n_layer), 64);
+  for (int i = 0; i < cy.n_rot / 2; ++i)
+    EXPECT_NEAR(kv_rope_theta(ky.rope[0], i), ggml_yarn(1, cy.n_rot, cy.rope_base, factor, orig, 32, 1).angle[size_t(i)], 1e-6) << i;
+  // flags: the same as the file through --rope-scale on a file that has YaRN, none switches it off
+  RopeOverrides off;
+  off.scaling = "none";
+  auto mn = Model::load(py, off);
+  EXPECT_FALSE(mn->config().rope_yarn);
+  EXPECT_LT(max_abs_diff(stories_logits(*mn, ids), lp), 1e-6f);
+  RopeOverrides beta;
+  beta.yarn_beta_fast = 64;
+  beta.yarn_beta_slow = 0.5;
+  auto mb = Model::load(py, beta);
+  EXPECT_EQ(mb->config().yarn_beta_fast, 64.f);
+  EXPECT_EQ(mb->config().n_ctx_train, cy.n_ctx_train);  // the factor did not change
+  const std::vector<double> rb = model_yarn_pair_rates(cy.n_rot, cy.rope_base, factor, orig, 64, 0.5f);
+  for (int i = 0; i < cy.n_rot / 2; ++i)
+    EXPECT_NEAR(kv_rope_theta(mb->kv_cache_config(kv_policy_uniform("f16", cy.n_layer), 64).rope[0], i),
+                std::pow(double(cy.rope_base), -2.0 * i / cy.n_rot) * rb[size_t(i)], 1e-7) << i;
+  RopeOverrides lin;
+  lin.scaling = "linear";
+  lin.scale = 2;
+  auto ml = Model::load(pplain, lin);
+  EXPECT_EQ(ml->config().n_ctx_train, 2 * mp->config().n_ctx_train);
+  EXPECT_EQ(model_rope_scaling_note(ml->config()), "linear RoPE scaling x2");
+
+  // bad settings are refused, naming what is wrong
+  auto refused = [&](const std::string& path, const RopeOverrides& o, const std::string& what) {
+    try {
+      Model::load(path, o);
+      ADD_FAILURE() << path << " loaded (" << what << ")";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  auto ovr = [](const std::string& s, double scale, int orig_ctx = 0, double bf = 0) {
+    RopeOverrides o;
+    o.scaling = s;
+    o.scale = scale;
+    o.yarn_orig_ctx = orig_ctx;
+    o.yarn_beta_fast = bf;
+    return o;
+  };
+  refused(pplain, ovr("ntk", 0), "not one of: none, linear, yarn");
+  refused(pplain, ovr("yarn", 0), "needs --rope-scale");
+  refused(pplain, ovr("linear", -2), "--rope-scale -2");
+  refused(pplain, ovr("none", 2), "takes no --rope-scale");
+  refused(pplain, ovr("", 0, 512), "need YaRN scaling");
+  refused(pplain, ovr("yarn", 4, -1), "--yarn-orig-ctx -1");
+  refused(py, ovr("", 0, 0, std::nan("")), "--yarn-beta-fast");
+  const std::string plog = with("kvq_test_yarn_logmul.gguf", [&](kvq::test::GgufWriter& w, const ModelConfig&) {
+    w.add_string("llama.rope.scaling.type", "yarn").add_f32("llama.rope.scaling.factor", 4.f);
+    w.add_f32("llama.rope.scaling.yarn_log_multiplier", 0.1f);
+  });
+  const std::string pbeta = with("kvq_test_yarn_beta.gguf", [&](kvq::test::GgufWriter& w, const ModelConfig&) {
+    w.add_string("llama.rope.scaling.type", "yarn").add_f32("llama.rope.scaling.factor", 4.f);
+    w.add_f32("llama.rope.scaling.yarn_beta_slow", 0.f);
+  });
+  const std::string pkind = with("kvq_test_rope_kind.gguf", [&](kvq::test::GgufWriter& w, const ModelConfig&) {
+    w.add_string("llama.rope.scaling.type", "longrope2");
+  });
+  refused(plog, {}, "yarn_log_multiplier");
+  refused(pbeta, {}, "beta_slow 0");
+  refused(pkind, {}, "'longrope2' is not supported (supported: none, linear, yarn)");
+
+  // OLMo 3: YaRN on the global layers only; the sliding-window ones rotate plainly
+  const std::string p3 = (tmp / "kvq_test_olmo3_yarn.gguf").string();
+  write_stories_as("olmo2", p3, [&](kvq::test::GgufWriter& w, const ModelConfig& c) {
+    auto& ts = w.tensors();
+    ts.erase(std::remove_if(ts.begin(), ts.end(), [](const auto& t) { return t.name.find("attn_norm") != std::string::npos || t.name.find("ffn_norm") != std::string::npos; }), ts.end());
+    for (int il = 0; il < c.n_layer; ++il) {
+      const std::string p = "blk." + std::to_string(il) + ".";
+      for (const char* nm : {"post_attention_norm", "post_ffw_norm"}) w.add_tensor_f32(p + nm + ".weight", {c.n_embd}, std::vector<float>(size_t(c.n_embd), 1.f));
+      w.add_tensor_f32(p + "attn_q_norm.weight", {c.n_head * c.head_dim}, std::vector<float>(size_t(c.n_head * c.head_dim), 1.f));
+      w.add_tensor_f32(p + "attn_k_norm.weight", {c.n_head_kv * c.head_dim}, std::vector<float>(size_t(c.n_head_kv * c.head_dim), 1.f));
+    }
+    w.add_u32("olmo2.attention.sliding_window", 16);
+    w.add_f32("olmo2.rope.scaling.factor", 8.f).add_string("olmo2.rope.scaling.type", "yarn");
+    w.add_u32("olmo2.rope.scaling.original_context_length", 64);
+  });
+  {
+    auto m3 = Model::load(p3);
+    const ModelConfig& c3 = m3->config();
+    const KvCacheConfig k3 = m3->kv_cache_config(kv_policy_uniform("f16", c3.n_layer), 64);
+    for (int il = 0; il < c3.n_layer; ++il) {
+      const bool global = il % 4 == 3;
+      EXPECT_EQ(k3.rope[size_t(il)].freq_factors.empty(), !global) << il;
+      EXPECT_EQ(k3.rope[size_t(il)].freq_scale, 1.f) << il;
+      EXPECT_NEAR(model_layer_rope_mscale(c3, il), global ? 1 + 0.1 * std::log(8.0) : 1.0, 1e-6) << il;
+    }
+  }
+  my.reset(); mw.reset(); mo.reset(); mp.reset(); mn.reset(); mb.reset(); ml.reset();
+  for (const auto& p : {py, pw, pplain, plog, pbeta, pkind, p3}) fs::remove(p);
+}
+
 // Phi-3's fused matrices: stories260K with q, k, v in one attn_qkv (rows q, k, v) and gate and up
 // in one ffn_up (gate rows first) computes the llama model (its Q / K rows reordered for Phi-3's
 // NeoX RoPE), and loads as separate matrices too.

@@ -390,6 +390,17 @@ TEST(Plan, MixtureOfExpertsParameters) {
   EXPECT_EQ(plan_model_from_hf_config(q3c, std::nullopt).n_params, q3.n_params - 2 * (moe_layer - dense_layer));
   q3c["mlp_only_layers"] = {48};
   EXPECT_THROW(plan_model_from_hf_config(q3c, std::nullopt), Error);
+  q3c["mlp_only_layers"] = nlohmann::json::array();
+  // YaRN as Qwen3's card adds it: the context is the original x the factor (vLLM's maximum length)
+  EXPECT_EQ(q3m.ctx_train, 40960);
+  q3c["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 32768}};
+  const PlanModel q3y = plan_model_from_hf_config(q3c, std::nullopt);
+  EXPECT_EQ(q3y.ctx_train, 131072);
+  EXPECT_TRUE(std::any_of(q3y.notes.begin(), q3y.notes.end(), [](const std::string& n) {
+    return n == "YaRN RoPE scaling x4: context 131072 (32768 original)";
+  })) << nlohmann::json(q3y.notes).dump();
+  q3c["rope_scaling"] = {{"type", "linear"}, {"factor", 4.0}};  // other kinds leave the context as the config says
+  EXPECT_EQ(plan_model_from_hf_config(q3c, std::nullopt).ctx_train, 40960);
   // Qwen1.5-MoE-A2.7B: 60 experts (4 per token), a gated shared expert, q/k/v biases
   nlohmann::json q2 = {{"model_type", "qwen2_moe"}, {"num_hidden_layers", 24}, {"num_attention_heads", 16},
                        {"num_key_value_heads", 16}, {"hidden_size", 2048}, {"intermediate_size", 5632},

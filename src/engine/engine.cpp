@@ -408,7 +408,7 @@ Engine::Engine(const EngineOptions& o) : opt_(o) {
   oldest_prefill_tokens_ = o.oldest_prefill_tokens > 0 ? o.oldest_prefill_tokens : std::max(1, o.max_batch / 4);
   if (o.threads < 0) fail("--threads must be >= 1 (got {})", o.threads);
   if (o.ctx < 0) fail("context must be > 0 (got {})", o.ctx);
-  model_ = Model::load(o.model_path);
+  model_ = Model::load(o.model_path, o.kv.rope);
   tok_ = Tokenizer::from_gguf(model_->file());
   const ModelConfig& c = model_->config();
   ctx_ = o.ctx > 0 ? std::min(o.ctx, c.n_ctx_train) : c.n_ctx_train;

@@ -83,6 +83,118 @@ std::string model_rope_note(const ModelConfig& c, int ctx) {
 }
 
 namespace {
+void model_config_check_yarn(const ModelConfig& c, const std::string& where) {
+  if (!c.rope_yarn) return;
+  if (!(std::isfinite(c.yarn_beta_fast) && c.yarn_beta_fast > 0 && std::isfinite(c.yarn_beta_slow) &&
+        c.yarn_beta_slow > 0))
+    fail("{}: YaRN beta_fast {} and beta_slow {} must be finite numbers > 0", where, c.yarn_beta_fast, c.yarn_beta_slow);
+  if (c.yarn_orig_ctx <= 0) fail("{}: YaRN original context {} must be > 0", where, c.yarn_orig_ctx);
+}
+}  // namespace
+
+std::vector<double> model_yarn_pair_rates(int n_rot, float base, float factor, int orig_ctx, float beta_fast,
+                                          float beta_slow) {
+  // ggml_rope_yarn_corr_dims: the pair whose wavelength fits n_turns times into orig_ctx positions,
+  // corr_dim(n_turns) = n_rot ln(orig_ctx / (n_turns 2 pi)) / (2 ln base), from floor(corr_dim(beta_fast))
+  // to ceil(corr_dim(beta_slow)), held within [0, n_rot - 1]. Pairs below `low` keep the trained
+  // rate (1), pairs above `high` are interpolated (1 / factor), the ramp mixes linearly between.
+  auto corr = [&](float n_turns) {
+    return float(n_rot) * std::log(float(orig_ctx) / (n_turns * 2.0f * float(M_PI))) / (2.0f * std::log(base));
+  };
+  const float low = std::max(0.0f, std::floor(corr(beta_fast)));
+  const float high = std::min(float(n_rot - 1), std::ceil(corr(beta_slow)));
+  const double interp = 1.0 / double(factor);
+  std::vector<double> rate(size_t(n_rot / 2));
+  for (int i = 0; i < n_rot / 2; ++i) {
+    const float y = (float(i) - low) / std::max(0.001f, high - low);
+    const double mix = 1.0 - double(std::min(1.0f, std::max(0.0f, y)));  // ggml's rope_yarn_ramp
+    rate[size_t(i)] = interp * (1.0 - mix) + mix;
+  }
+  return rate;
+}
+
+namespace {
+bool layer_yarn(const ModelConfig& c, int il) { return c.rope_yarn && c.layer_rope_scale(il) != 1.f; }
+}  // namespace
+
+KvRope model_layer_rope(const ModelConfig& c, int il) {
+  KvRope r;
+  r.n_rot = c.layer_n_rot(il);
+  r.freq_base = c.layer_rope_base(il);
+  r.freq_scale = 1.0f / c.layer_rope_scale(il);
+  r.neox = c.rope_neox;
+  if (r.n_rot <= 0) return r;
+  r.freq_factors = c.layer_rope_factors(il);  // none on a layer without RoPE
+  if (layer_yarn(c, il)) {
+    // YaRN's rate per pair as a factor (pair i turns 1 / rate_i times slower), on top of the file's
+    const std::vector<double> rate = model_yarn_pair_rates(r.n_rot, r.freq_base, c.layer_rope_scale(il), c.yarn_orig_ctx,
+                                                           c.yarn_beta_fast, c.yarn_beta_slow);
+    if (r.freq_factors.empty()) r.freq_factors.assign(rate.size(), 1.0f);
+    for (size_t i = 0; i < rate.size(); ++i) r.freq_factors[i] = float(double(r.freq_factors[i]) / rate[i]);
+    r.freq_scale = 1.0f;
+  }
+  return r;
+}
+
+float model_layer_rope_mscale(const ModelConfig& c, int il) {
+  if (c.layer_n_rot(il) <= 0) return 1.f;
+  float m = c.layer_sliding[size_t(il)] ? 1.f : c.rope_attn_factor;
+  // YaRN's magnitude (as llama.cpp's, without a log multiplier): 1 + 0.1 ln(factor) for a factor > 1
+  if (layer_yarn(c, il) && c.layer_rope_scale(il) > 1.f) m *= 1.0f + 0.1f * std::log(c.layer_rope_scale(il));
+  return m;
+}
+
+std::string model_rope_scaling_note(const ModelConfig& c) {
+  if (c.rope_scale == 1.f) return {};
+  if (!c.rope_yarn) return fmt::format("linear RoPE scaling x{}", c.rope_scale);
+  return fmt::format("YaRN RoPE scaling x{} of {} positions (beta {} / {})", c.rope_scale, c.yarn_orig_ctx,
+                     c.yarn_beta_fast, c.yarn_beta_slow);
+}
+
+void model_config_apply_rope(ModelConfig& c, const RopeOverrides& o) {
+  if (!o.any()) return;
+  const std::string& st = o.scaling;
+  if (!st.empty() && st != "none" && st != "linear" && st != "yarn")
+    fail("--rope-scaling '{}' is not one of: none, linear, yarn", st);
+  if (o.scale != 0 && !(std::isfinite(o.scale) && o.scale > 0 && o.scale <= 1024))
+    fail("--rope-scale {} must be a number in (0, 1024]", o.scale);
+  if (o.yarn_orig_ctx < 0) fail("--yarn-orig-ctx {} must be > 0", o.yarn_orig_ctx);
+  for (double b : {o.yarn_beta_fast, o.yarn_beta_slow})
+    if (b != 0 && !(std::isfinite(b) && b > 0)) fail("--yarn-beta-fast / --yarn-beta-slow {} must be a number > 0", b);
+  if (st == "none" && o.scale != 0) fail("--rope-scaling none takes no --rope-scale");
+  const float before = c.rope_scale;
+  const bool was_yarn = c.rope_yarn;
+  if (st == "none") {
+    c.rope_scale = 1.f;
+    c.rope_yarn = false;
+  } else if (!st.empty()) {
+    c.rope_yarn = st == "yarn";
+  }
+  if (o.scale != 0) c.rope_scale = float(o.scale);
+  if (o.yarn_orig_ctx > 0) c.yarn_orig_ctx = o.yarn_orig_ctx;
+  if (o.yarn_beta_fast > 0) c.yarn_beta_fast = float(o.yarn_beta_fast);
+  if (o.yarn_beta_slow > 0) c.yarn_beta_slow = float(o.yarn_beta_slow);
+  if (!c.rope_yarn && (o.yarn_orig_ctx > 0 || o.yarn_beta_fast > 0 || o.yarn_beta_slow > 0))
+    fail("--yarn-orig-ctx, --yarn-beta-fast and --yarn-beta-slow need YaRN scaling (--rope-scaling yarn, or a file that has it)");
+  if (c.rope_yarn && o.scale == 0 && !was_yarn) {
+    // a factor the file gave for linear scaling carries over; none at all is asked for
+    if (c.rope_scale == 1.f) fail("--rope-scaling yarn needs --rope-scale (the factor: context / original context)");
+  }
+  // the sliding-window layers that scale as the global ones (Gemma 2) follow
+  if (c.rope_scale_local == before && c.arch != "gemma3" && c.arch != "olmo2") c.rope_scale_local = c.rope_scale;
+  model_config_check_yarn(c, "--rope-scaling");
+  // The context the scaling is for, when the factor or the kind changed: YaRN's factor x its
+  // original context (as llama.cpp sets it); linear: the file's context times the change of factor.
+  // Switched off: the file's.
+  if (c.rope_scale != before || c.rope_yarn != was_yarn) {
+    double n = c.n_ctx_train;
+    if (c.rope_yarn && c.rope_scale > 1.f) n = double(c.yarn_orig_ctx) * double(c.rope_scale);
+    else if (!c.rope_yarn && st != "none") n = double(c.n_ctx_train) * double(c.rope_scale) / double(before);
+    c.n_ctx_train = int(std::max(1.0, std::min(n, double(1 << 30))));
+  }
+}
+
+namespace {
 // A per-pair RoPE factor tensor (n_rot / 2 finite values > 0), or empty when absent.
 std::vector<float> rope_factor_tensor(const gguf::File& f, const char* name, int n_rot) {
   const gguf::TensorInfo* t = f.find_tensor(name);
@@ -196,11 +308,19 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
   c.n_rot = f.get_int(a + "rope.dimension_count") ? req("rope.dimension_count") : c.head_dim;
   if (c.n_rot > c.head_dim || c.n_rot % 2) fail("{}: rope dimension {} invalid for head dim {}", f.path(), c.n_rot, c.head_dim);
   c.rope_base = float(f.get_float(a + "rope.freq_base").value_or(10000.0));
-  if (auto st = f.get_string(a + "rope.scaling.type"); st && *st == "linear") {
+  if (auto st = f.get_string(a + "rope.scaling.type"); st && (*st == "linear" || *st == "yarn")) {
     c.rope_scale = float(f.get_float(a + "rope.scaling.factor").value_or(1.0));
+    c.rope_yarn = *st == "yarn";
   } else if (st && *st != "none") {
-    fail("{}: rope scaling type '{}' is not supported (supported: none, linear){}", f.path(), printable(*st),
-         *st == "yarn" ? "; YaRN (OLMo 3, Qwen3 past 32K, DeepSeek) is not implemented" : "");
+    fail("{}: rope scaling type '{}' is not supported (supported: none, linear, yarn)", f.path(), printable(*st));
+  }
+  if (c.rope_yarn) {
+    c.yarn_beta_fast = float(f.get_float(a + "rope.scaling.yarn_beta_fast").value_or(32.0));
+    c.yarn_beta_slow = float(f.get_float(a + "rope.scaling.yarn_beta_slow").value_or(1.0));
+    // DeepSeek's and Mistral 3's attention scaling by log multiplier: another formula for the
+    // magnitude, on architectures kvq does not run
+    if (f.get_float(a + "rope.scaling.yarn_log_multiplier").value_or(0.0) != 0.0)
+      fail("{}: rope.scaling.yarn_log_multiplier (DeepSeek-style YaRN magnitude) is not supported", f.path());
   }
   if (!(c.rope_base > 1 && std::isfinite(c.rope_base)))
     fail("{}: RoPE frequency base {} must be a finite number > 1", f.path(), c.rope_base);
@@ -239,6 +359,8 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
     fail("{}: the file has both 'rope_freqs.weight' and LongRoPE factors; one set of RoPE factors is expected", f.path());
   c.n_ctx_orig = f.get_int(a + "rope.scaling.original_context_length") ? req("rope.scaling.original_context_length")
                                                                         : c.n_ctx_train;
+  c.yarn_orig_ctx = c.n_ctx_orig;
+  model_config_check_yarn(c, f.path());
   if (!lng.empty()) {
     c.has_long_rope = true;
     c.rope_factors_long = std::move(lng);

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "kvq/kv_format.h"
+
 namespace kvq {
 namespace gguf { class File; }
 
@@ -29,7 +31,7 @@ struct ModelConfig {
   int n_rot = 0;                 // rotated dims per head
   bool rope_neox = false;        // pairs (i, i + n_rot/2) instead of (2i, 2i+1)
   float rope_base = 10000.f;     // global layers
-  float rope_scale = 1.f;        // linear scaling factor of global layers (positions / factor)
+  float rope_scale = 1.f;        // scaling factor of global layers (linear: positions / factor; YaRN's factor)
   float rope_base_local = 10000.f;  // sliding-window layers (rope.freq_base_swa; Gemma 3: 10000)
   float rope_scale_local = 1.f;     // linear scaling of sliding-window layers (Gemma 2: as global)
   // Per-pair frequency factors of the global layers: pair i turns factor[i] times slower; empty:
@@ -43,6 +45,15 @@ struct ModelConfig {
   // rope.scaling.attn_factor: the rotated dimensions of q and k are multiplied by it (LongRoPE's
   // magnitude correction, sqrt(1 + ln(scale) / ln(n_ctx_orig))) on all but sliding-window layers; 1: none.
   float rope_attn_factor = 1.f;
+  // YaRN (rope.scaling.type "yarn"; OLMo 3, Qwen3 past 32K, gpt-oss): on the layers scaled by
+  // rope_scale (> 1), pair i's angle mixes the interpolated rate (1 / rope_scale) and the trained
+  // one with YaRN's ramp between the pairs that turn beta_fast and beta_slow times over
+  // yarn_orig_ctx positions, and cos and sin are multiplied by 1 + 0.1 ln(rope_scale)
+  // (model_layer_rope, model_layer_rope_mscale).
+  bool rope_yarn = false;
+  int yarn_orig_ctx = 0;         // rope.scaling.original_context_length (else n_ctx_train)
+  float yarn_beta_fast = 32.f;   // rope.scaling.yarn_beta_fast
+  float yarn_beta_slow = 1.f;    // rope.scaling.yarn_beta_slow
 
   // Layers without RoPE (SmolLM3: every 4th); empty: every layer has it.
   std::vector<bool> layer_no_rope;
@@ -100,6 +111,37 @@ struct ModelConfig {
   }
 
 };
+
+// RoPE settings given on the command line in place of the file's (llama.cpp's flags of the same
+// names): --rope-scaling none|linear|yarn, --rope-scale F, --yarn-orig-ctx N, --yarn-beta-fast F,
+// --yarn-beta-slow F. Unset fields keep the file's.
+struct RopeOverrides {
+  std::string scaling;      // "", "none", "linear" or "yarn"
+  double scale = 0;         // 0: the file's factor
+  int yarn_orig_ctx = 0;    // 0: the file's original context (else the trained one)
+  double yarn_beta_fast = 0, yarn_beta_slow = 0;  // 0: the file's (else 32 and 1)
+  bool any() const { return !scaling.empty() || scale != 0 || yarn_orig_ctx != 0 || yarn_beta_fast != 0 || yarn_beta_slow != 0; }
+};
+
+// Applies the overrides to a config read from a file; throws kvq::Error on bad values. Setting a
+// factor (--rope-scale, or a scaling type that uses one) makes the model's context
+// yarn_orig_ctx x factor (n_ctx_train), as llama.cpp does for YaRN; "none" switches scaling off.
+void model_config_apply_rope(ModelConfig& c, const RopeOverrides& o);
+
+// The RoPE of layer il as the model and its KV cache rotate: base, linear scale, per-pair factors,
+// with YaRN folded into the per-pair factors (pair i's angle is linear in the position, at a rate
+// YaRN mixes from the interpolated and the trained one). n_rot 0 on a layer without RoPE.
+KvRope model_layer_rope(const ModelConfig& c, int il);
+// What RoPE multiplies cos and sin by on layer il: rope.scaling.attn_factor (not on sliding-window
+// layers) times YaRN's 1 + 0.1 ln(factor) on the layers it scales; 1: none. The forward pass
+// multiplies q's rotated dims by its square instead (the cache keeps keys without it).
+float model_layer_rope_mscale(const ModelConfig& c, int il);
+// YaRN's per-pair rate multiplier (n_rot / 2 values in (1 / factor, 1]) for RoPE of n_rot dims at
+// `base`, as ggml's rope_yarn: 1 / factor mixed with 1 by the ramp between ggml_rope_yarn_corr_dims.
+std::vector<double> model_yarn_pair_rates(int n_rot, float base, float factor, int orig_ctx, float beta_fast,
+                                          float beta_slow);
+// One line naming the RoPE scaling (linear, YaRN with its parameters); empty for none.
+std::string model_rope_scaling_note(const ModelConfig& c);
 
 // Reads and validates the hyperparameters; throws kvq::Error for unsupported architectures or
 // missing/inconsistent values. Phi-3's LongRoPE factors are picked for the trained context

@@ -133,11 +133,12 @@ void rope_table(float* cs, int pos, const KvRope& r) {
 
 }  // namespace
 
-std::unique_ptr<Model> Model::load(const std::string& path) {
+std::unique_ptr<Model> Model::load(const std::string& path, const RopeOverrides& rope) {
   auto m = std::unique_ptr<Model>(new Model());
   m->file_ = gguf::File::open(path);
   const gguf::File& f = *m->file_;
   m->cfg_ = model_config_from_gguf(f);
+  model_config_apply_rope(m->cfg_, rope);
   const ModelConfig& c = m->cfg_;
   const int64_t qd = int64_t(c.n_head) * c.head_dim, kvd = int64_t(c.n_head_kv) * c.head_dim;
   m->tok_embd_ = view_of(f, "token_embd.weight", c.n_embd, c.n_vocab);
@@ -203,14 +204,10 @@ std::unique_ptr<Model> Model::load(const std::string& path) {
 void Model::build_layer_rope() {
   const ModelConfig& c = cfg_;
   layer_rope_.clear();
+  layer_rope_mscale_.clear();
   for (int il = 0; il < c.n_layer; ++il) {
-    KvRope r;
-    r.n_rot = c.layer_n_rot(il);
-    r.freq_base = c.layer_rope_base(il);
-    r.freq_scale = 1.0f / c.layer_rope_scale(il);
-    r.neox = c.rope_neox;
-    if (r.n_rot > 0) r.freq_factors = c.layer_rope_factors(il);  // none on a layer without RoPE
-    layer_rope_.push_back(std::move(r));
+    layer_rope_.push_back(model_layer_rope(c, il));
+    layer_rope_mscale_.push_back(model_layer_rope_mscale(c, il));
   }
 }
 
@@ -232,8 +229,8 @@ size_t Model::decode_weight_bytes(int n_seqs) const {
   return b;
 }
 
-std::unique_ptr<Model> Model::load_f32(const std::string& path) {
-  auto m = load(path);
+std::unique_ptr<Model> Model::load_f32(const std::string& path, const RopeOverrides& rope) {
+  auto m = load(path, rope);
   m->dequantize_all_f32();
   return m;
 }
@@ -420,11 +417,12 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
       rope(q_.data() + size_t(r) * size_t(qd), nh, hd, n_rot, c.rope_neox, cs.data());
       rope(k_.data() + size_t(r) * size_t(kvd), nkv, hd, n_rot, c.rope_neox, cs.data());
     }
-    if (c.rope_attn_factor != 1.f && n_rot > 0 && !c.layer_sliding[size_t(il)]) {
-      // RoPE scaled by a factor a (cos and sin times a) on q and k scales the rotated part of q.k
-      // by a^2: done on q alone, so that the cache keeps the keys as rotated without it (and the
-      // pre-RoPE key codecs need no magnitude of their own).
-      const float a2 = c.rope_attn_factor * c.rope_attn_factor;
+    if (const float a = m_.layer_rope_mscale_[size_t(il)]; a != 1.f && n_rot > 0) {
+      // RoPE scaled by a factor a (cos and sin times a: rope.scaling.attn_factor, YaRN's
+      // magnitude) on q and k scales the rotated part of q.k by a^2: done on q alone, so that the
+      // cache keeps the keys as rotated without it (and the pre-RoPE key codecs need no magnitude
+      // of their own).
+      const float a2 = a * a;
       const int half = n_rot / 2;
       for (int r = 0; r < n * nh; ++r) {
         float* qh = q_.data() + size_t(r) * size_t(hd);

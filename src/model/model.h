@@ -37,12 +37,13 @@ void moe_route(const float* logits, int n, int k, bool normalize, int* experts, 
 class Model {
  public:
   // Opens and validates the file (architecture, tensor shapes and types); throws kvq::Error.
-  // RoPE as at the trained context: set_context for another.
-  static std::unique_ptr<Model> load(const std::string& path);
+  // RoPE as at the trained context: set_context for another; `rope`: the command line's RoPE
+  // scaling in place of the file's.
+  static std::unique_ptr<Model> load(const std::string& path, const RopeOverrides& rope = {});
   // Reference precision: every weight matrix dequantized to f32 once at load, so matmuls run in
   // f32 without quantizing activations. For checking the graph against an f32 reference (and
   // for measuring what activation quantization costs); ~4 bytes per parameter of memory.
-  static std::unique_ptr<Model> load_f32(const std::string& path);
+  static std::unique_ptr<Model> load_f32(const std::string& path, const RopeOverrides& rope = {});
 
   const ModelConfig& config() const { return cfg_; }
   const gguf::File& file() const { return *file_; }
@@ -72,6 +73,7 @@ class Model {
   WeightView tok_embd_, output_norm_, output_;
   std::vector<LayerWeights> layers_;
   std::vector<KvRope> layer_rope_;  // each layer's RoPE, as the model and its KV cache rotate
+  std::vector<float> layer_rope_mscale_;  // model_layer_rope_mscale per layer
   std::vector<AlignedBuf<float>> f32_weights_;  // owned copies when loaded with load_f32
   size_t expert_bytes_ = 0;  // the expert tensors' bytes in the file
   void dequantize_all_f32();

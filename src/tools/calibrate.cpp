@@ -26,6 +26,7 @@ void calibrate_add_cli(CLI::App& app, CalibrateOptions& o) {
   app.add_option("--chunks", o.chunks, "windows of sample text")->check(CLI::Range(1, 10000))->capture_default_str();
   app.add_option("-t,--threads", o.threads, "threads")->check(CLI::Range(1, 1024));
   app.add_option("--kvquant-bits", o.kvquant_bits, "bit widths to fit KVQuant key codebooks for")->delimiter(',')->capture_default_str();
+  rope_flags_add(app, o.rope);
 }
 
 int calibrate_command(const CalibrateOptions& o) {
@@ -33,7 +34,7 @@ int calibrate_command(const CalibrateOptions& o) {
     if (b < 2 || b > 4) fail("--kvquant-bits: {} is not one of 2, 3, 4", b);
   // The output path before the passes over the text, not after them.
   report_check_writable("-o", o.out, {{"the model (-m)", o.model}, {"the text (--data)", o.data}});
-  auto model = Model::load(o.model);
+  auto model = Model::load(o.model, o.rope);
   const ModelConfig& c = model->config();
   if (o.ctx > c.n_ctx_train) fail("--ctx {} exceeds the model's context length {}", o.ctx, c.n_ctx_train);
   model->set_context(o.ctx);
@@ -117,6 +118,7 @@ int calibrate_command(const CalibrateOptions& o) {
   nlohmann::json j = {{"model", c.name}, {"model_file", o.model}, {"data", o.data}, {"tokens", chunks * o.ctx}};
   // LongRoPE models: the factor set the keys were rotated with (the channel statistics depend on it)
   if (c.has_long_rope) j["rope_factors"] = c.rope_long ? "long" : "short";
+  if (const std::string n = model_rope_scaling_note(c); !n.empty()) j["rope_scaling"] = n;  // likewise
   j["layers"] = nlohmann::json::array();
   const int n_tok = chunks * o.ctx;
   const double n_mean = double(n_tok - chunks);  // tokens in the means (position 0 left out)

@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "model/config.h"
+
 namespace CLI { class App; }
 
 namespace kvq {
@@ -30,6 +32,7 @@ struct CalibrateOptions {
   int chunks = 4;       // windows of sample text
   int threads = 0;
   std::vector<int> kvquant_bits{2, 3, 4};
+  RopeOverrides rope;   // --rope-scaling etc.: the RoPE the keys are rotated with
 };
 
 void calibrate_add_cli(CLI::App& app, CalibrateOptions& o);

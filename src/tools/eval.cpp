@@ -624,7 +624,7 @@ int eval_command(const EvalOptions& o) {
   for (double b : o.budget_bits)
     if (!std::isfinite(b)) fail("--budget-bits: {} is not a number of bits in [1, 32]", b);
 
-  auto model = o.f32_weights ? Model::load_f32(o.model) : Model::load(o.model);
+  auto model = o.f32_weights ? Model::load_f32(o.model, o.kv.rope) : Model::load(o.model, o.kv.rope);
   const ModelConfig& cfg = model->config();
   Tokenizer tok = Tokenizer::from_gguf(model->file());
   std::vector<int> ctxs;

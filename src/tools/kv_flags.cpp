@@ -36,6 +36,7 @@ void kv_flags_add(CLI::App& app, KvFlags& f) {
   app.add_option("--kv-residual-tokens", f.residual_tokens,
                  "grouped formats: newest tokens kept in full precision R (default: the format's)");
   kv_flags_add_kvquant(app, f);
+  rope_flags_add(app, f.rope);
 }
 
 void kv_flags_add_shared(CLI::App& app, KvFlags& f) {
@@ -49,6 +50,21 @@ void kv_flags_add_shared(CLI::App& app, KvFlags& f) {
                  "grouped formats (kivi*, kvquant*): tokens per group G (a format name's @gN wins)");
   app.add_option("--kv-residual-tokens", f.residual_tokens, "grouped formats: newest tokens kept in full precision R");
   kv_flags_add_kvquant(app, f);
+  rope_flags_add(app, f.rope);
+}
+
+void rope_flags_add(CLI::App& app, RopeOverrides& r) {
+  app.add_option("--rope-scaling", r.scaling,
+                 "RoPE scaling in place of the model file's: none, linear, yarn (e.g. Qwen3 past 32K: --rope-scaling "
+                 "yarn --rope-scale 4 --yarn-orig-ctx 32768)");
+  app.add_option("--rope-scale", r.scale,
+                 "RoPE scaling factor in place of the file's (context / original context); sets the model's context "
+                 "to the original x this for YaRN");
+  app.add_option("--yarn-orig-ctx", r.yarn_orig_ctx, "YaRN: the context the model was trained at (default: the file's)");
+  app.add_option("--yarn-beta-fast", r.yarn_beta_fast, "YaRN: turns over the original context above which a pair keeps "
+                 "its trained rate (default: the file's, else 32)");
+  app.add_option("--yarn-beta-slow", r.yarn_beta_slow, "YaRN: turns below which a pair is fully interpolated (default: "
+                 "the file's, else 1)");
 }
 
 void kv_flags_add_kvquant(CLI::App& app, KvFlags& f) {
@@ -170,6 +186,18 @@ KvSetup kv_flags_resolve(const KvFlags& f, const Model& m, const std::string& fo
                    "the %s ones (calibrate at a --ctx on the same side of %d tokens)\n",
                    f.scales_file.c_str(), (*s.calib)["rope_factors"].dump().c_str(), mc.rope_long ? "long" : "short",
                    mc.n_ctx_orig);
+    // Calibrated under another RoPE scaling (the file's or --rope-scaling's): the same. Calibrations
+    // that do not say (made before kvq ran YaRN) were not made with YaRN.
+    if (s.calib->is_object()) {
+      const std::string want = model_rope_scaling_note(mc);
+      const auto it = s.calib->find("rope_scaling");
+      const bool said = it != s.calib->end() && it->is_string();
+      const std::string got = said ? it->get<std::string>() : "";
+      if (said ? got != want : mc.rope_yarn && mc.rope_scale != 1.f)
+        std::fprintf(stderr, "[kvq] warning: --kv-scales '%s' was calibrated with %s, the model runs with %s\n",
+                     f.scales_file.c_str(), got.empty() ? "no RoPE scaling" : got.c_str(),
+                     want.empty() ? "none" : want.c_str());
+    }
     // The formats read a layer's entry by its place in "layers": an entry that names another
     // layer would hand one layer's scales to another.
     if (s.calib->is_object() && s.calib->contains("layers") && (*s.calib)["layers"].is_array()) {

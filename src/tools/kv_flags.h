@@ -10,6 +10,7 @@
 
 #include "cache/kv_cache.h"
 #include "kv/policy.h"
+#include "model/config.h"
 
 namespace CLI { class App; }
 
@@ -31,6 +32,9 @@ struct KvFlags {
   int residual_tokens = -1;            // --kv-residual-tokens: R of grouped codecs (-1 = codec default)
   double outlier_fraction = -1;        // --kv-outliers: dense-and-sparse share (kvquant*; -1 = default)
   int sink_tokens = -1;                // --kv-sink-tokens: exact first positions (kvquant*; -1 = default)
+  // The RoPE flags (--rope-scaling, --rope-scale, --yarn-*), which travel with these to every
+  // subcommand that runs a model: the model is loaded with them (Model::load).
+  RopeOverrides rope;
 };
 
 // What the flags resolve to for one model.
@@ -51,7 +55,10 @@ struct KvSetup {
   }
 };
 
+// Adds the KV flags and the RoPE flags (rope_flags_add) of f.
 void kv_flags_add(CLI::App& app, KvFlags& f);
+// --rope-scaling, --rope-scale, --yarn-orig-ctx, --yarn-beta-fast, --yarn-beta-slow (llama.cpp's names).
+void rope_flags_add(CLI::App& app, RopeOverrides& r);
 // The flags that apply to every format of a --kv list (eval, bench): all of kv_flags_add but the
 // format choice itself (--kv-cache-dtype, -ctk, -ctv).
 void kv_flags_add_shared(CLI::App& app, KvFlags& f);

@@ -671,6 +671,28 @@ PlanModel plan_model_from_hf_config(const nlohmann::json& cfg, std::optional<dou
          m.head_dim, int64_t(m.n_heads) * m.head_dim, bound_text(kMaxAttnWidth));
   m.ctx_train = f.opt_int("max_position_embeddings", kMaxContext).value_or(0);
   if (m.ctx_train == 0) m.notes.push_back("'max_position_embeddings' absent: trained context unknown");
+  // YaRN (rope_scaling {"rope_type": "yarn", "factor": F, "original_max_position_embeddings": N}, as
+  // Qwen3's model cards say to add past 32K): the context is N x F, as vLLM derives its maximum
+  // length and kvq's engine sets it (Model::load's RoPE flags).
+  if (const nlohmann::json* rs = f.get("rope_scaling"); rs && rs->is_object()) {
+    const auto str = [&](const char* k) {
+      const auto it = rs->find(k);
+      return it != rs->end() && it->is_string() ? it->get<std::string>() : std::string();
+    };
+    const std::string kind = !str("rope_type").empty() ? str("rope_type") : str("type");
+    const auto fac = rs->find("factor");
+    if (kind == "yarn" && fac != rs->end() && fac->is_number() && fac->get<double>() > 1 && fac->get<double>() <= 1024) {
+      const auto orig = rs->find("original_max_position_embeddings");
+      const int64_t n = orig != rs->end() && orig->is_number_integer() && orig->get<int64_t>() > 0 &&
+                                orig->get<int64_t>() <= kMaxContext
+                            ? orig->get<int64_t>()
+                            : m.ctx_train;
+      if (n > 0) {
+        m.ctx_train = std::min<int64_t>(kMaxContext, int64_t(double(n) * fac->get<double>()));
+        m.notes.push_back(fmt::format("YaRN RoPE scaling x{}: context {} ({} original)", fac->get<double>(), m.ctx_train, n));
+      }
+    }
+  }
 
   // Sliding window layers: layer_types names each layer; else sliding_window_pattern; else the
   // model type's known layout; else (sliding_window set) every layer, as in Mistral v0.1.

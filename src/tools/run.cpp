@@ -118,7 +118,7 @@ int run_command(const RunOptions& o) {
   }
 
   if (o.ctx < 0) fail("--ctx-size must be > 0 (got {})", o.ctx);
-  auto model = Model::load(o.model);
+  auto model = Model::load(o.model, o.kv.rope);
   model->set_context(o.ctx);
   const ModelConfig& c = model->config();
   Tokenizer tok = Tokenizer::from_gguf(model->file());
@@ -273,7 +273,8 @@ int run_command(const RunOptions& o) {
       }
     }
   }
-  const std::string arch = c.n_expert > 0 ? fmt::format("{}, {} of {} experts per token", c.arch, c.n_expert_used, c.n_expert) : c.arch;
+  std::string arch = c.n_expert > 0 ? fmt::format("{}, {} of {} experts per token", c.arch, c.n_expert_used, c.n_expert) : c.arch;
+  if (const std::string n = model_rope_scaling_note(c); !n.empty()) arch += ", " + n;
   std::fprintf(stderr, "\n[kvq] %s | %s | %d threads | cpu %s | KV %s (%.1f bytes/token)\n", c.name.c_str(),
                arch.c_str(), threads, cpu_level_name(cpu_level()), kv_policy_describe(policy).c_str(),
                cache.bytes_per_token());

@@ -40,6 +40,19 @@ check "eval runs a centered format from the calibration" \
   "python3 -c \"import json; d=json.load(open('$tmp/c.json')); f=d['formats']; assert f[0]['format']=='int8_c' and 0<=f[0]['buckets'][0]['kld_mean']<0.05\""
 check "eval's JSON names the calibration it ran with (--kv-scales)" \
   "python3 -c \"import json; assert json.load(open('$tmp/c.json'))['kv_scales']=='$tmp/calib.json'\""
+# a calibration under YaRN says so; used without it (or it without YaRN), kvq warns
+"$kvq" calibrate -m "$model" --data "$text" -o "$tmp/cy.json" --ctx 64 --chunks 1 --kvquant-bits 2 -t 1 \
+  --rope-scaling yarn --rope-scale 4 --yarn-orig-ctx 512 2>/dev/null
+check "calibrate under YaRN records it" \
+  "python3 -c \"import json; assert json.load(open('$tmp/cy.json'))['rope_scaling']=='YaRN RoPE scaling x4 of 512 positions (beta 32 / 1)'\""
+"$kvq" eval -m "$model" --kv int8_c --kv-scales "$tmp/cy.json" --ctx 64 --data "$text" --no-progress -t 1 >/dev/null 2>"$tmp/yw"
+check "a YaRN calibration on the unscaled model: warned" "grep -q 'was calibrated with YaRN RoPE scaling x4 of 512 positions (beta 32 / 1), the model runs with none' $tmp/yw"
+"$kvq" eval -m "$model" --kv int8_c --kv-scales "$tmp/calib.json" --ctx 64 --data "$text" --no-progress -t 1 \
+  --rope-scaling yarn --rope-scale 4 --yarn-orig-ctx 512 >/dev/null 2>"$tmp/yw2"
+check "an unscaled calibration under YaRN: warned" "grep -q 'was calibrated with no RoPE scaling, the model runs with YaRN' $tmp/yw2"
+"$kvq" eval -m "$model" --kv int8_c --kv-scales "$tmp/cy.json" --ctx 64 --data "$text" --no-progress -t 1 \
+  --rope-scaling yarn --rope-scale 4 --yarn-orig-ctx 512 >/dev/null 2>"$tmp/yw3"
+check "the same YaRN: no warning" "! grep -q 'was calibrated with' $tmp/yw3"
 mkdir "$tmp/adir"
 "$kvq" eval -m "$model" --kv int8_c --kv-scales "$tmp/adir" --ctx 64 --data "$text" --no-progress -t 1 >/dev/null 2>"$tmp/de"
 check "eval: --kv-scales naming a directory is an error, not a crash" "[[ $? -eq 1 ]] && grep -q 'kvq: error: --kv-scales .* is a directory' $tmp/de"

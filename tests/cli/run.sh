@@ -65,6 +65,9 @@ check "--regex '' (only the empty text) generates nothing" "[[ \$(cat $tmp/out) 
 bad "threads < 1" run -m "$model" -p hi -t -1
 bad "unknown flag" run -m "$model" --no-such-flag
 bad "unknown KV format" run -m "$model" -p hi --kv-cache-dtype int7
+bad "unknown RoPE scaling" run -m "$model" -p hi --rope-scaling ntk
+bad "YaRN without a factor" run -m "$model" -p hi --rope-scaling yarn
+bad "--yarn-orig-ctx without YaRN" run -m "$model" -p hi --yarn-orig-ctx 512
 head -c 20000 /dev/urandom | base64 >"$tmp/long.txt"
 bad "prompt longer than the context" run -m "$model" -f "$tmp/long.txt" -c 256
 bad "--chat without a template" run -m "$model" -p hi --chat
@@ -172,5 +175,14 @@ check "... and no warning without them" "! grep -q warning $tmp/quiet"
   --prefixes 1 --prefix-tokens 32 -t 1 >/dev/null 2>"$tmp/ctxw"
 check "bench -c beyond the trained context: warned once, capped" \
   "[[ \$(grep -c 'beyond the 2048 tokens the model was trained on; using 2048' $tmp/ctxw) -eq 1 ]]"
+
+# YaRN from the command line (llama.cpp's flags): named on the model line, and the model's context
+# becomes the original x the factor (4 x 1024), so -c 4096 is no longer past it
+"$kvq" run -m "$model" -p "Lily" -n 5 -t 1 -c 4096 --rope-scaling yarn --rope-scale 4 --yarn-orig-ctx 1024 \
+  >/dev/null 2>"$tmp/yarn"
+check "YaRN: the model line names it" "grep -q 'YaRN RoPE scaling x4 of 1024 positions (beta 32 / 1)' $tmp/yarn"
+check "YaRN: -c 4096 is within original x factor" "! grep -q 'beyond the' $tmp/yarn"
+"$kvq" run -m "$model" -p "Lily" -n 5 -t 1 -c 4096 >/dev/null 2>"$tmp/noyarn"
+check "without it, -c 4096 is past the trained 2048" "grep -q 'beyond the 2048 tokens' $tmp/noyarn"
 
 finish run
