@@ -627,6 +627,59 @@ TEST(Rope, YarnMatchesGgmlRopeYarn) {
   EXPECT_TRUE(model_layer_rope(c, 0).freq_factors.empty());
   EXPECT_EQ(model_layer_rope(c, 0).freq_scale, 0.25f);
   EXPECT_EQ(model_layer_rope_mscale(c, 0), 1.f);
+  // the command line's YaRN on Gemma 2 (its local layers scale as its global ones in the file): the
+  // sliding-window layers keep the file's scaling, as llama.cpp's rope_freq_scale_train_swa
+  c = yarn_config(128, 10000.f, 1.f, 8192);
+  c.rope_yarn = false;
+  c.arch = "gemma2";
+  c.n_layer = 2;
+  c.layer_sliding = {true, false};
+  c.n_ctx_train = 8192;
+  RopeOverrides o;
+  o.scaling = "yarn";
+  o.scale = 4;
+  model_config_apply_rope(c, o);
+  EXPECT_TRUE(model_layer_rope(c, 0).freq_factors.empty());
+  EXPECT_EQ(model_layer_rope(c, 0).freq_scale, 1.f);
+  EXPECT_EQ(model_layer_rope_mscale(c, 0), 1.f);
+  EXPECT_EQ(model_layer_rope(c, 1).freq_factors.size(), size_t(64));
+  EXPECT_NEAR(model_layer_rope_mscale(c, 1), 1 + 0.1 * std::log(4.0), 1e-6);
+  EXPECT_EQ(c.n_ctx_train, 4 * 8192);
+  // a linear file switched to YaRN keeps its factor and its context (the factor did not change)
+  c = yarn_config(128, 10000.f, 2.f, 4096);
+  c.rope_yarn = false;
+  c.n_ctx_train = 4096;
+  o = {};
+  o.scaling = "yarn";
+  model_config_apply_rope(c, o);
+  EXPECT_TRUE(c.rope_yarn);
+  EXPECT_EQ(c.rope_scale, 2.f);
+  EXPECT_EQ(c.n_ctx_train, 4096);
+  // a file's own magnitude (transformers' attention_factor) is for its own factor: another factor
+  // computes its own; --rope-scaling none keeps the file's context
+  c = yarn_config(128, 500000.f, 8.f, 8192);
+  c.yarn_attn_factor = 1.3f;
+  c.n_ctx_train = 65536;
+  EXPECT_EQ(model_layer_rope_mscale(c, 0), 1.3f);
+  ModelConfig c2 = c;
+  o = {};
+  o.scale = 4;
+  model_config_apply_rope(c2, o);
+  EXPECT_NEAR(model_layer_rope_mscale(c2, 0), 1 + 0.1 * std::log(4.0), 1e-6);
+  EXPECT_EQ(c2.n_ctx_train, 4 * 8192);
+  c2 = c;
+  o = {};
+  o.scaling = "none";
+  model_config_apply_rope(c2, o);
+  EXPECT_EQ(model_layer_rope_mscale(c2, 0), 1.f);
+  EXPECT_EQ(c2.n_ctx_train, 65536);
+  // factors too small for a float, or not numbers, are refused (not rounded to 0)
+  for (double bad : {1e-50, 1e-4, std::nan(""), 1e9}) {
+    c2 = c;
+    o = {};
+    o.scale = bad;
+    EXPECT_THROW(model_config_apply_rope(c2, o), Error) << bad;
+  }
   // a file's per-pair factors (Llama 3.1's) stay, YaRN's rates on top: ggml divides the angle by them first
   c = yarn_config(64, 10000.f, 2.f, 2048, 16, 2);
   c.rope_freq_factors.resize(32);
@@ -756,6 +809,16 @@ TEST(ArchVariants, YarnFileAndOverridesComputeGgmlsYarn) {
   const std::string pkind = with("kvq_test_rope_kind.gguf", [&](kvq::test::GgufWriter& w, const ModelConfig&) {
     w.add_string("llama.rope.scaling.type", "longrope2");
   });
+  const std::string pattn = with("kvq_test_yarn_attnf.gguf", [&](kvq::test::GgufWriter& w, const ModelConfig&) {
+    w.add_string("llama.rope.scaling.type", "yarn").add_f32("llama.rope.scaling.factor", 4.f);
+    w.add_f32("llama.rope.scaling.yarn_attn_factor", 1.25f);
+  });
+  const std::string pattn_bad = with("kvq_test_yarn_attnf_bad.gguf", [&](kvq::test::GgufWriter& w, const ModelConfig&) {
+    w.add_string("llama.rope.scaling.type", "yarn").add_f32("llama.rope.scaling.factor", 4.f);
+    w.add_f32("llama.rope.scaling.yarn_attn_factor", -1.f);
+  });
+  EXPECT_EQ(model_layer_rope_mscale(Model::load(pattn)->config(), 0), 1.25f);
+  refused(pattn_bad, {}, "yarn_attn_factor -1");
   refused(plog, {}, "yarn_log_multiplier");
   refused(pbeta, {}, "beta_slow 0");
   refused(pkind, {}, "'longrope2' is not supported (supported: none, linear, yarn)");
@@ -787,7 +850,7 @@ TEST(ArchVariants, YarnFileAndOverridesComputeGgmlsYarn) {
     }
   }
   my.reset(); mw.reset(); mo.reset(); mp.reset(); mn.reset(); mb.reset(); ml.reset();
-  for (const auto& p : {py, pw, pplain, plog, pbeta, pkind, p3}) fs::remove(p);
+  for (const auto& p : {py, pw, pplain, plog, pbeta, pkind, p3, pattn, pattn_bad}) fs::remove(p);
 }
 
 // Phi-3's fused matrices: stories260K with q, k, v in one attn_qkv (rows q, k, v) and gate and up

@@ -140,7 +140,9 @@ float model_layer_rope_mscale(const ModelConfig& c, int il) {
   if (c.layer_n_rot(il) <= 0) return 1.f;
   float m = c.layer_sliding[size_t(il)] ? 1.f : c.rope_attn_factor;
   // YaRN's magnitude (as llama.cpp's, without a log multiplier): 1 + 0.1 ln(factor) for a factor > 1
-  if (layer_yarn(c, il) && c.layer_rope_scale(il) > 1.f) m *= 1.0f + 0.1f * std::log(c.layer_rope_scale(il));
+  if (layer_yarn(c, il))
+    m *= c.yarn_attn_factor > 0 ? c.yarn_attn_factor
+                                : c.layer_rope_scale(il) > 1.f ? 1.0f + 0.1f * std::log(c.layer_rope_scale(il)) : 1.f;
   return m;
 }
 
@@ -156,11 +158,12 @@ void model_config_apply_rope(ModelConfig& c, const RopeOverrides& o) {
   const std::string& st = o.scaling;
   if (!st.empty() && st != "none" && st != "linear" && st != "yarn")
     fail("--rope-scaling '{}' is not one of: none, linear, yarn", st);
-  if (o.scale != 0 && !(std::isfinite(o.scale) && o.scale > 0 && o.scale <= 1024))
-    fail("--rope-scale {} must be a number in (0, 1024]", o.scale);
+  if (o.scale != 0 && !(o.scale >= 1.0 / 1024 && o.scale <= 1024))
+    fail("--rope-scale {} must be a number in [1/1024, 1024]", o.scale);
+  if (o.yarn_orig_ctx > (1 << 30)) fail("--yarn-orig-ctx {} must be at most 2^30", o.yarn_orig_ctx);
   if (o.yarn_orig_ctx < 0) fail("--yarn-orig-ctx {} must be > 0", o.yarn_orig_ctx);
   for (double b : {o.yarn_beta_fast, o.yarn_beta_slow})
-    if (b != 0 && !(std::isfinite(b) && b > 0)) fail("--yarn-beta-fast / --yarn-beta-slow {} must be a number > 0", b);
+    if (b != 0 && !(b >= 1e-6 && b <= 1e6)) fail("--yarn-beta-fast / --yarn-beta-slow {} must be a number in [1e-6, 1e6]", b);
   if (st == "none" && o.scale != 0) fail("--rope-scaling none takes no --rope-scale");
   const float before = c.rope_scale;
   const bool was_yarn = c.rope_yarn;
@@ -180,16 +183,17 @@ void model_config_apply_rope(ModelConfig& c, const RopeOverrides& o) {
     // a factor the file gave for linear scaling carries over; none at all is asked for
     if (c.rope_scale == 1.f) fail("--rope-scaling yarn needs --rope-scale (the factor: context / original context)");
   }
-  // the sliding-window layers that scale as the global ones (Gemma 2) follow
-  if (c.rope_scale_local == before && c.arch != "gemma3" && c.arch != "olmo2") c.rope_scale_local = c.rope_scale;
+  // The sliding-window layers keep the file's scaling (rope_scale_local), as llama.cpp's
+  // (rope_freq_scale_train_swa): Gemma 2's then rotate as the file says while its global layers follow
+  // the flags (under YaRN, a local layer whose file factor is 1 rotates plainly, magnitude 1).
   model_config_check_yarn(c, "--rope-scaling");
-  // The context the scaling is for, when the factor or the kind changed: YaRN's factor x its
-  // original context (as llama.cpp sets it); linear: the file's context times the change of factor.
-  // Switched off: the file's.
-  if (c.rope_scale != before || c.rope_yarn != was_yarn) {
-    double n = c.n_ctx_train;
-    if (c.rope_yarn && c.rope_scale > 1.f) n = double(c.yarn_orig_ctx) * double(c.rope_scale);
-    else if (!c.rope_yarn && st != "none") n = double(c.n_ctx_train) * double(c.rope_scale) / double(before);
+  if (c.rope_scale != before) c.yarn_attn_factor = 0.f;  // the file's magnitude was for its own factor
+  // The context the scaling is for, when the factor changed (as llama.cpp adjusts it): YaRN's
+  // original context x the factor; linear: the file's context times the change of factor. The
+  // kind changed alone, or switched off: the file's.
+  if (c.rope_scale != before && st != "none") {
+    const double n = c.rope_yarn ? double(c.yarn_orig_ctx) * double(c.rope_scale)
+                                 : double(c.n_ctx_train) * double(c.rope_scale) / double(before);
     c.n_ctx_train = int(std::max(1.0, std::min(n, double(1 << 30))));
   }
 }
@@ -317,6 +321,14 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
   if (c.rope_yarn) {
     c.yarn_beta_fast = float(f.get_float(a + "rope.scaling.yarn_beta_fast").value_or(32.0));
     c.yarn_beta_slow = float(f.get_float(a + "rope.scaling.yarn_beta_slow").value_or(1.0));
+    // transformers' attention_factor (the converter writes it when the config has it): the magnitude
+    // itself, in place of 1 + 0.1 ln(factor). (llama.cpp computes 1 + 0.1 ln(factor) whatever the
+    // file says; the two agree on the files that carry it, e.g. OLMo 3's 1.2079 at factor 8.)
+    if (auto af = f.get_float(a + "rope.scaling.yarn_attn_factor")) {
+      c.yarn_attn_factor = float(*af);
+      if (!(std::isfinite(c.yarn_attn_factor) && c.yarn_attn_factor > 0 && c.yarn_attn_factor < 16))
+        fail("{}: rope.scaling.yarn_attn_factor {} must be a finite number in (0, 16)", f.path(), c.yarn_attn_factor);
+    }
     // DeepSeek's and Mistral 3's attention scaling by log multiplier: another formula for the
     // magnitude, on architectures kvq does not run
     if (f.get_float(a + "rope.scaling.yarn_log_multiplier").value_or(0.0) != 0.0)

@@ -48,12 +48,14 @@ struct ModelConfig {
   // YaRN (rope.scaling.type "yarn"; OLMo 3, Qwen3 past 32K, gpt-oss): on the layers scaled by
   // rope_scale (> 1), pair i's angle mixes the interpolated rate (1 / rope_scale) and the trained
   // one with YaRN's ramp between the pairs that turn beta_fast and beta_slow times over
-  // yarn_orig_ctx positions, and cos and sin are multiplied by 1 + 0.1 ln(rope_scale)
-  // (model_layer_rope, model_layer_rope_mscale).
+  // yarn_orig_ctx positions, and cos and sin are multiplied by 1 + 0.1 ln(rope_scale) or the file's
+  // yarn_attn_factor (model_layer_rope, model_layer_rope_mscale). Sliding-window layers keep their
+  // own scale (rope_scale_local): YaRN applies where it is not 1.
   bool rope_yarn = false;
   int yarn_orig_ctx = 0;         // rope.scaling.original_context_length (else n_ctx_train)
   float yarn_beta_fast = 32.f;   // rope.scaling.yarn_beta_fast
   float yarn_beta_slow = 1.f;    // rope.scaling.yarn_beta_slow
+  float yarn_attn_factor = 0.f;  // rope.scaling.yarn_attn_factor: the magnitude itself (0: 1 + 0.1 ln(factor))
 
   // Layers without RoPE (SmolLM3: every 4th); empty: every layer has it.
   std::vector<bool> layer_no_rope;
@@ -123,9 +125,10 @@ struct RopeOverrides {
   bool any() const { return !scaling.empty() || scale != 0 || yarn_orig_ctx != 0 || yarn_beta_fast != 0 || yarn_beta_slow != 0; }
 };
 
-// Applies the overrides to a config read from a file; throws kvq::Error on bad values. Setting a
-// factor (--rope-scale, or a scaling type that uses one) makes the model's context
-// yarn_orig_ctx x factor (n_ctx_train), as llama.cpp does for YaRN; "none" switches scaling off.
+// Applies the overrides to a config read from a file; throws kvq::Error on bad values. A factor
+// other than the file's makes the model's context (n_ctx_train) yarn_orig_ctx x factor for YaRN, as
+// llama.cpp does, or the file's context times the change for linear scaling; "none" switches
+// scaling off (the context stays the file's). Sliding-window layers keep the file's scaling.
 void model_config_apply_rope(ModelConfig& c, const RopeOverrides& o);
 
 // The RoPE of layer il as the model and its KV cache rotate: base, linear scale, per-pair factors,
@@ -133,7 +136,8 @@ void model_config_apply_rope(ModelConfig& c, const RopeOverrides& o);
 // YaRN mixes from the interpolated and the trained one). n_rot 0 on a layer without RoPE.
 KvRope model_layer_rope(const ModelConfig& c, int il);
 // What RoPE multiplies cos and sin by on layer il: rope.scaling.attn_factor (not on sliding-window
-// layers) times YaRN's 1 + 0.1 ln(factor) on the layers it scales; 1: none. The forward pass
+// layers) times, on the layers YaRN scales, its magnitude (1 + 0.1 ln(factor), or the file's
+// rope.scaling.yarn_attn_factor); 1: none. The forward pass
 // multiplies q's rotated dims by its square instead (the cache keeps keys without it).
 float model_layer_rope_mscale(const ModelConfig& c, int il);
 // YaRN's per-pair rate multiplier (n_rot / 2 values in (1 / factor, 1]) for RoPE of n_rot dims at

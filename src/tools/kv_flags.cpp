@@ -59,12 +59,16 @@ void rope_flags_add(CLI::App& app, RopeOverrides& r) {
                  "yarn --rope-scale 4 --yarn-orig-ctx 32768)");
   app.add_option("--rope-scale", r.scale,
                  "RoPE scaling factor in place of the file's (context / original context); sets the model's context "
-                 "to the original x this for YaRN");
-  app.add_option("--yarn-orig-ctx", r.yarn_orig_ctx, "YaRN: the context the model was trained at (default: the file's)");
+                 "to the original x this for YaRN")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--yarn-orig-ctx", r.yarn_orig_ctx, "YaRN: the context the model was trained at (default: the file's)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--yarn-beta-fast", r.yarn_beta_fast, "YaRN: turns over the original context above which a pair keeps "
-                 "its trained rate (default: the file's, else 32)");
+                 "its trained rate (default: the file's, else 32)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--yarn-beta-slow", r.yarn_beta_slow, "YaRN: turns below which a pair is fully interpolated (default: "
-                 "the file's, else 1)");
+                 "the file's, else 1)")
+      ->check(CLI::PositiveNumber);
 }
 
 void kv_flags_add_kvquant(CLI::App& app, KvFlags& f) {

@@ -23,6 +23,7 @@
 #include "gguf/gguf.h"
 #include "kvq/kv_format.h"
 #include "model/config.h"
+#include "tools/kv_flags.h"
 
 namespace kvq {
 
@@ -674,7 +675,9 @@ PlanModel plan_model_from_hf_config(const nlohmann::json& cfg, std::optional<dou
   // YaRN (rope_scaling {"rope_type": "yarn", "factor": F, "original_max_position_embeddings": N}, as
   // Qwen3's model cards say to add past 32K): the context is N x F, as vLLM derives its maximum
   // length and kvq's engine sets it (Model::load's RoPE flags).
-  if (const nlohmann::json* rs = f.get("rope_scaling"); rs && rs->is_object()) {
+  const nlohmann::json* rs = f.get("rope_scaling");
+  if (!rs) rs = f.get("rope_parameters");  // transformers 5's name
+  if (rs && rs->is_object()) {
     const auto str = [&](const char* k) {
       const auto it = rs->find(k);
       return it != rs->end() && it->is_string() ? it->get<std::string>() : std::string();
@@ -1533,6 +1536,7 @@ void plan_add_cli(CLI::App& app, PlanOptions& o) {
   app.add_flag("--csv", o.csv, "CSV output (one line per ctx, batch, format)");
   app.add_flag("--explain", o.explain, "print the formulas behind every figure");
   app.add_flag("--measure", o.measure, "run the engine (-m) at the --ctx lengths and compare measured memory with the plan");
+  rope_flags_add(app, o.rope);
 }
 
 int plan_command(const PlanOptions& o, std::FILE* out, std::FILE* err) {
@@ -1547,6 +1551,8 @@ int plan_command(const PlanOptions& o, std::FILE* out, std::FILE* err) {
       fail("give exactly one model: -m MODEL.gguf, --config config.json or --preset NAME (`--presets` lists them)");
     if (o.weights_bits && (!(*o.weights_bits > 0) || *o.weights_bits > 64))
       fail("--weights-bits {}: must be in (0, 64]", *o.weights_bits);
+    if (o.rope.any() && o.model_path.empty())
+      fail("--rope-scaling and the --yarn-* flags apply to a GGUF model (-m); a config.json says its own rope_scaling");
     PlanModel m;
     if (!o.preset.empty()) {
       m = plan_model_from_preset(o.preset, o.weights_bits.value_or(16.0));
@@ -1556,6 +1562,16 @@ int plan_command(const PlanOptions& o, std::FILE* out, std::FILE* err) {
       if (o.weights_bits)
         fail("--weights-bits applies to presets and config.json; a GGUF's weights are its tensor sizes (override with --weights-bytes)");
       m = plan_model_from_gguf_path(o.model_path);
+      if (o.rope.any()) {  // the context the RoPE flags give the model, as the engine runs it
+        const std::unique_ptr<gguf::File> f = gguf::File::open(o.model_path);
+        if (!model_arch_supported(f->get_string("general.architecture").value_or("")))
+          fail("--rope-scaling and the --yarn-* flags apply to models kvq runs ({})", model_arch_list());
+        ModelConfig mc = model_config_from_gguf(*f);
+        model_config_apply_rope(mc, o.rope);
+        m.ctx_train = mc.n_ctx_train;
+        if (const std::string n = model_rope_scaling_note(mc); !n.empty())
+          m.notes.push_back(fmt::format("{}: context {}", n, mc.n_ctx_train));
+      }
     }
     if (!o.weights_bytes.empty()) {
       m.weights_bytes = plan_parse_bytes(o.weights_bytes, "--weights-bytes");

@@ -17,6 +17,8 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "model/config.h"
+
 namespace CLI {
 class App;
 }
@@ -222,6 +224,7 @@ struct PlanOptions {
   bool csv = false;
   bool explain = false;
   bool measure = false;      // --measure: run the engine and compare measured memory with the plan
+  RopeOverrides rope;        // --rope-scaling etc. (-m): the context they give the model, and --measure's engine
 };
 
 // Registers `plan`'s options on `app` (the subcommand's App), storing into `opts`.

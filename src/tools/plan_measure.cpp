@@ -38,7 +38,7 @@ int plan_measure(const PlanOptions& o, const PlanModel& pm, const PlanConfig& c,
   if (formats.empty()) formats.push_back("f16");
   std::vector<int64_t> ctxs = c.ctx;
   std::sort(ctxs.begin(), ctxs.end());
-  auto model = Model::load(o.model_path);
+  auto model = Model::load(o.model_path, o.rope);
   const ModelConfig& mc = model->config();
   for (int64_t x : ctxs)
     if (x > mc.n_ctx_train) fail("--ctx {} exceeds the model's context length {}", x, mc.n_ctx_train);

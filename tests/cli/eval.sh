@@ -52,7 +52,7 @@ check "a YaRN calibration on the unscaled model: warned" "grep -q 'was calibrate
 check "an unscaled calibration under YaRN: warned" "grep -q 'was calibrated with no RoPE scaling, the model runs with YaRN' $tmp/yw2"
 "$kvq" eval -m "$model" --kv int8_c --kv-scales "$tmp/cy.json" --ctx 64 --data "$text" --no-progress -t 1 \
   --rope-scaling yarn --rope-scale 4 --yarn-orig-ctx 512 >/dev/null 2>"$tmp/yw3"
-check "the same YaRN: no warning" "! grep -q 'was calibrated with' $tmp/yw3"
+check "the same YaRN: runs, no warning" "[[ $? -eq 0 ]] && ! grep -q 'was calibrated with' $tmp/yw3"
 mkdir "$tmp/adir"
 "$kvq" eval -m "$model" --kv int8_c --kv-scales "$tmp/adir" --ctx 64 --data "$text" --no-progress -t 1 >/dev/null 2>"$tmp/de"
 check "eval: --kv-scales naming a directory is an error, not a crash" "[[ $? -eq 1 ]] && grep -q 'kvq: error: --kv-scales .* is a directory' $tmp/de"

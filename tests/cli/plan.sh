@@ -82,5 +82,15 @@ bad "incomplete config" "num_attention_heads" --config "$tmp/partial.json"
 bad "broken config" "JSON" --config "$tmp/broken.json"
 bad "unreadable GGUF" "nope.gguf" -m "$tmp/nope.gguf"
 bad "no model" "exactly one model"
+bad "RoPE flags on a preset" "apply to a GGUF model" --preset llama-3-70b --rope-scaling yarn --rope-scale 4
+bad "a zero --rope-scale" "rope-scale" --preset llama-3-70b --rope-scale 0
+
+# the RoPE flags give a GGUF model the context they give it in the engine (YaRN: original x factor)
+if [[ -f "$model" ]]; then
+  "$kvq" plan -m "$model" --rope-scaling yarn --rope-scale 4 --yarn-orig-ctx 1024 --ctx 4K --batch 1 --kv f16 >"$tmp/yp" 2>&1
+  check "plan -m with YaRN flags exits 0" "[[ $? -eq 0 ]]"
+  check "plan -m with YaRN flags: trained context 4096, named" \
+    "grep -q 'trained context 4096' $tmp/yp && grep -q 'YaRN RoPE scaling x4 of 1024 positions (beta 32 / 1): context 4096' $tmp/yp"
+fi
 
 finish plan

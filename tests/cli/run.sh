@@ -180,6 +180,7 @@ check "bench -c beyond the trained context: warned once, capped" \
 # becomes the original x the factor (4 x 1024), so -c 4096 is no longer past it
 "$kvq" run -m "$model" -p "Lily" -n 5 -t 1 -c 4096 --rope-scaling yarn --rope-scale 4 --yarn-orig-ctx 1024 \
   >/dev/null 2>"$tmp/yarn"
+check "YaRN run exits 0" "[[ $? -eq 0 ]]"
 check "YaRN: the model line names it" "grep -q 'YaRN RoPE scaling x4 of 1024 positions (beta 32 / 1)' $tmp/yarn"
 check "YaRN: -c 4096 is within original x factor" "! grep -q 'beyond the' $tmp/yarn"
 "$kvq" run -m "$model" -p "Lily" -n 5 -t 1 -c 4096 >/dev/null 2>"$tmp/noyarn"
