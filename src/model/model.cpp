@@ -397,9 +397,12 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
   for (int il = 0; il < c.n_layer; ++il) {
     const LayerWeights& L = m_.layers_[size_t(il)];
     pre_norm(L.attn_norm, n);
-    matmul(L.wq, xn_.data(), n, q_.data(), pool_);
-    matmul(L.wk, xn_.data(), n, k_.data(), pool_);
-    matmul(L.wv, xn_.data(), n, v_.data(), pool_);
+    {  // q, k and v in one pass over the pool, the activations converted once (matmul_many: each
+       // row as its own matmul computes it)
+      const MatmulJob qkv[3] = {{&L.wq, xn_.data(), n, q_.data()}, {&L.wk, xn_.data(), n, k_.data()},
+                                {&L.wv, xn_.data(), n, v_.data()}};
+      matmul_many(qkv, 3, pool_);
+    }
     if (c.qkv_bias) {
       add_bias(q_.data(), static_cast<const float*>(L.bq.data), n, qd);
       add_bias(k_.data(), static_cast<const float*>(L.bk.data), n, kvd);
@@ -517,8 +520,8 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
     if (c.n_expert > 0) {
       ffn_moe(L, n);
     } else {
-      matmul(L.ffn_gate, xn_.data(), n, gate_.data(), pool_);
-      matmul(L.ffn_up, xn_.data(), n, up_.data(), pool_);
+      const MatmulJob gate_up[2] = {{&L.ffn_gate, xn_.data(), n, gate_.data()}, {&L.ffn_up, xn_.data(), n, up_.data()}};
+      matmul_many(gate_up, 2, pool_);  // likewise
       glu(c.geglu ? GluAct::gelu_tanh : GluAct::silu, gate_.data(), up_.data(), gate_.data(), size_t(n) * size_t(F), pool_);
       matmul(L.ffn_down, gate_.data(), n, tmp_.data(), pool_);
     }
