@@ -40,6 +40,8 @@ perplexities stay meaningful (except gemma2's, which loses the q / k norms it wa
 - olmoe: the olmo2 q / k norms with the pre-norms kept, each KV head repeated for its query heads
   (llama.cpp's OLMoE has no grouped-query attention; the same attention), and the FFN cut into
   experts (see the mixture-of-experts modes);
+- --swa W (olmo2): attention.sliding_window W, so the file is OLMo 3's layout (3 sliding-window layers
+  of W tokens, then a global one; the sliding ones' RoPE unscaled);
 - --yarn FACTOR,ORIG (any mode): rope.scaling.type yarn with that factor and
   rope.scaling.original_context_length ORIG (the model's context length kept), as OLMo 3's and
   gpt-oss's files say it;
@@ -49,7 +51,7 @@ usage: make_arch_variant.py IN.gguf OUT.gguf {qwen2,qwen3,phi3,smollm3,granite,g
                             mixtral,qwen2moe,qwen3moe,granitemoe,olmo2,olmoe} [--pre NAME] [--bias-std 0.02]
                             [--norm-spread 0.2] [--rope-freqs F] [--longrope ORIG] [--long-factor 4]
                             [--granite 1.5,0.9,0.11,1.2] [--experts 8,2] [--shared 768] [--router gate|random]
-                            [--router-std 3] [--down-scale N] [--yarn 4,512]
+                            [--router-std 3] [--down-scale N] [--yarn 4,512] [--swa 256]
                             [--seed 1]   (pip install gguf numpy)
 """
 import argparse
@@ -79,6 +81,7 @@ def main():
     ap.add_argument("--rope-freqs", type=float, default=None)
     ap.add_argument("--longrope", type=int, default=None)
     ap.add_argument("--yarn", default=None)
+    ap.add_argument("--swa", type=int, default=None)
     ap.add_argument("--long-factor", type=float, default=4.0)
     ap.add_argument("--pre", default=None)
     ap.add_argument("--bias-std", type=float, default=0.02)
@@ -229,6 +232,9 @@ def main():
         scale = n_ctx / a.longrope
         w.add_float32("phi3.rope.scaling.attn_factor",
                       math.sqrt(1 + math.log(scale) / math.log(a.longrope)) if scale > 1 else 1.0)
+    if a.swa:
+        assert out_arch == "olmo2", "--swa is OLMo 3's (olmo2)"
+        w.add_uint32("olmo2.attention.sliding_window", a.swa)
     if a.yarn:
         factor, orig = a.yarn.split(",")
         w.add_string(f"{out_arch}.rope.scaling.type", "yarn")

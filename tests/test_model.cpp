@@ -525,6 +525,19 @@ void fuse_rows(kvq::test::GgufWriter& w, int n_layer, const std::vector<std::str
   }
 }
 
+// stories260K's tensors laid out as OLMo 2's (written by write_stories_as("olmo2", ...)): the pre-norms
+// dropped, unit post-norms after attention and the FFN, unit q / k norms over all heads.
+void as_olmo2(kvq::test::GgufWriter& w, const ModelConfig& c) {
+    auto& ts = w.tensors();
+    ts.erase(std::remove_if(ts.begin(), ts.end(), [](const auto& t) { return t.name.find("attn_norm") != std::string::npos || t.name.find("ffn_norm") != std::string::npos; }), ts.end());
+    for (int il = 0; il < c.n_layer; ++il) {
+      const std::string p = "blk." + std::to_string(il) + ".";
+      for (const char* nm : {"post_attention_norm", "post_ffw_norm"}) w.add_tensor_f32(p + nm + ".weight", {c.n_embd}, std::vector<float>(size_t(c.n_embd), 1.f));
+      w.add_tensor_f32(p + "attn_q_norm.weight", {c.n_head * c.head_dim}, std::vector<float>(size_t(c.n_head * c.head_dim), 1.f));
+      w.add_tensor_f32(p + "attn_k_norm.weight", {c.n_head_kv * c.head_dim}, std::vector<float>(size_t(c.n_head_kv * c.head_dim), 1.f));
+    }
+}
+
 float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
   EXPECT_EQ(a.size(), b.size());
   float worst = 0;
@@ -826,14 +839,7 @@ TEST(ArchVariants, YarnFileAndOverridesComputeGgmlsYarn) {
   // OLMo 3: YaRN on the global layers only; the sliding-window ones rotate plainly
   const std::string p3 = (tmp / "kvq_test_olmo3_yarn.gguf").string();
   write_stories_as("olmo2", p3, [&](kvq::test::GgufWriter& w, const ModelConfig& c) {
-    auto& ts = w.tensors();
-    ts.erase(std::remove_if(ts.begin(), ts.end(), [](const auto& t) { return t.name.find("attn_norm") != std::string::npos || t.name.find("ffn_norm") != std::string::npos; }), ts.end());
-    for (int il = 0; il < c.n_layer; ++il) {
-      const std::string p = "blk." + std::to_string(il) + ".";
-      for (const char* nm : {"post_attention_norm", "post_ffw_norm"}) w.add_tensor_f32(p + nm + ".weight", {c.n_embd}, std::vector<float>(size_t(c.n_embd), 1.f));
-      w.add_tensor_f32(p + "attn_q_norm.weight", {c.n_head * c.head_dim}, std::vector<float>(size_t(c.n_head * c.head_dim), 1.f));
-      w.add_tensor_f32(p + "attn_k_norm.weight", {c.n_head_kv * c.head_dim}, std::vector<float>(size_t(c.n_head_kv * c.head_dim), 1.f));
-    }
+    as_olmo2(w, c);
     w.add_u32("olmo2.attention.sliding_window", 16);
     w.add_f32("olmo2.rope.scaling.factor", 8.f).add_string("olmo2.rope.scaling.type", "yarn");
     w.add_u32("olmo2.rope.scaling.original_context_length", 64);
@@ -1595,14 +1601,7 @@ TEST(ArchVariants, Olmo2PostNormsAndFullWidthQkNorm) {
   // at the global base
   const std::string p3 = (fs::temp_directory_path() / "kvq_test_olmo3.gguf").string();
   write_stories_as("olmo2", p3, [](kvq::test::GgufWriter& w, const ModelConfig& c) {
-    auto& ts = w.tensors();
-    ts.erase(std::remove_if(ts.begin(), ts.end(), [](const auto& t) { return t.name.find("attn_norm") != std::string::npos || t.name.find("ffn_norm") != std::string::npos; }), ts.end());
-    for (int il = 0; il < c.n_layer; ++il) {
-      const std::string p = "blk." + std::to_string(il) + ".";
-      for (const char* nm : {"post_attention_norm", "post_ffw_norm"}) w.add_tensor_f32(p + nm + ".weight", {c.n_embd}, std::vector<float>(size_t(c.n_embd), 1.f));
-      w.add_tensor_f32(p + "attn_q_norm.weight", {c.n_head * c.head_dim}, std::vector<float>(size_t(c.n_head * c.head_dim), 1.f));
-      w.add_tensor_f32(p + "attn_k_norm.weight", {c.n_head_kv * c.head_dim}, std::vector<float>(size_t(c.n_head_kv * c.head_dim), 1.f));
-    }
+    as_olmo2(w, c);
     w.add_u32("olmo2.attention.sliding_window", 16).add_f32("olmo2.rope.freq_base_swa", 5000.f);
     w.add_f32("olmo2.rope.scaling.factor", 2.f).add_string("olmo2.rope.scaling.type", "linear");
   });
