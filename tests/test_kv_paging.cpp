@@ -938,3 +938,62 @@ TEST(KvCacheBytes, PerTokenAtALengthCountsTheFullPrecisionWindow) {
   EXPECT_EQ(double(c.max_tail_bytes()), f32_row * (32 + 16 - 1));
   EXPECT_EQ(KvCache(synth_cfg("int8")).max_tail_bytes(), 0u);
 }
+
+// Speculative verification: a step of drafted tokens that keeps only the first few (commit(n,
+// keep)) leaves the cache as if only those had been appended, for every format that runs without
+// calibration, private and pool-backed, with a sliding-window layer: what follows attends bit for
+// bit as in a cache that never saw the dropped tokens, and the pages the step added for them are
+// given back. A step that packs a group of a grouped codec cannot keep fewer.
+TEST(KvPaging, HeldStepKeepingFewerEqualsAppendingOnlyThose) {
+  int ran = 0;
+  for (const auto& f : kv_formats()) {
+    KvCacheConfig cfg = synth_cfg(f.name, 40);  // grouped codecs: G = 16, R = 40 (groups pack at 56, 72, ..)
+    const std::vector<int> windows = {0, 24};
+    try {
+      KvCache probe(cfg);
+    } catch (const Error&) {
+      continue;  // needs calibration
+    }
+    ++ran;
+    for (bool paged : {false, true}) {
+      PagePool pool(64, kv_cache_page_bytes(cfg), P);
+      KvCache a(cfg, paged ? &pool : nullptr), b(cfg, paged ? &pool : nullptr);
+      auto t = tokens(120, 3);
+      // 44 tokens, then a held step of 6 (over the page boundary at 48) whose last 4 are wrong
+      // drafts (other token ids)
+      const auto a0 = feed(a, t, 0, {20, 24}, windows), b0 = feed(b, t, 0, {20, 24}, windows);
+      ASSERT_TRUE(same_bits(a0, b0)) << f.name;
+      std::vector<int32_t> held(t.begin() + 44, t.begin() + 50);
+      for (size_t i = 2; i < held.size(); ++i) held[i] = held[i] + 500;
+      ASSERT_TRUE(a.step_keeps_any(6)) << f.name;
+      {
+        // step() commits; run its appends by hand and commit keeping 2
+        const int w = cfg.n_kv_heads * cfg.head_dim;
+        std::vector<float> k(size_t(6) * size_t(w)), v(k.size());
+        for (int il = 0; il < cfg.n_layer; ++il) {
+          for (int r = 0; r < 6; ++r) kv_row(held[size_t(r)], 44 + r, il, w, k.data() + size_t(r) * size_t(w), v.data() + size_t(r) * size_t(w));
+          a.append(il, 6, k.data(), k.data(), v.data());
+        }
+        a.commit(6, 2);
+      }
+      feed(b, t, 44, {2}, windows);
+      EXPECT_EQ(a.n_tokens(), 46) << f.name;
+      EXPECT_EQ(a.bytes_pages(), b.bytes_pages()) << f.name << (paged ? " paged" : "");
+      if (paged) {
+        EXPECT_EQ(a.n_pages(), b.n_pages()) << f.name;
+      }
+      // the same continuation, over page and group boundaries
+      const std::vector<int> more = {1, 5, 1, 30, 1, 9};
+      EXPECT_TRUE(same_bits(feed(a, t, 46, more, windows), feed(b, t, 46, more, windows))) << f.name << (paged ? " paged" : "");
+      expect_pool_consistent(pool);
+    }
+  }
+  EXPECT_GT(ran, 20);
+  // a grouped codec's step that packs a group cannot keep fewer
+  KvCache g(synth_cfg("kivi2", 32));
+  const auto t = tokens(64, 4);
+  feed(g, t, 0, {40});
+  EXPECT_TRUE(g.step_keeps_any(7));   // 47 tokens: 15 past the window R = 32, no whole group of 16
+  EXPECT_FALSE(g.step_keeps_any(8));  // 48 tokens: the group [0, 16) packs
+  EXPECT_TRUE(KvCache(synth_cfg("int8")).step_keeps_any(500));  // per-token formats always may
+}

@@ -4,6 +4,7 @@
 #include <map>
 
 #include "core/error.h"
+#include "model/draft.h"
 #include "model/sampler.h"
 
 using namespace kvq;
@@ -178,4 +179,25 @@ TEST(TokenLogprob, LargeLogitsAndBadTokens) {
   EXPECT_EQ(r.top[0].first, 0);
   EXPECT_THROW(token_logprob(l.data(), 2, 2, 0), Error);
   EXPECT_THROW(token_logprob(l.data(), 2, -1, 0), Error);
+}
+
+// Prompt-lookup drafts: the tokens after the latest earlier occurrence of the longest suffix of
+// at least ngram_min and at most ngram_max tokens.
+TEST(NgramDraft, LatestOccurrenceOfTheLongestSuffix) {
+  using V = std::vector<int32_t>;
+  // "1 2 3 9 ... 1 2 3" : the 3-token suffix occurred at 0, followed by 9 8 7
+  EXPECT_EQ(ngram_draft({1, 2, 3, 9, 8, 7, 5, 1, 2, 3}, 1, 3, 3), (V{9, 8, 7}));
+  EXPECT_EQ(ngram_draft({1, 2, 3, 9, 8, 7, 5, 1, 2, 3}, 1, 3, 2), (V{9, 8}));  // at most n_max
+  // the latest occurrence wins: "2 3" after 4 at index 5 beats the one at 1
+  EXPECT_EQ(ngram_draft({1, 2, 3, 9, 4, 2, 3, 6, 0, 2, 3}, 2, 2, 4), (V{6, 0, 2, 3}));
+  // the longest suffix wins over a later shorter one: "1 2 3" (-> 9) rather than "3" (-> 4)
+  EXPECT_EQ(ngram_draft({1, 2, 3, 9, 3, 4, 1, 2, 3}, 1, 3, 1), (V{9}));
+  // shorter suffixes are tried down to ngram_min, not below
+  EXPECT_EQ(ngram_draft({5, 3, 4, 7, 3}, 1, 3, 2), (V{4, 7}));
+  EXPECT_TRUE(ngram_draft({5, 3, 4, 7, 3}, 2, 3, 2).empty());
+  // the draft stops at the end of the text (an overlapping repeat drafts what is there)
+  EXPECT_EQ(ngram_draft({1, 1, 1, 1}, 2, 2, 5), (V{1}));
+  EXPECT_TRUE(ngram_draft({}, 1, 3, 4).empty());
+  EXPECT_TRUE(ngram_draft({7}, 1, 3, 4).empty());
+  EXPECT_TRUE(ngram_draft({1, 2, 1, 2}, 1, 2, 0).empty());
 }

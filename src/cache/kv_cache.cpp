@@ -550,12 +550,28 @@ void KvCache::attend_rows(int layer, int head, int pos, int n_rows, const float*
   }
 }
 
-void KvCache::commit(int n) {
-  const int n1 = n_tokens_ + n;
+bool KvCache::step_keeps_any(int n) const {
+  for (const auto& L : layers_)
+    if (L.group > 1 && quantized(L, n_tokens_ + n) != quantized(L, n_tokens_)) return false;
+  return true;
+}
+
+void KvCache::commit(int n, int keep) {
+  if (keep < 0) keep = n;
+  KVQ_CHECK(keep <= n, "commit({}) keeps {}", n, keep);
+  const int n1 = n_tokens_ + keep;
   for (auto& L : layers_) {
     KVQ_CHECK(L.pending == n, "commit({}) but layer appended {}", n, L.pending);
     L.pending = 0;
     if (L.group > 1) {
+      if (keep < n) {
+        // the dropped tokens are the tails' last rows; nothing of theirs was packed
+        KVQ_CHECK(quantized(L, n_tokens_ + n) == quantized(L, n1), "commit({}) keeping {}: the step packed a group", n, keep);
+        const size_t cut = size_t(n - keep) * size_t(cfg_.head_dim);
+        for (auto* tails : {&L.tail_k, &L.tail_v, &L.tail_k_pre})
+          for (auto& tl : *tails)
+            if (!tl.empty()) tl.resize(tl.size() - cut);
+      }
       const int q1 = quantized(L, n1);
       const size_t drop = size_t(q1 - L.tail_start) * size_t(cfg_.head_dim);
       for (auto* tails : {&L.tail_k, &L.tail_v, &L.tail_k_pre})
@@ -566,6 +582,19 @@ void KvCache::commit(int n) {
   n_tokens_ = n1;
   step_open_ = false;
   step_n_ = 0;
+  if (keep < n) {  // pages the step added for dropped tokens only
+    const size_t want = size_t(pages_for(n1));
+    for (Group& G : groups_) {
+      if (pool_) {
+        while (G.table.size() > want && G.table.size() > size_t(G.freed)) {
+          if (G.table.back() != kv_page_none) pool_->unref(G.table.back());
+          G.table.pop_back();
+        }
+      } else {
+        while (G.pages.size() > want && G.pages.size() > size_t(G.freed)) G.pages.pop_back();  // freed
+      }
+    }
+  }
   free_window_pages();
 }
 

@@ -158,8 +158,15 @@ class KvCache {
   void attend_rows(int layer, int head, int pos, int n_rows, const float* q, int n_q, const AttnParams& ap,
                    int window, float* out, float* scratch, std::vector<KvBlockSpan>& spans) const;
   size_t attend_scratch_floats(int n_q) const;
-  // Ends the step: the n appended tokens become part of the sequence.
-  void commit(int n);
+  // Ends the step: the n appended tokens become part of the sequence. keep < n (speculative
+  // verification: the step ran n drafted tokens and the first `keep` were right) keeps only the
+  // first keep: the cache is then as if only they had been appended (the others' slots are written
+  // again by the next step; pages the step added past them are given back). A step may keep fewer
+  // only when it packed no token group of a grouped codec (step_keeps_any(n) before appending).
+  void commit(int n, int keep = -1);
+  // True when a step of n tokens may end keeping any number of them (commit(n, keep)): none of the
+  // grouped codecs (kivi*, kvquant*) packs a group during it. Per-token codecs always may.
+  bool step_keeps_any(int n) const;
   // Drops everything (new sequence). Pool mode: the same as release().
   void clear();
 

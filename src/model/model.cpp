@@ -325,6 +325,15 @@ const float* Forward::eval(const int32_t* tokens, int n, KvCache& cache, bool al
   return logits_.data();
 }
 
+const float* Forward::eval_held(const int32_t* tokens, int n, KvCache& cache) {
+  if (n < 1 || n > max_batch_) fail("eval_held: {} tokens (1 to {} per step)", n, max_batch_);
+  if (!cache.step_keeps_any(n)) fail("eval_held: a step of {} tokens packs a token group of the cache", n);
+  logits_.resize(size_t(n) * size_t(m_.cfg_.n_vocab));
+  ForwardSeq s{tokens, n, &cache, ForwardSeq::all, true};
+  eval_rows(&s, 1, logits_.data());
+  return logits_.data();
+}
+
 const float* Forward::eval_batch(const ForwardSeq* seqs, int n_seqs) {
   int rows = 0, out_rows = 0;
   for (int i = 0; i < n_seqs; ++i) {
@@ -529,7 +538,8 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
       rms_norm(tmp_.data(), tmp_.data(), static_cast<const float*>(L.ffn_post_norm.data), n, E, c.rms_eps);
     add_residual(x_.data(), tmp_.data(), size_t(n) * size_t(E), c.residual_scale);
   }
-  for (int si = 0; si < n_seqs; ++si) seqs[si].cache->commit(seqs[si].n);
+  for (int si = 0; si < n_seqs; ++si)
+    if (!seqs[si].hold) seqs[si].cache->commit(seqs[si].n);
 
   // gather the rows that need logits, in sequence order
   int out_rows = 0;

@@ -87,6 +87,9 @@ struct ForwardSeq {
   int n = 0;
   KvCache* cache = nullptr;
   Logits logits = last;
+  // The cache's step is left open: the caller ends it with cache->commit(n, keep) once it has
+  // read the logits (speculative verification keeps the drafted tokens that were right).
+  bool hold = false;
 };
 
 // Per-sequence activations and the forward pass. Scratch is sized for up to max_batch tokens
@@ -99,6 +102,10 @@ class Forward {
   // (n_vocab floats per row) are written for the last token, or for every token when
   // all_logits (rows in order). Returns a pointer to the first logits row (valid until the next call).
   const float* eval(const int32_t* tokens, int n, KvCache& cache, bool all_logits = false);
+  // Speculative verification: runs n <= max_batch() tokens (the last accepted one, then drafted
+  // ones) with logits for every row, and leaves the cache's step open: the caller ends it with
+  // cache.commit(n, keep), keeping the first keep tokens (cache.step_keeps_any(n) must hold).
+  const float* eval_held(const int32_t* tokens, int n, KvCache& cache);
   // Continuous batching: several sequences (distinct caches) in one step, their tokens sharing
   // every weight matmul. Total tokens <= max_batch. Logits rows are returned in sequence order
   // (n rows for `all`, one for `last`, none for `none`).

@@ -13,6 +13,8 @@
 #include "core/error.h"
 #include "core/timer.h"
 #include "model/chat.h"
+#include "model/draft.h"
+#include "weights/weights.h"
 #include "model/model.h"
 #include "model/json_constraint.h"
 #include "model/json_schema.h"
@@ -75,6 +77,18 @@ void run_add_cli(CLI::App& app, RunOptions& o) {
                        : fmt::format("must be an integer in [0, {}] (got {})", UINT64_MAX, v);
           },
           "UINT64"));
+  app.add_option("--draft-max", o.draft_max,
+                 "speculative decoding by prompt lookup: up to N tokens drafted per step from where the text's last "
+                 "tokens occurred before (the prompt, or what was generated), verified in one forward pass; the output is "
+                 "what decoding without it gives (0: off)")
+      ->check(CLI::Range(0, 64))
+      ->capture_default_str();
+  app.add_option("--draft-ngram-min", o.draft_ngram_min, "prompt lookup: the fewest last tokens that must match")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  app.add_option("--draft-ngram-max", o.draft_ngram_max, "prompt lookup: the most last tokens matched (the longest match wins)")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
   kv_flags_add(app, o.kv);
 }
 
@@ -117,6 +131,10 @@ int run_command(const RunOptions& o) {
     }
   }
 
+  if (o.draft_max > 0 && grammar)
+    fail("--draft-max does not combine with --json, --json-schema, --regex or --grammar (drafts are not checked against them)");
+  if (o.draft_ngram_min > o.draft_ngram_max)
+    fail("--draft-ngram-min {} exceeds --draft-ngram-max {}", o.draft_ngram_min, o.draft_ngram_max);
   if (o.ctx < 0) fail("--ctx-size must be > 0 (got {})", o.ctx);
   auto model = Model::load(o.model, o.kv.rope);
   model->set_context(o.ctx);
@@ -160,7 +178,8 @@ int run_command(const RunOptions& o) {
   std::vector<int32_t> history;  // every token in the cache, and the one sampled last
   double t_prompt = 0, t_gen = 0;
   size_t n_prompt = 0;
-  int n_eval = 0;                // tokens decoded (run through the model one at a time)
+  int n_eval = 0;                // tokens decoded (run through the model, one at a time or verified in a batch)
+  int spec_steps = 0, spec_drafted = 0, spec_accepted = 0;  // --draft-max: verification steps, drafts, kept
   const char* stop_reason = "length";
 
   // One turn: the new prompt tokens into the cache, then up to n_predict sampled tokens streamed
@@ -185,6 +204,88 @@ int run_command(const RunOptions& o) {
     // Each turn's answer is one document (--json: one object).
     std::unique_ptr<GrammarState> doc = grammar ? std::make_unique<GrammarState>(grammar) : nullptr;
     if (doc && doc->done()) stop_reason = "end of the text";  // only the empty text (--regex '')
+    if (o.draft_max > 0) {
+      // Speculative decoding: `next` is sampled; the tokens that followed the latest earlier
+      // occurrence of the text's end are drafted after it, and one forward pass gives logits
+      // after each. Row i is sampled as decoding would sample it (the history holding the drafts
+      // kept so far): while the sample equals the draft that follows, the draft is kept; the first
+      // sample that differs (or the one after the last draft) is the next token. For greedy
+      // decoding the output is decoding's; for sampling, its distribution.
+      int32_t next = sampler.sample(logits, c.n_vocab, history, turn_start);
+      int n_gen = 0;
+      // Drafts as long as the last verification kept plus one, doubled while all are kept (up to
+      // --draft-max): a verified row costs a good part of a decode step, so long drafts are
+      // tried where the text has been copying.
+      int draft_len = o.draft_max;
+      auto emit = [&](int32_t t) {  // false: generation ends before t
+        if (tok.is_eog(t)) {
+          stop_reason = "end of generation token";
+          return false;
+        }
+        history.push_back(t);
+        const std::string piece = stream.push(t);
+        if (!piece.empty()) {
+          std::fwrite(piece.data(), 1, piece.size(), stdout);
+          std::fflush(stdout);
+        }
+        ++n_gen;
+        return true;
+      };
+      for (;;) {
+        if (!emit(next) || n_gen == o.n_predict) break;
+        if (cache.n_tokens() >= ctx) {
+          stop_reason = "context full";
+          room = false;
+          break;
+        }
+        // drafts: no more than the tokens still wanted and the room in the context allow, and
+        // none when the step would pack a group of a grouped KV format
+        const int room_left = std::min(o.n_predict - n_gen, ctx - cache.n_tokens() - 1);
+        std::vector<int32_t> d = ngram_draft(history, o.draft_ngram_min, o.draft_ngram_max,
+                                             std::min({draft_len, room_left, fwd.max_batch() - 1}));
+        if (!d.empty() && !cache.step_keeps_any(int(d.size()) + 1)) d.clear();
+        if (d.empty()) {
+          logits = fwd.eval(&next, 1, cache);
+          ++n_eval;
+          next = sampler.sample(logits, c.n_vocab, history, turn_start);
+          continue;
+        }
+        std::vector<int32_t> batch(1, next);
+        batch.insert(batch.end(), d.begin(), d.end());
+        // the rows through decode's one-token weight kernels (12 or more rows would otherwise
+        // run the prefill kernels, whose sums round differently), so that each is what decoding
+        // computes for its token
+        const bool invariant = matmul_batch_invariant();
+        matmul_set_batch_invariant(true);
+        const float* rows = fwd.eval_held(batch.data(), int(batch.size()), cache);
+        matmul_set_batch_invariant(invariant);
+        int kept = 0;
+        bool ended = false;
+        for (size_t i = 0;; ++i) {
+          next = sampler.sample(rows + i * size_t(c.n_vocab), c.n_vocab, history, turn_start);
+          if (i == d.size() || next != d[i]) break;
+          if (!emit(next) || n_gen == o.n_predict) {  // a kept draft ends the text
+            ended = true;
+            if (!tok.is_eog(next)) ++kept;
+            break;
+          }
+          ++kept;
+        }
+        cache.commit(int(batch.size()), 1 + kept);
+        draft_len = kept == int(d.size()) ? std::min(o.draft_max, 2 * draft_len) : kept + 1;
+        ++spec_steps;
+        spec_drafted += int(d.size());
+        spec_accepted += kept;
+        n_eval += 1 + kept;
+        if (ended) break;
+      }
+      const std::string rest = stream.flush();
+      std::fwrite(rest.data(), 1, rest.size(), stdout);
+      std::fputc('\n', stdout);
+      std::fflush(stdout);
+      t_gen += now_seconds() - t1;
+      return room;
+    }
     for (int n_gen = 0; n_gen < o.n_predict && !(doc && doc->done()); ++n_gen) {
       const float* lg = logits;
       if (doc) {
@@ -283,6 +384,10 @@ int run_command(const RunOptions& o) {
                double(n_prompt) / std::max(t_prompt, 1e-9));
   std::fprintf(stderr, "[kvq] decode: %d tokens in %.3f s (%.1f tokens/s)\n", n_eval, t_gen,
                n_eval > 0 ? double(n_eval) / std::max(t_gen, 1e-9) : 0.0);
+  if (o.draft_max > 0)
+    std::fprintf(stderr, "[kvq] speculative: %d verification steps, %d of %d drafted tokens kept (%.1f%%), %.2f tokens per step\n",
+                 spec_steps, spec_accepted, spec_drafted, spec_drafted > 0 ? 100.0 * spec_accepted / spec_drafted : 0.0,
+                 spec_steps > 0 ? double(spec_steps + spec_accepted) / spec_steps : 0.0);
   std::fprintf(stderr, "[kvq] memory: weights %s, KV %s (%d tokens), scratch %s\n", mib(model->weights_bytes()).c_str(),
                mib(cache.bytes_pages() + cache.bytes_tail()).c_str(), cache.n_tokens(), mib(fwd.scratch_bytes()).c_str());
   return 0;

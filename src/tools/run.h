@@ -30,6 +30,11 @@ struct RunOptions {
   std::string system;    // --system, with --chat
   SamplerParams sampling;
   KvFlags kv;
+  // Speculative decoding by prompt lookup (model/draft.h): up to draft_max drafted tokens per
+  // step (0: off), from the latest earlier occurrence of the last draft_ngram_max .. _min tokens.
+  int draft_max = 0;
+  int draft_ngram_min = 2;
+  int draft_ngram_max = 4;
 };
 
 void run_add_cli(CLI::App& app, RunOptions& o);

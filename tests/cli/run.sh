@@ -16,6 +16,22 @@ check "stderr reports memory" "grep -q 'memory: weights' $tmp/err"
 check "stderr names the SIMD level the kernels run" "grep -Eq '\| cpu (scalar|avx2|avx512) \|' $tmp/err"
 check "stdout has no log lines" "! grep -q '\[kvq\]' $tmp/out"
 
+# speculative decoding by prompt lookup: the same greedy text, fewer forward passes (the story
+# repeats itself, so drafts are kept), with f16 and int8 caches (the grouped formats' rollback is
+# checked in KvPaging.HeldStepKeepingFewerEqualsAppendingOnlyThose: this model's head_dim 8 is
+# below theirs)
+for kvf in f16 int8; do
+  "$kvq" run -m "$model" -n 120 --temp 0 -t 1 --draft-max 8 --kv-cache-dtype $kvf >"$tmp/spec_$kvf" 2>"$tmp/specerr"
+  check "--draft-max 8 ($kvf): exits 0" "[[ $? -eq 0 ]]"
+  check "--draft-max 8 ($kvf): the known greedy text" "[[ \"\$(head -c 100 $tmp/spec_$kvf)\" == \"\$expected\" ]]"
+  check "--draft-max 8 ($kvf): drafts were kept" "grep -Eq 'speculative: [0-9]+ verification steps, [1-9][0-9]* of [0-9]+ drafted tokens kept' $tmp/specerr"
+  "$kvq" run -m "$model" -n 120 --temp 0 -t 1 --kv-cache-dtype $kvf >"$tmp/nospec" 2>/dev/null
+  check "--draft-max ($kvf): the whole text equals decoding's" "cmp -s $tmp/nospec $tmp/spec_$kvf"
+done
+"$kvq" run -m "$model" -p "Lily" -n 60 --temp 0.9 --seed 7 --draft-max 6 >"$tmp/ss1" 2>/dev/null
+"$kvq" run -m "$model" -p "Lily" -n 60 --temp 0.9 --seed 7 --draft-max 6 >"$tmp/ss2" 2>/dev/null
+check "--draft-max with sampling: same seed, same text" "[[ -s $tmp/ss1 ]] && cmp -s $tmp/ss1 $tmp/ss2"
+
 # --echo prints the prompt first
 "$kvq" run -m "$model" -p "Once upon a time" -n 5 --temp 0 --echo >"$tmp/echo" 2>/dev/null
 check "--echo prints the prompt" "grep -q '^Once upon a time' $tmp/echo"
@@ -65,6 +81,9 @@ check "--regex '' (only the empty text) generates nothing" "[[ \$(cat $tmp/out) 
 bad "threads < 1" run -m "$model" -p hi -t -1
 bad "unknown flag" run -m "$model" --no-such-flag
 bad "unknown KV format" run -m "$model" -p hi --kv-cache-dtype int7
+bad "--draft-max with --json" run -m "$model" -p hi --json --draft-max 4
+bad "--draft-max out of range" run -m "$model" -p hi --draft-max 65
+bad "--draft-ngram-min above --draft-ngram-max" run -m "$model" -p hi --draft-max 4 --draft-ngram-min 5 --draft-ngram-max 3
 bad "unknown RoPE scaling" run -m "$model" -p hi --rope-scaling ntk
 bad "YaRN without a factor" run -m "$model" -p hi --rope-scaling yarn
 bad "--yarn-orig-ctx without YaRN" run -m "$model" -p hi --yarn-orig-ctx 512
