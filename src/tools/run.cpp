@@ -231,11 +231,19 @@ int run_command(const RunOptions& o) {
         ++n_gen;
         return true;
       };
-      for (;;) {
-        if (!emit(next) || n_gen == o.n_predict) break;
+      for (; o.n_predict > 0;) {
+        if (!emit(next)) break;
         if (cache.n_tokens() >= ctx) {
           stop_reason = "context full";
           room = false;
+          break;
+        }
+        if (n_gen == o.n_predict) {
+          // a conversation goes on from here: the last token into the cache, as decoding does
+          if (o.interactive) {
+            fwd.eval(&next, 1, cache);
+            ++n_eval;
+          }
           break;
         }
         // drafts: no more than the tokens still wanted and the room in the context allow, and

@@ -81,6 +81,10 @@ check "--regex '' (only the empty text) generates nothing" "[[ \$(cat $tmp/out) 
 bad "threads < 1" run -m "$model" -p hi -t -1
 bad "unknown flag" run -m "$model" --no-such-flag
 bad "unknown KV format" run -m "$model" -p hi --kv-cache-dtype int7
+# -n 0 generates nothing with drafting too
+"$kvq" run -m "$model" -p "Once upon a time" -n 0 --temp 0 -t 1 --draft-max 4 >"$tmp/n0" 2>"$tmp/n0e"
+check "--draft-max with -n 0: nothing generated" "grep -q 'decode: 0 tokens' $tmp/n0e && grep -q 'stop: length' $tmp/n0e"
+
 bad "--draft-max with --json" run -m "$model" -p hi --json --draft-max 4
 bad "--draft-max out of range" run -m "$model" -p hi --draft-max 65
 bad "--draft-ngram-min above --draft-ngram-max" run -m "$model" -p hi --draft-max 4 --draft-ngram-min 5 --draft-ngram-max 3
@@ -168,6 +172,12 @@ check "K/V split format runs" "[[ $rc -eq 0 && -s $tmp/split ]]"
 smol=${KVQ_MODELS_DIR:-$src/models}/SmolLM2-135M-Instruct.Q4_1.gguf
 [[ -f $smol ]] || smol=$src/models/SmolLM2-135M-Instruct.Q4_1.gguf
 if [[ -f $smol ]]; then
+  # a conversation with drafting: replies that stop at -n leave the cache as decoding does
+  printf 'Name a color.\nContinue what you were saying.\nWhat did you just say?\nSay it again.\n' >"$tmp/turns"
+  "$kvq" run -m "$smol" --chat -i -n 3 --temp 0 -t 1 <"$tmp/turns" >"$tmp/i0" 2>"$tmp/ie0"
+  "$kvq" run -m "$smol" --chat -i -n 3 --temp 0 -t 1 --draft-max 8 <"$tmp/turns" >"$tmp/i8" 2>"$tmp/ie8"
+  check "--draft-max in a conversation: the same replies and cache" \
+    "[[ -s $tmp/i0 ]] && cmp -s $tmp/i0 $tmp/i8 && diff <(grep -o 'turn.*in the cache' $tmp/ie0) <(grep -o 'turn.*in the cache' $tmp/ie8) >/dev/null"
   "$kvq" run -m "$smol" --chat -p "What is a cat?" -n 12 --temp 0 -t 1 >"$tmp/one" 2>/dev/null
   printf 'What is a cat?\n\nAnd a dog?\n' | "$kvq" run -m "$smol" --chat -i -n 12 --temp 0 -t 1 >"$tmp/conv" 2>"$tmp/conv.err"
   rc=$?
