@@ -279,12 +279,16 @@ int run_command(const RunOptions& o) {
           }
           ++kept;
         }
-        cache.commit(int(batch.size()), 1 + kept);
+        // The cache keeps the step's token and the kept drafts; a text that ends at -n on a kept
+        // draft leaves that one out, as decoding does not run its last token (a conversation,
+        // which goes on from it, keeps it)
+        const int keep = 1 + kept - (ended && n_gen == o.n_predict && !tok.is_eog(next) && !o.interactive ? 1 : 0);
+        cache.commit(int(batch.size()), keep);
         draft_len = kept == int(d.size()) ? std::min(o.draft_max, 2 * draft_len) : kept + 1;
         ++spec_steps;
         spec_drafted += int(d.size());
         spec_accepted += kept;
-        n_eval += 1 + kept;
+        n_eval += keep;
         if (ended) break;
       }
       const std::string rest = stream.flush();

@@ -25,8 +25,15 @@ for kvf in f16 int8; do
   check "--draft-max 8 ($kvf): exits 0" "[[ $? -eq 0 ]]"
   check "--draft-max 8 ($kvf): the known greedy text" "[[ \"\$(head -c 100 $tmp/spec_$kvf)\" == \"\$expected\" ]]"
   check "--draft-max 8 ($kvf): drafts were kept" "grep -Eq 'speculative: [0-9]+ verification steps, [1-9][0-9]* of [0-9]+ drafted tokens kept' $tmp/specerr"
-  "$kvq" run -m "$model" -n 120 --temp 0 -t 1 --kv-cache-dtype $kvf >"$tmp/nospec" 2>/dev/null
+  "$kvq" run -m "$model" -n 120 --temp 0 -t 1 --kv-cache-dtype $kvf >"$tmp/nospec" 2>"$tmp/nospecerr"
   check "--draft-max ($kvf): the whole text equals decoding's" "cmp -s $tmp/nospec $tmp/spec_$kvf"
+done
+# a text that ends at -n on a kept draft (-n 83 and 109 here) leaves the cache as decoding does
+for n in 83 109; do
+  "$kvq" run -m "$model" -n $n --temp 0 -t 1 --draft-max 8 >/dev/null 2>"$tmp/specerr"
+  "$kvq" run -m "$model" -n $n --temp 0 -t 1 >/dev/null 2>"$tmp/nospecerr"
+  check "--draft-max, -n $n: as many tokens in the cache as decoding leaves" \
+    "[[ \"\$(grep -o 'KV .* tokens)' $tmp/specerr)\" == \"\$(grep -o 'KV .* tokens)' $tmp/nospecerr)\" ]]"
 done
 "$kvq" run -m "$model" -p "Lily" -n 60 --temp 0.9 --seed 7 --draft-max 6 >"$tmp/ss1" 2>/dev/null
 "$kvq" run -m "$model" -p "Lily" -n 60 --temp 0.9 --seed 7 --draft-max 6 >"$tmp/ss2" 2>/dev/null
