@@ -291,46 +291,41 @@ int run_command(const RunOptions& o) {
         n_eval += keep;
         if (ended) break;
       }
-      const std::string rest = stream.flush();
-      std::fwrite(rest.data(), 1, rest.size(), stdout);
-      std::fputc('\n', stdout);
-      std::fflush(stdout);
-      t_gen += now_seconds() - t1;
-      return room;
-    }
-    for (int n_gen = 0; n_gen < o.n_predict && !(doc && doc->done()); ++n_gen) {
-      const float* lg = logits;
-      if (doc) {
-        masked.assign(logits, logits + c.n_vocab);
-        grammar_mask(*doc, *grammar_vocab, {}, masked.data(), int(c.n_vocab));
-        lg = masked.data();
+    } else {
+      for (int n_gen = 0; n_gen < o.n_predict && !(doc && doc->done()); ++n_gen) {
+        const float* lg = logits;
+        if (doc) {
+          masked.assign(logits, logits + c.n_vocab);
+          grammar_mask(*doc, *grammar_vocab, {}, masked.data(), int(c.n_vocab));
+          lg = masked.data();
+        }
+        const int32_t next = sampler.sample(lg, c.n_vocab, history, turn_start);
+        if (tok.is_eog(next)) {
+          stop_reason = doc && !doc->accepting() ? "no token continues the document" : "end of generation token";
+          break;
+        }
+        history.push_back(next);
+        const std::string piece = stream.push(next);
+        if (!piece.empty()) {
+          std::fwrite(piece.data(), 1, piece.size(), stdout);
+          std::fflush(stdout);
+        }
+        if (doc && (!doc->feed(json_vocab->bytes(next)) || doc->done())) {
+          stop_reason = !doc->done()      ? "no token continues the document"
+                        : o.json_object ? "end of the JSON object"
+                        : o.json_schema.empty() ? "end of the text"
+                                                : "end of the document";
+          break;
+        }
+        if (cache.n_tokens() >= ctx) {
+          stop_reason = "context full";
+          room = false;
+          break;
+        }
+        if (n_gen + 1 == o.n_predict && !o.interactive) continue;  // the last token needs no logits
+        logits = fwd.eval(&next, 1, cache);
+        ++n_eval;
       }
-      const int32_t next = sampler.sample(lg, c.n_vocab, history, turn_start);
-      if (tok.is_eog(next)) {
-        stop_reason = doc && !doc->accepting() ? "no token continues the document" : "end of generation token";
-        break;
-      }
-      history.push_back(next);
-      const std::string piece = stream.push(next);
-      if (!piece.empty()) {
-        std::fwrite(piece.data(), 1, piece.size(), stdout);
-        std::fflush(stdout);
-      }
-      if (doc && (!doc->feed(json_vocab->bytes(next)) || doc->done())) {
-        stop_reason = !doc->done()      ? "no token continues the document"
-                      : o.json_object ? "end of the JSON object"
-                      : o.json_schema.empty() ? "end of the text"
-                                              : "end of the document";
-        break;
-      }
-      if (cache.n_tokens() >= ctx) {
-        stop_reason = "context full";
-        room = false;
-        break;
-      }
-      if (n_gen + 1 == o.n_predict && !o.interactive) continue;  // the last token needs no logits
-      logits = fwd.eval(&next, 1, cache);
-      ++n_eval;
     }
     const std::string rest = stream.flush();
     std::fwrite(rest.data(), 1, rest.size(), stdout);
