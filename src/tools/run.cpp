@@ -131,8 +131,6 @@ int run_command(const RunOptions& o) {
     }
   }
 
-  if (o.draft_max > 0 && grammar)
-    fail("--draft-max does not combine with --json, --json-schema, --regex or --grammar (drafts are not checked against them)");
   if (o.draft_ngram_min > o.draft_ngram_max)
     fail("--draft-ngram-min {} exceeds --draft-ngram-max {}", o.draft_ngram_min, o.draft_ngram_max);
   if (o.ctx < 0) fail("--ctx-size must be > 0 (got {})", o.ctx);
@@ -204,23 +202,30 @@ int run_command(const RunOptions& o) {
     // Each turn's answer is one document (--json: one object).
     std::unique_ptr<GrammarState> doc = grammar ? std::make_unique<GrammarState>(grammar) : nullptr;
     if (doc && doc->done()) stop_reason = "end of the text";  // only the empty text (--regex '')
-    if (o.draft_max > 0) {
+    if (o.draft_max > 0 && !(doc && doc->done())) {
       // Speculative decoding: `next` is sampled; the tokens that followed the latest earlier
       // occurrence of the text's end are drafted after it, and one forward pass gives logits
-      // after each. Row i is sampled as decoding would sample it (the history holding the drafts
-      // kept so far): while the sample equals the draft that follows, the draft is kept; the first
-      // sample that differs (or the one after the last draft) is the next token. For greedy
-      // decoding the output is decoding's; for sampling, its distribution.
-      int32_t next = sampler.sample(logits, c.n_vocab, history, turn_start);
+      // after each. Row i is sampled as decoding would sample it (the history, and the grammar's
+      // state, holding the drafts kept so far): while the sample equals the draft that follows,
+      // the draft is kept; the first sample that differs (or the one after the last draft) is the
+      // next token. For greedy decoding the output is decoding's; for sampling, its distribution.
+      auto sample_row = [&](const float* row) {
+        const float* lg = row;
+        if (doc) {
+          masked.assign(row, row + c.n_vocab);
+          grammar_mask(*doc, *grammar_vocab, {}, masked.data(), int(c.n_vocab));
+          lg = masked.data();
+        }
+        return sampler.sample(lg, c.n_vocab, history, turn_start);
+      };
+      // go: emitted, generation goes on; last: emitted, and the text ends with it (the document is
+      // complete); none: the text ends before it (end-of-generation, or no token continues the document)
+      enum class Emit { go, last, none };
       int n_gen = 0;
-      // Drafts as long as the last verification kept plus one, doubled while all are kept (up to
-      // --draft-max): a verified row costs a good part of a decode step, so long drafts are
-      // tried where the text has been copying.
-      int draft_len = o.draft_max;
-      auto emit = [&](int32_t t) {  // false: generation ends before t
+      auto emit = [&](int32_t t) {
         if (tok.is_eog(t)) {
-          stop_reason = "end of generation token";
-          return false;
+          stop_reason = doc && !doc->accepting() ? "no token continues the document" : "end of generation token";
+          return Emit::none;
         }
         history.push_back(t);
         const std::string piece = stream.push(t);
@@ -229,10 +234,22 @@ int run_command(const RunOptions& o) {
           std::fflush(stdout);
         }
         ++n_gen;
-        return true;
+        if (doc && (!doc->feed(json_vocab->bytes(t)) || doc->done())) {
+          stop_reason = !doc->done()      ? "no token continues the document"
+                        : o.json_object ? "end of the JSON object"
+                        : o.json_schema.empty() ? "end of the text"
+                                                : "end of the document";
+          return Emit::last;
+        }
+        return Emit::go;
       };
+      // Drafts as long as the last verification kept plus one, doubled while all are kept (up to
+      // --draft-max): a verified row costs a good part of a decode step, so long drafts are
+      // tried where the text has been copying.
+      int draft_len = o.draft_max;
+      int32_t next = sample_row(logits);
       for (; o.n_predict > 0;) {
-        if (!emit(next)) break;
+        if (emit(next) != Emit::go) break;
         if (cache.n_tokens() >= ctx) {
           stop_reason = "context full";
           room = false;
@@ -255,7 +272,7 @@ int run_command(const RunOptions& o) {
         if (d.empty()) {
           logits = fwd.eval(&next, 1, cache);
           ++n_eval;
-          next = sampler.sample(logits, c.n_vocab, history, turn_start);
+          next = sample_row(logits);
           continue;
         }
         std::vector<int32_t> batch(1, next);
@@ -267,28 +284,26 @@ int run_command(const RunOptions& o) {
         matmul_set_batch_invariant(true);
         const float* rows = fwd.eval_held(batch.data(), int(batch.size()), cache);
         matmul_set_batch_invariant(invariant);
-        int kept = 0;
+        // kept: drafts that were right; in_cache: the step's tokens the cache keeps (decoding
+        // runs neither a token that ends the text nor, outside a conversation, the last of -n)
+        int kept = 0, in_cache = 1;
         bool ended = false;
         for (size_t i = 0;; ++i) {
-          next = sampler.sample(rows + i * size_t(c.n_vocab), c.n_vocab, history, turn_start);
+          next = sample_row(rows + i * size_t(c.n_vocab));
           if (i == d.size() || next != d[i]) break;
-          if (!emit(next) || n_gen == o.n_predict) {  // a kept draft ends the text
-            ended = true;
-            if (!tok.is_eog(next)) ++kept;
-            break;
-          }
+          const Emit e = emit(next);
+          ended = e != Emit::go || n_gen == o.n_predict;
+          if (e == Emit::none) break;
           ++kept;
+          if (e == Emit::go && !(n_gen == o.n_predict && !o.interactive)) ++in_cache;
+          if (ended) break;
         }
-        // The cache keeps the step's token and the kept drafts; a text that ends at -n on a kept
-        // draft leaves that one out, as decoding does not run its last token (a conversation,
-        // which goes on from it, keeps it)
-        const int keep = 1 + kept - (ended && n_gen == o.n_predict && !tok.is_eog(next) && !o.interactive ? 1 : 0);
-        cache.commit(int(batch.size()), keep);
+        cache.commit(int(batch.size()), in_cache);
         draft_len = kept == int(d.size()) ? std::min(o.draft_max, 2 * draft_len) : kept + 1;
         ++spec_steps;
         spec_drafted += int(d.size());
         spec_accepted += kept;
-        n_eval += keep;
+        n_eval += in_cache;
         if (ended) break;
       }
     } else {

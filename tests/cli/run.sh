@@ -88,11 +88,19 @@ check "--regex '' (only the empty text) generates nothing" "[[ \$(cat $tmp/out) 
 bad "threads < 1" run -m "$model" -p hi -t -1
 bad "unknown flag" run -m "$model" --no-such-flag
 bad "unknown KV format" run -m "$model" -p hi --kv-cache-dtype int7
+# drafting under a grammar that forbids what the story model wants (capitals): every verified
+# row masked by the grammar's state after the drafts kept before it, the text decoding's
+for d in 0 8; do
+  "$kvq" run -m "$model" -p "Once upon a time" -n 150 --temp 0 -t 1 --regex '( [a-z]+[.,]?){1,200}' --draft-max $d \
+    >"$tmp/rx$d" 2>"$tmp/rxe$d"
+done
+check "--draft-max with --regex: decoding's text" "[[ -s $tmp/rx0 ]] && cmp -s $tmp/rx0 $tmp/rx8"
+check "--draft-max with --regex: drafts were kept" "grep -Eq '[1-9][0-9]* of [0-9]+ drafted tokens kept' $tmp/rxe8"
+
 # -n 0 generates nothing with drafting too
 "$kvq" run -m "$model" -p "Once upon a time" -n 0 --temp 0 -t 1 --draft-max 4 >"$tmp/n0" 2>"$tmp/n0e"
 check "--draft-max with -n 0: nothing generated" "grep -q 'decode: 0 tokens' $tmp/n0e && grep -q 'stop: length' $tmp/n0e"
 
-bad "--draft-max with --json" run -m "$model" -p hi --json --draft-max 4
 bad "--draft-max out of range" run -m "$model" -p hi --draft-max 65
 bad "--draft-ngram-min above --draft-ngram-max" run -m "$model" -p hi --draft-max 4 --draft-ngram-min 5 --draft-ngram-max 3
 bad "unknown RoPE scaling" run -m "$model" -p hi --rope-scaling ntk
@@ -179,6 +187,16 @@ check "K/V split format runs" "[[ $rc -eq 0 && -s $tmp/split ]]"
 smol=${KVQ_MODELS_DIR:-$src/models}/SmolLM2-135M-Instruct.Q4_1.gguf
 [[ -f $smol ]] || smol=$src/models/SmolLM2-135M-Instruct.Q4_1.gguf
 if [[ -f $smol ]]; then
+  # drafting under a JSON Schema: each row masked by the grammar's state after the kept drafts;
+  # the same document, stop and cache as decoding
+  printf '%s' '{"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"},"city":{"type":"string"}},"required":["name","age","city"]}' >"$tmp/person.json"
+  for d in 0 4; do
+    "$kvq" run -m "$smol" --chat -p "Give a JSON object for John Smith, 42, from Boston. John Smith is 42 years old and lives in Boston." \
+      -n 80 --temp 0 -t 1 --json-schema "$tmp/person.json" --draft-max $d >"$tmp/js$d" 2>"$tmp/jse$d"
+  done
+  check "--draft-max with --json-schema: the same document, stop and cache" \
+    "[[ -s $tmp/js0 ]] && cmp -s $tmp/js0 $tmp/js4 && grep -q 'stop: end of the document' $tmp/jse4 && [[ \"\$(grep -o 'KV .* tokens)' $tmp/jse0)\" == \"\$(grep -o 'KV .* tokens)' $tmp/jse4)\" ]]"
+  check "--draft-max with --json-schema: drafts were kept" "grep -Eq '[1-9][0-9]* of [0-9]+ drafted tokens kept' $tmp/jse4"
   # a conversation with drafting: replies that stop at -n leave the cache as decoding does
   printf 'Name a color.\nContinue what you were saying.\nWhat did you just say?\nSay it again.\n' >"$tmp/turns"
   "$kvq" run -m "$smol" --chat -i -n 3 --temp 0 -t 1 <"$tmp/turns" >"$tmp/i0" 2>"$tmp/ie0"
