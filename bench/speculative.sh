@@ -5,15 +5,18 @@
 #
 #   bench/speculative.sh BUILD_DIR MODEL.gguf PROMPT.txt [PROMPT.txt ...]
 #
-# Env: DRAFTS (default "0 4 8 16"), REPS (3), N (tokens, 150), THREADS (2). Prompts are chat turns
-# (--chat); bench/prompts/ has an edit that copies its input (fix_spelling), a rewrite of code
-# (add_docstring) and free writing (story).
+# Env: DRAFTS (default "0 4 8 16"), REPS (3), N (tokens, 150), THREADS (2), ARGS (more kvq run flags,
+# e.g. "--json-schema bench/prompts/contact.schema.json"). Prompts are chat turns (--chat);
+# bench/prompts/ has an edit that copies its input (fix_spelling), a rewrite of code
+# (add_docstring), free writing (story) and an extraction into JSON (extract_contact, with
+# contact.schema.json).
 set -euo pipefail
 build=$1; model=$2; shift 2
 drafts=${DRAFTS:-"0 4 8 16"}
 reps=${REPS:-3}
 n=${N:-150}
 threads=${THREADS:-2}
+read -r -a extra <<<"${ARGS:-}"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 for prompt in "$@"; do
@@ -23,7 +26,7 @@ for prompt in "$@"; do
   for d in $drafts; do
     speeds=()
     for ((r = 0; r < reps; ++r)); do
-      "$build/kvq" run -m "$model" --chat -f "$prompt" -n "$n" --temp 0 -t "$threads" --draft-max "$d" >"$tmp/out_$d" 2>"$tmp/err"
+      "$build/kvq" run -m "$model" --chat -f "$prompt" -n "$n" --temp 0 -t "$threads" --draft-max "$d" "${extra[@]}" >"$tmp/out_$d" 2>"$tmp/err"
       speeds+=("$(sed -n 's/.*decode: .*(\([0-9.]*\) tokens\/s).*/\1/p' "$tmp/err")")
     done
     med=$(printf '%s\n' "${speeds[@]}" | sort -g | sed -n "$(( (reps + 1) / 2 ))p")
