@@ -179,10 +179,9 @@ void model_config_apply_rope(ModelConfig& c, const RopeOverrides& o) {
   if (o.yarn_beta_slow > 0) c.yarn_beta_slow = float(o.yarn_beta_slow);
   if (!c.rope_yarn && (o.yarn_orig_ctx > 0 || o.yarn_beta_fast > 0 || o.yarn_beta_slow > 0))
     fail("--yarn-orig-ctx, --yarn-beta-fast and --yarn-beta-slow need YaRN scaling (--rope-scaling yarn, or a file that has it)");
-  if (c.rope_yarn && o.scale == 0 && !was_yarn) {
-    // a factor the file gave for linear scaling carries over; none at all is asked for
-    if (c.rope_scale == 1.f) fail("--rope-scaling yarn needs --rope-scale (the factor: context / original context)");
-  }
+  // (a factor the file gave for linear scaling carries over to YaRN)
+  if (c.rope_yarn && !was_yarn && o.scale == 0 && c.rope_scale == 1.f)
+    fail("--rope-scaling yarn needs --rope-scale (the factor: context / original context)");
   // The sliding-window layers keep the file's scaling (rope_scale_local), as llama.cpp's
   // (rope_freq_scale_train_swa): Gemma 2's then rotate as the file says while its global layers follow
   // the flags (under YaRN, a local layer whose file factor is 1 rotates plainly, magnitude 1).

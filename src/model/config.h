@@ -111,7 +111,6 @@ struct ModelConfig {
   int64_t ffn_active_channels() const {
     return n_expert > 0 ? int64_t(n_expert_used) * n_ff_exp + n_ff_shexp : n_ff;
   }
-
 };
 
 // RoPE settings given on the command line in place of the file's (llama.cpp's flags of the same
@@ -137,8 +136,8 @@ void model_config_apply_rope(ModelConfig& c, const RopeOverrides& o);
 KvRope model_layer_rope(const ModelConfig& c, int il);
 // What RoPE multiplies cos and sin by on layer il: rope.scaling.attn_factor (not on sliding-window
 // layers) times, on the layers YaRN scales, its magnitude (1 + 0.1 ln(factor), or the file's
-// rope.scaling.yarn_attn_factor); 1: none. The forward pass
-// multiplies q's rotated dims by its square instead (the cache keeps keys without it).
+// rope.scaling.yarn_attn_factor); 1: none. The forward pass multiplies q's rotated dims by its
+// square instead (the cache keeps keys without it).
 float model_layer_rope_mscale(const ModelConfig& c, int il);
 // YaRN's per-pair rate multiplier (n_rot / 2 values in (1 / factor, 1]) for RoPE of n_rot dims at
 // `base`, as ggml's rope_yarn: 1 / factor mixed with 1 by the ramp between ggml_rope_yarn_corr_dims.

@@ -14,12 +14,12 @@
 #include "core/timer.h"
 #include "model/chat.h"
 #include "model/draft.h"
-#include "weights/weights.h"
 #include "model/model.h"
 #include "model/json_constraint.h"
 #include "model/json_schema.h"
 #include "model/tokenizer.h"
 #include "tools/files.h"
+#include "weights/weights.h"
 
 namespace kvq {
 
@@ -202,13 +202,14 @@ int run_command(const RunOptions& o) {
     // Each turn's answer is one document (--json: one object).
     std::unique_ptr<GrammarState> doc = grammar ? std::make_unique<GrammarState>(grammar) : nullptr;
     if (doc && doc->done()) stop_reason = "end of the text";  // only the empty text (--regex '')
-    if (o.draft_max > 0 && !(doc && doc->done())) {
-      // Speculative decoding: `next` is sampled; the tokens that followed the latest earlier
-      // occurrence of the text's end are drafted after it, and one forward pass gives logits
-      // after each. Row i is sampled as decoding would sample it (the history, and the grammar's
-      // state, holding the drafts kept so far): while the sample equals the draft that follows,
-      // the draft is kept; the first sample that differs (or the one after the last draft) is the
-      // next token. For greedy decoding the output is decoding's; for sampling, its distribution.
+    if (o.n_predict > 0 && !(doc && doc->done())) {
+      // Decoding: sample `next`, run it, sample the next from its logits. With --draft-max
+      // (speculative decoding), the tokens that followed the latest earlier occurrence of the
+      // text's end are drafted after `next`, and one forward pass gives logits after each. Row i
+      // is sampled as decoding would sample it (the history, and the grammar's state, holding the
+      // drafts kept so far): while the sample equals the draft that follows, the draft is kept;
+      // the first sample that differs (or the one after the last draft) is the next token. For
+      // greedy decoding the output is decoding's; for sampling, its distribution.
       auto sample_row = [&](const float* row) {
         const float* lg = row;
         if (doc) {
@@ -248,7 +249,7 @@ int run_command(const RunOptions& o) {
       // tried where the text has been copying.
       int draft_len = o.draft_max;
       int32_t next = sample_row(logits);
-      for (; o.n_predict > 0;) {
+      for (;;) {
         if (emit(next) != Emit::go) break;
         if (cache.n_tokens() >= ctx) {
           stop_reason = "context full";
@@ -263,8 +264,8 @@ int run_command(const RunOptions& o) {
           }
           break;
         }
-        // drafts: no more than the tokens still wanted and the room in the context allow, and
-        // none when the step would pack a group of a grouped KV format
+        // drafts (none without --draft-max): no more than the tokens still wanted and the room in
+        // the context allow, and none when the step would pack a group of a grouped KV format
         const int room_left = std::min(o.n_predict - n_gen, ctx - cache.n_tokens() - 1);
         std::vector<int32_t> d = ngram_draft(history, o.draft_ngram_min, o.draft_ngram_max,
                                              std::min({draft_len, room_left, fwd.max_batch() - 1}));
@@ -305,41 +306,6 @@ int run_command(const RunOptions& o) {
         spec_accepted += kept;
         n_eval += in_cache;
         if (ended) break;
-      }
-    } else {
-      for (int n_gen = 0; n_gen < o.n_predict && !(doc && doc->done()); ++n_gen) {
-        const float* lg = logits;
-        if (doc) {
-          masked.assign(logits, logits + c.n_vocab);
-          grammar_mask(*doc, *grammar_vocab, {}, masked.data(), int(c.n_vocab));
-          lg = masked.data();
-        }
-        const int32_t next = sampler.sample(lg, c.n_vocab, history, turn_start);
-        if (tok.is_eog(next)) {
-          stop_reason = doc && !doc->accepting() ? "no token continues the document" : "end of generation token";
-          break;
-        }
-        history.push_back(next);
-        const std::string piece = stream.push(next);
-        if (!piece.empty()) {
-          std::fwrite(piece.data(), 1, piece.size(), stdout);
-          std::fflush(stdout);
-        }
-        if (doc && (!doc->feed(json_vocab->bytes(next)) || doc->done())) {
-          stop_reason = !doc->done()      ? "no token continues the document"
-                        : o.json_object ? "end of the JSON object"
-                        : o.json_schema.empty() ? "end of the text"
-                                                : "end of the document";
-          break;
-        }
-        if (cache.n_tokens() >= ctx) {
-          stop_reason = "context full";
-          room = false;
-          break;
-        }
-        if (n_gen + 1 == o.n_predict && !o.interactive) continue;  // the last token needs no logits
-        logits = fwd.eval(&next, 1, cache);
-        ++n_eval;
       }
     }
     const std::string rest = stream.flush();
