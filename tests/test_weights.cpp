@@ -564,7 +564,7 @@ TEST(Glu, SimdMatchesReference) {
   auto* simd = variant == 0 ? glu_avx2 : glu_avx512;
   std::mt19937 rng(5);
   std::normal_distribution<float> nd(0.0f, 1.0f);
-  for (GluAct act : {GluAct::silu, GluAct::gelu_tanh})
+  for (GluAct act : {GluAct::silu, GluAct::gelu_tanh, GluAct::swiglu_oai})
     for (float mag : {1.0f, 4.0f, 30.0f, 1e-30f, 1e20f}) {
       const size_t n = 1000 + rng() % 37;  // a masked tail
       std::vector<float> g(n), u(n), want(n), got(n);
@@ -591,12 +591,41 @@ TEST(Glu, SimdMatchesReference) {
           EXPECT_FALSE(std::isfinite(got[i])) << i << " " << g[i];
           continue;
         }
-        const double bound = 6e-7 * std::fabs(double(g[i]) * double(u[i])) + 1e-37;
+        // swiglu_oai multiplies by clamp(up, -7, 7) + 1 instead of up
+        const double uf = act == GluAct::swiglu_oai ? std::clamp(double(u[i]), -7.0, 7.0) + 1.0 : double(u[i]);
+        const double bound = 6e-7 * std::fabs(double(g[i]) * uf) + 1e-37;
         ASSERT_LE(std::fabs(double(got[i]) - double(want[i])), bound)
-            << (act == GluAct::silu ? "silu" : "gelu") << " x=" << g[i] << " up=" << u[i] << " got " << got[i] << " want " << want[i]
+            << (act == GluAct::silu ? "silu" : act == GluAct::gelu_tanh ? "gelu" : "swiglu_oai") << " x=" << g[i] << " up=" << u[i] << " got " << got[i] << " want " << want[i]
             << (variant ? " avx512" : " avx2");
       }
     }
+  }
+}
+
+// gpt-oss's SwiGLU against its definition written out: the gate clamped above at 7 (not below),
+// up clamped to [-7, 7] and shifted by 1, sigmoid(1.702 g); at every CPU level.
+TEST(Glu, SwigluOaiClampsAsDefined) {
+  const std::vector<float> g = {0.f, 1.f, -1.f, 6.99f, 7.f, 7.5f, 100.f, -3.f, -30.f, 2.f, 2.f, 2.f, 10.f, -10.f, 0.5f, -0.5f, 3.f};
+  const std::vector<float> u = {1.f, 0.f, 2.f, 1.f, 1.f, 1.f, 1.f, -1.f, 3.f, 6.f, 9.f, -9.f, -1.f, 20.f, -0.25f, 7.5f, -7.f};
+  const size_t n = g.size();
+  for (CpuLevel l : kLevels) {
+    LevelCap cap(l);
+    std::vector<float> got(n);
+    ThreadPool pool(1);
+    glu(GluAct::swiglu_oai, g.data(), u.data(), got.data(), n, pool);
+    for (size_t i = 0; i < n; ++i) {
+      const double x = std::min(double(g[i]), 7.0), y = std::clamp(double(u[i]), -7.0, 7.0);
+      const double want = x / (1 + std::exp(-1.702 * x)) * (y + 1);
+      EXPECT_NEAR(got[i], want, 1e-6 * (1 + std::fabs(want))) << "g=" << g[i] << " u=" << u[i];
+    }
+    // clamps bite: a gate of 7.5 gives what 7 gives, an up of 9 what 7 gives, -9 what -7 gives
+    EXPECT_EQ(got[5], got[4]);
+    const float g2[2] = {2.f, 2.f}, u7[2] = {7.f, -7.f};
+    float at7[2] = {};
+    glu(GluAct::swiglu_oai, g2, u7, at7, 2, pool);
+    EXPECT_EQ(got[10], at7[0]);
+    EXPECT_EQ(got[11], at7[1]);
+    EXPECT_LT(got[11], -11.f);
   }
 }
 
@@ -606,7 +635,7 @@ TEST(Glu, Avx2EqualsAvx512) {
   if (!(cf.avx2 && cf.fma && cf.avx512f)) GTEST_SKIP() << "needs AVX2 and AVX-512";
   std::mt19937 rng(8);
   std::normal_distribution<float> nd(0.0f, 3.0f);
-  for (GluAct act : {GluAct::silu, GluAct::gelu_tanh}) {
+  for (GluAct act : {GluAct::silu, GluAct::gelu_tanh, GluAct::swiglu_oai}) {
     const size_t n = 517;
     std::vector<float> g(n), u(n), a(n), b(n);
     for (size_t i = 0; i < n; ++i) {

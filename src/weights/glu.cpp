@@ -1,5 +1,6 @@
 #include "weights/glu.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/cpu.h"
@@ -11,6 +12,12 @@ void glu_ref(GluAct act, const float* gate, const float* up, float* out, size_t 
     for (size_t i = 0; i < n; ++i) {
       const float x = gate[i];
       out[i] = 0.5f * x * (1.0f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x))) * up[i];
+    }
+  } else if (act == GluAct::swiglu_oai) {
+    for (size_t i = 0; i < n; ++i) {
+      const float g = std::min(gate[i], kSwigluOaiLimit);
+      const float u = std::clamp(up[i], -kSwigluOaiLimit, kSwigluOaiLimit);
+      out[i] = g / (1.0f + std::exp(-kSwigluOaiAlpha * g)) * (u + 1.0f);
     }
   } else {
     for (size_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];

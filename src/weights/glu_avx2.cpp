@@ -34,6 +34,8 @@ inline __m256 act8(__m256 x) {
   __m256 z;  // act(x) = x / (1 + e^z)
   if constexpr (A == GluAct::silu) {
     z = _mm256_sub_ps(_mm256_setzero_ps(), x);
+  } else if constexpr (A == GluAct::swiglu_oai) {  // x already min(gate, limit)
+    z = _mm256_mul_ps(_mm256_set1_ps(-kSwigluOaiAlpha), x);
   } else {
     const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
     const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f), _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x));
@@ -42,17 +44,28 @@ inline __m256 act8(__m256 x) {
   return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(z)));
 }
 
+// act(gate) * up; swiglu_oai: act(min(gate, limit)) * (clamp(up, -limit, limit) + 1)
+template <GluAct A>
+inline __m256 glu_one(__m256 g, __m256 u) {
+  if constexpr (A == GluAct::swiglu_oai) {
+    const __m256 lim = _mm256_set1_ps(kSwigluOaiLimit);
+    g = _mm256_min_ps(g, lim);
+    u = _mm256_add_ps(_mm256_min_ps(_mm256_max_ps(u, _mm256_sub_ps(_mm256_setzero_ps(), lim)), lim), _mm256_set1_ps(1.0f));
+  }
+  return _mm256_mul_ps(act8<A>(g), u);
+}
+
 template <GluAct A>
 void glu8(const float* gate, const float* up, float* out, size_t n) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(act8<A>(_mm256_loadu_ps(gate + i)), _mm256_loadu_ps(up + i)));
+    _mm256_storeu_ps(out + i, glu_one<A>(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
   if (i < n) {  // the tail through the same vector math, so results never depend on where a split falls
     alignas(32) float g[8] = {}, u[8] = {}, o[8];
     const size_t m = n - i;
     std::memcpy(g, gate + i, m * sizeof(float));
     std::memcpy(u, up + i, m * sizeof(float));
-    _mm256_store_ps(o, _mm256_mul_ps(act8<A>(_mm256_load_ps(g)), _mm256_load_ps(u)));
+    _mm256_store_ps(o, glu_one<A>(_mm256_load_ps(g), _mm256_load_ps(u)));
     std::memcpy(out + i, o, m * sizeof(float));
   }
 }
@@ -61,6 +74,7 @@ void glu8(const float* gate, const float* up, float* out, size_t n) {
 
 void glu_avx2(GluAct act, const float* gate, const float* up, float* out, size_t n) {
   if (act == GluAct::gelu_tanh) glu8<GluAct::gelu_tanh>(gate, up, out, n);
+  else if (act == GluAct::swiglu_oai) glu8<GluAct::swiglu_oai>(gate, up, out, n);
   else glu8<GluAct::silu>(gate, up, out, n);
 }
 
