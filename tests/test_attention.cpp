@@ -1102,3 +1102,152 @@ TEST(Attention, KvCacheAttendRowsMatchesAttendHead) {
   }
   cpu_set_level(saved);
 }
+
+// Attention sinks (gpt-oss): a logit per query head in the softmax's denominator with no value.
+// By hand on one token (score s, value v: out = v e^s / (e^s + e^sink)); against the double
+// reference for a float and a packed format over spans and tail, from a sink far below the scores
+// (no effect) to one far above (out -> 0); one pass, split-K parts, prefill rows and the KV cache's
+// per-head share of the layer's sinks all agree.
+TEST(Attention, SinksJoinTheSoftmaxDenominator) {
+  {  // one token by hand
+    KvCodecParams p;
+    p.head_dim = 32;
+    auto kc = kv_codec_create("f32", p);
+    std::vector<float> q(32, 0.f), tk(32, 0.f), tv(32), out(32);
+    q[0] = 2.f;
+    tk[0] = 0.75f;  // score 1.5 at scale 1
+    for (int d = 0; d < 32; ++d) tv[size_t(d)] = float(d) - 10.f;
+    AlignedBuf<float> scratch(attn_scratch_floats(*kc, *kc, 1, 0));
+    for (float sink : {-1e30f, -3.f, 0.f, 1.5f, 4.f}) {
+      AttnParams ap;
+      ap.sinks = &sink;
+      attn_decode(*kc, *kc, 0, q.data(), 1, nullptr, 0, tk.data(), tv.data(), 32, 1, ap, out.data(), scratch.data());
+      const double w = std::exp(1.5) / (std::exp(1.5) + std::exp(double(sink)));
+      for (int d = 0; d < 32; ++d) EXPECT_NEAR(out[size_t(d)], w * tv[size_t(d)], 1e-5 * (1 + std::fabs(tv[size_t(d)]))) << sink;
+    }
+    // nothing to attend to: zeros, sink or not
+    float sink = 1.f;
+    AttnParams ap;
+    ap.sinks = &sink;
+    attn_decode(*kc, *kc, 0, q.data(), 1, nullptr, 0, nullptr, nullptr, 32, 0, ap, out.data(), scratch.data());
+    for (float v : out) EXPECT_EQ(v, 0.f);
+  }
+  const int hd = 64, bt = 64, n_blocks = 40, n_q = 4;  // 2560 tokens: split-K parts of >= 1024
+  for (const char* fmt : {"f32", "q4_0", "int8"}) {
+    SCOPED_TRACE(fmt);
+    const KvFormatDesc& f = kv_format_find(fmt);
+    KvCodecParams pk, pv;
+    pk.head_dim = pv.head_dim = hd;
+    pk.role = KvRole::key;
+    pv.role = KvRole::value;
+    auto kc = kv_codec_create(f.k_codec, pk);
+    auto vc = kv_codec_create(f.v_codec, pv);
+    std::mt19937 rng(17);
+    std::normal_distribution<float> nd;
+    std::vector<float> q(size_t(n_q) * hd);
+    for (auto& x : q) x = nd(rng);
+    std::vector<std::vector<uint8_t>> kb(n_blocks), vb(n_blocks);
+    std::vector<float> kr(size_t(bt) * hd), vr(kr.size());
+    std::vector<KvBlockSpan> spans;
+    for (int b = 0; b < n_blocks; ++b) {
+      for (auto& x : kr) x = nd(rng);
+      for (auto& x : vr) x = nd(rng);
+      kb[size_t(b)].resize(kc->block_bytes(bt));
+      vb[size_t(b)].resize(vc->block_bytes(bt));
+      kc->encode(0, kr.data(), hd, bt, kb[size_t(b)].data(), bt, 0, b * bt);
+      vc->encode(0, vr.data(), hd, bt, vb[size_t(b)].data(), bt, 0, b * bt);
+      spans.push_back({kb[size_t(b)].data(), vb[size_t(b)].data(), bt, 0, bt, b * bt});
+    }
+    std::vector<float> tk(5 * hd), tv(5 * hd);
+    for (auto& x : tk) x = nd(rng);
+    for (auto& x : tv) x = nd(rng);
+    AttnParams plain;
+    plain.scale = 1.f / std::sqrt(float(hd));
+    std::vector<float> none(size_t(n_q) * hd), ref(none.size()), one(none.size()), split(none.size());
+    AlignedBuf<float> s1(attn_scratch_floats(*kc, *vc, n_q, bt));
+    attn_decode(*kc, *vc, 0, q.data(), n_q, spans.data(), n_blocks, tk.data(), tv.data(), hd, 5, plain, none.data(), s1.data());
+    for (const std::vector<float>& sinks :
+         {std::vector<float>{-1e30f, -1e30f, -1e30f, -1e30f}, std::vector<float>{0.f, 1.f, 2.f, 3.f},
+          std::vector<float>{-2.f, 8.f, 0.5f, 5.f}, std::vector<float>{200.f, 200.f, 200.f, 200.f}}) {
+      AttnParams ap = plain;
+      ap.sinks = sinks.data();
+      attn_decode_ref(*kc, *vc, 0, q.data(), n_q, spans.data(), n_blocks, tk.data(), tv.data(), hd, 5, ap, ref.data());
+      attn_decode(*kc, *vc, 0, q.data(), n_q, spans.data(), n_blocks, tk.data(), tv.data(), hd, 5, ap, one.data(), s1.data());
+      ThreadPool pool(2);
+      AlignedBuf<float> sc(attn_split_scratch_floats(*kc, *vc, n_q, bt, 2));
+      attn_decode_split(*kc, *vc, 0, q.data(), n_q, spans.data(), n_blocks, tk.data(), tv.data(), hd, 5, ap, split.data(),
+                        sc.data(), pool, 2);
+      double vmax = 0, changed = 0;
+      for (float v : ref) vmax = std::max(vmax, double(std::fabs(v)));
+      const double tol = std::string(fmt) == "f32" ? 2e-5 : 0.05;  // packed formats: their own quantization error
+      for (size_t i = 0; i < one.size(); ++i) {
+        ASSERT_NEAR(one[i], ref[i], tol * (1 + vmax)) << "sinks " << sinks[i / hd];
+        ASSERT_NEAR(split[i], one[i], 2e-5 * (1 + vmax)) << "sinks " << sinks[i / hd];
+        changed = std::max(changed, double(std::fabs(one[i] - none[i])));
+        if (sinks[0] == 200.f) {
+          ASSERT_EQ(one[i], 0.f);  // the sink takes all the mass
+        }
+        if (sinks[0] == -1e30f) {
+          ASSERT_EQ(one[i], none[i]);
+        }
+      }
+      if (sinks[0] == 0.f) {
+        EXPECT_GT(changed, 1e-4);
+      }
+    }
+  }
+  // KvCache: KV head h takes sinks [h n_q, (h + 1) n_q) of the layer's; prefill rows and decode
+  // split parts merged with that share agree with attend_head.
+  KvCacheConfig c;
+  c.n_layer = 1;
+  c.n_kv_heads = 2;
+  c.head_dim = hd;
+  c.page_tokens = 64;
+  c.max_tokens = 4096;
+  c.policy = kv_policy_uniform("f16", 1);
+  c.rope.assign(1, KvRope{hd, 10000.f, 1.f, false});
+  c.model_id = "synthetic";
+  KvCache cache(c);
+  std::mt19937 rng(23);
+  std::normal_distribution<float> nd;
+  const int n0 = 2500, n1 = 20, nq = 2;
+  std::vector<float> k(size_t(n0 + n1) * 2 * hd), v(k.size()), q(size_t(n1) * nq * hd);
+  for (auto& x : k) x = nd(rng);
+  for (auto& x : v) x = nd(rng);
+  for (auto& x : q) x = nd(rng);
+  const size_t row = size_t(2) * hd;
+  cache.append(0, n0, k.data(), k.data(), v.data());
+  cache.commit(n0);
+  cache.append(0, n1, k.data() + n0 * row, k.data() + n0 * row, v.data() + n0 * row);
+  const std::vector<float> layer_sinks = {0.5f, 2.f, -1.f, 4.f};  // (KV head, query)
+  AttnParams ap;
+  ap.scale = 0.125f;
+  ap.prefetch_blocks = false;
+  ap.sinks = layer_sinks.data();
+  std::vector<float> rows(q.size()), one(size_t(nq) * hd), own(one.size()), merged(one.size());
+  std::vector<float> sb(cache.attend_scratch_floats(nq * n1)), s1(cache.attend_scratch_floats(nq));
+  std::vector<KvBlockSpan> sp;
+  for (int h = 0; h < 2; ++h) {
+    cache.attend_rows(0, h, n0, n1, q.data(), nq, ap, 0, rows.data(), sb.data(), sp);
+    for (int r = 0; r < n1; r += 7) {
+      const float* qr = q.data() + size_t(r) * nq * hd;
+      cache.attend_head(0, h, n0 + r, qr, nq, ap, 0, one.data(), s1.data(), sp);
+      for (size_t i = 0; i < one.size(); ++i) ASSERT_EQ(rows[size_t(r) * nq * hd + i], one[i]) << "head " << h << " row " << r;
+      // the same head's sinks given directly to attn_decode's level: only head h's share is read
+      AttnParams mine = ap;
+      std::vector<float> share(layer_sinks.begin() + h * nq, layer_sinks.begin() + (h + 1) * nq);
+      std::vector<float> shifted(size_t(2 * nq), -1e30f);
+      std::copy(share.begin(), share.end(), shifted.begin() + h * nq);
+      mine.sinks = shifted.data();
+      cache.attend_head(0, h, n0 + r, qr, nq, mine, 0, own.data(), s1.data(), sp);
+      for (size_t i = 0; i < one.size(); ++i) ASSERT_EQ(own[i], one[i]);
+      std::vector<std::vector<float>> parts(2, std::vector<float>(cache.attend_part_floats(nq)));
+      const int vis = n0 + r + 1;
+      cache.attend_head_part(0, h, n0 + r, qr, nq, ap, 0, 0, 1200, parts[0].data(), s1.data(), sp);
+      cache.attend_head_part(0, h, n0 + r, qr, nq, ap, 0, 1200, vis, parts[1].data(), s1.data(), sp);
+      const float* ptr[2] = {parts[0].data(), parts[1].data()};
+      attn_merge_parts(ptr, 2, nq, hd, merged.data(), share.data());
+      for (size_t i = 0; i < one.size(); ++i) ASSERT_NEAR(merged[i], one[i], 2e-5) << "head " << h << " row " << r;
+    }
+  }
+}

@@ -292,6 +292,19 @@ void run_part(const KvCodec& kc, const KvCodec& vc, int head, int n_q, const KvB
   }
 }
 
+// out = acc / l per query row, with the row's sink logit (sinks[i % period]) added to l: a row
+// that attends to nothing (m = -inf, acc = 0) gives 0, as does one whose sink outweighs every score
+// past float range (e^(sink - m) = inf).
+void normalize_rows(const float* m, const float* l, const float* acc, int nq, int vd, const float* sinks, int period,
+                    float* out) {
+  for (int i = 0; i < nq; ++i) {
+    float li = l[i];
+    if (sinks && m[i] != -std::numeric_limits<float>::infinity()) li += std::exp(sinks[i % period] - m[i]);
+    const float inv = li > 0 ? 1.f / li : 0.f;
+    for (int d = 0; d < vd; ++d) out[size_t(i) * size_t(vd) + size_t(d)] = acc[size_t(i) * size_t(vd) + size_t(d)] * inv;
+  }
+}
+
 int max_span_tokens(const KvBlockSpan* spans, int n_spans) {
   int max_bt = 0;
   for (int b = 0; b < n_spans; ++b) max_bt = std::max(max_bt, spans[b].n);
@@ -313,10 +326,7 @@ void attn_decode(const KvCodec& kc, const KvCodec& vc, int head, const float* q,
   sc.q_raw = q;
   if (n_spans > 0) kc.prepare_query(head, q, n_q, qp);
   run_part(kc, vc, head, n_q, spans, n_spans, tail_k, tail_v, tail_stride, n_tail, ap, sc);
-  for (int i = 0; i < n_q; ++i) {
-    const float inv = sc.l[i] > 0 ? 1.f / sc.l[i] : 0.f;
-    for (int d = 0; d < vd; ++d) out[size_t(i) * size_t(vd) + size_t(d)] = sc.acc[size_t(i) * size_t(vd) + size_t(d)] * inv;
-  }
+  normalize_rows(sc.m, sc.l, sc.acc, n_q, vd, ap.sinks, n_q, out);
 }
 
 void attn_prefill(const KvCodec& kc, const KvCodec& vc, int head, const float* q, int n_q, int n_rows,
@@ -329,10 +339,7 @@ void attn_prefill(const KvCodec& kc, const KvCodec& vc, int head, const float* q
   sc.q_raw = q;
   if (n_spans > 0) kc.prepare_query(head, q, nq, qp);
   run_part(kc, vc, head, nq, spans, n_spans, tail_k, tail_v, tail_stride, n_tail, ap, sc, RowMask{row_limit, n_q});
-  for (int i = 0; i < nq; ++i) {
-    const float inv = sc.l[i] > 0 ? 1.f / sc.l[i] : 0.f;
-    for (int d = 0; d < vd; ++d) out[size_t(i) * size_t(vd) + size_t(d)] = sc.acc[size_t(i) * size_t(vd) + size_t(d)] * inv;
-  }
+  normalize_rows(sc.m, sc.l, sc.acc, nq, vd, ap.sinks, n_q, out);
 }
 
 size_t attn_split_scratch_floats(const KvCodec& kc, const KvCodec& vc, int n_q, int max_block_tokens, int n_parts) {
@@ -374,7 +381,7 @@ void attn_decode_split(const KvCodec& kc, const KvCodec& vc, int head, const flo
   });
   std::vector<const float*> states(static_cast<size_t>(n_parts));
   for (int p = 0; p < n_parts; ++p) states[size_t(p)] = carve_part(n_q, max_bt, parts + size_t(p) * part_stride, qp).m;
-  attn_merge_parts(states.data(), n_parts, n_q, vd, out);
+  attn_merge_parts(states.data(), n_parts, n_q, vd, out, ap.sinks);
 }
 
 size_t attn_part_floats(const KvCodec& vc, int n_q) { return state_floats(n_q, vc.head_dim()); }
@@ -390,7 +397,7 @@ void attn_decode_part(const KvCodec& kc, const KvCodec& vc, int head, const floa
   run_part(kc, vc, head, n_q, spans, n_spans, tail_k, tail_v, tail_stride, n_tail, ap, sc);
 }
 
-void attn_merge_parts(const float* const* parts, int n_parts, int n_q, int vd, float* out) {
+void attn_merge_parts(const float* const* parts, int n_parts, int n_q, int vd, float* out, const float* sinks) {
   const size_t l_off = round16(size_t(n_q)), acc_off = 2 * round16(size_t(n_q));
   for (int i = 0; i < n_q; ++i) {
     float M = -std::numeric_limits<float>::infinity();
@@ -407,6 +414,7 @@ void attn_merge_parts(const float* const* parts, int n_parts, int n_q, int vd, f
         const float* a = parts[p] + acc_off + size_t(i) * size_t(vd);
         for (int d = 0; d < vd; ++d) o[d] += w * a[d];
       }
+      if (sinks) l += std::exp(sinks[i] - M);
     }
     const float inv = l > 0 ? 1.f / l : 0.f;
     for (int d = 0; d < vd; ++d) o[d] *= inv;
@@ -490,6 +498,7 @@ void attn_decode_ref(const KvCodec& kc, const KvCodec& vc, int head, const float
         l += p;
         for (int j = 0; j < vd; ++j) o[size_t(j)] += p * double(V[size_t(t) * size_t(vd) + size_t(j)]);
       }
+      if (ap.sinks) l += std::exp(double(ap.sinks[i]) - mx);
     }
     for (int j = 0; j < vd; ++j) out[size_t(i) * size_t(vd) + size_t(j)] = l > 0 ? float(o[size_t(j)] / l) : 0.f;
   }

@@ -29,6 +29,12 @@ struct AttnParams {
   // blocks read once per call sequence from DRAM (decode). Prefill rows re-read the same blocks,
   // which are then cached, and there the requests only cost instructions (pp4096 ~5% slower).
   bool prefetch_blocks = true;
+  // Attention sinks (gpt-oss): one learned logit per query head that joins each softmax's
+  // denominator without a value, so a query can attend to "nothing": out = sum_t e^(s_t - m) v_t /
+  // (sum_t e^(s_t - m) + e^(sink - m)). The call's n_q values, in query order (the same for every
+  // row of attn_prefill); unscaled and not soft-capped, as llama.cpp's soft_max / flash attention
+  // take them. nullptr: none.
+  const float* sinks = nullptr;
 };
 
 // q: (n_q, head_dim) raw query rows (after RoPE) of the query heads sharing KV head `head`.
@@ -79,7 +85,9 @@ void attn_decode_part(const KvCodec& kc, const KvCodec& vc, int head, const floa
 // out (n_q, vd) from the states of n_parts parts (parts[p]: attn_part_floats floats each). Exact
 // in the sense of flash-decoding: with M = max m_p, l = sum exp(m_p - M) l_p and out = sum exp(m_p
 // - M) acc_p / l; a part with nothing attendable (m = -inf) adds nothing.
-void attn_merge_parts(const float* const* parts, int n_parts, int n_q, int vd, float* out);
+// sinks: n_q sink logits (AttnParams::sinks), added to the merged denominator; nullptr: none.
+void attn_merge_parts(const float* const* parts, int n_parts, int n_q, int vd, float* out,
+                      const float* sinks = nullptr);
 
 // Balancing decode attention over threads: n_items items (query row x KV head), item w reading
 // tokens[w] tokens, as contiguous pieces of the items' tokens laid end to end, thread k taking

@@ -492,6 +492,15 @@ KvCache::Reads KvCache::reads(const Layer& L, int head, int start, int end, std:
   return r;
 }
 
+namespace {
+// The attention parameters of KV head `head`'s n_q query heads: its share of the layer's sinks.
+AttnParams head_params(const AttnParams& ap, int head, int n_q) {
+  AttnParams a = ap;
+  if (a.sinks) a.sinks += size_t(head) * size_t(n_q);
+  return a;
+}
+}  // namespace
+
 void KvCache::attend_head(int layer, int head, int pos, const float* q, int n_q, const AttnParams& ap,
                           int window, float* out, float* scratch, std::vector<KvBlockSpan>& spans) const {
   const Layer& L = layers_[size_t(layer)];
@@ -499,7 +508,7 @@ void KvCache::attend_head(int layer, int head, int pos, const float* q, int n_q,
   const int end = pos + 1;
   const Reads rd = reads(L, head, end - visible_tokens(pos, window), end, spans);
   attn_decode(*L.k, *L.v, head, q, n_q, spans.data(), int(spans.size()), rd.tk, rd.tv, size_t(cfg_.head_dim),
-              rd.n_tail, ap, out, scratch);
+              rd.n_tail, head_params(ap, head, n_q), out, scratch);
 }
 
 void KvCache::attend_head_part(int layer, int head, int pos, const float* q, int n_q, const AttnParams& ap,
@@ -545,7 +554,8 @@ void KvCache::attend_rows(int layer, int head, int pos, int n_rows, const float*
       limit.push_back(std::max(0, pe - start) + (e - std::max(start, pe)));
     }
     attn_prefill(*L.k, *L.v, head, q + size_t(r) * row_floats, n_q, r1 - r, limit.data(), spans.data(),
-                 int(spans.size()), rd.tk, rd.tv, size_t(hd), rd.n_tail, ap, out + size_t(r) * row_floats, scratch);
+                 int(spans.size()), rd.tk, rd.tv, size_t(hd), rd.n_tail, head_params(ap, head, n_q),
+                 out + size_t(r) * row_floats, scratch);
     r = r1;
   }
 }

@@ -134,6 +134,9 @@ class KvCache {
   // Attention for one query position `pos` (n_tokens() <= pos < n_tokens() + n appended) and KV
   // head `head`: q (n_q, head_dim) -> out (n_q, head_dim). window > 0: sees the last `window`
   // positions only. scratch: attend_scratch_floats(n_q) floats, private to the calling thread.
+  // ap.sinks, when set, holds the layer's sink logits for every query head (n_kv_heads x n_q):
+  // head `head`'s n_q from head * n_q on (attend_rows likewise; attend_head_part's states leave
+  // them to attn_merge_parts).
   void attend_head(int layer, int head, int pos, const float* q, int n_q, const AttnParams& ap,
                    int window, float* out, float* scratch, std::vector<KvBlockSpan>& spans) const;
   // A part of attend_head's work, for splitting one head's context over threads (the engine's
