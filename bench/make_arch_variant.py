@@ -40,6 +40,14 @@ perplexities stay meaningful (except gemma2's, which loses the q / k norms it wa
 - olmoe: the olmo2 q / k norms with the pre-norms kept, each KV head repeated for its query heads
   (llama.cpp's OLMoE has no grouped-query attention; the same attention), and the FFN cut into
   experts (see the mixture-of-experts modes);
+- gpt-oss: OpenAI's gpt-oss layout: NeoX RoPE (rows reordered as for qwen2), random biases on q, k,
+  v and the attention output (--bias-std), a random sink logit per query head (normal, standard
+  deviation --sink-std), the FFN norm renamed post_attention_norm, and the FFN cut into experts as
+  for the mixture-of-experts modes, with a random router bias (--bias-std x 10) and random gate / up
+  / down biases (--bias-std) on each expert; gate stored F16 divided by 1.702, up times --up-scale,
+  down times 1.702 / --up-scale, so that gpt-oss's SwiGLU, g sigmoid(1.702 g) (up + 1) with its
+  clamps at 7, stays near the original's silu(g) up;
+  sliding-window layers of --swa W tokens (default 128) alternate with global ones, local first;
 - --swa W (olmo2): attention.sliding_window W, so the file is OLMo 3's layout (3 sliding-window layers
   of W tokens, then a global one; the sliding ones' RoPE unscaled);
 - --yarn FACTOR,ORIG (any mode): rope.scaling.type yarn with that factor and
@@ -48,11 +56,11 @@ perplexities stay meaningful (except gemma2's, which loses the q / k norms it wa
 - --pre NAME replaces tokenizer.ggml.pre (e.g. qwen2, llama-bpe), the pre-tokenizer both engines apply.
 
 usage: make_arch_variant.py IN.gguf OUT.gguf {qwen2,qwen3,phi3,smollm3,granite,gemma2,llama,
-                            mixtral,qwen2moe,qwen3moe,granitemoe,olmo2,olmoe} [--pre NAME] [--bias-std 0.02]
+                            mixtral,qwen2moe,qwen3moe,granitemoe,olmo2,olmoe,gpt-oss} [--pre NAME] [--bias-std 0.02]
                             [--norm-spread 0.2] [--rope-freqs F] [--longrope ORIG] [--long-factor 4]
                             [--granite 1.5,0.9,0.11,1.2] [--experts 8,2] [--shared 768] [--router gate|random]
                             [--router-std 3] [--down-scale N] [--yarn 4,512] [--swa 256]
-                            [--seed 1]   (pip install gguf numpy)
+                            [--sink-std 1] [--up-scale 4] [--seed 1]   (pip install gguf numpy)
 """
 import argparse
 import math
@@ -70,7 +78,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("src")
     ap.add_argument("dst")
-    ap.add_argument("arch", choices=["qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma2", "llama", "mixtral",
+    ap.add_argument("arch", choices=["qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma2", "llama", "mixtral", "gpt-oss",
                                      "qwen2moe", "qwen3moe", "granitemoe", "olmo2", "olmoe"])
     ap.add_argument("--experts", default="8,2")
     ap.add_argument("--shared", type=int, default=768)
@@ -86,6 +94,8 @@ def main():
     ap.add_argument("--pre", default=None)
     ap.add_argument("--bias-std", type=float, default=0.02)
     ap.add_argument("--norm-spread", type=float, default=0.2)
+    ap.add_argument("--sink-std", type=float, default=1.0)
+    ap.add_argument("--up-scale", type=float, default=4.0)
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
     rng = np.random.default_rng(a.seed)
@@ -93,7 +103,8 @@ def main():
     src_arch = field_value(r.fields["general.architecture"])
     want = "gemma3" if a.arch == "gemma2" else "llama"
     assert src_arch == want, f"{a.arch} is made from a {want} file, got {src_arch}"
-    moe = a.arch in ("mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe")
+    moe = a.arch in ("mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "gpt-oss")
+    oss = a.arch == "gpt-oss"
     out_arch = "llama" if a.arch == "mixtral" else a.arch
     olmo = out_arch in ("olmo2", "olmoe")
     a.arch = {"mixtral": "llama", "qwen2moe": "qwen2", "qwen3moe": "qwen3", "granitemoe": "granite"}.get(a.arch, a.arch)
@@ -102,7 +113,7 @@ def main():
     for name, f in r.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
-        if moe and out_arch in ("llama", "granitemoe", "olmoe") and name == f"{src_arch}.feed_forward_length":
+        if moe and out_arch in ("llama", "granitemoe", "olmoe", "gpt-oss") and name == f"{src_arch}.feed_forward_length":
             continue  # the experts' width, written below
         key = out_arch + name[len(src_arch):] if name.startswith(src_arch + ".") else name
         val = field_value(f)
@@ -121,7 +132,7 @@ def main():
     n_ff = int(field_value(r.fields[f"{src_arch}.feed_forward_length"]))
     ffn = {}  # MoE: block -> {kind: (data, type)}
     perm = np.concatenate([np.arange(0, hd, 2), np.arange(1, hd, 2)])
-    neox = a.arch in ("qwen2", "qwen3", "phi3") or olmo
+    neox = a.arch in ("qwen2", "qwen3", "phi3") or olmo or oss
     extra = []
     fused = {}  # phi3: block -> {kind: data}
     by_name = {t.name: t for t in r.tensors}
@@ -158,6 +169,14 @@ def main():
             heads = n_head if kind == "attn_q" or out_arch == "olmoe" else n_kv
             extra.append((f"{blk}.{kind}_norm.weight",
                           rng.uniform(1 - a.norm_spread, 1 + a.norm_spread, heads * hd).astype(np.float32)))
+        if oss and kind == "ffn_norm":  # gpt-oss's name for the FFN's norm
+            extra.append((f"{blk}.post_attention_norm.weight", np.asarray(data, dtype=np.float32)))
+            continue
+        if oss and kind in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            width = n_embd if kind == "attn_output" else (n_head if kind == "attn_q" else n_kv) * hd
+            extra.append((f"{blk}.{kind}.bias", (rng.standard_normal(width) * a.bias_std).astype(np.float32)))
+            if kind == "attn_q":
+                extra.append((f"{blk}.attn_sinks.weight", (rng.standard_normal(n_head) * a.sink_std).astype(np.float32)))
         if moe and kind in ("ffn_gate", "ffn_up", "ffn_down"):
             ffn.setdefault(blk, {})[kind] = (data, t.tensor_type)
             continue
@@ -172,7 +191,7 @@ def main():
                     w.add_tensor(f"{blk}.{name}.weight", cat, raw_shape=cat.shape, raw_dtype=types.pop())
             continue
         w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
-        if out_arch in ("qwen2moe", "olmo2", "olmoe") and t.name == "token_embd.weight" and "output.weight" not in by_name:
+        if out_arch in ("qwen2moe", "olmo2", "olmoe", "gpt-oss") and t.name == "token_embd.weight" and "output.weight" not in by_name:
             w.add_tensor("output.weight", data, raw_shape=data.shape, raw_dtype=t.tensor_type)  # llama.cpp needs it
         if a.arch in ("qwen2", "qwen3") and kind in ("attn_q", "attn_k", "attn_v"):
             heads = n_head if kind == "attn_q" else n_kv
@@ -196,6 +215,9 @@ def main():
             a.down_scale = float(n_exp)
         if out_arch in ("llama", "granitemoe", "olmoe"):  # their experts are feed_forward_length wide
             w.add_uint32(f"{out_arch}.feed_forward_length", fe)
+        if oss:
+            w.add_uint32("gpt-oss.expert_feed_forward_length", fe)
+            w.add_uint32("gpt-oss.attention.sliding_window", a.swa or 128)
         w.add_uint32(f"{out_arch}.expert_count", n_exp)
         w.add_uint32(f"{out_arch}.expert_used_count", k_exp)
         if out_arch in ("qwen2moe", "qwen3moe"):
@@ -205,6 +227,12 @@ def main():
         for blk, parts in ffn.items():
             (g, gt), (u, ut), (d, dt) = parts["ffn_gate"], parts["ffn_up"], parts["ffn_down"]
             down = dequantize(d, dt).reshape(n_embd, n_ff).astype(np.float32)  # rows: outputs, columns: channels
+            if oss:  # gate / 1.702 and up x --up-scale (F16), down x 1.702 / --up-scale: gpt-oss's
+                # g sigmoid(1.702 g) (up + 1) stays near the original's silu(g) up
+                g = (dequantize(g, gt).reshape(n_ff, n_embd) / 1.702).astype(np.float16)
+                u = (dequantize(u, ut).reshape(n_ff, n_embd) * a.up_scale).astype(np.float16)
+                gt = ut = GGMLQuantizationType.F16
+                down = down * 1.702 / a.up_scale
             for kind, rows, typ in (("ffn_gate", g, gt), ("ffn_up", u, ut)):
                 if shared:
                     w.add_tensor(f"{blk}.{kind}_shexp.weight", rows[:shared], raw_shape=rows[:shared].shape, raw_dtype=typ)
@@ -224,6 +252,11 @@ def main():
             else:
                 gr = rng.standard_normal((n_exp, n_embd)) * a.router_std / math.sqrt(n_embd)
             extra.append((f"{blk}.ffn_gate_inp.weight", gr.astype(np.float32)))
+            if oss:
+                extra.append((f"{blk}.ffn_gate_inp.bias", (rng.standard_normal(n_exp) * a.bias_std * 10).astype(np.float32)))
+                for kind, width in (("ffn_gate", fe), ("ffn_up", fe), ("ffn_down", n_embd)):
+                    b = (rng.standard_normal((n_exp, width)) * a.bias_std).astype(np.float32)
+                    extra.append((f"{blk}.{kind}_exps.bias", b))
     if a.longrope:
         assert a.arch == "phi3", "--longrope is Phi-3's"
         extra.append(("rope_factors_short.weight", np.ones(hd // 2, dtype=np.float32)))
@@ -232,8 +265,8 @@ def main():
         scale = n_ctx / a.longrope
         w.add_float32("phi3.rope.scaling.attn_factor",
                       math.sqrt(1 + math.log(scale) / math.log(a.longrope)) if scale > 1 else 1.0)
-    if a.swa:
-        assert out_arch == "olmo2", "--swa is OLMo 3's (olmo2)"
+    if a.swa and not oss:
+        assert out_arch == "olmo2", "--swa is OLMo 3's (olmo2) or gpt-oss's"
         w.add_uint32("olmo2.attention.sliding_window", a.swa)
     if a.yarn:
         factor, orig = a.yarn.split(",")

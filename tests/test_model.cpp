@@ -9,6 +9,7 @@
 #include <fstream>
 #include <functional>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -1717,6 +1718,165 @@ TEST(ArchVariants, QuantizedExpertTensors) {
 
 // Experts in files kvq does not run them in, missing or inconsistent counts, and expert tensors
 // of the wrong shape are refused with the key or tensor named.
+// gpt-oss: stories260K cut to two layers (a sliding-window one of 3 tokens, then a global one)
+// with every gpt-oss part: q / k / v and output biases, a sink logit per query head, NeoX RoPE,
+// the FFN norm named post_attention_norm, 4 experts of which the router (plus its bias) picks 2 by
+// their logits, weighted by the softmax over those 2, each with gate / up / down biases and the
+// clamped SwiGLU (limit 7, alpha 1.702). The logits of every position, prefilled at once and
+// decoded token by token, against the whole computation written out here in double.
+TEST(ArchVariants, GptOssMatchesAReference) {
+  if (!fs::exists(shared_path("models/stories260K.gguf"))) GTEST_SKIP() << "stories260K.gguf not found";
+  const std::string path = (fs::temp_directory_path() / "kvq_test_gpt_oss.gguf").string();
+  const int W = 3, n_exp = 4;
+  std::mt19937 rng(31);
+  std::normal_distribution<float> nd;
+  write_stories_as("gpt-oss", path, [&](kvq::test::GgufWriter& w, const ModelConfig& c) {
+    MoeCut m;
+    m.n_exp = n_exp;
+    m.down_scale = 2.f;
+    m.router = random_router(0.3f, 7);
+    cut_into_experts(w, c, m);
+    auto& ts = w.tensors();
+    ts.erase(std::remove_if(ts.begin(), ts.end(), [](const auto& t) {
+               return t.name.rfind("blk.", 0) == 0 && t.name.rfind("blk.0.", 0) != 0 && t.name.rfind("blk.1.", 0) != 0;
+             }), ts.end());
+    for (auto& t : ts)  // the FFN norm's name in gpt-oss files
+      if (t.name.size() > 16 && t.name.substr(t.name.size() - 16) == ".ffn_norm.weight")
+        t.name = t.name.substr(0, t.name.size() - 15) + "post_attention_norm.weight";
+    auto rnd = [&](size_t n, float sd) {
+      std::vector<float> v(n);
+      for (auto& x : v) x = nd(rng) * sd;
+      return v;
+    };
+    const int64_t E = c.n_embd, qd = int64_t(c.n_head) * c.head_dim, kvd = int64_t(c.n_head_kv) * c.head_dim, fe = c.n_ff / n_exp;
+    for (int il = 0; il < 2; ++il) {
+      const std::string p = "blk." + std::to_string(il) + ".";
+      w.add_tensor_f32(p + "attn_q.bias", {qd}, rnd(size_t(qd), 0.3f));
+      w.add_tensor_f32(p + "attn_k.bias", {kvd}, rnd(size_t(kvd), 0.3f));
+      w.add_tensor_f32(p + "attn_v.bias", {kvd}, rnd(size_t(kvd), 0.3f));
+      w.add_tensor_f32(p + "attn_output.bias", {E}, rnd(size_t(E), 0.1f));
+      w.add_tensor_f32(p + "attn_sinks.weight", {c.n_head}, rnd(size_t(c.n_head), 1.5f));
+      w.add_tensor_f32(p + "ffn_gate_inp.bias", {n_exp}, rnd(size_t(n_exp), 0.5f));
+      w.add_tensor_f32(p + "ffn_gate_exps.bias", {fe, n_exp}, rnd(size_t(fe * n_exp), 0.5f));
+      w.add_tensor_f32(p + "ffn_up_exps.bias", {fe, n_exp}, rnd(size_t(fe * n_exp), 0.5f));
+      w.add_tensor_f32(p + "ffn_down_exps.bias", {E, n_exp}, rnd(size_t(E * n_exp), 0.1f));
+    }
+    w.add_u32("gpt-oss.block_count", 2).add_u32("gpt-oss.expert_count", uint32_t(n_exp)).add_u32("gpt-oss.expert_used_count", 2);
+    w.add_u32("gpt-oss.expert_feed_forward_length", uint32_t(fe)).add_u32("gpt-oss.attention.sliding_window", uint32_t(W));
+  }, {"gpt-oss.block_count"});
+  auto m = Model::load(path);
+  const ModelConfig& c = m->config();
+  ASSERT_EQ(c.n_layer, 2);
+  EXPECT_TRUE(c.layer_sliding[0]);
+  EXPECT_FALSE(c.layer_sliding[1]);
+  EXPECT_EQ(c.sliding_window, W);
+  EXPECT_TRUE(c.rope_neox && c.qkv_bias && c.attn_out_bias && c.attn_sinks && c.swiglu_oai && c.moe_softmax_chosen);
+  EXPECT_FALSE(c.moe_norm_weights);
+  const int E = c.n_embd, hd = c.head_dim, nh = c.n_head, nkv = c.n_head_kv, group = nh / nkv, Fe = c.n_ff_exp;
+  EXPECT_EQ(Fe, 43);
+  auto T = [&](const std::string& name) { return tensor_f32(*m, name); };
+  const auto& mv = ref_mv;
+  auto rmsn = [&](const std::vector<double>& x, const float* g) { return ref_rms_norm(x, g, c.rms_eps); };
+  auto plus = [](std::vector<double> a, const float* b) {
+    for (size_t i = 0; i < a.size(); ++i) a[i] += b[i];
+    return a;
+  };
+  const Tokenizer tok = Tokenizer::from_gguf(m->file());
+  const std::vector<int32_t> ids = tok.encode("Once upon a time there was a little fox who", true, false);
+  const int n = int(ids.size());
+  ASSERT_GE(n, 8);
+  std::vector<std::vector<double>> x(static_cast<size_t>(n), std::vector<double>(static_cast<size_t>(E)));
+  for (int t = 0; t < n; ++t)
+    for (int i = 0; i < E; ++i) x[size_t(t)][size_t(i)] = T("token_embd.weight")[size_t(ids[size_t(t)]) * size_t(E) + size_t(i)];
+  int chose_differently = 0;
+  for (int il = 0; il < 2; ++il) {
+    const std::string p = "blk." + std::to_string(il) + ".";
+    std::vector<std::vector<double>> q(static_cast<size_t>(n)), k(static_cast<size_t>(n)), v(static_cast<size_t>(n));
+    for (int t = 0; t < n; ++t) {
+      const auto xn = rmsn(x[size_t(t)], T(p + "attn_norm.weight"));
+      q[size_t(t)] = plus(mv(T(p + "attn_q.weight"), xn, nh * hd), T(p + "attn_q.bias"));
+      k[size_t(t)] = plus(mv(T(p + "attn_k.weight"), xn, nkv * hd), T(p + "attn_k.bias"));
+      v[size_t(t)] = plus(mv(T(p + "attn_v.weight"), xn, nkv * hd), T(p + "attn_v.bias"));
+      for (auto* r : {&q[size_t(t)], &k[size_t(t)]})  // NeoX RoPE: pairs (i, i + hd / 2)
+        for (size_t h = 0; h < r->size() / size_t(hd); ++h)
+          for (int i = 0; i < hd / 2; ++i) {
+            const double th = double(t) * std::pow(double(c.rope_base), -2.0 * i / hd);
+            double& a = (*r)[h * size_t(hd) + size_t(i)];
+            double& b = (*r)[h * size_t(hd) + size_t(i + hd / 2)];
+            const double a0 = a, b0 = b;
+            a = a0 * std::cos(th) - b0 * std::sin(th);
+            b = a0 * std::sin(th) + b0 * std::cos(th);
+          }
+    }
+    const float* sinks = T(p + "attn_sinks.weight");
+    for (int t = 0; t < n; ++t) {
+      std::vector<double> att(static_cast<size_t>(nh * hd), 0.0);
+      const int first = il == 0 ? std::max(0, t - W + 1) : 0;
+      for (int h = 0; h < nh; ++h) {
+        const int kh = h / group;
+        std::vector<double> s;
+        double mx = sinks[h];
+        for (int j = first; j <= t; ++j) {
+          double d = 0;
+          for (int e = 0; e < hd; ++e) d += q[size_t(t)][size_t(h * hd + e)] * k[size_t(j)][size_t(kh * hd + e)];
+          s.push_back(d / std::sqrt(double(hd)));
+          mx = std::max(mx, s.back());
+        }
+        double l = std::exp(double(sinks[h]) - mx);
+        for (double& d : s) l += (d = std::exp(d - mx));
+        for (int j = first; j <= t; ++j)
+          for (int e = 0; e < hd; ++e) att[size_t(h * hd + e)] += s[size_t(j - first)] / l * v[size_t(j)][size_t(kh * hd + e)];
+      }
+      const auto o = plus(mv(T(p + "attn_output.weight"), att, E), T(p + "attn_output.bias"));
+      for (int i = 0; i < E; ++i) x[size_t(t)][size_t(i)] += o[size_t(i)];
+      const auto xn = rmsn(x[size_t(t)], T(p + "post_attention_norm.weight"));
+      const auto logit = plus(mv(T(p + "ffn_gate_inp.weight"), xn, n_exp), T(p + "ffn_gate_inp.bias"));
+      std::vector<int> order(static_cast<size_t>(n_exp));
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return logit[size_t(a)] > logit[size_t(b)]; });
+      EXPECT_GT(logit[size_t(order[1])] - logit[size_t(order[2])], 1e-4) << "a near tie in the routing";
+      // softmax over the two chosen logits (not over all four, renormalized: the same thing) ...
+      const double w0 = 1 / (1 + std::exp(logit[size_t(order[1])] - logit[size_t(order[0])])), w1 = 1 - w0;
+      // ... whose choice differs from the one a router without its bias would make for some tokens
+      const auto unbiased = mv(T(p + "ffn_gate_inp.weight"), xn, n_exp);
+      if (std::max_element(unbiased.begin(), unbiased.end()) - unbiased.begin() != order[0]) ++chose_differently;
+      const size_t up_stride = size_t(Fe) * size_t(E), down_stride = size_t(E) * size_t(Fe);
+      for (const auto& [e, we] : {std::pair<int, double>{order[0], w0}, {order[1], w1}}) {
+        const auto g = plus(mv(T(p + "ffn_gate_exps.weight") + size_t(e) * up_stride, xn, Fe), T(p + "ffn_gate_exps.bias") + size_t(e) * size_t(Fe));
+        const auto u = plus(mv(T(p + "ffn_up_exps.weight") + size_t(e) * up_stride, xn, Fe), T(p + "ffn_up_exps.bias") + size_t(e) * size_t(Fe));
+        std::vector<double> hh(static_cast<size_t>(Fe));
+        for (int j = 0; j < Fe; ++j) {
+          const double gg = std::min(g[size_t(j)], 7.0), uu = std::clamp(u[size_t(j)], -7.0, 7.0);
+          hh[size_t(j)] = gg / (1 + std::exp(-1.702 * gg)) * (uu + 1);
+        }
+        const auto y = plus(mv(T(p + "ffn_down_exps.weight") + size_t(e) * down_stride, hh, E), T(p + "ffn_down_exps.bias") + size_t(e) * size_t(E));
+        for (int i = 0; i < E; ++i) x[size_t(t)][size_t(i)] += we * y[size_t(i)];
+      }
+    }
+  }
+  EXPECT_GT(chose_differently, 0);
+  const std::vector<float> pre = stories_logits(*m, ids);
+  std::vector<float> dec;
+  {
+    ThreadPool pool(2);
+    KvCache cache(m->kv_cache_config(kv_policy_uniform("f32", c.n_layer), 64));
+    Forward fwd(*m, pool);
+    for (int t = 0; t < n; ++t) {
+      const float* l = fwd.eval(&ids[size_t(t)], 1, cache);
+      dec.insert(dec.end(), l, l + c.n_vocab);
+    }
+  }
+  for (int t = 0; t < n; ++t) {
+    const auto want = mv(T(c.tied_output ? "token_embd.weight" : "output.weight"), rmsn(x[size_t(t)], T("output_norm.weight")), c.n_vocab);
+    const std::vector<float> got_pre(pre.begin() + ptrdiff_t(t) * c.n_vocab, pre.begin() + ptrdiff_t(t + 1) * c.n_vocab);
+    const std::vector<float> got_dec(dec.begin() + ptrdiff_t(t) * c.n_vocab, dec.begin() + ptrdiff_t(t + 1) * c.n_vocab);
+    EXPECT_LT(rel_logit_error(got_pre, want), 1e-4) << "prefill, position " << t;
+    EXPECT_LT(rel_logit_error(got_dec, want), 1e-4) << "decode, position " << t;
+  }
+  m.reset();
+  fs::remove(path);
+}
+
 TEST(ArchVariants, ExpertMetadataAndShapesAreChecked) {
   if (!fs::exists(shared_path("models/stories260K.gguf"))) GTEST_SKIP() << "stories260K.gguf not found";
   const auto tmp = fs::temp_directory_path();
@@ -2073,6 +2233,76 @@ TEST(ChatTemplate, FamilyAndDefaultSystemFromTheJinja) {
 
 // Mistral's [INST] rendering follows the vocabulary: v0.3 files carry v1's spaced template with a
 // control-token [INST], which takes the control-token rendering.
+// Harmony (gpt-oss): detected by its markers; its own system message with the date and reasoning
+// effort, the conversation's system message as developer instructions, earlier replies as their
+// final channel, the reply opened with '<|start|>assistant' (its channels are the model's to write),
+// and the template's endings (<|return|> after a closed last reply, nothing after an open one).
+TEST(ChatTemplate, HarmonyOfGptOss) {
+  ChatTemplate t = chat_template_from_text(
+      "{{- \"<|start|>system<|message|>\" }}...{%- if message.role == 'assistant' -%}"
+      "{{- \"<|start|>assistant<|channel|>final<|message|>\" + message.content + \"<|end|>\" }}");
+  ASSERT_EQ(t.family, ChatFamily::harmony);
+  EXPECT_STREQ(chat_template_name(t), "harmony");
+  t.date = "2026-01-02";
+  const std::string sys = "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+                          "Knowledge cutoff: 2024-06\nCurrent date: 2026-01-02\n\nReasoning: medium\n\n"
+                          "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>";
+  EXPECT_EQ(chat_render(t, {{"user", "Hi"}}), sys + "<|start|>user<|message|>Hi<|end|><|start|>assistant");
+  EXPECT_EQ(chat_render(t, {{"system", "Be brief."}, {"user", "Hi"}, {"assistant", "Hello."}, {"user", "Bye"}}),
+            sys + "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n<|end|><|start|>user<|message|>Hi<|end|>"
+                  "<|start|>assistant<|channel|>final<|message|>Hello.<|end|><|start|>user<|message|>Bye<|end|><|start|>assistant");
+  EXPECT_EQ(chat_render(t, {{"user", "Hi"}, {"assistant", "Hel"}}, {false, true}),
+            sys + "<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>final<|message|>Hel");
+  EXPECT_EQ(chat_render(t, {{"user", "Hi"}, {"assistant", "Hello."}}, {false, false}),
+            sys + "<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>final<|message|>Hello.<|return|>");
+  EXPECT_EQ(chat_render_next_turn(t, "More"), "<|end|><|start|>user<|message|>More<|end|><|start|>assistant");
+  t.reasoning_effort = "high";
+  EXPECT_NE(chat_render(t, {{"user", "Hi"}}).find("\n\nReasoning: high\n\n"), std::string::npos);
+  t.reasoning_effort = "extreme";
+  EXPECT_THROW(chat_render(t, {{"user", "Hi"}}), Error);
+  t.reasoning_effort.clear();
+  t.date.clear();  // today's, as YYYY-MM-DD
+  const std::string today = chat_render(t, {{"user", "Hi"}});
+  const size_t at = today.find("Current date: ");
+  ASSERT_NE(at, std::string::npos);
+  const std::string d = today.substr(at + 14, 11);
+  EXPECT_TRUE(d.size() == 11 && std::isdigit(uint8_t(d[0])) && d[4] == '-' && d[7] == '-' && d[10] == '\n') << d;
+  // Phi-3's template has <|end|> but no <|start|> / <|channel|>: not harmony
+  EXPECT_NE(chat_template_from_text("{{'<|user|>' + '\n' + message['content'] + '<|end|>' + '\n'}}<|assistant|>").family,
+            ChatFamily::harmony);
+}
+
+// A harmony reply split into reasoning (analysis channel) and content (the rest), whole and fed
+// byte by byte (markers held back until they are whole); a reply whose final channel the prompt
+// opened is content from its first byte; a held-back '<|' that was text comes out at the end.
+TEST(ChatTemplate, HarmonyReplySplitsReasoningFromContent) {
+  auto run = [](const std::string& text, size_t piece) {
+    HarmonyReplyStream hs;
+    std::string r, c;
+    for (size_t i = 0; i < text.size(); i += piece) {
+      const HarmonyReplyStream::Delta d = hs.feed(text.substr(i, piece));
+      r += d.reasoning;
+      c += d.content;
+    }
+    const HarmonyReplyStream::Delta d = hs.finish();
+    return std::pair{r + d.reasoning, c + d.content};
+  };
+  const std::string reply = "<|channel|>analysis<|message|>User says hi. Answer <b> briefly.<|end|>"
+                            "<|start|>assistant<|channel|>final<|message|>Hello! a<|b";
+  for (size_t piece : {reply.size(), size_t(1), size_t(3), size_t(7)}) {
+    SCOPED_TRACE(piece);
+    const auto [r, c] = run(reply, piece);
+    EXPECT_EQ(r, "User says hi. Answer <b> briefly.");
+    EXPECT_EQ(c, "Hello! a<|b");
+  }
+  EXPECT_EQ(run("{\"a\": 1}", 2), (std::pair<std::string, std::string>{"", "{\"a\": 1}"}));
+  // a commentary preamble and a final answer: content; reasoning cut short by max_tokens
+  EXPECT_EQ(run("<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>final<|message|>Done.", 5),
+            (std::pair<std::string, std::string>{"", "Checking.Done."}));
+  EXPECT_EQ(run("<|channel|>analysis<|message|>Thinking abo", 4), (std::pair<std::string, std::string>{"Thinking abo", ""}));
+  EXPECT_EQ(run("<|channel|>analy", 4), (std::pair<std::string, std::string>{"", ""}));  // a header cut short
+}
+
 TEST(ChatTemplate, MistralRenderingFollowsTheVocabulary) {
   auto detect = [](int inst_type) {
     kvq::test::GgufWriter w;

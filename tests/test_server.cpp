@@ -1021,6 +1021,8 @@ TEST_F(ServerTest, BadInputIs400AndServerKeepsServing) {
              "response_format");
   expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]})", "tools[0].function");
   expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"})", "tool_choice");
+  // a reasoning effort for a model whose template has none (gpt-oss's harmony has one)
+  expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "low"})", "reasoning_effort");
   // ... while their neutral values and metadata pass.
   post_ok(ch, {{"messages", json::array({{{"role", "user"}, {"content", "hi"}}})},
                {"max_tokens", 2},

@@ -703,6 +703,47 @@ TEST(TokenizerSynthetic, BpeMergesByRank) {
   EXPECT_EQ(tok.encode("a<|end|>", false, true), (std::vector<int32_t>{0, 6}));
 }
 
+// OpenAI's harmony vocabulary (gpt-oss): <|return|> and <|call|> end generation, <|end|> (which
+// ends one message of a reply, its reasoning) does not, and the message markers render as text, so a
+// reply shows its channels; a vocabulary with <|end|> but no <|return|> (Phi-3's) keeps it as an end.
+TEST(TokenizerSynthetic, HarmonyEndsOnReturnAndCallNotEnd) {
+  auto make = [](bool harmony) {
+    GgufWriter w;
+    w.add_string("tokenizer.ggml.model", "gpt2");
+    w.add_string("tokenizer.ggml.pre", "gpt2");
+    std::vector<std::string> toks = {"a", "b", "<|end|>", "<|start|>", "<|channel|>", "<|message|>"};
+    if (harmony) {
+      toks.push_back("<|return|>");
+      toks.push_back("<|call|>");
+    }
+    w.add("tokenizer.ggml.tokens", str_arr(toks));
+    std::vector<int32_t> types(toks.size(), 3);
+    types[0] = types[1] = 1;
+    w.add("tokenizer.ggml.token_type", i32_arr(types));
+    w.add("tokenizer.ggml.merges", str_arr({}));
+    if (harmony) w.add_u32("tokenizer.ggml.eos_token_id", 6);
+    return w;
+  };
+  {
+    auto b = build(make(true));
+    const Tokenizer tok = Tokenizer::from_gguf(*b.file);
+    EXPECT_TRUE(tok.is_eog(6));
+    EXPECT_TRUE(tok.is_eog(7));
+    EXPECT_FALSE(tok.is_eog(2));
+    EXPECT_EQ(tok.eog_ids(), (std::vector<int32_t>{6, 7}));
+    EXPECT_EQ(tok.decode({4, 0, 5, 1, 2, 3, 0}), "<|channel|>a<|message|>b<|end|><|start|>a");
+    EXPECT_EQ(tok.decode({6}), "");  // the ends still render as nothing
+    // rendered as text, the markers are matched in text too (as user-defined tokens are)
+    EXPECT_EQ(tok.encode("<|channel|>a", false, false), (std::vector<int32_t>{4, 0}));
+  }
+  {
+    auto b = build(make(false));
+    const Tokenizer tok = Tokenizer::from_gguf(*b.file);
+    EXPECT_TRUE(tok.is_eog(2));
+    EXPECT_EQ(tok.decode({4, 0, 2}), "a");
+  }
+}
+
 // Llama 3's pre-tokenizer takes a pre-token that is a word of the vocabulary whole (its
 // tokenizer's ignore_merges), and opens texts with BOS unless the file says otherwise; Qwen2's
 // merges every pre-token.

@@ -1,5 +1,6 @@
 #include "model/chat.h"
 
+#include <ctime>
 #include <string_view>
 
 #include "core/error.h"
@@ -71,6 +72,8 @@ ChatTemplate chat_template_from_text(const std::string& t) {
       c.default_system = unescaped;
       break;
     }
+  } else if (t.find("<|start|>") != std::string::npos && t.find("<|channel|>") != std::string::npos) {
+    c.family = ChatFamily::harmony;
   } else if (t.find("<start_of_turn>") != std::string::npos) {
     c.family = ChatFamily::gemma;
   } else if (t.find("<|start_of_role|>") != std::string::npos && t.find("<|end_of_role|>") != std::string::npos) {
@@ -148,11 +151,14 @@ const char* chat_template_name(const ChatTemplate& t) {
     case ChatFamily::mistral: return "mistral";
     case ChatFamily::mistral_v7: return "mistral-v7";
     case ChatFamily::tulu: return "tulu";
+    case ChatFamily::harmony: return "harmony";
     default: return "none";
   }
 }
 
-const char* chat_supported_families() { return "ChatML, Gemma, Llama 3, Phi-3, Phi-4, Mistral, Granite, Tülu (OLMo 2)"; }
+const char* chat_supported_families() {
+  return "ChatML, Gemma, Llama 3, Phi-3, Phi-4, Mistral, Granite, Tülu (OLMo 2), harmony (gpt-oss)";
+}
 
 std::string chat_render_next_turn(const ChatTemplate& t, const std::string& user) {
   // Read off a rendered conversation whose earlier turns are markers.
@@ -324,7 +330,105 @@ std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& m
     }
     return out;  // the last [/INST] opens the reply: no generation prompt of its own
   }
+  if (t.family == ChatFamily::harmony) {
+    // gpt-oss's template: its system message, the conversation's first system message as the
+    // developer's instructions (later ones are dropped, as there), user turns, and earlier replies
+    // as their final channel (their reasoning is not shown again); an open last reply continues
+    // its final channel.
+    const std::string effort = t.reasoning_effort.empty() ? std::string("medium") : t.reasoning_effort;
+    if (effort != "low" && effort != "medium" && effort != "high")
+      fail("reasoning effort '{}' is not one of: low, medium, high", effort);
+    std::string date = t.date;
+    if (date.empty()) {
+      const std::time_t now = std::time(nullptr);
+      std::tm tm{};
+      gmtime_r(&now, &tm);
+      char buf[16];
+      std::strftime(buf, sizeof buf, "%Y-%m-%d", &tm);
+      date = buf;
+    }
+    out += "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06\n"
+           "Current date: " + date + "\n\nReasoning: " + effort +
+           "\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>";
+    size_t i = 0;
+    if (!msgs.empty() && msgs[0].role == "system") {
+      if (!msgs[0].content.empty()) out += "<|start|>developer<|message|># Instructions\n\n" + msgs[0].content + "\n\n<|end|>";
+      i = 1;
+    }
+    for (; i < msgs.size(); ++i) {
+      const ChatMessage& m = msgs[i];
+      const bool last_open = cont && i + 1 == msgs.size();
+      if (m.role == "user") out += "<|start|>user<|message|>" + m.content + "<|end|>";
+      else if (m.role == "assistant")  // (a closed last reply without a new turn ends as generation does)
+        out += "<|start|>assistant<|channel|>final<|message|>" + m.content +
+               (last_open ? "" : i + 1 == msgs.size() && !opt.add_generation_prompt ? "<|return|>" : "<|end|>");
+    }
+    if (opt.add_generation_prompt) out += "<|start|>assistant";
+    return out;
+  }
   fail("this model has no chat template kvq supports (supported: {})", chat_supported_families());
+}
+
+HarmonyReplyStream::Delta HarmonyReplyStream::feed(const std::string& text) {
+  static constexpr std::string_view kMarkers[] = {"<|end|>", "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>",
+                                                  "<|return|>", "<|call|>"};
+  Delta d;
+  buf_ += text;
+  for (;;) {
+    if (state_ == State::header) {
+      // A header: '<|start|>assistant<|channel|>final ...<|message|>' (or its tail after the
+      // prompt's '<|start|>assistant'); text that does not open with a marker is content.
+      if (buf_.empty()) break;
+      if (buf_.compare(0, 2, "<|") != 0 && std::string_view("<|").substr(0, buf_.size()) != buf_) {
+        state_ = State::other;
+        continue;
+      }
+      const size_t msg = buf_.find("<|message|>");
+      if (msg == std::string::npos) break;  // the header is not complete yet
+      const size_t ch = buf_.find("<|channel|>");
+      std::string channel;
+      if (ch != std::string::npos && ch < msg) {
+        channel = buf_.substr(ch + 11, msg - ch - 11);
+        channel = channel.substr(0, channel.find_first_of(" <"));
+      }
+      state_ = channel == "analysis" ? State::analysis : State::other;
+      buf_.erase(0, msg + 11);
+      continue;
+    }
+    // A message's body: up to the marker that ends it (<|end|>, or a new header)
+    size_t at = std::string::npos, len = 0;
+    for (std::string_view m : kMarkers)
+      if (const size_t p = buf_.find(m); p != std::string::npos && p < at) {
+        at = p;
+        len = m.size();
+      }
+    if (at == std::string::npos) {
+      // hold back a tail that may be a marker's beginning
+      size_t keep = 0;
+      for (std::string_view m : kMarkers)
+        for (size_t k = std::min(m.size() - 1, buf_.size()); k > keep; --k)
+          if (buf_.compare(buf_.size() - k, k, m.substr(0, k)) == 0) {
+            keep = k;
+            break;
+          }
+      emit(d, buf_.substr(0, buf_.size() - keep));
+      buf_.erase(0, buf_.size() - keep);
+      break;
+    }
+    emit(d, buf_.substr(0, at));
+    const bool ends = buf_.compare(at, len, "<|end|>") == 0 || buf_.compare(at, len, "<|return|>") == 0 ||
+                      buf_.compare(at, len, "<|call|>") == 0;
+    buf_.erase(0, ends ? at + len : at);  // a header's marker stays for the header to read
+    state_ = State::header;
+  }
+  return d;
+}
+
+HarmonyReplyStream::Delta HarmonyReplyStream::finish() {
+  Delta d;
+  if (state_ != State::header) emit(d, buf_);
+  buf_.clear();
+  return d;
 }
 
 }  // namespace kvq

@@ -21,7 +21,11 @@ struct ChatMessage {
 // granite: '<|start_of_role|>role<|end_of_role|>content<|end_of_text|>\n' (Granite 3.x).
 // tulu: '<|role|>\n' + content + '\n' for user and system, the assistant's content + EOS (+ '\n'
 // when a turn follows) (OLMo 2, OLMoE: Tülu 3's template).
-enum class ChatFamily { none, chatml, gemma, llama3, phi3, phi4, phi4_mini, mistral_v1, mistral, mistral_v7, granite, tulu };
+// harmony: OpenAI's format (gpt-oss): '<|start|>role<|message|>content<|end|>', a system message of
+// its own (model identity, knowledge cutoff, date, reasoning effort, channels), the conversation's
+// system message as a developer message ('# Instructions'), earlier replies as their final channel;
+// the reply opens with '<|start|>assistant' and writes its channels itself (analysis, then final).
+enum class ChatFamily { none, chatml, gemma, llama3, phi3, phi4, phi4_mini, mistral_v1, mistral, mistral_v7, granite, tulu, harmony };
 
 struct ChatTemplate {
   ChatFamily family = ChatFamily::none;
@@ -34,6 +38,11 @@ struct ChatTemplate {
   // writes it and the tokenizer does not add it (OLMo 2's files); empty: none.
   std::string eos_text = "<|endoftext|>";
   std::string bos_prefix;
+  // Harmony: the "Current date" of its system message (YYYY-MM-DD); empty: today's (UTC), as the
+  // template's strftime_now gives it. reasoning_effort: its "Reasoning: " line (OpenAI's
+  // reasoning_effort: low, medium, high; empty: medium), a request's setting.
+  std::string date;
+  std::string reasoning_effort;
   bool known() const { return family != ChatFamily::none; }
 };
 
@@ -57,5 +66,30 @@ std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& m
 // What the template puts after an assistant reply's text to continue the conversation with a user
 // turn: the reply's end, the user's turn, the opening of the next reply.
 std::string chat_render_next_turn(const ChatTemplate& t, const std::string& user);
+
+// A harmony reply (gpt-oss) as it is generated, its markers rendered as text:
+// '<|channel|>analysis<|message|>reasoning<|end|><|start|>assistant<|channel|>final<|message|>answer'.
+// Splits it into the reasoning (the analysis channel's messages) and the content (the other
+// channels' messages, the final answer), as vLLM's reasoning_content and content, while it streams:
+// feed() takes each piece of text and returns what it adds to each, holding back a piece that may
+// be the start of a marker until the next one says. A reply that starts without a header (its
+// final channel opened by the prompt) is content from the start.
+class HarmonyReplyStream {
+ public:
+  struct Delta {
+    std::string reasoning, content;
+  };
+  Delta feed(const std::string& text);
+  // The end of the reply: what was held back (a marker's start that was text after all).
+  Delta finish();
+
+ private:
+  enum class State { header, analysis, other };
+  State state_ = State::header;
+  std::string buf_;  // text not yet given out
+  void emit(Delta& d, const std::string& text) const {
+    (state_ == State::analysis ? d.reasoning : d.content) += text;
+  }
+};
 
 }  // namespace kvq

@@ -52,7 +52,7 @@ std::optional<std::vector<bool>> gguf_sliding_layers(const gguf::File& f, const 
 }
 
 int model_arch_swa_pattern(const std::string& arch) {
-  return arch == "gemma3" ? 6 : arch == "gemma2" ? 2 : arch == "phi3" ? 1 : arch == "olmo2" ? 4 : -1;
+  return arch == "gemma3" ? 6 : arch == "gemma2" || arch == "gpt-oss" ? 2 : arch == "phi3" ? 1 : arch == "olmo2" ? 4 : -1;
 }
 
 int64_t model_arch_swa_window(const std::string& arch) { return arch == "gemma3" ? 512 : arch == "gemma2" ? 4096 : 0; }
@@ -65,14 +65,14 @@ void model_config_pick_rope(ModelConfig& c, int ctx) {
 
 bool model_arch_supported(const std::string& arch) {
   for (const char* a : {"llama", "gemma2", "gemma3", "qwen2", "qwen3", "phi3", "smollm3", "granite", "olmo2", "qwen2moe",
-                        "qwen3moe", "granitemoe", "olmoe"})
+                        "qwen3moe", "granitemoe", "olmoe", "gpt-oss"})
     if (arch == a) return true;
   return false;
 }
 
 const char* model_arch_list() {
   return "llama (and Mixtral's experts), gemma2, gemma3, qwen2, qwen3, phi3, smollm3, granite, olmo2, qwen2moe, "
-         "qwen3moe, granitemoe, olmoe";
+         "qwen3moe, granitemoe, olmoe, gpt-oss";
 }
 
 std::string model_rope_note(const ModelConfig& c, int ctx) {
@@ -221,7 +221,8 @@ namespace {
 // MoE Shared's ungated and present when that key is > 0.
 void read_experts(const gguf::File& f, ModelConfig& c) {
   const std::string a = c.arch + ".";
-  const bool qwen_moe = c.arch == "qwen2moe" || c.arch == "qwen3moe", needs = qwen_moe || c.arch == "olmoe";
+  const bool qwen_moe = c.arch == "qwen2moe" || c.arch == "qwen3moe", oss = c.arch == "gpt-oss";
+  const bool needs = qwen_moe || c.arch == "olmoe" || oss;
   // An integer key, or an array of one value per layer as llama.cpp accepts for some of these
   // (kvq takes the array when every layer has the same value); nullopt when absent.
   auto uniform_int = [&](const std::string& key) -> std::optional<int64_t> {
@@ -249,7 +250,7 @@ void read_experts(const gguf::File& f, ModelConfig& c) {
   }
   if (c.arch != "llama" && c.arch != "granite" && c.arch != "granitemoe" && !needs)
     fail("{}: '{}expert_count' = {}: experts are not supported in a {} model (kvq runs them in llama (Mixtral), "
-         "qwen2moe, qwen3moe, granite, granitemoe and olmoe files)", f.path(), a, ne, c.arch);
+         "qwen2moe, qwen3moe, granite, granitemoe, olmoe and gpt-oss files)", f.path(), a, ne, c.arch);
   // llama.cpp's limit (LLAMA_MAX_EXPERTS)
   if (ne < 0 || ne > 1024) fail("{}: '{}expert_count' = {} is out of range [1, 1024]", f.path(), a, ne);
   const std::optional<int64_t> nu = uniform_int(a + "expert_used_count");
@@ -262,10 +263,11 @@ void read_experts(const gguf::File& f, ModelConfig& c) {
   c.n_expert = int(ne);
   c.n_expert_used = int(*nu);
   c.n_ff_exp = c.n_ff;
-  if (qwen_moe) {  // the experts' width, else (absent or 0) feed_forward_length / expert_used_count
+  if (qwen_moe || oss) {  // the experts' width, else (absent or 0) feed_forward_length / expert_used_count
     const std::string key = a + "expert_feed_forward_length";
     const int64_t fe = uniform_int(key).value_or(0);
     if (fe < 0 || fe > (int64_t(1) << 30)) fail("{}: '{}' = {} is out of range", f.path(), key, fe);
+    if (oss && fe == 0) fail("{}: a gpt-oss model needs '{}' > 0 (its experts' width)", f.path(), key);
     c.n_ff_exp = fe > 0 ? int(fe) : c.n_ff / c.n_expert_used;
     if (c.n_ff_exp <= 0) fail("{}: no '{}' and feed_forward_length {} < expert_used_count {}", f.path(), key, c.n_ff, *nu);
   }
@@ -278,7 +280,9 @@ void read_experts(const gguf::File& f, ModelConfig& c) {
   } else if (c.arch == "granite" || c.arch == "granitemoe") {
     c.n_ff_shexp = int(sh.value_or(0));
   }
-  c.moe_norm_weights = c.arch != "qwen2moe" && c.arch != "olmoe";
+  // gpt-oss: the softmax over the chosen experts' logits (sums to 1 already)
+  c.moe_norm_weights = c.arch != "qwen2moe" && c.arch != "olmoe" && !oss;
+  c.moe_softmax_chosen = c.moe_bias = oss;
 }
 }  // namespace
 
@@ -295,7 +299,9 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
   auto req = [&](const char* k) { return int(positive(f, a + k, require_int(f, a + k))); };
   c.n_layer = req("block_count");
   c.n_embd = req("embedding_length");
-  c.n_ff = req("feed_forward_length");
+  // (gpt-oss: every FFN is experts, whose width is expert_feed_forward_length; llama.cpp does not
+  // need feed_forward_length there)
+  c.n_ff = c.arch == "gpt-oss" && !f.get_int(a + "feed_forward_length") ? 0 : req("feed_forward_length");
   c.n_head = req("attention.head_count");
   c.n_head_kv = f.get_int(a + "attention.head_count_kv") ? req("attention.head_count_kv") : c.n_head;
   c.n_ctx_train = f.get_int(a + "context_length") ? req("context_length") : 2048;
@@ -345,7 +351,11 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
   // OLMo 3 (architecture olmo2 with a sliding window): 3 local layers then a global one unless the
   // file's pattern says otherwise; its local layers' RoPE unscaled, as llama.cpp runs them.
   const bool olmo_swa = c.arch == "olmo2" && f.get_int(a + "attention.sliding_window").value_or(0) > 0;
-  if (gemma || olmo_swa) {
+  // gpt-oss: sliding-window and global layers alternate, local first (its window: 128)
+  const bool oss = c.arch == "gpt-oss";
+  if (oss && !f.get_int(a + "attention.sliding_window"))
+    fail("{}: a gpt-oss model needs '{}attention.sliding_window'", f.path(), a);
+  if (gemma || olmo_swa || oss) {
     const int64_t sw = f.get_int(a + "attention.sliding_window").value_or(model_arch_swa_window(c.arch));
     if (sw <= 0 || sw > (int64_t(1) << 30)) fail("{}: sliding window {} must be in [1, 2^30]", f.path(), sw);
     c.sliding_window = int(sw);
@@ -355,6 +365,7 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
   // (OLMo 3's graph in llama.cpp rotates its local layers at the global base whatever the file says)
   c.rope_base_local = c.arch == "olmo2" ? c.rope_base
                                         : float(f.get_float(a + "rope.freq_base_swa").value_or(c.arch == "gemma3" ? 10000.0 : c.rope_base));
+  // (gpt-oss's local layers are scaled as its global ones: YaRN on every layer, as llama.cpp runs it)
   c.rope_scale_local = c.arch == "gemma3" || c.arch == "olmo2" ? 1.f : c.rope_scale;
   if (!(c.rope_base_local > 1 && std::isfinite(c.rope_base_local)))
     fail("{}: RoPE frequency base of the sliding-window layers {} must be a finite number > 1", f.path(), c.rope_base_local);
@@ -397,6 +408,11 @@ ModelConfig model_config_from_gguf(const gguf::File& f) {
   if (c.arch == "phi3") {
     c.rope_neox = true;
     c.fused_gate_up = true;
+  }
+  if (oss) {
+    c.rope_neox = true;
+    c.qkv_bias = c.attn_out_bias = c.attn_sinks = c.swiglu_oai = true;
+    if (c.n_ff == 0) c.n_ff = c.n_ff_exp;
   }
   if (c.arch == "smollm3") {  // no RoPE on every 4th layer (3, 7, ...), as llama.cpp reads SmolLM3
     c.layer_no_rope.assign(size_t(c.n_layer), false);

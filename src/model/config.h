@@ -1,6 +1,6 @@
 // Model hyperparameters read from GGUF metadata. The supported architectures (llama, gemma2,
 // gemma3, qwen2, qwen3, phi3, smollm3, granite, olmo2, and the mixture-of-experts qwen2moe,
-// qwen3moe, granitemoe, olmoe and llama / granite with experts, as Mixtral) differ only in flags
+// qwen3moe, granitemoe, olmoe, gpt-oss and llama / granite with experts, as Mixtral) differ only in flags
 // here; the forward pass reads the flags (one graph, no per-architecture file).
 #pragma once
 #include <cstdint>
@@ -15,7 +15,8 @@ namespace gguf { class File; }
 
 struct ModelConfig {
   std::string arch;         // general.architecture: "llama", "gemma2", "gemma3", "qwen2", "qwen3", "phi3",
-                            // "smollm3", "granite", "olmo2", "qwen2moe", "qwen3moe", "granitemoe", "olmoe"
+                            // "smollm3", "granite", "olmo2", "qwen2moe", "qwen3moe", "granitemoe", "olmoe",
+                            // "gpt-oss"
   std::string name;         // general.name
   int n_layer = 0;
   int n_embd = 0;
@@ -60,7 +61,13 @@ struct ModelConfig {
   // Layers without RoPE (SmolLM3: every 4th); empty: every layer has it.
   std::vector<bool> layer_no_rope;
 
-  bool qkv_bias = false;         // biases added to q, k and v (Qwen2)
+  bool qkv_bias = false;         // biases added to q, k and v (Qwen2, gpt-oss)
+  bool attn_out_bias = false;    // bias added to the attention output projection (gpt-oss)
+  // gpt-oss: a learned sink logit per query head in each attention softmax (attn_sinks.weight;
+  // AttnParams::sinks), SwiGLU with its clamps (GluAct::swiglu_oai), and the FFN norm stored as
+  // post_attention_norm
+  bool attn_sinks = false;
+  bool swiglu_oai = false;
   bool fused_gate_up = false;    // ffn_up holds the gate rows, then the up rows (Phi-3)
 
   // Gemma-style flags
@@ -85,11 +92,16 @@ struct ModelConfig {
   // Qwen3-MoE, Granite MoE; as they are for Qwen2-MoE). A shared expert of n_ff_shexp channels
   // (Qwen2-MoE, Granite MoE Shared) runs on every token and is added, times sigmoid of its own
   // gate (ffn_gate_inp_shexp) when shexp_gated (Qwen2-MoE).
+  // gpt-oss (moe_softmax_chosen): the router's logits plus a bias (moe_bias), the experts chosen by
+  // their logits and weighted by the softmax over the chosen ones alone; each expert's gate, up and
+  // down products plus its own biases.
   int n_expert = 0;
   int n_expert_used = 0;
   int n_ff_exp = 0;
   int n_ff_shexp = 0;
   bool moe_norm_weights = false;
+  bool moe_softmax_chosen = false;
+  bool moe_bias = false;
   bool shexp_gated = false;
 
   // Granite's multipliers (0: none): embeddings times embd_mult, each layer's attention and FFN

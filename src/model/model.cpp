@@ -79,6 +79,13 @@ WeightView norm_of(const gguf::File& f, const std::string& name, int64_t n, bool
   return w;
 }
 
+// The experts' biases: F32 [n, n_expert] (expert e's n values from e * n on)
+WeightView expert_bias_of(const gguf::File& f, const std::string& name, int64_t n, int n_expert) {
+  WeightView w = view_of(f, name, n, n_expert);
+  if (w.type != GgmlType::F32) fail("{}: tensor '{}' (a bias) must be F32, is {}", f.path(), name, ggml_type_name(w.type));
+  return w;
+}
+
 // y = x / rms(x) * w, row by row. x, y: (n_rows, n); w: (n)
 void rms_norm(const float* x, float* y, const float* w, int n_rows, int n, float eps) {
   for (int r = 0; r < n_rows; ++r) {
@@ -161,7 +168,10 @@ std::unique_ptr<Model> Model::load(const std::string& path, const RopeOverrides&
       L.wv = view_of(f, p + "attn_v.weight", c.n_embd, kvd);
     }
     L.wo = view_of(f, p + "attn_output.weight", qd, c.n_embd);
-    if (c.pre_norms) L.ffn_norm = norm_of(f, p + "ffn_norm.weight", c.n_embd);
+    // (gpt-oss's files name the FFN's norm post_attention_norm)
+    if (c.pre_norms) L.ffn_norm = norm_of(f, p + (c.attn_sinks ? "post_attention_norm.weight" : "ffn_norm.weight"), c.n_embd);
+    if (c.attn_out_bias) L.bo = norm_of(f, p + "attn_output.bias", c.n_embd);
+    if (c.attn_sinks) L.attn_sinks = norm_of(f, p + "attn_sinks.weight", c.n_head);
     if (c.n_expert > 0) {
       L.ffn_gate_inp = view_of(f, p + "ffn_gate_inp.weight", c.n_embd, c.n_expert);
       L.ffn_gate_exps = experts_of(f, p + "ffn_gate_exps.weight", c.n_embd, c.n_ff_exp, c.n_expert);
@@ -169,6 +179,12 @@ std::unique_ptr<Model> Model::load(const std::string& path, const RopeOverrides&
       L.ffn_down_exps = experts_of(f, p + "ffn_down_exps.weight", c.n_ff_exp, c.n_embd, c.n_expert);
       for (const char* t : {"ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"})
         m->expert_bytes_ += f.find_tensor(p + t)->nbytes;
+      if (c.moe_bias) {
+        L.ffn_gate_inp_b = norm_of(f, p + "ffn_gate_inp.bias", c.n_expert);
+        L.ffn_gate_exps_b = expert_bias_of(f, p + "ffn_gate_exps.bias", c.n_ff_exp, c.n_expert);
+        L.ffn_up_exps_b = expert_bias_of(f, p + "ffn_up_exps.bias", c.n_ff_exp, c.n_expert);
+        L.ffn_down_exps_b = expert_bias_of(f, p + "ffn_down_exps.bias", c.n_embd, c.n_expert);
+      }
       if (c.n_ff_shexp > 0) {
         L.ffn_gate_shexp = view_of(f, p + "ffn_gate_shexp.weight", c.n_embd, c.n_ff_shexp);
         L.ffn_up_shexp = view_of(f, p + "ffn_up_shexp.weight", c.n_embd, c.n_ff_shexp);
@@ -405,6 +421,7 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
 
   for (int il = 0; il < c.n_layer; ++il) {
     const LayerWeights& L = m_.layers_[size_t(il)];
+    ap.sinks = c.attn_sinks ? static_cast<const float*>(L.attn_sinks.data) : nullptr;
     pre_norm(L.attn_norm, n);
     {  // q, k and v in one pass over the pool, the activations converted once (matmul_many: each
        // row as its own matmul computes it)
@@ -491,7 +508,9 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
       for (size_t j = 0; j < pieces_.size();) {
         size_t e = j + 1;
         while (e < pieces_.size() && pieces_[e].item == pieces_[j].item) ++e;
-        if (parts_[j]) attn_merge_parts(parts_.data() + j, int(e - j), group, hd, attn_out_.data() + q_off(pieces_[j].item));
+        if (parts_[j])
+          attn_merge_parts(parts_.data() + j, int(e - j), group, hd, attn_out_.data() + q_off(pieces_[j].item),
+                           ap.sinks ? ap.sinks + size_t(pieces_[j].item % nkv) * size_t(group) : nullptr);
         j = e;
       }
     } else {
@@ -521,6 +540,7 @@ void Forward::eval_rows(const ForwardSeq* seqs, int n_seqs, float* logits_out) {
     }
     if (on_attn) on_attn(il, n, attn_out_.data());
     matmul(L.wo, attn_out_.data(), n, tmp_.data(), pool_);
+    if (c.attn_out_bias) add_bias(tmp_.data(), static_cast<const float*>(L.bo.data), n, E);
     if (c.post_norms)
       rms_norm(tmp_.data(), tmp_.data(), static_cast<const float*>(L.attn_post_norm.data), n, E, c.rms_eps);
     add_residual(x_.data(), tmp_.data(), size_t(n) * size_t(E), c.residual_scale);
@@ -569,7 +589,7 @@ void Forward::pre_norm(const WeightView& w, int n) {
   else std::memcpy(xn_.data(), x_.data(), size_t(n) * size_t(c.n_embd) * sizeof(float));
 }
 
-void moe_route(const float* logits, int n, int k, bool normalize, int* experts, float* weights) {
+void moe_route(const float* logits, int n, int k, bool normalize, int* experts, float* weights, bool softmax_chosen) {
   // NaN logits rank last (a strict order for the sort); their probabilities stay NaN
   auto key = [&](int e) { return std::isnan(logits[e]) ? -std::numeric_limits<float>::infinity() : logits[e]; };
   float mx = -std::numeric_limits<float>::infinity();
@@ -583,10 +603,13 @@ void moe_route(const float* logits, int n, int k, bool normalize, int* experts, 
     const float ka = key(a), kb = key(b);
     return ka > kb || (ka == kb && a < b);
   });
+  double chosen = 0;  // softmax_chosen: the chosen ones' sum (the largest logit is mx)
   for (int j = 0; j < k; ++j) {
     experts[j] = idx[size_t(j)];
-    weights[j] = float(std::exp(double(logits[experts[j]]) - double(mx)) / sum);
+    chosen += std::exp(double(logits[experts[j]]) - double(mx));
   }
+  for (int j = 0; j < k; ++j)
+    weights[j] = float(std::exp(double(logits[experts[j]]) - double(mx)) / (softmax_chosen ? chosen : sum));
   if (normalize) {
     double s = 0;
     for (int j = 0; j < k; ++j) s += weights[j];
@@ -603,11 +626,12 @@ void moe_route(const float* logits, int n, int k, bool normalize, int* experts, 
 void Forward::ffn_moe(const LayerWeights& L, int n) {
   const ModelConfig& c = m_.cfg_;
   const int E = c.n_embd, ne = c.n_expert, k = c.n_expert_used, Fe = c.n_ff_exp, Fs = c.n_ff_shexp;
-  const GluAct act = c.geglu ? GluAct::gelu_tanh : GluAct::silu;
+  const GluAct act = c.swiglu_oai ? GluAct::swiglu_oai : c.geglu ? GluAct::gelu_tanh : GluAct::silu;
   matmul(L.ffn_gate_inp, xn_.data(), n, router_.data(), pool_);
+  if (c.moe_bias) add_bias(router_.data(), static_cast<const float*>(L.ffn_gate_inp_b.data), n, ne);
   for (int r = 0; r < n; ++r)
     moe_route(router_.data() + size_t(r) * size_t(ne), ne, k, c.moe_norm_weights, moe_sel_.data() + size_t(r) * size_t(k),
-              moe_w_.data() + size_t(r) * size_t(k));
+              moe_w_.data() + size_t(r) * size_t(k), c.moe_softmax_chosen);
   // The (row, choice) pairs grouped by expert, rows in order: expert e's are pairs
   // moe_off_[e] .. moe_off_[e + 1], and its gathered rows sit at the same row offsets.
   moe_off_.assign(size_t(ne) + 1, 0);
@@ -641,6 +665,13 @@ void Forward::ffn_moe(const LayerWeights& L, int n) {
     if (c.shexp_gated) moe_jobs_.push_back({&L.ffn_gate_inp_shexp, xn_.data(), n, shexp_gate_.data()});
   }
   matmul_many(moe_jobs_.data(), int(moe_jobs_.size()), pool_);
+  if (c.moe_bias)  // each routed row's expert's gate and up biases
+    for (int e = 0; e < ne; ++e)
+      for (int i = moe_off_[size_t(e)]; i < moe_off_[size_t(e) + 1]; ++i) {
+        const size_t o = size_t(e) * size_t(Fe);
+        add_bias(gate_.data() + size_t(i) * size_t(Fe), static_cast<const float*>(L.ffn_gate_exps_b.data) + o, 1, Fe);
+        add_bias(up_.data() + size_t(i) * size_t(Fe), static_cast<const float*>(L.ffn_up_exps_b.data) + o, 1, Fe);
+      }
   glu(act, gate_.data(), up_.data(), gate_.data(), routed * size_t(Fe) + size_t(n) * size_t(Fs), pool_);
   moe_jobs_.clear();
   for (int e = 0; e < ne; ++e) {
@@ -649,6 +680,10 @@ void Forward::ffn_moe(const LayerWeights& L, int n) {
   }
   if (Fs > 0) moe_jobs_.push_back({&L.ffn_down_shexp, gate_sh, n, y_sh});
   matmul_many(moe_jobs_.data(), int(moe_jobs_.size()), pool_);
+  if (c.moe_bias)  // the down biases, before the routing weight
+    for (int e = 0; e < ne; ++e)
+      for (int i = moe_off_[size_t(e)]; i < moe_off_[size_t(e) + 1]; ++i)
+        add_bias(moe_y_.data() + size_t(i) * size_t(E), static_cast<const float*>(L.ffn_down_exps_b.data) + size_t(e) * size_t(E), 1, E);
   std::fill(tmp_.data(), tmp_.data() + size_t(n) * size_t(E), 0.0f);
   for (size_t i = 0; i < routed; ++i) {  // pairs in expert order
     const int r = moe_rows_[2 * i];

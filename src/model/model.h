@@ -19,20 +19,28 @@ namespace kvq {
 struct LayerWeights {
   WeightView attn_norm, wq, wk, wv, wo, attn_q_norm, attn_k_norm, attn_post_norm;
   WeightView bq, bk, bv;  // F32 biases of q, k, v (config().qkv_bias)
+  WeightView bo;          // F32 bias of the attention output (config().attn_out_bias)
+  WeightView attn_sinks;  // F32 (n_head): the attention sinks' logits (config().attn_sinks)
   WeightView ffn_norm, ffn_gate, ffn_up, ffn_down, ffn_post_norm;
   // Mixture of experts (config().n_expert > 0; ffn_gate / ffn_up / ffn_down unset): the router
   // (n_embd -> n_expert), expert e's matrices as row views of the file's 3-D tensors, and the
   // shared expert with its gate (n_embd -> 1) where the model has them.
   WeightView ffn_gate_inp;
   std::vector<WeightView> ffn_gate_exps, ffn_up_exps, ffn_down_exps;
+  // config().moe_bias: the router's bias (n_expert) and the experts' biases, F32 (n_ff_exp or n_embd
+  // per expert, expert after expert)
+  WeightView ffn_gate_inp_b, ffn_gate_exps_b, ffn_up_exps_b, ffn_down_exps_b;
   WeightView ffn_gate_shexp, ffn_up_shexp, ffn_down_shexp, ffn_gate_inp_shexp;
 };
 
 // Expert routing of one token, as llama.cpp's softmax gating: probabilities softmax(logits) over
 // the n experts, the k most probable chosen in decreasing order (by their logits; ties to the lower
 // index), and their weights: the probabilities, divided by their sum when `normalize` (the sum held
-// at >= 2^-14, as llama.cpp clamps it). experts, weights: (k).
-void moe_route(const float* logits, int n, int k, bool normalize, int* experts, float* weights);
+// at >= 2^-14, as llama.cpp clamps it). softmax_chosen (gpt-oss, llama.cpp's softmax_weight
+// gating): the same choice, weighted by the softmax over the k chosen logits alone.
+// experts, weights: (k).
+void moe_route(const float* logits, int n, int k, bool normalize, int* experts, float* weights,
+               bool softmax_chosen = false);
 
 class Model {
  public:

@@ -40,7 +40,7 @@ const ByteAlphabet& byte_alphabet() {
 // generation even when the metadata names no EOT id.
 constexpr std::string_view k_eog_names[] = {
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
-    "<EOT>", "<|end_of_text|>", "<|end_of_turn|>",
+    "<EOT>", "<|end_of_text|>", "<|end_of_turn|>", "<|return|>", "<|call|>",
 };
 
 // Token id from metadata: absent, -1 and 0xFFFFFFFF (how converters write "none") give -1.
@@ -219,6 +219,18 @@ Tokenizer Tokenizer::from_gguf(const gguf::File& f) {
     // control tokens, or user-defined ones (a file that types <|end|> so still ends a turn with
     // it, as llama.cpp treats such tokens)
     if (id >= 0 && (t.types_[id] == TokenType::control || t.types_[id] == TokenType::user_defined)) t.eog_ids_.push_back(id);
+  }
+  // OpenAI's harmony format (gpt-oss): a reply ends with <|return|>, or <|call|> for a tool call;
+  // <|end|> only ends one of its messages (the reasoning before the answer), so it does not end
+  // generation there, and the markers of its messages render as text (as llama.cpp treats this
+  // vocabulary), so that a reply shows its channels: <|channel|>analysis<|message|>...<|end|>
+  // <|start|>assistant<|channel|>final<|message|>...
+  auto is_eog_id = [&](int32_t id) { return id >= 0 && std::find(t.eog_ids_.begin(), t.eog_ids_.end(), id) != t.eog_ids_.end(); };
+  const int32_t end_id = t.find_token("<|end|>");
+  if (is_eog_id(t.find_token("<|return|>")) && is_eog_id(t.find_token("<|call|>")) && is_eog_id(end_id)) {
+    t.eog_ids_.erase(std::find(t.eog_ids_.begin(), t.eog_ids_.end(), end_id));
+    for (std::string_view name : {"<|end|>", "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"})
+      if (const int32_t id = t.find_token(name); id >= 0) t.types_[id] = TokenType::user_defined;
   }
   std::sort(t.eog_ids_.begin(), t.eog_ids_.end());
   t.eog_ids_.erase(std::unique(t.eog_ids_.begin(), t.eog_ids_.end()), t.eog_ids_.end());

@@ -459,7 +459,9 @@ struct Server::Impl {
   };
   ChatTools chat_tools(const json& body, std::string_view raw, ApiRequest* ar) const;
   // The chat prompt; system_extra: what the system turn adds (the tools' prompt), empty: nothing.
-  std::vector<int32_t> chat_prompt(const json& body, const std::string& system_extra);
+  // final_channel: a harmony reply (gpt-oss) opened in its final channel, without reasoning (for a
+  // constraint, whose grammar starts at the reply's first byte).
+  std::vector<int32_t> chat_prompt(const json& body, const std::string& system_extra, bool final_channel = false);
 };
 
 Server::Impl::ChatTools Server::Impl::chat_tools(const json& body, std::string_view raw, ApiRequest* ar) const {
@@ -523,7 +525,7 @@ static json tool_calls_json(const std::vector<ToolCall>& calls, bool indexed) {
   return out;
 }
 
-std::vector<int32_t> Server::Impl::chat_prompt(const json& body, const std::string& system_extra) {
+std::vector<int32_t> Server::Impl::chat_prompt(const json& body, const std::string& system_extra, bool final_channel) {
   if (!body.contains("messages")) throw ApiError{"'messages' is required", "messages", "missing_required_parameter"};
   std::vector<ChatMessage> msgs;
   try {
@@ -548,9 +550,24 @@ std::vector<int32_t> Server::Impl::chat_prompt(const json& body, const std::stri
     if (msgs.back().role != "assistant")
       throw ApiError{"'continue_final_message' needs the last message to be the assistant's", "continue_final_message"};
   }
+  // OpenAI's reasoning_effort: the harmony template's (gpt-oss) "Reasoning:" line; refused for a
+  // model without such a setting, as OpenAI refuses it for models without reasoning.
+  ChatTemplate t = tpl;
+  if (body.contains("reasoning_effort") && !body["reasoning_effort"].is_null()) {
+    const json& e = body["reasoning_effort"];
+    if (tpl.family != ChatFamily::harmony)
+      throw ApiError{fmt::format("'reasoning_effort' is not supported with this model (its chat template, {}, has no "
+                                 "reasoning effort; gpt-oss's harmony format has one)",
+                                 chat_template_name(tpl)),
+                     "reasoning_effort"};
+    if (!e.is_string() || (e != "low" && e != "medium" && e != "high"))
+      throw ApiError{"'reasoning_effort' must be one of \"low\", \"medium\", \"high\"", "reasoning_effort"};
+    t.reasoning_effort = e.get<std::string>();
+  }
   std::string text;
   if (tpl.known()) {
-    text = chat_render(tpl, msgs, ro);
+    text = chat_render(t, msgs, ro);
+    if (final_channel && ro.add_generation_prompt) text += "<|channel|>final<|message|>";
   } else {
     // A model without a chat template kvq knows (a base model): the contents, one per line.
     for (const auto& m : msgs) text += m.content + "\n";
@@ -652,6 +669,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
   std::vector<PromptIn> prompts;
   const char* prompt_param = chat ? "messages" : "prompt";
   ChatTools tools;
+  const bool harmony = chat && tpl.family == ChatFamily::harmony;
   // A reply with calls ends "tool_calls"; as OpenAI's, a call forced by name ends "stop".
   const char* tool_finish = "tool_calls";
   if (chat) {
@@ -665,7 +683,14 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
                                  "the continued text",
                                  tools.spec.active() ? "tools" : ar.constraint),
                      "continue_final_message"};
-    prompts.push_back({chat_prompt(body, tools.system_extra), "", 0});
+    // Harmony (gpt-oss): a reply writes its reasoning, then its answer in the final channel;
+    // kvq's tool format is not the channels' function calls, and a constraint's grammar applies to
+    // the answer, opened by the prompt (no reasoning then).
+    if (harmony && tools.spec.active())
+      throw ApiError{"'tools' are not supported with a harmony model (gpt-oss): its function calls go to its commentary "
+                     "channel, which kvq does not parse",
+                     "tools"};
+    prompts.push_back({chat_prompt(body, tools.system_extra, harmony && (ar.params.grammar || ar.params.json_object)), "", 0});
   } else {
     auto set = [&](const char* key) { return body.contains(key) && !body[key].is_null(); };
     if ((set("tools") && !(body["tools"].is_array() && body["tools"].empty())) || set("functions") ||
@@ -810,6 +835,12 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
           choice["finish_reason"] = tool_finish;
         }
         choice["message"] = std::move(msg);
+      } else if (harmony) {  // the answer as content, the reasoning beside it (vLLM's reasoning_content)
+        HarmonyReplyStream hr;
+        HarmonyReplyStream::Delta d = hr.feed(g.text), rest = hr.finish();
+        json msg = {{"role", "assistant"}, {"content", d.content + rest.content}};
+        if (!(d.reasoning + rest.reasoning).empty()) msg["reasoning_content"] = d.reasoning + rest.reasoning;
+        choice["message"] = std::move(msg);
       } else if (chat) {
         choice["message"] = {{"role", "assistant"}, {"content", g.text}};
       } else choice["text"] = ar.echo ? prompts[size_t(i / ar.n)].text + g.text : g.text;
@@ -857,16 +888,28 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
     // tool calls in one chunk at the end (tools.h).
     std::shared_ptr<ToolReplyStream> reply;
     if (chat && tools.spec.active()) reply = std::make_shared<ToolReplyStream>(tools.response_is_string);
-    gr.on_text = [st, chunk, chat, reply](const std::string& d) {
+    // Harmony: reasoning and answer streamed as reasoning_content and content deltas
+    std::shared_ptr<HarmonyReplyStream> hreply = harmony ? std::make_shared<HarmonyReplyStream>() : nullptr;
+    auto harmony_push = [st, chunk](const HarmonyReplyStream::Delta& hd) {
+      if (!hd.reasoning.empty()) st->push(sse(chunk(json{{"reasoning_content", hd.reasoning}}, nullptr)));
+      if (!hd.content.empty()) st->push(sse(chunk(json{{"content", hd.content}}, nullptr)));
+    };
+    gr.on_text = [st, chunk, chat, reply, hreply, harmony_push](const std::string& d) {
       if (reply) {
         const std::string c = reply->feed(d);
         if (!c.empty()) st->push(sse(chunk(json{{"content", c}}, nullptr)));
         return;
       }
+      if (hreply) {
+        harmony_push(hreply->feed(d));
+        return;
+      }
       st->push(sse(chunk(chat ? json{{"content", d}} : json(d), nullptr)));
     };
     const bool response_is_string = tools.response_is_string;
-    gr.on_done = [st, chunk, chat, include_usage, usage, envelope, reply, response_is_string, tool_finish](const GenResult& g) {
+    gr.on_done = [st, chunk, chat, include_usage, usage, envelope, reply, response_is_string, tool_finish, hreply,
+                  harmony_push](const GenResult& g) {
+      if (hreply && g.finish_reason != "error" && g.finish_reason != "cancelled") harmony_push(hreply->finish());
       if (g.finish_reason == "error") {
         st->push(sse(error_body(g.error, "server_error", "", "")));
       } else if (g.finish_reason != "cancelled" && reply) {

@@ -35,6 +35,9 @@ void run_add_cli(CLI::App& app, RunOptions& o) {
                "with --chat: a conversation, one user turn per line of stdin (after -p, if given), each reply "
                "continuing the same KV cache");
   app.add_option("--system", o.system, "system message (with --chat)");
+  app.add_option("--reasoning-effort", o.reasoning_effort,
+                 "with --chat on a harmony model (gpt-oss): low, medium (its default) or high")
+      ->check(CLI::IsMember({"low", "medium", "high"}));
   app.add_flag("--echo", o.echo, "print the prompt before the generated text");
   app.add_flag("--json", o.json_object,
                "JSON mode: only tokens that continue one JSON object are sampled, and generation ends when it "
@@ -153,6 +156,10 @@ int run_command(const RunOptions& o) {
     tpl = chat_template_detect(model->file());
     if (!tpl.known()) fail("{}: the model has no chat template kvq supports ({})", o.model, chat_supported_families());
   }
+  if (!o.reasoning_effort.empty() && tpl.family != ChatFamily::harmony)
+    fail("--reasoning-effort is harmony's (gpt-oss) setting, with --chat; this model's chat template is {}",
+         o.chat ? chat_template_name(tpl) : "not in use");
+  tpl.reasoning_effort = o.reasoning_effort;
   // The first turn: the whole prompt in the template (system message first).
   auto first_turn = [&](const std::string& user) {
     std::vector<ChatMessage> msgs;

@@ -28,6 +28,7 @@ struct RunOptions {
   std::string grammar_file;  // --grammar-file FILE: the same, read from FILE
   bool regex_given = false, grammar_given = false;  // --regex / --grammar given (an empty one too)
   std::string system;    // --system, with --chat
+  std::string reasoning_effort;  // --reasoning-effort: harmony's (gpt-oss) low / medium / high
   SamplerParams sampling;
   KvFlags kv;
   // Speculative decoding by prompt lookup (model/draft.h): up to draft_max drafted tokens per

@@ -145,6 +145,9 @@ mkdir -p "$tmp/adir"
 bad "a directory as the prompt file" run -m "$model" -f "$tmp/adir" -n 2
 check "... says it is a directory" "grep -q 'directory' $tmp/be"
 bad "--system without --chat" run -m "$model" -p hi --system "be brief"
+bad "--reasoning-effort on a model without harmony's" run -m "$model" -p hi --reasoning-effort low
+check "... says whose setting it is" "grep -q 'harmony' $tmp/be"
+bad "--reasoning-effort not low, medium or high" run -m "$model" -p hi --reasoning-effort extreme
 bad "--interactive without --chat" run -m "$model" -i -n 4 </dev/null
 bad "--top-p above 1" run -m "$model" -p hi --top-p 2
 bad "--seed beyond 64 bits" run -m "$model" -p hi --seed 99999999999999999999999
