@@ -1855,6 +1855,29 @@ TEST(ArchVariants, GptOssMatchesAReference) {
     }
   }
   EXPECT_GT(chose_differently, 0);
+  {  // YaRN in the file: gpt-oss's sliding-window layers are scaled as its global ones (as llama.cpp
+     // runs them: their freq_scale is the file's), magnitude included
+    const std::string yp = (fs::temp_directory_path() / "kvq_test_gpt_oss_yarn.gguf").string();
+    write_stories_as("gpt-oss", yp, [&](kvq::test::GgufWriter& w, const ModelConfig&) {
+      for (const auto& t : m->file().tensors()) w.add_tensor(t.name, t.type, t.ne, std::vector<uint8_t>(t.data, t.data + t.nbytes));
+      w.tensors().erase(w.tensors().begin(), w.tensors().begin() + ptrdiff_t(w.tensors().size() - m->file().tensors().size()));
+      w.add_u32("gpt-oss.block_count", 2).add_u32("gpt-oss.expert_count", uint32_t(n_exp)).add_u32("gpt-oss.expert_used_count", 2);
+      w.add_u32("gpt-oss.expert_feed_forward_length", uint32_t(Fe)).add_u32("gpt-oss.attention.sliding_window", uint32_t(W));
+      w.add_string("gpt-oss.rope.scaling.type", "yarn").add_f32("gpt-oss.rope.scaling.factor", 4.f);
+      w.add_u32("gpt-oss.rope.scaling.original_context_length", 128);
+    }, {"gpt-oss.block_count"});
+    auto ym = Model::load(yp);
+    const ModelConfig& yc = ym->config();
+    ASSERT_TRUE(yc.layer_sliding[0] && !yc.layer_sliding[1]);
+    const KvRope r0 = model_layer_rope(yc, 0), r1 = model_layer_rope(yc, 1);
+    EXPECT_EQ(r0.freq_factors, r1.freq_factors);
+    ASSERT_EQ(r0.freq_factors.size(), size_t(hd / 2));
+    EXPECT_GT(r0.freq_factors.back(), 3.9f);  // the slowest pair interpolated by ~4
+    EXPECT_NEAR(model_layer_rope_mscale(yc, 0), 1 + 0.1 * std::log(4.0), 1e-6);
+    EXPECT_EQ(model_layer_rope_mscale(yc, 0), model_layer_rope_mscale(yc, 1));
+    ym.reset();
+    fs::remove(yp);
+  }
   const std::vector<float> pre = stories_logits(*m, ids);
   std::vector<float> dec;
   {
