@@ -26,7 +26,7 @@ namespace {
 const GgmlType kTypes[] = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16, GgmlType::Q8_0,
                            GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1,
                            GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::Q2_K,
-                           GgmlType::Q3_K, GgmlType::IQ4_NL, GgmlType::IQ4_XS};
+                           GgmlType::Q3_K, GgmlType::IQ4_NL, GgmlType::IQ4_XS, GgmlType::MXFP4};
 
 int block_size(GgmlType t) { return ggml_type_traits(uint32_t(t))->block_size; }
 size_t type_size(GgmlType t) { return ggml_type_traits(uint32_t(t))->type_size; }
@@ -181,6 +181,22 @@ f16_t pick_scale(ScaleMode m, std::mt19937& rng) {
   return f32_to_f16(neg(rng) ? -v : v);
 }
 
+// MXFP4's E8M0 scale byte (d = 2^(e - 128), never zero or negative) for the same modes: ordinary,
+// the subnormal and smallest scales, large, the smallest for `zero`, and a mix with 1 and 2^-1.
+uint8_t pick_e8m0(ScaleMode m, std::mt19937& rng) {
+  switch (m) {
+    case ScaleMode::normal: return uint8_t(118 + rng() % 7);  // 2^-10 .. 2^-4
+    case ScaleMode::tiny: return uint8_t(rng() % 21);         // 2^-128 (subnormal) .. 2^-108
+    case ScaleMode::huge: return uint8_t(136 + rng() % 5);    // 2^8 .. 2^12
+    case ScaleMode::zero: return 0;
+    case ScaleMode::mixed: {
+      const uint8_t choices[] = {0, 1, 2, 100, 121, 127, 128, 139};
+      return choices[rng() % 8];
+    }
+  }
+  return 0;
+}
+
 // n_out rows of n_in elements with row stride `row_bytes` (>= packed row).
 std::vector<uint8_t> random_weights(GgmlType t, int64_t n_in, int64_t n_out, size_t row_bytes,
                                     ScaleMode m, std::mt19937& rng) {
@@ -216,6 +232,7 @@ std::vector<uint8_t> random_weights(GgmlType t, int64_t n_in, int64_t n_out, siz
           put16(82, pick_scale(m, rng));
           break;
         case GgmlType::Q3_K: put16(108, pick_scale(m, rng)); break;
+        case GgmlType::MXFP4: blk[0] = pick_e8m0(m, rng); break;
         default: break;
       }
     }
