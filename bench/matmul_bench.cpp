@@ -1,6 +1,7 @@
 // Weight matmul kernels on the shapes of SmolLM2-135M and Gemma 3 270M, per type, at 1 and 2
 // threads. Decode (n_tok = 1) is reported as GB/s of weight bytes read and as % of this machine's
-// measured read bandwidth (same binary, same thread count); prefill (n_tok = 512) as GFLOP/s.
+// measured read bandwidth (same binary, same thread count); prefill (n_tok = 512, and 64 for the
+// 4-bit 32-element types Q4_0, IQ4_NL and MXFP4) as GFLOP/s.
 // Decode cycles through enough copies of W to exceed the last-level cache, as a forward pass does.
 // Run with --benchmark_repetitions=N for medians (the default below is 3).
 #include <benchmark/benchmark.h>
@@ -50,6 +51,9 @@ void fill_weights(GgmlType t, uint8_t* w, size_t bytes, std::mt19937& rng) {
     case GgmlType::Q6_K: f16_fields = {208}; break;
     case GgmlType::Q2_K: f16_fields = {80, 82}; break;
     case GgmlType::Q3_K: f16_fields = {108}; break;
+    case GgmlType::MXFP4:  // no fp16 field: the E8M0 byte, d = 2^-7
+      for (size_t b = 0; b + ts <= bytes; b += ts) w[b] = 121;
+      return;
     default: f16_fields = {0}; break;
   }
   const uint16_t h = f32_to_f16(0.01f);
@@ -100,7 +104,7 @@ void bm_matmul(benchmark::State& st, GgmlType t, Shape s, int64_t n_tok) {
   // a rate of (GB / bw * 100) per second is GB/s as a percentage of the measured bandwidth
   st.counters["%bw"] = benchmark::Counter(double(wbytes) * iters / 1e9 / bw * 100.0, benchmark::Counter::kIsRate);
   st.counters["bw_GB/s"] = bw;
-  st.SetLabel(n_tok == 1 ? "decode" : n_tok < 512 ? "batched decode" : "prefill");
+  st.SetLabel(n_tok == 1 ? "decode" : n_tok <= 16 ? "batched decode" : "prefill");
 }
 
 const Shape kShapes32[] = {
@@ -110,11 +114,15 @@ const Shape kShapesK[] = {{"smol_576x1536", 576, 1536}, {"gemma_640x2048", 640, 
 
 int register_all() {
   const GgmlType t32[] = {GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0,
-                          GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::IQ4_NL};
+                          GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::IQ4_NL,
+                          GgmlType::MXFP4};
   const GgmlType tk[] = {GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::IQ4_XS};
   auto reg = [](GgmlType t, const Shape& s) {
-    for (int64_t n_tok : {int64_t(1), int64_t(512)}) {
-      std::string name = std::string(ggml_type_name(t)) + "/" + s.name + (n_tok == 1 ? "/decode" : "/prefill512");
+    // a 64-token prompt too for the 4-bit 32-element types, to compare MXFP4 with its neighbours
+    const bool p64 = t == GgmlType::Q4_0 || t == GgmlType::IQ4_NL || t == GgmlType::MXFP4;
+    for (int64_t n_tok : {int64_t(1), int64_t(64), int64_t(512)}) {
+      if (n_tok == 64 && !p64) continue;
+      std::string name = std::string(ggml_type_name(t)) + "/" + s.name + (n_tok == 1 ? "/decode" : "/prefill" + std::to_string(n_tok));
       benchmark::RegisterBenchmark(name.c_str(), [t, s, n_tok](benchmark::State& st) { bm_matmul(st, t, s, n_tok); })
           ->Arg(1)->Arg(2)->ArgName("threads")->UseRealTime()->Unit(benchmark::kMicrosecond)
           ->MinTime(n_tok == 1 ? 0.02 : 0.05)->Repetitions(3)->ReportAggregatesOnly(true);

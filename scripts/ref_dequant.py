@@ -6,7 +6,8 @@ tests/test_weights.cpp to compare kvq's dequantize_row_ref against.
 Each file is a sequence of records (little-endian):
   b"KVQD", u32 ggml type id, u32 n_elements, u32 n_bytes, n_bytes raw bytes, n_elements float32.
 Records: random blocks for every type (scale fields set to chosen fp16 values: ordinary, tiny,
-subnormal, zero, negative, large), plus, when the model files are given, the first blocks of a
+subnormal, zero, negative, large; MXFP4's E8M0 scale byte to the subnormal, smallest, ordinary and
+largest exponents), plus, when the model files are given, the first blocks of a
 few rows of a real tensor of each type each file contains.
 
 usage: ref_dequant.py OUT_DIR [MODEL.gguf ...]     (pip install gguf numpy)
@@ -25,6 +26,10 @@ F16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: 
               T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.Q2_K: [80, 82], T.Q3_K: [108],
               T.IQ4_NL: [0], T.IQ4_XS: [0]}
 SCALES = [0.0123, -0.0071, 3.0e-3, 6.1e-5, 2.0e-6, 0.0, 1.5, -250.0]  # 2e-6 is an fp16 subnormal
+# byte offsets of the E8M0 scale bytes (2^(e - 127), halved with the doubled MXFP4 levels), and the
+# exponents they get: 2^-128 and 2^-127 are float subnormals, 254 and 255 overflow the larger levels
+E8M0_FIELDS = {T.MXFP4: [0]}
+E8M0S = [0, 1, 2, 127, 128, 254, 255, 119]
 
 
 def record(f, qtype, raw: np.ndarray):
@@ -52,9 +57,11 @@ def synthetic(qtype, rng):
     nblk = len(SCALES) if bs == 32 else 4
     raw = rng.integers(0, 256, size=(nblk, ts), dtype=np.uint8)
     for i in range(nblk):
-        for k, off in enumerate(F16_FIELDS[qtype]):
+        for k, off in enumerate(F16_FIELDS.get(qtype, [])):
             s = np.float16(SCALES[(i + 3 * k) % nblk])
             raw[i, off:off + 2] = np.frombuffer(s.tobytes(), dtype=np.uint8)
+        for off in E8M0_FIELDS.get(qtype, []):
+            raw[i, off] = E8M0S[i % len(E8M0S)]
     return raw
 
 
@@ -79,7 +86,7 @@ def main():
     out_dir.mkdir(parents=True, exist_ok=True)
     # new types go at the end: the random stream, and so the earlier files, stay the same
     types = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K,
-             T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS]
+             T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4]
     rng = np.random.default_rng(20240611)
     real = {}
     for model in sys.argv[2:]:

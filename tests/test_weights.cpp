@@ -26,7 +26,7 @@ namespace {
 const GgmlType kTypes[] = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16, GgmlType::Q8_0,
                            GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1,
                            GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::Q2_K,
-                           GgmlType::Q3_K, GgmlType::IQ4_NL, GgmlType::IQ4_XS};
+                           GgmlType::Q3_K, GgmlType::IQ4_NL, GgmlType::IQ4_XS, GgmlType::MXFP4};
 
 int block_size(GgmlType t) { return ggml_type_traits(uint32_t(t))->block_size; }
 size_t type_size(GgmlType t) { return ggml_type_traits(uint32_t(t))->type_size; }
@@ -98,6 +98,67 @@ TEST(WeightsGolden, DequantizeMatchesIndependentReference) {
   }
 }
 
+// MXFP4 against values worked out here: every code (its E2M1 value, sign bit 3, doubled) in
+// both nibbles, under scales 2^(e - 128) from the subnormal e = 0 to e = 254, where the larger
+// levels overflow float as they do in ggml's dequantization.
+TEST(WeightsMxfp4, DequantizesEveryCodeAndScale) {
+  // E2M1: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives; code 8 (negative zero) is 0
+  const float e2m1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, 0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+  struct Scale {
+    uint8_t e;
+    float d;  // 2^(e - 128)
+  };
+  const Scale scales[] = {{0, 0x1p-128f}, {1, 0x1p-127f}, {2, 0x1p-126f}, {127, 0.5f}, {128, 1.0f}, {254, 0x1p126f}};
+  for (const Scale& sc : scales) {
+    EXPECT_EQ(e8m0_half_to_f32(sc.e), sc.d) << int(sc.e);
+    // block 0: element j is code j, element j + 16 code 15 - j; block 1 the other way round
+    BlockMXFP4 blk[2];
+    for (int b = 0; b < 2; ++b) {
+      blk[b].e = sc.e;
+      for (int j = 0; j < 16; ++j) {
+        const int lo = b == 0 ? j : 15 - j, hi = 15 - lo;
+        blk[b].qs[j] = uint8_t(lo | (hi << 4));
+      }
+    }
+    float y[64];
+    dequantize_row_ref(GgmlType::MXFP4, blk, y, 64);
+    for (int i = 0; i < 64; ++i) {
+      const int b = i / 32, j = i % 16;
+      const int lo = b == 0 ? j : 15 - j;
+      const int code = i % 32 < 16 ? lo : 15 - lo;
+      // 2 * e2m1 * 2^(e - 128) = e2m1 * 2^(e - 127): exact, or infinite past FLT_MAX
+      const float want = float(std::ldexp(double(e2m1[code]), int(sc.e) - 127));
+      EXPECT_EQ(y[i], want) << "e=" << int(sc.e) << " code " << code << " element " << i;
+    }
+  }
+  // the values by name: e = 128 gives the doubled levels themselves, e = 127 the E2M1 values, e = 0
+  // multiples of 2^-128, and e = 254 infinity from level 4 up (4 * 2^126 = 2^128)
+  BlockMXFP4 b{};
+  b.qs[0] = 0x7F;  // element 0: code 15 (-12 doubled), element 16: code 7 (12)
+  b.qs[1] = 0x91;  // element 1: code 1 (1), element 17: code 9 (-1)
+  float y[32];
+  b.e = 128;
+  dequantize_row_ref(GgmlType::MXFP4, &b, y, 32);
+  EXPECT_EQ(y[0], -12.f);
+  EXPECT_EQ(y[16], 12.f);
+  EXPECT_EQ(y[1], 1.f);
+  EXPECT_EQ(y[17], -1.f);
+  EXPECT_EQ(y[2], 0.f);
+  b.e = 127;
+  dequantize_row_ref(GgmlType::MXFP4, &b, y, 32);
+  EXPECT_EQ(y[0], -6.f);
+  EXPECT_EQ(y[1], 0.5f);
+  b.e = 0;
+  dequantize_row_ref(GgmlType::MXFP4, &b, y, 32);
+  EXPECT_EQ(y[1], 0x1p-128f);
+  EXPECT_EQ(y[16], 12 * 0x1p-128f);
+  b.e = 254;
+  dequantize_row_ref(GgmlType::MXFP4, &b, y, 32);
+  EXPECT_EQ(y[1], 0x1p126f);
+  EXPECT_TRUE(std::isinf(y[16]) && y[16] > 0);
+  EXPECT_TRUE(std::isinf(y[0]) && y[0] < 0);
+}
+
 // ---------------------------------------------------------------- random weights
 
 enum class ScaleMode { normal, tiny, huge, zero, mixed };
@@ -118,6 +179,22 @@ f16_t pick_scale(ScaleMode m, std::mt19937& rng) {
     }
   }
   return f32_to_f16(neg(rng) ? -v : v);
+}
+
+// MXFP4's E8M0 scale byte (d = 2^(e - 128), never zero or negative) for the same modes: ordinary,
+// the subnormal and smallest scales, large, the smallest for `zero`, and a mix with 1 and 2^-1.
+uint8_t pick_e8m0(ScaleMode m, std::mt19937& rng) {
+  switch (m) {
+    case ScaleMode::normal: return uint8_t(118 + rng() % 7);  // 2^-10 .. 2^-4
+    case ScaleMode::tiny: return uint8_t(rng() % 21);         // 2^-128 (subnormal) .. 2^-108
+    case ScaleMode::huge: return uint8_t(136 + rng() % 5);    // 2^8 .. 2^12
+    case ScaleMode::zero: return 0;
+    case ScaleMode::mixed: {
+      const uint8_t choices[] = {0, 1, 2, 100, 121, 127, 128, 139};
+      return choices[rng() % 8];
+    }
+  }
+  return 0;
 }
 
 // n_out rows of n_in elements with row stride `row_bytes` (>= packed row).
@@ -155,6 +232,7 @@ std::vector<uint8_t> random_weights(GgmlType t, int64_t n_in, int64_t n_out, siz
           put16(82, pick_scale(m, rng));
           break;
         case GgmlType::Q3_K: put16(108, pick_scale(m, rng)); break;
+        case GgmlType::MXFP4: blk[0] = pick_e8m0(m, rng); break;
         default: break;
       }
     }

@@ -2,6 +2,7 @@
 // every type id ggml defines (so a file using one is read and reported by name); which types kvq
 // can compute with is decided in src/weights.
 #pragma once
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 
@@ -17,6 +18,16 @@ enum class GgmlType : uint32_t {
 
 // The 16 levels of IQ4_NL / IQ4_XS codes (ggml's table; also kvq's iq4_nl KV cache type).
 inline constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// The 16 levels of MXFP4 codes: the E2M1 values (sign bit 3; 0, 0.5, 1, 1.5, 2, 3, 4, 6) doubled,
+// so they are integers; the block scale is halved to match (e8m0_half_to_f32).
+inline constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// An E8M0 scale byte e (2^(e - 127)) halved, as MXFP4's doubled levels need: 2^(e - 128). e = 0
+// and 1 give the subnormals 2^-128 and 2^-127; e = 255 gives 2^127 (no NaN encoding is honoured).
+inline float e8m0_half_to_f32(uint8_t e) {
+  const uint32_t bits = e < 2 ? uint32_t(0x00200000) << e : uint32_t(e - 1) << 23;
+  return std::bit_cast<float>(bits);
+}
 
 struct GgmlTypeTraits {
   const char* name;

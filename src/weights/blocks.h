@@ -114,6 +114,14 @@ struct BlockIQ4_NL {
 };
 static_assert(sizeof(BlockIQ4_NL) == 18);
 
+// OCP microscaling FP4: w = e8m0_half_to_f32(e) * kMxfp4Values[q], nibbles in Q4_0's order. No
+// fp16 field: 17 bytes, so consecutive blocks sit at any byte alignment.
+struct BlockMXFP4 {
+  uint8_t e;
+  uint8_t qs[kQK / 2];
+};
+static_assert(sizeof(BlockMXFP4) == 17);
+
 // 8 sub-blocks of 32 with IQ4_NL's codes: w = d * (ls[j] - 32) * kIq4nlValues[q], ls 6 bits (low
 // nibble j % 2 of scales_l[j / 2], top 2 bits at bit 2j of scales_h); sub-block j's 16 bytes of qs
 // hold its elements 0..15 in low nibbles and 16..31 in high.

@@ -16,7 +16,7 @@ bool weight_type_supported(GgmlType t) {
     case GgmlType::F32: case GgmlType::F16: case GgmlType::BF16: case GgmlType::Q8_0:
     case GgmlType::Q4_0: case GgmlType::Q4_1: case GgmlType::Q5_0: case GgmlType::Q5_1:
     case GgmlType::Q2_K: case GgmlType::Q3_K: case GgmlType::Q4_K: case GgmlType::Q5_K: case GgmlType::Q6_K:
-    case GgmlType::IQ4_NL: case GgmlType::IQ4_XS:
+    case GgmlType::IQ4_NL: case GgmlType::IQ4_XS: case GgmlType::MXFP4:
       return true;
     default:
       return false;
@@ -120,6 +120,16 @@ void deq_iq4_nl(const BlockIQ4_NL* b, float* y, int64_t nb) {
   }
 }
 
+void deq_mxfp4(const BlockMXFP4* b, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, y += kQK) {
+    const float d = e8m0_half_to_f32(b[i].e);
+    for (int j = 0; j < kQK / 2; ++j) {
+      y[j] = float(kMxfp4Values[b[i].qs[j] & 0xF]) * d;
+      y[j + 16] = float(kMxfp4Values[b[i].qs[j] >> 4]) * d;
+    }
+  }
+}
+
 void deq_iq4_xs(const BlockIQ4_XS* b, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += kQKK) {
     const float d = f16_to_f32(b[i].d);
@@ -210,6 +220,7 @@ void dequantize_row_ref(GgmlType t, const void* src, float* dst, int64_t n) {
     case GgmlType::Q3_K: deq_q3_k(static_cast<const BlockQ3_K*>(src), dst, nb); break;
     case GgmlType::IQ4_NL: deq_iq4_nl(static_cast<const BlockIQ4_NL*>(src), dst, nb); break;
     case GgmlType::IQ4_XS: deq_iq4_xs(static_cast<const BlockIQ4_XS*>(src), dst, nb); break;
+    case GgmlType::MXFP4: deq_mxfp4(static_cast<const BlockMXFP4*>(src), dst, nb); break;
     case GgmlType::Q4_K: deq_q4_k(static_cast<const BlockQ4_K*>(src), dst, nb); break;
     case GgmlType::Q5_K: deq_q5_k(static_cast<const BlockQ5_K*>(src), dst, nb); break;
     case GgmlType::Q6_K: deq_q6_k(static_cast<const BlockQ6_K*>(src), dst, nb); break;

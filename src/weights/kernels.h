@@ -15,7 +15,7 @@ enum class ActFormat { f32, q8a, q8k };
 constexpr ActFormat act_format(GgmlType t) {
   switch (t) {
     case GgmlType::Q4_0: case GgmlType::Q4_1: case GgmlType::Q5_0: case GgmlType::Q5_1:
-    case GgmlType::Q8_0: case GgmlType::IQ4_NL:
+    case GgmlType::Q8_0: case GgmlType::IQ4_NL: case GgmlType::MXFP4:
       return ActFormat::q8a;
     case GgmlType::Q2_K: case GgmlType::Q3_K: case GgmlType::Q4_K: case GgmlType::Q5_K: case GgmlType::Q6_K:
     case GgmlType::IQ4_XS:

@@ -120,6 +120,13 @@ float row_dot_q8a(const uint8_t* w, const BlockQ8A* x, int64_t nb) {
         q[j] = kIq4nlValues[blk.qs[j] & 0xF];
         q[j + 16] = kIq4nlValues[blk.qs[j] >> 4];
       }
+    } else if constexpr (T == GgmlType::MXFP4) {
+      const auto& blk = reinterpret_cast<const BlockMXFP4*>(w)[b];
+      d = e8m0_half_to_f32(blk.e);
+      for (int j = 0; j < 16; ++j) {
+        q[j] = kMxfp4Values[blk.qs[j] & 0xF];
+        q[j + 16] = kMxfp4Values[blk.qs[j] >> 4];
+      }
     } else {
       static_assert(T == GgmlType::Q8_0);
       const auto& blk = reinterpret_cast<const BlockQ8_0*>(w)[b];
@@ -274,6 +281,7 @@ MatmulTileFn matmul_kernel_scalar(GgmlType t) {
     case GgmlType::Q3_K: return tile_scalar<GgmlType::Q3_K>;
     case GgmlType::IQ4_NL: return tile_scalar<GgmlType::IQ4_NL>;
     case GgmlType::IQ4_XS: return tile_scalar<GgmlType::IQ4_XS>;
+    case GgmlType::MXFP4: return tile_scalar<GgmlType::MXFP4>;
     default: return nullptr;
   }
 }

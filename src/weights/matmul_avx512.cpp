@@ -501,6 +501,7 @@ MatmulTileFn panel_kernel_for(GgmlType t) {
     case GgmlType::Q5_1: return gemm_any<GgmlType::Q5_1, KVQ_NR_32, KVQ_NT_32>;
     case GgmlType::Q8_0: return gemm_any<GgmlType::Q8_0, KVQ_NR_32, KVQ_NT_32>;
     case GgmlType::IQ4_NL: return gemm_any<GgmlType::IQ4_NL, KVQ_NR_32, KVQ_NT_32>;
+    case GgmlType::MXFP4: return gemm_any<GgmlType::MXFP4, KVQ_NR_32, KVQ_NT_32>;
     case GgmlType::Q4_K: return gemm_any<GgmlType::Q4_K, KVQ_NR_K, KVQ_NT_K>;
     case GgmlType::Q5_K: return gemm_any<GgmlType::Q5_K, KVQ_NR_K, KVQ_NT_K>;
     case GgmlType::Q6_K: return gemm_any<GgmlType::Q6_K, KVQ_NR_K, KVQ_NT_K>;

@@ -68,6 +68,10 @@ inline __m256i bits_to_0x10(uint32_t bits) {
 inline __m256i iq4nl_table() {
   return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4nlValues)));
 }
+// MXFP4's 16 (doubled E2M1) levels, likewise.
+inline __m256i mxfp4_table() {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values)));
+}
 
 inline uint32_t load_u32(const uint8_t* p) {
   uint32_t v;
@@ -77,7 +81,7 @@ inline uint32_t load_u32(const uint8_t* p) {
 
 // ---------------------------------------------------------------- 32-element types
 
-// One weight block as unsigned codes u (0..31, or |q| for the signed Q8_0 and IQ4_NL) with
+// One weight block as unsigned codes u (0..31, or |q| for the signed Q8_0, IQ4_NL and MXFP4) with
 // w = d * (u - off) + m. The signed types keep their codes in `sgn` (sign trick: |q| * (x * sign q),
 // since Q8_0's u may reach 128).
 template <GgmlType T>
@@ -112,6 +116,12 @@ inline void load_w32(const uint8_t* p, W32<T>& w) {
     w.d = f16(b->d);
     w.sgn = _mm256_shuffle_epi8(iq4nl_table(), unpack_nibbles16(b->qs));
     w.u = _mm256_abs_epi8(w.sgn);
+  } else if constexpr (T == GgmlType::MXFP4) {
+    // 17-byte blocks: qs at any alignment (unpack_nibbles16 loads unaligned)
+    const auto* b = reinterpret_cast<const BlockMXFP4*>(p);
+    w.d = e8m0_half_to_f32(b->e);
+    w.sgn = _mm256_shuffle_epi8(mxfp4_table(), unpack_nibbles16(b->qs));
+    w.u = _mm256_abs_epi8(w.sgn);
   } else {
     const auto* b = reinterpret_cast<const BlockQ8_0*>(p);
     w.d = f16(b->d);
@@ -123,7 +133,7 @@ inline void load_w32(const uint8_t* p, W32<T>& w) {
 // Codes kept signed (see W32).
 template <GgmlType T>
 constexpr bool w32_signed() {
-  return T == GgmlType::Q8_0 || T == GgmlType::IQ4_NL;
+  return T == GgmlType::Q8_0 || T == GgmlType::IQ4_NL || T == GgmlType::MXFP4;
 }
 
 // Integer offset subtracted from u: folded into the dot product through sum(qx) = s / d.
@@ -140,7 +150,8 @@ template <GgmlType T>
 constexpr size_t w32_block_bytes() {
   return T == GgmlType::Q4_0 ? sizeof(BlockQ4_0) : T == GgmlType::Q4_1 ? sizeof(BlockQ4_1)
        : T == GgmlType::Q5_0 ? sizeof(BlockQ5_0) : T == GgmlType::Q5_1 ? sizeof(BlockQ5_1)
-       : T == GgmlType::IQ4_NL ? sizeof(BlockIQ4_NL) : sizeof(BlockQ8_0);
+       : T == GgmlType::IQ4_NL ? sizeof(BlockIQ4_NL) : T == GgmlType::MXFP4 ? sizeof(BlockMXFP4)
+       : sizeof(BlockQ8_0);
 }
 
 // NR rows x NT tokens; one block of 32 at a time, each weight block unpacked once and used NT times.
@@ -699,6 +710,7 @@ MatmulTileFn kernel_for(GgmlType t) {
     case GgmlType::Q5_1: return gemm<GgmlType::Q5_1, KVQ_NR_32, KVQ_NT_32>;
     case GgmlType::Q8_0: return gemm<GgmlType::Q8_0, KVQ_NR_32, KVQ_NT_32>;
     case GgmlType::IQ4_NL: return gemm<GgmlType::IQ4_NL, KVQ_NR_32, KVQ_NT_32>;
+    case GgmlType::MXFP4: return gemm<GgmlType::MXFP4, KVQ_NR_32, KVQ_NT_32>;
     case GgmlType::Q4_K: return gemm<GgmlType::Q4_K, KVQ_NR_K, KVQ_NT_K>;
     case GgmlType::Q5_K: return gemm<GgmlType::Q5_K, KVQ_NR_K, KVQ_NT_K>;
     case GgmlType::Q6_K: return gemm<GgmlType::Q6_K, KVQ_NR_K, KVQ_NT_K>;

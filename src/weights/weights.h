@@ -19,7 +19,7 @@ struct WeightView {
 };
 
 // True if kvq computes with this type (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K,
-// Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS).
+// Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4).
 bool weight_type_supported(GgmlType t);
 
 // Reference dequantization of n elements (n a multiple of the type's block size).
