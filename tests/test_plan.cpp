@@ -359,6 +359,42 @@ TEST(Plan, PresetParameterCounts) {
   EXPECT_EQ(plan_model_from_preset("LLAMA-3-70B", 16).n_layers, 80);
 }
 
+// gpt-oss: published totals (20,914,757,184 and 116,829,156,672 parameters; 3.6B and 5.1B active
+// besides the embedding table), its biases and sinks counted, and its checkpoints' bytes (the
+// experts' matrices in MXFP4, 4.25 bits, the rest bf16), from presets and its config.json alike:
+// 128-token windows on every other layer, sliding first, and YaRN x32 of 4096 as the context.
+TEST(Plan, GptOssParametersAndMxfp4Experts) {
+  const PlanModel s = plan_model_from_preset("gpt-oss-20b", 16);
+  EXPECT_EQ(s.n_params, 20914757184);
+  EXPECT_NEAR(double(s.n_params_active - 201088 * int64_t(2880)), 3.61e9, 0.01e9);  // the card's 3.6B
+  const int64_t experts = 24LL * 32 * 3 * 2880 * 2880;
+  EXPECT_EQ(s.weights_bytes, experts * 17 / 32 + (s.n_params - experts) * 2);
+  const PlanModel b = plan_model_from_preset("gpt-oss-120b", 16);
+  EXPECT_EQ(b.n_params, 116829156672);
+  EXPECT_NEAR(double(b.n_params_active - 201088 * int64_t(2880)), 5.13e9, 0.01e9);  // the card's 5.1B
+  ASSERT_EQ(s.layers.size(), 24u);
+  for (int il = 0; il < 24; ++il) EXPECT_EQ(s.layers[size_t(il)].window, il % 2 == 0 ? 128 : 0) << il;
+  nlohmann::json lt = nlohmann::json::array();
+  for (int il = 0; il < 24; ++il) lt.push_back(il % 2 == 0 ? "sliding_attention" : "full_attention");
+  nlohmann::json cfg = {{"model_type", "gpt_oss"}, {"num_hidden_layers", 24}, {"num_attention_heads", 64},
+                        {"num_key_value_heads", 8}, {"head_dim", 64}, {"hidden_size", 2880}, {"intermediate_size", 2880},
+                        {"num_local_experts", 32}, {"num_experts_per_tok", 4}, {"experts_per_token", 4},
+                        {"vocab_size", 201088}, {"max_position_embeddings", 131072}, {"sliding_window", 128},
+                        {"layer_types", lt}, {"attention_bias", true}, {"tie_word_embeddings", false},
+                        {"rope_scaling", {{"rope_type", "yarn"}, {"factor", 32.0}, {"original_max_position_embeddings", 4096},
+                                          {"beta_fast", 32.0}, {"beta_slow", 1.0}}},
+                        {"quantization_config", {{"quant_method", "mxfp4"}}}, {"torch_dtype", "bfloat16"}};
+  const PlanModel c = plan_model_from_hf_config(cfg, std::nullopt);
+  EXPECT_EQ(c.n_params, s.n_params);
+  EXPECT_EQ(c.n_params_active, s.n_params_active);
+  EXPECT_EQ(c.weights_bytes, s.weights_bytes);
+  EXPECT_EQ(c.ctx_train, 131072);
+  for (int il = 0; il < 24; ++il) EXPECT_EQ(c.layers[size_t(il)].window, s.layers[size_t(il)].window) << il;
+  EXPECT_EQ(plan_model_from_hf_config(cfg, 8.0).weights_bytes, s.n_params);  // --weights-bits: every parameter
+  cfg.erase("quantization_config");  // a dequantized checkpoint: all bf16
+  EXPECT_EQ(plan_model_from_hf_config(cfg, std::nullopt).weights_bytes, 2 * s.n_params);
+}
+
 // Mixture-of-experts shapes: published totals and active counts (Mixtral 8x7B 46.7B / 12.9B,
 // Qwen3-30B-A3B 30.5B / 3.3B, Qwen1.5-MoE-A2.7B 14.3B / 2.7B, OLMoE 6.9B / 1.3B), from presets and
 // config.json alike.

@@ -234,6 +234,16 @@ const std::vector<PlanPreset>& plan_presets() {
     p.n_expert = 128; p.n_expert_used = 8; p.n_ff_exp = 768;
     add(p);
     p = {};
+    p.name = "gpt-oss-20b"; p.hf_name = "openai/gpt-oss-20b";
+    p.n_layers = 24; p.n_heads = 64; p.n_kv_heads = 8; p.head_dim = 64; p.n_embd = 2880;
+    p.n_ff = 2880; p.n_vocab = 201088; p.ctx_train = 131072; p.window = 128; p.swa_pattern = 2;
+    p.qkv_bias = true; p.oss_biases = true; p.n_expert = 32; p.n_expert_used = 4; p.n_ff_exp = 2880;
+    p.expert_bits = 4.25;
+    add(p);
+    p.name = "gpt-oss-120b"; p.hf_name = "openai/gpt-oss-120b";
+    p.n_layers = 36; p.n_expert = 128;
+    add(p);
+    p = {};
     p.name = "smollm2-135m"; p.hf_name = "HuggingFaceTB/SmolLM2-135M";
     p.n_layers = 30; p.n_heads = 9; p.n_kv_heads = 3; p.head_dim = 64; p.n_embd = 576;
     p.n_ff = 1536; p.n_vocab = 49152; p.ctx_train = 8192; p.tied_embeddings = true;
@@ -273,6 +283,7 @@ int64_t count_params(const PlanPreset& p, bool active) {
   const int64_t e = p.n_embd, q = mul(p.n_heads, p.head_dim), kv = mul(p.n_kv_heads, p.head_dim);
   int64_t layer = add(add(mul(e, q), mul(2, mul(e, kv))), mul(q, e));  // Wq, Wk, Wv, Wo
   if (p.qkv_bias) layer = add(layer, add(q, mul(2, kv)));
+  if (p.oss_biases) layer = add(layer, add(e, p.n_heads));  // output bias, sinks
   layer = add(layer, mul(p.norms_per_layer, e));
   if (p.qk_norm) layer = add(layer, p.qk_norm_full ? add(q, kv) : mul(2, p.head_dim));
   const int64_t dense_ffn = mul(3, mul(e, p.n_ff));  // gated FFN: gate, up, down
@@ -280,6 +291,8 @@ int64_t count_params(const PlanPreset& p, bool active) {
   if (p.n_expert > 0) {
     int64_t moe = mul(mul(active ? p.n_expert_used : p.n_expert, 3), mul(e, p.n_ff_exp));  // experts
     moe = add(moe, mul(e, p.n_expert));                                                    // router
+    if (p.oss_biases)  // the router's bias, each expert's gate / up / down biases
+      moe = add(moe, add(p.n_expert, mul(active ? p.n_expert_used : p.n_expert, add(mul(2, p.n_ff_exp), e))));
     moe = add(moe, add(mul(3, mul(e, p.n_ff_shexp)), p.shexp_gate ? e : 0));               // shared expert
     total = add(total, add(mul(p.n_layers - p.n_dense_layers, moe), mul(p.n_dense_layers, dense_ffn)));
   } else {
@@ -301,6 +314,20 @@ int64_t weights_bytes_of(int64_t n_params, double bits) {
   const double b = std::ceil(double(n_params) * bits / 8.0);
   if (!(b >= 0) || b >= 9.2e18) fail("weights of {} parameters at {} bits exceed 2^63 bytes", n_params, bits);
   return int64_t(b);
+}
+
+// The weights' bytes and their note: every parameter at `bits`, or, with p.expert_bits, the
+// experts' matrices at those bits and the rest at `bits`.
+void set_weights(PlanModel& m, const PlanPreset& p, double bits, const char* what, const char* how = "") {
+  if (p.expert_bits <= 0 || p.n_expert <= 0) {
+    m.weights_bytes = weights_bytes_of(m.n_params, bits);
+    m.weights_note = fmt::format("{}{} params{} x {} bits", what, group_digits(m.n_params), how, bits);
+    return;
+  }
+  const int64_t experts = int64_t(p.n_layers - p.n_dense_layers) * p.n_expert * 3 * p.n_embd * p.n_ff_exp;
+  m.weights_bytes = weights_bytes_of(experts, p.expert_bits) + weights_bytes_of(m.n_params - experts, bits);
+  m.weights_note = fmt::format("{}{} params{}: {} of the experts' matrices x {} bits (MXFP4), the rest x {} bits", what,
+                               group_digits(m.n_params), how, group_digits(experts), p.expert_bits, bits);
 }
 
 }  // namespace
@@ -356,8 +383,7 @@ PlanModel plan_model_from_preset(const std::string& name, double weights_bits) {
   }
   m.n_params = plan_params(p);
   fill_experts(m, p);
-  m.weights_bytes = weights_bytes_of(m.n_params, weights_bits);
-  m.weights_note = fmt::format("{} params x {} bits", group_digits(m.n_params), weights_bits);
+  set_weights(m, p, weights_bits, "");
   return m;
 }
 
@@ -750,7 +776,8 @@ PlanModel plan_model_from_hf_config(const nlohmann::json& cfg, std::optional<dou
   PlanPreset shape;
   const bool moe = f.get("num_local_experts") || f.get("num_experts") || f.get("n_routed_experts");
   const bool qwen_moe = mt == "qwen2_moe" || mt == "qwen3_moe";
-  const bool known_moe = mt == "mixtral" || qwen_moe || mt == "granitemoe" || mt == "granitemoeshared" || mt == "olmoe";
+  const bool oss = mt == "gpt_oss";
+  const bool known_moe = mt == "mixtral" || qwen_moe || mt == "granitemoe" || mt == "granitemoeshared" || mt == "olmoe" || oss;
   if (moe && !known_moe) {
     m.notes.push_back(fmt::format("mixture-of-experts config ('{}'): expert layout not known to kvq, weights not "
                                   "estimated (pass --weights-bytes)", mt));
@@ -794,7 +821,13 @@ PlanModel plan_model_from_hf_config(const nlohmann::json& cfg, std::optional<dou
   shape.n_vocab = m.n_vocab;
   const bool gemma = mt.rfind("gemma", 0) == 0;
   shape.tied_embeddings = f.opt_bool("tie_word_embeddings").value_or(gemma);
-  shape.qkv_bias = f.opt_bool("attention_bias").value_or(mt == "qwen2" || mt == "qwen2_moe");
+  shape.qkv_bias = f.opt_bool("attention_bias").value_or(mt == "qwen2" || mt == "qwen2_moe" || oss);
+  shape.oss_biases = oss;
+  // gpt-oss's checkpoints store the experts' matrices in MXFP4 (quantization_config), the rest in
+  // torch_dtype
+  if (const nlohmann::json* qc = f.get("quantization_config");
+      oss && qc && qc->is_object() && qc->value("quant_method", std::string()) == "mxfp4")
+    shape.expert_bits = 4.25;
   shape.norms_per_layer = gemma && mt != "gemma" ? 4 : 2;
   shape.qk_norm = mt.rfind("gemma3", 0) == 0 || mt == "qwen3" || mt == "qwen3_moe" || mt == "olmo2" || mt == "olmo3" ||
                   mt == "olmoe";
@@ -815,8 +848,8 @@ PlanModel plan_model_from_hf_config(const nlohmann::json& cfg, std::optional<dou
     }
   }
   if (!(bits > 0) || bits > 64) fail("--weights-bits must be in (0, 64] (got {})", bits);
-  m.weights_bytes = weights_bytes_of(m.n_params, bits);
-  m.weights_note = fmt::format("~{} params (from the shapes) x {} bits", group_digits(m.n_params), bits);
+  if (weights_bits) shape.expert_bits = 0;  // --weights-bits: every parameter at those bits
+  set_weights(m, shape, bits, "~", " (from the shapes)");
   return m;
 }
 

@@ -91,6 +91,12 @@ struct PlanPreset {
   int64_t n_ff_shexp = 0;
   bool shexp_gate = false;
   int n_dense_layers = 0;
+  // gpt-oss: a bias on the attention output, a sink logit per query head, and biases on the router
+  // and on every expert's gate, up and down
+  bool oss_biases = false;
+  // Bits per parameter of the experts' matrices when they are stored apart from the rest (gpt-oss's
+  // checkpoints: MXFP4, 4.25 bits); 0: the weights' bits.
+  double expert_bits = 0;
 };
 
 const std::vector<PlanPreset>& plan_presets();
