@@ -2357,7 +2357,16 @@ TEST(ChatTemplate, HarmonyReplySplitsReasoningFromContent) {
   EXPECT_EQ(run("{\"a\": 1}", 2), (std::pair<std::string, std::string>{"", "{\"a\": 1}"}));
   // a commentary preamble and a final answer: content; reasoning cut short by max_tokens
   EXPECT_EQ(run("<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>final<|message|>Done.", 5),
-            (std::pair<std::string, std::string>{"", "Checking.Done."}));
+            (std::pair<std::string, std::string>{"", "Checking.\nDone."}));
+  // two analysis messages: one reasoning, a line apart
+  EXPECT_EQ(run("<|channel|>analysis<|message|>A.<|end|><|start|>assistant<|channel|>analysis<|message|>B.<|end|>"
+                "<|start|>assistant<|channel|>final<|message|>C.", 2),
+            (std::pair<std::string, std::string>{"A.\nB.", "C."}));
+  // a reply that opens with '<|' but no marker is content, not a header that never completes; and a
+  // marker other than the ends inside a message is its text
+  EXPECT_EQ(run("<|x|> is not a marker", 3), (std::pair<std::string, std::string>{"", "<|x|> is not a marker"}));
+  EXPECT_EQ(run("<|channel|>final<|message|>the <|channel|> and <|message|> tokens<|return|>", 4),
+            (std::pair<std::string, std::string>{"", "the <|channel|> and <|message|> tokens"}));
   EXPECT_EQ(run("<|channel|>analysis<|message|>Thinking abo", 4), (std::pair<std::string, std::string>{"Thinking abo", ""}));
   EXPECT_EQ(run("<|channel|>analy", 4), (std::pair<std::string, std::string>{"", ""}));  // a header cut short
 }

@@ -744,6 +744,26 @@ TEST(TokenizerSynthetic, HarmonyEndsOnReturnAndCallNotEnd) {
   }
 }
 
+// The same vocabulary whose metadata also names <|end|> as its EOT token (so it is listed twice
+// before the harmony rule runs): <|end|> must still not end generation.
+TEST(TokenizerSynthetic, HarmonyEndIsNotEogWhenMetadataNamesItEot) {
+  GgufWriter w;
+  w.add_string("tokenizer.ggml.model", "gpt2");
+  w.add_string("tokenizer.ggml.pre", "gpt2");
+  const std::vector<std::string> toks = {"a", "b", "<|end|>", "<|start|>", "<|channel|>", "<|message|>", "<|return|>", "<|call|>"};
+  w.add("tokenizer.ggml.tokens", str_arr(toks));
+  std::vector<int32_t> types(toks.size(), 3);
+  types[0] = types[1] = 1;
+  w.add("tokenizer.ggml.token_type", i32_arr(types));
+  w.add("tokenizer.ggml.merges", str_arr({}));
+  w.add_u32("tokenizer.ggml.eos_token_id", 6);
+  w.add_u32("tokenizer.ggml.eot_token_id", 2);
+  auto b = build(w);
+  const Tokenizer tok = Tokenizer::from_gguf(*b.file);
+  EXPECT_FALSE(tok.is_eog(2));
+  EXPECT_EQ(tok.eog_ids(), (std::vector<int32_t>{6, 7}));
+}
+
 // Llama 3's pre-tokenizer takes a pre-token that is a word of the vocabulary whole (its
 // tokenizer's ignore_merges), and opens texts with BOS unless the file says otherwise; Qwen2's
 // merges every pre-token.

@@ -1,5 +1,6 @@
 #include "model/chat.h"
 
+#include <algorithm>
 #include <ctime>
 #include <string_view>
 
@@ -369,17 +370,28 @@ std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& m
   fail("this model has no chat template kvq supports (supported: {})", chat_supported_families());
 }
 
+namespace {
+// The markers that end a harmony message (the text in between is the message's, markers of other
+// kinds included), and those a header opens with.
+constexpr std::string_view kHarmonyEnds[] = {"<|end|>", "<|return|>", "<|call|>", "<|start|>"};
+constexpr std::string_view kHarmonyHeaderOpen[] = {"<|start|>", "<|channel|>", "<|constrain|>", "<|message|>"};
+// Whether s (of any length) and m agree on their common start
+bool starts_alike(std::string_view s, std::string_view m) {
+  const size_t n = std::min(s.size(), m.size());
+  return s.substr(0, n) == m.substr(0, n);
+}
+}  // namespace
+
 HarmonyReplyStream::Delta HarmonyReplyStream::feed(const std::string& text) {
-  static constexpr std::string_view kMarkers[] = {"<|end|>", "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>",
-                                                  "<|return|>", "<|call|>"};
   Delta d;
   buf_ += text;
   for (;;) {
     if (state_ == State::header) {
       // A header: '<|start|>assistant<|channel|>final ...<|message|>' (or its tail after the
-      // prompt's '<|start|>assistant'); text that does not open with a marker is content.
+      // prompt's '<|start|>assistant'); a reply that does not open with one of its markers is content.
       if (buf_.empty()) break;
-      if (buf_.compare(0, 2, "<|") != 0 && std::string_view("<|").substr(0, buf_.size()) != buf_) {
+      if (std::none_of(std::begin(kHarmonyHeaderOpen), std::end(kHarmonyHeaderOpen),
+                       [&](std::string_view m) { return starts_alike(buf_, m); })) {
         state_ = State::other;
         continue;
       }
@@ -392,20 +404,22 @@ HarmonyReplyStream::Delta HarmonyReplyStream::feed(const std::string& text) {
         channel = channel.substr(0, channel.find_first_of(" <"));
       }
       state_ = channel == "analysis" ? State::analysis : State::other;
+      // a message after another of its kind starts on a new line
+      if (state_ == State::analysis ? reasoning_seen_ : content_seen_) emit(d, "\n");
       buf_.erase(0, msg + 11);
       continue;
     }
-    // A message's body: up to the marker that ends it (<|end|>, or a new header)
+    // A message's body: up to the marker that ends it
     size_t at = std::string::npos, len = 0;
-    for (std::string_view m : kMarkers)
+    for (std::string_view m : kHarmonyEnds)
       if (const size_t p = buf_.find(m); p != std::string::npos && p < at) {
         at = p;
         len = m.size();
       }
     if (at == std::string::npos) {
-      // hold back a tail that may be a marker's beginning
+      // hold back a tail that may be an end marker's beginning
       size_t keep = 0;
-      for (std::string_view m : kMarkers)
+      for (std::string_view m : kHarmonyEnds)
         for (size_t k = std::min(m.size() - 1, buf_.size()); k > keep; --k)
           if (buf_.compare(buf_.size() - k, k, m.substr(0, k)) == 0) {
             keep = k;
@@ -416,9 +430,8 @@ HarmonyReplyStream::Delta HarmonyReplyStream::feed(const std::string& text) {
       break;
     }
     emit(d, buf_.substr(0, at));
-    const bool ends = buf_.compare(at, len, "<|end|>") == 0 || buf_.compare(at, len, "<|return|>") == 0 ||
-                      buf_.compare(at, len, "<|call|>") == 0;
-    buf_.erase(0, ends ? at + len : at);  // a header's marker stays for the header to read
+    const bool start = buf_.compare(at, len, "<|start|>") == 0;
+    buf_.erase(0, start ? at : at + len);  // a new header's marker stays for the header to read
     state_ = State::header;
   }
   return d;

@@ -69,10 +69,12 @@ std::string chat_render_next_turn(const ChatTemplate& t, const std::string& user
 
 // A harmony reply (gpt-oss) as it is generated, its markers rendered as text:
 // '<|channel|>analysis<|message|>reasoning<|end|><|start|>assistant<|channel|>final<|message|>answer'.
-// Splits it into the reasoning (the analysis channel's messages) and the content (the other
-// channels' messages, the final answer), as vLLM's reasoning_content and content, while it streams:
-// feed() takes each piece of text and returns what it adds to each, holding back a piece that may
-// be the start of a marker until the next one says. A reply that starts without a header (its
+// Splits it by channel into the reasoning (the analysis channel's messages) and the content (the
+// other channels': the final answer, and a commentary preamble meant for the user), for kvq serve's
+// reasoning_content and content, while it streams: feed() takes each piece of text and returns what
+// it adds to each, holding back a piece that may be the start of a marker until the next one says.
+// A message ends at <|end|>, <|return|>, <|call|> or the next <|start|>; other markers inside it are
+// its text. Messages of one kind are joined by a newline. A reply that opens without a header (its
 // final channel opened by the prompt) is content from the start.
 class HarmonyReplyStream {
  public:
@@ -87,7 +89,9 @@ class HarmonyReplyStream {
   enum class State { header, analysis, other };
   State state_ = State::header;
   std::string buf_;  // text not yet given out
-  void emit(Delta& d, const std::string& text) const {
+  bool reasoning_seen_ = false, content_seen_ = false;  // a message of that kind began
+  void emit(Delta& d, const std::string& text) {
+    (state_ == State::analysis ? reasoning_seen_ : content_seen_) = true;
     (state_ == State::analysis ? d.reasoning : d.content) += text;
   }
 };

@@ -228,7 +228,7 @@ Tokenizer Tokenizer::from_gguf(const gguf::File& f) {
   auto is_eog_id = [&](int32_t id) { return id >= 0 && std::find(t.eog_ids_.begin(), t.eog_ids_.end(), id) != t.eog_ids_.end(); };
   const int32_t end_id = t.find_token("<|end|>");
   if (is_eog_id(t.find_token("<|return|>")) && is_eog_id(t.find_token("<|call|>")) && is_eog_id(end_id)) {
-    t.eog_ids_.erase(std::find(t.eog_ids_.begin(), t.eog_ids_.end(), end_id));
+    t.eog_ids_.erase(std::remove(t.eog_ids_.begin(), t.eog_ids_.end(), end_id), t.eog_ids_.end());  // every listing
     for (std::string_view name : {"<|end|>", "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"})
       if (const int32_t id = t.find_token(name); id >= 0) t.types_[id] = TokenType::user_defined;
   }

@@ -339,12 +339,18 @@ bool plan_layer_is_local(int il, int swa_pattern) {
 }
 
 namespace {
-std::string moe_note(const PlanModel& m) {
+std::string moe_note(const PlanModel& m, bool tied_embeddings, int64_t embd_params) {
   std::string s = fmt::format("mixture of experts: {} of {} experts per token", m.n_expert_used, m.n_expert);
-  if (m.n_params_active > 0 && m.n_params > 0)
-    s += fmt::format(", {} of the {} parameters ({:.1f}%) per token, which is what one sequence's decode step reads",
-                     group_digits(m.n_params_active), group_digits(m.n_params),
-                     100.0 * double(m.n_params_active) / double(m.n_params));
+  if (m.n_params_active > 0 && m.n_params > 0) {
+    s += fmt::format(", {} of the {} parameters ({:.1f}%) per token", group_digits(m.n_params_active),
+                     group_digits(m.n_params), 100.0 * double(m.n_params_active) / double(m.n_params));
+    // a decode step reads one row of an embedding table that is not also the output projection
+    s += tied_embeddings || embd_params <= 0
+             ? std::string(", which is what one sequence's decode step reads")
+             : fmt::format(", of which one sequence's decode step reads all but the input embedding table ({} "
+                           "parameters; one row of it)",
+                           group_digits(embd_params));
+  }
   return s;
 }
 
@@ -356,7 +362,7 @@ void fill_experts(PlanModel& m, const PlanPreset& p) {
   m.n_expert_used = p.n_expert_used;
   m.n_params_active = plan_active_params(p);
   m.n_ff = std::max(p.n_expert_used * p.n_ff_exp + p.n_ff_shexp, p.n_dense_layers > 0 ? p.n_ff : int64_t(0));
-  m.notes.push_back(moe_note(m));
+  m.notes.push_back(moe_note(m, p.tied_embeddings, p.n_vocab * p.n_embd));
 }
 }  // namespace
 
@@ -600,7 +606,8 @@ PlanModel plan_model_from_gguf(const gguf::File& f) {
     // The FFN buffers: a token's chosen experts and the shared one, which the engine runs at once,
     // with the widths the engine reads (for architectures it runs; others keep feed_forward_length).
     if (engine_cfg) m.n_ff = std::min<int64_t>(engine_cfg->ffn_active_channels(), kMaxFf);
-    m.notes.push_back(moe_note(m));
+    const gguf::TensorInfo* embd = f.find_tensor("token_embd.weight");
+    m.notes.push_back(moe_note(m, f.find_tensor("output.weight") == nullptr, embd ? embd->n_elements() : 0));
   }
   return m;
 }
