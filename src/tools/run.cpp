@@ -38,6 +38,11 @@ void run_add_cli(CLI::App& app, RunOptions& o) {
   app.add_option("--reasoning-effort", o.reasoning_effort,
                  "with --chat on a harmony model (gpt-oss): low, medium (its default) or high")
       ->check(CLI::IsMember({"low", "medium", "high"}));
+  app.add_option("--reasoning-format", o.reasoning_format,
+                 "with --chat on a harmony model: split (the answer on stdout, the reasoning on stderr; default) "
+                 "or raw (the reply as generated, its channel markers included, on stdout)")
+      ->check(CLI::IsMember({"split", "raw"}))
+      ->each([&o](const std::string&) { o.reasoning_format_given = true; });
   app.add_flag("--echo", o.echo, "print the prompt before the generated text");
   app.add_flag("--json", o.json_object,
                "JSON mode: only tokens that continue one JSON object are sampled, and generation ends when it "
@@ -160,12 +165,41 @@ int run_command(const RunOptions& o) {
     fail("--reasoning-effort is harmony's (gpt-oss) setting, with --chat; this model's chat template is {}",
          o.chat ? chat_template_name(tpl) : "not in use");
   tpl.reasoning_effort = o.reasoning_effort;
+  // Harmony (gpt-oss): a reply is its reasoning, then its answer in the final channel; split, the
+  // answer goes to stdout and the reasoning to stderr as they come. A constrained reply (--json,
+  // ...) is opened in the final channel, without reasoning, as kvq serve opens it.
+  const bool harmony = o.chat && tpl.family == ChatFamily::harmony;
+  const bool harmony_split = harmony && o.reasoning_format == "split";
+  if (o.reasoning_format_given && !harmony)
+    std::fprintf(stderr, "[kvq] warning: --reasoning-format applies to harmony replies (gpt-oss, with --chat); ignored\n");
   // The first turn: the whole prompt in the template (system message first).
   auto first_turn = [&](const std::string& user) {
     std::vector<ChatMessage> msgs;
     if (!o.system.empty()) msgs.push_back({"system", o.system});
     msgs.push_back({"user", user});
-    return chat_render(tpl, msgs);
+    return chat_render(tpl, msgs) + (harmony && grammar ? "<|channel|>final<|message|>" : "");
+  };
+  // Reply text out: to stdout, or split by channel (harmony)
+  std::unique_ptr<HarmonyReplyStream> hreply;
+  bool reasoning_open = false;  // stderr is inside a "[reasoning]" block
+  auto out_text = [&](const std::string& piece) {
+    if (!hreply) {
+      std::fwrite(piece.data(), 1, piece.size(), stdout);
+      std::fflush(stdout);
+      return;
+    }
+    const HarmonyReplyStream::Delta d = piece.empty() ? hreply->finish() : hreply->feed(piece);
+    if (!d.reasoning.empty()) {
+      if (!reasoning_open) std::fputs("[reasoning] ", stderr);
+      reasoning_open = true;
+      std::fwrite(d.reasoning.data(), 1, d.reasoning.size(), stderr);
+    }
+    if (!d.content.empty()) {
+      if (reasoning_open) std::fputs("\n[/reasoning]\n", stderr);
+      reasoning_open = false;
+      std::fwrite(d.content.data(), 1, d.content.size(), stdout);
+      std::fflush(stdout);
+    }
   };
 
   ThreadPool pool(threads);
@@ -203,6 +237,7 @@ int run_command(const RunOptions& o) {
     history.insert(history.end(), ids.begin(), ids.end());
     const size_t turn_start = history.size();
     TokenStreamDecoder stream(tok, from_start);
+    if (harmony_split) hreply = std::make_unique<HarmonyReplyStream>();
     const double t1 = now_seconds();
     stop_reason = "length";
     bool room = true;
@@ -237,10 +272,7 @@ int run_command(const RunOptions& o) {
         }
         history.push_back(t);
         const std::string piece = stream.push(t);
-        if (!piece.empty()) {
-          std::fwrite(piece.data(), 1, piece.size(), stdout);
-          std::fflush(stdout);
-        }
+        if (!piece.empty()) out_text(piece);
         ++n_gen;
         if (doc && (!doc->feed(json_vocab->bytes(t)) || doc->done())) {
           stop_reason = !doc->done()      ? "no token continues the document"
@@ -316,7 +348,12 @@ int run_command(const RunOptions& o) {
       }
     }
     const std::string rest = stream.flush();
-    std::fwrite(rest.data(), 1, rest.size(), stdout);
+    if (!rest.empty()) out_text(rest);
+    if (hreply) {
+      out_text("");  // what the reply stream held back
+      if (reasoning_open) std::fputs("\n[/reasoning]\n", stderr);
+      reasoning_open = false;
+    }
     std::fputc('\n', stdout);
     std::fflush(stdout);
     t_gen += now_seconds() - t1;

@@ -29,6 +29,8 @@ struct RunOptions {
   bool regex_given = false, grammar_given = false;  // --regex / --grammar given (an empty one too)
   std::string system;    // --system, with --chat
   std::string reasoning_effort;  // --reasoning-effort: harmony's (gpt-oss) low / medium / high
+  std::string reasoning_format = "split";  // --reasoning-format: harmony replies split (answer on stdout) or raw
+  bool reasoning_format_given = false;
   SamplerParams sampling;
   KvFlags kv;
   // Speculative decoding by prompt lookup (model/draft.h): up to draft_max drafted tokens per

@@ -148,6 +148,9 @@ bad "--system without --chat" run -m "$model" -p hi --system "be brief"
 bad "--reasoning-effort on a model without harmony's" run -m "$model" -p hi --reasoning-effort low
 check "... says whose setting it is" "grep -q 'harmony' $tmp/be"
 bad "--reasoning-effort not low, medium or high" run -m "$model" -p hi --reasoning-effort extreme
+bad "--reasoning-format not split or raw" run -m "$model" -p hi --reasoning-format bogus
+"$kvq" run -m "$model" -p Lily -n 4 --reasoning-format raw >/dev/null 2>"$tmp/rf_err"
+check "--reasoning-format on a model without harmony: runs, and warns that it is ignored" "[[ $? -eq 0 ]] && grep -q 'reasoning-format applies to harmony' $tmp/rf_err"
 bad "--interactive without --chat" run -m "$model" -i -n 4 </dev/null
 bad "--top-p above 1" run -m "$model" -p hi --top-p 2
 bad "--seed beyond 64 bits" run -m "$model" -p hi --seed 99999999999999999999999
