@@ -581,6 +581,8 @@ void task_own(Ctx& c, const std::vector<OwnCase>& cases) {
   Progress prog(c.o.progress, cases.size() * all.size());
   Forward fwd(c.m, c.pool, 256);
   std::vector<bool> ref_ok;
+  // A harmony model's reply (gpt-oss) is matched on its answer, the final channel, not on its reasoning
+  const bool harmony = c.o.chat && chat_template_detect(c.m.file()).family == ChatFamily::harmony;
   for (size_t f = 0; f < all.size(); ++f) {
     std::vector<bool> oks;
     nlohmann::json items = nlohmann::json::array();
@@ -589,9 +591,16 @@ void task_own(Ctx& c, const std::vector<OwnCase>& cases) {
       const int max_tokens = oc.max_tokens > 0 ? oc.max_tokens : c.o.max_tokens;
       auto cache = make_cache(c, all[f], int(ids.size()) + max_tokens + 2);
       const std::string out = greedy_generate(c, fwd, *cache, ids, max_tokens);
-      const bool hit = oc.match == "exact" ? trim(out) == trim(oc.expected) : out.find(oc.expected) != std::string::npos;
+      std::string answer = out;
+      if (harmony) {
+        HarmonyReplyStream hs;
+        answer = hs.feed(out).content;
+        answer += hs.finish().content;
+      }
+      const bool hit = oc.match == "exact" ? trim(answer) == trim(oc.expected) : answer.find(oc.expected) != std::string::npos;
       oks.push_back(hit);
       items.push_back({{"prompt", oc.prompt}, {"expected", oc.expected}, {"output", out}, {"ok", hit}});
+      if (harmony) items.back()["answer"] = answer;
       prog.step("own " + all[f].name);
     }
     const double acc = double(std::count(oks.begin(), oks.end(), true)) / double(cases.size());
