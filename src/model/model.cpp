@@ -169,7 +169,7 @@ std::unique_ptr<Model> Model::load(const std::string& path, const RopeOverrides&
     }
     L.wo = view_of(f, p + "attn_output.weight", qd, c.n_embd);
     // (gpt-oss's files name the FFN's norm post_attention_norm)
-    if (c.pre_norms) L.ffn_norm = norm_of(f, p + (c.attn_sinks ? "post_attention_norm.weight" : "ffn_norm.weight"), c.n_embd);
+    if (c.pre_norms) L.ffn_norm = norm_of(f, p + (c.arch == "gpt-oss" ? "post_attention_norm.weight" : "ffn_norm.weight"), c.n_embd);
     if (c.attn_out_bias) L.bo = norm_of(f, p + "attn_output.bias", c.n_embd);
     if (c.attn_sinks) L.attn_sinks = norm_of(f, p + "attn_sinks.weight", c.n_head);
     if (c.n_expert > 0) {
