@@ -2354,6 +2354,9 @@ TEST(ChatTemplate, HarmonyReplySplitsReasoningFromContent) {
     EXPECT_EQ(r, "User says hi. Answer <b> briefly.");
     EXPECT_EQ(c, "Hello! a<|b");
   }
+  const HarmonyReplyStream::Delta whole = HarmonyReplyStream::split(reply);  // all at once
+  EXPECT_EQ(whole.reasoning, "User says hi. Answer <b> briefly.");
+  EXPECT_EQ(whole.content, "Hello! a<|b");
   EXPECT_EQ(run("{\"a\": 1}", 2), (std::pair<std::string, std::string>{"", "{\"a\": 1}"}));
   // a commentary preamble and a final answer: content; reasoning cut short by max_tokens
   EXPECT_EQ(run("<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>final<|message|>Done.", 5),

@@ -361,7 +361,7 @@ std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& m
       const bool last_open = cont && i + 1 == msgs.size();
       if (m.role == "user") out += "<|start|>user<|message|>" + m.content + "<|end|>";
       else if (m.role == "assistant")  // (a closed last reply without a new turn ends as generation does)
-        out += "<|start|>assistant<|channel|>final<|message|>" + m.content +
+        out += std::string("<|start|>assistant") + HarmonyReplyStream::kOpenFinal + m.content +
                (last_open ? "" : i + 1 == msgs.size() && !opt.add_generation_prompt ? "<|return|>" : "<|end|>");
     }
     if (opt.add_generation_prompt) out += "<|start|>assistant";
@@ -441,6 +441,15 @@ HarmonyReplyStream::Delta HarmonyReplyStream::finish() {
   Delta d;
   if (state_ != State::header) emit(d, buf_);
   buf_.clear();
+  return d;
+}
+
+HarmonyReplyStream::Delta HarmonyReplyStream::split(const std::string& text) {
+  HarmonyReplyStream hs;
+  Delta d = hs.feed(text);
+  const Delta rest = hs.finish();
+  d.reasoning += rest.reasoning;
+  d.content += rest.content;
   return d;
 }
 

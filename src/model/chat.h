@@ -84,6 +84,10 @@ class HarmonyReplyStream {
   Delta feed(const std::string& text);
   // The end of the reply: what was held back (a marker's start that was text after all).
   Delta finish();
+  // A whole reply at once (feed, then finish).
+  static Delta split(const std::string& text);
+  // What a prompt ends with to open the reply's final channel (a constrained answer, no reasoning)
+  static constexpr const char* kOpenFinal = "<|channel|>final<|message|>";
 
  private:
   enum class State { header, analysis, other };

@@ -567,7 +567,7 @@ std::vector<int32_t> Server::Impl::chat_prompt(const json& body, const std::stri
   std::string text;
   if (tpl.known()) {
     text = chat_render(t, msgs, ro);
-    if (final_channel && ro.add_generation_prompt) text += "<|channel|>final<|message|>";
+    if (final_channel && ro.add_generation_prompt) text += HarmonyReplyStream::kOpenFinal;
   } else {
     // A model without a chat template kvq knows (a base model): the contents, one per line.
     for (const auto& m : msgs) text += m.content + "\n";
@@ -836,10 +836,9 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
         }
         choice["message"] = std::move(msg);
       } else if (harmony) {  // the answer as content, the reasoning beside it (vLLM's reasoning_content)
-        HarmonyReplyStream hr;
-        HarmonyReplyStream::Delta d = hr.feed(g.text), rest = hr.finish();
-        json msg = {{"role", "assistant"}, {"content", d.content + rest.content}};
-        if (!(d.reasoning + rest.reasoning).empty()) msg["reasoning_content"] = d.reasoning + rest.reasoning;
+        const HarmonyReplyStream::Delta d = HarmonyReplyStream::split(g.text);
+        json msg = {{"role", "assistant"}, {"content", d.content}};
+        if (!d.reasoning.empty()) msg["reasoning_content"] = d.reasoning;
         choice["message"] = std::move(msg);
       } else if (chat) {
         choice["message"] = {{"role", "assistant"}, {"content", g.text}};

@@ -591,12 +591,7 @@ void task_own(Ctx& c, const std::vector<OwnCase>& cases) {
       const int max_tokens = oc.max_tokens > 0 ? oc.max_tokens : c.o.max_tokens;
       auto cache = make_cache(c, all[f], int(ids.size()) + max_tokens + 2);
       const std::string out = greedy_generate(c, fwd, *cache, ids, max_tokens);
-      std::string answer = out;
-      if (harmony) {
-        HarmonyReplyStream hs;
-        answer = hs.feed(out).content;
-        answer += hs.finish().content;
-      }
+      const std::string answer = harmony ? HarmonyReplyStream::split(out).content : out;
       const bool hit = oc.match == "exact" ? trim(answer) == trim(oc.expected) : answer.find(oc.expected) != std::string::npos;
       oks.push_back(hit);
       items.push_back({{"prompt", oc.prompt}, {"expected", oc.expected}, {"output", out}, {"ok", hit}});

@@ -177,7 +177,7 @@ int run_command(const RunOptions& o) {
     std::vector<ChatMessage> msgs;
     if (!o.system.empty()) msgs.push_back({"system", o.system});
     msgs.push_back({"user", user});
-    return chat_render(tpl, msgs) + (harmony && grammar ? "<|channel|>final<|message|>" : "");
+    return chat_render(tpl, msgs) + (harmony && grammar ? HarmonyReplyStream::kOpenFinal : "");
   };
   // Reply text out: to stdout, or split by channel (harmony)
   std::unique_ptr<HarmonyReplyStream> hreply;
