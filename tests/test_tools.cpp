@@ -1,6 +1,7 @@
 // Function calling (server/tools.h): the tools' parsing and errors, the reply's grammar (random
 // replies checked by an independent validator against each function's parameters), reading
-// replies back, streaming a response's text, and the conversation's turns.
+// replies back, streaming a response's text, and the conversation's turns; and the functions as
+// gpt-oss's template describes them (server/harmony_tools.h).
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -10,6 +11,7 @@
 #include "grammar_walk.h"
 #include "model/json_schema.h"
 #include "schema_validator.h"
+#include "server/harmony_tools.h"
 #include "server/tools.h"
 
 using namespace kvq;
@@ -432,4 +434,230 @@ TEST(Tools, InvalidStringTextStopsTheResponse) {
     for (char c : text) out += st.feed(std::string(1, c));
     EXPECT_EQ(out, want);
   }
+}
+
+// harmony_functions_namespace against gpt-oss's chat template: each expected text below is the
+// template's own rendering of the same tools (Jinja2 as Hugging Face transformers runs it:
+// trim_blocks, lstrip_blocks, tojson as json.dumps), the part its render_tool_namespace writes.
+
+namespace {
+
+// A request's tools, read as kvq serve reads them, in the template's words.
+std::string harmony_namespace_of(const char* tools) {
+  return harmony_functions_namespace(parse_tools(ojson{{"tools", ojson::parse(tools)}}).functions);
+}
+
+}  // namespace
+
+TEST(HarmonyTools, FunctionWithScalarParameters) {
+  const char* tools = R"j([{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city", "parameters": {"type": "object", "properties": {
+  "city": {"type": "string", "description": "The city's name"},
+  "unit": {"type": "string", "enum": ["celsius", "fahrenheit"], "default": "celsius"},
+  "days": {"type": "integer", "description": "How many days ahead", "default": 3},
+  "precise": {"type": "boolean", "default": false},
+  "lat": {"type": "number", "minimum": -90},
+  "label": {"type": "string", "default": "home \"base\", café"},
+  "scale": {"type": "number", "default": 0.5}},
+ "required": ["city", "lat"]}}}])j";
+  EXPECT_EQ(harmony_namespace_of(tools), R"g(## functions
+
+namespace functions {
+
+// Weather for a city
+type get_weather = (_: {
+// The city's name
+city: string,
+unit?: "celsius" | "fahrenheit", // default: celsius,
+// How many days ahead
+days?: number, // default: 3,
+precise?: boolean, // default: false,
+lat: number,
+label?: string, // default: "home \"base\", café",
+scale?: number, // default: 0.5,
+}) => any;
+
+} // namespace functions)g");
+}
+
+TEST(HarmonyTools, FunctionsWithoutParameters) {
+  const char* tools = R"j([{"type": "function", "function": {"name": "get_time", "description": "The current time"}},
+ {"type": "function", "function": {"name": "ping", "description": "", "parameters": {"type": "object", "properties": {}}}},
+ {"type": "function", "function": {"name": "echo", "description": "Says it back", "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}])j";
+  EXPECT_EQ(harmony_namespace_of(tools), R"g(## functions
+
+namespace functions {
+
+// The current time
+type get_time = () => any;
+
+// 
+type ping = () => any;
+
+// Says it back
+type echo = (_: {
+text: string,
+}) => any;
+
+} // namespace functions)g");
+}
+
+TEST(HarmonyTools, NestedObjects) {
+  const char* tools = R"j([{"type": "function", "function": {"name": "ship", "description": "Sends a parcel", "parameters": {"type": "object", "properties": {
+  "to": {"type": "object", "description": "Where it goes", "properties": {
+     "street": {"type": "string"}, "zip": {"type": "integer"},
+     "geo": {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}}, "required": ["lat", "lon"]}},
+   "required": ["street"]},
+  "meta": {"type": "object"},
+  "options": {"type": "object", "properties": {"fast": {"type": "boolean"}}, "default": {"fast": true, "tries": [1, 2]}}},
+ "required": ["to"]}}}])j";
+  EXPECT_EQ(harmony_namespace_of(tools), R"g(## functions
+
+namespace functions {
+
+// Sends a parcel
+type ship = (_: {
+// Where it goes
+to: {
+street: 
+                string, zip?: 
+                number, geo?: 
+                {
+lat: 
+                number, lon: 
+                number}},
+meta?: object,
+options?: {
+fast?: 
+                boolean}, // default: {"fast": true, "tries": [1, 2]},
+}) => any;
+
+} // namespace functions)g");
+}
+
+TEST(HarmonyTools, Arrays) {
+  const char* tools = R"j([{"type": "function", "function": {"name": "store", "description": "Stores lists", "parameters": {"type": "object", "properties": {
+  "tags": {"type": "array", "items": {"type": "string"}, "description": "Labels"},
+  "scores": {"type": "array", "items": {"type": "number"}},
+  "ids": {"type": "array", "items": {"type": "integer"}, "default": [1, 2]},
+  "flags": {"type": "array", "items": {"type": "boolean"}},
+  "colors": {"type": "array", "items": {"type": "string", "enum": ["red", "green"]}},
+  "points": {"type": "array", "items": {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}},
+  "rows": {"type": "array", "items": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}},
+  "blobs": {"type": "array", "items": {"type": "object"}},
+  "anything": {"type": "array"},
+  "matrix": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+  "pairs": {"type": "array", "items": {"type": ["object", "object"]}},
+  "maybe": {"type": "array", "items": {"type": "string"}, "nullable": true},
+  "loose": {"type": "array", "items": {}}},
+ "required": ["tags"]}}}])j";
+  EXPECT_EQ(harmony_namespace_of(tools), R"g(## functions
+
+namespace functions {
+
+// Stores lists
+type store = (_: {
+// Labels
+tags: string[],
+scores?: number[],
+ids?: number[], // default: [1, 2],
+flags?: boolean[],
+colors?: string[],
+points?: {
+x: 
+                number}[],
+rows?: any[],
+blobs?: object[],
+anything?: any[],
+matrix?: number[][],
+pairs?: any[],
+maybe?: string[] | null,
+loose?: any[],
+}) => any;
+
+} // namespace functions)g");
+}
+
+TEST(HarmonyTools, TypeListsAndNullable) {
+  const char* tools = R"j([{"type": "function", "function": {"name": "find", "description": "Finds a record", "parameters": {"type": "object", "properties": {
+  "name": {"type": ["string", "null"], "description": "Its name, or null"},
+  "id": {"type": ["integer"]},
+  "note": {"type": "string", "nullable": true},
+  "count": {"type": "integer", "nullable": true},
+  "mode": {"enum": ["a", "b"], "default": "a"},
+  "extra": {},
+  "when": {"type": "string", "format": "date-time", "default": null}},
+ "required": ["name"]}}}])j";
+  EXPECT_EQ(harmony_namespace_of(tools), R"g(## functions
+
+namespace functions {
+
+// Finds a record
+type find = (_: {
+// Its name, or null
+name: string | null,
+id?: integer,
+note?: string | null,
+count?: number,
+mode?: any, // default: a,
+extra?: any,
+when?: string, // default: null,
+}) => any;
+
+} // namespace functions)g");
+}
+
+TEST(HarmonyTools, OneOf) {
+  const char* tools = R"j([{"type": "function", "function": {"name": "set_value", "description": "Sets a value", "parameters": {"type": "object", "properties": {
+  "value": {"oneOf": [{"type": "string"}, {"type": "number"}], "description": "Text or a number"},
+  "size": {"oneOf": [{"type": "integer", "description": "Bytes"}, {"type": "string", "enum": ["small", "large"], "default": "small"}], "default": "small"},
+  "target": {"oneOf": [{"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}, {"type": "object"}, {"type": "null"}]},
+  "single": {"oneOf": [{"type": "boolean"}]}},
+ "required": ["value"]}}}])j";
+  EXPECT_EQ(harmony_namespace_of(tools), R"g(## functions
+
+namespace functions {
+
+// Sets a value
+type set_value = (_: {
+// Text or a number
+value: string | 
+number,
+size?: number// Bytes | 
+"small" | "large"                    // default: "small"// default: small,
+target?: {
+path: 
+                string} | 
+object | 
+any,
+single?: boolean,
+}) => any;
+
+} // namespace functions)g");
+}
+
+// Where the template fails (Jinja: a missing description, a string and a number joined by +) or
+// prints Python's words (None, True), kvq writes the empty description and JSON text.
+TEST(HarmonyTools, WhereTheTemplateFails) {
+  const char* tools = R"j([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "level": {"type": "integer", "enum": [1, 2], "default": 1},
+    "size": {"oneOf": [{"type": "integer"}, {"type": "string"}], "default": 2},
+    "kind": {"type": "string", "enum": ["a", null, true]},
+    "n": {"type": "number", "description": 7},
+    "t": {"type": ["string", null]}}}}}])j";
+  EXPECT_EQ(harmony_namespace_of(tools), R"g(## functions
+
+namespace functions {
+
+// 
+type f = (_: {
+level?: number, // default: 1,
+size?: number | 
+string// default: 2,
+kind?: "a" | "null" | "true",
+// 7
+n?: number,
+t?: string | null,
+}) => any;
+
+} // namespace functions)g");
 }

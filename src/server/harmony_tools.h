@@ -1,0 +1,36 @@
+// Function tools described the way gpt-oss's chat template (the harmony format) describes them to
+// the model: as a TypeScript namespace in the developer message's "# Tools" section, e.g.
+//
+//   ## functions
+//
+//   namespace functions {
+//
+//   // Weather for a city
+//   type get_weather = (_: {
+//   // The city's name
+//   city: string,
+//   unit?: "celsius" | "fahrenheit", // default: celsius,
+//   }) => any;
+//
+//   } // namespace functions
+//
+// The text is the template's own rendering, character for character, its whitespace quirks
+// included (a nested object's properties each on a new line after 16 spaces, a oneOf's branches
+// split by " | " and a line break, "// default:" written with or without a comma and as JSON or
+// raw text depending on where the schema sits). See harmony_tools.cpp for the cases where the
+// template would fail or print a Python value, and what is written instead.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "server/tools.h"
+
+namespace kvq {
+
+// From "## functions\n\nnamespace functions {\n\n" to "} // namespace functions" (no newline
+// after it): the developer message's "# Tools\n\n" is followed by this and then "<|end|>".
+// One "type NAME = ..." per function, in the given order, its parameters' properties in the
+// order they are written.
+std::string harmony_functions_namespace(const std::vector<ToolFunction>& fns);
+
+}  // namespace kvq
