@@ -252,3 +252,34 @@ TEST(Gbnf, Errors) {
   EXPECT_TRUE(accepts(amb, "abcbd"));
   EXPECT_FALSE(accepts(amb, join({"a", std::string(31, 'b'), "d"})));
 }
+
+// Rules given as JSON Schemas (Grammar::from_gbnf's `schemas`): text framing JSON documents, each
+// of its own schema (its $refs into itself), no whitespace added around them; a schema's error is
+// thrown as a schema's; the text may not define such a rule again.
+TEST(Gbnf, SchemaRules) {
+  using ojson = nlohmann::ordered_json;
+  const std::vector<std::pair<std::string, ojson>> schemas = {
+      {"point", ojson::parse(R"({"type": "object", "properties": {"x": {"$ref": "#/$defs/n"}}, "required": ["x"],
+                                 "$defs": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}})")},
+      {"word", ojson::parse(R"({"enum": ["yes", "no"]})")}};
+  const auto g = Grammar::from_gbnf(R"(root ::= "at " point | "say " word "!")", schemas);
+  auto accepts = [&](const std::string& t) {
+    GrammarState st(g);
+    return st.feed(t) && st.accepting();
+  };
+  EXPECT_TRUE(accepts(R"(at {"x": 3})"));
+  EXPECT_TRUE(accepts(R"(at {"x":9})"));
+  EXPECT_TRUE(accepts(R"(say "no"!)"));
+  EXPECT_FALSE(accepts(R"(at {"x": 12})"));
+  EXPECT_FALSE(accepts(R"(at  {"x": 3})"));  // no whitespace before the document
+  EXPECT_FALSE(accepts(R"(say "maybe"!)"));
+  EXPECT_FALSE(accepts(R"(say {"x": 3}!)"));
+  EXPECT_THROW(Grammar::from_gbnf("root ::= point\npoint ::= \"p\"", schemas), std::invalid_argument);
+  try {
+    (void)Grammar::from_gbnf("root ::= bad", {{"bad", ojson::parse(R"({"type": "string", "not": {}})")}});
+    ADD_FAILURE() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("json_schema"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(Grammar::from_gbnf("root ::= other", schemas), std::invalid_argument);  // still undefined
+}

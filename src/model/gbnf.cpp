@@ -18,7 +18,13 @@ class Parser {
  public:
   explicit Parser(std::string_view t) : t_(t) {}
 
-  Gbnf parse() {
+  Gbnf parse(const std::vector<std::string>& external) {
+    for (const std::string& n : external) {
+      const uint32_t r = rule_index(n, 0);
+      if (defined_[r]) throw std::invalid_argument("grammar: external rule '" + n + "' is given twice");
+      defined_[r] = 1;
+      g_.external.push_back(r);
+    }
     space(true);
     while (more()) rule();
     size_t first_undefined = std::string::npos;
@@ -293,6 +299,6 @@ class Parser {
 
 }  // namespace
 
-Gbnf parse_gbnf(std::string_view text) { return Parser(text).parse(); }
+Gbnf parse_gbnf(std::string_view text, const std::vector<std::string>& external) { return Parser(text).parse(external); }
 
 }  // namespace kvq

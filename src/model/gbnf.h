@@ -35,9 +35,13 @@ struct Gbnf {
   std::vector<std::string> names;
   std::vector<std::vector<std::vector<GbnfItem>>> rules;  // each rule: alternatives, each a sequence
   uint32_t root = 0;
+  // Rules defined outside the text (parse_gbnf's `external`, in its order): no alternatives here.
+  std::vector<uint32_t> external;
 };
 
-// Throws std::invalid_argument "grammar line L, column C: ...".
-Gbnf parse_gbnf(std::string_view text);
+// Throws std::invalid_argument "grammar line L, column C: ...". `external`: names of rules the text
+// may use without defining them (defined by whoever compiles the grammar: Grammar::from_gbnf's
+// JSON Schemas); the text defining one is refused as a rule defined twice.
+Gbnf parse_gbnf(std::string_view text, const std::vector<std::string>& external = {});
 
 }  // namespace kvq

@@ -250,10 +250,17 @@ class SchemaCompiler {
 
   // A GBNF grammar: one rule per GBNF rule (made first, so that references resolve), groups and
   // repetitions as rules of their own, characters as the byte sequences of their UTF-8.
-  void compile_gbnf(const Gbnf& gb) {
+  void compile_gbnf(const Gbnf& gb, const std::vector<const json*>& schemas = {}) {
     schema_ = false;
     const uint32_t base = uint32_t(g_.rules_.size());
     for (size_t i = 0; i < gb.rules.size(); ++i) new_rule();
+    // External rules: a document of their schema (each schema's $refs point into itself), no
+    // whitespace around it
+    for (size_t k = 0; k < gb.external.size(); ++k) {
+      SchemaCompiler sub(g_, *schemas.at(k));
+      const uint32_t value = sub.schema(*schemas[k], "");
+      alt(base + gb.external[k], {rule(value)});
+    }
     std::vector<uint32_t> owner(gb.rules.size(), 0);  // the GBNF rule each grammar rule was made for
     for (size_t i = 0; i < gb.rules.size(); ++i) owner[i] = uint32_t(i);
     for (size_t i = 0; i < gb.rules.size(); ++i) {
@@ -1565,10 +1572,18 @@ std::shared_ptr<const Grammar> Grammar::from_choices(const std::vector<std::stri
   return g;
 }
 
-std::shared_ptr<const Grammar> Grammar::from_gbnf(std::string_view text) {
-  const Gbnf gb = parse_gbnf(text);
+std::shared_ptr<const Grammar> Grammar::from_gbnf(std::string_view text) { return from_gbnf(text, {}); }
+
+std::shared_ptr<const Grammar> Grammar::from_gbnf(std::string_view text, const std::vector<std::pair<std::string, nlohmann::ordered_json>>& schemas) {
+  std::vector<std::string> names;
+  std::vector<const json*> docs;
+  for (const auto& [name, schema] : schemas) {
+    names.push_back(name);
+    docs.push_back(&schema);
+  }
+  const Gbnf gb = parse_gbnf(text, names);
   auto g = std::make_shared<Grammar>();
-  SchemaCompiler(*g, json()).compile_gbnf(gb);
+  SchemaCompiler(*g, json()).compile_gbnf(gb, docs);
   if (GrammarState(g).n_stacks() == 0)
     throw std::invalid_argument("grammar: root's alternatives at the start are more than kvq tracks at once (" +
                                 std::to_string(kMaxStacks) + " parse stacks, " + std::to_string(GrammarState::kMaxExpansion) + " rules expanded)");

@@ -57,6 +57,7 @@
 #include <set>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "model/regex.h"
@@ -83,7 +84,13 @@ class Grammar {
   // llama.cpp's GBNF (its server's `grammar`, vLLM's structured_outputs.grammar; gbnf.h): the text
   // of rule `root`. Throws std::invalid_argument naming the line and column, or a rule that comes
   // back to itself before any text (left recursion), which the parse stacks cannot run.
+  // `schemas`: rules the text uses without defining them, each a JSON document of its schema (no
+  // whitespace around it; its $refs point into that schema), for a grammar that frames JSON in
+  // text of its own (a model's function-call syntax around the arguments). A schema's errors are
+  // thrown as from_schema's.
   static std::shared_ptr<const Grammar> from_gbnf(std::string_view text);
+  static std::shared_ptr<const Grammar> from_gbnf(std::string_view text,
+                                                  const std::vector<std::pair<std::string, nlohmann::ordered_json>>& schemas);
   // JSON mode's grammar (response_format json_object): {"type": "object"}, any JSON object.
   static const std::shared_ptr<const Grammar>& json_object();
 
