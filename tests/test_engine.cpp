@@ -862,6 +862,63 @@ TEST(EngineEos, JsonSchemaCompletesTheDocument) {
   expect_pool_clean(e);
 }
 
+// Lazy grammars (GenParams::lazy_grammars): the reply is free until its text contains a trigger,
+// then that trigger's grammar holds: from a token's end, or from inside a token (the token's rest
+// read first); a rest the grammar refuses leaves the reply free; the earliest trigger wins.
+TEST_F(EngineTest, LazyGrammarHoldsFromItsTrigger) {
+  Engine e(base_options(2048));
+  const Tokenizer& tok = e.tokenizer();
+  const std::vector<int32_t> prompt = tok.encode("Once upon a time", true);
+  const GenResult free = e.generate(prompt, greedy(40));
+  ASSERT_EQ(free.tokens.size(), 40u);
+  auto pieces = [&](const std::vector<int32_t>& ts, size_t n) {
+    std::string s;
+    for (size_t k = 0; k < std::min(n, ts.size()); ++k) s += tok.token_piece(ts[k]);
+    return s;
+  };
+  const std::string text = pieces(free.tokens, free.tokens.size());
+  // a token of two bytes or more whose last 5 bytes are first seen there
+  size_t end = 0;
+  for (size_t k = 5; k < 30 && !end; ++k) {
+    const size_t e1 = pieces(free.tokens, k + 1).size();
+    if (tok.token_piece(free.tokens[k]).size() >= 2 && text.find(text.substr(e1 - 5, 5)) == e1 - 5) end = e1;
+  }
+  ASSERT_GT(end, 0u) << text;
+  auto lazy = [&](std::vector<GenParams::LazyGrammar> lg) {
+    GenParams p = greedy(40);
+    p.lazy_grammars = std::move(lg);
+    return e.generate(prompt, p);
+  };
+  // the trigger ends where a token does
+  GenResult r = lazy({{text.substr(end - 4, 4), Grammar::from_choices({" XYZ!"})}});
+  EXPECT_EQ(r.finish_reason, "stop");
+  EXPECT_EQ(pieces(r.tokens, r.tokens.size()), text.substr(0, end) + " XYZ!");
+  // inside a token: its last byte is the grammar's first
+  r = lazy({{text.substr(end - 5, 4), Grammar::from_choices({text.substr(end - 1, 1) + " XYZ!"})}});
+  EXPECT_EQ(r.finish_reason, "stop");
+  EXPECT_EQ(pieces(r.tokens, r.tokens.size()), text.substr(0, end) + " XYZ!");
+  // a rest the grammar refuses: free
+  r = lazy({{text.substr(end - 5, 4), Grammar::from_choices({"Q"})}});
+  EXPECT_EQ(r.finish_reason, "length");
+  EXPECT_EQ(r.tokens, free.tokens);
+  // two triggers: the one whose text comes first holds, whatever the order they are listed in
+  r = lazy({{text.substr(end - 4, 4), Grammar::from_choices({" late"})}, {text.substr(end - 5, 4), Grammar::from_choices({text.substr(end - 1, 1) + " early"})}});
+  EXPECT_EQ(pieces(r.tokens, r.tokens.size()), text.substr(0, end) + " early");
+  // a trigger never written: free
+  r = lazy({{"zzzz-never", Grammar::from_choices({"x"})}});
+  EXPECT_EQ(r.tokens, free.tokens);
+  // not together with a grammar of the whole reply, nor without a trigger
+  GenParams both = greedy(8);
+  both.json_object = true;
+  both.lazy_grammars = {{"a", Grammar::from_choices({"x"})}};
+  EXPECT_EQ(e.generate(prompt, both).finish_reason, "error");
+  r = lazy({{"", Grammar::from_choices({"x"})}});
+  EXPECT_EQ(r.finish_reason, "error");
+  EXPECT_NE(r.error.find("trigger"), std::string::npos) << r.error;
+  e.wait_idle();
+  expect_pool_clean(e);
+}
+
 // abort_all (the server's shutdown): a request running mid-generation and one still queued both
 // end with "error" and the reason, their pages freed; a later submit fails at once.
 TEST_F(EngineTest, AbortAllEndsRunningAndQueuedRequests) {

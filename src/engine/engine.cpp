@@ -50,6 +50,10 @@ struct Engine::Seq {
   // of the text generated so far, and the logits with the tokens that cannot come next masked.
   std::unique_ptr<GrammarState> grammar;
   std::vector<float> masked;
+  // GenParams::lazy_grammars: the text generated while none has triggered (cleared when one does,
+  // or when its grammar refused the text after its trigger: the reply is then free)
+  std::string lazy_text;
+  bool lazy_settled = false;
 };
 
 namespace {
@@ -529,6 +533,34 @@ constexpr int kPromptLogprobsChunk = 64;      // prompt tokens per step of a pro
                                               // (bounds its (tokens, n_vocab) logits rows)
 }  // namespace
 
+const GrammarVocab& Engine::grammar_vocab() {
+  if (!json_vocab_) json_vocab_ = std::make_unique<JsonVocab>(tok_);
+  if (!grammar_vocab_) grammar_vocab_ = std::make_unique<GrammarVocab>(*json_vocab_);
+  return *grammar_vocab_;
+}
+
+void Engine::trigger_lazy_grammar(Seq& s, int32_t token) {
+  const size_t before = s.lazy_text.size();
+  s.lazy_text += grammar_vocab().bytes(token);
+  size_t at = std::string::npos;
+  const GenParams::LazyGrammar* hit = nullptr;
+  for (const GenParams::LazyGrammar& l : s.req.params.lazy_grammars) {
+    // an occurrence ending in this token's bytes (earlier ones were looked for before)
+    const size_t from = before >= l.trigger.size() ? before - l.trigger.size() + 1 : 0;
+    const size_t p = s.lazy_text.find(l.trigger, from);
+    if (p < at) {
+      at = p;
+      hit = &l;
+    }
+  }
+  if (!hit) return;
+  s.grammar = std::make_unique<GrammarState>(hit->grammar);
+  if (!s.grammar->feed(std::string_view(s.lazy_text).substr(at + hit->trigger.size()))) s.grammar.reset();
+  s.lazy_settled = true;
+  s.lazy_text.clear();
+  s.lazy_text.shrink_to_fit();
+}
+
 uint64_t Engine::submit(GenRequest r) {
   std::vector<GenRequest> one;
   one.push_back(std::move(r));
@@ -557,6 +589,11 @@ std::vector<uint64_t> Engine::submit_all(std::vector<GenRequest> rs) {
       err = fmt::format("logprobs {} is above the largest supported, {}", s->req.params.logprobs, kMaxLogprobs);
     } else if (s->req.params.json_object && s->req.params.grammar) {
       err = "JSON mode and a json_schema together: give one";
+    } else if (!s->req.params.lazy_grammars.empty() && (s->req.params.json_object || s->req.params.grammar)) {
+      err = "a grammar from a trigger on and a grammar of the whole reply together: give one";
+    } else if (std::any_of(s->req.params.lazy_grammars.begin(), s->req.params.lazy_grammars.end(),
+                           [](const GenParams::LazyGrammar& l) { return l.trigger.empty() || !l.grammar; })) {
+      err = "a lazy grammar needs a trigger and a grammar";
     } else {
       for (int32_t t : s->tokens)
         if (t < 0 || t >= tok_.n_vocab()) {
@@ -1025,12 +1062,11 @@ bool Engine::step() {
           if (it.s->grammar && it.s->req.params.max_tokens != 0) masks.emplace_back(it.s, lg);
         }
         if (!masks.empty()) {
-          if (!json_vocab_) json_vocab_ = std::make_unique<JsonVocab>(tok_);
-          if (!grammar_vocab_) grammar_vocab_ = std::make_unique<GrammarVocab>(*json_vocab_);
+          const GrammarVocab& gv = grammar_vocab();
           const auto mask = [&](size_t i) {
             Seq& s = *masks[i].first;
             s.masked.assign(masks[i].second, masks[i].second + n_vocab);
-            grammar_mask(*s.grammar, *grammar_vocab_, s.req.params.stop_token_ids, s.masked.data(), n_vocab);
+            grammar_mask(*s.grammar, gv, s.req.params.stop_token_ids, s.masked.data(), n_vocab);
           };
           if (masks.size() == 1) mask(0);
           else threads_->parallel_for(masks.size(), 1, [&](size_t b, size_t e) {
@@ -1090,6 +1126,7 @@ bool Engine::step() {
           finish(s, "error", kNoContinuation);
           continue;
         }
+        if (!s.grammar && !s.lazy_settled && !s.req.params.lazy_grammars.empty()) trigger_lazy_grammar(s, next);
         if (s.req.params.logprobs >= 0) {
           s.res.logprobs.push_back(token_logprob(lg, n_vocab, next, s.req.params.logprobs));
           if (s.req.on_logprob) s.req.on_logprob(s.res.logprobs.back());

@@ -133,6 +133,17 @@ struct GenParams {
   // array, a string), or with end of generation once the document is complete. Not together
   // with json_object.
   std::shared_ptr<const Grammar> grammar;
+  // Grammars that apply from a trigger on (llama.cpp's lazy grammars: a model's own function-call
+  // syntax, free text before it): the reply is free until its text first contains one of the
+  // triggers (the earliest occurrence; the first listed when two start together); from the end of
+  // that occurrence on, that trigger's grammar constrains the rest as `grammar` constrains a whole
+  // reply (what the token that completed the trigger wrote past it is read first; when it does not
+  // fit, the reply stays free). Not together with json_object or grammar.
+  struct LazyGrammar {
+    std::string trigger;  // non-empty
+    std::shared_ptr<const Grammar> grammar;
+  };
+  std::vector<LazyGrammar> lazy_grammars;
 };
 
 struct GenResult {
@@ -352,6 +363,8 @@ class Engine {
   void loop();
   bool step();  // one scheduling iteration; false when there was nothing to do
   void finish(Seq& s, const char* reason, const std::string& error = "");
+  // GenParams::lazy_grammars: the token just generated, looked at for a trigger
+  void trigger_lazy_grammar(Seq& s, int32_t token);
   void preempt(size_t running_index);
   void emit_text(Seq& s, bool final);
   void update_gauges();
@@ -383,6 +396,7 @@ class Engine {
   std::unique_ptr<KvCache> shape_;  // holds no page; destroyed before the pool
   std::unique_ptr<JsonVocab> json_vocab_;        // the tokens' bytes (made on first use)
   std::unique_ptr<GrammarVocab> grammar_vocab_;  // and the vocabulary's trie, for JSON mode and json_schema
+  const GrammarVocab& grammar_vocab();            // (made on first use)
   std::unique_ptr<KvOffload> offload_;  // the index's spill (detached before the pool empties)
   uint64_t offload_hit_tokens_ = 0;
   double restore_seconds_ = 0;  // this step's offload reads (left out of the step-time fit)
