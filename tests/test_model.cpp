@@ -2374,6 +2374,55 @@ TEST(ChatTemplate, HarmonyReplySplitsReasoningFromContent) {
   EXPECT_EQ(run("<|channel|>analy", 4), (std::pair<std::string, std::string>{"", ""}));  // a header cut short
 }
 
+// Function calls in a harmony reply: a message to 'functions.NAME' (the recipient in the channel's
+// part or the role's) is a call, its text the arguments, neither reasoning nor content; a message
+// to another recipient is content; a call cut short comes out at finish().
+TEST(ChatTemplate, HarmonyReplyCallsAFunction) {
+  auto run = [](const std::string& text, size_t piece) {
+    HarmonyReplyStream hs;
+    HarmonyReplyStream::Delta all;
+    auto add = [&](const HarmonyReplyStream::Delta& d) {
+      all.reasoning += d.reasoning;
+      all.content += d.content;
+      all.calls.insert(all.calls.end(), d.calls.begin(), d.calls.end());
+    };
+    for (size_t i = 0; i < text.size(); i += piece) add(hs.feed(text.substr(i, piece)));
+    add(hs.finish());
+    return all;
+  };
+  const std::string reply = "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary "
+                            "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>";
+  for (size_t piece : {reply.size(), size_t(1), size_t(4)}) {
+    SCOPED_TRACE(piece);
+    const HarmonyReplyStream::Delta d = run(reply, piece);
+    EXPECT_EQ(d.reasoning, "Need weather.");
+    EXPECT_EQ(d.content, "");
+    ASSERT_EQ(d.calls.size(), 1u);
+    EXPECT_EQ(d.calls[0].name, "get_weather");
+    EXPECT_EQ(d.calls[0].arguments, "{\"city\": \"Paris\"}");
+  }
+  // the recipient in the role's part, right after the prompt's '<|start|>assistant'; the grammar's
+  // end (no <|call|>) ends it at finish()
+  HarmonyReplyStream::Delta d = run(" to=functions.add<|channel|>commentary json<|message|>{\"a\": 1}", 3);
+  ASSERT_EQ(d.calls.size(), 1u);
+  EXPECT_EQ(d.calls[0].name, "add");
+  EXPECT_EQ(d.calls[0].arguments, "{\"a\": 1}");
+  EXPECT_EQ(d.reasoning + d.content, "");
+  // a preamble for the user, then the call; another recipient's message is content
+  d = run("<|channel|>commentary<|message|>Looking it up.<|end|><|start|>assistant to=functions.f<|channel|>commentary "
+          "json<|message|>{}<|call|>", 5);
+  EXPECT_EQ(d.content, "Looking it up.");
+  ASSERT_EQ(d.calls.size(), 1u);
+  EXPECT_EQ(d.calls[0].name, "f");
+  d = run("<|channel|>commentary to=python<|message|>print(1)<|call|>", 2);
+  EXPECT_EQ(d.content, "print(1)");
+  EXPECT_TRUE(d.calls.empty());
+  // split() gives the same
+  const HarmonyReplyStream::Delta whole = HarmonyReplyStream::split(reply);
+  ASSERT_EQ(whole.calls.size(), 1u);
+  EXPECT_EQ(whole.calls[0].arguments, "{\"city\": \"Paris\"}");
+}
+
 TEST(ChatTemplate, MistralRenderingFollowsTheVocabulary) {
   auto detect = [](int inst_type) {
     kvq::test::GgufWriter w;

@@ -16,6 +16,8 @@
 #include <regex>
 #include <thread>
 
+#include "gguf/gguf.h"
+#include "gguf_writer.h"
 #include "server/serve_cli.h"
 #include "server/server.h"
 
@@ -61,10 +63,10 @@ struct ServerOnThread {
 class ServerTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() { start(256); }
-  static void start(int ctx) {
+  static void start(int ctx, const std::string& path = model_path()) {
     if (!fs::exists(model_path())) return;
     EngineOptions o;
-    o.model_path = model_path();
+    o.model_path = path;
     o.threads = 2;
     o.ctx = ctx;
     o.kv_tokens = 4096;
@@ -942,6 +944,153 @@ TEST_F(ToolServerTest, ToolCalls) {
                                                                R"(], "tool_choice": "none", "guided_choice": ["yes", "no"], "max_tokens": 5})"));
   const std::string answer = yn["choices"][0]["message"]["content"];
   EXPECT_TRUE(answer == "yes" || answer == "no") << answer;
+}
+
+// stories260K with gpt-oss's chat format (harmony): its template named in the metadata (its
+// vocabulary has no harmony tokens: the markers are text).
+class HarmonyServerTest : public ServerTest {
+ protected:
+  static void SetUpTestSuite() {
+    if (!fs::exists(model_path())) return;
+    const std::string path = (fs::temp_directory_path() / "kvq_test_stories_harmony.gguf").string();
+    auto f = gguf::File::open(model_path());
+    kvq::test::GgufWriter w;
+    for (const auto& kv : f->metadata()) w.add(kv.key, kv.value);
+    w.add_string("tokenizer.chat_template", "{{- '<|start|>system<|message|>' }}{{- '<|channel|>' }}");
+    for (const auto& t : f->tensors()) w.add_tensor(t.name, t.type, t.ne, std::vector<uint8_t>(t.data, t.data + t.nbytes));
+    w.write(path);
+    start(2048, path);
+  }
+  // The prompt a chat body renders to, as text (/tokenize, then /detokenize)
+  std::string prompt_text(const json& body) {
+    const json tokens = post_ok("/tokenize", body)["tokens"];
+    return post_ok("/detokenize", {{"tokens", tokens}})["prompt"];
+  }
+};
+
+// Function calls in gpt-oss's own syntax: the functions declared in the developer message, a call
+// forced by tool_choice "required" or by name (opened by the prompt, its arguments those of the
+// function's parameters), read back as tool_calls, plain and streamed; a conversation's calls and
+// results written as the template writes them; tool_choice "auto" leaves the reply free until a
+// call starts; the 400s.
+TEST_F(HarmonyServerTest, FunctionCallsInItsOwnSyntax) {
+  const json tools = json::parse(R"j([
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+       "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "add", "parameters": {"type": "object",
+     "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99}}, "required": ["a"]}}}])j");
+  json body = {{"messages", json::array({{{"role", "user"}, {"content", "Lily"}}})},
+               {"tools", tools},
+               {"tool_choice", "required"},
+               {"max_tokens", 60},
+               {"temperature", 0}};
+  auto check_call = [](const json& c) {
+    EXPECT_EQ(c["type"], "function");
+    EXPECT_TRUE(std::regex_match(c["id"].get<std::string>(), std::regex("call_[A-Za-z0-9]{24}"))) << c;
+    const std::string name = c["function"]["name"];
+    const json args = json::parse(c["function"]["arguments"].get<std::string>());
+    if (name == "get_weather") {
+      EXPECT_TRUE(args["city"].is_string() && args["city"].get<std::string>().size() <= 8) << args;
+      EXPECT_TRUE(args["days"].is_number_integer() && args["days"] >= 1 && args["days"] <= 7) << args;
+    } else {
+      EXPECT_EQ(name, "add");
+      EXPECT_TRUE(args["a"].is_number_integer() && args["a"] >= -99 && args["a"] <= 99) << args;
+    }
+    return name;
+  };
+  // the prompt: the functions declared, the call opened
+  std::string p = prompt_text(body);
+  EXPECT_NE(p.find("Calls to these tools must go to the commentary channel: 'functions'.<|end|><|start|>developer<|message|>"
+                   "# Tools\n\n## functions\n\nnamespace functions {\n\n// Weather for a city\ntype get_weather = (_: {\n"
+                   "city: string,\ndays: number,\n}) => any;\n\n// \ntype add = (_: {\na: number,\n}) => any;\n\n"
+                   "} // namespace functions<|end|><|start|>user<|message|>Lily<|end|>"),
+            std::string::npos)
+      << p;
+  EXPECT_TRUE(p.ends_with("<|end|><|start|>assistant to=functions.")) << p;
+
+  json j = post_ok("/v1/chat/completions", body);
+  const json& ch = j["choices"][0];
+  EXPECT_EQ(ch["finish_reason"], "tool_calls") << ch;
+  EXPECT_TRUE(ch["message"]["content"].is_null()) << ch;
+  EXPECT_FALSE(ch["message"].contains("reasoning_content")) << ch;
+  ASSERT_EQ(ch["message"]["tool_calls"].size(), 1u) << ch;
+  const std::string name = check_call(ch["message"]["tool_calls"][0]);
+  const json first = ch["message"]["tool_calls"][0];
+
+  bool done = false;
+  std::vector<json> evs = stream("/v1/chat/completions", body, &done);
+  EXPECT_TRUE(done);
+  json streamed = json::array();
+  std::string text;
+  for (const json& e : evs) {
+    const json& d = e["choices"][0]["delta"];
+    if (d.contains("tool_calls")) streamed.insert(streamed.end(), d["tool_calls"].begin(), d["tool_calls"].end());
+    for (const char* k : {"content", "reasoning_content"})
+      if (d.contains(k) && d[k].is_string()) text += d[k].get<std::string>();
+  }
+  EXPECT_EQ(text, "");
+  ASSERT_EQ(streamed.size(), 1u);
+  EXPECT_EQ(streamed[0]["index"], 0);
+  EXPECT_EQ(streamed[0]["function"], first["function"]);
+  EXPECT_EQ(evs.back()["choices"][0]["finish_reason"], "tool_calls");
+
+  // by name: that function, "stop"
+  const std::string other = name == "add" ? "get_weather" : "add";
+  json named = body;
+  named["tool_choice"] = {{"type", "function"}, {"function", {{"name", other}}}};
+  j = post_ok("/v1/chat/completions", named);
+  ASSERT_EQ(j["choices"][0]["message"]["tool_calls"].size(), 1u) << j;
+  EXPECT_EQ(check_call(j["choices"][0]["message"]["tool_calls"][0]), other);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+  // cut short inside the arguments: the call as far as it went, "length"
+  named["max_tokens"] = 3;
+  j = post_ok("/v1/chat/completions", named);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length") << j;
+
+  // auto: the functions declared, the reply free from its start
+  json automatic = body;
+  automatic["tool_choice"] = "auto";
+  p = prompt_text(automatic);
+  EXPECT_NE(p.find("namespace functions {"), std::string::npos);
+  EXPECT_TRUE(p.ends_with("<|start|>assistant")) << p;
+  j = post_ok("/v1/chat/completions", automatic);
+  EXPECT_TRUE(j["choices"][0]["message"]["content"].is_string() || j["choices"][0]["message"].contains("tool_calls")) << j;
+  // none: not declared
+  automatic["tool_choice"] = "none";
+  p = prompt_text(automatic);
+  EXPECT_EQ(p.find("# Tools"), std::string::npos) << p;
+  EXPECT_EQ(p.find("Calls to these tools"), std::string::npos) << p;
+
+  // a conversation with a call and its result, given back
+  json convo = body;
+  convo["tool_choice"] = "auto";
+  convo["messages"] = json::parse(R"j([{"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": null, "reasoning_content": "Look it up.",
+     "tool_calls": [{"id": "call_x", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\",\"days\":1}"}}]},
+    {"role": "tool", "tool_call_id": "call_x", "content": "20 C"}])j");
+  p = prompt_text(convo);
+  EXPECT_NE(p.find("<|start|>user<|message|>Weather in Paris?<|end|><|start|>assistant<|channel|>analysis<|message|>Look it up."
+                   "<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{\"city\": "
+                   "\"Paris\", \"days\": 1}<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"
+                   "\"20 C\"<|end|><|start|>assistant"),
+            std::string::npos)
+      << p;
+  post_ok("/v1/chat/completions", convo);
+
+  // 400s: another constraint beside the tools, parameters kvq cannot generate, a result of no call
+  const std::string msgs = R"("messages": [{"role": "user", "content": "a"}])";
+  const std::string f = R"("tools": [{"type": "function", "function": {"name": "f"}}])";
+  expect_bad("/v1/chat/completions", "{" + msgs + ", " + f + R"(, "guided_regex": "a+"})", "guided_regex");
+  expect_bad("/v1/chat/completions",
+             "{" + msgs + R"(, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}]})",
+             "tools[0].function.parameters");
+  expect_bad("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "1"}]})",
+             "messages[1]");
+  // the reasoning effort still reaches the system message
+  json effort = body;
+  effort["reasoning_effort"] = "high";
+  EXPECT_NE(prompt_text(effort).find("Reasoning: high"), std::string::npos);
 }
 
 TEST_F(ServerTest, ConcurrentRequests) {

@@ -9,6 +9,7 @@
 #include <set>
 
 #include "grammar_walk.h"
+#include "core/error.h"
 #include "model/json_schema.h"
 #include "schema_validator.h"
 #include "server/harmony_tools.h"
@@ -660,4 +661,134 @@ t?: string | null,
 }) => any;
 
 } // namespace functions)g");
+}
+
+// A whole conversation with functions, a call and its result, rendered as gpt-oss's template
+// renders it (the goldens are the template's rendering, by Jinja, with the arguments given as an
+// object and the reasoning as `thinking`, the forms the template reads; kvq serve reads the API's:
+// arguments as JSON text, the reasoning as reasoning_content): the functions in the developer
+// message, the reasoning before a call kept while no final reply follows it, the call in the
+// recipient's header, the result as the function's message (its content as a JSON string).
+TEST(HarmonyTools, ConversationRendersAsTheTemplate) {
+  const ojson tools = ojson::parse(R"j([
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+     "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city's name"},
+       "unit": {"type": "string", "enum": ["celsius", "fahrenheit"], "default": "celsius"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "description": "The current time"}}])j");
+  ChatTemplate tpl;
+  tpl.family = ChatFamily::harmony;
+  tpl.date = "2026-12-07";
+  ChatRenderOptions ro;
+  ro.tools = harmony_functions_namespace(parse_tools(ojson{{"tools", tools}}).functions);
+  nlohmann::json msgs = nlohmann::json::parse(R"j([
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"role": "assistant", "content": null, "reasoning_content": "I need the weather.",
+     "tool_calls": [{"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\",\"unit\":\"celsius\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 20}"}])j");
+  const std::string call_and_result = R"g(<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.
+Knowledge cutoff: 2024-06
+Current date: 2026-12-07
+
+Reasoning: medium
+
+# Valid channels: analysis, commentary, final. Channel must be included for every message.
+Calls to these tools must go to the commentary channel: 'functions'.<|end|><|start|>developer<|message|># Instructions
+
+You are a helpful assistant.
+
+# Tools
+
+## functions
+
+namespace functions {
+
+// Weather for a city
+type get_weather = (_: {
+// The city's name
+city: string,
+unit?: "celsius" | "fahrenheit", // default: celsius,
+}) => any;
+
+// The current time
+type get_time = () => any;
+
+} // namespace functions<|end|><|start|>user<|message|>What is the weather in Paris?<|end|><|start|>assistant<|channel|>analysis<|message|>I need the weather.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris", "unit": "celsius"}<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"{\"temp\": 20}"<|end|><|start|>assistant)g";
+  EXPECT_EQ(chat_render(tpl, tool_chat_messages(msgs, "", tpl), ro), call_and_result);
+  msgs.push_back({{"role", "assistant"}, {"content", "It is 20 degrees in Paris."}});
+  msgs.push_back({{"role", "user"}, {"content", "And in London?"}});
+  const std::string then_final = R"g(<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.
+Knowledge cutoff: 2024-06
+Current date: 2026-12-07
+
+Reasoning: medium
+
+# Valid channels: analysis, commentary, final. Channel must be included for every message.
+Calls to these tools must go to the commentary channel: 'functions'.<|end|><|start|>developer<|message|># Instructions
+
+You are a helpful assistant.
+
+# Tools
+
+## functions
+
+namespace functions {
+
+// Weather for a city
+type get_weather = (_: {
+// The city's name
+city: string,
+unit?: "celsius" | "fahrenheit", // default: celsius,
+}) => any;
+
+// The current time
+type get_time = () => any;
+
+} // namespace functions<|end|><|start|>user<|message|>What is the weather in Paris?<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris", "unit": "celsius"}<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"{\"temp\": 20}"<|end|><|start|>assistant<|channel|>final<|message|>It is 20 degrees in Paris.<|end|><|start|>user<|message|>And in London?<|end|><|start|>assistant)g";
+  EXPECT_EQ(chat_render(tpl, tool_chat_messages(msgs, "", tpl), ro), then_final);
+
+  // A result without a tool_call_id is the last call's; one with no call before it is refused
+  msgs[3].erase("tool_call_id");
+  EXPECT_EQ(chat_render(tpl, tool_chat_messages(msgs, "", tpl), ro), then_final);
+  nlohmann::json orphan = nlohmann::json::parse(R"j([{"role": "user", "content": "Hi"}, {"role": "tool", "content": "20"}])j");
+  EXPECT_THROW(tool_chat_messages(orphan, "", tpl), ToolsError);
+  // The other families have no syntax of their own for these
+  ChatTemplate chatml;
+  chatml.family = ChatFamily::chatml;
+  EXPECT_THROW(chat_render(chatml, {{"user", "Hi"}}, ro), Error);
+}
+
+// The call's grammar: a function's name, the header's rest in the forms gpt-oss writes, and
+// arguments of that function's parameters, nothing after them.
+TEST(HarmonyTools, CallGrammar) {
+  const ToolSpec spec = parse_tools(ojson::parse(R"j({"tools": [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+      "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "add", "parameters": {"type": "object",
+      "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]})j"));
+  const std::shared_ptr<const Grammar> g = harmony_call_grammar(spec.functions);
+  auto accepts = [&](const std::string& text) {
+    GrammarState st(g);
+    return st.feed(text) && st.accepting();
+  };
+  EXPECT_TRUE(accepts(R"(get_weather <|constrain|>json<|message|>{"city": "Paris"})"));
+  EXPECT_TRUE(accepts(R"(get_weather<|channel|>commentary json<|message|>{"city":"Paris"})"));
+  EXPECT_TRUE(accepts(R"(add<|message|>{"a": 1})"));
+  EXPECT_FALSE(accepts(R"(add<|message|>{"city": "Paris"})"));       // the other function's arguments
+  EXPECT_FALSE(accepts(R"(get_time<|message|>{})"));                 // no such function
+  EXPECT_FALSE(accepts(R"(add <|constrain|>json<|message|>{"a": 1)")); // not closed
+  EXPECT_FALSE(accepts(R"(add<|message|>{"a": 1} and more)"));
+  GrammarState done(g);
+  ASSERT_TRUE(done.feed(R"(add<|message|>{"a": 7})"));
+  EXPECT_TRUE(done.done());
+  // A function whose parameters kvq cannot generate is named
+  const ToolSpec bad = parse_tools(ojson::parse(R"j({"tools": [{"type": "function", "function": {"name": "f"}},
+    {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "not": {}}}}]})j"));
+  try {
+    (void)harmony_call_grammar(bad.functions);
+    ADD_FAILURE() << "no error";
+  } catch (const ToolsError& e) {
+    EXPECT_EQ(e.param, "tools[1].function.parameters");
+  }
 }

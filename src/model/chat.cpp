@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <ctime>
+#include <nlohmann/json.hpp>
 #include <string_view>
 
 #include "core/error.h"
@@ -167,11 +168,54 @@ std::string chat_render_next_turn(const ChatTemplate& t, const std::string& user
   return full.substr(full.find('\x02') + 1);
 }
 
+namespace {
+// A string as Python's json.dumps(ensure_ascii=False) writes it (the harmony template's tojson)
+std::string json_text(const std::string& s) {
+  return nlohmann::json(s).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+// A value as json.dumps writes it: ", " between items, ": " after keys
+void python_json(const nlohmann::ordered_json& v, std::string& out) {
+  if (v.is_object()) {
+    out += '{';
+    bool first = true;
+    for (const auto& [k, x] : v.items()) {
+      out += first ? "" : ", ";
+      first = false;
+      out += json_text(k) + ": ";
+      python_json(x, out);
+    }
+    out += '}';
+  } else if (v.is_array()) {
+    out += '[';
+    for (size_t k = 0; k < v.size(); ++k) {
+      if (k) out += ", ";
+      python_json(v[k], out);
+    }
+    out += ']';
+  } else {
+    out += v.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  }
+}
+// A call's arguments (JSON text) as the template's tojson writes them; text that is not JSON as it is
+std::string python_json_text(const std::string& text) {
+  const nlohmann::ordered_json v = nlohmann::ordered_json::parse(text, nullptr, false);
+  if (v.is_discarded()) return text;
+  std::string out;
+  python_json(v, out);
+  return out;
+}
+}  // namespace
+
 std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& msgs, const ChatRenderOptions& opt) {
   std::string out;
-  for (const auto& m : msgs)
-    if (m.role != "system" && m.role != "user" && m.role != "assistant")
-      fail("unknown chat role '{}' (valid: system, user, assistant)", m.role);
+  const bool harmony = t.family == ChatFamily::harmony;
+  for (const auto& m : msgs) {
+    if (m.role != "system" && m.role != "user" && m.role != "assistant" && !(harmony && m.role == "tool"))
+      fail("unknown chat role '{}' (valid: system, user, assistant{})", m.role, harmony ? ", tool" : "");
+    if (!harmony && !m.tool_calls.empty())
+      fail("this chat template ({}) has no function calls of its own", chat_template_name(t));
+  }
+  if (!harmony && !opt.tools.empty()) fail("this chat template ({}) declares no functions of its own", chat_template_name(t));
   const bool cont = opt.continue_final_message;
   if (cont && opt.add_generation_prompt)
     fail("continue_final_message and add_generation_prompt cannot both be set (set add_generation_prompt to false)");
@@ -331,10 +375,12 @@ std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& m
     }
     return out;  // the last [/INST] opens the reply: no generation prompt of its own
   }
-  if (t.family == ChatFamily::harmony) {
+  if (harmony) {
     // gpt-oss's template: its system message, the conversation's first system message as the
-    // developer's instructions (later ones are dropped, as there), user turns, and earlier replies
-    // as their final channel (their reasoning is not shown again); an open last reply continues
+    // developer's instructions (later ones are dropped, as there) followed by the functions, user
+    // turns, earlier replies as their final channel (their reasoning is not shown again), function
+    // calls as commentary messages to the function (the reasoning before a call shown while no
+    // final reply follows it), results as the function's messages; an open last reply continues
     // its final channel.
     const std::string effort = t.reasoning_effort.empty() ? std::string("medium") : t.reasoning_effort;
     if (effort != "low" && effort != "medium" && effort != "high")
@@ -350,19 +396,44 @@ std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& m
     }
     out += "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06\n"
            "Current date: " + date + "\n\nReasoning: " + effort +
-           "\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>";
+           "\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message." +
+           (opt.tools.empty() ? "" : "\nCalls to these tools must go to the commentary channel: 'functions'.") + "<|end|>";
     size_t i = 0;
+    std::string developer;
     if (!msgs.empty() && msgs[0].role == "system") {
-      if (!msgs[0].content.empty()) out += "<|start|>developer<|message|># Instructions\n\n" + msgs[0].content + "\n\n<|end|>";
+      developer = msgs[0].content;
       i = 1;
     }
+    if (!developer.empty() || !opt.tools.empty())
+      out += "<|start|>developer<|message|>" + (developer.empty() ? "" : "# Instructions\n\n" + developer + "\n\n") +
+             (opt.tools.empty() ? "" : "# Tools\n\n" + opt.tools) + "<|end|>";
+    std::string last_call;  // the function of the last call, for a result that does not name its own
     for (; i < msgs.size(); ++i) {
       const ChatMessage& m = msgs[i];
       const bool last_open = cont && i + 1 == msgs.size();
-      if (m.role == "user") out += "<|start|>user<|message|>" + m.content + "<|end|>";
-      else if (m.role == "assistant")  // (a closed last reply without a new turn ends as generation does)
+      if (m.role == "user") {
+        out += "<|start|>user<|message|>" + m.content + "<|end|>";
+      } else if (m.role == "tool") {
+        const std::string& fn = m.name.empty() ? last_call : m.name;
+        if (fn.empty()) fail("messages[{}]: a function's result with no function call before it", i);
+        out += "<|start|>functions." + fn + " to=assistant<|channel|>commentary<|message|>" + json_text(m.content) + "<|end|>";
+      } else if (m.role == "assistant" && !m.tool_calls.empty()) {
+        bool final_follows = false;
+        for (size_t k = i + 1; k < msgs.size(); ++k) final_follows |= msgs[k].role == "assistant" && msgs[k].tool_calls.empty();
+        const std::string& analysis = m.reasoning.empty() ? m.content : m.reasoning;
+        if (!analysis.empty() && !final_follows) out += "<|start|>assistant<|channel|>analysis<|message|>" + analysis + "<|end|>";
+        for (const ChatToolCall& c : m.tool_calls) {  // (the template writes the first; each is a message of its own)
+          out += "<|start|>assistant to=functions." + c.name + "<|channel|>commentary json<|message|>" +
+                 python_json_text(c.arguments) + "<|call|>";
+          last_call = c.name;
+        }
+      } else if (m.role == "assistant") {  // (a closed last reply without a new turn ends as generation does)
+        const bool closes = i + 1 == msgs.size() && !opt.add_generation_prompt && !last_open;
+        if (closes && !m.reasoning.empty()) out += "<|start|>assistant<|channel|>analysis<|message|>" + m.reasoning + "<|end|>";
         out += std::string("<|start|>assistant") + HarmonyReplyStream::kOpenFinal + m.content +
-               (last_open ? "" : i + 1 == msgs.size() && !opt.add_generation_prompt ? "<|return|>" : "<|end|>");
+               (last_open ? "" : closes ? "<|return|>" : "<|end|>");
+        last_call.clear();
+      }
     }
     if (opt.add_generation_prompt) out += "<|start|>assistant";
     return out;
@@ -374,7 +445,7 @@ namespace {
 // The markers that end a harmony message (the text in between is the message's, markers of other
 // kinds included), and those a header opens with.
 constexpr std::string_view kHarmonyEnds[] = {"<|end|>", "<|return|>", "<|call|>", "<|start|>"};
-constexpr std::string_view kHarmonyHeaderOpen[] = {"<|start|>", "<|channel|>", "<|constrain|>", "<|message|>"};
+constexpr std::string_view kHarmonyHeaderOpen[] = {"<|start|>", "<|channel|>", "<|constrain|>", "<|message|>", " to="};
 // Whether s (of any length) and m agree on their common start
 bool starts_alike(std::string_view s, std::string_view m) {
   const size_t n = std::min(s.size(), m.size());
@@ -403,9 +474,17 @@ HarmonyReplyStream::Delta HarmonyReplyStream::feed(const std::string& text) {
         channel = buf_.substr(ch + 11, msg - ch - 11);
         channel = channel.substr(0, channel.find_first_of(" <"));
       }
-      state_ = channel == "analysis" ? State::analysis : State::other;
-      // a message after another of its kind starts on a new line
-      if (state_ == State::analysis ? reasoning_seen_ : content_seen_) emit(d, "\n");
+      std::string recipient;
+      if (const size_t to = buf_.find("to="); to < msg) {
+        recipient = buf_.substr(to + 3, msg - to - 3);
+        recipient = recipient.substr(0, recipient.find_first_of(" <"));
+      }
+      state_ = recipient.starts_with("functions.") ? State::call : channel == "analysis" ? State::analysis : State::other;
+      if (state_ == State::call) {
+        call_ = {recipient.substr(10), ""};
+      } else if (state_ == State::analysis ? reasoning_seen_ : content_seen_) {
+        emit(d, "\n");  // a message after another of its kind starts on a new line
+      }
       buf_.erase(0, msg + 11);
       continue;
     }
@@ -430,6 +509,7 @@ HarmonyReplyStream::Delta HarmonyReplyStream::feed(const std::string& text) {
       break;
     }
     emit(d, buf_.substr(0, at));
+    if (state_ == State::call) d.calls.push_back(std::move(call_));
     const bool start = buf_.compare(at, len, "<|start|>") == 0;
     buf_.erase(0, start ? at : at + len);  // a new header's marker stays for the header to read
     state_ = State::header;
@@ -440,7 +520,9 @@ HarmonyReplyStream::Delta HarmonyReplyStream::feed(const std::string& text) {
 HarmonyReplyStream::Delta HarmonyReplyStream::finish() {
   Delta d;
   if (state_ != State::header) emit(d, buf_);
+  if (state_ == State::call) d.calls.push_back(std::move(call_));
   buf_.clear();
+  state_ = State::header;
   return d;
 }
 
@@ -450,6 +532,7 @@ HarmonyReplyStream::Delta HarmonyReplyStream::split(const std::string& text) {
   const Delta rest = hs.finish();
   d.reasoning += rest.reasoning;
   d.content += rest.content;
+  d.calls.insert(d.calls.end(), rest.calls.begin(), rest.calls.end());
   return d;
 }
 

@@ -8,9 +8,20 @@
 namespace kvq {
 namespace gguf { class File; }
 
+// An assistant's function call: its name and its arguments' JSON text.
+struct ChatToolCall {
+  std::string name;
+  std::string arguments;
+};
+
 struct ChatMessage {
-  std::string role;     // "system", "user", "assistant"
+  std::string role;     // "system", "user", "assistant"; harmony also "tool" (a function's result)
   std::string content;
+  // Harmony (gpt-oss) writes these in its own syntax; for the other families kvq serve writes
+  // calls and results into the content (server/tools.h).
+  std::string reasoning = {};                 // an assistant's reasoning (its analysis channel)
+  std::vector<ChatToolCall> tool_calls = {};  // an assistant's function calls
+  std::string name = {};                      // a tool message's function
 };
 
 // mistral_v1: Mistral 7B v0.1 / v0.2 ('[INST] ' and ' [/INST]' as text, the system prompt in the first
@@ -23,8 +34,11 @@ struct ChatMessage {
 // when a turn follows) (OLMo 2, OLMoE: Tülu 3's template).
 // harmony: OpenAI's format (gpt-oss): '<|start|>role<|message|>content<|end|>', a system message of
 // its own (model identity, knowledge cutoff, date, reasoning effort, channels), the conversation's
-// system message as a developer message ('# Instructions'), earlier replies as their final channel;
-// the reply opens with '<|start|>assistant' and writes its channels itself (analysis, then final).
+// system message as a developer message ('# Instructions', then the functions' '# Tools'), earlier
+// replies as their final channel; the reply opens with '<|start|>assistant' and writes its channels
+// itself (analysis, then final, or a function call in the commentary channel:
+// '<|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>{...}<|call|>', its result
+// coming back as '<|start|>functions.NAME to=assistant<|channel|>commentary<|message|>"..."<|end|>').
 enum class ChatFamily { none, chatml, gemma, llama3, phi3, phi4, phi4_mini, mistral_v1, mistral, mistral_v7, granite, tulu, harmony };
 
 struct ChatTemplate {
@@ -58,6 +72,9 @@ struct ChatRenderOptions {
   bool add_generation_prompt = true;    // open the assistant's turn after the messages
   bool continue_final_message = false;  // leave the last message (the assistant's) open, to be
                                         // continued: no end of turn after it, no new turn
+  // Harmony: the functions the model may call, as its developer message's "# Tools" section
+  // declares them (server/harmony_tools.h: "## functions\n\nnamespace functions {...}"); empty: none.
+  std::string tools = {};
 };
 // Renders messages and the opening of the assistant's turn. The BOS token is not included
 // (the tokenizer adds it when the model wants it), except a template's own (bos_prefix). Throws kvq::Error for an unknown role, and for
@@ -75,11 +92,15 @@ std::string chat_render_next_turn(const ChatTemplate& t, const std::string& user
 // it adds to each, holding back a piece that may be the start of a marker until the next one says.
 // A message ends at <|end|>, <|return|>, <|call|> or the next <|start|>; other markers inside it are
 // its text. Messages of one kind are joined by a newline. A reply that opens without a header (its
-// final channel opened by the prompt) is content from the start.
+// final channel opened by the prompt) is content from the start. A message whose header names a
+// function as its recipient ('to=functions.NAME', in the role's part or the channel's) is a call of
+// it, its text the arguments; it is returned when it ends (at finish() when the reply stops inside
+// it). A message to another recipient is content.
 class HarmonyReplyStream {
  public:
   struct Delta {
     std::string reasoning, content;
+    std::vector<ChatToolCall> calls = {};
   };
   Delta feed(const std::string& text);
   // The end of the reply: what was held back (a marker's start that was text after all).
@@ -90,11 +111,16 @@ class HarmonyReplyStream {
   static constexpr const char* kOpenFinal = "<|channel|>final<|message|>";
 
  private:
-  enum class State { header, analysis, other };
+  enum class State { header, analysis, other, call };
   State state_ = State::header;
   std::string buf_;  // text not yet given out
+  ChatToolCall call_;  // State::call: the call so far
   bool reasoning_seen_ = false, content_seen_ = false;  // a message of that kind began
   void emit(Delta& d, const std::string& text) {
+    if (state_ == State::call) {
+      call_.arguments += text;
+      return;
+    }
     (state_ == State::analysis ? reasoning_seen_ : content_seen_) = true;
     (state_ == State::analysis ? d.reasoning : d.content) += text;
   }

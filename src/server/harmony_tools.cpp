@@ -1,5 +1,8 @@
 #include "server/harmony_tools.h"
 
+#include "model/json_schema.h"
+
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 // The template's macros, render_tool_namespace and render_typescript_type, written out. Its
@@ -228,6 +231,30 @@ std::string harmony_functions_namespace(const std::vector<ToolFunction>& fns) {
     out += "}) => any;\n\n";
   }
   return out + "} // namespace functions";
+}
+
+std::shared_ptr<const Grammar> harmony_call_grammar(const std::vector<ToolFunction>& fns) {
+  std::string text = "root ::= ";
+  std::vector<std::pair<std::string, nlohmann::ordered_json>> args;
+  for (size_t k = 0; k < fns.size(); ++k) {
+    // (names are letters, digits, '_' and '-': a GBNF literal as they are)
+    text += fmt::format("{}(\"{}\" head args-{})", k ? " | " : "", fns[k].name, k);
+    args.emplace_back(fmt::format("args-{}", k), fns[k].parameters);
+  }
+  text += "\nhead ::= \"<|channel|>commentary\"? (\" \" \"<|constrain|>\"? \"json\")? \"<|message|>\"\n";
+  try {
+    return Grammar::from_gbnf(text, args);
+  } catch (const std::invalid_argument& e) {
+    for (const ToolFunction& f : fns) {  // name the function at fault
+      try {
+        (void)Grammar::from_schema(f.parameters);
+      } catch (const std::invalid_argument& fe) {
+        const std::string param = fmt::format("tools[{}].function.parameters", f.index);
+        throw ToolsError(fmt::format("'{}': {}", param, fe.what()), param);
+      }
+    }
+    throw ToolsError(fmt::format("the functions' calls: {}", e.what()), "tools");
+  }
 }
 
 }  // namespace kvq

@@ -20,6 +20,7 @@
 // raw text depending on where the schema sits). See harmony_tools.cpp for the cases where the
 // template would fail or print a Python value, and what is written instead.
 #pragma once
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -32,5 +33,13 @@ namespace kvq {
 // One "type NAME = ..." per function, in the given order, its parameters' properties in the
 // order they are written.
 std::string harmony_functions_namespace(const std::vector<ToolFunction>& fns);
+
+// A call of one of the functions as gpt-oss writes it after 'to=functions.' (in its header's role
+// part or its channel part): the function's name, the rest of the header
+// ('<|channel|>commentary' when the recipient came first, ' <|constrain|>json' or ' json', as the
+// model writes them), '<|message|>' and the arguments, a JSON document of the function's
+// parameters. Throws ToolsError naming the function whose parameters kvq cannot generate.
+inline constexpr const char* kHarmonyCallTrigger = " to=functions.";
+std::shared_ptr<const Grammar> harmony_call_grammar(const std::vector<ToolFunction>& fns);
 
 }  // namespace kvq

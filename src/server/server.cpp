@@ -24,6 +24,7 @@
 #include "core/error.h"
 #include "core/timer.h"
 #include "model/chat.h"
+#include "server/harmony_tools.h"
 #include "server/tools.h"
 
 namespace kvq {
@@ -456,12 +457,17 @@ struct Server::Impl {
     ToolSpec spec;
     bool response_is_string = true;
     std::string system_extra;  // the tools' prompt (empty: tools not active)
+    // Harmony (gpt-oss): the functions as its developer message declares them (empty: not
+    // active), and what the prompt opens the reply with (a call forced: ' to=functions.')
+    std::string harmony_tools;
+    std::string open_reply;
   };
   ChatTools chat_tools(const json& body, std::string_view raw, ApiRequest* ar) const;
-  // The chat prompt; system_extra: what the system turn adds (the tools' prompt), empty: nothing.
-  // final_channel: a harmony reply (gpt-oss) opened in its final channel, without reasoning (for a
-  // constraint, whose grammar starts at the reply's first byte).
-  std::vector<int32_t> chat_prompt(const json& body, const std::string& system_extra, bool final_channel = false);
+  ChatTools harmony_chat_tools(ChatTools t, ApiRequest* ar) const;
+  // The chat prompt; tools: what the system turn adds (the tools' prompt, or harmony's functions)
+  // and the reply's opening. final_channel: a harmony reply (gpt-oss) opened in its final channel,
+  // without reasoning (for a constraint, whose grammar starts at the reply's first byte).
+  std::vector<int32_t> chat_prompt(const json& body, const ChatTools& tools, bool final_channel = false);
 };
 
 Server::Impl::ChatTools Server::Impl::chat_tools(const json& body, std::string_view raw, ApiRequest* ar) const {
@@ -477,6 +483,7 @@ Server::Impl::ChatTools Server::Impl::chat_tools(const json& body, std::string_v
     throw ApiError{e.what(), e.param};
   }
   if (!t.spec.active()) return t;
+  if (tpl.family == ChatFamily::harmony) return harmony_chat_tools(std::move(t), ar);
   nlohmann::ordered_json response = nullptr;  // the response's schema (null: a string)
   if (ar && !ar->constraint.empty()) {
     if (ar->constraint != "response_format")
@@ -512,6 +519,52 @@ Server::Impl::ChatTools Server::Impl::chat_tools(const json& body, std::string_v
   return t;
 }
 
+// Harmony (gpt-oss): the functions declared in its developer message and called in its own syntax.
+// tool_choice "auto": the reply is free (reasoning, then an answer or a call) until it writes
+// ' to=functions.', from where the call's grammar holds (the name of a function, the header's rest,
+// its arguments); with response_format, an answer's final channel holds that form. "required" and a
+// named function: the prompt opens the call (no reasoning first) and the grammar holds from the
+// reply's first byte (a named function's name is all its grammar allows). One call per reply (the
+// format's: a call ends the reply), so parallel_tool_calls changes nothing.
+Server::Impl::ChatTools Server::Impl::harmony_chat_tools(ChatTools t, ApiRequest* ar) const {
+  std::vector<ToolFunction> callable = t.spec.functions;
+  if (t.spec.choice == ToolChoice::named)
+    std::erase_if(callable, [&](const ToolFunction& f) { return f.name != t.spec.named; });
+  std::shared_ptr<const Grammar> call;
+  try {
+    call = harmony_call_grammar(callable);
+  } catch (const ToolsError& e) {
+    throw ApiError{e.what(), e.param};
+  }
+  t.harmony_tools = harmony_functions_namespace(t.spec.functions);
+  if (t.spec.choice != ToolChoice::automatic) t.open_reply = kHarmonyCallTrigger;
+  if (!ar) return t;
+  if (!ar->constraint.empty() && ar->constraint != "response_format")
+    throw ApiError{fmt::format("'{}' cannot be combined with 'tools': the reply's form is the tools' (tool_choice "
+                               "\"none\" turns them off; response_format gives the answer's form)",
+                               ar->constraint),
+                   ar->constraint};
+  if (t.spec.choice == ToolChoice::automatic) {
+    ar->params.lazy_grammars.push_back({kHarmonyCallTrigger, call});
+    if (ar->params.json_object || ar->params.grammar)
+      ar->params.lazy_grammars.push_back(
+          {HarmonyReplyStream::kOpenFinal, ar->params.json_object ? Grammar::json_object() : ar->params.grammar});
+    ar->params.grammar = nullptr;
+  } else {
+    ar->params.grammar = call;
+  }
+  ar->params.json_object = false;
+  t.response_is_string = false;  // (not read: harmony's replies are split by HarmonyReplyStream)
+  return t;
+}
+
+// A harmony reply's calls with their ids.
+static std::vector<ToolCall> harmony_calls(const std::vector<ChatToolCall>& cs, std::mt19937_64& rng) {
+  std::vector<ToolCall> out;
+  for (const ChatToolCall& c : cs) out.push_back({tool_call_id(rng), c.name, c.arguments});
+  return out;
+}
+
 // A reply's tool calls as the API writes them; streamed chunks number them.
 static json tool_calls_json(const std::vector<ToolCall>& calls, bool indexed) {
   json out = json::array();
@@ -525,17 +578,18 @@ static json tool_calls_json(const std::vector<ToolCall>& calls, bool indexed) {
   return out;
 }
 
-std::vector<int32_t> Server::Impl::chat_prompt(const json& body, const std::string& system_extra, bool final_channel) {
+std::vector<int32_t> Server::Impl::chat_prompt(const json& body, const ChatTools& tools, bool final_channel) {
   if (!body.contains("messages")) throw ApiError{"'messages' is required", "messages", "missing_required_parameter"};
   std::vector<ChatMessage> msgs;
   try {
-    msgs = tool_chat_messages(body["messages"], system_extra, tpl);
+    msgs = tool_chat_messages(body["messages"], tools.system_extra, tpl);
   } catch (const ToolsError& e) {
     throw ApiError{e.what(), e.param};
   }
   // vLLM's add_generation_prompt (default true) and continue_final_message (default false): the
   // last message, the assistant's, left open and continued (a reply's start given by the client).
   ChatRenderOptions ro;
+  ro.tools = tools.harmony_tools;
   for (const auto& [key, field] : {std::pair{"add_generation_prompt", &ro.add_generation_prompt},
                                    std::pair{"continue_final_message", &ro.continue_final_message}}) {
     if (!body.contains(key) || body[key].is_null()) continue;
@@ -566,8 +620,13 @@ std::vector<int32_t> Server::Impl::chat_prompt(const json& body, const std::stri
   }
   std::string text;
   if (tpl.known()) {
-    text = chat_render(t, msgs, ro);
+    try {
+      text = chat_render(t, msgs, ro);
+    } catch (const Error& e) {
+      throw ApiError{e.what(), "messages"};
+    }
     if (final_channel && ro.add_generation_prompt) text += HarmonyReplyStream::kOpenFinal;
+    if (ro.add_generation_prompt) text += tools.open_reply;
   } else {
     // A model without a chat template kvq knows (a base model): the contents, one per line.
     for (const auto& m : msgs) text += m.content + "\n";
@@ -683,14 +742,11 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
                                  "the continued text",
                                  tools.spec.active() ? "tools" : ar.constraint),
                      "continue_final_message"};
-    // Harmony (gpt-oss): a reply writes its reasoning, then its answer in the final channel;
-    // kvq's tool format is not the channels' function calls, and a constraint's grammar applies to
-    // the answer, opened by the prompt (no reasoning then).
-    if (harmony && tools.spec.active())
-      throw ApiError{"'tools' are not supported with a harmony model (gpt-oss): its function calls go to its commentary "
-                     "channel, which kvq does not parse",
-                     "tools"};
-    prompts.push_back({chat_prompt(body, tools.system_extra, harmony && (ar.params.grammar || ar.params.json_object)), "", 0});
+    // Harmony (gpt-oss): a reply writes its reasoning, then its answer in the final channel or a
+    // function call; a constraint's grammar without tools applies to the answer, opened by the
+    // prompt (no reasoning then); with tools, see harmony_chat_tools.
+    prompts.push_back(
+        {chat_prompt(body, tools, harmony && !tools.spec.active() && (ar.params.grammar || ar.params.json_object)), "", 0});
   } else {
     auto set = [&](const char* key) { return body.contains(key) && !body[key].is_null(); };
     if ((set("tools") && !(body["tools"].is_array() && body["tools"].empty())) || set("functions") ||
@@ -827,18 +883,23 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
         throw ApiError{g.error.empty() ? "the request was cancelled" : g.error, "", "", engine.aborting() ? 503 : 500};
       completion_tokens += g.completion_tokens;
       json choice = {{"index", i}, {"logprobs", nullptr}, {"finish_reason", finish_reason_api(g.finish_reason)}};
-      if (chat && tools.spec.active()) {
+      if (harmony) {  // the answer as content, the reasoning beside it (vLLM's reasoning_content), calls
+        const HarmonyReplyStream::Delta d = HarmonyReplyStream::split(tools.open_reply + g.text);
+        json msg = {{"role", "assistant"}, {"content", d.content}};
+        if (!d.reasoning.empty()) msg["reasoning_content"] = d.reasoning;
+        if (!d.calls.empty()) {
+          if (d.content.empty()) msg["content"] = nullptr;
+          msg["tool_calls"] = tool_calls_json(harmony_calls(d.calls, id_rng), false);
+          if (g.finish_reason == "stop") choice["finish_reason"] = tool_finish;  // (one cut short stays "length")
+        }
+        choice["message"] = std::move(msg);
+      } else if (chat && tools.spec.active()) {
         const ToolReply tr = parse_tool_reply(g.text, tools.response_is_string, id_rng);
         json msg = {{"role", "assistant"}, {"content", tr.has_content ? json(tr.content) : json(nullptr)}};
         if (!tr.calls.empty()) {
           msg["tool_calls"] = tool_calls_json(tr.calls, false);
           choice["finish_reason"] = tool_finish;
         }
-        choice["message"] = std::move(msg);
-      } else if (harmony) {  // the answer as content, the reasoning beside it (vLLM's reasoning_content)
-        const HarmonyReplyStream::Delta d = HarmonyReplyStream::split(g.text);
-        json msg = {{"role", "assistant"}, {"content", d.content}};
-        if (!d.reasoning.empty()) msg["reasoning_content"] = d.reasoning;
         choice["message"] = std::move(msg);
       } else if (chat) {
         choice["message"] = {{"role", "assistant"}, {"content", g.text}};
@@ -886,12 +947,24 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
     // With tools, the reply's text is read as it streams: a response's text goes out as content,
     // tool calls in one chunk at the end (tools.h).
     std::shared_ptr<ToolReplyStream> reply;
-    if (chat && tools.spec.active()) reply = std::make_shared<ToolReplyStream>(tools.response_is_string);
-    // Harmony: reasoning and answer streamed as reasoning_content and content deltas
-    std::shared_ptr<HarmonyReplyStream> hreply = harmony ? std::make_shared<HarmonyReplyStream>() : nullptr;
-    auto harmony_push = [st, chunk](const HarmonyReplyStream::Delta& hd) {
+    if (chat && tools.spec.active() && !harmony) reply = std::make_shared<ToolReplyStream>(tools.response_is_string);
+    // Harmony: reasoning and answer streamed as reasoning_content and content deltas, each call in
+    // a chunk of its own when it ends (calls: how many were sent)
+    struct HarmonyOut {
+      HarmonyReplyStream stream;
+      size_t calls = 0;
+      std::mt19937_64 rng{std::random_device{}()};
+    };
+    std::shared_ptr<HarmonyOut> hreply = harmony ? std::make_shared<HarmonyOut>() : nullptr;
+    if (hreply) (void)hreply->stream.feed(tools.open_reply);  // (a header's start: nothing to send)
+    auto harmony_push = [st, chunk, hreply](const HarmonyReplyStream::Delta& hd) {
       if (!hd.reasoning.empty()) st->push(sse(chunk(json{{"reasoning_content", hd.reasoning}}, nullptr)));
       if (!hd.content.empty()) st->push(sse(chunk(json{{"content", hd.content}}, nullptr)));
+      for (const ToolCall& c : harmony_calls(hd.calls, hreply->rng)) {
+        json tc = tool_calls_json({c}, true);
+        tc[0]["index"] = hreply->calls++;
+        st->push(sse(chunk(json{{"tool_calls", tc}}, nullptr)));
+      }
     };
     gr.on_text = [st, chunk, chat, reply, hreply, harmony_push](const std::string& d) {
       if (reply) {
@@ -900,7 +973,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
         return;
       }
       if (hreply) {
-        harmony_push(hreply->feed(d));
+        harmony_push(hreply->stream.feed(d));
         return;
       }
       st->push(sse(chunk(chat ? json{{"content", d}} : json(d), nullptr)));
@@ -908,7 +981,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
     const bool response_is_string = tools.response_is_string;
     gr.on_done = [st, chunk, chat, include_usage, usage, envelope, reply, response_is_string, tool_finish, hreply,
                   harmony_push](const GenResult& g) {
-      if (hreply && g.finish_reason != "error" && g.finish_reason != "cancelled") harmony_push(hreply->finish());
+      if (hreply && g.finish_reason != "error" && g.finish_reason != "cancelled") harmony_push(hreply->stream.finish());
       if (g.finish_reason == "error") {
         st->push(sse(error_body(g.error, "server_error", "", "")));
       } else if (g.finish_reason != "cancelled" && reply) {
@@ -922,7 +995,8 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
         }
         st->push(sse(chunk(json::object(), tr.calls.empty() ? finish_reason_api(g.finish_reason) : tool_finish)));
       } else if (g.finish_reason != "cancelled") {
-        st->push(sse(chunk(chat ? json::object() : json(""), finish_reason_api(g.finish_reason))));
+        const bool called = hreply && hreply->calls > 0 && g.finish_reason == "stop";
+        st->push(sse(chunk(chat ? json::object() : json(""), called ? tool_finish : finish_reason_api(g.finish_reason))));
       }
       int left, tokens;
       {
@@ -1066,7 +1140,7 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
       const Tokenizer& tk = impl_->engine.tokenizer();
       std::vector<int32_t> ids;
       if (body.contains("messages")) {
-        ids = impl_->chat_prompt(body, impl_->chat_tools(body, req.body, nullptr).system_extra);
+        ids = impl_->chat_prompt(body, impl_->chat_tools(body, req.body, nullptr));
       } else {
         if (!body.contains("prompt") || !body["prompt"].is_string())
           throw ApiError{"'prompt' (a string) or 'messages' is required", "prompt", "missing_required_parameter"};

@@ -361,6 +361,8 @@ std::vector<ChatMessage> tool_chat_messages(const json& ms, const std::string& s
   std::vector<ChatMessage> out;
   std::map<std::string, std::string> call_names;  // tool_call_id -> function name
   bool in_tool_turn = false;                      // the last turn holds tool results
+  const bool harmony = tpl.family == ChatFamily::harmony;
+  std::string last_call;                          // the last assistant message's last call
   for (size_t i = 0; i < ms.size(); ++i) {
     const json& m = ms[i];
     const std::string at = fmt::format("messages[{}]", i);
@@ -379,6 +381,13 @@ std::vector<ChatMessage> tool_chat_messages(const json& ms, const std::string& s
         if (it != call_names.end()) name = it->second;
       }
       if (name.empty() && m.contains("name") && m["name"].is_string()) name = m["name"].get<std::string>();
+      if (harmony) {  // the function's own message (named by the last call when nothing names it)
+        if (name.empty() && last_call.empty())
+          throw ToolsError("a 'tool' message needs an earlier assistant message with 'tool_calls'", at);
+        out.push_back({"tool", content});
+        out.back().name = name.empty() ? last_call : name;
+        continue;
+      }
       if (!name.empty()) r["name"] = name;
       r["content"] = content;
       ojson line = ojson::object();
@@ -393,6 +402,8 @@ std::vector<ChatMessage> tool_chat_messages(const json& ms, const std::string& s
       continue;
     }
     in_tool_turn = false;
+    std::vector<ChatToolCall> native;  // harmony: the calls in its own syntax
+    if (role == "assistant") last_call.clear();
     if (role == "assistant" && m.contains("tool_calls") && !m["tool_calls"].is_null()) {
       const json& tc = m["tool_calls"];
       if (!tc.is_array()) throw ToolsError("'tool_calls' must be an array", at + ".tool_calls");
@@ -415,9 +426,11 @@ std::vector<ChatMessage> tool_chat_messages(const json& ms, const std::string& s
         one["name"] = f["name"];
         one["arguments"] = args;
         calls.push_back(one);
+        native.push_back({f["name"].get<std::string>(), args.dump()});
+        last_call = f["name"].get<std::string>();
         if (c.contains("id") && c["id"].is_string()) call_names[c["id"].get<std::string>()] = f["name"].get<std::string>();
       }
-      if (!calls.empty()) {
+      if (!calls.empty() && !harmony) {
         ojson env = ojson::object();
         env["tool_calls"] = calls;
         if (!content.empty()) content += '\n';
@@ -425,6 +438,15 @@ std::vector<ChatMessage> tool_chat_messages(const json& ms, const std::string& s
       }
     }
     out.push_back({role == "developer" ? "system" : role, content});
+    if (harmony && role == "assistant") {
+      out.back().tool_calls = std::move(native);
+      // the reasoning kvq returned beside the content, given back (the template shows it before a
+      // call that no final reply follows yet)
+      if (m.contains("reasoning_content") && !m["reasoning_content"].is_null()) {
+        if (!m["reasoning_content"].is_string()) throw ToolsError("'reasoning_content' must be a string", at + ".reasoning_content");
+        out.back().reasoning = m["reasoning_content"].get<std::string>();
+      }
+    }
   }
   if (!system_extra.empty()) {
     if (out[0].role == "system") {
@@ -437,6 +459,8 @@ std::vector<ChatMessage> tool_chat_messages(const json& ms, const std::string& s
   }
   return out;
 }
+
+std::string tool_call_id(std::mt19937_64& rng) { return call_id(rng); }
 
 ToolReply parse_tool_reply(const std::string& text, bool response_is_string, std::mt19937_64& rng) {
   ToolReply r;

@@ -85,7 +85,11 @@ std::string tool_system_prompt(const ToolSpec& spec, bool response_is_string);
 // turns as they are (an assistant's tool_calls written after its content), tool results as user
 // turns (consecutive ones in one turn, one line each). `system_extra` (non-empty: the tools'
 // prompt) ends the first system turn, or opens one before the first message, after the
-// template's default system text when it has one. Throws ToolsError for bad messages.
+// template's default system text when it has one. Harmony (gpt-oss) has a syntax of its own for
+// these: an assistant's calls are its messages' tool_calls, its reasoning_content their reasoning,
+// and each tool result a "tool" message named by its call (tool_call_id, else its `name`, else the
+// last call); system_extra is not used (the functions are declared by ChatRenderOptions::tools).
+// Throws ToolsError for bad messages.
 std::vector<ChatMessage> tool_chat_messages(const nlohmann::json& messages, const std::string& system_extra,
                                             const ChatTemplate& tpl);
 
@@ -101,6 +105,9 @@ struct ToolReply {
   bool has_content = false;     // false: the reply called tools (content is null)
   std::vector<ToolCall> calls;
 };
+
+// A call's id: "call_" and 24 random letters and digits.
+std::string tool_call_id(std::mt19937_64& rng);
 
 // Reads a generated reply. rng makes the calls' ids.
 ToolReply parse_tool_reply(const std::string& text, bool response_is_string, std::mt19937_64& rng);
