@@ -1,5 +1,6 @@
 // Function calling on the chat endpoint (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`),
-// for any chat model, through structured output.
+// for any chat model, through structured output (gpt-oss in its own syntax: harmony_tools.h and
+// the server's harmony_chat_tools).
 //
 // The functions are described to the model in the system turn, and its reply is constrained
 // (model/json_schema.h) to one JSON object:
