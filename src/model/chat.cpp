@@ -106,8 +106,8 @@ ChatTemplate chat_template_from_text(const std::string& t) {
   return c;
 }
 
-ChatTemplate chat_template_detect(const gguf::File& f) {
-  auto t = f.get_string("tokenizer.chat_template");
+ChatTemplate chat_template_detect(const gguf::File& f, const std::optional<std::string>& text) {
+  const std::optional<std::string> t = text ? text : f.get_string("tokenizer.chat_template");
   ChatTemplate c = t ? chat_template_from_text(*t) : ChatTemplate{};
   if (c.family == ChatFamily::mistral_v1 || c.family == ChatFamily::mistral) {
     // Which of Mistral's [INST] renderings: the vocabulary's, not the template's spacing (Mistral

@@ -2,6 +2,7 @@
 // tokenizer.chat_template: ChatML (SmolLM2-Instruct and other ChatML models), Gemma's turn format,
 // Llama 3's headers, Phi-3's role tags and Mistral's [INST] turns.
 #pragma once
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -60,8 +61,9 @@ struct ChatTemplate {
   bool known() const { return family != ChatFamily::none; }
 };
 
-// Detects the template family; family none when the model has no template kvq knows.
-ChatTemplate chat_template_detect(const gguf::File& f);
+// Detects the template family; family none when the model has no template kvq knows. `text`: a
+// template to read instead of the file's (--chat-template-file), with the file's vocabulary.
+ChatTemplate chat_template_detect(const gguf::File& f, const std::optional<std::string>& text = std::nullopt);
 // The same from the text of a tokenizer.chat_template.
 ChatTemplate chat_template_from_text(const std::string& jinja);
 const char* chat_template_name(const ChatTemplate& t);

@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "core/strings.h"
 #include "server/server.h"
+#include "tools/files.h"
 #include "tools/kv_flags.h"
 
 namespace kvq {
@@ -21,6 +22,11 @@ void serve_add_cli(CLI::App& app, ServeOptions& o) {
   app.add_option("--host", o.host, "address to listen on")->capture_default_str();
   app.add_option("--port", o.port, "port (0: any free port)")->capture_default_str();
   app.add_option("--model-name", o.model_name, "model id reported by the API (default: the file's stem)");
+  app.add_option("--chat-template-file", o.chat_template_file,
+                 "a chat template (Jinja, as a GGUF carries it) for /v1/chat/completions instead of the model's, for a "
+                 "file whose own is missing or wrong (llama.cpp's flag; vLLM's --chat-template); kvq recognizes the "
+                 "families it renders by their markers")
+      ->type_name("FILE");
   app.add_option("--kv-mem", o.kv_mem, "KV page pool budget in bytes (e.g. 2GiB, 512MiB)");
   app.add_option("--kv-tokens", o.engine.kv_tokens, "KV page pool size: room for one prompt of this many tokens, prefilled in --max-batch steps (instead of --kv-mem)");
   app.add_option("--kv-offload-dir", o.engine.kv_offload_dir, kKvOffloadDirHelp);
@@ -103,6 +109,7 @@ int serve_command(ServeOptions o) {
       fail("--kv-offload-size: {}", e.what());
     }
   }
+  const std::optional<std::string> chat_template = read_chat_template_file(o.chat_template_file);  // (before the model loads)
   Engine engine(o.engine);
   kv_flags_warn_unused(o.engine.kv, engine.kv_setup(), engine.model());
   engine_warn_ctx_capped(o.engine.ctx, engine.model().config().n_ctx_train);
@@ -111,6 +118,7 @@ int serve_command(ServeOptions o) {
   so.port = o.port;
   so.model_name = o.model_name.empty() ? std::filesystem::path(o.engine.model_path).stem().string() : o.model_name;
   so.api_key = o.api_key;
+  so.chat_template = chat_template.value_or("");
   so.http_threads = o.http_threads;
   so.allowed_origins.clear();
   for (const std::string& one : split_list(o.allowed_origins))

@@ -1056,7 +1056,8 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
 Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<Impl>(engine, o)) {
   Impl& I = *impl_;
   if (I.opt.model_name.empty()) I.opt.model_name = "kvq";
-  I.tpl = chat_template_detect(engine.model().file());
+  I.tpl = chat_template_detect(engine.model().file(),
+                               I.opt.chat_template.empty() ? std::nullopt : std::optional<std::string>(I.opt.chat_template));
   // Debian's cpp-httplib listens with a backlog of 5 (compiled into the library): 32 clients
   // connecting at once overflow it and the kernel drops handshakes, which clients see as resets
   // under load. The hook keeps httplib's own options and remembers the socket, so bind() can

@@ -27,6 +27,8 @@ struct ServerOptions {
   // Access-Control-Allow-Origin on every response, and OPTIONS preflights are answered (without
   // the API key, which browsers do not send on them). Empty: no CORS headers. Default "*", as vLLM.
   std::vector<std::string> allowed_origins = {"*"};
+  // A chat template (Jinja text) to read instead of the model's (--chat-template-file); empty: the model's.
+  std::string chat_template;
 };
 
 class Server {

@@ -85,6 +85,9 @@ void bench_add_cli(CLI::App& app, BenchOptions& o) {
                  "what each target costs in TTFT and throughput)")
       ->capture_default_str();
   app.add_flag("--chat", o.chat, "--workload: each prompt is a user turn in the model's chat template");
+  app.add_option("--chat-template-file", o.chat_template_file, "with --chat: "
+                 "a chat template (Jinja, as a GGUF carries it) to use instead of the model's, for a file whose own is missing or wrong (llama.cpp's flag); kvq recognizes the families it renders by their markers")
+      ->type_name("FILE");
   app.add_flag("--json", o.json, "print JSON instead of a table");
   app.add_option("--json-out", o.json_out, "also write the JSON report to this file");
   app.add_option("--html", o.html, "write a self-contained HTML report with plots");
@@ -506,6 +509,7 @@ int bench_command(const BenchOptions& o) {
     report_check_writable("--html", o.html, inputs);
   }
   if (o.chat && o.workload.empty()) fail("--chat applies to --workload prompts");
+  if (!o.chat_template_file.empty() && !o.chat) fail("--chat-template-file needs --chat");
   if (o.workload.empty() == o.data.empty())
     fail("give a workload: --workload FILE.jsonl (your requests) or --data FILE (a shared-prefix workload cut from text)");
   const std::vector<std::string> budgets = split_csv(o.kv_mem, "--kv-mem");
@@ -544,7 +548,8 @@ int bench_command(const BenchOptions& o) {
     engine_warn_ctx_capped(o.ctx, probe.model().config().n_ctx_train);
     model_name = probe.model().config().name;
     if (!o.workload.empty()) {
-      const ChatTemplate tpl = o.chat ? chat_template_detect(probe.model().file()) : ChatTemplate{};
+      const ChatTemplate tpl = o.chat ? chat_template_detect(probe.model().file(), read_chat_template_file(o.chat_template_file))
+                                      : ChatTemplate{};
       if (o.chat && !tpl.known()) fail("--chat: the model has no chat template kvq knows ({})", chat_supported_families());
       reqs = load_workload(o, probe.tokenizer(), tpl);
       if (o.requests > 0) {

@@ -49,6 +49,7 @@ struct BenchOptions {
   std::string kv_offload_size;            // --kv-offload-size, e.g. 4GiB (every run gets a fresh tier)
   bool kv_offload_direct = false;         // --kv-offload-direct
   bool chat = false;                      // --chat: JSONL prompts as a user turn of the model's chat template
+  std::string chat_template_file;         // --chat-template-file: a template instead of the model's
   bool json = false;
   std::string json_out;
   std::string html;                       // --html: self-contained report with plots

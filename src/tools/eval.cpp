@@ -53,6 +53,9 @@ void eval_add_cli(CLI::App& app, EvalOptions& o) {
   app.add_option("-t,--threads", o.threads, "threads (default: all hardware threads)")->check(CLI::Range(1, 1024));
   app.add_option("--max-tokens", o.max_tokens, "own: tokens generated per prompt")->check(CLI::Range(1, 4096))->capture_default_str();
   app.add_flag("--chat", o.chat, "own: wrap prompts in the model's chat template");
+  app.add_option("--chat-template-file", o.chat_template_file, "with --chat: "
+                 "a chat template (Jinja, as a GGUF carries it) to use instead of the model's, for a file whose own is missing or wrong (llama.cpp's flag); kvq recognizes the families it renders by their markers")
+      ->type_name("FILE");
   app.add_flag("--json", o.json, "print JSON instead of tables");
   app.add_option("--json-out", o.json_out, "also write the JSON report to this file");
   app.add_option("--scale-mode", o.scale_mode, "ppl: dynamic | static-prefill (scales fixed from each window's first half)")
@@ -554,7 +557,7 @@ LayerPolicy choose_layer_policy(const std::vector<FormatRun>& runs, const std::v
 // Tokenizes the cases that have no "prompt_tokens" (through the chat template with --chat) and
 // checks every case against the model, so that a bad case fails before any model time is spent.
 void prepare_own(std::vector<OwnCase>& cases, const EvalOptions& o, const Model& m, const Tokenizer& tok) {
-  const ChatTemplate tpl = o.chat ? chat_template_detect(m.file()) : ChatTemplate{};
+  const ChatTemplate tpl = o.chat ? chat_template_detect(m.file(), read_chat_template_file(o.chat_template_file)) : ChatTemplate{};
   if (o.chat && !tpl.known()) fail("--chat: the model has no chat template kvq supports");
   for (OwnCase& oc : cases) {
     if (oc.tokens.empty()) {
@@ -582,7 +585,8 @@ void task_own(Ctx& c, const std::vector<OwnCase>& cases) {
   Forward fwd(c.m, c.pool, 256);
   std::vector<bool> ref_ok;
   // A harmony model's reply (gpt-oss) is matched on its answer, the final channel, not on its reasoning
-  const bool harmony = c.o.chat && chat_template_detect(c.m.file()).family == ChatFamily::harmony;
+  const bool harmony =
+      c.o.chat && chat_template_detect(c.m.file(), read_chat_template_file(c.o.chat_template_file)).family == ChatFamily::harmony;
   for (size_t f = 0; f < all.size(); ++f) {
     std::vector<bool> oks;
     nlohmann::json items = nlohmann::json::array();
@@ -694,6 +698,7 @@ int eval_command(const EvalOptions& o) {
   }
 
   if (!o.budget_bits.empty() && !has("layers")) fail("--budget-bits needs --task layers (its per-layer errors)");
+  if (!o.chat_template_file.empty() && !o.chat) fail("--chat-template-file needs --chat");
   // Bits per element of each format's K side and V side alone (the other side f16: 16 bits).
   std::vector<double> k_bits, v_bits;
   if (!o.budget_bits.empty()) {

@@ -5,6 +5,7 @@
 #include <system_error>
 
 #include "core/error.h"
+#include "model/chat.h"
 
 namespace kvq {
 
@@ -24,6 +25,16 @@ std::string read_text_file(const std::string& path, const char* flag) {
   char buf[1 << 16];
   while (in.read(buf, sizeof buf) || in.gcount() > 0) text.append(buf, size_t(in.gcount()));
   if (in.bad()) fail("{}: reading '{}' failed", flag, path);
+  return text;
+}
+
+std::optional<std::string> read_chat_template_file(const std::string& path) {
+  if (path.empty()) return std::nullopt;
+  std::string text = read_text_file(path, "--chat-template-file");
+  if (!chat_template_from_text(text).known())
+    fail("--chat-template-file '{}': not a chat template kvq renders (supported: {}; a family is recognized by its "
+         "markers, e.g. <|im_start|> for ChatML)",
+         path, chat_supported_families());
   return text;
 }
 

@@ -2,6 +2,7 @@
 // missing, unreadable or non-file path into a clear error naming the flag. A directory opens as
 // an empty stream on Linux, which would otherwise read as an empty prompt or data file.
 #pragma once
+#include <optional>
 #include <string>
 
 namespace kvq {
@@ -11,5 +12,8 @@ namespace kvq {
 void check_input_file(const std::string& path, const char* flag);
 // The whole file, checked as above; a read error throws too.
 std::string read_text_file(const std::string& path, const char* flag);
+// --chat-template-file: the template's text (nullopt for an empty path: the model's own). Throws
+// kvq::Error when it is none of the families kvq renders.
+std::optional<std::string> read_chat_template_file(const std::string& path);
 
 }  // namespace kvq

@@ -35,6 +35,9 @@ void run_add_cli(CLI::App& app, RunOptions& o) {
                "with --chat: a conversation, one user turn per line of stdin (after -p, if given), each reply "
                "continuing the same KV cache");
   app.add_option("--system", o.system, "system message (with --chat)");
+  app.add_option("--chat-template-file", o.chat_template_file,
+                 "a chat template (Jinja, as a GGUF carries it) to use instead of the model's, for a file whose own is missing or wrong (llama.cpp's flag); kvq recognizes the families it renders by their markers")
+      ->type_name("FILE");
   app.add_option("--reasoning-effort", o.reasoning_effort,
                  "with --chat on a harmony model (gpt-oss): low, medium (its default) or high")
       ->check(CLI::IsMember({"low", "medium", "high"}));
@@ -156,9 +159,10 @@ int run_command(const RunOptions& o) {
   if (o.interactive && !o.chat) fail("--interactive needs --chat (each line is a user turn in the chat template)");
   if (o.interactive && o.echo) fail("--echo does not apply to --interactive");
 
+  if (!o.chat_template_file.empty() && !o.chat) fail("--chat-template-file needs --chat");
   ChatTemplate tpl;
   if (o.chat) {
-    tpl = chat_template_detect(model->file());
+    tpl = chat_template_detect(model->file(), read_chat_template_file(o.chat_template_file));
     if (!tpl.known()) fail("{}: the model has no chat template kvq supports ({})", o.model, chat_supported_families());
   }
   if (!o.reasoning_effort.empty() && tpl.family != ChatFamily::harmony)
@@ -182,7 +186,9 @@ int run_command(const RunOptions& o) {
   // Reply text out: to stdout, or split by channel (harmony)
   std::unique_ptr<HarmonyReplyStream> hreply;
   bool reasoning_open = false;  // stderr is inside a "[reasoning]" block
+  std::string reply_text;       // the turn's reply as generated
   auto out_text = [&](const std::string& piece) {
+    reply_text += piece;
     if (!hreply) {
       std::fwrite(piece.data(), 1, piece.size(), stdout);
       std::fflush(stdout);
@@ -209,6 +215,13 @@ int run_command(const RunOptions& o) {
   KvCacheConfig kcfg = model->kv_cache_config(policy, ctx, o.kv.page_tokens);
   kv.apply(kcfg);
   KvCache cache(kcfg);
+  // A harmony conversation (gpt-oss, -i) shows earlier replies as their final answer only, as its
+  // template does: the cache at each reply's start is kept (a copy; sliding-window layers keep
+  // their window), and the next turn goes on from there with the answer alone, the reasoning
+  // dropped. (A constrained reply is opened in its final channel: it has no reasoning to drop.)
+  const bool rewind = o.interactive && harmony && !grammar;
+  std::unique_ptr<KvCache> reply_start;
+  size_t reply_start_history = 0;
   Forward fwd(*model, pool);
   Sampler sampler(o.sampling);
   const std::unique_ptr<JsonVocab> json_vocab = grammar ? std::make_unique<JsonVocab>(tok) : nullptr;
@@ -236,6 +249,13 @@ int run_command(const RunOptions& o) {
     n_prompt += ids.size();
     history.insert(history.end(), ids.begin(), ids.end());
     const size_t turn_start = history.size();
+    if (rewind) {
+      if (!reply_start) reply_start = std::make_unique<KvCache>(kcfg);
+      reply_start->clear();
+      reply_start->fork_from(cache);
+      reply_start_history = history.size();
+    }
+    reply_text.clear();
     TokenStreamDecoder stream(tok, from_start);
     if (harmony_split) hreply = std::make_unique<HarmonyReplyStream>();
     const double t1 = now_seconds();
@@ -387,13 +407,22 @@ int run_command(const RunOptions& o) {
         if (line.empty()) continue;
       }
       have = false;
-      const std::string text = turns == 0 ? first_turn(line) : chat_render_next_turn(tpl, line);
+      std::string text = turns == 0 ? first_turn(line) : chat_render_next_turn(tpl, line);
+      // harmony: from the last reply's start, its answer alone
+      const bool back = rewind && turns > 0;
+      if (back) text = HarmonyReplyStream::kOpenFinal + HarmonyReplyStream::split(reply_text).content + text;
       const std::vector<int32_t> ids = tok.encode(text, /*add_bos=*/turns == 0, /*parse_special=*/true);
-      if (cache.n_tokens() + int(ids.size()) >= ctx) {
+      const int held = back ? reply_start->n_tokens() : cache.n_tokens();
+      if (held + int(ids.size()) >= ctx) {
         // Too long for what is left of the context: not sent, the conversation goes on as it was.
         std::fprintf(stderr, "[kvq] this turn is %zu tokens and the context has room for %d more: not sent (type a "
-                     "shorter one)\n", ids.size(), ctx - cache.n_tokens() - 1);
+                     "shorter one)\n", ids.size(), ctx - held - 1);
         continue;
+      }
+      if (back) {
+        cache.clear();
+        cache.fork_from(*reply_start);
+        history.resize(reply_start_history);
       }
       const size_t before = n_prompt;
       const bool room = turn(ids, false);

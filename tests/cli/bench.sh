@@ -143,6 +143,7 @@ bad "unwritable --html: rejected before any run" "cannot write" --kv f16 --data 
 bad "unknown format" "unknown KV format 'nope'" --kv f16,nope --data "$text"
 bad "format that does not fit the model's head_dim" "head_dim 8 must be a multiple of 32" --kv f16,q4_0 --data "$text"
 bad "no workload" "give a workload" --kv f16
+bad "--chat-template-file without --chat" "needs --chat" --kv f16 --data "$text" --chat-template-file "$tmp/x.jinja"
 bad "two workloads" "give a workload" --kv f16 --data "$text" --workload "$tmp/w.jsonl"
 bad "bad concurrency" "is not a number of clients" --kv f16 --data "$text" --concurrency 2,x
 bad "hexadecimal concurrency" "is not a number of clients" --kv f16 --data "$text" --concurrency 0x10

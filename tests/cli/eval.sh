@@ -114,6 +114,13 @@ bad "unknown format" "int7" eval -m "$model" --kv int7 --ctx 64 --data "$text"
 bad "context beyond the model's" "exceeds" eval -m "$model" --kv int8 --ctx 1M --data "$text"
 : >"$tmp/empty.jsonl"
 bad "empty JSONL" "empty" eval -m "$model" --kv int8 --task own --own "$tmp/empty.jsonl"
+bad "--chat-template-file without --chat" "needs --chat" eval -m "$model" --kv int8 --task own --own "$tmp/own.jsonl" --chat-template-file "$tmp/own.jsonl"
+bad "--chat without a template" "no chat template" eval -m "$model" --kv int8 --task own --own "$tmp/own.jsonl" --chat
+# a template given to a model without one: its cases wrapped in it (the prompts grow by its system message)
+printf '{{- "<|start|>system<|message|>" }}{{- "<|channel|>" }}\n' >"$tmp/harmony.jinja"
+"$kvq" eval -m "$model" --kv int8 --task own --own "$tmp/own.jsonl" --chat --chat-template-file "$tmp/harmony.jinja" --json \
+  --no-progress -t 1 >"$tmp/tmpl.json" 2>"$tmp/tmpl.err"
+check "--chat-template-file: own cases run in the given template" "[[ $? -eq 0 ]] && grep -q '\"format\"' $tmp/tmpl.json"
 printf '{"prompt": "a", "expected": \n' >"$tmp/bad.jsonl"
 bad "malformed JSONL" "malformed" eval -m "$model" --kv int8 --task own --own "$tmp/bad.jsonl"
 printf '{"prompt": "a"}\n' >"$tmp/missing.jsonl"

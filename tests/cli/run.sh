@@ -152,6 +152,21 @@ bad "--reasoning-format not split or raw" run -m "$model" -p hi --reasoning-form
 "$kvq" run -m "$model" -p Lily -n 4 --reasoning-format raw >/dev/null 2>"$tmp/rf_err"
 check "--reasoning-format on a model without harmony: runs, and warns that it is ignored" "[[ $? -eq 0 ]] && grep -q 'reasoning-format applies to harmony' $tmp/rf_err"
 bad "--interactive without --chat" run -m "$model" -i -n 4 </dev/null
+bad "--chat-template-file without --chat" run -m "$model" -p hi --chat-template-file "$tmp/none.jinja"
+echo '{{ messages[0].content }}' >"$tmp/plain.jinja"
+bad "--chat-template-file of no family kvq renders" run -m "$model" --chat -p hi --chat-template-file "$tmp/plain.jinja"
+check "... says which families it renders" "grep -q 'not a chat template kvq renders (supported: ChatML' $tmp/be"
+bad "a missing --chat-template-file" run -m "$model" --chat -p hi --chat-template-file "$tmp/none.jinja"
+# A harmony conversation (gpt-oss's template given to stories260K): each turn goes on from the last
+# reply's start with its answer alone (the template drops a reply's reasoning), so turn 2's cache is
+# turn 1's prompt + turn 2's new tokens (the answer re-read, then the user's turn) + its reply, not
+# turn 1's whole cache + more (reply 1 is 12 tokens long, as -n allows)
+printf '{{- "<|start|>system<|message|>" }}{{- "<|channel|>" }}\n' >"$tmp/harmony.jinja"
+printf 'Lily\n\nTom went\n' | "$kvq" run -m "$model" --chat --chat-template-file "$tmp/harmony.jinja" -i -n 12 --temp 0 -t 1 \
+  >"$tmp/hconv" 2>"$tmp/hconv.err"
+rc=$?
+check "harmony conversation: turn 2 goes on from reply 1's start" \
+  "[[ $rc -eq 0 ]] && python3 -c \"import re; t=re.findall(r'turn (\\d+): (\\d+) new prompt tokens, (\\d+) in the cache', open('$tmp/hconv.err').read()); assert [x[0] for x in t]==['1','2'], t; p1,c1,n2,c2=int(t[0][1]),int(t[0][2]),int(t[1][1]),int(t[1][2]); assert c1-p1==12 and 0<c2-n2-p1<=12, t\""
 bad "--top-p above 1" run -m "$model" -p hi --top-p 2
 bad "--seed beyond 64 bits" run -m "$model" -p hi --seed 99999999999999999999999
 bad "unknown subcommand" bogus -m "$model"

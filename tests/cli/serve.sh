@@ -175,4 +175,26 @@ kill -TERM $pid
 wait $pid
 pid=
 
+# gpt-oss's chat format (harmony) given by --chat-template-file: the prompt in it, and a function
+# call in its own syntax, read back as tool_calls
+echo '{{ messages }}' >"$tmp/plain.jinja"
+"$kvq" serve -m "$model" --chat-template-file "$tmp/plain.jinja" >"$tmp/o" 2>"$tmp/e"; rc=$?
+check "--chat-template-file of no family kvq renders exits 1" "[[ $rc -eq 1 ]] && grep -q 'not a chat template kvq renders' $tmp/e"
+printf '{{- "<|start|>system<|message|>" }}{{- "<|channel|>" }}\n' >"$tmp/harmony.jinja"
+"$kvq" serve -m "$model" --port 0 -t 1 -c 2048 --chat-template-file "$tmp/harmony.jinja" 2>"$tmp/hlog" &
+pid=$!
+port=$(wait_port "$tmp/hlog")
+url=http://127.0.0.1:$port
+tools='"tools": [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]'
+curl -s $url/tokenize -d "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], $tools}" >"$tmp/ht.json"
+curl -s $url/detokenize -d "{\"tokens\": $(python3 -c "import json; print(json.load(open('$tmp/ht.json'))['tokens'])")}" >"$tmp/hd.json"
+check "--chat-template-file harmony: the prompt is harmony's, its functions declared" \
+  "grep -q '<|start|>system<|message|>You are ChatGPT' $tmp/hd.json && grep -q 'type add = (_: {' $tmp/hd.json"
+curl -s $url/v1/chat/completions -d "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], $tools, \"tool_choice\": \"required\", \"max_tokens\": 40, \"temperature\": 0}" >"$tmp/hc.json"
+check "... a required call comes back as tool_calls with integer arguments" \
+  "python3 -c \"import json; c=json.load(open('$tmp/hc.json'))['choices'][0]; assert c['finish_reason']=='tool_calls', c; f=c['message']['tool_calls'][0]['function']; assert f['name']=='add' and isinstance(json.loads(f['arguments'])['a'], int), c\""
+kill -TERM $pid
+wait $pid
+pid=
+
 finish serve
