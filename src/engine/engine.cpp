@@ -50,8 +50,8 @@ struct Engine::Seq {
   // of the text generated so far, and the logits with the tokens that cannot come next masked.
   std::unique_ptr<GrammarState> grammar;
   std::vector<float> masked;
-  // GenParams::lazy_grammars: the text generated while none has triggered (cleared when one does,
-  // or when its grammar refused the text after its trigger: the reply is then free)
+  // GenParams::lazy_grammars: the end of the text generated while none has triggered (the bytes a
+  // trigger may have started in; cleared when one does)
   std::string lazy_text;
   bool lazy_settled = false;
 };
@@ -553,7 +553,13 @@ void Engine::trigger_lazy_grammar(Seq& s, int32_t token) {
       hit = &l;
     }
   }
-  if (!hit) return;
+  if (!hit) {
+    // only a trigger's start can be left undecided: keep the bytes the longest one may start in
+    size_t longest = 0;
+    for (const GenParams::LazyGrammar& l : s.req.params.lazy_grammars) longest = std::max(longest, l.trigger.size());
+    if (s.lazy_text.size() >= longest) s.lazy_text.erase(0, s.lazy_text.size() - (longest - 1));
+    return;
+  }
   s.grammar = std::make_unique<GrammarState>(hit->grammar);
   if (!s.grammar->feed(std::string_view(s.lazy_text).substr(at + hit->trigger.size()))) s.grammar.reset();
   s.lazy_settled = true;
