@@ -792,3 +792,50 @@ TEST(HarmonyTools, CallGrammar) {
     EXPECT_EQ(e.param, "tools[1].function.parameters");
   }
 }
+
+// The reply's constraint per tool_choice: auto leaves the reply free until the call's trigger, and
+// a response form moves to the final channel's opening; required and named constrain the whole
+// reply after the prompt's opening, named to its function alone.
+TEST(HarmonyTools, ConstraintPerToolChoice) {
+  const std::string tools = R"j("tools": [
+    {"type": "function", "function": {"name": "add", "parameters": {"type": "object",
+      "properties": {"a": {"type": "integer"}}, "required": ["a"]}}},
+    {"type": "function", "function": {"name": "neg", "parameters": {"type": "object",
+      "properties": {"b": {"type": "integer"}}, "required": ["b"]}}}])j";
+  auto accepts = [](const std::shared_ptr<const Grammar>& g, const std::string& text) {
+    GrammarState st(g);
+    return st.feed(text) && st.accepting();
+  };
+  GenParams p;
+  p.json_object = true;  // response_format json_object
+  EXPECT_EQ(harmony_tool_constraint(parse_tools(ojson::parse("{" + tools + "}")), p), "");
+  EXPECT_FALSE(p.json_object);
+  EXPECT_EQ(p.grammar, nullptr);
+  ASSERT_EQ(p.lazy_grammars.size(), 2u);
+  EXPECT_EQ(p.lazy_grammars[0].trigger, kHarmonyCallTrigger);
+  EXPECT_TRUE(accepts(p.lazy_grammars[0].grammar, R"(neg <|constrain|>json<|message|>{"b": 2})"));
+  EXPECT_EQ(p.lazy_grammars[1].trigger, HarmonyReplyStream::kOpenFinal);
+  EXPECT_TRUE(accepts(p.lazy_grammars[1].grammar, R"({"any": "object"})"));
+  EXPECT_FALSE(accepts(p.lazy_grammars[1].grammar, R"("a string")"));
+  GenParams free;
+  EXPECT_EQ(harmony_tool_constraint(parse_tools(ojson::parse("{" + tools + "}")), free), "");
+  EXPECT_EQ(free.lazy_grammars.size(), 1u);  // an answer in free text
+
+  GenParams req;
+  req.json_object = true;  // a call is forced: the response's form does not apply
+  EXPECT_EQ(harmony_tool_constraint(parse_tools(ojson::parse("{" + tools + R"(, "tool_choice": "required"})")), req),
+            kHarmonyCallTrigger);
+  EXPECT_FALSE(req.json_object);
+  EXPECT_TRUE(req.lazy_grammars.empty());
+  ASSERT_NE(req.grammar, nullptr);
+  EXPECT_TRUE(accepts(req.grammar, R"(add<|channel|>commentary json<|message|>{"a": 1})"));
+  EXPECT_TRUE(accepts(req.grammar, R"(neg<|channel|>commentary json<|message|>{"b": 1})"));
+
+  GenParams named;
+  EXPECT_EQ(harmony_tool_constraint(
+                parse_tools(ojson::parse("{" + tools + R"(, "tool_choice": {"type": "function", "function": {"name": "neg"}}})")),
+                named),
+            kHarmonyCallTrigger);
+  EXPECT_TRUE(accepts(named.grammar, R"(neg<|message|>{"b": 1})"));
+  EXPECT_FALSE(accepts(named.grammar, R"(add<|message|>{"a": 1})"));
+}

@@ -257,4 +257,22 @@ std::shared_ptr<const Grammar> harmony_call_grammar(const std::vector<ToolFuncti
   }
 }
 
+std::string harmony_tool_constraint(const ToolSpec& spec, GenParams& params) {
+  std::vector<ToolFunction> callable = spec.functions;
+  if (spec.choice == ToolChoice::named)
+    std::erase_if(callable, [&](const ToolFunction& f) { return f.name != spec.named; });
+  const std::shared_ptr<const Grammar> call = harmony_call_grammar(callable);
+  if (spec.choice != ToolChoice::automatic) {
+    params.grammar = call;
+    params.json_object = false;
+    return kHarmonyCallTrigger;
+  }
+  params.lazy_grammars.push_back({kHarmonyCallTrigger, call});
+  if (params.json_object || params.grammar)
+    params.lazy_grammars.push_back({HarmonyReplyStream::kOpenFinal, params.json_object ? Grammar::json_object() : params.grammar});
+  params.grammar = nullptr;
+  params.json_object = false;
+  return "";
+}
+
 }  // namespace kvq

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/engine.h"
 #include "server/tools.h"
 
 namespace kvq {
@@ -41,5 +42,14 @@ std::string harmony_functions_namespace(const std::vector<ToolFunction>& fns);
 // parameters. Throws ToolsError naming the function whose parameters kvq cannot generate.
 inline constexpr const char* kHarmonyCallTrigger = " to=functions.";
 std::shared_ptr<const Grammar> harmony_call_grammar(const std::vector<ToolFunction>& fns);
+
+// The reply's constraint for an active ToolSpec: tool_choice "auto" leaves the reply free until
+// it writes kHarmonyCallTrigger, from where the call's grammar holds (params.lazy_grammars); a
+// response form already on params (json_object, or a grammar: response_format) then holds from
+// the final channel's opening instead of from the reply's start. "required" and a named function
+// (its grammar allowing that function only): the call's grammar on the whole reply, which the
+// prompt opens with the returned text (kHarmonyCallTrigger; "" for auto). Throws ToolsError
+// naming the function whose parameters kvq cannot generate.
+std::string harmony_tool_constraint(const ToolSpec& spec, GenParams& params);
 
 }  // namespace kvq

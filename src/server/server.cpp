@@ -527,33 +527,18 @@ Server::Impl::ChatTools Server::Impl::chat_tools(const json& body, std::string_v
 // reply's first byte (a named function's name is all its grammar allows). One call per reply (the
 // format's: a call ends the reply), so parallel_tool_calls changes nothing.
 Server::Impl::ChatTools Server::Impl::harmony_chat_tools(ChatTools t, ApiRequest* ar) const {
-  std::vector<ToolFunction> callable = t.spec.functions;
-  if (t.spec.choice == ToolChoice::named)
-    std::erase_if(callable, [&](const ToolFunction& f) { return f.name != t.spec.named; });
-  std::shared_ptr<const Grammar> call;
-  try {
-    call = harmony_call_grammar(callable);
-  } catch (const ToolsError& e) {
-    throw ApiError{e.what(), e.param};
-  }
-  t.harmony_tools = harmony_functions_namespace(t.spec.functions);
-  if (t.spec.choice != ToolChoice::automatic) t.open_reply = kHarmonyCallTrigger;
-  if (!ar) return t;
-  if (!ar->constraint.empty() && ar->constraint != "response_format")
+  if (ar && !ar->constraint.empty() && ar->constraint != "response_format")
     throw ApiError{fmt::format("'{}' cannot be combined with 'tools': the reply's form is the tools' (tool_choice "
                                "\"none\" turns them off; response_format gives the answer's form)",
                                ar->constraint),
                    ar->constraint};
-  if (t.spec.choice == ToolChoice::automatic) {
-    ar->params.lazy_grammars.push_back({kHarmonyCallTrigger, call});
-    if (ar->params.json_object || ar->params.grammar)
-      ar->params.lazy_grammars.push_back(
-          {HarmonyReplyStream::kOpenFinal, ar->params.json_object ? Grammar::json_object() : ar->params.grammar});
-    ar->params.grammar = nullptr;
-  } else {
-    ar->params.grammar = call;
+  GenParams none;  // (for /tokenize: the grammars are still compiled, so that the same tools are refused)
+  try {
+    t.open_reply = harmony_tool_constraint(t.spec, ar ? ar->params : none);
+  } catch (const ToolsError& e) {
+    throw ApiError{e.what(), e.param};
   }
-  ar->params.json_object = false;
+  t.harmony_tools = harmony_functions_namespace(t.spec.functions);
   t.response_is_string = false;  // (not read: harmony's replies are split by HarmonyReplyStream)
   return t;
 }
