@@ -2421,6 +2421,16 @@ TEST(ChatTemplate, HarmonyReplyCallsAFunction) {
   const HarmonyReplyStream::Delta whole = HarmonyReplyStream::split(reply);
   ASSERT_EQ(whole.calls.size(), 1u);
   EXPECT_EQ(whole.calls[0].arguments, "{\"city\": \"Paris\"}");
+  // calls not taken (no functions offered): a call in the commentary channel is content, one in the
+  // analysis channel reasoning
+  const HarmonyReplyStream::Delta off = HarmonyReplyStream::split(reply, false);
+  EXPECT_TRUE(off.calls.empty());
+  EXPECT_EQ(off.reasoning, "Need weather.");
+  EXPECT_EQ(off.content, "{\"city\": \"Paris\"}");
+  const HarmonyReplyStream::Delta in_analysis =
+      HarmonyReplyStream::split("<|channel|>analysis to=functions.f<|message|>{}<|call|>", false);
+  EXPECT_EQ(in_analysis.reasoning, "{}");
+  EXPECT_EQ(in_analysis.content, "");
 }
 
 TEST(ChatTemplate, MistralRenderingFollowsTheVocabulary) {

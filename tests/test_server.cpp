@@ -1054,8 +1054,9 @@ TEST_F(HarmonyServerTest, FunctionCallsInItsOwnSyntax) {
   p = prompt_text(automatic);
   EXPECT_NE(p.find("namespace functions {"), std::string::npos);
   EXPECT_TRUE(p.ends_with("<|start|>assistant")) << p;
-  j = post_ok("/v1/chat/completions", automatic);
-  EXPECT_TRUE(j["choices"][0]["message"]["content"].is_string() || j["choices"][0]["message"].contains("tool_calls")) << j;
+  j = post_ok("/v1/chat/completions", automatic);  // (the story model writes no call: a story)
+  EXPECT_FALSE(j["choices"][0]["message"].contains("tool_calls")) << j;
+  EXPECT_FALSE(j["choices"][0]["message"]["content"].get<std::string>().empty()) << j;
   // none: not declared
   automatic["tool_choice"] = "none";
   p = prompt_text(automatic);
@@ -1087,6 +1088,40 @@ TEST_F(HarmonyServerTest, FunctionCallsInItsOwnSyntax) {
              "tools[0].function.parameters");
   expect_bad("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "1"}]})",
              "messages[1]");
+  // a stop string inside the arguments: the call as far as it went, not a finished call
+  json cut = body;  // (required: a whole call would end "tool_calls")
+  cut["stop"] = json::array({"{"});
+  j = post_ok("/v1/chat/completions", cut);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop") << j;
+  for (const json& e : stream("/v1/chat/completions", cut, &done))
+    EXPECT_NE(e["choices"].empty() ? json() : e["choices"][0]["finish_reason"], "tool_calls") << e;
+  // with no functions offered, a call the model writes is content (here forced by a choice)
+  json none = {{"messages", json::array({{{"role", "user"}, {"content", "hi"}}})},
+               {"guided_choice", json::array({"ok<|end|><|start|>assistant to=functions.add<|channel|>commentary json<|message|>{}"})},
+               {"max_tokens", 80}};
+  for (const json& tc : {json(nullptr), json("none")}) {
+    if (!tc.is_null()) {
+      none["tools"] = tools;
+      none["tool_choice"] = tc;
+    }
+    j = post_ok("/v1/chat/completions", none);
+    EXPECT_FALSE(j["choices"][0]["message"].contains("tool_calls")) << j;
+    EXPECT_EQ(j["choices"][0]["message"]["content"], "ok\n{}") << j;
+    EXPECT_EQ(j["choices"][0]["finish_reason"], "stop") << j;
+  }
+  // a forced call needs the generation prompt it opens after; a continued message takes no tools
+  json no_prompt = body;
+  no_prompt["add_generation_prompt"] = false;
+  expect_bad("/v1/chat/completions", no_prompt.dump(), "add_generation_prompt");
+  json cont = automatic;
+  cont["tool_choice"] = "auto";
+  cont["messages"] = json::parse(R"([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])");
+  cont["continue_final_message"] = true;
+  cont["add_generation_prompt"] = false;
+  cont["response_format"] = {{"type", "json_object"}};
+  expect_bad("/v1/chat/completions", cont.dump(), "continue_final_message");
+  cont.erase("response_format");
+  expect_bad("/v1/chat/completions", cont.dump(), "continue_final_message");
   // the reasoning effort still reaches the system message
   json effort = body;
   effort["reasoning_effort"] = "high";

@@ -753,6 +753,16 @@ type get_time = () => any;
   EXPECT_EQ(chat_render(tpl, tool_chat_messages(msgs, "", tpl), ro), then_final);
   nlohmann::json orphan = nlohmann::json::parse(R"j([{"role": "user", "content": "Hi"}, {"role": "tool", "content": "20"}])j");
   EXPECT_THROW(tool_chat_messages(orphan, "", tpl), ToolsError);
+  // A reply kvq returned whole (a preamble as content beside its reasoning and call), given back:
+  // the reasoning, then the preamble in the commentary channel, then the call
+  nlohmann::json back = nlohmann::json::parse(R"j([{"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Looking it up.", "reasoning_content": "Need weather.",
+     "tool_calls": [{"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]}])j");
+  EXPECT_NE(chat_render(tpl, tool_chat_messages(back, "", tpl), ro)
+                .find("<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>analysis<|message|>Need weather.<|end|>"
+                      "<|start|>assistant<|channel|>commentary<|message|>Looking it up.<|end|><|start|>assistant "
+                      "to=functions.get_time<|channel|>commentary json<|message|>{}<|call|><|start|>assistant"),
+            std::string::npos);
   // The other families have no syntax of their own for these
   ChatTemplate chatml;
   chatml.family = ChatFamily::chatml;

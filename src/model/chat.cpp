@@ -420,8 +420,12 @@ std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& m
       } else if (m.role == "assistant" && !m.tool_calls.empty()) {
         bool final_follows = false;
         for (size_t k = i + 1; k < msgs.size(); ++k) final_follows |= msgs[k].role == "assistant" && msgs[k].tool_calls.empty();
+        // the reasoning (or the content, which the template reads as the reasoning when alone),
+        // and with both, the content as the preamble the reply wrote for the user before its call
         const std::string& analysis = m.reasoning.empty() ? m.content : m.reasoning;
         if (!analysis.empty() && !final_follows) out += "<|start|>assistant<|channel|>analysis<|message|>" + analysis + "<|end|>";
+        if (!m.reasoning.empty() && !m.content.empty())
+          out += "<|start|>assistant<|channel|>commentary<|message|>" + m.content + "<|end|>";
         for (const ChatToolCall& c : m.tool_calls) {  // (the template writes the first; each is a message of its own)
           out += "<|start|>assistant to=functions." + c.name + "<|channel|>commentary json<|message|>" +
                  python_json_text(c.arguments) + "<|call|>";
@@ -479,7 +483,9 @@ HarmonyReplyStream::Delta HarmonyReplyStream::feed(const std::string& text) {
         recipient = buf_.substr(to + 3, msg - to - 3);
         recipient = recipient.substr(0, recipient.find_first_of(" <"));
       }
-      state_ = recipient.starts_with("functions.") ? State::call : channel == "analysis" ? State::analysis : State::other;
+      state_ = take_calls_ && recipient.starts_with("functions.") ? State::call
+               : channel == "analysis"                              ? State::analysis
+                                                                    : State::other;
       if (state_ == State::call) {
         call_ = {recipient.substr(10), ""};
       } else if (state_ == State::analysis ? reasoning_seen_ : content_seen_) {
@@ -526,8 +532,8 @@ HarmonyReplyStream::Delta HarmonyReplyStream::finish() {
   return d;
 }
 
-HarmonyReplyStream::Delta HarmonyReplyStream::split(const std::string& text) {
-  HarmonyReplyStream hs;
+HarmonyReplyStream::Delta HarmonyReplyStream::split(const std::string& text, bool take_calls) {
+  HarmonyReplyStream hs(take_calls);
   Delta d = hs.feed(text);
   const Delta rest = hs.finish();
   d.reasoning += rest.reasoning;

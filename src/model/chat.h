@@ -97,18 +97,20 @@ std::string chat_render_next_turn(const ChatTemplate& t, const std::string& user
 // final channel opened by the prompt) is content from the start. A message whose header names a
 // function as its recipient ('to=functions.NAME', in the role's part or the channel's) is a call of
 // it, its text the arguments; it is returned when it ends (at finish() when the reply stops inside
-// it). A message to another recipient is content.
+// it). A message to another recipient is content, and so is a call when calls are not taken (no
+// functions were offered: its arguments' text).
 class HarmonyReplyStream {
  public:
   struct Delta {
     std::string reasoning, content;
     std::vector<ChatToolCall> calls = {};
   };
+  explicit HarmonyReplyStream(bool take_calls = true) : take_calls_(take_calls) {}
   Delta feed(const std::string& text);
   // The end of the reply: what was held back (a marker's start that was text after all).
   Delta finish();
   // A whole reply at once (feed, then finish).
-  static Delta split(const std::string& text);
+  static Delta split(const std::string& text, bool take_calls = true);
   // What a prompt ends with to open the reply's final channel (a constrained answer, no reasoning)
   static constexpr const char* kOpenFinal = "<|channel|>final<|message|>";
 
@@ -117,6 +119,7 @@ class HarmonyReplyStream {
   State state_ = State::header;
   std::string buf_;  // text not yet given out
   ChatToolCall call_;  // State::call: the call so far
+  bool take_calls_;
   bool reasoning_seen_ = false, content_seen_ = false;  // a message of that kind began
   void emit(Delta& d, const std::string& text) {
     if (state_ == State::call) {

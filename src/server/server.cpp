@@ -543,6 +543,11 @@ Server::Impl::ChatTools Server::Impl::harmony_chat_tools(ChatTools t, ApiRequest
   return t;
 }
 
+// Whether a harmony reply's calls are whole: arguments that are JSON (a call a stop string cut is not).
+static bool harmony_calls_whole(const std::vector<ChatToolCall>& cs) {
+  return std::all_of(cs.begin(), cs.end(), [](const ChatToolCall& c) { return json::accept(c.arguments); });
+}
+
 // A harmony reply's calls with their ids.
 static std::vector<ToolCall> harmony_calls(const std::vector<ChatToolCall>& cs, std::mt19937_64& rng) {
   std::vector<ToolCall> out;
@@ -575,6 +580,7 @@ std::vector<int32_t> Server::Impl::chat_prompt(const json& body, const ChatTools
   // last message, the assistant's, left open and continued (a reply's start given by the client).
   ChatRenderOptions ro;
   ro.tools = tools.harmony_tools;
+  const bool opens_call = !tools.open_reply.empty();
   for (const auto& [key, field] : {std::pair{"add_generation_prompt", &ro.add_generation_prompt},
                                    std::pair{"continue_final_message", &ro.continue_final_message}}) {
     if (!body.contains(key) || body[key].is_null()) continue;
@@ -589,6 +595,10 @@ std::vector<int32_t> Server::Impl::chat_prompt(const json& body, const ChatTools
     if (msgs.back().role != "assistant")
       throw ApiError{"'continue_final_message' needs the last message to be the assistant's", "continue_final_message"};
   }
+  if (opens_call && !ro.add_generation_prompt)
+    throw ApiError{"a call forced by tool_choice (\"required\" or a named function) opens the reply after the generation "
+                   "prompt: 'add_generation_prompt' must be true",
+                   "add_generation_prompt"};
   // OpenAI's reasoning_effort: the harmony template's (gpt-oss) "Reasoning:" line; refused for a
   // model without such a setting, as OpenAI refuses it for models without reasoning.
   ChatTemplate t = tpl;
@@ -721,8 +731,8 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
     if (tools.spec.choice == ToolChoice::named) tool_finish = "stop";
     // A constraint's grammar (the tools' too) starts at the reply's first byte: after a continued
     // message's start the text would be that start followed by a whole document.
-    if ((ar.params.grammar || ar.params.json_object) && body.contains("continue_final_message") &&
-        body["continue_final_message"] == true)
+    if ((ar.params.grammar || ar.params.json_object || !ar.params.lazy_grammars.empty()) &&
+        body.contains("continue_final_message") && body["continue_final_message"] == true)
       throw ApiError{fmt::format("'continue_final_message' cannot be combined with '{}': its grammar would start after "
                                  "the continued text",
                                  tools.spec.active() ? "tools" : ar.constraint),
@@ -869,13 +879,16 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
       completion_tokens += g.completion_tokens;
       json choice = {{"index", i}, {"logprobs", nullptr}, {"finish_reason", finish_reason_api(g.finish_reason)}};
       if (harmony) {  // the answer as content, the reasoning beside it (vLLM's reasoning_content), calls
-        const HarmonyReplyStream::Delta d = HarmonyReplyStream::split(tools.open_reply + g.text);
+        // (calls only when functions were offered: with none, a call the model writes is content)
+        const HarmonyReplyStream::Delta d = HarmonyReplyStream::split(tools.open_reply + g.text, tools.spec.active());
         json msg = {{"role", "assistant"}, {"content", d.content}};
         if (!d.reasoning.empty()) msg["reasoning_content"] = d.reasoning;
         if (!d.calls.empty()) {
           if (d.content.empty()) msg["content"] = nullptr;
           msg["tool_calls"] = tool_calls_json(harmony_calls(d.calls, id_rng), false);
-          if (g.finish_reason == "stop") choice["finish_reason"] = tool_finish;  // (one cut short stays "length")
+          // a call cut short (max_tokens: "length"; a stop string: arguments that are no JSON)
+          // keeps the reason it ended for
+          if (g.finish_reason == "stop" && harmony_calls_whole(d.calls)) choice["finish_reason"] = tool_finish;
         }
         choice["message"] = std::move(msg);
       } else if (chat && tools.spec.active()) {
@@ -936,15 +949,18 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
     // Harmony: reasoning and answer streamed as reasoning_content and content deltas, each call in
     // a chunk of its own when it ends (calls: how many were sent)
     struct HarmonyOut {
+      explicit HarmonyOut(bool take_calls) : stream(take_calls) {}
       HarmonyReplyStream stream;
       size_t calls = 0;
+      bool whole = true;  // every call sent has whole arguments
       std::mt19937_64 rng{std::random_device{}()};
     };
-    std::shared_ptr<HarmonyOut> hreply = harmony ? std::make_shared<HarmonyOut>() : nullptr;
+    std::shared_ptr<HarmonyOut> hreply = harmony ? std::make_shared<HarmonyOut>(tools.spec.active()) : nullptr;
     if (hreply) (void)hreply->stream.feed(tools.open_reply);  // (a header's start: nothing to send)
     auto harmony_push = [st, chunk, hreply](const HarmonyReplyStream::Delta& hd) {
       if (!hd.reasoning.empty()) st->push(sse(chunk(json{{"reasoning_content", hd.reasoning}}, nullptr)));
       if (!hd.content.empty()) st->push(sse(chunk(json{{"content", hd.content}}, nullptr)));
+      hreply->whole = hreply->whole && harmony_calls_whole(hd.calls);
       for (const ToolCall& c : harmony_calls(hd.calls, hreply->rng)) {
         json tc = tool_calls_json({c}, true);
         tc[0]["index"] = hreply->calls++;
@@ -980,7 +996,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
         }
         st->push(sse(chunk(json::object(), tr.calls.empty() ? finish_reason_api(g.finish_reason) : tool_finish)));
       } else if (g.finish_reason != "cancelled") {
-        const bool called = hreply && hreply->calls > 0 && g.finish_reason == "stop";
+        const bool called = hreply && hreply->calls > 0 && hreply->whole && g.finish_reason == "stop";
         st->push(sse(chunk(chat ? json::object() : json(""), called ? tool_finish : finish_reason_api(g.finish_reason))));
       }
       int left, tokens;
