@@ -1173,6 +1173,79 @@ EngineOptions gemma_window_options(const std::string& path) {
   return o;
 }
 
+// Speculative decoding by prompt lookup (EngineOptions::draft_max): with every row computed as a
+// decode step computes it (batch invariance), the output is decoding's, token for token, greedy
+// and sampled (each row samples as decoding would), alone and four at once, with log-probabilities,
+// stop strings and max_tokens as without; drafts were made and kept.
+TEST_F(EngineTest, SpeculativeDecodingKeepsDecodingsOutput) {
+  BatchInvariantOn inv;
+  EngineOptions plain_o = base_options(4096), spec_o = base_options(4096);
+  spec_o.draft_max = 8;
+  Engine plain(plain_o), spec(spec_o);
+  const Tokenizer& tok = plain.tokenizer();
+  const std::vector<std::vector<int32_t>> prompts = {tok.encode("Once upon a time", true), tok.encode("Lily and Ben", true),
+                                                     tok.encode("The cat sat on the mat. The cat", true),
+                                                     tok.encode("One day, a little", true)};
+  GenParams p = greedy(160);
+  p.logprobs = 2;
+  for (const auto& pr : prompts) {
+    const GenResult a = plain.generate(pr, p), b = spec.generate(pr, p);
+    EXPECT_EQ(a.tokens, b.tokens);
+    EXPECT_EQ(a.text, b.text);
+    EXPECT_EQ(a.finish_reason, b.finish_reason);
+    ASSERT_EQ(a.logprobs.size(), b.logprobs.size());
+    for (size_t i = 0; i < a.logprobs.size(); ++i) EXPECT_EQ(a.logprobs[i].logprob, b.logprobs[i].logprob) << i;
+  }
+  const EngineMetrics m = spec.metrics();
+  EXPECT_GT(m.spec_draft_tokens, 0u);
+  EXPECT_GT(m.spec_accepted_tokens, 0u);
+  EXPECT_LE(m.spec_accepted_tokens, m.spec_draft_tokens);
+  EXPECT_EQ(plain.metrics().spec_draft_tokens, 0u);
+  // sampled, with penalties over the history: the same draws
+  GenParams t = greedy(120);
+  t.sampling.temperature = 0.9f;
+  t.sampling.seed = 11;
+  t.sampling.repeat_penalty = 1.1f;
+  for (const auto& pr : prompts) EXPECT_EQ(plain.generate(pr, t).tokens, spec.generate(pr, t).tokens);
+  // four at once, as each alone
+  const std::vector<Outcome> together = run_concurrently(spec, prompts, greedy(100));
+  for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(together[i].res.tokens, plain.generate(prompts[i], greedy(100)).tokens) << i;
+  // max_tokens and a stop string cut where they cut without drafts
+  const GenResult full = plain.generate(prompts[0], greedy(60));
+  for (int n : {1, 2, 7, 37}) EXPECT_EQ(spec.generate(prompts[0], greedy(n)).tokens.size(), size_t(n));
+  GenParams st = greedy(60);
+  st.stop = {full.text.substr(full.text.size() / 2, 4)};
+  const GenResult sa = plain.generate(prompts[0], st), sb = spec.generate(prompts[0], st);
+  EXPECT_EQ(sa.text, sb.text);
+  EXPECT_EQ(sb.finish_reason, "stop");
+  plain.wait_idle();
+  spec.wait_idle();
+  expect_pool_clean(plain);
+  expect_pool_clean(spec);
+}
+
+// The same on a real model with the int8 and grouped (kivi4: drafts only in steps that pack no key
+// group) KV formats: decoding's output, token for token, and drafts kept.
+TEST(EngineSpeculative, RealModelAndGroupedFormats) {
+  const std::string path = kvq_test_model("SmolLM2-135M-Instruct.Q4_1.gguf");
+  if (path.empty()) GTEST_SKIP() << "SmolLM2-135M-Instruct.Q4_1.gguf not installed (run scripts/get-models.sh)";
+  BatchInvariantOn inv;
+  for (const char* fmt : {"int8", "kivi4"}) {
+    SCOPED_TRACE(fmt);
+    EngineOptions o = smollm2_options(path, 512, 4096);
+    o.kv.kv_cache_dtype = fmt;
+    Engine plain(o);
+    o.draft_max = 8;
+    Engine spec(o);
+    const std::vector<int32_t> prompt = chat_prompt(plain, "Repeat this list three times: apple, pear, plum, fig.");
+    const GenResult a = plain.generate(prompt, greedy(96)), b = spec.generate(prompt, greedy(96));
+    EXPECT_EQ(a.tokens, b.tokens) << a.text << "\n---\n" << b.text;
+    EXPECT_GT(spec.metrics().spec_accepted_tokens, 0u);
+    spec.wait_idle();
+    expect_pool_clean(spec);
+  }
+}
+
 TEST(EngineWindows, GemmaSlidingPagesFreedAndShared) {
   const std::string path = kvq_test_model("gemma-3-270m-q4_k_m.gguf");
   if (path.empty()) GTEST_SKIP() << "gemma-3-270m-q4_k_m.gguf not installed (run scripts/get-models.sh)";

@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "core/timer.h"
+#include "model/draft.h"
 
 namespace kvq {
 
@@ -54,6 +55,10 @@ struct Engine::Seq {
   // trigger may have started in; cleared when one does)
   std::string lazy_text;
   bool lazy_settled = false;
+  // EngineOptions::draft_max: this step's drafted tokens (appended to `tokens` while the step
+  // runs), and how many the next step may draft
+  std::vector<int32_t> drafts;
+  int draft_len = 0;
 };
 
 namespace {
@@ -411,6 +416,9 @@ Engine::Engine(const EngineOptions& o) : opt_(o) {
     fail("--oldest-prefill-tokens must be >= 1 (got {})", o.oldest_prefill_tokens);
   oldest_prefill_tokens_ = o.oldest_prefill_tokens > 0 ? o.oldest_prefill_tokens : std::max(1, o.max_batch / 4);
   if (o.threads < 0) fail("--threads must be >= 1 (got {})", o.threads);
+  if (o.draft_max < 0 || o.draft_max > 64) fail("--draft-max must be between 0 and 64 (got {})", o.draft_max);
+  if (o.draft_ngram_min < 1 || o.draft_ngram_min > o.draft_ngram_max)
+    fail("--draft-ngram-min {} must be >= 1 and at most --draft-ngram-max {}", o.draft_ngram_min, o.draft_ngram_max);
   if (o.ctx < 0) fail("context must be > 0 (got {})", o.ctx);
   model_ = Model::load(o.model_path, o.kv.rope);
   tok_ = Tokenizer::from_gguf(model_->file());
@@ -532,6 +540,87 @@ constexpr int kMaxLogprobs = 20;              // top alternatives per token (Ope
 constexpr int kPromptLogprobsChunk = 64;      // prompt tokens per step of a prompt_logprobs request
                                               // (bounds its (tokens, n_vocab) logits rows)
 }  // namespace
+
+static bool cut_at_stop(std::string& text, size_t from, const std::vector<std::string>& stops);
+
+bool Engine::take_token(Seq& s, int32_t next, const float* lg, int n_vocab) {
+  const double now = now_seconds();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (s.res.tokens.empty() && s.t_last == 0) metrics_.ttft.observe(now - s.t_submit);
+    else metrics_.tpot.observe(now - s.t_last);
+  }
+  if (s.res.ttft_s < 0) s.res.ttft_s = now - s.t_submit;
+  else s.res.decode_s = now - s.t_submit - s.res.ttft_s;
+  s.t_last = now;
+  const std::vector<int32_t>& stop_ids = s.req.params.stop_token_ids;
+  if (s.grammar && tok_.is_eog(next) && !s.grammar->accepting()) {  // the mask's last resort
+    finish(s, "error", kNoContinuation);
+    return false;
+  }
+  if ((tok_.is_eog(next) && (!s.req.params.ignore_eos || s.grammar)) ||
+      std::find(stop_ids.begin(), stop_ids.end(), next) != stop_ids.end()) {
+    finish(s, "stop");
+    return false;
+  }
+  s.tokens.push_back(next);
+  s.res.tokens.push_back(next);
+  if (s.grammar && !s.grammar->feed(grammar_vocab_->bytes(next))) {
+    finish(s, "error", kNoContinuation);
+    return false;
+  }
+  if (!s.grammar && !s.lazy_settled && !s.req.params.lazy_grammars.empty()) trigger_lazy_grammar(s, next);
+  if (s.req.params.logprobs >= 0) {
+    s.res.logprobs.push_back(token_logprob(lg, n_vocab, next, s.req.params.logprobs));
+    if (s.req.on_logprob) s.req.on_logprob(s.res.logprobs.back());
+  }
+  const size_t from = s.sent;
+  s.text += s.dec->push(next);
+  if (cut_at_stop(s.text, from, s.req.params.stop)) {
+    s.dec.reset();  // pending bytes come after the cut
+    finish(s, "stop");
+    return false;
+  }
+  emit_text(s, false);
+  if (s.grammar && s.grammar->done()) {  // nothing else can follow
+    finish(s, "stop");
+    return false;
+  }
+  if (int(s.res.tokens.size()) >= s.req.params.max_tokens || int(s.tokens.size()) >= ctx_) {
+    finish(s, "length");
+    return false;
+  }
+  return true;
+}
+
+void Engine::verify_drafts(Seq& s, int n, const float* rows, int n_vocab) {
+  const int d = int(s.drafts.size());
+  const size_t base = s.tokens.size() - size_t(d);  // through the step's first token
+  s.tokens.resize(base);
+  // Row i samples as decoding would after the drafts kept before it (the sampler's history
+  // holding them); a draft is kept while the sample equals it.
+  std::vector<int32_t> taken;
+  for (int i = 0;; ++i) {
+    const int32_t x = s.sampler->sample(rows + size_t(i) * size_t(n_vocab), n_vocab, s.tokens, size_t(s.n_prompt));
+    taken.push_back(x);
+    if (i == d || x != s.drafts[size_t(i)]) break;
+    s.tokens.push_back(x);
+  }
+  const int kept = int(taken.size()) - 1;
+  s.cache->commit(n, 1 + kept);
+  s.cache->publish_pages(*index_, s.tokens.data(), s.cache->n_tokens());
+  s.tokens.resize(base);
+  s.draft_len = kept == d ? std::min(opt_.draft_max, 2 * std::max(1, s.draft_len)) : kept + 1;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    metrics_.spec_draft_tokens += uint64_t(d);
+    metrics_.spec_accepted_tokens += uint64_t(kept);
+  }
+  s.drafts.clear();
+  // (a token that ends the sequence ends it: the kept ones after it are the cache's only)
+  for (size_t i = 0; i < taken.size(); ++i)
+    if (!take_token(s, taken[i], rows + i * size_t(n_vocab), n_vocab)) break;
+}
 
 const GrammarVocab& Engine::grammar_vocab() {
   if (!json_vocab_) json_vocab_ = std::make_unique<JsonVocab>(tok_);
@@ -912,6 +1001,7 @@ bool Engine::step() {
     bool logits;      // the last row samples the next token
     bool all;         // every row's logits: prompt token log-probabilities
     int start;        // cache position of the first token
+    bool spec = false;  // a decode with drafted tokens: every row's logits, verified (verify_drafts)
   };
   std::vector<Item> items;
   std::vector<char> scheduled(running_.size(), 0);
@@ -984,7 +1074,17 @@ bool Engine::step() {
       if (pass == 1 && share[i] == 0) continue;
       if (pass >= 1 && defer_prefill(s, i)) continue;
       const bool all = scores_all(s);
-      const int n = pass == 0   ? 1
+      // A decode's drafts (EngineOptions::draft_max): within the tokens it may still generate, the
+      // context, the step's budget, and a step that keeps any number of them
+      std::vector<int32_t> drafts;
+      if (pass == 0 && opt_.draft_max > 0 && !s.grammar && !s.req.params.json_object && s.req.params.lazy_grammars.empty()) {
+        if (s.draft_len == 0) s.draft_len = opt_.draft_max;
+        const int room = std::min({s.draft_len, s.req.params.max_tokens - int(s.res.tokens.size()) - 1,
+                                   ctx_ - int(s.tokens.size()) - 1, budget - 1});
+        if (room > 0) drafts = ngram_draft(s.tokens, opt_.draft_ngram_min, opt_.draft_ngram_max, room);
+        if (!drafts.empty() && !s.cache->step_keeps_any(1 + int(drafts.size()))) drafts.clear();
+      }
+      const int n = pass == 0   ? 1 + int(drafts.size())
                     : pass == 1 ? share[i]
                     : by_cost   ? cost_of(s).tokens_for(s.cache->n_tokens(), budget, prefill_limit(s, pending))
                                 : std::min(prefill_limit(s, pending), budget);
@@ -1020,7 +1120,11 @@ bool Engine::step() {
       // A sequence that has sampled before waits on this step for its next token (a first token
       // of a prompt found whole in the cache is a decode row too, but no one's time per token).
       if (pass == 0 && s.t_last != 0) decoding = true;
-      items.push_back({&s, n, n == pending, all, s.cache->n_tokens()});
+      items.push_back({&s, n, pass == 0 || n == pending, all, s.cache->n_tokens(), !drafts.empty()});
+      if (!drafts.empty()) {  // (in the sequence's tokens while the step runs: the rows' input)
+        s.tokens.insert(s.tokens.end(), drafts.begin(), drafts.end());
+        s.drafts = std::move(drafts);
+      }
     }
   }
 
@@ -1032,7 +1136,8 @@ bool Engine::step() {
       f.tokens = it.s->tokens.data() + it.s->cache->n_tokens();
       f.n = it.n;
       f.cache = it.s->cache.get();
-      f.logits = it.all ? ForwardSeq::all : it.logits ? ForwardSeq::last : ForwardSeq::none;
+      f.logits = it.all || it.spec ? ForwardSeq::all : it.logits ? ForwardSeq::last : ForwardSeq::none;
+      f.hold = it.spec;  // committed with what the verification keeps
       fs.push_back(f);
     }
     const float* logits = nullptr;
@@ -1042,13 +1147,19 @@ bool Engine::step() {
       ok = true;
     } catch (const KvPoolFull&) {
       // Not expected (pages were checked), but a sequence of the batch may be half-appended:
-      // every sequence of the batch is recomputed.
+      // every sequence of the batch is recomputed (without its drafts).
       for (const Item& it : items) {
+        it.s->tokens.resize(it.s->tokens.size() - it.s->drafts.size());
+        it.s->drafts.clear();
         for (size_t i = 0; i < running_.size(); ++i)
           if (running_[i].get() == it.s) preempt(i);
       }
     } catch (const std::exception& e) {
-      for (const Item& it : items) finish(*it.s, "error", e.what());
+      for (const Item& it : items) {
+        it.s->tokens.resize(it.s->tokens.size() - it.s->drafts.size());
+        it.s->drafts.clear();
+        finish(*it.s, "error", e.what());
+      }
     }
     if (ok) {
       const int n_vocab = model_->config().n_vocab;
@@ -1059,6 +1170,10 @@ bool Engine::step() {
         std::vector<std::pair<Seq*, const float*>> masks;
         int r = 0;
         for (const Item& it : items) {
+          if (it.spec) {  // (never constrained)
+            r += it.n;
+            continue;
+          }
           if (it.all) r += it.n - 1;
           if (!it.logits) {
             if (it.all) ++r;
@@ -1083,6 +1198,11 @@ bool Engine::step() {
       int row = 0;
       for (const Item& it : items) {
         Seq& s = *it.s;
+        if (it.spec) {
+          verify_drafts(s, it.n, logits + size_t(row) * size_t(n_vocab), n_vocab);
+          row += it.n;
+          continue;
+        }
         s.cache->publish_pages(*index_, s.tokens.data(), s.cache->n_tokens());
         if (it.all) {
           // Row j: the distribution of the token at position start + j + 1.
@@ -1107,52 +1227,7 @@ bool Engine::step() {
         }
         const float* sample_from = s.grammar ? s.masked.data() : lg;  // masked above
         const int32_t next = s.sampler->sample(sample_from, n_vocab, s.tokens, size_t(s.n_prompt));
-        const double now = now_seconds();
-        {
-          std::lock_guard<std::mutex> lk(mu_);
-          if (s.res.tokens.empty() && s.t_last == 0) metrics_.ttft.observe(now - s.t_submit);
-          else metrics_.tpot.observe(now - s.t_last);
-        }
-        if (s.res.ttft_s < 0) s.res.ttft_s = now - s.t_submit;
-        else s.res.decode_s = now - s.t_submit - s.res.ttft_s;
-        s.t_last = now;
-        const std::vector<int32_t>& stop_ids = s.req.params.stop_token_ids;
-        if (s.grammar && tok_.is_eog(next) && !s.grammar->accepting()) {  // the mask's last resort
-          finish(s, "error", kNoContinuation);
-          continue;
-        }
-        if ((tok_.is_eog(next) && (!s.req.params.ignore_eos || s.grammar)) ||
-            std::find(stop_ids.begin(), stop_ids.end(), next) != stop_ids.end()) {
-          finish(s, "stop");
-          continue;
-        }
-        s.tokens.push_back(next);
-        s.res.tokens.push_back(next);
-        if (s.grammar && !s.grammar->feed(grammar_vocab_->bytes(next))) {
-          finish(s, "error", kNoContinuation);
-          continue;
-        }
-        if (!s.grammar && !s.lazy_settled && !s.req.params.lazy_grammars.empty()) trigger_lazy_grammar(s, next);
-        if (s.req.params.logprobs >= 0) {
-          s.res.logprobs.push_back(token_logprob(lg, n_vocab, next, s.req.params.logprobs));
-          if (s.req.on_logprob) s.req.on_logprob(s.res.logprobs.back());
-        }
-        const size_t from = s.sent;
-        s.text += s.dec->push(next);
-        if (cut_at_stop(s.text, from, s.req.params.stop)) {
-          s.dec.reset();  // pending bytes come after the cut
-          finish(s, "stop");
-          continue;
-        }
-        emit_text(s, false);
-        if (s.grammar && s.grammar->done()) {  // nothing else can follow
-          finish(s, "stop");
-          continue;
-        }
-        if (int(s.res.tokens.size()) >= s.req.params.max_tokens || int(s.tokens.size()) >= ctx_) {
-          finish(s, "length");
-          continue;
-        }
+        take_token(s, next, lg, n_vocab);
       }
       const double took = now_seconds() - t_step;
       if (decoding) {

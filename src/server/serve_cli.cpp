@@ -48,6 +48,18 @@ void serve_add_cli(CLI::App& app, ServeOptions& o) {
       ->check(CLI::Range(1, 1 << 20));
   app.add_option("--tpot-target-ms", o.engine.tpot_target_ms, kTpotTargetHelp)->check(CLI::Range(0.0, 1e9));
   app.add_option("-c,--ctx-size", o.engine.ctx, "context per request (default: the model's)");
+  app.add_option("--draft-max", o.engine.draft_max,
+                 "speculative decoding by prompt lookup: up to N tokens drafted per step for each decoding request from "
+                 "where its last tokens occurred before (its prompt, or what it generated), verified in the same step; "
+                 "each token is sampled as decoding samples it (not for constrained requests) (0: off)")
+      ->check(CLI::Range(0, 64))
+      ->capture_default_str();
+  app.add_option("--draft-ngram-min", o.engine.draft_ngram_min, "prompt lookup: the fewest last tokens that must match")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  app.add_option("--draft-ngram-max", o.engine.draft_ngram_max, "prompt lookup: the most last tokens matched (the longest match wins)")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
   app.add_option("--api-key", o.api_key,
                  "key clients must send (Authorization: Bearer KEY) on every route but /health and /metrics "
                  "(default: $KVQ_API_KEY; none: no key asked)");
@@ -95,6 +107,8 @@ static void on_signal(int) {
 
 int serve_command(ServeOptions o) {
   if (!o.kv_mem.empty() && o.engine.kv_tokens > 0) fail("give either --kv-mem or --kv-tokens, not both");
+  if (o.engine.draft_ngram_min > o.engine.draft_ngram_max)
+    fail("--draft-ngram-min {} exceeds --draft-ngram-max {}", o.engine.draft_ngram_min, o.engine.draft_ngram_max);
   if (!o.kv_mem.empty()) {
     try {
       o.engine.kv_mem = parse_bytes(o.kv_mem);

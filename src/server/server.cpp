@@ -1332,6 +1332,8 @@ std::string metrics_prometheus(const EngineMetrics& m) {
       m.requests_cancelled);
   one("kvq_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", m.prompt_tokens);
   one("kvq_generation_tokens_total", "counter", "Tokens generated.", m.generation_tokens);
+  one("kvq_spec_draft_tokens_total", "counter", "Tokens drafted by prompt lookup (--draft-max).", m.spec_draft_tokens);
+  one("kvq_spec_accepted_tokens_total", "counter", "Drafted tokens kept by verification.", m.spec_accepted_tokens);
   return s;
 }
 

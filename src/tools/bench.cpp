@@ -65,6 +65,11 @@ void bench_add_cli(CLI::App& app, BenchOptions& o) {
       ->capture_default_str();
   app.add_option("-t,--threads", o.threads, "threads (default: all hardware threads)")->check(CLI::Range(1, 1024));
   app.add_option("-c,--ctx-size", o.ctx, "context per request (default: the model's)");
+  app.add_option("--draft-max", o.draft_max,
+                 "speculative decoding by prompt lookup, as kvq serve --draft-max (0: off); the drafted and kept "
+                 "tokens are reported")
+      ->check(CLI::Range(0, 64))
+      ->capture_default_str();
   app.add_option("--max-batch", o.max_batch, "tokens per engine step (decode + prefill chunks)")
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
@@ -235,6 +240,7 @@ struct RunResult {
   double ttft_mean = 0, ttft_p99 = 0, tpot_mean = 0, tpot_p99 = 0, e2e_mean = 0, e2e_p50 = 0, e2e_p95 = 0, e2e_p99 = 0;
   double hit_rate = 0;
   uint64_t preemptions = 0;
+  uint64_t drafted = 0, kept = 0;  // --draft-max: tokens drafted, and kept by verification
   // --kv-offload-size: prompt tokens read back from the tier / prompt tokens looked up, and the
   // tier's traffic during the run.
   bool offload = false;
@@ -250,6 +256,7 @@ EngineOptions engine_options(const BenchOptions& o, const std::string& format, s
   eo.model_path = o.model;
   eo.threads = o.threads;
   eo.max_batch = o.max_batch;
+  eo.draft_max = o.draft_max;
   eo.max_running = o.max_running;
   eo.oldest_prefill_tokens = o.oldest_prefill_tokens;
   eo.prefill_attention_cost = o.prefill_attention_cost;
@@ -400,6 +407,8 @@ RunResult run_one(Engine& eng, const std::string& format, const BenchLoad& load,
   const uint64_t q = m1.prefix_query_tokens - m0.prefix_query_tokens;
   rr.hit_rate = q ? double(m1.prefix_hit_tokens - m0.prefix_hit_tokens) / double(q) : 0;
   rr.preemptions = m1.preemptions - m0.preemptions;
+  rr.drafted = m1.spec_draft_tokens - m0.spec_draft_tokens;
+  rr.kept = m1.spec_accepted_tokens - m0.spec_accepted_tokens;
   if (m1.offload) {
     rr.offload = true;
     rr.offload_hit_rate = q ? double(m1.offload_hit_tokens - m0.offload_hit_tokens) / double(q) : 0;
@@ -706,6 +715,10 @@ int bench_command(const BenchOptions& o) {
       for (const auto& [name, v] : latencies) e[name] = num_or_null(v);
       e["prefix_hit_rate"] = r.hit_rate;
       e["preemptions"] = r.preemptions;
+      if (o.draft_max > 0) {
+        e["draft_tokens"] = r.drafted;
+        e["draft_tokens_kept"] = r.kept;
+      }
       if (r.offload) {
         // Of the prompt tokens looked up, those read back from the tier (part of prefix_hit_rate).
         e["offload_hit_rate"] = r.offload_hit_rate;
@@ -762,6 +775,10 @@ int bench_command(const BenchOptions& o) {
                   fmt_time(r.tpot_p95).c_str(), r.hit_rate,
                   static_cast<unsigned long long>(r.preemptions), r.wall_s);
       if (r.errors) std::printf("  %d request(s) failed: %s\n", r.errors, r.first_error.c_str());
+      if (o.draft_max > 0)
+        std::printf("  speculative (--draft-max %d): %llu of %llu drafted tokens kept (%.1f%%)\n", o.draft_max,
+                    static_cast<unsigned long long>(r.kept), static_cast<unsigned long long>(r.drafted),
+                    r.drafted ? 100.0 * double(r.kept) / double(r.drafted) : 0.0);
     }
     header = false;
     for (const auto& r : runs) {

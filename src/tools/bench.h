@@ -41,6 +41,7 @@ struct BenchOptions {
   int threads = 0;
   int ctx = 0;
   int max_batch = 256;
+  int draft_max = 0;  // --draft-max: EngineOptions::draft_max (speculative decoding by prompt lookup)
   int oldest_prefill_tokens = -1;  // EngineOptions::oldest_prefill_tokens
   double prefill_attention_cost = 2.0;  // EngineOptions::prefill_attention_cost
   std::string tpot_target_ms = "0";      // --tpot-target-ms: comma-separated EngineOptions::tpot_target_ms, a run each

@@ -175,6 +175,27 @@ kill -TERM $pid
 wait $pid
 pid=
 
+# speculative decoding by prompt lookup: the same greedy text as without, drafts counted in /metrics
+"$kvq" serve -m "$model" --draft-max 65 >"$tmp/o" 2>"$tmp/e"; rc=$?
+check "--draft-max beyond 64 exits non-zero" "[[ $rc -ne 0 ]] && grep -q 'draft-max' $tmp/e"
+"$kvq" serve -m "$model" --draft-ngram-min 5 --draft-ngram-max 3 >"$tmp/o" 2>"$tmp/e"; rc=$?
+check "--draft-ngram-min above --draft-ngram-max exits 1" "[[ $rc -eq 1 ]] && grep -q 'exceeds' $tmp/e"
+for d in 0 6; do
+  "$kvq" serve -m "$model" --port 0 -t 1 -c 256 --draft-max $d 2>"$tmp/slog$d" &
+  pid=$!
+  port=$(wait_port "$tmp/slog$d")
+  url=http://127.0.0.1:$port
+  curl -s $url/v1/completions -d '{"prompt": "Lily and Ben. Lily and Ben. Lily and", "max_tokens": 60, "temperature": 0}' >"$tmp/spec$d.json"
+  curl -s $url/metrics >"$tmp/specm$d.txt"
+  kill -TERM $pid
+  wait $pid
+  pid=
+done
+check "--draft-max: the greedy text is the same as without" \
+  "python3 -c \"import json; a, b = (json.load(open('$tmp/spec%d.json' % d))['choices'][0]['text'] for d in (0, 6)); assert a == b and len(a) > 20, (a, b)\""
+check "--draft-max: /metrics counts drafted and kept tokens" \
+  "awk '/^kvq_spec_draft_tokens_total/ {d=\$2} /^kvq_spec_accepted_tokens_total/ {k=\$2} END {exit !(d > 0 && k > 0 && k <= d)}' $tmp/specm6.txt"
+
 # gpt-oss's chat format (harmony) given by --chat-template-file: the prompt in it, and a function
 # call in its own syntax, read back as tool_calls
 echo '{{ messages }}' >"$tmp/plain.jinja"
