@@ -124,6 +124,25 @@ class ServerTest : public ::testing::Test {
     }
   }
   // The SSE events of a streamed response, "[DONE]" excluded; *done set when it was seen last.
+  // A streamed chat reply's tool calls (each chunk's, in order) and its text (content and
+  // reasoning_content deltas), and its events.
+  struct StreamedReply {
+    json calls = json::array();
+    std::string text;
+    std::vector<json> events;
+  };
+  StreamedReply stream_reply(const json& body, bool* done) {
+    StreamedReply r;
+    r.events = stream("/v1/chat/completions", body, done);
+    for (const json& e : r.events) {
+      if (e["choices"].empty()) continue;
+      const json& d = e["choices"][0]["delta"];
+      if (d.contains("tool_calls")) r.calls.insert(r.calls.end(), d["tool_calls"].begin(), d["tool_calls"].end());
+      for (const char* k : {"content", "reasoning_content"})
+        if (d.contains(k) && d[k].is_string()) r.text += d[k].get<std::string>();
+    }
+    return r;
+  }
   std::vector<json> stream(const std::string& path, json body, bool* done) {
     body["stream"] = true;
     auto c = client();
@@ -745,15 +764,11 @@ TEST_F(ToolServerTest, ToolCalls) {
 
   // Streamed: the same call, whole in one chunk, then the finish.
   bool done = false;
-  std::vector<json> evs = stream("/v1/chat/completions", body, &done);
+  StreamedReply sr = stream_reply(body, &done);
   EXPECT_TRUE(done);
-  json streamed_calls = json::array();
-  std::string streamed_content;
-  for (const json& e : evs) {
-    const json& d = e["choices"][0]["delta"];
-    if (d.contains("tool_calls")) streamed_calls.insert(streamed_calls.end(), d["tool_calls"].begin(), d["tool_calls"].end());
-    if (d.contains("content") && d["content"].is_string()) streamed_content += d["content"].get<std::string>();
-  }
+  const json& streamed_calls = sr.calls;
+  const std::string& streamed_content = sr.text;
+  std::vector<json> evs = sr.events;
   EXPECT_EQ(streamed_content, "");
   ASSERT_EQ(streamed_calls.size(), 1u);
   EXPECT_EQ(streamed_calls[0]["index"], 0);
@@ -1019,16 +1034,11 @@ TEST_F(HarmonyServerTest, FunctionCallsInItsOwnSyntax) {
   const json first = ch["message"]["tool_calls"][0];
 
   bool done = false;
-  std::vector<json> evs = stream("/v1/chat/completions", body, &done);
+  const StreamedReply sr = stream_reply(body, &done);
   EXPECT_TRUE(done);
-  json streamed = json::array();
-  std::string text;
-  for (const json& e : evs) {
-    const json& d = e["choices"][0]["delta"];
-    if (d.contains("tool_calls")) streamed.insert(streamed.end(), d["tool_calls"].begin(), d["tool_calls"].end());
-    for (const char* k : {"content", "reasoning_content"})
-      if (d.contains(k) && d[k].is_string()) text += d[k].get<std::string>();
-  }
+  const json& streamed = sr.calls;
+  const std::string& text = sr.text;
+  const std::vector<json>& evs = sr.events;
   EXPECT_EQ(text, "");
   ASSERT_EQ(streamed.size(), 1u);
   EXPECT_EQ(streamed[0]["index"], 0);

@@ -687,7 +687,8 @@ TEST(HarmonyTools, ConversationRendersAsTheTemplate) {
      "tool_calls": [{"id": "call_1", "type": "function",
                      "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\",\"unit\":\"celsius\"}"}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 20}"}])j");
-  const std::string call_and_result = R"g(<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.
+  // (the system and developer messages, and the user's question: the same in both)
+  const std::string head = R"g(<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.
 Knowledge cutoff: 2024-06
 Current date: 2026-12-07
 
@@ -714,38 +715,12 @@ unit?: "celsius" | "fahrenheit", // default: celsius,
 // The current time
 type get_time = () => any;
 
-} // namespace functions<|end|><|start|>user<|message|>What is the weather in Paris?<|end|><|start|>assistant<|channel|>analysis<|message|>I need the weather.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris", "unit": "celsius"}<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"{\"temp\": 20}"<|end|><|start|>assistant)g";
+} // namespace functions<|end|><|start|>user<|message|>What is the weather in Paris?<|end|>)g";
+  const std::string call_and_result = head + R"g(<|start|>assistant<|channel|>analysis<|message|>I need the weather.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris", "unit": "celsius"}<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"{\"temp\": 20}"<|end|><|start|>assistant)g";
   EXPECT_EQ(chat_render(tpl, tool_chat_messages(msgs, "", tpl), ro), call_and_result);
   msgs.push_back({{"role", "assistant"}, {"content", "It is 20 degrees in Paris."}});
   msgs.push_back({{"role", "user"}, {"content", "And in London?"}});
-  const std::string then_final = R"g(<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.
-Knowledge cutoff: 2024-06
-Current date: 2026-12-07
-
-Reasoning: medium
-
-# Valid channels: analysis, commentary, final. Channel must be included for every message.
-Calls to these tools must go to the commentary channel: 'functions'.<|end|><|start|>developer<|message|># Instructions
-
-You are a helpful assistant.
-
-# Tools
-
-## functions
-
-namespace functions {
-
-// Weather for a city
-type get_weather = (_: {
-// The city's name
-city: string,
-unit?: "celsius" | "fahrenheit", // default: celsius,
-}) => any;
-
-// The current time
-type get_time = () => any;
-
-} // namespace functions<|end|><|start|>user<|message|>What is the weather in Paris?<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris", "unit": "celsius"}<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"{\"temp\": 20}"<|end|><|start|>assistant<|channel|>final<|message|>It is 20 degrees in Paris.<|end|><|start|>user<|message|>And in London?<|end|><|start|>assistant)g";
+  const std::string then_final = head + R"g(<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris", "unit": "celsius"}<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"{\"temp\": 20}"<|end|><|start|>assistant<|channel|>final<|message|>It is 20 degrees in Paris.<|end|><|start|>user<|message|>And in London?<|end|><|start|>assistant)g";
   EXPECT_EQ(chat_render(tpl, tool_chat_messages(msgs, "", tpl), ro), then_final);
 
   // A result without a tool_call_id is the last call's; one with no call before it is refused
