@@ -5,12 +5,15 @@
 
 #include <nlohmann/json.hpp>
 
+#include <atomic>
 #include <filesystem>
 #include <cmath>
 #include <future>
 #include <mutex>
 #include <random>
+#include <thread>
 
+#include "core/timer.h"
 #include "engine/engine.h"
 #include "model/chat.h"
 #include "test_models.h"
@@ -1222,6 +1225,72 @@ TEST_F(EngineTest, SpeculativeDecodingKeepsDecodingsOutput) {
   spec.wait_idle();
   expect_pool_clean(plain);
   expect_pool_clean(spec);
+
+  // A pool of 4 pages: drafts take only pages the pool has (no preemption, no early end for them):
+  // the sequence grows as far as without drafts
+  EngineOptions small_o = base_options(64);
+  small_o.draft_max = 8;
+  Engine small(small_o);
+  for (const char* text : {"Lily went to the park and", "Once upon a time"}) {
+    const std::vector<int32_t> pr = tok.encode(text, true);
+    const GenResult g = small.generate(pr, greedy(100));
+    EXPECT_EQ(g.finish_reason, "length");
+    EXPECT_EQ(int(pr.size() + g.tokens.size()), 64 + 1) << text;
+    EXPECT_EQ(small.metrics().preemptions, 0u);
+  }
+  // Drafts leave the prefills waiting their share of a step: with 4 tokens a step, a prompt
+  // submitted beside a decoding sequence whose drafts could fill every step has prompt tokens in
+  // every step until it is computed, and gets its first token while that sequence still decodes
+  EngineOptions tight = base_options(4096);
+  tight.max_batch = 4;
+  tight.draft_max = 8;
+  tight.autostart = false;  // (both requests in from the first step)
+  tight.prefill_attention_cost = 0;  // (units are tokens)
+  std::vector<std::pair<double, double>> steps;  // (decode, prompt) tokens of each step
+  tight.step_seconds = [&steps](double d, double p, double s) {
+    steps.emplace_back(d, p);
+    return s;
+  };
+  Engine busy(tight);
+  const std::vector<int32_t> repeat = tok.encode("Lily and Ben. Lily and Ben. Lily and Ben. Lily and", true);
+  std::promise<GenResult> long_done, short_done;
+  GenRequest a;
+  a.prompt = repeat;
+  a.params = greedy(200);
+  a.params.ignore_eos = true;
+  std::atomic<double> a_end{0}, c_end{0};
+  a.on_done = [&](const GenResult& g) {
+    a_end = now_seconds();
+    long_done.set_value(g);
+  };
+  busy.submit(std::move(a));
+  GenRequest c;
+  c.prompt = tok.encode("One day, a little girl named Sue saw a big red ball", true);
+  c.params = greedy(1);
+  c.on_done = [&](const GenResult& g) {
+    c_end = now_seconds();
+    short_done.set_value(g);
+  };
+  busy.submit(std::move(c));
+  busy.start();
+  const GenResult cg = short_done.get_future().get();
+  const GenResult ag = long_done.get_future().get();
+  EXPECT_EQ(cg.finish_reason, "length");
+  EXPECT_EQ(ag.tokens.size(), 200u);
+  EXPECT_GT(busy.metrics().spec_accepted_tokens, 0u);
+  EXPECT_LT(c_end.load(), a_end.load()) << "the prompt waited for the drafting sequence to end";
+  busy.wait_idle();
+  const double prompt_tokens = double(repeat.size() + tok.encode("One day, a little girl named Sue saw a big red ball", true).size());
+  double computed = 0;
+  bool drafted_beside = false;
+  for (const auto& [d, p] : steps) {
+    if (computed < prompt_tokens) {
+      EXPECT_GT(p, 0) << "a step of " << d << " decode tokens left the prompt waiting";
+      drafted_beside |= d > 1;
+    }
+    computed += p;
+  }
+  EXPECT_TRUE(drafted_beside);  // (drafts were made while the prompt waited)
 }
 
 // The same on a real model with the int8 and grouped (kivi4: drafts only in steps that pack no key

@@ -543,12 +543,13 @@ constexpr int kPromptLogprobsChunk = 64;      // prompt tokens per step of a pro
 
 static bool cut_at_stop(std::string& text, size_t from, const std::vector<std::string>& stops);
 
-bool Engine::take_token(Seq& s, int32_t next, const float* lg, int n_vocab) {
+bool Engine::take_token(Seq& s, int32_t next, const float* lg, int n_vocab, double tpot) {
   const double now = now_seconds();
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (s.res.tokens.empty() && s.t_last == 0) metrics_.ttft.observe(now - s.t_submit);
-    else metrics_.tpot.observe(now - s.t_last);
+    else if (std::isnan(tpot)) metrics_.tpot.observe(now - s.t_last);
+    else if (tpot >= 0) metrics_.tpot.observe(tpot);
   }
   if (s.res.ttft_s < 0) s.res.ttft_s = now - s.t_submit;
   else s.res.decode_s = now - s.t_submit - s.res.ttft_s;
@@ -611,15 +612,17 @@ void Engine::verify_drafts(Seq& s, int n, const float* rows, int n_vocab) {
   s.cache->publish_pages(*index_, s.tokens.data(), s.cache->n_tokens());
   s.tokens.resize(base);
   s.draft_len = kept == d ? std::min(opt_.draft_max, 2 * std::max(1, s.draft_len)) : kept + 1;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    metrics_.spec_draft_tokens += uint64_t(d);
-    metrics_.spec_accepted_tokens += uint64_t(kept);
-  }
   s.drafts.clear();
-  // (a token that ends the sequence ends it: the kept ones after it are the cache's only)
+  // The step's time per output token is shared by the tokens it gave (a sequence's first token is
+  // its TTFT; the others of that step are none's); a token that ends the sequence ends it, the
+  // kept ones after it being the cache's only.
+  const double tpot = s.t_last > 0 ? (now_seconds() - s.t_last) / double(taken.size()) : -1;
+  const size_t before = s.res.tokens.size();
   for (size_t i = 0; i < taken.size(); ++i)
-    if (!take_token(s, taken[i], rows + i * size_t(n_vocab), n_vocab)) break;
+    if (!take_token(s, taken[i], rows + i * size_t(n_vocab), n_vocab, tpot)) break;
+  std::lock_guard<std::mutex> lk(mu_);
+  metrics_.spec_draft_tokens += uint64_t(d);
+  metrics_.spec_accepted_tokens += uint64_t(std::min(kept, int(s.res.tokens.size() - before)));
 }
 
 const GrammarVocab& Engine::grammar_vocab() {
@@ -1024,11 +1027,48 @@ bool Engine::step() {
   };
   // With sequences decoding, the prefills' budget is counted in depth-0 tokens (prefill_cost).
   bool by_cost = false;
+  // EngineOptions::draft_max, after pass 0 gave each decode its token: drafts from what is left of
+  // the budget, past a floor kept for the prefills waiting (the oldest's sure share), and within the
+  // pages the pool has without preempting anyone (a draft may be thrown away); in the order the
+  // decodes were scheduled. A draft is within the tokens its sequence may still generate and the
+  // context, and makes a step that keeps any number of its tokens.
+  const auto add_drafts = [&]() {
+    bool prefills = false;
+    for (size_t i = 0; i < running_.size(); ++i) {
+      const Seq& s = *running_[i];
+      prefills |= !s.preempted && !s.done && !scheduled[i] && int(s.tokens.size()) - s.cache->n_tokens() > 1;
+    }
+    const int floor = prefills ? std::min(budget, oldest_prefill_tokens_) : 0;
+    for (Item& it : items) {
+      Seq& s = *it.s;
+      if (budget - floor <= 0) break;
+      if (s.grammar || s.req.params.json_object || !s.req.params.lazy_grammars.empty()) continue;
+      if (s.draft_len == 0) s.draft_len = opt_.draft_max;
+      const int room = std::min({s.draft_len, s.req.params.max_tokens - int(s.res.tokens.size()) - 1,
+                                 ctx_ - int(s.tokens.size()) - 1, budget - floor});
+      if (room <= 0) continue;
+      std::vector<int32_t> d = ngram_draft(s.tokens, opt_.draft_ngram_min, opt_.draft_ngram_max, room);
+      const size_t one = size_t(s.cache->pages_needed(1));
+      while (!d.empty() && (!s.cache->step_keeps_any(1 + int(d.size())) ||
+                            reserved - one + size_t(s.cache->pages_needed(1 + int(d.size()))) > pool_->n_available()))
+        d.pop_back();
+      if (d.empty()) continue;
+      const int k = int(d.size());
+      reserved += size_t(s.cache->pages_needed(1 + k)) - one;
+      budget -= k;
+      decode_units += units(s, 1 + k) - units(s, 1);
+      it.n = 1 + k;
+      it.spec = true;
+      s.tokens.insert(s.tokens.end(), d.begin(), d.end());  // the rows' input while the step runs
+      s.drafts = std::move(d);
+    }
+  };
   // Pass 0: decodes; pass 1: the prefills' shares; pass 2: what is left of the budget (freed by a
   // preemption in pass 1, or shares' units that bought no whole token) to the prefills not
   // scheduled yet, oldest first.
   for (int pass = 0; pass < 3; ++pass) {
     if (pass == 1) {
+      if (opt_.draft_max > 0) add_drafts();
       by_cost = !items.empty() && prefill_cost_.active();
       // --tpot-target-ms: the decoding sequences' next token is this step's end; the prompt units
       // it carries are what the expected step time leaves of the target (StepTimeFit: the fit, or
@@ -1074,17 +1114,7 @@ bool Engine::step() {
       if (pass == 1 && share[i] == 0) continue;
       if (pass >= 1 && defer_prefill(s, i)) continue;
       const bool all = scores_all(s);
-      // A decode's drafts (EngineOptions::draft_max): within the tokens it may still generate, the
-      // context, the step's budget, and a step that keeps any number of them
-      std::vector<int32_t> drafts;
-      if (pass == 0 && opt_.draft_max > 0 && !s.grammar && !s.req.params.json_object && s.req.params.lazy_grammars.empty()) {
-        if (s.draft_len == 0) s.draft_len = opt_.draft_max;
-        const int room = std::min({s.draft_len, s.req.params.max_tokens - int(s.res.tokens.size()) - 1,
-                                   ctx_ - int(s.tokens.size()) - 1, budget - 1});
-        if (room > 0) drafts = ngram_draft(s.tokens, opt_.draft_ngram_min, opt_.draft_ngram_max, room);
-        if (!drafts.empty() && !s.cache->step_keeps_any(1 + int(drafts.size()))) drafts.clear();
-      }
-      const int n = pass == 0   ? 1 + int(drafts.size())
+      const int n = pass == 0   ? 1
                     : pass == 1 ? share[i]
                     : by_cost   ? cost_of(s).tokens_for(s.cache->n_tokens(), budget, prefill_limit(s, pending))
                                 : std::min(prefill_limit(s, pending), budget);
@@ -1120,11 +1150,7 @@ bool Engine::step() {
       // A sequence that has sampled before waits on this step for its next token (a first token
       // of a prompt found whole in the cache is a decode row too, but no one's time per token).
       if (pass == 0 && s.t_last != 0) decoding = true;
-      items.push_back({&s, n, pass == 0 || n == pending, all, s.cache->n_tokens(), !drafts.empty()});
-      if (!drafts.empty()) {  // (in the sequence's tokens while the step runs: the rows' input)
-        s.tokens.insert(s.tokens.end(), drafts.begin(), drafts.end());
-        s.drafts = std::move(drafts);
-      }
+      items.push_back({&s, n, n == pending, all, s.cache->n_tokens()});
     }
   }
 

@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -381,7 +382,9 @@ class Engine {
   void trigger_lazy_grammar(Seq& s, int32_t token);
   // A sampled token taken into the sequence (end of generation, stop strings, grammar, log
   // probabilities from its row `lg`, text, max_tokens). false: the sequence finished.
-  bool take_token(Seq& s, int32_t next, const float* lg, int n_vocab);
+  // tpot: the time per output token to record (NaN: since the last token; < 0: none).
+  bool take_token(Seq& s, int32_t next, const float* lg, int n_vocab,
+                  double tpot = std::numeric_limits<double>::quiet_NaN());
   // EngineOptions::draft_max: the step's rows of a sequence that ran drafted tokens, verified;
   // the cache's step committed with what was kept, the tokens taken.
   void verify_drafts(Seq& s, int n, const float* rows, int n_vocab);
