@@ -1294,7 +1294,7 @@ TEST_F(EngineTest, SpeculativeDecodingKeepsDecodingsOutput) {
 }
 
 // The same on a real model with the int8 and grouped (kivi4: drafts only in steps that pack no key
-// group) KV formats: decoding's output, token for token, and drafts kept.
+// group) KV formats, free and under a JSON Schema: decoding's output, token for token, and drafts kept.
 TEST(EngineSpeculative, RealModelAndGroupedFormats) {
   const std::string path = kvq_test_model("SmolLM2-135M-Instruct.Q4_1.gguf");
   if (path.empty()) GTEST_SKIP() << "SmolLM2-135M-Instruct.Q4_1.gguf not installed (run scripts/get-models.sh)";
@@ -1310,6 +1310,17 @@ TEST(EngineSpeculative, RealModelAndGroupedFormats) {
     const GenResult a = plain.generate(prompt, greedy(96)), b = spec.generate(prompt, greedy(96));
     EXPECT_EQ(a.tokens, b.tokens) << a.text << "\n---\n" << b.text;
     EXPECT_GT(spec.metrics().spec_accepted_tokens, 0u);
+    // constrained: each row masked by the grammar's state after the drafts kept before it
+    const uint64_t kept_before = spec.metrics().spec_accepted_tokens;
+    GenParams js = greedy(120);
+    js.grammar = Grammar::from_schema_text(
+        R"({"type": "object", "properties": {"fruits": {"type": "array", "items": {"enum": ["apple", "pear", "plum", "fig"]}}},
+            "required": ["fruits"]})");
+    const std::vector<int32_t> jp = chat_prompt(plain, "Write the list apple, pear, plum, fig three times as a JSON object.");
+    const GenResult ja = plain.generate(jp, js), jb = spec.generate(jp, js);
+    EXPECT_EQ(ja.tokens, jb.tokens) << ja.text << "\n---\n" << jb.text;
+    EXPECT_EQ(ja.finish_reason, jb.finish_reason);
+    EXPECT_GT(spec.metrics().spec_accepted_tokens, kept_before) << jb.text;
     spec.wait_idle();
     expect_pool_clean(spec);
   }

@@ -599,15 +599,26 @@ void Engine::verify_drafts(Seq& s, int n, const float* rows, int n_vocab) {
   const size_t base = s.tokens.size() - size_t(d);  // through the step's first token
   s.tokens.resize(base);
   // Row i samples as decoding would after the drafts kept before it (the sampler's history
-  // holding them); a draft is kept while the sample equals it.
-  std::vector<int32_t> taken;
+  // holding them; a constrained request's row masked by its grammar's state after them); a draft
+  // is kept while the sample equals it.
+  std::vector<int32_t> taken;  // the drafts kept, then the row's own sample (unless the text ended)
+  int kept = 0;
+  std::unique_ptr<GrammarState> state = s.grammar ? std::make_unique<GrammarState>(*s.grammar) : nullptr;
   for (int i = 0;; ++i) {
-    const int32_t x = s.sampler->sample(rows + size_t(i) * size_t(n_vocab), n_vocab, s.tokens, size_t(s.n_prompt));
+    const float* row = rows + size_t(i) * size_t(n_vocab);
+    if (state) {
+      s.masked.assign(row, row + n_vocab);
+      grammar_mask(*state, grammar_vocab(), s.req.params.stop_token_ids, s.masked.data(), n_vocab);
+      row = s.masked.data();
+    }
+    const int32_t x = s.sampler->sample(row, n_vocab, s.tokens, size_t(s.n_prompt));
     taken.push_back(x);
     if (i == d || x != s.drafts[size_t(i)]) break;
     s.tokens.push_back(x);
+    ++kept;
+    // (a token that completes the document, or that the grammar refuses, ends what decoding runs)
+    if (state && (tok_.is_eog(x) || !state->feed(grammar_vocab().bytes(x)) || state->done())) break;
   }
-  const int kept = int(taken.size()) - 1;
   s.cache->commit(n, 1 + kept);
   s.cache->publish_pages(*index_, s.tokens.data(), s.cache->n_tokens());
   s.tokens.resize(base);
@@ -1042,7 +1053,7 @@ bool Engine::step() {
     for (Item& it : items) {
       Seq& s = *it.s;
       if (budget - floor <= 0) break;
-      if (s.grammar || s.req.params.json_object || !s.req.params.lazy_grammars.empty()) continue;
+      if (!s.req.params.lazy_grammars.empty()) continue;  // (a trigger inside the drafts: not followed)
       if (s.draft_len == 0) s.draft_len = opt_.draft_max;
       const int room = std::min({s.draft_len, s.req.params.max_tokens - int(s.res.tokens.size()) - 1,
                                  ctx_ - int(s.tokens.size()) - 1, budget - floor});

@@ -104,7 +104,8 @@ struct EngineOptions {
   // each; row i is sampled as decoding would sample it, the drafts are kept while the samples
   // equal them, and the first sample that differs is the next token. A sequence's draft length
   // starts at draft_max, is halved back to what was kept plus one after a miss and doubles while
-  // all are kept. Not for a constrained request (a grammar, JSON mode, a lazy grammar), nor for a
+  // all are kept; a constrained request's rows are masked by its grammar's state after the drafts
+  // kept before them, as decoding masks them. Not for a request with lazy grammars, nor for a
   // step that would pack a group of a grouped KV format (kivi*, kvquant*). 0: off.
   int draft_max = 0;
   int draft_ngram_min = 2;

@@ -51,7 +51,7 @@ void serve_add_cli(CLI::App& app, ServeOptions& o) {
   app.add_option("--draft-max", o.engine.draft_max,
                  "speculative decoding by prompt lookup: up to N tokens drafted per step for each decoding request from "
                  "where its last tokens occurred before (its prompt, or what it generated), verified in the same step; "
-                 "each token is sampled as decoding samples it (not for constrained requests) (0: off)")
+                 "each token is sampled (and masked by a request's grammar) as decoding samples it (0: off)")
       ->check(CLI::Range(0, 64))
       ->capture_default_str();
   app.add_option("--draft-ngram-min", o.engine.draft_ngram_min, "prompt lookup: the fewest last tokens that must match")
