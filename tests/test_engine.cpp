@@ -1293,6 +1293,40 @@ TEST_F(EngineTest, SpeculativeDecodingKeepsDecodingsOutput) {
   EXPECT_TRUE(drafted_beside);  // (drafts were made while the prompt waited)
 }
 
+// Drafts under lazy grammars: rows after the kept draft that completes a trigger are masked by
+// its grammar, as decoding masks them; the output is decoding's (batch invariance).
+TEST_F(EngineTest, SpeculativeDecodingUnderLazyGrammars) {
+  BatchInvariantOn inv;
+  EngineOptions plain_o = base_options(4096), spec_o = base_options(4096);
+  spec_o.draft_max = 8;
+  Engine plain(plain_o), spec(spec_o);
+  const Tokenizer& tok = plain.tokenizer();
+  const std::vector<int32_t> prompt = tok.encode("They have a big box. They have a big box. They have a", true);
+  const GenResult free = plain.generate(prompt, greedy(60));
+  std::string text;
+  for (int32_t t : free.tokens) text += tok.token_piece(t);
+  ASSERT_GT(text.size(), 40u);
+  // triggers that end where a token does, at their first occurrence (a trigger ending inside a
+  // token leaves the rest of that token to the grammar)
+  int fired = 0;
+  size_t end = 0;
+  for (size_t k = 0; k < free.tokens.size(); ++k) {
+    end += tok.token_piece(free.tokens[k]).size();
+    if (k < 1 || k > 12 || end < 4 || text.find(text.substr(end - 4, 4)) != end - 4) continue;
+    SCOPED_TRACE(k);
+    GenParams p = greedy(60);
+    p.lazy_grammars = {{text.substr(end - 4, 4), Grammar::from_choices({" Q Q Q."})}};
+    const GenResult a = plain.generate(prompt, p), b = spec.generate(prompt, p);
+    EXPECT_EQ(a.tokens, b.tokens) << a.text << "\n---\n" << b.text;
+    EXPECT_EQ(a.finish_reason, b.finish_reason);
+    fired += b.text.ends_with(" Q Q Q.");
+  }
+  EXPECT_GE(fired, 2);
+  EXPECT_GT(spec.metrics().spec_accepted_tokens, 0u);
+  spec.wait_idle();
+  expect_pool_clean(spec);
+}
+
 // The same on a real model with the int8 and grouped (kivi4: drafts only in steps that pack no key
 // group) KV formats, free and under a JSON Schema: decoding's output, token for token, and drafts kept.
 TEST(EngineSpeculative, RealModelAndGroupedFormats) {

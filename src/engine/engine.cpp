@@ -542,6 +542,8 @@ constexpr int kPromptLogprobsChunk = 64;      // prompt tokens per step of a pro
 }  // namespace
 
 static bool cut_at_stop(std::string& text, size_t from, const std::vector<std::string>& stops);
+static std::unique_ptr<GrammarState> lazy_grammar_step(const std::vector<GenParams::LazyGrammar>& lazy, std::string& text,
+                                                       bool& settled, std::string_view bytes);
 
 bool Engine::take_token(Seq& s, int32_t next, const float* lg, int n_vocab, double tpot) {
   const double now = now_seconds();
@@ -599,11 +601,15 @@ void Engine::verify_drafts(Seq& s, int n, const float* rows, int n_vocab) {
   const size_t base = s.tokens.size() - size_t(d);  // through the step's first token
   s.tokens.resize(base);
   // Row i samples as decoding would after the drafts kept before it (the sampler's history
-  // holding them; a constrained request's row masked by its grammar's state after them); a draft
-  // is kept while the sample equals it.
+  // holding them; a constrained request's row masked by its grammar's state after them, a lazy
+  // grammar's from the kept draft that completes its trigger on); a draft is kept while the sample
+  // equals it.
   std::vector<int32_t> taken;  // the drafts kept, then the row's own sample (unless the text ended)
   int kept = 0;
   std::unique_ptr<GrammarState> state = s.grammar ? std::make_unique<GrammarState>(*s.grammar) : nullptr;
+  const bool lazy = !s.grammar && !s.lazy_settled && !s.req.params.lazy_grammars.empty();
+  std::string lazy_text = lazy ? s.lazy_text : std::string();
+  bool settled = !lazy;
   for (int i = 0;; ++i) {
     const float* row = rows + size_t(i) * size_t(n_vocab);
     if (state) {
@@ -617,7 +623,12 @@ void Engine::verify_drafts(Seq& s, int n, const float* rows, int n_vocab) {
     s.tokens.push_back(x);
     ++kept;
     // (a token that completes the document, or that the grammar refuses, ends what decoding runs)
-    if (state && (tok_.is_eog(x) || !state->feed(grammar_vocab().bytes(x)) || state->done())) break;
+    if (state) {
+      if (tok_.is_eog(x) || !state->feed(grammar_vocab().bytes(x)) || state->done()) break;
+    } else if (!settled) {
+      state = lazy_grammar_step(s.req.params.lazy_grammars, lazy_text, settled, grammar_vocab().bytes(x));
+      if (state && state->done()) break;
+    }
   }
   s.cache->commit(n, 1 + kept);
   s.cache->publish_pages(*index_, s.tokens.data(), s.cache->n_tokens());
@@ -642,15 +653,19 @@ const GrammarVocab& Engine::grammar_vocab() {
   return *grammar_vocab_;
 }
 
-void Engine::trigger_lazy_grammar(Seq& s, int32_t token) {
-  const size_t before = s.lazy_text.size();
-  s.lazy_text += grammar_vocab().bytes(token);
+// GenParams::lazy_grammars after `bytes` more of the reply: `text` is the undecided end of the
+// reply, `settled` set once a trigger was seen. Returns the triggered grammar's state, the bytes
+// after the trigger read (null: none triggered, or its grammar refused them: the reply stays free).
+static std::unique_ptr<GrammarState> lazy_grammar_step(const std::vector<GenParams::LazyGrammar>& lazy, std::string& text,
+                                                       bool& settled, std::string_view bytes) {
+  const size_t before = text.size();
+  text += bytes;
   size_t at = std::string::npos;
   const GenParams::LazyGrammar* hit = nullptr;
-  for (const GenParams::LazyGrammar& l : s.req.params.lazy_grammars) {
-    // an occurrence ending in this token's bytes (earlier ones were looked for before)
+  for (const GenParams::LazyGrammar& l : lazy) {
+    // an occurrence ending in these bytes (earlier ones were looked for before)
     const size_t from = before >= l.trigger.size() ? before - l.trigger.size() + 1 : 0;
-    const size_t p = s.lazy_text.find(l.trigger, from);
+    const size_t p = text.find(l.trigger, from);
     if (p < at) {
       at = p;
       hit = &l;
@@ -659,15 +674,20 @@ void Engine::trigger_lazy_grammar(Seq& s, int32_t token) {
   if (!hit) {
     // only a trigger's start can be left undecided: keep the bytes the longest one may start in
     size_t longest = 0;
-    for (const GenParams::LazyGrammar& l : s.req.params.lazy_grammars) longest = std::max(longest, l.trigger.size());
-    if (s.lazy_text.size() >= longest) s.lazy_text.erase(0, s.lazy_text.size() - (longest - 1));
-    return;
+    for (const GenParams::LazyGrammar& l : lazy) longest = std::max(longest, l.trigger.size());
+    if (text.size() >= longest) text.erase(0, text.size() - (longest - 1));
+    return nullptr;
   }
-  s.grammar = std::make_unique<GrammarState>(hit->grammar);
-  if (!s.grammar->feed(std::string_view(s.lazy_text).substr(at + hit->trigger.size()))) s.grammar.reset();
-  s.lazy_settled = true;
-  s.lazy_text.clear();
-  s.lazy_text.shrink_to_fit();
+  auto g = std::make_unique<GrammarState>(hit->grammar);
+  if (!g->feed(std::string_view(text).substr(at + hit->trigger.size()))) g.reset();
+  settled = true;
+  text.clear();
+  text.shrink_to_fit();
+  return g;
+}
+
+void Engine::trigger_lazy_grammar(Seq& s, int32_t token) {
+  s.grammar = lazy_grammar_step(s.req.params.lazy_grammars, s.lazy_text, s.lazy_settled, grammar_vocab().bytes(token));
 }
 
 uint64_t Engine::submit(GenRequest r) {
@@ -1053,7 +1073,6 @@ bool Engine::step() {
     for (Item& it : items) {
       Seq& s = *it.s;
       if (budget - floor <= 0) break;
-      if (!s.req.params.lazy_grammars.empty()) continue;  // (a trigger inside the drafts: not followed)
       if (s.draft_len == 0) s.draft_len = opt_.draft_max;
       const int room = std::min({s.draft_len, s.req.params.max_tokens - int(s.res.tokens.size()) - 1,
                                  ctx_ - int(s.tokens.size()) - 1, budget - floor});

@@ -105,7 +105,8 @@ struct EngineOptions {
   // equal them, and the first sample that differs is the next token. A sequence's draft length
   // starts at draft_max, is halved back to what was kept plus one after a miss and doubles while
   // all are kept; a constrained request's rows are masked by its grammar's state after the drafts
-  // kept before them, as decoding masks them. Not for a request with lazy grammars, nor for a
+  // kept before them, as decoding masks them (a lazy grammar's from the kept draft that completes
+  // its trigger on). Not for a
   // step that would pack a group of a grouped KV format (kivi*, kvquant*). 0: off.
   int draft_max = 0;
   int draft_ngram_min = 2;
