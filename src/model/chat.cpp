@@ -173,8 +173,12 @@ namespace {
 std::string json_text(const std::string& s) {
   return nlohmann::json(s).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
-// A value as json.dumps writes it: ", " between items, ": " after keys
-void python_json(const nlohmann::ordered_json& v, std::string& out) {
+// A call's arguments (JSON text) as the template's tojson writes them; text that is not JSON as it is
+std::string python_json_text(const std::string& text) {
+  const nlohmann::ordered_json v = nlohmann::ordered_json::parse(text, nullptr, false);
+  return v.is_discarded() ? text : json_dumps(v);
+}
+void json_dumps_to(const nlohmann::ordered_json& v, std::string& out) {
   if (v.is_object()) {
     out += '{';
     bool first = true;
@@ -182,29 +186,27 @@ void python_json(const nlohmann::ordered_json& v, std::string& out) {
       out += first ? "" : ", ";
       first = false;
       out += json_text(k) + ": ";
-      python_json(x, out);
+      json_dumps_to(x, out);
     }
     out += '}';
   } else if (v.is_array()) {
     out += '[';
     for (size_t k = 0; k < v.size(); ++k) {
       if (k) out += ", ";
-      python_json(v[k], out);
+      json_dumps_to(v[k], out);
     }
     out += ']';
   } else {
     out += v.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   }
 }
-// A call's arguments (JSON text) as the template's tojson writes them; text that is not JSON as it is
-std::string python_json_text(const std::string& text) {
-  const nlohmann::ordered_json v = nlohmann::ordered_json::parse(text, nullptr, false);
-  if (v.is_discarded()) return text;
+}  // namespace
+
+std::string json_dumps(const nlohmann::ordered_json& v) {
   std::string out;
-  python_json(v, out);
+  json_dumps_to(v, out);
   return out;
 }
-}  // namespace
 
 std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& msgs, const ChatRenderOptions& opt) {
   std::string out;

@@ -2,6 +2,7 @@
 // tokenizer.chat_template: ChatML (SmolLM2-Instruct and other ChatML models), Gemma's turn format,
 // Llama 3's headers, Phi-3's role tags and Mistral's [INST] turns.
 #pragma once
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -60,6 +61,10 @@ struct ChatTemplate {
   std::string reasoning_effort;
   bool known() const { return family != ChatFamily::none; }
 };
+
+// A JSON value as Python's json.dumps(ensure_ascii=False) writes it (the Jinja templates' tojson):
+// ", " between items, ": " after keys.
+std::string json_dumps(const nlohmann::ordered_json& v);
 
 // Detects the template family; family none when the model has no template kvq knows. `text`: a
 // template to read instead of the file's (--chat-template-file), with the file's vocabulary.

@@ -52,43 +52,9 @@ bool truthy(const ojson* v) {
 
 bool is(const ojson* v, const char* s) { return v != nullptr && v->is_string() && v->get_ref<const std::string&>() == s; }
 
-// json.dumps(v, ensure_ascii=False): ", " between items, ": " after keys.
-void to_json_text(const ojson& v, std::string& out) {
-  auto scalar = [&](const ojson& s) { out += s.dump(-1, ' ', false, ojson::error_handler_t::replace); };
-  if (v.is_array()) {
-    out += '[';
-    bool first = true;
-    for (const auto& e : v) {
-      if (!first) out += ", ";
-      first = false;
-      to_json_text(e, out);
-    }
-    out += ']';
-  } else if (v.is_object()) {
-    out += '{';
-    bool first = true;
-    for (auto it = v.begin(); it != v.end(); ++it) {
-      if (!first) out += ", ";
-      first = false;
-      scalar(ojson(it.key()));
-      out += ": ";
-      to_json_text(it.value(), out);
-    }
-    out += '}';
-  } else {
-    scalar(v);
-  }
-}
-
-std::string to_json_text(const ojson& v) {
-  std::string out;
-  to_json_text(v, out);
-  return out;
-}
-
-// What the template writes for a value it prints or concatenates: a string as it is, else (see
-// above) its JSON text.
-std::string text(const ojson& v) { return v.is_string() ? v.get<std::string>() : to_json_text(v); }
+// What the template writes for a value it prints or concatenates: a string as it is, else its
+// JSON text (json_dumps).
+std::string text(const ojson& v) { return v.is_string() ? v.get<std::string>() : json_dumps(v); }
 
 // Python's `name in (required or [])`.
 bool listed(const ojson* required, const std::string& name) {
@@ -163,7 +129,7 @@ std::string typescript_type(const ojson& spec) {
       const ojson& v = *variants[i];
       out += typescript_type(v);
       if (const ojson* d = field(v, "description"); truthy(d)) out += "// " + text(*d);
-      if (const ojson* d = field(v, "default")) out += std::string(20, ' ') + "// default: " + to_json_text(*d);
+      if (const ojson* d = field(v, "default")) out += std::string(20, ' ') + "// default: " + json_dumps(*d);
       if (i + 1 < variants.size()) out += " | \n";
     }
     return out;
@@ -171,7 +137,7 @@ std::string typescript_type(const ojson& spec) {
 
   if (is(type, "string")) {
     if (const ojson* e = field(spec, "enum"); truthy(e))
-      return '"' + (e->is_array() ? join(*e, "\" | \"") : to_json_text(*e)) + '"';
+      return '"' + (e->is_array() ? join(*e, "\" | \"") : json_dumps(*e)) + '"';
     return truthy(field(spec, "nullable")) ? "string | null" : "string";
   }
   if (is(type, "number") || is(type, "integer")) return "number";
@@ -224,7 +190,7 @@ std::string harmony_functions_namespace(const std::vector<ToolFunction>& fns) {
         else if (truthy(field(spec, "oneOf")))
           out += "// default: " + text(*d);
         else
-          out += ", // default: " + to_json_text(*d);
+          out += ", // default: " + json_dumps(*d);
       }
       out += ",\n";
     }

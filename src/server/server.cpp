@@ -483,14 +483,14 @@ Server::Impl::ChatTools Server::Impl::chat_tools(const json& body, std::string_v
     throw ApiError{e.what(), e.param};
   }
   if (!t.spec.active()) return t;
+  if (ar && !ar->constraint.empty() && ar->constraint != "response_format")
+    throw ApiError{fmt::format("'{}' cannot be combined with 'tools': the reply's form is the tools' (tool_choice "
+                               "\"none\" turns them off; response_format gives the response's form)",
+                               ar->constraint),
+                   ar->constraint};
   if (tpl.family == ChatFamily::harmony) return harmony_chat_tools(std::move(t), ar);
   nlohmann::ordered_json response = nullptr;  // the response's schema (null: a string)
   if (ar && !ar->constraint.empty()) {
-    if (ar->constraint != "response_format")
-      throw ApiError{fmt::format("'{}' cannot be combined with 'tools': the reply's form is the tools' (tool_choice "
-                                 "\"none\" turns them off; response_format gives the response's form)",
-                                 ar->constraint),
-                     ar->constraint};
     if (ar->params.json_object) {
       response = nlohmann::ordered_json::object();
       response["type"] = "object";
@@ -527,11 +527,6 @@ Server::Impl::ChatTools Server::Impl::chat_tools(const json& body, std::string_v
 // reply's first byte (a named function's name is all its grammar allows). One call per reply (the
 // format's: a call ends the reply), so parallel_tool_calls changes nothing.
 Server::Impl::ChatTools Server::Impl::harmony_chat_tools(ChatTools t, ApiRequest* ar) const {
-  if (ar && !ar->constraint.empty() && ar->constraint != "response_format")
-    throw ApiError{fmt::format("'{}' cannot be combined with 'tools': the reply's form is the tools' (tool_choice "
-                               "\"none\" turns them off; response_format gives the answer's form)",
-                               ar->constraint),
-                   ar->constraint};
   GenParams none;  // (for /tokenize: the grammars are still compiled, so that the same tools are refused)
   try {
     t.open_reply = harmony_tool_constraint(t.spec, ar ? ar->params : none);
