@@ -101,6 +101,8 @@ inline bool validate_type(const ojson& root, const ojson& s, const std::string& 
   const ojson props = s.value("properties", ojson::object());
   size_t last = 0;
   for (auto it = v.begin(); it != v.end(); ++it) {
+    if (s.contains("propertyNames") && !validate(root, s["propertyNames"], ojson(it.key()))) return false;
+    bool matched = false;  // by properties or patternProperties
     if (props.contains(it.key())) {
       size_t idx = 0;
       for (auto p = props.begin(); p != props.end(); ++p, ++idx)
@@ -108,9 +110,18 @@ inline bool validate_type(const ojson& root, const ojson& s, const std::string& 
       if (idx < last) return false;  // out of the schema's order
       last = idx;
       if (!validate(root, props[it.key()], it.value())) return false;
-    } else {
-      const ojson ap = s.contains("additionalProperties") ? s["additionalProperties"]
-                       : s.contains("properties") ? ojson(false) : ojson(true);
+      matched = true;
+    }
+    const ojson patterns = s.value("patternProperties", ojson::object());
+    for (const auto& [pattern, sub] : patterns.items())
+      if (std::regex_search(it.key(), std::regex(pattern))) {
+        if (!validate(root, sub, it.value())) return false;
+        matched = true;
+      }
+    if (!matched) {
+      const ojson ap = s.contains("additionalProperties")                              ? s["additionalProperties"]
+                       : s.contains("properties") || s.contains("patternProperties") ? ojson(false)
+                                                                                     : ojson(true);
       if (ap.is_boolean() ? !ap.get<bool>() : !validate(root, ap, it.value())) return false;
     }
   }
@@ -143,7 +154,8 @@ inline bool validate(const ojson& root, const ojson& s, const ojson& v) {
     if (s["type"].is_string()) types.push_back(s["type"].get<std::string>());
     else
       for (const ojson& t : s["type"]) types.push_back(t.get<std::string>());
-  } else if (s.contains("properties") || s.contains("required") || s.contains("additionalProperties")) {
+  } else if (s.contains("properties") || s.contains("required") || s.contains("additionalProperties") ||
+             s.contains("patternProperties") || s.contains("propertyNames")) {
     types = {"object"};
   } else if (s.contains("items") || s.contains("prefixItems") || s.contains("minItems") || s.contains("maxItems")) {
     types = {"array"};

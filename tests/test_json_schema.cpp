@@ -98,6 +98,16 @@ const std::vector<std::string>& schemas() {
       R"({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 3},
           "c": {"type": "boolean"}, "d": {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1,
           "maxProperties": 2}}, "minProperties": 2, "maxProperties": 3})",
+      R"({"type": "object", "patternProperties": {"^x_[a-z]+$": {"type": "integer"}, "^y": {"type": "boolean"}},
+          "additionalProperties": false})",
+      R"({"properties": {"name": {"type": "string"}}, "patternProperties": {"^n[0-9]$": {"type": "integer"},
+          "^[a-z][0-9]": {"type": "null"}, "q\"": {"const": 1}}, "additionalProperties": {"type": "boolean"}})",
+      R"({"type": "object", "properties": {"ab": {"type": "string"}, "Bad": {"type": "string"}},
+          "propertyNames": {"pattern": "^[a-z]{1,3}$"}, "additionalProperties": {"type": "integer"}})",
+      R"({"$defs": {"Color": {"enum": ["red", "green", "blue"], "type": "string"}}, "type": "object",
+          "additionalProperties": {"type": "integer"}, "propertyNames": {"$ref": "#/$defs/Color"}})",
+      R"({"type": "object", "propertyNames": {"maxLength": 2, "minLength": 1}})",
+      R"({"type": "object", "patternProperties": {"^k": {"type": "integer"}}, "minProperties": 2, "maxProperties": 3})",
   };
   return s;
 }
@@ -261,6 +271,78 @@ TEST(JsonSchema, UniqueItemsOverFiniteValues) {
 
 // minProperties / maxProperties: every object over the listed properties (in order) and extra
 // ones, accepted exactly when its count is within the bounds and its required properties are there.
+// patternProperties and propertyNames: a name takes the schema of the patterns it matches, or
+// additionalProperties' when it matches none; a name two patterns of different schemas match is
+// not written; propertyNames rules every name (the listed ones too); finitely many names (an enum)
+// are optional properties, each written once, in the enum's order.
+TEST(JsonSchema, PatternPropertiesAndPropertyNames) {
+  const auto pp = compile(R"({"type": "object", "patternProperties": {"^x_[a-z]+$": {"type": "integer"},
+      "^y": {"type": "boolean"}}})");
+  EXPECT_TRUE(accepts(pp, R"({"x_ab": 1, "yes": true, "y": false})"));
+  EXPECT_TRUE(accepts(pp, R"({})"));
+  EXPECT_FALSE(accepts(pp, R"({"x_ab": true})"));
+  EXPECT_FALSE(accepts(pp, R"({"x_1": 1})"));
+  EXPECT_FALSE(accepts(pp, R"({"z": 1})"));  // additionalProperties absent: none (kvq's reading)
+  EXPECT_FALSE(accepts(pp, R"({"y": 1})"));
+  const auto mixed = compile(R"({"properties": {"name": {"type": "string"}}, "patternProperties": {"^n[0-9]$": {"type":
+      "integer"}, "^.[0-9]": {"type": "null"}}, "additionalProperties": {"type": "boolean"}, "required": ["name"]})");
+  EXPECT_TRUE(accepts(mixed, R"({"name": "a", "m5": null, "zz": true, "n": false})"));
+  EXPECT_FALSE(accepts(mixed, R"({"name": "a", "n5": 3})"));     // both patterns: not written
+  EXPECT_FALSE(accepts(mixed, R"({"name": "a", "n5": null})"));
+  EXPECT_FALSE(accepts(mixed, R"({"name": "a", "m5": true})"));  // matches a pattern: not additionalProperties'
+  EXPECT_FALSE(accepts(mixed, R"({"name": "a", "zz": null})"));
+  EXPECT_FALSE(accepts(mixed, R"({"name": "a", "name": true})"));  // a listed name is not an extra one
+  EXPECT_FALSE(accepts(mixed, R"({"name": "a", "name": true})"));  // one encoding per character
+  const auto same = compile(R"({"type": "object", "patternProperties": {"^a": {"type": "integer"}, "b$": {"type": "integer"}}})");
+  EXPECT_TRUE(accepts(same, R"({"ab": 1, "a": 2, "b": 3})"));  // patterns of one schema may overlap
+
+  const auto names = compile(R"({"type": "object", "properties": {"ab": {"type": "string"}, "Bad": {"type": "string"}},
+      "propertyNames": {"pattern": "^[a-z]{1,3}$"}, "additionalProperties": {"type": "integer"}})");
+  EXPECT_TRUE(accepts(names, R"({"ab": "x", "c": 1, "xyz": 2})"));
+  EXPECT_FALSE(accepts(names, R"({"Bad": "x"})"));  // an optional property propertyNames rules out
+  EXPECT_FALSE(accepts(names, R"({"abcd": 1})"));
+  EXPECT_FALSE(accepts(names, R"({"C": 1})"));
+  EXPECT_FALSE(accepts(names, R"({"ab": 1})"));
+  const auto len = compile(R"({"type": "object", "propertyNames": {"maxLength": 2, "minLength": 1}})");
+  EXPECT_TRUE(accepts(len, R"({"é": [1], "ab": {"x": null}})"));
+  EXPECT_FALSE(accepts(len, R"({"": 1})"));
+  EXPECT_FALSE(accepts(len, R"({"abc": 1})"));
+
+  const auto keyed = compile(R"({"$defs": {"Color": {"enum": ["red", "green", "blue", 7], "type": "string"}},
+      "type": "object", "additionalProperties": {"type": "integer"}, "propertyNames": {"$ref": "#/$defs/Color"}})");
+  EXPECT_TRUE(accepts(keyed, R"({"red": 1, "blue": 2})"));
+  EXPECT_TRUE(accepts(keyed, R"({})"));
+  EXPECT_FALSE(accepts(keyed, R"({"red": 1, "red": 2})"));  // each name once
+  EXPECT_FALSE(accepts(keyed, R"({"blue": 1, "red": 2})"));  // in the enum's order
+  EXPECT_FALSE(accepts(keyed, R"({"pink": 1})"));
+  EXPECT_FALSE(accepts(keyed, R"({"red": "x"})"));
+  const auto keyed_pp = compile(R"({"type": "object", "propertyNames": {"enum": ["a1", "b", "c2"]},
+      "patternProperties": {"[0-9]$": {"type": "null"}}})");
+  EXPECT_TRUE(accepts(keyed_pp, R"({"a1": null, "c2": null})"));
+  EXPECT_FALSE(accepts(keyed_pp, R"({"b": null})"));  // no pattern, no additionalProperties
+  const auto none = compile(R"({"type": "object", "properties": {"a": {}}, "propertyNames": false})");
+  EXPECT_TRUE(accepts(none, "{}"));
+  EXPECT_FALSE(accepts(none, R"({"a": 1})"));
+
+  EXPECT_NE(compile_error(R"({"properties": {"Ab": {}}, "required": ["Ab"], "propertyNames": {"pattern": "^[a-z]+$"}})")
+                .find("required property 'Ab' is not allowed by 'propertyNames'"),
+            std::string::npos);
+  EXPECT_NE(compile_error(R"({"properties": {"ab": {"type": "string"}}, "patternProperties": {"^a": {"type": "integer"}}})")
+                .find("property 'ab' is in 'properties' and matches 'patternProperties' '^a'"),
+            std::string::npos);
+  EXPECT_EQ(compile_error(R"({"properties": {"ab": {"type": "string"}}, "patternProperties": {"^a": {"description": "x"}}})"), "");
+  EXPECT_NE(compile_error(R"({"type": "object", "propertyNames": {"type": "string", "not": {"const": "x"}}})")
+                .find("#/propertyNames': 'not' in 'propertyNames' is not supported"),
+            std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "object", "propertyNames": {"format": "uuid"}})").find("give a 'pattern'"), std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "object", "propertyNames": {"type": "integer"}})").find("its type is not string"),
+            std::string::npos);
+  EXPECT_NE(compile_error(R"j({"type": "object", "patternProperties": {"(?=x)": {}}})j").find("#/patternProperties/(?=x)': pattern"),
+            std::string::npos);
+  EXPECT_NE(compile_error(R"({"type": "object", "patternProperties": []})").find("'patternProperties' must be an object"),
+            std::string::npos);
+}
+
 TEST(JsonSchema, PropertyCounts) {
   struct Case {
     const char* schema;

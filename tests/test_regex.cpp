@@ -213,6 +213,41 @@ TEST(Regex, JsonStringEncodingAndLengths) {
   EXPECT_NE(error_of("^abcd$", len).find("no text matches it within the length bounds"), std::string::npos);
 }
 
+// The automata combined for property names: complements, finite sets of words, length bounds and
+// products, against their definitions on random texts over a small alphabet.
+TEST(Regex, ComplementWordsLengthsAndProducts) {
+  const RegexDfa words = dfa_of_words({"ab", "a", "é", ""});
+  const RegexDfa other = dfa_complement(words);
+  const RegexDfa ab = compile_regex("a[bc]+|é", {});
+  const RegexDfa len = dfa_of_length(1, 2);
+  const RegexDfa len_open = dfa_of_length(2, UINT32_MAX);
+  const RegexDfa both = intersect(other, ab);
+  const RegexDfa not_ab = dfa_complement(ab);
+  std::mt19937 rng(5);
+  const std::vector<std::string> alphabet = {"a", "b", "c", "é", "\n", "😀"};
+  for (int k = 0; k < 3000; ++k) {
+    std::string t;
+    const int n = std::uniform_int_distribution<int>(0, 4)(rng);
+    for (int i = 0; i < n; ++i) t += alphabet[std::uniform_int_distribution<size_t>(0, alphabet.size() - 1)(rng)];
+    const bool word = t == "ab" || t == "a" || t == "é" || t.empty();
+    const bool re = std::regex_match(t, std::regex("a[bc]+")) || t == "é";
+    size_t cps = 0;
+    for (unsigned char c : t) cps += (c & 0xC0) != 0x80;
+    ASSERT_EQ(words.matches(t), word) << t;
+    ASSERT_EQ(other.matches(t), !word) << t;
+    ASSERT_EQ(ab.matches(t), re) << t;
+    ASSERT_EQ(not_ab.matches(t), !re) << t;
+    ASSERT_EQ(both.matches(t), re && !word) << t;
+    ASSERT_EQ(len.matches(t), cps >= 1 && cps <= 2) << t;
+    ASSERT_EQ(len_open.matches(t), cps >= 2) << t;
+  }
+  EXPECT_TRUE(dfa_complement(dfa_of_words({})).matches("anything"));  // the complement of nothing
+  EXPECT_TRUE(dfa_of_words({}).states.empty());
+  EXPECT_TRUE(intersect(words, dfa_of_words({"zz"})).states.empty());
+  EXPECT_TRUE(dfa_complement(dfa_of_length(0, UINT32_MAX)).states.empty());  // every text: no complement
+  EXPECT_THROW(intersect(compile_regex("[a-z]{30}", {}), dfa_of_length(0, 40), 10), std::invalid_argument);
+}
+
 TEST(Regex, RefusesWhatItDoesNotSupport) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"(a)\\1", "backreferences"},       {"(?P<x>a)(?P=x)", "backreferences"}, {"(?=a)b", "lookahead"},

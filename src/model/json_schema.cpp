@@ -11,6 +11,7 @@
 #include <set>
 #include <unordered_map>
 #include <stdexcept>
+#include <tuple>
 
 #include "model/gbnf.h"
 #include "model/json_constraint.h"
@@ -513,14 +514,14 @@ class SchemaCompiler {
   }
   static const std::set<std::string>& unsupported() {
     static const std::set<std::string> u = {
-        "patternProperties", "propertyNames", "dependentRequired",
+        "dependentRequired",
         "dependentSchemas", "dependencies", "uniqueItems", "contains", "minContains", "maxContains", "not", "if",
         "then", "else", "unevaluatedProperties", "unevaluatedItems", "additionalItems", "$dynamicRef",
         "$recursiveRef", "$dynamicAnchor", "$recursiveAnchor", "contentSchema"};
     return u;
   }
   static const char* supported_list() {
-    return "supported: type, properties, required, additionalProperties, minProperties, maxProperties, items, "
+    return "supported: type, properties, required, additionalProperties, patternProperties, propertyNames, minProperties, maxProperties, items, "
            "prefixItems, minItems, uniqueItems (items of finitely many values), "
            "maxItems, minLength, maxLength, pattern, minimum/maximum/exclusiveMinimum/exclusiveMaximum, multipleOf (an integer, "
            "or on numbers a power of ten such as 0.01), format "
@@ -763,7 +764,8 @@ class SchemaCompiler {
     }
     std::vector<std::string> ts = types;
     if (ts.empty()) {  // the type the keywords imply, or any value
-      const bool obj = s.contains("properties") || s.contains("required") || s.contains("additionalProperties");
+      const bool obj = s.contains("properties") || s.contains("required") || s.contains("additionalProperties") ||
+                       s.contains("patternProperties") || s.contains("propertyNames");
       const bool arr = s.contains("items") || s.contains("prefixItems") || s.contains("minItems") || s.contains("maxItems") ||
                        (s.contains("uniqueItems") && s["uniqueItems"] == true);
       const bool str_kw = s.contains("minLength") || s.contains("maxLength") || s.contains("format") || s.contains("pattern");
@@ -1316,11 +1318,156 @@ class SchemaCompiler {
     return rule_of(alts);
   }
 
+  // A property name's automaton from a JSON Schema pattern (as a validator reads it: a match
+  // anywhere unless anchored), over the name's code points, each in one JSON encoding.
+  static RegexDfa name_regex(const std::string& pattern, const std::string& path, uint32_t min_len = 0,
+                             uint32_t max_len = UINT32_MAX) {
+    RegexOptions o;
+    o.json_string = true;
+    o.search = true;
+    o.min_len = min_len;
+    o.max_len = max_len;
+    try {
+      return compile_regex(pattern, o);
+    } catch (const std::invalid_argument& e) {
+      fail(path, e.what());
+    }
+  }
+
+  // `propertyNames`: the names it allows, as a finite list (an enum or const, `false`) or as an
+  // automaton (pattern, minLength, maxLength); neither when it allows any name.
+  struct NameRule {
+    std::optional<std::vector<std::string>> words;
+    std::optional<RegexDfa> dfa;
+    bool allows(const std::string& name) const {
+      if (words) return std::find(words->begin(), words->end(), name) != words->end();
+      return !dfa || dfa->matches(name);
+    }
+  };
+  NameRule property_names(const json& pn, const std::string& path) {
+    NameRule out;
+    const json* s = &pn;
+    for (int hops = 0; s->is_object() && hops < 64; ++hops) {  // $ref (pydantic's dict keyed by an Enum), allOf of one
+      if (s->contains("$ref") && (*s)["$ref"].is_string() && s->size() == 1) {
+        s = ref_target((*s)["$ref"].get<std::string>());
+        if (!s) fail(path, "$ref '" + pn["$ref"].get<std::string>() + "' points at nothing in the schema");
+      } else if (s->contains("allOf") && (*s)["allOf"].is_array() && (*s)["allOf"].size() == 1 && s->size() == 1) {
+        s = &(*s)["allOf"][0];
+      } else {
+        break;
+      }
+    }
+    if (s->is_boolean()) {
+      if (!s->get<bool>()) out.words.emplace();
+      return out;
+    }
+    if (!s->is_object()) fail(path, "a schema must be an object or a boolean");
+    static const std::set<std::string> known = {"type", "pattern", "minLength", "maxLength", "enum", "const", "format"};
+    for (const auto& [k, v] : s->items())
+      if (!known.count(k) && !is_annotation(k))
+        fail(path, "'" + k + "' in 'propertyNames' is not supported (supported there: type, pattern, minLength, maxLength, enum, const, $ref)");
+    if (s->contains("type")) {
+      const std::vector<std::string> ts = types_of(*s, path);
+      if (std::find(ts.begin(), ts.end(), "string") == ts.end()) fail(path, "'propertyNames' allows no name: its type is not string");
+    }
+    if (s->contains("format") && (*s)["format"].is_string()) {
+      static const std::set<std::string> generated = {"date", "time", "date-time", "uuid", "ipv4"};
+      if (generated.count((*s)["format"].get<std::string>()))
+        fail(path, "'format' in 'propertyNames' is not supported (give a 'pattern')");
+    }
+    const uint32_t min_len = s->contains("minLength") ? count_of(*s, "minLength", path) : 0;
+    const uint32_t max_len = count_of(*s, "maxLength", path);
+    if (min_len > max_len) fail(path, "'minLength' is larger than 'maxLength'");
+    if (s->contains("pattern") && !(*s)["pattern"].is_string()) fail(path, "'pattern' must be a string");
+    std::optional<RegexDfa> pattern;
+    if (s->contains("pattern")) pattern = name_regex((*s)["pattern"].get<std::string>(), path, min_len, max_len);
+    if (s->contains("enum") || s->contains("const")) {
+      std::vector<json> values;
+      if (s->contains("const")) values.push_back((*s)["const"]);
+      else if ((*s)["enum"].is_array()) values = (*s)["enum"].get<std::vector<json>>();
+      else fail(path, "'enum' must be a non-empty list");
+      out.words.emplace();
+      for (const json& v : values) {
+        if (!v.is_string()) continue;  // names are strings
+        const std::string w = v.get<std::string>();
+        if (!within_bounds(*s, v, path) || (pattern && !pattern->matches(w))) continue;
+        if (std::find(out.words->begin(), out.words->end(), w) == out.words->end()) out.words->push_back(w);
+      }
+      if (s->contains("const") && s->contains("enum") &&
+          std::find((*s)["enum"].begin(), (*s)["enum"].end(), (*s)["const"]) == (*s)["enum"].end())
+        out.words->clear();
+      return out;
+    }
+    if (pattern) out.dfa = std::move(pattern);
+    else if (min_len > 0 || max_len != UINT32_MAX) out.dfa = dfa_of_length(min_len, max_len);
+    return out;
+  }
+
+  // True for the schemas that accept every value: true, {} and annotations alone.
+  static bool accepts_all(const json& s) {
+    if (s.is_boolean()) return s.get<bool>();
+    return s.is_object() && std::all_of(s.items().begin(), s.items().end(), [](const auto& kv) { return is_annotation(kv.key()); });
+  }
+
+  struct Prop {
+    std::string name;
+    const json* schema;
+    std::string path;
+  };
+  struct NamePattern {
+    std::string pattern;
+    RegexDfa dfa;
+    const json* schema;
+  };
+
+  // The extra properties' keys (with their quotes) and values' rules where names are ruled by
+  // patterns or propertyNames: a name no listed property has and propertyNames allows, in one
+  // alternative per pattern (the names it matches, but not those of a pattern with another
+  // schema: such a name would need both) and one for additionalProperties (the names no pattern
+  // matches). Each key is written in one encoding per character.
+  std::vector<std::pair<Seq, uint32_t>> extra_rules(const std::vector<Prop>& props, const std::vector<NamePattern>& patterns,
+                                                    const NameRule& names_rule, const json* extra_schema,
+                                                    const std::string& extra_path, const std::string& path) {
+    constexpr size_t kMaxNameStates = 20000;
+    std::vector<std::tuple<std::optional<RegexDfa>, const json*, std::string>> branches;  // keys (none: any), value
+    try {
+      std::vector<std::string> listed;
+      for (const Prop& p : props) listed.push_back(p.name);
+      std::optional<RegexDfa> base;
+      const auto meet = [&](std::optional<RegexDfa>& acc, const RegexDfa& d) {
+        acc = acc ? intersect(*acc, d, kMaxNameStates) : d;
+      };
+      if (!listed.empty()) base = dfa_complement(dfa_of_words(listed));
+      if (names_rule.dfa) meet(base, *names_rule.dfa);
+      for (size_t i = 0; i < patterns.size(); ++i) {
+        std::optional<RegexDfa> keys = patterns[i].dfa;
+        for (size_t j = 0; j < patterns.size(); ++j)
+          if (j != i && *patterns[j].schema != *patterns[i].schema) meet(keys, dfa_complement(patterns[j].dfa));
+        if (base) meet(keys, *base);
+        if (!keys->states.empty())
+          branches.emplace_back(std::move(keys), patterns[i].schema, child(child(path, "patternProperties"), patterns[i].pattern));
+      }
+      if (extra_schema) {
+        std::optional<RegexDfa> keys = base;
+        for (const NamePattern& np : patterns) meet(keys, dfa_complement(np.dfa));
+        if (!keys || !keys->states.empty()) branches.emplace_back(std::move(keys), extra_schema, extra_path);
+      }
+    } catch (const std::invalid_argument& e) {
+      fail(path, std::string("property names (patternProperties / propertyNames / the listed names): ") + e.what());
+    }
+    std::vector<std::pair<Seq, uint32_t>> out;
+    for (const auto& [keys, sch, where] : branches) {
+      const Seq key = keys ? Seq{ch('"'), rule(dfa_rules(*keys, true)), ch('"')} : Seq{str(0, kUnbounded)};
+      out.emplace_back(key, schema(*sch, where));
+    }
+    return out;
+  }
+
   uint32_t object(const json& s, const std::string& path) {
-    std::vector<std::pair<std::string, const json*>> props;
+    std::vector<Prop> props;
     if (s.contains("properties")) {
       if (!s["properties"].is_object()) fail(path, "'properties' must be an object");
-      for (const auto& [k, v] : s["properties"].items()) props.emplace_back(k, &v);
+      for (const auto& [k, v] : s["properties"].items()) props.push_back({k, &v, child(child(path, "properties"), k)});
     }
     if (props.size() > 1000) fail(path, "objects of more than 1000 properties are not supported");
     std::set<std::string> required;
@@ -1329,22 +1476,81 @@ class SchemaCompiler {
       for (const json& r : s["required"]) {
         if (!r.is_string()) fail(path, "'required' must be a list of names");
         const std::string name = r.get<std::string>();
-        if (std::none_of(props.begin(), props.end(), [&](const auto& p) { return p.first == name; }))
+        if (std::none_of(props.begin(), props.end(), [&](const Prop& p) { return p.name == name; }))
           fail(path, "required property '" + name + "' is not in 'properties'");
         required.insert(name);
       }
     }
-    uint32_t extra_value = UINT32_MAX;
+    // The extra properties' schema (additionalProperties; absent: none, unless the schema lists no
+    // properties at all: {"type": "object"} is any object).
+    static const json kAnyValue = true;
+    const json* extra_schema = nullptr;
+    std::string extra_path = child(path, "additionalProperties");
     if (s.contains("additionalProperties")) {
       const json& ap = s["additionalProperties"];
-      if (ap.is_boolean()) {
-        if (ap.get<bool>()) extra_value = any();
-      } else {
-        extra_value = schema(ap, child(path, "additionalProperties"));
-      }
-    } else if (!s.contains("properties")) {
-      extra_value = any();  // {"type": "object"}: any object
+      if (!ap.is_boolean() || ap.get<bool>()) extra_schema = &ap;
+    } else if (!s.contains("properties") && !s.contains("patternProperties")) {
+      extra_schema = &kAnyValue;
     }
+    // patternProperties: a name that matches a pattern takes its schema; propertyNames holds for
+    // every name. The names of the listed properties are checked against both here.
+    std::vector<NamePattern> patterns;
+    if (s.contains("patternProperties")) {
+      const json& pp = s["patternProperties"];
+      if (!pp.is_object()) fail(path, "'patternProperties' must be an object");
+      for (const auto& [k, v] : pp.items())
+        patterns.push_back({k, name_regex(k, child(child(path, "patternProperties"), k)), &v});
+    }
+    NameRule names_rule;
+    if (s.contains("propertyNames")) names_rule = property_names(s["propertyNames"], child(path, "propertyNames"));
+    std::erase_if(props, [&](const Prop& p) {
+      if (names_rule.allows(p.name)) return false;
+      if (required.count(p.name)) fail(path, "no object fits: required property '" + p.name + "' is not allowed by 'propertyNames'");
+      return true;  // an optional property propertyNames rules out: never written
+    });
+    for (const Prop& p : props)
+      for (const NamePattern& np : patterns)
+        if (np.dfa.matches(p.name) && !accepts_all(*np.schema) && *np.schema != *p.schema)
+          fail(path, "property '" + p.name + "' is in 'properties' and matches 'patternProperties' '" + np.pattern +
+                         "' with another schema: both would apply, which is not supported");
+    // The schema a name outside the listed ones takes: that of the patterns it matches (all alike),
+    // else additionalProperties; nullptr when none (or patterns with different schemas) would.
+    const auto extra_for = [&](const std::string& name) -> std::pair<const json*, std::string> {
+      const NamePattern* hit = nullptr;
+      for (const NamePattern& np : patterns)
+        if (np.dfa.matches(name)) {
+          if (hit && *hit->schema != *np.schema) return {nullptr, ""};
+          hit = &np;
+        }
+      if (hit) return {hit->schema, child(child(path, "patternProperties"), hit->pattern)};
+      return {extra_schema, extra_path};
+    };
+    // The extra properties as alternatives of a key and its value's rule.
+    std::vector<std::pair<Seq, uint32_t>> extras;
+    if (names_rule.words) {
+      // Finitely many names: each one not listed becomes an optional property after the listed
+      // ones (so none is written twice).
+      for (const std::string& w : *names_rule.words) {
+        if (std::any_of(props.begin(), props.end(), [&](const Prop& p) { return p.name == w; })) continue;
+        const auto [sch, where] = extra_for(w);
+        if (sch) props.push_back({w, sch, where});
+      }
+      if (props.size() > 1000) fail(path, "objects of more than 1000 properties are not supported");
+    } else if (!patterns.empty() || names_rule.dfa) {
+      extras = extra_rules(props, patterns, names_rule, extra_schema, extra_path, path);
+    } else if (extra_schema) {
+      std::vector<std::string> names;  // an extra property is none of the listed ones
+      for (const Prop& p : props) {
+        const std::string q = json(p.name).dump(-1, ' ', false, json::error_handler_t::strict);
+        if (q.size() > kMaxWord) fail(path, "a property name longer than 4096 bytes beside additionalProperties");
+        names.push_back(q.substr(1, q.size() - 2));
+      }
+      std::sort(names.begin(), names.end());
+      extras.emplace_back(names.empty() ? Seq{str(0, kUnbounded)}
+                                        : Seq{ch('"'), rule(key_trie(names, 0, names.size(), 0, str_body()))},
+                          schema(*extra_schema, extra_path));
+    }
+    const bool has_extra = !extras.empty();
     // minProperties / maxProperties: the rules below count the properties written, c, up to T (past
     // it, counts are alike: T is maxProperties when set, else minProperties).
     const uint32_t n_required = uint32_t(required.size());
@@ -1352,9 +1558,9 @@ class SchemaCompiler {
     const uint32_t max_props = count_of(s, "maxProperties", path);
     if (n_required > max_props) fail(path, "no object fits: more properties are required than 'maxProperties'");
     if (min_props > max_props) fail(path, "no object fits: 'minProperties' is more than 'maxProperties'");
-    if (extra_value == UINT32_MAX && min_props > props.size())
+    if (!has_extra && min_props > props.size())
       fail(path, "no object fits: 'minProperties' is more than the properties the schema allows");
-    const bool counted = min_props > n_required || (max_props != kUnbounded && (max_props < props.size() || extra_value != UINT32_MAX));
+    const bool counted = min_props > n_required || (max_props != kUnbounded && (max_props < props.size() || has_extra));
     const uint32_t T = !counted ? 0 : max_props != kUnbounded ? max_props : min_props;
     if (size_t(props.size() + 1) * (size_t(T) + 1) > 65536)
       fail(path, "'minProperties'/'maxProperties' with this many properties are not supported");
@@ -1367,20 +1573,13 @@ class SchemaCompiler {
     // before. Past the listed properties (i = n), the extra ones.
     const size_t n = props.size();
     std::vector<char> rest_optional(n + 1, 1);  // no required property at or after i
-    for (size_t i = n; i-- > 0;) rest_optional[i] = rest_optional[i + 1] && !required.count(props[i].first);
+    for (size_t i = n; i-- > 0;) rest_optional[i] = rest_optional[i + 1] && !required.count(props[i].name);
     const uint32_t levels = T + 1;
     std::vector<uint32_t> c_next(levels, UINT32_MAX), b_next(levels);  // C[n], B[n] (C: none when no extra property)
-    if (extra_value != UINT32_MAX) {
-      std::vector<std::string> names;  // an extra property is none of the listed ones
-      for (const auto& p : props) {
-        const std::string q = json(p.first).dump(-1, ' ', false, json::error_handler_t::strict);
-        if (q.size() > kMaxWord) fail(path, "a property name longer than 4096 bytes beside additionalProperties");
-        names.push_back(q.substr(1, q.size() - 2));
-      }
-      std::sort(names.begin(), names.end());
-      const Seq key = names.empty() ? Seq{str(0, kUnbounded)}
-                                    : Seq{ch('"'), rule(key_trie(names, 0, names.size(), 0, str_body()))};
-      const Seq kv = key + Seq{ws(), ch(':'), ws(), rule(extra_value), ws()};
+    if (has_extra) {
+      std::vector<Seq> kvs;
+      for (const auto& [key, value] : extras) kvs.push_back(key + Seq{ws(), ch(':'), ws(), rule(value), ws()});
+      const Seq kv = kvs.size() == 1 ? kvs[0] : Seq{rule(rule_of(kvs))};
       for (uint32_t c = 0; c < levels; ++c) b_next[c] = new_rule();
       for (uint32_t c = levels; c-- > 0;) {
         if (may_end(c)) alt(b_next[c], {});
@@ -1391,9 +1590,9 @@ class SchemaCompiler {
       for (uint32_t c = 0; c < levels; ++c) b_next[c] = may_end(c) ? rule_of({{}}) : new_rule();
     }
     for (size_t i = n; i-- > 0;) {
-      const std::string& name = props[i].first;
+      const std::string& name = props[i].name;
       const Seq kv = lit(json(name).dump(-1, ' ', false, json::error_handler_t::strict)) +
-                     Seq{ws(), ch(':'), ws(), rule(schema(*props[i].second, child(child(path, "properties"), name))), ws()};
+                     Seq{ws(), ch(':'), ws(), rule(schema(*props[i].schema, props[i].path)), ws()};
       std::vector<uint32_t> cs(levels, UINT32_MAX), bs(levels);
       for (uint32_t c = 0; c < levels; ++c) {
         const uint32_t cr = new_rule();

@@ -737,7 +737,7 @@ RegexDfa live_states(RegexDfa dfa) {
 
 }  // namespace
 
-RegexDfa intersect(const RegexDfa& a, const RegexDfa& b) {
+RegexDfa intersect(const RegexDfa& a, const RegexDfa& b, size_t max_states) {
   if (!a.deterministic || !b.deterministic) throw std::invalid_argument("intersect: automata must be deterministic");
   RegexDfa out;
   std::map<std::pair<uint32_t, uint32_t>, uint32_t> ids;
@@ -745,11 +745,14 @@ RegexDfa intersect(const RegexDfa& a, const RegexDfa& b) {
   const auto id = [&](uint32_t p, uint32_t q) {
     auto [it, fresh] = ids.emplace(std::make_pair(p, q), uint32_t(todo.size()));
     if (fresh) {
+      if (todo.size() >= max_states)
+        throw std::invalid_argument("the automata's product needs more than " + std::to_string(max_states) + " states");
       todo.emplace_back(p, q);
       out.states.emplace_back();
     }
     return it->second;
   };
+  if (a.states.empty() || b.states.empty()) return out;
   id(0, 0);
   for (size_t k = 0; k < todo.size(); ++k) {
     const auto [p, q] = todo[k];
@@ -769,6 +772,71 @@ RegexDfa intersect(const RegexDfa& a, const RegexDfa& b) {
       }
   }
   return live_states(std::move(out));
+}
+
+RegexDfa dfa_complement(const RegexDfa& d) {
+  if (!d.deterministic) throw std::invalid_argument("dfa_complement: the automaton must be deterministic");
+  RegexDfa out;
+  out.states = d.states;
+  if (out.states.empty()) out.states.emplace_back();  // accepts nothing: its complement everything
+  const uint32_t sink = uint32_t(out.states.size());
+  bool sink_used = false;
+  for (RegexDfa::State& st : out.states) {
+    CodePoints read;
+    for (const auto& [set, to] : st.next) read.insert(read.end(), set.begin(), set.end());
+    CodePoints rest = complement(normalize(std::move(read)));
+    if (!rest.empty()) {
+      st.next.emplace_back(std::move(rest), sink);
+      sink_used = true;
+    }
+    st.accept = !st.accept;
+  }
+  if (sink_used) {
+    out.states.emplace_back();
+    out.states.back().accept = true;
+    out.states.back().next.emplace_back(normalize({{0, kMaxCp}}), sink);
+  }
+  return live_states(std::move(out));
+}
+
+RegexDfa dfa_of_words(const std::vector<std::string>& words) {
+  RegexDfa out;
+  out.states.emplace_back();
+  for (const std::string& w : words) {
+    uint32_t at = 0;
+    for (size_t i = 0; i < w.size();) {
+      uint32_t cp;
+      const int len = unicode::utf8_decode(w, i, &cp);
+      if (cp == unicode::k_invalid_cp) throw std::invalid_argument("dfa_of_words: a word is not UTF-8");
+      i += size_t(len);
+      uint32_t to = kInf;
+      for (const auto& [set, t] : out.states[at].next)
+        if (set.front().first == cp) to = t;
+      if (to == kInf) {
+        to = uint32_t(out.states.size());
+        out.states[at].next.push_back({CodePoints{{cp, cp}}, to});
+        out.states.emplace_back();
+      }
+      at = to;
+    }
+    out.states[at].accept = true;
+  }
+  return live_states(std::move(out));
+}
+
+RegexDfa dfa_of_length(uint32_t min_len, uint32_t max_len) {
+  if (min_len > max_len) throw std::invalid_argument("the minimum length is above the maximum");
+  const uint32_t top = max_len == kInf ? min_len : max_len;  // the last state: loops when unbounded
+  if (top > 100000) throw std::invalid_argument("length bounds above 100000 code points are not supported here");
+  RegexDfa out;
+  out.states.resize(size_t(top) + 1);
+  const CodePoints all = normalize({{0, kMaxCp}});
+  for (uint32_t i = 0; i <= top; ++i) {
+    out.states[i].accept = i >= min_len;
+    if (i < top) out.states[i].next.emplace_back(all, i + 1);
+    else if (max_len == kInf) out.states[i].next.emplace_back(all, i);
+  }
+  return out;
 }
 
 RegexDfa compile_regex(std::string_view pattern, const RegexOptions& opt) {

@@ -67,8 +67,15 @@ struct RegexOptions {
 // pattern), or a pattern that no text matches within the length bounds.
 RegexDfa compile_regex(std::string_view pattern, const RegexOptions& opt);
 
-// The texts both deterministic automata accept (no states when there are none).
-RegexDfa intersect(const RegexDfa& a, const RegexDfa& b);
+// The texts both deterministic automata accept (no states when there are none); throws
+// std::invalid_argument past max_states states.
+RegexDfa intersect(const RegexDfa& a, const RegexDfa& b, size_t max_states = SIZE_MAX);
+// The texts a deterministic automaton does not accept.
+RegexDfa dfa_complement(const RegexDfa& d);
+// Exactly these UTF-8 texts.
+RegexDfa dfa_of_words(const std::vector<std::string>& words);
+// Any text of min_len to max_len code points (max_len UINT32_MAX: unbounded).
+RegexDfa dfa_of_length(uint32_t min_len, uint32_t max_len);
 
 // The bytes of a set of code points, as sequences of byte sets: UTF-8, or with json_string each
 // code point in one JSON encoding: `\"`, `\\`, `\b \f \n \r \t`, `\u00xx` for the other control

@@ -19,6 +19,8 @@ schemas=(
   '{"properties": {"a": {"type": "string"}, "ab": {"type": "boolean"}}, "additionalProperties": {"type": "null"}, "required": ["ab"]}'
   '{"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}}, "additionalProperties": {"type": "null"}, "minProperties": 2, "maxProperties": 3}'
   '{"$defs": {"c": {"enum": ["x", "y", "z", 1, null]}}, "type": "array", "items": {"$ref": "#/$defs/c"}, "uniqueItems": true, "minItems": 1}'
+  '{"type": "object", "properties": {"id": {"type": "integer"}}, "patternProperties": {"^tag_[a-z]{1,4}$": {"type": "string", "maxLength": 5}, "[0-9]$": {"type": "null"}}, "additionalProperties": {"type": "boolean"}, "propertyNames": {"maxLength": 8}, "required": ["id"]}'
+  '{"$defs": {"Color": {"enum": ["red", "green", "blue"], "type": "string"}}, "type": "object", "additionalProperties": {"type": "integer"}, "propertyNames": {"$ref": "#/$defs/Color"}}'
   '{"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3}$"}, "note": {"type": "string", "pattern": "(cat|dog)s?", "maxLength": 12}, "q": {"type": "string", "pattern": "^[^a-z]*\"\\\\.$", "maxLength": 10}}, "required": ["code", "note", "q"]}'
 )
 complete=0

@@ -72,9 +72,9 @@ bad() {
 bad "missing model file" run -m "$tmp/nope.gguf" -p hi
 printf 'GGUF\x03\x00\x00\x00garbage' >"$tmp/bad.gguf"
 bad "malformed model file" run -m "$tmp/bad.gguf" -p hi
-printf '%s' '{"type": "object", "patternProperties": {"^x": {}}}' >"$tmp/bad_schema.json"
+printf '%s' '{"type": "object", "dependentRequired": {"a": ["b"]}}' >"$tmp/bad_schema.json"
 bad "--json-schema with an unsupported keyword" run -m "$model" -p hi --json-schema "$tmp/bad_schema.json"
-check "... names it" "grep -q \"'patternProperties' is not supported\" $tmp/be"
+check "... names it" "grep -q \"'dependentRequired' is not supported\" $tmp/be"
 bad "--json-schema and --json" run -m "$model" -p hi --json --json-schema "$tmp/schema.json"
 bad "--regex and --json" run -m "$model" -p hi --json --regex 'a+'
 bad "--regex with a backreference" run -m "$model" -p hi --regex '(a)\1'
