@@ -757,6 +757,72 @@ TEST_F(EngineTest, StopStringsMaxTokensAndStreaming) {
   expect_pool_clean(e);
 }
 
+// vLLM's include_stop_str_in_output and min_tokens: the text ends after the stop string rather
+// than before it; before min_tokens tokens, neither a stop string nor a stop token ends the text.
+TEST_F(EngineTest, StopStringKeptAndMinTokens) {
+  Engine e(base_options(2048));
+  const Tokenizer& tok = e.tokenizer();
+  const std::vector<int32_t> prompt = tok.encode("Once upon a time", true);
+  const GenResult full = e.generate(prompt, greedy(60));
+  ASSERT_EQ(full.tokens.size(), 60u);
+  const auto run = [&](const GenParams& p, std::string* streamed) {
+    std::promise<GenResult> pr;
+    GenRequest r;
+    r.prompt = prompt;
+    r.params = p;
+    r.on_text = [streamed](const std::string& d) { *streamed += d; };
+    r.on_done = [&](const GenResult& g) { pr.set_value(g); };
+    e.submit(std::move(r));
+    return pr.get_future().get();
+  };
+  for (size_t cut = full.text.size() / 2; cut < full.text.size() / 2 + 6; ++cut) {
+    const std::string stop = full.text.substr(cut, 4);
+    const size_t first = full.text.find(stop);
+    GenParams p = greedy(60);
+    p.stop = {"zz-never", stop};
+    p.include_stop_str = true;
+    std::string streamed;
+    const GenResult kept = run(p, &streamed);
+    EXPECT_EQ(kept.finish_reason, "stop");
+    EXPECT_EQ(kept.text, full.text.substr(0, first + 4)) << stop;
+    EXPECT_EQ(streamed, kept.text);
+  }
+  // A stop string that occurs once, within the first 10 tokens' text: it ends the text, unless
+  // min_tokens is past it.
+  const size_t ten = tok.decode(std::vector<int32_t>(full.tokens.begin(), full.tokens.begin() + 10)).size();
+  std::string early;
+  for (size_t at = 0; at + 4 <= ten && early.empty(); ++at)
+    if (full.text.find(full.text.substr(at, 4)) == at && full.text.find(full.text.substr(at, 4), at + 1) == std::string::npos)
+      early = full.text.substr(at, 4);
+  ASSERT_FALSE(early.empty());
+  GenParams p = greedy(60);
+  p.stop = {early};
+  EXPECT_EQ(e.generate(prompt, p).finish_reason, "stop");
+  p.min_tokens = 20;
+  std::string streamed;
+  const GenResult past = run(p, &streamed);
+  EXPECT_EQ(past.finish_reason, "length");
+  EXPECT_EQ(past.text, full.text);
+  EXPECT_EQ(streamed, full.text);
+  // A stop token: it ends the text where greedy decoding writes it; with min_tokens past that
+  // place another token comes there and the text goes on to min_tokens at least.
+  const size_t k = 6;
+  const int32_t t = full.tokens[k];
+  const size_t at = size_t(std::find(full.tokens.begin(), full.tokens.end(), t) - full.tokens.begin());
+  p = greedy(60);
+  p.stop_token_ids = {t};
+  const GenResult stopped = e.generate(prompt, p);
+  EXPECT_EQ(stopped.finish_reason, "stop");
+  EXPECT_EQ(stopped.tokens.size(), at);
+  p.min_tokens = int(at) + 3;
+  const GenResult longer = e.generate(prompt, p);
+  ASSERT_GE(longer.tokens.size(), at + 3);
+  EXPECT_TRUE(std::equal(full.tokens.begin(), full.tokens.begin() + ptrdiff_t(at), longer.tokens.begin()));
+  EXPECT_EQ(std::count(longer.tokens.begin(), longer.tokens.begin() + ptrdiff_t(at + 3), t), 0);
+  e.wait_idle();
+  expect_pool_clean(e);
+}
+
 // ignore_eos (what kvq bench uses): the end-of-generation token is kept and generation goes on to
 // max_tokens; the tokens before it are the ones a normal request gets. Timings are filled in.
 // SmolLM2-Instruct ends a chat turn with <|im_end|> (stories260K's stories never end).

@@ -126,6 +126,44 @@ TEST(Sampler, PresenceFrequencyPenaltiesAndLogitBias) {
   EXPECT_THROW(Sampler{p}, Error);
 }
 
+// allowed_token_ids: only those are drawn, greedy or sampled; min_tokens: the end tokens are not
+// drawn while fewer than min_tokens tokens follow the prompt; neither leaves nothing to draw.
+TEST(Sampler, AllowedTokensAndMinTokens) {
+  const std::vector<float> l = {3.f, 2.5f, 1.f, 0.5f};
+  SamplerParams p;
+  p.temperature = 0;
+  p.allowed_tokens = {2, 3, 9};  // ids past the vocabulary ignored
+  EXPECT_EQ(Sampler(p).sample(l.data(), 4, {}), 2);
+  p.temperature = 1.f;
+  p.top_k = 0;
+  p.top_p = 1.f;
+  p.min_p = 0;
+  const auto h = histogram(p, l, 600);
+  ASSERT_EQ(h.size(), 2u);
+  EXPECT_GT(h.at(2), h.at(3));  // e^1 : e^0.5, drawn in proportion
+  // none of them can come (the others masked): the restriction gives way
+  const std::vector<float> masked = {3.f, -INFINITY, -INFINITY, -INFINITY};
+  p.temperature = 0;
+  EXPECT_EQ(Sampler(p).sample(masked.data(), 4, {}), 0);
+  p.allowed_tokens.clear();
+  p.min_tokens = 2;
+  p.end_tokens = {0, 1};
+  {
+    Sampler s(p);
+    EXPECT_EQ(s.sample(l.data(), 4, {7, 7}, 2), 2);        // no token generated yet
+    EXPECT_EQ(s.sample(l.data(), 4, {7, 7, 2}, 2), 2);     // one
+    EXPECT_EQ(s.sample(l.data(), 4, {7, 7, 2, 2}, 2), 0);  // two: ending allowed
+    EXPECT_EQ(s.sample(masked.data(), 4, {7, 7}, 2), 0);   // only an end token can come
+  }
+  p.temperature = 1.f;
+  for (const auto& [t, c] : histogram(p, l, 300, {5})) EXPECT_GE(t, 2) << c;
+  p.min_tokens = -1;
+  EXPECT_THROW(Sampler{p}, Error);
+  p.min_tokens = 1;
+  p.end_tokens = {-2};
+  EXPECT_THROW(Sampler{p}, Error);
+}
+
 TEST(Sampler, SameSeedSameDraws) {
   SamplerParams p;
   p.temperature = 1.f;

@@ -360,6 +360,59 @@ TEST_F(ServerTest, LogitBiasIgnoreEosAndPenalties) {
   EXPECT_NE(post_ok("/v1/completions", plain)["choices"][0]["text"], j["choices"][0]["text"]);
 }
 
+// vLLM's min_tokens, include_stop_str_in_output, allowed_token_ids and truncate_prompt_tokens, and
+// other servers' sampling settings at their neutral values (accepted, changing nothing).
+TEST_F(ServerTest, VllmSamplingExtras) {
+  const Tokenizer& tk = engine_->tokenizer();
+  const int32_t dog = tk.encode("dog", false).at(0);
+  const json base = {{"prompt", "Once upon a time"}, {"max_tokens", 30}, {"temperature", 0}};
+  const json full = post_ok("/v1/completions", base);
+  const std::string text = full["choices"][0]["text"];
+  ASSERT_EQ(full["usage"]["completion_tokens"], 30);
+  // a stop string from the middle: cut before it, or after it when asked
+  const std::string stop = text.substr(text.size() / 2, 3);
+  json b = base;
+  b["stop"] = stop;
+  EXPECT_EQ(post_ok("/v1/completions", b)["choices"][0]["text"], text.substr(0, text.find(stop)));
+  b["include_stop_str_in_output"] = true;
+  EXPECT_EQ(post_ok("/v1/completions", b)["choices"][0]["text"], text.substr(0, text.find(stop) + 3));
+  // min_tokens: a stop token forced by logit_bias cannot end the text before min_tokens
+  b = base;
+  b["logit_bias"] = {{std::to_string(dog), 100}};
+  b["stop_token_ids"] = {dog};
+  b["min_tokens"] = 7;
+  json j = post_ok("/v1/completions", b);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(j["usage"]["completion_tokens"], 7);
+  // allowed_token_ids: greedy picks the likelier of the two at every step
+  const int32_t cat = tk.encode("cat", false).at(0);
+  b = base;
+  b["max_tokens"] = 8;
+  b["allowed_token_ids"] = {dog, cat};
+  b["logprobs"] = 0;
+  j = post_ok("/v1/completions", b);
+  const json& toks = j["choices"][0]["logprobs"]["tokens"];
+  ASSERT_EQ(toks.size(), 8u);
+  for (const json& t : toks) EXPECT_TRUE(t == tk.token_piece(dog) || t == tk.token_piece(cat)) << t;
+  // truncate_prompt_tokens: the prompt's last tokens only, as that shorter prompt (echo shows it)
+  const std::vector<int32_t> ids = tk.encode("Once upon a time there was a little dog named Max", true);
+  b = {{"prompt", ids}, {"max_tokens", 5}, {"temperature", 0}, {"truncate_prompt_tokens", 4}, {"echo", true}};
+  j = post_ok("/v1/completions", b);
+  const std::vector<int32_t> last4(ids.end() - 4, ids.end());
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 4);
+  const json plain = post_ok("/v1/completions", {{"prompt", last4}, {"max_tokens", 5}, {"temperature", 0}, {"echo", true}});
+  EXPECT_EQ(j["choices"][0]["text"], plain["choices"][0]["text"]);
+  b["truncate_prompt_tokens"] = 1000;  // longer than the prompt: all of it
+  EXPECT_EQ(post_ok("/v1/completions", b)["usage"]["prompt_tokens"], int(ids.size()));
+  // neutral settings change nothing
+  b = base;
+  const json neutral = {{"skip_special_tokens", true}, {"typical_p", 1},   {"bad_words", json::array()},
+                        {"use_beam_search", false},    {"mirostat", 0},    {"min_tokens", 0},
+                        {"include_stop_str_in_output", false}, {"truncate_prompt_tokens", -1}};
+  for (const auto& [k, v] : neutral.items()) b[k] = v;
+  EXPECT_EQ(post_ok("/v1/completions", b)["choices"][0]["text"], text);
+}
+
 // A batch of prompts (strings or token ids) in one completions request: choice i belongs to prompt
 // i / n; each prompt counts once in usage; echo returns each choice's own prompt; streamed chunks
 // carry the same indices. Oversized or mixed batches are 400s.
@@ -1195,6 +1248,22 @@ TEST_F(ServerTest, BadInputIs400AndServerKeepsServing) {
       {R"({"prompt": "a", "stop_token_ids": 5})", "stop_token_ids"},
       {R"({"prompt": "a", "stop_token_ids": [-1]})", "stop_token_ids"},
       {R"({"prompt": "a", "stop_token_ids": [99999999]})", "stop_token_ids"},
+      {R"({"prompt": "a", "min_tokens": -1})", "min_tokens"},
+      {R"({"prompt": "a", "min_tokens": 1.5})", "min_tokens"},
+      {R"({"prompt": "a", "min_tokens": 17})", "min_tokens"},  // more than the default max_tokens 16
+      {R"({"prompt": "a", "max_tokens": 4, "min_tokens": 5})", "min_tokens"},
+      {R"({"prompt": "a", "include_stop_str_in_output": 1})", "include_stop_str_in_output"},
+      {R"({"prompt": "a", "allowed_token_ids": []})", "allowed_token_ids"},
+      {R"({"prompt": "a", "allowed_token_ids": [-3]})", "allowed_token_ids"},
+      {R"({"prompt": "a", "allowed_token_ids": [99999999]})", "allowed_token_ids"},
+      {R"({"prompt": "a", "truncate_prompt_tokens": 0})", "truncate_prompt_tokens"},
+      {R"({"prompt": "a", "truncate_prompt_tokens": -2})", "truncate_prompt_tokens"},
+      {R"({"prompt": "a", "skip_special_tokens": false})", "skip_special_tokens"},
+      {R"({"prompt": "a", "typical_p": 0.9})", "typical_p"},
+      {R"({"prompt": "a", "bad_words": ["x"]})", "bad_words"},
+      {R"({"prompt": "a", "prompt_logprobs": 1})", "prompt_logprobs"},
+      {R"({"prompt": "a", "use_beam_search": true})", "use_beam_search"},
+      {R"({"prompt": "a", "mirostat": 2})", "mirostat"},
       {R"({"prompt": "a", "n": 0})", "n"},
       {R"({"prompt": "a", "n": 129})", "n"},
       {R"({"prompt": "a", "n": "2"})", "n"},

@@ -541,7 +541,7 @@ constexpr int kPromptLogprobsChunk = 64;      // prompt tokens per step of a pro
                                               // (bounds its (tokens, n_vocab) logits rows)
 }  // namespace
 
-static bool cut_at_stop(std::string& text, size_t from, const std::vector<std::string>& stops);
+static bool cut_at_stop(std::string& text, size_t from, const std::vector<std::string>& stops, bool keep_stop);
 static std::unique_ptr<GrammarState> lazy_grammar_step(const std::vector<GenParams::LazyGrammar>& lazy, std::string& text,
                                                        bool& settled, std::string_view bytes);
 
@@ -579,7 +579,8 @@ bool Engine::take_token(Seq& s, int32_t next, const float* lg, int n_vocab, doub
   }
   const size_t from = s.sent;
   s.text += s.dec->push(next);
-  if (cut_at_stop(s.text, from, s.req.params.stop)) {
+  if (int(s.res.tokens.size()) >= s.req.params.min_tokens &&
+      cut_at_stop(s.text, from, s.req.params.stop, s.req.params.include_stop_str)) {
     s.dec.reset();  // pending bytes come after the cut
     finish(s, "stop");
     return false;
@@ -739,7 +740,14 @@ std::vector<uint64_t> Engine::submit_all(std::vector<GenRequest> rs) {
         s->res.prompt_logprobs[0].token = s->tokens[0];
         s->res.prompt_logprobs[0].logprob = std::numeric_limits<float>::quiet_NaN();
       }
-      s->sampler = std::make_unique<Sampler>(s->req.params.sampling);
+      SamplerParams sp = s->req.params.sampling;
+      if (s->req.params.min_tokens > 0) {  // what would end the text before min_tokens
+        sp.min_tokens = s->req.params.min_tokens;
+        sp.end_tokens = s->req.params.stop_token_ids;
+        if (!s->req.params.ignore_eos || s->req.params.grammar || s->req.params.json_object)
+          sp.end_tokens.insert(sp.end_tokens.end(), tok_.eog_ids().begin(), tok_.eog_ids().end());
+      }
+      s->sampler = std::make_unique<Sampler>(sp);
       s->dec = std::make_unique<TokenStreamDecoder>(tok_, false);
       if (s->req.params.json_object) s->grammar = std::make_unique<GrammarState>(Grammar::json_object());
       else if (s->req.params.grammar) s->grammar = std::make_unique<GrammarState>(s->req.params.grammar);
@@ -875,16 +883,20 @@ void Engine::emit_text(Seq& s, bool final) {
   }
 }
 
-// Cuts text before the first stop string that starts at or after `from`; true when found.
-static bool cut_at_stop(std::string& text, size_t from, const std::vector<std::string>& stops) {
-  size_t best = std::string::npos;
+// Cuts text before (keep_stop: after) the first stop string that starts at or after `from` (the
+// longest of those starting there); true when found.
+static bool cut_at_stop(std::string& text, size_t from, const std::vector<std::string>& stops, bool keep_stop) {
+  size_t best = std::string::npos, len = 0;
   for (const auto& st : stops) {
     if (st.empty()) continue;
     const size_t p = text.find(st, from);
-    if (p < best) best = p;
+    if (p < best || (p == best && p != std::string::npos && st.size() > len)) {
+      best = p;
+      len = st.size();
+    }
   }
   if (best == std::string::npos) return false;
-  text.resize(best);
+  text.resize(keep_stop ? best + len : best);
   return true;
 }
 
@@ -896,7 +908,9 @@ void Engine::finish(Seq& s, const char* reason, const std::string& error) {
     if (s.dec) {  // a stop string already cut the text and dropped the decoder's pending bytes
       size_t from = s.sent;
       s.text += s.dec->flush();
-      if (cut_at_stop(s.text, from, s.req.params.stop)) reason = "stop";
+      if (int(s.res.tokens.size()) >= s.req.params.min_tokens &&
+          cut_at_stop(s.text, from, s.req.params.stop, s.req.params.include_stop_str))
+        reason = "stop";
     }
     emit_text(s, true);  // what was held back (the start of a possible stop string) is output
   }

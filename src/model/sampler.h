@@ -1,6 +1,7 @@
 // Token sampling from logits: greedy, temperature, top-k, top-p, min-p, logit bias, presence /
-// frequency and repetition penalties, seeded. The order of operations is llama.cpp's: logit bias ->
-// penalties -> top-k -> top-p -> min-p -> temperature -> draw.
+// frequency and repetition penalties, allowed tokens and a minimum length, seeded. The order of
+// operations is llama.cpp's: logit bias (allowed tokens, minimum length) -> penalties -> top-k ->
+// top-p -> min-p -> temperature -> draw.
 #pragma once
 #include <cstdint>
 #include <random>
@@ -21,6 +22,13 @@ struct SamplerParams {
   float frequency_penalty = 0.0f;
   // Added to the logits of these token ids before anything else (OpenAI's logit_bias).
   std::vector<std::pair<int32_t, float>> logit_bias;
+  // vLLM's min_tokens: while fewer than min_tokens tokens follow the prompt (history past
+  // n_prompt), the end_tokens (end of generation, stop token ids) are not sampled, unless nothing
+  // else could be (a grammar's mask that leaves only them).
+  int min_tokens = 0;
+  std::vector<int32_t> end_tokens;
+  // vLLM's allowed_token_ids: only these are sampled (empty: all), unless none of them could be.
+  std::vector<int32_t> allowed_tokens;
   uint64_t seed = 0xC0FFEE;
 };
 
@@ -39,6 +47,7 @@ class Sampler {
   // The penalties' per-token counts of the generated tokens (zero between calls) and which are set.
   std::vector<int> count_;
   std::vector<int32_t> counted_;
+  std::vector<char> allowed_;  // allowed_tokens as a per-token flag
 };
 
 // Index of the largest logit (lowest index on ties).

@@ -69,6 +69,7 @@ struct ApiRequest {
   int n = 1;          // choices: n sequences of the same prompt (seeds seed, seed + 1, ...)
   std::string constraint;      // the parameter that constrains the output (empty: none)
   std::string schema_pointer;  // response_format json_schema: where its schema is in the body
+  int truncate_prompt_tokens = -1;  // > 0: a prompt keeps its last that many tokens
 };
 
 constexpr int kMaxChoices = 128;     // n, and prompts in a completions batch
@@ -134,6 +135,35 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
         throw ApiError{"'stop_token_ids' must hold token ids", "stop_token_ids"};
       r.params.stop_token_ids.push_back(t.get<int32_t>());
     }
+  }
+  if (body.contains("allowed_token_ids") && !body["allowed_token_ids"].is_null()) {  // vLLM's
+    const json& v = body["allowed_token_ids"];
+    if (!v.is_array() || v.empty()) throw ApiError{"'allowed_token_ids' must be a non-empty array of token ids", "allowed_token_ids"};
+    for (const auto& t : v) {
+      if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX)
+        throw ApiError{"'allowed_token_ids' must hold token ids", "allowed_token_ids"};
+      s.allowed_tokens.push_back(t.get<int32_t>());
+    }
+  }
+  auto flag = [&](const char* key) -> std::optional<bool> {
+    if (!body.contains(key) || body[key].is_null()) return std::nullopt;
+    if (!body[key].is_boolean()) throw ApiError{fmt::format("'{}' must be a boolean", key), key};
+    return body[key].get<bool>();
+  };
+  auto count = [&](const char* key, int64_t lo) -> std::optional<int64_t> {
+    if (!body.contains(key) || body[key].is_null()) return std::nullopt;
+    const json& v = body[key];
+    if (!v.is_number_integer() || (v.is_number_unsigned() ? v.get<uint64_t>() > uint64_t(1) << 30
+                                                          : v.get<int64_t>() < lo || v.get<int64_t>() > int64_t(1) << 30))
+      throw ApiError{fmt::format("'{}' must be an integer in [{}, {}]", key, lo, int64_t(1) << 30), key};
+    return v.get<int64_t>();
+  };
+  if (auto v = flag("include_stop_str_in_output")) r.params.include_stop_str = *v;  // vLLM's
+  if (auto v = count("min_tokens", 0)) r.params.min_tokens = int(*v);                // vLLM's
+  // vLLM's: the prompt's last N tokens only (-1: as many as the context takes, as without it)
+  if (auto v = count("truncate_prompt_tokens", -1)) {
+    if (*v == 0) throw ApiError{"'truncate_prompt_tokens' must be >= 1 (or -1)", "truncate_prompt_tokens"};
+    r.truncate_prompt_tokens = int(*v);
   }
   if (body.contains("ignore_eos") && !body["ignore_eos"].is_null()) {  // vLLM's: generate max_tokens
     if (!body["ignore_eos"].is_boolean()) throw ApiError{"'ignore_eos' must be a boolean", "ignore_eos"};
@@ -318,6 +348,24 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
   }
   if (set("suffix") && !(body["suffix"].is_string() && body["suffix"].get<std::string>().empty()))
     throw ApiError{"'suffix' (insertion) is not supported", "suffix"};
+  // Other servers' sampling settings kvq does not implement: refused unless set to what leaves
+  // sampling as it is.
+  struct Neutral {
+    const char* key;
+    json off;  // the setting that changes nothing (null: any value is refused)
+  };
+  static const Neutral others[] = {
+      {"skip_special_tokens", true}, {"spaces_between_special_tokens", true}, {"use_beam_search", false},
+      {"length_penalty", 1.0},       {"typical_p", 1.0},                     {"tfs_z", 1.0},
+      {"mirostat", 0},               {"dry_multiplier", 0.0},                {"xtc_probability", 0.0},
+      {"top_n_sigma", -1.0},         {"top_a", 0.0},                         {"n_probs", 0},
+      {"bad_words", json::array()},  {"logits_processors", json::array()},   {"prompt_logprobs", nullptr},
+      {"guided_whitespace_pattern", nullptr}};
+  for (const Neutral& o : others)
+    if (set(o.key) && (o.off.is_null() || body[o.key] != o.off))
+      throw ApiError{fmt::format("'{}' is not supported{}", o.key,
+                                 o.off.is_null() ? std::string() : fmt::format(" (only {})", o.off.dump())),
+                     o.key};
   if (set("best_of") && !(body["best_of"].is_number_integer() && body["best_of"].get<int64_t>() == r.n))
     throw ApiError{"'best_of' other than n is not supported", "best_of"};
   return r;
@@ -705,6 +753,10 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
     if (t >= engine.tokenizer().n_vocab())
       throw ApiError{fmt::format("'stop_token_ids' token {} is outside the vocabulary [0, {})", t, engine.tokenizer().n_vocab()),
                      "stop_token_ids"};
+  for (const int32_t t : ar.params.sampling.allowed_tokens)
+    if (t >= engine.tokenizer().n_vocab())
+      throw ApiError{fmt::format("'allowed_token_ids' token {} is outside the vocabulary [0, {})", t, engine.tokenizer().n_vocab()),
+                     "allowed_token_ids"};
   for (const auto& [t, b] : ar.params.sampling.logit_bias)
     if (t >= engine.tokenizer().n_vocab())
       throw ApiError{fmt::format("'logit_bias' token {} is outside the vocabulary [0, {})", t, engine.tokenizer().n_vocab()),
@@ -788,6 +840,10 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
   const size_t pool_tokens = engine.kv_tokens_capacity();
   const int seq_cap = int(std::min<size_t>(size_t(ctx), pool_tokens));
   for (PromptIn& in : prompts) {
+    if (ar.truncate_prompt_tokens > 0 && in.ids.size() > size_t(ar.truncate_prompt_tokens)) {
+      in.ids.erase(in.ids.begin(), in.ids.end() - ar.truncate_prompt_tokens);
+      in.text = engine.tokenizer().decode(in.ids);
+    }
     const int n_prompt = int(in.ids.size());
     prompt_tokens += n_prompt;
     if (n_prompt >= ctx)
@@ -810,6 +866,9 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
     } else {
       in.max_tokens = ar.params.max_tokens;
     }
+    if (ar.params.min_tokens > in.max_tokens)
+      throw ApiError{fmt::format("'min_tokens' {} is more than max_tokens {}", ar.params.min_tokens, in.max_tokens),
+                     "min_tokens"};
   }
 
   const std::string id = fmt::format("{}-{}", chat ? "chatcmpl" : "cmpl", next_id++);
