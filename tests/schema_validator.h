@@ -23,7 +23,9 @@ inline size_t code_points(const std::string& s) {
   for (unsigned char c : s) n += (c & 0xC0) != 0x80;
   return n;
 }
-inline bool validate(const ojson& root, const ojson& s, const ojson& v);
+// open: absent additionalProperties allows any other property, as JSON Schema reads it (inside
+// allOf, whose schemas kvq merges); otherwise kvq's reading (none where properties are listed).
+inline bool validate(const ojson& root, const ojson& s, const ojson& v, bool open = false);
 // The fraction digits of a number as written shortest (what a document's text parses back to).
 inline int decimal_places(const ojson& v) {
   if (v.is_number_integer()) return 0;
@@ -37,7 +39,7 @@ inline int decimal_places(const ojson& v) {
   const int frac = p == std::string::npos ? 0 : int(t.size() - p - 1);
   return std::max(0, frac - exp);
 }
-inline bool validate_type(const ojson& root, const ojson& s, const std::string& t, const ojson& v) {
+inline bool validate_type(const ojson& root, const ojson& s, const std::string& t, const ojson& v, bool open) {
   if (t == "null") return v.is_null();
   if (t == "boolean") return v.is_boolean();
   if (t == "integer" || t == "number") {
@@ -107,7 +109,7 @@ inline bool validate_type(const ojson& root, const ojson& s, const std::string& 
       size_t idx = 0;
       for (auto p = props.begin(); p != props.end(); ++p, ++idx)
         if (p.key() == it.key()) break;
-      if (idx < last) return false;  // out of the schema's order
+      if (idx < last && !open) return false;  // out of the schema's order (allOf's merged order is the first schema's)
       last = idx;
       if (!validate(root, props[it.key()], it.value())) return false;
       matched = true;
@@ -119,9 +121,9 @@ inline bool validate_type(const ojson& root, const ojson& s, const std::string& 
         matched = true;
       }
     if (!matched) {
-      const ojson ap = s.contains("additionalProperties")                              ? s["additionalProperties"]
-                       : s.contains("properties") || s.contains("patternProperties") ? ojson(false)
-                                                                                     : ojson(true);
+      const ojson ap = s.contains("additionalProperties")                                       ? s["additionalProperties"]
+                       : !open && (s.contains("properties") || s.contains("patternProperties")) ? ojson(false)
+                                                                                                : ojson(true);
       if (ap.is_boolean() ? !ap.get<bool>() : !validate(root, ap, it.value())) return false;
     }
   }
@@ -131,9 +133,9 @@ inline bool validate_type(const ojson& root, const ojson& s, const std::string& 
   if (s.contains("maxProperties") && v.size() > s["maxProperties"].get<size_t>()) return false;
   return true;
 }
-inline bool validate(const ojson& root, const ojson& s, const ojson& v) {
+inline bool validate(const ojson& root, const ojson& s, const ojson& v, bool open) {
   if (s.is_boolean()) return s.get<bool>();
-  if (s.contains("$ref")) return validate(root, root.at(ojson::json_pointer(s["$ref"].get<std::string>().substr(1))), v);
+  if (s.contains("$ref")) return validate(root, root.at(ojson::json_pointer(s["$ref"].get<std::string>().substr(1))), v, open);
   if (s.contains("const")) return v == s["const"];
   if (s.contains("enum")) {
     if (s.contains("pattern") && v.is_string() && !std::regex_search(v.get<std::string>(), std::regex(s["pattern"].get<std::string>())))
@@ -145,10 +147,16 @@ inline bool validate(const ojson& root, const ojson& s, const ojson& v) {
   for (const char* k : {"anyOf", "oneOf"})
     if (s.contains(k)) {
       for (const ojson& sub : s[k])
-        if (validate(root, sub, v)) return true;
+        if (validate(root, sub, v, open)) return true;
       return false;
     }
-  if (s.contains("allOf")) return validate(root, s["allOf"][0], v);
+  if (s.contains("allOf")) {
+    ojson rest = s;
+    rest.erase("allOf");
+    for (const ojson& sub : s["allOf"])
+      if (!validate(root, sub, v, true)) return false;
+    return validate(root, rest, v, true);
+  }
   std::vector<std::string> types;
   if (s.contains("type")) {
     if (s["type"].is_string()) types.push_back(s["type"].get<std::string>());
@@ -165,7 +173,7 @@ inline bool validate(const ojson& root, const ojson& s, const ojson& v) {
     return true;
   }
   for (const std::string& t : types)
-    if (validate_type(root, s, t, v)) return true;
+    if (validate_type(root, s, t, v, open)) return true;
   return false;
 }
 

@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
@@ -525,7 +527,7 @@ class SchemaCompiler {
            "prefixItems, minItems, uniqueItems (items of finitely many values), "
            "maxItems, minLength, maxLength, pattern, minimum/maximum/exclusiveMinimum/exclusiveMaximum, multipleOf (an integer, "
            "or on numbers a power of ten such as 0.01), format "
-           "(date, time, date-time, uuid, ipv4), enum, const, anyOf, oneOf, allOf (one schema), $ref, $defs";
+           "(date, time, date-time, uuid, ipv4), enum, const, anyOf, oneOf, allOf (merged: see the README), $ref, $defs";
   }
 
   static uint32_t count_of(const json& s, const char* key, const std::string& path) {
@@ -669,6 +671,218 @@ class SchemaCompiler {
     return out;
   }
 
+  // ---- allOf: its schemas merged into one ----
+
+  // A merge that finds no value every schema accepts (such an anyOf branch is dropped).
+  struct NoValue : std::invalid_argument {
+    using std::invalid_argument::invalid_argument;
+  };
+  [[noreturn]] static void no_value(const std::string& path, const std::string& why) {
+    throw NoValue("json_schema at '" + (path.empty() ? std::string("#") : "#" + path) + "': no value fits 'allOf': " + why);
+  }
+
+  // The schemas an allOf asks all of: the keywords beside it, each listed schema, nested allOfs and
+  // $refs followed (a $ref met again on the way is refused: it would not end).
+  void all_of_parts(const json& s, const std::string& path, std::vector<json>& parts, std::vector<std::string>& refs) {
+    if (refs.size() > 64) fail(path, "'allOf' through more than 64 $refs");
+    if (s.is_boolean()) {
+      if (s.get<bool>()) return;
+      no_value(path, "one of its schemas is false");
+    }
+    if (!s.is_object()) fail(path, "a schema must be an object or a boolean");
+    json own = json::object();
+    for (const auto& [k, v] : s.items())
+      if (k != "allOf" && k != "$ref" && k != "$defs" && k != "definitions" && !is_annotation(k)) own[k] = v;
+    if (!own.empty()) parts.push_back(std::move(own));
+    if (s.contains("$ref")) {
+      if (!s["$ref"].is_string()) fail(path, "'$ref' must be a string");
+      const std::string t = s["$ref"].get<std::string>();
+      if (std::find(refs.begin(), refs.end(), t) != refs.end())
+        fail(path, "'allOf' through $ref '" + t + "' comes back to the same schema");
+      const json* target = ref_target(t);
+      if (!target) fail(path, "$ref '" + t + "' points at nothing in the schema");
+      refs.push_back(t);
+      all_of_parts(*target, t.substr(1), parts, refs);
+      refs.pop_back();
+    }
+    if (s.contains("allOf")) {
+      const json& subs = s["allOf"];
+      if (!subs.is_array() || subs.empty()) fail(path, "'allOf' must be a non-empty list of schemas");
+      for (size_t i = 0; i < subs.size(); ++i) all_of_parts(subs[i], child(child(path, "allOf"), std::to_string(i)), parts, refs);
+    }
+  }
+
+  // One schema that asks what all the parts ask: types intersected, lower bounds raised and upper
+  // bounds lowered, enum / const values intersected, required names united, object properties
+  // merged as JSON Schema reads them (a name one part lists and another does not takes the other's
+  // additionalProperties, or is ruled out by its false), items as allOf; an anyOf / oneOf in a part
+  // distributed over the others. Other keywords must agree where several parts have them.
+  json merge_parts(const std::vector<json>& parts, const std::string& path) {
+    for (size_t i = 0; i < parts.size(); ++i)
+      for (const char* k : {"anyOf", "oneOf"}) {
+        if (!parts[i].contains(k)) continue;
+        const json& alts = parts[i][k];
+        if (!alts.is_array() || alts.empty()) fail(path, std::string("'") + k + "' must be a non-empty list of schemas");
+        if (alts.size() > 64) fail(path, std::string("'allOf' beside an '") + k + "' of more than 64 schemas is not supported");
+        json rest = parts[i];
+        rest.erase(k);
+        json branches = json::array();
+        for (const json& a : alts) {
+          json all = json::array();
+          for (size_t j = 0; j < parts.size(); ++j)
+            if (j != i) all.push_back(parts[j]);
+          if (!rest.empty()) all.push_back(rest);
+          all.push_back(a);
+          branches.push_back(json{{"allOf", std::move(all)}});
+        }
+        return json{{"anyOf", std::move(branches)}};
+      }
+    if (parts.empty()) return json::object();
+    if (parts.size() == 1) return parts[0];
+    json out = json::object();
+    // type: what every part allows (an integer is a number)
+    std::optional<std::set<std::string>> types;
+    for (const json& p : parts) {
+      if (!p.contains("type")) continue;
+      const std::vector<std::string> t = types_of(p, path);
+      const std::set<std::string> mine(t.begin(), t.end());
+      if (!types) {
+        types = mine;
+        continue;
+      }
+      std::set<std::string> both;
+      for (const std::string& x : *types)
+        if (mine.count(x) || (x == "integer" && mine.count("number"))) both.insert(x);
+      if (types->count("number") && mine.count("integer")) both.insert("integer");
+      types = both;
+    }
+    if (types) {
+      if (types->empty()) no_value(path, "its schemas' types have none in common");
+      out["type"] = types->size() == 1 ? json(*types->begin()) : json(std::vector<std::string>(types->begin(), types->end()));
+    }
+    // enum / const: the values every part that lists values lists
+    std::optional<std::vector<json>> values;
+    for (const json& p : parts) {
+      std::vector<json> mine;
+      if (p.contains("const")) mine.push_back(p["const"]);
+      if (p.contains("enum")) {
+        if (!p["enum"].is_array() || p["enum"].empty()) fail(path, "'enum' must be a non-empty list");
+        for (const json& v : p["enum"])
+          if (!p.contains("const") || v == p["const"]) mine.push_back(v);
+        if (p.contains("const")) mine.resize(std::min<size_t>(mine.size(), 1));
+      }
+      if (!p.contains("const") && !p.contains("enum")) continue;
+      if (!values) {
+        values = mine;
+        continue;
+      }
+      std::erase_if(*values, [&](const json& v) { return std::find(mine.begin(), mine.end(), v) == mine.end(); });
+    }
+    if (values) {
+      if (values->empty()) no_value(path, "its schemas' enum / const values have none in common");
+      out["enum"] = *values;
+    }
+    static const std::set<std::string> lower = {"minLength", "minItems", "minProperties", "minimum", "exclusiveMinimum"};
+    static const std::set<std::string> upper = {"maxLength", "maxItems", "maxProperties", "maximum", "exclusiveMaximum"};
+    static const std::set<std::string> object_kw = {"properties", "required", "additionalProperties", "patternProperties",
+                                                    "propertyNames"};
+    std::vector<std::string> seen;  // the other keywords, in the order met
+    for (const json& p : parts)
+      for (const auto& [k, v] : p.items()) {
+        if (k == "type" || k == "enum" || k == "const" || object_kw.count(k)) continue;
+        if (lower.count(k) || upper.count(k)) {
+          if (!v.is_number()) fail(path, "'" + k + "' must be a number");
+          if (!out.contains(k) || (lower.count(k) ? v.get<double>() > out[k].get<double>() : v.get<double>() < out[k].get<double>()))
+            out[k] = v;
+        } else if (k == "uniqueItems") {
+          if (!out.contains(k) || v == true) out[k] = v;
+        } else if (k == "items" && v.is_object()) {
+          if (!out.contains(k)) out[k] = v;
+          else if (out[k] != v) out[k] = json{{"allOf", {out[k], v}}};
+        } else if (k == "multipleOf" && out.contains(k) && out[k] != v) {
+          const json& m = out[k];
+          if (!m.is_number_integer() || !v.is_number_integer() || m.get<int64_t>() <= 0 || v.get<int64_t>() <= 0)
+            fail(path, "'allOf' with different 'multipleOf' steps other than integers is not supported");
+          const int64_t a = m.get<int64_t>(), b = v.get<int64_t>();
+          const int64_t l = a / std::gcd(a, b);
+          if (l > (int64_t(1) << 53) / b) fail(path, "'allOf': the 'multipleOf' steps' least common multiple is too large");
+          out[k] = l * b;
+        } else if (!out.contains(k)) {
+          out[k] = v;
+          seen.push_back(k);
+        } else if (out[k] != v) {
+          fail(path, "'allOf' whose schemas set '" + k + "' differently is not supported (kvq merges types, bounds, "
+                     "enum/const, required, properties, additionalProperties and items)");
+        }
+      }
+    // objects
+    size_t object_parts = 0;
+    for (const json& p : parts)
+      object_parts += std::any_of(p.items().begin(), p.items().end(), [](const auto& kv) { return object_kw.count(kv.key()) != 0; });
+    if (object_parts == 1) {
+      for (const json& p : parts)
+        for (const auto& [k, v] : p.items())
+          if (object_kw.count(k)) out[k] = v;
+    } else if (object_parts > 1) {
+      for (const json& p : parts)
+        for (const char* k : {"patternProperties", "propertyNames"})
+          if (p.contains(k)) fail(path, std::string("'") + k + "' in 'allOf' beside another object schema is not supported");
+      std::vector<std::string> names, required;
+      for (const json& p : parts) {
+        if (p.contains("properties")) {
+          if (!p["properties"].is_object()) fail(path, "'properties' must be an object");
+          for (const auto& [n, v] : p["properties"].items())
+            if (std::find(names.begin(), names.end(), n) == names.end()) names.push_back(n);
+        }
+        if (p.contains("required")) {
+          if (!p["required"].is_array()) fail(path, "'required' must be a list of names");
+          for (const json& r : p["required"]) {
+            if (!r.is_string()) fail(path, "'required' must be a list of names");
+            if (std::find(required.begin(), required.end(), r.get<std::string>()) == required.end())
+              required.push_back(r.get<std::string>());
+          }
+        }
+      }
+      for (const std::string& r : required)
+        if (std::find(names.begin(), names.end(), r) == names.end()) names.push_back(r);  // required without a schema of its own
+      json props = json::object();
+      for (const std::string& n : names) {
+        json cons = json::array();
+        bool out_ruled = false;
+        for (const json& p : parts) {
+          if (p.contains("properties") && p["properties"].contains(n)) {
+            cons.push_back(p["properties"][n]);
+          } else if (p.contains("additionalProperties")) {
+            const json& ap = p["additionalProperties"];
+            if (ap == false) out_ruled = true;
+            else if (ap != true) cons.push_back(ap);
+          }
+        }
+        if (out_ruled) {
+          if (std::find(required.begin(), required.end(), n) != required.end())
+            no_value(path, "property '" + n + "' is required by one schema and ruled out by another's additionalProperties");
+          continue;
+        }
+        props[n] = cons.empty() ? json(true) : cons.size() == 1 ? cons[0] : json{{"allOf", cons}};
+      }
+      out["properties"] = props;
+      if (!required.empty()) out["required"] = required;
+      bool closed = false;
+      json extra = json::array();
+      size_t explicit_extra = 0;
+      for (const json& p : parts) {
+        if (!p.contains("additionalProperties")) continue;
+        ++explicit_extra;
+        const json& ap = p["additionalProperties"];
+        if (ap == false) closed = true;
+        else if (ap != true) extra.push_back(ap);
+      }
+      if (closed) out["additionalProperties"] = false;
+      else if (explicit_extra > 0) out["additionalProperties"] = extra.empty() ? json(true) : extra.size() == 1 ? extra[0] : json{{"allOf", extra}};
+    }
+    return out;
+  }
+
   uint32_t schema(const json& s, const std::string& path) {
     if (++depth_ > 256) fail(path, "the schema is nested more than 256 levels");
     struct Leave {
@@ -696,28 +910,48 @@ class SchemaCompiler {
         if (k != keyword && k != "$defs" && k != "definitions")
           fail(path, std::string("'") + keyword + "' beside '" + k + "' is not supported (put the constraints inside its schemas)");
     };
+    if (s.contains("allOf")) {
+      const json& subs = s["allOf"];
+      if (!subs.is_array() || subs.empty()) fail(path, "'allOf' must be a non-empty list of schemas");
+      const bool alone = std::all_of(constraints.begin(), constraints.end(), [](const std::string& k) {
+        return k == "allOf" || k == "$defs" || k == "definitions";
+      });
+      if (alone && subs.size() == 1) return schema(subs[0], child(child(path, "allOf"), "0"));
+      // Merged once per distinct allOf (a recursive one refers back to its own rule).
+      const std::string key = s.dump();
+      if (auto it = all_of_rules_.find(key); it != all_of_rules_.end()) return it->second;
+      std::vector<json> parts;
+      std::vector<std::string> refs;
+      all_of_parts(s, path, parts, refs);
+      merged_.push_back(merge_parts(parts, path));
+      const uint32_t r = new_rule();
+      all_of_rules_.emplace(key, r);
+      alt(r, {rule(schema(merged_.back(), path))});
+      return r;
+    }
     if (s.contains("$ref")) {
       only("$ref");
       if (!s["$ref"].is_string()) fail(path, "'$ref' must be a string");
       return ref(s["$ref"].get<std::string>(), child(path, "$ref"));
     }
-    for (const char* k : {"anyOf", "oneOf", "allOf"}) {
+    for (const char* k : {"anyOf", "oneOf"}) {
       if (!s.contains(k)) continue;
       only(k);
       const json& subs = s[k];
       if (!subs.is_array() || subs.empty()) fail(path, std::string("'") + k + "' must be a non-empty list of schemas");
-      if (std::string(k) == "allOf") {
-        if (subs.size() != 1) fail(path, "'allOf' with more than one schema is not supported");
-        return schema(subs[0], child(child(path, k), "0"));
-      }
       const uint32_t r = new_rule();
       int n = 0;
+      std::string none_fits;
       for (size_t i = 0; i < subs.size(); ++i) {
         if (subs[i].is_boolean() && !subs[i].get<bool>()) continue;  // accepts nothing: no branch
-        alt(r, {rule(schema(subs[i], child(child(path, k), std::to_string(i))))});
-        ++n;
+        try {
+          alt(r, {rule(schema(subs[i], child(child(path, k), std::to_string(i))))});
+          ++n;
+        } catch (const NoValue& e) {  // an allOf (distributed over this anyOf) that no value fits: no branch
+          none_fits = e.what();
+        }
       }
-      if (n == 0) fail(path, std::string("every schema of '") + k + "' is false");
+      if (n == 0) fail(path, std::string("no schema of '") + k + "' accepts a value" + (none_fits.empty() ? "" : " (" + none_fits + ")"));
       return r;
     }
     const std::vector<std::string> types = types_of(s, path);
@@ -1551,6 +1785,18 @@ class SchemaCompiler {
                           schema(*extra_schema, extra_path));
     }
     const bool has_extra = !extras.empty();
+    // The listed properties' values; an optional property whose merged allOf no value fits is
+    // left out (a required one: no object fits).
+    std::vector<uint32_t> value_rules;
+    for (size_t i = 0; i < props.size();) {
+      try {
+        value_rules.push_back(schema(*props[i].schema, props[i].path));
+        ++i;
+      } catch (const NoValue&) {
+        if (required.count(props[i].name)) throw;
+        props.erase(props.begin() + std::ptrdiff_t(i));
+      }
+    }
     // minProperties / maxProperties: the rules below count the properties written, c, up to T (past
     // it, counts are alike: T is maxProperties when set, else minProperties).
     const uint32_t n_required = uint32_t(required.size());
@@ -1592,7 +1838,7 @@ class SchemaCompiler {
     for (size_t i = n; i-- > 0;) {
       const std::string& name = props[i].name;
       const Seq kv = lit(json(name).dump(-1, ' ', false, json::error_handler_t::strict)) +
-                     Seq{ws(), ch(':'), ws(), rule(schema(*props[i].schema, props[i].path)), ws()};
+                     Seq{ws(), ch(':'), ws(), rule(value_rules[i]), ws()};
       std::vector<uint32_t> cs(levels, UINT32_MAX), bs(levels);
       for (uint32_t c = 0; c < levels; ++c) {
         const uint32_t cr = new_rule();
@@ -1744,6 +1990,8 @@ class SchemaCompiler {
   Grammar& g_;
   const json& root_;
   std::map<std::string, uint32_t> refs_;
+  std::map<std::string, uint32_t> all_of_rules_;  // by the allOf schema's text
+  std::deque<json> merged_;                       // allOf schemas merged (the rules refer to their paths)
   std::map<ByteSet, uint32_t> set_ids_;
   std::map<std::pair<CodePoints, bool>, uint32_t> code_point_rules_;  // code_point_rule's, by set and encoding
   bool schema_ = true;                          // compiling a JSON Schema (errors name their location)

@@ -21,6 +21,8 @@ schemas=(
   '{"$defs": {"c": {"enum": ["x", "y", "z", 1, null]}}, "type": "array", "items": {"$ref": "#/$defs/c"}, "uniqueItems": true, "minItems": 1}'
   '{"type": "object", "properties": {"id": {"type": "integer"}}, "patternProperties": {"^tag_[a-z]{1,4}$": {"type": "string", "maxLength": 5}, "[0-9]$": {"type": "null"}}, "additionalProperties": {"type": "boolean"}, "propertyNames": {"maxLength": 8}, "required": ["id"]}'
   '{"$defs": {"Color": {"enum": ["red", "green", "blue"], "type": "string"}}, "type": "object", "additionalProperties": {"type": "integer"}, "propertyNames": {"$ref": "#/$defs/Color"}}'
+  '{"type": "object", "properties": {"kind": {"enum": ["a", "b"]}}, "required": ["kind"], "allOf": [{"oneOf": [{"properties": {"kind": {"const": "a"}, "x": {"type": "integer", "minimum": 0}}, "required": ["x"]}, {"properties": {"kind": {"const": "b"}, "y": {"type": "boolean"}}}]}]}'
+  '{"$defs": {"Base": {"type": "object", "properties": {"id": {"type": "integer"}, "tag": {"type": "string"}}, "required": ["id"], "additionalProperties": false}}, "allOf": [{"$ref": "#/$defs/Base"}, {"properties": {"tag": {"maxLength": 3}, "extra": {"type": "null"}}, "required": ["tag"]}]}'
   '{"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3}$"}, "note": {"type": "string", "pattern": "(cat|dog)s?", "maxLength": 12}, "q": {"type": "string", "pattern": "^[^a-z]*\"\\\\.$", "maxLength": 10}}, "required": ["code", "note", "q"]}'
 )
 complete=0
