@@ -804,6 +804,39 @@ TEST_F(EngineTest, StopStringKeptAndMinTokens) {
   EXPECT_EQ(past.finish_reason, "length");
   EXPECT_EQ(past.text, full.text);
   EXPECT_EQ(streamed, full.text);
+  // ... also when it ends with token min_tokens and a longer stop string it begins holds it back
+  // unsent: the next token does not find it (vLLM's check: stop strings that end past min_tokens)
+  std::string held;
+  int upto = 0;
+  size_t end = 0;
+  for (int j = 0; j < 30 && held.empty(); ++j) {
+    end += tok.token_piece(full.tokens[size_t(j)]).size();
+    if (end < 4) continue;
+    const std::string c = full.text.substr(end - 4, 4);
+    if (full.text.find(c) == end - 4 && full.text.find(c, end - 3) == std::string::npos) {
+      held = c;
+      upto = j + 1;
+    }
+  }
+  ASSERT_FALSE(held.empty());
+  p.stop = {held, held + "\x01"};
+  p.min_tokens = upto;
+  streamed.clear();
+  EXPECT_EQ(run(p, &streamed).text, full.text) << held;
+  EXPECT_EQ(streamed, full.text);
+  p.min_tokens = upto - 1;  // one token earlier it ends the text
+  EXPECT_EQ(e.generate(prompt, p).text, full.text.substr(0, end - 4));
+  // min_tokens 1: a stop string in the first token's text does not end the text (it would leave it
+  // empty); one in the second token's text does
+  const std::string first_text = tok.token_piece(full.tokens[0]);
+  ASSERT_FALSE(first_text.empty());
+  p = greedy(60);
+  p.stop = {first_text};
+  EXPECT_EQ(e.generate(prompt, p).text, "");
+  p.min_tokens = 1;
+  const GenResult one = e.generate(prompt, p);
+  const size_t again = full.text.find(first_text, 1);
+  EXPECT_EQ(one.text, full.text.substr(0, again == std::string::npos ? full.text.size() : again));
   // A stop token: it ends the text where greedy decoding writes it; with min_tokens past that
   // place another token comes there and the text goes on to min_tokens at least.
   const size_t k = 6;
@@ -814,6 +847,9 @@ TEST_F(EngineTest, StopStringKeptAndMinTokens) {
   const GenResult stopped = e.generate(prompt, p);
   EXPECT_EQ(stopped.finish_reason, "stop");
   EXPECT_EQ(stopped.tokens.size(), at);
+  p.include_stop_str = true;  // the stop token's text kept
+  EXPECT_EQ(e.generate(prompt, p).text, stopped.text + tok.token_piece(t));
+  p.include_stop_str = false;
   p.min_tokens = int(at) + 3;
   const GenResult longer = e.generate(prompt, p);
   ASSERT_GE(longer.tokens.size(), at + 3);

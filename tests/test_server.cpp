@@ -394,22 +394,51 @@ TEST_F(ServerTest, VllmSamplingExtras) {
   const json& toks = j["choices"][0]["logprobs"]["tokens"];
   ASSERT_EQ(toks.size(), 8u);
   for (const json& t : toks) EXPECT_TRUE(t == tk.token_piece(dog) || t == tk.token_piece(cat)) << t;
-  // truncate_prompt_tokens: the prompt's last tokens only, as that shorter prompt (echo shows it)
+  // truncate_prompt_tokens: the prompt's last tokens only (the BOS kept first), as that shorter
+  // prompt (echo shows it); -1: what leaves room for max_tokens in the context
   const std::vector<int32_t> ids = tk.encode("Once upon a time there was a little dog named Max", true);
+  ASSERT_EQ(ids[0], tk.bos());
   b = {{"prompt", ids}, {"max_tokens", 5}, {"temperature", 0}, {"truncate_prompt_tokens", 4}, {"echo", true}};
   j = post_ok("/v1/completions", b);
-  const std::vector<int32_t> last4(ids.end() - 4, ids.end());
+  std::vector<int32_t> last4 = {tk.bos()};
+  last4.insert(last4.end(), ids.end() - 3, ids.end());
   EXPECT_EQ(j["usage"]["prompt_tokens"], 4);
   const json plain = post_ok("/v1/completions", {{"prompt", last4}, {"max_tokens", 5}, {"temperature", 0}, {"echo", true}});
   EXPECT_EQ(j["choices"][0]["text"], plain["choices"][0]["text"]);
-  b["truncate_prompt_tokens"] = 1000;  // longer than the prompt: all of it
+  b["truncate_prompt_tokens"] = 200;  // longer than the prompt: all of it
   EXPECT_EQ(post_ok("/v1/completions", b)["usage"]["prompt_tokens"], int(ids.size()));
-  // neutral settings change nothing
+  std::vector<int32_t> longer;  // 300 tokens: more than the context of 256
+  while (longer.size() < 300) longer.insert(longer.end(), ids.begin() + 1, ids.end());
+  longer.resize(300);
+  longer[0] = tk.bos();
+  b = {{"prompt", longer}, {"max_tokens", 6}, {"temperature", 0}, {"truncate_prompt_tokens", -1}};
+  j = post_ok("/v1/completions", b);
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 256 - 6);
+  EXPECT_EQ(j["usage"]["completion_tokens"], 6);
+  b["truncate_prompt_tokens"] = 257;
+  expect_bad("/v1/completions", b.dump(), "truncate_prompt_tokens");
+  // llama.cpp's repeat_penalty (over the last repeat_last_n tokens, 64 by default)
   b = base;
-  const json neutral = {{"skip_special_tokens", true}, {"typical_p", 1},   {"bad_words", json::array()},
-                        {"use_beam_search", false},    {"mirostat", 0},    {"min_tokens", 0},
-                        {"include_stop_str_in_output", false}, {"truncate_prompt_tokens", -1}};
+  b["repeat_penalty"] = 1.5;
+  GenParams rp;
+  rp.max_tokens = 30;
+  rp.sampling.temperature = 0;
+  rp.sampling.repeat_penalty = 1.5f;
+  rp.sampling.repeat_last_n = 64;
+  const std::string penalized = post_ok("/v1/completions", b)["choices"][0]["text"];
+  EXPECT_EQ(penalized, engine_->generate(tk.encode("Once upon a time", true), rp).text);
+  EXPECT_NE(penalized, text);
+  // neutral settings change nothing (llama.cpp's "off" ranges, SillyTavern's defaults)
+  b = base;
+  const json neutral = {{"skip_special_tokens", true}, {"typical_p", 1}, {"bad_words", json::array()},
+                        {"use_beam_search", false},    {"mirostat", 0},  {"min_tokens", 0},
+                        {"top_n_sigma", 0},            {"tfs_z", 1},     {"xtc_probability", 0},
+                        {"dry_multiplier", 0},         {"top_a", 0},     {"dynatemp_range", 0},
+                        {"include_stop_str_in_output", false}, {"n_probs", 0}};
   for (const auto& [k, v] : neutral.items()) b[k] = v;
+  EXPECT_EQ(post_ok("/v1/completions", b)["choices"][0]["text"], text);
+  b["logprobs"] = 2;
+  b["n_probs"] = 2;  // beside logprobs (as SillyTavern sends them)
   EXPECT_EQ(post_ok("/v1/completions", b)["choices"][0]["text"], text);
 }
 

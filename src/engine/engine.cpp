@@ -541,7 +541,7 @@ constexpr int kPromptLogprobsChunk = 64;      // prompt tokens per step of a pro
                                               // (bounds its (tokens, n_vocab) logits rows)
 }  // namespace
 
-static bool cut_at_stop(std::string& text, size_t from, const std::vector<std::string>& stops, bool keep_stop);
+static bool cut_at_stop(std::string& text, size_t from, size_t added, const std::vector<std::string>& stops, bool keep_stop);
 static std::unique_ptr<GrammarState> lazy_grammar_step(const std::vector<GenParams::LazyGrammar>& lazy, std::string& text,
                                                        bool& settled, std::string_view bytes);
 
@@ -561,8 +561,9 @@ bool Engine::take_token(Seq& s, int32_t next, const float* lg, int n_vocab, doub
     finish(s, "error", kNoContinuation);
     return false;
   }
-  if ((tok_.is_eog(next) && (!s.req.params.ignore_eos || s.grammar)) ||
-      std::find(stop_ids.begin(), stop_ids.end(), next) != stop_ids.end()) {
+  const bool stop_id = std::find(stop_ids.begin(), stop_ids.end(), next) != stop_ids.end();
+  if ((tok_.is_eog(next) && (!s.req.params.ignore_eos || s.grammar)) || stop_id) {
+    if (stop_id && s.req.params.include_stop_str) s.text += s.dec->push(next);  // vLLM's: the stop token's text too
     finish(s, "stop");
     return false;
   }
@@ -577,10 +578,10 @@ bool Engine::take_token(Seq& s, int32_t next, const float* lg, int n_vocab, doub
     s.res.logprobs.push_back(token_logprob(lg, n_vocab, next, s.req.params.logprobs));
     if (s.req.on_logprob) s.req.on_logprob(s.res.logprobs.back());
   }
-  const size_t from = s.sent;
+  const size_t from = s.sent, added = s.text.size();
   s.text += s.dec->push(next);
-  if (int(s.res.tokens.size()) >= s.req.params.min_tokens &&
-      cut_at_stop(s.text, from, s.req.params.stop, s.req.params.include_stop_str)) {
+  if (int(s.res.tokens.size()) > s.req.params.min_tokens &&
+      cut_at_stop(s.text, from, added, s.req.params.stop, s.req.params.include_stop_str)) {
     s.dec.reset();  // pending bytes come after the cut
     finish(s, "stop");
     return false;
@@ -744,7 +745,8 @@ std::vector<uint64_t> Engine::submit_all(std::vector<GenRequest> rs) {
       if (s->req.params.min_tokens > 0) {  // what would end the text before min_tokens
         sp.min_tokens = s->req.params.min_tokens;
         sp.end_tokens = s->req.params.stop_token_ids;
-        if (!s->req.params.ignore_eos || s->req.params.grammar || s->req.params.json_object)
+        if (!s->req.params.ignore_eos || s->req.params.grammar || s->req.params.json_object ||
+            !s->req.params.lazy_grammars.empty())
           sp.end_tokens.insert(sp.end_tokens.end(), tok_.eog_ids().begin(), tok_.eog_ids().end());
       }
       s->sampler = std::make_unique<Sampler>(sp);
@@ -883,13 +885,15 @@ void Engine::emit_text(Seq& s, bool final) {
   }
 }
 
-// Cuts text before (keep_stop: after) the first stop string that starts at or after `from` (the
-// longest of those starting there); true when found.
-static bool cut_at_stop(std::string& text, size_t from, const std::vector<std::string>& stops, bool keep_stop) {
+// Cuts text before (keep_stop: after) the first stop string that ends in the text added at
+// `added` and starts at or after `from` (the longest of those starting there); true when found.
+// (Without min_tokens every stop string is looked for as soon as it can be complete, so none
+// lies wholly before `added`; with it, those that came before min_tokens are not looked for.)
+static bool cut_at_stop(std::string& text, size_t from, size_t added, const std::vector<std::string>& stops, bool keep_stop) {
   size_t best = std::string::npos, len = 0;
   for (const auto& st : stops) {
     if (st.empty()) continue;
-    const size_t p = text.find(st, from);
+    const size_t p = text.find(st, std::max(from, added >= st.size() ? added - (st.size() - 1) : 0));
     if (p < best || (p == best && p != std::string::npos && st.size() > len)) {
       best = p;
       len = st.size();
@@ -906,10 +910,10 @@ void Engine::finish(Seq& s, const char* reason, const std::string& error) {
   if (s.cache) s.cache->release();
   if (std::string(reason) != "error" && std::string(reason) != "cancelled") {
     if (s.dec) {  // a stop string already cut the text and dropped the decoder's pending bytes
-      size_t from = s.sent;
+      const size_t from = s.sent, added = s.text.size();
       s.text += s.dec->flush();
-      if (int(s.res.tokens.size()) >= s.req.params.min_tokens &&
-          cut_at_stop(s.text, from, s.req.params.stop, s.req.params.include_stop_str))
+      if (int(s.res.tokens.size()) > s.req.params.min_tokens &&
+          cut_at_stop(s.text, from, added, s.req.params.stop, s.req.params.include_stop_str))
         reason = "stop";
     }
     emit_text(s, true);  // what was held back (the start of a possible stop string) is output

@@ -121,12 +121,13 @@ struct GenParams {
                                   // (benchmarks: every request generates max_tokens)
   std::vector<int32_t> stop_token_ids;  // generation ends at these tokens, as at end-of-generation
                                         // (not with ignore_eos's exemption; the token is not output)
-  // vLLM's include_stop_str_in_output: the text ends after the stop string rather than before it.
+  // vLLM's include_stop_str_in_output: the text ends after the stop string rather than before it
+  // (and a stop token's text is kept).
   bool include_stop_str = false;
-  // vLLM's min_tokens: before that many tokens are generated, the tokens that would end the text
+  // vLLM's min_tokens: until that many tokens are generated, the tokens that would end the text
   // (end of generation unless ignore_eos, stop_token_ids) are not sampled (unless a grammar leaves
-  // nothing else) and stop strings are not looked for; a stop string that ends in a later token
-  // is (as vLLM's check, the text from the last token sent on).
+  // nothing else) and stop strings are not looked for: a stop string ends the text only when it
+  // ends in a later token (it may start before), as vLLM's check reads it.
   int min_tokens = 0;
   // >= 0: each generated token's log-probability under the model (token_logprob: raw logits,
   // before temperature, penalties and truncation) and that many top alternatives (at most 20).

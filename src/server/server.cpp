@@ -69,7 +69,7 @@ struct ApiRequest {
   int n = 1;          // choices: n sequences of the same prompt (seeds seed, seed + 1, ...)
   std::string constraint;      // the parameter that constrains the output (empty: none)
   std::string schema_pointer;  // response_format json_schema: where its schema is in the body
-  int truncate_prompt_tokens = -1;  // > 0: a prompt keeps its last that many tokens
+  int truncate_prompt_tokens = 0;  // > 0: a prompt keeps its last that many tokens; -1: what fits
 };
 
 constexpr int kMaxChoices = 128;     // n, and prompts in a completions batch
@@ -349,23 +349,50 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
   if (set("suffix") && !(body["suffix"].is_string() && body["suffix"].get<std::string>().empty()))
     throw ApiError{"'suffix' (insertion) is not supported", "suffix"};
   // Other servers' sampling settings kvq does not implement: refused unless set to what leaves
-  // sampling as it is.
+  // sampling as it is (llama.cpp's off ranges: top_n_sigma <= 0, typical_p >= 1, ...).
   struct Neutral {
     const char* key;
-    json off;  // the setting that changes nothing (null: any value is refused)
+    std::function<bool(const json&)> off;  // the settings that change nothing
   };
-  static const Neutral others[] = {
-      {"skip_special_tokens", true}, {"spaces_between_special_tokens", true}, {"use_beam_search", false},
-      {"length_penalty", 1.0},       {"typical_p", 1.0},                     {"tfs_z", 1.0},
-      {"mirostat", 0},               {"dry_multiplier", 0.0},                {"xtc_probability", 0.0},
-      {"top_n_sigma", -1.0},         {"top_a", 0.0},                         {"n_probs", 0},
-      {"bad_words", json::array()},  {"logits_processors", json::array()},   {"prompt_logprobs", nullptr},
-      {"guided_whitespace_pattern", nullptr}};
+  const auto at_most = [](double x) { return [x](const json& v) { return v.is_number() && v.get<double>() <= x; }; };
+  const auto at_least = [](double x) { return [x](const json& v) { return v.is_number() && v.get<double>() >= x; }; };
+  const auto equals = [](json x) { return [x](const json& v) { return v == x; }; };
+  const bool constrained = r.params.grammar || r.params.json_object;
+  const Neutral others[] = {
+      {"skip_special_tokens", equals(true)},
+      {"spaces_between_special_tokens", equals(true)},
+      {"use_beam_search", equals(false)},
+      {"typical_p", at_least(1)},
+      {"tfs_z", at_least(1)},
+      {"mirostat", equals(0)},
+      {"dry_multiplier", at_most(0)},
+      {"xtc_probability", at_most(0)},
+      {"top_n_sigma", at_most(0)},
+      {"top_a", at_most(0)},
+      {"dynatemp_range", at_most(0)},
+      {"n_probs", [&](const json& v) { return v == 0 || (v.is_number_integer() && set("logprobs")); }},  // llama.cpp's logprobs
+      {"bad_words", equals(json::array())},
+      {"logits_processors", equals(json::array())},
+      {"prompt_logprobs", [](const json&) { return false; }},
+      {"guided_whitespace_pattern", [&](const json&) { return !constrained; }}};
   for (const Neutral& o : others)
-    if (set(o.key) && (o.off.is_null() || body[o.key] != o.off))
-      throw ApiError{fmt::format("'{}' is not supported{}", o.key,
-                                 o.off.is_null() ? std::string() : fmt::format(" (only {})", o.off.dump())),
+    if (set(o.key) && !o.off(body[o.key]))
+      throw ApiError{fmt::format("'{}' is not supported{}", o.key, std::string(o.key) == "prompt_logprobs" ? "" : " (only at the value that turns it off)"),
                      o.key};
+  // llama.cpp's names for the repetition penalty (over the last repeat_last_n tokens, default 64)
+  if (set("repeat_penalty") && !set("repetition_penalty")) {
+    const json& v = body["repeat_penalty"];
+    if (!v.is_number() || !(v.get<double>() > 0 && v.get<double>() <= 10))
+      throw ApiError{"'repeat_penalty' must be a number in (0, 10]", "repeat_penalty"};
+    s.repeat_penalty = v.get<float>();
+    s.repeat_last_n = 64;
+    if (set("repeat_last_n")) {
+      const json& n = body["repeat_last_n"];
+      if (!n.is_number_integer() || n.get<int64_t>() < -1 || n.get<int64_t>() > (int64_t(1) << 30))
+        throw ApiError{"'repeat_last_n' must be an integer >= -1 (-1: the whole context)", "repeat_last_n"};
+      s.repeat_last_n = int(n.get<int64_t>());
+    }
+  }
   if (set("best_of") && !(body["best_of"].is_number_integer() && body["best_of"].get<int64_t>() == r.n))
     throw ApiError{"'best_of' other than n is not supported", "best_of"};
   return r;
@@ -840,8 +867,17 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
   const size_t pool_tokens = engine.kv_tokens_capacity();
   const int seq_cap = int(std::min<size_t>(size_t(ctx), pool_tokens));
   for (PromptIn& in : prompts) {
-    if (ar.truncate_prompt_tokens > 0 && in.ids.size() > size_t(ar.truncate_prompt_tokens)) {
-      in.ids.erase(in.ids.begin(), in.ids.end() - ar.truncate_prompt_tokens);
+    if (ar.truncate_prompt_tokens > ctx)
+      throw ApiError{fmt::format("'truncate_prompt_tokens' {} is more than the context of {} tokens", ar.truncate_prompt_tokens, ctx),
+                     "truncate_prompt_tokens"};
+    // -1: as many as leave room for max_tokens (one token when it is not set)
+    const int keep = ar.truncate_prompt_tokens == -1 ? std::max(1, seq_cap - (ar.max_tokens_set ? std::max(1, ar.params.max_tokens) : 1))
+                                                     : ar.truncate_prompt_tokens;
+    if (ar.truncate_prompt_tokens != 0 && in.ids.size() > size_t(keep)) {
+      // the last `keep` tokens, the first kept when it is the BOS (as a tokenizer that truncates
+      // the text before adding it)
+      const bool bos = keep > 1 && in.ids[0] == engine.tokenizer().bos();
+      in.ids.erase(in.ids.begin() + (bos ? 1 : 0), in.ids.end() - (keep - (bos ? 1 : 0)));
       in.text = engine.tokenizer().decode(in.ids);
     }
     const int n_prompt = int(in.ids.size());
