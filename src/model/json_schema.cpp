@@ -1581,11 +1581,17 @@ class SchemaCompiler {
   NameRule property_names(const json& pn, const std::string& path) {
     NameRule out;
     const json* s = &pn;
-    for (int hops = 0; s->is_object() && hops < 64; ++hops) {  // $ref (pydantic's dict keyed by an Enum), allOf of one
-      if (s->contains("$ref") && (*s)["$ref"].is_string() && s->size() == 1) {
-        s = ref_target((*s)["$ref"].get<std::string>());
-        if (!s) fail(path, "$ref '" + pn["$ref"].get<std::string>() + "' points at nothing in the schema");
-      } else if (s->contains("allOf") && (*s)["allOf"].is_array() && (*s)["allOf"].size() == 1 && s->size() == 1) {
+    const auto only_annotations_beside = [](const json& x, const char* key) {
+      return std::all_of(x.items().begin(), x.items().end(), [&](const auto& kv) { return kv.key() == key || is_annotation(kv.key()); });
+    };
+    for (int hops = 0;; ++hops) {  // $ref (pydantic's dict keyed by an Enum), allOf of one
+      if (!s->is_object()) break;
+      if (hops == 64) fail(path, "'propertyNames' through more than 64 $refs (a $ref that comes back to itself?)");
+      if (s->contains("$ref") && (*s)["$ref"].is_string() && only_annotations_beside(*s, "$ref")) {
+        const std::string target = (*s)["$ref"].get<std::string>();
+        s = ref_target(target);
+        if (!s) fail(path, "$ref '" + target + "' points at nothing in the schema");
+      } else if (s->contains("allOf") && (*s)["allOf"].is_array() && (*s)["allOf"].size() == 1 && only_annotations_beside(*s, "allOf")) {
         s = &(*s)["allOf"][0];
       } else {
         break;
@@ -1599,11 +1605,8 @@ class SchemaCompiler {
     static const std::set<std::string> known = {"type", "pattern", "minLength", "maxLength", "enum", "const", "format"};
     for (const auto& [k, v] : s->items())
       if (!known.count(k) && !is_annotation(k))
-        fail(path, "'" + k + "' in 'propertyNames' is not supported (supported there: type, pattern, minLength, maxLength, enum, const, $ref)");
-    if (s->contains("type")) {
-      const std::vector<std::string> ts = types_of(*s, path);
-      if (std::find(ts.begin(), ts.end(), "string") == ts.end()) fail(path, "'propertyNames' allows no name: its type is not string");
-    }
+        fail(path, "'" + k + "' in 'propertyNames' is not supported (supported there: type, pattern, minLength, maxLength, enum, "
+                   "const, and $ref to a schema of those)");
     if (s->contains("format") && (*s)["format"].is_string()) {
       static const std::set<std::string> generated = {"date", "time", "date-time", "uuid", "ipv4"};
       if (generated.count((*s)["format"].get<std::string>()))
@@ -1611,15 +1614,41 @@ class SchemaCompiler {
     }
     const uint32_t min_len = s->contains("minLength") ? count_of(*s, "minLength", path) : 0;
     const uint32_t max_len = count_of(*s, "maxLength", path);
-    if (min_len > max_len) fail(path, "'minLength' is larger than 'maxLength'");
     if (s->contains("pattern") && !(*s)["pattern"].is_string()) fail(path, "'pattern' must be a string");
+    std::vector<json> values;
+    if (s->contains("enum")) {
+      if (!(*s)["enum"].is_array() || (*s)["enum"].empty()) fail(path, "'enum' must be a non-empty list");
+      values = (*s)["enum"].get<std::vector<json>>();
+      if (s->contains("const") && std::find(values.begin(), values.end(), (*s)["const"]) == values.end())
+        fail(path, "'const' is not one of 'enum'");
+    }
+    if (s->contains("const")) values = {(*s)["const"]};
+    // A rule that no name meets leaves the object no property (JSON Schema: {} still validates).
+    bool none = min_len > max_len;
+    if (s->contains("type")) {
+      const std::vector<std::string> ts = types_of(*s, path);
+      none = none || std::find(ts.begin(), ts.end(), "string") == ts.end();
+    }
     std::optional<RegexDfa> pattern;
-    if (s->contains("pattern")) pattern = name_regex((*s)["pattern"].get<std::string>(), path, min_len, max_len);
+    if (!none && s->contains("pattern")) {
+      const std::string text = (*s)["pattern"].get<std::string>();
+      try {
+        RegexOptions o;
+        o.json_string = true;
+        o.search = true;
+        o.min_len = min_len;
+        o.max_len = max_len;
+        pattern = compile_regex(text, o);
+      } catch (const std::invalid_argument&) {
+        (void)name_regex(text, path);  // the pattern's own error, if it has one
+        none = true;                   // else: no name of it within the length bounds
+      }
+    }
+    if (none) {
+      out.words.emplace();
+      return out;
+    }
     if (s->contains("enum") || s->contains("const")) {
-      std::vector<json> values;
-      if (s->contains("const")) values.push_back((*s)["const"]);
-      else if ((*s)["enum"].is_array()) values = (*s)["enum"].get<std::vector<json>>();
-      else fail(path, "'enum' must be a non-empty list");
       out.words.emplace();
       for (const json& v : values) {
         if (!v.is_string()) continue;  // names are strings
@@ -1627,14 +1656,32 @@ class SchemaCompiler {
         if (!within_bounds(*s, v, path) || (pattern && !pattern->matches(w))) continue;
         if (std::find(out.words->begin(), out.words->end(), w) == out.words->end()) out.words->push_back(w);
       }
-      if (s->contains("const") && s->contains("enum") &&
-          std::find((*s)["enum"].begin(), (*s)["enum"].end(), (*s)["const"]) == (*s)["enum"].end())
-        out.words->clear();
       return out;
     }
-    if (pattern) out.dfa = std::move(pattern);
-    else if (min_len > 0 || max_len != UINT32_MAX) out.dfa = dfa_of_length(min_len, max_len);
+    if (pattern) {
+      out.dfa = std::move(pattern);
+    } else if (min_len > 0 || max_len != UINT32_MAX) {
+      try {
+        out.dfa = dfa_of_length(min_len, max_len);
+      } catch (const std::invalid_argument& e) {
+        fail(path, e.what());
+      }
+    }
     return out;
+  }
+
+  // Names of printable ASCII alone, on which ECMA-262's and Python's readings of a pattern agree
+  // (they differ on `$` before a final newline, `.` on \r and U+2028/9, and \d \w \s beyond
+  // ASCII): the names whose pattern a complement decides are kept to these.
+  static bool printable_ascii(const std::string& name) {
+    return std::all_of(name.begin(), name.end(), [](char c) { return c >= 0x20 && c <= 0x7E; });
+  }
+  static RegexDfa printable_ascii_dfa() {
+    RegexDfa d;
+    d.states.resize(1);
+    d.states[0].accept = true;
+    d.states[0].next.push_back({CodePoints{{0x20, 0x7E}}, 0});
+    return d;
   }
 
   // True for the schemas that accept every value: true, {} and annotations alone.
@@ -1671,9 +1718,18 @@ class SchemaCompiler {
       const auto meet = [&](std::optional<RegexDfa>& acc, const RegexDfa& d) {
         acc = acc ? intersect(*acc, d, kMaxNameStates) : d;
       };
+      const bool combined = !listed.empty() || names_rule.dfa || patterns.size() > 1 || (extra_schema && !patterns.empty());
+      for (const NamePattern& np : patterns)
+        if (combined && !np.dfa.deterministic)
+          fail(child(child(path, "patternProperties"), np.pattern),
+               "the pattern's automaton is too large to be deterministic, which combining it with the other property names needs");
+      if (combined && names_rule.dfa && !names_rule.dfa->deterministic)
+        fail(child(path, "propertyNames"), "the pattern's automaton is too large to be deterministic, which combining it with the other property names needs");
       if (!listed.empty()) base = dfa_complement(dfa_of_words(listed));
       if (names_rule.dfa) meet(base, *names_rule.dfa);
+      if (!patterns.empty()) meet(base, printable_ascii_dfa());
       for (size_t i = 0; i < patterns.size(); ++i) {
+        if (*patterns[i].schema == false) continue;  // names it matches are not written
         std::optional<RegexDfa> keys = patterns[i].dfa;
         for (size_t j = 0; j < patterns.size(); ++j)
           if (j != i && *patterns[j].schema != *patterns[i].schema) meet(keys, dfa_complement(patterns[j].dfa));
@@ -1732,6 +1788,7 @@ class SchemaCompiler {
     if (s.contains("patternProperties")) {
       const json& pp = s["patternProperties"];
       if (!pp.is_object()) fail(path, "'patternProperties' must be an object");
+      if (pp.size() > 64) fail(path, "'patternProperties' with more than 64 patterns is not supported");
       for (const auto& [k, v] : pp.items())
         patterns.push_back({k, name_regex(k, child(child(path, "patternProperties"), k)), &v});
     }
@@ -1742,21 +1799,39 @@ class SchemaCompiler {
       if (required.count(p.name)) fail(path, "no object fits: required property '" + p.name + "' is not allowed by 'propertyNames'");
       return true;  // an optional property propertyNames rules out: never written
     });
-    for (const Prop& p : props)
-      for (const NamePattern& np : patterns)
-        if (np.dfa.matches(p.name) && !accepts_all(*np.schema) && *np.schema != *p.schema)
-          fail(path, "property '" + p.name + "' is in 'properties' and matches 'patternProperties' '" + np.pattern +
-                         "' with another schema: both would apply, which is not supported");
+    // A listed property a pattern of another schema matches would need both: refused (one whose
+    // pattern schema is false: left out, or no object fits when it is required). Outside printable
+    // ASCII, where Python's reading of a pattern may match what kvq's does not, such a pattern
+    // refuses the name whether or not kvq's reading matches it.
+    std::erase_if(props, [&](const Prop& p) {
+      for (const NamePattern& np : patterns) {
+        if (accepts_all(*np.schema) || *np.schema == *p.schema) continue;
+        const bool hit = np.dfa.matches(p.name);
+        if (!hit && printable_ascii(p.name)) continue;
+        if (hit && *np.schema == false) {
+          if (required.count(p.name)) fail(path, "no object fits: required property '" + p.name + "' matches 'patternProperties' '" + np.pattern + "', whose schema is false");
+          return true;
+        }
+        fail(path, "property '" + p.name + "' is in 'properties' and " +
+                       (hit ? "matches" : "has characters outside printable ASCII beside") + " 'patternProperties' '" + np.pattern +
+                       "' with another schema: both could apply, which is not supported");
+      }
+      return false;
+    });
     // The schema a name outside the listed ones takes: that of the patterns it matches (all alike),
     // else additionalProperties; nullptr when none (or patterns with different schemas) would.
     const auto extra_for = [&](const std::string& name) -> std::pair<const json*, std::string> {
+      if (!patterns.empty() && !printable_ascii(name)) return {nullptr, ""};  // the readings could differ
       const NamePattern* hit = nullptr;
       for (const NamePattern& np : patterns)
         if (np.dfa.matches(name)) {
           if (hit && *hit->schema != *np.schema) return {nullptr, ""};
           hit = &np;
         }
-      if (hit) return {hit->schema, child(child(path, "patternProperties"), hit->pattern)};
+      if (hit) {
+        if (*hit->schema == false) return {nullptr, ""};
+        return {hit->schema, child(child(path, "patternProperties"), hit->pattern)};
+      }
       return {extra_schema, extra_path};
     };
     // The extra properties as alternatives of a key and its value's rule.
@@ -1804,8 +1879,12 @@ class SchemaCompiler {
     const uint32_t max_props = count_of(s, "maxProperties", path);
     if (n_required > max_props) fail(path, "no object fits: more properties are required than 'maxProperties'");
     if (min_props > max_props) fail(path, "no object fits: 'minProperties' is more than 'maxProperties'");
-    if (!has_extra && min_props > props.size())
-      fail(path, "no object fits: 'minProperties' is more than the properties the schema allows");
+    // Other properties count once toward minProperties: their names could repeat (a JSON object
+    // with a repeated name has one property of it), the listed ones' cannot.
+    if (min_props > props.size() + (has_extra ? 1 : 0))
+      fail(path, has_extra ? "'minProperties' beyond the listed properties and one other is not supported (other "
+                             "properties' names could repeat, and a repeated name is one property)"
+                           : "no object fits: 'minProperties' is more than the properties the schema allows");
     const bool counted = min_props > n_required || (max_props != kUnbounded && (max_props < props.size() || has_extra));
     const uint32_t T = !counted ? 0 : max_props != kUnbounded ? max_props : min_props;
     if (size_t(props.size() + 1) * (size_t(T) + 1) > 65536)
@@ -1826,11 +1905,20 @@ class SchemaCompiler {
       std::vector<Seq> kvs;
       for (const auto& [key, value] : extras) kvs.push_back(key + Seq{ws(), ch(':'), ws(), rule(value), ws()});
       const Seq kv = kvs.size() == 1 ? kvs[0] : Seq{rule(rule_of(kvs))};
-      for (uint32_t c = 0; c < levels; ++c) b_next[c] = new_rule();
-      for (uint32_t c = levels; c-- > 0;) {
+      // X[c]: after an other property, c written in all (for maxProperties); minProperties was met
+      // on the way in: the listed ones written, c, and one other when c is one short.
+      std::vector<uint32_t> x(levels);
+      for (uint32_t c = 0; c < levels; ++c) x[c] = new_rule();
+      for (uint32_t c = 0; c < levels; ++c) {
+        alt(x[c], {});
+        if (may_add(c)) alt(x[c], Seq{ch(','), ws()} + kv + Seq{rule(x[level(c + 1)])});
+      }
+      const auto enough = [&](uint32_t c) { return !counted || c + 1 >= min_props; };  // with one other
+      for (uint32_t c = 0; c < levels; ++c) {
+        b_next[c] = new_rule();
         if (may_end(c)) alt(b_next[c], {});
-        if (may_add(c)) alt(b_next[c], Seq{ch(','), ws()} + kv + Seq{rule(b_next[level(c + 1)])});
-        if (may_add(c)) c_next[c] = rule_of({kv + Seq{rule(b_next[level(c + 1)])}});
+        if (may_add(c) && enough(c)) alt(b_next[c], Seq{ch(','), ws()} + kv + Seq{rule(x[level(c + 1)])});
+        if (may_add(c) && enough(c)) c_next[c] = rule_of({kv + Seq{rule(x[level(c + 1)])}});
       }
     } else {
       for (uint32_t c = 0; c < levels; ++c) b_next[c] = may_end(c) ? rule_of({{}}) : new_rule();
