@@ -1437,7 +1437,22 @@ TEST_F(ServerTest, LogprobsDecodeAndEchoAgree) {
       EXPECT_NEAR(el["token_logprobs"][n_prompt + size_t(i)].get<double>(), lp["token_logprobs"][i].get<double>(), 2e-3)
           << "token " << i;
     EXPECT_EQ(e["choices"][0]["text"], engine_->tokenizer().decode(ids));
+    // the echoed tokens spell the text, each at its text_offset (the SentencePiece space before
+    // the text is not in it)
+    std::string spelled;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      EXPECT_EQ(el["text_offset"][i].get<size_t>(), spelled.size()) << i;
+      spelled += el["tokens"][i].get<std::string>();
+    }
+    EXPECT_EQ(spelled, e["choices"][0]["text"]);
   }
+  json e = post_ok("/v1/completions", {{"prompt", prompt}, {"max_tokens", 3}, {"echo", true}, {"logprobs", 0}, {"temperature", 0}});
+  const std::string echoed = e["choices"][0]["text"];
+  ASSERT_EQ(echoed.rfind(prompt, 0), 0u);
+  const json& offs = e["choices"][0]["logprobs"]["text_offset"];
+  const json& toks = e["choices"][0]["logprobs"]["tokens"];
+  for (size_t i = 0; i < toks.size(); ++i)
+    EXPECT_EQ(echoed.compare(offs[i].get<size_t>(), toks[i].get<std::string>().size(), toks[i].get<std::string>()), 0) << i;
 }
 
 TEST_F(ServerTest, ChatLogprobsAndTokenPrompts) {

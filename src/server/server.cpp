@@ -523,7 +523,8 @@ struct Server::Impl {
   void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat);
   // Completions' object for tokens whose text starts at byte `offset` of the returned text;
   // *end: the byte after their text.
-  json completion_logprobs(const std::vector<TokenLogprob>& lps, size_t offset = 0, size_t* end = nullptr) const;
+  json completion_logprobs(const std::vector<TokenLogprob>& lps, size_t offset = 0, size_t* end = nullptr,
+                           bool text_start = false) const;
   json chat_logprobs(const std::vector<TokenLogprob>& lps) const;
   // A chat request's tools (tools.h): with ar, the reply's grammar is set on it (the response's
   // form from its response_format, any other constraint refused); without, for /tokenize (the
@@ -702,12 +703,19 @@ std::vector<int32_t> Server::Impl::chat_prompt(const json& body, const ChatTools
 
 // Completions' logprobs object (echo: the prompt's tokens first); tokens as the bytes each renders
 // as, text_offset their byte offsets in the returned text. A NaN log-probability (the first prompt
-// token's) is null.
-json Server::Impl::completion_logprobs(const std::vector<TokenLogprob>& lps, size_t offset, size_t* end) const {
+// token's) is null. text_start: the tokens start the text (echo), whose first piece loses the space
+// a SentencePiece tokenizer puts before a text (as the echoed text does), so that the tokens
+// spell the text.
+json Server::Impl::completion_logprobs(const std::vector<TokenLogprob>& lps, size_t offset, size_t* end, bool text_start) const {
   const Tokenizer& tk = engine.tokenizer();
   json tokens = json::array(), vals = json::array(), tops = json::array(), offs = json::array();
+  bool strip = text_start && tk.add_space_prefix();
   for (const TokenLogprob& lp : lps) {
-    const std::string piece = tk.token_piece(lp.token);
+    std::string piece = tk.token_piece(lp.token);
+    if (strip && !piece.empty()) {
+      if (piece[0] == ' ') piece.erase(0, 1);
+      strip = false;
+    }
     tokens.push_back(piece);
     offs.push_back(offset);
     offset += piece.size();
@@ -996,7 +1004,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
       if (!chat && ar.params.logprobs >= 0) {
         std::vector<TokenLogprob> lps = ar.echo ? g.prompt_logprobs : std::vector<TokenLogprob>{};
         lps.insert(lps.end(), g.logprobs.begin(), g.logprobs.end());
-        choice["logprobs"] = completion_logprobs(lps);
+        choice["logprobs"] = completion_logprobs(lps, 0, nullptr, ar.echo);
       }
       choices.push_back(std::move(choice));
     }
