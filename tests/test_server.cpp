@@ -371,9 +371,20 @@ TEST_F(ServerTest, VllmSamplingExtras) {
   ASSERT_EQ(full["usage"]["completion_tokens"], 30);
   // a stop string from the middle: cut before it, or after it when asked
   const std::string stop = text.substr(text.size() / 2, 3);
+  EXPECT_TRUE(full["choices"][0]["stop_reason"].is_null());  // vLLM's: null for a length
   json b = base;
-  b["stop"] = stop;
-  EXPECT_EQ(post_ok("/v1/completions", b)["choices"][0]["text"], text.substr(0, text.find(stop)));
+  b["stop"] = {"zz-never", stop};
+  const json cut = post_ok("/v1/completions", b);
+  EXPECT_EQ(cut["choices"][0]["text"], text.substr(0, text.find(stop)));
+  EXPECT_EQ(cut["choices"][0]["stop_reason"], stop);  // the stop string that ended it
+  b["stream"] = true;
+  {
+    auto c = client();
+    auto r = c.Post("/v1/completions", b.dump(), "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_NE(r->body.find("\"stop_reason\":" + json(stop).dump()), std::string::npos) << r->body;
+  }
+  b.erase("stream");
   b["include_stop_str_in_output"] = true;
   EXPECT_EQ(post_ok("/v1/completions", b)["choices"][0]["text"], text.substr(0, text.find(stop) + 3));
   // min_tokens: a stop token forced by logit_bias cannot end the text before min_tokens
@@ -383,6 +394,7 @@ TEST_F(ServerTest, VllmSamplingExtras) {
   b["min_tokens"] = 7;
   json j = post_ok("/v1/completions", b);
   EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(j["choices"][0]["stop_reason"], dog);  // the stop token
   EXPECT_EQ(j["usage"]["completion_tokens"], 7);
   // allowed_token_ids: greedy picks the likelier of the two at every step
   const int32_t cat = tk.encode("cat", false).at(0);

@@ -541,7 +541,8 @@ constexpr int kPromptLogprobsChunk = 64;      // prompt tokens per step of a pro
                                               // (bounds its (tokens, n_vocab) logits rows)
 }  // namespace
 
-static bool cut_at_stop(std::string& text, size_t from, size_t added, const std::vector<std::string>& stops, bool keep_stop);
+static const std::string* cut_at_stop(std::string& text, size_t from, size_t added, const std::vector<std::string>& stops,
+                                      bool keep_stop);
 static std::unique_ptr<GrammarState> lazy_grammar_step(const std::vector<GenParams::LazyGrammar>& lazy, std::string& text,
                                                        bool& settled, std::string_view bytes);
 
@@ -564,6 +565,7 @@ bool Engine::take_token(Seq& s, int32_t next, const float* lg, int n_vocab, doub
   const bool stop_id = std::find(stop_ids.begin(), stop_ids.end(), next) != stop_ids.end();
   if ((tok_.is_eog(next) && (!s.req.params.ignore_eos || s.grammar)) || stop_id) {
     if (stop_id && s.req.params.include_stop_str) s.text += s.dec->push(next);  // vLLM's: the stop token's text too
+    if (stop_id) s.res.stop_token = next;
     finish(s, "stop");
     return false;
   }
@@ -580,8 +582,11 @@ bool Engine::take_token(Seq& s, int32_t next, const float* lg, int n_vocab, doub
   }
   const size_t from = s.sent, added = s.text.size();
   s.text += s.dec->push(next);
-  if (int(s.res.tokens.size()) > s.req.params.min_tokens &&
-      cut_at_stop(s.text, from, added, s.req.params.stop, s.req.params.include_stop_str)) {
+  const std::string* hit = int(s.res.tokens.size()) > s.req.params.min_tokens
+                               ? cut_at_stop(s.text, from, added, s.req.params.stop, s.req.params.include_stop_str)
+                               : nullptr;
+  if (hit) {
+    s.res.stop_string = *hit;
     s.dec.reset();  // pending bytes come after the cut
     finish(s, "stop");
     return false;
@@ -886,22 +891,25 @@ void Engine::emit_text(Seq& s, bool final) {
 }
 
 // Cuts text before (keep_stop: after) the first stop string that ends in the text added at
-// `added` and starts at or after `from` (the longest of those starting there); true when found.
+// `added` and starts at or after `from` (the longest of those starting there); returns it, or
+// null when there is none.
 // (Without min_tokens every stop string is looked for as soon as it can be complete, so none
 // lies wholly before `added`; with it, those that came before min_tokens are not looked for.)
-static bool cut_at_stop(std::string& text, size_t from, size_t added, const std::vector<std::string>& stops, bool keep_stop) {
-  size_t best = std::string::npos, len = 0;
+static const std::string* cut_at_stop(std::string& text, size_t from, size_t added, const std::vector<std::string>& stops,
+                                      bool keep_stop) {
+  size_t best = std::string::npos;
+  const std::string* hit = nullptr;
   for (const auto& st : stops) {
     if (st.empty()) continue;
     const size_t p = text.find(st, std::max(from, added >= st.size() ? added - (st.size() - 1) : 0));
-    if (p < best || (p == best && p != std::string::npos && st.size() > len)) {
+    if (p < best || (p == best && p != std::string::npos && st.size() > hit->size())) {
       best = p;
-      len = st.size();
+      hit = &st;
     }
   }
-  if (best == std::string::npos) return false;
-  text.resize(keep_stop ? best + len : best);
-  return true;
+  if (!hit) return nullptr;
+  text.resize(keep_stop ? best + hit->size() : best);
+  return hit;
 }
 
 void Engine::finish(Seq& s, const char* reason, const std::string& error) {
@@ -912,9 +920,13 @@ void Engine::finish(Seq& s, const char* reason, const std::string& error) {
     if (s.dec) {  // a stop string already cut the text and dropped the decoder's pending bytes
       const size_t from = s.sent, added = s.text.size();
       s.text += s.dec->flush();
-      if (int(s.res.tokens.size()) > s.req.params.min_tokens &&
-          cut_at_stop(s.text, from, added, s.req.params.stop, s.req.params.include_stop_str))
+      const std::string* hit = int(s.res.tokens.size()) > s.req.params.min_tokens
+                                   ? cut_at_stop(s.text, from, added, s.req.params.stop, s.req.params.include_stop_str)
+                                   : nullptr;
+      if (hit) {
         reason = "stop";
+        s.res.stop_string = *hit;
+      }
     }
     emit_text(s, true);  // what was held back (the start of a possible stop string) is output
   }

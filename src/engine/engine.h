@@ -172,6 +172,10 @@ struct GenResult {
   std::vector<int32_t> tokens;  // generated token ids (EOG not included)
   std::string text;             // generated text, cut before a stop string
   std::string finish_reason;    // "stop", "length", "cancelled", "error"
+  // What stopped it (vLLM's stop_reason): the stop string, or the stop token id (stop_token_ids);
+  // neither for end of generation, a grammar's end or a length.
+  std::string stop_string;
+  int32_t stop_token = -1;
   std::string error;            // when finish_reason == "error"
   int prompt_tokens = 0;
   int completion_tokens = 0;

@@ -431,6 +431,12 @@ void parse_logprobs(const json& body, bool chat, ApiRequest& r) {
 }
 
 const char* finish_reason_api(const std::string& r) { return r == "length" ? "length" : "stop"; }
+// vLLM's stop_reason: the stop string or stop token id that ended the text, else null.
+json stop_reason_api(const GenResult& g) {
+  if (g.stop_token >= 0) return g.stop_token;
+  if (!g.stop_string.empty()) return g.stop_string;
+  return nullptr;
+}
 
 // Streaming: the scheduler thread pushes SSE events, the connection's thread writes them.
 struct StreamState {
@@ -975,7 +981,8 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
       if (g.finish_reason == "error" || g.finish_reason == "cancelled")
         throw ApiError{g.error.empty() ? "the request was cancelled" : g.error, "", "", engine.aborting() ? 503 : 500};
       completion_tokens += g.completion_tokens;
-      json choice = {{"index", i}, {"logprobs", nullptr}, {"finish_reason", finish_reason_api(g.finish_reason)}};
+      json choice = {{"index", i}, {"logprobs", nullptr}, {"finish_reason", finish_reason_api(g.finish_reason)},
+                     {"stop_reason", stop_reason_api(g)}};
       if (harmony) {  // the answer as content, the reasoning beside it (vLLM's reasoning_content), calls
         // (calls only when functions were offered: with none, a call the model writes is content)
         const HarmonyReplyStream::Delta d = HarmonyReplyStream::split(tools.open_reply + g.text, tools.spec.active());
@@ -1092,10 +1099,14 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
         } else if (tr.content.size() > sent.size() && tr.content.compare(0, sent.size(), sent) == 0) {
           st->push(sse(chunk(json{{"content", tr.content.substr(sent.size())}}, nullptr)));
         }
-        st->push(sse(chunk(json::object(), tr.calls.empty() ? finish_reason_api(g.finish_reason) : tool_finish)));
+        json last = chunk(json::object(), tr.calls.empty() ? finish_reason_api(g.finish_reason) : tool_finish);
+        last["choices"][0]["stop_reason"] = stop_reason_api(g);
+        st->push(sse(last));
       } else if (g.finish_reason != "cancelled") {
         const bool called = hreply && hreply->calls > 0 && hreply->whole && g.finish_reason == "stop";
-        st->push(sse(chunk(chat ? json::object() : json(""), called ? tool_finish : finish_reason_api(g.finish_reason))));
+        json last = chunk(chat ? json::object() : json(""), called ? tool_finish : finish_reason_api(g.finish_reason));
+        last["choices"][0]["stop_reason"] = stop_reason_api(g);
+        st->push(sse(last));
       }
       int left, tokens;
       {
