@@ -203,6 +203,9 @@ TEST(TokenLogprob, HandComputedCase) {
   EXPECT_EQ(r.top[2].first, 2);
   EXPECT_NEAR(r.top[0].second, 2.0 - lse, 1e-6);
   EXPECT_NEAR(r.top[2].second, r.logprob, 0);
+  EXPECT_EQ(r.rank, 3);  // two larger logits
+  EXPECT_EQ(token_logprob(l.data(), 4, 3, 0).rank, 1);  // tied with token 0: none larger
+  EXPECT_EQ(token_logprob(l.data(), 4, 1, 0).rank, 4);
   double total = 0;
   for (int t = 0; t < 4; ++t) total += std::exp(double(token_logprob(l.data(), 4, t, 0).logprob));
   EXPECT_NEAR(total, 1.0, 1e-6);

@@ -440,6 +440,35 @@ TEST_F(ServerTest, VllmSamplingExtras) {
   const std::string penalized = post_ok("/v1/completions", b)["choices"][0]["text"];
   EXPECT_EQ(penalized, engine_->generate(tk.encode("Once upon a time", true), rp).text);
   EXPECT_NE(penalized, text);
+  // vLLM's prompt_logprobs: each prompt token's log-probability and rank (as echo's), with that
+  // many alternatives; chat's on the response
+  j = post_ok("/v1/completions", {{"prompt", ids}, {"max_tokens", 2}, {"temperature", 0}, {"prompt_logprobs", 2}});
+  const json& pl = j["choices"][0]["prompt_logprobs"];
+  ASSERT_EQ(pl.size(), ids.size());
+  EXPECT_TRUE(pl[0].is_null());
+  const json echo = post_ok("/v1/completions", {{"prompt", ids}, {"max_tokens", 0}, {"echo", true}, {"logprobs", 0}});
+  for (size_t i = 1; i < ids.size(); ++i) {
+    const json& d = pl[i];
+    const std::string key = std::to_string(ids[i]);
+    ASSERT_TRUE(d.contains(key)) << i;
+    EXPECT_NEAR(d[key]["logprob"].get<double>(), echo["choices"][0]["logprobs"]["token_logprobs"][i].get<double>(), 1e-6);
+    EXPECT_EQ(d[key]["decoded_token"], tk.token_piece(ids[i]));
+    EXPECT_GE(d[key]["rank"].get<int>(), 1);
+    EXPECT_LE(d.size(), 3u);  // the token and 2 alternatives (one of them may be it)
+    EXPECT_GE(d.size(), 2u);
+    for (const auto& [id, e] : d.items()) {
+      EXPECT_LE(e["logprob"].get<double>(), 0.0);
+      if (e["rank"] == 1) {
+        EXPECT_GE(e["logprob"].get<double>(), d[key]["logprob"].get<double>());
+      }
+    }
+  }
+  j = post_ok("/v1/chat/completions", {{"messages", json::array({{{"role", "user"}, {"content", "Once upon"}}})},
+                                       {"max_tokens", 2}, {"prompt_logprobs", 0}});
+  ASSERT_TRUE(j["prompt_logprobs"].is_array());
+  EXPECT_TRUE(j["prompt_logprobs"][0].is_null());
+  EXPECT_EQ(j["prompt_logprobs"].size(), size_t(j["usage"]["prompt_tokens"].get<int>()));
+  EXPECT_EQ(j["prompt_logprobs"][1].size(), 1u);
   // neutral settings change nothing (llama.cpp's "off" ranges, SillyTavern's defaults)
   b = base;
   const json neutral = {{"skip_special_tokens", true}, {"typical_p", 1}, {"bad_words", json::array()},
@@ -1302,7 +1331,8 @@ TEST_F(ServerTest, BadInputIs400AndServerKeepsServing) {
       {R"({"prompt": "a", "skip_special_tokens": false})", "skip_special_tokens"},
       {R"({"prompt": "a", "typical_p": 0.9})", "typical_p"},
       {R"({"prompt": "a", "bad_words": ["x"]})", "bad_words"},
-      {R"({"prompt": "a", "prompt_logprobs": 1})", "prompt_logprobs"},
+      {R"({"prompt": "a", "prompt_logprobs": 21})", "prompt_logprobs"},
+      {R"({"prompt": "a", "prompt_logprobs": 1, "stream": true})", "prompt_logprobs"},
       {R"({"prompt": "a", "use_beam_search": true})", "use_beam_search"},
       {R"({"prompt": "a", "mirostat": 2})", "mirostat"},
       {R"({"prompt": "a", "n": 0})", "n"},

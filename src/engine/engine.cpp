@@ -1292,7 +1292,7 @@ bool Engine::step() {
         s.cache->publish_pages(*index_, s.tokens.data(), s.cache->n_tokens());
         if (it.all) {
           // Row j: the distribution of the token at position start + j + 1.
-          const int top = std::max(0, s.req.params.logprobs);
+          const int top = std::max({0, s.req.params.logprobs, s.req.params.prompt_logprobs_top});
           auto& pl = s.res.prompt_logprobs;
           for (int j = 0; j < it.n; ++j) {
             const int p = it.start + j + 1;

@@ -142,6 +142,7 @@ struct GenParams {
   // bench/QUALITY.md), so compare scores from one path, or set matmul_set_batch_invariant(true)
   // (weights/weights.h), with which the two paths agree bit for bit.
   bool prompt_logprobs = false;
+  int prompt_logprobs_top = 0;  // the prompt tokens' alternatives: max(logprobs, this)
   // JSON mode (OpenAI's response_format {"type": "json_object"}): only tokens that keep the text a
   // prefix of one JSON object are sampled, and generation ends ("stop") with the token that closes
   // it, ignore_eos or not (the grammar of {"type": "object"}, model/json_schema.h). A request cut

@@ -29,6 +29,8 @@ TokenLogprob token_logprob(const float* logits, int n_vocab, int32_t token, int 
   TokenLogprob r;
   r.token = token;
   r.logprob = float(double(logits[token]) - lse);
+  r.rank = 1;
+  for (int i = 0; i < n_vocab; ++i) r.rank += logits[i] > logits[token];
   // The top_n largest in one pass (top_n <= 20 in practice): a short list kept sorted, larger
   // logit first; ids arrive ascending, so an equal logit lands after the lower id.
   std::vector<std::pair<float, int32_t>> best;

@@ -63,6 +63,7 @@ double log_sum_exp(const float* x, int n);
 struct TokenLogprob {
   int32_t token = -1;
   float logprob = 0;
+  int rank = 0;  // 1 + how many tokens have a larger logit (vLLM's rank)
   std::vector<std::pair<int32_t, float>> top;
 };
 // token in [0, n_vocab); top_n in [0, n_vocab]. log-sum-exp in double.

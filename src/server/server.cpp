@@ -70,6 +70,7 @@ struct ApiRequest {
   std::string constraint;      // the parameter that constrains the output (empty: none)
   std::string schema_pointer;  // response_format json_schema: where its schema is in the body
   int truncate_prompt_tokens = 0;  // > 0: a prompt keeps its last that many tokens; -1: what fits
+  int vllm_prompt_logprobs = -1;   // vLLM's prompt_logprobs: >= 0, that many alternatives per prompt token
 };
 
 constexpr int kMaxChoices = 128;     // n, and prompts in a completions batch
@@ -373,12 +374,10 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
       {"n_probs", [&](const json& v) { return v == 0 || (v.is_number_integer() && set("logprobs")); }},  // llama.cpp's logprobs
       {"bad_words", equals(json::array())},
       {"logits_processors", equals(json::array())},
-      {"prompt_logprobs", [](const json&) { return false; }},
       {"guided_whitespace_pattern", [&](const json&) { return !constrained; }}};
   for (const Neutral& o : others)
     if (set(o.key) && !o.off(body[o.key]))
-      throw ApiError{fmt::format("'{}' is not supported{}", o.key, std::string(o.key) == "prompt_logprobs" ? "" : " (only at the value that turns it off)"),
-                     o.key};
+      throw ApiError{fmt::format("'{}' is not supported (only at the value that turns it off)", o.key), o.key};
   // llama.cpp's names for the repetition penalty (over the last repeat_last_n tokens, default 64)
   if (set("repeat_penalty") && !set("repetition_penalty")) {
     const json& v = body["repeat_penalty"];
@@ -428,9 +427,38 @@ void parse_logprobs(const json& body, bool chat, ApiRequest& r) {
     r.params.prompt_logprobs = r.echo && r.params.logprobs >= 0;
   }
   if (r.stream && r.echo) throw ApiError{"'echo' is not supported with 'stream': true", "echo"};
+  // vLLM's prompt_logprobs: each prompt token's log-probability and rank with that many alternatives
+  if (has("prompt_logprobs")) {
+    r.vllm_prompt_logprobs = count("prompt_logprobs");
+    if (r.stream) throw ApiError{"'prompt_logprobs' is not supported with 'stream': true", "prompt_logprobs"};
+    r.params.prompt_logprobs = true;
+    r.params.prompt_logprobs_top = r.vllm_prompt_logprobs;
+  }
 }
 
 const char* finish_reason_api(const std::string& r) { return r == "length" ? "length" : "stop"; }
+// vLLM's prompt_logprobs: null for the first prompt token, then per token {id: {"logprob",
+// "rank", "decoded_token"}} for the token and its `top` likeliest alternatives.
+json prompt_logprobs_api(const Tokenizer& tk, const std::vector<TokenLogprob>& lps, int top) {
+  json out = json::array();
+  for (size_t i = 0; i < lps.size(); ++i) {
+    const TokenLogprob& lp = lps[i];
+    if (i == 0 || std::isnan(lp.logprob)) {
+      out.push_back(nullptr);
+      continue;
+    }
+    json d = json::object();
+    d[std::to_string(lp.token)] = {{"logprob", lp.logprob}, {"rank", lp.rank}, {"decoded_token", tk.token_piece(lp.token)}};
+    for (size_t k = 0; k < lp.top.size() && int(k) < top; ++k) {
+      const auto& [id, l] = lp.top[k];
+      if (!d.contains(std::to_string(id)))
+        d[std::to_string(id)] = {{"logprob", l}, {"rank", int(k) + 1}, {"decoded_token", tk.token_piece(id)}};
+    }
+    out.push_back(std::move(d));
+  }
+  return out;
+}
+
 // vLLM's stop_reason: the stop string or stop token id that ended the text, else null.
 json stop_reason_api(const GenResult& g) {
   if (g.stop_token >= 0) return g.stop_token;
@@ -976,6 +1004,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
     json choices = json::array();
     std::mt19937_64 id_rng(std::random_device{}());  // tool calls' ids
     int completion_tokens = 0;
+    json prompt_lps;  // chat's vLLM prompt_logprobs (the response's, one prompt)
     for (int i = 0; i < n_choices; ++i) {
       const GenResult& g = gs[size_t(i)];
       if (g.finish_reason == "error" || g.finish_reason == "cancelled")
@@ -1010,12 +1039,19 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
       if (chat && ar.params.logprobs >= 0) choice["logprobs"] = chat_logprobs(g.logprobs);
       if (!chat && ar.params.logprobs >= 0) {
         std::vector<TokenLogprob> lps = ar.echo ? g.prompt_logprobs : std::vector<TokenLogprob>{};
+        for (TokenLogprob& lp : lps) lp.top.resize(std::min(lp.top.size(), size_t(std::max(0, ar.params.logprobs))));
         lps.insert(lps.end(), g.logprobs.begin(), g.logprobs.end());
         choice["logprobs"] = completion_logprobs(lps, 0, nullptr, ar.echo);
+      }
+      if (ar.vllm_prompt_logprobs >= 0) {
+        const json pl = prompt_logprobs_api(engine.tokenizer(), g.prompt_logprobs, ar.vllm_prompt_logprobs);
+        if (chat) prompt_lps = pl;  // chat: the response's
+        else choice["prompt_logprobs"] = pl;
       }
       choices.push_back(std::move(choice));
     }
     json body_out = envelope(false, std::move(choices));
+    if (chat && ar.vllm_prompt_logprobs >= 0) body_out["prompt_logprobs"] = prompt_lps;
     body_out["usage"] = usage(completion_tokens);
     send_json(res, 200, body_out);
     return;
