@@ -463,6 +463,55 @@ TEST(JsonSchema, AllOfMerges) {
   EXPECT_TRUE(accepts(recursive, R"({"k": [{"k": []}, {"k": [{"k": []}]}]})"));
   EXPECT_FALSE(accepts(recursive, R"({"k": [{}]})"));
 
+  // Bounds and enum values compared exactly (2^53 + 1 is no double).
+  const auto big = compile(R"({"allOf": [{"type": "integer", "minimum": 9007199254740992, "maximum": 9007199254740999},
+      {"minimum": 9007199254740993}]})");
+  EXPECT_FALSE(accepts(big, "9007199254740992"));
+  EXPECT_TRUE(accepts(big, "9007199254740993"));
+  EXPECT_NE(compile_error(R"({"allOf": [{"enum": [9007199254740993]}, {"enum": [9007199254740992.0]}]})").find("none in common"),
+            std::string::npos);
+  // A recursive property both schemas list closes (OpenAPI's subclass that redeclares it).
+  const auto derived = compile(R"({"$defs": {"Base": {"type": "object", "properties": {"next": {"$ref": "#/$defs/Derived"},
+      "id": {"type": "integer"}}}, "Derived": {"allOf": [{"$ref": "#/$defs/Base"}, {"type": "object", "properties": {
+      "next": {"$ref": "#/$defs/Derived"}, "name": {"type": "string"}}}]}}, "$ref": "#/$defs/Derived"})");
+  EXPECT_TRUE(accepts(derived, R"({"next": {"next": {"name": "x"}, "id": 1}, "id": 2})"));
+  EXPECT_FALSE(accepts(derived, R"({"next": {"id": "x"}})"));
+  const auto twice = compile(R"({"type": "object", "properties": {"x": {"allOf": [{"$ref": "#"}, {"$ref": "#"}]}}})");
+  EXPECT_TRUE(accepts(twice, R"({"x": {"x": {}}})"));
+  // Branches, and optional properties, that no value fits are left out, whatever the conflict.
+  const auto range = compile(R"({"allOf": [{"type": "integer", "minimum": 5}, {"anyOf": [{"maximum": 3}, {"maximum": 10}]}]})");
+  EXPECT_TRUE(accepts(range, "7"));
+  EXPECT_FALSE(accepts(range, "3"));
+  EXPECT_FALSE(accepts(range, "11"));
+  const auto consts = compile(R"({"allOf": [{"type": "string"}, {"anyOf": [{"const": 1}, {"const": "x"}]}]})");
+  EXPECT_TRUE(accepts(consts, R"("x")"));
+  EXPECT_FALSE(accepts(consts, "1"));
+  const auto dropped = compile(R"({"properties": {"p": {"allOf": [{"type": "string"}, {"oneOf": [{"type": "integer"},
+      {"type": "null"}]}]}, "q": {"type": "integer"}}})");
+  EXPECT_TRUE(accepts(dropped, R"({"q": 1})"));
+  EXPECT_FALSE(accepts(dropped, R"({"p": "x"})"));
+  EXPECT_FALSE(accepts(dropped, R"({"p": null})"));
+  // prefixItems beside another schema's items: refused (its positions would need both).
+  EXPECT_NE(compile_error(R"({"allOf": [{"type": "array", "prefixItems": [{"type": "string"}]}, {"items": {"type": "integer"}}]})")
+                .find("'prefixItems' in one schema and 'items'"),
+            std::string::npos);
+  const auto items = compile(R"({"allOf": [{"type": "array", "items": {"type": "integer"}}, {"items": {"minimum": 0,
+      "type": "number"}, "maxItems": 2}]})");
+  EXPECT_TRUE(accepts(items, "[1, 2]"));
+  EXPECT_FALSE(accepts(items, "[-1]"));
+  EXPECT_FALSE(accepts(items, "[1.5]"));
+  EXPECT_FALSE(accepts(items, "[1, 2, 3]"));
+  // anyOfs distributed over one another multiply: past 256 alternatives, refused.
+  std::string three = R"({"allOf": [)";
+  for (int a = 0; a < 3; ++a) {
+    three += a ? ", {\"anyOf\": [" : "{\"anyOf\": [";
+    for (int b = 0; b < 6; ++b)
+      three += std::string(b ? ", " : "") + "{\"type\": \"object\", \"properties\": {\"k" + std::to_string(a) +
+               std::to_string(b) + "\": {\"type\": \"integer\"}}}";
+    three += "]}";
+  }
+  EXPECT_NE(compile_error(three + "]}").find("more than 256 alternatives"), std::string::npos);
+
   EXPECT_NE(compile_error(R"({"allOf": [{"type": "string"}, {"type": "integer"}]})").find("no value fits 'allOf'"), std::string::npos);
   EXPECT_NE(compile_error(R"({"allOf": [{"enum": [1, 2]}, {"enum": [3]}]})").find("enum / const values have none"), std::string::npos);
   EXPECT_NE(compile_error(R"({"allOf": [{"properties": {"a": {"type": "string"}}, "required": ["a"]},

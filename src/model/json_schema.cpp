@@ -680,6 +680,10 @@ class SchemaCompiler {
   [[noreturn]] static void no_value(const std::string& path, const std::string& why) {
     throw NoValue("json_schema at '" + (path.empty() ? std::string("#") : "#" + path) + "': no value fits 'allOf': " + why);
   }
+  // A schema no value fits (an error at the top; an anyOf branch or optional property left out).
+  [[noreturn]] static void no_fit(const std::string& path, const std::string& why) {
+    throw NoValue("json_schema at '" + (path.empty() ? std::string("#") : "#" + path) + "': " + why);
+  }
 
   // The schemas an allOf asks all of: the keywords beside it, each listed schema, nested allOfs and
   // $refs followed (a $ref met again on the way is refused: it would not end).
@@ -712,6 +716,48 @@ class SchemaCompiler {
     }
   }
 
+  // Numbers compared exactly (integers as integers, a float against an integer in long double,
+  // whose 64-bit mantissa holds both): -1, 0, 1.
+  static int compare_numbers(const json& a, const json& b) {
+    if (a.is_number_integer() && b.is_number_integer()) {
+      const auto wide = [](const json& x) { return x.is_number_unsigned() ? __int128(x.get<uint64_t>()) : __int128(x.get<int64_t>()); };
+      const __int128 x = wide(a), y = wide(b);
+      return x < y ? -1 : x > y ? 1 : 0;
+    }
+    const auto wide = [](const json& x) {
+      return x.is_number_unsigned() ? (long double)x.get<uint64_t>()
+             : x.is_number_integer() ? (long double)x.get<int64_t>()
+                                     : (long double)x.get<double>();
+    };
+    const long double x = wide(a), y = wide(b);
+    return x < y ? -1 : x > y ? 1 : 0;
+  }
+  // JSON equality with numbers compared exactly (nlohmann's == compares an integer and a float as
+  // doubles: 9007199254740993 would equal 9007199254740992.0).
+  static bool same_value(const json& a, const json& b) {
+    if (a.is_number() && b.is_number()) return compare_numbers(a, b) == 0;
+    if (a.is_array() && b.is_array()) {
+      if (a.size() != b.size()) return false;
+      for (size_t i = 0; i < a.size(); ++i)
+        if (!same_value(a[i], b[i])) return false;
+      return true;
+    }
+    if (a.is_object() && b.is_object()) {
+      if (a.size() != b.size()) return false;
+      for (const auto& [k, v] : a.items())
+        if (!b.contains(k) || !same_value(v, b[k])) return false;
+      return true;
+    }
+    return a == b;
+  }
+  // The distinct schemas of a list, in order.
+  static void dedupe(std::vector<json>& xs) {
+    std::vector<json> out;
+    for (json& x : xs)
+      if (std::none_of(out.begin(), out.end(), [&](const json& y) { return same_value(x, y); })) out.push_back(std::move(x));
+    xs = std::move(out);
+  }
+
   // One schema that asks what all the parts ask: types intersected, lower bounds raised and upper
   // bounds lowered, enum / const values intersected, required names united, object properties
   // merged as JSON Schema reads them (a name one part lists and another does not takes the other's
@@ -724,6 +770,9 @@ class SchemaCompiler {
         const json& alts = parts[i][k];
         if (!alts.is_array() || alts.empty()) fail(path, std::string("'") + k + "' must be a non-empty list of schemas");
         if (alts.size() > 64) fail(path, std::string("'allOf' beside an '") + k + "' of more than 64 schemas is not supported");
+        distributed_ += alts.size();
+        if (distributed_ > 256)
+          fail(path, "'allOf' over 'anyOf'/'oneOf' distributes into more than 256 alternatives, which kvq does not generate");
         json rest = parts[i];
         rest.erase(k);
         json branches = json::array();
@@ -768,7 +817,7 @@ class SchemaCompiler {
       if (p.contains("enum")) {
         if (!p["enum"].is_array() || p["enum"].empty()) fail(path, "'enum' must be a non-empty list");
         for (const json& v : p["enum"])
-          if (!p.contains("const") || v == p["const"]) mine.push_back(v);
+          if (!p.contains("const") || same_value(v, p["const"])) mine.push_back(v);
         if (p.contains("const")) mine.resize(std::min<size_t>(mine.size(), 1));
       }
       if (!p.contains("const") && !p.contains("enum")) continue;
@@ -776,7 +825,9 @@ class SchemaCompiler {
         values = mine;
         continue;
       }
-      std::erase_if(*values, [&](const json& v) { return std::find(mine.begin(), mine.end(), v) == mine.end(); });
+      std::erase_if(*values, [&](const json& v) {
+        return std::none_of(mine.begin(), mine.end(), [&](const json& m) { return same_value(v, m); });
+      });
     }
     if (values) {
       if (values->empty()) no_value(path, "its schemas' enum / const values have none in common");
@@ -786,19 +837,29 @@ class SchemaCompiler {
     static const std::set<std::string> upper = {"maxLength", "maxItems", "maxProperties", "maximum", "exclusiveMaximum"};
     static const std::set<std::string> object_kw = {"properties", "required", "additionalProperties", "patternProperties",
                                                     "propertyNames"};
+    // arrays: items and prefixItems from one schema as they are; from several, the allOf of their
+    // items (a prefixItems beside another schema's items or prefixItems is refused: the positions
+    // it covers would need both)
+    size_t array_parts = 0, prefix_parts = 0;
+    for (const json& p : parts) {
+      array_parts += p.contains("items") || p.contains("prefixItems");
+      prefix_parts += p.contains("prefixItems");
+    }
+    if (array_parts > 1 && prefix_parts > 0)
+      fail(path, "'allOf' with 'prefixItems' in one schema and 'items' or 'prefixItems' in another is not supported");
     std::vector<std::string> seen;  // the other keywords, in the order met
     for (const json& p : parts)
       for (const auto& [k, v] : p.items()) {
         if (k == "type" || k == "enum" || k == "const" || object_kw.count(k)) continue;
         if (lower.count(k) || upper.count(k)) {
           if (!v.is_number()) fail(path, "'" + k + "' must be a number");
-          if (!out.contains(k) || (lower.count(k) ? v.get<double>() > out[k].get<double>() : v.get<double>() < out[k].get<double>()))
-            out[k] = v;
+          if (!out.contains(k) || (lower.count(k) ? compare_numbers(v, out[k]) > 0 : compare_numbers(v, out[k]) < 0)) out[k] = v;
         } else if (k == "uniqueItems") {
           if (!out.contains(k) || v == true) out[k] = v;
-        } else if (k == "items" && v.is_object()) {
-          if (!out.contains(k)) out[k] = v;
-          else if (out[k] != v) out[k] = json{{"allOf", {out[k], v}}};
+        } else if (k == "items" && array_parts > 1) {  // (no prefixItems then)
+          if (!v.is_object() && !v.is_boolean()) fail(path, "'items' must be a schema");
+          if (!out.contains(k)) out[k] = json{{"allOf", json::array()}};
+          out[k]["allOf"].push_back(v);
         } else if (k == "multipleOf" && out.contains(k) && out[k] != v) {
           const json& m = out[k];
           if (!m.is_number_integer() || !v.is_number_integer() || m.get<int64_t>() <= 0 || v.get<int64_t>() <= 0)
@@ -858,6 +919,11 @@ class SchemaCompiler {
             else if (ap != true) cons.push_back(ap);
           }
         }
+        {
+          std::vector<json> distinct(cons.begin(), cons.end());
+          dedupe(distinct);
+          cons = distinct;
+        }
         if (out_ruled) {
           if (std::find(required.begin(), required.end(), n) != required.end())
             no_value(path, "property '" + n + "' is required by one schema and ruled out by another's additionalProperties");
@@ -878,7 +944,16 @@ class SchemaCompiler {
         else if (ap != true) extra.push_back(ap);
       }
       if (closed) out["additionalProperties"] = false;
-      else if (explicit_extra > 0) out["additionalProperties"] = extra.empty() ? json(true) : extra.size() == 1 ? extra[0] : json{{"allOf", extra}};
+      else if (explicit_extra > 0) {
+        std::vector<json> distinct(extra.begin(), extra.end());
+        dedupe(distinct);
+        out["additionalProperties"] = distinct.empty() ? json(true) : distinct.size() == 1 ? distinct[0] : json{{"allOf", distinct}};
+      }
+    }
+    if (out.contains("items") && out["items"].is_object() && out["items"].contains("allOf")) {
+      std::vector<json> its = out["items"]["allOf"].get<std::vector<json>>();
+      dedupe(its);
+      out["items"] = its.size() == 1 ? its[0] : json{{"allOf", its}};
     }
     return out;
   }
@@ -891,7 +966,7 @@ class SchemaCompiler {
     } leave{depth_};
     if (s.is_boolean()) {
       if (s.get<bool>()) return any();
-      fail(path, "the schema false accepts no value");
+      no_fit(path, "the schema false accepts no value");
     }
     if (!s.is_object()) fail(path, "a schema must be an object or a boolean");
     std::vector<std::string> constraints;  // the keywords that constrain, for the combinations refused
@@ -917,12 +992,15 @@ class SchemaCompiler {
         return k == "allOf" || k == "$defs" || k == "definitions";
       });
       if (alone && subs.size() == 1) return schema(subs[0], child(child(path, "allOf"), "0"));
-      // Merged once per distinct allOf (a recursive one refers back to its own rule).
-      const std::string key = s.dump();
-      if (auto it = all_of_rules_.find(key); it != all_of_rules_.end()) return it->second;
+      // Merged once per distinct set of schemas (a recursive allOf refers back to its own rule).
       std::vector<json> parts;
       std::vector<std::string> refs;
       all_of_parts(s, path, parts, refs);
+      dedupe(parts);
+      const std::string key = json(parts).dump();
+      if (auto it = all_of_rules_.find(key); it != all_of_rules_.end()) return it->second;
+      if (all_of_rules_.size() >= 1000)
+        fail(path, "more than 1000 distinct 'allOf' merges (a recursion through 'allOf' that does not close)");
       merged_.push_back(merge_parts(parts, path));
       const uint32_t r = new_rule();
       all_of_rules_.emplace(key, r);
@@ -951,7 +1029,7 @@ class SchemaCompiler {
           none_fits = e.what();
         }
       }
-      if (n == 0) fail(path, std::string("no schema of '") + k + "' accepts a value" + (none_fits.empty() ? "" : " (" + none_fits + ")"));
+      if (n == 0) no_fit(path, std::string("no schema of '") + k + "' accepts a value" + (none_fits.empty() ? "" : " (" + none_fits + ")"));
       return r;
     }
     const std::vector<std::string> types = types_of(s, path);
@@ -988,7 +1066,7 @@ class SchemaCompiler {
         if (!words.empty() && words.back().size() > kMaxWord) fail(path, "an 'enum'/'const' value longer than 4096 bytes");
         ++n;
       }
-      if (n == 0) fail(path, "no value of 'enum'/'const' has the schema's 'type' and bounds");
+      if (n == 0) no_fit(path, "no value of 'enum'/'const' has the schema's 'type' and bounds");
       if (!words.empty()) {
         std::sort(words.begin(), words.end());
         words.erase(std::unique(words.begin(), words.end()), words.end());
@@ -1056,7 +1134,7 @@ class SchemaCompiler {
     if (t == "string") {
       const uint32_t min_len = s.contains("minLength") ? count_of(s, "minLength", path) : 0;
       const uint32_t max_len = count_of(s, "maxLength", path);
-      if (min_len > max_len) fail(path, "'minLength' is larger than 'maxLength'");
+      if (min_len > max_len) no_fit(path, "'minLength' is larger than 'maxLength'");
       if (s.contains("pattern")) {
         RegexOptions o;
         o.json_string = true;
@@ -1333,7 +1411,7 @@ class SchemaCompiler {
       const uint32_t m = magnitude(mlo, mhi);
       if (m != UINT32_MAX) alt(r, {ch('-'), rule(m)});
     }
-    if (g_.rules_[r].empty()) fail(path, "no number lies within the schema's minimum and maximum");
+    if (g_.rules_[r].empty()) no_fit(path, "no number lies within the schema's minimum and maximum");
     return r;
   }
 
@@ -1352,7 +1430,7 @@ class SchemaCompiler {
     if (s.contains("maximum")) hi = std::min(hi, bound("maximum", false, ex_hi_flag));
     if (s.contains("exclusiveMinimum") && !s["exclusiveMinimum"].is_boolean()) lo = std::max(lo, bound("exclusiveMinimum", true, true));
     if (s.contains("exclusiveMaximum") && !s["exclusiveMaximum"].is_boolean()) hi = std::min(hi, bound("exclusiveMaximum", false, true));
-    if (lo > hi) fail(path, "no integer of at most 16 digits lies within the schema's minimum and maximum");
+    if (lo > hi) no_fit(path, "no integer of at most 16 digits lies within the schema's minimum and maximum");
     int64_t multiple = 1;
     if (s.contains("multipleOf")) {
       const json& m = s["multipleOf"];
@@ -1361,7 +1439,7 @@ class SchemaCompiler {
       if (m.get<double>() >= 1e16) fail(path, "'multipleOf' of more than 16 digits is not supported");
       multiple = m.is_number_unsigned() ? int64_t(m.get<uint64_t>()) : m.is_number_integer() ? m.get<int64_t>() : int64_t(m.get<double>());
       const int64_t q = hi / multiple - (hi % multiple != 0 && hi < 0 ? 1 : 0);  // floor(hi / multiple)
-      if (q * multiple < lo) fail(path, "no multiple of 'multipleOf' lies within the schema's minimum and maximum");
+      if (q * multiple < lo) no_fit(path, "no multiple of 'multipleOf' lies within the schema's minimum and maximum");
     }
     g_.ints_.push_back({lo, hi, multiple});
     return rule_of({{Elem{Grammar::kInt, uint32_t(g_.ints_.size() - 1)}}});
@@ -1381,18 +1459,6 @@ class SchemaCompiler {
     double r = lower ? (exclusive ? std::floor(x) + 1 : std::ceil(x)) : (exclusive ? std::ceil(x) - 1 : std::floor(x));
     r = std::clamp(r, -double(edge), double(edge));
     return int64_t(r);
-  }
-  // a < b, a == b or a > b (-1, 0, 1) for JSON numbers: exact between integers.
-  static int compare_numbers(const json& a, const json& b) {
-    if (a.is_number_integer() && b.is_number_integer()) {
-      const auto wide = [](const json& v) {
-        return v.is_number_unsigned() ? __int128(v.get<uint64_t>()) : __int128(v.get<int64_t>());
-      };
-      const __int128 x = wide(a), y = wide(b);
-      return x < y ? -1 : x > y ? 1 : 0;
-    }
-    const double x = a.get<double>(), y = b.get<double>();
-    return x < y ? -1 : x > y ? 1 : 0;
   }
 
   // A string of a format: the quotes around the format's text. UINT32_MAX for a format kvq does
@@ -1478,7 +1544,7 @@ class SchemaCompiler {
     const uint32_t min = s.contains("minItems") ? count_of(s, "minItems", path) : 0;
     uint32_t max = count_of(s, "maxItems", path);
     if (rest == UINT32_MAX) max = std::min<uint32_t>(max, uint32_t(prefix.size()));
-    if (min > max) fail(path, "no array fits: 'minItems' is larger than " + std::string(rest == UINT32_MAX ? "the tuple" : "'maxItems'"));
+    if (min > max) no_fit(path, "no array fits: 'minItems' is larger than " + std::string(rest == UINT32_MAX ? "the tuple" : "'maxItems'"));
     const uint32_t top = max == kUnbounded ? std::max<uint32_t>({uint32_t(prefix.size()), min, 1}) : max;
     if (top > 10000) fail(path, "'minItems'/'maxItems' above 10000 are not supported");
     auto slot = [&](uint32_t j) { return j < prefix.size() ? prefix[j] : rest; };
@@ -1517,8 +1583,8 @@ class SchemaCompiler {
     const uint32_t k = uint32_t(values.size());
     const uint32_t min = s.contains("minItems") ? count_of(s, "minItems", path) : 0;
     const uint32_t max_items = count_of(s, "maxItems", path);
-    if (min > max_items) fail(path, "no array fits: 'minItems' is larger than 'maxItems'");
-    if (min > k) fail(path, "no array fits: 'minItems' is larger than the distinct values of the items");
+    if (min > max_items) no_fit(path, "no array fits: 'minItems' is larger than 'maxItems'");
+    if (min > k) no_fit(path, "no array fits: 'minItems' is larger than the distinct values of the items");
     const uint32_t max = std::min(max_items, k);
     // from[j][c]: the c-th item, value j or a later one, then the rest; after it, the rest up to
     // ']'. The count c only where minItems / maxItems bound it (else one level).
@@ -1796,7 +1862,7 @@ class SchemaCompiler {
     if (s.contains("propertyNames")) names_rule = property_names(s["propertyNames"], child(path, "propertyNames"));
     std::erase_if(props, [&](const Prop& p) {
       if (names_rule.allows(p.name)) return false;
-      if (required.count(p.name)) fail(path, "no object fits: required property '" + p.name + "' is not allowed by 'propertyNames'");
+      if (required.count(p.name)) no_fit(path, "no object fits: required property '" + p.name + "' is not allowed by 'propertyNames'");
       return true;  // an optional property propertyNames rules out: never written
     });
     // A listed property a pattern of another schema matches would need both: refused (one whose
@@ -1809,7 +1875,7 @@ class SchemaCompiler {
         const bool hit = np.dfa.matches(p.name);
         if (!hit && printable_ascii(p.name)) continue;
         if (hit && *np.schema == false) {
-          if (required.count(p.name)) fail(path, "no object fits: required property '" + p.name + "' matches 'patternProperties' '" + np.pattern + "', whose schema is false");
+          if (required.count(p.name)) no_fit(path, "no object fits: required property '" + p.name + "' matches 'patternProperties' '" + np.pattern + "', whose schema is false");
           return true;
         }
         fail(path, "property '" + p.name + "' is in 'properties' and " +
@@ -1877,14 +1943,16 @@ class SchemaCompiler {
     const uint32_t n_required = uint32_t(required.size());
     const uint32_t min_props = s.contains("minProperties") ? count_of(s, "minProperties", path) : 0;
     const uint32_t max_props = count_of(s, "maxProperties", path);
-    if (n_required > max_props) fail(path, "no object fits: more properties are required than 'maxProperties'");
-    if (min_props > max_props) fail(path, "no object fits: 'minProperties' is more than 'maxProperties'");
+    if (n_required > max_props) no_fit(path, "no object fits: more properties are required than 'maxProperties'");
+    if (min_props > max_props) no_fit(path, "no object fits: 'minProperties' is more than 'maxProperties'");
     // Other properties count once toward minProperties: their names could repeat (a JSON object
     // with a repeated name has one property of it), the listed ones' cannot.
-    if (min_props > props.size() + (has_extra ? 1 : 0))
+    if (min_props > props.size() + (has_extra ? 1 : 0)) {
+      if (!has_extra) no_fit(path, "no object fits: 'minProperties' is more than the properties the schema allows");
       fail(path, has_extra ? "'minProperties' beyond the listed properties and one other is not supported (other "
                              "properties' names could repeat, and a repeated name is one property)"
-                           : "no object fits: 'minProperties' is more than the properties the schema allows");
+                           : "");
+    }
     const bool counted = min_props > n_required || (max_props != kUnbounded && (max_props < props.size() || has_extra));
     const uint32_t T = !counted ? 0 : max_props != kUnbounded ? max_props : min_props;
     if (size_t(props.size() + 1) * (size_t(T) + 1) > 65536)
@@ -1944,7 +2012,7 @@ class SchemaCompiler {
     std::vector<Seq> open;  // after '{' and its gap
     if (rest_optional[0] && may_end(0)) open.push_back({ch('}')});
     if (c_next[0] != UINT32_MAX) open.push_back({rule(c_next[0]), ch('}')});
-    if (open.empty()) fail(path, "no object fits the schema's 'minProperties'/'maxProperties'");
+    if (open.empty()) no_fit(path, "no object fits the schema's 'minProperties'/'maxProperties'");
     return rule_of({{ch('{'), ws(), rule(rule_of(open))}});
   }
 
@@ -2078,7 +2146,8 @@ class SchemaCompiler {
   Grammar& g_;
   const json& root_;
   std::map<std::string, uint32_t> refs_;
-  std::map<std::string, uint32_t> all_of_rules_;  // by the allOf schema's text
+  std::map<std::string, uint32_t> all_of_rules_;  // by the text of the allOf's distinct schemas
+  size_t distributed_ = 0;                        // anyOf / oneOf branches distributed over allOfs
   std::deque<json> merged_;                       // allOf schemas merged (the rules refer to their paths)
   std::map<ByteSet, uint32_t> set_ids_;
   std::map<std::pair<CodePoints, bool>, uint32_t> code_point_rules_;  // code_point_rule's, by set and encoding
