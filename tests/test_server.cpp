@@ -469,6 +469,11 @@ TEST_F(ServerTest, VllmSamplingExtras) {
   EXPECT_TRUE(j["prompt_logprobs"][0].is_null());
   EXPECT_EQ(j["prompt_logprobs"].size(), size_t(j["usage"]["prompt_tokens"].get<int>()));
   EXPECT_EQ(j["prompt_logprobs"][1].size(), 1u);
+  // llama.cpp's max_tokens -1 (its web UI's default): as when it is not set (chat: up to the context)
+  j = post_ok("/v1/chat/completions", {{"messages", json::array({{{"role", "user"}, {"content", "Once upon"}}})},
+                                       {"max_tokens", -1}, {"temperature", 0}, {"ignore_eos", true}});
+  EXPECT_EQ(j["usage"]["prompt_tokens"].get<int>() + j["usage"]["completion_tokens"].get<int>(), 256);
+  expect_bad("/v1/completions", R"({"prompt": "a", "max_tokens": -2})", "max_tokens");
   // neutral settings change nothing (llama.cpp's "off" ranges, SillyTavern's defaults)
   b = base;
   const json neutral = {{"skip_special_tokens", true}, {"typical_p", 1}, {"bad_words", json::array()},

@@ -186,6 +186,7 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
     const json& v = body[key];
     if (!v.is_number_integer()) throw ApiError{fmt::format("'{}' must be an integer", key), key};
     const int64_t m = v.get<int64_t>();
+    if (m == -1) continue;  // llama.cpp's (its web UI's default): no limit, as when it is not set
     // 0 only with echo and logprobs (scoring a prompt, as evaluation harnesses do): checked by the caller.
     if (m < 0 || m > (int64_t(1) << 30))
       throw ApiError{fmt::format("'{}' must be between 1 and {} (got {})", key, int64_t(1) << 30, m), key};
