@@ -83,6 +83,18 @@ void expect_pool_clean(const Engine& e) {
   EXPECT_EQ(pool.n_idle(), e.prefix_index().n_idle());
 }
 
+// One request's result and, in *streamed, the text its on_text received.
+GenResult generate_streamed(Engine& e, const std::vector<int32_t>& prompt, const GenParams& p, std::string* streamed) {
+  std::promise<GenResult> pr;
+  GenRequest r;
+  r.prompt = prompt;
+  r.params = p;
+  r.on_text = [streamed](const std::string& d) { *streamed += d; };
+  r.on_done = [&pr](const GenResult& g) { pr.set_value(g); };
+  e.submit(std::move(r));
+  return pr.get_future().get();
+}
+
 struct Outcome {
   GenResult res;
   std::string streamed;
@@ -740,14 +752,7 @@ TEST_F(EngineTest, StopStringsMaxTokensAndStreaming) {
     GenParams p = greedy(50);
     p.stop = {"zzzz-never", stop};
     std::string streamed;
-    std::promise<GenResult> pr;
-    GenRequest r;
-    r.prompt = prompt;
-    r.params = p;
-    r.on_text = [&](const std::string& d) { streamed += d; };
-    r.on_done = [&](const GenResult& g) { pr.set_value(g); };
-    e.submit(std::move(r));
-    GenResult stopped = pr.get_future().get();
+    GenResult stopped = generate_streamed(e, prompt, p, &streamed);
     EXPECT_EQ(stopped.finish_reason, "stop") << "stop '" << stop << "'";
     EXPECT_EQ(stopped.text, full.text.substr(0, first)) << "stop '" << stop << "'";
     EXPECT_EQ(streamed, stopped.text) << "stop '" << stop << "'";  // nothing before the stop lost, nothing of it sent
@@ -765,16 +770,7 @@ TEST_F(EngineTest, StopStringKeptAndMinTokens) {
   const std::vector<int32_t> prompt = tok.encode("Once upon a time", true);
   const GenResult full = e.generate(prompt, greedy(60));
   ASSERT_EQ(full.tokens.size(), 60u);
-  const auto run = [&](const GenParams& p, std::string* streamed) {
-    std::promise<GenResult> pr;
-    GenRequest r;
-    r.prompt = prompt;
-    r.params = p;
-    r.on_text = [streamed](const std::string& d) { *streamed += d; };
-    r.on_done = [&](const GenResult& g) { pr.set_value(g); };
-    e.submit(std::move(r));
-    return pr.get_future().get();
-  };
+  const auto run = [&](const GenParams& p, std::string* streamed) { return generate_streamed(e, prompt, p, streamed); };
   for (size_t cut = full.text.size() / 2; cut < full.text.size() / 2 + 6; ++cut) {
     const std::string stop = full.text.substr(cut, 4);
     const size_t first = full.text.find(stop);
