@@ -491,6 +491,12 @@ TEST(JsonSchema, AllOfMerges) {
   EXPECT_TRUE(accepts(dropped, R"({"q": 1})"));
   EXPECT_FALSE(accepts(dropped, R"({"p": "x"})"));
   EXPECT_FALSE(accepts(dropped, R"({"p": null})"));
+  EXPECT_NE(compile_error(R"({"allOf": [{"const": 1, "enum": [2, 3]}, {"type": "integer"}]})").find("const is not one of its enum"),
+            std::string::npos);
+  const auto draft4 = compile(R"({"allOf": [{"type": "integer", "minimum": 3, "exclusiveMinimum": true}, {"maximum": 5}]})");
+  EXPECT_FALSE(accepts(draft4, "3"));
+  EXPECT_TRUE(accepts(draft4, "4"));
+  EXPECT_FALSE(accepts(draft4, "6"));
   // prefixItems beside another schema's items: refused (its positions would need both).
   EXPECT_NE(compile_error(R"({"allOf": [{"type": "array", "prefixItems": [{"type": "string"}]}, {"items": {"type": "integer"}}]})")
                 .find("'prefixItems' in one schema and 'items'"),

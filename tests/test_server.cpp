@@ -395,6 +395,10 @@ TEST_F(ServerTest, VllmSamplingExtras) {
   json j = post_ok("/v1/completions", b);
   EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
   EXPECT_EQ(j["choices"][0]["stop_reason"], dog);  // the stop token
+  j = post_ok("/v1/completions", {{"prompt", "Once upon a time"}, {"max_tokens", 5}, {"temperature", 0},
+                                  {"logit_bias", {{std::to_string(tk.eos()), 100}}}, {"stop_token_ids", {tk.eos()}}});
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+  EXPECT_TRUE(j["choices"][0]["stop_reason"].is_null());  // an end of generation, listed or not (vLLM's)
   EXPECT_EQ(j["usage"]["completion_tokens"], 7);
   // allowed_token_ids: greedy picks the likelier of the two at every step
   const int32_t cat = tk.encode("cat", false).at(0);
@@ -427,6 +431,11 @@ TEST_F(ServerTest, VllmSamplingExtras) {
   j = post_ok("/v1/completions", b);
   EXPECT_EQ(j["usage"]["prompt_tokens"], 256 - 6);
   EXPECT_EQ(j["usage"]["completion_tokens"], 6);
+  b.erase("max_tokens");  // room for completions' default of 16
+  b["ignore_eos"] = true;
+  j = post_ok("/v1/completions", b);
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 256 - 16);
+  EXPECT_EQ(j["usage"]["completion_tokens"], 16);
   b["truncate_prompt_tokens"] = 257;
   expect_bad("/v1/completions", b.dump(), "truncate_prompt_tokens");
   // llama.cpp's repeat_penalty (over the last repeat_last_n tokens, 64 by default)
@@ -474,6 +483,8 @@ TEST_F(ServerTest, VllmSamplingExtras) {
                                        {"max_tokens", -1}, {"temperature", 0}, {"ignore_eos", true}});
   EXPECT_EQ(j["usage"]["prompt_tokens"].get<int>() + j["usage"]["completion_tokens"].get<int>(), 256);
   expect_bad("/v1/completions", R"({"prompt": "a", "max_tokens": -2})", "max_tokens");
+  j = post_ok("/v1/completions", {{"prompt", "Once upon"}, {"max_tokens", -1}, {"temperature", 0}, {"ignore_eos", true}});
+  EXPECT_EQ(j["usage"]["prompt_tokens"].get<int>() + j["usage"]["completion_tokens"].get<int>(), 256);  // not 16
   // neutral settings change nothing (llama.cpp's "off" ranges, SillyTavern's defaults)
   b = base;
   const json neutral = {{"skip_special_tokens", true}, {"typical_p", 1}, {"bad_words", json::array()},

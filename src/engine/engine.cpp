@@ -563,9 +563,10 @@ bool Engine::take_token(Seq& s, int32_t next, const float* lg, int n_vocab, doub
     return false;
   }
   const bool stop_id = std::find(stop_ids.begin(), stop_ids.end(), next) != stop_ids.end();
-  if ((tok_.is_eog(next) && (!s.req.params.ignore_eos || s.grammar)) || stop_id) {
+  const bool eog = tok_.is_eog(next) && (!s.req.params.ignore_eos || s.grammar);
+  if (eog || stop_id) {
     if (stop_id && s.req.params.include_stop_str) s.text += s.dec->push(next);  // vLLM's: the stop token's text too
-    if (stop_id) s.res.stop_token = next;
+    if (stop_id && !eog) s.res.stop_token = next;  // (vLLM: an end of generation listed there is no stop_reason)
     finish(s, "stop");
     return false;
   }

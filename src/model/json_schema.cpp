@@ -812,15 +812,19 @@ class SchemaCompiler {
     // enum / const: the values every part that lists values lists
     std::optional<std::vector<json>> values;
     for (const json& p : parts) {
+      if (!p.contains("const") && !p.contains("enum")) continue;
       std::vector<json> mine;
-      if (p.contains("const")) mine.push_back(p["const"]);
       if (p.contains("enum")) {
         if (!p["enum"].is_array() || p["enum"].empty()) fail(path, "'enum' must be a non-empty list");
-        for (const json& v : p["enum"])
-          if (!p.contains("const") || same_value(v, p["const"])) mine.push_back(v);
-        if (p.contains("const")) mine.resize(std::min<size_t>(mine.size(), 1));
+        mine = p["enum"].get<std::vector<json>>();
       }
-      if (!p.contains("const") && !p.contains("enum")) continue;
+      if (p.contains("const")) {
+        const bool listed = !p.contains("enum") ||
+                            std::any_of(mine.begin(), mine.end(), [&](const json& v) { return same_value(v, p["const"]); });
+        mine.clear();
+        if (listed) mine.push_back(p["const"]);
+      }
+      if (mine.empty()) no_value(path, "a schema's const is not one of its enum");
       if (!values) {
         values = mine;
         continue;
@@ -851,8 +855,7 @@ class SchemaCompiler {
     for (const json& p : parts)
       for (const auto& [k, v] : p.items()) {
         if (k == "type" || k == "enum" || k == "const" || object_kw.count(k)) continue;
-        if (lower.count(k) || upper.count(k)) {
-          if (!v.is_number()) fail(path, "'" + k + "' must be a number");
+        if ((lower.count(k) || upper.count(k)) && v.is_number() && (!out.contains(k) || out[k].is_number())) {
           if (!out.contains(k) || (lower.count(k) ? compare_numbers(v, out[k]) > 0 : compare_numbers(v, out[k]) < 0)) out[k] = v;
         } else if (k == "uniqueItems") {
           if (!out.contains(k) || v == true) out[k] = v;
@@ -1809,6 +1812,7 @@ class SchemaCompiler {
         if (!keys || !keys->states.empty()) branches.emplace_back(std::move(keys), extra_schema, extra_path);
       }
     } catch (const std::invalid_argument& e) {
+      if (std::string_view(e.what()).starts_with("json_schema at ")) throw;  // already names its place
       fail(path, std::string("property names (patternProperties / propertyNames / the listed names): ") + e.what());
     }
     std::vector<std::pair<Seq, uint32_t>> out;

@@ -28,7 +28,10 @@
 //   JSON encoding (`\"`, `\\`, `\n`-style or `\u00XX` escapes for the characters JSON escapes,
 //   UTF-8 for the rest).
 // Supported keywords: type (a name or a list), properties, required, additionalProperties,
-// minProperties, maxProperties (the properties written are counted, extra ones too), items
+// patternProperties and propertyNames (names ruled by automata; beside patterns the names not
+// listed are printable ASCII, where ECMA-262's and Python's readings of a pattern agree),
+// minProperties, maxProperties (the properties written are counted, extra ones too; toward
+// minProperties the extra ones once, as their names could repeat), items
 // (a schema, or a list: a tuple), prefixItems, minItems, maxItems, uniqueItems (items of finitely
 // many values: an enum or const, also through $ref, or booleans; the items are then a subsequence
 // of the values in their written order), minLength, maxLength, pattern, minimum,
@@ -36,7 +39,8 @@
 // are then written without an exponent), multipleOf (by an integer: integers, also for numbers,
 // written as integers; on numbers by a power of ten below 1, 0.01: at most that many fraction
 // digits, without an exponent), format (date, time, date-time, uuid,
-// ipv4), enum, const, anyOf, oneOf, allOf (one schema), $ref (a JSON pointer into the document:
+// ipv4), enum, const, anyOf, oneOf, allOf (merged into one schema; an anyOf / oneOf among its
+// schemas distributed; a branch or optional property no value fits left out), $ref (a JSON pointer into the document:
 // #/$defs/..., #/definitions/..., #), $defs and definitions. Annotations (title, description,
 // default, examples, $schema, $id, $comment, ...) are ignored, and so are other formats (an
 // annotation by default in JSON Schema 2020-12: plain strings). The other validation keywords

@@ -65,6 +65,7 @@ struct ApiRequest {
   bool stream = false;
   bool include_usage = false;
   bool max_tokens_set = false;
+  bool unlimited = false;  // max_tokens -1: up to the context
   bool echo = false;  // completions: the prompt's text (and log-probabilities) before the completion
   int n = 1;          // choices: n sequences of the same prompt (seeds seed, seed + 1, ...)
   std::string constraint;      // the parameter that constrains the output (empty: none)
@@ -186,7 +187,10 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
     const json& v = body[key];
     if (!v.is_number_integer()) throw ApiError{fmt::format("'{}' must be an integer", key), key};
     const int64_t m = v.get<int64_t>();
-    if (m == -1) continue;  // llama.cpp's (its web UI's default): no limit, as when it is not set
+    if (m == -1) {  // llama.cpp's (its web UI's default): no limit, up to the context
+      r.unlimited = true;
+      continue;
+    }
     // 0 only with echo and logprobs (scoring a prompt, as evaluation harnesses do): checked by the caller.
     if (m < 0 || m > (int64_t(1) << 30))
       throw ApiError{fmt::format("'{}' must be between 1 and {} (got {})", key, int64_t(1) << 30, m), key};
@@ -913,8 +917,8 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
     if (ar.truncate_prompt_tokens > ctx)
       throw ApiError{fmt::format("'truncate_prompt_tokens' {} is more than the context of {} tokens", ar.truncate_prompt_tokens, ctx),
                      "truncate_prompt_tokens"};
-    // -1: as many as leave room for max_tokens (one token when it is not set)
-    const int keep = ar.truncate_prompt_tokens == -1 ? std::max(1, seq_cap - (ar.max_tokens_set ? std::max(1, ar.params.max_tokens) : 1))
+    // -1: as many as leave room for max_tokens (16 when it is not set, completions' default)
+    const int keep = ar.truncate_prompt_tokens == -1 ? std::max(1, seq_cap - (ar.max_tokens_set ? std::max(1, ar.params.max_tokens) : 16))
                                                      : ar.truncate_prompt_tokens;
     if (ar.truncate_prompt_tokens != 0 && in.ids.size() > size_t(keep)) {
       // the last `keep` tokens, the first kept when it is the BOS (as a tokenizer that truncates
@@ -932,7 +936,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
       throw ApiError{fmt::format("the prompt is {} tokens, the KV cache holds {} tokens", n_prompt, pool_tokens),
                      prompt_param, "context_length_exceeded"};
     if (!ar.max_tokens_set) {
-      in.max_tokens = chat ? seq_cap - n_prompt : std::min(16, seq_cap - n_prompt);
+      in.max_tokens = chat || ar.unlimited ? seq_cap - n_prompt : std::min(16, seq_cap - n_prompt);
     } else if (n_prompt + ar.params.max_tokens > ctx) {
       throw ApiError{fmt::format("max_tokens {} + prompt {} tokens exceed the context of {} tokens",
                                  ar.params.max_tokens, n_prompt, ctx),
@@ -1071,7 +1075,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
   for (int i = 0; i < n_choices; ++i) {
     auto pend = std::make_shared<PendingLogprobs>();
     auto chunk = [=, this](const json& delta_or_text, const json& finish) {
-      json choice = {{"index", i}, {"logprobs", nullptr}, {"finish_reason", finish}};
+      json choice = {{"index", i}, {"logprobs", nullptr}, {"finish_reason", finish}, {"stop_reason", nullptr}};
       if (want_lp && !pend->lps.empty()) {
         choice["logprobs"] = chat ? chat_logprobs(pend->lps) : completion_logprobs(pend->lps, pend->offset, &pend->offset);
         pend->lps.clear();
