@@ -395,11 +395,11 @@ TEST_F(ServerTest, VllmSamplingExtras) {
   json j = post_ok("/v1/completions", b);
   EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
   EXPECT_EQ(j["choices"][0]["stop_reason"], dog);  // the stop token
+  EXPECT_EQ(j["usage"]["completion_tokens"], 7);
   j = post_ok("/v1/completions", {{"prompt", "Once upon a time"}, {"max_tokens", 5}, {"temperature", 0},
                                   {"logit_bias", {{std::to_string(tk.eos()), 100}}}, {"stop_token_ids", {tk.eos()}}});
   EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
   EXPECT_TRUE(j["choices"][0]["stop_reason"].is_null());  // an end of generation, listed or not (vLLM's)
-  EXPECT_EQ(j["usage"]["completion_tokens"], 7);
   // allowed_token_ids: greedy picks the likelier of the two at every step
   const int32_t cat = tk.encode("cat", false).at(0);
   b = base;
