@@ -162,7 +162,7 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
   };
   if (auto v = flag("include_stop_str_in_output")) r.params.include_stop_str = *v;  // vLLM's
   if (auto v = count("min_tokens", 0)) r.params.min_tokens = int(*v);                // vLLM's
-  // vLLM's: the prompt's last N tokens only (-1: as many as the context takes, as without it)
+  // vLLM's: the prompt's last N tokens only (-1: as many as leave room for max_tokens)
   if (auto v = count("truncate_prompt_tokens", -1)) {
     if (*v == 0) throw ApiError{"'truncate_prompt_tokens' must be >= 1 (or -1)", "truncate_prompt_tokens"};
     r.truncate_prompt_tokens = int(*v);
