@@ -497,6 +497,20 @@ TEST(JsonSchema, AllOfMerges) {
   EXPECT_FALSE(accepts(draft4, "3"));
   EXPECT_TRUE(accepts(draft4, "4"));
   EXPECT_FALSE(accepts(draft4, "6"));
+  // A oneOf distributed over an allOf is generated as anyOf: only branches told apart (types,
+  // values, a required property's const) are; a document that could match two is refused.
+  EXPECT_NE(compile_error(R"({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+      {"oneOf": [{"required": ["a"]}, {"required": ["b"]}]}]})")
+                .find("branches 0 and 1 a document could both match"),
+            std::string::npos);
+  EXPECT_EQ(compile_error(R"({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+      {"anyOf": [{"required": ["a"]}, {"required": ["b"]}]}]})"),
+            "");  // anyOf: overlapping branches are fine
+  const auto typed = compile(R"({"allOf": [{"minLength": 2, "minimum": 3, "type": ["string", "integer"]},
+      {"oneOf": [{"type": "string"}, {"type": "integer"}]}]})");
+  EXPECT_TRUE(accepts(typed, R"("ab")"));
+  EXPECT_TRUE(accepts(typed, "4"));
+  EXPECT_FALSE(accepts(typed, "2"));
   // prefixItems beside another schema's items: refused (its positions would need both).
   EXPECT_NE(compile_error(R"({"allOf": [{"type": "array", "prefixItems": [{"type": "string"}]}, {"items": {"type": "integer"}}]})")
                 .find("'prefixItems' in one schema and 'items'"),

@@ -758,6 +758,95 @@ class SchemaCompiler {
     xs = std::move(out);
   }
 
+  // A schema merged alone (its allOf, $refs), for the checks below; nullopt when no value fits it,
+  // or when it still holds an anyOf / oneOf (nothing is proved of it then: *open set).
+  std::optional<json> merged_alone(const json& s, const std::string& path, bool* open) {
+    std::vector<json> parts;
+    std::vector<std::string> refs;
+    all_of_parts(json{{"allOf", json::array({s})}}, path, parts, refs);
+    dedupe(parts);
+    for (const json& p : parts)
+      if (p.contains("anyOf") || p.contains("oneOf")) {
+        *open = true;
+        return std::nullopt;
+      }
+    try {
+      return merge_parts(parts, path);
+    } catch (const NoValue&) {
+      return std::nullopt;
+    }
+  }
+  // The finite values a schema allows (enum / const), or none.
+  static std::optional<std::vector<json>> finite_values(const json& s) {
+    if (!s.is_object()) return std::nullopt;
+    if (s.contains("const")) return std::vector<json>{s["const"]};
+    if (s.contains("enum") && s["enum"].is_array()) return s["enum"].get<std::vector<json>>();
+    return std::nullopt;
+  }
+  static bool types_apart(const json& a, const json& b) {
+    if (!a.contains("type") || !b.contains("type")) return false;
+    const auto set_of = [](const json& t) {
+      std::set<std::string> out;
+      if (t.is_string()) out.insert(t.get<std::string>());
+      else if (t.is_array())
+        for (const json& x : t)
+          if (x.is_string()) out.insert(x.get<std::string>());
+      if (out.count("number")) out.insert("integer");
+      return out;
+    };
+    const std::set<std::string> x = set_of(a["type"]), y = set_of(b["type"]);
+    for (const std::string& t : x)
+      if (y.count(t) || (t == "integer" && y.count("number"))) return false;
+    return true;
+  }
+  static bool values_apart(const std::vector<json>& x, const std::vector<json>& y) {
+    for (const json& a : x)
+      for (const json& b : y)
+        if (same_value(a, b)) return false;
+    return true;
+  }
+  // A oneOf distributed over an allOf's other schemas is generated as anyOf: sound only when no
+  // document matches two of its branches. Each pair must be told apart by their types, by their
+  // values (enum / const), or by a property one requires whose values the other's schema for it
+  // rules out (a tagged union's discriminator); otherwise refused.
+  void one_of_apart(const json& branches, const json& alts, const std::string& path) {
+    const size_t n = alts.size();
+    std::vector<std::optional<json>> mine(n), theirs(n);  // branch i merged with the others; alternative j alone
+    for (size_t i = 0; i < n; ++i) {
+      bool open = false;
+      mine[i] = merged_alone(branches[i], path, &open);
+      if (!open) theirs[i] = merged_alone(alts[i], path, &open);
+      if (open) fail(path, "'oneOf' with an 'anyOf' / 'oneOf' inside its branches, beside other schemas in 'allOf', is not supported");
+      if (!mine[i]) continue;  // no document: apart from every other branch
+      if (!theirs[i]) mine[i].reset();
+    }
+    const auto values_of = [&](const json& x) -> std::optional<std::vector<json>> {  // through allOf / $ref
+      bool open = false;
+      const std::optional<json> m = merged_alone(x, path, &open);
+      return m ? finite_values(*m) : std::nullopt;
+    };
+    const auto apart = [&](const json& a, const json& b) {  // a document of a fails b
+      if (types_apart(a, b)) return true;
+      const auto va = finite_values(a), vb = finite_values(b);
+      if (va && vb && values_apart(*va, *vb)) return true;
+      if (!a.contains("required") || !a.contains("properties") || !b.contains("properties")) return false;
+      for (const json& r : a["required"]) {
+        if (!r.is_string() || !a["properties"].contains(r.get<std::string>()) || !b["properties"].contains(r.get<std::string>()))
+          continue;
+        const auto x = values_of(a["properties"][r.get<std::string>()]);
+        const auto y = values_of(b["properties"][r.get<std::string>()]);
+        if (x && y && values_apart(*x, *y)) return true;
+      }
+      return false;
+    };
+    for (size_t i = 0; i < n; ++i)
+      for (size_t j = 0; j < n; ++j)
+        if (i != j && mine[i] && !apart(*mine[i], *theirs[j]))
+          fail(path, "'oneOf' beside other schemas in 'allOf' whose branches " + std::to_string(i) + " and " + std::to_string(j) +
+                         " a document could both match: kvq generates oneOf as anyOf, which is sound only for branches told "
+                         "apart by their types, values or a required property's const / enum (use anyOf, or tag the branches)");
+  }
+
   // One schema that asks what all the parts ask: types intersected, lower bounds raised and upper
   // bounds lowered, enum / const values intersected, required names united, object properties
   // merged as JSON Schema reads them (a name one part lists and another does not takes the other's
@@ -784,6 +873,7 @@ class SchemaCompiler {
           all.push_back(a);
           branches.push_back(json{{"allOf", std::move(all)}});
         }
+        if (std::string(k) == "oneOf") one_of_apart(branches, alts, path);
         return json{{"anyOf", std::move(branches)}};
       }
     if (parts.empty()) return json::object();
