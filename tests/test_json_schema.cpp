@@ -506,6 +506,13 @@ TEST(JsonSchema, AllOfMerges) {
   EXPECT_EQ(compile_error(R"({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
       {"anyOf": [{"required": ["a"]}, {"required": ["b"]}]}]})"),
             "");  // anyOf: overlapping branches are fine
+  // ... or by a property the other requires that one's objects never have
+  const auto shapes = compile(R"({"$defs": {"Cat": {"type": "object", "properties": {"meow": {"type": "boolean"}},
+      "required": ["meow"]}, "Dog": {"type": "object", "properties": {"bark": {"type": "integer"}}, "required": ["bark"]}},
+      "allOf": [{"type": "object"}, {"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}]}]})");
+  EXPECT_TRUE(accepts(shapes, R"({"meow": true})"));
+  EXPECT_TRUE(accepts(shapes, R"({"bark": 2})"));
+  EXPECT_FALSE(accepts(shapes, R"({"meow": true, "bark": 2})"));
   const auto typed = compile(R"({"allOf": [{"minLength": 2, "minimum": 3, "type": ["string", "integer"]},
       {"oneOf": [{"type": "string"}, {"type": "integer"}]}]})");
   EXPECT_TRUE(accepts(typed, R"("ab")"));

@@ -807,8 +807,9 @@ class SchemaCompiler {
   }
   // A oneOf distributed over an allOf's other schemas is generated as anyOf: sound only when no
   // document matches two of its branches. Each pair must be told apart by their types, by their
-  // values (enum / const), or by a property one requires whose values the other's schema for it
-  // rules out (a tagged union's discriminator); otherwise refused.
+  // values (enum / const), by a property one requires whose values the other's schema for it
+  // rules out (a tagged union's discriminator), or by a property the other requires that one's
+  // documents (objects of its listed properties alone) never have; otherwise refused.
   void one_of_apart(const json& branches, const json& alts, const std::string& path) {
     const size_t n = alts.size();
     std::vector<std::optional<json>> mine(n), theirs(n);  // branch i merged with the others; alternative j alone
@@ -825,10 +826,19 @@ class SchemaCompiler {
       const std::optional<json> m = merged_alone(x, path, &open);
       return m ? finite_values(*m) : std::nullopt;
     };
+    // a's documents are objects of its listed properties alone
+    const auto closed_object = [](const json& a) {
+      const bool object = a.contains("type") ? a["type"] == "object" : a.contains("properties");
+      return object && a.contains("properties") && !a.contains("patternProperties") && !a.contains("propertyNames") &&
+             (!a.contains("additionalProperties") || a["additionalProperties"] == false);
+    };
     const auto apart = [&](const json& a, const json& b) {  // a document of a fails b
       if (types_apart(a, b)) return true;
       const auto va = finite_values(a), vb = finite_values(b);
       if (va && vb && values_apart(*va, *vb)) return true;
+      if (closed_object(a) && b.contains("required") && b["required"].is_array())
+        for (const json& r : b["required"])  // b requires a property a never writes
+          if (r.is_string() && !a["properties"].contains(r.get<std::string>())) return true;
       if (!a.contains("required") || !a.contains("properties") || !b.contains("properties")) return false;
       for (const json& r : a["required"]) {
         if (!r.is_string() || !a["properties"].contains(r.get<std::string>()) || !b["properties"].contains(r.get<std::string>()))
