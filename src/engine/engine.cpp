@@ -581,13 +581,9 @@ bool Engine::take_token(Seq& s, int32_t next, const float* lg, int n_vocab, doub
     s.res.logprobs.push_back(token_logprob(lg, n_vocab, next, s.req.params.logprobs));
     if (s.req.on_logprob) s.req.on_logprob(s.res.logprobs.back());
   }
-  const size_t from = s.sent, added = s.text.size();
+  const size_t added = s.text.size();
   s.text += s.dec->push(next);
-  const std::string* hit = int(s.res.tokens.size()) > s.req.params.min_tokens
-                               ? cut_at_stop(s.text, from, added, s.req.params.stop, s.req.params.include_stop_str)
-                               : nullptr;
-  if (hit) {
-    s.res.stop_string = *hit;
+  if (stop_string_ends(s, added)) {
     s.dec.reset();  // pending bytes come after the cut
     finish(s, "stop");
     return false;
@@ -913,21 +909,22 @@ static const std::string* cut_at_stop(std::string& text, size_t from, size_t add
   return hit;
 }
 
+bool Engine::stop_string_ends(Seq& s, size_t added) {
+  if (int(s.res.tokens.size()) <= s.req.params.min_tokens) return false;  // (vLLM's: none looked for until then)
+  const std::string* hit = cut_at_stop(s.text, s.sent, added, s.req.params.stop, s.req.params.include_stop_str);
+  if (hit) s.res.stop_string = *hit;
+  return hit != nullptr;
+}
+
 void Engine::finish(Seq& s, const char* reason, const std::string& error) {
   if (s.done) return;
   s.done = true;
   if (s.cache) s.cache->release();
   if (std::string(reason) != "error" && std::string(reason) != "cancelled") {
     if (s.dec) {  // a stop string already cut the text and dropped the decoder's pending bytes
-      const size_t from = s.sent, added = s.text.size();
+      const size_t added = s.text.size();
       s.text += s.dec->flush();
-      const std::string* hit = int(s.res.tokens.size()) > s.req.params.min_tokens
-                                   ? cut_at_stop(s.text, from, added, s.req.params.stop, s.req.params.include_stop_str)
-                                   : nullptr;
-      if (hit) {
-        reason = "stop";
-        s.res.stop_string = *hit;
-      }
+      if (stop_string_ends(s, added)) reason = "stop";
     }
     emit_text(s, true);  // what was held back (the start of a possible stop string) is output
   }
@@ -1257,7 +1254,7 @@ bool Engine::step() {
         std::vector<std::pair<Seq*, const float*>> masks;
         int r = 0;
         for (const Item& it : items) {
-          if (it.spec) {  // (never constrained)
+          if (it.spec) {  // (masked row by row in verify_drafts)
             r += it.n;
             continue;
           }

@@ -403,6 +403,9 @@ class Engine {
   // EngineOptions::draft_max: the step's rows of a sequence that ran drafted tokens, verified;
   // the cache's step committed with what was kept, the tokens taken.
   void verify_drafts(Seq& s, int n, const float* rows, int n_vocab);
+  // The stop string, if any, that ends in the text added at `added` (past min_tokens): the text
+  // cut there (GenParams::include_stop_str: after it), GenResult::stop_string set.
+  bool stop_string_ends(Seq& s, size_t added);
   void preempt(size_t running_index);
   void emit_text(Seq& s, bool final);
   void update_gauges();

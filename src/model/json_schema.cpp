@@ -640,19 +640,35 @@ class SchemaCompiler {
   // uniqueItems: the values an array's items can take when they are finitely many (items an enum
   // or const, booleans or null, through $ref and allOf of one schema), each once; empty when
   // they are not.
-  std::vector<json> finite_item_values(const json& items, const std::string& path) {
-    const json* s = &items;
-    for (int hops = 0; hops < 64 && s->is_object(); ++hops) {
-      if (s->contains("$ref") && (*s)["$ref"].is_string()) {
-        s = ref_target((*s)["$ref"].get<std::string>());
-        if (!s) return {};
-      } else if (s->contains("allOf") && (*s)["allOf"].is_array() && (*s)["allOf"].size() == 1) {
+  // The schema `s` stands for through a $ref or an allOf of one schema (annotations beside them),
+  // followed up to 64 times; nullptr when a $ref points at nothing (*dangling: its target) or the
+  // chain goes on (a $ref that comes back to itself).
+  const json* follow_aliases(const json* s, std::string* dangling = nullptr) const {
+    const auto only_annotations_beside = [](const json& x, const char* key) {
+      return std::all_of(x.items().begin(), x.items().end(), [&](const auto& kv) { return kv.key() == key || is_annotation(kv.key()); });
+    };
+    for (int hops = 0; s->is_object(); ++hops) {
+      if (hops == 64) return nullptr;
+      if (s->contains("$ref") && (*s)["$ref"].is_string() && only_annotations_beside(*s, "$ref")) {
+        const std::string target = (*s)["$ref"].get<std::string>();
+        s = ref_target(target);
+        if (!s) {
+          if (dangling) *dangling = target;
+          return nullptr;
+        }
+      } else if (s->contains("allOf") && (*s)["allOf"].is_array() && (*s)["allOf"].size() == 1 &&
+                 only_annotations_beside(*s, "allOf")) {
         s = &(*s)["allOf"][0];
       } else {
         break;
       }
     }
-    if (!s->is_object()) return {};
+    return s;
+  }
+
+  std::vector<json> finite_item_values(const json& items, const std::string& path) {
+    const json* s = follow_aliases(&items);
+    if (!s || !s->is_object()) return {};
     std::vector<json> values;
     if (s->contains("const")) {
       values.push_back((*s)["const"]);
@@ -783,20 +799,12 @@ class SchemaCompiler {
     if (s.contains("enum") && s["enum"].is_array()) return s["enum"].get<std::vector<json>>();
     return std::nullopt;
   }
-  static bool types_apart(const json& a, const json& b) {
+  bool types_apart(const json& a, const json& b, const std::string& path) {
     if (!a.contains("type") || !b.contains("type")) return false;
-    const auto set_of = [](const json& t) {
-      std::set<std::string> out;
-      if (t.is_string()) out.insert(t.get<std::string>());
-      else if (t.is_array())
-        for (const json& x : t)
-          if (x.is_string()) out.insert(x.get<std::string>());
-      if (out.count("number")) out.insert("integer");
-      return out;
-    };
-    const std::set<std::string> x = set_of(a["type"]), y = set_of(b["type"]);
+    const std::vector<std::string> x = types_of(a, path), y = types_of(b, path);
+    const auto has = [&](const std::string& t) { return std::find(y.begin(), y.end(), t) != y.end(); };
     for (const std::string& t : x)
-      if (y.count(t) || (t == "integer" && y.count("number"))) return false;
+      if (has(t) || (t == "integer" && has("number")) || (t == "number" && has("integer"))) return false;
     return true;
   }
   static bool values_apart(const std::vector<json>& x, const std::vector<json>& y) {
@@ -833,7 +841,7 @@ class SchemaCompiler {
              (!a.contains("additionalProperties") || a["additionalProperties"] == false);
     };
     const auto apart = [&](const json& a, const json& b) {  // a document of a fails b
-      if (types_apart(a, b)) return true;
+      if (types_apart(a, b, path)) return true;
       const auto va = finite_values(a), vb = finite_values(b);
       if (va && vb && values_apart(*va, *vb)) return true;
       if (closed_object(a) && b.contains("required") && b["required"].is_array())
@@ -1251,15 +1259,20 @@ class SchemaCompiler {
     return object(s, path);
   }
 
-  // A string's `pattern` as a JSON Schema validator reads it: a match anywhere unless anchored.
-  static RegexDfa regex(const json& s, const std::string& path, RegexOptions o) {
-    if (!s["pattern"].is_string()) fail(path, "'pattern' must be a string");
+  // A pattern as a JSON Schema validator reads it: a match anywhere unless anchored; its errors
+  // name `path`.
+  static RegexDfa search_regex(const std::string& pattern, const std::string& path, RegexOptions o) {
     o.search = true;
     try {
-      return compile_regex(s["pattern"].get<std::string>(), o);
+      return compile_regex(pattern, o);
     } catch (const std::invalid_argument& e) {
       fail(path, e.what());
     }
+  }
+  // A string's `pattern`.
+  static RegexDfa regex(const json& s, const std::string& path, RegexOptions o) {
+    if (!s["pattern"].is_string()) fail(path, "'pattern' must be a string");
+    return search_regex(s["pattern"].get<std::string>(), path, o);
   }
 
   // A rule that reads one code point of `set`: its bytes (UTF-8, or its JSON encoding) as a tree
@@ -1721,20 +1734,12 @@ class SchemaCompiler {
     return rule_of(alts);
   }
 
-  // A property name's automaton from a JSON Schema pattern (as a validator reads it: a match
-  // anywhere unless anchored), over the name's code points, each in one JSON encoding.
-  static RegexDfa name_regex(const std::string& pattern, const std::string& path, uint32_t min_len = 0,
-                             uint32_t max_len = UINT32_MAX) {
+  // A property name's automaton from a pattern, over the name's code points, each in one JSON
+  // encoding.
+  static RegexDfa name_regex(const std::string& pattern, const std::string& path) {
     RegexOptions o;
     o.json_string = true;
-    o.search = true;
-    o.min_len = min_len;
-    o.max_len = max_len;
-    try {
-      return compile_regex(pattern, o);
-    } catch (const std::invalid_argument& e) {
-      fail(path, e.what());
-    }
+    return search_regex(pattern, path, o);
   }
 
   // `propertyNames`: the names it allows, as a finite list (an enum or const, `false`) or as an
@@ -1749,23 +1754,10 @@ class SchemaCompiler {
   };
   NameRule property_names(const json& pn, const std::string& path) {
     NameRule out;
-    const json* s = &pn;
-    const auto only_annotations_beside = [](const json& x, const char* key) {
-      return std::all_of(x.items().begin(), x.items().end(), [&](const auto& kv) { return kv.key() == key || is_annotation(kv.key()); });
-    };
-    for (int hops = 0;; ++hops) {  // $ref (pydantic's dict keyed by an Enum), allOf of one
-      if (!s->is_object()) break;
-      if (hops == 64) fail(path, "'propertyNames' through more than 64 $refs (a $ref that comes back to itself?)");
-      if (s->contains("$ref") && (*s)["$ref"].is_string() && only_annotations_beside(*s, "$ref")) {
-        const std::string target = (*s)["$ref"].get<std::string>();
-        s = ref_target(target);
-        if (!s) fail(path, "$ref '" + target + "' points at nothing in the schema");
-      } else if (s->contains("allOf") && (*s)["allOf"].is_array() && (*s)["allOf"].size() == 1 && only_annotations_beside(*s, "allOf")) {
-        s = &(*s)["allOf"][0];
-      } else {
-        break;
-      }
-    }
+    std::string dangling;
+    const json* s = follow_aliases(&pn, &dangling);  // $ref (pydantic's dict keyed by an Enum), allOf of one
+    if (!s && !dangling.empty()) fail(path, "$ref '" + dangling + "' points at nothing in the schema");
+    if (!s) fail(path, "'propertyNames' through more than 64 $refs (a $ref that comes back to itself?)");
     if (s->is_boolean()) {
       if (!s->get<bool>()) out.words.emplace();
       return out;

@@ -58,12 +58,15 @@ Sampler::Sampler(const SamplerParams& p) : p_(p), rng_(p.seed) {
   for (const auto& [t, b] : p_.logit_bias)
     if (t < 0 || !std::isfinite(b)) fail("logit bias {} for token {}: needs a token id >= 0 and a finite bias", b, t);
   if (p_.min_tokens < 0) fail("min_tokens must be >= 0 (got {})", p_.min_tokens);
+  std::sort(p_.end_tokens.begin(), p_.end_tokens.end());
+  p_.end_tokens.erase(std::unique(p_.end_tokens.begin(), p_.end_tokens.end()), p_.end_tokens.end());
   for (const std::vector<int32_t>* ids : {&p_.end_tokens, &p_.allowed_tokens})
     for (int32_t t : *ids)
       if (t < 0) fail("token id {} is not >= 0", t);
 }
 
-// Leaves only the candidates `keep` says yes to, unless that would leave none that can come.
+// Leaves only the candidates `keep` says yes to, unless that would leave none that can come
+// (cand in token order).
 template <typename Keep>
 static void restrict_to(std::vector<std::pair<float, int32_t>>& cand, Keep keep) {
   bool any = false;
@@ -83,13 +86,22 @@ int32_t Sampler::sample(const float* logits, int n_vocab, const std::vector<int3
   for (const auto& [t, b] : p_.logit_bias)
     if (t < n_vocab) cand_[size_t(t)].first += b;
   if (!p_.allowed_tokens.empty()) {
-    allowed_.assign(size_t(n_vocab), 0);
-    for (int32_t t : p_.allowed_tokens)
-      if (t < n_vocab) allowed_[size_t(t)] = 1;
+    if (allowed_.size() != size_t(n_vocab)) {  // built once per vocabulary
+      allowed_.assign(size_t(n_vocab), 0);
+      for (int32_t t : p_.allowed_tokens)
+        if (t < n_vocab) allowed_[size_t(t)] = 1;
+    }
     restrict_to(cand_, [&](int32_t t) { return allowed_[size_t(t)] != 0; });
   }
-  if (p_.min_tokens > 0 && !p_.end_tokens.empty() && history.size() < n_prompt + size_t(p_.min_tokens))
-    restrict_to(cand_, [&](int32_t t) { return std::find(p_.end_tokens.begin(), p_.end_tokens.end(), t) == p_.end_tokens.end(); });
+  if (p_.min_tokens > 0 && !p_.end_tokens.empty() && history.size() < n_prompt + size_t(p_.min_tokens)) {
+    // The end tokens (distinct, sorted) out, unless only they can come: every other candidate -inf.
+    size_t can = 0, ends = 0;
+    for (const auto& c : cand_) can += c.first != -INFINITY;
+    for (int32_t t : p_.end_tokens) ends += t < n_vocab && cand_[size_t(t)].first != -INFINITY;
+    if (can > ends)
+      for (int32_t t : p_.end_tokens)
+        if (t < n_vocab) cand_[size_t(t)].first = -INFINITY;
+  }
   if ((p_.presence_penalty != 0 || p_.frequency_penalty != 0) && history.size() > n_prompt) {
     // Counted in a dense array (a decode step recounts every generated token: no hashing).
     count_.resize(size_t(n_vocab));

@@ -138,6 +138,11 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
       r.params.stop_token_ids.push_back(t.get<int32_t>());
     }
   }
+  auto flag = [&](const char* key) -> std::optional<bool> {
+    if (!body.contains(key) || body[key].is_null()) return std::nullopt;
+    if (!body[key].is_boolean()) throw ApiError{fmt::format("'{}' must be a boolean", key), key};
+    return body[key].get<bool>();
+  };
   if (body.contains("allowed_token_ids") && !body["allowed_token_ids"].is_null()) {  // vLLM's
     const json& v = body["allowed_token_ids"];
     if (!v.is_array() || v.empty()) throw ApiError{"'allowed_token_ids' must be a non-empty array of token ids", "allowed_token_ids"};
@@ -147,11 +152,6 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
       s.allowed_tokens.push_back(t.get<int32_t>());
     }
   }
-  auto flag = [&](const char* key) -> std::optional<bool> {
-    if (!body.contains(key) || body[key].is_null()) return std::nullopt;
-    if (!body[key].is_boolean()) throw ApiError{fmt::format("'{}' must be a boolean", key), key};
-    return body[key].get<bool>();
-  };
   auto count = [&](const char* key, int64_t lo) -> std::optional<int64_t> {
     if (!body.contains(key) || body[key].is_null()) return std::nullopt;
     const json& v = body[key];
@@ -167,10 +167,7 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
     if (*v == 0) throw ApiError{"'truncate_prompt_tokens' must be >= 1 (or -1)", "truncate_prompt_tokens"};
     r.truncate_prompt_tokens = int(*v);
   }
-  if (body.contains("ignore_eos") && !body["ignore_eos"].is_null()) {  // vLLM's: generate max_tokens
-    if (!body["ignore_eos"].is_boolean()) throw ApiError{"'ignore_eos' must be a boolean", "ignore_eos"};
-    r.params.ignore_eos = body["ignore_eos"].get<bool>();
-  }
+  if (auto v = flag("ignore_eos")) r.params.ignore_eos = *v;  // vLLM's: generate max_tokens
   if (body.contains("top_k") && !body["top_k"].is_null()) {
     const json& v = body["top_k"];
     if (!v.is_number_integer() || (v.is_number_unsigned() ? v.get<uint64_t>() > uint64_t(INT32_MAX)
