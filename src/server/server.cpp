@@ -24,6 +24,7 @@
 #include "core/error.h"
 #include "core/timer.h"
 #include "model/chat.h"
+#include "server/anthropic.h"
 #include "server/harmony_tools.h"
 #include "server/tools.h"
 
@@ -543,6 +544,9 @@ bool peer_closed(int fd) {
   return r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
 }
 
+// Anthropic's routes (their errors in its form).
+bool anthropic_route(const std::string& path) { return path.rfind("/v1/messages", 0) == 0; }
+
 std::string sse(const json& j) { return "data: " + j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n"; }
 
 }  // namespace
@@ -556,7 +560,34 @@ struct Server::Impl {
   std::atomic<int> listen_fd{-1};  // the listening socket, seen through the socket-options hook
   Impl(Engine& e, const ServerOptions& o) : engine(e), opt(o) {}
 
+  // A completions or chat request read and checked: its prompts, with what their replies need.
+  struct PromptIn {
+    std::vector<int32_t> ids;
+    std::string text;  // what echo returns
+    int max_tokens = 0;
+  };
+  struct ChatTools;
+  struct Prepared;
+  Prepared prepare(const json& body, std::string_view raw, bool chat);
+  // Runs a request's choices to their end (cancelled when the client goes away); a choice that
+  // failed or was cancelled throws.
+  std::vector<GenResult> run_all(const Prepared& p, const httplib::Request& req);
+  // A chat reply's parts: harmony's reasoning, answer and calls, or a tool reply read, or the text.
+  struct ChatReply {
+    json content;  // a string, or null (a reply of calls only)
+    std::string reasoning;
+    std::vector<ToolCall> calls;
+    bool called = false;  // the reply ended with whole calls (finish "tool_calls")
+  };
+  ChatReply read_reply(const Prepared& p, const GenResult& g, std::mt19937_64& rng) const;
+  class ChatReplyStream;
   void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat);
+  // Anthropic's Messages API (anthropic.h): the request read into a chat request, the reply written
+  // in Anthropic's form; count_tokens: the prompt's tokens.
+  void handle_messages(const httplib::Request& req, httplib::Response& res);
+  void handle_count_tokens(const httplib::Request& req, httplib::Response& res);
+  void check_model(const json& body) const;
+  json messages_chat_body(const httplib::Request& req, bool count_tokens, std::string* raw, bool* omit_thinking) const;
   // Completions' object for tokens whose text starts at byte `offset` of the returned text;
   // *end: the byte after their text.
   json completion_logprobs(const std::vector<TokenLogprob>& lps, size_t offset = 0, size_t* end = nullptr,
@@ -580,6 +611,44 @@ struct Server::Impl {
   // and the reply's opening. final_channel: a harmony reply (gpt-oss) opened in its final channel,
   // without reasoning (for a constraint, whose grammar starts at the reply's first byte).
   std::vector<int32_t> chat_prompt(const json& body, const ChatTools& tools, bool final_channel = false);
+
+  struct Prepared {
+    ApiRequest ar;
+    std::vector<PromptIn> prompts;
+    ChatTools tools;
+    bool chat = false;
+    bool harmony = false;                   // a chat reply in gpt-oss's harmony format
+    const char* tool_finish = "tool_calls";  // a reply with calls ends so ("stop" for a call forced by name, as OpenAI's)
+    int prompt_tokens = 0;                  // each prompt once (its n choices share its pages)
+    int n_choices = 1;
+    GenRequest choice_request(int i) const;
+  };
+
+  // A chat reply as it streams, told to a sink as content, reasoning and calls (one per choice;
+  // scheduler thread).
+  class ChatReplyStream {
+   public:
+    struct Sink {
+      std::function<void(const std::string&)> content, reasoning;
+      // calls, the first numbered `first` among the reply's
+      std::function<void(const std::vector<ToolCall>&, size_t first)> calls;
+    };
+    explicit ChatReplyStream(const Prepared& p);
+    void feed(const std::string& text, const Sink& s);
+    // The reply's end (not for an error or a cancelled one): what was held back; returns whether
+    // the reply called tools (finish "tool_calls").
+    bool finish(const GenResult& g, const Sink& s);
+
+   private:
+    void harmony_out(const HarmonyReplyStream::Delta& hd, const Sink& s);
+    std::string open_reply_;
+    std::unique_ptr<HarmonyReplyStream> harmony_;
+    std::unique_ptr<ToolReplyStream> tools_;
+    bool response_is_string_ = true;
+    size_t calls_ = 0;   // harmony: the calls told
+    bool whole_ = true;  // harmony: every call told has whole arguments
+    std::mt19937_64 rng_{std::random_device{}()};  // the calls' ids
+  };
 };
 
 Server::Impl::ChatTools Server::Impl::chat_tools(const json& body, std::string_view raw, ApiRequest* ar) const {
@@ -811,15 +880,13 @@ static json parse_body(const httplib::Request& req) {
   return body;
 }
 
-void Server::Impl::handle_generate(const httplib::Request& req, httplib::Response& res, bool chat) {
-  json body = parse_body(req);
-  ApiRequest ar = parse_common(body, req.body);
+Server::Impl::Prepared Server::Impl::prepare(const json& body, std::string_view raw, bool chat) {
+  Prepared p;
+  p.chat = chat;
+  ApiRequest& ar = p.ar;
+  ar = parse_common(body, raw);
   parse_logprobs(body, chat, ar);
-  // As OpenAI's and vLLM's servers: a request for another model is refused, not served by this one.
-  if (body.contains("model") && body["model"].is_string() && body["model"].get<std::string>() != opt.model_name)
-    throw ApiError{fmt::format("the model '{}' does not exist: this server serves '{}' (GET /v1/models)",
-                               body["model"].get<std::string>(), opt.model_name),
-                   "model", "model_not_found", 404};
+  check_model(body);
   for (const int32_t t : ar.params.stop_token_ids)
     if (t >= engine.tokenizer().n_vocab())
       throw ApiError{fmt::format("'stop_token_ids' token {} is outside the vocabulary [0, {})", t, engine.tokenizer().n_vocab()),
@@ -833,33 +900,27 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
       throw ApiError{fmt::format("'logit_bias' token {} is outside the vocabulary [0, {})", t, engine.tokenizer().n_vocab()),
                      "logit_bias"};
   // The prompts: chat's one, or completions' string / token ids, or a batch of either.
-  struct PromptIn {
-    std::vector<int32_t> ids;
-    std::string text;  // what echo returns
-    int max_tokens = 0;
-  };
-  std::vector<PromptIn> prompts;
+  std::vector<PromptIn>& prompts = p.prompts;
   const char* prompt_param = chat ? "messages" : "prompt";
-  ChatTools tools;
-  const bool harmony = chat && tpl.family == ChatFamily::harmony;
-  // A reply with calls ends "tool_calls"; as OpenAI's, a call forced by name ends "stop".
-  const char* tool_finish = "tool_calls";
+  p.harmony = chat && tpl.family == ChatFamily::harmony;
   if (chat) {
-    tools = chat_tools(body, req.body, &ar);
-    if (tools.spec.choice == ToolChoice::named) tool_finish = "stop";
+    p.tools = chat_tools(body, raw, &ar);
+    // A reply with calls ends "tool_calls"; as OpenAI's, a call forced by name ends "stop".
+    if (p.tools.spec.choice == ToolChoice::named) p.tool_finish = "stop";
     // A constraint's grammar (the tools' too) starts at the reply's first byte: after a continued
     // message's start the text would be that start followed by a whole document.
     if ((ar.params.grammar || ar.params.json_object || !ar.params.lazy_grammars.empty()) &&
         body.contains("continue_final_message") && body["continue_final_message"] == true)
       throw ApiError{fmt::format("'continue_final_message' cannot be combined with '{}': its grammar would start after "
                                  "the continued text",
-                                 tools.spec.active() ? "tools" : ar.constraint),
+                                 p.tools.spec.active() ? "tools" : ar.constraint),
                      "continue_final_message"};
     // Harmony (gpt-oss): a reply writes its reasoning, then its answer in the final channel or a
     // function call; a constraint's grammar without tools applies to the answer, opened by the
     // prompt (no reasoning then); with tools, see harmony_chat_tools.
-    prompts.push_back(
-        {chat_prompt(body, tools, harmony && !tools.spec.active() && (ar.params.grammar || ar.params.json_object)), "", 0});
+    prompts.push_back({chat_prompt(body, p.tools,
+                                   p.harmony && !p.tools.spec.active() && (ar.params.grammar || ar.params.json_object)),
+                       "", 0});
   } else {
     auto set = [&](const char* key) { return body.contains(key) && !body[key].is_null(); };
     if ((set("tools") && !(body["tools"].is_array() && body["tools"].empty())) || set("functions") ||
@@ -867,7 +928,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
       throw ApiError{"function calling ('tools', 'tool_choice') is for /v1/chat/completions",
                      set("functions") ? "functions" : set("tools") ? "tools" : "tool_choice"};
     if (!body.contains("prompt")) throw ApiError{"'prompt' is required", "prompt", "missing_required_parameter"};
-    const json& p = body["prompt"];
+    const json& pj = body["prompt"];
     auto parse_one = [&](const json& one) {
       PromptIn in;
       if (one.is_string()) {
@@ -891,12 +952,12 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
       }
       return in;
     };
-    if (p.is_array() && !p.empty() && (p[0].is_string() || p[0].is_array())) {  // a batch
-      if (p.size() > size_t(kMaxChoices))
+    if (pj.is_array() && !pj.empty() && (pj[0].is_string() || pj[0].is_array())) {  // a batch
+      if (pj.size() > size_t(kMaxChoices))
         throw ApiError{fmt::format("'prompt' holds at most {} prompts", kMaxChoices), "prompt"};
-      for (const auto& one : p) prompts.push_back(parse_one(one));
+      for (const auto& one : pj) prompts.push_back(parse_one(one));
     } else {
-      prompts.push_back(parse_one(p));
+      prompts.push_back(parse_one(pj));
     }
   }
   if (prompts.size() * size_t(ar.n) > size_t(kMaxSequences))
@@ -905,7 +966,6 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
   const int ctx = engine.ctx();
   if (ar.max_tokens_set && ar.params.max_tokens == 0 && !ar.echo)
     throw ApiError{"'max_tokens' must be >= 1 (0 only with echo: the prompt, scored with logprobs)", "max_tokens"};
-  int prompt_tokens = 0;  // each prompt counts once for its n choices (they share its pages)
   // The longest sequence one request can grow to: the context, or a smaller KV pool (a sequence that
   // outgrows the whole pool could never finish; it is refused here rather than cut short).
   const size_t pool_tokens = engine.kv_tokens_capacity();
@@ -925,7 +985,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
       in.text = engine.tokenizer().decode(in.ids);
     }
     const int n_prompt = int(in.ids.size());
-    prompt_tokens += n_prompt;
+    p.prompt_tokens += n_prompt;  // each prompt counts once for its n choices (they share its pages)
     if (n_prompt >= ctx)
       throw ApiError{fmt::format("the prompt is {} tokens, the model's context is {} tokens", n_prompt, ctx),
                      prompt_param, "context_length_exceeded"};
@@ -950,222 +1010,129 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
       throw ApiError{fmt::format("'min_tokens' {} is more than max_tokens {}", ar.params.min_tokens, in.max_tokens),
                      "min_tokens"};
   }
+  p.n_choices = int(prompts.size()) * ar.n;
+  return p;
+}
 
-  const std::string id = fmt::format("{}-{}", chat ? "chatcmpl" : "cmpl", next_id++);
-  const int64_t created = int64_t(std::time(nullptr));
-  const std::string model = opt.model_name;
-  // A response's or a stream chunk's envelope around its choices.
-  auto envelope = [id, created, model, chat](bool chunk, json choices) {
-    return json{{"id", id},
-                {"object", chat ? (chunk ? "chat.completion.chunk" : "chat.completion") : "text_completion"},
-                {"created", created},
-                {"model", model},
-                {"choices", std::move(choices)}};
-  };
-  auto usage = [prompt_tokens](int completion_tokens) {
-    return json{{"prompt_tokens", prompt_tokens},
-                {"completion_tokens", completion_tokens},
-                {"total_tokens", prompt_tokens + completion_tokens}};
-  };
-  // Choice i (OpenAI's order: prompt i / n, its choice i % n) samples with seed + i % n
-  // (reproducible per choice; greedy choices of one prompt are all the same).
-  const int n_choices = int(prompts.size()) * ar.n;
-  auto choice_request = [&](int i) {
-    const PromptIn& in = prompts[size_t(i / ar.n)];
-    GenRequest gr;
-    gr.prompt = in.ids;
-    gr.params = ar.params;
-    gr.params.max_tokens = in.max_tokens;
-    gr.params.sampling.seed = ar.params.sampling.seed + uint64_t(i % ar.n);
-    return gr;
-  };
+// Choice i (OpenAI's order: prompt i / n, its choice i % n) samples with seed + i % n
+// (reproducible per choice; greedy choices of one prompt are all the same).
+GenRequest Server::Impl::Prepared::choice_request(int i) const {
+  const PromptIn& in = prompts[size_t(i / ar.n)];
+  GenRequest gr;
+  gr.prompt = in.ids;
+  gr.params = ar.params;
+  gr.params.max_tokens = in.max_tokens;
+  gr.params.sampling.seed = ar.params.sampling.seed + uint64_t(i % ar.n);
+  return gr;
+}
 
-  if (!ar.stream) {
-    std::vector<std::future<GenResult>> futs;
-    std::vector<GenRequest> grs;
-    for (int i = 0; i < n_choices; ++i) {
-      auto pr = std::make_shared<std::promise<GenResult>>();
-      futs.push_back(pr->get_future());
-      GenRequest gr = choice_request(i);
-      gr.on_done = [pr](const GenResult& g) { pr->set_value(g); };
-      grs.push_back(std::move(gr));
-    }
-    const std::vector<uint64_t> rids = engine.submit_all(std::move(grs));
-    // Nothing is written before the result, so a client that disconnects is only seen by
-    // watching its socket: cancel its requests then, which frees their pages at the next step.
-    const int fd = connection_fd(req);
-    for (size_t next = 0; next < futs.size();) {
-      if (fd >= 0 && peer_closed(fd)) {
-        for (uint64_t rid : rids) engine.cancel(rid);
-        break;
-      }
-      if (futs[next].wait_for(std::chrono::milliseconds(fd >= 0 ? 10 : 1000)) == std::future_status::ready) ++next;
-    }
-    std::vector<GenResult> gs;
-    for (auto& f : futs) gs.push_back(f.get());
-    json choices = json::array();
-    std::mt19937_64 id_rng(std::random_device{}());  // tool calls' ids
-    int completion_tokens = 0;
-    json prompt_lps;  // chat's vLLM prompt_logprobs (the response's, one prompt)
-    for (int i = 0; i < n_choices; ++i) {
-      const GenResult& g = gs[size_t(i)];
-      if (g.finish_reason == "error" || g.finish_reason == "cancelled")
-        throw ApiError{g.error.empty() ? "the request was cancelled" : g.error, "", "", engine.aborting() ? 503 : 500};
-      completion_tokens += g.completion_tokens;
-      json choice = {{"index", i}, {"logprobs", nullptr}, {"finish_reason", finish_reason_api(g.finish_reason)},
-                     {"stop_reason", stop_reason_api(g)}};
-      if (harmony) {  // the answer as content, the reasoning beside it (vLLM's reasoning_content), calls
-        // (calls only when functions were offered: with none, a call the model writes is content)
-        const HarmonyReplyStream::Delta d = HarmonyReplyStream::split(tools.open_reply + g.text, tools.spec.active());
-        json msg = {{"role", "assistant"}, {"content", d.content}};
-        if (!d.reasoning.empty()) msg["reasoning_content"] = d.reasoning;
-        if (!d.calls.empty()) {
-          if (d.content.empty()) msg["content"] = nullptr;
-          msg["tool_calls"] = tool_calls_json(harmony_calls(d.calls, id_rng), false);
-          // a call cut short (max_tokens: "length"; a stop string: arguments that are no JSON)
-          // keeps the reason it ended for
-          if (g.finish_reason == "stop" && harmony_calls_whole(d.calls)) choice["finish_reason"] = tool_finish;
-        }
-        choice["message"] = std::move(msg);
-      } else if (chat && tools.spec.active()) {
-        const ToolReply tr = parse_tool_reply(g.text, tools.response_is_string, id_rng);
-        json msg = {{"role", "assistant"}, {"content", tr.has_content ? json(tr.content) : json(nullptr)}};
-        if (!tr.calls.empty()) {
-          msg["tool_calls"] = tool_calls_json(tr.calls, false);
-          choice["finish_reason"] = tool_finish;
-        }
-        choice["message"] = std::move(msg);
-      } else if (chat) {
-        choice["message"] = {{"role", "assistant"}, {"content", g.text}};
-      } else choice["text"] = ar.echo ? prompts[size_t(i / ar.n)].text + g.text : g.text;
-      if (chat && ar.params.logprobs >= 0) choice["logprobs"] = chat_logprobs(g.logprobs);
-      if (!chat && ar.params.logprobs >= 0) {
-        std::vector<TokenLogprob> lps = ar.echo ? g.prompt_logprobs : std::vector<TokenLogprob>{};
-        for (TokenLogprob& lp : lps) lp.top.resize(std::min(lp.top.size(), size_t(std::max(0, ar.params.logprobs))));
-        lps.insert(lps.end(), g.logprobs.begin(), g.logprobs.end());
-        choice["logprobs"] = completion_logprobs(lps, 0, nullptr, ar.echo);
-      }
-      if (ar.vllm_prompt_logprobs >= 0) {
-        const json pl = prompt_logprobs_api(engine.tokenizer(), g.prompt_logprobs, ar.vllm_prompt_logprobs);
-        if (chat) prompt_lps = pl;  // chat: the response's
-        else choice["prompt_logprobs"] = pl;
-      }
-      choices.push_back(std::move(choice));
-    }
-    json body_out = envelope(false, std::move(choices));
-    if (chat && ar.vllm_prompt_logprobs >= 0) body_out["prompt_logprobs"] = prompt_lps;
-    body_out["usage"] = usage(completion_tokens);
-    send_json(res, 200, body_out);
-    return;
-  }
-
-  auto st = std::make_shared<StreamState>();
-  st->remaining = n_choices;
-  // Log-probabilities of the tokens sampled since the last chunk, per choice (scheduler thread only).
-  struct PendingLogprobs {
-    std::vector<TokenLogprob> lps;
-    size_t offset = 0;  // completions: byte offset of the next token's text
-  };
-  const bool want_lp = ar.params.logprobs >= 0;
-  const bool include_usage = ar.include_usage;
+std::vector<GenResult> Server::Impl::run_all(const Prepared& p, const httplib::Request& req) {
+  std::vector<std::future<GenResult>> futs;
   std::vector<GenRequest> grs;
-  for (int i = 0; i < n_choices; ++i) {
-    auto pend = std::make_shared<PendingLogprobs>();
-    auto chunk = [=, this](const json& delta_or_text, const json& finish) {
-      json choice = {{"index", i}, {"logprobs", nullptr}, {"finish_reason", finish}, {"stop_reason", nullptr}};
-      if (want_lp && !pend->lps.empty()) {
-        choice["logprobs"] = chat ? chat_logprobs(pend->lps) : completion_logprobs(pend->lps, pend->offset, &pend->offset);
-        pend->lps.clear();
-      }
-      if (chat) choice["delta"] = delta_or_text;
-      else choice["text"] = delta_or_text;
-      return envelope(true, json::array({choice}));
-    };
-    // (with tools, content null until a response's text comes, as OpenAI's streams of calls)
-    if (chat) st->push(sse(chunk(json{{"role", "assistant"}, {"content", tools.spec.active() ? json(nullptr) : json("")}}, nullptr)));
-    GenRequest gr = choice_request(i);
-    if (want_lp) gr.on_logprob = [pend](const TokenLogprob& lp) { pend->lps.push_back(lp); };
-    // With tools, the reply's text is read as it streams: a response's text goes out as content,
-    // tool calls in one chunk at the end (tools.h).
-    std::shared_ptr<ToolReplyStream> reply;
-    if (chat && tools.spec.active() && !harmony) reply = std::make_shared<ToolReplyStream>(tools.response_is_string);
-    // Harmony: reasoning and answer streamed as reasoning_content and content deltas, each call in
-    // a chunk of its own when it ends (calls: how many were sent)
-    struct HarmonyOut {
-      explicit HarmonyOut(bool take_calls) : stream(take_calls) {}
-      HarmonyReplyStream stream;
-      size_t calls = 0;
-      bool whole = true;  // every call sent has whole arguments
-      std::mt19937_64 rng{std::random_device{}()};
-    };
-    std::shared_ptr<HarmonyOut> hreply = harmony ? std::make_shared<HarmonyOut>(tools.spec.active()) : nullptr;
-    if (hreply) (void)hreply->stream.feed(tools.open_reply);  // (a header's start: nothing to send)
-    auto harmony_push = [st, chunk, hreply](const HarmonyReplyStream::Delta& hd) {
-      if (!hd.reasoning.empty()) st->push(sse(chunk(json{{"reasoning_content", hd.reasoning}}, nullptr)));
-      if (!hd.content.empty()) st->push(sse(chunk(json{{"content", hd.content}}, nullptr)));
-      hreply->whole = hreply->whole && harmony_calls_whole(hd.calls);
-      for (const ToolCall& c : harmony_calls(hd.calls, hreply->rng)) {
-        json tc = tool_calls_json({c}, true);
-        tc[0]["index"] = hreply->calls++;
-        st->push(sse(chunk(json{{"tool_calls", tc}}, nullptr)));
-      }
-    };
-    gr.on_text = [st, chunk, chat, reply, hreply, harmony_push](const std::string& d) {
-      if (reply) {
-        const std::string c = reply->feed(d);
-        if (!c.empty()) st->push(sse(chunk(json{{"content", c}}, nullptr)));
-        return;
-      }
-      if (hreply) {
-        harmony_push(hreply->stream.feed(d));
-        return;
-      }
-      st->push(sse(chunk(chat ? json{{"content", d}} : json(d), nullptr)));
-    };
-    const bool response_is_string = tools.response_is_string;
-    gr.on_done = [st, chunk, chat, include_usage, usage, envelope, reply, response_is_string, tool_finish, hreply,
-                  harmony_push](const GenResult& g) {
-      if (hreply && g.finish_reason != "error" && g.finish_reason != "cancelled") harmony_push(hreply->stream.finish());
-      if (g.finish_reason == "error") {
-        st->push(sse(error_body(g.error, "server_error", "", "")));
-      } else if (g.finish_reason != "cancelled" && reply) {
-        std::mt19937_64 rng(std::random_device{}());
-        const ToolReply tr = parse_tool_reply(g.text, response_is_string, rng);
-        const std::string& sent = reply->streamed();
-        if (!tr.calls.empty()) {
-          st->push(sse(chunk(json{{"tool_calls", tool_calls_json(tr.calls, true)}}, nullptr)));
-        } else if (tr.content.size() > sent.size() && tr.content.compare(0, sent.size(), sent) == 0) {
-          st->push(sse(chunk(json{{"content", tr.content.substr(sent.size())}}, nullptr)));
-        }
-        json last = chunk(json::object(), tr.calls.empty() ? finish_reason_api(g.finish_reason) : tool_finish);
-        last["choices"][0]["stop_reason"] = stop_reason_api(g);
-        st->push(sse(last));
-      } else if (g.finish_reason != "cancelled") {
-        const bool called = hreply && hreply->calls > 0 && hreply->whole && g.finish_reason == "stop";
-        json last = chunk(chat ? json::object() : json(""), called ? tool_finish : finish_reason_api(g.finish_reason));
-        last["choices"][0]["stop_reason"] = stop_reason_api(g);
-        st->push(sse(last));
-      }
-      int left, tokens;
-      {
-        std::lock_guard<std::mutex> lk(st->mu);
-        st->completion_tokens += g.completion_tokens;
-        left = --st->remaining;
-        tokens = st->completion_tokens;
-      }
-      if (left > 0) return;  // the last choice to finish ends the stream
-      if (include_usage && g.finish_reason != "cancelled") {
-        json u = envelope(true, json::array());
-        u["usage"] = usage(tokens);
-        st->push(sse(u));
-      }
-      st->push("data: [DONE]\n\n");
-      std::lock_guard<std::mutex> lk(st->mu);
-      st->done = true;
-    };
+  for (int i = 0; i < p.n_choices; ++i) {
+    auto pr = std::make_shared<std::promise<GenResult>>();
+    futs.push_back(pr->get_future());
+    GenRequest gr = p.choice_request(i);
+    gr.on_done = [pr](const GenResult& g) { pr->set_value(g); };
     grs.push_back(std::move(gr));
   }
-  st->ids = engine.submit_all(std::move(grs));
+  const std::vector<uint64_t> rids = engine.submit_all(std::move(grs));
+  // Nothing is written before the result, so a client that disconnects is only seen by
+  // watching its socket: cancel its requests then, which frees their pages at the next step.
+  const int fd = connection_fd(req);
+  for (size_t next = 0; next < futs.size();) {
+    if (fd >= 0 && peer_closed(fd)) {
+      for (uint64_t rid : rids) engine.cancel(rid);
+      break;
+    }
+    if (futs[next].wait_for(std::chrono::milliseconds(fd >= 0 ? 10 : 1000)) == std::future_status::ready) ++next;
+  }
+  std::vector<GenResult> gs;
+  for (auto& f : futs) gs.push_back(f.get());
+  for (const GenResult& g : gs)
+    if (g.finish_reason == "error" || g.finish_reason == "cancelled")
+      throw ApiError{g.error.empty() ? "the request was cancelled" : g.error, "", "", engine.aborting() ? 503 : 500};
+  return gs;
+}
+
+Server::Impl::ChatReply Server::Impl::read_reply(const Prepared& p, const GenResult& g, std::mt19937_64& rng) const {
+  ChatReply r;
+  if (p.harmony) {  // the answer as content, the reasoning beside it, calls
+    // (calls only when functions were offered: with none, a call the model writes is content)
+    const HarmonyReplyStream::Delta d = HarmonyReplyStream::split(p.tools.open_reply + g.text, p.tools.spec.active());
+    r.content = d.content;
+    r.reasoning = d.reasoning;
+    if (!d.calls.empty()) {
+      if (d.content.empty()) r.content = nullptr;
+      r.calls = harmony_calls(d.calls, rng);
+      // a call cut short (max_tokens: "length"; a stop string: arguments that are no JSON) keeps
+      // the reason it ended for
+      r.called = g.finish_reason == "stop" && harmony_calls_whole(d.calls);
+    }
+  } else if (p.tools.spec.active()) {
+    const ToolReply tr = parse_tool_reply(g.text, p.tools.response_is_string, rng);
+    r.content = tr.has_content ? json(tr.content) : json(nullptr);
+    r.calls = tr.calls;
+    r.called = !tr.calls.empty();
+  } else {
+    r.content = g.text;
+  }
+  return r;
+}
+
+Server::Impl::ChatReplyStream::ChatReplyStream(const Prepared& p) : open_reply_(p.tools.open_reply) {
+  // With tools, the reply's text is read as it streams: a response's text goes out as content,
+  // tool calls in one piece at the end (tools.h). Harmony: reasoning and answer as they come,
+  // each call when it ends.
+  if (p.harmony) {
+    harmony_ = std::make_unique<HarmonyReplyStream>(p.tools.spec.active());
+    (void)harmony_->feed(open_reply_);  // (a header's start: nothing to send)
+  } else if (p.tools.spec.active()) {
+    tools_ = std::make_unique<ToolReplyStream>(p.tools.response_is_string);
+    response_is_string_ = p.tools.response_is_string;
+  }
+}
+
+void Server::Impl::ChatReplyStream::harmony_out(const HarmonyReplyStream::Delta& hd, const Sink& s) {
+  if (!hd.reasoning.empty()) s.reasoning(hd.reasoning);
+  if (!hd.content.empty()) s.content(hd.content);
+  whole_ = whole_ && harmony_calls_whole(hd.calls);
+  if (hd.calls.empty()) return;
+  const std::vector<ToolCall> calls = harmony_calls(hd.calls, rng_);
+  s.calls(calls, calls_);
+  calls_ += calls.size();
+}
+
+void Server::Impl::ChatReplyStream::feed(const std::string& d, const Sink& s) {
+  if (tools_) {
+    const std::string c = tools_->feed(d);
+    if (!c.empty()) s.content(c);
+  } else if (harmony_) {
+    harmony_out(harmony_->feed(d), s);
+  } else {
+    s.content(d);
+  }
+}
+
+bool Server::Impl::ChatReplyStream::finish(const GenResult& g, const Sink& s) {
+  if (harmony_) {
+    harmony_out(harmony_->finish(), s);
+    return calls_ > 0 && whole_ && g.finish_reason == "stop";
+  }
+  if (!tools_) return false;
+  const ToolReply tr = parse_tool_reply(g.text, response_is_string_, rng_);
+  const std::string& sent = tools_->streamed();
+  if (!tr.calls.empty()) {
+    s.calls(tr.calls, 0);
+  } else if (tr.content.size() > sent.size() && tr.content.compare(0, sent.size(), sent) == 0) {
+    s.content(tr.content.substr(sent.size()));
+  }
+  return !tr.calls.empty();
+}
+
+// Writes the stream's events as they come, until it is done; a client that goes away cancels its
+// requests.
+static void stream_events(httplib::Response& res, std::shared_ptr<StreamState> st, Engine& engine) {
   Engine* eng = &engine;
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
@@ -1199,6 +1166,249 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
       [st, eng](bool success) {
         if (!success) st->cancel(*eng);
       });
+}
+
+void Server::Impl::handle_generate(const httplib::Request& req, httplib::Response& res, bool chat) {
+  const json body = parse_body(req);
+  const auto pp = std::make_shared<const Prepared>(prepare(body, req.body, chat));
+  const Prepared& p = *pp;
+  const ApiRequest& ar = p.ar;
+  const int prompt_tokens = p.prompt_tokens;
+  const std::string id = fmt::format("{}-{}", chat ? "chatcmpl" : "cmpl", next_id++);
+  const int64_t created = int64_t(std::time(nullptr));
+  const std::string model = opt.model_name;
+  // A response's or a stream chunk's envelope around its choices.
+  auto envelope = [id, created, model, chat](bool chunk, json choices) {
+    return json{{"id", id},
+                {"object", chat ? (chunk ? "chat.completion.chunk" : "chat.completion") : "text_completion"},
+                {"created", created},
+                {"model", model},
+                {"choices", std::move(choices)}};
+  };
+  auto usage = [prompt_tokens](int completion_tokens) {
+    return json{{"prompt_tokens", prompt_tokens},
+                {"completion_tokens", completion_tokens},
+                {"total_tokens", prompt_tokens + completion_tokens}};
+  };
+  const char* tool_finish = p.tool_finish;
+
+  if (!ar.stream) {
+    const std::vector<GenResult> gs = run_all(p, req);
+    json choices = json::array();
+    std::mt19937_64 id_rng(std::random_device{}());  // tool calls' ids
+    int completion_tokens = 0;
+    json prompt_lps;  // chat's vLLM prompt_logprobs (the response's, one prompt)
+    for (int i = 0; i < p.n_choices; ++i) {
+      const GenResult& g = gs[size_t(i)];
+      completion_tokens += g.completion_tokens;
+      json choice = {{"index", i}, {"logprobs", nullptr}, {"finish_reason", finish_reason_api(g.finish_reason)},
+                     {"stop_reason", stop_reason_api(g)}};
+      if (chat) {
+        const ChatReply r = read_reply(p, g, id_rng);
+        json msg = {{"role", "assistant"}, {"content", r.content}};
+        if (!r.reasoning.empty()) msg["reasoning_content"] = r.reasoning;  // vLLM's
+        if (!r.calls.empty()) msg["tool_calls"] = tool_calls_json(r.calls, false);
+        if (r.called) choice["finish_reason"] = tool_finish;
+        choice["message"] = std::move(msg);
+      } else {
+        choice["text"] = ar.echo ? p.prompts[size_t(i / ar.n)].text + g.text : g.text;
+      }
+      if (chat && ar.params.logprobs >= 0) choice["logprobs"] = chat_logprobs(g.logprobs);
+      if (!chat && ar.params.logprobs >= 0) {
+        std::vector<TokenLogprob> lps = ar.echo ? g.prompt_logprobs : std::vector<TokenLogprob>{};
+        for (TokenLogprob& lp : lps) lp.top.resize(std::min(lp.top.size(), size_t(std::max(0, ar.params.logprobs))));
+        lps.insert(lps.end(), g.logprobs.begin(), g.logprobs.end());
+        choice["logprobs"] = completion_logprobs(lps, 0, nullptr, ar.echo);
+      }
+      if (ar.vllm_prompt_logprobs >= 0) {
+        const json pl = prompt_logprobs_api(engine.tokenizer(), g.prompt_logprobs, ar.vllm_prompt_logprobs);
+        if (chat) prompt_lps = pl;  // chat: the response's
+        else choice["prompt_logprobs"] = pl;
+      }
+      choices.push_back(std::move(choice));
+    }
+    json body_out = envelope(false, std::move(choices));
+    if (chat && ar.vllm_prompt_logprobs >= 0) body_out["prompt_logprobs"] = prompt_lps;
+    body_out["usage"] = usage(completion_tokens);
+    send_json(res, 200, body_out);
+    return;
+  }
+
+  auto st = std::make_shared<StreamState>();
+  st->remaining = p.n_choices;
+  // Log-probabilities of the tokens sampled since the last chunk, per choice (scheduler thread only).
+  struct PendingLogprobs {
+    std::vector<TokenLogprob> lps;
+    size_t offset = 0;  // completions: byte offset of the next token's text
+  };
+  const bool want_lp = ar.params.logprobs >= 0;
+  const bool include_usage = ar.include_usage;
+  std::vector<GenRequest> grs;
+  for (int i = 0; i < p.n_choices; ++i) {
+    auto pend = std::make_shared<PendingLogprobs>();
+    auto chunk = [=, this](const json& delta_or_text, const json& finish) {
+      json choice = {{"index", i}, {"logprobs", nullptr}, {"finish_reason", finish}, {"stop_reason", nullptr}};
+      if (want_lp && !pend->lps.empty()) {
+        choice["logprobs"] = chat ? chat_logprobs(pend->lps) : completion_logprobs(pend->lps, pend->offset, &pend->offset);
+        pend->lps.clear();
+      }
+      if (chat) choice["delta"] = delta_or_text;
+      else choice["text"] = delta_or_text;
+      return envelope(true, json::array({choice}));
+    };
+    // (with tools, content null until a response's text comes, as OpenAI's streams of calls)
+    if (chat) st->push(sse(chunk(json{{"role", "assistant"}, {"content", p.tools.spec.active() ? json(nullptr) : json("")}}, nullptr)));
+    GenRequest gr = p.choice_request(i);
+    if (want_lp) gr.on_logprob = [pend](const TokenLogprob& lp) { pend->lps.push_back(lp); };
+    auto reply = std::make_shared<ChatReplyStream>(p);
+    ChatReplyStream::Sink sink;
+    sink.content = [st, chunk, chat](const std::string& c) { st->push(sse(chunk(chat ? json{{"content", c}} : json(c), nullptr))); };
+    sink.reasoning = [st, chunk](const std::string& r) { st->push(sse(chunk(json{{"reasoning_content", r}}, nullptr))); };
+    sink.calls = [st, chunk](const std::vector<ToolCall>& calls, size_t first) {
+      json tc = tool_calls_json(calls, true);
+      for (size_t k = 0; k < tc.size(); ++k) tc[k]["index"] = first + k;
+      st->push(sse(chunk(json{{"tool_calls", tc}}, nullptr)));
+    };
+    gr.on_text = [reply, sink](const std::string& d) { reply->feed(d, sink); };
+    gr.on_done = [st, chunk, chat, include_usage, usage, envelope, reply, sink, tool_finish](const GenResult& g) {
+      if (g.finish_reason == "error") {
+        st->push(sse(error_body(g.error, "server_error", "", "")));
+      } else if (g.finish_reason != "cancelled") {
+        const bool called = chat && reply->finish(g, sink);
+        json last = chunk(chat ? json::object() : json(""), called ? tool_finish : finish_reason_api(g.finish_reason));
+        last["choices"][0]["stop_reason"] = stop_reason_api(g);
+        st->push(sse(last));
+      }
+      int left, tokens;
+      {
+        std::lock_guard<std::mutex> lk(st->mu);
+        st->completion_tokens += g.completion_tokens;
+        left = --st->remaining;
+        tokens = st->completion_tokens;
+      }
+      if (left > 0) return;  // the last choice to finish ends the stream
+      if (include_usage && g.finish_reason != "cancelled") {
+        json u = envelope(true, json::array());
+        u["usage"] = usage(tokens);
+        st->push(sse(u));
+      }
+      st->push("data: [DONE]\n\n");
+      std::lock_guard<std::mutex> lk(st->mu);
+      st->done = true;
+    };
+    grs.push_back(std::move(gr));
+  }
+  st->ids = engine.submit_all(std::move(grs));
+  stream_events(res, st, engine);
+}
+
+// The model a request names must be the one served (OpenAI's and vLLM's servers refuse another).
+void Server::Impl::check_model(const json& body) const {
+  if (body.contains("model") && body["model"].is_string() && body["model"].get<std::string>() != opt.model_name)
+    throw ApiError{fmt::format("the model '{}' does not exist: this server serves '{}' (GET /v1/models)",
+                               body["model"].get<std::string>(), opt.model_name),
+                   "model", "model_not_found", 404};
+}
+
+// A Messages request's chat request body (anthropic.h); raw: its text; omit_thinking: the
+// reasoning is not returned.
+json Server::Impl::messages_chat_body(const httplib::Request& req, bool count_tokens, std::string* raw,
+                                      bool* omit_thinking) const {
+  (void)parse_body(req);  // the checks every body gets (valid JSON, an object, its nesting, NUL bytes)
+  const nlohmann::ordered_json in = nlohmann::ordered_json::parse(req.body);
+  nlohmann::ordered_json chat;
+  try {
+    chat = anthropic_chat_body(in, count_tokens);
+  } catch (const AnthropicError& e) {
+    throw ApiError{e.what(), e.param};
+  }
+  if (chat.contains("reasoning_effort") && tpl.family != ChatFamily::harmony)
+    throw ApiError{fmt::format("'output_config.effort' is not supported with this model (its chat template, {}, has no "
+                               "reasoning effort; gpt-oss's harmony format has one)",
+                               chat_template_name(tpl)),
+                   "output_config.effort"};
+  if (omit_thinking) *omit_thinking = anthropic_omits_thinking(in);
+  *raw = chat.dump();
+  return json::parse(*raw);
+}
+
+void Server::Impl::handle_messages(const httplib::Request& req, httplib::Response& res) {
+  std::string raw;
+  bool omit_thinking = false;
+  const json body = messages_chat_body(req, false, &raw, &omit_thinking);
+  const auto pp = std::make_shared<const Prepared>(prepare(body, raw, true));
+  const Prepared& p = *pp;
+  std::mt19937_64 rng(std::random_device{}());
+  const std::string id = "msg_" + tool_call_id(rng).substr(5);
+  const std::string model = opt.model_name;
+  const int prompt_tokens = p.prompt_tokens;
+
+  if (!p.ar.stream) {
+    const GenResult g = run_all(p, req).at(0);
+    const ChatReply r = read_reply(p, g, rng);
+    json content = json::array();
+    if (!r.reasoning.empty() && !omit_thinking)
+      content.push_back({{"type", "thinking"}, {"thinking", r.reasoning}, {"signature", ""}});
+    if (r.content.is_string() && !r.content.get<std::string>().empty())
+      content.push_back({{"type", "text"}, {"text", r.content}});
+    for (const ToolCall& c : r.calls) content.push_back(anthropic_tool_use(c.id, c.name, c.arguments));
+    const AnthropicStop stop = anthropic_stop(g.finish_reason, g.stop_string, r.called);
+    send_json(res, 200,
+              json{{"id", id},
+                   {"type", "message"},
+                   {"role", "assistant"},
+                   {"model", model},
+                   {"content", std::move(content)},
+                   {"stop_reason", stop.reason},
+                   {"stop_sequence", stop.sequence},
+                   {"usage", anthropic_usage(prompt_tokens, g.cached_tokens, g.completion_tokens)}});
+    return;
+  }
+
+  auto st = std::make_shared<StreamState>();
+  st->remaining = 1;
+  auto as = std::make_shared<AnthropicStream>(id, model);
+  st->push(as->start(prompt_tokens));
+  GenRequest gr = p.choice_request(0);
+  auto reply = std::make_shared<ChatReplyStream>(p);
+  ChatReplyStream::Sink sink;
+  sink.content = [st, as](const std::string& c) { st->push(as->text(c)); };
+  sink.reasoning = [st, as, omit_thinking](const std::string& r) {
+    if (!omit_thinking) st->push(as->thinking(r));
+  };
+  sink.calls = [st, as](const std::vector<ToolCall>& calls, size_t) {
+    for (const ToolCall& c : calls) st->push(as->tool_use(c.id, c.name, c.arguments));
+  };
+  gr.on_text = [reply, sink](const std::string& d) { reply->feed(d, sink); };
+  Engine* eng = &engine;
+  gr.on_done = [st, as, reply, sink, prompt_tokens, eng](const GenResult& g) {
+    if (g.finish_reason == "error") {
+      st->push(AnthropicStream::error(g.error, eng->aborting() ? 503 : 500));
+    } else if (g.finish_reason != "cancelled") {
+      const bool called = reply->finish(g, sink);
+      st->push(as->finish(anthropic_stop(g.finish_reason, g.stop_string, called),
+                          anthropic_usage(prompt_tokens, g.cached_tokens, g.completion_tokens)));
+    }
+    {
+      std::lock_guard<std::mutex> lk(st->mu);
+      st->done = true;
+    }
+    st->cv.notify_all();
+  };
+  std::vector<GenRequest> grs;
+  grs.push_back(std::move(gr));
+  st->ids = engine.submit_all(std::move(grs));
+  stream_events(res, st, engine);
+}
+
+void Server::Impl::handle_count_tokens(const httplib::Request& req, httplib::Response& res) {
+  std::string raw;
+  const json body = messages_chat_body(req, true, &raw, nullptr);
+  check_model(body);
+  const ChatTools t = chat_tools(body, raw, nullptr);
+  // (a harmony reply under an output format opens in its final channel, as prepare() opens it)
+  const bool final_channel = tpl.family == ChatFamily::harmony && !t.spec.active() && body.contains("response_format");
+  send_json(res, 200, json{{"input_tokens", chat_prompt(body, t, final_channel).size()}});
 }
 
 Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<Impl>(engine, o)) {
@@ -1251,8 +1461,11 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
       if (api_key_matches(req.get_header_value("Authorization"), req.get_header_value("X-Api-Key"), impl_->opt.api_key))
         return httplib::Server::HandlerResponse::Unhandled;
       res.set_header("WWW-Authenticate", "Bearer");
-      send_error(res, ApiError{"Incorrect API key provided: send it as 'Authorization: Bearer <key>'.", "",
-                               "invalid_api_key", 401});
+      if (anthropic_route(req.path))
+        send_json(res, 401, anthropic_error_body("invalid x-api-key: send the key as 'x-api-key: <key>'", 401));
+      else
+        send_error(res, ApiError{"Incorrect API key provided: send it as 'Authorization: Bearer <key>'.", "",
+                                 "invalid_api_key", 401});
       return httplib::Server::HandlerResponse::Handled;
     });
   }
@@ -1272,6 +1485,22 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
   };
   I.http.Post("/v1/completions", wrap(false));
   I.http.Post("/v1/chat/completions", wrap(true));
+  // Anthropic's Messages API, its errors in its own form.
+  auto wrap_messages = [this](void (Impl::*handle)(const httplib::Request&, httplib::Response&)) {
+    return [this, handle](const httplib::Request& req, httplib::Response& res) {
+      try {
+        (impl_.get()->*handle)(req, res);
+      } catch (const ApiError& e) {
+        send_json(res, e.status, anthropic_error_body(e.message, e.status));
+      } catch (const json::exception& e) {
+        send_json(res, 400, anthropic_error_body(fmt::format("invalid request: {}", e.what()), 400));
+      } catch (const std::exception& e) {
+        send_json(res, 500, anthropic_error_body(e.what(), 500));
+      }
+    };
+  };
+  I.http.Post("/v1/messages", wrap_messages(&Impl::handle_messages));
+  I.http.Post("/v1/messages/count_tokens", wrap_messages(&Impl::handle_count_tokens));
   I.http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
     send_json(res, 200,
               json{{"object", "list"},
@@ -1330,15 +1559,17 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
   I.http.Get("/health", [](const httplib::Request&, httplib::Response& res) { send_json(res, 200, json{{"status", "ok"}}); });
   // A route asked with the other method: 405 naming the one it takes (rather than a 404).
   for (const auto& [route, allowed] : {std::pair{"/v1/completions", "POST"}, std::pair{"/v1/chat/completions", "POST"},
+                                       std::pair{"/v1/messages", "POST"}, std::pair{"/v1/messages/count_tokens", "POST"},
                                        std::pair{"/tokenize", "POST"}, std::pair{"/detokenize", "POST"},
                                        std::pair{"/v1/models", "GET"}, std::pair{"/health", "GET"},
                                        std::pair{"/metrics", "GET"}}) {
     auto wrong = [route = std::string(route), allowed = std::string(allowed)](const httplib::Request& req,
                                                                              httplib::Response& res) {
       res.set_header("Allow", allowed);
+      const std::string message = fmt::format("{} takes {}, not {}", route, allowed, req.method);
       send_json(res, 405,
-                error_body(fmt::format("{} takes {}, not {}", route, allowed, req.method), "invalid_request_error", "",
-                           "method_not_allowed"));
+                anthropic_route(route) ? anthropic_error_body(message, 405)
+                                       : error_body(message, "invalid_request_error", "", "method_not_allowed"));
     };
     if (std::string(allowed) == "POST") I.http.Get(route, wrong);
     else I.http.Post(route, wrong);
@@ -1351,7 +1582,15 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
   });
   I.http.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
     if (!res.body.empty()) return;
-    if (res.status == 404)
+    if (anthropic_route(req.path))
+      send_json(res, res.status,
+                anthropic_error_body(res.status == 404   ? fmt::format("no route {} {}", req.method, req.path)
+                                     : res.status == 413 ? "the request body is larger than 64 MiB"
+                                                         : fmt::format("HTTP {}: the request could not be read (its "
+                                                                       "headers, Content-Type or Content-Length)",
+                                                                       res.status),
+                                     res.status));
+    else if (res.status == 404)
       send_json(res, 404, error_body(fmt::format("no route {} {}", req.method, req.path), "invalid_request_error", "", "not_found"));
     else if (res.status == 413)
       send_json(res, 413, error_body("the request body is larger than 64 MiB", "invalid_request_error", "", ""));
