@@ -1277,6 +1277,292 @@ TEST_F(HarmonyServerTest, FunctionCallsInItsOwnSyntax) {
   EXPECT_NE(prompt_text(effort).find("Reasoning: high"), std::string::npos);
 }
 
+// Anthropic's Messages API (server/anthropic.h) against the chat endpoint on the same requests:
+// greedy replies, stop reasons, usage (prefix-cache reads), streamed events, a reply's start,
+// tool use plain and streamed, count_tokens, and errors in Anthropic's form.
+namespace {
+// A streamed Messages reply's events, (name, data); each "event: NAME\ndata: JSON\n\n".
+std::vector<std::pair<std::string, json>> anthropic_events(const std::string& raw) {
+  std::vector<std::pair<std::string, json>> out;
+  size_t pos = 0;
+  while (pos < raw.size()) {
+    const size_t end = raw.find("\n\n", pos);
+    EXPECT_NE(end, std::string::npos) << "unterminated event";
+    if (end == std::string::npos) break;
+    const std::string ev = raw.substr(pos, end - pos);
+    pos = end + 2;
+    const size_t nl = ev.find('\n');
+    EXPECT_EQ(ev.rfind("event: ", 0), 0u) << ev;
+    EXPECT_EQ(ev.compare(nl + 1, 6, "data: "), 0) << ev;
+    out.emplace_back(ev.substr(7, nl - 7), json::parse(ev.substr(nl + 7)));
+  }
+  return out;
+}
+// A streamed message assembled as Anthropic's clients assemble it: its blocks, stop and usage.
+json assemble_message(const std::vector<std::pair<std::string, json>>& evs) {
+  json m;
+  for (const auto& [name, d] : evs) {
+    if (name == "message_start") {
+      m = d["message"];
+    } else if (name == "content_block_start") {
+      EXPECT_EQ(d["index"], m["content"].size());
+      m["content"].push_back(d["content_block"]);
+      if (d["content_block"]["type"] == "tool_use") m["content"].back()["partial"] = "";
+    } else if (name == "content_block_delta") {
+      json& b = m["content"][d["index"].get<size_t>()];
+      const json& delta = d["delta"];
+      if (delta["type"] == "text_delta") b["text"] = b["text"].get<std::string>() + delta["text"].get<std::string>();
+      else if (delta["type"] == "thinking_delta") b["thinking"] = b["thinking"].get<std::string>() + delta["thinking"].get<std::string>();
+      else if (delta["type"] == "input_json_delta") b["partial"] = b["partial"].get<std::string>() + delta["partial_json"].get<std::string>();
+      else ADD_FAILURE() << delta;
+    } else if (name == "content_block_stop") {
+      json& b = m["content"][d["index"].get<size_t>()];
+      if (b["type"] == "tool_use") {
+        b["input"] = json::parse(b["partial"].get<std::string>());
+        b.erase("partial");
+      }
+    } else if (name == "message_delta") {
+      m["stop_reason"] = d["delta"]["stop_reason"];
+      m["stop_sequence"] = d["delta"]["stop_sequence"];
+      m["usage"] = d["usage"];
+    } else if (name != "ping" && name != "message_stop") {
+      ADD_FAILURE() << name << " " << d;
+    }
+  }
+  return m;
+}
+}  // namespace
+
+TEST_F(ToolServerTest, AnthropicMessagesAsChat) {
+  auto c = client();
+  auto messages_stream = [&](json body) {
+    body["stream"] = true;
+    auto r = c.Post("/v1/messages", body.dump(), "application/json");
+    EXPECT_TRUE(r);
+    if (!r) return std::vector<std::pair<std::string, json>>{};
+    EXPECT_EQ(r->status, 200) << r->body;
+    EXPECT_NE(r->get_header_value("Content-Type").find("text/event-stream"), std::string::npos);
+    return anthropic_events(r->body);
+  };
+  const json user = {{"role", "user"}, {"content", "Lily"}};
+  const std::string sys = "Once upon a time there was a little girl named Lily who loved to play in the park with her friends.";
+  // A plain reply: the chat endpoint's text, its stop, and usage; the prompt, asked second, read
+  // from the prefix cache.
+  const json chat = post_ok("/v1/chat/completions",
+                            {{"messages", json::array({{{"role", "system"}, {"content", sys}}, user})},
+                             {"max_tokens", 24},
+                             {"temperature", 0}});
+  const json body = {{"model", "stories260K"}, {"max_tokens", 24}, {"temperature", 0},
+                     {"system", json::array({{{"type", "text"}, {"text", sys}, {"cache_control", {{"type", "ephemeral"}}}}})},
+                     {"messages", json::array({user})}};
+  const json m = post_ok("/v1/messages", body);
+  EXPECT_TRUE(std::regex_match(m["id"].get<std::string>(), std::regex("msg_[A-Za-z0-9]{24}"))) << m;
+  EXPECT_EQ(m["type"], "message");
+  EXPECT_EQ(m["role"], "assistant");
+  EXPECT_EQ(m["model"], "stories260K");
+  const std::string text = chat["choices"][0]["message"]["content"];
+  ASSERT_GT(text.size(), 8u);
+  ASSERT_EQ(m["content"].size(), 1u) << m;
+  EXPECT_EQ(m["content"][0], json({{"type", "text"}, {"text", text}}));
+  EXPECT_EQ(m["stop_reason"], chat["choices"][0]["finish_reason"] == "length" ? "max_tokens" : "end_turn");
+  EXPECT_TRUE(m["stop_sequence"].is_null());
+  const json& u = m["usage"];
+  EXPECT_EQ(u["input_tokens"].get<int>() + u["cache_read_input_tokens"].get<int>(), chat["usage"]["prompt_tokens"].get<int>()) << u;
+  EXPECT_GE(u["cache_read_input_tokens"].get<int>(), 16) << u;  // at least a page
+  EXPECT_EQ(u["cache_creation_input_tokens"], 0);
+  EXPECT_EQ(u["output_tokens"], chat["usage"]["completion_tokens"]);
+  // count_tokens: the same prompt
+  EXPECT_EQ(post_ok("/v1/messages/count_tokens", {{"model", "stories260K"}, {"system", sys},
+                                                  {"messages", json::array({user})}})["input_tokens"],
+            chat["usage"]["prompt_tokens"]);
+
+  // Streamed: message_start, ping, the text block, message_delta, message_stop; assembled, the same message.
+  auto evs = messages_stream(body);
+  ASSERT_GE(evs.size(), 6u);
+  EXPECT_EQ(evs[0].first, "message_start");
+  EXPECT_EQ(evs[1].first, "ping");
+  EXPECT_EQ(evs[evs.size() - 2].first, "message_delta");
+  EXPECT_EQ(evs.back().first, "message_stop");
+  json sm = assemble_message(evs);
+  EXPECT_EQ(sm["content"], m["content"]);
+  EXPECT_EQ(sm["stop_reason"], m["stop_reason"]);
+  EXPECT_EQ(sm["usage"]["output_tokens"], u["output_tokens"]);
+  EXPECT_EQ(sm["usage"]["input_tokens"].get<int>() + sm["usage"]["cache_read_input_tokens"].get<int>(),
+            chat["usage"]["prompt_tokens"].get<int>());
+
+  // A stop sequence from the reply's middle: the text before its first occurrence, stop_sequence.
+  const std::string stop = text.substr(text.size() / 2, 3);
+  json sb = body;
+  sb["stop_sequences"] = {stop, "never-seen-stop"};
+  for (bool streamed : {false, true}) {
+    SCOPED_TRACE(streamed);
+    const json s = streamed ? assemble_message(messages_stream(sb)) : post_ok("/v1/messages", sb);
+    EXPECT_EQ(s["stop_reason"], "stop_sequence") << s;
+    EXPECT_EQ(s["stop_sequence"], stop);
+    ASSERT_EQ(s["content"].size(), 1u) << s;
+    EXPECT_EQ(s["content"][0]["text"], text.substr(0, text.find(stop)));
+  }
+
+  // The reply's start: continued as the chat endpoint continues a final message.
+  const json start = {{"role", "assistant"}, {"content", "Lily went"}};
+  const json cont = post_ok("/v1/chat/completions", {{"messages", json::array({user, start})},
+                                                     {"continue_final_message", true},
+                                                     {"add_generation_prompt", false},
+                                                     {"max_tokens", 12},
+                                                     {"temperature", 0}});
+  const json pm = post_ok("/v1/messages", {{"max_tokens", 12}, {"temperature", 0}, {"messages", json::array({user, start})}});
+  ASSERT_EQ(pm["content"].size(), 1u) << pm;
+  EXPECT_EQ(pm["content"][0]["text"], cont["choices"][0]["message"]["content"]);
+
+  // Tool use: the chat endpoint's call (greedy), as a tool_use block with its input; plain and streamed.
+  const json tools = json::parse(R"j([{"name": "get_weather", "description": "Weather for a city", "input_schema":
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer",
+     "minimum": 1, "maximum": 7}}, "required": ["city", "days"]}},
+    {"name": "add", "input_schema": {"type": "object", "properties": {"a": {"type": "integer", "minimum": -99,
+     "maximum": 99}}, "required": ["a"]}}])j");
+  json chat_tools = json::array();
+  for (const json& t : tools)
+    chat_tools.push_back({{"type", "function"},
+                          {"function", {{"name", t["name"]}, {"parameters", t["input_schema"]}}}});
+  chat_tools[0]["function"]["description"] = "Weather for a city";
+  for (const auto& [choice, chat_choice] :
+       {std::pair{json{{"type", "any"}, {"disable_parallel_tool_use", true}}, json("required")},
+        std::pair{json{{"type", "tool"}, {"name", "add"}}, json{{"type", "function"}, {"function", {{"name", "add"}}}}}}) {
+    SCOPED_TRACE(choice.dump());
+    const json cc = post_ok("/v1/chat/completions", {{"messages", json::array({user})},
+                                                     {"tools", chat_tools},
+                                                     {"tool_choice", chat_choice},
+                                                     {"parallel_tool_calls", false},
+                                                     {"max_tokens", 200},
+                                                     {"temperature", 0}});
+    ASSERT_EQ(cc["choices"][0]["message"]["tool_calls"].size(), 1u) << cc;
+    const json& call = cc["choices"][0]["message"]["tool_calls"][0]["function"];
+    const json tb = {{"max_tokens", 200}, {"temperature", 0}, {"tools", tools}, {"tool_choice", choice},
+                     {"messages", json::array({user})}};
+    for (bool streamed : {false, true}) {
+      SCOPED_TRACE(streamed);
+      const json tm = streamed ? assemble_message(messages_stream(tb)) : post_ok("/v1/messages", tb);
+      EXPECT_EQ(tm["stop_reason"], "tool_use") << tm;
+      ASSERT_EQ(tm["content"].size(), 1u) << tm;
+      const json& b = tm["content"][0];
+      EXPECT_EQ(b["type"], "tool_use");
+      EXPECT_TRUE(std::regex_match(b["id"].get<std::string>(), std::regex("toolu_[A-Za-z0-9]{24}"))) << b;
+      EXPECT_EQ(b["name"], call["name"]);
+      EXPECT_EQ(b["input"], json::parse(call["arguments"].get<std::string>()));
+    }
+  }
+
+  // A conversation with tool use and results: the chat endpoint's prompt, token for token counted.
+  const json conv = json::parse(R"j([{"role": "user", "content": "Lily"},
+    {"role": "assistant", "content": [{"type": "text", "text": "Let me see."},
+      {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Rome", "days": 2}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny"},
+      {"type": "text", "text": "And now?"}]}])j");
+  const json chat_conv = json::parse(R"j([{"role": "user", "content": "Lily"},
+    {"role": "assistant", "content": "Let me see.", "tool_calls": [{"id": "toolu_1", "type": "function",
+      "function": {"name": "get_weather", "arguments": "{\"city\":\"Rome\",\"days\":2}"}}]},
+    {"role": "tool", "tool_call_id": "toolu_1", "content": "Sunny"},
+    {"role": "user", "content": "And now?"}])j");
+  const json counted = post_ok("/v1/messages/count_tokens", {{"tools", tools}, {"messages", conv}});
+  EXPECT_EQ(counted["input_tokens"], post_ok("/tokenize", {{"tools", chat_tools}, {"messages", chat_conv}})["count"]);
+  const json cm = post_ok("/v1/messages", {{"tools", tools}, {"messages", conv}, {"max_tokens", 8}});
+  EXPECT_EQ(cm["usage"]["input_tokens"].get<int>() + cm["usage"]["cache_read_input_tokens"].get<int>(),
+            counted["input_tokens"].get<int>());
+}
+
+// Errors in Anthropic's form ({"type": "error", "error": {"type", "message"}}) with their statuses;
+// the server serves on.
+TEST_F(ServerTest, AnthropicErrors) {
+  auto c = client();
+  auto expect_error = [&](const httplib::Result& r, int status, const std::string& type, const std::string& what) {
+    SCOPED_TRACE(what);
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, status) << r->body;
+    const json j = json::parse(r->body, nullptr, false);
+    ASSERT_FALSE(j.is_discarded()) << r->body;
+    EXPECT_EQ(j["type"], "error") << j;
+    EXPECT_EQ(j["error"]["type"], type) << j;
+    EXPECT_TRUE(j["error"]["message"].is_string() && !j["error"]["message"].get<std::string>().empty()) << j;
+  };
+  const std::string user = R"j("messages": [{"role": "user", "content": "Once"}])j";
+  for (const std::string& body : std::vector<std::string>{std::string("{"), std::string("[]"), "{" + user + "}", R"j({"max_tokens": 4, "messages": [{"role": "user",
+         "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA"}}]}]})j",
+        R"j({"max_tokens": 4, "seed": 3, )j" + user + "}", R"j({"max_tokens": 4, "temperature": 2, )j" + user + "}",
+        // beyond the context (256 tokens)
+        R"j({"max_tokens": 400, )j" + user + "}",
+        // a model without reasoning has no effort
+        R"j({"max_tokens": 4, "output_config": {"effort": "high"}, )j" + user + "}",
+        R"j({"max_tokens": 4, "tools": [{"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"}], )j" + user + "}"})
+    expect_error(c.Post("/v1/messages", body, "application/json"), 400, "invalid_request_error", body);
+  expect_error(c.Post("/v1/messages/count_tokens", R"j({"max_tokens": 4, )j" + user + "}", "application/json"), 400,
+               "invalid_request_error", "count_tokens with max_tokens");
+  expect_error(c.Post("/v1/messages", R"j({"model": "claude-x", "max_tokens": 4, )j" + user + "}", "application/json"), 404,
+               "not_found_error", "another model");
+  expect_error(c.Get("/v1/messages"), 405, "invalid_request_error", "GET");
+  expect_error(c.Post("/v1/messages/batches", "{}", "application/json"), 404, "not_found_error", "batches");
+  const json ok = post_ok("/v1/messages", json::parse(R"j({"max_tokens": 4, "temperature": 0, )j" + user + "}"));
+  EXPECT_EQ(ok["usage"]["output_tokens"], 4);
+  EXPECT_EQ(ok["stop_reason"], "max_tokens");
+}
+
+// Anthropic's Messages API on a harmony (gpt-oss) template: a call forced by name in gpt-oss's own
+// syntax comes back as a tool_use block, plain and streamed alike; the effort and an earlier turn's
+// thinking reach the prompt as the chat endpoint's reasoning_effort and reasoning_content do.
+TEST_F(HarmonyServerTest, AnthropicToolUseThinkingAndEffort) {
+  const json tools = json::parse(R"j([{"name": "get_weather", "description": "Weather for a city", "input_schema":
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer",
+     "minimum": 1, "maximum": 7}}, "required": ["city", "days"]}}])j");
+  const json body = {{"max_tokens", 60}, {"temperature", 0}, {"tools", tools},
+                     {"tool_choice", {{"type", "tool"}, {"name", "get_weather"}}},
+                     {"messages", json::array({{{"role", "user"}, {"content", "Lily"}}})}};
+  const json m = post_ok("/v1/messages", body);
+  EXPECT_EQ(m["stop_reason"], "tool_use") << m;
+  ASSERT_EQ(m["content"].size(), 1u) << m;
+  const json& b = m["content"][0];
+  EXPECT_EQ(b["type"], "tool_use");
+  EXPECT_EQ(b["name"], "get_weather");
+  EXPECT_TRUE(b["input"]["city"].is_string() && b["input"]["city"].get<std::string>().size() <= 8) << b;
+  EXPECT_TRUE(b["input"]["days"].is_number_integer() && b["input"]["days"] >= 1 && b["input"]["days"] <= 7) << b;
+  json sbody = body;
+  sbody["stream"] = true;
+  auto c = client();
+  auto r = c.Post("/v1/messages", sbody.dump(), "application/json");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json sm = assemble_message(anthropic_events(r->body));
+  EXPECT_EQ(sm["stop_reason"], "tool_use");
+  ASSERT_EQ(sm["content"].size(), 1u) << sm;
+  EXPECT_EQ(sm["content"][0]["input"], b["input"]);
+
+  // an earlier call with its thinking, and the effort
+  const json conv = json::parse(R"j([{"role": "user", "content": "Lily"},
+    {"role": "assistant", "content": [{"type": "thinking", "thinking": "Look it up.", "signature": ""},
+      {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Rome", "days": 2}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny"}]}])j");
+  const json chat_conv = json::parse(R"j([{"role": "user", "content": "Lily"},
+    {"role": "assistant", "content": null, "reasoning_content": "Look it up.", "tool_calls": [{"id": "toolu_1",
+      "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Rome\",\"days\":2}"}}]},
+    {"role": "tool", "tool_call_id": "toolu_1", "content": "Sunny"}])j");
+  json chat_tools = json::array({{{"type", "function"},
+                                  {"function", {{"name", "get_weather"}, {"description", "Weather for a city"},
+                                                {"parameters", tools[0]["input_schema"]}}}}});
+  const std::string chat_prompt = prompt_text({{"tools", chat_tools}, {"messages", chat_conv}, {"reasoning_effort", "low"}});
+  EXPECT_NE(chat_prompt.find("Reasoning: low"), std::string::npos) << chat_prompt;
+  EXPECT_NE(chat_prompt.find("Look it up."), std::string::npos) << chat_prompt;
+  const json counted = post_ok("/v1/messages/count_tokens",
+                               {{"tools", tools}, {"messages", conv}, {"output_config", {{"effort", "low"}}}});
+  EXPECT_EQ(counted["input_tokens"],
+            post_ok("/tokenize", {{"tools", chat_tools}, {"messages", chat_conv}, {"reasoning_effort", "low"}})["count"]);
+  // (without the thinking, fewer tokens: it is in the prompt)
+  json no_thinking = conv;
+  no_thinking[1]["content"].erase(0);
+  EXPECT_LT(post_ok("/v1/messages/count_tokens", {{"tools", tools}, {"messages", no_thinking}, {"output_config", {{"effort", "low"}}}})["input_tokens"],
+            counted["input_tokens"]);
+  const json em = post_ok("/v1/messages", {{"max_tokens", 4}, {"output_config", {{"effort", "low"}}},
+                                           {"messages", json::array({{{"role", "user"}, {"content", "Lily"}}})}});
+  EXPECT_EQ(em["usage"]["output_tokens"], 4);
+}
+
 TEST_F(ServerTest, ConcurrentRequests) {
   std::vector<std::thread> ts;
   std::vector<std::string> got(6);
@@ -1770,6 +2056,17 @@ TEST(ServerApiKey, RoutesNeedTheKey) {
   r = xk.Get("/v1/models", httplib::Headers{{"X-Api-Key", "s3cret"}});
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 200);
+  // Anthropic's route: its clients' x-api-key header; without it, Anthropic's 401
+  const std::string mb = json{{"max_tokens", 2}, {"messages", json::array({{{"role", "user"}, {"content", "Once"}}})}}.dump();
+  r = open.Post("/v1/messages", mb, "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 401);
+  const json e = json::parse(r->body);
+  EXPECT_EQ(e["type"], "error");
+  EXPECT_EQ(e["error"]["type"], "authentication_error");
+  r = xk.Post("/v1/messages", httplib::Headers{{"x-api-key", "s3cret"}}, mb, "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << r->body;
 }
 
 // Cross-origin requests: allowed origins get Access-Control-Allow-Origin on every response (JSON,

@@ -14,6 +14,15 @@ check() { if ! eval "$2"; then echo "FAIL: $1"; fails=$((fails + 1)); else echo 
 require() { local f; for f; do [[ -f $f ]] || { echo "skip: $f not found"; exit 77; }; done; }
 # finish NAME: the exit status: 1 when any check failed.
 finish() { [[ $fails -eq 0 ]] || { echo "$fails check(s) failed"; exit 1; }; echo "all $1 checks passed"; }
+# anthropic_python: the same for Anthropic's official `anthropic` client ($KVQ_ANTHROPIC_VENV,
+# default $TMPDIR/kvq-anthropic-venv).
+anthropic_python() {
+  local venv=${KVQ_ANTHROPIC_VENV:-${TMPDIR:-/tmp}/kvq-anthropic-venv}
+  if [[ ! -x $venv/bin/python ]] || ! "$venv/bin/python" -c 'import anthropic' 2>/dev/null; then
+    python3 -m venv "$venv" >/dev/null 2>&1 && "$venv/bin/pip" install -q anthropic >/dev/null 2>&1
+  fi
+  "$venv/bin/python" -c 'import anthropic' 2>/dev/null && echo "$venv/bin/python"
+}
 # openai_python: the python of a venv with the official `openai` client ($KVQ_OPENAI_VENV, default
 # $TMPDIR/kvq-openai-venv, made once and reused); prints nothing when pip cannot install it.
 openai_python() {
