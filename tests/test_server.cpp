@@ -1563,6 +1563,39 @@ TEST_F(HarmonyServerTest, AnthropicToolUseThinkingAndEffort) {
   EXPECT_EQ(em["usage"]["output_tokens"], 4);
 }
 
+// usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache held; a prompt seen
+// for the first time has none, asked again its whole pages; n choices of one prompt count it once;
+// streamed with include_usage alike.
+TEST_F(ServerTest, UsageCountsCachedPromptTokens) {
+  const std::string prompt =
+      "Zebras and pelicans argued about the purple moon over a bowl of cold soup while the clock struck thirteen again";
+  json body = {{"prompt", prompt}, {"max_tokens", 2}, {"temperature", 0}};
+  const json first = post_ok("/v1/completions", body);
+  const int n_prompt = first["usage"]["prompt_tokens"];
+  ASSERT_GT(n_prompt, 20);
+  EXPECT_EQ(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0) << first["usage"];
+  const json again = post_ok("/v1/completions", body);
+  const int cached = again["usage"]["prompt_tokens_details"]["cached_tokens"];
+  EXPECT_GE(cached, 16) << again["usage"];
+  EXPECT_LT(cached, n_prompt);  // (the last token is always computed: its logits give the first token)
+  EXPECT_EQ(cached % 16, 0);    // whole pages
+  body["n"] = 3;
+  const json three = post_ok("/v1/completions", body);
+  EXPECT_EQ(three["usage"]["prompt_tokens"], n_prompt);
+  EXPECT_EQ(three["usage"]["prompt_tokens_details"]["cached_tokens"], cached);
+  body.erase("n");
+  body["stream_options"] = {{"include_usage", true}};
+  bool done = false;
+  const std::vector<json> evs = stream("/v1/completions", body, &done);
+  ASSERT_FALSE(evs.empty());
+  EXPECT_EQ(evs.back()["usage"]["prompt_tokens_details"]["cached_tokens"], cached) << evs.back();
+  // a batch of two prompts: the new one's none, the known one's pages
+  json batch = {{"prompt", {prompt, "A completely different beginning about seventeen orange kites and a ferry"}},
+                {"max_tokens", 2},
+                {"temperature", 0}};
+  EXPECT_EQ(post_ok("/v1/completions", batch)["usage"]["prompt_tokens_details"]["cached_tokens"], cached);
+}
+
 TEST_F(ServerTest, ConcurrentRequests) {
   std::vector<std::thread> ts;
   std::vector<std::string> got(6);

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cctype>
+#include <climits>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -18,6 +19,7 @@
 #include <filesystem>
 #include <future>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <random>
 #include <thread>
 
@@ -478,6 +480,7 @@ struct StreamState {
   std::vector<uint64_t> ids;  // the choices' requests (set before the stream starts)
   int remaining = 0;          // choices not finished yet (under mu)
   int completion_tokens = 0;  // of the finished ones (under mu)
+  std::vector<int> cached;    // completions / chat: per prompt, the fewest prompt tokens its finished choices adopted (under mu)
   void cancel(Engine& e) const {
     for (uint64_t id : ids) e.cancel(id);
   }
@@ -1185,10 +1188,13 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
                 {"model", model},
                 {"choices", std::move(choices)}};
   };
-  auto usage = [prompt_tokens](int completion_tokens) {
+  // prompt_tokens_details.cached_tokens (OpenAI's, vLLM's): of the prompt tokens counted, those
+  // the prefix cache held (per prompt, its choice that computed the most of it).
+  auto usage = [prompt_tokens](int completion_tokens, int cached_tokens) {
     return json{{"prompt_tokens", prompt_tokens},
                 {"completion_tokens", completion_tokens},
-                {"total_tokens", prompt_tokens + completion_tokens}};
+                {"total_tokens", prompt_tokens + completion_tokens},
+                {"prompt_tokens_details", {{"cached_tokens", cached_tokens}}}};
   };
   const char* tool_finish = p.tool_finish;
 
@@ -1227,15 +1233,20 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
       }
       choices.push_back(std::move(choice));
     }
+    std::vector<int> cached(p.prompts.size(), INT_MAX);
+    for (int i = 0; i < p.n_choices; ++i)
+      cached[size_t(i / ar.n)] = std::min(cached[size_t(i / ar.n)], gs[size_t(i)].cached_tokens);
     json body_out = envelope(false, std::move(choices));
     if (chat && ar.vllm_prompt_logprobs >= 0) body_out["prompt_logprobs"] = prompt_lps;
-    body_out["usage"] = usage(completion_tokens);
+    body_out["usage"] = usage(completion_tokens, std::accumulate(cached.begin(), cached.end(), 0));
     send_json(res, 200, body_out);
     return;
   }
 
   auto st = std::make_shared<StreamState>();
   st->remaining = p.n_choices;
+  st->cached.assign(p.prompts.size(), INT_MAX);
+  const int n_per_prompt = ar.n;
   // Log-probabilities of the tokens sampled since the last chunk, per choice (scheduler thread only).
   struct PendingLogprobs {
     std::vector<TokenLogprob> lps;
@@ -1270,7 +1281,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
       st->push(sse(chunk(json{{"tool_calls", tc}}, nullptr)));
     };
     gr.on_text = [reply, sink](const std::string& d) { reply->feed(d, sink); };
-    gr.on_done = [st, chunk, chat, include_usage, usage, envelope, reply, sink, tool_finish](const GenResult& g) {
+    gr.on_done = [st, chunk, chat, include_usage, usage, envelope, reply, sink, tool_finish, i, n_per_prompt](const GenResult& g) {
       if (g.finish_reason == "error") {
         st->push(sse(error_body(g.error, "server_error", "", "")));
       } else if (g.finish_reason != "cancelled") {
@@ -1279,17 +1290,20 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
         last["choices"][0]["stop_reason"] = stop_reason_api(g);
         st->push(sse(last));
       }
-      int left, tokens;
+      int left, tokens, cached;
       {
         std::lock_guard<std::mutex> lk(st->mu);
         st->completion_tokens += g.completion_tokens;
+        int& c = st->cached[size_t(i / n_per_prompt)];
+        c = std::min(c, g.cached_tokens);
         left = --st->remaining;
         tokens = st->completion_tokens;
+        cached = std::accumulate(st->cached.begin(), st->cached.end(), 0);
       }
       if (left > 0) return;  // the last choice to finish ends the stream
       if (include_usage && g.finish_reason != "cancelled") {
         json u = envelope(true, json::array());
-        u["usage"] = usage(tokens);
+        u["usage"] = usage(tokens, cached);
         st->push(sse(u));
       }
       st->push("data: [DONE]\n\n");
