@@ -73,6 +73,19 @@ TEST(Anthropic, PlainRequest) {
   EXPECT_FALSE(t.contains("max_tokens"));
   EXPECT_EQ(t["messages"][0], ojson::parse(R"j({"role": "system", "content": [{"type": "text", "text": "A"},
     {"type": "text", "text": "B"}]})j"));
+  // an empty system prompt is none (the template's default stays); Claude Code's attribution block,
+  // whose hash changes every request, is left out (the prefix cache keeps the rest)
+  for (const char* sys : {R"j("")j", "[]", R"j([{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=ab12;"}])j"})
+    EXPECT_EQ(translate(std::string(R"j({"system": )j") + sys + R"j(, "messages": [{"role": "user", "content": "Hi"}]})j", true)["messages"],
+              ojson::parse(R"j([{"role": "user", "content": "Hi"}])j"))
+        << sys;
+  EXPECT_EQ(translate(R"j({"system": [{"type": "text", "text": "x-anthropic-billing-header: cch=1;"}, {"type": "text", "text": "Be brief."}],
+    "messages": [{"role": "user", "content": "Hi"}]})j", true)["messages"][0],
+            ojson::parse(R"j({"role": "system", "content": [{"type": "text", "text": "Be brief."}]})j"));
+  // an assistant turn of redacted thinking only gives the model nothing: left out
+  EXPECT_EQ(translate(R"j({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [{"type":
+    "redacted_thinking", "data": "xx"}]}, {"role": "user", "content": "Go on"}]})j", true)["messages"],
+            ojson::parse(R"j([{"role": "user", "content": "Hi"}, {"role": "user", "content": "Go on"}])j"));
 }
 
 // A last assistant message is the reply's start, continued; an empty one (or only thinking) is none.
@@ -165,7 +178,12 @@ TEST(Anthropic, OutputFormatEffortAndThinking) {
     "effort": "low"}, )j" + msgs + "}");
   EXPECT_EQ(c["response_format"]["json_schema"]["schema"], ojson::parse(R"j({"type": "object"})j"));
   EXPECT_EQ(c["reasoning_effort"], "low");
-  EXPECT_EQ(refused(R"j({"max_tokens": 8, "output_config": {"effort": "max"}, )j" + msgs + "}"), "output_config.effort");
+  // xhigh and max: gpt-oss's most, high
+  for (const char* e : {"xhigh", "max"})
+    EXPECT_EQ(translate(R"j({"max_tokens": 8, "output_config": {"effort": ")j" + std::string(e) + "\"}, " + msgs + "}")["reasoning_effort"],
+              "high")
+        << e;
+  EXPECT_EQ(refused(R"j({"max_tokens": 8, "output_config": {"effort": "extreme"}, )j" + msgs + "}"), "output_config.effort");
   EXPECT_EQ(refused(R"j({"max_tokens": 8, "output_format": {"type": "json_schema", "schema": {}},
     "output_config": {"format": {"type": "json_schema", "schema": {}}}, )j" + msgs + "}"), "output_config.format");
   EXPECT_EQ(refused(R"j({"max_tokens": 8, "output_format": {"type": "text"}, )j" + msgs + "}"), "output_format");
@@ -175,8 +193,9 @@ TEST(Anthropic, OutputFormatEffortAndThinking) {
     EXPECT_NO_THROW(translate(R"j({"max_tokens": 2048, "thinking": )j" + std::string(t) + ", " + msgs + "}")) << t;
   EXPECT_EQ(refused(R"j({"max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 100}, )j" + msgs + "}"),
             "thinking.budget_tokens");
-  EXPECT_EQ(refused(R"j({"max_tokens": 1024, "thinking": {"type": "enabled", "budget_tokens": 1024}, )j" + msgs + "}"),
-            "thinking.budget_tokens");
+  // (a budget of max_tokens or more is Anthropic's with interleaved thinking; kvq bounds by max_tokens)
+  EXPECT_NO_THROW(translate(R"j({"max_tokens": 1024, "thinking": {"type": "enabled", "budget_tokens": 4096}, )j" + msgs + "}"));
+  EXPECT_NO_THROW(translate(R"j({"max_tokens": 1024, "thinking": {"type": "between_tools"}, )j" + msgs + "}"));
   EXPECT_EQ(refused(R"j({"max_tokens": 8, "thinking": {"type": "on"}, )j" + msgs + "}"), "thinking.type");
   EXPECT_EQ(refused(R"j({"max_tokens": 8, "thinking": {"type": "adaptive", "display": "full"}, )j" + msgs + "}"),
             "thinking.display");

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <regex>
@@ -1281,8 +1282,8 @@ TEST_F(HarmonyServerTest, FunctionCallsInItsOwnSyntax) {
 // greedy replies, stop reasons, usage (prefix-cache reads), streamed events, a reply's start,
 // tool use plain and streamed, count_tokens, and errors in Anthropic's form.
 namespace {
-// A streamed Messages reply's events, (name, data); each "event: NAME\ndata: JSON\n\n".
-std::vector<std::pair<std::string, json>> anthropic_events(const std::string& raw) {
+// A stream of named events (Anthropic's, the Responses API's): (name, data); each "event: NAME\ndata: JSON\n\n".
+std::vector<std::pair<std::string, json>> named_events(const std::string& raw) {
   std::vector<std::pair<std::string, json>> out;
   size_t pos = 0;
   while (pos < raw.size()) {
@@ -1342,7 +1343,7 @@ TEST_F(ToolServerTest, AnthropicMessagesAsChat) {
     if (!r) return std::vector<std::pair<std::string, json>>{};
     EXPECT_EQ(r->status, 200) << r->body;
     EXPECT_NE(r->get_header_value("Content-Type").find("text/event-stream"), std::string::npos);
-    return anthropic_events(r->body);
+    return named_events(r->body);
   };
   const json user = {{"role", "user"}, {"content", "Lily"}};
   const std::string sys = "Once upon a time there was a little girl named Lily who loved to play in the park with her friends.";
@@ -1425,6 +1426,7 @@ TEST_F(ToolServerTest, AnthropicMessagesAsChat) {
     chat_tools.push_back({{"type", "function"},
                           {"function", {{"name", t["name"]}, {"parameters", t["input_schema"]}}}});
   chat_tools[0]["function"]["description"] = "Weather for a city";
+  int call_tokens = 0;  // the tokens of tool_choice any's call
   for (const auto& [choice, chat_choice] :
        {std::pair{json{{"type", "any"}, {"disable_parallel_tool_use", true}}, json("required")},
         std::pair{json{{"type", "tool"}, {"name", "add"}}, json{{"type", "function"}, {"function", {{"name", "add"}}}}}}) {
@@ -1442,6 +1444,7 @@ TEST_F(ToolServerTest, AnthropicMessagesAsChat) {
     for (bool streamed : {false, true}) {
       SCOPED_TRACE(streamed);
       const json tm = streamed ? assemble_message(messages_stream(tb)) : post_ok("/v1/messages", tb);
+      if (choice["type"] == "any") call_tokens = tm["usage"]["output_tokens"];
       EXPECT_EQ(tm["stop_reason"], "tool_use") << tm;
       ASSERT_EQ(tm["content"].size(), 1u) << tm;
       const json& b = tm["content"][0];
@@ -1449,6 +1452,23 @@ TEST_F(ToolServerTest, AnthropicMessagesAsChat) {
       EXPECT_TRUE(std::regex_match(b["id"].get<std::string>(), std::regex("toolu_[A-Za-z0-9]{24}"))) << b;
       EXPECT_EQ(b["name"], call["name"]);
       EXPECT_EQ(b["input"], json::parse(call["arguments"].get<std::string>()));
+    }
+  }
+
+  // A call cut short by max_tokens: no text block of the reply's JSON (the chat endpoint returns
+  // that raw text as content, as documented), stop_reason max_tokens.
+  {
+    ASSERT_GT(call_tokens, 8);
+    const json cut = {{"max_tokens", call_tokens - 3}, {"temperature", 0}, {"tools", tools}, {"tool_choice", {{"type", "any"}}},
+                      {"messages", json::array({user})}};
+    const json raw = post_ok("/v1/chat/completions", {{"messages", json::array({user})}, {"tools", chat_tools},
+                                                      {"tool_choice", "required"}, {"max_tokens", call_tokens - 3}, {"temperature", 0}});
+    EXPECT_NE(raw["choices"][0]["message"]["content"].get<std::string>().find("tool_calls"), std::string::npos) << raw;
+    for (bool streamed : {false, true}) {
+      SCOPED_TRACE(streamed);
+      const json cm = streamed ? assemble_message(messages_stream(cut)) : post_ok("/v1/messages", cut);
+      EXPECT_EQ(cm["stop_reason"], "max_tokens");
+      EXPECT_EQ(cm["content"], json::array()) << cm;
     }
   }
 
@@ -1470,6 +1490,194 @@ TEST_F(ToolServerTest, AnthropicMessagesAsChat) {
             counted["input_tokens"].get<int>());
 }
 
+// OpenAI's Responses API (server/responses.h) against the chat endpoint on the same requests:
+// greedy replies, usage, a conversation continued by previous_response_id, what store keeps (GET,
+// DELETE), streamed events assembled as the SDK assembles them, function calls and their outputs,
+// logprobs, and errors.
+TEST_F(ToolServerTest, ResponsesAsChat) {
+  auto c = client();
+  auto stream_response = [&](json body) {
+    body["stream"] = true;
+    auto r = c.Post("/v1/responses", body.dump(), "application/json");
+    EXPECT_TRUE(r);
+    if (!r) return json();
+    EXPECT_EQ(r->status, 200) << r->body;
+    const auto evs = named_events(r->body);
+    // assembled: items added, their deltas, done; the last event's response
+    json output = json::array();
+    std::vector<std::string> texts;
+    json last;
+    for (const auto& [name, d] : evs) {
+      if (name == "response.output_item.added") {
+        EXPECT_EQ(d["output_index"], output.size());
+        output.push_back(d["item"]);
+        texts.emplace_back();
+      } else if (name == "response.output_text.delta" || name == "response.function_call_arguments.delta" ||
+                 name == "response.reasoning_text.delta") {
+        texts.at(d["output_index"].get<size_t>()) += d["delta"].get<std::string>();
+      } else if (name == "response.output_item.done") {
+        const size_t k = d["output_index"];
+        EXPECT_EQ(d["item"]["id"], output.at(k)["id"]);
+        const json& item = d["item"];
+        if (item["type"] == "message") {
+          EXPECT_EQ(item["content"][0]["text"], texts[k]);
+        }
+        if (item["type"] == "function_call") {
+          EXPECT_EQ(item["arguments"], texts[k]);
+        }
+        output[k] = item;
+      } else if (name == "response.completed" || name == "response.incomplete") {
+        last = d["response"];
+      }
+    }
+    EXPECT_FALSE(evs.empty());
+    if (evs.empty()) return json();
+    EXPECT_EQ(evs[0].first, "response.created");
+    EXPECT_EQ(evs[1].first, "response.in_progress");
+    EXPECT_EQ(last["output"], output);
+    return last;
+  };
+  auto text_of = [](const json& r) {
+    std::string s;
+    for (const json& it : r["output"])
+      if (it["type"] == "message") s += it["content"][0]["text"].get<std::string>();
+    return s;
+  };
+  const std::string sys = "Once upon a time there was a little girl named Lily who loved to play in the park with her friends.";
+  const json chat = post_ok("/v1/chat/completions", {{"messages", json::array({{{"role", "system"}, {"content", sys}},
+                                                                               {{"role", "user"}, {"content", "Lily"}}})},
+                                                     {"max_tokens", 24},
+                                                     {"temperature", 0}});
+  const json body = {{"model", "stories260K"}, {"instructions", sys}, {"input", "Lily"}, {"max_output_tokens", 24},
+                     {"temperature", 0}, {"metadata", {{"k", "v"}}}};
+  const json r = post_ok("/v1/responses", body);
+  EXPECT_TRUE(std::regex_match(r["id"].get<std::string>(), std::regex("resp_[A-Za-z0-9]{24}"))) << r;
+  EXPECT_EQ(r["object"], "response");
+  EXPECT_EQ(r["model"], "stories260K");
+  EXPECT_EQ(r["instructions"], sys);
+  EXPECT_EQ(r["metadata"], json({{"k", "v"}}));
+  EXPECT_EQ(r["temperature"], 0);
+  const bool cut = chat["choices"][0]["finish_reason"] == "length";
+  EXPECT_EQ(r["status"], cut ? "incomplete" : "completed");
+  if (cut) {
+    EXPECT_EQ(r["incomplete_details"]["reason"], "max_output_tokens");
+  }
+  ASSERT_EQ(r["output"].size(), 1u) << r;
+  EXPECT_EQ(r["output"][0]["role"], "assistant");
+  EXPECT_EQ(text_of(r), chat["choices"][0]["message"]["content"]);
+  EXPECT_EQ(r["usage"]["input_tokens"], chat["usage"]["prompt_tokens"]);
+  EXPECT_GE(r["usage"]["input_tokens_details"]["cached_tokens"].get<int>(), 16);  // asked second: its pages cached
+  EXPECT_EQ(r["usage"]["output_tokens"], chat["usage"]["completion_tokens"]);
+  EXPECT_EQ(r["usage"]["total_tokens"], chat["usage"]["total_tokens"]);
+  // streamed: the same output
+  const json sr = stream_response(body);
+  EXPECT_EQ(text_of(sr), text_of(r));
+  EXPECT_EQ(sr["status"], r["status"]);
+  EXPECT_EQ(sr["usage"]["output_tokens"], r["usage"]["output_tokens"]);
+
+  // kept: GET returns it; continued by previous_response_id as the chat endpoint continues the
+  // whole conversation (instructions are the new request's only)
+  EXPECT_EQ(post_ok("/v1/responses", body)["store"], true);
+  auto g = c.Get(("/v1/responses/" + r["id"].get<std::string>()).c_str());
+  ASSERT_TRUE(g);
+  ASSERT_EQ(g->status, 200);
+  EXPECT_EQ(json::parse(g->body), r);
+  const json next = post_ok("/v1/responses", {{"previous_response_id", r["id"]}, {"input", "Tom"}, {"max_output_tokens", 12},
+                                              {"temperature", 0}});
+  EXPECT_EQ(next["previous_response_id"], r["id"]);
+  const json chat2 = post_ok("/v1/chat/completions",
+                             {{"messages", json::array({{{"role", "user"}, {"content", "Lily"}},
+                                                        {{"role", "assistant"}, {"content", text_of(r)}},
+                                                        {{"role", "user"}, {"content", "Tom"}}})},
+                              {"max_tokens", 12},
+                              {"temperature", 0}});
+  EXPECT_EQ(text_of(next), chat2["choices"][0]["message"]["content"]);
+  EXPECT_EQ(next["usage"]["input_tokens"], chat2["usage"]["prompt_tokens"]);
+  // a chain: the next one continues both
+  const json third = post_ok("/v1/responses", {{"previous_response_id", next["id"]}, {"input", "Sue"}, {"max_output_tokens", 4}});
+  EXPECT_GT(third["usage"]["input_tokens"].get<int>(), next["usage"]["input_tokens"].get<int>());
+  // deleted: gone; store false: never kept
+  auto d = c.Delete(("/v1/responses/" + r["id"].get<std::string>()).c_str());
+  ASSERT_TRUE(d);
+  EXPECT_EQ(d->status, 200);
+  EXPECT_EQ(json::parse(d->body), json({{"id", r["id"]}, {"object", "response"}, {"deleted", true}}));
+  for (const std::string& id : {r["id"].get<std::string>(), post_ok("/v1/responses", {{"input", "Lily"}, {"store", false},
+                                                                                        {"max_output_tokens", 2}})["id"]
+                                                                 .get<std::string>()}) {
+    auto gone = c.Get(("/v1/responses/" + id).c_str());
+    ASSERT_TRUE(gone);
+    EXPECT_EQ(gone->status, 404) << id;
+    auto p = c.Post("/v1/responses", json{{"previous_response_id", id}, {"input", "x"}}.dump(), "application/json");
+    ASSERT_TRUE(p);
+    EXPECT_EQ(p->status, 404);
+    EXPECT_EQ(json::parse(p->body)["error"]["code"], "previous_response_not_found");
+  }
+
+  // function calls: the chat endpoint's call (greedy), plain and streamed; its output continues it
+  const json tools = json::parse(R"j([{"type": "function", "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer",
+     "minimum": 1, "maximum": 7}}, "required": ["city", "days"]}}])j");
+  const json chat_tools = json::parse(R"j([{"type": "function", "function": {"name": "get_weather", "description":
+    "Weather for a city", "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"]}}}])j");
+  const json cc = post_ok("/v1/chat/completions", {{"messages", json::array({{{"role", "user"}, {"content", "Lily"}}})},
+                                                   {"tools", chat_tools}, {"tool_choice", "required"},
+                                                   {"parallel_tool_calls", false}, {"max_tokens", 200}, {"temperature", 0}});
+  const json& call = cc["choices"][0]["message"]["tool_calls"][0]["function"];
+  const json tb = {{"input", "Lily"}, {"tools", tools}, {"tool_choice", "required"}, {"parallel_tool_calls", false},
+                   {"max_output_tokens", 200}, {"temperature", 0}};
+  json fc;
+  for (bool streamed : {false, true}) {
+    SCOPED_TRACE(streamed);
+    const json tr = streamed ? stream_response(tb) : post_ok("/v1/responses", tb);
+    EXPECT_EQ(tr["status"], "completed");
+    ASSERT_EQ(tr["output"].size(), 1u) << tr;
+    const json& item = tr["output"][0];
+    EXPECT_EQ(item["type"], "function_call");
+    EXPECT_TRUE(std::regex_match(item["call_id"].get<std::string>(), std::regex("call_[A-Za-z0-9]{24}"))) << item;
+    EXPECT_EQ(item["name"], call["name"]);
+    EXPECT_EQ(item["arguments"], call["arguments"]);
+    if (!streamed) fc = tr;
+  }
+  const json out_item = {{"type", "function_call_output"}, {"call_id", fc["output"][0]["call_id"]}, {"output", "Sunny"}};
+  const json cont = post_ok("/v1/responses", {{"previous_response_id", fc["id"]}, {"input", json::array({out_item})},
+                                              {"tools", tools}, {"max_output_tokens", 8}});
+  const json chat_cont = json::array({{{"role", "user"}, {"content", "Lily"}},
+                                      {{"role", "assistant"}, {"content", nullptr},
+                                       {"tool_calls", json::array({{{"id", fc["output"][0]["call_id"]}, {"type", "function"},
+                                                                    {"function", call}}})}},
+                                      {{"role", "tool"}, {"tool_call_id", fc["output"][0]["call_id"]}, {"content", "Sunny"}}});
+  EXPECT_EQ(cont["usage"]["input_tokens"],
+            post_ok("/tokenize", {{"tools", chat_tools}, {"messages", chat_cont}})["count"]);
+
+  // logprobs: the chat endpoint's
+  const json lr = post_ok("/v1/responses", {{"input", "Lily"}, {"max_output_tokens", 4}, {"temperature", 0},
+                                            {"top_logprobs", 2}, {"include", {"message.output_text.logprobs"}}});
+  const json lc = post_ok("/v1/chat/completions", {{"messages", json::array({{{"role", "user"}, {"content", "Lily"}}})},
+                                                   {"max_tokens", 4}, {"temperature", 0}, {"logprobs", true}, {"top_logprobs", 2}});
+  EXPECT_EQ(lr["output"][0]["content"][0]["logprobs"], lc["choices"][0]["logprobs"]["content"]);
+  EXPECT_EQ(lr["output"][0]["content"][0]["logprobs"].size(), 4u);
+
+  // errors: OpenAI's form, the field named
+  for (const auto& [b, param] : std::vector<std::pair<json, std::string>>{
+           {{{"input", "x"}, {"tools", json::array({{{"type", "web_search"}}})}}, "tools[0].type"},
+           {{{"input", "x"}, {"reasoning", {{"effort", "low"}}}}, "reasoning.effort"},  // no reasoning: not gpt-oss
+           {{{"input", "x"}, {"stop", "y"}}, "stop"},
+           {{{"input", json::array({{{"role", "user"}, {"content", json::array({{{"type", "input_image"}}})}}})}}, "input[0].content[0]"},
+           {{{"input", "x"}, {"max_output_tokens", 5000}}, "max_output_tokens"}}) {
+    SCOPED_TRACE(b.dump());
+    auto e = c.Post("/v1/responses", b.dump(), "application/json");
+    ASSERT_TRUE(e);
+    EXPECT_EQ(e->status, 400) << e->body;
+    const json j = json::parse(e->body);
+    EXPECT_EQ(j["error"]["type"], "invalid_request_error");
+    EXPECT_EQ(j["error"]["param"], param == "max_output_tokens" ? "max_tokens" : param);
+  }
+  auto m = c.Post("/v1/responses", json{{"model", "gpt-5"}, {"input", "x"}}.dump(), "application/json");
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->status, 404);
+}
+
 // Errors in Anthropic's form ({"type": "error", "error": {"type", "message"}}) with their statuses;
 // the server serves on.
 TEST_F(ServerTest, AnthropicErrors) {
@@ -1488,12 +1696,27 @@ TEST_F(ServerTest, AnthropicErrors) {
   for (const std::string& body : std::vector<std::string>{std::string("{"), std::string("[]"), "{" + user + "}", R"j({"max_tokens": 4, "messages": [{"role": "user",
          "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA"}}]}]})j",
         R"j({"max_tokens": 4, "seed": 3, )j" + user + "}", R"j({"max_tokens": 4, "temperature": 2, )j" + user + "}",
-        // beyond the context (256 tokens)
-        R"j({"max_tokens": 400, )j" + user + "}",
         // a model without reasoning has no effort
         R"j({"max_tokens": 4, "output_config": {"effort": "high"}, )j" + user + "}",
         R"j({"max_tokens": 4, "tools": [{"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"}], )j" + user + "}"})
     expect_error(c.Post("/v1/messages", body, "application/json"), 400, "invalid_request_error", body);
+  // beyond the context (256 tokens): Anthropic's words, which its clients read (Claude Code retries
+  // with the max_tokens that fits)
+  auto r = c.Post("/v1/messages", R"j({"max_tokens": 400, )j" + user + "}", "application/json");
+  expect_error(r, 400, "invalid_request_error", "max_tokens beyond the context");
+  const int n_prompt = post_ok("/v1/messages/count_tokens", json::parse("{" + user + "}"))["input_tokens"];
+  EXPECT_EQ(json::parse(r->body)["error"]["message"],
+            fmt::format("input length and `max_tokens` exceed context limit: {} + 400 > 256, decrease input length or "
+                        "`max_tokens` and try again",
+                        n_prompt));
+  std::string long_text;
+  for (int k = 0; k < 300; ++k) long_text += "Once upon a time ";
+  r = c.Post("/v1/messages", json{{"max_tokens", 4}, {"messages", json::array({{{"role", "user"}, {"content", long_text}}})}}.dump(),
+             "application/json");
+  expect_error(r, 400, "invalid_request_error", "a prompt beyond the context");
+  EXPECT_TRUE(std::regex_match(json::parse(r->body)["error"]["message"].get<std::string>(),
+                               std::regex("prompt is too long: [0-9]+ tokens > 256 maximum")))
+      << r->body;
   expect_error(c.Post("/v1/messages/count_tokens", R"j({"max_tokens": 4, )j" + user + "}", "application/json"), 400,
                "invalid_request_error", "count_tokens with max_tokens");
   expect_error(c.Post("/v1/messages", R"j({"model": "claude-x", "max_tokens": 4, )j" + user + "}", "application/json"), 404,
@@ -1529,7 +1752,7 @@ TEST_F(HarmonyServerTest, AnthropicToolUseThinkingAndEffort) {
   auto r = c.Post("/v1/messages", sbody.dump(), "application/json");
   ASSERT_TRUE(r);
   ASSERT_EQ(r->status, 200) << r->body;
-  const json sm = assemble_message(anthropic_events(r->body));
+  const json sm = assemble_message(named_events(r->body));
   EXPECT_EQ(sm["stop_reason"], "tool_use");
   ASSERT_EQ(sm["content"].size(), 1u) << sm;
   EXPECT_EQ(sm["content"][0]["input"], b["input"]);

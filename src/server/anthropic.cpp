@@ -73,13 +73,18 @@ bool read_messages(const ojson& body, ojson& out) {
         const std::string at = fmt::format("system[{}]", k);
         if (!s[k].is_object() || s[k].value("type", "") != "text")
           throw AnthropicError("'system' must be a string or an array of text blocks", at);
-        parts.push_back(text_part(text_of(s[k], at)));
+        std::string text = text_of(s[k], at);
+        // Claude Code's attribution block: metadata for Anthropic's billing, with a hash that
+        // changes every request; left in, it would make every prompt new to the prefix cache
+        if (text.rfind("x-anthropic-billing-header:", 0) == 0) continue;
+        parts.push_back(text_part(std::move(text)));
       }
       m["content"] = parts;
     } else {
       throw AnthropicError("'system' must be a string or an array of text blocks", "system");
     }
-    msgs.push_back(m);
+    // (an empty system prompt is none: the template's default system text stays)
+    if (!(m["content"].is_string() ? m["content"].get<std::string>().empty() : m["content"].empty())) msgs.push_back(m);
   }
   if (!body.contains("messages")) throw AnthropicError("'messages' is required", "messages");
   const ojson& ms = body["messages"];
@@ -183,6 +188,7 @@ bool read_messages(const ojson& body, ojson& out) {
       if (parts.empty()) break;  // (only thinking: no reply start to continue)
       prefill = true;
     }
+    if (parts.empty() && calls.empty() && reasoning.empty()) continue;  // (only redacted thinking: nothing to give)
     ojson o = ojson::object();
     o["role"] = "assistant";
     o["content"] = parts.empty() ? ojson(nullptr) : parts;
@@ -297,12 +303,12 @@ void read_output_format(const ojson& body, ojson& out) {
         f = &oc["format"];
         at = "output_config.format";
       } else if (key == "effort" && !v.is_null()) {
-        // a reasoning model's effort (gpt-oss's: low, medium, high); refused for other models by the server
-        if (v != "low" && v != "medium" && v != "high")
-          throw AnthropicError("'output_config.effort' must be \"low\", \"medium\" or \"high\" (the reasoning efforts of the "
-                               "models kvq serves)",
+        // a reasoning model's effort (gpt-oss's: low, medium, high; xhigh and max are its high, its
+        // most); refused for other models by the server
+        if (v != "low" && v != "medium" && v != "high" && v != "xhigh" && v != "max")
+          throw AnthropicError("'output_config.effort' must be \"low\", \"medium\", \"high\", \"xhigh\" or \"max\"",
                                "output_config.effort");
-        out["reasoning_effort"] = v;
+        out["reasoning_effort"] = v == "xhigh" || v == "max" ? ojson("high") : v;
       } else if (key != "format" && !v.is_null()) {
         throw AnthropicError(fmt::format("'output_config.{}' is not supported", key), "output_config." + key);
       }
@@ -320,7 +326,7 @@ void read_output_format(const ojson& body, ojson& out) {
   out["response_format"] = rf;
 }
 
-void read_thinking(const ojson& body, const ojson& out) {
+void read_thinking(const ojson& body) {
   if (!is_set(body, "thinking")) return;
   const ojson& t = body["thinking"];
   if (!t.is_object() || !t.contains("type") || !t["type"].is_string())
@@ -331,10 +337,9 @@ void read_thinking(const ojson& body, const ojson& out) {
   if (type == "enabled") {
     if (!t.contains("budget_tokens") || !t["budget_tokens"].is_number_integer() || t["budget_tokens"].get<int64_t>() < 1024)
       throw AnthropicError("'thinking.budget_tokens' must be an integer >= 1024", "thinking.budget_tokens");
-    if (out.contains("max_tokens") && t["budget_tokens"].get<int64_t>() >= out["max_tokens"].get<int64_t>())
-      throw AnthropicError("'thinking.budget_tokens' must be less than 'max_tokens'", "thinking.budget_tokens");
-  } else if (type != "disabled" && type != "adaptive") {
-    throw AnthropicError(fmt::format("'thinking' type '{}' is unknown (valid: enabled, disabled, adaptive)", type), "thinking.type");
+  } else if (type != "disabled" && type != "adaptive" && type != "between_tools") {
+    throw AnthropicError(fmt::format("'thinking' type '{}' is unknown (valid: enabled, disabled, adaptive, between_tools)", type),
+                         "thinking.type");
   }
 }
 
@@ -406,7 +411,7 @@ ojson anthropic_chat_body(const ojson& body, bool count_tokens) {
     if (is_set(body, key) && !body[key].is_string()) throw AnthropicError(fmt::format("'{}' must be a string", key), key);
   read_tools(body, out);
   read_output_format(body, out);
-  read_thinking(body, out);
+  read_thinking(body);
   if (prefill) {
     const bool tools_on = out.contains("tools") && !out["tools"].empty() && out.value("tool_choice", ojson("auto")) != "none";
     if (tools_on || out.contains("response_format"))

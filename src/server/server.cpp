@@ -22,11 +22,13 @@
 #include <numeric>
 #include <random>
 #include <thread>
+#include <unordered_map>
 
 #include "core/error.h"
 #include "core/timer.h"
 #include "model/chat.h"
 #include "server/anthropic.h"
+#include "server/responses.h"
 #include "server/harmony_tools.h"
 #include "server/tools.h"
 
@@ -44,7 +46,18 @@ struct ApiError {
   std::string param;  // empty: null
   std::string code;   // empty: null
   int status = 400;
+  // context_length_exceeded: the prompt's tokens, max_tokens (-1: the prompt alone is too long)
+  // and the limit (the context, or the KV pool), which Anthropic's clients read from its message
+  int prompt_tokens = -1, max_tokens = -1, limit = -1;
 };
+
+ApiError context_error(std::string message, std::string param, int prompt_tokens, int max_tokens, size_t limit) {
+  ApiError e{std::move(message), std::move(param), "context_length_exceeded"};
+  e.prompt_tokens = prompt_tokens;
+  e.max_tokens = max_tokens;
+  e.limit = int(limit);
+  return e;
+}
 
 json error_body(const std::string& message, const std::string& type, const std::string& param, const std::string& code) {
   json e = {{"message", message}, {"type", type}, {"param", nullptr}, {"code", nullptr}};
@@ -581,6 +594,7 @@ struct Server::Impl {
     std::string reasoning;
     std::vector<ToolCall> calls;
     bool called = false;  // the reply ended with whole calls (finish "tool_calls")
+    bool raw = false;     // content is the raw text of a tool reply cut short before it was a response
   };
   ChatReply read_reply(const Prepared& p, const GenResult& g, std::mt19937_64& rng) const;
   class ChatReplyStream;
@@ -589,6 +603,20 @@ struct Server::Impl {
   // in Anthropic's form; count_tokens: the prompt's tokens.
   void handle_messages(const httplib::Request& req, httplib::Response& res);
   void handle_count_tokens(const httplib::Request& req, httplib::Response& res);
+  // OpenAI's Responses API (responses.h), and the responses it keeps.
+  void handle_responses(const httplib::Request& req, httplib::Response& res);
+  struct StoredResponse {
+    json response;                 // as GET /v1/responses/{id} returns it
+    nlohmann::ordered_json items;  // its conversation: input items, then its output items
+    size_t bytes = 0;
+  };
+  static constexpr int kStoredResponses = 4096;
+  static constexpr size_t kStoredBytes = size_t(256) << 20;
+  std::mutex store_mu;
+  std::unordered_map<std::string, StoredResponse> store;  // (under store_mu)
+  std::deque<std::string> store_order;                    // oldest first (ids of deleted ones are skipped)
+  size_t store_bytes = 0;
+  void keep_response(const json& response, nlohmann::ordered_json items);
   void check_model(const json& body) const;
   json messages_chat_body(const httplib::Request& req, bool count_tokens, std::string* raw, bool* omit_thinking) const;
   // Completions' object for tokens whose text starts at byte `offset` of the returned text;
@@ -635,6 +663,10 @@ struct Server::Impl {
       std::function<void(const std::string&)> content, reasoning;
       // calls, the first numbered `first` among the reply's
       std::function<void(const std::vector<ToolCall>&, size_t first)> calls;
+      // a tool reply cut short before it became a response (a call's start): its raw text told
+      // as content (OpenAI's endpoint, as documented), or not (Anthropic's and the Responses API,
+      // whose clients would show the reply's JSON as text)
+      bool raw_text = true;
     };
     explicit ChatReplyStream(const Prepared& p);
     void feed(const std::string& text, const Sink& s);
@@ -990,22 +1022,22 @@ Server::Impl::Prepared Server::Impl::prepare(const json& body, std::string_view 
     const int n_prompt = int(in.ids.size());
     p.prompt_tokens += n_prompt;  // each prompt counts once for its n choices (they share its pages)
     if (n_prompt >= ctx)
-      throw ApiError{fmt::format("the prompt is {} tokens, the model's context is {} tokens", n_prompt, ctx),
-                     prompt_param, "context_length_exceeded"};
+      throw context_error(fmt::format("the prompt is {} tokens, the model's context is {} tokens", n_prompt, ctx),
+                          prompt_param, n_prompt, -1, size_t(ctx));
     if (size_t(n_prompt) + 1 > pool_tokens)
-      throw ApiError{fmt::format("the prompt is {} tokens, the KV cache holds {} tokens", n_prompt, pool_tokens),
-                     prompt_param, "context_length_exceeded"};
+      throw context_error(fmt::format("the prompt is {} tokens, the KV cache holds {} tokens", n_prompt, pool_tokens),
+                          prompt_param, n_prompt, -1, pool_tokens);
     if (!ar.max_tokens_set) {
       in.max_tokens = chat || ar.unlimited ? seq_cap - n_prompt : std::min(16, seq_cap - n_prompt);
     } else if (n_prompt + ar.params.max_tokens > ctx) {
-      throw ApiError{fmt::format("max_tokens {} + prompt {} tokens exceed the context of {} tokens",
-                                 ar.params.max_tokens, n_prompt, ctx),
-                     "max_tokens", "context_length_exceeded"};
+      throw context_error(fmt::format("max_tokens {} + prompt {} tokens exceed the context of {} tokens",
+                                      ar.params.max_tokens, n_prompt, ctx),
+                          "max_tokens", n_prompt, ar.params.max_tokens, size_t(ctx));
     } else if (size_t(n_prompt) + size_t(ar.params.max_tokens) > pool_tokens) {
-      throw ApiError{fmt::format("max_tokens {} + prompt {} tokens exceed the KV cache, which holds {} tokens "
-                                 "(kvq serve --kv-mem / --kv-tokens)",
-                                 ar.params.max_tokens, n_prompt, pool_tokens),
-                     "max_tokens", "context_length_exceeded"};
+      throw context_error(fmt::format("max_tokens {} + prompt {} tokens exceed the KV cache, which holds {} tokens "
+                                      "(kvq serve --kv-mem / --kv-tokens)",
+                                      ar.params.max_tokens, n_prompt, pool_tokens),
+                          "max_tokens", n_prompt, ar.params.max_tokens, pool_tokens);
     } else {
       in.max_tokens = ar.params.max_tokens;
     }
@@ -1075,6 +1107,7 @@ Server::Impl::ChatReply Server::Impl::read_reply(const Prepared& p, const GenRes
   } else if (p.tools.spec.active()) {
     const ToolReply tr = parse_tool_reply(g.text, p.tools.response_is_string, rng);
     r.content = tr.has_content ? json(tr.content) : json(nullptr);
+    r.raw = tr.raw;
     r.calls = tr.calls;
     r.called = !tr.calls.empty();
   } else {
@@ -1127,7 +1160,7 @@ bool Server::Impl::ChatReplyStream::finish(const GenResult& g, const Sink& s) {
   const std::string& sent = tools_->streamed();
   if (!tr.calls.empty()) {
     s.calls(tr.calls, 0);
-  } else if (tr.content.size() > sent.size() && tr.content.compare(0, sent.size(), sent) == 0) {
+  } else if ((s.raw_text || !tr.raw) && tr.content.size() > sent.size() && tr.content.compare(0, sent.size(), sent) == 0) {
     s.content(tr.content.substr(sent.size()));
   }
   return !tr.calls.empty();
@@ -1359,7 +1392,8 @@ void Server::Impl::handle_messages(const httplib::Request& req, httplib::Respons
 
   if (!p.ar.stream) {
     const GenResult g = run_all(p, req).at(0);
-    const ChatReply r = read_reply(p, g, rng);
+    ChatReply r = read_reply(p, g, rng);
+    if (r.raw) r.content = nullptr;  // (a call cut short: not the reply's JSON as text)
     json content = json::array();
     if (!r.reasoning.empty() && !omit_thinking)
       content.push_back({{"type", "thinking"}, {"thinking", r.reasoning}, {"signature", ""}});
@@ -1386,6 +1420,7 @@ void Server::Impl::handle_messages(const httplib::Request& req, httplib::Respons
   GenRequest gr = p.choice_request(0);
   auto reply = std::make_shared<ChatReplyStream>(p);
   ChatReplyStream::Sink sink;
+  sink.raw_text = false;
   sink.content = [st, as](const std::string& c) { st->push(as->text(c)); };
   sink.reasoning = [st, as, omit_thinking](const std::string& r) {
     if (!omit_thinking) st->push(as->thinking(r));
@@ -1413,6 +1448,146 @@ void Server::Impl::handle_messages(const httplib::Request& req, httplib::Respons
   grs.push_back(std::move(gr));
   st->ids = engine.submit_all(std::move(grs));
   stream_events(res, st, engine);
+}
+
+// OpenAI's Responses API (responses.h): the request read into a chat request (after the items of
+// the response it continues), the reply written as output items; kept in memory unless store is
+// false.
+void Server::Impl::handle_responses(const httplib::Request& req, httplib::Response& res) {
+  (void)parse_body(req);  // the checks every body gets (valid JSON, an object, its nesting, NUL bytes)
+  const nlohmann::ordered_json in = nlohmann::ordered_json::parse(req.body);
+  nlohmann::ordered_json history = nlohmann::ordered_json::array();
+  if (in.contains("previous_response_id") && !in["previous_response_id"].is_null()) {
+    if (!in["previous_response_id"].is_string()) throw ApiError{"'previous_response_id' must be a string", "previous_response_id"};
+    const std::string prev = in["previous_response_id"].get<std::string>();
+    std::lock_guard<std::mutex> lk(store_mu);
+    auto it = store.find(prev);
+    if (it == store.end())
+      throw ApiError{fmt::format("Previous response with id '{}' not found (kvq keeps responses in memory, those asked "
+                                 "with store true, until the server restarts or {} newer ones displace them)",
+                                 prev, kStoredResponses),
+                     "previous_response_id", "previous_response_not_found", 404};
+    history = it->second.items;
+  }
+  nlohmann::ordered_json chat;
+  nlohmann::ordered_json input_items;
+  try {
+    chat = responses_chat_body(in, history);
+    input_items = responses_input_items(in);
+  } catch (const ResponsesError& e) {
+    throw ApiError{e.what(), e.param, "", e.status};
+  }
+  if (chat.contains("reasoning_effort") && tpl.family != ChatFamily::harmony)
+    throw ApiError{fmt::format("'reasoning.effort' is not supported with this model (its chat template, {}, has no "
+                               "reasoning effort; gpt-oss's harmony format has one)",
+                               chat_template_name(tpl)),
+                   "reasoning.effort"};
+  const std::string raw = chat.dump();
+  const json body = json::parse(raw);
+  const auto pp = std::make_shared<const Prepared>(prepare(body, raw, true));
+  const Prepared& p = *pp;
+  std::mt19937_64 rng(std::random_device{}());
+  json base = responses_echo(in);
+  base["id"] = responses_id("resp", rng);
+  base["object"] = "response";
+  base["created_at"] = int64_t(std::time(nullptr));
+  base["model"] = opt.model_name;
+  base["status"] = "in_progress";
+  base["output"] = json::array();
+  base["usage"] = nullptr;
+  const bool keep = in.value("store", true);
+  // what a later request continues: the earlier items, this input, this output
+  auto items = std::make_shared<nlohmann::ordered_json>(history);
+  for (const auto& it : input_items) items->push_back(it);
+  const int prompt_tokens = p.prompt_tokens;
+  const Tokenizer* tk = &engine.tokenizer();
+
+  if (!p.ar.stream) {
+    const GenResult g = run_all(p, req).at(0);
+    ChatReply r = read_reply(p, g, rng);
+    if (r.raw) r.content = nullptr;  // (a call cut short: not the reply's JSON as text)
+    ResponsesReply rr;
+    rr.reasoning = r.reasoning;
+    rr.content = r.content;
+    rr.calls = r.calls;
+    rr.complete = g.finish_reason != "length";
+    if (p.ar.params.logprobs >= 0) rr.logprobs = chat_logprobs(g.logprobs)["content"];
+    json out = base;
+    out["status"] = rr.complete ? "completed" : "incomplete";
+    if (!rr.complete) out["incomplete_details"] = {{"reason", "max_output_tokens"}};
+    out["completed_at"] = rr.complete ? json(int64_t(std::time(nullptr))) : json(nullptr);
+    out["output"] = responses_output(rr, rng);
+    out["usage"] = responses_usage(prompt_tokens, g.cached_tokens, g.completion_tokens,
+                                   int(tk->encode(r.reasoning, false, false).size()));
+    if (keep) keep_response(out, std::move(*items));
+    send_json(res, 200, out);
+    return;
+  }
+
+  auto st = std::make_shared<StreamState>();
+  st->remaining = 1;
+  auto rs = std::make_shared<ResponsesStream>(base);
+  st->push(rs->start());
+  GenRequest gr = p.choice_request(0);
+  auto reply = std::make_shared<ChatReplyStream>(p);
+  auto reasoning = std::make_shared<std::string>();  // (scheduler thread only)
+  ChatReplyStream::Sink sink;
+  sink.raw_text = false;
+  sink.content = [st, rs](const std::string& c) { st->push(rs->text(c)); };
+  sink.reasoning = [st, rs, reasoning](const std::string& r) {
+    *reasoning += r;
+    st->push(rs->reasoning(r));
+  };
+  sink.calls = [st, rs](const std::vector<ToolCall>& calls, size_t) {
+    for (const ToolCall& c : calls) st->push(rs->call(c));
+  };
+  gr.on_text = [reply, sink](const std::string& d) { reply->feed(d, sink); };
+  gr.on_done = [this, st, rs, reply, sink, prompt_tokens, tk, reasoning, keep, items](const GenResult& g) {
+    if (g.finish_reason == "error") {
+      st->push(rs->error(g.error));
+    } else if (g.finish_reason != "cancelled") {
+      (void)reply->finish(g, sink);
+      json final;
+      st->push(rs->finish(responses_usage(prompt_tokens, g.cached_tokens, g.completion_tokens,
+                                          int(tk->encode(*reasoning, false, false).size())),
+                          g.finish_reason != "length", &final));
+      if (keep) keep_response(final, std::move(*items));
+    }
+    {
+      std::lock_guard<std::mutex> lk(st->mu);
+      st->done = true;
+    }
+    st->cv.notify_all();
+  };
+  std::vector<GenRequest> grs;
+  grs.push_back(std::move(gr));
+  st->ids = engine.submit_all(std::move(grs));
+  stream_events(res, st, engine);
+}
+
+// A finished response kept for GET /v1/responses/{id} and previous_response_id: items are the
+// conversation so far (its input), to which its output items are added. The oldest go first past
+// kStoredResponses responses or kStoredBytes of them.
+void Server::Impl::keep_response(const json& response, nlohmann::ordered_json items) {
+  for (const json& it : response["output"]) {
+    nlohmann::ordered_json o = nlohmann::ordered_json::parse(it.dump());
+    if (o["type"] == "message" && o.value("content", nlohmann::ordered_json::array()).empty()) continue;
+    items.push_back(std::move(o));
+  }
+  const size_t bytes = response.dump().size() + items.dump().size();
+  std::lock_guard<std::mutex> lk(store_mu);
+  const std::string id = response["id"];
+  store[id] = StoredResponse{response, std::move(items), bytes};
+  store_order.push_back(id);
+  store_bytes += bytes;
+  while (!store_order.empty() && (store.size() > size_t(kStoredResponses) || store_bytes > kStoredBytes)) {
+    auto it = store.find(store_order.front());
+    if (it != store.end()) {
+      store_bytes -= it->second.bytes;
+      store.erase(it);
+    }
+    store_order.pop_front();
+  }
 }
 
 void Server::Impl::handle_count_tokens(const httplib::Request& req, httplib::Response& res) {
@@ -1505,7 +1680,16 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
       try {
         (impl_.get()->*handle)(req, res);
       } catch (const ApiError& e) {
-        send_json(res, e.status, anthropic_error_body(e.message, e.status));
+        // a context too small in Anthropic's words, which its clients read (Claude Code retries with
+        // the max_tokens that fits)
+        std::string message = e.message;
+        if (e.code == "context_length_exceeded" && e.limit >= 0)
+          message = e.max_tokens >= 0
+                        ? fmt::format("input length and `max_tokens` exceed context limit: {} + {} > {}, decrease input "
+                                      "length or `max_tokens` and try again",
+                                      e.prompt_tokens, e.max_tokens, e.limit)
+                        : fmt::format("prompt is too long: {} tokens > {} maximum", e.prompt_tokens, e.limit);
+        send_json(res, e.status, anthropic_error_body(message, e.status));
       } catch (const json::exception& e) {
         send_json(res, 400, anthropic_error_body(fmt::format("invalid request: {}", e.what()), 400));
       } catch (const std::exception& e) {
@@ -1513,6 +1697,38 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
       }
     };
   };
+  I.http.Post("/v1/responses", [this](const httplib::Request& req, httplib::Response& res) {
+    try {
+      impl_->handle_responses(req, res);
+    } catch (const ApiError& e) {
+      send_error(res, e);
+    } catch (const json::exception& e) {
+      send_error(res, ApiError{fmt::format("invalid request: {}", e.what()), ""});
+    } catch (const std::exception& e) {
+      send_error(res, ApiError{e.what(), "", "", 500});
+    }
+  });
+  // A kept response, and deleting it.
+  I.http.Get(R"(/v1/responses/([A-Za-z0-9_\-]+))", [this](const httplib::Request& req, httplib::Response& res) {
+    std::lock_guard<std::mutex> lk(impl_->store_mu);
+    auto it = impl_->store.find(req.matches[1].str());
+    if (it == impl_->store.end())
+      send_error(res, ApiError{fmt::format("No response found with id '{}'.", req.matches[1].str()), "", "not_found", 404});
+    else
+      send_json(res, 200, it->second.response);
+  });
+  I.http.Delete(R"(/v1/responses/([A-Za-z0-9_\-]+))", [this](const httplib::Request& req, httplib::Response& res) {
+    std::lock_guard<std::mutex> lk(impl_->store_mu);
+    const std::string id = req.matches[1].str();
+    auto it = impl_->store.find(id);
+    if (it == impl_->store.end()) {
+      send_error(res, ApiError{fmt::format("No response found with id '{}'.", id), "", "not_found", 404});
+      return;
+    }
+    impl_->store_bytes -= it->second.bytes;
+    impl_->store.erase(it);
+    send_json(res, 200, json{{"id", id}, {"object", "response"}, {"deleted", true}});
+  });
   I.http.Post("/v1/messages", wrap_messages(&Impl::handle_messages));
   I.http.Post("/v1/messages/count_tokens", wrap_messages(&Impl::handle_count_tokens));
   I.http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
@@ -1574,6 +1790,7 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
   // A route asked with the other method: 405 naming the one it takes (rather than a 404).
   for (const auto& [route, allowed] : {std::pair{"/v1/completions", "POST"}, std::pair{"/v1/chat/completions", "POST"},
                                        std::pair{"/v1/messages", "POST"}, std::pair{"/v1/messages/count_tokens", "POST"},
+                                       std::pair{"/v1/responses", "POST"},
                                        std::pair{"/tokenize", "POST"}, std::pair{"/detokenize", "POST"},
                                        std::pair{"/v1/models", "GET"}, std::pair{"/health", "GET"},
                                        std::pair{"/metrics", "GET"}}) {

@@ -1,7 +1,8 @@
 // OpenAI-compatible HTTP front end of an Engine (cpp-httplib, one thread per connection):
 //   POST /v1/completions, POST /v1/chat/completions (stream via SSE "data: {...}\n\n", ending with
 //   "data: [DONE]\n\n"), Anthropic's POST /v1/messages and /v1/messages/count_tokens (anthropic.h:
-//   its events and error form), GET /v1/models, GET /health, GET /metrics (Prometheus text format).
+//   its events and error form), OpenAI's Responses API, POST /v1/responses, GET and DELETE
+//   /v1/responses/{id} (responses.h), GET /v1/models, GET /health, GET /metrics (Prometheus text format).
 // Every request body is validated here, at the edge: bad input gets a 400 with an OpenAI-style
 // error object {"error": {"message", "type", "param", "code"}}; unknown routes a 404; with an API
 // key, a request without it a 401.

@@ -486,8 +486,10 @@ ToolReply parse_tool_reply(const std::string& text, bool response_is_string, std
   }
   r.has_content = true;
   size_t body = 0;
-  if (response_lead(text, &body, response_is_string) != Lead::response) r.content = text;
-  else if (response_is_string) r.content = decoded_prefix(std::string_view(text).substr(body));
+  if (response_lead(text, &body, response_is_string) != Lead::response) {
+    r.content = text;
+    r.raw = true;
+  } else if (response_is_string) r.content = decoded_prefix(std::string_view(text).substr(body));
   else r.content = text.substr(body);  // the response's document so far
   return r;
 }

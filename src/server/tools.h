@@ -104,6 +104,7 @@ struct ToolReply {
   bool complete = false;        // the text was a whole reply object
   std::string content;          // the response (complete, or its text so far), or the raw text
   bool has_content = false;     // false: the reply called tools (content is null)
+  bool raw = false;             // content is the raw text of a reply cut short before it was a response (a call's start)
   std::vector<ToolCall> calls;
 };
 

@@ -1,0 +1,539 @@
+#include "server/responses.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <ctime>
+#include <set>
+
+namespace kvq {
+
+using ojson = nlohmann::ordered_json;
+using json = nlohmann::json;
+
+namespace {
+
+bool is_set(const ojson& o, const char* key) { return o.contains(key) && !o[key].is_null(); }
+
+// The text of a message's content (a string, or parts of the given text types).
+std::string parts_text(const ojson& c, const std::string& at, std::initializer_list<const char*> text_types) {
+  if (c.is_string()) return c.get<std::string>();
+  if (!c.is_array()) throw ResponsesError("'content' must be a string or an array of content parts", at);
+  std::string s;
+  for (size_t k = 0; k < c.size(); ++k) {
+    const std::string kat = fmt::format("{}[{}]", at, k);
+    const ojson& p = c[k];
+    if (!p.is_object() || !p.contains("type") || !p["type"].is_string())
+      throw ResponsesError("each content part needs a string 'type'", kat);
+    const std::string type = p["type"].get<std::string>();
+    bool text = false;
+    for (const char* t : text_types) text = text || type == t;
+    if (!text) {
+      if (type == "input_image" || type == "input_file" || type == "input_audio")
+        throw ResponsesError(fmt::format("'{}' content is not supported: kvq serves text models", type), kat);
+      throw ResponsesError(fmt::format("content parts of type '{}' are not supported here (supported: {})", type,
+                                       fmt::join(text_types, ", ")),
+                           kat);
+    }
+    const char* field = type == "refusal" ? "refusal" : "text";
+    if (!p.contains(field) || !p[field].is_string()) throw ResponsesError(fmt::format("a '{}' part needs a string '{}'", type, field), kat);
+    s += p[field].get<std::string>();
+  }
+  return s;
+}
+
+std::string string_field(const ojson& it, const char* key, const std::string& at) {
+  if (!it.contains(key) || !it[key].is_string()) throw ResponsesError(fmt::format("'{}' must be a string", key), at + "." + key);
+  return it[key].get<std::string>();
+}
+
+// Items as chat messages, appended to msgs. A reasoning item's text goes with the assistant
+// message or calls after it; consecutive calls (and a message before them) make one assistant turn.
+void items_to_messages(const ojson& items, ojson& msgs, const char* where) {
+  std::string reasoning;
+  bool assistant_open = false;  // the last message is the assistant's, and calls may join it
+  for (size_t i = 0; i < items.size(); ++i) {
+    const ojson& it = items[i];
+    const std::string at = fmt::format("{}[{}]", where, i);
+    const std::string type = it.value("type", "message");
+    if (type == "message") {
+      const std::string role = it["role"].get<std::string>();
+      ojson m = ojson::object();
+      m["role"] = role;
+      m["content"] = parts_text(it["content"], at + ".content", {"input_text", "output_text", "refusal"});
+      if (role == "assistant" && !reasoning.empty()) {
+        m["reasoning_content"] = reasoning;
+        reasoning.clear();
+      }
+      msgs.push_back(m);
+      assistant_open = role == "assistant";
+    } else if (type == "function_call") {
+      ojson call = ojson::object();
+      call["id"] = it["call_id"];
+      call["type"] = "function";
+      ojson fn = ojson::object();
+      fn["name"] = it["name"];
+      fn["arguments"] = it["arguments"];
+      call["function"] = fn;
+      if (!assistant_open) {
+        ojson m = ojson::object();
+        m["role"] = "assistant";
+        m["content"] = nullptr;
+        msgs.push_back(m);
+        assistant_open = true;
+      }
+      ojson& m = msgs.back();
+      if (!m.contains("tool_calls")) m["tool_calls"] = ojson::array();
+      m["tool_calls"].push_back(call);
+      if (!reasoning.empty()) {
+        m["reasoning_content"] = m.value("reasoning_content", "") + reasoning;
+        reasoning.clear();
+      }
+    } else if (type == "function_call_output") {
+      ojson m = ojson::object();
+      m["role"] = "tool";
+      m["tool_call_id"] = it["call_id"];
+      m["content"] = parts_text(it["output"], at + ".output", {"input_text", "output_text"});
+      msgs.push_back(m);
+      assistant_open = false;
+    } else if (type == "reasoning") {
+      // its text (reasoning_text content, as kvq returns it; else the summaries); encrypted
+      // content from another server is nothing kvq can read
+      std::string text;
+      if (is_set(it, "content"))
+        for (const ojson& c : it["content"]) text += c.value("text", "");
+      if (text.empty() && is_set(it, "summary"))
+        for (const ojson& s : it["summary"]) {
+          if (!text.empty()) text += '\n';
+          text += s.value("text", "");
+        }
+      reasoning += text;
+    }
+  }
+}
+
+// A message item's checks.
+void check_message(const ojson& it, const std::string& at) {
+  if (!it.contains("role") || !it["role"].is_string()) throw ResponsesError("a message needs a string 'role'", at + ".role");
+  const std::string role = it["role"].get<std::string>();
+  if (role != "user" && role != "assistant" && role != "system" && role != "developer")
+    throw ResponsesError(fmt::format("unknown role '{}' (valid: user, assistant, system, developer)", role), at + ".role");
+  if (!it.contains("content")) throw ResponsesError("a message needs 'content'", at + ".content");
+  (void)parts_text(it["content"], at + ".content", {"input_text", "output_text", "refusal"});
+}
+
+}  // namespace
+
+ojson responses_input_items(const ojson& body) {
+  if (!is_set(body, "input")) throw ResponsesError("'input' is required", "input");
+  const ojson& in = body["input"];
+  ojson items = ojson::array();
+  if (in.is_string()) {
+    ojson part = ojson::object();
+    part["type"] = "input_text";
+    part["text"] = in;
+    ojson m = ojson::object();
+    m["type"] = "message";
+    m["role"] = "user";
+    m["content"] = ojson::array({part});
+    items.push_back(m);
+    return items;
+  }
+  if (!in.is_array()) throw ResponsesError("'input' must be a string or an array of input items", "input");
+  for (size_t i = 0; i < in.size(); ++i) {
+    const std::string at = fmt::format("input[{}]", i);
+    const ojson& it = in[i];
+    if (!it.is_object()) throw ResponsesError("each input item must be an object", at);
+    if (is_set(it, "type") && !it["type"].is_string()) throw ResponsesError("an item's 'type' must be a string", at + ".type");
+    const std::string type = it.value("type", "message");
+    if (type == "message") {
+      check_message(it, at);
+    } else if (type == "function_call") {
+      (void)string_field(it, "call_id", at);
+      (void)string_field(it, "name", at);
+      const std::string args = string_field(it, "arguments", at);
+      if (!json::accept(args)) throw ResponsesError("a function call's 'arguments' must be JSON text", at + ".arguments");
+    } else if (type == "function_call_output") {
+      (void)string_field(it, "call_id", at);
+      if (!it.contains("output")) throw ResponsesError("a function call's output needs 'output'", at + ".output");
+      (void)parts_text(it["output"], at + ".output", {"input_text", "output_text"});
+    } else if (type == "reasoning") {
+      for (const char* key : {"summary", "content"}) {
+        if (!is_set(it, key)) continue;
+        if (!it[key].is_array()) throw ResponsesError(fmt::format("a reasoning item's '{}' must be an array", key), at + "." + key);
+        for (const ojson& c : it[key])
+          if (!c.is_object() || !c.contains("text") || !c["text"].is_string())
+            throw ResponsesError(fmt::format("each of a reasoning item's '{}' needs a string 'text'", key), at + "." + key);
+      }
+    } else if (type == "item_reference") {
+      throw ResponsesError("item references are not supported: send the item itself, or continue a stored response "
+                           "with previous_response_id",
+                           at);
+    } else {
+      throw ResponsesError(fmt::format("input items of type '{}' are not supported (supported: message, function_call, "
+                                       "function_call_output, reasoning)",
+                                       type),
+                           at + ".type");
+    }
+    items.push_back(it);
+  }
+  return items;
+}
+
+ojson responses_chat_body(const ojson& body, const ojson& history) {
+  if (!body.is_object()) throw ResponsesError("the request body must be a JSON object", "");
+  static const std::set<std::string> fields = {
+      "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools", "tool_choice",
+      "parallel_tool_calls", "text", "reasoning", "top_logprobs", "include", "store", "previous_response_id",
+      "metadata", "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "service_tier",
+      "truncation", "stream_options"};
+  for (const auto& [key, v] : body.items()) {
+    if (fields.count(key)) continue;
+    // set to what turns them off, nothing to refuse
+    if (v.is_null() || (key == "background" && v == false) || (key == "context_management" && v.is_array() && v.empty()))
+      continue;
+    if (key == "background" || key == "conversation" || key == "prompt" || key == "max_tool_calls" ||
+        key == "context_management")
+      throw ResponsesError(fmt::format("'{}' is not supported", key), key);
+    throw ResponsesError(fmt::format("unknown parameter '{}'", key), key);
+  }
+  ojson out = ojson::object();
+  if (is_set(body, "model")) {
+    if (!body["model"].is_string()) throw ResponsesError("'model' must be a string", "model");
+    out["model"] = body["model"];
+  }
+  ojson msgs = ojson::array();
+  if (is_set(body, "instructions")) {
+    if (!body["instructions"].is_string()) throw ResponsesError("'instructions' must be a string", "instructions");
+    ojson m = ojson::object();
+    m["role"] = "system";
+    m["content"] = body["instructions"];
+    msgs.push_back(m);
+  }
+  items_to_messages(history, msgs, "previous_response_id");
+  items_to_messages(responses_input_items(body), msgs, "input");
+  out["messages"] = msgs;
+  if (is_set(body, "max_output_tokens")) {
+    const ojson& m = body["max_output_tokens"];
+    if (!m.is_number_integer() || m.get<int64_t>() < 1 || m.get<int64_t>() > (int64_t(1) << 30))
+      throw ResponsesError("'max_output_tokens' must be an integer >= 1", "max_output_tokens");
+    out["max_tokens"] = m;
+  }
+  for (const char* key : {"temperature", "top_p"}) {
+    if (!is_set(body, key)) continue;
+    const ojson& v = body[key];
+    const double hi = std::string_view(key) == "temperature" ? 2 : 1;
+    if (!v.is_number() || !(v.get<double>() >= 0 && v.get<double>() <= hi))
+      throw ResponsesError(fmt::format("'{}' must be a number in [0, {}]", key, hi), key);
+    out[key] = v;
+  }
+  for (const char* key : {"stream", "parallel_tool_calls", "store"}) {
+    if (is_set(body, key) && !body[key].is_boolean()) throw ResponsesError(fmt::format("'{}' must be a boolean", key), key);
+    if (is_set(body, key) && std::string_view(key) != "store") out[key] = body[key];
+  }
+  for (const char* key : {"previous_response_id", "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+                          "service_tier", "truncation"})
+    if (is_set(body, key) && !body[key].is_string()) throw ResponsesError(fmt::format("'{}' must be a string", key), key);
+  for (const char* key : {"metadata", "stream_options"})
+    if (is_set(body, key) && !body[key].is_object()) throw ResponsesError(fmt::format("'{}' must be an object", key), key);
+  if (is_set(body, "truncation") && body["truncation"] != "disabled")
+    throw ResponsesError("'truncation' \"auto\" is not supported: a conversation longer than the context is refused "
+                         "(\"disabled\")",
+                         "truncation");
+  // tools: functions
+  if (is_set(body, "tools")) {
+    const ojson& ts = body["tools"];
+    if (!ts.is_array()) throw ResponsesError("'tools' must be an array", "tools");
+    ojson tools = ojson::array();
+    for (size_t i = 0; i < ts.size(); ++i) {
+      const std::string at = fmt::format("tools[{}]", i);
+      const ojson& t = ts[i];
+      if (!t.is_object() || !t.contains("type") || !t["type"].is_string())
+        throw ResponsesError("each tool must be an object with a string 'type'", at);
+      if (t["type"] != "function")
+        throw ResponsesError(fmt::format("tools of type '{}' are not supported: kvq runs no hosted tools (functions are)",
+                                         t["type"].get<std::string>()),
+                             at + ".type");
+      for (const auto& [key, v] : t.items()) {
+        static const std::set<std::string> known = {"type", "name", "description", "parameters", "strict"};
+        if (!known.count(key) && !v.is_null())
+          throw ResponsesError(fmt::format("unknown function tool field '{}'", key), at + "." + key);
+      }
+      ojson fn = ojson::object();
+      fn["name"] = t.value("name", ojson());
+      if (is_set(t, "description")) fn["description"] = t["description"];
+      if (is_set(t, "parameters")) fn["parameters"] = t["parameters"];
+      ojson o = ojson::object();
+      o["type"] = "function";
+      o["function"] = fn;
+      tools.push_back(o);
+    }
+    out["tools"] = tools;
+  }
+  if (is_set(body, "tool_choice")) {
+    const ojson& tc = body["tool_choice"];
+    if (tc == "auto" || tc == "none" || tc == "required") {
+      out["tool_choice"] = tc;
+    } else if (tc.is_object() && tc.value("type", "") == "function" && tc.contains("name") && tc["name"].is_string()) {
+      ojson named = ojson::object();
+      named["type"] = "function";
+      named["function"] = ojson::object();
+      named["function"]["name"] = tc["name"];
+      out["tool_choice"] = named;
+    } else {
+      throw ResponsesError("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"name\": ...} "
+                           "(hosted tools and allowed_tools are not supported)",
+                           "tool_choice");
+    }
+  }
+  // text.format: the reply's form
+  if (is_set(body, "text")) {
+    const ojson& t = body["text"];
+    if (!t.is_object()) throw ResponsesError("'text' must be an object", "text");
+    for (const auto& [key, v] : t.items()) {
+      if (v.is_null()) continue;
+      if (key == "verbosity") {
+        if (v != "medium") throw ResponsesError("'text.verbosity' other than \"medium\" is not supported", "text.verbosity");
+      } else if (key != "format") {
+        throw ResponsesError(fmt::format("unknown parameter 'text.{}'", key), "text." + key);
+      }
+    }
+    if (is_set(t, "format")) {
+      const ojson& f = t["format"];
+      const std::string type = f.is_object() ? f.value("type", "") : "";
+      if (type == "json_object") {
+        ojson rf = ojson::object();
+        rf["type"] = "json_object";
+        out["response_format"] = rf;
+      } else if (type == "json_schema") {
+        if (!f.contains("schema") || !f["schema"].is_object())
+          throw ResponsesError("'text.format' json_schema needs an object 'schema'", "text.format.schema");
+        ojson js = ojson::object();
+        js["name"] = f.value("name", ojson("response"));
+        js["schema"] = f["schema"];
+        ojson rf = ojson::object();
+        rf["type"] = "json_schema";
+        rf["json_schema"] = js;
+        out["response_format"] = rf;
+      } else if (type != "text") {
+        throw ResponsesError("'text.format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": "
+                             "\"json_schema\", \"name\": ..., \"schema\": {...}}",
+                             "text.format");
+      }
+    }
+  }
+  if (is_set(body, "reasoning")) {
+    const ojson& r = body["reasoning"];
+    if (!r.is_object()) throw ResponsesError("'reasoning' must be an object", "reasoning");
+    for (const auto& [key, v] : r.items()) {
+      if (v.is_null()) continue;
+      if (key == "effort") {
+        if (v != "low" && v != "medium" && v != "high")
+          throw ResponsesError("'reasoning.effort' must be \"low\", \"medium\" or \"high\" (gpt-oss's reasoning efforts)",
+                               "reasoning.effort");
+        out["reasoning_effort"] = v;
+      } else if (key == "summary" || key == "generate_summary") {
+        // kvq returns the reasoning itself (reasoning_text), not a summary of it
+        if (v != "auto" && v != "concise" && v != "detailed")
+          throw ResponsesError(fmt::format("'reasoning.{}' must be \"auto\", \"concise\" or \"detailed\"", key), "reasoning." + key);
+      } else {
+        throw ResponsesError(fmt::format("unknown parameter 'reasoning.{}'", key), "reasoning." + key);
+      }
+    }
+  }
+  bool logprobs = false;
+  if (is_set(body, "include")) {
+    const ojson& inc = body["include"];
+    if (!inc.is_array()) throw ResponsesError("'include' must be an array of strings", "include");
+    for (const ojson& x : inc) {
+      if (!x.is_string()) throw ResponsesError("'include' must be an array of strings", "include");
+      logprobs = logprobs || x == "message.output_text.logprobs";
+    }
+  }
+  if (is_set(body, "top_logprobs")) {
+    const ojson& v = body["top_logprobs"];
+    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > 20)
+      throw ResponsesError("'top_logprobs' must be an integer in [0, 20]", "top_logprobs");
+    logprobs = true;
+    out["top_logprobs"] = v;
+  }
+  if (logprobs) {
+    if (out.value("stream", false))
+      throw ResponsesError("log-probabilities are not streamed by kvq's Responses API: ask without 'stream'", "include");
+    out["logprobs"] = true;
+  }
+  return out;
+}
+
+json responses_echo(const ojson& body) {
+  auto get = [&](const char* key, json dflt) { return is_set(body, key) ? json(body[key]) : dflt; };
+  return json{{"instructions", get("instructions", nullptr)},
+              {"max_output_tokens", get("max_output_tokens", nullptr)},
+              {"temperature", get("temperature", 1.0)},
+              {"top_p", get("top_p", 1.0)},
+              {"tools", get("tools", json::array())},
+              {"tool_choice", get("tool_choice", "auto")},
+              {"parallel_tool_calls", get("parallel_tool_calls", true)},
+              {"text", get("text", json{{"format", {{"type", "text"}}}})},
+              {"reasoning", get("reasoning", json{{"effort", nullptr}, {"summary", nullptr}})},
+              {"store", get("store", true)},
+              {"metadata", get("metadata", json::object())},
+              {"previous_response_id", get("previous_response_id", nullptr)},
+              {"user", get("user", nullptr)},
+              {"truncation", get("truncation", "disabled")},
+              {"top_logprobs", get("top_logprobs", nullptr)},
+              {"background", false},
+              {"error", nullptr},
+              {"incomplete_details", nullptr}};
+}
+
+std::string responses_id(const char* prefix, std::mt19937_64& rng) {
+  static constexpr char kChars[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+  std::string s = std::string(prefix) + "_";
+  for (int i = 0; i < 24; ++i) s += kChars[rng() % 62];
+  return s;
+}
+
+namespace {
+json reasoning_item(const std::string& id, const std::string& text, const char* status) {
+  return json{{"type", "reasoning"}, {"id", id}, {"summary", json::array()},
+              {"content", json::array({{{"type", "reasoning_text"}, {"text", text}}})}, {"status", status}};
+}
+json text_part(const std::string& text, const json& logprobs) {
+  return json{{"type", "output_text"}, {"text", text}, {"annotations", json::array()},
+              {"logprobs", logprobs.is_null() ? json::array() : logprobs}};
+}
+json message_item(const std::string& id, const json& part, const char* status) {
+  return json{{"type", "message"}, {"id", id}, {"status", status}, {"role", "assistant"}, {"content", json::array({part})}};
+}
+json call_item(const std::string& id, const ToolCall& c) {
+  return json{{"type", "function_call"}, {"id", id}, {"call_id", c.id}, {"name", c.name}, {"arguments", c.arguments},
+              {"status", "completed"}};
+}
+}  // namespace
+
+json responses_output(const ResponsesReply& r, std::mt19937_64& rng) {
+  const char* status = "completed";
+  json out = json::array();
+  if (!r.reasoning.empty()) out.push_back(reasoning_item(responses_id("rs", rng), r.reasoning, status));
+  const bool text = r.content.is_string() && (!r.content.get<std::string>().empty() || (out.empty() && r.calls.empty()));
+  if (text) out.push_back(message_item(responses_id("msg", rng), text_part(r.content.get<std::string>(), r.logprobs), status));
+  for (const ToolCall& c : r.calls) out.push_back(call_item(responses_id("fc", rng), c));
+  if (!r.complete && !out.empty()) out.back()["status"] = "incomplete";  // the item max_output_tokens cut
+  return out;
+}
+
+json responses_usage(int prompt_tokens, int cached_tokens, int output_tokens, int reasoning_tokens) {
+  return json{{"input_tokens", prompt_tokens},
+              {"input_tokens_details", {{"cached_tokens", cached_tokens}}},
+              {"output_tokens", output_tokens},
+              {"output_tokens_details", {{"reasoning_tokens", reasoning_tokens}}},
+              {"total_tokens", prompt_tokens + output_tokens}};
+}
+
+std::string ResponsesStream::event(const char* type, json data) {
+  data["type"] = type;
+  data["sequence_number"] = seq_++;
+  return fmt::format("event: {}\ndata: {}\n\n", type, data.dump(-1, ' ', false, json::error_handler_t::replace));
+}
+
+std::string ResponsesStream::start() {
+  std::string s = event("response.created", {{"response", response_}});  // (numbered in this order)
+  return s + event("response.in_progress", {{"response", response_}});
+}
+
+std::string ResponsesStream::open(Item kind) {
+  std::string s = close();
+  open_ = kind;
+  text_.clear();
+  const int index = int(output_.size());
+  if (kind == Item::message) {
+    item_ = message_item(responses_id("msg", rng_), nullptr, "in_progress");
+    item_["content"] = json::array();
+    s += event("response.output_item.added", {{"output_index", index}, {"item", item_}});
+    s += event("response.content_part.added",
+               {{"item_id", item_["id"]}, {"output_index", index}, {"content_index", 0}, {"part", text_part("", nullptr)}});
+  } else {
+    item_ = reasoning_item(responses_id("rs", rng_), "", "in_progress");
+    item_["content"] = json::array();
+    s += event("response.output_item.added", {{"output_index", index}, {"item", item_}});
+  }
+  return s;
+}
+
+std::string ResponsesStream::close(const char* status) {
+  if (open_ == Item::none) return "";
+  const int index = int(output_.size());
+  std::string s;
+  if (open_ == Item::message) {
+    const json part = text_part(text_, nullptr);
+    s += event("response.output_text.done", {{"item_id", item_["id"]}, {"output_index", index}, {"content_index", 0},
+                                             {"text", text_}, {"logprobs", json::array()}});
+    s += event("response.content_part.done", {{"item_id", item_["id"]}, {"output_index", index}, {"content_index", 0}, {"part", part}});
+    item_["content"] = json::array({part});
+  } else {
+    s += event("response.reasoning_text.done",
+               {{"item_id", item_["id"]}, {"output_index", index}, {"content_index", 0}, {"text", text_}});
+    item_["content"] = json::array({{{"type", "reasoning_text"}, {"text", text_}}});
+  }
+  item_["status"] = status;
+  s += event("response.output_item.done", {{"output_index", index}, {"item", item_}});
+  output_.push_back(item_);
+  open_ = Item::none;
+  return s;
+}
+
+std::string ResponsesStream::text(const std::string& delta) {
+  if (delta.empty()) return "";
+  std::string s = open_ == Item::message ? "" : open(Item::message);
+  text_ += delta;
+  return s + event("response.output_text.delta", {{"item_id", item_["id"]}, {"output_index", int(output_.size())},
+                                                  {"content_index", 0}, {"delta", delta}, {"logprobs", json::array()}});
+}
+
+std::string ResponsesStream::reasoning(const std::string& delta) {
+  if (delta.empty()) return "";
+  std::string s = open_ == Item::reasoning ? "" : open(Item::reasoning);
+  text_ += delta;
+  return s + event("response.reasoning_text.delta",
+                   {{"item_id", item_["id"]}, {"output_index", int(output_.size())}, {"content_index", 0}, {"delta", delta}});
+}
+
+std::string ResponsesStream::call(const ToolCall& c) {
+  std::string s = close();
+  const int index = int(output_.size());
+  json item = call_item(responses_id("fc", rng_), c);
+  json added = item;
+  added["arguments"] = "";
+  added["status"] = "in_progress";
+  s += event("response.output_item.added", {{"output_index", index}, {"item", added}});
+  s += event("response.function_call_arguments.delta", {{"item_id", item["id"]}, {"output_index", index}, {"delta", c.arguments}});
+  s += event("response.function_call_arguments.done",
+             {{"item_id", item["id"]}, {"output_index", index}, {"name", c.name}, {"arguments", c.arguments}});
+  s += event("response.output_item.done", {{"output_index", index}, {"item", item}});
+  output_.push_back(item);
+  return s;
+}
+
+std::string ResponsesStream::finish(const json& usage, bool complete, json* final) {
+  // (the item open at the end is what max_output_tokens cut; those before it ended)
+  std::string s = close(complete ? "completed" : "incomplete");
+  json r = response_;
+  r["status"] = complete ? "completed" : "incomplete";
+  r["output"] = output_;
+  r["usage"] = usage;
+  r["completed_at"] = complete ? json(int64_t(std::time(nullptr))) : json(nullptr);
+  if (!complete) r["incomplete_details"] = {{"reason", "max_output_tokens"}};
+  if (final) *final = r;
+  return s + event(complete ? "response.completed" : "response.incomplete", {{"response", r}});
+}
+
+std::string ResponsesStream::error(const std::string& message) {
+  json r = response_;
+  r["status"] = "failed";
+  r["output"] = output_;
+  r["error"] = {{"code", "server_error"}, {"message", message}};
+  return event("response.failed", {{"response", r}});
+}
+
+}  // namespace kvq
