@@ -136,7 +136,7 @@ TEST(Anthropic, ToolsChoicesAndAConversationWithResults) {
   const ojson want_tools = ojson::parse(R"j([
     {"type": "function", "function": {"name": "get_weather", "description": "Weather\nExample input: {\"city\":\"Paris\"}",
       "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                     "required": ["city"]}}},
+                     "required": ["city"]}, "strict": true}},
     {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}])j");
   EXPECT_EQ(c["tools"], want_tools) << c["tools"].dump(1);
   EXPECT_EQ(c["tool_choice"], "required");

@@ -103,7 +103,7 @@ TEST(Responses, ToolsFormatsEffortLogprobs) {
     "parameters": {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}}, "strict": true}],
     "tool_choice": {"type": "function", "name": "f"}})j");
   EXPECT_EQ(c["tools"], ojson::parse(R"j([{"type": "function", "function": {"name": "f", "description": "F",
-    "parameters": {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}}}}])j"));
+    "parameters": {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}}, "strict": true}}])j"));
   EXPECT_EQ(c["tools"][0]["function"]["parameters"]["properties"].begin().key(), "b");  // written order kept
   EXPECT_EQ(c["tool_choice"], ojson::parse(R"j({"type": "function", "function": {"name": "f"}})j"));
   for (const char* tc : {"auto", "none", "required"})

@@ -1090,7 +1090,7 @@ TEST_F(ToolServerTest, ToolCalls) {
   expect_bad("/v1/completions", R"({"prompt": "x", "tools": [)" + fn + "]}", "tools");
   // parameters kvq cannot generate: refused by /tokenize as by the chat route
   const std::string bad_params =
-      "{" + msgs + R"(, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+      "{" + msgs + R"(, "tools": [{"type": "function", "function": {"name": "f", "strict": true, "parameters": {"type": "object",
       "properties": {"s": {"type": "string", "uniqueItems": 3}}, "patternProperties": {"^x": {}}}}}]})";
   expect_bad("/v1/chat/completions", bad_params, "tools[0].function.parameters");
   expect_bad("/tokenize", bad_params, "tools[0].function.parameters");
@@ -1234,7 +1234,7 @@ TEST_F(HarmonyServerTest, FunctionCallsInItsOwnSyntax) {
   const std::string f = R"("tools": [{"type": "function", "function": {"name": "f"}}])";
   expect_bad("/v1/chat/completions", "{" + msgs + ", " + f + R"(, "guided_regex": "a+"})", "guided_regex");
   expect_bad("/v1/chat/completions",
-             "{" + msgs + R"(, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}]})",
+             "{" + msgs + R"(, "tools": [{"type": "function", "function": {"name": "f", "strict": true, "parameters": {"type": "object", "not": {}}}}]})",
              "tools[0].function.parameters");
   expect_bad("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "1"}]})",
              "messages[1]");

@@ -107,11 +107,11 @@ TEST(Tools, BadToolsNameTheField) {
       {R"({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]})", "tools[0].function.parameters"},
       {R"({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]})",
        "tools[0].function.parameters"},
-      {R"({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties":
+      {R"({"tools": [{"type": "function", "function": {"name": "f", "strict": true, "parameters": {"type": "object", "properties":
           {"xs": {"type": "array", "uniqueItems": true}}}}}]})",
        "tools[0].function.parameters"},
       {R"({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]})", "tools[0].function.strict"},
-      {R"({"tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g",
+      {R"({"tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g", "strict": true,
           "parameters": {"type": "object", "properties": {"x": {"not": {}}}}}}]})", "tools[1].function.parameters"},
       {R"({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}]})",
        "tools[0].function.parameters"},
@@ -767,15 +767,29 @@ TEST(HarmonyTools, CallGrammar) {
   GrammarState done(g);
   ASSERT_TRUE(done.feed(R"(add<|message|>{"a": 7})"));
   EXPECT_TRUE(done.done());
-  // A function whose parameters kvq cannot generate is named
+  // A strict function whose parameters kvq cannot generate is named; a non-strict one takes any
+  // JSON object as its arguments
   const ToolSpec bad = parse_tools(ojson::parse(R"j({"tools": [{"type": "function", "function": {"name": "f"}},
-    {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "not": {}}}}]})j"));
+    {"type": "function", "function": {"name": "g", "strict": true, "parameters": {"type": "object", "not": {}}}}]})j"));
   try {
     (void)harmony_call_grammar(bad.functions);
     ADD_FAILURE() << "no error";
   } catch (const ToolsError& e) {
     EXPECT_EQ(e.param, "tools[1].function.parameters");
   }
+  const ToolSpec loose = parse_tools(ojson::parse(R"j({"tools": [{"type": "function", "function": {"name": "f",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}},
+    {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "not": {}}}}]})j"));
+  const auto lg = harmony_call_grammar(loose.functions);
+  auto loose_accepts = [&](const std::string& text) {
+    GrammarState st(lg);
+    return st.feed(text) && st.done();
+  };
+  EXPECT_TRUE(loose_accepts(R"(g<|message|>{"anything": [1, {"b": null}]})"));
+  EXPECT_TRUE(loose_accepts(R"(g<|message|>{})"));
+  EXPECT_FALSE(loose_accepts(R"(g<|message|>[1])"));       // still an object
+  EXPECT_FALSE(loose_accepts(R"(f<|message|>{"a": "x"})"));  // the other function keeps its parameters
+  EXPECT_TRUE(loose_accepts(R"(f<|message|>{"a": 3})"));
 }
 
 // The reply's constraint per tool_choice: auto leaves the reply free until the call's trigger, and
@@ -823,4 +837,34 @@ TEST(HarmonyTools, ConstraintPerToolChoice) {
             kHarmonyCallTrigger);
   EXPECT_TRUE(accepts(named.grammar, R"(neg<|message|>{"b": 1})"));
   EXPECT_FALSE(accepts(named.grammar, R"(add<|message|>{"a": 1})"));
+}
+
+// Parameters kvq cannot generate: a strict function is refused by name; a non-strict one (the API
+// promises no schema then) takes any JSON object as its arguments, the other functions keeping theirs.
+TEST(Tools, NonStrictParametersKvqCannotGenerateAreLoosened) {
+  const std::string fns = R"j([{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+      "properties": {"a": {"type": "integer", "maximum": 9}}, "required": ["a"]}}},
+    {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {"x": {"not": {}}}}}}])j";
+  const ToolSpec loose = parse_tools(ojson::parse(R"j({"tools": )j" + fns + "}"));
+  ASSERT_FALSE(loose.functions[1].strict);
+  const auto g = tool_reply_grammar(loose, nullptr);
+  auto accepts = [&](const std::string& text) {
+    GrammarState st(g);
+    return st.feed(text) && st.accepting();
+  };
+  EXPECT_TRUE(accepts(R"({"tool_calls": [{"name": "g", "arguments": {"x": [1, "two"], "y": null}}]})"));
+  EXPECT_FALSE(accepts(R"({"tool_calls": [{"name": "g", "arguments": "x"}]})"));  // an object still
+  EXPECT_TRUE(accepts(R"({"tool_calls": [{"name": "f", "arguments": {"a": 3}}]})"));
+  EXPECT_FALSE(accepts(R"({"tool_calls": [{"name": "f", "arguments": {"a": 12}}]})"));  // f keeps its parameters
+  // the model is still shown g's parameters as written
+  EXPECT_NE(tool_system_prompt(loose, true).find(R"("not":{})"), std::string::npos);
+  // strict: refused, named
+  ojson strict = ojson::parse(R"j({"tools": )j" + fns + "}");
+  strict["tools"][1]["function"]["strict"] = true;
+  try {
+    (void)tool_reply_grammar(parse_tools(strict), nullptr);
+    ADD_FAILURE() << "a strict function kvq cannot generate was taken";
+  } catch (const ToolsError& e) {
+    EXPECT_EQ(e.param, "tools[1].function.parameters");
+  }
 }

@@ -222,7 +222,7 @@ void read_tools(const ojson& body, ojson& out) {
       if (is_set(t, "description") && !t["description"].is_string())
         throw AnthropicError("a tool's 'description' must be a string", at + ".description");
       for (const auto& [key, v] : t.items()) {
-        // strict: kvq's tool inputs always follow their schema (generated under its grammar);
+        // strict: a schema kvq cannot generate is refused rather than loosened (tools.h);
         // eager_input_streaming: a call's input is streamed in one piece when it is whole
         static const std::set<std::string> known = {"type", "name", "description", "input_schema", "cache_control",
                                                     "strict", "eager_input_streaming", "input_examples",
@@ -249,6 +249,7 @@ void read_tools(const ojson& body, ojson& out) {
       fn["name"] = t["name"];
       if (!description.empty()) fn["description"] = description;
       fn["parameters"] = t["input_schema"];
+      if (is_set(t, "strict")) fn["strict"] = t["strict"];
       ojson o = ojson::object();
       o["type"] = "function";
       o["function"] = fn;

@@ -31,9 +31,9 @@ struct AnthropicError : std::invalid_argument {
 //   output_format / output_config.format (a JSON schema for the reply), output_config.effort (a
 //   reasoning model's effort: gpt-oss's low, medium, high), thinking (see below); no effect:
 //   metadata, service_tier, inference_geo, speed, diagnostics, user_profile_id, workspace_id, and
-//   cache_control on the request and its blocks (kvq caches every prefix); a tool's strict (its
-//   input always follows its schema), eager_input_streaming; a tool's input_examples are shown to
-//   the model after its description.
+//   cache_control on the request and its blocks (kvq caches every prefix), a tool's
+//   eager_input_streaming; a tool's strict is the chat endpoint's (tools.h); its input_examples
+//   are shown to the model after its description.
 // thinking: {"type": "enabled", "budget_tokens" >= 1024} or "disabled" / "adaptive"; a reasoning
 // model's reasoning (gpt-oss) comes back as thinking blocks whatever it says, and budget_tokens
 // does not bound it (max_tokens does); a model without reasoning writes none.

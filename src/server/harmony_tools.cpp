@@ -199,7 +199,8 @@ std::string harmony_functions_namespace(const std::vector<ToolFunction>& fns) {
   return out + "} // namespace functions";
 }
 
-std::shared_ptr<const Grammar> harmony_call_grammar(const std::vector<ToolFunction>& fns) {
+namespace {
+std::shared_ptr<const Grammar> call_grammar(const std::vector<ToolFunction>& fns) {
   std::string text = "root ::= ";
   std::vector<std::pair<std::string, nlohmann::ordered_json>> args;
   for (size_t k = 0; k < fns.size(); ++k) {
@@ -208,18 +209,21 @@ std::shared_ptr<const Grammar> harmony_call_grammar(const std::vector<ToolFuncti
     args.emplace_back(fmt::format("args-{}", k), fns[k].parameters);
   }
   text += "\nhead ::= \"<|channel|>commentary\"? (\" \" \"<|constrain|>\"? \"json\")? \"<|message|>\"\n";
+  return Grammar::from_gbnf(text, args);
+}
+}  // namespace
+
+std::shared_ptr<const Grammar> harmony_call_grammar(const std::vector<ToolFunction>& fns) {
   try {
-    return Grammar::from_gbnf(text, args);
-  } catch (const std::invalid_argument& e) {
-    for (const ToolFunction& f : fns) {  // name the function at fault
-      try {
-        (void)Grammar::from_schema(f.parameters);
-      } catch (const std::invalid_argument& fe) {
-        const std::string param = fmt::format("tools[{}].function.parameters", f.index);
-        throw ToolsError(fmt::format("'{}': {}", param, fe.what()), param);
-      }
+    return call_grammar(fns);
+  } catch (const std::invalid_argument&) {
+    // a strict function kvq cannot generate is named, the others loosened (tools.h)
+    const std::vector<ToolFunction> loose = loosened_functions(fns);
+    try {
+      return call_grammar(loose);
+    } catch (const std::invalid_argument& e) {
+      throw ToolsError(fmt::format("the functions' calls: {}", e.what()), "tools");
     }
-    throw ToolsError(fmt::format("the functions' calls: {}", e.what()), "tools");
   }
 }
 

@@ -263,6 +263,7 @@ ojson responses_chat_body(const ojson& body, const ojson& history) {
       fn["name"] = t.value("name", ojson());
       if (is_set(t, "description")) fn["description"] = t["description"];
       if (is_set(t, "parameters")) fn["parameters"] = t["parameters"];
+      if (is_set(t, "strict")) fn["strict"] = t["strict"];
       ojson o = ojson::object();
       o["type"] = "function";
       o["function"] = fn;

@@ -223,6 +223,7 @@ ToolSpec parse_tools(const ojson& body) {
       }
       if (is_set(f, "strict") && !f["strict"].is_boolean())
         throw ToolsError("'strict' must be a boolean", at + ".function.strict");
+      fn.strict = is_set(f, "strict") && f["strict"].get<bool>();
       const std::string pparam = at + ".function.parameters";
       if (is_set(f, "parameters")) {
         fn.parameters = f["parameters"];
@@ -307,20 +308,36 @@ ojson tool_reply_schema(const ToolSpec& spec, const ojson& response_schema) {
   return s;
 }
 
+std::vector<ToolFunction> loosened_functions(const std::vector<ToolFunction>& fns) {
+  std::vector<ToolFunction> out = fns;
+  for (ToolFunction& f : out) {
+    try {
+      (void)Grammar::from_schema(f.parameters);
+    } catch (const std::invalid_argument& fe) {
+      const std::string param = fmt::format("tools[{}].function.parameters", f.index);
+      if (f.strict)
+        throw ToolsError(fmt::format("'{}': {} (a strict function's arguments must follow its parameters)", param, fe.what()),
+                         param);
+      f.parameters = ojson::object();
+      f.parameters["type"] = "object";
+    }
+  }
+  return out;
+}
+
 std::shared_ptr<const Grammar> tool_reply_grammar(const ToolSpec& spec, const ojson& response_schema) {
   try {
     return Grammar::from_schema(tool_reply_schema(spec, response_schema));
   } catch (const std::invalid_argument& e) {
-    // Only when it fails is each function's schema compiled alone, to name the one at fault.
-    for (const ToolFunction& f : spec.functions) {
-      try {
-        (void)Grammar::from_schema(f.parameters);
-      } catch (const std::invalid_argument& fe) {
-        const std::string param = fmt::format("tools[{}].function.parameters", f.index);
-        throw ToolsError(fmt::format("'{}': {}", param, fe.what()), param);
-      }
+    // Only when it fails is each function's schema compiled alone: a strict one kvq cannot
+    // generate is named, the others loosened.
+    ToolSpec loose = spec;
+    loose.functions = loosened_functions(spec.functions);
+    try {
+      return Grammar::from_schema(tool_reply_schema(loose, response_schema));
+    } catch (const std::invalid_argument& e2) {
+      throw ToolsError(fmt::format("the reply's schema: {}", e2.what()), response_schema.is_null() ? "tools" : "response_format");
     }
-    throw ToolsError(fmt::format("the reply's schema: {}", e.what()), response_schema.is_null() ? "tools" : "response_format");
   }
 }
 

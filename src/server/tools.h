@@ -52,7 +52,16 @@ struct ToolFunction {
   std::string description;            // empty: none
   nlohmann::ordered_json parameters;  // the arguments' JSON Schema
   size_t index = 0;                   // its place in the request's tools
+  // "strict": true: the arguments must be documents of the parameters, and parameters kvq cannot
+  // generate are refused; otherwise (as the API promises no schema then) such a function's
+  // arguments are generated as any JSON object (loosened_functions)
+  bool strict = false;
 };
+
+// The functions as their calls are generated: a non-strict function whose parameters kvq cannot
+// generate (a keyword it does not implement) takes any JSON object as its arguments (the model is
+// still shown its parameters); a strict one is refused (ToolsError naming it).
+std::vector<ToolFunction> loosened_functions(const std::vector<ToolFunction>& fns);
 
 enum class ToolChoice { none, automatic, required, named };
 
@@ -75,8 +84,9 @@ ToolSpec parse_tools(const nlohmann::ordered_json& body);
 // for a string. The functions' own "$ref"s (pointers into their parameters) are rewritten to point
 // into this document.
 nlohmann::ordered_json tool_reply_schema(const ToolSpec& spec, const nlohmann::ordered_json& response_schema);
-// That schema compiled. Throws ToolsError naming the function whose parameters cannot be
-// generated (tools[i].function.parameters), else the response's schema.
+// That schema compiled (with loosened_functions when a function's parameters cannot be generated).
+// Throws ToolsError naming a strict function whose parameters cannot be generated
+// (tools[i].function.parameters), else the response's schema.
 std::shared_ptr<const Grammar> tool_reply_grammar(const ToolSpec& spec, const nlohmann::ordered_json& response_schema);
 
 // What the system turn says about the functions and the reply's form.

@@ -125,7 +125,7 @@ if ch["message"].get("tool_calls"):
 print("conversation ok:", ch["finish_reason"])
 
 st, text = post({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
-    "name": "f", "parameters": {"type": "object", "properties": {"x": {"not": {}}}}}}]})
+    "name": "f", "strict": True, "parameters": {"type": "object", "properties": {"x": {"not": {}}}}}}]})
 assert st == 400 and json.loads(text)["error"]["param"] == "tools[0].function.parameters", text
 print("tools ok")
 PY
