@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -120,6 +121,30 @@ TEST(Responses, ToolsFormatsEffortLogprobs) {
   EXPECT_EQ(c["top_logprobs"], 3);
   EXPECT_EQ(translate(R"j({"input": "x", "include": ["message.output_text.logprobs"]})j")["logprobs"], true);
   EXPECT_FALSE(translate(R"j({"input": "x", "include": ["reasoning.encrypted_content"]})j").contains("logprobs"));
+  // (top_logprobs alone returns none, as OpenAI's: the log-probabilities come with include)
+  c = translate(R"j({"input": "x", "top_logprobs": 3})j");
+  EXPECT_FALSE(c.contains("logprobs"));
+  EXPECT_FALSE(c.contains("top_logprobs"));
+  // hosted tools are not offered (kvq runs none); a tool_choice naming one is refused
+  c = translate(R"j({"input": "x", "tools": [{"type": "web_search", "external_web_access": false},
+    {"type": "function", "name": "f"}, {"type": "file_search", "vector_store_ids": []}]})j");
+  EXPECT_EQ(c["tools"], ojson::parse(R"j([{"type": "function", "function": {"name": "f"}}])j"));
+  // custom tools: the function {"input": TEXT}, a regex format matched whole, strict
+  c = translate(R"j({"input": "x", "tools": [{"type": "custom", "name": "apply_patch", "description": "Patch"},
+    {"type": "custom", "name": "code", "format": {"type": "grammar", "syntax": "regex", "definition": "[0-9]+"}}],
+    "tool_choice": {"type": "custom", "name": "code"}})j");
+  EXPECT_EQ(c["tools"], ojson::parse(R"j([
+    {"type": "function", "function": {"name": "apply_patch", "description": "Patch", "parameters": {"type": "object",
+      "properties": {"input": {"type": "string"}}, "required": ["input"], "additionalProperties": false}, "strict": true}},
+    {"type": "function", "function": {"name": "code", "parameters": {"type": "object",
+      "properties": {"input": {"type": "string", "pattern": "^(?:[0-9]+)$"}}, "required": ["input"],
+      "additionalProperties": false}, "strict": true}}])j"))
+      << c["tools"].dump(1);
+  EXPECT_EQ(c["tool_choice"], ojson::parse(R"j({"type": "function", "function": {"name": "code"}})j"));
+  const ResponsesForm form = responses_form(ojson::parse(R"j({"tools": [{"type": "custom", "name": "apply_patch"},
+    {"type": "function", "name": "f"}], "include": ["reasoning.encrypted_content"]})j"));
+  EXPECT_EQ(form.custom_tools, std::set<std::string>{"apply_patch"});
+  EXPECT_TRUE(form.encrypted_reasoning);
 }
 
 // What kvq does not do is refused with the field named, never ignored.
@@ -131,15 +156,16 @@ TEST(Responses, RefusedWithTheFieldNamed) {
             "input[0].content[0]");
   EXPECT_EQ(refused(R"j({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]})j"),
             "input[0].content[0]");
-  EXPECT_EQ(refused(R"j({"input": [{"type": "item_reference", "id": "msg_1"}]})j"), "input[0]");
+  EXPECT_EQ(refused(R"j({"input": [{"type": "item_reference", "id": "msg_1"}]})j"), "input[0].id");  // (none kept)
   EXPECT_EQ(refused(R"j({"input": [{"type": "web_search_call", "id": "ws_1"}]})j"), "input[0].type");
   EXPECT_EQ(refused(R"j({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{bad"}]})j"),
             "input[0].arguments");
   EXPECT_EQ(refused(R"j({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]})j"), "input[0].call_id");
   EXPECT_EQ(refused(R"j({"input": [{"type": "function_call_output", "call_id": "c"}]})j"), "input[0].output");
   EXPECT_EQ(refused(R"j({"input": [{"type": "reasoning", "summary": "x"}]})j"), "input[0].summary");
-  EXPECT_EQ(refused(R"j({"input": "x", "tools": [{"type": "web_search"}]})j"), "tools[0].type");
-  EXPECT_EQ(refused(R"j({"input": "x", "tools": [{"type": "file_search", "vector_store_ids": []}]})j"), "tools[0].type");
+  EXPECT_EQ(refused(R"j({"input": "x", "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}})j"), "tool_choice");
+  EXPECT_EQ(refused(R"j({"input": "x", "tools": [{"type": "custom", "name": "c", "format": {"type": "grammar", "syntax": "lark",
+    "definition": "start: /a/"}}]})j"), "tools[0].format.syntax");
   EXPECT_EQ(refused(R"j({"input": "x", "tools": [{"type": "function", "name": "f", "defer_loading": true}]})j"),
             "tools[0].defer_loading");
   EXPECT_EQ(refused(R"j({"input": "x", "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}})j"), "tool_choice");
@@ -158,7 +184,7 @@ TEST(Responses, RefusedWithTheFieldNamed) {
   EXPECT_EQ(refused(R"j({"input": "x", "temperature": 3})j"), "temperature");
   EXPECT_EQ(refused(R"j({"input": "x", "store": "yes"})j"), "store");
   EXPECT_EQ(refused(R"j({"input": "x", "top_logprobs": 21})j"), "top_logprobs");
-  EXPECT_EQ(refused(R"j({"input": "x", "top_logprobs": 2, "stream": true})j"), "include");
+  EXPECT_EQ(refused(R"j({"input": "x", "include": ["message.output_text.logprobs"], "stream": true})j"), "include");
   EXPECT_NO_THROW(translate(R"j({"input": "x", "background": false, "conversation": null, "context_management": []})j"));
 }
 
@@ -168,7 +194,7 @@ TEST(Responses, OutputItemsAndUsage) {
   r.reasoning = "Think.";
   r.content = "Hello.";
   r.calls = {{"call_a", "f", R"({"x":1})"}};
-  const json out = responses_output(r, rng);
+  const json out = responses_output(r, ResponsesForm{}, rng);
   ASSERT_EQ(out.size(), 3u);
   EXPECT_EQ(out[0]["type"], "reasoning");
   EXPECT_EQ(out[0]["content"], json::parse(R"j([{"type": "reasoning_text", "text": "Think."}])j"));
@@ -186,16 +212,45 @@ TEST(Responses, OutputItemsAndUsage) {
   // calls only: no message; cut short: the last item incomplete; nothing at all: an empty message
   r = ResponsesReply{};
   r.calls = {{"call_b", "g", "{}"}};
-  EXPECT_EQ(responses_output(r, rng).size(), 1u);
+  EXPECT_EQ(responses_output(r, ResponsesForm{}, rng).size(), 1u);
   r = ResponsesReply{};
   r.content = "Hel";
   r.complete = false;
-  EXPECT_EQ(responses_output(r, rng)[0]["status"], "incomplete");
+  EXPECT_EQ(responses_output(r, ResponsesForm{}, rng)[0]["status"], "incomplete");
   r = ResponsesReply{};
   r.content = "";
-  const json empty = responses_output(r, rng);
-  ASSERT_EQ(empty.size(), 1u);
-  EXPECT_EQ(empty[0]["content"][0]["text"], "");
+  EXPECT_EQ(responses_output(r, ResponsesForm{}, rng), json::array());  // (an empty answer: no item, as streamed)
+  // a custom tool's call: its input as text; reasoning with kvq's encrypted_content, read back
+  ResponsesForm form;
+  form.custom_tools = {"apply_patch"};
+  form.encrypted_reasoning = true;
+  r = ResponsesReply{};
+  r.reasoning = "Patch it.";
+  r.calls = {{"call_c", "apply_patch", R"({"input":"*** Begin Patch"})"}};
+  const json co = responses_output(r, form, rng);
+  ASSERT_EQ(co.size(), 2u);
+  EXPECT_EQ(co[1]["type"], "custom_tool_call");
+  EXPECT_EQ(co[1]["input"], "*** Begin Patch");
+  EXPECT_EQ(co[1]["call_id"], "call_c");
+  EXPECT_TRUE(std::regex_match(co[1]["id"].get<std::string>(), std::regex("ctc_[A-Za-z0-9]{24}")));
+  ASSERT_TRUE(co[0]["encrypted_content"].is_string());
+  // sent back with only its encrypted_content (store false clients), with the call and its output
+  ojson back = ojson::array();
+  ojson rs = ojson::parse(co[0].dump());
+  rs.erase("content");
+  back.push_back(rs);
+  back.push_back(ojson::parse(co[1].dump()));
+  back.push_back(ojson::parse(R"j({"type": "custom_tool_call_output", "call_id": "call_c", "output": "Done"})j"));
+  ojson req = ojson::object();
+  req["input"] = back;
+  EXPECT_EQ(responses_chat_body(req, ojson::array())["messages"], ojson::parse(R"j([
+    {"role": "assistant", "content": null, "tool_calls": [{"id": "call_c", "type": "function", "function":
+      {"name": "apply_patch", "arguments": "{\"input\":\"*** Begin Patch\"}"}}], "reasoning_content": "Patch it."},
+    {"role": "tool", "tool_call_id": "call_c", "content": "Done"}])j"));
+  // reasoning that no assistant turn followed (an interrupted turn) is not given to a later one
+  req["input"] = ojson::parse(R"j([{"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Hm."}]},
+    {"role": "user", "content": "Stop."}, {"role": "assistant", "content": "Ok."}])j");
+  EXPECT_FALSE(responses_chat_body(req, ojson::array())["messages"][1].contains("reasoning_content"));
   EXPECT_EQ(responses_usage(100, 48, 7, 3), json::parse(R"j({"input_tokens": 100, "input_tokens_details": {"cached_tokens": 48},
     "output_tokens": 7, "output_tokens_details": {"reasoning_tokens": 3}, "total_tokens": 107})j"));
   const json echo = responses_echo(ojson::parse(R"j({"input": "x", "temperature": 0, "store": false})j"));
@@ -210,7 +265,7 @@ TEST(Responses, OutputItemsAndUsage) {
 // output_item.done with what it holds; completed with the output and usage; numbered in order.
 TEST(Responses, StreamEventsInOrder) {
   const json base = {{"id", "resp_1"}, {"object", "response"}, {"status", "in_progress"}, {"output", json::array()}};
-  ResponsesStream st(base);
+  ResponsesStream st(base, ResponsesForm{});
   std::string all = st.start();
   all += st.reasoning("Let me ");
   all += st.reasoning("see.");
@@ -255,7 +310,7 @@ TEST(Responses, StreamEventsInOrder) {
   EXPECT_EQ(done["output"].size(), 3u);
   EXPECT_EQ(done["usage"]["output_tokens"], 20);
   // cut short: response.incomplete, the open item incomplete
-  ResponsesStream cut(base);
+  ResponsesStream cut(base, ResponsesForm{});
   std::string ct = cut.start();
   ct += cut.text("Hel");
   ct += cut.finish(responses_usage(1, 0, 1, 0), false, &final);
@@ -264,10 +319,29 @@ TEST(Responses, StreamEventsInOrder) {
   EXPECT_EQ(final["status"], "incomplete");
   EXPECT_EQ(final["incomplete_details"], json::parse(R"j({"reason": "max_output_tokens"})j"));
   EXPECT_EQ(final["output"][0]["status"], "incomplete");
-  ResponsesStream failed(base);
+  ResponsesStream failed(base, ResponsesForm{});
   std::string ft = failed.start();
+  ft += failed.text("Par");
   ft += failed.error("boom");
   const auto fe = events(ft);
   EXPECT_EQ(fe.back().first, "response.failed");
   EXPECT_EQ(fe.back().second["response"]["error"]["message"], "boom");
+  // the items so far, the open one cut
+  ASSERT_EQ(fe.back().second["response"]["output"].size(), 1u);
+  EXPECT_EQ(fe.back().second["response"]["output"][0]["status"], "incomplete");
+  EXPECT_EQ(fe.back().second["response"]["output"][0]["content"][0]["text"], "Par");
+  // a custom tool's call streamed: custom_tool_call_input delta and done
+  ResponsesForm cf;
+  cf.custom_tools = {"apply_patch"};
+  ResponsesStream cs(base, cf);
+  std::string ctext = cs.start();
+  ctext += cs.call({"call_p", "apply_patch", R"({"input":"patch"})"});
+  ctext += cs.finish(responses_usage(1, 0, 1, 0), true, &final);
+  const auto cev = events(ctext);
+  ASSERT_EQ(cev.size(), 7u);
+  EXPECT_EQ(cev[2].second["item"]["input"], "");
+  EXPECT_EQ(cev[3].first, "response.custom_tool_call_input.delta");
+  EXPECT_EQ(cev[3].second["delta"], "patch");
+  EXPECT_EQ(cev[4].first, "response.custom_tool_call_input.done");
+  EXPECT_EQ(final["output"][0]["input"], "patch");
 }

@@ -1593,6 +1593,52 @@ TEST_F(ToolServerTest, ResponsesAsChat) {
                               {"temperature", 0}});
   EXPECT_EQ(text_of(next), chat2["choices"][0]["message"]["content"]);
   EXPECT_EQ(next["usage"]["input_tokens"], chat2["usage"]["prompt_tokens"]);
+  // an item reference: the item kept (r's answer) in its place
+  const json referenced = post_ok("/v1/responses", {{"input", json::array({{{"type", "item_reference"}, {"id", r["output"][0]["id"]}},
+                                                                          {{"role", "user"}, {"content", "Tom"}}})},
+                                                    {"max_output_tokens", 2}});
+  const json chat_ref = post_ok("/v1/chat/completions", {{"messages", json::array({{{"role", "assistant"}, {"content", text_of(r)}},
+                                                                                   {{"role", "user"}, {"content", "Tom"}}})},
+                                                         {"max_tokens", 2}});
+  EXPECT_EQ(referenced["usage"]["input_tokens"], chat_ref["usage"]["prompt_tokens"]);
+  auto unknown = c.Post("/v1/responses", json{{"input", json::array({{{"type", "item_reference"}, {"id", "msg_nope"}}})}}.dump(),
+                        "application/json");
+  ASSERT_TRUE(unknown);
+  EXPECT_EQ(unknown->status, 400);
+  EXPECT_EQ(json::parse(unknown->body)["error"]["param"], "input[0].id");
+  // the streamed one is kept by the time its last event is sent
+  auto sg = c.Get(("/v1/responses/" + sr["id"].get<std::string>()).c_str());
+  ASSERT_TRUE(sg);
+  EXPECT_EQ(sg->status, 200);
+  EXPECT_EQ(json::parse(sg->body), sr);
+  // its input items, listed as the API lists them (newest first by default; limit, after)
+  const json three = post_ok("/v1/responses", {{"input", json::array({{{"role", "user"}, {"content", "a"}},
+                                                                      {{"role", "assistant"}, {"content", "b"}},
+                                                                      {{"role", "user"}, {"content", "c"}}})},
+                                               {"max_output_tokens", 2}});
+  auto list = [&](const std::string& query) {
+    auto l = c.Get(("/v1/responses/" + three["id"].get<std::string>() + "/input_items" + query).c_str());
+    EXPECT_TRUE(l);
+    if (!l) return json();
+    EXPECT_EQ(l->status, 200) << l->body;
+    const json j = json::parse(l->body);
+    EXPECT_EQ(j["object"], "list");
+    std::string contents;
+    for (const json& it : j["data"]) {
+      EXPECT_TRUE(std::regex_match(it["id"].get<std::string>(), std::regex("msg_[A-Za-z0-9]{24}"))) << it;
+      contents += it["content"].get<std::string>();
+    }
+    return json{{"contents", contents}, {"has_more", j["has_more"]}, {"first", j["first_id"]}, {"data", j["data"]}};
+  };
+  EXPECT_EQ(list("")["contents"], "cba");
+  const json asc2 = list("?order=asc&limit=2");
+  EXPECT_EQ(asc2["contents"], "ab");
+  EXPECT_EQ(asc2["has_more"], true);
+  EXPECT_EQ(list("?order=asc&after=" + asc2["first"].get<std::string>())["contents"], "bc");
+  EXPECT_EQ(list("?order=asc&after=" + asc2["first"].get<std::string>())["has_more"], false);
+  auto badl = c.Get(("/v1/responses/" + three["id"].get<std::string>() + "/input_items?limit=0").c_str());
+  ASSERT_TRUE(badl);
+  EXPECT_EQ(badl->status, 400);
   // a chain: the next one continues both
   const json third = post_ok("/v1/responses", {{"previous_response_id", next["id"]}, {"input", "Sue"}, {"max_output_tokens", 4}});
   EXPECT_GT(third["usage"]["input_tokens"].get<int>(), next["usage"]["input_tokens"].get<int>());
@@ -1609,7 +1655,7 @@ TEST_F(ToolServerTest, ResponsesAsChat) {
     EXPECT_EQ(gone->status, 404) << id;
     auto p = c.Post("/v1/responses", json{{"previous_response_id", id}, {"input", "x"}}.dump(), "application/json");
     ASSERT_TRUE(p);
-    EXPECT_EQ(p->status, 404);
+    EXPECT_EQ(p->status, 400);  // (OpenAI's)
     EXPECT_EQ(json::parse(p->body)["error"]["code"], "previous_response_not_found");
   }
 
@@ -1660,7 +1706,8 @@ TEST_F(ToolServerTest, ResponsesAsChat) {
 
   // errors: OpenAI's form, the field named
   for (const auto& [b, param] : std::vector<std::pair<json, std::string>>{
-           {{{"input", "x"}, {"tools", json::array({{{"type", "web_search"}}})}}, "tools[0].type"},
+           {{{"input", "x"}, {"tools", json::array({{{"type", "web_search"}}})}, {"tool_choice", {{"type", "web_search"}}}}, "tool_choice"},
+           {{{"input", "x"}, {"store", "no"}}, "store"},
            {{{"input", "x"}, {"reasoning", {{"effort", "low"}}}}, "reasoning.effort"},  // no reasoning: not gpt-oss
            {{{"input", "x"}, {"stop", "y"}}, "stop"},
            {{{"input", json::array({{{"role", "user"}, {"content", json::array({{{"type", "input_image"}}})}}})}}, "input[0].content[0]"},
@@ -1671,7 +1718,7 @@ TEST_F(ToolServerTest, ResponsesAsChat) {
     EXPECT_EQ(e->status, 400) << e->body;
     const json j = json::parse(e->body);
     EXPECT_EQ(j["error"]["type"], "invalid_request_error");
-    EXPECT_EQ(j["error"]["param"], param == "max_output_tokens" ? "max_tokens" : param);
+    EXPECT_EQ(j["error"]["param"], param);
   }
   auto m = c.Post("/v1/responses", json{{"model", "gpt-5"}, {"input", "x"}}.dump(), "application/json");
   ASSERT_TRUE(m);

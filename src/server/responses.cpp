@@ -15,6 +15,10 @@ namespace {
 
 bool is_set(const ojson& o, const char* key) { return o.contains(key) && !o[key].is_null(); }
 
+// kvq's reasoning items' encrypted_content: the reasoning text after this mark (not encrypted: an
+// opaque token to clients, which send it back)
+constexpr const char* kReasoningToken = "kvq-reasoning:";
+
 // The text of a message's content (a string, or parts of the given text types).
 std::string parts_text(const ojson& c, const std::string& at, std::initializer_list<const char*> text_types) {
   if (c.is_string()) return c.get<std::string>();
@@ -55,25 +59,29 @@ void items_to_messages(const ojson& items, ojson& msgs, const char* where) {
   for (size_t i = 0; i < items.size(); ++i) {
     const ojson& it = items[i];
     const std::string at = fmt::format("{}[{}]", where, i);
-    const std::string type = it.value("type", "message");
+    const std::string type = is_set(it, "type") ? it["type"].get<std::string>() : "message";
     if (type == "message") {
       const std::string role = it["role"].get<std::string>();
       ojson m = ojson::object();
       m["role"] = role;
       m["content"] = parts_text(it["content"], at + ".content", {"input_text", "output_text", "refusal"});
-      if (role == "assistant" && !reasoning.empty()) {
-        m["reasoning_content"] = reasoning;
-        reasoning.clear();
-      }
+      if (role == "assistant" && !reasoning.empty()) m["reasoning_content"] = reasoning;
+      reasoning.clear();  // (before another role's turn: an interrupted turn's, not given)
       msgs.push_back(m);
       assistant_open = role == "assistant";
-    } else if (type == "function_call") {
+    } else if (type == "function_call" || type == "custom_tool_call") {
       ojson call = ojson::object();
       call["id"] = it["call_id"];
       call["type"] = "function";
       ojson fn = ojson::object();
       fn["name"] = it["name"];
-      fn["arguments"] = it["arguments"];
+      if (type == "function_call") {
+        fn["arguments"] = it["arguments"];
+      } else {  // a custom tool's input, as the function kvq gives it ({"input": TEXT})
+        ojson args = ojson::object();
+        args["input"] = it["input"];
+        fn["arguments"] = args.dump();
+      }
       call["function"] = fn;
       if (!assistant_open) {
         ojson m = ojson::object();
@@ -89,7 +97,8 @@ void items_to_messages(const ojson& items, ojson& msgs, const char* where) {
         m["reasoning_content"] = m.value("reasoning_content", "") + reasoning;
         reasoning.clear();
       }
-    } else if (type == "function_call_output") {
+    } else if (type == "function_call_output" || type == "custom_tool_call_output") {
+      reasoning.clear();  // (reasoning no assistant turn followed: an interrupted turn's)
       ojson m = ojson::object();
       m["role"] = "tool";
       m["tool_call_id"] = it["call_id"];
@@ -107,6 +116,12 @@ void items_to_messages(const ojson& items, ojson& msgs, const char* where) {
           if (!text.empty()) text += '\n';
           text += s.value("text", "");
         }
+      // kvq's own encrypted_content (the reasoning itself, kReasoningToken + text), for clients
+      // that send back only that
+      if (text.empty() && is_set(it, "encrypted_content") && it["encrypted_content"].is_string()) {
+        const std::string e = it["encrypted_content"].get<std::string>();
+        if (e.rfind(kReasoningToken, 0) == 0) text = e.substr(std::string_view(kReasoningToken).size());
+      }
       reasoning += text;
     }
   }
@@ -145,7 +160,7 @@ ojson responses_input_items(const ojson& body) {
     const ojson& it = in[i];
     if (!it.is_object()) throw ResponsesError("each input item must be an object", at);
     if (is_set(it, "type") && !it["type"].is_string()) throw ResponsesError("an item's 'type' must be a string", at + ".type");
-    const std::string type = it.value("type", "message");
+    const std::string type = is_set(it, "type") ? it["type"].get<std::string>() : "message";
     if (type == "message") {
       check_message(it, at);
     } else if (type == "function_call") {
@@ -153,9 +168,13 @@ ojson responses_input_items(const ojson& body) {
       (void)string_field(it, "name", at);
       const std::string args = string_field(it, "arguments", at);
       if (!json::accept(args)) throw ResponsesError("a function call's 'arguments' must be JSON text", at + ".arguments");
-    } else if (type == "function_call_output") {
+    } else if (type == "custom_tool_call") {
       (void)string_field(it, "call_id", at);
-      if (!it.contains("output")) throw ResponsesError("a function call's output needs 'output'", at + ".output");
+      (void)string_field(it, "name", at);
+      (void)string_field(it, "input", at);
+    } else if (type == "function_call_output" || type == "custom_tool_call_output") {
+      (void)string_field(it, "call_id", at);
+      if (!it.contains("output")) throw ResponsesError("a call's output needs 'output'", at + ".output");
       (void)parts_text(it["output"], at + ".output", {"input_text", "output_text"});
     } else if (type == "reasoning") {
       for (const char* key : {"summary", "content"}) {
@@ -165,13 +184,14 @@ ojson responses_input_items(const ojson& body) {
           if (!c.is_object() || !c.contains("text") || !c["text"].is_string())
             throw ResponsesError(fmt::format("each of a reasoning item's '{}' needs a string 'text'", key), at + "." + key);
       }
-    } else if (type == "item_reference") {
-      throw ResponsesError("item references are not supported: send the item itself, or continue a stored response "
-                           "with previous_response_id",
-                           at);
+    } else if (type == "item_reference") {  // (the server replaces those it keeps)
+      throw ResponsesError(fmt::format("no item with id '{}' is kept (items of responses kept with store)",
+                                       it.contains("id") && it["id"].is_string() ? it["id"].get<std::string>() : ""),
+                           at + ".id");
     } else {
       throw ResponsesError(fmt::format("input items of type '{}' are not supported (supported: message, function_call, "
-                                       "function_call_output, reasoning)",
+                                       "function_call_output, custom_tool_call, custom_tool_call_output, reasoning, "
+                                       "item_reference)",
                                        type),
                            at + ".type");
     }
@@ -208,7 +228,7 @@ ojson responses_chat_body(const ojson& body, const ojson& history) {
     ojson m = ojson::object();
     m["role"] = "system";
     m["content"] = body["instructions"];
-    msgs.push_back(m);
+    if (!body["instructions"].get<std::string>().empty()) msgs.push_back(m);
   }
   items_to_messages(history, msgs, "previous_response_id");
   items_to_messages(responses_input_items(body), msgs, "input");
@@ -250,20 +270,49 @@ ojson responses_chat_body(const ojson& body, const ojson& history) {
       const ojson& t = ts[i];
       if (!t.is_object() || !t.contains("type") || !t["type"].is_string())
         throw ResponsesError("each tool must be an object with a string 'type'", at);
-      if (t["type"] != "function")
-        throw ResponsesError(fmt::format("tools of type '{}' are not supported: kvq runs no hosted tools (functions are)",
-                                         t["type"].get<std::string>()),
-                             at + ".type");
+      const std::string type = t["type"].get<std::string>();
+      // Hosted tools (OpenAI runs them: web search, file search, code interpreter, ...): kvq runs
+      // none, so the model is not offered them (a tool_choice naming one is refused)
+      if (type != "function" && type != "custom") continue;
       for (const auto& [key, v] : t.items()) {
-        static const std::set<std::string> known = {"type", "name", "description", "parameters", "strict"};
+        static const std::set<std::string> known = {"type", "name", "description", "parameters", "strict", "format"};
         if (!known.count(key) && !v.is_null())
-          throw ResponsesError(fmt::format("unknown function tool field '{}'", key), at + "." + key);
+          throw ResponsesError(fmt::format("unknown {} tool field '{}'", type, key), at + "." + key);
       }
       ojson fn = ojson::object();
-      fn["name"] = t.value("name", ojson());
+      fn["name"] = is_set(t, "name") ? t["name"] : ojson();
       if (is_set(t, "description")) fn["description"] = t["description"];
-      if (is_set(t, "parameters")) fn["parameters"] = t["parameters"];
-      if (is_set(t, "strict")) fn["strict"] = t["strict"];
+      if (type == "custom") {
+        // a custom tool's input is text: the function {"input": TEXT}, TEXT matching the tool's
+        // regex format whole when it has one
+        ojson input = ojson::object();
+        input["type"] = "string";
+        if (is_set(t, "format")) {
+          const ojson& f = t["format"];
+          const std::string ftype = f.is_object() && is_set(f, "type") && f["type"].is_string() ? f["type"].get<std::string>() : "";
+          if (ftype == "grammar") {
+            if (!is_set(f, "definition") || !f["definition"].is_string())
+              throw ResponsesError("a grammar format needs a string 'definition'", at + ".format.definition");
+            if (f.value("syntax", ojson("")) != "regex")
+              throw ResponsesError("custom tool grammars in Lark syntax are not supported (regex ones are)", at + ".format.syntax");
+            input["pattern"] = "^(?:" + f["definition"].get<std::string>() + ")$";
+          } else if (ftype != "text") {
+            throw ResponsesError("a custom tool's 'format' must be {\"type\": \"text\"} or a grammar", at + ".format");
+          }
+        }
+        ojson params = ojson::object();
+        params["type"] = "object";
+        params["properties"] = ojson::object();
+        params["properties"]["input"] = input;
+        params["required"] = ojson::array({"input"});
+        params["additionalProperties"] = false;
+        fn["parameters"] = params;
+        fn["strict"] = true;  // (its format is a constraint, not a hint)
+      } else {
+        if (is_set(t, "format")) throw ResponsesError("unknown function tool field 'format'", at + ".format");
+        if (is_set(t, "parameters")) fn["parameters"] = t["parameters"];
+        if (is_set(t, "strict")) fn["strict"] = t["strict"];
+      }
       ojson o = ojson::object();
       o["type"] = "function";
       o["function"] = fn;
@@ -275,15 +324,16 @@ ojson responses_chat_body(const ojson& body, const ojson& history) {
     const ojson& tc = body["tool_choice"];
     if (tc == "auto" || tc == "none" || tc == "required") {
       out["tool_choice"] = tc;
-    } else if (tc.is_object() && tc.value("type", "") == "function" && tc.contains("name") && tc["name"].is_string()) {
+    } else if (tc.is_object() && tc.contains("type") && (tc["type"] == "function" || tc["type"] == "custom") &&
+               tc.contains("name") && tc["name"].is_string()) {
       ojson named = ojson::object();
       named["type"] = "function";
       named["function"] = ojson::object();
       named["function"]["name"] = tc["name"];
       out["tool_choice"] = named;
     } else {
-      throw ResponsesError("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"name\": ...} "
-                           "(hosted tools and allowed_tools are not supported)",
+      throw ResponsesError("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\" (or \"custom\"), "
+                           "\"name\": ...} (hosted tools and allowed_tools are not supported)",
                            "tool_choice");
     }
   }
@@ -301,7 +351,7 @@ ojson responses_chat_body(const ojson& body, const ojson& history) {
     }
     if (is_set(t, "format")) {
       const ojson& f = t["format"];
-      const std::string type = f.is_object() ? f.value("type", "") : "";
+      const std::string type = f.is_object() && is_set(f, "type") && f["type"].is_string() ? f["type"].get<std::string>() : "";
       if (type == "json_object") {
         ojson rf = ojson::object();
         rf["type"] = "json_object";
@@ -310,7 +360,7 @@ ojson responses_chat_body(const ojson& body, const ojson& history) {
         if (!f.contains("schema") || !f["schema"].is_object())
           throw ResponsesError("'text.format' json_schema needs an object 'schema'", "text.format.schema");
         ojson js = ojson::object();
-        js["name"] = f.value("name", ojson("response"));
+        js["name"] = is_set(f, "name") ? f["name"] : ojson("response");
         js["schema"] = f["schema"];
         ojson rf = ojson::object();
         rf["type"] = "json_schema";
@@ -355,13 +405,14 @@ ojson responses_chat_body(const ojson& body, const ojson& history) {
     const ojson& v = body["top_logprobs"];
     if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > 20)
       throw ResponsesError("'top_logprobs' must be an integer in [0, 20]", "top_logprobs");
-    logprobs = true;
-    out["top_logprobs"] = v;
+    out["top_logprobs"] = v;  // (the log-probabilities themselves only with include, as OpenAI's)
   }
   if (logprobs) {
-    if (out.value("stream", false))
+    if (out.contains("stream") && out["stream"] == true)
       throw ResponsesError("log-probabilities are not streamed by kvq's Responses API: ask without 'stream'", "include");
     out["logprobs"] = true;
+  } else {
+    out.erase("top_logprobs");
   }
   return out;
 }
@@ -388,6 +439,23 @@ json responses_echo(const ojson& body) {
               {"incomplete_details", nullptr}};
 }
 
+std::mt19937_64 responses_rng() {
+  std::random_device rd;
+  std::seed_seq seq{rd(), rd(), rd(), rd(), rd(), rd(), rd(), rd()};
+  return std::mt19937_64(seq);
+}
+
+ResponsesForm responses_form(const ojson& body) {
+  ResponsesForm f;
+  if (is_set(body, "tools") && body["tools"].is_array())
+    for (const ojson& t : body["tools"])
+      if (t.is_object() && t.value("type", ojson()) == "custom" && t.contains("name") && t["name"].is_string())
+        f.custom_tools.insert(t["name"].get<std::string>());
+  if (is_set(body, "include") && body["include"].is_array())
+    for (const ojson& x : body["include"]) f.encrypted_reasoning = f.encrypted_reasoning || x == "reasoning.encrypted_content";
+  return f;
+}
+
 std::string responses_id(const char* prefix, std::mt19937_64& rng) {
   static constexpr char kChars[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
   std::string s = std::string(prefix) + "_";
@@ -396,9 +464,11 @@ std::string responses_id(const char* prefix, std::mt19937_64& rng) {
 }
 
 namespace {
-json reasoning_item(const std::string& id, const std::string& text, const char* status) {
-  return json{{"type", "reasoning"}, {"id", id}, {"summary", json::array()},
-              {"content", json::array({{{"type", "reasoning_text"}, {"text", text}}})}, {"status", status}};
+json reasoning_item(const std::string& id, const std::string& text, const char* status, bool encrypted) {
+  json it = {{"type", "reasoning"}, {"id", id}, {"summary", json::array()},
+             {"content", json::array({{{"type", "reasoning_text"}, {"text", text}}})}, {"status", status}};
+  if (encrypted) it["encrypted_content"] = kReasoningToken + text;
+  return it;
 }
 json text_part(const std::string& text, const json& logprobs) {
   return json{{"type", "output_text"}, {"text", text}, {"annotations", json::array()},
@@ -407,19 +477,27 @@ json text_part(const std::string& text, const json& logprobs) {
 json message_item(const std::string& id, const json& part, const char* status) {
   return json{{"type", "message"}, {"id", id}, {"status", status}, {"role", "assistant"}, {"content", json::array({part})}};
 }
-json call_item(const std::string& id, const ToolCall& c) {
-  return json{{"type", "function_call"}, {"id", id}, {"call_id", c.id}, {"name", c.name}, {"arguments", c.arguments},
-              {"status", "completed"}};
+// A call's item: a function's, or a custom tool's (its input: the arguments' "input" text).
+json call_item(const ToolCall& c, const ResponsesForm& form, std::mt19937_64& rng) {
+  if (form.custom_tools.count(c.name)) {
+    const json args = json::parse(c.arguments, nullptr, false);
+    const std::string input = args.is_object() && args.contains("input") && args["input"].is_string() ? args["input"].get<std::string>() : "";
+    return json{{"type", "custom_tool_call"}, {"id", responses_id("ctc", rng)}, {"call_id", c.id}, {"name", c.name},
+                {"input", input}, {"status", "completed"}};
+  }
+  return json{{"type", "function_call"}, {"id", responses_id("fc", rng)}, {"call_id", c.id}, {"name", c.name},
+              {"arguments", c.arguments}, {"status", "completed"}};
 }
 }  // namespace
 
-json responses_output(const ResponsesReply& r, std::mt19937_64& rng) {
+json responses_output(const ResponsesReply& r, const ResponsesForm& form, std::mt19937_64& rng) {
   const char* status = "completed";
   json out = json::array();
-  if (!r.reasoning.empty()) out.push_back(reasoning_item(responses_id("rs", rng), r.reasoning, status));
-  const bool text = r.content.is_string() && (!r.content.get<std::string>().empty() || (out.empty() && r.calls.empty()));
-  if (text) out.push_back(message_item(responses_id("msg", rng), text_part(r.content.get<std::string>(), r.logprobs), status));
-  for (const ToolCall& c : r.calls) out.push_back(call_item(responses_id("fc", rng), c));
+  if (!r.reasoning.empty()) out.push_back(reasoning_item(responses_id("rs", rng), r.reasoning, status, form.encrypted_reasoning));
+  // (an empty answer is no item, as a stream writes none)
+  if (r.content.is_string() && !r.content.get<std::string>().empty())
+    out.push_back(message_item(responses_id("msg", rng), text_part(r.content.get<std::string>(), r.logprobs), status));
+  for (const ToolCall& c : r.calls) out.push_back(call_item(c, form, rng));
   if (!r.complete && !out.empty()) out.back()["status"] = "incomplete";  // the item max_output_tokens cut
   return out;
 }
@@ -455,7 +533,7 @@ std::string ResponsesStream::open(Item kind) {
     s += event("response.content_part.added",
                {{"item_id", item_["id"]}, {"output_index", index}, {"content_index", 0}, {"part", text_part("", nullptr)}});
   } else {
-    item_ = reasoning_item(responses_id("rs", rng_), "", "in_progress");
+    item_ = reasoning_item(responses_id("rs", rng_), "", "in_progress", false);
     item_["content"] = json::array();
     s += event("response.output_item.added", {{"output_index", index}, {"item", item_}});
   }
@@ -476,6 +554,7 @@ std::string ResponsesStream::close(const char* status) {
     s += event("response.reasoning_text.done",
                {{"item_id", item_["id"]}, {"output_index", index}, {"content_index", 0}, {"text", text_}});
     item_["content"] = json::array({{{"type", "reasoning_text"}, {"text", text_}}});
+    if (form_.encrypted_reasoning) item_["encrypted_content"] = kReasoningToken + text_;
   }
   item_["status"] = status;
   s += event("response.output_item.done", {{"output_index", index}, {"item", item_}});
@@ -503,14 +582,21 @@ std::string ResponsesStream::reasoning(const std::string& delta) {
 std::string ResponsesStream::call(const ToolCall& c) {
   std::string s = close();
   const int index = int(output_.size());
-  json item = call_item(responses_id("fc", rng_), c);
+  json item = call_item(c, form_, rng_);
+  const bool custom = item["type"] == "custom_tool_call";
+  const char* field = custom ? "input" : "arguments";
   json added = item;
-  added["arguments"] = "";
+  added[field] = "";
   added["status"] = "in_progress";
   s += event("response.output_item.added", {{"output_index", index}, {"item", added}});
-  s += event("response.function_call_arguments.delta", {{"item_id", item["id"]}, {"output_index", index}, {"delta", c.arguments}});
-  s += event("response.function_call_arguments.done",
-             {{"item_id", item["id"]}, {"output_index", index}, {"name", c.name}, {"arguments", c.arguments}});
+  if (custom) {
+    s += event("response.custom_tool_call_input.delta", {{"item_id", item["id"]}, {"output_index", index}, {"delta", item["input"]}});
+    s += event("response.custom_tool_call_input.done", {{"item_id", item["id"]}, {"output_index", index}, {"input", item["input"]}});
+  } else {
+    s += event("response.function_call_arguments.delta", {{"item_id", item["id"]}, {"output_index", index}, {"delta", c.arguments}});
+    s += event("response.function_call_arguments.done",
+               {{"item_id", item["id"]}, {"output_index", index}, {"name", c.name}, {"arguments", c.arguments}});
+  }
   s += event("response.output_item.done", {{"output_index", index}, {"item", item}});
   output_.push_back(item);
   return s;
@@ -530,11 +616,12 @@ std::string ResponsesStream::finish(const json& usage, bool complete, json* fina
 }
 
 std::string ResponsesStream::error(const std::string& message) {
+  std::string s = close("incomplete");  // (the items so far, the open one cut)
   json r = response_;
   r["status"] = "failed";
   r["output"] = output_;
   r["error"] = {{"code", "server_error"}, {"message", message}};
-  return event("response.failed", {{"response", r}});
+  return s + event("response.failed", {{"response", r}});
 }
 
 }  // namespace kvq

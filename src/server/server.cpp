@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <climits>
@@ -607,16 +608,19 @@ struct Server::Impl {
   void handle_responses(const httplib::Request& req, httplib::Response& res);
   struct StoredResponse {
     json response;                 // as GET /v1/responses/{id} returns it
-    nlohmann::ordered_json items;  // its conversation: input items, then its output items
+    nlohmann::ordered_json input;  // its input items (with ids), as /input_items lists them
+    nlohmann::ordered_json items;  // its conversation: earlier items, its input, its output items
     size_t bytes = 0;
   };
   static constexpr int kStoredResponses = 4096;
   static constexpr size_t kStoredBytes = size_t(256) << 20;
   std::mutex store_mu;
   std::unordered_map<std::string, StoredResponse> store;  // (under store_mu)
-  std::deque<std::string> store_order;                    // oldest first (ids of deleted ones are skipped)
+  std::unordered_map<std::string, nlohmann::ordered_json> store_items;  // their input and output items by id (under store_mu)
+  std::deque<std::string> store_order;                    // oldest first (under store_mu)
   size_t store_bytes = 0;
-  void keep_response(const json& response, nlohmann::ordered_json items);
+  void keep_response(const json& response, const nlohmann::ordered_json& history, nlohmann::ordered_json input);
+  void forget_response(const std::string& id);
   void check_model(const json& body) const;
   json messages_chat_body(const httplib::Request& req, bool count_tokens, std::string* raw, bool* omit_thinking) const;
   // Completions' object for tokens whose text starts at byte `offset` of the returned text;
@@ -1451,23 +1455,34 @@ void Server::Impl::handle_messages(const httplib::Request& req, httplib::Respons
 }
 
 // OpenAI's Responses API (responses.h): the request read into a chat request (after the items of
-// the response it continues), the reply written as output items; kept in memory unless store is
-// false.
+// the response it continues, item references replaced by the items kept), the reply written as
+// output items; kept in memory unless store is false.
 void Server::Impl::handle_responses(const httplib::Request& req, httplib::Response& res) {
   (void)parse_body(req);  // the checks every body gets (valid JSON, an object, its nesting, NUL bytes)
-  const nlohmann::ordered_json in = nlohmann::ordered_json::parse(req.body);
+  nlohmann::ordered_json in = nlohmann::ordered_json::parse(req.body);
   nlohmann::ordered_json history = nlohmann::ordered_json::array();
-  if (in.contains("previous_response_id") && !in["previous_response_id"].is_null()) {
-    if (!in["previous_response_id"].is_string()) throw ApiError{"'previous_response_id' must be a string", "previous_response_id"};
-    const std::string prev = in["previous_response_id"].get<std::string>();
+  auto set = [&](const char* key) { return in.contains(key) && !in[key].is_null(); };
+  {
     std::lock_guard<std::mutex> lk(store_mu);
-    auto it = store.find(prev);
-    if (it == store.end())
-      throw ApiError{fmt::format("Previous response with id '{}' not found (kvq keeps responses in memory, those asked "
-                                 "with store true, until the server restarts or {} newer ones displace them)",
-                                 prev, kStoredResponses),
-                     "previous_response_id", "previous_response_not_found", 404};
-    history = it->second.items;
+    if (set("previous_response_id")) {
+      if (!in["previous_response_id"].is_string()) throw ApiError{"'previous_response_id' must be a string", "previous_response_id"};
+      const std::string prev = in["previous_response_id"].get<std::string>();
+      auto it = store.find(prev);
+      if (it == store.end())
+        throw ApiError{fmt::format("Previous response with id '{}' not found (kvq keeps responses asked with store true in "
+                                   "memory, until the server restarts or {} newer ones displace them)",
+                                   prev, kStoredResponses),
+                       "previous_response_id", "previous_response_not_found"};
+      history = it->second.items;
+    }
+    // item references: the items kvq keeps (those of responses kept with store)
+    if (set("input") && in["input"].is_array())
+      for (auto& item : in["input"])
+        if (item.is_object() && item.value("type", nlohmann::ordered_json()) == "item_reference" && item.contains("id") &&
+            item["id"].is_string()) {
+          auto found = store_items.find(item["id"].get<std::string>());
+          if (found != store_items.end()) item = found->second;
+        }
   }
   nlohmann::ordered_json chat;
   nlohmann::ordered_json input_items;
@@ -1484,21 +1499,31 @@ void Server::Impl::handle_responses(const httplib::Request& req, httplib::Respon
                    "reasoning.effort"};
   const std::string raw = chat.dump();
   const json body = json::parse(raw);
-  const auto pp = std::make_shared<const Prepared>(prepare(body, raw, true));
+  std::shared_ptr<const Prepared> pp;
+  try {
+    pp = std::make_shared<const Prepared>(prepare(body, raw, true));
+  } catch (ApiError& e) {  // the chat request's names for the Responses API's fields
+    if (e.param == "max_tokens") e.param = "max_output_tokens";
+    else if (e.param == "messages") e.param = "input";
+    else if (e.param == "response_format") e.param = "text.format";
+    throw;
+  }
   const Prepared& p = *pp;
-  std::mt19937_64 rng(std::random_device{}());
+  std::mt19937_64 rng = responses_rng();
+  const ResponsesForm form = responses_form(in);
   json base = responses_echo(in);
-  base["id"] = responses_id("resp", rng);
+  {
+    std::lock_guard<std::mutex> lk(store_mu);
+    do base["id"] = responses_id("resp", rng);
+    while (store.count(base["id"].get<std::string>()));
+  }
   base["object"] = "response";
   base["created_at"] = int64_t(std::time(nullptr));
   base["model"] = opt.model_name;
   base["status"] = "in_progress";
   base["output"] = json::array();
   base["usage"] = nullptr;
-  const bool keep = in.value("store", true);
-  // what a later request continues: the earlier items, this input, this output
-  auto items = std::make_shared<nlohmann::ordered_json>(history);
-  for (const auto& it : input_items) items->push_back(it);
+  const bool keep = !set("store") || in["store"] == true;
   const int prompt_tokens = p.prompt_tokens;
   const Tokenizer* tk = &engine.tokenizer();
 
@@ -1516,17 +1541,17 @@ void Server::Impl::handle_responses(const httplib::Request& req, httplib::Respon
     out["status"] = rr.complete ? "completed" : "incomplete";
     if (!rr.complete) out["incomplete_details"] = {{"reason", "max_output_tokens"}};
     out["completed_at"] = rr.complete ? json(int64_t(std::time(nullptr))) : json(nullptr);
-    out["output"] = responses_output(rr, rng);
+    out["output"] = responses_output(rr, form, rng);
     out["usage"] = responses_usage(prompt_tokens, g.cached_tokens, g.completion_tokens,
                                    int(tk->encode(r.reasoning, false, false).size()));
-    if (keep) keep_response(out, std::move(*items));
+    if (keep) keep_response(out, history, input_items);
     send_json(res, 200, out);
     return;
   }
 
   auto st = std::make_shared<StreamState>();
   st->remaining = 1;
-  auto rs = std::make_shared<ResponsesStream>(base);
+  auto rs = std::make_shared<ResponsesStream>(base, form);
   st->push(rs->start());
   GenRequest gr = p.choice_request(0);
   auto reply = std::make_shared<ChatReplyStream>(p);
@@ -1542,16 +1567,19 @@ void Server::Impl::handle_responses(const httplib::Request& req, httplib::Respon
     for (const ToolCall& c : calls) st->push(rs->call(c));
   };
   gr.on_text = [reply, sink](const std::string& d) { reply->feed(d, sink); };
-  gr.on_done = [this, st, rs, reply, sink, prompt_tokens, tk, reasoning, keep, items](const GenResult& g) {
+  auto kept = std::make_shared<std::pair<nlohmann::ordered_json, nlohmann::ordered_json>>(std::move(history), std::move(input_items));
+  gr.on_done = [this, st, rs, reply, sink, prompt_tokens, tk, reasoning, keep, kept](const GenResult& g) {
     if (g.finish_reason == "error") {
       st->push(rs->error(g.error));
     } else if (g.finish_reason != "cancelled") {
       (void)reply->finish(g, sink);
       json final;
-      st->push(rs->finish(responses_usage(prompt_tokens, g.cached_tokens, g.completion_tokens,
-                                          int(tk->encode(*reasoning, false, false).size())),
-                          g.finish_reason != "length", &final));
-      if (keep) keep_response(final, std::move(*items));
+      const std::string last = rs->finish(responses_usage(prompt_tokens, g.cached_tokens, g.completion_tokens,
+                                                          int(tk->encode(*reasoning, false, false).size())),
+                                          g.finish_reason != "length", &final);
+      // kept before the client hears it is done: a next request may continue it at once
+      if (keep) keep_response(final, kept->first, kept->second);
+      st->push(last);
     }
     {
       std::lock_guard<std::mutex> lk(st->mu);
@@ -1565,29 +1593,48 @@ void Server::Impl::handle_responses(const httplib::Request& req, httplib::Respon
   stream_events(res, st, engine);
 }
 
-// A finished response kept for GET /v1/responses/{id} and previous_response_id: items are the
-// conversation so far (its input), to which its output items are added. The oldest go first past
-// kStoredResponses responses or kStoredBytes of them.
-void Server::Impl::keep_response(const json& response, nlohmann::ordered_json items) {
-  for (const json& it : response["output"]) {
-    nlohmann::ordered_json o = nlohmann::ordered_json::parse(it.dump());
-    if (o["type"] == "message" && o.value("content", nlohmann::ordered_json::array()).empty()) continue;
-    items.push_back(std::move(o));
+// A finished response kept for GET /v1/responses/{id}, its input items, previous_response_id and
+// item references: its conversation is the earlier items (history), its input (input items without
+// an id get one) and its output items. The oldest go first past kStoredResponses responses or
+// kStoredBytes of them.
+void Server::Impl::keep_response(const json& response, const nlohmann::ordered_json& history,
+                                 nlohmann::ordered_json input) {
+  std::mt19937_64 rng = responses_rng();
+  for (auto& it : input) {
+    if (it.contains("id") && it["id"].is_string()) continue;
+    const std::string type = it.value("type", nlohmann::ordered_json("message")).is_string()
+                                 ? it.value("type", nlohmann::ordered_json("message")).get<std::string>()
+                                 : "message";
+    it["id"] = responses_id(type == "message" ? "msg" : type == "reasoning" ? "rs" : "item", rng);
   }
-  const size_t bytes = response.dump().size() + items.dump().size();
+  StoredResponse s;
+  s.response = response;
+  s.input = input;
+  s.items = history;
+  for (const auto& it : input) s.items.push_back(it);
+  for (const json& it : response["output"]) s.items.push_back(nlohmann::ordered_json::parse(it.dump()));
+  s.bytes = response.dump().size() + s.items.dump().size() + s.input.dump().size();
   std::lock_guard<std::mutex> lk(store_mu);
   const std::string id = response["id"];
-  store[id] = StoredResponse{response, std::move(items), bytes};
+  forget_response(id);
+  for (const auto& it : input) store_items[it["id"].get<std::string>()] = it;
+  for (const json& it : response["output"]) store_items[it["id"].get<std::string>()] = nlohmann::ordered_json::parse(it.dump());
+  store_bytes += s.bytes;
+  store[id] = std::move(s);
   store_order.push_back(id);
-  store_bytes += bytes;
-  while (!store_order.empty() && (store.size() > size_t(kStoredResponses) || store_bytes > kStoredBytes)) {
-    auto it = store.find(store_order.front());
-    if (it != store.end()) {
-      store_bytes -= it->second.bytes;
-      store.erase(it);
-    }
-    store_order.pop_front();
-  }
+  while (!store_order.empty() && (store.size() > size_t(kStoredResponses) || store_bytes > kStoredBytes))
+    forget_response(store_order.front());
+}
+
+// Forgets a kept response and its items (under store_mu).
+void Server::Impl::forget_response(const std::string& id) {
+  auto it = store.find(id);
+  if (it == store.end()) return;
+  for (const auto& item : it->second.input) store_items.erase(item["id"].get<std::string>());
+  for (const json& item : it->second.response["output"]) store_items.erase(item["id"].get<std::string>());
+  store_bytes -= it->second.bytes;
+  store.erase(it);
+  std::erase(store_order, id);
 }
 
 void Server::Impl::handle_count_tokens(const httplib::Request& req, httplib::Response& res) {
@@ -1720,14 +1767,64 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
   I.http.Delete(R"(/v1/responses/([A-Za-z0-9_\-]+))", [this](const httplib::Request& req, httplib::Response& res) {
     std::lock_guard<std::mutex> lk(impl_->store_mu);
     const std::string id = req.matches[1].str();
-    auto it = impl_->store.find(id);
-    if (it == impl_->store.end()) {
+    if (!impl_->store.count(id)) {
       send_error(res, ApiError{fmt::format("No response found with id '{}'.", id), "", "not_found", 404});
       return;
     }
-    impl_->store_bytes -= it->second.bytes;
-    impl_->store.erase(it);
+    impl_->forget_response(id);
     send_json(res, 200, json{{"id", id}, {"object", "response"}, {"deleted", true}});
+  });
+  // Its input items, as the API lists them: order (desc by default), limit (20; 1-100), after / before an item id.
+  I.http.Get(R"(/v1/responses/([A-Za-z0-9_\-]+)/input_items)", [this](const httplib::Request& req, httplib::Response& res) {
+    const std::string id = req.matches[1].str();
+    nlohmann::ordered_json items;
+    {
+      std::lock_guard<std::mutex> lk(impl_->store_mu);
+      auto it = impl_->store.find(id);
+      if (it == impl_->store.end()) {
+        send_error(res, ApiError{fmt::format("No response found with id '{}'.", id), "", "not_found", 404});
+        return;
+      }
+      items = it->second.input;
+    }
+    const std::string order = req.has_param("order") ? req.get_param_value("order") : "desc";
+    if (order != "asc" && order != "desc") {
+      send_error(res, ApiError{"'order' must be \"asc\" or \"desc\"", "order"});
+      return;
+    }
+    int limit = 20;
+    if (req.has_param("limit")) {
+      const std::string l = req.get_param_value("limit");
+      if (l.empty() || l.size() > 3 || l.find_first_not_of("0123456789") != std::string::npos || std::stoi(l) < 1 || std::stoi(l) > 100) {
+        send_error(res, ApiError{"'limit' must be an integer in [1, 100]", "limit"});
+        return;
+      }
+      limit = std::stoi(l);
+    }
+    std::vector<nlohmann::ordered_json> list(items.begin(), items.end());
+    if (order == "desc") std::reverse(list.begin(), list.end());
+    size_t from = 0, to = list.size();
+    for (const char* cursor : {"after", "before"}) {
+      if (!req.has_param(cursor)) continue;
+      const std::string c = req.get_param_value(cursor);
+      auto at = std::find_if(list.begin(), list.end(), [&](const nlohmann::ordered_json& x) { return x["id"] == c; });
+      if (at == list.end()) {
+        send_error(res, ApiError{fmt::format("no input item '{}' in this response", c), cursor});
+        return;
+      }
+      if (std::string_view(cursor) == "after") from = size_t(at - list.begin()) + 1;
+      else to = size_t(at - list.begin());
+    }
+    nlohmann::ordered_json data = nlohmann::ordered_json::array();
+    for (size_t k = from; k < to && data.size() < size_t(limit); ++k) data.push_back(list[k]);
+    nlohmann::ordered_json out = nlohmann::ordered_json::object();
+    out["object"] = "list";
+    out["data"] = data;
+    out["first_id"] = data.empty() ? nlohmann::ordered_json() : data.front()["id"];
+    out["last_id"] = data.empty() ? nlohmann::ordered_json() : data.back()["id"];
+    out["has_more"] = from + data.size() < to;
+    res.status = 200;
+    res.set_content(out.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace), "application/json");
   });
   I.http.Post("/v1/messages", wrap_messages(&Impl::handle_messages));
   I.http.Post("/v1/messages/count_tokens", wrap_messages(&Impl::handle_count_tokens));

@@ -3,7 +3,7 @@
 # scripts/get-models.sh), read by the official `openai` client when it can be installed
 # (common.bash's openai_python): a response and its stream (the SDK's accumulator), a conversation
 # continued by previous_response_id, function calls and their outputs, structured output parsed
-# into a pydantic model, retrieve / delete, and its error classes. Without the client, a plain HTTP
+# into a pydantic model, item references, input items, retrieve / delete, and its error classes. Without the client, a plain HTTP
 # check of a response and a continued one.
 set -u
 source "$(dirname "$0")/common.bash"
@@ -89,11 +89,20 @@ try:
     raise SystemExit("a deleted response was returned")
 except openai.NotFoundError:
     pass
+# a hosted tool is not offered (kvq runs none); one forced by tool_choice is refused
+h = c.responses.create(model=model, input="Hi", tools=[{"type": "web_search"}], max_output_tokens=4)
+assert all(o.type in ("message", "reasoning") for o in h.output), h
 try:
-    c.responses.create(model=model, input="x", tools=[{"type": "web_search"}])
-    raise SystemExit("a hosted tool was taken")
+    c.responses.create(model=model, input="x", tools=[{"type": "web_search"}], tool_choice={"type": "web_search"})
+    raise SystemExit("a hosted tool was forced")
 except openai.BadRequestError as e:
-    assert "web_search" in str(e), e
+    assert "tool_choice" in str(e), e
+# an item of a kept response, referred to
+ref = c.responses.create(model=model, input=[{"type": "item_reference", "id": r2.output[0].id},
+                                             {"role": "user", "content": "Thanks"}], max_output_tokens=8)
+assert ref.status in ("completed", "incomplete"), ref
+items = c.responses.input_items.list(r2.id)
+assert [i.type for i in items.data] == ["message"], items
 print("openai responses ok")
 PY
   check "official openai client: responses, streams, previous_response_id, function calls, parse, retrieve/delete" \
