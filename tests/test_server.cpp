@@ -1647,6 +1647,12 @@ TEST_F(ToolServerTest, ResponsesAsChat) {
   ASSERT_TRUE(d);
   EXPECT_EQ(d->status, 200);
   EXPECT_EQ(json::parse(d->body), json({{"id", r["id"]}, {"object", "response"}, {"deleted", true}}));
+  // (r's answer is still held by the response that referred to it)
+  EXPECT_EQ(post_ok("/v1/responses", {{"input", json::array({{{"type", "item_reference"}, {"id", r["output"][0]["id"]}},
+                                                             {{"role", "user"}, {"content", "Tom"}}})},
+                                      {"max_output_tokens", 2}})["usage"]["input_tokens"],
+            referenced["usage"]["input_tokens"]);
+
   for (const std::string& id : {r["id"].get<std::string>(), post_ok("/v1/responses", {{"input", "Lily"}, {"store", false},
                                                                                         {"max_output_tokens", 2}})["id"]
                                                                  .get<std::string>()}) {

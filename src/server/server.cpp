@@ -616,7 +616,9 @@ struct Server::Impl {
   static constexpr size_t kStoredBytes = size_t(256) << 20;
   std::mutex store_mu;
   std::unordered_map<std::string, StoredResponse> store;  // (under store_mu)
-  std::unordered_map<std::string, nlohmann::ordered_json> store_items;  // their input and output items by id (under store_mu)
+  // their input and output items by id, with how many kept responses hold each (an item referred
+  // to, or an id a client reuses, is in several) (under store_mu)
+  std::unordered_map<std::string, std::pair<nlohmann::ordered_json, int>> store_items;
   std::deque<std::string> store_order;                    // oldest first (under store_mu)
   size_t store_bytes = 0;
   void keep_response(const json& response, const nlohmann::ordered_json& history, nlohmann::ordered_json input);
@@ -1481,7 +1483,7 @@ void Server::Impl::handle_responses(const httplib::Request& req, httplib::Respon
         if (item.is_object() && item.value("type", nlohmann::ordered_json()) == "item_reference" && item.contains("id") &&
             item["id"].is_string()) {
           auto found = store_items.find(item["id"].get<std::string>());
-          if (found != store_items.end()) item = found->second;
+          if (found != store_items.end()) item = found->second.first;
         }
   }
   nlohmann::ordered_json chat;
@@ -1617,8 +1619,12 @@ void Server::Impl::keep_response(const json& response, const nlohmann::ordered_j
   std::lock_guard<std::mutex> lk(store_mu);
   const std::string id = response["id"];
   forget_response(id);
-  for (const auto& it : input) store_items[it["id"].get<std::string>()] = it;
-  for (const json& it : response["output"]) store_items[it["id"].get<std::string>()] = nlohmann::ordered_json::parse(it.dump());
+  auto hold = [this](const std::string& item_id, nlohmann::ordered_json item) {
+    auto at = store_items.try_emplace(item_id, std::move(item), 0).first;
+    ++at->second.second;
+  };
+  for (const auto& it : input) hold(it["id"].get<std::string>(), it);
+  for (const json& it : response["output"]) hold(it["id"].get<std::string>(), nlohmann::ordered_json::parse(it.dump()));
   store_bytes += s.bytes;
   store[id] = std::move(s);
   store_order.push_back(id);
@@ -1630,8 +1636,12 @@ void Server::Impl::keep_response(const json& response, const nlohmann::ordered_j
 void Server::Impl::forget_response(const std::string& id) {
   auto it = store.find(id);
   if (it == store.end()) return;
-  for (const auto& item : it->second.input) store_items.erase(item["id"].get<std::string>());
-  for (const json& item : it->second.response["output"]) store_items.erase(item["id"].get<std::string>());
+  auto release = [this](const std::string& item_id) {
+    auto at = store_items.find(item_id);
+    if (at != store_items.end() && --at->second.second == 0) store_items.erase(at);
+  };
+  for (const auto& item : it->second.input) release(item["id"].get<std::string>());
+  for (const json& item : it->second.response["output"]) release(item["id"].get<std::string>());
   store_bytes -= it->second.bytes;
   store.erase(it);
   std::erase(store_order, id);
