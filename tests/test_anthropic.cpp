@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "server/anthropic.h"
+#include "sse_events.h"
 
 using namespace kvq;
 using ojson = nlohmann::ordered_json;
@@ -31,26 +32,8 @@ std::string refused(const std::string& body, bool count_tokens = false) {
   return "";
 }
 
-// Events of an SSE text: (name, data) pairs; every event "event: NAME\ndata: JSON\n\n".
-std::vector<std::pair<std::string, json>> events(const std::string& text) {
-  std::vector<std::pair<std::string, json>> out;
-  size_t pos = 0;
-  while (pos < text.size()) {
-    const size_t end = text.find("\n\n", pos);
-    EXPECT_NE(end, std::string::npos) << "unterminated event";
-    if (end == std::string::npos) break;
-    const std::string ev = text.substr(pos, end - pos);
-    pos = end + 2;
-    const size_t nl = ev.find('\n');
-    EXPECT_EQ(ev.rfind("event: ", 0), 0u) << ev;
-    EXPECT_EQ(ev.compare(nl + 1, 6, "data: "), 0) << ev;
-    const std::string name = ev.substr(7, nl - 7);
-    json data = json::parse(ev.substr(nl + 7));
-    EXPECT_EQ(data["type"], name) << ev;  // Anthropic's events repeat their name as the data's type
-    out.emplace_back(name, std::move(data));
-  }
-  return out;
-}
+// Events of an SSE text: (name, data) pairs.
+std::vector<std::pair<std::string, json>> events(const std::string& text) { return named_sse_events(text); }
 
 }  // namespace
 
@@ -356,4 +339,12 @@ TEST(Anthropic, StreamEventsInOrder) {
   const auto err = events(AnthropicStream::error("gone", 503));
   ASSERT_EQ(err.size(), 1u);
   EXPECT_EQ(err[0].second["error"]["type"], "overloaded_error");
+}
+
+// The chat request's field names in errors, as the Messages API names them.
+TEST(Anthropic, ErrorsNameItsFields) {
+  EXPECT_EQ(anthropic_names("'tools[2].function.parameters': 'not' is not supported"), "'tools[2].input_schema': 'not' is not supported");
+  EXPECT_EQ(anthropic_names("tools[0].function.name"), "tools[0].name");
+  EXPECT_EQ(anthropic_names("'response_format': bad"), "'output_format': bad");
+  EXPECT_EQ(anthropic_names("tools[x] and tools[3].type"), "tools[x] and tools[3].type");
 }

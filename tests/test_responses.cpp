@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "server/responses.h"
+#include "sse_events.h"
 
 using namespace kvq;
 using ojson = nlohmann::ordered_json;
@@ -32,23 +33,10 @@ std::string refused(const std::string& body) {
   return "";
 }
 
+// Events of an SSE text, numbered 0, 1, 2, ... by sequence_number.
 std::vector<std::pair<std::string, json>> events(const std::string& text) {
-  std::vector<std::pair<std::string, json>> out;
-  size_t pos = 0;
-  while (pos < text.size()) {
-    const size_t end = text.find("\n\n", pos);
-    EXPECT_NE(end, std::string::npos);
-    if (end == std::string::npos) break;
-    const std::string ev = text.substr(pos, end - pos);
-    pos = end + 2;
-    const size_t nl = ev.find('\n');
-    EXPECT_EQ(ev.rfind("event: ", 0), 0u) << ev;
-    const std::string name = ev.substr(7, nl - 7);
-    json data = json::parse(ev.substr(nl + 7));
-    EXPECT_EQ(data["type"], name);
-    EXPECT_EQ(data["sequence_number"], out.size()) << ev;  // numbered 0, 1, 2, ...
-    out.emplace_back(name, std::move(data));
-  }
+  auto out = named_sse_events(text);
+  for (size_t k = 0; k < out.size(); ++k) EXPECT_EQ(out[k].second["sequence_number"], k) << out[k].second;
   return out;
 }
 
@@ -344,4 +332,40 @@ TEST(Responses, StreamEventsInOrder) {
   EXPECT_EQ(cev[3].second["delta"], "patch");
   EXPECT_EQ(cev[4].first, "response.custom_tool_call_input.done");
   EXPECT_EQ(final["output"][0]["input"], "patch");
+}
+
+// Item references (with or without their type), input items in the API's form, the request's own
+// names in errors, custom tools' regexes anchored once, an empty input.
+TEST(Responses, ReferencesFormsAndNames) {
+  EXPECT_TRUE(responses_is_reference(ojson::parse(R"j({"type": "item_reference", "id": "msg_1"})j")));
+  EXPECT_TRUE(responses_is_reference(ojson::parse(R"j({"id": "msg_1"})j")));
+  EXPECT_FALSE(responses_is_reference(ojson::parse(R"j({"id": "msg_1", "role": "user", "content": "x"})j")));
+  EXPECT_FALSE(responses_is_reference(ojson::parse(R"j({"type": "message", "id": "msg_1"})j")));
+  EXPECT_EQ(refused(R"j({"input": [{"id": "msg_gone"}]})j"), "input[0].id");
+  std::mt19937_64 rng(3);
+  ojson m = responses_item_form(ojson::parse(R"j({"role": "user", "content": "hi"})j"), rng);
+  EXPECT_EQ(m["type"], "message");
+  EXPECT_EQ(m["status"], "completed");
+  EXPECT_EQ(m["content"], ojson::parse(R"j([{"type": "input_text", "text": "hi"}])j"));
+  EXPECT_TRUE(std::regex_match(m["id"].get<std::string>(), std::regex("msg_[A-Za-z0-9]{24}")));
+  m = responses_item_form(ojson::parse(R"j({"role": "assistant", "content": "yo", "id": "msg_x"})j"), rng);
+  EXPECT_EQ(m["id"], "msg_x");
+  EXPECT_EQ(m["content"], ojson::parse(R"j([{"type": "output_text", "text": "yo", "annotations": []}])j"));
+  m = responses_item_form(ojson::parse(R"j({"type": "function_call_output", "call_id": "c", "output": "1"})j"), rng);
+  EXPECT_EQ(m["output"], "1");
+  EXPECT_EQ(m["id"].get<std::string>().rfind("item_", 0), 0u);
+  // the chat request's tool k is the request's k-th function or custom tool
+  const ojson body = ojson::parse(R"j({"tools": [{"type": "web_search"}, {"type": "function", "name": "f"},
+    {"type": "custom", "name": "c"}]})j");
+  EXPECT_EQ(responses_names(body, "'tools[0].function.parameters': bad; tools[1].function.parameters; tools[0].function.name"),
+            "'tools[1].parameters': bad; tools[2].format.definition; tools[1].name");
+  EXPECT_EQ(responses_names(body, "messages[0].content"), "messages[0].content");
+  // a custom tool's regex anchored at its ends is anchored once (an escaped $ is the character)
+  for (const auto& [def, want] : std::vector<std::pair<std::string, std::string>>{
+           {"^[0-9]+$", "^(?:[0-9]+)$"}, {"\\\\A[a-z]\\\\z", "^(?:[a-z])$"}, {"a\\\\$", "^(?:a\\$)$"}, {"a|b", "^(?:a|b)$"}}) {
+    const ojson c = translate(R"j({"input": "x", "tools": [{"type": "custom", "name": "c", "format": {"type": "grammar",
+      "syntax": "regex", "definition": ")j" + def + R"j("}}]})j");
+    EXPECT_EQ(c["tools"][0]["function"]["parameters"]["properties"]["input"]["pattern"], want) << def;
+  }
+  EXPECT_EQ(refused(R"j({"input": []})j"), "input");
 }

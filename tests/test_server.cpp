@@ -21,6 +21,7 @@
 #include "gguf_writer.h"
 #include "server/serve_cli.h"
 #include "server/server.h"
+#include "sse_events.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -1282,23 +1283,7 @@ TEST_F(HarmonyServerTest, FunctionCallsInItsOwnSyntax) {
 // greedy replies, stop reasons, usage (prefix-cache reads), streamed events, a reply's start,
 // tool use plain and streamed, count_tokens, and errors in Anthropic's form.
 namespace {
-// A stream of named events (Anthropic's, the Responses API's): (name, data); each "event: NAME\ndata: JSON\n\n".
-std::vector<std::pair<std::string, json>> named_events(const std::string& raw) {
-  std::vector<std::pair<std::string, json>> out;
-  size_t pos = 0;
-  while (pos < raw.size()) {
-    const size_t end = raw.find("\n\n", pos);
-    EXPECT_NE(end, std::string::npos) << "unterminated event";
-    if (end == std::string::npos) break;
-    const std::string ev = raw.substr(pos, end - pos);
-    pos = end + 2;
-    const size_t nl = ev.find('\n');
-    EXPECT_EQ(ev.rfind("event: ", 0), 0u) << ev;
-    EXPECT_EQ(ev.compare(nl + 1, 6, "data: "), 0) << ev;
-    out.emplace_back(ev.substr(7, nl - 7), json::parse(ev.substr(nl + 7)));
-  }
-  return out;
-}
+std::vector<std::pair<std::string, json>> named_events(const std::string& raw) { return named_sse_events(raw); }
 // A streamed message assembled as Anthropic's clients assemble it: its blocks, stop and usage.
 json assemble_message(const std::vector<std::pair<std::string, json>>& evs) {
   json m;
@@ -1601,6 +1586,10 @@ TEST_F(ToolServerTest, ResponsesAsChat) {
                                                                                    {{"role", "user"}, {"content", "Tom"}}})},
                                                          {"max_tokens", 2}});
   EXPECT_EQ(referenced["usage"]["input_tokens"], chat_ref["usage"]["prompt_tokens"]);
+  // (the SDK's ItemReference may leave out its type)
+  EXPECT_EQ(post_ok("/v1/responses", {{"input", json::array({{{"id", r["output"][0]["id"]}}, {{"role", "user"}, {"content", "Tom"}}})},
+                                      {"max_output_tokens", 2}})["usage"]["input_tokens"],
+            chat_ref["usage"]["prompt_tokens"]);
   auto unknown = c.Post("/v1/responses", json{{"input", json::array({{{"type", "item_reference"}, {"id", "msg_nope"}}})}}.dump(),
                         "application/json");
   ASSERT_TRUE(unknown);
@@ -1626,7 +1615,10 @@ TEST_F(ToolServerTest, ResponsesAsChat) {
     std::string contents;
     for (const json& it : j["data"]) {
       EXPECT_TRUE(std::regex_match(it["id"].get<std::string>(), std::regex("msg_[A-Za-z0-9]{24}"))) << it;
-      contents += it["content"].get<std::string>();
+      EXPECT_EQ(it["type"], "message");  // (in the API's form: typed, parts, a status)
+      EXPECT_EQ(it["status"], "completed");
+      EXPECT_EQ(it["content"][0]["type"], it["role"] == "assistant" ? "output_text" : "input_text");
+      contents += it["content"][0]["text"].get<std::string>();
     }
     return json{{"contents", contents}, {"has_more", j["has_more"]}, {"first", j["first_id"]}, {"data", j["data"]}};
   };
@@ -1714,6 +1706,9 @@ TEST_F(ToolServerTest, ResponsesAsChat) {
   for (const auto& [b, param] : std::vector<std::pair<json, std::string>>{
            {{{"input", "x"}, {"tools", json::array({{{"type", "web_search"}}})}, {"tool_choice", {{"type", "web_search"}}}}, "tool_choice"},
            {{{"input", "x"}, {"store", "no"}}, "store"},
+           // the request's own tool index and field (the hosted tool before it is not offered)
+           {{{"input", "x"}, {"tools", json::parse(R"j([{"type": "web_search"}, {"type": "function", "name": "f", "strict": true,
+              "parameters": {"type": "object", "not": {}}}])j")}}, "tools[1].parameters"},
            {{{"input", "x"}, {"reasoning", {{"effort", "low"}}}}, "reasoning.effort"},  // no reasoning: not gpt-oss
            {{{"input", "x"}, {"stop", "y"}}, "stop"},
            {{{"input", json::array({{{"role", "user"}, {"content", json::array({{{"type", "input_image"}}})}}})}}, "input[0].content[0]"},
@@ -1770,6 +1765,11 @@ TEST_F(ServerTest, AnthropicErrors) {
   EXPECT_TRUE(std::regex_match(json::parse(r->body)["error"]["message"].get<std::string>(),
                                std::regex("prompt is too long: [0-9]+ tokens > 256 maximum")))
       << r->body;
+  // a strict tool whose schema kvq cannot generate: named as the Messages API names it
+  r = c.Post("/v1/messages", R"j({"max_tokens": 4, "tools": [{"name": "f", "strict": true, "input_schema": {"type": "object",
+    "not": {}}}], )j" + user + "}", "application/json");
+  expect_error(r, 400, "invalid_request_error", "a strict tool kvq cannot generate");
+  EXPECT_NE(json::parse(r->body)["error"]["message"].get<std::string>().find("'tools[0].input_schema'"), std::string::npos) << r->body;
   expect_error(c.Post("/v1/messages/count_tokens", R"j({"max_tokens": 4, )j" + user + "}", "application/json"), 400,
                "invalid_request_error", "count_tokens with max_tokens");
   expect_error(c.Post("/v1/messages", R"j({"model": "claude-x", "max_tokens": 4, )j" + user + "}", "application/json"), 404,

@@ -1,5 +1,7 @@
 #include "server/anthropic.h"
 
+#include "server/tools.h"
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -250,10 +252,7 @@ void read_tools(const ojson& body, ojson& out) {
       if (!description.empty()) fn["description"] = description;
       fn["parameters"] = t["input_schema"];
       if (is_set(t, "strict")) fn["strict"] = t["strict"];
-      ojson o = ojson::object();
-      o["type"] = "function";
-      o["function"] = fn;
-      tools.push_back(o);
+      tools.push_back(function_tool(std::move(fn)));
     }
     out["tools"] = tools;
   }
@@ -271,11 +270,7 @@ void read_tools(const ojson& body, ojson& out) {
     } else if (type == "tool") {
       if (!tc.contains("name") || !tc["name"].is_string())
         throw AnthropicError("'tool_choice' of type 'tool' needs the tool's 'name'", "tool_choice.name");
-      ojson named = ojson::object();
-      named["type"] = "function";
-      named["function"] = ojson::object();
-      named["function"]["name"] = tc["name"];
-      out["tool_choice"] = named;
+      out["tool_choice"] = function_choice(tc["name"]);
     } else {
       throw AnthropicError(fmt::format("'tool_choice' type '{}' is unknown (valid: auto, any, tool, none)", type), "tool_choice.type");
     }
@@ -424,6 +419,15 @@ ojson anthropic_chat_body(const ojson& body, bool count_tokens) {
     out["continue_final_message"] = true;
   }
   return out;
+}
+
+std::string anthropic_names(const std::string& text) {
+  std::string s = rename_tool_fields(text, [](size_t k, const std::string& field) {
+    return fmt::format("tools[{}].{}", k, field == "parameters" ? "input_schema" : field);
+  });
+  for (size_t at = s.find("response_format"); at != std::string::npos; at = s.find("response_format", at))
+    s.replace(at, std::string_view("response_format").size(), "output_format");
+  return s;
 }
 
 bool anthropic_omits_thinking(const ojson& body) {

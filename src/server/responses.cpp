@@ -127,6 +127,21 @@ void items_to_messages(const ojson& items, ojson& msgs, const char* where) {
   }
 }
 
+// A regex without the anchors at its ends (^ or \A, $ or \z): kvq anchors it whole itself.
+std::string unanchored(std::string re) {
+  if (re.rfind("\\A", 0) == 0) re.erase(0, 2);
+  else if (!re.empty() && re[0] == '^') re.erase(0, 1);
+  // (a final $ or \z that is not itself escaped: an even run of backslashes before it)
+  auto escaped = [&](size_t at) {
+    size_t n = 0;
+    while (at > n && re[at - n - 1] == '\\') ++n;
+    return n % 2 == 1;
+  };
+  if (re.size() >= 2 && re.compare(re.size() - 2, 2, "\\z") == 0 && !escaped(re.size() - 2)) re.erase(re.size() - 2);
+  else if (!re.empty() && re.back() == '$' && !escaped(re.size() - 1)) re.pop_back();
+  return re;
+}
+
 // A message item's checks.
 void check_message(const ojson& it, const std::string& at) {
   if (!it.contains("role") || !it["role"].is_string()) throw ResponsesError("a message needs a string 'role'", at + ".role");
@@ -139,9 +154,59 @@ void check_message(const ojson& it, const std::string& at) {
 
 }  // namespace
 
+bool responses_is_reference(const ojson& item) {
+  if (!item.is_object() || !item.contains("id") || !item["id"].is_string()) return false;
+  if (is_set(item, "type")) return item["type"] == "item_reference";
+  return !item.contains("role") && !item.contains("content");
+}
+
+ojson responses_item_form(const ojson& item, std::mt19937_64& rng) {
+  ojson it = item;
+  const std::string type = is_set(it, "type") && it["type"].is_string() ? it["type"].get<std::string>() : "message";
+  if (type == "message") {
+    ojson m = ojson::object();
+    m["type"] = "message";
+    m["id"] = is_set(it, "id") ? it["id"] : ojson(responses_id("msg", rng));
+    m["role"] = it["role"];
+    if (it["content"].is_string()) {
+      ojson part = ojson::object();
+      part["type"] = it["role"] == "assistant" ? "output_text" : "input_text";
+      part["text"] = it["content"];
+      if (it["role"] == "assistant") part["annotations"] = ojson::array();
+      m["content"] = ojson::array({part});
+    } else {
+      m["content"] = it["content"];
+    }
+    m["status"] = is_set(it, "status") ? it["status"] : ojson("completed");
+    return m;
+  }
+  if (!is_set(it, "id"))
+    it["id"] = responses_id(type == "reasoning" ? "rs" : type == "function_call" ? "fc" : type == "custom_tool_call" ? "ctc" : "item", rng);
+  return it;
+}
+
+std::string responses_names(const ojson& body, const std::string& text) {
+  std::vector<size_t> index;  // chat tool k -> the request's tool
+  std::vector<bool> custom;
+  if (is_set(body, "tools") && body["tools"].is_array())
+    for (size_t i = 0; i < body["tools"].size(); ++i) {
+      const ojson& t = body["tools"][i];
+      if (t.is_object() && (t.value("type", ojson()) == "function" || t.value("type", ojson()) == "custom")) {
+        index.push_back(i);
+        custom.push_back(t["type"] == "custom");
+      }
+    }
+  return rename_tool_fields(text, [&](size_t k, const std::string& field) {
+    if (k >= index.size()) return fmt::format("tools[{}].{}", k, field);
+    if (custom[k] && field == "parameters") return fmt::format("tools[{}].format.definition", index[k]);
+    return fmt::format("tools[{}].{}", index[k], field);
+  });
+}
+
 ojson responses_input_items(const ojson& body) {
   if (!is_set(body, "input")) throw ResponsesError("'input' is required", "input");
   const ojson& in = body["input"];
+  if (in.is_array() && in.empty()) throw ResponsesError("'input' must not be empty", "input");
   ojson items = ojson::array();
   if (in.is_string()) {
     ojson part = ojson::object();
@@ -160,7 +225,9 @@ ojson responses_input_items(const ojson& body) {
     const ojson& it = in[i];
     if (!it.is_object()) throw ResponsesError("each input item must be an object", at);
     if (is_set(it, "type") && !it["type"].is_string()) throw ResponsesError("an item's 'type' must be a string", at + ".type");
-    const std::string type = is_set(it, "type") ? it["type"].get<std::string>() : "message";
+    const std::string type = responses_is_reference(it) ? "item_reference"
+                             : is_set(it, "type")          ? it["type"].get<std::string>()
+                                                           : "message";
     if (type == "message") {
       check_message(it, at);
     } else if (type == "function_call") {
@@ -295,7 +362,7 @@ ojson responses_chat_body(const ojson& body, const ojson& history) {
               throw ResponsesError("a grammar format needs a string 'definition'", at + ".format.definition");
             if (f.value("syntax", ojson("")) != "regex")
               throw ResponsesError("custom tool grammars in Lark syntax are not supported (regex ones are)", at + ".format.syntax");
-            input["pattern"] = "^(?:" + f["definition"].get<std::string>() + ")$";
+            input["pattern"] = "^(?:" + unanchored(f["definition"].get<std::string>()) + ")$";
           } else if (ftype != "text") {
             throw ResponsesError("a custom tool's 'format' must be {\"type\": \"text\"} or a grammar", at + ".format");
           }
@@ -313,10 +380,7 @@ ojson responses_chat_body(const ojson& body, const ojson& history) {
         if (is_set(t, "parameters")) fn["parameters"] = t["parameters"];
         if (is_set(t, "strict")) fn["strict"] = t["strict"];
       }
-      ojson o = ojson::object();
-      o["type"] = "function";
-      o["function"] = fn;
-      tools.push_back(o);
+      tools.push_back(function_tool(std::move(fn)));
     }
     out["tools"] = tools;
   }
@@ -326,11 +390,7 @@ ojson responses_chat_body(const ojson& body, const ojson& history) {
       out["tool_choice"] = tc;
     } else if (tc.is_object() && tc.contains("type") && (tc["type"] == "function" || tc["type"] == "custom") &&
                tc.contains("name") && tc["name"].is_string()) {
-      ojson named = ojson::object();
-      named["type"] = "function";
-      named["function"] = ojson::object();
-      named["function"]["name"] = tc["name"];
-      out["tool_choice"] = named;
+      out["tool_choice"] = function_choice(tc["name"]);
     } else {
       throw ResponsesError("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\" (or \"custom\"), "
                            "\"name\": ...} (hosted tools and allowed_tools are not supported)",

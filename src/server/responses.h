@@ -33,6 +33,19 @@ struct ResponsesError : std::invalid_argument {
 // with input_text / output_text parts, function_call, function_call_output, reasoning).
 nlohmann::ordered_json responses_input_items(const nlohmann::ordered_json& body);
 
+// Whether an input item refers to a kept item: type "item_reference", or an id alone (the SDK's
+// ItemReference without its optional type).
+bool responses_is_reference(const nlohmann::ordered_json& item);
+
+// An input item in the API's form, as input_items lists it: a message with "type", its content as
+// parts (input_text, or output_text for the assistant's) and a status; an id when it had none.
+nlohmann::ordered_json responses_item_form(const nlohmann::ordered_json& item, std::mt19937_64& rng);
+
+// An error's text with the chat request's tool fields as the request named them: the chat tool K
+// is the request's tool of the K-th function or custom tool (hosted ones are left out), a function's
+// tools[i].FIELD, a custom tool's parameters its tools[i].format.definition.
+std::string responses_names(const nlohmann::ordered_json& body, const std::string& text);
+
 // The chat completions body of a request; history: the items of the response it continues
 // (previous_response_id: that response's input and output items, in order; empty: none), put
 // before the input (item references already replaced by the server). Read: model, input,

@@ -505,6 +505,14 @@ struct StreamState {
     }
     cv.notify_all();
   }
+  // No more events: the stream ends once those queued are written.
+  void end() {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      done = true;
+    }
+    cv.notify_all();
+  }
 };
 
 // The socket of the connection `req` arrived on, or -1. Debian's cpp-httplib (0.11) gives a
@@ -600,6 +608,7 @@ struct Server::Impl {
   ChatReply read_reply(const Prepared& p, const GenResult& g, std::mt19937_64& rng) const;
   class ChatReplyStream;
   void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat);
+  void stream_one(httplib::Response& res, std::shared_ptr<StreamState> st, GenRequest gr);
   // Anthropic's Messages API (anthropic.h): the request read into a chat request, the reply written
   // in Anthropic's form; count_tokens: the prompt's tokens.
   void handle_messages(const httplib::Request& req, httplib::Response& res);
@@ -621,7 +630,8 @@ struct Server::Impl {
   std::unordered_map<std::string, std::pair<nlohmann::ordered_json, int>> store_items;
   std::deque<std::string> store_order;                    // oldest first (under store_mu)
   size_t store_bytes = 0;
-  void keep_response(const json& response, const nlohmann::ordered_json& history, nlohmann::ordered_json input);
+  std::shared_ptr<StoredResponse> make_kept(const nlohmann::ordered_json& history, const nlohmann::ordered_json& input);
+  void keep_response(const json& response, std::shared_ptr<StoredResponse> kept);
   void forget_response(const std::string& id);
   void check_model(const json& body) const;
   json messages_chat_body(const httplib::Request& req, bool count_tokens, std::string* raw, bool* omit_thinking) const;
@@ -1210,6 +1220,14 @@ static void stream_events(httplib::Response& res, std::shared_ptr<StreamState> s
       });
 }
 
+// One request streamed: submitted, its events written as they come.
+void Server::Impl::stream_one(httplib::Response& res, std::shared_ptr<StreamState> st, GenRequest gr) {
+  std::vector<GenRequest> grs;
+  grs.push_back(std::move(gr));
+  st->ids = engine.submit_all(std::move(grs));
+  stream_events(res, std::move(st), engine);
+}
+
 void Server::Impl::handle_generate(const httplib::Request& req, httplib::Response& res, bool chat) {
   const json body = parse_body(req);
   const auto pp = std::make_shared<const Prepared>(prepare(body, req.body, chat));
@@ -1346,8 +1364,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
         st->push(sse(u));
       }
       st->push("data: [DONE]\n\n");
-      std::lock_guard<std::mutex> lk(st->mu);
-      st->done = true;
+      st->end();
     };
     grs.push_back(std::move(gr));
   }
@@ -1389,7 +1406,13 @@ void Server::Impl::handle_messages(const httplib::Request& req, httplib::Respons
   std::string raw;
   bool omit_thinking = false;
   const json body = messages_chat_body(req, false, &raw, &omit_thinking);
-  const auto pp = std::make_shared<const Prepared>(prepare(body, raw, true));
+  std::shared_ptr<const Prepared> pp;
+  try {
+    pp = std::make_shared<const Prepared>(prepare(body, raw, true));
+  } catch (ApiError& e) {  // the chat request's names for the Messages API's fields
+    e.message = anthropic_names(e.message);
+    throw;
+  }
   const Prepared& p = *pp;
   std::mt19937_64 rng(std::random_device{}());
   const std::string id = "msg_" + tool_call_id(rng).substr(5);
@@ -1444,16 +1467,9 @@ void Server::Impl::handle_messages(const httplib::Request& req, httplib::Respons
       st->push(as->finish(anthropic_stop(g.finish_reason, g.stop_string, called),
                           anthropic_usage(prompt_tokens, g.cached_tokens, g.completion_tokens)));
     }
-    {
-      std::lock_guard<std::mutex> lk(st->mu);
-      st->done = true;
-    }
-    st->cv.notify_all();
+    st->end();
   };
-  std::vector<GenRequest> grs;
-  grs.push_back(std::move(gr));
-  st->ids = engine.submit_all(std::move(grs));
-  stream_events(res, st, engine);
+  stream_one(res, st, std::move(gr));
 }
 
 // OpenAI's Responses API (responses.h): the request read into a chat request (after the items of
@@ -1480,8 +1496,7 @@ void Server::Impl::handle_responses(const httplib::Request& req, httplib::Respon
     // item references: the items kvq keeps (those of responses kept with store)
     if (set("input") && in["input"].is_array())
       for (auto& item : in["input"])
-        if (item.is_object() && item.value("type", nlohmann::ordered_json()) == "item_reference" && item.contains("id") &&
-            item["id"].is_string()) {
+        if (responses_is_reference(item)) {
           auto found = store_items.find(item["id"].get<std::string>());
           if (found != store_items.end()) item = found->second.first;
         }
@@ -1508,6 +1523,8 @@ void Server::Impl::handle_responses(const httplib::Request& req, httplib::Respon
     if (e.param == "max_tokens") e.param = "max_output_tokens";
     else if (e.param == "messages") e.param = "input";
     else if (e.param == "response_format") e.param = "text.format";
+    else e.param = responses_names(in, e.param);
+    e.message = responses_names(in, e.message);
     throw;
   }
   const Prepared& p = *pp;
@@ -1546,7 +1563,7 @@ void Server::Impl::handle_responses(const httplib::Request& req, httplib::Respon
     out["output"] = responses_output(rr, form, rng);
     out["usage"] = responses_usage(prompt_tokens, g.cached_tokens, g.completion_tokens,
                                    int(tk->encode(r.reasoning, false, false).size()));
-    if (keep) keep_response(out, history, input_items);
+    if (keep) keep_response(out, make_kept(history, input_items));
     send_json(res, 200, out);
     return;
   }
@@ -1569,8 +1586,8 @@ void Server::Impl::handle_responses(const httplib::Request& req, httplib::Respon
     for (const ToolCall& c : calls) st->push(rs->call(c));
   };
   gr.on_text = [reply, sink](const std::string& d) { reply->feed(d, sink); };
-  auto kept = std::make_shared<std::pair<nlohmann::ordered_json, nlohmann::ordered_json>>(std::move(history), std::move(input_items));
-  gr.on_done = [this, st, rs, reply, sink, prompt_tokens, tk, reasoning, keep, kept](const GenResult& g) {
+  std::shared_ptr<StoredResponse> kept = keep ? make_kept(history, input_items) : nullptr;
+  gr.on_done = [this, st, rs, reply, sink, prompt_tokens, tk, reasoning, kept](const GenResult& g) {
     if (g.finish_reason == "error") {
       st->push(rs->error(g.error));
     } else if (g.finish_reason != "cancelled") {
@@ -1580,50 +1597,46 @@ void Server::Impl::handle_responses(const httplib::Request& req, httplib::Respon
                                                           int(tk->encode(*reasoning, false, false).size())),
                                           g.finish_reason != "length", &final);
       // kept before the client hears it is done: a next request may continue it at once
-      if (keep) keep_response(final, kept->first, kept->second);
+      if (kept) keep_response(final, kept);
       st->push(last);
     }
-    {
-      std::lock_guard<std::mutex> lk(st->mu);
-      st->done = true;
-    }
-    st->cv.notify_all();
+    st->end();
   };
-  std::vector<GenRequest> grs;
-  grs.push_back(std::move(gr));
-  st->ids = engine.submit_all(std::move(grs));
-  stream_events(res, st, engine);
+  stream_one(res, st, std::move(gr));
+}
+
+// What a response will keep, made before it runs (not on the scheduler thread): its conversation so
+// far, the earlier items (history) and its input, the input items in the API's form with an id each.
+std::shared_ptr<Server::Impl::StoredResponse> Server::Impl::make_kept(const nlohmann::ordered_json& history,
+                                                                      const nlohmann::ordered_json& input) {
+  auto s = std::make_shared<StoredResponse>();
+  std::mt19937_64 rng = responses_rng();
+  s->input = nlohmann::ordered_json::array();
+  for (const auto& it : input) s->input.push_back(responses_item_form(it, rng));
+  s->items = history;
+  for (const auto& it : s->input) s->items.push_back(it);
+  s->bytes = s->items.dump().size() + s->input.dump().size();
+  return s;
 }
 
 // A finished response kept for GET /v1/responses/{id}, its input items, previous_response_id and
-// item references: its conversation is the earlier items (history), its input (input items without
-// an id get one) and its output items. The oldest go first past kStoredResponses responses or
-// kStoredBytes of them.
-void Server::Impl::keep_response(const json& response, const nlohmann::ordered_json& history,
-                                 nlohmann::ordered_json input) {
-  std::mt19937_64 rng = responses_rng();
-  for (auto& it : input) {
-    if (it.contains("id") && it["id"].is_string()) continue;
-    const std::string type = it.value("type", nlohmann::ordered_json("message")).is_string()
-                                 ? it.value("type", nlohmann::ordered_json("message")).get<std::string>()
-                                 : "message";
-    it["id"] = responses_id(type == "message" ? "msg" : type == "reasoning" ? "rs" : "item", rng);
-  }
-  StoredResponse s;
+// item references: `kept` (make_kept) with its output items added. The oldest go first past
+// kStoredResponses responses or about kStoredBytes of them.
+void Server::Impl::keep_response(const json& response, std::shared_ptr<StoredResponse> kept) {
+  StoredResponse& s = *kept;
   s.response = response;
-  s.input = input;
-  s.items = history;
-  for (const auto& it : input) s.items.push_back(it);
   for (const json& it : response["output"]) s.items.push_back(nlohmann::ordered_json::parse(it.dump()));
-  s.bytes = response.dump().size() + s.items.dump().size() + s.input.dump().size();
+  s.bytes += 2 * response.dump().size();  // (the response, and its output among the items)
   std::lock_guard<std::mutex> lk(store_mu);
   const std::string id = response["id"];
   forget_response(id);
+  // an id two responses hold (an item referred to, an id a client reuses): the newest's item
   auto hold = [this](const std::string& item_id, nlohmann::ordered_json item) {
-    auto at = store_items.try_emplace(item_id, std::move(item), 0).first;
-    ++at->second.second;
+    auto& held = store_items[item_id];
+    held.first = std::move(item);
+    ++held.second;
   };
-  for (const auto& it : input) hold(it["id"].get<std::string>(), it);
+  for (const auto& it : s.input) hold(it["id"].get<std::string>(), it);
   for (const json& it : response["output"]) hold(it["id"].get<std::string>(), nlohmann::ordered_json::parse(it.dump()));
   store_bytes += s.bytes;
   store[id] = std::move(s);

@@ -1,5 +1,7 @@
 #include "server/tools.h"
 
+#include <cctype>
+
 #include <fmt/format.h>
 
 #include <map>
@@ -189,6 +191,43 @@ std::string message_text(const json& m, size_t i) {
 }
 
 }  // namespace
+
+std::string rename_tool_fields(const std::string& text, const std::function<std::string(size_t, const std::string&)>& rename) {
+  static constexpr std::string_view kOpen = "tools[";
+  std::string out;
+  size_t pos = 0;
+  while (true) {
+    const size_t at = text.find(kOpen, pos);
+    if (at == std::string::npos) break;
+    size_t k = at + kOpen.size(), digits = k;
+    while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) ++digits;
+    static constexpr std::string_view kFn = "].function.";
+    if (digits == k || text.compare(digits, kFn.size(), kFn) != 0) {
+      out.append(text, pos, digits - pos);
+      pos = digits;
+      continue;
+    }
+    size_t end = digits + kFn.size();
+    while (end < text.size() && (std::isalnum(static_cast<unsigned char>(text[end])) || text[end] == '_')) ++end;
+    out.append(text, pos, at - pos);
+    out += rename(size_t(std::stoul(text.substr(k, digits - k))), text.substr(digits + kFn.size(), end - digits - kFn.size()));
+    pos = end;
+  }
+  return out + text.substr(pos);
+}
+
+ojson function_tool(ojson fn) {
+  ojson o = ojson::object();
+  o["type"] = "function";
+  o["function"] = std::move(fn);
+  return o;
+}
+
+ojson function_choice(const ojson& name) {
+  ojson fn = ojson::object();
+  fn["name"] = name;
+  return function_tool(std::move(fn));
+}
 
 ToolSpec parse_tools(const ojson& body) {
   ToolSpec spec;

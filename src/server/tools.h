@@ -28,6 +28,7 @@
 // tool_call_id among the earlier calls).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <memory>
 #include <random>
@@ -72,6 +73,15 @@ struct ToolSpec {
   bool parallel = true;  // parallel_tool_calls: more than one call per reply
   bool active() const { return choice != ToolChoice::none; }
 };
+
+// A chat request's tool of a function ({"type": "function", "function": fn}), and a tool_choice
+// naming one ({"type": "function", "function": {"name": name}}): what other APIs' requests become.
+nlohmann::ordered_json function_tool(nlohmann::ordered_json fn);
+nlohmann::ordered_json function_choice(const nlohmann::ordered_json& name);
+
+// Text (an error's message or field) with each chat request tool field "tools[K].function.FIELD"
+// rewritten as rename(K, FIELD) says: how other APIs name their tools' fields.
+std::string rename_tool_fields(const std::string& text, const std::function<std::string(size_t, const std::string&)>& rename);
 
 // Reads tools, tool_choice and parallel_tool_calls from a chat request body (an ordered_json keeps
 // the parameters' properties in the order they are written, the order they are generated in).

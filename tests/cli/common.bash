@@ -32,3 +32,21 @@ openai_python() {
   fi
   "$venv/bin/python" -c 'import openai' 2>/dev/null && echo "$venv/bin/python"
 }
+# serve_model MODEL [ARGS...]: starts `kvq serve -m MODEL --port 0 ARGS...` in the background (its
+# log in $tmp/log, stopped on exit) and waits for it: sets pid, port and url.
+serve_model() {
+  local m=$1
+  shift
+  unset KVQ_API_KEY
+  "$kvq" serve -m "$m" --port 0 "$@" 2>"$tmp/log" &
+  pid=$!
+  trap '[[ -n $pid ]] && kill $pid 2>/dev/null; rm -rf "$tmp"' EXIT
+  port=
+  for _ in $(seq 200); do
+    port=$(sed -n 's|.*serving .* on http://127.0.0.1:\([0-9]*\).*|\1|p' "$tmp/log")
+    [[ -n $port ]] && break
+    sleep 0.1
+  done
+  check "server reports its port" "[[ -n '$port' ]]"
+  url=http://127.0.0.1:$port
+}

@@ -10,20 +10,7 @@ smol=${KVQ_MODELS_DIR:-$src/models}/SmolLM2-135M-Instruct.Q4_1.gguf
 [[ -f $smol ]] || smol=$src/models/SmolLM2-135M-Instruct.Q4_1.gguf
 require "$smol"
 python3 -c 'import jsonschema' 2>/dev/null || { echo "skip: python3 jsonschema not installed (scripts/install-deps.sh)"; exit 77; }
-unset KVQ_API_KEY
-pid=
-trap '[[ -n $pid ]] && kill $pid 2>/dev/null; rm -rf "$tmp"' EXIT
-
-"$kvq" serve -m "$smol" --port 0 -t 2 -c 2048 --kv-tokens 8192 2>"$tmp/log" &
-pid=$!
-port=
-for _ in $(seq 200); do
-  port=$(sed -n 's|.*serving .* on http://127.0.0.1:\([0-9]*\).*|\1|p' "$tmp/log")
-  [[ -n $port ]] && break
-  sleep 0.1
-done
-check "server reports its port" "[[ -n '$port' ]]"
-url=http://127.0.0.1:$port
+serve_model "$smol" -t 2 -c 2048 --kv-tokens 8192
 
 python3 - "$url" >"$tmp/py.out" 2>&1 <<'PY'
 import json, sys, urllib.request, urllib.error
