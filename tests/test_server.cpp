@@ -1628,6 +1628,8 @@ TEST_F(ToolServerTest, ResponsesAsChat) {
   EXPECT_EQ(asc2["has_more"], true);
   EXPECT_EQ(list("?order=asc&after=" + asc2["first"].get<std::string>())["contents"], "bc");
   EXPECT_EQ(list("?order=asc&after=" + asc2["first"].get<std::string>())["has_more"], false);
+  const json all_desc = list("");  // c, b, a
+  EXPECT_EQ(list("?limit=1&before=" + all_desc["data"][2]["id"].get<std::string>())["contents"], "b");  // just before a
   auto badl = c.Get(("/v1/responses/" + three["id"].get<std::string>() + "/input_items?limit=0").c_str());
   ASSERT_TRUE(badl);
   EXPECT_EQ(badl->status, 400);

@@ -1414,8 +1414,8 @@ void Server::Impl::handle_messages(const httplib::Request& req, httplib::Respons
     throw;
   }
   const Prepared& p = *pp;
-  std::mt19937_64 rng(std::random_device{}());
-  const std::string id = "msg_" + tool_call_id(rng).substr(5);
+  std::mt19937_64 rng = responses_rng();
+  const std::string id = responses_id("msg", rng);
   const std::string model = opt.model_name;
   const int prompt_tokens = p.prompt_tokens;
 
@@ -1838,6 +1838,12 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
       if (std::string_view(cursor) == "after") from = size_t(at - list.begin()) + 1;
       else to = size_t(at - list.begin());
     }
+    // (with before and no after: the `limit` items just before it)
+    bool more_before = false;
+    if (req.has_param("before") && !req.has_param("after") && to > from + size_t(limit)) {
+      from = to - size_t(limit);
+      more_before = true;
+    }
     nlohmann::ordered_json data = nlohmann::ordered_json::array();
     for (size_t k = from; k < to && data.size() < size_t(limit); ++k) data.push_back(list[k]);
     nlohmann::ordered_json out = nlohmann::ordered_json::object();
@@ -1845,7 +1851,7 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
     out["data"] = data;
     out["first_id"] = data.empty() ? nlohmann::ordered_json() : data.front()["id"];
     out["last_id"] = data.empty() ? nlohmann::ordered_json() : data.back()["id"];
-    out["has_more"] = from + data.size() < to;
+    out["has_more"] = more_before || from + data.size() < to;
     res.status = 200;
     res.set_content(out.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace), "application/json");
   });
