@@ -218,6 +218,7 @@ TEST(Anthropic, RefusedWithTheFieldNamed) {
   EXPECT_EQ(refused(R"j({"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "tool_result",
     "tool_use_id": "a", "is_error": "yes"}]}]})j"), "messages[0].content[0].is_error");
   EXPECT_EQ(refused(with(R"j("system": [{"type": "image"}])j")), "system[0]");
+  EXPECT_EQ(refused(with(R"j("system": [{"type": null, "text": "x"}])j")), "system[0]");
   EXPECT_EQ(refused(with(R"j("temperature": 1.5)j")), "temperature");
   EXPECT_EQ(refused(with(R"j("top_p": 0)j")), "top_p");
   EXPECT_EQ(refused(with(R"j("top_k": -1)j")), "top_k");

@@ -73,7 +73,7 @@ bool read_messages(const ojson& body, ojson& out) {
       ojson parts = ojson::array();
       for (size_t k = 0; k < s.size(); ++k) {
         const std::string at = fmt::format("system[{}]", k);
-        if (!s[k].is_object() || s[k].value("type", "") != "text")
+        if (!s[k].is_object() || s[k].value("type", ojson()) != "text")
           throw AnthropicError("'system' must be a string or an array of text blocks", at);
         std::string text = text_of(s[k], at);
         // Claude Code's attribution block: metadata for Anthropic's billing, with a hash that
