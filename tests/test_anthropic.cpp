@@ -348,4 +348,6 @@ TEST(Anthropic, ErrorsNameItsFields) {
   EXPECT_EQ(anthropic_names("tools[0].function.name"), "tools[0].name");
   EXPECT_EQ(anthropic_names("'response_format': bad"), "'output_format': bad");
   EXPECT_EQ(anthropic_names("tools[x] and tools[3].type"), "tools[x] and tools[3].type");
+  EXPECT_EQ(anthropic_names("'reasoning_effort' is not supported"), "'output_config.effort' is not supported");
+  EXPECT_EQ(anthropic_names("my_response_format_x"), "my_response_format_x");  // (whole names only)
 }

@@ -360,6 +360,8 @@ TEST(Responses, ReferencesFormsAndNames) {
   EXPECT_EQ(responses_names(body, "'tools[0].function.parameters': bad; tools[1].function.parameters; tools[0].function.name"),
             "'tools[1].parameters': bad; tools[2].format.definition; tools[1].name");
   EXPECT_EQ(responses_names(body, "messages[0].content"), "messages[0].content");
+  EXPECT_EQ(responses_names(body, "max_tokens 900 + prompt 9 tokens; 'reasoning_effort'; 'response_format': x; max_tokens_x"),
+            "max_output_tokens 900 + prompt 9 tokens; 'reasoning.effort'; 'text.format': x; max_tokens_x");
   // a custom tool's regex anchored at its ends is anchored once (an escaped $ is the character)
   for (const auto& [def, want] : std::vector<std::pair<std::string, std::string>>{
            {"^[0-9]+$", "^(?:[0-9]+)$"}, {"\\\\A[a-z]\\\\z", "^(?:[a-z])$"}, {"a\\\\$", "^(?:a\\$)$"}, {"a|b", "^(?:a|b)$"}}) {

@@ -425,9 +425,7 @@ std::string anthropic_names(const std::string& text) {
   std::string s = rename_tool_fields(text, [](size_t k, const std::string& field) {
     return fmt::format("tools[{}].{}", k, field == "parameters" ? "input_schema" : field);
   });
-  for (size_t at = s.find("response_format"); at != std::string::npos; at = s.find("response_format", at))
-    s.replace(at, std::string_view("response_format").size(), "output_format");
-  return s;
+  return rename_fields(std::move(s), {{"response_format", "output_format"}, {"reasoning_effort", "output_config.effort"}});
 }
 
 bool anthropic_omits_thinking(const ojson& body) {

@@ -46,7 +46,8 @@ struct AnthropicError : std::invalid_argument {
 nlohmann::ordered_json anthropic_chat_body(const nlohmann::ordered_json& body, bool count_tokens = false);
 
 // An error's text with the chat request's field names as the Messages API names them
-// (tools[K].function.parameters: tools[K].input_schema; response_format: output_format).
+// (tools[K].function.parameters: tools[K].input_schema; response_format: output_format;
+// reasoning_effort: output_config.effort).
 std::string anthropic_names(const std::string& text);
 
 // thinking.display "omitted": the reasoning is not returned (no thinking blocks).

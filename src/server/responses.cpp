@@ -196,11 +196,14 @@ std::string responses_names(const ojson& body, const std::string& text) {
         custom.push_back(t["type"] == "custom");
       }
     }
-  return rename_tool_fields(text, [&](size_t k, const std::string& field) {
+  std::string s = rename_tool_fields(text, [&](size_t k, const std::string& field) {
     if (k >= index.size()) return fmt::format("tools[{}].{}", k, field);
     if (custom[k] && field == "parameters") return fmt::format("tools[{}].format.definition", index[k]);
     return fmt::format("tools[{}].{}", index[k], field);
   });
+  return rename_fields(std::move(s), {{"max_tokens", "max_output_tokens"},
+                                      {"response_format", "text.format"},
+                                      {"reasoning_effort", "reasoning.effort"}});
 }
 
 ojson responses_input_items(const ojson& body) {

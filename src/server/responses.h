@@ -43,7 +43,8 @@ nlohmann::ordered_json responses_item_form(const nlohmann::ordered_json& item, s
 
 // An error's text with the chat request's tool fields as the request named them: the chat tool K
 // is the request's tool of the K-th function or custom tool (hosted ones are left out), a function's
-// tools[i].FIELD, a custom tool's parameters its tools[i].format.definition.
+// tools[i].FIELD, a custom tool's parameters its tools[i].format.definition; max_tokens,
+// response_format and reasoning_effort as max_output_tokens, text.format and reasoning.effort.
 std::string responses_names(const nlohmann::ordered_json& body, const std::string& text);
 
 // The chat completions body of a request; history: the items of the response it continues

@@ -692,7 +692,6 @@ struct Server::Impl {
 
    private:
     void harmony_out(const HarmonyReplyStream::Delta& hd, const Sink& s);
-    std::string open_reply_;
     std::unique_ptr<HarmonyReplyStream> harmony_;
     std::unique_ptr<ToolReplyStream> tools_;
     bool response_is_string_ = true;
@@ -913,14 +912,17 @@ json Server::Impl::chat_logprobs(const std::vector<TokenLogprob>& lps) const {
 }
 
 // A request body: a JSON object, or a 400 saying what it is instead.
-static json parse_body(const httplib::Request& req) {
+// The request body as J (json, or ordered_json where a schema's written order matters), with the
+// checks every body gets.
+template <class J = json>
+static J parse_body(const httplib::Request& req) {
   // (the JSON parser would stop at a raw NUL byte and ignore what follows it)
   if (req.body.find('\0') != std::string::npos) throw ApiError{"the request body holds a NUL byte", ""};
   // Nesting is bounded while parsing (the parser's callback sees each value's depth): the JSON
   // library copies and frees values recursively.
-  json body = json::parse(
+  J body = J::parse(
       req.body,
-      [](int depth, json::parse_event_t, json&) {
+      [](int depth, typename J::parse_event_t, J&) {
         if (depth > kMaxBodyDepth)
           throw ApiError{fmt::format("the request body is nested deeper than {} levels", kMaxBodyDepth), ""};
         return true;
@@ -1132,13 +1134,13 @@ Server::Impl::ChatReply Server::Impl::read_reply(const Prepared& p, const GenRes
   return r;
 }
 
-Server::Impl::ChatReplyStream::ChatReplyStream(const Prepared& p) : open_reply_(p.tools.open_reply) {
+Server::Impl::ChatReplyStream::ChatReplyStream(const Prepared& p) {
   // With tools, the reply's text is read as it streams: a response's text goes out as content,
   // tool calls in one piece at the end (tools.h). Harmony: reasoning and answer as they come,
   // each call when it ends.
   if (p.harmony) {
     harmony_ = std::make_unique<HarmonyReplyStream>(p.tools.spec.active());
-    (void)harmony_->feed(open_reply_);  // (a header's start: nothing to send)
+    (void)harmony_->feed(p.tools.open_reply);  // (a header's start: nothing to send)
   } else if (p.tools.spec.active()) {
     tools_ = std::make_unique<ToolReplyStream>(p.tools.response_is_string);
     response_is_string_ = p.tools.response_is_string;
@@ -1230,8 +1232,7 @@ void Server::Impl::stream_one(httplib::Response& res, std::shared_ptr<StreamStat
 
 void Server::Impl::handle_generate(const httplib::Request& req, httplib::Response& res, bool chat) {
   const json body = parse_body(req);
-  const auto pp = std::make_shared<const Prepared>(prepare(body, req.body, chat));
-  const Prepared& p = *pp;
+  const Prepared p = prepare(body, req.body, chat);
   const ApiRequest& ar = p.ar;
   const int prompt_tokens = p.prompt_tokens;
   const std::string id = fmt::format("{}-{}", chat ? "chatcmpl" : "cmpl", next_id++);
@@ -1384,19 +1385,13 @@ void Server::Impl::check_model(const json& body) const {
 // reasoning is not returned.
 json Server::Impl::messages_chat_body(const httplib::Request& req, bool count_tokens, std::string* raw,
                                       bool* omit_thinking) const {
-  (void)parse_body(req);  // the checks every body gets (valid JSON, an object, its nesting, NUL bytes)
-  const nlohmann::ordered_json in = nlohmann::ordered_json::parse(req.body);
+  const nlohmann::ordered_json in = parse_body<nlohmann::ordered_json>(req);
   nlohmann::ordered_json chat;
   try {
     chat = anthropic_chat_body(in, count_tokens);
   } catch (const AnthropicError& e) {
     throw ApiError{e.what(), e.param};
   }
-  if (chat.contains("reasoning_effort") && tpl.family != ChatFamily::harmony)
-    throw ApiError{fmt::format("'output_config.effort' is not supported with this model (its chat template, {}, has no "
-                               "reasoning effort; gpt-oss's harmony format has one)",
-                               chat_template_name(tpl)),
-                   "output_config.effort"};
   if (omit_thinking) *omit_thinking = anthropic_omits_thinking(in);
   *raw = chat.dump();
   return json::parse(*raw);
@@ -1406,14 +1401,7 @@ void Server::Impl::handle_messages(const httplib::Request& req, httplib::Respons
   std::string raw;
   bool omit_thinking = false;
   const json body = messages_chat_body(req, false, &raw, &omit_thinking);
-  std::shared_ptr<const Prepared> pp;
-  try {
-    pp = std::make_shared<const Prepared>(prepare(body, raw, true));
-  } catch (ApiError& e) {  // the chat request's names for the Messages API's fields
-    e.message = anthropic_names(e.message);
-    throw;
-  }
-  const Prepared& p = *pp;
+  const Prepared p = prepare(body, raw, true);
   std::mt19937_64 rng = responses_rng();
   const std::string id = responses_id("msg", rng);
   const std::string model = opt.model_name;
@@ -1476,8 +1464,7 @@ void Server::Impl::handle_messages(const httplib::Request& req, httplib::Respons
 // the response it continues, item references replaced by the items kept), the reply written as
 // output items; kept in memory unless store is false.
 void Server::Impl::handle_responses(const httplib::Request& req, httplib::Response& res) {
-  (void)parse_body(req);  // the checks every body gets (valid JSON, an object, its nesting, NUL bytes)
-  nlohmann::ordered_json in = nlohmann::ordered_json::parse(req.body);
+  nlohmann::ordered_json in = parse_body<nlohmann::ordered_json>(req);
   nlohmann::ordered_json history = nlohmann::ordered_json::array();
   auto set = [&](const char* key) { return in.contains(key) && !in[key].is_null(); };
   {
@@ -1509,25 +1496,17 @@ void Server::Impl::handle_responses(const httplib::Request& req, httplib::Respon
   } catch (const ResponsesError& e) {
     throw ApiError{e.what(), e.param, "", e.status};
   }
-  if (chat.contains("reasoning_effort") && tpl.family != ChatFamily::harmony)
-    throw ApiError{fmt::format("'reasoning.effort' is not supported with this model (its chat template, {}, has no "
-                               "reasoning effort; gpt-oss's harmony format has one)",
-                               chat_template_name(tpl)),
-                   "reasoning.effort"};
   const std::string raw = chat.dump();
   const json body = json::parse(raw);
-  std::shared_ptr<const Prepared> pp;
-  try {
-    pp = std::make_shared<const Prepared>(prepare(body, raw, true));
-  } catch (ApiError& e) {  // the chat request's names for the Responses API's fields
-    if (e.param == "max_tokens") e.param = "max_output_tokens";
-    else if (e.param == "messages") e.param = "input";
-    else if (e.param == "response_format") e.param = "text.format";
-    else e.param = responses_names(in, e.param);
-    e.message = responses_names(in, e.message);
-    throw;
-  }
-  const Prepared& p = *pp;
+  const Prepared p = [&] {
+    try {
+      return prepare(body, raw, true);
+    } catch (ApiError& e) {  // the chat request's names for the Responses API's fields
+      e.param = e.param == "messages" ? "input" : responses_names(in, e.param);
+      e.message = responses_names(in, e.message);
+      throw;
+    }
+  }();
   std::mt19937_64 rng = responses_rng();
   const ResponsesForm form = responses_form(in);
   json base = responses_echo(in);
@@ -1752,7 +1731,7 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
       } catch (const ApiError& e) {
         // a context too small in Anthropic's words, which its clients read (Claude Code retries with
         // the max_tokens that fits)
-        std::string message = e.message;
+        std::string message = anthropic_names(e.message);  // (the chat request's field names as the API's)
         if (e.code == "context_length_exceeded" && e.limit >= 0)
           message = e.max_tokens >= 0
                         ? fmt::format("input length and `max_tokens` exceed context limit: {} + {} > {}, decrease input "

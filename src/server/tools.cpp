@@ -216,6 +216,21 @@ std::string rename_tool_fields(const std::string& text, const std::function<std:
   return out + text.substr(pos);
 }
 
+std::string rename_fields(std::string text, std::initializer_list<std::pair<std::string_view, std::string_view>> renames) {
+  auto word = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
+  for (const auto& [from, to] : renames)
+    for (size_t at = text.find(from); at != std::string::npos; at = text.find(from, at)) {
+      const size_t end = at + from.size();
+      if ((at > 0 && word(text[at - 1])) || (end < text.size() && word(text[end]))) {
+        at = end;
+        continue;
+      }
+      text.replace(at, from.size(), to);
+      at += to.size();
+    }
+  return text;
+}
+
 ojson function_tool(ojson fn) {
   ojson o = ojson::object();
   o["type"] = "function";

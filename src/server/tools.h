@@ -29,6 +29,8 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
+#include <string_view>
 #include <nlohmann/json.hpp>
 #include <memory>
 #include <random>
@@ -82,6 +84,10 @@ nlohmann::ordered_json function_choice(const nlohmann::ordered_json& name);
 // Text (an error's message or field) with each chat request tool field "tools[K].function.FIELD"
 // rewritten as rename(K, FIELD) says: how other APIs name their tools' fields.
 std::string rename_tool_fields(const std::string& text, const std::function<std::string(size_t, const std::string&)>& rename);
+
+// Text with each field name of `renames` (a whole name: not within a longer word) replaced by its
+// other API's name.
+std::string rename_fields(std::string text, std::initializer_list<std::pair<std::string_view, std::string_view>> renames);
 
 // Reads tools, tool_choice and parallel_tool_calls from a chat request body (an ordered_json keeps
 // the parameters' properties in the order they are written, the order they are generated in).
