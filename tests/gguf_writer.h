@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 #include "gguf/gguf.h"
 
 namespace kvq::test {
@@ -230,12 +232,24 @@ class GgufWriter {
     return out;
   }
 
+  // Written beside `path` under a name of this process's own, then renamed over it: ctest runs a
+  // suite's tests as separate processes at once, and a test that rewrote a file in place under
+  // another's mapping of it would kill that one with SIGBUS. A rename leaves the old file to whoever
+  // still maps it.
   void write(const std::string& path) const {
     const auto img = build();
-    std::FILE* f = std::fopen(path.c_str(), "wb");
-    if (!f) throw std::runtime_error("GgufWriter: cannot create " + path);
+    const std::string tmp = path + ".tmp" + std::to_string(::getpid());
+    std::FILE* f = std::fopen(tmp.c_str(), "wb");
+    if (!f) throw std::runtime_error("GgufWriter: cannot create " + tmp);
     const size_t n = std::fwrite(img.data(), 1, img.size(), f);
-    if (std::fclose(f) != 0 || n != img.size()) throw std::runtime_error("GgufWriter: cannot write " + path);
+    if (std::fclose(f) != 0 || n != img.size()) {
+      std::remove(tmp.c_str());
+      throw std::runtime_error("GgufWriter: cannot write " + tmp);
+    }
+    if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+      std::remove(tmp.c_str());
+      throw std::runtime_error("GgufWriter: cannot rename " + tmp + " to " + path);
+    }
   }
 
  private:
