@@ -174,6 +174,13 @@ TEST(Anthropic, OutputFormatEffortAndThinking) {
   for (const char* t : {R"j({"type": "enabled", "budget_tokens": 1024})j", R"j({"type": "disabled"})j",
                         R"j({"type": "adaptive", "display": "omitted"})j"})
     EXPECT_NO_THROW(translate(R"j({"max_tokens": 2048, "thinking": )j" + std::string(t) + ", " + msgs + "}")) << t;
+  // and it switches a reasoning template's block (Qwen3's enable_thinking); absent, the server's default
+  EXPECT_EQ(translate(R"j({"max_tokens": 8, "thinking": {"type": "disabled"}, )j" + msgs + "}")["chat_template_kwargs"],
+            ojson::parse(R"j({"enable_thinking": false})j"));
+  EXPECT_EQ(translate(R"j({"max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 1024}, )j" + msgs + "}")
+                ["chat_template_kwargs"],
+            ojson::parse(R"j({"enable_thinking": true})j"));
+  EXPECT_FALSE(translate(R"j({"max_tokens": 8, )j" + msgs + "}").contains("chat_template_kwargs"));
   EXPECT_EQ(refused(R"j({"max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 100}, )j" + msgs + "}"),
             "thinking.budget_tokens");
   // (a budget of max_tokens or more is Anthropic's with interleaved thinking; kvq bounds by max_tokens)

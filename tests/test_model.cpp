@@ -2374,6 +2374,164 @@ TEST(ChatTemplate, HarmonyReplySplitsReasoningFromContent) {
   EXPECT_EQ(run("<|channel|>analy", 4), (std::pair<std::string, std::string>{"", ""}));  // a header cut short
 }
 
+// Reasoning templates (<think>): which kind each template is, from its text. Qwen3's writes
+// '<think>' nowhere in its generation prompt (the model opens the block) and reads enable_thinking
+// and last_query_index; QwQ's and Qwen3's Thinking-2507's prompt opens it in one literal; Qwen3.5's
+// in a literal of its own after the turn's opening; a ChatML template without '<think>' has none.
+TEST(ChatTemplate, ReasoningTemplatesFromTheJinja) {
+  const std::string qwen3 =
+      "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+      "{%- if '</think>' in message.content %}{%- endif %}"
+      "{{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' }}"
+      "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+      "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}";
+  const ChatTemplate q = chat_template_from_text(qwen3);
+  EXPECT_EQ(q.family, ChatFamily::chatml);
+  EXPECT_EQ(q.think, ChatTemplate::Think::model_opens);
+  EXPECT_TRUE(q.think_after_query);
+  EXPECT_TRUE(q.think_switch);
+  const ChatTemplate qwq = chat_template_from_text(
+      "{%- set content = message.content.split('</think>')[-1].lstrip('\\n') %}"
+      "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}");
+  EXPECT_EQ(qwq.think, ChatTemplate::Think::prompt_opens);
+  EXPECT_FALSE(qwq.think_after_query);
+  EXPECT_FALSE(qwq.think_switch);
+  const ChatTemplate q35 = chat_template_from_text(
+      "{%- set ns = namespace(last_query_index=0) %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+      "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+      "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}");
+  EXPECT_EQ(q35.think, ChatTemplate::Think::prompt_opens);
+  EXPECT_TRUE(q35.think_switch);
+  EXPECT_EQ(chat_template_from_text("{{ '<|im_start|>' + message['role'] + '\\n' }}").think, ChatTemplate::Think::none);
+  // a '<think>\n' literal before the generation prompt shows earlier replies' blocks (Falcon-H1R's
+  // kind): the model opens its own
+  EXPECT_EQ(chat_template_from_text("{{- '<think>\\n' + reasoning_content + '\\n</think>\\n\\n' }}"
+                                    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+                .think,
+            ChatTemplate::Think::model_opens);
+}
+
+// Qwen3's template, as jinja2 renders it (checked against the template itself, conversation by
+// conversation): enable_thinking false closes an empty block; an earlier reply shows its answer
+// alone (its reasoning, given as reasoning_content or written before '</think>' in its content,
+// dropped) unless it comes after the last user query that is not a tool's response, where its
+// reasoning is shown again; a continued last reply shows its (possibly empty) block.
+TEST(ChatTemplate, Qwen3ReasoningTurns) {
+  ChatTemplate t;
+  t.family = ChatFamily::chatml;
+  t.think = ChatTemplate::Think::model_opens;
+  t.think_after_query = t.think_switch = true;
+  ChatRenderOptions off;
+  off.thinking = false;
+  EXPECT_EQ(chat_render(t, {{"user", "Hi"}}), "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+  EXPECT_EQ(chat_render(t, {{"user", "Hi"}}, off), "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
+  ChatMessage a{"assistant", "Hello!"};
+  a.reasoning = "\nThe user greets.\n";
+  EXPECT_EQ(chat_render(t, {{"user", "Hi"}, a, {"user", "Bye"}}),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n"
+            "<|im_start|>assistant\n");
+  EXPECT_EQ(chat_render(t, {{"user", "Hi"}, {"assistant", "<think>\nhmm\n</think>\n\nHello!"}, {"user", "Bye"}}),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n"
+            "<|im_start|>assistant\n");
+  // a tool loop: the replies after the last real query keep their reasoning
+  ChatMessage r1{"assistant", "Hello!"}, r2{"assistant", "ok"};
+  r1.reasoning = "r1";
+  r2.reasoning = "r2";
+  EXPECT_EQ(chat_render(t, {{"user", "Hi"}, r1, {"user", "<tool_response>\n42\n</tool_response>"}, r2,
+                            {"user", "<tool_response>\n43\n</tool_response>"}}),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\nr1\n</think>\n\nHello!<|im_end|>\n"
+            "<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\n<think>\nr2\n</think>\n\nok<|im_end|>\n"
+            "<|im_start|>user\n<tool_response>\n43\n</tool_response><|im_end|>\n<|im_start|>assistant\n");
+  // the last message: its block shown even when empty; continued, left open after its text
+  ChatRenderOptions cont;
+  cont.add_generation_prompt = false;
+  cont.continue_final_message = true;
+  EXPECT_EQ(chat_render(t, {{"user", "Hi"}, {"assistant", "Hel"}}, cont),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nHel");
+  // the text after the last '</think>' is the answer, before the first the reasoning
+  EXPECT_EQ(chat_render(t, {{"user", "Q"}, {"assistant", "x</think>\n\ny</think>z"}, {"user", "Q2"}}, off),
+            "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\nz<|im_end|>\n<|im_start|>user\nQ2<|im_end|>\n"
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n");
+  // reasoning_content given, even empty: the content is not split (Qwen3's "is defined and is not none")
+  ChatMessage given{"assistant", "<think>\nR\n</think>\n\nHi"};
+  given.reasoning_given = true;
+  EXPECT_EQ(chat_render(t, {{"user", "Q"}, given, {"user", "<tool_response>\nx\n</tool_response>"}}, off),
+            "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<think>\nR\n</think>\n\nHi<|im_end|>\n"
+            "<|im_start|>user\n<tool_response>\nx\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
+  // QwQ: the prompt opens the block (closed with thinking off); earlier replies are their answers
+  t.think = ChatTemplate::Think::prompt_opens;
+  t.think_after_query = t.think_switch = false;
+  EXPECT_EQ(chat_render(t, {{"user", "Q"}, a, {"user", "Q2"}}),
+            "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nQ2<|im_end|>\n"
+            "<|im_start|>assistant\n<think>\n");
+  EXPECT_EQ(chat_render(t, {{"user", "Q"}}, off), "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
+  // (its leading newlines go, with or without a block: QwQ's lstrip)
+  EXPECT_EQ(chat_render(t, {{"user", "Q"}, {"assistant", "\n\nHi"}, {"user", "Q2"}}),
+            "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\nHi<|im_end|>\n<|im_start|>user\nQ2<|im_end|>\n"
+            "<|im_start|>assistant\n<think>\n");
+  EXPECT_EQ(chat_reply_opening(t, chat_render(t, {{"user", "Q"}})), "<think>\n");
+  EXPECT_EQ(chat_render_next_turn(t, "Q2", off), "<|im_end|>\n<|im_start|>user\nQ2<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
+}
+
+// A reasoning template's reply split as it streams, in pieces of every size: '<think>' opens the
+// reasoning only at the reply's start, '</think>' ends it; the newlines around the reasoning and
+// before the answer go; a reply without the block is all answer, leading whitespace and all; a
+// reply cut inside the block is all reasoning; the prompt's opening read first.
+TEST(ChatTemplate, ThinkReplySplitsReasoningFromContent) {
+  auto run = [](const std::string& opening, const std::string& text, size_t piece) {
+    ThinkReplyStream ts;
+    (void)ts.feed(opening);
+    std::string r, c;
+    for (size_t i = 0; i < text.size(); i += piece) {
+      const ChatReplyDelta d = ts.feed(text.substr(i, piece));
+      r += d.reasoning;
+      c += d.content;
+    }
+    const ChatReplyDelta d = ts.finish();
+    return std::pair{r + d.reasoning, c + d.content};
+  };
+  using P = std::pair<std::string, std::string>;
+  const std::vector<std::tuple<std::string, std::string, P>> cases = {
+      {"", "<think>\nThe user greets.\n\nSay hi.\n</think>\n\nHello!\n\nBye.", {"The user greets.\n\nSay hi.", "Hello!\n\nBye."}},
+      {"", "\n <think>a</think>b", {"a", "b"}},
+      {"", "Hello <think>x</think>", {"", "Hello <think>x</think>"}},
+      {"", "\n\nHello", {"", "\n\nHello"}},
+      {"", "<thin", {"", "<thin"}},
+      {"", "<think>\nstill thinking\n\n</thi", {"still thinking\n\n</thi", ""}},
+      {"", "<think>\nstill thinking\n\n", {"still thinking", ""}},
+      {"", "<think>\n\n</think>\n\n", {"", ""}},
+      {"", "<think>a </think b</think>c</think>", {"a </think b", "c</think>"}},
+      {"<think>\n", "Reasoning.\n</think>\n\nAnswer.", {"Reasoning.", "Answer."}},
+      {"<think>\n", "Cut short", {"Cut short", ""}},
+      {"<think>\n\n</think>\n\n", "\n{\"a\": 1}", {"", "{\"a\": 1}"}},
+      {"<think>\nr\n</think>\n\nOnce", " upon", {"", " upon"}},
+  };
+  for (const auto& [opening, text, want] : cases)
+    for (size_t piece : {text.size(), size_t(1), size_t(2), size_t(5)}) {
+      SCOPED_TRACE(text + " / " + std::to_string(piece));
+      EXPECT_EQ(run(opening, text, piece), want);
+    }
+  EXPECT_EQ(ThinkReplyStream().split_after("", "<think>a</think>\nb").content, "b");
+  ChatTemplate q;
+  q.family = ChatFamily::chatml;
+  EXPECT_EQ(chat_reply_splitter(q), nullptr);
+  q.think = ChatTemplate::Think::model_opens;
+  EXPECT_EQ(chat_reply_splitter(q)->split_after("", "<think>x</think>y").reasoning, "x");
+  q.family = ChatFamily::harmony;
+  EXPECT_EQ(chat_reply_splitter(q)->split_after("", "<|channel|>analysis<|message|>x<|end|>").reasoning, "x");
+}
+
+// chat_template_kwargs: kvq reads enable_thinking; any other key, or a value that is not a boolean,
+// is refused rather than lost.
+TEST(ChatTemplate, TemplateKwargsReadEnableThinking) {
+  EXPECT_TRUE(chat_template_kwargs_thinking("{}"));
+  EXPECT_FALSE(chat_template_kwargs_thinking("{\"enable_thinking\": false}"));
+  EXPECT_TRUE(chat_template_kwargs_thinking("{\"enable_thinking\": true}"));
+  for (const char* bad : {"", "[]", "{\"enable_thinking\": 0}", "{\"thinking\": true}", "not json"})
+    EXPECT_THROW(chat_template_kwargs_thinking(bad), Error) << bad;
+}
+
 // Function calls in a harmony reply: a message to 'functions.NAME' (the recipient in the channel's
 // part or the role's) is a call, its text the arguments, neither reasoning nor content; a message
 // to another recipient is content; a call cut short comes out at finish().

@@ -65,7 +65,7 @@ struct ServerOnThread {
 class ServerTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() { start(256); }
-  static void start(int ctx, const std::string& path = model_path()) {
+  static void start(int ctx, const std::string& path = model_path(), const std::string& chat_template = "") {
     if (!fs::exists(model_path())) return;
     EngineOptions o;
     o.model_path = path;
@@ -78,6 +78,7 @@ class ServerTest : public ::testing::Test {
     so.port = 0;
     so.model_name = "stories260K";
     so.http_threads = 8;
+    so.chat_template = chat_template;
     server_ = new Server(*engine_, so);
     port_ = server_->bind();
     thread_ = new std::thread([] { server_->listen(); });
@@ -106,6 +107,11 @@ class ServerTest : public ::testing::Test {
     if (!r) return {};
     EXPECT_EQ(r->status, 200) << r->body;
     return json::parse(r->body);
+  }
+  // The prompt a chat body renders to, as text (/tokenize, then /detokenize)
+  std::string prompt_text(const json& body) {
+    const json tokens = post_ok("/tokenize", body)["tokens"];
+    return post_ok("/detokenize", {{"tokens", tokens}})["prompt"];
   }
   // Expects a 400 whose error object names `param` (empty: any).
   void expect_bad(const std::string& path, const std::string& body, const std::string& param = "") {
@@ -1104,6 +1110,31 @@ TEST_F(ToolServerTest, ToolCalls) {
 
 // stories260K with gpt-oss's chat format (harmony): its template named in the metadata (its
 // vocabulary has no harmony tokens: the markers are text).
+// Two functions with bounded arguments, and a check that a returned call is one of them with
+// arguments its parameters accept (returns its name)
+static json weather_and_add_tools() {
+  return json::parse(R"j([
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+       "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "add", "parameters": {"type": "object",
+     "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99}}, "required": ["a"]}}}])j");
+}
+static std::string check_call(const json& c) {
+  EXPECT_EQ(c["type"], "function");
+  EXPECT_TRUE(std::regex_match(c["id"].get<std::string>(), std::regex("call_[A-Za-z0-9]{24}"))) << c;
+  const std::string name = c["function"]["name"];
+  const json args = json::parse(c["function"]["arguments"].get<std::string>());
+  if (name == "get_weather") {
+    EXPECT_TRUE(args["city"].is_string() && args["city"].get<std::string>().size() <= 8) << args;
+    EXPECT_TRUE(args["days"].is_number_integer() && args["days"] >= 1 && args["days"] <= 7) << args;
+  } else {
+    EXPECT_EQ(name, "add");
+    EXPECT_TRUE(args["a"].is_number_integer() && args["a"] >= -99 && args["a"] <= 99) << args;
+  }
+  return name;
+}
+
 class HarmonyServerTest : public ServerTest {
  protected:
   static void SetUpTestSuite() {
@@ -1117,11 +1148,6 @@ class HarmonyServerTest : public ServerTest {
     w.write(path);
     start(2048, path);
   }
-  // The prompt a chat body renders to, as text (/tokenize, then /detokenize)
-  std::string prompt_text(const json& body) {
-    const json tokens = post_ok("/tokenize", body)["tokens"];
-    return post_ok("/detokenize", {{"tokens", tokens}})["prompt"];
-  }
 };
 
 // Function calls in gpt-oss's own syntax: the functions declared in the developer message, a call
@@ -1130,31 +1156,12 @@ class HarmonyServerTest : public ServerTest {
 // results written as the template writes them; tool_choice "auto" leaves the reply free until a
 // call starts; the 400s.
 TEST_F(HarmonyServerTest, FunctionCallsInItsOwnSyntax) {
-  const json tools = json::parse(R"j([
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-       "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"]}}},
-    {"type": "function", "function": {"name": "add", "parameters": {"type": "object",
-     "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99}}, "required": ["a"]}}}])j");
+  const json tools = weather_and_add_tools();
   json body = {{"messages", json::array({{{"role", "user"}, {"content", "Lily"}}})},
                {"tools", tools},
                {"tool_choice", "required"},
                {"max_tokens", 60},
                {"temperature", 0}};
-  auto check_call = [](const json& c) {
-    EXPECT_EQ(c["type"], "function");
-    EXPECT_TRUE(std::regex_match(c["id"].get<std::string>(), std::regex("call_[A-Za-z0-9]{24}"))) << c;
-    const std::string name = c["function"]["name"];
-    const json args = json::parse(c["function"]["arguments"].get<std::string>());
-    if (name == "get_weather") {
-      EXPECT_TRUE(args["city"].is_string() && args["city"].get<std::string>().size() <= 8) << args;
-      EXPECT_TRUE(args["days"].is_number_integer() && args["days"] >= 1 && args["days"] <= 7) << args;
-    } else {
-      EXPECT_EQ(name, "add");
-      EXPECT_TRUE(args["a"].is_number_integer() && args["a"] >= -99 && args["a"] <= 99) << args;
-    }
-    return name;
-  };
   // the prompt: the functions declared, the call opened
   std::string p = prompt_text(body);
   EXPECT_NE(p.find("Calls to these tools must go to the commentary channel: 'functions'.<|end|><|start|>developer<|message|>"
@@ -2512,4 +2519,309 @@ TEST_F(ServerTest, ClientGoneBeforePlainResponseCancelsAndFreesPages) {
   json j = post_ok("/v1/completions", {{"prompt", "Hi"}, {"max_tokens", 2}});
   EXPECT_TRUE(j.contains("choices"));
   EXPECT_EQ(engine_->metrics().requests_cancelled, m0.requests_cancelled + 1);
+}
+
+// A reasoning template (Qwen3's: the model opens '<think>', enable_thinking false closes the
+// block, earlier replies' reasoning shown only after the last user query), over stories260K.
+class ThinkServerTest : public ServerTest {
+ protected:
+  static constexpr const char* kQwen3Like =
+      "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+      "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+      "{%- if '</think>' in message.content %}{%- endif %}"
+      "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+      "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}";
+  static void SetUpTestSuite() { start(512, model_path(), kQwen3Like); }
+  // The greedy text that follows a chat body's prompt, from /v1/completions on its tokens
+  std::string continuation(const json& body, int max_tokens) {
+    const json tokens = post_ok("/tokenize", body)["tokens"];
+    return post_ok("/v1/completions", {{"prompt", tokens}, {"max_tokens", max_tokens}, {"temperature", 0}})["choices"][0]["text"];
+  }
+};
+
+static std::string without_trailing_newlines(std::string s) {
+  s.erase(s.find_last_not_of('\n') + 1);
+  return s;
+}
+static std::string without_leading_newlines(std::string s) {
+  s.erase(0, s.find_first_not_of('\n'));
+  return s;
+}
+
+// Qwen3's kind: a reply that opens no block is all answer, and one continued after its block
+// answer; thinking switched off (chat_template_kwargs, Anthropic's thinking disabled, or a
+// constraint whose grammar starts at the reply's first byte) closes the block in the prompt; an
+// earlier reply's reasoning given back is shown only after the last user query; bad kwargs are
+// refused by name.
+TEST_F(ThinkServerTest, Qwen3AnswersAndSwitch) {
+  const json user = {{"role", "user"}, {"content", "Lily"}};
+  // The model opens no block (stories260K writes stories): the reply is all answer.
+  json body = {{"messages", json::array({user})}, {"max_tokens", 20}, {"temperature", 0}};
+  EXPECT_TRUE(prompt_text(body).ends_with("<|im_start|>assistant\n")) << prompt_text(body);
+  json j = post_ok("/v1/chat/completions", body);
+  EXPECT_EQ(j["choices"][0]["message"]["content"], continuation(body, 20)) << j;
+  EXPECT_FALSE(j["choices"][0]["message"].contains("reasoning_content")) << j;
+  // a reply continued after its block: answer
+  json after = {{"messages", json::array({user, {{"role", "assistant"}, {"content", "<think>\nA girl.\n</think>\n\nOnce upon"}}})},
+                {"add_generation_prompt", false},
+                {"continue_final_message", true},
+                {"max_tokens", 20},
+                {"temperature", 0}};
+  EXPECT_TRUE(prompt_text(after).ends_with("<|im_start|>assistant\n<think>\nA girl.\n</think>\n\nOnce upon")) << prompt_text(after);
+  j = post_ok("/v1/chat/completions", after);
+  EXPECT_EQ(j["choices"][0]["message"]["content"], continuation(after, 20)) << j;
+  EXPECT_FALSE(j["choices"][0]["message"].contains("reasoning_content")) << j;
+
+  // enable_thinking false: the block closed in the prompt, the reply the answer
+  json off = body;
+  off["chat_template_kwargs"] = {{"enable_thinking", false}};
+  EXPECT_TRUE(prompt_text(off).ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n")) << prompt_text(off);
+  j = post_ok("/v1/chat/completions", off);
+  EXPECT_EQ(j["choices"][0]["message"]["content"], without_leading_newlines(continuation(off, 20))) << j;
+  // a constraint: closed too, its document the content
+  json constrained = body;
+  constrained["response_format"] = {{"type", "json_object"}};
+  constrained["max_tokens"] = 40;
+  EXPECT_TRUE(prompt_text(constrained).ends_with("<think>\n\n</think>\n\n")) << prompt_text(constrained);
+  j = post_ok("/v1/chat/completions", constrained);
+  const std::string doc = j["choices"][0]["message"]["content"];
+  EXPECT_EQ(doc.substr(doc.find_first_not_of(' '), 1), "{") << j;
+  EXPECT_FALSE(j["choices"][0]["message"].contains("reasoning_content")) << j;
+  // Anthropic's thinking disabled: the prompt enable_thinking false gives
+  const json plain = {{"messages", json::array({user})}};
+  json disabled = plain;
+  disabled["thinking"] = {{"type", "disabled"}};
+  const size_t off_count = post_ok("/tokenize", {{"messages", json::array({user})}, {"chat_template_kwargs", {{"enable_thinking", false}}}})["count"];
+  const size_t on_count = post_ok("/tokenize", plain)["count"];
+  EXPECT_EQ(post_ok("/v1/messages/count_tokens", disabled)["input_tokens"], off_count);
+  EXPECT_EQ(post_ok("/v1/messages/count_tokens", plain)["input_tokens"], on_count);
+  EXPECT_GT(off_count, on_count);
+
+  // an earlier reply's reasoning: dropped before the last user query, shown after it
+  const json reply = {{"role", "assistant"}, {"content", "Hi!"}, {"reasoning_content", "A greeting."}};
+  std::string p = prompt_text({{"messages", json::array({user, reply, {{"role", "user"}, {"content", "Tom"}}})}});
+  EXPECT_NE(p.find("<|im_start|>assistant\nHi!<|im_end|>\n<|im_start|>user\nTom"), std::string::npos) << p;
+  EXPECT_EQ(p.find("A greeting."), std::string::npos) << p;
+  p = prompt_text({{"messages", json::array({user, reply, {{"role", "user"}, {"content", "<tool_response>\n1\n</tool_response>"}}})}});
+  EXPECT_NE(p.find("<|im_start|>assistant\n<think>\nA greeting.\n</think>\n\nHi!<|im_end|>"), std::string::npos) << p;
+
+  // kwargs kvq does not read, or of the wrong type: 400s naming them
+  const std::string msgs = R"("messages": [{"role": "user", "content": "a"}])";
+  expect_bad("/v1/chat/completions", "{" + msgs + R"(, "chat_template_kwargs": {"tools_in_user_message": true}})",
+             "chat_template_kwargs");
+  expect_bad("/v1/chat/completions", "{" + msgs + R"(, "chat_template_kwargs": {"enable_thinking": "no"}})",
+             "chat_template_kwargs");
+  expect_bad("/v1/chat/completions", "{" + msgs + R"(, "chat_template_kwargs": [1]})", "chat_template_kwargs");
+}
+
+// A template whose prompt opens the block (Qwen3.5's kind, with its enable_thinking switch): the
+// reply is reasoning until '</think>', as reasoning_content (plain and streamed alike), Anthropic's
+// thinking blocks and the Responses API's reasoning item; switched off, answer.
+TEST_F(ThinkServerTest, PromptOpenedReasoning) {
+  ServerOptions so;
+  so.port = 0;
+  so.model_name = "stories260K";
+  so.http_threads = 4;
+  so.chat_template =
+      "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+      "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+      "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+      "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}";
+  Server srv(*engine_, so);
+  const int port = srv.bind();
+  std::thread t([&] { srv.listen(); });
+  httplib::Client qc("127.0.0.1", port);
+  qc.set_read_timeout(60, 0);
+  auto post = [&](const std::string& path, const json& body) {
+    auto r = qc.Post(path.c_str(), body.dump(), "application/json");
+    EXPECT_TRUE(r);
+    if (!r) return json();
+    EXPECT_EQ(r->status, 200) << r->body;
+    return json::parse(r->body, nullptr, false);
+  };
+  const json user = {{"role", "user"}, {"content", "Lily"}};
+  const json body = {{"messages", json::array({user})}, {"max_tokens", 20}, {"temperature", 0}};
+  const json tokens = post("/tokenize", body)["tokens"];
+  EXPECT_TRUE(post("/detokenize", {{"tokens", tokens}})["prompt"].get<std::string>().ends_with("<|im_start|>assistant\n<think>\n"));
+  const std::string thought = post("/v1/completions", {{"prompt", tokens}, {"max_tokens", 20}, {"temperature", 0}})["choices"][0]["text"];
+  const std::string reasoning = without_trailing_newlines(without_leading_newlines(thought));
+  ASSERT_FALSE(reasoning.empty());
+  json j = post("/v1/chat/completions", body);
+  EXPECT_EQ(j["choices"][0]["message"]["reasoning_content"], reasoning) << j;
+  EXPECT_EQ(j["choices"][0]["message"]["content"], "") << j;
+  json sbody = body;
+  sbody["stream"] = true;
+  auto r = qc.Post("/v1/chat/completions", sbody.dump(), "application/json");
+  ASSERT_TRUE(r);
+  std::string rs, cs;
+  for (size_t pos = 0; pos < r->body.size();) {
+    const size_t end = r->body.find("\n\n", pos);
+    ASSERT_NE(end, std::string::npos);
+    const std::string data = r->body.substr(pos + 6, end - pos - 6);
+    pos = end + 2;
+    if (data == "[DONE]") continue;
+    const json e = json::parse(data);
+    if (e["choices"].empty()) continue;
+    const json& d = e["choices"][0]["delta"];
+    if (d.contains("reasoning_content")) rs += d["reasoning_content"].get<std::string>();
+    if (d.contains("content") && d["content"].is_string()) cs += d["content"].get<std::string>();
+  }
+  EXPECT_EQ(rs, reasoning);
+  EXPECT_EQ(cs, "");
+  // Anthropic: a thinking block, plain and streamed
+  const json mbody = {{"max_tokens", 20}, {"temperature", 0}, {"messages", json::array({user})}};
+  const json m = post("/v1/messages", mbody);
+  ASSERT_EQ(m["content"].size(), 1u) << m;
+  EXPECT_EQ(m["content"][0]["type"], "thinking") << m;
+  EXPECT_EQ(m["content"][0]["thinking"], reasoning) << m;
+  json smbody = mbody;
+  smbody["stream"] = true;
+  r = qc.Post("/v1/messages", smbody.dump(), "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(assemble_message(named_events(r->body))["content"], m["content"]);
+  // Responses: a reasoning item
+  const json resp = post("/v1/responses", {{"input", "Lily"}, {"max_output_tokens", 20}, {"temperature", 0}, {"store", false}});
+  ASSERT_EQ(resp["output"].size(), 1u) << resp;
+  EXPECT_EQ(resp["output"][0]["type"], "reasoning") << resp;
+  EXPECT_EQ(resp["output"][0]["content"][0]["text"], reasoning) << resp;
+  // switched off: the answer
+  json off = body;
+  off["chat_template_kwargs"] = {{"enable_thinking", false}};
+  j = post("/v1/chat/completions", off);
+  EXPECT_FALSE(j["choices"][0]["message"].contains("reasoning_content")) << j;
+  EXPECT_FALSE(j["choices"][0]["message"]["content"].get<std::string>().empty()) << j;
+  srv.stop();
+  t.join();
+}
+
+// Qwen's function calling (a Qwen3-like template: its tools sentence, '<tool_call>', reasoning and
+// its switch), over stories260K: the tools listed in the system turn, calls forced by tool_choice
+// written in its syntax from the reply's first byte (the reasoning block closed), read back as
+// tool_calls plain and streamed, and by the Messages and Responses APIs; a conversation's calls and
+// results in its syntax; a call cut short is no call.
+class QwenToolServerTest : public ServerTest {
+ protected:
+  static void SetUpTestSuite() {
+    start(1024, model_path(),
+          "{{- \"# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n\" }}"
+          "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+          "{{- '<tool_call>\\n{\"name\": \"' }}{{- '<|im_start|>' + message.role + '\\n' }}{%- if '</think>' in content %}{%- endif %}"
+          "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+          "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}");
+  }
+};
+
+TEST_F(QwenToolServerTest, CallsInItsOwnSyntax) {
+  const json tools = weather_and_add_tools();
+  json body = {{"messages", json::array({{{"role", "user"}, {"content", "Lily"}}})},
+               {"tools", tools},
+               {"tool_choice", "required"},
+               {"parallel_tool_calls", false},
+               {"max_tokens", 200},
+               {"temperature", 0}};
+  // the prompt: the tools listed as the request wrote them, the block closed before a forced call
+  std::string p = prompt_text(body);
+  // (as the request wrote them: this client's JSON library sorts keys)
+  EXPECT_NE(p.find("<tools>\n{\"function\": {\"description\": \"Weather for a city\", \"name\": \"get_weather\", "
+                   "\"parameters\": {\"properties\": {\"city\": {\"maxLength\": 8, \"type\": \"string\"}, \"days\": "
+                   "{\"maximum\": 7, \"minimum\": 1, \"type\": \"integer\"}}, \"required\": [\"city\", \"days\"], \"type\": "
+                   "\"object\"}}, \"type\": \"function\"}\n{\"function\": {\"name\": \"add\""),
+            std::string::npos)
+      << p;
+  EXPECT_TRUE(p.ends_with("<|im_end|>\n<|im_start|>user\nLily<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")) << p;
+  json j = post_ok("/v1/chat/completions", body);
+  ASSERT_EQ(j["choices"][0]["message"]["tool_calls"].size(), 1u) << j;
+  const std::string name = check_call(j["choices"][0]["message"]["tool_calls"][0]);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "tool_calls") << j;
+  EXPECT_TRUE(j["choices"][0]["message"]["content"].is_null()) << j;
+  // streamed: the same call, whole, in one chunk
+  bool done = false;
+  json streamed_calls = json::array();
+  std::string finish;
+  for (const json& e : stream("/v1/chat/completions", body, &done)) {
+    if (e["choices"].empty()) continue;
+    const json& ch = e["choices"][0];
+    if (ch["delta"].contains("tool_calls"))
+      for (const json& c : ch["delta"]["tool_calls"]) streamed_calls.push_back(c);
+    if (!ch["finish_reason"].is_null()) finish = ch["finish_reason"];
+  }
+  EXPECT_TRUE(done);
+  ASSERT_EQ(streamed_calls.size(), 1u);
+  EXPECT_EQ(streamed_calls[0]["function"], j["choices"][0]["message"]["tool_calls"][0]["function"]);
+  EXPECT_EQ(finish, "tool_calls");
+  // a named function: that one, finish "stop" as OpenAI's
+  json named = body;
+  named["tool_choice"] = {{"type", "function"}, {"function", {{"name", "add"}}}};
+  j = post_ok("/v1/chat/completions", named);
+  ASSERT_EQ(j["choices"][0]["message"]["tool_calls"].size(), 1u) << j;
+  EXPECT_EQ(check_call(j["choices"][0]["message"]["tool_calls"][0]), "add");
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop") << j;
+  // cut short by max_tokens: no call, the call's text as content, finish length
+  json cut = body;
+  cut["max_tokens"] = 20;
+  j = post_ok("/v1/chat/completions", cut);
+  EXPECT_FALSE(j["choices"][0]["message"].contains("tool_calls")) << j;
+  EXPECT_TRUE(j["choices"][0]["message"]["content"].get<std::string>().starts_with("<tool_call>")) << j;
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length") << j;
+  // auto: the block open, the reply free (a story: no call)
+  json automatic = body;
+  automatic["tool_choice"] = "auto";
+  EXPECT_TRUE(prompt_text(automatic).ends_with("<|im_start|>assistant\n")) << prompt_text(automatic);
+  j = post_ok("/v1/chat/completions", automatic);
+  EXPECT_FALSE(j["choices"][0]["message"].contains("tool_calls")) << j;
+  EXPECT_FALSE(j["choices"][0]["message"]["content"].get<std::string>().empty()) << j;
+  // none: not listed
+  automatic["tool_choice"] = "none";
+  EXPECT_EQ(prompt_text(automatic).find("# Tools"), std::string::npos);
+
+  // a conversation's calls and results, in its syntax
+  json convo = body;
+  convo["tool_choice"] = "auto";
+  convo["messages"] = json::parse(R"j([{"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": null, "reasoning_content": "Look it up.",
+     "tool_calls": [{"id": "call_x", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\",\"days\":1}"}}]},
+    {"role": "tool", "tool_call_id": "call_x", "content": "20 C"}])j");
+  p = prompt_text(convo);
+  EXPECT_NE(p.find("<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n<think>\nLook it up.\n</think>\n\n"
+                   "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": 1}}\n</tool_call>"
+                   "<|im_end|>\n<|im_start|>user\n<tool_response>\n20 C\n</tool_response><|im_end|>\n<|im_start|>assistant\n"),
+            std::string::npos)
+      << p;
+
+  // Anthropic: tool_use blocks; a cut call is no text
+  const json mbody = {{"max_tokens", 200}, {"temperature", 0},
+                      {"tools", json::array({{{"name", "add"}, {"input_schema", tools[1]["function"]["parameters"]}}})},
+                      {"tool_choice", {{"type", "any"}, {"disable_parallel_tool_use", true}}},
+                      {"messages", json::array({{{"role", "user"}, {"content", "Lily"}}})}};
+  json m = post_ok("/v1/messages", mbody);
+  EXPECT_EQ(m["stop_reason"], "tool_use") << m;
+  // count_tokens: the prompt that ran (its block closed before the forced call)
+  json counted = mbody;
+  counted.erase("max_tokens");
+  counted.erase("temperature");
+  EXPECT_EQ(post_ok("/v1/messages/count_tokens", counted)["input_tokens"],
+            m["usage"]["input_tokens"].get<int>() + m["usage"]["cache_read_input_tokens"].get<int>())
+      << m["usage"];
+  ASSERT_GE(m["content"].size(), 1u) << m;
+  EXPECT_EQ(m["content"][0]["type"], "tool_use") << m;
+  EXPECT_TRUE(m["content"][0]["input"]["a"].is_number_integer()) << m;
+  json mcut = mbody;
+  mcut["max_tokens"] = 20;
+  m = post_ok("/v1/messages", mcut);
+  EXPECT_EQ(m["stop_reason"], "max_tokens") << m;
+  for (const json& b : m["content"]) EXPECT_NE(b["type"], "tool_use") << m;
+  for (const json& b : m["content"]) {
+    if (b["type"] == "text") {
+      EXPECT_EQ(b["text"].get<std::string>().find("<tool_call>"), std::string::npos) << m;
+    }
+  }
+  // Responses: a function_call item
+  const json resp = post_ok("/v1/responses", {{"input", "Lily"}, {"max_output_tokens", 200}, {"temperature", 0}, {"store", false},
+                                              {"tools", json::array({{{"type", "function"}, {"name", "add"},
+                                                                      {"parameters", tools[1]["function"]["parameters"]}}})},
+                                              {"tool_choice", "required"}, {"parallel_tool_calls", false}});
+  ASSERT_EQ(resp["output"].size(), 1u) << resp;
+  EXPECT_EQ(resp["output"][0]["type"], "function_call") << resp;
+  EXPECT_EQ(resp["output"][0]["name"], "add") << resp;
+  (void)name;
 }

@@ -13,6 +13,7 @@
 #include "model/json_schema.h"
 #include "schema_validator.h"
 #include "server/harmony_tools.h"
+#include "server/qwen_tools.h"
 #include "server/tools.h"
 
 using namespace kvq;
@@ -744,6 +745,18 @@ type get_time = () => any;
   EXPECT_THROW(chat_render(chatml, {{"user", "Hi"}}, ro), Error);
 }
 
+// Two functions of one integer argument each ("add": a, "neg": b), as a request's "tools" member
+const std::string kAddNegTools = R"j("tools": [
+    {"type": "function", "function": {"name": "add", "parameters": {"type": "object",
+      "properties": {"a": {"type": "integer"}}, "required": ["a"]}}},
+    {"type": "function", "function": {"name": "neg", "parameters": {"type": "object",
+      "properties": {"b": {"type": "integer"}}, "required": ["b"]}}}])j";
+// Whether a grammar takes the whole text
+static bool grammar_accepts(const std::shared_ptr<const Grammar>& g, const std::string& text) {
+  GrammarState st(g);
+  return st.feed(text) && st.accepting();
+}
+
 // The call's grammar: a function's name, the header's rest in the forms gpt-oss writes, and
 // arguments of that function's parameters, nothing after them.
 TEST(HarmonyTools, CallGrammar) {
@@ -796,15 +809,8 @@ TEST(HarmonyTools, CallGrammar) {
 // a response form moves to the final channel's opening; required and named constrain the whole
 // reply after the prompt's opening, named to its function alone.
 TEST(HarmonyTools, ConstraintPerToolChoice) {
-  const std::string tools = R"j("tools": [
-    {"type": "function", "function": {"name": "add", "parameters": {"type": "object",
-      "properties": {"a": {"type": "integer"}}, "required": ["a"]}}},
-    {"type": "function", "function": {"name": "neg", "parameters": {"type": "object",
-      "properties": {"b": {"type": "integer"}}, "required": ["b"]}}}])j";
-  auto accepts = [](const std::shared_ptr<const Grammar>& g, const std::string& text) {
-    GrammarState st(g);
-    return st.feed(text) && st.accepting();
-  };
+  const std::string& tools = kAddNegTools;
+  const auto accepts = grammar_accepts;
   GenParams p;
   p.json_object = true;  // response_format json_object
   EXPECT_EQ(harmony_tool_constraint(parse_tools(ojson::parse("{" + tools + "}")), p), "");
@@ -837,6 +843,205 @@ TEST(HarmonyTools, ConstraintPerToolChoice) {
             kHarmonyCallTrigger);
   EXPECT_TRUE(accepts(named.grammar, R"(neg<|message|>{"b": 1})"));
   EXPECT_FALSE(accepts(named.grammar, R"(add<|message|>{"a": 1})"));
+}
+
+// Qwen's function calling: the tools listed as its template lists them, calls and results written
+// in its syntax (the strings below are what jinja2 renders from Qwen3's template for the same
+// conversations), the calls' grammar per tool_choice, and replies read back as calls.
+TEST(QwenTools, ConversationRendersAsTheTemplate) {
+  ChatTemplate t = chat_template_from_text(
+      "{{- \"# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n\" }}"
+      "{{- '<tool_call>\\n{\"name\": \"' }}{{- '<|im_start|>' + message.role + '\\n' }}");
+  ASSERT_EQ(t.family, ChatFamily::chatml);
+  EXPECT_TRUE(t.qwen_tools);
+  EXPECT_FALSE(chat_template_from_text("{{- '<|im_start|>' + message.role + '\\n' }}{{- '<tool_call>' }}").qwen_tools);
+  const ojson body = ojson::parse(R"j({"tools": [{"type": "function", "function": {"name": "get", "description": "Weather",
+    "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}]})j");
+  const ToolSpec spec = parse_tools(body);
+  ChatRenderOptions ro;
+  ro.tools = qwen_tools_json(body, spec);
+  EXPECT_EQ(ro.tools, R"({"type": "function", "function": {"name": "get", "description": "Weather", "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}})");
+  const std::string head =
+      "<|im_start|>system\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
+      "with function signatures within <tools></tools> XML tags:\n<tools>\n" + ro.tools +
+      "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+      "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
+      "</tool_call><|im_end|>\n";
+  EXPECT_EQ(chat_render(t, {{"user", "W?"}}, ro), head + "<|im_start|>user\nW?<|im_end|>\n<|im_start|>assistant\n");
+  // a system message first, then the tools
+  std::string with_system = head;
+  with_system.insert(std::string("<|im_start|>system\n").size(), "Be brief.\n\n");
+  EXPECT_EQ(chat_render(t, {{"system", "Be brief."}, {"user", "W?"}}, ro),
+            with_system + "<|im_start|>user\nW?<|im_end|>\n<|im_start|>assistant\n");
+  // calls a line apart from the content and each other, results merged into one user turn
+  ChatMessage a{"assistant", "Let me check."};
+  a.tool_calls = {{"get", R"({"x":"Paris"})"}, {"get", R"({"x": "Rome"})"}};
+  ChatMessage bare{"assistant", ""};
+  bare.tool_calls = {{"get", "{}"}};
+  EXPECT_EQ(chat_render(t, {{"user", "W?"}, a, {"tool", "20 C"}, {"tool", "25 C"}, bare, {"tool", "x"}}, ro),
+            head + "<|im_start|>user\nW?<|im_end|>\n<|im_start|>assistant\nLet me check.\n<tool_call>\n{\"name\": \"get\", "
+                   "\"arguments\": {\"x\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get\", \"arguments\": {\"x\": "
+                   "\"Rome\"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n20 C\n</tool_response>\n"
+                   "<tool_response>\n25 C\n</tool_response><|im_end|>\n<|im_start|>assistant\n<tool_call>\n{\"name\": "
+                   "\"get\", \"arguments\": {}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nx\n"
+                   "</tool_response><|im_end|>\n<|im_start|>assistant\n");
+  // Qwen2.5's and QwQ's tools section always follows the system text (QwQ's default, empty) and a
+  // blank line; QwQ's first call follows a newline when the message's own content is not empty
+  ChatTemplate qwq = chat_template_from_text(
+      "{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- else %}"
+      "{{- '' }}{%- endif %}{{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\" }}"
+      "{{- '\\n<tool_call>\\n{\"name\": \"' }}{%- set content = message.content.split('</think>')[-1].lstrip('\\n') %}"
+      "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}");
+  EXPECT_TRUE(qwq.qwen_tools);
+  EXPECT_TRUE(qwq.qwen_tools_after_system);
+  EXPECT_FALSE(t.qwen_tools_after_system);
+  EXPECT_EQ(qwq.think, ChatTemplate::Think::prompt_opens);
+  ChatMessage only_thought{"assistant", "<think>r</think>"};
+  only_thought.tool_calls = {{"get", "{}"}};
+  const std::string qp = chat_render(qwq, {{"user", "W?"}, only_thought, {"tool", "1"}}, ro);
+  EXPECT_TRUE(qp.starts_with("<|im_start|>system\n\n\n# Tools\n")) << qp;
+  EXPECT_NE(qp.find("<|im_start|>assistant\n\n<tool_call>\n{\"name\": \"get\""), std::string::npos) << qp;
+  // Qwen3: the reasoning before a call is shown again while its results come back (the tool
+  // turns are no user query)
+  t.think = ChatTemplate::Think::model_opens;
+  t.think_after_query = true;
+  ChatMessage r{"assistant", ""};
+  r.reasoning = "Need it.";
+  r.reasoning_given = true;
+  r.tool_calls = {{"get", "{}"}};
+  EXPECT_EQ(chat_render(t, {{"user", "W?"}, r, {"tool", "1"}}),
+            "<|im_start|>user\nW?<|im_end|>\n<|im_start|>assistant\n<think>\nNeed it.\n</think>\n\n<tool_call>\n{\"name\": "
+            "\"get\", \"arguments\": {}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n1\n</tool_response>"
+            "<|im_end|>\n<|im_start|>assistant\n");
+  // kvq's own tool prompt (a template without Qwen's syntax): its result turns are no query either
+  ChatTemplate plain;
+  plain.family = ChatFamily::chatml;
+  plain.think = ChatTemplate::Think::model_opens;
+  plain.think_after_query = true;
+  ChatMessage said{"assistant", "{\"tool_calls\": []}"};
+  said.reasoning = "Need it.";
+  ChatMessage result{"user", "{\"tool_response\": {}}"};
+  result.tool_result = true;
+  EXPECT_NE(chat_render(plain, {{"user", "W?"}, said, result}).find("<think>\nNeed it.\n</think>"), std::string::npos);
+  result.tool_result = false;
+  EXPECT_EQ(chat_render(plain, {{"user", "W?"}, said, result}).find("Need it."), std::string::npos);
+}
+
+// Floats in the tools' JSON and the calls' arguments as Python's json.dumps writes them
+TEST(QwenTools, FloatsAsPythonWritesThem) {
+  EXPECT_EQ(json_dumps(ojson::parse("[1e15, 1234567890123456.7, -1e15, 2e15, 0.1, 1e-5, 1.5e16, 100.0, -0.0, 1e22, 0.0001, "
+                                    "123456.789e-10, 3.0e-4, 7, -3]")),
+            "[1000000000000000.0, 1234567890123456.8, -1000000000000000.0, 2000000000000000.0, 0.1, 1e-05, 1.5e+16, 100.0, "
+            "-0.0, 1e+22, 0.0001, 1.23456789e-05, 0.0003, 7, -3]");
+}
+
+TEST(QwenTools, CallGrammarPerToolChoice) {
+  const std::string& tools = kAddNegTools;
+  const auto accepts = grammar_accepts;
+  const std::string add = "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1}}\n</tool_call>";
+  const std::string neg = "<tool_call>\n{\"name\": \"neg\", \"arguments\": {\"b\": 2}}\n</tool_call>";
+  // auto: free until '<tool_call>', then calls a line apart
+  GenParams a;
+  qwen_tool_constraint(parse_tools(ojson::parse("{" + tools + "}")), nullptr, a);
+  EXPECT_EQ(a.grammar, nullptr);
+  ASSERT_EQ(a.lazy_grammars.size(), 1u);
+  EXPECT_EQ(a.lazy_grammars[0].trigger, "<tool_call>");
+  const auto& lazy = a.lazy_grammars[0].grammar;
+  EXPECT_TRUE(accepts(lazy, add.substr(11)));
+  EXPECT_TRUE(accepts(lazy, add.substr(11) + "\n" + neg));
+  EXPECT_FALSE(accepts(lazy, "\n{\"name\": \"add\", \"arguments\": {\"b\": 1}}\n</tool_call>"));  // neg's arguments
+  EXPECT_FALSE(accepts(lazy, "\n{\"name\": \"mul\", \"arguments\": {}}\n</tool_call>"));
+  EXPECT_FALSE(accepts(lazy, add.substr(11) + " and text"));
+  // with a response form: from the reply's first byte, calls or the response's document
+  GenParams f;
+  qwen_tool_constraint(parse_tools(ojson::parse("{" + tools + "}")), ojson::parse(R"({"type": "object", "properties":
+    {"n": {"type": "integer"}}, "required": ["n"]})"), f);
+  ASSERT_NE(f.grammar, nullptr);
+  EXPECT_TRUE(f.lazy_grammars.empty());
+  EXPECT_TRUE(accepts(f.grammar, add));
+  EXPECT_TRUE(accepts(f.grammar, R"({"n": 3})"));
+  EXPECT_FALSE(accepts(f.grammar, "free text"));
+  // required, one call (parallel_tool_calls false): the call, then nothing
+  GenParams r;
+  r.json_object = true;
+  qwen_tool_constraint(parse_tools(ojson::parse("{" + tools + R"(, "tool_choice": "required", "parallel_tool_calls": false})")),
+                       nullptr, r);
+  EXPECT_FALSE(r.json_object);
+  ASSERT_NE(r.grammar, nullptr);
+  EXPECT_TRUE(accepts(r.grammar, neg));
+  GrammarState one(r.grammar);
+  ASSERT_TRUE(one.feed(add));
+  EXPECT_TRUE(one.done());
+  EXPECT_FALSE(accepts(r.grammar, add + "\n" + neg));
+  EXPECT_FALSE(accepts(r.grammar, "Sure. " + add));
+  // named: that function only
+  GenParams n;
+  qwen_tool_constraint(
+      parse_tools(ojson::parse("{" + tools + R"(, "tool_choice": {"type": "function", "function": {"name": "neg"}}})")), nullptr, n);
+  EXPECT_TRUE(accepts(n.grammar, neg));
+  EXPECT_FALSE(accepts(n.grammar, add));
+}
+
+// A reply read back as it streams, in pieces of every size: content up to '<tool_call>', each call
+// when it closes (its arguments as Python's json.dumps writes them), a call cut short or not JSON
+// as its text; after a reasoning template's block.
+TEST(QwenTools, ReplyReadBack) {
+  auto run = [](const std::string& text, size_t piece, bool think) {
+    QwenToolReplyStream qs(think ? std::make_unique<ThinkReplyStream>(QwenToolReplyStream::kOpen) : nullptr);  // (as chat_reply_splitter)
+    ChatReplyDelta all;
+    auto add = [&](const ChatReplyDelta& d) {
+      all.reasoning += d.reasoning;
+      all.content += d.content;
+      all.calls.insert(all.calls.end(), d.calls.begin(), d.calls.end());
+      all.cut_call += d.cut_call;
+    };
+    for (size_t i = 0; i < text.size(); i += piece) add(qs.feed(text.substr(i, piece)));
+    add(qs.finish());
+    return all;
+  };
+  const std::string two = "Checking.\n<tool_call>\n{\"name\": \"get\", \"arguments\": {\"x\":\"Paris\",\"n\":[1,2]}}\n</tool_call>\n"
+                          "<tool_call>\n{\"name\": \"add\", \"arguments\": \"{\\\"a\\\": 1}\"}\n</tool_call>";
+  for (size_t piece : {two.size(), size_t(1), size_t(3), size_t(11)}) {
+    SCOPED_TRACE(piece);
+    const ChatReplyDelta d = run(two, piece, false);
+    EXPECT_EQ(d.content, "Checking.");
+    ASSERT_EQ(d.calls.size(), 2u);
+    EXPECT_EQ(d.calls[0].name, "get");
+    EXPECT_EQ(d.calls[0].arguments, R"({"x": "Paris", "n": [1, 2]})");
+    EXPECT_EQ(d.calls[1].name, "add");
+    EXPECT_EQ(d.calls[1].arguments, R"({"a": 1})");  // (arguments written as a string: as they are)
+    EXPECT_EQ(d.cut_call, "");
+    const ChatReplyDelta t = run("<think>\nWeather.\n</think>\n\n" + two, piece, true);
+    EXPECT_EQ(t.reasoning, "Weather.");
+    EXPECT_EQ(t.content, "Checking.");
+    EXPECT_EQ(t.calls.size(), 2u);
+    // cut short, and a call that is not one
+    const ChatReplyDelta c = run("Hi\n\n<tool_call>\n{\"name\": \"get\", \"argu", piece, false);
+    EXPECT_EQ(c.content, "Hi");
+    EXPECT_TRUE(c.calls.empty());
+    EXPECT_EQ(c.cut_call, "\n\n<tool_call>\n{\"name\": \"get\", \"argu");  // (as generated, from the newlines)
+    // a call written while reasoning ends the reasoning (its grammar lets no '</think>' come)
+    const ChatReplyDelta r = run("<think>\nhm\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>", piece, true);
+    EXPECT_EQ(r.reasoning, "hm");
+    EXPECT_EQ(r.content, "");
+    ASSERT_EQ(r.calls.size(), 1u);
+    EXPECT_EQ(r.calls[0].arguments, R"({"a": 1})");
+    const ChatReplyDelta n = run("<tool_call>[1]</tool_call>tail", piece, false);
+    EXPECT_EQ(n.cut_call, "<tool_call>[1]</tool_call>");
+    EXPECT_EQ(n.content, "tail");
+    // no calls: all content; a marker's start at the end is a call cut short, a lone '<' text
+    const ChatReplyDelta p = run("Plain\n\ntext <", piece, false);
+    EXPECT_EQ(p.content, "Plain\n\ntext <");
+    EXPECT_TRUE(p.calls.empty());
+    const ChatReplyDelta q = run("Plain\n<tool_c", piece, false);
+    EXPECT_EQ(q.content, "Plain");
+    EXPECT_EQ(q.cut_call, "\n<tool_c");
+  }
+  ChatTemplate q;
+  q.family = ChatFamily::chatml;
+  q.qwen_tools = true;
+  EXPECT_EQ(chat_reply_splitter(q, false), nullptr);  // no functions offered: a call is content
+  EXPECT_EQ(chat_reply_splitter(q, true)->split_after("", "<tool_call>\n{\"name\": \"f\"}\n</tool_call>").calls.size(), 1u);
 }
 
 // Parameters kvq cannot generate: a strict function is refused by name; a non-strict one (the API

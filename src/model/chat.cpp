@@ -1,7 +1,10 @@
 #include "model/chat.h"
 
 #include <algorithm>
+#include <charconv>
+#include <cmath>
 #include <ctime>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <string_view>
 
@@ -74,6 +77,24 @@ ChatTemplate chat_template_from_text(const std::string& t) {
       c.default_system = unescaped;
       break;
     }
+    // Reasoning models: the prompt opens '<think>' right after the assistant's turn opening (one
+    // literal, its newlines written as escapes or as they are), or the model writes it.
+    if (t.find("<think>") != std::string::npos) {
+      // ('<think>\n' as a literal of its own after the opening, as Qwen3.5's templates write it)
+      // (in the generation prompt: after the template's last add_generation_prompt, as a template
+      // may show earlier replies' blocks with the same literal)
+      const size_t gen = t.rfind("add_generation_prompt");
+      bool opens = false;
+      for (const char* lit : {"<|im_start|>assistant\\n<think>\\n", "<|im_start|>assistant\n<think>\n", "'<think>\\n'",
+                              "\"<think>\\n\"", "'<think>\n'", "\"<think>\n\""})
+        opens = opens || t.find(lit, gen == std::string::npos ? 0 : gen) != std::string::npos;
+      c.think = opens ? ChatTemplate::Think::prompt_opens : ChatTemplate::Think::model_opens;
+      c.think_after_query = t.find("last_query_index") != std::string::npos;
+      c.think_switch = t.find("enable_thinking") != std::string::npos;
+    }
+    c.qwen_tools = t.find("<tool_call>") != std::string::npos &&
+                   t.find("You may call one or more functions to assist with the user query.") != std::string::npos;
+    c.qwen_tools_after_system = c.qwen_tools && (t.find("\"\\n\\n# Tools") != std::string::npos || t.find("\"\n\n# Tools") != std::string::npos);
   } else if (t.find("<|start|>") != std::string::npos && t.find("<|channel|>") != std::string::npos) {
     c.family = ChatFamily::harmony;
   } else if (t.find("<start_of_turn>") != std::string::npos) {
@@ -162,9 +183,9 @@ const char* chat_supported_families() {
   return "ChatML, Gemma, Llama 3, Phi-3, Phi-4, Mistral, Granite, Tülu (OLMo 2), harmony (gpt-oss)";
 }
 
-std::string chat_render_next_turn(const ChatTemplate& t, const std::string& user) {
+std::string chat_render_next_turn(const ChatTemplate& t, const std::string& user, const ChatRenderOptions& opt) {
   // Read off a rendered conversation whose earlier turns are markers.
-  const std::string full = chat_render(t, {{"user", "\x01"}, {"assistant", "\x02"}, {"user", user}});
+  const std::string full = chat_render(t, {{"user", "\x01"}, {"assistant", "\x02"}, {"user", user}}, opt);
   return full.substr(full.find('\x02') + 1);
 }
 
@@ -178,8 +199,37 @@ std::string python_json_text(const std::string& text) {
   const nlohmann::ordered_json v = nlohmann::ordered_json::parse(text, nullptr, false);
   return v.is_discarded() ? text : json_dumps(v);
 }
+// A float as Python's repr writes it (json.dumps's floats): the shortest digits that read back as
+// the same double, in fixed notation with at least one decimal when its exponent is in [-4, 16),
+// else as d.ddde+XX.
+std::string python_float(double x) {
+  if (std::isnan(x)) return "NaN";
+  if (std::isinf(x)) return x > 0 ? "Infinity" : "-Infinity";
+  char buf[64];
+  const auto r = std::to_chars(buf, buf + sizeof buf, x, std::chars_format::scientific);
+  const std::string sci(buf, r.ptr);
+  const size_t e = sci.find('e');
+  const int exp = std::stoi(sci.substr(e + 1));
+  std::string out = x < 0 || std::signbit(x) ? "-" : "";
+  std::string digits;
+  for (char c : sci.substr(0, e))
+    if (c >= '0' && c <= '9') digits += c;
+  if (exp >= -4 && exp < 16) {
+    if (exp < 0) out += "0." + std::string(size_t(-exp - 1), '0') + digits;
+    else if (digits.size() <= size_t(exp) + 1) out += digits + std::string(size_t(exp) + 1 - digits.size(), '0') + ".0";
+    else out += digits.substr(0, size_t(exp) + 1) + "." + digits.substr(size_t(exp) + 1);
+  } else {
+    out += digits.substr(0, 1);
+    if (digits.size() > 1) out += "." + digits.substr(1);
+    out += fmt::format("e{}{:02d}", exp < 0 ? '-' : '+', std::abs(exp));
+  }
+  return out;
+}
+
 void json_dumps_to(const nlohmann::ordered_json& v, std::string& out) {
-  if (v.is_object()) {
+  if (v.is_number_float()) {
+    out += python_float(v.get<double>());
+  } else if (v.is_object()) {
     out += '{';
     bool first = true;
     for (const auto& [k, x] : v.items()) {
@@ -211,27 +261,109 @@ std::string json_dumps(const nlohmann::ordered_json& v) {
 std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& msgs, const ChatRenderOptions& opt) {
   std::string out;
   const bool harmony = t.family == ChatFamily::harmony;
+  const bool native_calls = harmony || (t.family == ChatFamily::chatml && t.qwen_tools);
   for (const auto& m : msgs) {
-    if (m.role != "system" && m.role != "user" && m.role != "assistant" && !(harmony && m.role == "tool"))
-      fail("unknown chat role '{}' (valid: system, user, assistant{})", m.role, harmony ? ", tool" : "");
-    if (!harmony && !m.tool_calls.empty())
+    if (m.role != "system" && m.role != "user" && m.role != "assistant" && !(native_calls && m.role == "tool"))
+      fail("unknown chat role '{}' (valid: system, user, assistant{})", m.role, native_calls ? ", tool" : "");
+    if (!native_calls && !m.tool_calls.empty())
       fail("this chat template ({}) has no function calls of its own", chat_template_name(t));
   }
-  if (!harmony && !opt.tools.empty()) fail("this chat template ({}) declares no functions of its own", chat_template_name(t));
+  if (!native_calls && !opt.tools.empty()) fail("this chat template ({}) declares no functions of its own", chat_template_name(t));
   const bool cont = opt.continue_final_message;
   if (cont && opt.add_generation_prompt)
     fail("continue_final_message and add_generation_prompt cannot both be set (set add_generation_prompt to false)");
   if (cont && (msgs.empty() || msgs.back().role != "assistant"))
     fail("continue_final_message needs the last message to be the assistant's");
   if (t.family == ChatFamily::chatml) {
-    // A template with a default system turn (SmolLM2's) opens a conversation that has none with it.
-    if (!t.default_system.empty() && (msgs.empty() || msgs[0].role != "system"))
+    const bool sys_first = !msgs.empty() && msgs[0].role == "system";
+    if (!opt.tools.empty()) {
+      // Qwen's: the system turn (the first system message, else the template's default) followed by
+      // the tools, one JSON per line
+      out += "<|im_start|>system\n";
+      if (sys_first) out += msgs[0].content + "\n\n";
+      else if (!t.default_system.empty() || t.qwen_tools_after_system) out += t.default_system + "\n\n";
+      out += "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+             "function signatures within <tools></tools> XML tags:\n<tools>\n" + opt.tools +
+             "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+             "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+             "<args-json-object>}\n</tool_call><|im_end|>\n";
+    } else if (!t.default_system.empty() && !sys_first) {
+      // A template with a default system turn (SmolLM2's) opens a conversation that has none with it.
       out += "<|im_start|>system\n" + t.default_system + "<|im_end|>\n";
-    for (size_t i = 0; i < msgs.size(); ++i) {
-      out += "<|im_start|>" + msgs[i].role + "\n" + msgs[i].content;
-      if (!(cont && i + 1 == msgs.size())) out += "<|im_end|>\n";
     }
-    if (opt.add_generation_prompt) out += "<|im_start|>assistant\n";
+    // Reasoning templates (Qwen3): the last user query is the last user message that is not a
+    // tool's response ('<tool_response>...</tool_response>'); the replies after it show their
+    // reasoning again.
+    size_t last_query = msgs.size();
+    if (t.think != ChatTemplate::Think::none && t.think_after_query) {
+      last_query = msgs.empty() ? 0 : msgs.size() - 1;
+      for (size_t i = msgs.size(); i-- > 0;) {
+        const std::string& c = msgs[i].content;
+        const bool tool_response = (c.starts_with("<tool_response>") && c.ends_with("</tool_response>")) || msgs[i].tool_result;
+        if (msgs[i].role == "user" && !tool_response) {
+          last_query = i;
+          break;
+        }
+      }
+    }
+    for (size_t i = 0; i < msgs.size(); ++i) {
+      const bool last = i + 1 == msgs.size();
+      if (i == 0 && sys_first && !opt.tools.empty()) continue;  // (in the tools' system turn)
+      if (msgs[i].role == "tool") {
+        // Qwen's: a function's result in a user turn, consecutive results in one
+        if (i == 0 || msgs[i - 1].role != "tool") out += "<|im_start|>user";
+        out += "\n<tool_response>\n" + msgs[i].content + "\n</tool_response>";
+        if (last || msgs[i + 1].role != "tool") out += "<|im_end|>\n";
+        continue;
+      }
+      std::string content = msgs[i].content;
+      std::string answer;  // the reply's answer, without the reasoning block shown before it
+      if (msgs[i].role == "assistant" && t.think != ChatTemplate::Think::none) {
+        // The reply's reasoning: given beside it (reasoning_content), or the text before '</think>'
+        // (from after '<think>'), its answer the text after the last '</think>', as Qwen3's
+        // template reads them.
+        // (QwQ's template shows every reply as the text after its last '</think>'.)
+        std::string reasoning = t.think_after_query ? msgs[i].reasoning : std::string();
+        const bool given = t.think_after_query && msgs[i].reasoning_given;
+        const size_t close = content.find("</think>");
+        if (!given && close != std::string::npos) {
+          reasoning = content.substr(0, close);
+          reasoning.erase(reasoning.find_last_not_of('\n') + 1);
+          if (const size_t open = reasoning.rfind("<think>"); open != std::string::npos) reasoning.erase(0, open + 7);
+          reasoning.erase(0, reasoning.find_first_not_of('\n'));
+          content.erase(0, content.rfind("</think>") + 8);
+          content.erase(0, content.find_first_not_of('\n'));
+        } else if (!t.think_after_query) {
+          content.erase(0, content.find_first_not_of('\n'));  // (QwQ's lstrip, with or without a block)
+        }
+        answer = content;
+        if (t.think_after_query && i > last_query && (last || !reasoning.empty())) {
+          std::string r = reasoning;
+          r.erase(0, r.find_first_not_of('\n'));
+          r.erase(r.find_last_not_of('\n') + 1);
+          content.erase(0, content.find_first_not_of('\n'));
+          content = "<think>\n" + r + "\n</think>\n\n" + content;
+        }
+      } else {
+        answer = content;
+      }
+      out += "<|im_start|>" + msgs[i].role + "\n" + content;
+      // Qwen's calls: a line apart from the content and from each other
+      // (QwQ's template asks whether the message's own content is empty, before its split)
+      const bool content_first = t.think != ChatTemplate::Think::none && !t.think_after_query ? !msgs[i].content.empty() : !answer.empty();
+      for (size_t k = 0; k < msgs[i].tool_calls.size(); ++k) {
+        if (k > 0 || content_first) out += "\n";
+        out += "<tool_call>\n{\"name\": \"" + msgs[i].tool_calls[k].name + "\", \"arguments\": " +
+               python_json_text(msgs[i].tool_calls[k].arguments) + "}\n</tool_call>";
+      }
+      if (!(cont && last)) out += "<|im_end|>\n";
+    }
+    if (opt.add_generation_prompt) {
+      out += "<|im_start|>assistant\n";
+      const bool closes = !opt.thinking && (t.think == ChatTemplate::Think::prompt_opens || t.think_switch);
+      if (closes) out += "<think>\n\n</think>\n\n";
+      else if (t.think == ChatTemplate::Think::prompt_opens) out += "<think>\n";
+    }
     return out;
   }
   if (t.family == ChatFamily::gemma) {
@@ -536,11 +668,217 @@ HarmonyReplyStream::Delta HarmonyReplyStream::finish() {
 
 HarmonyReplyStream::Delta HarmonyReplyStream::split(const std::string& text, bool take_calls) {
   HarmonyReplyStream hs(take_calls);
-  Delta d = hs.feed(text);
-  const Delta rest = hs.finish();
+  return hs.split_after("", text);
+}
+
+bool chat_template_kwargs_thinking(const std::string& json_text) {
+  const nlohmann::json kw = nlohmann::json::parse(json_text, nullptr, false);
+  if (kw.is_discarded() || !kw.is_object()) fail("chat template kwargs must be a JSON object, such as {{\"enable_thinking\": false}}");
+  bool thinking = true;
+  for (const auto& [k, v] : kw.items()) {
+    if (k != "enable_thinking") fail("chat template kwarg '{}' is not supported (kvq renders the chat templates itself and reads only enable_thinking)", k);
+    if (!v.is_boolean()) fail("chat template kwarg enable_thinking must be true or false");
+    thinking = v.get<bool>();
+  }
+  return thinking;
+}
+
+ChatReplySplitter::Delta ChatReplySplitter::split_after(const std::string& opening, const std::string& text) {
+  (void)feed(opening);
+  Delta d = feed(text);
+  const Delta rest = finish();
   d.reasoning += rest.reasoning;
   d.content += rest.content;
   d.calls.insert(d.calls.end(), rest.calls.begin(), rest.calls.end());
+  d.cut_call += rest.cut_call;
+  return d;
+}
+
+std::unique_ptr<ChatReplySplitter> chat_reply_splitter(const ChatTemplate& t, bool take_calls) {
+  if (t.family == ChatFamily::harmony) return std::make_unique<HarmonyReplyStream>(take_calls);
+  std::unique_ptr<ChatReplySplitter> think;
+  if (t.think != ChatTemplate::Think::none)
+    think = std::make_unique<ThinkReplyStream>(take_calls && t.qwen_tools ? QwenToolReplyStream::kOpen : "");
+  if (take_calls && t.qwen_tools) return std::make_unique<QwenToolReplyStream>(std::move(think));
+  return think;
+}
+
+std::string chat_reply_opening(const ChatTemplate& t, const std::string& prompt) {
+  if (t.think == ChatTemplate::Think::none) return {};
+  const std::string open = "<|im_start|>assistant\n";
+  const size_t at = prompt.rfind(open);
+  return at == std::string::npos ? std::string() : prompt.substr(at + open.size());
+}
+
+namespace {
+// The length of the longest end of `s` that is a proper start of `marker`.
+size_t marker_start_at_end(const std::string& s, std::string_view marker) {
+  for (size_t k = std::min(s.size(), marker.size() - 1); k > 0; --k)
+    if (s.compare(s.size() - k, k, marker.data(), k) == 0) return k;
+  return 0;
+}
+}  // namespace
+
+ThinkReplyStream::Delta ThinkReplyStream::feed(const std::string& text) {
+  static constexpr std::string_view kOpen = "<think>", kClose = "</think>";
+  Delta d;
+  buf_ += text;
+  for (;;) {
+    switch (state_) {
+      case State::start: {
+        const size_t b = buf_.find_first_not_of(" \t\r\n");
+        if (b == std::string::npos) return d;  // only whitespace so far
+        const std::string_view rest = std::string_view(buf_).substr(b);
+        if (rest.starts_with(kOpen)) {
+          buf_.erase(0, b + kOpen.size());
+          state_ = State::reasoning;
+        } else if (kOpen.starts_with(rest)) {
+          return d;  // may be the marker's start
+        } else {
+          state_ = State::answer;
+        }
+        break;
+      }
+      case State::reasoning: {
+        if (!reasoning_text_) {
+          buf_.erase(0, buf_.find_first_not_of('\n'));
+          if (buf_.empty()) return d;
+          reasoning_text_ = true;
+        }
+        const size_t close = buf_.find(kClose);
+        const size_t other = also_ends_.empty() ? std::string::npos : buf_.find(also_ends_);
+        if (close != std::string::npos || other != std::string::npos) {
+          const bool own = other == std::string::npos || (close != std::string::npos && close < other);
+          const size_t at = own ? close : other;
+          std::string r = buf_.substr(0, at);
+          r.erase(r.find_last_not_of('\n') + 1);
+          d.reasoning += r;
+          buf_.erase(0, own ? at + kClose.size() : at);  // (the other marker starts the answer)
+          state_ = own ? State::answer_start : State::answer;
+          break;
+        }
+        // held back: a start of a marker at the end, and the newlines before it
+        size_t cut = buf_.size() - std::max(marker_start_at_end(buf_, kClose),
+                                            also_ends_.empty() ? size_t(0) : marker_start_at_end(buf_, also_ends_));
+        while (cut > 0 && buf_[cut - 1] == '\n') --cut;
+        d.reasoning += buf_.substr(0, cut);
+        buf_.erase(0, cut);
+        return d;
+      }
+      case State::answer_start:
+        buf_.erase(0, buf_.find_first_not_of('\n'));
+        if (buf_.empty()) return d;
+        state_ = State::answer;
+        break;
+      case State::answer:
+        d.content += buf_;
+        buf_.clear();
+        return d;
+    }
+  }
+}
+
+void QwenToolReplyStream::answer(const std::string& text, Delta& d, bool end) {
+  static constexpr std::string_view kO = kOpen, kC = kClose;
+  buf_ += text;
+  for (;;) {
+    if (in_call_) {
+      const size_t close = buf_.find(kC);
+      if (close == std::string::npos) {
+        if (end) {  // cut short
+          d.cut_call += newlines_ + std::string(kO) + buf_;
+          buf_.clear();
+          in_call_ = false;
+        }
+        return;
+      }
+      const std::string body = buf_.substr(0, close);
+      buf_.erase(0, close + kC.size());
+      in_call_ = false;
+      after_call_ = true;
+      const nlohmann::ordered_json v = nlohmann::ordered_json::parse(body, nullptr, false);
+      const bool call = !v.is_discarded() && v.is_object() && v.contains("name") && v["name"].is_string() &&
+                        (!v.contains("arguments") || v["arguments"].is_object() || v["arguments"].is_string());
+      if (call) {
+        const std::string args = !v.contains("arguments")         ? std::string("{}")
+                                 : v["arguments"].is_string() ? v["arguments"].get<std::string>()
+                                                              : json_dumps(v["arguments"]);
+        d.calls.push_back({v["name"].get<std::string>(), args});
+      } else {
+        d.cut_call += newlines_ + std::string(kO) + body + std::string(kC);
+      }
+      continue;
+    }
+    if (after_call_) {  // the newlines between calls
+      buf_.erase(0, buf_.find_first_not_of('\n'));
+      if (buf_.empty()) return;
+      after_call_ = false;
+    }
+    if (const size_t open = buf_.find(kO); open != std::string::npos) {
+      std::string c = buf_.substr(0, open);
+      const size_t text_end = c.find_last_not_of('\n') + 1;
+      newlines_ = c.substr(text_end);
+      c.resize(text_end);
+      d.content += c;
+      buf_.erase(0, open + kO.size());
+      in_call_ = true;
+      continue;
+    }
+    if (end) {
+      // a start of the marker at the reply's end ('<t' or more) is a call cut short there
+      const size_t start = marker_start_at_end(buf_, kO);
+      if (start >= 2) {
+        size_t from = buf_.size() - start;
+        while (from > 0 && buf_[from - 1] == '\n') --from;
+        d.cut_call += buf_.substr(from);
+        buf_.resize(from);
+      }
+      d.content += buf_;
+      buf_.clear();
+      return;
+    }
+    // held back: a start of the marker at the end, and the newlines before it
+    size_t cut = buf_.size() - marker_start_at_end(buf_, kO);
+    while (cut > 0 && buf_[cut - 1] == '\n') --cut;
+    d.content += buf_.substr(0, cut);
+    buf_.erase(0, cut);
+    return;
+  }
+}
+
+QwenToolReplyStream::Delta QwenToolReplyStream::feed(const std::string& text) {
+  Delta d;
+  if (!inner_) {
+    answer(text, d, false);
+    return d;
+  }
+  const Delta in = inner_->feed(text);
+  d.reasoning = in.reasoning;
+  answer(in.content, d, false);
+  return d;
+}
+
+QwenToolReplyStream::Delta QwenToolReplyStream::finish() {
+  Delta d;
+  if (inner_) {
+    const Delta in = inner_->finish();
+    d.reasoning = in.reasoning;
+    answer(in.content, d, true);
+  } else {
+    answer("", d, true);
+  }
+  return d;
+}
+
+ThinkReplyStream::Delta ThinkReplyStream::finish() {
+  Delta d;
+  if (state_ == State::start) {
+    d.content = buf_;
+  } else if (state_ == State::reasoning) {
+    d.reasoning = buf_;
+    d.reasoning.erase(d.reasoning.find_last_not_of('\n') + 1);
+  }
+  buf_.clear();
   return d;
 }
 

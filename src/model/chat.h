@@ -1,7 +1,9 @@
 // Chat templates for the supported instruct models, chosen from the GGUF's
-// tokenizer.chat_template: ChatML (SmolLM2-Instruct and other ChatML models), Gemma's turn format,
-// Llama 3's headers, Phi-3's role tags and Mistral's [INST] turns.
+// tokenizer.chat_template: ChatML (SmolLM2-Instruct and other ChatML models; Qwen's reasoning
+// blocks and function calls), Gemma's turn format, Llama 3's headers, Phi-3's role tags, Mistral's
+// [INST] turns, harmony (gpt-oss); and the splitters that read a reply's reasoning and calls.
 #pragma once
+#include <memory>
 #include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
@@ -17,13 +19,15 @@ struct ChatToolCall {
 };
 
 struct ChatMessage {
-  std::string role;     // "system", "user", "assistant"; harmony also "tool" (a function's result)
+  std::string role;     // "system", "user", "assistant"; harmony and Qwen's tools also "tool" (a function's result)
   std::string content;
   // Harmony (gpt-oss) writes these in its own syntax; for the other families kvq serve writes
   // calls and results into the content (server/tools.h).
   std::string reasoning = {};                 // an assistant's reasoning (its analysis channel)
+  bool reasoning_given = false;               // reasoning was given (reasoning_content, even empty)
   std::vector<ChatToolCall> tool_calls = {};  // an assistant's function calls
   std::string name = {};                      // a tool message's function
+  bool tool_result = false;                   // a user turn that holds functions' results (kvq's tool prompt)
 };
 
 // mistral_v1: Mistral 7B v0.1 / v0.2 ('[INST] ' and ' [/INST]' as text, the system prompt in the first
@@ -59,6 +63,25 @@ struct ChatTemplate {
   // reasoning_effort: low, medium, high; empty: medium), a request's setting.
   std::string date;
   std::string reasoning_effort;
+  // ChatML templates of reasoning models, whose replies reason in '<think>\n...\n</think>\n\n'
+  // before the answer: the model opens the block itself (Qwen3: its template's enable_thinking
+  // false closes an empty one in the prompt), or the generation prompt opens it ('<think>\n':
+  // QwQ, Qwen3's Thinking-2507 models).
+  enum class Think { none, model_opens, prompt_opens };
+  Think think = Think::none;
+  // Earlier replies' reasoning shown again in the replies after the last user query (Qwen3's
+  // last_query_index: a reply that called tools, before their results, keeps its reasoning); else
+  // each earlier reply is its answer alone.
+  bool think_after_query = false;
+  // The template reads enable_thinking (Qwen3): ChatRenderOptions::thinking false closes the block.
+  bool think_switch = false;
+  // Qwen's function calling (Qwen2.5, Qwen3, QwQ templates): the tools listed as JSON in the system
+  // turn's "# Tools" section, a call written '<tool_call>\n{"name": NAME, "arguments": {...}}\n</tool_call>',
+  // results as '<tool_response>' blocks in a user turn (ChatMessage role "tool").
+  bool qwen_tools = false;
+  // Qwen2.5's and QwQ's tools section always follows the system text and a blank line (their
+  // default, QwQ's empty, when there is no system message); Qwen3's only a system message's.
+  bool qwen_tools_after_system = false;
   bool known() const { return family != ChatFamily::none; }
 };
 
@@ -80,8 +103,15 @@ struct ChatRenderOptions {
   bool continue_final_message = false;  // leave the last message (the assistant's) open, to be
                                         // continued: no end of turn after it, no new turn
   // Harmony: the functions the model may call, as its developer message's "# Tools" section
-  // declares them (server/harmony_tools.h: "## functions\n\nnamespace functions {...}"); empty: none.
+  // declares them (server/harmony_tools.h: "## functions\n\nnamespace functions {...}"); Qwen's
+  // tools (ChatTemplate::qwen_tools): the tools' JSON, one per line, as its template's tojson
+  // writes them; empty: none.
   std::string tools = {};
+  // A reasoning template (ChatTemplate::think): false closes the reasoning block in the prompt
+  // ('<think>\n\n</think>\n\n', as Qwen3's enable_thinking false), so the reply is the answer
+  // alone; a template whose prompt opens the block gets it closed too. No effect on other
+  // templates (a template that mentions <think> without an enable_thinking switch included).
+  bool thinking = true;
 };
 // Renders messages and the opening of the assistant's turn. The BOS token is not included
 // (the tokenizer adds it when the model wants it), except a template's own (bos_prefix). Throws kvq::Error for an unknown role, and for
@@ -89,7 +119,88 @@ struct ChatRenderOptions {
 std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& msgs, const ChatRenderOptions& opt = {});
 // What the template puts after an assistant reply's text to continue the conversation with a user
 // turn: the reply's end, the user's turn, the opening of the next reply.
-std::string chat_render_next_turn(const ChatTemplate& t, const std::string& user);
+std::string chat_render_next_turn(const ChatTemplate& t, const std::string& user, const ChatRenderOptions& opt = {});
+
+// llama.cpp's --chat-template-kwargs (and the API's chat_template_kwargs), a JSON object: kvq renders
+// the templates itself and reads enable_thinking (ChatRenderOptions::thinking), which it returns
+// (true when absent); throws kvq::Error for text that is not such an object and for other keys,
+// which would otherwise be lost silently.
+bool chat_template_kwargs_thinking(const std::string& json_text);
+
+// What a reasoning reply is split into as it streams: its reasoning, its answer, and (harmony)
+// its function calls.
+struct ChatReplyDelta {
+  std::string reasoning, content;
+  std::vector<ChatToolCall> calls = {};
+  std::string cut_call = {};  // Qwen's: a call cut short (or not JSON), as its text from '<tool_call>'
+};
+// A chat reply split as it streams (HarmonyReplyStream, ThinkReplyStream): feed() takes each piece
+// of text and returns what it adds, holding back a piece that may be the start of a marker;
+// finish() gives what was held back at the reply's end.
+class ChatReplySplitter {
+ public:
+  using Delta = ChatReplyDelta;
+  virtual ~ChatReplySplitter() = default;
+  virtual Delta feed(const std::string& text) = 0;
+  virtual Delta finish() = 0;
+  // A whole reply: `opening` (what the prompt already wrote of the reply) read and dropped, then
+  // `text` and the end.
+  Delta split_after(const std::string& opening, const std::string& text);
+};
+// The splitter of a template's replies: harmony's (take_calls: functions were offered), a reasoning
+// template's (ChatTemplate::think), or none (nullptr: the reply is all content).
+std::unique_ptr<ChatReplySplitter> chat_reply_splitter(const ChatTemplate& t, bool take_calls = false);
+// What a rendered chat prompt has already written of the reply: the text after the opening of its
+// last assistant turn (a reasoning template's '<think>\n', a continued message's start); empty
+// for templates without reasoning.
+std::string chat_reply_opening(const ChatTemplate& t, const std::string& prompt);
+
+// A reasoning template's reply (ChatTemplate::think): '<think>' (once the reply's leading
+// whitespace is past) opens the reasoning, '</think>' ends it, and the rest is the answer; a reply
+// that does not open with '<think>' is all answer. The reasoning loses its leading and trailing
+// newlines and the answer its leading ones (as the templates strip them when they show a reply
+// again). A reply cut short inside the block is all reasoning. Markers are matched as text (Qwen's
+// <think> is a token written as its text).
+class ThinkReplyStream : public ChatReplySplitter {
+ public:
+  // also_ends: text that ends the reasoning too, left to start the answer (Qwen's '<tool_call>',
+  // whose grammar, once triggered, lets no '</think>' come)
+  explicit ThinkReplyStream(std::string also_ends = {}) : also_ends_(std::move(also_ends)) {}
+  Delta feed(const std::string& text) override;
+  Delta finish() override;
+
+ private:
+  enum class State { start, reasoning, answer_start, answer };
+  State state_ = State::start;
+  std::string also_ends_;
+  std::string buf_;             // text held back
+  bool reasoning_text_ = false;  // the reasoning's first text (past its leading newlines) came
+};
+
+// A reply of Qwen's function calling (ChatTemplate::qwen_tools), after its reasoning (`inner`, a
+// reasoning template's splitter, or none): the answer's text up to '<tool_call>' is content (the
+// newlines before a call dropped), each '<tool_call>...</tool_call>' whose text is a JSON object
+// {"name": string, "arguments": object or string} a call (its arguments as Python's json.dumps
+// writes them, as vLLM's Hermes parser returns them), given when it closes; a call that does not
+// close, or whose text is not such an object, comes back as cut_call, its text from the newlines
+// before '<tool_call>' (as does a start of '<tool_call>' of two bytes or more at the reply's end).
+// A '<tool_call>' inside the reasoning ends it (ThinkReplyStream's also_ends).
+class QwenToolReplyStream : public ChatReplySplitter {
+ public:
+  explicit QwenToolReplyStream(std::unique_ptr<ChatReplySplitter> inner = nullptr) : inner_(std::move(inner)) {}
+  Delta feed(const std::string& text) override;
+  Delta finish() override;
+  static constexpr const char* kOpen = "<tool_call>";
+  static constexpr const char* kClose = "</tool_call>";
+
+ private:
+  void answer(const std::string& text, Delta& d, bool end);
+  std::unique_ptr<ChatReplySplitter> inner_;
+  bool in_call_ = false;
+  bool after_call_ = false;  // between calls: newlines dropped
+  std::string buf_;
+  std::string newlines_;     // in a call: the newlines before its opening marker
+};
 
 // A harmony reply (gpt-oss) as it is generated, its markers rendered as text:
 // '<|channel|>analysis<|message|>reasoning<|end|><|start|>assistant<|channel|>final<|message|>answer'.
@@ -104,16 +215,12 @@ std::string chat_render_next_turn(const ChatTemplate& t, const std::string& user
 // it, its text the arguments; it is returned when it ends (at finish() when the reply stops inside
 // it). A message to another recipient is content, and so is a call when calls are not taken (no
 // functions were offered: its arguments' text).
-class HarmonyReplyStream {
+class HarmonyReplyStream : public ChatReplySplitter {
  public:
-  struct Delta {
-    std::string reasoning, content;
-    std::vector<ChatToolCall> calls = {};
-  };
   explicit HarmonyReplyStream(bool take_calls = true) : take_calls_(take_calls) {}
-  Delta feed(const std::string& text);
+  Delta feed(const std::string& text) override;
   // The end of the reply: what was held back (a marker's start that was text after all).
-  Delta finish();
+  Delta finish() override;
   // A whole reply at once (feed, then finish).
   static Delta split(const std::string& text, bool take_calls = true);
   // What a prompt ends with to open the reply's final channel (a constrained answer, no reasoning)

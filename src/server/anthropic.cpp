@@ -322,7 +322,9 @@ void read_output_format(const ojson& body, ojson& out) {
   out["response_format"] = rf;
 }
 
-void read_thinking(const ojson& body) {
+// thinking: disabled turns a reasoning template's block off (chat_template_kwargs.enable_thinking
+// false, Qwen3's switch), enabled / adaptive on; absent leaves the server's default.
+void read_thinking(const ojson& body, ojson& out) {
   if (!is_set(body, "thinking")) return;
   const ojson& t = body["thinking"];
   if (!t.is_object() || !t.contains("type") || !t["type"].is_string())
@@ -337,6 +339,7 @@ void read_thinking(const ojson& body) {
     throw AnthropicError(fmt::format("'thinking' type '{}' is unknown (valid: enabled, disabled, adaptive, between_tools)", type),
                          "thinking.type");
   }
+  out["chat_template_kwargs"] = {{"enable_thinking", type != "disabled"}};
 }
 
 }  // namespace
@@ -407,7 +410,7 @@ ojson anthropic_chat_body(const ojson& body, bool count_tokens) {
     if (is_set(body, key) && !body[key].is_string()) throw AnthropicError(fmt::format("'{}' must be a string", key), key);
   read_tools(body, out);
   read_output_format(body, out);
-  read_thinking(body);
+  read_thinking(body, out);
   if (prefill) {
     const bool tools_on = out.contains("tools") && !out["tools"].empty() && out.value("tool_choice", ojson("auto")) != "none";
     if (tools_on || out.contains("response_format"))

@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "core/strings.h"
+#include "model/chat.h"
 #include "server/server.h"
 #include "tools/files.h"
 #include "tools/kv_flags.h"
@@ -27,6 +28,10 @@ void serve_add_cli(CLI::App& app, ServeOptions& o) {
                  "file whose own is missing or wrong (llama.cpp's flag; vLLM's --chat-template); kvq recognizes the "
                  "families it renders by their markers")
       ->type_name("FILE");
+  app.add_option("--chat-template-kwargs", o.chat_template_kwargs,
+                 "a JSON object of chat template settings, as llama.cpp's flag: kvq reads enable_thinking (false: a reasoning "
+                 "template's <think> block, Qwen3's, closed in the prompt, so the reply is the answer alone)")
+      ->type_name("JSON");
   app.add_option("--kv-mem", o.kv_mem, "KV page pool budget in bytes (e.g. 2GiB, 512MiB)");
   app.add_option("--kv-tokens", o.engine.kv_tokens, "KV page pool size: room for one prompt of this many tokens, prefilled in --max-batch steps (instead of --kv-mem)");
   app.add_option("--kv-offload-dir", o.engine.kv_offload_dir, kKvOffloadDirHelp);
@@ -124,6 +129,14 @@ int serve_command(ServeOptions o) {
     }
   }
   const std::optional<std::string> chat_template = read_chat_template_file(o.chat_template_file);  // (before the model loads)
+  bool enable_thinking = true;
+  if (!o.chat_template_kwargs.empty()) {
+    try {
+      enable_thinking = chat_template_kwargs_thinking(o.chat_template_kwargs);
+    } catch (const Error& e) {
+      fail("--chat-template-kwargs: {}", e.what());
+    }
+  }
   Engine engine(o.engine);
   kv_flags_warn_unused(o.engine.kv, engine.kv_setup(), engine.model());
   engine_warn_ctx_capped(o.engine.ctx, engine.model().config().n_ctx_train);
@@ -133,6 +146,7 @@ int serve_command(ServeOptions o) {
   so.model_name = o.model_name.empty() ? std::filesystem::path(o.engine.model_path).stem().string() : o.model_name;
   so.api_key = o.api_key;
   so.chat_template = chat_template.value_or("");
+  so.enable_thinking = enable_thinking;
   so.http_threads = o.http_threads;
   so.allowed_origins.clear();
   for (const std::string& one : split_list(o.allowed_origins))

@@ -15,6 +15,7 @@ struct ServeOptions {
   int port = 8080;
   std::string model_name;
   std::string chat_template_file;  // --chat-template-file: a template instead of the model's
+  std::string chat_template_kwargs;  // --chat-template-kwargs: {"enable_thinking": false} (a reasoning template's switch)
   std::string kv_mem;  // "2GiB", "512MiB", "1e9" ...
   std::string kv_offload_size;  // the same kind of size
   std::string api_key;  // --api-key, else $KVQ_API_KEY; empty: no key asked

@@ -31,6 +31,7 @@
 #include "server/anthropic.h"
 #include "server/responses.h"
 #include "server/harmony_tools.h"
+#include "server/qwen_tools.h"
 #include "server/tools.h"
 
 namespace kvq {
@@ -604,6 +605,7 @@ struct Server::Impl {
     std::vector<ToolCall> calls;
     bool called = false;  // the reply ended with whole calls (finish "tool_calls")
     bool raw = false;     // content is the raw text of a tool reply cut short before it was a response
+    std::string cut_call;  // Qwen's: a call cut short, as its text (the chat endpoint's content ends with it)
   };
   ChatReply read_reply(const Prepared& p, const GenResult& g, std::mt19937_64& rng) const;
   class ChatReplyStream;
@@ -647,17 +649,39 @@ struct Server::Impl {
     ToolSpec spec;
     bool response_is_string = true;
     std::string system_extra;  // the tools' prompt (empty: tools not active)
-    // Harmony (gpt-oss): the functions as its developer message declares them (empty: not
-    // active), and what the prompt opens the reply with (a call forced: ' to=functions.')
-    std::string harmony_tools;
+    // Harmony (gpt-oss): the functions as its developer message declares them; Qwen's: the tools'
+    // JSON lines (empty: not active). Harmony: what the prompt opens the reply with (a call forced:
+    // ' to=functions.')
+    std::string native_tools;
     std::string open_reply;
   };
   ChatTools chat_tools(const json& body, std::string_view raw, ApiRequest* ar) const;
   ChatTools harmony_chat_tools(ChatTools t, ApiRequest* ar) const;
   // The chat prompt; tools: what the system turn adds (the tools' prompt, or harmony's functions)
-  // and the reply's opening. final_channel: a harmony reply (gpt-oss) opened in its final channel,
-  // without reasoning (for a constraint, whose grammar starts at the reply's first byte).
-  std::vector<int32_t> chat_prompt(const json& body, const ChatTools& tools, bool final_channel = false);
+  // and the reply's opening. final_channel: the reply constrained from its first byte: a harmony
+  // reply (gpt-oss) opened in its final channel, without reasoning.
+  // A reasoning template's (<think>) block is closed in the prompt then, and always with
+  // chat_template_kwargs.enable_thinking false. *opening: what the prompt wrote of the reply.
+  std::vector<int32_t> chat_prompt(const json& body, const ChatTools& tools, bool final_channel = false,
+                                   std::string* opening = nullptr);
+  // The prompt the chat endpoint runs for a body (its constraint read, as harmony's reply opens in
+  // its final channel and a reasoning template's block is closed under one): /tokenize's and
+  // count_tokens'.
+  std::vector<int32_t> chat_prompt_of(const json& body, std::string_view raw) {
+    ApiRequest ar = parse_common(body, raw);
+    const ChatTools t = chat_tools(body, raw, &ar);
+    return chat_prompt(body, t, constrained_from_start(ar.params.grammar || ar.params.json_object, t));
+  }
+  // Whether a chat reply's grammar starts at its first byte (a constraint, or tools other than
+  // harmony's lazy ones): harmony's reply opens in its final channel, a reasoning template's
+  // block is closed.
+  bool constrained_from_start(bool constraint, const ChatTools& t) const {
+    if (tpl.family == ChatFamily::harmony) return constraint && !t.spec.active();
+    if (native_tools()) return constraint;  // (Qwen's: a grammar from the reply's start is on the request)
+    return constraint || t.spec.active();
+  }
+  // The template writes function calls in its own syntax: harmony's, Qwen's
+  bool native_tools() const { return tpl.family == ChatFamily::harmony || (tpl.family == ChatFamily::chatml && tpl.qwen_tools); }
 
   struct Prepared {
     ApiRequest ar;
@@ -665,6 +689,12 @@ struct Server::Impl {
     ChatTools tools;
     bool chat = false;
     bool harmony = false;                   // a chat reply in gpt-oss's harmony format
+    // A chat reply split into reasoning and answer (harmony, or a reasoning template's <think>),
+    // after what the prompt wrote of it (harmony: a forced call's header; <think>: its opening).
+    bool split = false;
+    std::string reply_opening;
+    const ChatTemplate* tpl = nullptr;  // the server's
+    bool native_tools = false;          // calls in the template's own syntax (harmony's, Qwen's)
     const char* tool_finish = "tool_calls";  // a reply with calls ends so ("stop" for a call forced by name, as OpenAI's)
     int prompt_tokens = 0;                  // each prompt once (its n choices share its pages)
     int n_choices = 1;
@@ -691,8 +721,8 @@ struct Server::Impl {
     bool finish(const GenResult& g, const Sink& s);
 
    private:
-    void harmony_out(const HarmonyReplyStream::Delta& hd, const Sink& s);
-    std::unique_ptr<HarmonyReplyStream> harmony_;
+    void split_out(const ChatReplyDelta& hd, const Sink& s);
+    std::unique_ptr<ChatReplySplitter> split_;
     std::unique_ptr<ToolReplyStream> tools_;
     bool response_is_string_ = true;
     size_t calls_ = 0;   // harmony: the calls told
@@ -720,6 +750,7 @@ Server::Impl::ChatTools Server::Impl::chat_tools(const json& body, std::string_v
                                ar->constraint),
                    ar->constraint};
   if (tpl.family == ChatFamily::harmony) return harmony_chat_tools(std::move(t), ar);
+  const bool qwen = tpl.family == ChatFamily::chatml && tpl.qwen_tools;
   nlohmann::ordered_json response = nullptr;  // the response's schema (null: a string)
   if (ar && !ar->constraint.empty()) {
     if (ar->params.json_object) {
@@ -732,6 +763,17 @@ Server::Impl::ChatTools Server::Impl::chat_tools(const json& body, std::string_v
   } else if (!ar && body.contains("response_format") && body["response_format"].is_object()) {
     const json type = body["response_format"].value("type", json());
     t.response_is_string = !(type == "json_schema" || type == "json_object");
+  }
+  if (qwen) {  // Qwen's own syntax (qwen_tools.h)
+    GenParams none;
+    try {
+      qwen_tool_constraint(t.spec, response, ar ? ar->params : none);
+    } catch (const ToolsError& e) {
+      throw ApiError{e.what(), e.param};
+    }
+    t.native_tools = qwen_tools_json(ob, t.spec);
+    t.response_is_string = false;  // (not read: the reply is split by QwenToolReplyStream)
+    return t;
   }
   // The reply's grammar: set on the request, or (for /tokenize) compiled only so that a function
   // whose parameters kvq cannot generate is refused here as at /v1/chat/completions.
@@ -764,7 +806,7 @@ Server::Impl::ChatTools Server::Impl::harmony_chat_tools(ChatTools t, ApiRequest
   } catch (const ToolsError& e) {
     throw ApiError{e.what(), e.param};
   }
-  t.harmony_tools = harmony_functions_namespace(t.spec.functions);
+  t.native_tools = harmony_functions_namespace(t.spec.functions);
   t.response_is_string = false;  // (not read: harmony's replies are split by HarmonyReplyStream)
   return t;
 }
@@ -794,7 +836,8 @@ static json tool_calls_json(const std::vector<ToolCall>& calls, bool indexed) {
   return out;
 }
 
-std::vector<int32_t> Server::Impl::chat_prompt(const json& body, const ChatTools& tools, bool final_channel) {
+std::vector<int32_t> Server::Impl::chat_prompt(const json& body, const ChatTools& tools, bool final_channel,
+                                               std::string* opening) {
   if (!body.contains("messages")) throw ApiError{"'messages' is required", "messages", "missing_required_parameter"};
   std::vector<ChatMessage> msgs;
   try {
@@ -805,7 +848,7 @@ std::vector<int32_t> Server::Impl::chat_prompt(const json& body, const ChatTools
   // vLLM's add_generation_prompt (default true) and continue_final_message (default false): the
   // last message, the assistant's, left open and continued (a reply's start given by the client).
   ChatRenderOptions ro;
-  ro.tools = tools.harmony_tools;
+  ro.tools = tools.native_tools;
   const bool opens_call = !tools.open_reply.empty();
   for (const auto& [key, field] : {std::pair{"add_generation_prompt", &ro.add_generation_prompt},
                                    std::pair{"continue_final_message", &ro.continue_final_message}}) {
@@ -839,6 +882,20 @@ std::vector<int32_t> Server::Impl::chat_prompt(const json& body, const ChatTools
       throw ApiError{"'reasoning_effort' must be one of \"low\", \"medium\", \"high\"", "reasoning_effort"};
     t.reasoning_effort = e.get<std::string>();
   }
+  // chat_template_kwargs (vLLM's and llama.cpp's): kvq renders the templates itself, and reads
+  // enable_thinking (a reasoning template's switch; no effect on others, as on their templates);
+  // another key would be silently lost, so it is refused.
+  ro.thinking = opt.enable_thinking;
+  if (body.contains("chat_template_kwargs") && !body["chat_template_kwargs"].is_null()) {
+    try {
+      const bool given = body["chat_template_kwargs"].is_object() && body["chat_template_kwargs"].contains("enable_thinking");
+      const bool thinking = chat_template_kwargs_thinking(body["chat_template_kwargs"].dump());
+      if (given) ro.thinking = thinking;
+    } catch (const Error& e) {
+      throw ApiError{e.what(), "chat_template_kwargs"};
+    }
+  }
+  if (final_channel) ro.thinking = false;
   std::string text;
   if (tpl.known()) {
     try {
@@ -846,8 +903,9 @@ std::vector<int32_t> Server::Impl::chat_prompt(const json& body, const ChatTools
     } catch (const Error& e) {
       throw ApiError{e.what(), "messages"};
     }
-    if (final_channel && ro.add_generation_prompt) text += HarmonyReplyStream::kOpenFinal;
+    if (final_channel && ro.add_generation_prompt && tpl.family == ChatFamily::harmony) text += HarmonyReplyStream::kOpenFinal;
     if (ro.add_generation_prompt) text += tools.open_reply;
+    if (opening) *opening = tpl.family == ChatFamily::harmony ? tools.open_reply : chat_reply_opening(tpl, text);
   } else {
     // A model without a chat template kvq knows (a base model): the contents, one per line.
     for (const auto& m : msgs) text += m.content + "\n";
@@ -971,9 +1029,13 @@ Server::Impl::Prepared Server::Impl::prepare(const json& body, std::string_view 
     // Harmony (gpt-oss): a reply writes its reasoning, then its answer in the final channel or a
     // function call; a constraint's grammar without tools applies to the answer, opened by the
     // prompt (no reasoning then); with tools, see harmony_chat_tools.
-    prompts.push_back({chat_prompt(body, p.tools,
-                                   p.harmony && !p.tools.spec.active() && (ar.params.grammar || ar.params.json_object)),
+    // A reasoning template's reply (<think>) has its block closed in the prompt then.
+    prompts.push_back({chat_prompt(body, p.tools, constrained_from_start(ar.params.grammar || ar.params.json_object, p.tools),
+                                   &p.reply_opening),
                        "", 0});
+    p.native_tools = native_tools();
+    p.split = p.harmony || tpl.think != ChatTemplate::Think::none || (p.native_tools && p.tools.spec.active());
+    p.tpl = &tpl;
   } else {
     auto set = [&](const char* key) { return body.contains(key) && !body[key].is_null(); };
     if ((set("tools") && !(body["tools"].is_array() && body["tools"].empty())) || set("functions") ||
@@ -1110,17 +1172,18 @@ std::vector<GenResult> Server::Impl::run_all(const Prepared& p, const httplib::R
 
 Server::Impl::ChatReply Server::Impl::read_reply(const Prepared& p, const GenResult& g, std::mt19937_64& rng) const {
   ChatReply r;
-  if (p.harmony) {  // the answer as content, the reasoning beside it, calls
-    // (calls only when functions were offered: with none, a call the model writes is content)
-    const HarmonyReplyStream::Delta d = HarmonyReplyStream::split(p.tools.open_reply + g.text, p.tools.spec.active());
+  if (p.split && !(p.tools.spec.active() && !p.native_tools)) {  // the answer as content, the reasoning beside it, calls
+    // (harmony's calls only when functions were offered: with none, a call the model writes is content)
+    const ChatReplyDelta d = chat_reply_splitter(tpl, p.tools.spec.active())->split_after(p.reply_opening, g.text);
     r.content = d.content;
     r.reasoning = d.reasoning;
+    r.cut_call = d.cut_call;
     if (!d.calls.empty()) {
       if (d.content.empty()) r.content = nullptr;
       r.calls = harmony_calls(d.calls, rng);
       // a call cut short (max_tokens: "length"; a stop string: arguments that are no JSON) keeps
       // the reason it ended for
-      r.called = g.finish_reason == "stop" && harmony_calls_whole(d.calls);
+      r.called = g.finish_reason == "stop" && harmony_calls_whole(d.calls) && d.cut_call.empty();
     }
   } else if (p.tools.spec.active()) {
     const ToolReply tr = parse_tool_reply(g.text, p.tools.response_is_string, rng);
@@ -1138,18 +1201,22 @@ Server::Impl::ChatReplyStream::ChatReplyStream(const Prepared& p) {
   // With tools, the reply's text is read as it streams: a response's text goes out as content,
   // tool calls in one piece at the end (tools.h). Harmony: reasoning and answer as they come,
   // each call when it ends.
-  if (p.harmony) {
-    harmony_ = std::make_unique<HarmonyReplyStream>(p.tools.spec.active());
-    (void)harmony_->feed(p.tools.open_reply);  // (a header's start: nothing to send)
+  if (p.split && !(p.tools.spec.active() && !p.native_tools)) {
+    split_ = chat_reply_splitter(*p.tpl, p.tools.spec.active());
+    (void)split_->feed(p.reply_opening);  // (what the prompt wrote: nothing to send)
   } else if (p.tools.spec.active()) {
     tools_ = std::make_unique<ToolReplyStream>(p.tools.response_is_string);
     response_is_string_ = p.tools.response_is_string;
   }
 }
 
-void Server::Impl::ChatReplyStream::harmony_out(const HarmonyReplyStream::Delta& hd, const Sink& s) {
+void Server::Impl::ChatReplyStream::split_out(const ChatReplyDelta& hd, const Sink& s) {
   if (!hd.reasoning.empty()) s.reasoning(hd.reasoning);
   if (!hd.content.empty()) s.content(hd.content);
+  if (!hd.cut_call.empty()) {  // (told as content where a tool reply's raw text is)
+    whole_ = false;
+    if (s.raw_text) s.content(hd.cut_call);
+  }
   whole_ = whole_ && harmony_calls_whole(hd.calls);
   if (hd.calls.empty()) return;
   const std::vector<ToolCall> calls = harmony_calls(hd.calls, rng_);
@@ -1161,16 +1228,16 @@ void Server::Impl::ChatReplyStream::feed(const std::string& d, const Sink& s) {
   if (tools_) {
     const std::string c = tools_->feed(d);
     if (!c.empty()) s.content(c);
-  } else if (harmony_) {
-    harmony_out(harmony_->feed(d), s);
+  } else if (split_) {
+    split_out(split_->feed(d), s);
   } else {
     s.content(d);
   }
 }
 
 bool Server::Impl::ChatReplyStream::finish(const GenResult& g, const Sink& s) {
-  if (harmony_) {
-    harmony_out(harmony_->finish(), s);
+  if (split_) {
+    split_out(split_->finish(), s);
     return calls_ > 0 && whole_ && g.finish_reason == "stop";
   }
   if (!tools_) return false;
@@ -1270,6 +1337,7 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
       if (chat) {
         const ChatReply r = read_reply(p, g, id_rng);
         json msg = {{"role", "assistant"}, {"content", r.content}};
+        if (!r.cut_call.empty()) msg["content"] = (r.content.is_string() ? r.content.get<std::string>() : "") + r.cut_call;
         if (!r.reasoning.empty()) msg["reasoning_content"] = r.reasoning;  // vLLM's
         if (!r.calls.empty()) msg["tool_calls"] = tool_calls_json(r.calls, false);
         if (r.called) choice["finish_reason"] = tool_finish;
@@ -1643,10 +1711,7 @@ void Server::Impl::handle_count_tokens(const httplib::Request& req, httplib::Res
   std::string raw;
   const json body = messages_chat_body(req, true, &raw, nullptr);
   check_model(body);
-  const ChatTools t = chat_tools(body, raw, nullptr);
-  // (a harmony reply under an output format opens in its final channel, as prepare() opens it)
-  const bool final_channel = tpl.family == ChatFamily::harmony && !t.spec.active() && body.contains("response_format");
-  send_json(res, 200, json{{"input_tokens", chat_prompt(body, t, final_channel).size()}});
+  send_json(res, 200, json{{"input_tokens", chat_prompt_of(body, raw).size()}});
 }
 
 Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<Impl>(engine, o)) {
@@ -1853,7 +1918,7 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
       const Tokenizer& tk = impl_->engine.tokenizer();
       std::vector<int32_t> ids;
       if (body.contains("messages")) {
-        ids = impl_->chat_prompt(body, impl_->chat_tools(body, req.body, nullptr));
+        ids = impl_->chat_prompt_of(body, req.body);
       } else {
         if (!body.contains("prompt") || !body["prompt"].is_string())
           throw ApiError{"'prompt' (a string) or 'messages' is required", "prompt", "missing_required_parameter"};

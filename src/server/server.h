@@ -31,6 +31,8 @@ struct ServerOptions {
   std::vector<std::string> allowed_origins = {"*"};
   // A chat template (Jinja text) to read instead of the model's (--chat-template-file); empty: the model's.
   std::string chat_template;
+  // A reasoning template's default for chat_template_kwargs.enable_thinking (--chat-template-kwargs)
+  bool enable_thinking = true;
 };
 
 class Server {

@@ -433,6 +433,8 @@ std::vector<ChatMessage> tool_chat_messages(const json& ms, const std::string& s
   std::map<std::string, std::string> call_names;  // tool_call_id -> function name
   bool in_tool_turn = false;                      // the last turn holds tool results
   const bool harmony = tpl.family == ChatFamily::harmony;
+  // Qwen's templates write calls and results in their own syntax too (chat_render), named by nothing
+  const bool qwen = tpl.family == ChatFamily::chatml && tpl.qwen_tools;
   std::string last_call;                          // the last assistant message's last call
   for (size_t i = 0; i < ms.size(); ++i) {
     const json& m = ms[i];
@@ -452,6 +454,10 @@ std::vector<ChatMessage> tool_chat_messages(const json& ms, const std::string& s
         if (it != call_names.end()) name = it->second;
       }
       if (name.empty() && m.contains("name") && m["name"].is_string()) name = m["name"].get<std::string>();
+      if (qwen) {
+        out.push_back({"tool", content});
+        continue;
+      }
       if (harmony) {  // the function's own message (named by the last call when nothing names it)
         if (name.empty() && last_call.empty())
           throw ToolsError("a 'tool' message needs an earlier assistant message with 'tool_calls'", at);
@@ -468,6 +474,7 @@ std::vector<ChatMessage> tool_chat_messages(const json& ms, const std::string& s
         out.back().content += line.dump();
       } else {
         out.push_back({"user", line.dump()});
+        out.back().tool_result = true;
         in_tool_turn = true;
       }
       continue;
@@ -501,7 +508,7 @@ std::vector<ChatMessage> tool_chat_messages(const json& ms, const std::string& s
         last_call = f["name"].get<std::string>();
         if (c.contains("id") && c["id"].is_string()) call_names[c["id"].get<std::string>()] = f["name"].get<std::string>();
       }
-      if (!calls.empty() && !harmony) {
+      if (!calls.empty() && !harmony && !qwen) {
         ojson env = ojson::object();
         env["tool_calls"] = calls;
         if (!content.empty()) content += '\n';
@@ -509,13 +516,14 @@ std::vector<ChatMessage> tool_chat_messages(const json& ms, const std::string& s
       }
     }
     out.push_back({role == "developer" ? "system" : role, content});
-    if (harmony && role == "assistant") {
-      out.back().tool_calls = std::move(native);
-      // the reasoning kvq returned beside the content, given back (the template shows it before a
-      // call that no final reply follows yet)
+    if ((harmony || qwen) && role == "assistant") out.back().tool_calls = std::move(native);
+    if ((harmony || tpl.think != ChatTemplate::Think::none) && role == "assistant") {
+      // the reasoning kvq returned beside the content, given back (harmony's template shows it
+      // before a call that no final reply follows yet; Qwen3's in the replies after the last query)
       if (m.contains("reasoning_content") && !m["reasoning_content"].is_null()) {
         if (!m["reasoning_content"].is_string()) throw ToolsError("'reasoning_content' must be a string", at + ".reasoning_content");
         out.back().reasoning = m["reasoning_content"].get<std::string>();
+        out.back().reasoning_given = true;
       }
     }
   }

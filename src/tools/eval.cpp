@@ -56,6 +56,10 @@ void eval_add_cli(CLI::App& app, EvalOptions& o) {
   app.add_option("--chat-template-file", o.chat_template_file, "with --chat: "
                  "a chat template (Jinja, as a GGUF carries it) to use instead of the model's, for a file whose own is missing or wrong (llama.cpp's flag); kvq recognizes the families it renders by their markers")
       ->type_name("FILE");
+  app.add_option("--chat-template-kwargs", o.chat_template_kwargs,
+                 "with --chat: a JSON object of chat template settings, as llama.cpp's flag: kvq reads enable_thinking "
+                 "(false: a reasoning template's <think> block closed in the prompt, so replies are answers alone)")
+      ->type_name("JSON");
   app.add_flag("--json", o.json, "print JSON instead of tables");
   app.add_option("--json-out", o.json_out, "also write the JSON report to this file");
   app.add_option("--scale-mode", o.scale_mode, "ppl: dynamic | static-prefill (scales fixed from each window's first half)")
@@ -390,6 +394,7 @@ struct OwnCase {
   std::vector<int32_t> tokens;  // "prompt_tokens": used as is (no template, no tokenization) when given
   int max_tokens = 0;           // "max_tokens": this case's answer length (0: --max-tokens)
   int line = 0;
+  std::string opening = {};     // with --chat, what the rendered prompt wrote of the reply ('<think>\n')
 };
 
 std::vector<OwnCase> load_own(const std::string& path) {
@@ -399,7 +404,7 @@ std::vector<OwnCase> load_own(const std::string& path) {
       fail("--own {}:{}: each line needs string fields \"prompt\" and \"expected\"", path, ln);
     if (j.contains("match") && !j["match"].is_string())
       fail("--own {}:{}: \"match\" must be the string \"substring\" or \"exact\"", path, ln);
-    OwnCase c{j["prompt"], j["expected"], j.value("match", std::string("substring")), {}, 0, ln};
+    OwnCase c{j["prompt"], j["expected"], j.value("match", std::string("substring")), {}, 0, ln, {}};
     if (c.match != "substring" && c.match != "exact")
       fail("--own {}:{}: \"match\" must be \"substring\" or \"exact\", not \"{}\"", path, ln, c.match);
     if (c.match == "substring" && c.expected.empty())
@@ -559,10 +564,17 @@ LayerPolicy choose_layer_policy(const std::vector<FormatRun>& runs, const std::v
 void prepare_own(std::vector<OwnCase>& cases, const EvalOptions& o, const Model& m, const Tokenizer& tok) {
   const ChatTemplate tpl = o.chat ? chat_template_detect(m.file(), read_chat_template_file(o.chat_template_file)) : ChatTemplate{};
   if (o.chat && !tpl.known()) fail("--chat: the model has no chat template kvq supports");
+  ChatRenderOptions ro;
+  try {
+    ro.thinking = o.chat_template_kwargs.empty() || chat_template_kwargs_thinking(o.chat_template_kwargs);
+  } catch (const Error& e) {
+    fail("--chat-template-kwargs: {}", e.what());
+  }
   for (OwnCase& oc : cases) {
     if (oc.tokens.empty()) {
-      const std::string text = o.chat ? chat_render(tpl, {{"user", oc.prompt}}) : oc.prompt;
+      const std::string text = o.chat ? chat_render(tpl, {{"user", oc.prompt}}, ro) : oc.prompt;
       oc.tokens = tok.encode(text, true, o.chat);
+      if (o.chat) oc.opening = chat_reply_opening(tpl, text);
     }
     for (int32_t id : oc.tokens)
       if (id >= tok.n_vocab())
@@ -584,9 +596,10 @@ void task_own(Ctx& c, const std::vector<OwnCase>& cases) {
   Progress prog(c.o.progress, cases.size() * all.size());
   Forward fwd(c.m, c.pool, 256);
   std::vector<bool> ref_ok;
-  // A harmony model's reply (gpt-oss) is matched on its answer, the final channel, not on its reasoning
-  const bool harmony =
-      c.o.chat && chat_template_detect(c.m.file(), read_chat_template_file(c.o.chat_template_file)).family == ChatFamily::harmony;
+  // A harmony model's reply (gpt-oss) is matched on its answer, the final channel, not on its
+  // reasoning; a reasoning template's (<think>) on what follows its reasoning
+  const ChatTemplate tpl = c.o.chat ? chat_template_detect(c.m.file(), read_chat_template_file(c.o.chat_template_file)) : ChatTemplate{};
+  const bool split = c.o.chat && (tpl.family == ChatFamily::harmony || tpl.think != ChatTemplate::Think::none);
   for (size_t f = 0; f < all.size(); ++f) {
     std::vector<bool> oks;
     nlohmann::json items = nlohmann::json::array();
@@ -595,11 +608,11 @@ void task_own(Ctx& c, const std::vector<OwnCase>& cases) {
       const int max_tokens = oc.max_tokens > 0 ? oc.max_tokens : c.o.max_tokens;
       auto cache = make_cache(c, all[f], int(ids.size()) + max_tokens + 2);
       const std::string out = greedy_generate(c, fwd, *cache, ids, max_tokens);
-      const std::string answer = harmony ? HarmonyReplyStream::split(out).content : out;
+      const std::string answer = split ? chat_reply_splitter(tpl)->split_after(oc.opening, out).content : out;
       const bool hit = oc.match == "exact" ? trim(answer) == trim(oc.expected) : answer.find(oc.expected) != std::string::npos;
       oks.push_back(hit);
       items.push_back({{"prompt", oc.prompt}, {"expected", oc.expected}, {"output", out}, {"ok", hit}});
-      if (harmony) items.back()["answer"] = answer;
+      if (split) items.back()["answer"] = answer;
       prog.step("own " + all[f].name);
     }
     const double acc = double(std::count(oks.begin(), oks.end(), true)) / double(cases.size());
@@ -699,6 +712,7 @@ int eval_command(const EvalOptions& o) {
 
   if (!o.budget_bits.empty() && !has("layers")) fail("--budget-bits needs --task layers (its per-layer errors)");
   if (!o.chat_template_file.empty() && !o.chat) fail("--chat-template-file needs --chat");
+  if (!o.chat_template_kwargs.empty() && !o.chat) fail("--chat-template-kwargs needs --chat");
   // Bits per element of each format's K side and V side alone (the other side f16: 16 bits).
   std::vector<double> k_bits, v_bits;
   if (!o.budget_bits.empty()) {

@@ -27,6 +27,7 @@ struct EvalOptions {
   int max_tokens = 48;                // own: tokens generated per prompt
   bool chat = false;                  // own: wrap prompts in the chat template
   std::string chat_template_file;     // --chat-template-file: a template instead of the model's
+  std::string chat_template_kwargs;  // --chat-template-kwargs: {"enable_thinking": false} (a reasoning template's switch)
   bool json = false;
   std::string json_out;               // --json-out FILE (also writes JSON there)
   std::string html;                   // --html REPORT.html (self-contained, SVG plots)

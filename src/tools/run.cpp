@@ -41,9 +41,14 @@ void run_add_cli(CLI::App& app, RunOptions& o) {
   app.add_option("--reasoning-effort", o.reasoning_effort,
                  "with --chat on a harmony model (gpt-oss): low, medium (its default) or high")
       ->check(CLI::IsMember({"low", "medium", "high"}));
+  app.add_option("--chat-template-kwargs", o.chat_template_kwargs,
+                 "with --chat: a JSON object of chat template settings, as llama.cpp's flag: kvq reads enable_thinking "
+                 "(false: a reasoning template's <think> block, Qwen3's, closed in the prompt, so the reply is the answer alone)")
+      ->type_name("JSON");
   app.add_option("--reasoning-format", o.reasoning_format,
-                 "with --chat on a harmony model: split (the answer on stdout, the reasoning on stderr; default) "
-                 "or raw (the reply as generated, its channel markers included, on stdout)")
+                 "with --chat on a harmony model (gpt-oss) or a reasoning template (<think>: Qwen3, QwQ): split (the "
+                 "answer on stdout, the reasoning on stderr; default) or raw (the reply as generated, its markers "
+                 "included, on stdout)")
       ->check(CLI::IsMember({"split", "raw"}))
       ->each([&o](const std::string&) { o.reasoning_format_given = true; });
   app.add_flag("--echo", o.echo, "print the prompt before the generated text");
@@ -172,19 +177,32 @@ int run_command(const RunOptions& o) {
   // Harmony (gpt-oss): a reply is its reasoning, then its answer in the final channel; split, the
   // answer goes to stdout and the reasoning to stderr as they come. A constrained reply (--json,
   // ...) is opened in the final channel, without reasoning, as kvq serve opens it.
+  // A reasoning template's (<think>: Qwen3, QwQ) replies are split the same way; its block is
+  // closed in the prompt with --chat-template-kwargs '{"enable_thinking": false}' and for a
+  // constrained reply.
   const bool harmony = o.chat && tpl.family == ChatFamily::harmony;
-  const bool harmony_split = harmony && o.reasoning_format == "split";
-  if (o.reasoning_format_given && !harmony)
-    std::fprintf(stderr, "[kvq] warning: --reasoning-format applies to harmony replies (gpt-oss, with --chat); ignored\n");
+  const bool think = o.chat && tpl.think != ChatTemplate::Think::none;
+  const bool reply_split = (harmony || think) && o.reasoning_format == "split";
+  if (o.reasoning_format_given && !harmony && !think)
+    std::fprintf(stderr, "[kvq] warning: --reasoning-format applies to harmony replies (gpt-oss) and reasoning templates' "
+                 "(<think>), with --chat; ignored\n");
+  if (!o.chat_template_kwargs.empty() && !o.chat) fail("--chat-template-kwargs needs --chat");
+  ChatRenderOptions ro;
+  try {
+    ro.thinking = o.chat_template_kwargs.empty() || chat_template_kwargs_thinking(o.chat_template_kwargs);
+  } catch (const Error& e) {
+    fail("--chat-template-kwargs: {}", e.what());
+  }
+  if (grammar) ro.thinking = false;
   // The first turn: the whole prompt in the template (system message first).
   auto first_turn = [&](const std::string& user) {
     std::vector<ChatMessage> msgs;
     if (!o.system.empty()) msgs.push_back({"system", o.system});
     msgs.push_back({"user", user});
-    return chat_render(tpl, msgs) + (harmony && grammar ? HarmonyReplyStream::kOpenFinal : "");
+    return chat_render(tpl, msgs, ro) + (harmony && grammar ? HarmonyReplyStream::kOpenFinal : "");
   };
-  // Reply text out: to stdout, or split by channel (harmony)
-  std::unique_ptr<HarmonyReplyStream> hreply;
+  // Reply text out: to stdout, or split into reasoning and answer (harmony's channels, <think>)
+  std::unique_ptr<ChatReplySplitter> hreply;
   bool reasoning_open = false;  // stderr is inside a "[reasoning]" block
   std::string reply_text;       // the turn's reply as generated
   auto out_text = [&](const std::string& piece) {
@@ -194,7 +212,7 @@ int run_command(const RunOptions& o) {
       std::fflush(stdout);
       return;
     }
-    const HarmonyReplyStream::Delta d = piece.empty() ? hreply->finish() : hreply->feed(piece);
+    const ChatReplyDelta d = piece.empty() ? hreply->finish() : hreply->feed(piece);
     if (!d.reasoning.empty()) {
       if (!reasoning_open) std::fputs("[reasoning] ", stderr);
       reasoning_open = true;
@@ -219,7 +237,9 @@ int run_command(const RunOptions& o) {
   // template does: the cache at each reply's start is kept (a copy; sliding-window layers keep
   // their window), and the next turn goes on from there with the answer alone, the reasoning
   // dropped. (A constrained reply is opened in its final channel: it has no reasoning to drop.)
-  const bool rewind = o.interactive && harmony && !grammar;
+  // A reasoning template's likewise (Qwen3's and QwQ's show an earlier reply's answer alone), from
+  // before what the prompt wrote of the reply ('<think>\n').
+  const bool rewind = o.interactive && (harmony || think) && !grammar;
   std::unique_ptr<KvCache> reply_start;
   size_t reply_start_history = 0;
   Forward fwd(*model, pool);
@@ -236,7 +256,10 @@ int run_command(const RunOptions& o) {
 
   // One turn: the new prompt tokens into the cache, then up to n_predict sampled tokens streamed
   // to stdout. Returns false when the context is full.
-  auto turn = [&](const std::vector<int32_t>& ids, bool from_start) -> bool {
+  // opening: the prompt's last tokens, what it wrote of the reply (kept out of the reply's start,
+  // and read by the splitter).
+  auto turn = [&](const std::vector<int32_t>& ids, bool from_start, size_t opening_tokens = 0,
+                  const std::string& opening = {}) -> bool {
     if (cache.n_tokens() + int(ids.size()) >= ctx) {
       if (cache.n_tokens() == 0)
         fail("prompt is {} tokens, the context is {} (use a shorter prompt or a larger --ctx-size)", ids.size(), ctx);
@@ -244,20 +267,26 @@ int run_command(const RunOptions& o) {
       return false;
     }
     const double t0 = now_seconds();
-    const float* logits = fwd.eval(ids.data(), int(ids.size()), cache);
-    t_prompt += now_seconds() - t0;
-    n_prompt += ids.size();
-    history.insert(history.end(), ids.begin(), ids.end());
-    const size_t turn_start = history.size();
+    // with rewind, the reply's start is kept before the opening: run in two parts then
+    const size_t body = rewind && opening_tokens < ids.size() ? ids.size() - opening_tokens : ids.size();
+    const float* logits = fwd.eval(ids.data(), int(body), cache);
     if (rewind) {
       if (!reply_start) reply_start = std::make_unique<KvCache>(kcfg);
       reply_start->clear();
       reply_start->fork_from(cache);
-      reply_start_history = history.size();
+      reply_start_history = history.size() + body;
     }
+    if (body < ids.size()) logits = fwd.eval(ids.data() + body, int(ids.size() - body), cache);
+    t_prompt += now_seconds() - t0;
+    n_prompt += ids.size();
+    history.insert(history.end(), ids.begin(), ids.end());
+    const size_t turn_start = history.size();
     reply_text.clear();
     TokenStreamDecoder stream(tok, from_start);
-    if (harmony_split) hreply = std::make_unique<HarmonyReplyStream>();
+    if (reply_split) {
+      hreply = chat_reply_splitter(tpl);
+      (void)hreply->feed(opening);  // (what the prompt wrote of the reply)
+    }
     const double t1 = now_seconds();
     stop_reason = "length";
     bool room = true;
@@ -392,11 +421,13 @@ int run_command(const RunOptions& o) {
       std::fwrite(prompt.data(), 1, prompt.size(), stdout);  // all of it, NUL bytes included
       std::fflush(stdout);
     }
-    turn(ids, from_start);
+    const std::string opening = o.chat ? chat_reply_opening(tpl, text) : std::string();
+    turn(ids, from_start, 0, opening);
   } else {
     // Each user line, rendered as the template continues the conversation, goes into the same
     // cache after the reply before it: nothing already in the cache is computed again.
     std::string line = prompt;
+    std::string reply_opening;  // what the prompt wrote of the last reply
     bool have = o.prompt_set || !o.prompt_file.empty();
     int turns = 0;
     for (;;) {
@@ -407,11 +438,21 @@ int run_command(const RunOptions& o) {
         if (line.empty()) continue;
       }
       have = false;
-      std::string text = turns == 0 ? first_turn(line) : chat_render_next_turn(tpl, line);
-      // harmony: from the last reply's start, its answer alone
+      std::string text = turns == 0 ? first_turn(line) : chat_render_next_turn(tpl, line, ro);
+      // harmony, <think>: from the last reply's start, its answer alone
       const bool back = rewind && turns > 0;
-      if (back) text = HarmonyReplyStream::kOpenFinal + HarmonyReplyStream::split(reply_text).content + text;
+      if (back && harmony) text = HarmonyReplyStream::kOpenFinal + HarmonyReplyStream::split(reply_text).content + text;
+      if (back && think) text = ThinkReplyStream().split_after(reply_opening, reply_text).content + text;
       const std::vector<int32_t> ids = tok.encode(text, /*add_bos=*/turns == 0, /*parse_special=*/true);
+      // what the prompt writes of the next reply ('<think>\n'): its tokens, where the text before
+      // it tokenizes to the prompt's start (else the reply's start is kept after it)
+      const std::string opening = chat_reply_opening(tpl, text);
+      size_t opening_tokens = 0;
+      if (!opening.empty()) {
+        const std::vector<int32_t> before = tok.encode(text.substr(0, text.size() - opening.size()), turns == 0, true);
+        if (before.size() < ids.size() && std::equal(before.begin(), before.end(), ids.begin()))
+          opening_tokens = ids.size() - before.size();
+      }
       const int held = back ? reply_start->n_tokens() : cache.n_tokens();
       if (held + int(ids.size()) >= ctx) {
         // Too long for what is left of the context: not sent, the conversation goes on as it was.
@@ -425,7 +466,8 @@ int run_command(const RunOptions& o) {
         history.resize(reply_start_history);
       }
       const size_t before = n_prompt;
-      const bool room = turn(ids, false);
+      const bool room = turn(ids, false, opening_tokens, opening);
+      reply_opening = opening;
       ++turns;
       std::fprintf(stderr, "[kvq] turn %d: %zu new prompt tokens, %d in the cache\n", turns, n_prompt - before,
                    cache.n_tokens());

@@ -29,6 +29,7 @@ struct RunOptions {
   bool regex_given = false, grammar_given = false;  // --regex / --grammar given (an empty one too)
   std::string system;    // --system, with --chat
   std::string chat_template_file;  // --chat-template-file: a template instead of the model's
+  std::string chat_template_kwargs;  // --chat-template-kwargs: {"enable_thinking": false} (a reasoning template's switch)
   std::string reasoning_effort;  // --reasoning-effort: harmony's (gpt-oss) low / medium / high
   std::string reasoning_format = "split";  // --reasoning-format: harmony replies split (answer on stdout) or raw
   bool reasoning_format_given = false;

@@ -121,6 +121,16 @@ printf '{{- "<|start|>system<|message|>" }}{{- "<|channel|>" }}\n' >"$tmp/harmon
 "$kvq" eval -m "$model" --kv int8 --task own --own "$tmp/own.jsonl" --chat --chat-template-file "$tmp/harmony.jinja" --json \
   --no-progress -t 1 >"$tmp/tmpl.json" 2>"$tmp/tmpl.err"
 check "--chat-template-file: own cases run in the given template" "[[ $? -eq 0 ]] && grep -q '\"format\"' $tmp/tmpl.json"
+# a reasoning template whose prompt opens the block (QwQ's): a case is matched on the answer after
+# the reasoning (here none: the reply is all reasoning), not on the reasoning; with enable_thinking
+# false the block is closed and the reply is the answer
+printf "{%%- if add_generation_prompt %%}{{- '<|im_start|>assistant\\\\n<think>\\\\n' }}{%%- endif %%}\n" >"$tmp/qwq.jinja"
+for kw in '{}' '{"enable_thinking": false}'; do
+  "$kvq" eval -m "$model" --kv int8 --task own --own "$tmp/own.jsonl" --chat --chat-template-file "$tmp/qwq.jinja" \
+    --chat-template-kwargs "$kw" --max-tokens 12 --json --no-progress -t 1 >"$tmp/think.json" 2>/dev/null
+  check "reasoning template, kwargs $kw: cases matched on the answer" \
+    "[[ $? -eq 0 ]] && python3 -c \"import json; it=json.load(open('$tmp/think.json'))['formats'][0]['own']['items']; assert all(i['output'] for i in it); assert all((i['answer']=='') == ('$kw'=='{}') for i in it), it\""
+done
 printf '{"prompt": "a", "expected": \n' >"$tmp/bad.jsonl"
 bad "malformed JSONL" "malformed" eval -m "$model" --kv int8 --task own --own "$tmp/bad.jsonl"
 printf '{"prompt": "a"}\n' >"$tmp/missing.jsonl"

@@ -167,6 +167,28 @@ printf 'Lily\n\nTom went\n' | "$kvq" run -m "$model" --chat --chat-template-file
 rc=$?
 check "harmony conversation: turn 2 goes on from reply 1's start" \
   "[[ $rc -eq 0 ]] && python3 -c \"import re; t=re.findall(r'turn (\\d+): (\\d+) new prompt tokens, (\\d+) in the cache', open('$tmp/hconv.err').read()); assert [x[0] for x in t]==['1','2'], t; p1,c1,n2,c2=int(t[0][1]),int(t[0][2]),int(t[1][1]),int(t[1][2]); assert c1-p1==12 and 0<c2-n2-p1<=12, t\""
+# A reasoning template whose prompt opens the block (QwQ's, given to stories260K): the reply is all
+# reasoning, on stderr, stdout empty; raw, the reply on stdout; enable_thinking false closes the
+# block and the reply is the answer, on stdout. A conversation goes on from before the prompt's
+# '<think>\n' with the answer alone (empty here), so turn 2's cache holds fewer than turn 1's
+# prompt + 12 reply tokens + turn 2's new tokens.
+printf "{{- '<|im_start|>' + message.role + '\\\\n' + message.content + '<|im_end|>\\\\n' }}{%%- if add_generation_prompt %%}{{- '<|im_start|>assistant\\\\n<think>\\\\n' }}{%%- endif %%}\n" >"$tmp/qwq.jinja"
+"$kvq" run -m "$model" --chat --chat-template-file "$tmp/qwq.jinja" -p Lily -n 12 --temp 0 -t 1 >"$tmp/think_out" 2>"$tmp/think_err"
+check "reasoning template: the reply is reasoning, on stderr" "[[ $? -eq 0 && -z \$(tr -d '\\n' <$tmp/think_out) ]] && grep -q '^\\[reasoning\\] ' $tmp/think_err"
+"$kvq" run -m "$model" --chat --chat-template-file "$tmp/qwq.jinja" -p Lily -n 12 --temp 0 -t 1 --reasoning-format raw >"$tmp/think_raw" 2>/dev/null
+check "... --reasoning-format raw: the reply on stdout, the reasoning as split" \
+  "[[ $? -eq 0 && -s $tmp/think_raw ]] && grep -qF \"\$(head -c 12 $tmp/think_raw | tr -d '\\n')\" $tmp/think_err"
+"$kvq" run -m "$model" --chat --chat-template-file "$tmp/qwq.jinja" -p Lily -n 12 --temp 0 -t 1 \
+  --chat-template-kwargs '{"enable_thinking": false}' >"$tmp/think_off" 2>"$tmp/think_off_err"
+check "... enable_thinking false: the answer on stdout, no reasoning" "[[ $? -eq 0 && -s $tmp/think_off ]] && ! grep -q 'reasoning\\]' $tmp/think_off_err"
+bad "--chat-template-kwargs of a key kvq does not read" run -m "$model" --chat --chat-template-file "$tmp/qwq.jinja" -p hi --chat-template-kwargs '{"foo": 1}'
+check "... names it" "grep -q \"kwarg 'foo' is not supported\" $tmp/be"
+bad "--chat-template-kwargs without --chat" run -m "$model" -p hi --chat-template-kwargs '{"enable_thinking": false}'
+printf 'Lily\n\nTom went\n' | "$kvq" run -m "$model" --chat --chat-template-file "$tmp/qwq.jinja" -i -n 12 --temp 0 -t 1 \
+  >/dev/null 2>"$tmp/tconv.err"
+rc=$?
+check "reasoning-template conversation: turn 2 goes on from before reply 1's opening" \
+  "[[ $rc -eq 0 ]] && python3 -c \"import re; t=re.findall(r'turn (\\d+): (\\d+) new prompt tokens, (\\d+) in the cache', open('$tmp/tconv.err').read()); assert [x[0] for x in t]==['1','2'], t; p1,c1,n2,c2=int(t[0][1]),int(t[0][2]),int(t[1][1]),int(t[1][2]); assert c1-p1==12 and 0<c2-n2-p1<12, t\""
 bad "--top-p above 1" run -m "$model" -p hi --top-p 2
 bad "--seed beyond 64 bits" run -m "$model" -p hi --seed 99999999999999999999999
 bad "unknown subcommand" bogus -m "$model"
