@@ -2525,9 +2525,9 @@ TEST(ChatTemplate, ThinkReplySplitsReasoningFromContent) {
 // chat_template_kwargs: kvq reads enable_thinking; any other key, or a value that is not a boolean,
 // is refused rather than lost.
 TEST(ChatTemplate, TemplateKwargsReadEnableThinking) {
-  EXPECT_TRUE(chat_template_kwargs_thinking("{}"));
-  EXPECT_FALSE(chat_template_kwargs_thinking("{\"enable_thinking\": false}"));
-  EXPECT_TRUE(chat_template_kwargs_thinking("{\"enable_thinking\": true}"));
+  EXPECT_EQ(chat_template_kwargs_thinking("{}"), std::nullopt);
+  EXPECT_EQ(chat_template_kwargs_thinking("{\"enable_thinking\": false}"), std::optional<bool>(false));
+  EXPECT_EQ(chat_template_kwargs_thinking("{\"enable_thinking\": true}"), std::optional<bool>(true));
   for (const char* bad : {"", "[]", "{\"enable_thinking\": 0}", "{\"thinking\": true}", "not json"})
     EXPECT_THROW(chat_template_kwargs_thinking(bad), Error) << bad;
 }

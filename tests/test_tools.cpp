@@ -855,6 +855,11 @@ TEST(QwenTools, ConversationRendersAsTheTemplate) {
   ASSERT_EQ(t.family, ChatFamily::chatml);
   EXPECT_TRUE(t.qwen_tools);
   EXPECT_FALSE(chat_template_from_text("{{- '<|im_start|>' + message.role + '\\n' }}{{- '<tool_call>' }}").qwen_tools);
+  // Qwen3-Coder's and Qwen3.5's XML calls are another syntax
+  EXPECT_FALSE(chat_template_from_text(
+                   "{{- \"You may call one or more functions to assist with the user query.\" }}{{- '<|im_start|>' }}"
+                   "{{- '\\n<tool_call>\\n<function=' + tool_call.name + '>\\n' }}")
+                   .qwen_tools);
   const ojson body = ojson::parse(R"j({"tools": [{"type": "function", "function": {"name": "get", "description": "Weather",
     "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}]})j");
   const ToolSpec spec = parse_tools(body);

@@ -92,8 +92,10 @@ ChatTemplate chat_template_from_text(const std::string& t) {
       c.think_after_query = t.find("last_query_index") != std::string::npos;
       c.think_switch = t.find("enable_thinking") != std::string::npos;
     }
+    // (Qwen3-Coder's and Qwen3.5's calls are XML, '<function=NAME><parameter=...>': not these)
     c.qwen_tools = t.find("<tool_call>") != std::string::npos &&
-                   t.find("You may call one or more functions to assist with the user query.") != std::string::npos;
+                   t.find("You may call one or more functions to assist with the user query.") != std::string::npos &&
+                   t.find("<function=") == std::string::npos;
     c.qwen_tools_after_system = c.qwen_tools && (t.find("\"\\n\\n# Tools") != std::string::npos || t.find("\"\n\n# Tools") != std::string::npos);
   } else if (t.find("<|start|>") != std::string::npos && t.find("<|channel|>") != std::string::npos) {
     c.family = ChatFamily::harmony;
@@ -671,10 +673,10 @@ HarmonyReplyStream::Delta HarmonyReplyStream::split(const std::string& text, boo
   return hs.split_after("", text);
 }
 
-bool chat_template_kwargs_thinking(const std::string& json_text) {
+std::optional<bool> chat_template_kwargs_thinking(const std::string& json_text) {
   const nlohmann::json kw = nlohmann::json::parse(json_text, nullptr, false);
   if (kw.is_discarded() || !kw.is_object()) fail("chat template kwargs must be a JSON object, such as {{\"enable_thinking\": false}}");
-  bool thinking = true;
+  std::optional<bool> thinking;
   for (const auto& [k, v] : kw.items()) {
     if (k != "enable_thinking") fail("chat template kwarg '{}' is not supported (kvq renders the chat templates itself and reads only enable_thinking)", k);
     if (!v.is_boolean()) fail("chat template kwarg enable_thinking must be true or false");

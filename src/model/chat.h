@@ -123,9 +123,9 @@ std::string chat_render_next_turn(const ChatTemplate& t, const std::string& user
 
 // llama.cpp's --chat-template-kwargs (and the API's chat_template_kwargs), a JSON object: kvq renders
 // the templates itself and reads enable_thinking (ChatRenderOptions::thinking), which it returns
-// (true when absent); throws kvq::Error for text that is not such an object and for other keys,
+// (nullopt when absent); throws kvq::Error for text that is not such an object and for other keys,
 // which would otherwise be lost silently.
-bool chat_template_kwargs_thinking(const std::string& json_text);
+std::optional<bool> chat_template_kwargs_thinking(const std::string& json_text);
 
 // What a reasoning reply is split into as it streams: its reasoning, its answer, and (harmony)
 // its function calls.

@@ -132,7 +132,7 @@ int serve_command(ServeOptions o) {
   bool enable_thinking = true;
   if (!o.chat_template_kwargs.empty()) {
     try {
-      enable_thinking = chat_template_kwargs_thinking(o.chat_template_kwargs);
+      enable_thinking = chat_template_kwargs_thinking(o.chat_template_kwargs).value_or(true);
     } catch (const Error& e) {
       fail("--chat-template-kwargs: {}", e.what());
     }

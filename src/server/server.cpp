@@ -888,9 +888,7 @@ std::vector<int32_t> Server::Impl::chat_prompt(const json& body, const ChatTools
   ro.thinking = opt.enable_thinking;
   if (body.contains("chat_template_kwargs") && !body["chat_template_kwargs"].is_null()) {
     try {
-      const bool given = body["chat_template_kwargs"].is_object() && body["chat_template_kwargs"].contains("enable_thinking");
-      const bool thinking = chat_template_kwargs_thinking(body["chat_template_kwargs"].dump());
-      if (given) ro.thinking = thinking;
+      if (const std::optional<bool> v = chat_template_kwargs_thinking(body["chat_template_kwargs"].dump())) ro.thinking = *v;
     } catch (const Error& e) {
       throw ApiError{e.what(), "chat_template_kwargs"};
     }
@@ -1033,8 +1031,10 @@ Server::Impl::Prepared Server::Impl::prepare(const json& body, std::string_view 
     prompts.push_back({chat_prompt(body, p.tools, constrained_from_start(ar.params.grammar || ar.params.json_object, p.tools),
                                    &p.reply_opening),
                        "", 0});
+    // (kvq's own tool prompt, on a template without calls of its own, reads its replies itself)
     p.native_tools = native_tools();
-    p.split = p.harmony || tpl.think != ChatTemplate::Think::none || (p.native_tools && p.tools.spec.active());
+    const bool active = p.tools.spec.active();
+    p.split = (p.harmony || tpl.think != ChatTemplate::Think::none || (p.native_tools && active)) && !(active && !p.native_tools);
     p.tpl = &tpl;
   } else {
     auto set = [&](const char* key) { return body.contains(key) && !body[key].is_null(); };
@@ -1172,7 +1172,7 @@ std::vector<GenResult> Server::Impl::run_all(const Prepared& p, const httplib::R
 
 Server::Impl::ChatReply Server::Impl::read_reply(const Prepared& p, const GenResult& g, std::mt19937_64& rng) const {
   ChatReply r;
-  if (p.split && !(p.tools.spec.active() && !p.native_tools)) {  // the answer as content, the reasoning beside it, calls
+  if (p.split) {  // the answer as content, the reasoning beside it, calls
     // (harmony's calls only when functions were offered: with none, a call the model writes is content)
     const ChatReplyDelta d = chat_reply_splitter(tpl, p.tools.spec.active())->split_after(p.reply_opening, g.text);
     r.content = d.content;
@@ -1201,7 +1201,7 @@ Server::Impl::ChatReplyStream::ChatReplyStream(const Prepared& p) {
   // With tools, the reply's text is read as it streams: a response's text goes out as content,
   // tool calls in one piece at the end (tools.h). Harmony: reasoning and answer as they come,
   // each call when it ends.
-  if (p.split && !(p.tools.spec.active() && !p.native_tools)) {
+  if (p.split) {
     split_ = chat_reply_splitter(*p.tpl, p.tools.spec.active());
     (void)split_->feed(p.reply_opening);  // (what the prompt wrote: nothing to send)
   } else if (p.tools.spec.active()) {

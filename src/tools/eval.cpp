@@ -566,7 +566,7 @@ void prepare_own(std::vector<OwnCase>& cases, const EvalOptions& o, const Model&
   if (o.chat && !tpl.known()) fail("--chat: the model has no chat template kvq supports");
   ChatRenderOptions ro;
   try {
-    ro.thinking = o.chat_template_kwargs.empty() || chat_template_kwargs_thinking(o.chat_template_kwargs);
+    ro.thinking = o.chat_template_kwargs.empty() || chat_template_kwargs_thinking(o.chat_template_kwargs).value_or(true);
   } catch (const Error& e) {
     fail("--chat-template-kwargs: {}", e.what());
   }

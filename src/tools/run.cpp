@@ -189,7 +189,7 @@ int run_command(const RunOptions& o) {
   if (!o.chat_template_kwargs.empty() && !o.chat) fail("--chat-template-kwargs needs --chat");
   ChatRenderOptions ro;
   try {
-    ro.thinking = o.chat_template_kwargs.empty() || chat_template_kwargs_thinking(o.chat_template_kwargs);
+    ro.thinking = o.chat_template_kwargs.empty() || chat_template_kwargs_thinking(o.chat_template_kwargs).value_or(true);
   } catch (const Error& e) {
     fail("--chat-template-kwargs: {}", e.what());
   }
