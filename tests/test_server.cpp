@@ -2604,6 +2604,9 @@ TEST_F(ThinkServerTest, Qwen3AnswersAndSwitch) {
   EXPECT_EQ(p.find("A greeting."), std::string::npos) << p;
   p = prompt_text({{"messages", json::array({user, reply, {{"role", "user"}, {"content", "<tool_response>\n1\n</tool_response>"}}})}});
   EXPECT_NE(p.find("<|im_start|>assistant\n<think>\nA greeting.\n</think>\n\nHi!<|im_end|>"), std::string::npos) << p;
+  // given back under vLLM's newer name, reasoning, alike
+  const json reply2 = {{"role", "assistant"}, {"content", "Hi!"}, {"reasoning", "A greeting."}};
+  EXPECT_EQ(prompt_text({{"messages", json::array({user, reply2, {{"role", "user"}, {"content", "<tool_response>\n1\n</tool_response>"}}})}}), p);
 
   // kwargs kvq does not read, or of the wrong type: 400s naming them
   const std::string msgs = R"("messages": [{"role": "user", "content": "a"}])";
@@ -2648,12 +2651,13 @@ TEST_F(ThinkServerTest, PromptOpenedReasoning) {
   ASSERT_FALSE(reasoning.empty());
   json j = post("/v1/chat/completions", body);
   EXPECT_EQ(j["choices"][0]["message"]["reasoning_content"], reasoning) << j;
+  EXPECT_EQ(j["choices"][0]["message"]["reasoning"], reasoning) << j;  // (vLLM's newer name)
   EXPECT_EQ(j["choices"][0]["message"]["content"], "") << j;
   json sbody = body;
   sbody["stream"] = true;
   auto r = qc.Post("/v1/chat/completions", sbody.dump(), "application/json");
   ASSERT_TRUE(r);
-  std::string rs, cs;
+  std::string rs, rs2, cs;
   for (size_t pos = 0; pos < r->body.size();) {
     const size_t end = r->body.find("\n\n", pos);
     ASSERT_NE(end, std::string::npos);
@@ -2664,9 +2668,11 @@ TEST_F(ThinkServerTest, PromptOpenedReasoning) {
     if (e["choices"].empty()) continue;
     const json& d = e["choices"][0]["delta"];
     if (d.contains("reasoning_content")) rs += d["reasoning_content"].get<std::string>();
+    if (d.contains("reasoning")) rs2 += d["reasoning"].get<std::string>();
     if (d.contains("content") && d["content"].is_string()) cs += d["content"].get<std::string>();
   }
   EXPECT_EQ(rs, reasoning);
+  EXPECT_EQ(rs2, reasoning);
   EXPECT_EQ(cs, "");
   // Anthropic: a thinking block, plain and streamed
   const json mbody = {{"max_tokens", 20}, {"temperature", 0}, {"messages", json::array({user})}};

@@ -1338,7 +1338,8 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
         const ChatReply r = read_reply(p, g, id_rng);
         json msg = {{"role", "assistant"}, {"content", r.content}};
         if (!r.cut_call.empty()) msg["content"] = (r.content.is_string() ? r.content.get<std::string>() : "") + r.cut_call;
-        if (!r.reasoning.empty()) msg["reasoning_content"] = r.reasoning;  // vLLM's
+        // llama.cpp's and DeepSeek's field, and vLLM's (OpenRouter's) newer one
+        if (!r.reasoning.empty()) msg["reasoning_content"] = msg["reasoning"] = r.reasoning;
         if (!r.calls.empty()) msg["tool_calls"] = tool_calls_json(r.calls, false);
         if (r.called) choice["finish_reason"] = tool_finish;
         choice["message"] = std::move(msg);
@@ -1400,7 +1401,9 @@ void Server::Impl::handle_generate(const httplib::Request& req, httplib::Respons
     auto reply = std::make_shared<ChatReplyStream>(p);
     ChatReplyStream::Sink sink;
     sink.content = [st, chunk, chat](const std::string& c) { st->push(sse(chunk(chat ? json{{"content", c}} : json(c), nullptr))); };
-    sink.reasoning = [st, chunk](const std::string& r) { st->push(sse(chunk(json{{"reasoning_content", r}}, nullptr))); };
+    sink.reasoning = [st, chunk](const std::string& r) {
+      st->push(sse(chunk(json{{"reasoning_content", r}, {"reasoning", r}}, nullptr)));
+    };
     sink.calls = [st, chunk](const std::vector<ToolCall>& calls, size_t first) {
       json tc = tool_calls_json(calls, true);
       for (size_t k = 0; k < tc.size(); ++k) tc[k]["index"] = first + k;

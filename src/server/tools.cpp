@@ -520,9 +520,14 @@ std::vector<ChatMessage> tool_chat_messages(const json& ms, const std::string& s
     if ((harmony || tpl.think != ChatTemplate::Think::none) && role == "assistant") {
       // the reasoning kvq returned beside the content, given back (harmony's template shows it
       // before a call that no final reply follows yet; Qwen3's in the replies after the last query)
+      // (reasoning_content, or vLLM's newer name for it, reasoning: a string there; other servers'
+      // reasoning objects are not kvq's to read)
       if (m.contains("reasoning_content") && !m["reasoning_content"].is_null()) {
         if (!m["reasoning_content"].is_string()) throw ToolsError("'reasoning_content' must be a string", at + ".reasoning_content");
         out.back().reasoning = m["reasoning_content"].get<std::string>();
+        out.back().reasoning_given = true;
+      } else if (m.contains("reasoning") && m["reasoning"].is_string()) {
+        out.back().reasoning = m["reasoning"].get<std::string>();
         out.back().reasoning_given = true;
       }
     }
