@@ -1,3 +1,27 @@
+// OpenAI's chat and completions streams: "data: JSON\n\n" events, then "data: [DONE]\n\n" (*done);
+// an event after [DONE], or a malformed one, fails the test.
+inline std::vector<nlohmann::json> data_sse_events(const std::string& raw, bool* done) {
+  std::vector<nlohmann::json> evs;
+  *done = false;
+  size_t pos = 0;
+  while (pos < raw.size()) {
+    const size_t end = raw.find("\n\n", pos);
+    EXPECT_NE(end, std::string::npos) << "unterminated event";
+    if (end == std::string::npos) break;
+    const std::string ev = raw.substr(pos, end - pos);
+    pos = end + 2;
+    EXPECT_EQ(ev.rfind("data: ", 0), 0u) << ev;
+    EXPECT_FALSE(*done) << "event after [DONE]";
+    const std::string data = ev.substr(6);
+    if (data == "[DONE]") {
+      *done = true;
+      continue;
+    }
+    evs.push_back(nlohmann::json::parse(data));
+  }
+  return evs;
+}
+
 // Server-sent events with names, "event: NAME\ndata: JSON\n\n" each, as Anthropic's Messages API and
 // OpenAI's Responses API stream them: (name, data) pairs; a malformed event fails the test.
 #pragma once

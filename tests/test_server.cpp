@@ -161,25 +161,7 @@ class ServerTest : public ::testing::Test {
     EXPECT_EQ(r->status, 200);
     EXPECT_NE(r->get_header_value("Content-Type").find("text/event-stream"), std::string::npos);
     raw = r->body;
-    std::vector<json> evs;
-    *done = false;
-    size_t pos = 0;
-    while (pos < raw.size()) {
-      const size_t end = raw.find("\n\n", pos);
-      EXPECT_NE(end, std::string::npos) << "unterminated event";
-      if (end == std::string::npos) break;
-      const std::string ev = raw.substr(pos, end - pos);
-      pos = end + 2;
-      EXPECT_EQ(ev.rfind("data: ", 0), 0u) << ev;
-      EXPECT_FALSE(*done) << "event after [DONE]";
-      const std::string data = ev.substr(6);
-      if (data == "[DONE]") {
-        *done = true;
-        continue;
-      }
-      evs.push_back(json::parse(data));
-    }
-    return evs;
+    return data_sse_events(raw, done);
   }
 
   // A streamed completion's choices by index: each one's joined text and how many chunks ended it;
@@ -2658,19 +2640,15 @@ TEST_F(ThinkServerTest, PromptOpenedReasoning) {
   auto r = qc.Post("/v1/chat/completions", sbody.dump(), "application/json");
   ASSERT_TRUE(r);
   std::string rs, rs2, cs;
-  for (size_t pos = 0; pos < r->body.size();) {
-    const size_t end = r->body.find("\n\n", pos);
-    ASSERT_NE(end, std::string::npos);
-    const std::string data = r->body.substr(pos + 6, end - pos - 6);
-    pos = end + 2;
-    if (data == "[DONE]") continue;
-    const json e = json::parse(data);
+  bool done = false;
+  for (const json& e : data_sse_events(r->body, &done)) {
     if (e["choices"].empty()) continue;
     const json& d = e["choices"][0]["delta"];
     if (d.contains("reasoning_content")) rs += d["reasoning_content"].get<std::string>();
     if (d.contains("reasoning")) rs2 += d["reasoning"].get<std::string>();
     if (d.contains("content") && d["content"].is_string()) cs += d["content"].get<std::string>();
   }
+  EXPECT_TRUE(done);
   EXPECT_EQ(rs, reasoning);
   EXPECT_EQ(rs2, reasoning);
   EXPECT_EQ(cs, "");

@@ -862,9 +862,8 @@ TEST(QwenTools, ConversationRendersAsTheTemplate) {
                    .qwen_tools);
   const ojson body = ojson::parse(R"j({"tools": [{"type": "function", "function": {"name": "get", "description": "Weather",
     "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}]})j");
-  const ToolSpec spec = parse_tools(body);
   ChatRenderOptions ro;
-  ro.tools = qwen_tools_json(body, spec);
+  ro.tools = qwen_tools_json(body);
   EXPECT_EQ(ro.tools, R"({"type": "function", "function": {"name": "get", "description": "Weather", "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}})");
   const std::string head =
       "<|im_start|>system\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "

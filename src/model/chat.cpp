@@ -15,6 +15,11 @@
 namespace kvq {
 
 namespace {
+// The newlines at a text's start or end removed (Python's lstrip('\n') / rstrip('\n'), as the
+// templates strip them)
+void lstrip_newlines(std::string& s) { s.erase(0, s.find_first_not_of('\n')); }
+void rstrip_newlines(std::string& s) { s.erase(s.find_last_not_of('\n') + 1); }
+
 // Whether a newline (as one, or as the escape \n) comes at t[p], past the quotes, '+' and spaces
 // of a string concatenation ("'<|user|>' + '\n'").
 bool newline_follows(const std::string& t, size_t p) {
@@ -330,21 +335,20 @@ std::string chat_render(const ChatTemplate& t, const std::vector<ChatMessage>& m
         const size_t close = content.find("</think>");
         if (!given && close != std::string::npos) {
           reasoning = content.substr(0, close);
-          reasoning.erase(reasoning.find_last_not_of('\n') + 1);
+          rstrip_newlines(reasoning);
           if (const size_t open = reasoning.rfind("<think>"); open != std::string::npos) reasoning.erase(0, open + 7);
-          reasoning.erase(0, reasoning.find_first_not_of('\n'));
+          lstrip_newlines(reasoning);
           content.erase(0, content.rfind("</think>") + 8);
-          content.erase(0, content.find_first_not_of('\n'));
+          lstrip_newlines(content);
         } else if (!t.think_after_query) {
-          content.erase(0, content.find_first_not_of('\n'));  // (QwQ's lstrip, with or without a block)
+          lstrip_newlines(content);  // (QwQ's lstrip, with or without a block)
         }
         answer = content;
         if (t.think_after_query && i > last_query && (last || !reasoning.empty())) {
-          std::string r = reasoning;
-          r.erase(0, r.find_first_not_of('\n'));
-          r.erase(r.find_last_not_of('\n') + 1);
-          content.erase(0, content.find_first_not_of('\n'));
-          content = "<think>\n" + r + "\n</think>\n\n" + content;
+          lstrip_newlines(reasoning);
+          rstrip_newlines(reasoning);
+          lstrip_newlines(content);
+          content = "<think>\n" + reasoning + "\n</think>\n\n" + content;
         }
       } else {
         answer = content;
@@ -675,7 +679,12 @@ HarmonyReplyStream::Delta HarmonyReplyStream::split(const std::string& text, boo
 
 std::optional<bool> chat_template_kwargs_thinking(const std::string& json_text) {
   const nlohmann::json kw = nlohmann::json::parse(json_text, nullptr, false);
-  if (kw.is_discarded() || !kw.is_object()) fail("chat template kwargs must be a JSON object, such as {{\"enable_thinking\": false}}");
+  if (kw.is_discarded()) fail("chat template kwargs must be a JSON object, such as {{\"enable_thinking\": false}}");
+  return chat_template_kwargs_json_thinking(kw);
+}
+
+std::optional<bool> chat_template_kwargs_json_thinking(const nlohmann::json& kw) {
+  if (!kw.is_object()) fail("chat template kwargs must be a JSON object, such as {{\"enable_thinking\": false}}");
   std::optional<bool> thinking;
   for (const auto& [k, v] : kw.items()) {
     if (k != "enable_thinking") fail("chat template kwarg '{}' is not supported (kvq renders the chat templates itself and reads only enable_thinking)", k);
@@ -743,7 +752,7 @@ ThinkReplyStream::Delta ThinkReplyStream::feed(const std::string& text) {
       }
       case State::reasoning: {
         if (!reasoning_text_) {
-          buf_.erase(0, buf_.find_first_not_of('\n'));
+          lstrip_newlines(buf_);
           if (buf_.empty()) return d;
           reasoning_text_ = true;
         }
@@ -753,7 +762,7 @@ ThinkReplyStream::Delta ThinkReplyStream::feed(const std::string& text) {
           const bool own = other == std::string::npos || (close != std::string::npos && close < other);
           const size_t at = own ? close : other;
           std::string r = buf_.substr(0, at);
-          r.erase(r.find_last_not_of('\n') + 1);
+          rstrip_newlines(r);
           d.reasoning += r;
           buf_.erase(0, own ? at + kClose.size() : at);  // (the other marker starts the answer)
           state_ = own ? State::answer_start : State::answer;
@@ -768,7 +777,7 @@ ThinkReplyStream::Delta ThinkReplyStream::feed(const std::string& text) {
         return d;
       }
       case State::answer_start:
-        buf_.erase(0, buf_.find_first_not_of('\n'));
+        lstrip_newlines(buf_);
         if (buf_.empty()) return d;
         state_ = State::answer;
         break;
@@ -785,8 +794,10 @@ void QwenToolReplyStream::answer(const std::string& text, Delta& d, bool end) {
   buf_ += text;
   for (;;) {
     if (in_call_) {
-      const size_t close = buf_.find(kC);
+      // (searched from where the last search stopped: a call's text grows a token at a time)
+      const size_t close = buf_.find(kC, searched_);
       if (close == std::string::npos) {
+        searched_ = buf_.size() < kC.size() ? 0 : buf_.size() - kC.size() + 1;
         if (end) {  // cut short
           d.cut_call += newlines_ + std::string(kO) + buf_;
           buf_.clear();
@@ -794,6 +805,7 @@ void QwenToolReplyStream::answer(const std::string& text, Delta& d, bool end) {
         }
         return;
       }
+      searched_ = 0;
       const std::string body = buf_.substr(0, close);
       buf_.erase(0, close + kC.size());
       in_call_ = false;
@@ -812,7 +824,7 @@ void QwenToolReplyStream::answer(const std::string& text, Delta& d, bool end) {
       continue;
     }
     if (after_call_) {  // the newlines between calls
-      buf_.erase(0, buf_.find_first_not_of('\n'));
+      lstrip_newlines(buf_);
       if (buf_.empty()) return;
       after_call_ = false;
     }
@@ -824,6 +836,7 @@ void QwenToolReplyStream::answer(const std::string& text, Delta& d, bool end) {
       d.content += c;
       buf_.erase(0, open + kO.size());
       in_call_ = true;
+      searched_ = 0;
       continue;
     }
     if (end) {
@@ -878,7 +891,7 @@ ThinkReplyStream::Delta ThinkReplyStream::finish() {
     d.content = buf_;
   } else if (state_ == State::reasoning) {
     d.reasoning = buf_;
-    d.reasoning.erase(d.reasoning.find_last_not_of('\n') + 1);
+    rstrip_newlines(d.reasoning);
   }
   buf_.clear();
   return d;

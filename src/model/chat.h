@@ -126,6 +126,7 @@ std::string chat_render_next_turn(const ChatTemplate& t, const std::string& user
 // (nullopt when absent); throws kvq::Error for text that is not such an object and for other keys,
 // which would otherwise be lost silently.
 std::optional<bool> chat_template_kwargs_thinking(const std::string& json_text);
+std::optional<bool> chat_template_kwargs_json_thinking(const nlohmann::json& kwargs);  // (the object itself)
 
 // What a reasoning reply is split into as it streams: its reasoning, its answer, and (harmony)
 // its function calls.
@@ -200,6 +201,7 @@ class QwenToolReplyStream : public ChatReplySplitter {
   bool after_call_ = false;  // between calls: newlines dropped
   std::string buf_;
   std::string newlines_;     // in a call: the newlines before its opening marker
+  size_t searched_ = 0;      // in a call: buf_ holds no closing marker before this
 };
 
 // A harmony reply (gpt-oss) as it is generated, its markers rendered as text:

@@ -9,7 +9,7 @@ namespace kvq {
 
 using ojson = nlohmann::ordered_json;
 
-std::string qwen_tools_json(const ojson& body, const ToolSpec& spec) {
+std::string qwen_tools_json(const ojson& body) {
   std::string out;
   auto add = [&](const ojson& tool) {
     if (!out.empty()) out += '\n';
@@ -19,7 +19,6 @@ std::string qwen_tools_json(const ojson& body, const ToolSpec& spec) {
     for (const ojson& t : body["tools"]) add(t);
   else if (body.contains("functions") && body["functions"].is_array())
     for (const ojson& f : body["functions"]) add(function_tool(f));
-  (void)spec;
   return out;
 }
 

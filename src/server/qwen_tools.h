@@ -19,7 +19,7 @@ namespace kvq {
 // The active tools as the template's "<tools>" section lists them: one JSON per line, each tool as
 // the request wrote it ({"type": "function", "function": {...}}; a legacy "functions" entry wrapped
 // so), as Python's json.dumps writes it (the template's tojson).
-std::string qwen_tools_json(const nlohmann::ordered_json& body, const ToolSpec& spec);
+std::string qwen_tools_json(const nlohmann::ordered_json& body);
 
 // The reply's constraint for an active ToolSpec. "auto": the reply is free until it writes
 // '<tool_call>', from where the calls' grammar holds (params.lazy_grammars): a call of one of the

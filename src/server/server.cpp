@@ -771,7 +771,7 @@ Server::Impl::ChatTools Server::Impl::chat_tools(const json& body, std::string_v
     } catch (const ToolsError& e) {
       throw ApiError{e.what(), e.param};
     }
-    t.native_tools = qwen_tools_json(ob, t.spec);
+    t.native_tools = qwen_tools_json(ob);
     t.response_is_string = false;  // (not read: the reply is split by QwenToolReplyStream)
     return t;
   }
@@ -888,7 +888,7 @@ std::vector<int32_t> Server::Impl::chat_prompt(const json& body, const ChatTools
   ro.thinking = opt.enable_thinking;
   if (body.contains("chat_template_kwargs") && !body["chat_template_kwargs"].is_null()) {
     try {
-      if (const std::optional<bool> v = chat_template_kwargs_thinking(body["chat_template_kwargs"].dump())) ro.thinking = *v;
+      if (const std::optional<bool> v = chat_template_kwargs_json_thinking(body["chat_template_kwargs"])) ro.thinking = *v;
     } catch (const Error& e) {
       throw ApiError{e.what(), "chat_template_kwargs"};
     }
