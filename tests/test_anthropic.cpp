@@ -181,6 +181,12 @@ TEST(Anthropic, OutputFormatEffortAndThinking) {
                 ["chat_template_kwargs"],
             ojson::parse(R"j({"enable_thinking": true})j"));
   EXPECT_FALSE(translate(R"j({"max_tokens": 8, )j" + msgs + "}").contains("chat_template_kwargs"));
+  // enabled's budget bounds the reasoning (the chat endpoint's thinking_token_budget)
+  EXPECT_EQ(translate(R"j({"max_tokens": 4096, "thinking": {"type": "enabled", "budget_tokens": 1500}, )j" + msgs + "}")
+                ["thinking_token_budget"],
+            1500);
+  for (const char* t : {R"j({"type": "disabled"})j", R"j({"type": "adaptive"})j"})
+    EXPECT_FALSE(translate(R"j({"max_tokens": 8, "thinking": )j" + std::string(t) + ", " + msgs + "}").contains("thinking_token_budget")) << t;
   EXPECT_EQ(refused(R"j({"max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 100}, )j" + msgs + "}"),
             "thinking.budget_tokens");
   // (a budget of max_tokens or more is Anthropic's with interleaved thinking; kvq bounds by max_tokens)

@@ -1425,6 +1425,87 @@ TEST_F(EngineTest, SpeculativeDecodingUnderLazyGrammars) {
   expect_pool_clean(spec);
 }
 
+// A reasoning budget (GenParams::reasoning_budget): the reply's first `tokens` tokens after its
+// block opens (opened by the prompt, or by the reply's first two tokens' text), then the closing
+// text's tokens whatever the logits say (its first newline left out after a newline), then the
+// model's greedy continuation of all that; a block closed in time, a reply that opens none and a
+// budget given up by a grammar leave the reply as it was; speculative decoding gives the same.
+TEST_F(EngineTest, ReasoningBudgetForcesTheClose) {
+  BatchInvariantOn inv;
+  EngineOptions plain_o = base_options(4096), spec_o = base_options(4096);
+  spec_o.draft_max = 8;
+  Engine e(plain_o), spec(spec_o);
+  const Tokenizer& tok = e.tokenizer();
+  const std::vector<int32_t> prompt = tok.encode("They have a big box. They have a big box. They have a", true);
+  const std::vector<int32_t> free = greedy_alone(e, prompt, 40);
+  ASSERT_EQ(free.size(), 40u);
+  auto text_of = [&](size_t from, size_t to) {
+    std::string t;
+    for (size_t i = from; i < to; ++i) t += tok.token_piece(free[i]);
+    return t;
+  };
+  const std::string close = "\n</think>\n\n";
+  // the reply expected: `opened` tokens open the block, n reasoning tokens, the close, the rest
+  auto expected = [&](size_t opened, size_t n, int max_tokens) {
+    std::vector<int32_t> out(free.begin(), free.begin() + std::ptrdiff_t(opened + n));
+    const bool nl = opened + n == 0 || text_of(0, opened + n).ends_with('\n');
+    const std::vector<int32_t> forced = tok.encode_continuation(nl ? close.substr(1) : close, true);
+    out.insert(out.end(), forced.begin(), forced.end());
+    std::vector<int32_t> all = prompt;
+    all.insert(all.end(), out.begin(), out.end());
+    const std::vector<int32_t> rest = greedy_alone(e, all, max_tokens - int(out.size()));
+    out.insert(out.end(), rest.begin(), rest.end());
+    return out;
+  };
+  const std::vector<int32_t> as_free(free.begin(), free.begin() + 30);
+  GenParams p = greedy(30);
+  p.reasoning_budget.tokens = 6;
+  p.reasoning_budget.close = {"</think>"};
+  p.reasoning_budget.force = close;
+  // opened by the prompt
+  std::vector<int32_t> want = expected(0, 6, 30);
+  ASSERT_NE(want, as_free);
+  EXPECT_EQ(e.generate(prompt, p).tokens, want);
+  EXPECT_EQ(spec.generate(prompt, p).tokens, want);
+  p.reasoning_budget.tokens = 0;
+  EXPECT_EQ(e.generate(prompt, p).tokens, expected(0, 0, 30));
+  // opened by the reply's first two tokens
+  std::string open = text_of(0, 2);
+  open.erase(0, open.find_first_not_of(" \t\r\n"));
+  ASSERT_FALSE(open.empty());
+  p.reasoning_budget.open = open;
+  p.reasoning_budget.tokens = 6;
+  want = expected(2, 6, 30);
+  EXPECT_EQ(e.generate(prompt, p).tokens, want);
+  EXPECT_EQ(spec.generate(prompt, p).tokens, want);
+  // a forced token's log-probability is the model's for it (the first: not greedy decoding's choice)
+  GenParams lp = p;
+  lp.logprobs = 0;
+  const GenResult r = e.generate(prompt, lp);
+  ASSERT_EQ(r.logprobs.size(), r.tokens.size());
+  ASSERT_NE(want[8], free[8]);
+  EXPECT_EQ(r.logprobs[8].token, want[8]);
+  EXPECT_GT(r.logprobs[8].rank, 1);
+  EXPECT_TRUE(std::isfinite(r.logprobs[8].logprob));
+  // closed in time (the text of the reply's fifth token ends the block): untouched
+  p.reasoning_budget.close = {text_of(4, 5)};
+  EXPECT_EQ(e.generate(prompt, p).tokens, as_free);
+  // a reply that opens no block: untouched
+  p.reasoning_budget.close = {"</think>"};
+  p.reasoning_budget.open = "<think>";
+  EXPECT_EQ(e.generate(prompt, p).tokens, as_free);
+  // under a grammar of the whole reply: not bounded
+  GenParams g = greedy(30);
+  g.grammar = Grammar::from_choices({" a b c d e f g h i j"});
+  g.reasoning_budget = p.reasoning_budget;
+  g.reasoning_budget.open.clear();
+  g.reasoning_budget.tokens = 1;
+  EXPECT_EQ(e.generate(prompt, g).text, " a b c d e f g h i j");
+  EXPECT_GT(spec.metrics().spec_draft_tokens, 0u);
+  spec.wait_idle();
+  expect_pool_clean(spec);
+}
+
 // The same on a real model with the int8 and grouped (kivi4: drafts only in steps that pack no key
 // group) KV formats, free and under a JSON Schema: decoding's output, token for token, and drafts kept.
 TEST(EngineSpeculative, RealModelAndGroupedFormats) {

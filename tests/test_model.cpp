@@ -2411,6 +2411,41 @@ TEST(ChatTemplate, ReasoningTemplatesFromTheJinja) {
             ChatTemplate::Think::model_opens);
 }
 
+// The reasoning budget a template's replies get: Qwen3's block opened by the model, a prompt-opened
+// one counted from the start, a block closed in the prompt or a template without reasoning not
+// bounded; the close with its message, '<tool_call>' ending Qwen's reasoning when functions are
+// offered; harmony's analysis message ended, its final channel opened unless functions are offered.
+TEST(ChatTemplate, ReasoningBudgetOfEachKind) {
+  ChatTemplate t;
+  t.family = ChatFamily::chatml;
+  t.think = ChatTemplate::Think::model_opens;
+  EXPECT_FALSE(chat_reasoning_budget(t, -1, "", "", false).active());
+  ReasoningBudget b = chat_reasoning_budget(t, 100, "", "", false);
+  EXPECT_TRUE(b.active());
+  EXPECT_EQ(b.tokens, 100);
+  EXPECT_EQ(b.open, "<think>");
+  EXPECT_EQ(b.close, std::vector<std::string>{"</think>"});
+  EXPECT_EQ(b.force, "\n</think>\n\n");
+  b = chat_reasoning_budget(t, 0, "Time to answer.", "<think>\n", false);  // opened by the prompt (a continued reply)
+  EXPECT_EQ(b.open, "");
+  EXPECT_EQ(b.tokens, 0);
+  EXPECT_EQ(b.force, "\nTime to answer.\n</think>\n\n");
+  EXPECT_FALSE(chat_reasoning_budget(t, 100, "", "<think>\n\n</think>\n\n", false).active());  // closed
+  t.qwen_tools = true;
+  EXPECT_EQ(chat_reasoning_budget(t, 100, "", "", true).close, (std::vector<std::string>{"</think>", "<tool_call>"}));
+  EXPECT_EQ(chat_reasoning_budget(t, 100, "", "", false).close, std::vector<std::string>{"</think>"});
+  t.think = ChatTemplate::Think::none;
+  EXPECT_FALSE(chat_reasoning_budget(t, 100, "", "", false).active());
+  ChatTemplate h;
+  h.family = ChatFamily::harmony;
+  b = chat_reasoning_budget(h, 50, "", "", false);
+  EXPECT_EQ(b.open, "<|channel|>analysis<|message|>");
+  EXPECT_EQ(b.close, std::vector<std::string>{"<|end|>"});
+  EXPECT_EQ(b.force, "<|end|><|start|>assistant<|channel|>final<|message|>");
+  EXPECT_EQ(chat_reasoning_budget(h, 50, "Enough.", "", true).force, "\nEnough.<|end|><|start|>assistant");
+  EXPECT_FALSE(chat_reasoning_budget(h, 50, "", " to=functions.", true).active());  // a forced call
+}
+
 // Qwen3's template, as jinja2 renders it (checked against the template itself, conversation by
 // conversation): enable_thinking false closes an empty block; an earlier reply shows its answer
 // alone (its reasoning, given as reasoning_content or written before '</think>' in its content,

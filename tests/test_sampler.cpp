@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "model/draft.h"
+#include "model/reasoning_budget.h"
 #include "model/sampler.h"
 
 using namespace kvq;
@@ -241,4 +242,92 @@ TEST(NgramDraft, LatestOccurrenceOfTheLongestSuffix) {
   EXPECT_TRUE(ngram_draft({}, 1, 3, 4).empty());
   EXPECT_TRUE(ngram_draft({7}, 1, 3, 4).empty());
   EXPECT_TRUE(ngram_draft({1, 2, 1, 2}, 1, 2, 0).empty());
+}
+
+// The reasoning budget's state machine: a block opened at the reply's start (past whitespace, its
+// marker split across tokens) is counted, the closing text forced at the budget (its first newline
+// left out after a newline, after a character's end), not when the block closes in time, nor in a
+// reply that opens none; a prompt-opened block with budget 0 is closed at once; a token other than
+// the forced one gives the bound up.
+TEST(ReasoningBudget, CountsAndForcesTheClose) {
+  ReasoningBudget b;
+  b.tokens = 3;
+  b.open = "<think>";
+  b.close = {"</think>", "<tool_call>"};
+  b.force = "\n</think>\n\n";
+  const std::vector<int32_t> ids = {900, 901, 902}, nl = {901, 902};
+  {
+    ReasoningBudgetState s(b, ids, nl);
+    EXPECT_EQ(s.forced(), -1);
+    s.take(1, "\n <thi", false);  // (a start of the marker: undecided)
+    EXPECT_EQ(s.forced(), -1);
+    s.take(2, "nk>", false);
+    EXPECT_EQ(s.counted(), 0);
+    s.take(3, "So", false);
+    s.take(4, " the", false);
+    EXPECT_EQ(s.forced(), -1);
+    EXPECT_FALSE(s.spent());
+    s.take(5, " cat", false);  // the third: spent
+    EXPECT_TRUE(s.spent());
+    EXPECT_EQ(s.forced(), 900);
+    s.take(900, "\n", false);
+    EXPECT_EQ(s.forced(), 901);
+    s.take(901, "</think>", false);
+    EXPECT_EQ(s.forced(), 902);
+    s.take(902, "\n\n", false);
+    EXPECT_EQ(s.forced(), -1);  // then free
+    s.take(6, "A", false);
+    EXPECT_EQ(s.forced(), -1);
+  }
+  {  // the reasoning ends with a newline: the close without its first one
+    ReasoningBudgetState s(b, ids, nl);
+    for (const char* t : {"<think>", "a", "b", "c\n"}) s.take(7, t, false);
+    EXPECT_EQ(s.forced(), 901);
+  }
+  {  // half a character at the budget: the rest comes first
+    ReasoningBudgetState s(b, ids, nl);
+    for (const char* t : {"<think>", "a", "b"}) s.take(7, t, false);
+    s.take(8, "", true);
+    EXPECT_EQ(s.forced(), -1);
+    s.take(9, "\xC3\xA9", false);
+    EXPECT_EQ(s.forced(), 900);
+  }
+  {  // closed in time (its marker split across tokens): never forced
+    ReasoningBudgetState s(b, ids, nl);
+    for (const char* t : {"<think>", "a</th", "ink>"}) s.take(7, t, false);
+    for (int i = 0; i < 5; ++i) s.take(7, "x", false);
+    EXPECT_EQ(s.forced(), -1);
+    EXPECT_FALSE(s.spent());
+  }
+  {  // a Qwen call ends the reasoning too
+    ReasoningBudgetState s(b, ids, nl);
+    for (const char* t : {"<think>", "<tool_", "call>", "x", "y", "z"}) s.take(7, t, false);
+    EXPECT_EQ(s.forced(), -1);
+  }
+  {  // a reply that opens no block
+    ReasoningBudgetState s(b, ids, nl);
+    for (const char* t : {"Once", "<think>", "a", "b", "c", "d"}) s.take(7, t, false);
+    EXPECT_EQ(s.forced(), -1);
+  }
+  {  // a token other than the forced one: given up
+    ReasoningBudgetState s(b, ids, nl);
+    for (const char* t : {"<think>", "a", "b", "c"}) s.take(7, t, false);
+    ASSERT_EQ(s.forced(), 900);
+    s.take(5, "!", false);
+    EXPECT_EQ(s.forced(), -1);
+  }
+  {  // opened by the prompt, budget 0: closed at once (its '<think>\n' ends with a newline)
+    ReasoningBudget p = b;
+    p.open.clear();
+    p.tokens = 0;
+    ReasoningBudgetState s(p, ids, nl);
+    EXPECT_EQ(s.forced(), 901);
+  }
+  {  // no bound
+    ReasoningBudget off = b;
+    off.tokens = -1;
+    ReasoningBudgetState s(off, ids, nl);
+    for (const char* t : {"<think>", "a", "b", "c", "d"}) s.take(7, t, false);
+    EXPECT_EQ(s.forced(), -1);
+  }
 }

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <functional>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -65,7 +66,8 @@ struct ServerOnThread {
 class ServerTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() { start(256); }
-  static void start(int ctx, const std::string& path = model_path(), const std::string& chat_template = "") {
+  static void start(int ctx, const std::string& path = model_path(), const std::string& chat_template = "",
+                    const std::function<void(ServerOptions&)>& options = {}) {
     if (!fs::exists(model_path())) return;
     EngineOptions o;
     o.model_path = path;
@@ -79,6 +81,7 @@ class ServerTest : public ::testing::Test {
     so.model_name = "stories260K";
     so.http_threads = 8;
     so.chat_template = chat_template;
+    if (options) options(so);
     server_ = new Server(*engine_, so);
     port_ = server_->bind();
     thread_ = new std::thread([] { server_->listen(); });
@@ -2676,6 +2679,98 @@ TEST_F(ThinkServerTest, PromptOpenedReasoning) {
   EXPECT_FALSE(j["choices"][0]["message"]["content"].get<std::string>().empty()) << j;
   srv.stop();
   t.join();
+}
+
+// A thinking budget on a template whose prompt opens the block, over stories260K (whose reply is
+// all reasoning unless it is cut): the server's --reasoning-budget (8 here) or the request's
+// thinking_token_budget / thinking_budget_tokens (-1: none) ends the reasoning after that many
+// tokens, with thinking_budget_message before the close; the model answers after it; plain and
+// streamed alike; bad values refused by name.
+class ThinkBudgetServerTest : public ServerTest {
+ protected:
+  static void SetUpTestSuite() {
+    start(512, model_path(),
+          "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+          "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}",
+          [](ServerOptions& so) { so.reasoning_budget = 8; });
+  }
+  json completion(const json& tokens, int max_tokens) {
+    return post_ok("/v1/completions", {{"prompt", tokens}, {"max_tokens", max_tokens}, {"temperature", 0}});
+  }
+  // a generated text's tokens (as the text continues the prompt: no dummy prefix)
+  static json tokens_of(const std::string& text) { return engine_->tokenizer().encode_continuation(text, true); }
+  // The reply a budget of n (message: what ends the reasoning) gives, from /v1/completions: the
+  // first n tokens, the close, then the continuation, up to max_tokens in all.
+  std::pair<std::string, std::string> expected(const json& body, int n, const std::string& message, int max_tokens) {
+    const json prompt = post_ok("/tokenize", body)["tokens"];
+    const std::string thought = completion(prompt, n)["choices"][0]["text"];
+    std::string close = thought.ends_with('\n') ? "" : "\n";
+    if (!message.empty()) close += message + "\n";
+    close += "</think>\n\n";
+    json all = prompt;
+    for (const json& t : tokens_of(thought)) all.push_back(t);
+    const json forced = tokens_of(close);
+    for (const json& t : forced) all.push_back(t);
+    const std::string answer = completion(all, max_tokens - n - int(forced.size()))["choices"][0]["text"];
+    std::string reasoning = thought;
+    if (!message.empty()) reasoning += "\n" + message;
+    return {without_trailing_newlines(without_leading_newlines(reasoning)), without_leading_newlines(answer)};
+  }
+};
+
+TEST_F(ThinkBudgetServerTest, EndsTheReasoning) {
+  const json user = {{"role", "user"}, {"content", "Lily"}};
+  const json body = {{"messages", json::array({user})}, {"max_tokens", 40}, {"temperature", 0}};
+  // the server's budget
+  const auto [reasoning, answer] = expected(body, 8, "", 40);
+  ASSERT_FALSE(answer.empty());
+  json j = post_ok("/v1/chat/completions", body);
+  EXPECT_EQ(j["choices"][0]["message"]["reasoning_content"], reasoning) << j;
+  EXPECT_EQ(j["choices"][0]["message"]["content"], answer) << j;
+  EXPECT_EQ(j["usage"]["completion_tokens"], 40) << j;
+  // streamed: the same
+  json sbody = body;
+  sbody["stream"] = true;
+  auto c = client();
+  auto r = c.Post("/v1/chat/completions", sbody.dump(), "application/json");
+  ASSERT_TRUE(r);
+  std::string rs, cs;
+  bool done = false;
+  for (const json& e : data_sse_events(r->body, &done)) {
+    if (e["choices"].empty()) continue;
+    const json& d = e["choices"][0]["delta"];
+    if (d.contains("reasoning_content")) rs += d["reasoning_content"].get<std::string>();
+    if (d.contains("content") && d["content"].is_string()) cs += d["content"].get<std::string>();
+  }
+  EXPECT_TRUE(done);
+  EXPECT_EQ(rs, reasoning);
+  EXPECT_EQ(cs, answer);
+  // the request's (either name), with a message
+  json own = body;
+  own["thinking_budget_tokens"] = 3;
+  own["thinking_budget_message"] = "Time to answer.";
+  const auto [reasoning3, answer3] = expected(body, 3, "Time to answer.", 40);
+  j = post_ok("/v1/chat/completions", own);
+  EXPECT_EQ(j["choices"][0]["message"]["reasoning_content"], reasoning3) << j;
+  EXPECT_EQ(j["choices"][0]["message"]["content"], answer3) << j;
+  own.erase("thinking_budget_tokens");
+  own["thinking_token_budget"] = 3;
+  EXPECT_EQ(post_ok("/v1/chat/completions", own)["choices"][0]["message"], j["choices"][0]["message"]);
+  // -1: no bound (the reply all reasoning)
+  json unbounded = body;
+  unbounded["thinking_token_budget"] = -1;
+  j = post_ok("/v1/chat/completions", unbounded);
+  EXPECT_EQ(j["choices"][0]["message"]["content"], "") << j;
+  EXPECT_EQ(j["choices"][0]["message"]["reasoning_content"],
+            without_trailing_newlines(without_leading_newlines(completion(post_ok("/tokenize", body)["tokens"], 40)["choices"][0]["text"])));
+  // bad values
+  const std::string msgs = R"("messages": [{"role": "user", "content": "Lily"}])";
+  expect_bad("/v1/chat/completions", "{" + msgs + R"(, "thinking_token_budget": "8"})", "thinking_token_budget");
+  expect_bad("/v1/chat/completions", "{" + msgs + R"(, "thinking_token_budget": -2})", "thinking_token_budget");
+  expect_bad("/v1/chat/completions", "{" + msgs + R"(, "thinking_token_budget": 2.5})", "thinking_token_budget");
+  expect_bad("/v1/chat/completions", "{" + msgs + R"(, "thinking_token_budget": 8, "thinking_budget_tokens": 9})",
+             "thinking_budget_tokens");
+  expect_bad("/v1/chat/completions", "{" + msgs + R"(, "thinking_budget_message": 5})", "thinking_budget_message");
 }
 
 // Qwen's function calling (a Qwen3-like template: its tools sentence, '<tool_call>', reasoning and

@@ -888,3 +888,22 @@ TEST(TokenizerSynthetic, MalformedVocabulariesAreErrors) {
     EXPECT_EQ(Tokenizer::from_gguf(*b.file).eos(), -1);
   }
 }
+
+// Text that continues a text: no BOS and no dummy prefix at its start (which encode puts there),
+// so its pieces spell it exactly.
+TEST(TokenizerStories, ContinuationHasNoDummyPrefix) {
+  REQUIRE_MODEL(stories());
+  const Tokenizer& t = *load(stories())->tok;
+  for (const char* text : {"\nTime to answer.\n</think>\n\n", "Lily", " Lily ran."}) {
+    SCOPED_TRACE(text);
+    const std::vector<int32_t> ids = t.encode_continuation(text, true);
+    std::string spelled;
+    for (int32_t id : ids) spelled += t.token_piece(id);
+    EXPECT_EQ(spelled, text);
+    const std::vector<int32_t> plain = t.encode(text, false, true);
+    std::string with_prefix;
+    for (int32_t id : plain) with_prefix += t.token_piece(id);
+    EXPECT_EQ(with_prefix.substr(1), text);  // (encode's dummy prefix first)
+    EXPECT_EQ(with_prefix[0], ' ');
+  }
+}

@@ -59,6 +59,8 @@ struct Engine::Seq {
   // runs), and how many the next step may draft
   std::vector<int32_t> drafts;
   int draft_len = 0;
+  // GenParams::reasoning_budget, when it bounds something
+  std::unique_ptr<ReasoningBudgetState> budget;
 };
 
 namespace {
@@ -546,6 +548,8 @@ static const std::string* cut_at_stop(std::string& text, size_t from, size_t add
 static std::unique_ptr<GrammarState> lazy_grammar_step(const std::vector<GenParams::LazyGrammar>& lazy, std::string& text,
                                                        bool& settled, std::string_view bytes);
 
+int32_t Engine::forced_token(const Seq& s) const { return s.budget && !s.grammar ? s.budget->forced() : -1; }
+
 bool Engine::take_token(Seq& s, int32_t next, const float* lg, int n_vocab, double tpot) {
   const double now = now_seconds();
   {
@@ -583,6 +587,7 @@ bool Engine::take_token(Seq& s, int32_t next, const float* lg, int n_vocab, doub
   }
   const size_t added = s.text.size();
   s.text += s.dec->push(next);
+  if (s.budget) s.budget->take(next, std::string_view(s.text).substr(added), s.dec->pending());
   if (stop_string_ends(s, added)) {
     s.dec.reset();  // pending bytes come after the cut
     finish(s, "stop");
@@ -614,6 +619,9 @@ void Engine::verify_drafts(Seq& s, int n, const float* rows, int n_vocab) {
   const bool lazy = !s.grammar && !s.lazy_settled && !s.req.params.lazy_grammars.empty();
   std::string lazy_text = lazy ? s.lazy_text : std::string();
   bool settled = !lazy;
+  // (a reasoning budget's forced tokens replace the samples, as in decoding)
+  std::unique_ptr<ReasoningBudgetState> budget = s.budget ? std::make_unique<ReasoningBudgetState>(*s.budget) : nullptr;
+  TokenStreamDecoder dec = *s.dec;
   for (int i = 0;; ++i) {
     const float* row = rows + size_t(i) * size_t(n_vocab);
     if (state) {
@@ -621,11 +629,16 @@ void Engine::verify_drafts(Seq& s, int n, const float* rows, int n_vocab) {
       grammar_mask(*state, grammar_vocab(), s.req.params.stop_token_ids, s.masked.data(), n_vocab);
       row = s.masked.data();
     }
-    const int32_t x = s.sampler->sample(row, n_vocab, s.tokens, size_t(s.n_prompt));
+    int32_t x = budget && !state ? budget->forced() : -1;
+    if (x < 0) x = s.sampler->sample(row, n_vocab, s.tokens, size_t(s.n_prompt));
     taken.push_back(x);
     if (i == d || x != s.drafts[size_t(i)]) break;
     s.tokens.push_back(x);
     ++kept;
+    if (budget) {
+      const std::string t = dec.push(x);
+      budget->take(x, t, dec.pending());
+    }
     // (a token that completes the document, or that the grammar refuses, ends what decoding runs)
     if (state) {
       if (tok_.is_eog(x) || !state->feed(grammar_vocab().bytes(x)) || state->done()) break;
@@ -755,6 +768,8 @@ std::vector<uint64_t> Engine::submit_all(std::vector<GenRequest> rs) {
       s->dec = std::make_unique<TokenStreamDecoder>(tok_, false);
       if (s->req.params.json_object) s->grammar = std::make_unique<GrammarState>(Grammar::json_object());
       else if (s->req.params.grammar) s->grammar = std::make_unique<GrammarState>(s->req.params.grammar);
+      const ReasoningBudget& rb = s->req.params.reasoning_budget;
+      if (rb.active() && !s->grammar) s->budget = std::make_unique<ReasoningBudgetState>(rb, tok_);
     }
     seqs.push_back(std::move(s));
     errs.push_back(std::move(err));
@@ -1310,7 +1325,8 @@ bool Engine::step() {
           continue;
         }
         const float* sample_from = s.grammar ? s.masked.data() : lg;  // masked above
-        const int32_t next = s.sampler->sample(sample_from, n_vocab, s.tokens, size_t(s.n_prompt));
+        int32_t next = forced_token(s);
+        if (next < 0) next = s.sampler->sample(sample_from, n_vocab, s.tokens, size_t(s.n_prompt));
         take_token(s, next, lg, n_vocab);
       }
       const double took = now_seconds() - t_step;

@@ -53,6 +53,7 @@
 #include "cache/page_pool.h"
 #include "cache/prefix_index.h"
 #include "model/model.h"
+#include "model/reasoning_budget.h"
 #include "model/sampler.h"
 #include "model/tokenizer.h"
 #include "tools/kv_flags.h"
@@ -167,6 +168,12 @@ struct GenParams {
     std::shared_ptr<const Grammar> grammar;
   };
   std::vector<LazyGrammar> lazy_grammars;
+  // A bound on the reply's reasoning (model/reasoning_budget.h): once its tokens are spent, the
+  // block's closing text is written whatever the model's logits say (not while a grammar holds the
+  // reply: a call that a lazy grammar constrains is written whole, and a grammar of the whole reply
+  // leaves no reasoning). The forced tokens are generated tokens like any (max_tokens counts them,
+  // logprobs give their log-probabilities under the model).
+  ReasoningBudget reasoning_budget;
 };
 
 struct GenResult {
@@ -403,6 +410,8 @@ class Engine {
   // EngineOptions::draft_max: the step's rows of a sequence that ran drafted tokens, verified;
   // the cache's step committed with what was kept, the tokens taken.
   void verify_drafts(Seq& s, int n, const float* rows, int n_vocab);
+  // The token a reasoning budget makes the sequence take next (-1: none: sample).
+  int32_t forced_token(const Seq& s) const;
   // The stop string, if any, that ends in the text added at `added` (past min_tokens): the text
   // cut there (GenParams::include_stop_str: after it), GenResult::stop_string set.
   bool stop_string_ends(Seq& s, size_t added);

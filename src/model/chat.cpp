@@ -721,6 +721,30 @@ std::string chat_reply_opening(const ChatTemplate& t, const std::string& prompt)
   return at == std::string::npos ? std::string() : prompt.substr(at + open.size());
 }
 
+ReasoningBudget chat_reasoning_budget(const ChatTemplate& t, int tokens, const std::string& message,
+                                      const std::string& opening, bool calls) {
+  ReasoningBudget b;
+  if (tokens < 0) return b;
+  if (t.family == ChatFamily::harmony) {
+    if (!opening.empty()) return b;  // (its final channel or a call opened by the prompt)
+    b.open = "<|channel|>analysis<|message|>";
+    b.close = {"<|end|>"};
+    b.force = (message.empty() ? std::string() : "\n" + message) + "<|end|><|start|>assistant" +
+              (calls ? "" : HarmonyReplyStream::kOpenFinal);
+  } else if (t.think != ChatTemplate::Think::none) {
+    const size_t open = opening.rfind("<think>");
+    if (open != std::string::npos && opening.find("</think>", open) != std::string::npos) return b;  // closed
+    if (open == std::string::npos) b.open = "<think>";  // (else the prompt opened it)
+    b.close = {"</think>"};
+    if (calls && t.qwen_tools) b.close.push_back(QwenToolReplyStream::kOpen);
+    b.force = "\n" + (message.empty() ? std::string() : message + "\n") + "</think>\n\n";
+  } else {
+    return b;
+  }
+  b.tokens = tokens;
+  return b;
+}
+
 namespace {
 // The length of the longest end of `s` that is a proper start of `marker`.
 size_t marker_start_at_end(const std::string& s, std::string_view marker) {

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "model/reasoning_budget.h"
+
 namespace kvq {
 namespace gguf { class File; }
 
@@ -155,6 +157,20 @@ std::unique_ptr<ChatReplySplitter> chat_reply_splitter(const ChatTemplate& t, bo
 // last assistant turn (a reasoning template's '<think>\n', a continued message's start); empty
 // for templates without reasoning.
 std::string chat_reply_opening(const ChatTemplate& t, const std::string& prompt);
+
+// A bound of `tokens` (< 0: none) on a reply's reasoning (model/reasoning_budget.h), for a
+// reasoning template (ChatTemplate::think) or harmony's (gpt-oss); none for other templates.
+// opening: what the prompt wrote of the reply (chat_reply_opening, harmony's opened reply): a
+// block it opened is counted from the reply's start, one it closed (enable_thinking false) or a
+// reply it opened past the reasoning (harmony's final channel or forced call) is not bounded.
+// message: written before the block's end when the budget is spent (llama.cpp's
+// --reasoning-budget-message; empty: none). calls: functions were offered (Qwen's: a
+// '<tool_call>' ends the reasoning too; harmony: the analysis message is ended and the model
+// picks its next channel, where without functions its final channel is opened).
+// ChatML: '...\n' MESSAGE '\n</think>\n\n'; harmony: '...' '\n' MESSAGE '<|end|><|start|>assistant'
+// ('<|channel|>final<|message|>').
+ReasoningBudget chat_reasoning_budget(const ChatTemplate& t, int tokens, const std::string& message,
+                                      const std::string& opening, bool calls);
 
 // A reasoning template's reply (ChatTemplate::think): '<think>' (once the reply's leading
 // whitespace is past) opens the reasoning, '</think>' ends it, and the rest is the answer; a reply

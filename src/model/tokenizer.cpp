@@ -410,12 +410,20 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_bos) cons
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_bos, bool parse_special) const {
+  return encode_text(text, add_bos, parse_special, true);
+}
+
+std::vector<int32_t> Tokenizer::encode_continuation(std::string_view text, bool parse_special) const {
+  return encode_text(text, false, parse_special, false);
+}
+
+std::vector<int32_t> Tokenizer::encode_text(std::string_view text, bool add_bos, bool parse_special, bool at_start) const {
   // symbol and span offsets are 32-bit
   if (text.size() >= std::numeric_limits<uint32_t>::max()) fail("text of {} bytes is too long to tokenize", text.size());
   std::vector<int32_t> out;
   out.reserve(text.size() / 3 + 2);
   if (add_bos && this->add_bos()) out.push_back(bos_);
-  bool after_special = true;  // SPM dummy prefix: at the start and after each special token
+  bool after_special = at_start;  // SPM dummy prefix: at the start and after each special token
   WordCache cache;
   auto flush_raw = [&](std::string_view raw) {
     if (raw.empty()) return;

@@ -41,6 +41,9 @@ class Tokenizer {
   // add_bos is honored only when the model adds BOS (add_bos() is true and the model has one).
   std::vector<int32_t> encode(std::string_view text, bool add_bos) const;
   std::vector<int32_t> encode(std::string_view text, bool add_bos, bool parse_special) const;
+  // Text that continues a text (tokens written after others): no BOS, and no SentencePiece dummy
+  // prefix at its start (only after a special token in it, as encode puts one).
+  std::vector<int32_t> encode_continuation(std::string_view text, bool parse_special) const;
 
   // Text of a token sequence. CONTROL tokens (BOS, EOS, <|im_end|>, ...) render as nothing, byte
   // tokens as their byte, so the result may hold invalid UTF-8 only if the ids do. For SPM with a
@@ -80,6 +83,7 @@ class Tokenizer {
     const SpecialToken* match(std::string_view text, size_t i) const;
   };
 
+  std::vector<int32_t> encode_text(std::string_view text, bool add_bos, bool parse_special, bool at_start) const;
   struct WordCache;  // ids of words already seen during one encode call
   void encode_spm(std::string_view text, bool prefix_space, WordCache& cache, std::vector<int32_t>& out) const;
   void encode_bpe(std::string_view text, WordCache& cache, std::vector<int32_t>& out) const;
@@ -132,6 +136,7 @@ class TokenStreamDecoder {
       : tok_(&tok), strip_space_(at_text_start && tok.add_space_prefix()) {}
   std::string push(int32_t id);
   std::string flush();  // whatever is pending, invalid bytes as U+FFFD
+  bool pending() const { return !pending_.empty(); }  // part of a character held back
 
  private:
   const Tokenizer* tok_;

@@ -323,7 +323,9 @@ void read_output_format(const ojson& body, ojson& out) {
 }
 
 // thinking: disabled turns a reasoning template's block off (chat_template_kwargs.enable_thinking
-// false, Qwen3's switch), enabled / adaptive on; absent leaves the server's default.
+// false, Qwen3's switch), enabled / adaptive on; absent leaves the server's default. enabled's
+// budget_tokens bounds the reasoning (thinking_token_budget; max_tokens bounds the whole reply, so
+// a budget beyond it, as interleaved thinking allows, leaves max_tokens the bound).
 void read_thinking(const ojson& body, ojson& out) {
   if (!is_set(body, "thinking")) return;
   const ojson& t = body["thinking"];
@@ -335,6 +337,7 @@ void read_thinking(const ojson& body, ojson& out) {
   if (type == "enabled") {
     if (!t.contains("budget_tokens") || !t["budget_tokens"].is_number_integer() || t["budget_tokens"].get<int64_t>() < 1024)
       throw AnthropicError("'thinking.budget_tokens' must be an integer >= 1024", "thinking.budget_tokens");
+    out["thinking_token_budget"] = t["budget_tokens"];
   } else if (type != "disabled" && type != "adaptive" && type != "between_tools") {
     throw AnthropicError(fmt::format("'thinking' type '{}' is unknown (valid: enabled, disabled, adaptive, between_tools)", type),
                          "thinking.type");

@@ -34,9 +34,11 @@ struct AnthropicError : std::invalid_argument {
 //   cache_control on the request and its blocks (kvq caches every prefix), a tool's
 //   eager_input_streaming; a tool's strict is the chat endpoint's (tools.h); its input_examples
 //   are shown to the model after its description.
-// thinking: {"type": "enabled", "budget_tokens" >= 1024} or "disabled" / "adaptive"; a reasoning
-// model's reasoning (gpt-oss) comes back as thinking blocks whatever it says, and budget_tokens
-// does not bound it (max_tokens does); a model without reasoning writes none.
+// thinking: {"type": "enabled", "budget_tokens" >= 1024} or "disabled" /
+// "adaptive"; a reasoning model's reasoning (gpt-oss, Qwen3) comes back as thinking blocks, and
+// budget_tokens bounds it (the chat endpoint's thinking_token_budget: the reasoning is ended for
+// the model once it has taken that many tokens); disabled closes a reasoning template's block in
+// the prompt; a model without reasoning writes none.
 // Refused with the field named: image, document and other non-text blocks, server and Anthropic-
 // defined tools (web search, bash, text editor, computer use, ...), a tool's allowed_callers other
 // than ["direct"] and defer_loading, mcp_servers, container, context_management, and any other

@@ -32,6 +32,10 @@ void serve_add_cli(CLI::App& app, ServeOptions& o) {
                  "a JSON object of chat template settings, as llama.cpp's flag: kvq reads enable_thinking (false: a reasoning "
                  "template's <think> block, Qwen3's, closed in the prompt, so the reply is the answer alone)")
       ->type_name("JSON");
+  app.add_option("--reasoning-budget", o.reasoning_budget, kReasoningBudgetHelp)
+      ->check(CLI::Range(-1, 1 << 30))
+      ->capture_default_str();
+  app.add_option("--reasoning-budget-message", o.reasoning_budget_message, kReasoningBudgetMessageHelp)->type_name("TEXT");
   app.add_option("--kv-mem", o.kv_mem, "KV page pool budget in bytes (e.g. 2GiB, 512MiB)");
   app.add_option("--kv-tokens", o.engine.kv_tokens, "KV page pool size: room for one prompt of this many tokens, prefilled in --max-batch steps (instead of --kv-mem)");
   app.add_option("--kv-offload-dir", o.engine.kv_offload_dir, kKvOffloadDirHelp);
@@ -147,6 +151,8 @@ int serve_command(ServeOptions o) {
   so.api_key = o.api_key;
   so.chat_template = chat_template.value_or("");
   so.enable_thinking = enable_thinking;
+  so.reasoning_budget = o.reasoning_budget;
+  so.reasoning_budget_message = o.reasoning_budget_message;
   so.http_threads = o.http_threads;
   so.allowed_origins.clear();
   for (const std::string& one : split_list(o.allowed_origins))

@@ -683,6 +683,12 @@ struct Server::Impl {
   // The template writes function calls in its own syntax: harmony's, Qwen's
   bool native_tools() const { return tpl.family == ChatFamily::harmony || (tpl.family == ChatFamily::chatml && tpl.qwen_tools); }
 
+  // A chat reply's bound on its reasoning (chat_reasoning_budget): vLLM's thinking_token_budget or
+  // llama.cpp's thinking_budget_tokens (-1: none), else --reasoning-budget; llama.cpp's
+  // thinking_budget_message, else --reasoning-budget-message. No effect on a template without
+  // reasoning (as there).
+  ReasoningBudget reasoning_budget(const json& body, const std::string& opening, bool calls) const;
+
   struct Prepared {
     ApiRequest ar;
     std::vector<PromptIn> prompts;
@@ -912,6 +918,28 @@ std::vector<int32_t> Server::Impl::chat_prompt(const json& body, const ChatTools
   return engine.tokenizer().encode(text, true, /*parse_special=*/tpl.known());
 }
 
+ReasoningBudget Server::Impl::reasoning_budget(const json& body, const std::string& opening, bool calls) const {
+  int tokens = opt.reasoning_budget;
+  std::optional<int64_t> given;
+  for (const char* key : {"thinking_token_budget", "thinking_budget_tokens"}) {
+    if (!body.contains(key) || body[key].is_null()) continue;
+    if (!body[key].is_number_integer() || body[key].get<int64_t>() < -1)
+      throw ApiError{fmt::format("'{}' must be an integer >= 0, or -1 for no bound", key), key};
+    const int64_t v = body[key].get<int64_t>();
+    if (given && *given != v)
+      throw ApiError{"'thinking_token_budget' and 'thinking_budget_tokens' (two names of one bound) differ", key};
+    given = v;
+  }
+  if (given) tokens = int(std::min<int64_t>(*given, std::numeric_limits<int>::max()));
+  std::string message = opt.reasoning_budget_message;
+  if (body.contains("thinking_budget_message") && !body["thinking_budget_message"].is_null()) {
+    if (!body["thinking_budget_message"].is_string())
+      throw ApiError{"'thinking_budget_message' must be a string", "thinking_budget_message"};
+    message = body["thinking_budget_message"].get<std::string>();
+  }
+  return chat_reasoning_budget(tpl, tokens, message, opening, calls);
+}
+
 // Completions' logprobs object (echo: the prompt's tokens first); tokens as the bytes each renders
 // as, text_offset their byte offsets in the returned text. A NaN log-probability (the first prompt
 // token's) is null. text_start: the tokens start the text (echo), whose first piece loses the space
@@ -1036,6 +1064,7 @@ Server::Impl::Prepared Server::Impl::prepare(const json& body, std::string_view 
     const bool active = p.tools.spec.active();
     p.split = (p.harmony || tpl.think != ChatTemplate::Think::none || (p.native_tools && active)) && !(active && !p.native_tools);
     p.tpl = &tpl;
+    ar.params.reasoning_budget = reasoning_budget(body, p.reply_opening, active);
   } else {
     auto set = [&](const char* key) { return body.contains(key) && !body[key].is_null(); };
     if ((set("tools") && !(body["tools"].is_array() && body["tools"].empty())) || set("functions") ||

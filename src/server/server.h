@@ -33,6 +33,11 @@ struct ServerOptions {
   std::string chat_template;
   // A reasoning template's default for chat_template_kwargs.enable_thinking (--chat-template-kwargs)
   bool enable_thinking = true;
+  // The default bound on a reply's reasoning, in tokens (--reasoning-budget, llama.cpp's; < 0: none),
+  // and the message written before the block's end when it is spent (--reasoning-budget-message):
+  // see chat_reasoning_budget (model/chat.h). A request's thinking_token_budget overrides it.
+  int reasoning_budget = -1;
+  std::string reasoning_budget_message;
 };
 
 class Server {

@@ -41,6 +41,11 @@ void run_add_cli(CLI::App& app, RunOptions& o) {
   app.add_option("--reasoning-effort", o.reasoning_effort,
                  "with --chat on a harmony model (gpt-oss): low, medium (its default) or high")
       ->check(CLI::IsMember({"low", "medium", "high"}));
+  app.add_option("--reasoning-budget", o.reasoning_budget, std::string("with --chat: ") + kReasoningBudgetHelp)
+      ->check(CLI::Range(-1, 1 << 30));
+  app.add_option("--reasoning-budget-message", o.reasoning_budget_message,
+                 std::string("with --chat: ") + kReasoningBudgetMessageHelp)
+      ->type_name("TEXT");
   app.add_option("--chat-template-kwargs", o.chat_template_kwargs,
                  "with --chat: a JSON object of chat template settings, as llama.cpp's flag: kvq reads enable_thinking "
                  "(false: a reasoning template's <think> block, Qwen3's, closed in the prompt, so the reply is the answer alone)")
@@ -187,6 +192,11 @@ int run_command(const RunOptions& o) {
     std::fprintf(stderr, "[kvq] warning: --reasoning-format applies to harmony replies (gpt-oss) and reasoning templates' "
                  "(<think>), with --chat; ignored\n");
   if (!o.chat_template_kwargs.empty() && !o.chat) fail("--chat-template-kwargs needs --chat");
+  if ((o.reasoning_budget >= 0 || !o.reasoning_budget_message.empty()) && !o.chat)
+    fail("--reasoning-budget and --reasoning-budget-message need --chat");
+  if (o.reasoning_budget >= 0 && !harmony && !think)
+    std::fprintf(stderr, "[kvq] warning: --reasoning-budget bounds harmony replies (gpt-oss) and reasoning templates' "
+                 "(<think>); this model's template (%s) has no reasoning: ignored\n", chat_template_name(tpl));
   ChatRenderOptions ro;
   try {
     ro.thinking = o.chat_template_kwargs.empty() || chat_template_kwargs_thinking(o.chat_template_kwargs).value_or(true);
@@ -283,6 +293,12 @@ int run_command(const RunOptions& o) {
     const size_t turn_start = history.size();
     reply_text.clear();
     TokenStreamDecoder stream(tok, from_start);
+    // --reasoning-budget: the reasoning ended for the model once it has taken that many tokens
+    // (not in a constrained reply, whose block the prompt closed)
+    const ReasoningBudget rb = o.chat && !grammar ? chat_reasoning_budget(tpl, o.reasoning_budget, o.reasoning_budget_message,
+                                                                          opening, false)
+                                                  : ReasoningBudget{};
+    std::unique_ptr<ReasoningBudgetState> budget = rb.active() ? std::make_unique<ReasoningBudgetState>(rb, tok) : nullptr;
     if (reply_split) {
       hreply = chat_reply_splitter(tpl);
       (void)hreply->feed(opening);  // (what the prompt wrote of the reply)
@@ -302,6 +318,7 @@ int run_command(const RunOptions& o) {
       // the first sample that differs (or the one after the last draft) is the next token. For
       // greedy decoding the output is decoding's; for sampling, its distribution.
       auto sample_row = [&](const float* row) {
+        if (budget && budget->forced() >= 0) return budget->forced();
         const float* lg = row;
         if (doc) {
           masked.assign(row, row + c.n_vocab);
@@ -322,6 +339,7 @@ int run_command(const RunOptions& o) {
         history.push_back(t);
         const std::string piece = stream.push(t);
         if (!piece.empty()) out_text(piece);
+        if (budget) budget->take(t, piece, stream.pending());
         ++n_gen;
         if (doc && (!doc->feed(json_vocab->bytes(t)) || doc->done())) {
           stop_reason = !doc->done()      ? "no token continues the document"

@@ -31,6 +31,8 @@ struct RunOptions {
   std::string chat_template_file;  // --chat-template-file: a template instead of the model's
   std::string chat_template_kwargs;  // --chat-template-kwargs: {"enable_thinking": false} (a reasoning template's switch)
   std::string reasoning_effort;  // --reasoning-effort: harmony's (gpt-oss) low / medium / high
+  int reasoning_budget = -1;             // --reasoning-budget: tokens of reasoning per reply (< 0: no bound)
+  std::string reasoning_budget_message;  // --reasoning-budget-message
   std::string reasoning_format = "split";  // --reasoning-format: harmony replies split (answer on stdout) or raw
   bool reasoning_format_given = false;
   SamplerParams sampling;

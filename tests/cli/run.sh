@@ -181,6 +181,17 @@ check "... --reasoning-format raw: the reply on stdout, the reasoning as split" 
 "$kvq" run -m "$model" --chat --chat-template-file "$tmp/qwq.jinja" -p Lily -n 12 --temp 0 -t 1 \
   --chat-template-kwargs '{"enable_thinking": false}' >"$tmp/think_off" 2>"$tmp/think_off_err"
 check "... enable_thinking false: the answer on stdout, no reasoning" "[[ $? -eq 0 && -s $tmp/think_off ]] && ! grep -q 'reasoning\\]' $tmp/think_off_err"
+# --reasoning-budget 3: the reasoning ends after 3 tokens (the raw reply holds the close, with the
+# message before it) and the model answers, on stdout (without a budget stdout is empty, above)
+"$kvq" run -m "$model" --chat --chat-template-file "$tmp/qwq.jinja" -p Lily -n 24 --temp 0 -t 1 --reasoning-budget 3 \
+  --reasoning-budget-message "Time to answer." --reasoning-format raw >"$tmp/budget_raw" 2>/dev/null
+check "--reasoning-budget: the close written after the message" "[[ $? -eq 0 ]] && grep -q '^Time to answer.$' $tmp/budget_raw && grep -q '^</think>$' $tmp/budget_raw"
+"$kvq" run -m "$model" --chat --chat-template-file "$tmp/qwq.jinja" -p Lily -n 24 --temp 0 -t 1 --reasoning-budget 3 \
+  >"$tmp/budget_out" 2>"$tmp/budget_err"
+check "... split: the answer on stdout, the reasoning (3 tokens) on stderr" \
+  "[[ $? -eq 0 && -n \$(tr -d '\n' <$tmp/budget_out) ]] && grep -q '^\\[reasoning\\] ' $tmp/budget_err"
+bad "--reasoning-budget without --chat" run -m "$model" -p hi --reasoning-budget 3
+bad "--reasoning-budget below -1" run -m "$model" --chat -p hi --reasoning-budget -2
 bad "--chat-template-kwargs of a key kvq does not read" run -m "$model" --chat --chat-template-file "$tmp/qwq.jinja" -p hi --chat-template-kwargs '{"foo": 1}'
 check "... names it" "grep -q \"kwarg 'foo' is not supported\" $tmp/be"
 bad "--chat-template-kwargs without --chat" run -m "$model" -p hi --chat-template-kwargs '{"enable_thinking": false}'
