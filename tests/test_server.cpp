@@ -1200,9 +1200,18 @@ TEST_F(HarmonyServerTest, FunctionCallsInItsOwnSyntax) {
   j = post_ok("/v1/chat/completions", automatic);  // (the story model writes no call: a story)
   EXPECT_FALSE(j["choices"][0]["message"].contains("tool_calls")) << j;
   EXPECT_FALSE(j["choices"][0]["message"]["content"].get<std::string>().empty()) << j;
-  // none: not declared
+  // none: still declared (vLLM's default; the prompt, and its cached prefix, is auto's), the reply free
+  const std::string auto_prompt = p;
   automatic["tool_choice"] = "none";
-  p = prompt_text(automatic);
+  EXPECT_EQ(prompt_text(automatic), auto_prompt);
+  j = post_ok("/v1/chat/completions", automatic);
+  EXPECT_FALSE(j["choices"][0]["message"].contains("tool_calls")) << j;
+  EXPECT_FALSE(j["choices"][0]["message"]["content"].get<std::string>().empty()) << j;
+  // without tools: not declared
+  json no_tools = automatic;
+  no_tools.erase("tools");
+  no_tools.erase("tool_choice");
+  p = prompt_text(no_tools);
   EXPECT_EQ(p.find("# Tools"), std::string::npos) << p;
   EXPECT_EQ(p.find("Calls to these tools"), std::string::npos) << p;
 
@@ -2849,9 +2858,23 @@ TEST_F(QwenToolServerTest, CallsInItsOwnSyntax) {
   j = post_ok("/v1/chat/completions", automatic);
   EXPECT_FALSE(j["choices"][0]["message"].contains("tool_calls")) << j;
   EXPECT_FALSE(j["choices"][0]["message"]["content"].get<std::string>().empty()) << j;
-  // none: not listed
+  // none: still listed (vLLM's default; the prompt, and its cached prefix, is auto's), the reply
+  // read as text: a call written is content (here forced by a choice)
+  const std::string auto_prompt = prompt_text(automatic);
+  ASSERT_NE(auto_prompt.find("# Tools"), std::string::npos);
   automatic["tool_choice"] = "none";
-  EXPECT_EQ(prompt_text(automatic).find("# Tools"), std::string::npos);
+  EXPECT_EQ(prompt_text(automatic), auto_prompt);
+  json none = automatic;
+  none["guided_choice"] = json::array({"ok <tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": 2}}\n</tool_call>"});
+  none["max_tokens"] = 80;
+  j = post_ok("/v1/chat/completions", none);
+  EXPECT_FALSE(j["choices"][0]["message"].contains("tool_calls")) << j;
+  EXPECT_EQ(j["choices"][0]["message"]["content"], none["guided_choice"][0]) << j;
+  // without tools: not listed
+  json no_tools = automatic;
+  no_tools.erase("tools");
+  no_tools.erase("tool_choice");
+  EXPECT_EQ(prompt_text(no_tools).find("# Tools"), std::string::npos);
 
   // a conversation's calls and results, in its syntax
   json convo = body;

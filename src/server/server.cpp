@@ -749,7 +749,14 @@ Server::Impl::ChatTools Server::Impl::chat_tools(const json& body, std::string_v
   } catch (const ToolsError& e) {
     throw ApiError{e.what(), e.param};
   }
-  if (!t.spec.active()) return t;
+  if (!t.spec.active()) {
+    // tool_choice "none" on a template that lists tools itself (harmony's, Qwen's): still listed,
+    // as vLLM renders them by default, so that the prompt (and the prefix the cache holds) is the
+    // one "auto" gives; the reply is free and read as text (a call written anyway is content).
+    if (!t.spec.functions.empty() && native_tools())
+      t.native_tools = tpl.family == ChatFamily::harmony ? harmony_functions_namespace(t.spec.functions) : qwen_tools_json(ob);
+    return t;
+  }
   if (ar && !ar->constraint.empty() && ar->constraint != "response_format")
     throw ApiError{fmt::format("'{}' cannot be combined with 'tools': the reply's form is the tools' (tool_choice "
                                "\"none\" turns them off; response_format gives the response's form)",
