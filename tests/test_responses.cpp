@@ -163,7 +163,7 @@ TEST(Responses, RefusedWithTheFieldNamed) {
   EXPECT_EQ(refused(R"j({"input": "x", "reasoning": {"effort": "minimal"}})j"), "reasoning.effort");
   EXPECT_EQ(refused(R"j({"input": "x", "reasoning": {"summary": "short"}})j"), "reasoning.summary");
   EXPECT_EQ(refused(R"j({"input": "x", "truncation": "auto"})j"), "truncation");
-  EXPECT_EQ(refused(R"j({"input": "x", "background": true})j"), "background");
+  EXPECT_EQ(refused(R"j({"input": "x", "background": "yes"})j"), "background");
   EXPECT_EQ(refused(R"j({"input": "x", "conversation": "conv_1"})j"), "conversation");
   EXPECT_EQ(refused(R"j({"input": "x", "prompt": {"id": "pmpt_1"}})j"), "prompt");
   EXPECT_EQ(refused(R"j({"input": "x", "max_tool_calls": 3})j"), "max_tool_calls");
@@ -174,6 +174,7 @@ TEST(Responses, RefusedWithTheFieldNamed) {
   EXPECT_EQ(refused(R"j({"input": "x", "top_logprobs": 21})j"), "top_logprobs");
   EXPECT_EQ(refused(R"j({"input": "x", "include": ["message.output_text.logprobs"], "stream": true})j"), "include");
   EXPECT_NO_THROW(translate(R"j({"input": "x", "background": false, "conversation": null, "context_management": []})j"));
+  EXPECT_NO_THROW(translate(R"j({"input": "x", "background": true})j"));  // (the server's to run)
 }
 
 TEST(Responses, OutputItemsAndUsage) {

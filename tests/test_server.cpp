@@ -2267,6 +2267,90 @@ TEST(ServerSmallPool, RequestsLargerThanThePoolAreRefused) {
   EXPECT_EQ(j["usage"]["prompt_tokens"].get<int>() + j["usage"]["completion_tokens"].get<int>(), cap);
 }
 
+// The Responses API's background mode: answered at once ("queued", kept), run on and read back by
+// GET (the output the same request gives in the foreground); a response still running is not
+// continued; cancelled (POST .../cancel: its object, "cancelled"; one that finished is returned as
+// it is; a foreground one refused); DELETE ends a running one; bad combinations refused.
+TEST(ServerResponses, BackgroundRunsOnAndIsCancelled) {
+  if (!fs::exists(model_path())) GTEST_SKIP() << "stories260K.gguf not found at " << model_path();
+  EngineOptions o = one_thread_options(4096);
+  o.autostart = false;  // the background requests wait until the engine starts
+  Engine engine(o);
+  ServerOnThread srv(engine, loopback_options());
+  httplib::Client c("127.0.0.1", srv.port);
+  c.set_read_timeout(60, 0);
+  auto call = [&](const char* method, const std::string& path, const json& body = nullptr) {
+    auto r = std::string(method) == "GET"      ? c.Get(path.c_str())
+             : std::string(method) == "DELETE" ? c.Delete(path.c_str())
+                                               : c.Post(path.c_str(), body.is_null() ? "" : body.dump(), "application/json");
+    EXPECT_TRUE(r);
+    return r ? std::pair{r->status, json::parse(r->body, nullptr, false)} : std::pair{0, json()};
+  };
+  const json body = {{"input", "Lily"}, {"max_output_tokens", 24}, {"temperature", 0}, {"background", true}};
+  auto [st, a] = call("POST", "/v1/responses", body);
+  ASSERT_EQ(st, 200) << a;
+  EXPECT_EQ(a["status"], "queued");
+  EXPECT_EQ(a["background"], true);
+  EXPECT_EQ(a["output"], json::array());
+  const std::string aid = a["id"];
+  EXPECT_EQ(call("GET", "/v1/responses/" + aid).second["status"], "queued");
+  // not continued while it runs
+  auto [st2, e2] = call("POST", "/v1/responses", {{"previous_response_id", aid}, {"input", "Tom"}});
+  EXPECT_EQ(st2, 400);
+  EXPECT_EQ(e2["error"]["param"], "previous_response_id") << e2;
+  // another, cancelled before the engine runs it
+  const json b = call("POST", "/v1/responses", body).second;
+  const std::string bid = b["id"];
+  std::pair<int, json> cancelled;
+  std::thread canceller([&] { cancelled = call("POST", "/v1/responses/" + bid + "/cancel"); });
+  for (int i = 0; i < 200 && engine.metrics().requests_cancelled == 0; ++i) {
+    if (i == 20) engine.start();  // (the cancel is told first, then the engine sees it)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  canceller.join();
+  EXPECT_EQ(cancelled.first, 200) << cancelled.second;
+  EXPECT_EQ(cancelled.second["status"], "cancelled") << cancelled.second;
+  EXPECT_EQ(call("GET", "/v1/responses/" + bid).second["status"], "cancelled");
+  // the first runs to its end: the foreground request's output
+  json done;
+  for (int i = 0; i < 3000; ++i) {
+    done = call("GET", "/v1/responses/" + aid).second;
+    if (done["status"] != "queued" && done["status"] != "in_progress") break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  json fg_body = body;
+  fg_body.erase("background");
+  const json fg = call("POST", "/v1/responses", fg_body).second;
+  EXPECT_EQ(done["status"], fg["status"]) << done;
+  ASSERT_EQ(done["output"].size(), 1u) << done;
+  EXPECT_EQ(done["output"][0]["content"], fg["output"][0]["content"]);
+  EXPECT_EQ(done["usage"]["output_tokens"], fg["usage"]["output_tokens"]);
+  EXPECT_EQ(done["background"], true);
+  // now continued; cancelling a finished one returns it as it is; a foreground one is refused
+  EXPECT_EQ(call("POST", "/v1/responses", {{"previous_response_id", aid}, {"input", "Tom"}, {"max_output_tokens", 2}}).first, 200);
+  EXPECT_EQ(call("POST", "/v1/responses/" + aid + "/cancel").second, done);
+  auto [st3, e3] = call("POST", "/v1/responses/" + fg["id"].get<std::string>() + "/cancel");
+  EXPECT_EQ(st3, 400) << e3;
+  EXPECT_EQ(call("POST", "/v1/responses/resp_nope/cancel").first, 404);
+  // DELETE ends a running one (or deletes it once done)
+  json long_body = body;
+  long_body["max_output_tokens"] = 200;
+  const std::string cid = call("POST", "/v1/responses", long_body).second["id"];
+  EXPECT_EQ(call("DELETE", "/v1/responses/" + cid).second["deleted"], true);
+  EXPECT_EQ(call("GET", "/v1/responses/" + cid).first, 404);
+  // refused: without store, with stream, not a boolean; GET as a stream
+  for (const auto& [key, value] : {std::pair{"store", json(false)}, std::pair{"stream", json(true)}, std::pair{"background", json("yes")}}) {
+    json bad = body;
+    bad[key] = value;
+    auto [sb, eb] = call("POST", "/v1/responses", bad);
+    EXPECT_EQ(sb, 400) << key;
+    EXPECT_EQ(eb["error"]["param"], "background") << eb;
+  }
+  EXPECT_EQ(call("GET", "/v1/responses/" + aid + "?stream=true").first, 400);
+  engine.wait_idle();
+  EXPECT_EQ(engine.pool().n_used(), 0u);
+}
+
 // Shutting down (SIGTERM): requests in flight end at once, a plain one answered 503 and a stream
 // closed with an error event and [DONE]; later requests are refused; nothing stays allocated.
 TEST(ServerShutdown, InFlightRequestsEndWithAnAnswer) {

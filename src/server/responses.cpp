@@ -276,17 +276,18 @@ ojson responses_chat_body(const ojson& body, const ojson& history) {
       "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools", "tool_choice",
       "parallel_tool_calls", "text", "reasoning", "top_logprobs", "include", "store", "previous_response_id",
       "metadata", "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "service_tier",
-      "truncation", "stream_options"};
+      "truncation", "stream_options", "background"};
   for (const auto& [key, v] : body.items()) {
     if (fields.count(key)) continue;
     // set to what turns them off, nothing to refuse
-    if (v.is_null() || (key == "background" && v == false) || (key == "context_management" && v.is_array() && v.empty()))
-      continue;
-    if (key == "background" || key == "conversation" || key == "prompt" || key == "max_tool_calls" ||
-        key == "context_management")
+    if (v.is_null() || (key == "context_management" && v.is_array() && v.empty())) continue;
+    if (key == "conversation" || key == "prompt" || key == "max_tool_calls" || key == "context_management")
       throw ResponsesError(fmt::format("'{}' is not supported", key), key);
     throw ResponsesError(fmt::format("unknown parameter '{}'", key), key);
   }
+  // (background is the server's: the response runs on after the reply, read back by GET)
+  if (is_set(body, "background") && !body["background"].is_boolean())
+    throw ResponsesError("'background' must be a boolean", "background");
   ojson out = ojson::object();
   if (is_set(body, "model")) {
     if (!body["model"].is_string()) throw ResponsesError("'model' must be a string", "model");
@@ -497,7 +498,7 @@ json responses_echo(const ojson& body) {
               {"user", get("user", nullptr)},
               {"truncation", get("truncation", "disabled")},
               {"top_logprobs", get("top_logprobs", nullptr)},
-              {"background", false},
+              {"background", get("background", false)},
               {"error", nullptr},
               {"incomplete_details", nullptr}};
 }

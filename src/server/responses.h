@@ -7,8 +7,9 @@
 // reasoning_text content; kvq writes no summaries), `message` (output_text), `function_call`
 // (call_id, name, arguments) or `custom_tool_call` (input). Streamed, as the API's typed
 // server-sent events. Responses are kept in memory (store, the default) so that a later request
-// can continue one by previous_response_id or refer to its items; errors are OpenAI's
-// {"error": {...}}.
+// can continue one by previous_response_id or refer to its items; with background, the request is
+// answered at once (status "queued") and runs on, read back by GET /v1/responses/{id} and
+// cancelled by POST /v1/responses/{id}/cancel; errors are OpenAI's {"error": {...}}.
 #pragma once
 #include <nlohmann/json.hpp>
 #include <random>
@@ -55,10 +56,10 @@ std::string responses_names(const nlohmann::ordered_json& body, const std::strin
 // function {"input": TEXT}, a regex format matched whole; hosted tools left out: kvq runs none),
 // tool_choice, parallel_tool_calls, text.format (text, json_object, json_schema), reasoning.effort
 // (gpt-oss's low / medium / high), include "message.output_text.logprobs" with top_logprobs (not
-// with stream); no effect: store (read by the server), metadata, user, safety_identifier,
-// prompt_cache_key, prompt_cache_retention, service_tier, truncation "disabled",
-// reasoning.summary, stream_options, other include values. Refused with the field named: a
-// tool_choice naming a hosted tool, Lark grammars, background, conversation, prompt templates,
+// with stream); read by the server, not here: store, background (a boolean); no effect: metadata,
+// user, safety_identifier, prompt_cache_key, prompt_cache_retention, service_tier, truncation
+// "disabled", reasoning.summary, stream_options, other include values. Refused with the field
+// named: a tool_choice naming a hosted tool, Lark grammars, conversation, prompt templates,
 // truncation "auto", max_tool_calls, images, files and audio in the input, item references not
 // kept, and any other field.
 nlohmann::ordered_json responses_chat_body(const nlohmann::ordered_json& body, const nlohmann::ordered_json& history);

@@ -632,6 +632,15 @@ struct Server::Impl {
   std::unordered_map<std::string, std::pair<nlohmann::ordered_json, int>> store_items;
   std::deque<std::string> store_order;                    // oldest first (under store_mu)
   size_t store_bytes = 0;
+  // Background responses still running: response id -> engine request id (0 until submitted)
+  // (under store_mu)
+  std::unordered_map<std::string, uint64_t> background_runs;
+  // A finished response's object (non-streamed and background): status, output items, usage.
+  json responses_final(const Prepared& p, const GenResult& g, json out, const ResponsesForm& form) const;
+  // POST /v1/responses/{id}/cancel, and DELETE's: ends a running background response and waits
+  // until its final object (status "cancelled", or whatever it reached first) is kept. false: it
+  // was not running.
+  bool cancel_background(const std::string& id);
   std::shared_ptr<StoredResponse> make_kept(const nlohmann::ordered_json& history, const nlohmann::ordered_json& input);
   void keep_response(const json& response, std::shared_ptr<StoredResponse> kept);
   void forget_response(const std::string& id);
@@ -1585,6 +1594,12 @@ void Server::Impl::handle_responses(const httplib::Request& req, httplib::Respon
                                    "memory, until the server restarts or {} newer ones displace them)",
                                    prev, kStoredResponses),
                        "previous_response_id", "previous_response_not_found"};
+      const json& status = it->second.response["status"];
+      if (status == "queued" || status == "in_progress")
+        throw ApiError{fmt::format("Previous response with id '{}' is still in progress (a background response): wait "
+                                   "until GET /v1/responses/{} says it is done",
+                                   prev, prev),
+                       "previous_response_id"};
       history = it->second.items;
     }
     // item references: the items kvq keeps (those of responses kept with store)
@@ -1632,23 +1647,60 @@ void Server::Impl::handle_responses(const httplib::Request& req, httplib::Respon
   const int prompt_tokens = p.prompt_tokens;
   const Tokenizer* tk = &engine.tokenizer();
 
+  // Background: answered at once ("queued"), kept, run on; the engine's end keeps its final object.
+  if (set("background") && in["background"] == true) {
+    if (!keep)
+      throw ApiError{"background mode needs 'store' true: a background response is read back by GET /v1/responses/{id}",
+                     "background"};
+    if (p.ar.stream)
+      throw ApiError{"'background' with 'stream' is not supported: poll GET /v1/responses/{id} instead", "background"};
+    const std::string id = base["id"];
+    json queued = base;
+    queued["status"] = "queued";
+    {
+      std::lock_guard<std::mutex> lk(store_mu);
+      background_runs[id] = 0;
+    }
+    keep_response(queued, make_kept(history, input_items));
+    auto prepared = std::make_shared<const Prepared>(p);
+    std::shared_ptr<StoredResponse> kept = make_kept(history, input_items);
+    GenRequest gr = p.choice_request(0);
+    auto started = std::make_shared<std::atomic<bool>>(false);
+    auto running = [this, id](const std::string&) {
+      std::lock_guard<std::mutex> lk(store_mu);
+      auto it = store.find(id);
+      if (it != store.end() && it->second.response["status"] == "queued") it->second.response["status"] = "in_progress";
+    };
+    gr.on_text = [running, started](const std::string& d) {
+      if (!started->exchange(true)) running(d);
+    };
+    gr.on_done = [this, prepared, base, form, kept, id](const GenResult& g) {
+      json out = base;
+      if (g.finish_reason == "cancelled" && !engine.aborting()) {
+        out["status"] = "cancelled";
+      } else if (g.finish_reason == "error" || g.finish_reason == "cancelled") {
+        out["status"] = "failed";
+        out["error"] = {{"code", "server_error"}, {"message", g.error.empty() ? "the server is shutting down" : g.error}};
+      } else {
+        out = responses_final(*prepared, g, out, form);
+      }
+      keep_response(out, kept);
+      std::lock_guard<std::mutex> lk(store_mu);
+      background_runs.erase(id);
+    };
+    const uint64_t rid = engine.submit(std::move(gr));
+    {
+      std::lock_guard<std::mutex> lk(store_mu);
+      auto it = background_runs.find(id);
+      if (it != background_runs.end()) it->second = rid;  // (unless it ended already)
+    }
+    send_json(res, 200, queued);
+    return;
+  }
+
   if (!p.ar.stream) {
     const GenResult g = run_all(p, req).at(0);
-    ChatReply r = read_reply(p, g, rng);
-    if (r.raw) r.content = nullptr;  // (a call cut short: not the reply's JSON as text)
-    ResponsesReply rr;
-    rr.reasoning = r.reasoning;
-    rr.content = r.content;
-    rr.calls = r.calls;
-    rr.complete = g.finish_reason != "length";
-    if (p.ar.params.logprobs >= 0) rr.logprobs = chat_logprobs(g.logprobs)["content"];
-    json out = base;
-    out["status"] = rr.complete ? "completed" : "incomplete";
-    if (!rr.complete) out["incomplete_details"] = {{"reason", "max_output_tokens"}};
-    out["completed_at"] = rr.complete ? json(int64_t(std::time(nullptr))) : json(nullptr);
-    out["output"] = responses_output(rr, form, rng);
-    out["usage"] = responses_usage(prompt_tokens, g.cached_tokens, g.completion_tokens,
-                                   int(tk->encode(r.reasoning, false, false).size()));
+    const json out = responses_final(p, g, base, form);
     if (keep) keep_response(out, make_kept(history, input_items));
     send_json(res, 200, out);
     return;
@@ -1689,6 +1741,46 @@ void Server::Impl::handle_responses(const httplib::Request& req, httplib::Respon
     st->end();
   };
   stream_one(res, st, std::move(gr));
+}
+
+json Server::Impl::responses_final(const Prepared& p, const GenResult& g, json out, const ResponsesForm& form) const {
+  std::mt19937_64 rng = responses_rng();
+  ChatReply r = read_reply(p, g, rng);
+  if (r.raw) r.content = nullptr;  // (a call cut short: not the reply's JSON as text)
+  ResponsesReply rr;
+  rr.reasoning = r.reasoning;
+  rr.content = r.content;
+  rr.calls = r.calls;
+  rr.complete = g.finish_reason != "length";
+  if (p.ar.params.logprobs >= 0) rr.logprobs = chat_logprobs(g.logprobs)["content"];
+  out["status"] = rr.complete ? "completed" : "incomplete";
+  if (!rr.complete) out["incomplete_details"] = {{"reason", "max_output_tokens"}};
+  out["completed_at"] = rr.complete ? json(int64_t(std::time(nullptr))) : json(nullptr);
+  out["output"] = responses_output(rr, form, rng);
+  out["usage"] = responses_usage(p.prompt_tokens, g.cached_tokens, g.completion_tokens,
+                                 int(engine.tokenizer().encode(r.reasoning, false, false).size()));
+  return out;
+}
+
+bool Server::Impl::cancel_background(const std::string& id) {
+  // (the engine is told outside the lock: a request it ends calls on_done, which takes it)
+  const auto t0 = std::chrono::steady_clock::now();
+  bool told = false;
+  for (;;) {
+    uint64_t rid = 0;
+    {
+      std::lock_guard<std::mutex> lk(store_mu);
+      auto it = background_runs.find(id);
+      if (it == background_runs.end()) return told;
+      rid = it->second;
+    }
+    if (rid != 0 && !told) {
+      engine.cancel(rid);
+      told = true;
+    }
+    if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(30)) return told;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
 }
 
 // What a response will keep, made before it runs (not on the scheduler thread): its conversation so
@@ -1863,6 +1955,10 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
   });
   // A kept response, and deleting it.
   I.http.Get(R"(/v1/responses/([A-Za-z0-9_\-]+))", [this](const httplib::Request& req, httplib::Response& res) {
+    if (req.has_param("stream") && req.get_param_value("stream") != "false") {
+      send_error(res, ApiError{"streaming a kept response again ('stream') is not supported: GET returns its object", "stream"});
+      return;
+    }
     std::lock_guard<std::mutex> lk(impl_->store_mu);
     auto it = impl_->store.find(req.matches[1].str());
     if (it == impl_->store.end())
@@ -1870,7 +1966,32 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
     else
       send_json(res, 200, it->second.response);
   });
+  // Cancelling a background response: its object once it ended (status "cancelled" unless it
+  // finished first); a response that did not run in the background is refused.
+  I.http.Post(R"(/v1/responses/([A-Za-z0-9_\-]+)/cancel)", [this](const httplib::Request& req, httplib::Response& res) {
+    const std::string id = req.matches[1].str();
+    {
+      std::lock_guard<std::mutex> lk(impl_->store_mu);
+      auto it = impl_->store.find(id);
+      if (it == impl_->store.end()) {
+        send_error(res, ApiError{fmt::format("No response found with id '{}'.", id), "", "not_found", 404});
+        return;
+      }
+      if (it->second.response["background"] != true) {
+        send_error(res, ApiError{"Only a response created with background true can be cancelled", ""});
+        return;
+      }
+    }
+    impl_->cancel_background(id);
+    std::lock_guard<std::mutex> lk(impl_->store_mu);
+    auto it = impl_->store.find(id);
+    if (it == impl_->store.end())
+      send_error(res, ApiError{fmt::format("No response found with id '{}'.", id), "", "not_found", 404});
+    else
+      send_json(res, 200, it->second.response);
+  });
   I.http.Delete(R"(/v1/responses/([A-Za-z0-9_\-]+))", [this](const httplib::Request& req, httplib::Response& res) {
+    impl_->cancel_background(req.matches[1].str());  // (a running background response ends first)
     std::lock_guard<std::mutex> lk(impl_->store_mu);
     const std::string id = req.matches[1].str();
     if (!impl_->store.count(id)) {
@@ -2043,7 +2164,16 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
   });
 }
 
-Server::~Server() { stop(); }
+Server::~Server() {
+  stop();
+  // A background response's end refers to the server: each still running is ended and waited for.
+  std::vector<std::string> ids;
+  {
+    std::lock_guard<std::mutex> lk(impl_->store_mu);
+    for (const auto& [id, rid] : impl_->background_runs) ids.push_back(id);
+  }
+  for (const std::string& id : ids) impl_->cancel_background(id);
+}
 
 int Server::bind() {
   Impl& I = *impl_;

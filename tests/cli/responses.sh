@@ -90,9 +90,23 @@ ref = c.responses.create(model=model, input=[{"type": "item_reference", "id": r2
 assert ref.status in ("completed", "incomplete"), ref
 items = c.responses.input_items.list(r2.id)
 assert [i.type for i in items.data] == ["message"], items
+# background: queued at once, polled until done (the foreground output), cancelled
+import time
+bg = c.responses.create(model=model, instructions="Answer in one sentence.", input="What is the capital of France?",
+                        max_output_tokens=60, temperature=0, background=True)
+assert bg.status in ("queued", "in_progress", "completed", "incomplete") and bg.background, bg
+for _ in range(600):
+    bg = c.responses.retrieve(bg.id)
+    if bg.status not in ("queued", "in_progress"):
+        break
+    time.sleep(0.05)
+assert bg.status == "completed" and bg.output_text == r.output_text, (bg.status, bg.output_text, r.output_text)
+assert c.responses.cancel(bg.id).status == "completed"
+long = c.responses.create(model=model, input="Tell a long story.", max_output_tokens=400, background=True)
+assert c.responses.cancel(long.id).status in ("cancelled", "completed", "incomplete")
 print("openai responses ok")
 PY
-  check "official openai client: responses, streams, previous_response_id, function calls, parse, retrieve/delete" \
+  check "official openai client: responses, streams, previous_response_id, function calls, parse, retrieve/delete, background/cancel" \
     "grep -q 'openai responses ok' $tmp/oa.out || { cat $tmp/oa.out; false; }"
 else
   echo "note: the openai package could not be installed; its client check is skipped"
