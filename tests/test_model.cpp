@@ -2426,10 +2426,16 @@ TEST(ChatTemplate, ReasoningBudgetOfEachKind) {
   EXPECT_EQ(b.open, "<think>");
   EXPECT_EQ(b.close, std::vector<std::string>{"</think>"});
   EXPECT_EQ(b.force, "\n</think>\n\n");
-  b = chat_reasoning_budget(t, 0, "Time to answer.", "<think>\n", false);  // opened by the prompt (a continued reply)
+  EXPECT_EQ(b.message, "");
+  EXPECT_TRUE(b.prompt_newline);
+  EXPECT_FALSE(b.reopen);
+  b = chat_reasoning_budget(t, 0, "Time to answer.", "<think>\n", false);  // opened by the prompt
   EXPECT_EQ(b.open, "");
   EXPECT_EQ(b.tokens, 0);
-  EXPECT_EQ(b.force, "\nTime to answer.\n</think>\n\n");
+  EXPECT_EQ(b.message, "\nTime to answer.");
+  EXPECT_EQ(b.force, "\n</think>\n\n");
+  EXPECT_TRUE(b.prompt_newline);
+  EXPECT_FALSE(chat_reasoning_budget(t, 0, "", "<think>\nLily was", false).prompt_newline);  // a continued reply
   EXPECT_FALSE(chat_reasoning_budget(t, 100, "", "<think>\n\n</think>\n\n", false).active());  // closed
   t.qwen_tools = true;
   EXPECT_EQ(chat_reasoning_budget(t, 100, "", "", true).close, (std::vector<std::string>{"</think>", "<tool_call>"}));
@@ -2442,7 +2448,11 @@ TEST(ChatTemplate, ReasoningBudgetOfEachKind) {
   EXPECT_EQ(b.open, "<|channel|>analysis<|message|>");
   EXPECT_EQ(b.close, std::vector<std::string>{"<|end|>"});
   EXPECT_EQ(b.force, "<|end|><|start|>assistant<|channel|>final<|message|>");
-  EXPECT_EQ(chat_reasoning_budget(h, 50, "Enough.", "", true).force, "\nEnough.<|end|><|start|>assistant");
+  EXPECT_FALSE(b.reopen);
+  b = chat_reasoning_budget(h, 50, "Enough.", "", true);  // functions offered: the model picks its channel
+  EXPECT_EQ(b.message, "\nEnough.");
+  EXPECT_EQ(b.force, "<|end|><|start|>assistant");
+  EXPECT_TRUE(b.reopen);
   EXPECT_FALSE(chat_reasoning_budget(h, 50, "", " to=functions.", true).active());  // a forced call
 }
 

@@ -292,6 +292,26 @@ TEST(ReasoningBudget, CountsAndForcesTheClose) {
     s.take(9, "\xC3\xA9", false);
     EXPECT_EQ(s.forced(), 900);
   }
+  {  // ... for at most 4 tokens (a run of stray lead bytes never completes one)
+    ReasoningBudgetState s(b, ids, nl);
+    for (const char* t : {"<think>", "a", "b"}) s.take(7, t, false);
+    for (int i = 0; i < 4; ++i) {
+      s.take(8, "", true);
+      EXPECT_EQ(s.forced(), -1) << i;
+    }
+    s.take(8, "", true);
+    EXPECT_EQ(s.forced(), 900);
+  }
+  {  // the opening token's own text past the marker is read first (budget 0: after a newline)
+    ReasoningBudget z = b;
+    z.tokens = 0;
+    ReasoningBudgetState s(z, ids, nl);
+    s.take(7, "<think>\n", false);
+    EXPECT_EQ(s.forced(), 901);
+    ReasoningBudgetState closed(z, ids, nl);
+    closed.take(7, "<think></think>", false);  // (closed already: nothing forced)
+    EXPECT_EQ(closed.forced(), -1);
+  }
   {  // closed in time (its marker split across tokens): never forced
     ReasoningBudgetState s(b, ids, nl);
     for (const char* t : {"<think>", "a</th", "ink>"}) s.take(7, t, false);
@@ -316,12 +336,39 @@ TEST(ReasoningBudget, CountsAndForcesTheClose) {
     s.take(5, "!", false);
     EXPECT_EQ(s.forced(), -1);
   }
-  {  // opened by the prompt, budget 0: closed at once (its '<think>\n' ends with a newline)
+  {  // opened by the prompt, budget 0: closed at once (its '<think>\n' ends with a newline; a
+     // continued reply's text may not)
     ReasoningBudget p = b;
     p.open.clear();
     p.tokens = 0;
     ReasoningBudgetState s(p, ids, nl);
     EXPECT_EQ(s.forced(), 901);
+    p.prompt_newline = false;
+    EXPECT_EQ(ReasoningBudgetState(p, ids, nl).forced(), 900);
+  }
+  {  // reopen (harmony's later analysis messages): counted on from what was spent
+    ReasoningBudget h;
+    h.tokens = 2;
+    h.open = "<|channel|>analysis<|message|>";
+    h.close = {"<|end|>"};
+    h.force = "<|end|><|start|>assistant";
+    h.reopen = true;
+    ReasoningBudgetState s(h, {50, 51, 52}, {50, 51, 52});
+    for (const char* t : {"<|channel|>", "analysis", "<|message|>", "x", "<|end|>"}) s.take(7, t, false);
+    EXPECT_EQ(s.forced(), -1);  // closed in time, one token spent
+    for (const char* t : {"<|start|>", "assistant", "<|channel|>analysis<|message|>"}) s.take(7, t, false);
+    EXPECT_EQ(s.forced(), -1);
+    s.take(7, "y", false);  // the second: spent
+    EXPECT_EQ(s.forced(), 50);
+    for (int32_t f : {50, 51, 52}) s.take(f, "", false);
+    for (const char* t : {"<|channel|>", "analysis", "<|message|>"}) s.take(7, t, false);
+    EXPECT_EQ(s.forced(), 50);  // a third: ended as soon as it opens
+    h.reopen = false;
+    ReasoningBudgetState once(h, {50, 51, 52}, {50, 51, 52});
+    for (const char* t : {"<|channel|>analysis<|message|>", "x", "y"}) once.take(7, t, false);
+    for (int32_t f : {50, 51, 52}) once.take(f, "", false);
+    for (const char* t : {"<|channel|>analysis<|message|>", "x", "y", "z"}) once.take(7, t, false);
+    EXPECT_EQ(once.forced(), -1);  // without reopen: not bounded again
   }
   {  // no bound
     ReasoningBudget off = b;

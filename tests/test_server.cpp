@@ -2849,6 +2849,13 @@ TEST_F(ThinkBudgetServerTest, EndsTheReasoning) {
   own.erase("thinking_budget_tokens");
   own["thinking_token_budget"] = 3;
   EXPECT_EQ(post_ok("/v1/chat/completions", own)["choices"][0]["message"], j["choices"][0]["message"]);
+  // a message is text: a marker in it is not the model's token (here the end of generation's)
+  json marker = body;
+  marker["thinking_budget_tokens"] = 3;
+  marker["thinking_budget_message"] = "</s>";
+  j = post_ok("/v1/chat/completions", marker);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length") << j;
+  EXPECT_TRUE(j["choices"][0]["message"]["reasoning_content"].get<std::string>().ends_with("\n</s>")) << j;
   // -1: no bound (the reply all reasoning)
   json unbounded = body;
   unbounded["thinking_token_budget"] = -1;
@@ -2864,6 +2871,12 @@ TEST_F(ThinkBudgetServerTest, EndsTheReasoning) {
   expect_bad("/v1/chat/completions", "{" + msgs + R"(, "thinking_token_budget": 8, "thinking_budget_tokens": 9})",
              "thinking_budget_tokens");
   expect_bad("/v1/chat/completions", "{" + msgs + R"(, "thinking_budget_message": 5})", "thinking_budget_message");
+  expect_bad("/v1/chat/completions", "{" + msgs + R"(, "thinking_token_budget": -9223372036854775808})", "thinking_token_budget");
+  expect_bad("/v1/completions", R"({"prompt": "Lily", "thinking_token_budget": 8})", "thinking_token_budget");
+  // a bound beyond int's: no smaller bound (the reply as unbounded)
+  json huge = body;
+  huge["thinking_token_budget"] = 18446744073709551615ull;
+  EXPECT_EQ(post_ok("/v1/chat/completions", huge)["choices"][0]["message"], j["choices"][0]["message"]);
 }
 
 // Qwen's function calling (a Qwen3-like template: its tools sentence, '<tool_call>', reasoning and

@@ -889,8 +889,8 @@ TEST(TokenizerSynthetic, MalformedVocabulariesAreErrors) {
   }
 }
 
-// Text that continues a text: no BOS and no dummy prefix at its start (which encode puts there),
-// so its pieces spell it exactly.
+// Text as a model writes it: no BOS and no dummy prefix, at its start or after a special token
+// (encode puts one at both), so its pieces spell it exactly.
 TEST(TokenizerStories, ContinuationHasNoDummyPrefix) {
   REQUIRE_MODEL(stories());
   const Tokenizer& t = *load(stories())->tok;
@@ -906,4 +906,13 @@ TEST(TokenizerStories, ContinuationHasNoDummyPrefix) {
     EXPECT_EQ(with_prefix.substr(1), text);  // (encode's dummy prefix first)
     EXPECT_EQ(with_prefix[0], ' ');
   }
+  // after a special token: encode's dummy prefix again, none in a continuation
+  const std::vector<int32_t> ids = t.encode_continuation("a</s>\nb", true);
+  std::string spelled;
+  for (int32_t id : ids) spelled += t.token_piece(id);
+  EXPECT_EQ(spelled, "a\nb");  // (</s> a control token: renders as nothing)
+  EXPECT_EQ(std::count(ids.begin(), ids.end(), 2), 1);
+  std::string encoded;
+  for (int32_t id : t.encode("a</s>\nb", false, true)) encoded += t.token_piece(id);
+  EXPECT_EQ(encoded, " a \nb");
 }

@@ -725,19 +725,21 @@ ReasoningBudget chat_reasoning_budget(const ChatTemplate& t, int tokens, const s
                                       const std::string& opening, bool calls) {
   ReasoningBudget b;
   if (tokens < 0) return b;
+  if (!message.empty()) b.message = "\n" + message;
   if (t.family == ChatFamily::harmony) {
     if (!opening.empty()) return b;  // (its final channel or a call opened by the prompt)
     b.open = "<|channel|>analysis<|message|>";
     b.close = {"<|end|>"};
-    b.force = (message.empty() ? std::string() : "\n" + message) + "<|end|><|start|>assistant" +
-              (calls ? "" : HarmonyReplyStream::kOpenFinal);
+    b.force = std::string("<|end|><|start|>assistant") + (calls ? "" : HarmonyReplyStream::kOpenFinal);
+    b.reopen = calls;  // (the model picks its next channel: another analysis message counts on)
   } else if (t.think != ChatTemplate::Think::none) {
     const size_t open = opening.rfind("<think>");
     if (open != std::string::npos && opening.find("</think>", open) != std::string::npos) return b;  // closed
     if (open == std::string::npos) b.open = "<think>";  // (else the prompt opened it)
+    b.prompt_newline = opening.empty() || opening.back() == '\n';
     b.close = {"</think>"};
     if (calls && t.qwen_tools) b.close.push_back(QwenToolReplyStream::kOpen);
-    b.force = "\n" + (message.empty() ? std::string() : message + "\n") + "</think>\n\n";
+    b.force = "\n</think>\n\n";
   } else {
     return b;
   }

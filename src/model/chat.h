@@ -164,11 +164,12 @@ std::string chat_reply_opening(const ChatTemplate& t, const std::string& prompt)
 // block it opened is counted from the reply's start, one it closed (enable_thinking false) or a
 // reply it opened past the reasoning (harmony's final channel or forced call) is not bounded.
 // message: written before the block's end when the budget is spent (llama.cpp's
-// --reasoning-budget-message; empty: none). calls: functions were offered (Qwen's: a
+// --reasoning-budget-message; empty: none), as text. calls: functions were offered (Qwen's: a
 // '<tool_call>' ends the reasoning too; harmony: the analysis message is ended and the model
-// picks its next channel, where without functions its final channel is opened).
-// ChatML: '...\n' MESSAGE '\n</think>\n\n'; harmony: '...' '\n' MESSAGE '<|end|><|start|>assistant'
-// ('<|channel|>final<|message|>').
+// picks its next channel, a later analysis message bounded by what is left of the budget;
+// without functions its final channel is opened).
+// ChatML: '...' ('\n' MESSAGE) '\n</think>\n\n'; harmony: '...' ('\n' MESSAGE)
+// '<|end|><|start|>assistant' ('<|channel|>final<|message|>').
 ReasoningBudget chat_reasoning_budget(const ChatTemplate& t, int tokens, const std::string& message,
                                       const std::string& opening, bool calls);
 

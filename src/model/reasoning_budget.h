@@ -1,7 +1,8 @@
 // A bound on how many tokens a reply may spend reasoning (llama.cpp's --reasoning-budget and
 // thinking_budget_tokens, vLLM's thinking_token_budget, the Messages API's thinking.budget_tokens):
 // the tokens written inside the reply's reasoning block are counted, and once the budget is spent
-// (at a character's end: a token that leaves half a UTF-8 character is followed by the rest) the
+// (at a character's end: a token that leaves half a UTF-8 character is followed by the rest, for
+// up to 4 tokens) the
 // reply is made to write the block's closing text, a token at a time, whatever the model's logits
 // say; then it goes on freely, answering. A block the model closes itself in time is not touched.
 #pragma once
@@ -29,12 +30,21 @@ struct ReasoningBudget {
   // harmony's "<|channel|>analysis<|message|>"); a reply that starts otherwise is not bounded.
   // Empty: the prompt opened it (QwQ's, Qwen3 Thinking-2507's "<think>\n"), the reply starts in it.
   std::string open = {};
-  // What ends the block by itself ("</think>"; "<tool_call>", which a Qwen model may write while
+  // What ends it by itself ("</think>"; "<tool_call>", which a Qwen model may write while
   // reasoning and which ends its reasoning too): from there the reply is not bounded.
   std::vector<std::string> close = {};
-  // Written when the budget is spent ("\n</think>\n\n", a message to the model before it); its
-  // first newline is left out when the reasoning already ends with one.
+  // Written when the budget is spent: `message` (text only: a client's words, no marker read in
+  // it), then `force` (the block's end, its markers as the model's special tokens: "\n</think>\n\n");
+  // the first newline of the two is left out when the reasoning already ends with one.
+  std::string message = {};
   std::string force = {};
+  // The prompt opened the block (open empty): whether what it wrote ends with a newline ('<think>\n'
+  // does; a continued reply's text may not).
+  bool prompt_newline = true;
+  // A block opened again later in the reply (harmony's next analysis message, `open` anywhere once
+  // the first has ended) is bounded by what is left: the tokens count on, so once spent a new
+  // block is ended as soon as it opens.
+  bool reopen = false;
   bool active() const { return tokens >= 0 && !force.empty(); }
 };
 
@@ -58,8 +68,10 @@ class ReasoningBudgetState {
 
  private:
   enum class State { start, counting, forcing, done };
-  void begin_counting();
+  // The block opened: `after` is what the opening token wrote past the marker (reasoning).
+  void opened(std::string after, bool mid_char);
   void maybe_force(bool mid_char);
+  bool closes();  // text_ holds a closing text: done (text_ cleared)
   const ReasoningBudget* b_ = nullptr;
   std::vector<int32_t> force_ids_, force_ids_nl_;
   const std::vector<int32_t>& forcing() const { return forcing_nl_ ? force_ids_nl_ : force_ids_; }
@@ -71,6 +83,8 @@ class ReasoningBudgetState {
   int count_ = 0;
   bool newline_ = false;  // the reasoning so far ends with a newline
   bool spent_ = false;
+  int waited_ = 0;        // tokens past the budget waited for a character's end
+  static constexpr int kMaxWait = 4;  // (then the close comes anyway: a run of stray bytes ends)
 };
 
 }  // namespace kvq

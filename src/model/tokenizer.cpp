@@ -423,7 +423,9 @@ std::vector<int32_t> Tokenizer::encode_text(std::string_view text, bool add_bos,
   std::vector<int32_t> out;
   out.reserve(text.size() / 3 + 2);
   if (add_bos && this->add_bos()) out.push_back(bos_);
-  bool after_special = at_start;  // SPM dummy prefix: at the start and after each special token
+  // SPM dummy prefix: at the start and after each special token (a text's encoding); none in a
+  // continuation (a generated text's tokens)
+  bool after_special = at_start;
   WordCache cache;
   auto flush_raw = [&](std::string_view raw) {
     if (raw.empty()) return;
@@ -443,7 +445,7 @@ std::vector<int32_t> Tokenizer::encode_text(std::string_view text, bool add_bos,
     }
     flush_raw(text.substr(raw_begin, i - raw_begin));
     out.push_back(hit->id);
-    after_special = true;
+    after_special = at_start;
     i += hit->text.size();
     raw_begin = i;
   }

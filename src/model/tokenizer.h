@@ -41,8 +41,9 @@ class Tokenizer {
   // add_bos is honored only when the model adds BOS (add_bos() is true and the model has one).
   std::vector<int32_t> encode(std::string_view text, bool add_bos) const;
   std::vector<int32_t> encode(std::string_view text, bool add_bos, bool parse_special) const;
-  // Text that continues a text (tokens written after others): no BOS, and no SentencePiece dummy
-  // prefix at its start (only after a special token in it, as encode puts one).
+  // Text as a model writes it after other text (tokens a reply is made to write): no BOS, and no
+  // SentencePiece dummy prefix, neither at its start nor after its special tokens (encode puts
+  // one at both).
   std::vector<int32_t> encode_continuation(std::string_view text, bool parse_special) const;
 
   // Text of a token sequence. CONTROL tokens (BOS, EOS, <|im_end|>, ...) render as nothing, byte

@@ -939,14 +939,17 @@ ReasoningBudget Server::Impl::reasoning_budget(const json& body, const std::stri
   std::optional<int64_t> given;
   for (const char* key : {"thinking_token_budget", "thinking_budget_tokens"}) {
     if (!body.contains(key) || body[key].is_null()) continue;
-    if (!body[key].is_number_integer() || body[key].get<int64_t>() < -1)
-      throw ApiError{fmt::format("'{}' must be an integer >= 0, or -1 for no bound", key), key};
-    const int64_t v = body[key].get<int64_t>();
+    const json& x = body[key];
+    // (a JSON integer >= 0 is read as unsigned: bounds beyond int are no bound smaller than int's)
+    const int64_t v = x.is_number_unsigned() ? int64_t(std::min<uint64_t>(x.get<uint64_t>(), uint64_t(INT_MAX)))
+                      : x.is_number_integer() ? x.get<int64_t>()
+                                              : -2;
+    if (v < -1) throw ApiError{fmt::format("'{}' must be an integer >= 0, or -1 for no bound", key), key};
     if (given && *given != v)
       throw ApiError{"'thinking_token_budget' and 'thinking_budget_tokens' (two names of one bound) differ", key};
     given = v;
   }
-  if (given) tokens = int(std::min<int64_t>(*given, std::numeric_limits<int>::max()));
+  if (given) tokens = int(*given);
   std::string message = opt.reasoning_budget_message;
   if (body.contains("thinking_budget_message") && !body["thinking_budget_message"].is_null()) {
     if (!body["thinking_budget_message"].is_string())
@@ -1087,6 +1090,10 @@ Server::Impl::Prepared Server::Impl::prepare(const json& body, std::string_view 
         (set("tool_choice") && body["tool_choice"] != "none"))
       throw ApiError{"function calling ('tools', 'tool_choice') is for /v1/chat/completions",
                      set("functions") ? "functions" : set("tools") ? "tools" : "tool_choice"};
+    for (const char* key : {"thinking_token_budget", "thinking_budget_tokens", "thinking_budget_message"})
+      if (set(key))
+        throw ApiError{fmt::format("'{}' is for /v1/chat/completions (the reasoning's markers come from the chat template)", key),
+                       key};
     if (!body.contains("prompt")) throw ApiError{"'prompt' is required", "prompt", "missing_required_parameter"};
     const json& pj = body["prompt"];
     auto parse_one = [&](const json& one) {
@@ -1850,6 +1857,9 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
   if (I.opt.model_name.empty()) I.opt.model_name = "kvq";
   I.tpl = chat_template_detect(engine.model().file(),
                                I.opt.chat_template.empty() ? std::nullopt : std::optional<std::string>(I.opt.chat_template));
+  if (I.opt.reasoning_budget >= 0 && I.tpl.family != ChatFamily::harmony && I.tpl.think == ChatTemplate::Think::none)
+    std::fprintf(stderr, "[kvq] warning: --reasoning-budget bounds harmony replies (gpt-oss) and reasoning templates' "
+                 "(<think>); this model's template (%s) has no reasoning: ignored\n", chat_template_name(I.tpl));
   // Debian's cpp-httplib listens with a backlog of 5 (compiled into the library): 32 clients
   // connecting at once overflow it and the kernel drops handshakes, which clients see as resets
   // under load. The hook keeps httplib's own options and remembers the socket, so bind() can
