@@ -60,6 +60,11 @@ void eval_add_cli(CLI::App& app, EvalOptions& o) {
                  "with --chat: a JSON object of chat template settings, as llama.cpp's flag: kvq reads enable_thinking "
                  "(false: a reasoning template's <think> block closed in the prompt, so replies are answers alone)")
       ->type_name("JSON");
+  app.add_option("--reasoning-budget", o.reasoning_budget, std::string("own, with --chat: ") + kReasoningBudgetHelp)
+      ->check(CLI::Range(-1, 1 << 30));
+  app.add_option("--reasoning-budget-message", o.reasoning_budget_message,
+                 std::string("own, with --chat: ") + kReasoningBudgetMessageHelp)
+      ->type_name("TEXT");
   app.add_flag("--json", o.json, "print JSON instead of tables");
   app.add_option("--json-out", o.json_out, "also write the JSON report to this file");
   app.add_option("--scale-mode", o.scale_mode, "ppl: dynamic | static-prefill (scales fixed from each window's first half)")
@@ -263,13 +268,22 @@ void task_ppl(Ctx& c, const std::vector<int32_t>& text_ids) {
   }
 }
 
-std::string greedy_generate(Ctx& c, Forward& fwd, KvCache& cache, const std::vector<int32_t>& prompt, int max_tokens) {
+// budget: a bound on the reply's reasoning (own, --reasoning-budget), its close forced as the
+// engine forces it; none by default.
+std::string greedy_generate(Ctx& c, Forward& fwd, KvCache& cache, const std::vector<int32_t>& prompt, int max_tokens,
+                            const ReasoningBudget& budget = {}) {
   const float* lg = fwd.eval(prompt.data(), int(prompt.size()), cache);
   std::vector<int32_t> out;
+  std::unique_ptr<ReasoningBudgetState> bound = budget.active() ? std::make_unique<ReasoningBudgetState>(budget, c.tok) : nullptr;
+  TokenStreamDecoder stream(c.tok, false);
   for (int i = 0; i < max_tokens; ++i) {
-    int32_t t = argmax(lg, c.m.config().n_vocab);
+    int32_t t = bound && bound->forced() >= 0 ? bound->forced() : argmax(lg, c.m.config().n_vocab);
     if (c.tok.is_eog(t)) break;
     out.push_back(t);
+    if (bound) {
+      const std::string piece = stream.push(t);
+      bound->take(t, piece, stream.pending());
+    }
     if (cache.n_tokens() >= cache.capacity()) break;
     lg = fwd.eval(&t, 1, cache);
   }
@@ -607,7 +621,10 @@ void task_own(Ctx& c, const std::vector<OwnCase>& cases) {
       const std::vector<int32_t>& ids = oc.tokens;
       const int max_tokens = oc.max_tokens > 0 ? oc.max_tokens : c.o.max_tokens;
       auto cache = make_cache(c, all[f], int(ids.size()) + max_tokens + 2);
-      const std::string out = greedy_generate(c, fwd, *cache, ids, max_tokens);
+      const ReasoningBudget budget =
+          c.o.chat ? chat_reasoning_budget(tpl, c.o.reasoning_budget, c.o.reasoning_budget_message, oc.opening, false)
+                   : ReasoningBudget{};
+      const std::string out = greedy_generate(c, fwd, *cache, ids, max_tokens, budget);
       const std::string answer = split ? chat_reply_splitter(tpl)->split_after(oc.opening, out).content : out;
       const bool hit = oc.match == "exact" ? trim(answer) == trim(oc.expected) : answer.find(oc.expected) != std::string::npos;
       oks.push_back(hit);
@@ -713,6 +730,8 @@ int eval_command(const EvalOptions& o) {
   if (!o.budget_bits.empty() && !has("layers")) fail("--budget-bits needs --task layers (its per-layer errors)");
   if (!o.chat_template_file.empty() && !o.chat) fail("--chat-template-file needs --chat");
   if (!o.chat_template_kwargs.empty() && !o.chat) fail("--chat-template-kwargs needs --chat");
+  if ((o.reasoning_budget >= 0 || !o.reasoning_budget_message.empty()) && !(o.chat && has("own")))
+    fail("--reasoning-budget and --reasoning-budget-message need --task own with --chat");
   // Bits per element of each format's K side and V side alone (the other side f16: 16 bits).
   std::vector<double> k_bits, v_bits;
   if (!o.budget_bits.empty()) {

@@ -28,6 +28,8 @@ struct EvalOptions {
   bool chat = false;                  // own: wrap prompts in the chat template
   std::string chat_template_file;     // --chat-template-file: a template instead of the model's
   std::string chat_template_kwargs;  // --chat-template-kwargs: {"enable_thinking": false} (a reasoning template's switch)
+  int reasoning_budget = -1;             // --reasoning-budget: own's replies' reasoning bounded (< 0: no bound)
+  std::string reasoning_budget_message;  // --reasoning-budget-message
   bool json = false;
   std::string json_out;               // --json-out FILE (also writes JSON there)
   std::string html;                   // --html REPORT.html (self-contained, SVG plots)

@@ -131,6 +131,13 @@ for kw in '{}' '{"enable_thinking": false}'; do
   check "reasoning template, kwargs $kw: cases matched on the answer" \
     "[[ $? -eq 0 ]] && python3 -c \"import json; it=json.load(open('$tmp/think.json'))['formats'][0]['own']['items']; assert all(i['output'] for i in it); assert all((i['answer']=='') == ('$kw'=='{}') for i in it), it\""
 done
+# --reasoning-budget 3: each reply's reasoning ends after 3 tokens (its output holds the close) and
+# the model answers after it (no longer empty)
+"$kvq" eval -m "$model" --kv int8 --task own --own "$tmp/own.jsonl" --chat --chat-template-file "$tmp/qwq.jinja" \
+  --reasoning-budget 3 --max-tokens 16 --json --no-progress -t 1 >"$tmp/budget.json" 2>/dev/null
+check "--reasoning-budget: own's replies answer after a bounded reasoning" \
+  "[[ $? -eq 0 ]] && python3 -c \"import json; it=json.load(open('$tmp/budget.json'))['formats'][0]['own']['items']; assert all('\\n</think>\\n' in i['output'] and i['answer'] for i in it), it\""
+bad "--reasoning-budget without --chat" "need --task own with --chat" eval -m "$model" --kv int8 --task own --own "$tmp/own.jsonl" --reasoning-budget 3
 printf '{"prompt": "a", "expected": \n' >"$tmp/bad.jsonl"
 bad "malformed JSONL" "malformed" eval -m "$model" --kv int8 --task own --own "$tmp/bad.jsonl"
 printf '{"prompt": "a"}\n' >"$tmp/missing.jsonl"
