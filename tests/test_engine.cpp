@@ -201,6 +201,129 @@ TEST_F(EngineTest, TinyPoolPreemptsAndOutputsStayEqual) {
   expect_pool_clean(e);
 }
 
+// Priority scheduling (EngineOptions::priority_scheduling, vLLM's --scheduling-policy priority):
+// queued requests are admitted in priority order (lower first, ties in arrival order); a request
+// that finds no running slot preempts a running one of a lower priority; under page pressure the
+// lowest priority is preempted, not the newest; outputs stay greedy decoding's; first come, first
+// served refuses a priority.
+TEST_F(EngineTest, PrioritySchedulingOrdersAndPreempts) {
+  {  // admission order: one slot, three queued
+    EngineOptions o = base_options(4096);
+    o.priority_scheduling = true;
+    o.max_running = 1;
+    o.autostart = false;
+    Engine e(o);
+    const std::vector<std::vector<int32_t>> prompts = four_short_prompts(e.tokenizer());
+    std::mutex mu;
+    std::vector<int> order;
+    std::vector<std::promise<void>> done(3);
+    const int prio[3] = {5, 5, -1};
+    for (int i = 0; i < 3; ++i) {
+      GenRequest r;
+      r.prompt = prompts[size_t(i)];
+      r.params = greedy(8);
+      r.params.priority = prio[i];
+      r.on_done = [&, i](const GenResult& g) {
+        EXPECT_EQ(g.finish_reason, "length");
+        std::lock_guard<std::mutex> lk(mu);
+        order.push_back(i);
+        done[size_t(i)].set_value();
+      };
+      e.submit(std::move(r));
+    }
+    e.start();
+    for (auto& d : done) d.get_future().wait();
+    EXPECT_EQ(order, (std::vector<int>{2, 0, 1}));
+  }
+  {  // a higher priority takes a running one's slot
+    EngineOptions o = base_options(4096);
+    o.priority_scheduling = true;
+    o.max_running = 1;
+    Engine e(o);
+    const Tokenizer& tok = e.tokenizer();
+    const std::vector<int32_t> low_prompt = tok.encode("Once upon a time there was a dog", true);
+    const std::vector<int32_t> high_prompt = tok.encode("Lily went to the park and", true);
+    std::promise<GenResult> low_done, high_done;
+    std::promise<void> low_started;
+    std::atomic<bool> told{false};
+    std::atomic<int> high_first{-1};
+    GenRequest low;
+    low.prompt = low_prompt;
+    low.params = greedy(300);
+    low.params.ignore_eos = true;
+    low.params.priority = 10;
+    low.on_text = [&](const std::string&) {
+      if (!told.exchange(true)) low_started.set_value();
+    };
+    low.on_done = [&](const GenResult& g) {
+      int expected = -1;
+      high_first.compare_exchange_strong(expected, 0);
+      low_done.set_value(g);
+    };
+    e.submit(std::move(low));
+    low_started.get_future().wait();
+    GenRequest high;
+    high.prompt = high_prompt;
+    high.params = greedy(20);
+    high.params.priority = 0;
+    high.on_done = [&](const GenResult& g) {
+      int expected = -1;
+      high_first.compare_exchange_strong(expected, 1);
+      high_done.set_value(g);
+    };
+    e.submit(std::move(high));
+    const GenResult h = high_done.get_future().get(), l = low_done.get_future().get();
+    EXPECT_EQ(high_first.load(), 1);  // (the high one ended first)
+    EXPECT_GE(l.preemptions, 1);
+    EXPECT_EQ(h.preemptions, 0);
+    EXPECT_EQ(h.tokens, greedy_alone(e, high_prompt, 20));
+    EXPECT_EQ(l.tokens.size(), 300u);
+    e.wait_idle();
+    expect_pool_clean(e);
+  }
+  {  // page pressure: the lowest priority is preempted, though it came first (and was running)
+    // 16 pages of 16 tokens: the first (~210 tokens, 13 pages) and the second (~160, 10 pages)
+    // both run until pages run short, some 120 steps after the second came (while the first has
+    // not generated 80 tokens before it comes)
+    EngineOptions o = base_options(256);
+    o.priority_scheduling = true;
+    Engine e(o);
+    const std::vector<std::vector<int32_t>> prompts = four_short_prompts(e.tokenizer());
+    std::vector<std::promise<GenResult>> res(2);
+    std::promise<void> first_started;
+    std::atomic<bool> told{false};
+    for (int i = 0; i < 2; ++i) {
+      GenRequest r;
+      r.prompt = prompts[size_t(i)];
+      r.params = greedy(i == 0 ? 200 : 150);
+      r.params.ignore_eos = true;
+      r.params.priority = i == 0 ? 3 : 1;  // the first has the lower priority
+      if (i == 0)
+        r.on_text = [&](const std::string&) {
+          if (!told.exchange(true)) first_started.set_value();
+        };
+      r.on_done = [&res, i](const GenResult& g) { res[size_t(i)].set_value(g); };
+      e.submit(std::move(r));
+      if (i == 0) first_started.get_future().wait();
+    }
+    const GenResult low = res[0].get_future().get(), high = res[1].get_future().get();
+    EXPECT_EQ(high.preemptions, 0);
+    EXPECT_GE(low.preemptions, 1);
+    EXPECT_EQ(high.tokens.size(), 150u);
+    EXPECT_EQ(low.tokens.size(), 200u);
+    e.wait_idle();
+    expect_pool_clean(e);
+  }
+  {  // first come, first served: a priority is refused
+    Engine e(base_options(4096));
+    GenParams p = greedy(4);
+    p.priority = 1;
+    const GenResult g = e.generate(e.tokenizer().encode("Lily", true), p);
+    EXPECT_EQ(g.finish_reason, "error");
+    EXPECT_NE(g.error.find("priority"), std::string::npos) << g.error;
+  }
+}
+
 // Prompt log-probabilities (what echo + logprobs serve): every prompt token's log-probability
 // given the tokens before it equals a private single-sequence run's, also when the prompt's pages
 // are cached by an earlier request (the scoring request computes them anyway), when it is

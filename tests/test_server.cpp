@@ -1969,6 +1969,10 @@ TEST_F(ServerTest, BadInputIs400AndServerKeepsServing) {
              "response_format");
   expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]})", "tools[0].function");
   expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"})", "tool_choice");
+  // a priority without priority scheduling (vLLM's rule), or not an integer; 0 passes
+  expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "priority": 1})", "priority");
+  expect_bad(c, R"({"prompt": "hi", "priority": "high"})", "priority");
+  post_ok(c, {{"prompt", "a"}, {"max_tokens", 1}, {"priority", 0}});
   // a reasoning effort for a model whose template has none (gpt-oss's harmony has one)
   expect_bad(ch, R"({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "low"})", "reasoning_effort");
   // ... while their neutral values and metadata pass.
@@ -2347,6 +2351,28 @@ TEST(ServerResponses, BackgroundRunsOnAndIsCancelled) {
     EXPECT_EQ(eb["error"]["param"], "background") << eb;
   }
   EXPECT_EQ(call("GET", "/v1/responses/" + aid + "?stream=true").first, 400);
+  // logprobs of tokens that are part of a character (byte tokens) are kept too (as U+FFFD in text)
+  const json cjk = {{"input", "Lily"}, {"max_output_tokens", 24}, {"background", true}, {"top_logprobs", 1},
+                    {"include", {"message.output_text.logprobs"}},
+                    {"text", {{"format", {{"type", "json_schema"}, {"name", "w"}, {"schema", {{"enum", {"中文"}}}}}}}}};
+  const std::string did = call("POST", "/v1/responses", cjk).second["id"];
+  json d;
+  for (int i = 0; i < 3000; ++i) {
+    d = call("GET", "/v1/responses/" + did).second;
+    if (d["status"] != "queued" && d["status"] != "in_progress") break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(d["status"], "completed") << d;
+  EXPECT_EQ(d["output"][0]["content"][0]["text"], "\"中文\"") << d;
+  // the input items keep their ids from queued to done
+  const json q = call("POST", "/v1/responses", body).second;
+  const json items_queued = call("GET", "/v1/responses/" + q["id"].get<std::string>() + "/input_items").second;
+  for (int i = 0; i < 3000; ++i) {
+    const json st_q = call("GET", "/v1/responses/" + q["id"].get<std::string>()).second["status"];
+    if (st_q != "queued" && st_q != "in_progress") break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(call("GET", "/v1/responses/" + q["id"].get<std::string>() + "/input_items").second, items_queued);
   engine.wait_idle();
   EXPECT_EQ(engine.pool().n_used(), 0u);
 }

@@ -96,7 +96,7 @@ size_t Engine::inflight_pages(const Seq& s, size_t limit, size_t before) const {
   return best;
 }
 
-size_t Engine::outstanding_pages() const {
+size_t Engine::outstanding_pages(const std::function<bool(const Seq&)>& skip) const {
   // Pages the running sequences will still allocate for the tokens they hold: pages are taken
   // lazily, chunk by chunk, so admission must subtract what is already promised or it admits
   // every queued request at once. Pages an earlier-admitted sequence holds or is computing for
@@ -104,7 +104,7 @@ size_t Engine::outstanding_pages() const {
   size_t total = 0;
   for (size_t i = 0; i < running_.size(); ++i) {
     const Seq& r = *running_[i];
-    if (r.preempted || r.done) continue;
+    if (r.preempted || r.done || (skip && skip(r))) continue;
     const int n = int(r.tokens.size()), pending = n - r.cache->n_tokens();
     const size_t own = r.cache->pages_at(n, std::min(pending, fwd_->max_batch()));
     const size_t inflight = inflight_pages(r, SIZE_MAX, i);
@@ -113,6 +113,34 @@ size_t Engine::outstanding_pages() const {
     if (own > covered) total += own - covered;
   }
   return total;
+}
+
+size_t Engine::active_running() const {
+  return size_t(std::count_if(running_.begin(), running_.end(), [](const auto& r) { return !r->preempted && !r->done; }));
+}
+
+bool Engine::preempt_for(const Seq& head, size_t need) {
+  const auto lower = [&head](const Seq& r) { return r.req.params.priority > head.req.params.priority; };
+  // Would preempting every lower-priority sequence make room? (the pages they hold come back, and
+  // what they were promised is no longer owed)
+  size_t held = 0, victims = 0;
+  for (const auto& r : running_)
+    if (!r->preempted && !r->done && lower(*r)) {
+      held += r->cache->n_pages();
+      ++victims;
+    }
+  if (victims == 0) return false;
+  const size_t avail = pool_->n_available();
+  if (need + outstanding_pages(lower) > avail + held) return false;
+  if (active_running() - victims >= size_t(opt_.max_running)) return false;
+  // Lowest priority first (running_ is in priority order: the back), until it fits.
+  for (size_t j = running_.size(); j-- > 0;) {
+    if (need + outstanding_pages() <= pool_->n_available() && active_running() < size_t(opt_.max_running)) break;
+    Seq& r = *running_[j];
+    if (r.preempted || r.done || !lower(r)) continue;
+    preempt(j);
+  }
+  return need + outstanding_pages() <= pool_->n_available() && active_running() < size_t(opt_.max_running);
 }
 
 std::string gguf_fingerprint(const gguf::File& f) {
@@ -731,6 +759,8 @@ std::vector<uint64_t> Engine::submit_all(std::vector<GenRequest> rs) {
       err = fmt::format("the prompt is {} tokens, the context is {}", s->n_prompt, ctx_);
     } else if (shape_->pages_at(s->n_prompt + 1, std::min(s->n_prompt + 1, opt_.max_batch)) > pool_->n_pages()) {
       err = fmt::format("the prompt is {} tokens, the KV pool holds {}", s->n_prompt, kv_tokens_capacity());
+    } else if (s->req.params.priority != 0 && !opt_.priority_scheduling) {
+      err = "a priority other than 0 needs priority scheduling (kvq serve --scheduling-policy priority)";
     } else if (s->req.params.logprobs > kMaxLogprobs) {
       err = fmt::format("logprobs {} is above the largest supported, {}", s->req.params.logprobs, kMaxLogprobs);
     } else if (s->req.params.json_object && s->req.params.grammar) {
@@ -1003,6 +1033,12 @@ bool Engine::step() {
       if (canc.count(s->id)) finish(*s, "cancelled");
     std::erase_if(running_, [](const auto& s) { return s->done; });
     std::erase_if(waiting_, [](const auto& s) { return s->done; });
+    // A cancel of a request that had already ended (a client racing its end) matches nothing:
+    // forgotten, unless the request is still on its way in.
+    std::lock_guard<std::mutex> lk(mu_);
+    std::erase_if(cancelled_, [this](uint64_t id) {
+      return std::none_of(incoming_.begin(), incoming_.end(), [id](const auto& s) { return s->id == id; });
+    });
   }
 
   for (auto& s : running_) update_keys(*s);
@@ -1012,8 +1048,17 @@ bool Engine::step() {
   // computed by a running sequence with the same prefix).
   const size_t P = size_t(kcfg_.page_tokens);
   size_t outstanding = outstanding_pages();
-  while (!waiting_.empty() && running_.size() < size_t(opt_.max_running)) {
+  // (priority scheduling: the queue in priority order, ties in their order: preempted ones first)
+  if (opt_.priority_scheduling)
+    std::stable_sort(waiting_.begin(), waiting_.end(),
+                     [](const auto& a, const auto& b) { return a->req.params.priority < b->req.params.priority; });
+  while (!waiting_.empty()) {
     Seq& s = *waiting_.front();
+    if (active_running() >= size_t(opt_.max_running)) {
+      // (a higher priority takes the slot of a lower one)
+      if (!opt_.priority_scheduling || !preempt_for(s, 0)) break;
+      outstanding = outstanding_pages();
+    }
     const int n = int(s.tokens.size());
     if (!s.cache) s.cache = std::make_unique<KvCache>(kcfg_, pool_.get());
     update_keys(s);
@@ -1031,8 +1076,10 @@ bool Engine::step() {
     const size_t covered = std::max(matched, inflight_held);
     if (inflight_held > matched) need -= std::min(need, inflight_held - matched);
     const size_t own = s.cache->pages_at(n, std::min(n - m.n_tokens(), fwd_->max_batch()));
+    if (need + outstanding > pool_->n_available() && opt_.priority_scheduling && preempt_for(s, need))
+      outstanding = outstanding_pages();
     if (need + outstanding > pool_->n_available()) {
-      if (running_.empty()) {
+      if (active_running() == 0) {
         // Nothing else holds pages: this sequence cannot fit in the pool at all.
         finish(s, s.res.tokens.empty() ? "error" : "length",
                s.res.tokens.empty() ? "the KV pool is too small for this prompt" : "");
@@ -1056,8 +1103,20 @@ bool Engine::step() {
     s.restored_pages.clear();
     s.cache->publish_to(*index_);  // every step's pages are published (a prompt_logprobs one adopts none)
     outstanding += own > covered ? own - covered : 0;
-    running_.push_back(std::move(waiting_.front()));
+    // (priority scheduling: after the running ones of its priority or a higher one)
+    auto at = running_.end();
+    if (opt_.priority_scheduling)
+      at = std::upper_bound(running_.begin(), running_.end(), s.req.params.priority,
+                            [](int p, const auto& r) { return p < r->req.params.priority; });
+    running_.insert(at, std::move(waiting_.front()));
     waiting_.pop_front();
+  }
+  if (opt_.priority_scheduling) {  // those an admission preempted: back to the queue, first of their priority
+    std::vector<std::unique_ptr<Seq>> back;
+    for (auto& r : running_)
+      if (r->preempted && !r->done) back.push_back(std::move(r));
+    std::erase_if(running_, [](const auto& r) { return !r; });
+    for (size_t k = back.size(); k-- > 0;) waiting_.push_front(std::move(back[k]));
   }
   if (running_.empty()) return false;
 

@@ -65,6 +65,12 @@ struct EngineOptions {
   int threads = 0;            // 0: hardware threads
   int max_batch = 256;        // tokens per step (decode + prefill chunks)
   int max_running = 64;       // sequences running at once
+  // vLLM's --scheduling-policy priority: requests run in the order of GenParams::priority (lower
+  // first; ties first come, first served): the waiting queue is kept in that order, the running
+  // sequences take pages in that order (so pressure preempts the lowest priority, newest first),
+  // and a waiting request that does not fit is admitted by preempting running ones of a lower
+  // priority (only when that frees enough). false: first come, first served (priority must be 0).
+  bool priority_scheduling = false;
   // Prompt tokens per step the oldest prefill is sure of while shorter prompts are prefilled
   // (prefill_shares); -1: max_batch / 4; >= max_batch: prefills strictly oldest first.
   int oldest_prefill_tokens = -1;
@@ -168,6 +174,8 @@ struct GenParams {
     std::shared_ptr<const Grammar> grammar;
   };
   std::vector<LazyGrammar> lazy_grammars;
+  // EngineOptions::priority_scheduling: lower runs first (vLLM's priority). Else must be 0.
+  int priority = 0;
   // A bound on the reply's reasoning (model/reasoning_budget.h): once its tokens are spent, the
   // block's closing text is written whatever the model's logits say (not while a grammar holds the
   // reply: a call that a lazy grammar constrains is written whole, and a grammar of the whole reply
@@ -354,6 +362,7 @@ inline constexpr const char* kTpotTargetHelp =
 class Engine {
  public:
   explicit Engine(const EngineOptions& o);  // loads the model; throws kvq::Error
+  const EngineOptions& options() const { return opt_; }
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -421,7 +430,13 @@ class Engine {
   void update_keys(Seq& s) const;
   size_t inflight_pages(const Seq& s, size_t limit, size_t before) const;
   bool defer_prefill(Seq& s, size_t index) const;
-  size_t outstanding_pages() const;
+  // skip: running sequences left out (those an admission would preempt)
+  size_t outstanding_pages(const std::function<bool(const Seq&)>& skip = {}) const;
+  // EngineOptions::priority_scheduling: the running sequences of a lower priority than `head`
+  // preempted, lowest first, while `head` does not fit (pages: need, beyond what stays promised;
+  // or a running slot) and only when preempting all of them would make it fit. true: it fits now.
+  bool preempt_for(const Seq& head, size_t need);
+  size_t active_running() const;
   // The pages of the longest prefix of s's first n tokens held by the pool or the offload tier
   // (group 0 and the window pages each sliding group reads after it) are read back into the pool
   // and cached in the index, if they all fit beside `outstanding` promised pages.

@@ -45,6 +45,11 @@ void serve_add_cli(CLI::App& app, ServeOptions& o) {
   app.add_option("-t,--threads", o.engine.threads, "threads (default: all hardware threads)")->check(CLI::Range(1, 1024));
   app.add_option("--max-batch", o.engine.max_batch, "tokens per step (decode + prefill chunks)")->capture_default_str();
   app.add_option("--max-running", o.engine.max_running, "sequences running at once")->capture_default_str();
+  app.add_option("--scheduling-policy", o.scheduling_policy,
+                 "fcfs (first come, first served) or priority (vLLM's: requests run in the order of their 'priority', "
+                 "lower first, ties first come; a request that does not fit preempts running ones of a lower priority)")
+      ->check(CLI::IsMember({"fcfs", "priority"}))
+      ->capture_default_str();
   app.add_option("--http-threads", o.http_threads,
                  "connections served at once (each open connection holds one while its request waits or streams; "
                  "/health and /metrics need a free one)")
@@ -141,6 +146,7 @@ int serve_command(ServeOptions o) {
       fail("--chat-template-kwargs: {}", e.what());
     }
   }
+  o.engine.priority_scheduling = o.scheduling_policy == "priority";
   Engine engine(o.engine);
   kv_flags_warn_unused(o.engine.kv, engine.kv_setup(), engine.model());
   engine_warn_ctx_capped(o.engine.ctx, engine.model().config().n_ctx_train);

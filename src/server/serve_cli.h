@@ -21,6 +21,7 @@ struct ServeOptions {
   std::string api_key;  // --api-key, else $KVQ_API_KEY; empty: no key asked
   std::string allowed_origins = "*";  // comma-separated; empty: no CORS headers
   int http_threads = ServerOptions{}.http_threads;
+  std::string scheduling_policy = "fcfs";  // --scheduling-policy: fcfs | priority
   int reasoning_budget = -1;             // --reasoning-budget
   std::string reasoning_budget_message;  // --reasoning-budget-message
 };

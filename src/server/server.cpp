@@ -197,6 +197,14 @@ ApiRequest parse_common(const json& body, std::string_view raw) {
     if (!body["seed"].is_number_integer()) throw ApiError{"'seed' must be an integer", "seed"};
     s.seed = body["seed"].is_number_unsigned() ? body["seed"].get<uint64_t>() : uint64_t(body["seed"].get<int64_t>());
   }
+  // vLLM's priority (lower first; with --scheduling-policy priority, checked by the caller)
+  if (body.contains("priority") && !body["priority"].is_null()) {
+    const json& v = body["priority"];
+    if (!v.is_number_integer() || (v.is_number_unsigned() ? v.get<uint64_t>() > uint64_t(INT32_MAX)
+                                                          : v.get<int64_t>() < INT32_MIN || v.get<int64_t>() > INT32_MAX))
+      throw ApiError{"'priority' must be an integer", "priority"};
+    r.params.priority = v.get<int>();
+  }
   for (const char* key : {"max_tokens", "max_completion_tokens"}) {
     if (!body.contains(key) || body[key].is_null()) continue;
     const json& v = body[key];
@@ -642,7 +650,17 @@ struct Server::Impl {
   // was not running.
   bool cancel_background(const std::string& id);
   std::shared_ptr<StoredResponse> make_kept(const nlohmann::ordered_json& history, const nlohmann::ordered_json& input);
-  void keep_response(const json& response, std::shared_ptr<StoredResponse> kept);
+  // run_ended: a background response's final object (its run forgotten under the same lock).
+  void keep_response(const json& response, std::shared_ptr<StoredResponse> kept, bool run_ended = false);
+  // Background responses' callbacks run on the engine's thread and may outlive the server: they
+  // hold this and do nothing once it is false (the server's end sets it under its mutex, waiting
+  // for a callback in progress).
+  struct Liveness {
+    std::mutex mu;
+    bool alive = true;
+  };
+  std::shared_ptr<Liveness> liveness = std::make_shared<Liveness>();
+  static constexpr size_t kMaxBackgroundRuns = 1024;
   void forget_response(const std::string& id);
   void check_model(const json& body) const;
   json messages_chat_body(const httplib::Request& req, bool count_tokens, std::string* raw, bool* omit_thinking) const;
@@ -1043,6 +1061,10 @@ Server::Impl::Prepared Server::Impl::prepare(const json& body, std::string_view 
   ar = parse_common(body, raw);
   parse_logprobs(body, chat, ar);
   check_model(body);
+  if (ar.params.priority != 0 && !engine.options().priority_scheduling)
+    throw ApiError{fmt::format("'priority' {} needs priority scheduling (kvq serve --scheduling-policy priority)",
+                               ar.params.priority),
+                   "priority"};
   for (const int32_t t : ar.params.stop_token_ids)
     if (t >= engine.tokenizer().n_vocab())
       throw ApiError{fmt::format("'stop_token_ids' token {} is outside the vocabulary [0, {})", t, engine.tokenizer().n_vocab()),
@@ -1666,34 +1688,51 @@ void Server::Impl::handle_responses(const httplib::Request& req, httplib::Respon
     queued["status"] = "queued";
     {
       std::lock_guard<std::mutex> lk(store_mu);
+      if (background_runs.size() >= kMaxBackgroundRuns)
+        throw ApiError{fmt::format("{} background responses are running already: wait for one to end", kMaxBackgroundRuns),
+                       "background", "rate_limit_exceeded", 429};
       background_runs[id] = 0;
     }
-    keep_response(queued, make_kept(history, input_items));
-    auto prepared = std::make_shared<const Prepared>(p);
+    // (its input items keep their ids: the queued object and the final one share them)
     std::shared_ptr<StoredResponse> kept = make_kept(history, input_items);
+    keep_response(queued, std::make_shared<StoredResponse>(*kept));
+    auto prepared = std::make_shared<const Prepared>(p);
     GenRequest gr = p.choice_request(0);
     auto started = std::make_shared<std::atomic<bool>>(false);
-    auto running = [this, id](const std::string&) {
+    std::shared_ptr<Liveness> live = liveness;
+    gr.on_text = [this, live, started, id](const std::string&) {
+      if (started->exchange(true)) return;
+      std::lock_guard<std::mutex> alive(live->mu);
+      if (!live->alive) return;
       std::lock_guard<std::mutex> lk(store_mu);
       auto it = store.find(id);
       if (it != store.end() && it->second.response["status"] == "queued") it->second.response["status"] = "in_progress";
     };
-    gr.on_text = [running, started](const std::string& d) {
-      if (!started->exchange(true)) running(d);
-    };
-    gr.on_done = [this, prepared, base, form, kept, id](const GenResult& g) {
+    gr.on_done = [this, live, prepared, base, form, kept, id](const GenResult& g) {
+      std::lock_guard<std::mutex> alive(live->mu);
+      if (!live->alive) return;
       json out = base;
-      if (g.finish_reason == "cancelled" && !engine.aborting()) {
-        out["status"] = "cancelled";
-      } else if (g.finish_reason == "error" || g.finish_reason == "cancelled") {
+      try {
+        if (g.finish_reason == "cancelled" && !engine.aborting()) {
+          out["status"] = "cancelled";
+        } else if (g.finish_reason == "error" || g.finish_reason == "cancelled") {
+          out["status"] = "failed";
+          out["error"] = {{"code", "server_error"}, {"message", g.error.empty() ? "the server is shutting down" : g.error}};
+        } else {
+          out = responses_final(*prepared, g, out, form);
+        }
+        keep_response(out, kept, true);
+      } catch (const std::exception& e) {  // (the engine's thread: nothing may escape)
+        out = base;
         out["status"] = "failed";
-        out["error"] = {{"code", "server_error"}, {"message", g.error.empty() ? "the server is shutting down" : g.error}};
-      } else {
-        out = responses_final(*prepared, g, out, form);
+        out["error"] = {{"code", "server_error"}, {"message", e.what()}};
+        try {
+          keep_response(out, std::make_shared<StoredResponse>(), true);
+        } catch (...) {
+          std::lock_guard<std::mutex> lk(store_mu);
+          background_runs.erase(id);
+        }
       }
-      keep_response(out, kept);
-      std::lock_guard<std::mutex> lk(store_mu);
-      background_runs.erase(id);
     };
     const uint64_t rid = engine.submit(std::move(gr));
     {
@@ -1807,13 +1846,16 @@ std::shared_ptr<Server::Impl::StoredResponse> Server::Impl::make_kept(const nloh
 // A finished response kept for GET /v1/responses/{id}, its input items, previous_response_id and
 // item references: `kept` (make_kept) with its output items added. The oldest go first past
 // kStoredResponses responses or about kStoredBytes of them.
-void Server::Impl::keep_response(const json& response, std::shared_ptr<StoredResponse> kept) {
+void Server::Impl::keep_response(const json& response, std::shared_ptr<StoredResponse> kept, bool run_ended) {
   StoredResponse& s = *kept;
   s.response = response;
-  for (const json& it : response["output"]) s.items.push_back(nlohmann::ordered_json::parse(it.dump()));
-  s.bytes += 2 * response.dump().size();  // (the response, and its output among the items)
+  // (a logprobs token may be part of a character: kept as text, U+FFFD in its place)
+  const auto text = [](const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); };
+  for (const json& it : response["output"]) s.items.push_back(nlohmann::ordered_json::parse(text(it)));
+  s.bytes += 2 * text(response).size();  // (the response, and its output among the items)
   std::lock_guard<std::mutex> lk(store_mu);
   const std::string id = response["id"];
+  if (run_ended) background_runs.erase(id);  // (with its final object kept, as one step for cancel_background)
   forget_response(id);
   // an id two responses hold (an item referred to, an id a client reuses): the newest's item
   auto hold = [this](const std::string& item_id, nlohmann::ordered_json item) {
@@ -1822,12 +1864,17 @@ void Server::Impl::keep_response(const json& response, std::shared_ptr<StoredRes
     ++held.second;
   };
   for (const auto& it : s.input) hold(it["id"].get<std::string>(), it);
-  for (const json& it : response["output"]) hold(it["id"].get<std::string>(), nlohmann::ordered_json::parse(it.dump()));
+  for (const json& it : response["output"]) hold(it["id"].get<std::string>(), nlohmann::ordered_json::parse(text(it)));
   store_bytes += s.bytes;
   store[id] = std::move(s);
   store_order.push_back(id);
-  while (!store_order.empty() && (store.size() > size_t(kStoredResponses) || store_bytes > kStoredBytes))
-    forget_response(store_order.front());
+  // the oldest go first, but not a background response still running (GET and cancel need it)
+  while (store.size() > size_t(kStoredResponses) || store_bytes > kStoredBytes) {
+    auto old = std::find_if(store_order.begin(), store_order.end(),
+                            [this](const std::string& o) { return !background_runs.count(o); });
+    if (old == store_order.end()) break;
+    forget_response(*old);
+  }
 }
 
 // Forgets a kept response and its items (under store_mu).
@@ -2176,13 +2223,25 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
 
 Server::~Server() {
   stop();
-  // A background response's end refers to the server: each still running is ended and waited for.
-  std::vector<std::string> ids;
+  // Background responses still running are ended (waiting a few seconds for the engine to end
+  // them); their callbacks, which refer to the server, then do nothing.
+  Impl& I = *impl_;
+  std::vector<uint64_t> rids;
   {
-    std::lock_guard<std::mutex> lk(impl_->store_mu);
-    for (const auto& [id, rid] : impl_->background_runs) ids.push_back(id);
+    std::lock_guard<std::mutex> lk(I.store_mu);
+    for (const auto& [id, rid] : I.background_runs)
+      if (rid != 0) rids.push_back(rid);
   }
-  for (const std::string& id : ids) impl_->cancel_background(id);
+  for (uint64_t rid : rids) I.engine.cancel(rid);
+  for (int i = 0; i < 500; ++i) {
+    {
+      std::lock_guard<std::mutex> lk(I.store_mu);
+      if (I.background_runs.empty()) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::lock_guard<std::mutex> lk(I.liveness->mu);
+  I.liveness->alive = false;
 }
 
 int Server::bind() {
