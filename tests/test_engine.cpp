@@ -1397,15 +1397,21 @@ EngineOptions gemma_window_options(const std::string& path) {
   return o;
 }
 
+// An engine that drafts by prompt lookup, and a prompt whose continuation repeats it (its drafts kept).
+static EngineOptions drafting_options() {
+  EngineOptions o = base_options(4096);
+  o.draft_max = 8;
+  return o;
+}
+constexpr const char* kRepeating = "They have a big box. They have a big box. They have a";
+
 // Speculative decoding by prompt lookup (EngineOptions::draft_max): with every row computed as a
 // decode step computes it (batch invariance), the output is decoding's, token for token, greedy
 // and sampled (each row samples as decoding would), alone and four at once, with log-probabilities,
 // stop strings and max_tokens as without; drafts were made and kept.
 TEST_F(EngineTest, SpeculativeDecodingKeepsDecodingsOutput) {
   BatchInvariantOn inv;
-  EngineOptions plain_o = base_options(4096), spec_o = base_options(4096);
-  spec_o.draft_max = 8;
-  Engine plain(plain_o), spec(spec_o);
+  Engine plain(base_options(4096)), spec(drafting_options());
   const Tokenizer& tok = plain.tokenizer();
   const std::vector<std::vector<int32_t>> prompts = {tok.encode("Once upon a time", true), tok.encode("Lily and Ben", true),
                                                      tok.encode("The cat sat on the mat. The cat", true),
@@ -1518,11 +1524,9 @@ TEST_F(EngineTest, SpeculativeDecodingKeepsDecodingsOutput) {
 // its grammar, as decoding masks them; the output is decoding's (batch invariance).
 TEST_F(EngineTest, SpeculativeDecodingUnderLazyGrammars) {
   BatchInvariantOn inv;
-  EngineOptions plain_o = base_options(4096), spec_o = base_options(4096);
-  spec_o.draft_max = 8;
-  Engine plain(plain_o), spec(spec_o);
+  Engine plain(base_options(4096)), spec(drafting_options());
   const Tokenizer& tok = plain.tokenizer();
-  const std::vector<int32_t> prompt = tok.encode("They have a big box. They have a big box. They have a", true);
+  const std::vector<int32_t> prompt = tok.encode(kRepeating, true);
   const GenResult free = plain.generate(prompt, greedy(60));
   std::string text;
   for (int32_t t : free.tokens) text += tok.token_piece(t);
@@ -1555,11 +1559,9 @@ TEST_F(EngineTest, SpeculativeDecodingUnderLazyGrammars) {
 // budget given up by a grammar leave the reply as it was; speculative decoding gives the same.
 TEST_F(EngineTest, ReasoningBudgetForcesTheClose) {
   BatchInvariantOn inv;
-  EngineOptions plain_o = base_options(4096), spec_o = base_options(4096);
-  spec_o.draft_max = 8;
-  Engine e(plain_o), spec(spec_o);
+  Engine e(base_options(4096)), spec(drafting_options());
   const Tokenizer& tok = e.tokenizer();
-  const std::vector<int32_t> prompt = tok.encode("They have a big box. They have a big box. They have a", true);
+  const std::vector<int32_t> prompt = tok.encode(kRepeating, true);
   const std::vector<int32_t> free = greedy_alone(e, prompt, 40);
   ASSERT_EQ(free.size(), 40u);
   auto text_of = [&](size_t from, size_t to) {

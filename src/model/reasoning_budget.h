@@ -2,9 +2,9 @@
 // thinking_budget_tokens, vLLM's thinking_token_budget, the Messages API's thinking.budget_tokens):
 // the tokens written inside the reply's reasoning block are counted, and once the budget is spent
 // (at a character's end: a token that leaves half a UTF-8 character is followed by the rest, for
-// up to 4 tokens) the
-// reply is made to write the block's closing text, a token at a time, whatever the model's logits
-// say; then it goes on freely, answering. A block the model closes itself in time is not touched.
+// up to 4 tokens) the reply is made to write the block's closing text, a token at a time, whatever
+// the model's logits say; then it goes on freely, answering. A block the model closes itself in
+// time is not touched.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -48,12 +48,14 @@ struct ReasoningBudget {
   bool active() const { return tokens >= 0 && !force.empty(); }
 };
 
-// A reply's progress through its ReasoningBudget (which it refers to: b outlives it). force_ids: the budget's force text as tokens;
-// force_ids_nl: the same without its first newline (equal to force_ids when it has none).
+// A reply's progress through its ReasoningBudget (which it refers to: b outlives it). force_ids:
+// what the budget writes when spent, as tokens; force_ids_nl: the same without its first newline
+// (equal to force_ids when it has none).
 class ReasoningBudgetState {
  public:
   ReasoningBudgetState(const ReasoningBudget& b, std::vector<int32_t> force_ids, std::vector<int32_t> force_ids_nl);
-  // The same with the force text tokenized by `tok` (its markers as their special tokens).
+  // The same tokenized by `tok` as the model writes text (the message as text, the force's markers
+  // as their special tokens).
   ReasoningBudgetState(const ReasoningBudget& b, const Tokenizer& tok);
   // The token the reply must take next; -1: the model's choice.
   int32_t forced() const;
