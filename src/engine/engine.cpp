@@ -7,6 +7,7 @@
 #include <initializer_list>
 #include <limits>
 #include <random>
+#include <unordered_map>
 
 #include "core/error.h"
 #include "core/timer.h"
@@ -123,15 +124,20 @@ bool Engine::preempt_for(const Seq& head, size_t need) {
   const auto lower = [&head](const Seq& r) { return r.req.params.priority > head.req.params.priority; };
   // Would preempting every lower-priority sequence make room? (the pages they hold come back, and
   // what they were promised is no longer owed)
-  size_t held = 0, victims = 0;
+  // (a page comes back when only victims hold it: a prefix page another sequence shares stays)
+  std::unordered_map<KvPageId, int> refs;
+  size_t victims = 0;
   for (const auto& r : running_)
     if (!r->preempted && !r->done && lower(*r)) {
-      held += r->cache->n_pages();
+      for (int g = 0; g < r->cache->n_groups(); ++g)
+        for (KvPageId page : r->cache->block_table(g))
+          if (page != kv_page_none) ++refs[page];
       ++victims;
     }
   if (victims == 0) return false;
-  const size_t avail = pool_->n_available();
-  if (need + outstanding_pages(lower) > avail + held) return false;
+  size_t freed = 0;
+  for (const auto& [page, n] : refs) freed += pool_->refcount(page) == n;
+  if (need + outstanding_pages(lower) > pool_->n_available() + freed) return false;
   if (active_running() - victims >= size_t(opt_.max_running)) return false;
   // Lowest priority first (running_ is in priority order: the back), until it fits.
   for (size_t j = running_.size(); j-- > 0;) {
@@ -1027,18 +1033,26 @@ bool Engine::step() {
     return false;
   }
   if (!canc.empty()) {
+    std::unordered_set<uint64_t> unmatched = canc;
     for (auto& s : running_)
-      if (canc.count(s->id)) finish(*s, "cancelled");
+      if (canc.count(s->id)) {
+        unmatched.erase(s->id);
+        finish(*s, "cancelled");
+      }
     for (auto& s : waiting_)
-      if (canc.count(s->id)) finish(*s, "cancelled");
+      if (canc.count(s->id)) {
+        unmatched.erase(s->id);
+        finish(*s, "cancelled");
+      }
     std::erase_if(running_, [](const auto& s) { return s->done; });
     std::erase_if(waiting_, [](const auto& s) { return s->done; });
-    // A cancel of a request that had already ended (a client racing its end) matches nothing:
-    // forgotten, unless the request is still on its way in.
+    // A cancel (of those read above) that matched nothing is of a request that had already ended
+    // (a client racing its end): forgotten, unless the request is still on its way in. (A cancel
+    // that came since is left for the next step.)
     std::lock_guard<std::mutex> lk(mu_);
-    std::erase_if(cancelled_, [this](uint64_t id) {
-      return std::none_of(incoming_.begin(), incoming_.end(), [id](const auto& s) { return s->id == id; });
-    });
+    for (uint64_t id : unmatched)
+      if (std::none_of(incoming_.begin(), incoming_.end(), [id](const auto& s) { return s->id == id; }))
+        cancelled_.erase(id);
   }
 
   for (auto& s : running_) update_keys(*s);
@@ -1054,11 +1068,8 @@ bool Engine::step() {
                      [](const auto& a, const auto& b) { return a->req.params.priority < b->req.params.priority; });
   while (!waiting_.empty()) {
     Seq& s = *waiting_.front();
-    if (active_running() >= size_t(opt_.max_running)) {
-      // (a higher priority takes the slot of a lower one)
-      if (!opt_.priority_scheduling || !preempt_for(s, 0)) break;
-      outstanding = outstanding_pages();
-    }
+    bool slot = active_running() < size_t(opt_.max_running);
+    if (!slot && !opt_.priority_scheduling) break;
     const int n = int(s.tokens.size());
     if (!s.cache) s.cache = std::make_unique<KvCache>(kcfg_, pool_.get());
     update_keys(s);
@@ -1076,8 +1087,12 @@ bool Engine::step() {
     const size_t covered = std::max(matched, inflight_held);
     if (inflight_held > matched) need -= std::min(need, inflight_held - matched);
     const size_t own = s.cache->pages_at(n, std::min(n - m.n_tokens(), fwd_->max_batch()));
-    if (need + outstanding > pool_->n_available() && opt_.priority_scheduling && preempt_for(s, need))
+    // (priority: a slot and pages made by preempting lower priorities, when that makes both)
+    if ((!slot || need + outstanding > pool_->n_available()) && opt_.priority_scheduling && preempt_for(s, need)) {
       outstanding = outstanding_pages();
+      slot = true;
+    }
+    if (!slot) break;
     if (need + outstanding > pool_->n_available()) {
       if (active_running() == 0) {
         // Nothing else holds pages: this sequence cannot fit in the pool at all.
