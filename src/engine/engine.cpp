@@ -122,9 +122,8 @@ size_t Engine::active_running() const {
 
 bool Engine::preempt_for(const Seq& head, size_t need) {
   const auto lower = [&head](const Seq& r) { return r.req.params.priority > head.req.params.priority; };
-  // Would preempting every lower-priority sequence make room? (the pages they hold come back, and
-  // what they were promised is no longer owed)
-  // (a page comes back when only victims hold it: a prefix page another sequence shares stays)
+  // Would preempting every lower-priority sequence make room? The pages only they hold come back
+  // (a prefix page another sequence shares stays), and what they were promised is no longer owed.
   std::unordered_map<KvPageId, int> refs;
   size_t victims = 0;
   for (const auto& r : running_)
