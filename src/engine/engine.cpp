@@ -6,6 +6,7 @@
 #include <future>
 #include <initializer_list>
 #include <limits>
+#include <optional>
 #include <random>
 #include <unordered_map>
 
@@ -654,7 +655,8 @@ void Engine::verify_drafts(Seq& s, int n, const float* rows, int n_vocab) {
   bool settled = !lazy;
   // (a reasoning budget's forced tokens replace the samples, as in decoding)
   std::unique_ptr<ReasoningBudgetState> budget = s.budget ? std::make_unique<ReasoningBudgetState>(*s.budget) : nullptr;
-  TokenStreamDecoder dec = *s.dec;
+  std::optional<TokenStreamDecoder> dec;  // (the rows' text, for the budget only)
+  if (budget) dec.emplace(*s.dec);
   for (int i = 0;; ++i) {
     const float* row = rows + size_t(i) * size_t(n_vocab);
     if (state) {
@@ -669,8 +671,8 @@ void Engine::verify_drafts(Seq& s, int n, const float* rows, int n_vocab) {
     s.tokens.push_back(x);
     ++kept;
     if (budget) {
-      const std::string t = dec.push(x);
-      budget->take(x, t, dec.pending());
+      const std::string t = dec->push(x);
+      budget->take(x, t, dec->pending());
     }
     // (a token that completes the document, or that the grammar refuses, ends what decoding runs)
     if (state) {

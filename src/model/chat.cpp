@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <ctime>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -694,6 +695,23 @@ std::optional<bool> chat_template_kwargs_json_thinking(const nlohmann::json& kw)
   return thinking;
 }
 
+bool chat_template_kwargs_flag(const std::string& flag_text) {
+  if (flag_text.empty()) return true;
+  try {
+    return chat_template_kwargs_thinking(flag_text).value_or(true);
+  } catch (const Error& e) {
+    fail("--chat-template-kwargs: {}", e.what());
+  }
+}
+
+bool chat_reasons(const ChatTemplate& t) { return t.family == ChatFamily::harmony || t.think != ChatTemplate::Think::none; }
+
+void chat_warn_budget_unused(const ChatTemplate& t, int reasoning_budget) {
+  if (reasoning_budget < 0 || chat_reasons(t)) return;
+  std::fprintf(stderr, "[kvq] warning: --reasoning-budget bounds harmony replies (gpt-oss) and reasoning templates' "
+               "(<think>); this model's template (%s) has no reasoning: ignored\n", chat_template_name(t));
+}
+
 ChatReplySplitter::Delta ChatReplySplitter::split_after(const std::string& opening, const std::string& text) {
   (void)feed(opening);
   Delta d = feed(text);
@@ -754,6 +772,11 @@ size_t marker_start_at_end(const std::string& s, std::string_view marker) {
     if (s.compare(s.size() - k, k, marker.data(), k) == 0) return k;
   return 0;
 }
+// `at` moved back over the newlines before it in s (held back with a marker's start after them).
+size_t before_newlines(const std::string& s, size_t at) {
+  while (at > 0 && s[at - 1] == '\n') --at;
+  return at;
+}
 }  // namespace
 
 ThinkReplyStream::Delta ThinkReplyStream::feed(const std::string& text) {
@@ -795,9 +818,9 @@ ThinkReplyStream::Delta ThinkReplyStream::feed(const std::string& text) {
           break;
         }
         // held back: a start of a marker at the end, and the newlines before it
-        size_t cut = buf_.size() - std::max(marker_start_at_end(buf_, kClose),
-                                            also_ends_.empty() ? size_t(0) : marker_start_at_end(buf_, also_ends_));
-        while (cut > 0 && buf_[cut - 1] == '\n') --cut;
+        const size_t cut = before_newlines(
+            buf_, buf_.size() - std::max(marker_start_at_end(buf_, kClose),
+                                         also_ends_.empty() ? size_t(0) : marker_start_at_end(buf_, also_ends_)));
         d.reasoning += buf_.substr(0, cut);
         buf_.erase(0, cut);
         return d;
@@ -869,8 +892,7 @@ void QwenToolReplyStream::answer(const std::string& text, Delta& d, bool end) {
       // a start of the marker at the reply's end ('<t' or more) is a call cut short there
       const size_t start = marker_start_at_end(buf_, kO);
       if (start >= 2) {
-        size_t from = buf_.size() - start;
-        while (from > 0 && buf_[from - 1] == '\n') --from;
+        const size_t from = before_newlines(buf_, buf_.size() - start);
         d.cut_call += buf_.substr(from);
         buf_.resize(from);
       }
@@ -879,8 +901,7 @@ void QwenToolReplyStream::answer(const std::string& text, Delta& d, bool end) {
       return;
     }
     // held back: a start of the marker at the end, and the newlines before it
-    size_t cut = buf_.size() - marker_start_at_end(buf_, kO);
-    while (cut > 0 && buf_[cut - 1] == '\n') --cut;
+    const size_t cut = before_newlines(buf_, buf_.size() - marker_start_at_end(buf_, kO));
     d.content += buf_.substr(0, cut);
     buf_.erase(0, cut);
     return;

@@ -129,6 +129,16 @@ std::string chat_render_next_turn(const ChatTemplate& t, const std::string& user
 // which would otherwise be lost silently.
 std::optional<bool> chat_template_kwargs_thinking(const std::string& json_text);
 std::optional<bool> chat_template_kwargs_json_thinking(const nlohmann::json& kwargs);  // (the object itself)
+// The --chat-template-kwargs flag of kvq serve, run and eval: enable_thinking (true when the flag
+// or the key is absent); fails with the flag named.
+bool chat_template_kwargs_flag(const std::string& flag_text);
+
+// The template's replies reason before they answer: harmony's (gpt-oss) and reasoning templates'
+// (ChatTemplate::think).
+bool chat_reasons(const ChatTemplate& t);
+// --reasoning-budget N >= 0 on a template whose replies do not reason: a warning on stderr (the
+// budget is ignored, as llama.cpp ignores it).
+void chat_warn_budget_unused(const ChatTemplate& t, int reasoning_budget);
 
 // What a reasoning reply is split into as it streams: its reasoning, its answer, and (harmony)
 // its function calls.

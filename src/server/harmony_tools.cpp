@@ -214,24 +214,11 @@ std::shared_ptr<const Grammar> call_grammar(const std::vector<ToolFunction>& fns
 }  // namespace
 
 std::shared_ptr<const Grammar> harmony_call_grammar(const std::vector<ToolFunction>& fns) {
-  try {
-    return call_grammar(fns);
-  } catch (const std::invalid_argument&) {
-    // a strict function kvq cannot generate is named, the others loosened (tools.h)
-    const std::vector<ToolFunction> loose = loosened_functions(fns);
-    try {
-      return call_grammar(loose);
-    } catch (const std::invalid_argument& e) {
-      throw ToolsError(fmt::format("the functions' calls: {}", e.what()), "tools");
-    }
-  }
+  return calls_grammar(fns, call_grammar);
 }
 
 std::string harmony_tool_constraint(const ToolSpec& spec, GenParams& params) {
-  std::vector<ToolFunction> callable = spec.functions;
-  if (spec.choice == ToolChoice::named)
-    std::erase_if(callable, [&](const ToolFunction& f) { return f.name != spec.named; });
-  const std::shared_ptr<const Grammar> call = harmony_call_grammar(callable);
+  const std::shared_ptr<const Grammar> call = harmony_call_grammar(spec.callable());
   if (spec.choice != ToolChoice::automatic) {
     params.grammar = call;
     params.json_object = false;

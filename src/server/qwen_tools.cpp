@@ -43,23 +43,12 @@ std::shared_ptr<const Grammar> grammar_of(const std::vector<ToolFunction>& fns, 
 
 std::shared_ptr<const Grammar> grammar_loosened(const std::vector<ToolFunction>& fns, bool parallel, const std::string& root,
                                                 const ojson& response) {
-  try {
-    return grammar_of(fns, parallel, root, response);
-  } catch (const std::invalid_argument&) {
-    // a strict function kvq cannot generate is named, the others loosened (tools.h)
-    const std::vector<ToolFunction> loose = loosened_functions(fns);
-    try {
-      return grammar_of(loose, parallel, root, response);
-    } catch (const std::invalid_argument& e) {
-      throw ToolsError(fmt::format("the functions' calls: {}", e.what()), "tools");
-    }
-  }
+  return calls_grammar(fns, [&](const std::vector<ToolFunction>& f) { return grammar_of(f, parallel, root, response); });
 }
 }  // namespace
 
 void qwen_tool_constraint(const ToolSpec& spec, const ojson& response, GenParams& params) {
-  std::vector<ToolFunction> callable = spec.functions;
-  if (spec.choice == ToolChoice::named) std::erase_if(callable, [&](const ToolFunction& f) { return f.name != spec.named; });
+  const std::vector<ToolFunction> callable = spec.callable();
   params.json_object = false;
   if (spec.choice != ToolChoice::automatic) {
     params.grammar = grammar_loosened(callable, spec.parallel, "calls", nullptr);

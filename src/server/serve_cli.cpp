@@ -138,14 +138,7 @@ int serve_command(ServeOptions o) {
     }
   }
   const std::optional<std::string> chat_template = read_chat_template_file(o.chat_template_file);  // (before the model loads)
-  bool enable_thinking = true;
-  if (!o.chat_template_kwargs.empty()) {
-    try {
-      enable_thinking = chat_template_kwargs_thinking(o.chat_template_kwargs).value_or(true);
-    } catch (const Error& e) {
-      fail("--chat-template-kwargs: {}", e.what());
-    }
-  }
+  const bool enable_thinking = chat_template_kwargs_flag(o.chat_template_kwargs);
   o.engine.priority_scheduling = o.scheduling_policy == "priority";
   Engine engine(o.engine);
   kv_flags_warn_unused(o.engine.kv, engine.kv_setup(), engine.model());

@@ -646,9 +646,8 @@ struct Server::Impl {
   // A finished response's object (non-streamed and background): status, output items, usage.
   json responses_final(const Prepared& p, const GenResult& g, json out, const ResponsesForm& form) const;
   // POST /v1/responses/{id}/cancel, and DELETE's: ends a running background response and waits
-  // until its final object (status "cancelled", or whatever it reached first) is kept. false: it
-  // was not running.
-  bool cancel_background(const std::string& id);
+  // until its final object (status "cancelled", or whatever it reached first) is kept (at most 30 s).
+  void cancel_background(const std::string& id);
   std::shared_ptr<StoredResponse> make_kept(const nlohmann::ordered_json& history, const nlohmann::ordered_json& input);
   // run_ended: a background response's final object (its run forgotten under the same lock).
   void keep_response(const json& response, std::shared_ptr<StoredResponse> kept, bool run_ended = false);
@@ -851,13 +850,14 @@ Server::Impl::ChatTools Server::Impl::harmony_chat_tools(ChatTools t, ApiRequest
   return t;
 }
 
-// Whether a harmony reply's calls are whole: arguments that are JSON (a call a stop string cut is not).
-static bool harmony_calls_whole(const std::vector<ChatToolCall>& cs) {
+// Whether a reply's calls in the template's own syntax (harmony's, Qwen's) are whole: arguments
+// that are JSON (a call a stop string cut is not).
+static bool calls_whole(const std::vector<ChatToolCall>& cs) {
   return std::all_of(cs.begin(), cs.end(), [](const ChatToolCall& c) { return json::accept(c.arguments); });
 }
 
-// A harmony reply's calls with their ids.
-static std::vector<ToolCall> harmony_calls(const std::vector<ChatToolCall>& cs, std::mt19937_64& rng) {
+// Those calls with their ids.
+static std::vector<ToolCall> calls_with_ids(const std::vector<ChatToolCall>& cs, std::mt19937_64& rng) {
   std::vector<ToolCall> out;
   for (const ChatToolCall& c : cs) out.push_back({tool_call_id(rng), c.name, c.arguments});
   return out;
@@ -1103,7 +1103,8 @@ Server::Impl::Prepared Server::Impl::prepare(const json& body, std::string_view 
     // (kvq's own tool prompt, on a template without calls of its own, reads its replies itself)
     p.native_tools = native_tools();
     const bool active = p.tools.spec.active();
-    p.split = (p.harmony || tpl.think != ChatTemplate::Think::none || (p.native_tools && active)) && !(active && !p.native_tools);
+    // (with tools, only a template that writes calls itself: kvq's own tool replies are read apart)
+    p.split = active ? p.native_tools : chat_reasons(tpl);
     p.tpl = &tpl;
     ar.params.reasoning_budget = reasoning_budget(body, p.reply_opening, active);
   } else {
@@ -1254,10 +1255,10 @@ Server::Impl::ChatReply Server::Impl::read_reply(const Prepared& p, const GenRes
     r.cut_call = d.cut_call;
     if (!d.calls.empty()) {
       if (d.content.empty()) r.content = nullptr;
-      r.calls = harmony_calls(d.calls, rng);
+      r.calls = calls_with_ids(d.calls, rng);
       // a call cut short (max_tokens: "length"; a stop string: arguments that are no JSON) keeps
       // the reason it ended for
-      r.called = g.finish_reason == "stop" && harmony_calls_whole(d.calls) && d.cut_call.empty();
+      r.called = g.finish_reason == "stop" && calls_whole(d.calls) && d.cut_call.empty();
     }
   } else if (p.tools.spec.active()) {
     const ToolReply tr = parse_tool_reply(g.text, p.tools.response_is_string, rng);
@@ -1291,9 +1292,9 @@ void Server::Impl::ChatReplyStream::split_out(const ChatReplyDelta& hd, const Si
     whole_ = false;
     if (s.raw_text) s.content(hd.cut_call);
   }
-  whole_ = whole_ && harmony_calls_whole(hd.calls);
+  whole_ = whole_ && calls_whole(hd.calls);
   if (hd.calls.empty()) return;
-  const std::vector<ToolCall> calls = harmony_calls(hd.calls, rng_);
+  const std::vector<ToolCall> calls = calls_with_ids(hd.calls, rng_);
   s.calls(calls, calls_);
   calls_ += calls.size();
 }
@@ -1808,7 +1809,7 @@ json Server::Impl::responses_final(const Prepared& p, const GenResult& g, json o
   return out;
 }
 
-bool Server::Impl::cancel_background(const std::string& id) {
+void Server::Impl::cancel_background(const std::string& id) {
   // (the engine is told outside the lock: a request it ends calls on_done, which takes it)
   const auto t0 = std::chrono::steady_clock::now();
   bool told = false;
@@ -1817,14 +1818,14 @@ bool Server::Impl::cancel_background(const std::string& id) {
     {
       std::lock_guard<std::mutex> lk(store_mu);
       auto it = background_runs.find(id);
-      if (it == background_runs.end()) return told;
+      if (it == background_runs.end()) return;
       rid = it->second;
     }
     if (rid != 0 && !told) {
       engine.cancel(rid);
       told = true;
     }
-    if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(30)) return told;
+    if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(30)) return;
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
 }
@@ -1904,9 +1905,7 @@ Server::Server(Engine& engine, const ServerOptions& o) : impl_(std::make_unique<
   if (I.opt.model_name.empty()) I.opt.model_name = "kvq";
   I.tpl = chat_template_detect(engine.model().file(),
                                I.opt.chat_template.empty() ? std::nullopt : std::optional<std::string>(I.opt.chat_template));
-  if (I.opt.reasoning_budget >= 0 && I.tpl.family != ChatFamily::harmony && I.tpl.think == ChatTemplate::Think::none)
-    std::fprintf(stderr, "[kvq] warning: --reasoning-budget bounds harmony replies (gpt-oss) and reasoning templates' "
-                 "(<think>); this model's template (%s) has no reasoning: ignored\n", chat_template_name(I.tpl));
+  chat_warn_budget_unused(I.tpl, I.opt.reasoning_budget);
   // Debian's cpp-httplib listens with a backlog of 5 (compiled into the library): 32 clients
   // connecting at once overflow it and the kernel drops handshakes, which clients see as resets
   // under load. The hook keeps httplib's own options and remembers the socket, so bind() can

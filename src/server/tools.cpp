@@ -362,6 +362,27 @@ ojson tool_reply_schema(const ToolSpec& spec, const ojson& response_schema) {
   return s;
 }
 
+std::vector<ToolFunction> ToolSpec::callable() const {
+  std::vector<ToolFunction> out = functions;
+  if (choice == ToolChoice::named) std::erase_if(out, [&](const ToolFunction& f) { return f.name != named; });
+  return out;
+}
+
+std::shared_ptr<const Grammar> calls_grammar(
+    const std::vector<ToolFunction>& fns,
+    const std::function<std::shared_ptr<const Grammar>(const std::vector<ToolFunction>&)>& compile) {
+  try {
+    return compile(fns);
+  } catch (const std::invalid_argument&) {
+    const std::vector<ToolFunction> loose = loosened_functions(fns);
+    try {
+      return compile(loose);
+    } catch (const std::invalid_argument& e) {
+      throw ToolsError(fmt::format("the functions' calls: {}", e.what()), "tools");
+    }
+  }
+}
+
 std::vector<ToolFunction> loosened_functions(const std::vector<ToolFunction>& fns) {
   std::vector<ToolFunction> out = fns;
   for (ToolFunction& f : out) {

@@ -74,7 +74,17 @@ struct ToolSpec {
   std::string named;     // ToolChoice::named: the function's name
   bool parallel = true;  // parallel_tool_calls: more than one call per reply
   bool active() const { return choice != ToolChoice::none; }
+  // The functions a reply may call: all, or the one tool_choice names.
+  std::vector<ToolFunction> callable() const;
 };
+
+// The grammar `compile` makes of the functions' calls (a template's own call syntax: harmony's,
+// Qwen's); when it cannot (std::invalid_argument), again of them loosened (loosened_functions: a
+// strict function kvq cannot generate is refused by name); a second failure is a ToolsError
+// ("the functions' calls: ...", param "tools").
+std::shared_ptr<const Grammar> calls_grammar(
+    const std::vector<ToolFunction>& fns,
+    const std::function<std::shared_ptr<const Grammar>(const std::vector<ToolFunction>&)>& compile);
 
 // A chat request's tool of a function ({"type": "function", "function": fn}), and a tool_choice
 // naming one ({"type": "function", "function": {"name": name}}): what other APIs' requests become.

@@ -579,11 +579,7 @@ void prepare_own(std::vector<OwnCase>& cases, const EvalOptions& o, const Model&
   const ChatTemplate tpl = o.chat ? chat_template_detect(m.file(), read_chat_template_file(o.chat_template_file)) : ChatTemplate{};
   if (o.chat && !tpl.known()) fail("--chat: the model has no chat template kvq supports");
   ChatRenderOptions ro;
-  try {
-    ro.thinking = o.chat_template_kwargs.empty() || chat_template_kwargs_thinking(o.chat_template_kwargs).value_or(true);
-  } catch (const Error& e) {
-    fail("--chat-template-kwargs: {}", e.what());
-  }
+  ro.thinking = chat_template_kwargs_flag(o.chat_template_kwargs);
   for (OwnCase& oc : cases) {
     if (oc.tokens.empty()) {
       const std::string text = o.chat ? chat_render(tpl, {{"user", oc.prompt}}, ro) : oc.prompt;
@@ -613,7 +609,7 @@ void task_own(Ctx& c, const std::vector<OwnCase>& cases) {
   // A harmony model's reply (gpt-oss) is matched on its answer, the final channel, not on its
   // reasoning; a reasoning template's (<think>) on what follows its reasoning
   const ChatTemplate tpl = c.o.chat ? chat_template_detect(c.m.file(), read_chat_template_file(c.o.chat_template_file)) : ChatTemplate{};
-  const bool split = c.o.chat && (tpl.family == ChatFamily::harmony || tpl.think != ChatTemplate::Think::none);
+  const bool split = c.o.chat && chat_reasons(tpl);
   for (size_t f = 0; f < all.size(); ++f) {
     std::vector<bool> oks;
     nlohmann::json items = nlohmann::json::array();

@@ -187,22 +187,17 @@ int run_command(const RunOptions& o) {
   // constrained reply.
   const bool harmony = o.chat && tpl.family == ChatFamily::harmony;
   const bool think = o.chat && tpl.think != ChatTemplate::Think::none;
-  const bool reply_split = (harmony || think) && o.reasoning_format == "split";
-  if (o.reasoning_format_given && !harmony && !think)
+  const bool reasons = o.chat && chat_reasons(tpl);
+  const bool reply_split = reasons && o.reasoning_format == "split";
+  if (o.reasoning_format_given && !reasons)
     std::fprintf(stderr, "[kvq] warning: --reasoning-format applies to harmony replies (gpt-oss) and reasoning templates' "
                  "(<think>), with --chat; ignored\n");
   if (!o.chat_template_kwargs.empty() && !o.chat) fail("--chat-template-kwargs needs --chat");
   if ((o.reasoning_budget >= 0 || !o.reasoning_budget_message.empty()) && !o.chat)
     fail("--reasoning-budget and --reasoning-budget-message need --chat");
-  if (o.reasoning_budget >= 0 && !harmony && !think)
-    std::fprintf(stderr, "[kvq] warning: --reasoning-budget bounds harmony replies (gpt-oss) and reasoning templates' "
-                 "(<think>); this model's template (%s) has no reasoning: ignored\n", chat_template_name(tpl));
+  if (o.chat) chat_warn_budget_unused(tpl, o.reasoning_budget);
   ChatRenderOptions ro;
-  try {
-    ro.thinking = o.chat_template_kwargs.empty() || chat_template_kwargs_thinking(o.chat_template_kwargs).value_or(true);
-  } catch (const Error& e) {
-    fail("--chat-template-kwargs: {}", e.what());
-  }
+  ro.thinking = chat_template_kwargs_flag(o.chat_template_kwargs);
   if (grammar) ro.thinking = false;
   // The first turn: the whole prompt in the template (system message first).
   auto first_turn = [&](const std::string& user) {
@@ -249,7 +244,7 @@ int run_command(const RunOptions& o) {
   // dropped. (A constrained reply is opened in its final channel: it has no reasoning to drop.)
   // A reasoning template's likewise (Qwen3's and QwQ's show an earlier reply's answer alone), from
   // before what the prompt wrote of the reply ('<think>\n').
-  const bool rewind = o.interactive && (harmony || think) && !grammar;
+  const bool rewind = o.interactive && reasons && !grammar;
   std::unique_ptr<KvCache> reply_start;
   size_t reply_start_history = 0;
   Forward fwd(*model, pool);
