@@ -2947,19 +2947,11 @@ TEST_F(QwenToolServerTest, CallsInItsOwnSyntax) {
   EXPECT_TRUE(j["choices"][0]["message"]["content"].is_null()) << j;
   // streamed: the same call, whole, in one chunk
   bool done = false;
-  json streamed_calls = json::array();
-  std::string finish;
-  for (const json& e : stream("/v1/chat/completions", body, &done)) {
-    if (e["choices"].empty()) continue;
-    const json& ch = e["choices"][0];
-    if (ch["delta"].contains("tool_calls"))
-      for (const json& c : ch["delta"]["tool_calls"]) streamed_calls.push_back(c);
-    if (!ch["finish_reason"].is_null()) finish = ch["finish_reason"];
-  }
+  const StreamedReply sr = stream_reply(body, &done);
   EXPECT_TRUE(done);
-  ASSERT_EQ(streamed_calls.size(), 1u);
-  EXPECT_EQ(streamed_calls[0]["function"], j["choices"][0]["message"]["tool_calls"][0]["function"]);
-  EXPECT_EQ(finish, "tool_calls");
+  ASSERT_EQ(sr.calls.size(), 1u);
+  EXPECT_EQ(sr.calls[0]["function"], j["choices"][0]["message"]["tool_calls"][0]["function"]);
+  EXPECT_EQ(sr.events.back()["choices"][0]["finish_reason"], "tool_calls");
   // a named function: that one, finish "stop" as OpenAI's
   json named = body;
   named["tool_choice"] = {{"type", "function"}, {"function", {{"name", "add"}}}};
